@@ -1,0 +1,48 @@
+"""`tokenflow`: one program, one subcommand per front door.
+
+Each subcommand lives in its own module under `console/commands/` and exposes
+`register(subparsers)`, which adds its parser and sets `func(args) -> int`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from engine.errors import EngineError
+
+COMMANDS = ("run", "bench", "roofline", "calibrate", "db", "slow_queries", "serve", "chaos")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenflow", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"console.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"console.commands.{name}":
+                raise
+            continue  # a front door not built yet is simply absent from --help
+        module.register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except (UserError, EngineError) as exc:
+        print(f"tokenflow {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+class UserError(Exception):
+    """Bad input from the command line: printed as one clear line, exit status 2."""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Engine configuration and sampling parameters: the contracts every other module reads.
+
+Live-tunable fields can change between steps through `Engine.update_config`; `validate`
+checks a whole candidate configuration so a bad value never half-applies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import EngineError
+
+
+class ConfigError(EngineError, ValueError):
+    """A configuration value is invalid; `field` names it so UIs can point at it."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+        self.message = message
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ConfigError("max_tokens", "must be at least 1")
+        if self.temperature < 0:
+            raise ConfigError("temperature", "must be >= 0 (0 is greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("top_p", "must be in (0, 1]")
+        if self.top_k < 0:
+            raise ConfigError("top_k", "must be >= 0 (0 disables top-k)")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # --- fixed at start -----------------------------------------------------------------
+    model: str = "synthetic:tiny"
+    device: str = "auto"  # "auto" picks cuda:0 when available, else cpu
+    dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
+    seed: int = 0
+    block_size: int = 16
+    kv_cache_bytes: int | None = None  # CPU pool size; None = 256 MiB
+    gpu_memory_utilization: float = 0.85  # share of free CUDA memory for the KV pool
+    max_model_len: int | None = None  # None = the model's own limit
+    max_num_seqs: int = 256
+    attention_backend: str = "auto"  # auto | torch | flash
+    # --- live-tunable ---------------------------------------------------------------------
+    max_num_batched_tokens: int = 512  # the token budget of one step
+    chunk_tile: int = 16  # prefill chunks are rounded down to a multiple of this (pitfall 4)
+    max_prefill_chunks: int = 4  # partial prefills that may share a step (chunk concurrency)
+    long_prefill_threshold: int = 0  # cap on one request's chunk in a step; 0 = no cap
+    cache_high_watermark: float = 0.85
+    cache_low_watermark: float = 0.70
+    bandwidth_throttle_2: float = 0.90  # 5 s average above this: chunk concurrency 2
+    bandwidth_throttle_1: float = 0.95  # above this: concurrency 1
+    bandwidth_pause: float = 0.98  # above this for bandwidth_pause_s: new prefills paused
+    bandwidth_pause_s: float = 10.0
+    slow_query_threshold: float = 1.5  # budget_score above this is a slow query
+    max_prefill_tokens: int = 0  # circuit breaker base; 0 = max_model_len
+    chunk_timeout_base_ms: float = 0.0  # layer 4; 0 = off
+    preempt_protect_after: int = 3  # preemptions after which a request is not chosen again
+    tenant_shares: dict[str, float] = field(default_factory=dict)  # share of prefill budget
+    tenant_priorities: dict[str, int] = field(default_factory=dict)  # higher runs first
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        """A validated copy with `changes`; raises ConfigError naming the first bad field."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            name = sorted(unknown)[0]
+            raise ConfigError(name, "unknown configuration field")
+        fixed = set(changes) - LIVE_FIELDS
+        if fixed:
+            name = sorted(fixed)[0]
+            raise ConfigError(name, "fixed at start; restart the engine to change it")
+        typed = {name: _coerce(name, value) for name, value in changes.items()}
+        candidate = dataclasses.replace(self, **typed)
+        candidate.validate()
+        return candidate
+
+    def validate(self) -> None:
+        _check(self.block_size >= 1, "block_size", "must be >= 1")
+        _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")
+        _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
+        _check(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be > 0")
+        _check(self.chunk_tile >= 1, "chunk_tile", "must be >= 1")
+        _check(
+            self.max_num_batched_tokens >= self.chunk_tile,
+            "max_num_batched_tokens",
+            f"must be at least chunk_tile ({self.chunk_tile})",
+        )
+        _check(self.max_prefill_chunks >= 1, "max_prefill_chunks", "must be >= 1")
+        _check(self.long_prefill_threshold >= 0, "long_prefill_threshold", "must be >= 0")
+        _check(
+            0 < self.cache_low_watermark < self.cache_high_watermark < 1,
+            "cache_low_watermark" if self.cache_low_watermark <= 0 else "cache_high_watermark",
+            "need 0 < cache_low_watermark < cache_high_watermark < 1",
+        )
+        _check(
+            0 < self.bandwidth_throttle_2 < self.bandwidth_throttle_1 < self.bandwidth_pause <= 1,
+            "bandwidth_throttle_2",
+            "need 0 < bandwidth_throttle_2 < bandwidth_throttle_1 < bandwidth_pause <= 1",
+        )
+        _check(self.bandwidth_pause_s >= 0, "bandwidth_pause_s", "must be >= 0")
+        _check(self.slow_query_threshold > 0, "slow_query_threshold", "must be > 0")
+        _check(self.max_prefill_tokens >= 0, "max_prefill_tokens", "must be >= 0")
+        _check(self.chunk_timeout_base_ms >= 0, "chunk_timeout_base_ms", "must be >= 0")
+        _check(self.preempt_protect_after >= 1, "preempt_protect_after", "must be >= 1")
+        for tenant, share in self.tenant_shares.items():
+            _check(0 < share <= 1, "tenant_shares", f"share of {tenant!r} must be in (0, 1]")
+        _check(self.attention_backend in ("auto", "torch", "flash"), "attention_backend",
+               "must be auto, torch or flash")
+
+    def live_values(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in sorted(LIVE_FIELDS)}
+
+
+LIVE_FIELDS = frozenset(
+    f.name
+    for f in dataclasses.fields(EngineConfig)
+    if f.name not in {"model", "device", "dtype", "seed", "block_size", "kv_cache_bytes",
+                      "gpu_memory_utilization", "max_model_len", "max_num_seqs",
+                      "attention_backend"}
+)
+
+
+def _check(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(field_name, message)
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Accept values from forms and JSON ("512", 0.9) but reject nonsense with the field named."""
+    target = {f.name: f.type for f in dataclasses.fields(EngineConfig)}[name]
+    try:
+        if target == "int" and not isinstance(value, bool):
+            as_float = float(value)
+            if as_float != int(as_float):
+                raise ValueError
+            return int(as_float)
+        if target == "float" and not isinstance(value, bool):
+            return float(value)
+        if target.startswith("dict") and isinstance(value, dict):
+            return dict(value)
+    except (TypeError, ValueError, OverflowError):
+        pass
+    else:
+        if not (target in ("int", "float") or target.startswith("dict")):
+            return value
+    raise ConfigError(name, f"expected {target}, got {value!r}")

@@ -1,0 +1,194 @@
+"""Engine events and the double-buffered bus that carries them to observers.
+
+The hot loop only records (vLLM V1 style): events carry monotonic timestamps and raw
+figures; observers (store, metrics, console, HTTP) turn them into intervals and rates.
+
+Producers on any thread `publish` into the front buffer; the engine loop calls `drain`,
+which swaps buffers under a lock and hands the back buffer to subscribers in order. No
+event is lost or reordered, and producers never wait on a subscriber (seed 000 §4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+
+def now() -> float:
+    return time.monotonic()
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: ClassVar[str] = "event"
+    ts: float = field(default_factory=now, kw_only=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, **dataclasses.asdict(self)}
+
+
+@dataclass(frozen=True)
+class StepComplete(Event):
+    kind: ClassVar[str] = "step_complete"
+    step: int
+    prefill_tokens: int
+    decode_seqs: int
+    duration_s: float
+    predicted_s: float = 0.0
+    mode: str = "NORMAL"
+
+
+@dataclass(frozen=True)
+class ChunkComplete(Event):
+    kind: ClassVar[str] = "chunk_complete"
+    request_id: str
+    chunk_index: int
+    tokens: int
+    start: int  # first prompt position the chunk covered
+    duration_s: float
+    estimated_bytes: float
+    predicted_s: float
+    prefill_done: bool
+
+
+@dataclass(frozen=True)
+class TokensGenerated(Event):
+    """Tokens appended to a request in one step (journal and streaming read these)."""
+
+    kind: ClassVar[str] = "tokens"
+    request_id: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class RequestAdded(Event):
+    kind: ClassVar[str] = "request_added"
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: dict[str, Any]
+    tenant: str
+    priority: int = 0
+    tag: str | None = None
+
+
+@dataclass(frozen=True)
+class CacheEvict(Event):
+    kind: ClassVar[str] = "cache_evict"
+    request_id: str
+    blocks_freed: int
+    usage_after: float
+
+
+@dataclass(frozen=True)
+class Preempted(Event):
+    kind: ClassVar[str] = "preempted"
+    request_id: str
+    reason: str
+    tokens_discarded: int
+
+
+@dataclass(frozen=True)
+class Finished(Event):
+    kind: ClassVar[str] = "finished"
+    request_id: str
+    reason: str  # "length" | "stop" | "aborted"
+    prompt_tokens: int
+    generated_tokens: int
+    ttft_s: float | None
+    e2e_s: float
+    budget_score: float | None
+
+
+@dataclass(frozen=True)
+class Rejected(Event):
+    kind: ClassVar[str] = "rejected"
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class Failed(Event):
+    kind: ClassVar[str] = "failed"
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class SlowQuery(Event):
+    kind: ClassVar[str] = "slow_query"
+    request_id: str
+    tenant: str
+    budget_score: float
+    prompt_tokens: int
+    prefill_s: float
+    budgeted_s: float
+    chunks: tuple[dict[str, Any], ...]
+    config: dict[str, Any]
+    tag: str | None = None
+
+
+@dataclass(frozen=True)
+class ModeChanged(Event):
+    kind: ClassVar[str] = "mode_changed"
+    old: str
+    new: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class ConfigChanged(Event):
+    kind: ClassVar[str] = "config_changed"
+    changes: dict[str, tuple[Any, Any]]  # field -> (old, new)
+    source: str
+
+
+@dataclass(frozen=True)
+class Drift(Event):
+    kind: ClassVar[str] = "drift"
+    deviation: float  # relative difference of the new table from the stored one
+    detail: str
+
+
+@dataclass(frozen=True)
+class GuardAction(Event):
+    """A protection layer engaged or released."""
+
+    kind: ClassVar[str] = "guard"
+    layer: str
+    engaged: bool
+    detail: str
+
+
+Subscriber = Callable[[Event], None]
+
+
+class EventBus:
+    def __init__(self) -> None:
+        self._front: list[Event] = []
+        self._back: list[Event] = []
+        self._lock = threading.Lock()
+        self._subscribers: list[Subscriber] = []
+
+    def subscribe(self, fn: Subscriber) -> Callable[[], None]:
+        self._subscribers.append(fn)
+        return lambda: self._subscribers.remove(fn)
+
+    def publish(self, event: Event) -> None:
+        with self._lock:
+            self._front.append(event)
+
+    def drain(self) -> int:
+        """Swap buffers and deliver everything published so far, in order."""
+        with self._lock:
+            self._front, self._back = self._back, self._front
+        delivered = self._back
+        for event in delivered:
+            for fn in tuple(self._subscribers):
+                fn(event)
+        count = len(delivered)
+        delivered.clear()
+        return count

@@ -1,0 +1,84 @@
+"""The snapshot: one immutable picture of the engine, what the console and /v1/stats render.
+
+It is plain data (numbers, strings, tuples of small dataclasses) so it crosses HTTP as JSON
+and back without loss: `Snapshot.from_dict(s.to_dict()) == s`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RequestView:
+    id: str
+    tenant: str
+    state: str
+    reason: str
+    prompt_tokens: int
+    prefilled_tokens: int
+    chunks_done: int
+    chunks_total: int
+    generated_tokens: int
+    ttft_ms: float | None
+    tpot_ms: float | None
+    budget_score: float | None
+    arrival_s: float
+
+
+@dataclass(frozen=True)
+class Percentiles:
+    p50: float | None = None
+    p90: float | None = None
+    p99: float | None = None
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    ts: float = 0.0
+    model: str = ""
+    device: str = ""
+    mode: str = "NORMAL"
+    mode_reason: str = ""
+    paused: bool = False
+    step: int = 0
+    config: dict[str, Any] = field(default_factory=dict)
+    requests: tuple[RequestView, ...] = ()
+    num_running: int = 0
+    num_waiting: int = 0
+    chunk_queue_length: int = 0
+    kv_usage: float = 0.0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    kv_fragmentation: float = 0.0
+    bandwidth_util_5s: float = 0.0
+    bandwidth_source: str = "model"
+    throttle_level: int = 0  # 0 none, 1 concurrency 2, 2 concurrency 1, 3 prefills paused
+    tokens_per_s: float = 0.0
+    output_tokens_per_s: float = 0.0
+    ttft_ms: Percentiles = Percentiles()
+    tpot_ms: Percentiles = Percentiles()
+    step_ms: Percentiles = Percentiles()
+    recommended_chunk_size: int | None = None
+    preemptions_total: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    requests_finished_total: int = 0
+    slow_queries_total: int = 0
+    guards: tuple[str, ...] = ()  # protection layers engaged now
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Snapshot:
+        known = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        values["requests"] = tuple(RequestView(**r) for r in values.get("requests", ()))
+        for name in ("ttft_ms", "tpot_ms", "step_ms"):
+            if isinstance(values.get(name), dict):
+                values[name] = Percentiles(**values[name])
+        values["guards"] = tuple(values.get("guards", ()))
+        return cls(**values)
