@@ -1,0 +1,128 @@
+"""Attention over the paged KV cache for one mixed batch, and the metadata it needs.
+
+A batch is packed (varlen, no padding between requests): prefill chunks first, then
+single-token decodes. Each prefill chunk attends to its request's whole history with a
+causal mask aligned lower-right (query i sits at global position start + i; pitfall 6:
+SDPA's `is_causal=True` is top-left and wrong when query and key lengths differ).
+
+Backends:
+- torch (CPU, and CUDA without flash-attn): SDPA with an explicit mask per chunk, and one
+  grouped matmul for all decodes (on CPU this beats SDPA decode several times over).
+- flash (CUDA with flash-attn importable): `flash_attn_varlen_func` over the paged cache with
+  a block table, which aligns causal masks bottom-right itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:  # optional `gpu` extra; absent on CPU machines
+    from flash_attn import flash_attn_varlen_func
+except ImportError:  # pragma: no cover - depends on the machine
+    flash_attn_varlen_func = None
+
+FLASH_BLOCK_SIZE = 256  # flash-attn's paged KV needs blocks that are a multiple of 256
+
+
+@dataclass(frozen=True)
+class PrefillSpan:
+    """One prefill chunk: rows [q_start, q_start + q_len) of the batch."""
+
+    q_start: int
+    q_len: int
+    key_slots: torch.Tensor  # int64 [context_len]: cache slots of every key it attends to
+    mask: torch.Tensor | None  # bool [q_len, context_len], True = attend; None = square causal
+
+
+@dataclass(frozen=True)
+class DecodeGroup:
+    """Single-token decodes in rows [row_start, row_start + rows), padded to one width."""
+
+    row_start: int
+    rows: int
+    key_slots: torch.Tensor  # int64 [rows, width]: cache slot of each key, padding -> slot 0
+    bias: torch.Tensor  # [rows, 1, 1, width]: 0 for real keys, -inf for padding
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Everything attention needs for one step, built once per step (not per layer)."""
+
+    slot_mapping: torch.Tensor  # int64 [num_tokens]: where each new token's K/V is written
+    prefills: tuple[PrefillSpan, ...]
+    decode_start: int  # decodes are rows [decode_start, num_tokens)
+    decode_groups: tuple[DecodeGroup, ...]
+    # flash-attn only
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+
+
+def flash_available(device: torch.device) -> bool:
+    return device.type == "cuda" and flash_attn_varlen_func is not None
+
+
+class PagedAttention:
+    """Writes new K/V into a layer's cache slice and attends over the history."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, use_flash: bool) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = 1.0 / math.sqrt(head_dim)
+        self.use_flash = use_flash
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """q [N, Hq, D], k/v [N, Hkv, D]; caches [num_blocks, block_size, Hkv, D] -> [N, Hq, D]."""
+        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
+        if self.use_flash:
+            return flash_attn_varlen_func(
+                q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
+                meta.max_seqlen_k, softmax_scale=self.scale, causal=True,
+                block_table=meta.block_table,
+            )
+        out = torch.empty_like(q)
+        for span in meta.prefills:
+            rows = slice(span.q_start, span.q_start + span.q_len)
+            out[rows] = self._prefill(q[rows], flat_k, flat_v, span)
+        for group in meta.decode_groups:
+            rows = slice(group.row_start, group.row_start + group.rows)
+            out[rows] = self._decode(q[rows], flat_k, flat_v, group)
+        return out
+
+    def _prefill(self, q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
+                 span: PrefillSpan) -> torch.Tensor:
+        keys = flat_k.index_select(0, span.key_slots).transpose(0, 1)  # [Hkv, S, D]
+        values = flat_v.index_select(0, span.key_slots).transpose(0, 1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys, values, attn_mask=span.mask, is_causal=span.mask is None,
+            scale=self.scale, enable_gqa=True,
+        )  # [Hq, C, D]
+        return out.transpose(0, 1)
+
+    def _decode(self, q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
+                group: DecodeGroup) -> torch.Tensor:
+        slots = group.key_slots
+        batch, context = slots.shape
+        # [B, S, Hkv, D] -> [B, Hkv, S, D]; queries grouped per KV head: [B, Hkv, G, D]
+        keys = flat_k.index_select(0, slots.view(-1)).view(batch, context, self.num_kv_heads,
+                                                           self.head_dim).transpose(1, 2)
+        values = flat_v.index_select(0, slots.view(-1)).view(batch, context, self.num_kv_heads,
+                                                             self.head_dim).transpose(1, 2)
+        grouped = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
+        scores = torch.matmul(grouped, keys.transpose(-1, -2)) * self.scale + group.bias
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.matmul(probs, values)  # [B, Hkv, G, D]
+        return out.reshape(batch, self.num_heads, self.head_dim)

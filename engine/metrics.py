@@ -1,0 +1,165 @@
+"""Metrics as an event observer: counters, recent-window percentiles and Prometheus-style
+histograms. The hot loop only publishes events; this turns them into intervals and rates.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.events import (
+    Event,
+    Failed,
+    Finished,
+    Preempted,
+    Rejected,
+    RequestAdded,
+    SlowQuery,
+    StepComplete,
+    TokensGenerated,
+)
+from engine.snapshot import Percentiles
+
+# vLLM's bucket boundaries, so dashboards built for vLLM read ours the same way.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+BUDGET_SCORE_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
+
+WINDOW = 1024  # recent observations kept for percentiles
+RATE_WINDOW_S = 10.0
+
+
+@dataclass
+class Histogram:
+    buckets: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)  # per bucket, non-cumulative; last = +Inf
+    total: float = 0.0
+    count: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = [0] * (len(self.buckets) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += 1
+        self.total += value
+        self.count += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """(le, cumulative count) pairs as Prometheus exposes them."""
+        running, rows = 0, []
+        for bound, count in zip((*self.buckets, math.inf), self.counts, strict=True):
+            running += count
+            rows.append(("+Inf" if bound == math.inf else repr(float(bound)), running))
+        return rows
+
+
+def percentiles(values: list[float] | deque[float]) -> Percentiles:
+    if not values:
+        return Percentiles()
+    ordered = sorted(values)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    return Percentiles(p50=at(0.50), p90=at(0.90), p99=at(0.99))
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.preemptions_total = 0
+        self.requests_finished_total = 0
+        self.requests_rejected_total = 0
+        self.requests_failed_total = 0
+        self.slow_queries_total = 0
+        self.steps_total = 0
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
+        self.iteration_tokens = Histogram(ITERATION_TOKEN_BUCKETS)
+        self.budget_score = Histogram(BUDGET_SCORE_BUCKETS)
+        self.recent_ttft: deque[float] = deque(maxlen=WINDOW)
+        self.recent_tpot: deque[float] = deque(maxlen=WINDOW)
+        self.recent_step: deque[float] = deque(maxlen=WINDOW)
+        self._rate: deque[tuple[float, int, int]] = deque()  # (ts, tokens, output tokens)
+        self._last_token_ts: dict[str, float] = {}
+
+    def observe(self, event: Event) -> None:
+        with self._lock:
+            self._observe(event)
+
+    def _observe(self, event: Event) -> None:
+        match event:
+            case StepComplete():
+                self.steps_total += 1
+                tokens = event.prefill_tokens + event.decode_seqs
+                self.iteration_tokens.observe(tokens)
+                self.recent_step.append(event.duration_s)
+                self._rate.append((event.ts, tokens, 0))
+            case TokensGenerated():
+                count = len(event.token_ids)
+                self.generation_tokens_total += count
+                self._rate.append((event.ts, 0, count))
+                last = self._last_token_ts.get(event.request_id)
+                if last is not None:
+                    self.itl.observe(event.ts - last)
+                self._last_token_ts[event.request_id] = event.ts
+            case RequestAdded():
+                self.prompt_tokens_total += len(event.prompt_token_ids)
+            case Preempted():
+                self.preemptions_total += 1
+            case Finished():
+                self._last_token_ts.pop(event.request_id, None)
+                self.requests_finished_total += 1
+                self.e2e.observe(event.e2e_s)
+                if event.ttft_s is not None:
+                    self.ttft.observe(event.ttft_s)
+                    self.recent_ttft.append(event.ttft_s)
+                    if event.generated_tokens > 1:
+                        tpot = (event.e2e_s - event.ttft_s) / (event.generated_tokens - 1)
+                        self.recent_tpot.append(tpot)
+                if event.budget_score is not None:
+                    self.budget_score.observe(event.budget_score)
+            case Rejected():
+                self.requests_rejected_total += 1
+            case Failed():
+                self._last_token_ts.pop(event.request_id, None)
+                self.requests_failed_total += 1
+            case SlowQuery():
+                self.slow_queries_total += 1
+        horizon = event.ts - RATE_WINDOW_S
+        while self._rate and self._rate[0][0] < horizon:
+            self._rate.popleft()
+
+    def rates(self, now: float) -> tuple[float, float]:
+        """(tokens/s, output tokens/s) over the last RATE_WINDOW_S seconds."""
+        with self._lock:
+            window = [r for r in self._rate if r[0] >= now - RATE_WINDOW_S]
+        if not window:
+            return 0.0, 0.0
+        span = max(now - window[0][0], 1e-3)
+        return sum(r[1] for r in window) / span, sum(r[2] for r in window) / span
+
+    def latency(self) -> tuple[Percentiles, Percentiles, Percentiles]:
+        """(TTFT ms, TPOT ms, step ms) percentiles over recent requests and steps."""
+        with self._lock:
+            windows = (list(self.recent_ttft), list(self.recent_tpot), list(self.recent_step))
+        ttft, tpot, step = (_ms(percentiles(w)) for w in windows)
+        return ttft, tpot, step
+
+
+def _ms(p: Percentiles) -> Percentiles:
+    def scale(v: float | None) -> float | None:
+        return None if v is None else v * 1000.0
+
+    return Percentiles(p50=scale(p.p50), p90=scale(p.p90), p99=scale(p.p99))

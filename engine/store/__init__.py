@@ -1,0 +1,55 @@
+"""The SQLite store: request journal, slow queries, calibrations, drift and config history."""
+
+from engine.store.calibration import (
+    BudgetPoint,
+    CalibrationRecord,
+    calibration_history,
+    latest_calibration,
+    save_calibration,
+)
+from engine.store.database import (
+    Database,
+    StoreError,
+    default_db_path,
+    head_revision,
+    open_database,
+    upgrade_database,
+)
+from engine.store.history import ConfigChangeRecord, DriftRecord, config_changes, drift_events
+from engine.store.journal import JournalEntry, mark_resumed, unfinished_requests
+from engine.store.retention import RetentionLimits, apply_retention
+from engine.store.slow_queries import (
+    SlowQueryRecord,
+    export_slow_queries,
+    get_slow_query,
+    list_slow_queries,
+)
+from engine.store.writer import StoreWriter
+
+__all__ = [
+    "BudgetPoint",
+    "CalibrationRecord",
+    "ConfigChangeRecord",
+    "Database",
+    "DriftRecord",
+    "JournalEntry",
+    "RetentionLimits",
+    "SlowQueryRecord",
+    "StoreError",
+    "StoreWriter",
+    "apply_retention",
+    "calibration_history",
+    "config_changes",
+    "default_db_path",
+    "drift_events",
+    "export_slow_queries",
+    "get_slow_query",
+    "head_revision",
+    "latest_calibration",
+    "list_slow_queries",
+    "mark_resumed",
+    "open_database",
+    "save_calibration",
+    "unfinished_requests",
+    "upgrade_database",
+]

@@ -1,0 +1,90 @@
+"""Calibration runs and the budget tables they measured, for the calibrator and drift checks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, selectinload
+
+from engine.store.models import BudgetTableRow, CalibrationRunRow
+
+
+@dataclass(frozen=True)
+class BudgetPoint:
+    """Measured prefill time of `tokens` new tokens on top of `context_tokens` cached ones."""
+
+    tokens: int
+    context_tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class CalibrationRecord:
+    id: int
+    created_at: float
+    model: str
+    device: str
+    info: dict[str, Any]
+    params: dict[str, Any]
+    table: list[BudgetPoint]
+
+
+def save_calibration(
+    session: Session,
+    *,
+    model: str,
+    device: str,
+    table: Sequence[BudgetPoint],
+    params: dict[str, Any],
+    info: dict[str, Any] | None = None,
+) -> int:
+    """Store one run with its table and fitted predictor parameters; commits, returns its id."""
+    run = CalibrationRunRow(
+        created_at=time.time(), model=model, device=device, info=info or {}, params=params,
+        table=[
+            BudgetTableRow(tokens=p.tokens, context_tokens=p.context_tokens, seconds=p.seconds)
+            for p in table
+        ],
+    )
+    session.add(run)
+    session.commit()
+    return run.id
+
+
+def latest_calibration(
+    session: Session, *, model: str | None = None, device: str | None = None
+) -> CalibrationRecord | None:
+    history = calibration_history(session, model=model, device=device, limit=1)
+    return history[0] if history else None
+
+
+def calibration_history(
+    session: Session,
+    *,
+    model: str | None = None,
+    device: str | None = None,
+    limit: int | None = None,
+) -> list[CalibrationRecord]:
+    """Runs newest first, optionally only those of one model and device."""
+    query = (
+        select(CalibrationRunRow)
+        .options(selectinload(CalibrationRunRow.table))
+        .order_by(CalibrationRunRow.id.desc())
+        .limit(limit)
+    )
+    if model is not None:
+        query = query.where(CalibrationRunRow.model == model)
+    if device is not None:
+        query = query.where(CalibrationRunRow.device == device)
+    return [
+        CalibrationRecord(
+            id=run.id, created_at=run.created_at, model=run.model, device=run.device,
+            info=run.info, params=run.params,
+            table=[BudgetPoint(p.tokens, p.context_tokens, p.seconds) for p in run.table],
+        )
+        for run in session.scalars(query)
+    ]

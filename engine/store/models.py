@@ -1,0 +1,141 @@
+"""The store's tables as SQLAlchemy 2 typed models.
+
+Timestamps are wall-clock epoch seconds (`*_at`), so rows stay meaningful across
+processes; the engine's monotonic event times are converted by the writer. Token id
+lists are comma-separated text so the writer can append generated tokens in SQL
+without reading the row back (see `TokenIds`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from sqlalchemy import JSON, Dialect, Float, ForeignKey, Index, String, Text, TypeDecorator
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+TERMINAL_STATES = ("FINISHED", "FAILED", "REJECTED", "RESUMED")
+
+
+class TokenIds(TypeDecorator[list[int]]):
+    """list[int] stored as "1,2,3": appendable with `||` in one UPDATE."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: list[int] | None, dialect: Dialect) -> str | None:
+        return None if value is None else ",".join(map(str, value))
+
+    def process_result_value(self, value: str | None, dialect: Dialect) -> list[int] | None:
+        if value is None:
+            return None
+        return [int(token) for token in value.split(",")] if value else []
+
+
+class Base(DeclarativeBase):
+    type_annotation_map: ClassVar[dict[Any, Any]] = {
+        float: Float, dict[str, Any]: JSON, list[Any]: JSON
+    }
+
+
+class JournalRow(Base):
+    """One request, updated as it progresses, so a killed run can be finished (pitfall 12)."""
+
+    __tablename__ = "request_journal"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    request_id: Mapped[str] = mapped_column(String(128), unique=True)
+    tenant: Mapped[str] = mapped_column(String(128))
+    priority: Mapped[int]
+    tag: Mapped[str | None] = mapped_column(String(128))
+    prompt_token_ids: Mapped[list[int]] = mapped_column(TokenIds)
+    sampling: Mapped[dict[str, Any]]
+    state: Mapped[str] = mapped_column(String(32))
+    prefilled_tokens: Mapped[int]
+    chunks_done: Mapped[int]
+    preemptions: Mapped[int]
+    generated_token_ids: Mapped[list[int]] = mapped_column(TokenIds)
+    generated_tokens: Mapped[int]
+    finish_reason: Mapped[str | None] = mapped_column(Text)
+    added_at: Mapped[float]
+    first_token_at: Mapped[float | None]
+    finished_at: Mapped[float | None]
+    ttft_s: Mapped[float | None]
+    e2e_s: Mapped[float | None]
+    budget_score: Mapped[float | None]
+    updated_at: Mapped[float]
+    resumed_at: Mapped[float | None]
+
+    __table_args__ = (Index("ix_request_journal_state", "state"),)
+
+
+class SlowQueryRow(Base):
+    __tablename__ = "slow_queries"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    created_at: Mapped[float]
+    request_id: Mapped[str] = mapped_column(String(128))
+    tenant: Mapped[str] = mapped_column(String(128))
+    tag: Mapped[str | None] = mapped_column(String(128))
+    budget_score: Mapped[float]
+    prompt_tokens: Mapped[int]
+    prefill_s: Mapped[float]
+    budgeted_s: Mapped[float]
+    chunks: Mapped[list[Any]]  # per-chunk timings, as the engine reported them
+    config: Mapped[dict[str, Any]]  # the live configuration when the request ran
+
+    __table_args__ = (
+        Index("ix_slow_queries_budget_score", "budget_score"),
+        Index("ix_slow_queries_tenant", "tenant"),
+    )
+
+
+class CalibrationRunRow(Base):
+    __tablename__ = "calibration_runs"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    created_at: Mapped[float]
+    model: Mapped[str] = mapped_column(Text)
+    device: Mapped[str] = mapped_column(String(64))
+    info: Mapped[dict[str, Any]]  # the run as the calibrator described it
+    params: Mapped[dict[str, Any]]  # fitted predictor parameters
+    table: Mapped[list[BudgetTableRow]] = relationship(
+        back_populates="run", cascade="all, delete-orphan", passive_deletes=True,
+        order_by="(BudgetTableRow.tokens, BudgetTableRow.context_tokens)",
+    )
+
+
+class BudgetTableRow(Base):
+    """One measured point of a calibration: prefill of `tokens` on top of `context_tokens`."""
+
+    __tablename__ = "budget_tables"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("calibration_runs.id", ondelete="CASCADE"), index=True
+    )
+    tokens: Mapped[int]
+    context_tokens: Mapped[int]
+    seconds: Mapped[float]
+    run: Mapped[CalibrationRunRow] = relationship(back_populates="table")
+
+
+class DriftEventRow(Base):
+    __tablename__ = "drift_events"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    created_at: Mapped[float]
+    deviation: Mapped[float]
+    detail: Mapped[str] = mapped_column(Text)
+
+
+class ConfigChangeRow(Base):
+    """One field changed: old -> new, when, and from where (api, console, cli, guard...)."""
+
+    __tablename__ = "config_changes"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    created_at: Mapped[float]
+    field: Mapped[str] = mapped_column(String(128))
+    old: Mapped[Any] = mapped_column(JSON, nullable=True)
+    new: Mapped[Any] = mapped_column(JSON, nullable=True)
+    source: Mapped[str] = mapped_column(String(64))

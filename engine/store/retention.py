@@ -1,0 +1,60 @@
+"""How many rows each table keeps; the oldest beyond the limit are deleted.
+
+Unfinished journal entries are never deleted: they are what `run --resume` finishes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import Connection, Table, delete, select
+
+from engine.errors import EngineError
+from engine.store.models import (
+    TERMINAL_STATES,
+    CalibrationRunRow,
+    ConfigChangeRow,
+    DriftEventRow,
+    JournalRow,
+    SlowQueryRow,
+)
+
+
+@dataclass(frozen=True)
+class RetentionLimits:
+    journal: int = 100_000  # finished, failed, rejected or resumed requests
+    slow_queries: int = 10_000
+    calibration_runs: int = 200  # their budget tables go with them (ON DELETE CASCADE)
+    drift_events: int = 10_000
+    config_changes: int = 10_000
+
+    def __post_init__(self) -> None:
+        for name, limit in vars(self).items():
+            if limit < 1:
+                raise EngineError(f"retention limit {name} must be >= 1, got {limit}")
+
+
+def apply_retention(connection: Connection, limits: RetentionLimits) -> int:
+    """Delete the oldest rows beyond each limit; returns how many were deleted."""
+    journal = JournalRow.__table__
+    deleted = _keep_newest(
+        connection, journal, limits.journal, journal.c.state.in_(TERMINAL_STATES)
+    )
+    for row_type, limit in (
+        (SlowQueryRow, limits.slow_queries),
+        (CalibrationRunRow, limits.calibration_runs),
+        (DriftEventRow, limits.drift_events),
+        (ConfigChangeRow, limits.config_changes),
+    ):
+        deleted += _keep_newest(connection, row_type.__table__, limit)
+    return deleted
+
+
+def _keep_newest(connection: Connection, table: Table, keep: int, *where: object) -> int:
+    # Rows are append-ordered by their integer id, so the cut-off is one indexed lookup.
+    cutoff = connection.execute(
+        select(table.c.id).where(*where).order_by(table.c.id.desc()).offset(keep).limit(1)
+    ).scalar()
+    if cutoff is None:
+        return 0
+    return connection.execute(delete(table).where(table.c.id <= cutoff, *where)).rowcount

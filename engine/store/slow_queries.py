@@ -1,0 +1,85 @@
+"""Slow queries: list with sorting and filters, fetch one, export as CSV or JSON."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from engine.errors import EngineError
+from engine.store.models import SlowQueryRow
+
+SORT_FIELDS = {
+    "score": SlowQueryRow.budget_score.desc(),
+    "time": SlowQueryRow.created_at.desc(),
+    "prompt": SlowQueryRow.prompt_tokens.desc(),
+    "prefill": SlowQueryRow.prefill_s.desc(),
+    "id": SlowQueryRow.id.asc(),
+}
+EXPORT_FORMATS = ("csv", "json")
+
+
+@dataclass(frozen=True)
+class SlowQueryRecord:
+    id: int
+    created_at: float
+    request_id: str
+    tenant: str
+    tag: str | None
+    budget_score: float
+    prompt_tokens: int
+    prefill_s: float
+    budgeted_s: float
+    chunks: list[dict[str, Any]]
+    config: dict[str, Any]
+
+    @classmethod
+    def from_row(cls, row: SlowQueryRow) -> SlowQueryRecord:
+        return cls(**{name: getattr(row, name) for name in cls.__dataclass_fields__})
+
+
+def list_slow_queries(
+    session: Session,
+    *,
+    sort: str = "score",
+    tenant: str | None = None,
+    min_score: float | None = None,
+    limit: int | None = None,
+) -> list[SlowQueryRecord]:
+    if sort not in SORT_FIELDS:
+        raise EngineError(f"unknown sort field {sort!r}; choose one of {', '.join(SORT_FIELDS)}")
+    query = select(SlowQueryRow).order_by(SORT_FIELDS[sort], SlowQueryRow.id)
+    if tenant is not None:
+        query = query.where(SlowQueryRow.tenant == tenant)
+    if min_score is not None:
+        query = query.where(SlowQueryRow.budget_score >= min_score)
+    if limit is not None:
+        query = query.limit(limit)
+    return [SlowQueryRecord.from_row(row) for row in session.scalars(query)]
+
+
+def get_slow_query(session: Session, slow_query_id: int) -> SlowQueryRecord | None:
+    row = session.get(SlowQueryRow, slow_query_id)
+    return None if row is None else SlowQueryRecord.from_row(row)
+
+
+def export_slow_queries(records: list[SlowQueryRecord], fmt: str) -> str:
+    """CSV (chunks and config as JSON text in their cells) or a JSON array."""
+    if fmt == "json":
+        return json.dumps([asdict(record) for record in records], indent=2) + "\n"
+    if fmt != "csv":
+        raise EngineError(f"unknown export format {fmt!r}; choose csv or json")
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(SlowQueryRecord.__dataclass_fields__))
+    writer.writeheader()
+    for record in records:
+        row = asdict(record)
+        row["chunks"] = json.dumps(row["chunks"])
+        row["config"] = json.dumps(row["config"])
+        writer.writerow(row)
+    return out.getvalue()

@@ -1,0 +1,281 @@
+"""Memory bandwidth utilisation over a 5-second window: bandwidth_utilization_5s_avg (seed 000
+§4, §6), the signal behind the scheduler's BANDWIDTH_THROTTLE mode.
+
+Three sources share one interface: NVML on a GPU (the memory controller's busy share), a model
+estimate anywhere (bytes the engine says each step moved, over wall time), and an injected
+override for chaos tests and demos.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Protocol
+
+from engine.errors import EngineError
+
+# A model estimate above the peak means the byte model is off, not that the GPU beat physics;
+# the clip keeps one bad estimate from pinning the 5 s average while still showing > 1.
+MAX_UTILIZATION = 1.5
+
+
+class TelemetryError(EngineError):
+    """A bandwidth source cannot be built or started."""
+
+
+@dataclass(frozen=True)
+class BandwidthReading:
+    util_5s: float  # fraction of peak memory bandwidth, averaged over the window
+    source: str  # "nvml" | "model" | "injected"
+
+
+class BandwidthSource(Protocol):
+    def reading(self) -> BandwidthReading: ...
+
+    def record(self, bytes_moved: float, duration_s: float) -> None: ...
+
+
+@dataclass(frozen=True)
+class _Step:
+    end: float
+    bytes_moved: float
+    duration_s: float
+
+
+class ModelBandwidth:
+    """Utilisation from the engine's own byte estimates: record() once per step."""
+
+    def __init__(self, peak_bytes_per_s: float, window_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not peak_bytes_per_s > 0:
+            raise TelemetryError(f"peak_bytes_per_s must be > 0, got {peak_bytes_per_s}")
+        if not window_s > 0:
+            raise TelemetryError(f"window_s must be > 0, got {window_s}")
+        self.peak_bytes_per_s = peak_bytes_per_s
+        self.window_s = window_s
+        self._clock = clock
+        self._started = clock()
+        self._steps: deque[_Step] = deque()
+        self._lock = threading.Lock()  # the engine records, the console and HTTP read
+
+    def record(self, bytes_moved: float, duration_s: float) -> None:
+        """A step that just ended moved `bytes_moved` in `duration_s` seconds."""
+        if bytes_moved < 0 or duration_s < 0:
+            raise TelemetryError(
+                f"record() needs bytes_moved >= 0 and duration_s >= 0, got {bytes_moved}, "
+                f"{duration_s}"
+            )
+        with self._lock:
+            self._steps.append(_Step(self._clock(), bytes_moved, duration_s))
+
+    def reading(self) -> BandwidthReading:
+        now = self._clock()
+        window_start = now - self.window_s
+        moved = busy = 0.0
+        with self._lock:
+            while self._steps and self._steps[0].end <= window_start:
+                self._steps.popleft()
+            for step in self._steps:
+                # A step that began before the window counts only for its share inside it.
+                inside = min(step.duration_s, step.end - window_start)
+                moved += step.bytes_moved * (inside / step.duration_s if step.duration_s else 1.0)
+                busy += inside
+        # Divide by the wall time the window covers, not by the time spent in steps: an engine
+        # that idles half the window moved half the bytes, and that is what throttling should
+        # see. Before a full window has passed, only the time since the source began counts.
+        # The busy time is a floor for clocks that disagree (steps reported longer than the
+        # wall time seen here), so a reading never divides by too little.
+        covered = max(min(self.window_s, now - self._started), busy)
+        if covered <= 0:
+            return BandwidthReading(0.0, "model")
+        util = moved / covered / self.peak_bytes_per_s
+        return BandwidthReading(min(max(util, 0.0), MAX_UTILIZATION), "model")
+
+
+@dataclass(frozen=True)
+class NvmlSample:
+    ts: float
+    memory_busy: float  # share of the sample period the memory controller was busy, 0..1
+    used_bytes: int
+    total_bytes: int
+    memory_clock_mhz: int
+    sm_clock_mhz: int
+    torch_allocated_bytes: int | None  # tensors live in torch's caching allocator
+    torch_reserved_bytes: int | None  # held by the allocator, allocated or cached
+
+
+def _import_pynvml() -> ModuleType:
+    import pynvml
+
+    return pynvml
+
+
+def nvml_available(nvml: ModuleType | None = None) -> bool:
+    """True when NVML loads and sees at least one GPU."""
+    try:
+        nvml = nvml or _import_pynvml()
+    except ImportError:
+        return False
+    try:
+        nvml.nvmlInit()
+    except nvml.NVMLError:
+        return False
+    try:
+        return nvml.nvmlDeviceGetCount() > 0
+    except nvml.NVMLError:
+        return False
+    finally:
+        nvml.nvmlShutdown()
+
+
+class NvmlBandwidth:
+    """Samples NVML on a daemon thread and averages the memory controller's busy share.
+
+    NVML's `memory` utilisation is the share of time the memory controller was busy, not the
+    share of peak bytes/s; it is the number nvidia-smi and nvtop show, so operators can match
+    the console against them.
+    """
+
+    def __init__(self, device_index: int = 0, interval_s: float = 0.2, window_s: float = 5.0,
+                 *, nvml: ModuleType | None = None, torch_device: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if not interval_s > 0 or not window_s > 0:
+            raise TelemetryError(f"interval_s and window_s must be > 0, got {interval_s}, "
+                                 f"{window_s}")
+        self.device_index = device_index
+        self.interval_s = interval_s
+        self.window_s = window_s
+        self.torch_device = torch_device  # "cuda:N" adds torch's allocator figures
+        self.last_error: str | None = None
+        self._nvml = nvml
+        self._clock = clock
+        self._handle: object | None = None
+        self._samples: deque[NvmlSample] = deque()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        if self._nvml is None:
+            try:
+                self._nvml = _import_pynvml()
+            except ImportError:
+                raise TelemetryError("pynvml is not installed; install nvidia-ml-py or use "
+                                     "the model-estimated bandwidth") from None
+        try:
+            self._nvml.nvmlInit()
+            self._handle = self._nvml.nvmlDeviceGetHandleByIndex(self.device_index)
+        except self._nvml.NVMLError as exc:
+            raise TelemetryError(f"NVML cannot read GPU {self.device_index} ({exc}); use the "
+                                 "model-estimated bandwidth on machines without NVIDIA GPUs"
+                                 ) from None
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="nvml-bandwidth", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        self._nvml.nvmlShutdown()
+
+    def _run(self) -> None:
+        # Sample first, then wait: even a start() followed at once by stop() leaves a sample.
+        while True:
+            self.sample()
+            if self._stop.wait(self.interval_s):
+                return
+
+    def sample(self) -> NvmlSample | None:
+        """Take one sample now (the thread calls this; tests may too)."""
+        nvml = self._nvml
+        try:
+            # The handle goes stale when the driver resets or the CUDA context is rebuilt
+            # (seed 000 §6); fetch it again after any error instead of failing for good.
+            if self._handle is None:
+                self._handle = nvml.nvmlDeviceGetHandleByIndex(self.device_index)
+            rates = nvml.nvmlDeviceGetUtilizationRates(self._handle)
+            memory = nvml.nvmlDeviceGetMemoryInfo(self._handle)
+            mem_clock = nvml.nvmlDeviceGetClockInfo(self._handle, nvml.NVML_CLOCK_MEM)
+            sm_clock = nvml.nvmlDeviceGetClockInfo(self._handle, nvml.NVML_CLOCK_SM)
+        except nvml.NVMLError as exc:
+            self.last_error = str(exc)
+            self._handle = None
+            return None
+        allocated, reserved = self._torch_memory()
+        sample = NvmlSample(self._clock(), rates.memory / 100.0, int(memory.used),
+                            int(memory.total), int(mem_clock), int(sm_clock), allocated, reserved)
+        with self._lock:
+            self._samples.append(sample)
+            while self._samples[0].ts <= sample.ts - self.window_s:
+                self._samples.popleft()
+        self.last_error = None
+        return sample
+
+    def _torch_memory(self) -> tuple[int | None, int | None]:
+        if self.torch_device is None:
+            return None, None
+        import torch
+
+        return (torch.cuda.memory_allocated(self.torch_device),
+                torch.cuda.memory_reserved(self.torch_device))
+
+    def latest(self) -> NvmlSample | None:
+        with self._lock:
+            return self._samples[-1] if self._samples else None
+
+    def reading(self) -> BandwidthReading:
+        cutoff = self._clock() - self.window_s
+        with self._lock:
+            recent = [s.memory_busy for s in self._samples if s.ts > cutoff]
+        return BandwidthReading(sum(recent) / len(recent) if recent else 0.0, "nvml")
+
+    def record(self, bytes_moved: float, duration_s: float) -> None:
+        """NVML measures the hardware itself; the engine's estimates are not needed."""
+
+
+class InjectedBandwidth:
+    """Wraps a source; inject() overrides its reading until a deadline on the same clock.
+
+    The chaos suite and the console demo simulate a bandwidth spike with it; scheduler tests
+    use it as a scripted source.
+    """
+
+    def __init__(self, inner: BandwidthSource,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.inner = inner
+        self._clock = clock
+        self._override: tuple[float, float] | None = None  # (util, until_s)
+        self._lock = threading.Lock()
+
+    def inject(self, util: float, until_s: float) -> None:
+        """Report `util` until the clock reaches `until_s` (an absolute time on `clock`)."""
+        if not 0 <= util <= MAX_UTILIZATION:
+            raise TelemetryError(f"injected utilisation must be in [0, {MAX_UTILIZATION}], "
+                                 f"got {util}")
+        with self._lock:
+            self._override = (util, until_s)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._override = None
+
+    def reading(self) -> BandwidthReading:
+        with self._lock:
+            override = self._override
+            if override is not None and self._clock() >= override[1]:
+                self._override = override = None
+        if override is not None:
+            return BandwidthReading(override[0], "injected")
+        return self.inner.reading()
+
+    def record(self, bytes_moved: float, duration_s: float) -> None:
+        self.inner.record(bytes_moved, duration_s)

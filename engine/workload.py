@@ -1,0 +1,421 @@
+"""What requests arrive when: the three profiles of seed 003 §13, Azure trace replay, JSONL files.
+
+Every workload is a list of WorkloadRequest sorted by arrival time. Prompts are seeded random
+token ids (timing depends on lengths, not on text), so a workload is reproducible from its spec
+and seed alone. Lengths in the seed are for a GPU; `length_scale` shrinks them for a CPU.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import itertools
+import json
+import math
+import os
+import random
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from engine.config import SamplingParams
+from engine.errors import EngineError
+
+# Token ids 0..2 are special (pad/bos/eos) in the synthetic tokenizer; prompts avoid them so
+# a random prompt never ends a sequence early or looks like padding.
+FIRST_PROMPT_TOKEN_ID = 3
+
+# Divides the seed's GPU lengths so that synthetic:small on 2 CPU cores finishes a default run
+# in a few tens of seconds, while a long-doc prompt (1000 tokens) still spans several chunks
+# of a 256-512 token budget.
+CPU_LENGTH_SCALE = 1 / 8
+GPU_LENGTH_SCALE = 1.0
+
+TRACE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+SHIPPED_TRACES = {"conv": "azure_llm_2023_conv.csv", "code": "azure_llm_2023_code.csv"}
+SAMPLE_MODES = ("window", "stratified")
+
+
+class WorkloadError(EngineError):
+    """A workload spec, trace or request file cannot be used."""
+
+
+@dataclass(frozen=True)
+class WorkloadRequest:
+    request_id: str
+    arrival_s: float  # seconds from the start of the run
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    tenant: str = "default"
+    tag: str | None = None
+    priority: int = 0
+    # Profiles and traces fix the output length; the caller must then ignore EOS.
+    ignore_eos: bool = False
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(max_tokens=self.max_tokens, ignore_eos=self.ignore_eos)
+
+
+# --- profiles (seed 003 §13) --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One kind of request in a profile, at GPU scale."""
+
+    tag: str
+    prompt_len: int
+    output_len: int
+    tenant: str
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    main: Shape
+    num_requests: int
+    rate: float  # requests per second (Poisson); inf = all at t=0
+    rare: Shape | None = None  # a minority shape mixed in at rare_share of the requests
+    rare_share: float = 0.0
+
+
+PROFILES: dict[str, Profile] = {
+    # 8000-token documents, 200-token answers, D = 8: chunking keeps new requests unblocked.
+    "long-doc": Profile("long-doc", Shape("long-doc", 8000, 200, "default"),
+                        num_requests=8, rate=0.5),
+    # 200-token questions, 800-token answers, D = 64: the bottleneck is KV capacity.
+    "chat": Profile("chat", Shape("chat", 200, 800, "default"), num_requests=64, rate=8.0),
+    # A few long documents among many chats, D = 32: the target of chunked prefill. Separate
+    # tenants let the scheduler show that batch documents do not starve interactive chats.
+    "mixed": Profile("mixed", Shape("chat", 200, 800, "interactive"), num_requests=32,
+                     rate=4.0, rare=Shape("long-doc", 8000, 200, "batch"), rare_share=0.125),
+}
+TRACE_DEFAULT_REQUESTS = 64
+
+# Lengths vary by this much around a shape's mean, so requests do not move in lockstep.
+LENGTH_JITTER = 0.25
+
+
+def default_length_scale(device: str) -> float:
+    return CPU_LENGTH_SCALE if device == "cpu" else GPU_LENGTH_SCALE
+
+
+def build_workload(
+    spec: str,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    num_requests: int | None = None,
+    rate: float | None = None,
+    seed: int = 0,
+    length_scale: float = CPU_LENGTH_SCALE,
+    time_scale: float = 1.0,
+    sample: str = "window",
+) -> list[WorkloadRequest]:
+    """Requests for `spec`: a profile name, "conv"/"code" (shipped traces) or "trace:PATH".
+
+    `rate` is requests/s (inf: all at t=0); for a profile it defaults to the profile's rate, for
+    a trace to the trace's own pattern. `time_scale` then stretches (>1) or squeezes (<1) all
+    arrival times. `sample` picks trace rows: a contiguous "window" or a "stratified" spread.
+    """
+    _check_positive("length_scale", length_scale)
+    _check_positive("time_scale", time_scale)
+    if rate is not None:
+        _check_positive("rate", rate)
+    if num_requests is not None and num_requests < 1:
+        raise WorkloadError(f"num_requests must be at least 1, got {num_requests}")
+    if vocab_size <= FIRST_PROMPT_TOKEN_ID:
+        raise WorkloadError(f"vocab_size must exceed {FIRST_PROMPT_TOKEN_ID}, got {vocab_size}")
+    if max_model_len < 2:
+        raise WorkloadError(f"max_model_len must be at least 2, got {max_model_len}")
+    rng = random.Random(seed)
+    if spec in PROFILES:
+        profile = PROFILES[spec]
+        drafts = _profile_drafts(profile, num_requests or profile.num_requests,
+                                 profile.rate if rate is None else rate, rng)
+        label = profile.name
+    elif spec in SHIPPED_TRACES or spec.startswith("trace:"):
+        path = traces_dir() / SHIPPED_TRACES[spec] if spec in SHIPPED_TRACES else Path(spec[6:])
+        label = spec if spec in SHIPPED_TRACES else path.stem
+        drafts = _trace_drafts(load_trace(path), num_requests or TRACE_DEFAULT_REQUESTS, rate,
+                               sample, label, rng)
+    else:
+        choices = ", ".join([*PROFILES, *SHIPPED_TRACES, "trace:PATH"])
+        raise WorkloadError(f"unknown workload {spec!r}; choose one of {choices}")
+    return [
+        _realize(f"{label}-{i:05d}", draft, length_scale, time_scale, vocab_size, max_model_len,
+                 rng)
+        for i, draft in enumerate(drafts)
+    ]
+
+
+@dataclass(frozen=True)
+class _Draft:
+    """A request before scaling: GPU-scale lengths and unscaled arrival."""
+
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+    tenant: str
+    tag: str
+
+
+def _profile_drafts(profile: Profile, n: int, rate: float, rng: random.Random) -> list[_Draft]:
+    # An exact count of rare requests (at least one once n > 1) at random positions, so even
+    # a short mixed run holds a long document.
+    rare_count = min(n - 1, max(1, round(n * profile.rare_share))) if profile.rare else 0
+    kinds = [profile.main] * (n - rare_count)
+    if profile.rare:
+        kinds += [profile.rare] * rare_count
+    rng.shuffle(kinds)
+    arrivals = _poisson_arrivals(n, rate, rng)
+    return [
+        _Draft(t, _jitter(shape.prompt_len, rng), _jitter(shape.output_len, rng), shape.tenant,
+               shape.tag)
+        for t, shape in zip(arrivals, kinds, strict=True)
+    ]
+
+
+def _poisson_arrivals(n: int, rate: float, rng: random.Random) -> list[float]:
+    if math.isinf(rate):
+        return [0.0] * n
+    arrivals = [0.0]
+    for _ in range(n - 1):
+        arrivals.append(arrivals[-1] + rng.expovariate(rate))
+    return arrivals
+
+
+def _jitter(mean: int, rng: random.Random) -> int:
+    return round(mean * rng.uniform(1 - LENGTH_JITTER, 1 + LENGTH_JITTER))
+
+
+def _realize(request_id: str, draft: _Draft, length_scale: float, time_scale: float,
+             vocab_size: int, max_model_len: int, rng: random.Random) -> WorkloadRequest:
+    prompt_len = min(max(1, round(draft.prompt_len * length_scale)), max_model_len - 1)
+    output_len = min(max(1, round(draft.output_len * length_scale)), max_model_len - prompt_len)
+    prompt = tuple(rng.randrange(FIRST_PROMPT_TOKEN_ID, vocab_size) for _ in range(prompt_len))
+    return WorkloadRequest(request_id, draft.arrival_s * time_scale, prompt, output_len,
+                           tenant=draft.tenant, tag=draft.tag, ignore_eos=True)
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not value > 0:
+        raise WorkloadError(f"{name} must be > 0, got {value}")
+
+
+# --- trace replay ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TraceRow:
+    arrival_s: float  # seconds after the trace's first request
+    context_tokens: int
+    generated_tokens: int
+
+
+def traces_dir() -> Path:
+    override = os.environ.get("TOKENFLOW_TRACES_DIR")
+    if override:
+        return Path(override)
+    return Path(__file__).resolve().parents[1].parent / "shared" / "traces"
+
+
+def load_trace(path: Path | str) -> list[TraceRow]:
+    """Rows of an Azure LLM inference trace (TIMESTAMP, ContextTokens, GeneratedTokens)."""
+    path = Path(path)
+    expected = ", ".join(TRACE_COLUMNS)
+    try:
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            missing = [c for c in TRACE_COLUMNS if c not in (reader.fieldnames or [])]
+            if missing:
+                raise WorkloadError(
+                    f"{path}: missing column(s) {', '.join(missing)}; a trace needs {expected}"
+                )
+            parsed = [(_parse_row(path, reader.line_num, row)) for row in reader]
+    except OSError as exc:
+        raise WorkloadError(
+            f"cannot read trace {path} ({exc.strerror}); give a CSV with columns {expected}"
+        ) from None
+    if not parsed:
+        raise WorkloadError(f"{path}: no rows; a trace needs {expected} and at least one row")
+    parsed.sort(key=lambda row: row[0])
+    start = parsed[0][0]
+    return [TraceRow((ts - start).total_seconds(), ctx, gen) for ts, ctx, gen in parsed]
+
+
+def _parse_row(path: Path, line: int, row: dict[str, str]) -> tuple[datetime, int, int]:
+    try:
+        return (datetime.fromisoformat(row["TIMESTAMP"]), int(row["ContextTokens"]),
+                int(row["GeneratedTokens"]))
+    except (TypeError, ValueError):
+        raise WorkloadError(
+            f"{path}:{line}: bad row {row}; expected TIMESTAMP like '2023-11-16 18:17:03.97996' "
+            "and integer ContextTokens, GeneratedTokens"
+        ) from None
+
+
+def sample_trace(rows: Sequence[TraceRow], n: int, mode: str,
+                 rng: random.Random) -> list[TraceRow]:
+    """n rows in time order: a contiguous window at a random offset keeps the burst pattern;
+    one row from each of n equal strata keeps the whole trace's length mix and daily shape."""
+    if n > len(rows):
+        raise WorkloadError(f"asked for {n} requests but the trace has only {len(rows)} rows")
+    if mode == "window":
+        start = rng.randrange(len(rows) - n + 1)
+        return list(rows[start : start + n])
+    if mode == "stratified":
+        bounds = [len(rows) * i // n for i in range(n + 1)]
+        return [rows[rng.randrange(lo, hi)] for lo, hi in itertools.pairwise(bounds)]
+    raise WorkloadError(f"unknown sample mode {mode!r}; choose one of {', '.join(SAMPLE_MODES)}")
+
+
+def _trace_drafts(rows: list[TraceRow], n: int, rate: float | None, mode: str, label: str,
+                  rng: random.Random) -> list[_Draft]:
+    chosen = sample_trace(rows, n, mode, rng)
+    first = chosen[0].arrival_s
+    offsets = [row.arrival_s - first for row in chosen]
+    if rate is not None and math.isinf(rate):
+        offsets = [0.0] * n
+    elif rate is not None and offsets[-1] > 0:
+        # Keep the shape of the arrival pattern, rescaled to the target mean rate.
+        stretch = (n - 1) / rate / offsets[-1]
+        offsets = [t * stretch for t in offsets]
+    return [_Draft(t, row.context_tokens, row.generated_tokens, "default", label)
+            for t, row in zip(offsets, chosen, strict=True)]
+
+
+# --- request files ----------------------------------------------------------------------------
+
+
+def load_requests_jsonl(path: Path | str,
+                        tokenizer_encode: Callable[[str], list[int]]) -> list[WorkloadRequest]:
+    """One JSON object per line: id, prompt_token_ids or prompt (text), max_tokens, and optional
+    tenant, tag, priority, arrival_s, ignore_eos. Any bad line fails the whole file."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise WorkloadError(f"cannot read request file {path} ({exc.strerror})") from None
+    requests: list[WorkloadRequest] = []
+    seen: set[str] = set()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        request = _parse_request(f"{path}:{number}", line, tokenizer_encode)
+        if request.request_id in seen:
+            raise WorkloadError(f"{path}:{number}: field 'id': {request.request_id!r} repeats "
+                                "an earlier line; ids must be unique")
+        seen.add(request.request_id)
+        requests.append(request)
+    return sorted(requests, key=lambda r: r.arrival_s)
+
+
+def _parse_request(where: str, line: str,
+                   tokenizer_encode: Callable[[str], list[int]]) -> WorkloadRequest:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise WorkloadError(f"{where}: not valid JSON ({exc.msg})") from None
+    if not isinstance(obj, dict):
+        raise WorkloadError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+
+    def bad(field: str, need: str) -> WorkloadError:
+        return WorkloadError(f"{where}: field {field!r}: {need}, got {obj.get(field)!r}")
+
+    def is_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    request_id = obj.get("id")
+    if not isinstance(request_id, str) or not request_id:
+        raise bad("id", "must be a non-empty string")
+    if ("prompt" in obj) == ("prompt_token_ids" in obj):
+        raise WorkloadError(f"{where}: give exactly one of 'prompt' (text) or 'prompt_token_ids'")
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str) or not obj["prompt"]:
+            raise bad("prompt", "must be non-empty text")
+        prompt = tuple(tokenizer_encode(obj["prompt"]))
+    else:
+        ids = obj["prompt_token_ids"]
+        if not isinstance(ids, list) or not ids or not all(is_int(t) and t >= 0 for t in ids):
+            raise bad("prompt_token_ids", "must be a non-empty list of non-negative integers")
+        prompt = tuple(ids)
+    if not is_int(obj.get("max_tokens")) or obj["max_tokens"] < 1:
+        raise bad("max_tokens", "must be an integer >= 1")
+    if not isinstance(obj.get("tenant", "default"), str):
+        raise bad("tenant", "must be a string")
+    if not isinstance(obj.get("tag", ""), str | None):
+        raise bad("tag", "must be a string")
+    if not is_int(obj.get("priority", 0)):
+        raise bad("priority", "must be an integer")
+    arrival = obj.get("arrival_s", 0.0)
+    if isinstance(arrival, bool) or not isinstance(arrival, int | float) or not arrival >= 0:
+        raise bad("arrival_s", "must be a number of seconds >= 0")
+    if not isinstance(obj.get("ignore_eos", False), bool):
+        raise bad("ignore_eos", "must be true or false")
+    return WorkloadRequest(request_id, float(arrival), prompt, obj["max_tokens"],
+                           tenant=obj.get("tenant", "default"), tag=obj.get("tag"),
+                           priority=obj.get("priority", 0),
+                           ignore_eos=obj.get("ignore_eos", False))
+
+
+# --- description ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LengthStats:
+    p50: float
+    p90: float
+    p99: float
+    max: int
+    mean: float
+    total: int
+
+
+@dataclass(frozen=True)
+class WorkloadStats:
+    """What bench JSON reports under "workload"."""
+
+    requests: int
+    tenants: dict[str, int]
+    prompt_tokens: LengthStats
+    output_tokens: LengthStats
+    duration_s: float  # first to last arrival
+    rate_per_s: float | None  # None when every request arrives at once
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def describe(requests: Sequence[WorkloadRequest]) -> WorkloadStats:
+    if not requests:
+        raise WorkloadError("cannot describe an empty workload")
+    arrivals = [r.arrival_s for r in requests]
+    duration = max(arrivals) - min(arrivals)
+    return WorkloadStats(
+        requests=len(requests),
+        tenants=dict(sorted(Counter(r.tenant for r in requests).items())),
+        prompt_tokens=_length_stats([len(r.prompt_token_ids) for r in requests]),
+        output_tokens=_length_stats([r.max_tokens for r in requests]),
+        duration_s=duration,
+        # n arrivals span n - 1 gaps, so that is the rate a Poisson process would show.
+        rate_per_s=(len(requests) - 1) / duration if duration > 0 else None,
+    )
+
+
+def _length_stats(values: list[int]) -> LengthStats:
+    ordered = sorted(values)
+    return LengthStats(p50=_percentile(ordered, 50), p90=_percentile(ordered, 90),
+                       p99=_percentile(ordered, 99), max=ordered[-1],
+                       mean=round(sum(ordered) / len(ordered), 2), total=sum(ordered))
+
+
+def _percentile(ordered: list[int], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    pos = (len(ordered) - 1) * q / 100
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return round(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo), 2)
