@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 
+from console.errors import UserError
 from engine.errors import EngineError
 
 COMMANDS = ("run", "bench", "roofline", "calibrate", "db", "slow_queries", "serve", "chaos")
@@ -38,10 +39,6 @@ def main(argv: list[str] | None = None) -> int:
     except (UserError, EngineError) as exc:
         print(f"tokenflow {args.command}: {exc}", file=sys.stderr)
         return 2
-
-
-class UserError(Exception):
-    """Bad input from the command line: printed as one clear line, exit status 2."""
 
 
 if __name__ == "__main__":

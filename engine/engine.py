@@ -92,7 +92,7 @@ class Engine:
         A well-formed request the engine can never serve (too long for the model or the KV
         pool, or over the circuit breaker) is recorded as REJECTED with its reason."""
         params = params or SamplingParams()
-        token_ids = self._token_ids(prompt)
+        token_ids = self.prompt_token_ids(prompt)
         rid = request_id or uuid.uuid4().hex[:16]
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in flight; use a unique id")
@@ -114,7 +114,8 @@ class Engine:
         self.scheduler.add(request)
         return rid
 
-    def _token_ids(self, prompt: Sequence[int] | str) -> list[int]:
+    def prompt_token_ids(self, prompt: Sequence[int] | str) -> list[int]:
+        """Token ids of a prompt; RequestError if it is malformed (no state changes)."""
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode(prompt)
         else:

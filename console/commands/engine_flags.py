@@ -1,0 +1,48 @@
+"""The engine's configuration flags, shared by every command that starts an engine."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from engine.config import EngineConfig
+
+# flag name -> (EngineConfig field, type, help)
+_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--model": ("model", str, "synthetic:<preset> (tiny, small, 150m, 1b, 7b, 8b) or a local "
+                              "Hugging Face directory"),
+    "--device": ("device", str, "auto, cpu, cuda or cuda:N"),
+    "--dtype": ("dtype", str, "auto (float32 on CPU, bfloat16 on CUDA), float32 or bfloat16"),
+    "--seed": ("seed", int, "seed of synthetic weights"),
+    "--block-size": ("block_size", int, "tokens per KV block"),
+    "--kv-cache-bytes": ("kv_cache_bytes", int, "KV pool size on CPU in bytes"),
+    "--gpu-memory-utilization": ("gpu_memory_utilization", float,
+                                 "share of free GPU memory for the KV pool"),
+    "--max-model-len": ("max_model_len", int, "longest prompt + output"),
+    "--max-num-seqs": ("max_num_seqs", int, "most requests running at once"),
+    "--max-num-batched-tokens": ("max_num_batched_tokens", int, "the token budget of a step"),
+    "--chunk-tile": ("chunk_tile", int, "prefill chunks are multiples of this"),
+    "--max-prefill-chunks": ("max_prefill_chunks", int, "prefills that may share a step"),
+    "--long-prefill-threshold": ("long_prefill_threshold", int,
+                                 "cap on one request's chunk (0 = none)"),
+    "--max-prefill-tokens": ("max_prefill_tokens", int, "circuit breaker base (0 = model limit)"),
+    "--slow-query-threshold": ("slow_query_threshold", float, "budget_score of a slow query"),
+}
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, model_default: str = "synthetic:small",
+                     ) -> None:
+    group = parser.add_argument_group("engine")
+    for flag, (field, kind, text) in _FLAGS.items():
+        default = model_default if field == "model" else None
+        group.add_argument(flag, dest=field, type=kind, default=default, help=text)
+
+
+def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig:
+    """An EngineConfig from the flags given; ConfigError names a bad value."""
+    values = {field: getattr(args, field) for _, (field, _, _) in _FLAGS.items()
+              if getattr(args, field, None) is not None}
+    values.update(overrides)
+    config = dataclasses.replace(EngineConfig(), **values)
+    config.validate()
+    return config

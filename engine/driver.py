@@ -1,0 +1,145 @@
+"""Drive a workload through an engine on the caller's thread and summarise what happened.
+
+Requests are added at their arrival times (scaled real time); each request's clock starts
+at its intended arrival, so queueing shows up in TTFT as a client would see it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.engine import Engine, RequestOutput
+from engine.events import Event, Preempted, SlowQuery, StepComplete, TokensGenerated
+from engine.metrics import percentiles
+from engine.workload import WorkloadRequest
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    tenant: str
+    arrival: float
+    prompt_tokens: int
+    token_times: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    state: str = "WAITING"
+    reason: str = ""
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.token_times[0] - self.arrival if self.token_times else None
+
+    @property
+    def tpot_s(self) -> float | None:
+        n = len(self.token_times)
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
+
+    def inter_token_s(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in zip(t, t[1:], strict=False)]
+
+
+@dataclass
+class RunResult:
+    records: dict[str, RequestRecord]
+    step_s: list[float]
+    step_predicted_s: list[float]
+    wall_s: float
+    preemptions: int = 0
+    slow_queries: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        records = list(self.records.values())
+        finished = [r for r in records if r.state == "FINISHED"]
+        prompt = sum(r.prompt_tokens for r in finished)
+        output = sum(len(r.token_ids) for r in finished)
+        itl = [gap for r in finished for gap in r.inter_token_s()]
+        wall = max(self.wall_s, 1e-9)
+        return {
+            "requests": len(records),
+            "finished": len(finished),
+            "failed_or_rejected": len(records) - len(finished),
+            "wall_s": self.wall_s,
+            "throughput_tok_s": (prompt + output) / wall,
+            "output_tok_s": output / wall,
+            "ttft_ms": _ms_percentiles([r.ttft_s for r in finished if r.ttft_s is not None]),
+            "tpot_ms": _ms_percentiles([r.tpot_s for r in finished if r.tpot_s is not None]),
+            "itl_ms": {"p99": _ms_percentiles(itl)["p99"], "max": max(itl) * 1e3 if itl else None},
+            "step_ms": _ms_percentiles(self.step_s),
+            "steps": len(self.step_s),
+            "preemptions": self.preemptions,
+            "slow_queries": self.slow_queries,
+        }
+
+
+def _ms_percentiles(values: list[float]) -> dict[str, float | None]:
+    p = percentiles(values)
+    return {k: None if v is None else v * 1e3
+            for k, v in (("p50", p.p50), ("p90", p.p90), ("p99", p.p99))}
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.records: dict[str, RequestRecord] = {}
+        self.step_s: list[float] = []
+        self.step_predicted_s: list[float] = []
+        self.preemptions = 0
+        self.slow_queries = 0
+
+    def __call__(self, event: Event) -> None:
+        match event:
+            case TokensGenerated():
+                record = self.records.get(event.request_id)
+                if record is not None:
+                    record.token_times.extend([event.ts] * len(event.token_ids))
+            case StepComplete():
+                self.step_s.append(event.duration_s)
+                self.step_predicted_s.append(event.predicted_s)
+            case Preempted():
+                self.preemptions += 1
+            case SlowQuery():
+                self.slow_queries += 1
+
+
+def drive(engine: Engine, workload: list[WorkloadRequest], *,
+          on_output: Callable[[RequestOutput], None] | None = None,
+          sleep: Callable[[float], None] = time.sleep) -> RunResult:
+    recorder = _Recorder()
+    unsubscribe = engine.bus.subscribe(recorder)
+    pending = deque(sorted(workload, key=lambda w: w.arrival_s))
+    start = engine.clock()
+    try:
+        while pending or engine.has_unfinished():
+            now = engine.clock()
+            while pending and start + pending[0].arrival_s <= now:
+                item = pending.popleft()
+                arrival = start + item.arrival_s
+                recorder.records[item.request_id] = RequestRecord(
+                    item.request_id, item.tenant, arrival, len(item.prompt_token_ids))
+                engine.add_request(list(item.prompt_token_ids), item.sampling_params(),
+                                   tenant=item.tenant, priority=item.priority,
+                                   request_id=item.request_id, tag=item.tag, arrival=arrival)
+            if engine.has_unfinished():
+                for output in engine.step():
+                    _settle(recorder.records.get(output.request_id), output)
+                    if on_output is not None:
+                        on_output(output)
+            elif pending:
+                sleep(max(0.0, start + pending[0].arrival_s - engine.clock()))
+    finally:
+        unsubscribe()
+    return RunResult(recorder.records, recorder.step_s, recorder.step_predicted_s,
+                     engine.clock() - start, recorder.preemptions, recorder.slow_queries)
+
+
+def _settle(record: RequestRecord | None, output: RequestOutput) -> None:
+    if record is None:
+        return
+    record.token_ids = list(output.token_ids)
+    record.state = output.state
+    if output.finished:
+        record.reason = output.finish_reason or ""
