@@ -45,7 +45,7 @@ class DecodeGroup:
     row_start: int
     rows: int
     key_slots: torch.Tensor  # int64 [rows, width]: cache slot of each key, padding -> slot 0
-    bias: torch.Tensor  # [rows, 1, 1, width]: 0 for real keys, -inf for padding
+    bias: torch.Tensor  # [1, rows, 1, width]: 0 for real keys, -inf for padding
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,22 @@ def flash_available(device: torch.device) -> bool:
     return device.type == "cuda" and flash_attn_varlen_func is not None
 
 
+def cache_shape(use_flash: bool, num_layers: int, num_blocks: int, block_size: int,
+                num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
+    """The one KV tensor: [K/V, layer, ...]. flash-attn wants [blocks, block_size, heads, dim];
+    the torch path keeps heads outermost ([heads, blocks, block_size, dim]) so a gather of
+    slots lands directly in the [heads, keys, dim] layout matmul and SDPA take, with no
+    transpose copy per layer."""
+    if use_flash:
+        return (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+    return (2, num_layers, num_kv_heads, num_blocks, block_size, head_dim)
+
+
+def block_dim(use_flash: bool) -> int:
+    """The dimension of the KV tensor that indexes blocks (zeroed on allocation)."""
+    return 2 if use_flash else 3
+
+
 class PagedAttention:
     """Writes new K/V into a layer's cache slice and attends over the history."""
 
@@ -82,17 +98,21 @@ class PagedAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        """q [N, Hq, D], k/v [N, Hkv, D]; caches [num_blocks, block_size, Hkv, D] -> [N, Hq, D]."""
-        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k)
-        flat_v.index_copy_(0, meta.slot_mapping, v)
+        """q [N, Hq, D], k/v [N, Hkv, D] and this layer's caches (see cache_shape) -> [N, Hq, D]."""
         if self.use_flash:
+            flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+            flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+            flat_k.index_copy_(0, meta.slot_mapping, k)
+            flat_v.index_copy_(0, meta.slot_mapping, v)
             return flash_attn_varlen_func(
                 q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
                 meta.max_seqlen_k, softmax_scale=self.scale, causal=True,
                 block_table=meta.block_table,
             )
+        flat_k = k_cache.view(self.num_kv_heads, -1, self.head_dim)  # [Hkv, slots, D]
+        flat_v = v_cache.view(self.num_kv_heads, -1, self.head_dim)
+        flat_k.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+        flat_v.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         out = torch.empty_like(q)
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
@@ -104,8 +124,8 @@ class PagedAttention:
 
     def _prefill(self, q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
                  span: PrefillSpan) -> torch.Tensor:
-        keys = flat_k.index_select(0, span.key_slots).transpose(0, 1)  # [Hkv, S, D]
-        values = flat_v.index_select(0, span.key_slots).transpose(0, 1)
+        keys = flat_k.index_select(1, span.key_slots)  # [Hkv, S, D]
+        values = flat_v.index_select(1, span.key_slots)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys, values, attn_mask=span.mask, is_causal=span.mask is None,
             scale=self.scale, enable_gqa=True,
@@ -114,15 +134,12 @@ class PagedAttention:
 
     def _decode(self, q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
                 group: DecodeGroup) -> torch.Tensor:
-        slots = group.key_slots
-        batch, context = slots.shape
-        # [B, S, Hkv, D] -> [B, Hkv, S, D]; queries grouped per KV head: [B, Hkv, G, D]
-        keys = flat_k.index_select(0, slots.view(-1)).view(batch, context, self.num_kv_heads,
-                                                           self.head_dim).transpose(1, 2)
-        values = flat_v.index_select(0, slots.view(-1)).view(batch, context, self.num_kv_heads,
-                                                             self.head_dim).transpose(1, 2)
-        grouped = q.view(batch, self.num_kv_heads, self.group, self.head_dim)
+        batch, context = group.key_slots.shape
+        shape = (self.num_kv_heads, batch, context, self.head_dim)
+        keys = flat_k.index_select(1, group.key_slots.view(-1)).view(shape)  # [Hkv, B, S, D]
+        values = flat_v.index_select(1, group.key_slots.view(-1)).view(shape)
+        # queries grouped per KV head: [B, Hq, D] -> [Hkv, B, G, D]
+        grouped = q.view(batch, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)
         scores = torch.matmul(grouped, keys.transpose(-1, -2)) * self.scale + group.bias
-        probs = torch.softmax(scores, dim=-1)
-        out = torch.matmul(probs, values)  # [B, Hkv, G, D]
-        return out.reshape(batch, self.num_heads, self.head_dim)
+        out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [Hkv, B, G, D]
+        return out.transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)

@@ -14,7 +14,7 @@ from typing import Protocol
 from engine.config import ConfigError
 from engine.model.config import ModelConfig
 from engine.peaks import DevicePeaks
-from engine.roofline import Roofline, StepEstimate, StepShape, estimate
+from engine.roofline import Roofline, StepEstimate, StepShape, step_estimate
 
 # Seed 000 §3: keep the bandwidth a step needs at least 15% under what the device delivers.
 BANDWIDTH_HEADROOM = 0.15
@@ -56,7 +56,7 @@ class BudgetModel:
         c, b = self.config, self.bytes_per_element
         lm_head_params = c.vocab_size * c.hidden_size
         q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        # q, k, v, attention output, o_proj output, residual, gate, up, activation, down output
+        # q, k, v; attention, o_proj and down outputs; gate, up and their activated product
         per_layer_elements = q_width + 2 * kv_width + 3 * c.hidden_size + 3 * c.intermediate_size
         derived = {
             "_linear_flops_per_token": 2 * self.params,
@@ -101,8 +101,8 @@ class BudgetModel:
         return self.bytes_moved(shape) / self.peaks.bandwidth
 
     def estimate(self, shape: StepShape) -> StepEstimate:
-        return estimate(self.compute_seconds(shape), self.memory_seconds(shape),
-                        self.step_overhead_s)
+        return step_estimate(self.compute_seconds(shape), self.memory_seconds(shape),
+                             self.step_overhead_s)
 
     def predict(self, shape: StepShape) -> float:
         """Seconds the step should take: the roofline max plus the fixed overhead."""

@@ -59,6 +59,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | flash
     # --- live-tunable ---------------------------------------------------------------------
     max_num_batched_tokens: int = 512  # the token budget of one step
+    chunked_prefill: bool = True  # False: a prompt runs whole in one step or waits
     chunk_tile: int = 16  # prefill chunks are rounded down to a multiple of this (pitfall 4)
     max_prefill_chunks: int = 4  # partial prefills that may share a step (chunk concurrency)
     long_prefill_threshold: int = 0  # cap on one request's chunk in a step; 0 = no cap
@@ -154,9 +155,20 @@ def _coerce(name: str, value: Any) -> Any:
             return float(value)
         if target.startswith("dict") and isinstance(value, dict):
             return dict(value)
+        if target == "bool" and isinstance(value, bool | int | str):
+            return _as_bool(value)
     except (TypeError, ValueError, OverflowError):
         pass
     else:
-        if not (target in ("int", "float") or target.startswith("dict")):
+        if not (target in ("int", "float", "bool") or target.startswith("dict")):
             return value
     raise ConfigError(name, f"expected {target}, got {value!r}")
+
+
+def _as_bool(value: bool | int | str) -> bool:
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(value)

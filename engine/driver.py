@@ -6,6 +6,7 @@ at its intended arrival, so queueing shows up in TTFT as a client would see it.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable
@@ -40,7 +41,7 @@ class RequestRecord:
 
     def inter_token_s(self) -> list[float]:
         t = self.token_times
-        return [b - a for a, b in zip(t, t[1:], strict=False)]
+        return [b - a for a, b in itertools.pairwise(t)]
 
 
 @dataclass

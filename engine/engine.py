@@ -86,22 +86,28 @@ class Engine:
     # --- requests -----------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int] | str, params: SamplingParams | None = None, *,
                     tenant: str = "default", priority: int = 0, request_id: str | None = None,
-                    tag: str | None = None, arrival: float | None = None) -> str:
+                    tag: str | None = None, arrival: float | None = None,
+                    generated: Sequence[int] = ()) -> str:
         """Queue a request; malformed input raises RequestError and changes nothing.
 
         A well-formed request the engine can never serve (too long for the model or the KV
-        pool, or over the circuit breaker) is recorded as REJECTED with its reason."""
+        pool, or over the circuit breaker) is recorded as REJECTED with its reason.
+        `generated` resumes a request after a crash: those tokens count as output already
+        emitted; prompt and them are prefilled again (RECOMPUTE) and generation goes on."""
         params = params or SamplingParams()
         token_ids = self.prompt_token_ids(prompt)
+        already = self.prompt_token_ids(generated) if generated else []
         rid = request_id or uuid.uuid4().hex[:16]
         if rid in self.requests:
             raise RequestError(f"request id {rid!r} is already in flight; use a unique id")
         request = Request(id=rid, prompt_token_ids=token_ids, params=params,
                           arrival=self.clock() if arrival is None else arrival, tenant=tenant,
-                          priority=priority, tag=tag, generator=make_generator(params.seed))
+                          priority=priority, tag=tag, generator=make_generator(params.seed),
+                          output_token_ids=already)
         self.bus.publish(RequestAdded(request_id=rid, prompt_token_ids=tuple(token_ids),
                                       sampling=_params_dict(params), tenant=tenant,
-                                      priority=priority, tag=tag))
+                                      priority=priority, tag=tag,
+                                      generated_token_ids=tuple(already)))
         reason = self.rejection_reason(len(token_ids), params.max_tokens)
         if reason:
             request.set_state(RequestState.REJECTED, reason)
@@ -111,6 +117,11 @@ class Engine:
             self._out_of_band.append(_output(request, ()))
             return rid
         self.requests[rid] = request
+        ended = self._stop_reason(request, already[-1]) if already else None
+        if ended:  # it had ended before the crash; only its record was lost
+            self._finish(request, RequestState.FINISHED, ended)
+            self._out_of_band.append(_output(request, ()))
+            return rid
         self.scheduler.add(request)
         return rid
 
@@ -186,7 +197,8 @@ class Engine:
             self._pending_config = (candidate, source)
             return candidate
 
-    def _apply_pending_config(self) -> None:
+    def apply_pending_config(self) -> None:
+        """Make a validated update current; called at step boundaries (and by idle loops)."""
         with self._config_lock:
             pending, self._pending_config = self._pending_config, None
         if pending is None:
@@ -201,7 +213,7 @@ class Engine:
 
     # --- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        self._apply_pending_config()
+        self.apply_pending_config()
         outputs, self._out_of_band = self._out_of_band, []
         batch = self.scheduler.schedule()
         if batch.chunks:

@@ -73,6 +73,7 @@ class RequestAdded(Event):
     tenant: str
     priority: int = 0
     tag: str | None = None
+    generated_token_ids: tuple[int, ...] = ()  # kept from before a crash (resume)
 
 
 @dataclass(frozen=True)

@@ -147,6 +147,7 @@ class EngineLoop:
                     commands, self._commands = self._commands, deque()
                 for command in commands:
                     command()
+                self.engine.apply_pending_config()
                 self._feed_workload()
                 if not self._paused and self.engine.has_unfinished():
                     for output in self.engine.step():

@@ -9,7 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import FLASH_BLOCK_SIZE, AttentionMetadata, DecodeGroup, PrefillSpan
+from engine.attention import (
+    FLASH_BLOCK_SIZE,
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSpan,
+    block_dim,
+    cache_shape,
+)
 from engine.attention import flash_available as flash_importable
 from engine.config import EngineConfig
 from engine.errors import EngineError
@@ -66,9 +73,9 @@ class ModelRunner:
         self.block_size = FLASH_BLOCK_SIZE if self.use_flash else config.block_size
         self.num_blocks = self._num_blocks(config)
         mc = self.model_config
-        self.kv_cache = torch.zeros(2, mc.num_layers, self.num_blocks, self.block_size,
-                                    mc.num_kv_heads, mc.head_dim, dtype=self.dtype,
-                                    device=self.device)
+        self.kv_cache = torch.zeros(
+            cache_shape(self.use_flash, mc.num_layers, self.num_blocks, self.block_size,
+                        mc.num_kv_heads, mc.head_dim), dtype=self.dtype, device=self.device)
 
     @property
     def bytes_per_element(self) -> int:
@@ -93,7 +100,7 @@ class ModelRunner:
         """Pitfall 2: a block handed to a new owner starts clean."""
         if blocks:
             index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-            self.kv_cache.index_fill_(2, index, 0)
+            self.kv_cache.index_fill_(block_dim(self.use_flash), index, 0)
 
     @torch.inference_mode()
     def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
@@ -178,7 +185,7 @@ class ModelRunner:
             bias = torch.zeros(len(group), context, dtype=self.dtype)
             bias.masked_fill_(keys.unsqueeze(0) >= lengths.unsqueeze(1), float("-inf"))
             result.append(DecodeGroup(row, len(group), slot_ids.to(self.device),
-                                      bias.view(len(group), 1, 1, context).to(self.device)))
+                                      bias.view(1, len(group), 1, context).to(self.device)))
             row += len(group)
         return tuple(result)
 

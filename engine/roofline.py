@@ -79,7 +79,8 @@ class RooflineRow:
     rounds: int
 
 
-def estimate(compute_s: float, memory_s: float, overhead_s: float = 0.0) -> StepEstimate:
+def step_estimate(compute_s: float, memory_s: float,
+                  overhead_s: float = 0.0) -> StepEstimate:
     """The roofline max of the two times; the bound is whichever side sets it."""
     if math.isclose(compute_s, memory_s, rel_tol=_BALANCED_TOLERANCE):
         bound = "balanced"
@@ -134,7 +135,7 @@ class Roofline:
     def step_time(self, chunk: int, decode_seqs: int, context: int) -> StepEstimate:
         shape = StepShape(prefill=((chunk, 0),) if chunk > 0 else (),
                           decode_contexts=(context,) * decode_seqs)
-        return estimate(self.compute_seconds(shape), self.memory_seconds(shape))
+        return step_estimate(self.compute_seconds(shape), self.memory_seconds(shape))
 
     def balance_chunk(self, decode_seqs: int, context: int) -> float:
         """C* where compute time equals memory time: 2P(C+D)/F = (weights + DSk)/W.

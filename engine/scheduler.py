@@ -159,7 +159,10 @@ class Scheduler:
         cap = THROTTLE_CONCURRENCY[self.throttle_level]
         if cap is not None:
             slots = min(slots, cap)
-        chunk_cap = cfg.long_prefill_threshold or math.inf
+        # a cap below one tile would round every partial chunk to nothing (pitfall 4), and
+        # without chunking a capped prompt could never run whole
+        chunk_cap = max(cfg.long_prefill_threshold, cfg.chunk_tile) \
+            if cfg.long_prefill_threshold and cfg.chunked_prefill else math.inf
         if self.cache_pressure or self.prefill_paused:
             if batch.decodes and not self.prefill_paused:
                 return  # decodes only, until evictions relieve the pressure
@@ -169,6 +172,15 @@ class Scheduler:
         admit = not (batch.preempted or self.cache_pressure or self.throttle_level >= 3)
         candidates = in_progress + (self._admissible() if admit else [])
         plan = self._plan_chunks(candidates, budget, slots, chunk_cap)
+        if not plan and not batch.decodes:
+            # Nothing decodes, so no block will come back on its own: tenant limits yield
+            # first, then the latest partial prefill gives its blocks to the others.
+            plan = self._plan_chunks(candidates, budget, slots, chunk_cap, isolate=False)
+            while not plan and len(in_progress) > 1:
+                victim = self._pick_victim()
+                self._preempt(victim, batch)
+                in_progress.remove(victim)
+                plan = self._plan_chunks(in_progress, budget, slots, chunk_cap, isolate=False)
         now = self.clock()
         decode_contexts = tuple(c.start + 1 for c in batch.decodes)
         for request, tokens in plan.items():
@@ -185,15 +197,17 @@ class Scheduler:
         return self.waiting[:max(0, room)]
 
     def _plan_chunks(self, candidates: list[Request], budget: int, slots: int,
-                     chunk_cap: float) -> dict[Request, int]:
-        """Token counts per request: shares first (pitfall 5), then leftovers, FCFS."""
+                     chunk_cap: float, isolate: bool = True) -> dict[Request, int]:
+        """Token counts per request: shares first (pitfall 5), then leftovers, FCFS.
+
+        `isolate=False` drops the tenant limits (budget shares and KV room)."""
         cfg = self.config
         tile = cfg.chunk_tile
         free_blocks = self.blocks.num_free
         tenants = {r.tenant for r in candidates}
-        shared = len(tenants) > 1 and any(t in cfg.tenant_shares for t in tenants)
+        shared = isolate and len(tenants) > 1 and any(t in cfg.tenant_shares for t in tenants)
         tenant_left = self._tenant_budgets(tenants, budget) if shared else None
-        kv_left = self._tenant_kv_room(tenants)
+        kv_left = self._tenant_kv_room(tenants) if isolate else {}
         plan: dict[Request, int] = {}
         for use_shares in ((True, False) if shared else (False,)):
             for request in candidates:
@@ -210,7 +224,8 @@ class Scheduler:
                 want = min(want, by_kv, kv_left.get(request.tenant, math.inf))
                 total = have + int(max(0, want))
                 if total < request.num_pending:
-                    total = total // tile * tile  # partial chunks are whole tiles
+                    # partial chunks are whole tiles; without chunking, whole prompts only
+                    total = total // tile * tile if cfg.chunked_prefill else 0
                 added = total - have
                 if added <= 0:
                     queued = request.state in (RequestState.WAITING, RequestState.PREEMPTED)
@@ -276,7 +291,8 @@ class Scheduler:
         """Lowest priority, latest arrival; requests preempted often are protected."""
         protect = self.config.preempt_protect_after
         candidates = [r for r in self.running if r.num_preemptions < protect] or self.running
-        return min(candidates, key=lambda r: (r.priority, -r.arrival))
+        # equal arrivals: the latest admitted goes, as the waiting queue orders ties
+        return min(reversed(candidates), key=lambda r: (r.priority, -r.arrival))
 
     def _preempt(self, victim: Request, batch: Batch) -> None:
         discarded = victim.num_computed_tokens

@@ -65,7 +65,7 @@ def test_blocks_are_zeroed_when_reallocated() -> None:
     engine.blocks.grow(request, 4)
     engine.runner.zero_blocks(engine.blocks.take_newly_allocated())
     block = request.block_table[0]
-    assert engine.runner.kv_cache[:, :, block].abs().sum() == 0
+    assert engine.runner.kv_cache[:, :, :, block].abs().sum() == 0
     assert engine.runner.kv_cache.dtype.is_floating_point
 
 

@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
-from console.errors import UserError
+from console.commands.db import add_db_argument
 from console.commands.engine_flags import add_engine_flags, engine_config
 from console.commands.workload_flags import add_workload_flags, workload_for
+from console.errors import UserError
+from engine.config import SamplingParams
 from engine.driver import drive
 from engine.engine import Engine, RequestOutput
-from engine.workload import describe, load_requests_jsonl
+from engine.store import Database, StoreWriter, mark_resumed, open_database, unfinished_requests
+from engine.workload import WorkloadRequest, describe, load_requests_jsonl
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,10 +30,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--output", type=Path, help="write finished requests here as JSONL "
                         "(id, token_ids)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--resume", action="store_true",
+                        help="first finish what a killed run left unfinished in the journal "
+                             "(prompt + generated tokens are recomputed, generation goes on); "
+                             "requests already in --output are not run again")
+    add_db_argument(parser)
+    parser.add_argument("--no-db", action="store_true",
+                        help="keep no request journal (a crash then loses in-flight work)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.resume and args.no_db:
+        raise UserError("--resume reads the request journal; drop --no-db")
     engine = Engine(engine_config(args))
     if args.requests:
         if not args.requests.exists():
@@ -36,11 +50,20 @@ def run(args: argparse.Namespace) -> int:
         workload = load_requests_jsonl(args.requests, engine.tokenizer.encode)
     else:
         workload = workload_for(args, engine)
+    database = None if args.no_db else open_database(args.db)
+    writer = None if database is None else StoreWriter(database, engine.bus)
     sink = _OutputSink(args.output)
     try:
-        result = drive(engine, workload, on_output=sink.write)
+        remaining = workload
+        if args.resume:
+            remaining = _resume(engine, database, workload, sink.emitted())
+        result = drive(engine, remaining, on_output=sink.write)
     finally:
         sink.close()
+        if writer is not None:
+            writer.close()
+        if database is not None:
+            database.close()
     summary: dict[str, Any] = {"model": engine.config.model, "device": str(engine.runner.device),
                                "workload": describe(workload).to_dict(), **result.summary()}
     if args.json:
@@ -50,11 +73,45 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resume(engine: Engine, database: Database, workload: list[WorkloadRequest],
+            emitted: set[str]) -> list[WorkloadRequest]:
+    """Re-add the journal's unfinished requests with the tokens they had generated; return
+    the part of `workload` that neither finished before nor is being resumed."""
+    with database.session() as session:
+        entries = [e for e in unfinished_requests(session) if e.request_id not in emitted]
+        for entry in entries:
+            sampling = {k: v for k, v in entry.sampling.items() if k in _SAMPLING_FIELDS}
+            engine.add_request(entry.prompt_token_ids, SamplingParams(**sampling),
+                               tenant=entry.tenant, priority=entry.priority,
+                               request_id=entry.request_id, tag=entry.tag,
+                               generated=entry.generated_token_ids)
+        mark_resumed(session, [e.request_id for e in entries])
+    skip = emitted | {e.request_id for e in entries}
+    print(f"resumed {len(entries)} unfinished request(s) from {database.path}", file=sys.stderr)
+    return [w for w in workload if w.request_id not in skip]
+
+
+_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+
+
 class _OutputSink:
     """Appends one JSON line per finished request, flushed at once so a crash loses none."""
 
     def __init__(self, path: Path | None) -> None:
+        self._path = path
         self._file = path.open("a") if path else None
+
+    def emitted(self) -> set[str]:
+        """Ids already written (by an earlier, killed run), so none is emitted twice."""
+        if self._path is None or not self._path.exists():
+            return set()
+        ids = set()
+        for line in self._path.read_text().splitlines():
+            try:
+                ids.add(json.loads(line)["id"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                continue  # a line cut short by the kill: that request is resumed instead
+        return ids
 
     def write(self, output: RequestOutput) -> None:
         if self._file is not None and output.finished and output.state == "FINISHED":

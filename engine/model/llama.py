@@ -134,7 +134,7 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids/positions [N]; kv_cache [2, L, blocks, block_size, Hkv, D] -> hidden [N, H]."""
+        """input_ids/positions [N]; kv_cache [2, L, ...] (attention.cache_shape) -> [N, H]."""
         x = self.embed_tokens(input_ids)
         for index, layer in enumerate(self.layers):
             x = layer(x, positions, kv_cache[0, index], kv_cache[1, index], meta)

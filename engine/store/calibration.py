@@ -84,7 +84,10 @@ def calibration_history(
         CalibrationRecord(
             id=run.id, created_at=run.created_at, model=run.model, device=run.device,
             info=run.info, params=run.params,
-            table=[BudgetPoint(p.tokens, p.context_tokens, p.seconds) for p in run.table],
+            table=[
+                BudgetPoint(p.tokens, p.context_tokens, p.seconds)
+                for p in sorted(run.table, key=lambda p: (p.tokens, p.context_tokens))
+            ],
         )
         for run in session.scalars(query)
     ]

@@ -99,8 +99,7 @@ class CalibrationRunRow(Base):
     info: Mapped[dict[str, Any]]  # the run as the calibrator described it
     params: Mapped[dict[str, Any]]  # fitted predictor parameters
     table: Mapped[list[BudgetTableRow]] = relationship(
-        back_populates="run", cascade="all, delete-orphan", passive_deletes=True,
-        order_by="(BudgetTableRow.tokens, BudgetTableRow.context_tokens)",
+        back_populates="run", cascade="all, delete-orphan", passive_deletes=True
     )
 
 

@@ -1,0 +1,49 @@
+"""`tokenflow db upgrade|current`: the SQLite store's schema (upgrade also runs on every start).
+
+`add_db_argument` is the one `--db` flag every command that touches the store shares.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.store.database import default_db_path, head_revision, open_database
+
+
+def add_db_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--db", metavar="PATH", default=None,
+        help=f"SQLite database file (default: {default_db_path()})",
+    )
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("db", help="manage the SQLite store's schema")
+    actions = parser.add_subparsers(dest="db_action", required=True, metavar="ACTION")
+    upgrade = actions.add_parser("upgrade", help="upgrade the schema to the newest revision")
+    add_db_argument(upgrade)
+    upgrade.set_defaults(func=run_upgrade)
+    current = actions.add_parser("current", help="show the schema revision, without changing it")
+    add_db_argument(current)
+    current.set_defaults(func=run_current)
+
+
+def run_upgrade(args: argparse.Namespace) -> int:
+    database = open_database(args.db, upgrade=True)
+    try:
+        print(f"{database.path}: schema at revision {database.revision()} (head)")
+    finally:
+        database.close()
+    return 0
+
+
+def run_current(args: argparse.Namespace) -> int:
+    database = open_database(args.db, upgrade=False)
+    try:
+        revision = database.revision()
+    finally:
+        database.close()
+    head = head_revision()
+    state = "up to date" if revision == head else f"behind {head}; run `tokenflow db upgrade`"
+    print(f"{database.path}: schema at revision {revision or 'none (empty)'}, {state}")
+    return 0

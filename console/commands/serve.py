@@ -1,0 +1,88 @@
+"""`tokenflow serve`: the engine behind an OpenAI-compatible HTTP API (DESIGN.md, HTTP).
+
+It binds 127.0.0.1 unless --host says otherwise. The admin endpoints (live tuning, pause)
+need the bearer token from $TOKENFLOW_ADMIN_TOKEN or --admin-token-file and are off without
+one. Requests, slow queries and config changes go to the SQLite store unless --no-db.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import uvicorn
+
+from console.commands.db import add_db_argument
+from console.commands.engine_flags import add_engine_flags, engine_config
+from console.errors import UserError
+from engine.engine import Engine
+from engine.loop import EngineLoop
+from engine.server import create_app
+from engine.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, SlowQueriesReader
+from engine.server.auth import TOKEN_ENV, load_admin_token
+from engine.store import Database, SlowQueryRecord, StoreWriter, list_slow_queries, open_database
+
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="HTTP API (OpenAI-compatible completions)",
+                                   description=__doc__.splitlines()[0])
+    http = parser.add_argument_group("http")
+    http.add_argument("--host", default="127.0.0.1",
+                      help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server)")
+    http.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    http.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                      help="requests in flight before new ones get 429 "
+                           f"(default {DEFAULT_MAX_QUEUE})")
+    http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                      help="largest request body in bytes; more gets 413 "
+                           f"(default {DEFAULT_MAX_BODY_BYTES})")
+    http.add_argument("--admin-token-file", type=Path, metavar="FILE",
+                      help=f"bearer token of the admin endpoints (default: ${TOKEN_ENV})")
+    add_db_argument(parser)
+    parser.add_argument("--no-db", action="store_true", help="keep no SQLite store")
+    add_engine_flags(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_queue < 1:
+        raise UserError(f"--max-queue must be at least 1, got {args.max_queue}")
+    if args.max_body_bytes < 1024:
+        raise UserError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in [0, 65535], got {args.port}")
+    config = engine_config(args)
+    token = load_admin_token(args.admin_token_file)
+    database = None if args.no_db else open_database(args.db)
+    writer: StoreWriter | None = None
+    loop: EngineLoop | None = None
+    try:
+        engine = Engine(config)
+        writer = None if database is None else StoreWriter(database, engine.bus)
+        loop = EngineLoop(engine).start()
+        app = create_app(loop, admin_token=token, max_queue=args.max_queue,
+                         max_body_bytes=args.max_body_bytes,
+                         slow_queries_reader=None if database is None else _reader(database))
+        admin = "on" if token else f"off (set {TOKEN_ENV} or --admin-token-file)"
+        store = "none" if database is None else str(database.path)
+        print(f"tokenflow serve: {config.model} on {engine.runner.device}, "
+              f"http://{args.host}:{args.port}, admin API {admin}, store {store}", flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, lifespan="off",
+                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    finally:
+        if loop is not None:
+            loop.stop()
+        if writer is not None:
+            writer.close()
+        if database is not None:
+            database.close()
+    return 0
+
+
+def _reader(database: Database) -> SlowQueriesReader:
+    def read(limit: int) -> list[SlowQueryRecord]:
+        with database.session() as session:
+            return list_slow_queries(session, sort="time", limit=limit)
+    return read

@@ -1,0 +1,101 @@
+"""HttpSource: the console attached to a running `tokenflow serve`.
+
+It reads the same snapshots an embedded console does (GET /v1/stats) and tunes through
+PATCH /v1/admin/config with the admin token from $TOKENFLOW_ADMIN_TOKEN. The server publishes
+its slow queries; calibrations, drift and config history stay in the server's own store
+(read them there with `tokenflow slow-queries` and friends), so those lists are empty here.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from console.source import Progress, SourceError
+from console.sources.remote import Remote, error_message
+from engine.config import ConfigError
+from engine.server.auth import TOKEN_ENV
+from engine.snapshot import Snapshot
+from engine.store import CalibrationRecord, ConfigChangeRecord, DriftRecord, SlowQueryRecord
+
+MAX_SLOW_QUERIES = 5000  # the server's own cap on one listing
+
+
+class HttpSource:
+    def __init__(self, url: str, *, token: str | None = None,
+                 clock: Callable[[], float] = time.monotonic,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        token = token if token is not None else os.environ.get(TOKEN_ENV, "").strip()
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.remote = Remote(url, headers=headers, clock=clock, transport=transport)
+
+    @property
+    def name(self) -> str:
+        return f"attach {self.remote.url}" + ("" if self.remote.online else " (offline)")
+
+    @property
+    def online(self) -> bool:
+        return self.remote.online
+
+    @property
+    def last_error(self) -> str:
+        return self.remote.last_error
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot.from_dict(self._call("GET", "/v1/stats").json())
+
+    def update_config(self, **changes: Any) -> dict[str, Any]:
+        response = self.remote.request("PATCH", "/v1/admin/config", json=changes)
+        if response.status_code == 422:
+            error = response.json()["error"]
+            raise ConfigError(error.get("param") or "configuration", error["message"])
+        return self._checked(response, "/v1/admin/config").json()["config"]
+
+    def pause(self) -> None:
+        self._call("POST", "/v1/admin/pause")
+
+    def resume(self) -> None:
+        self._call("POST", "/v1/admin/resume")
+
+    def slow_queries(self, limit: int = 500) -> list[SlowQueryRecord]:
+        limit = max(1, min(limit, MAX_SLOW_QUERIES))
+        data = self._call("GET", "/v1/slow_queries", params={"limit": limit}).json()["data"]
+        return [SlowQueryRecord(**record) for record in data]
+
+    def slow_query(self, query_id: int) -> SlowQueryRecord:
+        for record in self.slow_queries(MAX_SLOW_QUERIES):
+            if record.id == query_id:
+                return record
+        raise SourceError(f"{self.remote.url} has no slow query with id {query_id}")
+
+    def calibration_history(self) -> list[CalibrationRecord]:
+        return []
+
+    def drift_events(self) -> list[DriftRecord]:
+        return []
+
+    def config_changes(self) -> list[ConfigChangeRecord]:
+        return []
+
+    def recalibrate(self, progress: Progress) -> CalibrationRecord:
+        raise SourceError("calibration runs next to the engine: run `tokenflow calibrate` on "
+                          f"the machine serving {self.remote.url}")
+
+    def close(self) -> None:
+        self.remote.close()
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        return self._checked(self.remote.request(method, path, **kwargs), path)
+
+    def _checked(self, response: httpx.Response, path: str) -> httpx.Response:
+        if response.status_code < 400:
+            return response
+        hint = ""
+        if response.status_code == 401:
+            hint = f"; set {TOKEN_ENV} to the server's admin token"
+        raise SourceError(f"{self.remote.url}{path}: HTTP {response.status_code} "
+                          f"{error_message(response)}{hint}")

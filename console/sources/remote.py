@@ -1,0 +1,72 @@
+"""A remote server the console polls, and whether it is reachable right now.
+
+After a failure the next attempt waits (0.5 s, doubling to 10 s); until then calls fail fast
+with the same message, so the console shows one steady "offline" notice instead of a storm
+of timeouts, and reconnects by itself when the server comes back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from console.source import SourceError
+
+FIRST_DELAY_S = 0.5
+MAX_DELAY_S = 10.0
+TIMEOUT_S = 2.0
+
+
+class Remote:
+    def __init__(self, url: str, *, headers: dict[str, str] | None = None,
+                 timeout: float = TIMEOUT_S, clock: Callable[[], float] = time.monotonic,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
+                                   transport=transport)
+        self.clock = clock
+        self.online = False  # until the first answer
+        self.last_error = ""
+        self.delay_s = 0.0
+        self.next_attempt = 0.0
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """The response (any status below 500); SourceError while the server is unreachable."""
+        if not self.online and self.clock() < self.next_attempt:
+            raise self._offline()
+        try:
+            response = self.client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise self._failed(f"{type(exc).__name__}: {exc}" if str(exc)
+                               else type(exc).__name__) from exc
+        if response.status_code >= 500:
+            raise self._failed(f"HTTP {response.status_code} {error_message(response)}")
+        self.online, self.last_error, self.delay_s = True, "", 0.0
+        return response
+
+    def _failed(self, error: str) -> SourceError:
+        self.online = False
+        self.last_error = error
+        self.delay_s = min(MAX_DELAY_S, self.delay_s * 2 or FIRST_DELAY_S)
+        self.next_attempt = self.clock() + self.delay_s
+        return self._offline()
+
+    def _offline(self) -> SourceError:
+        return SourceError(f"{self.url} is offline ({self.last_error}); reconnecting with backoff")
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def error_message(response: httpx.Response) -> str:
+    """The server's own words: `error.message` of an OpenAI-style body, else the text."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip()[:200]
+    if isinstance(body, dict) and isinstance(body.get("error"), dict):
+        return str(body["error"].get("message", ""))
+    return response.text.strip()[:200]

@@ -1,0 +1,51 @@
+"""A uvicorn server on a background thread, for tests and benchmarks on loopback.
+
+The listening socket is bound and listening before the thread starts, so clients may connect
+at once (the kernel queues them) and nobody has to wait for the server to come up.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from types import TracebackType
+
+import uvicorn
+from starlette.types import ASGIApp
+
+BACKLOG = 2048
+GRACEFUL_SHUTDOWN_S = 2
+
+
+class ServerThread:
+    def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.sock.listen(BACKLOG)
+        config = uvicorn.Config(app, log_level="warning", lifespan="off", backlog=BACKLOG,
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="tokenflow-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self.sock.getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    def start(self) -> ServerThread:
+        self.thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.stop()

@@ -1,0 +1,116 @@
+"""`tokenflow slow-queries list|show|export` and `tokenflow db upgrade|current`."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from console.cli import main
+from engine.events import EventBus, SlowQuery
+from engine.store import StoreWriter, open_database
+
+CONFIG = {"max_num_batched_tokens": 512, "chunk_tile": 16}
+
+
+@pytest.fixture
+def db_path(tmp_path: Path) -> str:
+    """A store holding four slow queries from two tenants."""
+    path = tmp_path / "store.db"
+    database = open_database(path)
+    bus = EventBus()
+    writer = StoreWriter(database, bus)
+    for rid, tenant, score, prompt, tag in [
+        ("r1", "acme", 1.6, 100, None), ("r2", "acme", 3.2, 4000, "contract"),
+        ("r3", "beta", 2.1, 900, "email"), ("r4", "beta", 1.9, 50, None),
+    ]:
+        bus.publish(SlowQuery(
+            request_id=rid, tenant=tenant, budget_score=score, prompt_tokens=prompt,
+            prefill_s=score * 0.01, budgeted_s=0.01, tag=tag, config=CONFIG,
+            chunks=({"index": 0, "tokens": 64, "duration_s": 0.004, "predicted_s": 0.002},),
+        ))
+    bus.drain()
+    assert writer.close()
+    database.close()
+    return str(path)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def listed_ids(out: str) -> list[str]:
+    return [line.split()[0] for line in out.splitlines()[1:]]
+
+
+def test_list_sorts_and_filters(capsys: pytest.CaptureFixture[str], db_path: str) -> None:
+    code, out, _ = run(capsys, "slow-queries", "list", "--db", db_path)
+    assert code == 0 and out.splitlines()[0].split()[:4] == ["ID", "WHEN", "TENANT", "SCORE"]
+    assert listed_ids(out) == ["2", "3", "4", "1"]  # highest budget_score first
+    _, out, _ = run(capsys, "slow-queries", "list", "--db", db_path, "--sort", "prompt")
+    assert listed_ids(out) == ["2", "3", "1", "4"]
+    _, out, _ = run(capsys, "slow-queries", "list", "--db", db_path, "--tenant", "beta",
+                    "--min-score", "2", "--limit", "5")
+    assert listed_ids(out) == ["3"] and "email" in out
+    _, out, _ = run(capsys, "slow-queries", "list", "--db", db_path, "--limit", "1")
+    assert listed_ids(out) == ["2"]
+
+
+def test_list_of_an_empty_store(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, out, _ = run(capsys, "slow-queries", "list", "--db", str(tmp_path / "new.db"))
+    assert code == 0 and "no slow queries" in out
+
+
+def test_show_one_and_a_missing_id(capsys: pytest.CaptureFixture[str], db_path: str) -> None:
+    code, out, _ = run(capsys, "slow-queries", "show", "2", "--db", db_path)
+    assert code == 0
+    assert "request r2" in out and "tenant acme" in out and "tag contract" in out
+    assert "budget_score 3.20" in out and "duration_s=0.004" in out
+    assert '"max_num_batched_tokens": 512' in out
+    code, _, err = run(capsys, "slow-queries", "show", "99", "--db", db_path)
+    assert code == 2 and "no slow query with id 99" in err
+
+
+def test_export_csv_and_json(capsys: pytest.CaptureFixture[str], db_path: str,
+                             tmp_path: Path) -> None:
+    code, out, _ = run(capsys, "slow-queries", "export", "--format", "csv", "--db", db_path)
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert code == 0 and [row["request_id"] for row in rows] == ["r2", "r3", "r4", "r1"]
+    assert json.loads(rows[0]["config"]) == CONFIG
+    assert json.loads(rows[0]["chunks"])[0]["tokens"] == 64
+
+    target = tmp_path / "out.json"
+    code, out, _ = run(capsys, "slow-queries", "export", "--format", "json", "--db", db_path,
+                       "--tenant", "acme", "--output", str(target))
+    records = json.loads(target.read_text())
+    assert code == 0 and out == ""
+    assert [(r["request_id"], r["budget_score"], r["tag"]) for r in records] == [
+        ("r2", 3.2, "contract"), ("r1", 1.6, None)]
+
+    code, _, err = run(capsys, "slow-queries", "export", "--format", "json", "--db", db_path,
+                       "--output", str(tmp_path / "missing" / "out.json"))
+    assert code == 2 and "choose another --output" in err
+
+
+def test_bad_limit_and_bad_database(capsys: pytest.CaptureFixture[str], db_path: str,
+                                    tmp_path: Path) -> None:
+    code, _, err = run(capsys, "slow-queries", "list", "--db", db_path, "--limit", "0")
+    assert code == 2 and "--limit" in err
+    junk = tmp_path / "junk.db"
+    junk.write_text("not a database")
+    code, _, err = run(capsys, "slow-queries", "list", "--db", str(junk))
+    assert code == 2 and str(junk) in err and "--db" in err
+    assert junk.read_text() == "not a database"
+
+
+def test_db_upgrade_and_current(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = str(tmp_path / "fresh.db")
+    code, out, _ = run(capsys, "db", "upgrade", "--db", path)
+    assert code == 0 and path in out and "0001" in out
+    code, out, _ = run(capsys, "db", "current", "--db", path)
+    assert code == 0 and "0001" in out and "up to date" in out

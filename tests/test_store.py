@@ -1,0 +1,371 @@
+"""The SQLite store: migrations, PRAGMAs, the writer, the journal, retention, bad files."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import tempfile
+import threading
+from pathlib import Path
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import func, inspect, select, text
+
+from engine.events import (
+    ChunkComplete,
+    ConfigChanged,
+    Drift,
+    EventBus,
+    Finished,
+    Preempted,
+    RequestAdded,
+    SlowQuery,
+    TokensGenerated,
+)
+from engine.store import (
+    BudgetPoint,
+    RetentionLimits,
+    StoreError,
+    StoreWriter,
+    apply_retention,
+    calibration_history,
+    config_changes,
+    drift_events,
+    head_revision,
+    latest_calibration,
+    mark_resumed,
+    open_database,
+    save_calibration,
+    unfinished_requests,
+)
+from engine.store.database import Database, downgrade_database, upgrade_database
+from engine.store.models import Base, BudgetTableRow, JournalRow, SlowQueryRow
+
+
+@pytest.fixture
+def database(tmp_path: Path) -> Database:
+    db = open_database(tmp_path / "store.db")
+    yield db
+    db.close()
+
+
+def added(rid: str, prompt: tuple[int, ...] = (1, 2, 3, 4), tenant: str = "t") -> RequestAdded:
+    return RequestAdded(request_id=rid, prompt_token_ids=prompt, sampling={"max_tokens": 8},
+                        tenant=tenant, priority=1, tag="doc")
+
+
+def chunk(rid: str, index: int, start: int, tokens: int, done: bool) -> ChunkComplete:
+    return ChunkComplete(request_id=rid, chunk_index=index, tokens=tokens, start=start,
+                         duration_s=0.01, estimated_bytes=1e6, predicted_s=0.01,
+                         prefill_done=done)
+
+
+def finished(rid: str) -> Finished:
+    return Finished(request_id=rid, reason="length", prompt_tokens=4, generated_tokens=2,
+                    ttft_s=0.05, e2e_s=0.2, budget_score=1.1)
+
+
+def deliver(bus: EventBus, writer: StoreWriter, *events: object) -> None:
+    for event in events:
+        bus.publish(event)
+    bus.drain()
+    assert writer.flush(timeout=10)
+
+
+def journal_row(db: Database, rid: str) -> JournalRow:
+    with db.session() as session:
+        return session.scalars(select(JournalRow).where(JournalRow.request_id == rid)).one()
+
+
+# --- schema ------------------------------------------------------------------------------
+
+
+def test_migration_round_trip_on_a_temporary_file(tmp_path: Path) -> None:
+    db = open_database(tmp_path / "round.db")
+    try:
+        assert db.revision() == head_revision()
+        tables = set(inspect(db.engine).get_table_names())
+        assert set(Base.metadata.tables) <= tables
+        with db.engine.connect() as connection:  # the hand-written revision matches the models
+            assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
+
+        downgrade_database(db, "base")
+        assert db.revision() is None
+        assert set(inspect(db.engine).get_table_names()) <= {"alembic_version"}
+
+        upgrade_database(db)
+        assert db.revision() == head_revision()
+        assert set(Base.metadata.tables) <= set(inspect(db.engine).get_table_names())
+    finally:
+        db.close()
+
+
+def test_pragmas_hold_on_every_connection(database: Database) -> None:
+    connections = [database.engine.raw_connection() for _ in range(3)]  # three distinct ones
+    try:
+        for connection in connections:
+            cursor = connection.cursor()
+            assert cursor.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+            assert cursor.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+            assert cursor.execute("PRAGMA busy_timeout").fetchone()[0] == 5000
+    finally:
+        for connection in connections:
+            connection.close()
+
+
+def test_default_path_lives_in_the_user_data_dir(monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg"))
+    db = open_database()
+    try:
+        assert db.path == tmp_path / "xdg" / "tokenflow" / "tokenflow.db"
+        assert db.path.exists()
+    finally:
+        db.close()
+
+
+# --- bad files: a clear error naming the file and the fix, the file untouched --------------
+
+
+def test_corrupt_file_is_refused_and_left_untouched(tmp_path: Path) -> None:
+    path = tmp_path / "corrupt.db"
+    content = b"this is not sqlite\n" * 100
+    path.write_bytes(content)
+    before = path.stat().st_mtime_ns
+    with pytest.raises(StoreError) as caught:
+        open_database(path)
+    assert str(path) in str(caught.value)
+    assert "mv " in str(caught.value) and "--db" in str(caught.value)
+    assert path.read_bytes() == content and path.stat().st_mtime_ns == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corrupt.db"]
+
+
+def test_newer_schema_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "future.db"
+    open_database(path).close()
+    db = open_database(path, upgrade=False)
+    with db.engine.begin() as connection:
+        connection.execute(text("UPDATE alembic_version SET version_num = '9999_future'"))
+    db.close()
+    with pytest.raises(StoreError) as caught:
+        open_database(path)
+    message = str(caught.value)
+    assert str(path) in message and "9999_future" in message and "newer" in message
+    with contextlib.closing(sqlite3.connect(path)) as connection:  # the file kept its stamp
+        stamp = connection.execute("SELECT version_num FROM alembic_version").fetchone()[0]
+    assert stamp == "9999_future"
+
+
+def _open_without_privileges(path: Path) -> str:
+    """Try open_database in a forked child; returns the StoreError message ("" if it opened).
+
+    Root ignores permission bits, so a root child first drops to `nobody`. Forking (no exec)
+    keeps the already-imported interpreter, which `nobody` could not load from /root.
+    """
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(read_end)
+            if os.geteuid() == 0:
+                os.setgid(65534)
+                os.setuid(65534)
+            try:
+                open_database(path).close()
+                message = ""
+            except StoreError as exc:
+                message = str(exc)
+            os.write(write_end, message.encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    with os.fdopen(read_end) as pipe:
+        message = pipe.read()
+    os.waitpid(pid, 0)
+    return message
+
+
+@pytest.fixture
+def shared_dir() -> Path:
+    # pytest's tmp_path is private to its owner; the unprivileged child needs to enter this one.
+    directory = Path(tempfile.mkdtemp(prefix="tokenflow-store-"))
+    directory.chmod(0o755)
+    yield directory
+    for path in sorted(directory.rglob("*"), reverse=True):
+        path.chmod(0o700)
+        path.unlink() if path.is_file() else path.rmdir()
+    directory.rmdir()
+
+
+def test_read_only_directory_is_refused(shared_dir: Path) -> None:
+    read_only = shared_dir / "ro"
+    read_only.mkdir(mode=0o555)
+    read_only.chmod(0o555)
+    message = _open_without_privileges(read_only / "store.db")
+    assert str(read_only / "store.db") in message and "--db" in message
+    assert list(read_only.iterdir()) == []
+
+
+def test_read_only_file_is_refused_and_left_untouched(shared_dir: Path) -> None:
+    path = shared_dir / "store.db"
+    open_database(path).close()
+    path.chmod(0o444)
+    content = path.read_bytes()
+    message = _open_without_privileges(path)
+    assert str(path) in message and "chmod" in message
+    assert path.read_bytes() == content
+
+
+# --- writer and journal ------------------------------------------------------------------
+
+
+def test_journal_follows_every_chunk_and_token(database: Database) -> None:
+    bus = EventBus()
+    writer = StoreWriter(database, bus)
+    try:
+        deliver(bus, writer, added("r1"))
+        row = journal_row(database, "r1")
+        assert (row.state, row.prefilled_tokens, row.prompt_token_ids) == ("WAITING", 0,
+                                                                          [1, 2, 3, 4])
+        deliver(bus, writer, chunk("r1", 0, start=0, tokens=2, done=False))
+        row = journal_row(database, "r1")
+        assert (row.state, row.prefilled_tokens, row.chunks_done) == ("PREFILL_CHUNKING", 2, 1)
+        deliver(bus, writer, chunk("r1", 1, start=2, tokens=2, done=True),
+                TokensGenerated(request_id="r1", token_ids=(9,)))
+        row = journal_row(database, "r1")
+        assert (row.state, row.prefilled_tokens, row.chunks_done) == ("DECODING", 4, 2)
+        assert row.generated_token_ids == [9] and row.first_token_at is not None
+        deliver(bus, writer, Preempted(request_id="r1", reason="cache", tokens_discarded=5))
+        row = journal_row(database, "r1")
+        assert (row.state, row.prefilled_tokens, row.preemptions) == ("PREEMPTED", 0, 1)
+        deliver(bus, writer, chunk("r1", 2, start=0, tokens=5, done=True),
+                TokensGenerated(request_id="r1", token_ids=(8,)), finished("r1"),
+                TokensGenerated(request_id="r1", token_ids=(7,)))
+        row = journal_row(database, "r1")
+        assert row.state == "FINISHED" and row.finish_reason == "length"
+        assert row.generated_token_ids == [9, 8, 7] and row.generated_tokens == 3
+        assert (row.ttft_s, row.e2e_s, row.budget_score) == (0.05, 0.2, 1.1)
+    finally:
+        assert writer.close()
+
+
+def test_no_event_lost_under_a_burst_from_several_threads(database: Database) -> None:
+    bus = EventBus()
+    writer = StoreWriter(database, bus, batch_size=256)
+    threads, requests_per_thread, tokens_per_request = 4, 50, 40
+
+    def produce(thread: int) -> None:
+        for r in range(requests_per_thread):
+            rid = f"{thread}-{r}"
+            bus.publish(added(rid))
+            for token in range(tokens_per_request):
+                bus.publish(TokensGenerated(request_id=rid, token_ids=(token,)))
+            bus.publish(SlowQuery(request_id=rid, tenant="t", budget_score=2.0, prompt_tokens=4,
+                                  prefill_s=0.2, budgeted_s=0.1, chunks=(), config={}))
+
+    producers = [threading.Thread(target=produce, args=(t,)) for t in range(threads)]
+    for producer in producers:
+        producer.start()
+    delivered = 0
+    while any(p.is_alive() for p in producers):
+        delivered += bus.drain()  # the engine thread keeps stepping meanwhile
+    for producer in producers:
+        producer.join()
+    delivered += bus.drain()
+    assert writer.flush(timeout=30)
+    total = threads * requests_per_thread
+    assert delivered == total * (tokens_per_request + 2)
+    with database.session() as session:
+        rows = session.scalars(select(JournalRow)).all()
+        assert len(rows) == total
+        assert all(r.generated_token_ids == list(range(tokens_per_request)) for r in rows)
+        assert session.scalar(select(func.count()).select_from(SlowQueryRow)) == total
+    assert writer.close()
+
+
+def test_unfinished_requests_and_mark_resumed(database: Database) -> None:
+    bus = EventBus()
+    writer = StoreWriter(database, bus)
+    deliver(bus, writer, added("done"), chunk("done", 0, 0, 4, True),
+            TokensGenerated(request_id="done", token_ids=(5,)), finished("done"),
+            added("mid", prompt=(1, 2, 3, 4, 5, 6), tenant="a"),
+            chunk("mid", 0, 0, 4, False),
+            added("decoding"), chunk("decoding", 0, 0, 4, True),
+            TokensGenerated(request_id="decoding", token_ids=(11, 12)),
+            added("waiting"))
+    assert writer.close()
+    with database.session() as session:
+        entries = unfinished_requests(session)
+        assert [e.request_id for e in entries] == ["mid", "decoding", "waiting"]
+        mid, decoding, _ = entries
+        assert mid.prompt_token_ids == [1, 2, 3, 4, 5, 6] and mid.prefilled_tokens == 4
+        assert (mid.tenant, mid.priority, mid.tag, mid.sampling) == ("a", 1, "doc",
+                                                                     {"max_tokens": 8})
+        assert decoding.generated_token_ids == [11, 12] and decoding.state == "DECODING"
+        assert mark_resumed(session, ["mid", "done"]) == 1
+        assert [e.request_id for e in unfinished_requests(session)] == ["decoding", "waiting"]
+
+
+def test_drift_config_changes_and_calibrations(database: Database) -> None:
+    bus = EventBus()
+    writer = StoreWriter(database, bus)
+    deliver(bus, writer, Drift(deviation=0.25, detail="decode table moved"),
+            ConfigChanged(changes={"chunk_tile": (16, 32), "max_prefill_chunks": (4, 2)},
+                          source="console"))
+    assert writer.close()
+    with database.session() as session:
+        assert [(d.deviation, d.detail) for d in drift_events(session)] == [
+            (0.25, "decode table moved")]
+        changes = {(c.field, c.old, c.new, c.source) for c in config_changes(session)}
+        assert changes == {("chunk_tile", 16, 32, "console"),
+                           ("max_prefill_chunks", 4, 2, "console")}
+        first = save_calibration(session, model="synthetic:tiny", device="cpu",
+                                 table=[BudgetPoint(64, 0, 0.01), BudgetPoint(32, 0, 0.005)],
+                                 params={"a": 1.0})
+        second = save_calibration(session, model="synthetic:tiny", device="cpu",
+                                  table=[BudgetPoint(64, 0, 0.02)], params={"a": 2.0},
+                                  info={"steps": 3})
+        save_calibration(session, model="other", device="cpu", table=[], params={})
+        latest = latest_calibration(session, model="synthetic:tiny", device="cpu")
+        assert latest is not None and latest.id == second and latest.params == {"a": 2.0}
+        assert latest.info == {"steps": 3} and latest.table == [BudgetPoint(64, 0, 0.02)]
+        history = calibration_history(session, model="synthetic:tiny")
+        assert [run.id for run in history] == [second, first]
+        assert history[1].table == [BudgetPoint(32, 0, 0.005), BudgetPoint(64, 0, 0.01)]
+
+
+def test_retention_keeps_the_newest_and_every_unfinished_request(database: Database) -> None:
+    bus = EventBus()
+    writer = StoreWriter(database, bus)
+    events: list[object] = []
+    for i in range(10):
+        events += [added(f"f{i}"), finished(f"f{i}"), Drift(deviation=i, detail=""),
+                   SlowQuery(request_id=f"f{i}", tenant="t", budget_score=2.0, prompt_tokens=4,
+                             prefill_s=0.2, budgeted_s=0.1, chunks=(), config={})]
+    events += [added("open0"), added("open1")]
+    deliver(bus, writer, *events)
+    assert writer.close()
+    with database.session() as session:
+        for i in range(5):
+            save_calibration(session, model="m", device="cpu", params={},
+                             table=[BudgetPoint(16, 0, 0.1 * i), BudgetPoint(32, 0, 0.2)])
+    limits = RetentionLimits(journal=3, slow_queries=4, calibration_runs=2, drift_events=5,
+                             config_changes=1)
+    with database.engine.begin() as connection:
+        assert apply_retention(connection, limits) == 7 + 6 + 3 + 5
+    with database.session() as session:
+        ids = session.scalars(select(JournalRow.request_id).order_by(JournalRow.id)).all()
+        assert ids == ["f7", "f8", "f9", "open0", "open1"]
+        assert [d.deviation for d in drift_events(session)] == [9, 8, 7, 6, 5]
+        assert session.scalar(select(func.count()).select_from(SlowQueryRow)) == 4
+        assert len(calibration_history(session)) == 2
+        # foreign keys are on, so the deleted runs took their budget tables with them
+        assert session.scalar(select(func.count()).select_from(BudgetTableRow)) == 4
+
+
+def test_bad_writer_settings_are_refused(database: Database) -> None:
+    with pytest.raises(Exception, match="retention_interval_s"):
+        StoreWriter(database, EventBus(), retention_interval_s=0)

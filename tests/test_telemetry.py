@@ -1,0 +1,193 @@
+from types import SimpleNamespace
+
+import pytest
+
+from engine.telemetry import (
+    MAX_UTILIZATION,
+    BandwidthReading,
+    BandwidthSource,
+    InjectedBandwidth,
+    ModelBandwidth,
+    NvmlBandwidth,
+    TelemetryError,
+    nvml_available,
+)
+
+GB = 1e9
+
+
+class FakeClock:
+    def __init__(self, t: float = 100.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_model_bandwidth_busy_window():
+    clock = FakeClock()
+    source = ModelBandwidth(peak_bytes_per_s=10 * GB, window_s=5.0, clock=clock)
+    assert source.reading() == BandwidthReading(0.0, "model")
+    for _ in range(10):  # 10 back-to-back 0.5 s steps at 8 GB/s
+        clock.t += 0.5
+        source.record(4 * GB, 0.5)
+    assert source.reading().util_5s == pytest.approx(0.8)
+
+
+def test_model_bandwidth_idle_time_lowers_utilisation():
+    clock = FakeClock()
+    source = ModelBandwidth(peak_bytes_per_s=10 * GB, window_s=5.0, clock=clock)
+    clock.t += 10.0
+    source.record(5 * GB, 1.0)  # one busy second at 5 GB/s
+    assert source.reading().util_5s == pytest.approx(0.1)  # 5 GB over the 5 s window
+    clock.t += 3.0
+    assert source.reading().util_5s == pytest.approx(0.1)
+    clock.t += 1.5  # the step ended 4.5 s ago: half of it is still inside the window
+    assert source.reading().util_5s == pytest.approx(0.05)
+    clock.t += 1.0
+    assert source.reading().util_5s == 0.0
+
+
+def test_model_bandwidth_before_a_full_window_uses_elapsed_time():
+    clock = FakeClock()
+    source = ModelBandwidth(peak_bytes_per_s=10 * GB, clock=clock)
+    clock.t += 1.0
+    source.record(3 * GB, 0.5)
+    assert source.reading().util_5s == pytest.approx(0.3)  # 3 GB over 1 s of existence
+    # A step reported longer than the source has existed divides by its own duration.
+    late = ModelBandwidth(peak_bytes_per_s=10 * GB, clock=clock)
+    late.record(4 * GB, 2.0)
+    assert late.reading().util_5s == pytest.approx(0.2)
+
+
+def test_model_bandwidth_clips_and_rejects_bad_input():
+    clock = FakeClock()
+    source = ModelBandwidth(peak_bytes_per_s=1 * GB, clock=clock)
+    clock.t += 1.0
+    source.record(100 * GB, 1.0)
+    assert source.reading().util_5s == MAX_UTILIZATION
+    with pytest.raises(TelemetryError, match="bytes_moved >= 0"):
+        source.record(-1, 1.0)
+    with pytest.raises(TelemetryError, match="peak_bytes_per_s"):
+        ModelBandwidth(peak_bytes_per_s=0)
+
+
+class FakeNvmlError(Exception):
+    pass
+
+
+def fake_pynvml(memory_percents: list[int], *, library: bool = True, devices: int = 1):
+    """A stand-in for pynvml on this GPU-less machine: same names, scripted readings."""
+    state = {"calls": 0, "init": 0, "shutdown": 0, "fail_next": False}
+
+    def init():
+        if not library:
+            raise FakeNvmlError("NVML Shared Library Not Found")
+        state["init"] += 1
+
+    def shutdown():
+        state["shutdown"] += 1
+
+    def utilization(handle):
+        if state["fail_next"]:
+            state["fail_next"] = False
+            raise FakeNvmlError("GPU is lost")
+        percent = memory_percents[min(state["calls"], len(memory_percents) - 1)]
+        state["calls"] += 1
+        return SimpleNamespace(gpu=50, memory=percent)
+
+    return SimpleNamespace(
+        NVMLError=FakeNvmlError, NVML_CLOCK_SM=0, NVML_CLOCK_MEM=2, state=state,
+        nvmlInit=init, nvmlShutdown=shutdown, nvmlDeviceGetCount=lambda: devices,
+        nvmlDeviceGetHandleByIndex=lambda index: f"gpu{index}",
+        nvmlDeviceGetUtilizationRates=utilization,
+        nvmlDeviceGetMemoryInfo=lambda handle: SimpleNamespace(used=30 * GB, total=141 * GB,
+                                                               free=111 * GB),
+        nvmlDeviceGetClockInfo=lambda handle, kind: 2619 if kind == 2 else 1980,
+    )
+
+
+def test_nvml_unavailable_on_this_machine():
+    assert nvml_available() is False
+    with pytest.raises(TelemetryError, match="model-estimated bandwidth"):
+        NvmlBandwidth().start()
+
+
+def test_nvml_available_with_fake_module():
+    assert nvml_available(fake_pynvml([0])) is True
+    assert nvml_available(fake_pynvml([0], devices=0)) is False
+    assert nvml_available(fake_pynvml([0], library=False)) is False
+
+
+def test_nvml_sampling_and_five_second_average():
+    clock = FakeClock()
+    nvml = fake_pynvml([90, 90, 90, 30, 30, 30, 30, 30])
+    source = NvmlBandwidth(interval_s=1.0, window_s=5.0, nvml=nvml, clock=clock)
+    for _ in range(3):
+        source.sample()
+        clock.t += 1.0
+    assert source.reading() == BandwidthReading(pytest.approx(0.9), "nvml")
+    for _ in range(5):
+        source.sample()
+        clock.t += 1.0
+    # The window now holds samples at 103..107 (30 %); 100..102 (90 %) have aged out.
+    clock.t -= 1.0
+    assert source.reading().util_5s == pytest.approx(0.3)
+    latest = source.latest()
+    assert latest is not None
+    assert (latest.used_bytes, latest.total_bytes) == (30 * GB, 141 * GB)
+    assert (latest.memory_clock_mhz, latest.sm_clock_mhz) == (2619, 1980)
+    assert latest.torch_allocated_bytes is None
+    source.record(1e9, 1.0)  # NVML measures the hardware; estimates are ignored
+    assert source.reading().util_5s == pytest.approx(0.3)
+
+
+def test_nvml_error_is_kept_and_handle_refetched():
+    nvml = fake_pynvml([50])
+    source = NvmlBandwidth(nvml=nvml, clock=FakeClock())
+    nvml.state["fail_next"] = True
+    assert source.sample() is None
+    assert source.last_error == "GPU is lost"
+    assert source.sample() is not None and source.last_error is None
+
+
+def test_nvml_torch_allocator_figures(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 7)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 9)
+    source = NvmlBandwidth(nvml=fake_pynvml([50]), torch_device="cuda:0", clock=FakeClock())
+    sample = source.sample()
+    assert sample is not None
+    assert (sample.torch_allocated_bytes, sample.torch_reserved_bytes) == (7, 9)
+
+
+def test_nvml_thread_start_stop():
+    nvml = fake_pynvml([40])
+    source = NvmlBandwidth(interval_s=60.0, nvml=nvml)
+    source.start()
+    source.stop()  # the thread samples before its first wait, so one sample is certain
+    assert nvml.state["init"] == 1 and nvml.state["shutdown"] == 1
+    assert source.latest() is not None
+    assert source.reading() == BandwidthReading(pytest.approx(0.4), "nvml")
+
+
+def test_injected_override_expires():
+    clock = FakeClock()
+    inner = ModelBandwidth(peak_bytes_per_s=10 * GB, clock=clock)
+    source = InjectedBandwidth(inner, clock=clock)
+    as_protocol: BandwidthSource = source  # the scheduler sees only the protocol
+    clock.t += 1.0
+    as_protocol.record(2 * GB, 1.0)  # forwarded to the wrapped source
+    assert as_protocol.reading() == BandwidthReading(pytest.approx(0.2), "model")
+    source.inject(0.99, until_s=clock.t + 12.0)
+    assert source.reading() == BandwidthReading(0.99, "injected")
+    clock.t += 11.9
+    assert source.reading().source == "injected"
+    clock.t += 0.1
+    assert source.reading().source == "model"
+    source.inject(0.95, until_s=clock.t + 5)
+    source.clear()
+    assert source.reading().source == "model"
+    with pytest.raises(TelemetryError, match="injected utilisation"):
+        source.inject(2.0, until_s=clock.t + 1)
