@@ -66,10 +66,10 @@ def test_sigkill_mid_prefill_and_mid_decode_then_resume(tmp_path: Path) -> None:
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     args = [*FLAGS, "--requests", str(requests_file), "--output", str(output), "--db", str(db)]
-    mid_prefill = _run_until(args, lambda: bool(_journal(
-        db, "SELECT 1 FROM request_journal WHERE prefilled_tokens > 0 AND generated_tokens = 0")), env)
-    mid_decode = _run_until([*args, "--resume"], lambda: bool(_journal(
-        db, "SELECT 1 FROM request_journal WHERE generated_tokens > 0 AND state = 'DECODING'")), env)
+    prefilling = "SELECT 1 FROM request_journal WHERE prefilled_tokens > 0 AND generated_tokens = 0"
+    decoding = "SELECT 1 FROM request_journal WHERE generated_tokens > 0 AND state = 'DECODING'"
+    mid_prefill = _run_until(args, lambda: bool(_journal(db, prefilling)), env)
+    mid_decode = _run_until([*args, "--resume"], lambda: bool(_journal(db, decoding)), env)
     assert mid_prefill and mid_decode, "the run finished before it could be killed"
     assert not _run_until([*args, "--resume"], lambda: False, env)
 
