@@ -72,6 +72,10 @@ class EngineConfig:
     slow_query_threshold: float = 1.5  # budget_score above this is a slow query
     max_prefill_tokens: int = 0  # circuit breaker base; 0 = max_model_len
     chunk_timeout_base_ms: float = 0.0  # layer 4; 0 = off
+    guard_window_s: float = 10.0  # layers 1, 4, 5 stay engaged this long after they last acted
+    defrag_threshold: float = 0.30  # layer 3 engages (and compacts) above this fragmentation
+    defrag_interval_s: float = 300.0  # layer 3 compacts at most this often
+    degraded_path: bool = True  # layer 6: one minimal prefill at a time while layers 1-4 engage
     preempt_protect_after: int = 3  # preemptions after which a request is not chosen again
     tenant_shares: dict[str, float] = field(default_factory=dict)  # share of prefill budget
     tenant_priorities: dict[str, int] = field(default_factory=dict)  # higher runs first
@@ -118,6 +122,9 @@ class EngineConfig:
         _check(self.slow_query_threshold > 0, "slow_query_threshold", "must be > 0")
         _check(self.max_prefill_tokens >= 0, "max_prefill_tokens", "must be >= 0")
         _check(self.chunk_timeout_base_ms >= 0, "chunk_timeout_base_ms", "must be >= 0")
+        _check(self.guard_window_s > 0, "guard_window_s", "must be > 0")
+        _check(0 < self.defrag_threshold <= 1, "defrag_threshold", "must be in (0, 1]")
+        _check(self.defrag_interval_s >= 0, "defrag_interval_s", "must be >= 0 (0: no limit)")
         _check(self.preempt_protect_after >= 1, "preempt_protect_after", "must be >= 1")
         for tenant, share in self.tenant_shares.items():
             _check(0 < share <= 1, "tenant_shares", f"share of {tenant!r} must be in (0, 1]")

@@ -16,6 +16,7 @@ from typing import Any
 from engine.engine import Engine, RequestOutput
 from engine.events import Event, Preempted, SlowQuery, StepComplete, TokensGenerated
 from engine.metrics import percentiles
+from engine.peaks import DevicePeaks
 from engine.workload import WorkloadRequest
 
 
@@ -47,11 +48,35 @@ class RequestRecord:
 @dataclass
 class RunResult:
     records: dict[str, RequestRecord]
-    step_s: list[float]
-    step_predicted_s: list[float]
+    steps: list[StepComplete]
     wall_s: float
     preemptions: int = 0
     slow_queries: int = 0
+
+    @property
+    def step_s(self) -> list[float]:
+        return [s.duration_s for s in self.steps]
+
+    def utilisation(self, peaks: DevicePeaks) -> dict[str, float | None]:
+        """Prefill MFU over steps that ran prefill chunks, decode MBU over decode-only steps
+        (FLOPs and bytes from the budget model, against the measured peaks)."""
+        prefill = [s for s in self.steps if s.prefill_tokens]
+        decode = [s for s in self.steps if not s.prefill_tokens]
+
+        def ratio(num: float, seconds: float, peak: float) -> float | None:
+            return num / seconds / peak if seconds > 0 else None
+
+        return {
+            "prefill_mfu": ratio(sum(s.flops for s in prefill),
+                                 sum(s.duration_s for s in prefill), peaks.flops),
+            "decode_mbu": ratio(sum(s.bytes_moved for s in decode),
+                                sum(s.duration_s for s in decode), peaks.bandwidth),
+        }
+
+    def prediction_errors(self) -> list[float]:
+        """Relative error of predicted against measured step time, per step."""
+        return [(s.predicted_s - s.duration_s) / s.duration_s
+                for s in self.steps if s.duration_s > 0 and s.predicted_s > 0]
 
     def summary(self) -> dict[str, Any]:
         records = list(self.records.values())
@@ -86,8 +111,7 @@ def _ms_percentiles(values: list[float]) -> dict[str, float | None]:
 class _Recorder:
     def __init__(self) -> None:
         self.records: dict[str, RequestRecord] = {}
-        self.step_s: list[float] = []
-        self.step_predicted_s: list[float] = []
+        self.steps: list[StepComplete] = []
         self.preemptions = 0
         self.slow_queries = 0
 
@@ -98,8 +122,7 @@ class _Recorder:
                 if record is not None:
                     record.token_times.extend([event.ts] * len(event.token_ids))
             case StepComplete():
-                self.step_s.append(event.duration_s)
-                self.step_predicted_s.append(event.predicted_s)
+                self.steps.append(event)
             case Preempted():
                 self.preemptions += 1
             case SlowQuery():
@@ -133,8 +156,8 @@ def drive(engine: Engine, workload: list[WorkloadRequest], *,
                 sleep(max(0.0, start + pending[0].arrival_s - engine.clock()))
     finally:
         unsubscribe()
-    return RunResult(recorder.records, recorder.step_s, recorder.step_predicted_s,
-                     engine.clock() - start, recorder.preemptions, recorder.slow_queries)
+    return RunResult(recorder.records, recorder.steps, engine.clock() - start,
+                     recorder.preemptions, recorder.slow_queries)
 
 
 def _settle(record: RequestRecord | None, output: RequestOutput) -> None:

@@ -30,6 +30,7 @@ from engine.events import (
     StepComplete,
     TokensGenerated,
 )
+from engine.guards import Guards
 from engine.metrics import Metrics
 from engine.model_runner import ModelRunner
 from engine.peaks import measure_peaks
@@ -38,7 +39,7 @@ from engine.roofline import StepShape
 from engine.sampler import make_generator, sample
 from engine.scheduler import Batch, ScheduledChunk, Scheduler
 from engine.snapshot import RequestView, Snapshot
-from engine.telemetry import BandwidthSource, ModelBandwidth
+from engine.telemetry import BandwidthSource, ModelBandwidth, NvmlBandwidth, nvml_available
 
 RECENT_FINISHED = 64  # finished requests still shown in snapshots
 BREAKER_FACTOR = 1.2  # protection layer 1: reject prompts over max_prefill_tokens × 1.2
@@ -71,7 +72,7 @@ class Engine:
         self.peaks = measure_peaks(str(self.runner.device), self.runner.dtype)
         self.budget = BudgetModel(self.model_config, self.runner.bytes_per_element, self.peaks)
         self.predict: Callable[[StepShape], float] = self.budget.predict
-        self.bandwidth = bandwidth or ModelBandwidth(self.peaks.bandwidth, clock=clock)
+        self.bandwidth = bandwidth or self._default_bandwidth()
         self.scheduler = Scheduler(config, self.blocks, self.bandwidth,
                                    lambda shape: self.predict(shape), self.bus.publish, clock)
         self.metrics = Metrics()
@@ -82,6 +83,16 @@ class Engine:
         self._out_of_band: list[RequestOutput] = []
         self._config_lock = threading.Lock()
         self._pending_config: tuple[EngineConfig, str] | None = None
+        self.guards = Guards(self)
+
+    def _default_bandwidth(self) -> BandwidthSource:
+        """NVML's 5 s average on a GPU it can see, else the model estimate."""
+        device = self.runner.device
+        if device.type == "cuda" and nvml_available():
+            source = NvmlBandwidth(device.index or 0, torch_device=str(device))
+            source.start()
+            return source
+        return ModelBandwidth(self.peaks.bandwidth, clock=self.clock)
 
     # --- requests -----------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int] | str, params: SamplingParams | None = None, *,
@@ -151,6 +162,10 @@ class Engine:
         if prompt_tokens + max_tokens > self.max_model_len:
             return (f"prompt ({prompt_tokens}) + max_tokens ({max_tokens}) exceeds "
                     f"max_model_len {self.max_model_len}; shorten the prompt or lower max_tokens")
+        budget = self.config.max_num_batched_tokens
+        if not self.config.chunked_prefill and prompt_tokens > budget:
+            return (f"chunked prefill is off and the prompt ({prompt_tokens}) exceeds "
+                    f"max_num_batched_tokens {budget}; raise the budget or turn chunking on")
         needed = self.blocks.blocks_for(prompt_tokens + max_tokens)
         if needed > self.blocks.num_blocks:
             return (f"needs {needed} KV blocks but the pool has {self.blocks.num_blocks}; "
@@ -214,6 +229,7 @@ class Engine:
     # --- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         self.apply_pending_config()
+        self.guards.before_step()
         outputs, self._out_of_band = self._out_of_band, []
         batch = self.scheduler.schedule()
         if batch.chunks:
@@ -232,7 +248,8 @@ class Engine:
                         [c.request.generator for c in sampling])
         end = self.clock()
         duration = end - start
-        self.bandwidth.record(self.budget.bytes_moved(shape), duration)
+        bytes_moved = self.budget.bytes_moved(shape)
+        self.bandwidth.record(bytes_moved, duration)
         self.step_count += 1
         for chunk in batch.prefills:
             self._record_chunk(chunk, duration, predicted)
@@ -242,7 +259,9 @@ class Engine:
                    for c, token in zip(sampling, tokens, strict=True)]
         self.bus.publish(StepComplete(step=self.step_count, prefill_tokens=shape.prefill_tokens,
                                       decode_seqs=len(batch.decodes), duration_s=duration,
-                                      predicted_s=predicted, mode=batch.mode.value))
+                                      predicted_s=predicted, mode=batch.mode.value,
+                                      flops=self.budget.flops(shape), bytes_moved=bytes_moved))
+        self.guards.after_step(batch, duration)
         return outputs
 
     def _record_chunk(self, chunk: ScheduledChunk, duration: float, predicted: float) -> None:
@@ -345,6 +364,7 @@ class Engine:
             generation_tokens_total=m.generation_tokens_total,
             requests_finished_total=m.requests_finished_total,
             slow_queries_total=m.slow_queries_total,
+            guards=self.guards.engaged(),
         )
 
     def _mode_reason(self) -> str:

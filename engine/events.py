@@ -40,6 +40,8 @@ class StepComplete(Event):
     duration_s: float
     predicted_s: float = 0.0
     mode: str = "NORMAL"
+    flops: float = 0.0  # the budget model's count for this step (for MFU)
+    bytes_moved: float = 0.0  # likewise for memory traffic (for MBU and bandwidth)
 
 
 @dataclass(frozen=True)

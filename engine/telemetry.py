@@ -60,6 +60,8 @@ class ModelBandwidth:
         self._clock = clock
         self._started = clock()
         self._steps: deque[_Step] = deque()
+        self._moved = 0.0  # bytes of the steps in _steps
+        self._busy = 0.0  # seconds of the steps in _steps
         self._lock = threading.Lock()  # the engine records, the console and HTTP read
 
     def record(self, bytes_moved: float, duration_s: float) -> None:
@@ -71,19 +73,28 @@ class ModelBandwidth:
             )
         with self._lock:
             self._steps.append(_Step(self._clock(), bytes_moved, duration_s))
+            self._moved += bytes_moved
+            self._busy += duration_s
 
     def reading(self) -> BandwidthReading:
         now = self._clock()
         window_start = now - self.window_s
-        moved = busy = 0.0
         with self._lock:
+            # Running sums keep a reading O(1): the engine reads this every step.
             while self._steps and self._steps[0].end <= window_start:
-                self._steps.popleft()
-            for step in self._steps:
-                # A step that began before the window counts only for its share inside it.
-                inside = min(step.duration_s, step.end - window_start)
-                moved += step.bytes_moved * (inside / step.duration_s if step.duration_s else 1.0)
-                busy += inside
+                old = self._steps.popleft()
+                self._moved -= old.bytes_moved
+                self._busy -= old.duration_s
+            if not self._steps:
+                self._moved = self._busy = 0.0  # no float drift carried across idle spells
+            moved, busy = self._moved, self._busy
+            if self._steps:
+                # The oldest step may have begun before the window: count only its share inside.
+                first = self._steps[0]
+                outside = first.duration_s - min(first.duration_s, first.end - window_start)
+                if outside > 0:
+                    moved -= first.bytes_moved * outside / first.duration_s
+                    busy -= outside
         # Divide by the wall time the window covers, not by the time spent in steps: an engine
         # that idles half the window moved half the bytes, and that is what throttling should
         # see. Before a full window has passed, only the time since the source began counts.

@@ -1,0 +1,23 @@
+"""The hf baseline runs our exact weights: greedy tokens equal the engine's."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.hf_baseline import hf_model, run_hf
+from engine.workload import WorkloadRequest
+
+pytest.importorskip("transformers")
+
+
+def test_hf_static_batches_match_the_engine() -> None:
+    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu"))
+    prompts = [[5, 6, 7, 8], list(range(3, 40)), [9] * 11]
+    workload = [WorkloadRequest(f"r{i}", 0.0, tuple(p), 5, ignore_eos=True)
+                for i, p in enumerate(prompts)]
+    expected = engine.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
+    result = run_hf(hf_model(engine.runner.model, engine.model_config), workload, batch_size=2)
+    assert [result.records[f"r{i}"].token_ids for i in range(3)] == expected
+    summary = result.summary()
+    assert summary["finished"] == 3 and summary["ttft_ms"]["p50"] is not None
