@@ -60,6 +60,7 @@ class EngineConfig:
     # --- live-tunable ---------------------------------------------------------------------
     max_num_batched_tokens: int = 512  # the token budget of one step
     chunked_prefill: bool = True  # False: a prompt runs whole in one step or waits
+    auto_budget: bool = False  # True: each step's budget is C* (live D, S) plus the decodes
     chunk_tile: int = 16  # prefill chunks are rounded down to a multiple of this (pitfall 4)
     max_prefill_chunks: int = 4  # partial prefills that may share a step (chunk concurrency)
     long_prefill_threshold: int = 0  # cap on one request's chunk in a step; 0 = no cap

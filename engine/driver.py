@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.engine import Engine, RequestOutput
-from engine.events import Event, Preempted, SlowQuery, StepComplete, TokensGenerated
+from engine.events import ChunkComplete, Event, Preempted, SlowQuery, StepComplete, TokensGenerated
 from engine.metrics import percentiles
 from engine.peaks import DevicePeaks
 from engine.workload import WorkloadRequest
@@ -30,6 +30,11 @@ class RequestRecord:
     token_ids: list[int] = field(default_factory=list)
     state: str = "WAITING"
     reason: str = ""
+    first_scheduled: float | None = None  # start of the step that ran its first chunk
+
+    @property
+    def scheduling_delay_s(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
 
     @property
     def ttft_s(self) -> float | None:
@@ -123,6 +128,10 @@ class _Recorder:
                     record.token_times.extend([event.ts] * len(event.token_ids))
             case StepComplete():
                 self.steps.append(event)
+            case ChunkComplete(chunk_index=0):
+                record = self.records.get(event.request_id)
+                if record is not None and record.first_scheduled is None:
+                    record.first_scheduled = event.ts - event.duration_s
             case Preempted():
                 self.preemptions += 1
             case SlowQuery():

@@ -231,11 +231,31 @@ class Engine:
         self.apply_pending_config()
         self.guards.before_step()
         outputs, self._out_of_band = self._out_of_band, []
+        if self.config.auto_budget:
+            self.scheduler.auto_budget = self._auto_budget()
         batch = self.scheduler.schedule()
         if batch.chunks:
             outputs += self._run(batch)
         self.bus.drain()
         return outputs
+
+    def _decode_load(self) -> tuple[int, int]:
+        """(D, S): running decodes and their mean context, the inputs of C*."""
+        decodes = [r for r in self.scheduler.running if r.is_decoding]
+        if not decodes:
+            return 0, 0
+        return len(decodes), sum(r.num_tokens for r in decodes) // len(decodes)
+
+    def _auto_budget(self) -> int:
+        """C* for the live decode load plus one token per decode, in whole tiles. With no
+        decode to protect the configured budget stands (seed 003 §13: bigger chunks then
+        only shorten TTFT)."""
+        decodes, context = self._decode_load()
+        if decodes == 0:
+            return self.config.max_num_batched_tokens
+        tile = self.config.chunk_tile
+        wanted = self.budget.recommended_chunk(decodes, context) + decodes
+        return max(tile, -(-wanted // tile) * tile)
 
     def _run(self, batch: Batch) -> list[RequestOutput]:
         self.runner.zero_blocks(self.blocks.take_newly_allocated())
@@ -341,8 +361,7 @@ class Engine:
         live = list(self.requests.values())
         tokens_per_s, output_per_s = self.metrics.rates(now)
         ttft, tpot, step = self.metrics.latency()
-        decodes = [r for r in live if r.is_decoding]
-        context = (sum(r.num_tokens for r in decodes) // len(decodes)) if decodes else 0
+        decodes, context = self._decode_load()
         reading = self.bandwidth.reading()
         m = self.metrics
         return Snapshot(
@@ -359,7 +378,8 @@ class Engine:
             bandwidth_util_5s=reading.util_5s, bandwidth_source=reading.source,
             throttle_level=self.scheduler.throttle_level, tokens_per_s=tokens_per_s,
             output_tokens_per_s=output_per_s, ttft_ms=ttft, tpot_ms=tpot, step_ms=step,
-            recommended_chunk_size=self.budget.recommended_chunk(len(decodes), context),
+            recommended_chunk_size=self.budget.recommended_chunk(decodes, context),
+            token_budget=self.scheduler.token_budget,
             preemptions_total=m.preemptions_total, prompt_tokens_total=m.prompt_tokens_total,
             generation_tokens_total=m.generation_tokens_total,
             requests_finished_total=m.requests_finished_total,

@@ -100,6 +100,7 @@ class Scheduler:
         self.throttle_level = 0
         self.cache_pressure = False
         self.prefill_paused = False  # degraded path (protection layer 6) when set by guards
+        self.auto_budget: int | None = None  # set each step by the engine when auto_budget
         self._above_pause_since: float | None = None
         self.bandwidth_util = 0.0
 
@@ -116,6 +117,13 @@ class Scheduler:
             self.waiting.remove(request)
         return self.blocks.release(request)
 
+    @property
+    def token_budget(self) -> int:
+        """This step's token budget: the configured one, or the engine's live C* choice."""
+        if self.config.auto_budget and self.auto_budget is not None:
+            return self.auto_budget
+        return self.config.max_num_batched_tokens
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -128,8 +136,7 @@ class Scheduler:
     def schedule(self) -> Batch:
         self._update_mode()
         batch = Batch(mode=self.mode)
-        budget = self.config.max_num_batched_tokens
-        budget = self._schedule_decodes(batch, budget)
+        budget = self._schedule_decodes(batch, self.token_budget)
         self._schedule_prefills(batch, budget)
         return batch
 

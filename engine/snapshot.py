@@ -62,6 +62,7 @@ class Snapshot:
     tpot_ms: Percentiles = Percentiles()
     step_ms: Percentiles = Percentiles()
     recommended_chunk_size: int | None = None
+    token_budget: int = 0  # this step's budget (differs from the config under auto_budget)
     preemptions_total: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0

@@ -1,16 +1,23 @@
 """`tokenflow bench`: one workload under several configurations in one process.
 
 Built-in configurations: `chunked` (the default token budget), `unchunked` (a budget as large
-as the longest prompt plus a decode per running request, prompts never split). More with
-`--config NAME:field=value,...`. Every run replays the same requests at the same times.
+as the longest prompt plus a decode per running request, prompts never split), `auto` (each
+step's budget is the recommended C* for the live decode load) and `hf` (transformers'
+`generate` in static batches on the same weights). More with `--config NAME:field=value,...`.
+Every run replays the same requests at the same times. `--capacity` searches each
+configuration's highest sustainable arrival rate; `--report DIR` writes markdown and plots.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
+import statistics
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -18,9 +25,12 @@ import torch
 from console.commands.engine_flags import add_engine_flags, engine_config
 from console.commands.workload_flags import add_workload_flags, workload_for
 from console.errors import UserError
+from console.report import write_report
 from engine.config import EngineConfig
-from engine.driver import drive
+from engine.driver import RunResult, drive
 from engine.engine import Engine
+from engine.hf_baseline import hf_model, run_hf
+from engine.slo import SLO, capacity, goodput, isolated_prefill, measure_decode_step
 from engine.workload import WorkloadRequest, describe
 
 
@@ -34,6 +44,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--config", action="append", default=[], metavar="NAME:FIELD=VALUE,...",
                         help="define a named configuration, e.g. small:max_num_batched_tokens=128")
     parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    parser.add_argument("--hf-batch-size", type=int, default=8,
+                        help="static batch size of the hf baseline")
+    parser.add_argument("--capacity", action="store_true",
+                        help="binary-search each configuration's capacity at the SLOs")
+    parser.add_argument("--capacity-requests", type=int, default=24,
+                        help="requests per capacity probe (a sample of the workload)")
+    parser.add_argument("--capacity-iterations", type=int, default=5)
+    parser.add_argument("--report", type=Path, metavar="DIR",
+                        help="write report.md and PNG plots into DIR")
     parser.set_defaults(func=bench)
 
 
@@ -46,14 +65,22 @@ def bench(args: argparse.Namespace) -> int:
     longest = max(len(w.prompt_token_ids) for w in workload)
     configs = {name: _named_config(name, base, custom, longest, probe.max_model_len)
                for name in names}
+    slo = SLO.from_decode_step(measure_decode_step(probe))
+    prefill_s = isolated_prefill(probe)
     report: dict[str, Any] = {
         "workload": {"spec": args.workload, **describe(workload).to_dict()},
         "machine": _machine(probe),
+        "slo": slo.to_dict(),
         "runs": {},
     }
-    del probe
+    results: dict[str, RunResult] = {}
     for name, config in configs.items():
-        report["runs"][name] = run_one(config, workload)
+        results[name] = _run(name, config, workload, args.hf_batch_size)
+        report["runs"][name] = _run_report(name, config, results[name], probe, slo, prefill_s)
+    if args.capacity:
+        report["capacity"] = _capacities(args, configs, workload, slo)
+    if args.report:
+        report["report"] = str(write_report(args.report, report, results))
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -61,22 +88,64 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_one(config: EngineConfig, workload: list[WorkloadRequest]) -> dict[str, Any]:
+def _run(name: str, config: EngineConfig, workload: list[WorkloadRequest],
+         hf_batch_size: int) -> RunResult:
     engine = Engine(config)
-    result = drive(engine, workload)
-    return {"config": config.live_values(), **result.summary()}
+    if name == "hf":
+        model = hf_model(engine.runner.model, engine.model_config)
+        return run_hf(model, workload, batch_size=hf_batch_size)
+    return drive(engine, workload)
+
+
+def _run_report(name: str, config: EngineConfig, result: RunResult, probe: Engine, slo: SLO,
+                prefill_s: Callable[[int], float]) -> dict[str, Any]:
+    errors = [abs(e) for e in result.prediction_errors()]
+    return {
+        "config": {"name": name, **config.live_values()},
+        **result.summary(),
+        **result.utilisation(probe.peaks),
+        "goodput": goodput(result, slo, prefill_s),
+        "prediction_error": {"median_abs": statistics.median(errors) if errors else None,
+                             "p90_abs": _quantile(errors, 0.9)},
+    }
+
+
+def _capacities(args: argparse.Namespace, configs: dict[str, EngineConfig],
+                workload: list[WorkloadRequest], slo: SLO) -> dict[str, Any]:
+    sample = workload[:args.capacity_requests]
+    span = max(w.arrival_s for w in sample) or 1.0
+    offered = len(sample) / span
+    out: dict[str, Any] = {}
+    for name, config in configs.items():
+        def run_at(rate: float, name: str = name, config: EngineConfig = config) -> RunResult:
+            scaled = [dataclasses.replace(w, arrival_s=w.arrival_s * offered / rate)
+                      for w in sample]
+            return _run(name, config, scaled, args.hf_batch_size)
+        best, probes = capacity(run_at, slo, low=offered / 16, high=offered * 4,
+                                iterations=args.capacity_iterations)
+        out[name] = {"rate": best, "probes": [dataclasses.asdict(p) for p in probes]}
+    return out
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _named_config(name: str, base: EngineConfig, custom: dict[str, dict[str, str]],
                   longest: int, max_model_len: int) -> EngineConfig:
     if name in custom:
         return base.replace(**custom[name])
-    if name == "chunked":
+    if name in ("chunked", "hf"):
         return base
+    if name == "auto":
+        return base.replace(auto_budget=True)
     if name == "unchunked":
         budget = max(base.max_num_batched_tokens, min(longest, max_model_len) + base.max_num_seqs)
         return base.replace(max_num_batched_tokens=budget, chunked_prefill=False)
-    known = ", ".join(["chunked", "unchunked", *custom])
+    known = ", ".join(["chunked", "unchunked", "auto", "hf", *custom])
     raise UserError(f"unknown configuration {name!r}; known: {known} "
                     f"(define more with --config NAME:field=value)")
 
@@ -116,7 +185,8 @@ def _machine(engine: Engine) -> dict[str, Any]:
 def _print_table(report: dict[str, Any]) -> None:
     runs = report["runs"]
     header = (f"{'config':<14}{'out tok/s':>10}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
-              f"{'TPOT p50':>10}{'TPOT p99':>10}{'ITL max':>9}{'preempt':>9}{'slow':>6}")
+              f"{'TPOT p50':>10}{'TPOT p99':>10}{'ITL max':>9}{'preempt':>9}{'slow':>6}"
+              f"{'goodput':>9}")
     print(f"workload {report['workload']['spec']}: {report['workload']['requests']} requests "
           f"on {report['machine']['model']} ({report['machine']['device']})")
     print(header)
@@ -124,7 +194,10 @@ def _print_table(report: dict[str, Any]) -> None:
         print(f"{name:<14}{r['output_tok_s']:>10.1f}{r['throughput_tok_s']:>9.1f}"
               f"{_f(r['ttft_ms']['p50']):>10}{_f(r['ttft_ms']['p99']):>10}"
               f"{_f(r['tpot_ms']['p50']):>10}{_f(r['tpot_ms']['p99']):>10}"
-              f"{_f(r['itl_ms']['max']):>9}{r['preemptions']:>9}{r['slow_queries']:>6}")
+              f"{_f(r['itl_ms']['max']):>9}{r['preemptions']:>9}{r['slow_queries']:>6}"
+              f"{r['goodput']:>9.2f}")
+    for name, c in report.get("capacity", {}).items():
+        print(f"capacity {name}: {c['rate']:.2f} requests/s")
 
 
 def _f(value: float | None) -> str:

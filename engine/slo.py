@@ -1,0 +1,148 @@
+"""Service-level objectives, goodput and capacity, set the way Sarathi-Serve and DistServe set
+theirs: relative to the cost of one decode step on this machine, so the same definitions hold
+on a laptop CPU and on an H200.
+
+- TPOT SLO: 5 × one decode-only step (Sarathi-Serve's strict SLO on time between tokens).
+- Scheduling-delay SLO: 25 × one decode step (Sarathi-Serve's relaxed multiple), for the time
+  from arrival to a request's first scheduled chunk.
+- TTFT SLO, per request: its own prefill cost alone (DistServe scales TTFT SLOs with prefill
+  latency) plus the scheduling-delay allowance.
+Goodput is the share of requests meeting both their TTFT and the TPOT SLO. Capacity is the
+highest arrival rate at which P99 TPOT and P99 scheduling delay stay within their SLOs, found
+by binary search as Sarathi-Serve and Vidur do.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.config import SamplingParams
+from engine.driver import RunResult
+from engine.engine import Engine
+from engine.request import Request, RequestState
+from engine.roofline import StepShape
+from engine.scheduler import ScheduledChunk
+
+TPOT_MULTIPLE = 5.0
+DELAY_MULTIPLE = 25.0
+
+
+@dataclass(frozen=True)
+class SLO:
+    decode_step_s: float  # one decode-only step at the reference batch and context
+    tpot_s: float
+    delay_s: float
+
+    @classmethod
+    def from_decode_step(cls, decode_step_s: float) -> SLO:
+        return cls(decode_step_s, TPOT_MULTIPLE * decode_step_s, DELAY_MULTIPLE * decode_step_s)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"decode_step_ms": self.decode_step_s * 1e3, "tpot_ms": self.tpot_s * 1e3,
+                "scheduling_delay_ms": self.delay_s * 1e3}
+
+
+def measure_decode_step(engine: Engine, batch: int = 8, context: int = 128,
+                        repeats: int = 7) -> float:
+    """Median time of one decode-only step of `batch` sequences at `context` tokens."""
+    requests = []
+    for i in range(batch):
+        request = Request(f"slo-probe-{i}", [3] * context, SamplingParams(max_tokens=1),
+                          arrival=0.0, state=RequestState.DECODING)
+        engine.blocks.grow(request, context)
+        request.num_computed_tokens = context - 1
+        requests.append(request)
+    chunks = [ScheduledChunk(r, context - 1, 1) for r in requests]
+    try:
+        engine.runner.run(chunks)  # warm-up
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            engine.runner.run(chunks)
+            samples.append(time.perf_counter() - start)
+    finally:
+        for request in requests:
+            engine.blocks.release(request)
+        engine.blocks.take_newly_allocated()
+    return statistics.median(samples)
+
+
+def goodput(result: RunResult, slo: SLO, prefill_s: Callable[[int], float]) -> float:
+    """Share of all requests that finished within their TTFT SLO and the TPOT SLO."""
+    records = list(result.records.values())
+    if not records:
+        return 0.0
+    good = 0
+    for r in records:
+        ttft, tpot = r.ttft_s, r.tpot_s
+        if r.state != "FINISHED" or ttft is None:
+            continue
+        if ttft <= prefill_s(r.prompt_tokens) + slo.delay_s and (tpot is None
+                                                                  or tpot <= slo.tpot_s):
+            good += 1
+    return good / len(records)
+
+
+def isolated_prefill(engine: Engine) -> Callable[[int], float]:
+    """Predicted time to prefill a prompt alone, in chunks of the engine's token budget."""
+    budget = engine.config.max_num_batched_tokens
+
+    def predict(tokens: int) -> float:
+        total, start = 0.0, 0
+        while start < tokens:
+            size = min(budget, tokens - start)
+            total += engine.predict(StepShape(prefill=((size, start),)))
+            start += size
+        return total
+
+    return predict
+
+
+def p99(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def meets(result: RunResult, slo: SLO) -> bool:
+    """P99 TPOT and P99 scheduling delay within the SLO, and every request finished."""
+    records = list(result.records.values())
+    if any(r.state != "FINISHED" for r in records):
+        return False
+    tpot = p99([r.tpot_s for r in records if r.tpot_s is not None])
+    delay = p99([r.scheduling_delay_s for r in records if r.scheduling_delay_s is not None])
+    return (tpot is None or tpot <= slo.tpot_s) and (delay is None or delay <= slo.delay_s)
+
+
+@dataclass(frozen=True)
+class CapacityProbe:
+    rate: float
+    ok: bool
+    tpot_p99_ms: float | None
+    delay_p99_ms: float | None
+
+
+def capacity(run_at: Callable[[float], RunResult], slo: SLO, low: float, high: float,
+             iterations: int = 5) -> tuple[float, list[CapacityProbe]]:
+    """Highest sustainable rate in [low, high] (requests/s), by binary search in log space."""
+    probes: list[CapacityProbe] = []
+    best = 0.0
+    for _ in range(iterations):
+        rate = math.sqrt(low * high)
+        result = run_at(rate)
+        ok = meets(result, slo)
+        records = list(result.records.values())
+        tpot = p99([r.tpot_s for r in records if r.tpot_s is not None])
+        delay = p99([r.scheduling_delay_s for r in records if r.scheduling_delay_s is not None])
+        probes.append(CapacityProbe(rate, ok, None if tpot is None else tpot * 1e3,
+                                    None if delay is None else delay * 1e3))
+        if ok:
+            best, low = max(best, rate), rate
+        else:
+            high = rate
+    return best, probes
