@@ -41,8 +41,13 @@ def _cdf(path: Path, label: str, series: dict[str, list[float]]) -> Path:
     axes.set_xlabel(label)
     axes.set_ylabel("share of requests")
     axes.set_xscale("log")
+    return _save(figure, axes, path)
+
+
+def _save(figure: plt.Figure, axes: plt.Axes, path: Path) -> Path:
     axes.grid(alpha=0.3)
-    axes.legend()
+    if axes.get_legend_handles_labels()[0]:
+        axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -62,12 +67,7 @@ def _predicted_vs_measured(path: Path, results: dict[str, RunResult]) -> Path:
     axes.plot([0, top], [0, top], color="grey", linewidth=1)
     axes.set_xlabel("measured step time (ms)")
     axes.set_ylabel("predicted step time (ms)")
-    axes.grid(alpha=0.3)
-    axes.legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return _save(figure, axes, path)
 
 
 def _capacity(path: Path, capacities: dict[str, Any]) -> Path:
@@ -75,11 +75,7 @@ def _capacity(path: Path, capacities: dict[str, Any]) -> Path:
     names = list(capacities)
     axes.bar(names, [capacities[n]["rate"] for n in names], color="#4c72b0")
     axes.set_ylabel("requests/s within SLO")
-    axes.grid(alpha=0.3, axis="y")
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return _save(figure, axes, path)
 
 
 def _markdown(report: dict[str, Any], images: list[str]) -> str:
