@@ -73,6 +73,23 @@ class BlockManager:
         request.block_table = []
         return freed
 
+    @property
+    def num_allocated(self) -> int:
+        """Blocks held by requests (reserved ones not counted)."""
+        return self.num_blocks - len(self._free)
+
+    def renumber(self, mapping: dict[int, int]) -> None:
+        """Adopt new ids for every allocated block (cache compaction); the caller moved the
+        KV rows and rewrote the block tables. Ids left out of the new numbering become free."""
+        if len(mapping) != self.num_allocated:
+            raise BlockError("renumber() must map every allocated block")
+        ref_counts = [0] * self.num_blocks
+        for old, new in mapping.items():
+            ref_counts[new] = self._ref_counts[old]
+        self._ref_counts = ref_counts
+        self._free = deque(b for b in range(self.num_blocks) if ref_counts[b] == 0)
+        self.newly_allocated = [mapping[b] for b in self.newly_allocated if b in mapping]
+
     def take_newly_allocated(self) -> list[int]:
         blocks, self.newly_allocated = self.newly_allocated, []
         return blocks

@@ -22,6 +22,9 @@ class ConfigError(EngineError, ValueError):
         self.message = message
 
 
+MIN_TEMPERATURE = 1e-5  # the smallest temperature that samples; below it use 0 (greedy)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -37,6 +40,8 @@ class SamplingParams:
             raise ConfigError("max_tokens", "must be at least 1")
         if self.temperature < 0:
             raise ConfigError("temperature", "must be >= 0 (0 is greedy)")
+        if 0 < self.temperature < MIN_TEMPERATURE:  # logits / t overflows to inf, then NaN
+            raise ConfigError("temperature", f"must be 0 (greedy) or at least {MIN_TEMPERATURE}")
         if not 0 < self.top_p <= 1:
             raise ConfigError("top_p", "must be in (0, 1]")
         if self.top_k < 0:
@@ -57,6 +62,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's own limit
     max_num_seqs: int = 256
     attention_backend: str = "auto"  # auto | torch | flash
+    cpu_threads: int = 0  # torch threads on CPU; 0 = all cores but one (UI, HTTP, store)
     # --- live-tunable ---------------------------------------------------------------------
     max_num_batched_tokens: int = 512  # the token budget of one step
     chunked_prefill: bool = True  # False: a prompt runs whole in one step or waits
@@ -129,6 +135,7 @@ class EngineConfig:
         _check(self.preempt_protect_after >= 1, "preempt_protect_after", "must be >= 1")
         for tenant, share in self.tenant_shares.items():
             _check(0 < share <= 1, "tenant_shares", f"share of {tenant!r} must be in (0, 1]")
+        _check(self.cpu_threads >= 0, "cpu_threads", "must be >= 0 (0 = all cores but one)")
         _check(self.attention_backend in ("auto", "torch", "flash"), "attention_backend",
                "must be auto, torch or flash")
 
@@ -141,7 +148,7 @@ LIVE_FIELDS = frozenset(
     for f in dataclasses.fields(EngineConfig)
     if f.name not in {"model", "device", "dtype", "seed", "block_size", "kv_cache_bytes",
                       "gpu_memory_utilization", "max_model_len", "max_num_seqs",
-                      "attention_backend"}
+                      "attention_backend", "cpu_threads"}
 )
 
 

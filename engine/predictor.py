@@ -1,7 +1,8 @@
 """The calibrated step-time predictor: measured seconds of a step from its shape.
 
 Like Vidur's and DistServe's latency models it is linear in a few per-step features, each a
-cost the forward pass really pays: a fixed launch and scheduling overhead, the linear layers
+cost the forward pass really pays: a fixed launch and scheduling overhead (larger once a step
+has two tokens or more and its matmuls leave the matrix-vector kernels), the linear layers
 per token, per-sequence bookkeeping, and attention as (query, key) pairs for prefill chunks
 and as cached context read for decodes. The coefficients come from a least-squares fit to
 timed steps (engine.calibrate), constrained non-negative because none of these costs can
@@ -22,8 +23,8 @@ from engine.model.config import ModelConfig
 from engine.peaks import DevicePeaks
 from engine.roofline import StepShape
 
-FEATURES = ("constant", "tokens", "prefill_chunks", "decode_seqs", "prefill_pairs",
-            "decode_context")
+FEATURES = ("constant", "multi_token", "tokens", "prefill_chunks", "decode_seqs",
+            "prefill_pairs", "decode_context")
 # A fitted point this many median absolute deviations off the first fit is a timing outlier
 # (another process took the CPU), dropped before the final fit; never under 10% relative.
 OUTLIER_MADS = 4.0
@@ -33,7 +34,7 @@ OUTLIER_FLOOR = 0.10
 def features(shape: StepShape) -> tuple[float, ...]:
     """The regressors of one step, in FEATURES order."""
     pairs = sum(chunk * before + chunk * (chunk + 1) / 2 for chunk, before in shape.prefill)
-    return (1.0, float(shape.num_tokens), float(len(shape.prefill)),
+    return (1.0, float(shape.num_tokens > 1), float(shape.num_tokens), float(len(shape.prefill)),
             float(len(shape.decode_contexts)), float(pairs), float(sum(shape.decode_contexts)))
 
 
@@ -42,6 +43,7 @@ class StepTimePredictor:
     """Seconds per step = Σ coefficient × feature; coefficients in FEATURES order."""
 
     constant_s: float  # every step: launches, Python, weights streamed once
+    multi_token_s: float  # a step of 2+ tokens runs matrix-matrix kernels, not matrix-vector
     per_token_s: float  # linear layers and activations, per token run
     per_prefill_chunk_s: float  # one attention call and metadata per prefill chunk
     per_decode_seq_s: float  # per decoding sequence: block table, logits row
@@ -57,7 +59,7 @@ class StepTimePredictor:
 
     @property
     def coefficients(self) -> tuple[float, ...]:
-        return (self.constant_s, self.per_token_s, self.per_prefill_chunk_s,
+        return (self.constant_s, self.multi_token_s, self.per_token_s, self.per_prefill_chunk_s,
                 self.per_decode_seq_s, self.per_prefill_pair_s, self.per_decode_context_s)
 
     def predict(self, shape: StepShape) -> float:
@@ -119,7 +121,8 @@ class StepTimePredictor:
     # --- storage -------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, float | int | str]:
-        return {"constant_s": self.constant_s, "per_token_s": self.per_token_s,
+        return {"constant_s": self.constant_s, "multi_token_s": self.multi_token_s,
+                "per_token_s": self.per_token_s,
                 "per_prefill_chunk_s": self.per_prefill_chunk_s,
                 "per_decode_seq_s": self.per_decode_seq_s,
                 "per_prefill_pair_s": self.per_prefill_pair_s,
@@ -137,7 +140,7 @@ class StepTimePredictor:
 
 def _nonnegative_relative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """min ‖(x·c − y)/y‖ with c ≥ 0: solve, pin the most negative coefficient to zero,
-    solve again over the rest (an active-set descent; six features converge in a few)."""
+    solve again over the rest (an active-set descent; seven features converge in a few)."""
     rows = x / y[:, None]
     ones = np.ones_like(y)
     active = list(range(x.shape[1]))

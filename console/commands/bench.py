@@ -22,15 +22,19 @@ from typing import Any
 
 import torch
 
+from console.commands.db import add_db_argument
 from console.commands.engine_flags import add_engine_flags, engine_config
 from console.commands.workload_flags import add_workload_flags, workload_for
 from console.errors import UserError
 from console.report import write_report
+from engine.calibrate import apply, apply_latest
 from engine.config import EngineConfig
 from engine.driver import RunResult, drive
 from engine.engine import Engine
 from engine.hf_baseline import hf_model, run_hf
+from engine.predictor import StepTimePredictor
 from engine.slo import SLO, capacity, goodput, isolated_prefill, measure_decode_step
+from engine.store import open_database
 from engine.workload import WorkloadRequest, describe
 
 
@@ -44,6 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--config", action="append", default=[], metavar="NAME:FIELD=VALUE,...",
                         help="define a named configuration, e.g. small:max_num_batched_tokens=128")
     parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    add_db_argument(parser)
     parser.add_argument("--hf-batch-size", type=int, default=8,
                         help="static batch size of the hf baseline")
     parser.add_argument("--capacity", action="store_true",
@@ -61,6 +66,7 @@ def bench(args: argparse.Namespace) -> int:
     names = [n.strip() for n in args.compare.split(",") if n.strip()]
     custom = dict(_parse_config(spec) for spec in args.config)
     probe = Engine(base)
+    calibration = _stored_calibration(args.db, probe)
     workload = workload_for(args, probe)
     longest = max(len(w.prompt_token_ids) for w in workload)
     configs = {name: _named_config(name, base, custom, longest, probe.max_model_len)
@@ -71,14 +77,15 @@ def bench(args: argparse.Namespace) -> int:
         "workload": {"spec": args.workload, **describe(workload).to_dict()},
         "machine": _machine(probe),
         "slo": slo.to_dict(),
+        "calibrated": calibration is not None,  # step predictions from `tokenflow calibrate`
         "runs": {},
     }
     results: dict[str, RunResult] = {}
     for name, config in configs.items():
-        results[name] = _run(name, config, workload, args.hf_batch_size)
+        results[name] = _run(name, config, workload, args.hf_batch_size, calibration)
         report["runs"][name] = _run_report(name, config, results[name], probe, slo, prefill_s)
     if args.capacity:
-        report["capacity"] = _capacities(args, configs, workload, slo)
+        report["capacity"] = _capacities(args, configs, workload, slo, calibration)
     if args.report:
         report["report"] = str(write_report(args.report, report, results))
     if args.json:
@@ -88,9 +95,22 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _stored_calibration(db: str | None, engine: Engine) -> StepTimePredictor | None:
+    """The stored calibrated predictor for this model and device, applied to `engine`."""
+    database = open_database(db)
+    try:
+        with database.session() as session:
+            record = apply_latest(engine, session)
+    finally:
+        database.close()
+    return None if record is None else StepTimePredictor.from_dict(record.params)
+
+
 def _run(name: str, config: EngineConfig, workload: list[WorkloadRequest],
-         hf_batch_size: int) -> RunResult:
+         hf_batch_size: int, calibration: StepTimePredictor | None) -> RunResult:
     engine = Engine(config)
+    if calibration is not None:
+        apply(engine, calibration)
     if name == "hf":
         model = hf_model(engine.runner.model, engine.model_config)
         return run_hf(model, workload, batch_size=hf_batch_size)
@@ -111,7 +131,8 @@ def _run_report(name: str, config: EngineConfig, result: RunResult, probe: Engin
 
 
 def _capacities(args: argparse.Namespace, configs: dict[str, EngineConfig],
-                workload: list[WorkloadRequest], slo: SLO) -> dict[str, Any]:
+                workload: list[WorkloadRequest], slo: SLO,
+                calibration: StepTimePredictor | None) -> dict[str, Any]:
     sample = workload[:args.capacity_requests]
     span = max(w.arrival_s for w in sample) or 1.0
     offered = len(sample) / span
@@ -120,7 +141,7 @@ def _capacities(args: argparse.Namespace, configs: dict[str, EngineConfig],
         def run_at(rate: float, name: str = name, config: EngineConfig = config) -> RunResult:
             scaled = [dataclasses.replace(w, arrival_s=w.arrival_s * offered / rate)
                       for w in sample]
-            return _run(name, config, scaled, args.hf_batch_size)
+            return _run(name, config, scaled, args.hf_batch_size, calibration)
         best, probes = capacity(run_at, slo, low=offered / 16, high=offered * 4,
                                 iterations=args.capacity_iterations)
         out[name] = {"rate": best, "probes": [dataclasses.asdict(p) for p in probes]}

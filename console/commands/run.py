@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -13,10 +12,11 @@ from console.commands.db import add_db_argument
 from console.commands.engine_flags import add_engine_flags, engine_config
 from console.commands.workload_flags import add_workload_flags, workload_for
 from console.errors import UserError
-from engine.config import SamplingParams
+from engine.calibrate import apply_latest
 from engine.driver import drive
 from engine.engine import Engine, RequestOutput
-from engine.store import Database, StoreWriter, mark_resumed, open_database, unfinished_requests
+from engine.recovery import resume_unfinished
+from engine.store import Database, StoreWriter, open_database
 from engine.workload import WorkloadRequest, describe, load_requests_jsonl
 
 
@@ -51,6 +51,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         workload = workload_for(args, engine)
     database = None if args.no_db else open_database(args.db)
+    if database is not None:
+        with database.session() as session:
+            apply_latest(engine, session)  # budget with the calibrated predictor when stored
     writer = None if database is None else StoreWriter(database, engine.bus)
     sink = _OutputSink(args.output)
     try:
@@ -75,23 +78,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _resume(engine: Engine, database: Database, workload: list[WorkloadRequest],
             emitted: set[str]) -> list[WorkloadRequest]:
-    """Re-add the journal's unfinished requests with the tokens they had generated; return
-    the part of `workload` that neither finished before nor is being resumed."""
-    with database.session() as session:
-        entries = [e for e in unfinished_requests(session) if e.request_id not in emitted]
-        for entry in entries:
-            sampling = {k: v for k, v in entry.sampling.items() if k in _SAMPLING_FIELDS}
-            engine.add_request(entry.prompt_token_ids, SamplingParams(**sampling),
-                               tenant=entry.tenant, priority=entry.priority,
-                               request_id=entry.request_id, tag=entry.tag,
-                               generated=entry.generated_token_ids)
-        mark_resumed(session, [e.request_id for e in entries])
-    skip = emitted | {e.request_id for e in entries}
-    print(f"resumed {len(entries)} unfinished request(s) from {database.path}", file=sys.stderr)
+    """Resume the journal's unfinished requests; return the part of `workload` that neither
+    finished before nor is being resumed."""
+    resumed = resume_unfinished(engine, database, skip=emitted)
+    print(f"resumed {len(resumed)} unfinished request(s) from {database.path}", file=sys.stderr)
+    skip = emitted | set(resumed)
     return [w for w in workload if w.request_id not in skip]
-
-
-_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
 class _OutputSink:

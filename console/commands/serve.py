@@ -15,8 +15,10 @@ import uvicorn
 from console.commands.db import add_db_argument
 from console.commands.engine_flags import add_engine_flags, engine_config
 from console.errors import UserError
+from engine.calibrate import apply_latest
 from engine.engine import Engine
 from engine.loop import EngineLoop
+from engine.recovery import resume_unfinished
 from engine.server import create_app
 from engine.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, SlowQueriesReader
 from engine.server.auth import TOKEN_ENV, load_admin_token
@@ -60,6 +62,10 @@ def run(args: argparse.Namespace) -> int:
     loop: EngineLoop | None = None
     try:
         engine = Engine(config)
+        if database is not None:
+            with database.session() as session:
+                apply_latest(engine, session)
+            resume_unfinished(engine, database)  # what a killed server had accepted
         writer = None if database is None else StoreWriter(database, engine.bus)
         loop = EngineLoop(engine).start()
         app = create_app(loop, admin_token=token, max_queue=args.max_queue,

@@ -21,6 +21,8 @@ class ServerThread:
     def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # accepted sockets inherit it: no 40 ms Nagle/delayed-ACK stall per small response
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.sock.bind((host, port))
         self.sock.listen(BACKLOG)
         config = uvicorn.Config(app, log_level="warning", lifespan="off", backlog=BACKLOG,

@@ -1,0 +1,195 @@
+"""`tokenflow-console`: the Textual console on an embedded, recorded or remote engine."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import ClassVar, NoReturn
+
+from textual.app import App, SystemCommand
+from textual.binding import BindingType
+from textual.logging import TextualHandler
+from textual.screen import Screen
+
+from console.collectors import (
+    ConfigApplied,
+    ConfigRejected,
+    SnapshotCollector,
+    SnapshotPolled,
+    SourceFailed,
+    apply_config_in_worker,
+)
+from console.commands_table import COMMANDS, bindings
+from console.errors import UserError
+from console.history import MetricHistory
+from console.replay import ReplaySource, SessionRecorder
+from console.screens.base import ConsoleScreen
+from console.screens.diagnosis import DiagnosisScreen
+from console.screens.drift import DriftScreen
+from console.screens.help import HelpScreen
+from console.screens.live import LiveScreen
+from console.screens.slow_queries import SlowQueriesScreen
+from console.screens.tuning import TuningScreen
+from console.source import Source
+from engine.errors import EngineError
+
+POLL_INTERVAL_S = 0.4  # panes refresh at 2.5 Hz
+
+
+class TokenflowApp(App[None]):
+    CSS_PATH = "tokenflow.tcss"
+    TITLE = "tokenflow"
+    BINDINGS: ClassVar[list[BindingType]] = bindings()
+    MODES: ClassVar[dict[str, type[Screen]]] = {
+        "live": LiveScreen,
+        "tuning": TuningScreen,
+        "slow_queries": SlowQueriesScreen,
+        "drift": DriftScreen,
+        "diagnosis": DiagnosisScreen,
+    }
+    DEFAULT_MODE = "live"
+
+    def __init__(self, source: Source, *, interval: float = POLL_INTERVAL_S,
+                 recorder: SessionRecorder | None = None) -> None:
+        super().__init__()
+        self.source = source
+        self.history = MetricHistory()
+        self.latest = None
+        self.recorder = recorder
+        self.collector = SnapshotCollector(self, source, interval, recorder)
+        self._last_error = ""
+
+    def on_mount(self) -> None:
+        self.collector.start()
+
+    def on_unmount(self) -> None:
+        self.collector.stop()
+        if self.recorder is not None:
+            self.recorder.finish(self.source)
+        self.source.close()
+
+    def on_snapshot_polled(self, message: SnapshotPolled) -> None:
+        self.history.record(message.snapshot)
+        self.latest = message.snapshot
+        self._last_error = ""
+        # Only the screen being shown redraws, once composed; the stack empties at shutdown.
+        if (self.screen_stack and isinstance(self.screen, ConsoleScreen)
+                and self.screen.is_mounted):
+            self.screen.show_snapshot(message.snapshot)
+
+    def on_source_failed(self, message: SourceFailed) -> None:
+        if message.error != self._last_error:  # one toast per distinct failure, not one per poll
+            self._last_error = message.error
+            self.notify(message.error, title="source", severity="error")
+
+    def on_config_applied(self, message: ConfigApplied) -> None:
+        self.notify("configuration applied", timeout=2)
+
+    def on_config_rejected(self, message: ConfigRejected) -> None:
+        self.notify(f"{message.field}: {message.message}" if message.field else message.message,
+                    severity="error")
+
+    def action_show(self, mode: str) -> None:
+        self.switch_mode(mode)
+
+    def action_help(self) -> None:
+        if not isinstance(self.screen, HelpScreen):
+            self.push_screen(HelpScreen())
+
+    def action_toggle_pause(self) -> None:
+        paused = self.latest is not None and self.latest.paused
+        command = self.source.resume if paused else self.source.pause
+        self.run_worker(command, thread=True, group="pause", exit_on_error=False)
+        self.notify("resuming" if paused else "pausing", timeout=1.5)
+
+    def action_apply_recommended(self) -> None:
+        cstar = None if self.latest is None else self.latest.recommended_chunk_size
+        if cstar is None:
+            self.notify("no recommended C* yet: it needs a calibrated budget model",
+                        severity="warning")
+            return
+        # The budget is spent in whole tiles (pitfall 4), so C* goes to the nearest tile multiple.
+        tile = int(self.latest.config.get("chunk_tile", 1))
+        budget = max(tile, round(cstar / tile) * tile)
+        target = self.screen if isinstance(self.screen, TuningScreen) else self
+        apply_config_in_worker(target, self, self.source, {"max_num_batched_tokens": budget})
+
+    def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        for command in COMMANDS:
+            yield SystemCommand(command.title, command.help,
+                                functools.partial(self.run_action, command.action))
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line naming the problem, not a usage dump (see --help for that)."""
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="tokenflow-console", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="synthetic:<preset> or a Hugging Face model directory "
+                        "(default: synthetic:small on CPU, a bigger preset on CUDA)")
+    parser.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: auto)")
+    parser.add_argument("--workload", default="mixed",
+                        help="mixed, chat, long-doc or trace:FILE (default: mixed)")
+    parser.add_argument("--db", type=Path, help="SQLite store (default: the user data dir)")
+    parser.add_argument("--attach", action="append", metavar="URL", default=[],
+                        help="watch a running `tokenflow serve` instead (repeatable)")
+    parser.add_argument("--attach-vllm", metavar="URL", help="watch a vLLM server's /metrics")
+    parser.add_argument("--replay", type=Path, metavar="FILE",
+                        help="review a session recorded with --record")
+    parser.add_argument("--speed", type=float, default=1.0,
+                        help="replay speed (default 1.0; 0 steps one snapshot per refresh)")
+    parser.add_argument("--record", type=Path, metavar="FILE",
+                        help="write every snapshot and the store's records to FILE (JSONL)")
+    return parser
+
+
+def open_source(args: argparse.Namespace) -> Source:
+    """Route the flags to exactly one source: replay, attach, or the embedded engine."""
+    chosen = [flag for flag, value in (("--replay", args.replay), ("--attach", args.attach),
+                                       ("--attach-vllm", args.attach_vllm)) if value]
+    if len(chosen) > 1:
+        raise UserError(f"{' and '.join(chosen)} cannot be combined; pick one source")
+    engine_flags = [flag for flag, value in (("--model", args.model), ("--device", args.device),
+                                             ("--db", args.db)) if value]
+    if chosen and engine_flags:
+        raise UserError(f"{', '.join(engine_flags)} configure the embedded engine; "
+                        f"drop them with {chosen[0]}")
+    if args.replay:
+        return ReplaySource(args.replay, speed=args.speed)
+    if args.attach or args.attach_vllm:
+        from console.sources import open_http_source
+
+        return open_http_source(args.attach, args.attach_vllm)
+    from console.embedded import EmbeddedSource
+
+    return EmbeddedSource.start(model=args.model, device=args.device, workload=args.workload,
+                                db=args.db)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        source = open_source(args)
+        recorder = SessionRecorder(args.record) if args.record else None
+    except (UserError, EngineError) as exc:
+        print(f"tokenflow-console: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"tokenflow-console: cannot write {args.record}: {exc.strerror}", file=sys.stderr)
+        return 2
+    # Engine warnings (e.g. chunks off their prediction) go to Textual's log, not the screen.
+    logging.basicConfig(level=logging.WARNING, handlers=[TextualHandler()], force=True)
+    TokenflowApp(source, recorder=recorder).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

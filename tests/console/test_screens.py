@@ -1,0 +1,176 @@
+"""Pilot tests of every screen on the recorded session (no engine needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from textual.command import CommandPalette
+from textual.widgets import DataTable, Input, Static
+
+from console.diagnosis import RULES
+from console.screens.diagnosis import DiagnosisScreen
+from console.screens.drift import DriftScreen
+from console.screens.help import HelpScreen
+from console.screens.live import LiveScreen
+from console.screens.slow_queries import SlowQueriesScreen, SlowQueryDetail
+from console.screens.tuning import TuningScreen
+from console.widgets.header import EngineHeader
+from console.widgets.keyed_table import KeyedTable
+from console.widgets.plot import Plot
+from console.widgets.requests_table import RequestsTable
+from tests.console.conftest import replay_app, replayed
+
+pytestmark = pytest.mark.anyio
+SIZES = [(120, 40), (80, 24)]
+PANES = ("Requests", "Chunk queue", "Cache pressure", "Bandwidth", "Latency")
+
+
+@pytest.mark.parametrize("size", SIZES)
+async def test_live_screen_shows_every_pane_with_the_last_snapshot(size: tuple[int, int]) -> None:
+    app = replay_app()
+    async with app.run_test(size=size) as pilot:
+        await replayed(pilot)
+        screen = app.screen
+        assert isinstance(screen, LiveScreen)
+        titles = {str(w.border_title) for w in screen.query("*") if w.border_title}
+        assert set(PANES) <= titles
+        latest = app.latest
+        assert latest is not None
+        table = screen.query_one(RequestsTable).table
+        assert table.row_count == len(latest.requests)
+        assert {str(k.value) for k in table.rows} == {r.id for r in latest.requests}
+        header = str(screen.query_one(EngineHeader).render())
+        assert latest.mode in header and "budget 256" in header
+
+
+async def test_requests_rows_are_updated_in_place_and_filter_and_sort() -> None:
+    app = replay_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await replayed(pilot)
+        requests = app.screen.query_one(RequestsTable)
+        table = requests.table
+        first_keys = list(table.rows)
+        table.move_cursor(row=2)
+        requests.update_from(app.latest)  # the same snapshot again: nothing moves
+        assert list(table.rows) == first_keys and table.cursor_row == 2
+
+        needle = app.latest.requests[0].id
+        table.focus()
+        await pilot.press("slash", *needle)
+        await pilot.pause()
+        assert table.row_count == 1 < len(app.latest.requests)
+        await pilot.press("escape")
+        assert table.row_count == len(app.latest.requests)
+
+        requests.sort_index = 7  # budget_score, unscored rows first
+        requests.reverse = True
+        requests.update_from(app.latest)
+        ids = [table.get_row_at(i)[0] for i in range(table.row_count)]
+        scores = [requests.rows[i].sort_values[7] for i in ids]
+        present = [s for s in scores if s is not None]
+        assert present == sorted(present, reverse=True)
+
+
+async def test_slow_queries_list_detail_and_export(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    app = replay_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await replayed(pilot)
+        await pilot.press("3")
+        await pilot.pause(0.2)
+        screen = app.screen
+        assert isinstance(screen, SlowQueriesScreen)
+        table = screen.query_one(KeyedTable).table
+        assert table.row_count == len(app.source.slow_queries()) > 0
+
+        table.focus()
+        await pilot.press("enter")
+        await pilot.pause()
+        detail = app.screen
+        assert isinstance(detail, SlowQueryDetail)
+        assert detail.query_one("#detail-chunks", DataTable).row_count == len(detail.record.chunks)
+        assert detail.query_one("#detail-config", DataTable).row_count == len(detail.record.config)
+        await pilot.press("escape")
+        assert isinstance(app.screen, SlowQueriesScreen)
+
+        await pilot.press("e")
+        await pilot.pause()
+        exported = list(tmp_path.glob("slow_queries_*.csv"))
+        assert len(exported) == 1
+        assert len(exported[0].read_text().splitlines()) == table.row_count + 1
+
+
+async def test_drift_screen_plots_history_and_reports_a_refused_recalibration() -> None:
+    app = replay_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await replayed(pilot)
+        await pilot.press("4")
+        await pilot.pause(0.2)
+        screen = app.screen
+        assert isinstance(screen, DriftScreen)
+        plot = screen.query_one(Plot)
+        assert len(plot._series[0].values) == len(app.source.calibration_history()) == 2
+        assert screen.query_one("#drift-events", DataTable).row_count == 1
+        await pilot.press("r")
+        await pilot.pause(0.2)
+        note = str(screen.query_one("#recalibration-note", Static).render())
+        assert "cannot recalibrate" in note and not screen.recalibrating
+
+
+async def test_diagnosis_screen_lists_every_rule() -> None:
+    app = replay_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await replayed(pilot)
+        await pilot.press("5")
+        await pilot.pause()
+        screen = app.screen
+        assert isinstance(screen, DiagnosisScreen)
+        rules = screen.query(".rule")
+        assert len(rules) == len(RULES)
+        summary = str(screen.query_one("#diagnosis-summary", Static).render())
+        assert f"of {len(RULES)} symptoms present now" in summary
+
+
+async def test_tuning_on_a_recording_is_refused_inline_without_change() -> None:
+    app = replay_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await replayed(pilot)
+        await pilot.press("2")
+        await pilot.pause()
+        screen = app.screen
+        assert isinstance(screen, TuningScreen)
+        box = screen.query_one("#input-max_num_batched_tokens", Input)
+        assert box.value == "256"
+        box.value = "512"
+        await pilot.press("ctrl+s")
+        await pilot.pause(0.2)
+        assert app.latest.config["max_num_batched_tokens"] == 256
+        assert screen.query_one("#config-changes", DataTable).row_count == 1
+
+
+async def test_help_pause_and_command_palette() -> None:
+    app = replay_app()
+    async with app.run_test(size=(80, 24)) as pilot:
+        await replayed(pilot)
+        await pilot.press("question_mark")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        assert isinstance(app.screen, LiveScreen)
+
+        await pilot.press("p")
+        await pilot.pause(0.2)
+        assert app.latest.paused
+        await pilot.press("p")
+        await pilot.pause(0.2)
+        assert not app.latest.paused
+
+        await pilot.press("ctrl+p")
+        await pilot.pause()
+        assert isinstance(app.screen, CommandPalette)
+        await pilot.press(*"Diagnosis")
+        await pilot.pause(0.3)
+        await pilot.press("enter")
+        await pilot.pause(0.2)
+        assert isinstance(app.screen, DiagnosisScreen)

@@ -1,0 +1,60 @@
+"""A real terminal: the console under tmux, started with only --db, shows the four live panes
+with moving numbers within 10 s and quits cleanly on q."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PANES = ("Requests", "Chunk queue", "Cache pressure", "Bandwidth")
+TOKENS_PER_S = re.compile(r"([\d,]+) tok/s")
+LIVE_WITHIN_S = 10.0
+POLL_S = 0.2
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+
+
+def console_command(db: Path) -> str:
+    script = ROOT / ".venv" / "bin" / "tokenflow-console"
+    program = str(script) if script.exists() else f"{sys.executable} -m console.app"
+    return f"cd {ROOT} && {program} --db {db}"
+
+
+def test_console_under_tmux_goes_live_and_quits_on_q(tmp_path: Path) -> None:
+    socket = f"tokenflow-smoke-{os.getpid()}-{time.monotonic_ns()}"  # its own tmux server
+    exit_file = tmp_path / "exit_code"
+    tmux = ["tmux", "-L", socket]
+    # stderr stays on the terminal: Textual draws there.
+    command = f"{console_command(tmp_path / 'smoke.db')}; echo $? > {exit_file}"
+    subprocess.run([*tmux, "new-session", "-d", "-s", "smoke", "-x", "120", "-y", "40", command],
+                   check=True)
+    try:
+        started = time.monotonic()
+        screen = ""
+        live = False
+        while time.monotonic() - started < LIVE_WITHIN_S:
+            screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", "smoke"],
+                                    capture_output=True, text=True).stdout
+            rate = TOKENS_PER_S.search(screen)
+            if all(p in screen for p in PANES) and rate and int(rate[1].replace(",", "")) > 0:
+                live = True
+                break
+            time.sleep(POLL_S)
+        assert live, f"no live panes after {LIVE_WITHIN_S} s:\n{screen}"
+
+        subprocess.run([*tmux, "send-keys", "-t", "smoke", "q"], check=True)
+        deadline = time.monotonic() + 15.0
+        while not exit_file.exists() and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        assert exit_file.exists(), "the console did not exit on q"
+        assert exit_file.read_text().strip() == "0"
+    finally:
+        subprocess.run([*tmux, "kill-server"], capture_output=True)

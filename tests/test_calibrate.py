@@ -1,0 +1,344 @@
+"""The step-time predictor, the calibrator on a tiny model, drift detection and the CLI."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from console.cli import main
+from engine.calibrate import (
+    Probe,
+    SweepPlan,
+    apply,
+    calibrate,
+    compare,
+    latest_for,
+    save_result,
+)
+from engine.config import ConfigError, EngineConfig, SamplingParams
+from engine.drift import DriftMonitor, Job
+from engine.engine import Engine
+from engine.events import ChunkComplete, Drift, Event, StepComplete
+from engine.predictor import StepTimePredictor
+from engine.roofline import StepShape
+from engine.scheduler import Batch
+from engine.store import calibration_history, drift_events, open_database, save_calibration
+
+TRUE = StepTimePredictor(constant_s=2e-3, multi_token_s=1e-3, per_token_s=5e-5,
+                         per_prefill_chunk_s=4e-4, per_decode_seq_s=0.0, per_prefill_pair_s=3e-9,
+                         per_decode_context_s=2e-8, points=0, source="truth")
+
+# Small enough for the tiny model to sweep in a few seconds, wide enough to cover every term
+# and the reference shapes drift is judged on.
+TEST_PLAN = SweepPlan(prefill_chunks=(16, 64, 128, 256), prefill_contexts=(0, 1024),
+                      decode_batches=(1, 8, 32), decode_contexts=(64, 1024),
+                      mixed=(Probe(32, 0, 16, 128), Probe(128, 0, 8, 512), Probe(64, 256, 32, 64),
+                             Probe(128, 512, 4, 1024)),
+                      warmup=5, repeats=5)
+
+
+# A shorter sweep for the five-times-slower drift run.
+DRIFT_PLAN = SweepPlan(prefill_chunks=(16, 128, 256), prefill_contexts=(0, 1024),
+                       decode_batches=(1, 8, 32), decode_contexts=(64, 1024),
+                       mixed=TEST_PLAN.mixed[:2], warmup=2, repeats=3)
+
+
+def random_shapes(n: int, seed: int = 0) -> list[StepShape]:
+    rng = random.Random(seed)
+    shapes = []
+    for _ in range(n):
+        if rng.random() < 0.2:  # a lone decode: the one-token, matrix-vector step
+            shapes.append(StepShape(decode_contexts=(rng.randint(1, 4096),)))
+            continue
+        prefill = tuple((rng.choice((16, 64, 256, 512)), rng.choice((0, 256, 2048)))
+                        for _ in range(rng.randint(0, 2)))
+        decodes = tuple(rng.randint(1, 4096) for _ in range(rng.choice((0, 1, 8, 64))))
+        shapes.append(StepShape(prefill=prefill or ((32, 0),), decode_contexts=decodes))
+    return shapes
+
+
+@pytest.fixture(scope="module")
+def engine(_one_thread: None) -> Engine:
+    return Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32"))
+
+
+@pytest.fixture(scope="module")
+def calibrated(engine: Engine):
+    return calibrate(engine, plan=TEST_PLAN)
+
+
+def slow_down(engine: Engine, predictor: StepTimePredictor, factor: float,
+              ) -> Callable[[], None]:
+    """Fault injection: every forward pass also spins for `factor` × the step time `predictor`
+    predicts for it, so a sweep reads `factor` slower against that predictor. The spin ends at
+    a wall-clock deadline, so neither the load of this shared box nor a sleep's wake-up
+    latency stretches it. Returns the undo."""
+    original = engine.runner.run
+
+    def run(chunks):
+        batch = Batch(prefills=[c for c in chunks if not c.is_decode],
+                      decodes=[c for c in chunks if c.is_decode])
+        deadline = time.perf_counter() + factor * predictor.predict(batch.shape())
+        while time.perf_counter() < deadline:
+            pass
+        return original(chunks)
+
+    engine.runner.run = run
+    return lambda: setattr(engine.runner, "run", original)
+
+
+def run_jobs(engine: Engine, jobs: list[Job], between: Callable[[], object] = lambda: None,
+             ) -> None:
+    while jobs:
+        jobs.pop(0)(engine)
+        between()
+
+
+# --- the predictor -----------------------------------------------------------------------
+
+def test_fit_recovers_the_coefficients_of_exact_data() -> None:
+    shapes = random_shapes(60)
+    fitted = StepTimePredictor.fit(shapes, [TRUE.predict(s) for s in shapes])
+    assert fitted.points == 60
+    assert fitted.coefficients == pytest.approx(TRUE.coefficients, rel=1e-6, abs=1e-12)
+
+
+def test_fit_with_noise_and_outliers_stays_close_and_non_negative() -> None:
+    rng = random.Random(1)
+    shapes = random_shapes(80, seed=1)
+    seconds = [TRUE.predict(s) * rng.uniform(0.97, 1.03) for s in shapes]
+    seconds[5] *= 4  # a step that lost its core to another process
+    seconds[17] *= 3
+    fitted = StepTimePredictor.fit(shapes, seconds)
+    assert fitted.points <= 78  # both outliers dropped
+    assert all(c >= 0 for c in fitted.coefficients)
+    errors = sorted(abs(fitted.predict(s) / TRUE.predict(s) - 1) for s in shapes)
+    assert errors[len(errors) // 2] < 0.02
+
+
+def test_fit_refuses_too_few_or_bad_points() -> None:
+    shapes = random_shapes(3)
+    with pytest.raises(ConfigError, match="at least 7"):
+        StepTimePredictor.fit(shapes, [1.0] * 3)
+    shapes = random_shapes(10)
+    with pytest.raises(ConfigError, match="finite and > 0"):
+        StepTimePredictor.fit(shapes, [0.0] + [1.0] * 9)
+
+
+def test_predictor_round_trips_and_drives_the_roofline(engine: Engine) -> None:
+    assert StepTimePredictor.from_dict(TRUE.to_dict()) == TRUE
+    with pytest.raises(ConfigError, match="recalibrate"):
+        StepTimePredictor.from_dict({"constant_s": 1.0})
+    budget = TRUE.budget_model(engine.model_config, 4, engine.peaks)
+    # F from 2P per token over the per-token time, W from k per decode context token.
+    assert budget.peaks.flops == pytest.approx(2 * budget.params / TRUE.per_token_s)
+    assert budget.peaks.bandwidth == pytest.approx(budget.kv_bytes_per_token / 2e-8)
+    assert budget.step_overhead_s == TRUE.constant_s
+
+
+# --- the calibrator ----------------------------------------------------------------------
+
+def test_calibration_fits_and_reports_held_out_error(engine: Engine, calibrated) -> None:
+    result = calibrated
+    kinds = {p.probe.kind for p in result.points}
+    assert kinds == {"prefill", "decode", "mixed"}
+    assert len(result.points) == len(TEST_PLAN.probes()) and not result.skipped
+    assert 4 <= len(result.heldout_errors) < len(result.points) // 2
+    assert all(p.runs == TEST_PLAN.repeats for p in result.points)
+    # Tiny-model steps are mostly Python overhead and this box is shared: a loose bound here,
+    # the 10% target is checked on synthetic:small by `tokenflow calibrate --quick`.
+    assert result.heldout_median_abs_error < 0.5
+    point = result.points[0]
+    assert point.achieved_flops == pytest.approx(point.flops / point.median_s)
+    assert point.bandwidth_utilization == pytest.approx(
+        point.bytes_moved / point.median_s / engine.peaks.bandwidth)
+    assert result.kv.blocks == engine.blocks.num_blocks  # the whole pool was free
+    assert result.kv.capacity_tokens == engine.blocks.num_blocks * engine.blocks.block_size
+    assert engine.blocks.num_free == engine.blocks.num_blocks  # every probe block released
+    table = json.loads(json.dumps(result.to_dict()))["table"]
+    assert {"kind", "chunk", "median_s", "mean_s", "predicted_s", "held_out"} <= set(table[0])
+
+
+def test_probes_beyond_the_pool_or_model_length_are_skipped(engine: Engine) -> None:
+    too_long = Probe(chunk=16, chunk_context=engine.max_model_len)
+    too_many = Probe(decode_seqs=engine.blocks.num_blocks + 1, decode_context=1)
+    plan = SweepPlan(prefill_chunks=(8, 16, 32, 48), prefill_contexts=(0, 32),
+                     decode_batches=(1, 2), decode_contexts=(8, 32), mixed=(too_long, too_many),
+                     warmup=1, repeats=1)
+    result = calibrate(engine, plan=plan)
+    assert set(result.skipped) == {too_long, too_many}
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_apply_switches_budgeting_and_recommended_chunk(calibrated) -> None:
+    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32"))
+    predictor = calibrated.predictor
+    apply(engine, predictor)
+    shape = StepShape(prefill=((64, 0),))
+    assert engine.scheduler.predict(shape) == predictor.predict(shape)
+    expected = predictor.budget_model(engine.model_config, 4, engine.peaks)
+    assert engine.snapshot().recommended_chunk_size == expected.recommended_chunk(0, 0)
+    engine.add_request(list(range(1, 200)), SamplingParams(max_tokens=2))
+    while engine.has_unfinished():
+        engine.step()
+    request = engine.recent[-1]
+    assert request.budgeted_prefill_s == pytest.approx(
+        sum(c.predicted_s for c in request.chunks), rel=0.5)  # budget from the predictor
+
+
+def test_calibrating_between_steps_leaves_serving_exact(calibrated) -> None:
+    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32",
+                                 max_num_batched_tokens=32))
+    prompts = [[(7 * i + j) % 300 + 1 for j in range(40 + 10 * i)] for i in range(3)]
+    params = SamplingParams(max_tokens=12)
+    expected = engine.generate(prompts, params)
+    ids = [engine.add_request(p, params) for p in prompts]
+    jobs: list[Job] = []
+    monitor = DriftMonitor(engine, jobs.append, plan=TEST_PLAN)
+    monitor.request("test")
+    outputs: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.token_ids)
+
+    run_jobs(engine, jobs, between=step)
+    while engine.has_unfinished():
+        step()
+    assert [outputs[i] for i in ids] == expected
+    assert monitor.recalibrations == 1 and engine.predict == monitor.reference.predict
+    engine.blocks.check_consistent([])
+
+
+# --- drift -------------------------------------------------------------------------------
+
+def test_recalibration_of_a_slowed_engine_is_a_drift_event_of_its_size(engine: Engine,
+                                                                       calibrated) -> None:
+    jobs: list[Job] = []
+    seen: list[Event] = []
+    unsubscribe = engine.bus.subscribe(seen.append)
+    monitor = DriftMonitor(engine, jobs.append, reference=calibrated.predictor, plan=DRIFT_PLAN)
+    undo = slow_down(engine, calibrated.predictor, 4.0)  # +400%
+    try:
+        assert monitor.request()
+        assert not monitor.request()  # one at a time
+        run_jobs(engine, jobs)
+    finally:
+        undo()
+        engine.bus.drain()
+        unsubscribe()
+    drifts = [e for e in seen if isinstance(e, Drift)]
+    assert len(drifts) == 1
+    # +400% injected. The load of this shared box moves an unchanged tiny model's sweep by
+    # up to about +-50% (+-0.5 here), and more often up than down.
+    assert 3.2 < drifts[0].deviation < 5.6, drifts[0].detail
+    assert monitor.pending_reason is None and monitor.recalibrations == 1
+
+
+def test_compare_is_the_median_relative_change_over_the_reference_shapes() -> None:
+    slower = StepTimePredictor(*(c * 1.3 for c in TRUE.coefficients), points=0, source="x")
+    assert compare(TRUE, TRUE) == 0.0
+    assert compare(TRUE, slower) == pytest.approx(0.3)
+    assert compare(slower, TRUE) == pytest.approx(1 / 1.3 - 1)
+
+
+def test_monitor_counts_chunks_off_their_prediction(engine: Engine,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    jobs: list[Job] = []
+    monitor = DriftMonitor(engine, jobs.append, trigger_count=3, window_s=10, interval_s=100,
+                           clock=lambda: now[0])
+
+    def chunk(duration: float) -> ChunkComplete:
+        return ChunkComplete(request_id="r", chunk_index=0, tokens=16, start=0,
+                             duration_s=duration, estimated_bytes=0.0, predicted_s=1.0,
+                             prefill_done=False)
+
+    with caplog.at_level(logging.WARNING, logger="engine.drift"):
+        for duration in (1.1, 0.9, 1.14, 0.86):  # within 15%: nothing
+            monitor.observe(chunk(duration))
+        assert monitor.off_prediction_total == 0 and not caplog.records
+        monitor.observe(chunk(1.2))
+        monitor.observe(chunk(0.5))
+        now[0] = 11.0  # the first two age out of the window
+        monitor.observe(chunk(1.3))
+        assert monitor.off_prediction_total == 3 and not jobs
+        monitor.observe(chunk(1.5))
+        monitor.observe(chunk(2.0))
+    assert len(jobs) == 1 and "3 chunks" in monitor.pending_reason
+    assert len(caplog.records) == 5 and "+20% off" in caplog.records[0].getMessage()
+    monitor.observe(chunk(3.0))  # a sweep is pending: no second one
+    assert len(jobs) == 1
+
+
+def test_monitor_recalibrates_on_its_interval(engine: Engine) -> None:
+    now = [0.0]
+    jobs: list[Job] = []
+    monitor = DriftMonitor(engine, jobs.append, interval_s=3600, clock=lambda: now[0])
+    step = StepComplete(step=1, prefill_tokens=0, decode_seqs=1, duration_s=0.01,
+                        predicted_s=0.01, mode="NORMAL")
+    now[0] = 3599.0
+    monitor.observe(step)
+    assert not jobs
+    now[0] = 3600.0
+    monitor.observe(step)
+    assert len(jobs) == 1 and "periodic" in monitor.pending_reason
+    with pytest.raises(ConfigError, match="interval_s"):
+        DriftMonitor(engine, jobs.append, interval_s=0)
+
+
+# --- the store and the CLI ---------------------------------------------------------------
+
+def test_result_is_stored_with_its_table_and_predictor(tmp_path: Path, engine: Engine,
+                                                       calibrated) -> None:
+    database = open_database(tmp_path / "t.db")
+    with database.session() as session:
+        run_id = save_result(session, calibrated)
+        record = latest_for(session, engine)
+    database.close()
+    assert record is not None and record.id == run_id
+    assert StepTimePredictor.from_dict(record.params) == calibrated.predictor
+    prefill = [p for p in calibrated.points if p.probe.kind == "prefill"]
+    assert len(record.table) == len(prefill)
+    assert record.info["heldout_median_abs_error"] == calibrated.heldout_median_abs_error
+
+
+def test_cli_calibrates_stores_and_flags_drift(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                               calibrated) -> None:
+    db = tmp_path / "cli.db"
+    # A stored calibration twice as fast as this box: the new run is a +100% drift.
+    fast = StepTimePredictor(*(c / 2 for c in calibrated.predictor.coefficients), points=1,
+                             source="test")
+    database = open_database(db)
+    with database.session() as session:
+        save_calibration(session, model="synthetic:tiny", device="cpu", table=[],
+                         params=fast.to_dict(), info={"dtype": "float32"})
+    database.close()
+    assert main(["calibrate", "--model", "synthetic:tiny", "--device", "cpu", "--quick",
+                 "--json", "--no-progress", "--db", str(db)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["points"] == len(out["table"]) > 0
+    assert 0 <= out["heldout_median_abs_error"] < 1
+    assert out["previous_id"] == 1 and out["calibration_id"] == 2
+    assert out["drift"]["kind"] == "drift" and out["drift"]["deviation"] > 0.4
+    database = open_database(db)
+    with database.session() as session:
+        assert len(calibration_history(session)) == 2
+        events = drift_events(session)
+    database.close()
+    assert len(events) == 1 and events[0].deviation == out["drift"]["deviation"]
+
+
+def test_cli_refuses_a_bad_database_before_loading(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture) -> None:
+    bad = tmp_path / "bad.db"
+    bad.write_bytes(b"not sqlite at all")
+    assert main(["calibrate", "--model", "synthetic:tiny", "--db", str(bad)]) == 2
+    assert "not a SQLite database" in capsys.readouterr().err
