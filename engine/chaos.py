@@ -155,7 +155,8 @@ class _Harness:
         return produced
 
     def run_until(self, condition: Callable[[], bool], deadline: float) -> None:
-        while self.engine.has_unfinished() and not condition() and time.monotonic() < deadline:
+        # Idle steps too: they re-evaluate the scheduler's modes and the guards.
+        while not condition() and time.monotonic() < deadline:
             self.step()
 
     def first_tokens_after(self, deadline: float,

@@ -141,6 +141,8 @@ class EngineLoop:
                     while not self._stopping and not self._commands and not self._has_work():
                         self._wake.wait(timeout=self._idle_timeout())
                         self._feed_workload()
+                        if not self._paused:
+                            self.engine.step()  # idle tick: modes and guards see time pass
                         self._publish_snapshot(force=True)
                     if self._stopping:
                         return
@@ -152,7 +154,8 @@ class EngineLoop:
                 if not self._paused and self.engine.has_unfinished():
                     for output in self.engine.step():
                         self._deliver(output)
-                self._publish_snapshot()
+                # going idle: publish now, so readers see the last requests finished
+                self._publish_snapshot(force=not self.engine.has_unfinished())
         except BaseException as exc:  # surfaced to the UI / server instead of dying silently
             self.error = exc
             self._publish_snapshot(force=True)

@@ -64,7 +64,7 @@ def random_shapes(n: int, seed: int = 0) -> list[StepShape]:
 
 
 @pytest.fixture(scope="module")
-def engine(_one_thread: None) -> Engine:
+def engine() -> Engine:
     return Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32"))
 
 
