@@ -64,9 +64,10 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | flash
     cpu_threads: int = 0  # torch threads on CPU; 0 = all cores but one (UI, HTTP, store)
     # --- live-tunable ---------------------------------------------------------------------
-    max_num_batched_tokens: int = 512  # the token budget of one step
+    max_num_batched_tokens: int = 256  # the token budget of one step (CPU-sized default)
     chunked_prefill: bool = True  # False: a prompt runs whole in one step or waits
     auto_budget: bool = False  # True: each step's budget is C* (live D, S) plus the decodes
+    auto_tpot_ms: float = 0.0  # with auto_budget: grow chunks while a step stays within this
     chunk_tile: int = 16  # prefill chunks are rounded down to a multiple of this (pitfall 4)
     max_prefill_chunks: int = 4  # partial prefills that may share a step (chunk concurrency)
     long_prefill_threshold: int = 0  # cap on one request's chunk in a step; 0 = no cap
@@ -135,6 +136,7 @@ class EngineConfig:
         _check(self.preempt_protect_after >= 1, "preempt_protect_after", "must be >= 1")
         for tenant, share in self.tenant_shares.items():
             _check(0 < share <= 1, "tenant_shares", f"share of {tenant!r} must be in (0, 1]")
+        _check(self.auto_tpot_ms >= 0, "auto_tpot_ms", "must be >= 0 (0 = C* alone)")
         _check(self.cpu_threads >= 0, "cpu_threads", "must be >= 0 (0 = all cores but one)")
         _check(self.attention_backend in ("auto", "torch", "flash"), "attention_backend",
                "must be auto, torch or flash")

@@ -254,8 +254,27 @@ class Engine:
         if decodes == 0:
             return self.config.max_num_batched_tokens
         tile = self.config.chunk_tile
-        wanted = self.budget.recommended_chunk(decodes, context) + decodes
+        chunk = self.budget.recommended_chunk(decodes, context)
+        if self.config.auto_tpot_ms:
+            # seed 003 §8: from C*, grow the chunk as far as the TPOT target allows
+            chunk = max(chunk, self._largest_chunk_within(self.config.auto_tpot_ms / 1e3,
+                                                          decodes, context))
+        wanted = chunk + decodes
         return max(tile, -(-wanted // tile) * tile)
+
+    def _largest_chunk_within(self, seconds: float, decodes: int, context: int) -> int:
+        """The largest prefill chunk whose step, beside the live decodes, is predicted to
+        take at most `seconds` (binary search; the predictor is monotone in the chunk)."""
+        contexts = (context,) * decodes
+        low, high = 0, self.max_model_len
+        while low < high:
+            middle = (low + high + 1) // 2
+            shape = StepShape(prefill=((middle, 0),), decode_contexts=contexts)
+            if self.predict(shape) <= seconds:
+                low = middle
+            else:
+                high = middle - 1
+        return low
 
     def _run(self, batch: Batch) -> list[RequestOutput]:
         self.runner.zero_blocks(self.blocks.take_newly_allocated())

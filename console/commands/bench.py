@@ -69,9 +69,10 @@ def bench(args: argparse.Namespace) -> int:
     calibration = _stored_calibration(args.db, probe)
     workload = workload_for(args, probe)
     longest = max(len(w.prompt_token_ids) for w in workload)
-    configs = {name: _named_config(name, base, custom, longest, probe.max_model_len)
-               for name in names}
     slo = SLO.from_decode_step(measure_decode_step(probe))
+    # auto aims each step at half the TPOT SLO: headroom for steps the predictor misjudges
+    configs = {name: _named_config(name, base, custom, longest, probe.max_model_len,
+                                   slo.tpot_s * 1e3 / 2) for name in names}
     prefill_s = isolated_prefill(probe)
     report: dict[str, Any] = {
         "workload": {"spec": args.workload, **describe(workload).to_dict()},
@@ -156,13 +157,13 @@ def _quantile(values: list[float], q: float) -> float | None:
 
 
 def _named_config(name: str, base: EngineConfig, custom: dict[str, dict[str, str]],
-                  longest: int, max_model_len: int) -> EngineConfig:
+                  longest: int, max_model_len: int, tpot_target_ms: float) -> EngineConfig:
     if name in custom:
         return base.replace(**custom[name])
     if name in ("chunked", "hf"):
         return base
     if name == "auto":
-        return base.replace(auto_budget=True)
+        return base.replace(auto_budget=True, auto_tpot_ms=tpot_target_ms)
     if name == "unchunked":
         budget = max(base.max_num_batched_tokens, min(longest, max_model_len) + base.max_num_seqs)
         return base.replace(max_num_batched_tokens=budget, chunked_prefill=False)
