@@ -35,6 +35,7 @@ from console.screens.live import LiveScreen
 from console.screens.slow_queries import SlowQueriesScreen
 from console.screens.tuning import TuningScreen
 from console.source import Source
+from console.sources.fleet import FleetSource
 from engine.errors import EngineError
 
 POLL_INTERVAL_S = 0.4  # panes refresh at 2.5 Hz
@@ -105,6 +106,17 @@ class TokenflowApp(App[None]):
         command = self.source.resume if paused else self.source.pause
         self.run_worker(command, thread=True, group="pause", exit_on_error=False)
         self.notify("resuming" if paused else "pausing", timeout=1.5)
+
+    def action_next_server(self) -> None:
+        """Fleet view: each attached server is a tab; this moves to the next one."""
+        if not isinstance(self.source, FleetSource):
+            self.notify("one source only: pass several --attach URLs for a fleet",
+                        severity="warning")
+            return
+        fleet = self.source
+        fleet.select((fleet.selected + 1) % len(fleet.members))
+        self.history.clear()
+        self.notify(fleet.name, title="fleet", timeout=2)
 
     def action_apply_recommended(self) -> None:
         cstar = None if self.latest is None else self.latest.recommended_chunk_size

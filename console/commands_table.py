@@ -29,6 +29,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("c", "apply_recommended", "Apply C*",
             "Set the token budget to the recommended chunk size C*"),
     Command("p", "toggle_pause", "Pause", "Pause or resume the engine"),
+    Command("n", "next_server", "Next server",
+            "With several --attach targets (a fleet), show the next one"),
     Command("question_mark", "help", "Help", "Keys and what each screen shows", "?"),
     Command("q", "quit", "Quit", "Stop the engine and leave"),
 )

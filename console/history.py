@@ -63,6 +63,12 @@ class MetricHistory:
             if value is not None:
                 self.samples[name].append((snapshot.ts, float(value)))
 
+    def clear(self) -> None:
+        """Forget every series (the console switched to another server)."""
+        for series in self.samples.values():
+            series.clear()
+        self.last_step = -1
+
     def values(self, name: str) -> list[float]:
         return [value for _, value in self.samples[name]]
 

@@ -8,18 +8,21 @@ import pytest
 from textual.command import CommandPalette
 from textual.widgets import DataTable, Input, Static
 
+from console.app import TokenflowApp
 from console.diagnosis import RULES
+from console.replay import ReplaySource
 from console.screens.diagnosis import DiagnosisScreen
 from console.screens.drift import DriftScreen
 from console.screens.help import HelpScreen
 from console.screens.live import LiveScreen
 from console.screens.slow_queries import SlowQueriesScreen, SlowQueryDetail
 from console.screens.tuning import TuningScreen
+from console.sources.fleet import FleetSource
 from console.widgets.header import EngineHeader
 from console.widgets.keyed_table import KeyedTable
 from console.widgets.plot import Plot
 from console.widgets.requests_table import RequestsTable
-from tests.console.conftest import replay_app, replayed
+from tests.console.conftest import FAST_POLL_S, SESSION, replay_app, replayed
 
 pytestmark = pytest.mark.anyio
 SIZES = [(120, 40), (80, 24)]
@@ -174,3 +177,15 @@ async def test_help_pause_and_command_palette() -> None:
         await pilot.press("enter")
         await pilot.pause(0.2)
         assert isinstance(app.screen, DiagnosisScreen)
+
+
+async def test_next_server_moves_through_a_fleet_of_attached_sources() -> None:
+    fleet = FleetSource([ReplaySource(SESSION, speed=0), ReplaySource(SESSION, speed=0)])
+    app = TokenflowApp(fleet, interval=FAST_POLL_S)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("n")
+        await pilot.pause()
+        assert fleet.selected == 1 and fleet.name.startswith("[2/2]")
+        await pilot.press("n")
+        await pilot.pause()
+        assert fleet.selected == 0
