@@ -29,7 +29,10 @@ class ConsoleScreen(Screen):
 
     def show_snapshot(self, snapshot: Snapshot) -> None:
         """Redraw from a new snapshot; the app calls it only on the screen being shown."""
-        self.query_one(EngineHeader).update_from(snapshot, self.console.source.name)
+        # A poll can land while this screen is still mounting or already tearing down.
+        header = self.query(EngineHeader)
+        if header:
+            header.first().update_from(snapshot, self.console.source.name)
 
     def on_screen_resume(self) -> None:
         if self.console.latest is not None:

@@ -77,7 +77,7 @@ async def test_a_good_value_is_applied_live_and_stored(tuning) -> None:
     screen.on_screen_resume()
     changes = screen.query_one("#config-changes", DataTable)
     await until(pilot, lambda: changes.row_count >= 1)
-    assert changes.get_row_at(0)[:3] == ["max_num_batched_tokens", "512", "384"]
+    assert changes.get_row_at(0)[:3] == ["max_num_batched_tokens", "256", "384"]
 
 
 async def test_the_recommended_key_applies_c_star_in_whole_tiles(tuning) -> None:
@@ -85,8 +85,11 @@ async def test_the_recommended_key_applies_c_star_in_whole_tiles(tuning) -> None
     engine = app.source.loop.engine
     await until(pilot, lambda: app.latest is not None
                 and app.latest.recommended_chunk_size is not None)
+    tile = engine.config.chunk_tile
+    odd = 97 * tile  # a budget C* will not land on, so the change is visible
+    app.source.update_config(max_num_batched_tokens=odd)
+    await until(pilot, lambda: engine.config.max_num_batched_tokens == odd)
     screen.query_one(DataTable).focus()
     await pilot.press("c")
-    tile = engine.config.chunk_tile
-    await until(pilot, lambda: engine.config.max_num_batched_tokens != 512)
+    await until(pilot, lambda: engine.config.max_num_batched_tokens != odd)
     assert engine.config.max_num_batched_tokens % tile == 0
