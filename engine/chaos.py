@@ -336,7 +336,7 @@ def sigkill(settings: ChaosSettings, expected: dict[str, list[int]],
         mid_chunk = ("SELECT 1 FROM request_journal WHERE prefilled_tokens > 0 "
                      "AND generated_tokens = 0 AND state = 'PREFILL_CHUNKING'")
         first = _launch(args)
-        killed = _wait(first, lambda: bool(_query(db, mid_chunk)), deadline)
+        killed = _wait(first, lambda: bool(query_journal(db, mid_chunk)), deadline)
         killed_at = time.monotonic()
         before = _lines(output)
         second = _launch([*args, "--resume"])
@@ -383,7 +383,8 @@ def _wait(process: subprocess.Popen[bytes], condition: Callable[[], bool], deadl
     return not kill and condition()
 
 
-def _query(db: Path, sql: str) -> list[tuple[Any, ...]]:
+def query_journal(db: Path, sql: str) -> list[tuple[Any, ...]]:
+    """Read-only rows from another process's store; [] while it does not exist yet."""
     if not db.exists():
         return []
     try:

@@ -7,13 +7,13 @@ import json
 import os
 import random
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from engine import Engine, EngineConfig, SamplingParams
+from engine.chaos import query_journal
 
 FLAGS = ["--model", "synthetic:tiny", "--device", "cpu", "--max-num-batched-tokens", "8",
          "--chunk-tile", "8"]
@@ -28,16 +28,6 @@ def _requests(path: Path) -> list[dict]:
              "max_tokens": rng.randrange(12, 40)} for i in range(30)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return rows
-
-
-def _journal(db: Path, sql: str) -> list[tuple]:
-    if not db.exists():
-        return []
-    try:
-        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1) as conn:
-            return conn.execute(sql).fetchall()
-    except sqlite3.OperationalError:
-        return []  # the schema is being created
 
 
 def _run_until(args: list[str], condition, env: dict[str, str]) -> bool:
@@ -68,8 +58,8 @@ def test_sigkill_mid_prefill_and_mid_decode_then_resume(tmp_path: Path) -> None:
     args = [*FLAGS, "--requests", str(requests_file), "--output", str(output), "--db", str(db)]
     prefilling = "SELECT 1 FROM request_journal WHERE prefilled_tokens > 0 AND generated_tokens = 0"
     decoding = "SELECT 1 FROM request_journal WHERE generated_tokens > 0 AND state = 'DECODING'"
-    mid_prefill = _run_until(args, lambda: bool(_journal(db, prefilling)), env)
-    mid_decode = _run_until([*args, "--resume"], lambda: bool(_journal(db, decoding)), env)
+    mid_prefill = _run_until(args, lambda: bool(query_journal(db, prefilling)), env)
+    mid_decode = _run_until([*args, "--resume"], lambda: bool(query_journal(db, decoding)), env)
     assert mid_prefill and mid_decode, "the run finished before it could be killed"
     assert not _run_until([*args, "--resume"], lambda: False, env)
 
