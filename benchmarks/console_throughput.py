@@ -2,10 +2,10 @@
 
 Every run builds the same engine and the same workload (all requests at t=0, so the figure is
 compute-bound, not arrival-bound). Headless drives it with engine.driver.drive, as `tokenflow
-run` does; the console run plays it on the engine's background loop while the Textual app
-(headless terminal, 120×40) polls and redraws every pane. The loop run plays it on the same
-background loop with no app, which isolates what the console itself costs. Prints one JSON
-object.
+run` does. The console run is `tokenflow-console`'s own set-up (the engine and its store in a
+child process) while the Textual app (headless terminal, 120×40) polls and redraws every
+pane. The loop run plays the workload on the engine's background thread with no app: what the
+console would cost if it shared the engine's process. Prints one JSON object.
 
     .venv/bin/python benchmarks/console_throughput.py [--model synthetic:small] [--requests 16]
 """
@@ -21,12 +21,13 @@ import time
 from pathlib import Path
 
 from console.app import TokenflowApp
-from console.embedded import EmbeddedSource
+from console.engine_process import ProcessSource
+from engine.calibrate import calibrate, save_result
 from engine.config import EngineConfig
 from engine.driver import drive
 from engine.engine import Engine, RequestOutput
 from engine.loop import EngineLoop
-from engine.store import StoreWriter, open_database
+from engine.store import open_database
 from engine.workload import WorkloadRequest, build_workload, default_length_scale
 
 
@@ -66,21 +67,33 @@ def loop_only(config: EngineConfig, spec: str, requests: int) -> float:
     return engine.metrics.generation_tokens_total / elapsed
 
 
-async def with_console(config: EngineConfig, spec: str, requests: int, db: Path) -> float:
-    engine = Engine(config)
-    items = workload(engine, spec, requests)
+def calibrate_into(db: Path, config: EngineConfig) -> None:
+    """Store a calibration first, as a console that has run before has one: on an empty
+    database the console's drift monitor would recalibrate mid-run, which is not what this
+    benchmark measures."""
     database = open_database(db)
-    source = EmbeddedSource(EngineLoop(engine).start(), database,
-                            StoreWriter(database, engine.bus))
+    try:
+        result = calibrate(Engine(config), quick=True)
+        with database.session() as session:
+            save_result(session, result)
+    finally:
+        database.close()
+
+
+async def with_console(config: EngineConfig, spec: str, requests: int, db: Path) -> float:
+    """The console as `tokenflow-console` runs it: the engine in its child process."""
+    source = ProcessSource.start(model=config.model, device=config.device, workload=spec,
+                                 db=db, num_requests=requests, rate=float("inf"),
+                                 repeat=False)
+    start = time.monotonic()  # the child has just started playing the workload
     app = TokenflowApp(source)
     async with app.run_test(size=(120, 40)) as pilot:
-        start = time.monotonic()
-        source.loop.play(items)
-        while engine.metrics.requests_finished_total < len(items) or engine.has_unfinished():
-            await pilot.pause(0.05)
+        snapshot = source.snapshot()
+        while snapshot.requests_finished_total < requests:
+            await pilot.pause(0.1)
+            snapshot = source.snapshot()
         elapsed = time.monotonic() - start
-        generated = engine.metrics.generation_tokens_total
-    return generated / elapsed
+    return snapshot.generation_tokens_total / elapsed
 
 
 def main() -> None:
@@ -97,11 +110,12 @@ def main() -> None:
     loop: list[float] = []
     console: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.repeats):
+        db = Path(tmp) / "bench.db"
+        calibrate_into(db, config)
+        for _ in range(args.repeats):
             plain.append(headless(config, args.workload, args.requests))
             loop.append(loop_only(config, args.workload, args.requests))
-            console.append(asyncio.run(with_console(config, args.workload, args.requests,
-                                                    Path(tmp) / f"bench{i}.db")))
+            console.append(asyncio.run(with_console(config, args.workload, args.requests, db)))
     result = {
         "model": args.model, "device": args.device, "workload": args.workload,
         "requests": args.requests, "headless_output_tok_s": max(plain),

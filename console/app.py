@@ -7,8 +7,7 @@ import functools
 import logging
 import sys
 from collections.abc import Iterable
-from pathlib import Path
-from typing import ClassVar, NoReturn
+from typing import ClassVar
 
 from textual.app import App, SystemCommand
 from textual.binding import BindingType
@@ -24,6 +23,7 @@ from console.collectors import (
     apply_config_in_worker,
 )
 from console.commands_table import COMMANDS, bindings
+from console.engine_process import ProcessSource
 from console.errors import UserError
 from console.history import MetricHistory
 from console.replay import ReplaySource, SessionRecorder
@@ -137,59 +137,23 @@ class TokenflowApp(App[None]):
                                 functools.partial(self.run_action, command.action))
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        """One line naming the problem, not a usage dump (see --help for that)."""
-        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="tokenflow-console", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="synthetic:<preset> or a Hugging Face model directory "
-                        "(default: synthetic:small on CPU, a bigger preset on CUDA)")
-    parser.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: auto)")
-    parser.add_argument("--workload", default="mixed",
-                        help="mixed, chat, long-doc or trace:FILE (default: mixed)")
-    parser.add_argument("--db", type=Path, help="SQLite store (default: the user data dir)")
-    parser.add_argument("--attach", action="append", metavar="URL", default=[],
-                        help="watch a running `tokenflow serve` instead (repeatable)")
-    parser.add_argument("--attach-vllm", metavar="URL", help="watch a vLLM server's /metrics")
-    parser.add_argument("--replay", type=Path, metavar="FILE",
-                        help="review a session recorded with --record")
-    parser.add_argument("--speed", type=float, default=1.0,
-                        help="replay speed (default 1.0; 0 steps one snapshot per refresh)")
-    parser.add_argument("--record", type=Path, metavar="FILE",
-                        help="write every snapshot and the store's records to FILE (JSONL)")
-    return parser
-
-
-def open_source(args: argparse.Namespace) -> Source:
-    """Route the flags to exactly one source: replay, attach, or the embedded engine."""
-    chosen = [flag for flag, value in (("--replay", args.replay), ("--attach", args.attach),
-                                       ("--attach-vllm", args.attach_vllm)) if value]
-    if len(chosen) > 1:
-        raise UserError(f"{' and '.join(chosen)} cannot be combined; pick one source")
-    engine_flags = [flag for flag, value in (("--model", args.model), ("--device", args.device),
-                                             ("--db", args.db)) if value]
-    if chosen and engine_flags:
-        raise UserError(f"{', '.join(engine_flags)} configure the embedded engine; "
-                        f"drop them with {chosen[0]}")
+def open_source(args: argparse.Namespace, engine: ProcessSource | None) -> Source:
+    """The source the flags chose (console.main checked they agree): replay, attach, or the
+    embedded engine launched already, once it is ready."""
     if args.replay:
         return ReplaySource(args.replay, speed=args.speed)
     if args.attach or args.attach_vllm:
         from console.sources import open_http_source
 
         return open_http_source(args.attach, args.attach_vllm)
-    from console.embedded import EmbeddedSource
+    assert engine is not None, "console.main launches the embedded engine"
+    engine.wait_ready()
+    return engine
 
-    return EmbeddedSource.start(model=args.model, device=args.device, workload=args.workload,
-                                db=args.db)
 
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace, engine: ProcessSource | None) -> int:
     try:
-        source = open_source(args)
+        source = open_source(args, engine)
         recorder = SessionRecorder(args.record) if args.record else None
     except (UserError, EngineError) as exc:
         print(f"tokenflow-console: {exc}", file=sys.stderr)
@@ -201,7 +165,3 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, handlers=[TextualHandler()], force=True)
     TokenflowApp(source, recorder=recorder).run()
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

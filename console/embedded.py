@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import torch
+from sqlalchemy.orm import Session
 
 from console.source import Progress, SourceError
 from engine.calibrate import (
@@ -40,6 +43,7 @@ from engine.store import (
 )
 from engine.workload import build_workload, default_length_scale
 
+READ_FLUSH_TIMEOUT_S = 2.0
 CPU_MODEL = "synthetic:small"
 CUDA_MODEL = "synthetic:1b"  # the first GPU gets a preset big enough to load it
 
@@ -61,8 +65,10 @@ class EmbeddedSource:
     @classmethod
     def start(cls, *, model: str | None = None, device: str | None = None,
               workload: str = "mixed", db: Path | None = None,
-              config: EngineConfig | None = None) -> EmbeddedSource:
-        """Open the store, build the engine, start its loop and the workload, repeating."""
+              config: EngineConfig | None = None, num_requests: int | None = None,
+              rate: float | None = None, repeat: bool = True) -> EmbeddedSource:
+        """Open the store, build the engine, start its loop and the workload (`num_requests`
+        at `rate` requests/s, the workload's own defaults when None), repeating if asked."""
         device = device or "auto"
         base = config or EngineConfig()
         engine_config = dataclasses.replace(base, model=model or default_model(device),
@@ -72,7 +78,7 @@ class EmbeddedSource:
             engine = Engine(engine_config)
             requests = build_workload(
                 workload, vocab_size=engine.model_config.vocab_size,
-                max_model_len=engine.max_model_len,
+                max_model_len=engine.max_model_len, num_requests=num_requests, rate=rate,
                 length_scale=default_length_scale(engine.runner.device.type))
             with database.session() as session:
                 calibration = apply_latest(engine, session)
@@ -89,7 +95,7 @@ class EmbeddedSource:
                 calibration.params))
         engine.bus.subscribe(source.monitor.observe)
         loop.start()
-        loop.play(requests, repeat=True)
+        loop.play(requests, repeat=repeat)
         return source
 
     def _store_result(self, result: CalibrationResult) -> None:
@@ -111,11 +117,11 @@ class EmbeddedSource:
         self.loop.resume()
 
     def slow_queries(self, limit: int = 500) -> list[SlowQueryRecord]:
-        with self.database.session() as session:
+        with self._read() as session:
             return list_slow_queries(session, sort="time", limit=limit)
 
     def slow_query(self, query_id: int) -> SlowQueryRecord:
-        with self.database.session() as session:
+        with self._read() as session:
             record = get_slow_query(session, query_id)
         if record is None:
             raise SourceError(f"no slow query with id {query_id} in {self.database.path}")
@@ -123,17 +129,30 @@ class EmbeddedSource:
 
     def calibration_history(self) -> list[CalibrationRecord]:
         engine = self.loop.engine
-        with self.database.session() as session:
+        with self._read() as session:
             return calibration_history(session, model=engine.config.model,
                                        device=str(engine.runner.device))
 
     def drift_events(self) -> list[DriftRecord]:
-        with self.database.session() as session:
+        with self._read() as session:
             return drift_events(session)
 
     def config_changes(self) -> list[ConfigChangeRecord]:
-        with self.database.session() as session:
+        with self._read() as session:
             return config_changes(session)
+
+    def _read(self) -> AbstractContextManager[Session]:
+        """A session that sees every event published so far: a change the operator just
+        made is in the history they open next, not one batch window later."""
+        def publish_pending(engine: Engine) -> None:
+            engine.apply_pending_config()  # a change made just now is applied and published
+            engine.bus.drain()
+
+        # Bounded waits: a long step or a stuck store delays the history, never hangs it.
+        with contextlib.suppress(TimeoutError):
+            self.loop.call(publish_pending).result(timeout=READ_FLUSH_TIMEOUT_S)
+        self.writer.flush(timeout=READ_FLUSH_TIMEOUT_S)
+        return self.database.session()
 
     def recalibrate(self, progress: Progress) -> CalibrationRecord:
         """A quick sweep between engine steps; a table >10% off the last one is a drift

@@ -8,11 +8,13 @@ Store rows arrive as the store's own records (engine.store), newest first.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from engine.errors import EngineError
 from engine.snapshot import Snapshot
-from engine.store import CalibrationRecord, ConfigChangeRecord, DriftRecord, SlowQueryRecord
+
+if TYPE_CHECKING:  # the store pulls in SQLAlchemy: kept off the launch path
+    from engine.store import CalibrationRecord, ConfigChangeRecord, DriftRecord, SlowQueryRecord
 
 Progress = Callable[[float, str], None]  # fraction done in [0, 1], what is happening now
 

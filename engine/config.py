@@ -21,6 +21,9 @@ class ConfigError(EngineError, ValueError):
         self.field = field_name
         self.message = message
 
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # survives the console's pipe
+        return ConfigError, (self.field, self.message)
+
 
 MIN_TEMPERATURE = 1e-5  # the smallest temperature that samples; below it use 0 (greedy)
 

@@ -5,6 +5,8 @@ returns the logits of the rows that sample.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 from dataclasses import dataclass
 
@@ -25,6 +27,7 @@ from engine.model.loader import load_model, model_config_for
 from engine.scheduler import ScheduledChunk
 
 CPU_KV_BYTES_DEFAULT = 256 * 2**20
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -47,6 +50,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def _reuse_freed_memory() -> None:
+    """Keep freed memory in glibc's heap instead of returning it to the OS.
+
+    Each step allocates megabytes of temporaries (gathered KV, activations); by default glibc
+    maps every one afresh and unmaps it on free, so the kernel faults and zeroes its pages
+    each time. Retaining them halved a decode step at 1,000 tokens of context on this VM
+    (198 -> 98 ms, synthetic:small, 8 requests). No-op where libc has no mallopt.
+    """
+    path = ctypes.util.find_library("c")
+    mallopt = getattr(ctypes.CDLL(path), "mallopt", None) if path else None
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, 1 << 30)
+        mallopt(M_TRIM_THRESHOLD, 1 << 30)
+
+
 @dataclass(frozen=True)
 class StepInputs:
     input_ids: torch.Tensor
@@ -63,6 +81,7 @@ class ModelRunner:
             # preempted thread stalls the rest (matmuls measured 5-10x slower here). Leave a
             # core to the UI, HTTP and store threads.
             torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
+            _reuse_freed_memory()
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.use_flash = (config.attention_backend in ("auto", "flash")
                           and flash_importable(self.device))

@@ -24,7 +24,7 @@ from console.widgets.header import EngineHeader
 from engine import Engine, EngineConfig
 from engine.config import ConfigError
 from engine.loop import EngineLoop
-from engine.server import create_app
+from engine.server.app import create_app
 from engine.server.thread import ServerThread
 from engine.snapshot import Snapshot
 from engine.store import SlowQueryRecord, StoreWriter, open_database

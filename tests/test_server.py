@@ -19,7 +19,7 @@ from engine.errors import EngineError
 from engine.events import Event, Finished
 from engine.loop import EngineLoop
 from engine.metrics import TTFT_BUCKETS
-from engine.server import create_app
+from engine.server.app import create_app
 from engine.server.auth import TOKEN_ENV, load_admin_token
 from engine.server.thread import ServerThread
 

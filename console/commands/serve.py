@@ -19,8 +19,12 @@ from engine.calibrate import apply_latest
 from engine.engine import Engine
 from engine.loop import EngineLoop
 from engine.recovery import resume_unfinished
-from engine.server import create_app
-from engine.server.app import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, SlowQueriesReader
+from engine.server.app import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_QUEUE,
+    SlowQueriesReader,
+    create_app,
+)
 from engine.server.auth import TOKEN_ENV, load_admin_token
 from engine.store import Database, SlowQueryRecord, StoreWriter, list_slow_queries, open_database
 

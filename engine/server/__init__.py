@@ -1,5 +1,4 @@
-"""`tokenflow serve`: the engine behind an OpenAI-compatible HTTP API (starlette + uvicorn)."""
+"""`tokenflow serve`: the engine behind an OpenAI-compatible HTTP API (starlette + uvicorn).
 
-from engine.server.app import create_app
-
-__all__ = ["create_app"]
+The app lives in engine.server.app; importing this package alone (for auth, say) stays light.
+"""

@@ -1,0 +1,86 @@
+"""The console's default source: the embedded engine in a child process, reached over a pipe."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from console.engine_process import ProcessSource
+from console.source import SourceError
+from engine.config import ConfigError
+from engine.errors import ModelLoadError
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessSource]:
+    db = tmp_path_factory.mktemp("process") / "p.db"
+    source = ProcessSource.start(model="synthetic:tiny", device="cpu", workload="chat", db=db,
+                                 num_requests=4, rate=float("inf"), repeat=False)
+    yield source
+    source.close()
+
+
+def test_snapshots_come_from_the_child_engine(source: ProcessSource) -> None:
+    snapshot = source.snapshot()
+    assert snapshot.model == "synthetic:tiny"
+    assert source.name == "embedded synthetic:tiny on cpu"
+
+
+def test_a_bad_value_raises_the_engines_error_naming_the_field(source: ProcessSource) -> None:
+    before = source.snapshot().config["max_num_batched_tokens"]
+    with pytest.raises(ConfigError) as caught:
+        source.update_config(max_num_batched_tokens=-5)
+    assert caught.value.field == "max_num_batched_tokens"
+    assert source.snapshot().config["max_num_batched_tokens"] == before
+
+
+def test_a_good_value_applies_and_is_stored(source: ProcessSource) -> None:
+    applied = source.update_config(slow_query_threshold=2.5)
+    assert applied["slow_query_threshold"] == 2.5
+    changes = source.config_changes()
+    assert (changes[0].field, changes[0].new, changes[0].source) == ("slow_query_threshold", 2.5,
+                                                                    "console")
+
+
+def test_calls_from_many_threads_get_their_own_answers(source: ProcessSource) -> None:
+    results: dict[int, object] = {}
+
+    def ask(i: int) -> None:
+        results[i] = source.slow_queries() if i % 2 else source.snapshot().model
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(results[i] == "synthetic:tiny" for i in range(0, 8, 2))
+    assert all(isinstance(results[i], list) for i in range(1, 8, 2))
+
+
+def test_a_missing_slow_query_is_a_source_error(source: ProcessSource) -> None:
+    with pytest.raises(SourceError, match="no slow query with id 999999"):
+        source.slow_query(999999)
+
+
+def test_pause_and_resume_reach_the_engine(source: ProcessSource) -> None:
+    source.pause()
+    assert source.snapshot().paused
+    source.resume()
+    assert not source.snapshot().paused
+
+
+def test_a_missing_model_path_fails_start_with_the_engines_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="no-such-model"):
+        ProcessSource.start(model=str(tmp_path / "no-such-model"), device="cpu",
+                            db=tmp_path / "m.db")
+
+
+def test_after_close_a_call_is_a_clear_error(tmp_path: Path) -> None:
+    source = ProcessSource.start(model="synthetic:tiny", device="cpu", workload="chat",
+                                 db=tmp_path / "c.db", num_requests=2, repeat=False)
+    source.close()
+    with pytest.raises(SourceError, match="closed"):
+        source.snapshot()
