@@ -169,6 +169,7 @@ class CalibrationPoint:
     predicted_s: float
     held_out: bool
     nvml_memory_busy: float | None  # on a GPU: NVML's memory-controller busy share
+    dram_active: float | None = None  # on Hopper+: DCGM's DRAM-active share of peak bytes/s
 
     @property
     def relative_error(self) -> float:
@@ -242,6 +243,7 @@ class Calibration:
         self._chunks: dict[Probe, list[ScheduledChunk]] = {}  # the shapes that fit
         self._times: dict[Probe, list[float]] = {}
         self._busy: dict[Probe, list[float]] = {}
+        self._dram: dict[Probe, list[float]] = {}
         self._skipped: list[Probe] = []
         self._kv: KvProbe | None = None
         self._units: Iterator[None] = self._run_units()
@@ -281,7 +283,7 @@ class Calibration:
         for probe, (shape, times) in timed.items():
             median = statistics.median(times)
             flops, moved = budget.flops(shape), budget.bytes_moved(shape)
-            busy = self._busy[probe]
+            busy, dram = self._busy[probe], self._dram[probe]
             points.append(CalibrationPoint(
                 probe=probe, mean_s=statistics.fmean(times), median_s=median, min_s=min(times),
                 runs=len(times), flops=flops, bytes_moved=moved, achieved_flops=flops / median,
@@ -289,7 +291,8 @@ class Calibration:
                 flops_utilization=flops / median / peaks.flops,
                 bandwidth_utilization=moved / median / peaks.bandwidth,
                 predicted_s=predictor.predict(shape), held_out=self._held_out[probe],
-                nvml_memory_busy=statistics.median(busy) if busy else None))
+                nvml_memory_busy=statistics.median(busy) if busy else None,
+                dram_active=statistics.median(dram) if dram else None))
         assert self._kv is not None  # the first unit of every sweep
         return CalibrationResult(
             model=engine.config.model, device=str(engine.runner.device),
@@ -317,7 +320,7 @@ class Calibration:
                     self._skipped.append(probe)
                 else:
                     self._chunks[probe] = chunks
-                    self._times[probe], self._busy[probe] = [], []
+                    self._times[probe], self._busy[probe], self._dram[probe] = [], [], []
             done += 1 + (0 if probe in self._chunks else self.plan.repeats)
             yield
         for repeat in range(self.plan.repeats):
@@ -330,6 +333,8 @@ class Calibration:
                     latest = self._nvml.latest() if self._nvml is not None else None
                     if latest is not None:
                         self._busy[probe].append(latest.memory_busy)
+                        if latest.dram_active is not None:
+                            self._dram[probe].append(latest.dram_active)
                 done += 1
                 yield
         self._report(done, "fitting")

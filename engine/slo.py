@@ -8,8 +8,9 @@ on a laptop CPU and on an H200.
 - TTFT SLO, per request: its own prefill cost alone (DistServe scales TTFT SLOs with prefill
   latency) plus the scheduling-delay allowance.
 Goodput is the share of requests meeting both their TTFT and the TPOT SLO. Capacity is the
-highest arrival rate at which P99 TPOT and P99 scheduling delay stay within their SLOs, found
-by binary search as Sarathi-Serve and Vidur do.
+highest arrival rate at which P99 TPOT (or P99 time between tokens, Sarathi-Serve's measure)
+and P99 scheduling delay stay within their SLOs, found by binary search as Sarathi-Serve and
+Vidur do.
 """
 
 from __future__ import annotations
@@ -109,14 +110,10 @@ def p99(values: list[float]) -> float | None:
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
-def meets(result: RunResult, slo: SLO) -> bool:
-    """P99 TPOT and P99 scheduling delay within the SLO, and every request finished."""
-    records = list(result.records.values())
-    if any(r.state != "FINISHED" for r in records):
-        return False
-    tpot = p99([r.tpot_s for r in records if r.tpot_s is not None])
-    delay = p99([r.scheduling_delay_s for r in records if r.scheduling_delay_s is not None])
-    return (tpot is None or tpot <= slo.tpot_s) and (delay is None or delay <= slo.delay_s)
+# What the TPOT SLO is checked against: "tpot", each request's mean time per output token
+# (vLLM's and DistServe's TPOT), or "tbt", every single gap between two tokens (Sarathi-Serve's
+# time between tokens, which a stall shows in full instead of averaged over the request).
+LATENCY_METRICS = ("tpot", "tbt")
 
 
 @dataclass(frozen=True)
@@ -124,24 +121,35 @@ class CapacityProbe:
     rate: float
     ok: bool
     tpot_p99_ms: float | None
+    tbt_p99_ms: float | None
     delay_p99_ms: float | None
+
+    @classmethod
+    def of(cls, rate: float, result: RunResult, slo: SLO, metric: str) -> CapacityProbe:
+        """P99 TPOT (or TBT) and P99 scheduling delay within the SLO, every request done."""
+        records = list(result.records.values())
+        tpot = p99([r.tpot_s for r in records if r.tpot_s is not None])
+        tbt = p99([gap for r in records for gap in r.inter_token_s()])
+        delay = p99([r.scheduling_delay_s for r in records if r.scheduling_delay_s is not None])
+        latency = tpot if metric == "tpot" else tbt
+        ok = (all(r.state == "FINISHED" for r in records)
+              and (latency is None or latency <= slo.tpot_s)
+              and (delay is None or delay <= slo.delay_s))
+        return cls(rate, ok, *(None if v is None else v * 1e3 for v in (tpot, tbt, delay)))
 
 
 def capacity(run_at: Callable[[float], RunResult], slo: SLO, low: float, high: float,
-             iterations: int = 5) -> tuple[float, list[CapacityProbe]]:
+             iterations: int = 5, metric: str = "tpot") -> tuple[float, list[CapacityProbe]]:
     """Highest sustainable rate in [low, high] (requests/s), by binary search in log space."""
+    if metric not in LATENCY_METRICS:
+        raise ValueError(f"metric must be one of {LATENCY_METRICS}, got {metric!r}")
     probes: list[CapacityProbe] = []
     best = 0.0
     for _ in range(iterations):
         rate = math.sqrt(low * high)
-        result = run_at(rate)
-        ok = meets(result, slo)
-        records = list(result.records.values())
-        tpot = p99([r.tpot_s for r in records if r.tpot_s is not None])
-        delay = p99([r.scheduling_delay_s for r in records if r.scheduling_delay_s is not None])
-        probes.append(CapacityProbe(rate, ok, None if tpot is None else tpot * 1e3,
-                                    None if delay is None else delay * 1e3))
-        if ok:
+        probe = CapacityProbe.of(rate, run_at(rate), slo, metric)
+        probes.append(probe)
+        if probe.ok:
             best, low = max(best, rate), rate
         else:
             high = rate

@@ -117,6 +117,9 @@ class NvmlSample:
     sm_clock_mhz: int
     torch_allocated_bytes: int | None  # tensors live in torch's caching allocator
     torch_reserved_bytes: int | None  # held by the allocator, allocated or cached
+    # DCGM's DRAM-active: the share of peak DRAM bandwidth used since the previous sample, from
+    # NVML's GPM counters (Hopper and later); None elsewhere and on the first sample.
+    dram_active: float | None = None
 
 
 def _import_pynvml() -> ModuleType:
@@ -143,6 +146,56 @@ def nvml_available(nvml: ModuleType | None = None) -> bool:
         nvml.nvmlShutdown()
 
 
+class DramActive:
+    """DCGM's DRAM-active counter read through NVML's GPM interface, which needs no DCGM daemon:
+    the share of peak DRAM bandwidth used between two GPM samples (Hopper and later GPUs).
+
+    NVML's `memory` utilisation counts time the controller was busy at all; DRAM-active counts
+    bytes against the peak, so the two disagree on light traffic, and the calibrator reports
+    both beside its own bytes/s estimate.
+    """
+
+    def __init__(self, nvml: ModuleType, handle: object) -> None:
+        self.nvml = nvml
+        self.handle = handle
+        self._previous: object | None = None
+        try:
+            self.supported = bool(nvml.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice)
+        except (AttributeError, nvml.NVMLError):  # an older pynvml or driver, a pre-Hopper GPU
+            self.supported = False
+
+    def read(self) -> float | None:
+        """DRAM-active since the last read (0..1); None on the first read or without GPM."""
+        if not self.supported:
+            return None
+        nvml = self.nvml
+        try:
+            current = nvml.nvmlGpmSampleGet(self.handle, nvml.nvmlGpmSampleAlloc())
+        except nvml.NVMLError:
+            return None
+        previous, self._previous = self._previous, current
+        if previous is None:
+            return None
+        request = nvml.c_nvmlGpmMetricsGet_t()
+        request.version = nvml.NVML_GPM_METRICS_GET_VERSION
+        request.numMetrics = 1
+        request.sample1, request.sample2 = previous, current
+        request.metrics[0].metricId = nvml.NVML_GPM_METRIC_DRAM_BW_UTIL
+        try:
+            nvml.nvmlGpmMetricsGet(request)
+        except nvml.NVMLError:
+            return None
+        finally:
+            nvml.nvmlGpmSampleFree(previous)
+        metric = request.metrics[0]
+        return None if metric.nvmlReturn != 0 else metric.value / 100.0  # NVML_SUCCESS is 0
+
+    def close(self) -> None:
+        if self._previous is not None:
+            self.nvml.nvmlGpmSampleFree(self._previous)
+            self._previous = None
+
+
 class NvmlBandwidth:
     """Samples NVML on a daemon thread and averages the memory controller's busy share.
 
@@ -165,6 +218,7 @@ class NvmlBandwidth:
         self._nvml = nvml
         self._clock = clock
         self._handle: object | None = None
+        self._dram: DramActive | None = None
         self._samples: deque[NvmlSample] = deque()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -182,6 +236,7 @@ class NvmlBandwidth:
         try:
             self._nvml.nvmlInit()
             self._handle = self._nvml.nvmlDeviceGetHandleByIndex(self.device_index)
+            self._dram = DramActive(self._nvml, self._handle)
         except self._nvml.NVMLError as exc:
             raise TelemetryError(f"NVML cannot read GPU {self.device_index} ({exc}); use the "
                                  "model-estimated bandwidth on machines without NVIDIA GPUs"
@@ -196,6 +251,9 @@ class NvmlBandwidth:
         self._stop.set()
         self._thread.join()
         self._thread = None
+        if self._dram is not None:
+            self._dram.close()
+            self._dram = None
         self._nvml.nvmlShutdown()
 
     def _run(self) -> None:
@@ -222,8 +280,10 @@ class NvmlBandwidth:
             self._handle = None
             return None
         allocated, reserved = self._torch_memory()
+        dram = self._dram.read() if self._dram is not None else None
         sample = NvmlSample(self._clock(), rates.memory / 100.0, int(memory.used),
-                            int(memory.total), int(mem_clock), int(sm_clock), allocated, reserved)
+                            int(memory.total), int(mem_clock), int(sm_clock), allocated, reserved,
+                            dram)
         with self._lock:
             self._samples.append(sample)
             while self._samples[0].ts <= sample.ts - self.window_s:

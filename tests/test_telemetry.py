@@ -6,6 +6,7 @@ from engine.telemetry import (
     MAX_UTILIZATION,
     BandwidthReading,
     BandwidthSource,
+    DramActive,
     InjectedBandwidth,
     ModelBandwidth,
     NvmlBandwidth,
@@ -191,3 +192,63 @@ def test_injected_override_expires():
     assert source.reading().source == "model"
     with pytest.raises(TelemetryError, match="injected utilisation"):
         source.inject(2.0, until_s=clock.t + 1)
+
+
+def fake_gpm(nvml: SimpleNamespace, dram_percents: list[float], *, supported: bool = True):
+    """GPM on top of fake_pynvml: dram_percents[k] is DRAM-active over the k-th interval."""
+    live: set[int] = set()
+    serial = iter(range(1_000_000))
+
+    class Metric(SimpleNamespace):
+        pass
+
+    def alloc():
+        sample = next(serial)
+        live.add(sample)
+        return sample
+
+    def metrics_get(request):
+        assert request.numMetrics == 1 and request.sample2 > request.sample1
+        assert request.metrics[0].metricId == nvml.NVML_GPM_METRIC_DRAM_BW_UTIL
+        request.metrics[0].value = dram_percents[min(request.sample2 - 1, len(dram_percents) - 1)]
+        request.metrics[0].nvmlReturn = 0
+        return request
+
+    nvml.NVML_GPM_METRIC_DRAM_BW_UTIL = 2
+    nvml.NVML_GPM_METRICS_GET_VERSION = 1
+    nvml.nvmlGpmQueryDeviceSupport = lambda handle: SimpleNamespace(isSupportedDevice=supported)
+    nvml.nvmlGpmSampleAlloc = alloc
+    nvml.nvmlGpmSampleGet = lambda handle, sample: sample
+    nvml.nvmlGpmSampleFree = live.discard
+    nvml.nvmlGpmMetricsGet = metrics_get
+    nvml.c_nvmlGpmMetricsGet_t = lambda: SimpleNamespace(metrics=[Metric()])
+    nvml.live_samples = live
+    return nvml
+
+
+def test_dram_active_from_gpm_between_two_samples():
+    nvml = fake_gpm(fake_pynvml([40]), [55.0, 72.5, 10.0])
+    dram = DramActive(nvml, "gpu0")
+    assert [dram.read() for _ in range(3)] == [None, pytest.approx(0.55), pytest.approx(0.725)]
+    assert len(nvml.live_samples) == 1  # only the interval's open end is held
+    dram.close()
+    assert not nvml.live_samples
+
+
+def test_nvml_samples_carry_dram_active_beside_the_busy_share():
+    clock = FakeClock()
+    nvml = fake_gpm(fake_pynvml([40] * 3), [66.0])
+    source = NvmlBandwidth(interval_s=1.0, nvml=nvml, clock=clock)
+    source._dram = DramActive(nvml, "gpu0")  # what start() sets up, without its thread
+    first, second = source.sample(), source.sample()
+    assert first is not None and second is not None
+    assert (first.dram_active, second.dram_active) == (None, pytest.approx(0.66))
+    assert second.memory_busy == pytest.approx(0.4)
+
+
+def test_no_gpm_means_no_dram_active_and_nothing_else_changes():
+    nvml = fake_gpm(fake_pynvml([40]), [50.0], supported=False)
+    dram = DramActive(nvml, "gpu0")
+    assert not dram.supported and dram.read() is None
+    old_library = fake_pynvml([40])  # a pynvml without the GPM functions at all
+    assert not DramActive(old_library, "gpu0").supported
