@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from console.source import Progress, SourceError
-from console.sources.remote import Remote, error_message
+from console.sources.remote import Remote, RemoteBacked, error_message
 from engine.config import ConfigError
 from engine.server.auth import TOKEN_ENV
 from engine.snapshot import Snapshot
@@ -25,25 +25,15 @@ from engine.store import CalibrationRecord, ConfigChangeRecord, DriftRecord, Slo
 MAX_SLOW_QUERIES = 5000  # the server's own cap on one listing
 
 
-class HttpSource:
+class HttpSource(RemoteBacked):
+    label = "attach"
+
     def __init__(self, url: str, *, token: str | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  transport: httpx.BaseTransport | None = None) -> None:
         token = token if token is not None else os.environ.get(TOKEN_ENV, "").strip()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.remote = Remote(url, headers=headers, clock=clock, transport=transport)
-
-    @property
-    def name(self) -> str:
-        return f"attach {self.remote.url}" + ("" if self.remote.online else " (offline)")
-
-    @property
-    def online(self) -> bool:
-        return self.remote.online
-
-    @property
-    def last_error(self) -> str:
-        return self.remote.last_error
 
     def snapshot(self) -> Snapshot:
         return Snapshot.from_dict(self._call("GET", "/v1/stats").json())

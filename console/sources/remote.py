@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 
@@ -70,3 +70,23 @@ def error_message(response: httpx.Response) -> str:
     if isinstance(body, dict) and isinstance(body.get("error"), dict):
         return str(body["error"].get("message", ""))
     return response.text.strip()[:200]
+
+
+class RemoteBacked:
+    """What an HTTP-backed source says about its connection: its name (offline marked),
+    whether the server answered last time, and why not."""
+
+    remote: Remote
+    label: ClassVar[str]  # "attach", "vLLM": what kind of server the URL is
+
+    @property
+    def name(self) -> str:
+        return f"{self.label} {self.remote.url}" + ("" if self.remote.online else " (offline)")
+
+    @property
+    def online(self) -> bool:
+        return self.remote.online
+
+    @property
+    def last_error(self) -> str:
+        return self.remote.last_error

@@ -22,7 +22,7 @@ from console.sources.prometheus_text import (
     parse_samples,
     total,
 )
-from console.sources.remote import Remote
+from console.sources.remote import Remote, RemoteBacked
 from engine.snapshot import Percentiles, Snapshot
 from engine.store import CalibrationRecord, ConfigChangeRecord, DriftRecord, SlowQueryRecord
 
@@ -33,24 +33,14 @@ ITL = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
 TTFT = ("vllm:time_to_first_token_seconds",)
 
 
-class VllmMetricsSource:
+class VllmMetricsSource(RemoteBacked):
+    label = "vLLM"
+
     def __init__(self, url: str, *, clock: Callable[[], float] = time.monotonic,
                  transport: httpx.BaseTransport | None = None) -> None:
         self.remote = Remote(url, clock=clock, transport=transport)
         self.clock = clock
         self._last_tokens: tuple[float, float, float] | None = None  # (ts, all, generated)
-
-    @property
-    def name(self) -> str:
-        return f"vLLM {self.remote.url}" + ("" if self.remote.online else " (offline)")
-
-    @property
-    def online(self) -> bool:
-        return self.remote.online
-
-    @property
-    def last_error(self) -> str:
-        return self.remote.last_error
 
     def snapshot(self) -> Snapshot:
         response = self.remote.request("GET", "/metrics")
