@@ -1,0 +1,161 @@
+"""The one script to run when a session is lent a GPU: checks every CUDA path and measures.
+
+1. Exactness on CUDA: a tiny synthetic model's greedy tokens, generated with chunked prefill
+   under several budgets, equal the CPU engine's (fp32 on both).
+2. Attention backend: flash-attn if importable (varlen + block table), else torch SDPA; both
+   report which one ran.
+3. Timing: a quick calibration sweep on CUDA events; its held-out error.
+4. Telemetry: NVML's memory-busy share and, on Hopper and later, GPM's DRAM-active, sampled
+   during the sweep, beside the bytes/s the budget model estimates.
+5. Roofline: measured peaks and one prefill chunk / one decode step as MFU / MBU, on
+   synthetic:1b in bf16 (step_micro's shapes).
+
+Prints one JSON object; exits 0 with {"cuda": false} where there is no GPU, so it is safe
+anywhere. Never part of CI.
+
+    PYTHONPATH=. python benchmarks/gpu_check.py [--model synthetic:1b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams
+from engine.attention import flash_available
+from engine.budget import StepShape
+from engine.calibrate import calibrate
+from engine.request import Request, RequestState
+from engine.scheduler import ScheduledChunk
+from engine.telemetry import NvmlBandwidth, TelemetryError, nvml_available
+
+PROMPTS = [[3 + (i * 7 + j) % 300 for j in range(n)] for i, n in enumerate((1, 17, 64, 200))]
+
+
+def exactness() -> dict[str, Any]:
+    """Greedy tokens on CUDA under several budgets against the CPU engine's."""
+    params = SamplingParams(max_tokens=12)
+    reference = Engine(EngineConfig(model="synthetic:tiny", device="cpu",
+                                    dtype="float32")).generate(PROMPTS, params)
+    by_budget = {}
+    for budget in (16, 64, 4096):
+        engine = Engine(EngineConfig(model="synthetic:tiny", device="cuda", dtype="float32",
+                                     max_num_batched_tokens=budget, chunk_tile=16))
+        by_budget[budget] = engine.generate(PROMPTS, params) == reference
+    return {"greedy_equal_to_cpu": by_budget, "ok": all(by_budget.values())}
+
+
+def _request(engine: Engine, rid: str, tokens: int, state: RequestState) -> Request:
+    request = Request(rid, [3 + i % 250 for i in range(tokens)], SamplingParams(max_tokens=1),
+                      arrival=0.0, state=state)
+    engine.blocks.grow(request, tokens)
+    return request
+
+
+def _cuda_time(engine: Engine, chunks: list[ScheduledChunk], repeats: int = 20) -> float:
+    for _ in range(5):  # warm-up (pitfall 9)
+        engine.runner.run(chunks)
+    samples = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        engine.runner.run(chunks)
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(samples)
+
+
+def roofline(model: str) -> dict[str, Any]:
+    engine = Engine(EngineConfig(model=model, device="cuda", dtype="bfloat16",
+                                 max_model_len=4096))
+    peaks = engine.peaks
+    prefill = _request(engine, "prefill", 512, RequestState.PREFILL_CHUNKING)
+    prefill_s = _cuda_time(engine, [ScheduledChunk(prefill, 0, 512)])
+    decodes = []
+    for i in range(32):
+        request = _request(engine, f"d{i}", 512, RequestState.DECODING)
+        request.num_computed_tokens = 511
+        decodes.append(ScheduledChunk(request, 511, 1))
+    decode_s = _cuda_time(engine, decodes)
+    budget = engine.budget
+    prefill_shape = StepShape(prefill=((512, 0),))
+    decode_shape = StepShape(decode_contexts=(512,) * 32)
+    return {
+        "model": model, "gpu": torch.cuda.get_device_name(0),
+        "attention": "flash-attn" if engine.runner.use_flash else "torch sdpa",
+        "peak_flops": peaks.flops, "peak_bandwidth": peaks.bandwidth, "peaks": peaks.source,
+        "prefill_512_ms": prefill_s * 1e3,
+        "prefill_mfu": budget.flops(prefill_shape) / prefill_s / peaks.flops,
+        "decode_32x512_ms": decode_s * 1e3,
+        "decode_mbu": budget.bytes_moved(decode_shape) / decode_s / peaks.bandwidth,
+    }
+
+
+def calibration(model: str) -> dict[str, Any]:
+    engine = Engine(EngineConfig(model=model, device="cuda", dtype="bfloat16",
+                                 max_model_len=4096))
+    started = time.perf_counter()
+    result = calibrate(engine, quick=True)
+    busy = [p.nvml_memory_busy for p in result.points if p.nvml_memory_busy is not None]
+    dram = [p.dram_active for p in result.points if p.dram_active is not None]
+    estimated = [p.bandwidth_utilization for p in result.points]
+    return {
+        "wall_s": time.perf_counter() - started,
+        "heldout_median_abs_error": result.heldout_median_abs_error,
+        "points": len(result.points),
+        "median_estimated_bandwidth_utilization": statistics.median(estimated),
+        "median_nvml_memory_busy": statistics.median(busy) if busy else None,
+        "median_dram_active": statistics.median(dram) if dram else None,
+    }
+
+
+def telemetry() -> dict[str, Any]:
+    if not nvml_available():
+        return {"nvml": False}
+    monitor = NvmlBandwidth(interval_s=0.1, torch_device="cuda:0")
+    try:
+        monitor.start()
+    except TelemetryError as exc:
+        return {"nvml": False, "error": str(exc)}
+    x = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(200):  # keep the memory busy across a few samples
+        x = x * 1.0001
+    torch.cuda.synchronize()
+    sample = monitor.latest()
+    monitor.stop()
+    return {"nvml": True, "latest": None if sample is None else sample.__dict__,
+            "reading": monitor.reading().util_5s}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="synthetic:1b")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print(json.dumps({"cuda": False, "flash_attn": False}))
+        return 0
+    report: dict[str, Any] = {"cuda": True, "torch": torch.__version__,
+                              "flash_attn": flash_available(torch.device("cuda"))}
+    for name, check in (("exactness", exactness), ("telemetry", telemetry),
+                        ("roofline", lambda: roofline(args.model)),
+                        ("calibration", lambda: calibration(args.model))):
+        try:
+            report[name] = check()
+        except Exception as exc:  # report every check, even after one fails
+            report[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        gc.collect()  # each engine sizes its KV pool from free memory: free the last one's
+        torch.cuda.empty_cache()
+    print(json.dumps(report, indent=2, default=str))
+    return 0 if report.get("exactness", {}).get("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
