@@ -20,7 +20,7 @@ from console.sources.remote import Remote, RemoteBacked, error_message
 from engine.config import ConfigError
 from engine.server.auth import TOKEN_ENV
 from engine.snapshot import Snapshot
-from engine.store import CalibrationRecord, ConfigChangeRecord, DriftRecord, SlowQueryRecord
+from engine.store import CalibrationRecord, SlowQueryRecord
 
 MAX_SLOW_QUERIES = 5000  # the server's own cap on one listing
 
@@ -62,21 +62,10 @@ class HttpSource(RemoteBacked):
                 return record
         raise SourceError(f"{self.remote.url} has no slow query with id {query_id}")
 
-    def calibration_history(self) -> list[CalibrationRecord]:
-        return []
-
-    def drift_events(self) -> list[DriftRecord]:
-        return []
-
-    def config_changes(self) -> list[ConfigChangeRecord]:
-        return []
-
     def recalibrate(self, progress: Progress) -> CalibrationRecord:
         raise SourceError("calibration runs next to the engine: run `tokenflow calibrate` on "
                           f"the machine serving {self.remote.url}")
 
-    def close(self) -> None:
-        self.remote.close()
 
     def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         return self._checked(self.remote.request(method, path, **kwargs), path)

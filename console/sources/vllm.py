@@ -24,7 +24,7 @@ from console.sources.prometheus_text import (
 )
 from console.sources.remote import Remote, RemoteBacked
 from engine.snapshot import Percentiles, Snapshot
-from engine.store import CalibrationRecord, ConfigChangeRecord, DriftRecord, SlowQueryRecord
+from engine.store import CalibrationRecord, SlowQueryRecord
 
 MODE = "vLLM"
 # Newer vLLM names first; older releases used the later ones for the same thing.
@@ -96,20 +96,9 @@ class VllmMetricsSource(RemoteBacked):
     def slow_query(self, query_id: int) -> SlowQueryRecord:
         raise SourceError("a vLLM server keeps no slow queries")
 
-    def calibration_history(self) -> list[CalibrationRecord]:
-        return []
-
-    def drift_events(self) -> list[DriftRecord]:
-        return []
-
-    def config_changes(self) -> list[ConfigChangeRecord]:
-        return []
-
     def recalibrate(self, progress: Progress) -> CalibrationRecord:
         raise SourceError("tokenflow cannot calibrate a vLLM server")
 
-    def close(self) -> None:
-        self.remote.close()
 
 
 def _model_name(samples: dict[str, list[Sample]]) -> str:
