@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,3 +86,15 @@ def test_after_close_a_call_is_a_clear_error(tmp_path: Path) -> None:
     source.close()
     with pytest.raises(SourceError, match="closed"):
         source.snapshot()
+
+
+def test_a_killed_engine_process_is_a_clear_error_not_a_hang(tmp_path: Path) -> None:
+    source = ProcessSource.start(model="synthetic:tiny", device="cpu", workload="chat",
+                                 db=tmp_path / "k.db", num_requests=2, repeat=False)
+    try:
+        os.kill(source._process.pid, signal.SIGKILL)
+        source._process.join(10)
+        with pytest.raises(SourceError, match=r"engine process has exited \(exit code -9\)"):
+            source.snapshot()
+    finally:
+        source.close()
