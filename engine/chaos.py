@@ -118,7 +118,9 @@ def expected_outputs(requests: Sequence[WorkloadRequest]) -> dict[str, list[int]
 class _Harness:
     """Drives an engine on this thread as a client would: submits, collects, retries failures."""
 
-    def __init__(self, engine: Engine, requests: Sequence[WorkloadRequest]) -> None:
+    def __init__(self, engine: Engine, requests: Sequence[WorkloadRequest],
+                 held: int = 0) -> None:
+        """Submits every request but the last `held`, which wait for `release_held()`."""
         self.engine = engine
         self.requests = {r.request_id: r for r in requests}
         self.finished: dict[str, RequestOutput] = {}
@@ -126,8 +128,15 @@ class _Harness:
         self.attempts = dict.fromkeys(self.requests, 0)
         self._attempt_of: dict[str, str] = {}  # engine id -> request id
         self.retry_failed = False
-        for request in requests:
+        now = len(requests) - held
+        self._held = [r.request_id for r in requests[now:]]
+        for request in requests[:now]:
             self.submit(request.request_id)
+
+    def release_held(self) -> None:
+        for rid in self._held:
+            self.submit(rid)
+        self._held = []
 
     def submit(self, rid: str) -> None:
         request = self.requests[rid]
@@ -219,7 +228,9 @@ def bandwidth_spike(settings: ChaosSettings, expected: dict[str, list[int]],
     peak = measure_peaks("cpu", torch.float32).bandwidth
     injected = InjectedBandwidth(ModelBandwidth(peak))
     engine = chaos_engine(injected, bandwidth_pause_s=settings.fault_s / 3)
-    harness = _Harness(engine, requests)
+    # Half the clients arrive after the spike: a fast engine may finish the first half during
+    # it, and recovery needs traffic to show (CI once saw nothing left to serve afterwards).
+    harness = _Harness(engine, requests, held=len(requests) // 2)
     spike_until = time.monotonic() + settings.fault_s
     injected.inject(SPIKE_UTIL, spike_until + settings.bound_s)
     top = 0
@@ -233,6 +244,7 @@ def bandwidth_spike(settings: ChaosSettings, expected: dict[str, list[int]],
     engaged = "throttle" in engine.guards.engaged()
     injected.clear()
     fault_end = time.monotonic()
+    harness.release_held()
 
     recovered = harness.first_tokens_after(fault_end + settings.bound_s,
                                            lambda: engine.scheduler.throttle_level == 0)
