@@ -7,8 +7,8 @@
 3. Timing: a quick calibration sweep on CUDA events; its held-out error.
 4. Telemetry: NVML's memory-busy share and, on Hopper and later, GPM's DRAM-active, sampled
    during the sweep, beside the bytes/s the budget model estimates.
-5. Roofline: measured peaks and one prefill chunk / one decode step as MFU / MBU, on
-   synthetic:1b in bf16 (step_micro's shapes).
+5. Roofline: benchmarks/step_micro.py on the GPU: measured peaks and one prefill chunk / one
+   decode step as MFU / MBU, on synthetic:1b in bf16.
 
 Prints one JSON object; exits 0 with {"cuda": false} where there is no GPU, so it is safe
 anywhere. Never part of CI.
@@ -27,13 +27,11 @@ import time
 from typing import Any
 
 import torch
+from step_micro import measure  # this script runs from benchmarks/, as its usage line says
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.attention import flash_available
-from engine.budget import StepShape
 from engine.calibrate import calibrate
-from engine.request import Request, RequestState
-from engine.scheduler import ScheduledChunk
 from engine.telemetry import NvmlBandwidth, TelemetryError, nvml_available
 
 PROMPTS = [[3 + (i * 7 + j) % 300 for j in range(n)] for i, n in enumerate((1, 17, 64, 200))]
@@ -52,51 +50,10 @@ def exactness() -> dict[str, Any]:
     return {"greedy_equal_to_cpu": by_budget, "ok": all(by_budget.values())}
 
 
-def _request(engine: Engine, rid: str, tokens: int, state: RequestState) -> Request:
-    request = Request(rid, [3 + i % 250 for i in range(tokens)], SamplingParams(max_tokens=1),
-                      arrival=0.0, state=state)
-    engine.blocks.grow(request, tokens)
-    return request
-
-
-def _cuda_time(engine: Engine, chunks: list[ScheduledChunk], repeats: int = 20) -> float:
-    for _ in range(5):  # warm-up (pitfall 9)
-        engine.runner.run(chunks)
-    samples = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        engine.runner.run(chunks)
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(samples)
-
-
 def roofline(model: str) -> dict[str, Any]:
-    engine = Engine(EngineConfig(model=model, device="cuda", dtype="bfloat16",
-                                 max_model_len=4096))
-    peaks = engine.peaks
-    prefill = _request(engine, "prefill", 512, RequestState.PREFILL_CHUNKING)
-    prefill_s = _cuda_time(engine, [ScheduledChunk(prefill, 0, 512)])
-    decodes = []
-    for i in range(32):
-        request = _request(engine, f"d{i}", 512, RequestState.DECODING)
-        request.num_computed_tokens = 511
-        decodes.append(ScheduledChunk(request, 511, 1))
-    decode_s = _cuda_time(engine, decodes)
-    budget = engine.budget
-    prefill_shape = StepShape(prefill=((512, 0),))
-    decode_shape = StepShape(decode_contexts=(512,) * 32)
-    return {
-        "model": model, "gpu": torch.cuda.get_device_name(0),
-        "attention": "flash-attn" if engine.runner.use_flash else "torch sdpa",
-        "peak_flops": peaks.flops, "peak_bandwidth": peaks.bandwidth, "peaks": peaks.source,
-        "prefill_512_ms": prefill_s * 1e3,
-        "prefill_mfu": budget.flops(prefill_shape) / prefill_s / peaks.flops,
-        "decode_32x512_ms": decode_s * 1e3,
-        "decode_mbu": budget.bytes_moved(decode_shape) / decode_s / peaks.bandwidth,
-    }
+    """step_micro's shapes on the GPU in bf16, timed with CUDA events."""
+    return {"gpu": torch.cuda.get_device_name(0),
+            **measure(model, device="cuda", dtype="bfloat16", repeats=20)}
 
 
 def calibration(model: str) -> dict[str, Any]:

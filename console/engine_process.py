@@ -122,11 +122,8 @@ class ProcessSource:
         if self._closed:
             return
         self._closed = True  # from here on the child's last warnings are not re-logged
-        try:
-            with self._send_lock:
-                self._connection.send(None)
-        except (BrokenPipeError, OSError):
-            pass  # already gone
+        with contextlib.suppress(BrokenPipeError, OSError), self._send_lock:  # or it is gone
+            self._connection.send(None)
         self._process.join(CLOSE_TIMEOUT_S)
         if self._process.is_alive():
             self._process.terminate()
@@ -138,18 +135,15 @@ class ProcessSource:
               **kwargs: Any) -> Any:
         future: Future[Any] = Future()
         call_id = next(self._ids)
-        self._pending[call_id] = (future, progress)
-        try:
-            with self._send_lock:
-                if self._closed:
-                    raise SourceError("the embedded engine is closed")
+        with self._send_lock:
+            if self._closed:
+                raise SourceError("the embedded engine is closed")
+            self._pending[call_id] = (future, progress)
+            try:
                 self._connection.send((call_id, method, args, kwargs))
-        except (BrokenPipeError, OSError) as exc:
-            self._pending.pop(call_id, None)
-            raise self._gone() from exc
-        except SourceError:
-            self._pending.pop(call_id, None)
-            raise
+            except (BrokenPipeError, OSError) as exc:
+                del self._pending[call_id]
+                raise self._gone() from exc
         if self._reader_done:  # it may have failed the pending calls before this one arrived
             self._pending.pop(call_id, None)
             raise self._gone()

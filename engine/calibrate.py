@@ -375,7 +375,7 @@ class Calibration:
             self.engine.runner.zero_blocks(blocks.take_newly_allocated())
             seconds = math.nan
             for _ in range(runs):
-                seconds = _timed_step(self.engine, chunks)
+                seconds = timed_step(self.engine, chunks)
             return seconds
         finally:
             for chunk in chunks:
@@ -466,7 +466,7 @@ def _probe_chunks(probe: Probe, vocab: int) -> list[ScheduledChunk]:
     return chunks
 
 
-def _timed_step(engine: Engine, chunks: list[ScheduledChunk]) -> float:
+def timed_step(engine: Engine, chunks: list[ScheduledChunk]) -> float:
     """Seconds of one forward pass plus sampling, what the engine times as a step; CUDA events
     on a GPU (they see the kernels, and the host-side preparation the GPU waits through)."""
     runner = engine.runner

@@ -157,20 +157,20 @@ class DramActive:
 
     def __init__(self, nvml: ModuleType, handle: object) -> None:
         self.nvml = nvml
-        self.handle = handle
         self._previous: object | None = None
         try:
             self.supported = bool(nvml.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice)
         except (AttributeError, nvml.NVMLError):  # an older pynvml or driver, a pre-Hopper GPU
             self.supported = False
 
-    def read(self) -> float | None:
-        """DRAM-active since the last read (0..1); None on the first read or without GPM."""
+    def read(self, handle: object) -> float | None:
+        """DRAM-active since the last read (0..1); None on the first read or without GPM.
+        `handle` is the caller's current one: it is fetched again after a driver reset."""
         if not self.supported:
             return None
         nvml = self.nvml
         try:
-            current = nvml.nvmlGpmSampleGet(self.handle, nvml.nvmlGpmSampleAlloc())
+            current = nvml.nvmlGpmSampleGet(handle, nvml.nvmlGpmSampleAlloc())
         except nvml.NVMLError:
             return None
         previous, self._previous = self._previous, current
@@ -280,7 +280,7 @@ class NvmlBandwidth:
             self._handle = None
             return None
         allocated, reserved = self._torch_memory()
-        dram = self._dram.read() if self._dram is not None else None
+        dram = self._dram.read(self._handle) if self._dram is not None else None
         sample = NvmlSample(self._clock(), rates.memory / 100.0, int(memory.used),
                             int(memory.total), int(mem_clock), int(sm_clock), allocated, reserved,
                             dram)

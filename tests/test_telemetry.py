@@ -229,7 +229,8 @@ def fake_gpm(nvml: SimpleNamespace, dram_percents: list[float], *, supported: bo
 def test_dram_active_from_gpm_between_two_samples():
     nvml = fake_gpm(fake_pynvml([40]), [55.0, 72.5, 10.0])
     dram = DramActive(nvml, "gpu0")
-    assert [dram.read() for _ in range(3)] == [None, pytest.approx(0.55), pytest.approx(0.725)]
+    readings = [dram.read("gpu0") for _ in range(3)]
+    assert readings == [None, pytest.approx(0.55), pytest.approx(0.725)]
     assert len(nvml.live_samples) == 1  # only the interval's open end is held
     dram.close()
     assert not nvml.live_samples
@@ -249,6 +250,6 @@ def test_nvml_samples_carry_dram_active_beside_the_busy_share():
 def test_no_gpm_means_no_dram_active_and_nothing_else_changes():
     nvml = fake_gpm(fake_pynvml([40]), [50.0], supported=False)
     dram = DramActive(nvml, "gpu0")
-    assert not dram.supported and dram.read() is None
+    assert not dram.supported and dram.read("gpu0") is None
     old_library = fake_pynvml([40])  # a pynvml without the GPM functions at all
     assert not DramActive(old_library, "gpu0").supported
