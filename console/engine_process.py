@@ -142,7 +142,7 @@ class ProcessSource:
             try:
                 self._connection.send((call_id, method, args, kwargs))
             except (BrokenPipeError, OSError) as exc:
-                del self._pending[call_id]
+                self._pending.pop(call_id, None)  # the reader may have failed it already
                 raise self._gone() from exc
         if self._reader_done:  # it may have failed the pending calls before this one arrived
             self._pending.pop(call_id, None)
