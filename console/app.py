@@ -77,8 +77,9 @@ class TokenflowApp(App[None]):
         self.history.record(message.snapshot)
         self.latest = message.snapshot
         self._last_error = ""
-        # Only the screen being shown redraws, once composed; the stack empties at shutdown.
-        if (self.screen_stack and isinstance(self.screen, ConsoleScreen)
+        # Only the screen being shown redraws, once composed. At shutdown the app stops
+        # running before it prunes each screen's children, so a late poll must not redraw.
+        if (self.is_running and self.screen_stack and isinstance(self.screen, ConsoleScreen)
                 and self.screen.is_mounted):
             self.screen.show_snapshot(message.snapshot)
 
