@@ -7,7 +7,7 @@ SDPA's `is_causal=True` is top-left and wrong when query and key lengths differ)
 
 Backends:
 - torch (CPU, and CUDA without flash-attn): SDPA with an explicit mask per chunk, and one
-  grouped matmul for all decodes (on CPU this beats SDPA decode several times over).
+  SDPA call for all decodes with queries grouped per KV head (no copy of keys for GQA).
 - flash (CUDA with flash-attn importable): `flash_attn_varlen_func` over the paged cache with
   a block table, which aligns causal masks bottom-right itself.
 """
@@ -126,11 +126,13 @@ class PagedAttention:
                  span: PrefillSpan) -> torch.Tensor:
         keys = flat_k.index_select(1, span.key_slots)  # [Hkv, S, D]
         values = flat_v.index_select(1, span.key_slots)
+        # A leading batch dimension: SDPA's fused CPU kernel takes only 4-D inputs; 3-D ones
+        # fall back to the math path, 2-2.7x slower for a 500-token chunk.
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys, values, attn_mask=span.mask, is_causal=span.mask is None,
-            scale=self.scale, enable_gqa=True,
-        )  # [Hq, C, D]
-        return out.transpose(0, 1)
+            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=span.mask,
+            is_causal=span.mask is None, scale=self.scale, enable_gqa=True,
+        )  # [1, Hq, C, D]
+        return out[0].transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
                 group: DecodeGroup) -> torch.Tensor:
@@ -138,8 +140,9 @@ class PagedAttention:
         shape = (self.num_kv_heads, batch, context, self.head_dim)
         keys = flat_k.index_select(1, group.key_slots.view(-1)).view(shape)  # [Hkv, B, S, D]
         values = flat_v.index_select(1, group.key_slots.view(-1)).view(shape)
-        # queries grouped per KV head: [B, Hq, D] -> [Hkv, B, G, D]
+        # queries grouped per KV head: [B, Hq, D] -> [Hkv, B, G, D]; (Hkv, B) are SDPA's batch
+        # dimensions, so GQA needs no copy of the keys
         grouped = q.view(batch, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)
-        scores = torch.matmul(grouped, keys.transpose(-1, -2)) * self.scale + group.bias
-        out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [Hkv, B, G, D]
+        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=group.bias,
+                                             scale=self.scale)  # [Hkv, B, G, D]
         return out.transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)
