@@ -119,6 +119,7 @@ LATENCY_METRICS = ("tpot", "tbt")
 @dataclass(frozen=True)
 class CapacityProbe:
     rate: float
+    requests: int
     ok: bool
     tpot_p99_ms: float | None
     tbt_p99_ms: float | None
@@ -135,7 +136,8 @@ class CapacityProbe:
         ok = (all(r.state == "FINISHED" for r in records)
               and (latency is None or latency <= slo.tpot_s)
               and (delay is None or delay <= slo.delay_s))
-        return cls(rate, ok, *(None if v is None else v * 1e3 for v in (tpot, tbt, delay)))
+        return cls(rate, len(records), ok,
+                   *(None if v is None else v * 1e3 for v in (tpot, tbt, delay)))
 
 
 def capacity(run_at: Callable[[float], RunResult], slo: SLO, low: float, high: float,

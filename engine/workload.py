@@ -288,6 +288,38 @@ def _trace_drafts(rows: list[TraceRow], n: int, rate: float | None, mode: str, l
             for t, row in zip(offsets, chosen, strict=True)]
 
 
+# --- steady traffic (capacity probes) ---------------------------------------------------------
+
+
+def steady_traffic(sample: Sequence[WorkloadRequest], rate: float, duration_s: float,
+                   min_requests: int = 1) -> list[WorkloadRequest]:
+    """`sample` repeated in order, arriving at `rate` requests/s with the sample's own pattern
+    of gaps, for at least `duration_s` seconds and `min_requests` requests.
+
+    A capacity probe must last: a short burst at a rate the engine cannot sustain is simply
+    drained, while steady traffic at that rate grows a queue that the delay SLO then sees.
+    """
+    _check_positive("rate", rate)
+    if duration_s < 0 or not sample:
+        raise WorkloadError("steady traffic needs a non-empty sample and duration_s >= 0")
+    ordered = sorted(sample, key=lambda w: w.arrival_s)
+    gaps = [b.arrival_s - a.arrival_s for a, b in itertools.pairwise(ordered)]
+    mean_gap = sum(gaps) / len(gaps) if gaps else 0.0
+    # The wrap from the sample's last request to the next copy's first takes the mean gap.
+    gaps.append(mean_gap)
+    scale = 1 / (rate * mean_gap) if mean_gap > 0 else None
+    count = max(min_requests, math.ceil(rate * duration_s))
+    traffic: list[WorkloadRequest] = []
+    arrival = 0.0
+    for k in range(count):
+        copy, index = divmod(k, len(ordered))
+        request = ordered[index]
+        request_id = request.request_id if copy == 0 else f"{request.request_id}-{copy}"
+        traffic.append(dataclasses.replace(request, request_id=request_id, arrival_s=arrival))
+        arrival += gaps[index] * scale if scale is not None else 1 / rate
+    return traffic
+
+
 # --- request files ----------------------------------------------------------------------------
 
 

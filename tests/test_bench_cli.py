@@ -15,7 +15,8 @@ def test_bench_json_runs_every_configuration_and_writes_a_report(
     code = main(["bench", "--model", "synthetic:tiny", "--workload", "mixed",
                  "--num-requests", "5", "--rate", "50", "--compare", "chunked,unchunked,auto,hf",
                  "--config", "small:max_num_batched_tokens=32", "--capacity",
-                 "--capacity-requests", "3", "--capacity-iterations", "1", "--json",
+                 "--capacity-requests", "3", "--capacity-duration", "0",
+                 "--capacity-iterations", "1", "--json",
                  "--report", str(tmp_path)])
     assert code == 0
     report = json.loads(capsys.readouterr().out)
@@ -44,3 +45,9 @@ def test_bench_rejects_a_bad_config_field(capsys: pytest.CaptureFixture[str]) ->
     code = main(["bench", "--model", "synthetic:tiny", "--config", "x:cache_low_watermark=2"])
     assert code == 2
     assert "cache_" in capsys.readouterr().err
+
+
+def test_bench_rejects_a_negative_capacity_duration(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--model", "synthetic:tiny", "--capacity",
+                 "--capacity-duration", "-1"]) == 2
+    assert "--capacity-duration" in capsys.readouterr().err

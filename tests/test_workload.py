@@ -19,6 +19,7 @@ from engine.workload import (
     load_requests_jsonl,
     load_trace,
     sample_trace,
+    steady_traffic,
     traces_dir,
 )
 
@@ -127,6 +128,25 @@ def test_trace_window_keeps_pattern_and_rate_rescales_it():
     assert strata == rows
     with pytest.raises(WorkloadError, match="only 5 rows"):
         sample_trace(rows, 6, "window", random.Random(0))
+
+
+def test_steady_traffic_repeats_the_sample_at_the_rate_for_the_duration():
+    sample = [WorkloadRequest(f"r{i}", t, (5, 6), 4) for i, t in enumerate((0.0, 1.0, 4.0))]
+    traffic = steady_traffic(sample, rate=2.0, duration_s=5.0)
+    assert len(traffic) == 10
+    assert len({w.request_id for w in traffic}) == 10
+    assert [w.request_id for w in traffic[:4]] == ["r0", "r1", "r2", "r0-1"]
+    gaps = [b.arrival_s - a.arrival_s for a, b in itertools.pairwise(traffic)]
+    # the sample's gaps 1 and 3 (mean 2, wrap 2) scaled to a mean of 0.5 s
+    assert gaps[:4] == pytest.approx([0.25, 0.75, 0.5, 0.25])
+    assert mean(gaps[:3]) == pytest.approx(0.5)
+    assert len(steady_traffic(sample, rate=2.0, duration_s=0.0, min_requests=3)) == 3
+    at_once = steady_traffic([WorkloadRequest("a", 0.0, (5,), 1)] * 2, rate=4.0, duration_s=1.0)
+    assert [w.arrival_s for w in at_once] == pytest.approx([0.0, 0.25, 0.5, 0.75])
+    with pytest.raises(WorkloadError):
+        steady_traffic(sample, rate=0.0, duration_s=1.0)
+    with pytest.raises(WorkloadError):
+        steady_traffic([], rate=1.0, duration_s=1.0)
 
 
 def test_trace_replay_scales_time_and_length(tmp_path: Path):

@@ -42,7 +42,7 @@ from engine.slo import (
     measure_decode_step,
 )
 from engine.store import open_database
-from engine.workload import WorkloadRequest, describe
+from engine.workload import WorkloadRequest, describe, steady_traffic
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -61,7 +61,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--capacity", action="store_true",
                         help="binary-search each configuration's capacity at the SLOs")
     parser.add_argument("--capacity-requests", type=int, default=24,
-                        help="requests per capacity probe (a sample of the workload)")
+                        help="fewest requests in a capacity probe")
+    parser.add_argument("--capacity-duration", type=float, default=10.0, metavar="SECONDS",
+                        help="each capacity probe sends the workload, repeated, at the probed "
+                             "rate for this long, so an unsustainable rate shows as a growing "
+                             "queue rather than a burst that drains (default 10)")
     parser.add_argument("--capacity-iterations", type=int, default=5)
     parser.add_argument("--capacity-metric", choices=LATENCY_METRICS, default="tpot",
                         help="latency held to the TPOT SLO: each request's mean time per "
@@ -72,6 +76,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def bench(args: argparse.Namespace) -> int:
+    if args.capacity_requests < 1 or args.capacity_duration < 0:
+        raise UserError("--capacity-requests must be at least 1 and --capacity-duration at "
+                        "least 0")
     base = engine_config(args)
     names = [n.strip() for n in args.compare.split(",") if n.strip()]
     custom = dict(_parse_config(spec) for spec in args.config)
@@ -144,19 +151,19 @@ def _run_report(name: str, config: EngineConfig, result: RunResult, probe: Engin
 def _capacities(args: argparse.Namespace, configs: dict[str, EngineConfig],
                 workload: list[WorkloadRequest], slo: SLO,
                 calibration: StepTimePredictor | None) -> dict[str, Any]:
-    sample = workload[:args.capacity_requests]
-    span = max(w.arrival_s for w in sample) or 1.0
-    offered = len(sample) / span
+    span = max(w.arrival_s for w in workload) or 1.0
+    offered = len(workload) / span
     out: dict[str, Any] = {}
     for name, config in configs.items():
         def run_at(rate: float, name: str = name, config: EngineConfig = config) -> RunResult:
-            scaled = [dataclasses.replace(w, arrival_s=w.arrival_s * offered / rate)
-                      for w in sample]
-            return _run(name, config, scaled, args.hf_batch_size, calibration)
+            traffic = steady_traffic(workload, rate, args.capacity_duration,
+                                     args.capacity_requests)
+            return _run(name, config, traffic, args.hf_batch_size, calibration)
         best, probes = capacity(run_at, slo, low=offered / 16, high=offered * 4,
                                 iterations=args.capacity_iterations,
                                 metric=args.capacity_metric)
         out[name] = {"rate": best, "metric": args.capacity_metric,
+                     "probe_duration_s": args.capacity_duration,
                      "probes": [dataclasses.asdict(p) for p in probes]}
     return out
 
