@@ -44,8 +44,9 @@ class DecodeGroup:
 
     row_start: int
     rows: int
-    key_slots: torch.Tensor  # int64 [rows, width]: cache slot of each key, padding -> slot 0
-    bias: torch.Tensor  # [1, rows, 1, width]: 0 for real keys, -inf for padding
+    # Whole blocks are gathered, not single slots: fewer, larger copies (4 KB rows, not 256 B).
+    block_ids: torch.Tensor  # int64 [rows, blocks]: each block table, padding -> block 0
+    bias: torch.Tensor  # [1, rows, 1, blocks * block_size]: 0 for real keys, -inf otherwise
 
 
 @dataclass(frozen=True)
@@ -117,9 +118,11 @@ class PagedAttention:
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
             out[rows] = self._prefill(q[rows], flat_k, flat_v, span)
+        block_k = k_cache.flatten(2)  # [Hkv, blocks, block_size * D]
+        block_v = v_cache.flatten(2)
         for group in meta.decode_groups:
             rows = slice(group.row_start, group.row_start + group.rows)
-            out[rows] = self._decode(q[rows], flat_k, flat_v, group)
+            out[rows] = self._decode(q[rows], block_k, block_v, group)
         return out
 
     def _prefill(self, q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
@@ -134,12 +137,13 @@ class PagedAttention:
         )  # [1, Hq, C, D]
         return out[0].transpose(0, 1)
 
-    def _decode(self, q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
+    def _decode(self, q: torch.Tensor, block_k: torch.Tensor, block_v: torch.Tensor,
                 group: DecodeGroup) -> torch.Tensor:
-        batch, context = group.key_slots.shape
-        shape = (self.num_kv_heads, batch, context, self.head_dim)
-        keys = flat_k.index_select(1, group.key_slots.view(-1)).view(shape)  # [Hkv, B, S, D]
-        values = flat_v.index_select(1, group.key_slots.view(-1)).view(shape)
+        batch = group.rows
+        shape = (self.num_kv_heads, batch, group.bias.shape[-1], self.head_dim)
+        block_ids = group.block_ids.view(-1)
+        keys = block_k.index_select(1, block_ids).view(shape)  # [Hkv, B, S, D]
+        values = block_v.index_select(1, block_ids).view(shape)
         # queries grouped per KV head: [B, Hq, D] -> [Hkv, B, G, D]; (Hkv, B) are SDPA's batch
         # dimensions, so GQA needs no copy of the keys
         grouped = q.view(batch, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)

@@ -204,13 +204,12 @@ class ModelRunner:
             for i, chunk in enumerate(group):
                 table = chunk.request.block_table
                 tables[i, :len(table)] = torch.tensor(table[:width], dtype=torch.int64)
-            keys = torch.arange(context, dtype=torch.int64)
+            keys = torch.arange(width * bs, dtype=torch.int64)
             lengths = torch.tensor([c.start + 1 for c in group], dtype=torch.int64)
-            slot_ids = tables[:, keys // bs] * bs + keys % bs  # [B, S]
-            bias = torch.zeros(len(group), context, dtype=self.dtype)
+            bias = torch.zeros(len(group), width * bs, dtype=self.dtype)
             bias.masked_fill_(keys.unsqueeze(0) >= lengths.unsqueeze(1), float("-inf"))
-            result.append(DecodeGroup(row, len(group), slot_ids.to(self.device),
-                                      bias.view(1, len(group), 1, context).to(self.device)))
+            result.append(DecodeGroup(row, len(group), tables.to(self.device),
+                                      bias.view(1, len(group), 1, width * bs).to(self.device)))
             row += len(group)
         return tuple(result)
 
