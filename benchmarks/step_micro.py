@@ -3,6 +3,7 @@ synthetic:150m, as fractions of this machine's matmul peak and memory bandwidth,
 in the same run (issue 2); CUDA events time it on a GPU. Prints JSON.
 
     PYTHONPATH=. .venv/bin/python benchmarks/step_micro.py [--model synthetic:150m]
+    PYTHONPATH=. .venv/bin/python benchmarks/step_micro.py --model synthetic:small --curve
 """
 
 from __future__ import annotations
@@ -72,6 +73,28 @@ def measure(model: str, *, device: str = "cpu", dtype: str = "float32", chunk: i
     }
 
 
+def step_curve(model: str, *, decodes: tuple[int, ...] = (8, 16, 32),
+               prefills: tuple[int, ...] = (0, 16, 48, 112, 240, 496), context: int = 150,
+               repeats: int = 7) -> list[dict[str, Any]]:
+    """Step time for D decodes (at `context` tokens) beside a P-token prefill chunk: where the
+    step stops being a decode floor and starts growing with every token (seed 003 §6)."""
+    engine = Engine(EngineConfig(model=model, kv_cache_bytes=1 << 30, max_model_len=4096))
+    running = []
+    for i in range(max(decodes)):
+        request = _request(engine, f"d{i}", context, RequestState.DECODING)
+        request.num_computed_tokens = context - 1
+        running.append(ScheduledChunk(request, context - 1, 1))
+    prefill = _request(engine, "prefill", max(prefills), RequestState.PREFILL_CHUNKING)
+    rows = []
+    for d in decodes:
+        for p in prefills:
+            chunks = running[:d] + ([ScheduledChunk(prefill, 0, p)] if p else [])
+            seconds = _timed(engine, chunks, 2, repeats)
+            rows.append({"decodes": d, "prefill_tokens": p, "step_ms": seconds * 1e3,
+                         "tokens_per_s": (d + p) / seconds})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="synthetic:150m")
@@ -81,7 +104,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--curve", action="store_true",
+                        help="instead: step time over a grid of decodes x prefill tokens")
     args = parser.parse_args()
+    if args.curve:
+        print(json.dumps(step_curve(args.model), indent=2))
+        return
     print(json.dumps(measure(args.model, device=args.device, dtype=args.dtype, chunk=args.chunk,
                              batch=args.batch, context=args.context, repeats=args.repeats),
                      indent=2))
