@@ -99,7 +99,8 @@ class RunResult:
             "output_tok_s": output / wall,
             "ttft_ms": _ms_percentiles([r.ttft_s for r in finished if r.ttft_s is not None]),
             "tpot_ms": _ms_percentiles([r.tpot_s for r in finished if r.tpot_s is not None]),
-            "itl_ms": {"p99": _ms_percentiles(itl)["p99"], "max": max(itl) * 1e3 if itl else None},
+            # every gap between two tokens: the seed's per-token TPOT, Sarathi-Serve's TBT
+            "itl_ms": {**_ms_percentiles(itl), "max": max(itl) * 1e3 if itl else None},
             "step_ms": _ms_percentiles(self.step_s),
             "steps": len(self.step_s),
             "preemptions": self.preemptions,

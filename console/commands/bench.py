@@ -226,8 +226,8 @@ def _machine(engine: Engine) -> dict[str, Any]:
 def _print_table(report: dict[str, Any]) -> None:
     runs = report["runs"]
     header = (f"{'config':<14}{'out tok/s':>10}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
-              f"{'TPOT p50':>10}{'TPOT p99':>10}{'ITL max':>9}{'preempt':>9}{'slow':>6}"
-              f"{'goodput':>9}")
+              f"{'TPOT p50':>10}{'TPOT p99':>10}{'ITL p99':>9}{'ITL max':>9}{'preempt':>9}"
+              f"{'slow':>6}{'goodput':>9}")
     print(f"workload {report['workload']['spec']}: {report['workload']['requests']} requests "
           f"on {report['machine']['model']} ({report['machine']['device']})")
     print(header)
@@ -235,8 +235,8 @@ def _print_table(report: dict[str, Any]) -> None:
         print(f"{name:<14}{r['output_tok_s']:>10.1f}{r['throughput_tok_s']:>9.1f}"
               f"{_f(r['ttft_ms']['p50']):>10}{_f(r['ttft_ms']['p99']):>10}"
               f"{_f(r['tpot_ms']['p50']):>10}{_f(r['tpot_ms']['p99']):>10}"
-              f"{_f(r['itl_ms']['max']):>9}{r['preemptions']:>9}{r['slow_queries']:>6}"
-              f"{r['goodput']:>9.2f}")
+              f"{_f(r['itl_ms']['p99']):>9}{_f(r['itl_ms']['max']):>9}{r['preemptions']:>9}"
+              f"{r['slow_queries']:>6}{r['goodput']:>9.2f}")
     for name, c in report.get("capacity", {}).items():
         print(f"capacity {name}: {c['rate']:.2f} requests/s (P99 {c['metric'].upper()})")
 
