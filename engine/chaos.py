@@ -167,6 +167,12 @@ class _Harness:
         while self.engine.has_unfinished() and not condition() and time.monotonic() < deadline:
             self.step()
 
+    def tick_until(self, condition: Callable[[], bool], deadline: float) -> None:
+        """Step until `condition()` or the deadline, idle steps included, as the engine loop
+        keeps ticking with nothing to run (its modes still follow telemetry)."""
+        while not condition() and time.monotonic() < deadline:
+            self.step()
+
     def first_tokens_after(self, deadline: float,
                            normal: Callable[[], bool] = lambda: True) -> float | None:
         """Step until a step produces tokens while `normal()` holds; the time it ended, None
@@ -240,7 +246,8 @@ def bandwidth_spike(settings: ChaosSettings, expected: dict[str, list[int]],
         top = max(top, engine.scheduler.throttle_level)
         return time.monotonic() >= spike_until and top == 3
 
-    harness.run_until(spike_over, spike_until + settings.bound_s)
+    # Idle ticks too: the first half may all finish before the throttle has climbed to level 3.
+    harness.tick_until(spike_over, spike_until + settings.bound_s)
     engaged = "throttle" in engine.guards.engaged()
     injected.clear()
     fault_end = time.monotonic()
