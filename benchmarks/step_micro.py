@@ -33,6 +33,16 @@ def _request(engine: Engine, rid: str, tokens: int, state: RequestState) -> Requ
     return request
 
 
+def _decodes(engine: Engine, count: int, context: int) -> list[ScheduledChunk]:
+    """`count` requests, each `context` tokens long, scheduled for their next decode token."""
+    chunks = []
+    for i in range(count):
+        request = _request(engine, f"d{i}", context, RequestState.DECODING)
+        request.num_computed_tokens = context - 1
+        chunks.append(ScheduledChunk(request, context - 1, 1))
+    return chunks
+
+
 def measure(model: str, *, device: str = "cpu", dtype: str = "float32", chunk: int = 512,
             batch: int = 32, context: int = 512, repeats: int = 10) -> dict[str, Any]:
     """One prefill chunk and one decode step on `model`, against the device's measured peaks
@@ -45,12 +55,7 @@ def measure(model: str, *, device: str = "cpu", dtype: str = "float32", chunk: i
     prefill_s = _timed(engine, [ScheduledChunk(prefill, 0, chunk)], 2, repeats)
     prefill_shape = StepShape(prefill=((chunk, 0),))
 
-    decodes = []
-    for i in range(batch):
-        request = _request(engine, f"d{i}", context, RequestState.DECODING)
-        request.num_computed_tokens = context - 1
-        decodes.append(ScheduledChunk(request, context - 1, 1))
-    decode_s = _timed(engine, decodes, 3, repeats)
+    decode_s = _timed(engine, _decodes(engine, batch, context), 3, repeats)
     decode_shape = StepShape(decode_contexts=(context - 1,) * batch)
 
     budget = engine.budget
@@ -79,11 +84,7 @@ def step_curve(model: str, *, decodes: tuple[int, ...] = (8, 16, 32),
     """Step time for D decodes (at `context` tokens) beside a P-token prefill chunk: where the
     step stops being a decode floor and starts growing with every token (seed 003 §6)."""
     engine = Engine(EngineConfig(model=model, kv_cache_bytes=1 << 30, max_model_len=4096))
-    running = []
-    for i in range(max(decodes)):
-        request = _request(engine, f"d{i}", context, RequestState.DECODING)
-        request.num_computed_tokens = context - 1
-        running.append(ScheduledChunk(request, context - 1, 1))
+    running = _decodes(engine, max(decodes), context)
     prefill = _request(engine, "prefill", max(prefills), RequestState.PREFILL_CHUNKING)
     rows = []
     for d in decodes:

@@ -164,8 +164,8 @@ class _Harness:
         return produced
 
     def run_until(self, condition: Callable[[], bool], deadline: float) -> None:
-        while self.engine.has_unfinished() and not condition() and time.monotonic() < deadline:
-            self.step()
+        """Step until `condition()`, the deadline, or nothing is left to run."""
+        self.tick_until(lambda: not self.engine.has_unfinished() or condition(), deadline)
 
     def tick_until(self, condition: Callable[[], bool], deadline: float) -> None:
         """Step until `condition()` or the deadline, idle steps included, as the engine loop

@@ -66,7 +66,6 @@ class HttpSource(RemoteBacked):
         raise SourceError("calibration runs next to the engine: run `tokenflow calibrate` on "
                           f"the machine serving {self.remote.url}")
 
-
     def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         return self._checked(self.remote.request(method, path, **kwargs), path)
 

@@ -100,7 +100,6 @@ class VllmMetricsSource(RemoteBacked):
         raise SourceError("tokenflow cannot calibrate a vLLM server")
 
 
-
 def _model_name(samples: dict[str, list[Sample]]) -> str:
     for found in samples.values():
         for sample in found:
