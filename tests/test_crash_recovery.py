@@ -19,13 +19,16 @@ FLAGS = ["--model", "synthetic:tiny", "--device", "cpu", "--max-num-batched-toke
          "--chunk-tile", "8"]
 POLL_S = 0.01
 DEADLINE_S = 120
+# Enough work that each run is still going when it is killed: with 30, a faster engine once
+# finished the resumed run before the journal showed a decode (CI).
+REQUESTS = 60
 
 
 def _requests(path: Path) -> list[dict]:
     rng = random.Random(3)
     rows = [{"id": f"r{i:02d}", "prompt_token_ids": [rng.randrange(3, 300)
                                                      for _ in range(rng.randrange(40, 160))],
-             "max_tokens": rng.randrange(12, 40)} for i in range(30)]
+             "max_tokens": rng.randrange(12, 40)} for i in range(REQUESTS)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return rows
 
@@ -65,5 +68,5 @@ def test_sigkill_mid_prefill_and_mid_decode_then_resume(tmp_path: Path) -> None:
 
     lines = [json.loads(line) for line in output.read_text().splitlines()]
     ids = [line["id"] for line in lines]
-    assert len(ids) == len(set(ids)) == 30
+    assert len(ids) == len(set(ids)) == REQUESTS
     assert {line["id"]: line["token_ids"] for line in lines} == expected
