@@ -9,6 +9,9 @@
    during the sweep, beside the bytes/s the budget model estimates.
 5. Roofline: benchmarks/step_micro.py on the GPU: measured peaks and one prefill chunk / one
    decode step as MFU / MBU, on synthetic:1b in bf16.
+6. Ride-along: step_micro's step curve on the GPU, D decodes beside a P-token chunk. Issues 3
+   and 9's latency targets need a chunk to ride along a decode step nearly free (ride_along
+   near 0 below C*); on the 2-core CPU it measured 0.6-1.0.
 
 Prints one JSON object; exits 0 with {"cuda": false} where there is no GPU, so it is safe
 anywhere. Never part of CI.
@@ -27,7 +30,7 @@ import time
 from typing import Any
 
 import torch
-from step_micro import measure  # this script runs from benchmarks/, as its usage line says
+from step_micro import measure, step_curve  # run from benchmarks/, as the usage line says
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.attention import flash_available
@@ -54,6 +57,11 @@ def roofline(model: str) -> dict[str, Any]:
     """step_micro's shapes on the GPU in bf16, timed with CUDA events."""
     return {"gpu": torch.cuda.get_device_name(0),
             **measure(model, device="cuda", dtype="bfloat16", repeats=20)}
+
+
+def ride_along(model: str) -> list[dict[str, Any]]:
+    return step_curve(model, device="cuda", dtype="bfloat16", decodes=(0, 8, 32, 128),
+                      prefills=(0, 64, 256, 512, 1024, 2048), context=1024, repeats=20)
 
 
 def calibration(model: str) -> dict[str, Any]:
@@ -103,6 +111,7 @@ def main() -> int:
                               "flash_attn": flash_available(torch.device("cuda"))}
     for name, check in (("exactness", exactness), ("telemetry", telemetry),
                         ("roofline", lambda: roofline(args.model)),
+                        ("ride_along", lambda: ride_along(args.model)),
                         ("calibration", lambda: calibration(args.model))):
         try:
             report[name] = check()

@@ -78,21 +78,35 @@ def measure(model: str, *, device: str = "cpu", dtype: str = "float32", chunk: i
     }
 
 
-def step_curve(model: str, *, decodes: tuple[int, ...] = (8, 16, 32),
+def step_curve(model: str, *, device: str = "cpu", dtype: str = "float32",
+               decodes: tuple[int, ...] = (0, 8, 16, 32),
                prefills: tuple[int, ...] = (0, 16, 48, 112, 240, 496), context: int = 150,
                repeats: int = 7) -> list[dict[str, Any]]:
     """Step time for D decodes (at `context` tokens) beside a P-token prefill chunk: where the
-    step stops being a decode floor and starts growing with every token (seed 003 §6)."""
-    engine = Engine(EngineConfig(model=model, kv_cache_bytes=1 << 30, max_model_len=4096))
+    step stops being a decode floor and starts growing with every token (seed 003 §6).
+
+    `ride_along` is what a prefill token adds to the decode-only step, as a share of what it
+    costs in the largest chunk run alone: near 0 where decode is memory-bound and a chunk
+    rides along for free (a GPU below C*), near 1 where the machine is compute-bound and
+    chunking only moves the same work between steps. `decodes` must include 0."""
+    engine = Engine(EngineConfig(model=model, device=device, dtype=dtype,
+                                 kv_cache_bytes=1 << 30, max_model_len=4096))
     running = _decodes(engine, max(decodes), context)
     prefill = _request(engine, "prefill", max(prefills), RequestState.PREFILL_CHUNKING)
+    step_ms: dict[tuple[int, int], float] = {}
     rows = []
     for d in decodes:
         for p in prefills:
+            if d == p == 0:
+                continue
             chunks = running[:d] + ([ScheduledChunk(prefill, 0, p)] if p else [])
-            seconds = _timed(engine, chunks, 2, repeats)
-            rows.append({"decodes": d, "prefill_tokens": p, "step_ms": seconds * 1e3,
-                         "tokens_per_s": (d + p) / seconds})
+            step_ms[d, p] = _timed(engine, chunks, 2, repeats) * 1e3
+            row = {"decodes": d, "prefill_tokens": p, "step_ms": step_ms[d, p],
+                   "tokens_per_s": (d + p) / step_ms[d, p] * 1e3}
+            if d and p:
+                alone_per_token = step_ms[0, max(prefills)] / max(prefills)
+                row["ride_along"] = (step_ms[d, p] - step_ms[d, 0]) / p / alone_per_token
+            rows.append(row)
     return rows
 
 
@@ -109,7 +123,8 @@ def main() -> None:
                         help="instead: step time over a grid of decodes x prefill tokens")
     args = parser.parse_args()
     if args.curve:
-        print(json.dumps(step_curve(args.model), indent=2))
+        print(json.dumps(step_curve(args.model, device=args.device, dtype=args.dtype),
+                         indent=2))
         return
     print(json.dumps(measure(args.model, device=args.device, dtype=args.dtype, chunk=args.chunk,
                              batch=args.batch, context=args.context, repeats=args.repeats),
