@@ -12,21 +12,33 @@
 6. Ride-along: step_micro's step curve on the GPU, D decodes beside a P-token chunk. Issues 3
    and 9's latency targets need a chunk to ride along a decode step nearly free (ride_along
    near 0 below C*); on the 2-core CPU it measured 0.6-1.0.
+7. Targets (only with --checks naming it; minutes): issue 3's and issue 9's `tokenflow bench`
+   comparisons on CUDA, each as bench's JSON: mixed chunked/unchunked, the conversation trace
+   chunked/hf, and capacity at the TPOT SLO, auto/unchunked.
 
 Prints one JSON object; exits 0 with {"cuda": false} where there is no GPU, so it is safe
 anywhere. Never part of CI.
 
-    PYTHONPATH=. python benchmarks/gpu_check.py [--model synthetic:1b]
+Here, once: `./scripts/gpu_prepare` (wheels the GPU image lacks, and the traces, into .gpu/).
+There, with the device tool's `run`, carry [".gpu"]:
+
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
+        .gpu/wheels/*.whl && PYTHONPATH=/tmp/site:. TOKENFLOW_TRACES_DIR=.gpu/traces \
+        python3 benchmarks/gpu_check.py [--model synthetic:1b] [--checks all]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import io
 import json
 import statistics
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -62,6 +74,33 @@ def roofline(model: str) -> dict[str, Any]:
 def ride_along(model: str) -> list[dict[str, Any]]:
     return step_curve(model, device="cuda", dtype="bfloat16", decodes=(0, 8, 32, 128),
                       prefills=(0, 64, 256, 512, 1024, 2048), context=1024, repeats=20)
+
+
+# issue 3 (mixed), issue 9 (conversation trace against hf; capacity at the TPOT SLO)
+TARGET_BENCHES = {
+    "mixed": ["--workload", "mixed", "--compare", "chunked,unchunked"],
+    "conv": ["--workload", "conv", "--compare", "chunked,hf"],
+    "capacity": ["--workload", "conv", "--compare", "auto,unchunked", "--capacity"],
+}
+
+
+def targets(model: str, device: str = "cuda", dtype: str = "bfloat16") -> dict[str, Any]:
+    """`tokenflow bench --json` for each of TARGET_BENCHES. Only bench's own front door is
+    imported: the others need packages (Textual, uvicorn) that the GPU image lacks."""
+    from console.commands import bench
+
+    parser = argparse.ArgumentParser()
+    bench.register(parser.add_subparsers())
+    db = Path(tempfile.mkdtemp()) / "bench.db"  # no calibration stored: roofline predictions
+    reports = {}
+    for name, flags in TARGET_BENCHES.items():
+        args = parser.parse_args(["bench", "--model", model, "--device", device, "--dtype",
+                                  dtype, "--db", str(db), "--json", *flags])
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            args.func(args)
+        reports[name] = json.loads(printed.getvalue())
+    return reports
 
 
 def calibration(model: str) -> dict[str, Any]:
@@ -100,27 +139,40 @@ def telemetry() -> dict[str, Any]:
             "reading": monitor.reading().util_5s}
 
 
+CHECKS = ("exactness", "telemetry", "roofline", "ride_along", "calibration", "targets")
+DEFAULT_CHECKS = CHECKS[:-1]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="synthetic:1b")
+    parser.add_argument("--checks", default=",".join(DEFAULT_CHECKS),
+                        help=f"comma-separated, or 'all': {', '.join(CHECKS)} "
+                             f"(default: all but targets)")
     args = parser.parse_args()
+    chosen = CHECKS if args.checks == "all" else tuple(args.checks.split(","))
+    unknown = set(chosen) - set(CHECKS)
+    if unknown:
+        parser.error(f"unknown checks {sorted(unknown)}; known: {', '.join(CHECKS)}")
     if not torch.cuda.is_available():
         print(json.dumps({"cuda": False, "flash_attn": False}))
         return 0
+    runs = {"exactness": exactness, "telemetry": telemetry,
+            "roofline": lambda: roofline(args.model),
+            "ride_along": lambda: ride_along(args.model),
+            "calibration": lambda: calibration(args.model),
+            "targets": lambda: targets(args.model)}
     report: dict[str, Any] = {"cuda": True, "torch": torch.__version__,
                               "flash_attn": flash_available(torch.device("cuda"))}
-    for name, check in (("exactness", exactness), ("telemetry", telemetry),
-                        ("roofline", lambda: roofline(args.model)),
-                        ("ride_along", lambda: ride_along(args.model)),
-                        ("calibration", lambda: calibration(args.model))):
+    for name in chosen:
         try:
-            report[name] = check()
+            report[name] = runs[name]()
         except Exception as exc:  # report every check, even after one fails
             report[name] = {"error": f"{type(exc).__name__}: {exc}"}
         gc.collect()  # each engine sizes its KV pool from free memory: free the last one's
         torch.cuda.empty_cache()
     print(json.dumps(report, indent=2, default=str))
-    return 0 if report.get("exactness", {}).get("ok") else 1
+    return 0 if report.get("exactness", {"ok": True}).get("ok") else 1
 
 
 if __name__ == "__main__":
