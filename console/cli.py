@@ -20,13 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenflow", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"console.commands.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"console.commands.{name}":
-                raise
-            continue  # a front door not built yet is simply absent from --help
-        module.register(subparsers)
+        importlib.import_module(f"console.commands.{name}").register(subparsers)
     return parser
 
 
