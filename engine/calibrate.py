@@ -63,12 +63,6 @@ class Probe:
         return "prefill" if self.chunk else "decode"
 
     @property
-    def kv_tokens(self) -> int:
-        """KV slots the probe's sequences hold once it has run."""
-        prefill = self.chunk_context + self.chunk if self.chunk else 0
-        return prefill + self.decode_seqs * (self.decode_context + 1)
-
-    @property
     def longest(self) -> int:
         return max(self.chunk_context + self.chunk, self.decode_context + 1)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,7 +144,3 @@ def from_hf_config(path: Path) -> ModelConfig:
         eos_token_id=eos_ids,
         dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
     )
-
-
-def with_overrides(config: ModelConfig, **changes: Any) -> ModelConfig:
-    return dataclasses.replace(config, **changes)
