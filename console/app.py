@@ -62,7 +62,7 @@ class TokenflowApp(App[None]):
         self.latest = None
         self.recorder = recorder
         self.collector = SnapshotCollector(self, source, interval, recorder)
-        self._last_error = ""
+        self.failure = ""  # the source's latest error, until a snapshot arrives again
 
     def on_mount(self) -> None:
         self.collector.start()
@@ -76,17 +76,26 @@ class TokenflowApp(App[None]):
     def on_snapshot_polled(self, message: SnapshotPolled) -> None:
         self.history.record(message.snapshot)
         self.latest = message.snapshot
-        self._last_error = ""
-        # Only the screen being shown redraws, once composed. At shutdown the app stops
-        # running before it prunes each screen's children, so a late poll must not redraw.
-        if (self.is_running and self.screen_stack and isinstance(self.screen, ConsoleScreen)
-                and self.screen.is_mounted):
-            self.screen.show_snapshot(message.snapshot)
+        self.failure = ""
+        screen = self._shown_console_screen()
+        if screen is not None:
+            screen.show_snapshot(message.snapshot)
 
     def on_source_failed(self, message: SourceFailed) -> None:
-        if message.error != self._last_error:  # one toast per distinct failure, not one per poll
-            self._last_error = message.error
+        if message.error != self.failure:  # one toast per distinct failure, not one per poll
+            self.failure = message.error
             self.notify(message.error, title="source", severity="error")
+            screen = self._shown_console_screen()
+            if screen is not None:
+                screen.show_failure(message.error)
+
+    def _shown_console_screen(self) -> ConsoleScreen | None:
+        """The console screen being shown, once composed. At shutdown the app stops running
+        before it prunes each screen's children, so a late poll must not redraw."""
+        if (self.is_running and self.screen_stack and isinstance(self.screen, ConsoleScreen)
+                and self.screen.is_mounted):
+            return self.screen
+        return None
 
     def on_config_applied(self, message: ConfigApplied) -> None:
         self.notify("configuration applied", timeout=2)

@@ -39,6 +39,7 @@ from engine.store import (
     drift_events,
     get_slow_query,
     list_slow_queries,
+    next_cycle,
     open_database,
 )
 from engine.workload import build_workload, default_length_scale
@@ -82,6 +83,8 @@ class EmbeddedSource:
                 length_scale=default_length_scale(engine.runner.device.type))
             with database.session() as session:
                 calibration = apply_latest(engine, session)
+                # numbered on from the last run's traffic: no id clash with what it left
+                first_cycle = next_cycle(session, requests[0].request_id) if requests else 0
         except BaseException:
             database.close()
             raise
@@ -95,7 +98,7 @@ class EmbeddedSource:
                 calibration.params))
         engine.bus.subscribe(source.monitor.observe)
         loop.start()
-        loop.play(requests, repeat=repeat)
+        loop.play(requests, repeat=repeat, first_cycle=first_cycle)
         return source
 
     def _store_result(self, result: CalibrationResult) -> None:

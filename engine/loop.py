@@ -114,12 +114,15 @@ class EngineLoop:
     def snapshot(self) -> Snapshot:
         return self._snapshot
 
-    def play(self, workload: list[WorkloadRequest], repeat: bool = False) -> None:
-        """Submit `workload` at its arrival times (relative to now); `repeat` cycles it."""
+    def play(self, workload: list[WorkloadRequest], repeat: bool = False,
+             first_cycle: int = 0) -> None:
+        """Submit `workload` at its arrival times (relative to now); `repeat` cycles it. Each
+        request is named `{id}-{cycle}`, cycles counted from `first_cycle`."""
         def install() -> None:
             self._workload = deque(workload)
             self._workload_start = time.monotonic()
             self._workload_cycle = list(workload) if repeat else None
+            self._cycle_count = first_cycle
         self._enqueue(install)
 
     # --- the loop thread ----------------------------------------------------------------
@@ -174,10 +177,10 @@ class EngineLoop:
         elapsed = time.monotonic() - self._workload_start
         while self._workload and self._workload[0].arrival_s <= elapsed:
             item = self._workload.popleft()
-            rid = f"{item.request_id}-{self._cycle_count}" if self._workload_cycle else None
             self.engine.add_request(list(item.prompt_token_ids), item.sampling_params(),
                                     tenant=item.tenant, priority=item.priority,
-                                    request_id=rid or item.request_id, tag=item.tag)
+                                    request_id=f"{item.request_id}-{self._cycle_count}",
+                                    tag=item.tag)
         if not self._workload and self._workload_cycle:
             self._cycle_count += 1
             self._workload = deque(self._workload_cycle)

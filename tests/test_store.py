@@ -37,6 +37,7 @@ from engine.store import (
     head_revision,
     latest_calibration,
     mark_resumed,
+    next_cycle,
     open_database,
     save_calibration,
     unfinished_requests,
@@ -307,6 +308,20 @@ def test_unfinished_requests_and_mark_resumed(database: Database) -> None:
         assert decoding.generated_token_ids == [11, 12] and decoding.state == "DECODING"
         assert mark_resumed(session, ["mid", "done"]) == 1
         assert [e.request_id for e in unfinished_requests(session)] == ["decoding", "waiting"]
+
+
+def test_next_cycle_numbers_replayed_traffic_past_every_journal_entry(
+        database: Database) -> None:
+    bus = EventBus()
+    writer = StoreWriter(database, bus)
+    deliver(bus, writer, *(added(rid) for rid in (
+        "chat-00000-0", "chat-00000-3", "chat-00000-x", "chat-000001-9", "a_b-00000-5")))
+    assert writer.close()
+    with database.session() as session:
+        assert next_cycle(session, "chat-00000") == 4
+        assert next_cycle(session, "a_b-00000") == 6
+        assert next_cycle(session, "a%b-00000") == 0  # LIKE wildcards in an id match nothing
+        assert next_cycle(session, "code-00000") == 0
 
 
 def test_drift_config_changes_and_calibrations(database: Database) -> None:

@@ -34,6 +34,13 @@ class ConsoleScreen(Screen):
         if header:
             header.first().update_from(snapshot, self.console.source.name)
 
+    def show_failure(self, error: str) -> None:
+        header = self.query(EngineHeader)
+        if header:
+            header.first().show_failure(error, self.console.source.name)
+
     def on_screen_resume(self) -> None:
         if self.console.latest is not None:
             self.show_snapshot(self.console.latest)
+        if self.console.failure:
+            self.show_failure(self.console.failure)

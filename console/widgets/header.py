@@ -1,4 +1,5 @@
-"""The header line: scheduler mode, token budget, chunk size, recommended C* and tokens/s."""
+"""The header line: scheduler mode, token budget, chunk size, recommended C* and tokens/s;
+or, while the source fails, what failed."""
 
 from __future__ import annotations
 
@@ -34,5 +35,13 @@ class EngineHeader(Static):
         text.append(f"  chunk {chunk_size(config)}/tile {config.get('chunk_tile', '?')}")
         text.append(f"  C* {cstar if cstar is not None else '–'}", style="cyan")
         text.append(f"  {snapshot.tokens_per_s:,.0f} tok/s", style="bold")
+        text.append(f"  {source_name}", style="dim")
+        self.update(text)
+
+    def show_failure(self, error: str, source_name: str) -> None:
+        """Kept until a snapshot arrives again: a toast alone fades while the panes go stale."""
+        text = Text(no_wrap=True, overflow="ellipsis")
+        text.append(" SOURCE FAILED ", style="bold reverse red")
+        text.append(f" {error}", style="bold red")
         text.append(f"  {source_name}", style="dim")
         self.update(text)

@@ -16,7 +16,7 @@ from engine.store.database import (
     upgrade_database,
 )
 from engine.store.history import ConfigChangeRecord, DriftRecord, config_changes, drift_events
-from engine.store.journal import JournalEntry, mark_resumed, unfinished_requests
+from engine.store.journal import JournalEntry, mark_resumed, next_cycle, unfinished_requests
 from engine.store.retention import RetentionLimits, apply_retention
 from engine.store.slow_queries import (
     SlowQueryRecord,
@@ -48,6 +48,7 @@ __all__ = [
     "latest_calibration",
     "list_slow_queries",
     "mark_resumed",
+    "next_cycle",
     "open_database",
     "save_calibration",
     "unfinished_requests",

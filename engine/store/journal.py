@@ -61,3 +61,16 @@ def mark_resumed(session: Session, request_ids: Iterable[str]) -> int:
     )
     session.commit()
     return result.rowcount
+
+
+def next_cycle(session: Session, request_id: str) -> int:
+    """One past the highest n of any `{request_id}-{n}` in the journal (0 if none): replayed
+    traffic whose cycles are numbered from here takes no id a killed run left in flight,
+    and overwrites no finished request's entry."""
+    prefix = f"{request_id}-"
+    names = session.scalars(
+        select(JournalRow.request_id).where(JournalRow.request_id.startswith(prefix,
+                                                                             autoescape=True))
+    )
+    cycles = [int(n[len(prefix):]) for n in names if n[len(prefix):].isdigit()]
+    return max(cycles, default=-1) + 1

@@ -10,10 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from console.app import TokenflowApp
 from console.engine_process import ProcessSource
 from console.source import SourceError
+from console.widgets.header import EngineHeader
 from engine.config import ConfigError
 from engine.errors import ModelLoadError
+from tests.console.conftest import FAST_POLL_S
 
 
 @pytest.fixture(scope="module")
@@ -98,3 +101,22 @@ def test_a_killed_engine_process_is_a_clear_error_not_a_hang(tmp_path: Path) -> 
             source.snapshot()
     finally:
         source.close()
+
+
+@pytest.mark.anyio
+async def test_the_header_keeps_showing_a_dead_engine_after_its_toast(tmp_path: Path) -> None:
+    source = ProcessSource.start(model="synthetic:tiny", device="cpu", workload="chat",
+                                 db=tmp_path / "h.db", num_requests=2, repeat=False)
+    app = TokenflowApp(source, interval=FAST_POLL_S)
+    async with app.run_test(size=(120, 40)) as pilot:
+        header = app.screen.query_one(EngineHeader)
+        os.kill(source._process.pid, signal.SIGKILL)
+        for _ in range(400):
+            if "SOURCE FAILED" in str(header.render()):
+                break
+            await pilot.pause(0.05)
+        shown = str(header.render())
+        assert "SOURCE FAILED" in shown and "engine process has exited" in shown
+        await pilot.press("2")  # another screen shows it too
+        await pilot.pause()
+        assert "SOURCE FAILED" in str(app.screen.query_one(EngineHeader).render())

@@ -1,0 +1,51 @@
+"""The embedded source on a store that a killed console left behind (pitfall 12)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from sqlalchemy import select
+
+from console.embedded import EmbeddedSource
+from engine.events import ChunkComplete, EventBus, RequestAdded
+from engine.store import StoreWriter, open_database
+from engine.store.models import JournalRow
+
+
+def _leave_unfinished(db: Path, request_id: str) -> None:
+    """A journal as a console killed mid-prefill leaves it."""
+    database = open_database(db)
+    bus = EventBus()
+    writer = StoreWriter(database, bus)
+    bus.publish(RequestAdded(request_id=request_id, prompt_token_ids=(5, 6, 7, 8),
+                             sampling={"max_tokens": 3, "ignore_eos": True}, tenant="t",
+                             priority=0, tag="chat"))
+    bus.publish(ChunkComplete(request_id=request_id, chunk_index=0, tokens=2, start=0,
+                              duration_s=0.01, estimated_bytes=1e6, predicted_s=0.01,
+                              prefill_done=False))
+    bus.drain()
+    assert writer.close()
+    database.close()
+
+
+def test_resumed_requests_and_new_traffic_never_share_an_id(tmp_path: Path) -> None:
+    db = tmp_path / "left.db"
+    _leave_unfinished(db, "chat-00000-0")  # the id the new traffic's first request had
+    source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat", db=db,
+                                  num_requests=2, rate=float("inf"), repeat=False)
+    try:
+        deadline = time.monotonic() + 60
+        while source.loop.call(lambda engine: engine.has_unfinished()).result(timeout=60):
+            assert source.loop.error is None, f"the engine loop died: {source.loop.error!r}"
+            assert time.monotonic() < deadline, "the requests did not finish"
+    finally:
+        source.close()
+    database = open_database(db)
+    try:
+        with database.session() as session:
+            states = dict(session.execute(select(JournalRow.request_id, JournalRow.state)).all())
+    finally:
+        database.close()
+    assert states == {"chat-00000-0": "FINISHED", "chat-00000-1": "FINISHED",
+                      "chat-00001-1": "FINISHED"}
