@@ -83,7 +83,8 @@ class EmbeddedSource:
                 length_scale=default_length_scale(engine.runner.device.type))
             with database.session() as session:
                 calibration = apply_latest(engine, session)
-                # numbered on from the last run's traffic: no id clash with what it left
+                # numbered on from the last run's traffic (each of its cycles added
+                # requests[0] first), so no id clashes with what that run left
                 first_cycle = next_cycle(session, requests[0].request_id) if requests else 0
         except BaseException:
             database.close()
