@@ -20,6 +20,12 @@ from engine.request import Request, RequestState
 from engine.scheduler import ScheduledChunk
 
 
+def _engine(model: str, device: str, dtype: str) -> Engine:
+    """A 1 GiB KV pool on CPU; on a GPU the default share of its free memory."""
+    return Engine(EngineConfig(model=model, device=device, dtype=dtype, max_model_len=4096,
+                               kv_cache_bytes=(1 << 30) if device == "cpu" else None))
+
+
 def _timed(engine: Engine, chunks: list[ScheduledChunk], warmup: int, repeats: int) -> float:
     for _ in range(warmup):
         timed_step(engine, chunks)
@@ -47,8 +53,7 @@ def measure(model: str, *, device: str = "cpu", dtype: str = "float32", chunk: i
             batch: int = 32, context: int = 512, repeats: int = 10) -> dict[str, Any]:
     """One prefill chunk and one decode step on `model`, against the device's measured peaks
     (CUDA events on a GPU)."""
-    engine = Engine(EngineConfig(model=model, device=device, dtype=dtype,
-                                 kv_cache_bytes=1 << 30, max_model_len=4096))
+    engine = _engine(model, device, dtype)
     peaks = engine.peaks
 
     prefill = _request(engine, "prefill", chunk, RequestState.PREFILL_CHUNKING)
@@ -89,8 +94,7 @@ def step_curve(model: str, *, device: str = "cpu", dtype: str = "float32",
     costs in the largest chunk run alone: near 0 where decode is memory-bound and a chunk
     rides along for free (a GPU below C*), near 1 where the machine is compute-bound and
     chunking only moves the same work between steps. `decodes` must include 0."""
-    engine = Engine(EngineConfig(model=model, device=device, dtype=dtype,
-                                 kv_cache_bytes=1 << 30, max_model_len=4096))
+    engine = _engine(model, device, dtype)
     running = _decodes(engine, max(decodes), context)
     prefill = _request(engine, "prefill", max(prefills), RequestState.PREFILL_CHUNKING)
     step_ms: dict[tuple[int, int], float] = {}

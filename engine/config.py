@@ -60,7 +60,8 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
     seed: int = 0
     block_size: int = 16
-    kv_cache_bytes: int | None = None  # CPU pool size; None = 256 MiB
+    # the KV pool's size; None = 256 MiB on CPU, gpu_memory_utilization of free CUDA memory
+    kv_cache_bytes: int | None = None
     gpu_memory_utilization: float = 0.85  # share of free CUDA memory for the KV pool
     max_model_len: int | None = None  # None = the model's own limit
     max_num_seqs: int = 256

@@ -34,7 +34,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise EngineError(f"device {name!r} is not supported; use auto, cpu, cuda or cuda:N")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise EngineError(f"device {name!r} asked for but CUDA is not available; use --device cpu")
     return device
@@ -110,11 +115,13 @@ class ModelRunner:
         mc = self.model_config
         per_block = (2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim
                      * self.bytes_per_element)
-        if self.device.type == "cuda":
+        if config.kv_cache_bytes is not None:
+            budget = config.kv_cache_bytes
+        elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * config.gpu_memory_utilization)
         else:
-            budget = config.kv_cache_bytes or CPU_KV_BYTES_DEFAULT
+            budget = CPU_KV_BYTES_DEFAULT
         blocks = budget // per_block
         if blocks < 1:
             raise EngineError(f"the KV budget ({budget} bytes) holds no block of {per_block} "

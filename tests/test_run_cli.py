@@ -43,3 +43,11 @@ def test_run_with_a_bad_config_value_names_the_field(capsys: pytest.CaptureFixtu
     assert main(["run", "--model", "synthetic:tiny", "--max-num-batched-tokens", "0",
                  "--no-db"]) == 2
     assert "max_num_batched_tokens" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device", ["bogus", "mps"])
+def test_run_on_an_unknown_device_says_which_ones_work(
+        device: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--model", "synthetic:tiny", "--device", device, "--no-db"]) == 2
+    assert f"device {device!r} is not supported; use auto, cpu, cuda or cuda:N" in (
+        capsys.readouterr().err)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import platform
@@ -32,6 +33,7 @@ from engine.config import EngineConfig
 from engine.driver import RunResult, drive
 from engine.engine import Engine
 from engine.hf_baseline import hf_model, run_hf
+from engine.model_runner import resolve_device
 from engine.predictor import StepTimePredictor
 from engine.slo import (
     LATENCY_METRICS,
@@ -43,6 +45,8 @@ from engine.slo import (
 )
 from engine.store import open_database
 from engine.workload import WorkloadRequest, describe, steady_traffic
+
+PROBE_KV_BYTES = 1 << 30  # on CUDA: a decode step of 8 x 128 tokens, even on a 7B model
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -82,7 +86,7 @@ def bench(args: argparse.Namespace) -> int:
     base = engine_config(args)
     names = [n.strip() for n in args.compare.split(",") if n.strip()]
     custom = dict(_parse_config(spec) for spec in args.config)
-    probe = Engine(base)
+    probe = Engine(_probe_config(base))
     calibration = _stored_calibration(args.db, probe)
     workload = workload_for(args, probe)
     longest = max(len(w.prompt_token_ids) for w in workload)
@@ -124,8 +128,20 @@ def _stored_calibration(db: str | None, engine: Engine) -> StepTimePredictor | N
     return None if record is None else StepTimePredictor.from_dict(record.params)
 
 
+def _probe_config(base: EngineConfig) -> EngineConfig:
+    """The probe engine lives through every run. On CUDA, where each engine's KV pool is a
+    share of the memory free when it starts, its pool is kept small (it measures one decode
+    step) so that the runs' engines get the GPU."""
+    if base.kv_cache_bytes is None and resolve_device(base.device).type == "cuda":
+        return base.replace(kv_cache_bytes=PROBE_KV_BYTES)
+    return base
+
+
 def _run(name: str, config: EngineConfig, workload: list[WorkloadRequest],
          hf_batch_size: int, calibration: StepTimePredictor | None) -> RunResult:
+    if resolve_device(config.device).type == "cuda":
+        gc.collect()  # the last run's engine, and its KV pool, back to the driver: this
+        torch.cuda.empty_cache()  # engine sizes its pool from the memory free now
     engine = Engine(config)
     if calibration is not None:
         apply(engine, calibration)

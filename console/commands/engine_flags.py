@@ -15,7 +15,8 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--dtype": ("dtype", str, "auto (float32 on CPU, bfloat16 on CUDA), float32 or bfloat16"),
     "--seed": ("seed", int, "seed of synthetic weights"),
     "--block-size": ("block_size", int, "tokens per KV block"),
-    "--kv-cache-bytes": ("kv_cache_bytes", int, "KV pool size on CPU in bytes"),
+    "--kv-cache-bytes": ("kv_cache_bytes", int, "KV pool size in bytes (default: 256 MiB on "
+                                                "CPU, --gpu-memory-utilization on CUDA)"),
     "--gpu-memory-utilization": ("gpu_memory_utilization", float,
                                  "share of free GPU memory for the KV pool"),
     "--max-model-len": ("max_model_len", int, "longest prompt + output"),
