@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from console.errors import UserError
@@ -30,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # `tokenflow slow-queries list | head`: the reader left, as it may
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        return 141  # 128 + SIGPIPE, as a shell tool killed by the pipe exits
     except (UserError, EngineError) as exc:
         print(f"tokenflow {args.command}: {exc}", file=sys.stderr)
         return 2

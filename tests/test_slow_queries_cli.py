@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import io
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,3 +116,35 @@ def test_db_upgrade_and_current(capsys: pytest.CaptureFixture[str], tmp_path: Pa
     assert code == 0 and path in out and "0001" in out
     code, out, _ = run(capsys, "db", "current", "--db", path)
     assert code == 0 and "0001" in out and "up to date" in out
+
+
+def test_db_may_come_before_or_after_the_action(capsys: pytest.CaptureFixture[str],
+                                                db_path: str, tmp_path: Path) -> None:
+    _, before, _ = run(capsys, "slow-queries", "--db", db_path, "list")
+    _, after, _ = run(capsys, "slow-queries", "list", "--db", db_path)
+    assert listed_ids(before) == listed_ids(after) == ["2", "3", "4", "1"]
+    other = str(tmp_path / "other.db")
+    _, out, _ = run(capsys, "slow-queries", "--db", other, "list", "--db", db_path)
+    assert listed_ids(out) == ["2", "3", "4", "1"]  # the one nearer the action wins
+    code, out, _ = run(capsys, "db", "--db", db_path, "current")
+    assert code == 0 and out.startswith(f"{db_path}: schema at revision")
+
+
+def test_a_reader_that_leaves_the_pipe_early_is_no_error(tmp_path: Path) -> None:
+    path = tmp_path / "many.db"
+    database = open_database(path)
+    bus = EventBus()
+    writer = StoreWriter(database, bus)
+    for i in range(2000):  # ~180 KB of listing: more than a pipe holds once `head` has left
+        bus.publish(SlowQuery(request_id=f"r{i}", tenant="t", budget_score=2.0,
+                              prompt_tokens=10, prefill_s=0.02, budgeted_s=0.01, chunks=(),
+                              config=CONFIG))
+    bus.drain()
+    assert writer.close()
+    database.close()
+    listed = subprocess.run(
+        f"{sys.executable} -m console.cli slow-queries list --limit 2000 --db {path} | head -1; "
+        "exit ${PIPESTATUS[0]}", shell=True, executable="/bin/bash", capture_output=True,
+        text=True)
+    assert listed.stdout.startswith("ID") and listed.stderr == ""
+    assert listed.returncode == 141

@@ -10,22 +10,27 @@ import argparse
 from engine.store.database import default_db_path, head_revision, open_database
 
 
-def add_db_argument(parser: argparse.ArgumentParser) -> None:
+def add_db_argument(parser: argparse.ArgumentParser, *actions: argparse.ArgumentParser) -> None:
+    """`--db` on `parser` and, for a command with actions, on each of them too, so that it
+    may come before or after the action (`slow-queries --db F list`, `slow-queries list --db
+    F`); there it defaults to nothing rather than overwriting the value given before."""
     parser.add_argument(
         "--db", metavar="PATH", default=None,
         help=f"SQLite database file (default: {default_db_path()})",
     )
+    for action in actions:
+        action.add_argument("--db", metavar="PATH", default=argparse.SUPPRESS,
+                            help=f"SQLite database file (default: {default_db_path()})")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("db", help="manage the SQLite store's schema")
     actions = parser.add_subparsers(dest="db_action", required=True, metavar="ACTION")
     upgrade = actions.add_parser("upgrade", help="upgrade the schema to the newest revision")
-    add_db_argument(upgrade)
     upgrade.set_defaults(func=run_upgrade)
     current = actions.add_parser("current", help="show the schema revision, without changing it")
-    add_db_argument(current)
     current.set_defaults(func=run_current)
+    add_db_argument(parser, upgrade, current)
 
 
 def run_upgrade(args: argparse.Namespace) -> int:

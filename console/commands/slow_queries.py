@@ -31,7 +31,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     show = actions.add_parser("show", help="one slow query with its chunks and configuration")
     show.add_argument("id", type=int, help="the slow query's id (first column of `list`)")
-    add_db_argument(show)
     show.set_defaults(func=run_show)
 
     export = actions.add_parser("export", help="every matching slow query as CSV or JSON")
@@ -40,6 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export.add_argument("--output", metavar="FILE", help="write here instead of stdout")
     export.add_argument("--limit", type=int, default=None, help="at most this many rows")
     export.set_defaults(func=run_export)
+    add_db_argument(parser, listing, show, export)
 
 
 def _add_filters(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +47,6 @@ def _add_filters(parser: argparse.ArgumentParser) -> None:
                         help="order by (default score, highest first)")
     parser.add_argument("--tenant", help="only this tenant")
     parser.add_argument("--min-score", type=float, help="only budget_score at least this")
-    add_db_argument(parser)
 
 
 def _select(args: argparse.Namespace) -> list[SlowQueryRecord]:
