@@ -64,6 +64,7 @@ def test_list_sorts_and_filters(capsys: pytest.CaptureFixture[str], db_path: str
 
 
 def test_list_of_an_empty_store(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    open_database(tmp_path / "new.db").close()
     code, out, _ = run(capsys, "slow-queries", "list", "--db", str(tmp_path / "new.db"))
     assert code == 0 and "no slow queries" in out
 
@@ -148,3 +149,15 @@ def test_a_reader_that_leaves_the_pipe_early_is_no_error(tmp_path: Path) -> None
         text=True)
     assert listed.stdout.startswith("ID") and listed.stderr == ""
     assert listed.returncode == 141
+
+
+@pytest.mark.parametrize("argv", [("slow-queries", "list"), ("slow-queries", "show", "1"),
+                                  ("slow-queries", "export", "--format", "csv"),
+                                  ("db", "current")])
+def test_reading_a_store_that_is_not_there_is_refused_and_creates_nothing(
+        argv: tuple[str, ...], capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    typo = tmp_path / "no-such-dir" / "tokenflw.db"
+    code, out, err = run(capsys, *argv, "--db", str(typo))
+    assert code == 2 and out == ""
+    assert f"{typo}: no such store; check the path" in err
+    assert not typo.parent.exists()

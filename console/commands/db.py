@@ -6,8 +6,10 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from engine.store.database import default_db_path, head_revision, open_database
+from console.errors import UserError
+from engine.store.database import Database, default_db_path, head_revision, open_database
 
 
 def add_db_argument(parser: argparse.ArgumentParser, *actions: argparse.ArgumentParser) -> None:
@@ -21,6 +23,15 @@ def add_db_argument(parser: argparse.ArgumentParser, *actions: argparse.Argument
     for action in actions:
         action.add_argument("--db", metavar="PATH", default=argparse.SUPPRESS,
                             help=f"SQLite database file (default: {default_db_path()})")
+
+
+def open_existing_store(db: str | None, *, upgrade: bool = True) -> Database:
+    """The store a read-only command reads. A `--db` naming no file is a mistyped path, not
+    an empty store: it is refused rather than created."""
+    if db is not None and not Path(db).expanduser().exists():
+        raise UserError(f"{db}: no such store; check the path (tokenflow run, serve and "
+                        "tokenflow-console create one with --db)")
+    return open_database(db, upgrade=upgrade)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,7 +54,7 @@ def run_upgrade(args: argparse.Namespace) -> int:
 
 
 def run_current(args: argparse.Namespace) -> int:
-    database = open_database(args.db, upgrade=False)
+    database = open_existing_store(args.db, upgrade=False)
     try:
         revision = database.revision()
     finally:

@@ -7,9 +7,8 @@ import datetime
 import json
 from pathlib import Path
 
-from console.commands.db import add_db_argument
+from console.commands.db import add_db_argument, open_existing_store
 from console.errors import UserError
-from engine.store.database import open_database
 from engine.store.slow_queries import (
     EXPORT_FORMATS,
     SORT_FIELDS,
@@ -52,7 +51,7 @@ def _add_filters(parser: argparse.ArgumentParser) -> None:
 def _select(args: argparse.Namespace) -> list[SlowQueryRecord]:
     if args.limit is not None and args.limit < 1:
         raise UserError(f"--limit must be at least 1, got {args.limit}")
-    database = open_database(args.db)
+    database = open_existing_store(args.db)
     try:
         with database.session() as session:
             return list_slow_queries(session, sort=args.sort, tenant=args.tenant,
@@ -82,7 +81,7 @@ def run_list(args: argparse.Namespace) -> int:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    database = open_database(args.db)
+    database = open_existing_store(args.db)
     try:
         with database.session() as session:
             record = get_slow_query(session, args.id)
