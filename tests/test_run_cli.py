@@ -51,3 +51,19 @@ def test_run_on_an_unknown_device_says_which_ones_work(
     assert main(["run", "--model", "synthetic:tiny", "--device", device, "--no-db"]) == 2
     assert f"device {device!r} is not supported; use auto, cpu, cuda or cuda:N" in (
         capsys.readouterr().err)
+
+
+def test_a_rejected_request_is_written_with_its_reason_not_dropped(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    requests = tmp_path / "in.jsonl"
+    requests.write_text(json.dumps({"id": "huge", "prompt_token_ids": [5] * 5000,
+                                    "max_tokens": 3}) + "\n"
+                        + json.dumps({"id": "fine", "prompt": "hello", "max_tokens": 2}) + "\n")
+    output = tmp_path / "out.jsonl"
+    assert main(["run", "--model", "synthetic:tiny", "--requests", str(requests), "--output",
+                 str(output), "--no-db"]) == 0
+    rows = {row["id"]: row for row in map(json.loads, output.read_text().splitlines())}
+    assert rows["huge"]["error"]["state"] == "REJECTED"
+    assert "shorten the prompt" in rows["huge"]["error"]["reason"]
+    assert len(rows["fine"]["token_ids"]) == 2
+    assert "request huge REJECTED: circuit breaker" in capsys.readouterr().err

@@ -28,7 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--requests", type=Path, help="JSONL requests (id, prompt_token_ids or "
                         "prompt, max_tokens, optional tenant) instead of --workload")
     parser.add_argument("--output", type=Path, help="write finished requests here as JSONL "
-                        "(id, token_ids)")
+                        "(id, token_ids; or id, error with the state and reason of a request "
+                        "rejected or failed)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--resume", action="store_true",
                         help="first finish what a killed run left unfinished in the journal "
@@ -87,7 +88,7 @@ def _resume(engine: Engine, database: Database, workload: list[WorkloadRequest],
 
 
 class _OutputSink:
-    """Appends one JSON line per finished request, flushed at once so a crash loses none."""
+    """Appends one JSON line per ended request, flushed at once so a crash loses none."""
 
     def __init__(self, path: Path | None) -> None:
         self._path = path
@@ -106,9 +107,17 @@ class _OutputSink:
         return ids
 
     def write(self, output: RequestOutput) -> None:
-        if self._file is not None and output.finished and output.state == "FINISHED":
-            self._file.write(json.dumps({"id": output.request_id,
-                                         "token_ids": list(output.token_ids)}) + "\n")
+        if not output.finished:
+            return
+        if output.state == "FINISHED":
+            line = {"id": output.request_id, "token_ids": list(output.token_ids)}
+        else:  # REJECTED or FAILED: said, with the reason, rather than silently missing
+            print(f"request {output.request_id} {output.state}: {output.finish_reason}",
+                  file=sys.stderr)
+            line = {"id": output.request_id,
+                    "error": {"state": output.state, "reason": output.finish_reason}}
+        if self._file is not None:
+            self._file.write(json.dumps(line) + "\n")
             self._file.flush()
 
     def close(self) -> None:
