@@ -292,3 +292,14 @@ def test_a_dead_engine_gets_503_with_retry_after(loop: EngineLoop) -> None:
         assert response.status_code == 503 and response.headers["retry-after"] == "1"
         assert "device lost" in response.json()["error"]["message"]
         assert http.get("/health").status_code == 503
+
+
+def test_serve_on_a_taken_port_says_so_before_loading_any_model(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        code = main(["serve", "--port", str(port), "--no-db",
+                     "--model", str(tmp_path / "never-loaded")])
+    assert code == 2
+    assert (f"cannot listen on 127.0.0.1:{port}: Address already in use; choose another --port"
+            in capsys.readouterr().err)

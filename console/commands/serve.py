@@ -8,6 +8,8 @@ one. Requests, slow queries and config changes go to the SQLite store unless --n
 from __future__ import annotations
 
 import argparse
+import os
+import socket
 from pathlib import Path
 
 import uvicorn
@@ -61,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
     config = engine_config(args)
     token = load_admin_token(args.admin_token_file)
+    listener = _listen(args.host, args.port)  # a taken port fails now, not after the model loads
     database = None if args.no_db else open_database(args.db)
     writer: StoreWriter | None = None
     loop: EngineLoop | None = None
@@ -77,11 +80,14 @@ def run(args: argparse.Namespace) -> int:
                          slow_queries_reader=None if database is None else _reader(database))
         admin = "on" if token else f"off (set {TOKEN_ENV} or --admin-token-file)"
         store = "none" if database is None else str(database.path)
+        host, port = listener.getsockname()[:2]  # --port 0: the one the system chose
         print(f"tokenflow serve: {config.model} on {engine.runner.device}, "
-              f"http://{args.host}:{args.port}, admin API {admin}, store {store}", flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, lifespan="off",
-                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+              f"http://{host}:{port}, admin API {admin}, store {store}", flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, lifespan="off",
+                                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        server.run(sockets=[listener])
     finally:
+        listener.close()
         if loop is not None:
             loop.stop()
         if writer is not None:
@@ -89,6 +95,16 @@ def run(args: argparse.Namespace) -> int:
         if database is not None:
             database.close()
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:  # taken, not this machine's address, or a privileged port
+        why = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise UserError(f"cannot listen on {host}:{port}: {why}; choose another --port "
+                        "(or --host)") from exc
 
 
 def _reader(database: Database) -> SlowQueriesReader:
