@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import os
 from dataclasses import dataclass
 
@@ -118,6 +119,10 @@ class ModelRunner:
         if config.kv_cache_bytes is not None:
             budget = config.kv_cache_bytes
         elif self.device.type == "cuda":
+            # engines built and dropped before this one (a bench's runs) hold their pools in
+            # torch's cache, which mem_get_info counts as used
+            gc.collect()
+            torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * config.gpu_memory_utilization)
         else:

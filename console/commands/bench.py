@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import platform
@@ -139,9 +138,6 @@ def _probe_config(base: EngineConfig) -> EngineConfig:
 
 def _run(name: str, config: EngineConfig, workload: list[WorkloadRequest],
          hf_batch_size: int, calibration: StepTimePredictor | None) -> RunResult:
-    if resolve_device(config.device).type == "cuda":
-        gc.collect()  # the last run's engine, and its KV pool, back to the driver: this
-        torch.cuda.empty_cache()  # engine sizes its pool from the memory free now
     engine = Engine(config)
     if calibration is not None:
         apply(engine, calibration)
