@@ -98,19 +98,18 @@ def step_curve(model: str, *, device: str = "cpu", dtype: str = "float32",
     running = _decodes(engine, max(decodes), context)
     prefill = _request(engine, "prefill", max(prefills), RequestState.PREFILL_CHUNKING)
     step_ms: dict[tuple[int, int], float] = {}
-    rows = []
     for d in decodes:
         for p in prefills:
-            if d == p == 0:
-                continue
-            chunks = running[:d] + ([ScheduledChunk(prefill, 0, p)] if p else [])
-            step_ms[d, p] = _timed(engine, chunks, 2, repeats) * 1e3
-            row = {"decodes": d, "prefill_tokens": p, "step_ms": step_ms[d, p],
-                   "tokens_per_s": (d + p) / step_ms[d, p] * 1e3}
-            if d and p:
-                alone_per_token = step_ms[0, max(prefills)] / max(prefills)
-                row["ride_along"] = (step_ms[d, p] - step_ms[d, 0]) / p / alone_per_token
-            rows.append(row)
+            if d or p:
+                chunks = running[:d] + ([ScheduledChunk(prefill, 0, p)] if p else [])
+                step_ms[d, p] = _timed(engine, chunks, 2, repeats) * 1e3
+    alone_per_token = step_ms[0, max(prefills)] / max(prefills)
+    rows = []
+    for (d, p), ms in step_ms.items():
+        row = {"decodes": d, "prefill_tokens": p, "step_ms": ms, "tokens_per_s": (d + p) / ms * 1e3}
+        if d and p:
+            row["ride_along"] = (ms - step_ms[d, 0]) / p / alone_per_token
+        rows.append(row)
     return rows
 
 

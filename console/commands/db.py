@@ -16,13 +16,10 @@ def add_db_argument(parser: argparse.ArgumentParser, *actions: argparse.Argument
     """`--db` on `parser` and, for a command with actions, on each of them too, so that it
     may come before or after the action (`slow-queries --db F list`, `slow-queries list --db
     F`); there it defaults to nothing rather than overwriting the value given before."""
-    parser.add_argument(
-        "--db", metavar="PATH", default=None,
-        help=f"SQLite database file (default: {default_db_path()})",
-    )
+    help_text = f"SQLite database file (default: {default_db_path()})"
+    parser.add_argument("--db", metavar="PATH", default=None, help=help_text)
     for action in actions:
-        action.add_argument("--db", metavar="PATH", default=argparse.SUPPRESS,
-                            help=f"SQLite database file (default: {default_db_path()})")
+        action.add_argument("--db", metavar="PATH", default=argparse.SUPPRESS, help=help_text)
 
 
 def open_existing_store(db: str | None, *, upgrade: bool = True) -> Database:
