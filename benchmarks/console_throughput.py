@@ -1,9 +1,9 @@
 """Engine output throughput with the console running against headless `tokenflow run`.
 
 Every run builds the same engine and the same workload (all requests at t=0, so the figure is
-compute-bound, not arrival-bound). Headless drives it with engine.driver.drive, as `tokenflow
-run` does. The console run is `tokenflow-console`'s own set-up (the engine and its store in a
-child process) while the Textual app (headless terminal, 120×40) polls and redraws every
+compute-bound, not arrival-bound). Headless drives it with engine.harness.driver.drive, as
+`tokenflow run` does. The console run is `tokenflow-console`'s own set-up (the engine and its
+store in a child process) while the Textual app (headless terminal, 120×40) polls and redraws every
 pane. The loop run plays the workload on the engine's background thread with no app: what the
 console would cost if it shared the engine's process. Prints one JSON object.
 
@@ -20,15 +20,15 @@ import threading
 import time
 from pathlib import Path
 
-from console.app import TokenflowApp
-from console.engine_process import ProcessSource
-from engine.calibrate import calibrate, save_result
+from console.sources.process import ProcessSource
+from console.tui.app import TokenflowApp
+from engine.budget.calibrate import calibrate, save_result
 from engine.config import EngineConfig
-from engine.driver import drive
-from engine.engine import Engine, RequestOutput
-from engine.loop import EngineLoop
+from engine.core.engine import Engine, RequestOutput
+from engine.harness.driver import drive
+from engine.harness.workload import WorkloadRequest, build_workload, default_length_scale
+from engine.serve.loop import EngineLoop
 from engine.store import open_database
-from engine.workload import WorkloadRequest, build_workload, default_length_scale
 
 
 def workload(engine: Engine, spec: str, requests: int) -> list[WorkloadRequest]:

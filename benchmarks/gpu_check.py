@@ -44,9 +44,9 @@ import torch
 from step_micro import measure, step_curve  # run from benchmarks/, as the usage line says
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.attention import flash_available
-from engine.calibrate import calibrate
-from engine.telemetry import NvmlBandwidth, TelemetryError, nvml_available
+from engine.budget.calibrate import calibrate
+from engine.core.attention import flash_available
+from engine.ops.telemetry import NvmlBandwidth, TelemetryError, nvml_available
 
 PROMPTS = [[3 + (i * 7 + j) % 300 for j in range(n)] for i, n in enumerate((1, 17, 64, 200))]
 
@@ -86,7 +86,7 @@ TARGET_BENCHES = {
 def targets(model: str, device: str = "cuda", dtype: str = "bfloat16") -> dict[str, Any]:
     """`tokenflow bench --json` for each of TARGET_BENCHES. Only bench's own front door is
     imported: the others need packages (Textual, uvicorn) that the GPU image lacks."""
-    from console.commands import bench
+    from console.cli import bench
 
     parser = argparse.ArgumentParser()
     bench.register(parser.add_subparsers())

@@ -137,7 +137,7 @@ def free_port() -> int:
 
 
 def start_server(port: int, max_queue: int, db: Path) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "console.cli", "serve", "--model", "synthetic:tiny",
+    command = [sys.executable, "-m", "console.cli.main", "serve", "--model", "synthetic:tiny",
                "--device", "cpu", "--dtype", "float32", "--port", str(port),
                "--max-queue", str(max_queue), "--db", str(db)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

@@ -20,11 +20,11 @@ import random
 import statistics
 import time
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig, SamplingParams
-from engine.request import Request, RequestState
-from engine.scheduler import Scheduler
-from engine.telemetry import BandwidthReading, BandwidthSource, ModelBandwidth
+from engine.core.block_manager import BlockManager
+from engine.core.request import Request, RequestState
+from engine.core.scheduler import Scheduler
+from engine.ops.telemetry import BandwidthReading, BandwidthSource, ModelBandwidth
 
 RUNNING = 256
 WAITING = 32

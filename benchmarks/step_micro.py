@@ -14,10 +14,10 @@ import statistics
 from typing import Any
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.budget import StepShape
-from engine.calibrate import timed_step
-from engine.request import Request, RequestState
-from engine.scheduler import ScheduledChunk
+from engine.budget.calibrate import timed_step
+from engine.budget.cost_model import StepShape
+from engine.core.request import Request, RequestState
+from engine.core.scheduler import ScheduledChunk
 
 
 def _engine(model: str, device: str, dtype: str) -> Engine:

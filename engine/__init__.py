@@ -6,7 +6,7 @@ from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.errors import EngineError, ModelLoadError, RequestError
 
 if TYPE_CHECKING:
-    from engine.engine import Engine, RequestOutput
+    from engine.core.engine import Engine, RequestOutput
 
 __all__ = ["ConfigError", "Engine", "EngineConfig", "EngineError", "ModelLoadError",
            "RequestError", "RequestOutput", "SamplingParams"]
@@ -16,7 +16,7 @@ def __getattr__(name: str) -> Any:
     # Engine pulls in torch (seconds to import); the console's UI process, which only reads
     # snapshots and the store, never needs it.
     if name in ("Engine", "RequestOutput"):
-        from engine import engine
+        from engine.core import engine
 
         return getattr(engine, name)
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

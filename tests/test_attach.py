@@ -15,17 +15,17 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from textual.pilot import Pilot
 
-from console.app import TokenflowApp
-from console.embedded import EmbeddedSource
-from console.source import Source, SourceError
 from console.sources import FleetSource, HttpSource, VllmMetricsSource, open_http_source
+from console.sources.base import Source, SourceError
+from console.sources.embedded import EmbeddedSource
 from console.sources.remote import FIRST_DELAY_S
-from console.widgets.header import EngineHeader
+from console.tui.app import TokenflowApp
+from console.tui.widgets.header import EngineHeader
 from engine import Engine, EngineConfig
 from engine.config import ConfigError
-from engine.loop import EngineLoop
-from engine.server.app import create_app
-from engine.server.thread import ServerThread
+from engine.serve.app import create_app
+from engine.serve.loop import EngineLoop
+from engine.serve.thread import ServerThread
 from engine.snapshot import Snapshot
 from engine.store import SlowQueryRecord, StoreWriter, open_database
 

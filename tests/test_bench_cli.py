@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from console.cli import main
+from console.cli.main import main
 
 
 def test_bench_json_runs_every_configuration_and_writes_a_report(

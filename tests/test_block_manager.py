@@ -7,8 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.block_manager import BlockError, BlockManager
-from engine.request import Request
+from engine.core.block_manager import BlockError, BlockManager
+from engine.core.request import Request
 
 # A pool of 24 blocks of 4 tokens is small enough that random traffic preempts.
 ENGINE = None

@@ -11,11 +11,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.budget import BudgetModel, BudgetSegment, budget_limits, budget_table
+from engine.budget.cost_model import BudgetModel, BudgetSegment, budget_limits, budget_table
+from engine.budget.peaks import GPU_PRESETS, DevicePeaks, measure_peaks
+from engine.budget.roofline import Roofline, StepShape
 from engine.config import ConfigError
 from engine.model.config import preset
-from engine.peaks import GPU_PRESETS, DevicePeaks, measure_peaks
-from engine.roofline import Roofline, StepShape
 
 GIB = 1 << 30
 SEED = Roofline(params=7e9, flops=300e12, bandwidth=2e12, kv_bytes_per_token=524288)

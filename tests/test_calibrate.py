@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from console.cli import main
-from engine.calibrate import (
+from console.cli.main import main
+from engine.budget.calibrate import (
     Probe,
     SweepPlan,
     apply,
@@ -21,13 +21,13 @@ from engine.calibrate import (
     latest_for,
     save_result,
 )
+from engine.budget.drift import DriftMonitor, Job
+from engine.budget.predictor import StepTimePredictor
+from engine.budget.roofline import StepShape
 from engine.config import ConfigError, EngineConfig, SamplingParams
-from engine.drift import DriftMonitor, Job
-from engine.engine import Engine
+from engine.core.engine import Engine
+from engine.core.scheduler import Batch
 from engine.events import ChunkComplete, Drift, Event, StepComplete
-from engine.predictor import StepTimePredictor
-from engine.roofline import StepShape
-from engine.scheduler import Batch
 from engine.store import calibration_history, drift_events, open_database, save_calibration
 
 TRUE = StepTimePredictor(constant_s=2e-3, multi_token_s=1e-3, per_token_s=5e-5,
@@ -261,7 +261,7 @@ def test_monitor_counts_chunks_off_their_prediction(engine: Engine,
                              duration_s=duration, estimated_bytes=0.0, predicted_s=1.0,
                              prefill_done=False)
 
-    with caplog.at_level(logging.WARNING, logger="engine.drift"):
+    with caplog.at_level(logging.WARNING, logger="engine.budget.drift"):
         for duration in (1.1, 0.9, 1.14, 0.86):  # within 15%: nothing
             monitor.observe(chunk(duration))
         assert monitor.off_prediction_total == 0 and not caplog.records

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from console.cli import main
-from engine.chaos import QUICK, ChaosError, run_chaos
+from console.cli.main import main
+from engine.harness.chaos import QUICK, ChaosError, run_chaos
 
 IN_PROCESS = ["kv_exhaustion", "bandwidth_spike", "slow_chunks", "locked_database"]
 

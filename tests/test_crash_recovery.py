@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.chaos import query_journal
+from engine.harness.chaos import query_journal
 
 FLAGS = ["--model", "synthetic:tiny", "--device", "cpu", "--max-num-batched-tokens", "8",
          "--chunk-tile", "8"]
@@ -35,7 +35,7 @@ def _requests(path: Path) -> list[dict]:
 
 def _run_until(args: list[str], condition, env: dict[str, str]) -> bool:
     """Start `tokenflow run`, SIGKILL it once `condition()` holds; False if it ended first."""
-    process = subprocess.Popen([sys.executable, "-m", "console.cli", "run", *args], env=env,
+    process = subprocess.Popen([sys.executable, "-m", "console.cli.main", "run", *args], env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + DEADLINE_S
     while process.poll() is None and time.monotonic() < deadline:

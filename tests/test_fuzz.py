@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from engine import Engine, EngineConfig
-from engine.loop import EngineLoop
-from engine.server.app import create_app
-from engine.server.thread import ServerThread
+from engine.serve.app import create_app
+from engine.serve.loop import EngineLoop
+from engine.serve.thread import ServerThread
 
 TOKEN = "fuzz-admin-token"
 MAX_MODEL_LEN = 24  # every accepted request is short, so 1,500 of them run in seconds

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
+from engine.budget.peaks import measure_peaks
+from engine.core.request import RequestState
 from engine.events import Drift, GuardAction, StepComplete
-from engine.guards import compact_blocks
-from engine.peaks import measure_peaks
-from engine.request import RequestState
-from engine.telemetry import InjectedBandwidth, ModelBandwidth
+from engine.ops.guards import compact_blocks
+from engine.ops.telemetry import InjectedBandwidth, ModelBandwidth
 
 WINDOW_S = 5.0
 HANDOVER_LIMIT_S = 0.2  # seed 000 §6: the next layer takes over within 200 ms of detection

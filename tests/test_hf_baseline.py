@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.hf_baseline import hf_model, run_hf
-from engine.workload import WorkloadRequest
+from engine.harness.hf_baseline import hf_model, run_hf
+from engine.harness.workload import WorkloadRequest
 
 pytest.importorskip("transformers")
 

@@ -4,9 +4,9 @@ BANDWIDTH_THROTTLE levels driven by a scripted bandwidth source."""
 from __future__ import annotations
 
 from engine import Engine, EngineConfig, SamplingParams
+from engine.core.request import RequestState
 from engine.events import CacheEvict, ChunkComplete, Event, ModeChanged, StepComplete
-from engine.request import RequestState
-from engine.telemetry import InjectedBandwidth
+from engine.ops.telemetry import InjectedBandwidth
 from tests.test_scheduler import STEP_S, IdleBandwidth, SchedulerSim, prefill_sizes, sim
 
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # synthetic:tiny: layers × (K, V) × heads × dim × fp32

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from console.cli import main
+from console.cli.main import main
 from engine.model.config import preset
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from console.cli import main
+from console.cli.main import main
 
 
 def test_run_prints_a_json_summary(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 import pytest
 
 from engine import Engine
-from engine.block_manager import BlockManager
 from engine.config import ConfigError, EngineConfig, SamplingParams
+from engine.core.block_manager import BlockManager
+from engine.core.request import Request, RequestState
+from engine.core.scheduler import Batch, Scheduler
 from engine.events import CacheEvict, ChunkComplete, ConfigChanged, Event, ModeChanged, Preempted
-from engine.request import Request, RequestState
-from engine.scheduler import Batch, Scheduler
-from engine.telemetry import BandwidthReading, InjectedBandwidth
+from engine.ops.telemetry import BandwidthReading, InjectedBandwidth
 
 STEP_S = 0.01  # simulated duration of one step
 TOKEN = 7  # every simulated sample

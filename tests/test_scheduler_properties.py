@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.config import ConfigError
+from engine.core.request import Request, RequestState
+from engine.core.scheduler import THROTTLE_CONCURRENCY, Batch
 from engine.events import ModeChanged
-from engine.request import Request, RequestState
-from engine.scheduler import THROTTLE_CONCURRENCY, Batch
 from tests.test_scheduler import SchedulerSim
 
 FAST = settings(max_examples=300, deadline=None, derandomize=True,

@@ -13,15 +13,15 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from console.cli import main
+from console.cli.main import main
 from engine import Engine, EngineConfig
 from engine.errors import EngineError
 from engine.events import Event, Finished
-from engine.loop import EngineLoop
-from engine.metrics import TTFT_BUCKETS
-from engine.server.app import create_app
-from engine.server.auth import TOKEN_ENV, load_admin_token
-from engine.server.thread import ServerThread
+from engine.ops.metrics import TTFT_BUCKETS
+from engine.serve.app import create_app
+from engine.serve.auth import TOKEN_ENV, load_admin_token
+from engine.serve.loop import EngineLoop
+from engine.serve.thread import ServerThread
 
 TOKEN = "test-admin-token"
 MODEL = "synthetic:tiny"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.driver import RequestRecord, RunResult
-from engine.slo import SLO, CapacityProbe, capacity
+from engine.harness.driver import RequestRecord, RunResult
+from engine.harness.slo import SLO, CapacityProbe, capacity
 
 SLO_100MS = SLO(decode_step_s=0.02, tpot_s=0.1, delay_s=0.5)
 

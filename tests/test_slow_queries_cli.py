@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from console.cli import main
+from console.cli.main import main
 from engine.events import EventBus, SlowQuery
 from engine.store import StoreWriter, open_database
 
@@ -144,7 +144,8 @@ def test_a_reader_that_leaves_the_pipe_early_is_no_error(tmp_path: Path) -> None
     assert writer.close()
     database.close()
     listed = subprocess.run(
-        f"{sys.executable} -m console.cli slow-queries list --limit 2000 --db {path} | head -1; "
+        f"{sys.executable} -m console.cli.main slow-queries list --limit 2000 --db {path} "
+        "| head -1; "
         "exit ${PIPESTATUS[0]}", shell=True, executable="/bin/bash", capture_output=True,
         text=True)
     assert listed.stdout.startswith("ID") and listed.stderr == ""

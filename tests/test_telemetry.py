@@ -2,7 +2,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.telemetry import (
+from engine.ops.telemetry import (
     MAX_UTILIZATION,
     BandwidthReading,
     BandwidthSource,

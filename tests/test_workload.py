@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from engine.errors import EngineError
-from engine.workload import (
+from engine.harness.workload import (
     CPU_LENGTH_SCALE,
     FIRST_PROMPT_TOKEN_ID,
     PROFILES,

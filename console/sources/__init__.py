@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from console.source import Source
+from console.sources.base import Source
 from console.sources.fleet import FleetSource
 from console.sources.http import HttpSource
 from console.sources.vllm import VllmMetricsSource

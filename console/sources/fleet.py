@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from console.source import Progress, Source, SourceError
+from console.sources.base import Progress, Source, SourceError
 from engine.snapshot import Snapshot
 from engine.store import CalibrationRecord, ConfigChangeRecord, DriftRecord, SlowQueryRecord
 

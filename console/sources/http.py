@@ -15,10 +15,10 @@ from typing import Any
 
 import httpx
 
-from console.source import Progress, SourceError
+from console.sources.base import Progress, SourceError
 from console.sources.remote import Remote, RemoteBacked, error_message
 from engine.config import ConfigError
-from engine.server.auth import TOKEN_ENV
+from engine.serve.auth import TOKEN_ENV
 from engine.snapshot import Snapshot
 from engine.store import CalibrationRecord, SlowQueryRecord
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import httpx
 
-from console.source import SourceError
+from console.sources.base import SourceError
 
 if TYPE_CHECKING:
     from engine.store import CalibrationRecord, ConfigChangeRecord, DriftRecord

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from console.source import Progress, SourceError
+from console.sources.base import Progress, SourceError
 from console.sources.prometheus_text import (
     Sample,
     histogram_buckets,

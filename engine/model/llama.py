@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, PagedAttention
+from engine.core.attention import AttentionMetadata, PagedAttention
 from engine.model.config import ModelConfig
 
 

@@ -10,8 +10,8 @@ import pytest
 from textual.pilot import Pilot
 from textual.widgets import Input
 
-from console.app import TokenflowApp
-from console.replay import ReplaySource
+from console.sources.replay import ReplaySource
+from console.tui.app import TokenflowApp
 
 SESSION = Path(__file__).parent / "data" / "session.jsonl"
 FAST_POLL_S = 0.02

@@ -14,8 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from console.embedded import EmbeddedSource
-from console.replay import SessionRecorder
+from console.sources.embedded import EmbeddedSource
+from console.sources.replay import SessionRecorder
 from engine.config import EngineConfig
 from engine.events import Drift
 from engine.store import BudgetPoint, save_calibration

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from console.diagnosis import RULES, evaluate
-from console.history import MetricHistory, downsample
+from console.tui.diagnosis import RULES, evaluate
+from console.tui.history import MetricHistory, downsample
 from engine.snapshot import Percentiles, RequestView, Snapshot
 
 CONFIG = {"cache_high_watermark": 0.85, "max_num_batched_tokens": 512}

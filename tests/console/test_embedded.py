@@ -7,7 +7,7 @@ from pathlib import Path
 
 from sqlalchemy import select
 
-from console.embedded import EmbeddedSource
+from console.sources.embedded import EmbeddedSource
 from engine.events import ChunkComplete, EventBus, RequestAdded
 from engine.store import StoreWriter, open_database
 from engine.store.models import JournalRow

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from console.app import TokenflowApp
-from console.engine_process import ProcessSource
-from console.source import SourceError
-from console.widgets.header import EngineHeader
+from console.sources.base import SourceError
+from console.sources.process import ProcessSource
+from console.tui.app import TokenflowApp
+from console.tui.widgets.header import EngineHeader
 from engine.config import ConfigError
 from engine.errors import ModelLoadError
 from tests.console.conftest import FAST_POLL_S

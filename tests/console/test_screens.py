@@ -8,20 +8,20 @@ import pytest
 from textual.command import CommandPalette
 from textual.widgets import DataTable, Input, Static
 
-from console.app import TokenflowApp
-from console.diagnosis import RULES
-from console.replay import ReplaySource
-from console.screens.diagnosis import DiagnosisScreen
-from console.screens.drift import DriftScreen
-from console.screens.help import HelpScreen
-from console.screens.live import LiveScreen
-from console.screens.slow_queries import SlowQueriesScreen, SlowQueryDetail
-from console.screens.tuning import TuningScreen
 from console.sources.fleet import FleetSource
-from console.widgets.header import EngineHeader
-from console.widgets.keyed_table import KeyedTable
-from console.widgets.plot import Plot
-from console.widgets.requests_table import RequestsTable
+from console.sources.replay import ReplaySource
+from console.tui.app import TokenflowApp
+from console.tui.diagnosis import RULES
+from console.tui.screens.diagnosis import DiagnosisScreen
+from console.tui.screens.drift import DriftScreen
+from console.tui.screens.help import HelpScreen
+from console.tui.screens.live import LiveScreen
+from console.tui.screens.slow_queries import SlowQueriesScreen, SlowQueryDetail
+from console.tui.screens.tuning import TuningScreen
+from console.tui.widgets.header import EngineHeader
+from console.tui.widgets.keyed_table import KeyedTable
+from console.tui.widgets.plot import Plot
+from console.tui.widgets.requests_table import RequestsTable
 from tests.console.conftest import FAST_POLL_S, SESSION, replay_app, replayed
 
 pytestmark = pytest.mark.anyio

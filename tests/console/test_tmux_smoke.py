@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is no
 
 def console_command(db: Path) -> str:
     script = ROOT / ".venv" / "bin" / "tokenflow-console"
-    program = str(script) if script.exists() else f"{sys.executable} -m console.main"
+    program = str(script) if script.exists() else f"{sys.executable} -m console.cli.console"
     return f"cd {ROOT} && {program} --db {db}"
 
 

@@ -10,9 +10,9 @@ import pytest
 from textual.pilot import Pilot
 from textual.widgets import DataTable, Input, Static
 
-from console.app import TokenflowApp
-from console.embedded import EmbeddedSource
-from console.screens.tuning import TuningScreen
+from console.sources.embedded import EmbeddedSource
+from console.tui.app import TokenflowApp
+from console.tui.screens.tuning import TuningScreen
 from engine.config import EngineConfig
 
 pytestmark = pytest.mark.anyio

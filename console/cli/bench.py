@@ -1,0 +1,258 @@
+"""`tokenflow bench`: one workload under several configurations in one process.
+
+Built-in configurations: `chunked` (the default token budget), `unchunked` (a budget as large
+as the longest prompt plus a decode per running request, prompts never split), `auto` (each
+step's budget is the recommended C* for the live decode load) and `hf` (transformers'
+`generate` in static batches on the same weights). More with `--config NAME:field=value,...`.
+Every run replays the same requests at the same times. `--capacity` searches each
+configuration's highest sustainable arrival rate; `--report DIR` writes markdown and plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from console.cli.db import add_db_argument
+from console.cli.engine_flags import add_engine_flags, engine_config
+from console.cli.report import write_report
+from console.cli.workload_flags import add_workload_flags, workload_for
+from console.errors import UserError
+from engine.budget.calibrate import apply, apply_latest
+from engine.budget.predictor import StepTimePredictor
+from engine.config import EngineConfig
+from engine.core.engine import Engine
+from engine.core.model_runner import resolve_device
+from engine.harness.driver import RunResult, drive
+from engine.harness.hf_baseline import hf_model, run_hf
+from engine.harness.slo import (
+    LATENCY_METRICS,
+    SLO,
+    capacity,
+    goodput,
+    isolated_prefill,
+    measure_decode_step,
+)
+from engine.harness.workload import WorkloadRequest, describe, steady_traffic
+from engine.store import open_database
+
+PROBE_KV_BYTES = 1 << 30  # on CUDA: a decode step of 8 x 128 tokens, even on a 7B model
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench", help="compare configurations on one workload",
+                                   description=__doc__)
+    add_engine_flags(parser)
+    add_workload_flags(parser)
+    parser.add_argument("--compare", default="chunked,unchunked",
+                        help="comma-separated configuration names (default chunked,unchunked)")
+    parser.add_argument("--config", action="append", default=[], metavar="NAME:FIELD=VALUE,...",
+                        help="define a named configuration, e.g. small:max_num_batched_tokens=128")
+    parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    add_db_argument(parser)
+    parser.add_argument("--hf-batch-size", type=int, default=8,
+                        help="static batch size of the hf baseline")
+    parser.add_argument("--capacity", action="store_true",
+                        help="binary-search each configuration's capacity at the SLOs")
+    parser.add_argument("--capacity-requests", type=int, default=24,
+                        help="fewest requests in a capacity probe")
+    parser.add_argument("--capacity-duration", type=float, default=10.0, metavar="SECONDS",
+                        help="each capacity probe sends the workload, repeated, at the probed "
+                             "rate for this long, so an unsustainable rate shows as a growing "
+                             "queue rather than a burst that drains (default 10)")
+    parser.add_argument("--capacity-iterations", type=int, default=5)
+    parser.add_argument("--capacity-metric", choices=LATENCY_METRICS, default="tpot",
+                        help="latency held to the TPOT SLO: each request's mean time per "
+                             "token (tpot) or every gap between tokens (tbt, Sarathi-Serve's)")
+    parser.add_argument("--report", type=Path, metavar="DIR",
+                        help="write report.md and PNG plots into DIR")
+    parser.set_defaults(func=bench)
+
+
+def bench(args: argparse.Namespace) -> int:
+    if args.capacity_requests < 1 or args.capacity_duration < 0:
+        raise UserError("--capacity-requests must be at least 1 and --capacity-duration at "
+                        "least 0")
+    base = engine_config(args)
+    names = [n.strip() for n in args.compare.split(",") if n.strip()]
+    custom = dict(_parse_config(spec) for spec in args.config)
+    probe = Engine(_probe_config(base))
+    calibration = _stored_calibration(args.db, probe)
+    workload = workload_for(args, probe)
+    longest = max(len(w.prompt_token_ids) for w in workload)
+    slo = SLO.from_decode_step(measure_decode_step(probe))
+    # auto aims each step at half the TPOT SLO: headroom for steps the predictor misjudges
+    configs = {name: _named_config(name, base, custom, longest, probe.max_model_len,
+                                   slo.tpot_s * 1e3 / 2) for name in names}
+    prefill_s = isolated_prefill(probe)
+    report: dict[str, Any] = {
+        "workload": {"spec": args.workload, **describe(workload).to_dict()},
+        "machine": _machine(probe),
+        "slo": slo.to_dict(),
+        "calibrated": calibration is not None,  # step predictions from `tokenflow calibrate`
+        "runs": {},
+    }
+    results: dict[str, RunResult] = {}
+    for name, config in configs.items():
+        results[name] = _run(name, config, workload, args.hf_batch_size, calibration)
+        report["runs"][name] = _run_report(name, config, results[name], probe, slo, prefill_s)
+    if args.capacity:
+        report["capacity"] = _capacities(args, configs, workload, slo, calibration)
+    if args.report:
+        report["report"] = str(write_report(args.report, report, results))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_table(report)
+    return 0
+
+
+def _stored_calibration(db: str | None, engine: Engine) -> StepTimePredictor | None:
+    """The stored calibrated predictor for this model and device, applied to `engine`."""
+    database = open_database(db)
+    try:
+        with database.session() as session:
+            record = apply_latest(engine, session)
+    finally:
+        database.close()
+    return None if record is None else StepTimePredictor.from_dict(record.params)
+
+
+def _probe_config(base: EngineConfig) -> EngineConfig:
+    """The probe engine lives through every run. On CUDA, where each engine's KV pool is a
+    share of the memory free when it starts, its pool is kept small (it measures one decode
+    step) so that the runs' engines get the GPU."""
+    if base.kv_cache_bytes is None and resolve_device(base.device).type == "cuda":
+        return base.replace(kv_cache_bytes=PROBE_KV_BYTES)
+    return base
+
+
+def _run(name: str, config: EngineConfig, workload: list[WorkloadRequest],
+         hf_batch_size: int, calibration: StepTimePredictor | None) -> RunResult:
+    engine = Engine(config)
+    if calibration is not None:
+        apply(engine, calibration)
+    if name == "hf":
+        model = hf_model(engine.runner.model, engine.model_config)
+        return run_hf(model, workload, batch_size=hf_batch_size)
+    return drive(engine, workload)
+
+
+def _run_report(name: str, config: EngineConfig, result: RunResult, probe: Engine, slo: SLO,
+                prefill_s: Callable[[int], float]) -> dict[str, Any]:
+    errors = [abs(e) for e in result.prediction_errors()]
+    return {
+        "config": {"name": name, **config.live_values()},
+        **result.summary(),
+        **result.utilisation(probe.peaks),
+        "goodput": goodput(result, slo, prefill_s),
+        "prediction_error": {"median_abs": statistics.median(errors) if errors else None,
+                             "p90_abs": _quantile(errors, 0.9)},
+    }
+
+
+def _capacities(args: argparse.Namespace, configs: dict[str, EngineConfig],
+                workload: list[WorkloadRequest], slo: SLO,
+                calibration: StepTimePredictor | None) -> dict[str, Any]:
+    span = max(w.arrival_s for w in workload) or 1.0
+    offered = len(workload) / span
+    out: dict[str, Any] = {}
+    for name, config in configs.items():
+        def run_at(rate: float, name: str = name, config: EngineConfig = config) -> RunResult:
+            traffic = steady_traffic(workload, rate, args.capacity_duration,
+                                     args.capacity_requests)
+            return _run(name, config, traffic, args.hf_batch_size, calibration)
+        best, probes = capacity(run_at, slo, low=offered / 16, high=offered * 4,
+                                iterations=args.capacity_iterations,
+                                metric=args.capacity_metric)
+        out[name] = {"rate": best, "metric": args.capacity_metric,
+                     "probe_duration_s": args.capacity_duration,
+                     "probes": [dataclasses.asdict(p) for p in probes]}
+    return out
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _named_config(name: str, base: EngineConfig, custom: dict[str, dict[str, str]],
+                  longest: int, max_model_len: int, tpot_target_ms: float) -> EngineConfig:
+    if name in custom:
+        return base.replace(**custom[name])
+    if name in ("chunked", "hf"):
+        return base
+    if name == "auto":
+        return base.replace(auto_budget=True, auto_tpot_ms=tpot_target_ms)
+    if name == "unchunked":
+        budget = max(base.max_num_batched_tokens, min(longest, max_model_len) + base.max_num_seqs)
+        return base.replace(max_num_batched_tokens=budget, chunked_prefill=False)
+    known = ", ".join(["chunked", "unchunked", "auto", "hf", *custom])
+    raise UserError(f"unknown configuration {name!r}; known: {known} "
+                    f"(define more with --config NAME:field=value)")
+
+
+def _parse_config(spec: str) -> tuple[str, dict[str, str]]:
+    name, sep, body = spec.partition(":")
+    if not sep or not name:
+        raise UserError(f"--config {spec!r}: expected NAME:field=value,...")
+    fields: dict[str, str] = {}
+    for item in filter(None, body.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise UserError(f"--config {spec!r}: {item!r} is not field=value")
+        fields[key.strip()] = value.strip()
+    EngineConfig().replace(**fields)  # ConfigError names a bad field now, before any run
+    return name, fields
+
+
+def _machine(engine: Engine) -> dict[str, Any]:
+    peaks = engine.peaks
+    return {
+        "device": str(engine.runner.device),
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "model": engine.config.model,
+        "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "peak_flops": peaks.flops,
+        "peak_bandwidth": peaks.bandwidth,
+        "peaks_source": peaks.source,
+        **({"gpu": torch.cuda.get_device_name(engine.runner.device)}
+           if engine.runner.device.type == "cuda" else {}),
+    }
+
+
+def _print_table(report: dict[str, Any]) -> None:
+    runs = report["runs"]
+    header = (f"{'config':<14}{'out tok/s':>10}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
+              f"{'TPOT p50':>10}{'TPOT p99':>10}{'ITL p99':>9}{'ITL max':>9}{'preempt':>9}"
+              f"{'slow':>6}{'goodput':>9}")
+    print(f"workload {report['workload']['spec']}: {report['workload']['requests']} requests "
+          f"on {report['machine']['model']} ({report['machine']['device']})")
+    print(header)
+    for name, r in runs.items():
+        print(f"{name:<14}{r['output_tok_s']:>10.1f}{r['throughput_tok_s']:>9.1f}"
+              f"{_f(r['ttft_ms']['p50']):>10}{_f(r['ttft_ms']['p99']):>10}"
+              f"{_f(r['tpot_ms']['p50']):>10}{_f(r['tpot_ms']['p99']):>10}"
+              f"{_f(r['itl_ms']['p99']):>9}{_f(r['itl_ms']['max']):>9}{r['preemptions']:>9}"
+              f"{r['slow_queries']:>6}{r['goodput']:>9.2f}")
+    for name, c in report.get("capacity", {}).items():
+        print(f"capacity {name}: {c['rate']:.2f} requests/s (P99 {c['metric'].upper()})")
+
+
+def _f(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+

@@ -1,0 +1,121 @@
+"""`tokenflow calibrate`: time real steps on this device and fit the step-time predictor.
+
+Sweeps prefill chunks × context, decode batches × context and a few mixed steps on the
+engine's own model runner, fits the predictor on three quarters of the shapes and reports
+its error on the rest. The run, its table and the predictor go into the store; a table more
+than 10% off the last stored one for this model and device is also stored as a drift event.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from tqdm import tqdm
+
+from console.cli.db import add_db_argument
+from console.cli.engine_flags import add_engine_flags, engine_config
+from engine.budget.calibrate import CalibrationResult, calibrate, latest_for, save_result
+from engine.budget.drift import drift_event
+from engine.budget.predictor import StepTimePredictor
+from engine.core.engine import Engine
+from engine.events import Drift
+from engine.store import Database, StoreWriter, open_database
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("calibrate", help="measure step times and fit the predictor",
+                                   description=__doc__.splitlines()[0])
+    add_engine_flags(parser)
+    parser.add_argument("--quick", action="store_true",
+                        help="a smaller sweep with 5 timed runs per shape (under 2 minutes on "
+                        "a CPU) instead of 20")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+                        help="show a progress bar on stderr (default: on)")
+    add_db_argument(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = engine_config(args)
+    database = open_database(args.db)  # a bad --db fails before the engine loads
+    try:
+        engine = Engine(config)
+        with _ProgressBar(args.progress) as progress:
+            result = calibrate(engine, quick=args.quick, progress=progress)
+        with database.session() as session:
+            previous = latest_for(session, engine)
+            drift = (drift_event(StepTimePredictor.from_dict(previous.params), result)
+                     if previous is not None else None)
+            run_id = save_result(session, result)
+        if drift is not None:
+            _store_event(database, engine, drift)
+    finally:
+        database.close()
+    summary = {**result.to_dict(), "calibration_id": run_id, "db": str(database.path),
+               "previous_id": previous.id if previous else None,
+               "drift": drift.to_dict() if drift else None}
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        _print_summary(result, summary)
+    return 0
+
+
+class _ProgressBar:
+    """A tqdm bar fed by the calibrator's (fraction, note) callback, or nothing."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.bar = tqdm(total=100, file=sys.stderr, unit="%", leave=False,
+                        bar_format="{desc} {bar} {percentage:3.0f}% {elapsed}<{remaining}",
+                        ) if enabled else None
+
+    def __enter__(self) -> Callable[[float, str], None] | None:
+        return self.update if self.bar is not None else None
+
+    def update(self, fraction: float, note: str) -> None:
+        assert self.bar is not None
+        self.bar.set_description_str(f"calibrating: {note}", refresh=False)
+        self.bar.update(fraction * 100 - self.bar.n)
+
+    def __exit__(self, *_: object) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _store_event(database: Database, engine: Engine, event: Drift) -> None:
+    """Through the store writer, as a serving engine's drift events are stored."""
+    writer = StoreWriter(database, engine.bus)
+    engine.bus.publish(event)
+    engine.bus.drain()
+    writer.close()
+
+
+def _print_summary(result: CalibrationResult, s: dict[str, Any]) -> None:
+    p, kv = result.predictor, result.kv
+    print(f"{result.model} on {result.device} ({result.dtype}): {len(result.points)} shapes "
+          f"in {result.wall_s:.0f} s, run #{s['calibration_id']} stored in {s['db']}")
+    print(f"  held-out median |error| {result.heldout_median_abs_error:.1%} over "
+          f"{len(result.heldout_errors)} shapes (max {max(result.heldout_errors, default=0):.1%})")
+    print(f"  predictor: {p.constant_s * 1e3:.2f} ms/step (+{p.multi_token_s * 1e3:.2f} ms past "
+          f"one token) + {p.per_token_s * 1e6:.1f} µs/token"
+          f" + {p.per_prefill_chunk_s * 1e3:.2f} ms/chunk + {p.per_decode_seq_s * 1e3:.3f} "
+          f"ms/decode + {p.per_prefill_pair_s * 1e9:.2f} ns/prefill pair + "
+          f"{p.per_decode_context_s * 1e9:.1f} ns/decode context token")
+    print(f"  peaks measured: {result.peaks.flops / 1e9:.1f} GFLOP/s, "
+          f"{result.peaks.bandwidth / 1e9:.1f} GB/s; KV pool {kv.blocks}/{kv.total_blocks} "
+          f"blocks free = {kv.capacity_tokens} tokens")
+    if s["drift"]:
+        print(f"  DRIFT vs run #{s['previous_id']}: {s['drift']['detail']}")
+    print(f"  {'kind':8} {'chunk':>5} {'ctx':>5} {'dec':>4} {'dctx':>5} {'ms':>9} "
+          f"{'pred ms':>9} {'err':>7} {'GFLOP/s':>8} {'GB/s':>6}")
+    for point in result.points:
+        q = point.probe
+        print(f"  {q.kind:8} {q.chunk:5} {q.chunk_context:5} {q.decode_seqs:4} "
+              f"{q.decode_context:5} {point.median_s * 1e3:9.2f} {point.predicted_s * 1e3:9.2f} "
+              f"{point.relative_error:+7.1%} {point.achieved_flops / 1e9:8.2f} "
+              f"{point.achieved_bandwidth / 1e9:6.2f}{'  held out' if point.held_out else ''}")

@@ -1,0 +1,117 @@
+"""`tokenflow bench --report DIR`: a markdown report with PNG plots of one bench run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt
+
+from engine.harness.driver import RunResult
+
+
+def write_report(directory: Path, report: dict[str, Any], results: dict[str, RunResult]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    plots = [
+        _cdf(directory / "ttft_cdf.png", "TTFT (ms)",
+             {n: [r.ttft_s * 1e3 for r in res.records.values() if r.ttft_s is not None]
+              for n, res in results.items()}),
+        _cdf(directory / "tpot_cdf.png", "TPOT (ms)",
+             {n: [r.tpot_s * 1e3 for r in res.records.values() if r.tpot_s is not None]
+              for n, res in results.items()}),
+        _predicted_vs_measured(directory / "predicted_vs_measured.png", results),
+    ]
+    if "capacity" in report:
+        plots.append(_capacity(directory / "capacity.png", report["capacity"]))
+    path = directory / "report.md"
+    path.write_text(_markdown(report, [p.name for p in plots]))
+    return path
+
+
+def _cdf(path: Path, label: str, series: dict[str, list[float]]) -> Path:
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for name, values in series.items():
+        if values:
+            ordered = sorted(values)
+            axes.step(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=name,
+                      where="post")
+    axes.set_xlabel(label)
+    axes.set_ylabel("share of requests")
+    axes.set_xscale("log")
+    return _save(figure, axes, path)
+
+
+def _save(figure: plt.Figure, axes: plt.Axes, path: Path) -> Path:
+    axes.grid(alpha=0.3)
+    if axes.get_legend_handles_labels()[0]:
+        axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def _predicted_vs_measured(path: Path, results: dict[str, RunResult]) -> Path:
+    figure, axes = plt.subplots(figsize=(5, 5))
+    top = 0.0
+    for name, result in results.items():
+        steps = [s for s in result.steps if s.predicted_s > 0]
+        if steps:
+            measured = [s.duration_s * 1e3 for s in steps]
+            predicted = [s.predicted_s * 1e3 for s in steps]
+            axes.scatter(measured, predicted, s=6, alpha=0.5, label=name)
+            top = max(top, *measured, *predicted)
+    axes.plot([0, top], [0, top], color="grey", linewidth=1)
+    axes.set_xlabel("measured step time (ms)")
+    axes.set_ylabel("predicted step time (ms)")
+    return _save(figure, axes, path)
+
+
+def _capacity(path: Path, capacities: dict[str, Any]) -> Path:
+    figure, axes = plt.subplots(figsize=(5, 3.5))
+    names = list(capacities)
+    axes.bar(names, [capacities[n]["rate"] for n in names], color="#4c72b0")
+    axes.set_ylabel("requests/s within SLO")
+    return _save(figure, axes, path)
+
+
+def _markdown(report: dict[str, Any], images: list[str]) -> str:
+    machine, workload, slo = report["machine"], report["workload"], report["slo"]
+    lines = [
+        f"# tokenflow bench: {workload['spec']}",
+        "",
+        f"{workload['requests']} requests on {machine['model']} ({machine['device']}, "
+        f"{machine['dtype']}); measured peaks {machine['peak_flops'] / 1e9:.1f} GFLOP/s and "
+        f"{machine['peak_bandwidth'] / 1e9:.1f} GB/s.",
+        "",
+        f"SLOs: TPOT ≤ {slo['tpot_ms']:.1f} ms, scheduling delay ≤ "
+        f"{slo['scheduling_delay_ms']:.1f} ms (5× and 25× one decode step of "
+        f"{slo['decode_step_ms']:.1f} ms); TTFT ≤ a request's own prefill time + the delay.",
+        "",
+        "| config | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | "
+        "goodput | prefill MFU | decode MBU | step error (median) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, r in report["runs"].items():
+        lines.append(
+            f"| {name} | {r['output_tok_s']:.1f} | {_f(r['ttft_ms']['p50'])} | "
+            f"{_f(r['ttft_ms']['p99'])} | {_f(r['tpot_ms']['p50'])} | {_f(r['tpot_ms']['p99'])} "
+            f"| {r['goodput']:.2f} | {_pct(r['prefill_mfu'])} | {_pct(r['decode_mbu'])} | "
+            f"{_pct(r['prediction_error']['median_abs'])} |")
+    if "capacity" in report:
+        lines += ["", "| config | capacity (requests/s) | held to |", "| --- | --- | --- |"]
+        lines += [f"| {n} | {c['rate']:.2f} | P99 {c['metric'].upper()} |"
+                  for n, c in report["capacity"].items()]
+    lines += [""] + [f"![{name}]({name})" for name in images] + [""]
+    return "\n".join(lines)
+
+
+def _f(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"

@@ -1,0 +1,201 @@
+"""`tokenflow roofline`: the seed-003 what-if table for chunk sizes, from a few numbers.
+
+With no flags it reproduces seed 003 §6·补一 (a 7B model on a 300 TFLOP/s, 2 TB/s machine with
+32 decodes at 2048 tokens of context); flags swap in a GPU preset, a model's shape, or any of
+the inputs, and --json prints the same as one object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from console.errors import UserError
+from engine.budget.cost_model import DEFAULT_STEP_TIME_S, budget_table
+from engine.budget.peaks import GPU_PRESETS
+from engine.budget.roofline import Roofline
+from engine.config import ConfigError
+from engine.model.config import ModelConfig, from_hf_config, preset
+
+# Seed 003 §6·补一: the worked example every default below comes from.
+SEED_PARAMS = 7e9
+SEED_FLOPS = 300e12
+SEED_BANDWIDTH = 2e12
+SEED_KV_BYTES_PER_TOKEN = 524288  # 2 · 32 layers · 32 KV heads · 128 dims · 2 bytes
+SEED_CHUNKS = "128,486,2048,4096"
+GIB = 1 << 30
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "roofline", help="what-if table of chunk sizes from the seed-003 formulas",
+        description=__doc__.splitlines()[0])
+    machine = parser.add_argument_group("machine")
+    machine.add_argument("--gpu", help=f"datasheet peaks of one of: {', '.join(GPU_PRESETS)}")
+    machine.add_argument("--flops", type=float, help="dense FLOP/s (default 300e12)")
+    machine.add_argument("--bandwidth", type=float, help="memory bytes/s (default 2e12)")
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", help="synthetic:<preset> or a model directory with config.json;"
+                       " gives P (non-embedding parameters) and k at bf16")
+    model.add_argument("--params", type=float, help="P, parameters (default 7e9)")
+    model.add_argument("--kv-bytes-per-token", type=float,
+                       help="k, KV bytes per token over all layers (default 524288)")
+    model.add_argument("--weight-bits", type=int, default=16, help="bits per weight (default 16)")
+    load = parser.add_argument_group("load")
+    load.add_argument("--decode-seqs", type=int, default=32, help="D, decodes per step")
+    load.add_argument("--context", type=int, default=2048, help="S, context of each decode")
+    load.add_argument("--prompt", type=int, default=4096, help="T, prompt tokens for TTFT")
+    load.add_argument("--chunks", default=SEED_CHUNKS, help="chunk sizes C to compare")
+    load.add_argument("--hit-rate", type=float, default=0.0, help="prefix-cache hit rate h")
+    load.add_argument("--kv-gib", type=float, default=20.0, help="KV pool in GiB (2^30 bytes)")
+    load.add_argument("--step-ms", type=float, default=DEFAULT_STEP_TIME_S * 1e3,
+                      help="step time budget of the three-constraint table")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    roofline = _roofline(args)
+    report = _report(args, roofline)
+    print(json.dumps(report, indent=2) if args.json else _render(report))
+    return 0
+
+
+def _roofline(args: argparse.Namespace) -> Roofline:
+    flops, bandwidth = SEED_FLOPS, SEED_BANDWIDTH
+    if args.gpu is not None:
+        peaks = GPU_PRESETS.get(args.gpu.lower())
+        if peaks is None:
+            raise UserError(f"--gpu: unknown GPU {args.gpu!r}; choose one of "
+                            f"{', '.join(GPU_PRESETS)} or give --flops and --bandwidth")
+        flops, bandwidth = peaks.flops, peaks.bandwidth
+    params, kv_bytes_per_token = SEED_PARAMS, SEED_KV_BYTES_PER_TOKEN
+    if args.model is not None:
+        config = _model_config(args.model)
+        params = config.num_params(include_embeddings=False)
+        kv_bytes_per_token = config.kv_bytes_per_token(2)
+    _require(args.decode_seqs >= 0, "--decode-seqs", "must be >= 0")
+    _require(args.context >= 1, "--context", "must be >= 1")
+    _require(args.prompt >= 1, "--prompt", "must be >= 1")
+    _require(0 <= args.hit_rate <= 1, "--hit-rate", "must be in [0, 1]")
+    _require(args.kv_gib > 0, "--kv-gib", "must be > 0")
+    _require(args.step_ms > 0, "--step-ms", "must be > 0")
+    _chunks(args.chunks)
+    try:
+        return Roofline(
+            params=args.params if args.params is not None else params,
+            flops=args.flops if args.flops is not None else flops,
+            bandwidth=args.bandwidth if args.bandwidth is not None else bandwidth,
+            kv_bytes_per_token=(args.kv_bytes_per_token if args.kv_bytes_per_token is not None
+                                else kv_bytes_per_token),
+            weight_bits=args.weight_bits,
+        )
+    except ConfigError as exc:
+        raise UserError(f"--{exc.field.replace('_', '-')}: {exc.message}") from None
+
+
+def _model_config(spec: str) -> ModelConfig:
+    if spec.startswith("synthetic:"):
+        return preset(spec.removeprefix("synthetic:"))
+    return from_hf_config(Path(spec) / "config.json")
+
+
+def _chunks(text: str) -> list[int]:
+    try:
+        chunks = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise UserError(f"--chunks: {text!r} is not a comma-separated list of integers, "
+                        "e.g. 128,512,2048") from None
+    _require(all(c >= 1 for c in chunks), "--chunks", "every chunk must be >= 1 token")
+    return chunks
+
+
+def _require(ok: bool, flag: str, message: str) -> None:
+    if not ok:
+        raise UserError(f"{flag}: {message}")
+
+
+def _report(args: argparse.Namespace, roofline: Roofline) -> dict[str, Any]:
+    kv_bytes = args.kv_gib * GIB
+    capacity = roofline.kv_capacity_tokens(kv_bytes)
+    rows = roofline.table(_chunks(args.chunks), args.prompt, args.decode_seqs, args.context,
+                          args.hit_rate)
+    grid = [2**i for i in range(7, 64) if 2**i <= capacity] or [capacity]
+    segments = budget_table(roofline, kv_bytes, grid, decode_seqs=args.decode_seqs,
+                            step_time_s=args.step_ms / 1e3)
+    return {
+        "balance_chunk": roofline.balance_chunk(args.decode_seqs, args.context),
+        "machine_balance": roofline.machine_balance,
+        "rows": [dataclasses.asdict(row) for row in rows],
+        "kv_capacity_tokens": capacity,
+        "max_concurrency": roofline.max_concurrency(kv_bytes, args.context),
+        "decode_intensity": roofline.decode_intensity(args.decode_seqs, args.context),
+        "preempt_cost_flops": roofline.preempt_cost_flops(args.context),
+        "budget_segments": [dataclasses.asdict(segment) for segment in segments],
+        "inputs": {
+            "params": roofline.params, "flops": roofline.flops, "bandwidth": roofline.bandwidth,
+            "kv_bytes_per_token": roofline.kv_bytes_per_token,
+            "weight_bits": roofline.weight_bits, "weight_bytes": roofline.weight_bytes,
+            "decode_seqs": args.decode_seqs, "context": args.context, "prompt": args.prompt,
+            "hit_rate": args.hit_rate, "kv_gib": args.kv_gib, "step_ms": args.step_ms,
+            "gpu": args.gpu, "model": args.model,
+        },
+    }
+
+
+def _render(report: dict[str, Any]) -> str:
+    inputs = report["inputs"]
+    d, s = inputs["decode_seqs"], inputs["context"]
+    lines = [
+        f"P = {inputs['params']:.3g} params ({inputs['weight_bits']}-bit weights, "
+        f"{inputs['weight_bytes'] / 1e9:.3g} GB)   F = {inputs['flops'] / 1e12:.4g} TFLOP/s   "
+        f"W = {inputs['bandwidth'] / 1e12:.4g} TB/s   "
+        f"k = {inputs['kv_bytes_per_token']:,.0f} B/token",
+        f"D = {d} decodes at S = {s} tokens of context; prompt T = {inputs['prompt']}"
+        + (f", prefix hit rate {inputs['hit_rate']:.0%}" if inputs["hit_rate"] else ""),
+        "",
+        _table(["chunk C", "tau ms", "bound", "TPOT ms", "TTFT ms", "rounds"],
+               [[f"{r['chunk']}", f"{r['tau_ms']:.1f}", r["bound"], f"{r['tpot_ms']:.1f}",
+                 f"{r['ttft_ms']:.1f}", f"{r['rounds']}"] for r in report["rows"]]),
+        "",
+        f"machine balance  R = F/W = {report['machine_balance']:.1f} FLOP/byte",
+        f"balance chunk    C* = R(weights + DSk)/2P - D = {report['balance_chunk']:.1f} tokens",
+        f"decode intensity 2PD/(weights + DSk) = {report['decode_intensity']:.1f} FLOP/byte",
+        f"KV pool {inputs['kv_gib']:g} GiB  S_cap = {report['kv_capacity_tokens']:,} tokens, "
+        f"B_max = {report['max_concurrency']} sequences at S = {s}",
+        f"preempting at S = {s} recomputes {report['preempt_cost_flops']:.3g} FLOPs",
+        "",
+        f"token budget per step ({inputs['step_ms']:g} ms step, {d} decodes, 15% bandwidth "
+        "headroom):",
+        _table(["sequence length", "governed by", "max batched tokens"],
+               [[_span(seg["lo"], seg["hi"]), seg["governing"], f"{seg['max_batched_tokens']:,}"]
+                for seg in report["budget_segments"]]),
+    ]
+    return "\n".join(lines)
+
+
+def _span(lo: int, hi: int) -> str:
+    return f"{lo:,}" if lo == hi else f"{lo:,} - {hi:,}"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    """Right-aligned numeric columns, left-aligned text; widths fit the longest cell."""
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows, strict=True)]
+    numeric = [all(_is_number(row[i]) for row in rows) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(cell.rjust(w) if num else cell.ljust(w)
+                         for cell, w, num in zip(cells, widths, numeric, strict=True)).rstrip()
+
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def _is_number(cell: str) -> bool:
+    try:
+        return math.isfinite(float(cell.replace(",", "")))
+    except ValueError:
+        return False

@@ -1,0 +1,114 @@
+"""`tokenflow serve`: the engine behind an OpenAI-compatible HTTP API (DESIGN.md, HTTP).
+
+It binds 127.0.0.1 unless --host says otherwise. The admin endpoints (live tuning, pause)
+need the bearer token from $TOKENFLOW_ADMIN_TOKEN or --admin-token-file and are off without
+one. Requests, slow queries and config changes go to the SQLite store unless --no-db.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from pathlib import Path
+
+import uvicorn
+
+from console.cli.db import add_db_argument
+from console.cli.engine_flags import add_engine_flags, engine_config
+from console.errors import UserError
+from engine.budget.calibrate import apply_latest
+from engine.core.engine import Engine
+from engine.ops.recovery import resume_unfinished
+from engine.serve.app import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_QUEUE,
+    SlowQueriesReader,
+    create_app,
+)
+from engine.serve.auth import TOKEN_ENV, load_admin_token
+from engine.serve.loop import EngineLoop
+from engine.store import Database, SlowQueryRecord, StoreWriter, list_slow_queries, open_database
+
+GRACEFUL_SHUTDOWN_S = 5
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="HTTP API (OpenAI-compatible completions)",
+                                   description=__doc__.splitlines()[0])
+    http = parser.add_argument_group("http")
+    http.add_argument("--host", default="127.0.0.1",
+                      help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server)")
+    http.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    http.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                      help="requests in flight before new ones get 429 "
+                           f"(default {DEFAULT_MAX_QUEUE})")
+    http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                      help="largest request body in bytes; more gets 413 "
+                           f"(default {DEFAULT_MAX_BODY_BYTES})")
+    http.add_argument("--admin-token-file", type=Path, metavar="FILE",
+                      help=f"bearer token of the admin endpoints (default: ${TOKEN_ENV})")
+    add_db_argument(parser)
+    parser.add_argument("--no-db", action="store_true", help="keep no SQLite store")
+    add_engine_flags(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_queue < 1:
+        raise UserError(f"--max-queue must be at least 1, got {args.max_queue}")
+    if args.max_body_bytes < 1024:
+        raise UserError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in [0, 65535], got {args.port}")
+    config = engine_config(args)
+    token = load_admin_token(args.admin_token_file)
+    listener = _listen(args.host, args.port)  # a taken port fails now, not after the model loads
+    database = None if args.no_db else open_database(args.db)
+    writer: StoreWriter | None = None
+    loop: EngineLoop | None = None
+    try:
+        engine = Engine(config)
+        if database is not None:
+            with database.session() as session:
+                apply_latest(engine, session)
+            resume_unfinished(engine, database)  # what a killed server had accepted
+        writer = None if database is None else StoreWriter(database, engine.bus)
+        loop = EngineLoop(engine).start()
+        app = create_app(loop, admin_token=token, max_queue=args.max_queue,
+                         max_body_bytes=args.max_body_bytes,
+                         slow_queries_reader=None if database is None else _reader(database))
+        admin = "on" if token else f"off (set {TOKEN_ENV} or --admin-token-file)"
+        store = "none" if database is None else str(database.path)
+        host, port = listener.getsockname()[:2]  # --port 0: the one the system chose
+        print(f"tokenflow serve: {config.model} on {engine.runner.device}, "
+              f"http://{host}:{port}, admin API {admin}, store {store}", flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, lifespan="off",
+                                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        server.run(sockets=[listener])
+    finally:
+        listener.close()
+        if loop is not None:
+            loop.stop()
+        if writer is not None:
+            writer.close()
+        if database is not None:
+            database.close()
+    return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family)
+    except OSError as exc:  # taken, not this machine's address, or a privileged port
+        why = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise UserError(f"cannot listen on {host}:{port}: {why}; choose another --port "
+                        "(or --host)") from exc
+
+
+def _reader(database: Database) -> SlowQueriesReader:
+    def read(limit: int) -> list[SlowQueryRecord]:
+        with database.session() as session:
+            return list_slow_queries(session, sort="time", limit=limit)
+    return read

@@ -1,0 +1,185 @@
+"""The embedded source: an engine on its own thread in this process, with its SQLite store."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import torch
+from sqlalchemy.orm import Session
+
+from console.sources.base import Progress, SourceError
+from engine.budget.calibrate import (
+    CalibrationResult,
+    apply,
+    apply_latest,
+    calibrate,
+    latest_for,
+    save_result,
+)
+from engine.budget.drift import DriftMonitor, drift_event
+from engine.budget.predictor import StepTimePredictor
+from engine.config import EngineConfig
+from engine.core.engine import Engine
+from engine.harness.workload import build_workload, default_length_scale
+from engine.ops.recovery import resume_unfinished
+from engine.serve.loop import EngineLoop
+from engine.snapshot import Snapshot
+from engine.store import (
+    CalibrationRecord,
+    ConfigChangeRecord,
+    Database,
+    DriftRecord,
+    SlowQueryRecord,
+    StoreWriter,
+    calibration_history,
+    config_changes,
+    drift_events,
+    get_slow_query,
+    list_slow_queries,
+    next_cycle,
+    open_database,
+)
+
+READ_FLUSH_TIMEOUT_S = 2.0
+CPU_MODEL = "synthetic:small"
+CUDA_MODEL = "synthetic:1b"  # the first GPU gets a preset big enough to load it
+
+
+def default_model(device: str) -> str:
+    on_cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+    return CUDA_MODEL if on_cuda else CPU_MODEL
+
+
+class EmbeddedSource:
+    def __init__(self, loop: EngineLoop, database: Database, writer: StoreWriter) -> None:
+        self.loop = loop
+        self.database = database
+        self.writer = writer
+        engine = loop.engine
+        self.name = f"embedded {engine.config.model} on {engine.runner.device}"
+        self.monitor: DriftMonitor | None = None  # set by start(): drift (protection layer 5)
+
+    @classmethod
+    def start(cls, *, model: str | None = None, device: str | None = None,
+              workload: str = "mixed", db: Path | None = None,
+              config: EngineConfig | None = None, num_requests: int | None = None,
+              rate: float | None = None, repeat: bool = True) -> EmbeddedSource:
+        """Open the store, build the engine, start its loop and the workload (`num_requests`
+        at `rate` requests/s, the workload's own defaults when None), repeating if asked."""
+        device = device or "auto"
+        base = config or EngineConfig()
+        engine_config = dataclasses.replace(base, model=model or default_model(device),
+                                            device=device)
+        database = open_database(db)
+        try:
+            engine = Engine(engine_config)
+            requests = build_workload(
+                workload, vocab_size=engine.model_config.vocab_size,
+                max_model_len=engine.max_model_len, num_requests=num_requests, rate=rate,
+                length_scale=default_length_scale(engine.runner.device.type))
+            with database.session() as session:
+                calibration = apply_latest(engine, session)
+                # numbered on from the last run's traffic (each of its cycles added
+                # requests[0] first), so no id clashes with what that run left
+                first_cycle = next_cycle(session, requests[0].request_id) if requests else 0
+        except BaseException:
+            database.close()
+            raise
+        writer = StoreWriter(database, engine.bus)
+        resume_unfinished(engine, database)  # what a crashed console left (pitfall 12)
+        loop = EngineLoop(engine)
+        source = cls(loop, database, writer)
+        source.monitor = DriftMonitor(
+            engine, loop.call, on_result=source._store_result,
+            reference=None if calibration is None else StepTimePredictor.from_dict(
+                calibration.params))
+        engine.bus.subscribe(source.monitor.observe)
+        loop.start()
+        loop.play(requests, repeat=repeat, first_cycle=first_cycle)
+        return source
+
+    def _store_result(self, result: CalibrationResult) -> None:
+        with self.database.session() as session:
+            save_result(session, result)
+
+    def snapshot(self) -> Snapshot:
+        if self.loop.error is not None:
+            raise SourceError(f"the engine stopped: {self.loop.error!r}")
+        return dataclasses.replace(self.loop.snapshot(), paused=self.loop.paused)
+
+    def update_config(self, **changes: Any) -> dict[str, Any]:
+        return self.loop.update_config("console", **changes).live_values()
+
+    def pause(self) -> None:
+        self.loop.pause()
+
+    def resume(self) -> None:
+        self.loop.resume()
+
+    def slow_queries(self, limit: int = 500) -> list[SlowQueryRecord]:
+        with self._read() as session:
+            return list_slow_queries(session, sort="time", limit=limit)
+
+    def slow_query(self, query_id: int) -> SlowQueryRecord:
+        with self._read() as session:
+            record = get_slow_query(session, query_id)
+        if record is None:
+            raise SourceError(f"no slow query with id {query_id} in {self.database.path}")
+        return record
+
+    def calibration_history(self) -> list[CalibrationRecord]:
+        engine = self.loop.engine
+        with self._read() as session:
+            return calibration_history(session, model=engine.config.model,
+                                       device=str(engine.runner.device))
+
+    def drift_events(self) -> list[DriftRecord]:
+        with self._read() as session:
+            return drift_events(session)
+
+    def config_changes(self) -> list[ConfigChangeRecord]:
+        with self._read() as session:
+            return config_changes(session)
+
+    def _read(self) -> AbstractContextManager[Session]:
+        """A session that sees every event published so far: a change the operator just
+        made is in the history they open next, not one batch window later."""
+        def publish_pending(engine: Engine) -> None:
+            engine.apply_pending_config()  # a change made just now is applied and published
+            engine.bus.drain()
+
+        # Bounded waits: a long step or a stuck store delays the history, never hangs it.
+        with contextlib.suppress(TimeoutError):
+            self.loop.call(publish_pending).result(timeout=READ_FLUSH_TIMEOUT_S)
+        self.writer.flush(timeout=READ_FLUSH_TIMEOUT_S)
+        return self.database.session()
+
+    def recalibrate(self, progress: Progress) -> CalibrationRecord:
+        """A quick sweep between engine steps; a table >10% off the last one is a drift
+        event (published, so the store keeps it); the new predictor takes over."""
+        def sweep(engine: Engine) -> CalibrationRecord:
+            result = calibrate(engine, quick=True, progress=progress)
+            with self.database.session() as session:
+                previous = latest_for(session, engine)
+                if previous is not None:
+                    drift = drift_event(StepTimePredictor.from_dict(previous.params), result)
+                    if drift is not None:
+                        engine.bus.publish(drift)
+                save_result(session, result)
+                apply(engine, result.predictor)
+                if self.monitor is not None:
+                    self.monitor.reference = result.predictor
+                record = latest_for(session, engine)
+            assert record is not None  # just stored
+            return record
+
+        return self.loop.call(sweep).result()
+
+    def close(self) -> None:
+        self.loop.stop()
+        self.writer.close()
+        self.database.close()

@@ -1,0 +1,167 @@
+"""Recorded sessions: a JSONL file of snapshots and store records, written live and replayed.
+
+One line per record, `{"kind": ..., "data": {...}}`, where kind is snapshot, slow_query,
+calibration, drift or config_change. Replaying a recording reviews a past session; the
+console's snapshot tests replay one so every screen renders from the same numbers each time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+from console.sources.base import Progress, Source, SourceError
+from engine.snapshot import Snapshot
+from engine.store import (
+    BudgetPoint,
+    CalibrationRecord,
+    ConfigChangeRecord,
+    DriftRecord,
+    SlowQueryRecord,
+)
+
+
+class SessionRecorder:
+    """Appends every polled snapshot to a recording; `finish` adds the store's records."""
+
+    def __init__(self, path: Path) -> None:
+        self._file: TextIO = path.open("w", encoding="utf-8")
+
+    def snapshot(self, snapshot: Snapshot) -> None:
+        self._write("snapshot", snapshot.to_dict())
+
+    def finish(self, source: Source) -> None:
+        for record in source.slow_queries():
+            self._write("slow_query", dataclasses.asdict(record))
+        for record in source.calibration_history():
+            self._write("calibration", dataclasses.asdict(record))
+        for record in source.drift_events():
+            self._write("drift", dataclasses.asdict(record))
+        for record in source.config_changes():
+            self._write("config_change", dataclasses.asdict(record))
+        self._file.close()
+
+    def _write(self, kind: str, data: dict[str, Any]) -> None:
+        self._file.write(json.dumps({"kind": kind, "data": data}, default=str) + "\n")
+        self._file.flush()
+
+
+class ReplaySource:
+    """Plays a recording back at its own pace times `speed`; speed 0 steps one snapshot per poll.
+
+    Read-only: tuning and recalibration raise SourceError. At the end it holds the last snapshot.
+    """
+
+    def __init__(self, path: Path, speed: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if speed < 0:
+            raise SourceError(f"replay speed must be >= 0, got {speed}")
+        self.name = f"replay {path.name}"
+        self._speed = speed
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._snapshots: list[Snapshot] = []
+        self._slow: list[SlowQueryRecord] = []
+        self._calibrations: list[CalibrationRecord] = []
+        self._drift: list[DriftRecord] = []
+        self._changes: list[ConfigChangeRecord] = []
+        self._load(path)
+        self._cursor = -1 if speed == 0 else 0  # step mode shows record 0 on the first poll
+        self._started = clock()
+        self._paused_at: float | None = None
+
+    def _load(self, path: Path) -> None:
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise SourceError(f"cannot read recording {path}: {exc.strerror}") from exc
+        parsers: dict[str, Callable[[dict[str, Any]], None]] = {
+            "snapshot": lambda d: self._snapshots.append(Snapshot.from_dict(d)),
+            "slow_query": lambda d: self._slow.append(SlowQueryRecord(**d)),
+            "calibration": lambda d: self._calibrations.append(_calibration(d)),
+            "drift": lambda d: self._drift.append(DriftRecord(**d)),
+            "config_change": lambda d: self._changes.append(ConfigChangeRecord(**d)),
+        }
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                parsers[record["kind"]](record["data"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise SourceError(
+                    f"{path}:{number} is not a tokenflow recording line ({exc}); "
+                    "record one with tokenflow-console --record FILE") from exc
+        if not self._snapshots:
+            raise SourceError(f"{path} holds no snapshots; record one with --record FILE")
+
+    @property
+    def finished(self) -> bool:
+        with self._lock:
+            return self._cursor >= len(self._snapshots) - 1
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            if self._paused_at is None:
+                self._advance()
+            current = self._snapshots[max(self._cursor, 0)]
+            paused = current.paused or self._paused_at is not None
+            return dataclasses.replace(current, paused=paused)
+
+    def _advance(self) -> None:
+        last = len(self._snapshots) - 1
+        if self._speed == 0:
+            self._cursor = min(self._cursor + 1, last)
+            return
+        elapsed = (self._clock() - self._started) * self._speed
+        origin = self._snapshots[0].ts
+        while self._cursor < last and self._snapshots[self._cursor + 1].ts - origin <= elapsed:
+            self._cursor += 1
+
+    def pause(self) -> None:
+        with self._lock:
+            if self._paused_at is None:
+                self._paused_at = self._clock()
+
+    def resume(self) -> None:
+        with self._lock:
+            if self._paused_at is not None:
+                self._started += self._clock() - self._paused_at
+                self._paused_at = None
+
+    def update_config(self, **changes: Any) -> dict[str, Any]:
+        raise SourceError("a recorded session is read-only; start the console on an engine to tune")
+
+    def recalibrate(self, progress: Progress) -> CalibrationRecord:
+        raise SourceError("a recorded session cannot recalibrate; start the console on an engine")
+
+    def slow_queries(self, limit: int = 500) -> list[SlowQueryRecord]:
+        return self._slow[:limit]
+
+    def slow_query(self, query_id: int) -> SlowQueryRecord:
+        for record in self._slow:
+            if record.id == query_id:
+                return record
+        raise SourceError(f"no slow query with id {query_id} in this recording")
+
+    def calibration_history(self) -> list[CalibrationRecord]:
+        return list(self._calibrations)
+
+    def drift_events(self) -> list[DriftRecord]:
+        return list(self._drift)
+
+    def config_changes(self) -> list[ConfigChangeRecord]:
+        return list(self._changes)
+
+    def close(self) -> None:
+        """A recording holds no resources once loaded."""
+
+
+def _calibration(data: dict[str, Any]) -> CalibrationRecord:
+    table = [BudgetPoint(**point) for point in data["table"]]
+    return CalibrationRecord(**{**data, "table": table})

@@ -1,0 +1,162 @@
+"""Collectors: worker threads that read the source and post typed messages.
+
+A collector never touches a widget; widgets never do I/O. The snapshot poll is re-armed only
+when the previous one has finished, so a slow source never piles polls up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from textual.app import App
+from textual.message import Message
+from textual.message_pump import MessagePump
+
+from console.sources.base import Source
+from console.sources.replay import SessionRecorder
+from engine.config import ConfigError
+from engine.errors import EngineError
+from engine.snapshot import Snapshot
+from engine.store import CalibrationRecord, ConfigChangeRecord, DriftRecord, SlowQueryRecord
+
+
+class SnapshotPolled(Message):
+    def __init__(self, snapshot: Snapshot) -> None:
+        super().__init__()
+        self.snapshot = snapshot
+
+
+class SourceFailed(Message):
+    def __init__(self, error: str) -> None:
+        super().__init__()
+        self.error = error
+
+
+class SlowQueriesLoaded(Message):
+    def __init__(self, records: list[SlowQueryRecord]) -> None:
+        super().__init__()
+        self.records = records
+
+
+class DriftLoaded(Message):
+    def __init__(self, calibrations: list[CalibrationRecord], events: list[DriftRecord]) -> None:
+        super().__init__()
+        self.calibrations = calibrations
+        self.events = events
+
+
+class ConfigChangesLoaded(Message):
+    def __init__(self, changes: list[ConfigChangeRecord]) -> None:
+        super().__init__()
+        self.changes = changes
+
+
+class RecalibrationProgress(Message):
+    def __init__(self, fraction: float, note: str) -> None:
+        super().__init__()
+        self.fraction = fraction
+        self.note = note
+
+
+class RecalibrationDone(Message):
+    def __init__(self, record: CalibrationRecord | None, error: str | None) -> None:
+        super().__init__()
+        self.record = record
+        self.error = error
+
+
+@dataclass
+class SnapshotCollector:
+    """Polls `source.snapshot()` every `interval` seconds on a worker thread."""
+
+    app: App
+    source: Source
+    interval: float
+    recorder: SessionRecorder | None = None
+    running: bool = False
+
+    def start(self) -> None:
+        self.running = True
+        self._launch()
+
+    def stop(self) -> None:
+        self.running = False
+
+    def _launch(self) -> None:
+        if self.running:
+            self.app.run_worker(self._collect, thread=True, group="snapshot", exit_on_error=False)
+
+    def _collect(self) -> None:
+        try:
+            snapshot = self.source.snapshot()
+            if self.recorder is not None:
+                self.recorder.snapshot(snapshot)
+            self.app.post_message(SnapshotPolled(snapshot))
+        except (EngineError, OSError) as exc:
+            self.app.post_message(SourceFailed(str(exc)))
+        finally:
+            self._rearm()
+
+    def _rearm(self) -> None:
+        if not self.running:
+            return
+        try:
+            self.app.call_from_thread(self.app.set_timer, self.interval, self._launch)
+        except RuntimeError:
+            self.running = False  # the app closed while this poll was in flight
+
+
+def load_in_worker(target: MessagePump, app: App, read: Callable[[], Message]) -> None:
+    """Run a store read on a worker thread and post its message to `target`."""
+
+    def work() -> None:
+        try:
+            target.post_message(read())
+        except (EngineError, OSError) as exc:
+            target.post_message(SourceFailed(str(exc)))
+
+    app.run_worker(work, thread=True, group="store", exit_on_error=False)
+
+
+def recalibrate_in_worker(target: MessagePump, app: App, source: Source) -> None:
+    """Run a recalibration on a worker thread, posting its progress and its result to `target`."""
+
+    def work() -> None:
+        try:
+            record = source.recalibrate(
+                lambda fraction, note: target.post_message(RecalibrationProgress(fraction, note)))
+            target.post_message(RecalibrationDone(record, None))
+        except (EngineError, OSError) as exc:
+            target.post_message(RecalibrationDone(None, str(exc)))
+
+    app.run_worker(work, thread=True, group="recalibrate", exit_on_error=False)
+
+
+class ConfigApplied(Message):
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        self.config = config
+
+
+class ConfigRejected(Message):
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__()
+        self.field = field
+        self.message = message
+
+
+def apply_config_in_worker(target: MessagePump, app: App, source: Source,
+                           changes: dict[str, Any]) -> None:
+    """Apply live changes on a worker thread; the result comes back as a message to `target`."""
+
+    def work() -> None:
+        try:
+            target.post_message(ConfigApplied(source.update_config(**changes)))
+        except ConfigError as exc:
+            target.post_message(ConfigRejected(exc.field, exc.message))
+        except (EngineError, OSError) as exc:
+            target.post_message(ConfigRejected("", str(exc)))
+
+    app.run_worker(work, thread=True, group="config", exit_on_error=False)

@@ -1,0 +1,35 @@
+"""The live screen: requests, chunk queue, cache pressure, bandwidth and latency at a glance."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Grid
+
+from console.tui.screens.base import ConsoleScreen
+from console.tui.widgets.bandwidth import Bandwidth
+from console.tui.widgets.cache_pressure import CachePressure
+from console.tui.widgets.chunk_queue import ChunkQueue
+from console.tui.widgets.latency import Latency
+from console.tui.widgets.requests_table import RequestsTable
+from engine.snapshot import Snapshot
+
+
+class LiveScreen(ConsoleScreen):
+    def compose(self) -> ComposeResult:
+        yield from self.compose_header()
+        yield RequestsTable()
+        with Grid(id="panes"):
+            yield ChunkQueue()
+            yield CachePressure()
+            yield Bandwidth()
+            yield Latency()
+        yield from self.compose_footer()
+
+    def show_snapshot(self, snapshot: Snapshot) -> None:
+        super().show_snapshot(snapshot)
+        history = self.console.history
+        self.query_one(RequestsTable).update_from(snapshot)
+        self.query_one(ChunkQueue).update_from(snapshot)
+        self.query_one(CachePressure).update_from(snapshot, history)
+        self.query_one(Bandwidth).update_from(snapshot, history)
+        self.query_one(Latency).update_from(snapshot, history)

@@ -1,0 +1,144 @@
+"""Slow queries from the store: a sortable, filterable list, a per-chunk detail view, export."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import ClassVar
+
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, Vertical
+from textual.screen import ModalScreen
+from textual.widgets import DataTable, Static
+
+from console.tui.collectors import SlowQueriesLoaded, load_in_worker
+from console.tui.screens.base import ConsoleScreen
+from console.tui.widgets.keyed_table import Column, KeyedTable, TableRow
+from console.tui.widgets.requests_table import budget_text
+from engine.store import SlowQueryRecord, export_slow_queries
+
+COLUMNS = (
+    Column("id", "id", 6),
+    Column("time", "stored", 8),
+    Column("request", "request", 10),
+    Column("tenant", "tenant", 8),
+    Column("score", "budget", 7),
+    Column("prompt", "prompt", 7),
+    Column("prefill", "prefill ms", 10),
+    Column("budgeted", "budget ms", 10),
+    Column("chunks", "chunks", 6),
+)
+RELOAD_S = 5.0
+
+
+def clock(ts: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(ts))
+
+
+def slow_row(r: SlowQueryRecord) -> TableRow:
+    threshold = float(r.config.get("slow_query_threshold", 1.5))
+    return TableRow(
+        key=str(r.id),
+        cells=(str(r.id), clock(r.created_at), r.request_id, r.tenant,
+               budget_text(r.budget_score, threshold), str(r.prompt_tokens),
+               f"{r.prefill_s * 1e3:.1f}", f"{r.budgeted_s * 1e3:.1f}", str(len(r.chunks))),
+        sort_values=(r.id, r.created_at, r.request_id, r.tenant, r.budget_score,
+                     r.prompt_tokens, r.prefill_s, r.budgeted_s, len(r.chunks)),
+        haystack=f"{r.request_id} {r.tenant} {r.tag or ''}".lower(),
+    )
+
+
+class SlowQueriesScreen(ConsoleScreen):
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("e", "export('csv')", "Export CSV"),
+        Binding("E", "export('json')", "Export JSON"),
+        Binding("r", "reload", "Reload"),
+    ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: dict[str, SlowQueryRecord] = {}
+
+    def compose(self) -> ComposeResult:
+        yield from self.compose_header()
+        yield KeyedTable(COLUMNS, id="slow-queries")
+        yield from self.compose_footer()
+
+    def on_mount(self) -> None:
+        self.query_one(KeyedTable).border_title = "Slow queries"
+        self.set_interval(RELOAD_S, self.action_reload)
+
+    def on_screen_resume(self) -> None:
+        super().on_screen_resume()
+        self.action_reload()
+
+    def action_reload(self) -> None:
+        if self.is_current:
+            source = self.console.source
+            load_in_worker(self, self.app, lambda: SlowQueriesLoaded(source.slow_queries()))
+
+    def on_slow_queries_loaded(self, message: SlowQueriesLoaded) -> None:
+        self.records = {str(r.id): r for r in message.records}
+        table = self.query_one(KeyedTable)
+        table.sync([slow_row(r) for r in message.records])
+        table.border_subtitle = f"{len(message.records)} stored · enter for detail"
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        record = self.records.get(str(event.row_key.value))
+        if record is not None:
+            self.app.push_screen(SlowQueryDetail(record))
+
+    def action_export(self, fmt: str) -> None:
+        table = self.query_one(KeyedTable)
+        keys = [str(k.value) for k in table.table.rows]  # what is shown: filtered, in order
+        records = [self.records[k] for k in keys if k in self.records]
+        path = Path.cwd() / f"slow_queries_{time.strftime('%Y%m%d_%H%M%S')}.{fmt}"
+        try:
+            path.write_text(export_slow_queries(records, fmt), encoding="utf-8")
+        except OSError as exc:
+            self.notify(f"export failed: {exc.strerror} ({path})", severity="error")
+            return
+        self.notify(f"exported {len(records)} slow queries to {path}")
+
+
+class SlowQueryDetail(ModalScreen[None]):
+    """One slow query: its per-chunk timings and the configuration it ran under."""
+
+    BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "dismiss", "Close")]
+
+    def __init__(self, record: SlowQueryRecord) -> None:
+        super().__init__()
+        self.record = record
+
+    def compose(self) -> ComposeResult:
+        r = self.record
+        with Vertical(id="detail"):
+            yield Static(Text.assemble(
+                (f"request {r.request_id}", "bold"), f"  tenant {r.tenant}  ",
+                budget_text(r.budget_score, float(r.config.get("slow_query_threshold", 1.5))),
+                f"  prompt {r.prompt_tokens} tok  prefill {r.prefill_s * 1e3:.1f} ms"
+                f" of {r.budgeted_s * 1e3:.1f} ms budgeted  tag {r.tag or '–'}"))
+            with Horizontal():
+                yield DataTable(id="detail-chunks", cursor_type="row", zebra_stripes=True)
+                yield DataTable(id="detail-config", cursor_type="row")
+            yield Static("esc closes", classes="dim")
+
+    def on_mount(self) -> None:
+        self.query_one("#detail").border_title = f"Slow query {self.record.id}"
+        chunks = self.query_one("#detail-chunks", DataTable)
+        chunks.border_title = "Chunks"
+        chunks.add_columns("#", "start", "tokens", "ms", "predicted", "ratio")
+        for chunk in self.record.chunks:
+            duration = float(chunk.get("duration_s", 0.0))
+            predicted = float(chunk.get("predicted_s", 0.0))
+            ratio = f"{duration / predicted:.2f}" if predicted > 0 else "–"
+            chunks.add_row(str(chunk.get("chunk_index", "")), str(chunk.get("start", "")),
+                           str(chunk.get("tokens", "")), f"{duration * 1e3:.2f}",
+                           f"{predicted * 1e3:.2f}", ratio)
+        config = self.query_one("#detail-config", DataTable)
+        config.border_title = "Configuration at the time"
+        config.add_columns("field", "value")
+        for name, value in sorted(self.record.config.items()):
+            config.add_row(name, str(value))

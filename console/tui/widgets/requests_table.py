@@ -1,0 +1,61 @@
+"""The "Requests" pane: one keyed row per request, its budget_score coloured at 1.0 and 1.5."""
+
+from __future__ import annotations
+
+from rich.text import Text
+
+from console.tui.widgets.gauge import level_style
+from console.tui.widgets.keyed_table import Column, KeyedTable, TableRow
+from engine.snapshot import RequestView, Snapshot
+
+COLUMNS = (
+    Column("id", "id", 14),
+    Column("tenant", "tenant", 8),
+    Column("state", "state", 16),
+    Column("prompt", "prompt", 7),
+    Column("chunks", "chunks", 7),
+    Column("generated", "gen", 5),
+    Column("ttft", "TTFT ms", 8),
+    Column("score", "budget", 7),
+)
+
+STATE_STYLES = {
+    "WAITING": "bright_black",
+    "PREFILL_CHUNKING": "cyan",
+    "DECODING": "green",
+    "PREEMPTED": "yellow",
+    "FINISHED": "dim",
+    "FAILED": "bold red",
+    "REJECTED": "red",
+}
+
+
+def budget_text(score: float | None, slow_threshold: float) -> Text:
+    if score is None:
+        return Text("–", style="dim")
+    return Text(f"{score:.2f}", style=level_style(score, 1.0, slow_threshold))
+
+
+def request_row(r: RequestView, slow_threshold: float) -> TableRow:
+    ttft = "–" if r.ttft_ms is None else f"{r.ttft_ms:.0f}"
+    return TableRow(
+        key=r.id,
+        cells=(r.id, r.tenant, Text(r.state, style=STATE_STYLES.get(r.state, "")),
+               str(r.prompt_tokens), f"{r.chunks_done}/{r.chunks_total}",
+               str(r.generated_tokens), ttft, budget_text(r.budget_score, slow_threshold)),
+        sort_values=(r.arrival_s, r.tenant, r.state, r.prompt_tokens,
+                     r.chunks_done / max(r.chunks_total, 1), r.generated_tokens, r.ttft_ms,
+                     r.budget_score),
+        haystack=f"{r.id} {r.tenant} {r.state}".lower(),
+    )
+
+
+class RequestsTable(KeyedTable):
+    def __init__(self) -> None:
+        super().__init__(COLUMNS, id="requests")
+        self.border_title = "Requests"
+
+    def update_from(self, snapshot: Snapshot) -> None:
+        threshold = float(snapshot.config.get("slow_query_threshold", 1.5))
+        self.sync([request_row(r, threshold) for r in snapshot.requests])
+        self.border_subtitle = f"{snapshot.num_running} running · {snapshot.num_waiting} waiting"

@@ -1,0 +1,517 @@
+"""The token-budget calibrator: time real steps on this device, fit the step-time predictor.
+
+A sweep runs the engine's own model runner on packed batches of chosen shapes: prefill chunks
+× the context already cached before them, decode batches × context, and a few mixed steps
+like the ones the scheduler builds. Every shape is run `warmup` times untimed (seed 000
+pitfall 9: cold kernels, allocator and caches make the first runs up to 3× slower), then
+`repeats` times timed; the mean is reported as the seed asks and the median is what the fit
+uses, since on a shared CPU one run in twenty can lose its core to another process. A quarter
+of the shapes is held out of the fit and the predictor's error on them is the figure of merit.
+
+A calibration advances one unit (the KV probe, then one shape) per `advance()`, so an engine
+loop can serve steps between units; `calibrate()` runs one to the end.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from sqlalchemy.orm import Session
+
+from engine.budget.peaks import DevicePeaks
+from engine.budget.predictor import StepTimePredictor
+from engine.budget.roofline import StepShape
+from engine.config import SamplingParams
+from engine.core.engine import Engine
+from engine.core.request import Request, RequestState
+from engine.core.sampler import sample
+from engine.core.scheduler import Batch, ScheduledChunk
+from engine.errors import EngineError
+from engine.ops.telemetry import NvmlBandwidth, TelemetryError, nvml_available
+from engine.store import (
+    BudgetPoint,
+    CalibrationRecord,
+    calibration_history,
+    save_calibration,
+)
+
+Progress = Callable[[float, str], None]  # fraction done in [0, 1], what is happening now
+HELD_OUT_SEED = 0  # which quarter of each kind's shapes is held out of the fit
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One step shape to time: a prefill chunk of `chunk` tokens after `chunk_context` cached
+    ones, and `decode_seqs` decodes with `decode_context` cached tokens each."""
+
+    chunk: int = 0
+    chunk_context: int = 0
+    decode_seqs: int = 0
+    decode_context: int = 0
+
+    @property
+    def kind(self) -> str:
+        if self.chunk and self.decode_seqs:
+            return "mixed"
+        return "prefill" if self.chunk else "decode"
+
+    @property
+    def longest(self) -> int:
+        return max(self.chunk_context + self.chunk, self.decode_context + 1)
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    prefill_chunks: tuple[int, ...]
+    prefill_contexts: tuple[int, ...]
+    decode_batches: tuple[int, ...]
+    decode_contexts: tuple[int, ...]
+    mixed: tuple[Probe, ...]
+    warmup: int = 5
+    repeats: int = 20
+
+    def probes(self) -> list[Probe]:
+        return ([Probe(chunk=c, chunk_context=s)
+                 for c in self.prefill_chunks for s in self.prefill_contexts]
+                + [Probe(decode_seqs=b, decode_context=s)
+                   for b in self.decode_batches for s in self.decode_contexts]
+                + list(self.mixed))
+
+
+# CPU shapes stay within a 20M-parameter model's reach (~1-2 ms per token); the GPU ones
+# reach the chunk sizes and batches where an 8B model turns compute bound. --quick keeps the
+# 5 warm-up runs of pitfall 9 and takes the median of 5 timed runs instead of 20.
+PLANS: dict[tuple[str, bool], SweepPlan] = {
+    ("cpu", True): SweepPlan(
+        prefill_chunks=(16, 32, 64, 128, 256), prefill_contexts=(0, 512),
+        decode_batches=(1, 4, 16, 32), decode_contexts=(64, 512),
+        mixed=(Probe(32, 0, 32, 128), Probe(64, 256, 8, 256), Probe(128, 0, 16, 512),
+               Probe(128, 512, 4, 1024), Probe(256, 128, 8, 128)),
+        warmup=5, repeats=5),
+    ("cpu", False): SweepPlan(
+        prefill_chunks=(16, 32, 64, 128, 256, 384, 512), prefill_contexts=(0, 256, 1024, 2048),
+        decode_batches=(1, 2, 4, 8, 16, 32, 64), decode_contexts=(64, 256, 1024, 2048),
+        mixed=(Probe(32, 0, 32, 128), Probe(64, 256, 8, 256), Probe(128, 0, 16, 512),
+               Probe(128, 512, 4, 1024), Probe(256, 128, 8, 128), Probe(512, 0, 32, 256),
+               Probe(384, 1024, 16, 1024)),
+        warmup=5, repeats=20),
+    ("cuda", True): SweepPlan(
+        prefill_chunks=(64, 256, 512, 1024, 2048), prefill_contexts=(0, 2048, 8192),
+        decode_batches=(1, 16, 64, 256), decode_contexts=(256, 2048, 8192),
+        mixed=(Probe(256, 0, 64, 1024), Probe(512, 2048, 32, 2048), Probe(1024, 0, 128, 512),
+               Probe(2048, 4096, 16, 4096), Probe(128, 0, 256, 256)),
+        warmup=5, repeats=10),
+    ("cuda", False): SweepPlan(
+        prefill_chunks=(64, 128, 256, 512, 1024, 2048, 4096, 8192),
+        prefill_contexts=(0, 2048, 8192, 16384),
+        decode_batches=(1, 4, 16, 32, 64, 128, 256), decode_contexts=(256, 1024, 4096, 16384),
+        mixed=(Probe(256, 0, 64, 1024), Probe(512, 2048, 32, 2048), Probe(1024, 0, 128, 512),
+               Probe(2048, 4096, 16, 4096), Probe(128, 0, 256, 256), Probe(4096, 0, 64, 4096),
+               Probe(1024, 8192, 32, 8192)),
+        warmup=5, repeats=20),
+}
+
+# The fixed shapes on which two predictors are compared for drift: small enough for any
+# model the engine runs, spread over the prefill, decode and mixed terms.
+REFERENCE_SHAPES = (
+    StepShape(prefill=((32, 0),)), StepShape(prefill=((128, 0),)),
+    StepShape(prefill=((256, 0),)), StepShape(prefill=((128, 1024),)),
+    StepShape(decode_contexts=(257,)), StepShape(decode_contexts=(257,) * 8),
+    StepShape(decode_contexts=(1025,) * 16),
+    StepShape(prefill=((128, 0),), decode_contexts=(513,) * 8),
+    StepShape(prefill=((64, 256),), decode_contexts=(129,) * 32),
+)
+
+
+def plan_for(device: torch.device, quick: bool) -> SweepPlan:
+    return PLANS[("cuda" if device.type == "cuda" else "cpu", quick)]
+
+
+@dataclass(frozen=True)
+class KvProbe:
+    """The KV pool allocated block by block until it refused one more."""
+
+    blocks: int  # blocks handed out (the free pool when the probe ran)
+    total_blocks: int
+    block_size: int
+    capacity_tokens: int
+    capacity_bytes: int
+    zero_s: float  # zeroing every probed block: a first-touch bandwidth figure
+    zero_bandwidth: float  # bytes/s
+
+
+@dataclass(frozen=True)
+class CalibrationPoint:
+    probe: Probe
+    mean_s: float
+    median_s: float
+    min_s: float
+    runs: int
+    flops: float  # the budget model's FLOPs for the step
+    bytes_moved: float
+    achieved_flops: float  # per second, over the median time
+    achieved_bandwidth: float
+    flops_utilization: float  # of the measured peaks
+    bandwidth_utilization: float
+    predicted_s: float
+    held_out: bool
+    nvml_memory_busy: float | None  # on a GPU: NVML's memory-controller busy share
+    dram_active: float | None = None  # on Hopper+: DCGM's DRAM-active share of peak bytes/s
+
+    @property
+    def relative_error(self) -> float:
+        return self.predicted_s / self.median_s - 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.probe.kind, **asdict(self.probe),
+                **{k: v for k, v in asdict(self).items() if k != "probe"},
+                "relative_error": self.relative_error}
+
+
+@dataclass(frozen=True)
+class CalibrationResult:
+    model: str
+    device: str
+    dtype: str
+    created_at: float  # wall clock (time.time())
+    wall_s: float
+    quick: bool
+    peaks: DevicePeaks
+    kv: KvProbe
+    points: tuple[CalibrationPoint, ...]
+    skipped: tuple[Probe, ...]  # shapes the KV pool or max_model_len could not hold
+    predictor: StepTimePredictor
+
+    @property
+    def heldout_errors(self) -> tuple[float, ...]:
+        return tuple(abs(p.relative_error) for p in self.points if p.held_out)
+
+    @property
+    def heldout_median_abs_error(self) -> float:
+        errors = self.heldout_errors
+        return statistics.median(errors) if errors else math.nan
+
+    def to_dict(self) -> dict[str, Any]:
+        errors = self.heldout_errors
+        return {
+            "model": self.model, "device": self.device, "dtype": self.dtype,
+            "created_at": self.created_at, "wall_s": self.wall_s, "quick": self.quick,
+            "heldout_median_abs_error": self.heldout_median_abs_error,
+            "heldout_max_abs_error": max(errors) if errors else None,
+            "heldout_points": len(errors), "points": len(self.points),
+            "peaks": asdict(self.peaks), "kv": asdict(self.kv),
+            "predictor": self.predictor.to_dict(),
+            "table": [p.to_dict() for p in self.points],
+            "skipped": [asdict(p) for p in self.skipped],
+        }
+
+
+class Calibration:
+    """One sweep over `plan` on `engine`, a unit of work per `advance()`.
+
+    The timed runs are interleaved: after each shape's warm-up, pass after pass runs every
+    shape once. Load from other processes comes and goes over seconds; a shape timed in one
+    burst would read slow against the rest, while interleaved passes give every shape the
+    same mix of quiet and busy moments. Uses only free KV blocks, released after every run,
+    so it can run between the steps of a serving engine; it must run on the engine's thread.
+    """
+
+    def __init__(self, engine: Engine, plan: SweepPlan, *, quick: bool = False,
+                 progress: Progress | None = None) -> None:
+        if plan.warmup < 0 or plan.repeats < 1:
+            raise EngineError(f"a sweep needs warmup >= 0 and repeats >= 1, got {plan.warmup} "
+                              f"and {plan.repeats}")
+        self.engine = engine
+        self.plan = plan
+        self.quick = quick
+        self.progress = progress
+        self.probes = plan.probes()
+        self._held_out = _held_out(self.probes)
+        self._chunks: dict[Probe, list[ScheduledChunk]] = {}  # the shapes that fit
+        self._times: dict[Probe, list[float]] = {}
+        self._busy: dict[Probe, list[float]] = {}
+        self._dram: dict[Probe, list[float]] = {}
+        self._skipped: list[Probe] = []
+        self._kv: KvProbe | None = None
+        self._units: Iterator[None] = self._run_units()
+        self._started = time.perf_counter()
+        self._done = False
+        self._nvml = _start_nvml(engine.runner.device)
+
+    @property
+    def total_units(self) -> int:
+        return 1 + len(self.probes) * (1 + self.plan.repeats)
+
+    def advance(self) -> bool:
+        """Run the next unit; True once the sweep is complete."""
+        if not self._done:
+            self._done = next(self._units, True) is True
+        return self._done
+
+    def finish(self) -> CalibrationResult:
+        while not self.advance():
+            pass
+        if self._nvml is not None:
+            self._nvml.stop()
+            self._nvml = None
+        engine = self.engine
+        timed = {probe: (_shape(chunks), self._times[probe])
+                 for probe, chunks in self._chunks.items() if self._times[probe]}
+        fit = [(shape, times) for probe, (shape, times) in timed.items()
+               if not self._held_out[probe]]
+        if not fit:
+            raise EngineError("no shape of the sweep fits this engine's KV pool and "
+                              "max_model_len; raise kv_cache_bytes or max_model_len")
+        predictor = StepTimePredictor.fit(
+            [shape for shape, _ in fit], [statistics.median(t) for _, t in fit],
+            source=f"{'quick ' if self.quick else ''}sweep of {len(timed)} shapes")
+        peaks, budget = engine.peaks, engine.budget
+        points = []
+        for probe, (shape, times) in timed.items():
+            median = statistics.median(times)
+            flops, moved = budget.flops(shape), budget.bytes_moved(shape)
+            busy, dram = self._busy[probe], self._dram[probe]
+            points.append(CalibrationPoint(
+                probe=probe, mean_s=statistics.fmean(times), median_s=median, min_s=min(times),
+                runs=len(times), flops=flops, bytes_moved=moved, achieved_flops=flops / median,
+                achieved_bandwidth=moved / median,
+                flops_utilization=flops / median / peaks.flops,
+                bandwidth_utilization=moved / median / peaks.bandwidth,
+                predicted_s=predictor.predict(shape), held_out=self._held_out[probe],
+                nvml_memory_busy=statistics.median(busy) if busy else None,
+                dram_active=statistics.median(dram) if dram else None))
+        assert self._kv is not None  # the first unit of every sweep
+        return CalibrationResult(
+            model=engine.config.model, device=str(engine.runner.device),
+            dtype=str(engine.runner.dtype).removeprefix("torch."), created_at=time.time(),
+            wall_s=time.perf_counter() - self._started, quick=self.quick, peaks=peaks,
+            kv=self._kv, points=tuple(points), skipped=tuple(self._skipped),
+            predictor=predictor)
+
+    # --- the units -----------------------------------------------------------------------
+
+    def _run_units(self) -> Iterator[None]:
+        done = 0
+        self._report(done, "probing KV capacity")
+        self._kv = self._probe_kv()
+        done += 1
+        yield
+        vocab = self.engine.model_config.vocab_size
+        for probe in self.probes:
+            self._report(done, f"warm-up: {_describe(probe)}")
+            if probe.longest > self.engine.max_model_len:
+                self._skipped.append(probe)
+            else:
+                chunks = _probe_chunks(probe, vocab)
+                if self._run(chunks, self.plan.warmup) is None:
+                    self._skipped.append(probe)
+                else:
+                    self._chunks[probe] = chunks
+                    self._times[probe], self._busy[probe], self._dram[probe] = [], [], []
+            done += 1 + (0 if probe in self._chunks else self.plan.repeats)
+            yield
+        for repeat in range(self.plan.repeats):
+            for probe, chunks in self._chunks.items():
+                self._report(done, f"pass {repeat + 1}/{self.plan.repeats}: "
+                             f"{_describe(probe)}")
+                seconds = self._run(chunks, 1)
+                if seconds is not None:  # None: serving took the blocks since the warm-up
+                    self._times[probe].append(seconds)
+                    latest = self._nvml.latest() if self._nvml is not None else None
+                    if latest is not None:
+                        self._busy[probe].append(latest.memory_busy)
+                        if latest.dram_active is not None:
+                            self._dram[probe].append(latest.dram_active)
+                done += 1
+                yield
+        self._report(done, "fitting")
+
+    def _report(self, done: int, note: str) -> None:
+        if self.progress is not None:
+            self.progress(done / self.total_units, note)
+
+    def _probe_kv(self) -> KvProbe:
+        blocks, runner = self.engine.blocks, self.engine.runner
+        holder = _dummy_request(1, RequestState.PREFILL_CHUNKING)
+        # Grow a block at a time until the pool refuses: what a request can really get.
+        while blocks.can_grow(holder, len(holder.block_table) * blocks.block_size + 1):
+            blocks.grow(holder, len(holder.block_table) * blocks.block_size + 1)
+        granted = len(holder.block_table)
+        start = time.perf_counter()
+        runner.zero_blocks(blocks.take_newly_allocated())
+        _synchronize(runner.device)
+        zero_s = time.perf_counter() - start
+        blocks.release(holder)
+        block_bytes = runner.kv_cache[:, :, :1].numel() * runner.bytes_per_element
+        capacity = granted * blocks.block_size
+        return KvProbe(blocks=granted, total_blocks=blocks.num_blocks,
+                       block_size=blocks.block_size, capacity_tokens=capacity,
+                       capacity_bytes=granted * block_bytes, zero_s=zero_s,
+                       zero_bandwidth=granted * block_bytes / zero_s if zero_s > 0 else 0.0)
+
+    def _run(self, chunks: list[ScheduledChunk], runs: int) -> float | None:
+        """Seconds of the last of `runs` steps of `chunks`, their blocks held only meanwhile;
+        None if the free KV pool cannot hold them now."""
+        blocks = self.engine.blocks
+        needed = sum(blocks.blocks_for(c.start + c.num_tokens) for c in chunks)
+        if needed > blocks.num_free:
+            return None
+        for chunk in chunks:
+            blocks.grow(chunk.request, chunk.start + chunk.num_tokens)
+        try:
+            self.engine.runner.zero_blocks(blocks.take_newly_allocated())
+            seconds = math.nan
+            for _ in range(runs):
+                seconds = timed_step(self.engine, chunks)
+            return seconds
+        finally:
+            for chunk in chunks:
+                blocks.release(chunk.request)
+
+
+def calibrate(engine: Engine, *, quick: bool = False, plan: SweepPlan | None = None,
+              progress: Progress | None = None) -> CalibrationResult:
+    """Run a whole sweep (the device's plan unless `plan` is given) and fit."""
+    plan = plan or plan_for(engine.runner.device, quick)
+    return Calibration(engine, plan, quick=quick, progress=progress).finish()
+
+
+def compare(old: StepTimePredictor, new: StepTimePredictor) -> float:
+    """How far `new` is from `old`: the median over REFERENCE_SHAPES of new/old − 1 (a run
+    uniformly 20% slower gives +0.20)."""
+    ratios = [new.predict(s) / old.predict(s) for s in REFERENCE_SHAPES if old.predict(s) > 0]
+    if not ratios:
+        raise EngineError("the stored predictor predicts zero time for every reference shape; "
+                          "recalibrate with `tokenflow calibrate`")
+    return statistics.median(ratios) - 1
+
+
+def apply(engine: Engine, predictor: StepTimePredictor) -> None:
+    """Budget prefill time with `predictor` and recommend C* from the calibrated peaks.
+
+    The scheduler reads `engine.predict` on every call and the snapshot takes its
+    recommended_chunk_size from `engine.budget.cost_model`, so both switch at the next step."""
+    engine.predict = predictor.predict
+    engine.budget = predictor.budget_model(engine.model_config, engine.runner.bytes_per_element,
+                                           engine.peaks)
+
+
+# --- the store ---------------------------------------------------------------------------
+
+def save_result(session: Session, result: CalibrationResult) -> int:
+    """Store the run, its prefill table and its predictor; returns the run's id."""
+    table = [BudgetPoint(p.probe.chunk, p.probe.chunk_context, p.median_s)
+             for p in result.points if p.probe.kind == "prefill"]
+    info = {k: v for k, v in result.to_dict().items() if k not in ("model", "device")}
+    return save_calibration(session, model=result.model, device=result.device, table=table,
+                            params=result.predictor.to_dict(), info=info)
+
+
+def latest_for(session: Session, engine: Engine) -> CalibrationRecord | None:
+    """The newest stored calibration of this engine's model, device and dtype."""
+    dtype = str(engine.runner.dtype).removeprefix("torch.")
+    history = calibration_history(session, model=engine.config.model,
+                                  device=str(engine.runner.device))
+    return next((r for r in history if r.info.get("dtype") == dtype), None)
+
+
+def apply_latest(engine: Engine, session: Session) -> CalibrationRecord | None:
+    """Apply the newest stored calibration for this engine, if there is one."""
+    record = latest_for(session, engine)
+    if record is not None:
+        apply(engine, StepTimePredictor.from_dict(record.params))
+    return record
+
+
+# --- helpers -----------------------------------------------------------------------------
+
+_GREEDY = SamplingParams()  # probes sample greedily, the engine's default
+
+
+def _shape(chunks: list[ScheduledChunk]) -> StepShape:
+    """The step's shape exactly as the engine's scheduler reports it."""
+    return Batch(prefills=[c for c in chunks if not c.is_decode],
+                 decodes=[c for c in chunks if c.is_decode]).shape()
+
+
+def _dummy_request(num_tokens: int, state: RequestState, vocab: int = 1) -> Request:
+    request = Request(id="calibration", prompt_token_ids=[i % vocab for i in range(num_tokens)],
+                      params=_GREEDY, arrival=0.0)
+    request.set_state(state, "calibration probe")
+    return request
+
+
+def _probe_chunks(probe: Probe, vocab: int) -> list[ScheduledChunk]:
+    chunks = []
+    if probe.chunk:
+        request = _dummy_request(probe.chunk_context + probe.chunk,
+                                 RequestState.PREFILL_CHUNKING, vocab)
+        chunks.append(ScheduledChunk(request, probe.chunk_context, probe.chunk))
+    for _ in range(probe.decode_seqs):
+        request = _dummy_request(probe.decode_context + 1, RequestState.DECODING, vocab)
+        chunks.append(ScheduledChunk(request, probe.decode_context, 1))
+    return chunks
+
+
+def timed_step(engine: Engine, chunks: list[ScheduledChunk]) -> float:
+    """Seconds of one forward pass plus sampling, what the engine times as a step; CUDA events
+    on a GPU (they see the kernels, and the host-side preparation the GPU waits through)."""
+    runner = engine.runner
+    sampling = [c for c in chunks if c.samples]
+    params, generators = [_GREEDY] * len(sampling), [None] * len(sampling)
+    if runner.device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        sample(runner.run(chunks), params, generators)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    start_s = time.perf_counter()
+    sample(runner.run(chunks), params, generators)
+    return time.perf_counter() - start_s
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _start_nvml(device: torch.device) -> NvmlBandwidth | None:
+    """NVML's memory-busy share as a cross-check of the achieved bytes/s, where there is one."""
+    if device.type != "cuda" or not nvml_available():
+        return None
+    monitor = NvmlBandwidth(device_index=device.index or 0, interval_s=0.1)
+    try:
+        monitor.start()
+    except TelemetryError:
+        return None
+    return monitor
+
+
+def _held_out(probes: list[Probe]) -> dict[Probe, bool]:
+    """A seeded random quarter (rounded up) of each kind's probes, never a kind's first or
+    last, so held-out shapes lie inside the fitted range rather than beyond it."""
+    rng = random.Random(HELD_OUT_SEED)
+    held = dict.fromkeys(probes, False)
+    for kind in ("prefill", "decode", "mixed"):
+        same = [p for p in probes if p.kind == kind]
+        interior = same[1:-1]
+        for probe in rng.sample(interior, min(len(interior), math.ceil(len(same) / 4))):
+            held[probe] = True
+    return held
+
+
+def _describe(probe: Probe) -> str:
+    parts = []
+    if probe.chunk:
+        parts.append(f"chunk {probe.chunk} after {probe.chunk_context}")
+    if probe.decode_seqs:
+        parts.append(f"{probe.decode_seqs} decodes at {probe.decode_context}")
+    return " + ".join(parts)

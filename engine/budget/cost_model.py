@@ -1,0 +1,216 @@
+"""The token budget model: what a step of a given shape costs on this model and device, and
+the three constraints (seed 000 §3) that bound how many tokens one step may batch.
+
+`BudgetModel.predict` is called once per engine step, so it is pure arithmetic on a small
+`StepShape` with every per-model constant worked out once at construction.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from engine.budget.peaks import DevicePeaks
+from engine.budget.roofline import Roofline, StepEstimate, StepShape, step_estimate
+from engine.config import ConfigError
+from engine.model.config import ModelConfig
+
+# Seed 000 §3: keep the bandwidth a step needs at least 15% under what the device delivers.
+BANDWIDTH_HEADROOM = 0.15
+# A per-stream TPOT of 50 ms (20 tokens/s) is a common interactive target; callers with an
+# SLO pass their own.
+DEFAULT_STEP_TIME_S = 0.05
+
+
+@dataclass(frozen=True)
+class BudgetModel:
+    """Step cost of a Llama-family `config` with `bytes_per_element` weights, activations and
+    KV on a device with `peaks` (ideally measured, see engine.budget.peaks.measure_peaks).
+
+    FLOPs: 2·P_nonembed per token run (padding included), 2·vocab·hidden per logits row
+    (lm_head), and 4·L·H·d_h per (query, key) pair of attention, causal within a chunk.
+    Bytes: the weights once, the cached KV every query attends to, the KV of new tokens, and
+    each token's activations written and read once per layer.
+    """
+
+    config: ModelConfig
+    bytes_per_element: int
+    peaks: DevicePeaks
+    step_overhead_s: float = 0.0  # launch and scheduling time no roofline term covers
+    _linear_flops_per_token: float = field(init=False, repr=False)
+    _lm_head_flops_per_row: float = field(init=False, repr=False)
+    _attention_flops_per_pair: float = field(init=False, repr=False)
+    _weight_bytes: float = field(init=False, repr=False)
+    _activation_bytes_per_token: float = field(init=False, repr=False)
+    _logits_bytes_per_row: float = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.bytes_per_element not in (1, 2, 4):
+            raise ConfigError("bytes_per_element",
+                              f"must be 1, 2 or 4, got {self.bytes_per_element}")
+        if self.peaks.flops <= 0 or self.peaks.bandwidth <= 0:
+            raise ConfigError("peaks", f"flops and bandwidth must be > 0, got {self.peaks}")
+        if self.step_overhead_s < 0:
+            raise ConfigError("step_overhead_s", "must be >= 0")
+        c, b = self.config, self.bytes_per_element
+        lm_head_params = c.vocab_size * c.hidden_size
+        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        # q, k, v; attention, o_proj and down outputs; gate, up and their activated product
+        per_layer_elements = q_width + 2 * kv_width + 3 * c.hidden_size + 3 * c.intermediate_size
+        derived = {
+            "_linear_flops_per_token": 2 * self.params,
+            "_lm_head_flops_per_row": 2 * lm_head_params,
+            "_attention_flops_per_pair": 4 * c.num_layers * q_width,
+            "_weight_bytes": (self.params + lm_head_params) * b,
+            "_activation_bytes_per_token": 2 * c.num_layers * per_layer_elements * b,
+            "_logits_bytes_per_row": c.vocab_size * b,
+        }
+        for name, value in derived.items():
+            object.__setattr__(self, name, float(value))
+
+    @property
+    def params(self) -> int:
+        """P: parameters every token multiplies through, embeddings and lm_head left out."""
+        return self.config.num_params(include_embeddings=False)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.config.kv_bytes_per_token(self.bytes_per_element)
+
+    def flops(self, shape: StepShape) -> float:
+        pairs = sum(chunk * before + chunk * (chunk + 1) // 2 for chunk, before in shape.prefill)
+        pairs += sum(context + 1 for context in shape.decode_contexts)
+        return (self._linear_flops_per_token * shape.num_tokens
+                + self._lm_head_flops_per_row * shape.logits_rows
+                + self._attention_flops_per_pair * pairs)
+
+    def bytes_moved(self, shape: StepShape) -> float:
+        if shape.num_tokens == 0:
+            return 0.0
+        new_tokens = shape.prefill_tokens + len(shape.decode_contexts)
+        return (self._weight_bytes
+                + self.kv_bytes_per_token * (shape.cached_tokens_read + new_tokens)
+                + self._activation_bytes_per_token * shape.num_tokens
+                + self._logits_bytes_per_row * shape.logits_rows)
+
+    def compute_seconds(self, shape: StepShape) -> float:
+        return self.flops(shape) / self.peaks.flops
+
+    def memory_seconds(self, shape: StepShape) -> float:
+        return self.bytes_moved(shape) / self.peaks.bandwidth
+
+    def estimate(self, shape: StepShape) -> StepEstimate:
+        return step_estimate(self.compute_seconds(shape), self.memory_seconds(shape),
+                             self.step_overhead_s)
+
+    def predict(self, shape: StepShape) -> float:
+        """Seconds the step should take: the roofline max plus the fixed overhead."""
+        return self.estimate(shape).tau_s
+
+    def roofline(self) -> Roofline:
+        return Roofline(params=self.params, flops=self.peaks.flops,
+                        bandwidth=self.peaks.bandwidth, kv_bytes_per_token=self.kv_bytes_per_token,
+                        weight_bits=8 * self.bytes_per_element)
+
+    def recommended_chunk(self, decode_seqs: int, context: int) -> int:
+        """C* for this model and device, at least one token."""
+        return max(1, round(self.roofline().balance_chunk(decode_seqs, context)))
+
+
+class StepCostModel(Protocol):
+    """What the budget table needs of a cost model: Roofline and BudgetModel both fit."""
+
+    @property
+    def kv_bytes_per_token(self) -> float: ...
+
+    def compute_seconds(self, shape: StepShape) -> float: ...
+
+    def memory_seconds(self, shape: StepShape) -> float: ...
+
+
+@dataclass(frozen=True)
+class BudgetSegment:
+    """Over sequence lengths lo..hi (grid points, inclusive) one constraint governs; a step
+    may batch at most `max_batched_tokens` tokens anywhere in the range."""
+
+    lo: int
+    hi: int
+    governing: str  # "compute" | "bandwidth" | "kv_capacity"
+    max_batched_tokens: int
+
+
+CONSTRAINTS = ("compute", "bandwidth", "kv_capacity")
+
+
+def budget_limits(model: StepCostModel, kv_bytes: float, context: int, *, decode_seqs: int = 0,
+                  step_time_s: float = DEFAULT_STEP_TIME_S) -> dict[str, int]:
+    """The most tokens one step may batch under each constraint, at sequence length S.
+
+    The step is the engine's mixed step with every sequence at length S: D = `decode_seqs`
+    decodes with S tokens of context each, plus one prefill chunk of C tokens continuing a
+    sequence that already has S tokens cached. The step batches C + D tokens, and C is the
+    largest chunk with
+      compute:     compute time ≤ step_time_s;
+      bandwidth:   memory time ≤ (1 − 15% headroom) · step_time_s;
+      kv_capacity: the KV of all the step's sequences fits in `kv_bytes`.
+    A constraint the decodes alone break allows 0 tokens: at that length D sequences cannot
+    be served within it, whatever the chunk size.
+    """
+    capacity = int(kv_bytes // model.kv_bytes_per_token)
+    decodes = (context,) * decode_seqs
+
+    def shape(chunk: int) -> StepShape:
+        return StepShape(prefill=((chunk, context),) if chunk else (), decode_contexts=decodes)
+
+    checks = {
+        "compute": lambda s: model.compute_seconds(s) <= step_time_s,
+        "bandwidth": lambda s: model.memory_seconds(s) <= (1 - BANDWIDTH_HEADROOM) * step_time_s,
+        "kv_capacity": lambda s: s.kv_tokens_after <= capacity,
+    }
+    limits = {}
+    for name, fits in checks.items():
+        if not fits(shape(0)):
+            limits[name] = 0
+            continue
+        lo, hi = 0, capacity  # no chunk longer than the whole pool can ever run
+        while lo < hi:  # the largest chunk that fits: every cost grows with the chunk
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(shape(mid)) else (lo, mid - 1)
+        limits[name] = lo + decode_seqs
+    return limits
+
+
+def budget_table(model: StepCostModel, kv_bytes: float, tokens_grid: list[int], *,
+                 decode_seqs: int = 0,
+                 step_time_s: float = DEFAULT_STEP_TIME_S) -> list[BudgetSegment]:
+    """Which of the three constraints governs each range of sequence lengths (seed 000 §3).
+
+    At every length S of the grid the governing constraint is the one allowing the fewest
+    batched tokens (`budget_limits`); a tie goes to the harder wall, KV capacity (memory that
+    is not there) before bandwidth before compute (time that merely runs over). A segment
+    governed by KV capacity with 0 tokens says that D sequences of those lengths do not fit
+    in the pool at all: lower the concurrency or add memory (seed 003 §13). Neighbouring
+    grid points with the same governor merge into one segment whose budget is the smallest in
+    it, so it holds at every length of the range.
+    """
+    if not tokens_grid or any(b <= a for a, b in itertools.pairwise(tokens_grid)):
+        raise ConfigError("tokens_grid", "must be a non-empty, strictly increasing list")
+    if tokens_grid[0] < 1:
+        raise ConfigError("tokens_grid", "sequence lengths must be >= 1")
+    if decode_seqs < 0:
+        raise ConfigError("decode_seqs", "must be >= 0")
+    if step_time_s <= 0 or kv_bytes <= 0:
+        raise ConfigError("step_time_s" if step_time_s <= 0 else "kv_bytes", "must be > 0")
+    segments: list[BudgetSegment] = []
+    for context in tokens_grid:
+        limits = budget_limits(model, kv_bytes, context, decode_seqs=decode_seqs,
+                               step_time_s=step_time_s)
+        governing = min(reversed(CONSTRAINTS), key=lambda name: limits[name])
+        tokens = limits[governing]
+        if segments and segments[-1].governing == governing:
+            tokens = min(tokens, segments[-1].max_batched_tokens)
+            segments[-1] = BudgetSegment(segments[-1].lo, context, governing, tokens)
+        else:
+            segments.append(BudgetSegment(context, context, governing, tokens))
+    return segments

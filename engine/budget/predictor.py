@@ -1,0 +1,154 @@
+"""The calibrated step-time predictor: measured seconds of a step from its shape.
+
+Like Vidur's and DistServe's latency models it is linear in a few per-step features, each a
+cost the forward pass really pays: a fixed launch and scheduling overhead (larger once a step
+has two tokens or more and its matmuls leave the matrix-vector kernels), the linear layers
+per token, per-sequence bookkeeping, and attention as (query, key) pairs for prefill chunks
+and as cached context read for decodes. The coefficients come from a least-squares fit to
+timed steps (engine.budget.calibrate), constrained non-negative because none of these costs can
+speed a step up.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.budget.cost_model import BudgetModel
+from engine.budget.peaks import DevicePeaks
+from engine.budget.roofline import StepShape
+from engine.config import ConfigError
+from engine.model.config import ModelConfig
+
+FEATURES = ("constant", "multi_token", "tokens", "prefill_chunks", "decode_seqs",
+            "prefill_pairs", "decode_context")
+# A fitted point this many median absolute deviations off the first fit is a timing outlier
+# (another process took the CPU), dropped before the final fit; never under 10% relative.
+OUTLIER_MADS = 4.0
+OUTLIER_FLOOR = 0.10
+
+
+def features(shape: StepShape) -> tuple[float, ...]:
+    """The regressors of one step, in FEATURES order."""
+    pairs = sum(chunk * before + chunk * (chunk + 1) / 2 for chunk, before in shape.prefill)
+    return (1.0, float(shape.num_tokens > 1), float(shape.num_tokens), float(len(shape.prefill)),
+            float(len(shape.decode_contexts)), float(pairs), float(sum(shape.decode_contexts)))
+
+
+@dataclass(frozen=True)
+class StepTimePredictor:
+    """Seconds per step = Σ coefficient × feature; coefficients in FEATURES order."""
+
+    constant_s: float  # every step: launches, Python, weights streamed once
+    multi_token_s: float  # a step of 2+ tokens runs matrix-matrix kernels, not matrix-vector
+    per_token_s: float  # linear layers and activations, per token run
+    per_prefill_chunk_s: float  # one attention call and metadata per prefill chunk
+    per_decode_seq_s: float  # per decoding sequence: block table, logits row
+    per_prefill_pair_s: float  # one (query, key) pair of prefill attention
+    per_decode_context_s: float  # one cached token a decode attends to
+    points: int  # timed steps the fit used
+    source: str  # where the coefficients come from
+
+    def __post_init__(self) -> None:
+        for name, value in zip(FEATURES, self.coefficients, strict=True):
+            if not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"predictor.{name}", f"must be finite and >= 0, got {value}")
+
+    @property
+    def coefficients(self) -> tuple[float, ...]:
+        return (self.constant_s, self.multi_token_s, self.per_token_s, self.per_prefill_chunk_s,
+                self.per_decode_seq_s, self.per_prefill_pair_s, self.per_decode_context_s)
+
+    def predict(self, shape: StepShape) -> float:
+        if shape.num_tokens == 0:
+            return 0.0
+        return sum(c * x for c, x in zip(self.coefficients, features(shape), strict=True))
+
+    @classmethod
+    def fit(cls, shapes: Sequence[StepShape], seconds: Sequence[float],
+            source: str = "least squares") -> StepTimePredictor:
+        """Non-negative least squares on relative error, one outlier pass.
+
+        Each row is divided by its measured time, so a 1 ms decode weighs as much as a 1 s
+        prefill: the predictor is judged on relative error, and the fit minimises it.
+        """
+        if len(shapes) != len(seconds):
+            raise ConfigError("seconds", f"{len(seconds)} times for {len(shapes)} shapes")
+        if len(shapes) < len(FEATURES):
+            raise ConfigError("shapes", f"need at least {len(FEATURES)} timed steps to fit "
+                              f"{len(FEATURES)} coefficients, got {len(shapes)}")
+        y = np.asarray(seconds, dtype=np.float64)
+        if not np.all(np.isfinite(y) & (y > 0)):
+            raise ConfigError("seconds", "every measured time must be finite and > 0")
+        x = np.asarray([features(s) for s in shapes], dtype=np.float64)
+        coef = _nonnegative_relative_lstsq(x, y)
+        residual = np.abs(x @ coef / y - 1)
+        mad = float(np.median(np.abs(residual - np.median(residual))))
+        keep = residual <= max(OUTLIER_FLOOR, float(np.median(residual)) + OUTLIER_MADS * mad)
+        if keep.sum() >= len(FEATURES) and not keep.all():
+            coef = _nonnegative_relative_lstsq(x[keep], y[keep])
+        return cls(*(float(c) for c in coef), points=int(keep.sum()), source=source)
+
+    # --- the calibrated device for the roofline ------------------------------------------
+
+    def effective_peaks(self, config: ModelConfig, bytes_per_element: int,
+                        fallback: DevicePeaks) -> DevicePeaks:
+        """The FLOP/s and bytes/s this box achieves running `config`, read off the fit.
+
+        F: 2P FLOPs per token over the per-token time (linear layers are the 2P term).
+        W: k KV bytes per cached token over the time a decode spends per token of context
+        (the memory-bound read of seed 003). A coefficient the fit set to zero says nothing
+        about that side, which keeps `fallback`'s figure.
+        """
+        base = BudgetModel(config, bytes_per_element, fallback)
+        flops = 2 * base.params / self.per_token_s if self.per_token_s > 0 else fallback.flops
+        bandwidth = (base.kv_bytes_per_token / self.per_decode_context_s
+                     if self.per_decode_context_s > 0 else fallback.bandwidth)
+        return DevicePeaks(name=fallback.name, flops=flops, bandwidth=bandwidth,
+                           source=f"calibrated ({self.source}, {self.points} steps)")
+
+    def budget_model(self, config: ModelConfig, bytes_per_element: int,
+                     fallback: DevicePeaks) -> BudgetModel:
+        """A BudgetModel on the calibrated peaks: its recommended_chunk is C* from the
+        calibrated R = F/W, P and k."""
+        return BudgetModel(config, bytes_per_element,
+                           self.effective_peaks(config, bytes_per_element, fallback),
+                           step_overhead_s=self.constant_s)
+
+    # --- storage -------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, float | int | str]:
+        return {"constant_s": self.constant_s, "multi_token_s": self.multi_token_s,
+                "per_token_s": self.per_token_s,
+                "per_prefill_chunk_s": self.per_prefill_chunk_s,
+                "per_decode_seq_s": self.per_decode_seq_s,
+                "per_prefill_pair_s": self.per_prefill_pair_s,
+                "per_decode_context_s": self.per_decode_context_s,
+                "points": self.points, "source": self.source}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> StepTimePredictor:
+        try:
+            return cls(**{name: data[name] for name in cls.__dataclass_fields__})
+        except KeyError as exc:
+            raise ConfigError("predictor", f"stored predictor lacks {exc.args[0]!r}; "
+                              "recalibrate with `tokenflow calibrate`") from None
+
+
+def _nonnegative_relative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """min ‖(x·c − y)/y‖ with c ≥ 0: solve, pin the most negative coefficient to zero,
+    solve again over the rest (an active-set descent; seven features converge in a few)."""
+    rows = x / y[:, None]
+    ones = np.ones_like(y)
+    active = list(range(x.shape[1]))
+    coef = np.zeros(x.shape[1])
+    while active:
+        solution, *_ = np.linalg.lstsq(rows[:, active], ones, rcond=None)
+        if solution.min() >= 0:
+            coef[active] = solution
+            return coef
+        active.pop(int(np.argmin(solution)))
+    return coef

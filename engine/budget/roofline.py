@@ -1,0 +1,205 @@
+"""The seed-003 roofline of one mixed step: compute time against memory time.
+
+One step runs C prefill tokens and D decode sequences (each with S tokens of context):
+
+    tau = max(2P(C + D) / F, (weight_bytes + D·S·k) / W)
+
+Everything here is closed-form arithmetic on a handful of numbers (P, F, W, k): the what-if
+table of `tokenflow roofline`, the balance chunk C*, TTFT/TPOT, KV capacity and preemption
+cost. The model-aware estimate the scheduler calls each step is
+`engine.budget.cost_model.BudgetModel`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from engine.config import ConfigError
+
+# Compute and memory times within 2% of each other count as "balanced": C* rounded to a whole
+# token lands there, and the seed's table calls that row "both saturated".
+_BALANCED_TOLERANCE = 0.02
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step computes, as the cost models need it.
+
+    prefill: (chunk_tokens, context_before) per prefill chunk in the step; decode_contexts: the
+    cached context length of each decode sequence; padding_tokens: tokens a padded batch
+    computes but throws away, which still cost FLOPs and bytes (seed 000, pitfall 11).
+    """
+
+    prefill: tuple[tuple[int, int], ...] = ()
+    decode_contexts: tuple[int, ...] = ()
+    padding_tokens: int = 0
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(chunk for chunk, _ in self.prefill)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the forward pass runs, padding included: the unit of the token budget."""
+        return self.prefill_tokens + len(self.decode_contexts) + self.padding_tokens
+
+    @property
+    def logits_rows(self) -> int:
+        """Rows of logits computed: one per prefill chunk end and one per decode."""
+        return len(self.prefill) + len(self.decode_contexts)
+
+    @property
+    def cached_tokens_read(self) -> int:
+        """KV entries read from the cache: every token of context the step attends to."""
+        return sum(before for _, before in self.prefill) + sum(self.decode_contexts)
+
+    @property
+    def kv_tokens_after(self) -> int:
+        """KV entries the step's sequences hold once it has run."""
+        return self.cached_tokens_read + self.prefill_tokens + len(self.decode_contexts)
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    tau_s: float
+    compute_s: float
+    memory_s: float
+    bound: str  # "compute" | "memory" | "balanced"
+
+
+@dataclass(frozen=True)
+class RooflineRow:
+    """One line of the what-if table: a chunk size and what it does to TPOT and TTFT."""
+
+    chunk: int
+    tau_ms: float
+    bound: str
+    tpot_ms: float
+    ttft_ms: float
+    rounds: int
+
+
+def step_estimate(compute_s: float, memory_s: float,
+                  overhead_s: float = 0.0) -> StepEstimate:
+    """The roofline max of the two times; the bound is whichever side sets it."""
+    if math.isclose(compute_s, memory_s, rel_tol=_BALANCED_TOLERANCE):
+        bound = "balanced"
+    else:
+        bound = "compute" if compute_s > memory_s else "memory"
+    return StepEstimate(max(compute_s, memory_s) + overhead_s, compute_s, memory_s, bound)
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """P parameters, F FLOP/s, W bytes/s, k KV bytes per token, weights at `weight_bits`."""
+
+    params: float
+    flops: float
+    bandwidth: float
+    kv_bytes_per_token: float
+    weight_bits: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("params", "flops", "bandwidth", "kv_bytes_per_token"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ConfigError(name, f"must be a positive number, got {value!r}")
+        if not 1 <= self.weight_bits <= 32:
+            raise ConfigError("weight_bits", f"must be in 1..32, got {self.weight_bits}")
+
+    @property
+    def machine_balance(self) -> float:
+        """R = F/W in FLOP/byte: the roofline's knee."""
+        return self.flops / self.bandwidth
+
+    @property
+    def weight_bytes(self) -> float:
+        """2P bytes at bf16, scaled by weight_bits/16 so quantized weights move fewer bytes
+        (seed 000, pitfall 3)."""
+        return 2 * self.params * self.weight_bits / 16
+
+    # --- any step shape (the same interface as BudgetModel, for the budget table) ---------
+
+    def compute_seconds(self, shape: StepShape) -> float:
+        return 2 * self.params * shape.num_tokens / self.flops
+
+    def memory_seconds(self, shape: StepShape) -> float:
+        """Weights once plus the KV the step attends to; the seed leaves per-token
+        activations out (its α term), so does this."""
+        return (self.weight_bytes + shape.cached_tokens_read * self.kv_bytes_per_token) / (
+            self.bandwidth
+        )
+
+    # --- the seed's mixed step: C prefill tokens, D decodes at context S ------------------
+
+    def step_time(self, chunk: int, decode_seqs: int, context: int) -> StepEstimate:
+        shape = StepShape(prefill=((chunk, 0),) if chunk > 0 else (),
+                          decode_contexts=(context,) * decode_seqs)
+        return step_estimate(self.compute_seconds(shape), self.memory_seconds(shape))
+
+    def balance_chunk(self, decode_seqs: int, context: int) -> float:
+        """C* where compute time equals memory time: 2P(C+D)/F = (weights + DSk)/W.
+
+        At bf16 this is the seed's R(1 + DSk/2P) − D. It is negative when the decodes alone
+        are compute bound: then no prefill fits without lengthening the step.
+        """
+        kv_bytes = decode_seqs * context * self.kv_bytes_per_token
+        return self.machine_balance * (self.weight_bytes + kv_bytes) / (2 * self.params) - (
+            decode_seqs
+        )
+
+    def rounds(self, prompt: int, chunk: int, hit_rate: float = 0.0) -> int:
+        """Steps to prefill a prompt whose first `hit_rate` share is already cached; at
+        least one, since the first token needs a forward pass even on a full hit."""
+        if chunk < 1:
+            raise ConfigError("chunk", f"must be >= 1, got {chunk}")
+        if not 0 <= hit_rate <= 1:
+            raise ConfigError("hit_rate", f"must be in [0, 1], got {hit_rate}")
+        return max(1, math.ceil(prompt * (1 - hit_rate) / chunk))
+
+    def ttft(self, prompt: int, chunk: int, decode_seqs: int, context: int,
+             hit_rate: float = 0.0) -> float:
+        """TTFT ≈ ⌈T(1−h)/C⌉·τ seconds (seed 003 §5 and §12)."""
+        return self.rounds(prompt, chunk, hit_rate) * self.tpot(chunk, decode_seqs, context)
+
+    def tpot(self, chunk: int, decode_seqs: int, context: int) -> float:
+        """TPOT ≈ τ: every decode in the step waits for the whole step."""
+        return self.step_time(chunk, decode_seqs, context).tau_s
+
+    def kv_capacity_tokens(self, kv_bytes: float) -> int:
+        """S_cap = M_kv / k: the KV entries a pool of `kv_bytes` holds."""
+        return int(kv_bytes // self.kv_bytes_per_token)
+
+    def max_concurrency(self, kv_bytes: float, context: int) -> int:
+        """B_max = S_cap / S: sequences of length S resident at once, chunking or not."""
+        return self.kv_capacity_tokens(kv_bytes) // context
+
+    def preempt_cost_flops(self, context: int) -> float:
+        """A RECOMPUTE preemption at length S redoes its prefill: 2P·S FLOPs wasted."""
+        return 2 * self.params * context
+
+    def prefill_intensity(self, prompt: int, activation_bytes_per_token: float | None = None,
+                          ) -> float:
+        """AI = 2PT / (weights + αT); α defaults to k, the KV each prefill token writes."""
+        alpha = self.kv_bytes_per_token if activation_bytes_per_token is None else (
+            activation_bytes_per_token
+        )
+        return 2 * self.params * prompt / (self.weight_bytes + alpha * prompt)
+
+    def decode_intensity(self, batch: int, context: int) -> float:
+        """AI = 2PB / (weights + BSk): capped by 2P/(Sk) however large the batch."""
+        return 2 * self.params * batch / (
+            self.weight_bytes + batch * context * self.kv_bytes_per_token
+        )
+
+    def table(self, chunks: list[int], prompt: int, decode_seqs: int, context: int,
+              hit_rate: float = 0.0) -> list[RooflineRow]:
+        rows = []
+        for chunk in chunks:
+            step = self.step_time(chunk, decode_seqs, context)
+            rounds = self.rounds(prompt, chunk, hit_rate)
+            rows.append(RooflineRow(chunk=chunk, tau_ms=step.tau_s * 1e3, bound=step.bound,
+                                    tpot_ms=step.tau_s * 1e3, ttft_ms=rounds * step.tau_s * 1e3,
+                                    rounds=rounds))
+        return rows

@@ -1,0 +1,247 @@
+"""The model runner: owns the model and the one preallocated KV tensor, turns a scheduled
+batch into packed inputs and attention metadata once per step, runs the forward pass and
+returns the logits of the rows that sample.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core.attention import (
+    FLASH_BLOCK_SIZE,
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSpan,
+    block_dim,
+    cache_shape,
+)
+from engine.core.attention import flash_available as flash_importable
+from engine.core.scheduler import ScheduledChunk
+from engine.errors import EngineError
+from engine.model.loader import load_model, model_config_for
+
+CPU_KV_BYTES_DEFAULT = 256 * 2**20
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise EngineError(f"device {name!r} is not supported; use auto, cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise EngineError(f"device {name!r} asked for but CUDA is not available; use --device cpu")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise EngineError(f"dtype {name!r} is not supported; choose {', '.join(DTYPES)}")
+    if device.type == "cpu" and name == "float16":
+        raise EngineError("float16 matmuls are extremely slow on CPU; use float32 or bfloat16")
+    return DTYPES[name]
+
+
+def _reuse_freed_memory() -> None:
+    """Keep freed memory in glibc's heap instead of returning it to the OS.
+
+    Each step allocates megabytes of temporaries (gathered KV, activations); by default glibc
+    maps every one afresh and unmaps it on free, so the kernel faults and zeroes its pages
+    each time. Retaining them halved a decode step at 1,000 tokens of context on this VM
+    (198 -> 98 ms, synthetic:small, 8 requests). No-op where libc has no mallopt.
+    """
+    path = ctypes.util.find_library("c")
+    mallopt = getattr(ctypes.CDLL(path), "mallopt", None) if path else None
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, 1 << 30)
+        mallopt(M_TRIM_THRESHOLD, 1 << 30)
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor  # row of each sampling chunk, in the order of the chunks given
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            # OpenMP threads spin while they wait for each other; with every core busy, one
+            # preempted thread stalls the rest (matmuls measured 5-10x slower here). Leave a
+            # core to the UI, HTTP and store threads.
+            torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
+            _reuse_freed_memory()
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.use_flash = (config.attention_backend in ("auto", "flash")
+                          and flash_importable(self.device))
+        if config.attention_backend == "flash" and not self.use_flash:
+            raise EngineError("attention_backend=flash needs CUDA and the flash-attn package "
+                              "(pip install 'tokenflow[gpu]'); use auto or torch")
+        shape = model_config_for(config.model)
+        self.max_model_len = min(config.max_model_len or shape.max_position_embeddings,
+                                 shape.max_position_embeddings)
+        loaded = load_model(config.model, self.device, self.dtype, self.max_model_len,
+                            seed=config.seed, use_flash=self.use_flash)
+        self.model, self.model_config, self.tokenizer = (loaded.model, loaded.config,
+                                                         loaded.tokenizer)
+        self.block_size = FLASH_BLOCK_SIZE if self.use_flash else config.block_size
+        self.num_blocks = self._num_blocks(config)
+        mc = self.model_config
+        self.kv_cache = torch.zeros(
+            cache_shape(self.use_flash, mc.num_layers, self.num_blocks, self.block_size,
+                        mc.num_kv_heads, mc.head_dim), dtype=self.dtype, device=self.device)
+
+    @property
+    def bytes_per_element(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def _num_blocks(self, config: EngineConfig) -> int:
+        mc = self.model_config
+        per_block = (2 * mc.num_layers * self.block_size * mc.num_kv_heads * mc.head_dim
+                     * self.bytes_per_element)
+        if config.kv_cache_bytes is not None:
+            budget = config.kv_cache_bytes
+        elif self.device.type == "cuda":
+            # engines built and dropped before this one (a bench's runs) hold their pools in
+            # torch's cache, which mem_get_info counts as used
+            gc.collect()
+            torch.cuda.empty_cache()
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * config.gpu_memory_utilization)
+        else:
+            budget = CPU_KV_BYTES_DEFAULT
+        blocks = budget // per_block
+        if blocks < 1:
+            raise EngineError(f"the KV budget ({budget} bytes) holds no block of {per_block} "
+                              f"bytes; raise kv_cache_bytes or gpu_memory_utilization")
+        return int(blocks)
+
+    def zero_blocks(self, blocks: list[int]) -> None:
+        """Pitfall 2: a block handed to a new owner starts clean."""
+        if blocks:
+            index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
+            self.kv_cache.index_fill_(block_dim(self.use_flash), index, 0)
+
+    @torch.inference_mode()
+    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Forward one packed batch; logits [num sampling chunks, vocab] in `chunks` order."""
+        inputs = self.prepare(chunks)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        return self.model.logits(hidden.index_select(0, inputs.sample_rows))
+
+    def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
+        prefills = [c for c in chunks if not c.is_decode]
+        # decodes sorted by context so each group pads little (see _decode_groups)
+        decodes = sorted((c for c in chunks if c.is_decode), key=lambda c: -c.start)
+        ordered = prefills + decodes
+        bs = self.block_size
+        token_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        spans: list[PrefillSpan] = []
+        row_of: dict[int, int] = {}
+        row = 0
+        for chunk in ordered:
+            request = chunk.request
+            end = chunk.start + chunk.num_tokens
+            token_ids.extend(request.tokens_between(chunk.start, end))
+            table = torch.tensor(request.block_table, dtype=torch.int64)
+            pos = torch.arange(chunk.start, end, dtype=torch.int64)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            if not chunk.is_decode:
+                keys = torch.arange(end, dtype=torch.int64)
+                mask = None
+                if chunk.start > 0:  # lower-right causal over the whole history (pitfall 6)
+                    mask = keys.unsqueeze(0) <= pos.unsqueeze(1)
+                    mask = mask.to(self.device)
+                spans.append(PrefillSpan(row, chunk.num_tokens,
+                                         (table[keys // bs] * bs + keys % bs).to(self.device),
+                                         mask))
+            row += chunk.num_tokens
+            row_of[id(chunk)] = row - 1
+        decode_start = row - len(decodes)
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(self.device),
+            prefills=tuple(spans),
+            decode_start=decode_start,
+            decode_groups=self._decode_groups(decodes, decode_start),
+            **(self._flash_fields(ordered) if self.use_flash else {}),
+        )
+        sample_rows = [row_of[id(c)] for c in chunks if c.samples]
+        return StepInputs(
+            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
+            positions=torch.cat(positions).to(self.device),
+            meta=meta,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
+        )
+
+    def _decode_groups(self, decodes: list[ScheduledChunk],
+                       first_row: int) -> tuple[DecodeGroup, ...]:
+        """Decodes (longest context first) in groups padded to their longest member, a new
+        group starting where padding would exceed a quarter of the group's real keys."""
+        groups: list[list[ScheduledChunk]] = []
+        for chunk in decodes:
+            if groups:
+                group = groups[-1]
+                longest = group[0].start + 1
+                real = sum(c.start + 1 for c in group) + chunk.start + 1
+                if longest * (len(group) + 1) <= 1.25 * real:
+                    group.append(chunk)
+                    continue
+            groups.append([chunk])
+        result, row = [], first_row
+        bs = self.block_size
+        for group in groups:
+            context = group[0].start + 1
+            width = -(-context // bs)
+            tables = torch.zeros(len(group), width, dtype=torch.int64)
+            for i, chunk in enumerate(group):
+                table = chunk.request.block_table
+                tables[i, :len(table)] = torch.tensor(table[:width], dtype=torch.int64)
+            keys = torch.arange(width * bs, dtype=torch.int64)
+            lengths = torch.tensor([c.start + 1 for c in group], dtype=torch.int64)
+            bias = torch.zeros(len(group), width * bs, dtype=self.dtype)
+            bias.masked_fill_(keys.unsqueeze(0) >= lengths.unsqueeze(1), float("-inf"))
+            result.append(DecodeGroup(row, len(group), tables.to(self.device),
+                                      bias.view(1, len(group), 1, width * bs).to(self.device)))
+            row += len(group)
+        return tuple(result)
+
+    def _flash_fields(self, ordered: list[ScheduledChunk]) -> dict[str, object]:
+        q_lens = [c.num_tokens for c in ordered]
+        k_lens = [c.start + c.num_tokens for c in ordered]
+        width = max(len(c.request.block_table) for c in ordered)
+        tables = torch.zeros(len(ordered), width, dtype=torch.int32)
+        for i, chunk in enumerate(ordered):
+            tables[i, :len(chunk.request.block_table)] = torch.tensor(chunk.request.block_table)
+        cumulative = [0]
+        for n in q_lens:
+            cumulative.append(cumulative[-1] + n)
+        cumulative_k = [0]
+        for n in k_lens:
+            cumulative_k.append(cumulative_k[-1] + n)
+        return {
+            "cu_seqlens_q": torch.tensor(cumulative, dtype=torch.int32, device=self.device),
+            "cu_seqlens_k": torch.tensor(cumulative_k, dtype=torch.int32, device=self.device),
+            "block_table": tables.to(self.device),
+            "max_seqlen_q": max(q_lens),
+            "max_seqlen_k": max(k_lens),
+        }

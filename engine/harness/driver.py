@@ -1,0 +1,179 @@
+"""Drive a workload through an engine on the caller's thread and summarise what happened.
+
+Requests are added at their arrival times (scaled real time); each request's clock starts
+at its intended arrival, so queueing shows up in TTFT as a client would see it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.budget.peaks import DevicePeaks
+from engine.core.engine import Engine, RequestOutput
+from engine.events import ChunkComplete, Event, Preempted, SlowQuery, StepComplete, TokensGenerated
+from engine.harness.workload import WorkloadRequest
+from engine.ops.metrics import percentiles
+
+
+@dataclass
+class RequestRecord:
+    request_id: str
+    tenant: str
+    arrival: float
+    prompt_tokens: int
+    token_times: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    state: str = "WAITING"
+    reason: str = ""
+    first_scheduled: float | None = None  # start of the step that ran its first chunk
+
+    @property
+    def scheduling_delay_s(self) -> float | None:
+        return None if self.first_scheduled is None else self.first_scheduled - self.arrival
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.token_times[0] - self.arrival if self.token_times else None
+
+    @property
+    def tpot_s(self) -> float | None:
+        n = len(self.token_times)
+        return (self.token_times[-1] - self.token_times[0]) / (n - 1) if n > 1 else None
+
+    def inter_token_s(self) -> list[float]:
+        t = self.token_times
+        return [b - a for a, b in itertools.pairwise(t)]
+
+
+@dataclass
+class RunResult:
+    records: dict[str, RequestRecord]
+    steps: list[StepComplete]
+    wall_s: float
+    preemptions: int = 0
+    slow_queries: int = 0
+
+    @property
+    def step_s(self) -> list[float]:
+        return [s.duration_s for s in self.steps]
+
+    def utilisation(self, peaks: DevicePeaks) -> dict[str, float | None]:
+        """Prefill MFU over steps that ran prefill chunks, decode MBU over decode-only steps
+        (FLOPs and bytes from the budget model, against the measured peaks)."""
+        prefill = [s for s in self.steps if s.prefill_tokens]
+        decode = [s for s in self.steps if not s.prefill_tokens]
+
+        def ratio(num: float, seconds: float, peak: float) -> float | None:
+            return num / seconds / peak if seconds > 0 else None
+
+        return {
+            "prefill_mfu": ratio(sum(s.flops for s in prefill),
+                                 sum(s.duration_s for s in prefill), peaks.flops),
+            "decode_mbu": ratio(sum(s.bytes_moved for s in decode),
+                                sum(s.duration_s for s in decode), peaks.bandwidth),
+        }
+
+    def prediction_errors(self) -> list[float]:
+        """Relative error of predicted against measured step time, per step."""
+        return [(s.predicted_s - s.duration_s) / s.duration_s
+                for s in self.steps if s.duration_s > 0 and s.predicted_s > 0]
+
+    def summary(self) -> dict[str, Any]:
+        records = list(self.records.values())
+        finished = [r for r in records if r.state == "FINISHED"]
+        prompt = sum(r.prompt_tokens for r in finished)
+        output = sum(len(r.token_ids) for r in finished)
+        itl = [gap for r in finished for gap in r.inter_token_s()]
+        wall = max(self.wall_s, 1e-9)
+        return {
+            "requests": len(records),
+            "finished": len(finished),
+            "failed_or_rejected": len(records) - len(finished),
+            "wall_s": self.wall_s,
+            "throughput_tok_s": (prompt + output) / wall,
+            "output_tok_s": output / wall,
+            "ttft_ms": _ms_percentiles([r.ttft_s for r in finished if r.ttft_s is not None]),
+            "tpot_ms": _ms_percentiles([r.tpot_s for r in finished if r.tpot_s is not None]),
+            # every gap between two tokens: the seed's per-token TPOT, Sarathi-Serve's TBT
+            "itl_ms": {**_ms_percentiles(itl), "max": max(itl) * 1e3 if itl else None},
+            "step_ms": _ms_percentiles(self.step_s),
+            "steps": len(self.step_s),
+            "preemptions": self.preemptions,
+            "slow_queries": self.slow_queries,
+        }
+
+
+def _ms_percentiles(values: list[float]) -> dict[str, float | None]:
+    p = percentiles(values)
+    return {k: None if v is None else v * 1e3
+            for k, v in (("p50", p.p50), ("p90", p.p90), ("p99", p.p99))}
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.records: dict[str, RequestRecord] = {}
+        self.steps: list[StepComplete] = []
+        self.preemptions = 0
+        self.slow_queries = 0
+
+    def __call__(self, event: Event) -> None:
+        match event:
+            case TokensGenerated():
+                record = self.records.get(event.request_id)
+                if record is not None:
+                    record.token_times.extend([event.ts] * len(event.token_ids))
+            case StepComplete():
+                self.steps.append(event)
+            case ChunkComplete(chunk_index=0):
+                record = self.records.get(event.request_id)
+                if record is not None and record.first_scheduled is None:
+                    record.first_scheduled = event.ts - event.duration_s
+            case Preempted():
+                self.preemptions += 1
+            case SlowQuery():
+                self.slow_queries += 1
+
+
+def drive(engine: Engine, workload: list[WorkloadRequest], *,
+          on_output: Callable[[RequestOutput], None] | None = None,
+          sleep: Callable[[float], None] = time.sleep) -> RunResult:
+    recorder = _Recorder()
+    unsubscribe = engine.bus.subscribe(recorder)
+    pending = deque(sorted(workload, key=lambda w: w.arrival_s))
+    start = engine.clock()
+    try:
+        while pending or engine.has_unfinished():
+            now = engine.clock()
+            while pending and start + pending[0].arrival_s <= now:
+                item = pending.popleft()
+                arrival = start + item.arrival_s
+                recorder.records[item.request_id] = RequestRecord(
+                    item.request_id, item.tenant, arrival, len(item.prompt_token_ids))
+                engine.add_request(list(item.prompt_token_ids), item.sampling_params(),
+                                   tenant=item.tenant, priority=item.priority,
+                                   request_id=item.request_id, tag=item.tag, arrival=arrival)
+            if engine.has_unfinished():
+                for output in engine.step():
+                    _settle(recorder.records.get(output.request_id), output)
+                    if on_output is not None:
+                        on_output(output)
+            elif pending:
+                sleep(max(0.0, start + pending[0].arrival_s - engine.clock()))
+    finally:
+        unsubscribe()
+    return RunResult(recorder.records, recorder.steps, engine.clock() - start,
+                     recorder.preemptions, recorder.slow_queries)
+
+
+def _settle(record: RequestRecord | None, output: RequestOutput) -> None:
+    if record is None:
+        return
+    record.token_ids = list(output.token_ids)
+    record.state = output.state
+    if output.finished:
+        record.reason = output.finish_reason or ""

@@ -1,0 +1,158 @@
+"""Service-level objectives, goodput and capacity, set the way Sarathi-Serve and DistServe set
+theirs: relative to the cost of one decode step on this machine, so the same definitions hold
+on a laptop CPU and on an H200.
+
+- TPOT SLO: 5 × one decode-only step (Sarathi-Serve's strict SLO on time between tokens).
+- Scheduling-delay SLO: 25 × one decode step (Sarathi-Serve's relaxed multiple), for the time
+  from arrival to a request's first scheduled chunk.
+- TTFT SLO, per request: its own prefill cost alone (DistServe scales TTFT SLOs with prefill
+  latency) plus the scheduling-delay allowance.
+Goodput is the share of requests meeting both their TTFT and the TPOT SLO. Capacity is the
+highest arrival rate at which P99 TPOT (or P99 time between tokens, Sarathi-Serve's measure)
+and P99 scheduling delay stay within their SLOs, found by binary search as Sarathi-Serve and
+Vidur do.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.budget.roofline import StepShape
+from engine.config import SamplingParams
+from engine.core.engine import Engine
+from engine.core.request import Request, RequestState
+from engine.core.scheduler import ScheduledChunk
+from engine.harness.driver import RunResult
+
+TPOT_MULTIPLE = 5.0
+DELAY_MULTIPLE = 25.0
+
+
+@dataclass(frozen=True)
+class SLO:
+    decode_step_s: float  # one decode-only step at the reference batch and context
+    tpot_s: float
+    delay_s: float
+
+    @classmethod
+    def from_decode_step(cls, decode_step_s: float) -> SLO:
+        return cls(decode_step_s, TPOT_MULTIPLE * decode_step_s, DELAY_MULTIPLE * decode_step_s)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"decode_step_ms": self.decode_step_s * 1e3, "tpot_ms": self.tpot_s * 1e3,
+                "scheduling_delay_ms": self.delay_s * 1e3}
+
+
+def measure_decode_step(engine: Engine, batch: int = 8, context: int = 128,
+                        repeats: int = 7) -> float:
+    """Median time of one decode-only step of `batch` sequences at `context` tokens."""
+    requests = []
+    for i in range(batch):
+        request = Request(f"slo-probe-{i}", [3] * context, SamplingParams(max_tokens=1),
+                          arrival=0.0, state=RequestState.DECODING)
+        engine.blocks.grow(request, context)
+        request.num_computed_tokens = context - 1
+        requests.append(request)
+    chunks = [ScheduledChunk(r, context - 1, 1) for r in requests]
+    try:
+        engine.runner.run(chunks)  # warm-up
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            engine.runner.run(chunks)
+            samples.append(time.perf_counter() - start)
+    finally:
+        for request in requests:
+            engine.blocks.release(request)
+        engine.blocks.take_newly_allocated()
+    return statistics.median(samples)
+
+
+def goodput(result: RunResult, slo: SLO, prefill_s: Callable[[int], float]) -> float:
+    """Share of all requests that finished within their TTFT SLO and the TPOT SLO."""
+    records = list(result.records.values())
+    if not records:
+        return 0.0
+    good = 0
+    for r in records:
+        ttft, tpot = r.ttft_s, r.tpot_s
+        if r.state != "FINISHED" or ttft is None:
+            continue
+        if ttft <= prefill_s(r.prompt_tokens) + slo.delay_s and (tpot is None
+                                                                  or tpot <= slo.tpot_s):
+            good += 1
+    return good / len(records)
+
+
+def isolated_prefill(engine: Engine) -> Callable[[int], float]:
+    """Predicted time to prefill a prompt alone, in chunks of the engine's token budget."""
+    budget = engine.config.max_num_batched_tokens
+
+    def predict(tokens: int) -> float:
+        total, start = 0.0, 0
+        while start < tokens:
+            size = min(budget, tokens - start)
+            total += engine.predict(StepShape(prefill=((size, start),)))
+            start += size
+        return total
+
+    return predict
+
+
+def p99(values: list[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+# What the TPOT SLO is checked against: "tpot", each request's mean time per output token
+# (vLLM's and DistServe's TPOT), or "tbt", every single gap between two tokens (Sarathi-Serve's
+# time between tokens, which a stall shows in full instead of averaged over the request).
+LATENCY_METRICS = ("tpot", "tbt")
+
+
+@dataclass(frozen=True)
+class CapacityProbe:
+    rate: float
+    requests: int
+    ok: bool
+    tpot_p99_ms: float | None
+    tbt_p99_ms: float | None
+    delay_p99_ms: float | None
+
+    @classmethod
+    def of(cls, rate: float, result: RunResult, slo: SLO, metric: str) -> CapacityProbe:
+        """P99 TPOT (or TBT) and P99 scheduling delay within the SLO, every request done."""
+        records = list(result.records.values())
+        tpot = p99([r.tpot_s for r in records if r.tpot_s is not None])
+        tbt = p99([gap for r in records for gap in r.inter_token_s()])
+        delay = p99([r.scheduling_delay_s for r in records if r.scheduling_delay_s is not None])
+        latency = tpot if metric == "tpot" else tbt
+        ok = (all(r.state == "FINISHED" for r in records)
+              and (latency is None or latency <= slo.tpot_s)
+              and (delay is None or delay <= slo.delay_s))
+        return cls(rate, len(records), ok,
+                   *(None if v is None else v * 1e3 for v in (tpot, tbt, delay)))
+
+
+def capacity(run_at: Callable[[float], RunResult], slo: SLO, low: float, high: float,
+             iterations: int = 5, metric: str = "tpot") -> tuple[float, list[CapacityProbe]]:
+    """Highest sustainable rate in [low, high] (requests/s), by binary search in log space."""
+    if metric not in LATENCY_METRICS:
+        raise ValueError(f"metric must be one of {LATENCY_METRICS}, got {metric!r}")
+    probes: list[CapacityProbe] = []
+    best = 0.0
+    for _ in range(iterations):
+        rate = math.sqrt(low * high)
+        probe = CapacityProbe.of(rate, run_at(rate), slo, metric)
+        probes.append(probe)
+        if probe.ok:
+            best, low = max(best, rate), rate
+        else:
+            high = rate
+    return best, probes

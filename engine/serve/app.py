@@ -1,0 +1,111 @@
+"""The HTTP app: routes of DESIGN.md over one EngineLoop.
+
+Handlers never touch engine state directly: requests go through `EngineLoop.submit`, tuning
+through `EngineLoop.update_config` (validated on the caller's thread, applied at a step
+boundary), and reads come from the loop's published snapshot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from engine.config import ConfigError
+from engine.serve.auth import require_admin
+from engine.serve.completions import Completions
+from engine.serve.loop import EngineLoop
+from engine.serve.prometheus import CONTENT_TYPE, render_metrics
+from engine.serve.protocol import ApiError, api_error_handler, json_response, read_json
+from engine.snapshot import Snapshot
+from engine.store import SlowQueryRecord
+
+SlowQueriesReader = Callable[[int], list[SlowQueryRecord]]  # newest-scored first, at most N
+DEFAULT_MAX_QUEUE = 256
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+MAX_SLOW_QUERIES = 5000
+
+
+def create_app(loop: EngineLoop, *, admin_token: str | None,
+               max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               slow_queries_reader: SlowQueriesReader | None = None) -> Starlette:
+    """The starlette app; the caller owns `loop` (started before serving, stopped after)."""
+    started = int(time.time())
+    completions = Completions(loop, max_queue=max_queue, max_body_bytes=max_body_bytes)
+
+    def snapshot() -> Snapshot:
+        return dataclasses.replace(loop.snapshot(), paused=loop.paused)
+
+    async def models(_request: Request) -> Response:
+        engine = loop.engine
+        return JSONResponse({"object": "list", "data": [{
+            "id": engine.config.model, "object": "model", "created": started,
+            "owned_by": "tokenflow", "max_model_len": engine.max_model_len}]})
+
+    async def health(_request: Request) -> Response:
+        if loop.error is not None:
+            return JSONResponse({"status": "error", "error": repr(loop.error)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(_request: Request) -> Response:
+        return PlainTextResponse(render_metrics(loop.engine, snapshot()), media_type=CONTENT_TYPE)
+
+    async def stats(_request: Request) -> Response:
+        return json_response(snapshot().to_dict())
+
+    async def get_config(request: Request) -> Response:
+        require_admin(request, admin_token)
+        return json_response({"config": loop.engine.config.live_values()})
+
+    async def patch_config(request: Request) -> Response:
+        require_admin(request, admin_token)
+        changes = await read_json(request, max_body_bytes)
+        if not isinstance(changes, dict) or not changes:
+            raise ApiError(400, "send a JSON object of live fields to change, e.g. "
+                                '{"max_num_batched_tokens": 512}')
+        try:
+            config = loop.update_config("api", **changes)
+        except ConfigError as exc:
+            raise ApiError(422, exc.message, param=exc.field) from None
+        return json_response({"config": config.live_values()})
+
+    def pause_or_resume(action: Callable[[], None]) -> Callable[[Request], Any]:
+        async def handler(request: Request) -> Response:
+            require_admin(request, admin_token)
+            action()
+            return JSONResponse({"paused": loop.paused})
+        return handler
+
+    async def slow_queries(request: Request) -> Response:
+        if slow_queries_reader is None:
+            raise ApiError(404, "this server keeps no slow-query store; start it with --db",
+                           kind="not_found_error")
+        try:
+            limit = int(request.query_params.get("limit", "500"))
+        except ValueError:
+            raise ApiError(400, "'limit' must be an integer", param="limit") from None
+        if not 1 <= limit <= MAX_SLOW_QUERIES:
+            raise ApiError(400, f"'limit' must be in [1, {MAX_SLOW_QUERIES}]", param="limit")
+        records = await run_in_threadpool(slow_queries_reader, limit)  # SQLite blocks
+        return json_response({"data": [dataclasses.asdict(r) for r in records]})
+
+    routes = [
+        Route("/v1/completions", completions.handle, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/stats", stats, methods=["GET"]),
+        Route("/v1/admin/config", get_config, methods=["GET"]),
+        Route("/v1/admin/config", patch_config, methods=["PATCH"]),
+        Route("/v1/admin/pause", pause_or_resume(loop.pause), methods=["POST"]),
+        Route("/v1/admin/resume", pause_or_resume(loop.resume), methods=["POST"]),
+        Route("/v1/slow_queries", slow_queries, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, exception_handlers={ApiError: api_error_handler})
