@@ -244,18 +244,19 @@ class ModelRunner:
         for group in groups:
             width = max(-(-gathered(c) // bs) for c in group)
             tables = torch.zeros(len(group), width, dtype=torch.int64)
-            # global position of each gathered key, and the first one each row may see
-            positions = torch.zeros(len(group), width * bs, dtype=torch.int64)
-            lows = torch.zeros(len(group), 1, dtype=torch.int64)
-            for i, chunk in enumerate(group):
-                first = first_block(chunk)
+            firsts = [first_block(c) for c in group]
+            for i, (chunk, first) in enumerate(zip(group, firsts, strict=True)):
                 table = chunk.request.block_table[first:first + width]
                 tables[i, :len(table)] = torch.tensor(table, dtype=torch.int64)
-                positions[i] = torch.arange(first * bs, (first + width) * bs)
-                lows[i] = 0 if window is None else chunk.start + 1 - window
+            # global position of each gathered key; a row sees those in [low, length)
+            positions = (torch.tensor(firsts, dtype=torch.int64).unsqueeze(1) * bs
+                         + torch.arange(width * bs, dtype=torch.int64))
             lengths = torch.tensor([[c.start + 1] for c in group], dtype=torch.int64)
+            hidden = positions >= lengths
+            if window is not None:
+                hidden |= positions < lengths - window
             bias = torch.zeros(len(group), width * bs, dtype=self.dtype)
-            bias.masked_fill_((positions >= lengths) | (positions < lows), float("-inf"))
+            bias.masked_fill_(hidden, float("-inf"))
             result.append(DecodeGroup(row, len(group), tables.to(self.device),
                                       bias.view(1, len(group), 1, width * bs).to(self.device)))
             row += len(group)
