@@ -231,15 +231,15 @@ class ModelRunner:
             return chunk.start + 1 - first_block(chunk) * bs
 
         groups: list[list[ScheduledChunk]] = []
+        longest = real = 0  # of the last group: its widest row and its real keys
         for chunk in decodes:
-            if groups:
-                group = groups[-1]
-                longest = max(gathered(c) for c in [*group, chunk])
-                real = sum(gathered(c) for c in group) + gathered(chunk)
-                if longest * (len(group) + 1) <= 1.25 * real:
-                    group.append(chunk)
-                    continue
+            keys = gathered(chunk)
+            if groups and max(longest, keys) * (len(groups[-1]) + 1) <= 1.25 * (real + keys):
+                groups[-1].append(chunk)
+                longest, real = max(longest, keys), real + keys
+                continue
             groups.append([chunk])
+            longest = real = keys
         result, row = [], first_row
         for group in groups:
             width = max(-(-gathered(c) // bs) for c in group)
