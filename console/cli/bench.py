@@ -43,6 +43,7 @@ from engine.harness.slo import (
     measure_decode_step,
 )
 from engine.harness.workload import WorkloadRequest, describe, steady_traffic
+from engine.stats import quantile
 from engine.store import open_database
 
 PROBE_KV_BYTES = 1 << 30  # on CUDA: a decode step of 8 x 128 tokens, even on a 7B model
@@ -156,7 +157,7 @@ def _run_report(name: str, config: EngineConfig, result: RunResult, probe: Engin
         **result.utilisation(probe.peaks),
         "goodput": goodput(result, slo, prefill_s),
         "prediction_error": {"median_abs": statistics.median(errors) if errors else None,
-                             "p90_abs": _quantile(errors, 0.9)},
+                             "p90_abs": quantile(errors, 0.9)},
     }
 
 
@@ -178,13 +179,6 @@ def _capacities(args: argparse.Namespace, configs: dict[str, EngineConfig],
                      "probe_duration_s": args.capacity_duration,
                      "probes": [dataclasses.asdict(p) for p in probes]}
     return out
-
-
-def _quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _named_config(name: str, base: EngineConfig, custom: dict[str, dict[str, str]],
