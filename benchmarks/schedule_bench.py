@@ -25,6 +25,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.request import Request, RequestState
 from engine.core.scheduler import Scheduler
 from engine.ops.telemetry import BandwidthReading, BandwidthSource, ModelBandwidth
+from engine.stats import quantile
 
 RUNNING = 256
 WAITING = 32
@@ -84,14 +85,10 @@ def measure(iterations: int, bandwidth: BandwidthSource) -> dict[str, float]:
             total_ns.append(end - start)
     return {
         "schedule_median_us": statistics.median(schedule_ns) / 1e3,
-        "schedule_p99_us": _p99(schedule_ns) / 1e3,
+        "schedule_p99_us": quantile(schedule_ns, 0.99) / 1e3,
         "schedule_and_update_median_us": statistics.median(total_ns) / 1e3,
-        "schedule_and_update_p99_us": _p99(total_ns) / 1e3,
+        "schedule_and_update_p99_us": quantile(total_ns, 0.99) / 1e3,
     }
-
-
-def _p99(samples: list[int]) -> float:
-    return statistics.quantiles(samples, n=100)[98]
 
 
 def main() -> None:

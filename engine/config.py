@@ -157,6 +157,11 @@ LIVE_FIELDS = frozenset(
                       "attention_backend", "cpu_threads"}
 )
 
+# The defaults as one importable value: a widget that meets a snapshot without some field
+# (an attached server of another version) falls back to DEFAULTS.cache_high_watermark etc.
+# instead of re-typing the number.
+DEFAULTS = EngineConfig()
+
 
 def _check(ok: bool, field_name: str, message: str) -> None:
     if not ok:
