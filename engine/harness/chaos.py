@@ -29,9 +29,9 @@ import torch
 
 from engine.budget.peaks import measure_peaks
 from engine.config import EngineConfig
+from engine.core.batch import Batch, ModelRunnerOutput
 from engine.core.engine import Engine, RequestOutput
 from engine.core.request import RequestState
-from engine.core.scheduler import ScheduledChunk
 from engine.errors import EngineError
 from engine.harness.workload import WorkloadRequest
 from engine.ops.telemetry import BandwidthSource, InjectedBandwidth, ModelBandwidth
@@ -209,7 +209,7 @@ def kv_exhaustion(settings: ChaosSettings, expected: dict[str, list[int]],
     """Every free KV block reserved away mid-run; the engine preempts and waits, then resumes."""
     engine = chaos_engine()
     harness = _Harness(engine, requests)
-    harness.run_until(lambda: any(r.is_decoding for r in engine.requests.values()),
+    harness.run_until(lambda: any(r.is_decoding for r in engine.scheduler.requests.values()),
                       time.monotonic() + settings.bound_s)
     preemptions = engine.metrics.preemptions_total
     held = engine.blocks.reserve(engine.blocks.num_blocks)
@@ -274,10 +274,10 @@ def slow_chunks(settings: ChaosSettings, expected: dict[str, list[int]],
     slow_until = time.monotonic() + settings.fault_s
     forward = engine.runner.run
 
-    def slow_forward(chunks: list[ScheduledChunk]) -> torch.Tensor:
-        if time.monotonic() < slow_until and any(not c.is_decode for c in chunks):
+    def slow_forward(batch: Batch) -> ModelRunnerOutput:
+        if time.monotonic() < slow_until and batch.prefills:
             time.sleep(delay_s)  # the injected fault: a slow kernel
-        return forward(chunks)
+        return forward(batch)
 
     engine.runner.run = slow_forward
     harness = _Harness(engine, requests)
