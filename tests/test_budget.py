@@ -10,6 +10,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from engine.budget.auto import token_budget_for
 from engine.budget.cost_model import BudgetModel, BudgetSegment, budget_limits, budget_table
 from engine.budget.peaks import GPU_PRESETS, DevicePeaks, measure_peaks
 from engine.budget.roofline import Roofline
@@ -249,3 +250,17 @@ def test_measure_peaks_on_cpu_measures_once_per_process() -> None:
 def test_measure_peaks_refuses_fp16_on_cpu() -> None:
     with pytest.raises(ConfigError):
         measure_peaks("cpu", torch.float16)
+
+
+# --- C* to a token budget ------------------------------------------------------------------
+
+@pytest.mark.parametrize(("chunk", "decodes", "tile", "expected"), [
+    (100, 0, 16, 112),  # rounded up to a whole tile, never down
+    (100, 12, 16, 112),  # one token per decode rides in the same budget
+    (100, 13, 16, 128),
+    (3, 0, 16, 16),  # at least one tile
+    (9, 4, 1, 13),
+])
+def test_token_budget_holds_the_chunk_and_the_decodes_in_whole_tiles(
+        chunk: int, decodes: int, tile: int, expected: int) -> None:
+    assert token_budget_for(chunk, decodes, tile) == expected

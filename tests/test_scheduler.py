@@ -262,6 +262,25 @@ def test_a_lone_tenant_uses_the_whole_budget() -> None:
     assert prefill_sizes(s.step()) == {request.id: 256}
 
 
+def test_tenant_priorities_admit_a_higher_priority_tenant_first() -> None:
+    s = sim(max_num_batched_tokens=64, chunk_tile=16, max_prefill_chunks=1)
+    first = s.add(64, max_tokens=1, tenant="bulk", arrival=0.0)
+    s.add(64, max_tokens=1, tenant="bulk", arrival=1.0)
+    gold = s.add(64, max_tokens=1, tenant="gold", arrival=2.0)
+    assert prefill_sizes(s.step()) == {first.id: 64}  # FCFS while no tenant ranks higher
+    s.set_config(tenant_priorities={"gold": 1})  # live: the queue is reordered at once
+    assert prefill_sizes(s.step()) == {gold.id: 64}
+    late = s.add(64, max_tokens=1, tenant="gold", arrival=3.0)
+    s.add(64, max_tokens=1, priority=5, tenant="bulk", arrival=4.0)  # its own priority counts
+    assert [r.id for r in s.scheduler.waiting] == ["r4", late.id, "r1"]
+
+
+def test_tenant_priorities_must_be_integers() -> None:
+    with pytest.raises(ConfigError) as excinfo:
+        EngineConfig().replace(tenant_priorities={"gold": "high"})
+    assert excinfo.value.field == "tenant_priorities"
+
+
 # --- configuration at step boundaries -----------------------------------------------------
 def test_mode_changes_are_published_once_per_change() -> None:
     s = sim(num_blocks=10, max_num_batched_tokens=64, chunk_tile=4)
