@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import select
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.events import Event, Failed, FailCause, GuardAction
+from engine.events import Event, FailCause, Failed, GuardAction
 from engine.store import StoreWriter, open_database, unfinished_requests
 from engine.store.models import JournalRow
 

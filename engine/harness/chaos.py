@@ -37,13 +37,10 @@ from engine.harness.workload import WorkloadRequest
 from engine.ops.telemetry import BandwidthSource, InjectedBandwidth, ModelBandwidth
 from engine.store import StoreWriter, open_database, unfinished_requests
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "synthetic:tiny"
 KV_POOL_BYTES = 1 << 20  # 128 tiny blocks: small enough to run out, large enough to serve
 STEP_BUDGET = 32
 CHUNK_TILE = 8
-CRASH_FLAGS = ["--model", MODEL, "--device", "cpu", "--dtype", "float32",
-               "--max-num-batched-tokens", "8", "--chunk-tile", "8"]
 POLL_S = 0.01  # how often the crash scenario looks at the other process's journal
 RETRIES = 3  # attempts a client makes for a request a protection layer failed
 SPIKE_UTIL = 0.99  # over bandwidth_pause: the throttle goes all the way to level 3
@@ -222,7 +219,7 @@ def kv_exhaustion(settings: ChaosSettings, expected: dict[str, list[int]],
     harness.run_until(lambda: False, fault_end + settings.bound_s)
     lost = harness.lost(expected)
     detail = (f"{held} blocks reserved for {settings.fault_s:g} s; "
-              f"{engine.ops.metrics.preemptions_total - preemptions} preemption(s)")
+              f"{engine.metrics.preemptions_total - preemptions} preemption(s)")
     return _result("kv_exhaustion", recovered, fault_end, lost, settings, detail,
                    (detected, "cache pressure never engaged"))
 
@@ -341,7 +338,8 @@ def locked_database(settings: ChaosSettings, expected: dict[str, list[int]],
 # --- the crash scenario ---------------------------------------------------------------------
 def sigkill(settings: ChaosSettings, expected: dict[str, list[int]],
             requests: Sequence[WorkloadRequest]) -> ScenarioResult:
-    """SIGKILL of `tokenflow run` mid-chunk, then `run --resume` from the journal."""
+    """SIGKILL of a journaling engine process (engine.harness.chaos_child) mid-chunk, then
+    the same with `--resume` from the journal."""
     with tempfile.TemporaryDirectory(prefix="tokenflow-chaos-") as tmp:
         folder = Path(tmp)
         source, output, db = folder / "requests.jsonl", folder / "out.jsonl", folder / "j.db"
@@ -349,8 +347,7 @@ def sigkill(settings: ChaosSettings, expected: dict[str, list[int]],
                                               "prompt_token_ids": list(r.prompt_token_ids),
                                               "max_tokens": r.max_tokens}) + "\n"
                                   for r in requests))
-        args = [*CRASH_FLAGS, "--requests", str(source), "--output", str(output), "--db",
-                str(db)]
+        args = ["--requests", str(source), "--output", str(output), "--db", str(db)]
         deadline = time.monotonic() + settings.bound_s
         mid_chunk = ("SELECT 1 FROM request_journal WHERE prefilled_tokens > 0 "
                      "AND generated_tokens = 0 AND state = 'PREFILL_CHUNKING'")
@@ -383,10 +380,12 @@ def sigkill(settings: ChaosSettings, expected: dict[str, list[int]],
 
 
 def _launch(args: list[str]) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "console.cli.main", "run", *args], env=env,
-                            cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    # the child imports the engine this process runs, wherever it is installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "engine.harness.chaos_child", *args],
+                            env=env, cwd=Path(args[args.index("--db") + 1]).parent,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _wait(process: subprocess.Popen[bytes], condition: Callable[[], bool], deadline: float,
