@@ -5,13 +5,16 @@ while the other requests of the same steps finish exactly and the engine goes on
 from __future__ import annotations
 
 import dataclasses
+import threading
 from pathlib import Path
 
 import pytest
 from sqlalchemy import select
 
 from engine import Engine, EngineConfig, SamplingParams
+from engine.core.batch import RequestOutput
 from engine.events import Event, FailCause, Failed, GuardAction
+from engine.serve.loop import EngineLoop
 from engine.store import StoreWriter, open_database, unfinished_requests
 from engine.store.models import JournalRow
 
@@ -95,3 +98,31 @@ def test_a_failed_request_is_journaled_failed_and_never_resumed(tmp_path: Path) 
     finally:
         writer.close()
         database.close()
+
+
+def test_an_output_callback_that_raises_fails_its_request_and_the_loop_goes_on(
+        expected: list[list[int]]) -> None:
+    loop = EngineLoop(tiny_engine()).start()
+    results: dict[str, RequestOutput] = {}
+    all_done = threading.Event()
+
+    def collect(out: RequestOutput) -> None:
+        if out.finished:
+            results[out.request_id] = out
+            if len(results) == len(PROMPTS):
+                all_done.set()
+
+    def broken(out: RequestOutput) -> None:
+        raise ValueError("the client's stream is gone")
+
+    try:
+        bad = loop.submit(PROMPTS[0], GREEDY, on_output=broken)
+        good = [loop.submit(p, GREEDY, on_output=collect) for p in PROMPTS]
+        assert all_done.wait(120)
+        assert [list(results[rid].token_ids) for rid in good] == expected
+        ended = loop.call(lambda engine: next(r for r in engine.scheduler.recent
+                                              if r.id == bad)).result(60)
+        assert ended.state == "FAILED" and "the client's stream is gone" in ended.reason
+        assert loop.error is None
+    finally:
+        loop.stop()

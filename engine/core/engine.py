@@ -146,10 +146,20 @@ class Engine:
         return None if rejection is None else rejection.message
 
     def abort(self, request_id: str) -> bool:
+        """End a live request at the client's word; False if it is not live."""
+        return self._end(request_id, RequestState.FINISHED, "aborted")
+
+    def fail(self, request_id: str, reason: str) -> bool:
+        """Fail a live request for a fault of its own found outside the step (its output could
+        not be delivered); it fails alone and guard layer 7 counts it. False if not live."""
+        return self._end(request_id, RequestState.FAILED, reason, FailCause.FAULT)
+
+    def _end(self, request_id: str, state: RequestState, reason: str,
+             cause: FailCause | None = None) -> bool:
         request = self.scheduler.requests.get(request_id)
         if request is None:
             return False
-        self.scheduler.finish(request, RequestState.FINISHED, "aborted")
+        self.scheduler.finish(request, state, reason, cause)
         self._out_of_band.append(request_output(request, ()))
         return True
 
@@ -250,11 +260,7 @@ class Engine:
 
     def _apply(self, decisions: GuardDecisions) -> None:
         for request_id, reason in decisions.fail:
-            request = self.scheduler.requests.get(request_id)
-            if request is not None:
-                self.scheduler.finish(request, RequestState.FAILED, reason,
-                                      FailCause.CHUNK_TIMEOUT)
-                self._out_of_band.append(request_output(request, ()))
+            self._end(request_id, RequestState.FAILED, reason, FailCause.CHUNK_TIMEOUT)
         if decisions.compact:
             moved = self.blocks.compact(list(self.scheduler.requests.values()),
                                         self.runner.move_blocks)
