@@ -21,11 +21,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.budget.roofline import StepShape
 from engine.config import SamplingParams
+from engine.core.batch import Batch, ScheduledChunk, StepShape
 from engine.core.engine import Engine
 from engine.core.request import Request, RequestState
-from engine.core.scheduler import ScheduledChunk
 from engine.harness.driver import RunResult
 from engine.stats import ms, quantile
 
@@ -58,13 +57,13 @@ def measure_decode_step(engine: Engine, batch: int = 8, context: int = 128,
         engine.blocks.grow(request, context)
         request.num_computed_tokens = context - 1
         requests.append(request)
-    chunks = [ScheduledChunk(r, context - 1, 1) for r in requests]
+    step = Batch(decodes=[ScheduledChunk(r, context - 1, 1) for r in requests])
     try:
-        engine.runner.run(chunks)  # warm-up
+        engine.runner.run(step)  # warm-up
         samples = []
         for _ in range(repeats):
             start = time.perf_counter()
-            engine.runner.run(chunks)
+            engine.runner.run(step)
             samples.append(time.perf_counter() - start)
     finally:
         for request in requests:

@@ -72,7 +72,6 @@ class Metrics:
         self.requests_rejected_total = 0
         self.requests_failed_total = 0
         self.slow_queries_total = 0
-        self.steps_total = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
@@ -91,7 +90,6 @@ class Metrics:
     def _observe(self, event: Event) -> None:
         match event:
             case StepComplete():
-                self.steps_total += 1
                 tokens = event.prefill_tokens + event.decode_seqs
                 self.iteration_tokens.observe(tokens)
                 self.recent_step.append(event.duration_s)
