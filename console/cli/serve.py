@@ -1,8 +1,11 @@
 """`tokenflow serve`: the engine behind an OpenAI-compatible HTTP API (DESIGN.md, HTTP).
 
-It binds 127.0.0.1 unless --host says otherwise. The admin endpoints (live tuning, pause)
-need the bearer token from $TOKENFLOW_ADMIN_TOKEN or --admin-token-file and are off without
-one. Requests, slow queries and config changes go to the SQLite store unless --no-db.
+It binds 127.0.0.1 unless --host says otherwise, and answers only requests whose Host is a
+loopback name, the --host address or an --allow-host name. The admin endpoints (live tuning,
+pause) and the ones that show request ids (/v1/stats, /v1/slow_queries, unless
+--public-stats) need the bearer token from $TOKENFLOW_ADMIN_TOKEN or --admin-token-file; the
+admin endpoints are off without one. Requests, slow queries and config changes go to the
+SQLite store unless --no-db.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from engine.serve.app import (
     create_app,
 )
 from engine.serve.auth import TOKEN_ENV, load_admin_token
+from engine.serve.hosts import ANY_HOST, LOOPBACK_HOSTS
+from engine.serve.listener import listen
 from engine.serve.loop import EngineLoop
 from engine.store import Database, SlowQueryRecord, StoreWriter, list_slow_queries, open_database
 
@@ -48,6 +53,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            f"(default {DEFAULT_MAX_BODY_BYTES})")
     http.add_argument("--admin-token-file", type=Path, metavar="FILE",
                       help=f"bearer token of the admin endpoints (default: ${TOKEN_ENV})")
+    http.add_argument("--public-stats", action="store_true",
+                      help="serve /v1/stats and /v1/slow_queries without the admin token "
+                           "(they show request ids, tenants and the config)")
+    http.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                      help="also accept requests whose Host header is NAME (repeatable; "
+                           f"always accepted: {', '.join(LOOPBACK_HOSTS)} and --host; "
+                           f"'{ANY_HOST}' accepts any)")
     add_db_argument(parser)
     parser.add_argument("--no-db", action="store_true", help="keep no SQLite store")
     add_engine_flags(parser)
@@ -77,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
         loop = EngineLoop(engine).start()
         app = create_app(loop, admin_token=token, max_queue=args.max_queue,
                          max_body_bytes=args.max_body_bytes,
-                         slow_queries_reader=None if database is None else _reader(database))
+                         slow_queries_reader=None if database is None else _reader(database),
+                         public_stats=args.public_stats,
+                         allowed_hosts=[*LOOPBACK_HOSTS, args.host, *args.allow_host])
         admin = "on" if token else f"off (set {TOKEN_ENV} or --admin-token-file)"
         store = "none" if database is None else str(database.path)
         host, port = listener.getsockname()[:2]  # --port 0: the one the system chose
@@ -98,9 +112,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        return socket.create_server((host, port), family=family)
+        return listen(host, port)
     except OSError as exc:  # taken, not this machine's address, or a privileged port
         why = os.strerror(exc.errno) if exc.errno else str(exc)
         raise UserError(f"cannot listen on {host}:{port}: {why}; choose another --port "
