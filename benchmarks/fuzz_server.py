@@ -9,7 +9,8 @@ tests/test_server_edge.py, truncated JSON, random bytes, wrong Content-Types and
 PATCHes). Meanwhile a steady client sends normal requests, each of which must come back with
 all its tokens. Then each of the two requests that used to kill the engine is followed by
 --followers normal requests, and the server is restarted on the same store, which must hold
-no poison request to resume. Prints one JSON object; exit status 1 on any engine death, 5xx,
+no request to resume (all finished before a SIGTERM). Prints one JSON object; exit status 1
+on any engine death, 5xx,
 transport error or failed normal request.
 
     PYTHONPATH=. .venv/bin/python benchmarks/fuzz_server.py [--bodies 10000] [--seed 0]
@@ -228,12 +229,14 @@ def fuzz(port: int, count: int, seed: int, tally: Tally) -> None:
     check_health(tally, client)
 
 
-def poison_in_journal(db: Path) -> tuple[int, int]:
+def poison_in_journal(db: Path) -> tuple[list[str], int]:
     """(unfinished requests a restart would resume, journal rows whose sampling is refused)."""
     database = open_database(db)
     try:
         with database.session() as session:
-            unfinished = len(unfinished_requests(session))
+            unfinished = [f"{e.request_id} {e.state} prompt {len(e.prompt_token_ids)} "
+                          f"generated {len(e.generated_token_ids)} {e.sampling}"
+                          for e in unfinished_requests(session)]
             refused = 0
             for sampling in session.scalars(select(JournalRow.sampling)):
                 try:
@@ -300,7 +303,8 @@ def main() -> int:
         "steady_client": {"sent": steady.sent, "completed": steady.completed,
                           "failures": steady.failures[:5]},
         "engine_killers": killers,
-        "after_restart": {"unfinished_in_journal": unfinished,
+        "after_restart": {"unfinished_in_journal": len(unfinished),
+                          "unfinished_samples": unfinished[:5],
                           "journal_rows_with_refused_sampling": refused_rows,
                           "normal_request_ok": restart_ok},
         "server_exit_code": exited, "wall_s": round(wall, 1),
@@ -309,7 +313,8 @@ def main() -> int:
     if "Traceback" in server_log:
         print(server_log[-3000:], file=sys.stderr)
     ok = (five_xx == 0 and not tally.transport_errors and tally.engine_deaths == 0
-          and steady.completed == steady.sent and refused_rows == 0 and restart_ok
+          and steady.completed == steady.sent and refused_rows == 0 and not unfinished
+          and restart_ok
           and all(f"{args.followers}/{args.followers}" in v for v in killers.values())
           and "Traceback" not in server_log)
     return 0 if ok else 1

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
+import signal
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +24,7 @@ from engine.ops.recovery import resume_unfinished
 from engine.serve.app import create_app
 from engine.serve.loop import EngineLoop
 from engine.serve.thread import ServerThread
-from engine.store import StoreWriter, open_database
+from engine.store import StoreWriter, open_database, unfinished_requests
 
 TOKEN = "edge-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -258,3 +262,35 @@ def test_poison_never_reaches_the_journal_so_a_restart_resumes_nothing(
     restarted = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32"))
     assert resume_unfinished(restarted, database) == []
     database.close()
+
+
+def test_serve_stopped_by_sigterm_flushes_its_journal_and_exits_0(tmp_path: Path) -> None:
+    """uvicorn re-raised SIGTERM after its graceful shutdown and killed `tokenflow serve`
+    before the store writer's last batch: the last finished request stayed DECODING in the
+    journal and the next start ran it again (found by benchmarks/fuzz_server.py)."""
+    db = tmp_path / "serve.db"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "console.cli.main", "serve", "--model", "synthetic:tiny",
+         "--device", "cpu", "--dtype", "float32", "--port", "0", "--db", str(db)],
+        cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        banner = server.stdout.readline()  # printed once the server is about to accept
+        url = re.search(r"http://[^,\s]+", banner)
+        assert url, banner + server.stderr.read() if server.stderr else banner
+        with httpx.Client(base_url=url.group(0), timeout=60) as http_client:
+            for _ in range(3):
+                assert http_client.post("/v1/completions", json=NORMAL).status_code == 200
+        server.send_signal(signal.SIGTERM)
+        _out, err = server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert server.returncode == 0, err
+    database = open_database(db)
+    try:
+        with database.session() as session:
+            assert unfinished_requests(session) == []
+    finally:
+        database.close()

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
 
@@ -99,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
               f"http://{host}:{port}, admin API {admin}, store {store}", flush=True)
         server = uvicorn.Server(uvicorn.Config(app, lifespan="off",
                                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
-        server.run(sockets=[listener])
+        _serve_until_signalled(server, listener)
     finally:
         listener.close()
         if loop is not None:
@@ -109,6 +111,24 @@ def run(args: argparse.Namespace) -> int:
         if database is not None:
             database.close()
     return 0
+
+
+def _serve_until_signalled(server: uvicorn.Server, listener: socket.socket) -> None:
+    """Run until SIGINT or SIGTERM, then return so the caller flushes the journal.
+
+    uvicorn shuts down gracefully on these signals and then raises the same signal again
+    under the handler that was installed before it started; the default one would kill the
+    process before the store writer wrote its last batch (finished requests left DECODING in
+    the journal were resumed, and run again, by the next start)."""
+    def stop(_signum: int, _frame: FrameType | None) -> None:
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[listener])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _listen(host: str, port: int) -> socket.socket:
