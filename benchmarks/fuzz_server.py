@@ -10,8 +10,7 @@ PATCHes). Meanwhile a steady client sends normal requests, each of which must co
 all its tokens. Then each of the two requests that used to kill the engine is followed by
 --followers normal requests, and the server is restarted on the same store, which must hold
 no request to resume (all finished before a SIGTERM). Prints one JSON object; exit status 1
-on any engine death, 5xx,
-transport error or failed normal request.
+on any engine death, 5xx, transport error or failed normal request.
 
     PYTHONPATH=. .venv/bin/python benchmarks/fuzz_server.py [--bodies 10000] [--seed 0]
 """
