@@ -12,9 +12,8 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictFloat, StrictInt, StrictStr, create_model
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware import Middleware
@@ -22,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from engine.config import INT64_MAX, LIVE_FIELDS, ConfigError, EngineConfig
+from engine.config import ConfigError
 from engine.serve.auth import TOKEN_ENV, require_admin
 from engine.serve.completions import Completions
 from engine.serve.hosts import LOOPBACK_HOSTS, HostAllowList
@@ -31,6 +30,7 @@ from engine.serve.prometheus import CONTENT_TYPE, render_metrics
 from engine.serve.protocol import (
     ApiError,
     BodyLimits,
+    ConfigPatch,
     api_error_handler,
     json_response,
     parse_model,
@@ -139,24 +139,3 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
     return Starlette(routes=routes, exception_handlers={ApiError: api_error_handler},
                      middleware=[Middleware(HostAllowList, allowed=allowed_hosts)])
 
-
-def _live_field_model() -> type[BaseModel]:
-    """PATCH /v1/admin/config's types, from EngineConfig's live fields: JSON values of the
-    wrong type get 422 naming the field before EngineConfig.replace sees them. Scalars stay
-    lax ("512", "yes" are accepted, as forms send them); dict values must be numbers. Other
-    names pass through for EngineConfig.replace to name as unknown or fixed."""
-    finite = Field(allow_inf_nan=False)
-    types: dict[str, Any] = {
-        "int": Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)],
-        "float": Annotated[float, finite],
-        "bool": bool,
-        "dict[str, float]": dict[StrictStr, Annotated[StrictFloat, finite]],
-        "dict[str, int]": dict[StrictStr, Annotated[StrictInt, Field(ge=-INT64_MAX - 1,
-                                                                     le=INT64_MAX)]],
-    }
-    fields = {f.name: (types.get(str(f.type), Any) | None, None)
-              for f in dataclasses.fields(EngineConfig) if f.name in LIVE_FIELDS}
-    return create_model("ConfigPatch", __config__=ConfigDict(extra="allow"), **fields)
-
-
-ConfigPatch = _live_field_model()

@@ -10,14 +10,26 @@ value ranges live with the contracts they guard (SamplingParams, EngineConfig).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    create_model,
+)
 from pydantic import ValidationError as PydanticValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+
+from engine.config import INT64_MAX, LIVE_FIELDS, EngineConfig
 
 JSON_TYPE = "application/json"
 M = TypeVar("M", bound=BaseModel)
@@ -109,10 +121,10 @@ def _check_tree(data: Any, limits: BodyLimits) -> None:
 def _check_text(text: str, where: str) -> None:
     try:
         text.encode("utf-8")
-    except UnicodeEncodeError:  # JSON's \\ud800 escapes decode to lone surrogates
-        raise ApiError(400, f"'{where.encode('utf-8', 'replace').decode()}' is not valid "
-                            "Unicode (it holds a lone surrogate); send UTF-8 text",
-                       param=where.encode("utf-8", "replace").decode()) from None
+    except UnicodeEncodeError:  # JSON's \ud800 escapes decode to lone surrogates
+        # `where` is printable: a key is checked before the path below it is built
+        raise ApiError(400, f"'{where}' is not valid Unicode (it holds a lone surrogate); "
+                            "send UTF-8 text", param=where) from None
 
 
 def _too_deep(limits: BodyLimits, where: str) -> ApiError:
@@ -170,6 +182,28 @@ class CompletionBody(BaseModel):
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             return prompt[0]
         return prompt  # type: ignore[return-value]
+
+
+def _live_field_model() -> type[BaseModel]:
+    """PATCH /v1/admin/config's types, from EngineConfig's live fields: JSON values of the
+    wrong type get 422 naming the field before EngineConfig.replace sees them. Scalars stay
+    lax ("512", "yes" are accepted, as forms send them); dict values must be numbers. Other
+    names pass through for EngineConfig.replace to name as unknown or fixed."""
+    finite = Field(allow_inf_nan=False)
+    types: dict[str, Any] = {
+        "int": Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)],
+        "float": Annotated[float, finite],
+        "bool": bool,
+        "dict[str, float]": dict[StrictStr, Annotated[StrictFloat, finite]],
+        "dict[str, int]": dict[StrictStr, Annotated[StrictInt, Field(ge=-INT64_MAX - 1,
+                                                                     le=INT64_MAX)]],
+    }
+    fields = {f.name: (types.get(str(f.type), Any) | None, None)
+              for f in dataclasses.fields(EngineConfig) if f.name in LIVE_FIELDS}
+    return create_model("ConfigPatch", __config__=ConfigDict(extra="allow"), **fields)
+
+
+ConfigPatch = _live_field_model()
 
 
 def parse_model(model: type[M], data: Any, status: int = 400) -> M:
