@@ -24,6 +24,7 @@ from console.tui.widgets.header import EngineHeader
 from engine import Engine, EngineConfig
 from engine.config import ConfigError
 from engine.serve.app import create_app
+from engine.serve.auth import TOKEN_ENV
 from engine.serve.loop import EngineLoop
 from engine.serve.session import EngineSession
 from engine.serve.thread import ServerThread
@@ -194,8 +195,9 @@ def test_a_non_vllm_endpoint_is_named(server: ServerThread) -> None:
     source.close()
 
 
-def test_several_targets_open_as_a_fleet(server: ServerThread,
-                                         vllm_server: ServerThread) -> None:
+def test_several_targets_open_as_a_fleet(server: ServerThread, vllm_server: ServerThread,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)  # --attach sends it: /v1/stats needs it
     fleet = open_http_source([server.url], vllm_server.url)
     assert isinstance(fleet, FleetSource) and len(fleet.members) == 2
     assert fleet.snapshot().model == "synthetic:tiny"
