@@ -252,8 +252,11 @@ def test_real_vllm_metrics_over_a_window(gpu: str | None) -> None:
     assert last.requests_finished_total == 20
     assert last.ttft_ms.p50 is not None and last.ttft_ms.p99 is not None
     assert last.tpot_ms.p50 is not None
-    # tokens per step: all 20 requests ran under --max-num-batched-tokens 256
-    assert last.step_tokens.p50 is not None and 0 < last.step_tokens.p99 <= 256
+    # Tokens per step. vLLM 0.32 observes a prompt's computed tokens in the step that finishes
+    # its prefill, not chunk by chunk, so steps read above --max-num-batched-tokens 256: nine
+    # fell in its (256, 512] bucket.
+    assert last.step_tokens.p50 is not None and 0 < last.step_tokens.p50 <= 16
+    assert 256 < last.step_tokens.p99 <= 512
     read = rate("vllm:estimated_read_bytes_per_gpu_total")
     assert last.bandwidth_bytes_per_s == pytest.approx(read)
     if gpu:

@@ -116,7 +116,7 @@ def test_a_slow_server_does_not_hold_the_others_back(vllm_files: ServerThread) -
 def tokenflow_server() -> Iterator[ServerThread]:
     engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32"))
     loop = EngineLoop(engine).start()
-    with ServerThread(create_app(loop)) as running:
+    with ServerThread(create_app(loop, admin_token="")) as running:
         yield running
     loop.stop()
 

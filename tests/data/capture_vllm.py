@@ -119,7 +119,7 @@ def main() -> int:
 
             def complete(i: int) -> None:
                 # different words per request, so the prefix cache does not absorb the prefill
-                prompt = " ".join(WORDS[(i * 7 + k * k) % len(WORDS)] for k in range(8 + i * 24))
+                prompt = " ".join(WORDS[(i * 7 + k * k) % len(WORDS)] for k in range(8 + i * 10))
                 body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": 8 + i,
                         "temperature": 0, "ignore_eos": True}
                 response = http.post("/v1/completions", json=body)

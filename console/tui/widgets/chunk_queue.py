@@ -66,6 +66,8 @@ class ChunkQueue(Widget):
         for name, value in (("p50", steps.p50), ("p90", steps.p90), ("p99", steps.p99)):
             text.append(f"{name} ")
             text.append(f"{value or 0:.0f} ", style="bold cyan")
+        if snapshot.mode == "vLLM":  # vLLM 0.32 counts a chunked prompt whole, at its end
+            text.append("\nas vLLM counts them: a chunked prompt in its last step", style="dim")
         budget = snapshot.token_budget
         if not budget:
             text.append(f"\nbudget: {snapshot.mode} does not export it (--max-num-batched-tokens)",
