@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from console.errors import UserError
+from console.sources.base import Source
 from console.sources.fleet import AsyncSource, FleetSource
 from console.sources.http import HttpSource
 from console.sources.remote import TIMEOUT_S
@@ -65,7 +66,7 @@ def open_member(target: str, *, gpu: str | None = None,
 
 def open_http_source(attach: list[str], attach_vllm: str | None = None,
                      attach_sglang: str | None = None, *, gpu: str | None = None,
-                     traces: TraceCollector | None = None) -> AsyncSource | FleetSource:
+                     traces: TraceCollector | None = None) -> Source:
     """One source for `--attach URL...`, `--attach-vllm URL` and `--attach-sglang URL`;
     several open as a fleet."""
     targets = list(attach)

@@ -28,18 +28,27 @@ SLOW_WINDOW_S = 60.0  # slow queries per minute: the change in slow_queries_tota
 
 
 class AsyncSource(Source, Protocol):
-    """A source the fleet can poll on its event loop (HttpSource, vLLM, SGLang)."""
-
-    remote: Any
+    """A source the fleet polls on its event loop (HttpSource, vLLM, SGLang); others (a
+    recording) are polled on a worker thread of that loop."""
 
     async def snapshot_async(self) -> Snapshot: ...
+
+
+async def _read(source: Source) -> Snapshot:
+    read_async = getattr(source, "snapshot_async", None)
+    return await (read_async() if read_async else asyncio.to_thread(source.snapshot))
+
+
+def _label(source: Source) -> str:
+    remote = getattr(source, "remote", None)
+    return source.name if remote is None else remote.url
 
 
 @dataclass
 class MemberState:
     """What the fleet last heard from one server."""
 
-    source: AsyncSource
+    source: Source
     snapshot: Snapshot | None = None
     last_seen: float | None = None  # wall clock of the last answer
     error: str = ""
@@ -84,7 +93,7 @@ class FleetRow:
 
 
 class FleetSource:
-    def __init__(self, members: list[AsyncSource], *, interval: float = POLL_INTERVAL_S,
+    def __init__(self, members: list[Source], *, interval: float = POLL_INTERVAL_S,
                  wall_clock: Callable[[], float] = time.time) -> None:
         if not members:
             raise SourceError("a fleet needs at least one server; pass --attach URL")
@@ -104,7 +113,7 @@ class FleetSource:
     async def _poll_forever(self, state: MemberState) -> None:
         while True:
             try:
-                snapshot = await state.source.snapshot_async()
+                snapshot = await _read(state.source)
             except (EngineError, OSError) as exc:
                 state.error = str(exc)
             else:
@@ -122,7 +131,7 @@ class FleetSource:
             return self.changed.wait_for(predicate, timeout)
 
     @property
-    def active(self) -> AsyncSource:
+    def active(self) -> Source:
         return self.members[self.selected]
 
     @property
@@ -143,7 +152,7 @@ class FleetSource:
         health = "up" if state.up else ("starting" if state.polls == 0 else "down")
         known = snap is not None and health == "up"
         return FleetRow(
-            index=index, name=state.source.remote.url, model=snap.model if snap else "",
+            index=index, name=_label(state.source), model=snap.model if snap else "",
             running=snap.num_running if known else 0, waiting=snap.num_waiting if known else 0,
             kv_usage=snap.kv_usage if known else None,
             tokens_per_s=snap.tokens_per_s if known else None,
@@ -158,7 +167,7 @@ class FleetSource:
         state = self.states[self.selected]
         self.wait_for(lambda: state.polls > 0, TIMEOUT_S + 1.0)
         if state.error or state.snapshot is None:
-            raise SourceError(state.error or f"{state.source.remote.url} has not answered yet")
+            raise SourceError(state.error or f"{_label(state.source)} has not answered yet")
         return state.snapshot
 
     def update_config(self, **changes: Any) -> dict[str, Any]:
@@ -194,7 +203,9 @@ class FleetSource:
 
         async def close_clients() -> None:
             for member in self.members:
-                await member.remote.aclose()
+                remote = getattr(member, "remote", None)
+                if remote is not None:
+                    await remote.aclose()
 
         asyncio.run_coroutine_threadsafe(close_clients(), self.loop).result(TIMEOUT_S)
         self.loop.call_soon_threadsafe(self.loop.stop)
