@@ -38,6 +38,10 @@ class HttpSource(RemoteBacked):
     def snapshot(self) -> Snapshot:
         return Snapshot.from_dict(self._call("GET", "/v1/stats").json())
 
+    async def snapshot_async(self) -> Snapshot:
+        response = await self.remote.arequest("GET", "/v1/stats")
+        return Snapshot.from_dict(self._checked(response, "/v1/stats").json())
+
     def update_config(self, **changes: Any) -> dict[str, Any]:
         response = self.remote.request("PATCH", "/v1/admin/config", json=changes)
         if response.status_code == 422:

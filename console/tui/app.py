@@ -7,7 +7,7 @@ import functools
 import logging
 import sys
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from textual.app import App, SystemCommand
 from textual.binding import BindingType
@@ -32,11 +32,15 @@ from console.tui.keymap import COMMANDS, bindings
 from console.tui.screens.base import ConsoleScreen
 from console.tui.screens.diagnosis import DiagnosisScreen
 from console.tui.screens.drift import DriftScreen
+from console.tui.screens.fleet import FleetScreen
 from console.tui.screens.help import HelpScreen
 from console.tui.screens.live import LiveScreen
 from console.tui.screens.slow_queries import SlowQueriesScreen
 from console.tui.screens.tuning import TuningScreen
 from engine.errors import EngineError
+
+if TYPE_CHECKING:
+    from engine.serve.otlp import TraceCollector
 
 POLL_INTERVAL_S = 0.4  # panes refresh at 2.5 Hz
 
@@ -51,6 +55,7 @@ class TokenflowApp(App[None]):
         "slow_queries": SlowQueriesScreen,
         "drift": DriftScreen,
         "diagnosis": DiagnosisScreen,
+        "fleet": FleetScreen,
     }
     DEFAULT_MODE = "live"
 
@@ -123,10 +128,14 @@ class TokenflowApp(App[None]):
             self.notify("one source only: pass several --attach URLs for a fleet",
                         severity="warning")
             return
-        fleet = self.source
-        fleet.select((fleet.selected + 1) % len(fleet.members))
+        self.select_server((self.source.selected + 1) % len(self.source.members))
+
+    def select_server(self, index: int) -> None:
+        """Show fleet member `index` from now on, its history started afresh."""
+        assert isinstance(self.source, FleetSource)
+        self.source.select(index)
         self.history.clear()
-        self.notify(fleet.name, title="fleet", timeout=2)
+        self.notify(self.source.name, title="fleet", timeout=2)
 
     def action_apply_recommended(self) -> None:
         # C* as a token budget, rounded by the engine's own policy (engine.budget.auto)
@@ -150,13 +159,26 @@ def open_source(args: argparse.Namespace, engine: ProcessSource | None) -> Sourc
     embedded engine launched already, once it is ready."""
     if args.replay:
         return ReplaySource(args.replay, speed=args.speed)
-    if args.attach or args.attach_vllm:
+    if args.attach or args.attach_vllm or args.attach_sglang:
         from console.sources import open_http_source
 
-        return open_http_source(args.attach, args.attach_vllm)
+        return open_http_source(args.attach, args.attach_vllm, args.attach_sglang,
+                                gpu=args.gpu, traces=open_traces(args))
     assert engine is not None, "console.cli.console launches the embedded engine"
     engine.wait_ready()
     return engine
+
+
+def open_traces(args: argparse.Namespace) -> TraceCollector | None:
+    """The OTLP receiver of --otlp-listen, writing to --db (default: the user's store)."""
+    if not args.otlp_listen:
+        return None
+    from console.sources.otlp import start_receiver
+    from engine.store import open_database
+
+    receiver = start_receiver(args.otlp_listen, shape=args.roofline_model, gpu=args.gpu,
+                              database=open_database(args.db))
+    return receiver.collector
 
 
 def run(args: argparse.Namespace, engine: ProcessSource | None) -> int:

@@ -26,6 +26,8 @@ COMMANDS: tuple[Command, ...] = (
     Command("4,f4", "show('drift')", "Drift", "Calibration history, drift events, recalibration"),
     Command("5,f5", "show('diagnosis')", "Diagnosis",
             "Seed 003 §11 symptoms evaluated against the live metrics"),
+    Command("0", "show('fleet')", "Fleet",
+            "Every attached server: health, load, latency, slow queries; enter opens one"),
     Command("c", "apply_recommended", "Apply C*",
             "Set the token budget to the recommended chunk size C*"),
     Command("p", "toggle_pause", "Pause", "Pause or resume the engine"),

@@ -32,10 +32,19 @@ class Bandwidth(Vertical):
         pause = float(config.get("bandwidth_pause", 0.98))
         level = min(max(snapshot.throttle_level, 0), len(THROTTLE_LEVELS) - 1)
         line = Text(no_wrap=True, overflow="ellipsis")
-        line.append(f"{snapshot.bandwidth_util_5s:.0%}",
-                    style=level_style(snapshot.bandwidth_util_5s, throttle, pause))
-        line.append(f" 5 s avg · {snapshot.bandwidth_source}\nthrottle ")
-        line.append(f"{level} {THROTTLE_LEVELS[level]}", style="bold" if level else "green")
+        if snapshot.bandwidth_bytes_per_s is not None:  # an attached server's estimate
+            line.append(f"{snapshot.bandwidth_bytes_per_s / 1e9:.2f} GB/s ", style="bold")
+        if snapshot.bandwidth_note:  # the share cannot be shown: say why instead of "0%"
+            line.append(snapshot.bandwidth_note, style="dim")
+        else:
+            line.append(f"{snapshot.bandwidth_util_5s:.0%}",
+                        style=level_style(snapshot.bandwidth_util_5s, throttle, pause))
+            span = "5 s avg" if not snapshot.window_s else "of peak"
+            line.append(f" {span} · {snapshot.bandwidth_source}")
+        if "bandwidth_throttle_2" in config:  # tokenflow's own guard; others have none
+            line.append("\nthrottle ")
+            line.append(f"{level} {THROTTLE_LEVELS[level]}", style="bold" if level else "green")
         self.query_one("#bandwidth-line", Static).update(line)
+        lines = (throttle,) if "bandwidth_throttle_2" in config else ()
         self.query_one(Plot).show(
-            (Series("bandwidth", tuple(history.values("bandwidth_util_5s"))),), lines=(throttle,))
+            (Series("bandwidth", tuple(history.values("bandwidth_util_5s"))),), lines=lines)
