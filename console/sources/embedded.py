@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from sqlalchemy.orm import Session
 
-from console.sources.base import Progress, SourceError
+from console.sources.base import Capabilities, Progress, SourceError
 from engine.budget.calibrate import (
     CalibrationResult,
     apply,
@@ -55,6 +55,8 @@ def default_model(device: str) -> str:
 
 
 class EmbeddedSource:
+    capabilities = Capabilities.everything()
+
     def __init__(self, loop: EngineLoop, database: Database, writer: StoreWriter) -> None:
         self.loop = loop
         self.database = database

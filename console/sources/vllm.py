@@ -3,18 +3,18 @@
 What vLLM exports maps onto the snapshot: running and waiting requests, KV-cache usage,
 preemptions, token counters (rates from the change between two polls) and TTFT and
 inter-token latency percentiles estimated from the histogram buckets, over the server's
-whole life. There is no chunk queue, budget score or tuning: those panes stay empty.
+whole life. There is no chunk queue, budget score or tuning: the source declares so, and
+those panes say why.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 import httpx
 
-from console.sources.base import Progress, SourceError
+from console.sources.base import Capabilities, Capability, SourceError
 from console.sources.prometheus_text import (
     Sample,
     histogram_buckets,
@@ -24,7 +24,6 @@ from console.sources.prometheus_text import (
 )
 from console.sources.remote import Remote, RemoteBacked
 from engine.snapshot import Percentiles, Snapshot
-from engine.store import CalibrationRecord, SlowQueryRecord
 
 MODE = "vLLM"
 # Newer vLLM names first; older releases used the later ones for the same thing.
@@ -35,6 +34,16 @@ TTFT = ("vllm:time_to_first_token_seconds",)
 
 class VllmMetricsSource(RemoteBacked):
     label = "vLLM"
+    capabilities = Capabilities(frozenset(), {
+        Capability.TUNE: "a vLLM server is read-only here: change its flags and restart it",
+        Capability.PAUSE: "a vLLM server cannot be paused from tokenflow",
+        Capability.CALIBRATE: "tokenflow cannot calibrate a vLLM server",
+        Capability.SLOW_QUERIES: "vLLM keeps no budget scores, so no slow queries",
+        Capability.DRIFT: "vLLM keeps no token-budget calibration",
+        Capability.CONFIG_HISTORY: "vLLM keeps no configuration history",
+        Capability.WATERMARKS: "vLLM admits by its own rules, not tokenflow's watermarks",
+        Capability.CHUNK_QUEUE: "vLLM's /metrics has no chunk queue",
+    })
 
     def __init__(self, url: str, *, clock: Callable[[], float] = time.monotonic,
                  transport: httpx.BaseTransport | None = None) -> None:
@@ -80,24 +89,6 @@ class VllmMetricsSource(RemoteBacked):
             return 0.0, 0.0
         span = now - last[0]
         return (tokens - last[1]) / span, (generated - last[2]) / span
-
-    def update_config(self, **changes: Any) -> dict[str, Any]:
-        raise SourceError("a vLLM server is read-only here: change its flags and restart it")
-
-    def pause(self) -> None:
-        raise SourceError("a vLLM server cannot be paused from tokenflow")
-
-    def resume(self) -> None:
-        raise SourceError("a vLLM server cannot be paused from tokenflow")
-
-    def slow_queries(self, limit: int = 500) -> list[SlowQueryRecord]:
-        return []  # vLLM keeps no budget scores
-
-    def slow_query(self, query_id: int) -> SlowQueryRecord:
-        raise SourceError("a vLLM server keeps no slow queries")
-
-    def recalibrate(self, progress: Progress) -> CalibrationRecord:
-        raise SourceError("tokenflow cannot calibrate a vLLM server")
 
 
 def _model_name(samples: dict[str, list[Sample]]) -> str:

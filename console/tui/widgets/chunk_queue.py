@@ -6,6 +6,7 @@ from rich.text import Text
 from textual.widget import Widget
 
 from console.tui.widgets.gauge import gauge
+from console.tui.widgets.notice import unavailable
 from engine.snapshot import RequestView, Snapshot
 
 PREFILLING = ("PREFILL_CHUNKING",)
@@ -19,13 +20,18 @@ class ChunkQueue(Widget):
         self.border_title = "Chunk queue"
         self._length = 0
         self._prefilling: tuple[RequestView, ...] = ()
+        self._refusal: str | None = None
 
-    def update_from(self, snapshot: Snapshot) -> None:
+    def update_from(self, snapshot: Snapshot, refusal: str | None = None) -> None:
+        """`refusal`: why this source has no chunk queue to show, if it has none."""
         self._length = snapshot.chunk_queue_length
         self._prefilling = tuple(r for r in snapshot.requests if r.state in PREFILLING)
+        self._refusal = refusal
         self.refresh()
 
     def render(self) -> Text:
+        if self._refusal is not None:
+            return unavailable(self._refusal)
         width, height = self.size.width, self.size.height
         text = Text(no_wrap=True, overflow="ellipsis")
         text.append(f"{self._length}", style="bold cyan")
