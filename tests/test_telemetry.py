@@ -119,7 +119,7 @@ def test_nvml_on_this_machine_samples_or_names_the_fallback():
     source.start()
     source.stop()  # the thread samples before its first wait, so one sample is certain
     latest = source.latest()
-    assert latest is not None and 0 < latest.total_bytes
+    assert latest is not None and latest.total_bytes > 0
     assert source.reading().source == "nvml" and 0.0 <= source.reading().util_5s <= 1.0
 
 
