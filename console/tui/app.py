@@ -114,7 +114,7 @@ class TokenflowApp(App[None]):
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen())
+            self.push_screen(HelpScreen(self.state))
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """A command the source cannot do is hidden from the footer (its key says why)."""

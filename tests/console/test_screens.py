@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 from textual.command import CommandList, CommandPalette
 from textual.widgets import DataTable, Input, Static
 
@@ -175,6 +177,10 @@ async def test_help_pause_and_command_palette() -> None:
         await replayed(pilot)
         await pilot.press("question_mark")
         assert isinstance(app.screen, HelpScreen)
+        printer = Console(width=200, record=True, file=io.StringIO())
+        printer.print(app.screen.query(Static).first().content)
+        keys = printer.export_text()
+        assert "Apply C*" in keys and "tuning is not available on this source" in keys
         await pilot.press("escape")
         assert isinstance(app.screen, LiveScreen)
 
