@@ -99,12 +99,7 @@ class TuningScreen(ConsoleScreen):
             button.disabled = tune is not None
         history = self.state.refusal(Capability.CONFIG_HISTORY)
         self.query_one("#config-changes").display = history is None
-        self._show_refusal()
-
-    def _show_refusal(self) -> None:
-        """Why tuning or its history is not available here, kept in view."""
-        lines = [r for r in (self.state.refusal(Capability.TUNE),
-                             self.state.refusal(Capability.CONFIG_HISTORY)) if r]
+        lines = [refusal for refusal in (tune, history) if refusal is not None]
         note = self.query_one("#tuning-refusal", Static)
         note.update(unavailable("\n".join(lines)))
         note.display = bool(lines)
