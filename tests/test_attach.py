@@ -26,7 +26,16 @@ from console.sources import (
     open_http_source,
     split_kind,
 )
-from console.sources.base import Source, SourceError
+from console.sources.base import (
+    Calibrating,
+    Capability,
+    Pausable,
+    SlowQueryStore,
+    Source,
+    SourceError,
+    Tunable,
+    facet,
+)
 from console.sources.embedded import EmbeddedSource
 from console.sources.prometheus_text import MetricWindow, Reading
 from console.sources.remote import FIRST_DELAY_S
@@ -42,6 +51,7 @@ from engine.serve.session import EngineSession
 from engine.serve.thread import ServerThread
 from engine.snapshot import Percentiles, Snapshot
 from engine.store import SlowQueryRecord, StoreWriter, open_database
+from tests.console.conftest import until
 
 TOKEN = "attach-token"
 DATA = Path(__file__).parent / "data"
@@ -123,9 +133,14 @@ def test_attached_slow_queries_and_read_only_history(attached: HttpSource) -> No
     assert attached.slow_query(7) == SLOW
     with pytest.raises(SourceError, match="no slow query"):
         attached.slow_query(8)
-    assert attached.drift_events() == [] and attached.config_changes() == []
+    # The server's own store keeps its calibrations and config history: declared, not faked.
+    for lacking in (Capability.DRIFT, Capability.CONFIG_HISTORY, Capability.CALIBRATE):
+        assert lacking not in attached.capabilities
+        assert not hasattr(attached, {Capability.DRIFT: "drift_events",
+                                      Capability.CONFIG_HISTORY: "config_changes",
+                                      Capability.CALIBRATE: "recalibrate"}[lacking])
     with pytest.raises(SourceError, match="tokenflow calibrate"):
-        attached.recalibrate(lambda fraction, note: None)
+        facet(attached, Calibrating)
 
 
 class FlakyServer:
@@ -300,10 +315,11 @@ def test_sglang_documented_metrics_become_a_snapshot(sglang_server: ServerThread
 def test_vllm_source_is_read_only(vllm_server: ServerThread) -> None:
     source = VllmMetricsSource(vllm_server.url)
     with pytest.raises(SourceError, match="read-only"):
-        source.update_config(max_num_batched_tokens=512)
-    with pytest.raises(SourceError):
-        source.pause()
-    assert source.slow_queries() == []
+        facet(source, Tunable)
+    with pytest.raises(SourceError, match="cannot be paused"):
+        facet(source, Pausable)
+    with pytest.raises(SourceError, match="no slow queries"):
+        facet(source, SlowQueryStore)
     source.close()
 
 
@@ -354,12 +370,9 @@ def test_attach_targets_name_the_fix() -> None:
 async def _first_snapshot(pilot: Pilot) -> Snapshot:
     app = pilot.app
     assert isinstance(app, TokenflowApp)
-    for _ in range(500):
-        if app.latest is not None:
-            break
-        await pilot.pause(FAST_POLL_S)
+    await until(pilot, lambda: app.latest is not None, "a first snapshot")
     await pilot.pause()
-    assert app.latest is not None, "the console never received a snapshot"
+    assert app.latest is not None
     return app.latest
 
 

@@ -2,9 +2,10 @@
 
 One event loop on a background thread polls every member on its own schedule with httpx's
 async client, so a slow or dead server never holds the others back. Every Source call goes
-to the selected member (the console's tabs); `rows()` is the fleet overview: one row per
-server, worst first. A server that stops answering shows as down with the time it was last
-seen, and comes back by itself when it answers again (Remote's back-off paces the retries).
+to the selected member (the console's tabs), and the fleet can do what that member can: its
+capabilities follow the selection. `rows()` is the fleet overview: one row per server, worst
+first. A server that stops answering shows as down with the time it was last seen, and comes
+back by itself when it answers again (Remote's back-off paces the retries).
 """
 
 from __future__ import annotations
@@ -17,7 +18,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from console.sources.base import Progress, Source, SourceError
+from console.sources.base import (
+    Calibrating,
+    CalibrationStore,
+    Capabilities,
+    ConfigHistory,
+    Pausable,
+    Progress,
+    SlowQueryStore,
+    Source,
+    SourceError,
+    Tunable,
+    facet,
+)
 from console.sources.remote import TIMEOUT_S
 from engine.errors import EngineError
 from engine.snapshot import Snapshot
@@ -138,6 +151,10 @@ class FleetSource:
     def name(self) -> str:
         return f"[{self.selected + 1}/{len(self.members)}] {self.active.name}"
 
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.active.capabilities
+
     def select(self, index: int) -> None:
         if not 0 <= index < len(self.members):
             raise SourceError(f"no server {index + 1}: the fleet has {len(self.members)}")
@@ -170,32 +187,33 @@ class FleetSource:
             raise SourceError(state.error or f"{_label(state.source)} has not answered yet")
         return state.snapshot
 
+    # Each facet goes to the selected member, refused with its reason where it lacks it.
     def update_config(self, **changes: Any) -> dict[str, Any]:
-        return self.active.update_config(**changes)
+        return facet(self.active, Tunable).update_config(**changes)
 
     def pause(self) -> None:
-        self.active.pause()
+        facet(self.active, Pausable).pause()
 
     def resume(self) -> None:
-        self.active.resume()
+        facet(self.active, Pausable).resume()
 
     def slow_queries(self, limit: int = 500) -> list[SlowQueryRecord]:
-        return self.active.slow_queries(limit)
+        return facet(self.active, SlowQueryStore).slow_queries(limit)
 
     def slow_query(self, query_id: int) -> SlowQueryRecord:
-        return self.active.slow_query(query_id)
+        return facet(self.active, SlowQueryStore).slow_query(query_id)
 
     def calibration_history(self) -> list[CalibrationRecord]:
-        return self.active.calibration_history()
+        return facet(self.active, CalibrationStore).calibration_history()
 
     def drift_events(self) -> list[DriftRecord]:
-        return self.active.drift_events()
+        return facet(self.active, CalibrationStore).drift_events()
 
     def config_changes(self) -> list[ConfigChangeRecord]:
-        return self.active.config_changes()
+        return facet(self.active, ConfigHistory).config_changes()
 
     def recalibrate(self, progress: Progress) -> CalibrationRecord:
-        return self.active.recalibrate(progress)
+        return facet(self.active, Calibrating).recalibrate(progress)
 
     def close(self) -> None:
         for task in self.tasks:

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import httpx
 
 from console.sources.base import SourceError
-
-if TYPE_CHECKING:
-    from engine.store import CalibrationRecord, ConfigChangeRecord, DriftRecord
 
 FIRST_DELAY_S = 0.5
 MAX_DELAY_S = 10.0
@@ -105,7 +102,7 @@ def error_message(response: httpx.Response) -> str:
 
 class RemoteBacked:
     """What every HTTP-backed source shares: its name (offline marked), whether the server
-    answered last time and why not, the store history it cannot read, and closing."""
+    answered last time and why not, and closing."""
 
     remote: Remote
     label: ClassVar[str]  # "attach", "vLLM": what kind of server the URL is
@@ -121,16 +118,6 @@ class RemoteBacked:
     @property
     def last_error(self) -> str:
         return self.remote.last_error
-
-    # The server's own store (calibrations, drift, config history) is not readable over HTTP.
-    def calibration_history(self) -> list[CalibrationRecord]:
-        return []
-
-    def drift_events(self) -> list[DriftRecord]:
-        return []
-
-    def config_changes(self) -> list[ConfigChangeRecord]:
-        return []
 
     def close(self) -> None:
         self.remote.close()

@@ -11,11 +11,11 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import httpx
 
-from console.sources.base import Progress, SourceError
+from console.sources.base import Capabilities, Capability, SourceError
 from console.sources.device_peak import PeakLookup, lookup_peaks
 from console.sources.prometheus_text import MetricWindow, Reading, Samples, first, parse_samples
 from console.sources.remote import Remote, RemoteBacked
@@ -23,7 +23,7 @@ from engine.snapshot import RequestView, Snapshot
 
 if TYPE_CHECKING:
     from engine.serve.otlp import TraceCollector
-    from engine.store import CalibrationRecord, SlowQueryRecord
+    from engine.store import SlowQueryRecord
 
 
 class ScrapedSource(RemoteBacked, ABC):
@@ -48,6 +48,25 @@ class ScrapedSource(RemoteBacked, ABC):
         # Spans name their server only by service.name: with one traced server every span is
         # its own (None); in a fleet each server is started with OTEL_SERVICE_NAME=<its URL>.
         self.trace_source: str | None = None
+
+    @property
+    def capabilities(self) -> Capabilities:
+        why_not = {
+            Capability.TUNE: f"a {self.label} server is read-only here: change its flags and "
+                             "restart it",
+            Capability.PAUSE: f"a {self.label} server cannot be paused from tokenflow",
+            Capability.CALIBRATE: f"tokenflow cannot calibrate a {self.label} server",
+            Capability.DRIFT: f"{self.label} keeps no token-budget calibration",
+            Capability.CONFIG_HISTORY: f"{self.label} keeps no configuration history",
+            Capability.WATERMARKS: f"{self.label} admits by its own rules, not tokenflow's "
+                                   "watermarks",
+            Capability.CHUNK_QUEUE: f"{self.label}'s /metrics has no chunk queue (tokens per "
+                                    "step stand in)",
+        }
+        if self.traces is None:
+            why_not[Capability.SLOW_QUERIES] = ("budget scores come from request traces: "
+                                                "attach with --otlp-listen")
+        return Capabilities.lacking(why_not)
 
     def snapshot(self) -> Snapshot:
         return self.read(self.remote.request("GET", "/metrics"))
@@ -99,16 +118,6 @@ class ScrapedSource(RemoteBacked, ABC):
     def traced_slow_total(self) -> int:
         return 0 if self.traces is None else self.traces.slow_total(self.trace_source)
 
-    def update_config(self, **changes: Any) -> dict[str, Any]:
-        raise SourceError(f"a {self.label} server is read-only here: change its flags "
-                          "and restart it")
-
-    def pause(self) -> None:
-        raise SourceError(f"a {self.label} server cannot be paused from tokenflow")
-
-    def resume(self) -> None:
-        raise SourceError(f"a {self.label} server cannot be paused from tokenflow")
-
     def slow_queries(self, limit: int = 500) -> list[SlowQueryRecord]:
         return [] if self.traces is None else self.traces.slow_queries(self.trace_source, limit)
 
@@ -118,9 +127,6 @@ class ScrapedSource(RemoteBacked, ABC):
                 return record
         raise SourceError(f"no traced slow query {query_id} from {self.remote.url}; "
                           "slow queries come from traces (--otlp-listen)")
-
-    def recalibrate(self, progress: Progress) -> CalibrationRecord:
-        raise SourceError(f"tokenflow cannot calibrate a {self.label} server")
 
 
 def model_label(samples: Samples, fallback: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from textual.app import ComposeResult
+from textual.message import Message
 from textual.widgets import DataTable, Static
 
 from console.sources.fleet import FleetSource
@@ -12,6 +13,13 @@ from engine.snapshot import Snapshot
 
 
 class FleetScreen(ConsoleScreen):
+    class ServerChosen(Message):
+        """Enter on a row: the app switches the fleet to that server and shows it live."""
+
+        def __init__(self, index: int) -> None:
+            super().__init__()
+            self.index = index
+
     def compose(self) -> ComposeResult:
         yield from self.compose_header()
         yield Static(id="fleet-note")
@@ -30,7 +38,7 @@ class FleetScreen(ConsoleScreen):
         self._refresh_rows()
 
     def _refresh_rows(self) -> None:
-        source = self.console.source
+        source = self.state.source
         note = self.query_one("#fleet-note", Static)
         if not isinstance(source, FleetSource):
             note.update("one server attached: pass several --attach URLs for a fleet")
@@ -39,7 +47,5 @@ class FleetScreen(ConsoleScreen):
         self.query_one(FleetTable).update_from(source.rows())
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
-        source = self.console.source
-        if isinstance(source, FleetSource) and event.row_key.value is not None:
-            self.console.select_server(int(event.row_key.value) - 1)
-            self.console.switch_mode("live")
+        if isinstance(self.state.source, FleetSource) and event.row_key.value is not None:
+            self.post_message(self.ServerChosen(int(event.row_key.value) - 1))

@@ -8,6 +8,7 @@ from textual.containers import Vertical
 from textual.widgets import Static
 
 from console.tui.history import MetricHistory
+from console.tui.settings import setting
 from console.tui.widgets.gauge import gauge, level_style
 from console.tui.widgets.header import MODE_STYLES
 from console.tui.widgets.plot import Plot, Series
@@ -25,17 +26,17 @@ class CachePressure(Vertical):
         yield Static(id="kv-gauge")
         yield Plot(y_limits=(0.0, 1.0), id="kv-plot")
 
-    def update_from(self, snapshot: Snapshot, history: MetricHistory) -> None:
-        config = snapshot.config
-        # Watermarks are tokenflow's preemption policy; other engines have none to draw.
-        marks = tuple(float(config[k]) for k in ("cache_low_watermark", "cache_high_watermark")
-                      if k in config)
-        low, high = marks if len(marks) == 2 else (0.70, 0.85)  # colours only, without marks
+    def update_from(self, snapshot: Snapshot, history: MetricHistory, *,
+                    watermarks: bool = True) -> None:
+        """`watermarks`: whether tokenflow's KV watermarks govern this engine; without them
+        the gauge has no marks and the plot no watermark lines."""
+        marks = (setting(snapshot.config, "cache_low_watermark"),
+                 setting(snapshot.config, "cache_high_watermark")) if watermarks else ()
+        style = level_style(snapshot.kv_usage, *marks) if marks else "bold"
         width = max(self.content_size.width - 6, 4)
         line = Text(no_wrap=True, overflow="ellipsis")
-        line.append(f"{snapshot.kv_usage:>4.0%} ", style=level_style(snapshot.kv_usage, low, high))
-        line.append_text(gauge(snapshot.kv_usage, width, marks,
-                               style=level_style(snapshot.kv_usage, low, high)))
+        line.append(f"{snapshot.kv_usage:>4.0%} ", style=style)
+        line.append_text(gauge(snapshot.kv_usage, width, marks, style=style))
         line.append(f"\n{snapshot.kv_blocks_used}/{snapshot.kv_blocks_total} blocks")
         if snapshot.kv_block_size > 1:
             line.append(f" × {snapshot.kv_block_size} tokens")

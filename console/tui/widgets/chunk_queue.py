@@ -10,6 +10,7 @@ from rich.text import Text
 from textual.widget import Widget
 
 from console.tui.widgets.gauge import gauge
+from console.tui.widgets.notice import unavailable
 from engine.snapshot import Percentiles, RequestView, Snapshot
 
 PREFILLING = ("PREFILL_CHUNKING",)
@@ -25,17 +26,22 @@ class ChunkQueue(Widget):
         self._length = 0
         self._prefilling: tuple[RequestView, ...] = ()
         self._scraped: Snapshot | None = None
+        self._refusal: str | None = None
 
-    def update_from(self, snapshot: Snapshot) -> None:
+    def update_from(self, snapshot: Snapshot, refusal: str | None = None) -> None:
+        """`refusal`: why this source has no chunk queue to show, if it has none."""
         self._length = snapshot.chunk_queue_length
         self._prefilling = tuple(r for r in snapshot.requests if r.state in PREFILLING)
         self._scraped = snapshot if snapshot.mode in SCRAPED_MODES else None
         self.border_title = "Tokens per step" if self._scraped else "Chunk queue"
+        self._refusal = refusal
         self.refresh()
 
     def render(self) -> Text:
-        if self._scraped is not None:
+        if self._scraped is not None:  # another engine's steps stand in for the chunk queue
             return self._render_steps(self._scraped)
+        if self._refusal is not None:
+            return unavailable(self._refusal)
         width, height = self.size.width, self.size.height
         text = Text(no_wrap=True, overflow="ellipsis")
         text.append(f"{self._length}", style="bold cyan")
