@@ -43,6 +43,9 @@ class Snapshot:
     mode: str = "NORMAL"
     mode_reason: str = ""
     paused: bool = False
+    # requests/s the embedded console's own traffic arrives at; None: it plays none, or none
+    # with a rate (sent all at once)
+    workload_rate: float | None = None
     step: int = 0
     config: dict[str, Any] = field(default_factory=dict)
     requests: tuple[RequestView, ...] = ()

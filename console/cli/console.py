@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from console.cli.workload_flags import add_rate_flag
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
@@ -26,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: auto)")
     parser.add_argument("--workload", default="mixed",
                         help="mixed, chat, long-doc or trace:FILE (default: mixed)")
+    add_rate_flag(parser)
     parser.add_argument("--db", type=Path, help="SQLite store (default: the user data dir); "
                         "with --otlp-listen, where traced requests are kept")
     parser.add_argument("--attach", action="append", metavar="URL", default=[],
@@ -69,6 +72,7 @@ def conflict(args: argparse.Namespace) -> str | None:
     if attach_only and not attached:
         return f"{', '.join(attach_only)} describe attached servers; add --attach URL"
     engine_flags = [flag for flag, value in (("--model", args.model), ("--device", args.device),
+                                             ("--rate", args.rate is not None),
                                              ("--db", args.db and not args.otlp_listen))
                     if value]
     if chosen and engine_flags:
@@ -88,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         from console.sources.process import ProcessSource
 
         engine = ProcessSource.launch(model=args.model, device=args.device,
-                                      workload=args.workload, db=args.db)
+                                      workload=args.workload, rate=args.rate, db=args.db)
     from console.tui.app import run  # Textual and the screens: seconds, overlapping the child's
 
     return run(args, engine)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from engine.core.engine import Engine
-from engine.harness.workload import WorkloadRequest, build_workload, default_length_scale
+if TYPE_CHECKING:  # the engine pulls in torch: kept off the console's launch path (--rate)
+    from engine.core.engine import Engine
+    from engine.harness.workload import WorkloadRequest
 
 
 def add_workload_flags(parser: argparse.ArgumentParser, default: str = "mixed") -> None:
@@ -14,9 +16,7 @@ def add_workload_flags(parser: argparse.ArgumentParser, default: str = "mixed") 
                        help="long-doc, chat, mixed, conv, code (the Azure traces) or trace:FILE")
     group.add_argument("--num-requests", type=int, default=None,
                        help="requests to send (default: the profile's own count)")
-    group.add_argument("--rate", type=float, default=None,
-                       help="arrivals per second (Poisson for profiles; traces keep their "
-                            "pattern, rescaled to this mean rate); inf sends all at once")
+    add_rate_flag(group)
     group.add_argument("--length-scale", type=float, default=None,
                        help="multiply prompt and output lengths (default 1/8 on CPU, 1 on GPU)")
     group.add_argument("--time-scale", type=float, default=1.0,
@@ -24,7 +24,16 @@ def add_workload_flags(parser: argparse.ArgumentParser, default: str = "mixed") 
     group.add_argument("--workload-seed", type=int, default=0)
 
 
+def add_rate_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """--rate, for `run`, `bench` and the console (where the Tuning screen turns it live)."""
+    parser.add_argument("--rate", type=float, default=None,
+                        help="arrivals per second (Poisson for profiles; traces keep their "
+                             "pattern, rescaled to this mean rate); inf sends all at once")
+
+
 def workload_for(args: argparse.Namespace, engine: Engine) -> list[WorkloadRequest]:
+    from engine.harness.workload import build_workload, default_length_scale
+
     scale = args.length_scale
     if scale is None:
         scale = default_length_scale(engine.runner.device.type)

@@ -44,6 +44,7 @@ class Capability(enum.Enum):
     WATERMARKS = "watermarks"
     # The snapshot carries the chunk queue and each request's prefill progress.
     CHUNK_QUEUE = "chunk queue"
+    TRAFFIC = "the arrival rate"  # Traffic: the console's own workload, played at a set rate
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,12 @@ class SlowQueryStore(Source, Protocol):
     def slow_query(self, query_id: int) -> SlowQueryRecord: ...
 
 
+class Traffic(Source, Protocol):
+    def set_arrival_rate(self, rate: float) -> float:
+        """Play the console's workload at `rate` requests/s from now on (SourceError if not)."""
+        ...
+
+
 class CalibrationStore(Source, Protocol):
     def calibration_history(self) -> list[CalibrationRecord]: ...
 
@@ -134,6 +141,7 @@ FACETS: dict[type[Source], Capability] = {
     SlowQueryStore: Capability.SLOW_QUERIES,
     CalibrationStore: Capability.DRIFT,
     ConfigHistory: Capability.CONFIG_HISTORY,
+    Traffic: Capability.TRAFFIC,
 }
 
 

@@ -113,7 +113,14 @@ class EmbeddedSource:
     def snapshot(self) -> Snapshot:
         if self.loop.error is not None:
             raise SourceError(f"the engine stopped: {self.loop.error!r}")
-        return dataclasses.replace(self.loop.snapshot(), paused=self.loop.paused)
+        return dataclasses.replace(self.loop.snapshot(), paused=self.loop.paused,
+                                   workload_rate=self.loop.arrival_rate)
+
+    def set_arrival_rate(self, rate: float) -> float:
+        try:
+            return self.loop.set_arrival_rate(rate)
+        except ValueError as exc:
+            raise SourceError(str(exc)) from None
 
     def update_config(self, **changes: Any) -> dict[str, Any]:
         return self.loop.update_config("console", **changes).live_values()

@@ -42,6 +42,7 @@ class HttpSource(RemoteBacked):
                               f"store: run `tokenflow calibrate` {there}",
             Capability.CONFIG_HISTORY: "the server keeps its configuration history in its own "
                                        "store, which HTTP does not publish",
+            Capability.TRAFFIC: "a server's traffic comes from its clients, not the console",
         })
 
     def snapshot(self) -> Snapshot:

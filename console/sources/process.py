@@ -34,7 +34,8 @@ if TYPE_CHECKING:  # the store pulls in SQLAlchemy: kept off the launch path
 
 # The Source methods a child answers; anything else is refused.
 CALLS = frozenset({"snapshot", "update_config", "pause", "resume", "slow_queries", "slow_query",
-                   "calibration_history", "drift_events", "config_changes", "recalibrate"})
+                   "calibration_history", "drift_events", "config_changes", "recalibrate",
+                   "set_arrival_rate"})
 CLOSE_TIMEOUT_S = 15.0
 
 
@@ -94,6 +95,9 @@ class ProcessSource:
 
     def update_config(self, **changes: Any) -> dict[str, Any]:
         return self._call("update_config", **changes)
+
+    def set_arrival_rate(self, rate: float) -> float:
+        return self._call("set_arrival_rate", rate)
 
     def pause(self) -> None:
         self._call("pause")

@@ -76,6 +76,7 @@ class ReplaySource:
         Capability.TUNE: "a recorded session is read-only; start the console on an engine to tune",
         Capability.CALIBRATE: "a recorded session cannot recalibrate; start the console on an "
                               "engine",
+        Capability.TRAFFIC: "a recorded session's traffic is what it was",
     })
 
     def __init__(self, path: Path, speed: float = 1.0,

@@ -58,6 +58,7 @@ class ScrapedSource(RemoteBacked, ABC):
             Capability.CALIBRATE: f"tokenflow cannot calibrate a {self.label} server",
             Capability.DRIFT: f"{self.label} keeps no token-budget calibration",
             Capability.CONFIG_HISTORY: f"{self.label} keeps no configuration history",
+            Capability.TRAFFIC: f"a {self.label} server's traffic comes from its clients",
             Capability.WATERMARKS: f"{self.label} admits by its own rules, not tokenflow's "
                                    "watermarks",
             Capability.CHUNK_QUEUE: f"{self.label}'s /metrics has no chunk queue (tokens per "

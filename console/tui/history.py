@@ -1,4 +1,5 @@
-"""Bounded metric histories fed by polled snapshots, and downsampling to a plot's width."""
+"""Bounded metric histories fed by polled snapshots, the changes seen in them, and
+downsampling to a plot's width."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from dataclasses import dataclass, field
 
 from engine.snapshot import Snapshot
 
-# Each series is one number read from a snapshot; None (no sample yet) is skipped.
+# Each series is one number read from a snapshot (or the difference of two); None (no sample
+# yet) is skipped.
 SERIES: dict[str, str] = {
     "kv_usage": "KV usage",
     "bandwidth_util_5s": "bandwidth 5 s avg",
@@ -22,7 +24,16 @@ SERIES: dict[str, str] = {
     "chunk_queue_length": "chunk queue",
     "num_waiting": "waiting",
     "preemptions_total": "preemptions",
+    "cstar": "C*",
+    "arrival_rate": "arrivals/s",
+    "finish_rate": "finished/s",
 }
+
+# The live-tunable settings whose changes are marked on the time charts.
+MARKED = ("max_num_batched_tokens", "chunk_tile", "max_prefill_chunks",
+          "long_prefill_threshold", "cache_high_watermark", "cache_low_watermark",
+          "bandwidth_throttle_2", "bandwidth_throttle_1", "bandwidth_pause",
+          "slow_query_threshold", "auto_budget")
 
 
 def _read(snapshot: Snapshot) -> dict[str, float | None]:
@@ -40,16 +51,41 @@ def _read(snapshot: Snapshot) -> dict[str, float | None]:
         "chunk_queue_length": float(snapshot.chunk_queue_length),
         "num_waiting": float(snapshot.num_waiting),
         "preemptions_total": float(snapshot.preemptions_total),
+        "cstar": None if snapshot.recommended_chunk_size is None
+        else float(snapshot.recommended_chunk_size),
     }
+
+
+def arrived(snapshot: Snapshot) -> int:
+    """Requests that have entered the engine: those done, refused or failed, and those in it."""
+    return (snapshot.requests_finished_total + snapshot.requests_rejected_total
+            + snapshot.requests_failed_total + snapshot.num_running + snapshot.num_waiting)
+
+
+@dataclass(frozen=True)
+class Change:
+    """A live setting seen to change between two snapshots: a mark on every time chart."""
+
+    ts: float  # the snapshot time it was first seen at
+    field: str
+    old: object
+    new: object
+
+    @property
+    def label(self) -> str:
+        return f"{self.field} {self.old}→{self.new}"
 
 
 @dataclass
 class MetricHistory:
-    """The last `capacity` samples of every series in SERIES, with their snapshot times."""
+    """The last `capacity` samples of every series in SERIES, with their snapshot times, and
+    the changes of the live settings seen over them."""
 
     capacity: int = 600  # five minutes at 2 Hz
     samples: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
+    changes: deque[Change] = field(default_factory=lambda: deque(maxlen=100))
     last_step: int = -1
+    _previous: Snapshot | None = None
 
     def __post_init__(self) -> None:
         self.samples = {name: deque(maxlen=self.capacity) for name in SERIES}
@@ -59,18 +95,56 @@ class MetricHistory:
         if snapshot.step == self.last_step:
             return
         self.last_step = snapshot.step
-        for name, value in _read(snapshot).items():
+        values = _read(snapshot)
+        previous = self._previous
+        if previous is not None and snapshot.ts > previous.ts:
+            elapsed = snapshot.ts - previous.ts
+            values["arrival_rate"] = max(arrived(snapshot) - arrived(previous), 0) / elapsed
+            values["finish_rate"] = max(snapshot.requests_finished_total
+                                        - previous.requests_finished_total, 0) / elapsed
+            for name in MARKED:
+                old, new = previous.config.get(name), snapshot.config.get(name)
+                if old != new and old is not None and new is not None:
+                    self.changes.append(Change(snapshot.ts, name, old, new))
+        self._previous = snapshot
+        for name, value in values.items():
             if value is not None:
                 self.samples[name].append((snapshot.ts, float(value)))
+        self._forget_old_changes()
+
+    def _forget_old_changes(self) -> None:
+        oldest = self.oldest_ts
+        while self.changes and oldest is not None and self.changes[0].ts < oldest:
+            self.changes.popleft()
 
     def clear(self) -> None:
         """Forget every series (the console switched to another server)."""
         for series in self.samples.values():
             series.clear()
+        self.changes.clear()
         self.last_step = -1
+        self._previous = None
 
     def values(self, name: str) -> list[float]:
         return [value for _, value in self.samples[name]]
+
+    def points(self, name: str) -> tuple[tuple[float, float], ...]:
+        """(snapshot time, value) of every sample of `name`, oldest first."""
+        return tuple(self.samples[name])
+
+    @property
+    def change_times(self) -> tuple[float, ...]:
+        """When each change in view was first seen: the marks on every time chart."""
+        return tuple(change.ts for change in self.changes)
+
+    @property
+    def newest_ts(self) -> float | None:
+        return self._previous.ts if self._previous is not None else None
+
+    @property
+    def oldest_ts(self) -> float | None:
+        firsts = [series[0][0] for series in self.samples.values() if series]
+        return min(firsts) if firsts else None
 
     def window(self, name: str, seconds: float) -> list[float]:
         """Samples of `name` taken within `seconds` of its newest sample."""
@@ -79,6 +153,11 @@ class MetricHistory:
             return []
         newest = series[-1][0]
         return [value for ts, value in series if newest - ts <= seconds]
+
+    def mean_between(self, name: str, start: float, end: float) -> float | None:
+        """The mean of `name` over snapshot times in [start, end); None without a sample."""
+        inside = [value for ts, value in self.samples[name] if start <= ts < end]
+        return sum(inside) / len(inside) if inside else None
 
 
 def downsample(values: list[float], width: int) -> list[float]:

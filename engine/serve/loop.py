@@ -49,7 +49,10 @@ class EngineLoop:
         self._snapshot = engine.snapshot()
         self._snapshot_at = 0.0
         self._workload: deque[WorkloadRequest] = deque()
-        self._workload_start = 0.0
+        self._workload_start = 0.0  # real time at which the workload's clock read _played_s
+        self._played_s = 0.0  # the workload's own clock (its arrival times) at _workload_start
+        self._speed = 1.0  # workload seconds per real second: the arrival rate's multiplier
+        self._base_rate: float | None = None  # the workload's own mean arrival rate
         self._workload_cycle: list[WorkloadRequest] | None = None
         self._cycle_count = 0
         self.error: BaseException | None = None
@@ -121,9 +124,35 @@ class EngineLoop:
         def install() -> None:
             self._workload = deque(workload)
             self._workload_start = time.monotonic()
+            self._played_s = 0.0
             self._workload_cycle = list(workload) if repeat else None
             self._cycle_count = first_cycle
+        last = max((item.arrival_s for item in workload), default=0.0)
+        # all at once (or one request) has no rate to turn
+        self._base_rate = len(workload) / last if last > 0 else None
         self._enqueue(install)
+
+    @property
+    def arrival_rate(self) -> float | None:
+        """Requests per second the played workload arrives at now; None with no rate to set."""
+        return None if self._base_rate is None else self._base_rate * self._speed
+
+    def set_arrival_rate(self, rate: float) -> float:
+        """Play the workload at `rate` requests/s from now on (0 holds arrivals); its pattern
+        of gaps is kept, stretched or squeezed. Raises ValueError when it cannot be set."""
+        if self._base_rate is None:
+            raise ValueError("no workload with a rate is playing (one sent all at once has none)")
+        if not (rate >= 0 and rate < float("inf")):
+            raise ValueError(f"the arrival rate must be a finite number >= 0, got {rate}")
+        speed = rate / self._base_rate
+
+        def retime() -> None:
+            now = time.monotonic()
+            self._played_s = self._workload_clock(now)
+            self._workload_start = now
+            self._speed = speed
+        self._enqueue(retime)
+        return rate
 
     # --- the loop thread ----------------------------------------------------------------
     def _enqueue(self, command: Callable[[], None]) -> None:
@@ -167,14 +196,18 @@ class EngineLoop:
     def _has_work(self) -> bool:
         return not self._paused and self.engine.has_unfinished()
 
+    def _workload_clock(self, now: float) -> float:
+        """Where the workload's own clock stands at real time `now`."""
+        return self._played_s + (now - self._workload_start) * self._speed
+
     def _idle_timeout(self) -> float:
-        if self._workload:
-            due = self._workload_start + self._workload[0].arrival_s - time.monotonic()
-            return max(0.0, min(due, self.snapshot_interval_s))
+        if self._workload and self._speed > 0:
+            ahead = self._workload[0].arrival_s - self._workload_clock(time.monotonic())
+            return max(0.0, min(ahead / self._speed, self.snapshot_interval_s))
         return self.snapshot_interval_s
 
     def _feed_workload(self) -> None:
-        elapsed = time.monotonic() - self._workload_start
+        elapsed = self._workload_clock(time.monotonic())
         while self._workload and self._workload[0].arrival_s <= elapsed:
             item = self._workload.popleft()
             self.engine.add_request(list(item.prompt_token_ids), item.sampling_params(),
@@ -185,6 +218,7 @@ class EngineLoop:
             self._cycle_count += 1
             self._workload = deque(self._workload_cycle)
             self._workload_start = time.monotonic()
+            self._played_s = 0.0
 
     def _deliver(self, output: RequestOutput) -> None:
         callback = self._callbacks.get(output.request_id)

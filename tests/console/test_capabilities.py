@@ -57,12 +57,13 @@ def test_every_capability_is_either_offered_or_explained() -> None:
 def test_each_source_declares_its_own() -> None:
     assert EmbeddedSource.capabilities == ProcessSource.capabilities == Capabilities.everything()
     assert ReplaySource.capabilities.available == frozenset(Capability) - {
-        Capability.TUNE, Capability.CALIBRATE}
+        Capability.TUNE, Capability.CALIBRATE, Capability.TRAFFIC}
     assert VllmMetricsSource.capabilities.available == frozenset()
     http = HttpSource("http://tf.test", token="")
     offered = {Capability.TUNE, Capability.PAUSE, Capability.SLOW_QUERIES}
     assert offered <= http.capabilities.available
     assert "tokenflow calibrate" in (http.capabilities.refusal(Capability.CALIBRATE) or "")
+    assert Capability.TRAFFIC not in http.capabilities  # its clients send the traffic
     http.close()
 
 

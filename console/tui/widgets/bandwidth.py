@@ -10,7 +10,7 @@ from textual.widgets import Static
 from console.tui.history import MetricHistory
 from console.tui.settings import setting
 from console.tui.widgets.gauge import level_style
-from console.tui.widgets.plot import Plot, Series
+from console.tui.widgets.plot import Line, Plot, Series, percent
 from engine.snapshot import Snapshot
 
 THROTTLE_LEVELS = ("none", "concurrency 2", "concurrency 1", "prefills paused")
@@ -25,7 +25,7 @@ class Bandwidth(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Static(id="bandwidth-line")
-        yield Plot(y_limits=(0.0, 1.0), id="bandwidth-plot")
+        yield Plot(y_limits=(0.0, 1.0), unit=percent, id="bandwidth-plot")
 
     def update_from(self, snapshot: Snapshot, history: MetricHistory, *,
                     throttles: bool = True) -> None:
@@ -35,14 +35,16 @@ class Bandwidth(Vertical):
         throttle = setting(config, "bandwidth_throttle_2")
         pause = setting(config, "bandwidth_pause")
         line = Text(no_wrap=True, overflow="ellipsis")
-        if snapshot.bandwidth_bytes_per_s is not None:  # an attached server's estimate
-            line.append(f"{snapshot.bandwidth_bytes_per_s / 1e9:.2f} GB/s ", style="bold")
         if snapshot.bandwidth_note:  # the share cannot be shown: say why instead of "0%"
+            if snapshot.bandwidth_bytes_per_s is not None:
+                line.append(f"{snapshot.bandwidth_bytes_per_s / 1e9:.2f} GB/s ", style="bold")
             line.append(snapshot.bandwidth_note, style="dim")
         else:
             line.append(f"{snapshot.bandwidth_util_5s:.0%}",
                         style=level_style(snapshot.bandwidth_util_5s, throttle, pause)
                         if throttles else "bold")
+            if snapshot.bandwidth_bytes_per_s is not None:
+                line.append(f" {snapshot.bandwidth_bytes_per_s / 1e9:.2f} GB/s", style="bold")
             span = "5 s avg" if not snapshot.window_s else "of peak"
             line.append(f" {span} · {snapshot.bandwidth_source}")
         if throttles:
@@ -50,6 +52,8 @@ class Bandwidth(Vertical):
             line.append("\nthrottle ")
             line.append(f"{level} {THROTTLE_LEVELS[level]}", style="bold" if level else "green")
         self.query_one("#bandwidth-line", Static).update(line)
+        lines = (Line(throttle, f"throttle {throttle:.0%}"),
+                 Line(pause, f"pause {pause:.0%}", "red")) if throttles else ()
         self.query_one(Plot).show(
-            (Series("bandwidth", tuple(history.values("bandwidth_util_5s"))),),
-            lines=(throttle,) if throttles else ())
+            (Series.of("bandwidth 5 s avg", history.points("bandwidth_util_5s")),),
+            lines=lines, marks=history.change_times, now=history.newest_ts)

@@ -11,7 +11,7 @@ from console.tui.history import MetricHistory
 from console.tui.settings import setting
 from console.tui.widgets.gauge import gauge, level_style
 from console.tui.widgets.header import MODE_STYLES
-from console.tui.widgets.plot import Plot, Series
+from console.tui.widgets.plot import Line, Plot, Series, percent
 from engine.snapshot import Snapshot
 
 
@@ -24,7 +24,7 @@ class CachePressure(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Static(id="kv-gauge")
-        yield Plot(y_limits=(0.0, 1.0), id="kv-plot")
+        yield Plot(y_limits=(0.0, 1.0), unit=percent, id="kv-plot")
 
     def update_from(self, snapshot: Snapshot, history: MetricHistory, *,
                     watermarks: bool = True) -> None:
@@ -41,11 +41,15 @@ class CachePressure(Vertical):
         if snapshot.kv_block_size > 1:
             line.append(f" × {snapshot.kv_block_size} tokens")
         if snapshot.kv_bytes_total:
-            line.append(f" · {snapshot.kv_bytes_total / 2**30:.2f} GiB")
+            line.append(f" · {snapshot.kv_usage * snapshot.kv_bytes_total / 2**30:.2f}/"
+                        f"{snapshot.kv_bytes_total / 2**30:.2f} GiB")
         if snapshot.prefix_cache_hit_rate is not None:
             line.append(f" · prefix hits {snapshot.prefix_cache_hit_rate:.0%}")
         line.append("  ")
         line.append(snapshot.mode, style=MODE_STYLES.get(snapshot.mode, "bold"))
         self.query_one("#kv-gauge", Static).update(line)
-        self.query_one(Plot).show((Series("KV usage", tuple(history.values("kv_usage"))),),
-                                  lines=marks)
+        lines = (Line(marks[0], f"low {marks[0]:.0%}", "green"),
+                 Line(marks[1], f"high {marks[1]:.0%}", "red")) if marks else ()
+        self.query_one(Plot).show((Series.of("KV usage", history.points("kv_usage")),),
+                                  lines=lines, marks=history.change_times,
+                                  now=history.newest_ts)

@@ -1,18 +1,43 @@
-"""The header line: scheduler mode, token budget, chunk size, recommended C* and tokens/s;
-or, while the source fails, what failed."""
+"""The header line: the engine's state, token budget, chunk size, recommended C* and tokens/s;
+or, while the source fails, what failed.
+
+The state is the scheduler's mode, and beside it what the mode alone does not say: a backlog
+of waiting requests, and KV usage above the high watermark. NORMAL is green only when neither
+holds."""
 
 from __future__ import annotations
 
 from rich.text import Text
 from textual.widgets import Static
 
+from console.tui.widgets.latency import LatencySLO
+from console.tui.widgets.plot import ms
 from engine.snapshot import Snapshot
+
+BACKLOG_MIN = 16  # fewer waiting requests than this is a queue, not a backlog
 
 MODE_STYLES = {
     "NORMAL": "bold green",
     "CACHE_PRESSURE_WAIT": "bold yellow",
     "BANDWIDTH_THROTTLE": "bold red",
 }
+
+
+def warnings(snapshot: Snapshot) -> list[tuple[str, str]]:
+    """What is wrong beside the mode, each with its style: a backlog (red once the median
+    first token is past twice its SLO), KV usage at or above the high watermark."""
+    out: list[tuple[str, str]] = []
+    waiting = snapshot.num_waiting
+    if waiting >= max(BACKLOG_MIN, snapshot.num_running):
+        slo = LatencySLO.of(snapshot)
+        ttft = snapshot.ttft_ms.p50
+        late = slo is not None and ttft is not None and ttft > 2 * slo.ttft_ms
+        note = f"BACKLOG {waiting} waiting" + (f", TTFT p50 {ms(ttft)}" if late and ttft else "")
+        out.append((note, "bold red" if late else "bold yellow"))
+    high = snapshot.config.get("cache_high_watermark")  # absent: not tokenflow's watermarks
+    if high is not None and snapshot.kv_usage >= float(high):
+        out.append((f"KV {snapshot.kv_usage:.0%} ≥ {float(high):.0%}", "bold yellow"))
+    return out
 
 
 def chunk_size(config: dict[str, object]) -> object:
@@ -30,7 +55,12 @@ class EngineHeader(Static):
         if snapshot.paused:
             text.append(" PAUSED ", style="bold reverse yellow")
             text.append(" ")
-        text.append(snapshot.mode, style=MODE_STYLES.get(snapshot.mode, "bold"))
+        wrong = warnings(snapshot)
+        style = MODE_STYLES.get(snapshot.mode, "bold")
+        text.append(snapshot.mode, style="bold yellow" if wrong and "green" in style else style)
+        for note, note_style in wrong:
+            text.append(" · ")
+            text.append(note, style=note_style)
         text.append(f"  budget {config.get('max_num_batched_tokens', '?')}")
         text.append(f"  chunk {chunk_size(config)}/tile {config.get('chunk_tile', '?')}")
         text.append(f"  C* {cstar if cstar is not None else '–'}", style="cyan")
