@@ -14,7 +14,7 @@ from textual.app import App
 from textual.dom import DOMNode
 from textual.message import Message
 
-from console.sources.base import Calibrating, Source, Tunable
+from console.sources.base import Calibrating, Source, Traffic, Tunable
 from console.sources.replay import SessionRecorder
 from engine.config import ConfigError
 from engine.errors import EngineError
@@ -157,5 +157,26 @@ def apply_config_in_worker(target: DOMNode, source: Tunable, changes: dict[str, 
             target.post_message(ConfigRejected(exc.field, exc.message))
         except (EngineError, OSError) as exc:
             target.post_message(ConfigRejected("", str(exc)))
+
+    target.run_worker(work, thread=True, group="config", exit_on_error=False)
+
+
+class RateSet(Message):
+    def __init__(self, rate: float) -> None:
+        super().__init__()
+        self.rate = rate
+
+
+RATE_FIELD = "arrival_rate"  # how a refused rate names itself to the form
+
+
+def set_rate_in_worker(target: DOMNode, source: Traffic, rate: float) -> None:
+    """Set the traffic's arrival rate on a worker thread; RateSet or ConfigRejected to `target`."""
+
+    def work() -> None:
+        try:
+            target.post_message(RateSet(source.set_arrival_rate(rate)))
+        except (EngineError, OSError) as exc:
+            target.post_message(ConfigRejected(RATE_FIELD, str(exc)))
 
     target.run_worker(work, thread=True, group="config", exit_on_error=False)

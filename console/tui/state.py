@@ -22,9 +22,12 @@ from console.sources.base import (
     Pausable,
     SlowQueryStore,
     Source,
+    Traffic,
     Tunable,
     facet,
 )
+from console.sources.fleet import FleetSource
+from console.sources.http import HttpSource
 from console.tui.collectors import (
     ConfigChangesLoaded,
     DriftLoaded,
@@ -32,8 +35,10 @@ from console.tui.collectors import (
     apply_config_in_worker,
     load_in_worker,
     recalibrate_in_worker,
+    set_rate_in_worker,
 )
 from console.tui.history import MetricHistory
+from console.tui.widgets.confirm import Confirm
 from engine.snapshot import Snapshot
 
 
@@ -64,11 +69,37 @@ class ConsoleState:
         """The console switched to another server: its series start afresh."""
         self.history.clear()
 
+    @property
+    def remote(self) -> bool:
+        """Whether the engine is a server attached over HTTP, which others may be using:
+        changes to it are confirmed first."""
+        source = self.source.active if isinstance(self.source, FleetSource) else self.source
+        return isinstance(source, HttpSource)
+
     # --- actions --------------------------------------------------------------------------
     def apply_config(self, node: DOMNode, changes: dict[str, Any]) -> str | None:
+        """Apply `changes` (on a remote server once the operator has said yes)."""
         refusal = self.refusal(Capability.TUNE)
+        if refusal is not None:
+            return refusal
+        tunable = facet(self.source, Tunable)
+        if not self.remote:
+            apply_config_in_worker(node, tunable, changes)
+            return None
+        listed = ", ".join(f"{name} → {value}" for name, value in changes.items())
+
+        def answered(yes: bool | None) -> None:
+            if yes:
+                apply_config_in_worker(node, tunable, changes)
+            else:
+                node.notify("not applied", timeout=2)
+        node.app.push_screen(Confirm(f"Change {self.source.name}?\n{listed}"), answered)
+        return None
+
+    def set_arrival_rate(self, node: DOMNode, rate: float) -> str | None:
+        refusal = self.refusal(Capability.TRAFFIC)
         if refusal is None:
-            apply_config_in_worker(node, facet(self.source, Tunable), changes)
+            set_rate_in_worker(node, facet(self.source, Traffic), rate)
         return refusal
 
     def apply_recommended(self, node: DOMNode) -> str | None:
@@ -80,6 +111,8 @@ class ConsoleState:
         budget = None if latest is None else latest.recommended_token_budget
         if budget is None:
             return "no recommended C* yet: it needs a calibrated budget model"
+        if latest is not None and latest.config.get("max_num_batched_tokens") == budget:
+            return f"unchanged: the token budget is already C*'s {budget}"
         # rounded by the engine's own policy, the one auto_budget uses (engine.budget.auto)
         return self.apply_config(node, {"max_num_batched_tokens": budget})
 

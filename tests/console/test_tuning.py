@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from textual.pilot import Pilot
@@ -14,7 +15,7 @@ from console.sources.embedded import EmbeddedSource
 from console.tui.app import TokenflowApp
 from console.tui.screens.tuning import TuningScreen
 from engine.config import EngineConfig
-from tests.console.conftest import until
+from tests.console.conftest import until, workers_done
 
 pytestmark = pytest.mark.anyio
 
@@ -24,6 +25,15 @@ async def tuning(tmp_path: Path) -> AsyncIterator[tuple[TokenflowApp, Pilot, Tun
     source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat",
                                   db=tmp_path / "t.db", config=EngineConfig(dtype="float32"))
     app = TokenflowApp(source, interval=0.05)
+    heard: list[str] = []
+    notify = app.notify
+
+    def hear(message: str, *args: Any, **kwargs: Any) -> None:
+        heard.append(str(message))
+        notify(message, *args, **kwargs)
+
+    app.notify = hear  # type: ignore[method-assign]
+    app.heard = heard  # type: ignore[attr-defined]
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.press("2")
         screen = app.screen
@@ -31,6 +41,11 @@ async def tuning(tmp_path: Path) -> AsyncIterator[tuple[TokenflowApp, Pilot, Tun
         box = screen.query_one("#input-max_num_batched_tokens", Input)
         await until(pilot, lambda: box.value, "the form filled from a snapshot")
         yield app, pilot, screen
+
+
+def said(app: TokenflowApp, words: str) -> bool:
+    """Whether a notification holding `words` was shown (kept by `heard`: toasts expire)."""
+    return any(words in message for message in app.heard)  # type: ignore[attr-defined]
 
 
 def note(screen: TuningScreen, field: str) -> str:
@@ -45,13 +60,68 @@ async def test_a_bad_value_is_refused_inline_and_changes_nothing(tuning) -> None
     box.value = "lots"
     await pilot.press("ctrl+s")
     await until(pilot, lambda: box.has_class("error"))
-    assert "expected int" in note(screen, "max_num_batched_tokens")
+    assert "expected a whole number" in note(screen, "max_num_batched_tokens")
     assert engine.config == before
 
-    box.value = "8"  # below the chunk tile: the engine's own validation names the field
+    # within its own range, but below the chunk tile: the engine's validation names the field
+    screen.query_one("#input-chunk_tile", Input).value = "512"
+    box.value = "256" if engine.config.max_num_batched_tokens != 256 else "320"
     await pilot.press("ctrl+s")
     await until(pilot, lambda: "chunk_tile" in note(screen, "max_num_batched_tokens"))
     assert engine.config == before
+
+
+async def test_a_range_error_shows_inline_as_it_is_typed(tuning) -> None:
+    """The slow-query threshold that once took 512 meant for the token budget."""
+    app, pilot, screen = tuning
+    engine = app.source.loop.engine
+    before = engine.config
+    box = screen.query_one("#input-slow_query_threshold", Input)
+    box.value = "512"
+    await pilot.pause()  # the Changed message is handled: no apply yet
+    assert box.has_class("error") and box.has_class("edited")
+    assert "must be in [1, 10]" in note(screen, "slow_query_threshold")
+    assert "budget_score of 1 is on plan" in note(screen, "slow_query_threshold")
+    await pilot.press("ctrl+s")
+    await workers_done(pilot)
+    assert engine.config == before
+    box.value = "2.5"
+    await pilot.pause()
+    assert not box.has_class("error") and box.has_class("edited")
+    await pilot.press("ctrl+s")
+    await until(pilot, lambda: engine.config.slow_query_threshold == 2.5)
+    await until(pilot, lambda: not box.has_class("edited"), "the form caught up")
+
+
+async def test_apply_and_c_say_unchanged_when_nothing_changes(tuning) -> None:
+    app, pilot, screen = tuning
+    engine = app.source.loop.engine
+    await pilot.press("ctrl+s")
+    await until(pilot, lambda: said(app, "unchanged: no field differs"))
+    await until(pilot, lambda: app.latest is not None
+                and app.latest.recommended_token_budget is not None)
+    budget = app.latest.recommended_token_budget
+    app.source.update_config(max_num_batched_tokens=budget)
+    await until(pilot, lambda: app.latest.config["max_num_batched_tokens"] == budget
+                and app.latest.recommended_token_budget == budget, "the budget at C*")
+    app.heard.clear()
+    screen.query_one(DataTable).focus()
+    await pilot.press("c")
+    await until(pilot, lambda: said(app, f"unchanged: the token budget is already C*'s {budget}"))
+    assert engine.config.max_num_batched_tokens == budget
+
+
+async def test_the_arrival_rate_is_a_live_knob(tuning) -> None:
+    app, pilot, screen = tuning
+    loop = app.source.loop
+    box = screen.query_one("#input-arrival_rate", Input)
+    await until(pilot, lambda: box.value, "the rate read from a snapshot")
+    assert float(box.value) == pytest.approx(loop.arrival_rate)
+    box.value = "0.5"
+    await pilot.press("ctrl+s")
+    await until(pilot, lambda: loop.arrival_rate == pytest.approx(0.5))
+    await until(pilot, lambda: app.latest.workload_rate == pytest.approx(0.5))
+    await until(pilot, lambda: not box.has_class("edited"), "the form caught up")
 
 
 async def test_a_good_value_is_applied_live_and_stored(tuning) -> None:

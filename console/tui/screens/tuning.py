@@ -1,51 +1,120 @@
-"""Tuning: a form over the live-tunable fields; bad values are refused inline, good ones applied.
+"""Tuning: change the engine live and see the effect.
+
+Above, what the change is for: ITL, TTFT, the queue, the chunk size and throughput over the
+engine's window. On the left a form over the live-tunable fields and the traffic's arrival
+rate: each field is range-checked as it is typed, with the reason beside it, and edits not
+yet applied are highlighted. On the right the same figures over time, each applied change
+marked. Below, the stored changes, each with the 30 s before it and the 30 s after.
 
 All changed fields are applied together or not at all, and every applied change is stored
-by the engine (config_changed events), so the table beside the form is the store's record.
+by the engine (config_changed events), so the changes table is the store's record.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any, ClassVar
 
 from rich.text import Text
+from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
-from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.containers import Grid, Horizontal, VerticalScroll
 from textual.widgets import Button, DataTable, Input, Label, Static
 
 from console.sources.base import Capability
-from console.tui.collectors import ConfigApplied, ConfigChangesLoaded, ConfigRejected
+from console.tui.collectors import (
+    RATE_FIELD,
+    ConfigApplied,
+    ConfigChangesLoaded,
+    ConfigRejected,
+    RateSet,
+)
+from console.tui.history import MetricHistory
 from console.tui.screens.base import ConsoleScreen
 from console.tui.state import ConsoleState
+from console.tui.widgets.header import chunk_size
+from console.tui.widgets.latency import LatencySLO, append_latency, slo_style
 from console.tui.widgets.notice import unavailable
+from console.tui.widgets.plot import Line, Plot, Series, ms, number, per_s
 from engine.snapshot import Snapshot
+
+NARROW_COLUMNS = 110  # below this the charts stack into one column of sparklines
+AROUND_S = 30.0  # the changes table compares this long before a change with as long after
 
 
 @dataclass(frozen=True)
 class Field:
-    name: str  # the EngineConfig field
+    name: str  # the EngineConfig field (RATE_FIELD: the traffic's arrival rate)
     label: str
     help: str
+    kind: type  # int or float
+    low: float
+    high: float
+    why: str  # what the range protects, said when a value falls outside it
+
+    def check(self, text: str) -> str | None:
+        """Why `text` cannot be applied to this field, or None."""
+        try:
+            value = float(text)
+        except ValueError:
+            return f"expected a {'whole ' if self.kind is int else ''}number, got {text!r}"
+        if self.kind is int and value != int(value):
+            return f"expected a whole number, got {text!r}"
+        if not self.low <= value <= self.high:
+            return f"must be in [{self.low:g}, {self.high:g}]: {self.why}"
+        return None
 
 
 FIELDS: tuple[Field, ...] = (
-    Field("max_num_batched_tokens", "Token budget", "tokens one step may spend"),
-    Field("chunk_tile", "Chunk tile", "chunks round down to a multiple"),
-    Field("max_prefill_chunks", "Chunk concurrency", "partial prefills per step"),
-    Field("long_prefill_threshold", "Chunk cap", "per request per step; 0 = none"),
-    Field("cache_high_watermark", "KV high watermark", "stop admitting above"),
-    Field("cache_low_watermark", "KV low watermark", "admit again below"),
-    Field("bandwidth_throttle_2", "BW throttle → 2", "5 s avg above: concurrency 2"),
-    Field("bandwidth_throttle_1", "BW throttle → 1", "above: concurrency 1"),
-    Field("bandwidth_pause", "BW pause", "above: new prefills paused"),
-    Field("slow_query_threshold", "Slow query", "budget_score above is slow"),
+    Field(RATE_FIELD, "Arrival rate /s", "the console's traffic; 0 holds it", float, 0, 1000,
+          "beyond 1000 requests/s the workload plays all at once"),
+    Field("max_num_batched_tokens", "Token budget", "tokens one step may spend", int, 16, 65536,
+          "one step beyond 65536 tokens outlasts any time-between-tokens SLO"),
+    Field("chunk_tile", "Chunk tile", "chunks round down to a multiple", int, 1, 1024,
+          "a tile beyond 1024 leaves most budgets one chunk or none"),
+    Field("max_prefill_chunks", "Chunk concurrency", "partial prefills per step", int, 1, 64,
+          "more than 64 partial prefills per step only thin each chunk"),
+    Field("long_prefill_threshold", "Chunk cap", "per request per step; 0 = none", int, 0,
+          65536, "0 turns the cap off; above 65536 it never binds"),
+    Field("cache_high_watermark", "KV high watermark", "stop admitting above", float, 0.05,
+          0.99, "at 1 the cache fills before admission stops, and decodes preempt"),
+    Field("cache_low_watermark", "KV low watermark", "admit again below", float, 0.01, 0.98,
+          "it must sit below the high watermark, above an empty cache"),
+    Field("bandwidth_throttle_2", "BW throttle → 2", "5 s avg above: concurrency 2", float,
+          0.05, 1.0, "a share of the device's peak bandwidth"),
+    Field("bandwidth_throttle_1", "BW throttle → 1", "above: concurrency 1", float, 0.05, 1.0,
+          "a share of the device's peak bandwidth"),
+    Field("bandwidth_pause", "BW pause", "above: new prefills paused", float, 0.05, 1.0,
+          "a share of the device's peak bandwidth"),
+    Field("slow_query_threshold", "Slow query", "budget_score above is slow", float, 1.0, 10.0,
+          "a budget_score of 1 is on plan: below 1 flags healthy requests, above 10 hides "
+          "real ones"),
 )
+BY_NAME = {field.name: field for field in FIELDS}
 
 
 def shown(value: Any) -> str:
-    return "" if value is None else str(value)
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def around(history: MetricHistory, at: float, name: str, unit: Any) -> tuple[str, str]:
+    """`name` averaged over the AROUND_S before `at` and the AROUND_S after it (so far, with
+    "…", while that half is still running); "–" where the history holds no sample."""
+    def mean(start: float, end: float) -> str:
+        value = history.mean_between(name, start, end)
+        return "–" if value is None else unit(value)
+    after = mean(at, at + AROUND_S)
+    newest = history.newest_ts
+    if newest is not None and newest < at + AROUND_S and after != "–":
+        after += "…"
+    return mean(at - AROUND_S, at), after
 
 
 class TuningScreen(ConsoleScreen):
@@ -63,6 +132,7 @@ class TuningScreen(ConsoleScreen):
 
     def compose(self) -> ComposeResult:
         yield from self.compose_header()
+        yield Static(id="tuning-live")
         with Horizontal(id="tuning"):
             with VerticalScroll(id="tuning-form"):
                 for field in FIELDS:
@@ -71,32 +141,47 @@ class TuningScreen(ConsoleScreen):
                         yield Input(id=f"input-{field.name}", classes="field-input")
                         yield Static(field.help, id=f"note-{field.name}", classes="field-note")
                 with Horizontal(id="tuning-buttons"):
-                    yield Button("Apply  ctrl+s", id="apply", variant="primary")
-                    yield Button("Revert ctrl+r", id="revert")
-                    yield Button("Apply C*  c", id="apply-cstar")
-            with Vertical(id="tuning-side"):
-                yield Static(id="tuning-status")
+                    yield Button("Apply ^s", id="apply", variant="primary")
+                    yield Button("Revert ^r", id="revert")
+                    yield Button("C* c", id="apply-cstar")
                 yield Static(id="tuning-refusal", classes="unavailable")
-                yield DataTable(id="config-changes", cursor_type="row", zebra_stripes=True)
+            with Grid(id="tuning-charts"):
+                yield Plot(unit=ms, id="tune-ttft")
+                yield Plot(unit=ms, id="tune-tbt")
+                yield Plot(unit=number, id="tune-queue")
+                yield Plot(unit=per_s, id="tune-rates")
+                yield Plot(unit=number, id="tune-cstar")
+                yield Plot(unit=per_s, id="tune-throughput")
+        yield DataTable(id="config-changes", cursor_type="row", zebra_stripes=True)
         yield from self.compose_footer()
 
     def on_mount(self) -> None:
         self.border_title = "Tuning"
         self.query_one("#tuning-form").border_title = "Live configuration"
+        self.query_one("#tuning-charts").border_title = "Effect (marks: applied changes)"
         changes = self.query_one("#config-changes", DataTable)
         changes.border_title = "Changes (stored)"
-        for label in ("field", "old", "new", "by"):
-            changes.add_column(label, key=label)
+        span = f"{AROUND_S:.0f}s"
+        for key, label in (("field", "field"), ("old", "old"), ("new", "new"), ("by", "by"),
+                           ("at", "at"), ("ttft-before", f"TTFT p99 -{span}"),
+                           ("ttft-after", f"+{span}"), ("tps-before", f"tok/s -{span}"),
+                           ("tps-after", f"+{span}")):
+            changes.add_column(label, key=key)
+
+    def on_resize(self, event: events.Resize) -> None:
+        self.set_class(event.size.width < NARROW_COLUMNS, "narrow")
 
     def show_capabilities(self) -> None:
         """Without tuning the form shows the live values, read-only; without a stored history
-        the changes table gives way to the reason."""
+        the changes table gives way to the reason; without traffic of its own, no rate."""
         super().show_capabilities()
         tune = self.state.refusal(Capability.TUNE)
         for box in self.query(".field-input"):
             box.disabled = tune is not None
         for button in self.query(Button):
             button.disabled = tune is not None
+        traffic = self.state.refusal(Capability.TRAFFIC)
+        self.query_one(f"#input-{RATE_FIELD}", Input).parent.display = traffic is None
         history = self.state.refusal(Capability.CONFIG_HISTORY)
         self.query_one("#config-changes").display = history is None
         lines = [refusal for refusal in (tune, history) if refusal is not None]
@@ -111,35 +196,114 @@ class TuningScreen(ConsoleScreen):
     def _load_changes(self) -> None:
         self.state.load_config_changes(self)  # without a history, show_capabilities said why
 
+    # --- the live picture -------------------------------------------------------------------
     def show_snapshot(self, snapshot: Snapshot) -> None:
         super().show_snapshot(snapshot)
+        live = {field.name: snapshot.config.get(field.name) for field in FIELDS}
+        live[RATE_FIELD] = snapshot.workload_rate
         # Refill only the inputs the operator has not edited, so typing is never overwritten.
         for field in FIELDS:
             box = self.query_one(f"#input-{field.name}", Input)
-            live = snapshot.config.get(field.name)
             if field.name not in self._base or box.value == shown(self._base[field.name]):
-                box.value = shown(live)
-            self._base[field.name] = live
-        cstar = snapshot.recommended_chunk_size
-        status = Text(f"recommended C* = {cstar if cstar is not None else '–'}", style="cyan")
-        self.query_one("#tuning-status", Static).update(status)
+                box.value = shown(live[field.name])
+            self._base[field.name] = live[field.name]
+        self._mark_edits()
+        self.query_one("#tuning-live", Static).update(self._live_line(snapshot))
+        self._show_charts(snapshot)
 
+    def _live_line(self, snapshot: Snapshot) -> Text:
+        slo = LatencySLO.of(snapshot)
+        text = Text(no_wrap=False, overflow="fold")
+        text.append("now ", style="bold")
+        text.append("TPOT p99 ")
+        tbt = snapshot.tpot_ms.p99
+        text.append("–" if tbt is None else ms(tbt), style=slo_style(tbt, slo and slo.tbt_ms))
+        text.append(" · ")
+        append_latency(text, "TTFT p50/p99", snapshot.ttft_ms, slo and slo.ttft_ms)
+        text.append(" · queue ")
+        text.append(f"{snapshot.num_waiting}", style="bold")
+        text.append(f" waiting, {snapshot.chunk_queue_length} chunks · chunk ")
+        text.append(f"{chunk_size(snapshot.config)}", style="bold")
+        cstar = snapshot.recommended_chunk_size
+        text.append(f" (C* {cstar if cstar is not None else '–'}) · ")
+        text.append(f"{snapshot.tokens_per_s:,.0f} tok/s", style="bold")
+        if snapshot.window_s:
+            text.append(f" · over {snapshot.window_s:.0f} s", style="dim")
+        return text
+
+    def _show_charts(self, snapshot: Snapshot) -> None:
+        history, slo = self.state.history, LatencySLO.of(snapshot)
+        marks, now = history.change_times, history.newest_ts
+
+        def plot(name: str, series: tuple[Series, ...], lines: tuple[Line, ...] = ()) -> None:
+            self.query_one(f"#{name}", Plot).show(series, lines, marks, now)
+
+        plot("tune-ttft", (Series.of("TTFT p50", history.points("ttft_p50")),
+                           Series.of("p99", history.points("ttft_p99"))),
+             () if slo is None else (Line(slo.ttft_ms, f"SLO {ms(slo.ttft_ms)}", "red"),))
+        plot("tune-tbt", (Series.of("TPOT p99", history.points("tpot_p99")),),
+             () if slo is None else (Line(slo.tbt_ms, f"SLO {ms(slo.tbt_ms)}", "red"),))
+        plot("tune-queue", (Series.of("waiting", history.points("num_waiting")),
+                            Series.of("chunks", history.points("chunk_queue_length"))))
+        plot("tune-rates", (Series.of("arrived/s", history.points("arrival_rate")),
+                            Series.of("finished/s", history.points("finish_rate"))))
+        budget = snapshot.config.get("max_num_batched_tokens")
+        plot("tune-cstar", (Series.of("C*", history.points("cstar")),),
+             () if budget is None else (Line(float(budget), f"budget {budget}"),))
+        plot("tune-throughput", (Series.of("tok/s", history.points("tokens_per_s")),))
+
+    # --- the form ---------------------------------------------------------------------------
     def edited(self) -> dict[str, str]:
         """The fields whose text differs from the live value, as typed."""
         out = {}
         for field in FIELDS:
-            value = self.query_one(f"#input-{field.name}", Input).value.strip()
-            if value != shown(self._base.get(field.name)):
+            box = self.query_one(f"#input-{field.name}", Input)
+            value = box.value.strip()
+            if box.parent is not None and box.parent.display and value != shown(
+                    self._base.get(field.name)):
                 out[field.name] = value
         return out
 
+    def _mark_edits(self) -> None:
+        edits = self.edited()
+        for field in FIELDS:
+            self.query_one(f"#input-{field.name}", Input).set_class(field.name in edits,
+                                                                    "edited")
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        """Range-check as the operator types, the reason beside the field."""
+        name = (event.input.id or "").removeprefix("input-")
+        field = BY_NAME.get(name)
+        if field is None:
+            return
+        text = event.value.strip()
+        problem = field.check(text) if text != shown(self._base.get(name)) else None
+        self._show_note(field, problem)
+        self._mark_edits()
+
+    def _show_note(self, field: Field, problem: str | None) -> None:
+        note = self.query_one(f"#note-{field.name}", Static)
+        box = self.query_one(f"#input-{field.name}", Input)
+        note.update(Text(problem, style="bold red") if problem else field.help)
+        note.set_class(problem is not None, "error")
+        box.set_class(problem is not None, "error")
+
     def action_apply(self) -> None:
-        self._clear_errors()
         changes = self.edited()
         if not changes:
-            self.notify("nothing changed", timeout=2)
+            self.notify("unchanged: no field differs from the live value", timeout=2)
             return
-        self._refused(self.state.apply_config(self, changes))
+        problems = {name: BY_NAME[name].check(text) for name, text in changes.items()}
+        for name, problem in problems.items():
+            self._show_note(BY_NAME[name], problem)
+        if any(problems.values()):
+            self.notify("not applied: fix the fields marked in red", severity="warning")
+            return
+        rate = changes.pop(RATE_FIELD, None)
+        if rate is not None:
+            self._refused(self.state.set_arrival_rate(self, float(rate)))
+        if changes:
+            self._refused(self.state.apply_config(self, changes))
 
     def action_apply_recommended(self) -> None:
         self._refused(self.state.apply_recommended(self))
@@ -149,9 +313,9 @@ class TuningScreen(ConsoleScreen):
             self.notify(refusal, severity="warning")
 
     def action_revert(self) -> None:
-        self._clear_errors()
         for field in FIELDS:
             self.query_one(f"#input-{field.name}", Input).value = shown(self._base.get(field.name))
+            self._show_note(field, None)
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         actions = {"apply": self.action_apply, "revert": self.action_revert,
@@ -161,33 +325,44 @@ class TuningScreen(ConsoleScreen):
     def on_input_submitted(self, event: Input.Submitted) -> None:
         self.action_apply()
 
+    def _take(self, name: str, value: Any) -> None:
+        """`name` is live at `value` now: the form shows it, unedited."""
+        self._base[name] = value
+        self.query_one(f"#input-{name}", Input).value = shown(value)
+        self._show_note(BY_NAME[name], None)
+
     def on_config_applied(self, message: ConfigApplied) -> None:
+        message.stop()  # said here, not again by the app
         for name, value in message.config.items():
             if name in self._base:
-                self._base[name] = value
-                self.query_one(f"#input-{name}", Input).value = shown(value)
+                self._take(name, value)
+        self._mark_edits()
         self.notify("configuration applied", timeout=2)
         self._load_changes()
 
+    def on_rate_set(self, message: RateSet) -> None:
+        self._take(RATE_FIELD, message.rate)
+        self._mark_edits()
+        self.notify(f"arrival rate {message.rate:g}/s", timeout=2)
+
     def on_config_rejected(self, message: ConfigRejected) -> None:
-        names = {field.name for field in FIELDS}
-        if message.field in names:
-            note = self.query_one(f"#note-{message.field}", Static)
-            note.update(Text(message.message, style="bold red"))
-            note.add_class("error")
-            self.query_one(f"#input-{message.field}", Input).add_class("error")
+        message.stop()  # shown beside its field, not again by the app
+        field = BY_NAME.get(message.field)
+        if field is not None:
+            self._show_note(field, message.message)
         else:
             self.notify(message.message, severity="error")
-
-    def _clear_errors(self) -> None:
-        for field in FIELDS:
-            self.query_one(f"#note-{field.name}", Static).update(field.help)
-            self.query_one(f"#note-{field.name}", Static).remove_class("error")
-            self.query_one(f"#input-{field.name}", Input).remove_class("error")
 
     def on_config_changes_loaded(self, message: ConfigChangesLoaded) -> None:
         table = self.query_one("#config-changes", DataTable)
         table.clear()
+        history = self.state.history
+        # the store stamps wall-clock time, snapshots the monotonic clock (one per machine)
+        offset = time.time() - time.monotonic()
         for change in message.changes:
+            at = change.created_at - offset
+            ttft = around(history, at, "ttft_p99", ms)
+            throughput = around(history, at, "tokens_per_s", number)
             table.add_row(change.field, shown(change.old), shown(change.new), change.source,
-                          key=str(change.id))
+                          datetime.fromtimestamp(change.created_at).strftime("%H:%M:%S"),
+                          *ttft, *throughput, key=str(change.id))
