@@ -35,8 +35,8 @@ from engine.store import (
     config_changes,
     drift_events,
     head_revision,
+    claim_for_resume,
     latest_calibration,
-    mark_resumed,
     next_cycle,
     open_database,
     save_calibration,
@@ -306,8 +306,11 @@ def test_unfinished_requests_and_mark_resumed(database: Database) -> None:
         assert (mid.tenant, mid.priority, mid.tag, mid.sampling) == ("a", 1, "doc",
                                                                      {"max_tokens": 8})
         assert decoding.generated_token_ids == [11, 12] and decoding.state == "DECODING"
-        assert mark_resumed(session, ["mid", "done"]) == 1
-        assert [e.request_id for e in unfinished_requests(session)] == ["decoding", "waiting"]
+        # a claim counts an attempt and leaves the entry unfinished (a kill loses nothing)
+        assert claim_for_resume(session, ["mid", "done"]) == 1
+        entries = {e.request_id: e for e in unfinished_requests(session)}
+        assert list(entries) == ["mid", "decoding", "waiting"]
+        assert (entries["mid"].resume_attempts, entries["waiting"].resume_attempts) == (1, 0)
 
 
 def test_next_cycle_numbers_replayed_traffic_past_every_journal_entry(

@@ -4,11 +4,18 @@ The bus subscriber is `SimpleQueue.put` itself: O(1), never blocks, nothing to r
 engine thread. A daemon thread drains the queue in batches (what arrived within
 `batch_window_s` of the first event, at most `batch_size`) and writes each batch in one
 transaction. The queue is unbounded, so under load events wait in memory rather than being
-dropped; a locked or full database is retried until it accepts the batch.
+dropped.
+
+The journal never lies (issue 15): a database that is only busy (locked by another
+connection) is retried until it accepts the batch; one bad row (a value SQLite cannot hold,
+a constraint) is skipped with its reason while the rest of its batch is written row by row;
+anything else (schema missing, disk full, corruption) is permanent: the writer stops, and
+`failure` / `check()` tell whoever runs the engine to stop too, with a clear error.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import queue
@@ -31,7 +38,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError, StatementError
 
 from engine.errors import EngineError
 from engine.events import (
@@ -48,8 +55,9 @@ from engine.events import (
     SlowQuery,
     TokensGenerated,
 )
-from engine.store.database import Database
+from engine.store.database import Database, StoreError
 from engine.store.models import (
+    QUARANTINED,
     TERMINAL_STATES,
     ConfigChangeRow,
     DriftEventRow,
@@ -62,7 +70,9 @@ log = logging.getLogger(__name__)
 
 _JOURNAL = JournalRow.__table__
 _STOP = object()
-_RETRY_S = (0.05, 0.2, 1.0)  # back-off while the database refuses a batch
+_RETRY_S = (0.05, 0.2, 1.0)  # back-off while another connection holds the database
+# SQLite result codes (primary) that say one row is wrong, not the database.
+_ROW_ERRORS = ("SQLITE_CONSTRAINT", "SQLITE_TOOBIG", "SQLITE_MISMATCH", "SQLITE_RANGE")
 # Folding thousands of events holds the GIL for milliseconds; an engine thread coming back
 # from a forward pass would wait that long for it (Python only forces a hand-over after its
 # 5 ms switch interval). Yielding every few hundred events bounds that wait to ~0.1 ms.
@@ -104,6 +114,32 @@ class _Batch:
     config: list[dict[str, Any]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class SkippedRow:
+    """A row the database refused on its own (the rest of its batch was written)."""
+
+    table: str
+    request_id: str | None
+    reason: str
+
+
+@dataclass(frozen=True)
+class Commit:
+    """What one committed batch journaled: told to `on_commit` after the commit, so a
+    supervisor can act on a state that is on disk (chaos kills a run mid-prefill on it)."""
+
+    events: int
+    prefilling: tuple[str, ...]  # requests with a chunk journaled and their prefill unfinished
+
+
+class _Permanent(Exception):
+    """Wraps the error that stops the writer: retrying cannot help."""
+
+
+# One statement's rows: (execute one or many, rows, table, the request id column)
+_Statement = tuple[Callable[[Connection, Any], object], list[dict[str, Any]], str, str | None]
+
+
 class StoreWriter:
     def __init__(
         self,
@@ -114,6 +150,7 @@ class StoreWriter:
         batch_window_s: float = 0.2,
         retention: RetentionLimits | None = None,
         retention_interval_s: float = 60.0,
+        on_commit: Callable[[Commit], None] | None = None,
     ) -> None:
         if batch_size < 1 or batch_window_s < 0 or retention_interval_s <= 0:
             raise EngineError(
@@ -121,13 +158,17 @@ class StoreWriter:
                 f"retention_interval_s > 0; got {batch_size}, {batch_window_s}, "
                 f"{retention_interval_s}"
             )
+        database.claim_writer()  # one writer per store: refused here if another process is one
         self.database = database
+        self.on_commit = on_commit
         self.batch_size = batch_size
         self.batch_window_s = batch_window_s
         self.retention = retention or RetentionLimits()
         self.retention_interval_s = retention_interval_s
         self.written = 0  # events handled (stored or deliberately ignored)
-        self.dropped = 0  # events of batches that failed for a reason other than the database
+        self.dropped = 0  # events not written because the writer had stopped (see `failure`)
+        self.skipped: list[SkippedRow] = []  # rows refused one by one, with the reason
+        self.failure: StoreError | None = None  # the permanent error that stopped the writer
         self.last_error: Exception | None = None
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -141,6 +182,12 @@ class StoreWriter:
         self._queue.put(marker)
         self._wake.set()
         return marker.done.wait(timeout)
+
+    def check(self) -> None:
+        """Raise the permanent error that stopped the writer, if any: the journal no longer
+        follows the engine, so whoever runs it must stop rather than go on unrecorded."""
+        if self.failure is not None:
+            raise self.failure
 
     def close(self, timeout: float | None = 10.0) -> bool:
         """Stop listening, write what is queued, stop the thread; False if it did not finish."""
@@ -159,12 +206,14 @@ class StoreWriter:
         while True:
             items = self._collect(timeout=max(0.0, next_retention - time.monotonic()))
             events = [item for item in items if isinstance(item, Event)]
-            if events and self._write_until_done(lambda c, events=events: self._write(c, events)):
-                self.written += len(events)
+            if events and self.failure is None:
+                self._write_events(events)
             elif events:
                 self.dropped += len(events)
             if time.monotonic() >= next_retention:
-                self._write_until_done(lambda conn: apply_retention(conn, self.retention))
+                if self.failure is None:
+                    self._guarded(lambda: self._until_done(
+                        lambda conn: apply_retention(conn, self.retention)))
                 next_retention = time.monotonic() + self.retention_interval_s
             for item in items:
                 if isinstance(item, _Flush):
@@ -196,42 +245,132 @@ class StoreWriter:
                 break
         return items
 
-    def _write_until_done(self, work: Callable[[Connection], object]) -> bool:
-        """Retry while the database is busy or full; False only if the work itself is wrong."""
+    def _write_events(self, events: list[Event]) -> None:
+        batch = _fold(events, wall_offset=time.time() - time.monotonic())
+        statements = _statements(batch)
+
+        def whole_batch(connection: Connection) -> None:
+            for execute, rows, _table, _key in statements:
+                execute(connection, rows)
+
+        def row_by_row() -> None:
+            for execute, rows, table, key in statements:
+                for row in rows:
+                    reason = self._until_done(lambda c, row=row, ex=execute: ex(c, [row]))
+                    if reason is not None:
+                        self._skip(table, None if key is None else row[key], reason)
+
+        written = self._guarded(lambda: self._until_done(whole_batch) is None or row_by_row())
+        if written:
+            self.written += len(events)
+            if self.on_commit is not None:
+                self.on_commit(Commit(len(events), _prefilling(batch)))
+        else:
+            self.dropped += len(events)
+
+    def _skip(self, table: str, request_id: str | None, reason: str) -> None:
+        self.skipped.append(SkippedRow(table, request_id, reason))
+        log.error("store %s skipped a %s row%s: %s", self.database.path, table,
+                  f" of request {request_id!r}" if request_id else "", reason)
+
+    def _guarded(self, work: Callable[[], object]) -> bool:
+        """Run `work`; a permanent error stops the writer (see `failure`). False then."""
+        try:
+            work()
+            return True
+        except _Permanent as exc:
+            cause = exc.__cause__
+            self.last_error = cause if isinstance(cause, Exception) else exc
+            self.failure = _permanent_error(self.database, self.last_error)
+            log.error("%s", self.failure)
+            return False
+
+    def _until_done(self, work: Callable[[Connection], object]) -> str | None:
+        """Run `work` in one transaction, retrying while the database is busy. Returns None
+        once committed, or why the rows were refused (a row error: the transaction was
+        rolled back). Raises _Permanent for anything retrying or skipping cannot mend."""
         attempt = 0
         while True:
             try:
                 with self.database.engine.begin() as connection:
                     work(connection)
-                return True
-            except OperationalError as exc:  # locked past busy_timeout, disk full: wait, retry
+                return None
+            except Exception as exc:
+                kind = _classify(exc)
                 self.last_error = exc
+                if kind == "row":
+                    return _reason(exc)
+                if kind == "permanent":
+                    raise _Permanent from exc
                 delay = _RETRY_S[min(attempt, len(_RETRY_S) - 1)]
-                log.warning("store %s refused a batch (%s); retrying in %.2fs",
-                            self.database.path, exc.orig, delay)
+                log.warning("store %s is busy (%s); retrying in %.2fs", self.database.path,
+                            _reason(exc), delay)
                 time.sleep(delay)
                 attempt += 1
-            except Exception as exc:  # a bug, not the database: keep the thread (and flush) alive
-                self.last_error = exc
-                log.exception("store %s could not write a batch", self.database.path)
-                return False
 
-    def _write(self, connection: Connection, events: list[Event]) -> None:
-        batch = _fold(events, wall_offset=time.time() - time.monotonic())
-        if batch.added:
-            connection.exec_driver_sql(_UPSERT_JOURNAL, batch.added)
-        if batch.progress:
-            now = time.time()
-            connection.exec_driver_sql(
-                _UPDATE_JOURNAL,
-                [_progress_params(rid, p, now) for rid, p in batch.progress.items()],
-            )
-        if batch.slow:
-            connection.execute(insert(SlowQueryRow), batch.slow)
-        if batch.drift:
-            connection.execute(insert(DriftEventRow), batch.drift)
-        if batch.config:
-            connection.execute(insert(ConfigChangeRow), batch.config)
+
+def _classify(exc: BaseException) -> str:
+    """"busy" (retry), "row" (this row's values) or "permanent" (stop the writer)."""
+    if isinstance(exc, StatementError) and not isinstance(exc, DBAPIError):
+        exc = exc.orig or exc  # SQLAlchemy's wrapper of a bind-time error
+    if isinstance(exc, DBAPIError):
+        name = getattr(exc.orig, "sqlite_errorname", "")
+        if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
+            return "busy"
+        if name.startswith(_ROW_ERRORS) or "Error binding parameter" in str(exc.orig):
+            return "row"
+        return "permanent"
+    if isinstance(exc, OverflowError | ValueError | TypeError):
+        return "row"  # a Python value sqlite3 cannot bind (an int past 64 bits, a surrogate)
+    return "permanent"
+
+
+def _reason(exc: BaseException) -> str:
+    return str(exc.orig) if isinstance(exc, DBAPIError) else f"{type(exc).__name__}: {exc}"
+
+
+def _permanent_error(database: Database, exc: BaseException) -> StoreError:
+    if isinstance(exc, StoreError):
+        return exc  # corruption, already explained (see database.py)
+    message = _reason(exc)
+    orig = exc.orig if isinstance(exc, DBAPIError) else exc
+    name = getattr(orig, "sqlite_errorname", "")
+    if name.startswith("SQLITE_FULL") or getattr(orig, "errno", None) == errno.ENOSPC:
+        fix = "free space on its disk, then finish the run with --resume"
+    elif "no such table" in message or "no such column" in message or "has no column" in message:
+        fix = ("its schema is missing tables or columns: run `tokenflow db upgrade --db "
+               f"{database.path}`, or pass --db PATH to use another file")
+    elif name.startswith("SQLITE_READONLY"):
+        fix = "it became read-only: fix its permissions, or pass --db PATH to use another file"
+    else:
+        fix = "fix the database or pass --db PATH to use another file"
+    return StoreError(f"the journal in {database.path} stopped: {message}; {fix}. "
+                      "Nothing after this point was recorded.")
+
+
+def _statements(batch: _Batch) -> list[_Statement]:
+    """The batch as statements, each with its rows, in the order they must run."""
+    def driver(sql: str) -> Callable[[Connection, Any], object]:
+        return lambda connection, rows: connection.exec_driver_sql(sql, rows)
+
+    def orm(model: Any) -> Callable[[Connection, Any], object]:
+        return lambda connection, rows: connection.execute(insert(model), rows)
+
+    now = time.time()
+    progress = [_progress_params(rid, p, now) for rid, p in batch.progress.items()]
+    statements: list[_Statement] = [
+        (driver(_UPSERT_JOURNAL), batch.added, "request_journal", "request_id"),
+        (driver(_UPDATE_JOURNAL), progress, "request_journal", "b_request_id"),
+        (orm(SlowQueryRow), batch.slow, "slow_queries", "request_id"),
+        (orm(DriftEventRow), batch.drift, "drift_events", None),
+        (orm(ConfigChangeRow), batch.config, "config_changes", None),
+    ]
+    return [statement for statement in statements if statement[1]]
+
+
+def _prefilling(batch: _Batch) -> tuple[str, ...]:
+    return tuple(rid for rid, p in batch.progress.items()
+                 if p.chunks and p.state == "PREFILL_CHUNKING")
 
 
 def _fold(events: list[Event], wall_offset: float) -> _Batch:
@@ -300,7 +439,7 @@ def _added_row(event: RequestAdded, at: float) -> dict[str, Any]:
         "generated_tokens": len(event.generated_token_ids), "finish_reason": None,
         "added_at": at, "first_token_at": None,
         "finished_at": None, "ttft_s": None, "e2e_s": None, "budget_score": None,
-        "updated_at": at, "resumed_at": None,
+        "updated_at": at, "resumed_at": None, "resume_attempts": 0,
     }
 
 
@@ -336,7 +475,13 @@ def _driver_sql(statement: Any) -> str:
 def _build_upsert() -> str:
     columns = [c.name for c in _JOURNAL.c if c.name != "id"]
     statement = sqlite_insert(_JOURNAL).values({name: bindparam(name) for name in columns})
-    replaced = {name: statement.excluded[name] for name in columns}
+    replaced: dict[str, Any] = {name: statement.excluded[name] for name in columns}
+    # A resumed request is re-added under its id: its resume count carries on, so it can be
+    # quarantined. An id re-added after its request ended is a new request and starts at 0.
+    ended = _JOURNAL.c.state.in_([literal_column(f"'{s}'") for s in (*TERMINAL_STATES,
+                                                                      QUARANTINED)])
+    for name in ("resume_attempts", "resumed_at"):
+        replaced[name] = case((ended, statement.excluded[name]), else_=_JOURNAL.c[name])
     return _driver_sql(
         statement.on_conflict_do_update(index_elements=["request_id"], set_=replaced)
     )
