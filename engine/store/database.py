@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import urllib.parse
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -91,9 +92,7 @@ def open_database(path: str | Path | None = None, *, upgrade: bool = True,
         if not db_path.is_file():
             raise StoreError(f"{db_path}: no such store; check the path")
         _check_header(db_path)
-        # immutable: no -shm/-wal to create where the directory cannot be written
-        mode = "ro" if os.access(db_path.parent, os.W_OK | os.X_OK) else "ro&immutable=1"
-        engine = create_engine(f"sqlite:///file:{db_path}?mode={mode}&uri=true")
+        engine = _reader_engine(db_path)
         upgrade = False
     else:
         _check_file(db_path)
@@ -118,6 +117,18 @@ def open_database(path: str | Path | None = None, *, upgrade: bool = True,
         engine.dispose()
         raise
     return database
+
+
+def _reader_engine(path: Path) -> Engine:
+    """An engine that only reads `path`: a plain connection where SQLite may tidy its WAL
+    files up, else a read-only one, immutable where not even those files can be made."""
+    directory_writable = os.access(path.parent, os.W_OK | os.X_OK)
+    if directory_writable and os.access(path, os.R_OK | os.W_OK):
+        engine = create_engine(f"sqlite:///{path}")
+        event.listen(engine, "connect", _set_pragmas)
+        return engine
+    mode = "ro" if directory_writable else "ro&immutable=1"
+    return create_engine(f"sqlite:///file:{urllib.parse.quote(str(path))}?mode={mode}&uri=true")
 
 
 def upgrade_database(database: Database, revision: str = "head") -> None:
