@@ -227,7 +227,7 @@ def kv_exhaustion(settings: ChaosSettings, expected: dict[str, list[int]],
     harness.run_until(lambda: False, fault_end + settings.bound_s)
     lost = harness.lost(expected)
     detail = (f"{held} blocks reserved for {settings.fault_s:g} s; "
-              f"{engine.ops.metrics.preemptions_total - preemptions} preemption(s)")
+              f"{engine.metrics.preemptions_total - preemptions} preemption(s)")
     return _result("kv_exhaustion", recovered, fault_end, lost, settings, detail,
                    (detected, "cache pressure never engaged"))
 
