@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import event, func, inspect, select, text
+from sqlalchemy import event as sa_event
+from sqlalchemy import func, inspect, select, text
 
 from console.cli.main import main
 from engine.events import (
@@ -36,10 +37,10 @@ from engine.store import (
     StoreWriter,
     apply_retention,
     calibration_history,
+    claim_for_resume,
     config_changes,
     drift_events,
     head_revision,
-    claim_for_resume,
     latest_calibration,
     next_cycle,
     open_database,
@@ -49,6 +50,7 @@ from engine.store import (
 from engine.store.database import Database, downgrade_database, upgrade_database
 from engine.store.models import Base, BudgetTableRow, JournalRow, SlowQueryRow
 from tests.mounts import remount, tmpfs
+from tests.stores import damaged_store
 
 
 @pytest.fixture
@@ -468,7 +470,7 @@ def test_a_full_database_stops_the_writer(database: Database) -> None:
     with database.engine.connect() as connection:
         pages = connection.exec_driver_sql("PRAGMA page_count").scalar()
     # SQLite's own ceiling on the file's size: the "database or disk is full" of a full disk
-    event.listen(database.engine, "connect",
+    sa_event.listen(database.engine, "connect",
                  lambda dbapi, _record: dbapi.execute(f"PRAGMA max_page_count={pages}"))
     database.engine.dispose()
     deliver(bus, writer, *(added(f"r{i}", prompt=tuple(range(2000))) for i in range(1, 40)))
@@ -506,19 +508,7 @@ def test_resume_attempts_carry_over_a_re_add_and_reset_for_a_new_request(
 
 
 def test_corrupt_pages_behind_a_valid_header_are_one_store_error(tmp_path: Path) -> None:
-    path = tmp_path / "damaged.db"
-    db = open_database(path)
-    bus = EventBus()
-    writer = StoreWriter(db, bus)
-    deliver(bus, writer, *(added(f"r{i}", prompt=tuple(range(200))) for i in range(300)))
-    writer.close()
-    db.close()
-    data = bytearray(path.read_bytes())
-    assert data.startswith(b"SQLite format 3\x00")
-    half = len(data) // 2
-    data[half:] = b"\xa5" * (len(data) - half)  # the header and schema pages stay whole
-    path.write_bytes(bytes(data))
-    db = open_database(path)  # the pages it reads are fine...
+    db = open_database(damaged_store(tmp_path / "damaged.db"))  # the pages it reads are fine...
     try:
         with pytest.raises(StoreError, match="is not a SQLite database or is corrupt"), \
                 db.session() as session:
