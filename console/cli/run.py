@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -15,12 +14,12 @@ from console.cli.engine_flags import add_engine_flags, engine_config
 from console.cli.terminal import terminal_safe
 from console.cli.workload_flags import add_workload_flags, workload_for
 from console.errors import UserError
-from engine.budget.calibrate import apply_latest
-from engine.core.engine import Engine, RequestOutput
+from engine.core.engine import RequestOutput
 from engine.harness.driver import drive
 from engine.harness.workload import WorkloadRequest, describe, load_requests_jsonl
-from engine.ops.recovery import resume_unfinished
-from engine.store import Commit, Database, StoreWriter, open_database
+from engine.serve.session import EngineSession
+from engine.store import StoreWriter
+from engine.store.writer import report_commit
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -51,41 +50,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.resume and args.no_db:
         raise UserError("--resume reads the request journal; drop --no-db")
-    database = None if args.no_db else open_database(args.db)
-    try:
-        if database is not None:
-            database.claim_writer()  # a second writer is refused before the model loads
-        return _run(args, database)
-    finally:
-        if database is not None:
-            database.close()
-
-
-def _run(args: argparse.Namespace, database: Database | None) -> int:
-    engine = Engine(engine_config(args))
-    if args.requests:
-        if not args.requests.exists():
-            raise UserError(f"--requests {args.requests}: no such file")
-        workload = load_requests_jsonl(args.requests, engine.tokenizer.encode)
-    else:
-        workload = workload_for(args, engine)
-    if database is not None:
-        with database.session() as session:
-            apply_latest(engine, session)  # budget with the calibrated predictor when stored
-    writer = None if database is None else StoreWriter(
-        database, engine.bus, on_commit=_report_commit if args.report_commits else None)
-    sink = _OutputSink(args.output, writer)
-    try:
-        remaining = workload
-        if args.resume:
-            remaining = _resume(engine, database, workload, sink.emitted())
-        result = drive(engine, remaining, on_output=sink.write)
-    finally:
-        sink.close()
-        if writer is not None:
-            writer.close()
-    if writer is not None:
-        writer.check()  # the journal stopped at the end: the run must not look complete
+    if args.requests and not args.requests.exists():
+        raise UserError(f"--requests {args.requests}: no such file")
+    with EngineSession.start(engine_config(args), db=args.db, store=not args.no_db,
+                             on_commit=report_commit if args.report_commits else None,
+                             ) as session:
+        engine = session.engine
+        if args.requests:
+            workload = load_requests_jsonl(args.requests, engine.tokenizer.encode)
+        else:
+            workload = workload_for(args, engine)
+        sink = _OutputSink(args.output, session.writer)
+        try:
+            remaining = workload
+            if args.resume:
+                remaining = _resume(session, workload, sink.emitted())
+            result = drive(engine, remaining, on_output=sink.write)
+        finally:
+            sink.close()
+    if session.writer is not None:
+        session.writer.check()  # the journal stopped at the end: the run must not look complete
     summary: dict[str, Any] = {"model": engine.config.model, "device": str(engine.runner.device),
                                "workload": describe(workload).to_dict(), **result.summary()}
     if args.json:
@@ -95,26 +79,24 @@ def _run(args: argparse.Namespace, database: Database | None) -> int:
     return 0
 
 
-def _resume(engine: Engine, database: Database, workload: list[WorkloadRequest],
+def _resume(session: EngineSession, workload: list[WorkloadRequest],
             emitted: set[str]) -> list[WorkloadRequest]:
     """Resume the journal's unfinished requests; return the part of `workload` that neither
     finished before nor is being resumed."""
-    resumption = resume_unfinished(engine, database, skip=emitted)
+    resumption = session.resume_unfinished(skip=emitted)
+    assert session.database is not None  # --resume with --no-db is refused up front
+    path = session.database.path
     # Said only now: the resume is committed (killed from here on, the next --resume finds
     # the same requests).
-    print(f"resumed {len(resumption.resumed)} unfinished request(s) from {database.path}",
+    print(f"resumed {len(resumption.resumed)} unfinished request(s) from {path}",
           file=sys.stderr)
     for rid in resumption.quarantined:
         print(f"request {terminal_safe(rid)} QUARANTINED: the process died in every run "
               f"that resumed it; `tokenflow db release-quarantine {terminal_safe(rid)} --db "
-              f"{database.path}` runs it again", file=sys.stderr)
+              f"{path}` runs it again", file=sys.stderr)
     # Quarantined requests are not run again from the requests file either.
     skip = emitted | set(resumption.resumed) | set(resumption.quarantined)
     return [w for w in workload if w.request_id not in skip]
-
-
-def _report_commit(commit: Commit) -> None:
-    print(json.dumps({"commit": dataclasses.asdict(commit)}), flush=True)
 
 
 class _OutputSink:

@@ -31,22 +31,19 @@ import torch
 
 from engine.budget.peaks import measure_peaks
 from engine.config import EngineConfig
+from engine.core.batch import Batch, ModelRunnerOutput
 from engine.core.engine import Engine, RequestOutput
 from engine.core.request import RequestState
-from engine.core.scheduler import ScheduledChunk
 from engine.errors import EngineError
 from engine.harness.workload import WorkloadRequest
 from engine.ops.telemetry import BandwidthSource, InjectedBandwidth, ModelBandwidth
 from engine.store import StoreWriter, open_database, unfinished_requests
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]  # the checkout holding engine/ and console/
 MODEL = "synthetic:tiny"
 KV_POOL_BYTES = 1 << 20  # 128 tiny blocks: small enough to run out, large enough to serve
 STEP_BUDGET = 32
 CHUNK_TILE = 8
-CRASH_FLAGS = ["--model", MODEL, "--device", "cpu", "--dtype", "float32",
-               "--max-num-batched-tokens", "8", "--chunk-tile", "8"]
-POLL_S = 0.01  # how often the crash scenario looks at the other process's journal
+POLL_S = 0.01  # how often the crash scenario looks at the resumed process's output
 RETRIES = 3  # attempts a client makes for a request a protection layer failed
 SPIKE_UTIL = 0.99  # over bandwidth_pause: the throttle goes all the way to level 3
 
@@ -211,7 +208,7 @@ def kv_exhaustion(settings: ChaosSettings, expected: dict[str, list[int]],
     """Every free KV block reserved away mid-run; the engine preempts and waits, then resumes."""
     engine = chaos_engine()
     harness = _Harness(engine, requests)
-    harness.run_until(lambda: any(r.is_decoding for r in engine.requests.values()),
+    harness.run_until(lambda: any(r.is_decoding for r in engine.scheduler.requests.values()),
                       time.monotonic() + settings.bound_s)
     preemptions = engine.metrics.preemptions_total
     held = engine.blocks.reserve(engine.blocks.num_blocks)
@@ -281,10 +278,10 @@ def slow_chunks(settings: ChaosSettings, expected: dict[str, list[int]],
     fault = threading.Event()
     fault.set()
 
-    def slow_forward(chunks: list[ScheduledChunk]) -> torch.Tensor:
-        if fault.is_set() and any(not c.is_decode for c in chunks):
+    def slow_forward(batch: Batch) -> ModelRunnerOutput:
+        if fault.is_set() and batch.prefills:
             time.sleep(delay_s)  # the injected fault: a slow kernel
-        return forward(chunks)
+        return forward(batch)
 
     engine.runner.run = slow_forward
     harness = _Harness(engine, requests)
@@ -352,7 +349,8 @@ def locked_database(settings: ChaosSettings, expected: dict[str, list[int]],
 # --- the crash scenario ---------------------------------------------------------------------
 def sigkill(settings: ChaosSettings, expected: dict[str, list[int]],
             requests: Sequence[WorkloadRequest]) -> ScenarioResult:
-    """SIGKILL of `tokenflow run` mid-chunk, then `run --resume` from the journal."""
+    """SIGKILL of a journaling engine process (engine.harness.chaos_child) mid-chunk, then
+    the same with `--resume` from the journal."""
     with tempfile.TemporaryDirectory(prefix="tokenflow-chaos-") as tmp:
         folder = Path(tmp)
         source, output, db = folder / "requests.jsonl", folder / "out.jsonl", folder / "j.db"
@@ -360,11 +358,10 @@ def sigkill(settings: ChaosSettings, expected: dict[str, list[int]],
                                               "prompt_token_ids": list(r.prompt_token_ids),
                                               "max_tokens": r.max_tokens}) + "\n"
                                   for r in requests))
-        args = [*CRASH_FLAGS, "--requests", str(source), "--output", str(output), "--db",
-                str(db)]
+        args = ["--requests", str(source), "--output", str(output), "--db", str(db)]
         deadline = time.monotonic() + settings.bound_s
-        # Killed on an event the run reports: a journal commit holding a request mid-prefill
-        # (a poll of the journal could miss that state between two of the writer's batches).
+        # Killed on an event the child reports: a journal commit holding a request
+        # mid-prefill (a poll of the journal could miss that state between two batches).
         first = _launch([*args, "--report-commits"], report=True)
         killed = _kill_on_report(first, lambda commit: bool(commit["prefilling"]), deadline)
         killed_at = time.monotonic()
@@ -394,9 +391,12 @@ def sigkill(settings: ChaosSettings, expected: dict[str, list[int]],
 
 
 def _launch(args: list[str], report: bool = False) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "console.cli.main", "run", *args], env=env,
-                            cwd=PROJECT_ROOT, bufsize=0,  # unbuffered: select() sees every line
+    # the child imports the engine this process runs, wherever it is installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "engine.harness.chaos_child", *args],
+                            env=env, cwd=Path(args[args.index("--db") + 1]).parent,
+                            bufsize=0,  # unbuffered: select() sees every reported line
                             stdout=subprocess.PIPE if report else subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
 
@@ -418,7 +418,7 @@ def _kill_on_report(process: subprocess.Popen[bytes], wanted: Callable[[dict[str
             try:
                 commit = json.loads(line)["commit"]
             except (ValueError, KeyError, TypeError):
-                continue  # not a report (the summary)
+                continue  # not a report
             if wanted(commit):
                 process.send_signal(signal.SIGKILL)
                 process.wait()

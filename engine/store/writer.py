@@ -15,6 +15,7 @@ anything else (schema missing, disk full, corruption) is permanent: the writer s
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -130,6 +131,12 @@ class Commit:
 
     events: int
     prefilling: tuple[str, ...]  # requests with a chunk journaled and their prefill unfinished
+
+
+def report_commit(commit: Commit) -> None:
+    """An `on_commit` that prints each commit as one JSON line on stdout (`--report-commits`):
+    what a supervisor such as the chaos suite acts on."""
+    print(json.dumps({"commit": dataclasses.asdict(commit)}), flush=True)
 
 
 class _Permanent(Exception):
