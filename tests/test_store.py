@@ -22,6 +22,7 @@ from engine.events import (
     ConfigChanged,
     Drift,
     EventBus,
+    FailCause,
     Failed,
     Finished,
     Preempted,
@@ -484,7 +485,8 @@ def test_a_failed_request_is_never_unfinished_again(database: Database) -> None:
     bus = EventBus()
     writer = StoreWriter(database, bus)
     deliver(bus, writer, added("poison"), chunk("poison", 0, 0, 4, True),
-            Failed(request_id="poison", reason="sampling produced NaN"), added("ok"))
+            Failed(request_id="poison", reason="sampling produced NaN", cause=FailCause.FAULT),
+            added("ok"))
     assert writer.close()
     with database.session() as session:
         assert [e.request_id for e in unfinished_requests(session)] == ["ok"]
