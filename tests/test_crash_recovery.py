@@ -18,6 +18,7 @@ import pytest
 
 from console.cli.main import main
 from engine import Engine, EngineConfig, SamplingParams
+from engine.events import EventBus, RequestAdded
 from engine.harness.chaos import query_journal
 from engine.ops.recovery import Resumption, resume_unfinished
 from engine.store import StoreWriter, open_database, quarantined_requests
@@ -187,3 +188,19 @@ def test_serve_resume_killed_at_once_loses_nothing_then_quarantines(
     finally:
         database.close()
     assert outputs == {"b": expected["b"]}
+
+
+def test_an_entry_the_engine_refuses_is_failed_once_not_resumed_at_every_start(
+        tmp_path: Path) -> None:
+    database = open_database(tmp_path / "old.db")
+    bus = EventBus()
+    writer = StoreWriter(database, bus)
+    for rid, sampling in (("refused", {"max_tokens": 0}), ("fine", {"max_tokens": 2})):
+        bus.publish(RequestAdded(request_id=rid, prompt_token_ids=(5, 6, 7), sampling=sampling,
+                                 tenant="t"))
+    bus.drain()
+    assert writer.close()
+    database.close()
+    first = _resume_and_abandon(tmp_path / "old.db")
+    assert first.failed == ("refused",) and first.resumed == ("fine",)
+    assert _resume_and_abandon(tmp_path / "old.db").failed == ()  # closed FAILED, for good
