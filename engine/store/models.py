@@ -13,7 +13,10 @@ from typing import Any, ClassVar
 from sqlalchemy import JSON, Dialect, Float, ForeignKey, Index, String, Text, TypeDecorator
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-TERMINAL_STATES = ("FINISHED", "FAILED", "REJECTED", "RESUMED")
+TERMINAL_STATES = ("FINISHED", "FAILED", "REJECTED")
+# Resumed and then lost with the process too often (pitfall 12's poison request): kept, never
+# resumed, never deleted by retention, until an operator releases it.
+QUARANTINED = "QUARANTINED"
 
 
 class TokenIds(TypeDecorator[list[int]]):
@@ -64,6 +67,7 @@ class JournalRow(Base):
     budget_score: Mapped[float | None]
     updated_at: Mapped[float]
     resumed_at: Mapped[float | None]
+    resume_attempts: Mapped[int] = mapped_column(server_default="0")  # runs it was handed to
 
     __table_args__ = (Index("ix_request_journal_state", "state"),)
 
