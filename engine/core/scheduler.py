@@ -37,7 +37,7 @@ from engine.core.batch import (
     StepTiming,
 )
 from engine.core.block_manager import BlockManager
-from engine.core.request import ChunkTiming, Request, RequestState
+from engine.core.request import ChunkTiming, PlannedChunk, Request, RequestState
 from engine.events import (
     CacheEvict,
     ChunkComplete,
@@ -311,19 +311,19 @@ class Scheduler:
                           "recompute after preemption" if request.num_preemptions else "admitted")
         if request.prefill_started is None:
             request.prefill_started = now
-            request.budgeted_prefill_s = self._budget_prefill(request, first_chunk,
-                                                              decode_contexts)
+            request.planned = self._budget_prefill(request, first_chunk, decode_contexts)
 
     def _budget_prefill(self, request: Request, chunk: int,
-                        decode_contexts: tuple[int, ...]) -> float:
+                        decode_contexts: tuple[int, ...]) -> list[PlannedChunk]:
         """⌈T/C⌉ steps of C tokens beside today's decodes, as the budget model predicts them."""
-        total, start = 0.0, 0
+        planned, start = [], 0
         while start < request.num_prompt_tokens:
             size = min(chunk, request.num_prompt_tokens - start)
-            total += self.predict(StepShape(prefill=((size, start),),
-                                            decode_contexts=decode_contexts))
+            predicted = self.predict(StepShape(prefill=((size, start),),
+                                               decode_contexts=decode_contexts))
+            planned.append(PlannedChunk(start, size, predicted, decodes=len(decode_contexts)))
             start += size
-        return total
+        return planned
 
     # --- after the step -----------------------------------------------------------------
     def update(self, batch: Batch, output: ModelRunnerOutput,
