@@ -227,10 +227,11 @@ class Engine:
         start = self.clock()
         output = self.runner.run(batch)
         end = self.clock()
-        timing = StepTiming(end=end, duration_s=end - start, predicted_s=predicted)
+        self.step_count += 1
+        timing = StepTiming(end=end, duration_s=end - start, predicted_s=predicted,
+                            step=self.step_count)
         bytes_moved = self.budget.bytes_moved(shape)
         self.bandwidth.record(bytes_moved, timing.duration_s)
-        self.step_count += 1
         outputs = self.scheduler.update(batch, output, timing)
         self.bus.publish(StepComplete(step=self.step_count, prefill_tokens=shape.prefill_tokens,
                                       decode_seqs=len(batch.decodes),

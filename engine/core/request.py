@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import SamplingParams
+from engine.core.timeline import PrefillGaps
 
 
 class RequestState(enum.StrEnum):
@@ -28,13 +29,22 @@ class RequestState(enum.StrEnum):
         return self in (RequestState.FINISHED, RequestState.FAILED, RequestState.REJECTED)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkTiming:
+    """One prefill chunk as its step was booked (a part of the request's timeline)."""
+
     index: int
-    start: int
+    start: int  # first prompt position
     tokens: int
-    duration_s: float
-    predicted_s: float
+    duration_s: float  # the step's measured time
+    predicted_s: float  # the step's predicted time, whole
+    step_start: float = 0.0  # when the step's forward pass began (the engine's clock)
+    step: int = 0
+    decodes: int = 0  # decodes in the same step
+    other_prefill_tokens: int = 0  # other requests' prefill tokens in the same step
+    mode: str = "NORMAL"
+    throttle_level: int = 0
+    attempt: int = 0  # preemptions before it: chunks of an earlier attempt were recomputed
 
 
 @dataclass(frozen=True)
@@ -84,6 +94,12 @@ class Request:
     # the engine is calibrated (no verdict before then)
     planned: list[PlannedChunk] = field(default_factory=list)
     replans: int = 0
+    # timeline (issue 16): appended as it happens, explained if the request is slow
+    admissions: list[float] = field(default_factory=list)
+    preempted_at: list[float] = field(default_factory=list)
+    decode_gaps: list[float] = field(default_factory=list)
+    worst_gap: tuple[float, int] | None = None  # the longest decode gap and its step
+    slow: PrefillGaps | None = None  # set when flagged: its prefill's gaps, classed
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_time: float | None = None

@@ -25,6 +25,7 @@ import math
 from bisect import insort
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
+from dataclasses import asdict
 
 from engine.config import EngineConfig
 from engine.core.batch import (
@@ -38,6 +39,7 @@ from engine.core.batch import (
 )
 from engine.core.block_manager import BlockManager
 from engine.core.request import ChunkTiming, PlannedChunk, Request, RequestState
+from engine.core.timeline import ModeRecord, StepRecord, classify_prefill, explain
 from engine.events import (
     CacheEvict,
     ChunkComplete,
@@ -53,6 +55,10 @@ from engine.events import (
 from engine.ops.telemetry import BandwidthSource
 
 RECENT_FINISHED = 64  # ended requests still shown in snapshots
+# steps and mode changes kept to explain a slow prefill (one small tuple each; a prefill longer
+# than the log classes its earliest gaps by the mode log alone)
+STEP_LOG = 65536
+MODE_LOG = 4096
 # throttle level -> chunk concurrency cap (level 3 also pauses new prefills)
 THROTTLE_CONCURRENCY = {0: None, 1: 2, 2: 1, 3: 1}
 
@@ -90,6 +96,8 @@ class Scheduler:
         self.auto_budget: int | None = None  # set each step by the engine when auto_budget
         self._above_pause_since: float | None = None
         self.bandwidth_util = 0.0
+        self.steps: deque[StepRecord] = deque(maxlen=STEP_LOG)
+        self.modes: deque[ModeRecord] = deque(maxlen=MODE_LOG)
 
     # --- queues -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -121,6 +129,10 @@ class Scheduler:
                 e2e_s=request.finish_time - request.arrival, budget_score=request.budget_score))
         self.publish(CacheEvict(request_id=request.id, blocks_freed=freed,
                                 usage_after=self.blocks.usage))
+        if state is RequestState.FAILED and request.prefill_finished is None:
+            self._check_slow(request, request.finish_time)  # failed mid-prefill (a guard)
+        if request.slow is not None:
+            self._publish_slow(request)
 
     def set_config(self, config: EngineConfig) -> None:
         """Take a new configuration at a step boundary; tenant priorities reorder the queue."""
@@ -154,6 +166,9 @@ class Scheduler:
     # --- the step -----------------------------------------------------------------------
     def schedule(self) -> Batch:
         self._update_mode()
+        state = (self.mode.value, self.throttle_level, self.prefill_paused)
+        if not self.modes or self.modes[-1][1:] != state:
+            self.modes.append(ModeRecord(self.clock(), *state))
         batch = Batch(mode=self.mode)
         budget = self._schedule_decodes(batch, self.token_budget)
         self._schedule_prefills(batch, budget)
@@ -307,6 +322,7 @@ class Scheduler:
                now: float) -> None:
         self.waiting.remove(request)
         self.running.append(request)
+        request.admissions.append(now)
         request.set_state(RequestState.PREFILL_CHUNKING,
                           "recompute after preemption" if request.num_preemptions else "admitted")
         if request.prefill_started is None:
@@ -332,8 +348,15 @@ class Scheduler:
         appended, stop conditions, finished requests' blocks freed. An error in one request's
         sampling, stop check or output fails that request alone (FAILED, cause FAULT); the
         others go on."""
+        start = timing.end - timing.duration_s
+        prefill_tokens = sum(c.num_tokens for c in batch.prefills)
+        self.steps.append(StepRecord(start, timing.end, timing.step, batch.mode.value,
+                                     self.throttle_level, self.prefill_paused,
+                                     tuple(c.request.id for c in batch.prefills),
+                                     len(batch.decodes)))
         for chunk in batch.prefills:
-            self._record_chunk(chunk, timing)
+            self._record_chunk(chunk, timing, start, len(batch.decodes),
+                               prefill_tokens - chunk.num_tokens, batch.mode.value)
         for chunk in batch.decodes:
             chunk.request.num_computed_tokens += 1
         outputs = []
@@ -343,7 +366,7 @@ class Scheduler:
             if error is None:
                 try:
                     token = output.token_ids[request.id]
-                    outputs.append(self._append_token(request, token, timing.end))
+                    outputs.append(self._append_token(request, token, timing))
                     continue
                 except Exception as exc:  # fault isolation: it fails this request only
                     error = f"handling its token failed: {type(exc).__name__}: {exc}"
@@ -364,12 +387,15 @@ class Scheduler:
             return "length"
         return None
 
-    def _record_chunk(self, chunk: ScheduledChunk, timing: StepTiming) -> None:
+    def _record_chunk(self, chunk: ScheduledChunk, timing: StepTiming, start: float,
+                      decodes: int, other_tokens: int, mode: str) -> None:
         request = chunk.request
         request.num_computed_tokens += chunk.num_tokens
         index = len(request.chunks)
         request.chunks.append(ChunkTiming(index, chunk.start, chunk.num_tokens,
-                                          timing.duration_s, timing.predicted_s))
+                                          timing.duration_s, timing.predicted_s, start,
+                                          timing.step, decodes, other_tokens, mode,
+                                          self.throttle_level, request.num_preemptions))
         alone = StepShape(prefill=((chunk.num_tokens, chunk.start),))
         self.publish(ChunkComplete(
             request_id=request.id, chunk_index=index, tokens=chunk.num_tokens,
@@ -377,14 +403,20 @@ class Scheduler:
             estimated_bytes=self.bytes_moved(alone), predicted_s=timing.predicted_s,
             prefill_done=chunk.samples))
 
-    def _append_token(self, request: Request, token: int, now: float) -> RequestOutput:
+    def _append_token(self, request: Request, token: int, timing: StepTiming) -> RequestOutput:
+        now = timing.end
         if request.state is RequestState.PREFILL_CHUNKING:
             request.set_state(RequestState.DECODING, "prefill complete")
             if request.prefill_finished is None:
                 request.prefill_finished = now
-                self._check_slow(request)
+                self._check_slow(request, now)
         if request.first_token_time is None:
             request.first_token_time = now
+        elif request.last_token_time is not None:
+            gap = now - request.last_token_time
+            request.decode_gaps.append(gap)
+            if request.worst_gap is None or gap > request.worst_gap[0]:
+                request.worst_gap = (gap, timing.step)
         request.output_token_ids.append(token)
         request.last_token_time = now
         self.publish(TokensGenerated(request_id=request.id, token_ids=(token,)))
@@ -393,19 +425,37 @@ class Scheduler:
             self.finish(request, RequestState.FINISHED, reason)
         return request_output(request, (token,))
 
-    def _check_slow(self, request: Request) -> None:
-        score = request.budget_score
-        if score is None or score <= self.config.slow_query_threshold:
+    def _check_slow(self, request: Request, end: float) -> None:
+        """Flag a request whose prefill (ended at `end`, or cut short there by a failure)
+        overran its budget; its gaps are classed now, while the step log covers them, and
+        the slow query is published when it ends."""
+        budget = request.budgeted_prefill_s
+        if not budget or request.prefill_started is None:
             return
-        chunks = tuple({"index": c.index, "start": c.start, "tokens": c.tokens,
-                        "duration_s": c.duration_s, "predicted_s": c.predicted_s}
-                       for c in request.chunks)
+        if (end - request.prefill_started) / budget <= self.config.slow_query_threshold:
+            return
+        first = request.prefill_started
+        steps = []
+        for step in reversed(self.steps):  # only the steps since its admission
+            steps.append(step)
+            if step.start <= first:
+                break
+        steps.reverse()
+        request.slow = classify_prefill(request, steps, list(self.modes), end)
+
+    def _publish_slow(self, request: Request) -> None:
+        assert request.slow is not None and request.prefill_started is not None
+        timeline = explain(request, request.slow)
+        verdict = timeline.verdict()
+        if request.state is RequestState.FAILED:
+            verdict += f"; then failed: {request.reason}"
         self.publish(SlowQuery(
-            request_id=request.id, tenant=request.tenant, budget_score=score,
-            prompt_tokens=request.num_prompt_tokens,
-            prefill_s=request.prefill_finished - request.prefill_started,
-            budgeted_s=request.budgeted_prefill_s or 0.0, chunks=chunks,
-            config=self.config.live_values(), tag=request.tag))
+            request_id=request.id, tenant=request.tenant,
+            budget_score=timeline.prefill_s / timeline.budgeted_s,
+            prompt_tokens=request.num_prompt_tokens, prefill_s=timeline.prefill_s,
+            budgeted_s=timeline.budgeted_s, chunks=tuple(asdict(c) for c in timeline.chunks),
+            config=self.config.live_values(), tag=request.tag, timeline=timeline.to_dict(),
+            cause=timeline.cause.value, cause_share=timeline.cause_share, verdict=verdict))
 
     # --- preemption ---------------------------------------------------------------------
     def _pick_victim(self) -> Request:
@@ -420,6 +470,7 @@ class Scheduler:
         self.running.remove(victim)
         self.blocks.release(victim)
         victim.num_computed_tokens = 0
+        victim.preempted_at.append(self.clock())
         victim.num_preemptions += 1
         victim.set_state(RequestState.PREEMPTED, "KV blocks exhausted; will recompute")
         insort(self.waiting, victim, key=self._queue_key)

@@ -82,10 +82,16 @@ class SlowQueryRow(Base):
     budgeted_s: Mapped[float]
     chunks: Mapped[list[Any]]  # per-chunk timings, as the engine reported them
     config: Mapped[dict[str, Any]]  # the live configuration when the request ran
+    # where its time went (engine.core.timeline.Timeline); None on rows from before 0003
+    timeline: Mapped[dict[str, Any] | None]
+    cause: Mapped[str | None] = mapped_column(String(32))  # engine.core.timeline.Cause
+    cause_share: Mapped[float | None]  # the cause's part of the overrun, 0..1
+    verdict: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (
         Index("ix_slow_queries_budget_score", "budget_score"),
         Index("ix_slow_queries_tenant", "tenant"),
+        Index("ix_slow_queries_cause", "cause"),
     )
 
 

@@ -37,6 +37,10 @@ class SlowQueryRecord:
     budgeted_s: float
     chunks: list[dict[str, Any]]
     config: dict[str, Any]
+    timeline: dict[str, Any] | None = None  # None on rows stored before revision 0003
+    cause: str | None = None
+    cause_share: float | None = None
+    verdict: str | None = None
 
     @classmethod
     def from_row(cls, row: SlowQueryRow) -> SlowQueryRecord:
@@ -79,7 +83,7 @@ def export_slow_queries(records: list[SlowQueryRecord], fmt: str) -> str:
     writer.writeheader()
     for record in records:
         row = asdict(record)
-        row["chunks"] = json.dumps(row["chunks"])
-        row["config"] = json.dumps(row["config"])
+        for name in ("chunks", "config", "timeline"):
+            row[name] = json.dumps(row[name])
         writer.writerow(row)
     return out.getvalue()
