@@ -105,6 +105,7 @@ class Finished(Event):
     ttft_s: float | None
     e2e_s: float
     budget_score: float | None
+    queue_wait_s: float | None = None  # arrival to first admission
 
 
 class RejectCause(enum.StrEnum):

@@ -72,7 +72,7 @@ class Engine:
                                    bytes_moved=lambda shape: self.budget.bytes_moved(shape),
                                    eos_token_ids=self.tokenizer.eos_token_ids,
                                    max_model_len=self.max_model_len)
-        self.metrics = Metrics()
+        self.metrics = Metrics(config.stats_window_s)
         self.bus.subscribe(self.metrics.observe)
         self.guards = Guards()
         self.bus.subscribe(self._observe)
@@ -282,7 +282,7 @@ class Engine:
         s, m = self.scheduler, self.metrics
         live = list(s.requests.values())
         tokens_per_s, output_per_s = m.rates(now)
-        ttft, tpot, step = m.latency()
+        window = m.latency(now)
         decodes, context = s.decode_load()
         chunk = self.budget.recommended_chunk(decodes, context)
         reading = self.bandwidth.reading()
@@ -301,7 +301,9 @@ class Engine:
             kv_blocks_moved_total=self.blocks.blocks_moved,
             bandwidth_util_5s=reading.util_5s, bandwidth_source=reading.source,
             throttle_level=s.throttle_level, tokens_per_s=tokens_per_s,
-            output_tokens_per_s=output_per_s, ttft_ms=ttft, tpot_ms=tpot, step_ms=step,
+            output_tokens_per_s=output_per_s, stats_window_s=window.window_s,
+            ttft_ms=window.ttft, tpot_ms=window.tpot, itl_ms=window.itl,
+            queue_wait_ms=window.queue_wait, step_ms=window.step,
             recommended_chunk_size=chunk,
             recommended_token_budget=token_budget_for(chunk, decodes, self.config.chunk_tile),
             token_budget=s.token_budget,

@@ -119,6 +119,10 @@ class Scheduler:
         request.set_state(state, reason)
         request.finish_time = self.clock()
         self.recent.append(request)
+        if state is RequestState.FAILED and request.prefill_finished is None:
+            self._check_slow(request, request.finish_time)  # failed mid-prefill (a guard)
+        if request.slow is not None:
+            self._publish_slow(request)
         if state is RequestState.FAILED:
             self.publish(Failed(request_id=request.id, reason=reason,
                                 cause=cause or FailCause.FAULT))
@@ -126,13 +130,11 @@ class Scheduler:
             self.publish(Finished(
                 request_id=request.id, reason=reason, prompt_tokens=request.num_prompt_tokens,
                 generated_tokens=len(request.output_token_ids), ttft_s=request.ttft_s,
-                e2e_s=request.finish_time - request.arrival, budget_score=request.budget_score))
+                e2e_s=request.finish_time - request.arrival, budget_score=request.budget_score,
+                queue_wait_s=None if request.prefill_started is None
+                else request.prefill_started - request.arrival))
         self.publish(CacheEvict(request_id=request.id, blocks_freed=freed,
                                 usage_after=self.blocks.usage))
-        if state is RequestState.FAILED and request.prefill_finished is None:
-            self._check_slow(request, request.finish_time)  # failed mid-prefill (a guard)
-        if request.slow is not None:
-            self._publish_slow(request)
 
     def set_config(self, config: EngineConfig) -> None:
         """Take a new configuration at a step boundary; tenant priorities reorder the queue."""
