@@ -96,8 +96,8 @@ class Scheduler:
         self.auto_budget: int | None = None  # set each step by the engine when auto_budget
         self._above_pause_since: float | None = None
         self.bandwidth_util = 0.0
-        self.steps: deque[StepRecord] = deque(maxlen=STEP_LOG)
-        self.modes: deque[ModeRecord] = deque(maxlen=MODE_LOG)
+        self.step_log: deque[StepRecord] = deque(maxlen=STEP_LOG)
+        self.mode_log: deque[ModeRecord] = deque(maxlen=MODE_LOG)
 
     # --- queues -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -169,8 +169,8 @@ class Scheduler:
     def schedule(self) -> Batch:
         self._update_mode()
         state = (self.mode.value, self.throttle_level, self.prefill_paused)
-        if not self.modes or self.modes[-1][1:] != state:
-            self.modes.append(ModeRecord(self.clock(), *state))
+        if not self.mode_log or self.mode_log[-1][1:] != state:
+            self.mode_log.append(ModeRecord(self.clock(), *state))
         batch = Batch(mode=self.mode)
         budget = self._schedule_decodes(batch, self.token_budget)
         self._schedule_prefills(batch, budget)
@@ -352,7 +352,7 @@ class Scheduler:
         others go on."""
         start = timing.end - timing.duration_s
         prefill_tokens = sum(c.num_tokens for c in batch.prefills)
-        self.steps.append(StepRecord(start, timing.end, timing.step, batch.mode.value,
+        self.step_log.append(StepRecord(start, timing.end, timing.step, batch.mode.value,
                                      self.throttle_level, self.prefill_paused,
                                      tuple(c.request.id for c in batch.prefills),
                                      len(batch.decodes)))
@@ -438,12 +438,12 @@ class Scheduler:
             return
         first = request.prefill_started
         steps = []
-        for step in reversed(self.steps):  # only the steps since its admission
+        for step in reversed(self.step_log):  # only the steps since its admission
             steps.append(step)
             if step.start <= first:
                 break
         steps.reverse()
-        request.slow = classify_prefill(request, steps, list(self.modes), end)
+        request.slow = classify_prefill(request, steps, list(self.mode_log), end)
 
     def _publish_slow(self, request: Request) -> None:
         assert request.slow is not None and request.prefill_started is not None
