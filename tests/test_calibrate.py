@@ -297,7 +297,7 @@ def test_result_is_stored_with_its_table_and_predictor(tmp_path: Path, engine: E
                                                        calibrated) -> None:
     database = open_database(tmp_path / "t.db")
     with database.session() as session:
-        run_id = save_result(session, calibrated)
+        run_id = save_result(session, calibrated, "test")
         record = latest_for(session, engine)
     database.close()
     assert record is not None and record.id == run_id

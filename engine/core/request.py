@@ -44,8 +44,8 @@ class PlannedChunk:
     The plan simulates the scheduler's normal-mode rules over the work known at planning
     time; budget_score is measured prefill time over the sum of `budget_s`.
     start, tokens: prompt positions the chunk computes. wait_s: predicted time of the steps
-    before it in which work ahead (decodes, earlier prefills) left it no room. predicted_s: the
-    predicted time of the step carrying it, whole: `decodes` decodes and
+    (`wait_steps`) before it in which work ahead (decodes, earlier prefills) left it no room.
+    predicted_s: the predicted time of the step carrying it, whole: `decodes` decodes and
     `other_prefill_tokens` tokens of other prefills run beside it.
     """
 
@@ -53,6 +53,7 @@ class PlannedChunk:
     tokens: int
     predicted_s: float
     wait_s: float = 0.0
+    wait_steps: int = 0
     decodes: int = 0
     other_prefill_tokens: int = 0
 
@@ -84,6 +85,7 @@ class Request:
     # the engine is calibrated (no verdict before then)
     planned: list[PlannedChunk] = field(default_factory=list)
     replans: int = 0
+    last_chunk_step: int = 0  # the scheduler's step count at its last chunk (or admission)
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_time: float | None = None
