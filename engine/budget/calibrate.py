@@ -428,6 +428,8 @@ def apply(engine: Engine, predictor: StepTimePredictor) -> None:
     engine.budget = predictor.budget_model(engine.model_config, engine.runner.bytes_per_element,
                                            engine.peaks)
     engine.scheduler.calibrated = True  # budget_score and C* mean something from now on
+    engine.step_ratio.reset()
+    engine.scheduler.step_scale = 1.0
 
 
 def first_calibration(engine: Engine, session: Session | None = None) -> CalibrationResult:

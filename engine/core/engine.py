@@ -23,6 +23,7 @@ import torch
 from engine.budget.auto import CStar, auto_token_budget, token_budget_for
 from engine.budget.cost_model import BudgetModel
 from engine.budget.peaks import measure_peaks
+from engine.budget.predictor import StepTimeRatio
 from engine.config import EngineConfig, SamplingParams
 from engine.core import intake
 from engine.core.batch import Batch, RequestOutput, StepShape, StepTiming
@@ -49,6 +50,9 @@ from engine.snapshot import RequestView, Snapshot
 __all__ = ["Engine", "RequestOutput"]
 
 OVERHEAD_STEPS = 64  # steps whose median overhead the prefill plans add to each step
+# Prefill plans follow the live measured/predicted ratio this far at most: further off is
+# drift (a recalibration's business), and a fault filling the window must still show.
+MAX_STEP_SCALE = 2.0
 
 
 class Engine:
@@ -82,6 +86,8 @@ class Engine:
         self.bus.subscribe(self._observe)
         self.step_count = 0
         self.cstar = CStar()  # C* from the smoothed decode load, once calibrated
+        # measured / predicted prefill steps since calibration
+        self.step_ratio = StepTimeRatio()
         # the step's own time beyond the forward pass (scheduling, booking, events): part of
         # every step a prefill plan prices, which the calibrated predictor does not time
         self._overheads: deque[float] = deque(maxlen=OVERHEAD_STEPS)
@@ -258,6 +264,10 @@ class Engine:
         output = self.runner.run(batch)
         end = self.clock()
         timing = StepTiming(end=end, duration_s=end - start, predicted_s=predicted)
+        if self.calibrated and batch.prefills:  # the steps prefill plans are made of
+            self.step_ratio.observe(end, timing.duration_s, predicted)
+            self.scheduler.step_scale = min(max(self.step_ratio.value, 1 / MAX_STEP_SCALE),
+                                            MAX_STEP_SCALE)
         bytes_moved = self.budget.bytes_moved(shape)
         self.bandwidth.record(bytes_moved, timing.duration_s)
         self.step_count += 1

@@ -96,7 +96,10 @@ class Scheduler:
         # (engine.budget.calibrate.apply sets it).
         self.calibrated = False
         self._plan_rules: PlanRules | None = None  # the rules the plans in force assume
-        self.step_overhead_s = 0.0  # set by the engine: a step's time beyond the forward pass
+        # set by the engine: a step's time beyond the forward pass, and how far steps run
+        # from the predictor lately (engine.budget.predictor.StepTimeRatio)
+        self.step_overhead_s = 0.0
+        self.step_scale = 1.0
 
     # --- queues -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -357,9 +360,9 @@ class Scheduler:
             return
         rules = self._plan_rules = self.plan_rules()
         items = [PlanItem(r, r.num_computed_tokens, r.num_tokens) for r in prefilling]
-        overhead = self.step_overhead_s
+        scale, overhead = self.step_scale, self.step_overhead_s
         plans = plan_prefills(items, decode_contexts, rules,
-                              lambda shape: self.predict(shape) + overhead)
+                              lambda shape: self.predict(shape) * scale + overhead)
         for request in prefilling:
             if request in fresh:
                 request.planned = plans[request]
