@@ -181,6 +181,17 @@ class Drift(Event):
 
 
 @dataclass(frozen=True)
+class CalibrationProgress(Event):
+    """A calibration sweep under way: `fraction` done (1.0: applied), what runs now, and why
+    it runs (the first calibration at start, persistent drift, on demand)."""
+
+    kind: ClassVar[str] = "calibration_progress"
+    fraction: float
+    note: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class GuardAction(Event):
     """A protection layer engaged or released."""
 

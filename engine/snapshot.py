@@ -67,7 +67,10 @@ class Snapshot:
     itl_ms: Percentiles = Percentiles()
     queue_wait_ms: Percentiles = Percentiles()  # arrival to admission
     step_ms: Percentiles = Percentiles()
-    recommended_chunk_size: int | None = None  # C* for the live decode load
+    # "calibrating" until the engine's first calibration (no C* or budget_score before it),
+    # then "calibrated"; "" from a source that does not say
+    calibration: str = ""
+    recommended_chunk_size: int | None = None  # C* for the smoothed decode load
     # C* as a token budget, as auto_budget spends it (engine.budget.auto.token_budget_for)
     recommended_token_budget: int | None = None
     token_budget: int = 0  # this step's budget (differs from the config under auto_budget)

@@ -118,7 +118,6 @@ class StepTiming:
     end: float
     duration_s: float
     predicted_s: float
-    step: int = 0  # the engine's step number
 
 
 @dataclass(frozen=True)

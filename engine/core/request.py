@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.config import SamplingParams
-from engine.core.timeline import PrefillGaps
 
 
 class RequestState(enum.StrEnum):
@@ -54,8 +53,8 @@ class PlannedChunk:
     The plan simulates the scheduler's normal-mode rules over the work known at planning
     time; budget_score is measured prefill time over the sum of `budget_s`.
     start, tokens: prompt positions the chunk computes. wait_s: predicted time of the steps
-    before it in which work ahead (decodes, earlier prefills) left it no room. predicted_s: the
-    predicted time of the step carrying it, whole: `decodes` decodes and
+    (`wait_steps`) before it in which work ahead (decodes, earlier prefills) left it no room.
+    predicted_s: the predicted time of the step carrying it, whole: `decodes` decodes and
     `other_prefill_tokens` tokens of other prefills run beside it.
     """
 
@@ -63,6 +62,7 @@ class PlannedChunk:
     tokens: int
     predicted_s: float
     wait_s: float = 0.0
+    wait_steps: int = 0
     decodes: int = 0
     other_prefill_tokens: int = 0
 
@@ -99,7 +99,7 @@ class Request:
     preempted_at: list[float] = field(default_factory=list)
     decode_gaps: list[float] = field(default_factory=list)
     worst_gap: tuple[float, int] | None = None  # the longest decode gap and its step
-    slow: PrefillGaps | None = None  # set when flagged: its prefill's gaps, classed
+    last_chunk_step: int = 0  # the scheduler's step count at its last chunk (or admission)
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_time: float | None = None

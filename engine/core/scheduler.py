@@ -27,6 +27,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
 
+from engine.budget.plan import PlanItem, PlanRules, plan_prefills, replanned
 from engine.config import EngineConfig
 from engine.core.batch import (
     Batch,
@@ -38,8 +39,8 @@ from engine.core.batch import (
     StepTiming,
 )
 from engine.core.block_manager import BlockManager
-from engine.core.request import ChunkTiming, PlannedChunk, Request, RequestState
-from engine.core.timeline import ModeRecord, StepRecord, classify_prefill, explain
+from engine.core.request import ChunkTiming, Request, RequestState
+from engine.core.timeline import ModeRecord, PrefillGaps, StepRecord, classify_prefill, explain
 from engine.events import (
     CacheEvict,
     ChunkComplete,
@@ -98,6 +99,17 @@ class Scheduler:
         self.bandwidth_util = 0.0
         self.step_log: deque[StepRecord] = deque(maxlen=STEP_LOG)
         self.mode_log: deque[ModeRecord] = deque(maxlen=MODE_LOG)
+        # live requests flagged slow, with their prefill's gaps classed (published at the end)
+        self.flagged: dict[str, PrefillGaps] = {}
+        self.steps = 0  # steps booked by `update`
+        # No plan, so no budget_score or slow query, until the predictor is calibrated
+        # (engine.budget.calibrate.apply sets it).
+        self.calibrated = False
+        self._plan_rules: PlanRules | None = None  # the rules the plans in force assume
+        # set by the engine: a step's time beyond the forward pass, and how far steps run
+        # from the predictor lately (engine.budget.predictor.StepTimeRatio)
+        self.step_overhead_s = 0.0
+        self.step_scale = 1.0
 
     # --- queues -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -121,8 +133,9 @@ class Scheduler:
         self.recent.append(request)
         if state is RequestState.FAILED and request.prefill_finished is None:
             self._check_slow(request, request.finish_time)  # failed mid-prefill (a guard)
-        if request.slow is not None:
-            self._publish_slow(request)
+        gaps = self.flagged.pop(request.id, None)
+        if gaps is not None:
+            self._publish_slow(request, gaps)
         if state is RequestState.FAILED:
             self.publish(Failed(request_id=request.id, reason=reason,
                                 cause=cause or FailCause.FAULT))
@@ -173,6 +186,7 @@ class Scheduler:
             self.mode_log.append(ModeRecord(self.clock(), *state))
         batch = Batch(mode=self.mode)
         budget = self._schedule_decodes(batch, self.token_budget)
+        self._replan_if_retuned(tuple(c.start + 1 for c in batch.decodes))
         self._schedule_prefills(batch, budget)
         return batch
 
@@ -209,10 +223,7 @@ class Scheduler:
         cap = THROTTLE_CONCURRENCY[self.throttle_level]
         if cap is not None:
             slots = min(slots, cap)
-        # a cap below one tile would round every partial chunk to nothing (pitfall 4), and
-        # without chunking a capped prompt could never run whole
-        chunk_cap = max(cfg.long_prefill_threshold, cfg.chunk_tile) \
-            if cfg.long_prefill_threshold and cfg.chunked_prefill else math.inf
+        chunk_cap = self.plan_rules().chunk_cap
         if self.cache_pressure or self.prefill_paused:
             if batch.decodes and not self.prefill_paused:
                 return  # decodes only, until evictions relieve the pressure
@@ -234,13 +245,15 @@ class Scheduler:
         if not plan:
             return
         now = self.clock()
-        decode_contexts = tuple(c.start + 1 for c in batch.decodes)
+        fresh = []
         for request, tokens in plan.items():
-            if request.state is not RequestState.PREFILL_CHUNKING:
-                self._admit(request, tokens, decode_contexts, now)
+            if request.state is not RequestState.PREFILL_CHUNKING and self._admit(request, now):
+                fresh.append(request)
             chunk = ScheduledChunk(request, request.num_computed_tokens, tokens)
             self.blocks.grow(request, tokens)
             batch.prefills.append(chunk)
+        if fresh:  # a new arrival shares the budget: everyone's plan changes
+            self._replan(tuple(c.start + 1 for c in batch.decodes), fresh)
 
     def _admissible(self) -> list[Request]:
         # every running request must fit one decode token in the budget (stall-free)
@@ -320,28 +333,65 @@ class Scheduler:
                 room[tenant] = max(0.0, blocks * self.blocks.block_size)
         return room
 
-    def _admit(self, request: Request, first_chunk: int, decode_contexts: tuple[int, ...],
-               now: float) -> None:
+    def _admit(self, request: Request, now: float) -> bool:
+        """Move a waiting request to running; True at its first admission."""
         self.waiting.remove(request)
         self.running.append(request)
         request.admissions.append(now)
         request.set_state(RequestState.PREFILL_CHUNKING,
                           "recompute after preemption" if request.num_preemptions else "admitted")
-        if request.prefill_started is None:
-            request.prefill_started = now
-            request.planned = self._budget_prefill(request, first_chunk, decode_contexts)
+        if request.prefill_started is not None:
+            return False
+        request.prefill_started = now
+        request.last_chunk_step = self.steps
+        return True
 
-    def _budget_prefill(self, request: Request, chunk: int,
-                        decode_contexts: tuple[int, ...]) -> list[PlannedChunk]:
-        """⌈T/C⌉ steps of C tokens beside today's decodes, as the budget model predicts them."""
-        planned, start = [], 0
-        while start < request.num_prompt_tokens:
-            size = min(chunk, request.num_prompt_tokens - start)
-            predicted = self.predict(StepShape(prefill=((size, start),),
-                                               decode_contexts=decode_contexts))
-            planned.append(PlannedChunk(start, size, predicted, decodes=len(decode_contexts)))
-            start += size
-        return planned
+    # --- the prefill plan budget_score is measured against (engine.budget.plan) ---------
+    def plan_rules(self) -> PlanRules:
+        """The normal-mode rules this step's budget and configuration set."""
+        cfg = self.config
+        # a cap below one tile would round every partial chunk to nothing (pitfall 4), and
+        # without chunking a capped prompt could never run whole
+        cap = max(cfg.long_prefill_threshold, cfg.chunk_tile) \
+            if cfg.long_prefill_threshold and cfg.chunked_prefill else math.inf
+        return PlanRules(budget=self.token_budget, tile=cfg.chunk_tile,
+                         slots=cfg.max_prefill_chunks, chunk_cap=cap,
+                         chunked=cfg.chunked_prefill)
+
+    def _replan_if_retuned(self, decode_contexts: tuple[int, ...]) -> None:
+        """A tuning change (configuration, the auto budget's C*) re-plans what is in flight."""
+        rules = self.plan_rules()
+        if rules != self._plan_rules:
+            self._plan_rules = rules
+            self._replan(decode_contexts, ())
+
+    def _replan(self, decode_contexts: tuple[int, ...], fresh: Iterable[Request]) -> None:
+        """Plan every prefill in flight from where it stands, beside `decode_contexts`.
+
+        Every running prefill is simulated (it shares the steps), but only a plan made since
+        calibration and never broken by a preemption is replaced: a request admitted before
+        the first calibration gets no verdict, and one preempted mid-prefill keeps the plan
+        it had, so the recompute counts as overrun."""
+        if not self.calibrated:
+            return
+        fresh = set(fresh)
+        prefilling = sorted((r for r in self.running if r.state is RequestState.PREFILL_CHUNKING),
+                            key=self._queue_key)
+        if not prefilling:
+            return
+        rules = self._plan_rules = self.plan_rules()
+        items = [PlanItem(r, r.num_computed_tokens, r.num_tokens) for r in prefilling]
+        scale, overhead = self.step_scale, self.step_overhead_s
+        plans = plan_prefills(items, decode_contexts, rules,
+                              lambda shape: self.predict(shape) * scale + overhead)
+        for request in prefilling:
+            if request in fresh:
+                request.planned = plans[request]
+            elif request.planned and not request.num_preemptions:
+                request.planned = replanned(request.planned, request.num_computed_tokens,
+                                            self.steps - request.last_chunk_step,
+                                            plans[request])
+                request.replans += 1
 
     # --- after the step -----------------------------------------------------------------
     def update(self, batch: Batch, output: ModelRunnerOutput,
@@ -350,9 +400,10 @@ class Scheduler:
         appended, stop conditions, finished requests' blocks freed. An error in one request's
         sampling, stop check or output fails that request alone (FAILED, cause FAULT); the
         others go on."""
+        self.steps += 1
         start = timing.end - timing.duration_s
         prefill_tokens = sum(c.num_tokens for c in batch.prefills)
-        self.step_log.append(StepRecord(start, timing.end, timing.step, batch.mode.value,
+        self.step_log.append(StepRecord(start, timing.end, self.steps, batch.mode.value,
                                      self.throttle_level, self.prefill_paused,
                                      tuple(c.request.id for c in batch.prefills),
                                      len(batch.decodes)))
@@ -393,10 +444,11 @@ class Scheduler:
                       decodes: int, other_tokens: int, mode: str) -> None:
         request = chunk.request
         request.num_computed_tokens += chunk.num_tokens
+        request.last_chunk_step = self.steps
         index = len(request.chunks)
         request.chunks.append(ChunkTiming(index, chunk.start, chunk.num_tokens,
                                           timing.duration_s, timing.predicted_s, start,
-                                          timing.step, decodes, other_tokens, mode,
+                                          self.steps, decodes, other_tokens, mode,
                                           self.throttle_level, request.num_preemptions))
         alone = StepShape(prefill=((chunk.num_tokens, chunk.start),))
         self.publish(ChunkComplete(
@@ -418,7 +470,7 @@ class Scheduler:
             gap = now - request.last_token_time
             request.decode_gaps.append(gap)
             if request.worst_gap is None or gap > request.worst_gap[0]:
-                request.worst_gap = (gap, timing.step)
+                request.worst_gap = (gap, self.steps)
         request.output_token_ids.append(token)
         request.last_token_time = now
         self.publish(TokensGenerated(request_id=request.id, token_ids=(token,)))
@@ -443,11 +495,10 @@ class Scheduler:
             if step.start <= first:
                 break
         steps.reverse()
-        request.slow = classify_prefill(request, steps, list(self.mode_log), end)
+        self.flagged[request.id] = classify_prefill(request, steps, list(self.mode_log), end)
 
-    def _publish_slow(self, request: Request) -> None:
-        assert request.slow is not None and request.prefill_started is not None
-        timeline = explain(request, request.slow)
+    def _publish_slow(self, request: Request, gaps: PrefillGaps) -> None:
+        timeline = explain(request, gaps)
         verdict = timeline.verdict()
         if request.state is RequestState.FAILED:
             verdict += f"; then failed: {request.reason}"

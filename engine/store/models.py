@@ -104,6 +104,8 @@ class CalibrationRunRow(Base):
     device: Mapped[str] = mapped_column(String(64))
     info: Mapped[dict[str, Any]]  # the run as the calibrator described it
     params: Mapped[dict[str, Any]]  # fitted predictor parameters
+    # why it ran: the first calibration at start, persistent drift, on demand ("" before 0004)
+    reason: Mapped[str] = mapped_column(Text, default="", server_default="")
     table: Mapped[list[BudgetTableRow]] = relationship(
         back_populates="run", cascade="all, delete-orphan", passive_deletes=True
     )
