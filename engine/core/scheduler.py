@@ -495,7 +495,8 @@ class Scheduler:
             if step.start <= first:
                 break
         steps.reverse()
-        self.flagged[request.id] = classify_prefill(request, steps, list(self.mode_log), end)
+        self.flagged[request.id] = classify_prefill(request, steps, list(self.mode_log), end,
+                                                    self.step_overhead_s)
 
     def _publish_slow(self, request: Request, gaps: PrefillGaps) -> None:
         timeline = explain(request, gaps)

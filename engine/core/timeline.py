@@ -248,10 +248,12 @@ class PrefillGaps:
     throttle_level_max: int
     attempt: int  # preemptions before the prefill ended: its chunks of that attempt count
     end: float  # when the prefill ended (its first token, or the failure that cut it short)
+    step_overhead_s: float = 0.0  # host time per step the plan priced into each step
 
 
 def classify_prefill(request: Request, steps: Sequence[StepRecord],
-                     modes: Sequence[ModeRecord], end: float) -> PrefillGaps:
+                     modes: Sequence[ModeRecord], end: float,
+                     step_overhead_s: float = 0.0) -> PrefillGaps:
     """Class the gaps of a request whose prefill has just ended at `end`."""
     t0, t1 = request.prefill_started, end
     if t0 is None:
@@ -265,7 +267,8 @@ def classify_prefill(request: Request, steps: Sequence[StepRecord],
     return PrefillGaps(totals={c.value: v for c, v in classifier.totals.items()},
                        queued_behind=len(classifier.behind),
                        throttle_level_max=max(levels, default=0),
-                       attempt=request.num_preemptions, end=t1)
+                       attempt=request.num_preemptions, end=t1,
+                       step_overhead_s=step_overhead_s)
 
 
 def _own(request: Request, t1: float) -> list[tuple[float, float]]:
@@ -302,12 +305,20 @@ def explain(request: Request, gaps: PrefillGaps) -> Timeline:
                          Cause.GUARD, Cause.HOST_OVERHEAD)}}
     planned = request.planned
     planned_steps = sum(p.predicted_s for p in planned)
+    # the plan prices each step as forward pass + host overhead; the timeline measures the
+    # two apart (chunks, host gaps), so the plan's overhead is set against the host gaps
+    overhead = gaps.step_overhead_s
+    chunk_overhead = overhead * len(planned)
+    wait_overhead = overhead * sum(p.wait_steps for p in planned)
     by_cause = {
-        Cause.SLOW_CHUNKS: chunk_s - planned_steps,
-        Cause.QUEUED: gap.get(Cause.QUEUED.value, 0.0) - sum(p.wait_s for p in planned),
+        Cause.SLOW_CHUNKS: chunk_s - (planned_steps - chunk_overhead),
+        Cause.QUEUED: gap.get(Cause.QUEUED.value, 0.0)
+        - (sum(p.wait_s for p in planned) - wait_overhead),
         Cause.PREEMPTION: recomputed_s + held_s,
+        Cause.HOST_OVERHEAD: gap.get(Cause.HOST_OVERHEAD.value, 0.0) - chunk_overhead
+        - wait_overhead,
         **{cls: gap.get(cls.value, 0.0) for cls in
-           (Cause.CACHE_PRESSURE, Cause.BANDWIDTH_THROTTLE, Cause.GUARD, Cause.HOST_OVERHEAD)},
+           (Cause.CACHE_PRESSURE, Cause.BANDWIDTH_THROTTLE, Cause.GUARD)},
     }
     cause = max(by_cause, key=lambda c: by_cause[c])
     prefill_s = t1 - t0
@@ -335,7 +346,8 @@ def explain(request: Request, gaps: PrefillGaps) -> Timeline:
         cause_share=min(1.0, share), queued_behind=gaps.queued_behind,
         throttle_level_max=gaps.throttle_level_max,
         chunk_throttle_level=max((c.throttle_level for c in effective), default=0),
-        chunk_ratio=chunk_s / planned_steps if planned_steps > 0 else None,
+        chunk_ratio=chunk_s / (planned_steps - chunk_overhead)
+        if planned_steps > chunk_overhead else None,
         chunks=tuple(ChunkView(
             index=c.index, start=c.start, tokens=c.tokens, at_s=c.step_start - arrival,
             duration_s=c.duration_s, predicted_s=c.predicted_s,
