@@ -3,6 +3,7 @@ and the faults chaos injects are named as the cause of the requests they delayed
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import time
@@ -12,26 +13,27 @@ from pathlib import Path
 import pytest
 import torch
 
+from console.cli.main import main
 from engine import Engine, EngineConfig, SamplingParams
 from engine.budget.calibrate import apply, first_calibration
 from engine.budget.peaks import measure_peaks
 from engine.budget.predictor import StepTimePredictor
 from engine.core.request import Request
 from engine.core.timeline import Cause
-from engine.events import Event, FailCause, Failed, ModeChanged, SlowQuery
+from engine.events import Event, EventBus, FailCause, Failed, ModeChanged, SlowQuery
 from engine.harness import chaos
 from engine.ops.telemetry import InjectedBandwidth, ModelBandwidth
 from engine.store import StoreWriter, list_slow_queries, open_database
-from tests.test_scheduler import STEP_S, sim
+from tests.test_scheduler import STEP_S, SchedulerRig, sim
 
 TOLERANCE = 0.05  # the parts add up to the measured time within 5%
 AFFECTED = 0.5  # a request spent at least this share of its prefill waiting in the fault
 
 
 # --- on the scheduler, with a scripted clock --------------------------------------------
-def test_a_prefill_held_back_by_the_throttle_names_it_and_its_parts_cover_the_time() -> None:
-    """Two prompts share the steps (16 tokens each); a bandwidth spike (level 2: one prefill
-    at a time) holds the second back for the three steps the first still needs."""
+def throttled_rig() -> tuple[SchedulerRig, Request, Request]:
+    """Two 64-token prompts share the steps (16 tokens each); after the first step a
+    bandwidth spike (level 2: one prefill at a time) holds the second back."""
     s = sim(max_num_batched_tokens=32, chunk_tile=4, max_prefill_chunks=2,
             long_prefill_threshold=16)
     s.scheduler.predict = lambda shape: STEP_S  # a predictor that matches the rig's steps
@@ -40,6 +42,12 @@ def test_a_prefill_held_back_by_the_throttle_names_it_and_its_parts_cover_the_ti
     s.step()
     s.bandwidth.inject(0.96, until_s=1.0)
     s.run()
+    return s, first, second
+
+
+def test_a_prefill_held_back_by_the_throttle_names_it_and_its_parts_cover_the_time() -> None:
+    """The second prompt waits out the three steps the first still needs."""
+    s, first, second = throttled_rig()
     slow = {e.request_id: e for e in s.of(SlowQuery)}
     assert set(slow) == {second.id}  # the first ran as planned: score 1
     held = slow[second.id]
@@ -229,3 +237,30 @@ def test_stored_slow_queries_of_a_loaded_run_add_up(tmp_path: Path,
         assert sum(t["e2e_parts"].values()) == pytest.approx(t["e2e_s"], rel=TOLERANCE)
         assert sum(t["overrun_by_cause"].values()) == pytest.approx(t["overrun_s"], abs=1e-9)
         assert 0.0 <= record.cause_share <= 1.0
+
+
+def test_show_prints_the_verdict_and_timeline_and_json_returns_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    s, _, second = throttled_rig()
+    database = open_database(tmp_path / "store.db")
+    bus = EventBus()
+    writer = StoreWriter(database, bus)
+    for event in s.of(SlowQuery):
+        bus.publish(event)
+    bus.drain()
+    assert writer.close()
+    database.close()
+    db = str(tmp_path / "store.db")
+    assert main(["slow-queries", "show", "1", "--db", db]) == 0
+    out = capsys.readouterr().out
+    assert ("verdict: waited 30.0 ms while bandwidth throttle level 2 held (100% of the "
+            "overrun)  [cause bandwidth_throttle, 100%]") in out
+    assert "end to end 90.0 ms = queue wait 0 µs + prefill 70.0 ms + decode 20.0 ms" in out
+    assert "prefill 70.0 ms: chunks 40.0 ms, bandwidth throttle 30.0 ms" in out
+    assert "_s=" not in out  # no raw floats
+    assert main(["slow-queries", "show", "1", "--db", db, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["request_id"] == second.id and record["cause"] == "bandwidth_throttle"
+    assert record["verdict"].startswith("waited 30.0 ms")
+    assert record["timeline"]["prefill_parts"]["bandwidth_throttle"] == pytest.approx(0.03)
+    assert len(record["timeline"]["chunks"]) == 4
