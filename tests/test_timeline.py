@@ -62,8 +62,8 @@ def test_a_prefill_held_back_by_the_throttle_names_it_and_its_parts_cover_the_ti
     assert t["e2e_parts"] == pytest.approx({"queue_wait": 0.0, "prefill": 7 * STEP_S,
                                             "decode": 2 * STEP_S, "tail": 0.0})
     assert t["e2e_s"] == pytest.approx(9 * STEP_S)
-    assert [c["mode"] for c in t["chunks"]] == ["NORMAL"] + ["BANDWIDTH_THROTTLE"] * 3
-    assert [c["other_prefill_tokens"] for c in t["chunks"]] == [16, 0, 0, 0]
+    assert [c["mode"] for c in held.chunks] == ["NORMAL"] + ["BANDWIDTH_THROTTLE"] * 3
+    assert [c["other_prefill_tokens"] for c in held.chunks] == [16, 0, 0, 0]
     assert t["decode_gaps"]["count"] == 2 and t["decode_gaps"]["max_s"] == pytest.approx(STEP_S)
     assert first.state.is_final and second.state.is_final
 
@@ -263,4 +263,4 @@ def test_show_prints_the_verdict_and_timeline_and_json_returns_them(
     assert record["request_id"] == second.id and record["cause"] == "bandwidth_throttle"
     assert record["verdict"].startswith("waited 30.0 ms")
     assert record["timeline"]["prefill_parts"]["bandwidth_throttle"] == pytest.approx(0.03)
-    assert len(record["timeline"]["chunks"]) == 4
+    assert len(record["chunks"]) == 4 and record["chunks"][1]["mode"] == "BANDWIDTH_THROTTLE"

@@ -508,7 +508,9 @@ class Scheduler:
             budget_score=timeline.prefill_s / timeline.budgeted_s,
             prompt_tokens=request.num_prompt_tokens, prefill_s=timeline.prefill_s,
             budgeted_s=timeline.budgeted_s, chunks=tuple(asdict(c) for c in timeline.chunks),
-            config=self.config.live_values(), tag=request.tag, timeline=timeline.to_dict(),
+            config=self.config.live_values(), tag=request.tag,
+            # its chunks travel once, in the record's own chunks column
+            timeline={k: v for k, v in timeline.to_dict().items() if k != "chunks"},
             cause=timeline.cause.value, cause_share=timeline.cause_share, verdict=verdict))
 
     # --- preemption ---------------------------------------------------------------------
