@@ -7,6 +7,7 @@ up with `num_tokens`; a decode is simply a request one token behind.
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -97,7 +98,9 @@ class Request:
     # timeline (issue 16): appended as it happens, explained if the request is slow
     admissions: list[float] = field(default_factory=list)
     preempted_at: list[float] = field(default_factory=list)
-    decode_gaps: list[float] = field(default_factory=list)
+    # seconds between tokens after the first, kept only once the request is flagged slow
+    # (its prefill has ended by then, so no gap is missed); raw doubles, no object per token
+    decode_gaps: array[float] | None = None
     worst_gap: tuple[float, int] | None = None  # the longest decode gap and its step
     last_chunk_step: int = 0  # the scheduler's step count at its last chunk (or admission)
     first_token_time: float | None = None

@@ -22,6 +22,7 @@ ahead of it, c = budget - (N - 1) - (chunk_tile - 1), S = max_prefill_chunks.
 from __future__ import annotations
 
 import math
+from array import array
 from bisect import insort
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
@@ -466,7 +467,7 @@ class Scheduler:
                 self._check_slow(request, now)
         if request.first_token_time is None:
             request.first_token_time = now
-        elif request.last_token_time is not None:
+        elif request.decode_gaps is not None and request.last_token_time is not None:
             gap = now - request.last_token_time
             request.decode_gaps.append(gap)
             if request.worst_gap is None or gap > request.worst_gap[0]:
@@ -495,6 +496,7 @@ class Scheduler:
             if step.start <= first:
                 break
         steps.reverse()
+        request.decode_gaps = array("d")
         self.flagged[request.id] = classify_prefill(request, steps, list(self.mode_log), end,
                                                     self.step_overhead_s)
 

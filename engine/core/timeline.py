@@ -332,7 +332,7 @@ def explain(request: Request, gaps: PrefillGaps) -> Timeline:
                         for a, b in _preemptions(request))
     end, last = request.finish_time, request.last_token_time
     e2e_parts = {"queue_wait": t0 - arrival, "prefill": prefill_s,
-                 "decode": sum(request.decode_gaps),
+                 "decode": sum(request.decode_gaps or ()),
                  "tail": end - last if end is not None and last is not None else 0.0}
     return Timeline(
         admitted_s=t0 - arrival, queue_wait_s=t0 - arrival, prefill_s=prefill_s,
@@ -356,5 +356,5 @@ def explain(request: Request, gaps: PrefillGaps) -> Timeline:
             throttle_level=c.throttle_level, recomputed=c.attempt != gaps.attempt)
             for c in request.chunks),
         preemptions=preemptions,
-        decode_gaps=gap_stats(request.decode_gaps,
+        decode_gaps=gap_stats(request.decode_gaps or (),
                               None if request.worst_gap is None else request.worst_gap[1]))
