@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from sqlalchemy import text
 
 from console.cli.main import main
 from engine.budget.calibrate import (
@@ -29,6 +30,7 @@ from engine.core.batch import StepShape
 from engine.core.engine import Engine
 from engine.events import ChunkComplete, Drift, Event, StepComplete
 from engine.store import calibration_history, drift_events, open_database, save_calibration
+from engine.store.database import upgrade_database
 
 TRUE = StepTimePredictor(constant_s=2e-3, multi_token_s=1e-3, per_token_s=5e-5,
                          per_prefill_chunk_s=4e-4, per_decode_seq_s=0.0, per_prefill_pair_s=3e-9,
@@ -354,6 +356,24 @@ def test_result_is_stored_with_its_table_and_predictor(tmp_path: Path, engine: E
     prefill = [p for p in calibrated.points if p.probe.kind == "prefill"]
     assert len(record.table) == len(prefill)
     assert record.info["heldout_median_abs_error"] == calibrated.heldout_median_abs_error
+
+
+def test_runs_keep_their_reason_and_older_runs_upgrade_without_one(tmp_path: Path,
+                                                                  calibrated) -> None:
+    database = open_database(tmp_path / "old.db", upgrade=False)
+    try:
+        upgrade_database(database, "0001")  # a store from before reasons were kept
+        with database.engine.begin() as connection:
+            connection.execute(text(
+                "INSERT INTO calibration_runs (created_at, model, device, info, params) "
+                "VALUES (1.0, 'synthetic:tiny', 'cpu', '{}', '{}')"))
+        upgrade_database(database)
+        with database.session() as session:
+            save_result(session, calibrated, "steps +40% off the predictor for 30 s")
+            newest, older = calibration_history(session, model="synthetic:tiny")
+    finally:
+        database.close()
+    assert older.reason == "" and newest.reason == "steps +40% off the predictor for 30 s"
 
 
 def test_cli_calibrates_stores_and_flags_drift(tmp_path: Path, capsys: pytest.CaptureFixture,

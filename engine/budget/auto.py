@@ -14,7 +14,7 @@ from engine.budget.cost_model import BudgetModel
 from engine.config import ConfigError, EngineConfig
 from engine.core.batch import StepShape
 
-DEFAULT_WINDOW_S = 30.0  # the decode load C* is computed from is averaged over this
+DEFAULT_WINDOW_S = 20.0  # the decode load C* is computed from is averaged over this
 DEFAULT_HYSTERESIS = 0.25  # C* moves only for a change of more than this share
 
 
@@ -28,9 +28,10 @@ def token_budget_for(chunk: int, decodes: int, tile: int) -> int:
 class CStar:
     """A stable C*: from the decode load smoothed over `window_s` (the mean D and the mean
     context S of the decodes, over every step in the window), clamped to [tile,
-    max_num_batched_tokens], and moved only when the new value is more than `hysteresis` of
-    the current one (and more than a tile) away. The live D and S of single steps swing
-    with every arrival and finish; C* computed from them jumped every few seconds (issue 16).
+    max_num_batched_tokens], and moved only when the value wanted has stayed more than
+    `hysteresis` of the current one (and more than a tile) away for a whole window. The live
+    D and S of single steps swing with every arrival and finish; C* computed from them
+    jumped every few seconds (issue 16).
     `value` is None until `observe` is first called on a calibrated engine."""
 
     def __init__(self, window_s: float = DEFAULT_WINDOW_S,
@@ -46,6 +47,7 @@ class CStar:
         self._samples: deque[tuple[float, int, int]] = deque()  # (time, D, D·S)
         self._decodes = 0  # running sums over the window
         self._context = 0
+        self._outside_since: float | None = None  # the wanted C* left the band
 
     def observe(self, now: float, decodes: int, context: int, budget: BudgetModel,
                 tile: int, limit: int) -> int:
@@ -64,9 +66,16 @@ class CStar:
         current = self.value
         if current is None:
             self.value = wanted
-        elif abs(wanted - current) > max(tile, self.hysteresis * current):
+        elif abs(wanted - current) <= max(tile, self.hysteresis * current):
+            self._outside_since = None
+        elif self._outside_since is None:
+            self._outside_since = now
+        elif now - self._outside_since >= self.window_s:
+            # a whole window outside the band: the load has changed, and the window now
+            # holds only the new one, so C* moves once, to where it settles
             self.value = wanted
             self.changes += 1
+            self._outside_since = None
         return self.value
 
 
