@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from sqlalchemy import text
 
 from console.cli.main import main
 from engine import Engine, EngineConfig, SamplingParams
@@ -24,6 +25,7 @@ from engine.events import Event, EventBus, FailCause, Failed, ModeChanged, SlowQ
 from engine.harness import chaos
 from engine.ops.telemetry import InjectedBandwidth, ModelBandwidth
 from engine.store import StoreWriter, list_slow_queries, open_database
+from engine.store.database import upgrade_database
 from tests.test_scheduler import STEP_S, SchedulerRig, sim
 
 TOLERANCE = 0.05  # the parts add up to the measured time within 5%
@@ -264,3 +266,26 @@ def test_show_prints_the_verdict_and_timeline_and_json_returns_them(
     assert record["verdict"].startswith("waited 30.0 ms")
     assert record["timeline"]["prefill_parts"]["bandwidth_throttle"] == pytest.approx(0.03)
     assert len(record["chunks"]) == 4 and record["chunks"][1]["mode"] == "BANDWIDTH_THROTTLE"
+
+
+def test_slow_queries_stored_before_timelines_still_show(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Revision 0003 adds the timeline columns; rows from before it keep NULLs and show."""
+    path = tmp_path / "old.db"
+    database = open_database(path, upgrade=False)
+    try:
+        upgrade_database(database, "0001")
+        with database.engine.begin() as connection:
+            connection.execute(text(
+                "INSERT INTO slow_queries (created_at, request_id, tenant, tag, budget_score, "
+                "prompt_tokens, prefill_s, budgeted_s, chunks, config) VALUES (1.0, 'old', "
+                "'t', NULL, 2.5, 64, 0.5, 0.2, '[{\"index\": 0, \"duration_s\": 0.5}]', '{}')"))
+        upgrade_database(database)
+    finally:
+        database.close()
+    assert main(["slow-queries", "show", "1", "--db", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "prefill 500.0 ms against a budget of 200.0 ms" in out and "verdict" not in out
+    assert main(["slow-queries", "show", "1", "--db", str(path), "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["timeline"] is None and record["cause"] is None
