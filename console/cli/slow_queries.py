@@ -8,11 +8,14 @@ import json
 import math
 import os
 from collections.abc import Iterable
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from console.cli.db import add_db_argument, open_existing_store
 from console.cli.terminal import terminal_safe
 from console.errors import UserError
+from engine.stats import human_duration
 from engine.store import QuarantinedRequest, default_db_path, quarantined_requests
 from engine.store.lock import lock_path
 from engine.store.slow_queries import (
@@ -36,6 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     show = actions.add_parser("show", help="one slow query with its chunks and configuration")
     show.add_argument("id", type=int, help="the slow query's id (first column of `list`)")
+    show.add_argument("--json", action="store_true",
+                      help="the whole record as JSON: timeline, cause, share and verdict")
     show.set_defaults(func=run_show)
 
     export = actions.add_parser("export", help="every matching slow query as CSV or JSON")
@@ -118,18 +123,65 @@ def run_show(args: argparse.Namespace) -> int:
         database.close()
     if record is None:
         raise UserError(f"no slow query with id {args.id}; `tokenflow slow-queries list` shows ids")
+    if args.json:
+        print(json.dumps(asdict(record), indent=2))
+        return 0
     print(f"slow query {record.id}  request {terminal_safe(record.request_id)}  tenant "
           f"{terminal_safe(record.tenant)}  tag {terminal_safe(record.tag or '-')}  at "
           f"{_when(record.created_at)}")
-    print(f"budget_score {record.budget_score:.2f}: prefill {record.prefill_s * 1e3:.1f} ms "
-          f"against a budget of {record.budgeted_s * 1e3:.1f} ms, {record.prompt_tokens} "
+    if record.verdict:
+        share = f", {record.cause_share:.0%}" if record.cause_share is not None else ""
+        print(f"verdict: {terminal_safe(record.verdict)}  [cause {record.cause}{share}]")
+    print(f"budget_score {record.budget_score:.2f}: prefill {human_duration(record.prefill_s)} "
+          f"against a budget of {human_duration(record.budgeted_s)}, {record.prompt_tokens} "
           "prompt tokens")
+    if record.timeline:
+        _print_timeline(record.timeline)
     print(f"chunks ({len(record.chunks)}):")
-    for chunk in record.chunks:
-        print("  " + "  ".join(terminal_safe(f"{key}={value}") for key, value in chunk.items()))
+    _print_chunks(record.chunks)
     print("configuration at the time:")
     print(json.dumps(record.config, indent=2, sort_keys=True))  # ASCII: escapes are escaped
     return 0
+
+
+def _parts(parts: dict[str, float], signed: bool = False) -> str:
+    shown = [f"{name.replace('_', ' ')} {'+' if signed and v > 0 else ''}{human_duration(v)}"
+             for name, v in parts.items() if v]
+    return ", ".join(shown) or "none"
+
+
+def _print_timeline(t: dict[str, Any]) -> None:
+    e2e = t["e2e_parts"]
+    print("timeline (instants from arrival):")
+    print(f"  end to end {human_duration(t['e2e_s'])} = queue wait "
+          f"{human_duration(e2e['queue_wait'])} + prefill {human_duration(e2e['prefill'])} + "
+          f"decode {human_duration(e2e['decode'])} + tail {human_duration(e2e['tail'])}"
+          f"  ({t['outcome']})")
+    print(f"  prefill {human_duration(t['prefill_s'])}: {_parts(t['prefill_parts'])}")
+    print(f"  overrun {human_duration(t['overrun_s'])} by cause: "
+          f"{_parts(t['overrun_by_cause'], signed=True)}")
+    for p in t["preemptions"]:
+        again = human_duration(p["readmitted_s"]) if p["readmitted_s"] is not None else "never"
+        print(f"  preempted at {human_duration(p['at_s'])}, readmitted at {again}")
+    gaps = t["decode_gaps"]
+    if gaps["count"]:
+        print(f"  decode gaps: {gaps['count']}, p50 {human_duration(gaps['p50_s'])}, "
+              f"p99 {human_duration(gaps['p99_s'])}, max {human_duration(gaps['max_s'])} "
+              f"at step {gaps['worst_step']}")
+
+
+def _print_chunks(chunks: list[dict[str, Any]]) -> None:
+    header = ("#", "AT", "START", "TOKENS", "STEP", "MEASURED", "PREDICTED", "PLANNED",
+              "DECODES", "OTHER_TOK", "MODE")
+    rows = [(str(c.get("index", "")), human_duration(c.get("at_s")), str(c.get("start", "")),
+             str(c.get("tokens", "")), str(c.get("step", "–")), human_duration(c.get("duration_s")),
+             human_duration(c.get("predicted_s")), human_duration(c.get("planned_s")),
+             str(c.get("decodes", "–")), str(c.get("other_prefill_tokens", "–")),
+             c.get("mode", "–") + (" (recomputed)" if c.get("recomputed") else ""))
+            for c in chunks]
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    for row in (header, *rows):
+        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
 
 
 def run_export(args: argparse.Namespace) -> int:

@@ -191,6 +191,8 @@ def _slow_row(event: SlowQuery, at: float) -> dict[str, Any]:
         "tag": event.tag, "budget_score": event.budget_score,
         "prompt_tokens": event.prompt_tokens, "prefill_s": event.prefill_s,
         "budgeted_s": event.budgeted_s, "chunks": list(event.chunks), "config": event.config,
+        "timeline": event.timeline or None, "cause": event.cause,
+        "cause_share": event.cause_share, "verdict": event.verdict or None,
     }
 
 

@@ -38,6 +38,10 @@ class SlowQueryRecord:
     chunks: list[dict[str, Any]]
     config: dict[str, Any]
     source: str | None = None  # None: this engine; otherwise the server that traced it
+    timeline: dict[str, Any] | None = None  # None on rows stored before revision 0004
+    cause: str | None = None
+    cause_share: float | None = None
+    verdict: str | None = None
 
     @classmethod
     def from_row(cls, row: SlowQueryRow) -> SlowQueryRecord:
@@ -93,7 +97,7 @@ def export_slow_queries(records: list[SlowQueryRecord], fmt: str) -> str:
     writer.writeheader()
     for record in records:
         row = asdict(record)
-        row["chunks"] = json.dumps(row["chunks"])
-        row["config"] = json.dumps(row["config"])
+        for name in ("chunks", "config", "timeline"):
+            row[name] = json.dumps(row[name])
         writer.writerow({name: csv_cell(value) for name, value in row.items()})
     return out.getvalue()
