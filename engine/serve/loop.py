@@ -52,6 +52,7 @@ class EngineLoop:
         self._workload_start = 0.0  # real time at which the workload's clock read _played_s
         self._played_s = 0.0  # the workload's own clock (its arrival times) at _workload_start
         self._speed = 1.0  # workload seconds per real second: the arrival rate's multiplier
+        self._asked_speed = 1.0  # the last speed asked for (the loop thread installs it)
         self._base_rate: float | None = None  # the workload's own mean arrival rate
         self._workload_cycle: list[WorkloadRequest] | None = None
         self._cycle_count = 0
@@ -125,8 +126,10 @@ class EngineLoop:
             self._workload = deque(workload)
             self._workload_start = time.monotonic()
             self._played_s = 0.0
+            self._speed = 1.0  # a new workload plays at its own rate
             self._workload_cycle = list(workload) if repeat else None
             self._cycle_count = first_cycle
+        self._asked_speed = 1.0
         last = max((item.arrival_s for item in workload), default=0.0)
         # all at once (or one request) has no rate to turn
         self._base_rate = len(workload) / last if last > 0 else None
@@ -135,7 +138,7 @@ class EngineLoop:
     @property
     def arrival_rate(self) -> float | None:
         """Requests per second the played workload arrives at now; None with no rate to set."""
-        return None if self._base_rate is None else self._base_rate * self._speed
+        return None if self._base_rate is None else self._base_rate * self._asked_speed
 
     def set_arrival_rate(self, rate: float) -> float:
         """Play the workload at `rate` requests/s from now on (0 holds arrivals); its pattern
@@ -144,7 +147,7 @@ class EngineLoop:
             raise ValueError("no workload with a rate is playing (one sent all at once has none)")
         if not (rate >= 0 and rate < float("inf")):
             raise ValueError(f"the arrival rate must be a finite number >= 0, got {rate}")
-        speed = rate / self._base_rate
+        speed = self._asked_speed = rate / self._base_rate
 
         def retime() -> None:
             now = time.monotonic()

@@ -36,7 +36,7 @@ from console.tui.history import MetricHistory
 from console.tui.screens.base import ConsoleScreen
 from console.tui.state import ConsoleState
 from console.tui.widgets.header import chunk_size
-from console.tui.widgets.latency import LatencySLO, append_latency, slo_style
+from console.tui.widgets.latency import LatencySLO, append_latency, slo_style, window
 from console.tui.widgets.notice import unavailable
 from console.tui.widgets.plot import Line, Plot, Series, ms, number, per_s
 from engine.snapshot import Snapshot
@@ -214,9 +214,9 @@ class TuningScreen(ConsoleScreen):
     def _live_line(self, snapshot: Snapshot) -> Text:
         slo = LatencySLO.of(snapshot)
         text = Text(no_wrap=False, overflow="fold")
-        text.append("now ", style="bold")
-        text.append("TPOT p99 ")
-        tbt = snapshot.tpot_ms.p99
+        text.append(f"over {window(snapshot):.0f} s ", style="bold")
+        text.append("ITL p99 ")
+        tbt = snapshot.itl_ms.p99
         text.append("–" if tbt is None else ms(tbt), style=slo_style(tbt, slo and slo.tbt_ms))
         text.append(" · ")
         append_latency(text, "TTFT p50/p99", snapshot.ttft_ms, slo and slo.ttft_ms)
@@ -227,8 +227,6 @@ class TuningScreen(ConsoleScreen):
         cstar = snapshot.recommended_chunk_size
         text.append(f" (C* {cstar if cstar is not None else '–'}) · ")
         text.append(f"{snapshot.tokens_per_s:,.0f} tok/s", style="bold")
-        if snapshot.window_s:
-            text.append(f" · over {snapshot.window_s:.0f} s", style="dim")
         return text
 
     def _show_charts(self, snapshot: Snapshot) -> None:
@@ -241,7 +239,7 @@ class TuningScreen(ConsoleScreen):
         plot("tune-ttft", (Series.of("TTFT p50", history.points("ttft_p50")),
                            Series.of("p99", history.points("ttft_p99"))),
              () if slo is None else (Line(slo.ttft_ms, f"SLO {ms(slo.ttft_ms)}", "red"),))
-        plot("tune-tbt", (Series.of("TPOT p99", history.points("tpot_p99")),),
+        plot("tune-tbt", (Series.of("ITL p99", history.points("itl_p99")),),
              () if slo is None else (Line(slo.tbt_ms, f"SLO {ms(slo.tbt_ms)}", "red"),))
         plot("tune-queue", (Series.of("waiting", history.points("num_waiting")),
                             Series.of("chunks", history.points("chunk_queue_length"))))

@@ -1,4 +1,4 @@
-"""The latency pane: TTFT and time between tokens, p50/p99 over time, against their SLOs.
+"""The latency pane: TTFT and ITL (time between tokens), p50/p99 over time, against their SLOs.
 
 The SLOs are set as engine.harness.slo sets them (Sarathi-Serve's multiples of one step),
 from the live step time: time between tokens within TPOT_MULTIPLE steps, the first token
@@ -34,6 +34,12 @@ class LatencySLO:
         return cls(DELAY_MULTIPLE * step, TPOT_MULTIPLE * step)
 
 
+def window(snapshot: Snapshot) -> float:
+    """The seconds the latency percentiles cover: an attached server's differenced window,
+    else the engine's own."""
+    return snapshot.window_s or snapshot.stats_window_s
+
+
 def slo_style(value: float | None, slo: float | None) -> str:
     """green within the SLO, yellow up to twice it, red beyond; plain without one."""
     if value is None or slo is None:
@@ -56,6 +62,7 @@ class Latency(Vertical):
     DEFAULT_CSS = """
     Latency Static { height: auto; }
     Latency Horizontal { height: 1fr; }
+    Latency #ttft-plot { margin-right: 1; }
     """
 
     def __init__(self) -> None:
@@ -66,20 +73,19 @@ class Latency(Vertical):
         yield Static(id="latency-line")
         with Horizontal():
             yield Plot(unit=ms, id="ttft-plot")
-            yield Plot(unit=ms, id="tpot-plot")
+            yield Plot(unit=ms, id="itl-plot")
 
     def update_from(self, snapshot: Snapshot, history: MetricHistory) -> None:
         slo = LatencySLO.of(snapshot)
         line = Text(no_wrap=True, overflow="ellipsis")
         append_latency(line, "TTFT", snapshot.ttft_ms, slo and slo.ttft_ms)
         line.append(" · ")
-        append_latency(line, "TPOT", snapshot.tpot_ms, slo and slo.tbt_ms)
+        append_latency(line, "ITL", snapshot.itl_ms, slo and slo.tbt_ms)
         line.append(" p50/p99")
-        if snapshot.window_s:  # an attached server's histograms, differenced over the window
-            line.append(f" over {snapshot.window_s:.0f} s")
+        line.append(f" over {window(snapshot):.0f} s", style="dim")
         self.query_one("#latency-line", Static).update(line)
         marks, now = history.change_times, history.newest_ts
-        for name, limit in (("ttft", slo and slo.ttft_ms), ("tpot", slo and slo.tbt_ms)):
+        for name, limit in (("ttft", slo and slo.ttft_ms), ("itl", slo and slo.tbt_ms)):
             self.query_one(f"#{name}-plot", Plot).show((
                 Series.of(f"{name.upper()} p50", history.points(f"{name}_p50")),
                 Series.of("p99", history.points(f"{name}_p99")),

@@ -131,7 +131,7 @@ class Plot(Widget):
 
     def _build(self, width: int, height: int) -> Text:
         if not any(s.values for s in self._series):
-            return Text("waiting for samples…", style="dim")
+            return Text("waiting for samples…", style="dim", no_wrap=True, overflow="ellipsis")
         if width < 12:
             return Text("")
         if height < SPARK_ROWS:
@@ -144,13 +144,15 @@ class Plot(Widget):
         shown = [(s, c) for s, c in zip(self._series, self._colors(), strict=True) if s.values]
         for row, (series, color) in enumerate(shown[:height]):
             value = self._unit(series.values[-1])
-            room = max(width - len(series.label) - len(value) - 2, 1)
+            label = series.label[: max(width - len(value) - 4, 0)]  # the value is never cut
+            room = max(width - len(label) - len(value) - 2, 1)
             points = downsample(list(series.values), room)
             span = (high - low) or 1.0
-            sparks = "".join(SPARKS[max(0, min(8, round((v - low) / span * 8)))] for v in points)
+            # every sample shows at least its lowest bar, so a flat zero still reads as data
+            sparks = "".join(SPARKS[max(1, min(8, round((v - low) / span * 8)))] for v in points)
             if row:
                 text.append("\n")
-            text.append(f"{series.label} ", style=color)
+            text.append(f"{label} ", style=color)
             text.append(sparks.rjust(room), style=color)
             text.append(f" {value}", style=f"bold {color}")
         return text
@@ -200,14 +202,17 @@ class Plot(Widget):
         grid: list[list[tuple[str, str]]] = [
             [(chr(0x2800 + cells[(r, c)][0]), cells[(r, c)][1]) if (r, c) in cells else (" ", "")
              for c in range(plot_width)] for r in range(rows)]
+        tags: dict[int, list[Line]] = {}  # lines that share a row share one label
         for line in self._lines:
             row = y_of(line.value) // 4
+            tags.setdefault(row, []).append(line)
             for c in range(plot_width):
                 if grid[row][c][0] == " ":
                     grid[row][c] = ("╌", line.color)
-            tag = f" {line.label}"[: plot_width]
+        for row, shared in tags.items():
+            tag = (" " + " · ".join(line.label for line in shared))[: plot_width]
             for i, char in enumerate(tag):
-                grid[row][plot_width - len(tag) + i] = (char, f"bold {line.color}")
+                grid[row][plot_width - len(tag) + i] = (char, f"bold {shared[-1].color}")
         if timed:
             for mark in self._marks:
                 if now - span <= mark <= now:

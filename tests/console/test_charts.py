@@ -1,0 +1,107 @@
+"""Readable charts: a legend, a time axis, labelled lines and change marks, sparklines when a
+pane is short; the history they read (rates, changes, before/after); the header's state."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from rich.text import Text
+from textual.app import App, ComposeResult
+
+from console.tui.history import MetricHistory
+from console.tui.widgets.header import EngineHeader, warnings
+from console.tui.widgets.plot import Line, Plot, Series, ms
+from engine.snapshot import Percentiles, Snapshot
+
+pytestmark = pytest.mark.anyio
+
+TIMES = tuple(float(t) for t in range(0, 120, 2))
+TTFT = Series("TTFT p99", tuple(100.0 + 10 * (t % 7) for t in TIMES), TIMES)
+
+
+class OnePlot(App[None]):
+    def __init__(self, plot: Plot) -> None:
+        super().__init__()
+        self.plot = plot
+
+    def compose(self) -> ComposeResult:
+        yield self.plot
+
+
+async def drawn(plot: Plot, size: tuple[int, int]) -> str:
+    async with OnePlot(plot).run_test(size=size) as pilot:
+        await pilot.pause()
+        rendered = plot.render()
+        assert isinstance(rendered, Text)
+        return rendered.plain
+
+
+async def test_a_chart_has_a_legend_a_time_axis_labelled_lines_and_change_marks() -> None:
+    plot = Plot(unit=ms)
+    plot.show((TTFT,), lines=(Line(1500.0, "SLO 1.5 s", "red"),), marks=(60.0,))
+    text = await drawn(plot, (60, 12))
+    rows = text.splitlines()
+    assert rows[0].startswith("━ TTFT p99") and "╌ SLO 1.5 s" in rows[0] and "┊ change" in rows[0]
+    assert rows[-1].strip().startswith("└-2m") and rows[-1].rstrip().endswith("now")
+    assert any(row.rstrip().endswith("SLO 1.5 s") for row in rows[1:-1])  # the line, labelled
+    assert "1.7 s┤" in text and "0 ms┤" in text  # the y axis in the series' unit
+    assert sum("┊" in row for row in rows[1:-1]) >= 3  # the change, down the chart
+
+
+async def test_a_short_pane_gets_sparklines_with_their_values() -> None:
+    plot = Plot(unit=ms)
+    plot.show((TTFT, Series("ITL p99", (5.0, 7.5), (0.0, 2.0))))
+    text = await drawn(plot, (40, 3))
+    first, second = text.splitlines()[:2]
+    assert first.startswith("TTFT p99 ") and first.endswith(ms(TTFT.values[-1]))
+    assert second.startswith("ITL p99 ") and second.endswith("7.5 ms")
+    assert len(first) <= 40
+
+
+def snap(step: int, ts: float, **fields: object) -> Snapshot:
+    return dataclasses.replace(Snapshot(step=step, ts=ts, config={"max_num_batched_tokens": 256}),
+                               **fields)
+
+
+def test_history_rates_changes_and_the_figures_around_a_change() -> None:
+    history = MetricHistory()
+    history.record(snap(1, 0.0, num_waiting=4, tokens_per_s=100.0))
+    history.record(snap(2, 2.0, num_waiting=6, requests_finished_total=2, tokens_per_s=100.0))
+    history.record(snap(3, 4.0, num_waiting=6, requests_finished_total=2, tokens_per_s=300.0,
+                        config={"max_num_batched_tokens": 512}))
+    # 2 finished and 2 more waiting: 4 arrived in 2 s; then none
+    assert history.values("arrival_rate") == [2.0, 0.0]
+    assert history.values("finish_rate") == [1.0, 0.0]
+    [change] = history.changes
+    assert (change.ts, change.field, change.old, change.new) == (4.0, "max_num_batched_tokens",
+                                                                 256, 512)
+    assert history.change_times == (4.0,)
+    assert history.mean_between("tokens_per_s", 4.0 - 30, 4.0) == 100.0
+    assert history.mean_between("tokens_per_s", 4.0, 34.0) == 300.0
+    history.clear()
+    assert not history.changes and history.newest_ts is None
+
+
+async def test_the_header_flags_a_backlog_and_kv_above_the_watermark() -> None:
+    class OneHeader(App[None]):
+        def compose(self) -> ComposeResult:
+            yield EngineHeader()
+
+    calm = Snapshot(config={"cache_high_watermark": 0.85, "max_num_batched_tokens": 64},
+                    num_waiting=3, num_running=8, kv_usage=0.5)
+    jammed = dataclasses.replace(calm, num_waiting=285, kv_usage=0.87,
+                                 ttft_ms=Percentiles(p50=21_000.0), step_ms=Percentiles(p50=20.0))
+    assert warnings(calm) == []
+    assert warnings(jammed) == [("BACKLOG 285 waiting, TTFT p50 21.0 s", "bold red"),
+                                ("KV 87% ≥ 85%", "bold yellow")]
+    # a backlog whose first tokens are still on time is yellow; another engine's KV, unmarked
+    queued = dataclasses.replace(jammed, ttft_ms=Percentiles(p50=100.0), config={})
+    assert warnings(queued) == [("BACKLOG 285 waiting", "bold yellow")]
+    async with OneHeader().run_test() as pilot:
+        header = pilot.app.query_one(EngineHeader)
+        header.update_from(calm, "test")
+        assert str(header.render()).startswith("NORMAL  budget 64")
+        header.update_from(jammed, "test")
+        assert str(header.render()).startswith(
+            "NORMAL · BACKLOG 285 waiting, TTFT p50 21.0 s · KV 87% ≥ 85%  budget 64")
