@@ -189,15 +189,21 @@ class Plot(Widget):
                 points = downsample(list(series.values), dots_x)
                 for i, value in enumerate(points):
                     columns[x_of(i / max(len(points) - 1, 1))] = value
-            previous: int | None = None
+            previous: tuple[int, int] | None = None
             for x in sorted(columns):
                 y = y_of(columns[x])
-                top, bottom = (y, y) if previous is None else (min(y, previous), max(y, previous))
-                for dot in range(top, bottom + 1):  # joined to the last point: a line, not dots
-                    cell = (dot // 4, x // 2)
-                    bits = cells.get(cell, (0, color))[0] | DOTS[x % 2][dot % 4]
-                    cells[cell] = (bits, color)
-                previous = y
+                start_x, start_y = previous if previous is not None else (x, y)
+                last = start_y
+                # joined to the last point, column by column: a line, not dots
+                for step_x in range(start_x + (x > start_x), x + 1):
+                    here = round(start_y + (y - start_y) * (step_x - start_x)
+                                 / max(x - start_x, 1))
+                    for dot in range(min(here, last), max(here, last) + 1):
+                        cell = (dot // 4, step_x // 2)
+                        bits = cells.get(cell, (0, color))[0] | DOTS[step_x % 2][dot % 4]
+                        cells[cell] = (bits, color)
+                    last = here
+                previous = (x, y)
 
         grid: list[list[tuple[str, str]]] = [
             [(chr(0x2800 + cells[(r, c)][0]), cells[(r, c)][1]) if (r, c) in cells else (" ", "")
