@@ -117,3 +117,9 @@ async def test_the_header_keeps_showing_a_dead_engine_after_its_toast(tmp_path: 
         await pilot.press("2")  # another screen shows it too
         await pilot.pause()
         assert "SOURCE FAILED" in str(app.screen.query_one(EngineHeader).render())
+
+
+def test_the_arrival_rate_call_crosses_the_pipe(source: ProcessSource) -> None:
+    assert source.snapshot().workload_rate is None  # sent all at once: no rate to turn
+    with pytest.raises(SourceError, match="no workload with a rate is playing"):
+        source.set_arrival_rate(2.0)

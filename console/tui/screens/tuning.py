@@ -39,6 +39,7 @@ from console.tui.widgets.header import chunk_size
 from console.tui.widgets.latency import LatencySLO, append_latency, slo_style, window
 from console.tui.widgets.notice import unavailable
 from console.tui.widgets.plot import Line, Plot, Series, ms, number, per_s
+from engine.ops.metrics import RATE_WINDOW_S
 from engine.snapshot import Snapshot
 
 NARROW_COLUMNS = 110  # below this the charts stack into one column of sparklines
@@ -214,7 +215,7 @@ class TuningScreen(ConsoleScreen):
     def _live_line(self, snapshot: Snapshot) -> Text:
         slo = LatencySLO.of(snapshot)
         text = Text(no_wrap=False, overflow="fold")
-        text.append(f"over {window(snapshot):.0f} s ", style="bold")
+        text.append(f"over {window(snapshot):.0f} s: ", style="dim")
         text.append("ITL p99 ")
         tbt = snapshot.itl_ms.p99
         text.append("–" if tbt is None else ms(tbt), style=slo_style(tbt, slo and slo.tbt_ms))
@@ -227,6 +228,7 @@ class TuningScreen(ConsoleScreen):
         cstar = snapshot.recommended_chunk_size
         text.append(f" (C* {cstar if cstar is not None else '–'}) · ")
         text.append(f"{snapshot.tokens_per_s:,.0f} tok/s", style="bold")
+        text.append(f" over {snapshot.window_s or RATE_WINDOW_S:.0f} s", style="dim")
         return text
 
     def _show_charts(self, snapshot: Snapshot) -> None:
