@@ -47,12 +47,14 @@ from engine.events import (
     Finished,
     ModeChanged,
     Preempted,
+    PrefixCacheLookup,
     SlowQuery,
     TokensGenerated,
 )
 from engine.ops.telemetry import BandwidthSource
 
 RECENT_FINISHED = 64  # ended requests still shown in snapshots
+QUEUED = (RequestState.WAITING, RequestState.PREEMPTED)
 # throttle level -> chunk concurrency cap (level 3 also pauses new prefills)
 THROTTLE_CONCURRENCY = {0: None, 1: 2, 2: 1, 3: 1}
 
@@ -125,6 +127,8 @@ class Scheduler:
     def set_config(self, config: EngineConfig) -> None:
         """Take a new configuration at a step boundary; tenant priorities reorder the queue."""
         reorder = config.tenant_priorities != self.config.tenant_priorities
+        if config.enable_prefix_caching != self.config.enable_prefix_caching:
+            self.blocks.set_caching(config.enable_prefix_caching)
         self.config = config
         if reorder:
             self.waiting.sort(key=self._queue_key)
@@ -203,17 +207,21 @@ class Scheduler:
             # minimal chunks so the service never stops.
             slots, chunk_cap = 1, cfg.chunk_tile
         admit = not (batch.preempted or self.cache_pressure or self.throttle_level >= 3)
-        candidates = in_progress + (self._admissible() if admit else [])
+        waiting = self._admissible() if admit else []
+        candidates = in_progress + waiting
         plan = self._plan_chunks(candidates, budget, slots, chunk_cap)
         if not plan and not batch.decodes:
             # Nothing decodes, so no block will come back on its own: tenant limits yield
             # first, then the latest partial prefill gives its blocks to the others.
             plan = self._plan_chunks(candidates, budget, slots, chunk_cap, isolate=False)
+            if not plan:
+                self._return_cached(waiting, plan)
             while not plan and len(in_progress) > 1:
                 victim = self._pick_victim()
                 self._preempt(victim, batch)
                 in_progress.remove(victim)
                 plan = self._plan_chunks(in_progress, budget, slots, chunk_cap, isolate=False)
+        self._return_cached(waiting, plan)
         if not plan:
             return
         now = self.clock()
@@ -252,6 +260,11 @@ class Scheduler:
                     break
                 if request not in plan and len(plan) >= slots:
                     continue
+                if not request.block_table and request.state in QUEUED:
+                    # its cached prefix costs no budget: the plan covers only the rest
+                    before = self.blocks.num_free
+                    self.blocks.take_cached(request)
+                    free_blocks -= before - self.blocks.num_free
                 have = plan.get(request, 0)
                 want = min(request.num_pending - have, budget, chunk_cap - have)
                 if use_shares and tenant_left is not None:
@@ -265,7 +278,7 @@ class Scheduler:
                     total = total // tile * tile if cfg.chunked_prefill else 0
                 added = total - have
                 if added <= 0:
-                    queued = request.state in (RequestState.WAITING, RequestState.PREEMPTED)
+                    queued = request.state in QUEUED
                     if queued and by_kv < min(request.num_pending - have, tile):
                         break  # FCFS: the head waits for blocks; later ones do not jump it
                     continue
@@ -279,6 +292,14 @@ class Scheduler:
                 if request.tenant in kv_left:
                     kv_left[request.tenant] -= added
         return plan
+
+    def _return_cached(self, waiting: list[Request], plan: dict[Request, int]) -> None:
+        """Queued requests the plan leaves out give back the cached blocks they took: a
+        waiting request holds no block."""
+        for request in waiting:
+            if request not in plan and request.block_table and request.state in QUEUED:
+                self.blocks.release(request)
+                request.num_computed_tokens = 0
 
     def _tenant_budgets(self, tenants: Iterable[str], budget: int) -> dict[str, float]:
         shares = self.config.tenant_shares
@@ -307,6 +328,10 @@ class Scheduler:
                now: float) -> None:
         self.waiting.remove(request)
         self.running.append(request)
+        request.cached_tokens = request.num_computed_tokens
+        if self.config.enable_prefix_caching:
+            self.publish(PrefixCacheLookup(request_id=request.id, queried_tokens=request.num_tokens,
+                                           cached_tokens=request.cached_tokens))
         request.set_state(RequestState.PREFILL_CHUNKING,
                           "recompute after preemption" if request.num_preemptions else "admitted")
         if request.prefill_started is None:
@@ -316,8 +341,9 @@ class Scheduler:
 
     def _budget_prefill(self, request: Request, chunk: int,
                         decode_contexts: tuple[int, ...]) -> float:
-        """⌈T/C⌉ steps of C tokens beside today's decodes, as the budget model predicts them."""
-        total, start = 0.0, 0
+        """⌈T/C⌉ steps of C tokens beside today's decodes, as the budget model predicts them;
+        a cached prefix is not prefilled, so T counts from its end."""
+        total, start = 0.0, request.num_computed_tokens
         while start < request.num_prompt_tokens:
             size = min(chunk, request.num_prompt_tokens - start)
             total += self.predict(StepShape(prefill=((size, start),),
@@ -332,10 +358,13 @@ class Scheduler:
         appended, stop conditions, finished requests' blocks freed. An error in one request's
         sampling, stop check or output fails that request alone (FAILED, cause FAULT); the
         others go on."""
+        cache = self.blocks.cache_full_blocks
         for chunk in batch.prefills:
             self._record_chunk(chunk, timing)
+            cache(chunk.request)
         for chunk in batch.decodes:
             chunk.request.num_computed_tokens += 1
+            cache(chunk.request)
         outputs = []
         for chunk in batch.sampling:
             request = chunk.request
@@ -405,7 +434,8 @@ class Scheduler:
             prompt_tokens=request.num_prompt_tokens,
             prefill_s=request.prefill_finished - request.prefill_started,
             budgeted_s=request.budgeted_prefill_s or 0.0, chunks=chunks,
-            config=self.config.live_values(), tag=request.tag))
+            config=self.config.live_values(), tag=request.tag,
+            cached_tokens=request.cached_tokens))
 
     # --- preemption ---------------------------------------------------------------------
     def _pick_victim(self) -> Request:

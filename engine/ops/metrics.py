@@ -15,6 +15,7 @@ from engine.events import (
     Failed,
     Finished,
     Preempted,
+    PrefixCacheLookup,
     Rejected,
     RequestAdded,
     SlowQuery,
@@ -72,6 +73,9 @@ class Metrics:
         self.requests_rejected_total = 0
         self.requests_failed_total = 0
         self.slow_queries_total = 0
+        self.prefix_cache_queries_total = 0
+        self.prefix_cache_hits_total = 0
+        self.recent_lookups: deque[tuple[int, int]] = deque(maxlen=WINDOW)  # (queried, hit)
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
@@ -125,6 +129,10 @@ class Metrics:
                 self.requests_failed_total += 1
             case SlowQuery():
                 self.slow_queries_total += 1
+            case PrefixCacheLookup():
+                self.prefix_cache_queries_total += event.queried_tokens
+                self.prefix_cache_hits_total += event.cached_tokens
+                self.recent_lookups.append((event.queried_tokens, event.cached_tokens))
         horizon = event.ts - RATE_WINDOW_S
         while self._rate and self._rate[0][0] < horizon:
             self._rate.popleft()
@@ -137,6 +145,13 @@ class Metrics:
             return 0.0, 0.0
         span = max(now - window[0][0], 1e-3)
         return sum(r[1] for r in window) / span, sum(r[2] for r in window) / span
+
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Cached over queried tokens across the last WINDOW admissions; None before any."""
+        with self._lock:
+            lookups = list(self.recent_lookups)
+        queried = sum(q for q, _ in lookups)
+        return sum(h for _, h in lookups) / queried if queried else None
 
     def latency(self) -> tuple[Percentiles, Percentiles, Percentiles]:
         """(TTFT ms, TPOT ms, step ms) percentiles over recent requests and steps."""
