@@ -207,21 +207,17 @@ class Scheduler:
             # minimal chunks so the service never stops.
             slots, chunk_cap = 1, cfg.chunk_tile
         admit = not (batch.preempted or self.cache_pressure or self.throttle_level >= 3)
-        waiting = self._admissible() if admit else []
-        candidates = in_progress + waiting
+        candidates = in_progress + (self._admissible() if admit else [])
         plan = self._plan_chunks(candidates, budget, slots, chunk_cap)
         if not plan and not batch.decodes:
             # Nothing decodes, so no block will come back on its own: tenant limits yield
             # first, then the latest partial prefill gives its blocks to the others.
             plan = self._plan_chunks(candidates, budget, slots, chunk_cap, isolate=False)
-            if not plan:
-                self._return_cached(waiting, plan)
             while not plan and len(in_progress) > 1:
                 victim = self._pick_victim()
                 self._preempt(victim, batch)
                 in_progress.remove(victim)
                 plan = self._plan_chunks(in_progress, budget, slots, chunk_cap, isolate=False)
-        self._return_cached(waiting, plan)
         if not plan:
             return
         now = self.clock()
@@ -260,11 +256,13 @@ class Scheduler:
                     break
                 if request not in plan and len(plan) >= slots:
                     continue
+                took = 0
                 if not request.block_table and request.state in QUEUED:
                     # its cached prefix costs no budget: the plan covers only the rest
                     before = self.blocks.num_free
                     self.blocks.take_cached(request)
-                    free_blocks -= before - self.blocks.num_free
+                    took = before - self.blocks.num_free
+                    free_blocks -= took
                 have = plan.get(request, 0)
                 want = min(request.num_pending - have, budget, chunk_cap - have)
                 if use_shares and tenant_left is not None:
@@ -277,6 +275,13 @@ class Scheduler:
                     # partial chunks are whole tiles; without chunking, whole prompts only
                     total = total // tile * tile if cfg.chunked_prefill else 0
                 added = total - have
+                if (added <= 0 and request not in plan and request.block_table
+                        and request.state in QUEUED):
+                    # left out: a waiting request holds no block (its cached ones may be
+                    # the very blocks the others need)
+                    self.blocks.release(request)
+                    request.num_computed_tokens = 0
+                    free_blocks += took
                 if added <= 0:
                     queued = request.state in QUEUED
                     if queued and by_kv < min(request.num_pending - have, tile):
@@ -292,14 +297,6 @@ class Scheduler:
                 if request.tenant in kv_left:
                     kv_left[request.tenant] -= added
         return plan
-
-    def _return_cached(self, waiting: list[Request], plan: dict[Request, int]) -> None:
-        """Queued requests the plan leaves out give back the cached blocks they took: a
-        waiting request holds no block."""
-        for request in waiting:
-            if request not in plan and request.block_table and request.state in QUEUED:
-                self.blocks.release(request)
-                request.num_computed_tokens = 0
 
     def _tenant_budgets(self, tenants: Iterable[str], budget: int) -> dict[str, float]:
         shares = self.config.tenant_shares
