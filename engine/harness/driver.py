@@ -121,7 +121,8 @@ class RunResult:
             "preemptions": self.preemptions,
             "slow_queries": self.slow_queries,
             # the prefix cache's effect: prompt tokens actually computed, and what was found
-            "prefill_tokens_computed": sum(s.prefill_tokens for s in self.steps),
+            "prefill_tokens_computed": (sum(s.prefill_tokens for s in self.steps)
+                                        if self.steps else None),  # None: no engine steps
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "hit_rate": (self.prefix_cache_hits / self.prefix_cache_queries
