@@ -75,3 +75,17 @@ def test_history_keeps_one_sample_per_step_and_downsamples_keeping_peaks() -> No
     assert history.values("kv_usage") == [0.2, 0.3, 0.4]
     assert downsample([1.0, 9.0, 1.0, 1.0], 2) == [9.0, 1.0]
     assert downsample([1.0, 2.0], 5) == [1.0, 2.0]
+
+
+def test_prefix_cache_fall_needs_a_useful_cache_that_stopped_hitting() -> None:
+    rule = next(r for r in RULES if r.test.__name__ == "_prefix_cache_fall")
+    fell = dataclasses.replace(CALM, prefix_cache_queries_total=10_000,
+                               prefix_cache_hits_total=6_000, prefix_cache_hit_rate=0.1,
+                               kv_usage=0.95, kv_blocks_cached=40, kv_blocks_total=64)
+    found = {f.symptom: f for f in evaluate(fell, MetricHistory())}
+    assert found[rule.symptom].figures["hit rate overall"] == "60%"
+    steady = dataclasses.replace(fell, prefix_cache_hit_rate=0.55)
+    assert rule.symptom not in symptoms(steady)
+    never_shared = dataclasses.replace(fell, prefix_cache_hits_total=100)  # no shared prefixes
+    assert rule.symptom not in symptoms(never_shared)
+    assert rule.symptom not in symptoms(CALM)  # caching off or no lookups yet
