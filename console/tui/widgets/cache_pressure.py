@@ -1,4 +1,5 @@
-"""The "Cache pressure" pane: KV usage against the watermarks, its history, the mode."""
+"""The "Cache pressure" pane: KV usage against the watermarks, its history, the mode, and the
+prefix cache's hit rate over recent admissions."""
 
 from __future__ import annotations
 
@@ -35,6 +36,8 @@ class CachePressure(Vertical):
                                style=level_style(snapshot.kv_usage, low, high)))
         line.append(f"\n{snapshot.kv_blocks_used}/{snapshot.kv_blocks_total} blocks  ")
         line.append(snapshot.mode, style=MODE_STYLES.get(snapshot.mode, "bold"))
+        if snapshot.prefix_cache_hit_rate is not None:  # None: caching off or no lookup yet
+            line.append(f"  prefix hits {snapshot.prefix_cache_hit_rate:.0%}")
         self.query_one("#kv-gauge", Static).update(line)
         self.query_one(Plot).show((Series("KV usage", tuple(history.values("kv_usage"))),),
                                   lines=(low, high))
