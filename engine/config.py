@@ -143,6 +143,9 @@ class EngineConfig:
     # --- live-tunable ---------------------------------------------------------------------
     max_num_batched_tokens: int = 256  # the token budget of one step (CPU-sized default)
     chunked_prefill: bool = True  # False: a prompt runs whole in one step or waits
+    # reuse the KV blocks of prompt prefixes already computed (vLLM V1's hashed blocks);
+    # turning it off drops the cache's hashes, so nothing is hit again until it is back on
+    enable_prefix_caching: bool = True
     auto_budget: bool = False  # True: each step's budget is C* (live D, S) plus the decodes
     auto_tpot_ms: float = 0.0  # with auto_budget: grow chunks while a step stays within this
     chunk_tile: int = 16  # prefill chunks are rounded down to a multiple of this (pitfall 4)

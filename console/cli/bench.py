@@ -2,8 +2,9 @@
 
 Built-in configurations: `chunked` (the default token budget), `unchunked` (a budget as large
 as the longest prompt plus a decode per running request, prompts never split), `auto` (each
-step's budget is the recommended C* for the live decode load) and `hf` (transformers'
-`generate` in static batches on the same weights). More with `--config NAME:field=value,...`.
+step's budget is the recommended C* for the live decode load), `nocache` (`chunked` with prefix
+caching off: every prompt prefilled from its first token) and `hf` (transformers' `generate` in
+static batches on the same weights). More with `--config NAME:field=value,...`.
 Every run replays the same requests at the same times. `--capacity` searches each
 configuration's highest sustainable arrival rate; `--report DIR` writes markdown and plots.
 """
@@ -181,10 +182,12 @@ def _named_config(name: str, base: EngineConfig, custom: dict[str, dict[str, str
         return base
     if name == "auto":
         return base.replace(auto_budget=True, auto_tpot_ms=tpot_target_ms)
+    if name == "nocache":
+        return base.replace(enable_prefix_caching=False)
     if name == "unchunked":
         budget = max(base.max_num_batched_tokens, min(longest, max_model_len) + base.max_num_seqs)
         return base.replace(max_num_batched_tokens=budget, chunked_prefill=False)
-    known = ", ".join(["chunked", "unchunked", "auto", "hf", *custom])
+    known = ", ".join(["chunked", "unchunked", "auto", "nocache", "hf", *custom])
     raise UserError(f"unknown configuration {name!r}; known: {known} "
                     f"(define more with --config NAME:field=value)")
 
@@ -225,7 +228,7 @@ def _print_table(report: dict[str, Any]) -> None:
     runs = report["runs"]
     header = (f"{'config':<14}{'out tok/s':>10}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
               f"{'TPOT p50':>10}{'TPOT p99':>10}{'ITL p99':>9}{'ITL max':>9}{'preempt':>9}"
-              f"{'slow':>6}{'goodput':>9}")
+              f"{'slow':>6}{'goodput':>9}{'prefilled':>10}{'hit rate':>9}")
     print(f"workload {report['workload']['spec']}: {report['workload']['requests']} requests "
           f"on {report['machine']['model']} ({report['machine']['device']})")
     print(header)
@@ -234,9 +237,14 @@ def _print_table(report: dict[str, Any]) -> None:
               f"{_f(r['ttft_ms']['p50']):>10}{_f(r['ttft_ms']['p99']):>10}"
               f"{_f(r['tpot_ms']['p50']):>10}{_f(r['tpot_ms']['p99']):>10}"
               f"{_f(r['itl_ms']['p99']):>9}{_f(r['itl_ms']['max']):>9}{r['preemptions']:>9}"
-              f"{r['slow_queries']:>6}{r['goodput']:>9.2f}")
+              f"{r['slow_queries']:>6}{r['goodput']:>9.2f}"
+              f"{_f(r.get('prefill_tokens_computed')):>10}{_pct(r.get('hit_rate')):>9}")
     for name, c in report.get("capacity", {}).items():
         print(f"capacity {name}: {c['rate']:.2f} requests/s (P99 {c['metric'].upper()})")
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
 
 
 def _f(value: float | None) -> str:

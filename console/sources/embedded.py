@@ -85,7 +85,8 @@ class EmbeddedSource:
             requests = build_workload(
                 workload, vocab_size=engine.model_config.vocab_size,
                 max_model_len=engine.max_model_len, num_requests=num_requests, rate=rate,
-                length_scale=default_length_scale(engine.runner.device.type))
+                length_scale=default_length_scale(engine.runner.device.type),
+                encode=engine.tokenizer.encode)
             with database.session() as db_session:
                 # numbered on from the last run's traffic (each of its cycles added
                 # requests[0] first), so no id clashes with what that run left
