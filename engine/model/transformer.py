@@ -13,6 +13,7 @@ layers (Mistral, Phi-3, Gemma, Qwen with use_sliding_window).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -110,8 +111,9 @@ class Attention(nn.Module):
                                    use_flash, scale=scale, window=window,
                                    softcap=config.attn_softcap)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def project(self, x: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, H] -> q [N, Hq, D] and k, v [N, Hkv, D], normed and rotated where due."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -119,9 +121,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, positions), self.rope(k, positions)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        out = self.attn(q, k, v, k_cache, v_cache, meta)  # [N, Hq, D]
-        return self.o_proj(out.reshape(n, self.q_size))
+        return q, k, v.view(n, self.num_kv_heads, self.head_dim)
 
 
 class MLP(nn.Module):
@@ -165,7 +165,19 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), positions, k_cache, v_cache, meta)
+        q, k, v = self.before_attention(x, positions)
+        return self.after_attention(x, self.self_attn.attn(q, k, v, k_cache, v_cache, meta))
+
+    # The two dense halves of a layer, either side of attention over the paged cache: what
+    # `Transformer.compile` hands to torch.compile (attention's per-step Python structure
+    # stays eager, as vLLM splits its graphs at attention).
+    def before_attention(self, x: torch.Tensor, positions: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.self_attn.project(self.input_layernorm(x), positions)
+
+    def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x [N, H] the layer's input, attn [N, Hq, D] attention's output -> [N, H]."""
+        attn = self.self_attn.o_proj(attn.flatten(1))
         if self.gemma:
             x = x + self.post_attention_layernorm(attn)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -195,6 +207,9 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self._before: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (
+            DecoderLayer.before_attention)
+        self._after: Callable[..., torch.Tensor] = DecoderLayer.after_attention
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -203,8 +218,19 @@ class Transformer(nn.Module):
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         for index, layer in enumerate(self.layers):
-            x = layer(x, positions, kv_cache[0, index], kv_cache[1, index], meta)
+            q, k, v = self._before(layer, x, positions)
+            attn = layer.self_attn.attn(q, k, v, kv_cache[0, index], kv_cache[1, index], meta)
+            x = self._after(layer, x, attn)
         return self.norm(x)
+
+    def compile(self, mode: str | None = None) -> None:  # type: ignore[override]
+        """Run each layer's two dense halves through torch.compile, with the token count
+        dynamic: Inductor fuses the norms, RoPE, SiLU·mul and residual adds around the GEMMs.
+        Parameters are graph inputs, so one graph serves every layer of the same shape and
+        compile time does not grow with depth. `mode` is torch.compile's ("reduce-overhead"
+        captures CUDA graphs per token count on CUDA)."""
+        self._before = torch.compile(DecoderLayer.before_attention, dynamic=True, mode=mode)
+        self._after = torch.compile(DecoderLayer.after_attention, dynamic=True, mode=mode)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
