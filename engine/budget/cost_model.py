@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.budget.peaks import DevicePeaks
-from engine.budget.roofline import Roofline, StepEstimate, StepShape, step_estimate
+from engine.budget.roofline import Roofline, StepEstimate, step_estimate
 from engine.config import ConfigError
+from engine.core.batch import StepShape
 from engine.model.checkpoint import fused_widths
 from engine.model.config import ModelConfig
 

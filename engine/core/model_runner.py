@@ -1,6 +1,6 @@
 """The model runner: owns the model and the one preallocated KV tensor, turns a scheduled
 batch into packed inputs and attention metadata once per step, runs the forward pass and
-returns the logits of the rows that sample.
+samples the rows that end a chunk (the one place tokens are sampled).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from engine.core.attention import (
     cache_shape,
 )
 from engine.core.attention import flash_available as flash_importable
-from engine.core.scheduler import ScheduledChunk
+from engine.core.batch import Batch, ModelRunnerOutput, ScheduledChunk
+from engine.core.sampler import sample
 from engine.errors import EngineError
 from engine.model.loader import load_model, model_config_for
 
@@ -139,9 +140,22 @@ class ModelRunner:
             index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
             self.kv_cache.index_fill_(block_dim(self.use_flash), index, 0)
 
+    def move_blocks(self, source: list[int], target: list[int]) -> None:
+        """Copy the KV rows of blocks `source` to blocks `target` (cache compaction)."""
+        dim = block_dim(self.use_flash)
+        src = torch.tensor(source, dtype=torch.int64, device=self.device)
+        dst = torch.tensor(target, dtype=torch.int64, device=self.device)
+        self.kv_cache.index_copy_(dim, dst, self.kv_cache.index_select(dim, src))
+
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Forward one packed batch; logits [num sampling chunks, vocab] in `chunks` order."""
+    def run(self, batch: Batch) -> ModelRunnerOutput:
+        """Forward one packed batch and sample a token for each chunk that ends its known
+        tokens; a request whose sampling raises is in the output's errors instead."""
+        return sample(self.forward(batch.chunks), [c.request for c in batch.sampling])
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Logits [num sampling chunks, vocab] of one packed batch, in `chunks` order."""
         inputs = self.prepare(chunks)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
         return self.model.logits(hidden.index_select(0, inputs.sample_rows))
