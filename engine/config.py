@@ -138,6 +138,10 @@ class EngineConfig:
     max_num_seqs: int = 256
     attention_backend: str = "auto"  # auto | torch | flash
     cpu_threads: int = 0  # torch threads on CPU; 0 = all cores but one (UI, HTTP, store)
+    # torch.compile the model's layers (and CUDA graphs for small steps on CUDA), paid once
+    # at start. Off for the library (tests build many short-lived engines); the `tokenflow`
+    # commands turn it on unless --no-compile.
+    compile: bool = False
     # --- live-tunable ---------------------------------------------------------------------
     max_num_batched_tokens: int = 256  # the token budget of one step (CPU-sized default)
     chunked_prefill: bool = True  # False: a prompt runs whole in one step or waits
@@ -229,7 +233,7 @@ LIVE_FIELDS = frozenset(
     for f in dataclasses.fields(EngineConfig)
     if f.name not in {"model", "device", "dtype", "seed", "block_size", "kv_cache_bytes",
                       "gpu_memory_utilization", "max_model_len", "max_num_seqs",
-                      "attention_backend", "cpu_threads"}
+                      "attention_backend", "cpu_threads", "compile"}
 )
 
 # The defaults as one importable value: a widget that meets a snapshot without some field

@@ -29,13 +29,23 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
                                  "cap on one request's chunk (0 = none)"),
     "--max-prefill-tokens": ("max_prefill_tokens", int, "circuit breaker base (0 = model limit)"),
     "--slow-query-threshold": ("slow_query_threshold", float, "budget_score of a slow query"),
+    "--compile": ("compile", bool, "torch.compile the model at start, warmed up before the "
+                                   "first request (default); --no-compile runs it eagerly"),
 }
+
+# Where the commands differ from the library's EngineConfig: an engine started from the
+# command line serves long enough to repay compiling it.
+_COMMAND_DEFAULTS: dict[str, object] = {"compile": True}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, model_default: str = "synthetic:small",
                      ) -> None:
     group = parser.add_argument_group("engine")
     for flag, (field, kind, text) in _FLAGS.items():
+        if kind is bool:  # --flag / --no-flag
+            group.add_argument(flag, dest=field, action=argparse.BooleanOptionalAction,
+                               default=_COMMAND_DEFAULTS.get(field), help=text)
+            continue
         default = model_default if field == "model" else None
         group.add_argument(flag, dest=field, type=kind, default=default, help=text)
 

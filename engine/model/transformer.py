@@ -24,6 +24,8 @@ from engine.core.attention import AttentionMetadata, PagedAttention
 from engine.errors import ModelLoadError
 from engine.model.config import ModelConfig
 
+# On CUDA, steps of at most this many tokens replay as CUDA graphs (Transformer.compile)
+CUDA_GRAPH_MAX_TOKENS = 64
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -207,9 +209,9 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self._before: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (
-            DecoderLayer.before_attention)
-        self._after: Callable[..., torch.Tensor] = DecoderLayer.after_attention
+        # (largest token count or 0 for any, before_attention, after_attention), in order
+        self._regions: list[tuple[int, Callable[..., Any], Callable[..., Any]]] = [
+            (0, DecoderLayer.before_attention, DecoderLayer.after_attention)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -217,20 +219,55 @@ class Transformer(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        before, after = self._dense_halves(x.shape[0])
         for index, layer in enumerate(self.layers):
-            q, k, v = self._before(layer, x, positions)
+            q, k, v = before(layer, x, positions)
             attn = layer.self_attn.attn(q, k, v, kv_cache[0, index], kv_cache[1, index], meta)
-            x = self._after(layer, x, attn)
+            x = after(layer, x, attn)
         return self.norm(x)
 
-    def compile(self, mode: str | None = None) -> None:  # type: ignore[override]
-        """Run each layer's two dense halves through torch.compile, with the token count
+    def compile(self) -> None:  # type: ignore[override]
+        """Run each layer's two dense halves through torch.compile with the token count
         dynamic: Inductor fuses the norms, RoPE, SiLU·mul and residual adds around the GEMMs.
         Parameters are graph inputs, so one graph serves every layer of the same shape and
-        compile time does not grow with depth. `mode` is torch.compile's ("reduce-overhead"
-        captures CUDA graphs per token count on CUDA)."""
-        self._before = torch.compile(DecoderLayer.before_attention, dynamic=True, mode=mode)
-        self._after = torch.compile(DecoderLayer.after_attention, dynamic=True, mode=mode)
+        compile time does not grow with depth.
+
+        On CUDA, steps of up to CUDA_GRAPH_MAX_TOKENS tokens (decode batches) also replay
+        as CUDA graphs ("reduce-overhead", one graph per token count, recorded at its first
+        step), where launch overhead dominates; longer steps run the compiled kernels."""
+        before = torch.compile(DecoderLayer.before_attention, dynamic=True)
+        after = torch.compile(DecoderLayer.after_attention, dynamic=True)
+        self._regions = [(0, before, after)]
+        if self.embed_tokens.weight.is_cuda:
+            graphed_before = torch.compile(DecoderLayer.before_attention, dynamic=True,
+                                           mode="reduce-overhead")
+            graphed_after = torch.compile(DecoderLayer.after_attention, dynamic=True,
+                                          mode="reduce-overhead")
+            # A graph's outputs live in memory its next replay overwrites, and the next
+            # layer replays the same graph: keep copies (a few rows each).
+            self._regions.insert(0, (
+                CUDA_GRAPH_MAX_TOKENS,
+                lambda *a: tuple(t.clone() for t in graphed_before(*a)),
+                lambda *a: graphed_after(*a).clone()))
+
+    def warm_up(self) -> None:
+        """Compile now rather than in the first request: at one token (torch.compile
+        specialises a size of 1) and at two, whose graph serves every larger count."""
+        weight = self.embed_tokens.weight
+        for n in (1, 2, CUDA_GRAPH_MAX_TOKENS + 1):
+            x = torch.zeros(n, self.config.hidden_size, dtype=weight.dtype, device=weight.device)
+            positions = torch.zeros(n, dtype=torch.int64, device=weight.device)
+            before, after = self._dense_halves(n)
+            for layer in self.layers:
+                q, _, _ = before(layer, x, positions)
+                after(layer, x, q)  # q has the shape of attention's output
+
+    def _dense_halves(self, num_tokens: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """The two dense halves of a layer (compiled or not) that run `num_tokens` tokens."""
+        for limit, before, after in self._regions:
+            if limit == 0 or num_tokens <= limit:
+                return before, after
+        raise AssertionError("the last region takes any token count")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
