@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
+from pathlib import Path
 
 from engine.config import EngineConfig
 from engine.model.config import PRESETS
+from engine.serve.session import EngineSession
 
 # flag name -> (EngineConfig field, type, help)
 _FLAGS: dict[str, tuple[str, type, str]] = {
@@ -58,3 +61,16 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
     config = dataclasses.replace(EngineConfig(), **values)
     config.validate()
     return config
+
+
+def start_session(config: EngineConfig, *, db: str | Path | None,
+                  store: bool) -> EngineSession:
+    """EngineSession.start, saying on stderr when compiling makes the start take a while."""
+    if config.compile:
+        print("compiling the model (torch.compile, once at start; --no-compile skips it)...",
+              file=sys.stderr, flush=True)
+    session = EngineSession.start(config, db=db, store=store)
+    if config.compile:
+        print(f"compiled and warmed up in {session.engine.runner.compile_s:.1f} s",
+              file=sys.stderr, flush=True)
+    return session
