@@ -4,6 +4,15 @@ in the same run (issue 2); CUDA events time it on a GPU. Prints JSON.
 
     PYTHONPATH=. .venv/bin/python benchmarks/step_micro.py [--model synthetic:150m]
     PYTHONPATH=. .venv/bin/python benchmarks/step_micro.py --model synthetic:small --curve
+
+`--limits` (issue 18): on synthetic:small, a decode step at D = 8 as weight-read bandwidth
+against the streaming (copy) bandwidth, and a 256-token prefill chunk as FLOP/s against the
+matmul peak, each peak measured at the same thread count, at one thread and at the engine's;
+eager and compiled engines side by side in the same process, their steps interleaved, so a
+busy machine slows both alike (`cpu_ms` is the process CPU time of a step, which counts
+neither waiting for a core nor other processes).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/step_micro.py --limits
 """
 
 from __future__ import annotations
@@ -11,23 +20,33 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from typing import Any
+
+import torch
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.budget.calibrate import timed_step
+from engine.budget.peaks import measure_peaks
 from engine.core.batch import Batch, ScheduledChunk, StepShape
 from engine.core.request import Request, RequestState
 
 
-def _engine(model: str, device: str, dtype: str) -> Engine:
+def _engine(model: str, device: str, dtype: str, compile: bool = False,
+            kv_bytes: int = 1 << 30) -> Engine:
     """A 1 GiB KV pool on CPU; on a GPU the default share of its free memory."""
     return Engine(EngineConfig(model=model, device=device, dtype=dtype, max_model_len=4096,
-                               kv_cache_bytes=(1 << 30) if device == "cpu" else None))
+                               kv_cache_bytes=kv_bytes if device == "cpu" else None,
+                               compile=compile))
+
+
+def _batch(chunks: list[ScheduledChunk]) -> Batch:
+    return Batch(prefills=[c for c in chunks if not c.is_decode],
+                 decodes=[c for c in chunks if c.is_decode])
 
 
 def _timed(engine: Engine, chunks: list[ScheduledChunk], warmup: int, repeats: int) -> float:
-    batch = Batch(prefills=[c for c in chunks if not c.is_decode],
-                  decodes=[c for c in chunks if c.is_decode])
+    batch = _batch(chunks)
     for _ in range(warmup):
         timed_step(engine, batch)
     return statistics.median(timed_step(engine, batch) for _ in range(repeats))
@@ -114,6 +133,60 @@ def step_curve(model: str, *, device: str = "cpu", dtype: str = "float32",
     return rows
 
 
+def limits(model: str = "synthetic:small", *, device: str = "cpu", dtype: str = "float32",
+           batch: int = 8, context: int = 256, chunk: int = 256, repeats: int = 15,
+           rounds: int = 3) -> dict[str, Any]:
+    """Decode weight-read bandwidth and prefill FLOP/s against this machine's measured limits,
+    at one thread and at the engine's count, for an eager and a compiled engine (see the
+    module's docstring). Peaks are measured afresh at each thread count."""
+    engines = {"eager": _engine(model, device, dtype, kv_bytes=1 << 28),
+               "compiled": _engine(model, device, dtype, compile=True, kv_bytes=1 << 28)}
+    compile_s = engines["compiled"].runner.compile_s
+    engine_threads = torch.get_num_threads()  # what ModelRunner chose for the engine
+    budget = engines["eager"].budget
+    prefill_flops = budget.flops(StepShape(prefill=((chunk, 0),)))
+    steps = {}
+    for name, engine in engines.items():
+        prefill = _request(engine, "prefill", chunk, RequestState.PREFILL_CHUNKING)
+        steps[name] = {"decode": _batch(_decodes(engine, batch, context)),
+                       "prefill": _batch([ScheduledChunk(prefill, 0, chunk)])}
+    result: dict[str, Any] = {"model": model, "device": device, "batch": batch,
+                              "context": context, "chunk": chunk, "compile_s": compile_s,
+                              "weight_bytes": budget.weight_bytes, "threads": {}}
+    for threads in sorted({1, engine_threads}):
+        torch.set_num_threads(threads)
+        peaks = measure_peaks.__wrapped__(device, getattr(torch, dtype))  # at this count
+        times: dict[tuple[str, str], list[tuple[float, float]]] = {
+            (name, kind): [] for name in engines for kind in ("decode", "prefill")}
+        for _ in range(rounds):  # interleaved: load on the machine hits every variant alike
+            for name, engine in engines.items():
+                for kind, step in steps[name].items():
+                    timed_step(engine, step)  # warm
+                    for _ in range(repeats if kind == "decode" else max(2, repeats // 5)):
+                        cpu = time.process_time()
+                        wall = timed_step(engine, step)
+                        times[name, kind].append((wall, time.process_time() - cpu))
+        row: dict[str, Any] = {"streaming_bandwidth": peaks.bandwidth,
+                               "matmul_peak_flops": peaks.flops}
+        for name in engines:
+            decode_s, decode_cpu = map(statistics.median, zip(*times[name, "decode"],
+                                                              strict=True))
+            prefill_s, prefill_cpu = map(statistics.median, zip(*times[name, "prefill"],
+                                                                strict=True))
+            read = budget.weight_bytes / decode_s
+            row[name] = {
+                "decode_ms": decode_s * 1e3, "decode_cpu_ms": decode_cpu * 1e3,
+                "decode_weight_read_bandwidth": read,
+                "decode_share_of_streaming": read / peaks.bandwidth,
+                "prefill_ms": prefill_s * 1e3, "prefill_cpu_ms": prefill_cpu * 1e3,
+                "prefill_flops": prefill_flops / prefill_s,
+                "prefill_share_of_matmul_peak": prefill_flops / prefill_s / peaks.flops,
+            }
+        result["threads"][threads] = row
+    torch.set_num_threads(engine_threads)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="synthetic:150m")
@@ -125,7 +198,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--curve", action="store_true",
                         help="instead: step time over a grid of decodes x prefill tokens")
+    parser.add_argument("--limits", action="store_true",
+                        help="instead: decode weight-read bandwidth and prefill FLOP/s against "
+                             "the measured limits, eager and compiled, at 1 and engine threads")
     args = parser.parse_args()
+    if args.limits:
+        print(json.dumps(limits(device=args.device, dtype=args.dtype), indent=2))
+        return
     if args.curve:
         print(json.dumps(step_curve(args.model, device=args.device, dtype=args.dtype),
                          indent=2))
