@@ -138,10 +138,10 @@ class EngineConfig:
     max_num_seqs: int = 256
     attention_backend: str = "auto"  # auto | torch | flash
     cpu_threads: int = 0  # torch threads on CPU; 0 = all cores but one (UI, HTTP, store)
-    # torch.compile the model's layers (and CUDA graphs for small steps on CUDA), paid once
-    # at start. Off for the library (tests build many short-lived engines); the `tokenflow`
-    # commands turn it on unless --no-compile.
-    compile: bool = False
+    # torch.compile the model's layers, paid once at start (CUDA graphs for small steps on
+    # CUDA). None: on CUDA, where the graphs remove launch overhead; off on CPU, where it
+    # measured no faster (issue 18's notes in README) and costs 20-30 s of start.
+    compile: bool | None = None
     # --- live-tunable ---------------------------------------------------------------------
     max_num_batched_tokens: int = 256  # the token budget of one step (CPU-sized default)
     chunked_prefill: bool = True  # False: a prompt runs whole in one step or waits

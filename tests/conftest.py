@@ -7,8 +7,6 @@ import random
 import pytest
 import torch
 
-from console.cli import engine_flags
-
 
 @pytest.fixture(autouse=True)
 def _seed_everything() -> None:
@@ -21,10 +19,3 @@ def _isolated_data_dir(tmp_path_factory: pytest.TempPathFactory,
                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Commands that default to the user's data directory write into a temp one instead."""
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("xdg-data")))
-
-
-@pytest.fixture(autouse=True)
-def _commands_run_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`tokenflow` commands compile the model by default (10-30 s on this CPU per model
-    shape); tests of the commands run eagerly unless they pass --compile themselves."""
-    monkeypatch.setitem(engine_flags._COMMAND_DEFAULTS, "compile", False)

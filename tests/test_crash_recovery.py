@@ -15,8 +15,8 @@ from pathlib import Path
 from engine import Engine, EngineConfig, SamplingParams
 from engine.harness.chaos import query_journal
 
-FLAGS = ["--model", "synthetic:tiny", "--device", "cpu", "--no-compile",
-         "--max-num-batched-tokens", "8", "--chunk-tile", "8"]
+FLAGS = ["--model", "synthetic:tiny", "--device", "cpu", "--max-num-batched-tokens", "8",
+         "--chunk-tile", "8"]
 POLL_S = 0.01
 DEADLINE_S = 120
 # Enough work that each run is still going when it is killed: with 30, a faster engine once

@@ -50,7 +50,7 @@ def start_serve(port: int = 0) -> tuple[subprocess.Popen[str], str]:
     """`tokenflow serve` on synthetic:tiny; returns once it has printed its URL."""
     process = subprocess.Popen(
         [sys.executable, "-m", "console.cli.main", "serve", "--model", "synthetic:tiny",
-         "--device", "cpu", "--no-compile", "--port", str(port), "--no-db"],
+         "--device", "cpu", "--port", str(port), "--no-db"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert process.stdout is not None
     for line in process.stdout:  # the banner comes once the socket listens

@@ -271,7 +271,7 @@ def test_serve_stopped_by_sigterm_flushes_its_journal_and_exits_0(tmp_path: Path
     db = tmp_path / "serve.db"
     server = subprocess.Popen(
         [sys.executable, "-m", "console.cli.main", "serve", "--model", "synthetic:tiny",
-         "--device", "cpu", "--dtype", "float32", "--no-compile", "--port", "0", "--db", str(db)],
+         "--device", "cpu", "--dtype", "float32", "--port", "0", "--db", str(db)],
         cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
     try:

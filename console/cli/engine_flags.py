@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from engine.config import EngineConfig
+from engine.core.model_runner import compiles
 from engine.model.config import PRESETS
 from engine.serve.session import EngineSession
 
@@ -33,21 +34,17 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--max-prefill-tokens": ("max_prefill_tokens", int, "circuit breaker base (0 = model limit)"),
     "--slow-query-threshold": ("slow_query_threshold", float, "budget_score of a slow query"),
     "--compile": ("compile", bool, "torch.compile the model at start, warmed up before the "
-                                   "first request (default); --no-compile runs it eagerly"),
+                                   "first request (default: on CUDA only)"),
 }
-
-# Where the commands differ from the library's EngineConfig: an engine started from the
-# command line serves long enough to repay compiling it.
-_COMMAND_DEFAULTS: dict[str, object] = {"compile": True}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, model_default: str = "synthetic:small",
                      ) -> None:
     group = parser.add_argument_group("engine")
     for flag, (field, kind, text) in _FLAGS.items():
-        if kind is bool:  # --flag / --no-flag
+        if kind is bool:  # --flag / --no-flag; neither keeps EngineConfig's default
             group.add_argument(flag, dest=field, action=argparse.BooleanOptionalAction,
-                               default=_COMMAND_DEFAULTS.get(field), help=text)
+                               help=text)
             continue
         default = model_default if field == "model" else None
         group.add_argument(flag, dest=field, type=kind, default=default, help=text)
@@ -66,11 +63,12 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
 def start_session(config: EngineConfig, *, db: str | Path | None,
                   store: bool) -> EngineSession:
     """EngineSession.start, saying on stderr when compiling makes the start take a while."""
-    if config.compile:
+    compiling = compiles(config)
+    if compiling:
         print("compiling the model (torch.compile, once at start; --no-compile skips it)...",
               file=sys.stderr, flush=True)
     session = EngineSession.start(config, db=db, store=store)
-    if config.compile:
+    if compiling:
         print(f"compiled and warmed up in {session.engine.runner.compile_s:.1f} s",
               file=sys.stderr, flush=True)
     return session

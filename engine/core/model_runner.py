@@ -58,6 +58,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def compiles(config: EngineConfig) -> bool:
+    """Whether an engine of `config` compiles its model: as asked, else on CUDA only."""
+    if config.compile is not None:
+        return config.compile
+    return resolve_device(config.device).type == "cuda"
+
+
 def _reuse_freed_memory() -> None:
     """Keep freed memory in glibc's heap instead of returning it to the OS.
 
@@ -109,7 +116,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(
             cache_shape(self.use_flash, mc.num_layers, self.num_blocks, self.block_size,
                         mc.num_kv_heads, mc.head_dim), dtype=self.dtype, device=self.device)
-        self.compile_s = self._compile() if config.compile else 0.0
+        self.compile_s = self._compile() if compiles(config) else 0.0
 
     def _compile(self) -> float:
         """Compile the model and warm it up, so the first request does not pay for it;
