@@ -13,6 +13,10 @@ busy machine slows both alike (`cpu_ms` is the process CPU time of a step, which
 neither waiting for a core nor other processes).
 
     PYTHONPATH=. .venv/bin/python benchmarks/step_micro.py --limits
+
+`--flex` (issue 18): one layer's decode attention at D = 8, the engine's gather-then-SDPA
+path against FlexAttention (compiled) reading the paged cache in place through a block mask
+built from the block tables, with the mask's build time (once a step), in process CPU ms.
 """
 
 from __future__ import annotations
@@ -187,6 +191,77 @@ def limits(model: str = "synthetic:small", *, device: str = "cpu", dtype: str = 
     return result
 
 
+def flex_vs_gather(model: str = "synthetic:small", *, batch: int = 8,
+                   contexts: tuple[int, ...] = (256, 1024)) -> list[dict[str, Any]]:
+    """Decode attention of layer 0 on CPU: PagedAttention as the engine runs it, against
+    flex_attention over the whole cache viewed as one sequence ([1, Hkv, blocks * bs, D], no
+    copy), each query row allowed its own blocks by a BlockMask (see the module docstring)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    engine = _engine(model, "cpu", "float32", kv_bytes=1 << 28)
+    flex = torch.compile(flex_attention, dynamic=False)
+    return [_flex_row(engine, flex, _decodes(engine, batch, context)) for context in contexts]
+
+
+def _flex_row(engine: Engine, flex: Any, chunks: list[ScheduledChunk], repeats: int = 30,
+              rounds: int = 2) -> dict[str, Any]:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    runner, config = engine.runner, engine.model_config
+    attention = runner.model.layers[0].self_attn.attn
+    k_cache, v_cache = runner.kv_cache[0, 0], runner.kv_cache[1, 0]
+    bs, slots, batch = runner.block_size, runner.num_blocks * runner.block_size, len(chunks)
+    meta = runner.prepare(chunks).meta
+    tables = [c.request.block_table for c in chunks]
+    owner = torch.full((runner.num_blocks,), -1, dtype=torch.int64)
+    order = torch.zeros(runner.num_blocks, dtype=torch.int64)
+    for row, table in enumerate(tables):
+        owner[table] = row
+        order[table] = torch.arange(len(table))
+    lengths = torch.tensor([c.start + 1 for c in chunks])
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        block = kv_idx // bs
+        return (owner[block] == q_idx) & (order[block] * bs + kv_idx % bs < lengths[q_idx])
+
+    def block_mask() -> BlockMask:  # built once a step, from the block tables
+        indices = torch.zeros(1, 1, batch, runner.num_blocks, dtype=torch.int32)
+        for row, table in enumerate(tables):
+            indices[0, 0, row, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        counts = torch.tensor([[[len(t) for t in tables]]], dtype=torch.int32)
+        return BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=(1, bs), mask_mod=mask_mod,
+                                        seq_lengths=(batch, slots))
+
+    q = torch.randn(batch, config.num_heads, config.head_dim)
+    k = torch.randn(batch, config.num_kv_heads, config.head_dim)
+    v = torch.randn_like(k)
+    flat_k = k_cache.reshape(1, config.num_kv_heads, slots, config.head_dim)
+    flat_v = v_cache.reshape(1, config.num_kv_heads, slots, config.head_dim)
+    mask = block_mask()
+
+    def in_place() -> torch.Tensor:
+        out = flex(q.transpose(0, 1)[None], flat_k, flat_v, block_mask=mask,
+                   scale=attention.scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
+
+    def gathered() -> torch.Tensor:
+        return attention(q, k, v, k_cache, v_cache, meta)  # also writes k, v
+
+    runs = {"gather_sdpa": gathered, "flex": in_place, "flex_mask_build": block_mask}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    with torch.inference_mode():
+        diff = float((gathered() - in_place()).abs().max())
+        for _ in range(rounds):  # interleaved, as in limits()
+            for name, run in runs.items():
+                run()
+                for _ in range(repeats):
+                    start = time.process_time()
+                    run()
+                    times[name].append(time.process_time() - start)
+    return {"batch": batch, "context": chunks[0].start + 1, "max_abs_diff": diff,
+            **{f"{name}_cpu_ms": statistics.median(t) * 1e3 for name, t in times.items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="synthetic:150m")
@@ -201,7 +276,13 @@ def main() -> None:
     parser.add_argument("--limits", action="store_true",
                         help="instead: decode weight-read bandwidth and prefill FLOP/s against "
                              "the measured limits, eager and compiled, at 1 and engine threads")
+    parser.add_argument("--flex", action="store_true",
+                        help="instead: decode attention, gather + SDPA against FlexAttention "
+                             "over the paged cache in place (CPU)")
     args = parser.parse_args()
+    if args.flex:
+        print(json.dumps(flex_vs_gather(), indent=2))
+        return
     if args.limits:
         print(json.dumps(limits(device=args.device, dtype=args.dtype), indent=2))
         return
