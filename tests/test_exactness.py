@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
+from engine.core.model_runner import compiles
 from tests.hf_models import FAMILIES, hf_greedy, hf_last_logits, save_tiny
 
 # windows are 8-16 tokens: most prompts cross them, several times
@@ -120,3 +121,10 @@ def test_compiled_forward_is_exact(reference) -> None:
     prompt = prompts[LENGTHS.index(300)]
     assert torch.allclose(_first_logits(engine, prompt),
                           _first_logits(_engine(directory, 13), prompt), atol=1e-4, rtol=0)
+
+
+def test_compile_is_on_where_asked_else_on_cuda_only() -> None:
+    assert not compiles(EngineConfig(device="cpu"))
+    assert compiles(EngineConfig(device="cpu", compile=True))
+    assert not compiles(EngineConfig(device="auto", compile=False))
+    assert compiles(EngineConfig(device="auto")) == torch.cuda.is_available()
