@@ -416,9 +416,14 @@ def save_result(session: Session, result: CalibrationResult) -> int:
 
 def latest_for(session: Session, engine: Engine) -> CalibrationRecord | None:
     """The newest stored calibration of this engine's model, device and dtype."""
-    dtype = str(engine.runner.dtype).removeprefix("torch.")
-    history = calibration_history(session, model=engine.config.model,
-                                  device=str(engine.runner.device))
+    return latest_stored(session, model=engine.config.model, device=str(engine.runner.device),
+                         dtype=str(engine.runner.dtype).removeprefix("torch."))
+
+
+def latest_stored(session: Session, *, model: str, device: str,
+                  dtype: str) -> CalibrationRecord | None:
+    """The newest stored calibration of `model` on `device` at `dtype`."""
+    history = calibration_history(session, model=model, device=device)
     return next((r for r in history if r.info.get("dtype") == dtype), None)
 
 

@@ -18,6 +18,7 @@ from engine.budget.peaks import measure_peaks
 from engine.budget.roofline import StepShape
 from engine.config import EngineConfig, SamplingParams
 from engine.core.block_manager import BlockManager
+from engine.core.executor import Executor
 from engine.core.model_runner import ModelRunner
 from engine.core.request import ChunkTiming, Request, RequestState
 from engine.core.sampler import make_generator, sample
@@ -58,18 +59,22 @@ class RequestOutput:
 class Engine:
     def __init__(self, config: EngineConfig | None = None, *,
                  bandwidth: BandwidthSource | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 runner: Executor | None = None) -> None:
+        """`runner` replaces the model runner by a simulated executor (engine.sim), which
+        brings its device's peaks; `clock` is then the simulation's clock."""
         config = config or EngineConfig()
         config.validate()
         self.config = config
         self.clock = clock
-        self.bus = EventBus()
-        self.runner = ModelRunner(config)
+        self.bus = EventBus(clock)
+        self.runner: ModelRunner | Executor = runner or ModelRunner(config)
         self.model_config = self.runner.model_config
         self.tokenizer = self.runner.tokenizer
         self.max_model_len = self.runner.max_model_len
         self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size)
-        self.peaks = measure_peaks(str(self.runner.device), self.runner.dtype)
+        self.peaks = (runner.peaks if runner is not None
+                      else measure_peaks(str(self.runner.device), self.runner.dtype))
         self.budget = BudgetModel(self.model_config, self.runner.bytes_per_element, self.peaks)
         self.predict: Callable[[StepShape], float] = self.budget.predict
         self.bandwidth = bandwidth or self._default_bandwidth()
@@ -281,10 +286,8 @@ class Engine:
         shape = batch.shape()
         predicted = self.predict(shape)
         start = self.clock()
-        logits = self.runner.run(batch.chunks)
         sampling = [c for c in batch.chunks if c.samples]
-        tokens = sample(logits, [c.request.params for c in sampling],
-                        [c.request.generator for c in sampling])
+        tokens = self._forward(batch, sampling)
         end = self.clock()
         duration = end - start
         bytes_moved = self.budget.bytes_moved(shape)
@@ -302,6 +305,15 @@ class Engine:
                                       flops=self.budget.flops(shape), bytes_moved=bytes_moved))
         self.guards.after_step(batch, duration)
         return outputs
+
+    def _forward(self, batch: Batch, sampling: list[ScheduledChunk]) -> list[int]:
+        """The step's sampled tokens, one per chunk of `sampling`."""
+        if isinstance(self.runner, ModelRunner):
+            logits = self.runner.run(batch.chunks)
+            return sample(logits, [c.request.params for c in sampling],
+                          [c.request.generator for c in sampling])
+        sampled = self.runner.run(batch).token_ids
+        return [sampled[c.request.id] for c in sampling]
 
     def _record_chunk(self, chunk: ScheduledChunk, duration: float, predicted: float) -> None:
         request = chunk.request

@@ -19,6 +19,8 @@ from engine.events import ChunkComplete, Event, Preempted, SlowQuery, StepComple
 from engine.harness.workload import WorkloadRequest
 from engine.ops.metrics import percentiles
 
+IDLE_STEP_S = 1e-3  # what an empty pass of the engine loop costs, about
+
 
 @dataclass
 class RequestRecord:
@@ -158,16 +160,25 @@ def drive(engine: Engine, workload: list[WorkloadRequest], *,
                                    tenant=item.tenant, priority=item.priority,
                                    request_id=item.request_id, tag=item.tag, arrival=arrival)
             if engine.has_unfinished():
+                before = engine.clock()
                 for output in engine.step():
                     _settle(recorder.records.get(output.request_id), output)
                     if on_output is not None:
                         on_output(output)
+                if engine.clock() == before:
+                    idle(sleep)
             elif pending:
                 sleep(max(0.0, start + pending[0].arrival_s - engine.clock()))
     finally:
         unsubscribe()
     return RunResult(recorder.records, recorder.steps, engine.clock() - start,
                      recorder.preemptions, recorder.slow_queries)
+
+
+def idle(sleep: Callable[[float], None]) -> None:
+    """A step that ran nothing (prefills paused, blocks held): a simulated clock moves only
+    when a step runs, so let time pass as a real loop's next iteration would."""
+    sleep(IDLE_STEP_S)
 
 
 def _settle(record: RequestRecord | None, output: RequestOutput) -> None:
