@@ -116,7 +116,9 @@ def _ms_percentiles(values: list[float]) -> dict[str, float | None]:
             for k, v in (("p50", p.p50), ("p90", p.p90), ("p99", p.p99))}
 
 
-class _Recorder:
+class Recorder:
+    """Subscribes to one engine's events and keeps what a run summary needs."""
+
     def __init__(self) -> None:
         self.records: dict[str, RequestRecord] = {}
         self.steps: list[StepComplete] = []
@@ -140,11 +142,35 @@ class _Recorder:
             case SlowQuery():
                 self.slow_queries += 1
 
+    def expect(self, item: WorkloadRequest, arrival: float) -> None:
+        """A request about to be added, arriving at `arrival` on the engine's clock."""
+        self.records[item.request_id] = RequestRecord(
+            item.request_id, item.tenant, arrival, len(item.prompt_token_ids))
+
+    def settle(self, output: RequestOutput) -> None:
+        record = self.records.get(output.request_id)
+        if record is None:
+            return
+        record.token_ids = list(output.token_ids)
+        record.state = output.state
+        if output.finished:
+            record.reason = output.finish_reason or ""
+
+    def result(self, wall_s: float) -> RunResult:
+        return RunResult(self.records, self.steps, wall_s, self.preemptions, self.slow_queries)
+
+
+def add(engine: Engine, item: WorkloadRequest, arrival: float) -> None:
+    """Add a workload request to `engine` as arriving at `arrival`."""
+    engine.add_request(list(item.prompt_token_ids), item.sampling_params(), tenant=item.tenant,
+                       priority=item.priority, request_id=item.request_id, tag=item.tag,
+                       arrival=arrival)
+
 
 def drive(engine: Engine, workload: list[WorkloadRequest], *,
           on_output: Callable[[RequestOutput], None] | None = None,
           sleep: Callable[[float], None] = time.sleep) -> RunResult:
-    recorder = _Recorder()
+    recorder = Recorder()
     unsubscribe = engine.bus.subscribe(recorder)
     pending = deque(sorted(workload, key=lambda w: w.arrival_s))
     start = engine.clock()
@@ -153,16 +179,12 @@ def drive(engine: Engine, workload: list[WorkloadRequest], *,
             now = engine.clock()
             while pending and start + pending[0].arrival_s <= now:
                 item = pending.popleft()
-                arrival = start + item.arrival_s
-                recorder.records[item.request_id] = RequestRecord(
-                    item.request_id, item.tenant, arrival, len(item.prompt_token_ids))
-                engine.add_request(list(item.prompt_token_ids), item.sampling_params(),
-                                   tenant=item.tenant, priority=item.priority,
-                                   request_id=item.request_id, tag=item.tag, arrival=arrival)
+                recorder.expect(item, start + item.arrival_s)
+                add(engine, item, start + item.arrival_s)
             if engine.has_unfinished():
                 before = engine.clock()
                 for output in engine.step():
-                    _settle(recorder.records.get(output.request_id), output)
+                    recorder.settle(output)
                     if on_output is not None:
                         on_output(output)
                 if engine.clock() == before:
@@ -171,20 +193,10 @@ def drive(engine: Engine, workload: list[WorkloadRequest], *,
                 sleep(max(0.0, start + pending[0].arrival_s - engine.clock()))
     finally:
         unsubscribe()
-    return RunResult(recorder.records, recorder.steps, engine.clock() - start,
-                     recorder.preemptions, recorder.slow_queries)
+    return recorder.result(engine.clock() - start)
 
 
 def idle(sleep: Callable[[float], None]) -> None:
     """A step that ran nothing (prefills paused, blocks held): a simulated clock moves only
     when a step runs, so let time pass as a real loop's next iteration would."""
     sleep(IDLE_STEP_S)
-
-
-def _settle(record: RequestRecord | None, output: RequestOutput) -> None:
-    if record is None:
-        return
-    record.token_ids = list(output.token_ids)
-    record.state = output.state
-    if output.finished:
-        record.reason = output.finish_reason or ""

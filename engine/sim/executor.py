@@ -99,7 +99,7 @@ class SimulatedExecutor:
         self.tokenizer = tokenizer_for(config.model, self.model_config)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
-        self.device = SimulatedDevice(target.device)
+        self.device = SimulatedDevice(target.device, target.device_type)
         self.dtype = DTYPES[target.dtype]
         self.peaks = target.peaks
         self.block_size = config.block_size

@@ -53,6 +53,8 @@ class SimTarget:
     source: str  # where the step times come from, in words
     calibration: StepTimePredictor | None = None  # the stored fit, when predict is one
     details: dict[str, Any] = field(default_factory=dict)  # sizing and interconnect figures
+    # "cpu" when it stands for this CPU: CPU-sized workloads and no GPU telemetry, as for real
+    device_type: str = "sim"
 
     @property
     def predictor(self) -> str:
@@ -168,7 +170,8 @@ def _this(config: EngineConfig, session: Session) -> SimTarget:
                      peaks=measure_peaks(str(device), resolve_dtype(dtype, device)),
                      kv_cache_bytes=kv, predict=predictor.predict, calibration=predictor,
                      source=_calibration_source(record.id, record.created_at, predictor),
-                     details={"calibration_id": record.id})
+                     details={"calibration_id": record.id},
+                     device_type="cpu" if device.type == "cpu" else "sim")
 
 
 def _stored(spec: str, config: EngineConfig, session: Session) -> SimTarget:
