@@ -19,11 +19,11 @@
 Prints one JSON object; exits 0 with {"cuda": false} where there is no GPU, so it is safe
 anywhere. Never part of CI.
 
-Here, once: `./scripts/gpu_prepare` (wheels the GPU image lacks, and the traces, into .gpu/).
+Here, once: `./scripts/gpu_prepare` (the wheels the GPU image lacks, into .gpu/).
 There, with the device tool's `run`, carry [".gpu"]:
 
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site \
-        .gpu/wheels/*.whl && PYTHONPATH=/tmp/site:. TOKENFLOW_TRACES_DIR=.gpu/traces \
+        .gpu/wheels/*.whl && PYTHONPATH=/tmp/site:. \
         python3 benchmarks/gpu_check.py [--model synthetic:1b] [--checks all]
 """
 

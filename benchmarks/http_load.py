@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from engine.stats import percentiles_ms
 
 ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 120.0
@@ -160,13 +162,6 @@ def wait_ready(url: str, server: subprocess.Popen[bytes]) -> None:
     raise SystemExit(f"the server did not answer /health within {STARTUP_TIMEOUT_S} s")
 
 
-def percentiles_ms(values: list[float]) -> dict[str, float | None]:
-    if not values:
-        return {"p50": None, "p90": None, "p99": None}
-    cuts = statistics.quantiles(values, n=100, method="inclusive")
-    return {"p50": cuts[49] * 1e3, "p90": cuts[89] * 1e3, "p99": cuts[98] * 1e3}
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=1000)
@@ -195,8 +190,8 @@ def main() -> int:
         "short": tally.short[:5], "errors": tally.errors[:5], "wall_s": round(wall, 2),
         "requests_per_s": round(args.requests / wall, 1),
         "output_tokens_per_s": round(tally.output_tokens / wall, 1),
-        "latency_ms": percentiles_ms(tally.latency_s),
-        "stream_ttft_ms": percentiles_ms(tally.ttft_s),
+        "latency_ms": dataclasses.asdict(percentiles_ms(tally.latency_s)),
+        "stream_ttft_ms": dataclasses.asdict(percentiles_ms(tally.ttft_s)),
         "server_generation_tokens_total": _counter(metrics, "tokenflow:generation_tokens_total"),
     }
     print(json.dumps(result, indent=2))

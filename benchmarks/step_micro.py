@@ -15,9 +15,8 @@ from typing import Any
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.budget.calibrate import timed_step
-from engine.budget.cost_model import StepShape
+from engine.core.batch import Batch, ScheduledChunk, StepShape
 from engine.core.request import Request, RequestState
-from engine.core.scheduler import ScheduledChunk
 
 
 def _engine(model: str, device: str, dtype: str) -> Engine:
@@ -27,9 +26,11 @@ def _engine(model: str, device: str, dtype: str) -> Engine:
 
 
 def _timed(engine: Engine, chunks: list[ScheduledChunk], warmup: int, repeats: int) -> float:
+    batch = Batch(prefills=[c for c in chunks if not c.is_decode],
+                  decodes=[c for c in chunks if c.is_decode])
     for _ in range(warmup):
-        timed_step(engine, chunks)
-    return statistics.median(timed_step(engine, chunks) for _ in range(repeats))
+        timed_step(engine, batch)
+    return statistics.median(timed_step(engine, batch) for _ in range(repeats))
 
 
 def _request(engine: Engine, rid: str, tokens: int, state: RequestState) -> Request:

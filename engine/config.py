@@ -90,7 +90,8 @@ class EngineConfig:
     degraded_path: bool = True  # layer 6: one minimal prefill at a time while layers 1-4 engage
     preempt_protect_after: int = 3  # preemptions after which a request is not chosen again
     tenant_shares: dict[str, float] = field(default_factory=dict)  # share of prefill budget
-    tenant_priorities: dict[str, int] = field(default_factory=dict)  # higher runs first
+    # added to the priority of the tenant's requests: higher is admitted first (FCFS within)
+    tenant_priorities: dict[str, int] = field(default_factory=dict)
 
     def replace(self, **changes: Any) -> EngineConfig:
         """A validated copy with `changes`; raises ConfigError naming the first bad field."""
@@ -140,6 +141,9 @@ class EngineConfig:
         _check(self.preempt_protect_after >= 1, "preempt_protect_after", "must be >= 1")
         for tenant, share in self.tenant_shares.items():
             _check(0 < share <= 1, "tenant_shares", f"share of {tenant!r} must be in (0, 1]")
+        for tenant, rank in self.tenant_priorities.items():
+            _check(isinstance(rank, int) and not isinstance(rank, bool), "tenant_priorities",
+                   f"priority of {tenant!r} must be an integer, got {rank!r}")
         _check(self.auto_tpot_ms >= 0, "auto_tpot_ms", "must be >= 0 (0 = C* alone)")
         _check(self.cpu_threads >= 0, "cpu_threads", "must be >= 0 (0 = all cores but one)")
         _check(self.attention_backend in ("auto", "torch", "flash"), "attention_backend",
@@ -156,6 +160,11 @@ LIVE_FIELDS = frozenset(
                       "gpu_memory_utilization", "max_model_len", "max_num_seqs",
                       "attention_backend", "cpu_threads"}
 )
+
+# The defaults as one importable value: a widget that meets a snapshot without some field
+# (an attached server of another version) falls back to DEFAULTS.cache_high_watermark etc.
+# instead of re-typing the number.
+DEFAULTS = EngineConfig()
 
 
 def _check(ok: bool, field_name: str, message: str) -> None:

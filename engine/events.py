@@ -11,6 +11,7 @@ event is lost or reordered, and producers never wait on a subscriber (seed 000 Â
 from __future__ import annotations
 
 import dataclasses
+import enum
 import threading
 import time
 from collections.abc import Callable
@@ -106,11 +107,27 @@ class Finished(Event):
     budget_score: float | None
 
 
+class RejectCause(enum.StrEnum):
+    """Why a well-formed request can never be served; observers branch on this, never on
+    the wording of the reason."""
+
+    BREAKER = "breaker"  # protection layer 1: prompt over max_prefill_tokens Ã— BREAKER_FACTOR
+    TOO_LONG = "too_long"  # prompt + max_tokens over max_model_len
+    OVER_BUDGET = "over_budget"  # chunking off and the prompt over the token budget
+    KV_POOL = "kv_pool"  # needs more KV blocks than the whole pool
+
+
+class FailCause(enum.StrEnum):
+    CHUNK_TIMEOUT = "chunk_timeout"  # protection layer 4
+    FAULT = "fault"  # an exception in this request's sampling, stop check or output
+
+
 @dataclass(frozen=True)
 class Rejected(Event):
     kind: ClassVar[str] = "rejected"
     request_id: str
     reason: str
+    cause: RejectCause
 
 
 @dataclass(frozen=True)
@@ -118,6 +135,7 @@ class Failed(Event):
     kind: ClassVar[str] = "failed"
     request_id: str
     reason: str
+    cause: FailCause
 
 
 @dataclass(frozen=True)

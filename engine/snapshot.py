@@ -53,6 +53,8 @@ class Snapshot:
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     kv_fragmentation: float = 0.0
+    kv_compactions_total: int = 0  # protection layer 3's compactions of the KV pool
+    kv_blocks_moved_total: int = 0
     bandwidth_util_5s: float = 0.0
     bandwidth_source: str = "model"
     throttle_level: int = 0  # 0 none, 1 concurrency 2, 2 concurrency 1, 3 prefills paused
@@ -61,12 +63,17 @@ class Snapshot:
     ttft_ms: Percentiles = Percentiles()
     tpot_ms: Percentiles = Percentiles()
     step_ms: Percentiles = Percentiles()
-    recommended_chunk_size: int | None = None
+    recommended_chunk_size: int | None = None  # C* for the live decode load
+    # C* as a token budget, as auto_budget spends it (engine.budget.auto.token_budget_for)
+    recommended_token_budget: int | None = None
     token_budget: int = 0  # this step's budget (differs from the config under auto_budget)
     preemptions_total: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     requests_finished_total: int = 0
+    requests_rejected_total: int = 0
+    requests_failed_total: int = 0
+    faults_isolated_total: int = 0  # failed alone by an error of their own (guard layer 7)
     slow_queries_total: int = 0
     guards: tuple[str, ...] = ()  # protection layers engaged now
 

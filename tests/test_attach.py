@@ -25,6 +25,7 @@ from engine import Engine, EngineConfig
 from engine.config import ConfigError
 from engine.serve.app import create_app
 from engine.serve.loop import EngineLoop
+from engine.serve.session import EngineSession
 from engine.serve.thread import ServerThread
 from engine.snapshot import Snapshot
 from engine.store import SlowQueryRecord, StoreWriter, open_database
@@ -71,7 +72,8 @@ def attached(server: ServerThread) -> Iterator[HttpSource]:
 def test_attached_snapshot_equals_the_embedded_one(attached: HttpSource, loop: EngineLoop,
                                                    tmp_path: Path) -> None:
     database = open_database(tmp_path / "attach.db")
-    embedded = EmbeddedSource(loop, database, StoreWriter(database, loop.engine.bus))
+    embedded = EmbeddedSource(EngineSession(loop.engine, database,
+                                            StoreWriter(database, loop.engine.bus), None, loop))
     try:
         for _ in range(500):  # the loop republishes while idle; compare one publication
             remote = attached.snapshot()

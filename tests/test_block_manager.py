@@ -45,10 +45,10 @@ def test_no_block_leaks_or_double_frees(ops: list[tuple[str, int, int]]) -> None
                 engine.step()
         elif ids:
             engine.abort(ids[a % len(ids)])
-        live = list(engine.requests.values())
+        live = list(engine.scheduler.requests.values())
         engine.blocks.check_consistent(live)
         assert engine.blocks.num_used == sum(len(r.block_table) for r in live)
-    for rid in list(engine.requests):
+    for rid in list(engine.scheduler.requests):
         engine.abort(rid)
     engine.step()
     assert engine.blocks.num_used == 0

@@ -4,17 +4,18 @@ table behave as their definitions say."""
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from engine.budget.auto import token_budget_for
 from engine.budget.cost_model import BudgetModel, BudgetSegment, budget_limits, budget_table
 from engine.budget.peaks import GPU_PRESETS, DevicePeaks, measure_peaks
-from engine.budget.roofline import Roofline, StepShape
+from engine.budget.roofline import Roofline
 from engine.config import ConfigError
+from engine.core.batch import StepShape
 from engine.model.config import preset
 
 GIB = 1 << 30
@@ -110,13 +111,6 @@ def test_balance_chunk_solves_the_step_equation(params: float, flops: float, ban
     assert compute == pytest.approx(memory, rel=1e-9)
 
 
-def test_padding_costs_compute_in_the_roofline() -> None:
-    shape = StepShape(prefill=((100, 0),), decode_contexts=(512,) * 4)
-    padded = StepShape(prefill=((100, 0),), decode_contexts=(512,) * 4, padding_tokens=28)
-    assert padded.num_tokens == shape.num_tokens + 28
-    assert SEED.compute_seconds(padded) > SEED.compute_seconds(shape)
-
-
 @pytest.mark.parametrize("field", ["params", "flops", "bandwidth", "kv_bytes_per_token"])
 @pytest.mark.parametrize("value", [0, -1.0, math.inf])
 def test_roofline_rejects_bad_inputs(field: str, value: float) -> None:
@@ -162,15 +156,6 @@ def test_decode_bytes_grow_with_batch_and_context() -> None:
     longer = model.bytes_moved(StepShape(decode_contexts=(2048,) * 8))
     assert wider > small and longer > small
     assert longer - small == pytest.approx(8 * 1024 * k)  # the extra KV read, nothing else
-
-
-def test_padding_raises_predicted_time() -> None:
-    model = _model()
-    for shape in (StepShape(prefill=((2048, 0),)), StepShape(decode_contexts=(1024,) * 32)):
-        padded = StepShape(shape.prefill, shape.decode_contexts, padding_tokens=256)
-        assert model.predict(padded) > model.predict(shape)
-        assert model.flops(padded) > model.flops(shape)
-        assert model.bytes_moved(padded) > model.bytes_moved(shape)
 
 
 def test_predict_is_the_roofline_max_plus_overhead() -> None:
@@ -253,13 +238,10 @@ def test_gpu_presets_are_datasheet_shaped() -> None:
     for name, peaks in GPU_PRESETS.items():
         assert peaks.name == name and peaks.source
         assert 50 < peaks.flops / peaks.bandwidth < 500  # every current GPU's balance point
-    assert GPU_PRESETS["h100"].flops == 989e12
 
 
-def test_measure_peaks_on_cpu_is_quick_and_cached() -> None:
-    start = time.perf_counter()
+def test_measure_peaks_on_cpu_measures_once_per_process() -> None:
     peaks = measure_peaks("cpu", torch.float32)
-    assert time.perf_counter() - start < 3
     assert peaks.flops > 1e9 and peaks.bandwidth > 1e8
     assert "measured" in peaks.source
     assert measure_peaks("cpu", torch.float32) is peaks
@@ -268,3 +250,17 @@ def test_measure_peaks_on_cpu_is_quick_and_cached() -> None:
 def test_measure_peaks_refuses_fp16_on_cpu() -> None:
     with pytest.raises(ConfigError):
         measure_peaks("cpu", torch.float16)
+
+
+# --- C* to a token budget ------------------------------------------------------------------
+
+@pytest.mark.parametrize(("chunk", "decodes", "tile", "expected"), [
+    (100, 0, 16, 112),  # rounded up to a whole tile, never down
+    (100, 12, 16, 112),  # one token per decode rides in the same budget
+    (100, 13, 16, 128),
+    (3, 0, 16, 16),  # at least one tile
+    (9, 4, 1, 13),
+])
+def test_token_budget_holds_the_chunk_and_the_decodes_in_whole_tiles(
+        chunk: int, decodes: int, tile: int, expected: int) -> None:
+    assert token_budget_for(chunk, decodes, tile) == expected

@@ -23,10 +23,9 @@ from engine.budget.calibrate import (
 )
 from engine.budget.drift import DriftMonitor, Job
 from engine.budget.predictor import StepTimePredictor
-from engine.budget.roofline import StepShape
 from engine.config import ConfigError, EngineConfig, SamplingParams
+from engine.core.batch import StepShape
 from engine.core.engine import Engine
-from engine.core.scheduler import Batch
 from engine.events import ChunkComplete, Drift, Event, StepComplete
 from engine.store import calibration_history, drift_events, open_database, save_calibration
 
@@ -81,13 +80,11 @@ def slow_down(engine: Engine, predictor: StepTimePredictor, factor: float,
     latency stretches it. Returns the undo."""
     original = engine.runner.run
 
-    def run(chunks):
-        batch = Batch(prefills=[c for c in chunks if not c.is_decode],
-                      decodes=[c for c in chunks if c.is_decode])
+    def run(batch):
         deadline = time.perf_counter() + factor * predictor.predict(batch.shape())
         while time.perf_counter() < deadline:
             pass
-        return original(chunks)
+        return original(batch)
 
     engine.runner.run = run
     return lambda: setattr(engine.runner, "run", original)
@@ -187,7 +184,7 @@ def test_apply_switches_budgeting_and_recommended_chunk(calibrated) -> None:
     engine.add_request(list(range(1, 200)), SamplingParams(max_tokens=2))
     while engine.has_unfinished():
         engine.step()
-    request = engine.recent[-1]
+    request = engine.scheduler.recent[-1]
     assert request.budgeted_prefill_s == pytest.approx(
         sum(c.predicted_s for c in request.chunks), rel=0.5)  # budget from the predictor
 

@@ -1,5 +1,6 @@
-"""Chunked prefill is exact: greedy tokens equal transformers' for any token budget, and the
-logits of a chunked prefill match one full prefill within 1e-4 (fp32)."""
+"""Chunked prefill is exact on every family we serve: greedy tokens equal transformers' for
+any token budget, with prompts that cross the sliding windows and budgets that cut chunks at
+odd positions, and the logits of a chunked prefill match one full prefill within 1e-4 (fp32)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from tests.hf_models import hf_greedy, hf_last_logits, save_tiny
+from tests.hf_models import FAMILIES, hf_greedy, hf_last_logits, save_tiny
 
+# windows are 8-16 tokens: most prompts cross them, several times
 LENGTHS = [1, 2, 17, 64, 100, 150, 233, 300, 5]
 MAX_NEW = 6
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=FAMILIES)
 def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     directory = save_tiny(request.param, tmp_path_factory.mktemp(request.param))
     rng = random.Random(7)
@@ -24,18 +26,37 @@ def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return directory, prompts, hf_greedy(directory, prompts, MAX_NEW)
 
 
-def _engine(directory: Path, budget: int) -> Engine:
+def _engine(directory: Path, budget: int, block_size: int = 16) -> Engine:
     return Engine(EngineConfig(model=str(directory), device="cpu", dtype="float32",
-                               max_num_batched_tokens=budget, chunk_tile=1, block_size=16))
+                               max_num_batched_tokens=budget, chunk_tile=1,
+                               block_size=block_size))
 
 
-@pytest.mark.parametrize("budget", [1, 7, 64, 4096])
+@pytest.mark.parametrize("budget", [7, 13, 64, 4096])
 def test_greedy_tokens_equal_transformers(reference, budget: int) -> None:
     directory, prompts, expected = reference
     engine = _engine(directory, budget)
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     assert outputs == expected
     assert engine.blocks.num_used == 0
+
+
+def test_one_token_chunks_are_exact(reference) -> None:
+    """A budget of 1: every prompt token is its own chunk (the prompts up to 64 tokens, which
+    cross every window, keep it quick)."""
+    directory, prompts, expected = reference
+    short = [i for i, n in enumerate(LENGTHS) if n <= 64]
+    outputs = _engine(directory, 1).generate([prompts[i] for i in short],
+                                             SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    assert outputs == [expected[i] for i in short]
+
+
+def test_windows_across_small_blocks_are_exact(reference) -> None:
+    """Blocks of 4 tokens: a window starts mid-block and spans several blocks."""
+    directory, prompts, expected = reference
+    outputs = _engine(directory, 13, block_size=4).generate(
+        prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    assert outputs == expected
 
 
 def _first_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
@@ -57,6 +78,7 @@ def _first_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
 
 
 def test_chunked_prefill_logits_match_full_prefill(reference) -> None:
+    """Logits, not just tokens: Gemma 2's final soft-cap never changes the argmax."""
     directory, prompts, _ = reference
     prompt = prompts[LENGTHS.index(300)]
     full = _first_logits(_engine(directory, 4096), prompt)

@@ -1,5 +1,6 @@
 """Protection layers: each one's trigger and release, compaction exactness, and the hand-over
-from the last of layers 1-4 to the degraded path, timed on the engine's (injected) clock."""
+from the last of layers 1-4 to the degraded path before the next step is scheduled, on the
+engine's (injected) clock."""
 
 from __future__ import annotations
 
@@ -11,12 +12,11 @@ import torch
 from engine import Engine, EngineConfig, SamplingParams
 from engine.budget.peaks import measure_peaks
 from engine.core.request import RequestState
-from engine.events import Drift, GuardAction, StepComplete
-from engine.ops.guards import compact_blocks
+from engine.events import Drift, Event, GuardAction, StepComplete
+from engine.ops.guards import chunk_timeout_s
 from engine.ops.telemetry import InjectedBandwidth, ModelBandwidth
 
 WINDOW_S = 5.0
-HANDOVER_LIMIT_S = 0.2  # seed 000 §6: the next layer takes over within 200 ms of detection
 
 
 class FakeClock:
@@ -93,13 +93,13 @@ def test_defrag_compacts_at_most_every_interval_and_releases() -> None:
     engine.step()
     engine.step()
     assert "defrag" in engine.guards.engaged()
-    assert engine.guards.compactions == 1
+    assert engine.blocks.compactions == 1
     clock.now += 59
     engine.step()
-    assert engine.guards.compactions == 1
+    assert engine.blocks.compactions == 1
     clock.now += 1
     engine.step()
-    assert engine.guards.compactions == 2
+    assert engine.blocks.compactions == 2
     assert any(a.layer == "defrag" and "compacted" in a.detail for a in seen)
     engine.update_config(defrag_threshold=1.0)
     engine.step()
@@ -123,21 +123,21 @@ def test_compaction_keeps_generation_exact_and_blocks_contiguous() -> None:
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = list(out.token_ids)
-        live = list(engine.requests.values())
+        live = list(engine.scheduler.requests.values())
         engine.blocks.check_consistent(live)
         if engine.guards.fragmentation > 0.01:  # the guard compacted after this step
             used = sorted(b for r in live for b in r.block_table)
             assert used == list(range(len(used)))
-            assert compact_blocks(engine.blocks, engine.runner, live) == 0
-    assert engine.guards.blocks_moved > 0
+            assert engine.blocks.compact(live, engine.runner.move_blocks) == 0  # contiguous
+    assert engine.blocks.blocks_moved > 0
     assert done == expected
 
 
 def test_chunk_timeout_fails_the_slow_request_releases_its_blocks_others_go_on() -> None:
     clock = FakeClock()
     engine, _ = make_engine(clock, chunk_timeout_base_ms=100.0)
-    assert engine.guards.chunk_timeout_s(0) == pytest.approx(0.1)
-    assert engine.guards.chunk_timeout_s(5) == pytest.approx(0.15)
+    assert chunk_timeout_s(engine.config, 0) == pytest.approx(0.1)
+    assert chunk_timeout_s(engine.config, 5) == pytest.approx(0.15)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     reference, _ = make_engine(FakeClock())
     expected = reference.generate([prompt(20, seed=2)], params)[0]
@@ -146,15 +146,15 @@ def test_chunk_timeout_fails_the_slow_request_releases_its_blocks_others_go_on()
     slow = engine.add_request(prompt(60, seed=1), params)
     forward = engine.runner.run
 
-    def slow_forward(chunks):  # the model clock runs 0.3 s while the slow request prefills
-        if any(c.request.id == slow and not c.is_decode for c in chunks):
+    def slow_forward(batch):  # the model clock runs 0.3 s while the slow request prefills
+        if any(c.request.id == slow for c in batch.prefills):
             clock.now += 0.3
-        return forward(chunks)
+        return forward(batch)
 
     engine.runner.run = slow_forward
     seen = actions(engine)
     done = finish(engine)
-    failed = next(r for r in engine.recent if r.id == slow)
+    failed = next(r for r in engine.scheduler.recent if r.id == slow)
     assert failed.state is RequestState.FAILED and "chunk timeout" in failed.reason
     assert done[other] == expected
     assert engine.blocks.num_used == 0
@@ -175,11 +175,14 @@ def test_drift_event_engages_layer_five_until_the_window_passes() -> None:
     assert "drift" not in engine.guards.engaged()
 
 
-def test_degraded_path_takes_over_within_200ms_and_keeps_serving() -> None:
+def test_degraded_path_takes_over_before_the_next_step_and_keeps_serving() -> None:
+    """Seed 000 §6 asks the next layer to take over within 200 ms of detection; here it does
+    so in the same evaluation, so no step is scheduled between the two."""
     clock = FakeClock()
     engine, bandwidth = make_engine(clock, max_prefill_tokens=64, chunk_timeout_base_ms=100.0,
                                     defrag_threshold=0.01, defrag_interval_s=1e9)
-    seen = actions(engine)
+    events: list[Event] = []
+    engine.bus.subscribe(events.append)
     steps: list[StepComplete] = []
     engine.bus.subscribe(lambda e: steps.append(e) if isinstance(e, StepComplete) else None)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -193,17 +196,20 @@ def test_degraded_path_takes_over_within_200ms_and_keeps_serving() -> None:
     victim = engine.add_request(prompt(40, seed=9), params)
     forward = engine.runner.run
 
-    def slow_forward(chunks):
-        if any(c.request.id == victim and not c.is_decode for c in chunks):
+    def slow_forward(batch):
+        if any(c.request.id == victim for c in batch.prefills):
             clock.now += 0.3
-        return forward(chunks)
+        return forward(batch)
 
     engine.runner.run = slow_forward
     while "degraded" not in engine.guards.engaged():
         engine.step()
-    detected = next(a for a in seen if a.layer == "chunk_timeout")
-    took_over = next(a for a in seen if a.layer == "degraded" and a.engaged)
-    assert took_over.ts - detected.ts <= HANDOVER_LIMIT_S
+    detected = next(i for i, e in enumerate(events)
+                    if isinstance(e, GuardAction) and e.layer == "chunk_timeout")
+    took_over = next(i for i, e in enumerate(events)
+                     if isinstance(e, GuardAction) and e.layer == "degraded" and e.engaged)
+    assert detected < took_over
+    assert not any(isinstance(e, StepComplete) for e in events[detected:took_over])
     assert engine.scheduler.prefill_paused
     late = [engine.add_request(prompt(48, seed=20 + i), params) for i in range(2)]
     steps.clear()

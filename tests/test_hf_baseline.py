@@ -7,6 +7,7 @@ import pytest
 from engine import Engine, EngineConfig, SamplingParams
 from engine.harness.hf_baseline import hf_model, run_hf
 from engine.harness.workload import WorkloadRequest
+from tests.hf_models import FAMILIES, save_tiny
 
 pytest.importorskip("transformers")
 
@@ -21,3 +22,16 @@ def test_hf_static_batches_match_the_engine() -> None:
     assert [result.records[f"r{i}"].token_ids for i in range(3)] == expected
     summary = result.summary()
     assert summary["finished"] == 3 and summary["ttft_ms"]["p50"] is not None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_baseline_rebuilds_every_family(family: str, tmp_path) -> None:
+    """hf_model maps our config back to transformers' for each family: a prompt longer than
+    the windows gives the engine's tokens."""
+    directory = save_tiny(family, tmp_path / family)
+    engine = Engine(EngineConfig(model=str(directory), device="cpu"))
+    prompt = [(11 * i) % 400 for i in range(40)]
+    expected = engine.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True))
+    result = run_hf(hf_model(engine.runner.model, engine.model_config),
+                    [WorkloadRequest("r0", 0.0, tuple(prompt), 4, ignore_eos=True)])
+    assert [result.records["r0"].token_ids] == expected

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, ModelLoadError, SamplingParams
+from engine.model.checkpoint import to_hf
 from engine.model.config import PRESETS, from_hf_config
-from tests.hf_models import hf_greedy, save_tiny
+from tests.hf_models import FAMILIES, hf_greedy, save_tiny
 
 
 def test_old_and_new_config_forms_parse_the_same(tmp_path: Path) -> None:
@@ -64,6 +65,94 @@ def test_presets_have_the_advertised_sizes() -> None:
     assert 130e6 < PRESETS["150m"].num_params() < 170e6
     assert 7.5e9 < PRESETS["8b"].num_params() < 8.5e9
     assert 6.5e9 < PRESETS["7b"].num_params() < 7e9
+    for family in ("qwen3", "gemma2", "gemma3", "phi3"):
+        assert 18e6 < PRESETS[f"{family}-small"].num_params() < 24e6, family
+    assert 0.55e9 < PRESETS["qwen3-0.6b"].num_params() < 0.65e9
+    assert 0.95e9 < PRESETS["gemma3-1b"].num_params() < 1.05e9
+    assert 3.7e9 < PRESETS["phi3-mini"].num_params() < 3.9e9
+
+
+@pytest.mark.parametrize("name", ["qwen3-small", "gemma2-small", "gemma3-small", "phi3-small"])
+def test_family_presets_serve_without_download(name: str) -> None:
+    """A prompt longer than the preset's window, in chunks, equals it in one prefill."""
+    prompt = [(7 * i) % 500 for i in range(300)]
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    outputs = [Engine(EngineConfig(model=f"synthetic:{name}", device="cpu", chunk_tile=1,
+                                   max_num_batched_tokens=budget)).generate([prompt], params)
+               for budget in (97, 4096)]
+    assert outputs[0] == outputs[1]
+    assert len(outputs[0][0]) == 3
+
+
+def test_family_config_fields_parse(tmp_path: Path) -> None:
+    """Each family's windows, norms and caps as transformers decides them from config.json."""
+    layouts = {}
+    for family in FAMILIES:
+        config = from_hf_config(save_tiny(family, tmp_path / family) / "config.json")
+        assert config.architecture == family
+        layouts[family] = (config.sliding_window, config.sliding_layers)
+    assert layouts == {"llama": (None, ()), "qwen2": (None, ()), "qwen3": (8, (1,)),
+                       "mistral": (8, (0, 1)), "gemma2": (8, (0,)), "gemma3": (12, (0, 1)),
+                       "phi3": (16, (0, 1))}
+    gemma3 = from_hf_config(tmp_path / "gemma3" / "config.json")
+    assert (gemma3.rope_local_theta, gemma3.rope_theta) == (100.0, 5e4)
+    assert gemma3.rope_scaling is not None and gemma3.rope_scaling["rope_type"] == "linear"
+    gemma2 = from_hf_config(tmp_path / "gemma2" / "config.json")
+    assert (gemma2.attn_softcap, gemma2.final_softcap) == (2.0, 3.0)
+    assert gemma2.hidden_act == "gelu_pytorch_tanh" and gemma2.query_pre_attn_scalar == 24
+
+
+def _write(tmp_path: Path, raw: dict) -> Path:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def test_older_gemma3_and_qwen_config_forms(tmp_path: Path) -> None:
+    base = {"vocab_size": 100, "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 6, "num_attention_heads": 4}
+    gemma3 = from_hf_config(_write(tmp_path, {
+        **base, "architectures": ["Gemma3ForCausalLM"], "sliding_window": 16,
+        "rope_theta": 1e6, "rope_local_base_freq": 1e4, "sliding_window_pattern": 3}))
+    assert gemma3.sliding_layers == (0, 1, 3, 4) and gemma3.rope_local_theta == 1e4
+    # real Qwen2 checkpoints carry a window they do not use
+    qwen = from_hf_config(_write(tmp_path, {
+        **base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 32768,
+        "use_sliding_window": False, "max_window_layers": 2}))
+    assert (qwen.sliding_window, qwen.sliding_layers) == (None, ())
+    qwen = from_hf_config(_write(tmp_path, {
+        **base, "architectures": ["Qwen3ForCausalLM"], "sliding_window": 64,
+        "use_sliding_window": True, "max_window_layers": 4}))
+    assert qwen.sliding_layers == (4, 5)
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"layer_types": ["full_attention"]}, "layer_types has 1 entries"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "only llama3, linear"),
+    ({"partial_rotary_factor": 0.5}, "partial rotary"),
+    ({"hidden_act": "relu"}, "activation 'relu'"),
+])
+def test_unsupported_family_features_are_clear_errors(tmp_path: Path, extra: dict,
+                                                      message: str) -> None:
+    raw = {"architectures": ["Gemma2ForCausalLM"], "vocab_size": 100, "hidden_size": 32,
+           "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "sliding_window": 8, **extra}
+    _write(tmp_path, raw)
+    with pytest.raises(ModelLoadError, match=message):
+        Engine(EngineConfig(model=str(tmp_path), device="cpu"))
+
+
+def test_fused_checkpoint_keeps_its_layout(tmp_path: Path) -> None:
+    """Phi-3 stores qkv_proj fused; Llama stores q/k/v apart. One map says which."""
+    phi3 = Engine(EngineConfig(model=str(save_tiny("phi3", tmp_path / "phi3")), device="cpu"))
+    llama = Engine(EngineConfig(model=str(save_tiny("llama", tmp_path / "llama")),
+                                device="cpu"))
+    phi3_names = set(to_hf(phi3.runner.model.state_dict(), phi3.model_config))
+    llama_names = set(to_hf(llama.runner.model.state_dict(), llama.model_config))
+    assert "model.layers.0.self_attn.qkv_proj.weight" in phi3_names
+    assert {"model.layers.0.self_attn.q_proj.weight",
+            "model.layers.0.mlp.gate_proj.weight"} <= llama_names
+    assert not any("qkv_proj" in n or "gate_up_proj" in n for n in llama_names)
 
 
 def test_text_prompts_round_trip_through_the_byte_tokenizer() -> None:

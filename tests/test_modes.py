@@ -7,12 +7,12 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.core.request import RequestState
 from engine.events import CacheEvict, ChunkComplete, Event, ModeChanged, StepComplete
 from engine.ops.telemetry import InjectedBandwidth
-from tests.test_scheduler import STEP_S, IdleBandwidth, SchedulerSim, prefill_sizes, sim
+from tests.test_scheduler import STEP_S, IdleBandwidth, SchedulerRig, prefill_sizes, sim
 
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # synthetic:tiny: layers × (K, V) × heads × dim × fp32
 
 
-def _modes(s: SchedulerSim) -> list[tuple[str, str]]:
+def _modes(s: SchedulerRig) -> list[tuple[str, str]]:
     return [(e.old, e.new) for e in s.of(ModeChanged)]
 
 

@@ -1,7 +1,9 @@
-"""The token-budget scheduler driven directly: a BlockManager, a scripted bandwidth source and a
-simulated engine update (no model), so each case runs in microseconds.
+"""The token-budget scheduler driven directly: a real Scheduler over a real BlockManager and a
+scripted bandwidth source, stepped without a model. Each step's runner output is built by
+hand (every sampled token is TOKEN) and the scheduler's own `update` books it, so each case
+runs in microseconds and exercises the engine's real bookkeeping.
 
-`SchedulerSim` is shared with tests/test_scheduler_properties.py and tests/test_modes.py.
+`SchedulerRig` is shared with tests/test_scheduler_properties.py and tests/test_modes.py.
 """
 
 from __future__ import annotations
@@ -12,14 +14,17 @@ import pytest
 
 from engine import Engine
 from engine.config import ConfigError, EngineConfig, SamplingParams
+from engine.core.batch import Batch, ModelRunnerOutput, StepTiming
 from engine.core.block_manager import BlockManager
+from engine.core.intake import rejection
 from engine.core.request import Request, RequestState
-from engine.core.scheduler import Batch, Scheduler
-from engine.events import CacheEvict, ChunkComplete, ConfigChanged, Event, ModeChanged, Preempted
+from engine.core.scheduler import Scheduler
+from engine.events import ChunkComplete, ConfigChanged, Event, ModeChanged, Preempted
 from engine.ops.telemetry import BandwidthReading, InjectedBandwidth
 
 STEP_S = 0.01  # simulated duration of one step
-TOKEN = 7  # every simulated sample
+TOKEN = 7  # every sampled token
+MAX_MODEL_LEN = 1 << 20
 
 
 class IdleBandwidth:
@@ -33,14 +38,13 @@ class IdleBandwidth:
 
 
 @dataclass
-class SchedulerSim:
-    """A Scheduler plus the engine's update step (Engine._run / _finish) without a model."""
+class SchedulerRig:
+    """A Scheduler stepped with hand-built runner outputs: schedule, then the real update."""
 
     config: EngineConfig
     num_blocks: int = 64
     now: float = 0.0
     events: list[Event] = field(default_factory=list)
-    finished: list[Request] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)
     sampled: set[Request] = field(default_factory=set)  # chunks of the last step that sampled
 
@@ -48,53 +52,43 @@ class SchedulerSim:
         self.blocks = BlockManager(self.num_blocks, self.config.block_size)
         self.bandwidth = InjectedBandwidth(IdleBandwidth(), clock=self.clock)
         self.scheduler = Scheduler(self.config, self.blocks, self.bandwidth,
-                                   lambda shape: 1e-3, self.events.append, self.clock)
+                                   lambda shape: 1e-3, self.events.append, self.clock,
+                                   bytes_moved=lambda shape: 0.0, eos_token_ids=(),
+                                   max_model_len=MAX_MODEL_LEN)
 
     def clock(self) -> float:
         return self.now
 
     def add(self, prompt_tokens: int, max_tokens: int = 4, *, priority: int = 0,
             tenant: str = "default", arrival: float | None = None) -> Request:
-        """Queue a request, or reject it as the engine does when the pool can never hold it."""
+        """Queue a request, or reject it as the engine's intake does."""
         request = Request(id=f"r{len(self.requests)}", prompt_token_ids=[TOKEN] * prompt_tokens,
                           params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                           arrival=self.now if arrival is None else arrival, tenant=tenant,
                           priority=priority)
         self.requests.append(request)
-        if self.blocks.blocks_for(prompt_tokens + max_tokens) > self.blocks.num_blocks:
-            request.set_state(RequestState.REJECTED, "needs more KV blocks than the pool has")
-            self.finished.append(request)
+        refused = rejection(prompt_tokens, max_tokens, self.config, MAX_MODEL_LEN, self.blocks)
+        if refused is not None:
+            request.set_state(RequestState.REJECTED, refused.message)
         else:
             self.scheduler.add(request)
         return request
 
-    def update_config(self, **changes: object) -> None:
-        """What Engine._apply_pending_config does at a step boundary."""
-        self.config = self.scheduler.config = self.config.replace(**changes)
+    def set_config(self, **changes: object) -> None:
+        """What the engine does with a validated update at a step boundary."""
+        self.config = self.config.replace(**changes)
+        self.scheduler.set_config(self.config)
 
     def step(self) -> Batch:
         batch = self.scheduler.schedule()
-        self.sampled = {c.request for c in batch.chunks if c.samples}
-        for chunk in batch.chunks:
-            chunk.request.num_computed_tokens += chunk.num_tokens
+        self.sampled = {c.request for c in batch.sampling}
         self.now += STEP_S
-        for request in [c.request for c in batch.chunks if c.request in self.sampled]:
-            if request.state is RequestState.PREFILL_CHUNKING:
-                request.set_state(RequestState.DECODING, "prefill complete")
-            if request.first_token_time is None:
-                request.first_token_time = self.now
-            request.output_token_ids.append(TOKEN)
-            if len(request.output_token_ids) >= request.params.max_tokens:
-                self.finish(request)
+        output = ModelRunnerOutput(token_ids={r.id: TOKEN for r in self.sampled})
+        self.scheduler.update(batch, output, StepTiming(self.now, STEP_S, 1e-3))
         return batch
 
     def finish(self, request: Request, reason: str = "length") -> None:
-        freed = self.scheduler.remove(request)
-        request.set_state(RequestState.FINISHED, reason)
-        request.finish_time = self.now
-        self.finished.append(request)
-        self.events.append(CacheEvict(request_id=request.id, blocks_freed=freed,
-                                      usage_after=self.blocks.usage))
+        self.scheduler.finish(request, RequestState.FINISHED, reason)
 
     def run(self, max_steps: int = 10_000) -> list[Batch]:
         batches = []
@@ -107,9 +101,9 @@ class SchedulerSim:
         return [e for e in self.events if isinstance(e, kind)]
 
 
-def sim(num_blocks: int = 256, **changes: object) -> SchedulerSim:
+def sim(num_blocks: int = 256, **changes: object) -> SchedulerRig:
     base = EngineConfig(model="synthetic:tiny", device="cpu", block_size=4)
-    return SchedulerSim(base.replace(**changes), num_blocks)
+    return SchedulerRig(base.replace(**changes), num_blocks)
 
 
 def prefill_sizes(batch: Batch) -> dict[str, int]:
@@ -187,7 +181,7 @@ def test_without_chunked_prefill_a_prompt_runs_whole_or_waits() -> None:
 
 
 # --- preemption ---------------------------------------------------------------------------
-def _full_pool() -> tuple[SchedulerSim, list[Request]]:
+def _full_pool() -> tuple[SchedulerRig, list[Request]]:
     """Four decoders of different priority and arrival filling a 12-block pool exactly."""
     s = sim(num_blocks=12, max_num_batched_tokens=64, chunk_tile=4,
             cache_high_watermark=0.99, cache_low_watermark=0.98)
@@ -218,7 +212,7 @@ def test_preemption_recomputes_the_lowest_priority_latest_arrival() -> None:
 
 def test_a_request_preempted_often_is_protected_while_others_can_go() -> None:
     s, requests = _full_pool()
-    s.update_config(preempt_protect_after=2)
+    s.set_config(preempt_protect_after=2)
     requests[2].num_preemptions = 2
     assert s.step().preempted == [requests[1]]  # next lowest priority, latest arrival
     s, requests = _full_pool()
@@ -268,16 +262,26 @@ def test_a_lone_tenant_uses_the_whole_budget() -> None:
     assert prefill_sizes(s.step()) == {request.id: 256}
 
 
-# --- configuration at step boundaries -----------------------------------------------------
-def test_a_bad_config_value_names_the_field_and_changes_nothing() -> None:
-    s = sim(max_num_batched_tokens=64)
-    before = s.config
+def test_tenant_priorities_admit_a_higher_priority_tenant_first() -> None:
+    s = sim(max_num_batched_tokens=64, chunk_tile=16, max_prefill_chunks=1)
+    first = s.add(64, max_tokens=1, tenant="bulk", arrival=0.0)
+    s.add(64, max_tokens=1, tenant="bulk", arrival=1.0)
+    gold = s.add(64, max_tokens=1, tenant="gold", arrival=2.0)
+    assert prefill_sizes(s.step()) == {first.id: 64}  # FCFS while no tenant ranks higher
+    s.set_config(tenant_priorities={"gold": 1})  # live: the queue is reordered at once
+    assert prefill_sizes(s.step()) == {gold.id: 64}
+    late = s.add(64, max_tokens=1, tenant="gold", arrival=3.0)
+    s.add(64, max_tokens=1, priority=5, tenant="bulk", arrival=4.0)  # its own priority counts
+    assert [r.id for r in s.scheduler.waiting] == ["r4", late.id, "r1"]
+
+
+def test_tenant_priorities_must_be_integers() -> None:
     with pytest.raises(ConfigError) as excinfo:
-        s.update_config(chunk_tile=0)
-    assert excinfo.value.field == "chunk_tile"
-    assert s.scheduler.config is before
+        EngineConfig().replace(tenant_priorities={"gold": "high"})
+    assert excinfo.value.field == "tenant_priorities"
 
 
+# --- configuration at step boundaries -----------------------------------------------------
 def test_mode_changes_are_published_once_per_change() -> None:
     s = sim(num_blocks=10, max_num_batched_tokens=64, chunk_tile=4)
     s.add(30, max_tokens=8)  # its decodes take the pool to 9 of 10 blocks

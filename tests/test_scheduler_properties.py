@@ -1,5 +1,6 @@
 """Scheduler invariants over random workloads and configurations (hypothesis), on the
-simulated engine of tests/test_scheduler.py and, fewer times, on the real engine."""
+model-free rig of tests/test_scheduler.py (the real schedule and update) and, fewer times, on
+the real engine."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from hypothesis import strategies as st
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.config import ConfigError
+from engine.core.batch import Batch
 from engine.core.request import Request, RequestState
-from engine.core.scheduler import THROTTLE_CONCURRENCY, Batch
+from engine.core.scheduler import THROTTLE_CONCURRENCY
 from engine.events import ModeChanged
-from tests.test_scheduler import SchedulerSim
+from tests.test_scheduler import SchedulerRig
 
 FAST = settings(max_examples=300, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -74,7 +76,7 @@ def scenarios(draw: st.DrawFn) -> tuple[EngineConfig, int, list[Arrival], list[f
     return config, num_blocks, draw(arrivals(max_prompt)), bandwidth
 
 
-def _snapshot_running(sim: SchedulerSim) -> tuple[list[Request], set[Request]]:
+def _snapshot_running(sim: SchedulerRig) -> tuple[list[Request], set[Request]]:
     scheduler = sim.scheduler
     decoding = [r for r in scheduler.running if r.is_decoding]
     queued = set(scheduler.waiting)
@@ -85,7 +87,7 @@ def _snapshot_running(sim: SchedulerSim) -> tuple[list[Request], set[Request]]:
 @given(scenarios())
 def test_invariants_hold_for_random_workloads(scenario) -> None:
     config, num_blocks, workload, bandwidth = scenario
-    sim = SchedulerSim(config, num_blocks)
+    sim = SchedulerRig(config, num_blocks)
     scheduler, blocks, tile = sim.scheduler, sim.blocks, config.chunk_tile
     by_step: dict[int, list[Arrival]] = {}
     for arrival in workload:
@@ -207,7 +209,7 @@ def test_no_request_waits_longer_than_the_fcfs_bound(scenario) -> None:
     config, specs = scenario
     n = len(specs)
     needed = sum(-(-(prompt + out) // 4) for prompt, out, _ in specs)
-    sim = SchedulerSim(config, num_blocks=math.ceil(needed / 0.8) + 1)
+    sim = SchedulerRig(config, num_blocks=math.ceil(needed / 0.8) + 1)
     requests = [sim.add(prompt, out, priority=priority, arrival=index * 1e-3)
                 for index, (prompt, out, priority) in enumerate(specs)]
     first_chunk: dict[Request, int] = {}
@@ -258,9 +260,10 @@ CONFIG_CHANGES = [
 @given(engine_ops)
 def test_every_engine_request_ends_with_a_reason(ops) -> None:
     engine = _engine()
-    engine.config = engine.scheduler.config = engine.config.replace(
+    engine.config = engine.config.replace(
         max_num_batched_tokens=32, chunk_tile=4, long_prefill_threshold=0, max_prefill_chunks=4,
         tenant_shares={}, cache_high_watermark=0.85, cache_low_watermark=0.7)
+    engine.scheduler.set_config(engine.config)
     ids: list[str] = []
     ended: dict[str, str] = {}
 

@@ -117,7 +117,8 @@ def test_metrics_parse_with_vllm_names_and_buckets(client: httpx.Client) -> None
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                  "chunk_queue_length", "cache_pressure_ratio", "bandwidth_utilization_5s_avg"):
         assert families[f"tokenflow:{name}"].type == "gauge"
-    for name in ("num_preemptions", "prompt_tokens", "generation_tokens", "slow_queries"):
+    for name in ("num_preemptions", "prompt_tokens", "generation_tokens", "slow_queries",
+                 "requests_rejected", "requests_failed"):
         assert families[f"tokenflow:{name}"].type == "counter"
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
                  "e2e_request_latency_seconds", "iteration_tokens_total", "budget_score"):

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from engine.budget.peaks import DevicePeaks, measure_peaks
-from engine.budget.roofline import Roofline, StepShape, step_estimate
+from engine.budget.roofline import Roofline, step_estimate
 from engine.config import ConfigError, EngineConfig, SamplingParams
+from engine.core.batch import StepShape
 from engine.core.engine import Engine
 from engine.events import ChunkComplete, Event, Finished, Preempted, StepComplete
 from engine.harness.driver import drive
@@ -60,7 +61,7 @@ def _seed_ttft_ms(model: str, chunk: int) -> float:
     engine.update_config(max_num_batched_tokens=chunk + DECODES,
                          chunked_prefill=chunk < PROMPT)
     rid = engine.add_request([7] * PROMPT, SamplingParams(max_tokens=1, ignore_eos=True))
-    request = engine.requests[rid]
+    request = engine.scheduler.requests[rid]
     while request.first_token_time is None:
         engine.step()
     return request.ttft_s * 1e3

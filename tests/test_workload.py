@@ -6,21 +6,27 @@ from pathlib import Path
 
 import pytest
 
+import engine.harness
 from engine.errors import EngineError
+from engine.harness.trace import (
+    SHIPPED_TRACES,
+    TraceError,
+    TraceRow,
+    load_trace,
+    sample_trace,
+    shipped_trace,
+    shipped_trace_summaries,
+)
 from engine.harness.workload import (
     CPU_LENGTH_SCALE,
     FIRST_PROMPT_TOKEN_ID,
     PROFILES,
-    TraceRow,
     WorkloadError,
     WorkloadRequest,
     build_workload,
     describe,
     load_requests_jsonl,
-    load_trace,
-    sample_trace,
     steady_traffic,
-    traces_dir,
 )
 
 MODEL = {"vocab_size": 512, "max_model_len": 8192}
@@ -111,8 +117,7 @@ def test_unknown_spec_lists_choices():
 
 @pytest.mark.parametrize("name, rows", [("conv", 19366), ("code", 8819)])
 def test_shipped_traces_load(name, rows):
-    path = traces_dir() / f"azure_llm_2023_{name}.csv"
-    trace = load_trace(path)
+    trace = load_trace(shipped_trace(name))
     assert len(trace) == rows
     assert trace[0].arrival_s == 0.0
     assert all(a.arrival_s <= b.arrival_s for a, b in itertools.pairwise(trace))
@@ -126,7 +131,7 @@ def test_trace_window_keeps_pattern_and_rate_rescales_it():
     assert [r.arrival_s for r in window] in ([0, 1, 3], [1, 3, 7], [3, 7, 15])
     strata = sample_trace(rows, 5, "stratified", random.Random(0))
     assert strata == rows
-    with pytest.raises(WorkloadError, match="only 5 rows"):
+    with pytest.raises(TraceError, match="only 5 rows"):
         sample_trace(rows, 6, "window", random.Random(0))
 
 
@@ -170,13 +175,35 @@ def test_trace_replay_scales_time_and_length(tmp_path: Path):
     assert [r.arrival_s for r in at_rate] == pytest.approx([0.0, 0.5, 2.0])
 
 
-def test_shipped_trace_shortcuts_and_env_override(tmp_path: Path, monkeypatch):
+def test_shipped_trace_shortcuts():
     conv = build("conv", num_requests=32, sample="stratified")
     assert len(conv) == 32 and all(r.request_id.startswith("conv-") for r in conv)
-    monkeypatch.setenv("TOKENFLOW_TRACES_DIR", str(tmp_path))
-    assert traces_dir() == tmp_path
-    with pytest.raises(WorkloadError, match=r"azure_llm_2023_code\.csv"):
-        build("code")
+    code = build("code", num_requests=8)
+    assert len(code) == 8 and all(r.tag == "code" for r in code)
+    with pytest.raises(TraceError, match="choose one of conv, code"):
+        shipped_trace("chat")
+
+
+def test_shipped_traces_are_package_data_with_their_attribution():
+    """The traces and their CC-BY README sit inside the engine package, not beside the repo."""
+    package = Path(engine.harness.__file__).parent
+    for trace in SHIPPED_TRACES.values():
+        assert Path(str(shipped_trace(trace.name))).parent == package / "traces"
+    readme = (package / "traces" / "README.md").read_text()
+    assert "CC-BY 4.0" in readme and "Splitwise" in readme
+
+
+def test_shipped_trace_summaries_describe_each_trace():
+    summaries = {s.name: s for s in shipped_trace_summaries()}
+    assert list(summaries) == ["conv", "code"]
+    conv = summaries["conv"]
+    assert conv.requests == 19366
+    assert conv.duration_s == load_trace(shipped_trace("conv"))[-1].arrival_s
+    assert conv.rate_per_s == pytest.approx((conv.requests - 1) / conv.duration_s)
+    assert conv.prompt_tokens.p50 <= conv.prompt_tokens.p90 <= conv.prompt_tokens.max
+    assert conv.license == "CC-BY 4.0"
+    assert conv.to_dict()["output_tokens"]["total"] == sum(
+        r.generated_tokens for r in load_trace(shipped_trace("conv")))
 
 
 @pytest.mark.parametrize("content, problem", [
@@ -187,14 +214,14 @@ def test_shipped_trace_shortcuts_and_env_override(tmp_path: Path, monkeypatch):
 def test_bad_trace_names_file_and_columns(tmp_path: Path, content, problem):
     path = tmp_path / "bad.csv"
     path.write_text(content)
-    with pytest.raises(WorkloadError, match=problem) as info:
+    with pytest.raises(TraceError, match=problem) as info:
         load_trace(path)
     assert str(path) in str(info.value)
 
 
 def test_missing_trace_names_file_and_columns(tmp_path: Path):
     path = tmp_path / "absent.csv"
-    with pytest.raises(WorkloadError, match="TIMESTAMP, ContextTokens, GeneratedTokens") as info:
+    with pytest.raises(TraceError, match="TIMESTAMP, ContextTokens, GeneratedTokens") as info:
         load_trace(path)
     assert str(path) in str(info.value)
 

@@ -30,9 +30,8 @@ from console.cli.engine_flags import add_engine_flags, engine_config
 from console.cli.report import write_report
 from console.cli.workload_flags import add_workload_flags, workload_for
 from console.errors import UserError
-from engine.budget.calibrate import apply, apply_latest
+from engine.budget.calibrate import apply
 from engine.budget.predictor import StepTimePredictor
-from engine.budget.roofline import StepShape
 from engine.config import EngineConfig
 from engine.core.engine import Engine
 from engine.core.model_runner import resolve_device
@@ -47,10 +46,12 @@ from engine.harness.slo import (
     measure_decode_step,
 )
 from engine.harness.workload import WorkloadRequest, describe, steady_traffic
+from engine.serve.session import EngineSession
 from engine.sim.executor import VirtualClock, simulated_engine
 from engine.sim.fleet import FleetResult, run_fleet
 from engine.sim.router import RoutePolicy
 from engine.sim.target import SimTarget, resolve_target
+from engine.stats import quantile
 from engine.store import open_database
 
 PROBE_KV_BYTES = 1 << 30  # on CUDA: a decode step of 8 x 128 tokens, even on a 7B model
@@ -111,13 +112,14 @@ def bench(args: argparse.Namespace) -> int:
     sim = None if target is None else _Simulation(target, args.replicas,
                                                   RoutePolicy.parse(args.router))
     if target is None:
-        probe = Engine(_probe_config(base))
-        calibration = _stored_calibration(args.db, probe)
-        slo = SLO.from_decode_step(measure_decode_step(probe))
+        # The store is only read here, for the stored calibration, which every run applies.
+        with EngineSession.start(_probe_config(base), db=args.db, journal=False) as session:
+            probe = session.engine
+            calibration = (None if session.calibration is None
+                           else StepTimePredictor.from_dict(session.calibration.params))
     else:
         probe, calibration = simulated_engine(base, target, VirtualClock()), target.calibration
-        # the shape measure_decode_step times: 8 decodes at 128 tokens
-        slo = SLO.from_decode_step(target.predict(StepShape(decode_contexts=(128,) * 8)))
+    slo = SLO.from_decode_step(measure_decode_step(probe))
     workload = workload_for(args, probe)
     longest = max(len(w.prompt_token_ids) for w in workload)
     # auto aims each step at half the TPOT SLO: headroom for steps the predictor misjudges
@@ -162,17 +164,6 @@ def bench(args: argparse.Namespace) -> int:
     else:
         _print_table(report)
     return 0
-
-
-def _stored_calibration(db: str | None, engine: Engine) -> StepTimePredictor | None:
-    """The stored calibrated predictor for this model and device, applied to `engine`."""
-    database = open_database(db)
-    try:
-        with database.session() as session:
-            record = apply_latest(engine, session)
-    finally:
-        database.close()
-    return None if record is None else StepTimePredictor.from_dict(record.params)
 
 
 def _probe_config(base: EngineConfig) -> EngineConfig:
@@ -237,7 +228,7 @@ def _run_report(name: str, config: EngineConfig, result: RunResult, probe: Engin
         **result.utilisation(probe.peaks),
         "goodput": goodput(result, slo, prefill_s),
         "prediction_error": {"median_abs": statistics.median(errors) if errors else None,
-                             "p90_abs": _quantile(errors, 0.9)},
+                             "p90_abs": quantile(errors, 0.9)},
     }
 
 
@@ -260,13 +251,6 @@ def _capacities(args: argparse.Namespace, configs: dict[str, EngineConfig],
                      "probe_duration_s": args.capacity_duration,
                      "probes": [dataclasses.asdict(p) for p in probes]}
     return out
-
-
-def _quantile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def _named_config(name: str, base: EngineConfig, custom: dict[str, dict[str, str]],

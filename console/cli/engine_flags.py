@@ -6,10 +6,11 @@ import argparse
 import dataclasses
 
 from engine.config import EngineConfig
+from engine.model.config import PRESETS
 
 # flag name -> (EngineConfig field, type, help)
 _FLAGS: dict[str, tuple[str, type, str]] = {
-    "--model": ("model", str, "synthetic:<preset> (tiny, small, 150m, 1b, 7b, 8b) or a local "
+    "--model": ("model", str, f"synthetic:<preset> ({', '.join(PRESETS)}) or a local "
                               "Hugging Face directory"),
     "--device": ("device", str, "auto, cpu, cuda or cuda:N"),
     "--dtype": ("dtype", str, "auto (float32 on CPU, bfloat16 on CUDA), float32 or bfloat16"),

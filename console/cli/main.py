@@ -1,6 +1,6 @@
 """`tokenflow`: one program, one subcommand per front door.
 
-Each subcommand lives in its own module under `console/commands/` and exposes
+Each subcommand lives in its own module under `console/cli/` and exposes
 `register(subparsers)`, which adds its parser and sets `func(args) -> int`.
 """
 
@@ -14,7 +14,8 @@ import sys
 from console.errors import UserError
 from engine.errors import EngineError
 
-COMMANDS = ("run", "bench", "roofline", "calibrate", "db", "slow_queries", "serve", "chaos")
+COMMANDS = ("run", "bench", "roofline", "calibrate", "db", "slow_queries", "serve", "chaos",
+            "traces")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -12,12 +12,10 @@ from console.cli.db import add_db_argument
 from console.cli.engine_flags import add_engine_flags, engine_config
 from console.cli.workload_flags import add_workload_flags, workload_for
 from console.errors import UserError
-from engine.budget.calibrate import apply_latest
-from engine.core.engine import Engine, RequestOutput
+from engine.core.engine import RequestOutput
 from engine.harness.driver import drive
 from engine.harness.workload import WorkloadRequest, describe, load_requests_jsonl
-from engine.ops.recovery import resume_unfinished
-from engine.store import Database, StoreWriter, open_database
+from engine.serve.session import EngineSession
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -44,30 +42,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.resume and args.no_db:
         raise UserError("--resume reads the request journal; drop --no-db")
-    engine = Engine(engine_config(args))
-    if args.requests:
-        if not args.requests.exists():
-            raise UserError(f"--requests {args.requests}: no such file")
-        workload = load_requests_jsonl(args.requests, engine.tokenizer.encode)
-    else:
-        workload = workload_for(args, engine)
-    database = None if args.no_db else open_database(args.db)
-    if database is not None:
-        with database.session() as session:
-            apply_latest(engine, session)  # budget with the calibrated predictor when stored
-    writer = None if database is None else StoreWriter(database, engine.bus)
-    sink = _OutputSink(args.output)
-    try:
-        remaining = workload
-        if args.resume:
-            remaining = _resume(engine, database, workload, sink.emitted())
-        result = drive(engine, remaining, on_output=sink.write)
-    finally:
-        sink.close()
-        if writer is not None:
-            writer.close()
-        if database is not None:
-            database.close()
+    if args.requests and not args.requests.exists():
+        raise UserError(f"--requests {args.requests}: no such file")
+    with EngineSession.start(engine_config(args), db=args.db, store=not args.no_db) as session:
+        engine = session.engine
+        if args.requests:
+            workload = load_requests_jsonl(args.requests, engine.tokenizer.encode)
+        else:
+            workload = workload_for(args, engine)
+        sink = _OutputSink(args.output)
+        try:
+            remaining = workload
+            if args.resume:
+                remaining = _resume(session, workload, sink.emitted())
+            result = drive(engine, remaining, on_output=sink.write)
+        finally:
+            sink.close()
     summary: dict[str, Any] = {"model": engine.config.model, "device": str(engine.runner.device),
                                "workload": describe(workload).to_dict(), **result.summary()}
     if args.json:
@@ -77,12 +67,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _resume(engine: Engine, database: Database, workload: list[WorkloadRequest],
+def _resume(session: EngineSession, workload: list[WorkloadRequest],
             emitted: set[str]) -> list[WorkloadRequest]:
     """Resume the journal's unfinished requests; return the part of `workload` that neither
     finished before nor is being resumed."""
-    resumed = resume_unfinished(engine, database, skip=emitted)
-    print(f"resumed {len(resumed)} unfinished request(s) from {database.path}", file=sys.stderr)
+    resumed = session.resume_unfinished(skip=emitted)
+    assert session.database is not None  # --resume with --no-db is refused up front
+    print(f"resumed {len(resumed)} unfinished request(s) from {session.database.path}",
+          file=sys.stderr)
     skip = emitted | set(resumed)
     return [w for w in workload if w.request_id not in skip]
 

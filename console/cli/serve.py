@@ -17,9 +17,6 @@ import uvicorn
 from console.cli.db import add_db_argument
 from console.cli.engine_flags import add_engine_flags, engine_config
 from console.errors import UserError
-from engine.budget.calibrate import apply_latest
-from engine.core.engine import Engine
-from engine.ops.recovery import resume_unfinished
 from engine.serve.app import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
@@ -27,8 +24,8 @@ from engine.serve.app import (
     create_app,
 )
 from engine.serve.auth import TOKEN_ENV, load_admin_token
-from engine.serve.loop import EngineLoop
-from engine.store import Database, SlowQueryRecord, StoreWriter, list_slow_queries, open_database
+from engine.serve.session import EngineSession
+from engine.store import Database, SlowQueryRecord, list_slow_queries
 
 GRACEFUL_SHUTDOWN_S = 5
 
@@ -64,17 +61,10 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config(args)
     token = load_admin_token(args.admin_token_file)
     listener = _listen(args.host, args.port)  # a taken port fails now, not after the model loads
-    database = None if args.no_db else open_database(args.db)
-    writer: StoreWriter | None = None
-    loop: EngineLoop | None = None
-    try:
-        engine = Engine(config)
-        if database is not None:
-            with database.session() as session:
-                apply_latest(engine, session)
-            resume_unfinished(engine, database)  # what a killed server had accepted
-        writer = None if database is None else StoreWriter(database, engine.bus)
-        loop = EngineLoop(engine).start()
+    with listener, EngineSession.start(config, db=args.db, store=not args.no_db) as session:
+        engine, database = session.engine, session.database
+        session.resume_unfinished()  # what a killed server had accepted
+        loop = session.attach_loop().start()
         app = create_app(loop, admin_token=token, max_queue=args.max_queue,
                          max_body_bytes=args.max_body_bytes,
                          slow_queries_reader=None if database is None else _reader(database))
@@ -86,14 +76,6 @@ def run(args: argparse.Namespace) -> int:
         server = uvicorn.Server(uvicorn.Config(app, lifespan="off",
                                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
         server.run(sockets=[listener])
-    finally:
-        listener.close()
-        if loop is not None:
-            loop.stop()
-        if writer is not None:
-            writer.close()
-        if database is not None:
-            database.close()
     return 0
 
 

@@ -15,7 +15,6 @@ from console.sources.base import Progress, SourceError
 from engine.budget.calibrate import (
     CalibrationResult,
     apply,
-    apply_latest,
     calibrate,
     latest_for,
     save_result,
@@ -25,8 +24,8 @@ from engine.budget.predictor import StepTimePredictor
 from engine.config import EngineConfig
 from engine.core.engine import Engine
 from engine.harness.workload import build_workload, default_length_scale
-from engine.ops.recovery import resume_unfinished
 from engine.serve.loop import EngineLoop
+from engine.serve.session import EngineSession
 from engine.snapshot import Snapshot
 from engine.store import (
     CalibrationRecord,
@@ -41,7 +40,6 @@ from engine.store import (
     get_slow_query,
     list_slow_queries,
     next_cycle,
-    open_database,
 )
 
 READ_FLUSH_TIMEOUT_S = 2.0
@@ -55,11 +53,15 @@ def default_model(device: str) -> str:
 
 
 class EmbeddedSource:
-    def __init__(self, loop: EngineLoop, database: Database, writer: StoreWriter) -> None:
-        self.loop = loop
-        self.database = database
-        self.writer = writer
-        engine = loop.engine
+    def __init__(self, session: EngineSession) -> None:
+        """Over a session with a store, a journal writer and a loop (`start` makes one)."""
+        if session.loop is None or session.database is None or session.writer is None:
+            raise ValueError("an embedded source needs a session with a store and a loop")
+        self.session = session
+        self.loop: EngineLoop = session.loop
+        self.database: Database = session.database
+        self.writer: StoreWriter = session.writer
+        engine = session.engine
         self.name = f"embedded {engine.config.model} on {engine.runner.device}"
         self.monitor: DriftMonitor | None = None  # set by start(): drift (protection layer 5)
 
@@ -74,31 +76,31 @@ class EmbeddedSource:
         base = config or EngineConfig()
         engine_config = dataclasses.replace(base, model=model or default_model(device),
                                             device=device)
-        database = open_database(db)
+        session = EngineSession.start(engine_config, db=db)
         try:
-            engine = Engine(engine_config)
+            engine, database = session.engine, session.database
+            assert database is not None  # started with a store
             requests = build_workload(
                 workload, vocab_size=engine.model_config.vocab_size,
                 max_model_len=engine.max_model_len, num_requests=num_requests, rate=rate,
                 length_scale=default_length_scale(engine.runner.device.type))
-            with database.session() as session:
-                calibration = apply_latest(engine, session)
+            with database.session() as db_session:
                 # numbered on from the last run's traffic (each of its cycles added
                 # requests[0] first), so no id clashes with what that run left
-                first_cycle = next_cycle(session, requests[0].request_id) if requests else 0
+                first_cycle = next_cycle(db_session, requests[0].request_id) if requests else 0
+            session.resume_unfinished()  # what a crashed console left (pitfall 12)
+            loop = session.attach_loop()
+            source = cls(session)
+            calibration = session.calibration
+            source.monitor = DriftMonitor(
+                engine, loop.call, on_result=source._store_result,
+                reference=None if calibration is None else StepTimePredictor.from_dict(
+                    calibration.params))
+            engine.bus.subscribe(source.monitor.observe)
+            loop.start()
         except BaseException:
-            database.close()
+            session.close()
             raise
-        writer = StoreWriter(database, engine.bus)
-        resume_unfinished(engine, database)  # what a crashed console left (pitfall 12)
-        loop = EngineLoop(engine)
-        source = cls(loop, database, writer)
-        source.monitor = DriftMonitor(
-            engine, loop.call, on_result=source._store_result,
-            reference=None if calibration is None else StepTimePredictor.from_dict(
-                calibration.params))
-        engine.bus.subscribe(source.monitor.observe)
-        loop.start()
         loop.play(requests, repeat=repeat, first_cycle=first_cycle)
         return source
 
@@ -180,6 +182,4 @@ class EmbeddedSource:
         return self.loop.call(sweep).result()
 
     def close(self) -> None:
-        self.loop.stop()
-        self.writer.close()
-        self.database.close()
+        self.session.close()

@@ -24,6 +24,7 @@ from console.sources.prometheus_text import (
 )
 from console.sources.remote import Remote, RemoteBacked
 from engine.snapshot import Percentiles, Snapshot
+from engine.stats import ms
 from engine.store import CalibrationRecord, SlowQueryRecord
 
 MODE = "vLLM"
@@ -112,7 +113,6 @@ def _percentiles_ms(samples: dict[str, list[Sample]], names: tuple[str, ...]) ->
     buckets = next((b for b in (histogram_buckets(samples, n) for n in names) if b), [])
 
     def at(q: float) -> float | None:
-        value = histogram_quantile(buckets, q)
-        return None if value is None else value * 1000.0
+        return ms(histogram_quantile(buckets, q))
 
     return Percentiles(p50=at(0.50), p90=at(0.90), p99=at(0.99))

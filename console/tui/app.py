@@ -129,14 +129,12 @@ class TokenflowApp(App[None]):
         self.notify(fleet.name, title="fleet", timeout=2)
 
     def action_apply_recommended(self) -> None:
-        cstar = None if self.latest is None else self.latest.recommended_chunk_size
-        if cstar is None:
+        # C* as a token budget, rounded by the engine's own policy (engine.budget.auto)
+        budget = None if self.latest is None else self.latest.recommended_token_budget
+        if budget is None:
             self.notify("no recommended C* yet: it needs a calibrated budget model",
                         severity="warning")
             return
-        # The budget is spent in whole tiles (pitfall 4), so C* goes to the nearest tile multiple.
-        tile = int(self.latest.config.get("chunk_tile", 1))
-        budget = max(tile, round(cstar / tile) * tile)
         target = self.screen if isinstance(self.screen, TuningScreen) else self
         apply_config_in_worker(target, self, self.source, {"max_num_batched_tokens": budget})
 

@@ -27,12 +27,10 @@ from sqlalchemy.orm import Session
 
 from engine.budget.peaks import DevicePeaks
 from engine.budget.predictor import StepTimePredictor
-from engine.budget.roofline import StepShape
 from engine.config import SamplingParams
+from engine.core.batch import Batch, ScheduledChunk, StepShape
 from engine.core.engine import Engine
 from engine.core.request import Request, RequestState
-from engine.core.sampler import sample
-from engine.core.scheduler import Batch, ScheduledChunk
 from engine.errors import EngineError
 from engine.ops.telemetry import NvmlBandwidth, TelemetryError, nvml_available
 from engine.store import (
@@ -234,7 +232,7 @@ class Calibration:
         self.progress = progress
         self.probes = plan.probes()
         self._held_out = _held_out(self.probes)
-        self._chunks: dict[Probe, list[ScheduledChunk]] = {}  # the shapes that fit
+        self._batches: dict[Probe, Batch] = {}  # the shapes that fit
         self._times: dict[Probe, list[float]] = {}
         self._busy: dict[Probe, list[float]] = {}
         self._dram: dict[Probe, list[float]] = {}
@@ -262,8 +260,8 @@ class Calibration:
             self._nvml.stop()
             self._nvml = None
         engine = self.engine
-        timed = {probe: (_shape(chunks), self._times[probe])
-                 for probe, chunks in self._chunks.items() if self._times[probe]}
+        timed = {probe: (batch.shape(), self._times[probe])
+                 for probe, batch in self._batches.items() if self._times[probe]}
         fit = [(shape, times) for probe, (shape, times) in timed.items()
                if not self._held_out[probe]]
         if not fit:
@@ -309,19 +307,19 @@ class Calibration:
             if probe.longest > self.engine.max_model_len:
                 self._skipped.append(probe)
             else:
-                chunks = _probe_chunks(probe, vocab)
-                if self._run(chunks, self.plan.warmup) is None:
+                batch = _probe_batch(probe, vocab)
+                if self._run(batch, self.plan.warmup) is None:
                     self._skipped.append(probe)
                 else:
-                    self._chunks[probe] = chunks
+                    self._batches[probe] = batch
                     self._times[probe], self._busy[probe], self._dram[probe] = [], [], []
-            done += 1 + (0 if probe in self._chunks else self.plan.repeats)
+            done += 1 + (0 if probe in self._batches else self.plan.repeats)
             yield
         for repeat in range(self.plan.repeats):
-            for probe, chunks in self._chunks.items():
+            for probe, batch in self._batches.items():
                 self._report(done, f"pass {repeat + 1}/{self.plan.repeats}: "
                              f"{_describe(probe)}")
-                seconds = self._run(chunks, 1)
+                seconds = self._run(batch, 1)
                 if seconds is not None:  # None: serving took the blocks since the warm-up
                     self._times[probe].append(seconds)
                     latest = self._nvml.latest() if self._nvml is not None else None
@@ -356,9 +354,10 @@ class Calibration:
                        capacity_bytes=granted * block_bytes, zero_s=zero_s,
                        zero_bandwidth=granted * block_bytes / zero_s if zero_s > 0 else 0.0)
 
-    def _run(self, chunks: list[ScheduledChunk], runs: int) -> float | None:
-        """Seconds of the last of `runs` steps of `chunks`, their blocks held only meanwhile;
+    def _run(self, batch: Batch, runs: int) -> float | None:
+        """Seconds of the last of `runs` steps of `batch`, its blocks held only meanwhile;
         None if the free KV pool cannot hold them now."""
+        chunks = batch.chunks
         blocks = self.engine.blocks
         needed = sum(blocks.blocks_for(c.start + c.num_tokens) for c in chunks)
         if needed > blocks.num_free:
@@ -369,7 +368,7 @@ class Calibration:
             self.engine.runner.zero_blocks(blocks.take_newly_allocated())
             seconds = math.nan
             for _ in range(runs):
-                seconds = timed_step(self.engine, chunks)
+                seconds = timed_step(self.engine, batch)
             return seconds
         finally:
             for chunk in chunks:
@@ -440,12 +439,6 @@ def apply_latest(engine: Engine, session: Session) -> CalibrationRecord | None:
 _GREEDY = SamplingParams()  # probes sample greedily, the engine's default
 
 
-def _shape(chunks: list[ScheduledChunk]) -> StepShape:
-    """The step's shape exactly as the engine's scheduler reports it."""
-    return Batch(prefills=[c for c in chunks if not c.is_decode],
-                 decodes=[c for c in chunks if c.is_decode]).shape()
-
-
 def _dummy_request(num_tokens: int, state: RequestState, vocab: int = 1) -> Request:
     request = Request(id="calibration", prompt_token_ids=[i % vocab for i in range(num_tokens)],
                       params=_GREEDY, arrival=0.0)
@@ -453,33 +446,32 @@ def _dummy_request(num_tokens: int, state: RequestState, vocab: int = 1) -> Requ
     return request
 
 
-def _probe_chunks(probe: Probe, vocab: int) -> list[ScheduledChunk]:
-    chunks = []
+def _probe_batch(probe: Probe, vocab: int) -> Batch:
+    batch = Batch()
     if probe.chunk:
         request = _dummy_request(probe.chunk_context + probe.chunk,
                                  RequestState.PREFILL_CHUNKING, vocab)
-        chunks.append(ScheduledChunk(request, probe.chunk_context, probe.chunk))
+        batch.prefills.append(ScheduledChunk(request, probe.chunk_context, probe.chunk))
     for _ in range(probe.decode_seqs):
         request = _dummy_request(probe.decode_context + 1, RequestState.DECODING, vocab)
-        chunks.append(ScheduledChunk(request, probe.decode_context, 1))
-    return chunks
+        batch.decodes.append(ScheduledChunk(request, probe.decode_context, 1))
+    return batch
 
 
-def timed_step(engine: Engine, chunks: list[ScheduledChunk]) -> float:
-    """Seconds of one forward pass plus sampling, what the engine times as a step; CUDA events
-    on a GPU (they see the kernels, and the host-side preparation the GPU waits through)."""
+def timed_step(engine: Engine, batch: Batch) -> float:
+    """Seconds of one forward pass plus sampling (`ModelRunner.run`), what the engine times as
+    a step; CUDA events on a GPU (they see the kernels, and the host-side preparation the GPU
+    waits through)."""
     runner = engine.runner
-    sampling = [c for c in chunks if c.samples]
-    params, generators = [_GREEDY] * len(sampling), [None] * len(sampling)
     if runner.device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        sample(runner.run(chunks), params, generators)
+        runner.run(batch)
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
     start_s = time.perf_counter()
-    sample(runner.run(chunks), params, generators)
+    runner.run(batch)
     return time.perf_counter() - start_s
 
 

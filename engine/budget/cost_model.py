@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.budget.peaks import DevicePeaks
-from engine.budget.roofline import Roofline, StepEstimate, StepShape, step_estimate
+from engine.budget.roofline import Roofline, StepEstimate, step_estimate
 from engine.config import ConfigError
+from engine.core.batch import StepShape
+from engine.model.checkpoint import fused_widths
 from engine.model.config import ModelConfig
 
 # Seed 000 §3: keep the bandwidth a step needs at least 15% under what the device delivers.
@@ -25,8 +27,9 @@ DEFAULT_STEP_TIME_S = 0.05
 
 @dataclass(frozen=True)
 class BudgetModel:
-    """Step cost of a Llama-family `config` with `bytes_per_element` weights, activations and
-    KV on a device with `peaks` (ideally measured, see engine.budget.peaks.measure_peaks).
+    """Step cost of a decoder-only `config` (any family) with `bytes_per_element` weights,
+    activations and KV on a device with `peaks` (ideally measured, see
+    engine.budget.peaks.measure_peaks).
 
     FLOPs: 2·P_nonembed per token run (padding included), 2·vocab·hidden per logits row
     (lm_head), and 4·L·H·d_h per (query, key) pair of attention, causal within a chunk.
@@ -55,9 +58,11 @@ class BudgetModel:
             raise ConfigError("step_overhead_s", "must be >= 0")
         c, b = self.config, self.bytes_per_element
         lm_head_params = c.vocab_size * c.hidden_size
-        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        widths = fused_widths(c)
+        q_width = widths["qkv_proj"][0]
         # q, k, v; attention, o_proj and down outputs; gate, up and their activated product
-        per_layer_elements = q_width + 2 * kv_width + 3 * c.hidden_size + 3 * c.intermediate_size
+        per_layer_elements = (sum(widths["qkv_proj"]) + 3 * c.hidden_size
+                              + sum(widths["gate_up_proj"]) + c.intermediate_size)
         derived = {
             "_linear_flops_per_token": 2 * self.params,
             "_lm_head_flops_per_row": 2 * lm_head_params,

@@ -92,7 +92,6 @@ class DriftMonitor:
         self.off_prediction_total = 0
         self.recalibrations = 0
         self.pending_reason: str | None = None  # a sweep is scheduled or running
-        self.last_result: CalibrationResult | None = None
         self._off: deque[float] = deque()  # when recent off-prediction chunks completed
         self._last_calibrated = clock()
         self._calibration: Calibration | None = None
@@ -146,7 +145,6 @@ class DriftMonitor:
                 engine.bus.publish(event)
         apply(engine, result.predictor)
         self.reference = result.predictor
-        self.last_result = result
         self.recalibrations += 1
         self.pending_reason = None
         self._last_calibrated = self.clock()

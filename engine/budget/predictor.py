@@ -19,8 +19,8 @@ import numpy as np
 
 from engine.budget.cost_model import BudgetModel
 from engine.budget.peaks import DevicePeaks
-from engine.budget.roofline import StepShape
 from engine.config import ConfigError
+from engine.core.batch import StepShape
 from engine.model.config import ModelConfig
 
 FEATURES = ("constant", "multi_token", "tokens", "prefill_chunks", "decode_seqs",

@@ -16,48 +16,11 @@ import math
 from dataclasses import dataclass
 
 from engine.config import ConfigError
+from engine.core.batch import StepShape
 
 # Compute and memory times within 2% of each other count as "balanced": C* rounded to a whole
 # token lands there, and the seed's table calls that row "both saturated".
 _BALANCED_TOLERANCE = 0.02
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """What one step computes, as the cost models need it.
-
-    prefill: (chunk_tokens, context_before) per prefill chunk in the step; decode_contexts: the
-    cached context length of each decode sequence; padding_tokens: tokens a padded batch
-    computes but throws away, which still cost FLOPs and bytes (seed 000, pitfall 11).
-    """
-
-    prefill: tuple[tuple[int, int], ...] = ()
-    decode_contexts: tuple[int, ...] = ()
-    padding_tokens: int = 0
-
-    @property
-    def prefill_tokens(self) -> int:
-        return sum(chunk for chunk, _ in self.prefill)
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens the forward pass runs, padding included: the unit of the token budget."""
-        return self.prefill_tokens + len(self.decode_contexts) + self.padding_tokens
-
-    @property
-    def logits_rows(self) -> int:
-        """Rows of logits computed: one per prefill chunk end and one per decode."""
-        return len(self.prefill) + len(self.decode_contexts)
-
-    @property
-    def cached_tokens_read(self) -> int:
-        """KV entries read from the cache: every token of context the step attends to."""
-        return sum(before for _, before in self.prefill) + sum(self.decode_contexts)
-
-    @property
-    def kv_tokens_after(self) -> int:
-        """KV entries the step's sequences hold once it has run."""
-        return self.cached_tokens_read + self.prefill_tokens + len(self.decode_contexts)
 
 
 @dataclass(frozen=True)

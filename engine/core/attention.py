@@ -10,6 +10,12 @@ Backends:
   SDPA call for all decodes with queries grouped per KV head (no copy of keys for GQA).
 - flash (CUDA with flash-attn importable): `flash_attn_varlen_func` over the paged cache with
   a block table, which aligns causal masks bottom-right itself.
+
+Sliding-window layers (Mistral, Phi-3, Gemma) see only keys in (p - window, p] from a query
+at position p. On the torch path they read `meta.windowed`, built once per step beside the
+full-history metadata: each chunk gathers only the keys its window reaches and masks the rest,
+so every chunk boundary is exact. flash-attn takes the window as `window_size`. Attention
+soft-capping (Gemma 2) has no SDPA kernel; those layers run the same math unfused.
 """
 
 from __future__ import annotations
@@ -63,6 +69,8 @@ class AttentionMetadata:
     block_table: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    # torch path: the same step for sliding-window layers (None when the model has none)
+    windowed: AttentionMetadata | None = None
 
 
 def flash_available(device: torch.device) -> bool:
@@ -86,15 +94,20 @@ def block_dim(use_flash: bool) -> int:
 
 
 class PagedAttention:
-    """Writes new K/V into a layer's cache slice and attends over the history."""
+    """Writes new K/V into a layer's cache slice and attends over the history (the last
+    `window` positions of it for a sliding-window layer)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, use_flash: bool) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, use_flash: bool,
+                 scale: float | None = None, window: int | None = None,
+                 softcap: float | None = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
-        self.scale = 1.0 / math.sqrt(head_dim)
+        self.scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
         self.use_flash = use_flash
+        self.window = window
+        self.softcap = softcap
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -108,8 +121,14 @@ class PagedAttention:
             return flash_attn_varlen_func(
                 q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
                 meta.max_seqlen_k, softmax_scale=self.scale, causal=True,
-                block_table=meta.block_table,
+                # flash's window counts keys left of the query, ours includes the query
+                window_size=(-1, -1) if self.window is None else (self.window - 1, 0),
+                softcap=self.softcap or 0.0, block_table=meta.block_table,
             )
+        if self.window is not None:
+            if meta.windowed is None:
+                raise RuntimeError("a sliding-window layer needs AttentionMetadata.windowed")
+            meta = meta.windowed
         flat_k = k_cache.view(self.num_kv_heads, -1, self.head_dim)  # [Hkv, slots, D]
         flat_v = v_cache.view(self.num_kv_heads, -1, self.head_dim)
         flat_k.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
@@ -129,6 +148,18 @@ class PagedAttention:
                  span: PrefillSpan) -> torch.Tensor:
         keys = flat_k.index_select(1, span.key_slots)  # [Hkv, S, D]
         values = flat_v.index_select(1, span.key_slots)
+        if self.softcap is not None:
+            mask = span.mask
+            if mask is None:
+                mask = torch.ones(span.q_len, span.q_len, dtype=torch.bool,
+                                  device=q.device).tril()
+            bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
+            bias.masked_fill_(~mask, float("-inf"))
+            # [C, Hq, D] -> [Hkv, G, C, D]: query head h uses KV head h // G
+            grouped = q.transpose(0, 1).reshape(self.num_kv_heads, self.group, span.q_len,
+                                                self.head_dim)
+            out = self._softcapped(grouped, keys[:, None], values[:, None], bias)
+            return out.reshape(self.num_heads, span.q_len, self.head_dim).transpose(0, 1)
         # A leading batch dimension: SDPA's fused CPU kernel takes only 4-D inputs; 3-D ones
         # fall back to the math path, 2-2.7x slower for a 500-token chunk.
         out = F.scaled_dot_product_attention(
@@ -147,6 +178,19 @@ class PagedAttention:
         # queries grouped per KV head: [B, Hq, D] -> [Hkv, B, G, D]; (Hkv, B) are SDPA's batch
         # dimensions, so GQA needs no copy of the keys
         grouped = q.view(batch, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=group.bias,
-                                             scale=self.scale)  # [Hkv, B, G, D]
+        if self.softcap is not None:
+            out = self._softcapped(grouped, keys, values, group.bias)
+        else:
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=group.bias,
+                                                 scale=self.scale)  # [Hkv, B, G, D]
         return out.transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)
+
+    def _softcapped(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    bias: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's attention: scores capped at ±softcap by tanh before the mask and softmax
+        (in fp32, as transformers does). q [..., Q, D], keys/values [..., S, D], bias
+        broadcastable to [..., Q, S]."""
+        scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale
+        scores = self.softcap * torch.tanh(scores / self.softcap) + bias
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(weights, values)

@@ -8,8 +8,12 @@ a reused block must never leak a previous request's KV).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from engine.core.request import Request
+
+# Copies KV rows: the blocks in the first list to the ids in the second (the runner's cache).
+MoveBlocks = Callable[[list[int], list[int]], None]
 
 
 class BlockError(RuntimeError):
@@ -26,6 +30,8 @@ class BlockManager:
         self._ref_counts = [0] * num_blocks
         self._reserved = 0  # blocks held back (chaos: KV exhaustion)
         self.newly_allocated: list[int] = []
+        self.compactions = 0
+        self.blocks_moved = 0
 
     @property
     def num_free(self) -> int:
@@ -78,17 +84,32 @@ class BlockManager:
         """Blocks held by requests (reserved ones not counted)."""
         return self.num_blocks - len(self._free)
 
-    def renumber(self, mapping: dict[int, int]) -> None:
-        """Adopt new ids for every allocated block (cache compaction); the caller moved the
-        KV rows and rewrote the block tables. Ids left out of the new numbering become free."""
-        if len(mapping) != self.num_allocated:
-            raise BlockError("renumber() must map every allocated block")
+    def compact(self, requests: list[Request], move: MoveBlocks) -> int:
+        """Renumber the blocks `requests` hold to 0..U-1 (in order of first use): `move`
+        copies their KV rows, block tables are rewritten; returns how many blocks moved.
+
+        Generation is unchanged: attention reads KV through block tables only. Nothing moves
+        unless `requests` hold every block in use (a holder outside them would be left
+        dangling)."""
+        self.compactions += 1  # a run that finds the pool contiguous still counts
+        mapping: dict[int, int] = {}
+        for request in requests:
+            for block in request.block_table:
+                mapping.setdefault(block, len(mapping))
+        moved = {old: new for old, new in mapping.items() if old != new}
+        if len(mapping) != self.num_allocated or not moved:
+            return 0
+        move(list(moved), list(moved.values()))
+        for request in requests:
+            request.block_table = [mapping[b] for b in request.block_table]
         ref_counts = [0] * self.num_blocks
         for old, new in mapping.items():
             ref_counts[new] = self._ref_counts[old]
         self._ref_counts = ref_counts
         self._free = deque(b for b in range(self.num_blocks) if ref_counts[b] == 0)
         self.newly_allocated = [mapping[b] for b in self.newly_allocated if b in mapping]
+        self.blocks_moved += len(moved)
+        return len(moved)
 
     def take_newly_allocated(self) -> list[int]:
         blocks, self.newly_allocated = self.newly_allocated, []

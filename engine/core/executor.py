@@ -1,6 +1,5 @@
 """What the engine needs of an executor other than its own ModelRunner: the surface the
-simulated executor (engine.sim) provides. After a step it hands back sampled tokens, not
-logits, and it brings the peaks of the device it stands for."""
+simulated executor (engine.sim) provides, plus the peaks of the device it stands for."""
 
 from __future__ import annotations
 
@@ -9,19 +8,14 @@ from typing import Protocol
 import torch
 
 from engine.budget.peaks import DevicePeaks
-from engine.core.scheduler import Batch
+from engine.core.batch import Batch, ModelRunnerOutput
 from engine.model.config import ModelConfig
 from engine.model.tokenizer import Tokenizer
 
 
-class StepOutput(Protocol):
-    @property
-    def token_ids(self) -> dict[str, int]: ...  # request id -> its sampled token
-
-
 class Device(Protocol):
     @property
-    def type(self) -> str: ...
+    def type(self) -> str: ...  # "cuda" switches on CUDA-only paths; a simulated one is not
 
 
 class Executor(Protocol):
@@ -39,4 +33,6 @@ class Executor(Protocol):
 
     def zero_blocks(self, blocks: list[int]) -> None: ...
 
-    def run(self, batch: Batch) -> StepOutput: ...
+    def move_blocks(self, source: list[int], target: list[int]) -> None: ...
+
+    def run(self, batch: Batch) -> ModelRunnerOutput: ...

@@ -1,6 +1,6 @@
 """The model runner: owns the model and the one preallocated KV tensor, turns a scheduled
 batch into packed inputs and attention metadata once per step, runs the forward pass and
-returns the logits of the rows that sample.
+samples the rows that end a chunk (the one place tokens are sampled).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from engine.core.attention import (
     cache_shape,
 )
 from engine.core.attention import flash_available as flash_importable
-from engine.core.scheduler import ScheduledChunk
+from engine.core.batch import Batch, ModelRunnerOutput, ScheduledChunk
+from engine.core.sampler import sample
 from engine.errors import EngineError
 from engine.model.loader import load_model, model_config_for
 
@@ -139,9 +140,22 @@ class ModelRunner:
             index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
             self.kv_cache.index_fill_(block_dim(self.use_flash), index, 0)
 
+    def move_blocks(self, source: list[int], target: list[int]) -> None:
+        """Copy the KV rows of blocks `source` to blocks `target` (cache compaction)."""
+        dim = block_dim(self.use_flash)
+        src = torch.tensor(source, dtype=torch.int64, device=self.device)
+        dst = torch.tensor(target, dtype=torch.int64, device=self.device)
+        self.kv_cache.index_copy_(dim, dst, self.kv_cache.index_select(dim, src))
+
     @torch.inference_mode()
-    def run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Forward one packed batch; logits [num sampling chunks, vocab] in `chunks` order."""
+    def run(self, batch: Batch) -> ModelRunnerOutput:
+        """Forward one packed batch and sample a token for each chunk that ends its known
+        tokens; a request whose sampling raises is in the output's errors instead."""
+        return sample(self.forward(batch.chunks), [c.request for c in batch.sampling])
+
+    @torch.inference_mode()
+    def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
+        """Logits [num sampling chunks, vocab] of one packed batch, in `chunks` order."""
         inputs = self.prepare(chunks)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
         return self.model.logits(hidden.index_select(0, inputs.sample_rows))
@@ -152,10 +166,12 @@ class ModelRunner:
         decodes = sorted((c for c in chunks if c.is_decode), key=lambda c: -c.start)
         ordered = prefills + decodes
         bs = self.block_size
+        window = self.model_config.sliding_window if self.model_config.sliding_layers else None
         token_ids: list[int] = []
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
         spans: list[PrefillSpan] = []
+        windowed_spans: list[PrefillSpan] = []
         row_of: dict[int, int] = {}
         row = 0
         for chunk in ordered:
@@ -167,23 +183,28 @@ class ModelRunner:
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
             if not chunk.is_decode:
-                keys = torch.arange(end, dtype=torch.int64)
-                mask = None
-                if chunk.start > 0:  # lower-right causal over the whole history (pitfall 6)
-                    mask = keys.unsqueeze(0) <= pos.unsqueeze(1)
-                    mask = mask.to(self.device)
-                spans.append(PrefillSpan(row, chunk.num_tokens,
-                                         (table[keys // bs] * bs + keys % bs).to(self.device),
-                                         mask))
+                spans.append(self._prefill_span(row, pos, table, None))
+                if window is not None and not self.use_flash:
+                    windowed_spans.append(self._prefill_span(row, pos, table, window))
             row += chunk.num_tokens
             row_of[id(chunk)] = row - 1
         decode_start = row - len(decodes)
+        slot_mapping = torch.cat(slots).to(self.device)
+        windowed = None
+        if window is not None and not self.use_flash:
+            windowed = AttentionMetadata(
+                slot_mapping=slot_mapping,
+                prefills=tuple(windowed_spans),
+                decode_start=decode_start,
+                decode_groups=self._decode_groups(decodes, decode_start, window),
+            )
         meta = AttentionMetadata(
-            slot_mapping=torch.cat(slots).to(self.device),
+            slot_mapping=slot_mapping,
             prefills=tuple(spans),
             decode_start=decode_start,
-            decode_groups=self._decode_groups(decodes, decode_start),
+            decode_groups=self._decode_groups(decodes, decode_start, None),
             **(self._flash_fields(ordered) if self.use_flash else {}),
+            windowed=windowed,
         )
         sample_rows = [row_of[id(c)] for c in chunks if c.samples]
         return StepInputs(
@@ -193,33 +214,63 @@ class ModelRunner:
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
         )
 
-    def _decode_groups(self, decodes: list[ScheduledChunk],
-                       first_row: int) -> tuple[DecodeGroup, ...]:
-        """Decodes (longest context first) in groups padded to their longest member, a new
-        group starting where padding would exceed a quarter of the group's real keys."""
-        groups: list[list[ScheduledChunk]] = []
-        for chunk in decodes:
-            if groups:
-                group = groups[-1]
-                longest = group[0].start + 1
-                real = sum(c.start + 1 for c in group) + chunk.start + 1
-                if longest * (len(group) + 1) <= 1.25 * real:
-                    group.append(chunk)
-                    continue
-            groups.append([chunk])
-        result, row = [], first_row
+    def _prefill_span(self, row: int, pos: torch.Tensor, table: torch.Tensor,
+                      window: int | None) -> PrefillSpan:
+        """A chunk at global positions `pos` attends causally lower-right over its history
+        (pitfall 6) and, on a windowed layer, only to keys within `window` of each query."""
+        start, end = int(pos[0]), int(pos[-1]) + 1
+        first = 0 if window is None else max(0, start - window + 1)
+        keys = torch.arange(first, end, dtype=torch.int64)
+        mask = None
+        if start > 0 or (window is not None and end > window):
+            mask = keys.unsqueeze(0) <= pos.unsqueeze(1)
+            if window is not None:
+                mask &= keys.unsqueeze(0) > pos.unsqueeze(1) - window
+            mask = mask.to(self.device)
         bs = self.block_size
+        return PrefillSpan(row, len(pos), (table[keys // bs] * bs + keys % bs).to(self.device),
+                           mask)
+
+    def _decode_groups(self, decodes: list[ScheduledChunk], first_row: int,
+                       window: int | None) -> tuple[DecodeGroup, ...]:
+        """Decodes (longest context first) in groups padded to their longest member, a new
+        group starting where padding would exceed a quarter of the group's real keys. On a
+        windowed layer each decode gathers only the blocks its window reaches."""
+        bs = self.block_size
+
+        def first_block(chunk: ScheduledChunk) -> int:
+            return 0 if window is None else max(0, chunk.start + 1 - window) // bs
+
+        def gathered(chunk: ScheduledChunk) -> int:  # keys from its first gathered block on
+            return chunk.start + 1 - first_block(chunk) * bs
+
+        groups: list[list[ScheduledChunk]] = []
+        longest = real = 0  # of the last group: its widest row and its real keys
+        for chunk in decodes:
+            keys = gathered(chunk)
+            if groups and max(longest, keys) * (len(groups[-1]) + 1) <= 1.25 * (real + keys):
+                groups[-1].append(chunk)
+                longest, real = max(longest, keys), real + keys
+                continue
+            groups.append([chunk])
+            longest = real = keys
+        result, row = [], first_row
         for group in groups:
-            context = group[0].start + 1
-            width = -(-context // bs)
+            width = max(-(-gathered(c) // bs) for c in group)
             tables = torch.zeros(len(group), width, dtype=torch.int64)
-            for i, chunk in enumerate(group):
-                table = chunk.request.block_table
-                tables[i, :len(table)] = torch.tensor(table[:width], dtype=torch.int64)
-            keys = torch.arange(width * bs, dtype=torch.int64)
-            lengths = torch.tensor([c.start + 1 for c in group], dtype=torch.int64)
+            firsts = [first_block(c) for c in group]
+            for i, (chunk, first) in enumerate(zip(group, firsts, strict=True)):
+                table = chunk.request.block_table[first:first + width]
+                tables[i, :len(table)] = torch.tensor(table, dtype=torch.int64)
+            # global position of each gathered key; a row sees those in [low, length)
+            positions = (torch.tensor(firsts, dtype=torch.int64).unsqueeze(1) * bs
+                         + torch.arange(width * bs, dtype=torch.int64))
+            lengths = torch.tensor([[c.start + 1] for c in group], dtype=torch.int64)
+            hidden = positions >= lengths
+            if window is not None:
+                hidden |= positions < lengths - window
             bias = torch.zeros(len(group), width * bs, dtype=self.dtype)
-            bias.masked_fill_(keys.unsqueeze(0) >= lengths.unsqueeze(1), float("-inf"))
+            bias.masked_fill_(hidden, float("-inf"))
             result.append(DecodeGroup(row, len(group), tables.to(self.device),
                                       bias.view(1, len(group), 1, width * bs).to(self.device)))
             row += len(group)

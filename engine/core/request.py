@@ -59,7 +59,7 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_time: float | None = None
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # a seeded request's, made at its first draw
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -97,9 +97,6 @@ class Request:
         if n < 2 or self.first_token_time is None or self.last_token_time is None:
             return None
         return (self.last_token_time - self.first_token_time) / (n - 1)
-
-    def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
 
     def tokens_between(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output without copying the whole sequence."""

@@ -1,4 +1,5 @@
-"""The token-budget scheduler: one budget a step, decodes first, stall-free chunked prefill.
+"""The token-budget scheduler: one budget a step, decodes first, stall-free chunked prefill;
+and, after the step, its bookkeeping (`update`: progress, tokens, stop conditions, freeing).
 
 Each step spends `max_num_batched_tokens` (vLLM V1): every runnable decode takes one token,
 then prefills in progress, then waiting requests, their chunks cut to what is left and
@@ -10,8 +11,9 @@ When blocks run out a decode preempts by RECOMPUTE the lowest-priority, latest a
 nothing new is admitted in that step.
 
 Waiting bound (tests/test_scheduler_properties.py): admission is FCFS by (priority,
-arrival); a later request goes before a queued earlier one only through tenant shares, or as
-a whole prompt shorter than a tile in budget the earlier one cannot use. With N requests
+arrival), a request's priority being its own plus its tenant's `tenant_priorities` entry; a
+later request goes before a queued earlier one only through a higher priority, tenant shares,
+or as a whole prompt shorter than a tile in budget the earlier one cannot use. With N requests
 queued at once, one tenant, chunking on and a pool that holds them all, request i's first
 chunk comes within floor(A_i / c) + floor(a_i / S) steps: A_i prompt tokens and a_i requests
 ahead of it, c = budget - (N - 1) - (chunk_tile - 1), S = max_prefill_chunks.
@@ -19,81 +21,66 @@ ahead of it, c = budget - (N - 1) - (chunk_tile - 1), S = max_prefill_chunks.
 
 from __future__ import annotations
 
-import enum
 import math
 from bisect import insort
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
-from engine.budget.cost_model import StepShape
 from engine.config import EngineConfig
+from engine.core.batch import (
+    Batch,
+    ModelRunnerOutput,
+    RequestOutput,
+    ScheduledChunk,
+    SchedulerMode,
+    StepShape,
+    StepTiming,
+)
 from engine.core.block_manager import BlockManager
-from engine.core.request import Request, RequestState
-from engine.events import Event, ModeChanged, Preempted
+from engine.core.request import ChunkTiming, Request, RequestState
+from engine.events import (
+    CacheEvict,
+    ChunkComplete,
+    Event,
+    FailCause,
+    Failed,
+    Finished,
+    ModeChanged,
+    Preempted,
+    SlowQuery,
+    TokensGenerated,
+)
 from engine.ops.telemetry import BandwidthSource
 
-
-class SchedulerMode(enum.StrEnum):
-    NORMAL = "NORMAL"
-    CACHE_PRESSURE_WAIT = "CACHE_PRESSURE_WAIT"
-    BANDWIDTH_THROTTLE = "BANDWIDTH_THROTTLE"
-
-
+RECENT_FINISHED = 64  # ended requests still shown in snapshots
 # throttle level -> chunk concurrency cap (level 3 also pauses new prefills)
 THROTTLE_CONCURRENCY = {0: None, 1: 2, 2: 1, 3: 1}
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
-    request: Request
-    start: int  # first token position computed this step
-    num_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the end of the known tokens, so a new token is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
-
-    @property
-    def is_decode(self) -> bool:
-        return self.request.state is RequestState.DECODING
-
-
-@dataclass
-class Batch:
-    prefills: list[ScheduledChunk] = field(default_factory=list)
-    decodes: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    mode: SchedulerMode = SchedulerMode.NORMAL
-
-    @property
-    def chunks(self) -> list[ScheduledChunk]:
-        """Prefill chunks first, then decodes: the packed order of the forward pass."""
-        return self.prefills + self.decodes
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.prefills) + len(self.decodes)
-
-    def shape(self) -> StepShape:
-        return StepShape(prefill=tuple((c.num_tokens, c.start) for c in self.prefills),
-                         decode_contexts=tuple(c.start + 1 for c in self.decodes))
-
-
-Predictor = Callable[[StepShape], float]
+Cost = Callable[[StepShape], float]
 
 
 class Scheduler:
+    """Owns every live request: `schedule` picks a step's batch, `update` books its result.
+
+    `predict` (seconds) and `bytes_moved` are the engine's cost model for a step shape; the
+    end-of-sequence ids and `max_model_len` are the model's stop conditions."""
+
     def __init__(self, config: EngineConfig, blocks: BlockManager, bandwidth: BandwidthSource,
-                 predict: Predictor, publish: Callable[[Event], None],
-                 clock: Callable[[], float]) -> None:
+                 predict: Cost, publish: Callable[[Event], None], clock: Callable[[], float],
+                 *, bytes_moved: Cost, eos_token_ids: Iterable[int],
+                 max_model_len: int) -> None:
         self.config = config
         self.blocks = blocks
         self.bandwidth = bandwidth
         self.predict = predict
+        self.bytes_moved = bytes_moved
         self.publish = publish
         self.clock = clock
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.requests: dict[str, Request] = {}  # live: waiting, running or preempted
+        self.recent: deque[Request] = deque(maxlen=RECENT_FINISHED)  # ended, newest last
         self.waiting: list[Request] = []  # sorted by _queue_key
         self.running: list[Request] = []  # admission order
         self.mode = SchedulerMode.NORMAL
@@ -106,16 +93,41 @@ class Scheduler:
 
     # --- queues -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
+        self.requests[request.id] = request
         request.set_state(RequestState.WAITING, "queued")
-        insort(self.waiting, request, key=_queue_key)
+        insort(self.waiting, request, key=self._queue_key)
 
-    def remove(self, request: Request) -> int:
-        """Take a request out of the queues and free its blocks; returns blocks freed."""
+    def finish(self, request: Request, state: RequestState, reason: str,
+               cause: FailCause | None = None) -> None:
+        """End a live request (FINISHED, or FAILED with its cause): its blocks go back to the
+        pool and its end is published. A request that already ended is left alone."""
+        if self.requests.pop(request.id, None) is None:
+            return
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        return self.blocks.release(request)
+        freed = self.blocks.release(request)
+        request.set_state(state, reason)
+        request.finish_time = self.clock()
+        self.recent.append(request)
+        if state is RequestState.FAILED:
+            self.publish(Failed(request_id=request.id, reason=reason,
+                                cause=cause or FailCause.FAULT))
+        else:
+            self.publish(Finished(
+                request_id=request.id, reason=reason, prompt_tokens=request.num_prompt_tokens,
+                generated_tokens=len(request.output_token_ids), ttft_s=request.ttft_s,
+                e2e_s=request.finish_time - request.arrival, budget_score=request.budget_score))
+        self.publish(CacheEvict(request_id=request.id, blocks_freed=freed,
+                                usage_after=self.blocks.usage))
+
+    def set_config(self, config: EngineConfig) -> None:
+        """Take a new configuration at a step boundary; tenant priorities reorder the queue."""
+        reorder = config.tenant_priorities != self.config.tenant_priorities
+        self.config = config
+        if reorder:
+            self.waiting.sort(key=self._queue_key)
 
     @property
     def token_budget(self) -> int:
@@ -126,6 +138,13 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def decode_load(self) -> tuple[int, int]:
+        """(D, S): running decodes and their mean context, the inputs of C*."""
+        decodes = [r for r in self.running if r.is_decoding]
+        if not decodes:
+            return 0, 0
+        return len(decodes), sum(r.num_tokens for r in decodes) // len(decodes)
 
     @property
     def chunk_queue_length(self) -> int:
@@ -168,7 +187,7 @@ class Scheduler:
     def _schedule_prefills(self, batch: Batch, budget: int) -> None:
         cfg = self.config
         in_progress = sorted((r for r in self.running if r.state is RequestState.PREFILL_CHUNKING),
-                             key=_queue_key)
+                             key=self._queue_key)
         slots = cfg.max_prefill_chunks
         cap = THROTTLE_CONCURRENCY[self.throttle_level]
         if cap is not None:
@@ -306,13 +325,95 @@ class Scheduler:
             start += size
         return total
 
+    # --- after the step -----------------------------------------------------------------
+    def update(self, batch: Batch, output: ModelRunnerOutput,
+               timing: StepTiming) -> list[RequestOutput]:
+        """Book a step's result: prefill progress and chunk records, the sampled tokens
+        appended, stop conditions, finished requests' blocks freed. An error in one request's
+        sampling, stop check or output fails that request alone (FAILED, cause FAULT); the
+        others go on."""
+        for chunk in batch.prefills:
+            self._record_chunk(chunk, timing)
+        for chunk in batch.decodes:
+            chunk.request.num_computed_tokens += 1
+        outputs = []
+        for chunk in batch.sampling:
+            request = chunk.request
+            error = output.errors.get(request.id)
+            if error is None:
+                try:
+                    token = output.token_ids[request.id]
+                    outputs.append(self._append_token(request, token, timing.end))
+                    continue
+                except Exception as exc:  # fault isolation: it fails this request only
+                    error = f"handling its token failed: {type(exc).__name__}: {exc}"
+            self.finish(request, RequestState.FAILED, error, FailCause.FAULT)
+            outputs.append(request_output(request, ()))
+        return outputs
+
+    def stop_reason(self, request: Request, token: int) -> str | None:
+        """Why `request` ends after emitting `token` ("stop", "length"), or None."""
+        params = request.params
+        if token in params.stop_token_ids:
+            return "stop"
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if len(request.output_token_ids) >= params.max_tokens:
+            return "length"
+        if request.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _record_chunk(self, chunk: ScheduledChunk, timing: StepTiming) -> None:
+        request = chunk.request
+        request.num_computed_tokens += chunk.num_tokens
+        index = len(request.chunks)
+        request.chunks.append(ChunkTiming(index, chunk.start, chunk.num_tokens,
+                                          timing.duration_s, timing.predicted_s))
+        alone = StepShape(prefill=((chunk.num_tokens, chunk.start),))
+        self.publish(ChunkComplete(
+            request_id=request.id, chunk_index=index, tokens=chunk.num_tokens,
+            start=chunk.start, duration_s=timing.duration_s,
+            estimated_bytes=self.bytes_moved(alone), predicted_s=timing.predicted_s,
+            prefill_done=chunk.samples))
+
+    def _append_token(self, request: Request, token: int, now: float) -> RequestOutput:
+        if request.state is RequestState.PREFILL_CHUNKING:
+            request.set_state(RequestState.DECODING, "prefill complete")
+            if request.prefill_finished is None:
+                request.prefill_finished = now
+                self._check_slow(request)
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.output_token_ids.append(token)
+        request.last_token_time = now
+        self.publish(TokensGenerated(request_id=request.id, token_ids=(token,)))
+        reason = self.stop_reason(request, token)
+        if reason:
+            self.finish(request, RequestState.FINISHED, reason)
+        return request_output(request, (token,))
+
+    def _check_slow(self, request: Request) -> None:
+        score = request.budget_score
+        if score is None or score <= self.config.slow_query_threshold:
+            return
+        chunks = tuple({"index": c.index, "start": c.start, "tokens": c.tokens,
+                        "duration_s": c.duration_s, "predicted_s": c.predicted_s}
+                       for c in request.chunks)
+        self.publish(SlowQuery(
+            request_id=request.id, tenant=request.tenant, budget_score=score,
+            prompt_tokens=request.num_prompt_tokens,
+            prefill_s=request.prefill_finished - request.prefill_started,
+            budgeted_s=request.budgeted_prefill_s or 0.0, chunks=chunks,
+            config=self.config.live_values(), tag=request.tag))
+
     # --- preemption ---------------------------------------------------------------------
     def _pick_victim(self) -> Request:
         """Lowest priority, latest arrival; requests preempted often are protected."""
         protect = self.config.preempt_protect_after
         candidates = [r for r in self.running if r.num_preemptions < protect] or self.running
         # equal arrivals: the latest admitted goes, as the waiting queue orders ties
-        return min(reversed(candidates), key=lambda r: (r.priority, -r.arrival))
+        return min(reversed(candidates), key=lambda r: (self._priority(r), -r.arrival))
 
     def _preempt(self, victim: Request, batch: Batch) -> None:
         discarded = victim.num_computed_tokens
@@ -321,7 +422,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         victim.set_state(RequestState.PREEMPTED, "KV blocks exhausted; will recompute")
-        insort(self.waiting, victim, key=_queue_key)
+        insort(self.waiting, victim, key=self._queue_key)
         batch.preempted.append(victim)
         self.publish(Preempted(request_id=victim.id, reason=victim.reason,
                                tokens_discarded=discarded))
@@ -361,6 +462,16 @@ class Scheduler:
             self.publish(ModeChanged(old=self.mode.value, new=mode.value, reason=reason))
             self.mode, self.throttle_level = mode, level
 
+    def _priority(self, request: Request) -> int:
+        """The request's own priority plus its tenant's entry in tenant_priorities."""
+        return request.priority + self.config.tenant_priorities.get(request.tenant, 0)
 
-def _queue_key(request: Request) -> tuple[int, float]:
-    return (-request.priority, request.arrival)
+    def _queue_key(self, request: Request) -> tuple[int, float]:
+        return (-self._priority(request), request.arrival)
+
+
+def request_output(request: Request, new_tokens: tuple[int, ...]) -> RequestOutput:
+    return RequestOutput(request_id=request.id, new_token_ids=new_tokens,
+                         token_ids=tuple(request.output_token_ids),
+                         finished=request.state.is_final, finish_reason=request.reason
+                         if request.state.is_final else None, state=request.state.value)

@@ -29,21 +29,18 @@ import torch
 
 from engine.budget.peaks import measure_peaks
 from engine.config import EngineConfig
+from engine.core.batch import Batch, ModelRunnerOutput
 from engine.core.engine import Engine, RequestOutput
 from engine.core.request import RequestState
-from engine.core.scheduler import ScheduledChunk
 from engine.errors import EngineError
 from engine.harness.workload import WorkloadRequest
 from engine.ops.telemetry import BandwidthSource, InjectedBandwidth, ModelBandwidth
 from engine.store import StoreWriter, open_database, unfinished_requests
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "synthetic:tiny"
 KV_POOL_BYTES = 1 << 20  # 128 tiny blocks: small enough to run out, large enough to serve
 STEP_BUDGET = 32
 CHUNK_TILE = 8
-CRASH_FLAGS = ["--model", MODEL, "--device", "cpu", "--dtype", "float32",
-               "--max-num-batched-tokens", "8", "--chunk-tile", "8"]
 POLL_S = 0.01  # how often the crash scenario looks at the other process's journal
 RETRIES = 3  # attempts a client makes for a request a protection layer failed
 SPIKE_UTIL = 0.99  # over bandwidth_pause: the throttle goes all the way to level 3
@@ -209,7 +206,7 @@ def kv_exhaustion(settings: ChaosSettings, expected: dict[str, list[int]],
     """Every free KV block reserved away mid-run; the engine preempts and waits, then resumes."""
     engine = chaos_engine()
     harness = _Harness(engine, requests)
-    harness.run_until(lambda: any(r.is_decoding for r in engine.requests.values()),
+    harness.run_until(lambda: any(r.is_decoding for r in engine.scheduler.requests.values()),
                       time.monotonic() + settings.bound_s)
     preemptions = engine.metrics.preemptions_total
     held = engine.blocks.reserve(engine.blocks.num_blocks)
@@ -274,10 +271,10 @@ def slow_chunks(settings: ChaosSettings, expected: dict[str, list[int]],
     slow_until = time.monotonic() + settings.fault_s
     forward = engine.runner.run
 
-    def slow_forward(chunks: list[ScheduledChunk]) -> torch.Tensor:
-        if time.monotonic() < slow_until and any(not c.is_decode for c in chunks):
+    def slow_forward(batch: Batch) -> ModelRunnerOutput:
+        if time.monotonic() < slow_until and batch.prefills:
             time.sleep(delay_s)  # the injected fault: a slow kernel
-        return forward(chunks)
+        return forward(batch)
 
     engine.runner.run = slow_forward
     harness = _Harness(engine, requests)
@@ -341,7 +338,8 @@ def locked_database(settings: ChaosSettings, expected: dict[str, list[int]],
 # --- the crash scenario ---------------------------------------------------------------------
 def sigkill(settings: ChaosSettings, expected: dict[str, list[int]],
             requests: Sequence[WorkloadRequest]) -> ScenarioResult:
-    """SIGKILL of `tokenflow run` mid-chunk, then `run --resume` from the journal."""
+    """SIGKILL of a journaling engine process (engine.harness.chaos_child) mid-chunk, then
+    the same with `--resume` from the journal."""
     with tempfile.TemporaryDirectory(prefix="tokenflow-chaos-") as tmp:
         folder = Path(tmp)
         source, output, db = folder / "requests.jsonl", folder / "out.jsonl", folder / "j.db"
@@ -349,8 +347,7 @@ def sigkill(settings: ChaosSettings, expected: dict[str, list[int]],
                                               "prompt_token_ids": list(r.prompt_token_ids),
                                               "max_tokens": r.max_tokens}) + "\n"
                                   for r in requests))
-        args = [*CRASH_FLAGS, "--requests", str(source), "--output", str(output), "--db",
-                str(db)]
+        args = ["--requests", str(source), "--output", str(output), "--db", str(db)]
         deadline = time.monotonic() + settings.bound_s
         mid_chunk = ("SELECT 1 FROM request_journal WHERE prefilled_tokens > 0 "
                      "AND generated_tokens = 0 AND state = 'PREFILL_CHUNKING'")
@@ -383,10 +380,12 @@ def sigkill(settings: ChaosSettings, expected: dict[str, list[int]],
 
 
 def _launch(args: list[str]) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(PROJECT_ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "console.cli.main", "run", *args], env=env,
-                            cwd=PROJECT_ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    # the child imports the engine this process runs, wherever it is installed
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+           "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "engine.harness.chaos_child", *args],
+                            env=env, cwd=Path(args[args.index("--db") + 1]).parent,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def _wait(process: subprocess.Popen[bytes], condition: Callable[[], bool], deadline: float,

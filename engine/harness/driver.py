@@ -6,6 +6,7 @@ at its intended arrival, so queueing shows up in TTFT as a client would see it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import deque
@@ -17,7 +18,7 @@ from engine.budget.peaks import DevicePeaks
 from engine.core.engine import Engine, RequestOutput
 from engine.events import ChunkComplete, Event, Preempted, SlowQuery, StepComplete, TokensGenerated
 from engine.harness.workload import WorkloadRequest
-from engine.ops.metrics import percentiles
+from engine.stats import ms, percentiles_ms
 
 IDLE_STEP_S = 1e-3  # what an empty pass of the engine loop costs, about
 
@@ -102,7 +103,7 @@ class RunResult:
             "ttft_ms": _ms_percentiles([r.ttft_s for r in finished if r.ttft_s is not None]),
             "tpot_ms": _ms_percentiles([r.tpot_s for r in finished if r.tpot_s is not None]),
             # every gap between two tokens: the seed's per-token TPOT, Sarathi-Serve's TBT
-            "itl_ms": {**_ms_percentiles(itl), "max": max(itl) * 1e3 if itl else None},
+            "itl_ms": {**_ms_percentiles(itl), "max": ms(max(itl)) if itl else None},
             "step_ms": _ms_percentiles(self.step_s),
             "steps": len(self.step_s),
             "preemptions": self.preemptions,
@@ -111,9 +112,7 @@ class RunResult:
 
 
 def _ms_percentiles(values: list[float]) -> dict[str, float | None]:
-    p = percentiles(values)
-    return {k: None if v is None else v * 1e3
-            for k, v in (("p50", p.p50), ("p90", p.p90), ("p99", p.p99))}
+    return dataclasses.asdict(percentiles_ms(values))
 
 
 class Recorder:

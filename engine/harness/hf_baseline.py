@@ -13,56 +13,62 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from engine.errors import EngineError
 from engine.harness.driver import RequestRecord, RunResult
 from engine.harness.workload import WorkloadRequest
+from engine.model.checkpoint import to_hf
 from engine.model.config import ModelConfig
-from engine.model.llama import LlamaModel
+from engine.model.transformer import Transformer
 
 
-def hf_model(model: LlamaModel, config: ModelConfig) -> torch.nn.Module:
-    """An HF LlamaForCausalLM / Qwen2ForCausalLM carrying our model's exact weights."""
+def hf_model(model: Transformer, config: ModelConfig) -> torch.nn.Module:
+    """The transformers model of `config`'s family carrying our model's exact weights."""
     try:
         import transformers
     except ImportError:
         raise EngineError("the hf baseline needs transformers: pip install -e '.[dev]'") from None
-    common = dict(vocab_size=config.vocab_size, hidden_size=config.hidden_size,
-                  intermediate_size=config.intermediate_size,
-                  num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
-                  num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim,
-                  rms_norm_eps=config.rms_norm_eps,
-                  max_position_embeddings=config.max_position_embeddings,
-                  tie_word_embeddings=config.tie_word_embeddings, rope_theta=config.rope_theta,
-                  rope_scaling=config.rope_scaling, pad_token_id=0)
-    if config.architecture == "qwen2":
-        hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
-    else:
-        hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
-    hf.load_state_dict(_split_fused(model, config), strict=False)
+    family = config.family
+    hf_config = getattr(transformers, family.hf_config)(**_hf_config_fields(config))
+    hf = getattr(transformers, family.hf_architecture)(hf_config)
+    result = hf.load_state_dict(to_hf(model.state_dict(), config), strict=False)
+    missing = [key for key in result.missing_keys if "rotary" not in key]
+    if missing or result.unexpected_keys:
+        raise EngineError(f"the hf baseline's {family.hf_architecture} does not match our "
+                          f"weights: missing {missing[:3]}, unexpected "
+                          f"{result.unexpected_keys[:3]}")
     dtype = next(model.parameters()).dtype
     return hf.to(dtype=dtype, device=next(model.parameters()).device).eval()
 
 
-def _split_fused(model: LlamaModel, config: ModelConfig) -> dict[str, torch.Tensor]:
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    state: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():
-        if ".qkv_proj." in name:
-            for part, piece in zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv]),
-                                   strict=True):
-                state["model." + name.replace("qkv_proj", part)] = piece
-        elif ".gate_up_proj." in name:
-            gate, up = tensor.split(config.intermediate_size)
-            state["model." + name.replace("gate_up_proj", "gate_proj")] = gate
-            state["model." + name.replace("gate_up_proj", "up_proj")] = up
-        elif name.startswith("lm_head"):
-            state[name] = tensor
-        else:
-            state["model." + name] = tensor
-    return state
+def _hf_config_fields(config: ModelConfig) -> dict[str, Any]:
+    """`config` in transformers' config.json names, for its family's config class."""
+    family = config.family
+    fields: dict[str, Any] = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size, num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings, rope_theta=config.rope_theta,
+        rope_scaling=config.rope_scaling, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+        hidden_act=config.hidden_act, hidden_activation=config.hidden_act,
+        sliding_window=config.sliding_window,
+    )
+    if family.name not in ("mistral", "phi3"):  # these put their window on every layer
+        fields["layer_types"] = ["sliding_attention" if config.window(i) else "full_attention"
+                                 for i in range(config.num_layers)]
+        fields["use_sliding_window"] = bool(config.sliding_layers)
+    if family.gemma:
+        fields.update(query_pre_attn_scalar=config.query_pre_attn_scalar or config.head_dim,
+                      attn_logit_softcapping=config.attn_softcap,
+                      final_logit_softcapping=config.final_softcap)
+    if config.rope_local_theta is not None:
+        fields["rope_local_base_freq"] = config.rope_local_theta
+    return fields
 
 
 class _StepClock:

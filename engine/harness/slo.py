@@ -17,16 +17,15 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.budget.roofline import StepShape
 from engine.config import SamplingParams
+from engine.core.batch import Batch, ScheduledChunk, StepShape
 from engine.core.engine import Engine
 from engine.core.request import Request, RequestState
-from engine.core.scheduler import ScheduledChunk
 from engine.harness.driver import RunResult
+from engine.stats import ms, quantile
 
 TPOT_MULTIPLE = 5.0
 DELAY_MULTIPLE = 25.0
@@ -43,8 +42,8 @@ class SLO:
         return cls(decode_step_s, TPOT_MULTIPLE * decode_step_s, DELAY_MULTIPLE * decode_step_s)
 
     def to_dict(self) -> dict[str, float]:
-        return {"decode_step_ms": self.decode_step_s * 1e3, "tpot_ms": self.tpot_s * 1e3,
-                "scheduling_delay_ms": self.delay_s * 1e3}
+        return {"decode_step_ms": ms(self.decode_step_s), "tpot_ms": ms(self.tpot_s),
+                "scheduling_delay_ms": ms(self.delay_s)}
 
 
 def measure_decode_step(engine: Engine, batch: int = 8, context: int = 128,
@@ -57,14 +56,14 @@ def measure_decode_step(engine: Engine, batch: int = 8, context: int = 128,
         engine.blocks.grow(request, context)
         request.num_computed_tokens = context - 1
         requests.append(request)
-    chunks = [ScheduledChunk(r, context - 1, 1) for r in requests]
+    step = Batch(decodes=[ScheduledChunk(r, context - 1, 1) for r in requests])
     try:
-        engine.runner.run(chunks)  # warm-up
+        engine.runner.run(step)  # warm-up
         samples = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            engine.runner.run(chunks)
-            samples.append(time.perf_counter() - start)
+        for _ in range(repeats):  # on the engine's clock: a simulated step takes simulated time
+            start = engine.clock()
+            engine.runner.run(step)
+            samples.append(engine.clock() - start)
     finally:
         for request in requests:
             engine.blocks.release(request)
@@ -103,13 +102,6 @@ def isolated_prefill(engine: Engine) -> Callable[[int], float]:
     return predict
 
 
-def p99(values: list[float]) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-
-
 # What the TPOT SLO is checked against: "tpot", each request's mean time per output token
 # (vLLM's and DistServe's TPOT), or "tbt", every single gap between two tokens (Sarathi-Serve's
 # time between tokens, which a stall shows in full instead of averaged over the request).
@@ -129,15 +121,16 @@ class CapacityProbe:
     def of(cls, rate: float, result: RunResult, slo: SLO, metric: str) -> CapacityProbe:
         """P99 TPOT (or TBT) and P99 scheduling delay within the SLO, every request done."""
         records = list(result.records.values())
-        tpot = p99([r.tpot_s for r in records if r.tpot_s is not None])
-        tbt = p99([gap for r in records for gap in r.inter_token_s()])
-        delay = p99([r.scheduling_delay_s for r in records if r.scheduling_delay_s is not None])
+        tpot = quantile([r.tpot_s for r in records if r.tpot_s is not None], 0.99)
+        tbt = quantile([gap for r in records for gap in r.inter_token_s()], 0.99)
+        delay = quantile([r.scheduling_delay_s for r in records
+                          if r.scheduling_delay_s is not None], 0.99)
         latency = tpot if metric == "tpot" else tbt
         ok = (all(r.state == "FINISHED" for r in records)
               and (latency is None or latency <= slo.tpot_s)
               and (delay is None or delay <= slo.delay_s))
         return cls(rate, len(records), ok,
-                   *(None if v is None else v * 1e3 for v in (tpot, tbt, delay)))
+                   ms(tpot), ms(tbt), ms(delay))
 
 
 def capacity(run_at: Callable[[float], RunResult], slo: SLO, low: float, high: float,

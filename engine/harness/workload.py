@@ -7,22 +7,21 @@ and seed alone. Lengths in the seed are for a GPU; `length_scale` shrinks them f
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import itertools
 import json
 import math
-import os
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from engine.config import SamplingParams
 from engine.errors import EngineError
+from engine.harness.trace import SHIPPED_TRACES, TraceRow, load_trace, sample_trace, shipped_trace
+from engine.stats import LengthStats
 
 # Token ids 0..2 are special (pad/bos/eos) in the synthetic tokenizer; prompts avoid them so
 # a random prompt never ends a sequence early or looks like padding.
@@ -34,13 +33,9 @@ FIRST_PROMPT_TOKEN_ID = 3
 CPU_LENGTH_SCALE = 1 / 8
 GPU_LENGTH_SCALE = 1.0
 
-TRACE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
-SHIPPED_TRACES = {"conv": "azure_llm_2023_conv.csv", "code": "azure_llm_2023_code.csv"}
-SAMPLE_MODES = ("window", "stratified")
-
 
 class WorkloadError(EngineError):
-    """A workload spec, trace or request file cannot be used."""
+    """A workload spec or request file cannot be used (trace files raise TraceError)."""
 
 
 @dataclass(frozen=True)
@@ -138,10 +133,12 @@ def build_workload(
                                  profile.rate if rate is None else rate, rng)
         label = profile.name
     elif spec in SHIPPED_TRACES or spec.startswith("trace:"):
-        path = traces_dir() / SHIPPED_TRACES[spec] if spec in SHIPPED_TRACES else Path(spec[6:])
-        label = spec if spec in SHIPPED_TRACES else path.stem
-        drafts = _trace_drafts(load_trace(path), num_requests or TRACE_DEFAULT_REQUESTS, rate,
-                               sample, label, rng)
+        if spec in SHIPPED_TRACES:
+            rows, label = load_trace(shipped_trace(spec)), spec
+        else:
+            rows, label = load_trace(spec[6:]), Path(spec[6:]).stem
+        drafts = _trace_drafts(rows, num_requests or TRACE_DEFAULT_REQUESTS, rate, sample, label,
+                               rng)
     else:
         choices = ", ".join([*PROFILES, *SHIPPED_TRACES, "trace:PATH"])
         raise WorkloadError(f"unknown workload {spec!r}; choose one of {choices}")
@@ -207,70 +204,6 @@ def _check_positive(name: str, value: float) -> None:
 
 
 # --- trace replay ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TraceRow:
-    arrival_s: float  # seconds after the trace's first request
-    context_tokens: int
-    generated_tokens: int
-
-
-def traces_dir() -> Path:
-    override = os.environ.get("TOKENFLOW_TRACES_DIR")
-    if override:
-        return Path(override)
-    return Path(__file__).resolve().parents[1].parent / "shared" / "traces"
-
-
-def load_trace(path: Path | str) -> list[TraceRow]:
-    """Rows of an Azure LLM inference trace (TIMESTAMP, ContextTokens, GeneratedTokens)."""
-    path = Path(path)
-    expected = ", ".join(TRACE_COLUMNS)
-    try:
-        with path.open(newline="") as f:
-            reader = csv.DictReader(f)
-            missing = [c for c in TRACE_COLUMNS if c not in (reader.fieldnames or [])]
-            if missing:
-                raise WorkloadError(
-                    f"{path}: missing column(s) {', '.join(missing)}; a trace needs {expected}"
-                )
-            parsed = [(_parse_row(path, reader.line_num, row)) for row in reader]
-    except OSError as exc:
-        raise WorkloadError(
-            f"cannot read trace {path} ({exc.strerror}); give a CSV with columns {expected}"
-        ) from None
-    if not parsed:
-        raise WorkloadError(f"{path}: no rows; a trace needs {expected} and at least one row")
-    parsed.sort(key=lambda row: row[0])
-    start = parsed[0][0]
-    return [TraceRow((ts - start).total_seconds(), ctx, gen) for ts, ctx, gen in parsed]
-
-
-def _parse_row(path: Path, line: int, row: dict[str, str]) -> tuple[datetime, int, int]:
-    try:
-        return (datetime.fromisoformat(row["TIMESTAMP"]), int(row["ContextTokens"]),
-                int(row["GeneratedTokens"]))
-    except (TypeError, ValueError):
-        raise WorkloadError(
-            f"{path}:{line}: bad row {row}; expected TIMESTAMP like '2023-11-16 18:17:03.97996' "
-            "and integer ContextTokens, GeneratedTokens"
-        ) from None
-
-
-def sample_trace(rows: Sequence[TraceRow], n: int, mode: str,
-                 rng: random.Random) -> list[TraceRow]:
-    """n rows in time order: a contiguous window at a random offset keeps the burst pattern;
-    one row from each of n equal strata keeps the whole trace's length mix and daily shape."""
-    if n > len(rows):
-        raise WorkloadError(f"asked for {n} requests but the trace has only {len(rows)} rows")
-    if mode == "window":
-        start = rng.randrange(len(rows) - n + 1)
-        return list(rows[start : start + n])
-    if mode == "stratified":
-        bounds = [len(rows) * i // n for i in range(n + 1)]
-        return [rows[rng.randrange(lo, hi)] for lo, hi in itertools.pairwise(bounds)]
-    raise WorkloadError(f"unknown sample mode {mode!r}; choose one of {', '.join(SAMPLE_MODES)}")
 
 
 def _trace_drafts(rows: list[TraceRow], n: int, rate: float | None, mode: str, label: str,
@@ -398,16 +331,6 @@ def _parse_request(where: str, line: str,
 
 
 @dataclass(frozen=True)
-class LengthStats:
-    p50: float
-    p90: float
-    p99: float
-    max: int
-    mean: float
-    total: int
-
-
-@dataclass(frozen=True)
 class WorkloadStats:
     """What bench JSON reports under "workload"."""
 
@@ -430,24 +353,9 @@ def describe(requests: Sequence[WorkloadRequest]) -> WorkloadStats:
     return WorkloadStats(
         requests=len(requests),
         tenants=dict(sorted(Counter(r.tenant for r in requests).items())),
-        prompt_tokens=_length_stats([len(r.prompt_token_ids) for r in requests]),
-        output_tokens=_length_stats([r.max_tokens for r in requests]),
+        prompt_tokens=LengthStats.of([len(r.prompt_token_ids) for r in requests]),
+        output_tokens=LengthStats.of([r.max_tokens for r in requests]),
         duration_s=duration,
         # n arrivals span n - 1 gaps, so that is the rate a Poisson process would show.
         rate_per_s=(len(requests) - 1) / duration if duration > 0 else None,
     )
-
-
-def _length_stats(values: list[int]) -> LengthStats:
-    ordered = sorted(values)
-    return LengthStats(p50=_percentile(ordered, 50), p90=_percentile(ordered, 90),
-                       p99=_percentile(ordered, 99), max=ordered[-1],
-                       mean=round(sum(ordered) / len(ordered), 2), total=sum(ordered))
-
-
-def _percentile(ordered: list[int], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default)."""
-    pos = (len(ordered) - 1) * q / 100
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return round(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo), 2)

@@ -10,16 +10,17 @@ import torch
 from safetensors import safe_open
 
 from engine.errors import ModelLoadError
-from engine.model.config import ModelConfig, from_hf_config, preset
-from engine.model.llama import LlamaModel
+from engine.model.checkpoint import expected_parts, fused_part, to_ours
+from engine.model.config import PRESETS, ModelConfig, from_hf_config, preset
 from engine.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from engine.model.transformer import Transformer
 
 SYNTHETIC_PREFIX = "synthetic:"
 
 
 @dataclass
 class LoadedModel:
-    model: LlamaModel
+    model: Transformer
     config: ModelConfig
     tokenizer: Tokenizer
 
@@ -58,49 +59,32 @@ def _model_dir(name: str) -> Path:
     if not path.is_dir():
         raise ModelLoadError(
             f"model {name!r} not found: pass a local Hugging Face directory (config.json and "
-            f"*.safetensors) or synthetic:<preset> (tiny, small, 150m, 1b, 7b, 8b)"
+            f"*.safetensors) or synthetic:<preset> ({', '.join(PRESETS)})"
         )
     return path
 
 
 def _build(config: ModelConfig, max_positions: int, use_flash: bool, device: torch.device,
-           dtype: torch.dtype) -> LlamaModel:
+           dtype: torch.dtype) -> Transformer:
     with torch.device(device):
-        model = LlamaModel(config, max_positions, use_flash)
+        model = Transformer(config, max_positions, use_flash)
     # rope tables stay fp32; everything else in the serving dtype
     return model.to(dtype=dtype).eval().requires_grad_(False)
 
 
-def _init_random(model: LlamaModel, seed: int) -> None:
+def _init_random(model: Transformer, seed: int) -> None:
     generator = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("layernorm.weight") or name == "norm.weight":
+            if name.endswith("norm.weight"):  # norms keep their identity init
                 continue
             values = torch.randn(param.shape, generator=generator) * 0.02
             param.copy_(values.to(param.dtype))
 
 
-def _hf_to_ours(name: str) -> tuple[str, int | None]:
-    """Map a Hugging Face weight name to ours, with the slot in a fused projection."""
-    name = name.removeprefix("model.")
-    for part, (fused, slot) in _FUSED.items():
-        if f".{part}." in name:
-            return name.replace(f".{part}.", f".{fused}."), slot
-    return name, None
-
-
-_FUSED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
-
-
-def _load_safetensors(model: LlamaModel, directory: Path, config: ModelConfig) -> None:
+def _load_safetensors(model: Transformer, directory: Path, config: ModelConfig) -> None:
     files = _weight_files(directory)
     params = dict(model.named_parameters())
-    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    sizes = {"qkv_proj": [q, kv, kv], "gate_up_proj": [config.intermediate_size] * 2}
     loaded: set[str] = set()
     with torch.no_grad():
         for file in files:
@@ -109,15 +93,13 @@ def _load_safetensors(model: LlamaModel, directory: Path, config: ModelConfig) -
                     tied_head = config.tie_word_embeddings and hf_name == "lm_head.weight"
                     if "rotary_emb" in hf_name or tied_head:
                         continue
-                    name, slot = _hf_to_ours(hf_name)
+                    name, slot = to_ours(hf_name, config)
                     if name not in params:
                         raise ModelLoadError(f"{file}: unexpected weight {hf_name}")
                     tensor = handle.get_tensor(hf_name)
                     target = params[name]
                     if slot is not None:
-                        fused = name.split(".")[-2]
-                        offset = sum(sizes[fused][:slot])
-                        target = target.narrow(0, offset, sizes[fused][slot])
+                        target = fused_part(target, name, slot, config)
                         loaded.add(f"{name}#{slot}")
                     else:
                         loaded.add(name)
@@ -127,13 +109,7 @@ def _load_safetensors(model: LlamaModel, directory: Path, config: ModelConfig) -
                             f"implies {tuple(target.shape)}"
                         )
                     target.copy_(tensor.to(target.dtype))
-    expected = set()
-    for name in params:
-        fused = name.split(".")[-2] if name.count(".") else ""
-        if fused in sizes:
-            expected.update(f"{name}#{slot}" for slot in range(len(sizes[fused])))
-        else:
-            expected.add(name)
+    expected = {key for name in params for key in expected_parts(name, config)}
     if config.tie_word_embeddings:
         expected.discard("lm_head.weight")
     missing = sorted(expected - loaded)

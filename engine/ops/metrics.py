@@ -22,6 +22,7 @@ from engine.events import (
     TokensGenerated,
 )
 from engine.snapshot import Percentiles
+from engine.stats import percentiles_ms
 
 # vLLM's bucket boundaries, so dashboards built for vLLM read ours the same way.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -61,17 +62,6 @@ class Histogram:
         return rows
 
 
-def percentiles(values: list[float] | deque[float]) -> Percentiles:
-    if not values:
-        return Percentiles()
-    ordered = sorted(values)
-
-    def at(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-    return Percentiles(p50=at(0.50), p90=at(0.90), p99=at(0.99))
-
-
 class Metrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -82,7 +72,6 @@ class Metrics:
         self.requests_rejected_total = 0
         self.requests_failed_total = 0
         self.slow_queries_total = 0
-        self.steps_total = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
@@ -101,7 +90,6 @@ class Metrics:
     def _observe(self, event: Event) -> None:
         match event:
             case StepComplete():
-                self.steps_total += 1
                 tokens = event.prefill_tokens + event.decode_seqs
                 self.iteration_tokens.observe(tokens)
                 self.recent_step.append(event.duration_s)
@@ -154,12 +142,5 @@ class Metrics:
         """(TTFT ms, TPOT ms, step ms) percentiles over recent requests and steps."""
         with self._lock:
             windows = (list(self.recent_ttft), list(self.recent_tpot), list(self.recent_step))
-        ttft, tpot, step = (_ms(percentiles(w)) for w in windows)
+        ttft, tpot, step = (percentiles_ms(w) for w in windows)
         return ttft, tpot, step
-
-
-def _ms(p: Percentiles) -> Percentiles:
-    def scale(v: float | None) -> float | None:
-        return None if v is None else v * 1000.0
-
-    return Percentiles(p50=scale(p.p50), p90=scale(p.p90), p99=scale(p.p99))

@@ -192,7 +192,12 @@ class EngineLoop:
             return
         if output.finished:
             del self._callbacks[output.request_id]
-        callback(output)
+        try:
+            callback(output)
+        except Exception as exc:  # a fault in one request's output fails that request alone
+            self._callbacks.pop(output.request_id, None)
+            self.engine.fail(output.request_id, f"delivering its output failed: "
+                                                f"{type(exc).__name__}: {exc}")
 
     def _publish_snapshot(self, force: bool = False) -> None:
         now = time.monotonic()

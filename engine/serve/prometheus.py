@@ -56,6 +56,10 @@ def render_metrics(engine: Engine, snapshot: Snapshot) -> str:
     histogram("budget_score", "Actual over budgeted prefill time, per request.", m.budget_score)
     counter("slow_queries", "Requests whose budget_score passed the slow-query threshold.",
             m.slow_queries_total)
+    counter("requests_rejected", "Requests that could never be served (too long, breaker).",
+            m.requests_rejected_total)
+    counter("requests_failed", "Requests failed by a protection layer or their own error.",
+            m.requests_failed_total)
     return "\n".join(out) + "\n"
 
 

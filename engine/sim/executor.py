@@ -11,15 +11,15 @@ The clock is the engine's: a `VirtualClock` jumps (as fast as the CPU can schedu
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from engine.budget.calibrate import apply
 from engine.config import EngineConfig
+from engine.core.batch import Batch, ModelRunnerOutput
 from engine.core.engine import Engine
 from engine.core.model_runner import DTYPES
-from engine.core.scheduler import Batch
 from engine.errors import EngineError
 from engine.model.loader import model_config_for, tokenizer_for
 from engine.sim.target import SimTarget
@@ -81,14 +81,6 @@ class SimulatedDevice:
         return self.label
 
 
-@dataclass(frozen=True)
-class SimulatedOutput:
-    """The sampled token of each request whose chunk samples (the runner's output)."""
-
-    token_ids: dict[str, int] = field(default_factory=dict)
-    errors: dict[str, str] = field(default_factory=dict)
-
-
 class SimulatedExecutor:
     """The surface of ModelRunner that the engine uses, sized from the model's config."""
 
@@ -118,7 +110,10 @@ class SimulatedExecutor:
     def zero_blocks(self, blocks: list[int]) -> None:
         """There is no KV tensor to zero; allocation is still the block manager's."""
 
-    def run(self, batch: Batch) -> SimulatedOutput:
+    def move_blocks(self, source: list[int], target: list[int]) -> None:
+        """Compaction renumbers block tables (the block manager's); no KV rows to move."""
+
+    def run(self, batch: Batch) -> ModelRunnerOutput:
         """Advance the clock by the predicted step time; a placeholder token per sampling
         chunk."""
         start = self.clock()
@@ -127,7 +122,7 @@ class SimulatedExecutor:
         tokens = {c.request.id: self._placeholder(c.request.num_tokens, c.request.params
                                                   .stop_token_ids)
                   for c in batch.chunks if c.samples}
-        return SimulatedOutput(token_ids=tokens)
+        return ModelRunnerOutput(token_ids=tokens)
 
     def _placeholder(self, position: int, stop: tuple[int, ...]) -> int:
         """A deterministic token that never ends a request early: only max_tokens (or the

@@ -23,8 +23,8 @@ from engine.budget.calibrate import latest_stored
 from engine.budget.cost_model import BudgetModel
 from engine.budget.peaks import DevicePeaks, measure_peaks
 from engine.budget.predictor import StepTimePredictor
-from engine.budget.roofline import StepShape
 from engine.config import ConfigError, EngineConfig
+from engine.core.batch import StepShape
 from engine.core.model_runner import CPU_KV_BYTES_DEFAULT, resolve_device, resolve_dtype
 from engine.model.config import ModelConfig
 from engine.model.loader import model_config_for

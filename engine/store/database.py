@@ -26,7 +26,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from engine.errors import EngineError
 
-MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+# Package data beside this module, so an installed wheel migrates as a checkout does.
+MIGRATIONS_DIR = Path(__file__).resolve().with_name("migrations")
 BUSY_TIMEOUT_MS = 5000  # the longest a writer waits for another process's lock
 SQLITE_HEADER = b"SQLite format 3\x00"
 

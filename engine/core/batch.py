@@ -1,0 +1,130 @@
+"""The step's contracts: what the scheduler hands the runner (`Batch` of `ScheduledChunk`s),
+what the runner hands back (`ModelRunnerOutput`), what a step cost (`StepShape`, `StepTiming`)
+and what a caller of `Engine.step` receives (`RequestOutput`).
+
+The runner, the cost models, the calibrator, the SLO code and the chaos harness import this
+module rather than the scheduler (vLLM V1 keeps `SchedulerOutput` apart for the same reason).
+It imports nothing heavy, so `tokenflow roofline` stays free of torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.core.request import Request
+
+
+class SchedulerMode(enum.StrEnum):
+    NORMAL = "NORMAL"
+    CACHE_PRESSURE_WAIT = "CACHE_PRESSURE_WAIT"
+    BANDWIDTH_THROTTLE = "BANDWIDTH_THROTTLE"
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step computes, as the cost models need it.
+
+    prefill: (chunk_tokens, context_before) per prefill chunk in the step; decode_contexts: the
+    cached context length of each decode sequence.
+    """
+
+    prefill: tuple[tuple[int, int], ...] = ()
+    decode_contexts: tuple[int, ...] = ()
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(chunk for chunk, _ in self.prefill)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the forward pass runs: the unit of the token budget."""
+        return self.prefill_tokens + len(self.decode_contexts)
+
+    @property
+    def logits_rows(self) -> int:
+        """Rows of logits computed: one per prefill chunk end and one per decode."""
+        return len(self.prefill) + len(self.decode_contexts)
+
+    @property
+    def cached_tokens_read(self) -> int:
+        """KV entries read from the cache: every token of context the step attends to."""
+        return sum(before for _, before in self.prefill) + sum(self.decode_contexts)
+
+    @property
+    def kv_tokens_after(self) -> int:
+        """KV entries the step's sequences hold once it has run."""
+        return self.cached_tokens_read + self.prefill_tokens + len(self.decode_contexts)
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    request: Request
+    start: int  # first token position computed this step
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the known tokens, so a new token is sampled."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.request.is_decoding
+
+
+@dataclass
+class Batch:
+    prefills: list[ScheduledChunk] = field(default_factory=list)
+    decodes: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    mode: SchedulerMode = SchedulerMode.NORMAL
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        """Prefill chunks first, then decodes: the packed order of the forward pass."""
+        return self.prefills + self.decodes
+
+    @property
+    def sampling(self) -> list[ScheduledChunk]:
+        """The chunks that sample a token, in `chunks` order (the rows of the logits)."""
+        return [c for c in self.chunks if c.samples]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.prefills) + len(self.decodes)
+
+    def shape(self) -> StepShape:
+        return StepShape(prefill=tuple((c.num_tokens, c.start) for c in self.prefills),
+                         decode_contexts=tuple(c.start + 1 for c in self.decodes))
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """One step's sampled tokens by request id; a request whose sampling raised is in
+    `errors` (id -> what went wrong) instead, so it fails alone (issue 15)."""
+
+    token_ids: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """When a step's forward pass and sampling ended, how long they took, what the budget
+    model predicted."""
+
+    end: float
+    duration_s: float
+    predicted_s: float
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]  # everything generated so far
+    finished: bool
+    finish_reason: str | None
+    state: str

@@ -1,0 +1,78 @@
+"""The process the chaos suite's sigkill scenario kills and then resumes: an engine that
+journals to a store, serves the requests of a JSONL file and appends each one that ends to an
+output file; with `--resume` it first finishes what the journal left unfinished.
+
+It is the engine's own entry point, so the harness never launches the console's CLI:
+
+    python -m engine.harness.chaos_child --requests R.jsonl --output O.jsonl --db J.db [--resume]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from engine.config import EngineConfig
+from engine.core.batch import RequestOutput
+from engine.core.engine import Engine
+from engine.harness.driver import drive
+from engine.harness.workload import load_requests_jsonl
+from engine.ops.recovery import resume_unfinished
+from engine.store import StoreWriter, open_database
+
+# One tile a step: prompts of 40-160 tokens take several steps each, so a kill lands mid-chunk.
+CONFIG = EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32",
+                      max_num_batched_tokens=8, chunk_tile=8)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.harness.chaos_child",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=Path, required=True)
+    parser.add_argument("--output", type=Path, required=True)
+    parser.add_argument("--db", type=Path, required=True)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args(argv)
+    engine = Engine(CONFIG)
+    workload = load_requests_jsonl(args.requests, engine.tokenizer.encode)
+    emitted = _emitted(args.output)
+    database = open_database(args.db)
+    writer = StoreWriter(database, engine.bus)
+    try:
+        with args.output.open("a") as output:
+            if args.output.stat().st_size and not args.output.read_bytes().endswith(b"\n"):
+                output.write("\n")  # the kill tore the last line: it stays a line of its own
+            skip = set(emitted)
+            if args.resume:
+                skip |= set(resume_unfinished(engine, database, skip=emitted))
+
+            def write(out: RequestOutput) -> None:
+                if out.finished:
+                    output.write(json.dumps({"id": out.request_id, "state": out.state,
+                                             "token_ids": list(out.token_ids)}) + "\n")
+                    output.flush()  # a kill loses no line already written
+
+            drive(engine, [w for w in workload if w.request_id not in skip], on_output=write)
+    finally:
+        writer.close()
+        database.close()
+    return 0
+
+
+def _emitted(path: Path) -> set[str]:
+    """Ids an earlier, killed run already wrote; a line the kill cut short is not one."""
+    if not path.exists():
+        return set()
+    ids = set()
+    for line in path.read_text().splitlines():
+        try:
+            ids.add(json.loads(line)["id"])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    return ids
+
+
+if __name__ == "__main__":
+    sys.exit(main())

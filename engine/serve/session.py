@@ -1,0 +1,84 @@
+"""An engine with its store, started and stopped in one order: `tokenflow run`, `serve`,
+`bench` and the console's embedded source all go through `EngineSession`.
+
+Start: the store first (a bad --db fails before the model loads), then the engine, the
+newest stored calibration for its model and device, and the journal writer (subscribed
+before anything is resumed or submitted, so every request is journaled). What a killed run
+left is resumed by an explicit `resume_unfinished` call, once the caller has checked its own
+input, so a bad flag never consumes the journal. Stop (`close`, or leaving the `with`): the
+loop thread, then the writer (it commits what is queued), then the database.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Set
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+from engine.budget.calibrate import apply_latest
+from engine.config import EngineConfig
+from engine.core.engine import Engine
+from engine.ops.recovery import resume_unfinished
+from engine.serve.loop import EngineLoop
+from engine.store import CalibrationRecord, Database, StoreWriter, open_database
+
+
+@dataclass
+class EngineSession:
+    engine: Engine
+    database: Database | None  # None: no store (--no-db)
+    writer: StoreWriter | None  # None: no store, or the store is only read (bench)
+    calibration: CalibrationRecord | None  # the stored calibration now applied, if any
+    loop: EngineLoop | None = None
+
+    @classmethod
+    def start(cls, config: EngineConfig, *, db: str | Path | None = None, store: bool = True,
+              journal: bool = True) -> EngineSession:
+        """Open the store at `db` (default path when None; none at all without `store`),
+        build the engine, apply the stored calibration and, with `journal`, start the
+        journal writer. The store is closed again if the engine cannot be built."""
+        database = open_database(db) if store else None
+        try:
+            engine = Engine(config)
+            calibration = None
+            if database is not None:
+                with database.session() as session:
+                    calibration = apply_latest(engine, session)
+        except BaseException:
+            if database is not None:
+                database.close()
+            raise
+        writer = StoreWriter(database, engine.bus) if database is not None and journal else None
+        return cls(engine, database, writer, calibration)
+
+    def resume_unfinished(self, skip: Set[str] = frozenset()) -> list[str]:
+        """Re-add what the journal holds unfinished (crash recovery, pitfall 12), except
+        `skip`; the resumed ids. Nothing without a store."""
+        if self.database is None:
+            return []
+        return resume_unfinished(self.engine, self.database, skip=frozenset(skip))
+
+    def attach_loop(self) -> EngineLoop:
+        """The engine's loop thread, not started: subscribe observers, then `start()` it.
+        `close` stops it before anything else."""
+        if self.loop is not None:
+            raise RuntimeError("this session already has an engine loop")
+        self.loop = EngineLoop(self.engine)
+        return self.loop
+
+    def close(self) -> None:
+        """Stop stepping, then commit what the writer holds, then close the database."""
+        if self.loop is not None:
+            self.loop.stop()
+        if self.writer is not None:
+            self.writer.close()
+        if self.database is not None:
+            self.database.close()
+
+    def __enter__(self) -> EngineSession:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,73 @@
+"""Statistics, written once: nearest-rank quantiles, the p50/p90/p99 triple and seconds to ms.
+
+Latency quantiles are nearest-rank (an observed value, never one between two samples), as
+every engine-side report (metrics window, bench, SLO probes) has always computed them. Length
+descriptions of a workload use linear interpolation instead (numpy's default), so a median
+of an even count sits between the two middle lengths.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from engine.snapshot import Percentiles
+
+MS_PER_S = 1000.0
+
+
+def quantile(values: Iterable[float], q: float) -> float | None:
+    """The nearest-rank `q` quantile (0 <= q <= 1) of `values`; None when there are none."""
+    ordered = sorted(values)
+    if not ordered:
+        return None
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def percentiles(values: Iterable[float]) -> Percentiles:
+    ordered = sorted(values)
+    return Percentiles(p50=quantile(ordered, 0.50), p90=quantile(ordered, 0.90),
+                       p99=quantile(ordered, 0.99))
+
+
+def ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * MS_PER_S
+
+
+def percentiles_ms(seconds: Iterable[float]) -> Percentiles:
+    """Percentiles of durations given in seconds, reported in milliseconds."""
+    p = percentiles(seconds)
+    return Percentiles(p50=ms(p.p50), p90=ms(p.p90), p99=ms(p.p99))
+
+
+def interpolated_quantile(ordered: list[int] | list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks of sorted, non-empty `ordered`."""
+    pos = (len(ordered) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class LengthStats:
+    """How long a set of prompts or outputs is, in tokens (bench JSON's workload lengths)."""
+
+    p50: float
+    p90: float
+    p99: float
+    max: int
+    mean: float
+    total: int
+
+    @classmethod
+    def of(cls, values: Iterable[int]) -> LengthStats:
+        ordered = sorted(values)
+        if not ordered:
+            raise ValueError("LengthStats.of needs at least one length")
+
+        def at(q: float) -> float:
+            return round(interpolated_quantile(ordered, q), 2)
+
+        return cls(p50=at(0.50), p90=at(0.90), p99=at(0.99), max=ordered[-1],
+                   mean=round(sum(ordered) / len(ordered), 2), total=sum(ordered))
