@@ -172,3 +172,17 @@ def test_placeholder_tokens_give_every_ignore_eos_request_its_length() -> None:
     assert [len(o) for o in outputs] == [40, 40]
     assert clock() > 0  # the simulated clock moved by the predicted step times only
     assert str(engine.snapshot().device) == "sim:h200"
+
+
+def test_a_session_can_serve_the_twin_at_a_multiple_of_wall_clock_pace(tmp_path: Path) -> None:
+    from engine.serve.session import EngineSession
+    from engine.sim.executor import Simulation
+
+    config = EngineConfig(model="synthetic:8b", max_num_batched_tokens=512)
+    with EngineSession.start(config, db=tmp_path / "t.db",
+                             simulate=Simulation("h100", tp=2, speed=1000.0)) as session:
+        engine = session.engine
+        assert isinstance(engine.runner, SimulatedExecutor)
+        assert session.calibration is None  # the target's step times, not this CPU's fit
+        assert [len(o) for o in engine.generate([[5] * 64], SamplingParams(max_tokens=8))] == [8]
+        assert engine.snapshot().device == "sim:h100x2"

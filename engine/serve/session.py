@@ -21,6 +21,8 @@ from engine.config import EngineConfig
 from engine.core.engine import Engine
 from engine.ops.recovery import resume_unfinished
 from engine.serve.loop import EngineLoop
+from engine.sim.executor import PacedClock, Simulation, simulated_engine
+from engine.sim.target import resolve_target
 from engine.store import CalibrationRecord, Database, StoreWriter, open_database
 
 
@@ -34,17 +36,22 @@ class EngineSession:
 
     @classmethod
     def start(cls, config: EngineConfig, *, db: str | Path | None = None, store: bool = True,
-              journal: bool = True) -> EngineSession:
+              journal: bool = True, simulate: Simulation | None = None) -> EngineSession:
         """Open the store at `db` (default path when None; none at all without `store`),
         build the engine, apply the stored calibration and, with `journal`, start the
-        journal writer. The store is closed again if the engine cannot be built."""
+        journal writer. The store is closed again if the engine cannot be built.
+        `simulate` builds the GPU twin instead, paced to the wall clock, its step times
+        from the simulation's target (which may read a calibration from the store)."""
         database = open_database(db) if store else None
         try:
-            engine = Engine(config)
             calibration = None
-            if database is not None:
-                with database.session() as session:
-                    calibration = apply_latest(engine, session)
+            if simulate is not None:
+                engine = _simulated(config, simulate, database)
+            else:
+                engine = Engine(config)
+                if database is not None:
+                    with database.session() as session:
+                        calibration = apply_latest(engine, session)
         except BaseException:
             if database is not None:
                 database.close()
@@ -82,3 +89,12 @@ class EngineSession:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  traceback: TracebackType | None) -> None:
         self.close()
+
+
+def _simulated(config: EngineConfig, simulate: Simulation, database: Database | None) -> Engine:
+    if database is None:
+        target = resolve_target(simulate.target, config, tp=simulate.tp)
+    else:
+        with database.session() as session:
+            target = resolve_target(simulate.target, config, tp=simulate.tp, session=session)
+    return simulated_engine(config, target, PacedClock(simulate.speed))

@@ -134,6 +134,16 @@ class SimulatedExecutor:
         return token
 
 
+@dataclass(frozen=True)
+class Simulation:
+    """A live simulated engine: the target spec (see engine.sim.target), tensor-parallel
+    GPUs, and how many simulated seconds pass per wall-clock second."""
+
+    target: str
+    tp: int = 1
+    speed: float = 1.0
+
+
 def simulated_engine(config: EngineConfig, target: SimTarget, clock: Clock) -> Engine:
     """An Engine whose runner is simulated, budgeting with the target's own step times."""
     engine = Engine(config, runner=SimulatedExecutor(config, target, clock), clock=clock)
