@@ -28,7 +28,13 @@ from engine.core.batch import StepShape
 from engine.core.model_runner import CPU_KV_BYTES_DEFAULT, resolve_device, resolve_dtype
 from engine.model.config import ModelConfig
 from engine.model.loader import model_config_for
-from engine.sim.gpus import GpuSpec, gpu, spec_for_device_name
+from engine.sim.gpus import (
+    SUSTAINED_BANDWIDTH,
+    SUSTAINED_FLOPS,
+    GpuSpec,
+    gpu,
+    spec_for_device_name,
+)
 from engine.store.calibration import calibration_history
 
 # What a CUDA process holds before any pool is sized (context, cuBLAS workspace): the real
@@ -111,7 +117,12 @@ class Deployment:
         return 2 * self.config.num_layers * per_call
 
     def predictor(self) -> Predict:
-        budget = BudgetModel(self.config, self.bytes_per_element, self.peaks)
+        """Step seconds: the roofline on the sustained share of the peaks, plus the
+        all-reduces."""
+        peaks = self.peaks
+        sustained = DevicePeaks(peaks.name, peaks.flops * SUSTAINED_FLOPS,
+                                peaks.bandwidth * SUSTAINED_BANDWIDTH, peaks.source)
+        budget = BudgetModel(self.config, self.bytes_per_element, sustained)
         if self.tp == 1:
             return budget.predict
         return lambda shape: budget.predict(shape) + self.allreduce_seconds(shape.num_tokens)
@@ -148,7 +159,9 @@ def _gpu_roofline(spec: str, config: EngineConfig, tp: int) -> SimTarget:
     label = f"sim:{spec.lower()}" + (f"x{tp}" if tp > 1 else "")
     return SimTarget(spec=spec, device=label, dtype=dtype, peaks=deployment.peaks,
                      kv_cache_bytes=kv, predict=deployment.predictor(),
-                     source=f"{spec_gpu.peaks.source} peaks, roofline of {config.model}",
+                     source=(f"{spec_gpu.peaks.source} peaks at {SUSTAINED_FLOPS:.0%} FLOP/s "
+                             f"and {SUSTAINED_BANDWIDTH:.0%} bandwidth sustained, roofline of "
+                             f"{config.model}"),
                      details=details)
 
 
