@@ -17,7 +17,9 @@ from engine.harness.driver import drive
 from engine.harness.workload import WorkloadRequest
 from engine.model.config import PRESETS
 from engine.sim.executor import SimulatedExecutor, VirtualClock, simulated_engine
+from engine.sim.fleet import run_fleet
 from engine.sim.gpus import GPUS, NVLINK4
+from engine.sim.router import RoutePolicy, Router
 from engine.sim.target import Deployment, SimTarget, resolve_target
 
 # --- seed 003 §6·补一: a 4,096-token prompt beside 32 decodes at 2,048 tokens --------------
@@ -186,3 +188,74 @@ def test_a_session_can_serve_the_twin_at_a_multiple_of_wall_clock_pace(tmp_path:
         assert session.calibration is None  # the target's step times, not this CPU's fit
         assert [len(o) for o in engine.generate([[5] * 64], SamplingParams(max_tokens=8))] == [8]
         assert engine.snapshot().device == "sim:h100x2"
+
+
+# --- fleets -------------------------------------------------------------------------------
+
+
+def _request(i: int, tenant: str = "default", prompt: int = 10, out: int = 5) -> WorkloadRequest:
+    return WorkloadRequest(f"q{i}", 0.05 * i, (5,) * prompt, max_tokens=out, tenant=tenant,
+                           ignore_eos=True)
+
+
+def test_router_policies() -> None:
+    rr = Router(RoutePolicy.ROUND_ROBIN, 3)
+    assert [rr.route(_request(i)) for i in range(4)] == [0, 1, 2, 0]
+    least = Router(RoutePolicy.LEAST_TOKENS, 2)
+    assert least.route(_request(0, prompt=100)) == 0
+    assert least.route(_request(1, prompt=10)) == 1
+    assert least.route(_request(2, prompt=10)) == 1  # 20 outstanding there against 105
+    least.finished("q0")
+    assert least.outstanding == [0, 30] and least.route(_request(3)) == 0
+    session = Router(RoutePolicy.SESSION, 4)
+    picks = {session.route(_request(i, tenant=f"t{i % 3}")) for i in range(0, 30, 3)}
+    assert len(picks) == 1  # one session, one replica
+    with pytest.raises(ConfigError, match="choose one of round-robin"):
+        RoutePolicy.parse("random")
+
+
+def test_a_fleet_replays_arrivals_across_replicas() -> None:
+    config = EngineConfig(model="synthetic:8b", max_num_batched_tokens=512)
+    workload = [_request(i, prompt=200 + 40 * i, out=20 + i) for i in range(12)]
+    fleet = run_fleet(config, resolve_target("h100", config), workload, 3,
+                      RoutePolicy.ROUND_ROBIN)
+    assert [len(r.records) for r in fleet.replicas] == [4, 4, 4]
+    merged = fleet.merged
+    assert merged.summary()["finished"] == 12
+    for item in workload:
+        record = merged.records[item.request_id]
+        assert record.arrival == pytest.approx(item.arrival_s)  # the trace's own times
+        assert record.first_scheduled >= record.arrival  # never before it arrives
+        assert len(record.token_ids) == item.max_tokens
+    assert fleet.summary()["replicas"][0]["requests"] == 4
+
+
+def test_bench_simulate_prints_the_real_json_plus_what_was_simulated(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from console.cli.main import main
+
+    code = main(["bench", "--simulate", "h100", "--tp", "2", "--model", "synthetic:8b",
+                 "--workload", "chat", "--num-requests", "6", "--compare", "chunked,unchunked",
+                 "--replicas", "2", "--capacity", "--capacity-requests", "4",
+                 "--capacity-duration", "1", "--capacity-iterations", "1", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["simulated"] is True and report["predictor"] == "roofline"
+    assert "H100 SXM datasheet" in report["predictor_source"]
+    assert report["target"]["interconnect"]["name"].startswith("NVLink 4")
+    run = report["runs"]["chunked"]
+    assert run["finished"] == 6 and len(run["replicas"]) == 2
+    assert {"ttft_ms", "tpot_ms", "output_tok_s", "goodput"} <= set(run)
+    assert set(report["capacity"]) == {"chunked", "unchunked"}
+    assert main(["bench", "--model", "synthetic:tiny", "--tp", "2"]) == 2
+    assert "add --simulate" in capsys.readouterr().err
+
+
+def test_console_simulation_flags_need_the_embedded_engine() -> None:
+    from console.cli.console import build_parser, conflict
+
+    parse = build_parser().parse_args
+    assert conflict(parse(["--simulate", "h200", "--model", "synthetic:8b"])) is None
+    assert "add --simulate" in conflict(parse(["--sim-speed", "10"]))
+    assert "must be > 0" in conflict(parse(["--simulate", "h200", "--sim-speed", "0"]))
+    assert "--simulate" in conflict(parse(["--simulate", "h200", "--attach", "http://x"]))
