@@ -44,22 +44,27 @@ class VirtualClock:
 
 
 class PacedClock:
-    """Simulated seconds that pass `speed` times as fast as wall-clock seconds; a step waits
-    for the wall clock to catch up with its predicted end."""
+    """Simulated seconds that pass `speed` times as fast as wall-clock seconds. A step waits
+    for the wall clock to catch up with its predicted end; a step the host runs late (its
+    scheduling took longer than the predicted time over `speed`) still takes its predicted
+    time: the lateness (or a sleep's overshoot) becomes a lag behind the wall clock, never a
+    longer step."""
 
     def __init__(self, speed: float = 1.0) -> None:
         if not speed > 0:
             raise EngineError(f"simulation speed must be > 0, got {speed}")
         self.speed = speed
+        self.lag = 0.0  # simulated seconds the host has fallen behind
         self._wall0 = time.monotonic()
 
     def __call__(self) -> float:
-        return self._wall0 + (time.monotonic() - self._wall0) * self.speed
+        return self._wall0 + (time.monotonic() - self._wall0) * self.speed - self.lag
 
     def advance_to(self, t: float) -> None:
-        wait = (t - self()) / self.speed
-        if wait > 0:
-            time.sleep(wait)
+        ahead = t - self()
+        if ahead > 0:
+            time.sleep(ahead / self.speed)
+        self.lag += max(0.0, self() - t)  # a late host, or a sleep that overslept
 
     def sleep(self, seconds: float) -> None:
         time.sleep(max(0.0, seconds) / self.speed)
