@@ -10,6 +10,8 @@ The clock is the engine's: a `VirtualClock` jumps (as fast as the CPU can schedu
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 
@@ -151,6 +153,8 @@ class Simulation:
 
 def simulated_engine(config: EngineConfig, target: SimTarget, clock: Clock) -> Engine:
     """An Engine whose runner is simulated, budgeting with the target's own step times."""
+    # the engine predicts each step's time and then the executor takes it: compute it once
+    target = dataclasses.replace(target, predict=functools.lru_cache(maxsize=2)(target.predict))
     engine = Engine(config, runner=SimulatedExecutor(config, target, clock), clock=clock)
     if target.calibration is not None:
         # as a real run with a stored calibration: predictions and C* from the fit
