@@ -108,7 +108,6 @@ class SimulatedExecutor:
             raise EngineError(f"the KV budget ({target.kv_cache_bytes} bytes) holds no block of "
                               f"{per_block} bytes; raise kv_cache_bytes or use a larger GPU")
         self._never = frozenset(self.model_config.eos_token_id)
-        self.steps = 0
 
     @property
     def bytes_per_element(self) -> int:
@@ -125,10 +124,9 @@ class SimulatedExecutor:
         chunk."""
         start = self.clock()
         self.clock.advance_to(start + self.target.predict(batch.shape()))
-        self.steps += 1
         tokens = {c.request.id: self._placeholder(c.request.num_tokens, c.request.params
                                                   .stop_token_ids)
-                  for c in batch.chunks if c.samples}
+                  for c in batch.sampling}
         return ModelRunnerOutput(token_ids=tokens)
 
     def _placeholder(self, position: int, stop: tuple[int, ...]) -> int:
