@@ -7,6 +7,9 @@ checks a whole candidate configuration so a bad value never half-applies.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,10 +29,20 @@ class ConfigError(EngineError, ValueError):
 
 
 MIN_TEMPERATURE = 1e-5  # the smallest temperature that samples; below it use 0 (greedy)
+# The sampler works in float32: a top_p below its smallest normal number rounds to 0 there and
+# masks every token (softmax of all -inf is NaN); a temperature above its largest overflows.
+FLOAT32_TINY = 1.1754943508222875e-38
+FLOAT32_MAX = 3.4028234663852886e38
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
+INT64_MAX = 2**63 - 1  # the journal's INTEGER columns; larger values cannot be stored
+MAX_TOP_K = 2**31 - 1  # torch.topk's k; a vocabulary is far smaller
 
 
 @dataclass(frozen=True)
 class SamplingParams:
+    """Validated on construction, so the HTTP server, the Python API and a resume from the
+    journal all refuse the same poison values (a ConfigError naming the field)."""
+
     max_tokens: int = 16
     temperature: float = 0.0
     top_p: float = 1.0
@@ -39,17 +52,75 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ConfigError("max_tokens", "must be at least 1")
-        if self.temperature < 0:
-            raise ConfigError("temperature", "must be >= 0 (0 is greedy)")
-        if 0 < self.temperature < MIN_TEMPERATURE:  # logits / t overflows to inf, then NaN
+        max_tokens = _integer("max_tokens", self.max_tokens)
+        if not 1 <= max_tokens <= INT64_MAX:
+            raise ConfigError("max_tokens", f"must be in [1, {INT64_MAX}]")
+        temperature = _real("temperature", self.temperature)
+        if not 0 <= temperature <= FLOAT32_MAX:
+            raise ConfigError("temperature", f"must be in [0, {FLOAT32_MAX:.4g}] (0 is greedy)")
+        if 0 < temperature < MIN_TEMPERATURE:  # logits / t overflows to inf, then NaN
             raise ConfigError("temperature", f"must be 0 (greedy) or at least {MIN_TEMPERATURE}")
-        if not 0 < self.top_p <= 1:
+        top_p = _real("top_p", self.top_p)
+        if not 0 < top_p <= 1:
             raise ConfigError("top_p", "must be in (0, 1]")
-        if self.top_k < 0:
-            raise ConfigError("top_k", "must be >= 0 (0 disables top-k)")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if top_p < FLOAT32_TINY:
+            raise ConfigError("top_p", f"must be at least {FLOAT32_TINY:.4g}: smaller rounds to 0 "
+                                       "in float32 and masks every token")
+        top_k = _integer("top_k", self.top_k)
+        if not 0 <= top_k <= MAX_TOP_K:
+            raise ConfigError("top_k", f"must be in [0, {MAX_TOP_K}] (0 disables top-k)")
+        if self.seed is not None:
+            seed = _integer("seed", self.seed)
+            if not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+                raise ConfigError("seed", "must be in [-2**63, 2**64)")
+            object.__setattr__(self, "seed", seed)
+        if not isinstance(self.ignore_eos, bool):
+            raise ConfigError("ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
+        if isinstance(self.stop_token_ids, str | bytes):
+            raise ConfigError("stop_token_ids", "must be a sequence of token ids")
+        try:
+            stop_ids = tuple(_integer("stop_token_ids", t) for t in self.stop_token_ids)
+        except TypeError:
+            raise ConfigError("stop_token_ids", "must be a sequence of token ids") from None
+        bad = next((t for t in stop_ids if not 0 <= t <= INT64_MAX), None)
+        if bad is not None:
+            raise ConfigError("stop_token_ids", f"token id {bad} is negative or too large")
+        for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
+                            ("top_p", top_p), ("top_k", top_k), ("stop_token_ids", stop_ids)):
+            object.__setattr__(self, name, value)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise ConfigError unless every token id and top_k fit a vocabulary of this size."""
+        bad = next((t for t in self.stop_token_ids if t >= vocab_size), None)
+        if bad is not None:
+            raise ConfigError("stop_token_ids",
+                              f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+        if self.top_k > vocab_size:
+            raise ConfigError("top_k", f"must be at most the vocabulary size {vocab_size} "
+                                       "(0 disables top-k)")
+
+
+def _integer(name: str, value: Any) -> int:
+    """An int (numpy's too, through __index__), never a bool or a float."""
+    if isinstance(value, bool):
+        raise ConfigError(name, f"must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ConfigError(name, f"must be an integer, got {value!r}") from None
+
+
+def _real(name: str, value: Any) -> float:
+    """A finite float from an int or float; NaN would silently mean greedy, inf poisons."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError(name, f"must be a number, got {value!r}")
+    try:
+        result = float(value)
+    except OverflowError:  # an integer beyond any float
+        raise ConfigError(name, "must be a finite number") from None
+    if not math.isfinite(result):
+        raise ConfigError(name, "must be a finite number")
+    return result
 
 
 @dataclass(frozen=True)

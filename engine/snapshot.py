@@ -76,6 +76,15 @@ class Snapshot:
     faults_isolated_total: int = 0  # failed alone by an error of their own (guard layer 7)
     slow_queries_total: int = 0
     guards: tuple[str, ...] = ()  # protection layers engaged now
+    # Attached servers (vLLM, SGLang) report cumulative counters: the console differences them
+    # over `window_s` seconds (0: the engine's own windows, or not enough history yet).
+    window_s: float = 0.0
+    step_tokens: Percentiles = Percentiles()  # tokens per engine step over the window
+    kv_block_size: int = 0  # tokens per KV block; 0 when unknown
+    kv_bytes_total: float = 0.0  # bytes the KV cache holds at most; 0 when unknown
+    bandwidth_bytes_per_s: float | None = None
+    bandwidth_note: str = ""  # why the bandwidth share cannot be shown, when it cannot
+    prefix_cache_hit_rate: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -85,7 +94,7 @@ class Snapshot:
         known = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
         values["requests"] = tuple(RequestView(**r) for r in values.get("requests", ()))
-        for name in ("ttft_ms", "tpot_ms", "step_ms"):
+        for name in ("ttft_ms", "tpot_ms", "step_ms", "step_tokens"):
             if isinstance(values.get(name), dict):
                 values[name] = Percentiles(**values[name])
         values["guards"] = tuple(values.get("guards", ()))

@@ -4,14 +4,13 @@ while the other requests of the same steps finish exactly and the engine goes on
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from pathlib import Path
 
 import pytest
 from sqlalchemy import select
 
-from engine import Engine, EngineConfig, SamplingParams
+from engine import Engine, EngineConfig, RequestError, SamplingParams
 from engine.core.batch import RequestOutput
 from engine.events import Event, FailCause, Failed, GuardAction
 from engine.serve.loop import EngineLoop
@@ -76,8 +75,8 @@ def test_a_request_whose_sampling_raises_fails_alone(expected: list[list[int]],
 def test_a_tiny_top_p_keeps_the_top_token_instead_of_failing() -> None:
     """top_p below float32's smallest number compares as 0: it still samples the top token."""
     engine = tiny_engine()
-    params = SamplingParams(max_tokens=4, temperature=0.8, top_p=7e-46, seed=1, ignore_eos=True)
-    greedy = engine.generate([PROMPTS[1]], dataclasses.replace(params, temperature=0.0))
+    params = slipped_through(max_tokens=4, temperature=0.8, top_p=7e-46, seed=1)
+    greedy = engine.generate([PROMPTS[1]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert engine.generate([PROMPTS[1]], params) == greedy
 
 
@@ -126,3 +125,13 @@ def test_an_output_callback_that_raises_fails_its_request_and_the_loop_goes_on(
         assert loop.error is None
     finally:
         loop.stop()
+
+
+def test_the_python_api_refuses_stop_ids_and_top_k_beyond_the_vocabulary() -> None:
+    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32"))
+    vocab = engine.model_config.vocab_size
+    for params in (SamplingParams(max_tokens=2, stop_token_ids=(vocab,)),
+                   SamplingParams(max_tokens=2, top_k=vocab + 1)):
+        with pytest.raises(RequestError, match="vocabulary"):
+            engine.add_request([1, 2, 3], params)
+    assert not engine.has_unfinished()

@@ -1,6 +1,7 @@
 """Fuzzing the front doors of a real server: 1,500 random and malformed /v1/completions bodies
-and 500 live-configuration updates. The engine keeps serving, nothing answers 5xx, and every
-request that got 200 completed with its tokens."""
+(issue 15's poison values among them) and 500 live-configuration updates. The engine keeps
+serving, nothing answers 5xx, and every request that got 200 completed with its tokens.
+benchmarks/fuzz_server.py sends the same bodies, 10,000 of them, to `tokenflow serve`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from engine import Engine, EngineConfig
 from engine.serve.app import create_app
 from engine.serve.loop import EngineLoop
 from engine.serve.thread import ServerThread
+from tests.test_server_edge import POISON
 
 TOKEN = "fuzz-admin-token"
 MAX_MODEL_LEN = 24  # every accepted request is short, so 1,500 of them run in seconds
@@ -24,7 +26,7 @@ COMPLETIONS = 1500
 CONFIGS = 500
 FUZZ = {"deadline": None, "database": None, "derandomize": True, "phases": [Phase.generate],
         "suppress_health_check": list(HealthCheck)}
-REFUSED = {400, 404, 413, 422, 429}
+REFUSED = {400, 404, 413, 415, 422, 429}
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=12),
@@ -32,19 +34,23 @@ json_values = st.recursive(
                                                                  max_size=4),
     max_leaves=8)
 small_ints = st.integers(-3, 12)
+huge_ints = st.integers(-(2**1400), 2**1400)  # past float's range: 1e400 written as an int
+lone_surrogates = st.text(max_size=8).map(lambda text: text + "\ud800")
 completion_fields = {
     "prompt": st.text(max_size=30) | st.lists(st.integers(-3, 330), max_size=30)
-    | st.lists(st.lists(st.integers(0, 319), max_size=5), max_size=2) | json_values,
+    | st.lists(st.lists(st.integers(0, 319), max_size=5), max_size=2) | lone_surrogates
+    | json_values,
     "max_tokens": small_ints | st.integers(-2**64, 2**64) | json_values,
-    "temperature": st.floats(-1, 3) | json_values,
-    "top_p": st.floats(-0.5, 1.5) | json_values,
-    "top_k": small_ints | json_values,
+    "temperature": st.floats(-1, 3) | st.floats() | huge_ints | json_values,
+    "top_p": st.floats(-0.5, 1.5) | st.floats(0, 1e-40) | st.floats() | huge_ints | json_values,
+    "top_k": small_ints | st.integers(-2**70, 2**70) | json_values,
     "seed": st.integers(-2**70, 2**70) | json_values,
     "stream": st.booleans() | json_values,
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | json_values,
     "ignore_eos": st.booleans() | json_values,
-    "stop_token_ids": st.lists(st.integers(-5, 400), max_size=3) | json_values,
-    "model": st.sampled_from(["synthetic:tiny", "gpt-4", ""]) | json_values,
+    "stop_token_ids": st.lists(st.integers(-5, 400) | st.integers(-2**70, 2**70), max_size=3)
+    | json_values,
+    "model": st.sampled_from(["synthetic:tiny", "gpt-4", ""]) | lone_surrogates | json_values,
     "n": st.integers(0, 3) | json_values,
     "echo": st.booleans(),
 }
@@ -61,7 +67,8 @@ bodies = st.one_of(
     st.fixed_dictionaries({}, optional=completion_fields).map(json.dumps),
     st.dictionaries(st.text(max_size=10), json_values, max_size=5).map(json.dumps),
     json_values.map(json.dumps),
-).map(str.encode) | st.binary(max_size=80)
+    st.integers(1, 200_000).map(lambda depth: "[" * depth + "]" * depth),
+).map(str.encode) | st.binary(max_size=80) | st.sampled_from([body for body, _ in POISON])
 
 live_names = sorted(EngineConfig().live_values())
 config_changes = st.dictionaries(
@@ -129,7 +136,8 @@ def test_fuzz_completions_then_live_config(server: Server) -> None:
     @given(body=config_bodies)
     def live_config(body: bytes) -> None:
         response = server.client.patch("/v1/admin/config", content=body,
-                                       headers={"authorization": f"Bearer {TOKEN}"})
+                                       headers={"authorization": f"Bearer {TOKEN}",
+                                                "content-type": "application/json"})
         server.sent += 1
         assert response.status_code in (200, 400, 422), response.text
 

@@ -133,7 +133,8 @@ def test_metrics_parse_with_vllm_names_and_buckets(client: httpx.Client) -> None
 def test_models_health_and_stats(client: httpx.Client) -> None:
     assert client.get("/health").json() == {"status": "ok"}
     assert client.get("/v1/models").json()["data"][0]["id"] == MODEL
-    stats = client.get("/v1/stats").json()
+    assert client.get("/v1/stats").status_code == 401  # request ids: the admin token's
+    stats = client.get("/v1/stats", headers=AUTH).json()
     assert stats["model"] == MODEL and "kv_usage" in stats and "requests" in stats
 
 
@@ -165,6 +166,11 @@ def test_admin_is_off_without_a_token(loop: EngineLoop) -> None:
         response = http.get("/v1/admin/config", headers={"Authorization": "Bearer anything"})
         assert response.status_code == 403
         assert "TOKENFLOW_ADMIN_TOKEN" in response.json()["error"]["message"]
+        stats = http.get("/v1/stats")
+        assert stats.status_code == 403 and "--public-stats" in stats.json()["error"]["message"]
+    with ServerThread(create_app(loop, admin_token=None, public_stats=True)) as public, \
+            httpx.Client(base_url=public.url) as http:
+        assert http.get("/v1/stats").json()["model"] == MODEL
         assert http.get("/v1/slow_queries").status_code == 404  # no store behind this one
 
 
@@ -196,13 +202,15 @@ def test_malformed_requests_are_refused(client: httpx.Client, content: bytes,
 
 def test_body_over_the_limit_gets_413(client: httpx.Client) -> None:
     body = json.dumps({"prompt": "x" * BODY_LIMIT}).encode()
-    assert client.post("/v1/completions", content=body).status_code == 413
+    json_type = {"Content-Type": "application/json"}
+    assert client.post("/v1/completions", content=body, headers=json_type).status_code == 413
 
     def chunked() -> Iterator[bytes]:  # no Content-Length: the limit holds while reading
         yield body[:1000]
         yield body[1000:]
 
-    assert client.post("/v1/completions", content=chunked()).status_code == 413
+    assert client.post("/v1/completions", content=chunked(),
+                       headers=json_type).status_code == 413
 
 
 def test_full_queue_gets_429_with_retry_after(loop: EngineLoop) -> None:
@@ -257,7 +265,7 @@ def test_disconnect_while_waiting_aborts_the_request(
     body = json.dumps({"prompt": [5, 6], "max_tokens": 1800, "ignore_eos": True}).encode()
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as raw:
-        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
                     b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
     assert seen.wait(30), "the server did not abort the request of a departed client"
     assert finished[0].generated_tokens < 1800

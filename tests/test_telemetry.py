@@ -108,10 +108,24 @@ def fake_pynvml(memory_percents: list[int], *, library: bool = True, devices: in
     )
 
 
-def test_nvml_unavailable_on_this_machine():
-    assert nvml_available() is False
+def test_nvml_on_this_machine_samples_or_names_the_fallback():
+    """The real NVML path, on whatever machine runs it: with an NVIDIA GPU it samples the
+    memory controller; without one, start() says to use the model-estimated bandwidth."""
+    source = NvmlBandwidth(interval_s=60.0)
+    if not nvml_available():
+        with pytest.raises(TelemetryError, match="model-estimated bandwidth"):
+            source.start()
+        return
+    source.start()
+    source.stop()  # the thread samples before its first wait, so one sample is certain
+    latest = source.latest()
+    assert latest is not None and latest.total_bytes > 0
+    assert source.reading().source == "nvml" and 0.0 <= source.reading().util_5s <= 1.0
+
+
+def test_nvml_without_its_library_names_the_fallback():
     with pytest.raises(TelemetryError, match="model-estimated bandwidth"):
-        NvmlBandwidth().start()
+        NvmlBandwidth(nvml=fake_pynvml([0], library=False)).start()
 
 
 def test_nvml_available_with_fake_module():

@@ -26,10 +26,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: auto)")
     parser.add_argument("--workload", default="mixed",
                         help="mixed, chat, long-doc or trace:FILE (default: mixed)")
-    parser.add_argument("--db", type=Path, help="SQLite store (default: the user data dir)")
+    parser.add_argument("--db", type=Path, help="SQLite store (default: the user data dir); "
+                        "with --otlp-listen, where traced requests are kept")
     parser.add_argument("--attach", action="append", metavar="URL", default=[],
-                        help="watch a running `tokenflow serve` instead (repeatable)")
+                        help="watch a running server instead (repeatable: a fleet): tokenflow "
+                        "serve, vLLM or SGLang, told apart by /metrics or by a prefix "
+                        "(tokenflow+http://, vllm+http://, sglang+http://)")
     parser.add_argument("--attach-vllm", metavar="URL", help="watch a vLLM server's /metrics")
+    parser.add_argument("--attach-sglang", metavar="URL",
+                        help="watch an SGLang server's /metrics (started with --enable-metrics)")
+    parser.add_argument("--gpu", metavar="NAME",
+                        help="the attached servers' GPU, for bandwidth shares and budget scores: "
+                        "a datasheet name (h100, h200, a100, ...) or cpu to measure this "
+                        "machine (default: NVML when the server is local)")
+    parser.add_argument("--otlp-listen", metavar="HOST:PORT",
+                        help="receive OTLP/HTTP traces (vLLM --otlp-traces-endpoint "
+                        "http://HOST:PORT/v1/traces): a Requests row and budget_score each")
+    parser.add_argument("--roofline-model", metavar="MODEL",
+                        help="the traced model's shape (a model directory or synthetic:PRESET) "
+                        "that budget scores are predicted for")
     parser.add_argument("--replay", type=Path, metavar="FILE",
                         help="review a session recorded with --record")
     parser.add_argument("--speed", type=float, default=1.0,
@@ -50,12 +65,20 @@ def build_parser() -> argparse.ArgumentParser:
 def conflict(args: argparse.Namespace) -> str | None:
     """Why the flags cannot go together, or None: exactly one source, and engine flags only
     for the embedded engine."""
-    chosen = [flag for flag, value in (("--replay", args.replay), ("--attach", args.attach),
-                                       ("--attach-vllm", args.attach_vllm)) if value]
-    if len(chosen) > 1:
+    attached = [flag for flag, value in (("--attach", args.attach),
+                                         ("--attach-vllm", args.attach_vllm),
+                                         ("--attach-sglang", args.attach_sglang)) if value]
+    chosen = (["--replay"] if args.replay else []) + attached
+    if args.replay and attached:
         return f"{' and '.join(chosen)} cannot be combined; pick one source"
+    attach_only = [flag for flag, value in (("--gpu", args.gpu),
+                                            ("--otlp-listen", args.otlp_listen),
+                                            ("--roofline-model", args.roofline_model)) if value]
+    if attach_only and not attached:
+        return f"{', '.join(attach_only)} describe attached servers; add --attach URL"
     engine_flags = [flag for flag, value in (("--model", args.model), ("--device", args.device),
-                                             ("--db", args.db), ("--simulate", args.simulate))
+                                             ("--db", args.db and not args.otlp_listen),
+                                             ("--simulate", args.simulate))
                     if value]
     if (args.tp != 1 or args.sim_speed != 1.0) and not args.simulate:
         return "--tp and --sim-speed apply to a simulated engine; add --simulate"
@@ -74,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tokenflow-console: {problem}", file=sys.stderr)
         return 2
     engine = None
-    if not (args.replay or args.attach or args.attach_vllm):
+    if not (args.replay or args.attach or args.attach_vllm or args.attach_sglang):
         from console.sources.process import ProcessSource
         from engine.sim.executor import Simulation
 

@@ -1,16 +1,21 @@
 """`tokenflow serve`: the engine behind an OpenAI-compatible HTTP API (DESIGN.md, HTTP).
 
-It binds 127.0.0.1 unless --host says otherwise. The admin endpoints (live tuning, pause)
-need the bearer token from $TOKENFLOW_ADMIN_TOKEN or --admin-token-file and are off without
-one. Requests, slow queries and config changes go to the SQLite store unless --no-db.
+It binds 127.0.0.1 unless --host says otherwise, and answers only requests whose Host is a
+loopback name, the --host address or an --allow-host name. The admin endpoints (live tuning,
+pause) and the ones that show request ids (/v1/stats, /v1/slow_queries, unless
+--public-stats) need the bearer token from $TOKENFLOW_ADMIN_TOKEN or --admin-token-file; the
+admin endpoints are off without one. Requests, slow queries and config changes go to the
+SQLite store unless --no-db.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 from pathlib import Path
+from types import FrameType
 
 import uvicorn
 
@@ -24,6 +29,8 @@ from engine.serve.app import (
     create_app,
 )
 from engine.serve.auth import TOKEN_ENV, load_admin_token
+from engine.serve.hosts import ANY_HOST, LOOPBACK_HOSTS
+from engine.serve.listener import listen
 from engine.serve.session import EngineSession
 from engine.store import Database, SlowQueryRecord, list_slow_queries
 
@@ -45,6 +52,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            f"(default {DEFAULT_MAX_BODY_BYTES})")
     http.add_argument("--admin-token-file", type=Path, metavar="FILE",
                       help=f"bearer token of the admin endpoints (default: ${TOKEN_ENV})")
+    http.add_argument("--public-stats", action="store_true",
+                      help="serve /v1/stats and /v1/slow_queries without the admin token "
+                           "(they show request ids, tenants and the config)")
+    http.add_argument("--allow-host", action="append", default=[], metavar="NAME",
+                      help="also accept requests whose Host header is NAME (repeatable; "
+                           f"always accepted: {', '.join(LOOPBACK_HOSTS)} and --host; "
+                           f"'{ANY_HOST}' accepts any)")
     add_db_argument(parser)
     parser.add_argument("--no-db", action="store_true", help="keep no SQLite store")
     add_engine_flags(parser)
@@ -67,7 +81,9 @@ def run(args: argparse.Namespace) -> int:
         loop = session.attach_loop().start()
         app = create_app(loop, admin_token=token, max_queue=args.max_queue,
                          max_body_bytes=args.max_body_bytes,
-                         slow_queries_reader=None if database is None else _reader(database))
+                         slow_queries_reader=None if database is None else _reader(database),
+                         public_stats=args.public_stats,
+                         allowed_hosts=[*LOOPBACK_HOSTS, args.host, *args.allow_host])
         admin = "on" if token else f"off (set {TOKEN_ENV} or --admin-token-file)"
         store = "none" if database is None else str(database.path)
         host, port = listener.getsockname()[:2]  # --port 0: the one the system chose
@@ -75,14 +91,31 @@ def run(args: argparse.Namespace) -> int:
               f"http://{host}:{port}, admin API {admin}, store {store}", flush=True)
         server = uvicorn.Server(uvicorn.Config(app, lifespan="off",
                                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
-        server.run(sockets=[listener])
+        _serve_until_signalled(server, listener)
     return 0
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+def _serve_until_signalled(server: uvicorn.Server, listener: socket.socket) -> None:
+    """Run until SIGINT or SIGTERM, then return so the caller flushes the journal.
+
+    uvicorn shuts down gracefully on these signals and then raises the same signal again
+    under the handler that was installed before it started; the default one would kill the
+    process before the store writer wrote its last batch (finished requests left DECODING in
+    the journal were resumed, and run again, by the next start)."""
+    def stop(_signum: int, _frame: FrameType | None) -> None:
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return socket.create_server((host, port), family=family)
+        server.run(sockets=[listener])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    try:
+        return listen(host, port)
     except OSError as exc:  # taken, not this machine's address, or a privileged port
         why = os.strerror(exc.errno) if exc.errno else str(exc)
         raise UserError(f"cannot listen on {host}:{port}: {why}; choose another --port "

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from sqlalchemy.orm import Session
 
-from console.sources.base import Progress, SourceError
+from console.sources.base import Capabilities, Progress, SourceError
 from engine.budget.calibrate import (
     CalibrationResult,
     apply,
@@ -54,6 +54,8 @@ def default_model(device: str) -> str:
 
 
 class EmbeddedSource:
+    capabilities = Capabilities.everything()
+
     def __init__(self, session: EngineSession) -> None:
         """Over a session with a store, a journal writer and a loop (`start` makes one)."""
         if session.loop is None or session.database is None or session.writer is None:

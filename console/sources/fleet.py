@@ -1,24 +1,147 @@
-"""FleetSource: several attached servers, one shown at a time (the console's tabs).
+"""FleetSource: several attached servers (tokenflow, vLLM, SGLang), polled all at once.
 
-Every call goes to the selected member; `members` lists them all so a fleet view can show
-each one's name and whether it is online, and `select` switches the tab.
+One event loop on a background thread polls every member on its own schedule with httpx's
+async client, so a slow or dead server never holds the others back. Every Source call goes
+to the selected member (the console's tabs), and the fleet can do what that member can: its
+capabilities follow the selection. `rows()` is the fleet overview: one row per server, worst
+first. A server that stops answering shows as down with the time it was last seen, and comes
+back by itself when it answers again (Remote's back-off paces the retries).
 """
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from console.sources.base import Progress, Source, SourceError
+from console.sources.base import (
+    Calibrating,
+    CalibrationStore,
+    Capabilities,
+    ConfigHistory,
+    Pausable,
+    Progress,
+    SlowQueryStore,
+    Source,
+    SourceError,
+    Tunable,
+    facet,
+)
+from console.sources.remote import TIMEOUT_S
+from engine.errors import EngineError
 from engine.snapshot import Snapshot
 from engine.store import CalibrationRecord, ConfigChangeRecord, DriftRecord, SlowQueryRecord
 
+POLL_INTERVAL_S = 0.4
+SLOW_WINDOW_S = 60.0  # slow queries per minute: the change in slow_queries_total over this
+
+
+class AsyncSource(Source, Protocol):
+    """A source the fleet polls on its event loop (HttpSource, vLLM, SGLang); others (a
+    recording) are polled on a worker thread of that loop."""
+
+    async def snapshot_async(self) -> Snapshot: ...
+
+
+async def _read(source: Source) -> Snapshot:
+    read_async = getattr(source, "snapshot_async", None)
+    return await (read_async() if read_async else asyncio.to_thread(source.snapshot))
+
+
+def _label(source: Source) -> str:
+    remote = getattr(source, "remote", None)
+    return source.name if remote is None else remote.url
+
+
+@dataclass
+class MemberState:
+    """What the fleet last heard from one server."""
+
+    source: Source
+    snapshot: Snapshot | None = None
+    last_seen: float | None = None  # wall clock of the last answer
+    error: str = ""
+    polls: int = 0  # answered or failed
+    slow_totals: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=1000))
+
+    @property
+    def up(self) -> bool:
+        return self.error == "" and self.snapshot is not None
+
+    def slow_per_minute(self) -> float:
+        if len(self.slow_totals) < 2:
+            return 0.0
+        newest_ts, newest = self.slow_totals[-1]
+        oldest_ts, oldest = next((ts, n) for ts, n in self.slow_totals
+                                 if newest_ts - ts <= SLOW_WINDOW_S)
+        span = newest_ts - oldest_ts
+        return (newest - oldest) * 60.0 / span if span > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class FleetRow:
+    index: int  # the member's position (what `select` takes)
+    name: str
+    model: str
+    running: int
+    waiting: int
+    kv_usage: float | None
+    tokens_per_s: float | None
+    ttft_p99_ms: float | None
+    itl_p99_ms: float | None
+    slow_per_min: float
+    health: str  # "up", "down", "starting"
+    last_seen: float | None
+    error: str
+
+    @property
+    def severity(self) -> tuple[float, ...]:
+        """Sort key, worst first: down, then slow queries, then TTFT p99, then KV usage."""
+        down = {"down": 0, "starting": 1}.get(self.health, 2)
+        return (down, -self.slow_per_min, -(self.ttft_p99_ms or 0.0), -(self.kv_usage or 0.0))
+
 
 class FleetSource:
-    def __init__(self, members: list[Source]) -> None:
+    def __init__(self, members: list[Source], *, interval: float = POLL_INTERVAL_S,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         if not members:
             raise SourceError("a fleet needs at least one server; pass --attach URL")
         self.members = members
+        self.states = [MemberState(m) for m in members]
         self.selected = 0
+        self.interval = interval
+        self.wall_clock = wall_clock
+        self.changed = threading.Condition()  # notified after every poll of any member
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="tokenflow-fleet",
+                                       daemon=True)
+        self.thread.start()
+        self.tasks = [asyncio.run_coroutine_threadsafe(self._poll_forever(state), self.loop)
+                      for state in self.states]
+
+    async def _poll_forever(self, state: MemberState) -> None:
+        while True:
+            try:
+                snapshot = await _read(state.source)
+            except (EngineError, OSError) as exc:
+                state.error = str(exc)
+            else:
+                now = self.wall_clock()
+                state.snapshot, state.last_seen, state.error = snapshot, now, ""
+                state.slow_totals.append((now, snapshot.slow_queries_total))
+            with self.changed:
+                state.polls += 1
+                self.changed.notify_all()
+            await asyncio.sleep(self.interval)
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
+        """Block until `predicate()` holds after some poll (for tests and first snapshots)."""
+        with self.changed:
+            return self.changed.wait_for(predicate, timeout)
 
     @property
     def active(self) -> Source:
@@ -28,41 +151,82 @@ class FleetSource:
     def name(self) -> str:
         return f"[{self.selected + 1}/{len(self.members)}] {self.active.name}"
 
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.active.capabilities
+
     def select(self, index: int) -> None:
         if not 0 <= index < len(self.members):
             raise SourceError(f"no server {index + 1}: the fleet has {len(self.members)}")
         self.selected = index
 
-    def snapshot(self) -> Snapshot:
-        return self.active.snapshot()
+    def rows(self) -> list[FleetRow]:
+        return sorted((self._row(i, s) for i, s in enumerate(self.states)),
+                      key=lambda row: row.severity)
 
+    def _row(self, index: int, state: MemberState) -> FleetRow:
+        snap = state.snapshot
+        health = "up" if state.up else ("starting" if state.polls == 0 else "down")
+        known = snap is not None and health == "up"
+        return FleetRow(
+            index=index, name=_label(state.source), model=snap.model if snap else "",
+            running=snap.num_running if known else 0, waiting=snap.num_waiting if known else 0,
+            kv_usage=snap.kv_usage if known else None,
+            tokens_per_s=snap.tokens_per_s if known else None,
+            ttft_p99_ms=snap.ttft_ms.p99 if known else None,
+            itl_p99_ms=snap.tpot_ms.p99 if known else None,
+            slow_per_min=state.slow_per_minute(), health=health,
+            last_seen=state.last_seen, error=state.error)
+
+    def snapshot(self) -> Snapshot:
+        """The selected server's latest snapshot (waiting for its first poll at most one
+        request timeout); the error it last gave while it is down."""
+        state = self.states[self.selected]
+        self.wait_for(lambda: state.polls > 0, TIMEOUT_S + 1.0)
+        if state.error or state.snapshot is None:
+            raise SourceError(state.error or f"{_label(state.source)} has not answered yet")
+        return state.snapshot
+
+    # Each facet goes to the selected member, refused with its reason where it lacks it.
     def update_config(self, **changes: Any) -> dict[str, Any]:
-        return self.active.update_config(**changes)
+        return facet(self.active, Tunable).update_config(**changes)
 
     def pause(self) -> None:
-        self.active.pause()
+        facet(self.active, Pausable).pause()
 
     def resume(self) -> None:
-        self.active.resume()
+        facet(self.active, Pausable).resume()
 
     def slow_queries(self, limit: int = 500) -> list[SlowQueryRecord]:
-        return self.active.slow_queries(limit)
+        return facet(self.active, SlowQueryStore).slow_queries(limit)
 
     def slow_query(self, query_id: int) -> SlowQueryRecord:
-        return self.active.slow_query(query_id)
+        return facet(self.active, SlowQueryStore).slow_query(query_id)
 
     def calibration_history(self) -> list[CalibrationRecord]:
-        return self.active.calibration_history()
+        return facet(self.active, CalibrationStore).calibration_history()
 
     def drift_events(self) -> list[DriftRecord]:
-        return self.active.drift_events()
+        return facet(self.active, CalibrationStore).drift_events()
 
     def config_changes(self) -> list[ConfigChangeRecord]:
-        return self.active.config_changes()
+        return facet(self.active, ConfigHistory).config_changes()
 
     def recalibrate(self, progress: Progress) -> CalibrationRecord:
-        return self.active.recalibrate(progress)
+        return facet(self.active, Calibrating).recalibrate(progress)
 
     def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+
+        async def close_clients() -> None:
+            for member in self.members:
+                remote = getattr(member, "remote", None)
+                if remote is not None:
+                    await remote.aclose()
+
+        asyncio.run_coroutine_threadsafe(close_clients(), self.loop).result(TIMEOUT_S)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(TIMEOUT_S)
         for member in self.members:
             member.close()

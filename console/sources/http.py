@@ -2,8 +2,8 @@
 
 It reads the same snapshots an embedded console does (GET /v1/stats) and tunes through
 PATCH /v1/admin/config with the admin token from $TOKENFLOW_ADMIN_TOKEN. The server publishes
-its slow queries; calibrations, drift and config history stay in the server's own store
-(read them there with `tokenflow slow-queries` and friends), so those lists are empty here.
+its slow queries; calibrations, drift and config history stay in the server's own store, so
+this source declares it cannot read them (and cannot recalibrate: that runs beside the engine).
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from typing import Any
 
 import httpx
 
-from console.sources.base import Progress, SourceError
+from console.sources.base import Capabilities, Capability, SourceError
 from console.sources.remote import Remote, RemoteBacked, error_message
 from engine.config import ConfigError
 from engine.serve.auth import TOKEN_ENV
 from engine.snapshot import Snapshot
-from engine.store import CalibrationRecord, SlowQueryRecord
+from engine.store import SlowQueryRecord
 
 MAX_SLOW_QUERIES = 5000  # the server's own cap on one listing
 
@@ -34,9 +34,22 @@ class HttpSource(RemoteBacked):
         token = token if token is not None else os.environ.get(TOKEN_ENV, "").strip()
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.remote = Remote(url, headers=headers, clock=clock, transport=transport)
+        there = f"on the machine serving {self.remote.url}"
+        self.capabilities = Capabilities.lacking({
+            Capability.CALIBRATE: f"calibration runs next to the engine: run `tokenflow "
+                                  f"calibrate` {there}",
+            Capability.DRIFT: f"calibration runs and drift events stay in the server's own "
+                              f"store: run `tokenflow calibrate` {there}",
+            Capability.CONFIG_HISTORY: "the server keeps its configuration history in its own "
+                                       "store, which HTTP does not publish",
+        })
 
     def snapshot(self) -> Snapshot:
         return Snapshot.from_dict(self._call("GET", "/v1/stats").json())
+
+    async def snapshot_async(self) -> Snapshot:
+        response = await self.remote.arequest("GET", "/v1/stats")
+        return Snapshot.from_dict(self._checked(response, "/v1/stats").json())
 
     def update_config(self, **changes: Any) -> dict[str, Any]:
         response = self.remote.request("PATCH", "/v1/admin/config", json=changes)
@@ -61,10 +74,6 @@ class HttpSource(RemoteBacked):
             if record.id == query_id:
                 return record
         raise SourceError(f"{self.remote.url} has no slow query with id {query_id}")
-
-    def recalibrate(self, progress: Progress) -> CalibrationRecord:
-        raise SourceError("calibration runs next to the engine: run `tokenflow calibrate` on "
-                          f"the machine serving {self.remote.url}")
 
     def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         return self._checked(self.remote.request(method, path, **kwargs), path)

@@ -26,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from console.sources.base import Progress, SourceError
+from console.sources.base import Capabilities, Progress, SourceError
 from engine.snapshot import Snapshot
 
 if TYPE_CHECKING:  # the store pulls in SQLAlchemy: kept off the launch path
@@ -39,6 +39,8 @@ CLOSE_TIMEOUT_S = 15.0
 
 
 class ProcessSource:
+    capabilities = Capabilities.everything()  # the child's EmbeddedSource answers every call
+
     def __init__(self, process: multiprocessing.process.BaseProcess,
                  connection: Connection) -> None:
         self.name = "embedded engine (starting)"

@@ -2,21 +2,19 @@
 
 After a failure the next attempt waits (0.5 s, doubling to 10 s); until then calls fail fast
 with the same message, so the console shows one steady "offline" notice instead of a storm
-of timeouts, and reconnects by itself when the server comes back.
+of timeouts, and reconnects by itself when the server comes back. `arequest` is the same on
+httpx's async client, for fleets that poll every server at once (console.sources.fleet).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import httpx
 
 from console.sources.base import SourceError
-
-if TYPE_CHECKING:
-    from engine.store import CalibrationRecord, ConfigChangeRecord, DriftRecord
 
 FIRST_DELAY_S = 0.5
 MAX_DELAY_S = 10.0
@@ -30,6 +28,8 @@ class Remote:
         self.url = url.rstrip("/")
         self.client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
                                    transport=transport)
+        self.headers, self.timeout = headers, timeout
+        self.aclient: httpx.AsyncClient | None = None  # made on the fleet's event loop
         self.clock = clock
         self.online = False  # until the first answer
         self.last_error = ""
@@ -38,13 +38,30 @@ class Remote:
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """The response (any status below 500); SourceError while the server is unreachable."""
-        if not self.online and self.clock() < self.next_attempt:
-            raise self._offline()
+        self._check_backoff()
         try:
             response = self.client.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
-            raise self._failed(f"{type(exc).__name__}: {exc}" if str(exc)
-                               else type(exc).__name__) from exc
+            raise self._failed(_describe(exc)) from exc
+        return self._answered(response)
+
+    async def arequest(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """`request` on the async client (created on the first call, on the caller's loop)."""
+        self._check_backoff()
+        if self.aclient is None:
+            self.aclient = httpx.AsyncClient(base_url=self.url, headers=self.headers,
+                                             timeout=self.timeout)
+        try:
+            response = await self.aclient.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise self._failed(_describe(exc)) from exc
+        return self._answered(response)
+
+    def _check_backoff(self) -> None:
+        if not self.online and self.clock() < self.next_attempt:
+            raise self._offline()
+
+    def _answered(self, response: httpx.Response) -> httpx.Response:
         if response.status_code >= 500:
             raise self._failed(f"HTTP {response.status_code} {error_message(response)}")
         self.online, self.last_error, self.delay_s = True, "", 0.0
@@ -60,8 +77,16 @@ class Remote:
     def _offline(self) -> SourceError:
         return SourceError(f"{self.url} is offline ({self.last_error}); reconnecting with backoff")
 
+    async def aclose(self) -> None:
+        if self.aclient is not None:
+            await self.aclient.aclose()
+
     def close(self) -> None:
         self.client.close()
+
+
+def _describe(exc: httpx.HTTPError) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def error_message(response: httpx.Response) -> str:
@@ -77,7 +102,7 @@ def error_message(response: httpx.Response) -> str:
 
 class RemoteBacked:
     """What every HTTP-backed source shares: its name (offline marked), whether the server
-    answered last time and why not, the store history it cannot read, and closing."""
+    answered last time and why not, and closing."""
 
     remote: Remote
     label: ClassVar[str]  # "attach", "vLLM": what kind of server the URL is
@@ -93,16 +118,6 @@ class RemoteBacked:
     @property
     def last_error(self) -> str:
         return self.remote.last_error
-
-    # The server's own store (calibrations, drift, config history) is not readable over HTTP.
-    def calibration_history(self) -> list[CalibrationRecord]:
-        return []
-
-    def drift_events(self) -> list[DriftRecord]:
-        return []
-
-    def config_changes(self) -> list[ConfigChangeRecord]:
-        return []
 
     def close(self) -> None:
         self.remote.close()

@@ -13,9 +13,17 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
-from console.sources.base import Progress, Source, SourceError
+from console.sources.base import (
+    CalibrationStore,
+    Capabilities,
+    Capability,
+    ConfigHistory,
+    SlowQueryStore,
+    Source,
+    SourceError,
+)
 from engine.snapshot import Snapshot
 from engine.store import (
     BudgetPoint,
@@ -36,14 +44,20 @@ class SessionRecorder:
         self._write("snapshot", snapshot.to_dict())
 
     def finish(self, source: Source) -> None:
-        for record in source.slow_queries():
-            self._write("slow_query", dataclasses.asdict(record))
-        for record in source.calibration_history():
-            self._write("calibration", dataclasses.asdict(record))
-        for record in source.drift_events():
-            self._write("drift", dataclasses.asdict(record))
-        for record in source.config_changes():
-            self._write("config_change", dataclasses.asdict(record))
+        """Add what the source's store holds, as far as the source can read it."""
+        capabilities = source.capabilities
+        if Capability.SLOW_QUERIES in capabilities:
+            for record in cast(SlowQueryStore, source).slow_queries():
+                self._write("slow_query", dataclasses.asdict(record))
+        if Capability.DRIFT in capabilities:
+            store = cast(CalibrationStore, source)
+            for record in store.calibration_history():
+                self._write("calibration", dataclasses.asdict(record))
+            for record in store.drift_events():
+                self._write("drift", dataclasses.asdict(record))
+        if Capability.CONFIG_HISTORY in capabilities:
+            for record in cast(ConfigHistory, source).config_changes():
+                self._write("config_change", dataclasses.asdict(record))
         self._file.close()
 
     def _write(self, kind: str, data: dict[str, Any]) -> None:
@@ -54,8 +68,15 @@ class SessionRecorder:
 class ReplaySource:
     """Plays a recording back at its own pace times `speed`; speed 0 steps one snapshot per poll.
 
-    Read-only: tuning and recalibration raise SourceError. At the end it holds the last snapshot.
+    Read-only: it cannot be tuned or recalibrated; pause holds the playback. At the end it
+    holds the last snapshot.
     """
+
+    capabilities = Capabilities.lacking({
+        Capability.TUNE: "a recorded session is read-only; start the console on an engine to tune",
+        Capability.CALIBRATE: "a recorded session cannot recalibrate; start the console on an "
+                              "engine",
+    })
 
     def __init__(self, path: Path, speed: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -133,12 +154,6 @@ class ReplaySource:
             if self._paused_at is not None:
                 self._started += self._clock() - self._paused_at
                 self._paused_at = None
-
-    def update_config(self, **changes: Any) -> dict[str, Any]:
-        raise SourceError("a recorded session is read-only; start the console on an engine to tune")
-
-    def recalibrate(self, progress: Progress) -> CalibrationRecord:
-        raise SourceError("a recorded session cannot recalibrate; start the console on an engine")
 
     def slow_queries(self, limit: int = 500) -> list[SlowQueryRecord]:
         return self._slow[:limit]

@@ -7,7 +7,7 @@ import functools
 import logging
 import sys
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from textual.app import App, SystemCommand
 from textual.binding import BindingType
@@ -25,44 +25,56 @@ from console.tui.collectors import (
     SnapshotCollector,
     SnapshotPolled,
     SourceFailed,
-    apply_config_in_worker,
 )
-from console.tui.history import MetricHistory
-from console.tui.keymap import COMMANDS, bindings
+from console.tui.keymap import COMMANDS, bindings, needs
 from console.tui.screens.base import ConsoleScreen
 from console.tui.screens.diagnosis import DiagnosisScreen
 from console.tui.screens.drift import DriftScreen
+from console.tui.screens.fleet import FleetScreen
 from console.tui.screens.help import HelpScreen
 from console.tui.screens.live import LiveScreen
 from console.tui.screens.slow_queries import SlowQueriesScreen
 from console.tui.screens.tuning import TuningScreen
+from console.tui.state import ConsoleState
 from engine.errors import EngineError
+from engine.snapshot import Snapshot
+
+if TYPE_CHECKING:
+    from engine.serve.otlp import TraceCollector
 
 POLL_INTERVAL_S = 0.4  # panes refresh at 2.5 Hz
+SCREENS: dict[str, type[ConsoleScreen]] = {  # the modes; keymap's show('NAME') switches
+    "live": LiveScreen,
+    "tuning": TuningScreen,
+    "slow_queries": SlowQueriesScreen,
+    "drift": DriftScreen,
+    "diagnosis": DiagnosisScreen,
+    "fleet": FleetScreen,
+}
 
 
 class TokenflowApp(App[None]):
     CSS_PATH = "tokenflow.tcss"
     TITLE = "tokenflow"
     BINDINGS: ClassVar[list[BindingType]] = bindings()
-    MODES: ClassVar[dict[str, type[Screen]]] = {
-        "live": LiveScreen,
-        "tuning": TuningScreen,
-        "slow_queries": SlowQueriesScreen,
-        "drift": DriftScreen,
-        "diagnosis": DiagnosisScreen,
-    }
     DEFAULT_MODE = "live"
 
     def __init__(self, source: Source, *, interval: float = POLL_INTERVAL_S,
                  recorder: SessionRecorder | None = None) -> None:
         super().__init__()
-        self.source = source
-        self.history = MetricHistory()
-        self.latest = None
+        self.state = ConsoleState(source)
+        for mode, screen in SCREENS.items():  # each screen is handed the state, not the app
+            self.add_mode(mode, functools.partial(screen, self.state))
         self.recorder = recorder
         self.collector = SnapshotCollector(self, source, interval, recorder)
-        self.failure = ""  # the source's latest error, until a snapshot arrives again
+
+    @property
+    def source(self) -> Source:
+        return self.state.source
+
+    @property
+    def latest(self) -> Snapshot | None:
+        return self.state.latest
 
     def on_mount(self) -> None:
         self.collector.start()
@@ -74,16 +86,14 @@ class TokenflowApp(App[None]):
         self.source.close()
 
     def on_snapshot_polled(self, message: SnapshotPolled) -> None:
-        self.history.record(message.snapshot)
-        self.latest = message.snapshot
-        self.failure = ""
+        self.state.record(message.snapshot)
         screen = self._shown_console_screen()
         if screen is not None:
             screen.show_snapshot(message.snapshot)
 
     def on_source_failed(self, message: SourceFailed) -> None:
-        if message.error != self.failure:  # one toast per distinct failure, not one per poll
-            self.failure = message.error
+        if message.error != self.state.failure:  # one toast per distinct failure, not per poll
+            self.state.failure = message.error
             self.notify(message.error, title="source", severity="error")
             screen = self._shown_console_screen()
             if screen is not None:
@@ -109,13 +119,20 @@ class TokenflowApp(App[None]):
 
     def action_help(self) -> None:
         if not isinstance(self.screen, HelpScreen):
-            self.push_screen(HelpScreen())
+            self.push_screen(HelpScreen(self.state))
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """A command the source cannot do is hidden from the footer (its key says why)."""
+        need = needs(action)
+        return need is None or need in self.state.capabilities
 
     def action_toggle_pause(self) -> None:
-        paused = self.latest is not None and self.latest.paused
-        command = self.source.resume if paused else self.source.pause
-        self.run_worker(command, thread=True, group="pause", exit_on_error=False)
-        self.notify("resuming" if paused else "pausing", timeout=1.5)
+        paused = self.state.paused
+        refusal = self.state.toggle_pause(self)
+        if refusal is not None:
+            self.notify(refusal, severity="warning")
+        else:
+            self.notify("resuming" if paused else "pausing", timeout=1.5)
 
     def action_next_server(self) -> None:
         """Fleet view: each attached server is a tab; this moves to the next one."""
@@ -123,26 +140,38 @@ class TokenflowApp(App[None]):
             self.notify("one source only: pass several --attach URLs for a fleet",
                         severity="warning")
             return
+        self.select_server((self.source.selected + 1) % len(self.source.members))
+
+    def select_server(self, index: int) -> None:
+        """Show fleet member `index` from now on: its history started afresh, and the keys
+        and panes following what it can do."""
         fleet = self.source
-        fleet.select((fleet.selected + 1) % len(fleet.members))
-        self.history.clear()
+        assert isinstance(fleet, FleetSource)
+        fleet.select(index)
+        self.state.forget_history()
+        self.refresh_bindings()
+        shown = self._shown_console_screen()
+        if shown is not None:
+            shown.show_capabilities()
         self.notify(fleet.name, title="fleet", timeout=2)
 
+    def on_fleet_screen_server_chosen(self, message: FleetScreen.ServerChosen) -> None:
+        self.select_server(message.index)
+        self.switch_mode("live")
+
     def action_apply_recommended(self) -> None:
-        # C* as a token budget, rounded by the engine's own policy (engine.budget.auto)
-        budget = None if self.latest is None else self.latest.recommended_token_budget
-        if budget is None:
-            self.notify("no recommended C* yet: it needs a calibrated budget model",
-                        severity="warning")
-            return
+        # The Tuning screen hears the result itself, to refresh its form and its changes.
         target = self.screen if isinstance(self.screen, TuningScreen) else self
-        apply_config_in_worker(target, self, self.source, {"max_num_batched_tokens": budget})
+        refusal = self.state.apply_recommended(target)
+        if refusal is not None:
+            self.notify(refusal, severity="warning")
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
         for command in COMMANDS:
-            yield SystemCommand(command.title, command.help,
-                                functools.partial(self.run_action, command.action))
+            if command.needs is None or command.needs in self.state.capabilities:
+                yield SystemCommand(command.title, command.help,
+                                    functools.partial(self.run_action, command.action))
 
 
 def open_source(args: argparse.Namespace, engine: ProcessSource | None) -> Source:
@@ -150,13 +179,26 @@ def open_source(args: argparse.Namespace, engine: ProcessSource | None) -> Sourc
     embedded engine launched already, once it is ready."""
     if args.replay:
         return ReplaySource(args.replay, speed=args.speed)
-    if args.attach or args.attach_vllm:
+    if args.attach or args.attach_vllm or args.attach_sglang:
         from console.sources import open_http_source
 
-        return open_http_source(args.attach, args.attach_vllm)
+        return open_http_source(args.attach, args.attach_vllm, args.attach_sglang,
+                                gpu=args.gpu, traces=open_traces(args))
     assert engine is not None, "console.cli.console launches the embedded engine"
     engine.wait_ready()
     return engine
+
+
+def open_traces(args: argparse.Namespace) -> TraceCollector | None:
+    """The OTLP receiver of --otlp-listen, writing to --db (default: the user's store)."""
+    if not args.otlp_listen:
+        return None
+    from console.sources.otlp import start_receiver
+    from engine.store import open_database
+
+    receiver = start_receiver(args.otlp_listen, shape=args.roofline_model, gpu=args.gpu,
+                              database=open_database(args.db))
+    return receiver.collector
 
 
 def run(args: argparse.Namespace, engine: ProcessSource | None) -> int:

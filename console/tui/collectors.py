@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from textual.app import App
+from textual.dom import DOMNode
 from textual.message import Message
-from textual.message_pump import MessagePump
 
-from console.sources.base import Source
+from console.sources.base import Calibrating, Source, Tunable
 from console.sources.replay import SessionRecorder
 from engine.config import ConfigError
 from engine.errors import EngineError
@@ -108,7 +108,7 @@ class SnapshotCollector:
             self.running = False  # the app closed while this poll was in flight
 
 
-def load_in_worker(target: MessagePump, app: App, read: Callable[[], Message]) -> None:
+def load_in_worker(target: DOMNode, read: Callable[[], Message]) -> None:
     """Run a store read on a worker thread and post its message to `target`."""
 
     def work() -> None:
@@ -117,10 +117,10 @@ def load_in_worker(target: MessagePump, app: App, read: Callable[[], Message]) -
         except (EngineError, OSError) as exc:
             target.post_message(SourceFailed(str(exc)))
 
-    app.run_worker(work, thread=True, group="store", exit_on_error=False)
+    target.run_worker(work, thread=True, group="store", exit_on_error=False)
 
 
-def recalibrate_in_worker(target: MessagePump, app: App, source: Source) -> None:
+def recalibrate_in_worker(target: DOMNode, source: Calibrating) -> None:
     """Run a recalibration on a worker thread, posting its progress and its result to `target`."""
 
     def work() -> None:
@@ -131,7 +131,7 @@ def recalibrate_in_worker(target: MessagePump, app: App, source: Source) -> None
         except (EngineError, OSError) as exc:
             target.post_message(RecalibrationDone(None, str(exc)))
 
-    app.run_worker(work, thread=True, group="recalibrate", exit_on_error=False)
+    target.run_worker(work, thread=True, group="recalibrate", exit_on_error=False)
 
 
 class ConfigApplied(Message):
@@ -147,8 +147,7 @@ class ConfigRejected(Message):
         self.message = message
 
 
-def apply_config_in_worker(target: MessagePump, app: App, source: Source,
-                           changes: dict[str, Any]) -> None:
+def apply_config_in_worker(target: DOMNode, source: Tunable, changes: dict[str, Any]) -> None:
     """Apply live changes on a worker thread; the result comes back as a message to `target`."""
 
     def work() -> None:
@@ -159,4 +158,4 @@ def apply_config_in_worker(target: MessagePump, app: App, source: Source,
         except (EngineError, OSError) as exc:
             target.post_message(ConfigRejected("", str(exc)))
 
-    app.run_worker(work, thread=True, group="config", exit_on_error=False)
+    target.run_worker(work, thread=True, group="config", exit_on_error=False)

@@ -21,7 +21,7 @@ import torch
 from engine.budget.auto import auto_token_budget, token_budget_for
 from engine.budget.cost_model import BudgetModel
 from engine.budget.peaks import measure_peaks
-from engine.config import EngineConfig, SamplingParams
+from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.core import intake
 from engine.core.batch import Batch, RequestOutput, StepShape, StepTiming
 from engine.core.block_manager import BlockManager
@@ -107,6 +107,10 @@ class Engine:
         `generated` resumes a request after a crash: those tokens count as output already
         emitted; prompt and them are prefilled again (RECOMPUTE) and generation goes on."""
         params = params or SamplingParams()
+        try:  # the server checks this at its edge; the Python API and resumes meet it here
+            params.check_vocab(self.model_config.vocab_size)
+        except ConfigError as exc:
+            raise RequestError(str(exc)) from None
         token_ids = self.prompt_token_ids(prompt)
         already = self.prompt_token_ids(generated) if generated else []
         rid = request_id or uuid.uuid4().hex[:16]

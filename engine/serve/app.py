@@ -2,43 +2,68 @@
 
 Handlers never touch engine state directly: requests go through `EngineLoop.submit`, tuning
 through `EngineLoop.update_config` (validated on the caller's thread, applied at a step
-boundary), and reads come from the loop's published snapshot.
+boundary), and reads come from the loop's published snapshot. `/v1/stats` and
+`/v1/slow_queries` show request ids, tenants and the config, so they need the admin token
+unless the operator makes them public; every request must name an allowed Host.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from engine.config import ConfigError
-from engine.serve.auth import require_admin
+from engine.serve.auth import TOKEN_ENV, require_admin
 from engine.serve.completions import Completions
+from engine.serve.hosts import LOOPBACK_HOSTS, HostAllowList
 from engine.serve.loop import EngineLoop
 from engine.serve.prometheus import CONTENT_TYPE, render_metrics
-from engine.serve.protocol import ApiError, api_error_handler, json_response, read_json
+from engine.serve.protocol import (
+    ApiError,
+    BodyLimits,
+    ConfigPatch,
+    api_error_handler,
+    json_response,
+    parse_model,
+    read_json,
+)
 from engine.snapshot import Snapshot
 from engine.store import SlowQueryRecord
 
 SlowQueriesReader = Callable[[int], list[SlowQueryRecord]]  # newest-scored first, at most N
 DEFAULT_MAX_QUEUE = 256
-DEFAULT_MAX_BODY_BYTES = 1 << 20
+DEFAULT_MAX_BODY_BYTES = BodyLimits.max_bytes
+DEFAULT_BODY_TIMEOUT_S = BodyLimits.read_timeout_s
 MAX_SLOW_QUERIES = 5000
 
 
 def create_app(loop: EngineLoop, *, admin_token: str | None,
                max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               slow_queries_reader: SlowQueriesReader | None = None) -> Starlette:
+               body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+               slow_queries_reader: SlowQueriesReader | None = None, public_stats: bool = False,
+               allowed_hosts: Sequence[str] = LOOPBACK_HOSTS) -> Starlette:
     """The starlette app; the caller owns `loop` (started before serving, stopped after)."""
     started = int(time.time())
-    completions = Completions(loop, max_queue=max_queue, max_body_bytes=max_body_bytes)
+    limits = BodyLimits(max_bytes=max_body_bytes, read_timeout_s=body_timeout_s)
+    completions = Completions(loop, max_queue=max_queue, limits=limits)
+
+    def require_reader(request: Request) -> None:
+        if public_stats:
+            return
+        if admin_token is None:
+            raise ApiError(403, "this endpoint shows request ids and tenants: start the server "
+                                f"with {TOKEN_ENV} set (and send it as a bearer token) or "
+                                "--public-stats", kind="permission_error")
+        require_admin(request, admin_token)
 
     def snapshot() -> Snapshot:
         return dataclasses.replace(loop.snapshot(), paused=loop.paused)
@@ -57,7 +82,8 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
     async def metrics(_request: Request) -> Response:
         return PlainTextResponse(render_metrics(loop.engine, snapshot()), media_type=CONTENT_TYPE)
 
-    async def stats(_request: Request) -> Response:
+    async def stats(request: Request) -> Response:
+        require_reader(request)
         return json_response(snapshot().to_dict())
 
     async def get_config(request: Request) -> Response:
@@ -66,10 +92,11 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
 
     async def patch_config(request: Request) -> Response:
         require_admin(request, admin_token)
-        changes = await read_json(request, max_body_bytes)
+        changes = await read_json(request, limits)
         if not isinstance(changes, dict) or not changes:
             raise ApiError(400, "send a JSON object of live fields to change, e.g. "
                                 '{"max_num_batched_tokens": 512}')
+        parse_model(ConfigPatch, changes, status=422)
         try:
             config = loop.update_config("api", **changes)
         except ConfigError as exc:
@@ -84,6 +111,7 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
         return handler
 
     async def slow_queries(request: Request) -> Response:
+        require_reader(request)
         if slow_queries_reader is None:
             raise ApiError(404, "this server keeps no slow-query store; start it with --db",
                            kind="not_found_error")
@@ -108,4 +136,6 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
         Route("/v1/admin/resume", pause_or_resume(loop.resume), methods=["POST"]),
         Route("/v1/slow_queries", slow_queries, methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={ApiError: api_error_handler})
+    return Starlette(routes=routes, exception_handlers={ApiError: api_error_handler},
+                     middleware=[Middleware(HostAllowList, allowed=allowed_hosts)])
+

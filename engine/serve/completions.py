@@ -24,14 +24,11 @@ from engine.core.engine import RequestOutput
 from engine.core.request import RequestState
 from engine.errors import RequestError
 from engine.serve.loop import EngineLoop
-from engine.serve.protocol import ApiError, read_json
+from engine.serve.protocol import ApiError, BodyLimits, CompletionBody, parse_model, read_json
 
 RETRY_AFTER_S = 1  # what a refused client is told to wait before trying again
 ERROR_CHECK_S = 1.0  # how often a waiting request checks that the engine thread is alive
 FINISH_REASONS = {"stop": "stop", "length": "length", "aborted": "abort"}
-# OpenAI fields we do not implement, with the value that means "not used".
-UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "logprobs": None, "stop": None,
-               "suffix": None}
 
 
 @dataclass(frozen=True)
@@ -43,70 +40,34 @@ class CompletionRequest:
     model: str | None
 
 
-def parse_completion(body: Any) -> CompletionRequest:
-    """Validate a request body; ApiError(400) names the offending field."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object with at least 'prompt'")
-    for name, unused in UNSUPPORTED.items():
-        if body.get(name) not in (None, unused, [], ""):
-            raise ApiError(400, f"'{name}' is not supported by tokenflow; leave it out"
-                           + ("; use stop_token_ids" if name == "stop" else ""), param=name)
-    stream_options = body.get("stream_options") or {}
-    if not isinstance(stream_options, dict):
-        raise ApiError(400, "'stream_options' must be an object", param="stream_options")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise ApiError(400, "'model' must be a string", param="model")
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
-        raise ApiError(400, "'stop_token_ids' must be a list of integers", param="stop_token_ids")
+def parse_completion(data: Any, vocab_size: int) -> CompletionRequest:
+    """Validate a request body: types here, ranges in SamplingParams; ApiError(400) names the
+    offending field."""
+    body = parse_model(CompletionBody, data)
+    defaults = SamplingParams()
     try:
         params = SamplingParams(
-            max_tokens=_field(body, "max_tokens", int, 16),
-            temperature=_field(body, "temperature", float, 0.0),
-            top_p=_field(body, "top_p", float, 1.0),
-            top_k=_field(body, "top_k", int, 0),
-            seed=_field(body, "seed", int, None),
-            ignore_eos=_field(body, "ignore_eos", bool, False),
-            stop_token_ids=tuple(stop_ids),
+            max_tokens=_given(body.max_tokens, defaults.max_tokens),
+            temperature=_given(body.temperature, defaults.temperature),
+            top_p=_given(body.top_p, defaults.top_p),
+            top_k=_given(body.top_k, defaults.top_k),
+            seed=body.seed,
+            ignore_eos=_given(body.ignore_eos, defaults.ignore_eos),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
         )
+        params.check_vocab(vocab_size)
     except ConfigError as exc:
         raise ApiError(400, f"'{exc.field}' {exc.message}", param=exc.field) from None
-    return CompletionRequest(prompt=_prompt(body.get("prompt")), params=params,
-                             stream=_field(body, "stream", bool, False),
-                             include_usage=stream_options.get("include_usage") is True,
-                             model=model)
+    options = body.stream_options
+    return CompletionRequest(prompt=body.single_prompt(), params=params,
+                             stream=body.stream is True,
+                             include_usage=options is not None and options.include_usage is True,
+                             model=body.model)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _field(body: dict[str, Any], name: str, kind: type, default: Any) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    if kind is bool:
-        ok = isinstance(value, bool)
-    elif kind is int:
-        ok = _is_int(value)
-    else:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-    if not ok:
-        raise ApiError(400, f"'{name}' must be {kind.__name__}, got {value!r}", param=name)
-    return kind(value)
-
-
-def _prompt(prompt: Any) -> str | list[int]:
-    """Text, a list of token ids, or a list holding exactly one of those."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
-        return prompt
-    raise ApiError(400, "'prompt' must be text or a list of integer token ids, one prompt per "
-                        "request", param="prompt")
+def _given(value: Any, default: Any) -> Any:
+    """JSON null means "the default", as OpenAI reads it."""
+    return default if value is None else value
 
 
 class _Bridge:
@@ -145,15 +106,16 @@ class _Bridge:
 class Completions:
     """The endpoint, with its admission state: requests accepted and not yet finished."""
 
-    def __init__(self, engine_loop: EngineLoop, *, max_queue: int, max_body_bytes: int) -> None:
+    def __init__(self, engine_loop: EngineLoop, *, max_queue: int, limits: BodyLimits) -> None:
         self.engine_loop = engine_loop
         self.max_queue = max_queue
-        self.max_body_bytes = max_body_bytes
+        self.limits = limits
         self.in_flight = 0
 
     async def handle(self, request: Request) -> Response:
-        body = parse_completion(await read_json(request, self.max_body_bytes))
         engine = self.engine_loop.engine
+        body = parse_completion(await read_json(request, self.limits),
+                                engine.model_config.vocab_size)
         served = engine.config.model
         if body.model is not None and body.model != served:
             raise ApiError(404, f"model {body.model!r} is not served here; use {served!r}",

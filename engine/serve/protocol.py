@@ -1,12 +1,38 @@
-"""What every endpoint shares: bounded JSON bodies and OpenAI-shaped error responses."""
+"""What every endpoint shares: bounded JSON bodies, typed request models, OpenAI-shaped errors.
+
+A body is refused before any handler sees it unless it is JSON (by Content-Type too, so a
+web page cannot post it as a "simple" cross-site request), arrives within the read timeout,
+fits the size limit, nests at most `max_depth` deep and holds only valid Unicode text. The
+request models then check types field by field (pydantic, as vLLM's OpenAI server does);
+value ranges live with the contracts they guard (SamplingParams, EngineConfig).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, TypeVar
 
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    create_model,
+)
+from pydantic import ValidationError as PydanticValidationError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
+
+from engine.config import INT64_MAX, LIVE_FIELDS, EngineConfig
+
+JSON_TYPE = "application/json"
+M = TypeVar("M", bound=BaseModel)
 
 
 class ApiError(Exception):
@@ -32,22 +58,170 @@ async def api_error_handler(_request: Request, exc: Exception) -> Response:
     return exc.response()
 
 
-async def read_json(request: Request, max_bytes: int) -> Any:
-    """The request body as JSON; 413 past `max_bytes` (checked while reading), 400 if malformed."""
-    too_large = ApiError(413, f"request body is over the limit of {max_bytes} bytes; "
+@dataclass(frozen=True)
+class BodyLimits:
+    max_bytes: int = 1 << 20
+    read_timeout_s: float = 10.0  # a client that declares more than it sends is cut off
+    max_depth: int = 32  # OpenAI bodies nest 3 deep; 100,000 would exhaust the parser's stack
+
+
+async def read_json(request: Request, limits: BodyLimits) -> Any:
+    """The request body as JSON: 415 unless JSON, 408 past the read timeout, 413 past
+    `max_bytes` (checked while reading), 400 if malformed, too deep or not valid Unicode."""
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != JSON_TYPE:
+        raise ApiError(415, f"send the body as JSON with 'Content-Type: {JSON_TYPE}'"
+                            f"{f', not {media_type!r}' if media_type else ''}")
+    too_large = ApiError(413, f"request body is over the limit of {limits.max_bytes} bytes; "
                               "send a shorter prompt or raise the server's body limit")
     declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+    if declared is not None and declared.isdigit() and int(declared) > limits.max_bytes:
         raise too_large
     body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > max_bytes:
-            raise too_large
     try:
-        return json.loads(body)
+        async with asyncio.timeout(limits.read_timeout_s):
+            async for part in request.stream():
+                body += part
+                if len(body) > limits.max_bytes:
+                    raise too_large
+    except TimeoutError:
+        raise ApiError(408, f"the body did not arrive within {limits.read_timeout_s:g} s; "
+                            "send all the bytes that Content-Length declares",
+                       headers={"Connection": "close"}) from None
+    try:
+        data = json.loads(body)
+    except RecursionError:
+        raise _too_deep(limits, "the body") from None
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the body is not valid JSON ({exc}); send a JSON object") from None
+    _check_tree(data, limits)
+    return data
+
+
+def _check_tree(data: Any, limits: BodyLimits) -> None:
+    """Depth and Unicode of every value and key, naming the first bad one's path (no
+    recursion: the tree's depth is what is being checked)."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > limits.max_depth:
+            raise _too_deep(limits, f"'{path}'")
+        if isinstance(value, str):
+            _check_text(value, path or "the body")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                key_path = f"{path}.{key}" if path else key
+                _check_text(key, f"{path}.{{key}}" if path else "a key")
+                stack.append((item, key_path, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((item, f"{path}[{i}]", depth + 1) for i, item in enumerate(value)
+                         if isinstance(item, str | list | dict))
+
+
+def _check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # JSON's \ud800 escapes decode to lone surrogates
+        # `where` is printable: a key is checked before the path below it is built
+        raise ApiError(400, f"'{where}' is not valid Unicode (it holds a lone surrogate); "
+                            "send UTF-8 text", param=where) from None
+
+
+def _too_deep(limits: BodyLimits, where: str) -> ApiError:
+    return ApiError(400, f"{where} nests JSON deeper than {limits.max_depth} levels; "
+                         "completions need 3")
+
+
+# --- request models ----------------------------------------------------------------------
+One = Field(min_length=1, max_length=1)
+Prompt = (StrictStr | list[StrictInt] | Annotated[list[StrictStr], One]
+          | Annotated[list[list[StrictInt]], One])
+Number = StrictFloat  # takes ints too; ranges and finiteness: SamplingParams
+# OpenAI fields we do not implement, with the values that mean "not used".
+Unused = Literal[None, "", False] | Annotated[list[Any], Field(max_length=0)]
+UNSUPPORTED = "is not supported by tokenflow; leave it out"
+# Messages for fields whose pydantic error would name a union member instead of the rule.
+HINTS = {
+    "prompt": "must be text or a list of integer token ids, one prompt per request",
+    "temperature": "must be a finite number", "top_p": "must be a finite number",
+    "n": UNSUPPORTED, "best_of": UNSUPPORTED, "echo": UNSUPPORTED, "logprobs": UNSUPPORTED,
+    "suffix": UNSUPPORTED, "stop": f"{UNSUPPORTED} and use stop_token_ids",
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    include_usage: StrictBool | None = None
+
+
+class CompletionBody(BaseModel):
+    """POST /v1/completions. Unknown fields are ignored, as OpenAI's own server does."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    prompt: Prompt
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    seed: StrictInt | None = None
+    ignore_eos: StrictBool | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+    n: Literal[1] | None = None
+    best_of: Literal[1] | None = None
+    echo: Unused = None
+    logprobs: Unused = None
+    stop: Unused = None
+    suffix: Unused = None
+
+    def single_prompt(self) -> str | list[int]:
+        """The prompt, unwrapped from a one-element list."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+            return prompt[0]
+        return prompt  # type: ignore[return-value]
+
+
+def _live_field_model() -> type[BaseModel]:
+    """PATCH /v1/admin/config's types, from EngineConfig's live fields: JSON values of the
+    wrong type get 422 naming the field before EngineConfig.replace sees them. Scalars stay
+    lax ("512", "yes" are accepted, as forms send them); dict values must be numbers. Other
+    names pass through for EngineConfig.replace to name as unknown or fixed."""
+    finite = Field(allow_inf_nan=False)
+    types: dict[str, Any] = {
+        "int": Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)],
+        "float": Annotated[float, finite],
+        "bool": bool,
+        "dict[str, float]": dict[StrictStr, Annotated[StrictFloat, finite]],
+        "dict[str, int]": dict[StrictStr, Annotated[StrictInt, Field(ge=-INT64_MAX - 1,
+                                                                     le=INT64_MAX)]],
+    }
+    fields = {f.name: (types.get(str(f.type), Any) | None, None)
+              for f in dataclasses.fields(EngineConfig) if f.name in LIVE_FIELDS}
+    return create_model("ConfigPatch", __config__=ConfigDict(extra="allow"), **fields)
+
+
+ConfigPatch = _live_field_model()
+
+
+def parse_model(model: type[M], data: Any, status: int = 400) -> M:
+    """`data` as `model`; the first failure becomes an ApiError naming its field."""
+    try:
+        return model.model_validate(data)
+    except PydanticValidationError as exc:
+        error = exc.errors(include_url=False, include_input=False)[0]
+        loc = error["loc"]
+        if not loc:
+            raise ApiError(status, f"the body must be a JSON object ({error['msg']})") from None
+        name = str(loc[0])
+        if name in HINTS:
+            raise ApiError(status, f"'{name}' {HINTS[name]}", param=name) from None
+        path = name + "".join(f"[{part}]" if isinstance(part, int) else f".{part}"
+                              for part in loc[1:])
+        message = error["msg"][0].lower() + error["msg"][1:]
+        raise ApiError(status, f"'{path}': {message}", param=name) from None
 
 
 def json_response(data: Any, status: int = 200) -> Response:

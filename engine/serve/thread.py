@@ -6,25 +6,21 @@ at once (the kernel queues them) and nobody has to wait for the server to come u
 
 from __future__ import annotations
 
-import socket
 import threading
 from types import TracebackType
 
 import uvicorn
 from starlette.types import ASGIApp
 
-BACKLOG = 2048
+from engine.serve.listener import BACKLOG, listen
+
 GRACEFUL_SHUTDOWN_S = 2
 
 
 class ServerThread:
-    def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        # accepted sockets inherit it: no 40 ms Nagle/delayed-ACK stall per small response
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.sock.bind((host, port))
-        self.sock.listen(BACKLOG)
+    def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *,
+                 nodelay: bool = True) -> None:
+        self.sock = listen(host, port, nodelay=nodelay)
         config = uvicorn.Config(app, log_level="warning", lifespan="off", backlog=BACKLOG,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         self.server = uvicorn.Server(config)

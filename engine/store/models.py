@@ -82,11 +82,36 @@ class SlowQueryRow(Base):
     budgeted_s: Mapped[float]
     chunks: Mapped[list[Any]]  # per-chunk timings, as the engine reported them
     config: Mapped[dict[str, Any]]  # the live configuration when the request ran
+    source: Mapped[str | None] = mapped_column(String(256))  # None: this engine; else a server
 
     __table_args__ = (
         Index("ix_slow_queries_budget_score", "budget_score"),
         Index("ix_slow_queries_tenant", "tenant"),
     )
+
+
+class TracedRequestRow(Base):
+    """One request another engine reported in a trace span (vLLM's `llm_request`), with the
+    budget score the roofline gives its prefill."""
+
+    __tablename__ = "traced_requests"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    received_at: Mapped[float]
+    source: Mapped[str] = mapped_column(String(256))  # the span's service.name
+    request_id: Mapped[str] = mapped_column(String(256))
+    started_at: Mapped[float]
+    prompt_tokens: Mapped[int]
+    completion_tokens: Mapped[int]
+    queue_s: Mapped[float | None]
+    ttft_s: Mapped[float | None]
+    prefill_s: Mapped[float | None]
+    decode_s: Mapped[float | None]
+    e2e_s: Mapped[float | None]
+    predicted_prefill_s: Mapped[float | None]
+    budget_score: Mapped[float | None]
+
+    __table_args__ = (Index("ix_traced_requests_source", "source"),)
 
 
 class CalibrationRunRow(Base):

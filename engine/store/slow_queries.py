@@ -37,6 +37,7 @@ class SlowQueryRecord:
     budgeted_s: float
     chunks: list[dict[str, Any]]
     config: dict[str, Any]
+    source: str | None = None  # None: this engine; otherwise the server that traced it
 
     @classmethod
     def from_row(cls, row: SlowQueryRow) -> SlowQueryRecord:

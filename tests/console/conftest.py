@@ -1,9 +1,10 @@
-"""Shared fixtures: the recorded session replayed step by step, and a frozen, quiet UI."""
+"""Shared fixtures: the recorded session replayed step by step, a frozen, quiet UI, and waits
+on workers and messages (never on a fixed time)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from console.tui.app import TokenflowApp
 
 SESSION = Path(__file__).parent / "data" / "session.jsonl"
 FAST_POLL_S = 0.02
+MAX_ROUNDS = 2000  # a bound on rounds of real waits, so a broken condition fails, not hangs
 
 
 @pytest.fixture
@@ -38,15 +40,30 @@ def replay_app() -> TokenflowApp:
     return TokenflowApp(ReplaySource(SESSION, speed=0), interval=FAST_POLL_S)
 
 
+async def workers_done(pilot: Pilot) -> None:
+    """Wait for every worker in flight (store reads, config changes, the snapshot poll) and
+    for the messages they posted to be handled."""
+    await pilot.app.workers.wait_for_complete()
+    await pilot.pause()
+
+
+async def until(pilot: Pilot, condition: Callable[[], object], what: str = "condition") -> None:
+    """Wait, round by round, until `condition()` holds. Each round waits for the workers in
+    flight and for their messages to be handled (the next poll is armed as one ends)."""
+    for _ in range(MAX_ROUNDS):
+        if condition():
+            return
+        await workers_done(pilot)
+    raise AssertionError(f"{what} not reached after {MAX_ROUNDS} rounds of workers")
+
+
 async def replayed(pilot: Pilot) -> None:
     """Wait until every recorded snapshot has been shown, so the picture is the final one."""
     app = pilot.app
     assert isinstance(app, TokenflowApp)
     source = app.source
     assert isinstance(source, ReplaySource)
-    for _ in range(2000):
-        if source.finished and app.latest is not None and app.history.last_step == app.latest.step:
-            break
-        await pilot.pause(FAST_POLL_S)
+    state = app.state
+    await until(pilot, lambda: source.finished and state.latest is not None
+                and state.history.last_step == state.latest.step, "the end of the replay")
     await pilot.pause()
-    assert source.finished, "the replay did not reach its end"

@@ -16,7 +16,7 @@ from console.tui.app import TokenflowApp
 from console.tui.widgets.header import EngineHeader
 from engine.config import ConfigError
 from engine.errors import ModelLoadError
-from tests.console.conftest import FAST_POLL_S
+from tests.console.conftest import FAST_POLL_S, until
 
 
 @pytest.fixture(scope="module")
@@ -111,10 +111,7 @@ async def test_the_header_keeps_showing_a_dead_engine_after_its_toast(tmp_path: 
     async with app.run_test(size=(120, 40)) as pilot:
         header = app.screen.query_one(EngineHeader)
         os.kill(source._process.pid, signal.SIGKILL)
-        for _ in range(400):
-            if "SOURCE FAILED" in str(header.render()):
-                break
-            await pilot.pause(0.05)
+        await until(pilot, lambda: "SOURCE FAILED" in str(header.render()), "the failure shown")
         shown = str(header.render())
         assert "SOURCE FAILED" in shown and "engine process has exited" in shown
         await pilot.press("2")  # another screen shows it too

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
-from textual.command import CommandPalette
+from rich.console import Console
+from textual.command import CommandList, CommandPalette
 from textual.widgets import DataTable, Input, Static
 
 from console.sources.fleet import FleetSource
@@ -22,7 +24,14 @@ from console.tui.widgets.header import EngineHeader
 from console.tui.widgets.keyed_table import KeyedTable
 from console.tui.widgets.plot import Plot
 from console.tui.widgets.requests_table import RequestsTable
-from tests.console.conftest import FAST_POLL_S, SESSION, replay_app, replayed
+from tests.console.conftest import (
+    FAST_POLL_S,
+    SESSION,
+    replay_app,
+    replayed,
+    until,
+    workers_done,
+)
 
 pytestmark = pytest.mark.anyio
 SIZES = [(120, 40), (80, 24)]
@@ -82,7 +91,7 @@ async def test_slow_queries_list_detail_and_export(tmp_path: Path,
     async with app.run_test(size=(120, 40)) as pilot:
         await replayed(pilot)
         await pilot.press("3")
-        await pilot.pause(0.2)
+        await workers_done(pilot)
         screen = app.screen
         assert isinstance(screen, SlowQueriesScreen)
         table = screen.query_one(KeyedTable).table
@@ -110,16 +119,21 @@ async def test_drift_screen_plots_history_and_reports_a_refused_recalibration() 
     async with app.run_test(size=(120, 40)) as pilot:
         await replayed(pilot)
         await pilot.press("4")
-        await pilot.pause(0.2)
+        await workers_done(pilot)
         screen = app.screen
         assert isinstance(screen, DriftScreen)
         plot = screen.query_one(Plot)
         assert len(plot._series[0].values) == len(app.source.calibration_history()) == 2
         assert screen.query_one("#drift-events", DataTable).row_count == 1
-        await pilot.press("r")
-        await pilot.pause(0.2)
+        # A recording cannot recalibrate: r is off the footer, and the pane says why.
+        assert "r" not in screen.active_bindings
         note = str(screen.query_one("#recalibration-note", Static).render())
-        assert "cannot recalibrate" in note and not screen.recalibrating
+        assert "recalibration is not available on this source" in note
+        assert "cannot recalibrate" in note
+        await pilot.press("r")
+        await workers_done(pilot)
+        assert not screen.recalibrating
+        assert any("cannot recalibrate" in n.message for n in app._notifications)
 
 
 async def test_diagnosis_screen_lists_every_rule() -> None:
@@ -141,15 +155,19 @@ async def test_tuning_on_a_recording_is_refused_inline_without_change() -> None:
     async with app.run_test(size=(120, 40)) as pilot:
         await replayed(pilot)
         await pilot.press("2")
-        await pilot.pause()
+        await workers_done(pilot)
         screen = app.screen
         assert isinstance(screen, TuningScreen)
+        refusal = str(screen.query_one("#tuning-refusal", Static).render())
+        assert "tuning is not available on this source" in refusal and "read-only" in refusal
         box = screen.query_one("#input-max_num_batched_tokens", Input)
-        assert box.value == "256"
-        box.value = "512"
+        assert box.value == "256" and box.disabled  # the recorded value, not editable
+        assert "ctrl+s" not in screen.active_bindings
         await pilot.press("ctrl+s")
-        await pilot.pause(0.2)
+        await workers_done(pilot)
+        assert [n.message for n in app._notifications if "read-only" in n.message]
         assert app.latest.config["max_num_batched_tokens"] == 256
+        # the recorded history is still shown: the recording can read it, only not tune
         assert screen.query_one("#config-changes", DataTable).row_count == 1
 
 
@@ -159,24 +177,26 @@ async def test_help_pause_and_command_palette() -> None:
         await replayed(pilot)
         await pilot.press("question_mark")
         assert isinstance(app.screen, HelpScreen)
+        printer = Console(width=200, record=True, file=io.StringIO())
+        printer.print(app.screen.query(Static).first().content)
+        keys = printer.export_text()
+        assert "Apply C*" in keys and "tuning is not available on this source" in keys
         await pilot.press("escape")
         assert isinstance(app.screen, LiveScreen)
 
         await pilot.press("p")
-        await pilot.pause(0.2)
-        assert app.latest.paused
+        await until(pilot, lambda: app.latest.paused, "paused")
         await pilot.press("p")
-        await pilot.pause(0.2)
-        assert not app.latest.paused
+        await until(pilot, lambda: not app.latest.paused, "resumed")
 
         await pilot.press("ctrl+p")
         await pilot.pause()
         assert isinstance(app.screen, CommandPalette)
         await pilot.press(*"Diagnosis")
-        await pilot.pause(0.3)
+        commands = app.screen.query_one(CommandList)
+        await until(pilot, lambda: commands.option_count > 0, "a palette match")
         await pilot.press("enter")
-        await pilot.pause(0.2)
-        assert isinstance(app.screen, DiagnosisScreen)
+        await until(pilot, lambda: isinstance(app.screen, DiagnosisScreen), "the diagnosis")
 
 
 async def test_next_server_moves_through_a_fleet_of_attached_sources() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from textual.pilot import Pilot
 
-from tests.console.conftest import replay_app, replayed
+from tests.console.conftest import replay_app, replayed, workers_done
 
 
 async def settle(pilot: Pilot) -> None:
@@ -16,9 +16,9 @@ async def settle(pilot: Pilot) -> None:
 async def open_slow_query(pilot: Pilot) -> None:
     await settle(pilot)
     await pilot.press("3")
-    await pilot.pause(0.3)
+    await workers_done(pilot)
     await pilot.press("enter")
-    await pilot.pause(0.2)
+    await workers_done(pilot)
 
 
 @pytest.mark.parametrize("size", [(120, 40), (80, 24)])
@@ -31,7 +31,7 @@ def test_screen(snap_compare, key: str) -> None:
     async def show(pilot: Pilot) -> None:
         await settle(pilot)
         await pilot.press(key)
-        await pilot.pause(0.3)
+        await workers_done(pilot)
         pilot.app.clear_notifications()
 
     assert snap_compare(replay_app(), terminal_size=(120, 40), run_before=show)

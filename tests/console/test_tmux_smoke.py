@@ -3,6 +3,7 @@ with moving numbers within 10 s and quits cleanly on q."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -18,6 +19,7 @@ PANES = ("Requests", "Chunk queue", "Cache pressure", "Bandwidth")
 TOKENS_PER_S = re.compile(r"([\d,]+) tok/s")
 LIVE_WITHIN_S = 10.0
 POLL_S = 0.2
+EXIT_WITHIN_S = 15.0
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 
@@ -32,11 +34,14 @@ def test_console_under_tmux_goes_live_and_quits_on_q(tmp_path: Path) -> None:
     socket = f"tokenflow-smoke-{os.getpid()}-{time.monotonic_ns()}"  # its own tmux server
     exit_file = tmp_path / "exit_code"
     tmux = ["tmux", "-L", socket]
-    # stderr stays on the terminal: Textual draws there.
-    command = f"{console_command(tmp_path / 'smoke.db')}; echo $? > {exit_file}"
+    # stderr stays on the terminal: Textual draws there. On exit the command signals a tmux
+    # channel, so the test waits on that event rather than polling for the exit file.
+    command = (f"{console_command(tmp_path / 'smoke.db')}; echo $? > {exit_file}; "
+               f"tmux -L {socket} wait-for -S exited")
     subprocess.run([*tmux, "new-session", "-d", "-s", "smoke", "-x", "120", "-y", "40", command],
                    check=True)
     try:
+        # Another process's screen has no event to wait on: it is read every POLL_S.
         started = time.monotonic()
         screen = ""
         live = False
@@ -51,9 +56,11 @@ def test_console_under_tmux_goes_live_and_quits_on_q(tmp_path: Path) -> None:
         assert live, f"no live panes after {LIVE_WITHIN_S} s:\n{screen}"
 
         subprocess.run([*tmux, "send-keys", "-t", "smoke", "q"], check=True)
-        deadline = time.monotonic() + 15.0
-        while not exit_file.exists() and time.monotonic() < deadline:
-            time.sleep(POLL_S)
+        # Returns when signalled (or when the server has gone with the finished session);
+        # tmux remembers a signal sent before anyone waits.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            subprocess.run([*tmux, "wait-for", "exited"], capture_output=True,
+                           timeout=EXIT_WITHIN_S)
         assert exit_file.exists(), "the console did not exit on q"
         assert exit_file.read_text().strip() == "0"
     finally:

@@ -14,6 +14,7 @@ from console.sources.embedded import EmbeddedSource
 from console.tui.app import TokenflowApp
 from console.tui.screens.tuning import TuningScreen
 from engine.config import EngineConfig
+from tests.console.conftest import until
 
 pytestmark = pytest.mark.anyio
 
@@ -28,19 +29,8 @@ async def tuning(tmp_path: Path) -> AsyncIterator[tuple[TokenflowApp, Pilot, Tun
         screen = app.screen
         assert isinstance(screen, TuningScreen)
         box = screen.query_one("#input-max_num_batched_tokens", Input)
-        for _ in range(200):
-            if box.value:
-                break
-            await pilot.pause(0.05)
+        await until(pilot, lambda: box.value, "the form filled from a snapshot")
         yield app, pilot, screen
-
-
-async def until(pilot: Pilot, condition, tries: int = 200) -> None:
-    for _ in range(tries):
-        if condition():
-            return
-        await pilot.pause(0.05)
-    raise AssertionError("condition not reached")
 
 
 def note(screen: TuningScreen, field: str) -> str:

@@ -1,25 +1,30 @@
-"""What every console screen shares: a header, a footer, and redraws only while shown."""
+"""What every console screen shares: the console's state, a header and a footer, redraws only
+while shown, and keys that follow what the source can do."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import ClassVar
 
+from textual import events
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Footer
 
+from console.sources.base import Capability
+from console.tui.keymap import COMMANDS
+from console.tui.state import ConsoleState
 from console.tui.widgets.header import EngineHeader
 from engine.snapshot import Snapshot
-
-if TYPE_CHECKING:
-    from console.tui.app import TokenflowApp
 
 
 class ConsoleScreen(Screen):
     AUTO_FOCUS = "DataTable"
-    @property
-    def console(self) -> TokenflowApp:
-        return cast("TokenflowApp", self.app)
+    NEEDS: ClassVar[dict[str, Capability]] = {}  # this screen's actions -> what they need
+
+    def __init__(self, state: ConsoleState) -> None:
+        super().__init__()
+        self.state = state
 
     def compose_header(self) -> ComposeResult:
         yield EngineHeader()
@@ -32,15 +37,43 @@ class ConsoleScreen(Screen):
         # A poll can land while this screen is still mounting or already tearing down.
         header = self.query(EngineHeader)
         if header:
-            header.first().update_from(snapshot, self.console.source.name)
+            header.first().update_from(snapshot, self.state.source.name)
 
     def show_failure(self, error: str) -> None:
         header = self.query(EngineHeader)
         if header:
-            header.first().show_failure(error, self.console.source.name)
+            header.first().show_failure(error, self.state.source.name)
+
+    def show_capabilities(self) -> None:
+        """Show or hide what depends on the source's capabilities; on resume, and when the
+        source changes what it can do (a fleet switched server)."""
+        self.refresh_bindings()
 
     def on_screen_resume(self) -> None:
-        if self.console.latest is not None:
-            self.show_snapshot(self.console.latest)
-        if self.console.failure:
-            self.show_failure(self.console.failure)
+        self.show_capabilities()
+        if self.state.latest is not None:
+            self.show_snapshot(self.state.latest)
+        if self.state.failure:
+            self.show_failure(self.state.failure)
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """A key whose capability the source lacks is hidden from the footer."""
+        need = self.NEEDS.get(action)
+        return need is None or need in self.state.capabilities
+
+    def on_key(self, event: events.Key) -> None:
+        """A hidden key still answers: pressed, it says why it does nothing here."""
+        need = self._gated_keys().get(event.key)
+        refusal = None if need is None else self.state.refusal(need)
+        if refusal is not None:
+            event.stop()
+            self.notify(refusal, severity="warning")
+
+    def _gated_keys(self) -> dict[str, Capability]:
+        gated = {key: c.needs for c in COMMANDS if c.needs is not None for key in c.keys}
+        for binding in self.BINDINGS:
+            need = self.NEEDS.get(binding.action.split("(")[0]) if isinstance(
+                binding, Binding) else None
+            if need is not None:
+                gated.update(dict.fromkeys(binding.key.split(","), need))
+        return gated

@@ -44,7 +44,7 @@ class DiagnosisScreen(ConsoleScreen):
 
     def show_snapshot(self, snapshot: Snapshot) -> None:
         super().show_snapshot(snapshot)
-        findings = {f.symptom: f for f in evaluate(snapshot, self.console.history)}
+        findings = {f.symptom: f for f in evaluate(snapshot, self.state.history)}
         summary = Text(f"{len(findings)} of {len(RULES)} symptoms present now",
                        style="bold red" if findings else "bold green")
         self.query_one("#diagnosis-summary", Static).update(summary)

@@ -10,15 +10,12 @@ from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
 from textual.widgets import DataTable, ProgressBar, Static
 
-from console.tui.collectors import (
-    DriftLoaded,
-    RecalibrationDone,
-    RecalibrationProgress,
-    load_in_worker,
-    recalibrate_in_worker,
-)
+from console.sources.base import Capability
+from console.tui.collectors import DriftLoaded, RecalibrationDone, RecalibrationProgress
 from console.tui.screens.base import ConsoleScreen
 from console.tui.screens.slow_queries import clock
+from console.tui.state import ConsoleState
+from console.tui.widgets.notice import unavailable
 from console.tui.widgets.plot import Plot, Series
 from engine.store import CalibrationRecord
 
@@ -32,9 +29,11 @@ def prefill_ms_per_1k(record: CalibrationRecord) -> float | None:
 
 class DriftScreen(ConsoleScreen):
     BINDINGS: ClassVar[list[BindingType]] = [Binding("r", "recalibrate", "Recalibrate")]
+    NEEDS: ClassVar[dict[str, Capability]] = {"recalibrate": Capability.CALIBRATE}
+    RECALIBRATE_NOTE = "press r to recalibrate the token budget on this engine"
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, state: ConsoleState) -> None:
+        super().__init__(state)
         self.recalibrating = False
 
     def compose(self) -> ComposeResult:
@@ -45,8 +44,7 @@ class DriftScreen(ConsoleScreen):
         with Horizontal(id="drift-bottom"):
             yield DataTable(id="drift-events", cursor_type="row", zebra_stripes=True)
             with Vertical(id="recalibration"):
-                yield Static("press r to recalibrate the token budget on this engine",
-                             id="recalibration-note")
+                yield Static(id="recalibration-note")
                 yield ProgressBar(total=100, show_eta=False, id="recalibration-progress")
         yield from self.compose_footer()
 
@@ -59,14 +57,25 @@ class DriftScreen(ConsoleScreen):
         events.add_column("deviation", key="deviation")
         events.add_column("detail", key="detail")
 
+    def show_capabilities(self) -> None:
+        super().show_capabilities()
+        history = self.state.refusal(Capability.DRIFT)
+        self.query_one(Plot).display = history is None
+        self.query_one("#drift-events").display = history is None
+        if history is not None:
+            self.query_one("#calibration-line", Static).update(unavailable(history))
+        if not self.recalibrating:  # its progress notes stay until it ends
+            refusal = self.state.refusal(Capability.CALIBRATE)
+            self.query_one("#recalibration-note", Static).update(
+                self.RECALIBRATE_NOTE if refusal is None else unavailable(refusal))
+            self.query_one(ProgressBar).display = refusal is None
+
     def on_screen_resume(self) -> None:
         super().on_screen_resume()
         self._load()
 
     def _load(self) -> None:
-        source = self.console.source
-        load_in_worker(self, self.app, lambda: DriftLoaded(source.calibration_history(),
-                                                           source.drift_events()))
+        self.state.load_drift(self)  # without a history, show_capabilities said why
 
     def on_drift_loaded(self, message: DriftLoaded) -> None:
         runs = list(reversed(message.calibrations))  # oldest first, as time runs on the plot
@@ -89,10 +98,14 @@ class DriftScreen(ConsoleScreen):
         if self.recalibrating:
             self.notify("a recalibration is already running", timeout=2)
             return
+        note = self.query_one("#recalibration-note", Static)
+        refusal = self.state.recalibrate(self)
+        if refusal is not None:
+            note.update(unavailable(refusal))
+            return
         self.recalibrating = True
         self.query_one(ProgressBar).update(progress=0)
-        self.query_one("#recalibration-note", Static).update("starting…")
-        recalibrate_in_worker(self, self.app, self.console.source)
+        note.update("starting…")
 
     def on_recalibration_progress(self, message: RecalibrationProgress) -> None:
         self.query_one(ProgressBar).update(progress=round(message.fraction * 100))

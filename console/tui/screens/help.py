@@ -1,4 +1,5 @@
-"""Help: every command with its key, drawn from the same table as the bindings and palette."""
+"""Help: every command with its key, drawn from the same table as the bindings and palette;
+a command this source cannot do is shown dimmed, with the reason."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from console.tui.keymap import COMMANDS
+from console.tui.state import ConsoleState
 
 SCREEN_KEYS = (
     ("Tables", "/ filter · o next sort column · O reverse · click a header to sort"),
@@ -26,11 +28,17 @@ SCREEN_KEYS = (
 class HelpScreen(ModalScreen[None]):
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape,question_mark,q", "dismiss", "Close")]
 
+    def __init__(self, state: ConsoleState) -> None:
+        super().__init__()
+        self.state = state
+
     def compose(self) -> ComposeResult:
         keys = Table(show_header=False, box=None, padding=(0, 2))
         for command in COMMANDS:
+            refusal = None if command.needs is None else self.state.refusal(command.needs)
             keys.add_row(command.key_display or command.key.replace(",", " "), command.title,
-                         command.help)
+                         command.help if refusal is None else refusal,
+                         style=None if refusal is None else "dim")
         screens = Table(show_header=False, box=None, padding=(0, 2))
         for name, text in SCREEN_KEYS:
             screens.add_row(name, text)

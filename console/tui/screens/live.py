@@ -5,6 +5,7 @@ from __future__ import annotations
 from textual.app import ComposeResult
 from textual.containers import Grid
 
+from console.sources.base import Capability
 from console.tui.screens.base import ConsoleScreen
 from console.tui.widgets.bandwidth import Bandwidth
 from console.tui.widgets.cache_pressure import CachePressure
@@ -27,9 +28,11 @@ class LiveScreen(ConsoleScreen):
 
     def show_snapshot(self, snapshot: Snapshot) -> None:
         super().show_snapshot(snapshot)
-        history = self.console.history
+        history = self.state.history
+        watermarks = Capability.WATERMARKS in self.state.capabilities
         self.query_one(RequestsTable).update_from(snapshot)
-        self.query_one(ChunkQueue).update_from(snapshot)
-        self.query_one(CachePressure).update_from(snapshot, history)
-        self.query_one(Bandwidth).update_from(snapshot, history)
+        self.query_one(ChunkQueue).update_from(snapshot,
+                                               self.state.refusal(Capability.CHUNK_QUEUE))
+        self.query_one(CachePressure).update_from(snapshot, history, watermarks=watermarks)
+        self.query_one(Bandwidth).update_from(snapshot, history, throttles=watermarks)
         self.query_one(Latency).update_from(snapshot, history)

@@ -13,9 +13,13 @@ from textual.containers import Horizontal, Vertical
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Static
 
-from console.tui.collectors import SlowQueriesLoaded, load_in_worker
+from console.sources.base import Capability
+from console.tui.collectors import SlowQueriesLoaded
 from console.tui.screens.base import ConsoleScreen
+from console.tui.settings import setting
+from console.tui.state import ConsoleState
 from console.tui.widgets.keyed_table import Column, KeyedTable, TableRow
+from console.tui.widgets.notice import unavailable
 from console.tui.widgets.requests_table import budget_text
 from engine.store import SlowQueryRecord, export_slow_queries
 
@@ -38,7 +42,7 @@ def clock(ts: float) -> str:
 
 
 def slow_row(r: SlowQueryRecord) -> TableRow:
-    threshold = float(r.config.get("slow_query_threshold", 1.5))
+    threshold = setting(r.config, "slow_query_threshold")
     return TableRow(
         key=str(r.id),
         cells=(str(r.id), clock(r.created_at), r.request_id, r.tenant,
@@ -56,13 +60,16 @@ class SlowQueriesScreen(ConsoleScreen):
         Binding("E", "export('json')", "Export JSON"),
         Binding("r", "reload", "Reload"),
     ]
+    NEEDS: ClassVar[dict[str, Capability]] = {"export": Capability.SLOW_QUERIES,
+                                              "reload": Capability.SLOW_QUERIES}
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, state: ConsoleState) -> None:
+        super().__init__(state)
         self.records: dict[str, SlowQueryRecord] = {}
 
     def compose(self) -> ComposeResult:
         yield from self.compose_header()
+        yield Static(id="slow-queries-unavailable", classes="unavailable")
         yield KeyedTable(COLUMNS, id="slow-queries")
         yield from self.compose_footer()
 
@@ -70,14 +77,21 @@ class SlowQueriesScreen(ConsoleScreen):
         self.query_one(KeyedTable).border_title = "Slow queries"
         self.set_interval(RELOAD_S, self.action_reload)
 
+    def show_capabilities(self) -> None:
+        super().show_capabilities()
+        refusal = self.state.refusal(Capability.SLOW_QUERIES)
+        note = self.query_one("#slow-queries-unavailable", Static)
+        note.update(unavailable(refusal or ""))
+        note.display = refusal is not None
+        self.query_one(KeyedTable).display = refusal is None
+
     def on_screen_resume(self) -> None:
         super().on_screen_resume()
         self.action_reload()
 
     def action_reload(self) -> None:
         if self.is_current:
-            source = self.console.source
-            load_in_worker(self, self.app, lambda: SlowQueriesLoaded(source.slow_queries()))
+            self.state.load_slow_queries(self)  # a source without them says so on screen
 
     def on_slow_queries_loaded(self, message: SlowQueriesLoaded) -> None:
         self.records = {str(r.id): r for r in message.records}
@@ -117,7 +131,7 @@ class SlowQueryDetail(ModalScreen[None]):
         with Vertical(id="detail"):
             yield Static(Text.assemble(
                 (f"request {r.request_id}", "bold"), f"  tenant {r.tenant}  ",
-                budget_text(r.budget_score, float(r.config.get("slow_query_threshold", 1.5))),
+                budget_text(r.budget_score, setting(r.config, "slow_query_threshold")),
                 f"  prompt {r.prompt_tokens} tok  prefill {r.prefill_s * 1e3:.1f} ms"
                 f" of {r.budgeted_s * 1e3:.1f} ms budgeted  tag {r.tag or '–'}"))
             with Horizontal():

@@ -15,14 +15,11 @@ from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import Button, DataTable, Input, Label, Static
 
-from console.tui.collectors import (
-    ConfigApplied,
-    ConfigChangesLoaded,
-    ConfigRejected,
-    apply_config_in_worker,
-    load_in_worker,
-)
+from console.sources.base import Capability
+from console.tui.collectors import ConfigApplied, ConfigChangesLoaded, ConfigRejected
 from console.tui.screens.base import ConsoleScreen
+from console.tui.state import ConsoleState
+from console.tui.widgets.notice import unavailable
 from engine.snapshot import Snapshot
 
 
@@ -57,9 +54,11 @@ class TuningScreen(ConsoleScreen):
         Binding("ctrl+s", "apply", "Apply"),
         Binding("ctrl+r", "revert", "Revert"),
     ]
+    NEEDS: ClassVar[dict[str, Capability]] = {"apply": Capability.TUNE,
+                                              "revert": Capability.TUNE}
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, state: ConsoleState) -> None:
+        super().__init__(state)
         self._base: dict[str, Any] = {}  # the live values the form was last filled from
 
     def compose(self) -> ComposeResult:
@@ -77,6 +76,7 @@ class TuningScreen(ConsoleScreen):
                     yield Button("Apply C*  c", id="apply-cstar")
             with Vertical(id="tuning-side"):
                 yield Static(id="tuning-status")
+                yield Static(id="tuning-refusal", classes="unavailable")
                 yield DataTable(id="config-changes", cursor_type="row", zebra_stripes=True)
         yield from self.compose_footer()
 
@@ -88,13 +88,28 @@ class TuningScreen(ConsoleScreen):
         for label in ("field", "old", "new", "by"):
             changes.add_column(label, key=label)
 
+    def show_capabilities(self) -> None:
+        """Without tuning the form shows the live values, read-only; without a stored history
+        the changes table gives way to the reason."""
+        super().show_capabilities()
+        tune = self.state.refusal(Capability.TUNE)
+        for box in self.query(".field-input"):
+            box.disabled = tune is not None
+        for button in self.query(Button):
+            button.disabled = tune is not None
+        history = self.state.refusal(Capability.CONFIG_HISTORY)
+        self.query_one("#config-changes").display = history is None
+        lines = [refusal for refusal in (tune, history) if refusal is not None]
+        note = self.query_one("#tuning-refusal", Static)
+        note.update(unavailable("\n".join(lines)))
+        note.display = bool(lines)
+
     def on_screen_resume(self) -> None:
         super().on_screen_resume()
         self._load_changes()
 
     def _load_changes(self) -> None:
-        source = self.console.source
-        load_in_worker(self, self.app, lambda: ConfigChangesLoaded(source.config_changes()))
+        self.state.load_config_changes(self)  # without a history, show_capabilities said why
 
     def show_snapshot(self, snapshot: Snapshot) -> None:
         super().show_snapshot(snapshot)
@@ -124,7 +139,14 @@ class TuningScreen(ConsoleScreen):
         if not changes:
             self.notify("nothing changed", timeout=2)
             return
-        apply_config_in_worker(self, self.app, self.console.source, changes)
+        self._refused(self.state.apply_config(self, changes))
+
+    def action_apply_recommended(self) -> None:
+        self._refused(self.state.apply_recommended(self))
+
+    def _refused(self, refusal: str | None) -> None:
+        if refusal is not None:
+            self.notify(refusal, severity="warning")
 
     def action_revert(self) -> None:
         self._clear_errors()
@@ -133,7 +155,7 @@ class TuningScreen(ConsoleScreen):
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         actions = {"apply": self.action_apply, "revert": self.action_revert,
-                   "apply-cstar": self.console.action_apply_recommended}
+                   "apply-cstar": self.action_apply_recommended}
         actions[event.button.id or ""]()
 
     def on_input_submitted(self, event: Input.Submitted) -> None:

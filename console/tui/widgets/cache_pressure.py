@@ -8,6 +8,7 @@ from textual.containers import Vertical
 from textual.widgets import Static
 
 from console.tui.history import MetricHistory
+from console.tui.settings import setting
 from console.tui.widgets.gauge import gauge, level_style
 from console.tui.widgets.header import MODE_STYLES
 from console.tui.widgets.plot import Plot, Series
@@ -25,16 +26,26 @@ class CachePressure(Vertical):
         yield Static(id="kv-gauge")
         yield Plot(y_limits=(0.0, 1.0), id="kv-plot")
 
-    def update_from(self, snapshot: Snapshot, history: MetricHistory) -> None:
-        low = float(snapshot.config.get("cache_low_watermark", 0.70))
-        high = float(snapshot.config.get("cache_high_watermark", 0.85))
+    def update_from(self, snapshot: Snapshot, history: MetricHistory, *,
+                    watermarks: bool = True) -> None:
+        """`watermarks`: whether tokenflow's KV watermarks govern this engine; without them
+        the gauge has no marks and the plot no watermark lines."""
+        marks = (setting(snapshot.config, "cache_low_watermark"),
+                 setting(snapshot.config, "cache_high_watermark")) if watermarks else ()
+        style = level_style(snapshot.kv_usage, *marks) if marks else "bold"
         width = max(self.content_size.width - 6, 4)
         line = Text(no_wrap=True, overflow="ellipsis")
-        line.append(f"{snapshot.kv_usage:>4.0%} ", style=level_style(snapshot.kv_usage, low, high))
-        line.append_text(gauge(snapshot.kv_usage, width, (low, high),
-                               style=level_style(snapshot.kv_usage, low, high)))
-        line.append(f"\n{snapshot.kv_blocks_used}/{snapshot.kv_blocks_total} blocks  ")
+        line.append(f"{snapshot.kv_usage:>4.0%} ", style=style)
+        line.append_text(gauge(snapshot.kv_usage, width, marks, style=style))
+        line.append(f"\n{snapshot.kv_blocks_used}/{snapshot.kv_blocks_total} blocks")
+        if snapshot.kv_block_size > 1:
+            line.append(f" × {snapshot.kv_block_size} tokens")
+        if snapshot.kv_bytes_total:
+            line.append(f" · {snapshot.kv_bytes_total / 2**30:.2f} GiB")
+        if snapshot.prefix_cache_hit_rate is not None:
+            line.append(f" · prefix hits {snapshot.prefix_cache_hit_rate:.0%}")
+        line.append("  ")
         line.append(snapshot.mode, style=MODE_STYLES.get(snapshot.mode, "bold"))
         self.query_one("#kv-gauge", Static).update(line)
         self.query_one(Plot).show((Series("KV usage", tuple(history.values("kv_usage"))),),
-                                  lines=(low, high))
+                                  lines=marks)

@@ -1,4 +1,8 @@
-"""The "Chunk queue" pane: chunks waiting, and how far each prefilling request has got."""
+"""The "Chunk queue" pane: chunks waiting, and how far each prefilling request has got.
+
+Servers that only publish metrics (vLLM, SGLang) have no chunk queue to show; there the pane
+shows tokens per engine step over the window instead, against the step budget when known.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,11 @@ from rich.text import Text
 from textual.widget import Widget
 
 from console.tui.widgets.gauge import gauge
-from engine.snapshot import RequestView, Snapshot
+from console.tui.widgets.notice import unavailable
+from engine.snapshot import Percentiles, RequestView, Snapshot
 
 PREFILLING = ("PREFILL_CHUNKING",)
+SCRAPED_MODES = ("vLLM", "SGLang")  # read-only views of other engines' /metrics
 
 
 class ChunkQueue(Widget):
@@ -19,13 +25,23 @@ class ChunkQueue(Widget):
         self.border_title = "Chunk queue"
         self._length = 0
         self._prefilling: tuple[RequestView, ...] = ()
+        self._scraped: Snapshot | None = None
+        self._refusal: str | None = None
 
-    def update_from(self, snapshot: Snapshot) -> None:
+    def update_from(self, snapshot: Snapshot, refusal: str | None = None) -> None:
+        """`refusal`: why this source has no chunk queue to show, if it has none."""
         self._length = snapshot.chunk_queue_length
         self._prefilling = tuple(r for r in snapshot.requests if r.state in PREFILLING)
+        self._scraped = snapshot if snapshot.mode in SCRAPED_MODES else None
+        self.border_title = "Tokens per step" if self._scraped else "Chunk queue"
+        self._refusal = refusal
         self.refresh()
 
     def render(self) -> Text:
+        if self._scraped is not None:  # another engine's steps stand in for the chunk queue
+            return self._render_steps(self._scraped)
+        if self._refusal is not None:
+            return unavailable(self._refusal)
         width, height = self.size.width, self.size.height
         text = Text(no_wrap=True, overflow="ellipsis")
         text.append(f"{self._length}", style="bold cyan")
@@ -41,4 +57,32 @@ class ChunkQueue(Widget):
             text.append(f" {r.chunks_done:>3}/{r.chunks_total:<3} {done:>4.0%}")
         if overflow and rows > 0:
             text.append(f"\n… {len(self._prefilling) - len(shown)} more", style="dim")
+        return text
+
+    def _render_steps(self, snapshot: Snapshot) -> Text:
+        text = Text(no_wrap=True, overflow="ellipsis")
+        steps = snapshot.step_tokens
+        if steps == Percentiles():
+            why = (f"gathering a window ({snapshot.mode} counters are cumulative)"
+                   if snapshot.mode == "vLLM" else
+                   f"{snapshot.mode} exports no tokens per step")
+            text.append(why, style="dim")
+            return text
+        text.append(f"over {snapshot.window_s:.0f} s: ")
+        for name, value in (("p50", steps.p50), ("p90", steps.p90), ("p99", steps.p99)):
+            text.append(f"{name} ")
+            text.append(f"{value or 0:.0f} ", style="bold cyan")
+        if snapshot.mode == "vLLM":  # vLLM 0.32 counts a chunked prompt whole, at its end
+            text.append("\nas vLLM counts them: a chunked prompt in its last step", style="dim")
+        budget = snapshot.token_budget
+        if not budget:
+            text.append(f"\nbudget: {snapshot.mode} does not export it (--max-num-batched-tokens)",
+                        style="dim")
+            return text
+        width = max(self.size.width - 14, 4)
+        for name, value in (("p50", steps.p50), ("p99", steps.p99)):
+            share = (value or 0.0) / budget
+            text.append(f"\n{name} ")
+            text.append_text(gauge(share, width, style="cyan"))
+            text.append(f" {share:>4.0%}")
         return text

@@ -41,6 +41,8 @@ class Latency(Vertical):
         line.append(" · TPOT ")
         line.append(_ms(snapshot.tpot_ms), style="bold")
         line.append(" ms p50/p99")
+        if snapshot.window_s:  # an attached server's histograms, differenced over the window
+            line.append(f" over {snapshot.window_s:.0f} s")
         self.query_one("#latency-line", Static).update(line)
         for name in ("ttft", "tpot"):
             self.query_one(f"#{name}-plot", Plot).show((

@@ -1,9 +1,11 @@
-"""The "Requests" pane: one keyed row per request, its budget_score coloured at 1.0 and 1.5."""
+"""The "Requests" pane: one keyed row per request, its budget_score coloured at 1.0 (on
+budget) and at the slow-query threshold."""
 
 from __future__ import annotations
 
 from rich.text import Text
 
+from console.tui.settings import setting
 from console.tui.widgets.gauge import level_style
 from console.tui.widgets.keyed_table import Column, KeyedTable, TableRow
 from engine.snapshot import RequestView, Snapshot
@@ -56,6 +58,6 @@ class RequestsTable(KeyedTable):
         self.border_title = "Requests"
 
     def update_from(self, snapshot: Snapshot) -> None:
-        threshold = float(snapshot.config.get("slow_query_threshold", 1.5))
+        threshold = setting(snapshot.config, "slow_query_threshold")
         self.sync([request_row(r, threshold) for r in snapshot.requests])
         self.border_subtitle = f"{snapshot.num_running} running · {snapshot.num_waiting} waiting"

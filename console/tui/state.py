@@ -1,0 +1,120 @@
+"""The console's state: what every screen reads, and the few things a screen may ask for.
+
+The app feeds it (each polled snapshot, the source's latest failure); screens read it and call
+its actions, and never reach for the App class. An action first checks that the source can do
+it: it answers with the refusal to show the operator, or None once its worker has started
+(the result then comes back as a message to the node that asked).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from textual.dom import DOMNode
+
+from console.sources.base import (
+    Calibrating,
+    CalibrationStore,
+    Capabilities,
+    Capability,
+    ConfigHistory,
+    Pausable,
+    SlowQueryStore,
+    Source,
+    Tunable,
+    facet,
+)
+from console.tui.collectors import (
+    ConfigChangesLoaded,
+    DriftLoaded,
+    SlowQueriesLoaded,
+    apply_config_in_worker,
+    load_in_worker,
+    recalibrate_in_worker,
+)
+from console.tui.history import MetricHistory
+from engine.snapshot import Snapshot
+
+
+@dataclass
+class ConsoleState:
+    source: Source
+    history: MetricHistory = field(default_factory=MetricHistory)
+    latest: Snapshot | None = None
+    failure: str = ""  # the source's latest error, until a snapshot arrives again
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.source.capabilities  # read each time: a fleet's follow its selected server
+
+    @property
+    def paused(self) -> bool:
+        return self.latest is not None and self.latest.paused
+
+    def refusal(self, capability: Capability) -> str | None:
+        return self.capabilities.refusal(capability)
+
+    def record(self, snapshot: Snapshot) -> None:
+        self.history.record(snapshot)
+        self.latest = snapshot
+        self.failure = ""
+
+    def forget_history(self) -> None:
+        """The console switched to another server: its series start afresh."""
+        self.history.clear()
+
+    # --- actions --------------------------------------------------------------------------
+    def apply_config(self, node: DOMNode, changes: dict[str, Any]) -> str | None:
+        refusal = self.refusal(Capability.TUNE)
+        if refusal is None:
+            apply_config_in_worker(node, facet(self.source, Tunable), changes)
+        return refusal
+
+    def apply_recommended(self, node: DOMNode) -> str | None:
+        """Set the token budget to the recommended C* with room for the running decodes."""
+        refusal = self.refusal(Capability.TUNE)
+        if refusal is not None:
+            return refusal
+        latest = self.latest
+        budget = None if latest is None else latest.recommended_token_budget
+        if budget is None:
+            return "no recommended C* yet: it needs a calibrated budget model"
+        # rounded by the engine's own policy, the one auto_budget uses (engine.budget.auto)
+        return self.apply_config(node, {"max_num_batched_tokens": budget})
+
+    def toggle_pause(self, node: DOMNode) -> str | None:
+        refusal = self.refusal(Capability.PAUSE)
+        if refusal is None:
+            source = facet(self.source, Pausable)
+            command = source.resume if self.paused else source.pause
+            node.run_worker(command, thread=True, group="pause", exit_on_error=False)
+        return refusal
+
+    def recalibrate(self, node: DOMNode) -> str | None:
+        refusal = self.refusal(Capability.CALIBRATE)
+        if refusal is None:
+            recalibrate_in_worker(node, facet(self.source, Calibrating))
+        return refusal
+
+    def load_slow_queries(self, node: DOMNode) -> str | None:
+        refusal = self.refusal(Capability.SLOW_QUERIES)
+        if refusal is None:
+            store = facet(self.source, SlowQueryStore)
+            load_in_worker(node, lambda: SlowQueriesLoaded(store.slow_queries()))
+        return refusal
+
+    def load_drift(self, node: DOMNode) -> str | None:
+        refusal = self.refusal(Capability.DRIFT)
+        if refusal is None:
+            store = facet(self.source, CalibrationStore)
+            load_in_worker(node, lambda: DriftLoaded(store.calibration_history(),
+                                                     store.drift_events()))
+        return refusal
+
+    def load_config_changes(self, node: DOMNode) -> str | None:
+        refusal = self.refusal(Capability.CONFIG_HISTORY)
+        if refusal is None:
+            store = facet(self.source, ConfigHistory)
+            load_in_worker(node, lambda: ConfigChangesLoaded(store.config_changes()))
+        return refusal
