@@ -259,3 +259,14 @@ def test_console_simulation_flags_need_the_embedded_engine() -> None:
     assert "add --simulate" in conflict(parse(["--sim-speed", "10"]))
     assert "must be > 0" in conflict(parse(["--simulate", "h200", "--sim-speed", "0"]))
     assert "--simulate" in conflict(parse(["--simulate", "h200", "--attach", "http://x"]))
+
+
+def test_the_twin_calibrates_on_its_own_step_times() -> None:
+    from engine.budget.calibrate import calibrate
+
+    config = EngineConfig(model="synthetic:8b", max_num_batched_tokens=512)
+    target = resolve_target("h100", config)
+    engine = simulated_engine(config, target, VirtualClock(start=0.0))
+    result = calibrate(engine, quick=True)
+    assert result.heldout_median_abs_error < 0.10  # a linear fit of a roofline, no noise
+    assert result.kv.capacity_bytes <= target.kv_cache_bytes

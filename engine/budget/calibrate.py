@@ -347,7 +347,8 @@ class Calibration:
         _synchronize(runner.device)
         zero_s = time.perf_counter() - start
         blocks.release(holder)
-        block_bytes = runner.kv_cache[:, :, :1].numel() * runner.bytes_per_element
+        block_bytes = (self.engine.model_config.kv_bytes_per_token(runner.bytes_per_element)
+                       * blocks.block_size)
         capacity = granted * blocks.block_size
         return KvProbe(blocks=granted, total_blocks=blocks.num_blocks,
                        block_size=blocks.block_size, capacity_tokens=capacity,
@@ -470,9 +471,9 @@ def timed_step(engine: Engine, batch: Batch) -> float:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
-    start_s = time.perf_counter()
+    start_s = engine.clock()  # a simulated engine's clock: the twin calibrates on its own steps
     runner.run(batch)
-    return time.perf_counter() - start_s
+    return engine.clock() - start_s
 
 
 def _synchronize(device: torch.device) -> None:
