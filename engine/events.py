@@ -217,7 +217,11 @@ Subscriber = Callable[[Event], None]
 
 
 class EventBus:
-    def __init__(self) -> None:
+    """`clock`, when given, stamps every published event: an engine on a simulated clock
+    times its events in simulated seconds, as its requests are."""
+
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        self._clock = clock
         self._front: list[Event] = []
         self._back: list[Event] = []
         self._lock = threading.Lock()
@@ -228,6 +232,8 @@ class EventBus:
         return lambda: self._subscribers.remove(fn)
 
     def publish(self, event: Event) -> None:
+        if self._clock is not None:  # before any subscriber sees it; frozen for them
+            object.__setattr__(event, "ts", self._clock())
         with self._lock:
             self._front.append(event)
 

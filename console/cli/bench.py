@@ -7,6 +7,8 @@ caching off: every prompt prefilled from its first token) and `hf` (transformers
 static batches on the same weights). More with `--config NAME:field=value,...`.
 Every run replays the same requests at the same times. `--capacity` searches each
 configuration's highest sustainable arrival rate; `--report DIR` writes markdown and plots.
+`--simulate TARGET` runs the same scheduler on the GPU twin (engine.sim): no weights, step
+times predicted; `--against-real` also runs each configuration for real beside it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import platform
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +48,12 @@ from engine.harness.slo import (
 )
 from engine.harness.workload import WorkloadRequest, describe, steady_traffic
 from engine.serve.session import EngineSession
+from engine.sim.executor import VirtualClock, simulated_engine
+from engine.sim.fleet import FleetResult, run_fleet
+from engine.sim.router import RoutePolicy
+from engine.sim.target import SimTarget, resolve_target
 from engine.stats import quantile
+from engine.store import open_database
 
 PROBE_KV_BYTES = 1 << 30  # on CUDA: a decode step of 8 x 128 tokens, even on a 7B model
 
@@ -77,6 +85,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "token (tpot) or every gap between tokens (tbt, Sarathi-Serve's)")
     parser.add_argument("--report", type=Path, metavar="DIR",
                         help="write report.md and PNG plots into DIR")
+    parser.add_argument("--simulate", metavar="TARGET",
+                        help="run on the GPU twin instead: this (the calibration stored for "
+                             "this device), a100, h100, h200, l40s, b200 (datasheet roofline) "
+                             "or calibration:ID; no weights are loaded")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="with --simulate GPU: tensor-parallel GPUs (default 1)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="with --simulate: a fleet of this many replicas behind a router")
+    parser.add_argument("--router", default=RoutePolicy.LEAST_TOKENS.value,
+                        choices=[p.value for p in RoutePolicy],
+                        help="how a fleet routes requests (default least-tokens)")
+    parser.add_argument("--against-real", action="store_true",
+                        help="with --simulate: also run every configuration for real, "
+                             "reported as NAME:real")
     parser.set_defaults(func=bench)
 
 
@@ -87,14 +109,20 @@ def bench(args: argparse.Namespace) -> int:
     base = engine_config(args)
     names = [n.strip() for n in args.compare.split(",") if n.strip()]
     custom = dict(_parse_config(spec) for spec in args.config)
-    # The store is only read here, for the stored calibration, which every run then applies.
-    with EngineSession.start(_probe_config(base), db=args.db, journal=False) as session:
-        probe = session.engine
-        calibration = (None if session.calibration is None
-                       else StepTimePredictor.from_dict(session.calibration.params))
+    target = _sim_target(args, base)
+    sim = None if target is None else _Simulation(target, args.replicas,
+                                                  RoutePolicy.parse(args.router))
+    if target is None:
+        # The store is only read here, for the stored calibration, which every run applies.
+        with EngineSession.start(_probe_config(base), db=args.db, journal=False) as session:
+            probe = session.engine
+            calibration = (None if session.calibration is None
+                           else StepTimePredictor.from_dict(session.calibration.params))
+    else:
+        probe, calibration = simulated_engine(base, target, VirtualClock()), target.calibration
+    slo = SLO.from_decode_step(measure_decode_step(probe))
     workload = workload_for(args, probe)
     longest = max(len(w.prompt_token_ids) for w in workload)
-    slo = SLO.from_decode_step(measure_decode_step(probe))
     # auto aims each step at half the TPOT SLO: headroom for steps the predictor misjudges
     configs = {name: _named_config(name, base, custom, longest, probe.max_model_len,
                                    slo.tpot_s * 1e3 / 2) for name in names}
@@ -106,12 +134,30 @@ def bench(args: argparse.Namespace) -> int:
         "calibrated": calibration is not None,  # step predictions from `tokenflow calibrate`
         "runs": {},
     }
+    if target is not None:
+        report.update(simulated=True, predictor=target.predictor,
+                      predictor_source=target.source, target=target.describe())
     results: dict[str, RunResult] = {}
     for name, config in configs.items():
-        results[name] = _run(name, config, workload, args.hf_batch_size, calibration)
-        report["runs"][name] = _run_report(name, config, results[name], probe, slo, prefill_s)
+        if sim is None:
+            results[name] = _run(name, config, workload, args.hf_batch_size, calibration)
+            report["runs"][name] = _run_report(name, config, results[name], probe, slo,
+                                               prefill_s)
+        else:
+            fleet = sim.run(name, config, workload)
+            results[name] = fleet.merged
+            report["runs"][name] = {**fleet.summary(),
+                                    **_run_report(name, config, fleet.merged, probe, slo,
+                                                  prefill_s)}
+            if args.replicas == 1:
+                del report["runs"][name]["replicas"], report["runs"][name]["router"]
+        if args.against_real:
+            real = f"{name}:real"
+            results[real] = _run(name, config, workload, args.hf_batch_size, calibration)
+            report["runs"][real] = _run_report(real, config, results[real], probe, slo,
+                                               prefill_s)
     if args.capacity:
-        report["capacity"] = _capacities(args, configs, workload, slo, calibration)
+        report["capacity"] = _capacities(args, configs, workload, slo, calibration, sim)
     if args.report:
         report["report"] = str(write_report(args.report, report, results))
     if args.json:
@@ -130,8 +176,41 @@ def _probe_config(base: EngineConfig) -> EngineConfig:
     return base
 
 
+@dataclass(frozen=True)
+class _Simulation:
+    target: SimTarget
+    replicas: int
+    policy: RoutePolicy
+
+    def run(self, name: str, config: EngineConfig,
+            workload: list[WorkloadRequest]) -> FleetResult:
+        if name == "hf":
+            raise UserError("the hf baseline runs transformers' own model; it cannot be "
+                            "simulated: drop hf from --compare")
+        return run_fleet(config, self.target, workload, self.replicas, self.policy)
+
+
+def _sim_target(args: argparse.Namespace, base: EngineConfig) -> SimTarget | None:
+    if args.simulate is None:
+        if args.tp != 1 or args.against_real or args.replicas != 1:
+            raise UserError("--tp, --replicas and --against-real apply to simulated runs; "
+                            "add --simulate")
+        return None
+    if args.replicas < 1:
+        raise UserError("--replicas must be at least 1")
+    database = open_database(args.db)
+    try:
+        with database.session() as session:
+            return resolve_target(args.simulate, base, tp=args.tp, session=session)
+    finally:
+        database.close()
+
+
 def _run(name: str, config: EngineConfig, workload: list[WorkloadRequest],
-         hf_batch_size: int, calibration: StepTimePredictor | None) -> RunResult:
+         hf_batch_size: int, calibration: StepTimePredictor | None,
+         sim: _Simulation | None = None) -> RunResult:
+    if sim is not None:
+        return sim.run(name, config, workload).merged
     engine = Engine(config)
     if calibration is not None:
         apply(engine, calibration)
@@ -156,7 +235,8 @@ def _run_report(name: str, config: EngineConfig, result: RunResult, probe: Engin
 
 def _capacities(args: argparse.Namespace, configs: dict[str, EngineConfig],
                 workload: list[WorkloadRequest], slo: SLO,
-                calibration: StepTimePredictor | None) -> dict[str, Any]:
+                calibration: StepTimePredictor | None,
+                sim: _Simulation | None) -> dict[str, Any]:
     span = max(w.arrival_s for w in workload) or 1.0
     offered = len(workload) / span
     out: dict[str, Any] = {}
@@ -164,7 +244,7 @@ def _capacities(args: argparse.Namespace, configs: dict[str, EngineConfig],
         def run_at(rate: float, name: str = name, config: EngineConfig = config) -> RunResult:
             traffic = steady_traffic(workload, rate, args.capacity_duration,
                                      args.capacity_requests)
-            return _run(name, config, traffic, args.hf_batch_size, calibration)
+            return _run(name, config, traffic, args.hf_batch_size, calibration, sim)
         best, probes = capacity(run_at, slo, low=offered / 16, high=offered * 4,
                                 iterations=args.capacity_iterations,
                                 metric=args.capacity_metric)

@@ -28,6 +28,7 @@ from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.core import intake
 from engine.core.batch import Batch, RequestOutput, StepShape, StepTiming
 from engine.core.block_manager import BlockManager
+from engine.core.executor import Executor
 from engine.core.model_runner import ModelRunner
 from engine.core.request import Request, RequestState
 from engine.core.scheduler import Scheduler, request_output
@@ -58,19 +59,23 @@ MAX_STEP_SCALE = 2.0
 class Engine:
     def __init__(self, config: EngineConfig | None = None, *,
                  bandwidth: BandwidthSource | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 runner: Executor | None = None) -> None:
+        """`runner` replaces the model runner by a simulated executor (engine.sim), which
+        brings its device's peaks; `clock` is then the simulation's clock."""
         config = config or EngineConfig()
         config.validate()
         self.config = config
         self.clock = clock
-        self.bus = EventBus()
-        self.runner = ModelRunner(config)
+        self.bus = EventBus(clock)
+        self.runner: ModelRunner | Executor = runner or ModelRunner(config)
         self.model_config = self.runner.model_config
         self.tokenizer = self.runner.tokenizer
         self.max_model_len = self.runner.max_model_len
         self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size,
                                    enable_caching=config.enable_prefix_caching)
-        self.peaks = measure_peaks(str(self.runner.device), self.runner.dtype)
+        self.peaks = (runner.peaks if runner is not None
+                      else measure_peaks(str(self.runner.device), self.runner.dtype))
         self.budget = BudgetModel(self.model_config, self.runner.bytes_per_element, self.peaks)
         self.predict: Callable[[StepShape], float] = self.budget.predict
         self.bandwidth = bandwidth or self._default_bandwidth()

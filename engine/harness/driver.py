@@ -30,6 +30,8 @@ from engine.events import (
 from engine.harness.workload import WorkloadRequest
 from engine.stats import ms, percentiles_ms
 
+IDLE_STEP_S = 1e-3  # what an empty pass of the engine loop costs, about
+
 
 @dataclass
 class RequestRecord:
@@ -134,7 +136,9 @@ def _ms_percentiles(values: list[float]) -> dict[str, float | None]:
     return dataclasses.asdict(percentiles_ms(values))
 
 
-class _Recorder:
+class Recorder:
+    """Subscribes to one engine's events and keeps what a run summary needs."""
+
     def __init__(self) -> None:
         self.records: dict[str, RequestRecord] = {}
         self.steps: list[StepComplete] = []
@@ -166,11 +170,37 @@ class _Recorder:
                 if record is not None:
                     record.cached_tokens = event.cached_tokens
 
+    def expect(self, item: WorkloadRequest, arrival: float) -> None:
+        """A request about to be added, arriving at `arrival` on the engine's clock."""
+        self.records[item.request_id] = RequestRecord(
+            item.request_id, item.tenant, arrival, len(item.prompt_token_ids),
+            prompt_token_ids=item.prompt_token_ids)
+
+    def settle(self, output: RequestOutput) -> None:
+        record = self.records.get(output.request_id)
+        if record is None:
+            return
+        record.token_ids = list(output.token_ids)
+        record.state = output.state
+        if output.finished:
+            record.reason = output.finish_reason or ""
+
+    def result(self, wall_s: float) -> RunResult:
+        return RunResult(self.records, self.steps, wall_s, self.preemptions, self.slow_queries,
+                         self.prefix_cache_queries, self.prefix_cache_hits)
+
+
+def add(engine: Engine, item: WorkloadRequest, arrival: float) -> None:
+    """Add a workload request to `engine` as arriving at `arrival`."""
+    engine.add_request(list(item.prompt_token_ids), item.sampling_params(), tenant=item.tenant,
+                       priority=item.priority, request_id=item.request_id, tag=item.tag,
+                       arrival=arrival)
+
 
 def drive(engine: Engine, workload: list[WorkloadRequest], *,
           on_output: Callable[[RequestOutput], None] | None = None,
           sleep: Callable[[float], None] = time.sleep) -> RunResult:
-    recorder = _Recorder()
+    recorder = Recorder()
     unsubscribe = engine.bus.subscribe(recorder)
     ids = {w.request_id for w in workload}
     # follow-up turns wait for the turn they follow (one that is not in the workload, e.g.
@@ -183,23 +213,21 @@ def drive(engine: Engine, workload: list[WorkloadRequest], *,
             now = engine.clock()
             while pending and start + pending[0].arrival_s <= now:
                 item = pending.pop(0)
-                arrival = start + item.arrival_s
-                recorder.records[item.request_id] = RequestRecord(
-                    item.request_id, item.tenant, arrival, len(item.prompt_token_ids),
-                    prompt_token_ids=item.prompt_token_ids)
-                engine.add_request(list(item.prompt_token_ids), item.sampling_params(),
-                                   tenant=item.tenant, priority=item.priority,
-                                   request_id=item.request_id, tag=item.tag, arrival=arrival)
+                recorder.expect(item, start + item.arrival_s)
+                add(engine, item, start + item.arrival_s)
             if engine.has_unfinished():
+                before = engine.clock()
                 for output in engine.step():
                     record = recorder.records.get(output.request_id)
-                    _settle(record, output)
+                    recorder.settle(output)
                     if on_output is not None:
                         on_output(output)
                     if output.finished and output.request_id in followers and record:
                         follower = followers.pop(output.request_id)
                         insort(pending, _next_turn(follower, record, engine.clock() - start),
                                key=_arrival)
+                if engine.clock() == before:
+                    idle(sleep)
             elif pending:
                 sleep(max(0.0, start + pending[0].arrival_s - engine.clock()))
             elif followers:  # never hang: a turn whose predecessor left no output goes now
@@ -207,9 +235,7 @@ def drive(engine: Engine, workload: list[WorkloadRequest], *,
                 followers.clear()
     finally:
         unsubscribe()
-    return RunResult(recorder.records, recorder.steps, engine.clock() - start,
-                     recorder.preemptions, recorder.slow_queries,
-                     recorder.prefix_cache_queries, recorder.prefix_cache_hits)
+    return recorder.result(engine.clock() - start)
 
 
 def _arrival(item: WorkloadRequest) -> float:
@@ -226,10 +252,7 @@ def _next_turn(item: WorkloadRequest, previous: RequestRecord, ended: float) -> 
     return dataclasses.replace(item, arrival_s=ended + item.think_s, prompt_token_ids=prompt)
 
 
-def _settle(record: RequestRecord | None, output: RequestOutput) -> None:
-    if record is None:
-        return
-    record.token_ids = list(output.token_ids)
-    record.state = output.state
-    if output.finished:
-        record.reason = output.finish_reason or ""
+def idle(sleep: Callable[[float], None]) -> None:
+    """A step that ran nothing (prefills paused, blocks held): a simulated clock moves only
+    when a step runs, so let time pass as a real loop's next iteration would."""
+    sleep(IDLE_STEP_S)
