@@ -90,7 +90,11 @@ def run(args: argparse.Namespace) -> int:
               f"http://{host}:{port}, admin API {admin}, store {store}", flush=True)
         server = uvicorn.Server(uvicorn.Config(app, lifespan="off",
                                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        if session.writer is not None:  # the journal stopped: stop serving, say why, exit 2
+            session.writer.on_failure(lambda _error: setattr(server, "should_exit", True))
         _serve_until_signalled(server, listener)
+        if session.writer is not None:
+            session.writer.check()
     return 0
 
 
