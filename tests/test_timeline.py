@@ -214,8 +214,10 @@ def test_a_bandwidth_spike_mid_prefill_flags_the_prefills_it_held_as_the_throttl
 def test_stored_slow_queries_of_a_loaded_run_add_up(tmp_path: Path,
                                                     predictor: StepTimePredictor) -> None:
     """32 prompts at once on a small pool and budget (queueing, preemption), every stored slow
-    query's parts add up to its measured prefill and end-to-end times within 5%."""
-    engine = chaos.chaos_engine(max_prefill_chunks=2)
+    query's parts add up to its measured prefill and end-to-end times within 5%. The threshold
+    is set so low that every scored request is stored: which ones overrun their plan depends
+    on the machine's load, the adding up must hold for all of them."""
+    engine = chaos.chaos_engine(max_prefill_chunks=2, slow_query_threshold=1e-9)
     apply(engine, predictor)
     database = open_database(tmp_path / "store.db")
     writer = StoreWriter(database, engine.bus)
