@@ -201,7 +201,8 @@ class TuningScreen(ConsoleScreen):
     def show_snapshot(self, snapshot: Snapshot) -> None:
         super().show_snapshot(snapshot)
         live = {field.name: snapshot.config.get(field.name) for field in FIELDS}
-        live[RATE_FIELD] = snapshot.workload_rate
+        rate = snapshot.workload_rate  # three figures: the form shows 3.2, not 3.2016
+        live[RATE_FIELD] = None if rate is None else float(f"{rate:.3g}")
         # Refill only the inputs the operator has not edited, so typing is never overwritten.
         for field in FIELDS:
             box = self.query_one(f"#input-{field.name}", Input)

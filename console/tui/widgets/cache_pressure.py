@@ -44,9 +44,7 @@ class CachePressure(Vertical):
         if snapshot.kv_bytes_total:
             line.append(f" · {snapshot.kv_usage * snapshot.kv_bytes_total / 2**30:.2f}/"
                         f"{snapshot.kv_bytes_total / 2**30:.2f} GiB")
-        if snapshot.prefix_cache_hit_rate is not None:
-            line.append(f" · prefix hits {snapshot.prefix_cache_hit_rate:.0%}")
-        line.append("  ")
+        line.append("\n")
         line.append(snapshot.mode, style=MODE_STYLES.get(snapshot.mode, "bold"))
         if snapshot.prefix_cache_hit_rate is not None:  # None: caching off or no lookup yet
             line.append(f"  prefix hits {snapshot.prefix_cache_hit_rate:.0%}")
