@@ -226,8 +226,7 @@ class TuningScreen(ConsoleScreen):
         text.append(f"{snapshot.num_waiting}", style="bold")
         text.append(f" waiting, {snapshot.chunk_queue_length} chunks · chunk ")
         text.append(f"{chunk_size(snapshot.config)}", style="bold")
-        cstar = snapshot.recommended_chunk_size
-        text.append(f" (C* {cstar if cstar is not None else '–'}) · ")
+        text.append(" · ")  # C* stands in the header, and over time in its chart
         text.append(f"{snapshot.tokens_per_s:,.0f} tok/s", style="bold")
         text.append(f" over {snapshot.window_s or RATE_WINDOW_S:.0f} s", style="dim")
         return text
