@@ -140,7 +140,10 @@ class _Recorder:
 
 def drive(engine: Engine, workload: list[WorkloadRequest], *,
           on_output: Callable[[RequestOutput], None] | None = None,
+          on_step: Callable[[], None] | None = None,
           sleep: Callable[[float], None] = time.sleep) -> RunResult:
+    """Serve `workload` as its arrivals come: `on_output` hears each output, `on_step` is
+    called after each step once its outputs were heard (a supervisor's hold point)."""
     recorder = _Recorder()
     unsubscribe = engine.bus.subscribe(recorder)
     pending = deque(sorted(workload, key=lambda w: w.arrival_s))
@@ -161,6 +164,8 @@ def drive(engine: Engine, workload: list[WorkloadRequest], *,
                     _settle(recorder.records.get(output.request_id), output)
                     if on_output is not None:
                         on_output(output)
+                if on_step is not None:
+                    on_step()
             elif pending:
                 sleep(max(0.0, start + pending[0].arrival_s - engine.clock()))
     finally:
