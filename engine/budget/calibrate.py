@@ -514,7 +514,8 @@ def _probe_batch(probe: Probe, vocab: int) -> Batch:
 def timed_step(engine: Engine, batch: Batch) -> float:
     """Seconds of one forward pass plus sampling (`ModelRunner.run`), what the engine times as
     a step; CUDA events on a GPU (they see the kernels, and the host-side preparation the GPU
-    waits through)."""
+    waits through), the engine's own clock elsewhere (as its steps are timed; a test clock
+    makes a sweep exact)."""
     runner = engine.runner
     if runner.device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

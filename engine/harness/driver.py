@@ -199,7 +199,10 @@ def add(engine: Engine, item: WorkloadRequest, arrival: float) -> None:
 
 def drive(engine: Engine, workload: list[WorkloadRequest], *,
           on_output: Callable[[RequestOutput], None] | None = None,
+          on_step: Callable[[], None] | None = None,
           sleep: Callable[[float], None] = time.sleep) -> RunResult:
+    """Serve `workload` as its arrivals come: `on_output` hears each output, `on_step` is
+    called after each step once its outputs were heard (a supervisor's hold point)."""
     recorder = Recorder()
     unsubscribe = engine.bus.subscribe(recorder)
     ids = {w.request_id for w in workload}
@@ -228,6 +231,8 @@ def drive(engine: Engine, workload: list[WorkloadRequest], *,
                                key=_arrival)
                 if engine.clock() == before:
                     idle(sleep)
+                if on_step is not None:
+                    on_step()
             elif pending:
                 sleep(max(0.0, start + pending[0].arrival_s - engine.clock()))
             elif followers:  # never hang: a turn whose predecessor left no output goes now
