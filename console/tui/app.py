@@ -26,7 +26,7 @@ from console.tui.collectors import (
     SnapshotPolled,
     SourceFailed,
 )
-from console.tui.keymap import COMMANDS, bindings, needs
+from console.tui.keymap import COMMANDS, bindings, command_for, typed_into
 from console.tui.screens.base import ConsoleScreen
 from console.tui.screens.diagnosis import DiagnosisScreen
 from console.tui.screens.drift import DriftScreen
@@ -118,13 +118,23 @@ class TokenflowApp(App[None]):
         self.switch_mode(mode)
 
     def action_help(self) -> None:
-        if not isinstance(self.screen, HelpScreen):
+        if isinstance(self.screen, HelpScreen):
+            self.screen.dismiss()
+        else:
             self.push_screen(HelpScreen(self.state))
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """A command the source cannot do is hidden from the footer (its key says why)."""
-        need = needs(action)
-        return need is None or need in self.state.capabilities
+        """A command key is text, not a command, when the focused input would take it; a
+        command the source cannot do is off (its key still says why: ConsoleScreen.on_key)."""
+        if action != "command":
+            return True
+        key = str(parameters[0])
+        need = command_for(key).needs
+        return not typed_into(self.focused, key) and (
+            need is None or need in self.state.capabilities)
+
+    async def action_command(self, key: str) -> None:
+        await self.run_action(command_for(key).action)
 
     def action_toggle_pause(self) -> None:
         paused = self.state.paused

@@ -68,7 +68,7 @@ class TuningScreen(ConsoleScreen):
                 for field in FIELDS:
                     with Horizontal(classes="field"):
                         yield Label(field.label, classes="field-label")
-                        yield Input(id=f"input-{field.name}", classes="field-input")
+                        yield Input(id=f"input-{field.name}", classes="field-input", type="number")
                         yield Static(field.help, id=f"note-{field.name}", classes="field-note")
                 with Horizontal(id="tuning-buttons"):
                     yield Button("Apply  ctrl+s", id="apply", variant="primary")
