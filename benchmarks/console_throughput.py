@@ -75,7 +75,7 @@ def calibrate_into(db: Path, config: EngineConfig) -> None:
     try:
         result = calibrate(Engine(config), quick=True)
         with database.session() as session:
-            save_result(session, result)
+            save_result(session, result, "benchmark set-up")
     finally:
         database.close()
 

@@ -138,6 +138,8 @@ class EngineConfig:
     max_num_seqs: int = 256
     attention_backend: str = "auto"  # auto | torch | flash
     cpu_threads: int = 0  # torch threads on CPU; 0 = all cores but one (UI, HTTP, store)
+    # the snapshot's latency percentiles cover this many seconds (lifetime histograms stay)
+    stats_window_s: float = 60.0
     # --- live-tunable ---------------------------------------------------------------------
     max_num_batched_tokens: int = 256  # the token budget of one step (CPU-sized default)
     chunked_prefill: bool = True  # False: a prompt runs whole in one step or waits
@@ -204,6 +206,7 @@ class EngineConfig:
         )
         _check(self.bandwidth_pause_s >= 0, "bandwidth_pause_s", "must be >= 0")
         _check(self.slow_query_threshold > 0, "slow_query_threshold", "must be > 0")
+        _check(self.stats_window_s > 0, "stats_window_s", "must be > 0 (seconds)")
         _check(self.max_prefill_tokens >= 0, "max_prefill_tokens", "must be >= 0")
         _check(self.chunk_timeout_base_ms >= 0, "chunk_timeout_base_ms", "must be >= 0")
         _check(self.guard_window_s > 0, "guard_window_s", "must be > 0")
@@ -229,7 +232,7 @@ LIVE_FIELDS = frozenset(
     for f in dataclasses.fields(EngineConfig)
     if f.name not in {"model", "device", "dtype", "seed", "block_size", "kv_cache_bytes",
                       "gpu_memory_utilization", "max_model_len", "max_num_seqs",
-                      "attention_backend", "cpu_threads"}
+                      "attention_backend", "cpu_threads", "stats_window_s"}
 )
 
 # The defaults as one importable value: a widget that meets a snapshot without some field

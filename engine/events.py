@@ -105,6 +105,7 @@ class Finished(Event):
     ttft_s: float | None
     e2e_s: float
     budget_score: float | None
+    queue_wait_s: float | None = None  # arrival to first admission
 
 
 class RejectCause(enum.StrEnum):
@@ -150,6 +151,11 @@ class SlowQuery(Event):
     chunks: tuple[dict[str, Any], ...]
     config: dict[str, Any]
     tag: str | None = None
+    # where its time went (engine.core.timeline.Timeline.to_dict), published when it ends
+    timeline: dict[str, Any] = field(default_factory=dict)
+    cause: str | None = None  # engine.core.timeline.Cause: what the overrun is attributed to
+    cause_share: float | None = None  # that cause's part of the overrun, 0..1
+    verdict: str = ""  # one line: the cause, its time and share
 
 
 @dataclass(frozen=True)
@@ -172,6 +178,17 @@ class Drift(Event):
     kind: ClassVar[str] = "drift"
     deviation: float  # relative difference of the new table from the stored one
     detail: str
+
+
+@dataclass(frozen=True)
+class CalibrationProgress(Event):
+    """A calibration sweep under way: `fraction` done (1.0: applied), what runs now, and why
+    it runs (the first calibration at start, persistent drift, on demand)."""
+
+    kind: ClassVar[str] = "calibration_progress"
+    fraction: float
+    note: str
+    reason: str
 
 
 @dataclass(frozen=True)

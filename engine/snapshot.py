@@ -60,10 +60,17 @@ class Snapshot:
     throttle_level: int = 0  # 0 none, 1 concurrency 2, 2 concurrency 1, 3 prefills paused
     tokens_per_s: float = 0.0
     output_tokens_per_s: float = 0.0
+    # latency percentiles over the last stats_window_s seconds (not the process's lifetime)
+    stats_window_s: float = 60.0
     ttft_ms: Percentiles = Percentiles()
     tpot_ms: Percentiles = Percentiles()
+    itl_ms: Percentiles = Percentiles()
+    queue_wait_ms: Percentiles = Percentiles()  # arrival to admission
     step_ms: Percentiles = Percentiles()
-    recommended_chunk_size: int | None = None  # C* for the live decode load
+    # "calibrating" until the engine's first calibration (no C* or budget_score before it),
+    # then "calibrated"; "" from a source that does not say
+    calibration: str = ""
+    recommended_chunk_size: int | None = None  # C* for the smoothed decode load
     # C* as a token budget, as auto_budget spends it (engine.budget.auto.token_budget_for)
     recommended_token_budget: int | None = None
     token_budget: int = 0  # this step's budget (differs from the config under auto_budget)
@@ -94,7 +101,7 @@ class Snapshot:
         known = {f.name for f in dataclasses.fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
         values["requests"] = tuple(RequestView(**r) for r in values.get("requests", ()))
-        for name in ("ttft_ms", "tpot_ms", "step_ms", "step_tokens"):
+        for name in ("ttft_ms", "tpot_ms", "itl_ms", "queue_wait_ms", "step_ms", "step_tokens"):
             if isinstance(values.get(name), dict):
                 values[name] = Percentiles(**values[name])
         values["guards"] = tuple(values.get("guards", ()))

@@ -35,6 +35,18 @@ def ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * MS_PER_S
 
 
+def human_duration(seconds: float | None) -> str:
+    """A duration as people read it: "340 µs", "12.3 ms", "1.25 s", "71.0 s"; "–" for None."""
+    if seconds is None:
+        return "–"
+    magnitude = abs(seconds)
+    if magnitude < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
+    if magnitude < 1:
+        return f"{seconds * MS_PER_S:.1f} ms"
+    return f"{seconds:.2f} s" if magnitude < 10 else f"{seconds:.1f} s"
+
+
 def percentiles_ms(seconds: Iterable[float]) -> Percentiles:
     """Percentiles of durations given in seconds, reported in milliseconds."""
     p = percentiles(seconds)

@@ -10,10 +10,18 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
+import pytest
+
+from console.cli.main import main
 from engine import Engine, EngineConfig, SamplingParams
+from engine.events import EventBus, RequestAdded
 from engine.harness.chaos import query_journal
+from engine.ops.recovery import Resumption, resume_unfinished
+from engine.store import StoreWriter, open_database, quarantined_requests
 
 FLAGS = ["--model", "synthetic:tiny", "--device", "cpu", "--max-num-batched-tokens", "8",
          "--chunk-tile", "8"]
@@ -70,3 +78,129 @@ def test_sigkill_mid_prefill_and_mid_decode_then_resume(tmp_path: Path) -> None:
     ids = [line["id"] for line in lines]
     assert len(ids) == len(set(ids)) == REQUESTS
     assert {line["id"]: line["token_ids"] for line in lines} == expected
+
+
+def _kill_on_line(process: subprocess.Popen[bytes], stream: IO[bytes],
+                  wanted: Callable[[str], bool]) -> str | None:
+    """SIGKILL `process` as soon as it writes a line `wanted` accepts to `stream` (read as it
+    comes, no polling); that line, or None if it ended first."""
+    for raw in iter(stream.readline, b""):
+        line = raw.decode()
+        if wanted(line):
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+            return line
+    process.wait()
+    return None
+
+
+def test_a_resume_killed_right_after_it_says_so_loses_nothing(tmp_path: Path) -> None:
+    """Issue 15, finding 14: the resume is committed before "resumed N" is said, so a kill
+    right after it leaves the same requests for the next resume (it said "resumed 0")."""
+    requests_file, output, db = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "j.db"
+    rows = _requests(requests_file)
+    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu"))
+    expected = {r["id"]: engine.generate([r["prompt_token_ids"]],
+                                         SamplingParams(max_tokens=r["max_tokens"]))[0]
+                for r in rows}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    args = [sys.executable, "-m", "console.cli.main", "run", *FLAGS, "--requests",
+            str(requests_file), "--output", str(output), "--db", str(db)]
+
+    first = subprocess.Popen([*args, "--report-commits"], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL)
+    assert _kill_on_line(first, first.stdout, lambda line: '"prefilling": ["' in line)
+    second = subprocess.Popen([*args, "--resume"], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE)
+    said = _kill_on_line(second, second.stderr, lambda line: line.startswith("resumed "))
+    assert said is not None
+    resumed = int(said.split()[1])
+    assert resumed > 0
+    third = subprocess.run([*args, "--resume"], env=env, capture_output=True, text=True,
+                           check=True)
+    again = int(third.stderr.split("resumed ", 1)[1].split()[0])
+    assert 0 < again <= resumed  # the killed resume's requests are found again
+    lines = [json.loads(line) for line in output.read_text().splitlines()]
+    assert sorted(line["id"] for line in lines) == sorted(expected)
+    assert {line["id"]: line["token_ids"] for line in lines} == expected
+
+
+def _journal_three_unfinished(db_path: Path) -> dict[str, list[int]]:
+    """Three requests journaled mid-flight by an engine that then stopped (as if killed);
+    returns the tokens an undisturbed run gives each."""
+    prompts = {"a": [5, 6, 7, 8] * 10, "b": [9, 10, 11] * 12, "c": [12, 13] * 20}
+    params = SamplingParams(max_tokens=12)
+    expected = {rid: Engine(EngineConfig(model="synthetic:tiny", device="cpu")).generate(
+        [prompt], params)[0] for rid, prompt in prompts.items()}
+    database = open_database(db_path)
+    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu",
+                                 max_num_batched_tokens=16))
+    writer = StoreWriter(database, engine.bus)
+    for rid, prompt in prompts.items():
+        engine.add_request(prompt, params, request_id=rid)
+    for _ in range(4):
+        engine.step()
+    assert writer.close()
+    database.close()
+    return expected
+
+
+def _resume_and_abandon(db_path: Path) -> Resumption:
+    """What `serve` does on start (resume the journal), then dies before its first step."""
+    database = open_database(db_path)
+    try:
+        return resume_unfinished(Engine(EngineConfig(model="synthetic:tiny", device="cpu")),
+                                 database)
+    finally:
+        database.close()
+
+
+def test_serve_resume_killed_at_once_loses_nothing_then_quarantines(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db = tmp_path / "serve.db"
+    expected = _journal_three_unfinished(db)
+    # serve has no requests file to recompute from: the journal alone must keep them
+    assert _resume_and_abandon(db).resumed == ("a", "b", "c")
+    assert _resume_and_abandon(db).resumed == ("a", "b", "c")
+    # died in two runs that resumed them: quarantined, not run a third time
+    third = _resume_and_abandon(db)
+    assert third.resumed == () and third.quarantined == ("a", "b", "c")
+    assert _resume_and_abandon(db).quarantined == ()  # kept, not counted again
+
+    assert main(["slow-queries", "list", "--db", str(db)]) == 0
+    out = capsys.readouterr().out
+    assert "quarantined requests (3)" in out and "release-quarantine" in out
+    assert main(["db", "release-quarantine", "b", "--db", str(db)]) == 0
+    assert main(["db", "release-quarantine", "nope", "--db", str(db)]) == 2
+    assert "no quarantined request 'nope'" in capsys.readouterr().err
+
+    database = open_database(db)
+    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu"))
+    writer = StoreWriter(database, engine.bus)
+    try:
+        assert resume_unfinished(engine, database).resumed == ("b",)  # the operator's word
+        outputs = {}
+        while engine.has_unfinished():
+            outputs.update({o.request_id: list(o.token_ids) for o in engine.step() if o.finished})
+        assert writer.close()
+        with database.session() as session:
+            assert [q.request_id for q in quarantined_requests(session)] == ["a", "c"]
+    finally:
+        database.close()
+    assert outputs == {"b": expected["b"]}
+
+
+def test_an_entry_the_engine_refuses_is_failed_once_not_resumed_at_every_start(
+        tmp_path: Path) -> None:
+    database = open_database(tmp_path / "old.db")
+    bus = EventBus()
+    writer = StoreWriter(database, bus)
+    for rid, sampling in (("refused", {"max_tokens": 0}), ("fine", {"max_tokens": 2})):
+        bus.publish(RequestAdded(request_id=rid, prompt_token_ids=(5, 6, 7), sampling=sampling,
+                                 tenant="t"))
+    bus.drain()
+    assert writer.close()
+    database.close()
+    first = _resume_and_abandon(tmp_path / "old.db")
+    assert first.failed == ("refused",) and first.resumed == ("fine",)
+    assert _resume_and_abandon(tmp_path / "old.db").failed == ()  # closed FAILED, for good

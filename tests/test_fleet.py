@@ -26,6 +26,7 @@ from engine import Engine, EngineConfig
 from engine.serve.app import create_app
 from engine.serve.loop import EngineLoop
 from engine.serve.thread import ServerThread
+from tests.console.conftest import until, workers_done
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data"
@@ -50,7 +51,7 @@ def start_serve(port: int = 0) -> tuple[subprocess.Popen[str], str]:
     """`tokenflow serve` on synthetic:tiny; returns once it has printed its URL."""
     process = subprocess.Popen(
         [sys.executable, "-m", "console.cli.main", "serve", "--model", "synthetic:tiny",
-         "--device", "cpu", "--port", str(port), "--no-db"],
+         "--device", "cpu", "--port", str(port), "--no-db", "--public-stats"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     assert process.stdout is not None
     for line in process.stdout:  # the banner comes once the socket listens
@@ -116,7 +117,7 @@ def test_a_slow_server_does_not_hold_the_others_back(vllm_files: ServerThread) -
 def tokenflow_server() -> Iterator[ServerThread]:
     engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32"))
     loop = EngineLoop(engine).start()
-    with ServerThread(create_app(loop, admin_token="")) as running:
+    with ServerThread(create_app(loop, admin_token="", public_stats=True)) as running:
         yield running
     loop.stop()
 
@@ -132,25 +133,19 @@ async def test_the_fleet_screen_lists_servers_worst_first_and_enter_opens_one(
         app = TokenflowApp(fleet, interval=FAST_POLL_S)
         async with app.run_test(size=(160, 40)) as pilot:
             await pilot.press("0")
-            await pilot.pause()
+            await workers_done(pilot)
             assert isinstance(app.screen, FleetScreen)
             table = app.screen.query_one(FleetTable)
-            for _ in range(500):
-                if table.table.row_count == 4:
-                    break
-                await pilot.pause(FAST_POLL_S)
-            assert table.table.row_count == 4
+            await until(pilot, lambda: table.table.row_count == 4, "four fleet rows")
             first = table.table.get_row_at(0)
             assert first[0] == "4" and str(first[1]).startswith("down")  # the dead one on top
             assert "1 down" in str(table.border_subtitle)
             await pilot.press("down", "enter")
-            await pilot.pause()
-            assert isinstance(app.screen, LiveScreen)
+            await until(pilot, lambda: isinstance(app.screen, LiveScreen), "the live screen")
             opened = int(table.table.get_row_at(1)[0]) - 1
             assert fleet.selected == opened
             app.collector.stop()
-            await app.workers.wait_for_complete()
-            await pilot.pause()
+            await workers_done(pilot)
 
 
 @pytest.fixture

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import random
+import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
 
 from console.cli.main import main
+from engine import Engine, EngineConfig, SamplingParams
+from engine.store import open_database
+from engine.store.models import JournalRow
+from tests.mounts import remount, tmpfs
+from tests.stores import damaged_store
 
 
 def test_run_prints_a_json_summary(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -67,3 +79,142 @@ def test_a_rejected_request_is_written_with_its_reason_not_dropped(
     assert "shorten the prompt" in rows["huge"]["error"]["reason"]
     assert len(rows["fine"]["token_ids"]) == 2
     assert "request huge REJECTED: circuit breaker" in capsys.readouterr().err
+
+
+# --- issue 15: one writer, whole output lines, a journal that stops the run ---------------
+
+RUN_FLAGS = ["--model", "synthetic:tiny", "--device", "cpu", "--max-num-batched-tokens", "64"]
+
+
+def _requests(path: Path, count: int, seed: int = 5) -> dict[str, list[int]]:
+    """`count` requests written to `path`; returns the tokens an undisturbed run gives each."""
+    rng = random.Random(seed)
+    rows = [{"id": f"q{i:02d}", "prompt_token_ids": [rng.randrange(3, 300)
+                                                     for _ in range(rng.randrange(8, 40))],
+             "max_tokens": rng.randrange(20, 40)} for i in range(count)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu"))
+    return {r["id"]: engine.generate([r["prompt_token_ids"]],
+                                     SamplingParams(max_tokens=r["max_tokens"]))[0]
+            for r in rows}
+
+
+def _outputs(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_bytes().splitlines()]  # each line parses
+
+
+def _journal(db: Path) -> dict[str, tuple[str, list[int]]]:
+    database = open_database(db, read_only=True)
+    try:
+        with database.session() as session:
+            return {row.request_id: (row.state, row.generated_token_ids)
+                    for row in session.scalars(select(JournalRow))}
+    finally:
+        database.close()
+
+
+def test_a_second_run_on_one_db_is_refused_at_once_and_the_first_stays_exact(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source, db = tmp_path / "in.jsonl", tmp_path / "j.db"
+    expected = _requests(source, 12)
+    fifo = tmp_path / "requests.fifo"
+    os.mkfifo(fifo)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    first = subprocess.Popen([sys.executable, "-m", "console.cli.main", "run", *RUN_FLAGS,
+                              "--requests", str(fifo), "--output", str(tmp_path / "one.jsonl"),
+                              "--db", str(db)], env=env, stderr=subprocess.PIPE)
+    # The first run takes the store, loads its model, then waits to read its requests: once
+    # it opens the pipe it holds the lock, and it holds it until we have written them.
+    with fifo.open("wb") as pipe:
+        code = main(["run", *RUN_FLAGS, "--requests", str(source), "--output",
+                     str(tmp_path / "two.jsonl"), "--db", str(db)])
+        err = capsys.readouterr().err
+        pipe.write(source.read_bytes())
+    assert code == 2 and f"pid {first.pid}" in err and "run" in err and str(fifo) in err
+    assert "in use by another writer" in err and not (tmp_path / "two.jsonl").exists()
+    assert first.wait() == 0, first.stderr.read().decode()
+    first.stderr.close()
+    lines = _outputs(tmp_path / "one.jsonl")
+    assert {line["id"]: line["token_ids"] for line in lines} == expected and len(lines) == 12
+    assert _journal(db) == {rid: ("FINISHED", tokens) for rid, tokens in expected.items()}
+
+
+def test_a_torn_last_line_is_set_aside_before_resume_appends(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    expected = _requests(source, 4)
+    first = next(iter(expected))
+    output.write_text(json.dumps({"id": first, "token_ids": expected[first]}) + "\n"
+                      + '{"id": "q01", "token_i')  # killed (or out of disk) mid-line
+    assert main(["run", *RUN_FLAGS, "--requests", str(source), "--output", str(output),
+                 "--db", str(tmp_path / "j.db"), "--resume"]) == 0
+    assert "ended with a cut-short line" in capsys.readouterr().err
+    assert (tmp_path / "out.jsonl.torn").read_text() == '{"id": "q01", "token_i\n'
+    lines = _outputs(output)
+    assert sorted(line["id"] for line in lines) == sorted(expected)
+    assert {line["id"]: line["token_ids"] for line in lines} == expected
+
+
+def test_a_full_disk_then_resume_gives_every_request_once_on_whole_lines(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source, db = tmp_path / "in.jsonl", tmp_path / "j.db"
+    expected = _requests(source, 60)  # ~9 KB of output lines on a 4 KB filesystem
+    with tmpfs(tmp_path / "disk", "4k") as disk:
+        output = disk / "out.jsonl"
+        args = ["run", *RUN_FLAGS, "--requests", str(source), "--output", str(output),
+                "--db", str(db)]
+        assert main(args) == 2
+        assert "No space left on device" in capsys.readouterr().err
+        remount(disk, "size=1m")  # space freed
+        assert main([*args, "--resume"]) == 0
+        assert "ended with a cut-short line" in capsys.readouterr().err  # cut by ENOSPC
+        lines = _outputs(output)
+    assert sorted(line["id"] for line in lines) == sorted(expected)  # each exactly once
+    assert {line["id"]: line["token_ids"] for line in lines} == expected
+
+
+def test_a_journal_that_stops_stops_the_run_with_a_clear_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db = tmp_path / "j.db"
+    open_database(db).close()
+    with contextlib.closing(sqlite3.connect(db)) as connection:
+        connection.execute("DROP TABLE request_journal")  # the schema says head; it is not
+    assert main(["run", *RUN_FLAGS, "--workload", "mixed", "--num-requests", "4", "--rate",
+                 "inf", "--db", str(db)]) == 2
+    err = capsys.readouterr().err
+    assert "the journal in" in err and "no such table" in err and "tokenflow db upgrade" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [["run", *RUN_FLAGS, "--workload", "mixed",
+                                      "--num-requests", "2", "--resume"],
+                                     ["serve", "--port", "0", *RUN_FLAGS]])
+def test_a_store_with_corrupt_pages_is_one_line(
+        command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db = damaged_store(tmp_path / "damaged.db")
+    assert main([*command, "--db", str(db)]) == 2
+    err = capsys.readouterr().err
+    assert f"{db} is not a SQLite database or is corrupt" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (b'{"id": "a", "prompt": "hi", "max_tokens": 2, "arrival_s": Infinity}\n',
+     "in.jsonl:1: field 'arrival_s': must be a number of seconds in [0, 1e+06]"),
+    (b'{"id": "a", "prompt": "hi", "max_tokens": 2}\n'
+     b'{"id": "b", "prompt": "hi", "max_tokens": 2, "arrival_s": 1e300}\n',
+     "in.jsonl:2: field 'arrival_s'"),
+    (b'{"id": "a", "prompt": "caf\xe9", "max_tokens": 2}\n', "in.jsonl:1: not valid UTF-8"),
+    (b'{"id": "a", "prompt": "x\\ud800", "max_tokens": 2}\n',
+     "in.jsonl:1: field 'prompt': holds a lone surrogate"),
+    (b'{"id": "a", "prompt": "x", "max_tokens": 2, "priority": 100000000000000000000000}\n',
+     "in.jsonl:1: field 'priority': must be an integer in [-2^63, 2^63)"),
+])
+def test_bad_request_files_are_one_line_naming_the_line(
+        content: bytes, message: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(content)
+    assert main(["run", *RUN_FLAGS, "--requests", str(source), "--no-db"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

@@ -33,7 +33,7 @@ def test_a_killed_sessions_requests_resume_to_the_uninterrupted_tokens(tmp_path:
     database.close()
 
     with EngineSession.start(CONFIG, db=db) as second:
-        assert second.resume_unfinished() == [rid]
+        assert second.resume_unfinished().resumed == (rid,)
         outputs = {}
         while second.engine.has_unfinished():
             outputs.update({o.request_id: o for o in second.engine.step() if o.finished})
@@ -61,7 +61,7 @@ def test_close_stops_the_loop_and_the_writer_after_committing(tmp_path: Path) ->
 def test_without_a_store_there_is_no_database_writer_or_resume(tmp_path: Path) -> None:
     with EngineSession.start(CONFIG, db=tmp_path / "unused.db", store=False) as session:
         assert session.database is None and session.writer is None
-        assert session.calibration is None and session.resume_unfinished() == []
+        assert session.calibration is None and session.resume_unfinished().resumed == ()
     assert not (tmp_path / "unused.db").exists()
 
 

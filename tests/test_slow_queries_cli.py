@@ -73,7 +73,8 @@ def test_show_one_and_a_missing_id(capsys: pytest.CaptureFixture[str], db_path: 
     code, out, _ = run(capsys, "slow-queries", "show", "2", "--db", db_path)
     assert code == 0
     assert "request r2" in out and "tenant acme" in out and "tag contract" in out
-    assert "budget_score 3.20" in out and "duration_s=0.004" in out
+    assert "budget_score 3.20" in out and "prefill 32.0 ms against a budget of 10.0 ms" in out
+    assert "4.0 ms" in out and "duration_s=" not in out  # durations as people read them
     assert '"max_num_batched_tokens": 512' in out
     code, _, err = run(capsys, "slow-queries", "show", "99", "--db", db_path)
     assert code == 2 and "no slow query with id 99" in err
@@ -162,3 +163,62 @@ def test_reading_a_store_that_is_not_there_is_refused_and_creates_nothing(
     assert code == 2 and out == ""
     assert f"{typo}: no such store; check the path" in err
     assert not typo.parent.exists()
+
+
+# --- issue 15: bounds, the store never overwritten, safe output ---------------------------
+
+
+@pytest.mark.parametrize("argv", [("list", "--limit", "9223372036854775808"),
+                                  ("export", "--format", "csv", "--limit", str(2**70)),
+                                  ("show", "9223372036854775808"),
+                                  ("list", "--min-score", "nan")])
+def test_out_of_range_numbers_are_one_line(argv: tuple[str, ...], db_path: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "slow-queries", *argv, "--db", db_path)
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("suffix", ["", "-wal", "-shm", ".lock"])
+def test_export_never_writes_over_the_store(suffix: str, db_path: str, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    before = Path(db_path).read_bytes()
+    target = tmp_path / ".." / tmp_path.name / f"store.db{suffix}"  # another spelling of it
+    code, _, err = run(capsys, "slow-queries", "export", "--format", "json", "--db", db_path,
+                       "--output", str(target))
+    assert code == 2 and "is the store" in err and "choose another --output" in err
+    assert Path(db_path).read_bytes() == before
+
+
+def _store_with(path: Path, **fields: str) -> str:
+    database = open_database(path)
+    bus = EventBus()
+    writer = StoreWriter(database, bus)
+    bus.publish(SlowQuery(**{"request_id": "r", "tenant": "t", "budget_score": 2.0,
+                             "prompt_tokens": 4, "prefill_s": 0.02, "budgeted_s": 0.01,
+                             "chunks": (), "config": {}, **fields}))
+    bus.drain()
+    assert writer.close()
+    database.close()
+    return str(path)
+
+
+def test_csv_export_defuses_formulas(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db = _store_with(tmp_path / "f.db", request_id='=HYPERLINK("http://x","y")', tenant="@t",
+                     tag="-2+3")
+    code, out, _ = run(capsys, "slow-queries", "export", "--format", "csv", "--db", db)
+    (row,) = list(csv.DictReader(io.StringIO(out)))
+    assert code == 0
+    assert (row["request_id"], row["tenant"], row["tag"]) == (
+        '\'=HYPERLINK("http://x","y")', "'@t", "'-2+3")
+    assert row["budget_score"] == "2.0"  # numbers stay numbers
+
+
+def test_ids_are_printed_terminal_safe(tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    db = _store_with(tmp_path / "t.db", request_id="evil\x1b]0;pwned\x07\x1b[2J",
+                     tenant="t\u202eenant")
+    for argv in (("list",), ("show", "1")):
+        code, out, _ = run(capsys, "slow-queries", *argv, "--db", db)
+        assert code == 0 and "\x1b" not in out and "\u202e" not in out
+        assert "evil\\x1b]0;pwned\\x07\\x1b[2J" in out and "t\\u202eenant" in out

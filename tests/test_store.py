@@ -7,18 +7,23 @@ import os
 import sqlite3
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from sqlalchemy import event as sa_event
 from sqlalchemy import func, inspect, select, text
 
+from console.cli.main import main
 from engine.events import (
     ChunkComplete,
     ConfigChanged,
     Drift,
     EventBus,
+    FailCause,
+    Failed,
     Finished,
     Preempted,
     RequestAdded,
@@ -29,14 +34,15 @@ from engine.store import (
     BudgetPoint,
     RetentionLimits,
     StoreError,
+    StoreLockedError,
     StoreWriter,
     apply_retention,
     calibration_history,
+    claim_for_resume,
     config_changes,
     drift_events,
     head_revision,
     latest_calibration,
-    mark_resumed,
     next_cycle,
     open_database,
     save_calibration,
@@ -44,6 +50,8 @@ from engine.store import (
 )
 from engine.store.database import Database, downgrade_database, upgrade_database
 from engine.store.models import Base, BudgetTableRow, JournalRow, SlowQueryRow
+from tests.mounts import remount, tmpfs
+from tests.stores import damaged_store
 
 
 @pytest.fixture
@@ -161,7 +169,18 @@ def test_newer_schema_is_refused(tmp_path: Path) -> None:
 
 
 def _open_without_privileges(path: Path) -> str:
-    """Try open_database in a forked child; returns the StoreError message ("" if it opened).
+    """Try open_database in a forked child; returns the StoreError message ("" if it opened)."""
+    def attempt() -> str:
+        try:
+            open_database(path).close()
+        except StoreError as exc:
+            return str(exc)
+        return ""
+    return without_privileges(attempt)
+
+
+def without_privileges(work: Callable[[], str]) -> str:
+    """`work()` in a forked child without privileges; returns what it returned.
 
     Root ignores permission bits, so a root child first drops to `nobody`. Forking (no exec)
     keeps the already-imported interpreter, which `nobody` could not load from /root.
@@ -174,12 +193,7 @@ def _open_without_privileges(path: Path) -> str:
             if os.geteuid() == 0:
                 os.setgid(65534)
                 os.setuid(65534)
-            try:
-                open_database(path).close()
-                message = ""
-            except StoreError as exc:
-                message = str(exc)
-            os.write(write_end, message.encode())
+            os.write(write_end, work().encode())
         finally:
             os._exit(0)
     os.close(write_end)
@@ -306,8 +320,11 @@ def test_unfinished_requests_and_mark_resumed(database: Database) -> None:
         assert (mid.tenant, mid.priority, mid.tag, mid.sampling) == ("a", 1, "doc",
                                                                      {"max_tokens": 8})
         assert decoding.generated_token_ids == [11, 12] and decoding.state == "DECODING"
-        assert mark_resumed(session, ["mid", "done"]) == 1
-        assert [e.request_id for e in unfinished_requests(session)] == ["decoding", "waiting"]
+        # a claim counts an attempt and leaves the entry unfinished (a kill loses nothing)
+        assert claim_for_resume(session, ["mid", "done"]) == 1
+        entries = {e.request_id: e for e in unfinished_requests(session)}
+        assert list(entries) == ["mid", "decoding", "waiting"]
+        assert (entries["mid"].resume_attempts, entries["waiting"].resume_attempts) == (1, 0)
 
 
 def test_next_cycle_numbers_replayed_traffic_past_every_journal_entry(
@@ -384,3 +401,175 @@ def test_retention_keeps_the_newest_and_every_unfinished_request(database: Datab
 def test_bad_writer_settings_are_refused(database: Database) -> None:
     with pytest.raises(Exception, match="retention_interval_s"):
         StoreWriter(database, EventBus(), retention_interval_s=0)
+
+
+# --- one writer per store (issue 15, finding 3) ------------------------------------------
+
+
+def test_a_second_writer_is_refused_naming_the_holder_and_readers_are_not(
+        tmp_path: Path) -> None:
+    path = tmp_path / "one.db"
+    first, second = open_database(path), open_database(path)
+    try:
+        StoreWriter(first, EventBus()).close()  # the writer claims the store...
+        with pytest.raises(StoreLockedError) as caught:
+            second.claim_writer()  # ...until its database is closed
+        message = str(caught.value)
+        assert f"pid {os.getpid()}" in message and str(path) in message and "--db" in message
+        reader = open_database(path, read_only=True)  # readers never take the lock
+        with reader.session() as session:
+            assert unfinished_requests(session) == []
+        reader.close()
+        first.close()
+        second.claim_writer()  # released with its holder
+    finally:
+        first.close()
+        second.close()
+
+
+# --- a journal that never lies (finding 5) ------------------------------------------------
+
+
+def test_one_bad_row_is_skipped_with_its_reason_and_its_batch_is_written(
+        database: Database) -> None:
+    bus = EventBus()
+    writer = StoreWriter(database, bus)
+    events: list[object] = [added(f"r{i}") for i in range(50)]
+    events.insert(25, RequestAdded(request_id="huge", prompt_token_ids=(1, 2), sampling={},
+                                   tenant="t", priority=10**23))  # past SQLite's integer
+    events += [TokensGenerated(request_id="r3", token_ids=(7,)),
+               TokensGenerated(request_id="huge", token_ids=(7,))]
+    deliver(bus, writer, *events)
+    assert writer.failure is None
+    with database.session() as session:
+        ids = set(session.scalars(select(JournalRow.request_id)))
+    assert ids == {f"r{i}" for i in range(50)}
+    assert journal_row(database, "r3").generated_token_ids == [7]
+    (skipped,) = writer.skipped
+    assert (skipped.table, skipped.request_id) == ("request_journal", "huge")
+    assert "too large" in skipped.reason
+    assert writer.close()
+
+
+def test_a_missing_table_stops_the_writer_with_a_clear_error(database: Database) -> None:
+    bus = EventBus()
+    writer = StoreWriter(database, bus)
+    with database.engine.begin() as connection:
+        connection.execute(text("DROP TABLE request_journal"))
+    deliver(bus, writer, added("r1"), added("r2"))  # flush returns: nothing retries forever
+    with pytest.raises(StoreError, match="tokenflow db upgrade") as caught:
+        writer.check()
+    assert "no such table" in str(caught.value) and str(database.path) in str(caught.value)
+    deliver(bus, writer, added("r3"))
+    assert writer.dropped == 3 and writer.close()
+
+
+def test_a_full_database_stops_the_writer(database: Database) -> None:
+    bus = EventBus()
+    writer = StoreWriter(database, bus)
+    deliver(bus, writer, added("r0"))
+    with database.engine.connect() as connection:
+        pages = connection.exec_driver_sql("PRAGMA page_count").scalar()
+    # SQLite's own ceiling on the file's size: the "database or disk is full" of a full disk
+    sa_event.listen(database.engine, "connect",
+                 lambda dbapi, _record: dbapi.execute(f"PRAGMA max_page_count={pages}"))
+    database.engine.dispose()
+    deliver(bus, writer, *(added(f"r{i}", prompt=tuple(range(2000))) for i in range(1, 40)))
+    with pytest.raises(StoreError, match="free space") as caught:
+        writer.check()
+    assert "full" in str(caught.value)
+    assert writer.close()
+
+
+def test_a_failed_request_is_never_unfinished_again(database: Database) -> None:
+    bus = EventBus()
+    writer = StoreWriter(database, bus)
+    deliver(bus, writer, added("poison"), chunk("poison", 0, 0, 4, True),
+            Failed(request_id="poison", reason="sampling produced NaN", cause=FailCause.FAULT),
+            added("ok"))
+    assert writer.close()
+    with database.session() as session:
+        assert [e.request_id for e in unfinished_requests(session)] == ["ok"]
+    assert journal_row(database, "poison").state == "FAILED"
+
+
+def test_resume_attempts_carry_over_a_re_add_and_reset_for_a_new_request(
+        database: Database) -> None:
+    bus = EventBus()
+    writer = StoreWriter(database, bus)
+    deliver(bus, writer, added("r1"), added("r2"), finished("r2"))
+    with database.session() as session:
+        assert claim_for_resume(session, ["r1", "r2"]) == 1  # r2 ended: not claimed
+    deliver(bus, writer, added("r1"), added("r2"))  # r1 resumed; r2's id used anew
+    assert journal_row(database, "r1").resume_attempts == 1
+    assert journal_row(database, "r2").resume_attempts == 0
+    assert writer.close()
+
+
+# --- damaged and read-only stores (findings 9, 10) ----------------------------------------
+
+
+def test_corrupt_pages_behind_a_valid_header_are_one_store_error(tmp_path: Path) -> None:
+    db = open_database(damaged_store(tmp_path / "damaged.db"))  # the pages it reads are fine...
+    try:
+        with pytest.raises(StoreError, match="is not a SQLite database or is corrupt"), \
+                db.session() as session:
+            unfinished_requests(session)  # ...the journal's are not
+    finally:
+        db.close()
+
+
+def test_read_only_open_reads_and_never_writes(tmp_path: Path) -> None:
+    path = tmp_path / "ro.db"
+    open_database(path).close()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    db = open_database(path, read_only=True)
+    try:
+        assert db.revision() == head_revision()
+        with pytest.raises(StoreError, match="read-only"):
+            db.claim_writer()
+    finally:
+        db.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_a_read_only_file_in_a_read_only_directory_is_still_read(shared_dir: Path) -> None:
+    folder = shared_dir / "ro"
+    folder.mkdir()
+    path = folder / "store.db"
+    db = open_database(path)
+    bus = EventBus()
+    writer = StoreWriter(db, bus)
+    deliver(bus, writer, added("kept"))
+    writer.close()
+    db.close()
+    path.chmod(0o444)
+    folder.chmod(0o555)
+    content = path.read_bytes()
+
+    def read() -> str:
+        reader = open_database(path, read_only=True)
+        try:
+            with reader.session() as session:
+                return ",".join(e.request_id for e in unfinished_requests(session))
+        finally:
+            reader.close()
+
+    assert without_privileges(read) == "kept"
+    assert path.read_bytes() == content and sorted(p.name for p in folder.iterdir()) == [
+        "store.db", "store.db.lock"]
+
+
+def test_a_read_only_filesystem_is_read_and_its_message_suggests_no_chmod(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with tmpfs(tmp_path / "mnt", "1m") as mount:
+        path = mount / "store.db"
+        open_database(path).close()
+        remount(mount, "ro")
+        with pytest.raises(StoreError) as caught:
+            open_database(path)
+        message = str(caught.value)
+        assert "read-only" in message and "--db" in message and "chmod" not in message
+        assert main(["db", "current", "--db", str(path)]) == 0
+        assert main(["slow-queries", "list", "--db", str(path)]) == 0
+        assert "no slow queries recorded" in capsys.readouterr().out

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
             previous = latest_for(session, engine)
             drift = (drift_event(StepTimePredictor.from_dict(previous.params), result)
                      if previous is not None else None)
-            run_id = save_result(session, result)
+            run_id = save_result(session, result, "tokenflow calibrate")
         if drift is not None:
             _store_event(database, engine, drift)
     finally:

@@ -1,4 +1,5 @@
-"""`tokenflow db upgrade|current`: the SQLite store's schema (upgrade also runs on every start).
+"""`tokenflow db upgrade|current|release-quarantine`: the SQLite store's schema (upgrade also
+runs on every start) and the operator's word that lets a quarantined request run again.
 
 `add_db_argument` is the one `--db` flag every command that touches the store shares.
 """
@@ -8,7 +9,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from console.cli.terminal import terminal_safe
 from console.errors import UserError
+from engine.store import release_quarantine
 from engine.store.database import Database, default_db_path, head_revision, open_database
 
 
@@ -22,13 +25,23 @@ def add_db_argument(parser: argparse.ArgumentParser, *actions: argparse.Argument
         action.add_argument("--db", metavar="PATH", default=argparse.SUPPRESS, help=help_text)
 
 
-def open_existing_store(db: str | None, *, upgrade: bool = True) -> Database:
-    """The store a read-only command reads. A `--db` naming no file is a mistyped path, not
-    an empty store: it is refused rather than created."""
-    if db is not None and not Path(db).expanduser().exists():
-        raise UserError(f"{db}: no such store; check the path (tokenflow run, serve and "
-                        "tokenflow-console create one with --db)")
-    return open_database(db, upgrade=upgrade)
+def open_existing_store(db: str | None) -> Database:
+    """The store a read-only command reads, opened read-only: it is never changed (nor
+    upgraded), and a read-only file or filesystem is no obstacle. A `--db` naming no file is
+    a mistyped path, not an empty store: it is refused rather than created."""
+    path = Path(db).expanduser() if db is not None else default_db_path()
+    if not path.exists():
+        if db is None:  # the default store before anything ran: an empty one, as before
+            open_database(path).close()
+        else:
+            raise UserError(f"{db}: no such store; check the path (tokenflow run, serve and "
+                            "tokenflow-console create one with --db)")
+    database = open_database(path, read_only=True)
+    if database.revision() is None:
+        database.close()
+        raise UserError(f"{path} holds no tokenflow schema yet; `tokenflow db upgrade --db "
+                        f"{path}` creates it")
+    return database
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -38,7 +51,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     upgrade.set_defaults(func=run_upgrade)
     current = actions.add_parser("current", help="show the schema revision, without changing it")
     current.set_defaults(func=run_current)
-    add_db_argument(parser, upgrade, current)
+    release = actions.add_parser(
+        "release-quarantine", help="let a quarantined request run again (the next resume "
+        "takes it); `tokenflow slow-queries list` shows quarantined requests")
+    release.add_argument("request_id", metavar="ID", help="the quarantined request's id")
+    release.set_defaults(func=run_release_quarantine)
+    add_db_argument(parser, upgrade, current, release)
 
 
 def run_upgrade(args: argparse.Namespace) -> int:
@@ -51,7 +69,7 @@ def run_upgrade(args: argparse.Namespace) -> int:
 
 
 def run_current(args: argparse.Namespace) -> int:
-    database = open_existing_store(args.db, upgrade=False)
+    database = open_existing_store(args.db)
     try:
         revision = database.revision()
     finally:
@@ -59,4 +77,23 @@ def run_current(args: argparse.Namespace) -> int:
     head = head_revision()
     state = "up to date" if revision == head else f"behind {head}; run `tokenflow db upgrade`"
     print(f"{database.path}: schema at revision {revision or 'none (empty)'}, {state}")
+    return 0
+
+
+def run_release_quarantine(args: argparse.Namespace) -> int:
+    if args.db is not None and not Path(args.db).expanduser().exists():
+        raise UserError(f"{args.db}: no such store; check the path")
+    database = open_database(args.db)
+    try:
+        database.claim_writer()  # a journal write: not while a run or server owns the store
+        with database.session() as session:
+            released = release_quarantine(session, args.request_id)
+    finally:
+        database.close()
+    rid = terminal_safe(args.request_id)
+    if not released:
+        raise UserError(f"no quarantined request {rid!r} in {database.path}; `tokenflow "
+                        "slow-queries list` shows the quarantined ones")
+    print(f"request {rid} released: the next `tokenflow run --resume`, `serve` or console "
+          f"on {database.path} runs it again")
     return 0

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from console.cli.db import add_db_argument
 from console.cli.engine_flags import add_engine_flags, engine_config
+from console.cli.terminal import terminal_safe
 from console.cli.workload_flags import add_workload_flags, workload_for
 from console.errors import UserError
 from engine.core.engine import RequestOutput
 from engine.harness.driver import drive
 from engine.harness.workload import WorkloadRequest, describe, load_requests_jsonl
 from engine.serve.session import EngineSession
+from engine.store import StoreWriter
+from engine.store.writer import report_commit
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -36,6 +40,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_db_argument(parser)
     parser.add_argument("--no-db", action="store_true",
                         help="keep no request journal (a crash then loses in-flight work)")
+    parser.add_argument("--report-commits", action="store_true",
+                        help="print a JSON line on stdout each time the journal commits "
+                             "(events, requests mid-prefill): what a supervisor such as "
+                             "`tokenflow chaos` acts on")
     parser.set_defaults(func=run)
 
 
@@ -44,13 +52,15 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--resume reads the request journal; drop --no-db")
     if args.requests and not args.requests.exists():
         raise UserError(f"--requests {args.requests}: no such file")
-    with EngineSession.start(engine_config(args), db=args.db, store=not args.no_db) as session:
+    with EngineSession.start(engine_config(args), db=args.db, store=not args.no_db,
+                             on_commit=report_commit if args.report_commits else None,
+                             ) as session:
         engine = session.engine
         if args.requests:
             workload = load_requests_jsonl(args.requests, engine.tokenizer.encode)
         else:
             workload = workload_for(args, engine)
-        sink = _OutputSink(args.output)
+        sink = _OutputSink(args.output, session.writer)
         try:
             remaining = workload
             if args.resume:
@@ -58,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
             result = drive(engine, remaining, on_output=sink.write)
         finally:
             sink.close()
+    if session.writer is not None:
+        session.writer.check()  # the journal stopped at the end: the run must not look complete
     summary: dict[str, Any] = {"model": engine.config.model, "device": str(engine.runner.device),
                                "workload": describe(workload).to_dict(), **result.summary()}
     if args.json:
@@ -71,50 +83,113 @@ def _resume(session: EngineSession, workload: list[WorkloadRequest],
             emitted: set[str]) -> list[WorkloadRequest]:
     """Resume the journal's unfinished requests; return the part of `workload` that neither
     finished before nor is being resumed."""
-    resumed = session.resume_unfinished(skip=emitted)
+    resumption = session.resume_unfinished(skip=emitted)
     assert session.database is not None  # --resume with --no-db is refused up front
-    print(f"resumed {len(resumed)} unfinished request(s) from {session.database.path}",
+    path = session.database.path
+    # Said only now: the resume is committed (killed from here on, the next --resume finds
+    # the same requests).
+    print(f"resumed {len(resumption.resumed)} unfinished request(s) from {path}",
           file=sys.stderr)
-    skip = emitted | set(resumed)
+    for rid in resumption.quarantined:
+        print(f"request {terminal_safe(rid)} QUARANTINED: the process died in every run "
+              f"that resumed it; `tokenflow db release-quarantine {terminal_safe(rid)} --db "
+              f"{path}` runs it again", file=sys.stderr)
+    # Quarantined requests are not run again from the requests file either.
+    skip = emitted | set(resumption.resumed) | set(resumption.quarantined)
     return [w for w in workload if w.request_id not in skip]
 
 
 class _OutputSink:
-    """Appends one JSON line per ended request, flushed at once so a crash loses none."""
+    """Appends one JSON line per ended request, written and flushed at once so a crash loses
+    none; a line an earlier run left cut short (killed, disk full) is set aside first."""
 
-    def __init__(self, path: Path | None) -> None:
+    def __init__(self, path: Path | None, writer: StoreWriter | None) -> None:
         self._path = path
-        self._file = path.open("a") if path else None
+        self._writer = writer
+        self._fd: int | None = None
+        if path is not None:
+            _set_aside_torn_line(path)
+            try:
+                self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise UserError(f"cannot open --output {path}: {exc.strerror}; choose "
+                                "another --output") from exc
 
     def emitted(self) -> set[str]:
         """Ids already written (by an earlier, killed run), so none is emitted twice."""
         if self._path is None or not self._path.exists():
             return set()
         ids = set()
-        for line in self._path.read_text().splitlines():
+        for line in self._path.read_bytes().splitlines():
             try:
                 ids.add(json.loads(line)["id"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                continue  # a line cut short by the kill: that request is resumed instead
+            except (ValueError, KeyError, TypeError):
+                continue  # not one of our lines: that request is resumed instead
         return ids
 
     def write(self, output: RequestOutput) -> None:
+        if self._writer is not None:
+            self._writer.check()  # a journal that stopped stops the run (StoreError)
         if not output.finished:
             return
         if output.state == "FINISHED":
             line = {"id": output.request_id, "token_ids": list(output.token_ids)}
         else:  # REJECTED or FAILED: said, with the reason, rather than silently missing
-            print(f"request {output.request_id} {output.state}: {output.finish_reason}",
-                  file=sys.stderr)
+            print(f"request {terminal_safe(output.request_id)} {output.state}: "
+                  f"{terminal_safe(output.finish_reason or '')}", file=sys.stderr)
             line = {"id": output.request_id,
                     "error": {"state": output.state, "reason": output.finish_reason}}
-        if self._file is not None:
-            self._file.write(json.dumps(line) + "\n")
-            self._file.flush()
+        if self._fd is not None:
+            self._append((json.dumps(line) + "\n").encode())
+
+    def _append(self, data: bytes) -> None:
+        try:
+            while data:
+                data = data[os.write(self._fd, data):]
+        except OSError as exc:
+            raise UserError(f"cannot write --output {self._path}: {exc.strerror}; the line "
+                            "may be cut short: free space, then finish with --resume (it sets "
+                            "the cut line aside)") from exc
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _set_aside_torn_line(path: Path) -> None:
+    """If `path` does not end with a whole line, move the fragment to PATH.torn and cut it
+    off, so what is appended next starts on a line of its own."""
+    try:
+        with path.open("r+b") as handle:
+            size = handle.seek(0, os.SEEK_END)
+            if size == 0:
+                return
+            handle.seek(size - 1)
+            if handle.read(1) == b"\n":
+                return
+            start = size
+            while start > 0:  # back to the last newline, a block at a time
+                step = min(65536, start)
+                handle.seek(start - step)
+                block = handle.read(step)
+                cut = block.rfind(b"\n")
+                if cut >= 0:
+                    start = start - step + cut + 1
+                    break
+                start -= step
+            handle.seek(start)
+            fragment = handle.read()
+            torn = path.with_name(path.name + ".torn")
+            with torn.open("ab") as out:
+                out.write(fragment + b"\n")
+            handle.truncate(start)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise UserError(f"cannot repair --output {path}: {exc.strerror}") from exc
+    print(f"warning: {path} ended with a cut-short line ({len(fragment)} bytes, from a run "
+          f"that was killed or ran out of disk); moved it to {torn}", file=sys.stderr)
 
 
 def _print_summary(s: dict[str, Any]) -> None:

@@ -5,10 +5,19 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
+import os
+from collections.abc import Iterable
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from console.cli.db import add_db_argument, open_existing_store
+from console.cli.terminal import terminal_safe
 from console.errors import UserError
+from engine.stats import human_duration
+from engine.store import QuarantinedRequest, default_db_path, quarantined_requests
+from engine.store.lock import lock_path
 from engine.store.slow_queries import (
     EXPORT_FORMATS,
     SORT_FIELDS,
@@ -30,6 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     show = actions.add_parser("show", help="one slow query with its chunks and configuration")
     show.add_argument("id", type=int, help="the slow query's id (first column of `list`)")
+    show.add_argument("--json", action="store_true",
+                      help="the whole record as JSON: timeline, cause, share and verdict")
     show.set_defaults(func=run_show)
 
     export = actions.add_parser("export", help="every matching slow query as CSV or JSON")
@@ -48,39 +59,62 @@ def _add_filters(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-score", type=float, help="only budget_score at least this")
 
 
-def _select(args: argparse.Namespace) -> list[SlowQueryRecord]:
-    if args.limit is not None and args.limit < 1:
-        raise UserError(f"--limit must be at least 1, got {args.limit}")
+SQLITE_INT_MAX = 2**63 - 1  # the largest LIMIT or id SQLite can take
+
+
+def _select(args: argparse.Namespace,
+            ) -> tuple[list[SlowQueryRecord], list[QuarantinedRequest]]:
+    if args.limit is not None and not 1 <= args.limit <= SQLITE_INT_MAX:
+        raise UserError(f"--limit must be between 1 and {SQLITE_INT_MAX}, got {args.limit}")
+    if args.min_score is not None and not math.isfinite(args.min_score):
+        raise UserError(f"--min-score must be a finite number, got {args.min_score}")
     database = open_existing_store(args.db)
     try:
         with database.session() as session:
-            return list_slow_queries(session, sort=args.sort, tenant=args.tenant,
-                                     min_score=args.min_score, limit=args.limit)
+            records = list_slow_queries(session, sort=args.sort, tenant=args.tenant,
+                                        min_score=args.min_score, limit=args.limit)
+            return records, quarantined_requests(session)
     finally:
         database.close()
 
 
 def run_list(args: argparse.Namespace) -> int:
-    records = _select(args)
+    records, quarantined = _select(args)
     if not records:
         print("no slow queries recorded")
-        return 0
-    header = ("ID", "WHEN", "TENANT", "SCORE", "PROMPT", "PREFILL_MS", "BUDGET_MS", "CHUNKS",
-              "TAG", "REQUEST")
-    rows = [
-        (str(r.id), _when(r.created_at), r.tenant, f"{r.budget_score:.2f}", str(r.prompt_tokens),
-         f"{r.prefill_s * 1e3:.1f}", f"{r.budgeted_s * 1e3:.1f}", str(len(r.chunks)),
-         r.tag or "-", r.request_id)
-        for r in records
-    ]
-    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
-    for row in (header, *rows):
-        cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
-        print("  ".join(cells).rstrip())
+    else:
+        header = ("ID", "WHEN", "TENANT", "SCORE", "PROMPT", "PREFILL_MS", "BUDGET_MS",
+                  "CHUNKS", "TAG", "REQUEST")
+        _table(header, [
+            (str(r.id), _when(r.created_at), r.tenant, f"{r.budget_score:.2f}",
+             str(r.prompt_tokens), f"{r.prefill_s * 1e3:.1f}", f"{r.budgeted_s * 1e3:.1f}",
+             str(len(r.chunks)), r.tag or "-", r.request_id)
+            for r in records
+        ])
+    if quarantined:
+        print(f"\nquarantined requests ({len(quarantined)}): not run again until "
+              "`tokenflow db release-quarantine ID`")
+        _table(("REQUEST", "WHEN", "TENANT", "PROMPT", "GENERATED", "TAG"), [
+            (q.request_id, _when(q.updated_at), q.tenant, str(q.prompt_tokens),
+             str(q.generated_tokens), q.tag or "-")
+            for q in quarantined
+        ])
     return 0
 
 
+def _table(header: tuple[str, ...], rows: Iterable[tuple[str, ...]]) -> None:
+    """Left-aligned columns; cells from outside are made terminal-safe first."""
+    safe = [tuple(terminal_safe(cell) for cell in row) for row in rows]
+    widths = [max(len(row[i]) for row in (header, *safe)) for i in range(len(header))]
+    for row in (header, *safe):
+        cells = (cell.ljust(width) for cell, width in zip(row, widths, strict=True))
+        print("  ".join(cells).rstrip())
+
+
 def run_show(args: argparse.Namespace) -> int:
+    if not 1 <= args.id <= SQLITE_INT_MAX:
+        raise UserError(f"no slow query with id {args.id}; `tokenflow slow-queries list` "
+                        "shows ids")
     database = open_existing_store(args.db)
     try:
         with database.session() as session:
@@ -89,21 +123,72 @@ def run_show(args: argparse.Namespace) -> int:
         database.close()
     if record is None:
         raise UserError(f"no slow query with id {args.id}; `tokenflow slow-queries list` shows ids")
-    print(f"slow query {record.id}  request {record.request_id}  tenant {record.tenant}"
-          f"  tag {record.tag or '-'}  at {_when(record.created_at)}")
-    print(f"budget_score {record.budget_score:.2f}: prefill {record.prefill_s * 1e3:.1f} ms "
-          f"against a budget of {record.budgeted_s * 1e3:.1f} ms, {record.prompt_tokens} "
+    if args.json:
+        print(json.dumps(asdict(record), indent=2))
+        return 0
+    print(f"slow query {record.id}  request {terminal_safe(record.request_id)}  tenant "
+          f"{terminal_safe(record.tenant)}  tag {terminal_safe(record.tag or '-')}  at "
+          f"{_when(record.created_at)}")
+    if record.verdict:
+        share = f", {record.cause_share:.0%}" if record.cause_share is not None else ""
+        print(f"verdict: {terminal_safe(record.verdict)}  [cause {record.cause}{share}]")
+    print(f"budget_score {record.budget_score:.2f}: prefill {human_duration(record.prefill_s)} "
+          f"against a budget of {human_duration(record.budgeted_s)}, {record.prompt_tokens} "
           "prompt tokens")
+    if record.timeline:
+        _print_timeline(record.timeline)
     print(f"chunks ({len(record.chunks)}):")
-    for chunk in record.chunks:
-        print("  " + "  ".join(f"{key}={value}" for key, value in chunk.items()))
+    _print_chunks(record.chunks)
     print("configuration at the time:")
-    print(json.dumps(record.config, indent=2, sort_keys=True))
+    print(json.dumps(record.config, indent=2, sort_keys=True))  # ASCII: escapes are escaped
     return 0
 
 
+def _parts(parts: dict[str, float], signed: bool = False) -> str:
+    shown = [f"{name.replace('_', ' ')} {'+' if signed and v > 0 else ''}{human_duration(v)}"
+             for name, v in parts.items() if v]
+    return ", ".join(shown) or "none"
+
+
+def _print_timeline(t: dict[str, Any]) -> None:
+    e2e = t["e2e_parts"]
+    print("timeline (instants from arrival):")
+    print(f"  end to end {human_duration(t['e2e_s'])} = queue wait "
+          f"{human_duration(e2e['queue_wait'])} + prefill {human_duration(e2e['prefill'])} + "
+          f"decode {human_duration(e2e['decode'])} + tail {human_duration(e2e['tail'])}"
+          f"  ({t['outcome']})")
+    print(f"  prefill {human_duration(t['prefill_s'])}: {_parts(t['prefill_parts'])}")
+    print(f"  overrun {human_duration(t['overrun_s'])} by cause: "
+          f"{_parts(t['overrun_by_cause'], signed=True)}")
+    for p in t["preemptions"]:
+        again = human_duration(p["readmitted_s"]) if p["readmitted_s"] is not None else "never"
+        print(f"  preempted at {human_duration(p['at_s'])}, readmitted at {again}")
+    gaps = t["decode_gaps"]
+    if gaps["count"]:
+        print(f"  decode gaps: {gaps['count']}, p50 {human_duration(gaps['p50_s'])}, "
+              f"p99 {human_duration(gaps['p99_s'])}, max {human_duration(gaps['max_s'])} "
+              f"at step {gaps['worst_step']}")
+
+
+def _print_chunks(chunks: list[dict[str, Any]]) -> None:
+    header = ("#", "AT", "START", "TOKENS", "STEP", "MEASURED", "PREDICTED", "PLANNED",
+              "DECODES", "OTHER_TOK", "MODE")
+    rows = [(str(c.get("index", "")), human_duration(c.get("at_s")), str(c.get("start", "")),
+             str(c.get("tokens", "")), str(c.get("step", "–")), human_duration(c.get("duration_s")),
+             human_duration(c.get("predicted_s")), human_duration(c.get("planned_s")),
+             str(c.get("decodes", "–")), str(c.get("other_prefill_tokens", "–")),
+             c.get("mode", "–") + (" (recomputed)" if c.get("recomputed") else ""))
+            for c in chunks]
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    for row in (header, *rows):
+        print("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
+
+
 def run_export(args: argparse.Namespace) -> int:
-    text = export_slow_queries(_select(args), args.format)
+    if args.output is not None:
+        _refuse_store_files(Path(args.output), args.db)
+    records, _ = _select(args)
+    text = export_slow_queries(records, args.format)
     if args.output is None:
         print(text, end="")
         return 0
@@ -113,6 +198,18 @@ def run_export(args: argparse.Namespace) -> int:
         message = f"cannot write {args.output}: {exc.strerror}; choose another --output"
         raise UserError(message) from exc
     return 0
+
+
+def _refuse_store_files(output: Path, db: str | None) -> None:
+    """--output may not name the store or the files SQLite keeps beside it: writing the
+    export there would replace the database (issue 15, finding 8)."""
+    store = Path(db).expanduser() if db is not None else default_db_path()
+    for path in (store, store.with_name(store.name + "-wal"),
+                 store.with_name(store.name + "-shm"), lock_path(store)):
+        if output.resolve() == path.resolve() or (
+                output.exists() and path.exists() and os.path.samefile(output, path)):
+            raise UserError(f"--output {output} is the store {store} (or a file SQLite keeps "
+                            "beside it); choose another --output")
 
 
 def _when(epoch_s: float) -> str:

@@ -106,9 +106,9 @@ class EmbeddedSource:
         loop.play(requests, repeat=repeat, first_cycle=first_cycle)
         return source
 
-    def _store_result(self, result: CalibrationResult) -> None:
+    def _store_result(self, result: CalibrationResult, reason: str) -> None:
         with self.database.session() as session:
-            save_result(session, result)
+            save_result(session, result, reason)
 
     def snapshot(self) -> Snapshot:
         if self.loop.error is not None:
@@ -173,7 +173,7 @@ class EmbeddedSource:
                     drift = drift_event(StepTimePredictor.from_dict(previous.params), result)
                     if drift is not None:
                         engine.bus.publish(drift)
-                save_result(session, result)
+                save_result(session, result, "on demand from the console")
                 apply(engine, result.predictor)
                 if self.monitor is not None:
                     self.monitor.reference = result.predictor

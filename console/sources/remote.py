@@ -29,6 +29,8 @@ class Remote:
         self.client = httpx.Client(base_url=self.url, headers=headers, timeout=timeout,
                                    transport=transport)
         self.headers, self.timeout = headers, timeout
+        # an in-memory transport (httpx.MockTransport serves both clients) reaches the fleet too
+        self.atransport = transport if isinstance(transport, httpx.AsyncBaseTransport) else None
         self.aclient: httpx.AsyncClient | None = None  # made on the fleet's event loop
         self.clock = clock
         self.online = False  # until the first answer
@@ -50,7 +52,7 @@ class Remote:
         self._check_backoff()
         if self.aclient is None:
             self.aclient = httpx.AsyncClient(base_url=self.url, headers=self.headers,
-                                             timeout=self.timeout)
+                                             timeout=self.timeout, transport=self.atransport)
         try:
             response = await self.aclient.request(method, path, **kwargs)
         except httpx.HTTPError as exc:

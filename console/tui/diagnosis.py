@@ -1,8 +1,10 @@
 """Seed 003 §11 — symptoms against mechanisms — evaluated on live metrics.
 
 Each rule is data: the symptom an operator sees, the mechanism the seed derives for it, the
-one-line check it prescribes, and a test that reads the snapshot and recent history. A test
-returns the figures that triggered it, or None when the symptom is absent.
+one-line check it prescribes, the condition it tests, and a test that reads the snapshot and
+recent history. A test returns the evidence it used (the figures compared, with the window the
+percentiles cover), or None when the symptom is absent. Rules speak of "the GPU" only when the
+engine runs on one; elsewhere of "the device".
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from console.tui.history import MetricHistory
+from engine.harness.slo import DELAY_MULTIPLE
 from engine.snapshot import Snapshot
 
 Figures = dict[str, str]
@@ -23,22 +26,42 @@ STEP_JITTER_RATIO = 3.0  # step p99 / p50: step times are uneven
 TTFT_BURST_RATIO = 4.0  # TTFT p99 / p50 with a queue: requests wait rather than compute
 LOW_BANDWIDTH = 0.6  # below this 5 s average the memory side is not what limits
 MIN_DECODES = 4  # a decode batch worth calling memory-bound
+TTFT_SLO_FACTOR = 2.0  # TTFT p50 this many times its SLO is "far above" it
+MIN_BACKLOG_SAMPLES = 4  # history samples of the waiting queue needed to call it a trend
 
 
 @dataclass(frozen=True)
 class Rule:
-    symptom: str
+    key: str
+    symptom: str  # as written for a GPU; `worded` adapts it to the engine's device
     mechanism: str
     check: str
+    condition: str  # what the test compares, in words
     test: Test
+
+    def worded(self, snapshot: Snapshot) -> str:
+        return for_device(self.symptom, snapshot.device)
 
 
 @dataclass(frozen=True)
 class Finding:
+    key: str
     symptom: str
     mechanism: str
     check: str
-    figures: Figures
+    condition: str
+    figures: Figures  # the evidence the rule used
+
+
+def for_device(text: str, device: str) -> str:
+    """"the GPU" where the engine runs on CUDA, "the device" elsewhere (a CPU run)."""
+    if device.startswith("cuda"):
+        return text
+    return text.replace("the GPU", "the device")
+
+
+def _window(s: Snapshot) -> str:
+    return f"{s.stats_window_s:g} s"
 
 
 def _ratio(high: float | None, low: float | None) -> float | None:
@@ -53,7 +76,8 @@ def _decode_stall(s: Snapshot, h: MetricHistory) -> Figures | None:
     if ratio is None or ratio < TPOT_STALL_RATIO or (prefilling == 0 and s.chunk_queue_length == 0):
         return None
     return {"TPOT p50": f"{s.tpot_ms.p50:.1f} ms", "TPOT p99": f"{s.tpot_ms.p99:.1f} ms",
-            "p99/p50": f"{ratio:.1f}x", "prefilling": str(prefilling)}
+            "p99/p50": f"{ratio:.1f}x", "prefilling": str(prefilling),
+            "chunk queue": str(s.chunk_queue_length), "window": _window(s)}
 
 
 def _decode_memory_bound(s: Snapshot, h: MetricHistory) -> Figures | None:
@@ -61,7 +85,8 @@ def _decode_memory_bound(s: Snapshot, h: MetricHistory) -> Figures | None:
     prefill_share = 1.0 - s.output_tokens_per_s / s.tokens_per_s if s.tokens_per_s > 0 else 1.0
     if decoding < MIN_DECODES or s.chunk_queue_length > 0 or prefill_share > 0.2:
         return None
-    return {"decoding": str(decoding), "output tok/s": f"{s.output_tokens_per_s:.0f}",
+    return {"decoding": str(decoding), "chunk queue": str(s.chunk_queue_length),
+            "output tok/s": f"{s.output_tokens_per_s:.0f}",
             "prefill share of tokens": f"{prefill_share:.0%}",
             "bandwidth 5 s": f"{s.bandwidth_util_5s:.0%} ({s.bandwidth_source})"}
 
@@ -82,7 +107,7 @@ def _step_jitter(s: Snapshot, h: MetricHistory) -> Figures | None:
     if ratio is None or ratio < STEP_JITTER_RATIO:
         return None
     return {"step p50": f"{s.step_ms.p50:.1f} ms", "step p99": f"{s.step_ms.p99:.1f} ms",
-            "p99/p50": f"{ratio:.1f}x"}
+            "p99/p50": f"{ratio:.1f}x", "window": _window(s)}
 
 
 def _queueing(s: Snapshot, h: MetricHistory) -> Figures | None:
@@ -92,51 +117,95 @@ def _queueing(s: Snapshot, h: MetricHistory) -> Figures | None:
     if s.bandwidth_util_5s >= LOW_BANDWIDTH:
         return None
     return {"waiting": str(s.num_waiting), "TTFT p50": f"{s.ttft_ms.p50:.0f} ms",
-            "TTFT p99": f"{s.ttft_ms.p99:.0f} ms",
-            "bandwidth 5 s": f"{s.bandwidth_util_5s:.0%}"}
+            "TTFT p99": f"{s.ttft_ms.p99:.0f} ms", "p99/p50": f"{ratio:.1f}x",
+            "bandwidth 5 s": f"{s.bandwidth_util_5s:.0%} ({s.bandwidth_source})",
+            "window": _window(s)}
+
+
+def ttft_slo_ms(s: Snapshot) -> float | None:
+    """The TTFT SLO of a typical request, as engine.harness.slo sets it (its own prefill plus
+    DELAY_MULTIPLE steps of scheduling delay), estimated from the snapshot: a step at the
+    window's median step time, the prefill as the median request's chunks."""
+    step = s.step_ms.p50
+    if step is None or step <= 0:
+        return None
+    chunks = sorted(r.chunks_total for r in s.requests) or [1]
+    return step * (DELAY_MULTIPLE + max(1, chunks[len(chunks) // 2]))
+
+
+def _sustained_queueing(s: Snapshot, h: MetricHistory) -> Figures | None:
+    backlog = h.window("num_waiting", s.stats_window_s)
+    slo = ttft_slo_ms(s)
+    if len(backlog) < MIN_BACKLOG_SAMPLES or slo is None or s.ttft_ms.p50 is None:
+        return None
+    half = len(backlog) // 2
+    early, late = backlog[:half], backlog[half:]
+    growing = (backlog[-1] > backlog[0]
+               and sum(late) / len(late) > sum(early) / len(early))
+    if not growing or s.ttft_ms.p50 < TTFT_SLO_FACTOR * slo:
+        return None
+    return {"waiting": f"{backlog[0]:.0f} → {backlog[-1]:.0f}",
+            "samples": str(len(backlog)), "TTFT p50": f"{s.ttft_ms.p50:.0f} ms",
+            "TTFT SLO (est.)": f"{slo:.0f} ms",
+            "p50/SLO": f"{s.ttft_ms.p50 / slo:.1f}x", "window": _window(s)}
 
 
 def _kv_capacity(s: Snapshot, h: MetricHistory) -> Figures | None:
     high = float(s.config.get("cache_high_watermark", 1.0))
     if s.mode != "CACHE_PRESSURE_WAIT" and not (s.kv_usage >= high and s.num_waiting > 0):
         return None
-    return {"KV usage": f"{s.kv_usage:.0%}", "blocks": f"{s.kv_blocks_used}/{s.kv_blocks_total}",
+    return {"KV usage": f"{s.kv_usage:.0%}", "high watermark": f"{high:.0%}",
+            "blocks": f"{s.kv_blocks_used}/{s.kv_blocks_total}",
             "running": str(s.num_running), "waiting": str(s.num_waiting), "mode": s.mode}
 
 
 RULES: tuple[Rule, ...] = (
-    Rule("Short chats stall for seconds when a long prompt arrives",
+    Rule("decode_stall", "Short chats stall for seconds when a long prompt arrives",
          "A whole prefill holds the batch and decodes are paused",
          "Line the TPOT series up with prefill start times: do they move together?",
+         f"TPOT p99/p50 at least {TPOT_STALL_RATIO:g}x while prefills run or wait",
          _decode_stall),
-    Rule("Throughput rises with concurrency but the GPU stays underused",
+    Rule("decode_memory_bound", "Throughput rises with concurrency but the GPU stays underused",
          "Decode sits in the memory-bound region",
          "Estimate 2PB/(2P+BSk) (§3): is it far below the machine balance point?",
+         f"at least {MIN_DECODES} decoding, no chunk queue, prefill under 20% of tokens",
          _decode_memory_bound),
-    Rule("Raising max_num_batched_tokens lifts throughput, then drops it",
+    Rule("preemption_recompute", "Raising max_num_batched_tokens lifts throughput, then drops it",
          "Compute-bound steps plus preemption recompute eating the gain",
          "Watch the preemption count and KV usage together",
+         f"preemptions within {WINDOW_S:g} s while KV usage is at the high watermark",
          _preemption_recompute),
-    Rule("TPOT jitters and its percentiles have a heavy tail",
+    Rule("step_jitter", "TPOT jitters and its percentiles have a heavy tail",
          "Uneven chunk lengths make uneven step times",
          "Look at the distribution of step times (not the mean): what is the spread?",
+         f"step p99/p50 at least {STEP_JITTER_RATIO:g}x",
          _step_jitter),
-    Rule("TTFT soars in bursts while the GPU is not busy",
+    Rule("queueing_bursts", "TTFT soars in bursts while the GPU is not busy",
          "The bottleneck is queueing, not compute",
          "Compare the waiting queue length with the time from arrival to first compute",
+         f"TTFT p99/p50 at least {TTFT_BURST_RATIO:g}x with requests waiting and bandwidth "
+         f"under {LOW_BANDWIDTH:.0%}",
          _queueing),
-    Rule("Concurrency will not rise: one request is fast, total throughput low",
+    Rule("sustained_queueing", "The waiting queue keeps growing and TTFT climbs with it",
+         "Arrivals outpace what the engine serves: the backlog builds over the window",
+         "Compare the arrival rate with requests finished per second; shed or add capacity",
+         f"waiting queue growing over the window, TTFT p50 at least {TTFT_SLO_FACTOR:g}x "
+         "its SLO",
+         _sustained_queueing),
+    Rule("kv_capacity", "Concurrency will not rise: one request is fast, total throughput low",
          "KV capacity limit (B_max ≈ S_cap / S)",
          "Usable KV memory ÷ k ÷ S, against the measured concurrency ceiling",
+         "CACHE_PRESSURE_WAIT, or KV usage at the high watermark with requests waiting",
          _kv_capacity),
 )
 
 
 def evaluate(snapshot: Snapshot, history: MetricHistory) -> list[Finding]:
-    """The symptoms present now, each with its mechanism, check and triggering figures."""
+    """The symptoms present now, each with its mechanism, check and the evidence it used."""
     findings = []
     for rule in RULES:
         figures = rule.test(snapshot, history)
         if figures is not None:
-            findings.append(Finding(rule.symptom, rule.mechanism, rule.check, figures))
+            findings.append(Finding(rule.key, rule.worded(snapshot), rule.mechanism, rule.check,
+                                    rule.condition, figures))
     return findings

@@ -32,6 +32,7 @@ from engine.core.batch import Batch, ScheduledChunk, StepShape
 from engine.core.engine import Engine
 from engine.core.request import Request, RequestState
 from engine.errors import EngineError
+from engine.events import CalibrationProgress
 from engine.ops.telemetry import NvmlBandwidth, TelemetryError, nvml_available
 from engine.store import (
     BudgetPoint,
@@ -116,6 +117,24 @@ PLANS: dict[tuple[str, bool], SweepPlan] = {
         warmup=5, repeats=20),
 }
 
+# The first calibration at start (issue 16): seconds, not minutes, so the engine gives
+# verdicts soon. Every feature of the predictor is still covered (one-token decodes for the
+# fixed per-step overhead, multi-token steps, prefill pairs, decode context), with fewer
+# shapes, warm-ups and repeats; the drift monitor refines it later if it is off.
+FIRST_PLANS: dict[str, SweepPlan] = {
+    "cpu": SweepPlan(
+        prefill_chunks=(16, 64, 256), prefill_contexts=(0, 512),
+        decode_batches=(1, 8, 32), decode_contexts=(64, 512),
+        mixed=(Probe(32, 0, 16, 128), Probe(128, 256, 8, 256), Probe(64, 0, 32, 512)),
+        warmup=2, repeats=3),
+    "cuda": SweepPlan(
+        prefill_chunks=(64, 512, 2048), prefill_contexts=(0, 4096),
+        decode_batches=(1, 32, 256), decode_contexts=(256, 4096),
+        mixed=(Probe(256, 0, 64, 1024), Probe(1024, 2048, 32, 2048), Probe(128, 0, 256, 256)),
+        warmup=3, repeats=3),
+}
+FIRST_REASON = "first calibration at start"
+
 # The fixed shapes on which two predictors are compared for drift: small enough for any
 # model the engine runs, spread over the prefill, decode and mixed terms.
 REFERENCE_SHAPES = (
@@ -129,7 +148,15 @@ REFERENCE_SHAPES = (
 
 
 def plan_for(device: torch.device, quick: bool) -> SweepPlan:
-    return PLANS[("cuda" if device.type == "cuda" else "cpu", quick)]
+    return PLANS[(_kind(device), quick)]
+
+
+def first_plan(device: torch.device) -> SweepPlan:
+    return FIRST_PLANS[_kind(device)]
+
+
+def _kind(device: torch.device) -> str:
+    return "cuda" if device.type == "cuda" else "cpu"
 
 
 @dataclass(frozen=True)
@@ -400,17 +427,42 @@ def apply(engine: Engine, predictor: StepTimePredictor) -> None:
     engine.predict = predictor.predict
     engine.budget = predictor.budget_model(engine.model_config, engine.runner.bytes_per_element,
                                            engine.peaks)
+    engine.scheduler.calibrated = True  # budget_score and C* mean something from now on
+    engine.step_ratio.reset()
+    engine.scheduler.step_scale = 1.0
+
+
+def first_calibration(engine: Engine, session: Session | None = None) -> CalibrationResult:
+    """The quick sweep at start (FIRST_PLANS), applied, and stored in `session` if given.
+
+    Its progress is published on the engine's bus as CalibrationProgress events (and
+    drained, so a subscriber sees each one as it happens); it runs on the calling thread,
+    before the engine serves."""
+    def progress(fraction: float, note: str) -> None:
+        engine.bus.publish(CalibrationProgress(fraction=fraction, note=note,
+                                               reason=FIRST_REASON))
+        engine.bus.drain()
+
+    result = calibrate(engine, quick=True, plan=first_plan(engine.runner.device),
+                       progress=progress)
+    apply(engine, result.predictor)
+    if session is not None:
+        save_result(session, result, FIRST_REASON)
+    progress(1.0, f"calibrated in {result.wall_s:.1f} s: held-out step error "
+             f"{result.heldout_median_abs_error:.0%}")
+    return result
 
 
 # --- the store ---------------------------------------------------------------------------
 
-def save_result(session: Session, result: CalibrationResult) -> int:
-    """Store the run, its prefill table and its predictor; returns the run's id."""
+def save_result(session: Session, result: CalibrationResult, reason: str) -> int:
+    """Store the run, why it ran, its prefill table and its predictor; returns the run's
+    id."""
     table = [BudgetPoint(p.probe.chunk, p.probe.chunk_context, p.median_s)
              for p in result.points if p.probe.kind == "prefill"]
     info = {k: v for k, v in result.to_dict().items() if k not in ("model", "device")}
     return save_calibration(session, model=result.model, device=result.device, table=table,
-                            params=result.predictor.to_dict(), info=info)
+                            params=result.predictor.to_dict(), info=info, reason=reason)
 
 
 def latest_for(session: Session, engine: Engine) -> CalibrationRecord | None:

@@ -12,6 +12,8 @@ speed a step up.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +31,7 @@ FEATURES = ("constant", "multi_token", "tokens", "prefill_chunks", "decode_seqs"
 # (another process took the CPU), dropped before the final fit; never under 10% relative.
 OUTLIER_MADS = 4.0
 OUTLIER_FLOOR = 0.10
+DEFAULT_RATIO_WINDOW_S = 60.0  # the live measured/predicted ratio is a median over this
 
 
 def features(shape: StepShape) -> tuple[float, ...]:
@@ -152,3 +155,56 @@ def _nonnegative_relative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
             return coef
         active.pop(int(np.argmin(solution)))
     return coef
+
+
+class StepTimeRatio:
+    """Measured over predicted step time, as the engine runs: the median over `window_s`.
+
+    Each `bucket_s` of steps is summarised by its median and the window's value is the median
+    of those, so a step that lost its core to another process (or a burst of them) moves it
+    little, and it costs O(1) a step. Prefill plans are priced with it (a calibration taken on
+    a quieter box is not a fault of every request), and a value that stays beyond the drift
+    threshold over the window is drift (engine.budget.drift). 1.0 until a bucket is complete.
+    """
+
+    def __init__(self, window_s: float = DEFAULT_RATIO_WINDOW_S, bucket_s: float = 1.0) -> None:
+        if not 0 < bucket_s <= window_s:
+            raise ConfigError("window_s", f"must be >= bucket_s > 0, got {window_s}, {bucket_s}")
+        self.window_s = window_s
+        self.bucket_s = bucket_s
+        self._buckets: deque[tuple[float, float, int]] = deque()  # (start, median, steps)
+        self._current: list[float] = []
+        self._current_start: float | None = None
+        self.value = 1.0
+
+    def observe(self, now: float, measured_s: float, predicted_s: float) -> None:
+        if predicted_s <= 0:
+            return
+        if self._current_start is None:
+            self._current_start = now
+        elif now - self._current_start >= self.bucket_s:
+            self._buckets.append((self._current_start, statistics.median(self._current),
+                                  len(self._current)))
+            self._current, self._current_start = [], now
+            while self._buckets and self._buckets[0][0] < now - self.window_s:
+                self._buckets.popleft()
+            self.value = statistics.median(m for _, m, _ in self._buckets)
+        self._current.append(measured_s / predicted_s)
+
+    @property
+    def steps(self) -> int:
+        """Steps the value summarises."""
+        return sum(n for _, _, n in self._buckets)
+
+    @property
+    def span_s(self) -> float:
+        """Seconds of steps the value summarises (0 before a bucket is complete)."""
+        if not self._buckets or self._current_start is None:
+            return 0.0
+        return self._current_start - self._buckets[0][0]
+
+    def reset(self) -> None:
+        """A new predictor: what was measured against the old one says nothing of it."""
+        self._buckets.clear()
+        self._current, self._current_start = [], None
+        self.value = 1.0

@@ -11,16 +11,19 @@ and read the last snapshot.
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.budget.auto import auto_token_budget, token_budget_for
+from engine.budget.auto import CStar, auto_token_budget, token_budget_for
 from engine.budget.cost_model import BudgetModel
 from engine.budget.peaks import measure_peaks
+from engine.budget.predictor import StepTimeRatio
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.core import intake
 from engine.core.batch import Batch, RequestOutput, StepShape, StepTiming
@@ -45,6 +48,11 @@ from engine.ops.telemetry import BandwidthSource, ModelBandwidth, NvmlBandwidth,
 from engine.snapshot import RequestView, Snapshot
 
 __all__ = ["Engine", "RequestOutput"]
+
+OVERHEAD_STEPS = 64  # steps whose median overhead the prefill plans add to each step
+# Prefill plans follow the live measured/predicted ratio this far at most: further off is
+# drift (a recalibration's business), and a fault filling the window must still show.
+MAX_STEP_SCALE = 2.0
 
 
 class Engine:
@@ -72,11 +80,18 @@ class Engine:
                                    bytes_moved=lambda shape: self.budget.bytes_moved(shape),
                                    eos_token_ids=self.tokenizer.eos_token_ids,
                                    max_model_len=self.max_model_len)
-        self.metrics = Metrics()
+        self.metrics = Metrics(config.stats_window_s)
         self.bus.subscribe(self.metrics.observe)
         self.guards = Guards()
         self.bus.subscribe(self._observe)
         self.step_count = 0
+        self.cstar = CStar()  # C* from the smoothed decode load, once calibrated
+        # measured / predicted prefill steps since calibration
+        self.step_ratio = StepTimeRatio()
+        # the step's own time beyond the forward pass (scheduling, booking, events): part of
+        # every step a prefill plan prices, which the calibrated predictor does not time
+        self._overheads: deque[float] = deque(maxlen=OVERHEAD_STEPS)
+        self._left_busy: float | None = None  # when the last step returned with work left
         self._out_of_band: list[RequestOutput] = []  # ended outside a step, returned by the next
         self._config_lock = threading.Lock()
         self._pending_config: tuple[EngineConfig, str] | None = None
@@ -209,22 +224,43 @@ class Engine:
             self.bus.publish(ConfigChanged(changes=changed, source=source))
 
     # --- the step -----------------------------------------------------------------------
+    @property
+    def calibrated(self) -> bool:
+        """Whether a calibrated predictor is applied: until then no budget_score or C*."""
+        return self.scheduler.calibrated
+
     def step(self) -> list[RequestOutput]:
+        entered = self.clock()
         self.apply_pending_config()
         self._apply(self.guards.evaluate(self._guard_inputs()))
         outputs, self._out_of_band = self._out_of_band, []
-        if self.config.auto_budget:
+        if self.calibrated:
             decodes, context = self.scheduler.decode_load()
-            self.scheduler.auto_budget = auto_token_budget(
-                self.config, self.budget, self.predict, decodes, context, self.max_model_len)
+            chunk = self.cstar.observe(entered, decodes, context, self.budget,
+                                       self.config.chunk_tile,
+                                       self.config.max_num_batched_tokens)
+            if self.config.auto_budget:
+                self.scheduler.auto_budget = auto_token_budget(
+                    self.config, chunk, self.predict, decodes, context, self.max_model_len)
         batch = self.scheduler.schedule()
+        forward_s = 0.0
         if batch.chunks:
-            outputs += self._run(batch)
+            step_outputs, forward_s = self._run(batch)
+            outputs += step_outputs
         self.bus.drain()
+        left = self.clock()
+        if batch.chunks:
+            # with work waiting, the time since the last step left is the caller's loop
+            # (commands, snapshots): the plan's steps pay it too
+            since = entered if self._left_busy is None else self._left_busy
+            self._overheads.append(max(0.0, left - since - forward_s))
+            self.scheduler.step_overhead_s = statistics.median(self._overheads)
+        self._left_busy = left if self.scheduler.has_work() else None
         return outputs
 
-    def _run(self, batch: Batch) -> list[RequestOutput]:
-        """Execute a scheduled batch, book it, publish its timing and let the guards judge."""
+    def _run(self, batch: Batch) -> tuple[list[RequestOutput], float]:
+        """Execute a scheduled batch, book it, publish its timing and let the guards judge;
+        the outputs and the forward pass's seconds."""
         self.runner.zero_blocks(self.blocks.take_newly_allocated())
         shape = batch.shape()
         predicted = self.predict(shape)
@@ -232,6 +268,10 @@ class Engine:
         output = self.runner.run(batch)
         end = self.clock()
         timing = StepTiming(end=end, duration_s=end - start, predicted_s=predicted)
+        if self.calibrated and batch.prefills:  # the steps prefill plans are made of
+            self.step_ratio.observe(end, timing.duration_s, predicted)
+            self.scheduler.step_scale = min(max(self.step_ratio.value, 1 / MAX_STEP_SCALE),
+                                            MAX_STEP_SCALE)
         bytes_moved = self.budget.bytes_moved(shape)
         self.bandwidth.record(bytes_moved, timing.duration_s)
         self.step_count += 1
@@ -247,7 +287,7 @@ class Engine:
         fragmentation = max(self.blocks.fragmentation(live),
                             allocator_fragmentation(self.runner.device))
         self._apply(self.guards.evaluate(self._guard_inputs(fragmentation, runs)))
-        return outputs
+        return outputs, timing.duration_s
 
     # --- guards -------------------------------------------------------------------------
     def _guard_inputs(self, fragmentation: float | None = None,
@@ -285,9 +325,13 @@ class Engine:
         s, m = self.scheduler, self.metrics
         live = list(s.requests.values())
         tokens_per_s, output_per_s = m.rates(now)
-        ttft, tpot, step = m.latency()
+        window = m.latency(now)
         decodes, context = s.decode_load()
-        chunk = self.budget.recommended_chunk(decodes, context)
+        chunk = None
+        if self.calibrated:  # before a first step the load now is the smoothed load
+            chunk = self.cstar.value or self.cstar.observe(
+                now, decodes, context, self.budget, self.config.chunk_tile,
+                self.config.max_num_batched_tokens)
         reading = self.bandwidth.reading()
         return Snapshot(
             ts=now, model=self.config.model, device=str(self.runner.device),
@@ -304,9 +348,13 @@ class Engine:
             kv_blocks_moved_total=self.blocks.blocks_moved,
             bandwidth_util_5s=reading.util_5s, bandwidth_source=reading.source,
             throttle_level=s.throttle_level, tokens_per_s=tokens_per_s,
-            output_tokens_per_s=output_per_s, ttft_ms=ttft, tpot_ms=tpot, step_ms=step,
+            output_tokens_per_s=output_per_s, stats_window_s=window.window_s,
+            ttft_ms=window.ttft, tpot_ms=window.tpot, itl_ms=window.itl,
+            queue_wait_ms=window.queue_wait, step_ms=window.step,
+            calibration="calibrated" if self.calibrated else "calibrating",
             recommended_chunk_size=chunk,
-            recommended_token_budget=token_budget_for(chunk, decodes, self.config.chunk_tile),
+            recommended_token_budget=None if chunk is None else token_budget_for(
+                chunk, decodes, self.config.chunk_tile),
             token_budget=s.token_budget,
             preemptions_total=m.preemptions_total, prompt_tokens_total=m.prompt_tokens_total,
             generation_tokens_total=m.generation_tokens_total,

@@ -7,6 +7,7 @@ up with `num_tokens`; a decode is simply a request one token behind.
 from __future__ import annotations
 
 import enum
+from array import array
 from dataclasses import dataclass, field
 
 import torch
@@ -28,13 +29,47 @@ class RequestState(enum.StrEnum):
         return self in (RequestState.FINISHED, RequestState.FAILED, RequestState.REJECTED)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ChunkTiming:
+    """One prefill chunk as its step was booked (a part of the request's timeline)."""
+
     index: int
+    start: int  # first prompt position
+    tokens: int
+    duration_s: float  # the step's measured time
+    predicted_s: float  # the step's predicted time, whole
+    step_start: float = 0.0  # when the step's forward pass began (the engine's clock)
+    step: int = 0
+    decodes: int = 0  # decodes in the same step
+    other_prefill_tokens: int = 0  # other requests' prefill tokens in the same step
+    mode: str = "NORMAL"
+    throttle_level: int = 0
+    attempt: int = 0  # preemptions before it: chunks of an earlier attempt were recomputed
+
+
+@dataclass(frozen=True)
+class PlannedChunk:
+    """One chunk of a request's prefill plan: what a healthy engine runs (issue 16).
+
+    The plan simulates the scheduler's normal-mode rules over the work known at planning
+    time; budget_score is measured prefill time over the sum of `budget_s`.
+    start, tokens: prompt positions the chunk computes. wait_s: predicted time of the steps
+    (`wait_steps`) before it in which work ahead (decodes, earlier prefills) left it no room.
+    predicted_s: the predicted time of the step carrying it, whole: `decodes` decodes and
+    `other_prefill_tokens` tokens of other prefills run beside it.
+    """
+
     start: int
     tokens: int
-    duration_s: float
     predicted_s: float
+    wait_s: float = 0.0
+    wait_steps: int = 0
+    decodes: int = 0
+    other_prefill_tokens: int = 0
+
+    @property
+    def budget_s(self) -> float:
+        return self.wait_s + self.predicted_s
 
 
 @dataclass(eq=False)
@@ -55,7 +90,19 @@ class Request:
     chunks: list[ChunkTiming] = field(default_factory=list)
     prefill_started: float | None = None
     prefill_finished: float | None = None
-    budgeted_prefill_s: float | None = None
+    # the prefill budget (issue 16): the plan for the whole prompt, re-planned from the
+    # current position when the plan changes for a reason that is not a fault; empty until
+    # the engine is calibrated (no verdict before then)
+    planned: list[PlannedChunk] = field(default_factory=list)
+    replans: int = 0
+    # timeline (issue 16): appended as it happens, explained if the request is slow
+    admissions: list[float] = field(default_factory=list)
+    preempted_at: list[float] = field(default_factory=list)
+    # seconds between tokens after the first, kept only once the request is flagged slow
+    # (its prefill has ended by then, so no gap is missed); raw doubles, no object per token
+    decode_gaps: array[float] | None = None
+    worst_gap: tuple[float, int] | None = None  # the longest decode gap and its step
+    last_chunk_step: int = 0  # the scheduler's step count at its last chunk (or admission)
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_time: float | None = None
@@ -78,13 +125,21 @@ class Request:
         return self.state is RequestState.DECODING
 
     @property
+    def budgeted_prefill_s(self) -> float | None:
+        """The planned prefill time: the sum of the plan's chunk budgets; None unplanned."""
+        if not self.planned:
+            return None
+        return sum(c.budget_s for c in self.planned)
+
+    @property
     def budget_score(self) -> float | None:
-        """Actual prefill time / budgeted prefill time (seed 000 §6)."""
+        """Measured prefill time / planned prefill time (seed 000 §6, issue 16)."""
         if self.prefill_finished is None or self.prefill_started is None:
             return None
-        if not self.budgeted_prefill_s:
+        budget = self.budgeted_prefill_s
+        if not budget:
             return None
-        return (self.prefill_finished - self.prefill_started) / self.budgeted_prefill_s
+        return (self.prefill_finished - self.prefill_started) / budget
 
     @property
     def ttft_s(self) -> float | None:

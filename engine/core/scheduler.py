@@ -22,10 +22,13 @@ ahead of it, c = budget - (N - 1) - (chunk_tile - 1), S = max_prefill_chunks.
 from __future__ import annotations
 
 import math
+from array import array
 from bisect import insort
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
+from dataclasses import asdict
 
+from engine.budget.plan import PlanItem, PlanRules, plan_prefills, replanned
 from engine.config import EngineConfig
 from engine.core.batch import (
     Batch,
@@ -38,6 +41,7 @@ from engine.core.batch import (
 )
 from engine.core.block_manager import BlockManager
 from engine.core.request import ChunkTiming, Request, RequestState
+from engine.core.timeline import ModeRecord, PrefillGaps, StepRecord, classify_prefill, explain
 from engine.events import (
     CacheEvict,
     ChunkComplete,
@@ -53,6 +57,10 @@ from engine.events import (
 from engine.ops.telemetry import BandwidthSource
 
 RECENT_FINISHED = 64  # ended requests still shown in snapshots
+# steps and mode changes kept to explain a slow prefill (one small tuple each; a prefill longer
+# than the log classes its earliest gaps by the mode log alone)
+STEP_LOG = 65536
+MODE_LOG = 4096
 # throttle level -> chunk concurrency cap (level 3 also pauses new prefills)
 THROTTLE_CONCURRENCY = {0: None, 1: 2, 2: 1, 3: 1}
 
@@ -90,6 +98,19 @@ class Scheduler:
         self.auto_budget: int | None = None  # set each step by the engine when auto_budget
         self._above_pause_since: float | None = None
         self.bandwidth_util = 0.0
+        self.step_log: deque[StepRecord] = deque(maxlen=STEP_LOG)
+        self.mode_log: deque[ModeRecord] = deque(maxlen=MODE_LOG)
+        # live requests flagged slow, with their prefill's gaps classed (published at the end)
+        self.flagged: dict[str, PrefillGaps] = {}
+        self.steps = 0  # steps booked by `update`
+        # No plan, so no budget_score or slow query, until the predictor is calibrated
+        # (engine.budget.calibrate.apply sets it).
+        self.calibrated = False
+        self._plan_rules: PlanRules | None = None  # the rules the plans in force assume
+        # set by the engine: a step's time beyond the forward pass, and how far steps run
+        # from the predictor lately (engine.budget.predictor.StepTimeRatio)
+        self.step_overhead_s = 0.0
+        self.step_scale = 1.0
 
     # --- queues -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -111,6 +132,11 @@ class Scheduler:
         request.set_state(state, reason)
         request.finish_time = self.clock()
         self.recent.append(request)
+        if state is RequestState.FAILED and request.prefill_finished is None:
+            self._check_slow(request, request.finish_time)  # failed mid-prefill (a guard)
+        gaps = self.flagged.pop(request.id, None)
+        if gaps is not None:
+            self._publish_slow(request, gaps)
         if state is RequestState.FAILED:
             self.publish(Failed(request_id=request.id, reason=reason,
                                 cause=cause or FailCause.FAULT))
@@ -118,7 +144,9 @@ class Scheduler:
             self.publish(Finished(
                 request_id=request.id, reason=reason, prompt_tokens=request.num_prompt_tokens,
                 generated_tokens=len(request.output_token_ids), ttft_s=request.ttft_s,
-                e2e_s=request.finish_time - request.arrival, budget_score=request.budget_score))
+                e2e_s=request.finish_time - request.arrival, budget_score=request.budget_score,
+                queue_wait_s=None if request.prefill_started is None
+                else request.prefill_started - request.arrival))
         self.publish(CacheEvict(request_id=request.id, blocks_freed=freed,
                                 usage_after=self.blocks.usage))
 
@@ -154,8 +182,12 @@ class Scheduler:
     # --- the step -----------------------------------------------------------------------
     def schedule(self) -> Batch:
         self._update_mode()
+        state = (self.mode.value, self.throttle_level, self.prefill_paused)
+        if not self.mode_log or self.mode_log[-1][1:] != state:
+            self.mode_log.append(ModeRecord(self.clock(), *state))
         batch = Batch(mode=self.mode)
         budget = self._schedule_decodes(batch, self.token_budget)
+        self._replan_if_retuned(tuple(c.start + 1 for c in batch.decodes))
         self._schedule_prefills(batch, budget)
         return batch
 
@@ -192,10 +224,7 @@ class Scheduler:
         cap = THROTTLE_CONCURRENCY[self.throttle_level]
         if cap is not None:
             slots = min(slots, cap)
-        # a cap below one tile would round every partial chunk to nothing (pitfall 4), and
-        # without chunking a capped prompt could never run whole
-        chunk_cap = max(cfg.long_prefill_threshold, cfg.chunk_tile) \
-            if cfg.long_prefill_threshold and cfg.chunked_prefill else math.inf
+        chunk_cap = self.plan_rules().chunk_cap
         if self.cache_pressure or self.prefill_paused:
             if batch.decodes and not self.prefill_paused:
                 return  # decodes only, until evictions relieve the pressure
@@ -217,13 +246,15 @@ class Scheduler:
         if not plan:
             return
         now = self.clock()
-        decode_contexts = tuple(c.start + 1 for c in batch.decodes)
+        fresh = []
         for request, tokens in plan.items():
-            if request.state is not RequestState.PREFILL_CHUNKING:
-                self._admit(request, tokens, decode_contexts, now)
+            if request.state is not RequestState.PREFILL_CHUNKING and self._admit(request, now):
+                fresh.append(request)
             chunk = ScheduledChunk(request, request.num_computed_tokens, tokens)
             self.blocks.grow(request, tokens)
             batch.prefills.append(chunk)
+        if fresh:  # a new arrival shares the budget: everyone's plan changes
+            self._replan(tuple(c.start + 1 for c in batch.decodes), fresh)
 
     def _admissible(self) -> list[Request]:
         # every running request must fit one decode token in the budget (stall-free)
@@ -303,27 +334,65 @@ class Scheduler:
                 room[tenant] = max(0.0, blocks * self.blocks.block_size)
         return room
 
-    def _admit(self, request: Request, first_chunk: int, decode_contexts: tuple[int, ...],
-               now: float) -> None:
+    def _admit(self, request: Request, now: float) -> bool:
+        """Move a waiting request to running; True at its first admission."""
         self.waiting.remove(request)
         self.running.append(request)
+        request.admissions.append(now)
         request.set_state(RequestState.PREFILL_CHUNKING,
                           "recompute after preemption" if request.num_preemptions else "admitted")
-        if request.prefill_started is None:
-            request.prefill_started = now
-            request.budgeted_prefill_s = self._budget_prefill(request, first_chunk,
-                                                              decode_contexts)
+        if request.prefill_started is not None:
+            return False
+        request.prefill_started = now
+        request.last_chunk_step = self.steps
+        return True
 
-    def _budget_prefill(self, request: Request, chunk: int,
-                        decode_contexts: tuple[int, ...]) -> float:
-        """⌈T/C⌉ steps of C tokens beside today's decodes, as the budget model predicts them."""
-        total, start = 0.0, 0
-        while start < request.num_prompt_tokens:
-            size = min(chunk, request.num_prompt_tokens - start)
-            total += self.predict(StepShape(prefill=((size, start),),
-                                            decode_contexts=decode_contexts))
-            start += size
-        return total
+    # --- the prefill plan budget_score is measured against (engine.budget.plan) ---------
+    def plan_rules(self) -> PlanRules:
+        """The normal-mode rules this step's budget and configuration set."""
+        cfg = self.config
+        # a cap below one tile would round every partial chunk to nothing (pitfall 4), and
+        # without chunking a capped prompt could never run whole
+        cap = max(cfg.long_prefill_threshold, cfg.chunk_tile) \
+            if cfg.long_prefill_threshold and cfg.chunked_prefill else math.inf
+        return PlanRules(budget=self.token_budget, tile=cfg.chunk_tile,
+                         slots=cfg.max_prefill_chunks, chunk_cap=cap,
+                         chunked=cfg.chunked_prefill)
+
+    def _replan_if_retuned(self, decode_contexts: tuple[int, ...]) -> None:
+        """A tuning change (configuration, the auto budget's C*) re-plans what is in flight."""
+        rules = self.plan_rules()
+        if rules != self._plan_rules:
+            self._plan_rules = rules
+            self._replan(decode_contexts, ())
+
+    def _replan(self, decode_contexts: tuple[int, ...], fresh: Iterable[Request]) -> None:
+        """Plan every prefill in flight from where it stands, beside `decode_contexts`.
+
+        Every running prefill is simulated (it shares the steps), but only a plan made since
+        calibration and never broken by a preemption is replaced: a request admitted before
+        the first calibration gets no verdict, and one preempted mid-prefill keeps the plan
+        it had, so the recompute counts as overrun."""
+        if not self.calibrated:
+            return
+        fresh = set(fresh)
+        prefilling = sorted((r for r in self.running if r.state is RequestState.PREFILL_CHUNKING),
+                            key=self._queue_key)
+        if not prefilling:
+            return
+        rules = self._plan_rules = self.plan_rules()
+        items = [PlanItem(r, r.num_computed_tokens, r.num_tokens) for r in prefilling]
+        scale, overhead = self.step_scale, self.step_overhead_s
+        plans = plan_prefills(items, decode_contexts, rules,
+                              lambda shape: self.predict(shape) * scale + overhead)
+        for request in prefilling:
+            if request in fresh:
+                request.planned = plans[request]
+            elif request.planned and not request.num_preemptions:
+                request.planned = replanned(request.planned, request.num_computed_tokens,
+                                            self.steps - request.last_chunk_step,
+                                            plans[request])
+                request.replans += 1
 
     # --- after the step -----------------------------------------------------------------
     def update(self, batch: Batch, output: ModelRunnerOutput,
@@ -332,8 +401,16 @@ class Scheduler:
         appended, stop conditions, finished requests' blocks freed. An error in one request's
         sampling, stop check or output fails that request alone (FAILED, cause FAULT); the
         others go on."""
+        self.steps += 1
+        start = timing.end - timing.duration_s
+        prefill_tokens = sum(c.num_tokens for c in batch.prefills)
+        self.step_log.append(StepRecord(start, timing.end, self.steps, batch.mode.value,
+                                     self.throttle_level, self.prefill_paused,
+                                     tuple(c.request.id for c in batch.prefills),
+                                     len(batch.decodes)))
         for chunk in batch.prefills:
-            self._record_chunk(chunk, timing)
+            self._record_chunk(chunk, timing, start, len(batch.decodes),
+                               prefill_tokens - chunk.num_tokens, batch.mode.value)
         for chunk in batch.decodes:
             chunk.request.num_computed_tokens += 1
         outputs = []
@@ -343,7 +420,7 @@ class Scheduler:
             if error is None:
                 try:
                     token = output.token_ids[request.id]
-                    outputs.append(self._append_token(request, token, timing.end))
+                    outputs.append(self._append_token(request, token, timing))
                     continue
                 except Exception as exc:  # fault isolation: it fails this request only
                     error = f"handling its token failed: {type(exc).__name__}: {exc}"
@@ -364,12 +441,16 @@ class Scheduler:
             return "length"
         return None
 
-    def _record_chunk(self, chunk: ScheduledChunk, timing: StepTiming) -> None:
+    def _record_chunk(self, chunk: ScheduledChunk, timing: StepTiming, start: float,
+                      decodes: int, other_tokens: int, mode: str) -> None:
         request = chunk.request
         request.num_computed_tokens += chunk.num_tokens
+        request.last_chunk_step = self.steps
         index = len(request.chunks)
         request.chunks.append(ChunkTiming(index, chunk.start, chunk.num_tokens,
-                                          timing.duration_s, timing.predicted_s))
+                                          timing.duration_s, timing.predicted_s, start,
+                                          self.steps, decodes, other_tokens, mode,
+                                          self.throttle_level, request.num_preemptions))
         alone = StepShape(prefill=((chunk.num_tokens, chunk.start),))
         self.publish(ChunkComplete(
             request_id=request.id, chunk_index=index, tokens=chunk.num_tokens,
@@ -377,14 +458,20 @@ class Scheduler:
             estimated_bytes=self.bytes_moved(alone), predicted_s=timing.predicted_s,
             prefill_done=chunk.samples))
 
-    def _append_token(self, request: Request, token: int, now: float) -> RequestOutput:
+    def _append_token(self, request: Request, token: int, timing: StepTiming) -> RequestOutput:
+        now = timing.end
         if request.state is RequestState.PREFILL_CHUNKING:
             request.set_state(RequestState.DECODING, "prefill complete")
             if request.prefill_finished is None:
                 request.prefill_finished = now
-                self._check_slow(request)
+                self._check_slow(request, now)
         if request.first_token_time is None:
             request.first_token_time = now
+        elif request.decode_gaps is not None and request.last_token_time is not None:
+            gap = now - request.last_token_time
+            request.decode_gaps.append(gap)
+            if request.worst_gap is None or gap > request.worst_gap[0]:
+                request.worst_gap = (gap, self.steps)
         request.output_token_ids.append(token)
         request.last_token_time = now
         self.publish(TokensGenerated(request_id=request.id, token_ids=(token,)))
@@ -393,19 +480,40 @@ class Scheduler:
             self.finish(request, RequestState.FINISHED, reason)
         return request_output(request, (token,))
 
-    def _check_slow(self, request: Request) -> None:
-        score = request.budget_score
-        if score is None or score <= self.config.slow_query_threshold:
+    def _check_slow(self, request: Request, end: float) -> None:
+        """Flag a request whose prefill (ended at `end`, or cut short there by a failure)
+        overran its budget; its gaps are classed now, while the step log covers them, and
+        the slow query is published when it ends."""
+        budget = request.budgeted_prefill_s
+        if not budget or request.prefill_started is None:
             return
-        chunks = tuple({"index": c.index, "start": c.start, "tokens": c.tokens,
-                        "duration_s": c.duration_s, "predicted_s": c.predicted_s}
-                       for c in request.chunks)
+        if (end - request.prefill_started) / budget <= self.config.slow_query_threshold:
+            return
+        first = request.prefill_started
+        steps = []
+        for step in reversed(self.step_log):  # only the steps since its admission
+            steps.append(step)
+            if step.start <= first:
+                break
+        steps.reverse()
+        request.decode_gaps = array("d")
+        self.flagged[request.id] = classify_prefill(request, steps, list(self.mode_log), end,
+                                                    self.step_overhead_s)
+
+    def _publish_slow(self, request: Request, gaps: PrefillGaps) -> None:
+        timeline = explain(request, gaps)
+        verdict = timeline.verdict()
+        if request.state is RequestState.FAILED:
+            verdict += f"; then failed: {request.reason}"
         self.publish(SlowQuery(
-            request_id=request.id, tenant=request.tenant, budget_score=score,
-            prompt_tokens=request.num_prompt_tokens,
-            prefill_s=request.prefill_finished - request.prefill_started,
-            budgeted_s=request.budgeted_prefill_s or 0.0, chunks=chunks,
-            config=self.config.live_values(), tag=request.tag))
+            request_id=request.id, tenant=request.tenant,
+            budget_score=timeline.prefill_s / timeline.budgeted_s,
+            prompt_tokens=request.num_prompt_tokens, prefill_s=timeline.prefill_s,
+            budgeted_s=timeline.budgeted_s, chunks=tuple(asdict(c) for c in timeline.chunks),
+            config=self.config.live_values(), tag=request.tag,
+            # its chunks travel once, in the record's own chunks column
+            timeline={k: v for k, v in timeline.to_dict().items() if k != "chunks"},
+            cause=timeline.cause.value, cause_share=timeline.cause_share, verdict=verdict))
 
     # --- preemption ---------------------------------------------------------------------
     def _pick_victim(self) -> Request:
@@ -420,6 +528,7 @@ class Scheduler:
         self.running.remove(victim)
         self.blocks.release(victim)
         victim.num_computed_tokens = 0
+        victim.preempted_at.append(self.clock())
         victim.num_preemptions += 1
         victim.set_state(RequestState.PREEMPTED, "KV blocks exhausted; will recompute")
         insort(self.waiting, victim, key=self._queue_key)

@@ -14,11 +14,13 @@ from __future__ import annotations
 import json
 import os
 import random
+import selectors
 import signal
 import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -41,7 +43,7 @@ MODEL = "synthetic:tiny"
 KV_POOL_BYTES = 1 << 20  # 128 tiny blocks: small enough to run out, large enough to serve
 STEP_BUDGET = 32
 CHUNK_TILE = 8
-POLL_S = 0.01  # how often the crash scenario looks at the other process's journal
+POLL_S = 0.01  # how often the crash scenario looks at the resumed process's output
 RETRIES = 3  # attempts a client makes for a request a protection layer failed
 SPIKE_UTIL = 0.99  # over bandwidth_pause: the throttle goes all the way to level 3
 
@@ -211,7 +213,10 @@ def kv_exhaustion(settings: ChaosSettings, expected: dict[str, list[int]],
     preemptions = engine.metrics.preemptions_total
     held = engine.blocks.reserve(engine.blocks.num_blocks)
     fault_end = time.monotonic() + settings.fault_s
-    harness.run_until(lambda: time.monotonic() >= fault_end, fault_end + settings.bound_s)
+    # The fault lasts its time and until the scheduler has met it (an event, whatever the
+    # machine's load: a step that never ran during the fault saw nothing).
+    harness.run_until(lambda: time.monotonic() >= fault_end and engine.scheduler.cache_pressure,
+                      fault_end + settings.bound_s)
     detected = engine.scheduler.cache_pressure
     engine.blocks.reserve(0)
     fault_end = time.monotonic()
@@ -270,15 +275,21 @@ def slow_chunks(settings: ChaosSettings, expected: dict[str, list[int]],
     delay_s = 3 * base_ms / 1000  # over the timeout of any chunk index below 20
     slow_until = time.monotonic() + settings.fault_s
     forward = engine.runner.run
+    fault = threading.Event()
+    fault.set()
 
     def slow_forward(batch: Batch) -> ModelRunnerOutput:
-        if time.monotonic() < slow_until and batch.prefills:
+        if fault.is_set() and batch.prefills:
             time.sleep(delay_s)  # the injected fault: a slow kernel
         return forward(batch)
 
     engine.runner.run = slow_forward
     harness = _Harness(engine, requests)
-    harness.run_until(lambda: time.monotonic() >= slow_until, slow_until + settings.bound_s)
+    # The fault lasts its time and until a chunk has timed out: ended by an event, it cannot
+    # pass unseen on a loaded machine whose first step came after the fault's time.
+    harness.run_until(lambda: time.monotonic() >= slow_until and bool(harness.failed),
+                      slow_until + settings.bound_s)
+    fault.clear()
     fault_end = time.monotonic()
     harness.retry_failed = True
     for rid in list(harness.failed):
@@ -349,10 +360,10 @@ def sigkill(settings: ChaosSettings, expected: dict[str, list[int]],
                                   for r in requests))
         args = ["--requests", str(source), "--output", str(output), "--db", str(db)]
         deadline = time.monotonic() + settings.bound_s
-        mid_chunk = ("SELECT 1 FROM request_journal WHERE prefilled_tokens > 0 "
-                     "AND generated_tokens = 0 AND state = 'PREFILL_CHUNKING'")
-        first = _launch(args)
-        killed = _wait(first, lambda: bool(query_journal(db, mid_chunk)), deadline)
+        # Killed on an event the child reports: a journal commit holding a request
+        # mid-prefill (a poll of the journal could miss that state between two batches).
+        first = _launch([*args, "--report-commits"], report=True)
+        killed = _kill_on_report(first, lambda commit: bool(commit["prefilling"]), deadline)
         killed_at = time.monotonic()
         before = _lines(output)
         second = _launch([*args, "--resume"])
@@ -379,13 +390,42 @@ def sigkill(settings: ChaosSettings, expected: dict[str, list[int]],
                    (second.returncode == 0, "the resumed run failed"))
 
 
-def _launch(args: list[str]) -> subprocess.Popen[bytes]:
+def _launch(args: list[str], report: bool = False) -> subprocess.Popen[bytes]:
     # the child imports the engine this process runs, wherever it is installed
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
            "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "engine.harness.chaos_child", *args],
                             env=env, cwd=Path(args[args.index("--db") + 1]).parent,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            bufsize=0,  # unbuffered: select() sees every reported line
+                            stdout=subprocess.PIPE if report else subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
+def _kill_on_report(process: subprocess.Popen[bytes], wanted: Callable[[dict[str, Any]], bool],
+                    deadline: float) -> bool:
+    """SIGKILL `process` on the first journal commit it reports (`--report-commits`) that
+    `wanted` accepts; False if it ended, or the deadline passed, first."""
+    assert process.stdout is not None
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if not selector.select(timeout=deadline - time.monotonic()):
+                continue
+            line = process.stdout.readline()
+            if not line:  # it ended without reporting such a commit
+                process.wait()
+                return False
+            try:
+                commit = json.loads(line)["commit"]
+            except (ValueError, KeyError, TypeError):
+                continue  # not a report
+            if wanted(commit):
+                process.send_signal(signal.SIGKILL)
+                process.wait()
+                return True
+    process.kill()
+    process.wait()
+    return False
 
 
 def _wait(process: subprocess.Popen[bytes], condition: Callable[[], bool], deadline: float,

@@ -5,6 +5,10 @@ output file; with `--resume` it first finishes what the journal left unfinished.
 It is the engine's own entry point, so the harness never launches the console's CLI:
 
     python -m engine.harness.chaos_child --requests R.jsonl --output O.jsonl --db J.db [--resume]
+        [--report-commits]
+
+With `--report-commits` it prints a JSON line on stdout after each journal commit: the
+event the harness kills it on.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from engine.harness.driver import drive
 from engine.harness.workload import load_requests_jsonl
 from engine.ops.recovery import resume_unfinished
 from engine.store import StoreWriter, open_database
+from engine.store.writer import report_commit
 
 # One tile a step: prompts of 40-160 tokens take several steps each, so a kill lands mid-chunk.
 CONFIG = EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32",
@@ -34,19 +39,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, required=True)
     parser.add_argument("--db", type=Path, required=True)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--report-commits", action="store_true")
     args = parser.parse_args(argv)
     engine = Engine(CONFIG)
     workload = load_requests_jsonl(args.requests, engine.tokenizer.encode)
     emitted = _emitted(args.output)
     database = open_database(args.db)
-    writer = StoreWriter(database, engine.bus)
+    writer = StoreWriter(database, engine.bus,
+                         on_commit=report_commit if args.report_commits else None)
     try:
         with args.output.open("a") as output:
             if args.output.stat().st_size and not args.output.read_bytes().endswith(b"\n"):
                 output.write("\n")  # the kill tore the last line: it stays a line of its own
             skip = set(emitted)
             if args.resume:
-                skip |= set(resume_unfinished(engine, database, skip=emitted))
+                resumption = resume_unfinished(engine, database, skip=emitted)
+                skip |= {*resumption.resumed, *resumption.quarantined}
 
             def write(out: RequestOutput) -> None:
                 if out.finished:

@@ -33,6 +33,11 @@ FIRST_PROMPT_TOKEN_ID = 3
 CPU_LENGTH_SCALE = 1 / 8
 GPU_LENGTH_SCALE = 1.0
 
+# A request file's arrival times are replayed in real time: 11.6 days at most (1e9 would
+# sleep 31 years); priorities are stored as SQLite's 64-bit integers.
+MAX_ARRIVAL_S = 1e6
+INT64_LIMIT = 2**63
+
 
 class WorkloadError(EngineError):
     """A workload spec or request file cannot be used (trace files raise TraceError)."""
@@ -262,12 +267,17 @@ def load_requests_jsonl(path: Path | str,
     tenant, tag, priority, arrival_s, ignore_eos. Any bad line fails the whole file."""
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_bytes().splitlines()
     except OSError as exc:
         raise WorkloadError(f"cannot read request file {path} ({exc.strerror})") from None
     requests: list[WorkloadRequest] = []
     seen: set[str] = set()
-    for number, line in enumerate(lines, start=1):
+    for number, raw in enumerate(lines, start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise WorkloadError(f"{path}:{number}: not valid UTF-8 (byte {exc.start + 1} of "
+                                "the line); save the file as UTF-8") from None
         if not line.strip():
             continue
         request = _parse_request(f"{path}:{number}", line, tokenizer_encode)
@@ -277,6 +287,14 @@ def load_requests_jsonl(path: Path | str,
         seen.add(request.request_id)
         requests.append(request)
     return sorted(requests, key=lambda r: r.arrival_s)
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _parse_request(where: str, line: str,
@@ -294,6 +312,10 @@ def _parse_request(where: str, line: str,
     def is_int(value: Any) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
 
+    for name in ("id", "prompt", "tenant", "tag"):
+        if isinstance(obj.get(name), str) and not _is_unicode(obj[name]):
+            raise WorkloadError(f"{where}: field {name!r}: holds a lone surrogate escape "
+                                "(\\ud800-\\udfff alone); text must be valid Unicode")
     request_id = obj.get("id")
     if not isinstance(request_id, str) or not request_id:
         raise bad("id", "must be a non-empty string")
@@ -314,16 +336,18 @@ def _parse_request(where: str, line: str,
         raise bad("tenant", "must be a string")
     if not isinstance(obj.get("tag", ""), str | None):
         raise bad("tag", "must be a string")
-    if not is_int(obj.get("priority", 0)):
-        raise bad("priority", "must be an integer")
+    priority = obj.get("priority", 0)
+    if not is_int(priority) or not -INT64_LIMIT <= priority < INT64_LIMIT:
+        raise bad("priority", "must be an integer in [-2^63, 2^63)")
     arrival = obj.get("arrival_s", 0.0)
-    if isinstance(arrival, bool) or not isinstance(arrival, int | float) or not arrival >= 0:
-        raise bad("arrival_s", "must be a number of seconds >= 0")
+    if (isinstance(arrival, bool) or not isinstance(arrival, int | float)
+            or not 0 <= arrival <= MAX_ARRIVAL_S):  # NaN fails every comparison
+        raise bad("arrival_s", f"must be a number of seconds in [0, {MAX_ARRIVAL_S:g}]")
     if not isinstance(obj.get("ignore_eos", False), bool):
         raise bad("ignore_eos", "must be true or false")
     return WorkloadRequest(request_id, float(arrival), prompt, obj["max_tokens"],
                            tenant=obj.get("tenant", "default"), tag=obj.get("tag"),
-                           priority=obj.get("priority", 0),
+                           priority=priority,
                            ignore_eos=obj.get("ignore_eos", False))
 
 

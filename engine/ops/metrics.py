@@ -1,5 +1,7 @@
-"""Metrics as an event observer: counters, recent-window percentiles and Prometheus-style
-histograms. The hot loop only publishes events; this turns them into intervals and rates.
+"""Metrics as an event observer: lifetime counters and Prometheus-style histograms, and
+percentiles over a stated time window (issue 16: the last `window_s` seconds, so a spike leaves
+the snapshot once it is that old). The hot loop only publishes events; this turns them into
+intervals and rates.
 """
 
 from __future__ import annotations
@@ -34,8 +36,40 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 BUDGET_SCORE_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 
-WINDOW = 1024  # recent observations kept for percentiles
+DEFAULT_WINDOW_S = 60.0
+# a bound on each windowed series, so a sort per snapshot stays cheap under heavy traffic:
+# beyond it the window holds the most recent samples only
+WINDOW_SAMPLES = 16384
 RATE_WINDOW_S = 10.0
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """Latency percentiles (ms) over the last `window_s` seconds."""
+
+    window_s: float
+    ttft: Percentiles
+    tpot: Percentiles
+    itl: Percentiles
+    queue_wait: Percentiles  # arrival to admission
+    step: Percentiles
+
+
+class _Window:
+    """(timestamp, value) samples no older than `span_s` before the latest one seen."""
+
+    def __init__(self, span_s: float) -> None:
+        self.span_s = span_s
+        self.samples: deque[tuple[float, float]] = deque(maxlen=WINDOW_SAMPLES)
+
+    def add(self, ts: float, value: float) -> None:
+        self.samples.append((ts, value))
+
+    def values(self, now: float) -> list[float]:
+        horizon = now - self.span_s
+        while self.samples and self.samples[0][0] < horizon:
+            self.samples.popleft()
+        return [value for _, value in self.samples]
 
 
 @dataclass
@@ -63,7 +97,7 @@ class Histogram:
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, window_s: float = DEFAULT_WINDOW_S) -> None:
         self._lock = threading.Lock()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -77,9 +111,12 @@ class Metrics:
         self.e2e = Histogram(E2E_BUCKETS)
         self.iteration_tokens = Histogram(ITERATION_TOKEN_BUCKETS)
         self.budget_score = Histogram(BUDGET_SCORE_BUCKETS)
-        self.recent_ttft: deque[float] = deque(maxlen=WINDOW)
-        self.recent_tpot: deque[float] = deque(maxlen=WINDOW)
-        self.recent_step: deque[float] = deque(maxlen=WINDOW)
+        self.window_s = window_s
+        self.recent_ttft = _Window(window_s)
+        self.recent_tpot = _Window(window_s)
+        self.recent_itl = _Window(window_s)
+        self.recent_queue_wait = _Window(window_s)
+        self.recent_step = _Window(window_s)
         self._rate: deque[tuple[float, int, int]] = deque()  # (ts, tokens, output tokens)
         self._last_token_ts: dict[str, float] = {}
 
@@ -92,7 +129,7 @@ class Metrics:
             case StepComplete():
                 tokens = event.prefill_tokens + event.decode_seqs
                 self.iteration_tokens.observe(tokens)
-                self.recent_step.append(event.duration_s)
+                self.recent_step.add(event.ts, event.duration_s)
                 self._rate.append((event.ts, tokens, 0))
             case TokensGenerated():
                 count = len(event.token_ids)
@@ -101,6 +138,7 @@ class Metrics:
                 last = self._last_token_ts.get(event.request_id)
                 if last is not None:
                     self.itl.observe(event.ts - last)
+                    self.recent_itl.add(event.ts, event.ts - last)
                 self._last_token_ts[event.request_id] = event.ts
             case RequestAdded():
                 self.prompt_tokens_total += len(event.prompt_token_ids)
@@ -110,12 +148,14 @@ class Metrics:
                 self._last_token_ts.pop(event.request_id, None)
                 self.requests_finished_total += 1
                 self.e2e.observe(event.e2e_s)
+                if event.queue_wait_s is not None:
+                    self.recent_queue_wait.add(event.ts, event.queue_wait_s)
                 if event.ttft_s is not None:
                     self.ttft.observe(event.ttft_s)
-                    self.recent_ttft.append(event.ttft_s)
+                    self.recent_ttft.add(event.ts, event.ttft_s)
                     if event.generated_tokens > 1:
                         tpot = (event.e2e_s - event.ttft_s) / (event.generated_tokens - 1)
-                        self.recent_tpot.append(tpot)
+                        self.recent_tpot.add(event.ts, tpot)
                 if event.budget_score is not None:
                     self.budget_score.observe(event.budget_score)
             case Rejected():
@@ -138,9 +178,12 @@ class Metrics:
         span = max(now - window[0][0], 1e-3)
         return sum(r[1] for r in window) / span, sum(r[2] for r in window) / span
 
-    def latency(self) -> tuple[Percentiles, Percentiles, Percentiles]:
-        """(TTFT ms, TPOT ms, step ms) percentiles over recent requests and steps."""
+    def latency(self, now: float) -> WindowStats:
+        """Percentiles (ms) of what ended in the last `window_s` seconds before `now`:
+        requests (TTFT, TPOT, queue wait), tokens (ITL) and steps."""
         with self._lock:
-            windows = (list(self.recent_ttft), list(self.recent_tpot), list(self.recent_step))
-        ttft, tpot, step = (percentiles_ms(w) for w in windows)
-        return ttft, tpot, step
+            series = [w.values(now) for w in (self.recent_ttft, self.recent_tpot,
+                                              self.recent_itl, self.recent_queue_wait,
+                                              self.recent_step)]
+        ttft, tpot, itl, queue_wait, step = (percentiles_ms(values) for values in series)
+        return WindowStats(self.window_s, ttft, tpot, itl, queue_wait, step)

@@ -1,28 +1,72 @@
-"""Crash recovery (pitfall 12): finish what a killed engine left in the request journal."""
+"""Crash recovery (pitfall 12): finish what a killed engine left in the request journal.
+
+A request that kills the process survives restarts through the journal, so each resume is
+counted (committed before the new run takes the request, so a run killed at once loses
+nothing) and a request still unfinished after QUARANTINE_AFTER resumed runs died is
+quarantined instead of resumed again: kept, listed, and run only after `tokenflow db
+release-quarantine ID`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 from engine.config import SamplingParams
 from engine.core.engine import Engine
-from engine.store import Database, mark_resumed, unfinished_requests
+from engine.errors import EngineError
+from engine.store import (
+    QUARANTINE_AFTER,
+    Database,
+    claim_for_resume,
+    close_entry,
+    unfinished_requests,
+)
+from engine.store.models import QUARANTINED
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
 
 
+@dataclass(frozen=True)
+class Resumption:
+    resumed: tuple[str, ...]  # re-added to the engine, generation goes on
+    quarantined: tuple[str, ...]  # newly quarantined by this resume
+    failed: tuple[str, ...]  # entries the engine refused (closed as FAILED with the reason)
+
+
 def resume_unfinished(engine: Engine, database: Database,
-                      skip: frozenset[str] | set[str] = frozenset()) -> list[str]:
+                      skip: frozenset[str] | set[str] = frozenset()) -> Resumption:
     """Re-add every unfinished journal entry (except `skip`, already emitted) with the tokens
     it had generated: prompt and those are prefilled again (RECOMPUTE) and generation goes
-    on, so greedy outputs equal an uninterrupted run's. Returns the resumed ids."""
+    on, so greedy outputs equal an uninterrupted run's. Takes the store's writer lock."""
+    database.claim_writer()
+    quarantined, failed = [], []
     with database.session() as session:
-        entries = [e for e in unfinished_requests(session) if e.request_id not in skip]
+        entries = []
+        for entry in unfinished_requests(session):
+            if entry.request_id in skip:
+                continue
+            if entry.resume_attempts >= QUARANTINE_AFTER:
+                close_entry(session, entry.request_id, QUARANTINED,
+                            f"quarantined: the process died in {entry.resume_attempts} "
+                            "runs that resumed it; `tokenflow db release-quarantine "
+                            f"{entry.request_id}` runs it again")
+                quarantined.append(entry.request_id)
+            else:
+                entries.append(entry)
+        # Durable before a single token is computed or "resumed N" is said.
+        claim_for_resume(session, [e.request_id for e in entries])
+        resumed = []
         for entry in entries:
             sampling = {k: v for k, v in entry.sampling.items() if k in _SAMPLING_FIELDS}
-            engine.add_request(entry.prompt_token_ids, SamplingParams(**sampling),
-                               tenant=entry.tenant, priority=entry.priority,
-                               request_id=entry.request_id, tag=entry.tag,
-                               generated=entry.generated_token_ids)
-        mark_resumed(session, [e.request_id for e in entries])
-    return [e.request_id for e in entries]
+            try:
+                engine.add_request(entry.prompt_token_ids, SamplingParams(**sampling),
+                                   tenant=entry.tenant, priority=entry.priority,
+                                   request_id=entry.request_id, tag=entry.tag,
+                                   generated=entry.generated_token_ids)
+            except (EngineError, TypeError, ValueError) as exc:  # refused by this tokenflow
+                close_entry(session, entry.request_id, "FAILED", f"not resumed: {exc}")
+                failed.append(entry.request_id)
+                continue
+            resumed.append(entry.request_id)
+    return Resumption(tuple(resumed), tuple(quarantined), tuple(failed))

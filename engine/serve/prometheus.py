@@ -7,6 +7,7 @@ cache pressure, bandwidth and budget score are ours. Every sample carries `model
 
 from __future__ import annotations
 
+from engine.budget.plan import BUDGET_SCORE_DEFINITION
 from engine.core.engine import Engine
 from engine.ops.metrics import Histogram
 from engine.snapshot import Snapshot
@@ -53,7 +54,7 @@ def render_metrics(engine: Engine, snapshot: Snapshot) -> str:
           "stops admitting prefill chunks.", snapshot.kv_usage / watermark)
     gauge("bandwidth_utilization_5s_avg", "Memory bandwidth used over the peak, 5 s average.",
           snapshot.bandwidth_util_5s)
-    histogram("budget_score", "Actual over budgeted prefill time, per request.", m.budget_score)
+    histogram("budget_score", BUDGET_SCORE_DEFINITION, m.budget_score)
     counter("slow_queries", "Requests whose budget_score passed the slow-query threshold.",
             m.slow_queries_total)
     counter("requests_rejected", "Requests that could never be served (too long, breaker).",

@@ -1,27 +1,38 @@
 """An engine with its store, started and stopped in one order: `tokenflow run`, `serve`,
 `bench` and the console's embedded source all go through `EngineSession`.
 
-Start: the store first (a bad --db fails before the model loads), then the engine, the
+Start: the store first (a bad --db, or a store another process journals to, fails before
+the model loads: a journaling session is the store's one writer), then the engine, the
 newest stored calibration for its model and device, and the journal writer (subscribed
-before anything is resumed or submitted, so every request is journaled). What a killed run
-left is resumed by an explicit `resume_unfinished` call, once the caller has checked its own
-input, so a bad flag never consumes the journal. Stop (`close`, or leaving the `with`): the
-loop thread, then the writer (it commits what is queued), then the database.
+before anything is resumed or submitted, so every request is journaled). With no stored
+calibration a quick first one runs before anything is served (seconds; its progress is
+CalibrationProgress events on the engine's bus, delivered to `observers`), and is stored:
+until an engine is calibrated it gives no budget_score, C* or slow query (issue 16). What a
+killed run left is resumed by an explicit `resume_unfinished` call, once the caller has
+checked its own input, so a bad flag never consumes the journal. Stop (`close`, or leaving
+the `with`): the loop thread, then the writer (it commits what is queued), then the
+database.
 """
 
 from __future__ import annotations
 
-from collections.abc import Set
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from engine.budget.calibrate import apply_latest
+from engine.budget.calibrate import (
+    CalibrationResult,
+    apply_latest,
+    first_calibration,
+    latest_for,
+)
 from engine.config import EngineConfig
 from engine.core.engine import Engine
-from engine.ops.recovery import resume_unfinished
+from engine.events import Subscriber
+from engine.ops.recovery import Resumption, resume_unfinished
 from engine.serve.loop import EngineLoop
-from engine.store import CalibrationRecord, Database, StoreWriter, open_database
+from engine.store import CalibrationRecord, Commit, Database, StoreWriter, open_database
 
 
 @dataclass
@@ -31,32 +42,47 @@ class EngineSession:
     writer: StoreWriter | None  # None: no store, or the store is only read (bench)
     calibration: CalibrationRecord | None  # the stored calibration now applied, if any
     loop: EngineLoop | None = None
+    first_calibration: CalibrationResult | None = None  # the one run at start, if any
 
     @classmethod
     def start(cls, config: EngineConfig, *, db: str | Path | None = None, store: bool = True,
-              journal: bool = True) -> EngineSession:
+              journal: bool = True, calibrate: bool = True,
+              observers: Sequence[Subscriber] = (),
+              on_commit: Callable[[Commit], None] | None = None) -> EngineSession:
         """Open the store at `db` (default path when None; none at all without `store`),
-        build the engine, apply the stored calibration and, with `journal`, start the
-        journal writer. The store is closed again if the engine cannot be built."""
+        build the engine, subscribe `observers` to its bus, apply the stored calibration
+        (or, with `calibrate`, run and store a first one) and, with `journal`, start the
+        journal writer (`on_commit` hears each commit). The store is closed again if the
+        engine cannot be built."""
         database = open_database(db) if store else None
         try:
+            if database is not None and journal:
+                database.claim_writer()  # one writer per store: refused before the model loads
             engine = Engine(config)
-            calibration = None
+            for observer in observers:
+                engine.bus.subscribe(observer)
+            calibration, first = None, None
             if database is not None:
                 with database.session() as session:
                     calibration = apply_latest(engine, session)
+                    if calibration is None and calibrate:
+                        first = first_calibration(engine, session)
+                        calibration = latest_for(session, engine)
+            elif calibrate:
+                first = first_calibration(engine)
         except BaseException:
             if database is not None:
                 database.close()
             raise
-        writer = StoreWriter(database, engine.bus) if database is not None and journal else None
-        return cls(engine, database, writer, calibration)
+        writer = (StoreWriter(database, engine.bus, on_commit=on_commit)
+                  if database is not None and journal else None)
+        return cls(engine, database, writer, calibration, first_calibration=first)
 
-    def resume_unfinished(self, skip: Set[str] = frozenset()) -> list[str]:
+    def resume_unfinished(self, skip: Set[str] = frozenset()) -> Resumption:
         """Re-add what the journal holds unfinished (crash recovery, pitfall 12), except
-        `skip`; the resumed ids. Nothing without a store."""
+        `skip`; what was resumed, quarantined or refused. Nothing without a store."""
         if self.database is None:
-            return []
+            return Resumption((), (), ())
         return resume_unfinished(self.engine, self.database, skip=frozenset(skip))
 
     def attach_loop(self) -> EngineLoop:

@@ -16,7 +16,18 @@ from engine.store.database import (
     upgrade_database,
 )
 from engine.store.history import ConfigChangeRecord, DriftRecord, config_changes, drift_events
-from engine.store.journal import JournalEntry, mark_resumed, next_cycle, unfinished_requests
+from engine.store.journal import (
+    QUARANTINE_AFTER,
+    JournalEntry,
+    QuarantinedRequest,
+    claim_for_resume,
+    close_entry,
+    next_cycle,
+    quarantined_requests,
+    release_quarantine,
+    unfinished_requests,
+)
+from engine.store.lock import StoreLockedError
 from engine.store.retention import RetentionLimits, apply_retention
 from engine.store.slow_queries import (
     SlowQueryRecord,
@@ -24,21 +35,28 @@ from engine.store.slow_queries import (
     get_slow_query,
     list_slow_queries,
 )
-from engine.store.writer import StoreWriter
+from engine.store.writer import Commit, SkippedRow, StoreWriter
 
 __all__ = [
+    "QUARANTINE_AFTER",
     "BudgetPoint",
     "CalibrationRecord",
+    "Commit",
     "ConfigChangeRecord",
     "Database",
     "DriftRecord",
     "JournalEntry",
+    "QuarantinedRequest",
     "RetentionLimits",
+    "SkippedRow",
     "SlowQueryRecord",
     "StoreError",
+    "StoreLockedError",
     "StoreWriter",
     "apply_retention",
     "calibration_history",
+    "claim_for_resume",
+    "close_entry",
     "config_changes",
     "default_db_path",
     "drift_events",
@@ -47,9 +65,10 @@ __all__ = [
     "head_revision",
     "latest_calibration",
     "list_slow_queries",
-    "mark_resumed",
     "next_cycle",
     "open_database",
+    "quarantined_requests",
+    "release_quarantine",
     "save_calibration",
     "unfinished_requests",
     "upgrade_database",

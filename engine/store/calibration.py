@@ -31,6 +31,7 @@ class CalibrationRecord:
     info: dict[str, Any]
     params: dict[str, Any]
     table: list[BudgetPoint]
+    reason: str = ""  # why it ran ("" for runs stored before reasons were)
 
 
 def save_calibration(
@@ -41,10 +42,13 @@ def save_calibration(
     table: Sequence[BudgetPoint],
     params: dict[str, Any],
     info: dict[str, Any] | None = None,
+    reason: str = "",
 ) -> int:
-    """Store one run with its table and fitted predictor parameters; commits, returns its id."""
+    """Store one run with its table, fitted predictor parameters and why it ran; commits,
+    returns its id."""
     run = CalibrationRunRow(
         created_at=time.time(), model=model, device=device, info=info or {}, params=params,
+        reason=reason,
         table=[
             BudgetTableRow(tokens=p.tokens, context_tokens=p.context_tokens, seconds=p.seconds)
             for p in table
@@ -83,7 +87,7 @@ def calibration_history(
     return [
         CalibrationRecord(
             id=run.id, created_at=run.created_at, model=run.model, device=run.device,
-            info=run.info, params=run.params,
+            info=run.info, params=run.params, reason=run.reason,
             table=[
                 BudgetPoint(p.tokens, p.context_tokens, p.seconds)
                 for p in sorted(run.table, key=lambda p: (p.tokens, p.context_tokens))

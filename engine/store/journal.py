@@ -1,4 +1,5 @@
-"""Reading the request journal back: what a killed run left unfinished (pitfall 12)."""
+"""Reading the request journal back: what a killed run left unfinished (pitfall 12), and the
+requests quarantined because resuming them kept killing the process."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from engine.store.models import TERMINAL_STATES, JournalRow
+from engine.store.models import QUARANTINED, TERMINAL_STATES, JournalRow
+
+# A request still unfinished after this many resumed runs died with it in flight is
+# quarantined: the process died twice while resuming it, so it is the likely cause.
+QUARANTINE_AFTER = 2
 
 
 @dataclass(frozen=True)
@@ -24,12 +29,26 @@ class JournalEntry:
     tag: str | None
     state: str
     prefilled_tokens: int
+    resume_attempts: int
+
+
+@dataclass(frozen=True)
+class QuarantinedRequest:
+    request_id: str
+    tenant: str
+    tag: str | None
+    prompt_tokens: int
+    generated_tokens: int
+    reason: str | None
+    updated_at: float
 
 
 def unfinished_requests(session: Session) -> list[JournalEntry]:
-    """Requests neither finished, failed, rejected nor already resumed, oldest first."""
+    """Requests neither finished, failed, rejected nor quarantined, oldest first."""
     rows = session.scalars(
-        select(JournalRow).where(JournalRow.state.not_in(TERMINAL_STATES)).order_by(JournalRow.id)
+        select(JournalRow)
+        .where(JournalRow.state.not_in((*TERMINAL_STATES, QUARANTINED)))
+        .order_by(JournalRow.id)
     )
     return [
         JournalEntry(
@@ -42,25 +61,62 @@ def unfinished_requests(session: Session) -> list[JournalEntry]:
             tag=row.tag,
             state=row.state,
             prefilled_tokens=row.prefilled_tokens,
+            resume_attempts=row.resume_attempts,
         )
         for row in rows
     ]
 
 
-def mark_resumed(session: Session, request_ids: Iterable[str]) -> int:
-    """Close entries handed to a new run (state RESUMED) so they are not resumed twice.
-
-    Commits; returns how many entries changed. A request re-added under the same id gets
-    a fresh journal row from its RequestAdded event, which supersedes this mark.
-    """
-    ids = list(request_ids)
+def claim_for_resume(session: Session, request_ids: Iterable[str]) -> int:
+    """Count one more resume attempt for each entry, and commit, before the new run takes
+    them: the entries stay unfinished, so a run killed right after still finds them (a
+    closing state here lost them, issue 15 finding 14). Returns how many entries changed."""
+    now = time.time()
     result = session.execute(
         update(JournalRow)
-        .where(JournalRow.request_id.in_(ids), JournalRow.state.not_in(TERMINAL_STATES))
-        .values(state="RESUMED", resumed_at=time.time(), updated_at=time.time())
+        .where(JournalRow.request_id.in_(list(request_ids)),
+               JournalRow.state.not_in((*TERMINAL_STATES, QUARANTINED)))
+        .values(resume_attempts=JournalRow.resume_attempts + 1, resumed_at=now, updated_at=now)
     )
     session.commit()
     return result.rowcount
+
+
+def close_entry(session: Session, request_id: str, state: str, reason: str) -> None:
+    """Set an unfinished entry's state (FAILED or QUARANTINED) with its reason; commits."""
+    now = time.time()
+    session.execute(
+        update(JournalRow)
+        .where(JournalRow.request_id == request_id)
+        .values(state=state, finish_reason=reason, updated_at=now)
+    )
+    session.commit()
+
+
+def quarantined_requests(session: Session) -> list[QuarantinedRequest]:
+    """Quarantined entries, oldest first. Reads only columns every schema revision has, so a
+    read-only store that cannot be upgraded still lists them."""
+    c = JournalRow.__table__.c
+    rows = session.execute(
+        select(c.request_id, c.tenant, c.tag, c.prompt_token_ids, c.generated_tokens,
+               c.finish_reason, c.updated_at)
+        .where(c.state == QUARANTINED).order_by(c.id)
+    )
+    return [QuarantinedRequest(row.request_id, row.tenant, row.tag, len(row.prompt_token_ids),
+                               row.generated_tokens, row.finish_reason, row.updated_at)
+            for row in rows]
+
+
+def release_quarantine(session: Session, request_id: str) -> bool:
+    """An operator's word: the quarantined entry is resumed by the next run that resumes
+    (its attempts start again from zero). Commits; False when no such quarantined entry."""
+    result = session.execute(
+        update(JournalRow)
+        .where(JournalRow.request_id == request_id, JournalRow.state == QUARANTINED)
+        .values(state="WAITING", resume_attempts=0, finish_reason=None, updated_at=time.time())
+    )
+    session.commit()
+    return result.rowcount == 1
 
 
 def next_cycle(session: Session, request_id: str) -> int:

@@ -13,7 +13,10 @@ from typing import Any, ClassVar
 from sqlalchemy import JSON, Dialect, Float, ForeignKey, Index, String, Text, TypeDecorator
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
-TERMINAL_STATES = ("FINISHED", "FAILED", "REJECTED", "RESUMED")
+TERMINAL_STATES = ("FINISHED", "FAILED", "REJECTED")
+# Resumed and then lost with the process too often (pitfall 12's poison request): kept, never
+# resumed, never deleted by retention, until an operator releases it.
+QUARANTINED = "QUARANTINED"
 
 
 class TokenIds(TypeDecorator[list[int]]):
@@ -64,6 +67,7 @@ class JournalRow(Base):
     budget_score: Mapped[float | None]
     updated_at: Mapped[float]
     resumed_at: Mapped[float | None]
+    resume_attempts: Mapped[int] = mapped_column(server_default="0")  # runs it was handed to
 
     __table_args__ = (Index("ix_request_journal_state", "state"),)
 
@@ -83,10 +87,16 @@ class SlowQueryRow(Base):
     chunks: Mapped[list[Any]]  # per-chunk timings, as the engine reported them
     config: Mapped[dict[str, Any]]  # the live configuration when the request ran
     source: Mapped[str | None] = mapped_column(String(256))  # None: this engine; else a server
+    # where its time went (engine.core.timeline.Timeline); None on rows from before 0004
+    timeline: Mapped[dict[str, Any] | None]
+    cause: Mapped[str | None] = mapped_column(String(32))  # engine.core.timeline.Cause
+    cause_share: Mapped[float | None]  # the cause's part of the overrun, 0..1
+    verdict: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (
         Index("ix_slow_queries_budget_score", "budget_score"),
         Index("ix_slow_queries_tenant", "tenant"),
+        Index("ix_slow_queries_cause", "cause"),
     )
 
 
@@ -123,6 +133,8 @@ class CalibrationRunRow(Base):
     device: Mapped[str] = mapped_column(String(64))
     info: Mapped[dict[str, Any]]  # the run as the calibrator described it
     params: Mapped[dict[str, Any]]  # fitted predictor parameters
+    # why it ran: the first calibration at start, persistent drift, on demand ("" before 0004)
+    reason: Mapped[str] = mapped_column(Text, default="", server_default="")
     table: Mapped[list[BudgetTableRow]] = relationship(
         back_populates="run", cascade="all, delete-orphan", passive_deletes=True
     )

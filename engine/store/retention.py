@@ -22,7 +22,7 @@ from engine.store.models import (
 
 @dataclass(frozen=True)
 class RetentionLimits:
-    journal: int = 100_000  # finished, failed, rejected or resumed requests
+    journal: int = 100_000  # finished, failed or rejected requests (never quarantined ones)
     slow_queries: int = 10_000
     calibration_runs: int = 200  # their budget tables go with them (ON DELETE CASCADE)
     drift_events: int = 10_000

@@ -38,6 +38,10 @@ class SlowQueryRecord:
     chunks: list[dict[str, Any]]
     config: dict[str, Any]
     source: str | None = None  # None: this engine; otherwise the server that traced it
+    timeline: dict[str, Any] | None = None  # None on rows stored before revision 0004
+    cause: str | None = None
+    cause_share: float | None = None
+    verdict: str | None = None
 
     @classmethod
     def from_row(cls, row: SlowQueryRow) -> SlowQueryRecord:
@@ -69,8 +73,21 @@ def get_slow_query(session: Session, slow_query_id: int) -> SlowQueryRecord | No
     return None if row is None else SlowQueryRecord.from_row(row)
 
 
+# A spreadsheet runs a cell that starts with one of these as a formula (=HYPERLINK(...)).
+_FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_cell(value: Any) -> Any:
+    """A text cell a spreadsheet shows as text: formula-leading text gets a leading quote
+    (OWASP's CSV-injection advice); numbers are left as they are."""
+    if isinstance(value, str) and value.startswith(_FORMULA_START):
+        return "'" + value
+    return value
+
+
 def export_slow_queries(records: list[SlowQueryRecord], fmt: str) -> str:
-    """CSV (chunks and config as JSON text in their cells) or a JSON array."""
+    """CSV (chunks and config as JSON text in their cells, formula-leading text quoted) or a
+    JSON array."""
     if fmt == "json":
         return json.dumps([asdict(record) for record in records], indent=2) + "\n"
     if fmt != "csv":
@@ -80,7 +97,7 @@ def export_slow_queries(records: list[SlowQueryRecord], fmt: str) -> str:
     writer.writeheader()
     for record in records:
         row = asdict(record)
-        row["chunks"] = json.dumps(row["chunks"])
-        row["config"] = json.dumps(row["config"])
-        writer.writerow(row)
+        for name in ("chunks", "config", "timeline"):
+            row[name] = json.dumps(row[name])
+        writer.writerow({name: csv_cell(value) for name, value in row.items()})
     return out.getvalue()

@@ -4,11 +4,19 @@ The bus subscriber is `SimpleQueue.put` itself: O(1), never blocks, nothing to r
 engine thread. A daemon thread drains the queue in batches (what arrived within
 `batch_window_s` of the first event, at most `batch_size`) and writes each batch in one
 transaction. The queue is unbounded, so under load events wait in memory rather than being
-dropped; a locked or full database is retried until it accepts the batch.
+dropped.
+
+The journal never lies (issue 15): a database that is only busy (locked by another
+connection) is retried until it accepts the batch; one bad row (a value SQLite cannot hold,
+a constraint) is skipped with its reason while the rest of its batch is written row by row;
+anything else (schema missing, disk full, corruption) is permanent: the writer stops, and
+`failure` / `check()` tell whoever runs the engine to stop too, with a clear error.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import json
 import logging
 import queue
@@ -16,57 +24,22 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
-from sqlalchemy import (
-    Connection,
-    Text,
-    bindparam,
-    case,
-    func,
-    insert,
-    literal_column,
-    type_coerce,
-    update,
-)
-from sqlalchemy.dialects import sqlite
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.exc import OperationalError
+from sqlalchemy import Connection
+from sqlalchemy.exc import DBAPIError, StatementError
 
 from engine.errors import EngineError
-from engine.events import (
-    ChunkComplete,
-    ConfigChanged,
-    Drift,
-    Event,
-    EventBus,
-    Failed,
-    Finished,
-    Preempted,
-    Rejected,
-    RequestAdded,
-    SlowQuery,
-    TokensGenerated,
-)
-from engine.store.database import Database
-from engine.store.models import (
-    TERMINAL_STATES,
-    ConfigChangeRow,
-    DriftEventRow,
-    JournalRow,
-    SlowQueryRow,
-)
+from engine.events import Event, EventBus
+from engine.store.batch import fold, prefilling, to_statements
+from engine.store.database import Database, StoreError
 from engine.store.retention import RetentionLimits, apply_retention
 
 log = logging.getLogger(__name__)
 
-_JOURNAL = JournalRow.__table__
 _STOP = object()
-_RETRY_S = (0.05, 0.2, 1.0)  # back-off while the database refuses a batch
-# Folding thousands of events holds the GIL for milliseconds; an engine thread coming back
-# from a forward pass would wait that long for it (Python only forces a hand-over after its
-# 5 ms switch interval). Yielding every few hundred events bounds that wait to ~0.1 ms.
-_FOLD_SLICE = 256
+_RETRY_S = (0.05, 0.2, 1.0)  # back-off while another connection holds the database
+# SQLite result codes (primary) that say one row is wrong, not the database.
+_ROW_ERRORS = ("SQLITE_CONSTRAINT", "SQLITE_TOOBIG", "SQLITE_MISMATCH", "SQLITE_RANGE")
 
 
 @dataclass
@@ -74,34 +47,32 @@ class _Flush:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-@dataclass(slots=True)
-class _Progress:
-    """Everything one batch says about one request, folded in event order."""
+@dataclass(frozen=True)
+class SkippedRow:
+    """A row the database refused on its own (the rest of its batch was written)."""
 
-    state: str | None = None
-    prefilled: int | None = None
-    chunks: int = 0
-    preemptions: int = 0
-    tokens: list[int] = field(default_factory=list)
-    first_token_at: float | None = None
-    finish_reason: str | None = None
-    finished_at: float | None = None
-    ttft_s: float | None = None
-    e2e_s: float | None = None
-    budget_score: float | None = None
-
-    def set_state(self, state: str) -> None:
-        if self.state not in TERMINAL_STATES:  # a late event never reopens a finished request
-            self.state = state
+    table: str
+    request_id: str | None
+    reason: str
 
 
-@dataclass
-class _Batch:
-    added: list[dict[str, Any]] = field(default_factory=list)
-    progress: dict[str, _Progress] = field(default_factory=dict)
-    slow: list[dict[str, Any]] = field(default_factory=list)
-    drift: list[dict[str, Any]] = field(default_factory=list)
-    config: list[dict[str, Any]] = field(default_factory=list)
+@dataclass(frozen=True)
+class Commit:
+    """What one committed batch journaled: told to `on_commit` after the commit, so a
+    supervisor can act on a state that is on disk (chaos kills a run mid-prefill on it)."""
+
+    events: int
+    prefilling: tuple[str, ...]  # requests with a chunk journaled and their prefill unfinished
+
+
+def report_commit(commit: Commit) -> None:
+    """An `on_commit` that prints each commit as one JSON line on stdout (`--report-commits`):
+    what a supervisor such as the chaos suite acts on."""
+    print(json.dumps({"commit": dataclasses.asdict(commit)}), flush=True)
+
+
+class _Permanent(Exception):
+    """Wraps the error that stops the writer: retrying cannot help."""
 
 
 class StoreWriter:
@@ -114,6 +85,7 @@ class StoreWriter:
         batch_window_s: float = 0.2,
         retention: RetentionLimits | None = None,
         retention_interval_s: float = 60.0,
+        on_commit: Callable[[Commit], None] | None = None,
     ) -> None:
         if batch_size < 1 or batch_window_s < 0 or retention_interval_s <= 0:
             raise EngineError(
@@ -121,13 +93,17 @@ class StoreWriter:
                 f"retention_interval_s > 0; got {batch_size}, {batch_window_s}, "
                 f"{retention_interval_s}"
             )
+        database.claim_writer()  # one writer per store: refused here if another process is one
         self.database = database
+        self.on_commit = on_commit
         self.batch_size = batch_size
         self.batch_window_s = batch_window_s
         self.retention = retention or RetentionLimits()
         self.retention_interval_s = retention_interval_s
         self.written = 0  # events handled (stored or deliberately ignored)
-        self.dropped = 0  # events of batches that failed for a reason other than the database
+        self.dropped = 0  # events not written because the writer had stopped (see `failure`)
+        self.skipped: list[SkippedRow] = []  # rows refused one by one, with the reason
+        self.failure: StoreError | None = None  # the permanent error that stopped the writer
         self.last_error: Exception | None = None
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -141,6 +117,12 @@ class StoreWriter:
         self._queue.put(marker)
         self._wake.set()
         return marker.done.wait(timeout)
+
+    def check(self) -> None:
+        """Raise the permanent error that stopped the writer, if any: the journal no longer
+        follows the engine, so whoever runs it must stop rather than go on unrecorded."""
+        if self.failure is not None:
+            raise self.failure
 
     def close(self, timeout: float | None = 10.0) -> bool:
         """Stop listening, write what is queued, stop the thread; False if it did not finish."""
@@ -159,12 +141,14 @@ class StoreWriter:
         while True:
             items = self._collect(timeout=max(0.0, next_retention - time.monotonic()))
             events = [item for item in items if isinstance(item, Event)]
-            if events and self._write_until_done(lambda c, events=events: self._write(c, events)):
-                self.written += len(events)
+            if events and self.failure is None:
+                self._write_events(events)
             elif events:
                 self.dropped += len(events)
             if time.monotonic() >= next_retention:
-                self._write_until_done(lambda conn: apply_retention(conn, self.retention))
+                if self.failure is None:
+                    self._guarded(lambda: self._until_done(
+                        lambda conn: apply_retention(conn, self.retention)))
                 next_retention = time.monotonic() + self.retention_interval_s
             for item in items:
                 if isinstance(item, _Flush):
@@ -196,187 +180,109 @@ class StoreWriter:
                 break
         return items
 
-    def _write_until_done(self, work: Callable[[Connection], object]) -> bool:
-        """Retry while the database is busy or full; False only if the work itself is wrong."""
+    def _write_events(self, events: list[Event]) -> None:
+        batch = fold(events, wall_offset=time.time() - time.monotonic())
+        statements = to_statements(batch)
+
+        def whole_batch(connection: Connection) -> None:
+            for execute, rows, _table, _key in statements:
+                execute(connection, rows)
+
+        def row_by_row() -> None:
+            for execute, rows, table, key in statements:
+                for row in rows:
+                    reason = self._until_done(lambda c, row=row, ex=execute: ex(c, [row]))
+                    if reason is not None:
+                        self._skip(table, None if key is None else row[key], reason)
+
+        written = self._guarded(lambda: self._until_done(whole_batch) is None or row_by_row())
+        if written:
+            self.written += len(events)
+            if self.on_commit is not None:
+                try:
+                    self.on_commit(Commit(len(events), prefilling(batch)))
+                except Exception:  # a listener gone (a closed pipe) must not stop the journal
+                    log.exception("store %s: on_commit failed; no more commits are reported",
+                                  self.database.path)
+                    self.on_commit = None
+        else:
+            self.dropped += len(events)
+
+    def _skip(self, table: str, request_id: str | None, reason: str) -> None:
+        self.skipped.append(SkippedRow(table, request_id, reason))
+        log.error("store %s skipped a %s row%s: %s", self.database.path, table,
+                  f" of request {request_id!r}" if request_id else "", reason)
+
+    def _guarded(self, work: Callable[[], object]) -> bool:
+        """Run `work`; a permanent error stops the writer (see `failure`). False then."""
+        try:
+            work()
+            return True
+        except _Permanent as exc:
+            cause = exc.__cause__
+            self.last_error = cause if isinstance(cause, Exception) else exc
+            self.failure = _permanent_error(self.database, self.last_error)
+            log.error("%s", self.failure)
+            return False
+
+    def _until_done(self, work: Callable[[Connection], object]) -> str | None:
+        """Run `work` in one transaction, retrying while the database is busy. Returns None
+        once committed, or why the rows were refused (a row error: the transaction was
+        rolled back). Raises _Permanent for anything retrying or skipping cannot mend."""
         attempt = 0
         while True:
             try:
                 with self.database.engine.begin() as connection:
                     work(connection)
-                return True
-            except OperationalError as exc:  # locked past busy_timeout, disk full: wait, retry
+                return None
+            except Exception as exc:
+                kind = _classify(exc)
                 self.last_error = exc
+                if kind == "row":
+                    return _reason(exc)
+                if kind == "permanent":
+                    raise _Permanent from exc
                 delay = _RETRY_S[min(attempt, len(_RETRY_S) - 1)]
-                log.warning("store %s refused a batch (%s); retrying in %.2fs",
-                            self.database.path, exc.orig, delay)
+                log.warning("store %s is busy (%s); retrying in %.2fs", self.database.path,
+                            _reason(exc), delay)
                 time.sleep(delay)
                 attempt += 1
-            except Exception as exc:  # a bug, not the database: keep the thread (and flush) alive
-                self.last_error = exc
-                log.exception("store %s could not write a batch", self.database.path)
-                return False
-
-    def _write(self, connection: Connection, events: list[Event]) -> None:
-        batch = _fold(events, wall_offset=time.time() - time.monotonic())
-        if batch.added:
-            connection.exec_driver_sql(_UPSERT_JOURNAL, batch.added)
-        if batch.progress:
-            now = time.time()
-            connection.exec_driver_sql(
-                _UPDATE_JOURNAL,
-                [_progress_params(rid, p, now) for rid, p in batch.progress.items()],
-            )
-        if batch.slow:
-            connection.execute(insert(SlowQueryRow), batch.slow)
-        if batch.drift:
-            connection.execute(insert(DriftEventRow), batch.drift)
-        if batch.config:
-            connection.execute(insert(ConfigChangeRow), batch.config)
 
 
-def _fold(events: list[Event], wall_offset: float) -> _Batch:
-    batch = _Batch()
-    progress = batch.progress
-    for index, event in enumerate(events):
-        if index % _FOLD_SLICE == _FOLD_SLICE - 1:
-            time.sleep(0)  # hand the GIL back: see _FOLD_SLICE
-        kind = type(event)
-        if kind is TokensGenerated:  # most events are these: kept to a few attribute writes
-            p = progress.get(event.request_id)
-            if p is None:
-                p = progress[event.request_id] = _Progress()
-            if p.first_token_at is None:
-                p.first_token_at = event.ts + wall_offset
-            p.tokens += event.token_ids
-            if p.state not in TERMINAL_STATES:
-                p.state = "DECODING"
-        elif kind is ChunkComplete:
-            p = progress.setdefault(event.request_id, _Progress())
-            p.chunks += 1
-            p.prefilled = event.start + event.tokens
-            p.set_state("DECODING" if event.prefill_done else "PREFILL_CHUNKING")
-        elif kind is RequestAdded:
-            progress.pop(event.request_id, None)  # the new row replaces whatever came before
-            batch.added.append(_added_row(event, event.ts + wall_offset))
-        elif kind is Preempted:
-            p = progress.setdefault(event.request_id, _Progress())
-            p.preemptions += 1
-            p.prefilled = 0  # RECOMPUTE: the prompt is prefilled again from the start
-            p.set_state("PREEMPTED")
-        elif kind is Finished:
-            p = progress.setdefault(event.request_id, _Progress())
-            p.set_state("FINISHED")
-            p.finish_reason = event.reason
-            p.finished_at = event.ts + wall_offset
-            p.ttft_s, p.e2e_s, p.budget_score = event.ttft_s, event.e2e_s, event.budget_score
-        elif kind is Failed or kind is Rejected:
-            p = progress.setdefault(event.request_id, _Progress())
-            p.set_state("FAILED" if kind is Failed else "REJECTED")
-            p.finish_reason = event.reason
-            p.finished_at = event.ts + wall_offset
-        elif kind is SlowQuery:
-            batch.slow.append(_slow_row(event, event.ts + wall_offset))
-        elif kind is Drift:
-            batch.drift.append(
-                {"created_at": event.ts + wall_offset, "deviation": event.deviation,
-                 "detail": event.detail}
-            )
-        elif kind is ConfigChanged:
-            batch.config.extend(
-                {"created_at": event.ts + wall_offset, "field": name, "old": old, "new": new,
-                 "source": event.source}
-                for name, (old, new) in event.changes.items()
-            )
-    return batch
+def _classify(exc: BaseException) -> str:
+    """"busy" (retry), "row" (this row's values) or "permanent" (stop the writer)."""
+    if isinstance(exc, StatementError) and not isinstance(exc, DBAPIError):
+        exc = exc.orig or exc  # SQLAlchemy's wrapper of a bind-time error
+    if isinstance(exc, DBAPIError):
+        name = getattr(exc.orig, "sqlite_errorname", "")
+        if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
+            return "busy"
+        if name.startswith(_ROW_ERRORS) or "Error binding parameter" in str(exc.orig):
+            return "row"
+        return "permanent"
+    if isinstance(exc, OverflowError | ValueError | TypeError):
+        return "row"  # a Python value sqlite3 cannot bind (an int past 64 bits, a surrogate)
+    return "permanent"
 
 
-def _added_row(event: RequestAdded, at: float) -> dict[str, Any]:
-    return {
-        "request_id": event.request_id, "tenant": event.tenant, "priority": event.priority,
-        "tag": event.tag, "prompt_token_ids": ",".join(map(str, event.prompt_token_ids)),
-        "sampling": json.dumps(event.sampling), "state": "WAITING", "prefilled_tokens": 0,
-        "chunks_done": 0, "preemptions": 0,
-        "generated_token_ids": ",".join(map(str, event.generated_token_ids)),
-        "generated_tokens": len(event.generated_token_ids), "finish_reason": None,
-        "added_at": at, "first_token_at": None,
-        "finished_at": None, "ttft_s": None, "e2e_s": None, "budget_score": None,
-        "updated_at": at, "resumed_at": None,
-    }
+def _reason(exc: BaseException) -> str:
+    return str(exc.orig) if isinstance(exc, DBAPIError) else f"{type(exc).__name__}: {exc}"
 
 
-def _slow_row(event: SlowQuery, at: float) -> dict[str, Any]:
-    return {
-        "created_at": at, "request_id": event.request_id, "tenant": event.tenant,
-        "tag": event.tag, "budget_score": event.budget_score,
-        "prompt_tokens": event.prompt_tokens, "prefill_s": event.prefill_s,
-        "budgeted_s": event.budgeted_s, "chunks": list(event.chunks), "config": event.config,
-    }
-
-
-def _progress_params(request_id: str, p: _Progress, now: float) -> dict[str, Any]:
-    return {
-        "b_request_id": request_id, "b_state": p.state, "b_prefilled": p.prefilled,
-        "b_chunks": p.chunks, "b_preemptions": p.preemptions,
-        "b_tokens": ",".join(map(str, p.tokens)), "b_token_count": len(p.tokens),
-        "b_first_token_at": p.first_token_at, "b_finish_reason": p.finish_reason,
-        "b_finished_at": p.finished_at, "b_ttft_s": p.ttft_s, "b_e2e_s": p.e2e_s,
-        "b_budget_score": p.budget_score, "b_now": now,
-    }
-
-
-def _driver_sql(statement: Any) -> str:
-    """SQL text with :name parameters that sqlite3 binds from each row's dict by itself.
-
-    The journal sees most of the traffic, so its rows skip SQLAlchemy's per-row parameter
-    processing; their values are therefore plain str/int/float (token ids and JSON as text).
-    """
-    return str(statement.compile(dialect=sqlite.dialect(paramstyle="named")))
-
-
-def _build_upsert() -> str:
-    columns = [c.name for c in _JOURNAL.c if c.name != "id"]
-    statement = sqlite_insert(_JOURNAL).values({name: bindparam(name) for name in columns})
-    replaced = {name: statement.excluded[name] for name in columns}
-    return _driver_sql(
-        statement.on_conflict_do_update(index_elements=["request_id"], set_=replaced)
-    )
-
-
-def _build_update() -> str:
-    c = _JOURNAL.c
-    tokens = bindparam("b_tokens", type_=Text)
-    stored = type_coerce(c.generated_token_ids, Text)  # the raw "1,2,3" text, not list[int]
-    # Constants are inlined so every row of an executemany binds only its own values.
-    terminal = [literal_column(f"'{state}'") for state in TERMINAL_STATES]
-    empty, comma = literal_column("''"), literal_column("','")
-    return _driver_sql(
-        update(_JOURNAL)
-        .where(c.request_id == bindparam("b_request_id"))
-        .values(
-            state=case(
-                (c.state.in_(terminal), c.state),
-                else_=func.coalesce(bindparam("b_state"), c.state),
-            ),
-            prefilled_tokens=func.coalesce(bindparam("b_prefilled"), c.prefilled_tokens),
-            chunks_done=c.chunks_done + bindparam("b_chunks"),
-            preemptions=c.preemptions + bindparam("b_preemptions"),
-            # Appending in SQL keeps a long generation from being read back on every batch.
-            generated_token_ids=case(
-                (tokens == empty, stored),
-                (stored == empty, tokens),
-                else_=stored + comma + tokens,
-            ),
-            generated_tokens=c.generated_tokens + bindparam("b_token_count"),
-            first_token_at=func.coalesce(c.first_token_at, bindparam("b_first_token_at")),
-            finish_reason=func.coalesce(bindparam("b_finish_reason"), c.finish_reason),
-            finished_at=func.coalesce(bindparam("b_finished_at"), c.finished_at),
-            ttft_s=func.coalesce(bindparam("b_ttft_s"), c.ttft_s),
-            e2e_s=func.coalesce(bindparam("b_e2e_s"), c.e2e_s),
-            budget_score=func.coalesce(bindparam("b_budget_score"), c.budget_score),
-            updated_at=bindparam("b_now"),
-        )
-    )
-
-
-_UPSERT_JOURNAL = _build_upsert()
-_UPDATE_JOURNAL = _build_update()
+def _permanent_error(database: Database, exc: BaseException) -> StoreError:
+    if isinstance(exc, StoreError):
+        return exc  # corruption, already explained (see database.py)
+    message = _reason(exc)
+    orig = exc.orig if isinstance(exc, DBAPIError) else exc
+    name = getattr(orig, "sqlite_errorname", "")
+    if name.startswith("SQLITE_FULL") or getattr(orig, "errno", None) == errno.ENOSPC:
+        fix = "free space on its disk, then finish the run with --resume"
+    elif "no such table" in message or "no such column" in message or "has no column" in message:
+        fix = ("its schema is missing tables or columns: run `tokenflow db upgrade --db "
+               f"{database.path}`, or pass --db PATH to use another file")
+    elif name.startswith("SQLITE_READONLY"):
+        fix = "it became read-only: fix its permissions, or pass --db PATH to use another file"
+    else:
+        fix = "fix the database or pass --db PATH to use another file"
+    return StoreError(f"the journal in {database.path} stopped: {message}; {fix}. "
+                      "Nothing after this point was recorded.")

@@ -32,6 +32,7 @@ from console.tui.screens.slow_queries import SlowQueriesScreen
 from console.tui.screens.tuning import TuningScreen
 from console.tui.widgets.chunk_queue import ChunkQueue
 from console.tui.widgets.keyed_table import KeyedTable
+from engine.serve.otlp import TraceCollector
 from tests.console.conftest import FAST_POLL_S, SESSION, until, workers_done
 
 VLLM_METRICS = Path(__file__).parents[1] / "data" / "vllm_metrics.txt"
@@ -58,7 +59,9 @@ def test_each_source_declares_its_own() -> None:
     assert EmbeddedSource.capabilities == ProcessSource.capabilities == Capabilities.everything()
     assert ReplaySource.capabilities.available == frozenset(Capability) - {
         Capability.TUNE, Capability.CALIBRATE}
-    assert VllmMetricsSource.capabilities.available == frozenset()
+    assert recorded_vllm().capabilities.available == frozenset()
+    traced = VllmMetricsSource("http://vllm.test", traces=TraceCollector())
+    assert traced.capabilities.available == {Capability.SLOW_QUERIES}  # scored from its traces
     http = HttpSource("http://tf.test", token="")
     offered = {Capability.TUNE, Capability.PAUSE, Capability.SLOW_QUERIES}
     assert offered <= http.capabilities.available
@@ -86,7 +89,7 @@ def test_a_fleet_can_do_what_its_selected_server_can() -> None:
     assert Capability.PAUSE not in fleet.capabilities
     with pytest.raises(SourceError, match="cannot be paused"):
         fleet.pause()
-    with pytest.raises(SourceError, match="no slow queries"):
+    with pytest.raises(SourceError, match="come from request traces"):
         fleet.slow_queries()
     fleet.close()
 
@@ -98,8 +101,8 @@ async def test_screens_and_keys_follow_a_read_only_source() -> None:
         await until(pilot, lambda: app.latest is not None, "a first snapshot")
         await workers_done(pilot)
         live = app.screen
-        chunk_queue = str(live.query_one(ChunkQueue).render())
-        assert "chunk queue is not available on this source" in chunk_queue
+        # vLLM has no chunk queue: its tokens per engine step stand in
+        assert live.query_one(ChunkQueue).border_title == "Tokens per step"
         assert "p" not in live.active_bindings and "c" not in live.active_bindings
         await pilot.press("p")  # hidden, yet pressed it says why rather than "pausing"
         await workers_done(pilot)
@@ -124,7 +127,8 @@ async def test_screens_and_keys_follow_a_read_only_source() -> None:
         assert isinstance(slow, SlowQueriesScreen)
         assert not slow.query_one(KeyedTable).display
         note = str(slow.query_one("#slow-queries-unavailable", Static).render())
-        assert "slow queries is not available on this source: vLLM keeps no budget" in note
+        assert ("slow queries is not available on this source: budget scores come from "
+                "request traces") in note
 
         await pilot.press("4")
         await workers_done(pilot)
@@ -148,7 +152,7 @@ async def test_switching_fleet_servers_switches_the_keys() -> None:
         await pilot.press("n")
         await workers_done(pilot)
         assert fleet.selected == 1 and "p" not in app.screen.active_bindings
-        await until(pilot, lambda: "chunk queue is not available" in str(
-            app.screen.query_one(ChunkQueue).render()), "the chunk queue's refusal")
+        await until(pilot, lambda: app.screen.query_one(ChunkQueue).border_title
+                    == "Tokens per step", "vLLM's tokens per step in the chunk pane")
         app.collector.stop()
         await workers_done(pilot)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from console.tui.diagnosis import RULES, evaluate
+from console.tui.diagnosis import RULES, evaluate, ttft_slo_ms
 from console.tui.history import MetricHistory, downsample
 from engine.snapshot import Percentiles, RequestView, Snapshot
 
@@ -23,7 +23,8 @@ CALM = Snapshot(ts=1.0, step=1, config=CONFIG, tokens_per_s=1000.0, output_token
 
 
 def symptoms(snapshot: Snapshot, history: MetricHistory | None = None) -> set[str]:
-    return {f.symptom for f in evaluate(snapshot, history or MetricHistory())}
+    """The keys of the rules that fire."""
+    return {f.key for f in evaluate(snapshot, history or MetricHistory())}
 
 
 def test_a_calm_engine_shows_no_symptom() -> None:
@@ -34,16 +35,16 @@ def test_decode_stall_needs_a_heavy_tpot_tail_while_prefilling() -> None:
     stalled = dataclasses.replace(CALM, tpot_ms=Percentiles(10.0, 20.0, 80.0),
                                   requests=(request(0, "PREFILL_CHUNKING"),))
     found = evaluate(stalled, MetricHistory())
-    assert RULES[0].symptom in {f.symptom for f in found}
+    assert "decode_stall" in {f.key for f in found}
     assert found[0].figures["p99/p50"] == "8.0x"
     idle = dataclasses.replace(stalled, requests=())
-    assert RULES[0].symptom not in symptoms(idle)
+    assert "decode_stall" not in symptoms(idle)
 
 
 def test_memory_bound_decode() -> None:
     decoding = dataclasses.replace(CALM, requests=tuple(request(i, "DECODING") for i in range(6)),
                                    output_tokens_per_s=950.0)
-    assert RULES[1].symptom in symptoms(decoding)
+    assert "decode_memory_bound" in symptoms(decoding)
 
 
 def test_preemption_recompute_reads_the_history_window() -> None:
@@ -52,20 +53,20 @@ def test_preemption_recompute_reads_the_history_window() -> None:
         history.record(dataclasses.replace(CALM, ts=float(step), step=step,
                                            preemptions_total=preemptions))
     full = dataclasses.replace(CALM, kv_usage=0.9, preemptions_total=5)
-    found = {f.symptom: f for f in evaluate(full, history)}
-    assert found[RULES[2].symptom].figures["preemptions in 30 s"] == "5"
-    assert RULES[2].symptom not in symptoms(full)  # no history, no preemptions seen
+    found = {f.key: f for f in evaluate(full, history)}
+    assert found["preemption_recompute"].figures["preemptions in 30 s"] == "5"
+    assert "preemption_recompute" not in symptoms(full)  # no history, no preemptions seen
 
 
 def test_step_jitter_queueing_and_kv_capacity() -> None:
     jitter = dataclasses.replace(CALM, step_ms=Percentiles(10.0, 20.0, 40.0))
-    assert RULES[3].symptom in symptoms(jitter)
+    assert "step_jitter" in symptoms(jitter)
     queued = dataclasses.replace(CALM, ttft_ms=Percentiles(100.0, 300.0, 900.0), num_waiting=7,
                                  bandwidth_util_5s=0.2)
-    assert RULES[4].symptom in symptoms(queued)
-    assert RULES[4].symptom not in symptoms(dataclasses.replace(queued, num_waiting=0))
+    assert "queueing_bursts" in symptoms(queued)
+    assert "queueing_bursts" not in symptoms(dataclasses.replace(queued, num_waiting=0))
     capped = dataclasses.replace(CALM, mode="CACHE_PRESSURE_WAIT", kv_usage=0.9, num_waiting=3)
-    assert RULES[5].symptom in symptoms(capped)
+    assert "kv_capacity" in symptoms(capped)
 
 
 def test_history_keeps_one_sample_per_step_and_downsamples_keeping_peaks() -> None:
@@ -75,3 +76,52 @@ def test_history_keeps_one_sample_per_step_and_downsamples_keeping_peaks() -> No
     assert history.values("kv_usage") == [0.2, 0.3, 0.4]
     assert downsample([1.0, 9.0, 1.0, 1.0], 2) == [9.0, 1.0]
     assert downsample([1.0, 2.0], 5) == [1.0, 2.0]
+
+
+def backlog_history(waiting: list[int], **changes: object) -> MetricHistory:
+    history = MetricHistory()
+    for step, count in enumerate(waiting):
+        history.record(dataclasses.replace(CALM, ts=float(step), step=step, num_waiting=count,
+                                           **changes))
+    return history
+
+
+def test_sustained_queueing_needs_a_growing_backlog_and_ttft_far_above_its_slo() -> None:
+    slo = ttft_slo_ms(CALM)
+    assert slo is not None  # 10 ms steps × (25 steps of delay + 1 chunk) = 260 ms
+    slow = dataclasses.replace(CALM, num_waiting=12,
+                               ttft_ms=Percentiles(3 * slo, 4 * slo, 5 * slo))
+    growing = backlog_history([1, 2, 4, 6, 9, 12])
+    found = {f.key: f for f in evaluate(slow, growing)}
+    evidence = found["sustained_queueing"].figures
+    assert evidence["waiting"] == "1 → 12" and evidence["p50/SLO"] == "3.0x"
+    assert evidence["window"] == "60 s"  # the window the snapshot states
+    assert "sustained_queueing" not in symptoms(slow, backlog_history([12, 9, 6, 4, 2, 1]))
+    assert "sustained_queueing" not in symptoms(slow, backlog_history([5, 5, 5, 5, 5, 5]))
+    near_slo = dataclasses.replace(slow, ttft_ms=Percentiles(1.5 * slo, 2 * slo, 3 * slo))
+    assert "sustained_queueing" not in symptoms(near_slo, growing)
+    # samples older than the window do not count
+    short = dataclasses.replace(slow, stats_window_s=2.0)
+    assert "sustained_queueing" not in symptoms(short, growing)
+
+
+def test_every_finding_states_its_condition_and_evidence() -> None:
+    queued = dataclasses.replace(CALM, ttft_ms=Percentiles(100.0, 300.0, 900.0), num_waiting=7,
+                                 bandwidth_util_5s=0.2, step_ms=Percentiles(10.0, 20.0, 40.0))
+    for finding in evaluate(queued, MetricHistory()):
+        assert finding.condition and finding.figures
+    assert {f.key for f in evaluate(queued, MetricHistory())} >= {"step_jitter",
+                                                                   "queueing_bursts"}
+
+
+def test_rules_say_the_device_on_a_cpu_and_the_gpu_on_cuda() -> None:
+    idle = dataclasses.replace(CALM, ttft_ms=Percentiles(100.0, 300.0, 900.0), num_waiting=7,
+                               bandwidth_util_5s=0.2)
+    on_cpu = {f.key: f.symptom for f in evaluate(dataclasses.replace(idle, device="cpu"),
+                                                  MetricHistory())}
+    assert on_cpu["queueing_bursts"] == "TTFT soars in bursts while the device is not busy"
+    on_gpu = {f.key: f.symptom for f in evaluate(dataclasses.replace(idle, device="cuda:0"),
+                                                  MetricHistory())}
+    assert on_gpu["queueing_bursts"] == "TTFT soars in bursts while the GPU is not busy"
+    assert all("GPU" not in rule.worded(dataclasses.replace(idle, device="cpu"))
+               for rule in RULES)

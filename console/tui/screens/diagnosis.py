@@ -24,7 +24,9 @@ def finding_text(symptom: str, mechanism: str, check: str, finding: Finding | No
     text.append(mechanism)
     text.append("\n    check      ", style="dim")
     text.append(check, style="cyan")
-    text.append("\n    figures    ", style="dim")
+    text.append("\n    condition  ", style="dim")
+    text.append(finding.condition)
+    text.append("\n    evidence   ", style="dim")
     text.append("  ".join(f"{name} {value}" for name, value in finding.figures.items()),
                 style="yellow")
     return text
@@ -44,14 +46,14 @@ class DiagnosisScreen(ConsoleScreen):
 
     def show_snapshot(self, snapshot: Snapshot) -> None:
         super().show_snapshot(snapshot)
-        findings = {f.symptom: f for f in evaluate(snapshot, self.state.history)}
+        findings = {f.key: f for f in evaluate(snapshot, self.state.history)}
         summary = Text(f"{len(findings)} of {len(RULES)} symptoms present now",
                        style="bold red" if findings else "bold green")
         self.query_one("#diagnosis-summary", Static).update(summary)
         # Present symptoms first, each keeps the seed's order within its group.
-        ordered = sorted(RULES, key=lambda rule: rule.symptom not in findings)
+        ordered = sorted(RULES, key=lambda rule: rule.key not in findings)
         for index, rule in enumerate(ordered):
             widget = self.query_one(f"#rule-{index}", Static)
-            widget.update(finding_text(rule.symptom, rule.mechanism, rule.check,
-                                       findings.get(rule.symptom)))
-            widget.set_class(rule.symptom in findings, "present")
+            widget.update(finding_text(rule.worded(snapshot), rule.mechanism, rule.check,
+                                       findings.get(rule.key)))
+            widget.set_class(rule.key in findings, "present")

@@ -134,6 +134,9 @@ class SlowQueryDetail(ModalScreen[None]):
                 budget_text(r.budget_score, setting(r.config, "slow_query_threshold")),
                 f"  prompt {r.prompt_tokens} tok  prefill {r.prefill_s * 1e3:.1f} ms"
                 f" of {r.budgeted_s * 1e3:.1f} ms budgeted  tag {r.tag or '–'}"))
+            if r.verdict:  # records stored before revision 0003 have none
+                yield Static(Text.assemble(("verdict ", "dim"), (r.verdict, "bold yellow")),
+                             id="detail-verdict")
             with Horizontal():
                 yield DataTable(id="detail-chunks", cursor_type="row", zebra_stripes=True)
                 yield DataTable(id="detail-config", cursor_type="row")
@@ -148,7 +151,7 @@ class SlowQueryDetail(ModalScreen[None]):
             duration = float(chunk.get("duration_s", 0.0))
             predicted = float(chunk.get("predicted_s", 0.0))
             ratio = f"{duration / predicted:.2f}" if predicted > 0 else "–"
-            chunks.add_row(str(chunk.get("chunk_index", "")), str(chunk.get("start", "")),
+            chunks.add_row(str(chunk.get("index", "")), str(chunk.get("start", "")),
                            str(chunk.get("tokens", "")), f"{duration * 1e3:.2f}",
                            f"{predicted * 1e3:.2f}", ratio)
         config = self.query_one("#detail-config", DataTable)

@@ -33,7 +33,10 @@ class EngineHeader(Static):
         text.append(snapshot.mode, style=MODE_STYLES.get(snapshot.mode, "bold"))
         text.append(f"  budget {config.get('max_num_batched_tokens', '?')}")
         text.append(f"  chunk {chunk_size(config)}/tile {config.get('chunk_tile', '?')}")
-        text.append(f"  C* {cstar if cstar is not None else '–'}", style="cyan")
+        if snapshot.calibration == "calibrating":
+            text.append("  C* calibrating", style="dim cyan")
+        else:
+            text.append(f"  C* {cstar if cstar is not None else '–'}", style="cyan")
         text.append(f"  {snapshot.tokens_per_s:,.0f} tok/s", style="bold")
         text.append(f"  {source_name}", style="dim")
         self.update(text)

@@ -1,0 +1,146 @@
+"""The prefill plan budget_score is measured against (issue 16).
+
+A request's budget is the predicted time of the steps that will carry its chunks, with the
+other work planned beside them: the decodes, and the other prefills sharing those steps, ahead
+of it (whose chunks it waits behind) and after it (which only lengthen the steps). `plan_prefills`
+simulates the scheduler's normal-mode rules (decodes first, prefills in queue order, chunks cut
+to what is left and rounded down to whole tiles, at most `slots` prefills a step) over the work
+known now and prices every simulated step with the calibrated predictor.
+
+Faults are deliberately absent from the simulation: CACHE_PRESSURE_WAIT, a bandwidth throttle,
+the guards' degraded path, a preemption, or chunks slower than predicted all make the measured
+prefill longer than the plan, which is what a budget_score above the threshold reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from engine.core.batch import StepShape
+from engine.core.request import PlannedChunk
+
+BUDGET_SCORE_DEFINITION = (
+    "budget_score = measured prefill time / planned prefill time. The plan is the predicted "
+    "time (calibrated step-time model) of the steps that carry the request's chunks, with the "
+    "decodes and other prefills planned beside them and the steps it waits behind earlier "
+    "prefills; it is re-planned on tuning changes and new arrivals, never for a fault. A "
+    "healthy engine scores near 1 at any load; above the slow-query threshold something went "
+    "wrong for that request: time in CACHE_PRESSURE_WAIT, a bandwidth throttle, preemption, "
+    "chunks slower than predicted, or a guard. None (\"calibrating\") until the engine's first "
+    "calibration.")
+
+# a plan longer than this many steps is cut short (a prompt the budget can never reach)
+MAX_PLAN_STEPS = 100_000
+
+
+@dataclass(frozen=True)
+class PlanRules:
+    """The scheduler's normal-mode rules a plan simulates."""
+
+    budget: int  # tokens a step
+    tile: int  # partial chunks are whole tiles
+    slots: int  # prefills that may share a step
+    chunk_cap: float  # tokens one prefill may take in a step (inf: no cap)
+    chunked: bool  # False: whole prompts only
+
+
+@dataclass(frozen=True)
+class PlanItem:
+    """A prefill to plan: tokens [position, end) still to compute, in queue order."""
+
+    key: object  # what the result is keyed by (the request)
+    position: int
+    end: int
+
+
+def plan_prefills(items: Sequence[PlanItem], decode_contexts: Sequence[int], rules: PlanRules,
+                  predict: Callable[[StepShape], float]) -> dict[object, list[PlannedChunk]]:
+    """The planned chunks of every item, simulated step by step from now.
+
+    Decodes grow by one token of context a step and a prefill that completes joins them (it
+    decodes from the next step); decodes that will end are unknown and stay, so a plan errs
+    on the long side, never short.
+    """
+    position = {item.key: item.position for item in items}
+    end = {item.key: item.end for item in items}
+    order = [item.key for item in items if item.position < item.end]
+    plans: dict[object, list[PlannedChunk]] = {key: [] for key in position}
+    waited: dict[object, tuple[float, int]] = dict.fromkeys(order, (0.0, 0))
+    decodes = list(decode_contexts)
+    for _ in range(MAX_PLAN_STEPS):
+        if not order:
+            break
+        chunks = _step_chunks(order, position, end, len(decodes), rules)
+        shape = StepShape(prefill=tuple((n, position[k]) for k, n in chunks.items()),
+                          decode_contexts=tuple(decodes))
+        seconds = predict(shape)
+        prefill_tokens = shape.prefill_tokens
+        for key in order:
+            wait_s, wait_steps = waited[key]
+            tokens = chunks.get(key, 0)
+            if not tokens:
+                waited[key] = (wait_s + seconds, wait_steps + 1)
+                continue
+            plans[key].append(PlannedChunk(
+                start=position[key], tokens=tokens, predicted_s=seconds, wait_s=wait_s,
+                wait_steps=wait_steps, decodes=len(decodes),
+                other_prefill_tokens=prefill_tokens - tokens))
+            waited[key] = (0.0, 0)
+            position[key] += tokens
+        decodes = [c + 1 for c in decodes]
+        for key in [k for k in order if position[k] >= end[k]]:
+            order.remove(key)
+            decodes.append(end[key] + 1)
+    return plans
+
+
+def _step_chunks(order: list[object], position: dict[object, int], end: dict[object, int],
+                 decodes: int, rules: PlanRules) -> dict[object, int]:
+    """Tokens each prefill gets in one simulated step (the scheduler's `_plan_chunks`
+    without tenant shares or KV limits)."""
+    left = rules.budget - decodes
+    chunks: dict[object, int] = {}
+    for key in order:
+        if left < 1 or len(chunks) >= rules.slots:
+            break
+        remaining = end[key] - position[key]
+        tokens = int(min(remaining, left, rules.chunk_cap))
+        if tokens < remaining:
+            tokens = tokens // rules.tile * rules.tile if rules.chunked else 0
+        if tokens > 0:
+            chunks[key] = tokens
+            left -= tokens
+    if not chunks:
+        # the decodes fill the budget: the scheduler waits for some to end; plan the head's
+        # next tile as if one had (the alternative is a plan that never ends)
+        head = order[0]
+        chunks[head] = min(end[head] - position[head], rules.tile) if rules.chunked \
+            else end[head] - position[head]
+    return chunks
+
+
+def replanned(planned: list[PlannedChunk], position: int, steps_waited: int,
+              new: list[PlannedChunk]) -> list[PlannedChunk]:
+    """`planned` kept for the tokens before `position` (a chunk cut by it keeps its share of
+    the step), then `new`, the plan from `position` on. The wait already spent toward the
+    old plan's next chunk (`steps_waited` steps, at most what it planned) is credited to the
+    new plan's first chunk, so a re-plan never takes away budget time that has passed."""
+    kept: list[PlannedChunk] = []
+    credit_s, credit_steps = 0.0, 0
+    for chunk in planned:
+        if chunk.start + chunk.tokens <= position:
+            kept.append(chunk)
+        elif chunk.start < position:
+            share = (position - chunk.start) / chunk.tokens
+            kept.append(dataclasses.replace(chunk, tokens=position - chunk.start,
+                                            predicted_s=chunk.predicted_s * share))
+        elif chunk.start == position and chunk.wait_steps:
+            credit_steps = min(steps_waited, chunk.wait_steps)
+            credit_s = chunk.wait_s * credit_steps / chunk.wait_steps
+    if new and credit_steps:
+        first = new[0]
+        new = [dataclasses.replace(first, wait_s=first.wait_s + credit_s,
+                                   wait_steps=first.wait_steps + credit_steps), *new[1:]]
+    return kept + new

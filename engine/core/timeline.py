@@ -1,0 +1,360 @@
+"""A request's timeline (issue 16): where its time went, and why a slow query was slow.
+
+The step loop only appends small tuples: one `StepRecord` per step to the scheduler's step
+log, one `ModeRecord` when the scheduler's mode changes, a chunk, a preemption, a decode gap.
+`explain` turns them into a `Timeline` once, when a slow request ends.
+
+The prefill interval (admission to first token) is split into parts that cover it exactly:
+the steps that carried the request's chunks, time preempted (and chunks it had to recompute),
+and the rest (gaps), each instant of a gap classed by what the engine did then: another step
+in NORMAL mode (queued behind other prefills), a step or idle time in CACHE_PRESSURE_WAIT or
+BANDWIDTH_THROTTLE, prefills paused by a guard, or host time between steps in NORMAL mode.
+The end-to-end time is queue wait + prefill + decode gaps + the tail after the last token.
+
+Overrun = measured prefill - budgeted prefill (the plan, `Request.planned`). Each cause's share
+is its time beyond what the plan expected: chunks beyond their planned step time, queueing
+beyond the plan's waits, and every wait the plan does not foresee (modes, preemption, guards,
+host time). The shares sum to the overrun.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from engine.stats import human_duration, quantile
+
+if TYPE_CHECKING:
+    from engine.core.request import Request
+
+
+class Cause(enum.StrEnum):
+    """What a slow query's overrun is attributed to (stored on the slow-query record)."""
+
+    QUEUED = "queued"  # behind other requests' prefills, beyond the plan's waits
+    SLOW_CHUNKS = "slow_chunks"  # its chunks' steps ran slower than predicted (drift, device)
+    CACHE_PRESSURE = "cache_pressure"  # waited in CACHE_PRESSURE_WAIT
+    BANDWIDTH_THROTTLE = "bandwidth_throttle"  # waited while the bandwidth throttle held
+    PREEMPTION = "preemption"  # preempted: waited for readmission and recomputed its prefix
+    GUARD = "guard"  # prefills paused by a protection layer (degraded path)
+    HOST_OVERHEAD = "host_overhead"  # host time between steps (scheduling, observers)
+
+
+class StepRecord(NamedTuple):
+    """One executed step in the scheduler's step log."""
+
+    start: float
+    end: float
+    step: int
+    mode: str
+    throttle_level: int
+    paused: bool
+    prefills: tuple[str, ...]  # request ids of its prefill chunks
+    decodes: int
+
+
+class ModeRecord(NamedTuple):
+    """The scheduler's state from `ts` on (logged when it changes)."""
+
+    ts: float
+    mode: str
+    throttle_level: int
+    paused: bool
+
+
+@dataclass(frozen=True)
+class GapStats:
+    """Decode gaps (time between consecutive tokens after the first), summarised."""
+
+    count: int = 0
+    p50_s: float | None = None
+    p99_s: float | None = None
+    max_s: float | None = None
+    worst_step: int | None = None
+
+
+@dataclass(frozen=True)
+class Preemption:
+    at_s: float  # from arrival
+    readmitted_s: float | None
+
+
+@dataclass(frozen=True)
+class ChunkView:
+    index: int
+    start: int
+    tokens: int
+    at_s: float  # step start, from arrival
+    duration_s: float
+    predicted_s: float
+    planned_s: float | None  # the plan's step time for this chunk, if it had one
+    step: int
+    decodes: int
+    other_prefill_tokens: int
+    mode: str
+    throttle_level: int
+    recomputed: bool  # discarded by a later preemption
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """Everything stored with a slow query about where its time went (seconds; instants are
+    measured from arrival)."""
+
+    admitted_s: float | None
+    queue_wait_s: float | None
+    prefill_s: float
+    budgeted_s: float
+    overrun_s: float
+    first_token_s: float | None
+    e2e_s: float | None
+    outcome: str
+    prefill_parts: dict[str, float]  # chunks, preempted, recomputed and each gap class
+    e2e_parts: dict[str, float]  # queue_wait, prefill, decode, tail
+    overrun_by_cause: dict[str, float]
+    cause: Cause
+    cause_share: float  # the cause's part of the overrun, 0..1
+    queued_behind: int  # other requests whose prefills ran while this one waited in NORMAL
+    throttle_level_max: int  # highest throttle level over the prefill
+    chunk_throttle_level: int  # highest throttle level under which its chunks ran
+    chunk_ratio: float | None  # its chunks' measured / planned step time
+    chunks: tuple[ChunkView, ...]
+    preemptions: tuple[Preemption, ...]
+    decode_gaps: GapStats
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def verdict(self) -> str:
+        """One line an operator reads first, e.g. "queued 7.1 s behind 3 other prompts (73%
+        of the overrun)"."""
+        took = human_duration(self.overrun_by_cause.get(self.cause.value, 0.0))
+        share = f"{self.cause_share:.0%} of the overrun"
+        match self.cause:
+            case Cause.QUEUED:
+                return (f"queued {took} behind {self.queued_behind} other "
+                        f"prompt{'s' if self.queued_behind != 1 else ''} ({share})")
+            case Cause.SLOW_CHUNKS:
+                ratio = (f"{self.chunk_ratio:.1f}× predicted" if self.chunk_ratio
+                         else "slower than predicted")
+                held = (f" while bandwidth throttle level {self.chunk_throttle_level} held"
+                        if self.chunk_throttle_level else "")
+                return f"chunks {ratio}{held} (+{took}, {share})"
+            case Cause.CACHE_PRESSURE:
+                return f"waited {took} in CACHE_PRESSURE_WAIT for KV blocks ({share})"
+            case Cause.BANDWIDTH_THROTTLE:
+                return (f"waited {took} while bandwidth throttle level "
+                        f"{self.throttle_level_max} held ({share})")
+            case Cause.PREEMPTION:
+                return (f"preempted {len(self.preemptions)}×: {took} waiting and recomputing "
+                        f"({share})")
+            case Cause.GUARD:
+                return f"prefills paused by a guard for {took} ({share})"
+        return f"host time between steps {took} ({share})"
+
+
+NORMAL = ModeRecord(0.0, "NORMAL", 0, False)  # before the first logged change
+GAP_CLASSES = {"CACHE_PRESSURE_WAIT": Cause.CACHE_PRESSURE,
+               "BANDWIDTH_THROTTLE": Cause.BANDWIDTH_THROTTLE}
+
+
+def _gap_class(mode: str, paused: bool, in_step: bool) -> Cause:
+    if paused:
+        return Cause.GUARD
+    cls = GAP_CLASSES.get(mode)
+    if cls is not None:
+        return cls
+    return Cause.QUEUED if in_step else Cause.HOST_OVERHEAD
+
+
+def _complement(start: float, end: float,
+                taken: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """[start, end] minus the (sorted, disjoint) `taken` intervals."""
+    gaps, cursor = [], start
+    for a, b in sorted(taken):
+        a, b = max(a, start), min(b, end)
+        if b <= a:
+            continue
+        if a > cursor:
+            gaps.append((cursor, a))
+        cursor = max(cursor, b)
+    if end > cursor:
+        gaps.append((cursor, end))
+    return gaps
+
+
+class _GapClassifier:
+    """Classes instants of time by the step log and the mode log."""
+
+    def __init__(self, steps: Sequence[StepRecord], modes: Sequence[ModeRecord],
+                 request_id: str) -> None:
+        self.steps = steps
+        self.step_starts = [s.start for s in steps]
+        self.modes = modes
+        self.mode_ts = [m.ts for m in modes]
+        self.request_id = request_id
+        self.totals: dict[Cause, float] = {}
+        self.behind: set[str] = set()
+
+    def add(self, start: float, end: float) -> None:
+        cursor = start
+        i = max(0, bisect.bisect_right(self.step_starts, start) - 1)
+        while i < len(self.steps) and self.steps[i].start < end:
+            step = self.steps[i]
+            i += 1
+            if step.end <= cursor:
+                continue
+            if step.start > cursor:
+                self._idle(cursor, step.start)
+            a, b = max(cursor, step.start), min(end, step.end)
+            cls = _gap_class(step.mode, step.paused, in_step=True)
+            self.totals[cls] = self.totals.get(cls, 0.0) + (b - a)
+            if cls is Cause.QUEUED:
+                self.behind.update(r for r in step.prefills if r != self.request_id)
+            cursor = b
+        if end > cursor:
+            self._idle(cursor, end)
+
+    def _idle(self, start: float, end: float) -> None:
+        """Time with no step running, classed by the mode in force, split at its changes."""
+        i = bisect.bisect_right(self.mode_ts, start) - 1
+        cursor = start
+        while cursor < end:
+            state = self.modes[i] if i >= 0 else NORMAL
+            upto = min(end, self.mode_ts[i + 1]) if i + 1 < len(self.modes) else end
+            cls = _gap_class(state.mode, state.paused, in_step=False)
+            self.totals[cls] = self.totals.get(cls, 0.0) + max(0.0, upto - cursor)
+            cursor = max(cursor, upto)
+            i += 1
+
+
+def gap_stats(gaps: Sequence[float], worst_step: int | None) -> GapStats:
+    if not gaps:
+        return GapStats()
+    ordered = sorted(gaps)
+    return GapStats(count=len(ordered), p50_s=quantile(ordered, 0.5),
+                    p99_s=quantile(ordered, 0.99), max_s=ordered[-1], worst_step=worst_step)
+
+
+@dataclass(frozen=True)
+class PrefillGaps:
+    """A prefill's gaps classed while the step log still covers them (when it is flagged)."""
+
+    totals: dict[str, float]  # gap class (a Cause value) -> seconds
+    queued_behind: int
+    throttle_level_max: int
+    attempt: int  # preemptions before the prefill ended: its chunks of that attempt count
+    end: float  # when the prefill ended (its first token, or the failure that cut it short)
+    step_overhead_s: float = 0.0  # host time per step the plan priced into each step
+
+
+def classify_prefill(request: Request, steps: Sequence[StepRecord],
+                     modes: Sequence[ModeRecord], end: float,
+                     step_overhead_s: float = 0.0) -> PrefillGaps:
+    """Class the gaps of a request whose prefill has just ended at `end`."""
+    t0, t1 = request.prefill_started, end
+    if t0 is None:
+        raise ValueError(f"request {request.id} was never admitted")
+    classifier = _GapClassifier(steps, modes, request.id)
+    for a, b in _complement(t0, t1, [*_own(request, t1), *_held(request, t1)]):
+        classifier.add(a, b)
+    first = bisect.bisect_left(classifier.step_starts, t0)
+    levels = [s.throttle_level for s in steps[first:] if s.start < t1]
+    levels += [m.throttle_level for m in modes if t0 <= m.ts < t1]
+    return PrefillGaps(totals={c.value: v for c, v in classifier.totals.items()},
+                       queued_behind=len(classifier.behind),
+                       throttle_level_max=max(levels, default=0),
+                       attempt=request.num_preemptions, end=t1,
+                       step_overhead_s=step_overhead_s)
+
+
+def _own(request: Request, t1: float) -> list[tuple[float, float]]:
+    return [(c.step_start, c.step_start + c.duration_s) for c in request.chunks
+            if c.step_start < t1]
+
+
+def _preemptions(request: Request) -> list[tuple[float, float | None]]:
+    """Each preemption with the admission that followed it (None: not readmitted)."""
+    return [(at, next((a for a in request.admissions if a >= at), None))
+            for at in request.preempted_at]
+
+
+def _held(request: Request, t1: float) -> list[tuple[float, float]]:
+    """Intervals spent preempted, an open one ending at `t1`."""
+    return [(at, t1 if again is None else again) for at, again in _preemptions(request)]
+
+
+def explain(request: Request, gaps: PrefillGaps) -> Timeline:
+    """The timeline of a flagged request, once it has ended. Instants are from its arrival."""
+    t0, t1 = request.prefill_started, gaps.end
+    if t0 is None:
+        raise ValueError(f"request {request.id} was never admitted")
+    arrival = request.arrival
+    prefill_chunks = [c for c in request.chunks if c.step_start < t1]
+    effective = [c for c in prefill_chunks if c.attempt == gaps.attempt]
+    chunk_s = sum(c.duration_s for c in effective)
+    recomputed_s = sum(c.duration_s for c in prefill_chunks if c.attempt != gaps.attempt)
+    held_s = sum(max(0.0, min(b, t1) - max(a, t0)) for a, b in _held(request, t1))
+    gap = gaps.totals
+    prefill_parts = {"chunks": chunk_s, "recomputed_chunks": recomputed_s, "preempted": held_s,
+                     **{cls.value: gap.get(cls.value, 0.0) for cls in
+                        (Cause.QUEUED, Cause.CACHE_PRESSURE, Cause.BANDWIDTH_THROTTLE,
+                         Cause.GUARD, Cause.HOST_OVERHEAD)}}
+    planned = request.planned
+    planned_steps = sum(p.predicted_s for p in planned)
+    # the plan prices each step as forward pass + host overhead; the timeline measures the
+    # two apart (chunks, host gaps), so the plan's overhead is set against the host gaps
+    overhead = gaps.step_overhead_s
+    chunk_overhead = overhead * len(planned)
+    wait_overhead = overhead * sum(p.wait_steps for p in planned)
+    by_cause = {
+        Cause.SLOW_CHUNKS: chunk_s - (planned_steps - chunk_overhead),
+        Cause.QUEUED: gap.get(Cause.QUEUED.value, 0.0)
+        - (sum(p.wait_s for p in planned) - wait_overhead),
+        Cause.PREEMPTION: recomputed_s + held_s,
+        Cause.HOST_OVERHEAD: gap.get(Cause.HOST_OVERHEAD.value, 0.0) - chunk_overhead
+        - wait_overhead,
+        **{cls: gap.get(cls.value, 0.0) for cls in
+           (Cause.CACHE_PRESSURE, Cause.BANDWIDTH_THROTTLE, Cause.GUARD)},
+    }
+    cause = max(by_cause, key=lambda c: by_cause[c])
+    prefill_s = t1 - t0
+    budget = request.budgeted_prefill_s or 0.0
+    overrun = prefill_s - budget
+    # the positive parts can exceed the overrun when other parts came in under the plan
+    positive = sum(v for v in by_cause.values() if v > 0)
+    share = by_cause[cause] / max(overrun, positive) if by_cause[cause] > 0 else 0.0
+    plan_by_start = {p.start: p.predicted_s for p in planned}
+    preemptions = tuple(Preemption(a - arrival, None if b is None else b - arrival)
+                        for a, b in _preemptions(request))
+    end, last = request.finish_time, request.last_token_time
+    e2e_parts = {"queue_wait": t0 - arrival, "prefill": prefill_s,
+                 "decode": sum(request.decode_gaps or ()),
+                 "tail": end - last if end is not None and last is not None else 0.0}
+    return Timeline(
+        admitted_s=t0 - arrival, queue_wait_s=t0 - arrival, prefill_s=prefill_s,
+        budgeted_s=budget, overrun_s=overrun,
+        first_token_s=None if request.first_token_time is None
+        else request.first_token_time - arrival,
+        e2e_s=None if end is None else end - arrival,
+        outcome=f"{request.state.value}: {request.reason}",
+        prefill_parts=prefill_parts, e2e_parts=e2e_parts,
+        overrun_by_cause={c.value: v for c, v in by_cause.items()}, cause=cause,
+        cause_share=min(1.0, share), queued_behind=gaps.queued_behind,
+        throttle_level_max=gaps.throttle_level_max,
+        chunk_throttle_level=max((c.throttle_level for c in effective), default=0),
+        chunk_ratio=chunk_s / (planned_steps - chunk_overhead)
+        if planned_steps > chunk_overhead else None,
+        chunks=tuple(ChunkView(
+            index=c.index, start=c.start, tokens=c.tokens, at_s=c.step_start - arrival,
+            duration_s=c.duration_s, predicted_s=c.predicted_s,
+            planned_s=plan_by_start.get(c.start), step=c.step, decodes=c.decodes,
+            other_prefill_tokens=c.other_prefill_tokens, mode=c.mode,
+            throttle_level=c.throttle_level, recomputed=c.attempt != gaps.attempt)
+            for c in request.chunks),
+        preemptions=preemptions,
+        decode_gaps=gap_stats(request.decode_gaps or (),
+                              None if request.worst_gap is None else request.worst_gap[1]))

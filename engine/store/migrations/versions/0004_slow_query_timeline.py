@@ -1,0 +1,36 @@
+"""Slow queries keep their timeline (issue 16): where the request's time went, the cause its
+overrun is attributed to, that cause's share of the overrun, and the one-line verdict.
+
+Revision ID: 0004
+Revises: 0003
+Create Date: 2026-11-30
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0004"
+down_revision = "0003"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    # rows stored before this revision have no timeline: the columns stay nullable
+    with op.batch_alter_table("slow_queries") as batch:
+        batch.add_column(sa.Column("timeline", sa.JSON))
+        batch.add_column(sa.Column("cause", sa.String(32)))
+        batch.add_column(sa.Column("cause_share", sa.Float))
+        batch.add_column(sa.Column("verdict", sa.Text))
+    op.create_index("ix_slow_queries_cause", "slow_queries", ["cause"])
+
+
+def downgrade() -> None:
+    op.drop_index("ix_slow_queries_cause", table_name="slow_queries")
+    with op.batch_alter_table("slow_queries") as batch:
+        batch.drop_column("verdict")
+        batch.drop_column("cause_share")
+        batch.drop_column("cause")
+        batch.drop_column("timeline")

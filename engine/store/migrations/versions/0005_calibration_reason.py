@@ -1,0 +1,27 @@
+"""Calibration runs record why they ran: the first calibration at start, drift that
+persisted, or an operator's request (issue 16).
+
+Revision ID: 0005
+Revises: 0004
+Create Date: 2026-11-30
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0005"
+down_revision = "0004"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("calibration_runs") as batch:
+        batch.add_column(sa.Column("reason", sa.Text, nullable=False, server_default=""))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("calibration_runs") as batch:
+        batch.drop_column("reason")

@@ -1,0 +1,293 @@
+"""Slow-query timelines (issue 16): the parts cover the measured prefill and end-to-end times,
+and the faults chaos injects are named as the cause of the requests they delayed."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from sqlalchemy import text
+
+from console.cli.main import main
+from engine import Engine, EngineConfig, SamplingParams
+from engine.budget.calibrate import apply, first_calibration
+from engine.budget.peaks import measure_peaks
+from engine.budget.predictor import StepTimePredictor
+from engine.core.request import Request
+from engine.core.timeline import Cause
+from engine.events import Event, EventBus, FailCause, Failed, ModeChanged, SlowQuery
+from engine.harness import chaos
+from engine.ops.telemetry import InjectedBandwidth, ModelBandwidth
+from engine.store import StoreWriter, list_slow_queries, open_database
+from engine.store.database import upgrade_database
+from tests.test_scheduler import STEP_S, SchedulerRig, sim
+
+TOLERANCE = 0.05  # the parts add up to the measured time within 5%
+AFFECTED = 0.5  # a request spent at least this share of its prefill waiting in the fault
+
+
+# --- on the scheduler, with a scripted clock --------------------------------------------
+def throttled_rig() -> tuple[SchedulerRig, Request, Request]:
+    """Two 64-token prompts share the steps (16 tokens each); after the first step a
+    bandwidth spike (level 2: one prefill at a time) holds the second back."""
+    s = sim(max_num_batched_tokens=32, chunk_tile=4, max_prefill_chunks=2,
+            long_prefill_threshold=16)
+    s.scheduler.predict = lambda shape: STEP_S  # a predictor that matches the rig's steps
+    s.scheduler.calibrated = True
+    first, second = s.add(64, max_tokens=3), s.add(64, max_tokens=3)
+    s.step()
+    s.bandwidth.inject(0.96, until_s=1.0)
+    s.run()
+    return s, first, second
+
+
+def test_a_prefill_held_back_by_the_throttle_names_it_and_its_parts_cover_the_time() -> None:
+    """The second prompt waits out the three steps the first still needs."""
+    s, first, second = throttled_rig()
+    slow = {e.request_id: e for e in s.of(SlowQuery)}
+    assert set(slow) == {second.id}  # the first ran as planned: score 1
+    held = slow[second.id]
+    assert held.cause == Cause.BANDWIDTH_THROTTLE.value
+    assert held.cause_share == pytest.approx(1.0)
+    assert held.verdict == ("waited 30.0 ms while bandwidth throttle level 2 held "
+                            "(100% of the overrun)")
+    t = held.timeline
+    assert t["prefill_parts"]["chunks"] == pytest.approx(4 * STEP_S)
+    assert t["prefill_parts"]["bandwidth_throttle"] == pytest.approx(3 * STEP_S)
+    assert sum(t["prefill_parts"].values()) == pytest.approx(t["prefill_s"]) == 7 * STEP_S
+    assert t["e2e_parts"] == pytest.approx({"queue_wait": 0.0, "prefill": 7 * STEP_S,
+                                            "decode": 2 * STEP_S, "tail": 0.0})
+    assert t["e2e_s"] == pytest.approx(9 * STEP_S)
+    assert [c["mode"] for c in held.chunks] == ["NORMAL"] + ["BANDWIDTH_THROTTLE"] * 3
+    assert [c["other_prefill_tokens"] for c in held.chunks] == [16, 0, 0, 0]
+    assert t["decode_gaps"]["count"] == 2 and t["decode_gaps"]["max_s"] == pytest.approx(STEP_S)
+    assert first.state.is_final and second.state.is_final
+
+
+# --- chaos's faults, on real engines ------------------------------------------------------
+@pytest.fixture(scope="module")
+def predictor() -> StepTimePredictor:
+    """One first calibration of the chaos model on this CPU, applied to every chaos engine
+    as a stored calibration of the same model and device is at start."""
+    return first_calibration(Engine(EngineConfig(model=chaos.MODEL, device="cpu",
+                                                 dtype="float32"))).predictor
+
+
+@pytest.fixture(scope="module")
+def workload() -> list[chaos.WorkloadRequest]:
+    return chaos.workload(chaos.QUICK.requests, seed=7, prefix="chaos")
+
+
+@pytest.fixture(scope="module")
+def expected(workload: list[chaos.WorkloadRequest]) -> dict[str, list[int]]:
+    return chaos.expected_outputs(workload)
+
+
+@dataclass
+class Observed:
+    """Every engine a scenario builds, calibrated, with the events it published."""
+
+    engines: list[Engine] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
+
+    def slow(self) -> dict[str, SlowQuery]:
+        return {e.request_id: e for e in self.events if isinstance(e, SlowQuery)}
+
+    def ended(self) -> list[Request]:
+        return [r for engine in self.engines for r in engine.scheduler.recent]
+
+    def mode_intervals(self, mode: str) -> list[tuple[float, float]]:
+        intervals, since = [], None
+        for event in self.events:
+            if isinstance(event, ModeChanged):
+                if event.new == mode and since is None:
+                    since = event.ts
+                elif event.new != mode and since is not None:
+                    intervals.append((since, event.ts))
+                    since = None
+        return intervals + ([(since, math.inf)] if since is not None else [])
+
+
+@pytest.fixture
+def observed(monkeypatch: pytest.MonkeyPatch, predictor: StepTimePredictor,
+             expected: dict[str, list[int]]) -> Observed:
+    seen = Observed()
+    build = chaos.chaos_engine
+
+    def calibrated_engine(*args: object, **changes: object) -> Engine:
+        engine = build(*args, **changes)  # type: ignore[arg-type]
+        apply(engine, predictor)
+        engine.bus.subscribe(seen.events.append)
+        seen.engines.append(engine)
+        return engine
+
+    monkeypatch.setattr(chaos, "chaos_engine", calibrated_engine)
+    return seen
+
+
+def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
+    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+def waited_share(request: Request, intervals: list[tuple[float, float]]) -> float:
+    """The share of a request's prefill it spent inside `intervals` without a chunk of its own
+    running: read from the fault's mode events and the request's chunk times alone."""
+    assert request.prefill_started is not None
+    end = request.prefill_finished or request.finish_time
+    assert end is not None
+    prefill = (request.prefill_started, end)
+    inside = sum(_overlap(prefill, i) for i in intervals)
+    running = sum(_overlap(prefill, _overlap_span(c.step_start, c.duration_s, i))
+                  for c in request.chunks for i in intervals)
+    return (inside - running) / max(end - request.prefill_started, 1e-12)
+
+
+def _overlap_span(start: float, duration: float, i: tuple[float, float]) -> tuple[float, float]:
+    return max(start, i[0]), min(start + duration, i[1])
+
+
+def affected(seen: Observed, mode: str) -> list[Request]:
+    intervals = seen.mode_intervals(mode)
+    return [r for r in seen.ended() if r.prefill_started is not None
+            and waited_share(r, intervals) >= AFFECTED]
+
+
+def test_kv_exhaustion_flags_the_prefills_it_held_as_kv_pressure(
+        observed: Observed, expected: dict[str, list[int]],
+        workload: list[chaos.WorkloadRequest]) -> None:
+    result = chaos.kv_exhaustion(chaos.QUICK, expected, workload)
+    assert result.passed, result.detail
+    held = affected(observed, "CACHE_PRESSURE_WAIT")
+    assert held, "no prefill waited out the fault"
+    slow = observed.slow()
+    for request in held:
+        assert slow[request.id].cause in (Cause.CACHE_PRESSURE, Cause.PREEMPTION), \
+            slow[request.id].verdict
+
+
+def test_slow_chunks_flags_the_requests_the_chunk_timeout_failed_as_slow_chunks(
+        observed: Observed, expected: dict[str, list[int]],
+        workload: list[chaos.WorkloadRequest]) -> None:
+    result = chaos.slow_chunks(chaos.QUICK, expected, workload)
+    assert result.passed, result.detail
+    timed_out = {e.request_id for e in observed.events
+                 if isinstance(e, Failed) and e.cause is FailCause.CHUNK_TIMEOUT}
+    assert timed_out
+    slow = observed.slow()
+    for request_id in timed_out:
+        assert slow[request_id].cause == Cause.SLOW_CHUNKS, slow[request_id].verdict
+        assert "then failed: chunk timeout" in slow[request_id].verdict
+
+
+def test_a_bandwidth_spike_mid_prefill_flags_the_prefills_it_held_as_the_throttle(
+        observed: Observed, expected: dict[str, list[int]],
+        workload: list[chaos.WorkloadRequest]) -> None:
+    """chaos's spike, hitting once several prefills share the steps (chaos.bandwidth_spike
+    starts it before the first step, when the throttle only delays admission)."""
+    injected = InjectedBandwidth(ModelBandwidth(measure_peaks("cpu", torch.float32).bandwidth))
+    engine = chaos.chaos_engine(injected, long_prefill_threshold=chaos.CHUNK_TILE)
+    harness = chaos._Harness(engine, workload)
+    deadline = time.monotonic() + chaos.QUICK.bound_s
+    harness.run_until(lambda: sum(r.state == "PREFILL_CHUNKING"
+                                  for r in engine.scheduler.requests.values()) >= 3, deadline)
+    injected.inject(chaos.SPIKE_UTIL, math.inf)
+    spike_end = time.monotonic() + chaos.QUICK.fault_s
+    harness.run_until(lambda: time.monotonic() >= spike_end, deadline)
+    injected.clear()
+    harness.run_until(lambda: False, deadline)
+    assert harness.lost(expected) == 0
+    held = affected(observed, "BANDWIDTH_THROTTLE")
+    assert held, "no prefill waited out the spike"
+    slow = observed.slow()
+    for request in held:
+        assert slow[request.id].cause == Cause.BANDWIDTH_THROTTLE, slow[request.id].verdict
+        assert "bandwidth throttle level" in slow[request.id].verdict
+
+
+# --- a loaded run through the store ---------------------------------------------------------
+def test_stored_slow_queries_of_a_loaded_run_add_up(tmp_path: Path,
+                                                    predictor: StepTimePredictor) -> None:
+    """32 prompts at once on a small pool and budget (queueing, preemption), every stored slow
+    query's parts add up to its measured prefill and end-to-end times within 5%. The threshold
+    is set so low that every scored request is stored: which ones overrun their plan depends
+    on the machine's load, the adding up must hold for all of them."""
+    engine = chaos.chaos_engine(max_prefill_chunks=2, slow_query_threshold=1e-9)
+    apply(engine, predictor)
+    database = open_database(tmp_path / "store.db")
+    writer = StoreWriter(database, engine.bus)
+    rng = random.Random(5)
+    for i in range(32):
+        engine.add_request([rng.randrange(3, 300) for _ in range(rng.randrange(20, 200))],
+                           SamplingParams(max_tokens=rng.randrange(4, 24)), request_id=f"q{i}")
+    while engine.has_unfinished():
+        engine.step()
+    assert writer.flush(60.0)
+    with database.session() as session:
+        stored = list_slow_queries(session)
+    writer.close()
+    database.close()
+    assert len(stored) >= 5
+    for record in stored:
+        t = record.timeline
+        assert t is not None and record.verdict and record.cause in set(Cause)
+        assert sum(t["prefill_parts"].values()) == pytest.approx(record.prefill_s,
+                                                                 rel=TOLERANCE)
+        assert sum(t["e2e_parts"].values()) == pytest.approx(t["e2e_s"], rel=TOLERANCE)
+        assert sum(t["overrun_by_cause"].values()) == pytest.approx(t["overrun_s"], abs=1e-9)
+        assert 0.0 <= record.cause_share <= 1.0
+
+
+def test_show_prints_the_verdict_and_timeline_and_json_returns_them(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    s, _, second = throttled_rig()
+    database = open_database(tmp_path / "store.db")
+    bus = EventBus()
+    writer = StoreWriter(database, bus)
+    for event in s.of(SlowQuery):
+        bus.publish(event)
+    bus.drain()
+    assert writer.close()
+    database.close()
+    db = str(tmp_path / "store.db")
+    assert main(["slow-queries", "show", "1", "--db", db]) == 0
+    out = capsys.readouterr().out
+    assert ("verdict: waited 30.0 ms while bandwidth throttle level 2 held (100% of the "
+            "overrun)  [cause bandwidth_throttle, 100%]") in out
+    assert "end to end 90.0 ms = queue wait 0 µs + prefill 70.0 ms + decode 20.0 ms" in out
+    assert "prefill 70.0 ms: chunks 40.0 ms, bandwidth throttle 30.0 ms" in out
+    assert "_s=" not in out  # no raw floats
+    assert main(["slow-queries", "show", "1", "--db", db, "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["request_id"] == second.id and record["cause"] == "bandwidth_throttle"
+    assert record["verdict"].startswith("waited 30.0 ms")
+    assert record["timeline"]["prefill_parts"]["bandwidth_throttle"] == pytest.approx(0.03)
+    assert len(record["chunks"]) == 4 and record["chunks"][1]["mode"] == "BANDWIDTH_THROTTLE"
+
+
+def test_slow_queries_stored_before_timelines_still_show(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Revision 0004 adds the timeline columns; rows from before it keep NULLs and show."""
+    path = tmp_path / "old.db"
+    database = open_database(path, upgrade=False)
+    try:
+        upgrade_database(database, "0001")
+        with database.engine.begin() as connection:
+            connection.execute(text(
+                "INSERT INTO slow_queries (created_at, request_id, tenant, tag, budget_score, "
+                "prompt_tokens, prefill_s, budgeted_s, chunks, config) VALUES (1.0, 'old', "
+                "'t', NULL, 2.5, 64, 0.5, 0.2, '[{\"index\": 0, \"duration_s\": 0.5}]', '{}')"))
+        upgrade_database(database)
+    finally:
+        database.close()
+    assert main(["slow-queries", "show", "1", "--db", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "prefill 500.0 ms against a budget of 200.0 ms" in out and "verdict" not in out
+    assert main(["slow-queries", "show", "1", "--db", str(path), "--json"]) == 0
+    record = json.loads(capsys.readouterr().out)
+    assert record["timeline"] is None and record["cause"] is None
