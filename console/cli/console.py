@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: synthetic:small on CPU, a bigger preset on CUDA)")
     parser.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: auto)")
     parser.add_argument("--workload", default="mixed",
-                        help="mixed, chat, long-doc or trace:FILE (default: mixed)")
+                        help="mixed, chat, long-doc, conv or code (the Azure LLM inference traces) "
+                        "or trace:FILE (default: mixed)")
     parser.add_argument("--db", type=Path, help="SQLite store (default: the user data dir); "
                         "with --otlp-listen, where traced requests are kept")
     parser.add_argument("--attach", action="append", metavar="URL", default=[],
