@@ -86,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     engine = None
     if not (args.replay or args.attach or args.attach_vllm or args.attach_sglang):
+        # Seen at once, while the engine process spawns and Textual loads (seconds on a
+        # busy machine); the console's splash then shows the engine's stages.
+        print("tokenflow-console: starting the engine…", file=sys.stderr, flush=True)
         from console.sources.process import ProcessSource
 
         engine = ProcessSource.launch(model=args.model, device=args.device,

@@ -23,6 +23,7 @@ from engine.budget.drift import DriftMonitor, drift_event
 from engine.budget.predictor import StepTimePredictor
 from engine.config import EngineConfig
 from engine.core.engine import Engine
+from engine.events import CalibrationProgress, Event
 from engine.harness.workload import build_workload, default_length_scale
 from engine.serve.loop import EngineLoop
 from engine.serve.session import EngineSession
@@ -71,14 +72,23 @@ class EmbeddedSource:
     def start(cls, *, model: str | None = None, device: str | None = None,
               workload: str = "mixed", db: Path | None = None,
               config: EngineConfig | None = None, num_requests: int | None = None,
-              rate: float | None = None, repeat: bool = True) -> EmbeddedSource:
+              rate: float | None = None, repeat: bool = True,
+              progress: Progress | None = None) -> EmbeddedSource:
         """Open the store, build the engine, start its loop and the workload (`num_requests`
-        at `rate` requests/s, the workload's own defaults when None), repeating if asked."""
+        at `rate` requests/s, the workload's own defaults when None), repeating if asked.
+        `progress` hears each stage: loading the model, calibrating, replaying the journal."""
         device = device or "auto"
         base = config or EngineConfig()
         engine_config = dataclasses.replace(base, model=model or default_model(device),
                                             device=device)
-        session = EngineSession.start(engine_config, db=db)
+        say = progress or (lambda fraction, what: None)
+        say(0.0, f"loading {engine_config.model} on {device}")
+
+        def calibrating(event: Event) -> None:
+            if isinstance(event, CalibrationProgress):
+                say(event.fraction, f"calibrating ({event.reason}): {event.note}")
+
+        session = EngineSession.start(engine_config, db=db, observers=(calibrating,))
         try:
             engine, database = session.engine, session.database
             assert database is not None  # started with a store
@@ -90,6 +100,7 @@ class EmbeddedSource:
                 # numbered on from the last run's traffic (each of its cycles added
                 # requests[0] first), so no id clashes with what that run left
                 first_cycle = next_cycle(db_session, requests[0].request_id) if requests else 0
+            say(1.0, "replaying the journal")
             session.resume_unfinished()  # what a crashed console left (pitfall 12)
             loop = session.attach_loop()
             source = cls(session)

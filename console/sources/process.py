@@ -72,11 +72,13 @@ class ProcessSource:
         """launch() and wait_ready() in one."""
         return cls.launch(**options).wait_ready()
 
-    def wait_ready(self) -> ProcessSource:
+    def wait_ready(self, progress: Progress | None = None) -> ProcessSource:
+        """Wait for the child to start, passing `progress` each stage it reports (loading the
+        model, calibrating, replaying the journal); raise its start-up error, if any."""
         if self._ready:
             return self
         try:
-            kind, payload = _first_answer(self._connection)
+            kind, payload = _first_answer(self._connection, progress)
         except EOFError:
             self._process.join(CLOSE_TIMEOUT_S)
             raise SourceError(f"the engine process exited while starting (exit code "
@@ -199,8 +201,11 @@ def serve(connection: Connection, options: dict[str, Any]) -> None:
 
     # Warnings go up the pipe: written here they would land in the middle of the parent's UI.
     logging.basicConfig(level=logging.WARNING, handlers=[_PipeHandler(send)], force=True)
+    def starting(fraction: float, what: str) -> None:
+        send((None, "progress", (fraction, what)))
+
     try:
-        source = EmbeddedSource.start(**options)
+        source = EmbeddedSource.start(**options, progress=starting)
     except BaseException as exc:  # handed to the parent, which raises it
         send((None, "error", _portable(exc)))
         return
@@ -241,13 +246,19 @@ class _PipeHandler(logging.Handler):
             self.send((None, "log", (record.name, record.levelno, record.getMessage())))
 
 
-def _first_answer(connection: Connection) -> tuple[str, Any]:
-    """The "ready" or "error" of a starting child, re-logging what it logs on the way."""
+def _first_answer(connection: Connection,
+                  progress: Progress | None = None) -> tuple[str, Any]:
+    """The "ready" or "error" of a starting child, re-logging what it logs and passing on
+    the progress it reports on the way."""
     while True:
         _, kind, payload = connection.recv()
-        if kind != "log":
+        if kind == "log":
+            _relog(payload)
+        elif kind == "progress":
+            if progress is not None:
+                progress(*payload)
+        else:
             return kind, payload
-        _relog(payload)
 
 
 def _relog(record: tuple[str, int, str]) -> None:

@@ -15,7 +15,7 @@ from textual.logging import TextualHandler
 from textual.screen import Screen
 
 from console.errors import UserError
-from console.sources.base import Source
+from console.sources.base import Source, SourceError
 from console.sources.fleet import FleetSource
 from console.sources.process import ProcessSource
 from console.sources.replay import ReplaySource, SessionRecorder
@@ -34,6 +34,7 @@ from console.tui.screens.fleet import FleetScreen
 from console.tui.screens.help import HelpScreen
 from console.tui.screens.live import LiveScreen
 from console.tui.screens.slow_queries import SlowQueriesScreen
+from console.tui.screens.splash import EngineStarted, EngineStarting, SplashScreen
 from console.tui.screens.tuning import TuningScreen
 from console.tui.state import ConsoleState
 from engine.errors import EngineError
@@ -60,13 +61,17 @@ class TokenflowApp(App[None]):
     DEFAULT_MODE = "live"
 
     def __init__(self, source: Source, *, interval: float = POLL_INTERVAL_S,
-                 recorder: SessionRecorder | None = None) -> None:
+                 recorder: SessionRecorder | None = None, starting: bool = False) -> None:
+        """`starting`: `source` is a ProcessSource whose engine is still starting; a splash
+        shows its stages until it is ready, and the polls begin then."""
         super().__init__()
         self.state = ConsoleState(source)
         for mode, screen in SCREENS.items():  # each screen is handed the state, not the app
             self.add_mode(mode, functools.partial(screen, self.state))
         self.recorder = recorder
         self.collector = SnapshotCollector(self, source, interval, recorder)
+        self.starting = starting
+        self.startup_error: str | None = None  # why the engine did not start, for the shell
 
     @property
     def source(self) -> Source:
@@ -77,10 +82,40 @@ class TokenflowApp(App[None]):
         return self.state.latest
 
     def on_mount(self) -> None:
+        if not self.starting:
+            self.collector.start()
+            return
+        self.push_screen(SplashScreen(self.source.name))
+        self.run_worker(self._wait_ready, thread=True, name="engine start", exit_on_error=False)
+
+    def _wait_ready(self) -> None:
+        source = self.source
+        assert isinstance(source, ProcessSource)
+        try:
+            source.wait_ready(lambda fraction, what: self.post_message(
+                EngineStarting(fraction, what)))
+        except (UserError, EngineError, SourceError) as exc:
+            self.post_message(EngineStarted(str(exc)))
+            return
+        self.post_message(EngineStarted(None))
+
+    def on_engine_starting(self, message: EngineStarting) -> None:
+        if isinstance(self.screen, SplashScreen):
+            self.screen.show_stage(message.fraction, message.what)
+
+    def on_engine_started(self, message: EngineStarted) -> None:
+        if message.error is not None:
+            self.startup_error = message.error
+            self.exit(return_code=2)
+            return
+        self.starting = False
+        if isinstance(self.screen, SplashScreen):
+            self.pop_screen()
         self.collector.start()
 
     def on_unmount(self) -> None:
-        self.collector.stop()
+        if not self.starting:
+            self.collector.stop()
         if self.recorder is not None:
             self.recorder.finish(self.source)
         self.source.close()
@@ -186,7 +221,7 @@ class TokenflowApp(App[None]):
 
 def open_source(args: argparse.Namespace, engine: ProcessSource | None) -> Source:
     """The source the flags chose (console.cli.console checked they agree): replay, attach, or the
-    embedded engine launched already, once it is ready."""
+    embedded engine launched already (the app shows its start-up)."""
     if args.replay:
         return ReplaySource(args.replay, speed=args.speed)
     if args.attach or args.attach_vllm or args.attach_sglang:
@@ -195,7 +230,6 @@ def open_source(args: argparse.Namespace, engine: ProcessSource | None) -> Sourc
         return open_http_source(args.attach, args.attach_vllm, args.attach_sglang,
                                 gpu=args.gpu, traces=open_traces(args))
     assert engine is not None, "console.cli.console launches the embedded engine"
-    engine.wait_ready()
     return engine
 
 
@@ -223,5 +257,9 @@ def run(args: argparse.Namespace, engine: ProcessSource | None) -> int:
         return 2
     # Engine warnings (e.g. chunks off their prediction) go to Textual's log, not the screen.
     logging.basicConfig(level=logging.WARNING, handlers=[TextualHandler()], force=True)
-    TokenflowApp(source, recorder=recorder).run()
+    app = TokenflowApp(source, recorder=recorder, starting=engine is not None)
+    app.run()
+    if app.startup_error is not None:
+        print(f"tokenflow-console: {app.startup_error}", file=sys.stderr)
+        return 2
     return 0
