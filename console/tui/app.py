@@ -26,7 +26,7 @@ from console.tui.collectors import (
     SnapshotPolled,
     SourceFailed,
 )
-from console.tui.keymap import COMMANDS, bindings, command_for, typed_into
+from console.tui.keymap import COMMANDS, bindings, command_for
 from console.tui.screens.base import ConsoleScreen
 from console.tui.screens.diagnosis import DiagnosisScreen
 from console.tui.screens.drift import DriftScreen
@@ -159,14 +159,12 @@ class TokenflowApp(App[None]):
             self.push_screen(HelpScreen(self.state))
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """A command key is text, not a command, when the focused input would take it; a
-        command the source cannot do is off (its key still says why: ConsoleScreen.on_key)."""
+        """A command the source cannot do is off (its key still says why:
+        ConsoleScreen.on_key). A key the focused field takes never gets here (Field)."""
         if action != "command":
             return True
-        key = str(parameters[0])
-        need = command_for(key).needs
-        return not typed_into(self.focused, key) and (
-            need is None or need in self.state.capabilities)
+        need = command_for(str(parameters[0])).needs
+        return need is None or need in self.state.capabilities
 
     async def action_command(self, key: str) -> None:
         await self.run_action(command_for(key).action)

@@ -3,10 +3,10 @@
 A command that needs a capability the source lacks is hidden from the footer and the palette;
 its key still answers, with the reason (see ConsoleScreen.on_key).
 
-Every command key is a priority binding, so it works from every screen, with an input
-focused too (k9s: `?` helps everywhere). A key still goes to the focused input when the
-input would take that character (a digit into a number field, any letter into a filter box);
-Escape leaves the input, and F1–F5 switch screens whatever is focused.
+Every command key is a priority binding, so it works from every screen, with a field
+focused too (k9s: `?` helps everywhere). A key still goes to the focused field when the
+field takes that character (a digit into a number Field, any letter into a filter box);
+Escape leaves the field, and F1–F5 switch screens whatever is focused.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ INPUT_TYPES = {"integer": r"[-+]?(?:\d*|\d+_)*",  # as Textual's Input restricts
 
 
 def bindings() -> list[Binding]:
-    """One priority binding per key: the app's `key` action runs the command unless the
-    focused input takes the character (App.check_action asks `typed_into`)."""
+    """One priority binding per key, running the app's `command` action; Textual drops it
+    while the focused widget consumes that key (see widgets.field.Field)."""
     return [Binding(key, f"command({key!r})", c.title, key_display=c.shown_key, priority=True,
                     show=False)
             for c in COMMANDS for key in c.keys]
@@ -85,7 +85,7 @@ def command_for(key: str) -> Command:
 
 def typed_into(focused: Widget | None, key: str) -> bool:
     """Whether `key`, pressed with `focused` focused, is text for that input rather than a
-    command: it has a character, and the input's type and restriction would accept it."""
+    command: it has a character, and the input's type and restriction accept it there."""
     character = CHARACTERS.get(key, key)
     if not isinstance(focused, Input) or len(character) != 1 or not character.isprintable():
         return False

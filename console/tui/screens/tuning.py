@@ -19,6 +19,7 @@ from console.sources.base import Capability
 from console.tui.collectors import ConfigApplied, ConfigChangesLoaded, ConfigRejected
 from console.tui.screens.base import ConsoleScreen
 from console.tui.state import ConsoleState
+from console.tui.widgets.field import Field as NumberField
 from console.tui.widgets.notice import unavailable
 from engine.snapshot import Snapshot
 
@@ -68,7 +69,8 @@ class TuningScreen(ConsoleScreen):
                 for field in FIELDS:
                     with Horizontal(classes="field"):
                         yield Label(field.label, classes="field-label")
-                        yield Input(id=f"input-{field.name}", classes="field-input", type="number")
+                        yield NumberField(id=f"input-{field.name}", classes="field-input",
+                                          type="number")
                         yield Static(field.help, id=f"note-{field.name}", classes="field-note")
                 with Horizontal(id="tuning-buttons"):
                     yield Button("Apply  ctrl+s", id="apply", variant="primary")
