@@ -12,7 +12,11 @@
 6. Ride-along: step_micro's step curve on the GPU, D decodes beside a P-token chunk. Issues 3
    and 9's latency targets need a chunk to ride along a decode step nearly free (ride_along
    near 0 below C*); on the 2-core CPU it measured 0.6-1.0.
-7. Targets (only with --checks naming it; minutes): issue 3's and issue 9's `tokenflow bench`
+7. Compiled (issue 18): the torch.compile'd engine on CUDA, whose steps of up to
+   CUDA_GRAPH_MAX_TOKENS tokens replay as CUDA graphs: greedy tokens equal the CPU engine's
+   (fp32), then decode steps at several D and a prefill chunk, eager against compiled, on
+   `--model` in bf16, with the compile time.
+8. Targets (only with --checks naming it; minutes): issue 3's and issue 9's `tokenflow bench`
    comparisons on CUDA, each as bench's JSON: mixed chunked/unchunked, the conversation trace
    chunked/hf, and capacity at the TPOT SLO, auto/unchunked.
 
@@ -41,11 +45,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from step_micro import measure, step_curve  # run from benchmarks/, as the usage line says
+from step_micro import (  # run from benchmarks/, as the usage line says
+    _decodes,
+    _engine,
+    _request,
+    _timed,
+    measure,
+    step_curve,
+)
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.budget.calibrate import calibrate
 from engine.core.attention import flash_available
+from engine.core.batch import ScheduledChunk
+from engine.core.request import RequestState
+from engine.model.transformer import CUDA_GRAPH_MAX_TOKENS
 from engine.ops.telemetry import NvmlBandwidth, TelemetryError, nvml_available
 
 PROMPTS = [[3 + (i * 7 + j) % 300 for j in range(n)] for i, n in enumerate((1, 17, 64, 200))]
@@ -62,6 +76,30 @@ def exactness() -> dict[str, Any]:
                                      max_num_batched_tokens=budget, chunk_tile=16))
         by_budget[budget] = engine.generate(PROMPTS, params) == reference
     return {"greedy_equal_to_cpu": by_budget, "ok": all(by_budget.values())}
+
+
+def compiled(model: str) -> dict[str, Any]:
+    """The compiled path with CUDA graphs: exact against the CPU, then eager vs compiled."""
+    params = SamplingParams(max_tokens=12)
+    reference = Engine(EngineConfig(model="synthetic:tiny", device="cpu",
+                                    dtype="float32")).generate(PROMPTS, params)
+    exact = {}
+    for budget in (16, 4096):  # graphed decode steps beside compiled prefill steps
+        engine = Engine(EngineConfig(model="synthetic:tiny", device="cuda", dtype="float32",
+                                     max_num_batched_tokens=budget, compile=True))
+        exact[budget] = engine.generate(PROMPTS, params) == reference
+    engines = {"eager": _engine(model, "cuda", "bfloat16"),
+               "compiled": _engine(model, "cuda", "bfloat16", compile=True)}
+    timings: dict[str, dict[str, float]] = {}
+    for name, engine in engines.items():
+        running = _decodes(engine, 64, 512)
+        prefill = _request(engine, "prefill", 1024, RequestState.PREFILL_CHUNKING)
+        timings[name] = {f"decode_{d}_ms": _timed(engine, running[:d], 3, 20) * 1e3
+                         for d in (1, 8, 32, CUDA_GRAPH_MAX_TOKENS)}
+        timings[name]["prefill_1024_ms"] = _timed(
+            engine, [ScheduledChunk(prefill, 0, 1024)], 2, 10) * 1e3
+    return {"greedy_equal_to_cpu": exact, "ok": all(exact.values()),
+            "compile_s": engines["compiled"].runner.compile_s, "model": model, **timings}
 
 
 def roofline(model: str) -> dict[str, Any]:
@@ -138,7 +176,8 @@ def telemetry() -> dict[str, Any]:
             "reading": monitor.reading().util_5s}
 
 
-CHECKS = ("exactness", "telemetry", "roofline", "ride_along", "calibration", "targets")
+CHECKS = ("exactness", "compiled", "telemetry", "roofline", "ride_along", "calibration",
+          "targets")
 DEFAULT_CHECKS = CHECKS[:-1]
 
 
@@ -156,7 +195,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print(json.dumps({"cuda": False, "flash_attn": False}))
         return 0
-    runs = {"exactness": exactness, "telemetry": telemetry,
+    runs = {"exactness": exactness, "compiled": lambda: compiled(args.model),
+            "telemetry": telemetry,
             "roofline": lambda: roofline(args.model),
             "ride_along": lambda: ride_along(args.model),
             "calibration": lambda: calibration(args.model),
@@ -169,7 +209,8 @@ def main() -> int:
         except Exception as exc:  # report every check, even after one fails
             report[name] = {"error": f"{type(exc).__name__}: {exc}"}
     print(json.dumps(report, indent=2, default=str))
-    return 0 if report.get("exactness", {"ok": True}).get("ok") else 1
+    exact = all(report.get(check, {"ok": True}).get("ok") for check in ("exactness", "compiled"))
+    return 0 if exact else 1
 
 
 if __name__ == "__main__":

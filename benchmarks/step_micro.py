@@ -4,6 +4,19 @@ in the same run (issue 2); CUDA events time it on a GPU. Prints JSON.
 
     PYTHONPATH=. .venv/bin/python benchmarks/step_micro.py [--model synthetic:150m]
     PYTHONPATH=. .venv/bin/python benchmarks/step_micro.py --model synthetic:small --curve
+
+`--limits` (issue 18): on synthetic:small, a decode step at D = 8 as weight-read bandwidth
+against the streaming (copy) bandwidth, and a 256-token prefill chunk as FLOP/s against the
+matmul peak, each peak measured at the same thread count, at one thread and at the engine's;
+eager and compiled engines side by side in the same process, their steps interleaved, so a
+busy machine slows both alike (`cpu_ms` is the process CPU time of a step, which counts
+neither waiting for a core nor other processes).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/step_micro.py --limits
+
+`--flex` (issue 18): one layer's decode attention at D = 8, the engine's gather-then-SDPA
+path against FlexAttention (compiled) reading the paged cache in place through a block mask
+built from the block tables, with the mask's build time (once a step), in process CPU ms.
 """
 
 from __future__ import annotations
@@ -11,23 +24,33 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from typing import Any
+
+import torch
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.budget.calibrate import timed_step
+from engine.budget.peaks import measure_peaks
 from engine.core.batch import Batch, ScheduledChunk, StepShape
 from engine.core.request import Request, RequestState
 
 
-def _engine(model: str, device: str, dtype: str) -> Engine:
+def _engine(model: str, device: str, dtype: str, compile: bool = False,
+            kv_bytes: int = 1 << 30) -> Engine:
     """A 1 GiB KV pool on CPU; on a GPU the default share of its free memory."""
     return Engine(EngineConfig(model=model, device=device, dtype=dtype, max_model_len=4096,
-                               kv_cache_bytes=(1 << 30) if device == "cpu" else None))
+                               kv_cache_bytes=kv_bytes if device == "cpu" else None,
+                               compile=compile))
+
+
+def _batch(chunks: list[ScheduledChunk]) -> Batch:
+    return Batch(prefills=[c for c in chunks if not c.is_decode],
+                 decodes=[c for c in chunks if c.is_decode])
 
 
 def _timed(engine: Engine, chunks: list[ScheduledChunk], warmup: int, repeats: int) -> float:
-    batch = Batch(prefills=[c for c in chunks if not c.is_decode],
-                  decodes=[c for c in chunks if c.is_decode])
+    batch = _batch(chunks)
     for _ in range(warmup):
         timed_step(engine, batch)
     return statistics.median(timed_step(engine, batch) for _ in range(repeats))
@@ -114,6 +137,131 @@ def step_curve(model: str, *, device: str = "cpu", dtype: str = "float32",
     return rows
 
 
+def limits(model: str = "synthetic:small", *, device: str = "cpu", dtype: str = "float32",
+           batch: int = 8, context: int = 256, chunk: int = 256, repeats: int = 15,
+           rounds: int = 3) -> dict[str, Any]:
+    """Decode weight-read bandwidth and prefill FLOP/s against this machine's measured limits,
+    at one thread and at the engine's count, for an eager and a compiled engine (see the
+    module's docstring). Peaks are measured afresh at each thread count."""
+    engines = {"eager": _engine(model, device, dtype, kv_bytes=1 << 28),
+               "compiled": _engine(model, device, dtype, compile=True, kv_bytes=1 << 28)}
+    compile_s = engines["compiled"].runner.compile_s
+    engine_threads = torch.get_num_threads()  # what ModelRunner chose for the engine
+    budget = engines["eager"].budget
+    prefill_flops = budget.flops(StepShape(prefill=((chunk, 0),)))
+    steps = {}
+    for name, engine in engines.items():
+        prefill = _request(engine, "prefill", chunk, RequestState.PREFILL_CHUNKING)
+        steps[name] = {"decode": _batch(_decodes(engine, batch, context)),
+                       "prefill": _batch([ScheduledChunk(prefill, 0, chunk)])}
+    result: dict[str, Any] = {"model": model, "device": device, "batch": batch,
+                              "context": context, "chunk": chunk, "compile_s": compile_s,
+                              "weight_bytes": budget.weight_bytes, "threads": {}}
+    for threads in sorted({1, engine_threads}):
+        torch.set_num_threads(threads)
+        peaks = measure_peaks.__wrapped__(device, getattr(torch, dtype))  # at this count
+        times: dict[tuple[str, str], list[tuple[float, float]]] = {
+            (name, kind): [] for name in engines for kind in ("decode", "prefill")}
+        for _ in range(rounds):  # interleaved: load on the machine hits every variant alike
+            for name, engine in engines.items():
+                for kind, step in steps[name].items():
+                    timed_step(engine, step)  # warm
+                    for _ in range(repeats if kind == "decode" else max(2, repeats // 5)):
+                        cpu = time.process_time()
+                        wall = timed_step(engine, step)
+                        times[name, kind].append((wall, time.process_time() - cpu))
+        row: dict[str, Any] = {"streaming_bandwidth": peaks.bandwidth,
+                               "matmul_peak_flops": peaks.flops}
+        for name in engines:
+            decode_s, decode_cpu = map(statistics.median, zip(*times[name, "decode"],
+                                                              strict=True))
+            prefill_s, prefill_cpu = map(statistics.median, zip(*times[name, "prefill"],
+                                                                strict=True))
+            read = budget.weight_bytes / decode_s
+            row[name] = {
+                "decode_ms": decode_s * 1e3, "decode_cpu_ms": decode_cpu * 1e3,
+                "decode_weight_read_bandwidth": read,
+                "decode_share_of_streaming": read / peaks.bandwidth,
+                "prefill_ms": prefill_s * 1e3, "prefill_cpu_ms": prefill_cpu * 1e3,
+                "prefill_flops": prefill_flops / prefill_s,
+                "prefill_share_of_matmul_peak": prefill_flops / prefill_s / peaks.flops,
+            }
+        result["threads"][threads] = row
+    torch.set_num_threads(engine_threads)
+    return result
+
+
+def flex_vs_gather(model: str = "synthetic:small", *, batch: int = 8,
+                   contexts: tuple[int, ...] = (256, 1024)) -> list[dict[str, Any]]:
+    """Decode attention of layer 0 on CPU: PagedAttention as the engine runs it, against
+    flex_attention over the whole cache viewed as one sequence ([1, Hkv, blocks * bs, D], no
+    copy), each query row allowed its own blocks by a BlockMask (see the module docstring)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    engine = _engine(model, "cpu", "float32", kv_bytes=1 << 28)
+    flex = torch.compile(flex_attention, dynamic=False)
+    return [_flex_row(engine, flex, _decodes(engine, batch, context)) for context in contexts]
+
+
+def _flex_row(engine: Engine, flex: Any, chunks: list[ScheduledChunk], repeats: int = 30,
+              rounds: int = 2) -> dict[str, Any]:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    runner, config = engine.runner, engine.model_config
+    attention = runner.model.layers[0].self_attn.attn
+    k_cache, v_cache = runner.kv_cache[0, 0], runner.kv_cache[1, 0]
+    bs, slots, batch = runner.block_size, runner.num_blocks * runner.block_size, len(chunks)
+    meta = runner.prepare(chunks).meta
+    tables = [c.request.block_table for c in chunks]
+    owner = torch.full((runner.num_blocks,), -1, dtype=torch.int64)
+    order = torch.zeros(runner.num_blocks, dtype=torch.int64)
+    for row, table in enumerate(tables):
+        owner[table] = row
+        order[table] = torch.arange(len(table))
+    lengths = torch.tensor([c.start + 1 for c in chunks])
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        block = kv_idx // bs
+        return (owner[block] == q_idx) & (order[block] * bs + kv_idx % bs < lengths[q_idx])
+
+    def block_mask() -> BlockMask:  # built once a step, from the block tables
+        indices = torch.zeros(1, 1, batch, runner.num_blocks, dtype=torch.int32)
+        for row, table in enumerate(tables):
+            indices[0, 0, row, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        counts = torch.tensor([[[len(t) for t in tables]]], dtype=torch.int32)
+        return BlockMask.from_kv_blocks(counts, indices, BLOCK_SIZE=(1, bs), mask_mod=mask_mod,
+                                        seq_lengths=(batch, slots))
+
+    q = torch.randn(batch, config.num_heads, config.head_dim)
+    k = torch.randn(batch, config.num_kv_heads, config.head_dim)
+    v = torch.randn_like(k)
+    flat_k = k_cache.reshape(1, config.num_kv_heads, slots, config.head_dim)
+    flat_v = v_cache.reshape(1, config.num_kv_heads, slots, config.head_dim)
+    mask = block_mask()
+
+    def in_place() -> torch.Tensor:
+        out = flex(q.transpose(0, 1)[None], flat_k, flat_v, block_mask=mask,
+                   scale=attention.scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
+
+    def gathered() -> torch.Tensor:
+        return attention(q, k, v, k_cache, v_cache, meta)  # also writes k, v
+
+    runs = {"gather_sdpa": gathered, "flex": in_place, "flex_mask_build": block_mask}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    with torch.inference_mode():
+        diff = float((gathered() - in_place()).abs().max())
+        for _ in range(rounds):  # interleaved, as in limits()
+            for name, run in runs.items():
+                run()
+                for _ in range(repeats):
+                    start = time.process_time()
+                    run()
+                    times[name].append(time.process_time() - start)
+    return {"batch": batch, "context": chunks[0].start + 1, "max_abs_diff": diff,
+            **{f"{name}_cpu_ms": statistics.median(t) * 1e3 for name, t in times.items()}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="synthetic:150m")
@@ -125,7 +273,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--curve", action="store_true",
                         help="instead: step time over a grid of decodes x prefill tokens")
+    parser.add_argument("--limits", action="store_true",
+                        help="instead: decode weight-read bandwidth and prefill FLOP/s against "
+                             "the measured limits, eager and compiled, at 1 and engine threads")
+    parser.add_argument("--flex", action="store_true",
+                        help="instead: decode attention, gather + SDPA against FlexAttention "
+                             "over the paged cache in place (CPU)")
     args = parser.parse_args()
+    if args.flex:
+        print(json.dumps(flex_vs_gather(), indent=2))
+        return
+    if args.limits:
+        print(json.dumps(limits(device=args.device, dtype=args.dtype), indent=2))
+        return
     if args.curve:
         print(json.dumps(step_curve(args.model, device=args.device, dtype=args.dtype),
                          indent=2))

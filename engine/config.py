@@ -140,9 +140,16 @@ class EngineConfig:
     cpu_threads: int = 0  # torch threads on CPU; 0 = all cores but one (UI, HTTP, store)
     # the snapshot's latency percentiles cover this many seconds (lifetime histograms stay)
     stats_window_s: float = 60.0
+    # torch.compile the model's layers, paid once at start (CUDA graphs for small steps on
+    # CUDA). None: on CUDA, where the graphs remove launch overhead; off on CPU, where it
+    # measured no faster (issue 18's notes in README) and costs 20-30 s of start.
+    compile: bool | None = None
     # --- live-tunable ---------------------------------------------------------------------
     max_num_batched_tokens: int = 256  # the token budget of one step (CPU-sized default)
     chunked_prefill: bool = True  # False: a prompt runs whole in one step or waits
+    # reuse the KV blocks of prompt prefixes already computed (vLLM V1's hashed blocks);
+    # turning it off drops the cache's hashes, so nothing is hit again until it is back on
+    enable_prefix_caching: bool = True
     auto_budget: bool = False  # True: each step's budget is C* (live D, S) plus the decodes
     auto_tpot_ms: float = 0.0  # with auto_budget: grow chunks while a step stays within this
     chunk_tile: int = 16  # prefill chunks are rounded down to a multiple of this (pitfall 4)
@@ -232,7 +239,7 @@ LIVE_FIELDS = frozenset(
     for f in dataclasses.fields(EngineConfig)
     if f.name not in {"model", "device", "dtype", "seed", "block_size", "kv_cache_bytes",
                       "gpu_memory_utilization", "max_model_len", "max_num_seqs",
-                      "attention_backend", "cpu_threads", "stats_window_s"}
+                      "attention_backend", "cpu_threads", "stats_window_s", "compile"}
 )
 
 # The defaults as one importable value: a widget that meets a snapshot without some field

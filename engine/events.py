@@ -88,6 +88,17 @@ class CacheEvict(Event):
 
 
 @dataclass(frozen=True)
+class PrefixCacheLookup(Event):
+    """A request admitted with the prefix cache on: of the `queried_tokens` it holds, the
+    first `cached_tokens` were found computed (vLLM's prefix_cache_queries / _hits)."""
+
+    kind: ClassVar[str] = "prefix_cache_lookup"
+    request_id: str
+    queried_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
 class Preempted(Event):
     kind: ClassVar[str] = "preempted"
     request_id: str
@@ -156,6 +167,7 @@ class SlowQuery(Event):
     cause: str | None = None  # engine.core.timeline.Cause: what the overrun is attributed to
     cause_share: float | None = None  # that cause's part of the overrun, 0..1
     verdict: str = ""  # one line: the cause, its time and share
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache: never prefilled
 
 
 @dataclass(frozen=True)
@@ -205,7 +217,11 @@ Subscriber = Callable[[Event], None]
 
 
 class EventBus:
-    def __init__(self) -> None:
+    """`clock`, when given, stamps every published event: an engine on a simulated clock
+    times its events in simulated seconds, as its requests are."""
+
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        self._clock = clock
         self._front: list[Event] = []
         self._back: list[Event] = []
         self._lock = threading.Lock()
@@ -216,6 +232,8 @@ class EventBus:
         return lambda: self._subscribers.remove(fn)
 
     def publish(self, event: Event) -> None:
+        if self._clock is not None:  # before any subscriber sees it; frozen for them
+            object.__setattr__(event, "ts", self._clock())
         with self._lock:
             self._front.append(event)
 

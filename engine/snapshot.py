@@ -26,6 +26,7 @@ class RequestView:
     tpot_ms: float | None
     budget_score: float | None
     arrival_s: float
+    cached_tokens: int = 0  # prompt tokens its latest admission found in the prefix cache
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,11 @@ class Snapshot:
     requests_failed_total: int = 0
     faults_isolated_total: int = 0  # failed alone by an error of their own (guard layer 7)
     slow_queries_total: int = 0
+    # vLLM's meaning: tokens looked up in the prefix cache at admission, and those found
+    prefix_cache_queries_total: int = 0
+    prefix_cache_hits_total: int = 0
+    prefix_cache_hit_rate: float | None = None  # hits / queries over the recent window
+    kv_blocks_cached: int = 0  # blocks registered in the prefix cache (in use or free)
     guards: tuple[str, ...] = ()  # protection layers engaged now
     # Attached servers (vLLM, SGLang) report cumulative counters: the console differences them
     # over `window_s` seconds (0: the engine's own windows, or not enough history yet).

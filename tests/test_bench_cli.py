@@ -51,3 +51,18 @@ def test_bench_rejects_a_negative_capacity_duration(capsys: pytest.CaptureFixtur
     assert main(["bench", "--model", "synthetic:tiny", "--capacity",
                  "--capacity-duration", "-1"]) == 2
     assert "--capacity-duration" in capsys.readouterr().err
+
+
+def test_bench_multiturn_shows_what_the_prefix_cache_saves(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["bench", "--model", "synthetic:tiny", "--workload", "multiturn",
+                 "--num-requests", "3", "--rate", "inf", "--time-scale", "0.001",
+                 "--compare", "chunked,nocache", "--json"])
+    assert code == 0
+    runs = json.loads(capsys.readouterr().out)["runs"]
+    cached, plain = runs["chunked"], runs["nocache"]
+    assert plain["config"]["enable_prefix_caching"] is False
+    assert cached["finished"] == plain["finished"] == 3 * 4
+    assert plain["hit_rate"] is None and cached["hit_rate"] > 0.5
+    assert cached["prefix_cache_queries"] >= cached["prefix_cache_hits"] > 0
+    assert cached["prefill_tokens_computed"] < plain["prefill_tokens_computed"] / 2

@@ -1,4 +1,5 @@
-"""The paged KV cache's bookkeeping under random add / step / abort sequences."""
+"""The paged KV cache's bookkeeping under random add / step / abort sequences, and the prefix
+cache's reference counts under random admit / compute / release / compact sequences."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.core.block_manager import BlockError, BlockManager
+from engine.core.block_manager import BlockError, BlockManager, block_hash
 from engine.core.request import Request
 
 # A pool of 24 blocks of 4 tokens is small enough that random traffic preempts.
@@ -47,7 +48,8 @@ def test_no_block_leaks_or_double_frees(ops: list[tuple[str, int, int]]) -> None
             engine.abort(ids[a % len(ids)])
         live = list(engine.scheduler.requests.values())
         engine.blocks.check_consistent(live)
-        assert engine.blocks.num_used == sum(len(r.block_table) for r in live)
+        # the prompts share prefixes, so requests share blocks: each counts once
+        assert engine.blocks.num_used == len({b for r in live for b in r.block_table})
     for rid in list(engine.scheduler.requests):
         engine.abort(rid)
     engine.step()
@@ -87,3 +89,115 @@ def test_fragmentation_counts_partly_filled_blocks() -> None:
     request.num_computed_tokens = 6
     assert blocks.fragmentation([request]) == pytest.approx(2 / 8)
     assert blocks.usage == pytest.approx(2 / 8)
+
+
+# --- the prefix cache ---------------------------------------------------------------------
+
+BLOCK = 4
+POOL = 12
+# prompts from two "system prompts" and a tiny alphabet, so that prefixes repeat often
+prefix_ops = st.one_of(
+    st.tuples(st.just("admit"), st.integers(0, 1), st.lists(st.integers(3, 5), max_size=10)),
+    st.tuples(st.just("compute"), st.integers(0, 30), st.integers(1, 9)),
+    st.tuples(st.just("release"), st.integers(0, 30), st.just([])),
+    st.tuples(st.just("compact"), st.just(0), st.just([])),
+    st.tuples(st.just("toggle"), st.just(0), st.just([])),
+)
+
+
+class _Pool:
+    """The KV pool as token contents per block: what `move` copies and `grow` clears, so the
+    test can check that a cached block a request takes holds exactly its tokens."""
+
+    def __init__(self) -> None:
+        self.content: list[tuple[int, ...] | None] = [None] * POOL
+
+    def move(self, source: list[int], target: list[int]) -> None:
+        rows = [self.content[b] for b in source]
+        for block, row in zip(target, rows, strict=True):
+            self.content[block] = row
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(prefix_ops, min_size=1, max_size=40))
+def test_shared_blocks_are_never_freed_or_moved_under_a_reader(ops) -> None:
+    blocks = BlockManager(POOL, BLOCK)
+    pool = _Pool()
+    live: list[Request] = []
+    systems = ([7] * 9, [8, 9] * 5)
+    for n, (kind, a, tokens) in enumerate(ops):
+        if kind == "admit":
+            request = Request(f"r{n}", systems[a] + tokens, SamplingParams(max_tokens=1), 0.0)
+            cached = blocks.take_cached(request)
+            assert cached % BLOCK == 0 and cached < request.num_tokens  # last token computed
+            for index, block in enumerate(request.block_table):  # hits hold its very tokens
+                assert pool.content[block] == tuple(request.prompt_token_ids[
+                    index * BLOCK:(index + 1) * BLOCK])
+            live.append(request)
+        elif kind == "compute" and live:
+            request = live[a % len(live)]
+            step = min(tokens, request.num_pending)
+            if step and blocks.can_grow(request, step):
+                blocks.grow(request, step)
+                for block in blocks.take_newly_allocated():
+                    pool.content[block] = None  # the runner zeroes it
+                end = request.num_computed_tokens + step
+                for index in range(request.num_computed_tokens // BLOCK, -(-end // BLOCK)):
+                    block = request.block_table[index]
+                    # a request writes only blocks it holds alone: shared ones are full
+                    assert blocks._ref_counts[block] == 1
+                    pool.content[block] = tuple(request.prompt_token_ids[
+                        index * BLOCK:min(end, (index + 1) * BLOCK)])
+                request.num_computed_tokens = end
+                blocks.cache_full_blocks(request)
+        elif kind == "release" and live:
+            request = live.pop(a % len(live))
+            held = list(request.block_table)
+            blocks.release(request)
+            for block in held:  # a block another request still reads stays out of the pool
+                still_read = any(block in r.block_table for r in live)
+                assert still_read == (block not in blocks._free)
+        elif kind == "compact":
+            before = {r.id: [pool.content[b] for b in r.block_table] for r in live}
+            blocks.compact(live, pool.move)
+            assert before == {r.id: [pool.content[b] for b in r.block_table] for r in live}
+        elif kind == "toggle":
+            blocks.set_caching(not blocks.enable_caching)
+            if not blocks.enable_caching:
+                assert blocks.num_cached == 0
+        assert min(blocks._ref_counts) >= 0
+        blocks.check_consistent(live)
+    for request in live:
+        blocks.release(request)
+    assert blocks.num_free == POOL
+    blocks.check_consistent([])
+
+
+def test_freed_cached_blocks_are_evicted_least_recently_freed_first() -> None:
+    blocks = BlockManager(4, BLOCK)
+    first = Request("a", list(range(3, 12)), SamplingParams(max_tokens=1), 0.0)  # 2 full + 1
+    blocks.grow(first, 9)
+    first.num_computed_tokens = 9
+    blocks.cache_full_blocks(first)
+    assert blocks.num_cached == 2
+    blocks.release(first)
+    assert blocks.num_free == 4
+    # the two uncached blocks are reused first, then the cached tail before the cached head
+    other = Request("b", [20] * 12, SamplingParams(max_tokens=1), 0.0)
+    blocks.grow(other, 12)
+    assert blocks.num_cached == 1 and blocks.evictions == 1
+    again = Request("c", list(range(3, 12)), SamplingParams(max_tokens=1), 0.0)
+    assert blocks.take_cached(again) == BLOCK  # the head block survived
+    assert block_hash(None, list(range(3, 7))) in blocks._cached
+
+
+def test_turning_caching_off_drops_every_hash() -> None:
+    blocks = BlockManager(4, BLOCK)
+    first = Request("a", list(range(3, 12)), SamplingParams(max_tokens=1), 0.0)
+    blocks.grow(first, 9)
+    first.num_computed_tokens = 9
+    blocks.cache_full_blocks(first)
+    blocks.set_caching(False)
+    again = Request("b", list(range(3, 12)), SamplingParams(max_tokens=1), 0.0)
+    assert blocks.take_cached(again) == 0 and blocks.num_cached == 0
+    blocks.check_consistent([first])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
+from engine.core.model_runner import compiles
 from tests.hf_models import FAMILIES, hf_greedy, hf_last_logits, save_tiny
 
 # windows are 8-16 tokens: most prompts cross them, several times
@@ -26,10 +27,11 @@ def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     return directory, prompts, hf_greedy(directory, prompts, MAX_NEW)
 
 
-def _engine(directory: Path, budget: int, block_size: int = 16) -> Engine:
+def _engine(directory: Path, budget: int, block_size: int = 16,
+            compile: bool = False) -> Engine:
     return Engine(EngineConfig(model=str(directory), device="cpu", dtype="float32",
                                max_num_batched_tokens=budget, chunk_tile=1,
-                               block_size=block_size))
+                               block_size=block_size, compile=compile))
 
 
 @pytest.mark.parametrize("budget", [7, 13, 64, 4096])
@@ -104,3 +106,25 @@ def test_mixed_batch_prefill_beside_decodes_is_exact(reference) -> None:
             if out.finished:
                 results[out.request_id] = list(out.token_ids)
     assert [results[rid] for rid in sorted(ids, key=ids.get)] == expected
+
+
+@pytest.mark.slow  # compiling takes 10-30 s on a small CPU
+@pytest.mark.parametrize("reference", ["llama", "gemma2"], indirect=True)
+def test_compiled_forward_is_exact(reference) -> None:
+    """torch.compile'd layers (the `tokenflow` commands' default): the same greedy tokens as
+    transformers with chunks beside decodes, and the same logits as the eager forward."""
+    directory, prompts, expected = reference
+    engine = _engine(directory, 13, compile=True)
+    assert engine.runner.compile_s > 0
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    assert outputs == expected
+    prompt = prompts[LENGTHS.index(300)]
+    assert torch.allclose(_first_logits(engine, prompt),
+                          _first_logits(_engine(directory, 13), prompt), atol=1e-4, rtol=0)
+
+
+def test_compile_is_on_where_asked_else_on_cuda_only() -> None:
+    assert not compiles(EngineConfig(device="cpu"))
+    assert compiles(EngineConfig(device="cpu", compile=True))
+    assert not compiles(EngineConfig(device="auto", compile=False))
+    assert compiles(EngineConfig(device="auto")) == torch.cuda.is_available()

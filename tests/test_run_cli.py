@@ -218,3 +218,21 @@ def test_bad_request_files_are_one_line_naming_the_line(
     assert main(["run", *RUN_FLAGS, "--requests", str(source), "--no-db"]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_run_reports_cold_start_to_first_token(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--model", "synthetic:tiny", "--workload", "mixed", "--num-requests",
+                 "2", "--rate", "inf", "--json", "--no-db", "--no-compile"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["compile_s"] == 0.0
+    assert summary["cold_start_s"] > 0
+
+
+@pytest.mark.slow  # compiles synthetic:tiny
+def test_run_compiles_with_a_progress_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["run", "--model", "synthetic:tiny", "--workload", "mixed", "--num-requests",
+                 "2", "--rate", "inf", "--json", "--no-db", "--compile"]) == 0
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
+    assert "compiling the model" in captured.err and "compiled and warmed up" in captured.err
+    assert 0 < summary["compile_s"] < summary["cold_start_s"]

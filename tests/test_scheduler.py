@@ -49,7 +49,8 @@ class SchedulerRig:
     sampled: set[Request] = field(default_factory=set)  # chunks of the last step that sampled
 
     def __post_init__(self) -> None:
-        self.blocks = BlockManager(self.num_blocks, self.config.block_size)
+        self.blocks = BlockManager(self.num_blocks, self.config.block_size,
+                                   enable_caching=self.config.enable_prefix_caching)
         self.bandwidth = InjectedBandwidth(IdleBandwidth(), clock=self.clock)
         self.scheduler = Scheduler(self.config, self.blocks, self.bandwidth,
                                    lambda shape: 1e-3, self.events.append, self.clock,
@@ -62,7 +63,9 @@ class SchedulerRig:
     def add(self, prompt_tokens: int, max_tokens: int = 4, *, priority: int = 0,
             tenant: str = "default", arrival: float | None = None) -> Request:
         """Queue a request, or reject it as the engine's intake does."""
-        request = Request(id=f"r{len(self.requests)}", prompt_token_ids=[TOKEN] * prompt_tokens,
+        # a distinct first token: no two prompts share a prefix-cache block
+        prompt = [len(self.requests)] + [TOKEN] * (prompt_tokens - 1)
+        request = Request(id=f"r{len(self.requests)}", prompt_token_ids=prompt,
                           params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                           arrival=self.now if arrival is None else arrival, tenant=tenant,
                           priority=priority)

@@ -15,11 +15,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from console.cli.main import main
 from engine import Engine, EngineConfig
+from engine.core.batch import RequestOutput
 from engine.errors import EngineError
 from engine.events import Event, Finished
+from engine.model.tokenizer import ByteTokenizer
 from engine.ops.metrics import TTFT_BUCKETS
 from engine.serve.app import create_app
 from engine.serve.auth import TOKEN_ENV, load_admin_token
+from engine.serve.completions import _decode_all, _Reply
 from engine.serve.loop import EngineLoop
 from engine.serve.thread import ServerThread
 
@@ -75,7 +78,8 @@ def test_text_prompt_equals_its_token_ids(client: httpx.Client, loop: EngineLoop
     assert by_text["choices"][0]["token_ids"] == by_ids["choices"][0]["token_ids"]
     assert by_text["usage"]["prompt_tokens"] == len(ids)
     tokens = by_text["choices"][0]["token_ids"]
-    assert by_text["choices"][0]["text"] == loop.engine.tokenizer.decode(tokens)
+    # a trailing incomplete character is held back (test_incomplete_utf8_is_held_back...)
+    assert by_text["choices"][0]["text"] == loop.engine.tokenizer.decode(tokens).rstrip("\ufffd")
 
 
 def test_streaming_sends_every_token_then_done(client: httpx.Client) -> None:
@@ -91,10 +95,47 @@ def test_streaming_sends_every_token_then_done(client: httpx.Client) -> None:
     chunks = [json.loads(e) for e in events[:-1]]
     usage = chunks.pop()
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 8
+    assert [len(c["choices"][0]["token_ids"]) for c in chunks] == [1] * 8  # one per token
     streamed = [t for c in chunks for t in c["choices"][0]["token_ids"]]
     assert streamed == expected["choices"][0]["token_ids"]
     assert "".join(c["choices"][0]["text"] for c in chunks) == expected["choices"][0]["text"]
     assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+
+
+def test_streamed_text_holds_back_incomplete_characters(client: httpx.Client,
+                                                        loop: EngineLoop) -> None:
+    """Every event's text so far is the decoded tokens so far less a character still
+    incomplete: no U+FFFD for bytes that a later token completes, none at the end."""
+    decode = loop.engine.tokenizer.decode
+    with client.stream("POST", "/v1/completions",
+                       json={"prompt": [200, 201], "max_tokens": 48, "ignore_eos": True,
+                             "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    assert len(chunks) == 48
+    tokens: list[int] = []
+    text = ""
+    for chunk in chunks:
+        tokens += chunk["choices"][0]["token_ids"]
+        text += chunk["choices"][0]["text"]
+        assert text == decode(tokens).rstrip("\ufffd")
+    assert not text.endswith("\ufffd")
+
+
+def test_incomplete_utf8_is_held_back_until_it_completes() -> None:
+    """"é" is two bytes, two tokens of the byte tokenizer: nothing after the first, the
+    whole character after the second; an invalid byte mid-text stays visible as U+FFFD."""
+    tokenizer = ByteTokenizer(320)
+    reply = _Reply("cmpl-x", MODEL, 1, tokenizer.decode, 0)
+    tokens = tokenizer.encode("aé")
+
+    def text(ids: list[int]) -> str:
+        return _decode_all(reply, RequestOutput("x", (ids[-1],), tuple(ids), False, None,
+                                                "DECODING"))
+
+    assert [text(tokens[:n]) for n in (1, 2, 3)] == ["a", "a", "aé"]
+    invalid = [0xFF + ByteTokenizer.OFFSET]
+    assert text(invalid + tokens) == "\ufffdaé"
 
 
 def test_openai_client_works(server: ServerThread) -> None:

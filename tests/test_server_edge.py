@@ -5,11 +5,13 @@ connection stays usable and the engine goes on serving."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,9 +20,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from console.cli.main import main
 from engine import Engine, EngineConfig
 from engine.config import ConfigError, SamplingParams
-from engine.ops.recovery import resume_unfinished
+from engine.ops.recovery import Resumption, resume_unfinished
 from engine.serve.app import create_app
 from engine.serve.loop import EngineLoop
 from engine.serve.thread import ServerThread
@@ -260,7 +263,7 @@ def test_poison_never_reaches_the_journal_so_a_restart_resumes_nothing(
         loop.stop()
         writer.close()
     restarted = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32"))
-    assert resume_unfinished(restarted, database) == []
+    assert resume_unfinished(restarted, database) == Resumption((), (), ())
     database.close()
 
 
@@ -294,3 +297,43 @@ def test_serve_stopped_by_sigterm_flushes_its_journal_and_exits_0(tmp_path: Path
             assert unfinished_requests(session) == []
     finally:
         database.close()
+
+
+def test_serve_whose_journal_stops_stops_serving_with_a_clear_error(tmp_path: Path) -> None:
+    """A permanent journal error (here a table dropped under the running server) stops the
+    server with exit 2 and the fix, instead of serving on unrecorded (issue 15: a journal
+    that never lies)."""
+    db = tmp_path / "serve.db"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "console.cli.main", "serve", "--model", "synthetic:tiny",
+         "--device", "cpu", "--dtype", "float32", "--port", "0", "--db", str(db)],
+        cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        url = re.search(r"http://[^,\s]+", server.stdout.readline())
+        assert url
+        with contextlib.closing(sqlite3.connect(db)) as connection:
+            connection.execute("DROP TABLE request_journal")  # the schema says head; it is not
+        # the request that meets the broken journal; its answer may be cut off
+        with httpx.Client(base_url=url.group(0), timeout=60) as http_client, \
+                contextlib.suppress(httpx.HTTPError):
+            http_client.post("/v1/completions", json=NORMAL)
+        _out, err = server.communicate(timeout=120)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert server.returncode == 2, err
+    assert "the journal in" in err and "tokenflow db upgrade" in err and "Traceback" not in err
+
+
+def test_serve_on_a_store_missing_a_table_is_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    db = tmp_path / "old.db"
+    open_database(db).close()
+    with contextlib.closing(sqlite3.connect(db)) as connection:
+        connection.execute("DROP TABLE request_journal")
+    assert main(["serve", "--model", "synthetic:tiny", "--device", "cpu", "--port", "0",
+                 "--db", str(db)]) == 2
+    err = capsys.readouterr().err
+    assert "schema is missing tables" in err and len(err.strip().splitlines()) == 1

@@ -109,7 +109,8 @@ def test_time_scale_stretches_arrivals():
 
 
 def test_unknown_spec_lists_choices():
-    with pytest.raises(WorkloadError, match="long-doc, chat, mixed, conv, code, trace:PATH"):
+    with pytest.raises(WorkloadError, match="long-doc, chat, mixed, multiturn, "
+                                            "conversations:PATH, conv, code, trace:PATH"):
         build("chatty")
     with pytest.raises(EngineError, match="rate must be > 0"):
         build("chat", rate=0)

@@ -2,10 +2,13 @@
 
 Built-in configurations: `chunked` (the default token budget), `unchunked` (a budget as large
 as the longest prompt plus a decode per running request, prompts never split), `auto` (each
-step's budget is the recommended C* for the live decode load) and `hf` (transformers'
-`generate` in static batches on the same weights). More with `--config NAME:field=value,...`.
+step's budget is the recommended C* for the live decode load), `nocache` (`chunked` with prefix
+caching off: every prompt prefilled from its first token) and `hf` (transformers' `generate` in
+static batches on the same weights). More with `--config NAME:field=value,...`.
 Every run replays the same requests at the same times. `--capacity` searches each
 configuration's highest sustainable arrival rate; `--report DIR` writes markdown and plots.
+`--simulate TARGET` runs the same scheduler on the GPU twin (engine.sim): no weights, step
+times predicted; `--against-real` also runs each configuration for real beside it.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import platform
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +48,12 @@ from engine.harness.slo import (
 )
 from engine.harness.workload import WorkloadRequest, describe, steady_traffic
 from engine.serve.session import EngineSession
+from engine.sim.executor import VirtualClock, simulated_engine
+from engine.sim.fleet import FleetResult, run_fleet
+from engine.sim.router import RoutePolicy
+from engine.sim.target import SimTarget, resolve_target
 from engine.stats import quantile
+from engine.store import open_database
 
 PROBE_KV_BYTES = 1 << 30  # on CUDA: a decode step of 8 x 128 tokens, even on a 7B model
 
@@ -76,6 +85,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "token (tpot) or every gap between tokens (tbt, Sarathi-Serve's)")
     parser.add_argument("--report", type=Path, metavar="DIR",
                         help="write report.md and PNG plots into DIR")
+    parser.add_argument("--simulate", metavar="TARGET",
+                        help="run on the GPU twin instead: this (the calibration stored for "
+                             "this device), a100, h100, h200, l40s, b200 (datasheet roofline) "
+                             "or calibration:ID; no weights are loaded")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="with --simulate GPU: tensor-parallel GPUs (default 1)")
+    parser.add_argument("--replicas", type=int, default=1,
+                        help="with --simulate: a fleet of this many replicas behind a router")
+    parser.add_argument("--router", default=RoutePolicy.LEAST_TOKENS.value,
+                        choices=[p.value for p in RoutePolicy],
+                        help="how a fleet routes requests (default least-tokens)")
+    parser.add_argument("--against-real", action="store_true",
+                        help="with --simulate: also run every configuration for real, "
+                             "reported as NAME:real")
     parser.set_defaults(func=bench)
 
 
@@ -86,14 +109,20 @@ def bench(args: argparse.Namespace) -> int:
     base = engine_config(args)
     names = [n.strip() for n in args.compare.split(",") if n.strip()]
     custom = dict(_parse_config(spec) for spec in args.config)
-    # The store is only read here, for the stored calibration, which every run then applies.
-    with EngineSession.start(_probe_config(base), db=args.db, journal=False) as session:
-        probe = session.engine
-        calibration = (None if session.calibration is None
-                       else StepTimePredictor.from_dict(session.calibration.params))
+    target = _sim_target(args, base)
+    sim = None if target is None else _Simulation(target, args.replicas,
+                                                  RoutePolicy.parse(args.router))
+    if target is None:
+        # The store is only read here, for the stored calibration, which every run applies.
+        with EngineSession.start(_probe_config(base), db=args.db, journal=False) as session:
+            probe = session.engine
+            calibration = (None if session.calibration is None
+                           else StepTimePredictor.from_dict(session.calibration.params))
+    else:
+        probe, calibration = simulated_engine(base, target, VirtualClock()), target.calibration
+    slo = SLO.from_decode_step(measure_decode_step(probe))
     workload = workload_for(args, probe)
     longest = max(len(w.prompt_token_ids) for w in workload)
-    slo = SLO.from_decode_step(measure_decode_step(probe))
     # auto aims each step at half the TPOT SLO: headroom for steps the predictor misjudges
     configs = {name: _named_config(name, base, custom, longest, probe.max_model_len,
                                    slo.tpot_s * 1e3 / 2) for name in names}
@@ -105,12 +134,30 @@ def bench(args: argparse.Namespace) -> int:
         "calibrated": calibration is not None,  # step predictions from `tokenflow calibrate`
         "runs": {},
     }
+    if target is not None:
+        report.update(simulated=True, predictor=target.predictor,
+                      predictor_source=target.source, target=target.describe())
     results: dict[str, RunResult] = {}
     for name, config in configs.items():
-        results[name] = _run(name, config, workload, args.hf_batch_size, calibration)
-        report["runs"][name] = _run_report(name, config, results[name], probe, slo, prefill_s)
+        if sim is None:
+            results[name] = _run(name, config, workload, args.hf_batch_size, calibration)
+            report["runs"][name] = _run_report(name, config, results[name], probe, slo,
+                                               prefill_s)
+        else:
+            fleet = sim.run(name, config, workload)
+            results[name] = fleet.merged
+            report["runs"][name] = {**fleet.summary(),
+                                    **_run_report(name, config, fleet.merged, probe, slo,
+                                                  prefill_s)}
+            if args.replicas == 1:
+                del report["runs"][name]["replicas"], report["runs"][name]["router"]
+        if args.against_real:
+            real = f"{name}:real"
+            results[real] = _run(name, config, workload, args.hf_batch_size, calibration)
+            report["runs"][real] = _run_report(real, config, results[real], probe, slo,
+                                               prefill_s)
     if args.capacity:
-        report["capacity"] = _capacities(args, configs, workload, slo, calibration)
+        report["capacity"] = _capacities(args, configs, workload, slo, calibration, sim)
     if args.report:
         report["report"] = str(write_report(args.report, report, results))
     if args.json:
@@ -129,8 +176,41 @@ def _probe_config(base: EngineConfig) -> EngineConfig:
     return base
 
 
+@dataclass(frozen=True)
+class _Simulation:
+    target: SimTarget
+    replicas: int
+    policy: RoutePolicy
+
+    def run(self, name: str, config: EngineConfig,
+            workload: list[WorkloadRequest]) -> FleetResult:
+        if name == "hf":
+            raise UserError("the hf baseline runs transformers' own model; it cannot be "
+                            "simulated: drop hf from --compare")
+        return run_fleet(config, self.target, workload, self.replicas, self.policy)
+
+
+def _sim_target(args: argparse.Namespace, base: EngineConfig) -> SimTarget | None:
+    if args.simulate is None:
+        if args.tp != 1 or args.against_real or args.replicas != 1:
+            raise UserError("--tp, --replicas and --against-real apply to simulated runs; "
+                            "add --simulate")
+        return None
+    if args.replicas < 1:
+        raise UserError("--replicas must be at least 1")
+    database = open_database(args.db)
+    try:
+        with database.session() as session:
+            return resolve_target(args.simulate, base, tp=args.tp, session=session)
+    finally:
+        database.close()
+
+
 def _run(name: str, config: EngineConfig, workload: list[WorkloadRequest],
-         hf_batch_size: int, calibration: StepTimePredictor | None) -> RunResult:
+         hf_batch_size: int, calibration: StepTimePredictor | None,
+         sim: _Simulation | None = None) -> RunResult:
+    if sim is not None:
+        return sim.run(name, config, workload).merged
     engine = Engine(config)
     if calibration is not None:
         apply(engine, calibration)
@@ -155,7 +235,8 @@ def _run_report(name: str, config: EngineConfig, result: RunResult, probe: Engin
 
 def _capacities(args: argparse.Namespace, configs: dict[str, EngineConfig],
                 workload: list[WorkloadRequest], slo: SLO,
-                calibration: StepTimePredictor | None) -> dict[str, Any]:
+                calibration: StepTimePredictor | None,
+                sim: _Simulation | None) -> dict[str, Any]:
     span = max(w.arrival_s for w in workload) or 1.0
     offered = len(workload) / span
     out: dict[str, Any] = {}
@@ -163,7 +244,7 @@ def _capacities(args: argparse.Namespace, configs: dict[str, EngineConfig],
         def run_at(rate: float, name: str = name, config: EngineConfig = config) -> RunResult:
             traffic = steady_traffic(workload, rate, args.capacity_duration,
                                      args.capacity_requests)
-            return _run(name, config, traffic, args.hf_batch_size, calibration)
+            return _run(name, config, traffic, args.hf_batch_size, calibration, sim)
         best, probes = capacity(run_at, slo, low=offered / 16, high=offered * 4,
                                 iterations=args.capacity_iterations,
                                 metric=args.capacity_metric)
@@ -181,10 +262,12 @@ def _named_config(name: str, base: EngineConfig, custom: dict[str, dict[str, str
         return base
     if name == "auto":
         return base.replace(auto_budget=True, auto_tpot_ms=tpot_target_ms)
+    if name == "nocache":
+        return base.replace(enable_prefix_caching=False)
     if name == "unchunked":
         budget = max(base.max_num_batched_tokens, min(longest, max_model_len) + base.max_num_seqs)
         return base.replace(max_num_batched_tokens=budget, chunked_prefill=False)
-    known = ", ".join(["chunked", "unchunked", "auto", "hf", *custom])
+    known = ", ".join(["chunked", "unchunked", "auto", "nocache", "hf", *custom])
     raise UserError(f"unknown configuration {name!r}; known: {known} "
                     f"(define more with --config NAME:field=value)")
 
@@ -225,7 +308,7 @@ def _print_table(report: dict[str, Any]) -> None:
     runs = report["runs"]
     header = (f"{'config':<14}{'out tok/s':>10}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}"
               f"{'TPOT p50':>10}{'TPOT p99':>10}{'ITL p99':>9}{'ITL max':>9}{'preempt':>9}"
-              f"{'slow':>6}{'goodput':>9}")
+              f"{'slow':>6}{'goodput':>9}{'prefilled':>10}{'hit rate':>9}")
     print(f"workload {report['workload']['spec']}: {report['workload']['requests']} requests "
           f"on {report['machine']['model']} ({report['machine']['device']})")
     print(header)
@@ -234,9 +317,14 @@ def _print_table(report: dict[str, Any]) -> None:
               f"{_f(r['ttft_ms']['p50']):>10}{_f(r['ttft_ms']['p99']):>10}"
               f"{_f(r['tpot_ms']['p50']):>10}{_f(r['tpot_ms']['p99']):>10}"
               f"{_f(r['itl_ms']['p99']):>9}{_f(r['itl_ms']['max']):>9}{r['preemptions']:>9}"
-              f"{r['slow_queries']:>6}{r['goodput']:>9.2f}")
+              f"{r['slow_queries']:>6}{r['goodput']:>9.2f}"
+              f"{_f(r.get('prefill_tokens_computed')):>10}{_pct(r.get('hit_rate')):>9}")
     for name, c in report.get("capacity", {}).items():
         print(f"capacity {name}: {c['rate']:.2f} requests/s (P99 {c['metric'].upper()})")
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
 
 
 def _f(value: float | None) -> str:

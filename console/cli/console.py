@@ -52,6 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="replay speed (default 1.0; 0 steps one snapshot per refresh)")
     parser.add_argument("--record", type=Path, metavar="FILE",
                         help="write every snapshot and the store's records to FILE (JSONL)")
+    parser.add_argument("--simulate", metavar="TARGET",
+                        help="run the GPU twin: a100, h100, h200, l40s, b200, this or "
+                             "calibration:ID; no weights, step times predicted")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="with --simulate GPU: tensor-parallel GPUs (default 1)")
+    parser.add_argument("--sim-speed", type=float, default=1.0, metavar="X",
+                        help="with --simulate: simulated seconds per wall-clock second "
+                             "(default 1.0)")
     return parser
 
 
@@ -70,8 +78,13 @@ def conflict(args: argparse.Namespace) -> str | None:
     if attach_only and not attached:
         return f"{', '.join(attach_only)} describe attached servers; add --attach URL"
     engine_flags = [flag for flag, value in (("--model", args.model), ("--device", args.device),
-                                             ("--db", args.db and not args.otlp_listen))
+                                             ("--db", args.db and not args.otlp_listen),
+                                             ("--simulate", args.simulate))
                     if value]
+    if (args.tp != 1 or args.sim_speed != 1.0) and not args.simulate:
+        return "--tp and --sim-speed apply to a simulated engine; add --simulate"
+    if not args.sim_speed > 0:
+        return f"--sim-speed must be > 0, got {args.sim_speed}"
     if chosen and engine_flags:
         return (f"{', '.join(engine_flags)} configure the embedded engine; "
                 f"drop them with {chosen[0]}")
@@ -90,9 +103,12 @@ def main(argv: list[str] | None = None) -> int:
         # busy machine); the console's splash then shows the engine's stages.
         print("tokenflow-console: starting the engine…", file=sys.stderr, flush=True)
         from console.sources.process import ProcessSource
+        from engine.sim.executor import Simulation
 
+        simulate = None if args.simulate is None else Simulation(args.simulate, args.tp,
+                                                                 args.sim_speed)
         engine = ProcessSource.launch(model=args.model, device=args.device,
-                                      workload=args.workload, db=args.db)
+                                      workload=args.workload, db=args.db, simulate=simulate)
     from console.tui.app import run  # Textual and the screens: seconds, overlapping the child's
 
     return run(args, engine)

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
 
 from engine.config import EngineConfig
+from engine.core.model_runner import compiles
 from engine.model.config import PRESETS
+from engine.serve.session import EngineSession
 
 # flag name -> (EngineConfig field, type, help)
 _FLAGS: dict[str, tuple[str, type, str]] = {
@@ -31,6 +36,8 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--slow-query-threshold": ("slow_query_threshold", float, "budget_score of a slow query"),
     "--stats-window-s": ("stats_window_s", float,
                          "seconds the latency percentiles cover (default 60)"),
+    "--compile": ("compile", bool, "torch.compile the model at start, warmed up before the "
+                                   "first request (default: on CUDA only)"),
 }
 
 
@@ -38,6 +45,10 @@ def add_engine_flags(parser: argparse.ArgumentParser, model_default: str = "synt
                      ) -> None:
     group = parser.add_argument_group("engine")
     for flag, (field, kind, text) in _FLAGS.items():
+        if kind is bool:  # --flag / --no-flag; neither keeps EngineConfig's default
+            group.add_argument(flag, dest=field, action=argparse.BooleanOptionalAction,
+                               help=text)
+            continue
         default = model_default if field == "model" else None
         group.add_argument(flag, dest=field, type=kind, default=default, help=text)
 
@@ -50,3 +61,18 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
     config = dataclasses.replace(EngineConfig(), **values)
     config.validate()
     return config
+
+
+def start_session(config: EngineConfig, *, db: str | Path | None, store: bool,
+                  **options: Any) -> EngineSession:
+    """EngineSession.start (with its `options`), saying on stderr when compiling makes the
+    start take a while."""
+    compiling = compiles(config)
+    if compiling:
+        print("compiling the model (torch.compile, once at start; --no-compile skips it)...",
+              file=sys.stderr, flush=True)
+    session = EngineSession.start(config, db=db, store=store, **options)
+    if compiling:
+        print(f"compiled and warmed up in {session.engine.runner.compile_s:.1f} s",
+              file=sys.stderr, flush=True)
+    return session

@@ -6,11 +6,12 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from console.cli.db import add_db_argument
-from console.cli.engine_flags import add_engine_flags, engine_config
+from console.cli.engine_flags import add_engine_flags, engine_config, start_session
 from console.cli.terminal import terminal_safe
 from console.cli.workload_flags import add_workload_flags, workload_for
 from console.errors import UserError
@@ -52,26 +53,35 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--resume reads the request journal; drop --no-db")
     if args.requests and not args.requests.exists():
         raise UserError(f"--requests {args.requests}: no such file")
-    with EngineSession.start(engine_config(args), db=args.db, store=not args.no_db,
-                             on_commit=report_commit if args.report_commits else None,
-                             ) as session:
+    started = time.monotonic() - (_process_age_s() or 0.0)
+    with start_session(engine_config(args), db=args.db, store=not args.no_db,
+                       on_commit=report_commit if args.report_commits else None) as session:
         engine = session.engine
         if args.requests:
             workload = load_requests_jsonl(args.requests, engine.tokenizer.encode)
         else:
             workload = workload_for(args, engine)
         sink = _OutputSink(args.output, session.writer)
+        first_token: list[float] = []
+
+        def on_output(output: RequestOutput) -> None:
+            if not first_token and output.token_ids:
+                first_token.append(time.monotonic())
+            sink.write(output)
+
         try:
             remaining = workload
             if args.resume:
                 remaining = _resume(session, workload, sink.emitted())
-            result = drive(engine, remaining, on_output=sink.write)
+            result = drive(engine, remaining, on_output=on_output)
         finally:
             sink.close()
     if session.writer is not None:
         session.writer.check()  # the journal stopped at the end: the run must not look complete
     summary: dict[str, Any] = {"model": engine.config.model, "device": str(engine.runner.device),
-                               "workload": describe(workload).to_dict(), **result.summary()}
+                               "workload": describe(workload).to_dict(), **result.summary(),
+                               "compile_s": engine.runner.compile_s,
+                               "cold_start_s": first_token[0] - started if first_token else None}
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
@@ -192,6 +202,18 @@ def _set_aside_torn_line(path: Path) -> None:
           f"that was killed or ran out of disk); moved it to {torn}", file=sys.stderr)
 
 
+def _process_age_s() -> float | None:
+    """Seconds since this process started (Linux), so a cold start counts the imports too;
+    None where /proc does not say."""
+    try:
+        # fields after the command name's ')': state is field 3, starttime field 22
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
+
+
 def _print_summary(s: dict[str, Any]) -> None:
     def fmt(p: dict[str, float | None]) -> str:
         return " ".join(f"{k}={v:.1f}" if v is not None else f"{k}=-" for k, v in p.items())
@@ -203,3 +225,6 @@ def _print_summary(s: dict[str, Any]) -> None:
     print(f"  TPOT ms {fmt(s['tpot_ms'])}")
     print(f"  step ms {fmt(s['step_ms'])}, preemptions {s['preemptions']}, "
           f"slow queries {s['slow_queries']}")
+    if s["cold_start_s"] is not None:
+        print(f"  cold start to first token {s['cold_start_s']:.1f} s "
+              f"(compile and warm-up {s['compile_s']:.1f} s)")

@@ -20,7 +20,7 @@ from types import FrameType
 import uvicorn
 
 from console.cli.db import add_db_argument
-from console.cli.engine_flags import add_engine_flags, engine_config
+from console.cli.engine_flags import add_engine_flags, engine_config, start_session
 from console.errors import UserError
 from engine.serve.app import (
     DEFAULT_MAX_BODY_BYTES,
@@ -31,7 +31,6 @@ from engine.serve.app import (
 from engine.serve.auth import TOKEN_ENV, load_admin_token
 from engine.serve.hosts import ANY_HOST, LOOPBACK_HOSTS
 from engine.serve.listener import listen
-from engine.serve.session import EngineSession
 from engine.store import Database, SlowQueryRecord, list_slow_queries
 
 GRACEFUL_SHUTDOWN_S = 5
@@ -75,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config(args)
     token = load_admin_token(args.admin_token_file)
     listener = _listen(args.host, args.port)  # a taken port fails now, not after the model loads
-    with listener, EngineSession.start(config, db=args.db, store=not args.no_db) as session:
+    with listener, start_session(config, db=args.db, store=not args.no_db) as session:
         engine, database = session.engine, session.database
         session.resume_unfinished()  # what a killed server had accepted
         loop = session.attach_loop().start()
@@ -91,7 +90,11 @@ def run(args: argparse.Namespace) -> int:
               f"http://{host}:{port}, admin API {admin}, store {store}", flush=True)
         server = uvicorn.Server(uvicorn.Config(app, lifespan="off",
                                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        if session.writer is not None:  # the journal stopped: stop serving, say why, exit 2
+            session.writer.on_failure(lambda _error: setattr(server, "should_exit", True))
         _serve_until_signalled(server, listener)
+        if session.writer is not None:
+            session.writer.check()
     return 0
 
 

@@ -11,9 +11,12 @@ from engine.harness.workload import WorkloadRequest, build_workload, default_len
 def add_workload_flags(parser: argparse.ArgumentParser, default: str = "mixed") -> None:
     group = parser.add_argument_group("workload")
     group.add_argument("--workload", default=default,
-                       help="long-doc, chat, mixed, conv, code (the Azure traces) or trace:FILE")
+                       help="long-doc, chat, mixed, multiturn (conversations resending their "
+                            "history), conversations:FILE (JSONL), conv, code (the Azure "
+                            "traces) or trace:FILE")
     group.add_argument("--num-requests", type=int, default=None,
-                       help="requests to send (default: the profile's own count)")
+                       help="requests to send (default: the profile's own count); for "
+                            "multiturn, conversations")
     group.add_argument("--rate", type=float, default=None,
                        help="arrivals per second (Poisson for profiles; traces keep their "
                             "pattern, rescaled to this mean rate); inf sends all at once")
@@ -31,4 +34,4 @@ def workload_for(args: argparse.Namespace, engine: Engine) -> list[WorkloadReque
     return build_workload(args.workload, vocab_size=engine.model_config.vocab_size,
                           max_model_len=engine.max_model_len, num_requests=args.num_requests,
                           rate=args.rate, seed=args.workload_seed, length_scale=scale,
-                          time_scale=args.time_scale)
+                          time_scale=args.time_scale, encode=engine.tokenizer.encode)

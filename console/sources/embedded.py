@@ -27,6 +27,7 @@ from engine.events import CalibrationProgress, Event
 from engine.harness.workload import build_workload, default_length_scale
 from engine.serve.loop import EngineLoop
 from engine.serve.session import EngineSession
+from engine.sim.executor import Simulation
 from engine.snapshot import Snapshot
 from engine.store import (
     CalibrationRecord,
@@ -73,9 +74,11 @@ class EmbeddedSource:
               workload: str = "mixed", db: Path | None = None,
               config: EngineConfig | None = None, num_requests: int | None = None,
               rate: float | None = None, repeat: bool = True,
+              simulate: Simulation | None = None,
               progress: Progress | None = None) -> EmbeddedSource:
         """Open the store, build the engine, start its loop and the workload (`num_requests`
         at `rate` requests/s, the workload's own defaults when None), repeating if asked.
+        `simulate` runs the GPU twin (no weights, predicted step times) at its speed.
         `progress` hears each stage: loading the model, calibrating, replaying the journal."""
         device = device or "auto"
         base = config or EngineConfig()
@@ -88,14 +91,18 @@ class EmbeddedSource:
             if isinstance(event, CalibrationProgress):
                 say(event.fraction, f"calibrating ({event.reason}): {event.note}")
 
-        session = EngineSession.start(engine_config, db=db, observers=(calibrating,))
+        session = EngineSession.start(engine_config, db=db, simulate=simulate,
+                                      observers=(calibrating,))
         try:
             engine, database = session.engine, session.database
             assert database is not None  # started with a store
             requests = build_workload(
                 workload, vocab_size=engine.model_config.vocab_size,
                 max_model_len=engine.max_model_len, num_requests=num_requests, rate=rate,
-                length_scale=default_length_scale(engine.runner.device.type))
+                length_scale=default_length_scale(engine.runner.device.type),
+                encode=engine.tokenizer.encode,
+                # arrivals come on the wall clock, which a simulation outpaces speed-fold
+                time_scale=1.0 if simulate is None else 1.0 / simulate.speed)
             with database.session() as db_session:
                 # numbered on from the last run's traffic (each of its cycles added
                 # requests[0] first), so no id clashes with what that run left
@@ -104,6 +111,8 @@ class EmbeddedSource:
             session.resume_unfinished()  # what a crashed console left (pitfall 12)
             loop = session.attach_loop()
             source = cls(session)
+            if simulate is not None:
+                source.name = f"SIMULATED {source.name} (x{simulate.speed:g})"
             calibration = session.calibration
             source.monitor = DriftMonitor(
                 engine, loop.call, on_result=source._store_result,

@@ -28,6 +28,8 @@ LOW_BANDWIDTH = 0.6  # below this 5 s average the memory side is not what limits
 MIN_DECODES = 4  # a decode batch worth calling memory-bound
 TTFT_SLO_FACTOR = 2.0  # TTFT p50 this many times its SLO is "far above" it
 MIN_BACKLOG_SAMPLES = 4  # history samples of the waiting queue needed to call it a trend
+CACHE_USEFUL = 0.2  # a lifetime prefix-cache hit rate at which the cache matters
+CACHE_FALL_RATIO = 0.5  # recent hit rate below this share of the lifetime rate: it fell
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,20 @@ def _kv_capacity(s: Snapshot, h: MetricHistory) -> Figures | None:
             "running": str(s.num_running), "waiting": str(s.num_waiting), "mode": s.mode}
 
 
+def _prefix_cache_fall(s: Snapshot, h: MetricHistory) -> Figures | None:
+    """Seed 003 §12: cached prefixes cut the prefill from T to T(1-h) tokens; a hit rate that
+    falls below what this traffic had shown gives that back (evicted or changed prefixes)."""
+    recent = s.prefix_cache_hit_rate
+    if recent is None or not s.prefix_cache_queries_total:
+        return None
+    lifetime = s.prefix_cache_hits_total / s.prefix_cache_queries_total
+    if lifetime < CACHE_USEFUL or recent >= CACHE_FALL_RATIO * lifetime:
+        return None
+    return {"hit rate recent": f"{recent:.0%}", "hit rate overall": f"{lifetime:.0%}",
+            "KV usage": f"{s.kv_usage:.0%}",
+            "cached blocks": f"{s.kv_blocks_cached}/{s.kv_blocks_total}"}
+
+
 RULES: tuple[Rule, ...] = (
     Rule("decode_stall", "Short chats stall for seconds when a long prompt arrives",
          "A whole prefill holds the batch and decodes are paused",
@@ -197,6 +213,13 @@ RULES: tuple[Rule, ...] = (
          "Usable KV memory ÷ k ÷ S, against the measured concurrency ceiling",
          "CACHE_PRESSURE_WAIT, or KV usage at the high watermark with requests waiting",
          _kv_capacity),
+    Rule("prefix_cache_fall", "TTFT climbs back although prompts still share their prefixes",
+         "Prefix-cache hits fell: prefill grows from T(1-h) back toward T tokens (§12)",
+         "Hit rate against KV usage: are cached prefixes evicted under pressure, or did the "
+         "shared prefix change (its format, or something varying placed before it)?",
+         f"recent hit rate under {CACHE_FALL_RATIO:.0%} of a lifetime rate of at least "
+         f"{CACHE_USEFUL:.0%}",
+         _prefix_cache_fall),
 )
 
 

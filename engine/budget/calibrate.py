@@ -374,7 +374,8 @@ class Calibration:
         _synchronize(runner.device)
         zero_s = time.perf_counter() - start
         blocks.release(holder)
-        block_bytes = runner.kv_cache[:, :, :1].numel() * runner.bytes_per_element
+        block_bytes = (self.engine.model_config.kv_bytes_per_token(runner.bytes_per_element)
+                       * blocks.block_size)
         capacity = granted * blocks.block_size
         return KvProbe(blocks=granted, total_blocks=blocks.num_blocks,
                        block_size=blocks.block_size, capacity_tokens=capacity,
@@ -467,9 +468,14 @@ def save_result(session: Session, result: CalibrationResult, reason: str) -> int
 
 def latest_for(session: Session, engine: Engine) -> CalibrationRecord | None:
     """The newest stored calibration of this engine's model, device and dtype."""
-    dtype = str(engine.runner.dtype).removeprefix("torch.")
-    history = calibration_history(session, model=engine.config.model,
-                                  device=str(engine.runner.device))
+    return latest_stored(session, model=engine.config.model, device=str(engine.runner.device),
+                         dtype=str(engine.runner.dtype).removeprefix("torch."))
+
+
+def latest_stored(session: Session, *, model: str, device: str,
+                  dtype: str) -> CalibrationRecord | None:
+    """The newest stored calibration of `model` on `device` at `dtype`."""
+    history = calibration_history(session, model=model, device=device)
     return next((r for r in history if r.info.get("dtype") == dtype), None)
 
 
@@ -508,7 +514,8 @@ def _probe_batch(probe: Probe, vocab: int) -> Batch:
 def timed_step(engine: Engine, batch: Batch) -> float:
     """Seconds of one forward pass plus sampling (`ModelRunner.run`), what the engine times as
     a step; CUDA events on a GPU (they see the kernels, and the host-side preparation the GPU
-    waits through)."""
+    waits through), the engine's own clock elsewhere (as its steps are timed; a test clock
+    makes a sweep exact)."""
     runner = engine.runner
     if runner.device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -517,9 +524,9 @@ def timed_step(engine: Engine, batch: Batch) -> float:
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
-    start_s = time.perf_counter()
+    start_s = engine.clock()  # a simulated engine's clock: the twin calibrates on its own steps
     runner.run(batch)
-    return time.perf_counter() - start_s
+    return engine.clock() - start_s
 
 
 def _synchronize(device: torch.device) -> None:

@@ -80,6 +80,11 @@ class BudgetModel:
         return self.config.num_params(include_embeddings=False)
 
     @property
+    def weight_bytes(self) -> float:
+        """Bytes of weights every step reads: the layers' and lm_head's."""
+        return self._weight_bytes
+
+    @property
     def kv_bytes_per_token(self) -> int:
         return self.config.kv_bytes_per_token(self.bytes_per_element)
 

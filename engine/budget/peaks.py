@@ -27,12 +27,13 @@ class DevicePeaks:
 
 # Dense (no structured sparsity) BF16 tensor-core peak and memory bandwidth, from the vendors'
 # datasheets: NVIDIA A100 80GB SXM, H100 SXM5, H200 SXM, L40S, A10 and GeForce RTX 4090
-# (Ada whitepaper, BF16 with FP32 accumulate); AMD Instinct MI300X.
+# (Ada whitepaper, BF16 with FP32 accumulate), HGX B200 (per GPU); AMD Instinct MI300X.
 GPU_PRESETS: dict[str, DevicePeaks] = {
     "a100": DevicePeaks("a100", 312e12, 2.039e12, "NVIDIA A100 80GB SXM datasheet"),
     "h100": DevicePeaks("h100", 989e12, 3.35e12, "NVIDIA H100 SXM datasheet"),
     "h200": DevicePeaks("h200", 989e12, 4.8e12, "NVIDIA H200 SXM datasheet"),
     "l40s": DevicePeaks("l40s", 362e12, 0.864e12, "NVIDIA L40S datasheet"),
+    "b200": DevicePeaks("b200", 2250e12, 7.7e12, "NVIDIA HGX B200 datasheet"),
     "a10": DevicePeaks("a10", 125e12, 0.6e12, "NVIDIA A10 datasheet"),
     "rtx4090": DevicePeaks("rtx4090", 165.2e12, 1.008e12, "NVIDIA Ada GPU whitepaper"),
     "mi300x": DevicePeaks("mi300x", 1307e12, 5.3e12, "AMD Instinct MI300X datasheet"),

@@ -1,13 +1,24 @@
-"""The paged KV cache's bookkeeping: fixed-size blocks, reference counts, per-request tables.
+"""The paged KV cache's bookkeeping: fixed-size blocks, reference counts, per-request tables,
+and the prefix cache (vLLM V1's hashed blocks).
 
 The blocks themselves live in the model runner's KV tensor; this class only hands out block
 ids. Newly allocated ids are remembered so the runner zeroes them before use (pitfall 2:
-a reused block must never leak a previous request's KV).
+a reused block must never leak a previous request's KV); a block taken from the prefix cache
+keeps its KV and is not zeroed.
+
+Prefix cache: once a block is full and computed, it is registered under a hash of its tokens
+and its parent block's hash, so a hash names a whole prefix. A request being admitted takes the
+longest run of registered blocks its tokens hash to (their reference counts go up: blocks are
+shared, never copied). A released block that holds a hash goes to the back of the free list
+and stays reusable until the allocator reaches it (LRU eviction); a block without one goes to
+the front, to be reused first.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from array import array
+from collections import OrderedDict
 from collections.abc import Callable
 
 from engine.core.request import Request
@@ -15,23 +26,39 @@ from engine.core.request import Request
 # Copies KV rows: the blocks in the first list to the ids in the second (the runner's cache).
 MoveBlocks = Callable[[list[int], list[int]], None]
 
+BlockHash = bytes
+
+
+def block_hash(parent: BlockHash | None, tokens: list[int]) -> BlockHash:
+    """The hash of a full block: its tokens and its parent's hash, so equal hashes mean equal
+    prefixes. SHA-256, not Python's hash(): a crafted collision must not let one tenant's
+    prompt read another's KV (vLLM made the same choice)."""
+    digest = hashlib.sha256(parent or b"")
+    digest.update(array("q", tokens).tobytes())
+    return digest.digest()
+
 
 class BlockError(RuntimeError):
     """A block was freed twice or the pool is inconsistent: a bug, never user input."""
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, *, enable_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_caching = enable_caching
+        # free blocks, next to allocate first; the cached ones nearer the end (LRU)
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_counts = [0] * num_blocks
+        self._hash_of: list[BlockHash | None] = [None] * num_blocks
+        self._cached: dict[BlockHash, int] = {}  # registered blocks, in use or free
         self._reserved = 0  # blocks held back (chaos: KV exhaustion)
         self.newly_allocated: list[int] = []
         self.compactions = 0
         self.blocks_moved = 0
+        self.evictions = 0  # cached blocks reallocated to new content
 
     @property
     def num_free(self) -> int:
@@ -44,6 +71,11 @@ class BlockManager:
     @property
     def usage(self) -> float:
         return self.num_used / self.num_blocks
+
+    @property
+    def num_cached(self) -> int:
+        """Registered blocks, in use or free: the prefix cache's size."""
+        return len(self._cached)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -61,24 +93,92 @@ class BlockManager:
         for _ in range(self.blocks_needed(request, num_new_tokens)):
             if self.num_free <= 0:
                 raise BlockError("grow() without can_grow(): the pool is empty")
-            block = self._free.popleft()
+            block, _ = self._free.popitem(last=False)
+            self._forget(block)  # evicted: its KV is about to be overwritten
             self._ref_counts[block] = 1
             self.newly_allocated.append(block)
             request.block_table.append(block)
 
     def release(self, request: Request) -> int:
-        """Drop the request's references; returns how many blocks went back to the pool."""
+        """Drop the request's references; returns how many blocks went back to the pool.
+
+        The tail goes back first, so of a request's cached blocks its last are evicted first
+        (a prefix is worth more than its continuation)."""
         freed = 0
-        for block in request.block_table:
+        for block in reversed(request.block_table):
             if self._ref_counts[block] <= 0:
                 raise BlockError(f"block {block} freed twice")
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
-                self._free.append(block)
+                self._free[block] = None
+                if self._hash_of[block] is None:
+                    self._free.move_to_end(block, last=False)
                 freed += 1
         request.block_table = []
+        request.num_hashed_blocks = 0
         return freed
 
+    # --- prefix cache -------------------------------------------------------------------
+    def take_cached(self, request: Request) -> int:
+        """Give a request that holds no block the longest run of cached blocks matching its
+        tokens, never the block of its last token (that token must be computed for a token to
+        be sampled); its computed tokens start after them. Returns the cached tokens."""
+        if not self.enable_caching or request.block_table:
+            return 0
+        hashes = self._hashes(request, (request.num_tokens - 1) // self.block_size)
+        for h in hashes:
+            block = self._cached.get(h)
+            if block is None:
+                break
+            if self._ref_counts[block] == 0:
+                del self._free[block]
+            self._ref_counts[block] += 1
+            request.block_table.append(block)
+        request.num_hashed_blocks = len(request.block_table)
+        request.num_computed_tokens = len(request.block_table) * self.block_size
+        return request.num_computed_tokens
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's blocks that its computed tokens have filled since the last
+        call. A block whose prefix another block already holds stays unregistered."""
+        full = request.num_computed_tokens // self.block_size
+        if not self.enable_caching or full <= request.num_hashed_blocks:
+            return
+        hashes = self._hashes(request, full)
+        for index in range(request.num_hashed_blocks, full):
+            block = request.block_table[index]
+            if self._hash_of[block] is None and hashes[index] not in self._cached:
+                self._hash_of[block] = hashes[index]
+                self._cached[hashes[index]] = block
+        request.num_hashed_blocks = full
+
+    def set_caching(self, enabled: bool) -> None:
+        """Turn the prefix cache on or off; off drops every hash, so nothing is hit again."""
+        self.enable_caching = enabled
+        if not enabled:
+            for block in self._cached.values():
+                self._hash_of[block] = None
+            self._cached.clear()
+
+    def _hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """The hashes of the request's first `num_blocks` blocks, extending its memo (its
+        tokens only ever grow, so a hash once computed stays right)."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            start = len(hashes) * bs
+            hashes.append(block_hash(hashes[-1] if hashes else None,
+                                     request.tokens_between(start, start + bs)))
+        return hashes
+
+    def _forget(self, block: int) -> None:
+        h = self._hash_of[block]
+        if h is not None:
+            del self._cached[h]
+            self._hash_of[block] = None
+            self.evictions += 1
+
+    # --- maintenance --------------------------------------------------------------------
     @property
     def num_allocated(self) -> int:
         """Blocks held by requests (reserved ones not counted)."""
@@ -88,8 +188,10 @@ class BlockManager:
         """Renumber the blocks `requests` hold to 0..U-1 (in order of first use): `move`
         copies their KV rows, block tables are rewritten; returns how many blocks moved.
 
-        Generation is unchanged: attention reads KV through block tables only. Nothing moves
-        unless `requests` hold every block in use (a holder outside them would be left
+        Generation is unchanged: attention reads KV through block tables only. A block shared
+        by several requests moves once and every holder's table follows it, as does its
+        prefix-cache entry; a free cached block that a move overwrites is evicted. Nothing
+        moves unless `requests` hold every block in use (a holder outside them would be left
         dangling)."""
         self.compactions += 1  # a run that finds the pool contiguous still counts
         mapping: dict[int, int] = {}
@@ -102,11 +204,25 @@ class BlockManager:
         move(list(moved), list(moved.values()))
         for request in requests:
             request.block_table = [mapping[b] for b in request.block_table]
+        for new in moved.values():
+            if self._ref_counts[new] == 0:
+                self._forget(new)
         ref_counts = [0] * self.num_blocks
+        hash_of: list[BlockHash | None] = [None] * self.num_blocks
+        for block in range(self.num_blocks):  # vacated ids stay unhashed: their KV moved
+            if self._ref_counts[block] == 0:
+                hash_of[block] = self._hash_of[block]
         for old, new in mapping.items():
             ref_counts[new] = self._ref_counts[old]
-        self._ref_counts = ref_counts
-        self._free = deque(b for b in range(self.num_blocks) if ref_counts[b] == 0)
+            hash_of[new] = self._hash_of[old]
+            if hash_of[new] is not None:
+                self._cached[hash_of[new]] = new
+        self._ref_counts, self._hash_of = ref_counts, hash_of
+        # unhashed free blocks first, then the cached ones in their old LRU order
+        free = [b for b in range(self.num_blocks) if ref_counts[b] == 0]
+        survivors = [b for b in self._free if ref_counts[b] == 0 and hash_of[b] is not None]
+        self._free = OrderedDict.fromkeys(
+            [b for b in free if hash_of[b] is None] + survivors)
         self.newly_allocated = [mapping[b] for b in self.newly_allocated if b in mapping]
         self.blocks_moved += len(moved)
         return len(moved)
@@ -130,14 +246,17 @@ class BlockManager:
         return 1.0 - filled / allocated
 
     def check_consistent(self, live: list[Request]) -> None:
-        """Every block is either free or referenced by exactly its holders (used by tests)."""
+        """Every block is either free or referenced by exactly its holders, and every cache
+        entry names a block that holds its hash (used by tests)."""
         counts = [0] * self.num_blocks
         for request in live:
             for block in request.block_table:
                 counts[block] += 1
-        free = set(self._free)
-        if len(free) != len(self._free):
-            raise BlockError("a block is on the free list twice")
         for block, count in enumerate(counts):
-            if count != self._ref_counts[block] or (count == 0) != (block in free):
+            if count != self._ref_counts[block] or (count == 0) != (block in self._free):
                 raise BlockError(f"block {block}: {count} holders, ref {self._ref_counts[block]}")
+        for h, block in self._cached.items():
+            if self._hash_of[block] != h:
+                raise BlockError(f"cache entry names block {block}, which holds another hash")
+        if sum(h is not None for h in self._hash_of) != len(self._cached):
+            raise BlockError("a block holds a hash the cache does not name")

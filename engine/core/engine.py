@@ -28,6 +28,7 @@ from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.core import intake
 from engine.core.batch import Batch, RequestOutput, StepShape, StepTiming
 from engine.core.block_manager import BlockManager
+from engine.core.executor import Executor
 from engine.core.model_runner import ModelRunner
 from engine.core.request import Request, RequestState
 from engine.core.scheduler import Scheduler, request_output
@@ -58,18 +59,23 @@ MAX_STEP_SCALE = 2.0
 class Engine:
     def __init__(self, config: EngineConfig | None = None, *,
                  bandwidth: BandwidthSource | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 runner: Executor | None = None) -> None:
+        """`runner` replaces the model runner by a simulated executor (engine.sim), which
+        brings its device's peaks; `clock` is then the simulation's clock."""
         config = config or EngineConfig()
         config.validate()
         self.config = config
         self.clock = clock
-        self.bus = EventBus()
-        self.runner = ModelRunner(config)
+        self.bus = EventBus(clock)
+        self.runner: ModelRunner | Executor = runner or ModelRunner(config)
         self.model_config = self.runner.model_config
         self.tokenizer = self.runner.tokenizer
         self.max_model_len = self.runner.max_model_len
-        self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size)
-        self.peaks = measure_peaks(str(self.runner.device), self.runner.dtype)
+        self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size,
+                                   enable_caching=config.enable_prefix_caching)
+        self.peaks = (runner.peaks if runner is not None
+                      else measure_peaks(str(self.runner.device), self.runner.dtype))
         self.budget = BudgetModel(self.model_config, self.runner.bytes_per_element, self.peaks)
         self.predict: Callable[[StepShape], float] = self.budget.predict
         self.bandwidth = bandwidth or self._default_bandwidth()
@@ -363,6 +369,10 @@ class Engine:
             requests_failed_total=m.requests_failed_total,
             faults_isolated_total=self.guards.faults_isolated,
             slow_queries_total=m.slow_queries_total,
+            prefix_cache_queries_total=m.prefix_cache_queries_total,
+            prefix_cache_hits_total=m.prefix_cache_hits_total,
+            prefix_cache_hit_rate=m.prefix_cache_hit_rate(now),
+            kv_blocks_cached=self.blocks.num_cached,
             guards=self.guards.engaged(),
         )
 
@@ -391,7 +401,7 @@ def _view(request: Request, budget: int) -> RequestView:
         prefilled_tokens=min(request.num_computed_tokens, request.num_prompt_tokens),
         chunks_done=len(request.chunks),
         chunks_total=max(len(request.chunks), -(-request.num_prompt_tokens // chunk)),
-        generated_tokens=len(request.output_token_ids),
+        generated_tokens=len(request.output_token_ids), cached_tokens=request.cached_tokens,
         ttft_ms=None if request.ttft_s is None else request.ttft_s * 1000,
         tpot_ms=None if request.tpot_s is None else request.tpot_s * 1000,
         budget_score=request.budget_score, arrival_s=request.arrival)

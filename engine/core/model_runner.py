@@ -9,6 +9,7 @@ import ctypes
 import ctypes.util
 import gc
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if device.type == "cpu" and name == "float16":
         raise EngineError("float16 matmuls are extremely slow on CPU; use float32 or bfloat16")
     return DTYPES[name]
+
+
+def compiles(config: EngineConfig) -> bool:
+    """Whether an engine of `config` compiles its model: as asked, else on CUDA only."""
+    if config.compile is not None:
+        return config.compile
+    return resolve_device(config.device).type == "cuda"
 
 
 def _reuse_freed_memory() -> None:
@@ -108,6 +116,16 @@ class ModelRunner:
         self.kv_cache = torch.zeros(
             cache_shape(self.use_flash, mc.num_layers, self.num_blocks, self.block_size,
                         mc.num_kv_heads, mc.head_dim), dtype=self.dtype, device=self.device)
+        self.compile_s = self._compile() if compiles(config) else 0.0
+
+    def _compile(self) -> float:
+        """Compile the model and warm it up, so the first request does not pay for it;
+        returns the seconds it took."""
+        start = time.perf_counter()
+        self.model.compile()
+        with torch.inference_mode():  # the mode forward runs in, or its guards would not hold
+            self.model.warm_up()
+        return time.perf_counter() - start
 
     @property
     def bytes_per_element(self) -> int:

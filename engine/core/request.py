@@ -86,6 +86,11 @@ class Request:
     state: RequestState = RequestState.WAITING
     reason: str = "queued"
     block_table: list[int] = field(default_factory=list)
+    # prefix cache: hashes of its full blocks (memo), how many of its table's blocks are
+    # registered, and the tokens its latest admission found cached
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_hashed_blocks: int = 0
+    cached_tokens: int = 0
     num_preemptions: int = 0
     chunks: list[ChunkTiming] = field(default_factory=list)
     prefill_started: float | None = None

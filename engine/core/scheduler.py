@@ -51,6 +51,7 @@ from engine.events import (
     Finished,
     ModeChanged,
     Preempted,
+    PrefixCacheLookup,
     SlowQuery,
     TokensGenerated,
 )
@@ -61,6 +62,7 @@ RECENT_FINISHED = 64  # ended requests still shown in snapshots
 # than the log classes its earliest gaps by the mode log alone)
 STEP_LOG = 65536
 MODE_LOG = 4096
+QUEUED = (RequestState.WAITING, RequestState.PREEMPTED)
 # throttle level -> chunk concurrency cap (level 3 also pauses new prefills)
 THROTTLE_CONCURRENCY = {0: None, 1: 2, 2: 1, 3: 1}
 
@@ -153,6 +155,8 @@ class Scheduler:
     def set_config(self, config: EngineConfig) -> None:
         """Take a new configuration at a step boundary; tenant priorities reorder the queue."""
         reorder = config.tenant_priorities != self.config.tenant_priorities
+        if config.enable_prefix_caching != self.config.enable_prefix_caching:
+            self.blocks.set_caching(config.enable_prefix_caching)
         self.config = config
         if reorder:
             self.waiting.sort(key=self._queue_key)
@@ -283,6 +287,13 @@ class Scheduler:
                     break
                 if request not in plan and len(plan) >= slots:
                     continue
+                took = 0
+                if not request.block_table and request.state in QUEUED:
+                    # its cached prefix costs no budget: the plan covers only the rest
+                    before = self.blocks.num_free
+                    self.blocks.take_cached(request)
+                    took = before - self.blocks.num_free
+                    free_blocks -= took
                 have = plan.get(request, 0)
                 want = min(request.num_pending - have, budget, chunk_cap - have)
                 if use_shares and tenant_left is not None:
@@ -295,8 +306,15 @@ class Scheduler:
                     # partial chunks are whole tiles; without chunking, whole prompts only
                     total = total // tile * tile if cfg.chunked_prefill else 0
                 added = total - have
+                if (added <= 0 and request not in plan and request.block_table
+                        and request.state in QUEUED):
+                    # left out: a waiting request holds no block (its cached ones may be
+                    # the very blocks the others need)
+                    self.blocks.release(request)
+                    request.num_computed_tokens = 0
+                    free_blocks += took
                 if added <= 0:
-                    queued = request.state in (RequestState.WAITING, RequestState.PREEMPTED)
+                    queued = request.state in QUEUED
                     if queued and by_kv < min(request.num_pending - have, tile):
                         break  # FCFS: the head waits for blocks; later ones do not jump it
                     continue
@@ -339,6 +357,10 @@ class Scheduler:
         self.waiting.remove(request)
         self.running.append(request)
         request.admissions.append(now)
+        request.cached_tokens = request.num_computed_tokens
+        if self.config.enable_prefix_caching:
+            self.publish(PrefixCacheLookup(request_id=request.id, queried_tokens=request.num_tokens,
+                                           cached_tokens=request.cached_tokens))
         request.set_state(RequestState.PREFILL_CHUNKING,
                           "recompute after preemption" if request.num_preemptions else "admitted")
         if request.prefill_started is not None:
@@ -408,11 +430,14 @@ class Scheduler:
                                      self.throttle_level, self.prefill_paused,
                                      tuple(c.request.id for c in batch.prefills),
                                      len(batch.decodes)))
+        cache = self.blocks.cache_full_blocks
         for chunk in batch.prefills:
             self._record_chunk(chunk, timing, start, len(batch.decodes),
                                prefill_tokens - chunk.num_tokens, batch.mode.value)
+            cache(chunk.request)
         for chunk in batch.decodes:
             chunk.request.num_computed_tokens += 1
+            cache(chunk.request)
         outputs = []
         for chunk in batch.sampling:
             request = chunk.request
@@ -513,7 +538,8 @@ class Scheduler:
             config=self.config.live_values(), tag=request.tag,
             # its chunks travel once, in the record's own chunks column
             timeline={k: v for k, v in timeline.to_dict().items() if k != "chunks"},
-            cause=timeline.cause.value, cause_share=timeline.cause_share, verdict=verdict))
+            cause=timeline.cause.value, cause_share=timeline.cause_share, verdict=verdict,
+            cached_tokens=request.cached_tokens))
 
     # --- preemption ---------------------------------------------------------------------
     def _pick_victim(self) -> Request:

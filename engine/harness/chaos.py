@@ -360,10 +360,13 @@ def sigkill(settings: ChaosSettings, expected: dict[str, list[int]],
                                   for r in requests))
         args = ["--requests", str(source), "--output", str(output), "--db", str(db)]
         deadline = time.monotonic() + settings.bound_s
-        # Killed on an event the child reports: a journal commit holding a request
-        # mid-prefill (a poll of the journal could miss that state between two batches).
-        first = _launch([*args, "--report-commits"], report=True)
-        killed = _kill_on_report(first, lambda commit: bool(commit["prefilling"]), deadline)
+        # Killed at a step the child holds (`--hold`: it journals each step and waits for a
+        # go-ahead before the next), the first whose commits show a request mid-prefill after
+        # some have finished: the same state on any machine, however loaded, since the child
+        # cannot run ahead of what it reported.
+        first = _launch([*args, "--report-commits", "--hold"], report=True)
+        killed = _kill_when_held(first, lambda prefilling, held: bool(prefilling)
+                                 and held["emitted"] > 0, deadline)
         killed_at = time.monotonic()
         before = _lines(output)
         second = _launch([*args, "--resume"])
@@ -391,38 +394,52 @@ def sigkill(settings: ChaosSettings, expected: dict[str, list[int]],
 
 
 def _launch(args: list[str], report: bool = False) -> subprocess.Popen[bytes]:
-    # the child imports the engine this process runs, wherever it is installed
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+    # the child imports the engine this process runs, wherever it is installed ('' is the
+    # current folder, which the child, started elsewhere, must be given as a path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(os.path.abspath, sys.path)),
            "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "engine.harness.chaos_child", *args],
                             env=env, cwd=Path(args[args.index("--db") + 1]).parent,
                             bufsize=0,  # unbuffered: select() sees every reported line
+                            stdin=subprocess.PIPE if report else subprocess.DEVNULL,
                             stdout=subprocess.PIPE if report else subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
 
 
-def _kill_on_report(process: subprocess.Popen[bytes], wanted: Callable[[dict[str, Any]], bool],
-                    deadline: float) -> bool:
-    """SIGKILL `process` on the first journal commit it reports (`--report-commits`) that
-    `wanted` accepts; False if it ended, or the deadline passed, first."""
-    assert process.stdout is not None
+def _kill_when_held(process: subprocess.Popen[bytes],
+                    wanted: Callable[[set[str], dict[str, Any]], bool], deadline: float) -> bool:
+    """Step a `--report-commits --hold` child one step at a time and SIGKILL it at the first
+    held step that `wanted` accepts, given the requests its commits showed mid-prefill and the
+    held line; False if it ended, or the deadline passed, first."""
+    assert process.stdin is not None and process.stdout is not None
+    prefilling: set[str] = set()  # what this step's commits showed
     with selectors.DefaultSelector() as selector:
         selector.register(process.stdout, selectors.EVENT_READ)
         while time.monotonic() < deadline:
             if not selector.select(timeout=deadline - time.monotonic()):
                 continue
             line = process.stdout.readline()
-            if not line:  # it ended without reporting such a commit
+            if not line:  # it ended without holding at such a step
                 process.wait()
                 return False
             try:
-                commit = json.loads(line)["commit"]
-            except (ValueError, KeyError, TypeError):
+                report = json.loads(line)
+            except ValueError:
                 continue  # not a report
-            if wanted(commit):
+            if "commit" in report:
+                prefilling.update(report["commit"]["prefilling"])
+                continue
+            if "held" not in report:
+                continue
+            if wanted(prefilling, report["held"]):
                 process.send_signal(signal.SIGKILL)
                 process.wait()
                 return True
+            prefilling.clear()
+            try:
+                process.stdin.write(b"\n")  # step on
+            except BrokenPipeError:
+                continue  # it died: the end of its stdout says so next
     process.kill()
     process.wait()
     return False

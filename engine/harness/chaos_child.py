@@ -5,10 +5,13 @@ output file; with `--resume` it first finishes what the journal left unfinished.
 It is the engine's own entry point, so the harness never launches the console's CLI:
 
     python -m engine.harness.chaos_child --requests R.jsonl --output O.jsonl --db J.db [--resume]
-        [--report-commits]
+        [--report-commits [--hold]]
 
-With `--report-commits` it prints a JSON line on stdout after each journal commit: the
-event the harness kills it on.
+With `--report-commits` it prints a JSON line on stdout after each journal commit. With
+`--hold` as well, each step is journaled before the next: after a step the child commits it,
+prints `{"held": {"step": N, "emitted": K}}` (K requests written to the output so far) and
+waits for a line on stdin before stepping on. The harness kills it at a held step, so where
+the kill lands is decided by the journal's state, never by how fast the machine is.
 """
 
 from __future__ import annotations
@@ -40,7 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--db", type=Path, required=True)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--report-commits", action="store_true")
+    parser.add_argument("--hold", action="store_true")
     args = parser.parse_args(argv)
+    if args.hold and not args.report_commits:
+        parser.error("--hold needs --report-commits: the supervisor decides on the commits")
     engine = Engine(CONFIG)
     workload = load_requests_jsonl(args.requests, engine.tokenizer.encode)
     emitted = _emitted(args.output)
@@ -56,13 +62,26 @@ def main(argv: list[str] | None = None) -> int:
                 resumption = resume_unfinished(engine, database, skip=emitted)
                 skip |= {*resumption.resumed, *resumption.quarantined}
 
+            written = 0
+            steps = 0
+
             def write(out: RequestOutput) -> None:
+                nonlocal written
                 if out.finished:
                     output.write(json.dumps({"id": out.request_id, "state": out.state,
                                              "token_ids": list(out.token_ids)}) + "\n")
                     output.flush()  # a kill loses no line already written
+                    written += 1
 
-            drive(engine, [w for w in workload if w.request_id not in skip], on_output=write)
+            def hold() -> None:
+                nonlocal steps
+                steps += 1
+                writer.flush()  # this step's commits are reported before the held line
+                print(json.dumps({"held": {"step": steps, "emitted": written}}), flush=True)
+                sys.stdin.readline()  # '' once the supervisor is gone: nothing to wait for
+
+            drive(engine, [w for w in workload if w.request_id not in skip], on_output=write,
+                  on_step=hold if args.hold else None)
     finally:
         writer.close()
         database.close()

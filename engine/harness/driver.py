@@ -1,7 +1,9 @@
 """Drive a workload through an engine on the caller's thread and summarise what happened.
 
 Requests are added at their arrival times (scaled real time); each request's clock starts
-at its intended arrival, so queueing shows up in TTFT as a client would see it.
+at its intended arrival, so queueing shows up in TTFT as a client would see it. A conversation's
+follow-up turn (`WorkloadRequest.follows`) arrives `think_s` after the turn before it ended,
+with that turn's prompt and actual reply as its history (closed loop).
 """
 
 from __future__ import annotations
@@ -9,16 +11,26 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections import deque
+from bisect import insort
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.budget.peaks import DevicePeaks
 from engine.core.engine import Engine, RequestOutput
-from engine.events import ChunkComplete, Event, Preempted, SlowQuery, StepComplete, TokensGenerated
+from engine.events import (
+    ChunkComplete,
+    Event,
+    Preempted,
+    PrefixCacheLookup,
+    SlowQuery,
+    StepComplete,
+    TokensGenerated,
+)
 from engine.harness.workload import WorkloadRequest
 from engine.stats import ms, percentiles_ms
+
+IDLE_STEP_S = 1e-3  # what an empty pass of the engine loop costs, about
 
 
 @dataclass
@@ -32,6 +44,8 @@ class RequestRecord:
     state: str = "WAITING"
     reason: str = ""
     first_scheduled: float | None = None  # start of the step that ran its first chunk
+    prompt_token_ids: tuple[int, ...] = ()
+    cached_tokens: int = 0  # of its prompt, found in the prefix cache at admission
 
     @property
     def scheduling_delay_s(self) -> float | None:
@@ -58,6 +72,8 @@ class RunResult:
     wall_s: float
     preemptions: int = 0
     slow_queries: int = 0
+    prefix_cache_queries: int = 0  # tokens looked up at admission (vLLM's meaning)
+    prefix_cache_hits: int = 0  # of them, tokens found cached
 
     @property
     def step_s(self) -> list[float]:
@@ -106,6 +122,13 @@ class RunResult:
             "steps": len(self.step_s),
             "preemptions": self.preemptions,
             "slow_queries": self.slow_queries,
+            # the prefix cache's effect: prompt tokens actually computed, and what was found
+            "prefill_tokens_computed": (sum(s.prefill_tokens for s in self.steps)
+                                        if self.steps else None),  # None: no engine steps
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "hit_rate": (self.prefix_cache_hits / self.prefix_cache_queries
+                         if self.prefix_cache_queries else None),
         }
 
 
@@ -113,12 +136,16 @@ def _ms_percentiles(values: list[float]) -> dict[str, float | None]:
     return dataclasses.asdict(percentiles_ms(values))
 
 
-class _Recorder:
+class Recorder:
+    """Subscribes to one engine's events and keeps what a run summary needs."""
+
     def __init__(self) -> None:
         self.records: dict[str, RequestRecord] = {}
         self.steps: list[StepComplete] = []
         self.preemptions = 0
         self.slow_queries = 0
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def __call__(self, event: Event) -> None:
         match event:
@@ -136,43 +163,101 @@ class _Recorder:
                 self.preemptions += 1
             case SlowQuery():
                 self.slow_queries += 1
+            case PrefixCacheLookup():
+                self.prefix_cache_queries += event.queried_tokens
+                self.prefix_cache_hits += event.cached_tokens
+                record = self.records.get(event.request_id)
+                if record is not None:
+                    record.cached_tokens = event.cached_tokens
+
+    def expect(self, item: WorkloadRequest, arrival: float) -> None:
+        """A request about to be added, arriving at `arrival` on the engine's clock."""
+        self.records[item.request_id] = RequestRecord(
+            item.request_id, item.tenant, arrival, len(item.prompt_token_ids),
+            prompt_token_ids=item.prompt_token_ids)
+
+    def settle(self, output: RequestOutput) -> None:
+        record = self.records.get(output.request_id)
+        if record is None:
+            return
+        record.token_ids = list(output.token_ids)
+        record.state = output.state
+        if output.finished:
+            record.reason = output.finish_reason or ""
+
+    def result(self, wall_s: float) -> RunResult:
+        return RunResult(self.records, self.steps, wall_s, self.preemptions, self.slow_queries,
+                         self.prefix_cache_queries, self.prefix_cache_hits)
+
+
+def add(engine: Engine, item: WorkloadRequest, arrival: float) -> None:
+    """Add a workload request to `engine` as arriving at `arrival`."""
+    engine.add_request(list(item.prompt_token_ids), item.sampling_params(), tenant=item.tenant,
+                       priority=item.priority, request_id=item.request_id, tag=item.tag,
+                       arrival=arrival)
 
 
 def drive(engine: Engine, workload: list[WorkloadRequest], *,
           on_output: Callable[[RequestOutput], None] | None = None,
+          on_step: Callable[[], None] | None = None,
           sleep: Callable[[float], None] = time.sleep) -> RunResult:
-    recorder = _Recorder()
+    """Serve `workload` as its arrivals come: `on_output` hears each output, `on_step` is
+    called after each step once its outputs were heard (a supervisor's hold point)."""
+    recorder = Recorder()
     unsubscribe = engine.bus.subscribe(recorder)
-    pending = deque(sorted(workload, key=lambda w: w.arrival_s))
+    ids = {w.request_id for w in workload}
+    # follow-up turns wait for the turn they follow (one that is not in the workload, e.g.
+    # done before a resume, is no reason to wait)
+    followers = {w.follows: w for w in workload if w.follows in ids}
+    pending = sorted((w for w in workload if w.follows not in ids), key=_arrival)
     start = engine.clock()
     try:
-        while pending or engine.has_unfinished():
+        while pending or followers or engine.has_unfinished():
             now = engine.clock()
             while pending and start + pending[0].arrival_s <= now:
-                item = pending.popleft()
-                arrival = start + item.arrival_s
-                recorder.records[item.request_id] = RequestRecord(
-                    item.request_id, item.tenant, arrival, len(item.prompt_token_ids))
-                engine.add_request(list(item.prompt_token_ids), item.sampling_params(),
-                                   tenant=item.tenant, priority=item.priority,
-                                   request_id=item.request_id, tag=item.tag, arrival=arrival)
+                item = pending.pop(0)
+                recorder.expect(item, start + item.arrival_s)
+                add(engine, item, start + item.arrival_s)
             if engine.has_unfinished():
+                before = engine.clock()
                 for output in engine.step():
-                    _settle(recorder.records.get(output.request_id), output)
+                    record = recorder.records.get(output.request_id)
+                    recorder.settle(output)
                     if on_output is not None:
                         on_output(output)
+                    if output.finished and output.request_id in followers and record:
+                        follower = followers.pop(output.request_id)
+                        insort(pending, _next_turn(follower, record, engine.clock() - start),
+                               key=_arrival)
+                if engine.clock() == before:
+                    idle(sleep)
+                if on_step is not None:
+                    on_step()
             elif pending:
                 sleep(max(0.0, start + pending[0].arrival_s - engine.clock()))
+            elif followers:  # never hang: a turn whose predecessor left no output goes now
+                pending = sorted(followers.values(), key=_arrival)
+                followers.clear()
     finally:
         unsubscribe()
-    return RunResult(recorder.records, recorder.steps, engine.clock() - start,
-                     recorder.preemptions, recorder.slow_queries)
+    return recorder.result(engine.clock() - start)
 
 
-def _settle(record: RequestRecord | None, output: RequestOutput) -> None:
-    if record is None:
-        return
-    record.token_ids = list(output.token_ids)
-    record.state = output.state
-    if output.finished:
-        record.reason = output.finish_reason or ""
+def _arrival(item: WorkloadRequest) -> float:
+    return item.arrival_s
+
+
+def _next_turn(item: WorkloadRequest, previous: RequestRecord, ended: float) -> WorkloadRequest:
+    """A follow-up turn sent think_s after `previous` ended: its history is what `previous`
+    was sent and answered (a turn that did not finish keeps the placeholder history)."""
+    prompt = item.prompt_token_ids
+    if previous.state == "FINISHED":
+        prompt = (previous.prompt_token_ids + tuple(previous.token_ids)
+                  + prompt[item.history_tokens:])
+    return dataclasses.replace(item, arrival_s=ended + item.think_s, prompt_token_ids=prompt)
+
+
+def idle(sleep: Callable[[float], None]) -> None:
+    """A step that ran nothing (prefills paused, blocks held): a simulated clock moves only
+    when a step runs, so let time pass as a real loop's next iteration would."""
+    sleep(IDLE_STEP_S)

@@ -1,4 +1,5 @@
-"""What requests arrive when: the three profiles of seed 003 §13, Azure trace replay, JSONL files.
+"""What requests arrive when: the three profiles of seed 003 §13, multi-turn conversations
+(engine.harness.conversations), Azure trace replay, JSONL files.
 
 Every workload is a list of WorkloadRequest sorted by arrival time. Prompts are seeded random
 token ids (timing depends on lengths, not on text), so a workload is reproducible from its spec
@@ -20,6 +21,13 @@ from typing import Any
 
 from engine.config import SamplingParams
 from engine.errors import EngineError
+from engine.harness.conversations import (
+    MULTITURN,
+    OPEN_LOOP_TURN_GAP_S,
+    Conversation,
+    load_conversations,
+    multiturn_conversations,
+)
 from engine.harness.trace import SHIPPED_TRACES, TraceRow, load_trace, sample_trace, shipped_trace
 from engine.stats import LengthStats
 
@@ -54,6 +62,12 @@ class WorkloadRequest:
     priority: int = 0
     # Profiles and traces fix the output length; the caller must then ignore EOS.
     ignore_eos: bool = False
+    # A conversation's next turn: sent think_s after request `follows` has its reply, its
+    # first history_tokens tokens (that request's prompt and a placeholder reply) replaced by
+    # what that request was actually sent and answered (engine.harness.driver)
+    follows: str | None = None
+    history_tokens: int = 0
+    think_s: float = 0.0
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens, ignore_eos=self.ignore_eos)
@@ -114,8 +128,10 @@ def build_workload(
     length_scale: float = CPU_LENGTH_SCALE,
     time_scale: float = 1.0,
     sample: str = "window",
+    encode: Callable[[str], list[int]] | None = None,
 ) -> list[WorkloadRequest]:
-    """Requests for `spec`: a profile name, "conv"/"code" (shipped traces) or "trace:PATH".
+    """Requests for `spec`: a profile name, "multiturn", "conversations:PATH" (text in it
+    needs `encode`), "conv"/"code" (shipped traces) or "trace:PATH".
 
     `rate` is requests/s (inf: all at t=0); for a profile it defaults to the profile's rate, for
     a trace to the trace's own pattern. `time_scale` then stretches (>1) or squeezes (<1) all
@@ -132,6 +148,17 @@ def build_workload(
     if max_model_len < 2:
         raise WorkloadError(f"max_model_len must be at least 2, got {max_model_len}")
     rng = random.Random(seed)
+    if spec == "multiturn" or spec.startswith("conversations:"):
+        if spec == "multiturn":
+            # num_requests counts conversations here: each holds MULTITURN.turns requests
+            conversations = multiturn_conversations(
+                MULTITURN, num_conversations=num_requests, rate=rate,
+                length_scale=length_scale, vocab_size=vocab_size, rng=rng)
+        else:
+            conversations = load_conversations(spec.split(":", 1)[1], encode)
+        return conversation_requests(conversations, vocab_size=vocab_size,
+                                     max_model_len=max_model_len, time_scale=time_scale,
+                                     rng=rng)
     if spec in PROFILES:
         profile = PROFILES[spec]
         drafts = _profile_drafts(profile, num_requests or profile.num_requests,
@@ -145,7 +172,8 @@ def build_workload(
         drafts = _trace_drafts(rows, num_requests or TRACE_DEFAULT_REQUESTS, rate, sample, label,
                                rng)
     else:
-        choices = ", ".join([*PROFILES, *SHIPPED_TRACES, "trace:PATH"])
+        choices = ", ".join([*PROFILES, "multiturn", "conversations:PATH", *SHIPPED_TRACES,
+                             "trace:PATH"])
         raise WorkloadError(f"unknown workload {spec!r}; choose one of {choices}")
     return [
         _realize(f"{label}-{i:05d}", draft, length_scale, time_scale, vocab_size, max_model_len,
@@ -201,6 +229,35 @@ def _realize(request_id: str, draft: _Draft, length_scale: float, time_scale: fl
     prompt = tuple(rng.randrange(FIRST_PROMPT_TOKEN_ID, vocab_size) for _ in range(prompt_len))
     return WorkloadRequest(request_id, draft.arrival_s * time_scale, prompt, output_len,
                            tenant=draft.tenant, tag=draft.tag, ignore_eos=True)
+
+
+def conversation_requests(conversations: Sequence[Conversation], *, vocab_size: int,
+                          max_model_len: int, time_scale: float,
+                          rng: random.Random) -> list[WorkloadRequest]:
+    """Each turn as a request whose prompt is the history plus its message; a placeholder
+    reply stands in for the model's until the driver knows it. A turn that would not fit
+    max_model_len ends its conversation there."""
+    requests = []
+    for conversation in conversations:
+        history: tuple[int, ...] = conversation.system
+        previous: WorkloadRequest | None = None
+        arrival = conversation.arrival_s * time_scale
+        for index, turn in enumerate(conversation.turns):
+            prompt = history + turn.user
+            if len(prompt) + turn.max_tokens > max_model_len:
+                break
+            request = WorkloadRequest(
+                f"{conversation.conversation_id}-t{index}", arrival, prompt, turn.max_tokens,
+                tenant=conversation.tenant, tag="multiturn", ignore_eos=True,
+                follows=previous.request_id if previous else None,
+                history_tokens=len(history) if previous else 0,
+                think_s=turn.think_s * time_scale)
+            requests.append(request)
+            reply = tuple(rng.randrange(FIRST_PROMPT_TOKEN_ID, vocab_size)
+                          for _ in range(turn.max_tokens))
+            history, previous = prompt + reply, request
+            arrival += OPEN_LOOP_TURN_GAP_S * time_scale
+    return sorted(requests, key=lambda r: r.arrival_s)
 
 
 def _check_positive(name: str, value: float) -> None:

@@ -38,14 +38,20 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype, max_position
     if name.startswith(SYNTHETIC_PREFIX):
         model = _build(config, max_positions, use_flash, device, dtype)
         _init_random(model, seed)
-        return LoadedModel(model, config, ByteTokenizer(config.vocab_size))
-    directory = _model_dir(name)
+        return LoadedModel(model, config, tokenizer_for(name, config))
     model = _build(config, max_positions, use_flash, device, dtype)
-    _load_safetensors(model, directory, config)
-    tokenizer_file = directory / "tokenizer.json"
-    tokenizer: Tokenizer = (HFTokenizer(tokenizer_file, config.eos_token_id)
-                            if tokenizer_file.exists() else ByteTokenizer(config.vocab_size))
-    return LoadedModel(model, config, tokenizer)
+    _load_safetensors(model, _model_dir(name), config)
+    return LoadedModel(model, config, tokenizer_for(name, config))
+
+
+def tokenizer_for(name: str, config: ModelConfig) -> Tokenizer:
+    """A model directory's tokenizer.json, else bytes (synthetic models, or a directory
+    without one)."""
+    if not name.startswith(SYNTHETIC_PREFIX):
+        tokenizer_file = _model_dir(name) / "tokenizer.json"
+        if tokenizer_file.exists():
+            return HFTokenizer(tokenizer_file, config.eos_token_id)
+    return ByteTokenizer(config.vocab_size)
 
 
 def _model_dir(name: str) -> Path:

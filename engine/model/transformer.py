@@ -13,6 +13,7 @@ layers (Mistral, Phi-3, Gemma, Qwen with use_sliding_window).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,6 +24,8 @@ from engine.core.attention import AttentionMetadata, PagedAttention
 from engine.errors import ModelLoadError
 from engine.model.config import ModelConfig
 
+# On CUDA, steps of at most this many tokens replay as CUDA graphs (Transformer.compile)
+CUDA_GRAPH_MAX_TOKENS = 64
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -110,8 +113,9 @@ class Attention(nn.Module):
                                    use_flash, scale=scale, window=window,
                                    softcap=config.attn_softcap)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def project(self, x: torch.Tensor,
+                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, H] -> q [N, Hq, D] and k, v [N, Hkv, D], normed and rotated where due."""
         n = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, self.num_heads, self.head_dim)
@@ -119,9 +123,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(q, positions), self.rope(k, positions)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        out = self.attn(q, k, v, k_cache, v_cache, meta)  # [N, Hq, D]
-        return self.o_proj(out.reshape(n, self.q_size))
+        return q, k, v.view(n, self.num_kv_heads, self.head_dim)
 
 
 class MLP(nn.Module):
@@ -165,7 +167,19 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        attn = self.self_attn(self.input_layernorm(x), positions, k_cache, v_cache, meta)
+        q, k, v = self.before_attention(x, positions)
+        return self.after_attention(x, self.self_attn.attn(q, k, v, k_cache, v_cache, meta))
+
+    # The two dense halves of a layer, either side of attention over the paged cache: what
+    # `Transformer.compile` hands to torch.compile (attention's per-step Python structure
+    # stays eager, as vLLM splits its graphs at attention).
+    def before_attention(self, x: torch.Tensor, positions: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.self_attn.project(self.input_layernorm(x), positions)
+
+    def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x [N, H] the layer's input, attn [N, Hq, D] attention's output -> [N, H]."""
+        attn = self.self_attn.o_proj(attn.flatten(1))
         if self.gemma:
             x = x + self.post_attention_layernorm(attn)
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
@@ -195,6 +209,9 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # (largest token count or 0 for any, before_attention, after_attention), in order
+        self._regions: list[tuple[int, Callable[..., Any], Callable[..., Any]]] = [
+            (0, DecoderLayer.before_attention, DecoderLayer.after_attention)]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -202,9 +219,55 @@ class Transformer(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        before, after = self._dense_halves(x.shape[0])
         for index, layer in enumerate(self.layers):
-            x = layer(x, positions, kv_cache[0, index], kv_cache[1, index], meta)
+            q, k, v = before(layer, x, positions)
+            attn = layer.self_attn.attn(q, k, v, kv_cache[0, index], kv_cache[1, index], meta)
+            x = after(layer, x, attn)
         return self.norm(x)
+
+    def compile(self) -> None:  # type: ignore[override]
+        """Run each layer's two dense halves through torch.compile with the token count
+        dynamic: Inductor fuses the norms, RoPE, SiLU·mul and residual adds around the GEMMs.
+        Parameters are graph inputs, so one graph serves every layer of the same shape and
+        compile time does not grow with depth.
+
+        On CUDA, steps of up to CUDA_GRAPH_MAX_TOKENS tokens (decode batches) also replay
+        as CUDA graphs ("reduce-overhead", one graph per token count, recorded at its first
+        step), where launch overhead dominates; longer steps run the compiled kernels."""
+        before = torch.compile(DecoderLayer.before_attention, dynamic=True)
+        after = torch.compile(DecoderLayer.after_attention, dynamic=True)
+        self._regions = [(0, before, after)]
+        if self.embed_tokens.weight.is_cuda:
+            graphed_before = torch.compile(DecoderLayer.before_attention, dynamic=True,
+                                           mode="reduce-overhead")
+            graphed_after = torch.compile(DecoderLayer.after_attention, dynamic=True,
+                                          mode="reduce-overhead")
+            # A graph's outputs live in memory its next replay overwrites, and the next
+            # layer replays the same graph: keep copies (a few rows each).
+            self._regions.insert(0, (
+                CUDA_GRAPH_MAX_TOKENS,
+                lambda *a: tuple(t.clone() for t in graphed_before(*a)),
+                lambda *a: graphed_after(*a).clone()))
+
+    def warm_up(self) -> None:
+        """Compile now rather than in the first request: at one token (torch.compile
+        specialises a size of 1) and at two, whose graph serves every larger count."""
+        weight = self.embed_tokens.weight
+        for n in (1, 2, CUDA_GRAPH_MAX_TOKENS + 1):
+            x = torch.zeros(n, self.config.hidden_size, dtype=weight.dtype, device=weight.device)
+            positions = torch.zeros(n, dtype=torch.int64, device=weight.device)
+            before, after = self._dense_halves(n)
+            for layer in self.layers:
+                q, _, _ = before(layer, x, positions)
+                after(layer, x, q)  # q has the shape of attention's output
+
+    def _dense_halves(self, num_tokens: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
+        """The two dense halves of a layer (compiled or not) that run `num_tokens` tokens."""
+        for limit, before, after in self._regions:
+            if limit == 0 or num_tokens <= limit:
+                return before, after
+        raise AssertionError("the last region takes any token count")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

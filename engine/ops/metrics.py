@@ -17,6 +17,7 @@ from engine.events import (
     Failed,
     Finished,
     Preempted,
+    PrefixCacheLookup,
     Rejected,
     RequestAdded,
     SlowQuery,
@@ -106,6 +107,8 @@ class Metrics:
         self.requests_rejected_total = 0
         self.requests_failed_total = 0
         self.slow_queries_total = 0
+        self.prefix_cache_queries_total = 0
+        self.prefix_cache_hits_total = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
@@ -117,6 +120,8 @@ class Metrics:
         self.recent_itl = _Window(window_s)
         self.recent_queue_wait = _Window(window_s)
         self.recent_step = _Window(window_s)
+        self.recent_queried = _Window(window_s)  # prefix-cache lookups, in tokens
+        self.recent_cached = _Window(window_s)
         self._rate: deque[tuple[float, int, int]] = deque()  # (ts, tokens, output tokens)
         self._last_token_ts: dict[str, float] = {}
 
@@ -165,6 +170,11 @@ class Metrics:
                 self.requests_failed_total += 1
             case SlowQuery():
                 self.slow_queries_total += 1
+            case PrefixCacheLookup():
+                self.prefix_cache_queries_total += event.queried_tokens
+                self.prefix_cache_hits_total += event.cached_tokens
+                self.recent_queried.add(event.ts, event.queried_tokens)
+                self.recent_cached.add(event.ts, event.cached_tokens)
         horizon = event.ts - RATE_WINDOW_S
         while self._rate and self._rate[0][0] < horizon:
             self._rate.popleft()
@@ -177,6 +187,14 @@ class Metrics:
             return 0.0, 0.0
         span = max(now - window[0][0], 1e-3)
         return sum(r[1] for r in window) / span, sum(r[2] for r in window) / span
+
+    def prefix_cache_hit_rate(self, now: float) -> float | None:
+        """Cached over queried tokens of the admissions in the last `window_s` seconds before
+        `now`; None without any."""
+        with self._lock:
+            queried = sum(self.recent_queried.values(now))
+            cached = sum(self.recent_cached.values(now))
+        return cached / queried if queried else None
 
     def latency(self, now: float) -> WindowStats:
         """Percentiles (ms) of what ended in the last `window_s` seconds before `now`:

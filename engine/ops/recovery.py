@@ -22,6 +22,7 @@ from engine.store import (
     close_entry,
     unfinished_requests,
 )
+from engine.store.database import explained
 from engine.store.models import QUARANTINED
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
@@ -41,7 +42,7 @@ def resume_unfinished(engine: Engine, database: Database,
     on, so greedy outputs equal an uninterrupted run's. Takes the store's writer lock."""
     database.claim_writer()
     quarantined, failed = [], []
-    with database.session() as session:
+    with explained(database.path), database.session() as session:
         entries = []
         for entry in unfinished_requests(session):
             if entry.request_id in skip:

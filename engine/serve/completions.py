@@ -174,19 +174,17 @@ class Completions:
 
     async def _events(self, request_id: str, bridge: _Bridge, reply: _Reply,
                       include_usage: bool) -> AsyncIterator[str]:
-        """SSE chunks as tokens arrive; the text is held back while it ends mid-character."""
-        sent, pending = "", []
+        """One SSE chunk per generated token, as vLLM sends them; a chunk whose token leaves
+        a character incomplete carries its token id and no text (see _decode_all)."""
+        sent = ""
         try:
             while not bridge.finished:
                 output = await bridge.next()
                 _raise_if_refused(self.engine_loop, output)
-                pending += output.new_token_ids
                 text = _decode_all(reply, output)
-                if not output.finished and text.endswith("\ufffd"):
-                    continue
                 reason = FINISH_REASONS.get(output.finish_reason or "")
-                yield _sse(reply.body(text[len(sent):], pending, reason))
-                sent, pending = text, []
+                yield _sse(reply.body(text[len(sent):], list(output.new_token_ids), reason))
+                sent = text
                 if output.finished and include_usage:
                     yield _sse({**reply.body("", [], None, usage=True,
                                              completion_tokens=len(output.token_ids)),
@@ -223,7 +221,10 @@ class _Reply:
 
 
 def _decode_all(reply: _Reply, output: RequestOutput) -> str:
-    return reply.decode(list(output.token_ids))
+    """The text of the tokens so far, less a trailing U+FFFD: the bytes of a character not
+    yet complete (a multi-byte UTF-8 sequence split across tokens) are held back until it
+    completes, and never sent if it does not (vLLM's detokenizer does the same)."""
+    return reply.decode(list(output.token_ids)).rstrip("\ufffd")
 
 
 def _sse(data: dict[str, Any]) -> str:

@@ -43,6 +43,10 @@ def render_metrics(engine: Engine, snapshot: Snapshot) -> str:
     counter("num_preemptions", "Cumulative preemptions (recompute).", m.preemptions_total)
     counter("prompt_tokens", "Prefill tokens of requests received.", m.prompt_tokens_total)
     counter("generation_tokens", "Generated tokens.", m.generation_tokens_total)
+    counter("prefix_cache_queries", "Prefix-cache queries, in tokens looked up at admission.",
+            m.prefix_cache_queries_total)
+    counter("prefix_cache_hits", "Prefix-cache hits, in tokens found cached at admission.",
+            m.prefix_cache_hits_total)
     histogram("time_to_first_token_seconds", "Time to first token.", m.ttft)
     histogram("inter_token_latency_seconds", "Time between consecutive tokens.", m.itl)
     histogram("e2e_request_latency_seconds", "End-to-end request latency.", m.e2e)

@@ -32,6 +32,8 @@ from engine.core.engine import Engine
 from engine.events import Subscriber
 from engine.ops.recovery import Resumption, resume_unfinished
 from engine.serve.loop import EngineLoop
+from engine.sim.executor import PacedClock, Simulation, simulated_engine
+from engine.sim.target import resolve_target
 from engine.store import CalibrationRecord, Commit, Database, StoreWriter, open_database
 
 
@@ -48,28 +50,38 @@ class EngineSession:
     def start(cls, config: EngineConfig, *, db: str | Path | None = None, store: bool = True,
               journal: bool = True, calibrate: bool = True,
               observers: Sequence[Subscriber] = (),
-              on_commit: Callable[[Commit], None] | None = None) -> EngineSession:
+              on_commit: Callable[[Commit], None] | None = None,
+              simulate: Simulation | None = None) -> EngineSession:
         """Open the store at `db` (default path when None; none at all without `store`),
         build the engine, subscribe `observers` to its bus, apply the stored calibration
         (or, with `calibrate`, run and store a first one) and, with `journal`, start the
         journal writer (`on_commit` hears each commit). The store is closed again if the
-        engine cannot be built."""
+        engine cannot be built. `simulate` builds the GPU twin instead, paced to the wall
+        clock, its step times from the simulation's target (which may read a calibration
+        from the store); its own first calibration, on its simulated steps, is not stored."""
         database = open_database(db) if store else None
         try:
             if database is not None and journal:
                 database.claim_writer()  # one writer per store: refused before the model loads
-            engine = Engine(config)
-            for observer in observers:
-                engine.bus.subscribe(observer)
             calibration, first = None, None
-            if database is not None:
-                with database.session() as session:
-                    calibration = apply_latest(engine, session)
-                    if calibration is None and calibrate:
-                        first = first_calibration(engine, session)
-                        calibration = latest_for(session, engine)
-            elif calibrate:
-                first = first_calibration(engine)
+            if simulate is not None:
+                engine = _simulated(config, simulate, database)
+                for observer in observers:
+                    engine.bus.subscribe(observer)
+                if calibrate:
+                    first = first_calibration(engine)
+            else:
+                engine = Engine(config)
+                for observer in observers:
+                    engine.bus.subscribe(observer)
+                if database is not None:
+                    with database.session() as session:
+                        calibration = apply_latest(engine, session)
+                        if calibration is None and calibrate:
+                            first = first_calibration(engine, session)
+                            calibration = latest_for(session, engine)
+                elif calibrate:
+                    first = first_calibration(engine)
         except BaseException:
             if database is not None:
                 database.close()
@@ -108,3 +120,12 @@ class EngineSession:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  traceback: TracebackType | None) -> None:
         self.close()
+
+
+def _simulated(config: EngineConfig, simulate: Simulation, database: Database | None) -> Engine:
+    if database is None:
+        target = resolve_target(simulate.target, config, tp=simulate.tp)
+    else:
+        with database.session() as session:
+            target = resolve_target(simulate.target, config, tp=simulate.tp, session=session)
+    return simulated_engine(config, target, PacedClock(simulate.speed))

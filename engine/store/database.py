@@ -253,6 +253,11 @@ def explained(path: Path) -> Iterator[None]:
         message = str(exc.orig).lower()
         if "not a database" in message or "malformed" in message:
             raise _corrupt(path) from exc
+        if "no such table" in message or "no such column" in message or "has no column" in message:
+            raise StoreError(
+                f"database {path} ({exc.orig}): its schema is missing tables or columns; run "
+                f"`tokenflow db upgrade --db {path}`, or pass --db PATH to use another file"
+            ) from exc
         if "readonly" in message or "unable to open" in message or "permission" in message:
             raise StoreError(
                 f"cannot write the database {path} ({exc.orig}); {_write_fix(path)}"

@@ -104,6 +104,7 @@ class StoreWriter:
         self.dropped = 0  # events not written because the writer had stopped (see `failure`)
         self.skipped: list[SkippedRow] = []  # rows refused one by one, with the reason
         self.failure: StoreError | None = None  # the permanent error that stopped the writer
+        self._on_failure: list[Callable[[StoreError], None]] = []
         self.last_error: Exception | None = None
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -123,6 +124,13 @@ class StoreWriter:
         follows the engine, so whoever runs it must stop rather than go on unrecorded."""
         if self.failure is not None:
             raise self.failure
+
+    def on_failure(self, callback: Callable[[StoreError], None]) -> None:
+        """Call `callback` (on the writer's thread) when a permanent error stops the writer,
+        at once if one already has: a server stops serving rather than go on unrecorded."""
+        self._on_failure.append(callback)
+        if self.failure is not None:
+            callback(self.failure)
 
     def close(self, timeout: float | None = 10.0) -> bool:
         """Stop listening, write what is queued, stop the thread; False if it did not finish."""
@@ -223,6 +231,8 @@ class StoreWriter:
             self.last_error = cause if isinstance(cause, Exception) else exc
             self.failure = _permanent_error(self.database, self.last_error)
             log.error("%s", self.failure)
+            for callback in self._on_failure:
+                callback(self.failure)
             return False
 
     def _until_done(self, work: Callable[[Connection], object]) -> str | None:

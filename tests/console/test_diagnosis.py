@@ -125,3 +125,16 @@ def test_rules_say_the_device_on_a_cpu_and_the_gpu_on_cuda() -> None:
     assert on_gpu["queueing_bursts"] == "TTFT soars in bursts while the GPU is not busy"
     assert all("GPU" not in rule.worded(dataclasses.replace(idle, device="cpu"))
                for rule in RULES)
+
+
+def test_prefix_cache_fall_needs_a_useful_cache_that_stopped_hitting() -> None:
+    fell = dataclasses.replace(CALM, prefix_cache_queries_total=10_000,
+                               prefix_cache_hits_total=6_000, prefix_cache_hit_rate=0.1,
+                               kv_usage=0.95, kv_blocks_cached=40, kv_blocks_total=64)
+    found = {f.key: f for f in evaluate(fell, MetricHistory())}
+    assert found["prefix_cache_fall"].figures["hit rate overall"] == "60%"
+    steady = dataclasses.replace(fell, prefix_cache_hit_rate=0.55)
+    assert "prefix_cache_fall" not in symptoms(steady)
+    never_shared = dataclasses.replace(fell, prefix_cache_hits_total=100)  # no shared prefixes
+    assert "prefix_cache_fall" not in symptoms(never_shared)
+    assert "prefix_cache_fall" not in symptoms(CALM)  # caching off or no lookups yet

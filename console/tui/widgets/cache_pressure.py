@@ -1,4 +1,5 @@
-"""The "Cache pressure" pane: KV usage against the watermarks, its history, the mode."""
+"""The "Cache pressure" pane: KV usage against the watermarks, its history, the mode, and the
+prefix cache's hit rate over recent admissions."""
 
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ class CachePressure(Vertical):
             line.append(f" · prefix hits {snapshot.prefix_cache_hit_rate:.0%}")
         line.append("  ")
         line.append(snapshot.mode, style=MODE_STYLES.get(snapshot.mode, "bold"))
+        if snapshot.prefix_cache_hit_rate is not None:  # None: caching off or no lookup yet
+            line.append(f"  prefix hits {snapshot.prefix_cache_hit_rate:.0%}")
         self.query_one("#kv-gauge", Static).update(line)
         self.query_one(Plot).show((Series("KV usage", tuple(history.values("kv_usage"))),),
                                   lines=marks)

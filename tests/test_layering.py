@@ -1,21 +1,20 @@
-"""The console's imports point one way: no module of console/ imports itself back through
-others, and screens reach the console's state, never the App class. Read from the source
-text (ast), so nothing is imported."""
+"""Imports point one way: console -> engine, never back; neither package imports itself back
+through others (no cycle); screens reach the console's state, never the App class. Read from
+the source text (ast), so nothing is imported."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
-def import_graph(package: str) -> dict[str, set[str]]:
-    """Module -> the modules of `package` it names in an import (TYPE_CHECKING ones too)."""
-    paths = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
-             for p in (ROOT / package).rglob("*.py")}
-    graph: dict[str, set[str]] = {}
-    for name, path in paths.items():
+def imports(package: str) -> dict[str, set[str]]:
+    """Module of `package` -> every module it names in an import (TYPE_CHECKING ones too)."""
+    found: dict[str, set[str]] = {}
+    for path in (ROOT / package).rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
         targets: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.Import):
@@ -23,8 +22,14 @@ def import_graph(package: str) -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 targets.add(node.module)
                 targets.update(f"{node.module}.{alias.name}" for alias in node.names)
-        graph[name] = {t for t in targets if t in paths and t != name}
-    return graph
+        found[name] = targets - {name}
+    return found
+
+
+def import_graph(package: str) -> dict[str, set[str]]:
+    """Module -> the modules of `package` it imports."""
+    found = imports(package)
+    return {name: targets & found.keys() for name, targets in found.items()}
 
 
 def cycle_in(graph: dict[str, set[str]]) -> list[str] | None:
@@ -53,8 +58,15 @@ def cycle_in(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_the_console_has_no_import_cycle() -> None:
+def test_neither_package_has_an_import_cycle() -> None:
     assert cycle_in(import_graph("console")) is None
+    assert cycle_in(import_graph("engine")) is None
+
+
+def test_the_engine_never_imports_the_console() -> None:
+    backwards = {name: sorted(t for t in targets if t.split(".")[0] == "console")
+                 for name, targets in imports("engine").items()}
+    assert {name: found for name, found in backwards.items() if found} == {}
 
 
 def test_the_cycle_finder_finds_one() -> None:

@@ -1,0 +1,178 @@
+"""Multi-turn conversations: the workload that exercises the prefix cache (issue 20).
+
+The Azure traces carry lengths and times only, no prefix information, so the shape is ours: a
+conversation opens with a system prompt shared by every conversation, then takes turns; each
+turn's prompt is the whole history (system prompt, earlier user messages and the replies to
+them) plus a new user message. A follow-up turn `follows` the one before: `drive` sends it
+`think_s` after that turn's reply is complete, with the reply the model actually gave in its
+history, as a chat client does (closed loop). Its stored prompt holds a placeholder reply of
+the same length and an arrival time `OPEN_LOOP_TURN_GAP_S` after the previous turn's, for
+consumers that replay arrival times only (the console's loop).
+
+`conversations:PATH` replays a JSONL file, one conversation per line:
+{"id": "c1", "arrival_s": 0.0, "tenant": "default", "system": "text" | "system_token_ids":
+[...], "turns": [{"user": "text" | "user_token_ids": [...], "max_tokens": 64,
+"think_s": 1.0}, ...]}; everything but "id" and "turns" is optional.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.errors import EngineError
+
+# Token ids 0..2 are special in the synthetic tokenizer (see workload.FIRST_PROMPT_TOKEN_ID).
+FIRST_TOKEN_ID = 3
+OPEN_LOOP_TURN_GAP_S = 5.0  # a follow-up's stored arrival after its previous turn's
+
+
+class ConversationError(EngineError):
+    """A conversation file or profile cannot be used."""
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One turn as drafted: the new user message and the reply's length."""
+
+    user: tuple[int, ...]
+    max_tokens: int
+    think_s: float = 0.0  # after the previous turn's reply, before this message is sent
+
+
+@dataclass(frozen=True)
+class Conversation:
+    conversation_id: str
+    arrival_s: float
+    system: tuple[int, ...]
+    turns: tuple[Turn, ...]
+    tenant: str = "default"
+
+
+@dataclass(frozen=True)
+class MultiTurnProfile:
+    """`--workload multiturn`, at GPU scale (lengths are then scaled as for every profile)."""
+
+    conversations: int = 16
+    turns: int = 4
+    system_len: int = 1600  # the shared system prompt
+    user_len: int = 200  # each new user message (jittered)
+    reply_len: int = 200  # each reply (jittered)
+    think_s: float = 0.5
+    rate: float = 2.0  # conversations started per second (Poisson); inf = all at once
+
+
+MULTITURN = MultiTurnProfile()
+LENGTH_JITTER = 0.25
+
+
+def multiturn_conversations(profile: MultiTurnProfile, *, num_conversations: int | None,
+                            rate: float | None, length_scale: float, vocab_size: int,
+                            rng: random.Random) -> list[Conversation]:
+    """Seeded conversations of the profile's shape; `rate` overrides its start rate."""
+    n = num_conversations or profile.conversations
+    rate = profile.rate if rate is None else rate
+
+    def tokens(mean: int) -> tuple[int, ...]:
+        length = max(1, round(mean * length_scale * rng.uniform(1 - LENGTH_JITTER,
+                                                                 1 + LENGTH_JITTER)))
+        return tuple(rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(length))
+
+    system = tuple(rng.randrange(FIRST_TOKEN_ID, vocab_size)
+                   for _ in range(max(1, round(profile.system_len * length_scale))))
+    conversations, start = [], 0.0
+    for c in range(n):
+        turns = tuple(Turn(tokens(profile.user_len), len(tokens(profile.reply_len)),
+                           0.0 if t == 0 else profile.think_s) for t in range(profile.turns))
+        conversations.append(Conversation(f"c{c:04d}", start, system, turns))
+        if rate != float("inf"):
+            start += rng.expovariate(rate)
+    return conversations
+
+
+def load_conversations(path: Path | str,
+                       encode: Callable[[str], list[int]] | None) -> list[Conversation]:
+    """Conversations from a JSONL file (the format is in the module docstring); any bad line
+    fails the whole file, naming the line and the field."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ConversationError(f"cannot read conversation file {path} "
+                                f"({exc.strerror})") from None
+    conversations, seen = [], set()
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        conversation = _parse(where, line, encode)
+        if conversation.conversation_id in seen:
+            raise ConversationError(f"{where}: field 'id': {conversation.conversation_id!r} "
+                                    "repeats an earlier line; ids must be unique")
+        seen.add(conversation.conversation_id)
+        conversations.append(conversation)
+    if not conversations:
+        raise ConversationError(f"{path} holds no conversation; write one JSON object a line")
+    return conversations
+
+
+def _parse(where: str, line: str, encode: Callable[[str], list[int]] | None) -> Conversation:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ConversationError(f"{where}: not valid JSON ({exc.msg})") from None
+    if not isinstance(obj, dict):
+        raise ConversationError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+
+    def bad(field: str, need: str, value: Any) -> ConversationError:
+        return ConversationError(f"{where}: field {field!r}: {need}, got {value!r}")
+
+    def text_or_ids(o: dict[str, Any], name: str, required: bool) -> tuple[int, ...]:
+        ids_name = f"{name}_token_ids"
+        if name in o and ids_name in o:
+            raise ConversationError(f"{where}: give one of {name!r} or {ids_name!r}, not both")
+        if name in o:
+            if not isinstance(o[name], str) or not o[name]:
+                raise bad(name, "must be non-empty text", o[name])
+            if encode is None:
+                raise bad(name, "text needs the model's tokenizer; give token ids", o[name])
+            return tuple(encode(o[name]))
+        if ids_name in o:
+            ids = o[ids_name]
+            if not isinstance(ids, list) or not ids or not all(
+                    isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+                raise bad(ids_name, "must be a non-empty list of non-negative integers", ids)
+            return tuple(ids)
+        if required:
+            raise ConversationError(f"{where}: a turn needs {name!r} or {ids_name!r}")
+        return ()
+
+    cid = obj.get("id")
+    if not isinstance(cid, str) or not cid:
+        raise bad("id", "must be a non-empty string", cid)
+    arrival = obj.get("arrival_s", 0.0)
+    if isinstance(arrival, bool) or not isinstance(arrival, int | float) or not arrival >= 0:
+        raise bad("arrival_s", "must be a number of seconds >= 0", arrival)
+    tenant = obj.get("tenant", "default")
+    if not isinstance(tenant, str):
+        raise bad("tenant", "must be a string", tenant)
+    raw_turns = obj.get("turns")
+    if not isinstance(raw_turns, list) or not raw_turns:
+        raise bad("turns", "must be a non-empty list of objects", raw_turns)
+    turns = []
+    for i, raw in enumerate(raw_turns):
+        if not isinstance(raw, dict):
+            raise bad(f"turns[{i}]", "must be an object", raw)
+        max_tokens = raw.get("max_tokens")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise bad(f"turns[{i}].max_tokens", "must be an integer >= 1", max_tokens)
+        think = raw.get("think_s", 0.0)
+        if isinstance(think, bool) or not isinstance(think, int | float) or not think >= 0:
+            raise bad(f"turns[{i}].think_s", "must be a number of seconds >= 0", think)
+        turns.append(Turn(text_or_ids(raw, "user", True), max_tokens, float(think)))
+    return Conversation(cid, float(arrival), text_or_ids(obj, "system", False), tuple(turns),
+                        tenant)

@@ -1,0 +1,161 @@
+"""The simulated executor: the model runner's surface with no model behind it.
+
+`run(batch)` does no math. It moves a clock on by the time the target's predictor gives for
+the step's shape and returns placeholder tokens, so the scheduler, block manager, guards,
+events, journal and metrics above it run unchanged on a GPU the machine does not have.
+
+The clock is the engine's: a `VirtualClock` jumps (as fast as the CPU can schedule), a
+`PacedClock` runs at wall-clock pace or a multiple of it (the live console).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.budget.calibrate import apply
+from engine.config import EngineConfig
+from engine.core.batch import Batch, ModelRunnerOutput
+from engine.core.engine import Engine
+from engine.core.model_runner import DTYPES
+from engine.errors import EngineError
+from engine.model.loader import model_config_for, tokenizer_for
+from engine.sim.target import SimTarget
+
+
+class VirtualClock:
+    """Simulated seconds that move only when told: a step's predicted time, or an idle wait
+    for the next arrival. Starts at the monotonic clock so timestamps look like a real run's."""
+
+    def __init__(self, start: float | None = None) -> None:
+        self.now = time.monotonic() if start is None else start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance_to(self, t: float) -> None:
+        self.now = max(self.now, t)
+
+    def sleep(self, seconds: float) -> None:
+        """`drive`'s idle wait: jump to the next arrival instead of waiting for it."""
+        self.now += max(0.0, seconds)
+
+
+class PacedClock:
+    """Simulated seconds that pass `speed` times as fast as wall-clock seconds. A step waits
+    for the wall clock to catch up with its predicted end; a step the host runs late (its
+    scheduling took longer than the predicted time over `speed`) still takes its predicted
+    time: the lateness (or a sleep's overshoot) becomes a lag behind the wall clock, never a
+    longer step."""
+
+    def __init__(self, speed: float = 1.0) -> None:
+        if not speed > 0:
+            raise EngineError(f"simulation speed must be > 0, got {speed}")
+        self.speed = speed
+        self.lag = 0.0  # simulated seconds the host has fallen behind
+        self._wall0 = time.monotonic()
+
+    def __call__(self) -> float:
+        return self._wall0 + (time.monotonic() - self._wall0) * self.speed - self.lag
+
+    def advance_to(self, t: float) -> None:
+        ahead = t - self()
+        if ahead > 0:
+            time.sleep(ahead / self.speed)
+        self.lag += max(0.0, self() - t)  # a late host, or a sleep that overslept
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(max(0.0, seconds) / self.speed)
+
+
+Clock = VirtualClock | PacedClock
+
+
+@dataclass(frozen=True)
+class SimulatedDevice:
+    """Stands where a torch.device does: `type` is never "cuda", so nothing reaches for NVML
+    or CUDA memory."""
+
+    label: str
+    type: str = "sim"
+    index: int | None = None
+
+    def __str__(self) -> str:
+        return self.label
+
+
+class SimulatedExecutor:
+    """The surface of ModelRunner that the engine uses, sized from the model's config."""
+
+    def __init__(self, config: EngineConfig, target: SimTarget, clock: Clock) -> None:
+        self.target = target
+        self.clock = clock
+        self.model_config = model_config_for(config.model)
+        self.tokenizer = tokenizer_for(config.model, self.model_config)
+        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        self.device = SimulatedDevice(target.device, target.device_type)
+        self.dtype = DTYPES[target.dtype]
+        self.peaks = target.peaks
+        self.block_size = config.block_size
+        per_block = self.model_config.kv_bytes_per_token(self.bytes_per_element) * self.block_size
+        self.num_blocks = target.kv_cache_bytes // per_block
+        if self.num_blocks < 1:
+            raise EngineError(f"the KV budget ({target.kv_cache_bytes} bytes) holds no block of "
+                              f"{per_block} bytes; raise kv_cache_bytes or use a larger GPU")
+        self._never = frozenset(self.model_config.eos_token_id)
+
+    @property
+    def bytes_per_element(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    def zero_blocks(self, blocks: list[int]) -> None:
+        """There is no KV tensor to zero; allocation is still the block manager's."""
+
+    def move_blocks(self, source: list[int], target: list[int]) -> None:
+        """Compaction renumbers block tables (the block manager's); no KV rows to move."""
+
+    def run(self, batch: Batch) -> ModelRunnerOutput:
+        """Advance the clock by the predicted step time; a placeholder token per sampling
+        chunk."""
+        start = self.clock()
+        self.clock.advance_to(start + self.target.predict(batch.shape()))
+        tokens = {c.request.id: self._placeholder(c.request.num_tokens, c.request.params
+                                                  .stop_token_ids)
+                  for c in batch.sampling}
+        return ModelRunnerOutput(token_ids=tokens)
+
+    def _placeholder(self, position: int, stop: tuple[int, ...]) -> int:
+        """A deterministic token that never ends a request early: only max_tokens (or the
+        model's length) does, as with ignore-EOS workloads in a real run."""
+        vocab = self.model_config.vocab_size
+        token = position % vocab
+        while token in self._never or token in stop:
+            token = (token + 1) % vocab
+        return token
+
+
+@dataclass(frozen=True)
+class Simulation:
+    """A live simulated engine: the target spec (see engine.sim.target), tensor-parallel
+    GPUs, and how many simulated seconds pass per wall-clock second."""
+
+    target: str
+    tp: int = 1
+    speed: float = 1.0
+
+
+def simulated_engine(config: EngineConfig, target: SimTarget, clock: Clock) -> Engine:
+    """An Engine whose runner is simulated, budgeting with the target's own step times."""
+    # the engine predicts each step's time and then the executor takes it: compute it once
+    target = dataclasses.replace(target, predict=functools.lru_cache(maxsize=2)(target.predict))
+    engine = Engine(config, runner=SimulatedExecutor(config, target, clock), clock=clock)
+    if target.calibration is not None:
+        # as a real run with a stored calibration: predictions and C* from the fit
+        apply(engine, target.calibration)
+    engine.predict = target.predict
+    return engine

@@ -1,0 +1,242 @@
+"""What a simulated engine stands for: a device, its peaks, its KV pool and a step-time
+predictor, resolved from a `--simulate` spec.
+
+- "this": the predictor `tokenflow calibrate` stored for this model on this device.
+- a GPU name (a100, h100, h200, l40s, b200): the roofline of the model on that GPU's datasheet
+  peaks, split over `tp` GPUs with two all-reduces per layer priced by the GPU's interconnect.
+- "calibration:ID": a stored calibration, e.g. one run on a lent GPU.
+
+No weights are loaded: the model's shape (a synthetic preset, or a directory holding only
+config.json) sizes the weights and the KV cache.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from engine.budget.calibrate import latest_stored
+from engine.budget.cost_model import BudgetModel
+from engine.budget.peaks import DevicePeaks, measure_peaks
+from engine.budget.predictor import StepTimePredictor
+from engine.config import ConfigError, EngineConfig
+from engine.core.batch import StepShape
+from engine.core.model_runner import CPU_KV_BYTES_DEFAULT, resolve_device, resolve_dtype
+from engine.model.config import ModelConfig
+from engine.model.loader import model_config_for
+from engine.sim.gpus import (
+    SUSTAINED_BANDWIDTH,
+    SUSTAINED_FLOPS,
+    GpuSpec,
+    gpu,
+    spec_for_device_name,
+)
+from engine.store.calibration import calibration_history
+
+# What a CUDA process holds before any pool is sized (context, cuBLAS workspace): the real
+# runner sizes its KV pool from the memory free after loading, which excludes this.
+CUDA_CONTEXT_BYTES = 512 << 20
+GPU_DTYPE = "bfloat16"
+CALIBRATION_PREFIX = "calibration:"
+
+Predict = Callable[[StepShape], float]
+
+
+@dataclass(frozen=True)
+class SimTarget:
+    """A simulated device: how it is labelled, how fast it is, how much KV it holds."""
+
+    spec: str  # as given to --simulate
+    device: str  # label in snapshots and reports, e.g. "sim:h100x2"
+    dtype: str
+    peaks: DevicePeaks  # of the whole deployment (all tp GPUs)
+    kv_cache_bytes: int
+    predict: Predict = field(repr=False, compare=False)
+    source: str  # where the step times come from, in words
+    calibration: StepTimePredictor | None = None  # the stored fit, when predict is one
+    details: dict[str, Any] = field(default_factory=dict)  # sizing and interconnect figures
+    # "cpu" when it stands for this CPU: CPU-sized workloads and no GPU telemetry, as for real
+    device_type: str = "sim"
+
+    @property
+    def predictor(self) -> str:
+        return "roofline" if self.calibration is None else "calibrated"
+
+    def describe(self) -> dict[str, Any]:
+        return {"spec": self.spec, "device": self.device, "predictor": self.predictor,
+                "source": self.source, "peak_flops": self.peaks.flops,
+                "peak_bandwidth": self.peaks.bandwidth, "kv_cache_bytes": self.kv_cache_bytes,
+                **self.details}
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """A model of `config` at `bytes_per_element` on `tp` GPUs of `gpu` (tensor parallel:
+    weights, KV heads, FLOPs and bytes split evenly)."""
+
+    config: ModelConfig
+    bytes_per_element: int
+    gpu: GpuSpec
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        c = self.config
+        if self.tp < 1 or c.num_heads % self.tp or c.num_kv_heads % self.tp:
+            raise ConfigError("tp", f"must be >= 1 and divide the model's {c.num_heads} "
+                              f"attention and {c.num_kv_heads} KV heads, got {self.tp}")
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.config.num_params(include_embeddings=True) * self.bytes_per_element
+
+    @property
+    def peaks(self) -> DevicePeaks:
+        one = self.gpu.peaks
+        return DevicePeaks(f"{one.name}x{self.tp}" if self.tp > 1 else one.name,
+                           one.flops * self.tp, one.bandwidth * self.tp, one.source)
+
+    def kv_cache_bytes(self, memory_utilization: float) -> int:
+        """KV over all GPUs: each GPU's memory less its share of the weights and the CUDA
+        context, times the utilisation share (the real runner's rule on the memory left)."""
+        free = self.gpu.memory_bytes - self.weight_bytes / self.tp - CUDA_CONTEXT_BYTES
+        if free <= 0:
+            raise ConfigError("tp", f"{self.weight_bytes / 1e9:.1f} GB of weights do not fit "
+                              f"on {self.tp} x {self.gpu.name} "
+                              f"({self.gpu.memory_bytes / 1e9:.0f} GB each); raise --tp")
+        return int(free * memory_utilization) * self.tp
+
+    def allreduce_seconds(self, tokens: int) -> float:
+        """Megatron tensor parallelism all-reduces each token's hidden state twice a layer
+        (after attention and after the MLP)."""
+        message = tokens * self.config.hidden_size * self.bytes_per_element
+        per_call = self.gpu.interconnect.allreduce_seconds(message, self.tp)
+        return 2 * self.config.num_layers * per_call
+
+    def predictor(self) -> Predict:
+        """Step seconds: the roofline on the sustained share of the peaks, plus the
+        all-reduces."""
+        peaks = self.peaks
+        sustained = DevicePeaks(peaks.name, peaks.flops * SUSTAINED_FLOPS,
+                                peaks.bandwidth * SUSTAINED_BANDWIDTH, peaks.source)
+        budget = BudgetModel(self.config, self.bytes_per_element, sustained)
+        if self.tp == 1:
+            return budget.predict
+        return lambda shape: budget.predict(shape) + self.allreduce_seconds(shape.num_tokens)
+
+
+def resolve_target(spec: str, config: EngineConfig, *, tp: int = 1,
+                   session: Session | None = None) -> SimTarget:
+    """The SimTarget a `--simulate` spec names; ConfigError says what to fix."""
+    spec = spec.strip()
+    if spec == "this":
+        _require_single(tp, spec)
+        return _this(config, _need(session, spec))
+    if spec.startswith(CALIBRATION_PREFIX):
+        _require_single(tp, spec)
+        return _stored(spec, config, _need(session, spec))
+    return _gpu_roofline(spec, config, tp)
+
+
+def _gpu_roofline(spec: str, config: EngineConfig, tp: int) -> SimTarget:
+    model = model_config_for(config.model)
+    dtype = GPU_DTYPE if config.dtype == "auto" else config.dtype
+    spec_gpu = gpu(spec)
+    deployment = Deployment(model, _bytes_per_element(dtype), spec_gpu, tp)
+    kv = config.kv_cache_bytes or deployment.kv_cache_bytes(config.gpu_memory_utilization)
+    link = spec_gpu.interconnect
+    details: dict[str, Any] = {
+        "gpu": spec_gpu.name, "tp": tp, "gpu_memory_bytes": spec_gpu.memory_bytes,
+        "weight_bytes": deployment.weight_bytes,
+    }
+    if tp > 1:
+        details["interconnect"] = {"name": link.name, "bandwidth": link.bandwidth,
+                                   "hop_latency_s": link.hop_latency_s, "source": link.source,
+                                   "allreduces_per_layer": 2}
+    label = f"sim:{spec.lower()}" + (f"x{tp}" if tp > 1 else "")
+    return SimTarget(spec=spec, device=label, dtype=dtype, peaks=deployment.peaks,
+                     kv_cache_bytes=kv, predict=deployment.predictor(),
+                     source=(f"{spec_gpu.peaks.source} peaks at {SUSTAINED_FLOPS:.0%} FLOP/s "
+                             f"and {SUSTAINED_BANDWIDTH:.0%} bandwidth sustained, roofline of "
+                             f"{config.model}"),
+                     details=details)
+
+
+def _this(config: EngineConfig, session: Session) -> SimTarget:
+    device = resolve_device(config.device)
+    dtype = str(resolve_dtype(config.dtype, device)).removeprefix("torch.")
+    record = latest_stored(session, model=config.model, device=str(device), dtype=dtype)
+    if record is None:
+        raise ConfigError("simulate", f"no calibration stored for {config.model} on {device} "
+                          f"({dtype}); run `tokenflow calibrate --model {config.model}` first")
+    predictor = StepTimePredictor.from_dict(record.params)
+    if config.kv_cache_bytes is not None:
+        kv = config.kv_cache_bytes
+    elif device.type == "cpu":
+        kv = CPU_KV_BYTES_DEFAULT
+    else:  # the pool the calibrated run had
+        kv = int(record.info["kv"]["capacity_bytes"])
+    return SimTarget(spec="this", device=f"sim:{device}", dtype=dtype,
+                     peaks=measure_peaks(str(device), resolve_dtype(dtype, device)),
+                     kv_cache_bytes=kv, predict=predictor.predict, calibration=predictor,
+                     source=_calibration_source(record.id, record.created_at, predictor),
+                     details={"calibration_id": record.id},
+                     device_type="cpu" if device.type == "cpu" else "sim")
+
+
+def _stored(spec: str, config: EngineConfig, session: Session) -> SimTarget:
+    text = spec.removeprefix(CALIBRATION_PREFIX)
+    if not text.isdigit():
+        raise ConfigError("simulate", f"{spec!r}: expected calibration:ID with a numeric id "
+                          "(`tokenflow calibrate --history` lists them)")
+    record = next((r for r in calibration_history(session) if r.id == int(text)), None)
+    if record is None:
+        raise ConfigError("simulate", f"no stored calibration with id {text}")
+    if record.model != config.model:
+        raise ConfigError("simulate", f"calibration {text} was measured on {record.model}, "
+                          f"not {config.model}; pass --model {record.model}")
+    predictor = StepTimePredictor.from_dict(record.params)
+    info = record.info
+    peaks = DevicePeaks(**info["peaks"])
+    known = spec_for_device_name(peaks.name)
+    if config.kv_cache_bytes is not None:
+        kv = config.kv_cache_bytes
+    elif known is not None:
+        deployment = Deployment(model_config_for(config.model),
+                                _bytes_per_element(info["dtype"]), known)
+        kv = deployment.kv_cache_bytes(config.gpu_memory_utilization)
+    else:
+        kv = int(info["kv"]["capacity_bytes"])
+    return SimTarget(spec=spec, device=f"sim:{record.device}", dtype=info["dtype"], peaks=peaks,
+                     kv_cache_bytes=kv, predict=predictor.predict, calibration=predictor,
+                     source=_calibration_source(record.id, record.created_at, predictor),
+                     details={"calibration_id": record.id, "calibrated_device": peaks.name})
+
+
+def _calibration_source(record_id: int, created_at: float, predictor: StepTimePredictor,
+                        ) -> str:
+    when = datetime.datetime.fromtimestamp(created_at, datetime.UTC).strftime("%Y-%m-%d %H:%M")
+    return (f"calibration {record_id} stored {when} UTC ({predictor.source}, "
+            f"{predictor.points} steps)")
+
+
+def _bytes_per_element(dtype: str) -> int:
+    sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
+    if dtype not in sizes:
+        raise ConfigError("dtype", f"{dtype!r} is not supported; choose {', '.join(sizes)}")
+    return sizes[dtype]
+
+
+def _require_single(tp: int, spec: str) -> None:
+    if tp != 1:
+        raise ConfigError("tp", f"--tp applies to a named GPU's roofline, not {spec!r}; "
+                          "drop --tp or simulate a100, h100, h200, l40s or b200")
+
+
+def _need(session: Session | None, spec: str) -> Session:
+    if session is None:
+        raise ConfigError("simulate", f"{spec!r} reads a stored calibration; give a --db")
+    return session

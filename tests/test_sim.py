@@ -1,0 +1,272 @@
+"""The GPU twin: a simulated executor under the real scheduler (issue 21)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.budget.peaks import DevicePeaks, measure_peaks
+from engine.budget.roofline import Roofline, step_estimate
+from engine.config import ConfigError, EngineConfig, SamplingParams
+from engine.core.batch import StepShape
+from engine.core.engine import Engine
+from engine.events import ChunkComplete, Event, Finished, Preempted, StepComplete
+from engine.harness.driver import drive
+from engine.harness.workload import WorkloadRequest
+from engine.model.config import PRESETS
+from engine.sim.executor import SimulatedExecutor, VirtualClock, simulated_engine
+from engine.sim.fleet import run_fleet
+from engine.sim.gpus import GPUS, NVLINK4
+from engine.sim.router import RoutePolicy, Router
+from engine.sim.target import Deployment, SimTarget, resolve_target
+
+# --- seed 003 §6·补一: a 4,096-token prompt beside 32 decodes at 2,048 tokens --------------
+
+SEED_ROOFLINE = Roofline(params=7e9, flops=300e12, bandwidth=2e12, kv_bytes_per_token=524288)
+SEED_TTFT_MS = {128: 774, 486: 218, 2048: 194, 4096: 193}
+DECODES, CONTEXT, PROMPT = 32, 2048, 4096
+
+
+def _seed_target() -> SimTarget:
+    def predict(shape: StepShape) -> float:
+        return step_estimate(SEED_ROOFLINE.compute_seconds(shape),
+                             SEED_ROOFLINE.memory_seconds(shape)).tau_s
+
+    return SimTarget(spec="seed-003", device="sim:seed-003", dtype="bfloat16",
+                     peaks=DevicePeaks("seed-003", 300e12, 2e12, "seed 003 §6"),
+                     kv_cache_bytes=64 << 30, predict=predict, source="seed 003 §6 roofline")
+
+
+def _llama2_7b_dir(tmp_path: Path) -> Path:
+    """A model directory holding only config.json (no weights), 8k positions so that the
+    4,096-token prompt fits with its output."""
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32000, "hidden_size": 4096,
+              "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "num_key_value_heads": 32, "max_position_embeddings": 8192,
+              "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return tmp_path
+
+
+def _seed_ttft_ms(model: str, chunk: int) -> float:
+    warmup = EngineConfig(model=model, chunk_tile=1, max_prefill_chunks=DECODES,
+                          max_num_batched_tokens=DECODES * CONTEXT)
+    clock = VirtualClock(start=0.0)
+    engine = simulated_engine(warmup, _seed_target(), clock)
+    for i in range(DECODES):  # one step prefills them all: every decode then has S = 2048
+        engine.add_request([5] * (CONTEXT - 1), SamplingParams(max_tokens=200, ignore_eos=True),
+                           request_id=f"decode-{i}")
+    engine.step()
+    assert sum(r.is_decoding for r in engine.scheduler.running) == DECODES
+    engine.update_config(max_num_batched_tokens=chunk + DECODES,
+                         chunked_prefill=chunk < PROMPT)
+    rid = engine.add_request([7] * PROMPT, SamplingParams(max_tokens=1, ignore_eos=True))
+    request = engine.scheduler.requests[rid]
+    while request.first_token_time is None:
+        engine.step()
+    return request.ttft_s * 1e3
+
+
+@pytest.mark.parametrize("chunk", sorted(SEED_TTFT_MS))
+def test_seed_003_worked_example_ttft_within_5_percent(tmp_path: Path, chunk: int) -> None:
+    ttft = _seed_ttft_ms(str(_llama2_7b_dir(tmp_path)), chunk)
+    assert ttft == pytest.approx(SEED_TTFT_MS[chunk], rel=0.05)
+
+
+# --- the same decisions as a real run, given the real step times ------------------------
+
+
+def _decisions(events: list[Event]) -> list[tuple[object, ...]]:
+    """What the scheduler decided, step by step, without any timing."""
+    out: list[tuple[object, ...]] = []
+    for e in events:
+        match e:
+            case StepComplete():
+                out.append(("step", e.step, e.prefill_tokens, e.decode_seqs, e.mode))
+            case ChunkComplete():
+                out.append(("chunk", e.request_id, e.chunk_index, e.start, e.tokens))
+            case Preempted():
+                out.append(("preempted", e.request_id))
+            case Finished():
+                out.append(("finished", e.request_id, e.reason, e.generated_tokens))
+    return out
+
+
+def _tiny_workload() -> list[WorkloadRequest]:
+    return [WorkloadRequest(f"r{i}", 0.0, tuple(3 + (i + j) % 50 for j in range(24 + 9 * i)),
+                            max_tokens=12 + 5 * i, ignore_eos=True) for i in range(10)]
+
+
+def test_simulated_run_makes_the_real_runs_scheduling_decisions() -> None:
+    # a pool of 24 blocks forces preemptions; a 48-token budget forces chunking
+    config = EngineConfig(model="synthetic:tiny", device="cpu", max_num_batched_tokens=48,
+                          kv_cache_bytes=24 * 16 * PRESETS["tiny"].kv_bytes_per_token(4))
+    real = Engine(config)
+    real_events: list[Event] = []
+    real.bus.subscribe(real_events.append)
+    drive(real, _tiny_workload())
+    durations = iter([e.duration_s for e in real_events if isinstance(e, StepComplete)])
+    assert any(isinstance(e, Preempted) for e in real_events)
+
+    target = SimTarget(spec="replay", device="sim:replay", dtype="float32",
+                       peaks=measure_peaks("cpu", real.runner.dtype),
+                       kv_cache_bytes=config.kv_cache_bytes,
+                       predict=lambda shape: next(durations), source="the real run's steps")
+    clock = VirtualClock()
+    sim = Engine(config, runner=SimulatedExecutor(config, target, clock), clock=clock)
+    sim_events: list[Event] = []
+    sim.bus.subscribe(sim_events.append)
+    drive(sim, _tiny_workload(), sleep=clock.sleep)
+    assert _decisions(sim_events) == _decisions(real_events)
+    real_steps = [e.duration_s for e in real_events if isinstance(e, StepComplete)]
+    sim_steps = [e.duration_s for e in sim_events if isinstance(e, StepComplete)]
+    assert sim_steps == pytest.approx(real_steps)
+
+
+# --- models without weights, tensor parallelism ------------------------------------------
+
+
+def test_kv_capacity_is_gpu_memory_less_weights_and_reserve() -> None:
+    config = PRESETS["8b"]
+    one = Deployment(config, 2, GPUS["h100"])
+    two = Deployment(config, 2, GPUS["h100"], tp=2)
+    assert one.weight_bytes == config.num_params() * 2
+    # the second GPU holds no second copy of the weights: more than twice the KV
+    assert two.kv_cache_bytes(0.9) > 2 * one.kv_cache_bytes(0.9)
+    assert one.kv_cache_bytes(0.9) < 0.9 * (GPUS["h100"].memory_bytes - one.weight_bytes)
+
+
+def test_tensor_parallel_adds_two_allreduces_per_layer_on_the_link() -> None:
+    config = PRESETS["8b"]
+    two = Deployment(config, 2, GPUS["h100"], tp=2)
+    message = 512 * config.hidden_size * 2
+    per_call = 2 * (message / 2 / NVLINK4.bandwidth + NVLINK4.hop_latency_s)
+    assert two.allreduce_seconds(512) == pytest.approx(2 * config.num_layers * per_call)
+    shape = StepShape(decode_contexts=(1024,) * 64)
+    single = Deployment(config, 2, GPUS["h100"]).predictor()(shape)
+    assert two.predictor()(shape) < single  # half the weights per GPU outweighs the link
+
+
+def test_bad_simulation_inputs_name_the_fix(tmp_path: Path) -> None:
+    config = EngineConfig(model="synthetic:8b")
+    with pytest.raises(ConfigError, match="choose one of a100"):
+        resolve_target("v100", config)
+    with pytest.raises(ConfigError, match="tp"):
+        resolve_target("h100", config, tp=3)  # 8 KV heads do not split three ways
+    with pytest.raises(ConfigError, match="give a --db"):
+        resolve_target("this", config)
+    big = {"architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 8192,
+           "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+           "num_key_value_heads": 8}
+    (tmp_path / "config.json").write_text(json.dumps(big))
+    with pytest.raises(ConfigError, match="raise --tp"):
+        resolve_target("h100", EngineConfig(model=str(tmp_path)))
+    assert resolve_target("h100", EngineConfig(model=str(tmp_path)), tp=4).kv_cache_bytes > 0
+
+
+def test_placeholder_tokens_give_every_ignore_eos_request_its_length() -> None:
+    config = EngineConfig(model="synthetic:8b", max_num_batched_tokens=512)
+    clock = VirtualClock(start=0.0)
+    engine = simulated_engine(config, resolve_target("h200", config), clock)
+    outputs = engine.generate([[5] * 300, [6] * 20], SamplingParams(max_tokens=40))
+    assert [len(o) for o in outputs] == [40, 40]
+    assert clock() > 0  # the simulated clock moved by the predicted step times only
+    assert str(engine.snapshot().device) == "sim:h200"
+
+
+def test_a_session_can_serve_the_twin_at_a_multiple_of_wall_clock_pace(tmp_path: Path) -> None:
+    from engine.serve.session import EngineSession
+    from engine.sim.executor import Simulation
+
+    config = EngineConfig(model="synthetic:8b", max_num_batched_tokens=512)
+    with EngineSession.start(config, db=tmp_path / "t.db",
+                             simulate=Simulation("h100", tp=2, speed=1000.0)) as session:
+        engine = session.engine
+        assert isinstance(engine.runner, SimulatedExecutor)
+        assert session.calibration is None  # the target's step times, not this CPU's fit
+        assert [len(o) for o in engine.generate([[5] * 64], SamplingParams(max_tokens=8))] == [8]
+        assert engine.snapshot().device == "sim:h100x2"
+
+
+# --- fleets -------------------------------------------------------------------------------
+
+
+def _request(i: int, tenant: str = "default", prompt: int = 10, out: int = 5) -> WorkloadRequest:
+    return WorkloadRequest(f"q{i}", 0.05 * i, (5,) * prompt, max_tokens=out, tenant=tenant,
+                           ignore_eos=True)
+
+
+def test_router_policies() -> None:
+    rr = Router(RoutePolicy.ROUND_ROBIN, 3)
+    assert [rr.route(_request(i)) for i in range(4)] == [0, 1, 2, 0]
+    least = Router(RoutePolicy.LEAST_TOKENS, 2)
+    assert least.route(_request(0, prompt=100)) == 0
+    assert least.route(_request(1, prompt=10)) == 1
+    assert least.route(_request(2, prompt=10)) == 1  # 20 outstanding there against 105
+    least.finished("q0")
+    assert least.outstanding == [0, 30] and least.route(_request(3)) == 0
+    session = Router(RoutePolicy.SESSION, 4)
+    picks = {session.route(_request(i, tenant=f"t{i % 3}")) for i in range(0, 30, 3)}
+    assert len(picks) == 1  # one session, one replica
+    with pytest.raises(ConfigError, match="choose one of round-robin"):
+        RoutePolicy.parse("random")
+
+
+def test_a_fleet_replays_arrivals_across_replicas() -> None:
+    config = EngineConfig(model="synthetic:8b", max_num_batched_tokens=512)
+    workload = [_request(i, prompt=200 + 40 * i, out=20 + i) for i in range(12)]
+    fleet = run_fleet(config, resolve_target("h100", config), workload, 3,
+                      RoutePolicy.ROUND_ROBIN)
+    assert [len(r.records) for r in fleet.replicas] == [4, 4, 4]
+    merged = fleet.merged
+    assert merged.summary()["finished"] == 12
+    for item in workload:
+        record = merged.records[item.request_id]
+        assert record.arrival == pytest.approx(item.arrival_s)  # the trace's own times
+        assert record.first_scheduled >= record.arrival  # never before it arrives
+        assert len(record.token_ids) == item.max_tokens
+    assert fleet.summary()["replicas"][0]["requests"] == 4
+
+
+def test_bench_simulate_prints_the_real_json_plus_what_was_simulated(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from console.cli.main import main
+
+    code = main(["bench", "--simulate", "h100", "--tp", "2", "--model", "synthetic:8b",
+                 "--workload", "chat", "--num-requests", "6", "--compare", "chunked,unchunked",
+                 "--replicas", "2", "--capacity", "--capacity-requests", "4",
+                 "--capacity-duration", "1", "--capacity-iterations", "1", "--json"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["simulated"] is True and report["predictor"] == "roofline"
+    assert "H100 SXM datasheet" in report["predictor_source"]
+    assert report["target"]["interconnect"]["name"].startswith("NVLink 4")
+    run = report["runs"]["chunked"]
+    assert run["finished"] == 6 and len(run["replicas"]) == 2
+    assert {"ttft_ms", "tpot_ms", "output_tok_s", "goodput"} <= set(run)
+    assert set(report["capacity"]) == {"chunked", "unchunked"}
+    assert main(["bench", "--model", "synthetic:tiny", "--tp", "2"]) == 2
+    assert "add --simulate" in capsys.readouterr().err
+
+
+def test_console_simulation_flags_need_the_embedded_engine() -> None:
+    from console.cli.console import build_parser, conflict
+
+    parse = build_parser().parse_args
+    assert conflict(parse(["--simulate", "h200", "--model", "synthetic:8b"])) is None
+    assert "add --simulate" in conflict(parse(["--sim-speed", "10"]))
+    assert "must be > 0" in conflict(parse(["--simulate", "h200", "--sim-speed", "0"]))
+    assert "--simulate" in conflict(parse(["--simulate", "h200", "--attach", "http://x"]))
+
+
+def test_the_twin_calibrates_on_its_own_step_times() -> None:
+    from engine.budget.calibrate import calibrate
+
+    config = EngineConfig(model="synthetic:8b", max_num_batched_tokens=512)
+    target = resolve_target("h100", config)
+    engine = simulated_engine(config, target, VirtualClock(start=0.0))
+    result = calibrate(engine, quick=True)
+    assert result.heldout_median_abs_error < 0.10  # a linear fit of a roofline, no noise
+    assert result.kv.capacity_bytes <= target.kv_cache_bytes
