@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from sqlalchemy.orm import Session
 
+from console.errors import UserError
 from console.sources.base import Capabilities, Progress, SourceError
 from engine.budget.calibrate import (
     CalibrationResult,
@@ -25,6 +26,7 @@ from engine.config import EngineConfig
 from engine.core.engine import Engine
 from engine.events import CalibrationProgress, Event
 from engine.harness.workload import build_workload, default_length_scale
+from engine.ops.recovery import foreign_journal
 from engine.serve.loop import EngineLoop
 from engine.serve.session import EngineSession
 from engine.sim.executor import Simulation
@@ -68,6 +70,7 @@ class EmbeddedSource:
         engine = session.engine
         self.name = f"embedded {engine.config.model} on {engine.runner.device}"
         self.monitor: DriftMonitor | None = None  # set by start(): drift (protection layer 5)
+        self.resumed: tuple[str, ...] = ()  # set by start(): requests resumed from the journal
 
     @classmethod
     def start(cls, *, model: str | None = None, device: str | None = None,
@@ -108,9 +111,14 @@ class EmbeddedSource:
                 # requests[0] first), so no id clashes with what that run left
                 first_cycle = next_cycle(db_session, requests[0].request_id) if requests else 0
             say(1.0, "replaying the journal")
-            session.resume_unfinished()  # what a crashed console left (pitfall 12)
+            problem = foreign_journal(engine, database)
+            if problem is not None:
+                raise UserError(problem)
+            # what a crashed console left (pitfall 12), announced by the console
+            resumed = session.resume_unfinished().resumed
             loop = session.attach_loop()
             source = cls(session)
+            source.resumed = resumed
             if simulate is not None:
                 source.name = f"SIMULATED {source.name} (x{simulate.speed:g})"
             calibration = session.calibration
@@ -140,6 +148,11 @@ class EmbeddedSource:
 
     def pause(self) -> None:
         self.loop.pause()
+
+    def discard(self, request_ids: tuple[str, ...]) -> None:
+        """Abort requests resumed from the journal that the operator does not want again."""
+        for request_id in request_ids:
+            self.loop.abort(request_id)
 
     def resume(self) -> None:
         self.loop.resume()

@@ -33,8 +33,9 @@ if TYPE_CHECKING:  # the store pulls in SQLAlchemy: kept off the launch path
     from engine.store import CalibrationRecord, ConfigChangeRecord, DriftRecord, SlowQueryRecord
 
 # The Source methods a child answers; anything else is refused.
-CALLS = frozenset({"snapshot", "update_config", "pause", "resume", "slow_queries", "slow_query",
-                   "calibration_history", "drift_events", "config_changes", "recalibrate"})
+CALLS = frozenset({"snapshot", "update_config", "pause", "resume", "discard", "slow_queries",
+                   "slow_query", "calibration_history", "drift_events", "config_changes",
+                   "recalibrate"})
 CLOSE_TIMEOUT_S = 15.0
 
 
@@ -50,6 +51,7 @@ class ProcessSource:
         self._pending: dict[int, tuple[Future[Any], Progress | None]] = {}
         self._ids = itertools.count()
         self._ready = False
+        self.resumed: tuple[str, ...] = ()  # requests the engine resumed from the journal
         self._closed = False
         self._reader_done = False  # set before the reader fails what is pending
         self._reader = threading.Thread(target=self._read, name="tokenflow-engine-pipe",
@@ -86,7 +88,7 @@ class ProcessSource:
         if kind == "error":
             self._process.join(CLOSE_TIMEOUT_S)
             raise payload
-        self.name, self._ready = payload, True
+        (self.name, self.resumed), self._ready = payload, True
         self._reader.start()
         return self
 
@@ -99,6 +101,9 @@ class ProcessSource:
 
     def pause(self) -> None:
         self._call("pause")
+
+    def discard(self, request_ids: tuple[str, ...]) -> None:
+        self._call("discard", request_ids)
 
     def resume(self) -> None:
         self._call("resume")
@@ -224,7 +229,7 @@ def serve(connection: Connection, options: dict[str, Any]) -> None:
         send((call_id, "result", result))
 
     with ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenflow-call") as pool:
-        send((None, "ready", source.name))
+        send((None, "ready", (source.name, source.resumed)))
         while True:
             try:
                 message = connection.recv()

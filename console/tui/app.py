@@ -34,7 +34,12 @@ from console.tui.screens.fleet import FleetScreen
 from console.tui.screens.help import HelpScreen
 from console.tui.screens.live import LiveScreen
 from console.tui.screens.slow_queries import SlowQueriesScreen
-from console.tui.screens.splash import EngineStarted, EngineStarting, SplashScreen
+from console.tui.screens.splash import (
+    EngineStarted,
+    EngineStarting,
+    ResumedNotice,
+    SplashScreen,
+)
 from console.tui.screens.tuning import TuningScreen
 from console.tui.state import ConsoleState
 from engine.errors import EngineError
@@ -97,7 +102,7 @@ class TokenflowApp(App[None]):
         except (UserError, EngineError, SourceError) as exc:
             self.post_message(EngineStarted(str(exc)))
             return
-        self.post_message(EngineStarted(None))
+        self.post_message(EngineStarted(None, source.resumed))
 
     def on_engine_starting(self, message: EngineStarting) -> None:
         if isinstance(self.screen, SplashScreen):
@@ -112,6 +117,22 @@ class TokenflowApp(App[None]):
         if isinstance(self.screen, SplashScreen):
             self.pop_screen()
         self.collector.start()
+        if message.resumed:
+            self.push_screen(ResumedNotice(message.resumed, self.source.name),
+                             functools.partial(self._resumed_chosen, message.resumed))
+
+    def _resumed_chosen(self, resumed: tuple[str, ...], discard: bool | None) -> None:
+        if discard:
+            self.run_worker(functools.partial(self._discard, resumed), thread=True,
+                            name="discard resumed")
+        else:
+            self.notify(f"kept {len(resumed)} resumed request(s)", timeout=3)
+
+    def _discard(self, resumed: tuple[str, ...]) -> None:
+        source = self.source
+        assert isinstance(source, ProcessSource)
+        source.discard(resumed)
+        self.call_from_thread(self.notify, f"discarded {len(resumed)} resumed request(s)")
 
     def on_unmount(self) -> None:
         if not self.starting:
