@@ -93,3 +93,14 @@ def test_bad_flags_exit_2(capsys: pytest.CaptureFixture[str], flags: list[str],
     captured = capsys.readouterr()
     assert captured.out == ""
     assert message in captured.err
+
+
+def test_decodes_beyond_b_max_are_warned_about(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["roofline", "--kv-gib", "1"]) == 0  # B_max = 1 sequence, D = 32
+    out = capsys.readouterr().out
+    assert "kv_capacity                   0" in out
+    assert "warning: D = 32 decodes exceed B_max = 1 sequences at S = 2048" in out
+    assert "read 0 tokens" in out and "raise --kv-gib" in out
+    assert _json(capsys, "--kv-gib", "1")["warnings"]
+    assert [w for w in _json(capsys)["warnings"] if "B_max = 20" in w]  # the seed: D 32
+    assert _json(capsys, "--decode-seqs", "8")["warnings"] == []

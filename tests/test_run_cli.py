@@ -187,7 +187,7 @@ def test_a_journal_that_stops_stops_the_run_with_a_clear_error(
 
 
 @pytest.mark.parametrize("command", [["run", *RUN_FLAGS, "--workload", "mixed",
-                                      "--num-requests", "2", "--resume"],
+                                      "--num-requests", "2", "--resume", "--quiet"],
                                      ["serve", "--port", "0", *RUN_FLAGS]])
 def test_a_store_with_corrupt_pages_is_one_line(
         command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -215,7 +215,7 @@ def test_bad_request_files_are_one_line_naming_the_line(
         capsys: pytest.CaptureFixture[str]) -> None:
     source = tmp_path / "in.jsonl"
     source.write_bytes(content)
-    assert main(["run", *RUN_FLAGS, "--requests", str(source), "--no-db"]) == 2
+    assert main(["run", *RUN_FLAGS, "--requests", str(source), "--no-db", "--quiet"]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
 

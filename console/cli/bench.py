@@ -28,6 +28,7 @@ import torch
 
 from console.cli.db import add_db_argument
 from console.cli.engine_flags import add_engine_flags, engine_config
+from console.cli.progress import RunProgress, add_quiet_flag
 from console.cli.report import write_report
 from console.cli.workload_flags import add_workload_flags, workload_for
 from console.errors import UserError
@@ -68,6 +69,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--config", action="append", default=[], metavar="NAME:FIELD=VALUE,...",
                         help="define a named configuration, e.g. small:max_num_batched_tokens=128")
     parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    add_quiet_flag(parser)
     add_db_argument(parser)
     parser.add_argument("--hf-batch-size", type=int, default=8,
                         help="static batch size of the hf baseline")
@@ -114,7 +116,10 @@ def bench(args: argparse.Namespace) -> int:
                                                   RoutePolicy.parse(args.router))
     if target is None:
         # The store is only read here, for the stored calibration, which every run applies.
-        with EngineSession.start(_probe_config(base), db=args.db, journal=False) as session:
+        starting = RunProgress("tokenflow bench", 0, quiet=args.quiet)
+        starting.stage(f"loading {base.model}")
+        with EngineSession.start(_probe_config(base), db=args.db, journal=False,
+                                 observers=(starting.on_calibration,)) as session:
             probe = session.engine
             calibration = (None if session.calibration is None
                            else StepTimePredictor.from_dict(session.calibration.params))
@@ -140,7 +145,9 @@ def bench(args: argparse.Namespace) -> int:
     results: dict[str, RunResult] = {}
     for name, config in configs.items():
         if sim is None:
-            results[name] = _run(name, config, workload, args.hf_batch_size, calibration)
+            results[name] = _run(name, config, workload, args.hf_batch_size, calibration,
+                                 progress=RunProgress(f"tokenflow bench {name}", len(workload),
+                                                      quiet=args.quiet))
             report["runs"][name] = _run_report(name, config, results[name], probe, slo,
                                                prefill_s)
         else:
@@ -208,7 +215,7 @@ def _sim_target(args: argparse.Namespace, base: EngineConfig) -> SimTarget | Non
 
 def _run(name: str, config: EngineConfig, workload: list[WorkloadRequest],
          hf_batch_size: int, calibration: StepTimePredictor | None,
-         sim: _Simulation | None = None) -> RunResult:
+         sim: _Simulation | None = None, progress: RunProgress | None = None) -> RunResult:
     if sim is not None:
         return sim.run(name, config, workload).merged
     engine = Engine(config)
@@ -217,7 +224,13 @@ def _run(name: str, config: EngineConfig, workload: list[WorkloadRequest],
     if name == "hf":
         model = hf_model(engine.runner.model, engine.model_config)
         return run_hf(model, workload, batch_size=hf_batch_size)
-    return drive(engine, workload)
+    if progress is None:
+        return drive(engine, workload)
+    progress.start(len(workload))
+    try:
+        return drive(engine, workload, on_output=progress.on_output)
+    finally:
+        progress.close()
 
 
 def _run_report(name: str, config: EngineConfig, result: RunResult, probe: Engine, slo: SLO,

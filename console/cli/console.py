@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: synthetic:small on CPU, a bigger preset on CUDA)")
     parser.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: auto)")
     parser.add_argument("--workload", default="mixed",
-                        help="mixed, chat, long-doc or trace:FILE (default: mixed)")
+                        help="mixed, chat, long-doc, multiturn, conv or code (the Azure LLM "
+                        "inference traces), conversations:FILE or trace:FILE (default: mixed)")
     add_rate_flag(parser)
     parser.add_argument("--db", type=Path, help="SQLite store (default: the user data dir); "
                         "with --otlp-listen, where traced requests are kept")
@@ -102,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     engine = None
     if not (args.replay or args.attach or args.attach_vllm or args.attach_sglang):
+        # Seen at once, while the engine process spawns and Textual loads (seconds on a
+        # busy machine); the console's splash then shows the engine's stages.
+        print("tokenflow-console: starting the engine…", file=sys.stderr, flush=True)
         from console.sources.process import ProcessSource
         from engine.sim.executor import Simulation
 

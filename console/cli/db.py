@@ -11,7 +11,8 @@ from pathlib import Path
 
 from console.cli.terminal import terminal_safe
 from console.errors import UserError
-from engine.store import release_quarantine
+from engine.ops.recovery import DISCARDED
+from engine.store import discard_unfinished, release_quarantine
 from engine.store.database import Database, default_db_path, head_revision, open_database
 
 
@@ -56,7 +57,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "takes it); `tokenflow slow-queries list` shows quarantined requests")
     release.add_argument("request_id", metavar="ID", help="the quarantined request's id")
     release.set_defaults(func=run_release_quarantine)
-    add_db_argument(parser, upgrade, current, release)
+    discard = actions.add_parser(
+        "discard-unfinished", help="close every unfinished request in the journal, so no run "
+        "resumes them (e.g. a journal written by another model)")
+    discard.set_defaults(func=run_discard_unfinished)
+    add_db_argument(parser, upgrade, current, release, discard)
 
 
 def run_upgrade(args: argparse.Namespace) -> int:
@@ -96,4 +101,18 @@ def run_release_quarantine(args: argparse.Namespace) -> int:
                         "slow-queries list` shows the quarantined ones")
     print(f"request {rid} released: the next `tokenflow run --resume`, `serve` or console "
           f"on {database.path} runs it again")
+    return 0
+
+
+def run_discard_unfinished(args: argparse.Namespace) -> int:
+    if args.db is not None and not Path(args.db).expanduser().exists():
+        raise UserError(f"{args.db}: no such store; check the path")
+    database = open_database(args.db)
+    try:
+        database.claim_writer()  # a journal write: not while a run or server owns the store
+        with database.session() as session:
+            discarded = discard_unfinished(session, DISCARDED)
+    finally:
+        database.close()
+    print(f"discarded {len(discarded)} unfinished request(s) in {database.path}")
     return 0

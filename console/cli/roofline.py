@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from console.errors import UserError
-from engine.budget.cost_model import DEFAULT_STEP_TIME_S, budget_table
+from engine.budget.cost_model import DEFAULT_STEP_TIME_S, BudgetSegment, budget_table
 from engine.budget.peaks import GPU_PRESETS
 from engine.budget.roofline import Roofline
 from engine.config import ConfigError
@@ -127,12 +127,14 @@ def _report(args: argparse.Namespace, roofline: Roofline) -> dict[str, Any]:
     grid = [2**i for i in range(7, 64) if 2**i <= capacity] or [capacity]
     segments = budget_table(roofline, kv_bytes, grid, decode_seqs=args.decode_seqs,
                             step_time_s=args.step_ms / 1e3)
+    max_concurrency = roofline.max_concurrency(kv_bytes, args.context)
     return {
+        "warnings": _warnings(args, max_concurrency, segments),
         "balance_chunk": roofline.balance_chunk(args.decode_seqs, args.context),
         "machine_balance": roofline.machine_balance,
         "rows": [dataclasses.asdict(row) for row in rows],
         "kv_capacity_tokens": capacity,
-        "max_concurrency": roofline.max_concurrency(kv_bytes, args.context),
+        "max_concurrency": max_concurrency,
         "decode_intensity": roofline.decode_intensity(args.decode_seqs, args.context),
         "preempt_cost_flops": roofline.preempt_cost_flops(args.context),
         "budget_segments": [dataclasses.asdict(segment) for segment in segments],
@@ -145,6 +147,18 @@ def _report(args: argparse.Namespace, roofline: Roofline) -> dict[str, Any]:
             "gpu": args.gpu, "model": args.model,
         },
     }
+
+
+def _warnings(args: argparse.Namespace, max_concurrency: int,
+              segments: list[BudgetSegment]) -> list[str]:
+    """What makes the table's figures unreachable, so a reader does not trust them."""
+    if args.decode_seqs <= max_concurrency:
+        return []
+    zero = any(s.max_batched_tokens == 0 for s in segments)
+    return [f"D = {args.decode_seqs} decodes exceed B_max = {max_concurrency} sequences at "
+            f"S = {args.context}: the {args.kv_gib:g} GiB KV pool cannot hold them all"
+            + ("; the budget rows governed by kv_capacity read 0 tokens" if zero else "")
+            + "; raise --kv-gib, or lower --decode-seqs or --context"]
 
 
 def _render(report: dict[str, Any]) -> str:
@@ -175,6 +189,7 @@ def _render(report: dict[str, Any]) -> str:
                [[_span(seg["lo"], seg["hi"]), seg["governing"], f"{seg['max_batched_tokens']:,}"]
                 for seg in report["budget_segments"]]),
     ]
+    lines += [f"warning: {w}" for w in report["warnings"]]
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from console.cli.db import add_db_argument
 from console.cli.engine_flags import add_engine_flags, engine_config, start_session
+from console.cli.progress import RunProgress, add_quiet_flag
 from console.cli.terminal import terminal_safe
 from console.cli.workload_flags import add_workload_flags, workload_for
 from console.errors import UserError
@@ -34,6 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(id, token_ids; or id, error with the state and reason of a request "
                         "rejected or failed)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_quiet_flag(parser)
     parser.add_argument("--resume", action="store_true",
                         help="first finish what a killed run left unfinished in the journal "
                              "(prompt + generated tokens are recomputed, generation goes on); "
@@ -54,8 +56,12 @@ def run(args: argparse.Namespace) -> int:
     if args.requests and not args.requests.exists():
         raise UserError(f"--requests {args.requests}: no such file")
     started = time.monotonic() - (_process_age_s() or 0.0)
-    with start_session(engine_config(args), db=args.db, store=not args.no_db,
-                       on_commit=report_commit if args.report_commits else None) as session:
+    config = engine_config(args)
+    progress = RunProgress("tokenflow run", 0, quiet=args.quiet)
+    progress.stage(f"loading {config.model}")
+    with start_session(config, db=args.db, store=not args.no_db,
+                       on_commit=report_commit if args.report_commits else None,
+                       observers=(progress.on_calibration,)) as session:
         engine = session.engine
         if args.requests:
             workload = load_requests_jsonl(args.requests, engine.tokenizer.encode)
@@ -68,13 +74,16 @@ def run(args: argparse.Namespace) -> int:
             if not first_token and output.token_ids:
                 first_token.append(time.monotonic())
             sink.write(output)
+            progress.on_output(output)
 
         try:
             remaining = workload
             if args.resume:
                 remaining = _resume(session, workload, sink.emitted())
+            progress.start(len(remaining))
             result = drive(engine, remaining, on_output=on_output)
         finally:
+            progress.close()
             sink.close()
     if session.writer is not None:
         session.writer.check()  # the journal stopped at the end: the run must not look complete

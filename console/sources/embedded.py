@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from sqlalchemy.orm import Session
 
+from console.errors import UserError
 from console.sources.base import Capabilities, Progress, SourceError
 from engine.budget.calibrate import (
     CalibrationResult,
@@ -23,7 +24,9 @@ from engine.budget.drift import DriftMonitor, drift_event
 from engine.budget.predictor import StepTimePredictor
 from engine.config import EngineConfig
 from engine.core.engine import Engine
+from engine.events import CalibrationProgress, Event
 from engine.harness.workload import build_workload, default_length_scale
+from engine.ops.recovery import foreign_journal
 from engine.serve.loop import EngineLoop
 from engine.serve.session import EngineSession
 from engine.sim.executor import Simulation
@@ -67,21 +70,32 @@ class EmbeddedSource:
         engine = session.engine
         self.name = f"embedded {engine.config.model} on {engine.runner.device}"
         self.monitor: DriftMonitor | None = None  # set by start(): drift (protection layer 5)
+        self.resumed: tuple[str, ...] = ()  # set by start(): requests resumed from the journal
 
     @classmethod
     def start(cls, *, model: str | None = None, device: str | None = None,
               workload: str = "mixed", db: Path | None = None,
               config: EngineConfig | None = None, num_requests: int | None = None,
               rate: float | None = None, repeat: bool = True,
-              simulate: Simulation | None = None) -> EmbeddedSource:
+              simulate: Simulation | None = None,
+              progress: Progress | None = None) -> EmbeddedSource:
         """Open the store, build the engine, start its loop and the workload (`num_requests`
         at `rate` requests/s, the workload's own defaults when None), repeating if asked.
-        `simulate` runs the GPU twin (no weights, predicted step times) at its speed."""
+        `simulate` runs the GPU twin (no weights, predicted step times) at its speed.
+        `progress` hears each stage: loading the model, calibrating, replaying the journal."""
         device = device or "auto"
         base = config or EngineConfig()
         engine_config = dataclasses.replace(base, model=model or default_model(device),
                                             device=device)
-        session = EngineSession.start(engine_config, db=db, simulate=simulate)
+        say = progress or (lambda fraction, what: None)
+        say(0.0, f"loading {engine_config.model} on {device}")
+
+        def calibrating(event: Event) -> None:
+            if isinstance(event, CalibrationProgress):
+                say(event.fraction, f"calibrating ({event.reason}): {event.note}")
+
+        session = EngineSession.start(engine_config, db=db, simulate=simulate,
+                                      observers=(calibrating,))
         try:
             engine, database = session.engine, session.database
             assert database is not None  # started with a store
@@ -96,9 +110,15 @@ class EmbeddedSource:
                 # numbered on from the last run's traffic (each of its cycles added
                 # requests[0] first), so no id clashes with what that run left
                 first_cycle = next_cycle(db_session, requests[0].request_id) if requests else 0
-            session.resume_unfinished()  # what a crashed console left (pitfall 12)
+            say(1.0, "replaying the journal")
+            problem = foreign_journal(engine, database)
+            if problem is not None:
+                raise UserError(problem)
+            # what a crashed console left (pitfall 12), announced by the console
+            resumed = session.resume_unfinished().resumed
             loop = session.attach_loop()
             source = cls(session)
+            source.resumed = resumed
             if simulate is not None:
                 source.name = f"SIMULATED {source.name} (x{simulate.speed:g})"
             calibration = session.calibration
@@ -135,6 +155,11 @@ class EmbeddedSource:
 
     def pause(self) -> None:
         self.loop.pause()
+
+    def discard(self, request_ids: tuple[str, ...]) -> None:
+        """Abort requests resumed from the journal that the operator does not want again."""
+        for request_id in request_ids:
+            self.loop.abort(request_id)
 
     def resume(self) -> None:
         self.loop.resume()

@@ -33,9 +33,9 @@ if TYPE_CHECKING:  # the store pulls in SQLAlchemy: kept off the launch path
     from engine.store import CalibrationRecord, ConfigChangeRecord, DriftRecord, SlowQueryRecord
 
 # The Source methods a child answers; anything else is refused.
-CALLS = frozenset({"snapshot", "update_config", "pause", "resume", "slow_queries", "slow_query",
-                   "calibration_history", "drift_events", "config_changes", "recalibrate",
-                   "set_arrival_rate"})
+CALLS = frozenset({"snapshot", "update_config", "pause", "resume", "discard", "slow_queries",
+                   "slow_query", "calibration_history", "drift_events", "config_changes",
+                   "recalibrate", "set_arrival_rate"})
 CLOSE_TIMEOUT_S = 15.0
 
 
@@ -51,6 +51,7 @@ class ProcessSource:
         self._pending: dict[int, tuple[Future[Any], Progress | None]] = {}
         self._ids = itertools.count()
         self._ready = False
+        self.resumed: tuple[str, ...] = ()  # requests the engine resumed from the journal
         self._closed = False
         self._reader_done = False  # set before the reader fails what is pending
         self._reader = threading.Thread(target=self._read, name="tokenflow-engine-pipe",
@@ -73,11 +74,13 @@ class ProcessSource:
         """launch() and wait_ready() in one."""
         return cls.launch(**options).wait_ready()
 
-    def wait_ready(self) -> ProcessSource:
+    def wait_ready(self, progress: Progress | None = None) -> ProcessSource:
+        """Wait for the child to start, passing `progress` each stage it reports (loading the
+        model, calibrating, replaying the journal); raise its start-up error, if any."""
         if self._ready:
             return self
         try:
-            kind, payload = _first_answer(self._connection)
+            kind, payload = _first_answer(self._connection, progress)
         except EOFError:
             self._process.join(CLOSE_TIMEOUT_S)
             raise SourceError(f"the engine process exited while starting (exit code "
@@ -85,7 +88,7 @@ class ProcessSource:
         if kind == "error":
             self._process.join(CLOSE_TIMEOUT_S)
             raise payload
-        self.name, self._ready = payload, True
+        (self.name, self.resumed), self._ready = payload, True
         self._reader.start()
         return self
 
@@ -101,6 +104,9 @@ class ProcessSource:
 
     def pause(self) -> None:
         self._call("pause")
+
+    def discard(self, request_ids: tuple[str, ...]) -> None:
+        self._call("discard", request_ids)
 
     def resume(self) -> None:
         self._call("resume")
@@ -203,8 +209,11 @@ def serve(connection: Connection, options: dict[str, Any]) -> None:
 
     # Warnings go up the pipe: written here they would land in the middle of the parent's UI.
     logging.basicConfig(level=logging.WARNING, handlers=[_PipeHandler(send)], force=True)
+    def starting(fraction: float, what: str) -> None:
+        send((None, "progress", (fraction, what)))
+
     try:
-        source = EmbeddedSource.start(**options)
+        source = EmbeddedSource.start(**options, progress=starting)
     except BaseException as exc:  # handed to the parent, which raises it
         send((None, "error", _portable(exc)))
         return
@@ -223,7 +232,7 @@ def serve(connection: Connection, options: dict[str, Any]) -> None:
         send((call_id, "result", result))
 
     with ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenflow-call") as pool:
-        send((None, "ready", source.name))
+        send((None, "ready", (source.name, source.resumed)))
         while True:
             try:
                 message = connection.recv()
@@ -245,13 +254,19 @@ class _PipeHandler(logging.Handler):
             self.send((None, "log", (record.name, record.levelno, record.getMessage())))
 
 
-def _first_answer(connection: Connection) -> tuple[str, Any]:
-    """The "ready" or "error" of a starting child, re-logging what it logs on the way."""
+def _first_answer(connection: Connection,
+                  progress: Progress | None = None) -> tuple[str, Any]:
+    """The "ready" or "error" of a starting child, re-logging what it logs and passing on
+    the progress it reports on the way."""
     while True:
         _, kind, payload = connection.recv()
-        if kind != "log":
+        if kind == "log":
+            _relog(payload)
+        elif kind == "progress":
+            if progress is not None:
+                progress(*payload)
+        else:
             return kind, payload
-        _relog(payload)
 
 
 def _relog(record: tuple[str, int, str]) -> None:

@@ -15,7 +15,7 @@ from textual.logging import TextualHandler
 from textual.screen import Screen
 
 from console.errors import UserError
-from console.sources.base import Source
+from console.sources.base import Source, SourceError
 from console.sources.fleet import FleetSource
 from console.sources.process import ProcessSource
 from console.sources.replay import ReplaySource, SessionRecorder
@@ -26,7 +26,7 @@ from console.tui.collectors import (
     SnapshotPolled,
     SourceFailed,
 )
-from console.tui.keymap import COMMANDS, bindings, needs
+from console.tui.keymap import COMMANDS, bindings, command_for
 from console.tui.screens.base import ConsoleScreen
 from console.tui.screens.diagnosis import DiagnosisScreen
 from console.tui.screens.drift import DriftScreen
@@ -34,6 +34,12 @@ from console.tui.screens.fleet import FleetScreen
 from console.tui.screens.help import HelpScreen
 from console.tui.screens.live import LiveScreen
 from console.tui.screens.slow_queries import SlowQueriesScreen
+from console.tui.screens.splash import (
+    EngineStarted,
+    EngineStarting,
+    ResumedNotice,
+    SplashScreen,
+)
 from console.tui.screens.tuning import TuningScreen
 from console.tui.state import ConsoleState
 from engine.errors import EngineError
@@ -60,13 +66,17 @@ class TokenflowApp(App[None]):
     DEFAULT_MODE = "live"
 
     def __init__(self, source: Source, *, interval: float = POLL_INTERVAL_S,
-                 recorder: SessionRecorder | None = None) -> None:
+                 recorder: SessionRecorder | None = None, starting: bool = False) -> None:
+        """`starting`: `source` is a ProcessSource whose engine is still starting; a splash
+        shows its stages until it is ready, and the polls begin then."""
         super().__init__()
         self.state = ConsoleState(source)
         for mode, screen in SCREENS.items():  # each screen is handed the state, not the app
             self.add_mode(mode, functools.partial(screen, self.state))
         self.recorder = recorder
         self.collector = SnapshotCollector(self, source, interval, recorder)
+        self.starting = starting
+        self.startup_error: str | None = None  # why the engine did not start, for the shell
 
     @property
     def source(self) -> Source:
@@ -77,10 +87,56 @@ class TokenflowApp(App[None]):
         return self.state.latest
 
     def on_mount(self) -> None:
+        if not self.starting:
+            self.collector.start()
+            return
+        self.push_screen(SplashScreen(self.source.name))
+        self.run_worker(self._wait_ready, thread=True, name="engine start", exit_on_error=False)
+
+    def _wait_ready(self) -> None:
+        source = self.source
+        assert isinstance(source, ProcessSource)
+        try:
+            source.wait_ready(lambda fraction, what: self.post_message(
+                EngineStarting(fraction, what)))
+        except (UserError, EngineError, SourceError) as exc:
+            self.post_message(EngineStarted(str(exc)))
+            return
+        self.post_message(EngineStarted(None, source.resumed))
+
+    def on_engine_starting(self, message: EngineStarting) -> None:
+        if isinstance(self.screen, SplashScreen):
+            self.screen.show_stage(message.fraction, message.what)
+
+    def on_engine_started(self, message: EngineStarted) -> None:
+        if message.error is not None:
+            self.startup_error = message.error
+            self.exit(return_code=2)
+            return
+        self.starting = False
+        if isinstance(self.screen, SplashScreen):
+            self.pop_screen()
         self.collector.start()
+        if message.resumed:
+            self.push_screen(ResumedNotice(message.resumed, self.source.name),
+                             functools.partial(self._resumed_chosen, message.resumed))
+
+    def _resumed_chosen(self, resumed: tuple[str, ...], discard: bool | None) -> None:
+        if discard:
+            self.run_worker(functools.partial(self._discard, resumed), thread=True,
+                            name="discard resumed")
+        else:
+            self.notify(f"kept {len(resumed)} resumed request(s)", timeout=3)
+
+    def _discard(self, resumed: tuple[str, ...]) -> None:
+        source = self.source
+        assert isinstance(source, ProcessSource)
+        source.discard(resumed)
+        self.call_from_thread(self.notify, f"discarded {len(resumed)} resumed request(s)")
 
     def on_unmount(self) -> None:
-        self.collector.stop()
+        if not self.starting:
+            self.collector.stop()
         if self.recorder is not None:
             self.recorder.finish(self.source)
         self.source.close()
@@ -118,13 +174,21 @@ class TokenflowApp(App[None]):
         self.switch_mode(mode)
 
     def action_help(self) -> None:
-        if not isinstance(self.screen, HelpScreen):
+        if isinstance(self.screen, HelpScreen):
+            self.screen.dismiss()
+        else:
             self.push_screen(HelpScreen(self.state))
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """A command the source cannot do is hidden from the footer (its key says why)."""
-        need = needs(action)
+        """A command the source cannot do is off (its key still says why:
+        ConsoleScreen.on_key). A key the focused field takes never gets here (Field)."""
+        if action != "command":
+            return True
+        need = command_for(str(parameters[0])).needs
         return need is None or need in self.state.capabilities
+
+    async def action_command(self, key: str) -> None:
+        await self.run_action(command_for(key).action)
 
     def action_toggle_pause(self) -> None:
         paused = self.state.paused
@@ -176,7 +240,7 @@ class TokenflowApp(App[None]):
 
 def open_source(args: argparse.Namespace, engine: ProcessSource | None) -> Source:
     """The source the flags chose (console.cli.console checked they agree): replay, attach, or the
-    embedded engine launched already, once it is ready."""
+    embedded engine launched already (the app shows its start-up)."""
     if args.replay:
         return ReplaySource(args.replay, speed=args.speed)
     if args.attach or args.attach_vllm or args.attach_sglang:
@@ -185,7 +249,6 @@ def open_source(args: argparse.Namespace, engine: ProcessSource | None) -> Sourc
         return open_http_source(args.attach, args.attach_vllm, args.attach_sglang,
                                 gpu=args.gpu, traces=open_traces(args))
     assert engine is not None, "console.cli.console launches the embedded engine"
-    engine.wait_ready()
     return engine
 
 
@@ -213,5 +276,9 @@ def run(args: argparse.Namespace, engine: ProcessSource | None) -> int:
         return 2
     # Engine warnings (e.g. chunks off their prediction) go to Textual's log, not the screen.
     logging.basicConfig(level=logging.WARNING, handlers=[TextualHandler()], force=True)
-    TokenflowApp(source, recorder=recorder).run()
+    app = TokenflowApp(source, recorder=recorder, starting=engine is not None)
+    app.run()
+    if app.startup_error is not None:
+        print(f"tokenflow-console: {app.startup_error}", file=sys.stderr)
+        return 2
     return 0

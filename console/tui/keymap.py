@@ -2,13 +2,21 @@
 
 A command that needs a capability the source lacks is hidden from the footer and the palette;
 its key still answers, with the reason (see ConsoleScreen.on_key).
+
+Every command key is a priority binding, so it works from every screen, with a field
+focused too (k9s: `?` helps everywhere). A key still goes to the focused field when the
+field takes that character (a digit into a number Field, any letter into a filter box);
+Escape leaves the field, and F1–F5 switch screens whatever is focused.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from textual.binding import Binding
+from textual.widget import Widget
+from textual.widgets import Input
 
 from console.sources.base import Capability
 
@@ -25,6 +33,16 @@ class Command:
     @property
     def keys(self) -> tuple[str, ...]:
         return tuple(self.key.split(","))
+
+    @property
+    def shown_key(self) -> str:
+        return self.key_display or self.keys[0]
+
+    @property
+    def screen(self) -> str | None:
+        """The mode this command shows, if it is a screen key."""
+        found = re.fullmatch(r"show\('(\w+)'\)", self.action)
+        return None if found is None else found[1]
 
 
 COMMANDS: tuple[Command, ...] = (
@@ -44,16 +62,35 @@ COMMANDS: tuple[Command, ...] = (
     Command("p", "toggle_pause", "Pause", "Pause or resume the engine", needs=Capability.PAUSE),
     Command("n", "next_server", "Next server",
             "With several --attach targets (a fleet), show the next one"),
-    Command("question_mark", "help", "Help", "Keys and what each screen shows", "?"),
+    Command("question_mark", "help", "Help", "Keys, screens and a glossary", "?"),
     Command("q", "quit", "Quit", "Stop the engine and leave"),
 )
+# Textual's names for the printable keys above; every other key has no character to type.
+CHARACTERS = {"question_mark": "?"}
+INPUT_TYPES = {"integer": r"[-+]?(?:\d*|\d+_)*",  # as Textual's Input restricts its types
+               "number": r"[-+]?(?:\d*|\d+_)*\.?(?:\d*|\d+_)*(?:\d[eE]?[-+]?(?:\d*|\d+_)*)?"}
 
 
 def bindings() -> list[Binding]:
-    return [Binding(c.key, c.action, c.title, key_display=c.key_display or c.keys[0])
-            for c in COMMANDS]
+    """One priority binding per key, running the app's `command` action; Textual drops it
+    while the focused widget consumes that key (see widgets.field.Field)."""
+    return [Binding(key, f"command({key!r})", c.title, key_display=c.shown_key, priority=True,
+                    show=False)
+            for c in COMMANDS for key in c.keys]
 
 
-def needs(action: str) -> Capability | None:
-    """The capability the app action `action` (its name, without arguments) needs, if any."""
-    return next((c.needs for c in COMMANDS if c.action.split("(")[0] == action), None)
+def command_for(key: str) -> Command:
+    return next(c for c in COMMANDS if key in c.keys)
+
+
+def typed_into(focused: Widget | None, key: str) -> bool:
+    """Whether `key`, pressed with `focused` focused, is text for that input rather than a
+    command: it has a character, and the input's type and restriction accept it there."""
+    character = CHARACTERS.get(key, key)
+    if not isinstance(focused, Input) or len(character) != 1 or not character.isprintable():
+        return False
+    value = focused.value
+    at = focused.cursor_position
+    candidate = f"{value[:at]}{character}{value[at:]}"
+    patterns = [p for p in (INPUT_TYPES.get(focused.type), focused.restrict) if p]
+    return all(re.fullmatch(p, candidate) is not None for p in patterns)

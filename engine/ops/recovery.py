@@ -26,6 +26,8 @@ from engine.store.database import explained
 from engine.store.models import QUARANTINED
 
 _SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
+DISCARD_COMMAND = "tokenflow db discard-unfinished"
+DISCARDED = f"discarded unfinished ({DISCARD_COMMAND} or the console)"
 
 
 @dataclass(frozen=True)
@@ -71,3 +73,21 @@ def resume_unfinished(engine: Engine, database: Database,
                 continue
             resumed.append(entry.request_id)
     return Resumption(tuple(resumed), tuple(quarantined), tuple(failed))
+
+
+def foreign_journal(engine: Engine, database: Database) -> str | None:
+    """Why the journal's unfinished requests cannot be this engine's model's (token ids
+    beyond its vocabulary: another model wrote them), naming the store and the command that
+    clears them; None when they can be resumed. Reads only: nothing is closed."""
+    vocab = engine.model_config.vocab_size
+    with database.session() as session:
+        tokens = [(*e.prompt_token_ids, *e.generated_token_ids)
+                  for e in unfinished_requests(session)]
+    foreign = [ids for ids in tokens if ids and max(ids) >= vocab]
+    if not foreign:
+        return None
+    top = max(max(ids) for ids in foreign)
+    return (f"the request journal in {database.path} holds {len(foreign)} unfinished "
+            f"request(s) written by another model (token ids up to {top}; "
+            f"{engine.config.model} has a vocabulary of {vocab}): resume them with that model, "
+            f"or clear them with `{DISCARD_COMMAND} --db {database.path}`")

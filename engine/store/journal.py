@@ -67,6 +67,15 @@ def unfinished_requests(session: Session) -> list[JournalEntry]:
     ]
 
 
+def discard_unfinished(session: Session, reason: str) -> list[str]:
+    """Close every unfinished entry as FAILED with `reason`, so no later run resumes it;
+    commits; the ids closed."""
+    ids = [entry.request_id for entry in unfinished_requests(session)]
+    for request_id in ids:
+        close_entry(session, request_id, "FAILED", reason)
+    return ids
+
+
 def claim_for_resume(session: Session, request_ids: Iterable[str]) -> int:
     """Count one more resume attempt for each entry, and commit, before the new run takes
     them: the entries stay unfinished, so a run killed right after still finds them (a

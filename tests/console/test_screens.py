@@ -9,6 +9,7 @@ import pytest
 from rich.console import Console
 from textual.command import CommandList, CommandPalette
 from textual.widgets import DataTable, Input, Static
+from textual.widgets.data_table import ColumnKey
 
 from console.sources.fleet import FleetSource
 from console.sources.replay import ReplaySource
@@ -23,7 +24,7 @@ from console.tui.screens.tuning import TuningScreen
 from console.tui.widgets.header import EngineHeader
 from console.tui.widgets.keyed_table import KeyedTable
 from console.tui.widgets.plot import Plot
-from console.tui.widgets.requests_table import RequestsTable
+from console.tui.widgets.requests_table import STATE_RANK, RequestsTable
 from tests.console.conftest import (
     FAST_POLL_S,
     SESSION,
@@ -75,13 +76,16 @@ async def test_requests_rows_are_updated_in_place_and_filter_and_sort() -> None:
         await pilot.press("escape")
         assert table.row_count == len(app.latest.requests)
 
-        requests.sort_index = 7  # budget_score, unscored rows first
-        requests.reverse = True
-        requests.update_from(app.latest)
-        ids = [table.get_row_at(i)[0] for i in range(table.row_count)]
-        scores = [requests.rows[i].sort_values[7] for i in ids]
-        present = [s for s in scores if s is not None]
-        assert present == sorted(present, reverse=True)
+        # By default: running first, then waiting, then done; the worst budget_score first.
+        assert (requests.sort_index, requests.reverse) == (7, True)
+        assert "budget_score ▼" in str(table.columns[ColumnKey("score")].label)
+        ids = [row.key.value for row in table.ordered_rows]
+        order = [requests.rows[i].sort_values[7] for i in ids]
+        assert order == sorted(order, reverse=True)
+        ranks = [STATE_RANK.get(requests.rows[i].cells[2].plain, 0) for i in ids]
+        assert ranks == sorted(ranks, reverse=True) and ranks[0] == 2
+        await pilot.press("O")  # reversed: the arrow turns
+        assert "budget_score ▲" in str(table.columns[ColumnKey("score")].label)
 
 
 async def test_slow_queries_list_detail_and_export(tmp_path: Path,

@@ -21,21 +21,37 @@ async def open_slow_query(pilot: Pilot) -> None:
     await workers_done(pilot)
 
 
-@pytest.mark.parametrize("size", [(120, 40), (80, 24)])
+SIZES = [(120, 40), (80, 24)]
+
+
+@pytest.mark.parametrize("size", SIZES)
 def test_live(snap_compare, size: tuple[int, int]) -> None:
     assert snap_compare(replay_app(), terminal_size=size, run_before=settle)
 
 
-@pytest.mark.parametrize("key", ["2", "3", "4", "5", "question_mark"])
-def test_screen(snap_compare, key: str) -> None:
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("key", ["2", "3", "4", "5", "0", "question_mark"])
+def test_screen(snap_compare, key: str, size: tuple[int, int]) -> None:
     async def show(pilot: Pilot) -> None:
         await settle(pilot)
         await pilot.press(key)
         await workers_done(pilot)
         pilot.app.clear_notifications()
 
-    assert snap_compare(replay_app(), terminal_size=(120, 40), run_before=show)
+    assert snap_compare(replay_app(), terminal_size=size, run_before=show)
 
 
-def test_slow_query_detail(snap_compare) -> None:
-    assert snap_compare(replay_app(), terminal_size=(120, 40), run_before=open_slow_query)
+@pytest.mark.parametrize("size", SIZES)
+def test_slow_query_detail(snap_compare, size: tuple[int, int]) -> None:
+    assert snap_compare(replay_app(), terminal_size=size, run_before=open_slow_query)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_request_detail(snap_compare, size: tuple[int, int]) -> None:
+    """Enter on the top Live row: its timeline if it is a stored slow query, else its row."""
+    async def open_request(pilot: Pilot) -> None:
+        await settle(pilot)
+        await pilot.press("enter")
+        await workers_done(pilot)
+
+    assert snap_compare(replay_app(), terminal_size=size, run_before=open_request)

@@ -7,19 +7,22 @@ from typing import ClassVar
 
 from textual import events
 from textual.app import ComposeResult
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 from textual.screen import Screen
-from textual.widgets import Footer
+from textual.widgets import Input
 
 from console.sources.base import Capability
 from console.tui.keymap import COMMANDS
 from console.tui.state import ConsoleState
 from console.tui.widgets.header import EngineHeader
+from console.tui.widgets.keybar import KeyBar
 from engine.snapshot import Snapshot
 
 
 class ConsoleScreen(Screen):
     AUTO_FOCUS = "DataTable"
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "leave_input", "Leave the field", show=False)]
     NEEDS: ClassVar[dict[str, Capability]] = {}  # this screen's actions -> what they need
 
     def __init__(self, state: ConsoleState) -> None:
@@ -30,7 +33,7 @@ class ConsoleScreen(Screen):
         yield EngineHeader()
 
     def compose_footer(self) -> ComposeResult:
-        yield Footer()
+        yield KeyBar(self.state)
 
     def show_snapshot(self, snapshot: Snapshot) -> None:
         """Redraw from a new snapshot; the app calls it only on the screen being shown."""
@@ -55,6 +58,11 @@ class ConsoleScreen(Screen):
             self.show_snapshot(self.state.latest)
         if self.state.failure:
             self.show_failure(self.state.failure)
+
+    def action_leave_input(self) -> None:
+        """Escape leaves a field, so the screen's keys (1–5, c, p) are keys again."""
+        if isinstance(self.focused, Input):
+            self.set_focus(None)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """A key whose capability the source lacks is hidden from the footer."""

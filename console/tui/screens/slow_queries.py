@@ -18,18 +18,18 @@ from console.tui.collectors import SlowQueriesLoaded
 from console.tui.screens.base import ConsoleScreen
 from console.tui.settings import setting
 from console.tui.state import ConsoleState
-from console.tui.widgets.keyed_table import Column, KeyedTable, TableRow
+from console.tui.widgets.keyed_table import Column, KeyedTable, TableRow, middle_cut
 from console.tui.widgets.notice import unavailable
 from console.tui.widgets.requests_table import budget_text
 from engine.store import SlowQueryRecord, export_slow_queries
 
 COLUMNS = (
     Column("id", "id", 6),
-    Column("time", "stored", 8),
-    Column("request", "request", 10),
-    Column("tenant", "tenant", 8),
-    Column("score", "budget", 7),
-    Column("prompt", "prompt", 7),
+    Column("time", "stored", 8, drop=2),
+    Column("request", "request", 14),
+    Column("tenant", "tenant", 8, drop=3),
+    Column("score", "budget_score", 12),
+    Column("prompt", "prompt", 7, drop=1),
     Column("prefill", "prefill ms", 10),
     Column("budgeted", "budget ms", 10),
     Column("chunks", "chunks", 6),
@@ -45,7 +45,7 @@ def slow_row(r: SlowQueryRecord) -> TableRow:
     threshold = setting(r.config, "slow_query_threshold")
     return TableRow(
         key=str(r.id),
-        cells=(str(r.id), clock(r.created_at), r.request_id, r.tenant,
+        cells=(str(r.id), clock(r.created_at), middle_cut(r.request_id, 14), r.tenant,
                budget_text(r.budget_score, threshold), str(r.prompt_tokens),
                f"{r.prefill_s * 1e3:.1f}", f"{r.budgeted_s * 1e3:.1f}", str(len(r.chunks))),
         sort_values=(r.id, r.created_at, r.request_id, r.tenant, r.budget_score,

@@ -37,6 +37,7 @@ from console.tui.screens.base import ConsoleScreen
 from console.tui.state import ConsoleState
 from console.tui.widgets.header import chunk_size
 from console.tui.widgets.latency import LatencySLO, append_latency, slo_style, window
+from console.tui.widgets.field import Field as NumberField
 from console.tui.widgets.notice import unavailable
 from console.tui.widgets.plot import Line, Plot, Series, ms, number, per_s
 from engine.ops.metrics import RATE_WINDOW_S
@@ -139,7 +140,8 @@ class TuningScreen(ConsoleScreen):
                 for field in FIELDS:
                     with Horizontal(classes="field"):
                         yield Label(field.label, classes="field-label")
-                        yield Input(id=f"input-{field.name}", classes="field-input")
+                        yield NumberField(id=f"input-{field.name}", classes="field-input",
+                                          type="number")
                         yield Static(field.help, id=f"note-{field.name}", classes="field-note")
                 with Horizontal(id="tuning-buttons"):
                     yield Button("Apply ^s", id="apply", variant="primary")

@@ -1,7 +1,10 @@
 """A table whose rows have keys and change in place, sortable by any column and filterable.
 
 Updating cells in place (instead of clearing and refilling) keeps the cursor, the scroll
-position and the sort order where the operator left them.
+position and the sort order where the operator left them. The sorted column's header
+carries an arrow. As the table narrows, columns drop by priority; the key column (the
+first) never drops, and a key too long for it is cut in the middle, so `long-doc-00017`
+and `long-doc-00018` stay apart.
 """
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical
 from textual.widgets import DataTable, Input
+from textual.widgets.data_table import ColumnKey
+
+CELL_PADDING = 2  # DataTable pads each cell by one column on either side
+CHROME = 4  # the border, and the vertical scrollbar's room
 
 
 @dataclass(frozen=True)
@@ -22,6 +29,25 @@ class Column:
     key: str
     label: str
     width: int | None = None
+    drop: int = 0  # 0: always shown; otherwise dropped first when narrow, highest first
+
+
+def middle_cut(text: str, width: int) -> str:
+    """`text` in `width` columns, its middle replaced by an ellipsis when it does not fit:
+    request ids differ at the end, where a tail cut would hide it."""
+    if len(text) <= width:
+        return text
+    kept = width - 1
+    head = (kept + 1) // 2
+    return f"{text[:head]}…{text[len(text) - (kept - head):]}"
+
+
+class KeyText(Text):
+    """The key column's cell: what is shown (maybe cut) and the row key the sort reads."""
+
+    def __init__(self, shown: str, key: str) -> None:
+        super().__init__(shown)
+        self.key = key
 
 
 @dataclass(frozen=True)
@@ -42,14 +68,16 @@ class KeyedTable(Vertical):
         Binding("escape", "clear_filter", "Clear filter", show=False),
     ]
 
-    def __init__(self, columns: Sequence[Column], *, id: str | None = None) -> None:
+    def __init__(self, columns: Sequence[Column], *, id: str | None = None,
+                 sort_index: int = 0, reverse: bool = False) -> None:
         super().__init__(id=id)
         self.columns = tuple(columns)
-        self.sort_index = 0
-        self.reverse = False
+        self.sort_index = sort_index
+        self.reverse = reverse
         self.rows: dict[str, TableRow] = {}
         self._filter = ""
         self._shown: dict[str, tuple[str | Text, ...]] = {}
+        self.shown_columns: tuple[int, ...] = tuple(range(len(self.columns)))  # indexes shown
 
     def compose(self) -> ComposeResult:
         box = Input(placeholder="filter (esc clears)", classes="table-filter")
@@ -58,9 +86,50 @@ class KeyedTable(Vertical):
         yield DataTable(cursor_type="row", zebra_stripes=True)
 
     def on_mount(self) -> None:
+        self._add_columns()
+
+    def _add_columns(self) -> None:
         table = self.query_one(DataTable)
-        for column in self.columns:
-            table.add_column(column.label, key=column.key, width=column.width)
+        for index in self.shown_columns:
+            column = self.columns[index]
+            table.add_column(self._label(index), key=column.key, width=column.width)
+
+    def _label(self, index: int) -> str:
+        arrow = (" ▲", " ▼")[self.reverse] if index == self.sort_index else ""
+        return f"{self.columns[index].label}{arrow}"
+
+    def fitting(self, width: int) -> tuple[int, ...]:
+        """The columns that fit in `width`: those with the highest `drop` go first."""
+        visible = set(range(len(self.columns)))
+        room = width - CHROME
+
+        def used() -> int:
+            return sum((self.columns[i].width or len(self.columns[i].label)) + CELL_PADDING
+                       for i in visible)
+
+        for index in sorted((i for i, c in enumerate(self.columns) if c.drop),
+                            key=lambda i: -self.columns[i].drop):
+            if used() <= room:
+                break
+            visible.discard(index)
+        return tuple(sorted(visible))
+
+    def on_resize(self) -> None:
+        visible = self.fitting(self.size.width)
+        if visible != self.shown_columns:
+            self.shown_columns = visible
+            self.table.clear(columns=True)
+            self._shown = {}
+            self._add_columns()
+            self._apply()
+
+    def _cells(self, row: TableRow) -> tuple[str | Text, ...]:
+        """The row's cells for the visible columns, the key column cut to its width."""
+        first = row.cells[0]
+        shown = first.plain if isinstance(first, Text) else first
+        width = self.columns[0].width
+        key_cell = KeyText(middle_cut(shown, width) if width else shown, row.key)
+        return (key_cell, *(row.cells[i] for i in self.shown_columns[1:]))
 
     @property
     def table(self) -> DataTable:
@@ -76,27 +145,33 @@ class KeyedTable(Vertical):
         for key in [k for k in self._shown if k not in wanted]:
             table.remove_row(key)
             del self._shown[key]
+        columns = [self.columns[i] for i in self.shown_columns]
         for key, row in wanted.items():
+            cells = self._cells(row)
             shown = self._shown.get(key)
             if shown is None:
-                table.add_row(*row.cells, key=key)
-            elif shown != row.cells:
-                for column, old, new in zip(self.columns, shown, row.cells, strict=True):
+                table.add_row(*cells, key=key)
+            elif shown != cells:
+                for column, old, new in zip(columns, shown, cells, strict=True):
                     if old != new:
                         table.update_cell(key, column.key, new)
-            self._shown[key] = row.cells
+            self._shown[key] = cells
         self._sort()
 
     def _sort(self) -> None:
+        table = self.table
+        for index in self.shown_columns:  # the arrow moves with the sort
+            table.columns[ColumnKey(self.columns[index].key)].label = Text(self._label(index))
         if not self._shown:
+            table.refresh()
             return
         index = self.sort_index
 
-        def order(key_cell: str) -> tuple[bool, Any]:
-            value = self.rows[str(key_cell)].sort_values[index]
+        def order(key_cell: KeyText) -> tuple[bool, Any]:
+            value = self.rows[key_cell.key].sort_values[index]
             return (value is not None, value if value is not None else 0)
 
-        self.table.sort(self.columns[0].key, key=order, reverse=self.reverse)
+        table.sort(self.columns[0].key, key=order, reverse=self.reverse)
 
     def action_filter(self) -> None:
         box = self.query_one(Input)
@@ -129,7 +204,7 @@ class KeyedTable(Vertical):
 
     def on_data_table_header_selected(self, event: DataTable.HeaderSelected) -> None:
         event.stop()
-        index = event.column_index
+        index = self.shown_columns[event.column_index]
         self.reverse = not self.reverse if index == self.sort_index else False
         self.sort_index = index
         self._sort()

@@ -1,5 +1,6 @@
 """The "Requests" pane: one keyed row per request, its budget_score coloured at 1.0 (on
-budget) and at the slow-query threshold."""
+budget) and at the slow-query threshold. Running requests come first, the worst
+budget_score at the top: what needs a look is what is in view."""
 
 from __future__ import annotations
 
@@ -12,14 +13,17 @@ from engine.snapshot import RequestView, Snapshot
 
 COLUMNS = (
     Column("id", "id", 14),
-    Column("tenant", "tenant", 8),
+    Column("tenant", "tenant", 8, drop=3),
     Column("state", "state", 16),
-    Column("prompt", "prompt", 7),
+    Column("prompt", "prompt", 7, drop=2),
     Column("chunks", "chunks", 7),
-    Column("generated", "gen", 5),
+    Column("generated", "gen", 5, drop=1),
     Column("ttft", "TTFT ms", 8),
-    Column("score", "budget", 7),
+    Column("score", "budget_score", 14),
 )
+SCORE_COLUMN = 7
+# Running first, then waiting, then done: the order of the budget_score column's sort.
+STATE_RANK = {"PREFILL_CHUNKING": 2, "DECODING": 2, "PREEMPTED": 2, "WAITING": 1}
 
 STATE_STYLES = {
     "WAITING": "bright_black",
@@ -47,14 +51,15 @@ def request_row(r: RequestView, slow_threshold: float) -> TableRow:
                str(r.generated_tokens), ttft, budget_text(r.budget_score, slow_threshold)),
         sort_values=(r.arrival_s, r.tenant, r.state, r.prompt_tokens,
                      r.chunks_done / max(r.chunks_total, 1), r.generated_tokens, r.ttft_ms,
-                     r.budget_score),
+                     (STATE_RANK.get(r.state, 0),
+                      -1.0 if r.budget_score is None else r.budget_score)),
         haystack=f"{r.id} {r.tenant} {r.state}".lower(),
     )
 
 
 class RequestsTable(KeyedTable):
     def __init__(self) -> None:
-        super().__init__(COLUMNS, id="requests")
+        super().__init__(COLUMNS, id="requests", sort_index=SCORE_COLUMN, reverse=True)
         self.border_title = "Requests"
 
     def update_from(self, snapshot: Snapshot) -> None:

@@ -1,0 +1,83 @@
+"""Keys with a field focused: digits type into a number field, while `?`, `q`, F1–F5 and
+(after Escape) the screen digits still work; a filter box takes every letter."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from textual.widgets import Input
+
+from console.sources.embedded import EmbeddedSource
+from console.tui.app import TokenflowApp
+from console.tui.keymap import typed_into
+from console.tui.screens.drift import DriftScreen
+from console.tui.screens.help import HelpScreen
+from console.tui.screens.live import LiveScreen
+from console.tui.screens.slow_queries import SlowQueriesScreen
+from console.tui.screens.tuning import TuningScreen
+from console.tui.widgets.keyed_table import middle_cut
+from engine.config import EngineConfig
+from tests.console.conftest import replay_app, replayed, until, workers_done
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_screen_keys_help_and_quit_work_with_a_field_focused(tmp_path: Path) -> None:
+    source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat",
+                                  db=tmp_path / "k.db", config=EngineConfig(dtype="float32"))
+    app = TokenflowApp(source, interval=0.05)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("2")
+        tuning = app.screen
+        assert isinstance(tuning, TuningScreen)
+        box = tuning.query_one("#input-max_num_batched_tokens", Input)
+        await until(pilot, lambda: box.value, "the form filled from a snapshot")
+        assert app.focused is box
+        box.value = ""
+        await pilot.press("5", "1", "2")  # digits are the field's
+        assert box.value == "512" and app.screen is tuning
+
+        await pilot.press("question_mark")  # help, even from the field
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("question_mark")
+        assert app.screen is tuning and box.value == "512"
+
+        await pilot.press("f3")  # F-keys switch whatever is focused
+        assert isinstance(app.screen, SlowQueriesScreen)
+        await pilot.press("2")
+        assert app.screen is tuning
+        box.focus()
+        await pilot.press("escape", "4")  # Escape leaves the field; 4 is a screen key again
+        assert isinstance(app.screen, DriftScreen)
+
+        await pilot.press("2")
+        box.focus()
+        await pilot.pause()
+        await pilot.press("q")  # q from inside a field
+        await workers_done(pilot)
+        assert box.value == "512" and not app.is_running
+
+
+async def test_a_filter_box_takes_letters_and_escape_leaves_it() -> None:
+    async with replay_app().run_test(size=(120, 40)) as pilot:
+        await replayed(pilot)
+        app = pilot.app
+        await pilot.press("slash", "q", "c")
+        box = app.focused
+        assert isinstance(box, Input) and box.value == "qc" and app.is_running
+        await pilot.press("escape", "3")
+        assert isinstance(app.screen, SlowQueriesScreen)
+        await pilot.press("1")
+        assert isinstance(app.screen, LiveScreen)
+
+        number = Input(type="number")  # what a Field takes: the characters its type allows
+        assert typed_into(number, "5") and not typed_into(number, "c")
+        assert not typed_into(number, "question_mark") and not typed_into(number, "f1")
+        assert typed_into(Input(), "q") and not typed_into(None, "q")
+
+
+def test_ids_are_cut_in_the_middle() -> None:
+    assert middle_cut("long-doc-00017", 14) == "long-doc-00017"
+    assert middle_cut("long-doc-00017-3", 14) == "long-do…0017-3"
+    assert middle_cut("long-doc-00017-3", 14) != middle_cut("long-doc-00018-3", 14)

@@ -1,0 +1,70 @@
+"""Start-up on a store another session left: requests it left unfinished are announced with
+a choice to discard them, and a journal written by another model is refused, naming the
+store and the command that clears it. The embedded engine runs in its child process, as
+`tokenflow-console` starts it; the tests wait on the app's messages and workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from console.sources.process import ProcessSource
+from console.tui.app import TokenflowApp
+from console.tui.screens.splash import ResumedNotice
+from engine.config import EngineConfig, SamplingParams
+from engine.serve.session import EngineSession
+from engine.store import open_database, unfinished_requests
+from tests.console.conftest import until, workers_done
+
+pytestmark = pytest.mark.anyio
+
+
+def leave_unfinished(db: Path, model: str, prompts: list[list[int]]) -> None:
+    """A session on `db` that stops with `prompts` admitted and unfinished (a crash's
+    journal)."""
+    with EngineSession.start(EngineConfig(model=model, device="cpu", dtype="float32"),
+                             db=db, calibrate=False) as session:
+        for prompt in prompts:
+            session.engine.add_request(prompt, SamplingParams(max_tokens=64))
+        session.engine.step()
+
+
+def console(db: Path) -> TokenflowApp:
+    engine = ProcessSource.launch(model="synthetic:tiny", device="cpu", workload="chat",
+                                  db=db)
+    return TokenflowApp(engine, interval=0.05, starting=True)
+
+
+async def test_a_journal_from_another_model_is_refused_naming_the_store(tmp_path: Path) -> None:
+    db = tmp_path / "other.db"
+    leave_unfinished(db, "synthetic:small", [[400, 401, 402, 480]])  # beyond tiny's 320
+    app = console(db)
+    await app.run_async(headless=True, size=(120, 40))  # the app exits when start-up fails
+    assert app.return_code == 2
+    error = app.startup_error
+    assert error is not None and str(db) in error and "another model" in error
+    assert f"tokenflow db discard-unfinished --db {db}" in error
+    database = open_database(db)  # refused: nothing in the journal was touched
+    try:
+        with database.session() as session:
+            assert len(unfinished_requests(session)) == 1
+    finally:
+        database.close()
+
+
+async def test_resumed_requests_are_announced_and_can_be_discarded(tmp_path: Path) -> None:
+    db = tmp_path / "crashed.db"
+    leave_unfinished(db, "synthetic:tiny", [[5] * 40, [7] * 60])
+    app = console(db)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: isinstance(app.screen, ResumedNotice), "the notice")
+        notice = app.screen
+        assert isinstance(notice, ResumedNotice) and len(notice.resumed) == 2
+        await pilot.press("d")
+        await workers_done(pilot)
+        await until(pilot, lambda: any("discarded 2 resumed" in n.message
+                                       for n in app._notifications), "the discard")
+        await until(pilot, lambda: app.latest is not None and not any(
+            r.id in notice.resumed and r.state not in ("FINISHED", "FAILED")
+            for r in app.latest.requests), "the resumed requests gone")
