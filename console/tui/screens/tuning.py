@@ -35,9 +35,9 @@ from console.tui.collectors import (
 from console.tui.history import MetricHistory
 from console.tui.screens.base import ConsoleScreen
 from console.tui.state import ConsoleState
+from console.tui.widgets.field import Field as NumberField
 from console.tui.widgets.header import chunk_size
 from console.tui.widgets.latency import LatencySLO, append_latency, slo_style, window
-from console.tui.widgets.field import Field as NumberField
 from console.tui.widgets.notice import unavailable
 from console.tui.widgets.plot import Line, Plot, Series, ms, number, per_s
 from engine.ops.metrics import RATE_WINDOW_S
