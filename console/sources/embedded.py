@@ -44,6 +44,7 @@ from engine.store import (
     get_slow_query,
     list_slow_queries,
     next_cycle,
+    quarantined_requests,
 )
 
 READ_FLUSH_TIMEOUT_S = 2.0
@@ -71,6 +72,8 @@ class EmbeddedSource:
         self.name = f"embedded {engine.config.model} on {engine.runner.device}"
         self.monitor: DriftMonitor | None = None  # set by start(): drift (protection layer 5)
         self.resumed: tuple[str, ...] = ()  # set by start(): requests resumed from the journal
+        # set by start(): requests the journal holds quarantined (they killed resumed runs)
+        self.quarantined: tuple[str, ...] = ()
 
     @classmethod
     def start(cls, *, model: str | None = None, device: str | None = None,
@@ -116,9 +119,11 @@ class EmbeddedSource:
                 raise UserError(problem)
             # what a crashed console left (pitfall 12), announced by the console
             resumed = session.resume_unfinished().resumed
+            with database.session() as db_session:
+                quarantined = tuple(q.request_id for q in quarantined_requests(db_session))
             loop = session.attach_loop()
             source = cls(session)
-            source.resumed = resumed
+            source.resumed, source.quarantined = resumed, quarantined
             if simulate is not None:
                 source.name = f"SIMULATED {source.name} (x{simulate.speed:g})"
             calibration = session.calibration

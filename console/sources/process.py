@@ -52,6 +52,7 @@ class ProcessSource:
         self._ids = itertools.count()
         self._ready = False
         self.resumed: tuple[str, ...] = ()  # requests the engine resumed from the journal
+        self.quarantined: tuple[str, ...] = ()  # and those the journal holds quarantined
         self._closed = False
         self._reader_done = False  # set before the reader fails what is pending
         self._reader = threading.Thread(target=self._read, name="tokenflow-engine-pipe",
@@ -88,7 +89,7 @@ class ProcessSource:
         if kind == "error":
             self._process.join(CLOSE_TIMEOUT_S)
             raise payload
-        (self.name, self.resumed), self._ready = payload, True
+        (self.name, self.resumed, self.quarantined), self._ready = payload, True
         self._reader.start()
         return self
 
@@ -232,7 +233,7 @@ def serve(connection: Connection, options: dict[str, Any]) -> None:
         send((call_id, "result", result))
 
     with ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenflow-call") as pool:
-        send((None, "ready", (source.name, source.resumed)))
+        send((None, "ready", (source.name, source.resumed, source.quarantined)))
         while True:
             try:
                 message = connection.recv()

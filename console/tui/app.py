@@ -102,7 +102,7 @@ class TokenflowApp(App[None]):
         except (UserError, EngineError, SourceError) as exc:
             self.post_message(EngineStarted(str(exc)))
             return
-        self.post_message(EngineStarted(None, source.resumed))
+        self.post_message(EngineStarted(None, source.resumed, source.quarantined))
 
     def on_engine_starting(self, message: EngineStarting) -> None:
         if isinstance(self.screen, SplashScreen):
@@ -117,6 +117,13 @@ class TokenflowApp(App[None]):
         if isinstance(self.screen, SplashScreen):
             self.pop_screen()
         self.collector.start()
+        if message.quarantined:
+            shown = ", ".join(message.quarantined[:3]) + (" …" if len(message.quarantined) > 3
+                                                         else "")
+            self.notify(f"{len(message.quarantined)} request(s) quarantined, not run: {shown}. "
+                        "They killed the runs that resumed them; `tokenflow db "
+                        "release-quarantine ID` runs one again", title="quarantine",
+                        severity="warning", timeout=30)
         if message.resumed:
             self.push_screen(ResumedNotice(message.resumed, self.source.name),
                              functools.partial(self._resumed_chosen, message.resumed))

@@ -14,7 +14,8 @@ from console.tui.app import TokenflowApp
 from console.tui.screens.splash import ResumedNotice
 from engine.config import EngineConfig, SamplingParams
 from engine.serve.session import EngineSession
-from engine.store import open_database, unfinished_requests
+from engine.store import close_entry, open_database, unfinished_requests
+from engine.store.models import QUARANTINED
 from tests.console.conftest import until, workers_done
 
 pytestmark = pytest.mark.anyio
@@ -68,3 +69,27 @@ async def test_resumed_requests_are_announced_and_can_be_discarded(tmp_path: Pat
         await until(pilot, lambda: app.latest is not None and not any(
             r.id in notice.resumed and r.state not in ("FINISHED", "FAILED")
             for r in app.latest.requests), "the resumed requests gone")
+
+
+async def test_quarantined_requests_are_announced_and_not_run(tmp_path: Path) -> None:
+    """Issue 15: a request that killed two resumed runs is kept, held back, and shown."""
+    db = tmp_path / "poisoned.db"
+    leave_unfinished(db, "synthetic:tiny", [[5] * 40])
+    database = open_database(db)
+    try:
+        with database.session() as session:
+            (entry,) = unfinished_requests(session)
+            close_entry(session, entry.request_id, QUARANTINED, "quarantined: test")
+    finally:
+        database.close()
+    app = console(db)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: any("1 request(s) quarantined" in n.message
+                                       and entry.request_id in n.message
+                                       and "release-quarantine" in n.message
+                                       for n in app._notifications), "the announcement")
+        assert not isinstance(app.screen, ResumedNotice)  # it was not resumed
+        await until(pilot, lambda: app.latest is not None, "a snapshot")
+        assert all(r.id != entry.request_id for r in app.latest.requests)
+        app.collector.stop()
+        await workers_done(pilot)

@@ -31,10 +31,12 @@ class EngineStarted(Message):
     """The engine is ready (`error` None), with the requests it resumed from the journal;
     or why it did not start."""
 
-    def __init__(self, error: str | None, resumed: tuple[str, ...] = ()) -> None:
+    def __init__(self, error: str | None, resumed: tuple[str, ...] = (),
+                 quarantined: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.error = error
         self.resumed = resumed
+        self.quarantined = quarantined  # held back: they killed the runs that resumed them
 
 
 class ResumedNotice(ModalScreen[bool]):
