@@ -267,16 +267,21 @@ def test_poison_never_reaches_the_journal_so_a_restart_resumes_nothing(
     database.close()
 
 
+def serve_on(db: Path) -> subprocess.Popen[str]:
+    """`tokenflow serve` on synthetic:tiny with the store `db`; its banner is its first line."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "console.cli.main", "serve", "--model", "synthetic:tiny",
+         "--device", "cpu", "--dtype", "float32", "--port", "0", "--db", str(db)],
+        cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+
+
 def test_serve_stopped_by_sigterm_flushes_its_journal_and_exits_0(tmp_path: Path) -> None:
     """uvicorn re-raised SIGTERM after its graceful shutdown and killed `tokenflow serve`
     before the store writer's last batch: the last finished request stayed DECODING in the
     journal and the next start ran it again (found by benchmarks/fuzz_server.py)."""
     db = tmp_path / "serve.db"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "console.cli.main", "serve", "--model", "synthetic:tiny",
-         "--device", "cpu", "--dtype", "float32", "--port", "0", "--db", str(db)],
-        cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+    server = serve_on(db)
     try:
         assert server.stdout is not None
         banner = server.stdout.readline()  # printed once the server is about to accept
@@ -304,11 +309,7 @@ def test_serve_whose_journal_stops_stops_serving_with_a_clear_error(tmp_path: Pa
     server with exit 2 and the fix, instead of serving on unrecorded (issue 15: a journal
     that never lies)."""
     db = tmp_path / "serve.db"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "console.cli.main", "serve", "--model", "synthetic:tiny",
-         "--device", "cpu", "--dtype", "float32", "--port", "0", "--db", str(db)],
-        cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
+    server = serve_on(db)
     try:
         assert server.stdout is not None
         url = re.search(r"http://[^,\s]+", server.stdout.readline())

@@ -7,7 +7,11 @@ runs on every start) and the operator's word that lets a quarantined request run
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+
+from sqlalchemy.orm import Session
 
 from console.cli.terminal import terminal_safe
 from console.errors import UserError
@@ -85,16 +89,23 @@ def run_current(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_release_quarantine(args: argparse.Namespace) -> int:
-    if args.db is not None and not Path(args.db).expanduser().exists():
-        raise UserError(f"{args.db}: no such store; check the path")
-    database = open_database(args.db)
+@contextmanager
+def _journal_write(db: str | None) -> Iterator[tuple[Database, Session]]:
+    """An existing store, held as its one writer: not while a run or server owns it."""
+    if db is not None and not Path(db).expanduser().exists():
+        raise UserError(f"{db}: no such store; check the path")
+    database = open_database(db)
     try:
-        database.claim_writer()  # a journal write: not while a run or server owns the store
+        database.claim_writer()
         with database.session() as session:
-            released = release_quarantine(session, args.request_id)
+            yield database, session
     finally:
         database.close()
+
+
+def run_release_quarantine(args: argparse.Namespace) -> int:
+    with _journal_write(args.db) as (database, session):
+        released = release_quarantine(session, args.request_id)
     rid = terminal_safe(args.request_id)
     if not released:
         raise UserError(f"no quarantined request {rid!r} in {database.path}; `tokenflow "
@@ -105,14 +116,7 @@ def run_release_quarantine(args: argparse.Namespace) -> int:
 
 
 def run_discard_unfinished(args: argparse.Namespace) -> int:
-    if args.db is not None and not Path(args.db).expanduser().exists():
-        raise UserError(f"{args.db}: no such store; check the path")
-    database = open_database(args.db)
-    try:
-        database.claim_writer()  # a journal write: not while a run or server owns the store
-        with database.session() as session:
-            discarded = discard_unfinished(session, DISCARDED)
-    finally:
-        database.close()
+    with _journal_write(args.db) as (database, session):
+        discarded = discard_unfinished(session, DISCARDED)
     print(f"discarded {len(discarded)} unfinished request(s) in {database.path}")
     return 0
