@@ -132,6 +132,8 @@ class EmbeddedSource:
                 reference=None if calibration is None else StepTimePredictor.from_dict(
                     calibration.params))
             engine.bus.subscribe(source.monitor.observe)
+            # a journal that stopped: the engine stops too, rather than serve on unrecorded
+            source.writer.on_failure(lambda _error: loop.pause())
             loop.start()
         except BaseException:
             session.close()
@@ -146,6 +148,8 @@ class EmbeddedSource:
     def snapshot(self) -> Snapshot:
         if self.loop.error is not None:
             raise SourceError(f"the engine stopped: {self.loop.error!r}")
+        if self.writer.failure is not None:
+            raise SourceError(f"the engine is paused: {self.writer.failure}")
         return dataclasses.replace(self.loop.snapshot(), paused=self.loop.paused,
                                    workload_rate=self.loop.arrival_rate)
 
@@ -167,6 +171,8 @@ class EmbeddedSource:
             self.loop.abort(request_id)
 
     def resume(self) -> None:
+        if self.writer.failure is not None:  # it stays paused until the store is mended
+            raise SourceError(f"cannot resume: {self.writer.failure}")
         self.loop.resume()
 
     def slow_queries(self, limit: int = 500) -> list[SlowQueryRecord]:

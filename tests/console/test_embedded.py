@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
+import threading
 import time
 from pathlib import Path
 
+import pytest
 from sqlalchemy import select
 
+from console.sources.base import SourceError
 from console.sources.embedded import EmbeddedSource
 from engine.events import ChunkComplete, EventBus, RequestAdded
 from engine.store import StoreWriter, open_database
@@ -49,3 +54,23 @@ def test_resumed_requests_and_new_traffic_never_share_an_id(tmp_path: Path) -> N
         database.close()
     assert states == {"chat-00000-0": "FINISHED", "chat-00000-1": "FINISHED",
                       "chat-00001-1": "FINISHED"}
+
+
+def test_a_journal_that_stops_pauses_the_console_engine_and_says_why(tmp_path: Path) -> None:
+    """Issue 15: the console's engine does not serve on unrecorded when its journal stops."""
+    db = tmp_path / "store.db"
+    source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat", db=db,
+                                  num_requests=4, rate=float("inf"), repeat=True)
+    try:
+        with contextlib.closing(sqlite3.connect(db)) as connection:
+            connection.execute("DROP TABLE request_journal")  # under the running writer
+        stopped = threading.Event()
+        source.writer.on_failure(lambda _error: stopped.set())
+        assert stopped.wait(60), "the journal kept writing without its table"
+        assert source.loop.paused
+        with pytest.raises(SourceError, match=r"the journal in .* stopped"):
+            source.snapshot()
+        with pytest.raises(SourceError, match="cannot resume"):
+            source.resume()
+    finally:
+        source.close()
