@@ -16,7 +16,6 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from textual.pilot import Pilot
-from textual.widgets import Input
 
 from console.errors import UserError
 from console.sources import (
@@ -41,8 +40,6 @@ from console.sources.embedded import EmbeddedSource
 from console.sources.prometheus_text import MetricWindow, Reading
 from console.sources.remote import FIRST_DELAY_S
 from console.tui.app import TokenflowApp
-from console.tui.screens.tuning import TuningScreen
-from console.tui.widgets.confirm import Confirm
 from console.tui.widgets.header import EngineHeader
 from engine import Engine, EngineConfig
 from engine.budget.peaks import GPU_PRESETS
@@ -54,7 +51,7 @@ from engine.serve.session import EngineSession
 from engine.serve.thread import ServerThread
 from engine.snapshot import Percentiles, Snapshot
 from engine.store import SlowQueryRecord, StoreWriter, open_database
-from tests.console.conftest import until
+from tests.console.conftest import until, workers_done
 
 TOKEN = "attach-token"
 DATA = Path(__file__).parent / "data"
@@ -396,39 +393,4 @@ async def test_console_renders_an_attached_source(kind: str, server: ServerThrea
         assert latest.model == expected
         assert dataclasses.asdict(latest).keys() == dataclasses.asdict(Snapshot()).keys()
         app.collector.stop()  # no poll may land while the app tears its screens down
-        await app.workers.wait_for_complete()
-        await pilot.pause()
-
-
-@pytest.mark.anyio
-async def test_a_change_to_a_remote_server_is_confirmed_first(server: ServerThread,
-                                                              loop: EngineLoop) -> None:
-    """k9s asks before it acts on someone else's cluster: n changes nothing, y applies."""
-    before = loop.engine.config.max_num_batched_tokens
-    wanted = before + 64
-    app = TokenflowApp(HttpSource(server.url, token=TOKEN), interval=FAST_POLL_S)
-    try:
-        async with app.run_test(size=(120, 40)) as pilot:
-            await _first_snapshot(pilot)
-            await pilot.press("2")
-            screen = app.screen
-            assert isinstance(screen, TuningScreen)
-            box = screen.query_one("#input-max_num_batched_tokens", Input)
-            await until(pilot, lambda: box.value == str(before), "the form filled")
-            for answer in ("n", "y"):
-                box.value = str(wanted)
-                await pilot.press("ctrl+s")
-                await until(pilot, lambda: isinstance(app.screen, Confirm), "the question")
-                assert f"max_num_batched_tokens → {wanted}" in str(
-                    app.screen.query_one("#confirm-question").render())
-                await pilot.press(answer)
-                await until(pilot, lambda: app.screen is screen, "the answer")
-                if answer == "n":
-                    await app.workers.wait_for_complete()
-                    assert loop.engine.config.max_num_batched_tokens == before
-            await until(pilot, lambda: loop.engine.config.max_num_batched_tokens == wanted)
-            app.collector.stop()
-            await app.workers.wait_for_complete()
-            await pilot.pause()
-    finally:
-        loop.update_config(max_num_batched_tokens=before)
+        await workers_done(pilot)
