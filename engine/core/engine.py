@@ -77,6 +77,9 @@ class Engine:
         self.peaks = (runner.peaks if runner is not None
                       else measure_peaks(str(self.runner.device), self.runner.dtype))
         self.budget = BudgetModel(self.model_config, self.runner.bytes_per_element, self.peaks)
+        # one KV block's bytes, from the model's shape: a simulated executor holds no KV tensor
+        self.block_bytes = (self.model_config.kv_bytes_per_token(self.runner.bytes_per_element)
+                            * self.runner.block_size)
         self.predict: Callable[[StepShape], float] = self.budget.predict
         self.bandwidth = bandwidth or self._default_bandwidth()
         # the cost callables read self.predict / self.budget at each call: a calibration
@@ -353,7 +356,7 @@ class Engine:
             kv_compactions_total=self.blocks.compactions,
             kv_blocks_moved_total=self.blocks.blocks_moved,
             kv_block_size=self.config.block_size,
-            kv_bytes_total=float(self.runner.kv_cache.nbytes),
+            kv_bytes_total=float(self.blocks.num_blocks * self.block_bytes),
             bandwidth_bytes_per_s=reading.util_5s * self.peaks.bandwidth,
             bandwidth_util_5s=reading.util_5s, bandwidth_source=reading.source,
             throttle_level=s.throttle_level, tokens_per_s=tokens_per_s,
