@@ -138,11 +138,11 @@ async def test_the_fleet_screen_lists_servers_worst_first_and_enter_opens_one(
             table = app.screen.query_one(FleetTable)
             await until(pilot, lambda: table.table.row_count == 4, "four fleet rows")
             first = table.table.get_row_at(0)
-            assert first[0] == "4" and str(first[1]).startswith("down")  # the dead one on top
+            assert str(first[0]) == "4" and str(first[1]).startswith("down")  # the dead one on top
             assert "1 down" in str(table.border_subtitle)
             await pilot.press("down", "enter")
             await until(pilot, lambda: isinstance(app.screen, LiveScreen), "the live screen")
-            opened = int(table.table.get_row_at(1)[0]) - 1
+            opened = int(str(table.table.get_row_at(1)[0])) - 1
             assert fleet.selected == opened
             app.collector.stop()
             await workers_done(pilot)
