@@ -162,6 +162,9 @@ class EngineConfig:
     bandwidth_pause: float = 0.98  # above this for bandwidth_pause_s: new prefills paused
     bandwidth_pause_s: float = 10.0
     slow_query_threshold: float = 1.5  # budget_score above this is a slow query
+    # ...and only when the prefill ran this much over its plan: below a few ms the ratio of a
+    # one-step prefill is timer, cache and scheduler jitter, which no user sees
+    slow_query_min_overrun_ms: float = 5.0
     max_prefill_tokens: int = 0  # circuit breaker base; 0 = max_model_len
     chunk_timeout_base_ms: float = 0.0  # layer 4; 0 = off
     guard_window_s: float = 10.0  # layers 1, 4, 5 stay engaged this long after they last acted
@@ -213,6 +216,8 @@ class EngineConfig:
         )
         _check(self.bandwidth_pause_s >= 0, "bandwidth_pause_s", "must be >= 0")
         _check(self.slow_query_threshold > 0, "slow_query_threshold", "must be > 0")
+        _check(self.slow_query_min_overrun_ms >= 0, "slow_query_min_overrun_ms",
+               "must be >= 0 (ms; 0 = the ratio alone decides)")
         _check(self.stats_window_s > 0, "stats_window_s", "must be > 0 (seconds)")
         _check(self.max_prefill_tokens >= 0, "max_prefill_tokens", "must be >= 0")
         _check(self.chunk_timeout_base_ms >= 0, "chunk_timeout_base_ms", "must be >= 0")

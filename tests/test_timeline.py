@@ -217,7 +217,8 @@ def test_stored_slow_queries_of_a_loaded_run_add_up(tmp_path: Path,
     query's parts add up to its measured prefill and end-to-end times within 5%. The threshold
     is set so low that every scored request is stored: which ones overrun their plan depends
     on the machine's load, the adding up must hold for all of them."""
-    engine = chaos.chaos_engine(max_prefill_chunks=2, slow_query_threshold=1e-9)
+    engine = chaos.chaos_engine(max_prefill_chunks=2, slow_query_threshold=1e-9,
+                                slow_query_min_overrun_ms=0)
     apply(engine, predictor)
     database = open_database(tmp_path / "store.db")
     writer = StoreWriter(database, engine.bus)

@@ -34,6 +34,8 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
                                  "cap on one request's chunk (0 = none)"),
     "--max-prefill-tokens": ("max_prefill_tokens", int, "circuit breaker base (0 = model limit)"),
     "--slow-query-threshold": ("slow_query_threshold", float, "budget_score of a slow query"),
+    "--slow-query-min-overrun-ms": ("slow_query_min_overrun_ms", float,
+                                    "a slow query also overran its plan by this much (ms)"),
     "--stats-window-s": ("stats_window_s", float,
                          "seconds the latency percentiles cover (default 60)"),
     "--compile": ("compile", bool, "torch.compile the model at start, warmed up before the "

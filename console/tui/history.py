@@ -35,7 +35,7 @@ SERIES: dict[str, str] = {
 MARKED = ("max_num_batched_tokens", "chunk_tile", "max_prefill_chunks",
           "long_prefill_threshold", "cache_high_watermark", "cache_low_watermark",
           "bandwidth_throttle_2", "bandwidth_throttle_1", "bandwidth_pause",
-          "slow_query_threshold", "auto_budget")
+          "slow_query_threshold", "slow_query_min_overrun_ms", "auto_budget")
 
 
 def _read(snapshot: Snapshot) -> dict[str, float | None]:

@@ -28,8 +28,8 @@ BUDGET_SCORE_DEFINITION = (
     "prefills; it is re-planned on tuning changes and new arrivals, never for a fault. A "
     "healthy engine scores near 1 at any load; above the slow-query threshold something went "
     "wrong for that request: time in CACHE_PRESSURE_WAIT, a bandwidth throttle, preemption, "
-    "chunks slower than predicted, or a guard. None (\"calibrating\") until the engine's first "
-    "calibration.")
+    "chunks slower than predicted, or a guard. A slow query also overran its plan by at least "
+    "slow_query_min_overrun_ms. None (\"calibrating\") until the engine's first calibration.")
 
 # a plan longer than this many steps is cut short (a prompt the budget can never reach)
 MAX_PLAN_STEPS = 100_000

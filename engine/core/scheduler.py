@@ -512,7 +512,9 @@ class Scheduler:
         budget = request.budgeted_prefill_s
         if not budget or request.prefill_started is None:
             return
-        if (end - request.prefill_started) / budget <= self.config.slow_query_threshold:
+        prefill = end - request.prefill_started
+        if (prefill / budget <= self.config.slow_query_threshold
+                or (prefill - budget) * 1e3 < self.config.slow_query_min_overrun_ms):
             return
         first = request.prefill_started
         steps = []

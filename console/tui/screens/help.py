@@ -50,7 +50,8 @@ GLOSSARY = (
     ("Bandwidth", "memory bandwidth as a share of the device's peak, and throttle levels"),
     ("Latency", "TTFT (time to first token) and TPOT (time per output token) over the window"),
     ("ITL", "inter-token latency: the gap between two tokens of one request"),
-    ("Slow query", "a request whose budget_score went above slow_query_threshold; stored "
+    ("Slow query", "a request whose budget_score went above slow_query_threshold and whose "
+                   "prefill overran its plan by slow_query_min_overrun_ms or more; stored "
                    "with its timeline and cause"),
     ("Drift", "how far measured steps run from the calibrated prediction; persistent drift "
               "recalibrates"),

@@ -94,6 +94,8 @@ FIELDS: tuple[Field, ...] = (
     Field("slow_query_threshold", "Slow query", "budget_score above is slow", float, 1.0, 10.0,
           "a budget_score of 1 is on plan: below 1 flags healthy requests, above 10 hides "
           "real ones"),
+    Field("slow_query_min_overrun_ms", "Slow query min", "ms over plan, at least", float, 0.0,
+          10_000.0, "milliseconds a prefill must overrun its plan to be a slow query"),
 )
 BY_NAME = {field.name: field for field in FIELDS}
 
