@@ -3,6 +3,10 @@ were written byte for byte by tests/data/capture_vllm.py while vLLM served 20 co
 
 from __future__ import annotations
 
+import re
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,7 +19,7 @@ from console.sources.otlp import TraceReceiver, parse_listen, roofline_model, st
 from engine.budget.roofline import StepShape
 from engine.serve.otlp import PROTOBUF, TraceCollector, decode_export
 from engine.store import open_database
-from engine.store.models import TracedRequestRow
+from engine.store.models import SlowQueryRow, TracedRequestRow
 
 CAPTURE = Path(__file__).parent / "data" / "vllm_capture"
 EXPORTS = sorted(CAPTURE.glob("otlp_*.pb"))
@@ -107,3 +111,52 @@ def test_bad_listen_addresses_and_model_shapes_are_named() -> None:
     with pytest.raises(UserError, match="--roofline-model"):
         roofline_model("/no/such/model", "h200")
     assert roofline_model(None, "h200") is None
+
+
+def test_tokenflow_serve_collects_traces_into_its_own_store(tmp_path: Path) -> None:
+    """`tokenflow serve --otlp-listen`: the same receiver as the console's, on the server's
+    store; the captured vLLM exports become rows and slow queries with their source."""
+    db = tmp_path / "serve.db"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "console.cli.main", "serve", "--model", "synthetic:tiny",
+         "--device", "cpu", "--dtype", "float32", "--port", "0", "--db", str(db),
+         "--otlp-listen", "127.0.0.1:0", "--roofline-model", str(CAPTURE), "--gpu", "h200"],
+        cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout is not None
+        banner = server.stdout.readline()  # printed once both listeners are up
+        traces = re.search(r"OTLP traces (http://\S+/v1/traces)", banner)
+        assert traces, banner + (server.stderr.read() if server.stderr else "")
+        with httpx.Client(timeout=30) as http:
+            for body in EXPORTS:  # each answer comes after its rows are stored
+                response = http.post(traces.group(1), content=body.read_bytes(),
+                                     headers={"Content-Type": PROTOBUF})
+                assert response.status_code == 200, response.text
+        server.send_signal(signal.SIGTERM)
+        _out, err = server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert server.returncode == 0, err
+    database = open_database(db)
+    try:
+        with database.session() as session:
+            rows = session.scalars(select(TracedRequestRow)).all()
+            slow = session.scalars(select(SlowQueryRow)).all()
+    finally:
+        database.close()
+    assert len(rows) == REQUESTS and len({row.request_id for row in rows}) == REQUESTS
+    assert all(row.budget_score is not None for row in rows)
+    assert len({row.source for row in rows}) == 1
+    assert len(slow) == REQUESTS and {s.source for s in slow} == {rows[0].source}
+
+
+def test_serve_trace_flags_need_a_listener_and_a_store(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from console.cli.main import main
+
+    assert main(["serve", "--gpu", "h200", "--no-db"]) == 2
+    assert "add --otlp-listen" in capsys.readouterr().err
+    assert main(["serve", "--otlp-listen", "127.0.0.1:0", "--no-db"]) == 2
+    assert "drop --no-db" in capsys.readouterr().err
