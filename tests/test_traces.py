@@ -15,10 +15,12 @@ import pytest
 from sqlalchemy import select
 
 from console.errors import UserError
-from console.sources.otlp import TraceReceiver, parse_listen, roofline_model, start_receiver
+from console.sources.otlp import TraceReceiver, parse_listen, prefill_estimate, start_receiver
+from console.sources.vllm import VllmMetricsSource
+from engine.budget.predictor import StepTimePredictor
 from engine.budget.roofline import StepShape
 from engine.serve.otlp import PROTOBUF, TraceCollector, decode_export
-from engine.store import open_database
+from engine.store import Database, open_database, save_calibration
 from engine.store.models import SlowQueryRow, TracedRequestRow
 
 CAPTURE = Path(__file__).parent / "data" / "vllm_capture"
@@ -42,19 +44,78 @@ def test_every_request_span_is_decoded_and_start_up_spans_are_not() -> None:
 
 
 def test_scores_divide_measured_prefill_by_the_roofline_estimate() -> None:
-    model = roofline_model(str(CAPTURE), "h200")
-    assert model is not None
-    collector = TraceCollector(model)
+    estimate = prefill_estimate(str(CAPTURE), "h200")
+    assert estimate is not None and estimate.name == "roofline"
+    collector = TraceCollector(estimate)
     traced = [t for body in EXPORTS for t in collector.ingest(body.read_bytes())]
     for t in traced:
-        predicted = model.predict(StepShape(prefill=((t.prompt_tokens, 0),)))
+        predicted = estimate.predict(StepShape(prefill=((t.prompt_tokens, 0),)))
         assert t.predicted_prefill_s == pytest.approx(predicted)
         assert t.budget_score == pytest.approx(t.prefill_s / predicted)
-    assert "roofline estimate on h200" in collector.score_label
+        assert t.estimate == "roofline"
+    assert "roofline estimate" in collector.score_label
+    assert "h200 datasheet peak" in collector.score_label
     views = collector.request_views()
     assert len(views) == REQUESTS and views[0].state == "FINISHED"
     assert views[0].arrival_s >= views[-1].arrival_s  # newest first
     assert all(v.budget_score is not None and v.ttft_ms is not None for v in views)
+
+
+# A fit as `tokenflow calibrate` stores it (coefficients in seconds); its prefill of n
+# tokens costs 2 ms + 20 µs per token + 1 ns per attention pair.
+PREDICTOR = StepTimePredictor(constant_s=2e-3, multi_token_s=0.0, per_token_s=2e-5,
+                              per_prefill_chunk_s=0.0, per_decode_seq_s=0.0,
+                              per_prefill_pair_s=1e-9, per_decode_context_s=0.0, points=40,
+                              source="least squares")
+
+
+def store_calibration(database: Database, model: str, device: str, device_name: str) -> int:
+    with database.session() as session:
+        return save_calibration(session, model=model, device=device, table=[],
+                                params=PREDICTOR.to_dict(),
+                                info={"dtype": "bfloat16", "peaks": {"name": device_name}},
+                                reason="first calibration")
+
+
+def test_scores_use_the_calibration_stored_for_that_model_on_that_gpu(tmp_path: Path) -> None:
+    database = open_database(tmp_path / "calibrated.db")
+    try:
+        # neither another model's nor another GPU's calibration stands for this one
+        store_calibration(database, "synthetic:tiny", "cuda:0", "NVIDIA H200")
+        store_calibration(database, str(CAPTURE), "cuda:0", "NVIDIA A100-SXM4-80GB")
+        assert prefill_estimate(str(CAPTURE), "h200", database).name == "roofline"
+        calibrated = store_calibration(database, str(CAPTURE), "cuda:0", "NVIDIA H200")
+        estimate = prefill_estimate(str(CAPTURE), "h200", database)
+        assert estimate is not None and estimate.name == f"calibration {calibrated}"
+        assert "NVIDIA H200" in estimate.label and "40 steps" in estimate.label
+        collector = TraceCollector(estimate, database)
+        traced = [t for body in EXPORTS for t in collector.ingest(body.read_bytes())]
+        for t in traced:
+            predicted = PREDICTOR.predict(StepShape(prefill=((t.prompt_tokens, 0),)))
+            assert t.budget_score == pytest.approx(t.prefill_s / predicted)
+        with database.session() as session:
+            rows = session.scalars(select(TracedRequestRow)).all()
+        assert {row.estimate for row in rows} == {f"calibration {calibrated}"}
+        slow = collector.slow_queries()
+        assert slow and all(f"calibration {calibrated}" in s.config["prediction"] for s in slow)
+    finally:
+        database.close()
+
+
+def test_a_traced_vllm_source_names_the_estimate_of_its_scores() -> None:
+    text = (CAPTURE / "metrics_2.txt").read_text()
+    source = VllmMetricsSource("http://vllm.test", traces=TraceCollector(
+        prefill_estimate(str(CAPTURE), "h200")),
+        transport=httpx.MockTransport(lambda request: httpx.Response(200, text=text)))
+    try:
+        for body in EXPORTS:
+            source.traces.ingest(body.read_bytes())  # type: ignore[union-attr]
+        snapshot = source.snapshot()
+    finally:
+        source.close()
+    assert snapshot.score_estimate == "roofline"
+    assert len(snapshot.requests) == REQUESTS
+    assert all(r.reason == "traced; vs roofline estimate" for r in snapshot.requests)
 
 
 @pytest.fixture
@@ -109,8 +170,8 @@ def test_bad_listen_addresses_and_model_shapes_are_named() -> None:
         with pytest.raises(UserError, match="HOST:PORT"):
             parse_listen(bad)
     with pytest.raises(UserError, match="--roofline-model"):
-        roofline_model("/no/such/model", "h200")
-    assert roofline_model(None, "h200") is None
+        prefill_estimate("/no/such/model", "h200")
+    assert prefill_estimate(None, "h200") is None
 
 
 def test_tokenflow_serve_collects_traces_into_its_own_store(tmp_path: Path) -> None:

@@ -116,6 +116,11 @@ class ScrapedSource(RemoteBacked, ABC):
     def traced_requests(self) -> tuple[RequestView, ...]:
         return () if self.traces is None else self.traces.request_views(self.trace_source)
 
+    def score_estimate(self) -> str:
+        """What traced budget scores divide by, for the Requests pane to say."""
+        estimate = None if self.traces is None else self.traces.estimate
+        return "" if estimate is None else estimate.name
+
     def traced_slow_total(self) -> int:
         return 0 if self.traces is None else self.traces.slow_total(self.trace_source)
 
