@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import signal
+import statistics
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,8 +20,9 @@ from console.sources.otlp import TraceReceiver, parse_listen, prefill_estimate, 
 from console.sources.vllm import VllmMetricsSource
 from engine.budget.predictor import StepTimePredictor
 from engine.budget.roofline import StepShape
+from engine.config import ConfigError
 from engine.serve.otlp import PROTOBUF, TraceCollector, decode_export
-from engine.store import Database, open_database, save_calibration
+from engine.store import Database, open_database, save_calibration, traced_drift
 from engine.store.models import SlowQueryRow, TracedRequestRow
 
 CAPTURE = Path(__file__).parent / "data" / "vllm_capture"
@@ -116,6 +118,37 @@ def test_a_traced_vllm_source_names_the_estimate_of_its_scores() -> None:
     assert snapshot.score_estimate == "roofline"
     assert len(snapshot.requests) == REQUESTS
     assert all(r.reason == "traced; vs roofline estimate" for r in snapshot.requests)
+
+
+def test_drift_history_is_the_windowed_median_ratio_per_source_and_estimate(
+        tmp_path: Path) -> None:
+    database = open_database(tmp_path / "drift.db")
+    try:
+        collector = TraceCollector(prefill_estimate(str(CAPTURE), "h200"), database)
+        traced = [t for body in EXPORTS for t in collector.ingest(body.read_bytes())]
+        source = traced[0].source
+        with database.session() as session:
+            points = traced_drift(session, source=source, window_s=5.0)
+            assert traced_drift(session, source="another-server") == []
+        # the capture sent two bursts of ten, twelve seconds apart
+        assert [p.requests for p in points] == [10, 10]
+        first = sorted(traced, key=lambda t: t.started_at)[:10]
+        assert points[0].median_ratio == pytest.approx(
+            statistics.median(t.budget_score for t in first))
+        assert points[0].start <= first[0].started_at < points[0].start + 5.0
+        assert {p.estimate for p in points} == {"roofline"}
+        # a calibrated estimate's ratios are a history of their own, never mixed in
+        calibrated = store_calibration(database, str(CAPTURE), "cuda:0", "NVIDIA H200")
+        TraceCollector(prefill_estimate(str(CAPTURE), "h200", database),
+                       database).ingest(EXPORTS[-1].read_bytes())
+        with database.session() as session:
+            points = traced_drift(session, source=source, window_s=5.0)
+        assert {p.estimate for p in points} == {"roofline", f"calibration {calibrated}"}
+        assert sum(p.requests for p in points if p.estimate == "roofline") == REQUESTS
+        with pytest.raises(ConfigError, match="window_s"), database.session() as session:
+            traced_drift(session, window_s=0)
+    finally:
+        database.close()
 
 
 @pytest.fixture

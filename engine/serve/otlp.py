@@ -33,7 +33,7 @@ from starlette.routing import Route
 
 from engine.budget.roofline import StepShape
 from engine.snapshot import RequestView
-from engine.store import Database, SlowQueryRecord
+from engine.store import Database, SlowQueryRecord, TracedDriftPoint, traced_drift
 from engine.store.models import SlowQueryRow, TracedRequestRow
 
 REQUEST_SPAN = "llm_request"  # vLLM's span per request; start-up spans carry other names
@@ -214,6 +214,14 @@ class TraceCollector:
         query = query.order_by(SlowQueryRow.created_at.desc()).limit(limit)
         with self.database.session() as session:
             return [SlowQueryRecord.from_row(row) for row in session.scalars(query)]
+
+    def drift(self, source: str | None = None) -> list[TracedDriftPoint]:
+        """Measured/predicted prefill ratio over time from the stored traced requests (of one
+        source, or all), oldest first; none without a store."""
+        if self.database is None:
+            return []
+        with self.database.session() as session:
+            return traced_drift(session, source=source)
 
     def _store(self, scored: list[TracedRequest], slow: list[TracedRequest],
                now: float) -> None:
