@@ -68,7 +68,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "http://HOST:PORT/v1/traces) into the store, as the console does")
     traces.add_argument("--roofline-model", metavar="MODEL",
                         help="with --otlp-listen: the traced model's shape (a model directory "
-                             "or synthetic:PRESET) that budget scores are predicted for")
+                             "or synthetic:PRESET) that budget scores are predicted for: by "
+                             "its calibration stored for --gpu, else by its roofline")
     traces.add_argument("--gpu", metavar="NAME",
                         help="with --otlp-listen: the traced servers' GPU (h100, h200, ... or "
                              "cpu; default: NVML here)")
