@@ -101,6 +101,9 @@ class Snapshot:
     bandwidth_bytes_per_s: float | None = None
     bandwidth_note: str = ""  # why the bandwidth share cannot be shown, when it cannot
     prefix_cache_hit_rate: float | None = None
+    # what traced requests' budget scores divide by ("roofline", "calibration 3"); "" when
+    # the source's scores are its own engine's
+    score_estimate: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "http://HOST:PORT/v1/traces): a Requests row and budget_score each")
     parser.add_argument("--roofline-model", metavar="MODEL",
                         help="the traced model's shape (a model directory or synthetic:PRESET) "
-                        "that budget scores are predicted for")
+                        "that budget scores are predicted for: by its calibration stored for "
+                        "--gpu in --db when there is one, else by its roofline")
     parser.add_argument("--replay", type=Path, metavar="FILE",
                         help="review a session recorded with --record")
     parser.add_argument("--speed", type=float, default=1.0,

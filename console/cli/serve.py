@@ -5,12 +5,14 @@ loopback name, the --host address or an --allow-host name. The admin endpoints (
 pause) and the ones that show request ids (/v1/stats, /v1/slow_queries, unless
 --public-stats) need the bearer token from $TOKENFLOW_ADMIN_TOKEN or --admin-token-file; the
 admin endpoints are off without one. Requests, slow queries and config changes go to the
-SQLite store unless --no-db.
+SQLite store unless --no-db. With --otlp-listen the server is also a trace collector: other
+engines' (vLLM's) request spans become traced requests and slow queries in the same store.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import socket
@@ -60,6 +62,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            f"'{ANY_HOST}' accepts any)")
     add_db_argument(parser)
     parser.add_argument("--no-db", action="store_true", help="keep no SQLite store")
+    traces = parser.add_argument_group("traces")
+    traces.add_argument("--otlp-listen", metavar="HOST:PORT",
+                        help="also receive OTLP/HTTP traces (vLLM --otlp-traces-endpoint "
+                             "http://HOST:PORT/v1/traces) into the store, as the console does")
+    traces.add_argument("--roofline-model", metavar="MODEL",
+                        help="with --otlp-listen: the traced model's shape (a model directory "
+                             "or synthetic:PRESET) that budget scores are predicted for: by "
+                             "its calibration stored for --gpu, else by its roofline")
+    traces.add_argument("--gpu", metavar="NAME",
+                        help="with --otlp-listen: the traced servers' GPU (h100, h200, ... or "
+                             "cpu; default: NVML here)")
     add_engine_flags(parser)
     parser.set_defaults(func=run)
 
@@ -71,11 +84,27 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
+    trace_flags = [flag for flag, value in (("--roofline-model", args.roofline_model),
+                                            ("--gpu", args.gpu)) if value]
+    if trace_flags and not args.otlp_listen:
+        raise UserError(f"{' and '.join(trace_flags)} describe traced servers; add "
+                        "--otlp-listen HOST:PORT")
+    if args.otlp_listen and args.no_db:
+        raise UserError("--otlp-listen keeps traced requests in the store; drop --no-db")
     config = engine_config(args)
     token = load_admin_token(args.admin_token_file)
     listener = _listen(args.host, args.port)  # a taken port fails now, not after the model loads
-    with listener, start_session(config, db=args.db, store=not args.no_db) as session:
+    with listener, start_session(config, db=args.db, store=not args.no_db) as session, \
+            contextlib.ExitStack() as stack:
         engine, database = session.engine, session.database
+        traces = ""
+        if args.otlp_listen:  # the console's receiver, writing to this server's store
+            from console.sources.otlp import start_receiver  # protobufs: only when asked
+
+            receiver = start_receiver(args.otlp_listen, shape=args.roofline_model,
+                                      gpu=args.gpu, database=database)
+            stack.callback(receiver.close)
+            traces = f", OTLP traces {receiver.url}"
         session.resume_unfinished()  # what a killed server had accepted
         loop = session.attach_loop().start()
         app = create_app(loop, admin_token=token, max_queue=args.max_queue,
@@ -87,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
         store = "none" if database is None else str(database.path)
         host, port = listener.getsockname()[:2]  # --port 0: the one the system chose
         print(f"tokenflow serve: {config.model} on {engine.runner.device}, "
-              f"http://{host}:{port}, admin API {admin}, store {store}", flush=True)
+              f"http://{host}:{port}, admin API {admin}, store {store}{traces}", flush=True)
         server = uvicorn.Server(uvicorn.Config(app, lifespan="off",
                                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
         if session.writer is not None:  # the journal stopped: stop serving, say why, exit 2

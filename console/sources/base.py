@@ -21,9 +21,17 @@ from engine.errors import EngineError
 from engine.snapshot import Snapshot
 
 if TYPE_CHECKING:  # the store pulls in SQLAlchemy: kept off the launch path
-    from engine.store import CalibrationRecord, ConfigChangeRecord, DriftRecord, SlowQueryRecord
+    from engine.store import (
+        CalibrationRecord,
+        ConfigChangeRecord,
+        DriftRecord,
+        SlowQueryRecord,
+        TracedDriftPoint,
+    )
 
 Progress = Callable[[float, str], None]  # fraction done in [0, 1], what is happening now
+# Why a tokenflow engine offers no traced drift: it calibrates itself (Capability.DRIFT).
+TRACED_DRIFT_WHY = "a tokenflow engine's drift history is its calibration runs"
 
 
 class SourceError(EngineError):
@@ -38,6 +46,9 @@ class Capability(enum.Enum):
     CALIBRATE = "recalibration"  # Calibrating: a token-budget sweep on the engine
     SLOW_QUERIES = "slow queries"  # SlowQueryStore
     DRIFT = "calibration history"  # CalibrationStore: calibration runs and drift events
+    # TracedDrift: another engine's measured/predicted prefill ratio over time, from its
+    # traced requests (the drift history a server tokenflow cannot calibrate has)
+    TRACED_DRIFT = "traced drift history"
     CONFIG_HISTORY = "configuration history"  # ConfigHistory: stored config changes
     # The snapshot's config carries tokenflow's KV watermarks and bandwidth throttles, and they
     # govern the engine (another engine's KV usage is drawn without them).
@@ -129,6 +140,12 @@ class CalibrationStore(Source, Protocol):
     def drift_events(self) -> list[DriftRecord]: ...
 
 
+class TracedDrift(Source, Protocol):
+    def traced_drift(self) -> list[TracedDriftPoint]:
+        """Windowed median measured/predicted prefill ratios, oldest first."""
+        ...
+
+
 class ConfigHistory(Source, Protocol):
     def config_changes(self) -> list[ConfigChangeRecord]: ...
 
@@ -140,6 +157,7 @@ FACETS: dict[type[Source], Capability] = {
     Calibrating: Capability.CALIBRATE,
     SlowQueryStore: Capability.SLOW_QUERIES,
     CalibrationStore: Capability.DRIFT,
+    TracedDrift: Capability.TRACED_DRIFT,
     ConfigHistory: Capability.CONFIG_HISTORY,
     Traffic: Capability.TRAFFIC,
 }

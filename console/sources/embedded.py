@@ -12,7 +12,13 @@ import torch
 from sqlalchemy.orm import Session
 
 from console.errors import UserError
-from console.sources.base import Capabilities, Progress, SourceError
+from console.sources.base import (
+    TRACED_DRIFT_WHY,
+    Capabilities,
+    Capability,
+    Progress,
+    SourceError,
+)
 from engine.budget.calibrate import (
     CalibrationResult,
     apply,
@@ -58,7 +64,7 @@ def default_model(device: str) -> str:
 
 
 class EmbeddedSource:
-    capabilities = Capabilities.everything()
+    capabilities = Capabilities.lacking({Capability.TRACED_DRIFT: TRACED_DRIFT_WHY})
 
     def __init__(self, session: EngineSession) -> None:
         """Over a session with a store, a journal writer and a loop (`start` makes one)."""

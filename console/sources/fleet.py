@@ -28,13 +28,20 @@ from console.sources.base import (
     SlowQueryStore,
     Source,
     SourceError,
+    TracedDrift,
     Tunable,
     facet,
 )
 from console.sources.remote import TIMEOUT_S
 from engine.errors import EngineError
 from engine.snapshot import Snapshot
-from engine.store import CalibrationRecord, ConfigChangeRecord, DriftRecord, SlowQueryRecord
+from engine.store import (
+    CalibrationRecord,
+    ConfigChangeRecord,
+    DriftRecord,
+    SlowQueryRecord,
+    TracedDriftPoint,
+)
 
 POLL_INTERVAL_S = 0.4
 SLOW_WINDOW_S = 60.0  # slow queries per minute: the change in slow_queries_total over this
@@ -208,6 +215,9 @@ class FleetSource:
 
     def drift_events(self) -> list[DriftRecord]:
         return facet(self.active, CalibrationStore).drift_events()
+
+    def traced_drift(self) -> list[TracedDriftPoint]:
+        return facet(self.active, TracedDrift).traced_drift()
 
     def config_changes(self) -> list[ConfigChangeRecord]:
         return facet(self.active, ConfigHistory).config_changes()

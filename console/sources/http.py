@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from console.sources.base import Capabilities, Capability, SourceError
+from console.sources.base import TRACED_DRIFT_WHY, Capabilities, Capability, SourceError
 from console.sources.remote import Remote, RemoteBacked, error_message
 from engine.config import ConfigError
 from engine.serve.auth import TOKEN_ENV
@@ -43,6 +43,7 @@ class HttpSource(RemoteBacked):
             Capability.CONFIG_HISTORY: "the server keeps its configuration history in its own "
                                        "store, which HTTP does not publish",
             Capability.TRAFFIC: "a server's traffic comes from its clients, not the console",
+            Capability.TRACED_DRIFT: TRACED_DRIFT_WHY,
         })
 
     def snapshot(self) -> Snapshot:

@@ -26,7 +26,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-from console.sources.base import Capabilities, Progress, SourceError
+from console.sources.base import (
+    TRACED_DRIFT_WHY,
+    Capabilities,
+    Capability,
+    Progress,
+    SourceError,
+)
 from engine.snapshot import Snapshot
 
 if TYPE_CHECKING:  # the store pulls in SQLAlchemy: kept off the launch path
@@ -40,7 +46,8 @@ CLOSE_TIMEOUT_S = 15.0
 
 
 class ProcessSource:
-    capabilities = Capabilities.everything()  # the child's EmbeddedSource answers every call
+    # the child's EmbeddedSource answers every call
+    capabilities = Capabilities.lacking({Capability.TRACED_DRIFT: TRACED_DRIFT_WHY})
 
     def __init__(self, process: multiprocessing.process.BaseProcess,
                  connection: Connection) -> None:

@@ -77,6 +77,8 @@ class ReplaySource:
         Capability.CALIBRATE: "a recorded session cannot recalibrate; start the console on an "
                               "engine",
         Capability.TRAFFIC: "a recorded session's traffic is what it was",
+        Capability.TRACED_DRIFT: "a recording keeps no traced requests; attach to the traced "
+                                 "server with --otlp-listen",
     })
 
     def __init__(self, path: Path, speed: float = 1.0,

@@ -23,7 +23,7 @@ from engine.snapshot import RequestView, Snapshot
 
 if TYPE_CHECKING:
     from engine.serve.otlp import TraceCollector
-    from engine.store import SlowQueryRecord
+    from engine.store import SlowQueryRecord, TracedDriftPoint
 
 
 class ScrapedSource(RemoteBacked, ABC):
@@ -67,6 +67,9 @@ class ScrapedSource(RemoteBacked, ABC):
         if self.traces is None:
             why_not[Capability.SLOW_QUERIES] = ("budget scores come from request traces: "
                                                 "attach with --otlp-listen")
+        if self.traces is None or self.traces.database is None:
+            why_not[Capability.TRACED_DRIFT] = ("drift history comes from traced requests in "
+                                                "a store: attach with --otlp-listen")
         return Capabilities.lacking(why_not)
 
     def snapshot(self) -> Snapshot:
@@ -116,8 +119,16 @@ class ScrapedSource(RemoteBacked, ABC):
     def traced_requests(self) -> tuple[RequestView, ...]:
         return () if self.traces is None else self.traces.request_views(self.trace_source)
 
+    def score_estimate(self) -> str:
+        """What traced budget scores divide by, for the Requests pane to say."""
+        estimate = None if self.traces is None else self.traces.estimate
+        return "" if estimate is None else estimate.name
+
     def traced_slow_total(self) -> int:
         return 0 if self.traces is None else self.traces.slow_total(self.trace_source)
+
+    def traced_drift(self) -> list[TracedDriftPoint]:
+        return [] if self.traces is None else self.traces.drift(self.trace_source)
 
     def slow_queries(self, limit: int = 500) -> list[SlowQueryRecord]:
         return [] if self.traces is None else self.traces.slow_queries(self.trace_source, limit)

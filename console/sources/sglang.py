@@ -47,7 +47,7 @@ class SglangMetricsSource(ScrapedSource):
             # SGLang counts no engine steps; its token counters move whenever it works, so the
             # console's history (one sample per step) samples while it does.
             step=int(count(PROMPT) + count(GENERATED)),
-            requests=self.traced_requests(),
+            requests=self.traced_requests(), score_estimate=self.score_estimate(),
             num_running=int(count("sglang:num_running_reqs")),
             num_waiting=int(count("sglang:num_queue_reqs")),
             kv_usage=usage,

@@ -56,7 +56,7 @@ class VllmMetricsSource(ScrapedSource):
             ts=now, model=self.model, device=self.remote.url, mode=MODE,
             mode_reason="read-only view of a vLLM server's /metrics",
             step=int(count(f"{STEP_TOKENS}_count")),
-            requests=self.traced_requests(),
+            requests=self.traced_requests(), score_estimate=self.score_estimate(),
             num_running=int(count("vllm:num_requests_running")),
             num_waiting=int(count("vllm:num_requests_waiting")),
             kv_usage=usage, kv_blocks_total=blocks, kv_blocks_used=round(usage * blocks),

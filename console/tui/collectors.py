@@ -19,7 +19,13 @@ from console.sources.replay import SessionRecorder
 from engine.config import ConfigError
 from engine.errors import EngineError
 from engine.snapshot import Snapshot
-from engine.store import CalibrationRecord, ConfigChangeRecord, DriftRecord, SlowQueryRecord
+from engine.store import (
+    CalibrationRecord,
+    ConfigChangeRecord,
+    DriftRecord,
+    SlowQueryRecord,
+    TracedDriftPoint,
+)
 
 
 class SnapshotPolled(Message):
@@ -45,6 +51,12 @@ class DriftLoaded(Message):
         super().__init__()
         self.calibrations = calibrations
         self.events = events
+
+
+class TracedDriftLoaded(Message):
+    def __init__(self, points: list[TracedDriftPoint]) -> None:
+        super().__init__()
+        self.points = points
 
 
 class ConfigChangesLoaded(Message):

@@ -22,6 +22,7 @@ from console.sources.base import (
     Pausable,
     SlowQueryStore,
     Source,
+    TracedDrift,
     Traffic,
     Tunable,
     facet,
@@ -32,6 +33,7 @@ from console.tui.collectors import (
     ConfigChangesLoaded,
     DriftLoaded,
     SlowQueriesLoaded,
+    TracedDriftLoaded,
     apply_config_in_worker,
     load_in_worker,
     recalibrate_in_worker,
@@ -138,11 +140,16 @@ class ConsoleState:
         return refusal
 
     def load_drift(self, node: DOMNode) -> str | None:
+        """The calibration history, or for a traced server its traced drift history."""
         refusal = self.refusal(Capability.DRIFT)
         if refusal is None:
             store = facet(self.source, CalibrationStore)
             load_in_worker(node, lambda: DriftLoaded(store.calibration_history(),
                                                      store.drift_events()))
+        elif self.refusal(Capability.TRACED_DRIFT) is None:
+            traced = facet(self.source, TracedDrift)
+            load_in_worker(node, lambda: TracedDriftLoaded(traced.traced_drift()))
+            return None
         return refusal
 
     def load_config_changes(self, node: DOMNode) -> str | None:

@@ -4,16 +4,19 @@ vLLM (started with --otlp-traces-endpoint and OTEL_EXPORTER_OTLP_TRACES_PROTOCOL
 http/protobuf) sends one `llm_request` span per finished request, holding its queue, TTFT,
 prefill and decode times, token counts and request id. Bodies are decoded with the
 OpenTelemetry protobufs. Each request gets a budget_score: its measured prefill time over
-the prefill time the roofline predicts for that prompt on the named GPU (an estimate, and
-labelled so). Requests and slow queries land in the store with their source recorded.
+the prefill time predicted for that prompt on that GPU, by the calibration stored for that
+model and GPU when there is one, else by the roofline; each score names its estimate.
+Requests and slow queries land in the store with their source recorded.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
@@ -28,10 +31,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from engine.budget.cost_model import BudgetModel
 from engine.budget.roofline import StepShape
 from engine.snapshot import RequestView
-from engine.store import Database, SlowQueryRecord
+from engine.store import Database, SlowQueryRecord, TracedDriftPoint, traced_drift
 from engine.store.models import SlowQueryRow, TracedRequestRow
 
 REQUEST_SPAN = "llm_request"  # vLLM's span per request; start-up spans carry other names
@@ -51,6 +53,19 @@ ATTR_E2E = "gen_ai.latency.e2e"
 
 
 @dataclass(frozen=True)
+class PrefillEstimate:
+    """What a traced prefill should take on the traced GPU, and which estimate says so."""
+
+    predict: Callable[[StepShape], float]  # seconds for a step of that shape
+    name: str  # "roofline" or "calibration ID": stored with every score
+    detail: str  # in words: whose roofline or calibration, on which GPU
+
+    @property
+    def label(self) -> str:
+        return f"budget_score = measured prefill / {self.name} estimate ({self.detail})"
+
+
+@dataclass(frozen=True)
 class TracedRequest:
     source: str  # the span's service.name (OTEL_SERVICE_NAME on the server)
     request_id: str
@@ -62,8 +77,9 @@ class TracedRequest:
     prefill_s: float | None
     decode_s: float | None
     e2e_s: float | None
-    predicted_prefill_s: float | None = None  # roofline estimate; None without a model shape
+    predicted_prefill_s: float | None = None  # None without a model shape
     budget_score: float | None = None
+    estimate: str | None = None  # PrefillEstimate.name of the prediction
 
     def view(self) -> RequestView:
         """A finished row of the Requests table (a span arrives when its request is done)."""
@@ -74,7 +90,8 @@ class TracedRequest:
         tpot = (self.decode_s / decode_tokens
                 if self.decode_s is not None and decode_tokens else None)
         return RequestView(
-            id=self.request_id, tenant=self.source, state="FINISHED", reason="traced",
+            id=self.request_id, tenant=self.source, state="FINISHED",
+            reason="traced" if self.estimate is None else f"traced; vs {self.estimate} estimate",
             prompt_tokens=self.prompt_tokens, prefilled_tokens=self.prompt_tokens,
             chunks_done=1, chunks_total=1, generated_tokens=self.completion_tokens,
             ttft_ms=ms(self.ttft_s), tpot_ms=ms(tpot), budget_score=self.budget_score,
@@ -126,13 +143,13 @@ def _value(value: AnyValue) -> object:
 class TraceCollector:
     """Scores and keeps traced requests; safe to feed from the HTTP thread and read elsewhere.
 
-    `model` (a BudgetModel of the served model's shape on the named GPU) predicts each
-    prefill; without it budget scores stay empty and say why.
+    `estimate` predicts each prefill; without it budget scores stay empty and say why.
     """
 
-    def __init__(self, model: BudgetModel | None = None, database: Database | None = None,
+    def __init__(self, estimate: PrefillEstimate | None = None,
+                 database: Database | None = None,
                  slow_threshold: float = SLOW_THRESHOLD, keep: int = KEEP) -> None:
-        self.model = model
+        self.estimate = estimate
         self.database = database
         self.slow_threshold = slow_threshold
         self.recent: deque[TracedRequest] = deque(maxlen=keep)
@@ -143,10 +160,9 @@ class TraceCollector:
 
     @property
     def score_label(self) -> str:
-        if self.model is None:
+        if self.estimate is None:
             return "no budget_score: give the model's shape (--roofline-model) and --gpu"
-        return (f"budget_score = measured prefill / roofline estimate on "
-                f"{self.model.peaks.name} ({self.model.peaks.source})")
+        return self.estimate.label
 
     def ingest(self, body: bytes) -> list[TracedRequest]:
         """Decode, score and keep one export; returns the traced requests it held."""
@@ -165,11 +181,12 @@ class TraceCollector:
         return scored
 
     def score(self, traced: TracedRequest) -> TracedRequest:
-        if self.model is None or traced.prefill_s is None or traced.prompt_tokens <= 0:
+        if self.estimate is None or traced.prefill_s is None or traced.prompt_tokens <= 0:
             return traced
-        predicted = self.model.predict(StepShape(prefill=((traced.prompt_tokens, 0),)))
-        return TracedRequest(**{**traced.__dict__, "predicted_prefill_s": predicted,
-                                "budget_score": traced.prefill_s / predicted})
+        predicted = self.estimate.predict(StepShape(prefill=((traced.prompt_tokens, 0),)))
+        return dataclasses.replace(traced, predicted_prefill_s=predicted,
+                                   budget_score=traced.prefill_s / predicted,
+                                   estimate=self.estimate.name)
 
     def wait_for(self, count: int, timeout: float | None = None) -> bool:
         """Block until `count` traced requests have arrived in all (for tests and tools)."""
@@ -197,6 +214,14 @@ class TraceCollector:
         query = query.order_by(SlowQueryRow.created_at.desc()).limit(limit)
         with self.database.session() as session:
             return [SlowQueryRecord.from_row(row) for row in session.scalars(query)]
+
+    def drift(self, source: str | None = None) -> list[TracedDriftPoint]:
+        """Measured/predicted prefill ratio over time from the stored traced requests (of one
+        source, or all), oldest first; none without a store."""
+        if self.database is None:
+            return []
+        with self.database.session() as session:
+            return traced_drift(session, source=source)
 
     def _store(self, scored: list[TracedRequest], slow: list[TracedRequest],
                now: float) -> None:

@@ -36,6 +36,7 @@ from engine.store.slow_queries import (
     get_slow_query,
     list_slow_queries,
 )
+from engine.store.traced import TracedDriftPoint, traced_drift
 from engine.store.writer import Commit, SkippedRow, StoreWriter
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "StoreError",
     "StoreLockedError",
     "StoreWriter",
+    "TracedDriftPoint",
     "apply_retention",
     "calibration_history",
     "claim_for_resume",
@@ -72,6 +74,7 @@ __all__ = [
     "quarantined_requests",
     "release_quarantine",
     "save_calibration",
+    "traced_drift",
     "unfinished_requests",
     "upgrade_database",
 ]

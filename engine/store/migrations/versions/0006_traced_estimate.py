@@ -1,0 +1,27 @@
+"""Each traced request names the estimate its budget_score divides by: "roofline" or
+"calibration ID" (issue 19), so drift history never mixes the two.
+
+Revision ID: 0006
+Revises: 0005
+Create Date: 2026-11-30
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0006"
+down_revision = "0005"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("traced_requests") as batch:
+        batch.add_column(sa.Column("estimate", sa.String(64)))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("traced_requests") as batch:
+        batch.drop_column("estimate")
