@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import pytest
 
 from console.cli.main import main
+from console.cli.report import cdf_figure
 
 
 def test_bench_json_runs_every_configuration_and_writes_a_report(
@@ -31,9 +33,37 @@ def test_bench_json_runs_every_configuration_and_writes_a_report(
     assert report["runs"]["unchunked"]["config"]["chunked_prefill"] is False
     assert report["runs"]["auto"]["config"]["auto_budget"] is True
     assert report["runs"]["chunked"]["prefill_mfu"] > 0
-    for name in ("report.md", "ttft_cdf.png", "tpot_cdf.png", "predicted_vs_measured.png",
-                 "capacity.png"):
+    for name in ("report.md", "ttft_cdf.png", "tpot_cdf.png", "itl_cdf.png",
+                 "predicted_vs_measured.png", "capacity.png"):
         assert (tmp_path / name).stat().st_size > 0
+    slo = report["slo"]
+    assert 0 < slo["ttft_ms"]["min"] <= slo["ttft_ms"]["max"]
+    markdown = (tmp_path / "report.md").read_text()
+    assert "ITL p50 ms | ITL p99 ms" in markdown and "![itl_cdf.png](itl_cdf.png)" in markdown
+    assert f"TPOT and ITL ≤ {slo['tpot_ms']:.1f} ms" in markdown
+    assert f"scheduling delay ≤ {slo['scheduling_delay_ms']:.1f} ms" in markdown
+    assert "for the shortest prompt" in markdown and "for the longest" in markdown
+    run = report["runs"]["chunked"]
+    assert f"| {run['itl_ms']['p50']:.1f} | {run['itl_ms']['p99']:.1f} |" in markdown
+
+
+@pytest.mark.parametrize("values", [[0.4, 0.9, 3.0, 12.0, 80.0, 2500.0, 40_000.0],
+                                    [11.0, 12.5, 14.0, 19.0], [150.0, 900.0, 1800.0]])
+def test_report_cdf_has_few_readable_log_ticks_and_labelled_slo_lines(
+        values: list[float]) -> None:
+    figure, axes = cdf_figure("TTFT", {"chunked": values}, [(20.0, "TTFT SLO 20 ms")])
+    figure.canvas.draw()
+    low, high = axes.get_xlim()
+    labels = [t for t in axes.get_xticklabels()
+              if t.get_text() and low <= t.get_position()[0] <= high]
+    assert 2 <= len(labels) <= 8
+    assert all(t.get_text().endswith((" ms", " s")) for t in labels)  # in a unit, not 10^x
+    boxes = sorted((t.get_window_extent() for t in labels), key=lambda box: box.x0)
+    assert all(a.x1 < b.x0 for a, b in itertools.pairwise(boxes))  # none overlaps the next
+    assert not [t for t in axes.xaxis.get_minorticklabels() if t.get_text()]
+    [slo] = [line for line in axes.get_lines() if line.get_label() == "TTFT SLO 20 ms"]
+    assert list(slo.get_xdata()) == [20.0, 20.0]
+    assert "TTFT SLO 20 ms" in axes.get_legend_handles_labels()[1]
 
 
 def test_bench_rejects_an_unknown_configuration(capsys: pytest.CaptureFixture[str]) -> None:

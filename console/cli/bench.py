@@ -53,7 +53,7 @@ from engine.sim.executor import VirtualClock, simulated_engine
 from engine.sim.fleet import FleetResult, run_fleet
 from engine.sim.router import RoutePolicy
 from engine.sim.target import SimTarget, resolve_target
-from engine.stats import quantile
+from engine.stats import ms, quantile
 from engine.store import open_database
 
 PROBE_KV_BYTES = 1 << 30  # on CUDA: a decode step of 8 x 128 tokens, even on a 7B model
@@ -135,7 +135,7 @@ def bench(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "workload": {"spec": args.workload, **describe(workload).to_dict()},
         "machine": _machine(probe),
-        "slo": slo.to_dict(),
+        "slo": {**slo.to_dict(), "ttft_ms": _ttft_slo_ms(workload, slo, prefill_s)},
         "calibrated": calibration is not None,  # step predictions from `tokenflow calibrate`
         "runs": {},
     }
@@ -231,6 +231,14 @@ def _run(name: str, config: EngineConfig, workload: list[WorkloadRequest],
         return drive(engine, workload, on_output=progress.on_output)
     finally:
         progress.close()
+
+
+def _ttft_slo_ms(workload: list[WorkloadRequest], slo: SLO,
+                 prefill_s: Callable[[int], float]) -> dict[str, float | None]:
+    """The TTFT SLOs of the shortest and the longest prompt: each request has its own."""
+    lengths = [len(w.prompt_token_ids) for w in workload]
+    return {"min": ms(slo.ttft_s(prefill_s(min(lengths)))),
+            "max": ms(slo.ttft_s(prefill_s(max(lengths))))}
 
 
 def _run_report(name: str, config: EngineConfig, result: RunResult, probe: Engine, slo: SLO,

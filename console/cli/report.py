@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -9,19 +10,25 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from engine.harness.driver import RunResult
 
 
 def write_report(directory: Path, report: dict[str, Any], results: dict[str, RunResult]) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
+    slo, tpot = report["slo"], report["slo"]["tpot_ms"]
     plots = [
-        _cdf(directory / "ttft_cdf.png", "TTFT (ms)",
+        _cdf(directory / "ttft_cdf.png", "TTFT",
              {n: [r.ttft_s * 1e3 for r in res.records.values() if r.ttft_s is not None]
-              for n, res in results.items()}),
-        _cdf(directory / "tpot_cdf.png", "TPOT (ms)",
+              for n, res in results.items()}, _ttft_lines(slo)),
+        _cdf(directory / "tpot_cdf.png", "TPOT",
              {n: [r.tpot_s * 1e3 for r in res.records.values() if r.tpot_s is not None]
-              for n, res in results.items()}),
+              for n, res in results.items()}, [(tpot, f"TPOT SLO {_ms(tpot)}")]),
+        # every gap between two tokens, held to the same SLO as TPOT (Sarathi-Serve's TBT)
+        _cdf(directory / "itl_cdf.png", "ITL",
+             {n: [gap * 1e3 for r in res.records.values() for gap in r.inter_token_s()]
+              for n, res in results.items()}, [(tpot, f"ITL SLO {_ms(tpot)}")]),
         _predicted_vs_measured(directory / "predicted_vs_measured.png", results),
     ]
     if "capacity" in report:
@@ -31,17 +38,50 @@ def write_report(directory: Path, report: dict[str, Any], results: dict[str, Run
     return path
 
 
-def _cdf(path: Path, label: str, series: dict[str, list[float]]) -> Path:
+def _ttft_lines(slo: dict[str, Any]) -> list[tuple[float, str]]:
+    """Each request's TTFT SLO is its own prefill plus the delay: the shortest and longest."""
+    low, high = slo["ttft_ms"]["min"], slo["ttft_ms"]["max"]
+    if _ms(low) == _ms(high):
+        return [(low, f"TTFT SLO {_ms(low)}")]
+    return [(low, f"TTFT SLO, shortest prompt {_ms(low)}"),
+            (high, f"TTFT SLO, longest prompt {_ms(high)}")]
+
+
+def _cdf(path: Path, name: str, series: dict[str, list[float]],
+         slos: list[tuple[float, str]]) -> Path:
+    figure, axes = cdf_figure(name, series, slos)
+    return _save(figure, axes, path)
+
+
+def cdf_figure(name: str, series: dict[str, list[float]],
+               slos: list[tuple[float, str]]) -> tuple[plt.Figure, plt.Axes]:
+    """The share of samples at or below each latency (ms), on a log axis labelled in ms and s,
+    with each SLO a labelled dashed line."""
     figure, axes = plt.subplots(figsize=(6, 4))
-    for name, values in series.items():
+    for label, values in series.items():
         if values:
             ordered = sorted(values)
-            axes.step(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))], label=name,
-                      where="post")
-    axes.set_xlabel(label)
-    axes.set_ylabel("share of requests")
+            axes.step(ordered, [(i + 1) / len(ordered) for i in range(len(ordered))],
+                      label=label, where="post")
+    for (value, label), style in zip(slos, ("--", ":"), strict=False):  # at most two
+        axes.axvline(value, color="black", linestyle=style, linewidth=1.2, label=label)
+    axes.set_xlabel(f"{name} (log scale)")
+    axes.set_ylabel("share of requests" if name != "ITL" else "share of token gaps")
     axes.set_xscale("log")
-    return _save(figure, axes, path)
+    _readable_log_axis(axes)
+    return figure, axes
+
+
+def _readable_log_axis(axes: plt.Axes) -> None:
+    """Few major ticks, each labelled in ms or s; minor ticks unlabelled. Matplotlib's default
+    labels minor ticks too on a short log range, and those labels overlap."""
+    low, high = axes.get_xlim()
+    decades = math.log10(high / low)
+    # 1-2-3-5 ticks within a decade, 1-2-5 within two, one a decade on a longer range
+    subs = (1.0, 2.0, 3.0, 5.0) if decades <= 1 else (1.0, 2.0, 5.0) if decades <= 2 else (1.0,)
+    axes.xaxis.set_major_locator(LogLocator(base=10, subs=subs, numticks=7))
+    axes.xaxis.set_major_formatter(FuncFormatter(lambda value, _: _ms(value)))
+    axes.xaxis.set_minor_formatter(NullFormatter())
 
 
 def _save(figure: plt.Figure, axes: plt.Axes, path: Path) -> Path:
@@ -87,19 +127,23 @@ def _markdown(report: dict[str, Any], images: list[str]) -> str:
         f"{machine['dtype']}); measured peaks {machine['peak_flops'] / 1e9:.1f} GFLOP/s and "
         f"{machine['peak_bandwidth'] / 1e9:.1f} GB/s.",
         "",
-        f"SLOs: TPOT ≤ {slo['tpot_ms']:.1f} ms, scheduling delay ≤ "
+        f"SLOs: TPOT and ITL ≤ {slo['tpot_ms']:.1f} ms, scheduling delay ≤ "
         f"{slo['scheduling_delay_ms']:.1f} ms (5× and 25× one decode step of "
-        f"{slo['decode_step_ms']:.1f} ms); TTFT ≤ a request's own prefill time + the delay.",
+        f"{slo['decode_step_ms']:.1f} ms); TTFT ≤ a request's own prefill time + the delay: "
+        f"{_ms(slo['ttft_ms']['min'])} for the shortest prompt, "
+        f"{_ms(slo['ttft_ms']['max'])} for the longest. ITL is every gap between two tokens, "
+        "TPOT a request's mean.",
         "",
         "| config | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | "
-        "goodput | prefill MFU | decode MBU | step error (median) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "ITL p50 ms | ITL p99 ms | goodput | prefill MFU | decode MBU | step error (median) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, r in report["runs"].items():
         lines.append(
             f"| {name} | {r['output_tok_s']:.1f} | {_f(r['ttft_ms']['p50'])} | "
             f"{_f(r['ttft_ms']['p99'])} | {_f(r['tpot_ms']['p50'])} | {_f(r['tpot_ms']['p99'])} "
-            f"| {r['goodput']:.2f} | {_pct(r['prefill_mfu'])} | {_pct(r['decode_mbu'])} | "
+            f"| {_f(r['itl_ms']['p50'])} | {_f(r['itl_ms']['p99'])} | {r['goodput']:.2f} | "
+            f"{_pct(r['prefill_mfu'])} | {_pct(r['decode_mbu'])} | "
             f"{_pct(r['prediction_error']['median_abs'])} |")
     if "capacity" in report:
         lines += ["", "| config | capacity (requests/s) | held to |", "| --- | --- | --- |"]
@@ -115,3 +159,8 @@ def _f(value: float | None) -> str:
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
+
+
+def _ms(value: float) -> str:
+    """A latency in ms as a tick or SLO label: in ms below a second, in s above."""
+    return f"{value:.3g} ms" if value < 1000 else f"{value / 1000:.3g} s"

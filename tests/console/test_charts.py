@@ -42,11 +42,26 @@ async def test_a_chart_has_a_legend_a_time_axis_labelled_lines_and_change_marks(
     plot.show((TTFT,), lines=(Line(1500.0, "SLO 1.5 s", "red"),), marks=(60.0,))
     text = await drawn(plot, (60, 12))
     rows = text.splitlines()
-    assert rows[0].startswith("━ TTFT p99") and "╌ SLO 1.5 s" in rows[0] and "┊ change" in rows[0]
-    assert rows[-1].strip().startswith("└-2m") and rows[-1].rstrip().endswith("now")
-    assert any(row.rstrip().endswith("SLO 1.5 s") for row in rows[1:-1])  # the line, labelled
+    assert rows[0].startswith("━ TTFT p99") and "┈ SLO 1.5 s" in rows[0] and "┊ change" in rows[0]
+    assert len(rows) == 12 and all(len(row) <= 60 for row in rows)  # the pane's own size
+    assert rows[-2].strip().startswith("└")  # the time axis, its ticks below
+    assert rows[-1].strip().startswith("-2m") and "-60s" in rows[-1]
+    assert rows[-1].rstrip().endswith("now")
+    canvas = rows[1:-2]
+    assert any(row.rstrip().endswith("SLO 1.5 s") for row in canvas)  # the line, labelled
+    assert any("┈" in row for row in canvas)  # drawn across
     assert "1.7 s┤" in text and "0 ms┤" in text  # the y axis in the series' unit
-    assert sum("┊" in row for row in rows[1:-1]) >= 3  # the change, down the chart
+    assert sum("┊" in row for row in canvas) >= 3  # the change, down the chart
+    assert any(set(row) & {chr(c) for c in range(0x2801, 0x2900)} for row in canvas)  # braille
+
+
+async def test_a_chart_without_times_plots_by_position_with_no_time_axis() -> None:
+    plot = Plot()
+    plot.show((Series("prefill ms/1k tok", tuple(float(i % 5) for i in range(40))),))
+    rows = (await drawn(plot, (50, 10))).splitlines()
+    assert rows[0].startswith("━ prefill ms/1k tok") and "change" not in rows[0]
+    assert rows[-1].strip().startswith("└") and not any(c.isalnum() for c in rows[-1])
+    assert "4.4┤" in rows[1]  # the highest point with headroom, on the top row
 
 
 async def test_a_short_pane_gets_sparklines_with_their_values() -> None:

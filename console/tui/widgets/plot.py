@@ -1,25 +1,34 @@
-"""A time chart drawn in braille at the widget's own size: a legend, a y axis in the series'
-unit, a time axis, labelled reference lines (SLOs, watermarks) and a mark at each applied
-change. Shorter than SPARK_ROWS rows it becomes one sparkline per series, with its value.
+"""A time chart drawn by plotext, in braille, at the widget's own size: a y axis in the
+series' unit, a time axis, labelled reference lines (SLOs, watermarks) and a mark at each
+applied change, under a one-row legend. Shorter than SPARK_ROWS rows it becomes one sparkline
+per series, with its value.
+
+Two parts stay our own, small: the legend, because plotext's is a box drawn over the canvas,
+which hides most of a 12-row pane; and the sparklines, because plotext draws no chart without
+its frame, and a 1-row braille line has 4 levels where block characters have 8.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from rich.text import Text
+import plotext as plt
+from plotext._kernel.terminal import terminal as Terminal
+from rich.color import Color
+from rich.style import Style
+from rich.text import Span, Text
 from textual.widget import Widget
 
 from console.tui.history import downsample
 
-SPARK_ROWS = 5  # below this a chart has no room for its axes: sparklines instead
+SPARK_ROWS = 6  # below this a chart has no room for its legend, axis and ticks: sparklines
 SPARKS = " ▁▂▃▄▅▆▇█"
 PALETTE = ("cyan", "bright_blue", "green", "bright_magenta")
 MARK_STYLE = "magenta"
 SPANS_S = (30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)  # a time axis rounds up to one
-# braille dot bits by (column in the cell, row in the cell)
-DOTS = ((0x01, 0x02, 0x04, 0x40), (0x08, 0x10, 0x20, 0x80))
+DIM = plt.pixel(foreground=Color.parse("bright_black").number)  # the frame and its ticks
 
 Unit = Callable[[float], str]
 
@@ -54,6 +63,12 @@ def duration(seconds: float) -> str:
         return f"{seconds}s"
     minutes, rest = divmod(seconds, 60)
     return f"{minutes}m{rest}s" if rest else f"{minutes}m"
+
+
+def _pixel(color: str, bold: bool = False) -> plt.pixel:
+    """A Rich colour name as a plotext pixel: the same ANSI number, so the theme maps both."""
+    number = Color.parse(color).number
+    return plt.pixel(foreground=number, style="bold" if bold else None)
 
 
 @dataclass(frozen=True)
@@ -159,103 +174,65 @@ class Plot(Widget):
 
     def _chart(self, width: int, height: int) -> Text:
         low, high = self._range()
-        labels = [self._unit(high), self._unit((low + high) / 2), self._unit(low)]
-        label_width = max(len(label) for label in labels)
-        plot_width = width - label_width - 1
         timed = any(s.times for s in self._series)
-        rows = height - 1 - (1 if timed else 0)  # the legend above, the time axis below
+        rows = height - 1 - (2 if timed else 1)  # the legend above; the x axis (and its ticks)
+        shares = (1.0, 0.5, 0.0) if rows >= 5 else (1.0, 0.0)
+        ticks = [low + (high - low) * share for share in shares]
+        labels = [self._unit(tick) for tick in ticks]
+        dots = (width - max(len(label) for label in labels) - 1) * 2  # braille: 2 dots a cell
         newest = max((s.times[-1] for s in self._series if s.times), default=0.0)
         now = self._now if self._now is not None else newest
         oldest = min((s.times[0] for s in self._series if s.times), default=now)
         span = next((s for s in SPANS_S if s >= now - oldest), SPANS_S[-1])
-        dots_x, dots_y = plot_width * 2, rows * 4
 
-        def x_of(position: float) -> int:  # position in [0, 1] along the time axis
-            return max(0, min(dots_x - 1, round(position * (dots_x - 1))))
-
-        def y_of(value: float) -> int:  # dot row from the top
-            share = (value - low) / (high - low)
-            return dots_y - 1 - max(0, min(dots_y - 1, round(share * (dots_y - 1))))
-
-        cells: dict[tuple[int, int], tuple[int, str]] = {}
+        figure = Terminal()._master  # its own figure: plotext's plt.figure is one global
+        figure.theme("simple").canvas("default").legend(False).plot_size(width, height - 1)
+        figure.axes(True, pixel=DIM).axes(False, axis=[0, 1], side=1)  # left and lower only
+        figure.ruler("y").lim(low, high).ticks(ticks, labels)
+        figure.ruler(["x", "y"]).pixel(DIM)
         for series, color in zip(self._series, self._colors(), strict=True):
-            columns: dict[int, float] = {}  # each dot column's highest value: spikes survive
-            if series.times:
-                for ts, value in zip(series.times, series.values, strict=True):
-                    if ts >= now - span:
-                        x = x_of((ts - (now - span)) / span)
-                        columns[x] = max(columns.get(x, value), value)
-            else:
-                points = downsample(list(series.values), dots_x)
-                for i, value in enumerate(points):
-                    columns[x_of(i / max(len(points) - 1, 1))] = value
-            previous: tuple[int, int] | None = None
-            for x in sorted(columns):
-                y = y_of(columns[x])
-                start_x, start_y = previous if previous is not None else (x, y)
-                last = start_y
-                # joined to the last point, column by column: a line, not dots
-                for step_x in range(start_x + (x > start_x), x + 1):
-                    here = round(start_y + (y - start_y) * (step_x - start_x)
-                                 / max(x - start_x, 1))
-                    for dot in range(min(here, last), max(here, last) + 1):
-                        cell = (dot // 4, step_x // 2)
-                        bits = cells.get(cell, (0, color))[0] | DOTS[step_x % 2][dot % 4]
-                        cells[cell] = (bits, color)
-                    last = here
-                previous = (x, y)
-
-        grid: list[list[tuple[str, str]]] = [
-            [(chr(0x2800 + cells[(r, c)][0]), cells[(r, c)][1]) if (r, c) in cells else (" ", "")
-             for c in range(plot_width)] for r in range(rows)]
-        tags: dict[int, list[Line]] = {}  # lines that share a row share one label
-        for line in self._lines:
-            row = y_of(line.value) // 4
-            tags.setdefault(row, []).append(line)
-            for c in range(plot_width):
-                if grid[row][c][0] == " ":
-                    grid[row][c] = ("╌", line.color)
-        for row, shared in tags.items():
-            tag = (" " + " · ".join(line.label for line in shared))[: plot_width]
-            for i, char in enumerate(tag):
-                grid[row][plot_width - len(tag) + i] = (char, f"bold {shared[-1].color}")
+            xs, ys = _columns(series, dots, now, span)
+            figure.draw(figure.signal(xs, ys, marker=plt.marker("braille", _pixel(color))).lines())
         if timed:
+            figure.ruler("x").lim(-span, 0.0).ticks(
+                [-span, -span / 2, 0.0], [f"-{duration(span)}", f"-{duration(span / 2)}", "now"])
             for mark in self._marks:
                 if now - span <= mark <= now:
-                    column = x_of((mark - (now - span)) / span) // 2
-                    for r in range(rows):
-                        if grid[r][column][0] == " ":
-                            grid[r][column] = ("┊", MARK_STYLE)
+                    figure.line(mark - now, 1, pixel=_pixel(MARK_STYLE), style="dotted")
+        else:
+            figure.ruler("x").lim(0, max(dots - 1, 1)).ticks([])
+        right = 0.0 if timed else max(dots - 1, 1)
+        for value, shared in self._rows_of_lines(low, high, rows):
+            for line in shared:
+                figure.line(line.value, 0, pixel=_pixel(line.color), style="dotted")
+            tag = plt.colorize(" " + " · ".join(line.label for line in shared),
+                               _pixel(shared[-1].color, bold=True))
+            figure.draw(figure.text(right, value, tag, alignment="right"))
 
         text = Text(no_wrap=True, overflow="crop", end="")
         self._legend(text, width)
-        label_rows = {0: labels[0], rows - 1: labels[2]}
-        if rows >= 5:
-            label_rows[(rows - 1) // 2] = self._unit(low + (high - low) * (
-                1 - ((rows - 1) // 2) / (rows - 1)))
-        for r in range(rows):
-            text.append("\n")
-            label = label_rows.get(r, "")
-            text.append(label.rjust(label_width), style="dim")
-            text.append("┤" if label else "│", style="dim")
-            for char, style in grid[r]:
-                text.append(char, style=style)
-        if timed:
-            text.append("\n")
-            text.append(" " * label_width + "└", style="dim")
-            axis = [" "] * plot_width
-            for position, tick in ((0.0, f"-{duration(span)}"), (0.5, f"-{duration(span / 2)}"),
-                                   (1.0, "now")):
-                start = min(max(0, round(position * (plot_width - 1)) - len(tick) // 2),
-                            plot_width - len(tick))
-                axis[start:start + len(tick)] = tick
-            text.append("".join(axis), style="dim")
+        text.append("\n")
+        chart = Text.from_ansi(figure.build().string(), no_wrap=True, end="")
+        # plotext paints a line's cells on a white ground and has no "terminal default" one:
+        # only the foreground and weight are kept, so the chart sits on the theme's background
+        chart.spans = [Span(s.start, s.end, Style(color=s.style.color, bold=s.style.bold,
+                                                  dim=s.style.dim))
+                       for s in chart.spans if isinstance(s.style, Style)]
+        text.append_text(chart)
         return text
+
+    def _rows_of_lines(self, low: float, high: float,
+                       rows: int) -> list[tuple[float, list[Line]]]:
+        """The reference lines grouped by the chart row they fall on: one label per row."""
+        tags: dict[int, list[Line]] = {}
+        for line in self._lines:
+            tags.setdefault(round((line.value - low) / (high - low) * (rows - 1)), []).append(line)
+        return [(shared[0].value, shared) for shared in tags.values()]
 
     def _legend(self, text: Text, width: int) -> None:
         entries: list[tuple[str, str]] = [
             (f"━ {s.label}", color) for s, color in zip(self._series, self._colors(), strict=True)]
-        entries += [(f"╌ {line.label}", line.color) for line in self._lines]
+        entries += [(f"┈ {line.label}", line.color) for line in self._lines]
         if self._marks and any(s.times for s in self._series):
             entries.append(("┊ change", MARK_STYLE))
         used = 0
@@ -265,3 +242,21 @@ class Plot(Widget):
             text.append(entry, style=style)
             text.append("  ")
             used += len(entry) + 2
+
+
+def _columns(series: Series, dots: int, now: float,
+             span: float) -> tuple[list[float], list[float]]:
+    """The series at most one point per braille dot column, each the highest value that falls in
+    it (spikes survive, and plotext draws `dots` points, not thousands). Timed series sit at
+    their age before `now` within `span`; others at their position, across `dots` columns."""
+    if not series.times:
+        points = downsample(list(series.values), dots)
+        step = (dots - 1) / max(len(points) - 1, 1)
+        return [i * step for i in range(len(points))], points
+    columns: dict[int, float] = {}
+    first = bisect_left(series.times, now - span)  # snapshot times only grow
+    for ts, value in zip(series.times[first:], series.values[first:], strict=True):
+        x = round((ts - now + span) / span * (dots - 1))
+        columns[x] = max(columns.get(x, value), value)
+    xs = sorted(columns)
+    return [x * span / (dots - 1) - span for x in xs], [columns[x] for x in xs]
