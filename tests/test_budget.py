@@ -184,6 +184,21 @@ def test_sliding_window_layers_are_priced_by_their_window() -> None:
     assert at == past
 
 
+def test_the_roofline_reads_at_most_the_window_on_windowed_layers() -> None:
+    half = dataclasses.replace(SEED, sliding_window=1024, windowed_share=0.5)
+    assert half.kv_read_tokens(512) == SEED.kv_read_tokens(512) == 512
+    assert half.kv_read_tokens(4096) == 0.5 * 4096 + 0.5 * 1024
+    assert half.balance_chunk(32, 512) == SEED.balance_chunk(32, 512)
+    assert half.balance_chunk(32, 4096) < SEED.balance_chunk(32, 4096)
+    assert half.decode_intensity(32, 4096) > SEED.decode_intensity(32, 4096)
+    gemma = BudgetModel(preset("gemma2-small"), bytes_per_element=2, peaks=PEAKS).roofline()
+    assert (gemma.sliding_window, gemma.windowed_share) == (256, 0.5)
+    with pytest.raises(ConfigError, match="sliding_window"):
+        dataclasses.replace(SEED, windowed_share=0.5)
+    with pytest.raises(ConfigError, match="windowed_share"):
+        dataclasses.replace(SEED, sliding_window=8, windowed_share=1.5)
+
+
 def test_prefill_time_grows_with_context() -> None:
     model = _model()
     times = [model.predict(StepShape(prefill=((512, before),))) for before in (0, 4096, 32768)]

@@ -80,9 +80,8 @@ class BudgetModel:
         }
         for name, value in derived.items():
             object.__setattr__(self, name, float(value))
-        windowed = sum(1 for layer in range(c.num_layers) if c.window(layer) is not None)
-        object.__setattr__(self, "_window_layers", windowed)
-        object.__setattr__(self, "_full_layers", c.num_layers - windowed)
+        object.__setattr__(self, "_window_layers", c.windowed_layers)
+        object.__setattr__(self, "_full_layers", c.num_layers - c.windowed_layers)
 
     @property
     def params(self) -> int:
@@ -146,7 +145,9 @@ class BudgetModel:
     def roofline(self) -> Roofline:
         return Roofline(params=self.params, flops=self.peaks.flops,
                         bandwidth=self.peaks.bandwidth, kv_bytes_per_token=self.kv_bytes_per_token,
-                        weight_bits=8 * self.bytes_per_element)
+                        weight_bits=8 * self.bytes_per_element,
+                        sliding_window=self.config.sliding_window,
+                        windowed_share=self.config.windowed_share)
 
     def recommended_chunk(self, decode_seqs: int, context: int) -> int:
         """C* for this model and device, at least one token."""
