@@ -143,6 +143,7 @@ def _report(args: argparse.Namespace, roofline: Roofline) -> dict[str, Any]:
         "inputs": {
             "params": roofline.params, "flops": roofline.flops, "bandwidth": roofline.bandwidth,
             "kv_bytes_per_token": roofline.kv_bytes_per_token,
+            "sliding_window": roofline.sliding_window, "windowed_share": roofline.windowed_share,
             "weight_bits": roofline.weight_bits, "weight_bytes": roofline.weight_bytes,
             "decode_seqs": args.decode_seqs, "context": args.context, "prompt": args.prompt,
             "hit_rate": args.hit_rate, "kv_gib": args.kv_gib, "step_ms": args.step_ms,
