@@ -140,6 +140,14 @@ async def test_slow_queries_list_detail_and_export(tmp_path: Path,
         assert detail.query_one("#detail-config", DataTable).row_count == len(detail.record.config)
         await pilot.press("escape")
         assert isinstance(app.screen, SlowQueriesScreen)
+        # a record that knows its prefix-cache hit says it beside the prompt
+        await app.push_screen(SlowQueryDetail(dataclasses.replace(detail.record,
+                                                                  cached_tokens=96)))
+        await pilot.pause()
+        header = str(app.screen.query(Static).first().render())
+        assert f"prompt {detail.record.prompt_tokens} tok (96 cached)" in header
+        await pilot.press("escape")
+        assert isinstance(app.screen, SlowQueriesScreen)
 
         await pilot.press("e")
         await pilot.pause()
