@@ -28,6 +28,11 @@ class RequestView:
     arrival_s: float
     cached_tokens: int = 0  # prompt tokens its latest admission found in the prefix cache
 
+    @property
+    def cached_share(self) -> float:
+        """The share of its prompt found in the prefix cache, 0..1."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
 
 @dataclass(frozen=True)
 class Percentiles:

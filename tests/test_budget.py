@@ -3,6 +3,7 @@ table behave as their definitions say."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,7 +12,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from engine.budget.auto import token_budget_for
-from engine.budget.cost_model import BudgetModel, BudgetSegment, budget_limits, budget_table
+from engine.budget.cost_model import (
+    BudgetModel,
+    BudgetSegment,
+    budget_limits,
+    budget_table,
+    window_pairs,
+)
 from engine.budget.peaks import GPU_PRESETS, DevicePeaks, measure_peaks
 from engine.budget.roofline import Roofline
 from engine.config import ConfigError
@@ -140,6 +147,56 @@ def test_flops_count_by_hand() -> None:
     expected = (2 * params * 5 + 2 * config.vocab_size * config.hidden_size * 2
                 + per_pair * (4 * 3 + 10 + 11))
     assert model.flops(shape) == expected
+
+
+@given(st.integers(0, 300), st.integers(0, 300), st.integers(1, 200))
+def test_window_pairs_count_each_querys_keys(chunk: int, before: int, window: int) -> None:
+    by_hand = sum(min(position + 1, window) for position in range(before, before + chunk))
+    assert window_pairs(chunk, before, window) == by_hand
+
+
+def test_sliding_window_layers_are_priced_by_their_window() -> None:
+    gemma = preset("gemma2-small")  # windowed and global layers alternating
+    window, windowed = gemma.sliding_window, len(gemma.sliding_layers)
+    assert window is not None and 0 < windowed < gemma.num_layers
+    model = BudgetModel(gemma, bytes_per_element=2, peaks=PEAKS)
+    full = BudgetModel(dataclasses.replace(gemma, sliding_window=None, sliding_layers=()),
+                       bytes_per_element=2, peaks=PEAKS)
+    per_pair = 4 * gemma.num_heads * gemma.head_dim  # one layer's
+    per_token = gemma.kv_bytes_per_token(2) / gemma.num_layers
+    # within the window nothing differs
+    short = StepShape(prefill=((window // 2, window // 4),), decode_contexts=(window - 1,))
+    assert model.flops(short) == full.flops(short)
+    assert model.bytes_moved(short) == full.bytes_moved(short)
+    # past it, a windowed layer's queries see `window` keys and read `window` cached tokens
+    long = StepShape(prefill=((64, 4 * window),), decode_contexts=(8 * window,))
+    pairs_cut = (64 * 4 * window + 64 * 65 // 2 - 64 * window) + (8 * window + 1 - window)
+    assert full.flops(long) - model.flops(long) == per_pair * windowed * pairs_cut
+    read_cut = (4 * window - window) + (8 * window - window)
+    assert full.bytes_moved(long) - model.bytes_moved(long) == pytest.approx(
+        per_token * windowed * read_cut)
+    # on an all-windowed model (Mistral's and Phi-3's shape) a decode's cost stops growing
+    # at the window
+    phi3 = BudgetModel(preset("phi3-small"), bytes_per_element=2, peaks=PEAKS)
+    w = phi3.config.sliding_window
+    assert w is not None
+    at, past = (phi3.predict(StepShape(decode_contexts=(n,) * 8)) for n in (w, 4 * w))
+    assert at == past
+
+
+def test_the_roofline_reads_at_most_the_window_on_windowed_layers() -> None:
+    half = dataclasses.replace(SEED, sliding_window=1024, windowed_share=0.5)
+    assert half.kv_read_tokens(512) == SEED.kv_read_tokens(512) == 512
+    assert half.kv_read_tokens(4096) == 0.5 * 4096 + 0.5 * 1024
+    assert half.balance_chunk(32, 512) == SEED.balance_chunk(32, 512)
+    assert half.balance_chunk(32, 4096) < SEED.balance_chunk(32, 4096)
+    assert half.decode_intensity(32, 4096) > SEED.decode_intensity(32, 4096)
+    gemma = BudgetModel(preset("gemma2-small"), bytes_per_element=2, peaks=PEAKS).roofline()
+    assert (gemma.sliding_window, gemma.windowed_share) == (256, 0.5)
+    with pytest.raises(ConfigError, match="sliding_window"):
+        dataclasses.replace(SEED, windowed_share=0.5)
+    with pytest.raises(ConfigError, match="windowed_share"):
+        dataclasses.replace(SEED, sliding_window=8, windowed_share=1.5)
 
 
 def test_prefill_time_grows_with_context() -> None:

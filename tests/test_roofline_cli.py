@@ -70,6 +70,16 @@ def test_model_presets_and_directories(capsys: pytest.CaptureFixture[str],
     }))
     directory = _json(capsys, "--model", str(tmp_path))
     assert directory["inputs"]["kv_bytes_per_token"] == 2 * 4 * 2 * 32 * 2
+    # Gemma 3: 22 of 26 layers windowed (512 tokens); their KV reads stop at the window
+    gemma = _json(capsys, "--model", "synthetic:gemma3-1b", "--context", "8192")
+    assert gemma["inputs"]["sliding_window"] == 512
+    assert gemma["inputs"]["windowed_share"] == pytest.approx(22 / 26)
+    inputs = gemma["inputs"]
+    read = (4 / 26) * 8192 + (22 / 26) * 512
+    assert gemma["balance_chunk"] == pytest.approx(
+        inputs["flops"] / inputs["bandwidth"]
+        * (inputs["weight_bytes"] + 32 * read * inputs["kv_bytes_per_token"])
+        / (2 * inputs["params"]) - 32)
 
 
 @pytest.mark.parametrize(("flags", "message"), [

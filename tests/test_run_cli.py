@@ -10,6 +10,7 @@ import sqlite3
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import select
@@ -236,3 +237,30 @@ def test_run_compiles_with_a_progress_line(capsys: pytest.CaptureFixture[str]) -
     summary = json.loads(captured.out)
     assert "compiling the model" in captured.err and "compiled and warmed up" in captured.err
     assert 0 < summary["compile_s"] < summary["cold_start_s"]
+
+
+def test_prefix_caching_can_be_turned_off_from_the_command_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    def summary(*flags: str) -> dict[str, Any]:
+        code = main(["run", "--model", "synthetic:tiny", "--workload", "multiturn",
+                     "--num-requests", "4", "--rate", "inf", "--json", "--no-db", "--quiet",
+                     *flags])
+        assert code == 0
+        return json.loads(capsys.readouterr().out)
+
+    cached, plain = summary(), summary("--no-prefix-caching")
+    assert cached["prefix_cache_hits"] > 0  # on by default: the turns resend their history
+    assert plain["prefix_cache_queries"] == plain["prefix_cache_hits"] == 0
+    assert plain["prefill_tokens_computed"] > cached["prefill_tokens_computed"]
+    # vLLM's spelling says the same
+    assert summary("--no-enable-prefix-caching")["prefix_cache_queries"] == 0
+
+
+def test_the_console_takes_the_prefix_caching_flag_for_its_own_engine_only() -> None:
+    from console.cli.console import build_parser, conflict
+
+    parse = build_parser().parse_args
+    assert parse([]).enable_prefix_caching is None  # the engine's default: on
+    assert parse(["--no-prefix-caching"]).enable_prefix_caching is False
+    assert conflict(parse(["--no-prefix-caching"])) is None
+    assert "prefix-caching" in conflict(parse(["--no-prefix-caching", "--attach", "http://x"]))

@@ -25,13 +25,13 @@ def db_path(tmp_path: Path) -> str:
     database = open_database(path)
     bus = EventBus()
     writer = StoreWriter(database, bus)
-    for rid, tenant, score, prompt, tag in [
-        ("r1", "acme", 1.6, 100, None), ("r2", "acme", 3.2, 4000, "contract"),
-        ("r3", "beta", 2.1, 900, "email"), ("r4", "beta", 1.9, 50, None),
+    for rid, tenant, score, prompt, tag, cached in [
+        ("r1", "acme", 1.6, 100, None, 0), ("r2", "acme", 3.2, 4000, "contract", 3072),
+        ("r3", "beta", 2.1, 900, "email", 0), ("r4", "beta", 1.9, 50, None, 0),
     ]:
         bus.publish(SlowQuery(
             request_id=rid, tenant=tenant, budget_score=score, prompt_tokens=prompt,
-            prefill_s=score * 0.01, budgeted_s=0.01, tag=tag, config=CONFIG,
+            prefill_s=score * 0.01, budgeted_s=0.01, tag=tag, config=CONFIG, cached_tokens=cached,
             chunks=({"index": 0, "tokens": 64, "duration_s": 0.004, "predicted_s": 0.002},),
         ))
     bus.drain()
@@ -75,6 +75,7 @@ def test_show_one_and_a_missing_id(capsys: pytest.CaptureFixture[str], db_path: 
     assert "request r2" in out and "tenant acme" in out and "tag contract" in out
     assert "budget_score 3.20" in out and "prefill 32.0 ms against a budget of 10.0 ms" in out
     assert "4.0 ms" in out and "duration_s=" not in out  # durations as people read them
+    assert "4000 prompt tokens (3072 found in the prefix cache, never prefilled)" in out
     assert '"max_num_batched_tokens": 512' in out
     code, _, err = run(capsys, "slow-queries", "show", "99", "--db", db_path)
     assert code == 2 and "no slow query with id 99" in err
@@ -87,14 +88,15 @@ def test_export_csv_and_json(capsys: pytest.CaptureFixture[str], db_path: str,
     assert code == 0 and [row["request_id"] for row in rows] == ["r2", "r3", "r4", "r1"]
     assert json.loads(rows[0]["config"]) == CONFIG
     assert json.loads(rows[0]["chunks"])[0]["tokens"] == 64
+    assert rows[0]["cached_tokens"] == "3072"
 
     target = tmp_path / "out.json"
     code, out, _ = run(capsys, "slow-queries", "export", "--format", "json", "--db", db_path,
                        "--tenant", "acme", "--output", str(target))
     records = json.loads(target.read_text())
     assert code == 0 and out == ""
-    assert [(r["request_id"], r["budget_score"], r["tag"]) for r in records] == [
-        ("r2", 3.2, "contract"), ("r1", 1.6, None)]
+    assert [(r["request_id"], r["budget_score"], r["tag"], r["cached_tokens"])
+            for r in records] == [("r2", 3.2, "contract", 3072), ("r1", 1.6, None, 0)]
 
     code, _, err = run(capsys, "slow-queries", "export", "--format", "json", "--db", db_path,
                        "--output", str(tmp_path / "missing" / "out.json"))

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from console.cli.engine_flags import add_engine_flag
 from console.cli.workload_flags import add_rate_flag
 
 
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="mixed, chat, long-doc, multiturn, conv or code (the Azure LLM "
                         "inference traces), conversations:FILE or trace:FILE (default: mixed)")
     add_rate_flag(parser)
+    add_engine_flag(parser, "--enable-prefix-caching")
     parser.add_argument("--db", type=Path, help="SQLite store (default: the user data dir); "
                         "with --otlp-listen, where traced requests are kept")
     parser.add_argument("--attach", action="append", metavar="URL", default=[],
@@ -84,7 +86,9 @@ def conflict(args: argparse.Namespace) -> str | None:
     engine_flags = [flag for flag, value in (("--model", args.model), ("--device", args.device),
                                              ("--rate", args.rate is not None),
                                              ("--db", args.db and not args.otlp_listen),
-                                             ("--simulate", args.simulate))
+                                             ("--simulate", args.simulate),
+                                             ("--[no-]prefix-caching",
+                                              args.enable_prefix_caching is not None))
                     if value]
     if (args.tp != 1 or args.sim_speed != 1.0) and not args.simulate:
         return "--tp and --sim-speed apply to a simulated engine; add --simulate"
@@ -108,13 +112,16 @@ def main(argv: list[str] | None = None) -> int:
         # busy machine); the console's splash then shows the engine's stages.
         print("tokenflow-console: starting the engine…", file=sys.stderr, flush=True)
         from console.sources.process import ProcessSource
+        from engine.config import EngineConfig
         from engine.sim.executor import Simulation
 
         simulate = None if args.simulate is None else Simulation(args.simulate, args.tp,
                                                                  args.sim_speed)
+        config = (None if args.enable_prefix_caching is None
+                  else EngineConfig(enable_prefix_caching=args.enable_prefix_caching))
         engine = ProcessSource.launch(model=args.model, device=args.device,
                                       workload=args.workload, rate=args.rate, db=args.db,
-                                      simulate=simulate)
+                                      simulate=simulate, config=config)
     from console.tui.app import run  # Textual and the screens: seconds, overlapping the child's
 
     return run(args, engine)

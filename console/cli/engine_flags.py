@@ -6,12 +6,13 @@ import argparse
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
-from engine.core.model_runner import compiles
 from engine.model.config import PRESETS
-from engine.serve.session import EngineSession
+
+if TYPE_CHECKING:
+    from engine.serve.session import EngineSession
 
 # flag name -> (EngineConfig field, type, help)
 _FLAGS: dict[str, tuple[str, type, str]] = {
@@ -40,19 +41,31 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
                          "seconds the latency percentiles cover (default 60)"),
     "--compile": ("compile", bool, "torch.compile the model at start, warmed up before the "
                                    "first request (default: on CUDA only)"),
+    "--enable-prefix-caching": ("enable_prefix_caching", bool,
+                                "reuse the KV blocks of prompt prefixes already computed "
+                                "(default: on; --no-prefix-caching recomputes every prompt)"),
 }
+# vLLM's spelling first; the short one as tokenflow's docs write it
+_ALIASES = {"--enable-prefix-caching": ("--prefix-caching",)}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, model_default: str = "synthetic:small",
                      ) -> None:
     group = parser.add_argument_group("engine")
-    for flag, (field, kind, text) in _FLAGS.items():
-        if kind is bool:  # --flag / --no-flag; neither keeps EngineConfig's default
-            group.add_argument(flag, dest=field, action=argparse.BooleanOptionalAction,
-                               help=text)
-            continue
-        default = model_default if field == "model" else None
-        group.add_argument(flag, dest=field, type=kind, default=default, help=text)
+    for flag in _FLAGS:
+        add_engine_flag(group, flag, model_default)
+
+
+def add_engine_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str,
+                    model_default: str = "synthetic:small") -> None:
+    """One of the engine flags, for a command that takes only a few of them."""
+    field, kind, text = _FLAGS[flag]
+    if kind is bool:  # --flag / --no-flag; neither keeps EngineConfig's default
+        parser.add_argument(flag, *_ALIASES.get(flag, ()), dest=field,
+                            action=argparse.BooleanOptionalAction, help=text)
+        return
+    default = model_default if field == "model" else None
+    parser.add_argument(flag, dest=field, type=kind, default=default, help=text)
 
 
 def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig:
@@ -69,6 +82,11 @@ def start_session(config: EngineConfig, *, db: str | Path | None, store: bool,
                   **options: Any) -> EngineSession:
     """EngineSession.start (with its `options`), saying on stderr when compiling makes the
     start take a while."""
+    # torch comes in here, not at import: tokenflow-console takes a flag from this module
+    # and launches its engine process before importing anything heavy
+    from engine.core.model_runner import compiles
+    from engine.serve.session import EngineSession
+
     compiling = compiles(config)
     if compiling:
         print("compiling the model (torch.compile, once at start; --no-compile skips it)...",

@@ -74,10 +74,12 @@ def _roofline(args: argparse.Namespace) -> Roofline:
                             f"{', '.join(GPU_PRESETS)} or give --flops and --bandwidth")
         flops, bandwidth = peaks.flops, peaks.bandwidth
     params, kv_bytes_per_token = SEED_PARAMS, SEED_KV_BYTES_PER_TOKEN
+    window, windowed_share = None, 0.0
     if args.model is not None:
         config = _model_config(args.model)
         params = config.num_params(include_embeddings=False)
         kv_bytes_per_token = config.kv_bytes_per_token(2)
+        window, windowed_share = config.sliding_window, config.windowed_share
     _require(args.decode_seqs >= 0, "--decode-seqs", "must be >= 0")
     _require(args.context >= 1, "--context", "must be >= 1")
     _require(args.prompt >= 1, "--prompt", "must be >= 1")
@@ -92,7 +94,7 @@ def _roofline(args: argparse.Namespace) -> Roofline:
             bandwidth=args.bandwidth if args.bandwidth is not None else bandwidth,
             kv_bytes_per_token=(args.kv_bytes_per_token if args.kv_bytes_per_token is not None
                                 else kv_bytes_per_token),
-            weight_bits=args.weight_bits,
+            weight_bits=args.weight_bits, sliding_window=window, windowed_share=windowed_share,
         )
     except ConfigError as exc:
         raise UserError(f"--{exc.field.replace('_', '-')}: {exc.message}") from None
@@ -141,6 +143,7 @@ def _report(args: argparse.Namespace, roofline: Roofline) -> dict[str, Any]:
         "inputs": {
             "params": roofline.params, "flops": roofline.flops, "bandwidth": roofline.bandwidth,
             "kv_bytes_per_token": roofline.kv_bytes_per_token,
+            "sliding_window": roofline.sliding_window, "windowed_share": roofline.windowed_share,
             "weight_bits": roofline.weight_bits, "weight_bytes": roofline.weight_bytes,
             "decode_seqs": args.decode_seqs, "context": args.context, "prompt": args.prompt,
             "hit_rate": args.hit_rate, "kv_gib": args.kv_gib, "step_ms": args.step_ms,

@@ -134,7 +134,7 @@ def run_show(args: argparse.Namespace) -> int:
         print(f"verdict: {terminal_safe(record.verdict)}  [cause {record.cause}{share}]")
     print(f"budget_score {record.budget_score:.2f}: prefill {human_duration(record.prefill_s)} "
           f"against a budget of {human_duration(record.budgeted_s)}, {record.prompt_tokens} "
-          "prompt tokens")
+          f"prompt tokens{_cached(record)}")
     if record.timeline:
         _print_timeline(record.timeline)
     print(f"chunks ({len(record.chunks)}):")
@@ -142,6 +142,14 @@ def run_show(args: argparse.Namespace) -> int:
     print("configuration at the time:")
     print(json.dumps(record.config, indent=2, sort_keys=True))  # ASCII: escapes are escaped
     return 0
+
+
+def _cached(record: SlowQueryRecord) -> str:
+    """The prefix-cache part of the prompt; nothing where the record does not know it (stored
+    before revision 0006, or traced from another server)."""
+    if record.cached_tokens is None:
+        return ""
+    return f" ({record.cached_tokens} found in the prefix cache, never prefilled)"
 
 
 def _parts(parts: dict[str, float], signed: bool = False) -> str:

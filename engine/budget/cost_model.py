@@ -32,9 +32,12 @@ class BudgetModel:
     engine.budget.peaks.measure_peaks).
 
     FLOPs: 2·P_nonembed per token run (padding included), 2·vocab·hidden per logits row
-    (lm_head), and 4·L·H·d_h per (query, key) pair of attention, causal within a chunk.
+    (lm_head), and 4·H·d_h per layer per (query, key) pair of attention, causal within a chunk.
     Bytes: the weights once, the cached KV every query attends to, the KV of new tokens, and
     each token's activations written and read once per layer.
+    A sliding-window layer attends to at most `window` keys per query and reads at most
+    `window` cached tokens per sequence: its pairs and KV bytes are priced by
+    min(context, window), the full-attention layers' by the whole context.
     """
 
     config: ModelConfig
@@ -43,7 +46,10 @@ class BudgetModel:
     step_overhead_s: float = 0.0  # launch and scheduling time no roofline term covers
     _linear_flops_per_token: float = field(init=False, repr=False)
     _lm_head_flops_per_row: float = field(init=False, repr=False)
-    _attention_flops_per_pair: float = field(init=False, repr=False)
+    _attention_flops_per_pair: float = field(init=False, repr=False)  # one layer's
+    _full_layers: int = field(init=False, repr=False)
+    _window_layers: int = field(init=False, repr=False)  # sliding-window ones
+    _kv_bytes_per_layer_token: float = field(init=False, repr=False)
     _weight_bytes: float = field(init=False, repr=False)
     _activation_bytes_per_token: float = field(init=False, repr=False)
     _logits_bytes_per_row: float = field(init=False, repr=False)
@@ -66,13 +72,16 @@ class BudgetModel:
         derived = {
             "_linear_flops_per_token": 2 * self.params,
             "_lm_head_flops_per_row": 2 * lm_head_params,
-            "_attention_flops_per_pair": 4 * c.num_layers * q_width,
+            "_attention_flops_per_pair": 4 * q_width,
+            "_kv_bytes_per_layer_token": self.kv_bytes_per_token / c.num_layers,
             "_weight_bytes": (self.params + lm_head_params) * b,
             "_activation_bytes_per_token": 2 * c.num_layers * per_layer_elements * b,
             "_logits_bytes_per_row": c.vocab_size * b,
         }
         for name, value in derived.items():
             object.__setattr__(self, name, float(value))
+        object.__setattr__(self, "_window_layers", c.windowed_layers)
+        object.__setattr__(self, "_full_layers", c.num_layers - c.windowed_layers)
 
     @property
     def params(self) -> int:
@@ -91,16 +100,31 @@ class BudgetModel:
     def flops(self, shape: StepShape) -> float:
         pairs = sum(chunk * before + chunk * (chunk + 1) // 2 for chunk, before in shape.prefill)
         pairs += sum(context + 1 for context in shape.decode_contexts)
+        layer_pairs = self._full_layers * pairs
+        if self._window_layers:
+            window = self.config.sliding_window
+            assert window is not None  # ModelConfig refuses windowed layers without one
+            windowed = sum(window_pairs(chunk, before, window) for chunk, before in shape.prefill)
+            windowed += sum(min(context + 1, window) for context in shape.decode_contexts)
+            layer_pairs += self._window_layers * windowed
         return (self._linear_flops_per_token * shape.num_tokens
                 + self._lm_head_flops_per_row * shape.logits_rows
-                + self._attention_flops_per_pair * pairs)
+                + self._attention_flops_per_pair * layer_pairs)
 
     def bytes_moved(self, shape: StepShape) -> float:
         if shape.num_tokens == 0:
             return 0.0
         new_tokens = shape.prefill_tokens + len(shape.decode_contexts)
+        # KV entries read or written, summed over layers
+        layer_tokens = self._full_layers * (shape.cached_tokens_read + new_tokens)
+        if self._window_layers:
+            window = self.config.sliding_window
+            assert window is not None
+            read = (sum(min(before, window) for _, before in shape.prefill)
+                    + sum(min(context, window) for context in shape.decode_contexts))
+            layer_tokens += self._window_layers * (read + new_tokens)
         return (self._weight_bytes
-                + self.kv_bytes_per_token * (shape.cached_tokens_read + new_tokens)
+                + self._kv_bytes_per_layer_token * layer_tokens
                 + self._activation_bytes_per_token * shape.num_tokens
                 + self._logits_bytes_per_row * shape.logits_rows)
 
@@ -121,11 +145,25 @@ class BudgetModel:
     def roofline(self) -> Roofline:
         return Roofline(params=self.params, flops=self.peaks.flops,
                         bandwidth=self.peaks.bandwidth, kv_bytes_per_token=self.kv_bytes_per_token,
-                        weight_bits=8 * self.bytes_per_element)
+                        weight_bits=8 * self.bytes_per_element,
+                        sliding_window=self.config.sliding_window,
+                        windowed_share=self.config.windowed_share)
 
     def recommended_chunk(self, decode_seqs: int, context: int) -> int:
         """C* for this model and device, at least one token."""
         return max(1, round(self.roofline().balance_chunk(decode_seqs, context)))
+
+
+def window_pairs(chunk: int, before: int, window: int) -> int:
+    """(query, key) pairs of a chunk of `chunk` queries after `before` cached tokens on a
+    layer whose query at position p sees the keys in (p − window, p]: the sum of
+    min(k, window) for k in before+1 .. before+chunk, in closed form."""
+    lo, hi = before + 1, before + chunk
+    if hi <= window:  # every query still sees its whole history
+        return (lo + hi) * chunk // 2
+    if lo > window:  # every query sees a full window
+        return chunk * window
+    return (lo + window) * (window - lo + 1) // 2 + (hi - window) * window
 
 
 class StepCostModel(Protocol):

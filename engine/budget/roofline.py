@@ -55,13 +55,19 @@ def step_estimate(compute_s: float, memory_s: float,
 
 @dataclass(frozen=True)
 class Roofline:
-    """P parameters, F FLOP/s, W bytes/s, k KV bytes per token, weights at `weight_bits`."""
+    """P parameters, F FLOP/s, W bytes/s, k KV bytes per token, weights at `weight_bits`.
+
+    A model with sliding-window layers (`windowed_share` of the layers, and so of k) reads at
+    most `sliding_window` cached tokens per sequence on those layers.
+    """
 
     params: float
     flops: float
     bandwidth: float
     kv_bytes_per_token: float
     weight_bits: int = 16
+    sliding_window: int | None = None
+    windowed_share: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("params", "flops", "bandwidth", "kv_bytes_per_token"):
@@ -70,6 +76,10 @@ class Roofline:
                 raise ConfigError(name, f"must be a positive number, got {value!r}")
         if not 1 <= self.weight_bits <= 32:
             raise ConfigError("weight_bits", f"must be in 1..32, got {self.weight_bits}")
+        if not 0 <= self.windowed_share <= 1:
+            raise ConfigError("windowed_share", f"must be in [0, 1], got {self.windowed_share}")
+        if self.windowed_share and not (self.sliding_window or 0) >= 1:
+            raise ConfigError("sliding_window", "windowed layers need a window of at least 1")
 
     @property
     def machine_balance(self) -> float:
@@ -87,12 +97,21 @@ class Roofline:
     def compute_seconds(self, shape: StepShape) -> float:
         return 2 * self.params * shape.num_tokens / self.flops
 
+    def kv_read_tokens(self, context: int) -> float:
+        """Cached tokens' worth of k a sequence with `context` cached tokens reads: all of
+        them on full-attention layers, at most the window on windowed ones."""
+        if not self.windowed_share:
+            return context
+        assert self.sliding_window is not None  # __post_init__ holds it
+        return ((1 - self.windowed_share) * context
+                + self.windowed_share * min(context, self.sliding_window))
+
     def memory_seconds(self, shape: StepShape) -> float:
         """Weights once plus the KV the step attends to; the seed leaves per-token
         activations out (its α term), so does this."""
-        return (self.weight_bytes + shape.cached_tokens_read * self.kv_bytes_per_token) / (
-            self.bandwidth
-        )
+        contexts = [before for _, before in shape.prefill] + list(shape.decode_contexts)
+        read = sum(self.kv_read_tokens(context) for context in contexts)
+        return (self.weight_bytes + read * self.kv_bytes_per_token) / self.bandwidth
 
     # --- the seed's mixed step: C prefill tokens, D decodes at context S ------------------
 
@@ -107,7 +126,7 @@ class Roofline:
         At bf16 this is the seed's R(1 + DSk/2P) − D. It is negative when the decodes alone
         are compute bound: then no prefill fits without lengthening the step.
         """
-        kv_bytes = decode_seqs * context * self.kv_bytes_per_token
+        kv_bytes = decode_seqs * self.kv_read_tokens(context) * self.kv_bytes_per_token
         return self.machine_balance * (self.weight_bytes + kv_bytes) / (2 * self.params) - (
             decode_seqs
         )
@@ -151,9 +170,10 @@ class Roofline:
         return 2 * self.params * prompt / (self.weight_bytes + alpha * prompt)
 
     def decode_intensity(self, batch: int, context: int) -> float:
-        """AI = 2PB / (weights + BSk): capped by 2P/(Sk) however large the batch."""
+        """AI = 2PB / (weights + BSk): capped by 2P/(Sk) however large the batch (S as
+        read: at most the window on windowed layers)."""
         return 2 * self.params * batch / (
-            self.weight_bytes + batch * context * self.kv_bytes_per_token
+            self.weight_bytes + batch * self.kv_read_tokens(context) * self.kv_bytes_per_token
         )
 
     def table(self, chunks: list[int], prompt: int, decode_seqs: int, context: int,

@@ -58,6 +58,16 @@ class ModelConfig:
         """The sliding window of `layer`, or None where it attends to the whole history."""
         return self.sliding_window if layer in self.sliding_layers else None
 
+    @property
+    def windowed_layers(self) -> int:
+        """How many layers attend through the sliding window."""
+        return sum(1 for layer in range(self.num_layers) if self.window(layer) is not None)
+
+    @property
+    def windowed_share(self) -> float:
+        """The windowed layers' share of the layers, and so of each token's KV bytes."""
+        return self.windowed_layers / self.num_layers
+
     def num_params(self, include_embeddings: bool = True) -> int:
         h, dh = self.hidden_size, self.head_dim
         q_out, kv_out = self.num_heads * dh, self.num_kv_heads * dh

@@ -92,6 +92,9 @@ class SlowQueryRow(Base):
     cause: Mapped[str | None] = mapped_column(String(32))  # engine.core.timeline.Cause
     cause_share: Mapped[float | None]  # the cause's part of the overrun, 0..1
     verdict: Mapped[str | None] = mapped_column(Text)
+    # prompt tokens found in the prefix cache, never prefilled; None on rows from before 0007
+    # and on requests traced from another server, which does not say
+    cached_tokens: Mapped[int | None]
 
     __table_args__ = (
         Index("ix_slow_queries_budget_score", "budget_score"),

@@ -42,6 +42,7 @@ class SlowQueryRecord:
     cause: str | None = None
     cause_share: float | None = None
     verdict: str | None = None
+    cached_tokens: int | None = None  # None: unknown (see SlowQueryRow.cached_tokens)
 
     @classmethod
     def from_row(cls, row: SlowQueryRow) -> SlowQueryRecord:

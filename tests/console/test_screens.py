@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from pathlib import Path
 
@@ -19,12 +20,19 @@ from console.tui.screens.diagnosis import DiagnosisScreen
 from console.tui.screens.drift import DriftScreen
 from console.tui.screens.help import HelpScreen
 from console.tui.screens.live import LiveScreen
+from console.tui.screens.request_detail import RequestDetail
 from console.tui.screens.slow_queries import SlowQueriesScreen, SlowQueryDetail
 from console.tui.screens.tuning import TuningScreen
 from console.tui.widgets.header import EngineHeader
 from console.tui.widgets.keyed_table import KeyedTable
 from console.tui.widgets.plot import Plot
-from console.tui.widgets.requests_table import STATE_RANK, RequestsTable
+from console.tui.widgets.requests_table import (
+    COLUMNS,
+    SCORE_COLUMN,
+    STATE_RANK,
+    RequestsTable,
+    request_row,
+)
 from tests.console.conftest import (
     FAST_POLL_S,
     SESSION,
@@ -77,15 +85,37 @@ async def test_requests_rows_are_updated_in_place_and_filter_and_sort() -> None:
         assert table.row_count == len(app.latest.requests)
 
         # By default: running first, then waiting, then done; the worst budget_score first.
-        assert (requests.sort_index, requests.reverse) == (7, True)
+        assert (requests.sort_index, requests.reverse) == (SCORE_COLUMN, True)
         assert "budget_score ▼" in str(table.columns[ColumnKey("score")].label)
         ids = [row.key.value for row in table.ordered_rows]
-        order = [requests.rows[i].sort_values[7] for i in ids]
+        order = [requests.rows[i].sort_values[SCORE_COLUMN] for i in ids]
         assert order == sorted(order, reverse=True)
         ranks = [STATE_RANK.get(requests.rows[i].cells[2].plain, 0) for i in ids]
         assert ranks == sorted(ranks, reverse=True) and ranks[0] == 2
         await pilot.press("O")  # reversed: the arrow turns
         assert "budget_score ▲" in str(table.columns[ColumnKey("score")].label)
+
+
+async def test_a_requests_cached_share_shows_in_its_row_and_its_detail() -> None:
+    app = replay_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await replayed(pilot)
+        view = dataclasses.replace(app.latest.requests[0], prompt_tokens=400, cached_tokens=300)
+        cached = [c.key for c in COLUMNS].index("cached")
+        assert request_row(view, 2.0).cells[cached] == "75%"
+        assert request_row(dataclasses.replace(view, cached_tokens=0), 2.0).cells[cached] == "–"
+        requests = app.screen.query_one(RequestsTable)
+        assert cached in requests.shown_columns  # wide enough at 120 columns
+        # the first column to go as the table narrows, before the tenant
+        narrower = (requests.fitting(w) for w in range(requests.size.width, 0, -1))
+        first_drop = next(shown for shown in narrower if len(shown) < len(COLUMNS))
+        assert first_drop == tuple(i for i in range(len(COLUMNS)) if i != cached)
+
+        await app.push_screen(RequestDetail(view))
+        await pilot.pause()
+        printer = Console(width=200, record=True, file=io.StringIO())
+        printer.print(app.screen.query(Static).first().content)
+        assert "300 tokens (75%) from the prefix cache, never prefilled" in printer.export_text()
 
 
 async def test_slow_queries_list_detail_and_export(tmp_path: Path,
@@ -108,6 +138,14 @@ async def test_slow_queries_list_detail_and_export(tmp_path: Path,
         assert isinstance(detail, SlowQueryDetail)
         assert detail.query_one("#detail-chunks", DataTable).row_count == len(detail.record.chunks)
         assert detail.query_one("#detail-config", DataTable).row_count == len(detail.record.config)
+        await pilot.press("escape")
+        assert isinstance(app.screen, SlowQueriesScreen)
+        # a record that knows its prefix-cache hit says it beside the prompt
+        await app.push_screen(SlowQueryDetail(dataclasses.replace(detail.record,
+                                                                  cached_tokens=96)))
+        await pilot.pause()
+        header = str(app.screen.query(Static).first().render())
+        assert f"prompt {detail.record.prompt_tokens} tok (96 cached)" in header
         await pilot.press("escape")
         assert isinstance(app.screen, SlowQueriesScreen)
 

@@ -37,6 +37,8 @@ class RequestDetail(ModalScreen[None]):
                 ("state", f"{r.state}{f'  ({r.reason})' if r.reason else ''}"),
                 ("tenant", r.tenant),
                 ("prompt", f"{r.prompt_tokens} tokens, {r.prefilled_tokens} prefilled"),
+                ("cached", f"{r.cached_tokens} tokens ({r.cached_share:.0%}) from the prefix "
+                           "cache, never prefilled"),
                 ("chunks", f"{r.chunks_done} of {r.chunks_total}"),
                 ("generated", f"{r.generated_tokens} tokens"),
                 ("TTFT", ms(r.ttft_ms)),

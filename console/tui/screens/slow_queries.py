@@ -132,7 +132,9 @@ class SlowQueryDetail(ModalScreen[None]):
             yield Static(Text.assemble(
                 (f"request {r.request_id}", "bold"), f"  tenant {r.tenant}  ",
                 budget_text(r.budget_score, setting(r.config, "slow_query_threshold")),
-                f"  prompt {r.prompt_tokens} tok  prefill {r.prefill_s * 1e3:.1f} ms"
+                f"  prompt {r.prompt_tokens} tok"
+                f"{'' if r.cached_tokens is None else f' ({r.cached_tokens} cached)'}"
+                f"  prefill {r.prefill_s * 1e3:.1f} ms"
                 f" of {r.budgeted_s * 1e3:.1f} ms budgeted  tag {r.tag or '–'}"))
             if r.verdict:  # records stored before revision 0003 have none
                 yield Static(Text.assemble(("verdict ", "dim"), (r.verdict, "bold yellow")),

@@ -16,12 +16,13 @@ COLUMNS = (
     Column("tenant", "tenant", 8, drop=3),
     Column("state", "state", 16),
     Column("prompt", "prompt", 7, drop=2),
+    Column("cached", "cached", 6, drop=4),
     Column("chunks", "chunks", 7),
     Column("generated", "gen", 5, drop=1),
     Column("ttft", "TTFT ms", 8),
     Column("score", "budget_score", 14),
 )
-SCORE_COLUMN = 7
+SCORE_COLUMN = 8
 # Running first, then waiting, then done: the order of the budget_score column's sort.
 STATE_RANK = {"PREFILL_CHUNKING": 2, "DECODING": 2, "PREEMPTED": 2, "WAITING": 1}
 
@@ -44,12 +45,13 @@ def budget_text(score: float | None, slow_threshold: float) -> Text:
 
 def request_row(r: RequestView, slow_threshold: float) -> TableRow:
     ttft = "–" if r.ttft_ms is None else f"{r.ttft_ms:.0f}"
+    cached = f"{r.cached_share:.0%}" if r.cached_tokens else "–"
     return TableRow(
         key=r.id,
         cells=(r.id, r.tenant, Text(r.state, style=STATE_STYLES.get(r.state, "")),
-               str(r.prompt_tokens), f"{r.chunks_done}/{r.chunks_total}",
+               str(r.prompt_tokens), cached, f"{r.chunks_done}/{r.chunks_total}",
                str(r.generated_tokens), ttft, budget_text(r.budget_score, slow_threshold)),
-        sort_values=(r.arrival_s, r.tenant, r.state, r.prompt_tokens,
+        sort_values=(r.arrival_s, r.tenant, r.state, r.prompt_tokens, r.cached_share,
                      r.chunks_done / max(r.chunks_total, 1), r.generated_tokens, r.ttft_ms,
                      (STATE_RANK.get(r.state, 0),
                       -1.0 if r.budget_score is None else r.budget_score)),
