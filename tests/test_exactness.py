@@ -135,7 +135,8 @@ def test_compile_is_on_where_asked_else_on_cuda_only() -> None:
 def test_eager_cpu_steps_read_packed_weights() -> None:
     """Every GEMM of an eager CPU engine runs on oneDNN-packed weights (Linear.pack), which
     compute what F.linear does on the dense parameter; the exactness tests above run them."""
-    engine = Engine(EngineConfig(model="synthetic:qwen3-small", device="cpu", dtype="float32"))
+    engine = Engine(EngineConfig(model="synthetic:qwen3-small", device="cpu", dtype="float32",
+                                 kv_cache_bytes=1 << 24))
     linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * engine.model_config.num_layers + 1  # and lm_head
     generator = torch.Generator().manual_seed(0)
