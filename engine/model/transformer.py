@@ -42,8 +42,8 @@ class Linear(nn.Linear):
     """nn.Linear whose weight can be packed once for the CPU's GEMM kernel.
 
     On this AMD EPYC, MKL's sgemm reads a decode step's weights at 5-6 GB/s whatever their
-    layout; oneDNN on weights reordered into its blocked layout reads them at 11-15 GB/s
-    (rows 4-16, fp32, one thread), near the memory's limit. The dense `weight` stays the
+    layout; oneDNN on weights reordered into its blocked layout reads them at 9-15 GB/s
+    (16 to 4 rows, fp32, one thread; a copy streams ~20). The dense `weight` stays the
     parameter (checkpoints, the transformers baseline); the packed copy is what forward reads.
     On CUDA nothing is packed: cuBLAS reads the plain layout at full bandwidth."""
 
