@@ -10,7 +10,11 @@ against the streaming (copy) bandwidth, and a 256-token prefill chunk as FLOP/s 
 matmul peak, each peak measured at the same thread count, at one thread and at the engine's;
 eager and compiled engines side by side in the same process, their steps interleaved, so a
 busy machine slows both alike (`cpu_ms` is the process CPU time of a step, which counts
-neither waiting for a core nor other processes).
+neither waiting for a core nor other processes). Beside the step: the step's GEMMs alone
+(the eager engine's weights, `batch` rows each: the ceiling the step's kernels allow), the
+bytes the step moves by the budget model (weights, and the KV history that weights alone
+leave out), and a read-only
+stream (a sum; the copy that `streaming_bandwidth` times both reads and writes).
 
     PYTHONPATH=. .venv/bin/python benchmarks/step_micro.py --limits
 
@@ -25,9 +29,11 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.budget.calibrate import timed_step
@@ -149,6 +155,10 @@ def limits(model: str = "synthetic:small", *, device: str = "cpu", dtype: str = 
     engine_threads = torch.get_num_threads()  # what ModelRunner chose for the engine
     budget = engines["eager"].budget
     prefill_flops = budget.flops(StepShape(prefill=((chunk, 0),)))
+    decode_bytes = budget.bytes_moved(StepShape(decode_contexts=(context - 1,) * batch))
+    gemms = _decode_gemms(engines["eager"], batch)
+    stream = torch.ones(_READ_BYTES // 4, device=device)
+    copy = torch.empty_like(stream)
     steps = {}
     for name, engine in engines.items():
         prefill = _request(engine, "prefill", chunk, RequestState.PREFILL_CHUNKING)
@@ -156,13 +166,22 @@ def limits(model: str = "synthetic:small", *, device: str = "cpu", dtype: str = 
                        "prefill": _batch([ScheduledChunk(prefill, 0, chunk)])}
     result: dict[str, Any] = {"model": model, "device": device, "batch": batch,
                               "context": context, "chunk": chunk, "compile_s": compile_s,
-                              "weight_bytes": budget.weight_bytes, "threads": {}}
+                              "weight_bytes": budget.weight_bytes,
+                              "decode_bytes_moved": decode_bytes, "threads": {}}
     for threads in sorted({1, engine_threads}):
         torch.set_num_threads(threads)
         peaks = measure_peaks.__wrapped__(device, getattr(torch, dtype))  # at this count
         times: dict[tuple[str, str], list[tuple[float, float]]] = {
             (name, kind): [] for name in engines for kind in ("decode", "prefill")}
+        alone: dict[str, list[float]] = {"gemms": [], "read": [], "copy": []}
         for _ in range(rounds):  # interleaved: load on the machine hits every variant alike
+            for kind, run in (("gemms", gemms), ("read", stream.sum),
+                              ("copy", lambda: copy.copy_(stream))):
+                run()
+                for _ in range(repeats):
+                    cpu = time.process_time()
+                    run()
+                    alone[kind].append(time.process_time() - cpu)
             for name, engine in engines.items():
                 for kind, step in steps[name].items():
                     timed_step(engine, step)  # warm
@@ -170,8 +189,20 @@ def limits(model: str = "synthetic:small", *, device: str = "cpu", dtype: str = 
                         cpu = time.process_time()
                         wall = timed_step(engine, step)
                         times[name, kind].append((wall, time.process_time() - cpu))
-        row: dict[str, Any] = {"streaming_bandwidth": peaks.bandwidth,
-                               "matmul_peak_flops": peaks.flops}
+        gemms_cpu, read_cpu, copy_cpu = (statistics.median(alone[kind])
+                                         for kind in ("gemms", "read", "copy"))
+        # the copy again by CPU time, as the steps' `cpu` figures are compared against it
+        streaming_cpu = 2 * stream.nbytes / copy_cpu
+        row: dict[str, Any] = {
+            "streaming_bandwidth": peaks.bandwidth,
+            "streaming_bandwidth_cpu": streaming_cpu,
+            "read_only_bandwidth_cpu": stream.nbytes / read_cpu,
+            "matmul_peak_flops": peaks.flops,
+            "decode_gemms_alone_cpu_ms": gemms_cpu * 1e3,
+            "decode_gemms_alone_weight_read_bandwidth": budget.weight_bytes / gemms_cpu,
+            "decode_gemms_alone_cpu_share_of_streaming": budget.weight_bytes / gemms_cpu
+            / streaming_cpu,
+        }
         for name in engines:
             decode_s, decode_cpu = map(statistics.median, zip(*times[name, "decode"],
                                                               strict=True))
@@ -182,6 +213,12 @@ def limits(model: str = "synthetic:small", *, device: str = "cpu", dtype: str = 
                 "decode_ms": decode_s * 1e3, "decode_cpu_ms": decode_cpu * 1e3,
                 "decode_weight_read_bandwidth": read,
                 "decode_share_of_streaming": read / peaks.bandwidth,
+                # by CPU time, which a busy machine inflates least
+                "decode_cpu_weight_read_bandwidth": budget.weight_bytes / decode_cpu,
+                "decode_cpu_share_of_streaming": budget.weight_bytes / decode_cpu
+                / streaming_cpu,
+                # weights, the KV history, activations and logits (BudgetModel.bytes_moved)
+                "decode_cpu_bytes_moved_bandwidth": decode_bytes / decode_cpu,
                 "prefill_ms": prefill_s * 1e3, "prefill_cpu_ms": prefill_cpu * 1e3,
                 "prefill_flops": prefill_flops / prefill_s,
                 "prefill_share_of_matmul_peak": prefill_flops / prefill_s / peaks.flops,
@@ -189,6 +226,24 @@ def limits(model: str = "synthetic:small", *, device: str = "cpu", dtype: str = 
         result["threads"][threads] = row
     torch.set_num_threads(engine_threads)
     return result
+
+
+# far beyond this CPU's 32 MiB of L3, as the copy of measure_peaks
+_READ_BYTES = 128 << 20
+
+
+def _decode_gemms(engine: Engine, rows: int) -> Callable[[], None]:
+    """Every GEMM of a `rows`-token step on the engine's own weights (packed as its steps
+    read them), in model order, without the rest of the step."""
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, nn.Linear)]
+    inputs = [torch.randn(rows, m.in_features, device=engine.runner.device,
+                          dtype=m.weight.dtype) for m in linears]
+
+    @torch.inference_mode()
+    def run() -> None:
+        for linear, x in zip(linears, inputs, strict=True):
+            linear(x)
+    return run
 
 
 def flex_vs_gather(model: str = "synthetic:small", *, batch: int = 8,

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.core.model_runner import compiles
+from engine.model.transformer import Linear
 from tests.hf_models import FAMILIES, hf_greedy, hf_last_logits, save_tiny
 
 # windows are 8-16 tokens: most prompts cross them, several times
@@ -128,3 +130,20 @@ def test_compile_is_on_where_asked_else_on_cuda_only() -> None:
     assert compiles(EngineConfig(device="cpu", compile=True))
     assert not compiles(EngineConfig(device="auto", compile=False))
     assert compiles(EngineConfig(device="auto")) == torch.cuda.is_available()
+
+
+def test_eager_cpu_steps_read_packed_weights() -> None:
+    """Every GEMM of an eager CPU engine runs on oneDNN-packed weights (Linear.pack), which
+    compute what F.linear does on the dense parameter; the exactness tests above run them."""
+    engine = Engine(EngineConfig(model="synthetic:qwen3-small", device="cpu", dtype="float32",
+                                 kv_cache_bytes=1 << 24))
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 4 * engine.model_config.num_layers + 1  # and lm_head
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for linear in linears:
+            assert linear.packed is not None
+            for rows in (1, 8, 300):
+                x = torch.randn(rows, linear.in_features, generator=generator)
+                assert torch.allclose(linear(x), F.linear(x, linear.weight, linear.bias),
+                                      atol=1e-4, rtol=1e-5)

@@ -116,7 +116,11 @@ class ModelRunner:
         self.kv_cache = torch.zeros(
             cache_shape(self.use_flash, mc.num_layers, self.num_blocks, self.block_size,
                         mc.num_kv_heads, mc.head_dim), dtype=self.dtype, device=self.device)
-        self.compile_s = self._compile() if compiles(config) else 0.0
+        self.compile_s = 0.0
+        if compiles(config):
+            self.compile_s = self._compile()
+        else:
+            self.model.pack_weights()
 
     def _compile(self) -> float:
         """Compile the model and warm it up, so the first request does not pay for it;
