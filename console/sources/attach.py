@@ -1,5 +1,5 @@
-"""Sources that attach the console to servers over HTTP: tokenflow serve, vLLM, SGLang, or a
-fleet of any mix of them."""
+"""Attaching the console to servers over HTTP: tokenflow serve, vLLM, SGLang, or a fleet of any
+mix of them, told apart by their /metrics."""
 
 from __future__ import annotations
 
@@ -80,7 +80,3 @@ def open_http_source(attach: list[str], attach_vllm: str | None = None,
         for member in scraped:
             member.trace_source = member.remote.url
     return members[0] if len(members) == 1 else FleetSource(members)
-
-
-__all__ = ["FleetSource", "HttpSource", "SglangMetricsSource", "VllmMetricsSource",
-           "open_http_source"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -21,7 +21,9 @@ from console.tui.state import ConsoleState
 from console.tui.widgets.keyed_table import Column, KeyedTable, TableRow, middle_cut
 from console.tui.widgets.notice import unavailable
 from console.tui.widgets.requests_table import budget_text
-from engine.store import SlowQueryRecord, export_slow_queries
+
+if TYPE_CHECKING:  # annotations only: the store pulls SQLAlchemy and Alembic (~1 s)
+    from engine.store import SlowQueryRecord
 
 COLUMNS = (
     Column("id", "id", 6),
@@ -105,6 +107,8 @@ class SlowQueriesScreen(ConsoleScreen):
             self.app.push_screen(SlowQueryDetail(record))
 
     def action_export(self, fmt: str) -> None:
+        from engine.store import export_slow_queries  # the store loads on first use (see above)
+
         table = self.query_one(KeyedTable)
         keys = [str(k.value) for k in table.table.rows]  # what is shown: filtered, in order
         records = [self.records[k] for k in keys if k in self.records]
