@@ -3,20 +3,21 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
-from textual.containers import Horizontal, Vertical
+from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Static
 
 from console.sources.base import Capability
 from console.tui.collectors import SlowQueriesLoaded
 from console.tui.screens.base import ConsoleScreen
-from console.tui.settings import setting
+from console.tui.settings import DEFAULTS, setting
 from console.tui.state import ConsoleState
 from console.tui.widgets.keyed_table import Column, KeyedTable, TableRow, middle_cut
 from console.tui.widgets.notice import unavailable
@@ -121,6 +122,19 @@ class SlowQueriesScreen(ConsoleScreen):
         self.notify(f"exported {len(records)} slow queries to {path}")
 
 
+def config_text(config: Mapping[str, Any]) -> Text:
+    """`name=value` pairs flowing over the width, those off EngineConfig's default in yellow:
+    every value readable at 80 columns, where a name/value table cut them."""
+    text = Text()
+    for name, value in sorted(config.items()):
+        if text:
+            text.append("  ")
+        text.append(f"{name}=", style="dim")
+        changed = name in DEFAULTS and DEFAULTS[name] != value
+        text.append(str(value), style="bold yellow" if changed else "")
+    return text
+
+
 class SlowQueryDetail(ModalScreen[None]):
     """One slow query: its per-chunk timings and the configuration it ran under."""
 
@@ -141,9 +155,8 @@ class SlowQueryDetail(ModalScreen[None]):
             if r.verdict:  # records stored before revision 0003 have none
                 yield Static(Text.assemble(("verdict ", "dim"), (r.verdict, "bold yellow")),
                              id="detail-verdict")
-            with Horizontal():
-                yield DataTable(id="detail-chunks", cursor_type="row", zebra_stripes=True)
-                yield DataTable(id="detail-config", cursor_type="row")
+            yield DataTable(id="detail-chunks", cursor_type="row", zebra_stripes=True)
+            yield Static(config_text(r.config), id="detail-config")
             yield Static("esc closes", classes="dim")
 
     def on_mount(self) -> None:
@@ -158,8 +171,6 @@ class SlowQueryDetail(ModalScreen[None]):
             chunks.add_row(str(chunk.get("index", "")), str(chunk.get("start", "")),
                            str(chunk.get("tokens", "")), f"{duration * 1e3:.2f}",
                            f"{predicted * 1e3:.2f}", ratio)
-        config = self.query_one("#detail-config", DataTable)
+        config = self.query_one("#detail-config", Static)
         config.border_title = "Configuration at the time"
-        config.add_columns("field", "value")
-        for name, value in sorted(self.record.config.items()):
-            config.add_row(name, str(value))
+        config.border_subtitle = "yellow: not the default"
