@@ -128,7 +128,8 @@ async def test_drift_screen_plots_history_and_reports_a_refused_recalibration() 
         screen = app.screen
         assert isinstance(screen, DriftScreen)
         plot = screen.query_one(Plot)
-        assert len(plot._series[0].values) == len(app.source.calibration_history()) == 2
+        # the first calibration at start, and the two runs the recording adds
+        assert len(plot._series[0].values) == len(app.source.calibration_history()) == 3
         assert screen.query_one("#drift-events", DataTable).row_count == 1
         # A recording cannot recalibrate: r is off the footer, and the pane says why.
         assert "r" not in screen.active_bindings
