@@ -107,7 +107,7 @@ async def test_slow_queries_list_detail_and_export(tmp_path: Path,
         detail = app.screen
         assert isinstance(detail, SlowQueryDetail)
         assert detail.query_one("#detail-chunks", DataTable).row_count == len(detail.record.chunks)
-        shown = str(detail.query_one("#detail-config", Static).render())
+        shown = str(detail.query_one("#detail-config-values", Static).render())
         assert all(f"{name}={value}" in shown for name, value in detail.record.config.items())
         await pilot.press("escape")
         assert isinstance(app.screen, SlowQueriesScreen)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
-from textual.containers import Vertical
+from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Static
 
@@ -123,15 +123,17 @@ class SlowQueriesScreen(ConsoleScreen):
 
 
 def config_text(config: Mapping[str, Any]) -> Text:
-    """`name=value` pairs flowing over the width, those off EngineConfig's default in yellow:
-    every value readable at 80 columns, where a name/value table cut them."""
+    """`name=value` pairs flowing over the width, every value readable at 80 columns (a
+    name/value table cut them); those off EngineConfig's default first, in yellow."""
+    def changed(name: str) -> bool:
+        return name in DEFAULTS and DEFAULTS[name] != config[name]
+
     text = Text()
-    for name, value in sorted(config.items()):
+    for name in sorted(config, key=lambda name: (not changed(name), name)):
         if text:
             text.append("  ")
         text.append(f"{name}=", style="dim")
-        changed = name in DEFAULTS and DEFAULTS[name] != value
-        text.append(str(value), style="bold yellow" if changed else "")
+        text.append(str(config[name]), style="bold yellow" if changed(name) else "")
     return text
 
 
@@ -156,7 +158,8 @@ class SlowQueryDetail(ModalScreen[None]):
                 yield Static(Text.assemble(("verdict ", "dim"), (r.verdict, "bold yellow")),
                              id="detail-verdict")
             yield DataTable(id="detail-chunks", cursor_type="row", zebra_stripes=True)
-            yield Static(config_text(r.config), id="detail-config")
+            with VerticalScroll(id="detail-config"):
+                yield Static(config_text(r.config), id="detail-config-values")
             yield Static("esc closes", classes="dim")
 
     def on_mount(self) -> None:
@@ -171,6 +174,6 @@ class SlowQueryDetail(ModalScreen[None]):
             chunks.add_row(str(chunk.get("index", "")), str(chunk.get("start", "")),
                            str(chunk.get("tokens", "")), f"{duration * 1e3:.2f}",
                            f"{predicted * 1e3:.2f}", ratio)
-        config = self.query_one("#detail-config", Static)
+        config = self.query_one("#detail-config", VerticalScroll)
         config.border_title = "Configuration at the time"
         config.border_subtitle = "yellow: not the default"
