@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from textual.pilot import Pilot
+from textual.widgets import Input
 
 from console.errors import UserError
 from console.sources import (
@@ -40,6 +41,8 @@ from console.sources.embedded import EmbeddedSource
 from console.sources.prometheus_text import MetricWindow, Reading
 from console.sources.remote import FIRST_DELAY_S
 from console.tui.app import TokenflowApp
+from console.tui.screens.tuning import TuningScreen
+from console.tui.widgets.confirm import Confirm
 from console.tui.widgets.header import EngineHeader
 from engine import Engine, EngineConfig
 from engine.budget.peaks import GPU_PRESETS
@@ -394,3 +397,65 @@ async def test_console_renders_an_attached_source(kind: str, server: ServerThrea
         assert dataclasses.asdict(latest).keys() == dataclasses.asdict(Snapshot()).keys()
         app.collector.stop()  # no poll may land while the app tears its screens down
         await workers_done(pilot)
+
+
+@pytest.mark.anyio
+async def test_a_change_to_a_remote_server_is_confirmed_first(server: ServerThread,
+                                                              loop: EngineLoop) -> None:
+    """k9s asks before it acts on someone else's cluster: n changes nothing, y applies."""
+    before = loop.engine.config.max_num_batched_tokens
+    wanted = before + 64
+    app = TokenflowApp(HttpSource(server.url, token=TOKEN), interval=FAST_POLL_S)
+    try:
+        async with app.run_test(size=(120, 40)) as pilot:
+            await _first_snapshot(pilot)
+            await pilot.press("2")
+            screen = app.screen
+            assert isinstance(screen, TuningScreen)
+            box = screen.query_one("#input-max_num_batched_tokens", Input)
+            await until(pilot, lambda: box.value == str(before), "the form filled")
+            for answer in ("n", "y"):
+                box.value = str(wanted)
+                await pilot.press("ctrl+s")
+                await until(pilot, lambda: isinstance(app.screen, Confirm), "the question")
+                assert f"max_num_batched_tokens → {wanted}" in str(
+                    app.screen.query_one("#confirm-question").render())
+                await pilot.press(answer)
+                await until(pilot, lambda: app.screen is screen, "the answer")
+                if answer == "n":
+                    await workers_done(pilot)
+                    assert loop.engine.config.max_num_batched_tokens == before
+            await until(pilot, lambda: loop.engine.config.max_num_batched_tokens == wanted)
+            app.collector.stop()
+            await workers_done(pilot)
+    finally:
+        loop.update_config(max_num_batched_tokens=before)
+
+
+@pytest.mark.anyio
+async def test_pausing_a_remote_server_is_confirmed_first(server: ServerThread,
+                                                          loop: EngineLoop) -> None:
+    """`p` asks as `c` does: n leaves the server running, y pauses it, and resuming asks too."""
+    app = TokenflowApp(HttpSource(server.url, token=TOKEN), interval=FAST_POLL_S)
+    try:
+        async with app.run_test(size=(120, 40)) as pilot:
+            await _first_snapshot(pilot)
+            live = app.screen
+            for answer, paused in (("n", False), ("y", True)):
+                await pilot.press("p")
+                await until(pilot, lambda: isinstance(app.screen, Confirm), "the question")
+                assert f"Pause {app.source.name}?" in str(
+                    app.screen.query_one("#confirm-question").render())
+                await pilot.press(answer)
+                await until(pilot, lambda: app.screen is live, "the answer")
+                await until(pilot, lambda want=paused: loop.paused == want
+                            and app.state.paused == want, "the pause shown")
+            await pilot.press("p")
+            await until(pilot, lambda: isinstance(app.screen, Confirm), "the question")
+            assert "Resume" in str(app.screen.query_one("#confirm-question").render())
+            await pilot.press("y")
+            await until(pilot, lambda: not loop.paused, "the server resumed")
+            app.collector.stop()
+            await workers_done(pilot)
+    finally:
+        loop.resume()

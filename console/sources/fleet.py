@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from console.sources.base import (
     Calibrating,
@@ -35,13 +35,15 @@ from console.sources.base import (
 from console.sources.remote import TIMEOUT_S
 from engine.errors import EngineError
 from engine.snapshot import Snapshot
-from engine.store import (
-    CalibrationRecord,
-    ConfigChangeRecord,
-    DriftRecord,
-    SlowQueryRecord,
-    TracedDriftPoint,
-)
+
+if TYPE_CHECKING:  # annotations only: the store pulls SQLAlchemy and Alembic (~1 s)
+    from engine.store import (
+        CalibrationRecord,
+        ConfigChangeRecord,
+        DriftRecord,
+        SlowQueryRecord,
+        TracedDriftPoint,
+    )
 
 POLL_INTERVAL_S = 0.4
 SLOW_WINDOW_S = 60.0  # slow queries per minute: the change in slow_queries_total over this

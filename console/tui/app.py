@@ -26,7 +26,7 @@ from console.tui.collectors import (
     SnapshotPolled,
     SourceFailed,
 )
-from console.tui.keymap import COMMANDS, bindings, command_for
+from console.tui.keymap import COMMANDS, bindings, command_for, own_keys
 from console.tui.screens.base import ConsoleScreen
 from console.tui.screens.diagnosis import DiagnosisScreen
 from console.tui.screens.drift import DriftScreen
@@ -191,19 +191,19 @@ class TokenflowApp(App[None]):
         ConsoleScreen.on_key). A key the focused field takes never gets here (Field)."""
         if action != "command":
             return True
-        need = command_for(str(parameters[0])).needs
+        key = str(parameters[0])
+        if key in own_keys(self.screen):
+            return False  # the screen's own binding runs instead (Textual tries it next)
+        need = command_for(key).needs
         return need is None or need in self.state.capabilities
 
     async def action_command(self, key: str) -> None:
         await self.run_action(command_for(key).action)
 
     def action_toggle_pause(self) -> None:
-        paused = self.state.paused
         refusal = self.state.toggle_pause(self)
         if refusal is not None:
             self.notify(refusal, severity="warning")
-        else:
-            self.notify("resuming" if paused else "pausing", timeout=1.5)
 
     def action_next_server(self) -> None:
         """Fleet view: each attached server is a tab; this moves to the next one."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from textual.app import App
 from textual.dom import DOMNode
@@ -19,13 +19,15 @@ from console.sources.replay import SessionRecorder
 from engine.config import ConfigError
 from engine.errors import EngineError
 from engine.snapshot import Snapshot
-from engine.store import (
-    CalibrationRecord,
-    ConfigChangeRecord,
-    DriftRecord,
-    SlowQueryRecord,
-    TracedDriftPoint,
-)
+
+if TYPE_CHECKING:  # annotations only: the store pulls SQLAlchemy and Alembic (~1 s)
+    from engine.store import (
+        CalibrationRecord,
+        ConfigChangeRecord,
+        DriftRecord,
+        SlowQueryRecord,
+        TracedDriftPoint,
+    )
 
 
 class SnapshotPolled(Message):

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from console.tui.history import MetricHistory
-from engine.harness.slo import DELAY_MULTIPLE
+from engine.harness.slo_targets import DELAY_MULTIPLE
 from engine.snapshot import Snapshot
 
 Figures = dict[str, str]

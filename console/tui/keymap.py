@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 from textual.binding import Binding
+from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import Input
 
@@ -77,6 +78,14 @@ def bindings() -> list[Binding]:
     return [Binding(key, f"command({key!r})", c.title, key_display=c.shown_key, priority=True,
                     show=False)
             for c in COMMANDS for key in c.keys]
+
+
+def own_keys(screen: Screen) -> set[str]:
+    """The keys `screen` binds itself: there its own binding beats a command's (a question's
+    `n` is "no", not the next server)."""
+    return {key for cls in type(screen).__mro__ for binding in vars(cls).get("BINDINGS", ())
+            if isinstance(binding, Binding) and not binding.priority
+            for key in binding.key.split(",")}
 
 
 def command_for(key: str) -> Command:

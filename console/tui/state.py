@@ -8,6 +8,7 @@ it: it answers with the refusal to show the operator, or None once its worker ha
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,18 +86,24 @@ class ConsoleState:
         if refusal is not None:
             return refusal
         tunable = facet(self.source, Tunable)
-        if not self.remote:
-            apply_config_in_worker(node, tunable, changes)
-            return None
         listed = ", ".join(f"{name} → {value}" for name, value in changes.items())
+        self._confirmed(node, f"Change {self.source.name}?\n{listed}", "not applied",
+                        lambda: apply_config_in_worker(node, tunable, changes))
+        return None
+
+    def _confirmed(self, node: DOMNode, question: str, declined: str,
+                   act: Callable[[], None]) -> None:
+        """Run `act` now on our own engine; on a remote server once the operator says yes."""
+        if not self.remote:
+            act()
+            return
 
         def answered(yes: bool | None) -> None:
             if yes:
-                apply_config_in_worker(node, tunable, changes)
+                act()
             else:
-                node.notify("not applied", timeout=2)
-        node.app.push_screen(Confirm(f"Change {self.source.name}?\n{listed}"), answered)
-        return None
+                node.notify(declined, timeout=2)
+        node.app.push_screen(Confirm(question), answered)
 
     def set_arrival_rate(self, node: DOMNode, rate: float) -> str | None:
         refusal = self.refusal(Capability.TRAFFIC)
@@ -119,11 +126,17 @@ class ConsoleState:
         return self.apply_config(node, {"max_num_batched_tokens": budget})
 
     def toggle_pause(self, node: DOMNode) -> str | None:
+        """Pause or resume (on a remote server once the operator has said yes)."""
         refusal = self.refusal(Capability.PAUSE)
         if refusal is None:
             source = facet(self.source, Pausable)
-            command = source.resume if self.paused else source.pause
-            node.run_worker(command, thread=True, group="pause", exit_on_error=False)
+            verb, doing, command = (("Resume", "resuming", source.resume) if self.paused
+                                    else ("Pause", "pausing", source.pause))
+
+            def act() -> None:
+                node.run_worker(command, thread=True, group="pause", exit_on_error=False)
+                node.notify(doing, timeout=1.5)
+            self._confirmed(node, f"{verb} {self.source.name}?", f"not {verb.lower()}d", act)
         return refusal
 
     def recalibrate(self, node: DOMNode) -> str | None:

@@ -329,8 +329,9 @@ class Calibration:
         done += 1
         yield
         vocab = self.engine.model_config.vocab_size
-        for probe in self.probes:
-            self._report(done, f"warm-up: {_describe(probe)}")
+        shapes = len(self.probes)
+        for index, probe in enumerate(self.probes, 1):  # "shape i/n": the console's splash
+            self._report(done, f"warm-up, shape {index}/{shapes}: {_describe(probe)}")
             if probe.longest > self.engine.max_model_len:
                 self._skipped.append(probe)
             else:
@@ -343,9 +344,10 @@ class Calibration:
             done += 1 + (0 if probe in self._batches else self.plan.repeats)
             yield
         for repeat in range(self.plan.repeats):
-            for probe, batch in self._batches.items():
-                self._report(done, f"pass {repeat + 1}/{self.plan.repeats}: "
-                             f"{_describe(probe)}")
+            timed = len(self._batches)
+            for index, (probe, batch) in enumerate(self._batches.items(), 1):
+                self._report(done, f"pass {repeat + 1}/{self.plan.repeats}, shape "
+                             f"{index}/{timed}: {_describe(probe)}")
                 seconds = self._run(batch, 1)
                 if seconds is not None:  # None: serving took the blocks since the warm-up
                     self._times[probe].append(seconds)

@@ -9,10 +9,12 @@ from __future__ import annotations
 import enum
 from array import array
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.config import SamplingParams
+
+if TYPE_CHECKING:  # only named in an annotation: the console's plan reads import this module
+    import torch
 
 
 class RequestState(enum.StrEnum):

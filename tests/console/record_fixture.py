@@ -2,10 +2,11 @@
 
     .venv/bin/python -m tests.console.record_fixture
 
-The live part is real: the mixed workload on synthetic:tiny, snapshots every 0.1 s, a token
-budget change and a slow-query threshold low enough that slow queries are stored. The store
-has no calibrator to run yet, so two calibration runs and one drift event are written into the
-store the ordinary way (save_calibration, a Drift event on the bus) for the drift screen.
+The live part is real: the mixed workload on synthetic:tiny, its first calibration at start,
+snapshots every 0.1 s (latency percentiles, ITL among them), a token budget change and a
+slow-query threshold low enough that slow queries are stored. Two more calibration runs and
+one drift event are written into the store the ordinary way (save_calibration, a Drift event
+on the bus), so the drift screen has a history to draw.
 """
 
 from __future__ import annotations

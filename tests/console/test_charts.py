@@ -10,9 +10,10 @@ from rich.text import Text
 from textual.app import App, ComposeResult
 
 from console.tui.history import MetricHistory
+from console.tui.widgets.chunk_queue import ChunkQueue
 from console.tui.widgets.header import EngineHeader, warnings
 from console.tui.widgets.plot import Line, Plot, Series, ms
-from engine.snapshot import Percentiles, Snapshot
+from engine.snapshot import Percentiles, RequestView, Snapshot
 
 pytestmark = pytest.mark.anyio
 
@@ -21,7 +22,7 @@ TTFT = Series("TTFT p99", tuple(100.0 + 10 * (t % 7) for t in TIMES), TIMES)
 
 
 class OnePlot(App[None]):
-    def __init__(self, plot: Plot) -> None:
+    def __init__(self, plot: Plot | ChunkQueue) -> None:
         super().__init__()
         self.plot = plot
 
@@ -120,3 +121,17 @@ async def test_the_header_flags_a_backlog_and_kv_above_the_watermark() -> None:
         header.update_from(jammed, "test")
         assert str(header.render()).startswith(
             "NORMAL · BACKLOG 285 waiting, TTFT p50 21.0 s · KV 87% ≥ 85%  budget 64")
+
+
+async def test_chunk_queue_ids_are_cut_in_the_middle() -> None:
+    """Ids of one workload differ at the end: a tail cut made them all read `long-doc`."""
+    prefilling = tuple(RequestView(f"long-doc-0001{n}", "default", "PREFILL_CHUNKING", "", 400,
+                                   100 * n, n, 4, 0, None, None, None, 0.0) for n in (1, 2))
+    queue = ChunkQueue()
+    async with OnePlot(queue).run_test(size=(60, 6)) as pilot:
+        queue.update_from(Snapshot(chunk_queue_length=5, requests=prefilling))
+        await pilot.pause()
+        rows = queue.render().plain.splitlines()
+    assert rows[0].startswith("5 chunks queued · 2 prefilling")
+    assert rows[1].startswith("long-…0011 ") and rows[1].endswith("1/4    25%")
+    assert rows[2].startswith("long-…0012 ") and rows[2].endswith("2/4    50%")

@@ -5,13 +5,15 @@ store and the command that clears it. The embedded engine runs in its child proc
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
+from textual.message import Message
 
 from console.sources.process import ProcessSource
 from console.tui.app import TokenflowApp
-from console.tui.screens.splash import ResumedNotice
+from console.tui.screens.splash import EngineStarting, ResumedNotice, SplashScreen
 from engine.config import EngineConfig, SamplingParams
 from engine.serve.session import EngineSession
 from engine.store import close_entry, open_database, unfinished_requests
@@ -93,3 +95,25 @@ async def test_quarantined_requests_are_announced_and_not_run(tmp_path: Path) ->
         assert all(r.id != entry.request_id for r in app.latest.requests)
         app.collector.stop()
         await workers_done(pilot)
+
+
+async def test_the_splash_counts_the_first_calibrations_shapes(tmp_path: Path) -> None:
+    """Issue 16: the first calibration runs in the engine's child process; its per-shape
+    progress crosses the pipe to the splash, which says how many shapes are done."""
+    stages: list[tuple[str, bool]] = []
+
+    def heard(message: Message) -> None:
+        if isinstance(message, EngineStarting):
+            stages.append((message.what, isinstance(app.screen, SplashScreen)))
+
+    app = console(tmp_path / "fresh.db")  # no stored calibration: the first one runs
+    async with app.run_test(size=(120, 40), message_hook=heard) as pilot:
+        await until(pilot, lambda: not app.starting and app.latest is not None, "the engine")
+        app.collector.stop()
+        await workers_done(pilot)
+    counted = [(int(m[1]), int(m[2])) for what, _ in stages
+               if (m := re.search(r"pass \d+/\d+, shape (\d+)/(\d+)", what))]
+    assert counted and counted[0] == (1, counted[0][1]) and counted[-1][0] == counted[-1][1]
+    assert all(on_splash for _, on_splash in stages)
+    assert any(what.startswith("calibrating (first calibration at start): warm-up, shape 1/")
+               for what, _ in stages)

@@ -5,7 +5,7 @@ history instead: the windowed median of measured over predicted prefill time."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -25,7 +25,9 @@ from console.tui.screens.slow_queries import clock
 from console.tui.state import ConsoleState
 from console.tui.widgets.notice import unavailable
 from console.tui.widgets.plot import Line, Plot, Series
-from engine.store import CalibrationRecord
+
+if TYPE_CHECKING:  # annotations only: the store pulls SQLAlchemy and Alembic (~1 s)
+    from engine.store import CalibrationRecord
 
 
 def prefill_ms_per_1k(record: CalibrationRecord) -> float | None:

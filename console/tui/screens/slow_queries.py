@@ -3,25 +3,28 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
-from textual.containers import Horizontal, Vertical
+from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Static
 
 from console.sources.base import Capability
 from console.tui.collectors import SlowQueriesLoaded
 from console.tui.screens.base import ConsoleScreen
-from console.tui.settings import setting
+from console.tui.settings import DEFAULTS, setting
 from console.tui.state import ConsoleState
 from console.tui.widgets.keyed_table import Column, KeyedTable, TableRow, middle_cut
 from console.tui.widgets.notice import unavailable
 from console.tui.widgets.requests_table import budget_text
-from engine.store import SlowQueryRecord, export_slow_queries
+
+if TYPE_CHECKING:  # annotations only: the store pulls SQLAlchemy and Alembic (~1 s)
+    from engine.store import SlowQueryRecord
 
 COLUMNS = (
     Column("id", "id", 6),
@@ -105,6 +108,8 @@ class SlowQueriesScreen(ConsoleScreen):
             self.app.push_screen(SlowQueryDetail(record))
 
     def action_export(self, fmt: str) -> None:
+        from engine.store import export_slow_queries  # the store loads on first use (see above)
+
         table = self.query_one(KeyedTable)
         keys = [str(k.value) for k in table.table.rows]  # what is shown: filtered, in order
         records = [self.records[k] for k in keys if k in self.records]
@@ -115,6 +120,21 @@ class SlowQueriesScreen(ConsoleScreen):
             self.notify(f"export failed: {exc.strerror} ({path})", severity="error")
             return
         self.notify(f"exported {len(records)} slow queries to {path}")
+
+
+def config_text(config: Mapping[str, Any]) -> Text:
+    """`name=value` pairs flowing over the width, every value readable at 80 columns (a
+    name/value table cut them); those off EngineConfig's default first, in yellow."""
+    def changed(name: str) -> bool:
+        return name in DEFAULTS and DEFAULTS[name] != config[name]
+
+    text = Text()
+    for name in sorted(config, key=lambda name: (not changed(name), name)):
+        if text:
+            text.append("  ")
+        text.append(f"{name}=", style="dim")
+        text.append(str(config[name]), style="bold yellow" if changed(name) else "")
+    return text
 
 
 class SlowQueryDetail(ModalScreen[None]):
@@ -139,9 +159,9 @@ class SlowQueryDetail(ModalScreen[None]):
             if r.verdict:  # records stored before revision 0003 have none
                 yield Static(Text.assemble(("verdict ", "dim"), (r.verdict, "bold yellow")),
                              id="detail-verdict")
-            with Horizontal():
-                yield DataTable(id="detail-chunks", cursor_type="row", zebra_stripes=True)
-                yield DataTable(id="detail-config", cursor_type="row")
+            yield DataTable(id="detail-chunks", cursor_type="row", zebra_stripes=True)
+            with VerticalScroll(id="detail-config"):
+                yield Static(config_text(r.config), id="detail-config-values")
             yield Static("esc closes", classes="dim")
 
     def on_mount(self) -> None:
@@ -156,8 +176,6 @@ class SlowQueryDetail(ModalScreen[None]):
             chunks.add_row(str(chunk.get("index", "")), str(chunk.get("start", "")),
                            str(chunk.get("tokens", "")), f"{duration * 1e3:.2f}",
                            f"{predicted * 1e3:.2f}", ratio)
-        config = self.query_one("#detail-config", DataTable)
+        config = self.query_one("#detail-config", VerticalScroll)
         config.border_title = "Configuration at the time"
-        config.add_columns("field", "value")
-        for name, value in sorted(self.record.config.items()):
-            config.add_row(name, str(value))
+        config.border_subtitle = "yellow: not the default"

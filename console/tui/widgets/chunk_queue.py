@@ -10,11 +10,13 @@ from rich.text import Text
 from textual.widget import Widget
 
 from console.tui.widgets.gauge import gauge
+from console.tui.widgets.keyed_table import middle_cut
 from console.tui.widgets.notice import unavailable
 from engine.snapshot import Percentiles, RequestView, Snapshot
 
 PREFILLING = ("PREFILL_CHUNKING",)
 SCRAPED_MODES = ("vLLM", "SGLang")  # read-only views of other engines' /metrics
+ID_WIDTH = 10  # ids differ at the end (long-doc-00017): cut in the middle, never the tail
 
 
 class ChunkQueue(Widget):
@@ -49,10 +51,10 @@ class ChunkQueue(Widget):
         rows = max(height - 1, 0)
         overflow = len(self._prefilling) > rows
         shown = self._prefilling[: rows - 1 if overflow else rows]
-        bar_width = max(width - 26, 4)
+        bar_width = max(width - (ID_WIDTH + 18), 4)
         for r in shown:
             done = r.prefilled_tokens / max(r.prompt_tokens, 1)
-            text.append(f"\n{r.id[:8]:<8} ")
+            text.append(f"\n{middle_cut(r.id, ID_WIDTH):<{ID_WIDTH}} ")
             text.append_text(gauge(done, bar_width, style="cyan"))
             text.append(f" {r.chunks_done:>3}/{r.chunks_total:<3} {done:>4.0%}")
         if overflow and rows > 0:

@@ -16,7 +16,7 @@ from textual.widgets import Static
 
 from console.tui.history import MetricHistory
 from console.tui.widgets.plot import Line, Plot, Series, ms
-from engine.harness.slo import DELAY_MULTIPLE, TPOT_MULTIPLE
+from engine.harness.slo_targets import DELAY_MULTIPLE, TPOT_MULTIPLE
 from engine.snapshot import Percentiles, Snapshot
 
 

@@ -1,0 +1,82 @@
+"""Attaching the console to servers over HTTP: tokenflow serve, vLLM, SGLang, or a fleet of any
+mix of them, told apart by their /metrics."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import httpx
+
+from console.errors import UserError
+from console.sources.base import Source
+from console.sources.fleet import AsyncSource, FleetSource
+from console.sources.http import HttpSource
+from console.sources.remote import TIMEOUT_S
+from console.sources.scraped import ScrapedSource
+from console.sources.sglang import SglangMetricsSource
+from console.sources.vllm import VllmMetricsSource
+
+if TYPE_CHECKING:
+    from engine.serve.otlp import TraceCollector
+
+KINDS = ("tokenflow", "vllm", "sglang")
+SCHEMES = ("http", "https")
+
+
+def split_kind(target: str) -> tuple[str | None, str]:
+    """("vllm", "http://h:8000") for "vllm+http://h:8000"; (None, url) for a bare URL."""
+    scheme, sep, rest = target.partition("://")
+    kind, plus, transport = scheme.partition("+")
+    if not sep or (transport if plus else kind) not in SCHEMES:
+        raise UserError(f"--attach {target!r}: give a URL like http://HOST:PORT, optionally "
+                        f"prefixed with its kind ({', '.join(k + '+' for k in KINDS)})")
+    if not plus:
+        return None, target
+    if kind not in KINDS:
+        raise UserError(f"--attach {target!r}: unknown kind {kind!r}; use one of "
+                        f"{', '.join(KINDS)}")
+    return kind, f"{transport}://{rest}"
+
+
+def detect_kind(url: str) -> str:
+    """What serves `url`, from the prefix of its /metrics names."""
+    try:
+        text = httpx.get(f"{url.rstrip('/')}/metrics", timeout=TIMEOUT_S).text
+    except httpx.HTTPError as exc:
+        raise UserError(f"cannot reach {url} to tell what it serves ({exc}); prefix it with "
+                        f"its kind: {', '.join(k + '+' + url for k in KINDS)}") from exc
+    for kind, prefix in (("vllm", "\nvllm:"), ("sglang", "\nsglang:"),
+                         ("tokenflow", "\ntokenflow:")):
+        if prefix in f"\n{text}":
+            return kind
+    raise UserError(f"{url}/metrics has no tokenflow:, vllm: or sglang: metrics; prefix the "
+                    "URL with its kind if it is one of them")
+
+
+def open_member(target: str, *, gpu: str | None = None,
+                traces: TraceCollector | None = None) -> AsyncSource:
+    kind, url = split_kind(target)
+    kind = kind or detect_kind(url)
+    if kind == "vllm":
+        return VllmMetricsSource(url, gpu=gpu, traces=traces)
+    if kind == "sglang":
+        return SglangMetricsSource(url, gpu=gpu, traces=traces)
+    return HttpSource(url)
+
+
+def open_http_source(attach: list[str], attach_vllm: str | None = None,
+                     attach_sglang: str | None = None, *, gpu: str | None = None,
+                     traces: TraceCollector | None = None) -> Source:
+    """One source for `--attach URL...`, `--attach-vllm URL` and `--attach-sglang URL`;
+    several open as a fleet."""
+    targets = list(attach)
+    if attach_vllm:
+        targets.append(f"vllm+{attach_vllm}")
+    if attach_sglang:
+        targets.append(f"sglang+{attach_sglang}")
+    members = [open_member(target, gpu=gpu, traces=traces) for target in targets]
+    scraped = [m for m in members if isinstance(m, ScrapedSource)]
+    if len(scraped) > 1:  # each traced server names itself with OTEL_SERVICE_NAME=<its URL>
+        for member in scraped:
+            member.trace_source = member.remote.url
+    return members[0] if len(members) == 1 else FleetSource(members)
