@@ -227,6 +227,7 @@ def main() -> None:
         args.json.write_text(json.dumps({
             "workload": {"trace": "conv", "requests": len(workload), "prompt_tokens": prompt,
                          "output_tokens": output, "arrival": "all at t=0"},
+            "vllm_dtype": args.vllm_dtype, "tokenflow_args": args.tokenflow_arg,
             "reference": runs[0], "results": [asdict(r) for r in results]}, indent=2))
 
 
