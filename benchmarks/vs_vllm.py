@@ -149,15 +149,13 @@ def measure(args: argparse.Namespace, name: str, repeat: int, model: Path, reque
         result, tokens, tpots = run_vllm(args, model, requests, work / f"{name}.json", budget)
         p50 = quantile(tpots, 0.5)
         tpot_ms = p50 * MS_PER_S if p50 is not None else None
-        wall_s, tok_s = result["wall_s"], result["output_tok_s"]
     else:
         result, tokens, tpot_ms = run_tokenflow(args, model, requests, work, name, budget,
                                                 db=name != "tokenflow-nodb")
-        wall_s, tok_s = result["wall_s"], result["output_tok_s"]
     reference = reference if reference is not None else tokens
     identical = sum(1 for rid, ids in reference.items() if tokens.get(rid) == ids)
-    return RunResult(name, repeat, tok_s, tpot_ms, wall_s, sum(map(len, tokens.values())),
-                     identical, len(reference)), tokens
+    return RunResult(name, repeat, result["output_tok_s"], tpot_ms, result["wall_s"],
+                     sum(map(len, tokens.values())), identical, len(reference)), tokens
 
 
 def main() -> None:
