@@ -159,7 +159,8 @@ class Plot(Widget):
         shown = [(s, c) for s, c in zip(self._series, self._colors(), strict=True) if s.values]
         for row, (series, color) in enumerate(shown[:height]):
             value = self._unit(series.values[-1])
-            label = series.label[: max(width - len(value) - 4, 0)]  # the value is never cut
+            # the value is never cut, the label only below one spark of room
+            label = series.label[: max(width - len(value) - 3, 0)]
             room = max(width - len(label) - len(value) - 2, 1)
             points = downsample(list(series.values), room)
             span = (high - low) or 1.0
