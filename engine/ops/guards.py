@@ -129,30 +129,45 @@ class Guards:
         def recent(last: float | None) -> bool:
             return last is not None and now - last < cfg.guard_window_s
 
-        state = {
-            "breaker": (recent(self._last_breaker),
-                        f"rejected a prompt over max_prefill_tokens × {BREAKER_FACTOR} within "
-                        f"the last {cfg.guard_window_s:g} s"),
-            "throttle": (inputs.throttle_level > 0,
-                         f"bandwidth 5 s average {inputs.bandwidth_util:.0%}: throttle level "
-                         f"{inputs.throttle_level}"),
-            "defrag": (self.fragmentation > cfg.defrag_threshold,
-                       f"KV fragmentation {self.fragmentation:.0%} over defrag_threshold "
-                       f"{cfg.defrag_threshold:.0%}"),
-            "chunk_timeout": (recent(self._last_timeout), self._timeout_detail),
-            "drift": (recent(self._last_drift), self._drift_detail),
+        engaged = {
+            "breaker": recent(self._last_breaker),
+            "throttle": inputs.throttle_level > 0,
+            "defrag": self.fragmentation > cfg.defrag_threshold,
+            "chunk_timeout": recent(self._last_timeout),
+            "drift": recent(self._last_drift),
         }
-        degraded = cfg.degraded_path and all(state[name][0] for name in DEGRADED_WHEN)
-        state["degraded"] = (degraded, "layers 1-4 engaged: one prefill at a time in "
-                                       "chunk_tile-sized chunks while decodes go on")
-        for name in LAYERS:  # in layer order, so each hand-over is one evaluation
-            engaged, detail = state[name]
-            if engaged != self._engaged[name]:
-                self._engaged[name] = engaged
-                events.append(GuardAction(layer=name, engaged=engaged,
-                                          detail=detail if engaged else "released", ts=now))
+        degraded = cfg.degraded_path and all(engaged[name] for name in DEGRADED_WHEN)
+        engaged["degraded"] = degraded
+        if engaged != self._engaged:
+            for name in LAYERS:  # in layer order, so each hand-over is one evaluation
+                if engaged[name] != self._engaged[name]:
+                    self._engaged[name] = engaged[name]
+                    events.append(GuardAction(
+                        layer=name, engaged=engaged[name], ts=now,
+                        detail=self._detail(name, inputs) if engaged[name] else "released"))
         return GuardDecisions(fail=tuple(fail), compact=compact, prefill_paused=degraded,
                               events=tuple(events))
+
+    def _detail(self, layer: str, inputs: GuardInputs) -> str:
+        """Why `layer` engaged; built only when it does (evaluate runs twice a step)."""
+        cfg = inputs.config
+        match layer:
+            case "breaker":
+                return (f"rejected a prompt over max_prefill_tokens × {BREAKER_FACTOR} within "
+                        f"the last {cfg.guard_window_s:g} s")
+            case "throttle":
+                return (f"bandwidth 5 s average {inputs.bandwidth_util:.0%}: throttle level "
+                        f"{inputs.throttle_level}")
+            case "defrag":
+                return (f"KV fragmentation {self.fragmentation:.0%} over defrag_threshold "
+                        f"{cfg.defrag_threshold:.0%}")
+            case "chunk_timeout":
+                return self._timeout_detail
+            case "drift":
+                return self._drift_detail
+            case _:  # degraded
+                return ("layers 1-4 engaged: one prefill at a time in chunk_tile-sized chunks "
+                        "while decodes go on")
 
 
 def allocator_fragmentation(device: torch.device) -> float:
