@@ -225,11 +225,18 @@ class EventBus:
         self._front: list[Event] = []
         self._back: list[Event] = []
         self._lock = threading.Lock()
-        self._subscribers: list[Subscriber] = []
+        # replaced, never mutated: drain reads it per event with no copy, and a subscriber
+        # that (un)subscribes mid-drain changes only the events after the one it is hearing
+        self._subscribers: tuple[Subscriber, ...] = ()
 
     def subscribe(self, fn: Subscriber) -> Callable[[], None]:
-        self._subscribers.append(fn)
-        return lambda: self._subscribers.remove(fn)
+        self._subscribers = (*self._subscribers, fn)
+        return lambda: self._unsubscribe(fn)
+
+    def _unsubscribe(self, fn: Subscriber) -> None:
+        subscribers = list(self._subscribers)
+        subscribers.remove(fn)
+        self._subscribers = tuple(subscribers)
 
     def publish(self, event: Event) -> None:
         if self._clock is not None:  # before any subscriber sees it; frozen for them
@@ -243,7 +250,7 @@ class EventBus:
             self._front, self._back = self._back, self._front
         delivered = self._back
         for event in delivered:
-            for fn in tuple(self._subscribers):
+            for fn in self._subscribers:
                 fn(event)
         count = len(delivered)
         delivered.clear()

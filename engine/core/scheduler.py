@@ -606,7 +606,8 @@ class Scheduler:
 
 
 def request_output(request: Request, new_tokens: tuple[int, ...]) -> RequestOutput:
+    state = request.state
+    final = state.is_final
     return RequestOutput(request_id=request.id, new_token_ids=new_tokens,
-                         token_ids=tuple(request.output_token_ids),
-                         finished=request.state.is_final, finish_reason=request.reason
-                         if request.state.is_final else None, state=request.state.value)
+                         token_ids=tuple(request.output_token_ids), finished=final,
+                         finish_reason=request.reason if final else None, state=state.value)
