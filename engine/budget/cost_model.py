@@ -91,7 +91,7 @@ class BudgetModel:
 
     def flops(self, shape: StepShape) -> float:
         pairs = sum(chunk * before + chunk * (chunk + 1) // 2 for chunk, before in shape.prefill)
-        pairs += sum(context + 1 for context in shape.decode_contexts)
+        pairs += sum(shape.decode_contexts) + len(shape.decode_contexts)  # context + 1 each
         return (self._linear_flops_per_token * shape.num_tokens
                 + self._lm_head_flops_per_row * shape.logits_rows
                 + self._attention_flops_per_pair * pairs)
