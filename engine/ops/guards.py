@@ -90,6 +90,8 @@ class Guards:
     def observe(self, event: Event, now: float) -> bool:
         """Note an event that reports a fault; True when the layers should be evaluated now
         (so the next layer takes over at the instant the fault is seen)."""
+        if not isinstance(event, (Rejected, Drift, Failed)):  # every event passes here
+            return False
         if isinstance(event, Rejected) and event.cause is RejectCause.BREAKER:
             self._last_breaker = now
         elif isinstance(event, Drift):
