@@ -191,8 +191,9 @@ class Scheduler:
             self.mode_log.append(ModeRecord(self.clock(), *state))
         batch = Batch(mode=self.mode)
         budget = self._schedule_decodes(batch, self.token_budget)
-        self._replan_if_retuned(tuple(c.start + 1 for c in batch.decodes))
-        self._schedule_prefills(batch, budget)
+        rules = self.plan_rules()  # once a step: the retune check and the chunk cap read it
+        self._replan_if_retuned(rules, batch)
+        self._schedule_prefills(batch, budget, rules.chunk_cap)
         return batch
 
     def _schedule_decodes(self, batch: Batch, budget: int) -> int:
@@ -220,7 +221,7 @@ class Scheduler:
             budget -= 1
         return budget
 
-    def _schedule_prefills(self, batch: Batch, budget: int) -> None:
+    def _schedule_prefills(self, batch: Batch, budget: int, chunk_cap: float) -> None:
         cfg = self.config
         in_progress = sorted((r for r in self.running if r.state is RequestState.PREFILL_CHUNKING),
                              key=self._queue_key)
@@ -228,7 +229,6 @@ class Scheduler:
         cap = THROTTLE_CONCURRENCY[self.throttle_level]
         if cap is not None:
             slots = min(slots, cap)
-        chunk_cap = self.plan_rules().chunk_cap
         if self.cache_pressure or self.prefill_paused:
             if batch.decodes and not self.prefill_paused:
                 return  # decodes only, until evictions relieve the pressure
@@ -381,12 +381,12 @@ class Scheduler:
                          slots=cfg.max_prefill_chunks, chunk_cap=cap,
                          chunked=cfg.chunked_prefill)
 
-    def _replan_if_retuned(self, decode_contexts: tuple[int, ...]) -> None:
-        """A tuning change (configuration, the auto budget's C*) re-plans what is in flight."""
-        rules = self.plan_rules()
+    def _replan_if_retuned(self, rules: PlanRules, batch: Batch) -> None:
+        """A tuning change (configuration, the auto budget's C*) re-plans what is in flight,
+        beside the batch's decodes."""
         if rules != self._plan_rules:
             self._plan_rules = rules
-            self._replan(decode_contexts, ())
+            self._replan(tuple(c.start + 1 for c in batch.decodes), ())
 
     def _replan(self, decode_contexts: tuple[int, ...], fresh: Iterable[Request]) -> None:
         """Plan every prefill in flight from where it stands, beside `decode_contexts`.
