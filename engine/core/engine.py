@@ -308,7 +308,7 @@ class Engine:
 
     def _observe(self, event: Event) -> None:
         """A fault an event reports (breaker, drift, a request failed alone) is judged at once."""
-        if self.guards.observe(event, self.clock()):
+        if self.guards.observe(event, self.clock):
             self._apply(self.guards.evaluate(self._guard_inputs()))
 
     def _apply(self, decisions: GuardDecisions) -> None:

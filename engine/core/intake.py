@@ -29,7 +29,7 @@ def prompt_token_ids(prompt: Sequence[int] | str, encode: Callable[[str], list[i
         token_ids = encode(prompt)
     else:
         try:
-            token_ids = [int(t) for t in prompt]
+            token_ids = list(map(int, prompt))  # in C: prompts run to thousands of ids
         except (TypeError, ValueError):
             raise RequestError("prompt must be text or a list of integer token ids") from None
     if not token_ids:

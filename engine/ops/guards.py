@@ -22,6 +22,7 @@ fault is detected.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -87,11 +88,12 @@ class Guards:
     def engaged(self) -> tuple[str, ...]:
         return tuple(name for name, on in zip(LAYERS, self._engaged, strict=True) if on)
 
-    def observe(self, event: Event, now: float) -> bool:
-        """Note an event that reports a fault; True when the layers should be evaluated now
-        (so the next layer takes over at the instant the fault is seen)."""
+    def observe(self, event: Event, clock: Callable[[], float]) -> bool:
+        """Note an event that reports a fault, at `clock()`; True when the layers should be
+        evaluated now (so the next layer takes over at the instant the fault is seen)."""
         if not isinstance(event, (Rejected, Drift, Failed)):  # every event passes here
             return False
+        now = clock()  # read only for a fault
         if isinstance(event, Rejected) and event.cause is RejectCause.BREAKER:
             self._last_breaker = now
         elif isinstance(event, Drift):
