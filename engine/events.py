@@ -19,14 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 
-def now() -> float:
-    return time.monotonic()
-
-
 @dataclass(frozen=True)
 class Event:
     kind: ClassVar[str] = "event"
-    ts: float = field(default_factory=now, kw_only=True)
+    # the C function itself: a token event per request per step is made with this default
+    ts: float = field(default_factory=time.monotonic, kw_only=True)
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, **dataclasses.asdict(self)}

@@ -22,6 +22,7 @@ ahead of it, c = budget - (N - 1) - (chunk_tile - 1), S = max_prefill_chunks.
 from __future__ import annotations
 
 import math
+import statistics
 from array import array
 from bisect import insort
 from collections import defaultdict, deque
@@ -62,6 +63,7 @@ RECENT_FINISHED = 64  # ended requests still shown in snapshots
 # than the log classes its earliest gaps by the mode log alone)
 STEP_LOG = 65536
 MODE_LOG = 4096
+OVERHEAD_STEPS = 64  # steps whose median overhead the prefill plans add to each step
 QUEUED = (RequestState.WAITING, RequestState.PREEMPTED)
 # throttle level -> chunk concurrency cap (level 3 also pauses new prefills)
 THROTTLE_CONCURRENCY = {0: None, 1: 2, 2: 1, 3: 1}
@@ -109,10 +111,15 @@ class Scheduler:
         # (engine.budget.calibrate.apply sets it).
         self.calibrated = False
         self._plan_rules: PlanRules | None = None  # the rules the plans in force assume
-        # set by the engine: a step's time beyond the forward pass, and how far steps run
-        # from the predictor lately (engine.budget.predictor.StepTimeRatio)
-        self.step_overhead_s = 0.0
+        # set by the engine: each recent step's time beyond the forward pass, and how far
+        # steps run from the predictor lately (engine.budget.predictor.StepTimeRatio)
+        self.overheads: deque[float] = deque(maxlen=OVERHEAD_STEPS)
         self.step_scale = 1.0
+
+    @property
+    def step_overhead_s(self) -> float:
+        """The median recent overhead, taken when a plan reads it rather than every step."""
+        return statistics.median(self.overheads) if self.overheads else 0.0
 
     # --- queues -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -608,6 +615,7 @@ class Scheduler:
 def request_output(request: Request, new_tokens: tuple[int, ...]) -> RequestOutput:
     state = request.state
     final = state.is_final
+    # str() of a StrEnum is its value, without the enum's Python-level `value` property
     return RequestOutput(request_id=request.id, new_token_ids=new_tokens,
                          token_ids=tuple(request.output_token_ids), finished=final,
-                         finish_reason=request.reason if final else None, state=state.value)
+                         finish_reason=request.reason if final else None, state=str(state))
