@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from engine.core.request import Request
 
@@ -236,7 +236,7 @@ class BlockManager:
         self._reserved = max(0, min(num_blocks, len(self._free)))
         return self._reserved
 
-    def fragmentation(self, requests: list[Request]) -> float:
+    def fragmentation(self, requests: Iterable[Request]) -> float:
         """Share of allocated slots that hold no token: the tails of partly filled blocks."""
         size = self.block_size
         allocated = filled = 0

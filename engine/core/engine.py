@@ -287,8 +287,7 @@ class Engine:
                                       bytes_moved=bytes_moved))
         runs = tuple(ChunkRun(c.request.id, c.request.chunks[-1].index, timing.duration_s)
                      for c in batch.prefills if not c.request.state.is_final)
-        live = list(self.scheduler.requests.values())
-        fragmentation = max(self.blocks.fragmentation(live),
+        fragmentation = max(self.blocks.fragmentation(self.scheduler.requests.values()),
                             allocator_fragmentation(self.runner.device))
         self._apply(self.guards.evaluate(self._guard_inputs(fragmentation, runs)))
         return outputs, timing.duration_s
