@@ -19,14 +19,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 
-def now() -> float:
-    return time.monotonic()
-
-
 @dataclass(frozen=True)
 class Event:
     kind: ClassVar[str] = "event"
-    ts: float = field(default_factory=now, kw_only=True)
+    # the C function itself: a token event per request per step is made with this default
+    ts: float = field(default_factory=time.monotonic, kw_only=True)
 
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, **dataclasses.asdict(self)}
@@ -225,11 +222,18 @@ class EventBus:
         self._front: list[Event] = []
         self._back: list[Event] = []
         self._lock = threading.Lock()
-        self._subscribers: list[Subscriber] = []
+        # replaced, never mutated: drain reads it per event with no copy, and a subscriber
+        # that (un)subscribes mid-drain changes only the events after the one it is hearing
+        self._subscribers: tuple[Subscriber, ...] = ()
 
     def subscribe(self, fn: Subscriber) -> Callable[[], None]:
-        self._subscribers.append(fn)
-        return lambda: self._subscribers.remove(fn)
+        self._subscribers = (*self._subscribers, fn)
+        return lambda: self._unsubscribe(fn)
+
+    def _unsubscribe(self, fn: Subscriber) -> None:
+        subscribers = list(self._subscribers)
+        subscribers.remove(fn)
+        self._subscribers = tuple(subscribers)
 
     def publish(self, event: Event) -> None:
         if self._clock is not None:  # before any subscriber sees it; frozen for them
@@ -243,7 +247,7 @@ class EventBus:
             self._front, self._back = self._back, self._front
         delivered = self._back
         for event in delivered:
-            for fn in tuple(self._subscribers):
+            for fn in self._subscribers:
                 fn(event)
         count = len(delivered)
         delivered.clear()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol
 
 from engine.budget.peaks import DevicePeaks
@@ -93,13 +94,13 @@ class BudgetModel:
         """Bytes of weights every step reads: the layers' and lm_head's."""
         return self._weight_bytes
 
-    @property
-    def kv_bytes_per_token(self) -> int:
+    @cached_property
+    def kv_bytes_per_token(self) -> int:  # read for every shape priced
         return self.config.kv_bytes_per_token(self.bytes_per_element)
 
     def flops(self, shape: StepShape) -> float:
         pairs = sum(chunk * before + chunk * (chunk + 1) // 2 for chunk, before in shape.prefill)
-        pairs += sum(context + 1 for context in shape.decode_contexts)
+        pairs += sum(shape.decode_contexts) + len(shape.decode_contexts)  # context + 1 each
         layer_pairs = self._full_layers * pairs
         if self._window_layers:
             window = self.config.sliding_window

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -34,7 +35,8 @@ class StepShape:
     prefill: tuple[tuple[int, int], ...] = ()
     decode_contexts: tuple[int, ...] = ()
 
-    @property
+    # cached: the cost models read these several times for every shape they price
+    @cached_property
     def prefill_tokens(self) -> int:
         return sum(chunk for chunk, _ in self.prefill)
 
@@ -48,7 +50,7 @@ class StepShape:
         """Rows of logits computed: one per prefill chunk end and one per decode."""
         return len(self.prefill) + len(self.decode_contexts)
 
-    @property
+    @cached_property
     def cached_tokens_read(self) -> int:
         """KV entries read from the cache: every token of context the step attends to."""
         return sum(before for _, before in self.prefill) + sum(self.decode_contexts)

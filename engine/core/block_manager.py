@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from engine.core.request import Request
 
@@ -236,13 +236,16 @@ class BlockManager:
         self._reserved = max(0, min(num_blocks, len(self._free)))
         return self._reserved
 
-    def fragmentation(self, requests: list[Request]) -> float:
+    def fragmentation(self, requests: Iterable[Request]) -> float:
         """Share of allocated slots that hold no token: the tails of partly filled blocks."""
-        allocated = sum(len(r.block_table) for r in requests) * self.block_size
+        size = self.block_size
+        allocated = filled = 0
+        for r in requests:  # one pass: the engine measures this after every step
+            slots = len(r.block_table) * size
+            allocated += slots
+            filled += min(r.num_computed_tokens, slots)
         if allocated == 0:
             return 0.0
-        filled = sum(min(r.num_computed_tokens, len(r.block_table) * self.block_size)
-                     for r in requests)
         return 1.0 - filled / allocated
 
     def check_consistent(self, live: list[Request]) -> None:

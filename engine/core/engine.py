@@ -11,11 +11,9 @@ and read the last snapshot.
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
@@ -50,7 +48,6 @@ from engine.snapshot import RequestView, Snapshot
 
 __all__ = ["Engine", "RequestOutput"]
 
-OVERHEAD_STEPS = 64  # steps whose median overhead the prefill plans add to each step
 # Prefill plans follow the live measured/predicted ratio this far at most: further off is
 # drift (a recalibration's business), and a fault filling the window must still show.
 MAX_STEP_SCALE = 2.0
@@ -97,9 +94,6 @@ class Engine:
         self.cstar = CStar()  # C* from the smoothed decode load, once calibrated
         # measured / predicted prefill steps since calibration
         self.step_ratio = StepTimeRatio()
-        # the step's own time beyond the forward pass (scheduling, booking, events): part of
-        # every step a prefill plan prices, which the calibrated predictor does not time
-        self._overheads: deque[float] = deque(maxlen=OVERHEAD_STEPS)
         self._left_busy: float | None = None  # when the last step returned with work left
         self._out_of_band: list[RequestOutput] = []  # ended outside a step, returned by the next
         self._config_lock = threading.Lock()
@@ -262,8 +256,9 @@ class Engine:
             # with work waiting, the time since the last step left is the caller's loop
             # (commands, snapshots): the plan's steps pay it too
             since = entered if self._left_busy is None else self._left_busy
-            self._overheads.append(max(0.0, left - since - forward_s))
-            self.scheduler.step_overhead_s = statistics.median(self._overheads)
+            # the step's own time beyond the forward pass (scheduling, booking, events): part
+            # of every step a prefill plan prices, which the calibrated predictor does not time
+            self.scheduler.overheads.append(max(0.0, left - since - forward_s))
         self._left_busy = left if self.scheduler.has_work() else None
         return outputs
 
@@ -292,8 +287,7 @@ class Engine:
                                       bytes_moved=bytes_moved))
         runs = tuple(ChunkRun(c.request.id, c.request.chunks[-1].index, timing.duration_s)
                      for c in batch.prefills if not c.request.state.is_final)
-        live = list(self.scheduler.requests.values())
-        fragmentation = max(self.blocks.fragmentation(live),
+        fragmentation = max(self.blocks.fragmentation(self.scheduler.requests.values()),
                             allocator_fragmentation(self.runner.device))
         self._apply(self.guards.evaluate(self._guard_inputs(fragmentation, runs)))
         return outputs, timing.duration_s
@@ -308,7 +302,7 @@ class Engine:
 
     def _observe(self, event: Event) -> None:
         """A fault an event reports (breaker, drift, a request failed alone) is judged at once."""
-        if self.guards.observe(event, self.clock()):
+        if self.guards.observe(event, self.clock):
             self._apply(self.guards.evaluate(self._guard_inputs()))
 
     def _apply(self, decisions: GuardDecisions) -> None:

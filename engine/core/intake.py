@@ -29,13 +29,13 @@ def prompt_token_ids(prompt: Sequence[int] | str, encode: Callable[[str], list[i
         token_ids = encode(prompt)
     else:
         try:
-            token_ids = [int(t) for t in prompt]
+            token_ids = list(map(int, prompt))  # in C: prompts run to thousands of ids
         except (TypeError, ValueError):
             raise RequestError("prompt must be text or a list of integer token ids") from None
     if not token_ids:
         raise RequestError("the prompt is empty; send at least one token")
-    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
+    if min(token_ids) < 0 or max(token_ids) >= vocab_size:  # in C; the search only on error
+        bad = next(t for t in token_ids if not 0 <= t < vocab_size)
         raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     return token_ids
 

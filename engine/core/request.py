@@ -28,7 +28,10 @@ class RequestState(enum.StrEnum):
 
     @property
     def is_final(self) -> bool:
-        return self in (RequestState.FINISHED, RequestState.FAILED, RequestState.REJECTED)
+        return self in _FINAL  # read for every output of every step: one set lookup
+
+
+_FINAL = frozenset((RequestState.FINISHED, RequestState.FAILED, RequestState.REJECTED))
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,6 +22,7 @@ ahead of it, c = budget - (N - 1) - (chunk_tile - 1), S = max_prefill_chunks.
 from __future__ import annotations
 
 import math
+import statistics
 from array import array
 from bisect import insort
 from collections import defaultdict, deque
@@ -62,6 +63,7 @@ RECENT_FINISHED = 64  # ended requests still shown in snapshots
 # than the log classes its earliest gaps by the mode log alone)
 STEP_LOG = 65536
 MODE_LOG = 4096
+OVERHEAD_STEPS = 64  # steps whose median overhead the prefill plans add to each step
 QUEUED = (RequestState.WAITING, RequestState.PREEMPTED)
 # throttle level -> chunk concurrency cap (level 3 also pauses new prefills)
 THROTTLE_CONCURRENCY = {0: None, 1: 2, 2: 1, 3: 1}
@@ -109,10 +111,15 @@ class Scheduler:
         # (engine.budget.calibrate.apply sets it).
         self.calibrated = False
         self._plan_rules: PlanRules | None = None  # the rules the plans in force assume
-        # set by the engine: a step's time beyond the forward pass, and how far steps run
-        # from the predictor lately (engine.budget.predictor.StepTimeRatio)
-        self.step_overhead_s = 0.0
+        # set by the engine: each recent step's time beyond the forward pass, and how far
+        # steps run from the predictor lately (engine.budget.predictor.StepTimeRatio)
+        self.overheads: deque[float] = deque(maxlen=OVERHEAD_STEPS)
         self.step_scale = 1.0
+
+    @property
+    def step_overhead_s(self) -> float:
+        """The median recent overhead, taken when a plan reads it rather than every step."""
+        return statistics.median(self.overheads) if self.overheads else 0.0
 
     # --- queues -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -191,8 +198,9 @@ class Scheduler:
             self.mode_log.append(ModeRecord(self.clock(), *state))
         batch = Batch(mode=self.mode)
         budget = self._schedule_decodes(batch, self.token_budget)
-        self._replan_if_retuned(tuple(c.start + 1 for c in batch.decodes))
-        self._schedule_prefills(batch, budget)
+        rules = self.plan_rules()  # once a step: the retune check and the chunk cap read it
+        self._replan_if_retuned(rules, batch)
+        self._schedule_prefills(batch, budget, rules.chunk_cap)
         return batch
 
     def _schedule_decodes(self, batch: Batch, budget: int) -> int:
@@ -220,7 +228,7 @@ class Scheduler:
             budget -= 1
         return budget
 
-    def _schedule_prefills(self, batch: Batch, budget: int) -> None:
+    def _schedule_prefills(self, batch: Batch, budget: int, chunk_cap: float) -> None:
         cfg = self.config
         in_progress = sorted((r for r in self.running if r.state is RequestState.PREFILL_CHUNKING),
                              key=self._queue_key)
@@ -228,7 +236,6 @@ class Scheduler:
         cap = THROTTLE_CONCURRENCY[self.throttle_level]
         if cap is not None:
             slots = min(slots, cap)
-        chunk_cap = self.plan_rules().chunk_cap
         if self.cache_pressure or self.prefill_paused:
             if batch.decodes and not self.prefill_paused:
                 return  # decodes only, until evictions relieve the pressure
@@ -381,12 +388,12 @@ class Scheduler:
                          slots=cfg.max_prefill_chunks, chunk_cap=cap,
                          chunked=cfg.chunked_prefill)
 
-    def _replan_if_retuned(self, decode_contexts: tuple[int, ...]) -> None:
-        """A tuning change (configuration, the auto budget's C*) re-plans what is in flight."""
-        rules = self.plan_rules()
+    def _replan_if_retuned(self, rules: PlanRules, batch: Batch) -> None:
+        """A tuning change (configuration, the auto budget's C*) re-plans what is in flight,
+        beside the batch's decodes."""
         if rules != self._plan_rules:
             self._plan_rules = rules
-            self._replan(decode_contexts, ())
+            self._replan(tuple(c.start + 1 for c in batch.decodes), ())
 
     def _replan(self, decode_contexts: tuple[int, ...], fresh: Iterable[Request]) -> None:
         """Plan every prefill in flight from where it stands, beside `decode_contexts`.
@@ -608,7 +615,9 @@ class Scheduler:
 
 
 def request_output(request: Request, new_tokens: tuple[int, ...]) -> RequestOutput:
+    state = request.state
+    final = state.is_final
+    # str() of a StrEnum is its value, without the enum's Python-level `value` property
     return RequestOutput(request_id=request.id, new_token_ids=new_tokens,
-                         token_ids=tuple(request.output_token_ids),
-                         finished=request.state.is_final, finish_reason=request.reason
-                         if request.state.is_final else None, state=request.state.value)
+                         token_ids=tuple(request.output_token_ids), finished=final,
+                         finish_reason=request.reason if final else None, state=str(state))

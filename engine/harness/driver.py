@@ -180,7 +180,11 @@ class Recorder:
         record = self.records.get(output.request_id)
         if record is None:
             return
-        record.token_ids = list(output.token_ids)
+        held, new = record.token_ids, output.new_token_ids
+        if len(held) + len(new) == len(output.token_ids):
+            held.extend(new)  # the usual output: its new tokens follow the ones held
+        else:  # e.g. a resumed request's first output: take the whole list
+            record.token_ids = list(output.token_ids)
         record.state = output.state
         if output.finished:
             record.reason = output.finish_reason or ""

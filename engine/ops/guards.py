@@ -22,6 +22,7 @@ fault is detected.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +32,6 @@ from engine.core.intake import BREAKER_FACTOR
 from engine.events import Drift, Event, FailCause, Failed, GuardAction, RejectCause, Rejected
 
 LAYERS = ("breaker", "throttle", "defrag", "chunk_timeout", "drift", "degraded")
-DEGRADED_WHEN = ("breaker", "throttle", "defrag", "chunk_timeout")
 TIMEOUT_GROWTH = 0.1  # seed 000 §6: timeout = base × (1 + 0.1 × chunk index)
 
 
@@ -63,6 +63,10 @@ class GuardDecisions:
     events: tuple[GuardAction, ...] = ()  # to publish, in order
 
 
+_QUIET = GuardDecisions()
+_PAUSED = GuardDecisions(prefill_paused=True)
+
+
 def chunk_timeout_s(config: EngineConfig, chunk_index: int) -> float:
     """The time a prefill chunk may take; 0 when layer 4 is off."""
     return config.chunk_timeout_base_ms / 1000 * (1 + TIMEOUT_GROWTH * chunk_index)
@@ -72,7 +76,7 @@ class Guards:
     def __init__(self) -> None:
         self.fragmentation = 0.0  # the larger of KV block tails and, on CUDA, allocator slack
         self.faults_isolated = 0  # requests failed alone by their own error (layer 7)
-        self._engaged = dict.fromkeys(LAYERS, False)
+        self._engaged = (False,) * len(LAYERS)  # in LAYERS order
         self._last_breaker: float | None = None
         self._last_timeout: float | None = None
         self._last_drift: float | None = None
@@ -82,11 +86,14 @@ class Guards:
         self._pending: list[GuardAction] = []  # actions seen between evaluations
 
     def engaged(self) -> tuple[str, ...]:
-        return tuple(name for name in LAYERS if self._engaged[name])
+        return tuple(name for name, on in zip(LAYERS, self._engaged, strict=True) if on)
 
-    def observe(self, event: Event, now: float) -> bool:
-        """Note an event that reports a fault; True when the layers should be evaluated now
-        (so the next layer takes over at the instant the fault is seen)."""
+    def observe(self, event: Event, clock: Callable[[], float]) -> bool:
+        """Note an event that reports a fault, at `clock()`; True when the layers should be
+        evaluated now (so the next layer takes over at the instant the fault is seen)."""
+        if not isinstance(event, (Rejected, Drift, Failed)):  # every event passes here
+            return False
+        now = clock()  # read only for a fault
         if isinstance(event, Rejected) and event.cause is RejectCause.BREAKER:
             self._last_breaker = now
         elif isinstance(event, Drift):
@@ -126,33 +133,46 @@ class Guards:
                 self._last_defrag = now
                 compact = True
 
-        def recent(last: float | None) -> bool:
-            return last is not None and now - last < cfg.guard_window_s
-
-        state = {
-            "breaker": (recent(self._last_breaker),
-                        f"rejected a prompt over max_prefill_tokens × {BREAKER_FACTOR} within "
-                        f"the last {cfg.guard_window_s:g} s"),
-            "throttle": (inputs.throttle_level > 0,
-                         f"bandwidth 5 s average {inputs.bandwidth_util:.0%}: throttle level "
-                         f"{inputs.throttle_level}"),
-            "defrag": (self.fragmentation > cfg.defrag_threshold,
-                       f"KV fragmentation {self.fragmentation:.0%} over defrag_threshold "
-                       f"{cfg.defrag_threshold:.0%}"),
-            "chunk_timeout": (recent(self._last_timeout), self._timeout_detail),
-            "drift": (recent(self._last_drift), self._drift_detail),
-        }
-        degraded = cfg.degraded_path and all(state[name][0] for name in DEGRADED_WHEN)
-        state["degraded"] = (degraded, "layers 1-4 engaged: one prefill at a time in "
-                                       "chunk_tile-sized chunks while decodes go on")
-        for name in LAYERS:  # in layer order, so each hand-over is one evaluation
-            engaged, detail = state[name]
-            if engaged != self._engaged[name]:
-                self._engaged[name] = engaged
-                events.append(GuardAction(layer=name, engaged=engaged,
-                                          detail=detail if engaged else "released", ts=now))
+        window = cfg.guard_window_s
+        breaker = self._last_breaker is not None and now - self._last_breaker < window
+        throttle = inputs.throttle_level > 0
+        defrag = self.fragmentation > cfg.defrag_threshold
+        timeout = self._last_timeout is not None and now - self._last_timeout < window
+        drift = self._last_drift is not None and now - self._last_drift < window
+        degraded = cfg.degraded_path and breaker and throttle and defrag and timeout  # 1-4
+        engaged = (breaker, throttle, defrag, timeout, drift, degraded)  # LAYERS order
+        if engaged != self._engaged:  # evaluated twice a step: compare first, word later
+            for name, now_on, was_on in zip(LAYERS, engaged, self._engaged, strict=True):
+                if now_on != was_on:
+                    events.append(GuardAction(
+                        layer=name, engaged=now_on, ts=now,
+                        detail=self._detail(name, inputs) if now_on else "released"))
+            self._engaged = engaged
+        if not (fail or compact or events):  # most evaluations: the shared "nothing to do"
+            return _PAUSED if degraded else _QUIET
         return GuardDecisions(fail=tuple(fail), compact=compact, prefill_paused=degraded,
                               events=tuple(events))
+
+    def _detail(self, layer: str, inputs: GuardInputs) -> str:
+        """Why `layer` engaged; built only when it does (evaluate runs twice a step)."""
+        cfg = inputs.config
+        match layer:
+            case "breaker":
+                return (f"rejected a prompt over max_prefill_tokens × {BREAKER_FACTOR} within "
+                        f"the last {cfg.guard_window_s:g} s")
+            case "throttle":
+                return (f"bandwidth 5 s average {inputs.bandwidth_util:.0%}: throttle level "
+                        f"{inputs.throttle_level}")
+            case "defrag":
+                return (f"KV fragmentation {self.fragmentation:.0%} over defrag_threshold "
+                        f"{cfg.defrag_threshold:.0%}")
+            case "chunk_timeout":
+                return self._timeout_detail
+            case "drift":
+                return self._drift_detail
+            case _:  # degraded
+                return ("layers 1-4 engaged: one prefill at a time in chunk_tile-sized chunks "
+                        "while decodes go on")
 
 
 def allocator_fragmentation(device: torch.device) -> float:

@@ -130,12 +130,7 @@ class Metrics:
             self._observe(event)
 
     def _observe(self, event: Event) -> None:
-        match event:
-            case StepComplete():
-                tokens = event.prefill_tokens + event.decode_seqs
-                self.iteration_tokens.observe(tokens)
-                self.recent_step.add(event.ts, event.duration_s)
-                self._rate.append((event.ts, tokens, 0))
+        match event:  # the commonest first: a token event per request per step
             case TokensGenerated():
                 count = len(event.token_ids)
                 self.generation_tokens_total += count
@@ -145,6 +140,11 @@ class Metrics:
                     self.itl.observe(event.ts - last)
                     self.recent_itl.add(event.ts, event.ts - last)
                 self._last_token_ts[event.request_id] = event.ts
+            case StepComplete():
+                tokens = event.prefill_tokens + event.decode_seqs
+                self.iteration_tokens.observe(tokens)
+                self.recent_step.add(event.ts, event.duration_s)
+                self._rate.append((event.ts, tokens, 0))
             case RequestAdded():
                 self.prompt_tokens_total += len(event.prompt_token_ids)
             case Preempted():

@@ -1,0 +1,62 @@
+"""The per-step shortcuts of issue 21 keep what the plain code did."""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.core.batch import RequestOutput
+from engine.events import EventBus, TokensGenerated
+from engine.harness.driver import Recorder
+from engine.harness.workload import WorkloadRequest
+from engine.ops.guards import GuardInputs, Guards
+
+
+def test_a_subscriber_that_leaves_mid_drain_hears_no_later_event() -> None:
+    bus = EventBus()
+    heard: list[str] = []
+    leave = None
+
+    def once(event: TokensGenerated) -> None:
+        heard.append(f"once {event.request_id}")
+        assert leave is not None
+        leave()
+
+    leave = bus.subscribe(once)
+    bus.subscribe(lambda e: heard.append(f"all {e.request_id}"))
+    for rid in ("a", "b"):
+        bus.publish(TokensGenerated(request_id=rid, token_ids=(1,)))
+    assert bus.drain() == 2
+    assert heard == ["once a", "all a", "all b"]
+
+
+def _output(token_ids: tuple[int, ...], new: tuple[int, ...], finished: bool = False
+            ) -> RequestOutput:
+    return RequestOutput(request_id="r", new_token_ids=new, token_ids=token_ids,
+                         finished=finished, finish_reason="length" if finished else None,
+                         state="FINISHED" if finished else "DECODING")
+
+
+def test_the_recorder_holds_every_token_whether_or_not_outputs_line_up() -> None:
+    recorder = Recorder()
+    recorder.expect(WorkloadRequest("r", 0.0, (1, 2, 3), 4), 0.0)
+    record = recorder.records["r"]
+    # a resumed request's first output carries the tokens it had before the crash
+    recorder.settle(_output((7, 8, 9), (9,)))
+    assert record.token_ids == [7, 8, 9]
+    recorder.settle(_output((7, 8, 9, 10), (10,)))
+    recorder.settle(_output((7, 8, 9, 10), (), finished=True))  # e.g. failed: no new token
+    assert record.token_ids == [7, 8, 9, 10]
+    assert (record.state, record.reason) == ("FINISHED", "length")
+
+
+def test_quiet_evaluations_share_one_decision_and_a_change_still_speaks() -> None:
+    guards, config = Guards(), EngineConfig()
+    quiet = GuardInputs(now=1.0, config=config, throttle_level=0, bandwidth_util=0.1)
+    first, second = guards.evaluate(quiet), guards.evaluate(quiet)
+    assert first is second and not first.events and not first.prefill_paused
+    throttled = GuardInputs(now=2.0, config=config, throttle_level=2, bandwidth_util=0.96)
+    engaged = guards.evaluate(throttled)
+    assert [(e.layer, e.engaged) for e in engaged.events] == [("throttle", True)]
+    assert "bandwidth 5 s average 96%: throttle level 2" in engaged.events[0].detail
+    assert guards.engaged() == ("throttle",)
+    released = guards.evaluate(quiet)
+    assert [(e.layer, e.detail) for e in released.events] == [("throttle", "released")]
