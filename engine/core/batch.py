@@ -83,6 +83,10 @@ class Batch:
     decodes: list[ScheduledChunk] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     mode: SchedulerMode = SchedulerMode.NORMAL
+    # derived once the batch is scheduled (it is not changed after): see shape(), sampling
+    _shape: StepShape | None = field(default=None, init=False, repr=False, compare=False)
+    _sampling: list[ScheduledChunk] | None = field(default=None, init=False, repr=False,
+                                                   compare=False)
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -91,16 +95,24 @@ class Batch:
 
     @property
     def sampling(self) -> list[ScheduledChunk]:
-        """The chunks that sample a token, in `chunks` order (the rows of the logits)."""
-        return [c for c in self.chunks if c.samples]
+        """The chunks that sample a token, in `chunks` order (the rows of the logits); found
+        once, before the step's tokens are appended (the runner and the scheduler's update
+        both read it)."""
+        if self._sampling is None:
+            self._sampling = [c for c in self.chunks if c.samples]
+        return self._sampling
 
     @property
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.prefills) + len(self.decodes)
 
     def shape(self) -> StepShape:
-        return StepShape(prefill=tuple((c.num_tokens, c.start) for c in self.prefills),
-                         decode_contexts=tuple(c.start + 1 for c in self.decodes))
+        """The step's shape, built once: the engine prices it and a simulated executor runs
+        it."""
+        if self._shape is None:
+            self._shape = StepShape(prefill=tuple((c.num_tokens, c.start) for c in self.prefills),
+                                    decode_contexts=tuple(c.start + 1 for c in self.decodes))
+        return self._shape
 
 
 @dataclass(frozen=True)
