@@ -9,7 +9,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
@@ -25,8 +24,6 @@ from engine.store import StoreWriter, open_database, quarantined_requests
 
 FLAGS = ["--model", "synthetic:tiny", "--device", "cpu", "--max-num-batched-tokens", "8",
          "--chunk-tile", "8"]
-POLL_S = 0.01
-DEADLINE_S = 120
 # Enough work that each run is still going when it is killed: with 30, a faster engine once
 # finished the resumed run before the journal showed a decode (CI).
 REQUESTS = 60
@@ -41,22 +38,6 @@ def _requests(path: Path) -> list[dict]:
     return rows
 
 
-def _run_until(args: list[str], condition, env: dict[str, str]) -> bool:
-    """Start `tokenflow run`, SIGKILL it once `condition()` holds; False if it ended first."""
-    process = subprocess.Popen([sys.executable, "-m", "console.cli.main", "run", *args], env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + DEADLINE_S
-    while process.poll() is None and time.monotonic() < deadline:
-        if condition():
-            process.send_signal(signal.SIGKILL)
-            process.wait()
-            return True
-        time.sleep(POLL_S)  # polling another process's progress, not waiting on our threads
-    process.wait()
-    assert process.returncode == 0, process.stderr.read().decode()
-    return False
-
-
 def test_sigkill_mid_prefill_and_mid_decode_then_resume(tmp_path: Path) -> None:
     requests_file, output, db = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "j.db"
     rows = _requests(requests_file)
@@ -66,13 +47,18 @@ def test_sigkill_mid_prefill_and_mid_decode_then_resume(tmp_path: Path) -> None:
                 for r in rows}
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    args = [*FLAGS, "--requests", str(requests_file), "--output", str(output), "--db", str(db)]
-    prefilling = "SELECT 1 FROM request_journal WHERE prefilled_tokens > 0 AND generated_tokens = 0"
+    args = [sys.executable, "-m", "console.cli.main", "run", *FLAGS, "--requests",
+            str(requests_file), "--output", str(output), "--db", str(db), "--report-commits"]
     decoding = "SELECT 1 FROM request_journal WHERE generated_tokens > 0 AND state = 'DECODING'"
-    mid_prefill = _run_until(args, lambda: bool(query_journal(db, prefilling)), env)
-    mid_decode = _run_until([*args, "--resume"], lambda: bool(query_journal(db, decoding)), env)
+    # killed on the journal's own commit lines: the state acted on is on disk, no polling
+    first = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    mid_prefill = _kill_on_line(first, first.stdout, lambda line: '"prefilling": ["' in line)
+    second = subprocess.Popen([*args, "--resume"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL)
+    mid_decode = _kill_on_line(second, second.stdout,
+                               lambda line: bool(query_journal(db, decoding)))
     assert mid_prefill and mid_decode, "the run finished before it could be killed"
-    assert not _run_until([*args, "--resume"], lambda: False, env)
+    subprocess.run([*args, "--resume"], env=env, capture_output=True, check=True)
 
     lines = [json.loads(line) for line in output.read_text().splitlines()]
     ids = [line["id"] for line in lines]
