@@ -9,11 +9,8 @@ import contextlib
 import http.client
 import json
 import re
-import signal
 import socket
 import sqlite3
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,6 +25,7 @@ from engine.serve.app import create_app
 from engine.serve.loop import EngineLoop
 from engine.serve.thread import ServerThread
 from engine.store import StoreWriter, open_database, unfinished_requests
+from tests.serving import killed_if_left, serve_on, stopped
 
 TOKEN = "edge-admin-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -267,22 +265,12 @@ def test_poison_never_reaches_the_journal_so_a_restart_resumes_nothing(
     database.close()
 
 
-def serve_on(db: Path) -> subprocess.Popen[str]:
-    """`tokenflow serve` on synthetic:tiny with the store `db`; its banner is its first line."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "console.cli.main", "serve", "--model", "synthetic:tiny",
-         "--device", "cpu", "--dtype", "float32", "--port", "0", "--db", str(db)],
-        cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
-
-
 def test_serve_stopped_by_sigterm_flushes_its_journal_and_exits_0(tmp_path: Path) -> None:
     """uvicorn re-raised SIGTERM after its graceful shutdown and killed `tokenflow serve`
     before the store writer's last batch: the last finished request stayed DECODING in the
     journal and the next start ran it again (found by benchmarks/fuzz_server.py)."""
     db = tmp_path / "serve.db"
-    server = serve_on(db)
-    try:
+    with killed_if_left(serve_on(db)) as server:
         assert server.stdout is not None
         banner = server.stdout.readline()  # printed once the server is about to accept
         url = re.search(r"http://[^,\s]+", banner)
@@ -290,12 +278,7 @@ def test_serve_stopped_by_sigterm_flushes_its_journal_and_exits_0(tmp_path: Path
         with httpx.Client(base_url=url.group(0), timeout=60) as http_client:
             for _ in range(3):
                 assert http_client.post("/v1/completions", json=NORMAL).status_code == 200
-        server.send_signal(signal.SIGTERM)
-        _out, err = server.communicate(timeout=60)
-    finally:
-        if server.poll() is None:
-            server.kill()
-    assert server.returncode == 0, err
+        stopped(server)
     database = open_database(db)
     try:
         with database.session() as session:
@@ -309,8 +292,7 @@ def test_serve_whose_journal_stops_stops_serving_with_a_clear_error(tmp_path: Pa
     server with exit 2 and the fix, instead of serving on unrecorded (issue 15: a journal
     that never lies)."""
     db = tmp_path / "serve.db"
-    server = serve_on(db)
-    try:
+    with killed_if_left(serve_on(db)) as server:
         assert server.stdout is not None
         url = re.search(r"http://[^,\s]+", server.stdout.readline())
         assert url
@@ -321,9 +303,6 @@ def test_serve_whose_journal_stops_stops_serving_with_a_clear_error(tmp_path: Pa
                 contextlib.suppress(httpx.HTTPError):
             http_client.post("/v1/completions", json=NORMAL)
         _out, err = server.communicate(timeout=120)
-    finally:
-        if server.poll() is None:
-            server.kill()
     assert server.returncode == 2, err
     assert "the journal in" in err and "tokenflow db upgrade" in err and "Traceback" not in err
 

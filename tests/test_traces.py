@@ -4,10 +4,7 @@ were written byte for byte by tests/data/capture_vllm.py while vLLM served 20 co
 from __future__ import annotations
 
 import re
-import signal
 import statistics
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +21,7 @@ from engine.config import ConfigError
 from engine.serve.otlp import PROTOBUF, TraceCollector, decode_export
 from engine.store import Database, open_database, save_calibration, traced_drift
 from engine.store.models import SlowQueryRow, TracedRequestRow
+from tests.serving import killed_if_left, serve_on, stopped
 
 CAPTURE = Path(__file__).parent / "data" / "vllm_capture"
 EXPORTS = sorted(CAPTURE.glob("otlp_*.pb"))
@@ -211,13 +209,8 @@ def test_tokenflow_serve_collects_traces_into_its_own_store(tmp_path: Path) -> N
     """`tokenflow serve --otlp-listen`: the same receiver as the console's, on the server's
     store; the captured vLLM exports become rows and slow queries with their source."""
     db = tmp_path / "serve.db"
-    server = subprocess.Popen(
-        [sys.executable, "-m", "console.cli.main", "serve", "--model", "synthetic:tiny",
-         "--device", "cpu", "--dtype", "float32", "--port", "0", "--db", str(db),
-         "--otlp-listen", "127.0.0.1:0", "--roofline-model", str(CAPTURE), "--gpu", "h200"],
-        cwd=Path(__file__).resolve().parents[1], stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
-    try:
+    with killed_if_left(serve_on(db, "--otlp-listen", "127.0.0.1:0", "--roofline-model",
+                                 str(CAPTURE), "--gpu", "h200")) as server:
         assert server.stdout is not None
         banner = server.stdout.readline()  # printed once both listeners are up
         traces = re.search(r"OTLP traces (http://\S+/v1/traces)", banner)
@@ -227,12 +220,7 @@ def test_tokenflow_serve_collects_traces_into_its_own_store(tmp_path: Path) -> N
                 response = http.post(traces.group(1), content=body.read_bytes(),
                                      headers={"Content-Type": PROTOBUF})
                 assert response.status_code == 200, response.text
-        server.send_signal(signal.SIGTERM)
-        _out, err = server.communicate(timeout=60)
-    finally:
-        if server.poll() is None:
-            server.kill()
-    assert server.returncode == 0, err
+        stopped(server)
     database = open_database(db)
     try:
         with database.session() as session:
