@@ -120,13 +120,19 @@ def load_conversations(path: Path | str,
     return conversations
 
 
-def _parse(where: str, line: str, encode: Callable[[str], list[int]] | None) -> Conversation:
+def json_object(where: str, line: str, error: type[EngineError]) -> dict[str, Any]:
+    """One JSONL line that must hold an object; `error` says where and what is wrong."""
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
-        raise ConversationError(f"{where}: not valid JSON ({exc.msg})") from None
+        raise error(f"{where}: not valid JSON ({exc.msg})") from None
     if not isinstance(obj, dict):
-        raise ConversationError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        raise error(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
+def _parse(where: str, line: str, encode: Callable[[str], list[int]] | None) -> Conversation:
+    obj = json_object(where, line, ConversationError)
 
     def bad(field: str, need: str, value: Any) -> ConversationError:
         return ConversationError(f"{where}: field {field!r}: {need}, got {value!r}")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import math
 import random
 from collections import Counter
@@ -25,6 +24,7 @@ from engine.harness.conversations import (
     MULTITURN,
     OPEN_LOOP_TURN_GAP_S,
     Conversation,
+    json_object,
     load_conversations,
     multiturn_conversations,
 )
@@ -356,12 +356,7 @@ def _is_unicode(text: str) -> bool:
 
 def _parse_request(where: str, line: str,
                    tokenizer_encode: Callable[[str], list[int]]) -> WorkloadRequest:
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise WorkloadError(f"{where}: not valid JSON ({exc.msg})") from None
-    if not isinstance(obj, dict):
-        raise WorkloadError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    obj = json_object(where, line, WorkloadError)
 
     def bad(field: str, need: str) -> WorkloadError:
         return WorkloadError(f"{where}: field {field!r}: {need}, got {obj.get(field)!r}")
