@@ -38,13 +38,17 @@ def _requests(path: Path) -> list[dict]:
     return rows
 
 
+def _undisturbed(rows: list[dict]) -> dict[str, list[int]]:
+    """Each request's tokens from one engine that is never killed."""
+    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu"))
+    return {r["id"]: engine.generate([r["prompt_token_ids"]],
+                                     SamplingParams(max_tokens=r["max_tokens"]))[0]
+            for r in rows}
+
+
 def test_sigkill_mid_prefill_and_mid_decode_then_resume(tmp_path: Path) -> None:
     requests_file, output, db = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "j.db"
-    rows = _requests(requests_file)
-    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu"))
-    expected = {r["id"]: engine.generate([r["prompt_token_ids"]],
-                                         SamplingParams(max_tokens=r["max_tokens"]))[0]
-                for r in rows}
+    expected = _undisturbed(_requests(requests_file))
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     args = [sys.executable, "-m", "console.cli.main", "run", *FLAGS, "--requests",
@@ -84,11 +88,7 @@ def test_a_resume_killed_right_after_it_says_so_loses_nothing(tmp_path: Path) ->
     """Issue 15, finding 14: the resume is committed before "resumed N" is said, so a kill
     right after it leaves the same requests for the next resume (it said "resumed 0")."""
     requests_file, output, db = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "j.db"
-    rows = _requests(requests_file)
-    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu"))
-    expected = {r["id"]: engine.generate([r["prompt_token_ids"]],
-                                         SamplingParams(max_tokens=r["max_tokens"]))[0]
-                for r in rows}
+    expected = _undisturbed(_requests(requests_file))
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     args = [sys.executable, "-m", "console.cli.main", "run", *FLAGS, "--requests",
             str(requests_file), "--output", str(output), "--db", str(db)]
