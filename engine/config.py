@@ -136,7 +136,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85  # share of free CUDA memory for the KV pool
     max_model_len: int | None = None  # None = the model's own limit
     max_num_seqs: int = 256
-    attention_backend: str = "auto"  # auto | torch | flash
+    # auto: flash-attn on CUDA where installed, the paged decode kernel on CPU where it builds,
+    # else torch (SDPA over gathered copies of the history)
+    attention_backend: str = "auto"  # auto | torch | flash | paged
     cpu_threads: int = 0  # torch threads on CPU; 0 = all cores but one (UI, HTTP, store)
     # the snapshot's latency percentiles cover this many seconds (lifetime histograms stay)
     stats_window_s: float = 60.0
@@ -232,8 +234,8 @@ class EngineConfig:
                    f"priority of {tenant!r} must be an integer, got {rank!r}")
         _check(self.auto_tpot_ms >= 0, "auto_tpot_ms", "must be >= 0 (0 = C* alone)")
         _check(self.cpu_threads >= 0, "cpu_threads", "must be >= 0 (0 = all cores but one)")
-        _check(self.attention_backend in ("auto", "torch", "flash"), "attention_backend",
-               "must be auto, torch or flash")
+        _check(self.attention_backend in ("auto", "torch", "flash", "paged"),
+               "attention_backend", "must be auto, torch, flash or paged")
 
     def live_values(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in sorted(LIVE_FIELDS)}

@@ -39,6 +39,9 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
                                     "a slow query also overran its plan by this much (ms)"),
     "--stats-window-s": ("stats_window_s", float,
                          "seconds the latency percentiles cover (default 60)"),
+    "--attention-backend": ("attention_backend", str,
+                            "auto (flash-attn on CUDA where installed, the paged decode kernel "
+                            "on CPU), torch, flash or paged"),
     "--compile": ("compile", bool, "torch.compile the model at start, warmed up before the "
                                    "first request (default: on CUDA only)"),
     "--enable-prefix-caching": ("enable_prefix_caching", bool,

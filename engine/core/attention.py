@@ -8,6 +8,9 @@ SDPA's `is_causal=True` is top-left and wrong when query and key lengths differ)
 Backends:
 - torch (CPU, and CUDA without flash-attn): SDPA with an explicit mask per chunk, and one
   SDPA call for all decodes with queries grouped per KV head (no copy of keys for GQA).
+- paged (CPU, the default there): prefill chunks as on the torch path; every decode in one
+  call of a C++ kernel (engine.core.paged_decode) that reads the cache in place through the
+  block tables instead of gathering each history into a copy first.
 - flash (CUDA with flash-attn importable): `flash_attn_varlen_func` over the paged cache with
   a block table, which aligns causal masks bottom-right itself.
 
@@ -25,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from engine.core.paged_decode import paged_decode
 
 try:  # optional `gpu` extra; absent on CPU machines
     from flash_attn import flash_attn_varlen_func
@@ -71,6 +76,10 @@ class AttentionMetadata:
     max_seqlen_k: int = 0
     # torch path: the same step for sliding-window layers (None when the model has none)
     windowed: AttentionMetadata | None = None
+    # paged kernel (CPU): the decodes' block tables, int64 [decodes, widest], and keys per
+    # decode (position + 1); set instead of decode_groups
+    decode_tables: torch.Tensor | None = None
+    decode_lengths: torch.Tensor | None = None
 
 
 def flash_available(device: torch.device) -> bool:
@@ -137,6 +146,12 @@ class PagedAttention:
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
             out[rows] = self._prefill(q[rows], flat_k, flat_v, span)
+        if meta.decode_tables is not None:
+            if meta.decode_start < q.shape[0]:
+                out[meta.decode_start:] = paged_decode(
+                    q[meta.decode_start:], k_cache, v_cache, meta.decode_tables,
+                    meta.decode_lengths, self.scale, self.window, self.softcap)
+            return out
         block_k = k_cache.flatten(2)  # [Hkv, blocks, block_size * D]
         block_v = v_cache.flatten(2)
         for group in meta.decode_groups:

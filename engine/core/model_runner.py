@@ -25,6 +25,8 @@ from engine.core.attention import (
 )
 from engine.core.attention import flash_available as flash_importable
 from engine.core.batch import Batch, ModelRunnerOutput, ScheduledChunk
+from engine.core.paged_decode import KernelUnavailable
+from engine.core.paged_decode import load as load_paged_decode
 from engine.core.sampler import sample
 from engine.errors import EngineError
 from engine.model.loader import load_model, model_config_for
@@ -103,6 +105,7 @@ class ModelRunner:
         if config.attention_backend == "flash" and not self.use_flash:
             raise EngineError("attention_backend=flash needs CUDA and the flash-attn package "
                               "(pip install 'tokenflow[gpu]'); use auto or torch")
+        self.paged_decode, self.attention_note = self._paged_decode(config)
         shape = model_config_for(config.model)
         self.max_model_len = min(config.max_model_len or shape.max_position_embeddings,
                                  shape.max_position_embeddings)
@@ -121,6 +124,22 @@ class ModelRunner:
             self.compile_s = self._compile()
         else:
             self.model.pack_weights()
+
+    def _paged_decode(self, config: EngineConfig) -> tuple[bool, str]:
+        """Whether decodes run the in-place C++ kernel (CPU; asked for, or auto), and what
+        was chosen and why, for the start-up log."""
+        if self.device.type != "cpu" or config.attention_backend not in ("auto", "paged"):
+            if config.attention_backend == "paged":
+                raise EngineError("attention_backend=paged is the CPU kernel; on CUDA use auto, "
+                                  "flash or torch")
+            return False, "flash" if self.use_flash else "torch"
+        try:
+            load_paged_decode()
+        except KernelUnavailable as exc:
+            if config.attention_backend == "paged":
+                raise EngineError(str(exc)) from None
+            return False, f"torch (the paged decode kernel is unavailable: {exc})"
+        return True, "paged (decode kernel reads the KV cache in place)"
 
     def _compile(self) -> float:
         """Compile the model and warm it up, so the first request does not pay for it;
@@ -212,21 +231,26 @@ class ModelRunner:
             row_of[id(chunk)] = row - 1
         decode_start = row - len(decodes)
         slot_mapping = torch.cat(slots).to(self.device)
+        # the kernel windows each decode itself: one set of tables serves every layer
+        kernel = self._decode_tables(decodes) if self.paged_decode else {}
         windowed = None
         if window is not None and not self.use_flash:
             windowed = AttentionMetadata(
                 slot_mapping=slot_mapping,
                 prefills=tuple(windowed_spans),
                 decode_start=decode_start,
-                decode_groups=self._decode_groups(decodes, decode_start, window),
+                decode_groups=() if kernel else self._decode_groups(decodes, decode_start,
+                                                                    window),
+                **kernel,
             )
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             prefills=tuple(spans),
             decode_start=decode_start,
-            decode_groups=self._decode_groups(decodes, decode_start, None),
+            decode_groups=() if kernel else self._decode_groups(decodes, decode_start, None),
             **(self._flash_fields(ordered) if self.use_flash else {}),
             windowed=windowed,
+            **kernel,
         )
         sample_rows = [row_of[id(c)] for c in chunks if c.samples]
         return StepInputs(
@@ -297,6 +321,19 @@ class ModelRunner:
                                       bias.view(1, len(group), 1, width * bs).to(self.device)))
             row += len(group)
         return tuple(result)
+
+    def _decode_tables(self, decodes: list[ScheduledChunk]) -> dict[str, torch.Tensor]:
+        """The paged kernel's metadata: each decode's block table (padded with block 0,
+        never read: a decode reads only its own `length` keys) and its key count."""
+        if not decodes:
+            return {}
+        width = max(len(c.request.block_table) for c in decodes)
+        tables = torch.zeros(len(decodes), width, dtype=torch.int64)
+        for i, chunk in enumerate(decodes):
+            table = chunk.request.block_table
+            tables[i, :len(table)] = torch.tensor(table, dtype=torch.int64)
+        lengths = torch.tensor([c.start + 1 for c in decodes], dtype=torch.int64)
+        return {"decode_tables": tables, "decode_lengths": lengths}
 
     def _flash_fields(self, ordered: list[ScheduledChunk]) -> dict[str, object]:
         q_lens = [c.num_tokens for c in ordered]

@@ -1,0 +1,111 @@
+"""The CPU decode kernel (engine/core/paged_decode.cpp) against the torch path's attention."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.core import paged_decode as kernel
+from engine.core.attention import AttentionMetadata, DecodeGroup, PagedAttention
+from engine.core.model_runner import ModelRunner
+from engine.errors import EngineError
+
+
+def reference(q, k_cache, v_cache, tables, lengths, scale, window, softcap):
+    """Plain attention over each request's keys, gathered one by one."""
+    kv_heads, _, block_size, _ = k_cache.shape
+    group = q.shape[1] // kv_heads
+    out = torch.empty_like(q, dtype=torch.float32)
+    for b, length in enumerate(lengths.tolist()):
+        first = max(0, length - window) if window else 0
+        pos = torch.arange(first, length)
+        slots = tables[b, pos // block_size] * block_size + pos % block_size
+        keys = k_cache.flatten(1, 2)[:, slots].float()  # [Hkv, S, D]
+        values = v_cache.flatten(1, 2)[:, slots].float()
+        for h in range(q.shape[1]):
+            scores = keys[h // group] @ q[b, h].float() * scale
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
+            out[b, h] = torch.softmax(scores, -1) @ values[h // group]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("group", "window", "softcap"),
+                         [(1, None, None), (2, None, None), (4, 5, None), (2, None, 30.0)])
+def test_kernel_matches_plain_attention(dtype, group, window, softcap) -> None:
+    torch.manual_seed(0)
+    kv_heads, blocks, block_size, head_dim = 2, 48, 4, 32
+    k_cache = torch.randn(kv_heads, blocks, block_size, head_dim).to(dtype)
+    v_cache = torch.randn(kv_heads, blocks, block_size, head_dim).to(dtype)
+    lengths = torch.tensor([1, 4, 5, 17, 33], dtype=torch.int64)  # block edges and inside
+    width = 9
+    tables = torch.zeros(len(lengths), width, dtype=torch.int64)
+    order = torch.randperm(blocks)
+    for b, length in enumerate(lengths.tolist()):
+        used = -(-length // block_size)
+        tables[b, :used] = order[b * width:b * width + used]
+    q = torch.randn(len(lengths), kv_heads * group, head_dim).to(dtype)
+    scale = head_dim ** -0.5
+    got = kernel.paged_decode(q, k_cache, v_cache, tables, lengths, scale, window, softcap)
+    want = reference(q, k_cache, v_cache, tables, lengths, scale, window, softcap)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+
+
+def test_kernel_rejects_mixed_dtypes() -> None:
+    cache = torch.zeros(1, 1, 4, 8)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kernel.paged_decode(torch.zeros(1, 1, 8, dtype=torch.bfloat16), cache, cache,
+                            torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64),
+                            1.0, None, None)
+
+
+def test_decodes_take_the_kernel_on_cpu_and_the_torch_path_when_asked() -> None:
+    paged = ModelRunner(EngineConfig(device="cpu"))
+    torch_path = ModelRunner(EngineConfig(device="cpu", attention_backend="torch"))
+    assert paged.paged_decode and paged.attention_note.startswith("paged")
+    assert not torch_path.paged_decode and torch_path.attention_note == "torch"
+
+
+def test_without_a_compiler_auto_keeps_the_torch_path_and_paged_says_why(monkeypatch) -> None:
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    kernel.load.cache_clear()
+    try:
+        runner = ModelRunner(EngineConfig(device="cpu"))
+        assert not runner.paged_decode
+        assert "no C++ compiler" in runner.attention_note
+        with pytest.raises(EngineError, match="attention_backend=torch"):
+            ModelRunner(dataclasses.replace(EngineConfig(device="cpu"),
+                                            attention_backend="paged"))
+    finally:
+        kernel.load.cache_clear()
+
+
+def test_paged_attention_layer_uses_the_decode_tables() -> None:
+    """A decode-only step through PagedAttention gives the same rows on both backends."""
+    torch.manual_seed(1)
+    layer = PagedAttention(num_heads=4, num_kv_heads=2, head_dim=16, use_flash=False)
+    runner = ModelRunner(EngineConfig(device="cpu"))
+    assert runner.paged_decode
+    k_cache = torch.randn(2, 8, 16, 16)
+    v_cache = torch.randn(2, 8, 16, 16)
+    q, k, v = torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+    tables = torch.tensor([[3, 5], [1, 0]], dtype=torch.int64)
+    lengths = torch.tensor([20, 9], dtype=torch.int64)
+    slots = torch.tensor([5 * 16 + 3, 1 * 16 + 8], dtype=torch.int64)
+    paged_meta = AttentionMetadata(slot_mapping=slots, prefills=(), decode_start=0,
+                                   decode_groups=(), decode_tables=tables,
+                                   decode_lengths=lengths)
+    bias = torch.zeros(1, 2, 1, 32)
+    bias[0, 0, 0, 20:] = float("-inf")
+    bias[0, 1, 0, 9:] = float("-inf")
+    torch_meta = AttentionMetadata(slot_mapping=slots, prefills=(), decode_start=0,
+                                   decode_groups=(DecodeGroup(0, 2, tables, bias),))
+    got = layer(q, k, v, k_cache.clone(), v_cache.clone(), paged_meta)
+    want = layer(q, k, v, k_cache.clone(), v_cache.clone(), torch_meta)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
