@@ -13,13 +13,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <math.h>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-constexpr int64_t PREFETCH_BLOCKS = 1;  // how far ahead to fetch (1, 2 and 4 measured alike)
 
 inline float load(const float* p, int64_t i) { return p[i]; }
 
@@ -35,7 +36,7 @@ inline void store(float* p, int64_t i, float value) { p[i] = value; }
 inline void store(uint16_t* p, int64_t i, float value) {  // round to nearest even, as torch
     uint32_t bits;
     std::memcpy(&bits, &value, sizeof bits);
-    if (std::isnan(value)) {
+    if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN, tested on the bits (-ffast-math)
         p[i] = 0x7fc0;
         return;
     }
@@ -44,94 +45,114 @@ inline void store(uint16_t* p, int64_t i, float value) {  // round to nearest ev
 }
 
 // A request's blocks sit anywhere in the pool, where the hardware prefetcher cannot follow
-// (it stops at page boundaries): while one key row is computed, fetch the same row of the
-// block `distance` ahead, or every block starts with a stall on memory (a plain walk read
-// the blocks at half the bandwidth of a copy here).
+// (it stops at page boundaries): while a block is computed, its successor is fetched row by
+// row, or every block starts with a stall on memory (a walk without it read the blocks at
+// half the bandwidth of a plain copy here).
 template <typename T>
-inline void prefetch_ahead(const T* head, const int64_t* table, int64_t pos, int64_t length,
-                           int64_t block_size, int64_t head_dim, int64_t distance) {
-    const int64_t ahead = pos + distance * block_size;
-    if (ahead >= length) return;
-    const char* row = reinterpret_cast<const char*>(
-        head + (table[ahead / block_size] * block_size + ahead % block_size) * head_dim);
+inline void prefetch_row(const T* row, int64_t head_dim) {
+    const char* bytes = reinterpret_cast<const char*>(row);
     for (int64_t line = 0; line < head_dim * static_cast<int64_t>(sizeof(T)); line += 64)
-        __builtin_prefetch(row + line);
+        __builtin_prefetch(bytes + line, 0, 2);  // to L2: its miss queue is deeper than L1's
 }
 
-template <typename T>
+// Calls visit(row, index) for the cached rows of positions [first, length) of one head, in
+// order, block by block (no division per key), prefetching the next block's rows.
+template <typename T, typename Visit>
+inline void walk(const T* head, const int64_t* table, int64_t first, int64_t length,
+                 int64_t block_size, int64_t head_dim, Visit visit) {
+    const int64_t row_stride = head_dim;
+    for (int64_t pos = first; pos < length;) {
+        const int64_t block = pos / block_size, offset = pos % block_size;
+        const int64_t span = std::min(block_size - offset, length - pos);
+        const T* rows = head + (table[block] * block_size + offset) * row_stride;
+        const int64_t next_pos = pos + span;
+        const T* next = next_pos < length ? head + table[block + 1] * block_size * row_stride
+                                          : nullptr;
+        const int64_t next_span = next ? std::min(block_size, length - next_pos) : 0;
+        for (int64_t t = 0; t < span; ++t) {
+            if (t < next_span) prefetch_row(next + t * row_stride, head_dim);
+            visit(rows + t * row_stride, pos - first + t);
+        }
+        pos = next_pos;
+    }
+}
+
+// HeadDim > 0 fixes the head size at compile time (the common 64 and 128): the loops over it
+// unroll and a head's accumulator stays in registers (measured 1.4x on the in-cache compute).
+template <typename T, int64_t HeadDim>
 void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* tables,
             const int64_t* lengths, int64_t batch, int64_t table_width, int64_t kv_heads,
-            int64_t group, int64_t head_dim, int64_t num_blocks, int64_t block_size,
+            int64_t group, int64_t runtime_head_dim, int64_t num_blocks, int64_t block_size,
             float scale, int64_t window, float softcap, int threads) {
+    const int64_t head_dim = HeadDim > 0 ? HeadDim : runtime_head_dim;
     const int64_t head_stride = num_blocks * block_size * head_dim;
     const int64_t q_heads = kv_heads * group;
+    const bool capped = softcap > 0.0f;
 #pragma omp parallel num_threads(threads) if (threads > 1)
     {
-        std::vector<float> scores, query, acc;
+        std::vector<float> score_buffer, query_buffer, acc_buffer;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < batch * kv_heads; ++task) {
             const int64_t b = task / kv_heads, kh = task % kv_heads;
             const int64_t length = lengths[b];
             const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0;
             const int64_t keys = length - first;
-            scores.resize(group * keys);
-            query.resize(group * head_dim);
-            acc.assign(group * head_dim, 0.0f);
+            score_buffer.resize(group * keys);
+            query_buffer.resize(group * head_dim);
+            acc_buffer.assign(group * head_dim, 0.0f);
+            float* __restrict scores = score_buffer.data();
+            float* __restrict query = query_buffer.data();
+            float* __restrict acc = acc_buffer.data();
             for (int64_t g = 0; g < group; ++g)
                 for (int64_t d = 0; d < head_dim; ++d)
                     query[g * head_dim + d] = load(q, (b * q_heads + kh * group + g) * head_dim + d);
             const int64_t* table = tables + b * table_width;
-            const T* k_head = k_cache + kh * head_stride;
-            const T* v_head = v_cache + kh * head_stride;
-            for (int64_t pos = first; pos < length;) {  // block by block: no division per key
-                const int64_t offset = pos % block_size;
-                const int64_t span = std::min(block_size - offset, length - pos);
-                const int64_t base = (table[pos / block_size] * block_size + offset) * head_dim;
-                for (int64_t t = 0; t < span; ++t) {
-                    prefetch_ahead(k_head, table, pos + t, length, block_size, head_dim, PREFETCH_BLOCKS);
-                    const T* key = k_head + base + t * head_dim;
-                    for (int64_t g = 0; g < group; ++g) {
-                        const float* qg = query.data() + g * head_dim;
-                        float dot = 0.0f;
+            walk(k_cache + kh * head_stride, table, first, length, block_size, head_dim,
+                 [&](const T* __restrict key, int64_t i) {
+                     for (int64_t g = 0; g < group; ++g) {
+                         const float* __restrict qg = query + g * head_dim;
+                         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-                        for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * load(key, d);
-                        float s = dot * scale;
-                        if (softcap > 0.0f) s = softcap * std::tanh(s / softcap);
-                        scores[g * keys + pos - first + t] = s;
-                    }
-                }
-                pos += span;
-            }
+                         for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * load(key, d);
+                         float s = dot * scale;
+                         if (capped) s = softcap * std::tanh(s / softcap);
+                         scores[g * keys + i] = s;
+                     }
+                 });
             for (int64_t g = 0; g < group; ++g) {
-                float* sg = scores.data() + g * keys;
+                float* __restrict sg = scores + g * keys;
                 float top = sg[0];
 #pragma omp simd reduction(max : top)
                 for (int64_t i = 0; i < keys; ++i) top = std::max(top, sg[i]);
                 float total = 0.0f;
 #pragma omp simd reduction(+ : total)
                 for (int64_t i = 0; i < keys; ++i) {
-                    sg[i] = std::exp(sg[i] - top);
+                    sg[i] = expf(sg[i] - top);  // C expf: glibc has a vector form (libmvec)
                     total += sg[i];
                 }
                 const float inv = 1.0f / total;
 #pragma omp simd
                 for (int64_t i = 0; i < keys; ++i) sg[i] *= inv;
             }
-            for (int64_t pos = first; pos < length;) {
-                const int64_t offset = pos % block_size;
-                const int64_t span = std::min(block_size - offset, length - pos);
-                const int64_t base = (table[pos / block_size] * block_size + offset) * head_dim;
-                for (int64_t t = 0; t < span; ++t) {
-                    prefetch_ahead(v_head, table, pos + t, length, block_size, head_dim, PREFETCH_BLOCKS);
-                    const T* value = v_head + base + t * head_dim;
-                    for (int64_t g = 0; g < group; ++g) {
-                        const float w = scores[g * keys + pos - first + t];
-                        float* ag = acc.data() + g * head_dim;
+            // one query head at a time: its accumulator fits in registers; the rows come from
+            // L2 for every head after the first (a request's values for one KV head are small)
+            for (int64_t g = 0; g < group; ++g) {
+                const float* __restrict sg = scores + g * keys;
+                auto accumulate = [&](float* __restrict ag) {
+                    walk(v_cache + kh * head_stride, table, first, length, block_size, head_dim,
+                         [&](const T* __restrict value, int64_t i) {
+                             const float w = sg[i];
 #pragma omp simd
-                        for (int64_t d = 0; d < head_dim; ++d) ag[d] += w * load(value, d);
-                    }
+                             for (int64_t d = 0; d < head_dim; ++d) ag[d] += w * load(value, d);
+                         });
+                };
+                if constexpr (HeadDim > 0) {  // a local of fixed size can live in registers
+                    float local[HeadDim] = {};
+                    accumulate(local);
+                    std::memcpy(acc + g * head_dim, local, sizeof local);
+                } else {
+                    accumulate(acc + g * head_dim);
                 }
-                pos += span;
             }
             for (int64_t g = 0; g < group; ++g)
                 for (int64_t d = 0; d < head_dim; ++d)
@@ -153,16 +174,21 @@ void paged_decode(const void* q, const void* k_cache, const void* v_cache, void*
                   int64_t table_width, int64_t kv_heads, int64_t group, int64_t head_dim,
                   int64_t num_blocks, int64_t block_size, float scale, int64_t window,
                   float softcap, int bf16, int threads) {
-    if (bf16)
-        attend(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k_cache),
-               static_cast<const uint16_t*>(v_cache), static_cast<uint16_t*>(out), tables,
-               lengths, batch, table_width, kv_heads, group, head_dim, num_blocks, block_size,
-               scale, window, softcap, threads);
-    else
-        attend(static_cast<const float*>(q), static_cast<const float*>(k_cache),
-               static_cast<const float*>(v_cache), static_cast<float*>(out), tables, lengths,
-               batch, table_width, kv_heads, group, head_dim, num_blocks, block_size, scale,
-               window, softcap, threads);
+    auto run = [&](auto element, auto fixed) {
+        using T = decltype(element);
+        attend<T, decltype(fixed)::value>(
+            static_cast<const T*>(q), static_cast<const T*>(k_cache),
+            static_cast<const T*>(v_cache), static_cast<T*>(out), tables, lengths, batch,
+            table_width, kv_heads, group, head_dim, num_blocks, block_size, scale, window,
+            softcap, threads);
+    };
+    auto by_size = [&](auto element) {
+        if (head_dim == 64) run(element, std::integral_constant<int64_t, 64>{});
+        else if (head_dim == 128) run(element, std::integral_constant<int64_t, 128>{});
+        else run(element, std::integral_constant<int64_t, 0>{});
+    };
+    if (bf16) by_size(uint16_t{});
+    else by_size(float{});
 }
 
 }  // extern "C"
