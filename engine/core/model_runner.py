@@ -179,14 +179,20 @@ class ModelRunner:
         """Pitfall 2: a block handed to a new owner starts clean."""
         if blocks:
             index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-            self.kv_cache.index_fill_(block_dim(self.use_flash), index, 0)
+            self._block_rows().index_fill_(1, index, 0)
 
     def move_blocks(self, source: list[int], target: list[int]) -> None:
         """Copy the KV rows of blocks `source` to blocks `target` (cache compaction)."""
-        dim = block_dim(self.use_flash)
         src = torch.tensor(source, dtype=torch.int64, device=self.device)
         dst = torch.tensor(target, dtype=torch.int64, device=self.device)
-        self.kv_cache.index_copy_(dim, dst, self.kv_cache.index_select(dim, src))
+        rows = self._block_rows()
+        rows.index_copy_(1, dst, rows.index_select(1, src))
+
+    def _block_rows(self) -> torch.Tensor:
+        """The KV tensor as [everything outside a block, blocks, one block's elements]: a view
+        whose block slices are contiguous runs (index_fill_ on the 6-D tensor's block dimension
+        took 5x longer in bfloat16)."""
+        return self.kv_cache.flatten(0, block_dim(self.use_flash) - 1).flatten(2)
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> ModelRunnerOutput:
