@@ -109,3 +109,20 @@ def test_paged_attention_layer_uses_the_decode_tables() -> None:
     got = layer(q, k, v, k_cache.clone(), v_cache.clone(), paged_meta)
     want = layer(q, k, v, k_cache.clone(), v_cache.clone(), torch_meta)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_splits_requests_across_threads_alike() -> None:
+    torch.manual_seed(2)
+    k_cache, v_cache = torch.randn(2, 2, 64, 8, 64).unbind(0)
+    tables = torch.randperm(64).view(4, 16)
+    lengths = torch.tensor([128, 1, 77, 100], dtype=torch.int64)
+    q = torch.randn(4, 4, 64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel.paged_decode(q, k_cache, v_cache, tables, lengths, 0.125, None, None)
+        torch.set_num_threads(2)
+        two = kernel.paged_decode(q, k_cache, v_cache, tables, lengths, 0.125, None, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
