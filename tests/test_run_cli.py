@@ -227,6 +227,7 @@ def test_run_reports_cold_start_to_first_token(capsys: pytest.CaptureFixture[str
     summary = json.loads(capsys.readouterr().out)
     assert summary["compile_s"] == 0.0
     assert summary["cold_start_s"] > 0
+    assert summary["attention"].startswith("paged")  # the CPU decode kernel, where it builds
 
 
 @pytest.mark.slow  # compiles synthetic:tiny

@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     summary: dict[str, Any] = {"model": engine.config.model, "device": str(engine.runner.device),
                                "workload": describe(workload).to_dict(), **result.summary(),
                                "compile_s": engine.runner.compile_s,
+                               "attention": engine.runner.attention_note,
                                "cold_start_s": first_token[0] - started if first_token else None}
     if args.json:
         print(json.dumps(summary, indent=2))
@@ -234,6 +235,7 @@ def _print_summary(s: dict[str, Any]) -> None:
     print(f"  TPOT ms {fmt(s['tpot_ms'])}")
     print(f"  step ms {fmt(s['step_ms'])}, preemptions {s['preemptions']}, "
           f"slow queries {s['slow_queries']}")
+    print(f"  attention: {s['attention']}")
     if s["cold_start_s"] is not None:
         print(f"  cold start to first token {s['cold_start_s']:.1f} s "
               f"(compile and warm-up {s['compile_s']:.1f} s)")
