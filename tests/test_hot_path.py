@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
-from engine.core.batch import RequestOutput
+import dataclasses
+
+import pytest
+
+from engine.config import EngineConfig, SamplingParams
+from engine.core.batch import RequestOutput, ScheduledChunk
+from engine.core.request import Request
 from engine.events import EventBus, TokensGenerated
 from engine.harness.driver import Recorder
 from engine.harness.workload import WorkloadRequest
@@ -60,3 +65,21 @@ def test_quiet_evaluations_share_one_decision_and_a_change_still_speaks() -> Non
     assert guards.engaged() == ("throttle",)
     released = guards.evaluate(quiet)
     assert [(e.layer, e.detail) for e in released.events] == [("throttle", "released")]
+
+
+def test_the_hot_path_constructors_make_what_the_dataclass_constructors_make() -> None:
+    request = Request(id="r", prompt_token_ids=[1, 2], params=SamplingParams(), arrival=0.0)
+    pairs = [
+        (RequestOutput.of("r", (3,), (3,), False, None, "DECODING"),
+         RequestOutput(request_id="r", new_token_ids=(3,), token_ids=(3,), finished=False,
+                       finish_reason=None, state="DECODING")),
+        (ScheduledChunk.of(request, 2, 1), ScheduledChunk(request, 2, 1)),
+        (TokensGenerated.of("r", (3,), 1.5), TokensGenerated(request_id="r", token_ids=(3,),
+                                                             ts=1.5)),
+    ]
+    for fast, plain in pairs:
+        # every field set, in the constructor's order, and still frozen
+        assert fast == plain and list(vars(fast)) == list(vars(plain))
+        assert hash(fast) == hash(plain) and repr(fast) == repr(plain)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            fast.state = "x"  # type: ignore[misc, union-attr]

@@ -41,7 +41,14 @@ from engine.events import (
     RequestAdded,
     StepComplete,
 )
-from engine.ops.guards import ChunkRun, GuardDecisions, GuardInputs, Guards, allocator_fragmentation
+from engine.ops.guards import (
+    FAULT_EVENTS,
+    ChunkRun,
+    GuardDecisions,
+    GuardInputs,
+    Guards,
+    allocator_fragmentation,
+)
 from engine.ops.metrics import Metrics
 from engine.ops.telemetry import BandwidthSource, ModelBandwidth, NvmlBandwidth, nvml_available
 from engine.snapshot import RequestView, Snapshot
@@ -271,7 +278,7 @@ class Engine:
         start = self.clock()
         output = self.runner.run(batch)
         end = self.clock()
-        timing = StepTiming(end=end, duration_s=end - start, predicted_s=predicted)
+        timing = StepTiming(end, end - start, predicted)
         if self.calibrated and batch.prefills:  # the steps prefill plans are made of
             self.step_ratio.observe(end, timing.duration_s, predicted)
             self.scheduler.step_scale = min(max(self.step_ratio.value, 1 / MAX_STEP_SCALE),
@@ -296,13 +303,14 @@ class Engine:
     def _guard_inputs(self, fragmentation: float | None = None,
                       chunks: tuple[ChunkRun, ...] = ()) -> GuardInputs:
         s = self.scheduler
-        return GuardInputs(now=self.clock(), config=self.config, throttle_level=s.throttle_level,
-                           bandwidth_util=s.bandwidth_util, fragmentation=fragmentation,
-                           chunks=chunks)
+        # positional: twice a step, and a frozen dataclass's keywords cost a third more
+        return GuardInputs(self.clock(), self.config, s.throttle_level, s.bandwidth_util,
+                           fragmentation, chunks)
 
     def _observe(self, event: Event) -> None:
         """A fault an event reports (breaker, drift, a request failed alone) is judged at once."""
-        if self.guards.observe(event, self.clock):
+        # every event passes here (a token event per request per step): the type test first
+        if isinstance(event, FAULT_EVENTS) and self.guards.observe(event, self.clock):
             self._apply(self.guards.evaluate(self._guard_inputs()))
 
     def _apply(self, decisions: GuardDecisions) -> None:

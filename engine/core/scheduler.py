@@ -224,7 +224,7 @@ class Scheduler:
                 if request.state is RequestState.PREEMPTED:
                     continue
                 self.blocks.grow(request, 1)
-            batch.decodes.append(ScheduledChunk(request, request.num_computed_tokens, 1))
+            batch.decodes.append(ScheduledChunk.of(request, request.num_computed_tokens, 1))
             budget -= 1
         return budget
 
@@ -506,7 +506,7 @@ class Scheduler:
                 request.worst_gap = (gap, self.steps)
         request.output_token_ids.append(token)
         request.last_token_time = now
-        self.publish(TokensGenerated(request_id=request.id, token_ids=(token,)))
+        self.publish(TokensGenerated.of(request.id, (token,), now))
         reason = self.stop_reason(request, token)
         if reason:
             self.finish(request, RequestState.FINISHED, reason)
@@ -618,6 +618,5 @@ def request_output(request: Request, new_tokens: tuple[int, ...]) -> RequestOutp
     state = request.state
     final = state.is_final
     # str() of a StrEnum is its value, without the enum's Python-level `value` property
-    return RequestOutput(request_id=request.id, new_token_ids=new_tokens,
-                         token_ids=tuple(request.output_token_ids), finished=final,
-                         finish_reason=request.reason if final else None, state=str(state))
+    return RequestOutput.of(request.id, new_tokens, tuple(request.output_token_ids), final,
+                            request.reason if final else None, str(state))

@@ -132,14 +132,17 @@ class Metrics:
     def _observe(self, event: Event) -> None:
         match event:  # the commonest first: a token event per request per step
             case TokensGenerated():
-                count = len(event.token_ids)
+                ts, count = event.ts, len(event.token_ids)
                 self.generation_tokens_total += count
-                self._rate.append((event.ts, 0, count))
+                self._rate.append((ts, 0, count))
                 last = self._last_token_ts.get(event.request_id)
                 if last is not None:
-                    self.itl.observe(event.ts - last)
-                    self.recent_itl.add(event.ts, event.ts - last)
-                self._last_token_ts[event.request_id] = event.ts
+                    self.itl.observe(ts - last)
+                    self.recent_itl.add(ts, ts - last)
+                self._last_token_ts[event.request_id] = ts
+                # the step's StepComplete follows its tokens and trims the rate window once
+                # for them all (rates() reads only the window's span, trimmed or not)
+                return
             case StepComplete():
                 tokens = event.prefill_tokens + event.decode_seqs
                 self.iteration_tokens.observe(tokens)
