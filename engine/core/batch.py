@@ -10,6 +10,7 @@ It imports nothing heavy, so `tokenflow roofline` stays free of torch.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -59,6 +60,16 @@ class StepShape:
     def kv_tokens_after(self) -> int:
         """KV entries the step's sequences hold once it has run."""
         return self.cached_tokens_read + self.prefill_tokens + len(self.decode_contexts)
+
+    def counted(self, key: str, count: Callable[[StepShape], float]) -> float:
+        """`count(self)`, kept under `key`: a shape never changes, so a count made once
+        stands for every model that counts alike (the engine prices a step, a simulated
+        executor times it, the step's event reports its FLOPs and bytes)."""
+        memo = self.__dict__  # beside cached_property's values, never a field
+        value = memo.get(key)
+        if value is None:
+            value = memo[key] = count(self)
+        return value
 
 
 @dataclass(frozen=True)
