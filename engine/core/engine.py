@@ -220,6 +220,8 @@ class Engine:
 
     def apply_pending_config(self) -> None:
         """Make a validated update current; called at step boundaries (and by idle loops)."""
+        if self._pending_config is None:  # most steps: no lock (one landing now waits a step)
+            return
         with self._config_lock:
             pending, self._pending_config = self._pending_config, None
         if pending is None:
@@ -254,12 +256,12 @@ class Engine:
                     self.config, chunk, self.predict, decodes, context, self.max_model_len)
         batch = self.scheduler.schedule()
         forward_s = 0.0
-        if batch.chunks:
+        if batch.prefills or batch.decodes:
             step_outputs, forward_s = self._run(batch)
             outputs += step_outputs
         self.bus.drain()
         left = self.clock()
-        if batch.chunks:
+        if batch.prefills or batch.decodes:
             # with work waiting, the time since the last step left is the caller's loop
             # (commands, snapshots): the plan's steps pay it too
             since = entered if self._left_busy is None else self._left_busy
