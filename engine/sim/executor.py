@@ -124,8 +124,10 @@ class SimulatedExecutor:
         chunk."""
         start = self.clock()
         self.clock.advance_to(start + self.target.predict(batch.shape()))
-        tokens = {c.request.id: self._placeholder(c.request.num_tokens, c.request.params
-                                                  .stop_token_ids)
+        # a sampling chunk ends at its request's last token: start + num_tokens is the
+        # request's num_tokens, without the property call per token
+        tokens = {c.request.id: self._placeholder(c.start + c.num_tokens,
+                                                  c.request.params.stop_token_ids)
                   for c in batch.sampling}
         return ModelRunnerOutput(token_ids=tokens)
 
