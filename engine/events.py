@@ -63,6 +63,15 @@ class TokensGenerated(Event):
     request_id: str
     token_ids: tuple[int, ...]
 
+    @classmethod
+    def of(cls, request_id: str, token_ids: tuple[int, ...], ts: float) -> TokensGenerated:
+        """The object the constructor makes, made for the step's hot path (an event per
+        request per step): a frozen dataclass's __init__ sets each field through
+        object.__setattr__, about twice as slow as filling the new object's __dict__."""
+        event = object.__new__(cls)
+        event.__dict__.update(ts=ts, request_id=request_id, token_ids=token_ids)
+        return event
+
 
 @dataclass(frozen=True)
 class RequestAdded(Event):

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from engine.config import EngineConfig
-from engine.core.batch import RequestOutput
+import dataclasses
+
+import pytest
+
+from engine.budget.cost_model import BudgetModel
+from engine.budget.peaks import DevicePeaks
+from engine.config import EngineConfig, SamplingParams
+from engine.core.batch import RequestOutput, ScheduledChunk, StepShape
+from engine.core.request import Request
 from engine.events import EventBus, TokensGenerated
 from engine.harness.driver import Recorder
 from engine.harness.workload import WorkloadRequest
+from engine.model.config import preset
 from engine.ops.guards import GuardInputs, Guards
 
 
@@ -60,3 +68,48 @@ def test_quiet_evaluations_share_one_decision_and_a_change_still_speaks() -> Non
     assert guards.engaged() == ("throttle",)
     released = guards.evaluate(quiet)
     assert [(e.layer, e.detail) for e in released.events] == [("throttle", "released")]
+
+
+def test_the_hot_path_constructors_make_what_the_dataclass_constructors_make() -> None:
+    request = Request(id="r", prompt_token_ids=[1, 2], params=SamplingParams(), arrival=0.0)
+    pairs = [
+        (RequestOutput.of("r", (3,), (3,), False, None, "DECODING"),
+         RequestOutput(request_id="r", new_token_ids=(3,), token_ids=(3,), finished=False,
+                       finish_reason=None, state="DECODING")),
+        (ScheduledChunk.of(request, 2, 1), ScheduledChunk(request, 2, 1)),
+        (TokensGenerated.of("r", (3,), 1.5), TokensGenerated(request_id="r", token_ids=(3,),
+                                                             ts=1.5)),
+    ]
+    for fast, plain in pairs:
+        # every field set, in the constructor's order, and still frozen
+        assert fast == plain and list(vars(fast)) == list(vars(plain))
+        assert hash(fast) == hash(plain) and repr(fast) == repr(plain)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            fast.state = "x"  # type: ignore[misc, union-attr]
+
+
+def test_models_that_count_alike_share_a_shapes_counts_and_others_count_their_own() -> None:
+    small = preset("small")
+    peaks, faster = DevicePeaks("x", 1e12, 1e11, "test"), DevicePeaks("y", 2e12, 3e11, "test")
+    engine_model = BudgetModel(small, bytes_per_element=2, peaks=peaks)
+    predictor_model = BudgetModel(small, bytes_per_element=2, peaks=faster)
+    wider = BudgetModel(small, bytes_per_element=4, peaks=peaks)
+
+    def fresh() -> StepShape:
+        return StepShape(prefill=((64, 32),), decode_contexts=(10, 200))
+
+    shape = fresh()
+    predictor_model.predict(shape)  # counts the shape once
+    assert engine_model.flops(shape) == engine_model.flops(fresh())
+    assert engine_model.bytes_moved(shape) == engine_model.bytes_moved(fresh())
+    # fp32 moves more bytes than bf16 over the same shape: not taken from the memo
+    assert wider.bytes_moved(shape) > engine_model.bytes_moved(shape)
+    assert wider.bytes_moved(shape) == wider.bytes_moved(fresh())
+    assert shape == fresh() and hash(shape) == hash(fresh())  # the memo is no field
+    counts: list[StepShape] = []
+
+    def count(counted: StepShape) -> float:
+        counts.append(counted)
+        return 2.5
+
+    assert shape.counted("k", count) == shape.counted("k", count) == 2.5 and len(counts) == 1

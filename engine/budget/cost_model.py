@@ -54,6 +54,8 @@ class BudgetModel:
     _weight_bytes: float = field(init=False, repr=False)
     _activation_bytes_per_token: float = field(init=False, repr=False)
     _logits_bytes_per_row: float = field(init=False, repr=False)
+    _flops_key: str = field(init=False, repr=False)
+    _bytes_key: str = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.bytes_per_element not in (1, 2, 4):
@@ -83,6 +85,12 @@ class BudgetModel:
             object.__setattr__(self, name, float(value))
         object.__setattr__(self, "_window_layers", c.windowed_layers)
         object.__setattr__(self, "_full_layers", c.num_layers - c.windowed_layers)
+        # what the counts depend on, so models that count alike share a shape's counts (a
+        # string: its hash is computed once)
+        counting = repr((sorted(derived.items()), c.windowed_layers, c.num_layers,
+                         c.sliding_window))
+        object.__setattr__(self, "_flops_key", f"flops {counting}")
+        object.__setattr__(self, "_bytes_key", f"bytes {counting}")
 
     @property
     def params(self) -> int:
@@ -99,6 +107,13 @@ class BudgetModel:
         return self.config.kv_bytes_per_token(self.bytes_per_element)
 
     def flops(self, shape: StepShape) -> float:
+        # the engine's model and a simulated step predictor's count each step's shape
+        return shape.counted(self._flops_key, self._flops)
+
+    def bytes_moved(self, shape: StepShape) -> float:
+        return shape.counted(self._bytes_key, self._bytes_moved)
+
+    def _flops(self, shape: StepShape) -> float:
         pairs = sum(chunk * before + chunk * (chunk + 1) // 2 for chunk, before in shape.prefill)
         pairs += sum(shape.decode_contexts) + len(shape.decode_contexts)  # context + 1 each
         layer_pairs = self._full_layers * pairs
@@ -112,7 +127,7 @@ class BudgetModel:
                 + self._lm_head_flops_per_row * shape.logits_rows
                 + self._attention_flops_per_pair * layer_pairs)
 
-    def bytes_moved(self, shape: StepShape) -> float:
+    def _bytes_moved(self, shape: StepShape) -> float:
         if shape.num_tokens == 0:
             return 0.0
         new_tokens = shape.prefill_tokens + len(shape.decode_contexts)

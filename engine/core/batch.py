@@ -10,6 +10,7 @@ It imports nothing heavy, so `tokenflow roofline` stays free of torch.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -60,12 +61,30 @@ class StepShape:
         """KV entries the step's sequences hold once it has run."""
         return self.cached_tokens_read + self.prefill_tokens + len(self.decode_contexts)
 
+    def counted(self, key: str, count: Callable[[StepShape], float]) -> float:
+        """`count(self)`, kept under `key`: a shape never changes, so a count made once
+        stands for every model that counts alike (the engine prices a step, a simulated
+        executor times it, the step's event reports its FLOPs and bytes)."""
+        memo = self.__dict__  # beside cached_property's values, never a field
+        value = memo.get(key)
+        if value is None:
+            value = memo[key] = count(self)
+        return value
+
 
 @dataclass(frozen=True)
 class ScheduledChunk:
     request: Request
     start: int  # first token position computed this step
     num_tokens: int
+
+    @classmethod
+    def of(cls, request: Request, start: int, num_tokens: int) -> ScheduledChunk:
+        """The object the constructor makes, made for the hot path (a chunk per decode per
+        step): see RequestOutput.of."""
+        chunk = object.__new__(cls)
+        chunk.__dict__.update(request=request, start=start, num_tokens=num_tokens)
+        return chunk
 
     @property
     def samples(self) -> bool:
@@ -142,3 +161,15 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     state: str
+
+    @classmethod
+    def of(cls, request_id: str, new_token_ids: tuple[int, ...], token_ids: tuple[int, ...],
+           finished: bool, finish_reason: str | None, state: str) -> RequestOutput:
+        """The object the constructor makes, made for the step's hot path (an output per
+        request per step): a frozen dataclass's __init__ sets each field through
+        object.__setattr__, three times slower than filling the new object's __dict__."""
+        output = object.__new__(cls)
+        output.__dict__.update(request_id=request_id, new_token_ids=new_token_ids,
+                               token_ids=token_ids, finished=finished,
+                               finish_reason=finish_reason, state=state)
+        return output

@@ -33,8 +33,13 @@ def block_hash(parent: BlockHash | None, tokens: list[int]) -> BlockHash:
     """The hash of a full block: its tokens and its parent's hash, so equal hashes mean equal
     prefixes. SHA-256, not Python's hash(): a crafted collision must not let one tenant's
     prompt read another's KV (vLLM made the same choice)."""
+    return _block_hash(parent, array("q", tokens).tobytes())
+
+
+def _block_hash(parent: BlockHash | None, token_bytes: bytes) -> BlockHash:
+    """block_hash of a block given as its tokens' int64 bytes."""
     digest = hashlib.sha256(parent or b"")
-    digest.update(array("q", tokens).tobytes())
+    digest.update(token_bytes)
     return digest.digest()
 
 
@@ -164,11 +169,17 @@ class BlockManager:
         """The hashes of the request's first `num_blocks` blocks, extending its memo (its
         tokens only ever grow, so a hash once computed stays right)."""
         hashes = request.block_hashes
+        done = len(hashes)
+        if done >= num_blocks:
+            return hashes
+        # the new blocks' tokens as int64 bytes in one conversion, sliced per block (a
+        # prompt of thousands of tokens is hashed when it is admitted)
         bs = self.block_size
-        while len(hashes) < num_blocks:
-            start = len(hashes) * bs
-            hashes.append(block_hash(hashes[-1] if hashes else None,
-                                     request.tokens_between(start, start + bs)))
+        tokens = array("q", request.tokens_between(done * bs, num_blocks * bs))
+        raw, width = tokens.tobytes(), bs * tokens.itemsize
+        for offset in range(0, len(raw), width):
+            hashes.append(_block_hash(hashes[-1] if hashes else None,
+                                      raw[offset:offset + width]))
         return hashes
 
     def _forget(self, block: int) -> None:

@@ -41,7 +41,14 @@ from engine.events import (
     RequestAdded,
     StepComplete,
 )
-from engine.ops.guards import ChunkRun, GuardDecisions, GuardInputs, Guards, allocator_fragmentation
+from engine.ops.guards import (
+    FAULT_EVENTS,
+    ChunkRun,
+    GuardDecisions,
+    GuardInputs,
+    Guards,
+    allocator_fragmentation,
+)
 from engine.ops.metrics import Metrics
 from engine.ops.telemetry import BandwidthSource, ModelBandwidth, NvmlBandwidth, nvml_available
 from engine.snapshot import RequestView, Snapshot
@@ -213,6 +220,8 @@ class Engine:
 
     def apply_pending_config(self) -> None:
         """Make a validated update current; called at step boundaries (and by idle loops)."""
+        if self._pending_config is None:  # most steps: no lock (one landing now waits a step)
+            return
         with self._config_lock:
             pending, self._pending_config = self._pending_config, None
         if pending is None:
@@ -247,12 +256,12 @@ class Engine:
                     self.config, chunk, self.predict, decodes, context, self.max_model_len)
         batch = self.scheduler.schedule()
         forward_s = 0.0
-        if batch.chunks:
+        if batch.prefills or batch.decodes:
             step_outputs, forward_s = self._run(batch)
             outputs += step_outputs
         self.bus.drain()
         left = self.clock()
-        if batch.chunks:
+        if batch.prefills or batch.decodes:
             # with work waiting, the time since the last step left is the caller's loop
             # (commands, snapshots): the plan's steps pay it too
             since = entered if self._left_busy is None else self._left_busy
@@ -271,7 +280,7 @@ class Engine:
         start = self.clock()
         output = self.runner.run(batch)
         end = self.clock()
-        timing = StepTiming(end=end, duration_s=end - start, predicted_s=predicted)
+        timing = StepTiming(end, end - start, predicted)
         if self.calibrated and batch.prefills:  # the steps prefill plans are made of
             self.step_ratio.observe(end, timing.duration_s, predicted)
             self.scheduler.step_scale = min(max(self.step_ratio.value, 1 / MAX_STEP_SCALE),
@@ -280,11 +289,11 @@ class Engine:
         self.bandwidth.record(bytes_moved, timing.duration_s)
         self.step_count += 1
         outputs = self.scheduler.update(batch, output, timing)
-        self.bus.publish(StepComplete(step=self.step_count, prefill_tokens=shape.prefill_tokens,
-                                      decode_seqs=len(batch.decodes),
-                                      duration_s=timing.duration_s, predicted_s=predicted,
-                                      mode=batch.mode.value, flops=self.budget.flops(shape),
-                                      bytes_moved=bytes_moved))
+        # step, prefill tokens, decode seqs, duration, predicted, mode, FLOPs, bytes moved:
+        # positional, as a frozen dataclass's keywords cost a third more
+        self.bus.publish(StepComplete(self.step_count, shape.prefill_tokens, len(batch.decodes),
+                                      timing.duration_s, predicted, batch.mode.value,
+                                      self.budget.flops(shape), bytes_moved))
         runs = tuple(ChunkRun(c.request.id, c.request.chunks[-1].index, timing.duration_s)
                      for c in batch.prefills if not c.request.state.is_final)
         fragmentation = max(self.blocks.fragmentation(self.scheduler.requests.values()),
@@ -296,13 +305,14 @@ class Engine:
     def _guard_inputs(self, fragmentation: float | None = None,
                       chunks: tuple[ChunkRun, ...] = ()) -> GuardInputs:
         s = self.scheduler
-        return GuardInputs(now=self.clock(), config=self.config, throttle_level=s.throttle_level,
-                           bandwidth_util=s.bandwidth_util, fragmentation=fragmentation,
-                           chunks=chunks)
+        # positional: twice a step, and a frozen dataclass's keywords cost a third more
+        return GuardInputs(self.clock(), self.config, s.throttle_level, s.bandwidth_util,
+                           fragmentation, chunks)
 
     def _observe(self, event: Event) -> None:
         """A fault an event reports (breaker, drift, a request failed alone) is judged at once."""
-        if self.guards.observe(event, self.clock):
+        # every event passes here (a token event per request per step): the type test first
+        if isinstance(event, FAULT_EVENTS) and self.guards.observe(event, self.clock):
             self._apply(self.guards.evaluate(self._guard_inputs()))
 
     def _apply(self, decisions: GuardDecisions) -> None:

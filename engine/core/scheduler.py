@@ -111,6 +111,8 @@ class Scheduler:
         # (engine.budget.calibrate.apply sets it).
         self.calibrated = False
         self._plan_rules: PlanRules | None = None  # the rules the plans in force assume
+        # plan_rules()'s last answer, with the configuration and the budget it was made for
+        self._rules_made: tuple[EngineConfig, int, PlanRules] | None = None
         # set by the engine: each recent step's time beyond the forward pass, and how far
         # steps run from the predictor lately (engine.budget.predictor.StepTimeRatio)
         self.overheads: deque[float] = deque(maxlen=OVERHEAD_STEPS)
@@ -224,7 +226,7 @@ class Scheduler:
                 if request.state is RequestState.PREEMPTED:
                     continue
                 self.blocks.grow(request, 1)
-            batch.decodes.append(ScheduledChunk(request, request.num_computed_tokens, 1))
+            batch.decodes.append(ScheduledChunk.of(request, request.num_computed_tokens, 1))
             budget -= 1
         return budget
 
@@ -379,19 +381,24 @@ class Scheduler:
     # --- the prefill plan budget_score is measured against (engine.budget.plan) ---------
     def plan_rules(self) -> PlanRules:
         """The normal-mode rules this step's budget and configuration set."""
-        cfg = self.config
+        cfg, budget = self.config, self.token_budget
+        made = self._rules_made
+        # read every step: made again only when the configuration or the budget changed
+        if made is not None and made[0] is cfg and made[1] == budget:
+            return made[2]
         # a cap below one tile would round every partial chunk to nothing (pitfall 4), and
         # without chunking a capped prompt could never run whole
         cap = max(cfg.long_prefill_threshold, cfg.chunk_tile) \
             if cfg.long_prefill_threshold and cfg.chunked_prefill else math.inf
-        return PlanRules(budget=self.token_budget, tile=cfg.chunk_tile,
-                         slots=cfg.max_prefill_chunks, chunk_cap=cap,
-                         chunked=cfg.chunked_prefill)
+        rules = PlanRules(budget=budget, tile=cfg.chunk_tile, slots=cfg.max_prefill_chunks,
+                          chunk_cap=cap, chunked=cfg.chunked_prefill)
+        self._rules_made = (cfg, budget, rules)
+        return rules
 
     def _replan_if_retuned(self, rules: PlanRules, batch: Batch) -> None:
         """A tuning change (configuration, the auto budget's C*) re-plans what is in flight,
         beside the batch's decodes."""
-        if rules != self._plan_rules:
+        if rules is not self._plan_rules and rules != self._plan_rules:
             self._plan_rules = rules
             self._replan(tuple(c.start + 1 for c in batch.decodes), ())
 
@@ -506,7 +513,7 @@ class Scheduler:
                 request.worst_gap = (gap, self.steps)
         request.output_token_ids.append(token)
         request.last_token_time = now
-        self.publish(TokensGenerated(request_id=request.id, token_ids=(token,)))
+        self.publish(TokensGenerated.of(request.id, (token,), now))
         reason = self.stop_reason(request, token)
         if reason:
             self.finish(request, RequestState.FINISHED, reason)
@@ -618,6 +625,5 @@ def request_output(request: Request, new_tokens: tuple[int, ...]) -> RequestOutp
     state = request.state
     final = state.is_final
     # str() of a StrEnum is its value, without the enum's Python-level `value` property
-    return RequestOutput(request_id=request.id, new_token_ids=new_tokens,
-                         token_ids=tuple(request.output_token_ids), finished=final,
-                         finish_reason=request.reason if final else None, state=str(state))
+    return RequestOutput.of(request.id, new_tokens, tuple(request.output_token_ids), final,
+                            request.reason if final else None, str(state))

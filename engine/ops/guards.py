@@ -72,6 +72,10 @@ def chunk_timeout_s(config: EngineConfig, chunk_index: int) -> float:
     return config.chunk_timeout_base_ms / 1000 * (1 + TIMEOUT_GROWTH * chunk_index)
 
 
+# the events that can report a fault; the engine hands the guards no other kind
+FAULT_EVENTS = (Rejected, Drift, Failed)
+
+
 class Guards:
     def __init__(self) -> None:
         self.fragmentation = 0.0  # the larger of KV block tails and, on CUDA, allocator slack
@@ -91,7 +95,7 @@ class Guards:
     def observe(self, event: Event, clock: Callable[[], float]) -> bool:
         """Note an event that reports a fault, at `clock()`; True when the layers should be
         evaluated now (so the next layer takes over at the instant the fault is seen)."""
-        if not isinstance(event, (Rejected, Drift, Failed)):  # every event passes here
+        if not isinstance(event, FAULT_EVENTS):
             return False
         now = clock()  # read only for a fault
         if isinstance(event, Rejected) and event.cause is RejectCause.BREAKER:

@@ -126,58 +126,59 @@ class Metrics:
         self._last_token_ts: dict[str, float] = {}
 
     def observe(self, event: Event) -> None:
+        # one call per event, the lock around it all: the bus hands every event here
         with self._lock:
-            self._observe(event)
-
-    def _observe(self, event: Event) -> None:
-        match event:  # the commonest first: a token event per request per step
-            case TokensGenerated():
-                count = len(event.token_ids)
-                self.generation_tokens_total += count
-                self._rate.append((event.ts, 0, count))
-                last = self._last_token_ts.get(event.request_id)
-                if last is not None:
-                    self.itl.observe(event.ts - last)
-                    self.recent_itl.add(event.ts, event.ts - last)
-                self._last_token_ts[event.request_id] = event.ts
-            case StepComplete():
-                tokens = event.prefill_tokens + event.decode_seqs
-                self.iteration_tokens.observe(tokens)
-                self.recent_step.add(event.ts, event.duration_s)
-                self._rate.append((event.ts, tokens, 0))
-            case RequestAdded():
-                self.prompt_tokens_total += len(event.prompt_token_ids)
-            case Preempted():
-                self.preemptions_total += 1
-            case Finished():
-                self._last_token_ts.pop(event.request_id, None)
-                self.requests_finished_total += 1
-                self.e2e.observe(event.e2e_s)
-                if event.queue_wait_s is not None:
-                    self.recent_queue_wait.add(event.ts, event.queue_wait_s)
-                if event.ttft_s is not None:
-                    self.ttft.observe(event.ttft_s)
-                    self.recent_ttft.add(event.ts, event.ttft_s)
-                    if event.generated_tokens > 1:
-                        tpot = (event.e2e_s - event.ttft_s) / (event.generated_tokens - 1)
-                        self.recent_tpot.add(event.ts, tpot)
-                if event.budget_score is not None:
-                    self.budget_score.observe(event.budget_score)
-            case Rejected():
-                self.requests_rejected_total += 1
-            case Failed():
-                self._last_token_ts.pop(event.request_id, None)
-                self.requests_failed_total += 1
-            case SlowQuery():
-                self.slow_queries_total += 1
-            case PrefixCacheLookup():
-                self.prefix_cache_queries_total += event.queried_tokens
-                self.prefix_cache_hits_total += event.cached_tokens
-                self.recent_queried.add(event.ts, event.queried_tokens)
-                self.recent_cached.add(event.ts, event.cached_tokens)
-        horizon = event.ts - RATE_WINDOW_S
-        while self._rate and self._rate[0][0] < horizon:
-            self._rate.popleft()
+            match event:  # the commonest first: a token event per request per step
+                case TokensGenerated():
+                    ts, count = event.ts, len(event.token_ids)
+                    self.generation_tokens_total += count
+                    self._rate.append((ts, 0, count))
+                    last = self._last_token_ts.get(event.request_id)
+                    if last is not None:
+                        self.itl.observe(ts - last)
+                        self.recent_itl.add(ts, ts - last)
+                    self._last_token_ts[event.request_id] = ts
+                    # the step's StepComplete follows its tokens and trims the rate window once
+                    # for them all (rates() reads only the window's span, trimmed or not)
+                    return
+                case StepComplete():
+                    tokens = event.prefill_tokens + event.decode_seqs
+                    self.iteration_tokens.observe(tokens)
+                    self.recent_step.add(event.ts, event.duration_s)
+                    self._rate.append((event.ts, tokens, 0))
+                case RequestAdded():
+                    self.prompt_tokens_total += len(event.prompt_token_ids)
+                case Preempted():
+                    self.preemptions_total += 1
+                case Finished():
+                    self._last_token_ts.pop(event.request_id, None)
+                    self.requests_finished_total += 1
+                    self.e2e.observe(event.e2e_s)
+                    if event.queue_wait_s is not None:
+                        self.recent_queue_wait.add(event.ts, event.queue_wait_s)
+                    if event.ttft_s is not None:
+                        self.ttft.observe(event.ttft_s)
+                        self.recent_ttft.add(event.ts, event.ttft_s)
+                        if event.generated_tokens > 1:
+                            tpot = (event.e2e_s - event.ttft_s) / (event.generated_tokens - 1)
+                            self.recent_tpot.add(event.ts, tpot)
+                    if event.budget_score is not None:
+                        self.budget_score.observe(event.budget_score)
+                case Rejected():
+                    self.requests_rejected_total += 1
+                case Failed():
+                    self._last_token_ts.pop(event.request_id, None)
+                    self.requests_failed_total += 1
+                case SlowQuery():
+                    self.slow_queries_total += 1
+                case PrefixCacheLookup():
+                    self.prefix_cache_queries_total += event.queried_tokens
+                    self.prefix_cache_hits_total += event.cached_tokens
+                    self.recent_queried.add(event.ts, event.queried_tokens)
+                    self.recent_cached.add(event.ts, event.cached_tokens)
+            horizon = event.ts - RATE_WINDOW_S
+            while self._rate and self._rate[0][0] < horizon:
+                self._rate.popleft()
 
     def rates(self, now: float) -> tuple[float, float]:
         """(tokens/s, output tokens/s) over the last RATE_WINDOW_S seconds."""

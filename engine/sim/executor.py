@@ -11,15 +11,15 @@ The clock is the engine's: a `VirtualClock` jumps (as fast as the CPU can schedu
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from engine.budget.calibrate import apply
 from engine.config import EngineConfig
-from engine.core.batch import Batch, ModelRunnerOutput
+from engine.core.batch import Batch, ModelRunnerOutput, StepShape
 from engine.core.engine import Engine
 from engine.core.model_runner import DTYPES
 from engine.errors import EngineError
@@ -124,8 +124,10 @@ class SimulatedExecutor:
         chunk."""
         start = self.clock()
         self.clock.advance_to(start + self.target.predict(batch.shape()))
-        tokens = {c.request.id: self._placeholder(c.request.num_tokens, c.request.params
-                                                  .stop_token_ids)
+        # a sampling chunk ends at its request's last token: start + num_tokens is the
+        # request's num_tokens, without the property call per token
+        tokens = {c.request.id: self._placeholder(c.start + c.num_tokens,
+                                                  c.request.params.stop_token_ids)
                   for c in batch.sampling}
         return ModelRunnerOutput(token_ids=tokens)
 
@@ -149,10 +151,30 @@ class Simulation:
     speed: float = 1.0
 
 
+class _LastShape:
+    """A predictor that keeps its answer for the last shape it priced: the engine predicts
+    each step's time and then the executor takes it, for the same shape object, so it is
+    computed once. An identity test, not a cache keyed by the shape's hash, which would hash
+    the whole shape twice a step."""
+
+    def __init__(self, predict: Callable[[StepShape], float]) -> None:
+        self._predict = predict
+        # one tuple, swapped whole: a reader on another thread never pairs a shape with
+        # another shape's time
+        self._last: tuple[StepShape | None, float] = (None, 0.0)
+
+    def __call__(self, shape: StepShape) -> float:
+        last = self._last
+        if last[0] is shape:
+            return last[1]
+        seconds = self._predict(shape)
+        self._last = (shape, seconds)
+        return seconds
+
+
 def simulated_engine(config: EngineConfig, target: SimTarget, clock: Clock) -> Engine:
     """An Engine whose runner is simulated, budgeting with the target's own step times."""
-    # the engine predicts each step's time and then the executor takes it: compute it once
-    target = dataclasses.replace(target, predict=functools.lru_cache(maxsize=2)(target.predict))
+    target = dataclasses.replace(target, predict=_LastShape(target.predict))
     engine = Engine(config, runner=SimulatedExecutor(config, target, clock), clock=clock)
     if target.calibration is not None:
         # as a real run with a stored calibration: predictions and C* from the fit
