@@ -35,6 +35,7 @@ from engine.budget.predictor import StepTimePredictor
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.core.batch import Batch, ModelRunnerOutput, StepShape
 from engine.core.engine import Engine
+from engine.errors import EngineError
 from engine.events import ChunkComplete, Drift, Event, StepComplete
 from engine.store import calibration_history, drift_events, open_database, save_calibration
 from engine.store.database import upgrade_database
@@ -150,6 +151,42 @@ def test_fit_refuses_too_few_or_bad_points() -> None:
         StepTimePredictor.fit(shapes, [0.0] + [1.0] * 9)
 
 
+def test_fit_finds_the_knee_below_which_steps_are_weight_bound() -> None:
+    """Steps of up to 12 tokens pay the linear layers of 12 (one read of the weights): the
+    fit's knee search finds 12 and the coefficients, so a 4-decode step is priced like a
+    12-token one rather than 4 tokens' worth above a lone decode."""
+    truth = dataclasses.replace(TRUE, token_knee=12.0)
+    shapes = random_shapes(40) + [StepShape(decode_contexts=(64,) * n) for n in range(1, 33)]
+    fitted = StepTimePredictor.fit(shapes, [truth.predict(s) for s in shapes])
+    assert fitted.token_knee == 12.0
+    assert fitted.coefficients == pytest.approx(truth.coefficients, rel=1e-6, abs=1e-12)
+    few, one = StepShape(decode_contexts=(64,) * 4), StepShape(decode_contexts=(64,) * 1)
+    assert fitted.predict(few) - fitted.predict(one) == pytest.approx(
+        TRUE.multi_token_s + 3 * (TRUE.per_decode_seq_s + 64 * TRUE.per_decode_context_s))
+
+
+def test_a_stored_predictor_without_a_knee_keeps_its_meaning() -> None:
+    """Calibrations stored before the knee existed load with a knee of 1: the plain
+    per-token price they were fitted with, so every prediction is unchanged."""
+    stored = TRUE.to_dict()
+    del stored["token_knee"]
+    old = StepTimePredictor.from_dict(stored)
+    assert old.token_knee == 1.0 and old == TRUE
+    for shape in random_shapes(20, seed=3):
+        linear = (TRUE.constant_s + TRUE.multi_token_s * (shape.num_tokens > 1)
+                  + TRUE.per_token_s * shape.num_tokens
+                  + TRUE.per_prefill_chunk_s * len(shape.prefill)
+                  + TRUE.per_decode_seq_s * len(shape.decode_contexts)
+                  + TRUE.per_prefill_pair_s * sum(c * b + c * (c + 1) / 2
+                                                  for c, b in shape.prefill)
+                  + TRUE.per_decode_context_s * sum(shape.decode_contexts))
+        assert old.predict(shape) == pytest.approx(linear, rel=1e-12)
+    kneed = dataclasses.replace(TRUE, token_knee=6.5)
+    assert StepTimePredictor.from_dict(kneed.to_dict()) == kneed
+    with pytest.raises(ConfigError, match="token_knee"):
+        dataclasses.replace(TRUE, token_knee=0.5)
+
+
 def test_predictor_round_trips_and_drives_the_roofline(engine: Engine) -> None:
     assert StepTimePredictor.from_dict(TRUE.to_dict()) == TRUE
     with pytest.raises(ConfigError, match="recalibrate"):
@@ -197,6 +234,34 @@ def test_probes_beyond_the_pool_or_model_length_are_skipped(engine: Engine) -> N
     result = calibrate(engine, plan=plan)
     assert set(result.skipped) == {too_long, too_many}
     assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_timed_runs_come_in_bursts_of_one_shape_within_interleaved_passes(
+        engine: Engine) -> None:
+    """A serving loop runs steps of about the same shape one after another, so a shape's
+    timed runs come `burst` in a row; the passes still interleave the shapes."""
+    plan = dataclasses.replace(DRIFT_PLAN, warmup=0, repeats=5, burst=2)
+    order: list[StepShape] = []
+    forward = engine.runner.run
+
+    def run(batch: Batch) -> ModelRunnerOutput:
+        order.append(batch.shape())
+        return forward(batch)
+
+    engine.runner.run = run
+    try:
+        result = calibrate(engine, plan=plan)
+    finally:
+        engine.runner.run = forward
+    assert all(p.runs == 5 for p in result.points)
+    shapes = len(result.points)
+    runs = [order[:shapes * 2], order[shapes * 2:shapes * 4], order[shapes * 4:]]
+    assert [len(r) for r in runs] == [2 * shapes, 2 * shapes, shapes]  # 2 + 2 + 1
+    for passed in runs[:2]:
+        assert all(passed[i] == passed[i + 1] for i in range(0, len(passed), 2))
+    assert runs[2] == runs[0][::2]  # every pass in the same order, shape after shape
+    with pytest.raises(EngineError, match="burst >= 1"):
+        calibrate(engine, plan=dataclasses.replace(plan, burst=0))
 
 
 def test_apply_switches_budgeting_and_recommended_chunk(calibrated) -> None:
