@@ -49,7 +49,7 @@ TRUE = StepTimePredictor(constant_s=2e-3, multi_token_s=1e-3, per_token_s=5e-5,
 TEST_PLAN = SweepPlan(prefill_chunks=(16, 64, 128, 256), prefill_contexts=(0, 1024),
                       decode_batches=(1, 8, 32), decode_contexts=(64, 1024),
                       mixed=(Probe(32, 0, 16, 128), Probe(128, 0, 8, 512), Probe(64, 256, 32, 64),
-                             Probe(128, 512, 4, 1024)),
+                             Probe(128, 512, 4, 1024), Probe(16, 0, 0, 0, chunks=3)),
                       warmup=5, repeats=5)
 
 
@@ -223,6 +223,15 @@ def test_calibration_fits_and_reports_held_out_error(engine: Engine, calibrated)
     assert engine.blocks.num_free == engine.blocks.num_blocks  # every probe block released
     table = json.loads(json.dumps(result.to_dict()))["table"]
     assert {"kind", "chunk", "median_s", "mean_s", "predicted_s", "held_out"} <= set(table[0])
+
+
+def test_a_probe_of_several_chunks_is_one_step_of_as_many_prompts(calibrated) -> None:
+    """Several short prompts in one step price the per-chunk cost apart from the per-step
+    one; such a step is "mixed", never a row of the prefill table."""
+    assert Probe(16, 0, chunks=3).kind == "mixed" and Probe(16, 0).kind == "prefill"
+    point = next(p for p in calibrated.points if p.probe.chunks == 3)
+    # the engine's clock moved by what TRUE says of three 16-token chunks in one step
+    assert point.median_s == pytest.approx(TRUE.predict(StepShape(prefill=((16, 0),) * 3)))
 
 
 def test_probes_beyond_the_pool_or_model_length_are_skipped(engine: Engine) -> None:

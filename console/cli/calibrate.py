@@ -115,7 +115,8 @@ def _print_summary(result: CalibrationResult, s: dict[str, Any]) -> None:
           f"{'pred ms':>9} {'err':>7} {'GFLOP/s':>8} {'GB/s':>6}")
     for point in result.points:
         q = point.probe
-        print(f"  {q.kind:8} {q.chunk:5} {q.chunk_context:5} {q.decode_seqs:4} "
+        chunk = f"{q.chunks}x{q.chunk}" if q.chunks > 1 and q.chunk else str(q.chunk)
+        print(f"  {q.kind:8} {chunk:>5} {q.chunk_context:5} {q.decode_seqs:4} "
               f"{q.decode_context:5} {point.median_s * 1e3:9.2f} {point.predicted_s * 1e3:9.2f} "
               f"{point.relative_error:+7.1%} {point.achieved_flops / 1e9:8.2f} "
               f"{point.achieved_bandwidth / 1e9:6.2f}{'  held out' if point.held_out else ''}")
