@@ -81,9 +81,10 @@ class SweepPlan:
     warmup: int = 5
     repeats: int = 20
     # timed runs of a shape in a row: a serving loop runs steps of about the same shape one
-    # after another, and a small step timed straight after a different one ran 7-14% slower
-    # than the same step in a run of its own shape (synthetic:small on CPU). Sweeps of few
-    # repeats keep 1: a single burst would not be interleaved at all.
+    # after another. Small decode steps timed across an interleaved sweep ran 7-14% slower
+    # than the same steps repeated in a fresh process (synthetic:small on the shared 2-core
+    # CPU, once; the box's load moves them as much). Sweeps of few repeats keep 1: a single
+    # burst would not be interleaved at all.
     burst: int = 1
 
     def probes(self) -> list[Probe]:
