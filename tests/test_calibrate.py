@@ -35,7 +35,6 @@ from engine.budget.predictor import StepTimePredictor
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.core.batch import Batch, ModelRunnerOutput, StepShape
 from engine.core.engine import Engine
-from engine.errors import EngineError
 from engine.events import ChunkComplete, Drift, Event, StepComplete
 from engine.store import calibration_history, drift_events, open_database, save_calibration
 from engine.store.database import upgrade_database
@@ -243,34 +242,6 @@ def test_probes_beyond_the_pool_or_model_length_are_skipped(engine: Engine) -> N
     result = calibrate(engine, plan=plan)
     assert set(result.skipped) == {too_long, too_many}
     assert engine.blocks.num_free == engine.blocks.num_blocks
-
-
-def test_timed_runs_come_in_bursts_of_one_shape_within_interleaved_passes(
-        engine: Engine) -> None:
-    """A serving loop runs steps of about the same shape one after another, so a shape's
-    timed runs come `burst` in a row; the passes still interleave the shapes."""
-    plan = dataclasses.replace(DRIFT_PLAN, warmup=0, repeats=5, burst=2)
-    order: list[StepShape] = []
-    forward = engine.runner.run
-
-    def run(batch: Batch) -> ModelRunnerOutput:
-        order.append(batch.shape())
-        return forward(batch)
-
-    engine.runner.run = run
-    try:
-        result = calibrate(engine, plan=plan)
-    finally:
-        engine.runner.run = forward
-    assert all(p.runs == 5 for p in result.points)
-    shapes = len(result.points)
-    runs = [order[:shapes * 2], order[shapes * 2:shapes * 4], order[shapes * 4:]]
-    assert [len(r) for r in runs] == [2 * shapes, 2 * shapes, shapes]  # 2 + 2 + 1
-    for passed in runs[:2]:
-        assert all(passed[i] == passed[i + 1] for i in range(0, len(passed), 2))
-    assert runs[2] == runs[0][::2]  # every pass in the same order, shape after shape
-    with pytest.raises(EngineError, match="burst >= 1"):
-        calibrate(engine, plan=dataclasses.replace(plan, burst=0))
 
 
 def test_apply_switches_budgeting_and_recommended_chunk(calibrated) -> None:

@@ -4,10 +4,9 @@ A sweep runs the engine's own model runner on packed batches of chosen shapes: p
 × the context already cached before them, decode batches × context, and a few mixed steps
 like the ones the scheduler builds. Every shape is run `warmup` times untimed (seed 000
 pitfall 9: cold kernels, allocator and caches make the first runs up to 3× slower), then
-`repeats` times timed, in bursts of `burst` runs in a row; the mean is reported as the seed
-asks and the median is what the fit uses, since on a shared CPU one run in twenty can lose its
-core to another process. A quarter of the shapes is held out of the fit and the predictor's
-error on them is the figure of merit.
+`repeats` times timed; the mean is reported as the seed asks and the median is what the fit
+uses, since on a shared CPU one run in twenty can lose its core to another process. A quarter
+of the shapes is held out of the fit and the predictor's error on them is the figure of merit.
 
 A calibration advances one unit (the KV probe, then one shape) per `advance()`, so an engine
 loop can serve steps between units; `calibrate()` runs one to the end.
@@ -80,12 +79,6 @@ class SweepPlan:
     mixed: tuple[Probe, ...]
     warmup: int = 5
     repeats: int = 20
-    # timed runs of a shape in a row: a serving loop runs steps of about the same shape one
-    # after another. Small decode steps timed across an interleaved sweep ran 7-14% slower
-    # than the same steps repeated in a fresh process (synthetic:small on the shared 2-core
-    # CPU, once; the box's load moves them as much). Sweeps of few repeats keep 1: a single
-    # burst would not be interleaved at all.
-    burst: int = 1
 
     def probes(self) -> list[Probe]:
         return ([Probe(chunk=c, chunk_context=s)
@@ -112,7 +105,7 @@ PLANS: dict[tuple[str, bool], SweepPlan] = {
                Probe(128, 512, 4, 1024), Probe(256, 128, 8, 128), Probe(512, 0, 32, 256),
                Probe(384, 1024, 16, 1024), Probe(16, 0, 0, 0, chunks=4),
                Probe(32, 0, 4, 64, chunks=4), Probe(64, 256, 8, 128, chunks=2)),
-        warmup=5, repeats=20, burst=5),
+        warmup=5, repeats=20),
     ("cuda", True): SweepPlan(
         prefill_chunks=(64, 256, 512, 1024, 2048), prefill_contexts=(0, 2048, 8192),
         decode_batches=(1, 16, 64, 256), decode_contexts=(256, 2048, 8192),
@@ -128,7 +121,7 @@ PLANS: dict[tuple[str, bool], SweepPlan] = {
                Probe(2048, 4096, 16, 4096), Probe(128, 0, 256, 256), Probe(4096, 0, 64, 4096),
                Probe(1024, 8192, 32, 8192), Probe(64, 0, 0, 0, chunks=8),
                Probe(128, 0, 16, 1024, chunks=4), Probe(512, 2048, 32, 2048, chunks=2)),
-        warmup=5, repeats=20, burst=5),
+        warmup=5, repeats=20),
 }
 
 # The first calibration at start (issue 16): seconds, not minutes, so the engine gives
@@ -258,19 +251,17 @@ class Calibration:
     """One sweep over `plan` on `engine`, a unit of work per `advance()`.
 
     The timed runs are interleaved: after each shape's warm-up, pass after pass runs every
-    shape `burst` times in a row. Load from other processes comes and goes over seconds; a
-    shape timed all at once would read slow against the rest, while interleaved passes give
-    every shape the same mix of quiet and busy moments. Within a pass the shape repeats, as
-    steps do in a serving loop, so a run is not timed just after a step of another shape.
-    Uses only free KV blocks, released after every run, so it can run between the steps of
-    a serving engine; it must run on the engine's thread.
+    shape once. Load from other processes comes and goes over seconds; a shape timed in one
+    burst would read slow against the rest, while interleaved passes give every shape the
+    same mix of quiet and busy moments. Uses only free KV blocks, released after every run,
+    so it can run between the steps of a serving engine; it must run on the engine's thread.
     """
 
     def __init__(self, engine: Engine, plan: SweepPlan, *, quick: bool = False,
                  progress: Progress | None = None) -> None:
-        if plan.warmup < 0 or plan.repeats < 1 or plan.burst < 1:
-            raise EngineError(f"a sweep needs warmup >= 0, repeats >= 1 and burst >= 1, got "
-                              f"{plan.warmup}, {plan.repeats} and {plan.burst}")
+        if plan.warmup < 0 or plan.repeats < 1:
+            raise EngineError(f"a sweep needs warmup >= 0 and repeats >= 1, got {plan.warmup} "
+                              f"and {plan.repeats}")
         self.engine = engine
         self.plan = plan
         self.quick = quick
@@ -361,24 +352,21 @@ class Calibration:
                     self._times[probe], self._busy[probe], self._dram[probe] = [], [], []
             done += 1 + (0 if probe in self._batches else self.plan.repeats)
             yield
-        passes = -(-self.plan.repeats // self.plan.burst)
-        for repeat in range(passes):
+        for repeat in range(self.plan.repeats):
             timed = len(self._batches)
-            runs = min(self.plan.burst, self.plan.repeats - repeat * self.plan.burst)
             for index, (probe, batch) in enumerate(self._batches.items(), 1):
-                self._report(done, f"pass {repeat + 1}/{passes}, shape "
+                self._report(done, f"pass {repeat + 1}/{self.plan.repeats}, shape "
                              f"{index}/{timed}: {_describe(probe)}")
-                for _ in range(runs):
-                    seconds = self._run(batch, 1)
-                    if seconds is not None:  # None: serving took the blocks since the warm-up
-                        self._times[probe].append(seconds)
-                        latest = self._nvml.latest() if self._nvml is not None else None
-                        if latest is not None:
-                            self._busy[probe].append(latest.memory_busy)
-                            if latest.dram_active is not None:
-                                self._dram[probe].append(latest.dram_active)
-                    done += 1
-                    yield
+                seconds = self._run(batch, 1)
+                if seconds is not None:  # None: serving took the blocks since the warm-up
+                    self._times[probe].append(seconds)
+                    latest = self._nvml.latest() if self._nvml is not None else None
+                    if latest is not None:
+                        self._busy[probe].append(latest.memory_busy)
+                        if latest.dram_active is not None:
+                            self._dram[probe].append(latest.dram_active)
+                done += 1
+                yield
         self._report(done, "fitting")
 
     def _report(self, done: int, note: str) -> None:
