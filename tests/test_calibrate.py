@@ -48,7 +48,7 @@ TRUE = StepTimePredictor(constant_s=2e-3, multi_token_s=1e-3, per_token_s=5e-5,
 TEST_PLAN = SweepPlan(prefill_chunks=(16, 64, 128, 256), prefill_contexts=(0, 1024),
                       decode_batches=(1, 8, 32), decode_contexts=(64, 1024),
                       mixed=(Probe(32, 0, 16, 128), Probe(128, 0, 8, 512), Probe(64, 256, 32, 64),
-                             Probe(128, 512, 4, 1024)),
+                             Probe(128, 512, 4, 1024), Probe(16, 0, 0, 0, chunks=3)),
                       warmup=5, repeats=5)
 
 
@@ -150,6 +150,42 @@ def test_fit_refuses_too_few_or_bad_points() -> None:
         StepTimePredictor.fit(shapes, [0.0] + [1.0] * 9)
 
 
+def test_fit_finds_the_knee_below_which_steps_are_weight_bound() -> None:
+    """Steps of up to 12 tokens pay the linear layers of 12 (one read of the weights): the
+    fit's knee search finds 12 and the coefficients, so a 4-decode step is priced like a
+    12-token one rather than 4 tokens' worth above a lone decode."""
+    truth = dataclasses.replace(TRUE, token_knee=12.0)
+    shapes = random_shapes(40) + [StepShape(decode_contexts=(64,) * n) for n in range(1, 33)]
+    fitted = StepTimePredictor.fit(shapes, [truth.predict(s) for s in shapes])
+    assert fitted.token_knee == 12.0
+    assert fitted.coefficients == pytest.approx(truth.coefficients, rel=1e-6, abs=1e-12)
+    few, one = StepShape(decode_contexts=(64,) * 4), StepShape(decode_contexts=(64,) * 1)
+    assert fitted.predict(few) - fitted.predict(one) == pytest.approx(
+        TRUE.multi_token_s + 3 * (TRUE.per_decode_seq_s + 64 * TRUE.per_decode_context_s))
+
+
+def test_a_stored_predictor_without_a_knee_keeps_its_meaning() -> None:
+    """Calibrations stored before the knee existed load with a knee of 1: the plain
+    per-token price they were fitted with, so every prediction is unchanged."""
+    stored = TRUE.to_dict()
+    del stored["token_knee"]
+    old = StepTimePredictor.from_dict(stored)
+    assert old.token_knee == 1.0 and old == TRUE
+    for shape in random_shapes(20, seed=3):
+        linear = (TRUE.constant_s + TRUE.multi_token_s * (shape.num_tokens > 1)
+                  + TRUE.per_token_s * shape.num_tokens
+                  + TRUE.per_prefill_chunk_s * len(shape.prefill)
+                  + TRUE.per_decode_seq_s * len(shape.decode_contexts)
+                  + TRUE.per_prefill_pair_s * sum(c * b + c * (c + 1) / 2
+                                                  for c, b in shape.prefill)
+                  + TRUE.per_decode_context_s * sum(shape.decode_contexts))
+        assert old.predict(shape) == pytest.approx(linear, rel=1e-12)
+    kneed = dataclasses.replace(TRUE, token_knee=6.5)
+    assert StepTimePredictor.from_dict(kneed.to_dict()) == kneed
+    with pytest.raises(ConfigError, match="token_knee"):
+        dataclasses.replace(TRUE, token_knee=0.5)
+
+
 def test_predictor_round_trips_and_drives_the_roofline(engine: Engine) -> None:
     assert StepTimePredictor.from_dict(TRUE.to_dict()) == TRUE
     with pytest.raises(ConfigError, match="recalibrate"):
@@ -186,6 +222,15 @@ def test_calibration_fits_and_reports_held_out_error(engine: Engine, calibrated)
     assert engine.blocks.num_free == engine.blocks.num_blocks  # every probe block released
     table = json.loads(json.dumps(result.to_dict()))["table"]
     assert {"kind", "chunk", "median_s", "mean_s", "predicted_s", "held_out"} <= set(table[0])
+
+
+def test_a_probe_of_several_chunks_is_one_step_of_as_many_prompts(calibrated) -> None:
+    """Several short prompts in one step price the per-chunk cost apart from the per-step
+    one; such a step is "mixed", never a row of the prefill table."""
+    assert Probe(16, 0, chunks=3).kind == "mixed" and Probe(16, 0).kind == "prefill"
+    point = next(p for p in calibrated.points if p.probe.chunks == 3)
+    # the engine's clock moved by what TRUE says of three 16-token chunks in one step
+    assert point.median_s == pytest.approx(TRUE.predict(StepShape(prefill=((16, 0),) * 3)))
 
 
 def test_probes_beyond_the_pool_or_model_length_are_skipped(engine: Engine) -> None:

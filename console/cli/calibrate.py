@@ -102,7 +102,7 @@ def _print_summary(result: CalibrationResult, s: dict[str, Any]) -> None:
     print(f"  held-out median |error| {result.heldout_median_abs_error:.1%} over "
           f"{len(result.heldout_errors)} shapes (max {max(result.heldout_errors, default=0):.1%})")
     print(f"  predictor: {p.constant_s * 1e3:.2f} ms/step (+{p.multi_token_s * 1e3:.2f} ms past "
-          f"one token) + {p.per_token_s * 1e6:.1f} µs/token"
+          f"one token) + {p.per_token_s * 1e6:.1f} µs/token on max(tokens, {p.token_knee:.1f})"
           f" + {p.per_prefill_chunk_s * 1e3:.2f} ms/chunk + {p.per_decode_seq_s * 1e3:.3f} "
           f"ms/decode + {p.per_prefill_pair_s * 1e9:.2f} ns/prefill pair + "
           f"{p.per_decode_context_s * 1e9:.1f} ns/decode context token")
@@ -115,7 +115,8 @@ def _print_summary(result: CalibrationResult, s: dict[str, Any]) -> None:
           f"{'pred ms':>9} {'err':>7} {'GFLOP/s':>8} {'GB/s':>6}")
     for point in result.points:
         q = point.probe
-        print(f"  {q.kind:8} {q.chunk:5} {q.chunk_context:5} {q.decode_seqs:4} "
+        chunk = f"{q.chunks}x{q.chunk}" if q.chunks > 1 and q.chunk else str(q.chunk)
+        print(f"  {q.kind:8} {chunk:>5} {q.chunk_context:5} {q.decode_seqs:4} "
               f"{q.decode_context:5} {point.median_s * 1e3:9.2f} {point.predicted_s * 1e3:9.2f} "
               f"{point.relative_error:+7.1%} {point.achieved_flops / 1e9:8.2f} "
               f"{point.achieved_bandwidth / 1e9:6.2f}{'  held out' if point.held_out else ''}")

@@ -47,17 +47,21 @@ HELD_OUT_SEED = 0  # which quarter of each kind's shapes is held out of the fit
 
 @dataclass(frozen=True)
 class Probe:
-    """One step shape to time: a prefill chunk of `chunk` tokens after `chunk_context` cached
-    ones, and `decode_seqs` decodes with `decode_context` cached tokens each."""
+    """One step shape to time: `chunks` prefill chunks (of different requests) of `chunk`
+    tokens after `chunk_context` cached ones, and `decode_seqs` decodes with `decode_context`
+    cached tokens each."""
 
     chunk: int = 0
     chunk_context: int = 0
     decode_seqs: int = 0
     decode_context: int = 0
+    # several chunks in one step (short prompts arriving together) tell the per-chunk cost
+    # apart from the per-step one, which single-chunk steps alone cannot
+    chunks: int = 1
 
     @property
     def kind(self) -> str:
-        if self.chunk and self.decode_seqs:
+        if self.chunk and (self.decode_seqs or self.chunks > 1):
             return "mixed"
         return "prefill" if self.chunk else "decode"
 
@@ -92,20 +96,22 @@ PLANS: dict[tuple[str, bool], SweepPlan] = {
         prefill_chunks=(16, 32, 64, 128, 256), prefill_contexts=(0, 512),
         decode_batches=(1, 4, 16, 32), decode_contexts=(64, 512),
         mixed=(Probe(32, 0, 32, 128), Probe(64, 256, 8, 256), Probe(128, 0, 16, 512),
-               Probe(128, 512, 4, 1024), Probe(256, 128, 8, 128)),
+               Probe(128, 512, 4, 1024), Probe(256, 128, 8, 128), Probe(32, 0, 4, 64, chunks=4)),
         warmup=5, repeats=5),
     ("cpu", False): SweepPlan(
         prefill_chunks=(16, 32, 64, 128, 256, 384, 512), prefill_contexts=(0, 256, 1024, 2048),
         decode_batches=(1, 2, 4, 8, 16, 32, 64), decode_contexts=(64, 256, 1024, 2048),
         mixed=(Probe(32, 0, 32, 128), Probe(64, 256, 8, 256), Probe(128, 0, 16, 512),
                Probe(128, 512, 4, 1024), Probe(256, 128, 8, 128), Probe(512, 0, 32, 256),
-               Probe(384, 1024, 16, 1024)),
+               Probe(384, 1024, 16, 1024), Probe(16, 0, 0, 0, chunks=4),
+               Probe(32, 0, 4, 64, chunks=4), Probe(64, 256, 8, 128, chunks=2)),
         warmup=5, repeats=20),
     ("cuda", True): SweepPlan(
         prefill_chunks=(64, 256, 512, 1024, 2048), prefill_contexts=(0, 2048, 8192),
         decode_batches=(1, 16, 64, 256), decode_contexts=(256, 2048, 8192),
         mixed=(Probe(256, 0, 64, 1024), Probe(512, 2048, 32, 2048), Probe(1024, 0, 128, 512),
-               Probe(2048, 4096, 16, 4096), Probe(128, 0, 256, 256)),
+               Probe(2048, 4096, 16, 4096), Probe(128, 0, 256, 256),
+               Probe(128, 0, 16, 1024, chunks=4)),
         warmup=5, repeats=10),
     ("cuda", False): SweepPlan(
         prefill_chunks=(64, 128, 256, 512, 1024, 2048, 4096, 8192),
@@ -113,7 +119,8 @@ PLANS: dict[tuple[str, bool], SweepPlan] = {
         decode_batches=(1, 4, 16, 32, 64, 128, 256), decode_contexts=(256, 1024, 4096, 16384),
         mixed=(Probe(256, 0, 64, 1024), Probe(512, 2048, 32, 2048), Probe(1024, 0, 128, 512),
                Probe(2048, 4096, 16, 4096), Probe(128, 0, 256, 256), Probe(4096, 0, 64, 4096),
-               Probe(1024, 8192, 32, 8192)),
+               Probe(1024, 8192, 32, 8192), Probe(64, 0, 0, 0, chunks=8),
+               Probe(128, 0, 16, 1024, chunks=4), Probe(512, 2048, 32, 2048, chunks=2)),
         warmup=5, repeats=20),
 }
 
@@ -125,12 +132,14 @@ FIRST_PLANS: dict[str, SweepPlan] = {
     "cpu": SweepPlan(
         prefill_chunks=(16, 64, 256), prefill_contexts=(0, 512),
         decode_batches=(1, 8, 32), decode_contexts=(64, 512),
-        mixed=(Probe(32, 0, 16, 128), Probe(128, 256, 8, 256), Probe(64, 0, 32, 512)),
+        mixed=(Probe(32, 0, 16, 128), Probe(128, 256, 8, 256), Probe(64, 0, 32, 512),
+               Probe(16, 0, 4, 64, chunks=4)),
         warmup=2, repeats=3),
     "cuda": SweepPlan(
         prefill_chunks=(64, 512, 2048), prefill_contexts=(0, 4096),
         decode_batches=(1, 32, 256), decode_contexts=(256, 4096),
-        mixed=(Probe(256, 0, 64, 1024), Probe(1024, 2048, 32, 2048), Probe(128, 0, 256, 256)),
+        mixed=(Probe(256, 0, 64, 1024), Probe(1024, 2048, 32, 2048), Probe(128, 0, 256, 256),
+               Probe(128, 0, 16, 1024, chunks=4)),
         warmup=3, repeats=3),
 }
 FIRST_REASON = "first calibration at start"
@@ -503,7 +512,7 @@ def _dummy_request(num_tokens: int, state: RequestState, vocab: int = 1) -> Requ
 
 def _probe_batch(probe: Probe, vocab: int) -> Batch:
     batch = Batch()
-    if probe.chunk:
+    for _ in range(probe.chunks if probe.chunk else 0):
         request = _dummy_request(probe.chunk_context + probe.chunk,
                                  RequestState.PREFILL_CHUNKING, vocab)
         batch.prefills.append(ScheduledChunk(request, probe.chunk_context, probe.chunk))
@@ -564,7 +573,8 @@ def _held_out(probes: list[Probe]) -> dict[Probe, bool]:
 def _describe(probe: Probe) -> str:
     parts = []
     if probe.chunk:
-        parts.append(f"chunk {probe.chunk} after {probe.chunk_context}")
+        many = f"{probe.chunks} chunks" if probe.chunks > 1 else "chunk"
+        parts.append(f"{many} {probe.chunk} after {probe.chunk_context}")
     if probe.decode_seqs:
         parts.append(f"{probe.decode_seqs} decodes at {probe.decode_context}")
     return " + ".join(parts)

@@ -7,6 +7,12 @@ per token, per-sequence bookkeeping, and attention as (query, key) pairs for pre
 and as cached context read for decodes. The coefficients come from a least-squares fit to
 timed steps (engine.budget.calibrate), constrained non-negative because none of these costs can
 speed a step up.
+
+The linear layers are priced roofline-style, on max(tokens, knee): below the knee a step is
+bound by reading the weights once, so a few more tokens (a small decode batch, a short chunk
+riding along) cost nothing extra; above it each token pays its compute. The knee is found by
+a 1-D search in the fit (for a fixed knee the model stays linear). A knee of 1 is the plain
+per-token price, which is what calibrations stored before the knee existed mean.
 """
 
 from __future__ import annotations
@@ -32,13 +38,18 @@ FEATURES = ("constant", "multi_token", "tokens", "prefill_chunks", "decode_seqs"
 OUTLIER_MADS = 4.0
 OUTLIER_FLOOR = 0.10
 DEFAULT_RATIO_WINDOW_S = 60.0  # the live measured/predicted ratio is a median over this
+# Knees the fit tries between 1 and the largest step it was given, besides each step's own
+# token count: a geometric grid this many points per doubling.
+KNEE_STEPS_PER_DOUBLING = 8
 
 
-def features(shape: StepShape) -> tuple[float, ...]:
-    """The regressors of one step, in FEATURES order."""
+def features(shape: StepShape, knee: float = 1.0) -> tuple[float, ...]:
+    """The regressors of one step, in FEATURES order; the linear layers' tokens are counted
+    as `knee` in a step of fewer (weight-read bound)."""
     pairs = sum(chunk * before + chunk * (chunk + 1) / 2 for chunk, before in shape.prefill)
-    return (1.0, float(shape.num_tokens > 1), float(shape.num_tokens), float(len(shape.prefill)),
-            float(len(shape.decode_contexts)), float(pairs), float(sum(shape.decode_contexts)))
+    return (1.0, float(shape.num_tokens > 1), float(max(shape.num_tokens, knee)),
+            float(len(shape.prefill)), float(len(shape.decode_contexts)), float(pairs),
+            float(sum(shape.decode_contexts)))
 
 
 @dataclass(frozen=True)
@@ -54,11 +65,16 @@ class StepTimePredictor:
     per_decode_context_s: float  # one cached token a decode attends to
     points: int  # timed steps the fit used
     source: str  # where the coefficients come from
+    # a step of fewer tokens pays the linear layers of this many (reading the weights once)
+    token_knee: float = 1.0
 
     def __post_init__(self) -> None:
         for name, value in zip(FEATURES, self.coefficients, strict=True):
             if not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"predictor.{name}", f"must be finite and >= 0, got {value}")
+        if not (math.isfinite(self.token_knee) and self.token_knee >= 1):
+            raise ConfigError("predictor.token_knee", f"must be finite and >= 1, got "
+                              f"{self.token_knee}")
 
     @property
     def coefficients(self) -> tuple[float, ...]:
@@ -68,12 +84,13 @@ class StepTimePredictor:
     def predict(self, shape: StepShape) -> float:
         if shape.num_tokens == 0:
             return 0.0
-        return sum(c * x for c, x in zip(self.coefficients, features(shape), strict=True))
+        return sum(c * x for c, x in zip(self.coefficients, features(shape, self.token_knee),
+                                         strict=True))
 
     @classmethod
     def fit(cls, shapes: Sequence[StepShape], seconds: Sequence[float],
             source: str = "least squares") -> StepTimePredictor:
-        """Non-negative least squares on relative error, one outlier pass.
+        """Non-negative least squares on relative error, the knee searched, one outlier pass.
 
         Each row is divided by its measured time, so a 1 ms decode weighs as much as a 1 s
         prefill: the predictor is judged on relative error, and the fit minimises it.
@@ -87,13 +104,15 @@ class StepTimePredictor:
         if not np.all(np.isfinite(y) & (y > 0)):
             raise ConfigError("seconds", "every measured time must be finite and > 0")
         x = np.asarray([features(s) for s in shapes], dtype=np.float64)
-        coef = _nonnegative_relative_lstsq(x, y)
-        residual = np.abs(x @ coef / y - 1)
+        tokens = x[:, FEATURES.index("tokens")].copy()
+        knee, coef = _best_knee(x, tokens, y)
+        residual = np.abs(_with_knee(x, tokens, knee) @ coef / y - 1)
         mad = float(np.median(np.abs(residual - np.median(residual))))
         keep = residual <= max(OUTLIER_FLOOR, float(np.median(residual)) + OUTLIER_MADS * mad)
         if keep.sum() >= len(FEATURES) and not keep.all():
-            coef = _nonnegative_relative_lstsq(x[keep], y[keep])
-        return cls(*(float(c) for c in coef), points=int(keep.sum()), source=source)
+            knee, coef = _best_knee(x[keep], tokens[keep], y[keep])
+        return cls(*(float(c) for c in coef), points=int(keep.sum()), source=source,
+                   token_knee=knee)
 
     # --- the calibrated device for the roofline ------------------------------------------
 
@@ -125,7 +144,7 @@ class StepTimePredictor:
 
     def to_dict(self) -> dict[str, float | int | str]:
         return {"constant_s": self.constant_s, "multi_token_s": self.multi_token_s,
-                "per_token_s": self.per_token_s,
+                "per_token_s": self.per_token_s, "token_knee": self.token_knee,
                 "per_prefill_chunk_s": self.per_prefill_chunk_s,
                 "per_decode_seq_s": self.per_decode_seq_s,
                 "per_prefill_pair_s": self.per_prefill_pair_s,
@@ -134,11 +153,39 @@ class StepTimePredictor:
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> StepTimePredictor:
+        """A stored predictor; one stored before the knee existed gets a knee of 1, the plain
+        per-token price it was fitted with."""
+        stored = {"token_knee": 1.0, **data}
         try:
-            return cls(**{name: data[name] for name in cls.__dataclass_fields__})
+            return cls(**{name: stored[name] for name in cls.__dataclass_fields__})
         except KeyError as exc:
             raise ConfigError("predictor", f"stored predictor lacks {exc.args[0]!r}; "
                               "recalibrate with `tokenflow calibrate`") from None
+
+
+def _with_knee(x: np.ndarray, tokens: np.ndarray, knee: float) -> np.ndarray:
+    """`x` with its tokens column priced on max(tokens, knee)."""
+    priced = x.copy()
+    priced[:, FEATURES.index("tokens")] = np.maximum(tokens, knee)
+    return priced
+
+
+def _best_knee(x: np.ndarray, tokens: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
+    """The knee (and its coefficients) of least relative squared error: every step's token
+    count and a geometric grid between them, the smallest knee among equals (a knee no step
+    tells apart from 1 keeps the plain per-token price)."""
+    top = float(tokens.max())
+    grid = np.exp2(np.arange(0, math.log2(max(top, 1.0)) * KNEE_STEPS_PER_DOUBLING + 1)
+                   / KNEE_STEPS_PER_DOUBLING)
+    best: tuple[float, float, np.ndarray] | None = None
+    for knee in np.unique(np.concatenate([[1.0], tokens, grid[grid <= top]])):
+        priced = _with_knee(x, tokens, float(knee))
+        coef = _nonnegative_relative_lstsq(priced, y)
+        error = float(np.sum((priced @ coef / y - 1) ** 2))
+        if best is None or error < best[0] * (1 - 1e-9) - 1e-15:
+            best = (error, float(knee), coef)
+    assert best is not None
+    return best[1], best[2]
 
 
 def _nonnegative_relative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
