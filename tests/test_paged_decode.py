@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -126,3 +127,12 @@ def test_kernel_splits_requests_across_threads_alike() -> None:
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
+
+
+def test_loading_the_kernel_leaves_subnormal_floats_alone() -> None:
+    """Linked with -ffast-math, the library would set flush-to-zero for the whole process."""
+    kernel.load()
+    tiny = math.ulp(0.0)
+    assert tiny * 2 > 0
+    assert torch.tensor([tiny], dtype=torch.float64).mul(2).item() > 0
+    assert torch.tensor([1e-40], dtype=torch.float32).mul(1).item() > 0

@@ -25,8 +25,12 @@ import torch
 
 SOURCE = Path(__file__).with_name("paged_decode.cpp")
 # -ffast-math lets the compiler vectorise the reductions and exp (glibc's vector expf needs
-# all of it); the kernel never makes an infinity (no masking: it reads only real keys)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-shared", "-fPIC")
+# all of it); the kernel never makes an infinity (no masking: it reads only real keys). It is
+# a compile flag only: linked with it, GCC adds crtfastmath, which flushes subnormals to zero
+# for the whole process (torch included) the moment the library loads.
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-c")
+LINK_FLAGS = ("-shared", "-fopenmp")
+FLAGS = COMPILE_FLAGS + LINK_FLAGS  # what the cached build is keyed on
 BUILD_TIMEOUT_S = 120
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
@@ -76,17 +80,21 @@ def _build(compiler: str) -> Path:
     # build beside the target and rename: a concurrent engine never loads a half-written file
     fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
+    objects = partial[:-3] + ".o"
     try:
-        done = subprocess.run([compiler, *FLAGS, "-o", partial, str(SOURCE)],
-                              capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
-        if done.returncode != 0:
-            tail = "\n".join(done.stderr.strip().splitlines()[-5:])
-            raise KernelUnavailable(f"building {SOURCE.name} with {compiler} failed:\n{tail}\n"
-                                    "use attention_backend=torch")
+        for command in ([compiler, *COMPILE_FLAGS, "-o", objects, str(SOURCE)],
+                        [compiler, *LINK_FLAGS, "-o", partial, objects]):
+            done = subprocess.run(command, capture_output=True, text=True,
+                                  timeout=BUILD_TIMEOUT_S)
+            if done.returncode != 0:
+                tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+                raise KernelUnavailable(f"building {SOURCE.name} with {compiler} failed:\n"
+                                        f"{tail}\nuse attention_backend=torch")
         os.replace(partial, target)
     finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+        for leftover in (partial, objects):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
     return target
 
 
