@@ -146,11 +146,10 @@ class PagedAttention:
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
             out[rows] = self._prefill(q[rows], flat_k, flat_v, span)
-        if meta.decode_tables is not None:
-            if meta.decode_start < q.shape[0]:
-                out[meta.decode_start:] = paged_decode(
-                    q[meta.decode_start:], k_cache, v_cache, meta.decode_tables,
-                    meta.decode_lengths, self.scale, self.window, self.softcap)
+        if meta.decode_tables is not None:  # set only when the step has decodes
+            out[meta.decode_start:] = paged_decode(
+                q[meta.decode_start:], k_cache, v_cache, meta.decode_tables,
+                meta.decode_lengths, self.scale, self.window, self.softcap)
             return out
         block_k = k_cache.flatten(2)  # [Hkv, blocks, block_size * D]
         block_v = v_cache.flatten(2)

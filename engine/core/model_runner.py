@@ -82,6 +82,14 @@ def _reuse_freed_memory() -> None:
         mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
 
+def _block_tables(chunks: list[ScheduledChunk], dtype: torch.dtype) -> torch.Tensor:
+    """Each chunk's block table as a row, padded with block 0 to the longest (built as one
+    list: a tensor per row cost a call per request per step)."""
+    width = max(len(c.request.block_table) for c in chunks)
+    return torch.tensor([c.request.block_table + [0] * (width - len(c.request.block_table))
+                         for c in chunks], dtype=dtype)
+
+
 @dataclass(frozen=True)
 class StepInputs:
     input_ids: torch.Tensor
@@ -333,21 +341,13 @@ class ModelRunner:
         never read: a decode reads only its own `length` keys) and its key count."""
         if not decodes:
             return {}
-        width = max(len(c.request.block_table) for c in decodes)
-        tables = torch.zeros(len(decodes), width, dtype=torch.int64)
-        for i, chunk in enumerate(decodes):
-            table = chunk.request.block_table
-            tables[i, :len(table)] = torch.tensor(table, dtype=torch.int64)
         lengths = torch.tensor([c.start + 1 for c in decodes], dtype=torch.int64)
-        return {"decode_tables": tables, "decode_lengths": lengths}
+        return {"decode_tables": _block_tables(decodes, torch.int64), "decode_lengths": lengths}
 
     def _flash_fields(self, ordered: list[ScheduledChunk]) -> dict[str, object]:
         q_lens = [c.num_tokens for c in ordered]
         k_lens = [c.start + c.num_tokens for c in ordered]
-        width = max(len(c.request.block_table) for c in ordered)
-        tables = torch.zeros(len(ordered), width, dtype=torch.int32)
-        for i, chunk in enumerate(ordered):
-            tables[i, :len(chunk.request.block_table)] = torch.tensor(chunk.request.block_table)
+        tables = _block_tables(ordered, torch.int32)
         cumulative = [0]
         for n in q_lens:
             cumulative.append(cumulative[-1] + n)
