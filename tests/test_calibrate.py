@@ -35,6 +35,7 @@ from engine.budget.predictor import StepTimePredictor
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.core.batch import Batch, ModelRunnerOutput, StepShape
 from engine.core.engine import Engine
+from engine.errors import EngineError
 from engine.events import ChunkComplete, Drift, Event, StepComplete
 from engine.store import calibration_history, drift_events, open_database, save_calibration
 from engine.store.database import upgrade_database
@@ -242,6 +243,28 @@ def test_probes_beyond_the_pool_or_model_length_are_skipped(engine: Engine) -> N
     result = calibrate(engine, plan=plan)
     assert set(result.skipped) == {too_long, too_many}
     assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_each_timed_run_is_the_last_of_a_burst_of_its_shape(engine: Engine) -> None:
+    plan = SweepPlan(prefill_chunks=(8, 16, 32, 48), prefill_contexts=(0, 32),
+                     decode_batches=(1, 2), decode_contexts=(8, 32), mixed=(), warmup=1,
+                     repeats=2, burst=3)
+    steps: list[StepShape] = []
+    run = engine.runner.run
+
+    def counted(batch: Batch) -> ModelRunnerOutput:
+        steps.append(batch.shape())
+        return run(batch)
+
+    engine.runner.run = counted
+    result = calibrate(engine, plan=plan)
+    assert all(p.runs == 2 for p in result.points)
+    # warm-up (1) then two passes of three steps back to back per shape
+    assert len(steps) == 12 * (1 + 2 * 3)
+    passes = steps[12:]
+    assert all(len(set(passes[i:i + 3])) == 1 for i in range(0, len(passes), 3))
+    with pytest.raises(EngineError, match="burst >= 1"):
+        calibrate(engine, plan=dataclasses.replace(plan, burst=0))
 
 
 def test_apply_switches_budgeting_and_recommended_chunk(calibrated) -> None:

@@ -270,3 +270,32 @@ def test_the_twin_calibrates_on_its_own_step_times() -> None:
     result = calibrate(engine, quick=True)
     assert result.heldout_median_abs_error < 0.10  # a linear fit of a roofline, no noise
     assert result.kv.capacity_bytes <= target.kv_cache_bytes
+
+
+def test_against_real_runs_each_config_n_times_and_compares_with_their_median(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from console.cli.bench import sim_vs_real
+    from console.cli.main import main
+
+    code = main(["bench", "--simulate", "h100", "--model", "synthetic:tiny", "--workload",
+                 "chat", "--num-requests", "4", "--compare", "chunked", "--against-real", "2",
+                 "--json", "--quiet"])
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["runs"]) == {"chunked", "chunked:real", "chunked:real2"}
+    agreement = report["sim_vs_real"]["chunked"]
+    assert set(agreement) == {"output_tok_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50",
+                              "tpot_ms_p99"}
+    assert all(len(a["real"]) == 2 for a in agreement.values())
+    assert main(["bench", "--simulate", "h100", "--model", "synthetic:tiny",
+                 "--against-real", "-1"]) == 2
+    assert "at least 1" in capsys.readouterr().err
+    # the median of the real runs is the yardstick, and the error is sim / median - 1
+    runs = [{"output_tok_s": v, "ttft_ms": {"p50": v, "p99": None}, "tpot_ms": None}
+            for v in (90.0, 100.0, 130.0)]
+    figures = sim_vs_real({"output_tok_s": 110.0, "ttft_ms": {"p50": 95.0, "p99": 1.0},
+                           "tpot_ms": {"p50": 2.0, "p99": 3.0}}, runs)
+    assert figures["output_tok_s"] == {"sim": 110.0, "real": [90.0, 100.0, 130.0],
+                                       "real_median": 100.0, "error": pytest.approx(0.10)}
+    assert figures["ttft_ms_p50"]["error"] == pytest.approx(-0.05)
+    assert figures["ttft_ms_p99"]["error"] is None and figures["tpot_ms_p50"]["real"] == []

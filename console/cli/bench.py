@@ -8,7 +8,8 @@ static batches on the same weights). More with `--config NAME:field=value,...`.
 Every run replays the same requests at the same times. `--capacity` searches each
 configuration's highest sustainable arrival rate; `--report DIR` writes markdown and plots.
 `--simulate TARGET` runs the same scheduler on the GPU twin (engine.sim): no weights, step
-times predicted; `--against-real` also runs each configuration for real beside it.
+times predicted; `--against-real N` also runs each configuration N times for real beside it
+and reports how far the simulation lies from the real runs' median.
 """
 
 from __future__ import annotations
@@ -98,9 +99,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--router", default=RoutePolicy.LEAST_TOKENS.value,
                         choices=[p.value for p in RoutePolicy],
                         help="how a fleet routes requests (default least-tokens)")
-    parser.add_argument("--against-real", action="store_true",
-                        help="with --simulate: also run every configuration for real, "
-                             "reported as NAME:real")
+    parser.add_argument("--against-real", type=int, nargs="?", const=1, default=0,
+                        metavar="N",
+                        help="with --simulate: also run every configuration N times for real "
+                             "(default 1), reported as NAME:real, NAME:real2, ..., and the "
+                             "simulation against the real runs' median under sim_vs_real")
     parser.set_defaults(func=bench)
 
 
@@ -108,6 +111,8 @@ def bench(args: argparse.Namespace) -> int:
     if args.capacity_requests < 1 or args.capacity_duration < 0:
         raise UserError("--capacity-requests must be at least 1 and --capacity-duration at "
                         "least 0")
+    if args.against_real < 0:
+        raise UserError("--against-real takes a number of real runs of at least 1")
     base = engine_config(args)
     names = [n.strip() for n in args.compare.split(",") if n.strip()]
     custom = dict(_parse_config(spec) for spec in args.config)
@@ -158,11 +163,15 @@ def bench(args: argparse.Namespace) -> int:
                                                   prefill_s)}
             if args.replicas == 1:
                 del report["runs"][name]["replicas"], report["runs"][name]["router"]
-        if args.against_real:
-            real = f"{name}:real"
+        for repeat in range(1, args.against_real + 1):
+            real = f"{name}:real{repeat if repeat > 1 else ''}"
             results[real] = _run(name, config, workload, args.hf_batch_size, calibration)
             report["runs"][real] = _run_report(real, config, results[real], probe, slo,
                                                prefill_s)
+        if args.against_real:
+            report.setdefault("sim_vs_real", {})[name] = sim_vs_real(
+                report["runs"][name],
+                [report["runs"][n] for n in report["runs"] if n.startswith(f"{name}:real")])
     if args.capacity:
         report["capacity"] = _capacities(args, configs, workload, slo, calibration, sim)
     if args.report:
@@ -342,6 +351,41 @@ def _print_table(report: dict[str, Any]) -> None:
               f"{_f(r.get('prefill_tokens_computed')):>10}{_pct(r.get('hit_rate')):>9}")
     for name, c in report.get("capacity", {}).items():
         print(f"capacity {name}: {c['rate']:.2f} requests/s (P99 {c['metric'].upper()})")
+    for name, agreement in report.get("sim_vs_real", {}).items():
+        print(f"{name} simulated against the median of {_reals(agreement)} real "
+              "runs: " + ", ".join(f"{metric} {_signed(a['error'])}"
+                                   for metric, a in agreement.items()))
+
+
+def _reals(agreement: dict[str, Any]) -> int:
+    return max(len(a["real"]) for a in agreement.values())
+
+
+def _signed(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.0%}"
+
+
+# what the GPU twin is judged on against real runs (issue 21), as (field, quantile)
+AGREEMENT = (("output_tok_s", None), ("ttft_ms", "p50"), ("ttft_ms", "p99"),
+             ("tpot_ms", "p50"), ("tpot_ms", "p99"))
+
+
+def sim_vs_real(sim: dict[str, Any], reals: list[dict[str, Any]]) -> dict[str, Any]:
+    """The simulated run's figures against the real runs' median, with the real runs' spread:
+    identical real runs differ (arrivals fall between different steps), so one real run is a
+    noisy yardstick. `error` is sim / median − 1."""
+    def pick(run: dict[str, Any], field: str, q: str | None) -> float | None:
+        return run[field] if q is None else (run[field] or {}).get(q)
+
+    out = {}
+    for field, q in AGREEMENT:
+        real = [v for v in (pick(r, field, q) for r in reals) if v is not None]
+        value = pick(sim, field, q)
+        median = statistics.median(real) if real else None
+        out[field if q is None else f"{field}_{q}"] = {
+            "sim": value, "real": real, "real_median": median,
+            "error": value / median - 1 if value is not None and median else None}
+    return out
 
 
 def _pct(value: float | None) -> str:

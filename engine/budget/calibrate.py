@@ -5,7 +5,9 @@ A sweep runs the engine's own model runner on packed batches of chosen shapes: p
 like the ones the scheduler builds. Every shape is run `warmup` times untimed (seed 000
 pitfall 9: cold kernels, allocator and caches make the first runs up to 3× slower), then
 `repeats` times timed; the mean is reported as the seed asks and the median is what the fit
-uses, since on a shared CPU one run in twenty can lose its core to another process. A quarter
+uses, since on a shared CPU one run in twenty can lose its core to another process. Each timed
+run is the last of `burst` steps of its shape back to back, as a served run's steps follow
+steps like them. A quarter
 of the shapes is held out of the fit and the predictor's error on them is the figure of merit.
 
 A calibration advances one unit (the KV probe, then one shape) per `advance()`, so an engine
@@ -79,6 +81,11 @@ class SweepPlan:
     mixed: tuple[Probe, ...]
     warmup: int = 5
     repeats: int = 20
+    # A small decode step right after a step of another shape ran 8-12% slower on a CPU than
+    # the next one of its own shape (the other step evicted the weights it streams from the
+    # last-level cache), while served decodes follow decodes: timing the second of two
+    # brought the sweep to the served steps' times. Prefill steps did not differ.
+    burst: int = 2
 
     def probes(self) -> list[Probe]:
         return ([Probe(chunk=c, chunk_context=s)
@@ -252,16 +259,16 @@ class Calibration:
 
     The timed runs are interleaved: after each shape's warm-up, pass after pass runs every
     shape once. Load from other processes comes and goes over seconds; a shape timed in one
-    burst would read slow against the rest, while interleaved passes give every shape the
+    sitting would read slow against the rest, while interleaved passes give every shape the
     same mix of quiet and busy moments. Uses only free KV blocks, released after every run,
     so it can run between the steps of a serving engine; it must run on the engine's thread.
     """
 
     def __init__(self, engine: Engine, plan: SweepPlan, *, quick: bool = False,
                  progress: Progress | None = None) -> None:
-        if plan.warmup < 0 or plan.repeats < 1:
-            raise EngineError(f"a sweep needs warmup >= 0 and repeats >= 1, got {plan.warmup} "
-                              f"and {plan.repeats}")
+        if plan.warmup < 0 or plan.repeats < 1 or plan.burst < 1:
+            raise EngineError(f"a sweep needs warmup >= 0, repeats >= 1 and burst >= 1, got "
+                              f"{plan.warmup}, {plan.repeats} and {plan.burst}")
         self.engine = engine
         self.plan = plan
         self.quick = quick
@@ -357,7 +364,7 @@ class Calibration:
             for index, (probe, batch) in enumerate(self._batches.items(), 1):
                 self._report(done, f"pass {repeat + 1}/{self.plan.repeats}, shape "
                              f"{index}/{timed}: {_describe(probe)}")
-                seconds = self._run(batch, 1)
+                seconds = self._run(batch, self.plan.burst)
                 if seconds is not None:  # None: serving took the blocks since the warm-up
                     self._times[probe].append(seconds)
                     latest = self._nvml.latest() if self._nvml is not None else None
