@@ -102,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
             from console.sources.otlp import start_receiver  # protobufs: only when asked
 
             receiver = start_receiver(args.otlp_listen, shape=args.roofline_model,
-                                      gpu=args.gpu, database=database)
+                                      gpu=args.gpu, database=database,
+                                      slow_threshold=config.slow_query_threshold)
             stack.callback(receiver.close)
             traces = f", OTLP traces {receiver.url}"
         session.resume_unfinished()  # what a killed server had accepted

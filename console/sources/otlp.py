@@ -14,7 +14,7 @@ from engine.budget.peaks import DevicePeaks
 from engine.budget.predictor import StepTimePredictor
 from engine.errors import EngineError
 from engine.model.loader import model_config_for
-from engine.serve.otlp import PrefillEstimate, TraceCollector, create_otlp_app
+from engine.serve.otlp import SLOW_THRESHOLD, PrefillEstimate, TraceCollector, create_otlp_app
 from engine.serve.thread import ServerThread
 from engine.store import CalibrationRecord, Database, calibration_history
 
@@ -98,9 +98,11 @@ def same_model(stored: str, given: str) -> bool:
 
 
 def start_receiver(listen: str, *, shape: str | None = None, gpu: str | None = None,
-                   database: Database | None = None) -> TraceReceiver:
+                   database: Database | None = None,
+                   slow_threshold: float = SLOW_THRESHOLD) -> TraceReceiver:
     host, port = parse_listen(listen)
-    collector = TraceCollector(prefill_estimate(shape, gpu, database), database)
+    collector = TraceCollector(prefill_estimate(shape, gpu, database), database,
+                               slow_threshold=slow_threshold)
     try:
         server = ServerThread(create_otlp_app(collector), host=host, port=port)
     except OSError as exc:
