@@ -36,6 +36,10 @@ ACTIVATIONS = {
 # 8 (a decode batch) read weights as fast at 8 rows as a 256-row layout and also ran 256-row
 # prefill GEMMs faster than MKL; a 1-row layout halved the speed at 8 rows (synthetic:small, fp32).
 _PACKED_ROWS = 8
+# oneDNN's fp32 kernels run fewer than 4 rows slower than 4 to 6 (synthetic:small's GEMMs at
+# one thread: 7.3 and 7.7 ms at 1 and 2 rows, 6.1 at 3, 5.5 at 4 to 6), so a small decode
+# step computes zero rows up to 4: 11-17% off the whole step at 1 and 2 decodes.
+_MIN_ROWS = 4
 
 
 class Linear(nn.Linear):
@@ -59,7 +63,11 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return super().forward(x)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        rows = x.shape[0]
+        if rows < _MIN_ROWS:
+            x = torch.cat((x, x.new_zeros(_MIN_ROWS - rows, x.shape[1])))
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return out[:rows]
 
 
 class RMSNorm(nn.Module):
