@@ -45,9 +45,9 @@ inline void store(uint16_t* p, int64_t i, float value) {  // round to nearest ev
 }
 
 // A request's blocks sit anywhere in the pool, where the hardware prefetcher cannot follow
-// (it stops at page boundaries): while a block is computed, its successor is fetched row by
-// row, or every block starts with a stall on memory (a walk without it read the blocks at
-// half the bandwidth of a plain copy here).
+// (it stops at page boundaries): while a block is computed, the block AHEAD places on is
+// fetched row by row, or every block starts with a stall on memory (a walk without it read
+// the blocks at half the bandwidth of a plain copy here).
 template <typename T>
 inline void prefetch_row(const T* row, int64_t head_dim) {
     const char* bytes = reinterpret_cast<const char*>(row);
@@ -55,25 +55,49 @@ inline void prefetch_row(const T* row, int64_t head_dim) {
         __builtin_prefetch(bytes + line, 0, 2);  // to L2: its miss queue is deeper than L1's
 }
 
+// The row at `at` elements into `head`, and into `companion` if there is one.
+template <typename T>
+inline void fetch_pair(const T* head, const T* companion, int64_t at, int64_t head_dim) {
+    prefetch_row(head + at, head_dim);
+    if (companion != nullptr) prefetch_row(companion + at, head_dim);
+}
+
+// Two blocks ahead, not one: one block's compute is about one memory latency, so the last
+// rows of the next block arrived late (one layer at 64 requests x 900 tokens: 10.0 ms at
+// one block ahead, 9.0 at two, 9.4 at three).
+constexpr int64_t AHEAD = 2;
+
 // Calls visit(row, index) for the cached rows of positions [first, length) of one head, in
-// order, block by block (no division per key), prefetching the next block's rows.
+// order, block by block (no division per key), prefetching AHEAD blocks ahead. `companion`,
+// another cache's slice laid out like `head` (the values beside the keys), is prefetched at
+// the same places, so that a later walk over it reads from L2 (8.2 against 9.0 ms above).
 template <typename T, typename Visit>
 inline void walk(const T* head, const int64_t* table, int64_t first, int64_t length,
-                 int64_t block_size, int64_t head_dim, Visit visit) {
-    const int64_t row_stride = head_dim;
+                 int64_t block_size, int64_t head_dim, Visit visit,
+                 const T* companion = nullptr) {
+    const int64_t row_stride = head_dim, block_stride = block_size * head_dim;
+    const int64_t last_block = (length - 1) / block_size;
+    const int64_t first_block = first / block_size;
+    for (int64_t block = first_block + 1; block < first_block + AHEAD && block <= last_block;
+         ++block)
+        for (int64_t t = 0; t < block_size; ++t)
+            fetch_pair(head, companion, table[block] * block_stride + t * row_stride, head_dim);
     for (int64_t pos = first; pos < length;) {
         const int64_t block = pos / block_size, offset = pos % block_size;
         const int64_t span = std::min(block_size - offset, length - pos);
-        const T* rows = head + (table[block] * block_size + offset) * row_stride;
-        const int64_t next_pos = pos + span;
-        const T* next = next_pos < length ? head + table[block + 1] * block_size * row_stride
-                                          : nullptr;
-        const int64_t next_span = next ? std::min(block_size, length - next_pos) : 0;
+        const T* rows = head + table[block] * block_stride + offset * row_stride;
+        // where the block AHEAD places on starts, in elements; -1 past the last block
+        const int64_t ahead = block + AHEAD <= last_block ? table[block + AHEAD] * block_stride
+                                                          : -1;
         for (int64_t t = 0; t < span; ++t) {
-            if (t < next_span) prefetch_row(next + t * row_stride, head_dim);
+            if (ahead >= 0)
+                fetch_pair(head, companion, ahead + (offset + t) * row_stride, head_dim);
             visit(rows + t * row_stride, pos - first + t);
         }
-        pos = next_pos;
+        if (ahead >= 0)  // a first block entered mid-way: the rest of its successor
+            for (int64_t t = 0; t < offset; ++t)
+                fetch_pair(head, companion, ahead + t * row_stride, head_dim);
+        pos += span;
     }
 }
 
@@ -118,7 +142,8 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_
                          if (capped) s = softcap * std::tanh(s / softcap);
                          scores[g * keys + i] = s;
                      }
-                 });
+                 },
+                 v_cache + kh * head_stride);  // the values, for the pass below
             for (int64_t g = 0; g < group; ++g) {
                 float* __restrict sg = scores + g * keys;
                 float top = sg[0];
