@@ -149,3 +149,22 @@ def test_eager_cpu_steps_read_packed_weights() -> None:
                 assert out.shape == (rows, linear.out_features)
                 assert torch.allclose(out, F.linear(x, linear.weight, linear.bias),
                                       atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+                    reason="oneDNN has no bf16 kernels on this CPU")
+def test_bfloat16_cpu_steps_read_packed_weights_too() -> None:
+    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="bfloat16",
+                                 kv_cache_bytes=1 << 24))
+    generator = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for linear in (m for m in engine.runner.model.modules() if isinstance(m, Linear)):
+            assert linear.packed is not None
+            for rows in (1, 8, 300):
+                x = torch.randn(rows, linear.in_features, generator=generator,
+                                dtype=torch.bfloat16)
+                reference = F.linear(x.float(), linear.weight.float(), None)
+                out = linear(x)
+                assert out.dtype == torch.bfloat16 and out.shape == reference.shape
+                # both accumulate in float and round the result once to bfloat16
+                assert torch.allclose(out.float(), reference, atol=1e-2, rtol=1e-2)

@@ -49,6 +49,8 @@ class Linear(nn.Linear):
     layout; oneDNN on weights reordered into its blocked layout reads them at 9-15 GB/s
     (16 to 4 rows, fp32, one thread; a copy streams ~20). The dense `weight` stays the
     parameter (checkpoints, the transformers baseline); the packed copy is what forward reads.
+    bfloat16 weights are packed too where oneDNN has bf16 kernels: synthetic:small's GEMMs
+    took 4.2 against 7.4 ms at 8 rows, 15.5 against 19.3 at 64 and 55 against 59 at 256.
     On CUDA nothing is packed: cuBLAS reads the plain layout at full bandwidth."""
 
     packed: torch.Tensor | None = None
@@ -56,7 +58,10 @@ class Linear(nn.Linear):
     def pack(self) -> None:
         """Pack the weight as it is now (call after loading; a later change to `weight` is
         not seen)."""
-        if self.weight.device.type == "cpu" and self.weight.dtype == torch.float32:
+        if self.weight.device.type == "cpu" and (
+                self.weight.dtype == torch.float32
+                or (self.weight.dtype == torch.bfloat16
+                    and torch.ops.mkldnn._is_mkldnn_bf16_supported())):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
                                                                   _PACKED_ROWS)
 
