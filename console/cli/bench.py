@@ -163,15 +163,14 @@ def bench(args: argparse.Namespace) -> int:
                                                   prefill_s)}
             if args.replicas == 1:
                 del report["runs"][name]["replicas"], report["runs"][name]["router"]
-        for repeat in range(1, args.against_real + 1):
-            real = f"{name}:real{repeat if repeat > 1 else ''}"
+        reals = [f"{name}:real{n if n > 1 else ''}" for n in range(1, args.against_real + 1)]
+        for real in reals:
             results[real] = _run(name, config, workload, args.hf_batch_size, calibration)
             report["runs"][real] = _run_report(real, config, results[real], probe, slo,
                                                prefill_s)
-        if args.against_real:
+        if reals:
             report.setdefault("sim_vs_real", {})[name] = sim_vs_real(
-                report["runs"][name],
-                [report["runs"][n] for n in report["runs"] if n.startswith(f"{name}:real")])
+                report["runs"][name], [report["runs"][real] for real in reals])
     if args.capacity:
         report["capacity"] = _capacities(args, configs, workload, slo, calibration, sim)
     if args.report:
