@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.console.terminal import screen
 from tests.console.test_tmux_smoke import TOKENS_PER_S, console_command
 
 VISIBLE_WITHIN_S = 2.0  # the bound, measured on the screen's content
 LIVE_CAP_S = 120.0  # a generous cap on waiting for the engine, so a broken start fails
-POLL_S = 0.1
 CSTAR = re.compile(r"C\* (\S+)")
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
@@ -35,19 +35,16 @@ def test_first_minute_shows_progress_at_once_and_a_real_cstar(tmp_path: Path) ->
         cstars: list[str] = []
         screens: list[str] = []
         live = False
-        # Another process's screen has no event to wait on: it is read every POLL_S.
-        while time.monotonic() - started < LIVE_CAP_S:
-            screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", "first"],
-                                    capture_output=True, text=True).stdout
-            if first_seen is None and screen.strip():
-                first_seen = time.monotonic() - started
-            screens.append(screen)
-            cstars += CSTAR.findall(screen)
-            rate = TOKENS_PER_S.search(screen)
-            if rate and int(rate[1].replace(",", "")) > 0:
-                live = True
-                break
-            time.sleep(POLL_S)
+        with screen(tmux, "first", tmp_path) as pane:
+            for text in pane.frames(LIVE_CAP_S):  # read each time the console draws
+                if first_seen is None and text.strip():
+                    first_seen = time.monotonic() - started
+                screens.append(text)
+                cstars += CSTAR.findall(text)
+                rate = TOKENS_PER_S.search(text)
+                if rate and int(rate[1].replace(",", "")) > 0:
+                    live = True
+                    break
         assert first_seen is not None and first_seen <= VISIBLE_WITHIN_S, (
             f"first output after {first_seen} s")
         assert any("tokenflow" in s for s in screens[:3]), screens[:3]

@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.console.terminal import screen
+
 ROOT = Path(__file__).resolve().parents[2]
 PANES = ("Requests", "Chunk queue", "Cache pressure", "Bandwidth")
 TOKENS_PER_S = re.compile(r"([\d,]+) tok/s")
 # Hang guards, not speed targets: the waits end on what the screen shows and on the exit
 # signal; a loaded machine once took ~13 s to the first live screen. Speed is for benchmarks.
 LIVE_WITHIN_S = 120.0
-POLL_S = 0.2
 EXIT_WITHIN_S = 60.0
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
@@ -43,19 +44,15 @@ def test_console_under_tmux_goes_live_and_quits_on_q(tmp_path: Path) -> None:
     subprocess.run([*tmux, "new-session", "-d", "-s", "smoke", "-x", "120", "-y", "40", command],
                    check=True)
     try:
-        # Another process's screen has no event to wait on: it is read every POLL_S.
-        started = time.monotonic()
-        screen = ""
+        text = ""
         live = False
-        while time.monotonic() - started < LIVE_WITHIN_S:
-            screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", "smoke"],
-                                    capture_output=True, text=True).stdout
-            rate = TOKENS_PER_S.search(screen)
-            if all(p in screen for p in PANES) and rate and int(rate[1].replace(",", "")) > 0:
-                live = True
-                break
-            time.sleep(POLL_S)
-        assert live, f"no live panes after {LIVE_WITHIN_S} s:\n{screen}"
+        with screen(tmux, "smoke", tmp_path) as pane:
+            for text in pane.frames(LIVE_WITHIN_S):  # read each time the console draws
+                rate = TOKENS_PER_S.search(text)
+                if all(p in text for p in PANES) and rate and int(rate[1].replace(",", "")):
+                    live = True
+                    break
+        assert live, f"no live panes after {LIVE_WITHIN_S} s:\n{text}"
 
         subprocess.run([*tmux, "send-keys", "-t", "smoke", "q"], check=True)
         # Returns when signalled (or when the server has gone with the finished session);

@@ -1,0 +1,58 @@
+"""The screen of a program running in a tmux pane, read when the program draws.
+
+tmux's `pipe-pane` copies everything the program writes to its pane into a FIFO; the test
+blocks on that FIFO and reads the rendered screen (`capture-pane`) after each write, so it
+waits on the program's own output, not on a fixed polling pause.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+READ_BYTES = 1 << 16
+
+
+class Screen:
+    """The pane `target` of the tmux server `tmux` (its argv prefix)."""
+
+    def __init__(self, tmux: list[str], target: str, fifo: int) -> None:
+        self.tmux = tmux
+        self.target = target
+        self._fifo = fifo
+        self._closed = False
+
+    def text(self) -> str:
+        return subprocess.run([*self.tmux, "capture-pane", "-p", "-t", self.target],
+                              capture_output=True, text=True).stdout
+
+    def frames(self, within_s: float) -> Iterator[str]:
+        """The screen now, then again after every write to the pane, until `within_s` has
+        passed or the pane's program has gone."""
+        deadline = time.monotonic() + within_s
+        yield self.text()
+        while not self._closed and (left := deadline - time.monotonic()) > 0:
+            if not select.select([self._fifo], [], [], left)[0]:
+                return  # nothing drawn before the deadline
+            if not os.read(self._fifo, READ_BYTES):
+                self._closed = True  # the pane's program (and its pipe) ended
+            yield self.text()
+
+
+@contextmanager
+def screen(tmux: list[str], target: str, directory: Path) -> Iterator[Screen]:
+    """A Screen of `target`, piped through a FIFO in `directory` for the `with` block."""
+    fifo = directory / f"{target}.pane"
+    os.mkfifo(fifo)
+    # non-blocking open: a FIFO's reader may open before its writer exists
+    descriptor = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        subprocess.run([*tmux, "pipe-pane", "-t", target, f"cat >> {fifo}"], check=True)
+        yield Screen(tmux, target, descriptor)
+    finally:
+        os.close(descriptor)
