@@ -7,8 +7,8 @@ pitfall 9: cold kernels, allocator and caches make the first runs up to 3× slow
 `repeats` times timed; the mean is reported as the seed asks and the median is what the fit
 uses, since on a shared CPU one run in twenty can lose its core to another process. Each timed
 run is the last of `burst` steps of its shape back to back, as a served run's steps follow
-steps like them. A quarter
-of the shapes is held out of the fit and the predictor's error on them is the figure of merit.
+steps like them. A quarter of the shapes is held out of the fit and the predictor's error on
+them is the figure of merit.
 
 A calibration advances one unit (the KV probe, then one shape) per `advance()`, so an engine
 loop can serve steps between units; `calibrate()` runs one to the end.
@@ -258,7 +258,7 @@ class Calibration:
     """One sweep over `plan` on `engine`, a unit of work per `advance()`.
 
     The timed runs are interleaved: after each shape's warm-up, pass after pass runs every
-    shape once. Load from other processes comes and goes over seconds; a shape timed in one
+    shape's burst once. Load from other processes comes and goes over seconds; a shape timed in one
     sitting would read slow against the rest, while interleaved passes give every shape the
     same mix of quiet and busy moments. Uses only free KV blocks, released after every run,
     so it can run between the steps of a serving engine; it must run on the engine's thread.
