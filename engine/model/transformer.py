@@ -24,6 +24,8 @@ from engine.core.attention import AttentionMetadata, PagedAttention
 from engine.errors import ModelLoadError
 from engine.model.config import ModelConfig
 
+Rotation = tuple[torch.Tensor, torch.Tensor]  # cos, sin [N, 1, D/2] for one step's positions
+
 # On CUDA, steps of at most this many tokens replay as CUDA graphs (Transformer.compile)
 CUDA_GRAPH_MAX_TOKENS = 64
 ACTIVATIONS = {
@@ -124,12 +126,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [N, H, D] rotated by its global position (rotate-half layout)."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)  # [N, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
+        """The step's cos/sin rows, gathered once and shared by every layer (a gather per
+        layer and per q and k cost 2% of a CPU run)."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
+
+
+def rotate(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
+    """x [N, H, D] rotated by its global position (rotate-half layout); rotation is
+    RotaryEmbedding.at's ([N, 1, D/2] each)."""
+    cos, sin = rotation
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class Attention(nn.Module):
@@ -157,16 +166,20 @@ class Attention(nn.Module):
                                    softcap=config.attn_softcap)
 
     def project(self, x: torch.Tensor,
-                positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                rotation: Rotation) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, H] -> q [N, Hq, D] and k, v [N, Hkv, D], normed and rotated where due."""
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        heads = self.num_heads + self.num_kv_heads
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(q, positions), self.rope(k, positions)
-        return q, k, v.view(n, self.num_kv_heads, self.head_dim)
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            qk = torch.cat((self.q_norm(q.view(n, self.num_heads, self.head_dim)),
+                            self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))), dim=1)
+        else:  # q and k sit side by side in the projection: rotate them in one pass
+            qk = qkv[:, :self.q_size + self.kv_size].view(n, heads, self.head_dim)
+        q, k = rotate(qk, rotation).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
+        return q, k, v
 
 
 class MLP(nn.Module):
@@ -204,17 +217,17 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(h, eps, offset)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+    def forward(self, x: torch.Tensor, rotation: Rotation, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.before_attention(x, positions)
+        q, k, v = self.before_attention(x, rotation)
         return self.after_attention(x, self.self_attn.attn(q, k, v, k_cache, v_cache, meta))
 
     # The two dense halves of a layer, either side of attention over the paged cache: what
     # `Transformer.compile` hands to torch.compile (attention's per-step Python structure
     # stays eager, as vLLM splits its graphs at attention).
-    def before_attention(self, x: torch.Tensor, positions: torch.Tensor
+    def before_attention(self, x: torch.Tensor, rotation: Rotation
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.self_attn.project(self.input_layernorm(x), positions)
+        return self.self_attn.project(self.input_layernorm(x), rotation)
 
     def after_attention(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x [N, H] the layer's input, attn [N, Hq, D] attention's output -> [N, H]."""
@@ -259,8 +272,9 @@ class Transformer(nn.Module):
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         before, after = self._dense_halves(x.shape[0])
-        for index, layer in enumerate(self.layers):
-            q, k, v = before(layer, x, positions)
+        rotations = self._rotations(positions, x.dtype)
+        for index, (layer, rotation) in enumerate(zip(self.layers, rotations, strict=True)):
+            q, k, v = before(layer, x, rotation)
             attn = layer.self_attn.attn(q, k, v, kv_cache[0, index], kv_cache[1, index], meta)
             x = after(layer, x, attn)
         return self.norm(x)
@@ -304,9 +318,21 @@ class Transformer(nn.Module):
             x = torch.zeros(n, self.config.hidden_size, dtype=weight.dtype, device=weight.device)
             positions = torch.zeros(n, dtype=torch.int64, device=weight.device)
             before, after = self._dense_halves(n)
-            for layer in self.layers:
-                q, _, _ = before(layer, x, positions)
+            rotations = self._rotations(positions, weight.dtype)
+            for layer, rotation in zip(self.layers, rotations, strict=True):
+                q, _, _ = before(layer, x, rotation)
                 after(layer, x, q)  # q has the shape of attention's output
+
+    def _rotations(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Rotation]:
+        """Each layer's cos/sin for this step's positions, gathered once per table."""
+        tables: dict[int, Rotation] = {}
+        rotations = []
+        for layer in self.layers:
+            rope = layer.self_attn.rope
+            if id(rope) not in tables:
+                tables[id(rope)] = rope.at(positions, dtype)
+            rotations.append(tables[id(rope)])
+        return rotations
 
     def _dense_halves(self, num_tokens: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
         """The two dense halves of a layer (compiled or not) that run `num_tokens` tokens."""
