@@ -39,6 +39,7 @@ from engine.errors import EngineError
 from engine.events import ChunkComplete, Drift, Event, StepComplete
 from engine.store import calibration_history, drift_events, open_database, save_calibration
 from engine.store.database import upgrade_database
+from tests.hf_models import save_tiny
 
 TRUE = StepTimePredictor(constant_s=2e-3, multi_token_s=1e-3, per_token_s=5e-5,
                          per_prefill_chunk_s=4e-4, per_decode_seq_s=0.0, per_prefill_pair_s=3e-9,
@@ -74,12 +75,13 @@ def random_shapes(n: int, seed: int = 0) -> list[StepShape]:
 
 
 class KnownSteps:
-    """The engine's clock: each forward pass advances it by `factor` × what TRUE predicts for
-    the pass's shape."""
+    """The engine's clock: each forward pass advances it by `factor` × what `truth` (TRUE
+    unless given) predicts for the pass's shape."""
 
-    def __init__(self) -> None:
+    def __init__(self, truth: StepTimePredictor = TRUE) -> None:
         self.now = 0.0
         self.factor = 1.0
+        self.truth = truth
 
     def __call__(self) -> float:
         return self.now
@@ -89,7 +91,7 @@ class KnownSteps:
 
         def run(batch: Batch) -> ModelRunnerOutput:
             output = forward(batch)
-            self.now += self.factor * TRUE.predict(batch.shape())
+            self.now += self.factor * self.truth.predict(batch.shape())
             return output
 
         engine.runner.run = run
@@ -169,7 +171,8 @@ def test_a_stored_predictor_without_a_knee_keeps_its_meaning() -> None:
     """Calibrations stored before the knee existed load with a knee of 1: the plain
     per-token price they were fitted with, so every prediction is unchanged."""
     stored = TRUE.to_dict()
-    del stored["token_knee"]
+    for newer in ("token_knee", "sliding_window", "windowed_share"):
+        del stored[newer]
     old = StepTimePredictor.from_dict(stored)
     assert old.token_knee == 1.0 and old == TRUE
     for shape in random_shapes(20, seed=3):
@@ -185,6 +188,34 @@ def test_a_stored_predictor_without_a_knee_keeps_its_meaning() -> None:
     assert StepTimePredictor.from_dict(kneed.to_dict()) == kneed
     with pytest.raises(ConfigError, match="token_knee"):
         dataclasses.replace(TRUE, token_knee=0.5)
+
+
+def test_a_windowed_model_is_fitted_and_priced_on_the_keys_its_layers_see(
+        tmp_path: Path) -> None:
+    """Tiny Qwen3 with its second layer windowed at 8 keys: the calibration's steps cost
+    what a predictor counting each layer's keys says, and the fit (told the model's window
+    by the calibrator) recovers it; past the window only the full layer's keys add cost."""
+    truth = dataclasses.replace(TRUE, sliding_window=8, windowed_share=0.5)
+    steps = KnownSteps(truth)
+    directory = save_tiny("qwen3", tmp_path / "qwen3")
+    engine = Engine(EngineConfig(model=str(directory), device="cpu", dtype="float32"),
+                    clock=steps)
+    steps.drive(engine)
+    plan = SweepPlan(prefill_chunks=(4, 16, 64, 128), prefill_contexts=(0, 256),
+                     decode_batches=(1, 4, 16), decode_contexts=(4, 64, 512),
+                     mixed=(Probe(32, 0, 4, 128), Probe(16, 64, 8, 4), Probe(8, 0, 0, 0, chunks=3)),
+                     warmup=1, repeats=2)
+    fitted = calibrate(engine, plan=plan).predictor
+    assert (fitted.sliding_window, fitted.windowed_share) == (8, 0.5)
+    assert fitted.coefficients == pytest.approx(truth.coefficients, rel=1e-6, abs=1e-12)
+    assert StepTimePredictor.from_dict(fitted.to_dict()) == fitted
+    near, far = StepShape(decode_contexts=(400,)), StepShape(decode_contexts=(800,))
+    assert fitted.predict(far) - fitted.predict(near) == pytest.approx(
+        0.5 * 400 * truth.per_decode_context_s)
+    assert TRUE.predict(far) - TRUE.predict(near) == pytest.approx(
+        400 * truth.per_decode_context_s)
+    with pytest.raises(ConfigError, match="windowed_share"):
+        dataclasses.replace(TRUE, windowed_share=0.5)  # a share needs a window
 
 
 def test_predictor_round_trips_and_drives_the_roofline(engine: Engine) -> None:

@@ -310,9 +310,12 @@ class Calibration:
         if not fit:
             raise EngineError("no shape of the sweep fits this engine's KV pool and "
                               "max_model_len; raise kv_cache_bytes or max_model_len")
+        model = engine.model_config
         predictor = StepTimePredictor.fit(
             [shape for shape, _ in fit], [statistics.median(t) for _, t in fit],
-            source=f"{'quick ' if self.quick else ''}sweep of {len(timed)} shapes")
+            source=f"{'quick ' if self.quick else ''}sweep of {len(timed)} shapes",
+            sliding_window=model.sliding_window if model.windowed_layers else None,
+            windowed_share=model.windowed_share)
         peaks, budget = engine.peaks, engine.budget
         points = []
         for probe, (shape, times) in timed.items():

@@ -13,6 +13,10 @@ bound by reading the weights once, so a few more tokens (a small decode batch, a
 riding along) cost nothing extra; above it each token pays its compute. The knee is found by
 a 1-D search in the fit (for a fixed knee the model stays linear). A knee of 1 is the plain
 per-token price, which is what calibrations stored before the knee existed mean.
+
+Attention is counted as the model runs it: a sliding-window layer (Mistral, Gemma, Phi-3)
+sees at most `sliding_window` keys per query, so its pairs and cached reads are capped there
+and averaged over the layers by their share, as the roofline (engine.budget.cost_model) does.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.budget.cost_model import BudgetModel
+from engine.budget.cost_model import BudgetModel, window_pairs
 from engine.budget.peaks import DevicePeaks
 from engine.config import ConfigError
 from engine.core.batch import StepShape
@@ -43,13 +47,22 @@ DEFAULT_RATIO_WINDOW_S = 60.0  # the live measured/predicted ratio is a median o
 KNEE_STEPS_PER_DOUBLING = 8
 
 
-def features(shape: StepShape, knee: float = 1.0) -> tuple[float, ...]:
+def features(shape: StepShape, knee: float = 1.0, sliding_window: int | None = None,
+             windowed_share: float = 0.0) -> tuple[float, ...]:
     """The regressors of one step, in FEATURES order; the linear layers' tokens are counted
-    as `knee` in a step of fewer (weight-read bound)."""
+    as `knee` in a step of fewer (weight-read bound). Attention's pairs and context are the
+    mean over the layers, `windowed_share` of them seeing only `sliding_window` keys."""
     pairs = sum(chunk * before + chunk * (chunk + 1) / 2 for chunk, before in shape.prefill)
+    context = float(sum(shape.decode_contexts))
+    if sliding_window is not None and windowed_share > 0:
+        windowed_pairs = sum(window_pairs(chunk, before, sliding_window)
+                             for chunk, before in shape.prefill)
+        windowed_context = sum(min(c, sliding_window) for c in shape.decode_contexts)
+        pairs += windowed_share * (windowed_pairs - pairs)
+        context += windowed_share * (windowed_context - context)
     return (1.0, float(shape.num_tokens > 1), float(max(shape.num_tokens, knee)),
             float(len(shape.prefill)), float(len(shape.decode_contexts)), float(pairs),
-            float(sum(shape.decode_contexts)))
+            context)
 
 
 @dataclass(frozen=True)
@@ -67,6 +80,9 @@ class StepTimePredictor:
     source: str  # where the coefficients come from
     # a step of fewer tokens pays the linear layers of this many (reading the weights once)
     token_knee: float = 1.0
+    # the model's sliding window and the share of its layers that use it (features())
+    sliding_window: int | None = None
+    windowed_share: float = 0.0
 
     def __post_init__(self) -> None:
         for name, value in zip(FEATURES, self.coefficients, strict=True):
@@ -75,6 +91,11 @@ class StepTimePredictor:
         if not (math.isfinite(self.token_knee) and self.token_knee >= 1):
             raise ConfigError("predictor.token_knee", f"must be finite and >= 1, got "
                               f"{self.token_knee}")
+        if not 0.0 <= self.windowed_share <= 1.0 or (
+                self.windowed_share > 0 and (self.sliding_window or 0) < 1):
+            raise ConfigError("predictor.windowed_share", "must be in [0, 1], with a "
+                              f"sliding_window >= 1 when above 0; got {self.windowed_share} "
+                              f"and {self.sliding_window}")
 
     @property
     def coefficients(self) -> tuple[float, ...]:
@@ -84,13 +105,17 @@ class StepTimePredictor:
     def predict(self, shape: StepShape) -> float:
         if shape.num_tokens == 0:
             return 0.0
-        return sum(c * x for c, x in zip(self.coefficients, features(shape, self.token_knee),
-                                         strict=True))
+        return sum(c * x for c, x in zip(
+            self.coefficients,
+            features(shape, self.token_knee, self.sliding_window, self.windowed_share),
+            strict=True))
 
     @classmethod
     def fit(cls, shapes: Sequence[StepShape], seconds: Sequence[float],
-            source: str = "least squares") -> StepTimePredictor:
+            source: str = "least squares", sliding_window: int | None = None,
+            windowed_share: float = 0.0) -> StepTimePredictor:
         """Non-negative least squares on relative error, the knee searched, one outlier pass.
+        `sliding_window` and `windowed_share` describe the model the steps ran (features()).
 
         Each row is divided by its measured time, so a 1 ms decode weighs as much as a 1 s
         prefill: the predictor is judged on relative error, and the fit minimises it.
@@ -103,7 +128,8 @@ class StepTimePredictor:
         y = np.asarray(seconds, dtype=np.float64)
         if not np.all(np.isfinite(y) & (y > 0)):
             raise ConfigError("seconds", "every measured time must be finite and > 0")
-        x = np.asarray([features(s) for s in shapes], dtype=np.float64)
+        x = np.asarray([features(s, 1.0, sliding_window, windowed_share) for s in shapes],
+                       dtype=np.float64)
         tokens = x[:, FEATURES.index("tokens")].copy()
         knee, coef = _best_knee(x, tokens, y)
         residual = np.abs(_with_knee(x, tokens, knee) @ coef / y - 1)
@@ -112,7 +138,8 @@ class StepTimePredictor:
         if keep.sum() >= len(FEATURES) and not keep.all():
             knee, coef = _best_knee(x[keep], tokens[keep], y[keep])
         return cls(*(float(c) for c in coef), points=int(keep.sum()), source=source,
-                   token_knee=knee)
+                   token_knee=knee, sliding_window=sliding_window,
+                   windowed_share=windowed_share if sliding_window is not None else 0.0)
 
     # --- the calibrated device for the roofline ------------------------------------------
 
@@ -149,13 +176,15 @@ class StepTimePredictor:
                 "per_decode_seq_s": self.per_decode_seq_s,
                 "per_prefill_pair_s": self.per_prefill_pair_s,
                 "per_decode_context_s": self.per_decode_context_s,
+                "sliding_window": self.sliding_window, "windowed_share": self.windowed_share,
                 "points": self.points, "source": self.source}
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> StepTimePredictor:
         """A stored predictor; one stored before the knee existed gets a knee of 1, the plain
-        per-token price it was fitted with."""
-        stored = {"token_knee": 1.0, **data}
+        per-token price it was fitted with, and one stored before windows were counted gets
+        none: it was fitted on whole histories."""
+        stored = {"token_knee": 1.0, "sliding_window": None, "windowed_share": 0.0, **data}
         try:
             return cls(**{name: stored[name] for name in cls.__dataclass_fields__})
         except KeyError as exc:
