@@ -71,7 +71,7 @@ def test_the_wheel_carries_migrations_traces_styles_and_the_kernel(wheel: Path) 
             "engine/store/migrations/versions/0001_initial.py",
             "engine/harness/traces/azure_llm_2023_conv.csv",
             "engine/harness/traces/azure_llm_2023_code.csv",
-            "engine/harness/traces/README.md", "engine/core/paged_decode.cpp"} <= names
+            "engine/harness/traces/README.md", "engine/core/paged_attention.cpp"} <= names
     assert any(n.startswith("console/tui/") and n.endswith(".tcss") for n in names)
     assert not any(n.startswith(("tests/", "benchmarks/", "migrations/")) for n in names)
 

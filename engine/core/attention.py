@@ -8,9 +8,10 @@ SDPA's `is_causal=True` is top-left and wrong when query and key lengths differ)
 Backends:
 - torch (CPU, and CUDA without flash-attn): SDPA with an explicit mask per chunk, and one
   SDPA call for all decodes with queries grouped per KV head (no copy of keys for GQA).
-- paged (CPU, the default there): prefill chunks as on the torch path; every decode in one
-  call of a C++ kernel (engine.core.paged_decode) that reads the cache in place through the
-  block tables instead of gathering each history into a copy first.
+- paged (CPU, the default there): C++ kernels (engine.core.paged_kernel) that read the cache
+  in place through the block tables instead of gathering each history into a copy first:
+  one call per prefill chunk (flash-style, causal and windowed as above), one for every
+  decode. A head size the prefill kernel's tiles do not fit keeps SDPA for prefill.
 - flash (CUDA with flash-attn importable): `flash_attn_varlen_func` over the paged cache with
   a block table, which aligns causal masks bottom-right itself.
 
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.core.paged_decode import paged_decode
+from engine.core.paged_kernel import paged_decode, paged_prefill
 
 try:  # optional `gpu` extra; absent on CPU machines
     from flash_attn import flash_attn_varlen_func
@@ -41,12 +42,15 @@ FLASH_BLOCK_SIZE = 256  # flash-attn's paged KV needs blocks that are a multiple
 
 @dataclass(frozen=True)
 class PrefillSpan:
-    """One prefill chunk: rows [q_start, q_start + q_len) of the batch."""
+    """One prefill chunk: rows [q_start, q_start + q_len) of the batch. The torch path reads
+    key_slots and mask; the paged kernel reads block_table and start instead."""
 
     q_start: int
     q_len: int
-    key_slots: torch.Tensor  # int64 [context_len]: cache slots of every key it attends to
+    key_slots: torch.Tensor | None  # int64 [context_len]: cache slots of every key it sees
     mask: torch.Tensor | None  # bool [q_len, context_len], True = attend; None = square causal
+    block_table: torch.Tensor | None = None  # int64: the request's blocks (paged kernel)
+    start: int = 0  # the chunk's first position (paged kernel)
 
 
 @dataclass(frozen=True)
@@ -142,10 +146,14 @@ class PagedAttention:
         flat_v = v_cache.view(self.num_kv_heads, -1, self.head_dim)
         flat_k.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
         flat_v.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as q may not be
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
-            out[rows] = self._prefill(q[rows], flat_k, flat_v, span)
+            if span.block_table is not None:
+                paged_prefill(q[rows], k_cache, v_cache, span.block_table, span.start,
+                              self.scale, self.window, self.softcap, out=out[rows])
+            else:
+                out[rows] = self._prefill(q[rows], flat_k, flat_v, span)
         if meta.decode_tables is not None:  # set only when the step has decodes
             out[meta.decode_start:] = paged_decode(
                 q[meta.decode_start:], k_cache, v_cache, meta.decode_tables,
@@ -160,6 +168,7 @@ class PagedAttention:
 
     def _prefill(self, q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
                  span: PrefillSpan) -> torch.Tensor:
+        assert span.key_slots is not None  # built for the torch path
         keys = flat_k.index_select(1, span.key_slots)  # [Hkv, S, D]
         values = flat_v.index_select(1, span.key_slots)
         if self.softcap is not None:

@@ -25,8 +25,8 @@ from engine.core.attention import (
 )
 from engine.core.attention import flash_available as flash_importable
 from engine.core.batch import Batch, ModelRunnerOutput, ScheduledChunk
-from engine.core.paged_decode import KernelUnavailable
-from engine.core.paged_decode import load as load_paged_decode
+from engine.core.paged_kernel import KernelUnavailable, prefill_supports
+from engine.core.paged_kernel import load as load_paged_kernel
 from engine.core.sampler import sample
 from engine.errors import EngineError
 from engine.model.loader import load_model, model_config_for
@@ -113,7 +113,7 @@ class ModelRunner:
         if config.attention_backend == "flash" and not self.use_flash:
             raise EngineError("attention_backend=flash needs CUDA and the flash-attn package "
                               "(pip install 'tokenflow[gpu]'); use auto or torch")
-        self.paged_decode, self.attention_note = self._paged_decode(config)
+        self.paged_kernel, self.attention_note = self._paged_kernel(config)
         shape = model_config_for(config.model)
         self.max_model_len = min(config.max_model_len or shape.max_position_embeddings,
                                  shape.max_position_embeddings)
@@ -121,6 +121,10 @@ class ModelRunner:
                             seed=config.seed, use_flash=self.use_flash)
         self.model, self.model_config, self.tokenizer = (loaded.model, loaded.config,
                                                          loaded.tokenizer)
+        self.paged_prefill = self.paged_kernel and prefill_supports(self.model_config.head_dim)
+        if self.paged_kernel and not self.paged_prefill:
+            self.attention_note += (f"; prefill on SDPA (head size {self.model_config.head_dim}"
+                                    " does not fit the prefill kernel's tiles)")
         self.block_size = FLASH_BLOCK_SIZE if self.use_flash else config.block_size
         self.num_blocks = self._num_blocks(config)
         mc = self.model_config
@@ -133,21 +137,21 @@ class ModelRunner:
         else:
             self.model.pack_weights()
 
-    def _paged_decode(self, config: EngineConfig) -> tuple[bool, str]:
-        """Whether decodes run the in-place C++ kernel (CPU; asked for, or auto), and what
-        was chosen and why, for the start-up log."""
+    def _paged_kernel(self, config: EngineConfig) -> tuple[bool, str]:
+        """Whether attention runs the in-place C++ kernels (CPU; asked for, or auto), and
+        what was chosen and why, for the start-up log."""
         if self.device.type != "cpu" or config.attention_backend not in ("auto", "paged"):
             if config.attention_backend == "paged":
                 raise EngineError("attention_backend=paged is the CPU kernel; on CUDA use auto, "
                                   "flash or torch")
             return False, "flash" if self.use_flash else "torch"
         try:
-            load_paged_decode()
+            load_paged_kernel()
         except KernelUnavailable as exc:
             if config.attention_backend == "paged":
                 raise EngineError(str(exc)) from None
-            return False, f"torch (the paged decode kernel is unavailable: {exc})"
-        return True, "paged (decode kernel reads the KV cache in place)"
+            return False, f"torch (the paged kernels are unavailable: {exc})"
+        return True, "paged (kernels read the KV cache in place)"
 
     def _compile(self) -> float:
         """Compile the model and warm it up, so the first request does not pay for it;
@@ -237,7 +241,13 @@ class ModelRunner:
             pos = torch.arange(chunk.start, end, dtype=torch.int64)
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
-            if not chunk.is_decode:
+            if not chunk.is_decode and self.paged_prefill:
+                # the kernel masks and windows each chunk itself: one span serves every layer
+                span = PrefillSpan(row, chunk.num_tokens, None, None, block_table=table,
+                                   start=chunk.start)
+                spans.append(span)
+                windowed_spans.append(span)
+            elif not chunk.is_decode:
                 spans.append(self._prefill_span(row, pos, table, None))
                 if window is not None and not self.use_flash:
                     windowed_spans.append(self._prefill_span(row, pos, table, window))
@@ -246,7 +256,7 @@ class ModelRunner:
         decode_start = row - len(decodes)
         slot_mapping = torch.cat(slots).to(self.device)
         # the kernel windows each decode itself: one set of tables serves every layer
-        kernel = self._decode_tables(decodes) if self.paged_decode else {}
+        kernel = self._decode_tables(decodes) if self.paged_kernel else {}
         windowed = None
         if window is not None and not self.use_flash:
             windowed = AttentionMetadata(

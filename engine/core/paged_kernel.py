@@ -1,7 +1,8 @@
-"""The CPU decode-attention kernel (paged_decode.cpp): built once per machine, loaded with
-ctypes, called once per layer and step with every decode of the batch.
+"""The CPU attention kernels (paged_attention.cpp): built once per machine, loaded with
+ctypes, and called per layer and step: once with every decode of the batch, and once per
+prefill chunk.
 
-It reads each request's cached keys and values in place through its block table, where the
+They read each request's cached keys and values in place through its block table, where the
 torch path copies the whole history per layer (index_select) before SDPA reads the copy. It
 is C++ without torch headers, so the system compiler builds it in about a second; the shared
 object is cached under ~/.cache/tokenflow/kernels (or $TOKENFLOW_KERNEL_CACHE), keyed by the
@@ -19,11 +20,12 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("paged_decode.cpp")
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
 # -ffast-math lets the compiler vectorise the reductions and exp (glibc's vector expf needs
 # all of it); the kernel never makes an infinity (no masking: it reads only real keys). It is
 # a compile flag only: linked with it, GCC adds crtfastmath, which flushes subnormals to zero
@@ -33,9 +35,19 @@ LINK_FLAGS = ("-shared", "-fopenmp")
 FLAGS = COMPILE_FLAGS + LINK_FLAGS  # what the cached build is keyed on
 BUILD_TIMEOUT_S = 120
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_ARGTYPES = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
-             ctypes.c_float, _I64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+_DECODE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
+                ctypes.c_float, _I64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+_PREFILL_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
+                 ctypes.c_float, _I64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
 DTYPES = (torch.float32, torch.bfloat16)
+# paged_prefill's vector tiles: head sizes in steps of 16 floats, up to MAX_HEAD_DIM
+PREFILL_HEAD_DIM_STEP, PREFILL_MAX_HEAD_DIM = 16, 256
+
+
+@dataclass(frozen=True)
+class Kernels:
+    decode: ctypes._CFuncPtr
+    prefill: ctypes._CFuncPtr
 
 
 class KernelUnavailable(RuntimeError):
@@ -73,7 +85,7 @@ def _build(compiler: str) -> Path:
                              timeout=BUILD_TIMEOUT_S).stdout
     key = hashlib.sha256("\0".join((SOURCE.read_text(), " ".join(FLAGS), version,
                                     platform.machine(), _cpu_signature())).encode())
-    target = cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
+    target = cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -99,17 +111,31 @@ def _build(compiler: str) -> Path:
 
 
 @functools.cache
-def load() -> ctypes._CFuncPtr:
-    """The kernel's entry point, built on first use; raises KernelUnavailable."""
+def load() -> Kernels:
+    """The kernels' entry points, built on first use; raises KernelUnavailable."""
     try:
         library = ctypes.CDLL(str(_build(_compiler())))
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"cannot build or load {SOURCE.name}: {exc}; "
                                 "use attention_backend=torch") from exc
-    entry = library.paged_decode
-    entry.argtypes = _ARGTYPES
-    entry.restype = None
-    return entry
+    for entry, argtypes in ((library.paged_decode, _DECODE_ARGS),
+                            (library.paged_prefill, _PREFILL_ARGS)):
+        entry.argtypes = argtypes
+        entry.restype = None
+    return Kernels(decode=library.paged_decode, prefill=library.paged_prefill)
+
+
+def prefill_supports(head_dim: int) -> bool:
+    """Whether paged_prefill's tiles fit this head size (else prefill stays on SDPA)."""
+    return head_dim % PREFILL_HEAD_DIM_STEP == 0 and head_dim <= PREFILL_MAX_HEAD_DIM
+
+
+def _check_operands(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"the paged kernels take float32 or bfloat16 alike, got {q.dtype}, "
+                         f"{k_cache.dtype}, {v_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the paged kernels need contiguous caches")
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -122,19 +148,45 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     `window` keeps each request's last `window` keys; `softcap` caps scores by tanh (Gemma 2).
     -> [B, Hq, D].
     """
-    if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"paged_decode takes float32 or bfloat16 alike, got {q.dtype}, "
-                         f"{k_cache.dtype}, {v_cache.dtype}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("paged_decode needs contiguous caches")
+    _check_operands(q, k_cache, v_cache)
     kv_heads, num_blocks, block_size, head_dim = k_cache.shape
     batch, q_heads, _ = q.shape
     q = q.contiguous()
     tables = block_tables.contiguous()
     lengths = lengths.contiguous()
     out = torch.empty_like(q)
-    load()(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-           tables.data_ptr(), lengths.data_ptr(), batch, tables.shape[1], kv_heads,
-           q_heads // kv_heads, head_dim, num_blocks, block_size, scale, window or 0,
-           softcap or 0.0, int(q.dtype == torch.bfloat16), torch.get_num_threads())
+    load().decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                  tables.data_ptr(), lengths.data_ptr(), batch, tables.shape[1], kv_heads,
+                  q_heads // kv_heads, head_dim, num_blocks, block_size, scale, window or 0,
+                  softcap or 0.0, int(q.dtype == torch.bfloat16), torch.get_num_threads())
+    return out
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_table: torch.Tensor, start: int, scale: float, window: int | None,
+                  softcap: float | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one prefill chunk: q [C, Hq, D] at positions start.., causal over its
+    request's cached keys [0, start + C), which already hold the chunk's own (the layer
+    wrote them first). block_table int64 [>= blocks used]; `window` and `softcap` as in
+    paged_decode. Writes into `out` ([C, Hq, D], contiguous) when given. -> [C, Hq, D].
+    """
+    _check_operands(q, k_cache, v_cache)
+    kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    if not prefill_supports(head_dim):
+        raise ValueError(f"paged_prefill takes head sizes in steps of {PREFILL_HEAD_DIM_STEP} "
+                         f"up to {PREFILL_MAX_HEAD_DIM}, got {head_dim}")
+    chunk, q_heads, _ = q.shape
+    if block_table.numel() * block_size < start + chunk:
+        raise ValueError(f"a block table of {block_table.numel()} blocks holds "
+                         f"{block_table.numel() * block_size} keys, not {start + chunk}")
+    q = q.contiguous()
+    table = block_table.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    elif not out.is_contiguous() or out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError("paged_prefill's out must be contiguous and shaped like q")
+    load().prefill(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                   table.data_ptr(), start, chunk, kv_heads, q_heads // kv_heads, head_dim,
+                   num_blocks, block_size, scale, window or 0, softcap or 0.0,
+                   int(q.dtype == torch.bfloat16), torch.get_num_threads())
     return out

@@ -1,4 +1,5 @@
-"""The CPU decode kernel (engine/core/paged_decode.cpp) against the torch path's attention."""
+"""The CPU attention kernels (engine/core/paged_attention.cpp) against plain attention and the
+torch path's."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.core import paged_decode as kernel
-from engine.core.attention import AttentionMetadata, DecodeGroup, PagedAttention
+from engine.core import paged_kernel as kernel
+from engine.core.attention import AttentionMetadata, DecodeGroup, PagedAttention, PrefillSpan
 from engine.core.model_runner import ModelRunner
 from engine.errors import EngineError
 
@@ -58,6 +59,64 @@ def test_kernel_matches_plain_attention(dtype, group, window, softcap) -> None:
     torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
 
 
+def prefill_reference(q, k_cache, v_cache, table, start, scale, window, softcap):
+    """Each query row at position start + i over keys [.., start + i], one row at a time."""
+    kv_heads, _, block_size, _ = k_cache.shape
+    group = q.shape[1] // kv_heads
+    out = torch.empty_like(q, dtype=torch.float32)
+    for i in range(q.shape[0]):
+        pos = start + i
+        keys_at = torch.arange(max(0, pos + 1 - window) if window else 0, pos + 1)
+        slots = table[keys_at // block_size] * block_size + keys_at % block_size
+        keys = k_cache.flatten(1, 2)[:, slots].float()
+        values = v_cache.flatten(1, 2)[:, slots].float()
+        for h in range(q.shape[1]):
+            scores = keys[h // group] @ q[i, h].float() * scale
+            if softcap:
+                scores = softcap * torch.tanh(scores / softcap)
+            out[i, h] = torch.softmax(scores, -1) @ values[h // group]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("head_dim", "group", "start", "chunk", "window", "softcap"), [
+    (64, 2, 0, 37, None, None),  # a fresh prompt: square causal, a part-filled last row block
+    (16, 1, 13, 9, None, None),  # history ending inside a block; head size of one vector
+    (48, 4, 40, 70, 24, None),  # windowed: early keys drop out row by row
+    (32, 2, 5, 20, None, 30.0),  # Gemma 2's soft-capped scores
+    (64, 2, 1100, 30, None, None),  # a history longer than one copied segment (1024 keys)
+    (128, 2, 300, 140, 200, None),  # two segments' worth of keys, a window across them
+])
+def test_prefill_kernel_matches_plain_attention(dtype, head_dim, group, start, chunk, window,
+                                                softcap) -> None:
+    torch.manual_seed(3)
+    kv_heads, block_size = 2, 16
+    blocks = -(-(start + chunk) // block_size) + 3
+    k_cache = torch.randn(kv_heads, blocks, block_size, head_dim).to(dtype)
+    v_cache = torch.randn(kv_heads, blocks, block_size, head_dim).to(dtype)
+    table = torch.randperm(blocks)[:blocks - 3]  # scattered blocks, as the pool hands out
+    q = torch.randn(chunk, kv_heads * group, head_dim).to(dtype)
+    scale = head_dim ** -0.5
+    got = kernel.paged_prefill(q, k_cache, v_cache, table, start, scale, window, softcap)
+    want = prefill_reference(q, k_cache, v_cache, table, start, scale, window, softcap)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
+
+
+def test_prefill_kernel_refuses_what_its_tiles_cannot_take() -> None:
+    cache = torch.zeros(1, 2, 4, 24)
+    q = torch.zeros(3, 1, 24)
+    table = torch.tensor([0, 1])
+    with pytest.raises(ValueError, match="steps of 16"):
+        kernel.paged_prefill(q, cache, cache, table, 0, 1.0, None, None)
+    cache = torch.zeros(1, 2, 4, 32)
+    with pytest.raises(ValueError, match="holds 8 keys, not 9"):
+        kernel.paged_prefill(torch.zeros(3, 1, 32), cache, cache, table, 6, 1.0, None, None)
+    assert not kernel.prefill_supports(24) and kernel.prefill_supports(128)
+    assert not kernel.prefill_supports(272)
+
+
 def test_kernel_rejects_mixed_dtypes() -> None:
     cache = torch.zeros(1, 1, 4, 8)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
@@ -69,8 +128,8 @@ def test_kernel_rejects_mixed_dtypes() -> None:
 def test_decodes_take_the_kernel_on_cpu_and_the_torch_path_when_asked() -> None:
     paged = ModelRunner(EngineConfig(device="cpu"))
     torch_path = ModelRunner(EngineConfig(device="cpu", attention_backend="torch"))
-    assert paged.paged_decode and paged.attention_note.startswith("paged")
-    assert not torch_path.paged_decode and torch_path.attention_note == "torch"
+    assert paged.paged_kernel and paged.attention_note.startswith("paged")
+    assert not torch_path.paged_kernel and torch_path.attention_note == "torch"
 
 
 def test_without_a_compiler_auto_keeps_the_torch_path_and_paged_says_why(monkeypatch) -> None:
@@ -78,7 +137,7 @@ def test_without_a_compiler_auto_keeps_the_torch_path_and_paged_says_why(monkeyp
     kernel.load.cache_clear()
     try:
         runner = ModelRunner(EngineConfig(device="cpu"))
-        assert not runner.paged_decode
+        assert not runner.paged_kernel
         assert "no C++ compiler" in runner.attention_note
         with pytest.raises(EngineError, match="attention_backend=torch"):
             ModelRunner(dataclasses.replace(EngineConfig(device="cpu"),
@@ -87,12 +146,35 @@ def test_without_a_compiler_auto_keeps_the_torch_path_and_paged_says_why(monkeyp
         kernel.load.cache_clear()
 
 
+def test_paged_attention_layer_runs_prefill_chunks_through_the_kernel() -> None:
+    """A step of two prefill chunks (one with history) gives the same rows whether the
+    spans carry block tables (the kernel) or slots and masks (SDPA)."""
+    torch.manual_seed(4)
+    layer = PagedAttention(num_heads=4, num_kv_heads=2, head_dim=16, use_flash=False)
+    k_cache, v_cache = torch.randn(2, 2, 8, 16, 16).unbind(0)
+    q, k, v = torch.randn(30, 4, 16), torch.randn(30, 2, 16), torch.randn(30, 2, 16)
+    first, second = torch.tensor([6, 2]), torch.tensor([1, 4, 7])
+    # chunk 1: a fresh 12-token prompt; chunk 2: tokens 20..37 of a request with history
+    slots = torch.cat([first[torch.arange(12) // 16] * 16 + torch.arange(12),
+                       second[torch.arange(20, 38) // 16] * 16 + torch.arange(20, 38) % 16])
+    kernel_spans = (PrefillSpan(0, 12, None, None, block_table=first, start=0),
+                    PrefillSpan(12, 18, None, None, block_table=second, start=20))
+    keys = torch.arange(38)
+    torch_spans = (PrefillSpan(0, 12, slots[:12], None),
+                   PrefillSpan(12, 18, second[keys // 16] * 16 + keys % 16,
+                               keys[None] <= torch.arange(20, 38)[:, None]))
+    metas = [AttentionMetadata(slot_mapping=slots, prefills=spans, decode_start=30,
+                               decode_groups=()) for spans in (kernel_spans, torch_spans)]
+    got, want = (layer(q, k, v, k_cache.clone(), v_cache.clone(), meta) for meta in metas)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_paged_attention_layer_uses_the_decode_tables() -> None:
     """A decode-only step through PagedAttention gives the same rows on both backends."""
     torch.manual_seed(1)
     layer = PagedAttention(num_heads=4, num_kv_heads=2, head_dim=16, use_flash=False)
     runner = ModelRunner(EngineConfig(device="cpu"))
-    assert runner.paged_decode
+    assert runner.paged_kernel
     k_cache = torch.randn(2, 8, 16, 16)
     v_cache = torch.randn(2, 8, 16, 16)
     q, k, v = torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)
@@ -124,6 +206,16 @@ def test_kernel_splits_requests_across_threads_alike() -> None:
         one = kernel.paged_decode(q, k_cache, v_cache, tables, lengths, 0.125, None, None)
         torch.set_num_threads(2)
         two = kernel.paged_decode(q, k_cache, v_cache, tables, lengths, 0.125, None, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    torch.manual_seed(5)
+    q = torch.randn(50, 4, 64)
+    try:  # prefill: KV heads and row blocks split across threads, each row computed alike
+        torch.set_num_threads(1)
+        one = kernel.paged_prefill(q, k_cache, v_cache, tables[0], 70, 0.125, None, None)
+        torch.set_num_threads(2)
+        two = kernel.paged_prefill(q, k_cache, v_cache, tables[0], 70, 0.125, None, None)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
