@@ -79,18 +79,20 @@ def prefill_reference(q, k_cache, v_cache, table, start, scale, window, softcap)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("head_dim", "group", "start", "chunk", "window", "softcap"), [
-    (64, 2, 0, 37, None, None),  # a fresh prompt: square causal, a part-filled last row block
-    (16, 1, 13, 9, None, None),  # history ending inside a block; head size of one vector
-    (48, 4, 40, 70, 24, None),  # windowed: early keys drop out row by row
-    (32, 2, 5, 20, None, 30.0),  # Gemma 2's soft-capped scores
-    (64, 2, 1100, 30, None, None),  # a history longer than one copied segment (1024 keys)
-    (128, 2, 300, 140, 200, None),  # two segments' worth of keys, a window across them
-])
+@pytest.mark.parametrize(
+    ("head_dim", "group", "start", "chunk", "window", "softcap", "block_size"), [
+        (64, 2, 0, 37, None, None, 16),  # a fresh prompt: causal, a part-filled row block
+        (16, 1, 13, 9, None, None, 16),  # history ending inside a block; one-vector heads
+        (48, 4, 40, 70, 24, None, 16),  # windowed: early keys drop out row by row
+        (32, 2, 5, 20, None, 30.0, 16),  # Gemma 2's soft-capped scores
+        (64, 2, 1100, 30, None, None, 16),  # a long history: many softmax tiles
+        (128, 2, 300, 140, 200, None, 32),  # a window across tiles, two tiles per block
+        (64, 2, 21, 30, None, None, 4),  # blocks smaller than a tile: rows gathered, padded
+    ])
 def test_prefill_kernel_matches_plain_attention(dtype, head_dim, group, start, chunk, window,
-                                                softcap) -> None:
+                                                softcap, block_size) -> None:
     torch.manual_seed(3)
-    kv_heads, block_size = 2, 16
+    kv_heads = 2
     blocks = -(-(start + chunk) // block_size) + 3
     k_cache = torch.randn(kv_heads, blocks, block_size, head_dim).to(dtype)
     v_cache = torch.randn(kv_heads, blocks, block_size, head_dim).to(dtype)

@@ -189,192 +189,168 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_
 
 // ---- prefill: one chunk's queries over its request's history and itself -------------------
 //
-// Flash-style (online softmax over tiles of keys), so no score matrix larger than a tile
-// exists. Per KV head, a segment of the request's keys is copied out of its blocks once:
-// keys transposed ([head_dim][keys]) so that 16 keys' scores build in one vector, values as
-// rows. Blocks of ROWS query rows then stream the segment from L2: scores by a ROWS x COLS
-// register tile over head_dim, the tile's softmax, then P·V by a ROWS x 32 tile over keys.
-// torch's CPU flash kernel, over a gathered copy, ran a 512-token chunk at 36-60 GFLOP/s
-// here; this at 62-78 (of a 98 GFLOP/s matmul peak).
+// Flash-style: an online softmax over tiles of keys, so no score matrix larger than a tile
+// exists. A block of 16 query rows is one vector per head dimension (queries transposed
+// once), so each cached key row is read in place and broadcast one element at a time: a
+// tile's scores are [key][16 rows], and the softmax's max, exp and sums run across keys
+// vector by vector, with no per-row reductions. P·V builds the output the same way,
+// [head dim][16 rows]. torch's CPU flash kernel, over a gathered copy, ran a 512-token chunk
+// at 36-60 GFLOP/s here.
 
 typedef float v16 __attribute__((vector_size(64)));  // GCC/Clang vectors: AVX-512, or 2x AVX2
+typedef int32_t i16 __attribute__((vector_size(64)));
 
-constexpr int ROWS = 8;    // query rows per block: 16 score accumulators, 8 broadcasts a step
-constexpr int COLS = 32;   // keys per score tile (two vectors)
-constexpr int TILE = 128;  // keys per softmax step
+constexpr int LANES = 16;       // query rows per block, and keys per score tile
+constexpr int TILE_KEYS = 64;   // keys per softmax step: four score tiles
 constexpr int MAX_HEAD_DIM = 256;
-constexpr int64_t SEGMENT_FLOATS = 65536;  // keys x head_dim per copied segment: 256 KB each
 constexpr float MASKED = -1e30f;  // finite: the library is built with -ffast-math
+constexpr float EXP_FLOOR = -87.0f;  // expf above its underflow, which glibc's vector form
+                                     // hands to a slow scalar path
 
 inline v16 vload(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
 inline void vstore(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 inline v16 splat(float x) { return v16{} + x; }
+inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
 
-// A segment's keys [first, first + keys), copied out of one head's blocks.
-struct Segment {
-    const float* keys_t;  // [head_dim][stride]
-    const float* values;  // [stride][head_dim]
-    int64_t first, keys, stride;
-};
-
-// Softmax state of ROWS query rows, kept across segments in the caller's scratch.
-struct RowsState {
-    float* out;  // [ROWS][head_dim], unnormalised
-    float* top;  // [ROWS] running max
-    float* sum;  // [ROWS] running sum of exp
-};
-
-// O += P·V for one tile: `scores` [ROWS][TILE] already exponentiated (0 where masked).
-template <int Width>  // vectors of head_dim per pass: 2 (32 values) or 1 (16)
-inline void accumulate_values(const float (&scores)[ROWS][TILE], int64_t n, const float* values,
-                              int64_t head_dim, int64_t h, float (&out)[ROWS][MAX_HEAD_DIM]) {
-    v16 acc[ROWS][Width];
-    for (int r = 0; r < ROWS; ++r)
-        for (int w = 0; w < Width; ++w) acc[r][w] = vload(&out[r][h + 16 * w]);
-    for (int64_t j = 0; j < n; ++j) {
-        v16 v[Width];
-        for (int w = 0; w < Width; ++w) v[w] = vload(values + j * head_dim + h + 16 * w);
-        for (int r = 0; r < ROWS; ++r) {
-            const v16 p = splat(scores[r][j]);
-            for (int w = 0; w < Width; ++w) acc[r][w] += p * v[w];
-        }
-    }
-    for (int r = 0; r < ROWS; ++r)
-        for (int w = 0; w < Width; ++w) vstore(&out[r][h + 16 * w], acc[r][w]);
+inline v16 vexp(v16 x) {  // one call of glibc's vector expf (-ffast-math vectorises the loop)
+    alignas(64) float lanes[LANES];
+    vstore(lanes, x);
+    for (int i = 0; i < LANES; ++i) lanes[i] = expf(lanes[i]);
+    return vload(lanes);
 }
 
-// Query rows [row0, row0 + rows) of one head (positions start + row), scaled by the
-// softmax scale already, against the segment's keys they may see.
-void attend_rows(const float (&query)[ROWS][MAX_HEAD_DIM], int rows, int64_t row0,
-                 int64_t start, int64_t head_dim, int64_t window, float softcap,
-                 const Segment& seg, const RowsState& state) {
-    alignas(64) float out[ROWS][MAX_HEAD_DIM];
-    alignas(64) float scores[ROWS][TILE];
-    const int64_t first_pos = start + row0, last_pos = first_pos + rows - 1;
-    int64_t lo = seg.first;
-    if (window > 0) lo = std::max(lo, first_pos - window + 1);
-    lo = seg.first + (lo - seg.first) / COLS * COLS;  // tiles start on the copy's columns
-    const int64_t hi = std::min(seg.first + seg.keys, last_pos + 1);
-    if (lo >= hi) return;
-    for (int r = 0; r < ROWS; ++r)
-        for (int64_t d = 0; d < head_dim; ++d) out[r][d] = r < rows ? state.out[r * head_dim + d] : 0;
-    for (int64_t t0 = lo; t0 < hi; t0 += TILE) {
-        const int64_t n = (std::min<int64_t>(TILE, hi - t0) + COLS - 1) / COLS * COLS;
-        for (int64_t c = 0; c < n; c += COLS) {
-            const float* keys = seg.keys_t + (t0 - seg.first) + c;
-            v16 acc[ROWS][2] = {};
-            for (int64_t d = 0; d < head_dim; ++d) {
-                const v16 k0 = vload(keys + d * seg.stride), k1 = vload(keys + d * seg.stride + 16);
-                for (int r = 0; r < ROWS; ++r) {
-                    const v16 q = splat(query[r][d]);
-                    acc[r][0] += q * k0;
-                    acc[r][1] += q * k1;
-                }
-            }
-            for (int r = 0; r < ROWS; ++r) {
-                vstore(&scores[r][c], acc[r][0]);
-                vstore(&scores[r][c + 16], acc[r][1]);
-            }
-        }
-        // a tile every row sees whole: before the first row's position, inside every window
-        const bool whole = t0 + n <= first_pos + 1 && t0 + n <= seg.first + seg.keys &&
-                           (window <= 0 || t0 > last_pos - window);
-        for (int r = 0; r < ROWS; ++r) {
-            float* s = scores[r];
-            if (r >= rows) {  // padding rows weigh nothing
-                std::fill(s, s + n, 0.0f);
-                continue;
-            }
-            const int64_t pos = first_pos + r;
-            if (softcap > 0.0f)
-                for (int64_t j = 0; j < n; ++j) s[j] = softcap * std::tanh(s[j] / softcap);
-            if (!whole)
-                for (int64_t j = 0; j < n; ++j) {
-                    const int64_t key = t0 + j;
-                    const bool seen = key <= pos && key < seg.first + seg.keys &&
-                                      (window <= 0 || key > pos - window);
-                    s[j] = seen ? s[j] : MASKED;
-                }
-            float top = state.top[r];
-            for (int64_t j = 0; j < n; ++j) top = std::max(top, s[j]);
-            if (top <= MASKED) {  // none of this row's keys in the tile yet
-                std::fill(s, s + n, 0.0f);
-                continue;
-            }
-            const float rescale = state.top[r] <= MASKED ? 0.0f : expf(state.top[r] - top);
-            float total = 0.0f;
-            for (int64_t j = 0; j < n; ++j) {
-                const float p = s[j] > MASKED ? expf(s[j] - top) : 0.0f;
-                s[j] = p;
-                total += p;
-            }
-            state.top[r] = top;
-            state.sum[r] = state.sum[r] * rescale + total;
-            for (int64_t d = 0; d < head_dim; ++d) out[r][d] *= rescale;
-        }
-        const float* values = seg.values + (t0 - seg.first) * head_dim;
-        int64_t h = 0;
-        for (; h + 32 <= head_dim; h += 32) accumulate_values<2>(scores, n, values, head_dim, h, out);
-        if (h < head_dim) accumulate_values<1>(scores, n, values, head_dim, h, out);
-    }
-    for (int r = 0; r < rows; ++r)
-        for (int64_t d = 0; d < head_dim; ++d) state.out[r * head_dim + d] = out[r][d];
-}
-
+// 16 cached rows [key, key + 16) of one head as float, in place when the cache is float and
+// its blocks hold whole tiles, else copied into `buffer` (rows at or past `length`: zeros).
 template <typename T>
+inline const float* tile_rows(const T* head, const int64_t* table, int64_t key, int64_t length,
+                              int64_t block_size, int64_t head_dim, float* buffer) {
+    if constexpr (std::is_same_v<T, float>)
+        if (block_size % LANES == 0)
+            return head + (table[key / block_size] * block_size + key % block_size) * head_dim;
+    for (int k = 0; k < LANES; ++k) {
+        const int64_t pos = key + k;
+        float* row = buffer + k * head_dim;
+        if (pos >= length) {
+            std::fill(row, row + head_dim, 0.0f);
+            continue;
+        }
+        const T* cached = head + (table[pos / block_size] * block_size + pos % block_size) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) row[d] = load(cached, d);
+    }
+    return buffer;
+}
+
+// Query rows [row0, row0 + rows) of head h, at positions start + row; HeadDim > 0 fixes the
+// head size at compile time (the score tile's row offsets become constants).
+template <typename T, int64_t HeadDim>
+void prefill_rows(const T* q, const T* k_head, const T* v_head, T* out, const int64_t* table,
+                  int64_t h, int64_t q_heads, int64_t row0, int rows, int64_t start,
+                  int64_t length, int64_t runtime_head_dim, int64_t block_size, float scale,
+                  int64_t window, float softcap) {
+    const int64_t head_dim = HeadDim > 0 ? HeadDim : runtime_head_dim;
+    alignas(64) float query[MAX_HEAD_DIM][LANES];  // transposed, scaled; padding rows zero
+    alignas(64) float acc[MAX_HEAD_DIM][LANES];  // the output, unnormalised
+    alignas(64) float scores[TILE_KEYS][LANES];
+    alignas(64) float key_buffer[TILE_KEYS / LANES][LANES * MAX_HEAD_DIM];
+    alignas(64) float value_buffer[TILE_KEYS / LANES][LANES * MAX_HEAD_DIM];
+    for (int64_t d = 0; d < head_dim; ++d)
+        for (int r = 0; r < LANES; ++r) {
+            query[d][r] = r < rows ? load(q, ((row0 + r) * q_heads + h) * head_dim + d) * scale : 0.0f;
+            acc[d][r] = 0.0f;
+        }
+    const int64_t first_pos = start + row0, last_pos = first_pos + rows - 1;
+    i16 positions;
+    for (int r = 0; r < LANES; ++r) positions[r] = static_cast<int32_t>(first_pos + r);
+    v16 top = splat(MASKED), total = splat(0.0f);
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) / LANES * LANES : 0;
+    const int64_t hi = last_pos + 1;
+    for (int64_t t0 = lo; t0 < hi; t0 += TILE_KEYS) {
+        const int tiles = static_cast<int>((std::min<int64_t>(TILE_KEYS, hi - t0) + LANES - 1) / LANES);
+        const int keys = tiles * LANES;
+        const float* values[TILE_KEYS / LANES];
+        for (int u = 0; u < tiles; ++u) {  // scores [key][row] = Σ_d key[d] · query[d][row]
+            const int64_t key0 = t0 + u * LANES;
+            const float* rows_k = tile_rows(k_head, table, key0, length, block_size, head_dim,
+                                            key_buffer[u]);
+            values[u] = tile_rows(v_head, table, key0, length, block_size, head_dim,
+                                  value_buffer[u]);
+            v16 s[LANES] = {};
+            for (int64_t d = 0; d < head_dim; ++d) {
+                const v16 qd = vload(query[d]);
+                for (int k = 0; k < LANES; ++k) s[k] += splat(rows_k[k * head_dim + d]) * qd;
+            }
+            for (int k = 0; k < LANES; ++k) vstore(scores[u * LANES + k], s[k]);
+        }
+        // every row sees every key of the tile: none after the first row, none out of a window
+        const bool whole = t0 + keys - 1 <= first_pos && (window <= 0 || t0 > last_pos - window);
+        v16 next = top;
+        for (int j = 0; j < keys; ++j) {
+            v16 s = vload(scores[j]);
+            if (softcap > 0.0f) {
+                alignas(64) float lanes[LANES];
+                vstore(lanes, s / softcap);
+                for (int i = 0; i < LANES; ++i) lanes[i] = std::tanh(lanes[i]);
+                s = vload(lanes) * softcap;
+            }
+            if (!whole) {
+                const int32_t key = static_cast<int32_t>(t0 + j);
+                i16 seen = positions >= key;
+                if (window > 0) seen &= positions - key < static_cast<int32_t>(window);
+                s = seen ? s : splat(MASKED);
+            }
+            vstore(scores[j], s);
+            next = vmax(next, s);
+        }
+        const v16 rescale = top > MASKED ? vexp(vmax(top - next, splat(EXP_FLOOR))) : splat(0.0f);
+        v16 added = splat(0.0f);
+        for (int j = 0; j < keys; ++j) {
+            const v16 s = vload(scores[j]);
+            v16 p = vexp(vmax(s - next, splat(EXP_FLOOR)));
+            if (!whole) p = s > MASKED ? p : splat(0.0f);
+            vstore(scores[j], p);
+            added += p;
+        }
+        total = total * rescale + added;
+        bool moved = false;
+        for (int r = 0; r < LANES; ++r) moved |= next[r] != top[r];
+        if (moved)
+            for (int64_t d = 0; d < head_dim; ++d) vstore(acc[d], vload(acc[d]) * rescale);
+        top = next;
+        for (int64_t d0 = 0; d0 < head_dim; d0 += LANES) {  // acc[d][row] += Σ_key value[d] · p
+            v16 o[LANES];
+            for (int i = 0; i < LANES; ++i) o[i] = vload(acc[d0 + i]);
+            for (int u = 0; u < tiles; ++u)
+                for (int k = 0; k < LANES; ++k) {
+                    const v16 p = vload(scores[u * LANES + k]);
+                    const float* value = values[u] + k * head_dim + d0;
+                    for (int i = 0; i < LANES; ++i) o[i] += splat(value[i]) * p;
+                }
+            for (int i = 0; i < LANES; ++i) vstore(acc[d0 + i], o[i]);
+        }
+    }
+    for (int r = 0; r < rows; ++r) {
+        const float inv = 1.0f / total[r];
+        for (int64_t d = 0; d < head_dim; ++d)
+            store(out, ((row0 + r) * q_heads + h) * head_dim + d, acc[d][r] * inv);
+    }
+}
+
+template <typename T, int64_t HeadDim>
 void prefill(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_t* table,
              int64_t start, int64_t chunk, int64_t kv_heads, int64_t group, int64_t head_dim,
              int64_t num_blocks, int64_t block_size, float scale, int64_t window, float softcap,
              int threads) {
-    const int64_t length = start + chunk;
-    const int64_t first = window > 0 ? std::max<int64_t>(0, start - window + 1) : 0;
     const int64_t q_heads = kv_heads * group, head_stride = num_blocks * block_size * head_dim;
-    const int64_t span = std::max<int64_t>(TILE, SEGMENT_FLOATS / head_dim / TILE * TILE);
-    const int64_t stride = span + COLS;  // a last tile reads up to a whole score tile
-    const int64_t row_blocks = (chunk + ROWS - 1) / ROWS;
-    std::vector<float> acc(q_heads * chunk * head_dim, 0.0f), top(q_heads * chunk, MASKED),
-        sum(q_heads * chunk, 0.0f), keys_t(head_dim * stride), values(stride * head_dim);
-#pragma omp parallel num_threads(threads) if (threads > 1)
-    for (int64_t kh = 0; kh < kv_heads; ++kh) {
-        const T* k_head = k_cache + kh * head_stride;
-        const T* v_head = v_cache + kh * head_stride;
-        for (int64_t s0 = first; s0 < length; s0 += span) {
-            const int64_t keys = std::min(span, length - s0);
-            const int64_t copied = (keys + COLS - 1) / COLS * COLS;  // what tiles read
-#pragma omp for schedule(static)
-            for (int64_t i = 0; i < copied; ++i) {
-                const int64_t pos = s0 + i;
-                const int64_t row = i < keys ? (table[pos / block_size] * block_size
-                                                + pos % block_size) * head_dim : -1;
-                for (int64_t d = 0; d < head_dim; ++d) {
-                    keys_t[d * stride + i] = row >= 0 ? load(k_head, row + d) : 0.0f;
-                    values[i * head_dim + d] = row >= 0 ? load(v_head, row + d) : 0.0f;
-                }
-            }
-            const Segment seg{keys_t.data(), values.data(), s0, keys, stride};
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t task = 0; task < group * row_blocks; ++task) {
-                const int64_t h = kh * group + task / row_blocks;
-                const int64_t row0 = task % row_blocks * ROWS;
-                const int rows = static_cast<int>(std::min<int64_t>(ROWS, chunk - row0));
-                alignas(64) float query[ROWS][MAX_HEAD_DIM];
-                for (int r = 0; r < ROWS; ++r)
-                    for (int64_t d = 0; d < head_dim; ++d)
-                        query[r][d] = r < rows ? load(q, ((row0 + r) * q_heads + h) * head_dim + d) * scale
-                                               : 0.0f;
-                const int64_t at = h * chunk + row0;
-                attend_rows(query, rows, row0, start, head_dim, window, softcap, seg,
-                            RowsState{acc.data() + at * head_dim, top.data() + at, sum.data() + at});
-            }
-        }
+    const int64_t blocks = (chunk + LANES - 1) / LANES;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+    for (int64_t task = 0; task < q_heads * blocks; ++task) {
+        const int64_t h = task / blocks, row0 = task % blocks * LANES;
+        const int rows = static_cast<int>(std::min<int64_t>(LANES, chunk - row0));
+        prefill_rows<T, HeadDim>(q, k_cache + (h / group) * head_stride,
+                                 v_cache + (h / group) * head_stride, out, table, h, q_heads,
+                                 row0, rows, start, start + chunk, head_dim, block_size, scale,
+                                 window, softcap);
     }
-    for (int64_t h = 0; h < q_heads; ++h)
-        for (int64_t r = 0; r < chunk; ++r) {
-            const float inv = 1.0f / sum[h * chunk + r];
-            const float* row = acc.data() + (h * chunk + r) * head_dim;
-            for (int64_t d = 0; d < head_dim; ++d)
-                store(out, (r * q_heads + h) * head_dim + d, row[d] * inv);
-        }
 }
 
 }  // namespace
@@ -388,15 +364,20 @@ void paged_prefill(const void* q, const void* k_cache, const void* v_cache, void
                    const int64_t* table, int64_t start, int64_t chunk, int64_t kv_heads,
                    int64_t group, int64_t head_dim, int64_t num_blocks, int64_t block_size,
                    float scale, int64_t window, float softcap, int bf16, int threads) {
-    auto run = [&](auto element) {
+    auto run = [&](auto element, auto fixed) {
         using T = decltype(element);
-        prefill<T>(static_cast<const T*>(q), static_cast<const T*>(k_cache),
-                   static_cast<const T*>(v_cache), static_cast<T*>(out), table, start, chunk,
-                   kv_heads, group, head_dim, num_blocks, block_size, scale, window, softcap,
-                   threads);
+        prefill<T, decltype(fixed)::value>(
+            static_cast<const T*>(q), static_cast<const T*>(k_cache),
+            static_cast<const T*>(v_cache), static_cast<T*>(out), table, start, chunk,
+            kv_heads, group, head_dim, num_blocks, block_size, scale, window, softcap, threads);
     };
-    if (bf16) run(uint16_t{});
-    else run(float{});
+    auto by_size = [&](auto element) {
+        if (head_dim == 64) run(element, std::integral_constant<int64_t, 64>{});
+        else if (head_dim == 128) run(element, std::integral_constant<int64_t, 128>{});
+        else run(element, std::integral_constant<int64_t, 0>{});
+    };
+    if (bf16) by_size(uint16_t{});
+    else by_size(float{});
 }
 
 // q, out: [batch, kv_heads * group, head_dim]; caches: [kv_heads, num_blocks, block_size,
