@@ -60,22 +60,10 @@ def test_kernel_matches_plain_attention(dtype, group, window, softcap) -> None:
 
 
 def prefill_reference(q, k_cache, v_cache, table, start, scale, window, softcap):
-    """Each query row at position start + i over keys [.., start + i], one row at a time."""
-    kv_heads, _, block_size, _ = k_cache.shape
-    group = q.shape[1] // kv_heads
-    out = torch.empty_like(q, dtype=torch.float32)
-    for i in range(q.shape[0]):
-        pos = start + i
-        keys_at = torch.arange(max(0, pos + 1 - window) if window else 0, pos + 1)
-        slots = table[keys_at // block_size] * block_size + keys_at % block_size
-        keys = k_cache.flatten(1, 2)[:, slots].float()
-        values = v_cache.flatten(1, 2)[:, slots].float()
-        for h in range(q.shape[1]):
-            scores = keys[h // group] @ q[i, h].float() * scale
-            if softcap:
-                scores = softcap * torch.tanh(scores / softcap)
-            out[i, h] = torch.softmax(scores, -1) @ values[h // group]
-    return out
+    """Row i of a chunk attends as a decode at position start + i over the same blocks."""
+    lengths = start + 1 + torch.arange(q.shape[0])
+    return reference(q, k_cache, v_cache, table.expand(q.shape[0], -1), lengths, scale, window,
+                     softcap)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -353,6 +353,19 @@ void prefill(const T* q, const T* k_cache, const T* v_cache, T* out, const int64
     }
 }
 
+// Calls run(T{}, std::integral_constant<int64_t, HeadDim>{}) with the element type and the
+// head size fixed at compile time where it is a common one (64, 128; else 0: given at run time).
+template <typename Run>
+void dispatch(int bf16, int64_t head_dim, Run run) {
+    auto by_size = [&](auto element) {
+        if (head_dim == 64) run(element, std::integral_constant<int64_t, 64>{});
+        else if (head_dim == 128) run(element, std::integral_constant<int64_t, 128>{});
+        else run(element, std::integral_constant<int64_t, 0>{});
+    };
+    if (bf16) by_size(uint16_t{});
+    else by_size(float{});
+}
+
 }  // namespace
 
 extern "C" {
@@ -364,20 +377,13 @@ void paged_prefill(const void* q, const void* k_cache, const void* v_cache, void
                    const int64_t* table, int64_t start, int64_t chunk, int64_t kv_heads,
                    int64_t group, int64_t head_dim, int64_t num_blocks, int64_t block_size,
                    float scale, int64_t window, float softcap, int bf16, int threads) {
-    auto run = [&](auto element, auto fixed) {
+    dispatch(bf16, head_dim, [&](auto element, auto fixed) {
         using T = decltype(element);
         prefill<T, decltype(fixed)::value>(
             static_cast<const T*>(q), static_cast<const T*>(k_cache),
             static_cast<const T*>(v_cache), static_cast<T*>(out), table, start, chunk,
             kv_heads, group, head_dim, num_blocks, block_size, scale, window, softcap, threads);
-    };
-    auto by_size = [&](auto element) {
-        if (head_dim == 64) run(element, std::integral_constant<int64_t, 64>{});
-        else if (head_dim == 128) run(element, std::integral_constant<int64_t, 128>{});
-        else run(element, std::integral_constant<int64_t, 0>{});
-    };
-    if (bf16) by_size(uint16_t{});
-    else by_size(float{});
+    });
 }
 
 // q, out: [batch, kv_heads * group, head_dim]; caches: [kv_heads, num_blocks, block_size,
@@ -389,21 +395,14 @@ void paged_decode(const void* q, const void* k_cache, const void* v_cache, void*
                   int64_t table_width, int64_t kv_heads, int64_t group, int64_t head_dim,
                   int64_t num_blocks, int64_t block_size, float scale, int64_t window,
                   float softcap, int bf16, int threads) {
-    auto run = [&](auto element, auto fixed) {
+    dispatch(bf16, head_dim, [&](auto element, auto fixed) {
         using T = decltype(element);
         attend<T, decltype(fixed)::value>(
             static_cast<const T*>(q), static_cast<const T*>(k_cache),
             static_cast<const T*>(v_cache), static_cast<T*>(out), tables, lengths, batch,
             table_width, kv_heads, group, head_dim, num_blocks, block_size, scale, window,
             softcap, threads);
-    };
-    auto by_size = [&](auto element) {
-        if (head_dim == 64) run(element, std::integral_constant<int64_t, 64>{});
-        else if (head_dim == 128) run(element, std::integral_constant<int64_t, 128>{});
-        else run(element, std::integral_constant<int64_t, 0>{});
-    };
-    if (bf16) by_size(uint16_t{});
-    else by_size(float{});
+    });
 }
 
 }  // extern "C"
