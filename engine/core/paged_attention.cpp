@@ -224,18 +224,19 @@ inline v16 vexp(v16 x) {  // one call of glibc's vector expf (-ffast-math vector
 template <typename T>
 inline const float* tile_rows(const T* head, const int64_t* table, int64_t key, int64_t length,
                               int64_t block_size, int64_t head_dim, float* buffer) {
+    auto cached = [&](int64_t pos) {  // position pos's row in its block
+        return head + (table[pos / block_size] * block_size + pos % block_size) * head_dim;
+    };
     if constexpr (std::is_same_v<T, float>)
-        if (block_size % LANES == 0)
-            return head + (table[key / block_size] * block_size + key % block_size) * head_dim;
+        if (block_size % LANES == 0) return cached(key);
     for (int k = 0; k < LANES; ++k) {
-        const int64_t pos = key + k;
         float* row = buffer + k * head_dim;
-        if (pos >= length) {
+        if (key + k >= length) {
             std::fill(row, row + head_dim, 0.0f);
             continue;
         }
-        const T* cached = head + (table[pos / block_size] * block_size + pos % block_size) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) row[d] = load(cached, d);
+        const T* source = cached(key + k);
+        for (int64_t d = 0; d < head_dim; ++d) row[d] = load(source, d);
     }
     return buffer;
 }

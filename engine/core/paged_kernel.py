@@ -27,7 +27,8 @@ import torch
 
 SOURCE = Path(__file__).with_name("paged_attention.cpp")
 # -ffast-math lets the compiler vectorise the reductions and exp (glibc's vector expf needs
-# all of it); the kernel never makes an infinity (no masking: it reads only real keys). It is
+# all of it); the kernels never make an infinity (decode reads only real keys, prefill masks
+# with a finite -1e30). It is
 # a compile flag only: linked with it, GCC adds crtfastmath, which flushes subnormals to zero
 # for the whole process (torch included) the moment the library loads.
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-c")
