@@ -19,6 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 
+def wall_offset() -> float:
+    """What turns a monotonic timestamp (an event's `ts`) into wall-clock time on this
+    machine: the store stamps its rows with it, and snapshots carry it (Snapshot.wall_offset)
+    so a console elsewhere can place those rows on the snapshots' timeline."""
+    return time.time() - time.monotonic()
+
+
 @dataclass(frozen=True)
 class Event:
     kind: ClassVar[str] = "event"

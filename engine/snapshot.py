@@ -44,6 +44,9 @@ class Percentiles:
 @dataclass(frozen=True)
 class Snapshot:
     ts: float = 0.0
+    # wall-clock time minus ts where the snapshot was taken (engine.events.wall_offset): places
+    # the store's wall-clock rows on this timeline; None in recordings made before it existed
+    wall_offset: float | None = None
     model: str = ""
     device: str = ""
     mode: str = "NORMAL"

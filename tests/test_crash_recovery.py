@@ -24,16 +24,21 @@ from engine.store import StoreWriter, open_database, quarantined_requests
 
 FLAGS = ["--model", "synthetic:tiny", "--device", "cpu", "--max-num-batched-tokens", "8",
          "--chunk-tile", "8"]
-# Enough work that each run is still going when it is killed: with 30, a faster engine once
-# finished the resumed run before the journal showed a decode (CI).
-REQUESTS = 60
+# Enough work that each run is still going when it is killed, whatever the engine's speed:
+# the kills wait for a journal commit that shows a prefill, then one that shows a decode.
+# With 30 requests a faster engine once finished the resumed run before the journal showed a
+# decode (CI); with 60 of 40-160 prompt tokens, an engine twice as fast again wrote ~7
+# commits a run and showed a prefill in 2 (none in one CI run). 120 of 60-200: ~15 commits,
+# 5-6 with a prefill and 7-8 with a decode.
+REQUESTS = 120
+PROMPT_TOKENS, MAX_TOKENS = (60, 200), (12, 40)
 
 
 def _requests(path: Path) -> list[dict]:
     rng = random.Random(3)
     rows = [{"id": f"r{i:02d}", "prompt_token_ids": [rng.randrange(3, 300)
-                                                     for _ in range(rng.randrange(40, 160))],
-             "max_tokens": rng.randrange(12, 40)} for i in range(REQUESTS)]
+                                                     for _ in range(rng.randrange(*PROMPT_TOKENS))],
+             "max_tokens": rng.randrange(*MAX_TOKENS)} for i in range(REQUESTS)]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return rows
 

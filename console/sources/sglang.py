@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from console.sources.prometheus_text import Samples, first, percentiles
 from console.sources.scraped import ScrapedSource
+from engine.events import wall_offset
 from engine.snapshot import Snapshot
 
 MODE = "SGLang"
@@ -42,7 +43,8 @@ class SglangMetricsSource(ScrapedSource):
         bandwidth, share, where, note = self.bandwidth(samples, READ_BYTES)
         prompt_rate, output_rate = self.rate(PROMPT), self.rate(GENERATED)
         return Snapshot(
-            ts=now, model=self.model, device=self.remote.url, mode=MODE,
+            ts=now, wall_offset=wall_offset(), model=self.model, device=self.remote.url,
+            mode=MODE,
             mode_reason="read-only view of an SGLang server's /metrics",
             # SGLang counts no engine steps; its token counters move whenever it works, so the
             # console's history (one sample per step) samples while it does.

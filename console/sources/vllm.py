@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from console.sources.prometheus_text import Samples, first, label, percentiles
 from console.sources.scraped import ScrapedSource
+from engine.events import wall_offset
 from engine.snapshot import Snapshot
 
 MODE = "vLLM"
@@ -53,7 +54,8 @@ class VllmMetricsSource(ScrapedSource):
         bandwidth, share, where, note = self.bandwidth(samples, READ_BYTES)
         prompt_rate, output_rate = self.rate(PROMPT), self.rate(GENERATED)
         return Snapshot(
-            ts=now, model=self.model, device=self.remote.url, mode=MODE,
+            ts=now, wall_offset=wall_offset(), model=self.model, device=self.remote.url,
+            mode=MODE,
             mode_reason="read-only view of a vLLM server's /metrics",
             step=int(count(f"{STEP_TOKENS}_count")),
             requests=self.traced_requests(), score_estimate=self.score_estimate(),

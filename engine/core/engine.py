@@ -40,6 +40,7 @@ from engine.events import (
     Rejected,
     RequestAdded,
     StepComplete,
+    wall_offset,
 )
 from engine.ops.guards import (
     FAULT_EVENTS,
@@ -347,7 +348,8 @@ class Engine:
                 self.config.max_num_batched_tokens)
         reading = self.bandwidth.reading()
         return Snapshot(
-            ts=now, model=self.config.model, device=str(self.runner.device),
+            ts=now, wall_offset=wall_offset(), model=self.config.model,
+            device=str(self.runner.device),
             mode=s.mode.value, step=self.step_count,
             mode_reason=self._mode_reason(), config=self.config.live_values(),
             requests=tuple(_view(r, self.config.max_num_batched_tokens)

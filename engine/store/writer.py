@@ -29,7 +29,7 @@ from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError, StatementError
 
 from engine.errors import EngineError
-from engine.events import Event, EventBus
+from engine.events import Event, EventBus, wall_offset
 from engine.store.batch import fold, prefilling, to_statements
 from engine.store.database import Database, StoreError
 from engine.store.retention import RetentionLimits, apply_retention
@@ -189,7 +189,7 @@ class StoreWriter:
         return items
 
     def _write_events(self, events: list[Event]) -> None:
-        batch = fold(events, wall_offset=time.time() - time.monotonic())
+        batch = fold(events, wall_offset=wall_offset())
         statements = to_statements(batch)
 
         def whole_batch(connection: Connection) -> None:

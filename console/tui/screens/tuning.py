@@ -12,7 +12,6 @@ by the engine (config_changed events), so the changes table is the store's recor
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, ClassVar
@@ -40,6 +39,7 @@ from console.tui.widgets.header import chunk_size
 from console.tui.widgets.latency import LatencySLO, append_latency, slo_style, window
 from console.tui.widgets.notice import unavailable
 from console.tui.widgets.plot import Line, Plot, Series, ms, number, per_s
+from engine.events import wall_offset
 from engine.ops.metrics import RATE_WINDOW_S
 from engine.snapshot import Snapshot
 
@@ -361,8 +361,11 @@ class TuningScreen(ConsoleScreen):
         table = self.query_one("#config-changes", DataTable)
         table.clear()
         history = self.state.history
-        # the store stamps wall-clock time, snapshots the monotonic clock (one per machine)
-        offset = time.time() - time.monotonic()
+        # the store stamps wall-clock time, snapshots the engine's monotonic clock: the newest
+        # snapshot says how they relate where it was taken (a recording, a remote engine)
+        latest = self.state.latest
+        offset = (latest.wall_offset if latest is not None and latest.wall_offset is not None
+                  else wall_offset())
         for change in message.changes:
             at = change.created_at - offset
             ttft = around(history, at, "ttft_p99", ms)
