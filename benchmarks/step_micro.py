@@ -18,6 +18,14 @@ stream (a sum; the copy that `streaming_bandwidth` times both reads and writes).
 
     PYTHONPATH=. .venv/bin/python benchmarks/step_micro.py --limits
 
+`--split` (issue 18): where the eager decode step of `--limits` spends its time, by taking
+the step with its attention kernel, its GEMMs, or both stubbed out (outputs left
+uninitialised, so only for timing), interleaved: attention is what stubbing it saves, GEMMs
+likewise, and the rest (norms, RoPE, the cache write, sampling and Python) what remains with
+both gone. The GEMMs inside a step run slower than alone: the KV history's reads evict them.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/step_micro.py --split
+
 `--flex` (issue 18): one layer's decode attention at D = 8, the engine's gather-then-SDPA
 path against FlexAttention (compiled) reading the paged cache in place through a block mask
 built from the block tables, with the mask's build time (once a step), in process CPU ms.
@@ -38,6 +46,7 @@ from torch import nn
 from engine import Engine, EngineConfig, SamplingParams
 from engine.budget.calibrate import timed_step
 from engine.budget.peaks import measure_peaks
+from engine.core import attention, cpu_kernels
 from engine.core.batch import Batch, ScheduledChunk, StepShape
 from engine.core.request import Request, RequestState
 
@@ -228,6 +237,40 @@ def limits(model: str = "synthetic:small", *, device: str = "cpu", dtype: str = 
     return result
 
 
+def decode_split(model: str = "synthetic:small", *, batch: int = 8, context: int = 256,
+                 repeats: int = 15, rounds: int = 6) -> dict[str, Any]:
+    """The eager decode step of `limits` (one thread) whole and with attention, its GEMMs or
+    both stubbed out, in ms, and what each part costs (see the module's docstring)."""
+    engine = _engine(model, "cpu", "float32", kv_bytes=1 << 28)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    step = _batch(_decodes(engine, batch, context))
+    decode, linear_rows = attention.paged_decode, cpu_kernels.linear_rows
+
+    def no_attention(q: torch.Tensor, *args: Any) -> torch.Tensor:
+        return torch.empty_like(q)
+
+    def no_gemm(x: torch.Tensor, panels: torch.Tensor, n: int, bias: Any) -> torch.Tensor:
+        return x.new_empty(x.shape[0], n)
+
+    variants = {"step": (decode, linear_rows), "no_attention": (no_attention, linear_rows),
+                "no_gemms": (decode, no_gemm), "neither": (no_attention, no_gemm)}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    try:
+        for _ in range(rounds):
+            for name, (attend, gemm) in variants.items():
+                attention.paged_decode, cpu_kernels.linear_rows = attend, gemm
+                timed_step(engine, step)
+                times[name] += [timed_step(engine, step) for _ in range(repeats)]
+    finally:
+        attention.paged_decode, cpu_kernels.linear_rows = decode, linear_rows
+        torch.set_num_threads(threads)
+    ms = {name: statistics.median(values) * 1e3 for name, values in times.items()}
+    return {"model": model, "batch": batch, "context": context, "ms": ms,
+            "attention_ms": ms["step"] - ms["no_attention"],
+            "gemms_ms": ms["step"] - ms["no_gemms"], "rest_ms": ms["neither"]}
+
+
 # far beyond this CPU's 32 MiB of L3, as the copy of measure_peaks
 _READ_BYTES = 128 << 20
 
@@ -331,12 +374,18 @@ def main() -> None:
     parser.add_argument("--limits", action="store_true",
                         help="instead: decode weight-read bandwidth and prefill FLOP/s against "
                              "the measured limits, eager and compiled, at 1 and engine threads")
+    parser.add_argument("--split", action="store_true",
+                        help="instead: the eager decode step of --limits split into attention, "
+                             "GEMMs and the rest")
     parser.add_argument("--flex", action="store_true",
                         help="instead: decode attention, gather + SDPA against FlexAttention "
                              "over the paged cache in place (CPU)")
     args = parser.parse_args()
     if args.flex:
         print(json.dumps(flex_vs_gather(), indent=2))
+        return
+    if args.split:
+        print(json.dumps(decode_split(), indent=2))
         return
     if args.limits:
         print(json.dumps(limits(device=args.device, dtype=args.dtype), indent=2))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.core import paged_kernel as kernel
+from engine.core import cpu_kernels as kernel
 from engine.core.attention import AttentionMetadata, DecodeGroup, PagedAttention, PrefillSpan
 from engine.core.model_runner import ModelRunner
 from engine.errors import EngineError

@@ -8,7 +8,7 @@ SDPA's `is_causal=True` is top-left and wrong when query and key lengths differ)
 Backends:
 - torch (CPU, and CUDA without flash-attn): SDPA with an explicit mask per chunk, and one
   SDPA call for all decodes with queries grouped per KV head (no copy of keys for GQA).
-- paged (CPU, the default there): C++ kernels (engine.core.paged_kernel) that read the cache
+- paged (CPU, the default there): C++ kernels (engine.core.cpu_kernels) that read the cache
   in place through the block tables instead of gathering each history into a copy first:
   one call per prefill chunk (flash-style, causal and windowed as above), one for every
   decode. A head size the prefill kernel's tiles do not fit keeps SDPA for prefill.
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.core.paged_kernel import paged_decode, paged_prefill
+from engine.core.cpu_kernels import cache_write, paged_decode, paged_prefill
 
 try:  # optional `gpu` extra; absent on CPU machines
     from flash_attn import flash_attn_varlen_func
@@ -110,6 +110,8 @@ class PagedAttention:
     """Writes new K/V into a layer's cache slice and attends over the history (the last
     `window` positions of it for a sliding-window layer)."""
 
+    kernel = False  # new K/V written by cpu_kernels.cache_write (Transformer.use_cpu_kernels)
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, use_flash: bool,
                  scale: float | None = None, window: int | None = None,
                  softcap: float | None = None) -> None:
@@ -144,8 +146,11 @@ class PagedAttention:
             meta = meta.windowed
         flat_k = k_cache.view(self.num_kv_heads, -1, self.head_dim)  # [Hkv, slots, D]
         flat_v = v_cache.view(self.num_kv_heads, -1, self.head_dim)
-        flat_k.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-        flat_v.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+        if self.kernel:
+            cache_write(k, v, k_cache, v_cache, meta.slot_mapping)
+        else:
+            flat_k.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+            flat_v.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as q may not be
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)

@@ -25,8 +25,8 @@ from engine.core.attention import (
 )
 from engine.core.attention import flash_available as flash_importable
 from engine.core.batch import Batch, ModelRunnerOutput, ScheduledChunk
-from engine.core.paged_kernel import KernelUnavailable, prefill_supports
-from engine.core.paged_kernel import load as load_paged_kernel
+from engine.core.cpu_kernels import KernelUnavailable, prefill_supports
+from engine.core.cpu_kernels import load as load_cpu_kernels
 from engine.core.sampler import sample
 from engine.errors import EngineError
 from engine.model.loader import load_model, model_config_for
@@ -134,6 +134,8 @@ class ModelRunner:
         self.compile_s = 0.0
         if compiles(config):
             self.compile_s = self._compile()
+        elif self.paged_kernel:
+            self.model.use_cpu_kernels()
         else:
             self.model.pack_weights()
 
@@ -146,12 +148,13 @@ class ModelRunner:
                                   "flash or torch")
             return False, "flash" if self.use_flash else "torch"
         try:
-            load_paged_kernel()
+            load_cpu_kernels()
         except KernelUnavailable as exc:
             if config.attention_backend == "paged":
                 raise EngineError(str(exc)) from None
             return False, f"torch (the paged kernels are unavailable: {exc})"
-        return True, "paged (kernels read the KV cache in place)"
+        return True, ("paged (kernels read the KV cache in place; the layers' norms, RoPE, "
+                      "SiLU and small GEMMs run on them too)")
 
     def _compile(self) -> float:
         """Compile the model and warm it up, so the first request does not pay for it;

@@ -5,7 +5,8 @@
 // then runs SDPA over the copy: the history is read twice and written once per layer and
 // step. This kernel walks each request's block table and reads each cached key and value
 // once, as vLLM's CPU and CUDA paged-attention kernels do. Plain C ABI, loaded with ctypes:
-// no torch headers, so the system compiler builds it once per machine (8.4 s here).
+// no torch headers, so the system compiler builds it once per machine (with layer_ops.cpp:
+// 13 s on a 2-core Xeon).
 //
 // Layout (engine/core/attention.py::cache_shape, torch path): one layer's cache is
 // [kv_heads, blocks, block_size, head_dim], contiguous. Query head h reads KV head h / group.
@@ -20,30 +21,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_vectors.h"
+
 namespace {
 
-
-inline float load(const float* p, int64_t i) { return p[i]; }
-
-inline float load(const uint16_t* p, int64_t i) {  // bfloat16: the high half of a float
-    uint32_t bits = static_cast<uint32_t>(p[i]) << 16;
-    float value;
-    std::memcpy(&value, &bits, sizeof value);
-    return value;
-}
-
-inline void store(float* p, int64_t i, float value) { p[i] = value; }
-
-inline void store(uint16_t* p, int64_t i, float value) {  // round to nearest even, as torch
-    uint32_t bits;
-    std::memcpy(&bits, &value, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) {  // NaN, tested on the bits (-ffast-math)
-        p[i] = 0x7fc0;
-        return;
-    }
-    bits += 0x7fff + ((bits >> 16) & 1);
-    p[i] = static_cast<uint16_t>(bits >> 16);
-}
+using namespace tokenflow;
 
 // A request's blocks sit anywhere in the pool, where the hardware prefetcher cannot follow
 // (it stops at page boundaries): while a block is computed, the block AHEAD places on is
@@ -197,19 +179,13 @@ void attend(const T* q, const T* k_cache, const T* v_cache, T* out, const int64_
 // [head dim][16 rows]. torch's CPU flash kernel, over a gathered copy, ran a 512-token chunk
 // at 36-60 GFLOP/s here.
 
-typedef float v16 __attribute__((vector_size(64)));  // GCC/Clang vectors: AVX-512, or 2x AVX2
-typedef int32_t i16 __attribute__((vector_size(64)));
-
-constexpr int LANES = 16;       // query rows per block, and keys per score tile
+// LANES (cpu_vectors.h): query rows per block, and keys per score tile
 constexpr int TILE_KEYS = 64;   // keys per softmax step: four score tiles
 constexpr int MAX_HEAD_DIM = 256;
 constexpr float MASKED = -1e30f;  // finite: the library is built with -ffast-math
 constexpr float EXP_FLOOR = -87.0f;  // expf above its underflow, which glibc's vector form
                                      // hands to a slow scalar path
 
-inline v16 vload(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
-inline void vstore(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
-inline v16 splat(float x) { return v16{} + x; }
 inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
 
 inline v16 vexp(v16 x) {  // one call of glibc's vector expf (-ffast-math vectorises the loop)
@@ -363,8 +339,7 @@ void dispatch(int bf16, int64_t head_dim, Run run) {
         else if (head_dim == 128) run(element, std::integral_constant<int64_t, 128>{});
         else run(element, std::integral_constant<int64_t, 0>{});
     };
-    if (bf16) by_size(uint16_t{});
-    else by_size(float{});
+    by_dtype(bf16, by_size);
 }
 
 }  // namespace

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.core import cpu_kernels
 from engine.core.attention import AttentionMetadata, PagedAttention
 from engine.errors import ModelLoadError
 from engine.model.config import ModelConfig
@@ -42,35 +43,50 @@ _PACKED_ROWS = 8
 # one thread: 7.3 and 7.7 ms at 1 and 2 rows, 6.1 at 3, 5.5 at 4 to 6), so a small decode
 # step computes zero rows up to 4: 11-17% off the whole step at 1 and 2 decodes.
 _MIN_ROWS = 4
+# Steps of at most this many rows run fp32 GEMMs in linear_rows (Linear.pack's `panels`).
+# Against oneDNN's packed GEMMs, one thread, interleaved (ms, all of a model's GEMMs):
+# synthetic:small 8.5/10.0 at 8 rows, 10.4/12.0 at 16, 14.9/16.4 at 32; the vs-vLLM Llama
+# 34.1/35.8 at 64, 45.4/46.3 at 96, 58.6/58.5 at 128 and 112.1/106.9 at 256.
+PANEL_MAX_ROWS = 64
 
 
 class Linear(nn.Linear):
-    """nn.Linear whose weight can be packed once for the CPU's GEMM kernel.
+    """nn.Linear whose weight can be packed once for the CPU's GEMM kernels.
 
-    On this AMD EPYC, MKL's sgemm reads a decode step's weights at 5-6 GB/s whatever their
-    layout; oneDNN on weights reordered into its blocked layout reads them at 9-15 GB/s
-    (16 to 4 rows, fp32, one thread; a copy streams ~20). The dense `weight` stays the
-    parameter (checkpoints, the transformers baseline); the packed copy is what forward reads.
-    bfloat16 weights are packed too where oneDNN has bf16 kernels: synthetic:small's GEMMs
-    took 4.2 against 7.4 ms at 8 rows, 15.5 against 19.3 at 64 and 55 against 59 at 256.
-    On CUDA nothing is packed: cuBLAS reads the plain layout at full bandwidth."""
+    On an AMD EPYC, MKL's sgemm read a decode step's weights at 5-6 GB/s whatever their
+    layout; oneDNN on weights reordered into its blocked layout read them at 9-15 GB/s
+    (16 to 4 rows, fp32, one thread; a copy streams ~20). On a Xeon with AMX, oneDNN read
+    synthetic:small's at 8.6 GB/s at 8 rows, where our linear_rows (cpu_kernels) reads them
+    at 12.3, as fast as a plain read: steps of up to PANEL_MAX_ROWS rows take it, larger
+    ones oneDNN. The dense `weight` stays the parameter (checkpoints, the transformers
+    baseline); the packed copies are what forward reads. bfloat16 weights are packed for
+    oneDNN where it has bf16 kernels: synthetic:small's GEMMs took 4.2 against 7.4 ms at 8
+    rows, 15.5 against 19.3 at 64 and 55 against 59 at 256 (EPYC). On CUDA nothing is
+    packed: cuBLAS reads the plain layout at full bandwidth."""
 
     packed: torch.Tensor | None = None
+    panels: torch.Tensor | None = None  # cpu_kernels.linear_rows's layout
 
-    def pack(self) -> None:
+    def pack(self, panels: bool = False) -> None:
         """Pack the weight as it is now (call after loading; a later change to `weight` is
-        not seen)."""
-        if self.weight.device.type == "cpu" and (
-                self.weight.dtype == torch.float32
-                or (self.weight.dtype == torch.bfloat16
-                    and torch.ops.mkldnn._is_mkldnn_bf16_supported())):
+        not seen); with `panels`, an fp32 weight also in linear_rows's layout for steps of
+        up to PANEL_MAX_ROWS rows."""
+        if self.weight.device.type != "cpu":
+            return
+        if self.weight.dtype == torch.float32 or (
+                self.weight.dtype == torch.bfloat16
+                and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
                                                                   _PACKED_ROWS)
+        if panels and self.weight.dtype == torch.float32:
+            self.panels = cpu_kernels.pack_panels(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if self.panels is not None and rows <= PANEL_MAX_ROWS:
+            return cpu_kernels.linear_rows(x, self.panels, self.out_features, self.bias)
         if self.packed is None:
             return super().forward(x)
-        rows = x.shape[0]
         if rows < _MIN_ROWS:
             x = torch.cat((x, x.new_zeros(_MIN_ROWS - rows, x.shape[1])))
         out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -80,13 +96,26 @@ class Linear(nn.Linear):
 class RMSNorm(nn.Module):
     """Llama's x̂·w, or Gemma's x̂·(1 + w) with `offset` 1 (its weights are stored that way)."""
 
+    kernel = False  # cpu_kernels.rms_norm (Transformer.use_cpu_kernels)
+
     def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
         self.offset = offset
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
+    def add_and_norm(self, x: torch.Tensor,
+                     delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream x plus a block's output, and its norm: one pass on the CPU
+        kernel, which adds into x in place."""
+        if self.kernel:
+            return x, cpu_kernels.rms_norm(delta, self.weight, self.eps, self.offset, residual=x)
+        x = x + delta
+        return x, self(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel:
+            return cpu_kernels.rms_norm(x, self.weight, self.eps, self.offset)
         # Normalise in fp32 like the reference implementations, then cast back; Gemma scales
         # in fp32 too, Llama after the cast.
         x32 = x.float()
@@ -142,6 +171,8 @@ def rotate(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    kernel = False  # cpu_kernels.rope (Transformer.use_cpu_kernels)
+
     def __init__(self, config: ModelConfig, rope: RotaryEmbedding, window: int | None,
                  use_flash: bool) -> None:
         super().__init__()
@@ -177,12 +208,15 @@ class Attention(nn.Module):
                             self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))), dim=1)
         else:  # q and k sit side by side in the projection: rotate them in one pass
             qk = qkv[:, :self.q_size + self.kv_size].view(n, heads, self.head_dim)
-        q, k = rotate(qk, rotation).split([self.num_heads, self.num_kv_heads], dim=1)
+        rotated = cpu_kernels.rope(qk, rotation) if self.kernel else rotate(qk, rotation)
+        q, k = rotated.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
         return q, k, v
 
 
 class MLP(nn.Module):
+    kernel = False  # cpu_kernels.silu_mul for SiLU (Transformer.use_cpu_kernels)
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         if config.hidden_act not in ACTIVATIONS:
@@ -195,6 +229,8 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel:
+            return self.down_proj(cpu_kernels.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
@@ -233,10 +269,11 @@ class DecoderLayer(nn.Module):
         """x [N, H] the layer's input, attn [N, Hq, D] attention's output -> [N, H]."""
         attn = self.self_attn.o_proj(attn.flatten(1))
         if self.gemma:
-            x = x + self.post_attention_layernorm(attn)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + attn
-        return x + self.mlp(self.post_attention_layernorm(x))
+            x, h = self.pre_feedforward_layernorm.add_and_norm(
+                x, self.post_attention_layernorm(attn))
+            return x + self.post_feedforward_layernorm(self.mlp(h))
+        x, h = self.post_attention_layernorm.add_and_norm(x, attn)
+        return x + self.mlp(h)
 
 
 class Transformer(nn.Module):
@@ -285,6 +322,21 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
+
+    def use_cpu_kernels(self) -> None:
+        """Run eager CPU steps on engine.core.cpu_kernels: small fp32 GEMMs in linear_rows,
+        and the norms, SiLU·mul, RoPE and cache writes as one call each. Call instead of
+        pack_weights; the torch ops stay the path everywhere else (and for debugging:
+        attention_backend=torch)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack(panels=True)
+            elif isinstance(module, RMSNorm | Attention):
+                module.kernel = True
+            elif isinstance(module, MLP):
+                module.kernel = module.act is F.silu
+            if isinstance(module, Attention):
+                module.attn.kernel = True
 
     def compile(self) -> None:  # type: ignore[override]
         """Run each layer's two dense halves through torch.compile with the token count

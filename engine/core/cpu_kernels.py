@@ -1,0 +1,324 @@
+"""The CPU kernels: built once per machine, loaded with ctypes, and called per layer and step.
+
+- Attention (paged_attention.cpp): once with every decode of the batch, and once per prefill
+  chunk. They read each request's cached keys and values in place through its block table,
+  where the torch path copies the whole history per layer (index_select) before SDPA reads
+  the copy.
+- A layer's dense ops (layer_ops.cpp): a GEMM for steps of a few rows, the residual add with
+  RMSNorm, SiLU·mul, RoPE and the cache write, each one call where torch runs several.
+
+The library is C++ without torch headers, so the system compiler builds it once (13 s here);
+the shared object is cached under ~/.cache/tokenflow/kernels (or $TOKENFLOW_KERNEL_CACHE),
+keyed by the sources, the flags, the compiler and the CPU (it is built with -march=native).
+Where no compiler works, `load()` says why and the engine keeps the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("paged_attention.cpp", "layer_ops.cpp", "cpu_vectors.h"))
+# -ffast-math lets the compiler vectorise the reductions and exp (glibc's vector expf needs
+# all of it); the kernels never make an infinity (decode reads only real keys, prefill masks
+# with a finite -1e30). It is
+# a compile flag only: linked with it, GCC adds crtfastmath, which flushes subnormals to zero
+# for the whole process (torch included) the moment the library loads.
+COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-c")
+LINK_FLAGS = ("-shared", "-fopenmp")
+FLAGS = COMPILE_FLAGS + LINK_FLAGS  # what the cached build is keyed on
+BUILD_TIMEOUT_S = 120
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_DECODE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
+                ctypes.c_float, _I64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+_PREFILL_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
+                 ctypes.c_float, _I64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+_ENTRIES = {
+    "paged_decode": _DECODE_ARGS,
+    "paged_prefill": _PREFILL_ARGS,
+    "linear_rows": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, ctypes.c_int],
+    "rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_float,
+                 ctypes.c_int, ctypes.c_int],
+    "silu_mul": [_PTR, _PTR, _I64, _I64, ctypes.c_int, ctypes.c_int],
+    "rope": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int],
+    "cache_write": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
+                    ctypes.c_int],
+}
+DTYPES = (torch.float32, torch.bfloat16)
+# paged_prefill's vector tiles: head sizes in steps of 16 floats, up to MAX_HEAD_DIM
+PREFILL_HEAD_DIM_STEP, PREFILL_MAX_HEAD_DIM = 16, 256
+
+
+@dataclass(frozen=True)
+class Kernels:
+    paged_decode: ctypes._CFuncPtr
+    paged_prefill: ctypes._CFuncPtr
+    linear_rows: ctypes._CFuncPtr
+    rms_norm: ctypes._CFuncPtr
+    silu_mul: ctypes._CFuncPtr
+    rope: ctypes._CFuncPtr
+    cache_write: ctypes._CFuncPtr
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel could not be built or loaded here; the message says why and what to do."""
+
+
+def cache_dir() -> Path:
+    override = os.environ.get("TOKENFLOW_KERNEL_CACHE")
+    if override:
+        return Path(override)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "tokenflow" / "kernels"
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CXX") or "c++"
+    if shutil.which(compiler) is None:
+        raise KernelUnavailable(f"no C++ compiler ({compiler!r} not found); install g++ or set "
+                                "CXX, or use attention_backend=torch")
+    return compiler
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [line for line in info.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=BUILD_TIMEOUT_S).stdout
+    key = hashlib.sha256("\0".join((*(source.read_text() for source in SOURCES), " ".join(FLAGS),
+                                    version, platform.machine(), _cpu_signature())).encode())
+    target = cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target and rename: a concurrent engine never loads a half-written file
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    units = [source for source in SOURCES if source.suffix == ".cpp"]
+    objects = [f"{partial[:-3]}-{source.stem}.o" for source in units]
+    try:
+        # the units compile side by side, then link
+        _run_all(compiler, [[compiler, *COMPILE_FLAGS, "-o", obj, str(source)]
+                            for source, obj in zip(units, objects, strict=True)])
+        _run_all(compiler, [[compiler, *LINK_FLAGS, "-o", partial, *objects]])
+        os.replace(partial, target)
+    finally:
+        for leftover in (partial, *objects):
+            if os.path.exists(leftover):
+                os.unlink(leftover)
+    return target
+
+
+def _run_all(compiler: str, commands: list[list[str]]) -> None:
+    running = [subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True) for command in commands]
+    failures = []
+    for process in running:
+        try:
+            _, stderr = process.communicate(timeout=BUILD_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+            raise
+        if process.returncode != 0:
+            failures.append("\n".join(stderr.strip().splitlines()[-5:]))
+    if failures:
+        raise KernelUnavailable(f"building the CPU kernels with {compiler} failed:\n"
+                                f"{failures[0]}\nuse attention_backend=torch")
+
+
+@functools.cache
+def load() -> Kernels:
+    """The kernels' entry points, built on first use; raises KernelUnavailable."""
+    try:
+        library = ctypes.CDLL(str(_build(_compiler())))
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelUnavailable(f"cannot build or load the CPU kernels: {exc}; "
+                                "use attention_backend=torch") from exc
+    entries = {}
+    for name, argtypes in _ENTRIES.items():
+        entry = getattr(library, name)
+        entry.argtypes = argtypes
+        entry.restype = None
+        entries[name] = entry
+    return Kernels(**entries)
+
+
+def prefill_supports(head_dim: int) -> bool:
+    """Whether paged_prefill's tiles fit this head size (else prefill stays on SDPA)."""
+    return head_dim % PREFILL_HEAD_DIM_STEP == 0 and head_dim <= PREFILL_MAX_HEAD_DIM
+
+
+def _check_operands(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if q.dtype not in DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"the paged kernels take float32 or bfloat16 alike, got {q.dtype}, "
+                         f"{k_cache.dtype}, {v_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the paged kernels need contiguous caches")
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, lengths: torch.Tensor, scale: float,
+                 window: int | None, softcap: float | None) -> torch.Tensor:
+    """Attention of one query token per request over its cached keys.
+
+    q [B, Hq, D] (Hq a multiple of the KV heads), one layer's caches [Hkv, blocks, block_size,
+    D], block_tables int64 [B, W], lengths int64 [B] (keys per request: position + 1).
+    `window` keeps each request's last `window` keys; `softcap` caps scores by tanh (Gemma 2).
+    -> [B, Hq, D].
+    """
+    _check_operands(q, k_cache, v_cache)
+    kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    batch, q_heads, _ = q.shape
+    q = q.contiguous()
+    tables = block_tables.contiguous()
+    lengths = lengths.contiguous()
+    out = torch.empty_like(q)
+    load().paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                  tables.data_ptr(), lengths.data_ptr(), batch, tables.shape[1], kv_heads,
+                  q_heads // kv_heads, head_dim, num_blocks, block_size, scale, window or 0,
+                  softcap or 0.0, int(q.dtype == torch.bfloat16), torch.get_num_threads())
+    return out
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  block_table: torch.Tensor, start: int, scale: float, window: int | None,
+                  softcap: float | None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one prefill chunk: q [C, Hq, D] at positions start.., causal over its
+    request's cached keys [0, start + C), which already hold the chunk's own (the layer
+    wrote them first). block_table int64 [>= blocks used]; `window` and `softcap` as in
+    paged_decode. Writes into `out` ([C, Hq, D], contiguous) when given. -> [C, Hq, D].
+    """
+    _check_operands(q, k_cache, v_cache)
+    kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    if not prefill_supports(head_dim):
+        raise ValueError(f"paged_prefill takes head sizes in steps of {PREFILL_HEAD_DIM_STEP} "
+                         f"up to {PREFILL_MAX_HEAD_DIM}, got {head_dim}")
+    chunk, q_heads, _ = q.shape
+    if block_table.numel() * block_size < start + chunk:
+        raise ValueError(f"a block table of {block_table.numel()} blocks holds "
+                         f"{block_table.numel() * block_size} keys, not {start + chunk}")
+    q = q.contiguous()
+    table = block_table.contiguous()
+    if out is None:
+        out = torch.empty_like(q)
+    elif not out.is_contiguous() or out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError("paged_prefill's out must be contiguous and shaped like q")
+    load().paged_prefill(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                   table.data_ptr(), start, chunk, kv_heads, q_heads // kv_heads, head_dim,
+                   num_blocks, block_size, scale, window or 0, softcap or 0.0,
+                   int(q.dtype == torch.bfloat16), torch.get_num_threads())
+    return out
+
+
+# linear_rows's panels: PANEL outputs each, in vectors of LANES (layer_ops.cpp)
+PANEL, LANES = 48, 16
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """An nn.Linear weight [N, K] (float32) laid out for linear_rows, flat: panels of PANEL
+    outputs, each [K][PANEL], then the last N % PANEL outputs (zero-padded to whole vectors)
+    as one narrower panel [K][width]."""
+    n, k = weight.shape
+    weight = weight.detach()
+    whole = n - n % PANEL
+    tail = torch.nn.functional.pad(weight[whole:], (0, 0, 0, -(n - whole) % LANES))
+    return torch.cat((weight[:whole].view(-1, PANEL, k).transpose(1, 2).flatten(),
+                      tail.t().flatten()))
+
+
+def linear_rows(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, K] float32 @ W^T (+ bias), W packed by pack_panels -> [rows, out_features]."""
+    rows, k = x.shape
+    padded = out_features + -out_features % LANES
+    if x.dtype != torch.float32 or panels.numel() != k * padded:
+        raise ValueError(f"linear_rows takes float32 rows of {panels.numel() // padded}, got "
+                         f"{x.dtype} rows of {k}")
+    x = x.contiguous()
+    out = torch.empty(rows, out_features)
+    load().linear_rows(x.data_ptr(), rows, k, panels.data_ptr(), out_features, out.data_ptr(),
+                       None if bias is None else bias.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of x [..., dim] as engine.model.transformer.RMSNorm computes it. With
+    `residual` (contiguous, shaped like x), first adds x into it in place and norms the sum:
+    the residual add and the next block's norm in one pass."""
+    if residual is not None and (not residual.is_contiguous() or residual.shape != x.shape
+                                 or residual.dtype != x.dtype):
+        raise ValueError("rms_norm's residual must be contiguous and shaped like x")
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    load().rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
+                    weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
+                    eps, offset, _bf16(x), torch.get_num_threads())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up of the fused projection gate_up [rows, 2 * inter] -> [rows, inter]."""
+    gate_up = gate_up.contiguous()
+    rows, width = gate_up.shape
+    out = gate_up.new_empty(rows, width // 2)
+    load().silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, _bf16(gate_up),
+                    torch.get_num_threads())
+    return out
+
+
+def rope(x: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [N, H, D] rotated in place by its positions (rotate-half, as transformer.rotate),
+    and returned. Each row's heads must be contiguous (a slice of a fused projection is);
+    rotation: RotaryEmbedding.at's cos, sin [N, 1, D / 2] in x's dtype."""
+    rows, heads, head_dim = x.shape
+    if x.stride(2) != 1 or x.stride(1) != head_dim:
+        raise ValueError("rope rotates rows whose heads are contiguous")
+    cos, sin = (t.contiguous() for t in rotation)
+    load().rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, heads, head_dim,
+                x.stride(0), _bf16(x), torch.get_num_threads())
+    return x
+
+
+def cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """A step's new keys and values, k and v [N, Hkv, D] (each row's heads contiguous), into
+    one layer's caches [Hkv, blocks, block_size, D] at slots int64 [N]."""
+    _check_operands(k, k_cache, v_cache)
+    kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    rows = k.shape[0]
+    if (k.shape != (rows, kv_heads, head_dim) or v.shape != k.shape or v.dtype != k.dtype
+            or k.stride()[1:] != (head_dim, 1) or v.stride()[1:] != (head_dim, 1)
+            or slots.shape != (rows,)):
+        raise ValueError(f"cache_write takes k, v [rows, {kv_heads}, {head_dim}] alike, each "
+                         f"row's heads contiguous, and a slot per row")
+    slots = slots.contiguous()
+    load().cache_write(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                       slots.data_ptr(), rows, kv_heads, head_dim, k.stride(0), v.stride(0),
+                       num_blocks * block_size, _bf16(k))
+
+
+def _bf16(t: torch.Tensor) -> int:
+    if t.dtype not in DTYPES:
+        raise ValueError(f"the CPU kernels take float32 or bfloat16, got {t.dtype}")
+    return int(t.dtype == torch.bfloat16)
