@@ -65,13 +65,14 @@ def _tokenflow(target: Path, cwd: Path, *args: str) -> str:
     return done.stdout
 
 
-def test_the_wheel_carries_migrations_traces_styles_and_the_kernel(wheel: Path) -> None:
+def test_the_wheel_carries_migrations_traces_styles_and_the_kernels(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {"engine/store/migrations/env.py", "engine/store/migrations/script.py.mako",
             "engine/store/migrations/versions/0001_initial.py",
             "engine/harness/traces/azure_llm_2023_conv.csv",
             "engine/harness/traces/azure_llm_2023_code.csv",
-            "engine/harness/traces/README.md", "engine/core/paged_attention.cpp"} <= names
+            "engine/harness/traces/README.md", "engine/core/paged_attention.cpp",
+            "engine/core/layer_ops.cpp", "engine/core/cpu_vectors.h"} <= names
     assert any(n.startswith("console/tui/") and n.endswith(".tcss") for n in names)
     assert not any(n.startswith(("tests/", "benchmarks/", "migrations/")) for n in names)
 
