@@ -35,7 +35,13 @@ SOURCES = tuple(Path(__file__).with_name(name)
 # with a finite -1e30). It is
 # a compile flag only: linked with it, GCC adds crtfastmath, which flushes subnormals to zero
 # for the whole process (torch included) the moment the library loads.
-COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math", "-fPIC", "-c")
+# -mprefer-vector-width=512: GCC vectorises loops (and picks glibc's vector expf) at 256 bits
+# on AVX-512 CPUs unless told; the prefill kernel then stored 8-wide expf results and
+# reloaded them as 16-wide vectors, stalling store forwarding (13% of its time in perf). With
+# 512-bit loops it ran 15-20% faster (one thread, Xeon); decode steps did not move. (An x86
+# flag: other compilers' targets do without it.)
+_WIDE = ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
+COMPILE_FLAGS = ("-O3", "-march=native", *_WIDE, "-fopenmp", "-ffast-math", "-fPIC", "-c")
 LINK_FLAGS = ("-shared", "-fopenmp")
 FLAGS = COMPILE_FLAGS + LINK_FLAGS  # what the cached build is keyed on
 BUILD_TIMEOUT_S = 120
