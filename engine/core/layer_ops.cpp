@@ -3,10 +3,10 @@
 // A decode step on a small model is short: synthetic:small at 8 decodes took 16 ms, of which
 // its GEMMs were 9, and most of the rest was torch dispatching a dozen small ops per norm,
 // rotation and cache write. These replace them on the CPU eager path:
-// - linear_rows: y = x W^T (+ b) for a few rows, over weights packed in panels of 32 outputs
-//   (cpu_kernels.pack_panels) that it streams once, keeping every row's sums in registers:
-//   synthetic:small's GEMMs at 8 rows took 6.8 ms, against oneDNN's 9.7 and 6.4 for a plain
-//   read of the same bytes (one thread, interleaved runs).
+// - linear_rows: y = x W^T (+ b) for up to 64 rows, over weights packed in panels of 48
+//   outputs (cpu_kernels.pack_panels) that it streams once, keeping every row's sums in
+//   registers: synthetic:small's GEMMs at 8 rows took 6.8 ms, against oneDNN's 9.7 and 6.4
+//   for a plain read of the same bytes (one thread, interleaved runs).
 // - rms_norm: the residual add and the norm in one pass, rounded as the torch module rounds.
 // - silu_mul: SiLU(gate) * up over the fused gate/up projection.
 // - rope: RoPE on q and k in place, where torch's rotation ran six ops and a concatenation.
