@@ -41,10 +41,11 @@ ACTIVATIONS = {
 _PACKED_ROWS = 8
 # oneDNN's fp32 kernels run fewer than 4 rows slower than 4 to 6 (synthetic:small's GEMMs at
 # one thread: 7.3 and 7.7 ms at 1 and 2 rows, 6.1 at 3, 5.5 at 4 to 6), so a small decode
-# step computes zero rows up to 4: 11-17% off the whole step at 1 and 2 decodes.
+# step computes zero rows up to 4: 11-17% off the whole step at 1 and 2 decodes (where
+# linear_rows does not take the step: bf16, or the CPU kernels off).
 _MIN_ROWS = 4
 # Steps of at most this many rows run fp32 GEMMs in linear_rows (Linear.pack's `panels`).
-# Against oneDNN's packed GEMMs, one thread, interleaved (ms, all of a model's GEMMs):
+# linear_rows/oneDNN's packed GEMMs, one thread, interleaved (ms, all of a model's GEMMs):
 # synthetic:small 8.5/10.0 at 8 rows, 10.4/12.0 at 16, 14.9/16.4 at 32; the vs-vLLM Llama
 # 34.1/35.8 at 64, 45.4/46.3 at 96, 58.6/58.5 at 128 and 112.1/106.9 at 256.
 PANEL_MAX_ROWS = 64
