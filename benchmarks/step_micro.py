@@ -22,7 +22,7 @@ stream (a sum; the copy that `streaming_bandwidth` times both reads and writes).
 the step with its attention kernel, its GEMMs, or both stubbed out (outputs left
 uninitialised, so only for timing), interleaved: attention is what stubbing it saves, GEMMs
 likewise, and the rest (norms, RoPE, the cache write, sampling and Python) what remains with
-both gone. The GEMMs inside a step run slower than alone: the KV history's reads evict them.
+both gone. The GEMMs inside a step run slower than alone (why is not known; see the README).
 
     PYTHONPATH=. .venv/bin/python benchmarks/step_micro.py --split
 

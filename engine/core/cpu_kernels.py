@@ -46,13 +46,11 @@ LINK_FLAGS = ("-shared", "-fopenmp")
 FLAGS = COMPILE_FLAGS + LINK_FLAGS  # what the cached build is keyed on
 BUILD_TIMEOUT_S = 120
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_DECODE_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
-                ctypes.c_float, _I64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
-_PREFILL_ARGS = [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
-                 ctypes.c_float, _I64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
-_ENTRIES = {
-    "paged_decode": _DECODE_ARGS,
-    "paged_prefill": _PREFILL_ARGS,
+_ENTRIES = {  # each entry point's argument types
+    "paged_decode": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
+                     _I64, ctypes.c_float, _I64, ctypes.c_float, ctypes.c_int, ctypes.c_int],
+    "paged_prefill": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
+                      ctypes.c_float, _I64, ctypes.c_float, ctypes.c_int, ctypes.c_int],
     "linear_rows": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, ctypes.c_int],
     "rms_norm": [_PTR, _PTR, _PTR, _PTR, _I64, _I64, ctypes.c_float, ctypes.c_float,
                  ctypes.c_int, ctypes.c_int],
@@ -200,9 +198,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     lengths = lengths.contiguous()
     out = torch.empty_like(q)
     load().paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-                  tables.data_ptr(), lengths.data_ptr(), batch, tables.shape[1], kv_heads,
-                  q_heads // kv_heads, head_dim, num_blocks, block_size, scale, window or 0,
-                  softcap or 0.0, int(q.dtype == torch.bfloat16), torch.get_num_threads())
+                        tables.data_ptr(), lengths.data_ptr(), batch, tables.shape[1],
+                        kv_heads, q_heads // kv_heads, head_dim, num_blocks, block_size, scale,
+                        window or 0, softcap or 0.0, _bf16(q), torch.get_num_threads())
     return out
 
 
@@ -230,9 +228,9 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     elif not out.is_contiguous() or out.shape != q.shape or out.dtype != q.dtype:
         raise ValueError("paged_prefill's out must be contiguous and shaped like q")
     load().paged_prefill(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-                   table.data_ptr(), start, chunk, kv_heads, q_heads // kv_heads, head_dim,
-                   num_blocks, block_size, scale, window or 0, softcap or 0.0,
-                   int(q.dtype == torch.bfloat16), torch.get_num_threads())
+                         table.data_ptr(), start, chunk, kv_heads, q_heads // kv_heads,
+                         head_dim, num_blocks, block_size, scale, window or 0, softcap or 0.0,
+                         _bf16(q), torch.get_num_threads())
     return out
 
 
