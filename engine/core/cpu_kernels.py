@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from engine.core import huge_pages
+
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_attention.cpp", "layer_ops.cpp", "cpu_vectors.h"))
 # -ffast-math lets the compiler vectorise the reductions and exp (glibc's vector expf needs
@@ -246,8 +248,9 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     weight = weight.detach()
     whole = n - n % PANEL
     tail = torch.nn.functional.pad(weight[whole:], (0, 0, 0, -(n - whole) % LANES))
-    return torch.cat((weight[:whole].view(-1, PANEL, k).transpose(1, 2).flatten(),
-                      tail.t().flatten()))
+    parts = (weight[:whole].view(-1, PANEL, k).transpose(1, 2).flatten(), tail.t().flatten())
+    panels = huge_pages.zeros((sum(p.numel() for p in parts),), weight.dtype)
+    return torch.cat(parts, out=panels)
 
 
 def linear_rows(x: torch.Tensor, panels: torch.Tensor, out_features: int,

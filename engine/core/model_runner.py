@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
+from engine.core import huge_pages
 from engine.core.attention import (
     FLASH_BLOCK_SIZE,
     AttentionMetadata,
@@ -128,9 +129,10 @@ class ModelRunner:
         self.block_size = FLASH_BLOCK_SIZE if self.use_flash else config.block_size
         self.num_blocks = self._num_blocks(config)
         mc = self.model_config
-        self.kv_cache = torch.zeros(
-            cache_shape(self.use_flash, mc.num_layers, self.num_blocks, self.block_size,
-                        mc.num_kv_heads, mc.head_dim), dtype=self.dtype, device=self.device)
+        layout = cache_shape(self.use_flash, mc.num_layers, self.num_blocks, self.block_size,
+                             mc.num_kv_heads, mc.head_dim)
+        self.kv_cache = (huge_pages.zeros(layout, self.dtype) if self.device.type == "cpu"
+                         else torch.zeros(layout, dtype=self.dtype, device=self.device))
         self.compile_s = 0.0
         if compiles(config):
             self.compile_s = self._compile()

@@ -1,0 +1,36 @@
+"""Host tensors on transparent huge pages, for the memory the CPU kernels stream (issue 18).
+
+The paged KV cache is read block by block, each block in a different 4 KiB page: every block
+costs a TLB miss and a page walk before its first row arrives. On 2 MiB pages one TLB entry
+covers 128 blocks. Linux grants them to a mapping that asks (`madvise`) even where the
+system default (`/sys/kernel/mm/transparent_hugepage/enabled`) is `madvise`, as on most
+distributions; torch's allocator asks only when `THP_MEM_ALLOC_ENABLE` is set. Elsewhere
+(no madvise, or THP `never`) the tensor is ordinary memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import mmap
+
+import torch
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor in a fresh anonymous mapping advised to use huge pages.
+
+    The kernel zero-fills anonymous pages when first touched, so nothing is written here:
+    a KV pool of gigabytes costs nothing until its blocks are used. The tensor keeps the
+    mapping alive.
+    """
+    count = math.prod(shape)
+    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    region = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        with contextlib.suppress(OSError):  # a kernel built without THP: ordinary pages
+            region.madvise(advice)
+    if count == 0:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(region, dtype=dtype, count=count).view(shape)
