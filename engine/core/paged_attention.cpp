@@ -29,8 +29,13 @@ using namespace tokenflow;
 
 // A request's blocks sit anywhere in the pool, where the hardware prefetcher cannot follow
 // (it stops at page boundaries): while a block is computed, the block AHEAD places on is
-// fetched row by row, or every block starts with a stall on memory (a walk without it read
-// the blocks at half the bandwidth of a plain copy here).
+// fetched, or every block starts with a stall on memory (a walk without it read the blocks
+// at half the bandwidth of a plain copy here). Only the first row of each 4 KiB page of it
+// is prefetched: that starts the L2 streamer on the page, which fetches the rest without
+// holding the core's few L1 miss buffers, as software prefetches do. Against prefetching
+// every row (one layer, one thread, 8 requests x 256 tokens of 64-float heads): 13% faster
+// from L3, 9% from memory after a flush; 64 requests x 896 tokens: no change.
+constexpr int64_t PAGE_BYTES = 4096;
 template <typename T>
 inline void prefetch_row(const T* row, int64_t head_dim) {
     const char* bytes = reinterpret_cast<const char*>(row);
@@ -50,6 +55,12 @@ inline void fetch_pair(const T* head, const T* companion, int64_t at, int64_t he
 // one block ahead, 9.0 at two, 9.4 at three).
 constexpr int64_t AHEAD = 2;
 
+// Whether row t of a block starts a page (blocks start on one where their size is a
+// multiple of PAGE_BYTES; else every row that crosses into a new page, near enough).
+inline bool starts_page(int64_t t, int64_t row_bytes) {
+    return t * row_bytes % PAGE_BYTES < row_bytes;
+}
+
 // Calls visit(row, index) for the cached rows of positions [first, length) of one head, in
 // order, block by block (no division per key), prefetching AHEAD blocks ahead. `companion`,
 // another cache's slice laid out like `head` (the values beside the keys), is prefetched at
@@ -59,12 +70,15 @@ inline void walk(const T* head, const int64_t* table, int64_t first, int64_t len
                  int64_t block_size, int64_t head_dim, Visit visit,
                  const T* companion = nullptr) {
     const int64_t row_stride = head_dim, block_stride = block_size * head_dim;
+    const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(T));
     const int64_t last_block = (length - 1) / block_size;
     const int64_t first_block = first / block_size;
     for (int64_t block = first_block + 1; block < first_block + AHEAD && block <= last_block;
          ++block)
         for (int64_t t = 0; t < block_size; ++t)
-            fetch_pair(head, companion, table[block] * block_stride + t * row_stride, head_dim);
+            if (starts_page(t, row_bytes))
+                fetch_pair(head, companion, table[block] * block_stride + t * row_stride,
+                           head_dim);
     for (int64_t pos = first; pos < length;) {
         const int64_t block = pos / block_size, offset = pos % block_size;
         const int64_t span = std::min(block_size - offset, length - pos);
@@ -73,13 +87,14 @@ inline void walk(const T* head, const int64_t* table, int64_t first, int64_t len
         const int64_t ahead = block + AHEAD <= last_block ? table[block + AHEAD] * block_stride
                                                           : -1;
         for (int64_t t = 0; t < span; ++t) {
-            if (ahead >= 0)
+            if (ahead >= 0 && starts_page(offset + t, row_bytes))
                 fetch_pair(head, companion, ahead + (offset + t) * row_stride, head_dim);
             visit(rows + t * row_stride, pos - first + t);
         }
         if (ahead >= 0)  // a first block entered mid-way: the rest of its successor
             for (int64_t t = 0; t < offset; ++t)
-                fetch_pair(head, companion, ahead + t * row_stride, head_dim);
+                if (starts_page(t, row_bytes))
+                    fetch_pair(head, companion, ahead + t * row_stride, head_dim);
         pos += span;
     }
 }
