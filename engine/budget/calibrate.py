@@ -83,9 +83,12 @@ class SweepPlan:
     repeats: int = 20
     # A small decode step right after a step of another shape ran 8-12% slower on a CPU than
     # the next one of its own shape (the other step evicted the weights it streams from the
-    # last-level cache), while served decodes follow decodes: timing the second of two
-    # brought the sweep to the served steps' times. Prefill steps did not differ.
-    burst: int = 2
+    # last-level cache), while served decodes follow decodes. The second of a burst was
+    # still 4-7% slower than later ones (synthetic:small, one decode after a 512-token
+    # prefill: 12.2, 11.3, 10.8, 10.8, then 10.4-10.7 ms), and served decode steps ran 6-16%
+    # under a sweep that timed the second; timing the fourth brought them within 4%.
+    # Prefill steps barely differ.
+    burst: int = 4
 
     def probes(self) -> list[Probe]:
         return ([Probe(chunk=c, chunk_context=s)
