@@ -33,9 +33,10 @@ using namespace tokenflow;
 // at half the bandwidth of a plain copy here). Only the first row of each 4 KiB page of it
 // is prefetched: that starts the L2 streamer on the page, which fetches the rest without
 // holding the core's few L1 miss buffers, as software prefetches do. Against prefetching
-// every row (one layer, one thread, 8 requests x 256 tokens of 64-float heads): 13% faster
-// from L3, 9% from memory after a flush; 64 requests x 896 tokens: no change.
+// every row (one layer, one thread, 8 requests x 256 tokens of 64-float heads): 13-15%
+// faster from L3, 9% from memory after a flush; 64 requests x 896 tokens: no change.
 constexpr int64_t PAGE_BYTES = 4096;
+
 template <typename T>
 inline void prefetch_row(const T* row, int64_t head_dim) {
     const char* bytes = reinterpret_cast<const char*>(row);
