@@ -22,7 +22,8 @@ stream (a sum; the copy that `streaming_bandwidth` times both reads and writes).
 the step with its attention kernel, its GEMMs, or both stubbed out (outputs left
 uninitialised, so only for timing), interleaved: attention is what stubbing it saves, GEMMs
 likewise, and the rest (norms, RoPE, the cache write, sampling and Python) what remains with
-both gone. The GEMMs inside a step run slower than alone (why is not known; see the README).
+both gone. A part's figure also holds the Python it leaves to run from cold caches: timed
+call by call, the step's GEMMs take what they take alone (see the README).
 
     PYTHONPATH=. .venv/bin/python benchmarks/step_micro.py --split
 

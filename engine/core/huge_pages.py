@@ -28,8 +28,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     count = math.prod(shape)
     if count == 0:
         return torch.zeros(shape, dtype=dtype)
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region = mmap.mmap(-1, count * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is not None:
         with contextlib.suppress(OSError):  # a kernel built without THP: ordinary pages

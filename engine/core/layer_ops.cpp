@@ -124,14 +124,14 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t inter, int th
     }
 }
 
-// One head's row rotated by its position (rotate-half: the halves pair up), rounded after
-// each product as torch's elementwise ops round.
+// One head's row rotated in place by its position (rotate-half: the halves pair up),
+// rounded after each product as torch's elementwise ops round.
 template <typename T>
-inline void rotate_row(const T* in, T* out, const T* cos, const T* sin, int64_t half) {
+inline void rotate_row(T* row, const T* cos, const T* sin, int64_t half) {
     for (int64_t i = 0; i < half; ++i) {
-        float x1 = load(in, i), x2 = load(in, half + i), c = load(cos, i), s = load(sin, i);
-        store(out, i, round_to<T>(x1 * c) - round_to<T>(x2 * s));
-        store(out, half + i, round_to<T>(x2 * c) + round_to<T>(x1 * s));
+        float x1 = load(row, i), x2 = load(row, half + i), c = load(cos, i), s = load(sin, i);
+        store(row, i, round_to<T>(x1 * c) - round_to<T>(x2 * s));
+        store(row, half + i, round_to<T>(x2 * c) + round_to<T>(x1 * s));
     }
 }
 
@@ -144,7 +144,7 @@ void rope_rows(T* x, const T* cos, const T* sin, int64_t rows, int64_t heads,
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t h = 0; h < heads; ++h) {
             T* row = x + r * row_stride + h * head_dim;
-            rotate_row(row, row, cos + r * half, sin + r * half, half);
+            rotate_row(row, cos + r * half, sin + r * half, half);
         }
 }
 

@@ -317,27 +317,26 @@ class Transformer(nn.Module):
             x = after(layer, x, attn)
         return self.norm(x)
 
-    def pack_weights(self) -> None:
+    def pack_weights(self, panels: bool = False) -> None:
         """Pack every GEMM's weight for the device's kernel (Linear.pack), for eager steps:
         Inductor cannot trace packed weights and packs its own when it freezes a graph."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.pack()
+                module.pack(panels)
 
     def use_cpu_kernels(self) -> None:
         """Run eager CPU steps on engine.core.cpu_kernels: small fp32 GEMMs in linear_rows,
         and the norms, SiLU·mul, RoPE and cache writes as one call each. Call instead of
         pack_weights; the torch ops stay the path everywhere else (and for debugging:
         attention_backend=torch)."""
+        self.pack_weights(panels=True)
         for module in self.modules():
-            if isinstance(module, Linear):
-                module.pack(panels=True)
-            elif isinstance(module, RMSNorm | Attention):
+            if isinstance(module, RMSNorm):
                 module.kernel = True
+            elif isinstance(module, Attention):
+                module.kernel = module.attn.kernel = True
             elif isinstance(module, MLP):
                 module.kernel = module.act is F.silu
-            if isinstance(module, Attention):
-                module.attn.kernel = True
 
     def compile(self) -> None:  # type: ignore[override]
         """Run each layer's two dense halves through torch.compile with the token count
