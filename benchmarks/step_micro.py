@@ -8,22 +8,25 @@ in the same run (issue 2); CUDA events time it on a GPU. Prints JSON.
 `--limits` (issue 18): on synthetic:small, a decode step at D = 8 as weight-read bandwidth
 against the streaming (copy) bandwidth, and a 256-token prefill chunk as FLOP/s against the
 matmul peak, each peak measured at the same thread count, at one thread and at the engine's;
-eager and compiled engines side by side in the same process, their steps interleaved, so a
-busy machine slows both alike (`cpu_ms` is the process CPU time of a step, which counts
-neither waiting for a core nor other processes). Beside the step: the step's GEMMs alone
-(the eager engine's weights, `batch` rows each: the ceiling the step's kernels allow), the
-bytes the step moves by the budget model (weights, and the KV history that weights alone
-leave out), and a read-only
+three engines side by side in the same process, their steps interleaved, so a busy machine
+slows them alike: `graphs` (the CPU default: the kernels, decode steps replayed as CPU
+graphs), `eager` (the kernels, every step's Python run: --no-cpu-graphs) and `compiled`
+(torch.compile). `cpu_ms` is the process CPU time of a step, which counts neither waiting for
+a core nor other processes. Beside the steps: the step's GEMMs alone (the engines' weights,
+`batch` rows each: the ceiling the step's kernels allow), the bytes the step moves by the
+budget model (weights, and the KV history that weights alone leave out), and a read-only
 stream (a sum; the copy that `streaming_bandwidth` times both reads and writes).
 
     PYTHONPATH=. .venv/bin/python benchmarks/step_micro.py --limits
 
-`--split` (issue 18): where the eager decode step of `--limits` spends its time, by taking
-the step with its attention kernel, its GEMMs, or both stubbed out (outputs left
-uninitialised, so only for timing), interleaved: attention is what stubbing it saves, GEMMs
-likewise, and the rest (norms, RoPE, the cache write, sampling and Python) what remains with
-both gone. A part's figure also holds the Python it leaves to run from cold caches: timed
-call by call, the step's GEMMs take what they take alone (see the README).
+`--split` (issue 18): where the eager decode step of `--limits` (no CPU graph) spends its
+time, by taking the step with its attention kernel, its GEMMs, or both stubbed out (outputs
+left uninitialised, so only for timing), interleaved: attention is what stubbing it saves,
+GEMMs likewise, and the rest (norms, RoPE, the cache write, sampling and Python) what remains
+with both gone. A part's figure also holds the Python it leaves to run from cold caches:
+timed call by call, the step's GEMMs take what they take alone (see the README). Beside
+them, `graph`: the same step replayed as a CPU graph, which runs the same kernels without
+that Python.
 
     PYTHONPATH=. .venv/bin/python benchmarks/step_micro.py --split
 
@@ -53,11 +56,11 @@ from engine.core.request import Request, RequestState
 
 
 def _engine(model: str, device: str, dtype: str, compile: bool = False,
-            kv_bytes: int = 1 << 30) -> Engine:
+            kv_bytes: int = 1 << 30, cpu_graphs: bool = True) -> Engine:
     """A 1 GiB KV pool on CPU; on a GPU the default share of its free memory."""
     return Engine(EngineConfig(model=model, device=device, dtype=dtype, max_model_len=4096,
                                kv_cache_bytes=kv_bytes if device == "cpu" else None,
-                               compile=compile))
+                               compile=compile, cpu_graphs=cpu_graphs))
 
 
 def _batch(chunks: list[ScheduledChunk]) -> Batch:
@@ -157,9 +160,10 @@ def limits(model: str = "synthetic:small", *, device: str = "cpu", dtype: str = 
            batch: int = 8, context: int = 256, chunk: int = 256, repeats: int = 15,
            rounds: int = 3) -> dict[str, Any]:
     """Decode weight-read bandwidth and prefill FLOP/s against this machine's measured limits,
-    at one thread and at the engine's count, for an eager and a compiled engine (see the
+    at one thread and at the engine's count, for the three engines (see the
     module's docstring). Peaks are measured afresh at each thread count."""
-    engines = {"eager": _engine(model, device, dtype, kv_bytes=1 << 28),
+    engines = {"graphs": _engine(model, device, dtype, kv_bytes=1 << 28),
+               "eager": _engine(model, device, dtype, kv_bytes=1 << 28, cpu_graphs=False),
                "compiled": _engine(model, device, dtype, compile=True, kv_bytes=1 << 28)}
     compile_s = engines["compiled"].runner.compile_s
     engine_threads = torch.get_num_threads()  # what ModelRunner chose for the engine
@@ -241,11 +245,14 @@ def limits(model: str = "synthetic:small", *, device: str = "cpu", dtype: str = 
 def decode_split(model: str = "synthetic:small", *, batch: int = 8, context: int = 256,
                  repeats: int = 15, rounds: int = 6) -> dict[str, Any]:
     """The eager decode step of `limits` (one thread) whole and with attention, its GEMMs or
-    both stubbed out, in ms, and what each part costs (see the module's docstring)."""
-    engine = _engine(model, "cpu", "float32", kv_bytes=1 << 28)
+    both stubbed out, and the same step replayed as a CPU graph, in ms, and what each part
+    costs (see the module's docstring)."""
+    engine = _engine(model, "cpu", "float32", kv_bytes=1 << 28, cpu_graphs=False)
+    graphed = _engine(model, "cpu", "float32", kv_bytes=1 << 28)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     step = _batch(_decodes(engine, batch, context))
+    graph_step = _batch(_decodes(graphed, batch, context))
     decode, linear_rows = attention.paged_decode, cpu_kernels.linear_rows
 
     def no_attention(q: torch.Tensor, *args: Any) -> torch.Tensor:
@@ -256,13 +263,16 @@ def decode_split(model: str = "synthetic:small", *, batch: int = 8, context: int
 
     variants = {"step": (decode, linear_rows), "no_attention": (no_attention, linear_rows),
                 "no_gemms": (decode, no_gemm), "neither": (no_attention, no_gemm)}
-    times: dict[str, list[float]] = {name: [] for name in variants}
+    times: dict[str, list[float]] = {name: [] for name in (*variants, "graph")}
     try:
         for _ in range(rounds):
             for name, (attend, gemm) in variants.items():
                 attention.paged_decode, cpu_kernels.linear_rows = attend, gemm
                 timed_step(engine, step)
                 times[name] += [timed_step(engine, step) for _ in range(repeats)]
+            attention.paged_decode, cpu_kernels.linear_rows = decode, linear_rows
+            timed_step(graphed, graph_step)
+            times["graph"] += [timed_step(graphed, graph_step) for _ in range(repeats)]
     finally:
         attention.paged_decode, cpu_kernels.linear_rows = decode, linear_rows
         torch.set_num_threads(threads)
@@ -374,10 +384,11 @@ def main() -> None:
                         help="instead: step time over a grid of decodes x prefill tokens")
     parser.add_argument("--limits", action="store_true",
                         help="instead: decode weight-read bandwidth and prefill FLOP/s against "
-                             "the measured limits, eager and compiled, at 1 and engine threads")
+                             "the measured limits, with CPU graphs, eager and compiled, at 1 "
+                             "and engine threads")
     parser.add_argument("--split", action="store_true",
                         help="instead: the eager decode step of --limits split into attention, "
-                             "GEMMs and the rest")
+                             "GEMMs and the rest, and the same step as a CPU graph")
     parser.add_argument("--flex", action="store_true",
                         help="instead: decode attention, gather + SDPA against FlexAttention "
                              "over the paged cache in place (CPU)")

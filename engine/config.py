@@ -146,6 +146,9 @@ class EngineConfig:
     # CUDA). None: on CUDA, where the graphs remove launch overhead; off on CPU, where it
     # measured no faster (issue 18's notes in README) and costs 20-30 s of start.
     compile: bool | None = None
+    # CPU eager kernels: replay each decode batch size's kernel calls, recorded at its first
+    # step (engine.core.cpu_graph); False runs every step's Python (debugging)
+    cpu_graphs: bool = True
     # --- live-tunable ---------------------------------------------------------------------
     max_num_batched_tokens: int = 256  # the token budget of one step (CPU-sized default)
     chunked_prefill: bool = True  # False: a prompt runs whole in one step or waits
@@ -246,7 +249,8 @@ LIVE_FIELDS = frozenset(
     for f in dataclasses.fields(EngineConfig)
     if f.name not in {"model", "device", "dtype", "seed", "block_size", "kv_cache_bytes",
                       "gpu_memory_utilization", "max_model_len", "max_num_seqs",
-                      "attention_backend", "cpu_threads", "stats_window_s", "compile"}
+                      "attention_backend", "cpu_threads", "stats_window_s", "compile",
+                      "cpu_graphs"}
 )
 
 # The defaults as one importable value: a widget that meets a snapshot without some field

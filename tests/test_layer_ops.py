@@ -58,6 +58,16 @@ def test_linear_rows_refuses_what_it_does_not_compute() -> None:
         kernels.linear_rows(torch.randn(2, 16, dtype=torch.bfloat16), panels, 32, None)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_add_adds_in_place_rounded_as_torch_adds(dtype: torch.dtype) -> None:
+    x, delta = torch.randn(5, 96).to(dtype), torch.randn(5, 96).to(dtype)
+    want = x + delta
+    assert kernels.add_(x, delta) is x
+    assert torch.equal(x, want)
+    with pytest.raises(ValueError, match="two contiguous tensors alike"):
+        kernels.add_(x, delta.t())
+
+
 def test_a_packed_linear_takes_the_kernel_for_small_steps_only() -> None:
     linear = Linear(64, 96)
     linear.pack(panels=True)

@@ -59,6 +59,28 @@ def test_kernel_matches_plain_attention(dtype, group, window, softcap) -> None:
     torch.testing.assert_close(got.float(), want, atol=tolerance, rtol=tolerance)
 
 
+def test_decode_kernel_reads_q_in_place_from_the_fused_projection_and_fills_out() -> None:
+    """q as the layer hands it over (a slice of the q/k/v projection, rows wider than q) is
+    read where it lies, and `out` (a slice of the step's output) is written, not copied."""
+    torch.manual_seed(1)
+    k_cache, v_cache = torch.randn(2, 2, 12, 4, 16)
+    tables = torch.tensor([[3, 7, 1], [0, 5, 9]])
+    lengths = torch.tensor([11, 6])
+    qkv = torch.randn(2, 4 + 2 * 2, 16)  # four query heads, then keys and values
+    q = qkv[:, :4]
+    assert not q.is_contiguous()
+    step = torch.full((3, 4, 16), 7.0)
+    out = kernel.paged_decode(q, k_cache, v_cache, tables, lengths, 0.25, None, None,
+                              out=step[1:])
+    assert out.data_ptr() == step[1:].data_ptr()
+    torch.testing.assert_close(step[1:], reference(q.contiguous(), k_cache, v_cache, tables,
+                                                   lengths, 0.25, None, None))
+    assert (step[0] == 7.0).all()
+    with pytest.raises(ValueError, match="contiguous and shaped like q"):
+        kernel.paged_decode(q, k_cache, v_cache, tables, lengths, 0.25, None, None,
+                            out=step[:2, :, :8])
+
+
 def prefill_reference(q, k_cache, v_cache, table, start, scale, window, softcap):
     """Row i of a chunk attends as a decode at position start + i over the same blocks."""
     lengths = start + 1 + torch.arange(q.shape[0])

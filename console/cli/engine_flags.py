@@ -44,6 +44,8 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
                             "on CPU), torch, flash or paged"),
     "--compile": ("compile", bool, "torch.compile the model at start, warmed up before the "
                                    "first request (default: on CUDA only)"),
+    "--cpu-graphs": ("cpu_graphs", bool, "replay CPU decode steps as recorded kernel calls "
+                                         "(default: on; --no-cpu-graphs runs them eagerly)"),
     "--enable-prefix-caching": ("enable_prefix_caching", bool,
                                 "reuse the KV blocks of prompt prefixes already computed "
                                 "(default: on; --no-prefix-caching recomputes every prompt)"),

@@ -160,9 +160,9 @@ class PagedAttention:
             else:
                 out[rows] = self._prefill(q[rows], flat_k, flat_v, span)
         if meta.decode_tables is not None:  # set only when the step has decodes
-            out[meta.decode_start:] = paged_decode(
-                q[meta.decode_start:], k_cache, v_cache, meta.decode_tables,
-                meta.decode_lengths, self.scale, self.window, self.softcap)
+            paged_decode(q[meta.decode_start:], k_cache, v_cache, meta.decode_tables,
+                         meta.decode_lengths, self.scale, self.window, self.softcap,
+                         out=out[meta.decode_start:])
             return out
         block_k = k_cache.flatten(2)  # [Hkv, blocks, block_size * D]
         block_v = v_cache.flatten(2)

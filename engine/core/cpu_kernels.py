@@ -5,7 +5,11 @@
   where the torch path copies the whole history per layer (index_select) before SDPA reads
   the copy.
 - A layer's dense ops (layer_ops.cpp): a GEMM for steps of a few rows, the residual add with
-  RMSNorm, SiLU·mul, RoPE and the cache write, each one call where torch runs several.
+  RMSNorm, SiLU·mul, RoPE, the cache write and the MLP's residual add, each one call where
+  torch runs several.
+
+Every call goes through `_call`, which `recording()` can watch: a decode step made of these
+calls alone is recorded once and replayed as a CPU graph (engine.core.cpu_graph).
 
 The library is C++ without torch headers, so the system compiler builds it once (13 s here);
 the shared object is cached under ~/.cache/tokenflow/kernels (or $TOKENFLOW_KERNEL_CACHE),
@@ -23,8 +27,11 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -49,8 +56,9 @@ FLAGS = COMPILE_FLAGS + LINK_FLAGS  # what the cached build is keyed on
 BUILD_TIMEOUT_S = 120
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ENTRIES = {  # each entry point's argument types
-    "paged_decode": [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
-                     _I64, ctypes.c_float, _I64, ctypes.c_float, ctypes.c_int, ctypes.c_int],
+    "paged_decode": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
+                     _I64, _I64, ctypes.c_float, _I64, ctypes.c_float, ctypes.c_int,
+                     ctypes.c_int],
     "paged_prefill": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64, _I64,
                       ctypes.c_float, _I64, ctypes.c_float, ctypes.c_int, ctypes.c_int],
     "linear_rows": [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, ctypes.c_int],
@@ -60,6 +68,7 @@ _ENTRIES = {  # each entry point's argument types
     "rope": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int],
     "cache_write": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
                     ctypes.c_int],
+    "add_rows": [_PTR, _PTR, _I64, ctypes.c_int],
 }
 DTYPES = (torch.float32, torch.bfloat16)
 # paged_prefill's vector tiles: head sizes in steps of 16 floats, up to MAX_HEAD_DIM
@@ -75,6 +84,33 @@ class Kernels:
     silu_mul: ctypes._CFuncPtr
     rope: ctypes._CFuncPtr
     cache_write: ctypes._CFuncPtr
+    add_rows: ctypes._CFuncPtr
+
+
+# A kernel call as made: the entry point and its arguments, pointers included
+Call = tuple[ctypes._CFuncPtr, tuple[Any, ...]]
+_recorded: list[Call] | None = None  # set while recording() watches
+
+
+def _call(name: str, *args: Any) -> None:
+    entry = getattr(load(), name)
+    entry(*args)
+    if _recorded is not None:
+        _recorded.append((entry, args))
+
+
+@contextmanager
+def recording() -> Iterator[list[Call]]:
+    """Every kernel call made inside (by the step's thread), in order, as it was made. The
+    calls still run; replaying the list repeats them on the same memory."""
+    global _recorded
+    if _recorded is not None:
+        raise RuntimeError("kernel calls are already being recorded")
+    _recorded = []
+    try:
+        yield _recorded
+    finally:
+        _recorded = None
 
 
 class KernelUnavailable(RuntimeError):
@@ -184,25 +220,28 @@ def _check_operands(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, lengths: torch.Tensor, scale: float,
-                 window: int | None, softcap: float | None) -> torch.Tensor:
+                 window: int | None, softcap: float | None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per request over its cached keys.
 
-    q [B, Hq, D] (Hq a multiple of the KV heads), one layer's caches [Hkv, blocks, block_size,
-    D], block_tables int64 [B, W], lengths int64 [B] (keys per request: position + 1).
-    `window` keeps each request's last `window` keys; `softcap` caps scores by tanh (Gemma 2).
-    -> [B, Hq, D].
+    q [B, Hq, D] (Hq a multiple of the KV heads; each row's heads contiguous, rows at any
+    stride), one layer's caches [Hkv, blocks, block_size, D], block_tables int64 [B, W],
+    lengths int64 [B] (keys per request: position + 1). `window` keeps each request's last
+    `window` keys; `softcap` caps scores by tanh (Gemma 2). Writes into `out` ([B, Hq, D],
+    contiguous) when given. -> [B, Hq, D].
     """
     _check_operands(q, k_cache, v_cache)
     kv_heads, num_blocks, block_size, head_dim = k_cache.shape
     batch, q_heads, _ = q.shape
-    q = q.contiguous()
+    if q.stride()[1:] != (head_dim, 1):
+        q = q.contiguous()
     tables = block_tables.contiguous()
     lengths = lengths.contiguous()
-    out = torch.empty_like(q)
-    load().paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-                        tables.data_ptr(), lengths.data_ptr(), batch, tables.shape[1],
-                        kv_heads, q_heads // kv_heads, head_dim, num_blocks, block_size, scale,
-                        window or 0, softcap or 0.0, _bf16(q), torch.get_num_threads())
+    out = _output(out, q)
+    _call("paged_decode", q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+          out.data_ptr(), tables.data_ptr(), lengths.data_ptr(), batch, tables.shape[1],
+          kv_heads, q_heads // kv_heads, head_dim, num_blocks, block_size, scale, window or 0,
+          softcap or 0.0, _bf16(q), torch.get_num_threads())
     return out
 
 
@@ -225,14 +264,19 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          f"{block_table.numel() * block_size} keys, not {start + chunk}")
     q = q.contiguous()
     table = block_table.contiguous()
+    out = _output(out, q)
+    _call("paged_prefill", q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+          table.data_ptr(), start, chunk, kv_heads, q_heads // kv_heads, head_dim, num_blocks,
+          block_size, scale, window or 0, softcap or 0.0, _bf16(q), torch.get_num_threads())
+    return out
+
+
+def _output(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
+    """An attention kernel's output: `out` when given (checked), else a new tensor."""
     if out is None:
-        out = torch.empty_like(q)
-    elif not out.is_contiguous() or out.shape != q.shape or out.dtype != q.dtype:
-        raise ValueError("paged_prefill's out must be contiguous and shaped like q")
-    load().paged_prefill(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-                         table.data_ptr(), start, chunk, kv_heads, q_heads // kv_heads,
-                         head_dim, num_blocks, block_size, scale, window or 0, softcap or 0.0,
-                         _bf16(q), torch.get_num_threads())
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if not out.is_contiguous() or out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError("an attention kernel's out must be contiguous and shaped like q")
     return out
 
 
@@ -263,8 +307,8 @@ def linear_rows(x: torch.Tensor, panels: torch.Tensor, out_features: int,
                          f"{x.dtype} rows of {k}")
     x = x.contiguous()
     out = torch.empty(rows, out_features)
-    load().linear_rows(x.data_ptr(), rows, k, panels.data_ptr(), out_features, out.data_ptr(),
-                       None if bias is None else bias.data_ptr(), torch.get_num_threads())
+    _call("linear_rows", x.data_ptr(), rows, k, panels.data_ptr(), out_features, out.data_ptr(),
+          None if bias is None else bias.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -278,9 +322,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
         raise ValueError("rms_norm's residual must be contiguous and shaped like x")
     x = x.contiguous()
     out = torch.empty_like(x)
-    load().rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
-                    weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1],
-                    eps, offset, _bf16(x), torch.get_num_threads())
+    _call("rms_norm", x.data_ptr(), None if residual is None else residual.data_ptr(),
+          weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, offset,
+          _bf16(x), torch.get_num_threads())
     return out
 
 
@@ -289,8 +333,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     rows, width = gate_up.shape
     out = gate_up.new_empty(rows, width // 2)
-    load().silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, _bf16(gate_up),
-                    torch.get_num_threads())
+    _call("silu_mul", gate_up.data_ptr(), out.data_ptr(), rows, width // 2, _bf16(gate_up),
+          torch.get_num_threads())
     return out
 
 
@@ -302,8 +346,8 @@ def rope(x: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.
     if x.stride(2) != 1 or x.stride(1) != head_dim:
         raise ValueError("rope rotates rows whose heads are contiguous")
     cos, sin = (t.contiguous() for t in rotation)
-    load().rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, heads, head_dim,
-                x.stride(0), _bf16(x), torch.get_num_threads())
+    _call("rope", x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, heads, head_dim,
+          x.stride(0), _bf16(x), torch.get_num_threads())
     return x
 
 
@@ -320,9 +364,18 @@ def cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         raise ValueError(f"cache_write takes k, v [rows, {kv_heads}, {head_dim}] alike, each "
                          f"row's heads contiguous, and a slot per row")
     slots = slots.contiguous()
-    load().cache_write(k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                       slots.data_ptr(), rows, kv_heads, head_dim, k.stride(0), v.stride(0),
-                       num_blocks * block_size, _bf16(k))
+    _call("cache_write", k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+          slots.data_ptr(), rows, kv_heads, head_dim, k.stride(0), v.stride(0),
+          num_blocks * block_size, _bf16(k))
+
+
+def add_(x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """x += delta in place (both contiguous, alike), rounded as torch's add; returns x."""
+    if (not x.is_contiguous() or not delta.is_contiguous() or x.shape != delta.shape
+            or x.dtype != delta.dtype):
+        raise ValueError("add_ takes two contiguous tensors alike")
+    _call("add_rows", x.data_ptr(), delta.data_ptr(), x.numel(), _bf16(x))
+    return x
 
 
 def _bf16(t: torch.Tensor) -> int:

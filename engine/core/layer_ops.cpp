@@ -12,6 +12,8 @@
 // - rope: RoPE on q and k in place, where torch's rotation ran six ops and a concatenation.
 // - cache_write: a step's new keys and values into their cache slots, where index_copy_ took
 //   about 20 us per call for 8 rows.
+// - add_rows: the MLP's residual add in place, so that a decode step runs nothing but these
+//   calls and replays as a CPU graph (cpu_graph.py).
 // Sums run in a different order than torch's, so results may differ in the last bit, as the
 // paged attention kernels' do; the exactness tests hold tokens identical to transformers.
 
@@ -81,7 +83,7 @@ void panel_rows_of(int64_t rows, int64_t vectors, const float* x, const float* p
     }
 }
 
-// ---- rms_norm, silu_mul, rope, cache_write--------------------------------------------------
+// ---- rms_norm, silu_mul, rope, cache_write, add_rows ---------------------------------------
 
 template <typename T>
 void norm_rows(const T* delta, T* residual, const T* weight, T* out, int64_t rows,
@@ -161,6 +163,11 @@ void cache_write_rows(const T* k, const T* v, T* k_cache, T* v_cache, const int6
         }
 }
 
+template <typename T>
+void add_elements(T* x, const T* delta, int64_t count) {
+    for (int64_t i = 0; i < count; ++i) store(x, i, load(x, i) + load(delta, i));
+}
+
 }  // namespace
 
 extern "C" {
@@ -226,6 +233,14 @@ void cache_write(const void* k, const void* v, void* k_cache, void* v_cache,
         cache_write_rows(static_cast<const T*>(k), static_cast<const T*>(v),
                          static_cast<T*>(k_cache), static_cast<T*>(v_cache), slots, rows,
                          kv_heads, head_dim, k_stride, v_stride, cache_slots);
+    });
+}
+
+// x += delta, `count` elements each (x rounded as stored, as torch's add rounds).
+void add_rows(void* x, const void* delta, int64_t count, int bf16) {
+    by_dtype(bf16, [&](auto element) {
+        using T = decltype(element);
+        add_elements(static_cast<T*>(x), static_cast<const T*>(delta), count);
     });
 }
 

@@ -26,6 +26,7 @@ from engine.core.attention import (
 )
 from engine.core.attention import flash_available as flash_importable
 from engine.core.batch import Batch, ModelRunnerOutput, ScheduledChunk
+from engine.core.cpu_graph import DecodeGraphs
 from engine.core.cpu_kernels import KernelUnavailable, prefill_supports
 from engine.core.cpu_kernels import load as load_cpu_kernels
 from engine.core.sampler import sample
@@ -134,10 +135,15 @@ class ModelRunner:
         self.kv_cache = (huge_pages.zeros(layout, self.dtype) if self.device.type == "cpu"
                          else torch.zeros(layout, dtype=self.dtype, device=self.device))
         self.compile_s = 0.0
+        self.graphs: DecodeGraphs | None = None
         if compiles(config):
             self.compile_s = self._compile()
         elif self.paged_kernel:
             self.model.use_cpu_kernels()
+            # linear_rows, which a graph's GEMMs must run on, is fp32 (bf16 takes oneDNN's)
+            if config.cpu_graphs and self.dtype == torch.float32:
+                self.graphs = DecodeGraphs(self.model, self.kv_cache,
+                                           -(-self.max_model_len // self.block_size))
         else:
             self.model.pack_weights()
 
@@ -221,8 +227,14 @@ class ModelRunner:
     def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Logits [num sampling chunks, vocab] of one packed batch, in `chunks` order."""
         inputs = self.prepare(chunks)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
-        return self.model.logits(hidden.index_select(0, inputs.sample_rows))
+        model = self.model
+        x = model.embed(inputs.input_ids)
+        rotations = model.rotations(inputs.positions, x.dtype)
+        if self.graphs is not None and self.graphs.covers(inputs.meta, x.shape[0]):
+            hidden = self.graphs.run(x, rotations, inputs.meta)
+        else:
+            hidden = model.decoder(x, rotations, self.kv_cache, inputs.meta)
+        return model.logits(hidden.index_select(0, inputs.sample_rows))
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
         prefills = [c for c in chunks if not c.is_decode]

@@ -240,6 +240,8 @@ class DecoderLayer(nn.Module):
     """Pre-norm residual blocks; Gemma also norms each block's output before adding it
     (its `post_attention_layernorm` is that output norm, where Llama's is the MLP's input)."""
 
+    kernel = False  # the MLP's residual add by cpu_kernels.add_ (Transformer.use_cpu_kernels)
+
     def __init__(self, config: ModelConfig, rope: RotaryEmbedding, window: int | None,
                  use_flash: bool) -> None:
         super().__init__()
@@ -274,7 +276,9 @@ class DecoderLayer(nn.Module):
                 x, self.post_attention_layernorm(attn))
             return x + self.post_feedforward_layernorm(self.mlp(h))
         x, h = self.post_attention_layernorm.add_and_norm(x, attn)
-        return x + self.mlp(h)
+        # in place on the kernel path, as add_and_norm's add: a step of kernel calls alone
+        # replays as a CPU graph (engine.core.cpu_graph)
+        return cpu_kernels.add_(x, self.mlp(h)) if self.kernel else x + self.mlp(h)
 
 
 class Transformer(nn.Module):
@@ -306,11 +310,21 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids/positions [N]; kv_cache [2, L, ...] (attention.cache_shape) -> [N, H]."""
+        x = self.embed(input_ids)
+        return self.decoder(x, self.rotations(positions, x.dtype), kv_cache, meta)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [N] -> the residual stream's input [N, H]."""
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        return x
+
+    def decoder(self, x: torch.Tensor, rotations: list[Rotation], kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """The layers and the final norm over embedded tokens x [N, H] (on the kernel path
+        x is updated in place), with `rotations` (Transformer.rotations) -> [N, H]."""
         before, after = self._dense_halves(x.shape[0])
-        rotations = self._rotations(positions, x.dtype)
         for index, (layer, rotation) in enumerate(zip(self.layers, rotations, strict=True)):
             q, k, v = before(layer, x, rotation)
             attn = layer.self_attn.attn(q, k, v, kv_cache[0, index], kv_cache[1, index], meta)
@@ -337,6 +351,8 @@ class Transformer(nn.Module):
                 module.kernel = module.attn.kernel = True
             elif isinstance(module, MLP):
                 module.kernel = module.act is F.silu
+            elif isinstance(module, DecoderLayer):
+                module.kernel = True
 
     def compile(self) -> None:  # type: ignore[override]
         """Run each layer's two dense halves through torch.compile with the token count
@@ -370,12 +386,12 @@ class Transformer(nn.Module):
             x = torch.zeros(n, self.config.hidden_size, dtype=weight.dtype, device=weight.device)
             positions = torch.zeros(n, dtype=torch.int64, device=weight.device)
             before, after = self._dense_halves(n)
-            rotations = self._rotations(positions, weight.dtype)
+            rotations = self.rotations(positions, weight.dtype)
             for layer, rotation in zip(self.layers, rotations, strict=True):
                 q, _, _ = before(layer, x, rotation)
                 after(layer, x, q)  # q has the shape of attention's output
 
-    def _rotations(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Rotation]:
+    def rotations(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Rotation]:
         """Each layer's cos/sin for this step's positions, gathered once per table."""
         tables: dict[int, Rotation] = {}
         rotations = []

@@ -1,0 +1,201 @@
+"""CPU graphs: a decode step recorded once per batch size as the kernel calls it makes, then
+replayed without the Python that made them, as CUDA graphs replay a GPU's kernels (vLLM and
+nano-vllm capture decode batches the same way).
+
+Why: on the kernel path a decode step is a few dozen calls into engine.core.cpu_kernels with
+Python and torch glue between them, and that glue runs from caches the weights' stream has
+just flushed. A decode step at D = 8 on synthetic:small took 13.8 ms, of which its kernel
+calls, repeated back to back, took 10.0 (one thread, Xeon; README, issue 18).
+
+How: the step's decoder (Transformer.decoder) runs once, for real, on static inputs, under
+cpu_kernels.recording() and a dispatch mode that
+- serves each tensor the step allocates from one arena shared by the graphs of every batch
+  size (one step runs at a time, and each replay writes a buffer before it reads it), so
+  the pointers recorded stay valid and the graphs cost one step's activations in all;
+- refuses any torch op that computes (anything but views and allocations): a step that needs
+  one could not replay, so that model keeps eager steps (NotGraphable names the op).
+A replay copies the step's inputs into the static ones and repeats the calls. Everything a
+capture writes is either its own memory or the KV slots the step writes anyway, so a step
+whose capture fails simply runs again eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from engine.core import cpu_kernels, huge_pages
+from engine.core.attention import AttentionMetadata
+from engine.model.transformer import PANEL_MAX_ROWS, Rotation, Transformer
+
+log = logging.getLogger(__name__)
+
+ARENA_ALIGN = 64  # bytes: a cache line, as torch's CPU allocator aligns
+ARENA_START_BYTES = 8 << 20  # doubled (and the graphs captured again) when a capture needs more
+_ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
+                torch.ops.aten.new_empty.default}
+
+
+class NotGraphable(RuntimeError):
+    """The step runs a torch op that computes, which a replay of kernel calls would skip."""
+
+
+class _ArenaFull(RuntimeError):
+    pass
+
+
+class Arena:
+    """Memory that a capture's allocations are carved from, front to back."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.buffer = huge_pages.zeros((nbytes,), torch.uint8)
+        self.used = 0
+
+    def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous tensor of `shape`, uninitialised as torch.empty's."""
+        numel = 1
+        for size in shape:
+            numel *= size
+        start = -(-self.used // ARENA_ALIGN) * ARENA_ALIGN
+        end = start + numel * dtype.itemsize
+        if end > self.buffer.numel():
+            raise _ArenaFull(f"{end} bytes")
+        self.used = end
+        return self.buffer[start:end].view(dtype).view(tuple(shape))
+
+
+class _Capture(TorchDispatchMode):
+    """Allocations from the arena; any op but a view or an allocation refused."""
+
+    def __init__(self, arena: Arena) -> None:
+        super().__init__()
+        self.arena = arena
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _ALLOCATIONS:
+            like = args[0] if func is not torch.ops.aten.empty.memory_format else None
+            shape = like.shape if func is torch.ops.aten.empty_like.default else (
+                args[1] if like is not None else args[0])
+            dtype = kwargs.get("dtype") or (like.dtype if like is not None
+                                            else torch.get_default_dtype())
+            return self.arena.take(shape, dtype)
+        if func._schema.is_mutable:
+            raise NotGraphable(f"{func} writes a tensor outside the CPU kernels")
+        out = func(*args, **kwargs)
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        if not all(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in inputs
+                   for t in tree_leaves(out)):
+            raise NotGraphable(f"{func} computes outside the CPU kernels")
+        return out
+
+
+class CpuGraph:
+    """`run`'s kernel calls, recorded while it runs once over the static `inputs`."""
+
+    def __init__(self, run: Callable[[], torch.Tensor], inputs: Sequence[torch.Tensor],
+                 arena: Arena) -> None:
+        self.inputs = tuple(inputs)
+        arena.used = 0  # the graphs share the arena: each starts at its front
+        with cpu_kernels.recording() as calls, _Capture(arena):
+            self.output = run()
+        self.calls = tuple(calls)
+
+    def replay(self, values: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The output of a run over `values`, each copied into the leading corner of its
+        static input (a shorter block table leaves the rest of its row unread). The output
+        is the graph's own memory: read it before the next replay."""
+        for static, value in zip(self.inputs, values, strict=True):
+            _fill(static, value)
+        for entry, args in self.calls:
+            entry(*args)
+        return self.output
+
+
+class DecodeGraphs:
+    """The CPU graphs of one model's decode-only steps, one per batch size up to
+    PANEL_MAX_ROWS (larger steps run oneDNN's GEMMs, torch ops), captured at each size's
+    first step. Static inputs are shared too, sized for the largest batch: a graph of B
+    decodes reads their first B rows."""
+
+    def __init__(self, model: Transformer, kv_cache: torch.Tensor, max_blocks: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.arena = Arena(ARENA_START_BYTES)
+        self.graphs: dict[tuple[int, int], CpuGraph] = {}  # (decodes, threads) -> graph
+        self.refused: str | None = None  # why this model's steps stay eager
+        config, dtype = model.config, model.embed_tokens.weight.dtype
+        rows, half = PANEL_MAX_ROWS, config.head_dim // 2
+        tables = {id(layer.self_attn.rope) for layer in model.layers}
+        self.x = torch.zeros(rows, config.hidden_size, dtype=dtype)
+        self.rotations = [(torch.zeros(rows, 1, half, dtype=dtype),
+                           torch.zeros(rows, 1, half, dtype=dtype)) for _ in tables]
+        self.slots = torch.zeros(rows, dtype=torch.int64)
+        self.tables = torch.zeros(rows, max_blocks, dtype=torch.int64)
+        self.lengths = torch.ones(rows, dtype=torch.int64)
+
+    def covers(self, meta: AttentionMetadata, rows: int) -> bool:
+        """Whether a step of `rows` tokens with `meta` replays: decodes only, few enough."""
+        return (self.refused is None and not meta.prefills and meta.decode_start == 0
+                and meta.decode_tables is not None and rows <= PANEL_MAX_ROWS
+                and meta.decode_tables.shape[1] <= self.tables.shape[1])
+
+    def run(self, x: torch.Tensor, rotations: list[Rotation],
+            meta: AttentionMetadata) -> torch.Tensor:
+        """The decoder's output for a step that `covers` accepts (Transformer.decoder's),
+        replayed, or run eagerly where this model cannot replay."""
+        assert meta.decode_tables is not None and meta.decode_lengths is not None
+        distinct = list({id(r): r for r in rotations}.values())
+        values = [x, *(t for rotation in distinct for t in rotation), meta.slot_mapping,
+                  meta.decode_tables, meta.decode_lengths]
+        key = (x.shape[0], torch.get_num_threads())
+        graph = self.graphs.get(key)
+        if graph is None:
+            try:
+                graph = self._capture(key[0], values, rotations)
+            except NotGraphable as exc:
+                self.refused = str(exc)
+                log.info("decode steps stay eager: %s", exc)
+                return self.model.decoder(x, rotations, self.kv_cache, meta)
+            self.graphs[key] = graph
+            return graph.output  # the capture ran this step
+        return graph.replay(values)
+
+    def _capture(self, rows: int, values: list[torch.Tensor],
+                 rotations: list[Rotation]) -> CpuGraph:
+        statics = [self.x[:rows], *(t[:rows] for pair in self.rotations for t in pair),
+                   self.slots[:rows], self.tables[:rows], self.lengths[:rows]]
+        # each layer's rotation by the same table, now the static copy of it
+        by_table = dict(zip({id(r): None for r in rotations}, self.rotations, strict=True))
+        static_rotations = [tuple(t[:rows] for t in by_table[id(r)]) for r in rotations]
+        meta = AttentionMetadata(slot_mapping=statics[-3], prefills=(), decode_start=0,
+                                 decode_groups=(), decode_tables=statics[-2],
+                                 decode_lengths=statics[-1])
+        meta = replace(meta, windowed=meta)  # the kernel windows each decode itself
+
+        def run() -> torch.Tensor:
+            return self.model.decoder(statics[0], static_rotations, self.kv_cache, meta)
+
+        while True:
+            # afresh each try: a capture cut short has updated x in place
+            for static, value in zip(statics, values, strict=True):
+                _fill(static, value)
+            try:
+                return CpuGraph(run, statics, self.arena)
+            except _ArenaFull:
+                # a larger arena moves every graph's buffers: capture them afresh
+                self.arena = Arena(2 * self.arena.buffer.numel())
+                self.graphs.clear()
+
+
+def _fill(static: torch.Tensor, value: torch.Tensor) -> None:
+    """value into the leading corner of static (a narrower block table leaves the rest)."""
+    static[tuple(slice(0, size) for size in value.shape)].copy_(value)
