@@ -77,6 +77,13 @@ class _Capture(TorchDispatchMode):
         super().__init__()
         self.arena = arena
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # A capture never runs under torch.compile (compiled models take no kernels), and
+        # wrapping the hook for dynamo imported torch._dynamo at the first capture (1.5 s,
+        # within the first request) and wrapped every op after it.
+        return False
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}

@@ -235,28 +235,34 @@ inline const float* tile_rows(const T* head, const int64_t* table, int64_t key, 
     return buffer;
 }
 
-// Query rows [row0, row0 + rows) of head h, at positions start + row; HeadDim > 0 fixes the
-// head size at compile time (the score tile's row offsets become constants).
-template <typename T, int64_t HeadDim>
+// Query rows [row0, row0 + rows) of heads [h0, h0 + G), which share one KV head, at
+// positions start + row; HeadDim > 0 fixes the head size at compile time (the score tile's
+// row offsets become constants). G = 2 loads each key and value element once for both heads
+// (a GQA group's heads read the same cache), where one head at a time loaded it per multiply.
+template <typename T, int64_t HeadDim, int G>
 void prefill_rows(const T* q, const T* k_head, const T* v_head, T* out, const int64_t* table,
-                  int64_t h, int64_t q_heads, int64_t row0, int rows, int64_t start,
+                  int64_t h0, int64_t q_heads, int64_t row0, int rows, int64_t start,
                   int64_t length, int64_t runtime_head_dim, int64_t block_size, float scale,
                   int64_t window, float softcap) {
+    constexpr int STEP = LANES / G;  // keys (scores) or head dims (output) one pass holds
     const int64_t head_dim = HeadDim > 0 ? HeadDim : runtime_head_dim;
-    alignas(64) float query[MAX_HEAD_DIM][LANES];  // transposed, scaled; padding rows zero
-    alignas(64) float acc[MAX_HEAD_DIM][LANES];  // the output, unnormalised
-    alignas(64) float scores[TILE_KEYS][LANES];
+    alignas(64) float query[G][MAX_HEAD_DIM][LANES];  // transposed, scaled; padding rows zero
+    alignas(64) float acc[G][MAX_HEAD_DIM][LANES];  // the output, unnormalised
+    alignas(64) float scores[G][TILE_KEYS][LANES];
     alignas(64) float key_buffer[TILE_KEYS / LANES][LANES * MAX_HEAD_DIM];
     alignas(64) float value_buffer[TILE_KEYS / LANES][LANES * MAX_HEAD_DIM];
-    for (int64_t d = 0; d < head_dim; ++d)
-        for (int r = 0; r < LANES; ++r) {
-            query[d][r] = r < rows ? load(q, ((row0 + r) * q_heads + h) * head_dim + d) * scale : 0.0f;
-            acc[d][r] = 0.0f;
-        }
+    for (int g = 0; g < G; ++g)
+        for (int64_t d = 0; d < head_dim; ++d)
+            for (int r = 0; r < LANES; ++r) {
+                query[g][d][r] = r < rows
+                    ? load(q, ((row0 + r) * q_heads + h0 + g) * head_dim + d) * scale : 0.0f;
+                acc[g][d][r] = 0.0f;
+            }
     const int64_t first_pos = start + row0, last_pos = first_pos + rows - 1;
     i16 positions;
     for (int r = 0; r < LANES; ++r) positions[r] = static_cast<int32_t>(first_pos + r);
-    v16 top = splat(MASKED), total = splat(0.0f);
+    v16 top[G], total[G];
+    for (int g = 0; g < G; ++g) top[g] = splat(MASKED), total[g] = splat(0.0f);
     const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) / LANES * LANES : 0;
     const int64_t hi = last_pos + 1;
     for (int64_t t0 = lo; t0 < hi; t0 += TILE_KEYS) {
@@ -269,65 +275,84 @@ void prefill_rows(const T* q, const T* k_head, const T* v_head, T* out, const in
                                             key_buffer[u]);
             values[u] = tile_rows(v_head, table, key0, length, block_size, head_dim,
                                   value_buffer[u]);
-            v16 s[LANES] = {};
-            for (int64_t d = 0; d < head_dim; ++d) {
-                const v16 qd = vload(query[d]);
-                for (int k = 0; k < LANES; ++k) s[k] += splat(rows_k[k * head_dim + d]) * qd;
+            for (int k0 = 0; k0 < LANES; k0 += STEP) {
+                v16 s[G][STEP] = {};
+                for (int64_t d = 0; d < head_dim; ++d) {
+                    v16 qd[G];
+                    for (int g = 0; g < G; ++g) qd[g] = vload(query[g][d]);
+                    for (int k = 0; k < STEP; ++k) {
+                        const v16 key = splat(rows_k[(k0 + k) * head_dim + d]);
+                        for (int g = 0; g < G; ++g) s[g][k] += key * qd[g];
+                    }
+                }
+                for (int g = 0; g < G; ++g)
+                    for (int k = 0; k < STEP; ++k) vstore(scores[g][u * LANES + k0 + k], s[g][k]);
             }
-            for (int k = 0; k < LANES; ++k) vstore(scores[u * LANES + k], s[k]);
         }
         // every row sees every key of the tile: none after the first row, none out of a window
         const bool whole = t0 + keys - 1 <= first_pos && (window <= 0 || t0 > last_pos - window);
-        v16 next = top;
-        for (int j = 0; j < keys; ++j) {
-            v16 s = vload(scores[j]);
-            if (softcap > 0.0f) {
-                alignas(64) float lanes[LANES];
-                vstore(lanes, s / softcap);
-                for (int i = 0; i < LANES; ++i) lanes[i] = std::tanh(lanes[i]);
-                s = vload(lanes) * softcap;
+        for (int g = 0; g < G; ++g) {
+            v16 next = top[g];
+            for (int j = 0; j < keys; ++j) {
+                v16 s = vload(scores[g][j]);
+                if (softcap > 0.0f) {
+                    alignas(64) float lanes[LANES];
+                    vstore(lanes, s / softcap);
+                    for (int i = 0; i < LANES; ++i) lanes[i] = std::tanh(lanes[i]);
+                    s = vload(lanes) * softcap;
+                }
+                if (!whole) {
+                    const int32_t key = static_cast<int32_t>(t0 + j);
+                    i16 seen = positions >= key;
+                    if (window > 0) seen &= positions - key < static_cast<int32_t>(window);
+                    s = seen ? s : splat(MASKED);
+                }
+                vstore(scores[g][j], s);
+                next = vmax(next, s);
             }
-            if (!whole) {
-                const int32_t key = static_cast<int32_t>(t0 + j);
-                i16 seen = positions >= key;
-                if (window > 0) seen &= positions - key < static_cast<int32_t>(window);
-                s = seen ? s : splat(MASKED);
+            const v16 rescale = top[g] > MASKED ? vexp(vmax(top[g] - next, splat(EXP_FLOOR)))
+                                                : splat(0.0f);
+            v16 added = splat(0.0f);
+            for (int j = 0; j < keys; ++j) {
+                const v16 s = vload(scores[g][j]);
+                v16 p = vexp(vmax(s - next, splat(EXP_FLOOR)));
+                if (!whole) p = s > MASKED ? p : splat(0.0f);
+                vstore(scores[g][j], p);
+                added += p;
             }
-            vstore(scores[j], s);
-            next = vmax(next, s);
+            total[g] = total[g] * rescale + added;
+            bool moved = false;
+            for (int r = 0; r < LANES; ++r) moved |= next[r] != top[g][r];
+            if (moved)
+                for (int64_t d = 0; d < head_dim; ++d)
+                    vstore(acc[g][d], vload(acc[g][d]) * rescale);
+            top[g] = next;
         }
-        const v16 rescale = top > MASKED ? vexp(vmax(top - next, splat(EXP_FLOOR))) : splat(0.0f);
-        v16 added = splat(0.0f);
-        for (int j = 0; j < keys; ++j) {
-            const v16 s = vload(scores[j]);
-            v16 p = vexp(vmax(s - next, splat(EXP_FLOOR)));
-            if (!whole) p = s > MASKED ? p : splat(0.0f);
-            vstore(scores[j], p);
-            added += p;
-        }
-        total = total * rescale + added;
-        bool moved = false;
-        for (int r = 0; r < LANES; ++r) moved |= next[r] != top[r];
-        if (moved)
-            for (int64_t d = 0; d < head_dim; ++d) vstore(acc[d], vload(acc[d]) * rescale);
-        top = next;
-        for (int64_t d0 = 0; d0 < head_dim; d0 += LANES) {  // acc[d][row] += Σ_key value[d] · p
-            v16 o[LANES];
-            for (int i = 0; i < LANES; ++i) o[i] = vload(acc[d0 + i]);
+        // acc[d][row] += Σ_key value[d] · p
+        for (int64_t d0 = 0; d0 < head_dim; d0 += STEP) {
+            v16 o[G][STEP];
+            for (int g = 0; g < G; ++g)
+                for (int i = 0; i < STEP; ++i) o[g][i] = vload(acc[g][d0 + i]);
             for (int u = 0; u < tiles; ++u)
                 for (int k = 0; k < LANES; ++k) {
-                    const v16 p = vload(scores[u * LANES + k]);
+                    v16 p[G];
+                    for (int g = 0; g < G; ++g) p[g] = vload(scores[g][u * LANES + k]);
                     const float* value = values[u] + k * head_dim + d0;
-                    for (int i = 0; i < LANES; ++i) o[i] += splat(value[i]) * p;
+                    for (int i = 0; i < STEP; ++i) {
+                        const v16 x = splat(value[i]);
+                        for (int g = 0; g < G; ++g) o[g][i] += x * p[g];
+                    }
                 }
-            for (int i = 0; i < LANES; ++i) vstore(acc[d0 + i], o[i]);
+            for (int g = 0; g < G; ++g)
+                for (int i = 0; i < STEP; ++i) vstore(acc[g][d0 + i], o[g][i]);
         }
     }
-    for (int r = 0; r < rows; ++r) {
-        const float inv = 1.0f / total[r];
-        for (int64_t d = 0; d < head_dim; ++d)
-            store(out, ((row0 + r) * q_heads + h) * head_dim + d, acc[d][r] * inv);
-    }
+    for (int g = 0; g < G; ++g)
+        for (int r = 0; r < rows; ++r) {
+            const float inv = 1.0f / total[g][r];
+            for (int64_t d = 0; d < head_dim; ++d)
+                store(out, ((row0 + r) * q_heads + h0 + g) * head_dim + d, acc[g][d][r] * inv);
+        }
 }
 
 template <typename T, int64_t HeadDim>
@@ -337,14 +362,21 @@ void prefill(const T* q, const T* k_cache, const T* v_cache, T* out, const int64
              int threads) {
     const int64_t q_heads = kv_heads * group, head_stride = num_blocks * block_size * head_dim;
     const int64_t blocks = (chunk + LANES - 1) / LANES;
+    const int heads = group % 2 == 0 ? 2 : 1;  // query heads per task, of one KV head
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
-    for (int64_t task = 0; task < q_heads * blocks; ++task) {
-        const int64_t h = task / blocks, row0 = task % blocks * LANES;
+    for (int64_t task = 0; task < q_heads / heads * blocks; ++task) {
+        const int64_t h = task / blocks * heads, row0 = task % blocks * LANES;
         const int rows = static_cast<int>(std::min<int64_t>(LANES, chunk - row0));
-        prefill_rows<T, HeadDim>(q, k_cache + (h / group) * head_stride,
-                                 v_cache + (h / group) * head_stride, out, table, h, q_heads,
-                                 row0, rows, start, start + chunk, head_dim, block_size, scale,
-                                 window, softcap);
+        const T* k_head = k_cache + (h / group) * head_stride;
+        const T* v_head = v_cache + (h / group) * head_stride;
+        if (heads == 2)
+            prefill_rows<T, HeadDim, 2>(q, k_head, v_head, out, table, h, q_heads, row0, rows,
+                                        start, start + chunk, head_dim, block_size, scale,
+                                        window, softcap);
+        else
+            prefill_rows<T, HeadDim, 1>(q, k_head, v_head, out, table, h, q_heads, row0, rows,
+                                        start, start + chunk, head_dim, block_size, scale,
+                                        window, softcap);
     }
 }
 
