@@ -3,9 +3,13 @@ compute what eager steps compute; a step that needs a torch op stays eager and s
 
 from __future__ import annotations
 
+import argparse
+import threading
+
 import pytest
 import torch
 
+from console.cli.engine_flags import add_engine_flags, engine_config
 from engine import Engine, EngineConfig, SamplingParams
 from engine.core import cpu_graph, cpu_kernels
 from engine.core.cpu_graph import Arena, CpuGraph, DecodeGraphs, NotGraphable
@@ -100,6 +104,16 @@ def test_recordings_do_not_nest() -> None:
         pass
 
 
+def test_a_recording_sees_only_its_own_thread() -> None:
+    x, weight = torch.randn(2, 16), torch.ones(16)
+    with cpu_kernels.recording() as calls:
+        other = threading.Thread(target=cpu_kernels.rms_norm, args=(x, weight, 1e-6, 0.0))
+        other.start()
+        other.join()
+        cpu_kernels.rms_norm(x, weight, 1e-6, 0.0)
+    assert len(calls) == 1
+
+
 def test_a_graph_is_captured_at_the_first_decode_step_of_its_size() -> None:
     engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32"))
     graphs = engine.runner.graphs
@@ -109,3 +123,10 @@ def test_a_graph_is_captured_at_the_first_decode_step_of_its_size() -> None:
     assert not graphs.graphs
     engine.step()
     assert list(graphs.graphs) == [(1, torch.get_num_threads())]
+
+
+def test_the_flag_turns_graphs_off() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    assert engine_config(parser.parse_args([])).cpu_graphs
+    assert not engine_config(parser.parse_args(["--no-cpu-graphs"])).cpu_graphs

@@ -27,6 +27,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -89,28 +90,29 @@ class Kernels:
 
 # A kernel call as made: the entry point and its arguments, pointers included
 Call = tuple[ctypes._CFuncPtr, tuple[Any, ...]]
-_recorded: list[Call] | None = None  # set while recording() watches
+# per thread: engines stepping in other threads are not recorded into another's graph
+_recording = threading.local()
 
 
 def _call(name: str, *args: Any) -> None:
     entry = getattr(load(), name)
     entry(*args)
-    if _recorded is not None:
-        _recorded.append((entry, args))
+    calls = getattr(_recording, "calls", None)
+    if calls is not None:
+        calls.append((entry, args))
 
 
 @contextmanager
 def recording() -> Iterator[list[Call]]:
-    """Every kernel call made inside (by the step's thread), in order, as it was made. The
-    calls still run; replaying the list repeats them on the same memory."""
-    global _recorded
-    if _recorded is not None:
+    """Every kernel call this thread makes inside, in order, as it was made. The calls still
+    run; replaying the list repeats them on the same memory."""
+    if getattr(_recording, "calls", None) is not None:
         raise RuntimeError("kernel calls are already being recorded")
-    _recorded = []
+    _recording.calls = calls = []
     try:
-        yield _recorded
+        yield calls
     finally:
-        _recorded = None
+        _recording.calls = None
 
 
 class KernelUnavailable(RuntimeError):
