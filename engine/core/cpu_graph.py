@@ -22,6 +22,7 @@ whose capture fails simply runs again eagerly.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -38,8 +39,8 @@ log = logging.getLogger(__name__)
 
 ARENA_ALIGN = 64  # bytes: a cache line, as torch's CPU allocator aligns
 ARENA_START_BYTES = 8 << 20  # doubled (and the graphs captured again) when a capture needs more
-_ALLOCATIONS = {torch.ops.aten.empty.memory_format, torch.ops.aten.empty_like.default,
-                torch.ops.aten.new_empty.default}
+# allocations shaped after a tensor (torch.empty itself is matched on its own)
+_LIKE = {torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default}
 
 
 class NotGraphable(RuntimeError):
@@ -59,11 +60,8 @@ class Arena:
 
     def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """A contiguous tensor of `shape`, uninitialised as torch.empty's."""
-        numel = 1
-        for size in shape:
-            numel *= size
         start = -(-self.used // ARENA_ALIGN) * ARENA_ALIGN
-        end = start + numel * dtype.itemsize
+        end = start + math.prod(shape) * dtype.itemsize
         if end > self.buffer.numel():
             raise _ArenaFull(f"{end} bytes")
         self.used = end
@@ -87,13 +85,12 @@ class _Capture(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if func in _ALLOCATIONS:
-            like = args[0] if func is not torch.ops.aten.empty.memory_format else None
-            shape = like.shape if func is torch.ops.aten.empty_like.default else (
-                args[1] if like is not None else args[0])
-            dtype = kwargs.get("dtype") or (like.dtype if like is not None
-                                            else torch.get_default_dtype())
-            return self.arena.take(shape, dtype)
+        if func is torch.ops.aten.empty.memory_format:  # empty(size)
+            return self.arena.take(args[0], kwargs.get("dtype") or torch.get_default_dtype())
+        if func in _LIKE:  # empty_like(self), new_empty(self, size)
+            like = args[0]
+            shape = like.shape if func is torch.ops.aten.empty_like.default else args[1]
+            return self.arena.take(shape, kwargs.get("dtype") or like.dtype)
         if func._schema.is_mutable:
             raise NotGraphable(f"{func} writes a tensor outside the CPU kernels")
         out = func(*args, **kwargs)
@@ -141,10 +138,14 @@ class DecodeGraphs:
         self.refused: str | None = None  # why this model's steps stay eager
         config, dtype = model.config, model.embed_tokens.weight.dtype
         rows, half = PANEL_MAX_ROWS, config.head_dim // 2
-        tables = {id(layer.self_attn.rope) for layer in model.layers}
+        # layers share RoPE tables (Transformer.rotations gathers once per table): the first
+        # layer of each table, and each layer's table, worked out once
+        ropes = [id(layer.self_attn.rope) for layer in model.layers]
+        self.first_layers = [ropes.index(rope) for rope in dict.fromkeys(ropes)]
+        self.table_of = [self.first_layers.index(ropes.index(rope)) for rope in ropes]
         self.x = torch.zeros(rows, config.hidden_size, dtype=dtype)
         self.rotations = [(torch.zeros(rows, 1, half, dtype=dtype),
-                           torch.zeros(rows, 1, half, dtype=dtype)) for _ in tables]
+                           torch.zeros(rows, 1, half, dtype=dtype)) for _ in self.first_layers]
         self.slots = torch.zeros(rows, dtype=torch.int64)
         self.tables = torch.zeros(rows, max_blocks, dtype=torch.int64)
         self.lengths = torch.ones(rows, dtype=torch.int64)
@@ -155,19 +156,20 @@ class DecodeGraphs:
                 and meta.decode_tables is not None and rows <= PANEL_MAX_ROWS
                 and meta.decode_tables.shape[1] <= self.tables.shape[1])
 
-    def run(self, x: torch.Tensor, rotations: list[Rotation],
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
             meta: AttentionMetadata) -> torch.Tensor:
-        """The decoder's output for a step that `covers` accepts (Transformer.decoder's),
+        """The model's output (Transformer.forward's) for a step that `covers` accepts,
         replayed, or run eagerly where this model cannot replay."""
         assert meta.decode_tables is not None and meta.decode_lengths is not None
-        distinct = list({id(r): r for r in rotations}.values())
-        values = [x, *(t for rotation in distinct for t in rotation), meta.slot_mapping,
-                  meta.decode_tables, meta.decode_lengths]
+        x = self.model.embed(input_ids)
+        rotations = self.model.rotations(positions, x.dtype)
+        values = [x, *(t for layer in self.first_layers for t in rotations[layer]),
+                  meta.slot_mapping, meta.decode_tables, meta.decode_lengths]
         key = (x.shape[0], torch.get_num_threads())
         graph = self.graphs.get(key)
         if graph is None:
             try:
-                graph = self._capture(key[0], values, rotations)
+                graph = self._capture(key[0], values)
             except NotGraphable as exc:
                 self.refused = str(exc)
                 log.info("decode steps stay eager: %s", exc)
@@ -176,13 +178,11 @@ class DecodeGraphs:
             return graph.output  # the capture ran this step
         return graph.replay(values)
 
-    def _capture(self, rows: int, values: list[torch.Tensor],
-                 rotations: list[Rotation]) -> CpuGraph:
+    def _capture(self, rows: int, values: list[torch.Tensor]) -> CpuGraph:
         statics = [self.x[:rows], *(t[:rows] for pair in self.rotations for t in pair),
                    self.slots[:rows], self.tables[:rows], self.lengths[:rows]]
-        # each layer's rotation by the same table, now the static copy of it
-        by_table = dict(zip({id(r): None for r in rotations}, self.rotations, strict=True))
-        static_rotations = [tuple(t[:rows] for t in by_table[id(r)]) for r in rotations]
+        tables: list[Rotation] = [(cos[:rows], sin[:rows]) for cos, sin in self.rotations]
+        static_rotations = [tables[table] for table in self.table_of]
         meta = AttentionMetadata(slot_mapping=statics[-3], prefills=(), decode_start=0,
                                  decode_groups=(), decode_tables=statics[-2],
                                  decode_lengths=statics[-1])

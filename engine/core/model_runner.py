@@ -227,14 +227,11 @@ class ModelRunner:
     def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """Logits [num sampling chunks, vocab] of one packed batch, in `chunks` order."""
         inputs = self.prepare(chunks)
-        model = self.model
-        x = model.embed(inputs.input_ids)
-        rotations = model.rotations(inputs.positions, x.dtype)
-        if self.graphs is not None and self.graphs.covers(inputs.meta, x.shape[0]):
-            hidden = self.graphs.run(x, rotations, inputs.meta)
+        if self.graphs is not None and self.graphs.covers(inputs.meta, len(inputs.input_ids)):
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
-            hidden = model.decoder(x, rotations, self.kv_cache, inputs.meta)
-        return model.logits(hidden.index_select(0, inputs.sample_rows))
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
+        return self.model.logits(hidden.index_select(0, inputs.sample_rows))
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
         prefills = [c for c in chunks if not c.is_decode]
