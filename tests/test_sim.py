@@ -274,7 +274,7 @@ def test_the_twin_calibrates_on_its_own_step_times() -> None:
 
 def test_against_real_runs_each_config_n_times_and_compares_with_their_median(
         capsys: pytest.CaptureFixture[str]) -> None:
-    from console.cli.bench import sim_vs_real
+    from console.cli.bench import _print_table, sim_vs_real
     from console.cli.main import main
 
     code = main(["bench", "--simulate", "h100", "--model", "synthetic:tiny", "--workload",
@@ -287,6 +287,12 @@ def test_against_real_runs_each_config_n_times_and_compares_with_their_median(
     assert set(agreement) == {"output_tok_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50",
                               "tpot_ms_p99"}
     assert all(len(a["real"]) == 2 for a in agreement.values())
+    # how fast the real steps ran against the predictor: a simulated step takes its prediction
+    assert report["runs"]["chunked"]["step_time_ratio"] == pytest.approx(1.0)
+    assert all(report["runs"][real]["step_time_ratio"] > 0
+               for real in ("chunked:real", "chunked:real2"))
+    _print_table(report)
+    assert "their steps took" in capsys.readouterr().out
     assert main(["bench", "--simulate", "h100", "--model", "synthetic:tiny",
                  "--against-real", "-1"]) == 2
     assert "at least 1" in capsys.readouterr().err

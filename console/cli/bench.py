@@ -259,6 +259,7 @@ def _run_report(name: str, config: EngineConfig, result: RunResult, probe: Engin
         "goodput": goodput(result, slo, prefill_s),
         "prediction_error": {"median_abs": statistics.median(errors) if errors else None,
                              "p90_abs": quantile(errors, 0.9)},
+        "step_time_ratio": result.step_time_ratio(),
     }
 
 
@@ -354,6 +355,12 @@ def _print_table(report: dict[str, Any]) -> None:
         print(f"{name} simulated against the median of {_reals(agreement)} real "
               "runs: " + ", ".join(f"{metric} {_signed(a['error'])}"
                                    for metric, a in agreement.items()))
+        ratios = [r["step_time_ratio"] for real, r in runs.items()
+                  if real.startswith(f"{name}:real") and r.get("step_time_ratio") is not None]
+        if ratios:
+            # a machine whose speed drifts since calibration moves every figure: say so
+            print(f"  their steps took {min(ratios):.2f}-{max(ratios):.2f}x the predicted "
+                  "time (median step; 1.00 = as calibrated)")
 
 
 def _reals(agreement: dict[str, Any]) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import statistics
 import time
 from bisect import insort
 from collections.abc import Callable
@@ -99,6 +100,13 @@ class RunResult:
         """Relative error of predicted against measured step time, per step."""
         return [(s.predicted_s - s.duration_s) / s.duration_s
                 for s in self.steps if s.duration_s > 0 and s.predicted_s > 0]
+
+    def step_time_ratio(self) -> float | None:
+        """The median step's measured over predicted time: how fast the machine ran against
+        its calibration (below 1: faster than when calibrated), whatever the shapes."""
+        ratios = [s.duration_s / s.predicted_s
+                  for s in self.steps if s.duration_s > 0 and s.predicted_s > 0]
+        return statistics.median(ratios) if ratios else None
 
     def summary(self) -> dict[str, Any]:
         records = list(self.records.values())
