@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -228,6 +229,24 @@ def test_a_fleet_replays_arrivals_across_replicas() -> None:
         assert record.first_scheduled >= record.arrival  # never before it arrives
         assert len(record.token_ids) == item.max_tokens
     assert fleet.summary()["replicas"][0]["requests"] == 4
+
+
+def test_arrivals_microseconds_apart_share_an_idle_replicas_first_step() -> None:
+    """A real engine wakes for an arrival a little late, and what arrived meanwhile joins the
+    step; a twin stepping at the first arrival's instant made the second wait a whole step."""
+    from engine.sim.fleet import HOST_WAKE_S
+
+    config = EngineConfig(model="synthetic:8b", max_num_batched_tokens=512)
+    first, second = _request(0, prompt=200, out=4), _request(1, prompt=200, out=4)
+    second = dataclasses.replace(second, arrival_s=first.arrival_s + 7e-6)
+    later = dataclasses.replace(_request(2, prompt=200, out=4), arrival_s=5.0)
+    fleet = run_fleet(config, resolve_target("h100", config), [first, second, later], 1,
+                      RoutePolicy.ROUND_ROBIN)
+    records = fleet.merged.records
+    assert records["q0"].first_scheduled == records["q1"].first_scheduled
+    assert records["q0"].scheduling_delay_s == pytest.approx(HOST_WAKE_S)
+    # one arriving alone to an idle replica waits for the wake-up only
+    assert records["q2"].scheduling_delay_s == pytest.approx(HOST_WAKE_S)
 
 
 def test_bench_simulate_prints_the_real_json_plus_what_was_simulated(
