@@ -96,16 +96,19 @@ class RunResult:
                                 sum(s.duration_s for s in decode), peaks.bandwidth),
         }
 
+    def _priced(self) -> list[tuple[float, float]]:
+        """(measured, predicted) seconds of each step that has both."""
+        return [(s.duration_s, s.predicted_s)
+                for s in self.steps if s.duration_s > 0 and s.predicted_s > 0]
+
     def prediction_errors(self) -> list[float]:
         """Relative error of predicted against measured step time, per step."""
-        return [(s.predicted_s - s.duration_s) / s.duration_s
-                for s in self.steps if s.duration_s > 0 and s.predicted_s > 0]
+        return [(predicted - measured) / measured for measured, predicted in self._priced()]
 
     def step_time_ratio(self) -> float | None:
         """The median step's measured over predicted time: how fast the machine ran against
         its calibration (below 1: faster than when calibrated), whatever the shapes."""
-        ratios = [s.duration_s / s.predicted_s
-                  for s in self.steps if s.duration_s > 0 and s.predicted_s > 0]
+        ratios = [measured / predicted for measured, predicted in self._priced()]
         return statistics.median(ratios) if ratios else None
 
     def summary(self) -> dict[str, Any]:
