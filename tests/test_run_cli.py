@@ -15,7 +15,9 @@ from typing import Any
 import pytest
 from sqlalchemy import select
 
-from console.cli.main import main
+from console.cli.engine_flags import engine_config
+from console.cli.main import build_parser, main
+from console.cli.run import RUN_BUDGET
 from engine import Engine, EngineConfig, SamplingParams
 from engine.store import open_database
 from engine.store.models import JournalRow
@@ -56,6 +58,15 @@ def test_run_with_a_bad_config_value_names_the_field(capsys: pytest.CaptureFixtu
     assert main(["run", "--model", "synthetic:tiny", "--max-num-batched-tokens", "0",
                  "--no-db"]) == 2
     assert "max_num_batched_tokens" in capsys.readouterr().err
+
+
+def test_a_batch_run_takes_vllms_offline_budget_and_serving_keeps_the_engines() -> None:
+    parser = build_parser()
+    assert engine_config(parser.parse_args(["run"])).max_num_batched_tokens == RUN_BUDGET == 4096
+    assert engine_config(parser.parse_args(
+        ["run", "--max-num-batched-tokens", "256"])).max_num_batched_tokens == 256
+    serving = engine_config(parser.parse_args(["serve"]))
+    assert serving.max_num_batched_tokens == EngineConfig().max_num_batched_tokens == 256
 
 
 @pytest.mark.parametrize("device", ["bogus", "mps"])
