@@ -9,11 +9,12 @@ word-level tokenizer both engines load. The workload is the shipped Azure conver
 every request at t = 0, prompts as token ids (so tokenization cannot differ), greedy, ignore_eos,
 each request's max_tokens from the trace. The runs, each `--repeat` times:
 
-- vllm-default: offline `LLM(model=DIR)`, its defaults, prefix caching off, dtype float32:
-  vLLM's own `auto` downcasts a float32 checkpoint to bfloat16 on CPU (`--vllm-dtype auto`
-  measures that; its tokens then differ from fp32's)
+- vllm-default: offline `LLM(model=DIR)`, its defaults (a 4096-token budget on CPU), prefix
+  caching off, dtype float32: vLLM's own `auto` downcasts a float32 checkpoint to bfloat16 on
+  CPU (`--vllm-dtype auto` measures that; its tokens then differ from fp32's)
 - vllm-256: the same with max_num_batched_tokens=256 (chunked prefill)
-- tokenflow-db: `tokenflow run`, journal on in a fresh `--db`
+- tokenflow-db: `tokenflow run` at its defaults (also 4096 tokens a step), journal on in a
+  fresh `--db`
 - tokenflow-nodb: `tokenflow run --no-db`
 - tokenflow-256: `tokenflow run --max-num-batched-tokens 256` (journal on)
 
