@@ -163,7 +163,7 @@ def bench(args: argparse.Namespace) -> int:
                                                   prefill_s)}
             if args.replicas == 1:
                 del report["runs"][name]["replicas"], report["runs"][name]["router"]
-        reals = [f"{name}:real{n if n > 1 else ''}" for n in range(1, args.against_real + 1)]
+        reals = _real_names(name, args.against_real)
         for real in reals:
             results[real] = _run(name, config, workload, args.hf_batch_size, calibration)
             report["runs"][real] = _run_report(real, config, results[real], probe, slo,
@@ -355,12 +355,17 @@ def _print_table(report: dict[str, Any]) -> None:
         print(f"{name} simulated against the median of {_reals(agreement)} real "
               "runs: " + ", ".join(f"{metric} {_signed(a['error'])}"
                                    for metric, a in agreement.items()))
-        ratios = [r["step_time_ratio"] for real, r in runs.items()
-                  if real.startswith(f"{name}:real") and r.get("step_time_ratio") is not None]
+        ratios = [runs[real]["step_time_ratio"] for real in _real_names(name, _reals(agreement))
+                  if runs[real].get("step_time_ratio") is not None]
         if ratios:
             # a machine whose speed drifts since calibration moves every figure: say so
             print(f"  their steps took {min(ratios):.2f}-{max(ratios):.2f}x the predicted "
                   "time (median step; 1.00 = as calibrated)")
+
+
+def _real_names(name: str, count: int) -> list[str]:
+    """The report's names for a config's real runs beside its simulation."""
+    return [f"{name}:real{n if n > 1 else ''}" for n in range(1, count + 1)]
 
 
 def _reals(agreement: dict[str, Any]) -> int:
