@@ -32,6 +32,7 @@ from engine.budget.calibrate import (
 )
 from engine.budget.drift import DriftMonitor, Job
 from engine.budget.predictor import StepTimePredictor
+from engine.budget.served import ServedCosts, ServedSample, measure_served
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.core.batch import Batch, ModelRunnerOutput, StepShape
 from engine.core.engine import Engine
@@ -519,6 +520,7 @@ def test_cli_calibrates_stores_and_flags_drift(tmp_path: Path, capsys: pytest.Ca
     assert 0 <= out["heldout_median_abs_error"] < 1
     assert out["previous_id"] == 1 and out["calibration_id"] == 2
     assert out["drift"]["kind"] == "drift" and out["drift"]["deviation"] > 0.4
+    assert out["served"]["steps"] > 0 and out["served"]["prefill_scale"] > 0  # a probe served
     database = open_database(db)
     with database.session() as session:
         assert len(calibration_history(session)) == 2
@@ -533,3 +535,54 @@ def test_cli_refuses_a_bad_database_before_loading(tmp_path: Path,
     bad.write_bytes(b"not sqlite at all")
     assert main(["calibrate", "--model", "synthetic:tiny", "--db", str(bad)]) == 2
     assert "not a SQLite database" in capsys.readouterr().err
+
+
+# --- what serving costs beyond the sweep --------------------------------------------------
+
+def test_the_served_probe_fits_host_time_and_prefill_steps_served_price() -> None:
+    """The engine's clock: each forward pass as TRUE prices it, a step with a prefill chunk
+    at 1.2x that, and scheduling that takes 1 ms + 0.1 ms a decode + 0.5 ms a prefill chunk;
+    the probe fits exactly those."""
+    steps = KnownSteps()
+    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32"),
+                    clock=steps)
+    forward, schedule = engine.runner.run, engine.scheduler.schedule
+
+    def run(batch: Batch) -> ModelRunnerOutput:
+        output = forward(batch)
+        steps.now += TRUE.predict(batch.shape()) * (1.2 if batch.prefills else 1.0)
+        return output
+
+    def scheduled() -> Batch:
+        batch = schedule()
+        if batch.prefills or batch.decodes:
+            steps.now += 1e-3 + 1e-4 * len(batch.decodes) + 5e-4 * len(batch.prefills)
+        return batch
+
+    engine.runner.run, engine.scheduler.schedule = run, scheduled
+    with pytest.raises(EngineError, match="apply it first"):
+        measure_served(engine)
+    apply(engine, TRUE)
+    costs = measure_served(engine)
+    assert costs.step_s == pytest.approx(1e-3)
+    assert costs.per_decode_s == pytest.approx(1e-4)
+    assert costs.per_prefill_chunk_s == pytest.approx(5e-4)
+    assert costs.prefill_scale == pytest.approx(1.2)
+    assert costs.steps > 20 and not engine.has_unfinished()
+    assert ServedCosts.from_dict(costs.to_dict()) == costs
+    engine.add_request([5] * 8, SamplingParams(max_tokens=2))
+    with pytest.raises(EngineError, match="idle engine"):
+        measure_served(engine)
+
+
+def test_served_costs_drop_a_step_that_lost_its_core() -> None:
+    samples = [ServedSample(chunks, decodes, 0.01, 0.01,
+                            0.01 + 1e-3 + 1e-4 * decodes + 5e-4 * chunks)
+               for chunks in (0, 1, 2) for decodes in (1, 4, 9, 16)]
+    samples.append(ServedSample(0, 4, 0.01, 0.01, 0.2))  # 190 ms of something else
+    costs = ServedCosts.fit(samples)
+    assert costs.step_s == pytest.approx(1e-3, rel=1e-6)
+    assert costs.steps == len(samples) - 1
+    assert costs.prefill_scale == 1.0
+    with pytest.raises(EngineError, match="at least 3"):
+        ServedCosts.fit(samples[:2])

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.budget.peaks import DevicePeaks, measure_peaks
+from engine.budget.predictor import StepTimePredictor
 from engine.budget.roofline import Roofline, step_estimate
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.core.batch import StepShape
@@ -324,3 +325,42 @@ def test_against_real_runs_each_config_n_times_and_compares_with_their_median(
                                        "real_median": 100.0, "error": pytest.approx(0.10)}
     assert figures["ttft_ms_p50"]["error"] == pytest.approx(-0.05)
     assert figures["ttft_ms_p99"]["error"] is None and figures["tpot_ms_p50"]["real"] == []
+
+
+def _flat_target(step_s: float, **changes: object) -> SimTarget:
+    """Every step takes `step_s`, priced by a calibrated predictor of one constant."""
+    flat = StepTimePredictor(constant_s=step_s, multi_token_s=0.0, per_token_s=0.0,
+                             per_prefill_chunk_s=0.0, per_decode_seq_s=0.0,
+                             per_prefill_pair_s=0.0, per_decode_context_s=0.0, points=1,
+                             source="flat")
+    target = SimTarget(spec="flat", device="sim:flat", dtype="float32",
+                       peaks=DevicePeaks("flat", 1e12, 1e11, "test"), kv_cache_bytes=1 << 30,
+                       predict=flat.predict, source="flat", calibration=flat)
+    return dataclasses.replace(target, **changes)
+
+
+def test_a_twin_charges_what_serving_cost_its_calibrated_host() -> None:
+    """Served costs (engine.budget.served): host time after every step, and a step with a
+    prefill chunk at its served price."""
+    from engine.budget.served import ServedCosts
+    from engine.sim.fleet import HOST_WAKE_S
+
+    config = EngineConfig(model="synthetic:tiny", device="cpu")
+    workload = [WorkloadRequest("one", 0.0, tuple(range(3, 35)), max_tokens=6,
+                                ignore_eos=True)]
+    served = ServedCosts(step_s=1e-3, per_decode_s=2e-4, per_prefill_chunk_s=5e-4,
+                         prefill_scale=2.0, steps=1)
+    plain = run_fleet(config, _flat_target(0.01), workload, 1, RoutePolicy.ROUND_ROBIN)
+    charged = run_fleet(config, _flat_target(0.01, served=served), workload, 1,
+                        RoutePolicy.ROUND_ROBIN)
+    before, after = plain.merged.records["one"], charged.merged.records["one"]
+    assert before.ttft_s == pytest.approx(HOST_WAKE_S + 0.01)
+    assert after.ttft_s == pytest.approx(HOST_WAKE_S + 0.02)  # the prefill at 2x
+    assert before.tpot_s == pytest.approx(0.01)
+    # each later token waits for the host after the step before (1 ms + 0.2 ms a decode;
+    # the prefill step's host time is 1.5 ms) and its own 10 ms step
+    gaps = after.inter_token_s()
+    assert gaps[0] == pytest.approx(1.5e-3 + 0.01)
+    assert gaps[1:] == pytest.approx([1.2e-3 + 0.01] * 4)
+    assert charged.merged.steps[0].duration_s == pytest.approx(0.02)
+

@@ -2,13 +2,16 @@
 
 Sweeps prefill chunks × context, decode batches × context and a few mixed steps on the
 engine's own model runner, fits the predictor on three quarters of the shapes and reports
-its error on the rest. The run, its table and the predictor go into the store; a table more
-than 10% off the last stored one for this model and device is also stored as a drift event.
+its error on the rest. Then it serves a short probe of mixed requests and fits what serving
+costs beyond the sweep (engine.budget.served), which the GPU twin charges. The run, its table
+and the predictor go into the store; a table more than 10% off the last stored one for this
+model and device is also stored as a drift event.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -18,9 +21,16 @@ from tqdm import tqdm
 
 from console.cli.db import add_db_argument
 from console.cli.engine_flags import add_engine_flags, engine_config
-from engine.budget.calibrate import CalibrationResult, calibrate, latest_for, save_result
+from engine.budget.calibrate import (
+    CalibrationResult,
+    apply,
+    calibrate,
+    latest_for,
+    save_result,
+)
 from engine.budget.drift import drift_event
 from engine.budget.predictor import StepTimePredictor
+from engine.budget.served import measure_served
 from engine.core.engine import Engine
 from engine.events import Drift
 from engine.store import Database, StoreWriter, open_database
@@ -47,6 +57,10 @@ def run(args: argparse.Namespace) -> int:
         engine = Engine(config)
         with _ProgressBar(args.progress) as progress:
             result = calibrate(engine, quick=args.quick, progress=progress)
+            if progress is not None:
+                progress(1.0, "serving a probe")
+            apply(engine, result.predictor)  # the probe's steps are priced by the new fit
+            result = dataclasses.replace(result, served=measure_served(engine))
         with database.session() as session:
             previous = latest_for(session, engine)
             drift = (drift_event(StepTimePredictor.from_dict(previous.params), result)
@@ -109,6 +123,12 @@ def _print_summary(result: CalibrationResult, s: dict[str, Any]) -> None:
     print(f"  peaks measured: {result.peaks.flops / 1e9:.1f} GFLOP/s, "
           f"{result.peaks.bandwidth / 1e9:.1f} GB/s; KV pool {kv.blocks}/{kv.total_blocks} "
           f"blocks free = {kv.capacity_tokens} tokens")
+    if result.served is not None:
+        c = result.served
+        print(f"  served: {c.step_s * 1e3:.2f} ms/step + {c.per_decode_s * 1e3:.3f} ms/decode + "
+              f"{c.per_prefill_chunk_s * 1e3:.2f} ms/prefill chunk of host time beyond the "
+              f"forward pass; steps with a prefill chunk ran {c.prefill_scale:.2f}x their "
+              f"sweep price against decode steps ({c.steps} served steps)")
     if s["drift"]:
         print(f"  DRIFT vs run #{s['previous_id']}: {s['drift']['detail']}")
     print(f"  {'kind':8} {'chunk':>5} {'ctx':>5} {'dec':>4} {'dctx':>5} {'ms':>9} "

@@ -29,6 +29,7 @@ from sqlalchemy.orm import Session
 
 from engine.budget.peaks import DevicePeaks
 from engine.budget.predictor import StepTimePredictor
+from engine.budget.served import ServedCosts
 from engine.config import SamplingParams
 from engine.core.batch import Batch, ScheduledChunk, StepShape
 from engine.core.engine import Engine
@@ -232,6 +233,9 @@ class CalibrationResult:
     points: tuple[CalibrationPoint, ...]
     skipped: tuple[Probe, ...]  # shapes the KV pool or max_model_len could not hold
     predictor: StepTimePredictor
+    # what serving cost beyond the sweep (engine.budget.served), where a probe was served:
+    # `tokenflow calibrate` serves one; a live engine's sweeps do not
+    served: ServedCosts | None = None
 
     @property
     def heldout_errors(self) -> tuple[float, ...]:
@@ -252,6 +256,7 @@ class CalibrationResult:
             "heldout_points": len(errors), "points": len(self.points),
             "peaks": asdict(self.peaks), "kv": asdict(self.kv),
             "predictor": self.predictor.to_dict(),
+            "served": None if self.served is None else self.served.to_dict(),
             "table": [p.to_dict() for p in self.points],
             "skipped": [asdict(p) for p in self.skipped],
         }

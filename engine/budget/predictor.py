@@ -209,7 +209,7 @@ def _best_knee(x: np.ndarray, tokens: np.ndarray, y: np.ndarray) -> tuple[float,
     best: tuple[float, float, np.ndarray] | None = None
     for knee in np.unique(np.concatenate([[1.0], tokens, grid[grid <= top]])):
         priced = _with_knee(x, tokens, float(knee))
-        coef = _nonnegative_relative_lstsq(priced, y)
+        coef = nonnegative_relative_lstsq(priced, y)
         error = float(np.sum((priced @ coef / y - 1) ** 2))
         if best is None or error < best[0] * (1 - 1e-9) - 1e-15:
             best = (error, float(knee), coef)
@@ -217,7 +217,7 @@ def _best_knee(x: np.ndarray, tokens: np.ndarray, y: np.ndarray) -> tuple[float,
     return best[1], best[2]
 
 
-def _nonnegative_relative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+def nonnegative_relative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """min ‖(x·c − y)/y‖ with c ≥ 0: solve, pin the most negative coefficient to zero,
     solve again over the rest (an active-set descent; seven features converge in a few)."""
     rows = x / y[:, None]

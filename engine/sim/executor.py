@@ -108,6 +108,9 @@ class SimulatedExecutor:
             raise EngineError(f"the KV budget ({target.kv_cache_bytes} bytes) holds no block of "
                               f"{per_block} bytes; raise kv_cache_bytes or use a larger GPU")
         self._never = frozenset(self.model_config.eos_token_id)
+        # the calibrated host's own time after the last step (engine.budget.served), which a
+        # virtual clock is moved on by (run_fleet); on a paced clock this host's passes anyway
+        self.host_s = 0.0
 
     @property
     def bytes_per_element(self) -> int:
@@ -123,7 +126,13 @@ class SimulatedExecutor:
         """Advance the clock by the predicted step time; a placeholder token per sampling
         chunk."""
         start = self.clock()
-        self.clock.advance_to(start + self.target.predict(batch.shape()))
+        shape = batch.shape()
+        seconds = self.target.predict(shape)
+        served = self.target.served
+        if served is not None:
+            seconds = served.forward_seconds(shape, seconds)
+            self.host_s = served.host_seconds(shape)
+        self.clock.advance_to(start + seconds)
         # a sampling chunk ends at its request's last token: start + num_tokens is the
         # request's num_tokens, without the property call per token
         tokens = {c.request.id: self._placeholder(c.start + c.num_tokens,

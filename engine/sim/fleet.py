@@ -22,7 +22,7 @@ from engine.config import EngineConfig
 from engine.core.engine import Engine
 from engine.harness.driver import Recorder, RunResult, add, idle
 from engine.harness.workload import WorkloadRequest
-from engine.sim.executor import VirtualClock, simulated_engine
+from engine.sim.executor import SimulatedExecutor, VirtualClock, simulated_engine
 from engine.sim.router import RoutePolicy, Router
 from engine.sim.target import SimTarget
 
@@ -78,6 +78,7 @@ def run_fleet(config: EngineConfig, target: SimTarget, workload: list[WorkloadRe
     router = Router(policy, replicas)
     clocks = [VirtualClock(start=0.0) for _ in range(replicas)]
     engines = [simulated_engine(config, target, clock) for clock in clocks]
+    executors = [_executor(engine) for engine in engines]
     recorders = [Recorder() for _ in range(replicas)]
     for engine, recorder in zip(engines, recorders, strict=True):
         engine.bus.subscribe(recorder)
@@ -97,14 +98,22 @@ def run_fleet(config: EngineConfig, target: SimTarget, workload: list[WorkloadRe
                 add(engines[i], item, arrival)
                 busy.add(i)
                 continue
-            _step(engines[behind], clocks[behind], recorders[behind], router)
+            _step(engines[behind], executors[behind], clocks[behind], recorders[behind],
+                  router)
             if not engines[behind].has_unfinished():
                 busy.discard(behind)
     results = tuple(r.result(c.now) for r, c in zip(recorders, clocks, strict=True))
     return FleetResult(results, policy, time.perf_counter() - started)
 
 
-def _step(engine: Engine, clock: VirtualClock, recorder: Recorder, router: Router) -> None:
+def _executor(engine: Engine) -> SimulatedExecutor:
+    runner = engine.runner
+    assert isinstance(runner, SimulatedExecutor)  # simulated_engine's
+    return runner
+
+
+def _step(engine: Engine, executor: SimulatedExecutor, clock: VirtualClock,
+          recorder: Recorder, router: Router) -> None:
     before = clock.now
     for output in engine.step():
         recorder.settle(output)
@@ -112,3 +121,5 @@ def _step(engine: Engine, clock: VirtualClock, recorder: Recorder, router: Route
             router.finished(output.request_id)
     if clock.now == before:
         idle(clock.sleep)
+    else:  # the calibrated host's own time around the step it ran (engine.budget.served)
+        clock.now += executor.host_s

@@ -23,6 +23,7 @@ from engine.budget.calibrate import latest_stored
 from engine.budget.cost_model import BudgetModel
 from engine.budget.peaks import DevicePeaks, measure_peaks
 from engine.budget.predictor import StepTimePredictor
+from engine.budget.served import ServedCosts
 from engine.config import ConfigError, EngineConfig
 from engine.core.batch import StepShape
 from engine.core.model_runner import CPU_KV_BYTES_DEFAULT, resolve_device, resolve_dtype
@@ -58,6 +59,9 @@ class SimTarget:
     predict: Predict = field(repr=False, compare=False)
     source: str  # where the step times come from, in words
     calibration: StepTimePredictor | None = None  # the stored fit, when predict is one
+    # what serving cost beyond the fit on the calibrated host (engine.budget.served), where
+    # the calibration served a probe: host time between steps, prefill steps' served price
+    served: ServedCosts | None = None
     details: dict[str, Any] = field(default_factory=dict)  # sizing and interconnect figures
     # "cpu" when it stands for this CPU: CPU-sized workloads and no GPU telemetry, as for real
     device_type: str = "sim"
@@ -70,6 +74,7 @@ class SimTarget:
         return {"spec": self.spec, "device": self.device, "predictor": self.predictor,
                 "source": self.source, "peak_flops": self.peaks.flops,
                 "peak_bandwidth": self.peaks.bandwidth, "kv_cache_bytes": self.kv_cache_bytes,
+                "served": None if self.served is None else self.served.to_dict(),
                 **self.details}
 
 
@@ -182,6 +187,7 @@ def _this(config: EngineConfig, session: Session) -> SimTarget:
     return SimTarget(spec="this", device=f"sim:{device}", dtype=dtype,
                      peaks=measure_peaks(str(device), resolve_dtype(dtype, device)),
                      kv_cache_bytes=kv, predict=predictor.predict, calibration=predictor,
+                     served=_served(record.info),
                      source=_calibration_source(record.id, record.created_at, predictor),
                      details={"calibration_id": record.id},
                      device_type="cpu" if device.type == "cpu" else "sim")
@@ -212,8 +218,16 @@ def _stored(spec: str, config: EngineConfig, session: Session) -> SimTarget:
         kv = int(info["kv"]["capacity_bytes"])
     return SimTarget(spec=spec, device=f"sim:{record.device}", dtype=info["dtype"], peaks=peaks,
                      kv_cache_bytes=kv, predict=predictor.predict, calibration=predictor,
+                     served=_served(info),
                      source=_calibration_source(record.id, record.created_at, predictor),
                      details={"calibration_id": record.id, "calibrated_device": peaks.name})
+
+
+def _served(info: dict[str, Any]) -> ServedCosts | None:
+    """A calibration's served costs; none where it served no probe (a live engine's, or one
+    stored before the probe existed)."""
+    served = info.get("served")
+    return None if served is None else ServedCosts.from_dict(served)
 
 
 def _calibration_source(record_id: int, created_at: float, predictor: StepTimePredictor,
