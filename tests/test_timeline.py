@@ -180,7 +180,12 @@ def test_slow_chunks_flags_the_requests_the_chunk_timeout_failed_as_slow_chunks(
                  if isinstance(e, Failed) and e.cause is FailCause.CHUNK_TIMEOUT}
     assert timed_out
     slow = observed.slow()
-    for request_id in timed_out:
+    # A request planned after the slow steps raised the engine's live step scale has a
+    # budget that already counts them, and may not overrun it: not every timed-out request
+    # is slow (on a slower machine, more are planned late). Every one that is, is slow chunks.
+    flagged = timed_out & slow.keys()
+    assert flagged, "no timed-out request was flagged slow"
+    for request_id in flagged:
         assert slow[request_id].cause == Cause.SLOW_CHUNKS, slow[request_id].verdict
         assert "then failed: chunk timeout" in slow[request_id].verdict
 
