@@ -238,18 +238,32 @@ class EventBus:
         self._front: list[Event] = []
         self._back: list[Event] = []
         self._lock = threading.Lock()
-        # replaced, never mutated: drain reads it per event with no copy, and a subscriber
-        # that (un)subscribes mid-drain changes only the events after the one it is hearing
-        self._subscribers: tuple[Subscriber, ...] = ()
+        # replaced, never mutated: a subscriber that (un)subscribes mid-drain changes only
+        # the events after the one it is hearing
+        self._subscribers: tuple[tuple[Subscriber, tuple[type[Event], ...]], ...] = ()
+        # event type -> the subscribers that hear it, in subscription order; built on first
+        # sight of a type and dropped whenever the subscribers change
+        self._routes: dict[type[Event], tuple[Subscriber, ...]] = {}
 
-    def subscribe(self, fn: Subscriber) -> Callable[[], None]:
-        self._subscribers = (*self._subscribers, fn)
+    def subscribe(self, fn: Subscriber, kinds: tuple[type[Event], ...] = ()
+                  ) -> Callable[[], None]:
+        """`fn` hears every event, or only those of `kinds` (subclasses included): most
+        events are a token per request per step, which a subscriber to a few kinds is then
+        never called for."""
+        self._subscribers = (*self._subscribers, (fn, kinds))
+        self._routes = {}
         return lambda: self._unsubscribe(fn)
 
     def _unsubscribe(self, fn: Subscriber) -> None:
         subscribers = list(self._subscribers)
-        subscribers.remove(fn)
+        subscribers.remove(next(s for s in subscribers if s[0] == fn))
         self._subscribers = tuple(subscribers)
+        self._routes = {}
+
+    def _route(self, kind: type[Event]) -> tuple[Subscriber, ...]:
+        route = self._routes[kind] = tuple(fn for fn, kinds in self._subscribers
+                                           if not kinds or issubclass(kind, kinds))
+        return route
 
     def publish(self, event: Event) -> None:
         if self._clock is not None:  # before any subscriber sees it; frozen for them
@@ -263,7 +277,8 @@ class EventBus:
             self._front, self._back = self._back, self._front
         delivered = self._back
         for event in delivered:
-            for fn in self._subscribers:
+            route = self._routes.get(type(event))  # read per event: see _subscribers
+            for fn in self._route(type(event)) if route is None else route:
                 fn(event)
         count = len(delivered)
         delivered.clear()

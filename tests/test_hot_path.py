@@ -11,11 +11,12 @@ from engine.budget.peaks import DevicePeaks
 from engine.config import EngineConfig, SamplingParams
 from engine.core.batch import RequestOutput, ScheduledChunk, StepShape
 from engine.core.request import Request
-from engine.events import EventBus, TokensGenerated
+from engine.events import EventBus, FailCause, Failed, StepComplete, TokensGenerated
 from engine.harness.driver import Recorder
 from engine.harness.workload import WorkloadRequest
 from engine.model.config import preset
 from engine.ops.guards import GuardInputs, Guards
+from engine.ops.metrics import Metrics
 
 
 def test_a_subscriber_that_leaves_mid_drain_hears_no_later_event() -> None:
@@ -34,6 +35,39 @@ def test_a_subscriber_that_leaves_mid_drain_hears_no_later_event() -> None:
         bus.publish(TokensGenerated(request_id=rid, token_ids=(1,)))
     assert bus.drain() == 2
     assert heard == ["once a", "all a", "all b"]
+
+
+def test_a_subscriber_to_some_kinds_hears_only_those_in_order_with_the_others() -> None:
+    bus = EventBus()
+    heard: list[str] = []
+    bus.subscribe(lambda e: heard.append(f"all {e.kind}"))
+    leave = bus.subscribe(lambda e: heard.append(f"steps {e.kind}"), (StepComplete,))
+    bus.subscribe(lambda e: heard.append(f"faults {e.kind}"), (Failed,))
+    bus.publish(TokensGenerated(request_id="a", token_ids=(1,)))
+    bus.publish(StepComplete(step=1, prefill_tokens=0, decode_seqs=1, duration_s=0.1))
+    bus.publish(Failed(request_id="a", reason="x", cause=FailCause.FAULT))
+    bus.drain()
+    assert heard == ["all tokens", "all step_complete", "steps step_complete", "all failed",
+                     "faults failed"]
+    heard.clear()
+    leave()  # the routes are rebuilt without it
+    bus.publish(StepComplete(step=2, prefill_tokens=0, decode_seqs=1, duration_s=0.1))
+    bus.drain()
+    assert heard == ["all step_complete"]
+
+
+def test_a_steps_output_tokens_enter_the_rate_window_with_its_step() -> None:
+    metrics, bus = Metrics(), EventBus()
+    metrics.subscribe_to(bus)
+    for step in range(1, 4):
+        for rid in ("a", "b"):
+            bus.publish(TokensGenerated(request_id=rid, token_ids=(step,), ts=float(step)))
+        bus.publish(StepComplete(step=step, prefill_tokens=5, decode_seqs=2, duration_s=1.0,
+                                 ts=float(step)))
+        bus.drain()
+    # 3 steps of 7 tokens, 2 of them output, over the 2 s since the first
+    assert metrics.rates(3.0) == (21 / 2, 6 / 2)
+    assert metrics.generation_tokens_total == 6 and metrics.itl.count == 4
 
 
 def _output(token_ids: tuple[int, ...], new: tuple[int, ...], finished: bool = False

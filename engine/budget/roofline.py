@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from engine.config import ConfigError
 from engine.core.batch import StepShape
@@ -23,8 +24,7 @@ from engine.core.batch import StepShape
 _BALANCED_TOLERANCE = 0.02
 
 
-@dataclass(frozen=True)
-class StepEstimate:
+class StepEstimate(NamedTuple):  # a tuple: made at least once a step
     tau_s: float
     compute_s: float
     memory_s: float

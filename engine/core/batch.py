@@ -12,8 +12,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from engine.core.request import Request
@@ -23,6 +22,20 @@ class SchedulerMode(enum.StrEnum):
     NORMAL = "NORMAL"
     CACHE_PRESSURE_WAIT = "CACHE_PRESSURE_WAIT"
     BANDWIDTH_THROTTLE = "BANDWIDTH_THROTTLE"
+
+
+class _memo:  # a decorator, named like the one it stands for
+    """functools.cached_property without Python 3.11's per-class lock, which a shape made
+    and priced every step paid on each first read."""
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self._fn, self._name = fn, fn.__name__
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        value = obj.__dict__[self._name] = self._fn(obj)  # later reads find it there
+        return value
 
 
 @dataclass(frozen=True)
@@ -36,8 +49,8 @@ class StepShape:
     prefill: tuple[tuple[int, int], ...] = ()
     decode_contexts: tuple[int, ...] = ()
 
-    # cached: the cost models read these several times for every shape they price
-    @cached_property
+    # memoised: the cost models read these several times for every shape they price
+    @_memo
     def prefill_tokens(self) -> int:
         return sum(chunk for chunk, _ in self.prefill)
 
@@ -51,7 +64,7 @@ class StepShape:
         """Rows of logits computed: one per prefill chunk end and one per decode."""
         return len(self.prefill) + len(self.decode_contexts)
 
-    @cached_property
+    @_memo
     def cached_tokens_read(self) -> int:
         """KV entries read from the cache: every token of context the step attends to."""
         return sum(before for _, before in self.prefill) + sum(self.decode_contexts)
@@ -65,7 +78,7 @@ class StepShape:
         """`count(self)`, kept under `key`: a shape never changes, so a count made once
         stands for every model that counts alike (the engine prices a step, a simulated
         executor times it, the step's event reports its FLOPs and bytes)."""
-        memo = self.__dict__  # beside cached_property's values, never a field
+        memo = self.__dict__  # beside the memoised properties, never a field
         value = memo.get(key)
         if value is None:
             value = memo[key] = count(self)
@@ -116,9 +129,9 @@ class Batch:
     def sampling(self) -> list[ScheduledChunk]:
         """The chunks that sample a token, in `chunks` order (the rows of the logits); found
         once, before the step's tokens are appended (the runner and the scheduler's update
-        both read it)."""
+        both read it). Every decode samples: it computes its request's last token."""
         if self._sampling is None:
-            self._sampling = [c for c in self.chunks if c.samples]
+            self._sampling = [c for c in self.prefills if c.samples] + self.decodes
         return self._sampling
 
     @property
@@ -143,8 +156,7 @@ class ModelRunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)
 
 
-@dataclass(frozen=True)
-class StepTiming:
+class StepTiming(NamedTuple):  # a tuple: made every step
     """When a step's forward pass and sampling ended, how long they took, what the budget
     model predicted."""
 

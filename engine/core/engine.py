@@ -95,9 +95,9 @@ class Engine:
                                    eos_token_ids=self.tokenizer.eos_token_ids,
                                    max_model_len=self.max_model_len)
         self.metrics = Metrics(config.stats_window_s)
-        self.bus.subscribe(self.metrics.observe)
+        self.metrics.subscribe_to(self.bus)
         self.guards = Guards()
-        self.bus.subscribe(self._observe)
+        self.bus.subscribe(self._observe, FAULT_EVENTS)
         self.step_count = 0
         self.cstar = CStar()  # C* from the smoothed decode load, once calibrated
         # measured / predicted prefill steps since calibration
@@ -295,8 +295,9 @@ class Engine:
         self.bus.publish(StepComplete(self.step_count, shape.prefill_tokens, len(batch.decodes),
                                       timing.duration_s, predicted, batch.mode.value,
                                       self.budget.flops(shape), bytes_moved))
-        runs = tuple(ChunkRun(c.request.id, c.request.chunks[-1].index, timing.duration_s)
-                     for c in batch.prefills if not c.request.state.is_final)
+        runs = tuple([ChunkRun(c.request.id, c.request.chunks[-1].index, timing.duration_s)
+                      for c in batch.prefills if not c.request.state.is_final]
+                     ) if batch.prefills else ()
         fragmentation = max(self.blocks.fragmentation(self.scheduler.requests.values()),
                             allocator_fragmentation(self.runner.device))
         self._apply(self.guards.evaluate(self._guard_inputs(fragmentation, runs)))
@@ -306,14 +307,13 @@ class Engine:
     def _guard_inputs(self, fragmentation: float | None = None,
                       chunks: tuple[ChunkRun, ...] = ()) -> GuardInputs:
         s = self.scheduler
-        # positional: twice a step, and a frozen dataclass's keywords cost a third more
         return GuardInputs(self.clock(), self.config, s.throttle_level, s.bandwidth_util,
                            fragmentation, chunks)
 
     def _observe(self, event: Event) -> None:
-        """A fault an event reports (breaker, drift, a request failed alone) is judged at once."""
-        # every event passes here (a token event per request per step): the type test first
-        if isinstance(event, FAULT_EVENTS) and self.guards.observe(event, self.clock):
+        """A fault an event reports (breaker, drift, a request failed alone) is judged at once;
+        subscribed to FAULT_EVENTS only."""
+        if self.guards.observe(event, self.clock):
             self._apply(self.guards.evaluate(self._guard_inputs()))
 
     def _apply(self, decisions: GuardDecisions) -> None:

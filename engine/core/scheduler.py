@@ -232,8 +232,10 @@ class Scheduler:
 
     def _schedule_prefills(self, batch: Batch, budget: int, chunk_cap: float) -> None:
         cfg = self.config
-        in_progress = sorted((r for r in self.running if r.state is RequestState.PREFILL_CHUNKING),
-                             key=self._queue_key)
+        chunking = RequestState.PREFILL_CHUNKING
+        in_progress = [r for r in self.running if r.state is chunking]
+        if len(in_progress) > 1:
+            in_progress.sort(key=self._queue_key)
         slots = cfg.max_prefill_chunks
         cap = THROTTLE_CONCURRENCY[self.throttle_level]
         if cap is not None:
@@ -439,19 +441,24 @@ class Scheduler:
         others go on."""
         self.steps += 1
         start = timing.end - timing.duration_s
-        prefill_tokens = sum(c.num_tokens for c in batch.prefills)
+        prefill_tokens = batch.shape().prefill_tokens
         self.step_log.append(StepRecord(start, timing.end, self.steps, batch.mode.value,
                                      self.throttle_level, self.prefill_paused,
-                                     tuple(c.request.id for c in batch.prefills),
+                                     tuple([c.request.id for c in batch.prefills]),
                                      len(batch.decodes)))
         cache = self.blocks.cache_full_blocks
         for chunk in batch.prefills:
             self._record_chunk(chunk, timing, start, len(batch.decodes),
                                prefill_tokens - chunk.num_tokens, batch.mode.value)
             cache(chunk.request)
+        block_size = self.blocks.block_size
         for chunk in batch.decodes:
-            chunk.request.num_computed_tokens += 1
-            cache(chunk.request)
+            request = chunk.request
+            request.num_computed_tokens += 1
+            # a decode fills a block only on its last slot: register it (and any block a
+            # cache that was off left unregistered) then, not on every token
+            if not request.num_computed_tokens % block_size:
+                cache(request)
         outputs = []
         for chunk in batch.sampling:
             request = chunk.request
@@ -474,9 +481,10 @@ class Scheduler:
             return "stop"
         if not params.ignore_eos and token in self.eos_token_ids:
             return "stop"
-        if len(request.output_token_ids) >= params.max_tokens:
+        generated = len(request.output_token_ids)
+        if generated >= params.max_tokens:
             return "length"
-        if request.num_tokens >= self.max_model_len:
+        if len(request.prompt_token_ids) + generated >= self.max_model_len:  # num_tokens
             return "length"
         return None
 

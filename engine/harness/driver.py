@@ -148,7 +148,10 @@ def _ms_percentiles(values: list[float]) -> dict[str, float | None]:
 
 
 class Recorder:
-    """Subscribes to one engine's events and keeps what a run summary needs."""
+    """Subscribes to one engine's events (`KINDS`) and keeps what a run summary needs."""
+
+    KINDS = (TokensGenerated, StepComplete, ChunkComplete, Preempted, SlowQuery,
+             PrefixCacheLookup)
 
     def __init__(self) -> None:
         self.records: dict[str, RequestRecord] = {}
@@ -163,7 +166,11 @@ class Recorder:
             case TokensGenerated():
                 record = self.records.get(event.request_id)
                 if record is not None:
-                    record.token_times.extend([event.ts] * len(event.token_ids))
+                    count = len(event.token_ids)
+                    if count == 1:  # a step's token: no list made for it
+                        record.token_times.append(event.ts)
+                    else:
+                        record.token_times.extend([event.ts] * count)
             case StepComplete():
                 self.steps.append(event)
             case ChunkComplete(chunk_index=0):
@@ -219,7 +226,7 @@ def drive(engine: Engine, workload: list[WorkloadRequest], *,
     """Serve `workload` as its arrivals come: `on_output` hears each output, `on_step` is
     called after each step once its outputs were heard (a supervisor's hold point)."""
     recorder = Recorder()
-    unsubscribe = engine.bus.subscribe(recorder)
+    unsubscribe = engine.bus.subscribe(recorder, Recorder.KINDS)
     ids = {w.request_id for w in workload}
     # follow-up turns wait for the turn they follow (one that is not in the workload, e.g.
     # done before a resume, is no reason to wait)

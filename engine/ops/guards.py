@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -35,8 +36,7 @@ LAYERS = ("breaker", "throttle", "defrag", "chunk_timeout", "drift", "degraded")
 TIMEOUT_GROWTH = 0.1  # seed 000 §6: timeout = base × (1 + 0.1 × chunk index)
 
 
-@dataclass(frozen=True)
-class ChunkRun:
+class ChunkRun(NamedTuple):  # a tuple: made at least once a step
     """A prefill chunk the last step ran, for layer 4."""
 
     request_id: str
@@ -44,8 +44,7 @@ class ChunkRun:
     duration_s: float
 
 
-@dataclass(frozen=True)
-class GuardInputs:
+class GuardInputs(NamedTuple):  # a tuple: made at least once a step
     now: float
     config: EngineConfig
     throttle_level: int

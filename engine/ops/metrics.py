@@ -10,10 +10,13 @@ import bisect
 import math
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from engine.events import (
     Event,
+    EventBus,
     Failed,
     Finished,
     Preempted,
@@ -123,62 +126,96 @@ class Metrics:
         self.recent_queried = _Window(window_s)  # prefix-cache lookups, in tokens
         self.recent_cached = _Window(window_s)
         self._rate: deque[tuple[float, int, int]] = deque()  # (ts, tokens, output tokens)
+        self._step_output = 0  # output tokens heard since the last StepComplete
         self._last_token_ts: dict[str, float] = {}
 
+    def subscribe_to(self, bus: EventBus) -> None:
+        """Hear `bus`'s events: each kind goes straight to its handler, and the kinds no
+        handler takes are never delivered."""
+        for kind, handler in self._handlers().items():
+            bus.subscribe(handler, (kind,))
+
     def observe(self, event: Event) -> None:
-        # one call per event, the lock around it all: the bus hands every event here
+        """One event, handed here by a caller without a bus."""
+        handler = self._handlers().get(type(event))
+        if handler is not None:
+            handler(event)
+
+    def _handlers(self) -> dict[type[Event], Callable[[Any], None]]:
+        return {TokensGenerated: self._on_tokens, StepComplete: self._on_step,
+                RequestAdded: self._on_added, Preempted: self._on_preempted,
+                Finished: self._on_finished, Rejected: self._on_rejected,
+                Failed: self._on_failed, SlowQuery: self._on_slow_query,
+                PrefixCacheLookup: self._on_prefix_lookup}
+
+    # each handler holds the lock: snapshots read on other threads
+    def _on_tokens(self, event: TokensGenerated) -> None:
+        # the commonest event, a token per request per step: the step's StepComplete follows
+        # its tokens and enters them in the rate window, once for them all
+        ts, count = event.ts, len(event.token_ids)
         with self._lock:
-            match event:  # the commonest first: a token event per request per step
-                case TokensGenerated():
-                    ts, count = event.ts, len(event.token_ids)
-                    self.generation_tokens_total += count
-                    self._rate.append((ts, 0, count))
-                    last = self._last_token_ts.get(event.request_id)
-                    if last is not None:
-                        self.itl.observe(ts - last)
-                        self.recent_itl.add(ts, ts - last)
-                    self._last_token_ts[event.request_id] = ts
-                    # the step's StepComplete follows its tokens and trims the rate window once
-                    # for them all (rates() reads only the window's span, trimmed or not)
-                    return
-                case StepComplete():
-                    tokens = event.prefill_tokens + event.decode_seqs
-                    self.iteration_tokens.observe(tokens)
-                    self.recent_step.add(event.ts, event.duration_s)
-                    self._rate.append((event.ts, tokens, 0))
-                case RequestAdded():
-                    self.prompt_tokens_total += len(event.prompt_token_ids)
-                case Preempted():
-                    self.preemptions_total += 1
-                case Finished():
-                    self._last_token_ts.pop(event.request_id, None)
-                    self.requests_finished_total += 1
-                    self.e2e.observe(event.e2e_s)
-                    if event.queue_wait_s is not None:
-                        self.recent_queue_wait.add(event.ts, event.queue_wait_s)
-                    if event.ttft_s is not None:
-                        self.ttft.observe(event.ttft_s)
-                        self.recent_ttft.add(event.ts, event.ttft_s)
-                        if event.generated_tokens > 1:
-                            tpot = (event.e2e_s - event.ttft_s) / (event.generated_tokens - 1)
-                            self.recent_tpot.add(event.ts, tpot)
-                    if event.budget_score is not None:
-                        self.budget_score.observe(event.budget_score)
-                case Rejected():
-                    self.requests_rejected_total += 1
-                case Failed():
-                    self._last_token_ts.pop(event.request_id, None)
-                    self.requests_failed_total += 1
-                case SlowQuery():
-                    self.slow_queries_total += 1
-                case PrefixCacheLookup():
-                    self.prefix_cache_queries_total += event.queried_tokens
-                    self.prefix_cache_hits_total += event.cached_tokens
-                    self.recent_queried.add(event.ts, event.queried_tokens)
-                    self.recent_cached.add(event.ts, event.cached_tokens)
+            self.generation_tokens_total += count
+            self._step_output += count
+            last = self._last_token_ts.get(event.request_id)
+            if last is not None:
+                self.itl.observe(ts - last)
+                self.recent_itl.add(ts, ts - last)
+            self._last_token_ts[event.request_id] = ts
+
+    def _on_step(self, event: StepComplete) -> None:
+        tokens = event.prefill_tokens + event.decode_seqs
+        with self._lock:
+            self.iteration_tokens.observe(tokens)
+            self.recent_step.add(event.ts, event.duration_s)
+            self._rate.append((event.ts, tokens, self._step_output))
+            self._step_output = 0
             horizon = event.ts - RATE_WINDOW_S
             while self._rate and self._rate[0][0] < horizon:
                 self._rate.popleft()
+
+    def _on_added(self, event: RequestAdded) -> None:
+        with self._lock:
+            self.prompt_tokens_total += len(event.prompt_token_ids)
+
+    def _on_preempted(self, event: Preempted) -> None:
+        with self._lock:
+            self.preemptions_total += 1
+
+    def _on_finished(self, event: Finished) -> None:
+        with self._lock:
+            self._last_token_ts.pop(event.request_id, None)
+            self.requests_finished_total += 1
+            self.e2e.observe(event.e2e_s)
+            if event.queue_wait_s is not None:
+                self.recent_queue_wait.add(event.ts, event.queue_wait_s)
+            if event.ttft_s is not None:
+                self.ttft.observe(event.ttft_s)
+                self.recent_ttft.add(event.ts, event.ttft_s)
+                if event.generated_tokens > 1:
+                    tpot = (event.e2e_s - event.ttft_s) / (event.generated_tokens - 1)
+                    self.recent_tpot.add(event.ts, tpot)
+            if event.budget_score is not None:
+                self.budget_score.observe(event.budget_score)
+
+    def _on_rejected(self, event: Rejected) -> None:
+        with self._lock:
+            self.requests_rejected_total += 1
+
+    def _on_failed(self, event: Failed) -> None:
+        with self._lock:
+            self._last_token_ts.pop(event.request_id, None)
+            self.requests_failed_total += 1
+
+    def _on_slow_query(self, event: SlowQuery) -> None:
+        with self._lock:
+            self.slow_queries_total += 1
+
+    def _on_prefix_lookup(self, event: PrefixCacheLookup) -> None:
+        with self._lock:
+            self.prefix_cache_queries_total += event.queried_tokens
+            self.prefix_cache_hits_total += event.cached_tokens
+            self.recent_queried.add(event.ts, event.queried_tokens)
+            self.recent_cached.add(event.ts, event.cached_tokens)
 
     def rates(self, now: float) -> tuple[float, float]:
         """(tokens/s, output tokens/s) over the last RATE_WINDOW_S seconds."""

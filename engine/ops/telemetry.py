@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from engine.errors import EngineError
 
@@ -27,8 +27,7 @@ class TelemetryError(EngineError):
     """A bandwidth source cannot be built or started."""
 
 
-@dataclass(frozen=True)
-class BandwidthReading:
+class BandwidthReading(NamedTuple):  # a tuple: made at least once a step
     util_5s: float  # fraction of peak memory bandwidth, averaged over the window
     source: str  # "nvml" | "model" | "injected"
 
@@ -39,8 +38,7 @@ class BandwidthSource(Protocol):
     def record(self, bytes_moved: float, duration_s: float) -> None: ...
 
 
-@dataclass(frozen=True)
-class _Step:
+class _Step(NamedTuple):  # a tuple: made at least once a step
     end: float
     bytes_moved: float
     duration_s: float

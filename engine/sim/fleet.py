@@ -81,7 +81,7 @@ def run_fleet(config: EngineConfig, target: SimTarget, workload: list[WorkloadRe
     executors = [_executor(engine) for engine in engines]
     recorders = [Recorder() for _ in range(replicas)]
     for engine, recorder in zip(engines, recorders, strict=True):
-        engine.bus.subscribe(recorder)
+        engine.bus.subscribe(recorder, Recorder.KINDS)
     pending = deque(sorted(workload, key=lambda w: w.arrival_s))
     busy: set[int] = set()
     with _fewer_collections():
