@@ -294,7 +294,7 @@ def test_the_twin_calibrates_on_its_own_step_times() -> None:
 
 def test_against_real_runs_each_config_n_times_and_compares_with_their_median(
         capsys: pytest.CaptureFixture[str]) -> None:
-    from console.cli.bench import _print_table, sim_vs_real
+    from console.cli.bench import _print_agreement, _print_table, sim_vs_real
     from console.cli.main import main
 
     code = main(["bench", "--simulate", "h100", "--model", "synthetic:tiny", "--workload",
@@ -314,6 +314,14 @@ def test_against_real_runs_each_config_n_times_and_compares_with_their_median(
                for real in ("chunked:real", "chunked:real2"))
     _print_table(report)
     assert "their steps took" in capsys.readouterr().out
+    # every run says how busy the machine was meanwhile, and a busy one is called out
+    assert all(set(run["host"]) == {"others_cpus", "steal", "load_1m", "quiet"}
+               for run in report["runs"].values())
+    report["runs"]["chunked:real2"]["host"] = {"others_cpus": 1.02, "steal": 0.031,
+                                               "load_1m": 2.1, "quiet": False}
+    _print_table(report)
+    assert ("chunked:real2 shared its machine: other processes used 1.02 CPUs, the hypervisor "
+            "stole 3%") in capsys.readouterr().out
     assert main(["bench", "--simulate", "h100", "--model", "synthetic:tiny",
                  "--against-real", "-1"]) == 2
     assert "at least 1" in capsys.readouterr().err
@@ -322,10 +330,21 @@ def test_against_real_runs_each_config_n_times_and_compares_with_their_median(
             for v in (90.0, 100.0, 130.0)]
     figures = sim_vs_real({"output_tok_s": 110.0, "ttft_ms": {"p50": 95.0, "p99": 1.0},
                            "tpot_ms": {"p50": 2.0, "p99": 3.0}}, runs)
-    assert figures["output_tok_s"] == {"sim": 110.0, "real": [90.0, 100.0, 130.0],
-                                       "real_median": 100.0, "error": pytest.approx(0.10)}
+    assert figures["output_tok_s"] == {
+        "sim": 110.0, "real": [90.0, 100.0, 130.0], "real_median": 100.0,
+        "error": pytest.approx(0.10), "tolerance": 0.10, "within": True,
+        # the yardstick's own agreement: each real run against the median of the other two
+        "real_vs_rest": [pytest.approx(90 / 115 - 1), pytest.approx(100 / 110 - 1),
+                         pytest.approx(130 / 95 - 1)]}
     assert figures["ttft_ms_p50"]["error"] == pytest.approx(-0.05)
-    assert figures["ttft_ms_p99"]["error"] is None and figures["tpot_ms_p50"]["real"] == []
+    assert figures["ttft_ms_p99"]["error"] is None and figures["ttft_ms_p99"]["within"] is None
+    assert figures["tpot_ms_p50"]["real"] == [] and figures["tpot_ms_p50"]["real_vs_rest"] == []
+    # the summary line counts the twin's figures and the real runs' against one another
+    _print_agreement({"runs": {"chunked:real": {}, "chunked:real2": {}, "chunked:real3": {}},
+                      "sim_vs_real": {"chunked": figures}})
+    printed = capsys.readouterr().out
+    assert "output_tok_s +10%," in printed and "ttft_ms_p50 -5%," in printed
+    assert "the twin 2 of 2 (100%); a real run against the median of the others 2 of 6" in printed
 
 
 def _flat_target(step_s: float, **changes: object) -> SimTarget:
