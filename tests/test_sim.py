@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -303,17 +304,25 @@ def test_against_real_runs_each_config_n_times_and_compares_with_their_median(
                  "--kv-cache-bytes", str(64 << 20), "--json", "--quiet"])
     assert code == 0
     report = json.loads(capsys.readouterr().out)
-    assert set(report["runs"]) == {"chunked", "chunked:real", "chunked:real2"}
+    # and the twin again at the real runs' median speed, to tell its misses from drift
+    assert set(report["runs"]) == {"chunked", "chunked:real", "chunked:real2",
+                                   "chunked:at-real-speed"}
+    reals = [report["runs"][r]["step_time_ratio"] for r in ("chunked:real", "chunked:real2")]
+    assert report["runs"]["chunked:at-real-speed"]["step_time_ratio"] == pytest.approx(
+        statistics.median(reals))
     agreement = report["sim_vs_real"]["chunked"]
     assert set(agreement) == {"output_tok_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50",
                               "tpot_ms_p99"}
-    assert all(len(a["real"]) == 2 for a in agreement.values())
+    assert all(len(a["real"]) == 2 and set(a["at_real_speed"]) == {"sim", "error", "within"}
+               for a in agreement.values())
     # how fast the real steps ran against the predictor: a simulated step takes its prediction
     assert report["runs"]["chunked"]["step_time_ratio"] == pytest.approx(1.0)
     assert all(report["runs"][real]["step_time_ratio"] > 0
                for real in ("chunked:real", "chunked:real2"))
     _print_table(report)
-    assert "their steps took" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "their steps took" in printed and "simulated at their median" in printed
+    assert "at the real runs' speed" in printed
     # every run says how busy the machine was meanwhile, and a busy one is called out
     assert all(set(run["host"]) == {"others_cpus", "steal", "load_1m", "quiet"}
                for run in report["runs"].values())
@@ -330,6 +339,7 @@ def test_against_real_runs_each_config_n_times_and_compares_with_their_median(
             for v in (90.0, 100.0, 130.0)]
     figures = sim_vs_real({"output_tok_s": 110.0, "ttft_ms": {"p50": 95.0, "p99": 1.0},
                            "tpot_ms": {"p50": 2.0, "p99": 3.0}}, runs)
+    assert "at_real_speed" not in figures["output_tok_s"]  # no rerun given
     assert figures["output_tok_s"] == {
         "sim": 110.0, "real": [90.0, 100.0, 130.0], "real_median": 100.0,
         "error": pytest.approx(0.10), "tolerance": 0.10, "within": True,
@@ -384,3 +394,17 @@ def test_a_twin_charges_what_serving_cost_its_calibrated_host() -> None:
     assert gaps[1:] == pytest.approx([1.2e-3 + 0.01] * 4)
     assert charged.merged.steps[0].duration_s == pytest.approx(0.02)
 
+
+
+def test_a_twin_of_a_drifted_machine_runs_its_steps_slow_but_predicts_the_fit() -> None:
+    """step_time_ratio: each step takes that many times its prediction, while the engine
+    still predicts the fit's time, as a real engine on a machine slower than at calibration."""
+    config = EngineConfig(model="synthetic:tiny", device="cpu")
+    workload = [WorkloadRequest("one", 0.0, tuple(range(3, 35)), max_tokens=6,
+                                ignore_eos=True)]
+    slow = run_fleet(config, _flat_target(0.01, step_time_ratio=1.5), workload, 1,
+                     RoutePolicy.ROUND_ROBIN).merged
+    assert [s.duration_s for s in slow.steps] == pytest.approx([0.015] * len(slow.steps))
+    assert [s.predicted_s for s in slow.steps] == pytest.approx([0.01] * len(slow.steps))
+    assert slow.step_time_ratio() == pytest.approx(1.5)
+    assert slow.records["one"].tpot_s == pytest.approx(0.015)

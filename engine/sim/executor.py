@@ -132,7 +132,7 @@ class SimulatedExecutor:
         if served is not None:
             seconds = served.forward_seconds(shape, seconds)
             self.host_s = served.host_seconds(shape)
-        self.clock.advance_to(start + seconds)
+        self.clock.advance_to(start + seconds * self.target.step_time_ratio)
         # a sampling chunk ends at its request's last token: start + num_tokens is the
         # request's num_tokens, without the property call per token
         tokens = {c.request.id: self._placeholder(c.start + c.num_tokens,

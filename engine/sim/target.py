@@ -65,6 +65,9 @@ class SimTarget:
     details: dict[str, Any] = field(default_factory=dict)  # sizing and interconnect figures
     # "cpu" when it stands for this CPU: CPU-sized workloads and no GPU telemetry, as for real
     device_type: str = "sim"
+    # a step takes this many times its predicted time while the engine still predicts the
+    # fit's: the twin of a machine that drifted since calibration (1.3: ran 30% slow)
+    step_time_ratio: float = 1.0
 
     @property
     def predictor(self) -> str:
@@ -75,6 +78,8 @@ class SimTarget:
                 "source": self.source, "peak_flops": self.peaks.flops,
                 "peak_bandwidth": self.peaks.bandwidth, "kv_cache_bytes": self.kv_cache_bytes,
                 "served": None if self.served is None else self.served.to_dict(),
+                **({} if self.step_time_ratio == 1.0
+                   else {"step_time_ratio": self.step_time_ratio}),
                 **self.details}
 
 
