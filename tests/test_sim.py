@@ -23,7 +23,7 @@ from engine.sim.executor import SimulatedExecutor, VirtualClock, simulated_engin
 from engine.sim.fleet import run_fleet
 from engine.sim.gpus import GPUS, NVLINK4
 from engine.sim.router import RoutePolicy, Router
-from engine.sim.target import Deployment, SimTarget, resolve_target
+from engine.sim.target import Deployment, SimTarget, StepTimeRatios, resolve_target
 
 # --- seed 003 §6·补一: a 4,096-token prompt beside 32 decodes at 2,048 tokens --------------
 
@@ -307,9 +307,12 @@ def test_against_real_runs_each_config_n_times_and_compares_with_their_median(
     # and the twin again at the real runs' median speed, to tell its misses from drift
     assert set(report["runs"]) == {"chunked", "chunked:real", "chunked:real2",
                                    "chunked:at-real-speed"}
-    reals = [report["runs"][r]["step_time_ratio"] for r in ("chunked:real", "chunked:real2")]
-    assert report["runs"]["chunked:at-real-speed"]["step_time_ratio"] == pytest.approx(
-        statistics.median(reals))
+    for kind in ("prefill", "decode"):  # the twin's steps at the real ones' measured speeds
+        reals = [report["runs"][r]["step_time_ratios"][kind]
+                 for r in ("chunked:real", "chunked:real2")]
+        matched = report["runs"]["chunked:at-real-speed"]
+        assert matched["step_time_ratios"][kind] == pytest.approx(statistics.median(reals))
+        assert matched["target_drift"][kind] == pytest.approx(statistics.median(reals))
     agreement = report["sim_vs_real"]["chunked"]
     assert set(agreement) == {"output_tok_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50",
                               "tpot_ms_p99"}
@@ -321,7 +324,7 @@ def test_against_real_runs_each_config_n_times_and_compares_with_their_median(
                for real in ("chunked:real", "chunked:real2"))
     _print_table(report)
     printed = capsys.readouterr().out
-    assert "their steps took" in printed and "simulated at their median" in printed
+    assert "their steps took" in printed and "simulated at their median speeds" in printed
     assert "at the real runs' speed" in printed
     # every run says how busy the machine was meanwhile, and a busy one is called out
     assert all(set(run["host"]) == {"others_cpus", "steal", "load_1m", "quiet"}
@@ -397,14 +400,21 @@ def test_a_twin_charges_what_serving_cost_its_calibrated_host() -> None:
 
 
 def test_a_twin_of_a_drifted_machine_runs_its_steps_slow_but_predicts_the_fit() -> None:
-    """step_time_ratio: each step takes that many times its prediction, while the engine
-    still predicts the fit's time, as a real engine on a machine slower than at calibration."""
+    """drift: steps take those times their predictions (prefill and decode-only steps apart),
+    while the engine still predicts the fit's time, as a real engine on a machine slower than
+    at calibration; measured ratios replace the served prefill scale."""
+    from engine.budget.served import ServedCosts
+
     config = EngineConfig(model="synthetic:tiny", device="cpu")
     workload = [WorkloadRequest("one", 0.0, tuple(range(3, 35)), max_tokens=6,
                                 ignore_eos=True)]
-    slow = run_fleet(config, _flat_target(0.01, step_time_ratio=1.5), workload, 1,
-                     RoutePolicy.ROUND_ROBIN).merged
-    assert [s.duration_s for s in slow.steps] == pytest.approx([0.015] * len(slow.steps))
-    assert [s.predicted_s for s in slow.steps] == pytest.approx([0.01] * len(slow.steps))
-    assert slow.step_time_ratio() == pytest.approx(1.5)
+    served = ServedCosts(step_s=0.0, per_decode_s=0.0, per_prefill_chunk_s=0.0,
+                         prefill_scale=3.0, steps=1)
+    slow = run_fleet(config, _flat_target(0.01, served=served,
+                                          drift=StepTimeRatios(prefill=2.0, decode=1.5)),
+                     workload, 1, RoutePolicy.ROUND_ROBIN).merged
+    assert [s.duration_s for s in slow.steps] == pytest.approx([0.02] + [0.015] * 5)
+    assert [s.predicted_s for s in slow.steps] == pytest.approx([0.01] * 6)
+    assert slow.step_time_ratio(prefill=True) == pytest.approx(2.0)
+    assert slow.step_time_ratio(prefill=False) == pytest.approx(1.5)
     assert slow.records["one"].tpot_s == pytest.approx(0.015)

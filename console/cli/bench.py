@@ -54,7 +54,7 @@ from engine.serve.session import EngineSession
 from engine.sim.executor import VirtualClock, simulated_engine
 from engine.sim.fleet import FleetResult, run_fleet
 from engine.sim.router import RoutePolicy
-from engine.sim.target import SimTarget, resolve_target
+from engine.sim.target import SimTarget, StepTimeRatios, resolve_target
 from engine.stats import ms, quantile
 from engine.store import open_database
 
@@ -170,18 +170,19 @@ def bench(args: argparse.Namespace) -> int:
                                     "host": meter.reading().to_dict()}
         if reals and sim is not None:
             real_runs = [report["runs"][real] for real in reals]
-            ratios = [r["step_time_ratio"] for r in real_runs if r["step_time_ratio"]]
+            drift = _drift(real_runs)
             matched = None
-            if ratios:
+            if drift is not None:
                 # the same twin on a machine as fast as the real runs found it: what is left
                 # of the disagreement is the twin's, not the machine's drift since calibration
-                paced = dataclasses.replace(sim, target=dataclasses.replace(
-                    sim.target, step_time_ratio=statistics.median(ratios)))
+                paced = dataclasses.replace(sim, target=dataclasses.replace(sim.target,
+                                                                            drift=drift))
                 meter = HostLoadMeter()
                 results[f"{name}:at-real-speed"], matched = paced.report(
                     name, config, workload, probe, slo, prefill_s)
                 report["runs"][f"{name}:at-real-speed"] = {
-                    **matched, "host": meter.reading().to_dict()}
+                    **matched, "target_drift": drift._asdict(),
+                    "host": meter.reading().to_dict()}
             report.setdefault("sim_vs_real", {})[name] = sim_vs_real(
                 report["runs"][name], real_runs, matched)
     if args.capacity:
@@ -193,6 +194,19 @@ def bench(args: argparse.Namespace) -> int:
     else:
         _print_table(report)
     return 0
+
+
+def _drift(real_runs: list[dict[str, Any]]) -> StepTimeRatios | None:
+    """The real runs' median step time ratios, prefill and decode-only steps apart."""
+    medians = []
+    for kind in ("prefill", "decode"):
+        ratios = [r["step_time_ratios"][kind] for r in real_runs
+                  if r["step_time_ratios"][kind] is not None]
+        medians.append(statistics.median(ratios) if ratios else None)
+    prefill, decode = medians
+    if prefill is None and decode is None:
+        return None
+    return StepTimeRatios(prefill or decode or 1.0, decode or prefill or 1.0)
 
 
 def _probe_config(base: EngineConfig) -> EngineConfig:
@@ -285,6 +299,8 @@ def _run_report(name: str, config: EngineConfig, result: RunResult, probe: Engin
         "prediction_error": {"median_abs": statistics.median(errors) if errors else None,
                              "p90_abs": quantile(errors, 0.9)},
         "step_time_ratio": result.step_time_ratio(),
+        "step_time_ratios": {"prefill": result.step_time_ratio(prefill=True),
+                             "decode": result.step_time_ratio(prefill=False)},
     }
 
 
@@ -469,8 +485,10 @@ def _print_agreement(report: dict[str, Any]) -> None:
             # a machine whose speed drifts since calibration moves every figure: say so
             print(f"  their steps took {min(ratios):.2f}-{max(ratios):.2f}x the predicted "
                   "time (median step; 1.00 = as calibrated)")
-        if any("at_real_speed" in a for a in agreement.values()):
-            print(f"  simulated at their median {statistics.median(ratios):.2f}x: "
+        drift = runs.get(f"{name}:at-real-speed", {}).get("target_drift")
+        if drift is not None:
+            print(f"  simulated at their median speeds (prefill steps {drift['prefill']:.2f}x, "
+                  f"decode steps {drift['decode']:.2f}x): "
                   + _errors({m: a["at_real_speed"] for m, a in agreement.items()}))
     if agreements:
         counts = _within_counts(list(agreements.values()))

@@ -96,19 +96,23 @@ class RunResult:
                                 sum(s.duration_s for s in decode), peaks.bandwidth),
         }
 
-    def _priced(self) -> list[tuple[float, float]]:
-        """(measured, predicted) seconds of each step that has both."""
-        return [(s.duration_s, s.predicted_s)
-                for s in self.steps if s.duration_s > 0 and s.predicted_s > 0]
+    def _priced(self, prefill: bool | None = None) -> list[tuple[float, float]]:
+        """(measured, predicted) seconds of each step that has both; `prefill` True or False
+        keeps the steps with a prefill chunk, or the decode-only ones."""
+        return [(s.duration_s, s.predicted_s) for s in self.steps
+                if s.duration_s > 0 and s.predicted_s > 0
+                and (prefill is None or bool(s.prefill_tokens) == prefill)]
 
     def prediction_errors(self) -> list[float]:
         """Relative error of predicted against measured step time, per step."""
         return [(predicted - measured) / measured for measured, predicted in self._priced()]
 
-    def step_time_ratio(self) -> float | None:
+    def step_time_ratio(self, prefill: bool | None = None) -> float | None:
         """The median step's measured over predicted time: how fast the machine ran against
-        its calibration (below 1: faster than when calibrated), whatever the shapes."""
-        ratios = [measured / predicted for measured, predicted in self._priced()]
+        its calibration (below 1: faster than when calibrated), over every step or (`prefill`
+        True, False) over the steps with a prefill chunk or the decode-only ones: compute and
+        memory bandwidth drift apart, and so do those two."""
+        ratios = [measured / predicted for measured, predicted in self._priced(prefill)]
         return statistics.median(ratios) if ratios else None
 
     def summary(self) -> dict[str, Any]:

@@ -127,12 +127,16 @@ class SimulatedExecutor:
         chunk."""
         start = self.clock()
         shape = batch.shape()
-        seconds = self.target.predict(shape)
-        served = self.target.served
+        target = self.target
+        seconds = target.predict(shape)
+        served, drift = target.served, target.drift
         if served is not None:
-            seconds = served.forward_seconds(shape, seconds)
             self.host_s = served.host_seconds(shape)
-        self.clock.advance_to(start + seconds * self.target.step_time_ratio)
+        if drift is not None:  # measured speeds, the served prefill scale's included
+            seconds *= drift.prefill if shape.prefill else drift.decode
+        elif served is not None:
+            seconds = served.forward_seconds(shape, seconds)
+        self.clock.advance_to(start + seconds)
         # a sampling chunk ends at its request's last token: start + num_tokens is the
         # request's num_tokens, without the property call per token
         tokens = {c.request.id: self._placeholder(c.start + c.num_tokens,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy.orm import Session
 
@@ -47,6 +47,15 @@ CALIBRATION_PREFIX = "calibration:"
 Predict = Callable[[StepShape], float]
 
 
+class StepTimeRatios(NamedTuple):
+    """Measured over predicted time of the median step with a prefill chunk, and of the
+    median decode-only step (1.3: 30% slower than calibrated). Apart, because compute and
+    memory bandwidth drift apart on a shared machine."""
+
+    prefill: float
+    decode: float
+
+
 @dataclass(frozen=True)
 class SimTarget:
     """A simulated device: how it is labelled, how fast it is, how much KV it holds."""
@@ -65,9 +74,9 @@ class SimTarget:
     details: dict[str, Any] = field(default_factory=dict)  # sizing and interconnect figures
     # "cpu" when it stands for this CPU: CPU-sized workloads and no GPU telemetry, as for real
     device_type: str = "sim"
-    # a step takes this many times its predicted time while the engine still predicts the
-    # fit's: the twin of a machine that drifted since calibration (1.3: ran 30% slow)
-    step_time_ratio: float = 1.0
+    # steps take these times their predictions while the engine still predicts the fit's:
+    # the twin of a machine that drifted since calibration, as a real run measured it
+    drift: StepTimeRatios | None = None
 
     @property
     def predictor(self) -> str:
@@ -78,8 +87,7 @@ class SimTarget:
                 "source": self.source, "peak_flops": self.peaks.flops,
                 "peak_bandwidth": self.peaks.bandwidth, "kv_cache_bytes": self.kv_cache_bytes,
                 "served": None if self.served is None else self.served.to_dict(),
-                **({} if self.step_time_ratio == 1.0
-                   else {"step_time_ratio": self.step_time_ratio}),
+                **({} if self.drift is None else {"drift": self.drift._asdict()}),
                 **self.details}
 
 
