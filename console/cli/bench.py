@@ -461,7 +461,7 @@ def _relative(value: float | None, yardstick: list[float]) -> float | None:
     return value / median - 1 if value is not None and median else None
 
 
-def _within_counts(agreements: list[dict[str, Any]]) -> dict[str, tuple[int, int]]:
+def within_counts(agreements: list[dict[str, Any]]) -> dict[str, tuple[int, int]]:
     """(figures within tolerance, figures judged) for the twin, the twin at the real runs'
     speed, and each real run against the median of the others."""
     figures = [a for agreement in agreements for a in agreement.values()]
@@ -491,7 +491,7 @@ def _print_agreement(report: dict[str, Any]) -> None:
                   f"decode steps {drift['decode']:.2f}x): "
                   + _errors({m: a["at_real_speed"] for m, a in agreement.items()}))
     if agreements:
-        counts = _within_counts(list(agreements.values()))
+        counts = within_counts(list(agreements.values()))
         parts = [f"the twin {_share(*counts['twin'])}"]
         if counts["at_real_speed"][1]:
             parts.append(f"at the real runs' speed {_share(*counts['at_real_speed'])}")
