@@ -426,8 +426,9 @@ def sim_vs_real(sim: dict[str, Any], reals: list[dict[str, Any]],
     noisy yardstick. `error` is sim / median − 1; `within` whether it is inside the figure's
     tolerance. `real_vs_rest` holds each real run against the median of the others, the same
     test a real run would face in the twin's place: how far the yardstick itself agrees.
-    `matched`, the twin rerun at the real runs' median step time ratio, faces the same test
-    (`at_real_speed`): what it misses is the twin's, not the machine's drift."""
+    `matched`, the twin rerun at the real runs' median step time ratios (prefill and
+    decode-only steps apart), faces the same test (`at_real_speed`): what it misses is the
+    twin's, not the machine's drift."""
     def pick(run: dict[str, Any], field: str, q: str | None) -> float | None:
         return run[field] if q is None else (run[field] or {}).get(q)
 
