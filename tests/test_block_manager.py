@@ -156,7 +156,7 @@ def test_shared_blocks_are_never_freed_or_moved_under_a_reader(ops) -> None:
             blocks.release(request)
             for block in held:  # a block another request still reads stays out of the pool
                 still_read = any(block in r.block_table for r in live)
-                assert still_read == (block not in blocks._free)
+                assert still_read == (not blocks.is_free(block))
         elif kind == "compact":
             before = {r.id: [pool.content[b] for b in r.block_table] for r in live}
             blocks.compact(live, pool.move)
@@ -201,3 +201,49 @@ def test_turning_caching_off_drops_every_hash() -> None:
     again = Request("b", list(range(3, 12)), SamplingParams(max_tokens=1), 0.0)
     assert blocks.take_cached(again) == 0 and blocks.num_cached == 0
     blocks.check_consistent([first])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(prefix_ops.filter(lambda op: op[0] != "compact"), min_size=1, max_size=40))
+def test_blocks_are_handed_out_in_free_list_order(ops) -> None:
+    """The free list kept in parts (a stack, an untouched range, an LRU) hands out exactly
+    the blocks that one list of every block would: unhashed releases in front, hashed ones
+    at the back, cached hits taken out wherever they are."""
+    blocks = BlockManager(POOL, BLOCK)
+    reference = list(range(POOL))  # the free list, next to allocate first
+    live: list[Request] = []
+    systems = ([7] * 9, [8, 9] * 5)
+    for n, (kind, a, tokens) in enumerate(ops):
+        if kind == "admit":
+            request = Request(f"r{n}", systems[a] + tokens, SamplingParams(max_tokens=1), 0.0)
+            blocks.take_cached(request)
+            for block in request.block_table:
+                if block in reference:
+                    reference.remove(block)
+            live.append(request)
+        elif kind == "compute" and live:
+            request = live[a % len(live)]
+            step = min(tokens, request.num_pending)
+            if step and blocks.can_grow(request, step):
+                held = len(request.block_table)
+                blocks.grow(request, step)
+                handed = request.block_table[held:]
+                assert handed == reference[:len(handed)]
+                del reference[:len(handed)]
+                request.num_computed_tokens += step
+                blocks.cache_full_blocks(request)
+        elif kind == "release" and live:
+            request = live.pop(a % len(live))
+            table = list(request.block_table)
+            hashed = {b: blocks._hash_of[b] is not None for b in table}
+            blocks.release(request)
+            for block in reversed(table):
+                if blocks.is_free(block) and block not in reference:
+                    if hashed[block]:
+                        reference.append(block)
+                    else:
+                        reference.insert(0, block)
+        elif kind == "toggle":
+            blocks.set_caching(not blocks.enable_caching)
+        assert blocks.num_free == len(reference)
+        blocks.check_consistent(live)

