@@ -406,6 +406,13 @@ def _real_names(name: str, count: int) -> list[str]:
     return [f"{name}:real{n if n > 1 else ''}" for n in range(1, count + 1)]
 
 
+def real_runs(report: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    """The real runs of configuration `name` that an `--against-real` report kept, to judge
+    another twin against the same runs (benchmarks/twin_validation.py --against)."""
+    runs = report["runs"]
+    return [runs[real] for real in _real_names(name, len(runs)) if real in runs]
+
+
 def _reals(agreement: dict[str, Any]) -> int:
     return max(len(a["real"]) for a in agreement.values())
 
