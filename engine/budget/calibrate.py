@@ -102,12 +102,9 @@ class SweepPlan:
 # CPU shapes stay within a 20M-parameter model's reach (~1-2 ms per token); the GPU ones
 # reach the chunk sizes and batches where an 8B model turns compute bound. --quick keeps the
 # 5 warm-up runs of pitfall 9 and takes the median of 5 timed runs instead of 20.
-# The full CPU sweep times every decode count to 9, where served steps mostly are (1-5
-# decodes on the conversation trace): our CPU GEMM's cost steps with its 8-row passes (3
-# decodes ran 12% over the line, 8 ran 18% under it), so the line is fitted where it is
-# used most. Judged on the same four sets of real runs, three calibrations of this sweep
-# met 102, 96 and 84 of 120 tolerances and one of the 61-shape sweep 90: calibrations
-# differ among themselves by more than the sweeps do (README, the GPU twin).
+# The full CPU sweep times every decode count to 9, where served steps mostly are: our CPU
+# GEMM's cost steps with its 8-row passes, so the line is fitted where it is used most
+# (figures in the README's GPU twin section).
 PLANS: dict[tuple[str, bool], SweepPlan] = {
     ("cpu", True): SweepPlan(
         prefill_chunks=(16, 32, 64, 128, 256), prefill_contexts=(0, 512),
