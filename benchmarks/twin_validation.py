@@ -10,8 +10,9 @@ one), then runs `tokenflow bench --simulate this --against-real N` on the conver
 (64 requests) and on `mixed` (32), each at budgets 64, 256 and 512. Prints one markdown table,
 each cell "the twin / the twin at the real runs' speeds", with misses in bold. Then it prints
 how many figures were within tolerance for the twin, for the twin at the real runs' speeds,
-and for each real run against the median of the others. The bench JSON of each workload is
-kept in `--out`. Run it on a quiet machine: any run that shared its machine is named at the
+and for each real run against the median of the others, in all and for each run on its own:
+a run of the machine itself in the twin's place. The bench JSON of each workload is kept in
+`--out`. Run it on a quiet machine: any run that shared its machine is named at the
 end.
 
 With `--against DIR` (the `--out` of an earlier pass) nothing runs for real: the twin of
@@ -28,7 +29,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from console.cli.bench import AGREEMENT, real_runs, sim_vs_real, within_counts
+from console.cli.bench import (
+    AGREEMENT,
+    real_runs,
+    sim_vs_real,
+    within_counts,
+    within_tolerance,
+)
 
 WORKLOADS = (("conv", 64), ("mixed", 32))
 BUDGETS = (("b64", 64), ("chunked", 256), ("b512", 512))
@@ -108,10 +115,26 @@ def _print(reports: dict[str, dict[str, Any]]) -> None:
     for who, (inside, judged) in within_counts(agreements).items():
         if judged:
             print(f"{WHO[who]}: {inside} of {judged} within tolerance")
+    each = _each_real(agreements)
+    if each:
+        print("each real run so judged: " + ", ".join(str(inside) for inside, _ in each)
+              + f" of {each[0][1]} (the twin's test, passed by {sum(i == n for i, n in each)} "
+              f"of {len(each)})")
     busy = [f"{workload} {name}" for workload, report in reports.items()
             for name, run in report["runs"].items() if not run["host"]["quiet"]]
     if busy:
         print("shared its machine (rerun on a quiet one): " + ", ".join(busy))
+
+
+def _each_real(agreements: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """(figures within tolerance, figures judged) for each real run against the median of
+    the others: a run of the machine itself in the twin's place, on every figure at once."""
+    each: dict[int, list[bool]] = {}
+    for figure in (f for agreement in agreements for f in agreement.values()):
+        for i, error in enumerate(figure["real_vs_rest"]):
+            if error is not None:
+                each.setdefault(i, []).append(within_tolerance(error, figure["tolerance"]))
+    return [(sum(within), len(within)) for _, within in sorted(each.items())]
 
 
 def _cell(judged: dict[str, Any]) -> str:

@@ -455,12 +455,13 @@ def sim_vs_real(sim: dict[str, Any], reals: list[dict[str, Any]],
 
 def _judged(value: float | None, real: list[float], tolerance: float) -> dict[str, Any]:
     error = _relative(value, real)
-    # to 0.01%, so that 110 against 100 is within 10% despite binary fractions
     return {"sim": value, "error": error,
-            "within": None if error is None else _inside(error, tolerance)}
+            "within": None if error is None else within_tolerance(error, tolerance)}
 
 
-def _inside(error: float, tolerance: float) -> bool:
+def within_tolerance(error: float, tolerance: float) -> bool:
+    """Whether a relative error is inside its tolerance, to 0.01% (110 against 100 is within
+    10% despite binary fractions)."""
     return round(abs(error), 4) <= tolerance
 
 
@@ -476,7 +477,7 @@ def within_counts(agreements: list[dict[str, Any]]) -> dict[str, tuple[int, int]
     twin = [a["within"] for a in figures if a["within"] is not None]
     matched = [a["at_real_speed"]["within"] for a in figures
                if a.get("at_real_speed", {}).get("within") is not None]
-    real = [_inside(e, a["tolerance"]) for a in figures for e in a["real_vs_rest"]
+    real = [within_tolerance(e, a["tolerance"]) for a in figures for e in a["real_vs_rest"]
             if e is not None]
     return {"twin": (sum(twin), len(twin)), "at_real_speed": (sum(matched), len(matched)),
             "real": (sum(real), len(real))}
