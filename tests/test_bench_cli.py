@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from console.cli import bench
 from console.cli.main import main
 from console.cli.report import cdf_figure
 from engine import Engine, EngineConfig
+from engine.harness.workload import WorkloadRequest
 
 
 def test_bench_json_runs_every_configuration_and_writes_a_report(
@@ -101,18 +103,27 @@ def test_bench_multiturn_shows_what_the_prefix_cache_saves(
     assert cached["prefill_tokens_computed"] < plain["prefill_tokens_computed"] / 2
 
 
-def test_an_engine_dropped_is_freed_before_the_next_one_allocates() -> None:
+
+def test_a_bench_run_frees_the_engines_of_the_runs_before(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A bench builds an engine per run. A dropped engine's parts refer to each other, so
-    reference counting alone never frees its weights and KV pool; building the next engine
-    collects it (it held 0.5 GB a run of synthetic:small before it did)."""
+    reference counting alone never frees its weights and KV pool; the next run collects it
+    (a run of synthetic:small kept 0.5 GB before it did)."""
+    built: list[weakref.ref[Engine]] = []
+
+    def engine(config: EngineConfig) -> Engine:
+        built.append(weakref.ref(made := Engine(config)))
+        return made
+
+    monkeypatch.setattr(bench, "Engine", engine)
+    config = EngineConfig(model="synthetic:tiny", device="cpu")
+    workload = [WorkloadRequest("r0", 0.0, (1, 2, 3), 2, ignore_eos=True)]
     gc.collect()
-    gc.disable()  # only the engine's own collection may free it
+    gc.disable()  # only the bench's own collection may free them
     try:
-        first = Engine(EngineConfig(model="synthetic:tiny", device="cpu"))
-        dropped = weakref.ref(first)
-        del first
-        assert dropped() is not None  # in a cycle: still held
-        Engine(EngineConfig(model="synthetic:tiny", device="cpu"))
-        assert dropped() is None
+        bench._run("chunked", config, workload, 1, None)
+        assert built[0]() is not None  # in a cycle: still held
+        bench._run("chunked", config, workload, 1, None)
+        assert built[0]() is None and built[1]() is not None
     finally:
         gc.enable()

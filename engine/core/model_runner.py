@@ -102,11 +102,6 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
-        # An engine's parts refer to each other (its bus holds its metrics' handlers), so an
-        # engine dropped before this one (a bench's runs) keeps its weights and KV pool until
-        # a full collection: 0.5 GB a run of synthetic:small, and on CUDA a pool that
-        # mem_get_info counts as used. Collect it before this one allocates.
-        gc.collect()
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             # OpenMP threads spin while they wait for each other; with every core busy, one
@@ -189,7 +184,10 @@ class ModelRunner:
         if config.kv_cache_bytes is not None:
             budget = config.kv_cache_bytes
         elif self.device.type == "cuda":
-            torch.cuda.empty_cache()  # the collected engines' pools, still in torch's cache
+            # engines built and dropped before this one (a bench's runs) hold their pools in
+            # torch's cache, which mem_get_info counts as used
+            gc.collect()
+            torch.cuda.empty_cache()
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * config.gpu_memory_utilization)
         else:
