@@ -103,7 +103,6 @@ def test_bench_multiturn_shows_what_the_prefix_cache_saves(
     assert cached["prefill_tokens_computed"] < plain["prefill_tokens_computed"] / 2
 
 
-
 def test_a_bench_run_frees_the_engines_of_the_runs_before(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A bench builds an engine per run. A dropped engine's parts refer to each other, so
