@@ -29,7 +29,6 @@ from engine.store.database import upgrade_database
 from tests.test_scheduler import STEP_S, SchedulerRig, sim
 
 TOLERANCE = 0.05  # the parts add up to the measured time within 5%
-AFFECTED = 0.5  # a request spent at least this share of its prefill waiting in the fault
 
 
 # --- on the scheduler, with a scripted clock --------------------------------------------
@@ -99,9 +98,6 @@ class Observed:
     def slow(self) -> dict[str, SlowQuery]:
         return {e.request_id: e for e in self.events if isinstance(e, SlowQuery)}
 
-    def ended(self) -> list[Request]:
-        return [r for engine in self.engines for r in engine.scheduler.recent]
-
     def mode_intervals(self, mode: str) -> list[tuple[float, float]]:
         intervals, since = [], None
         for event in self.events:
@@ -135,8 +131,8 @@ def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
     return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
 
 
-def waited_share(request: Request, intervals: list[tuple[float, float]]) -> float:
-    """The share of a request's prefill it spent inside `intervals` without a chunk of its own
+def waited_s(request: Request, intervals: list[tuple[float, float]]) -> float:
+    """The time of its prefill a request spent inside `intervals` without a chunk of its own
     running: read from the fault's mode events and the request's chunk times alone."""
     assert request.prefill_started is not None
     end = request.prefill_finished or request.finish_time
@@ -145,7 +141,7 @@ def waited_share(request: Request, intervals: list[tuple[float, float]]) -> floa
     inside = sum(_overlap(prefill, i) for i in intervals)
     running = sum(_overlap(prefill, _overlap_span(c.step_start, c.duration_s, i))
                   for c in request.chunks for i in intervals)
-    return (inside - running) / max(end - request.prefill_started, 1e-12)
+    return inside - running
 
 
 def _overlap_span(start: float, duration: float, i: tuple[float, float]) -> tuple[float, float]:
@@ -153,9 +149,22 @@ def _overlap_span(start: float, duration: float, i: tuple[float, float]) -> tupl
 
 
 def affected(seen: Observed, mode: str) -> list[Request]:
+    """The requests the fault alone made slow queries: their wait inside it overran their plan
+    past both slow-query thresholds. A share of the prefill would not do: a plan counts the
+    steps a request waits behind earlier prefills, which it may wait out inside the fault."""
     intervals = seen.mode_intervals(mode)
-    return [r for r in seen.ended() if r.prefill_started is not None
-            and waited_share(r, intervals) >= AFFECTED]
+    held = []
+    for engine in seen.engines:
+        cfg = engine.config
+        for r in engine.scheduler.recent:
+            budget = r.budgeted_prefill_s
+            if r.prefill_started is None or not budget:
+                continue
+            waited = waited_s(r, intervals)
+            if (waited > cfg.slow_query_threshold * budget
+                    and (waited - budget) * 1e3 >= cfg.slow_query_min_overrun_ms):
+                held.append(r)
+    return held
 
 
 def test_kv_exhaustion_flags_the_prefills_it_held_as_kv_pressure(
