@@ -54,7 +54,7 @@ from engine.serve.session import EngineSession
 from engine.serve.thread import ServerThread
 from engine.snapshot import Percentiles, Snapshot
 from engine.store import SlowQueryRecord, StoreWriter, open_database
-from tests.console.conftest import until, workers_done
+from tests.console.conftest import FAST_POLL_S, until, workers_done
 
 TOKEN = "attach-token"
 DATA = Path(__file__).parent / "data"
@@ -65,7 +65,6 @@ VLLM_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 SLOW = SlowQueryRecord(id=7, created_at=1.7e9, request_id="r-7", tenant="default", tag=None,
                        budget_score=2.5, prompt_tokens=300, prefill_s=0.5, budgeted_s=0.2,
                        chunks=[{"index": 0, "tokens": 300}], config={"chunk_tile": 16})
-FAST_POLL_S = 0.02
 
 
 @pytest.fixture

@@ -26,11 +26,10 @@ from engine import Engine, EngineConfig
 from engine.serve.app import create_app
 from engine.serve.loop import EngineLoop
 from engine.serve.thread import ServerThread
-from tests.console.conftest import until, workers_done
+from tests.console.conftest import FAST_POLL_S, until, workers_done
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = Path(__file__).parent / "data"
-FAST_POLL_S = 0.02
 
 
 def metrics_server(text: str) -> ServerThread:

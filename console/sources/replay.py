@@ -35,7 +35,7 @@ from engine.store import (
 
 
 class SessionRecorder:
-    """Appends every polled snapshot to a recording; `finish` adds the store's records."""
+    """Appends every new polled snapshot to a recording; `finish` adds the store's records."""
 
     def __init__(self, path: Path) -> None:
         self._file: TextIO = path.open("w", encoding="utf-8")
@@ -134,8 +134,9 @@ class ReplaySource:
             if self._paused_at is None:
                 self._advance()
             current = self._snapshots[max(self._cursor, 0)]
-            paused = current.paused or self._paused_at is not None
-            return dataclasses.replace(current, paused=paused)
+            if current.paused or self._paused_at is None:
+                return current
+            return dataclasses.replace(current, paused=True)
 
     def _advance(self) -> None:
         last = len(self._snapshots) - 1

@@ -7,7 +7,7 @@ when the previous one has finished, so a slow source never piles polls up.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from textual.app import App
@@ -83,13 +83,16 @@ class RecalibrationDone(Message):
 
 @dataclass
 class SnapshotCollector:
-    """Polls `source.snapshot()` every `interval` seconds on a worker thread."""
+    """Polls `source.snapshot()` every `interval` seconds on a worker thread, and posts each
+    snapshot that differs from the last: a finished or paused recording, or a fleet member
+    between its own polls, repeats one, and repainting every pane for it kept a core busy."""
 
     app: App
     source: Source
     interval: float
     recorder: SessionRecorder | None = None
     running: bool = False
+    _last: Snapshot | None = field(default=None, init=False, repr=False)
 
     def start(self) -> None:
         self.running = True
@@ -105,10 +108,13 @@ class SnapshotCollector:
     def _collect(self) -> None:
         try:
             snapshot = self.source.snapshot()
-            if self.recorder is not None:
-                self.recorder.snapshot(snapshot)
-            self.app.post_message(SnapshotPolled(snapshot))
+            if snapshot != self._last:
+                self._last = snapshot
+                if self.recorder is not None:
+                    self.recorder.snapshot(snapshot)
+                self.app.post_message(SnapshotPolled(snapshot))
         except (EngineError, OSError) as exc:
+            self._last = None  # the next snapshot clears the failure shown, even if the same
             self.app.post_message(SourceFailed(str(exc)))
         finally:
             self._rearm()

@@ -14,10 +14,14 @@ from textual.pilot import Pilot
 from textual.widgets import Input
 
 from console.sources.replay import ReplaySource
-from console.tui.app import TokenflowApp
+from console.tui.app import POLL_INTERVAL_S, TokenflowApp
 
 SESSION = Path(__file__).parent / "data" / "session.jsonl"
-FAST_POLL_S = 0.02
+# live sources are polled often enough for a test's conditions to come soon, and seldom
+# enough that the process goes idle between polls: Textual's pilot waits for an idle
+# moment (up to 1 s) at every key press and pause
+FAST_POLL_S = 0.1
+REPLAY_POLL_S = 0.02  # a recording's snapshots are shown one per poll
 MAX_ROUNDS = 2000  # a bound on rounds of real waits, so a broken condition fails, not hangs
 WORKERS_GUARD_S = 30.0
 
@@ -40,7 +44,7 @@ def frozen_ui(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def replay_app() -> TokenflowApp:
     """The console on the recorded session, one snapshot per (fast) poll."""
-    return TokenflowApp(ReplaySource(SESSION, speed=0), interval=FAST_POLL_S)
+    return TokenflowApp(ReplaySource(SESSION, speed=0), interval=REPLAY_POLL_S)
 
 
 async def workers_done(pilot: Pilot) -> None:
@@ -64,12 +68,19 @@ async def until(pilot: Pilot, condition: Callable[[], object], what: str = "cond
 
 
 async def replayed(pilot: Pilot) -> None:
-    """Wait until every recorded snapshot has been shown, so the picture is the final one."""
+    """Wait until every recorded snapshot has been shown, so the picture is the final one.
+
+    The screen is painted once, at the end: every snapshot still reaches the widgets, but a
+    paint per snapshot (~90 ms on 2 cores) was most of a replaying test's time."""
     app = pilot.app
     assert isinstance(app, TokenflowApp)
     source = app.source
     assert isinstance(source, ReplaySource)
     state = app.state
-    await until(pilot, lambda: source.finished and state.latest is not None
-                and state.history.last_step == state.latest.step, "the end of the replay")
+    with app.batch_update():
+        await until(pilot, lambda: source.finished and state.latest is not None
+                    and state.history.last_step == state.latest.step, "the end of the replay")
+    # then the console's own pace: polls every few ms keep the process busy, and every pilot
+    # pause and key press waits for an idle moment (up to 1 s each)
+    app.collector.interval = POLL_INTERVAL_S
     await pilot.pause()

@@ -18,15 +18,17 @@ from console.tui.screens.slow_queries import SlowQueriesScreen
 from console.tui.screens.tuning import TuningScreen
 from console.tui.widgets.keyed_table import middle_cut
 from engine.config import EngineConfig
-from tests.console.conftest import replay_app, replayed, until, workers_done
+from tests.console.conftest import FAST_POLL_S, replay_app, replayed, until, workers_done
 
 pytestmark = pytest.mark.anyio
 
 
 async def test_screen_keys_help_and_quit_work_with_a_field_focused(tmp_path: Path) -> None:
+    # two requests, not endless traffic: a busy process makes every key press wait for idle
     source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat",
-                                  db=tmp_path / "k.db", config=EngineConfig(dtype="float32"))
-    app = TokenflowApp(source, interval=0.05)
+                                  db=tmp_path / "k.db", config=EngineConfig(dtype="float32"),
+                                  num_requests=2, repeat=False)
+    app = TokenflowApp(source, interval=FAST_POLL_S)
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.press("2")
         tuning = app.screen
