@@ -29,13 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from console.cli.bench import (
-    AGREEMENT,
-    real_runs,
-    sim_vs_real,
-    within_counts,
-    within_tolerance,
-)
+from console.cli.bench import AGREEMENT, real_runs, real_within_each, sim_vs_real, within_counts
 
 WORKLOADS = (("conv", 64), ("mixed", 32))
 BUDGETS = (("b64", 64), ("chunked", 256), ("b512", 512))
@@ -115,7 +109,7 @@ def _print(reports: dict[str, dict[str, Any]]) -> None:
     for who, (inside, judged) in within_counts(agreements).items():
         if judged:
             print(f"{WHO[who]}: {inside} of {judged} within tolerance")
-    each = _each_real(agreements)
+    each = real_within_each(agreements)
     if each:
         print("each real run so judged: " + ", ".join(str(inside) for inside, _ in each)
               + f" of {each[0][1]} (the twin's test, passed by {sum(i == n for i, n in each)} "
@@ -124,17 +118,6 @@ def _print(reports: dict[str, dict[str, Any]]) -> None:
             for name, run in report["runs"].items() if not run["host"]["quiet"]]
     if busy:
         print("shared its machine (rerun on a quiet one): " + ", ".join(busy))
-
-
-def _each_real(agreements: list[dict[str, Any]]) -> list[tuple[int, int]]:
-    """(figures within tolerance, figures judged) for each real run against the median of
-    the others: a run of the machine itself in the twin's place, on every figure at once."""
-    each: dict[int, list[bool]] = {}
-    for figure in (f for agreement in agreements for f in agreement.values()):
-        for i, error in enumerate(figure["real_vs_rest"]):
-            if error is not None:
-                each.setdefault(i, []).append(within_tolerance(error, figure["tolerance"]))
-    return [(sum(within), len(within)) for _, within in sorted(each.items())]
 
 
 def _cell(judged: dict[str, Any]) -> str:

@@ -243,6 +243,12 @@ class EngineConfig:
     def live_values(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in sorted(LIVE_FIELDS)}
 
+    def is_slow_query(self, prefill_s: float, budget_s: float) -> bool:
+        """Whether a prefill that took `prefill_s` against a plan of `budget_s` is a slow
+        query: its budget_score above the threshold, and its overrun at least the minimum."""
+        return (prefill_s / budget_s > self.slow_query_threshold
+                and (prefill_s - budget_s) * 1e3 >= self.slow_query_min_overrun_ms)
+
 
 LIVE_FIELDS = frozenset(
     f.name

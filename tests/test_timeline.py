@@ -153,18 +153,9 @@ def affected(seen: Observed, mode: str) -> list[Request]:
     past both slow-query thresholds. A share of the prefill would not do: a plan counts the
     steps a request waits behind earlier prefills, which it may wait out inside the fault."""
     intervals = seen.mode_intervals(mode)
-    held = []
-    for engine in seen.engines:
-        cfg = engine.config
-        for r in engine.scheduler.recent:
-            budget = r.budgeted_prefill_s
-            if r.prefill_started is None or not budget:
-                continue
-            waited = waited_s(r, intervals)
-            if (waited > cfg.slow_query_threshold * budget
-                    and (waited - budget) * 1e3 >= cfg.slow_query_min_overrun_ms):
-                held.append(r)
-    return held
+    return [r for engine in seen.engines for r in engine.scheduler.recent
+            if r.prefill_started is not None and r.budgeted_prefill_s
+            and engine.config.is_slow_query(waited_s(r, intervals), r.budgeted_prefill_s)]
 
 
 def test_kv_exhaustion_flags_the_prefills_it_held_as_kv_pressure(

@@ -461,10 +461,10 @@ def sim_vs_real(sim: dict[str, Any], reals: list[dict[str, Any]],
 def _judged(value: float | None, real: list[float], tolerance: float) -> dict[str, Any]:
     error = _relative(value, real)
     return {"sim": value, "error": error,
-            "within": None if error is None else within_tolerance(error, tolerance)}
+            "within": None if error is None else _within_tolerance(error, tolerance)}
 
 
-def within_tolerance(error: float, tolerance: float) -> bool:
+def _within_tolerance(error: float, tolerance: float) -> bool:
     """Whether a relative error is inside its tolerance, to 0.01% (110 against 100 is within
     10% despite binary fractions)."""
     return round(abs(error), 4) <= tolerance
@@ -482,10 +482,20 @@ def within_counts(agreements: list[dict[str, Any]]) -> dict[str, tuple[int, int]
     twin = [a["within"] for a in figures if a["within"] is not None]
     matched = [a["at_real_speed"]["within"] for a in figures
                if a.get("at_real_speed", {}).get("within") is not None]
-    real = [within_tolerance(e, a["tolerance"]) for a in figures for e in a["real_vs_rest"]
-            if e is not None]
+    each = real_within_each(agreements)
     return {"twin": (sum(twin), len(twin)), "at_real_speed": (sum(matched), len(matched)),
-            "real": (sum(real), len(real))}
+            "real": (sum(inside for inside, _ in each), sum(judged for _, judged in each))}
+
+
+def real_within_each(agreements: list[dict[str, Any]]) -> list[tuple[int, int]]:
+    """(figures within tolerance, figures judged) for each real run against the median of
+    the others: a run of the machine itself in the twin's place, on every figure at once."""
+    each: dict[int, list[bool]] = {}
+    for figure in (a for agreement in agreements for a in agreement.values()):
+        for i, error in enumerate(figure["real_vs_rest"]):
+            if error is not None:
+                each.setdefault(i, []).append(_within_tolerance(error, figure["tolerance"]))
+    return [(sum(within), len(within)) for _, within in sorted(each.items())]
 
 
 def _print_agreement(report: dict[str, Any]) -> None:

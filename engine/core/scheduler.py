@@ -534,9 +534,7 @@ class Scheduler:
         budget = request.budgeted_prefill_s
         if not budget or request.prefill_started is None:
             return
-        prefill = end - request.prefill_started
-        if (prefill / budget <= self.config.slow_query_threshold
-                or (prefill - budget) * 1e3 < self.config.slow_query_min_overrun_ms):
+        if not self.config.is_slow_query(end - request.prefill_started, budget):
             return
         first = request.prefill_started
         steps = []
