@@ -65,8 +65,8 @@ def test_a_steps_output_tokens_enter_the_rate_window_with_its_step() -> None:
         bus.publish(StepComplete(step=step, prefill_tokens=5, decode_seqs=2, duration_s=1.0,
                                  ts=float(step)))
         bus.drain()
-    # 3 steps of 7 tokens, 2 of them output, over the 2 s since the first
-    assert metrics.rates(3.0) == (21 / 2, 6 / 2)
+    # 3 steps of 7 tokens, 2 of them output, over the 3 s since the first began
+    assert metrics.rates(3.0) == (21 / 3, 6 / 3)
     assert metrics.generation_tokens_total == 6 and metrics.itl.count == 4
 
 

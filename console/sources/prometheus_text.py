@@ -108,6 +108,9 @@ class Reading:
         return cls(ts, found, {n: b for n in histograms if (b := histogram_buckets(samples, n))})
 
 
+MAX_READINGS = 4096
+
+
 class MetricWindow:
     """Recent readings; each figure is the newest minus the reading about WINDOW_S older.
 
@@ -117,7 +120,8 @@ class MetricWindow:
     def __init__(self, span_s: float = WINDOW_S, min_span_s: float = MIN_WINDOW_S) -> None:
         self.span_s = span_s
         self.min_span_s = min_span_s
-        self.readings: deque[Reading] = deque()
+        # bounded: a clock that does not move never ages a reading out
+        self.readings: deque[Reading] = deque(maxlen=MAX_READINGS)
 
     def add(self, reading: Reading) -> None:
         if self.readings and _went_down(self.readings[-1], reading):

@@ -16,6 +16,8 @@ from engine.core.batch import StepShape
 
 DEFAULT_WINDOW_S = 20.0  # the decode load C* is computed from is averaged over this
 DEFAULT_HYSTERESIS = 0.25  # C* moves only for a change of more than this share
+# steps the window averages at most: a clock that does not move never evicts by age
+MAX_SAMPLES = 65536
 
 
 def token_budget_for(chunk: int, decodes: int, tile: int) -> int:
@@ -52,13 +54,17 @@ class CStar:
     def observe(self, now: float, decodes: int, context: int, budget: BudgetModel,
                 tile: int, limit: int) -> int:
         """Add one step's load (D decodes at mean context S); the C* to use now."""
+        quiet = bool(self._samples) and now - self._samples[-1][0] > self.window_s
         self._samples.append((now, decodes, decodes * context))
         self._decodes += decodes
         self._context += decodes * context
-        while self._samples[0][0] < now - self.window_s:
+        while (self._samples[0][0] < now - self.window_s
+               or len(self._samples) > MAX_SAMPLES):
             _, d, ds = self._samples.popleft()
             self._decodes -= d
             self._context -= ds
+        if quiet:  # nothing was seen for a whole window: the band is watched anew from now
+            self._outside_since = None
         mean_decodes = round(self._decodes / len(self._samples))
         mean_context = self._context // self._decodes if self._decodes else 0
         wanted = min(max(budget.recommended_chunk(mean_decodes, mean_context), tile),

@@ -42,6 +42,7 @@ FEATURES = ("constant", "multi_token", "tokens", "prefill_chunks", "decode_seqs"
 OUTLIER_MADS = 4.0
 OUTLIER_FLOOR = 0.10
 DEFAULT_RATIO_WINDOW_S = 60.0  # the live measured/predicted ratio is a median over this
+BUCKET_STEPS = 4096  # a ratio bucket closes after this many steps even if the clock stands
 # Knees the fit tries between 1 and the largest step it was given, besides each step's own
 # token count: a geometric grid this many points per doubling.
 KNEE_STEPS_PER_DOUBLING = 8
@@ -240,7 +241,13 @@ class StepTimeRatio:
     of those, so a step that lost its core to another process (or a burst of them) moves it
     little, and it costs O(1) a step. Prefill plans are priced with it (a calibration taken on
     a quieter box is not a fault of every request), and a value that stays beyond the drift
-    threshold over the window is drift (engine.budget.drift). 1.0 until a bucket is complete.
+    threshold over the window is drift (engine.budget.drift).
+
+    A bucket is as old as its last step, so the window holds the buckets with a step in the
+    last `window_s`. With none (before the first bucket closes, or after an idle spell longer
+    than the window) nothing measured says the predictor is off, and the value is 1.0. A
+    clock that does not move still closes a bucket every BUCKET_STEPS steps, and the window
+    keeps at most as many buckets as fit in it, so memory is bounded whatever the clock does.
     """
 
     def __init__(self, window_s: float = DEFAULT_RATIO_WINDOW_S, bucket_s: float = 1.0) -> None:
@@ -248,36 +255,45 @@ class StepTimeRatio:
             raise ConfigError("window_s", f"must be >= bucket_s > 0, got {window_s}, {bucket_s}")
         self.window_s = window_s
         self.bucket_s = bucket_s
-        self._buckets: deque[tuple[float, float, int]] = deque()  # (start, median, steps)
+        # (first step, last step, median, steps), oldest first
+        self._buckets: deque[tuple[float, float, float, int]] = deque(
+            maxlen=math.ceil(window_s / bucket_s) + 1)
         self._current: list[float] = []
         self._current_start: float | None = None
+        self._current_last = 0.0
         self.value = 1.0
 
     def observe(self, now: float, measured_s: float, predicted_s: float) -> None:
-        if predicted_s <= 0:
+        if not (predicted_s > 0 and math.isfinite(measured_s) and measured_s >= 0):
             return
+        if self._current_start is not None and (now - self._current_start >= self.bucket_s
+                                                or len(self._current) >= BUCKET_STEPS):
+            self._buckets.append((self._current_start, self._current_last,
+                                  statistics.median(self._current), len(self._current)))
+            self._current, self._current_start = [], None
         if self._current_start is None:
             self._current_start = now
-        elif now - self._current_start >= self.bucket_s:
-            self._buckets.append((self._current_start, statistics.median(self._current),
-                                  len(self._current)))
-            self._current, self._current_start = [], now
-            while self._buckets and self._buckets[0][0] < now - self.window_s:
-                self._buckets.popleft()
-            self.value = statistics.median(m for _, m, _ in self._buckets)
+        self._current_last = now
         self._current.append(measured_s / predicted_s)
+        self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        """Drop the buckets whose last step left the window, and take the median of the rest."""
+        while self._buckets and self._buckets[0][1] < now - self.window_s:
+            self._buckets.popleft()
+        self.value = statistics.median(b[2] for b in self._buckets) if self._buckets else 1.0
 
     @property
     def steps(self) -> int:
         """Steps the value summarises."""
-        return sum(n for _, _, n in self._buckets)
+        return sum(b[3] for b in self._buckets)
 
     @property
     def span_s(self) -> float:
-        """Seconds of steps the value summarises (0 before a bucket is complete)."""
-        if not self._buckets or self._current_start is None:
+        """Seconds of steps the value summarises (0 with no complete bucket in the window)."""
+        if not self._buckets:
             return 0.0
-        return self._current_start - self._buckets[0][0]
+        return self._buckets[-1][1] - self._buckets[0][0]
 
     def reset(self) -> None:
         """A new predictor: what was measured against the old one says nothing of it."""

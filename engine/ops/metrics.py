@@ -125,7 +125,8 @@ class Metrics:
         self.recent_step = _Window(window_s)
         self.recent_queried = _Window(window_s)  # prefix-cache lookups, in tokens
         self.recent_cached = _Window(window_s)
-        self._rate: deque[tuple[float, int, int]] = deque()  # (ts, tokens, output tokens)
+        # (ts, step seconds, tokens, output tokens) of the steps in the last RATE_WINDOW_S
+        self._rate: deque[tuple[float, float, int, int]] = deque(maxlen=WINDOW_SAMPLES)
         self._step_output = 0  # output tokens heard since the last StepComplete
         self._last_token_ts: dict[str, float] = {}
 
@@ -167,7 +168,7 @@ class Metrics:
         with self._lock:
             self.iteration_tokens.observe(tokens)
             self.recent_step.add(event.ts, event.duration_s)
-            self._rate.append((event.ts, tokens, self._step_output))
+            self._rate.append((event.ts, event.duration_s, tokens, self._step_output))
             self._step_output = 0
             horizon = event.ts - RATE_WINDOW_S
             while self._rate and self._rate[0][0] < horizon:
@@ -218,13 +219,17 @@ class Metrics:
             self.recent_cached.add(event.ts, event.cached_tokens)
 
     def rates(self, now: float) -> tuple[float, float]:
-        """(tokens/s, output tokens/s) over the last RATE_WINDOW_S seconds."""
+        """(tokens/s, output tokens/s) over the last RATE_WINDOW_S seconds, or since the
+        first step in it began if that is later: one step's rate is its own tokens over its
+        own time, never over an arbitrary floor. No step, or no time passed: 0."""
         with self._lock:
             window = [r for r in self._rate if r[0] >= now - RATE_WINDOW_S]
         if not window:
             return 0.0, 0.0
-        span = max(now - window[0][0], 1e-3)
-        return sum(r[1] for r in window) / span, sum(r[2] for r in window) / span
+        span = min(RATE_WINDOW_S, now - (window[0][0] - window[0][1]))
+        if span <= 0:
+            return 0.0, 0.0
+        return sum(r[2] for r in window) / span, sum(r[3] for r in window) / span
 
     def prefix_cache_hit_rate(self, now: float) -> float | None:
         """Cached over queried tokens of the admissions in the last `window_s` seconds before

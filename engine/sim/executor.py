@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.budget.calibrate import apply
+from engine.clock import VirtualClock
 from engine.config import EngineConfig
 from engine.core.batch import Batch, ModelRunnerOutput, StepShape
 from engine.core.engine import Engine
@@ -25,24 +26,6 @@ from engine.core.model_runner import DTYPES
 from engine.errors import EngineError
 from engine.model.loader import model_config_for, tokenizer_for
 from engine.sim.target import SimTarget
-
-
-class VirtualClock:
-    """Simulated seconds that move only when told: a step's predicted time, or an idle wait
-    for the next arrival. Starts at the monotonic clock so timestamps look like a real run's."""
-
-    def __init__(self, start: float | None = None) -> None:
-        self.now = time.monotonic() if start is None else start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance_to(self, t: float) -> None:
-        self.now = max(self.now, t)
-
-    def sleep(self, seconds: float) -> None:
-        """`drive`'s idle wait: jump to the next arrival instead of waiting for it."""
-        self.now += max(0.0, seconds)
 
 
 class PacedClock:
