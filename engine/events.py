@@ -145,6 +145,7 @@ class RejectCause(enum.StrEnum):
 class FailCause(enum.StrEnum):
     CHUNK_TIMEOUT = "chunk_timeout"  # protection layer 4
     FAULT = "fault"  # an exception in this request's sampling, stop check or output
+    ENGINE = "engine"  # the engine failed in its steps, not for this request's sake
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,20 @@ class GuardAction(Event):
     detail: str
 
 
+@dataclass(frozen=True)
+class EngineRestarted(Event):
+    """A step raised an exception that was no single request's fault: the engine was
+    restarted from its journal (`stopped` False), or a crash loop stopped it (True)."""
+
+    kind: ClassVar[str] = "engine_restarted"
+    restarts: int  # restarts so far, this one included
+    place: str  # file:line in function where the exception was raised
+    error: str  # the exception, repr()
+    resumed: int  # requests resumed by this restart
+    failed: int  # requests failed by it (twice in a failed step, or the engine stopped)
+    stopped: bool = False
+
+
 Subscriber = Callable[[Event], None]
 
 
@@ -276,10 +291,18 @@ class EventBus:
         with self._lock:
             self._front, self._back = self._back, self._front
         delivered = self._back
-        for event in delivered:
+        for index, event in enumerate(delivered):
             route = self._routes.get(type(event))  # read per event: see _subscribers
-            for fn in self._route(type(event)) if route is None else route:
-                fn(event)
+            try:
+                for fn in self._route(type(event)) if route is None else route:
+                    fn(event)
+            except BaseException:
+                # the events after the one that failed go first at the next drain, once,
+                # so an engine restarted after the fault still journals what was accepted
+                with self._lock:
+                    self._front[:0] = delivered[index + 1:]
+                delivered.clear()
+                raise
         count = len(delivered)
         delivered.clear()
         return count

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from console.sources.prometheus_text import MAX_READINGS, MetricWindow, Reading
-from engine.budget.auto import MAX_SAMPLES, CStar
-from engine.budget.predictor import BUCKET_STEPS, StepTimeRatio
+from engine.budget import auto, predictor
+from engine.budget.auto import CStar
+from engine.budget.predictor import StepTimeRatio
 from engine.clock import VirtualClock
 from engine.config import EngineConfig, SamplingParams
 from engine.core.engine import Engine
@@ -86,12 +87,14 @@ def test_ratio_gap_just_inside_the_window_keeps_the_last_bucket() -> None:
     assert ratio.value == 2.0 and ratio.steps == 2
 
 
-def test_ratio_with_a_clock_that_does_not_move_is_bounded() -> None:
+def test_ratio_with_a_clock_that_does_not_move_is_bounded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(predictor, "BUCKET_STEPS", 50)
     ratio = StepTimeRatio(window_s=2.0, bucket_s=1.0)
-    for _ in range(BUCKET_STEPS * 10):
+    for _ in range(500):
         ratio.observe(5.0, 1.5, 1.0)
     assert ratio.value == 1.5
-    assert len(ratio._buckets) <= 3 and len(ratio._current) <= BUCKET_STEPS
+    assert len(ratio._buckets) <= 3 and len(ratio._current) <= 50
 
 
 def test_ratio_ignores_unusable_steps() -> None:
@@ -122,11 +125,13 @@ def test_cstar_after_a_gap_longer_than_its_window_waits_a_window_again() -> None
     assert cstar.changes == 1
 
 
-def test_cstar_with_a_clock_that_does_not_move_is_bounded() -> None:
+def test_cstar_with_a_clock_that_does_not_move_is_bounded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(auto, "MAX_SAMPLES", 100)
     cstar = CStar(window_s=20.0)
-    for decodes in range(MAX_SAMPLES + 10):
+    for decodes in range(110):
         cstar.observe(7.0, decodes % 3, 50, _Load(), 16, 8192)
-    assert len(cstar._samples) == MAX_SAMPLES
+    assert len(cstar._samples) == 100
     assert cstar._decodes == sum(d for _, d, _ in cstar._samples)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -22,6 +22,7 @@ from engine.budget.auto import CStar, auto_token_budget, token_budget_for
 from engine.budget.cost_model import BudgetModel
 from engine.budget.peaks import measure_peaks
 from engine.budget.predictor import StepTimeRatio
+from engine.clock import Clock
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.core import intake
 from engine.core.batch import Batch, RequestOutput, StepShape, StepTiming
@@ -36,6 +37,7 @@ from engine.events import (
     Event,
     EventBus,
     FailCause,
+    Failed,
     GuardAction,
     Rejected,
     RequestAdded,
@@ -64,7 +66,7 @@ MAX_STEP_SCALE = 2.0
 class Engine:
     def __init__(self, config: EngineConfig | None = None, *,
                  bandwidth: BandwidthSource | None = None,
-                 clock: Callable[[], float] = time.monotonic,
+                 clock: Clock = time.monotonic,
                  runner: Executor | None = None) -> None:
         """`runner` replaces the model runner by a simulated executor (engine.sim), which
         brings its device's peaks; `clock` is then the simulation's clock."""
@@ -106,6 +108,7 @@ class Engine:
         self._out_of_band: list[RequestOutput] = []  # ended outside a step, returned by the next
         self._config_lock = threading.Lock()
         self._pending_config: tuple[EngineConfig, str] | None = None
+        self.stepping: tuple[str, ...] = ()  # the requests of the step under way
 
     def _default_bandwidth(self) -> BandwidthSource:
         """NVML's 5 s average on a GPU it can see, else the model estimate."""
@@ -193,6 +196,33 @@ class Engine:
         self._out_of_band.append(request_output(request, ()))
         return True
 
+    def restart(self, fail: Mapping[str, str] | None = None
+                ) -> tuple[list[Request], list[RequestOutput]]:
+        """After a step failed half done: the live requests named in `fail` fail with their
+        reason (cause ENGINE), every other one leaves the scheduler without an end (the
+        caller resumes it), and the KV pool starts empty, as after a process restart.
+        Returns the requests to resume and the outputs owed to callers, failures included."""
+        fail = fail or {}
+        live = list(self.scheduler.requests.values())
+        now = self.clock()
+        for request in live:
+            if request.id in fail:
+                request.set_state(RequestState.FAILED, fail[request.id])
+                request.finish_time = now
+                self.scheduler.recent.append(request)
+                self.bus.publish(Failed(request_id=request.id, reason=fail[request.id],
+                                        cause=FailCause.ENGINE))
+                self._out_of_band.append(request_output(request, ()))
+        self.blocks = self.scheduler.blocks = BlockManager(
+            self.runner.num_blocks, self.runner.block_size,
+            enable_caching=self.config.enable_prefix_caching)
+        for queue in (self.scheduler.requests, self.scheduler.flagged, self.scheduler.waiting,
+                      self.scheduler.running):
+            queue.clear()
+        owed, self._out_of_band = self._out_of_band, []
+        self._left_busy, self.stepping = None, ()
+        return [r for r in live if r.id not in fail], owed
+
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.requests) or bool(self._out_of_band)
 
@@ -255,7 +285,9 @@ class Engine:
             if self.config.auto_budget:
                 self.scheduler.auto_budget = auto_token_budget(
                     self.config, chunk, self.predict, decodes, context, self.max_model_len)
+        self.stepping = ()
         batch = self.scheduler.schedule()
+        self.stepping = tuple(c.request.id for c in (*batch.prefills, *batch.decodes))
         forward_s = 0.0
         if batch.prefills or batch.decodes:
             step_outputs, forward_s = self._run(batch)

@@ -76,11 +76,13 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
 
     async def health(_request: Request) -> Response:
         if loop.error is not None:
-            return JSONResponse({"status": "error", "error": repr(loop.error)}, status_code=503)
+            return JSONResponse({"status": "error", "error": str(loop.error) or repr(loop.error),
+                                 "restarts": loop.health().restarts}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def metrics(_request: Request) -> Response:
-        return PlainTextResponse(render_metrics(loop.engine, snapshot()), media_type=CONTENT_TYPE)
+        return PlainTextResponse(render_metrics(loop.engine, snapshot(), loop.health()),
+                                 media_type=CONTENT_TYPE)
 
     async def stats(request: Request) -> Response:
         require_reader(request)

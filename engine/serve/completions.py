@@ -145,6 +145,7 @@ class Completions:
 
     def _admit(self) -> None:
         if self.engine_loop.error is not None:
+            self.engine_loop.failed_while_down += 1
             raise _engine_down(self.engine_loop)
         if self.in_flight >= self.max_queue:
             raise ApiError(429, f"the server queue is full ({self.max_queue} requests in "
@@ -240,7 +241,7 @@ def _raise_if_refused(engine_loop: EngineLoop, output: RequestOutput) -> None:
 
 
 def _engine_down(engine_loop: EngineLoop) -> ApiError:
-    return ApiError(503, f"the engine has stopped ({engine_loop.error!r}); restart the server",
+    return ApiError(503, f"the engine has stopped: {engine_loop.error}",
                     kind="server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 

@@ -4,10 +4,16 @@ Other threads submit, abort, tune and read snapshots; everything that touches en
 is applied on the loop thread at a step boundary, so the engine itself stays single-threaded.
 The loop waits on a condition when idle (no polling sleeps) and refreshes the published
 snapshot after steps, at most every `snapshot_interval_s`.
+
+The loop must not die: an exception that escapes a step (or a command) is judged by the
+supervisor (engine.serve.supervisor). The engine restarts in place from its journal, the
+request callbacks carry on, and a crash loop stops it with an error that /health and every
+later request report, its live requests failed with that error so nobody waits for them.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -17,12 +23,32 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from engine.clock import Clock
 from engine.config import EngineConfig, SamplingParams
 from engine.core.engine import Engine, RequestOutput
+from engine.core.request import Request, RequestState
+from engine.errors import EngineError
+from engine.events import EngineRestarted
 from engine.harness.workload import WorkloadRequest
+from engine.ops.recovery import Resumption
+from engine.serve.supervisor import Supervisor
 from engine.snapshot import Snapshot
 
+log = logging.getLogger(__name__)
+
 OutputCallback = Callable[[RequestOutput], None]
+# resumes the engine's unfinished requests from its journal (EngineSession's, with a store)
+JournalResume = Callable[[Engine], Resumption]
+
+
+@dataclass(frozen=True)
+class LoopHealth:
+    """What monitoring needs to tell a healing engine from a stopped one."""
+
+    up: bool
+    restarts: int
+    failed_while_down: int  # requests failed, or refused, because the engine had stopped
+    error: str | None  # why it stopped
 
 
 @dataclass(frozen=True)
@@ -37,9 +63,18 @@ class _Submission:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, snapshot_interval_s: float = 0.1) -> None:
+    def __init__(self, engine: Engine, snapshot_interval_s: float = 0.1, *,
+                 clock: Clock = time.monotonic, journal: JournalResume | None = None,
+                 supervisor: Supervisor | None = None) -> None:
+        """`clock` paces snapshots and played workloads (real time: arrivals are wall-clock
+        events even for a simulated engine); the supervisor's crash-loop window runs on the
+        engine's own clock. Without `journal` a restart resumes from the live requests."""
         self.engine = engine
         self.snapshot_interval_s = snapshot_interval_s
+        self.clock = clock
+        self.journal = journal
+        self.supervisor = supervisor or Supervisor(engine.clock)
+        self.failed_while_down = 0
         self._commands: deque[Callable[[], None]] = deque()
         self._wake = threading.Condition()
         self._callbacks: dict[str, OutputCallback] = {}
@@ -124,7 +159,7 @@ class EngineLoop:
         request is named `{id}-{cycle}`, cycles counted from `first_cycle`."""
         def install() -> None:
             self._workload = deque(workload)
-            self._workload_start = time.monotonic()
+            self._workload_start = self.clock()
             self._played_s = 0.0
             self._speed = 1.0  # a new workload plays at its own rate
             self._workload_cycle = list(workload) if repeat else None
@@ -150,7 +185,7 @@ class EngineLoop:
         speed = self._asked_speed = rate / self._base_rate
 
         def retime() -> None:
-            now = time.monotonic()
+            now = self.clock()
             self._played_s = self._workload_clock(now)
             self._workload_start = now
             self._speed = speed
@@ -166,8 +201,15 @@ class EngineLoop:
     def _add(self, s: _Submission) -> None:
         if s.on_output is not None:
             self._callbacks[s.request_id] = s.on_output
-        self.engine.add_request(s.token_ids, s.params, tenant=s.tenant, priority=s.priority,
-                                request_id=s.request_id, tag=s.tag)
+        if self.error is not None:
+            self.failed_while_down += 1
+            self._deliver(_failed(s.request_id, (), str(self.error)))
+            return
+        try:
+            self.engine.add_request(s.token_ids, s.params, tenant=s.tenant, priority=s.priority,
+                                    request_id=s.request_id, tag=s.tag)
+        except EngineError as exc:  # this request's own fault (a duplicate id): it alone fails
+            self._deliver(_failed(s.request_id, (), str(exc)))
 
     def _run(self) -> None:
         try:
@@ -175,19 +217,19 @@ class EngineLoop:
                 with self._wake:
                     while not self._stopping and not self._commands and not self._has_work():
                         self._wake.wait(timeout=self._idle_timeout())
-                        self._feed_workload()
+                        self._supervised(self._feed_workload)
                         if not self._paused:
-                            self.engine.step()  # idle tick: modes and guards see time pass
+                            self._step()  # idle tick: modes and guards see time pass
                         self._publish_snapshot(force=True)
                     if self._stopping:
                         return
                     commands, self._commands = self._commands, deque()
                 for command in commands:
-                    command()
-                self.engine.apply_pending_config()
-                self._feed_workload()
+                    self._supervised(command)
+                self._supervised(self.engine.apply_pending_config)
+                self._supervised(self._feed_workload)
                 if not self._paused and self.engine.has_unfinished():
-                    for output in self.engine.step():
+                    for output in self._step():
                         self._deliver(output)
                 # going idle: publish now, so readers see the last requests finished
                 self._publish_snapshot(force=not self.engine.has_unfinished())
@@ -195,6 +237,87 @@ class EngineLoop:
             self.error = exc
             self._publish_snapshot(force=True)
             raise
+
+    def _step(self) -> list[RequestOutput]:
+        """One engine step, supervised; nothing once the engine has stopped."""
+        if self.error is not None:
+            return []
+        try:
+            return self.engine.step()
+        except Exception as exc:
+            self._heal(exc)
+            return []
+
+    def _supervised(self, work: Callable[[], object]) -> None:
+        try:
+            work()
+        except Exception as exc:
+            self._heal(exc)
+
+    def _heal(self, exc: Exception) -> None:
+        """A fault no single request caused: restart the engine from its journal, failing
+        the requests of the failed step that have been in one before; or, on a crash loop,
+        stop it and fail everything live."""
+        engine, supervisor = self.engine, self.supervisor
+        if self.error is not None:  # stopped already: nothing left to fail or restart
+            log.error("after the engine stopped: %r", exc, exc_info=exc)
+            return
+        fault = supervisor.judge(exc)
+        log.error("engine fault at %s: %s\n%s", fault.place, fault.error, fault.traceback)
+        stopped = supervisor.stopped
+        live = list(engine.scheduler.requests)
+        doomed = (set(live) if stopped is not None
+                  else supervisor.struck_out(engine.stepping, live))
+        reason = (str(stopped) if stopped is not None else
+                  f"the engine failed twice in a step holding this request: {fault.error} at "
+                  f"{fault.place}")
+        kept, owed = engine.restart(dict.fromkeys(doomed, reason))
+        if stopped is not None:
+            self.error = stopped
+            self.failed_while_down += len(doomed)
+            resumed: list[str] = []
+        else:
+            resumed = self._resume(kept, owed)
+        engine.bus.publish(EngineRestarted(restarts=supervisor.restarts, place=fault.place,
+                                           error=fault.error, resumed=len(resumed),
+                                           failed=len(doomed), stopped=stopped is not None))
+        try:  # journal what the failed step published, the failures and the restart
+            engine.bus.drain()
+        except Exception:
+            log.exception("delivering the events of a restart failed")
+        for output in owed:
+            self._deliver(output)
+        self._publish_snapshot(force=True)
+
+    def _resume(self, kept: list[Request], owed: list[RequestOutput]) -> list[str]:
+        """Re-add what the engine had accepted: from the journal when there is one (what it
+        refuses or quarantines fails, told to its caller), else from the requests in hand."""
+        engine = self.engine
+        handled: set[str] = set()
+        if self.journal is not None:
+            try:
+                engine.bus.drain()  # the journal must hold everything accepted so far
+                resumption = self.journal(engine)
+            except Exception:
+                log.exception("resuming from the journal failed; resuming what is in memory")
+            else:
+                handled = {*resumption.resumed, *resumption.quarantined, *resumption.failed}
+                closed = {*resumption.quarantined, *resumption.failed}
+                owed.extend(_failed(r.id, tuple(r.output_token_ids),
+                                    "not resumed after an engine restart (see the journal)")
+                            for r in kept if r.id in closed)
+        for request in kept:
+            if request.id not in handled:
+                engine.add_request(request.prompt_token_ids, request.params,
+                                   tenant=request.tenant, priority=request.priority,
+                                   request_id=request.id, tag=request.tag,
+                                   arrival=request.arrival,
+                                   generated=request.output_token_ids)
+        return list(engine.scheduler.requests)
+
+    def health(self) -> LoopHealth:
+        return LoopHealth(self.error is None, self.supervisor.restarts, self.failed_while_down,
+                          None if self.error is None else str(self.error))
 
     def _has_work(self) -> bool:
         return not self._paused and self.engine.has_unfinished()
@@ -205,12 +328,12 @@ class EngineLoop:
 
     def _idle_timeout(self) -> float:
         if self._workload and self._speed > 0:
-            ahead = self._workload[0].arrival_s - self._workload_clock(time.monotonic())
+            ahead = self._workload[0].arrival_s - self._workload_clock(self.clock())
             return max(0.0, min(ahead / self._speed, self.snapshot_interval_s))
         return self.snapshot_interval_s
 
     def _feed_workload(self) -> None:
-        elapsed = self._workload_clock(time.monotonic())
+        elapsed = self._workload_clock(self.clock())
         while self._workload and self._workload[0].arrival_s <= elapsed:
             item = self._workload.popleft()
             self.engine.add_request(list(item.prompt_token_ids), item.sampling_params(),
@@ -220,7 +343,7 @@ class EngineLoop:
         if not self._workload and self._workload_cycle:
             self._cycle_count += 1
             self._workload = deque(self._workload_cycle)
-            self._workload_start = time.monotonic()
+            self._workload_start = self.clock()
             self._played_s = 0.0
 
     def _deliver(self, output: RequestOutput) -> None:
@@ -237,7 +360,12 @@ class EngineLoop:
                                                 f"{type(exc).__name__}: {exc}")
 
     def _publish_snapshot(self, force: bool = False) -> None:
-        now = time.monotonic()
+        now = self.clock()
         if force or now - self._snapshot_at >= self.snapshot_interval_s:
             self._snapshot = self.engine.snapshot()
             self._snapshot_at = now
+
+
+def _failed(request_id: str, token_ids: tuple[int, ...], reason: str) -> RequestOutput:
+    """The last output of a request that ended outside the engine's steps."""
+    return RequestOutput(request_id, (), token_ids, True, reason, RequestState.FAILED.value)

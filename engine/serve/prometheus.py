@@ -10,13 +10,14 @@ from __future__ import annotations
 from engine.budget.plan import BUDGET_SCORE_DEFINITION
 from engine.core.engine import Engine
 from engine.ops.metrics import Histogram
+from engine.serve.loop import LoopHealth
 from engine.snapshot import Snapshot
 
 PREFIX = "tokenflow:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def render_metrics(engine: Engine, snapshot: Snapshot) -> str:
+def render_metrics(engine: Engine, snapshot: Snapshot, health: LoopHealth | None = None) -> str:
     m = engine.metrics
     watermark = engine.config.cache_high_watermark
     labels = f'model_name="{_escape(snapshot.model)}"'
@@ -65,6 +66,13 @@ def render_metrics(engine: Engine, snapshot: Snapshot) -> str:
             m.requests_rejected_total)
     counter("requests_failed", "Requests failed by a protection layer or their own error.",
             m.requests_failed_total)
+    if health is not None:
+        gauge("engine_up", "1 while the engine steps; 0 once a crash loop stopped it.",
+              health.up)
+        counter("engine_restarts", "Restarts of the engine after a fault in its steps.",
+                health.restarts)
+        counter("requests_failed_engine_down", "Requests failed or refused because the "
+                "engine had stopped.", health.failed_while_down)
     return "\n".join(out) + "\n"
 
 

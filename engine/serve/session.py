@@ -36,6 +36,8 @@ from engine.sim.executor import PacedClock, Simulation, simulated_engine
 from engine.sim.target import resolve_target
 from engine.store import CalibrationRecord, Commit, Database, StoreWriter, open_database
 
+FLUSH_TIMEOUT_S = 10.0  # a restart waits this long for the journal to catch up
+
 
 @dataclass
 class EngineSession:
@@ -102,8 +104,17 @@ class EngineSession:
         `close` stops it before anything else."""
         if self.loop is not None:
             raise RuntimeError("this session already has an engine loop")
-        self.loop = EngineLoop(self.engine)
+        self.loop = EngineLoop(self.engine,
+                               journal=self._resume_after_fault if self.writer else None)
         return self.loop
+
+    def _resume_after_fault(self, engine: Engine) -> Resumption:
+        """The loop's restart: once the writer has committed everything the engine
+        published, what the journal holds unfinished is what was accepted."""
+        assert self.writer is not None and self.database is not None
+        if not self.writer.flush(timeout=FLUSH_TIMEOUT_S):
+            raise TimeoutError(f"the journal writer did not commit within {FLUSH_TIMEOUT_S} s")
+        return resume_unfinished(engine, self.database)
 
     def close(self) -> None:
         """Stop stepping, then commit what the writer holds, then close the database."""

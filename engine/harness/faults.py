@@ -1,0 +1,43 @@
+"""Step faults: an exception raised from the runner or the scheduler at chosen steps, the
+chaos that the serve loop's supervisor (engine.serve.supervisor) must heal from.
+
+The wrapped call runs unchanged on every other step; on a chosen one `before` runs first (a
+soak moves its clock on, so faults are spread as it wants), then InjectedFault is raised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+from engine.core.engine import Engine
+
+Where = Literal["runner", "scheduler"]
+
+
+class InjectedFault(RuntimeError):
+    """Raised on purpose by StepFaults."""
+
+
+class StepFaults:
+    def __init__(self, engine: Engine, at: Iterable[int], where: Where = "runner",
+                 before: Callable[[], object] | None = None) -> None:
+        """Raise at the `at`-th calls (1-based) of `runner.run` or `scheduler.update`."""
+        self.at = set(at)
+        self.before = before
+        self.calls = 0
+        self.raised = 0
+        owner: Any = engine.runner if where == "runner" else engine.scheduler
+        name = "run" if where == "runner" else "update"
+        wrapped = getattr(owner, name)
+
+        def faulty(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            if self.calls in self.at:
+                if self.before is not None:
+                    self.before()
+                self.raised += 1
+                raise InjectedFault(f"injected into {where} call {self.calls}")
+            return wrapped(*args, **kwargs)
+
+        setattr(owner, name, faulty)
