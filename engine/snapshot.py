@@ -52,6 +52,8 @@ class Snapshot:
     mode: str = "NORMAL"
     mode_reason: str = ""
     paused: bool = False
+    engine_restarts: int = 0  # times a fault in its steps restarted the engine (serve loop)
+    engine_fault: str = ""  # the last such fault and where it was raised
     # requests/s the embedded console's own traffic arrives at; None: it plays none, or none
     # with a rate (sent all at once)
     workload_rate: float | None = None

@@ -149,6 +149,11 @@ class TokenflowApp(App[None]):
         self.source.close()
 
     def on_snapshot_polled(self, message: SnapshotPolled) -> None:
+        before = self.state.latest
+        if message.snapshot.engine_restarts > (0 if before is None else before.engine_restarts):
+            self.notify(f"restart {message.snapshot.engine_restarts} after "
+                        f"{message.snapshot.engine_fault}", title="engine restarted",
+                        severity="warning", markup=False)
         self.state.record(message.snapshot)
         screen = self._shown_console_screen()
         if screen is not None:
@@ -157,7 +162,7 @@ class TokenflowApp(App[None]):
     def on_source_failed(self, message: SourceFailed) -> None:
         if message.error != self.state.failure:  # one toast per distinct failure, not per poll
             self.state.failure = message.error
-            self.notify(message.error, title="source", severity="error")
+            self.notify(message.error, title="source", severity="error", markup=False)
             screen = self._shown_console_screen()
             if screen is not None:
                 screen.show_failure(message.error)

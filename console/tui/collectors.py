@@ -6,6 +6,7 @@ when the previous one has finished, so a slow source never piles polls up.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,8 @@ from console.sources.replay import SessionRecorder
 from engine.config import ConfigError
 from engine.errors import EngineError
 from engine.snapshot import Snapshot
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # annotations only: the store pulls SQLAlchemy and Alembic (~1 s)
     from engine.store import (
@@ -113,9 +116,9 @@ class SnapshotCollector:
                 if self.recorder is not None:
                     self.recorder.snapshot(snapshot)
                 self.app.post_message(SnapshotPolled(snapshot))
-        except (EngineError, OSError) as exc:
+        except Exception as exc:  # a poller must not die: any fault becomes a notification
             self._last = None  # the next snapshot clears the failure shown, even if the same
-            self.app.post_message(SourceFailed(str(exc)))
+            self.app.post_message(SourceFailed(worker_error(exc)))
         finally:
             self._rearm()
 
@@ -128,14 +131,24 @@ class SnapshotCollector:
             self.running = False  # the app closed while this poll was in flight
 
 
+def worker_error(exc: Exception) -> str:
+    """What a worker thread's failure shows in a notification. Errors the engine and the OS
+    explain say it themselves; anything else is a bug, logged with its traceback (never
+    printed over the screen) and named by its type."""
+    if isinstance(exc, EngineError | OSError):
+        return str(exc)
+    log.error("console worker failed: %r", exc, exc_info=exc)
+    return f"{type(exc).__name__}: {exc} (traceback in the log)"
+
+
 def load_in_worker(target: DOMNode, read: Callable[[], Message]) -> None:
     """Run a store read on a worker thread and post its message to `target`."""
 
     def work() -> None:
         try:
             target.post_message(read())
-        except (EngineError, OSError) as exc:
-            target.post_message(SourceFailed(str(exc)))
+        except Exception as exc:
+            target.post_message(SourceFailed(worker_error(exc)))
 
     target.run_worker(work, thread=True, group="store", exit_on_error=False)
 
@@ -148,8 +161,8 @@ def recalibrate_in_worker(target: DOMNode, source: Calibrating) -> None:
             record = source.recalibrate(
                 lambda fraction, note: target.post_message(RecalibrationProgress(fraction, note)))
             target.post_message(RecalibrationDone(record, None))
-        except (EngineError, OSError) as exc:
-            target.post_message(RecalibrationDone(None, str(exc)))
+        except Exception as exc:
+            target.post_message(RecalibrationDone(None, worker_error(exc)))
 
     target.run_worker(work, thread=True, group="recalibrate", exit_on_error=False)
 
@@ -175,8 +188,8 @@ def apply_config_in_worker(target: DOMNode, source: Tunable, changes: dict[str, 
             target.post_message(ConfigApplied(source.update_config(**changes)))
         except ConfigError as exc:
             target.post_message(ConfigRejected(exc.field, exc.message))
-        except (EngineError, OSError) as exc:
-            target.post_message(ConfigRejected("", str(exc)))
+        except Exception as exc:
+            target.post_message(ConfigRejected("", worker_error(exc)))
 
     target.run_worker(work, thread=True, group="config", exit_on_error=False)
 
@@ -196,7 +209,7 @@ def set_rate_in_worker(target: DOMNode, source: Traffic, rate: float) -> None:
     def work() -> None:
         try:
             target.post_message(RateSet(source.set_arrival_rate(rate)))
-        except (EngineError, OSError) as exc:
-            target.post_message(ConfigRejected(RATE_FIELD, str(exc)))
+        except Exception as exc:
+            target.post_message(ConfigRejected(RATE_FIELD, worker_error(exc)))
 
     target.run_worker(work, thread=True, group="config", exit_on_error=False)

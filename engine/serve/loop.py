@@ -13,6 +13,7 @@ later request report, its live requests failed with that error so nobody waits f
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -233,10 +234,11 @@ class EngineLoop:
                         self._deliver(output)
                 # going idle: publish now, so readers see the last requests finished
                 self._publish_snapshot(force=not self.engine.has_unfinished())
-        except BaseException as exc:  # surfaced to the UI / server instead of dying silently
+        except BaseException as exc:  # surfaced to the UI / server instead of dying silently;
+            # logged, never raised: a thread's traceback on stderr would paint over a console
             self.error = exc
+            log.critical("the engine loop died: %r", exc, exc_info=exc)
             self._publish_snapshot(force=True)
-            raise
 
     def _step(self) -> list[RequestOutput]:
         """One engine step, supervised; nothing once the engine has stopped."""
@@ -362,7 +364,13 @@ class EngineLoop:
     def _publish_snapshot(self, force: bool = False) -> None:
         now = self.clock()
         if force or now - self._snapshot_at >= self.snapshot_interval_s:
-            self._snapshot = self.engine.snapshot()
+            snapshot = self.engine.snapshot()
+            last = self.supervisor.last
+            if last is not None:
+                snapshot = dataclasses.replace(
+                    snapshot, engine_restarts=self.supervisor.restarts,
+                    engine_fault=f"{last.error} at {last.place}")
+            self._snapshot = snapshot
             self._snapshot_at = now
 
 
