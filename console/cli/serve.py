@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
                                       slow_threshold=config.slow_query_threshold)
             stack.callback(receiver.close)
             traces = f", OTLP traces {receiver.url}"
-        session.resume_unfinished()  # what a killed server had accepted
+        session.abort_orphans()  # what a killed server had in flight: its clients are gone
         loop = session.attach_loop().start()
         app = create_app(loop, admin_token=token, max_queue=args.max_queue,
                          max_body_bytes=args.max_body_bytes,

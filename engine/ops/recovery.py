@@ -20,6 +20,7 @@ from engine.store import (
     Database,
     claim_for_resume,
     close_entry,
+    discard_unfinished,
     unfinished_requests,
 )
 from engine.store.database import explained
@@ -73,6 +74,19 @@ def resume_unfinished(engine: Engine, database: Database,
                 continue
             resumed.append(entry.request_id)
     return Resumption(tuple(resumed), tuple(quarantined), tuple(failed))
+
+
+CLIENT_GONE = ("aborted: the server stopped while its client was connected (a served "
+               "request is resumed only while its client can still receive it)")
+
+
+def abort_orphans(database: Database) -> tuple[str, ...]:
+    """Close every unfinished entry as aborted: what a served request's client was sent died
+    with its connection, so running it again would be for nobody, and a client that retries
+    would have it run twice. `tokenflow serve` calls this on start instead of resuming."""
+    database.claim_writer()
+    with explained(database.path), database.session() as session:
+        return tuple(discard_unfinished(session, CLIENT_GONE, state="FINISHED"))
 
 
 def foreign_journal(engine: Engine, database: Database) -> str | None:

@@ -4,7 +4,10 @@ Everything that can be refused is refused before the engine sees the request: ma
 fields (400), an unknown model (404), a prompt the engine could never serve, the circuit
 breaker included (422), a full queue (429) or a dead engine (503). Outputs cross from the
 engine thread to the event loop through `call_soon_threadsafe`; a client that goes away
-aborts its request so its KV blocks are freed at the next step.
+aborts its request so its KV blocks are freed at the next step (and the journal records it
+aborted). With a journal, a request's first output leaves only once its journal row is
+committed, and its last once its end is: a client never holds tokens of a request the
+journal does not know, nor a whole answer the journal would run again.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -28,6 +32,7 @@ from engine.serve.protocol import ApiError, BodyLimits, CompletionBody, parse_mo
 
 RETRY_AFTER_S = 1  # what a refused client is told to wait before trying again
 ERROR_CHECK_S = 1.0  # how often a waiting request checks that the engine thread is alive
+JOURNAL_WAIT_S = 10.0  # an output waits this long for the journal to commit it
 FINISH_REASONS = {"stop": "stop", "length": "length", "aborted": "abort"}
 
 
@@ -169,6 +174,7 @@ class Completions:
             disconnect.cancel()
             result.cancel()
         _raise_if_refused(self.engine_loop, output)
+        await _journaled(self.engine_loop)
         return JSONResponse(reply.body(_decode_all(reply, output), list(output.token_ids),
                                        FINISH_REASONS.get(output.finish_reason or ""),
                                        usage=True, completion_tokens=len(output.token_ids)))
@@ -177,11 +183,14 @@ class Completions:
                       include_usage: bool) -> AsyncIterator[str]:
         """One SSE chunk per generated token, as vLLM sends them; a chunk whose token leaves
         a character incomplete carries its token id and no text (see _decode_all)."""
-        sent = ""
+        sent, journaled = "", False
         try:
             while not bridge.finished:
                 output = await bridge.next()
                 _raise_if_refused(self.engine_loop, output)
+                if not journaled or output.finished:
+                    await _journaled(self.engine_loop)
+                    journaled = True
                 text = _decode_all(reply, output)
                 reason = FINISH_REASONS.get(output.finish_reason or "")
                 yield _sse(reply.body(text[len(sent):], list(output.new_token_ids), reason))
@@ -238,6 +247,15 @@ def _raise_if_refused(engine_loop: EngineLoop, output: RequestOutput) -> None:
         raise ApiError(422, output.finish_reason or "rejected by the engine", param="prompt")
     if output.state == RequestState.FAILED.value:
         raise ApiError(500, f"the request failed: {output.finish_reason}", kind="server_error")
+
+
+async def _journaled(engine_loop: EngineLoop) -> None:
+    """Wait until the journal holds everything the engine has published so far."""
+    flush = engine_loop.journal_flush
+    if flush is not None and not await run_in_threadpool(flush, JOURNAL_WAIT_S):
+        raise ApiError(503, f"the request journal did not commit within {JOURNAL_WAIT_S:g} s; "
+                            "retry", kind="server_error",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def _engine_down(engine_loop: EngineLoop) -> ApiError:

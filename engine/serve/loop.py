@@ -66,14 +66,18 @@ class _Submission:
 class EngineLoop:
     def __init__(self, engine: Engine, snapshot_interval_s: float = 0.1, *,
                  clock: Clock = time.monotonic, journal: JournalResume | None = None,
+                 journal_flush: Callable[[float], bool] | None = None,
                  supervisor: Supervisor | None = None) -> None:
         """`clock` paces snapshots and played workloads (real time: arrivals are wall-clock
         events even for a simulated engine); the supervisor's crash-loop window runs on the
-        engine's own clock. Without `journal` a restart resumes from the live requests."""
+        engine's own clock. Without `journal` a restart resumes from the live requests.
+        `journal_flush(timeout)` commits what the engine has published (False on timeout):
+        the server calls it before a request's first and last outputs leave."""
         self.engine = engine
         self.snapshot_interval_s = snapshot_interval_s
         self.clock = clock
         self.journal = journal
+        self.journal_flush = journal_flush
         self.supervisor = supervisor or Supervisor(engine.clock)
         self.failed_while_down = 0
         self._commands: deque[Callable[[], None]] = deque()

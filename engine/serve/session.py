@@ -30,7 +30,7 @@ from engine.budget.calibrate import (
 from engine.config import EngineConfig
 from engine.core.engine import Engine
 from engine.events import Subscriber
-from engine.ops.recovery import Resumption, resume_unfinished
+from engine.ops.recovery import Resumption, abort_orphans, resume_unfinished
 from engine.serve.loop import EngineLoop
 from engine.sim.executor import PacedClock, Simulation, simulated_engine
 from engine.sim.target import resolve_target
@@ -99,13 +99,19 @@ class EngineSession:
             return Resumption((), (), ())
         return resume_unfinished(self.engine, self.database, skip=frozenset(skip))
 
+    def abort_orphans(self) -> tuple[str, ...]:
+        """Close what a killed server had in flight as aborted (its clients are gone); the
+        ids closed. Nothing without a store."""
+        return () if self.database is None else abort_orphans(self.database)
+
     def attach_loop(self) -> EngineLoop:
         """The engine's loop thread, not started: subscribe observers, then `start()` it.
         `close` stops it before anything else."""
         if self.loop is not None:
             raise RuntimeError("this session already has an engine loop")
         self.loop = EngineLoop(self.engine,
-                               journal=self._resume_after_fault if self.writer else None)
+                               journal=self._resume_after_fault if self.writer else None,
+                               journal_flush=self.writer.flush if self.writer else None)
         return self.loop
 
     def _resume_after_fault(self, engine: Engine) -> Resumption:

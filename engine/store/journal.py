@@ -67,12 +67,12 @@ def unfinished_requests(session: Session) -> list[JournalEntry]:
     ]
 
 
-def discard_unfinished(session: Session, reason: str) -> list[str]:
-    """Close every unfinished entry as FAILED with `reason`, so no later run resumes it;
+def discard_unfinished(session: Session, reason: str, state: str = "FAILED") -> list[str]:
+    """Close every unfinished entry as `state` with `reason`, so no later run resumes it;
     commits; the ids closed."""
     ids = [entry.request_id for entry in unfinished_requests(session)]
     for request_id in ids:
-        close_entry(session, request_id, "FAILED", reason)
+        close_entry(session, request_id, state, reason)
     return ids
 
 
@@ -92,7 +92,8 @@ def claim_for_resume(session: Session, request_ids: Iterable[str]) -> int:
 
 
 def close_entry(session: Session, request_id: str, state: str, reason: str) -> None:
-    """Set an unfinished entry's state (FAILED or QUARANTINED) with its reason; commits."""
+    """Set an unfinished entry's state (FAILED, QUARANTINED, or FINISHED for an abort) with
+    its reason; commits."""
     now = time.time()
     session.execute(
         update(JournalRow)

@@ -1,0 +1,84 @@
+"""Streams and the journal agree: a request is journaled before its first token leaves the
+server, a stream that completed is final in the journal before `[DONE]`, a client that went
+away is recorded as aborted, and what a killed server had in flight is closed as aborted on
+the next start, never run again for nobody. One `tokenflow serve`, killed with SIGKILL
+while a stream is open; the 20-kill run under load is benchmarks/stream_kills.py."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from engine.ops.recovery import CLIENT_GONE, abort_orphans
+from engine.store import open_database
+from tests.serving import killed_if_left, serve_on
+
+LONG = {"prompt": "tell me", "max_tokens": 2000, "ignore_eos": True, "stream": True}
+SHORT = {"prompt": "hi", "max_tokens": 4, "ignore_eos": True, "stream": True}
+
+
+def journal(db: Path) -> dict[str, tuple[str, str | None, int]]:
+    """request id -> (state, finish reason, resume attempts), read as another process would."""
+    with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as connection:
+        rows = connection.execute("SELECT request_id, state, finish_reason, resume_attempts "
+                                  "FROM request_journal").fetchall()
+    return {rid: (state, reason, attempts) for rid, state, reason, attempts in rows}
+
+
+def chunks(response: httpx.Response) -> Iterator[dict[str, object] | str]:
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line.removeprefix("data: ")
+            yield data if data == "[DONE]" else json.loads(data)
+
+
+def request_id(chunk: dict[str, object] | str) -> str:
+    assert isinstance(chunk, dict)
+    return str(chunk["id"]).removeprefix("cmpl-")
+
+
+def test_kills_at_each_point_of_a_stream(tmp_path: Path) -> None:
+    db = tmp_path / "serve.db"
+    with killed_if_left(serve_on(db)) as server:
+        assert server.stdout is not None
+        url = re.search(r"http://[^,\s]+", server.stdout.readline())
+        assert url
+        with httpx.Client(base_url=url.group(0), timeout=60) as http:
+            # a stream read to its end: final in the journal before [DONE] arrives
+            with http.stream("POST", "/v1/completions", json=SHORT) as done:
+                seen = list(chunks(done))
+            assert seen[-1] == "[DONE]"
+            assert journal(db)[request_id(seen[0])][:2] == ("FINISHED", "length")
+
+            # a client that goes away after its first token: recorded as aborted
+            with http.stream("POST", "/v1/completions", json=LONG) as left:
+                gone = request_id(next(chunks(left)))
+            with httpx.Client(base_url=url.group(0), timeout=60) as other:
+                for _ in range(200):  # the abort lands at the next step: wait for it
+                    if journal(db)[gone][0] != "DECODING":
+                        break
+                    other.get("/health")
+            assert journal(db)[gone][:2] == ("FINISHED", "aborted")
+
+            # a stream open when the server is killed: journaled before its first token
+            with http.stream("POST", "/v1/completions", json=LONG) as open_stream:
+                held = request_id(next(chunks(open_stream)))
+                assert journal(db)[held][0] in ("PREFILLING", "DECODING")
+                server.kill()
+                server.wait(timeout=60)
+    # the next start closes it as aborted: its client is gone, nothing is run again
+    database = open_database(db)
+    try:
+        assert abort_orphans(database) == (held,)
+    finally:
+        database.close()
+    after = journal(db)
+    assert after[held] == ("FINISHED", CLIENT_GONE, 0)
+    assert all(attempts == 0 for _, _, attempts in after.values())
+    assert len(after) == 3
