@@ -146,6 +146,7 @@ class FailCause(enum.StrEnum):
     CHUNK_TIMEOUT = "chunk_timeout"  # protection layer 4
     FAULT = "fault"  # an exception in this request's sampling, stop check or output
     ENGINE = "engine"  # the engine failed in its steps, not for this request's sake
+    CONFIG = "config"  # a live config change left it a prefill the engine cannot run
 
 
 @dataclass(frozen=True)

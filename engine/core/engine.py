@@ -265,6 +265,14 @@ class Engine:
         self.scheduler.set_config(new)
         if changed:
             self.bus.publish(ConfigChanged(changes=changed, source=source))
+        if not new.chunked_prefill:  # a prefill over the new budget would wait forever
+            for request in list(self.scheduler.requests.values()):
+                left = request.num_pending
+                if left > new.max_num_batched_tokens:
+                    self._end(request.id, RequestState.FAILED, (
+                        f"the config changed ({source}): chunked prefill off and "
+                        f"max_num_batched_tokens {new.max_num_batched_tokens}, under the "
+                        f"{left} tokens it has left to prefill"), FailCause.CONFIG)
 
     # --- the step -----------------------------------------------------------------------
     @property
