@@ -7,7 +7,7 @@ soak moves its clock on, so faults are spread as it wants), then InjectedFault i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container
 from typing import Any, Literal
 
 from engine.core.engine import Engine
@@ -20,10 +20,11 @@ class InjectedFault(RuntimeError):
 
 
 class StepFaults:
-    def __init__(self, engine: Engine, at: Iterable[int], where: Where = "runner",
+    def __init__(self, engine: Engine, at: Container[int], where: Where = "runner",
                  before: Callable[[], object] | None = None) -> None:
-        """Raise at the `at`-th calls (1-based) of `runner.run` or `scheduler.update`."""
-        self.at = set(at)
+        """Raise at the `at`-th calls (1-based) of `runner.run` or `scheduler.update`; `at`
+        may be any container, e.g. one whose `__contains__` reads a clock."""
+        self.at = at
         self.before = before
         self.calls = 0
         self.raised = 0
