@@ -4,9 +4,14 @@ minute (or an idle night) passes in microseconds."""
 
 from __future__ import annotations
 
+import dataclasses
+from pathlib import Path
+
 import pytest
+from sqlalchemy import select
 
 from console.sources.prometheus_text import MAX_READINGS, MetricWindow, Reading
+from console.tui.history import MetricHistory
 from engine.budget import auto, predictor
 from engine.budget.auto import CStar
 from engine.budget.predictor import StepTimeRatio
@@ -14,13 +19,16 @@ from engine.clock import VirtualClock
 from engine.config import EngineConfig, SamplingParams
 from engine.core.engine import Engine
 from engine.core.request import RequestState
-from engine.events import StepComplete
+from engine.events import EventBus, Finished, RequestAdded, StepComplete
 from engine.harness.driver import drive
 from engine.harness.workload import WorkloadRequest
 from engine.ops.metrics import WINDOW_SAMPLES, Metrics
 from engine.ops.telemetry import ModelBandwidth
 from engine.sim.executor import simulated_engine
 from engine.sim.target import resolve_target
+from engine.snapshot import Snapshot
+from engine.store import RetentionLimits, StoreWriter, open_database
+from engine.store.models import JournalRow
 
 CONFIG = EngineConfig(model="synthetic:tiny")
 
@@ -201,3 +209,50 @@ def test_metric_window_single_gap_and_standing_clock() -> None:
     for _ in range(MAX_READINGS + 10):
         window.add(reading(3700.0, 7700.0))
     assert len(window.readings) == MAX_READINGS and window.rate("tokens") is None
+
+
+# --- the console's history: charts, diagnoses, before/after figures ------------------------
+
+def test_history_windows_end_at_the_newest_snapshot_not_the_newest_sample() -> None:
+    history = MetricHistory()
+    base = Snapshot(ts=0.0, step=1, preemptions_total=0)
+    history.record(base)
+    history.record(dataclasses.replace(base, ts=10.0, step=2, preemptions_total=5))
+    assert history.window("preemptions_total", 60.0) == [0.0, 5.0]
+    # an hour idle: the same step, snapshot after snapshot, and no sample is recent any more
+    history.record(dataclasses.replace(base, ts=3610.0, step=2, preemptions_total=5))
+    assert history.newest_ts == 3610.0 and history.window("preemptions_total", 60.0) == []
+    history.record(dataclasses.replace(base, ts=3610.0, step=2))  # a clock that stands
+    assert history.newest_ts == 3610.0
+
+
+# --- the store writer's retention timer ---------------------------------------------------
+
+def test_store_retention_runs_on_the_writers_clock(tmp_path: Path) -> None:
+    clock = VirtualClock(start=0.0)
+    database = open_database(tmp_path / "store.db")
+    bus = EventBus()
+    writer = StoreWriter(database, bus, retention=RetentionLimits(journal=2),
+                         retention_interval_s=3600.0, clock=clock)
+    try:
+        def deliver(rid: str) -> None:
+            bus.publish(RequestAdded(request_id=rid, prompt_token_ids=(1, 2), sampling={},
+                                     tenant="t"))
+            bus.publish(Finished(request_id=rid, reason="length", prompt_tokens=2,
+                                 generated_tokens=1, ttft_s=0.1, e2e_s=0.1, budget_score=None))
+            bus.drain()
+            assert writer.flush(timeout=10)
+
+        def rows() -> int:
+            with database.session() as session:
+                return len(session.scalars(select(JournalRow.request_id)).all())
+
+        for rid in ("a", "b", "c", "d"):
+            deliver(rid)
+        assert rows() == 4  # the hour has not passed on the writer's clock
+        clock.sleep(2 * 3600)  # an idle night: the next batch applies retention
+        deliver("e")
+        assert rows() == 2
+    finally:
+        writer.close()
+        database.close()

@@ -90,11 +90,14 @@ class MetricHistory:
     changes: deque[Change] = field(default_factory=lambda: deque(maxlen=100))
     last_step: int = -1
     _previous: Snapshot | None = None
+    _seen_ts: float | None = None  # the newest snapshot's time, sampled or not
 
     def __post_init__(self) -> None:
         self.samples = {name: deque(maxlen=self.capacity) for name in SERIES}
 
     def record(self, snapshot: Snapshot) -> None:
+        # time passes for an idle or paused engine too: windows end at the newest snapshot
+        self._seen_ts = snapshot.ts if self._seen_ts is None else max(self._seen_ts, snapshot.ts)
         # A paused or idle engine hands back the same step; one sample per step keeps plots honest.
         if snapshot.step == self.last_step:
             return
@@ -128,6 +131,7 @@ class MetricHistory:
         self.changes.clear()
         self.last_step = -1
         self._previous = None
+        self._seen_ts = None
 
     def values(self, name: str) -> list[float]:
         return [value for _, value in self.samples[name]]
@@ -143,7 +147,8 @@ class MetricHistory:
 
     @property
     def newest_ts(self) -> float | None:
-        return self._previous.ts if self._previous is not None else None
+        """The newest snapshot's time: after an idle spell, later than the newest sample."""
+        return self._seen_ts
 
     @property
     def oldest_ts(self) -> float | None:
@@ -151,12 +156,12 @@ class MetricHistory:
         return min(firsts) if firsts else None
 
     def window(self, name: str, seconds: float) -> list[float]:
-        """Samples of `name` taken within `seconds` of its newest sample."""
-        series = self.samples[name]
-        if not series:
+        """Samples of `name` taken within `seconds` of the newest snapshot: none after an
+        idle spell longer than that, so nothing stale is judged as recent."""
+        newest = self._seen_ts
+        if newest is None:
             return []
-        newest = series[-1][0]
-        return [value for ts, value in series if newest - ts <= seconds]
+        return [value for ts, value in self.samples[name] if newest - ts <= seconds]
 
     def mean_between(self, name: str, start: float, end: float) -> float | None:
         """The mean of `name` over snapshot times in [start, end); None without a sample."""

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from sqlalchemy import Connection
 from sqlalchemy.exc import DBAPIError, StatementError
 
+from engine.clock import Clock
 from engine.errors import EngineError
 from engine.events import Event, EventBus, wall_offset
 from engine.store.batch import fold, prefilling, to_statements
@@ -86,6 +87,7 @@ class StoreWriter:
         retention: RetentionLimits | None = None,
         retention_interval_s: float = 60.0,
         on_commit: Callable[[Commit], None] | None = None,
+        clock: Clock = time.monotonic,
     ) -> None:
         if batch_size < 1 or batch_window_s < 0 or retention_interval_s <= 0:
             raise EngineError(
@@ -100,6 +102,7 @@ class StoreWriter:
         self.batch_window_s = batch_window_s
         self.retention = retention or RetentionLimits()
         self.retention_interval_s = retention_interval_s
+        self.clock = clock  # paces retention; batches are real-time waits on the queue
         self.written = 0  # events handled (stored or deliberately ignored)
         self.dropped = 0  # events not written because the writer had stopped (see `failure`)
         self.skipped: list[SkippedRow] = []  # rows refused one by one, with the reason
@@ -145,19 +148,20 @@ class StoreWriter:
     # --- writer thread -------------------------------------------------------------------
 
     def _run(self) -> None:
-        next_retention = time.monotonic() + self.retention_interval_s
+        next_retention = self.clock() + self.retention_interval_s
         while True:
-            items = self._collect(timeout=max(0.0, next_retention - time.monotonic()))
+            due = min(max(0.0, next_retention - self.clock()), self.retention_interval_s)
+            items = self._collect(timeout=due)
             events = [item for item in items if isinstance(item, Event)]
             if events and self.failure is None:
                 self._write_events(events)
             elif events:
                 self.dropped += len(events)
-            if time.monotonic() >= next_retention:
+            if self.clock() >= next_retention:
                 if self.failure is None:
                     self._guarded(lambda: self._until_done(
                         lambda conn: apply_retention(conn, self.retention)))
-                next_retention = time.monotonic() + self.retention_interval_s
+                next_retention = self.clock() + self.retention_interval_s
             for item in items:
                 if isinstance(item, _Flush):
                     item.done.set()
