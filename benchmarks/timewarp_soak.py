@@ -18,10 +18,9 @@ from pathlib import Path
 
 from engine.clock import VirtualClock
 from engine.config import EngineConfig
-from engine.harness.soak import SoakPlan, day_of_trace, time_warp_soak
+from engine.harness.soak import SoakPlan, day_of_trace, journaled_soak
 from engine.sim.executor import simulated_engine
 from engine.sim.target import resolve_target
-from engine.store import StoreWriter, open_database
 
 
 def main() -> int:
@@ -39,14 +38,7 @@ def main() -> int:
     plan = SoakPlan(hours=args.hours, requests_per_hour=args.requests_per_hour)
     workload = day_of_trace(plan, engine.model_config.vocab_size)
     with tempfile.TemporaryDirectory() as folder:
-        database = open_database(Path(folder) / "soak.db")
-        writer = StoreWriter(database, engine.bus)
-        try:
-            report = time_warp_soak(engine, clock, plan, workload, database=database,
-                                    flush=lambda: writer.flush(timeout=120))
-        finally:
-            writer.close()
-            database.close()
+        report = journaled_soak(engine, clock, plan, workload, Path(folder) / "soak.db")
     print(json.dumps({"plan": dataclasses.asdict(plan), **dataclasses.asdict(report),
                       "ok": report.ok}, indent=1))
     return 0 if report.ok else 1

@@ -8,10 +8,9 @@ from pathlib import Path
 
 from engine.clock import VirtualClock
 from engine.config import EngineConfig
-from engine.harness.soak import SoakPlan, day_of_trace, time_warp_soak
+from engine.harness.soak import SoakPlan, day_of_trace, journaled_soak
 from engine.sim.executor import simulated_engine
 from engine.sim.target import resolve_target
-from engine.store import StoreWriter, open_database
 
 
 def test_six_simulated_hours_end_with_every_request_accounted_for(tmp_path: Path) -> None:
@@ -22,14 +21,7 @@ def test_six_simulated_hours_end_with_every_request_accounted_for(tmp_path: Path
     plan = SoakPlan(hours=6, busy_from=3, requests_per_hour=15, abort_share=0.2,
                     max_output_tokens=64)
     workload = day_of_trace(plan, engine.model_config.vocab_size)
-    database = open_database(tmp_path / "soak.db")
-    writer = StoreWriter(database, engine.bus)
-    try:
-        report = time_warp_soak(engine, clock, plan, workload, database=database,
-                                flush=lambda: writer.flush(timeout=30))
-    finally:
-        writer.close()
-        database.close()
+    report = journaled_soak(engine, clock, plan, workload, tmp_path / "soak.db")
     assert report.exceptions == []
     assert report.unaccounted == [] and report.journal_unfinished == []
     assert report.states["FINISHED"] == len(workload) == 45 and report.states["aborted"] > 0

@@ -18,15 +18,17 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from engine.clock import VirtualClock
 from engine.core.engine import Engine, RequestOutput
 from engine.harness.driver import drive
 from engine.harness.trace import TraceRow, load_trace, sample_trace, shipped_trace
 from engine.harness.workload import WorkloadRequest
-from engine.store import Database, unfinished_requests
+from engine.store import Database, StoreWriter, open_database, unfinished_requests
 
 HOUR_S = 3600.0
+FLUSH_TIMEOUT_S = 300.0  # the journal of a whole day may be a few seconds behind the engine
 FINAL_STATES = ("FINISHED", "FAILED", "REJECTED")
 
 
@@ -185,3 +187,16 @@ def time_warp_soak(engine: Engine, clock: VirtualClock, plan: SoakPlan,
         with database.session() as session:
             report.journal_unfinished = [e.request_id for e in unfinished_requests(session)]
     return report
+
+
+def journaled_soak(engine: Engine, clock: VirtualClock, plan: SoakPlan,
+                   workload: Sequence[WorkloadRequest], store: Path) -> SoakReport:
+    """`time_warp_soak` with a store at `store` journaling the engine's bus throughout."""
+    database = open_database(store)
+    writer = StoreWriter(database, engine.bus, clock=clock)
+    try:
+        return time_warp_soak(engine, clock, plan, workload, database=database,
+                              flush=lambda: writer.flush(timeout=FLUSH_TIMEOUT_S))
+    finally:
+        writer.close()
+        database.close()
