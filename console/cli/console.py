@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import NoReturn
 
 from console.cli.engine_flags import add_engine_flag
+from console.cli.otlp_flags import add_otlp_token_flags, otlp_token
 from console.cli.workload_flags import add_rate_flag
+from console.errors import UserError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--otlp-listen", metavar="HOST:PORT",
                         help="receive OTLP/HTTP traces (vLLM --otlp-traces-endpoint "
                         "http://HOST:PORT/v1/traces): a Requests row and budget_score each")
+    add_otlp_token_flags(parser)
     parser.add_argument("--roofline-model", metavar="MODEL",
                         help="the traced model's shape (a model directory or synthetic:PRESET) "
                         "that budget scores are predicted for: by its calibration stored for "
@@ -80,6 +83,8 @@ def conflict(args: argparse.Namespace) -> str | None:
         return f"{' and '.join(chosen)} cannot be combined; pick one source"
     attach_only = [flag for flag, value in (("--gpu", args.gpu),
                                             ("--otlp-listen", args.otlp_listen),
+                                            ("--otlp-token-file", args.otlp_token_file),
+                                            ("--otlp-insecure", args.otlp_insecure),
                                             ("--roofline-model", args.roofline_model)) if value]
     if attach_only and not attached:
         return f"{', '.join(attach_only)} describe attached servers; add --attach URL"
@@ -103,6 +108,10 @@ def conflict(args: argparse.Namespace) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     problem = conflict(args)
+    try:  # before the engine starts: a receiver nobody guards must be asked for
+        args.otlp_token = otlp_token(args) if args.otlp_listen else None
+    except UserError as exc:
+        problem = problem or str(exc)
     if problem is not None:
         print(f"tokenflow-console: {problem}", file=sys.stderr)
         return 2

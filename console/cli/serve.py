@@ -23,6 +23,7 @@ import uvicorn
 
 from console.cli.db import add_db_argument
 from console.cli.engine_flags import add_engine_flags, engine_config, start_session
+from console.cli.otlp_flags import add_otlp_token_flags, otlp_token
 from console.errors import UserError
 from engine.serve.app import (
     DEFAULT_MAX_BODY_BYTES,
@@ -73,6 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     traces.add_argument("--gpu", metavar="NAME",
                         help="with --otlp-listen: the traced servers' GPU (h100, h200, ... or "
                              "cpu; default: NVML here)")
+    add_otlp_token_flags(traces)
     add_engine_flags(parser)
     parser.set_defaults(func=run)
 
@@ -85,12 +87,15 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
     trace_flags = [flag for flag, value in (("--roofline-model", args.roofline_model),
-                                            ("--gpu", args.gpu)) if value]
+                                            ("--gpu", args.gpu),
+                                            ("--otlp-token-file", args.otlp_token_file),
+                                            ("--otlp-insecure", args.otlp_insecure)) if value]
     if trace_flags and not args.otlp_listen:
         raise UserError(f"{' and '.join(trace_flags)} describe traced servers; add "
                         "--otlp-listen HOST:PORT")
     if args.otlp_listen and args.no_db:
         raise UserError("--otlp-listen keeps traced requests in the store; drop --no-db")
+    otlp = otlp_token(args) if args.otlp_listen else None
     config = engine_config(args)
     token = load_admin_token(args.admin_token_file)
     listener = _listen(args.host, args.port)  # a taken port fails now, not after the model loads
@@ -101,9 +106,10 @@ def run(args: argparse.Namespace) -> int:
         if args.otlp_listen:  # the console's receiver, writing to this server's store
             from console.sources.otlp import start_receiver  # protobufs: only when asked
 
-            receiver = start_receiver(args.otlp_listen, shape=args.roofline_model,
+            receiver = start_receiver(args.otlp_listen, token=otlp, shape=args.roofline_model,
                                       gpu=args.gpu, database=database,
-                                      slow_threshold=config.slow_query_threshold)
+                                      slow_threshold=config.slow_query_threshold,
+                                      allow_hosts=args.allow_host)
             stack.callback(receiver.close)
             traces = f", OTLP traces {receiver.url}"
         session.resume_unfinished()  # what a killed server had accepted

@@ -266,8 +266,8 @@ def open_traces(args: argparse.Namespace) -> TraceCollector | None:
     from console.sources.otlp import start_receiver
     from engine.store import open_database
 
-    receiver = start_receiver(args.otlp_listen, shape=args.roofline_model, gpu=args.gpu,
-                              database=open_database(args.db))
+    receiver = start_receiver(args.otlp_listen, token=args.otlp_token, shape=args.roofline_model,
+                              gpu=args.gpu, database=open_database(args.db))
     return receiver.collector
 
 
