@@ -339,9 +339,9 @@ def test_a_non_vllm_endpoint_is_named(server: ServerThread, sglang_server: Serve
 def test_several_targets_open_as_a_fleet(server: ServerThread, vllm_server: ServerThread,
                                          sglang_server: ServerThread,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(TOKEN_ENV, TOKEN)  # --attach sends it: /v1/stats needs it
-    # bare URLs are told apart by their /metrics
-    fleet = open_http_source([server.url, vllm_server.url], attach_sglang=sglang_server.url)
+    # bare URLs are told apart by their /metrics; the token goes to its own server alone
+    fleet = open_http_source([server.url, vllm_server.url], attach_sglang=sglang_server.url,
+                             tokens={server.url: TOKEN})
     assert isinstance(fleet, FleetSource) and len(fleet.members) == 3
     assert [type(m) for m in fleet.members] == [HttpSource, VllmMetricsSource,
                                                 SglangMetricsSource]

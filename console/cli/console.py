@@ -8,6 +8,7 @@ process imports Textual, instead of after it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -16,6 +17,29 @@ from console.cli.engine_flags import add_engine_flag
 from console.cli.otlp_flags import add_otlp_token_flags, otlp_token
 from console.cli.workload_flags import add_rate_flag
 from console.errors import UserError
+
+
+class _TokenEnv(argparse.Action):
+    """`--token-env NAME` after `--attach URL`: that server's bearer token is in $NAME. A token
+    goes only to the server it was given with, never to every attached URL."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        if not namespace.attach:
+            parser.error("--token-env NAME follows the --attach URL whose token $NAME holds")
+        namespace.attach_tokens[namespace.attach[-1]] = str(values)
+
+
+def attach_tokens(names: dict[str, str]) -> dict[str, str]:
+    """Each --attach target's token, read from the variable --token-env named for it."""
+    tokens = {}
+    for target, name in names.items():
+        token = os.environ.get(name, "").strip()
+        if not token:
+            raise UserError(f"--attach {target} --token-env {name}: ${name} is not set or "
+                            "empty; export the server's token in it")
+        tokens[target] = token
+    return tokens
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="watch a running server instead (repeatable: a fleet): tokenflow "
                         "serve, vLLM or SGLang, told apart by /metrics or by a prefix "
                         "(tokenflow+http://, vllm+http://, sglang+http://)")
+    parser.add_argument("--token-env", action=_TokenEnv, metavar="NAME",
+                        help="after --attach URL: the environment variable holding that "
+                        "server's bearer token (sent to it alone; e.g. TOKENFLOW_ADMIN_TOKEN "
+                        "to tune a tokenflow serve)")
+    parser.set_defaults(attach_tokens={})
     parser.add_argument("--attach-vllm", metavar="URL", help="watch a vLLM server's /metrics")
     parser.add_argument("--attach-sglang", metavar="URL",
                         help="watch an SGLang server's /metrics (started with --enable-metrics)")
@@ -110,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     problem = conflict(args)
     try:  # before the engine starts: a receiver nobody guards must be asked for
         args.otlp_token = otlp_token(args) if args.otlp_listen else None
+        args.attach_tokens = attach_tokens(args.attach_tokens)
     except UserError as exc:
         problem = problem or str(exc)
     if problem is not None:

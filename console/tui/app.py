@@ -256,7 +256,8 @@ def open_source(args: argparse.Namespace, engine: ProcessSource | None) -> Sourc
         from console.sources import open_http_source
 
         return open_http_source(args.attach, args.attach_vllm, args.attach_sglang,
-                                gpu=args.gpu, traces=open_traces(args))
+                                gpu=args.gpu, traces=open_traces(args),
+                                tokens=args.attach_tokens)
     assert engine is not None, "console.cli.console launches the embedded engine"
     return engine
 

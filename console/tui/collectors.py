@@ -113,9 +113,11 @@ class SnapshotCollector:
                 if self.recorder is not None:
                     self.recorder.snapshot(snapshot)
                 self.app.post_message(SnapshotPolled(snapshot))
-        except (EngineError, OSError) as exc:
+        except Exception as exc:  # the poll must go on: any failure is the source's, shown
             self._last = None  # the next snapshot clears the failure shown, even if the same
-            self.app.post_message(SourceFailed(str(exc)))
+            known = isinstance(exc, EngineError | OSError)
+            self.app.post_message(SourceFailed(str(exc) if known
+                                               else f"{type(exc).__name__}: {exc}"))
         finally:
             self._rearm()
 
