@@ -23,7 +23,12 @@ from console.cli.workload_flags import add_workload_flags, workload_for
 from console.errors import UserError
 from engine.core.engine import RequestOutput
 from engine.harness.driver import drive
-from engine.harness.workload import WorkloadRequest, describe, load_requests_jsonl
+from engine.harness.workload import (
+    WorkloadRequest,
+    describe,
+    load_requests_jsonl,
+    request_lines,
+)
 from engine.serve.session import EngineSession
 from engine.store import StoreWriter
 from engine.store.writer import report_commit
@@ -68,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--resume reads the request journal; drop --no-db")
     if args.requests and not args.requests.exists():
         raise UserError(f"--requests {args.requests}: no such file")
+    if args.requests:
+        request_lines(args.requests)  # its JSON, before the model loads: a bad line fails fast
     if args.output is not None:  # before anything is written, the store included
         if not args.no_db:
             refuse_store_files(args.output, args.db)
@@ -81,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
                        observers=(progress.on_calibration,)) as session:
         engine = session.engine
         if args.requests:
-            workload = load_requests_jsonl(args.requests, engine.tokenizer.encode)
+            workload = load_requests_jsonl(args.requests, engine.tokenizer.encode,
+                                           vocab_size=engine.model_config.vocab_size)
         else:
             workload = workload_for(args, engine)
         sink = _OutputSink(args.output, session.writer, resume=args.resume)
