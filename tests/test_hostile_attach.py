@@ -257,3 +257,11 @@ def test_token_flags_name_their_server(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.delenv("A_TOKEN", raising=False)
     assert main(["--attach", "http://127.0.0.1:9", "--token-env", "A_TOKEN"]) == 2
     assert "$A_TOKEN is not set" in capsys.readouterr().err
+
+
+def test_slow_queries_of_the_wrong_shape_are_named_not_raised_raw() -> None:
+    for body in ('{"data": [{"id": 1}]}', '{"data": 5}', '[]', "[" * 100_000):
+        source = HttpSource("http://tf.test", transport=answering(lambda body=body: body))
+        with pytest.raises(SourceError, match="cannot read"):
+            source.slow_queries()
+        source.close()

@@ -77,8 +77,12 @@ class HttpSource(RemoteBacked):
 
     def slow_queries(self, limit: int = 500) -> list[SlowQueryRecord]:
         limit = max(1, min(limit, MAX_SLOW_QUERIES))
-        data = self._call("GET", "/v1/slow_queries", params={"limit": limit}).json()["data"]
-        return [SlowQueryRecord(**record) for record in data]
+        response = self._call("GET", "/v1/slow_queries", params={"limit": limit})
+        try:
+            return [SlowQueryRecord(**record) for record in response.json()["data"]]
+        except (ValueError, RecursionError, TypeError, KeyError) as exc:  # not our shape
+            raise SourceError(f"{self.remote.url}/v1/slow_queries answered what the console "
+                              f"cannot read ({type(exc).__name__})") from None
 
     def slow_query(self, query_id: int) -> SlowQueryRecord:
         for record in self.slow_queries(MAX_SLOW_QUERIES):
