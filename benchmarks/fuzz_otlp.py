@@ -15,6 +15,10 @@ rows must be within their retention caps, and the server's own slow queries inta
 one JSON object; exit status 1 when any of that fails.
 
     PYTHONPATH=. .venv/bin/python benchmarks/fuzz_otlp.py [--exports 10000] [--seed 0]
+
+With --console the receiver is `tokenflow-console --attach URL --otlp-listen` in a tmux pane
+(attached to a `tokenflow serve`): it must still run at the end, its pane title must be
+unchanged and no traceback on its screen.
 """
 
 from __future__ import annotations
@@ -25,11 +29,15 @@ import json
 import os
 import random
 import re
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -202,19 +210,95 @@ def seed_store(path: Path, own: int) -> None:
         database.close()
 
 
-def start(db: Path, otlp_port: int) -> tuple[subprocess.Popen[str], str]:
+@dataclass
+class Receiver:
+    """The process under test, its OTLP URL, and how to tell it still runs."""
+
+    process: psutil.Process
+    url: str
+    alive: Callable[[], bool]
+    close: Callable[[], None]
+    report: Callable[[], dict[str, object]] = dict
+
+
+def serve_receiver(db: Path, otlp_port: int) -> Receiver:
+    """`tokenflow serve --otlp-listen`, scoring every span against an H200 roofline."""
+    server, url = start_serve(db, "--otlp-listen", f"127.0.0.1:{otlp_port}",
+                              "--roofline-model", "synthetic:tiny", "--gpu", "h200")
+    httpx.get(f"{url}/health", timeout=30)
+
+    def close() -> None:
+        if server.poll() is None:
+            server.terminate()
+            server.wait(60)
+
+    return Receiver(psutil.Process(server.pid), f"http://127.0.0.1:{otlp_port}/v1/traces",
+                    lambda: server.poll() is None and httpx.get(f"{url}/health",
+                                                                timeout=30).status_code == 200,
+                    close)
+
+
+def console_receiver(db: Path, otlp_port: int, tmp: Path) -> Receiver:
+    """`tokenflow-console --attach URL --otlp-listen` in a tmux pane, attached to a serve."""
+    server, url = start_serve(None, "--public-stats")
+    tmux = ["tmux", "-L", f"fuzz-otlp-{os.getpid()}", "-f", "/dev/null"]
+    command = (f"exec env PYTHONPATH={ROOT} TOKENFLOW_OTLP_TOKEN={TOKEN} {sys.executable} -m "
+               f"console.cli.console --attach {url} --otlp-listen 127.0.0.1:{otlp_port} "
+               f"--roofline-model synthetic:tiny --gpu h200 --db {db} 2>{tmp / 'console.err'}")
+    subprocess.run([*tmux, "new-session", "-d", "-s", "fuzz", "-x", "160", "-y", "50",
+                    command], check=True, cwd=ROOT)
+    pid = int(subprocess.run([*tmux, "display", "-p", "-t", "fuzz", "#{pane_pid}"],
+                             capture_output=True, text=True, check=True).stdout)
+    deadline = time.monotonic() + 120
+    while True:  # a child starting: nothing to wait on but its port
+        try:
+            socket.create_connection(("127.0.0.1", otlp_port), timeout=1).close()
+            break
+        except OSError:
+            if time.monotonic() > deadline or not psutil.pid_exists(pid):
+                raise SystemExit(f"the console did not start: "
+                                 f"{(tmp / 'console.err').read_text()[-2000:]}") from None
+            time.sleep(0.2)
+    title = pane(tmux, "#{pane_title}")
+
+    def alive() -> bool:
+        return psutil.pid_exists(pid) and subprocess.run(
+            [*tmux, "has-session", "-t", "fuzz"], capture_output=True).returncode == 0
+
+    def close() -> None:
+        subprocess.run([*tmux, "kill-server"], capture_output=True)
+        server.terminate()
+        server.wait(60)
+
+    def report() -> dict[str, object]:
+        screen = subprocess.run([*tmux, "capture-pane", "-p", "-t", "fuzz"],
+                                capture_output=True, text=True).stdout
+        return {"pane_title_unchanged": pane(tmux, "#{pane_title}") == title,
+                "traceback_on_screen": "Traceback" in screen}
+
+    return Receiver(psutil.Process(pid), f"http://127.0.0.1:{otlp_port}/v1/traces", alive,
+                    close, report)
+
+
+def pane(tmux: list[str], field: str) -> str:
+    return subprocess.run([*tmux, "display", "-p", "-t", "fuzz", field], capture_output=True,
+                          text=True).stdout.strip()
+
+
+def start_serve(db: Path | None, *flags: str) -> tuple[subprocess.Popen[str], str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "TOKENFLOW_OTLP_TOKEN": TOKEN}
+    store = ["--db", str(db)] if db is not None else ["--no-db"]
     server = subprocess.Popen(
         [sys.executable, "-m", "console.cli.main", "serve", "--model", "synthetic:tiny",
-         "--device", "cpu", "--dtype", "float32", "--port", "0", "--db", str(db),
-         "--otlp-listen", f"127.0.0.1:{otlp_port}", "--roofline-model", "synthetic:tiny",
-         "--gpu", "h200"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
-    assert server.stdout is not None
-    banner = server.stdout.readline()  # printed once both listeners are up
+         "--device", "cpu", "--dtype", "float32", "--port", "0", *store, *flags], cwd=ROOT,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert server.stdout is not None and server.stderr is not None
+    banner = server.stdout.readline()  # printed once every listener is up
     found = re.search(r"(http://[\d.]+:\d+),", banner)
     if not found:
         raise SystemExit(f"serve did not start: {banner}{server.stderr.read()[-2000:]}")
+    for stream in (server.stdout, server.stderr):  # its logs must never fill a pipe
+        threading.Thread(target=stream.read, daemon=True).start()
     return server, found.group(1)
 
 
@@ -251,6 +335,8 @@ def main() -> int:
     parser.add_argument("--exports", type=int, default=10_000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--own", type=int, default=50, help="own slow queries seeded")
+    parser.add_argument("--console", action="store_true",
+                        help="fuzz tokenflow-console --otlp-listen in a tmux pane instead")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     fuzzer = Fuzzer(rng)
@@ -258,8 +344,8 @@ def main() -> int:
         db = Path(tmp) / "fuzz.db"
         seed_store(db, args.own)
         otlp_port = free_port()
-        server, url = start(db, otlp_port)
-        process = psutil.Process(server.pid)
+        receiver = (console_receiver(db, otlp_port, Path(tmp)) if args.console
+                    else serve_receiver(db, otlp_port))
         statuses: Counter[str] = Counter()
         by_kind: Counter[str] = Counter()
         server_errors: list[str] = []
@@ -267,15 +353,13 @@ def main() -> int:
         rejected_spans = 0
         try:
             with httpx.Client(timeout=60) as http:
-                http.get(f"{url}/health")
-                idle_rss = process.memory_info().rss
+                idle_rss = receiver.process.memory_info().rss
                 peak_rss = idle_rss
                 started = time.monotonic()
-                target = f"http://127.0.0.1:{otlp_port}/v1/traces"
                 for index in range(args.exports):
                     kind, body, headers, good = fuzzer.draw()
                     try:
-                        response = http.post(target, content=body, headers=headers)
+                        response = http.post(receiver.url, content=body, headers=headers)
                     except httpx.HTTPError as exc:
                         transport_errors.append(f"{kind}: {type(exc).__name__}: {exc}")
                         continue
@@ -288,16 +372,14 @@ def main() -> int:
                         rejected_spans += answer.partial_success.rejected_spans
                         fuzzer.expected.update(good)
                     if index % RSS_EVERY == 0:
-                        peak_rss = max(peak_rss, process.memory_info().rss)
+                        peak_rss = max(peak_rss, receiver.process.memory_info().rss)
                 elapsed = time.monotonic() - started
-                peak_rss = max(peak_rss, process.memory_info().rss)
-                final_rss = process.memory_info().rss
-                health = http.get(f"{url}/health").status_code
+                peak_rss = max(peak_rss, receiver.process.memory_info().rss)
+                final_rss = receiver.process.memory_info().rss
+            alive = receiver.alive()
+            extra = receiver.report()
         finally:
-            alive = server.poll() is None
-            if alive:
-                server.terminate()
-                server.wait(60)
+            receiver.close()
         figures = counts(db)
         missing = fuzzer.expected - stored_ids(db, fuzzer.expected)
         caps = RetentionLimits()
@@ -306,7 +388,8 @@ def main() -> int:
         "exports": args.exports, "seconds": round(elapsed, 1),
         "exports_per_s": round(args.exports / elapsed, 1),
         "statuses": dict(statuses), "by_kind": dict(sorted(by_kind.items())),
-        "server_alive": alive, "health": health, "server_errors": server_errors[:20],
+        "target": "console in tmux" if args.console else "tokenflow serve",
+        "alive": alive, "server_errors": server_errors[:20], **extra,
         "transport_errors": transport_errors[:20], "rejected_spans": rejected_spans,
         "rss_idle_mb": round(idle_rss / 2**20, 1), "rss_peak_mb": round(peak_rss / 2**20, 1),
         "rss_final_mb": round(final_rss / 2**20, 1),
@@ -317,7 +400,8 @@ def main() -> int:
         "good_spans_accepted": len(fuzzer.expected), "good_spans_missing": len(missing),
         "own_slow_queries_seeded": args.own,
     }
-    failed = (not alive or health != 200 or server_errors or transport_errors or missing
+    failed = (not alive or server_errors or transport_errors or missing
+              or extra.get("pane_title_unchanged") is False or extra.get("traceback_on_screen")
               or figures["traced_requests"] > caps.traced_requests
               or figures["traced_slow_queries"] > caps.traced_slow_queries
               or figures["own_slow_queries"] != args.own
