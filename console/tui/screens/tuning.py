@@ -371,7 +371,7 @@ class TuningScreen(ConsoleScreen):
             at = change.created_at - offset
             ttft = around(history, at, "ttft_p99", ms)
             throughput = around(history, at, "tokens_per_s", number)
-            table.add_row(change.field, plain(shown(change.old)), plain(shown(change.new)),
+            table.add_row(change.field, shown(change.old), shown(change.new),
                           plain(change.source),
                           datetime.fromtimestamp(change.created_at).strftime("%H:%M:%S"),
                           *ttft, *throughput, key=str(change.id))
