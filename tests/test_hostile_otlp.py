@@ -103,6 +103,9 @@ def test_the_token_and_the_host_are_checked_before_the_body_is_read() -> None:
         assert client.post("/v1/traces", content=body, headers=headers(None)).status_code == 401
         wrong = client.post("/v1/traces", content=body, headers=headers("guess"))
         assert wrong.status_code == 401 and "Authorization=Bearer" in wrong.text
+        # OTLP/HTTP's error body: a google.rpc.Status, code 16 (UNAUTHENTICATED) and message
+        assert wrong.headers["content-type"] == PROTOBUF
+        assert wrong.content.startswith(b"\x08\x10\x12")
         rebound = client.post("/v1/traces", content=body,
                               headers={**headers(), "Host": "evil.example:4318"})
         assert rebound.status_code == 400 and "not allowed" in rebound.text

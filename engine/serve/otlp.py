@@ -42,7 +42,7 @@ from engine.serve.otlp_span import (
     service_name,
     traced_request,
 )
-from engine.serve.protocol import ApiError, api_error_handler, read_body
+from engine.serve.protocol import ApiError, read_body
 from engine.serve.rate_limit import RateLimiter
 from engine.snapshot import RequestView
 from engine.store import Database, SlowQueryRecord, TracedDriftPoint, traced_drift
@@ -284,9 +284,32 @@ def create_otlp_app(collector: TraceCollector, *, token: str | None,
         return Response(export.response().SerializeToString(), media_type=PROTOBUF)
 
     app = Starlette(routes=[Route("/v1/traces", traces, methods=["POST"])],
-                    exception_handlers={ApiError: api_error_handler})
+                    exception_handlers={ApiError: _status_response})
     app.add_middleware(HostAllowList, allowed=allowed_hosts)
     return app
+
+
+# google.rpc.Code of each refusal, for the Status body OTLP/HTTP answers errors with
+GRPC_CODES = {400: 3, 401: 16, 408: 4, 413: 8, 415: 3, 429: 8}
+
+
+async def _status_response(_request: Request, exc: Exception) -> Response:
+    """An error as OTLP/HTTP answers one: a protobuf google.rpc.Status (code 1, message 2),
+    written by hand as the two fields it holds."""
+    assert isinstance(exc, ApiError)
+    message = exc.message.encode()
+    body = (b"\x08" + _varint(GRPC_CODES.get(exc.status, 2))
+            + b"\x12" + _varint(len(message)) + message)
+    return Response(body, status_code=exc.status, media_type=PROTOBUF, headers=exc.headers)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((value & 0x7F) | (0x80 if value > 0x7F else 0))
+        value >>= 7
+        if not value:
+            return bytes(out)
 
 
 def _slow_down(wait_s: float) -> ApiError:
