@@ -7,6 +7,11 @@ OpenTelemetry protobufs. Each request gets a budget_score: its measured prefill 
 the prefill time predicted for that prompt on that GPU, by the calibration stored for that
 model and GPU when there is one, else by the roofline; each score names its estimate.
 Requests and slow queries land in the store with their source recorded.
+
+The receiver trusts no exporter: the Host allow-list and a bearer token come first, then a
+rate per client, size caps with streaming gunzip (otlp_limits), a span cap, and a check of
+every span on its own (otlp_span), a bad one rejected alone and counted in OTLP's partial
+success. Traced rows have their own retention (engine.store.retention). docs/hardening.md.
 """
 
 from __future__ import annotations
