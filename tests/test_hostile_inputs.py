@@ -23,7 +23,7 @@ from engine.config import ConfigError
 from engine.harness.workload import WorkloadError, load_requests_jsonl, request_lines
 from engine.serve.connections import server_config
 from engine.serve.listener import listen
-from engine.serve.log_limit import RateLimitedLog
+from engine.serve.log_limit import RateLimitedLog, client_and_status
 from engine.serve.rate_limit import Rate
 
 
@@ -149,3 +149,17 @@ def test_a_log_flood_passes_at_a_bounded_rate() -> None:
     assert limit.filter(passed) and "990 more like it dropped" in passed.getMessage()
     now[0] += 10_000.0  # a gap far past the window: back to the burst, never beyond
     assert sum(limit.filter(record()) for _ in range(1000)) == 10
+
+
+def test_access_lines_are_limited_per_client_and_status() -> None:
+    limit = RateLimitedLog(Rate(per_second=0.2, burst=2.0), clock=lambda: 0.0,
+                           kind=client_and_status)
+
+    def access(client: str, status: int) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.access", logging.INFO, "", 0,
+                                 '%s - "%s %s HTTP/%s" %d',
+                                 (client, "POST", "/v1/traces", "1.1", status), None)
+
+    flood = sum(limit.filter(access(f"10.0.0.9:{port}", 401)) for port in range(1000, 1100))
+    assert flood == 2  # one client's refusals, whatever port it comes from
+    assert limit.filter(access("10.0.0.9:1", 200)) and limit.filter(access("10.0.0.7:1", 401))

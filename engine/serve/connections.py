@@ -6,7 +6,7 @@ and sends nothing (or a header byte a second) holds the connection forever: 21,0
 made new requests time out. Here every request's headers must arrive whole within
 HEADER_TIMEOUT_S of its first byte (of the connection, for the first), beyond
 `max_connections` new requests are answered 503 at once, and uvicorn's per-request warnings
-pass through a rate limit (engine.serve.log_limit).
+and access lines pass through a rate limit (engine.serve.log_limit).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import uvicorn
 from starlette.types import ASGIApp
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from engine.serve.log_limit import RateLimitedLog
+from engine.serve.log_limit import RateLimitedLog, client_and_status
 
 HEADER_TIMEOUT_S = 10.0
 KEEP_ALIVE_S = 5  # idle between requests on one connection (uvicorn's default)
@@ -64,6 +64,7 @@ def server_config(app: ASGIApp, *, max_connections: int = MAX_CONNECTIONS,
     protocol = type("HeaderDeadline", (HeaderDeadlineProtocol,),
                     {"header_timeout_s": header_timeout_s})
     RateLimitedLog.install(logging.getLogger("uvicorn.error"))
+    RateLimitedLog.install(logging.getLogger("uvicorn.access"), kind=client_and_status)
     return uvicorn.Config(app, http=protocol, limit_concurrency=max_connections,
                           timeout_keep_alive=KEEP_ALIVE_S,
                           h11_max_incomplete_event_size=MAX_HEADER_BYTES, **options)
