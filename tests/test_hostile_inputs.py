@@ -4,6 +4,7 @@ racing the step that applies the last one."""
 
 from __future__ import annotations
 
+import http.client
 import logging
 import socket
 import threading
@@ -102,11 +103,11 @@ def test_a_patch_racing_apply_is_validated_against_the_config_it_replaces() -> N
 
 @pytest.fixture
 def guarded_server() -> Iterator[tuple[str, int]]:
-    """A server run as tokenflow runs its own: 0.3 s for headers, two connections."""
+    """A server run as tokenflow runs its own: 0.3 s for headers, three connections."""
     app = Starlette(routes=[Route("/", lambda request: PlainTextResponse("ok"))])
     sock = listen("127.0.0.1", 0)
     server = uvicorn.Server(server_config(app, lifespan="off", log_level="critical",
-                                          max_connections=2, header_timeout_s=0.3))
+                                          max_connections=3, header_timeout_s=0.3))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     yield sock.getsockname()[:2]
@@ -118,18 +119,26 @@ def guarded_server() -> Iterator[tuple[str, int]]:
 def test_slow_and_idle_connections_are_closed_and_counted(
         guarded_server: tuple[str, int]) -> None:
     address = guarded_server
+    request = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    kept = http.client.HTTPConnection(*address)  # a whole request, then idle between requests
+    kept.request("GET", "/")
+    assert kept.getresponse().read() == b"ok"
     idle = socket.create_connection(address)
     slow = socket.create_connection(address)
     slow.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: a")
-    with socket.create_connection(address) as third:  # two held: the third gets 503 at once
-        third.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-        assert third.recv(100).startswith(b"HTTP/1.1 503")
+    with socket.create_connection(address) as fourth:  # three held: the next gets 503 at once
+        fourth.sendall(request)
+        assert fourth.recv(100).startswith(b"HTTP/1.1 503")
     started = time.monotonic()
     for held in (idle, slow):  # closed by the server once their headers are late
         held.settimeout(10)
         assert held.recv(100) == b""
         held.close()
     assert time.monotonic() - started < 5
+    kept.request("GET", "/")  # its headers came in time: it was not cut while it idled
+    answer = kept.getresponse()
+    assert answer.status == 200 and answer.read() == b"ok"
+    kept.close()
     with socket.create_connection(address) as fresh:
         fresh.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         assert fresh.recv(100).startswith(b"HTTP/1.1 200")

@@ -42,6 +42,9 @@ class HeaderDeadlineProtocol(H11Protocol):
         if self._deadline is None and self.conn.their_state is h11.IDLE:
             self._arm()  # the first byte of the next request on a kept-alive connection
         super().data_received(data)
+        if self._deadline is not None and self.conn.their_state is not h11.IDLE:
+            self._deadline.cancel()  # the headers are in: a deadline left armed would cut
+            self._deadline = None  # the connection while it idles between requests
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._deadline is not None:
