@@ -275,10 +275,7 @@ def _coerce(name: str, value: Any) -> Any:
     target = {f.name: f.type for f in dataclasses.fields(EngineConfig)}[name]
     try:
         if target == "int" and not isinstance(value, bool):
-            as_float = float(value)
-            if as_float != int(as_float):
-                raise ValueError
-            return int(as_float)
+            return _whole(value)
         if target == "float" and not isinstance(value, bool):
             return float(value)
         if target.startswith("dict") and isinstance(value, dict):
@@ -291,6 +288,21 @@ def _coerce(name: str, value: Any) -> Any:
         if not (target in ("int", "float", "bool") or target.startswith("dict")):
             return value
     raise ConfigError(name, f"expected {target}, got {value!r}")
+
+
+def _whole(value: Any) -> int:
+    """An integer from an int, a decimal string or an integral float, never rounded through
+    a float: 2**63 - 1 stays 2**63 - 1, and a float past 2**53 (no longer exact) is refused."""
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            value = float(value)  # "512.0"
+    if not isinstance(value, float):
+        return operator.index(value)  # int, numpy integers; TypeError otherwise
+    if not value.is_integer() or abs(value) > 2**53:
+        raise ValueError
+    return int(value)
 
 
 def _as_bool(value: bool | int | str) -> bool:

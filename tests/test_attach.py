@@ -48,7 +48,6 @@ from engine import Engine, EngineConfig
 from engine.budget.peaks import GPU_PRESETS
 from engine.config import ConfigError
 from engine.serve.app import create_app
-from engine.serve.auth import TOKEN_ENV
 from engine.serve.loop import EngineLoop
 from engine.serve.session import EngineSession
 from engine.serve.thread import ServerThread
@@ -337,11 +336,10 @@ def test_a_non_vllm_endpoint_is_named(server: ServerThread, sglang_server: Serve
 
 
 def test_several_targets_open_as_a_fleet(server: ServerThread, vllm_server: ServerThread,
-                                         sglang_server: ServerThread,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(TOKEN_ENV, TOKEN)  # --attach sends it: /v1/stats needs it
-    # bare URLs are told apart by their /metrics
-    fleet = open_http_source([server.url, vllm_server.url], attach_sglang=sglang_server.url)
+                                         sglang_server: ServerThread) -> None:
+    # bare URLs are told apart by their /metrics; the token goes to its own server alone
+    fleet = open_http_source([server.url, vllm_server.url], attach_sglang=sglang_server.url,
+                             tokens={server.url: TOKEN})
     assert isinstance(fleet, FleetSource) and len(fleet.members) == 3
     assert [type(m) for m in fleet.members] == [HttpSource, VllmMetricsSource,
                                                 SglangMetricsSource]

@@ -18,7 +18,7 @@ from console.sources.vllm import VllmMetricsSource
 from engine.budget.predictor import StepTimePredictor
 from engine.budget.roofline import StepShape
 from engine.config import ConfigError
-from engine.serve.otlp import PROTOBUF, TraceCollector, decode_export
+from engine.serve.otlp import PROTOBUF, TraceCollector
 from engine.store import Database, open_database, save_calibration, traced_drift
 from engine.store.models import SlowQueryRow, TracedRequestRow
 from tests.serving import killed_if_left, serve_on, stopped
@@ -29,7 +29,8 @@ REQUESTS = 20  # completions the capture sent
 
 
 def test_every_request_span_is_decoded_and_start_up_spans_are_not() -> None:
-    traced = [t for body in EXPORTS for t in decode_export(body.read_bytes())]
+    collector = TraceCollector()
+    traced = [t for body in EXPORTS for t in collector.ingest(body.read_bytes()).requests]
     assert len(traced) == REQUESTS
     assert len({t.request_id for t in traced}) == REQUESTS
     for t in traced:
@@ -47,7 +48,7 @@ def test_scores_divide_measured_prefill_by_the_roofline_estimate() -> None:
     estimate = prefill_estimate(str(CAPTURE), "h200")
     assert estimate is not None and estimate.name == "roofline"
     collector = TraceCollector(estimate)
-    traced = [t for body in EXPORTS for t in collector.ingest(body.read_bytes())]
+    traced = [t for body in EXPORTS for t in collector.ingest(body.read_bytes()).requests]
     for t in traced:
         predicted = estimate.predict(StepShape(prefill=((t.prompt_tokens, 0),)))
         assert t.predicted_prefill_s == pytest.approx(predicted)
@@ -89,7 +90,7 @@ def test_scores_use_the_calibration_stored_for_that_model_on_that_gpu(tmp_path: 
         assert estimate is not None and estimate.name == f"calibration {calibrated}"
         assert "NVIDIA H200" in estimate.label and "40 steps" in estimate.label
         collector = TraceCollector(estimate, database)
-        traced = [t for body in EXPORTS for t in collector.ingest(body.read_bytes())]
+        traced = [t for body in EXPORTS for t in collector.ingest(body.read_bytes()).requests]
         for t in traced:
             predicted = PREDICTOR.predict(StepShape(prefill=((t.prompt_tokens, 0),)))
             assert t.budget_score == pytest.approx(t.prefill_s / predicted)
@@ -123,7 +124,7 @@ def test_drift_history_is_the_windowed_median_ratio_per_source_and_estimate(
     database = open_database(tmp_path / "drift.db")
     try:
         collector = TraceCollector(prefill_estimate(str(CAPTURE), "h200"), database)
-        traced = [t for body in EXPORTS for t in collector.ingest(body.read_bytes())]
+        traced = [t for body in EXPORTS for t in collector.ingest(body.read_bytes()).requests]
         source = traced[0].source
         with database.session() as session:
             points = traced_drift(session, source=source, window_s=5.0)
@@ -152,7 +153,8 @@ def test_drift_history_is_the_windowed_median_ratio_per_source_and_estimate(
 @pytest.fixture
 def receiver(tmp_path: Path) -> Iterator[TraceReceiver]:
     database = open_database(tmp_path / "traces.db")
-    running = start_receiver("127.0.0.1:0", shape=str(CAPTURE), gpu="h200", database=database)
+    running = start_receiver("127.0.0.1:0", token=None, shape=str(CAPTURE), gpu="h200",
+                             database=database)
     yield running
     running.close()
     database.close()
@@ -212,7 +214,7 @@ def test_tokenflow_serve_collects_traces_into_its_own_store(tmp_path: Path) -> N
     db = tmp_path / "serve.db"
     with killed_if_left(serve_on(db, "--otlp-listen", "127.0.0.1:0", "--roofline-model",
                                  str(CAPTURE), "--gpu", "h200", "--slow-query-threshold",
-                                 "15000")) as server:
+                                 "15000", "--otlp-insecure")) as server:
         assert server.stdout is not None
         banner = server.stdout.readline()  # printed once both listeners are up
         traces = re.search(r"OTLP traces (http://\S+/v1/traces)", banner)

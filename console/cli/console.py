@@ -8,12 +8,38 @@ process imports Textual, instead of after it.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import NoReturn
 
 from console.cli.engine_flags import add_engine_flag
+from console.cli.otlp_flags import add_otlp_token_flags, otlp_token
 from console.cli.workload_flags import add_rate_flag
+from console.errors import UserError
+
+
+class _TokenEnv(argparse.Action):
+    """`--token-env NAME` after `--attach URL`: that server's bearer token is in $NAME. A token
+    goes only to the server it was given with, never to every attached URL."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        if not namespace.attach:
+            parser.error("--token-env NAME follows the --attach URL whose token $NAME holds")
+        namespace.attach_tokens[namespace.attach[-1]] = str(values)
+
+
+def attach_tokens(names: dict[str, str]) -> dict[str, str]:
+    """Each --attach target's token, read from the variable --token-env named for it."""
+    tokens = {}
+    for target, name in names.items():
+        token = os.environ.get(name, "").strip()
+        if not token:
+            raise UserError(f"--attach {target} --token-env {name}: ${name} is not set or "
+                            "empty; export the server's token in it")
+        tokens[target] = token
+    return tokens
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="watch a running server instead (repeatable: a fleet): tokenflow "
                         "serve, vLLM or SGLang, told apart by /metrics or by a prefix "
                         "(tokenflow+http://, vllm+http://, sglang+http://)")
+    parser.add_argument("--token-env", action=_TokenEnv, metavar="NAME",
+                        help="after --attach URL: the environment variable holding that "
+                        "server's bearer token (sent to it alone; e.g. TOKENFLOW_ADMIN_TOKEN "
+                        "to tune a tokenflow serve)")
+    parser.set_defaults(attach_tokens={})
     parser.add_argument("--attach-vllm", metavar="URL", help="watch a vLLM server's /metrics")
     parser.add_argument("--attach-sglang", metavar="URL",
                         help="watch an SGLang server's /metrics (started with --enable-metrics)")
@@ -48,6 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--otlp-listen", metavar="HOST:PORT",
                         help="receive OTLP/HTTP traces (vLLM --otlp-traces-endpoint "
                         "http://HOST:PORT/v1/traces): a Requests row and budget_score each")
+    add_otlp_token_flags(parser)
     parser.add_argument("--roofline-model", metavar="MODEL",
                         help="the traced model's shape (a model directory or synthetic:PRESET) "
                         "that budget scores are predicted for: by its calibration stored for "
@@ -80,6 +112,8 @@ def conflict(args: argparse.Namespace) -> str | None:
         return f"{' and '.join(chosen)} cannot be combined; pick one source"
     attach_only = [flag for flag, value in (("--gpu", args.gpu),
                                             ("--otlp-listen", args.otlp_listen),
+                                            ("--otlp-token-file", args.otlp_token_file),
+                                            ("--otlp-insecure", args.otlp_insecure),
                                             ("--roofline-model", args.roofline_model)) if value]
     if attach_only and not attached:
         return f"{', '.join(attach_only)} describe attached servers; add --attach URL"
@@ -103,6 +137,11 @@ def conflict(args: argparse.Namespace) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     problem = conflict(args)
+    try:  # before the engine starts: a receiver nobody guards must be asked for
+        args.otlp_token = otlp_token(args) if args.otlp_listen else None
+        args.attach_tokens = attach_tokens(args.attach_tokens)
+    except UserError as exc:
+        problem = problem or str(exc)
     if problem is not None:
         print(f"tokenflow-console: {problem}", file=sys.stderr)
         return 2

@@ -7,6 +7,7 @@ runs on every start) and the operator's word that lets a quarantined request run
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +19,7 @@ from console.errors import UserError
 from engine.ops.recovery import DISCARDED
 from engine.store import discard_unfinished, release_quarantine
 from engine.store.database import Database, default_db_path, head_revision, open_database
+from engine.store.lock import lock_path
 
 
 def add_db_argument(parser: argparse.ArgumentParser, *actions: argparse.ArgumentParser) -> None:
@@ -47,6 +49,18 @@ def open_existing_store(db: str | None) -> Database:
         raise UserError(f"{path} holds no tokenflow schema yet; `tokenflow db upgrade --db "
                         f"{path}` creates it")
     return database
+
+
+def refuse_store_files(output: Path, db: str | None) -> None:
+    """An --output may not name the store or the files SQLite keeps beside it: writing
+    there would replace the database. Checked before anything is written."""
+    store = Path(db).expanduser() if db is not None else default_db_path()
+    for path in (store, store.with_name(store.name + "-wal"),
+                 store.with_name(store.name + "-shm"), lock_path(store)):
+        if output.resolve() == path.resolve() or (
+                output.exists() and path.exists() and os.path.samefile(output, path)):
+            raise UserError(f"--output {output} is the store {store} (or a file SQLite keeps "
+                            "beside it); choose another --output")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

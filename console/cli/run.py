@@ -9,12 +9,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from console.cli.db import add_db_argument
+from console.cli.db import add_db_argument, refuse_store_files
 from console.cli.engine_flags import add_engine_flags, engine_config, start_session
 from console.cli.progress import RunProgress, add_quiet_flag
 from console.cli.terminal import terminal_safe
@@ -22,7 +23,12 @@ from console.cli.workload_flags import add_workload_flags, workload_for
 from console.errors import UserError
 from engine.core.engine import RequestOutput
 from engine.harness.driver import drive
-from engine.harness.workload import WorkloadRequest, describe, load_requests_jsonl
+from engine.harness.workload import (
+    WorkloadRequest,
+    describe,
+    load_requests_jsonl,
+    request_lines,
+)
 from engine.serve.session import EngineSession
 from engine.store import StoreWriter
 from engine.store.writer import report_commit
@@ -44,7 +50,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "prompt, max_tokens, optional tenant) instead of --workload")
     parser.add_argument("--output", type=Path, help="write finished requests here as JSONL "
                         "(id, token_ids; or id, error with the state and reason of a request "
-                        "rejected or failed)")
+                        "rejected or failed); a new file, or with --resume the one a killed "
+                        "run left, never a symlink")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     add_quiet_flag(parser)
     parser.add_argument("--resume", action="store_true",
@@ -66,6 +73,12 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--resume reads the request journal; drop --no-db")
     if args.requests and not args.requests.exists():
         raise UserError(f"--requests {args.requests}: no such file")
+    if args.requests:
+        request_lines(args.requests)  # its JSON, before the model loads: a bad line fails fast
+    if args.output is not None:  # before anything is written, the store included
+        if not args.no_db:
+            refuse_store_files(args.output, args.db)
+        _check_output(args.output, args.resume)
     started = time.monotonic() - (_process_age_s() or 0.0)
     config = engine_config(args)
     progress = RunProgress("tokenflow run", 0, quiet=args.quiet)
@@ -75,10 +88,11 @@ def run(args: argparse.Namespace) -> int:
                        observers=(progress.on_calibration,)) as session:
         engine = session.engine
         if args.requests:
-            workload = load_requests_jsonl(args.requests, engine.tokenizer.encode)
+            workload = load_requests_jsonl(args.requests, engine.tokenizer.encode,
+                                           vocab_size=engine.model_config.vocab_size)
         else:
             workload = workload_for(args, engine)
-        sink = _OutputSink(args.output, session.writer)
+        sink = _OutputSink(args.output, session.writer, resume=args.resume)
         first_token: list[float] = []
 
         def on_output(output: RequestOutput) -> None:
@@ -130,28 +144,46 @@ def _resume(session: EngineSession, workload: list[WorkloadRequest],
     return [w for w in workload if w.request_id not in skip]
 
 
+def _check_output(path: Path, resume: bool) -> None:
+    """Refuse, before the model loads, an --output this run must not write: an existing file
+    without --resume (it would be appended to), a symlink (it would write where it points)."""
+    if path.is_symlink():
+        raise UserError(f"--output {path} is a symlink; name the file itself")
+    if not resume and path.exists():
+        raise UserError(f"--output {path} exists; choose another --output, or pass --resume "
+                        "to finish the run that wrote it")
+
+
 class _OutputSink:
     """Appends one JSON line per ended request, written and flushed at once so a crash loses
-    none; a line an earlier run left cut short (killed, disk full) is set aside first."""
+    none. Without --resume the file is new (O_EXCL); with it, a line an earlier run left cut
+    short (killed, disk full) is set aside first. A symlink is never followed (O_NOFOLLOW)."""
 
-    def __init__(self, path: Path | None, writer: StoreWriter | None) -> None:
+    def __init__(self, path: Path | None, writer: StoreWriter | None, *,
+                 resume: bool = False) -> None:
         self._path = path
         self._writer = writer
         self._fd: int | None = None
-        if path is not None:
-            _set_aside_torn_line(path)
-            try:
-                self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            except OSError as exc:
-                raise UserError(f"cannot open --output {path}: {exc.strerror}; choose "
-                                "another --output") from exc
+        if path is None:
+            return
+        access = os.O_RDWR if resume else os.O_WRONLY | os.O_EXCL
+        try:
+            self._fd = os.open(path, access | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            raise UserError(f"cannot open --output {path}: {exc.strerror}; choose "
+                            "another --output") from exc
+        if not stat.S_ISREG(os.fstat(self._fd).st_mode):  # a FIFO or a device
+            self.close()
+            raise UserError(f"--output {path} is not a regular file; choose another --output")
+        if resume:
+            _set_aside_torn_line(self._fd, path)
 
     def emitted(self) -> set[str]:
         """Ids already written (by an earlier, killed run), so none is emitted twice."""
-        if self._path is None or not self._path.exists():
+        if self._fd is None:
             return set()
         ids = set()
-        for line in self._path.read_bytes().splitlines():
+        for line in _read_all(self._fd).splitlines():
             try:
                 ids.add(json.loads(line)["id"])
             except (ValueError, KeyError, TypeError):
@@ -188,35 +220,34 @@ class _OutputSink:
             self._fd = None
 
 
-def _set_aside_torn_line(path: Path) -> None:
-    """If `path` does not end with a whole line, move the fragment to PATH.torn and cut it
-    off, so what is appended next starts on a line of its own."""
+def _read_all(fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    return os.pread(fd, size, 0) if size else b""
+
+
+def _set_aside_torn_line(fd: int, path: Path) -> None:
+    """If the file open at `fd` does not end with a whole line, move the fragment to
+    PATH.torn and cut it off, so what is appended next starts on a line of its own."""
     try:
-        with path.open("r+b") as handle:
-            size = handle.seek(0, os.SEEK_END)
-            if size == 0:
-                return
-            handle.seek(size - 1)
-            if handle.read(1) == b"\n":
-                return
-            start = size
-            while start > 0:  # back to the last newline, a block at a time
-                step = min(65536, start)
-                handle.seek(start - step)
-                block = handle.read(step)
-                cut = block.rfind(b"\n")
-                if cut >= 0:
-                    start = start - step + cut + 1
-                    break
-                start -= step
-            handle.seek(start)
-            fragment = handle.read()
-            torn = path.with_name(path.name + ".torn")
-            with torn.open("ab") as out:
-                out.write(fragment + b"\n")
-            handle.truncate(start)
-    except FileNotFoundError:
-        return
+        size = os.fstat(fd).st_size
+        if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+            return
+        start = size
+        while start > 0:  # back to the last newline, a block at a time
+            step = min(65536, start)
+            cut = os.pread(fd, step, start - step).rfind(b"\n")
+            if cut >= 0:
+                start = start - step + cut + 1
+                break
+            start -= step
+        fragment = os.pread(fd, size - start, start)
+        torn = path.with_name(path.name + ".torn")
+        out = os.open(torn, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            os.write(out, fragment + b"\n")
+        finally:
+            os.close(out)
+        os.ftruncate(fd, start)
     except OSError as exc:
         raise UserError(f"cannot repair --output {path}: {exc.strerror}") from exc
     print(f"warning: {path} ended with a cut-short line ({len(fragment)} bytes, from a run "

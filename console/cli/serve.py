@@ -23,6 +23,7 @@ import uvicorn
 
 from console.cli.db import add_db_argument
 from console.cli.engine_flags import add_engine_flags, engine_config, start_session
+from console.cli.otlp_flags import add_otlp_token_flags, otlp_token
 from console.errors import UserError
 from engine.serve.app import (
     DEFAULT_MAX_BODY_BYTES,
@@ -31,6 +32,7 @@ from engine.serve.app import (
     create_app,
 )
 from engine.serve.auth import TOKEN_ENV, load_admin_token
+from engine.serve.connections import HEADER_TIMEOUT_S, MAX_CONNECTIONS, server_config
 from engine.serve.hosts import ANY_HOST, LOOPBACK_HOSTS
 from engine.serve.listener import listen
 from engine.store import Database, SlowQueryRecord, list_slow_queries
@@ -51,6 +53,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     http.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                       help="largest request body in bytes; more gets 413 "
                            f"(default {DEFAULT_MAX_BODY_BYTES})")
+    http.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                      help="open connections before new requests get 503 at once (default "
+                           f"{MAX_CONNECTIONS}); request headers must arrive within "
+                           f"{HEADER_TIMEOUT_S:g} s")
     http.add_argument("--admin-token-file", type=Path, metavar="FILE",
                       help=f"bearer token of the admin endpoints (default: ${TOKEN_ENV})")
     http.add_argument("--public-stats", action="store_true",
@@ -73,6 +79,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     traces.add_argument("--gpu", metavar="NAME",
                         help="with --otlp-listen: the traced servers' GPU (h100, h200, ... or "
                              "cpu; default: NVML here)")
+    add_otlp_token_flags(traces)
     add_engine_flags(parser)
     parser.set_defaults(func=run)
 
@@ -80,17 +87,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.max_queue < 1:
         raise UserError(f"--max-queue must be at least 1, got {args.max_queue}")
+    if args.max_connections < 1:
+        raise UserError(f"--max-connections must be at least 1, got {args.max_connections}")
     if args.max_body_bytes < 1024:
         raise UserError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
     trace_flags = [flag for flag, value in (("--roofline-model", args.roofline_model),
-                                            ("--gpu", args.gpu)) if value]
+                                            ("--gpu", args.gpu),
+                                            ("--otlp-token-file", args.otlp_token_file),
+                                            ("--otlp-insecure", args.otlp_insecure)) if value]
     if trace_flags and not args.otlp_listen:
         raise UserError(f"{' and '.join(trace_flags)} describe traced servers; add "
                         "--otlp-listen HOST:PORT")
     if args.otlp_listen and args.no_db:
         raise UserError("--otlp-listen keeps traced requests in the store; drop --no-db")
+    otlp = otlp_token(args) if args.otlp_listen else None
     config = engine_config(args)
     token = load_admin_token(args.admin_token_file)
     listener = _listen(args.host, args.port)  # a taken port fails now, not after the model loads
@@ -101,9 +113,10 @@ def run(args: argparse.Namespace) -> int:
         if args.otlp_listen:  # the console's receiver, writing to this server's store
             from console.sources.otlp import start_receiver  # protobufs: only when asked
 
-            receiver = start_receiver(args.otlp_listen, shape=args.roofline_model,
+            receiver = start_receiver(args.otlp_listen, token=otlp, shape=args.roofline_model,
                                       gpu=args.gpu, database=database,
-                                      slow_threshold=config.slow_query_threshold)
+                                      slow_threshold=config.slow_query_threshold,
+                                      allow_hosts=args.allow_host)
             stack.callback(receiver.close)
             traces = f", OTLP traces {receiver.url}"
         session.abort_orphans()  # what a killed server had in flight: its clients are gone
@@ -118,8 +131,9 @@ def run(args: argparse.Namespace) -> int:
         host, port = listener.getsockname()[:2]  # --port 0: the one the system chose
         print(f"tokenflow serve: {config.model} on {engine.runner.device}, "
               f"http://{host}:{port}, admin API {admin}, store {store}{traces}", flush=True)
-        server = uvicorn.Server(uvicorn.Config(app, lifespan="off",
-                                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        server = uvicorn.Server(server_config(app, lifespan="off",
+                                              max_connections=args.max_connections,
+                                              timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
         if session.writer is not None:  # the journal stopped: stop serving, say why, exit 2
             session.writer.on_failure(lambda _error: setattr(server, "should_exit", True))
         _serve_until_signalled(server, listener)

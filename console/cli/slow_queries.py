@@ -6,18 +6,16 @@ import argparse
 import datetime
 import json
 import math
-import os
 from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from console.cli.db import add_db_argument, open_existing_store
+from console.cli.db import add_db_argument, open_existing_store, refuse_store_files
 from console.cli.terminal import terminal_safe
 from console.errors import UserError
 from engine.stats import human_duration
-from engine.store import QuarantinedRequest, default_db_path, quarantined_requests
-from engine.store.lock import lock_path
+from engine.store import QuarantinedRequest, quarantined_requests
 from engine.store.slow_queries import (
     EXPORT_FORMATS,
     SORT_FIELDS,
@@ -194,7 +192,7 @@ def _print_chunks(chunks: list[dict[str, Any]]) -> None:
 
 def run_export(args: argparse.Namespace) -> int:
     if args.output is not None:
-        _refuse_store_files(Path(args.output), args.db)
+        refuse_store_files(Path(args.output), args.db)
     records, _ = _select(args)
     text = export_slow_queries(records, args.format)
     if args.output is None:
@@ -206,18 +204,6 @@ def run_export(args: argparse.Namespace) -> int:
         message = f"cannot write {args.output}: {exc.strerror}; choose another --output"
         raise UserError(message) from exc
     return 0
-
-
-def _refuse_store_files(output: Path, db: str | None) -> None:
-    """--output may not name the store or the files SQLite keeps beside it: writing the
-    export there would replace the database (issue 15, finding 8)."""
-    store = Path(db).expanduser() if db is not None else default_db_path()
-    for path in (store, store.with_name(store.name + "-wal"),
-                 store.with_name(store.name + "-shm"), lock_path(store)):
-        if output.resolve() == path.resolve() or (
-                output.exists() and path.exists() and os.path.samefile(output, path)):
-            raise UserError(f"--output {output} is the store {store} (or a file SQLite keeps "
-                            "beside it); choose another --output")
 
 
 def _when(epoch_s: float) -> str:

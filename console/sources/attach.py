@@ -3,16 +3,18 @@ mix of them, told apart by their /metrics."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import httpx
 
 from console.errors import UserError
-from console.sources.base import Source
+from console.sources.base import Source, SourceError
 from console.sources.fleet import AsyncSource, FleetSource
 from console.sources.http import HttpSource
-from console.sources.remote import TIMEOUT_S
-from console.sources.scraped import ScrapedSource
+from console.sources.remote import Remote, bearer
+from console.sources.scraped import MAX_METRICS_BYTES, ScrapedSource
 from console.sources.sglang import SglangMetricsSource
 from console.sources.vllm import VllmMetricsSource
 
@@ -38,13 +40,21 @@ def split_kind(target: str) -> tuple[str | None, str]:
     return kind, f"{transport}://{rest}"
 
 
-def detect_kind(url: str) -> str:
-    """What serves `url`, from the prefix of its /metrics names."""
+def detect_kind(url: str, *, token: str | None = None,
+                timer: Callable[[], float] = time.monotonic,
+                transport: httpx.BaseTransport | None = None) -> str:
+    """What serves `url`, from the prefix of its /metrics names; the scrape has a total
+    deadline and a size cap, so a server that trickles cannot hold the console's start."""
+    remote = Remote(url, headers=bearer(token), timer=timer, transport=transport,
+                    max_bytes=MAX_METRICS_BYTES)
     try:
-        text = httpx.get(f"{url.rstrip('/')}/metrics", timeout=TIMEOUT_S).text
-    except httpx.HTTPError as exc:
-        raise UserError(f"cannot reach {url} to tell what it serves ({exc}); prefix it with "
-                        f"its kind: {', '.join(k + '+' + url for k in KINDS)}") from exc
+        text = remote.request("GET", "/metrics").text
+    except SourceError as exc:
+        raise UserError(f"cannot reach {url} to tell what it serves ({remote.last_error}); "
+                        f"prefix it with its kind: {', '.join(k + '+' + url for k in KINDS)}"
+                        ) from exc
+    finally:
+        remote.close()
     for kind, prefix in (("vllm", "\nvllm:"), ("sglang", "\nsglang:"),
                          ("tokenflow", "\ntokenflow:")):
         if prefix in f"\n{text}":
@@ -53,28 +63,33 @@ def detect_kind(url: str) -> str:
                     "URL with its kind if it is one of them")
 
 
-def open_member(target: str, *, gpu: str | None = None,
+def open_member(target: str, *, gpu: str | None = None, token: str | None = None,
                 traces: TraceCollector | None = None) -> AsyncSource:
+    """The source for one target; `token` goes to this server only."""
     kind, url = split_kind(target)
-    kind = kind or detect_kind(url)
+    kind = kind or detect_kind(url, token=token)
     if kind == "vllm":
-        return VllmMetricsSource(url, gpu=gpu, traces=traces)
+        return VllmMetricsSource(url, gpu=gpu, traces=traces, token=token)
     if kind == "sglang":
-        return SglangMetricsSource(url, gpu=gpu, traces=traces)
-    return HttpSource(url)
+        return SglangMetricsSource(url, gpu=gpu, traces=traces, token=token)
+    return HttpSource(url, token=token)
 
 
 def open_http_source(attach: list[str], attach_vllm: str | None = None,
                      attach_sglang: str | None = None, *, gpu: str | None = None,
-                     traces: TraceCollector | None = None) -> Source:
+                     traces: TraceCollector | None = None,
+                     tokens: Mapping[str, str] | None = None) -> Source:
     """One source for `--attach URL...`, `--attach-vllm URL` and `--attach-sglang URL`;
-    several open as a fleet."""
+    several open as a fleet. `tokens` maps a target, as given, to the bearer token sent to
+    that server and no other."""
+    tokens = tokens or {}
     targets = list(attach)
     if attach_vllm:
         targets.append(f"vllm+{attach_vllm}")
     if attach_sglang:
         targets.append(f"sglang+{attach_sglang}")
-    members = [open_member(target, gpu=gpu, traces=traces) for target in targets]
+    members = [open_member(target, gpu=gpu, token=tokens.get(target), traces=traces)
+               for target in targets]
     scraped = [m for m in members if isinstance(m, ScrapedSource)]
     if len(scraped) > 1:  # each traced server names itself with OTEL_SERVICE_NAME=<its URL>
         for member in scraped:

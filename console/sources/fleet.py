@@ -32,8 +32,7 @@ from console.sources.base import (
     Tunable,
     facet,
 )
-from console.sources.remote import TIMEOUT_S
-from engine.errors import EngineError
+from console.sources.remote import MAX_DELAY_S, TIMEOUT_S
 from engine.snapshot import Snapshot
 
 if TYPE_CHECKING:  # annotations only: the store pulls SQLAlchemy and Alembic (~1 s)
@@ -47,6 +46,12 @@ if TYPE_CHECKING:  # annotations only: the store pulls SQLAlchemy and Alembic (~
 
 POLL_INTERVAL_S = 0.4
 SLOW_WINDOW_S = 60.0  # slow queries per minute: the change in slow_queries_total over this
+
+
+def retry_delay(interval: float, failures: int) -> float:
+    """The wait before the next poll: the interval, doubling with each failure in a row up to
+    MAX_DELAY_S, so a failing server is not hammered (HTTP failures also back off in Remote)."""
+    return min(max(MAX_DELAY_S, interval), interval * 2 ** min(failures, 16))
 
 
 class AsyncSource(Source, Protocol):
@@ -75,6 +80,7 @@ class MemberState:
     last_seen: float | None = None  # wall clock of the last answer
     error: str = ""
     polls: int = 0  # answered or failed
+    failures: int = 0  # in a row, since the last answer
     slow_totals: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=1000))
 
     @property
@@ -136,16 +142,18 @@ class FleetSource:
         while True:
             try:
                 snapshot = await _read(state.source)
-            except (EngineError, OSError) as exc:
-                state.error = str(exc)
+            except Exception as exc:  # a poller must not die: any failure is this server's
+                state.error = str(exc) or type(exc).__name__
+                state.failures += 1
             else:
                 now = self.wall_clock()
                 state.snapshot, state.last_seen, state.error = snapshot, now, ""
+                state.failures = 0
                 state.slow_totals.append((now, snapshot.slow_queries_total))
             with self.changed:
                 state.polls += 1
                 self.changed.notify_all()
-            await asyncio.sleep(self.interval)
+            await asyncio.sleep(retry_delay(self.interval, state.failures))
 
     def wait_for(self, predicate: Callable[[], bool], timeout: float) -> bool:
         """Block until `predicate()` holds after some poll (for tests and first snapshots)."""

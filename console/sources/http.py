@@ -1,14 +1,14 @@
 """HttpSource: the console attached to a running `tokenflow serve`.
 
 It reads the same snapshots an embedded console does (GET /v1/stats) and tunes through
-PATCH /v1/admin/config with the admin token from $TOKENFLOW_ADMIN_TOKEN. The server publishes
+PATCH /v1/admin/config with the admin token given for this server alone (`--attach URL
+--token-env NAME`): a token is never sent to a server it was not given for. The server publishes
 its slow queries; calibrations, drift and config history stay in the server's own store, so
 this source declares it cannot read them (and cannot recalibrate: that runs beside the engine).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +16,8 @@ from typing import Any
 import httpx
 
 from console.sources.base import TRACED_DRIFT_WHY, Capabilities, Capability, SourceError
-from console.sources.remote import Remote, RemoteBacked, error_message
+from console.sources.checked import checked_snapshot
+from console.sources.remote import Remote, RemoteBacked, bearer, error_message
 from engine.config import ConfigError
 from engine.serve.auth import TOKEN_ENV
 from engine.snapshot import Snapshot
@@ -31,9 +32,7 @@ class HttpSource(RemoteBacked):
     def __init__(self, url: str, *, token: str | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  transport: httpx.BaseTransport | None = None) -> None:
-        token = token if token is not None else os.environ.get(TOKEN_ENV, "").strip()
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self.remote = Remote(url, headers=headers, clock=clock, transport=transport)
+        self.remote = Remote(url, headers=bearer(token), clock=clock, transport=transport)
         there = f"on the machine serving {self.remote.url}"
         self.capabilities = Capabilities.lacking({
             Capability.CALIBRATE: f"calibration runs next to the engine: run `tokenflow "
@@ -47,11 +46,21 @@ class HttpSource(RemoteBacked):
         })
 
     def snapshot(self) -> Snapshot:
-        return Snapshot.from_dict(self._call("GET", "/v1/stats").json())
+        return self._snapshot(self._call("GET", "/v1/stats"))
 
     async def snapshot_async(self) -> Snapshot:
         response = await self.remote.arequest("GET", "/v1/stats")
-        return Snapshot.from_dict(self._checked(response, "/v1/stats").json())
+        return self._snapshot(self._checked(response, "/v1/stats"))
+
+    def _snapshot(self, response: httpx.Response) -> Snapshot:
+        """The answer's snapshot; an unusable answer marks the server failing (backing off)."""
+        try:
+            return checked_snapshot(response.json(), "/v1/stats")
+        except (ValueError, RecursionError) as exc:  # not JSON, or nested past the parser
+            raise self.remote.failed(f"/v1/stats is not a JSON snapshot "
+                                     f"({type(exc).__name__})") from None
+        except SourceError as exc:
+            raise self.remote.failed(str(exc)) from None
 
     def update_config(self, **changes: Any) -> dict[str, Any]:
         response = self.remote.request("PATCH", "/v1/admin/config", json=changes)
@@ -68,8 +77,12 @@ class HttpSource(RemoteBacked):
 
     def slow_queries(self, limit: int = 500) -> list[SlowQueryRecord]:
         limit = max(1, min(limit, MAX_SLOW_QUERIES))
-        data = self._call("GET", "/v1/slow_queries", params={"limit": limit}).json()["data"]
-        return [SlowQueryRecord(**record) for record in data]
+        response = self._call("GET", "/v1/slow_queries", params={"limit": limit})
+        try:
+            return [SlowQueryRecord(**record) for record in response.json()["data"]]
+        except (ValueError, RecursionError, TypeError, KeyError) as exc:  # not our shape
+            raise SourceError(f"{self.remote.url}/v1/slow_queries answered what the console "
+                              f"cannot read ({type(exc).__name__})") from None
 
     def slow_query(self, query_id: int) -> SlowQueryRecord:
         for record in self.slow_queries(MAX_SLOW_QUERIES):
@@ -85,6 +98,7 @@ class HttpSource(RemoteBacked):
             return response
         hint = ""
         if response.status_code == 401:
-            hint = f"; set {TOKEN_ENV} to the server's admin token"
+            hint = (f"; give the server's admin token: --attach {self.remote.url} --token-env "
+                    f"{TOKEN_ENV}")
         raise SourceError(f"{self.remote.url}{path}: HTTP {response.status_code} "
                           f"{error_message(response)}{hint}")

@@ -1,9 +1,13 @@
 """The console's OTLP/HTTP trace receiver (`--otlp-listen HOST:PORT`): a TraceCollector
 (engine.serve.otlp) behind a small HTTP server on its own thread, scoring each request
-against the calibration stored for `--roofline-model` on `--gpu`, else against its roofline."""
+against the calibration stored for `--roofline-model` on `--gpu`, else against its roofline.
+
+Exporters must send the receiver's bearer token (console.cli.otlp_flags) unless the receiver
+was started without one (--otlp-insecure)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +18,7 @@ from engine.budget.peaks import DevicePeaks
 from engine.budget.predictor import StepTimePredictor
 from engine.errors import EngineError
 from engine.model.loader import model_config_for
+from engine.serve.hosts import LOOPBACK_HOSTS
 from engine.serve.otlp import SLOW_THRESHOLD, PrefillEstimate, TraceCollector, create_otlp_app
 from engine.serve.thread import ServerThread
 from engine.store import CalibrationRecord, Database, calibration_history
@@ -97,14 +102,19 @@ def same_model(stored: str, given: str) -> bool:
         given_path.resolve()
 
 
-def start_receiver(listen: str, *, shape: str | None = None, gpu: str | None = None,
-                   database: Database | None = None,
-                   slow_threshold: float = SLOW_THRESHOLD) -> TraceReceiver:
+def start_receiver(listen: str, *, token: str | None, shape: str | None = None,
+                   gpu: str | None = None, database: Database | None = None,
+                   slow_threshold: float = SLOW_THRESHOLD,
+                   allow_hosts: Iterable[str] = ()) -> TraceReceiver:
+    """The receiver on `listen`; `token` None takes traces from anyone (--otlp-insecure).
+    Requests must name a loopback host, the listen host or one of `allow_hosts` in Host."""
     host, port = parse_listen(listen)
     collector = TraceCollector(prefill_estimate(shape, gpu, database), database,
                                slow_threshold=slow_threshold)
+    app = create_otlp_app(collector, token=token,
+                          allowed_hosts=[*LOOPBACK_HOSTS, host, *allow_hosts])
     try:
-        server = ServerThread(create_otlp_app(collector), host=host, port=port)
+        server = ServerThread(app, host=host, port=port)
     except OSError as exc:
         raise UserError(f"--otlp-listen {listen}: {exc.strerror}; pick a free port") from exc
     return TraceReceiver(collector, server.start())

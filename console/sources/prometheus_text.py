@@ -38,9 +38,10 @@ def parse_samples(text: str) -> Samples:
 
 
 def total(samples: Samples, name: str) -> float | None:
-    """The sum over every label set of `name`, or None when the server does not export it."""
+    """The sum over every label set of `name`, or None when the server does not export it;
+    SourceError when a value is not finite (the figure is unknown, never shown as live)."""
     found = samples.get(name)
-    return None if not found else sum(s.value for s in found)
+    return None if not found else sum(_finite(s) for s in found)
 
 
 def first(samples: Samples, *names: str) -> float | None:
@@ -62,8 +63,15 @@ def histogram_buckets(samples: Samples, name: str) -> Buckets:
     for sample in samples.get(f"{name}_bucket", []):
         bound = sample.labels.get("le")
         if bound is not None:
-            counts[float(bound)] += sample.value  # float("+Inf") is inf
+            counts[float(bound)] += _finite(sample)  # float("+Inf") is inf: a bound, fine
     return tuple(sorted(counts.items()))
+
+
+def _finite(sample: Sample) -> float:
+    if not math.isfinite(sample.value):
+        raise SourceError(f"{sample.name} is {sample.value}: its figures are unknown until "
+                          "the server answers numbers")
+    return sample.value
 
 
 def histogram_quantile(buckets: Buckets, q: float) -> float | None:

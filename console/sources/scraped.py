@@ -18,12 +18,14 @@ import httpx
 from console.sources.base import Capabilities, Capability, SourceError
 from console.sources.device_peak import PeakLookup, lookup_peaks
 from console.sources.prometheus_text import MetricWindow, Reading, Samples, first, parse_samples
-from console.sources.remote import Remote, RemoteBacked
+from console.sources.remote import Remote, RemoteBacked, bearer
 from engine.snapshot import RequestView, Snapshot
 
 if TYPE_CHECKING:
     from engine.serve.otlp import TraceCollector
     from engine.store import SlowQueryRecord, TracedDriftPoint
+
+MAX_METRICS_BYTES = 4 << 20  # a vLLM /metrics is ~100 KB; parsing is what a bigger one costs
 
 
 class ScrapedSource(RemoteBacked, ABC):
@@ -36,10 +38,11 @@ class ScrapedSource(RemoteBacked, ABC):
     flag: ClassVar[str]  # the console flag that attaches this kind, for error messages
 
     def __init__(self, url: str, *, gpu: str | None = None,
-                 traces: TraceCollector | None = None,
+                 traces: TraceCollector | None = None, token: str | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  transport: httpx.BaseTransport | None = None) -> None:
-        self.remote = Remote(url, clock=clock, transport=transport)
+        self.remote = Remote(url, headers=bearer(token), clock=clock, transport=transport,
+                             max_bytes=MAX_METRICS_BYTES)
         self.clock = clock
         self.window = MetricWindow()
         self.traces = traces
@@ -79,11 +82,20 @@ class ScrapedSource(RemoteBacked, ABC):
         return self.read(await self.remote.arequest("GET", "/metrics"))
 
     def read(self, response: httpx.Response) -> Snapshot:
-        samples = self.scrape(response)
-        now = self.clock()
-        self.model = model_label(samples, self.label)
-        self.window.add(Reading.of(now, samples, self.counters, self.histograms))
-        return self.build(now, samples)
+        """The snapshot of one answer; one the console cannot use (unreadable, not finite,
+        absurd) marks the server failing with the reason, and backs off."""
+        try:
+            samples = self.scrape(response)
+            now = self.clock()
+            model = model_label(samples, self.label)
+            reading = Reading.of(now, samples, self.counters, self.histograms)
+            self.window.add(reading)
+            self.model = model
+            return self.build(now, samples)
+        except SourceError as exc:
+            raise self.remote.failed(str(exc)) from None
+        except (ValueError, ArithmeticError) as exc:  # what numbers from outside can raise
+            raise self.remote.failed(f"/metrics: {type(exc).__name__}: {exc}") from None
 
     def scrape(self, response: httpx.Response) -> Samples:
         if response.status_code != 200:

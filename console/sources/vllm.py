@@ -10,6 +10,8 @@ as a share of the device's datasheet peak. Requests and budget scores come from 
 
 from __future__ import annotations
 
+import math
+
 from console.sources.prometheus_text import Samples, first, label, percentiles
 from console.sources.scraped import ScrapedSource
 from engine.events import wall_offset
@@ -43,9 +45,13 @@ class VllmMetricsSource(ScrapedSource):
         def count(*names: str) -> float:
             return first(samples, *names) or 0.0
 
-        def info(key: str) -> int:
+        def info(key: str) -> int:  # 0 is the snapshot's "unknown" for these
             value = label(samples, CACHE_INFO, key)
-            return int(float(value)) if value not in (None, "", "None") else 0
+            try:
+                number = float(value or "nan")
+            except ValueError:
+                return 0
+            return int(number) if math.isfinite(number) and number >= 0 else 0
 
         blocks, block_size = info("num_gpu_blocks"), info("block_size")
         usage = count(*KV_USAGE)

@@ -42,6 +42,7 @@ from console.tui.screens.splash import (
 )
 from console.tui.screens.tuning import TuningScreen
 from console.tui.state import ConsoleState
+from console.tui.text import escaped
 from engine.errors import EngineError
 from engine.snapshot import Snapshot
 
@@ -120,10 +121,10 @@ class TokenflowApp(App[None]):
         if message.quarantined:
             shown = ", ".join(message.quarantined[:3]) + (" …" if len(message.quarantined) > 3
                                                          else "")
-            self.notify(f"{len(message.quarantined)} request(s) quarantined, not run: {shown}. "
-                        "They killed the runs that resumed them; `tokenflow db "
-                        "release-quarantine ID` runs one again", title="quarantine",
-                        severity="warning", timeout=30)
+            self.notify(escaped(f"{len(message.quarantined)} request(s) quarantined, not run: "
+                                f"{shown}. They killed the runs that resumed them; `tokenflow "
+                                "db release-quarantine ID` runs one again"),
+                        title="quarantine", severity="warning", timeout=30, markup=False)
         if message.resumed:
             self.push_screen(ResumedNotice(message.resumed, self.source.name),
                              functools.partial(self._resumed_chosen, message.resumed))
@@ -162,7 +163,8 @@ class TokenflowApp(App[None]):
     def on_source_failed(self, message: SourceFailed) -> None:
         if message.error != self.state.failure:  # one toast per distinct failure, not per poll
             self.state.failure = message.error
-            self.notify(message.error, title="source", severity="error", markup=False)
+            self.notify(escaped(message.error), title="source", severity="error",
+                        markup=False)
             screen = self._shown_console_screen()
             if screen is not None:
                 screen.show_failure(message.error)
@@ -179,8 +181,8 @@ class TokenflowApp(App[None]):
         self.notify("configuration applied", timeout=2)
 
     def on_config_rejected(self, message: ConfigRejected) -> None:
-        self.notify(f"{message.field}: {message.message}" if message.field else message.message,
-                    severity="error")
+        self.notify(escaped(f"{message.field}: {message.message}" if message.field
+                            else message.message), severity="error", markup=False)
 
     def action_show(self, mode: str) -> None:
         self.switch_mode(mode)
@@ -208,7 +210,7 @@ class TokenflowApp(App[None]):
     def action_toggle_pause(self) -> None:
         refusal = self.state.toggle_pause(self)
         if refusal is not None:
-            self.notify(refusal, severity="warning")
+            self.notify(escaped(refusal), severity="warning", markup=False)
 
     def action_next_server(self) -> None:
         """Fleet view: each attached server is a tab; this moves to the next one."""
@@ -229,7 +231,7 @@ class TokenflowApp(App[None]):
         shown = self._shown_console_screen()
         if shown is not None:
             shown.show_capabilities()
-        self.notify(fleet.name, title="fleet", timeout=2)
+        self.notify(escaped(fleet.name), title="fleet", timeout=2, markup=False)
 
     def on_fleet_screen_server_chosen(self, message: FleetScreen.ServerChosen) -> None:
         self.select_server(message.index)
@@ -240,7 +242,7 @@ class TokenflowApp(App[None]):
         target = self.screen if isinstance(self.screen, TuningScreen) else self
         refusal = self.state.apply_recommended(target)
         if refusal is not None:
-            self.notify(refusal, severity="warning")
+            self.notify(escaped(refusal), severity="warning", markup=False)
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
@@ -259,7 +261,8 @@ def open_source(args: argparse.Namespace, engine: ProcessSource | None) -> Sourc
         from console.sources import open_http_source
 
         return open_http_source(args.attach, args.attach_vllm, args.attach_sglang,
-                                gpu=args.gpu, traces=open_traces(args))
+                                gpu=args.gpu, traces=open_traces(args),
+                                tokens=args.attach_tokens)
     assert engine is not None, "console.cli.console launches the embedded engine"
     return engine
 
@@ -271,8 +274,8 @@ def open_traces(args: argparse.Namespace) -> TraceCollector | None:
     from console.sources.otlp import start_receiver
     from engine.store import open_database
 
-    receiver = start_receiver(args.otlp_listen, shape=args.roofline_model, gpu=args.gpu,
-                              database=open_database(args.db))
+    receiver = start_receiver(args.otlp_listen, token=args.otlp_token, shape=args.roofline_model,
+                              gpu=args.gpu, database=open_database(args.db))
     return receiver.collector
 
 

@@ -253,15 +253,14 @@ class Engine:
         """Make a validated update current; called at step boundaries (and by idle loops)."""
         if self._pending_config is None:  # most steps: no lock (one landing now waits a step)
             return
-        with self._config_lock:
-            pending, self._pending_config = self._pending_config, None
-        if pending is None:
-            return
-        new, source = pending
-        old = self.config
+        with self._config_lock:  # taken and made current at once: a PATCH landing now is
+            pending, self._pending_config = self._pending_config, None  # validated against it
+            if pending is None:
+                return
+            new, source = pending
+            old, self.config = self.config, new
         changed = {name: (getattr(old, name), getattr(new, name))
                    for name in new.live_values() if getattr(old, name) != getattr(new, name)}
-        self.config = new
         self.scheduler.set_config(new)
         if changed:
             self.bus.publish(ConfigChanged(changes=changed, source=source))

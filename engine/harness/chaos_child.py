@@ -48,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.hold and not args.report_commits:
         parser.error("--hold needs --report-commits: the supervisor decides on the commits")
     engine = Engine(CONFIG)
-    workload = load_requests_jsonl(args.requests, engine.tokenizer.encode)
+    workload = load_requests_jsonl(args.requests, engine.tokenizer.encode,
+                                   vocab_size=engine.model_config.vocab_size)
     emitted = _emitted(args.output)
     database = open_database(args.db)
     writer = StoreWriter(database, engine.bus,

@@ -120,14 +120,32 @@ def load_conversations(path: Path | str,
     return conversations
 
 
+MAX_DEPTH = 16  # a request or conversation nests 3 deep; 200,000 would exhaust the stack
+
+
 def json_object(where: str, line: str, error: type[EngineError]) -> dict[str, Any]:
-    """One JSONL line that must hold an object; `error` says where and what is wrong."""
+    """One JSONL line that must hold an object, nested at most MAX_DEPTH deep; `error` says
+    where and what is wrong."""
+    too_deep = error(f"{where}: nests JSON deeper than {MAX_DEPTH} levels; a line holds one "
+                     "flat object")
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
         raise error(f"{where}: not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise too_deep from None
+    except ValueError as exc:  # an integer of more digits than Python converts
+        raise error(f"{where}: not valid JSON ({exc})") from None
     if not isinstance(obj, dict):
         raise error(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    stack: list[tuple[Any, int]] = [(obj, 0)]  # no recursion: depth is what is checked
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise too_deep
+        children = value.values() if isinstance(value, dict) else value
+        stack.extend((child, depth + 1) for child in children
+                     if isinstance(child, dict | list))
     return obj
 
 

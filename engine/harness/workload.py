@@ -318,32 +318,42 @@ def steady_traffic(sample: Sequence[WorkloadRequest], rate: float, duration_s: f
 # --- request files ----------------------------------------------------------------------------
 
 
-def load_requests_jsonl(path: Path | str,
-                        tokenizer_encode: Callable[[str], list[int]]) -> list[WorkloadRequest]:
+def load_requests_jsonl(path: Path | str, tokenizer_encode: Callable[[str], list[int]], *,
+                        vocab_size: int | None = None) -> list[WorkloadRequest]:
     """One JSON object per line: id, prompt_token_ids or prompt (text), max_tokens, and optional
-    tenant, tag, priority, arrival_s, ignore_eos. Any bad line fails the whole file."""
+    tenant, tag, priority, arrival_s, ignore_eos. Any bad line fails the whole file, named;
+    token ids must be below `vocab_size` when it is given."""
+    requests: list[WorkloadRequest] = []
+    seen: set[str] = set()
+    for where, obj in request_lines(path):
+        request = _parse_request(where, obj, tokenizer_encode, vocab_size)
+        if request.request_id in seen:
+            raise WorkloadError(f"{where}: field 'id': {request.request_id!r} repeats "
+                                "an earlier line; ids must be unique")
+        seen.add(request.request_id)
+        requests.append(request)
+    return sorted(requests, key=lambda r: r.arrival_s)
+
+
+def request_lines(path: Path | str) -> list[tuple[str, dict[str, Any]]]:
+    """Each non-blank line of a request file as ("PATH:LINE", its JSON object): UTF-8, JSON
+    and nesting checked. Cheap: callers run it before a model loads, to fail fast."""
     path = Path(path)
     try:
         lines = path.read_bytes().splitlines()
     except OSError as exc:
         raise WorkloadError(f"cannot read request file {path} ({exc.strerror})") from None
-    requests: list[WorkloadRequest] = []
-    seen: set[str] = set()
+    found = []
     for number, raw in enumerate(lines, start=1):
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise WorkloadError(f"{path}:{number}: not valid UTF-8 (byte {exc.start + 1} of "
                                 "the line); save the file as UTF-8") from None
-        if not line.strip():
-            continue
-        request = _parse_request(f"{path}:{number}", line, tokenizer_encode)
-        if request.request_id in seen:
-            raise WorkloadError(f"{path}:{number}: field 'id': {request.request_id!r} repeats "
-                                "an earlier line; ids must be unique")
-        seen.add(request.request_id)
-        requests.append(request)
-    return sorted(requests, key=lambda r: r.arrival_s)
+        if line.strip():
+            where = f"{path}:{number}"
+            found.append((where, json_object(where, line, WorkloadError)))
+    return found
 
 
 def _is_unicode(text: str) -> bool:
@@ -354,10 +364,9 @@ def _is_unicode(text: str) -> bool:
     return True
 
 
-def _parse_request(where: str, line: str,
-                   tokenizer_encode: Callable[[str], list[int]]) -> WorkloadRequest:
-    obj = json_object(where, line, WorkloadError)
-
+def _parse_request(where: str, obj: dict[str, Any],
+                   tokenizer_encode: Callable[[str], list[int]],
+                   vocab_size: int | None) -> WorkloadRequest:
     def bad(field: str, need: str) -> WorkloadError:
         return WorkloadError(f"{where}: field {field!r}: {need}, got {obj.get(field)!r}")
 
@@ -381,6 +390,11 @@ def _parse_request(where: str, line: str,
         ids = obj["prompt_token_ids"]
         if not isinstance(ids, list) or not ids or not all(is_int(t) and t >= 0 for t in ids):
             raise bad("prompt_token_ids", "must be a non-empty list of non-negative integers")
+        outside = next((t for t in ids if vocab_size is not None and t >= vocab_size), None)
+        if outside is not None:
+            shown = outside if outside < 10**12 else f"of {len(str(outside))} digits"
+            raise WorkloadError(f"{where}: field 'prompt_token_ids': token id {shown} is "
+                                f"outside the model's vocabulary (0 to {vocab_size - 1})")
         prompt = tuple(ids)
     if not is_int(obj.get("max_tokens")) or obj["max_tokens"] < 1:
         raise bad("max_tokens", "must be an integer >= 1")

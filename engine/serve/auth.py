@@ -1,4 +1,5 @@
-"""The admin endpoints' bearer token: where it comes from and how it is checked.
+"""Bearer tokens (the admin endpoints', the trace receiver's): where they come from and how
+they are checked.
 
 Without a configured token the admin endpoints are off (403), so a server started without one
 cannot be retuned by whoever reaches its port.
@@ -20,16 +21,28 @@ TOKEN_ENV = "TOKENFLOW_ADMIN_TOKEN"
 
 def load_admin_token(token_file: Path | None = None) -> str | None:
     """The token from `token_file` if given, else from $TOKENFLOW_ADMIN_TOKEN, else None."""
+    return load_token(token_file, env=TOKEN_ENV, flag="--admin-token-file", what="admin")
+
+
+def load_token(token_file: Path | None, *, env: str, flag: str, what: str) -> str | None:
+    """The token from `token_file` (given as `flag`) if given, else from $`env`, else None."""
     if token_file is None:
-        return os.environ.get(TOKEN_ENV, "").strip() or None
+        return os.environ.get(env, "").strip() or None
     try:
         token = token_file.read_text(encoding="utf-8").strip()
     except OSError as exc:
-        raise EngineError(f"cannot read the admin token file {token_file}: {exc.strerror}; "
-                          "point --admin-token-file at a readable file") from exc
+        raise EngineError(f"cannot read the {what} token file {token_file}: {exc.strerror}; "
+                          f"point {flag} at a readable file") from exc
     if not token:
-        raise EngineError(f"the admin token file {token_file} is empty; write a token into it")
+        raise EngineError(f"the {what} token file {token_file} is empty; write a token into it")
     return token
+
+
+def bearer_matches(authorization: str, token: str) -> bool:
+    """Whether an `Authorization` header value is `Bearer <token>` (constant time)."""
+    scheme, _, given = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(),
+                                                              token.encode())
 
 
 def require_admin(request: Request, token: str | None) -> None:
@@ -37,8 +50,6 @@ def require_admin(request: Request, token: str | None) -> None:
     if token is None:
         raise ApiError(403, f"the admin API is off: start the server with {TOKEN_ENV} set or "
                             "--admin-token-file", kind="permission_error")
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(),
-                                                             token.encode()):
+    if not bearer_matches(request.headers.get("authorization", ""), token):
         raise ApiError(401, "missing or wrong bearer token; send 'Authorization: Bearer TOKEN'",
                        kind="authentication_error", headers={"WWW-Authenticate": "Bearer"})

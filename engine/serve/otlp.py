@@ -7,16 +7,21 @@ OpenTelemetry protobufs. Each request gets a budget_score: its measured prefill 
 the prefill time predicted for that prompt on that GPU, by the calibration stored for that
 model and GPU when there is one, else by the roofline; each score names its estimate.
 Requests and slow queries land in the store with their source recorded.
+
+The receiver trusts no exporter: the Host allow-list and a bearer token come first, then a
+rate per client, size caps with streaming gunzip (otlp_limits), a span cap, and a check of
+every span on its own (otlp_span), a bad one rejected alone and counted in OTLP's partial
+success. Traced rows have their own retention (engine.store.retention). docs/hardening.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import gzip
+import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
@@ -24,32 +29,35 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from sqlalchemy import insert, select
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from engine.budget.roofline import StepShape
+from engine.serve.auth import bearer_matches
+from engine.serve.hosts import HostAllowList
+from engine.serve.otlp_limits import OtlpLimits, decoded_body
+from engine.serve.otlp_span import (
+    REQUEST_SPAN,
+    SpanRejected,
+    TracedRequest,
+    service_name,
+    traced_request,
+)
+from engine.serve.protocol import ApiError, read_body
+from engine.serve.rate_limit import RateLimiter
 from engine.snapshot import RequestView
 from engine.store import Database, SlowQueryRecord, TracedDriftPoint, traced_drift
 from engine.store.models import SlowQueryRow, TracedRequestRow
+from engine.store.retention import RetentionLimits, apply_traced_retention
 
-REQUEST_SPAN = "llm_request"  # vLLM's span per request; start-up spans carry other names
 SLOW_THRESHOLD = 1.5  # the engine's default slow_query_threshold
 KEEP = 200  # traced requests kept in memory for the Requests table
 PROTOBUF = "application/x-protobuf"
-
-# vLLM's span attributes (vllm/tracing/utils.py SpanAttributes)
-ATTR_REQUEST_ID = "gen_ai.request.id"
-ATTR_PROMPT = "gen_ai.usage.prompt_tokens"
-ATTR_COMPLETION = "gen_ai.usage.completion_tokens"
-ATTR_QUEUE = "gen_ai.latency.time_in_queue"
-ATTR_TTFT = "gen_ai.latency.time_to_first_token"
-ATTR_PREFILL = "gen_ai.latency.time_in_model_prefill"
-ATTR_DECODE = "gen_ai.latency.time_in_model_decode"
-ATTR_E2E = "gen_ai.latency.e2e"
+REASONS_SHOWN = 3  # rejected spans whose reason the partial-success message names
 
 
 @dataclass(frozen=True)
@@ -66,78 +74,68 @@ class PrefillEstimate:
 
 
 @dataclass(frozen=True)
-class TracedRequest:
-    source: str  # the span's service.name (OTEL_SERVICE_NAME on the server)
-    request_id: str
-    started_at: float  # epoch seconds: when the server received the request
-    prompt_tokens: int
-    completion_tokens: int
-    queue_s: float | None
-    ttft_s: float | None
-    prefill_s: float | None
-    decode_s: float | None
-    e2e_s: float | None
-    predicted_prefill_s: float | None = None  # None without a model shape
-    budget_score: float | None = None
-    estimate: str | None = None  # PrefillEstimate.name of the prediction
+class Export:
+    """What one export held: the requests taken, and how many request spans were rejected
+    (each alone) with the first reasons."""
 
-    def view(self) -> RequestView:
-        """A finished row of the Requests table (a span arrives when its request is done)."""
-        def ms(seconds: float | None) -> float | None:
-            return None if seconds is None else seconds * 1000.0
+    requests: list[TracedRequest]
+    rejected: int = 0
+    reasons: tuple[str, ...] = ()
 
-        decode_tokens = max(self.completion_tokens - 1, 0)
-        tpot = (self.decode_s / decode_tokens
-                if self.decode_s is not None and decode_tokens else None)
-        return RequestView(
-            id=self.request_id, tenant=self.source, state="FINISHED",
-            reason="traced" if self.estimate is None else f"traced; vs {self.estimate} estimate",
-            prompt_tokens=self.prompt_tokens, prefilled_tokens=self.prompt_tokens,
-            chunks_done=1, chunks_total=1, generated_tokens=self.completion_tokens,
-            ttft_ms=ms(self.ttft_s), tpot_ms=ms(tpot), budget_score=self.budget_score,
-            arrival_s=self.started_at)
+    def response(self) -> ExportTraceServiceResponse:
+        """OTLP's answer: a partial success counting the rejected spans, when there are any."""
+        answer = ExportTraceServiceResponse()
+        if self.rejected:
+            answer.partial_success.rejected_spans = self.rejected
+            answer.partial_success.error_message = (
+                f"{self.rejected} of {self.rejected + len(self.requests)} request spans "
+                f"rejected: {'; '.join(self.reasons)}")
+        return answer
 
 
-def decode_export(body: bytes) -> list[TracedRequest]:
-    """Every `llm_request` span of one OTLP export body (protobuf); other spans are skipped."""
+def parse_export(body: bytes, limits: OtlpLimits) -> ExportTraceServiceRequest:
+    """One OTLP export body (protobuf bytes): 400 if it is not one, 413 past `max_spans`."""
     message = ExportTraceServiceRequest()
-    message.ParseFromString(body)
-    found = []
+    try:
+        message.ParseFromString(body)
+    except DecodeError as exc:
+        raise ApiError(400, f"not an OTLP trace export ({exc}); send "
+                            "ExportTraceServiceRequest as protobuf") from None
+    total = span_count(message)
+    if total > limits.max_spans:
+        raise ApiError(413, f"the export holds {total} spans; the limit is {limits.max_spans} "
+                            "(set OTEL_BSP_MAX_EXPORT_BATCH_SIZE on the server)")
+    return message
+
+
+def span_count(message: ExportTraceServiceRequest) -> int:
+    return sum(len(scope.spans) for resource in message.resource_spans
+               for scope in resource.scope_spans)
+
+
+def decode_export(message: ExportTraceServiceRequest, limits: OtlpLimits,
+                  now: float) -> Export:
+    """Every `llm_request` span of one export, each checked alone; other spans are skipped.
+    `now` (epoch seconds) bounds start times."""
+    found: list[TracedRequest] = []
+    reasons: list[str] = []
+    rejected = 0
     for resource_spans in message.resource_spans:
-        resource = _attributes(resource_spans.resource.attributes)
-        source = str(resource.get("service.name", "unknown_service"))
-        for scope_spans in resource_spans.scope_spans:
-            for span in scope_spans.spans:
-                if span.name == REQUEST_SPAN:
-                    found.append(_traced(source, span.start_time_unix_nano,
-                                         _attributes(span.attributes)))
-    return found
-
-
-def _traced(source: str, start_ns: int, attrs: dict[str, object]) -> TracedRequest:
-    def seconds(key: str) -> float | None:
-        value = attrs.get(key)
-        return float(value) if isinstance(value, int | float) else None
-
-    def count(key: str) -> int:
-        value = attrs.get(key)
-        return int(value) if isinstance(value, int | float) else 0
-
-    return TracedRequest(
-        source=source, request_id=str(attrs.get(ATTR_REQUEST_ID, "")),
-        started_at=start_ns / 1e9, prompt_tokens=count(ATTR_PROMPT),
-        completion_tokens=count(ATTR_COMPLETION), queue_s=seconds(ATTR_QUEUE),
-        ttft_s=seconds(ATTR_TTFT), prefill_s=seconds(ATTR_PREFILL),
-        decode_s=seconds(ATTR_DECODE), e2e_s=seconds(ATTR_E2E))
-
-
-def _attributes(pairs: list[KeyValue]) -> dict[str, object]:
-    return {pair.key: _value(pair.value) for pair in pairs}
-
-
-def _value(value: AnyValue) -> object:
-    kind = value.WhichOneof("value")
-    return None if kind is None else getattr(value, kind)
+        spans = [span for scope in resource_spans.scope_spans for span in scope.spans
+                 if span.name == REQUEST_SPAN]
+        try:
+            source = service_name(resource_spans.resource.attributes, limits)
+        except SpanRejected as exc:
+            rejected += len(spans)
+            reasons.append(str(exc))
+            continue
+        for span in spans:
+            try:
+                found.append(traced_request(source, span, limits, now))
+            except SpanRejected as exc:
+                rejected += 1
+                reasons.append(str(exc))
+    return Export(found, rejected, tuple(reasons[:REASONS_SHOWN]))
 
 
 class TraceCollector:
@@ -148,13 +146,21 @@ class TraceCollector:
 
     def __init__(self, estimate: PrefillEstimate | None = None,
                  database: Database | None = None,
-                 slow_threshold: float = SLOW_THRESHOLD, keep: int = KEEP) -> None:
+                 slow_threshold: float = SLOW_THRESHOLD, keep: int = KEEP, *,
+                 limits: OtlpLimits | None = None,
+                 retention: RetentionLimits | None = None,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.estimate = estimate
         self.database = database
         self.slow_threshold = slow_threshold
+        self.limits = limits or OtlpLimits()
+        self.retention = retention or RetentionLimits()
+        self.wall_clock = wall_clock
+        # entries are small and bounded: every string in one is capped by the limits
         self.recent: deque[TracedRequest] = deque(maxlen=keep)
         self.slow_counts: dict[str, int] = {}  # by source
         self.received = 0
+        self.rejected = 0
         self.lock = threading.Lock()
         self.arrived = threading.Condition(self.lock)
 
@@ -164,10 +170,16 @@ class TraceCollector:
             return "no budget_score: give the model's shape (--roofline-model) and --gpu"
         return self.estimate.label
 
-    def ingest(self, body: bytes) -> list[TracedRequest]:
-        """Decode, score and keep one export; returns the traced requests it held."""
-        scored = [self.score(traced) for traced in decode_export(body)]
-        now = time.time()
+    def ingest(self, body: bytes) -> Export:
+        """Parse, check, score and keep one export (protobuf bytes); see `take`."""
+        return self.take(parse_export(body, self.limits))
+
+    def take(self, message: ExportTraceServiceRequest) -> Export:
+        """Check, score and keep one parsed export; a bad span is rejected alone and
+        counted in the answer."""
+        now = self.wall_clock()
+        export = decode_export(message, self.limits, now)
+        scored = [self.score(traced) for traced in export.requests]
         slow = [t for t in scored if t.budget_score is not None
                 and t.budget_score >= self.slow_threshold]
         if self.database is not None and scored:
@@ -177,13 +189,16 @@ class TraceCollector:
             for t in slow:
                 self.slow_counts[t.source] = self.slow_counts.get(t.source, 0) + 1
             self.received += len(scored)
+            self.rejected += export.rejected
             self.arrived.notify_all()
-        return scored
+        return dataclasses.replace(export, requests=scored)
 
     def score(self, traced: TracedRequest) -> TracedRequest:
         if self.estimate is None or traced.prefill_s is None or traced.prompt_tokens <= 0:
             return traced
         predicted = self.estimate.predict(StepShape(prefill=((traced.prompt_tokens, 0),)))
+        if not (math.isfinite(predicted) and predicted > 0):  # no estimate to divide by
+            return traced
         return dataclasses.replace(traced, predicted_prefill_s=predicted,
                                    budget_score=traced.prefill_s / predicted,
                                    estimate=self.estimate.name)
@@ -236,22 +251,73 @@ class TraceCollector:
                     "prompt_tokens": t.prompt_tokens, "prefill_s": t.prefill_s,
                     "budgeted_s": t.predicted_prefill_s,
                     "chunks": [], "config": config, "source": t.source} for t in slow])
+            apply_traced_retention(connection, self.retention)
 
 
-def create_otlp_app(collector: TraceCollector) -> Starlette:
-    """POST /v1/traces, as an OTLP/HTTP receiver answers it (protobuf only)."""
+def create_otlp_app(collector: TraceCollector, *, token: str | None,
+                    allowed_hosts: Iterable[str],
+                    clock: Callable[[], float] = time.monotonic) -> Starlette:
+    """POST /v1/traces, as an OTLP/HTTP receiver answers it (protobuf only), behind the Host
+    allow-list; `token` is the bearer token exporters must send (None: anyone may post,
+    which only --otlp-insecure asks for). `clock` paces each client's rate."""
+    limits = collector.limits
+    rates = RateLimiter(limits.rate, clock)
 
     async def traces(request: Request) -> Response:
-        if request.headers.get("content-type", "").split(";")[0].strip() != PROTOBUF:
-            return Response("send OTLP as protobuf: set OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="
-                            "http/protobuf on the server", status_code=415)
-        body = await request.body()
-        if request.headers.get("content-encoding") == "gzip":
-            body = gzip.decompress(body)
-        try:
-            collector.ingest(body)
-        except DecodeError as exc:
-            return Response(f"not an OTLP trace export: {exc}", status_code=400)
-        return Response(ExportTraceServiceResponse().SerializeToString(), media_type=PROTOBUF)
+        if token is not None and not bearer_matches(request.headers.get("authorization", ""),
+                                                    token):
+            raise ApiError(401, "missing or wrong bearer token; export with "
+                                "OTEL_EXPORTER_OTLP_HEADERS='Authorization=Bearer TOKEN'",
+                           kind="authentication_error", headers={"WWW-Authenticate": "Bearer"})
+        media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media_type != PROTOBUF:
+            raise ApiError(415, "send OTLP as protobuf: set OTEL_EXPORTER_OTLP_TRACES_PROTOCOL="
+                                "http/protobuf on the server")
+        client = request.client.host if request.client else "unknown"
+        if rates.available(client) < 1:
+            raise _slow_down(rates.spend(client, 1))
+        body = await read_body(request, limits.max_body_bytes, limits.body_timeout_s,
+                               ApiError(413, f"the body is over {limits.max_body_bytes} bytes; "
+                                             "send smaller batches "
+                                             "(OTEL_BSP_MAX_EXPORT_BATCH_SIZE)"))
+        message = parse_export(
+            decoded_body(body, request.headers.get("content-encoding", ""), limits), limits)
+        wait = rates.spend(client, max(span_count(message), 1))
+        if wait:
+            raise _slow_down(wait)
+        export = await run_in_threadpool(collector.take, message)
+        return Response(export.response().SerializeToString(), media_type=PROTOBUF)
 
-    return Starlette(routes=[Route("/v1/traces", traces, methods=["POST"])])
+    app = Starlette(routes=[Route("/v1/traces", traces, methods=["POST"])],
+                    exception_handlers={ApiError: _status_response})
+    app.add_middleware(HostAllowList, allowed=allowed_hosts)
+    return app
+
+
+# google.rpc.Code of each refusal, for the Status body OTLP/HTTP answers errors with
+GRPC_CODES = {400: 3, 401: 16, 408: 4, 413: 8, 415: 3, 429: 8}
+
+
+async def _status_response(_request: Request, exc: Exception) -> Response:
+    """An error as OTLP/HTTP answers one: a protobuf google.rpc.Status (code 1, message 2),
+    written by hand as the two fields it holds."""
+    assert isinstance(exc, ApiError)
+    message = exc.message.encode()
+    body = (b"\x08" + _varint(GRPC_CODES.get(exc.status, 2))
+            + b"\x12" + _varint(len(message)) + message)
+    return Response(body, status_code=exc.status, media_type=PROTOBUF, headers=exc.headers)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((value & 0x7F) | (0x80 if value > 0x7F else 0))
+        value >>= 7
+        if not value:
+            return bytes(out)
+
+
+def _slow_down(wait_s: float) -> ApiError:
+    retry = max(1, math.ceil(min(wait_s, 3600.0)))
+    return ApiError(429, f"this client sent more spans than the receiver takes; retry in "
+                         f"{retry} s", kind="rate_limit_error", headers={"Retry-After": str(retry)})

@@ -72,22 +72,10 @@ async def read_json(request: Request, limits: BodyLimits) -> Any:
     if media_type != JSON_TYPE:
         raise ApiError(415, f"send the body as JSON with 'Content-Type: {JSON_TYPE}'"
                             f"{f', not {media_type!r}' if media_type else ''}")
-    too_large = ApiError(413, f"request body is over the limit of {limits.max_bytes} bytes; "
-                              "send a shorter prompt or raise the server's body limit")
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limits.max_bytes:
-        raise too_large
-    body = bytearray()
-    try:
-        async with asyncio.timeout(limits.read_timeout_s):
-            async for part in request.stream():
-                body += part
-                if len(body) > limits.max_bytes:
-                    raise too_large
-    except TimeoutError:
-        raise ApiError(408, f"the body did not arrive within {limits.read_timeout_s:g} s; "
-                            "send all the bytes that Content-Length declares",
-                       headers={"Connection": "close"}) from None
+    body = await read_body(request, limits.max_bytes, limits.read_timeout_s,
+                           ApiError(413, f"request body is over the limit of {limits.max_bytes} "
+                                         "bytes; send a shorter prompt or raise the server's "
+                                         "body limit"))
     try:
         data = json.loads(body)
     except RecursionError:
@@ -96,6 +84,27 @@ async def read_json(request: Request, limits: BodyLimits) -> Any:
         raise ApiError(400, f"the body is not valid JSON ({exc}); send a JSON object") from None
     _check_tree(data, limits)
     return data
+
+
+async def read_body(request: Request, max_bytes: int, timeout_s: float,
+                    too_large: ApiError) -> bytes:
+    """The raw body, raising `too_large` past `max_bytes` (checked while reading, so a bomb
+    is never held whole) and 408 when it has not all arrived within `timeout_s`."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise too_large
+    body = bytearray()
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for part in request.stream():
+                body += part
+                if len(body) > max_bytes:
+                    raise too_large
+    except TimeoutError:
+        raise ApiError(408, f"the body did not arrive within {timeout_s:g} s; "
+                            "send all the bytes that Content-Length declares",
+                       headers={"Connection": "close"}) from None
+    return bytes(body)
 
 
 def _check_tree(data: Any, limits: BodyLimits) -> None:

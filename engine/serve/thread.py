@@ -12,6 +12,7 @@ from types import TracebackType
 import uvicorn
 from starlette.types import ASGIApp
 
+from engine.serve.connections import server_config
 from engine.serve.listener import BACKLOG, listen
 
 GRACEFUL_SHUTDOWN_S = 2
@@ -21,8 +22,8 @@ class ServerThread:
     def __init__(self, app: ASGIApp, host: str = "127.0.0.1", port: int = 0, *,
                  nodelay: bool = True) -> None:
         self.sock = listen(host, port, nodelay=nodelay)
-        config = uvicorn.Config(app, log_level="warning", lifespan="off", backlog=BACKLOG,
-                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        config = server_config(app, log_level="warning", lifespan="off", backlog=BACKLOG,
+                               timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="tokenflow-http", daemon=True)

@@ -1,6 +1,8 @@
 """How many rows each table keeps; the oldest beyond the limit are deleted.
 
-Unfinished journal entries are never deleted: they are what `run --resume` finishes.
+Unfinished journal entries are never deleted: they are what `run --resume` finishes. Rows
+other servers reported (traced requests, and slow queries with a source) have limits of
+their own, so a flood of traces never evicts this engine's own slow queries.
 """
 
 from __future__ import annotations
@@ -17,13 +19,16 @@ from engine.store.models import (
     DriftEventRow,
     JournalRow,
     SlowQueryRow,
+    TracedRequestRow,
 )
 
 
 @dataclass(frozen=True)
 class RetentionLimits:
     journal: int = 100_000  # finished, failed or rejected requests (never quarantined ones)
-    slow_queries: int = 10_000
+    slow_queries: int = 10_000  # this engine's own
+    traced_requests: int = 100_000
+    traced_slow_queries: int = 10_000  # slow queries of traced servers
     calibration_runs: int = 200  # their budget tables go with them (ON DELETE CASCADE)
     drift_events: int = 10_000
     config_changes: int = 10_000
@@ -40,14 +45,24 @@ def apply_retention(connection: Connection, limits: RetentionLimits) -> int:
     deleted = _keep_newest(
         connection, journal, limits.journal, journal.c.state.in_(TERMINAL_STATES)
     )
+    slow = SlowQueryRow.__table__
+    deleted += _keep_newest(connection, slow, limits.slow_queries, slow.c.source.is_(None))
+    deleted += apply_traced_retention(connection, limits)
     for row_type, limit in (
-        (SlowQueryRow, limits.slow_queries),
         (CalibrationRunRow, limits.calibration_runs),
         (DriftEventRow, limits.drift_events),
         (ConfigChangeRow, limits.config_changes),
     ):
         deleted += _keep_newest(connection, row_type.__table__, limit)
     return deleted
+
+
+def apply_traced_retention(connection: Connection, limits: RetentionLimits) -> int:
+    """The limits of what traced servers reported: their requests and slow queries."""
+    slow = SlowQueryRow.__table__
+    return (_keep_newest(connection, TracedRequestRow.__table__, limits.traced_requests)
+            + _keep_newest(connection, slow, limits.traced_slow_queries,
+                           slow.c.source.is_not(None)))
 
 
 def _keep_newest(connection: Connection, table: Table, keep: int, *where: object) -> int:

@@ -14,6 +14,7 @@ from textual.widgets import Input
 from console.sources.base import Capability
 from console.tui.keymap import COMMANDS
 from console.tui.state import ConsoleState
+from console.tui.text import escaped
 from console.tui.widgets.header import EngineHeader
 from console.tui.widgets.keybar import KeyBar
 from engine.snapshot import Snapshot
@@ -75,7 +76,7 @@ class ConsoleScreen(Screen):
         refusal = None if need is None else self.state.refusal(need)
         if refusal is not None:
             event.stop()
-            self.notify(refusal, severity="warning")
+            self.notify(escaped(refusal), severity="warning", markup=False)
 
     def _gated_keys(self) -> dict[str, Capability]:
         gated = {key: c.needs for c in COMMANDS if c.needs is not None for key in c.keys}

@@ -23,6 +23,7 @@ from console.tui.collectors import (
 from console.tui.screens.base import ConsoleScreen
 from console.tui.screens.slow_queries import clock
 from console.tui.state import ConsoleState
+from console.tui.text import plain
 from console.tui.widgets.notice import unavailable
 from console.tui.widgets.plot import Line, Plot, Series
 
@@ -108,7 +109,7 @@ class DriftScreen(ConsoleScreen):
         self._columns("Drift events", "time", "deviation", "detail")
         events = self.query_one("#drift-events", DataTable)
         for event in message.events:
-            events.add_row(clock(event.created_at), f"{event.deviation:+.1%}", event.detail,
+            events.add_row(clock(event.created_at), f"{event.deviation:+.1%}", plain(event.detail),
                            key=str(event.id))
 
     def on_traced_drift_loaded(self, message: TracedDriftLoaded) -> None:
@@ -133,7 +134,7 @@ class DriftScreen(ConsoleScreen):
         events = self.query_one("#drift-events", DataTable)
         for point in reversed(points):  # newest first, as drift events are
             events.add_row(clock(point.start), f"{point.median_ratio:.2f}×",
-                           f"{point.requests} vs {point.estimate} estimate",
+                           plain(f"{point.requests} vs {point.estimate} estimate"),
                            key=f"{point.start}:{point.estimate}")
 
     def action_recalibrate(self) -> None:

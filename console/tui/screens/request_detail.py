@@ -12,6 +12,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
+from console.tui.text import plain
 from engine.snapshot import RequestView
 
 NO_TIMELINE = ("no timeline: the engine keeps one for slow queries only "
@@ -44,11 +45,11 @@ class RequestDetail(ModalScreen[None]):
                 ("TTFT", ms(r.ttft_ms)),
                 ("TPOT", ms(r.tpot_ms)),
                 ("budget_score", "–" if r.budget_score is None else f"{r.budget_score:.2f}")):
-            fields.add_row(name, value)
+            fields.add_row(name, plain(value))  # a str cell would be parsed as markup
         with Vertical(id="detail"):
             yield Static(fields)
-            yield Static(self.note, classes="dim")
+            yield Static(plain(self.note), classes="dim")
             yield Static("esc closes", classes="dim")
 
     def on_mount(self) -> None:
-        self.query_one("#detail").border_title = f"Request {self.view.id}"
+        self.query_one("#detail").border_title = plain(f"Request {self.view.id}")

@@ -19,6 +19,7 @@ from console.tui.collectors import SlowQueriesLoaded
 from console.tui.screens.base import ConsoleScreen
 from console.tui.settings import DEFAULTS, setting
 from console.tui.state import ConsoleState
+from console.tui.text import plain
 from console.tui.widgets.keyed_table import Column, KeyedTable, TableRow, middle_cut
 from console.tui.widgets.notice import unavailable
 from console.tui.widgets.requests_table import budget_text
@@ -133,7 +134,7 @@ def config_text(config: Mapping[str, Any]) -> Text:
         if text:
             text.append("  ")
         text.append(f"{name}=", style="dim")
-        text.append(str(config[name]), style="bold yellow" if changed(name) else "")
+        text.append(plain(config[name], "bold yellow" if changed(name) else ""))
     return text
 
 
@@ -150,14 +151,14 @@ class SlowQueryDetail(ModalScreen[None]):
         r = self.record
         with Vertical(id="detail"):
             yield Static(Text.assemble(
-                (f"request {r.request_id}", "bold"), f"  tenant {r.tenant}  ",
+                plain(f"request {r.request_id}", "bold"), plain(f"  tenant {r.tenant}  "),
                 budget_text(r.budget_score, setting(r.config, "slow_query_threshold")),
                 f"  prompt {r.prompt_tokens} tok"
                 f"{'' if r.cached_tokens is None else f' ({r.cached_tokens} cached)'}"
                 f"  prefill {r.prefill_s * 1e3:.1f} ms"
-                f" of {r.budgeted_s * 1e3:.1f} ms budgeted  tag {r.tag or '–'}"))
+                f" of {r.budgeted_s * 1e3:.1f} ms budgeted  ", plain(f"tag {r.tag or '–'}")))
             if r.verdict:  # records stored before revision 0003 have none
-                yield Static(Text.assemble(("verdict ", "dim"), (r.verdict, "bold yellow")),
+                yield Static(Text.assemble(("verdict ", "dim"), plain(r.verdict, "bold yellow")),
                              id="detail-verdict")
             yield DataTable(id="detail-chunks", cursor_type="row", zebra_stripes=True)
             with VerticalScroll(id="detail-config"):

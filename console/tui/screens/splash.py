@@ -16,6 +16,7 @@ from textual.screen import ModalScreen, Screen
 from textual.widgets import ProgressBar, Static
 
 from console.tui.keymap import COMMANDS
+from console.tui.text import plain
 
 
 class EngineStarting(Message):
@@ -63,8 +64,8 @@ class ResumedNotice(ModalScreen[bool]):
         with Vertical(id="resumed"):
             yield Static(Text.assemble(
                 (f"{len(self.resumed)} request(s) resumed from the journal", "bold yellow"),
-                f"\nThe last session on this store left them unfinished; "
-                f"{self.source_name} is running them again: {shown}"))
+                plain(f"\nThe last session on this store left them unfinished; "
+                      f"{self.source_name} is running them again: {shown}")))
             yield Static(Text.assemble(("k", "bold"), " keep them   ", ("d", "bold"),
                                        " discard them"))
 
@@ -89,7 +90,7 @@ class SplashScreen(Screen[None]):
     def compose(self) -> ComposeResult:
         with Middle(), Center(id="splash"):
             yield Static(Text.assemble(("tokenflow console", "bold"), "  ",
-                                       (self.source_name, "dim")))
+                                       plain(self.source_name, "dim")))
             yield Static(id="splash-stage")
             yield ProgressBar(total=1.0, show_eta=False, id="splash-progress")
             quit_key = next(c.shown_key for c in COMMANDS if c.action == "quit")

@@ -34,6 +34,7 @@ from console.tui.collectors import (
 from console.tui.history import MetricHistory
 from console.tui.screens.base import ConsoleScreen
 from console.tui.state import ConsoleState
+from console.tui.text import escaped, plain
 from console.tui.widgets.field import Field as NumberField
 from console.tui.widgets.header import chunk_size
 from console.tui.widgets.latency import LatencySLO, append_latency, slo_style, window
@@ -288,7 +289,7 @@ class TuningScreen(ConsoleScreen):
     def _show_note(self, field: Field, problem: str | None) -> None:
         note = self.query_one(f"#note-{field.name}", Static)
         box = self.query_one(f"#input-{field.name}", Input)
-        note.update(Text(problem, style="bold red") if problem else field.help)
+        note.update(plain(problem, style="bold red") if problem else field.help)
         note.set_class(problem is not None, "error")
         box.set_class(problem is not None, "error")
 
@@ -314,7 +315,7 @@ class TuningScreen(ConsoleScreen):
 
     def _refused(self, refusal: str | None) -> None:
         if refusal is not None:
-            self.notify(refusal, severity="warning")
+            self.notify(escaped(refusal), severity="warning", markup=False)
 
     def action_revert(self) -> None:
         for field in FIELDS:
@@ -355,7 +356,7 @@ class TuningScreen(ConsoleScreen):
         if field is not None:
             self._show_note(field, message.message)
         else:
-            self.notify(message.message, severity="error")
+            self.notify(escaped(message.message), severity="error", markup=False)
 
     def on_config_changes_loaded(self, message: ConfigChangesLoaded) -> None:
         table = self.query_one("#config-changes", DataTable)
@@ -370,6 +371,7 @@ class TuningScreen(ConsoleScreen):
             at = change.created_at - offset
             ttft = around(history, at, "ttft_p99", ms)
             throughput = around(history, at, "tokens_per_s", number)
-            table.add_row(change.field, shown(change.old), shown(change.new), change.source,
+            table.add_row(change.field, shown(change.old), shown(change.new),
+                          plain(change.source),
                           datetime.fromtimestamp(change.created_at).strftime("%H:%M:%S"),
                           *ttft, *throughput, key=str(change.id))

@@ -10,6 +10,8 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Static
 
+from console.tui.text import plain
+
 
 class Confirm(ModalScreen[bool]):
     """Dismissed with True on y, False on n or escape."""
@@ -31,7 +33,7 @@ class Confirm(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Vertical():
-            yield Static(self.question, id="confirm-question")
+            yield Static(plain(self.question), id="confirm-question")  # it may name a server
             yield Static("[b]y[/b] yes   [b]n[/b] / [b]esc[/b] no", classes="dim")
 
     def action_answer(self, yes: bool) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widgets import Static
 
+from console.tui.text import plain
 from console.tui.widgets.latency import LatencySLO
 from console.tui.widgets.plot import ms
 from engine.snapshot import Snapshot
@@ -57,7 +58,8 @@ class EngineHeader(Static):
             text.append(" ")
         wrong = warnings(snapshot)
         style = MODE_STYLES.get(snapshot.mode, "bold")
-        text.append(snapshot.mode, style="bold yellow" if wrong and "green" in style else style)
+        text.append(plain(snapshot.mode,
+                          style="bold yellow" if wrong and "green" in style else style))
         for note, note_style in wrong:
             text.append(" · ")
             text.append(note, style=note_style)
@@ -68,13 +70,13 @@ class EngineHeader(Static):
         else:
             text.append(f"  C* {cstar if cstar is not None else '–'}", style="cyan")
         text.append(f"  {snapshot.tokens_per_s:,.0f} tok/s", style="bold")
-        text.append(f"  {source_name}", style="dim")
+        text.append(plain(f"  {source_name}", style="dim"))
         self.update(text)
 
     def show_failure(self, error: str, source_name: str) -> None:
         """Kept until a snapshot arrives again: a toast alone fades while the panes go stale."""
         text = Text(no_wrap=True, overflow="ellipsis")
         text.append(" SOURCE FAILED ", style="bold reverse red")
-        text.append(f" {error}", style="bold red")
-        text.append(f"  {source_name}", style="dim")
+        text.append(plain(f" {error}", style="bold red"))
+        text.append(plain(f"  {source_name}", style="dim"))
         self.update(text)

@@ -20,6 +20,8 @@ from textual.containers import Vertical
 from textual.widgets import DataTable, Input
 from textual.widgets.data_table import ColumnKey
 
+from console.tui.text import escaped, plain
+
 CELL_PADDING = 2  # DataTable pads each cell by one column on either side
 CHROME = 4  # the border, and the vertical scrollbar's room
 
@@ -76,7 +78,7 @@ class KeyedTable(Vertical):
         self.reverse = reverse
         self.rows: dict[str, TableRow] = {}
         self._filter = ""
-        self._shown: dict[str, tuple[str | Text, ...]] = {}
+        self._shown: dict[str, tuple[Text, ...]] = {}
         self.shown_columns: tuple[int, ...] = tuple(range(len(self.columns)))  # indexes shown
 
     def compose(self) -> ComposeResult:
@@ -123,13 +125,15 @@ class KeyedTable(Vertical):
             self._add_columns()
             self._apply()
 
-    def _cells(self, row: TableRow) -> tuple[str | Text, ...]:
-        """The row's cells for the visible columns, the key column cut to its width."""
+    def _cells(self, row: TableRow) -> tuple[Text, ...]:
+        """The row's cells for the visible columns as text (a str cell would be parsed as
+        markup), the key column cut to its width."""
         first = row.cells[0]
-        shown = first.plain if isinstance(first, Text) else first
+        text = first.plain if isinstance(first, Text) else escaped(first)
         width = self.columns[0].width
-        key_cell = KeyText(middle_cut(shown, width) if width else shown, row.key)
-        return (key_cell, *(row.cells[i] for i in self.shown_columns[1:]))
+        key_cell = KeyText(middle_cut(text, width) if width else text, row.key)
+        return (key_cell, *(cell if isinstance(cell, Text) else plain(cell)
+                            for cell in (row.cells[i] for i in self.shown_columns[1:])))
 
     @property
     def table(self) -> DataTable:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from rich.text import Text
 
+from console.tui.text import escaped
+
 
 def unavailable(refusal: str) -> Text:
-    return Text(refusal, style="italic yellow")
+    """The refusal in its lines (it may quote a server), each shown as plain text."""
+    return Text("\n".join(escaped(line) for line in refusal.split("\n")),
+                style="italic yellow")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from console.tui.settings import setting
+from console.tui.text import plain
 from console.tui.widgets.gauge import level_style
 from console.tui.widgets.keyed_table import Column, KeyedTable, TableRow
 from engine.snapshot import RequestView, Snapshot
@@ -48,7 +49,7 @@ def request_row(r: RequestView, slow_threshold: float) -> TableRow:
     cached = f"{r.cached_share:.0%}" if r.cached_tokens else "–"
     return TableRow(
         key=r.id,
-        cells=(r.id, r.tenant, Text(r.state, style=STATE_STYLES.get(r.state, "")),
+        cells=(r.id, r.tenant, plain(r.state, style=STATE_STYLES.get(r.state, "")),
                str(r.prompt_tokens), cached, f"{r.chunks_done}/{r.chunks_total}",
                str(r.generated_tokens), ttft, budget_text(r.budget_score, slow_threshold)),
         sort_values=(r.arrival_s, r.tenant, r.state, r.prompt_tokens, r.cached_share,

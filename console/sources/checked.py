@@ -1,0 +1,110 @@
+"""A snapshot from another process, checked before the console believes it.
+
+A server may answer anything: `"kv_usage": NaN` (Python's json reads it), a string where a
+count belongs, 1e400. Every field is checked against the type the Snapshot declares: an
+optional figure that is not finite is unknown (None); a required one makes the whole answer
+unusable, named in a SourceError, so the console shows the server as failing with the reason
+instead of a live figure or a crash (`round(nan)` in a gauge).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+from console.sources.base import SourceError
+from engine.config import EngineConfig
+from engine.snapshot import Percentiles, RequestView, Snapshot
+
+# The settings the panes compute with (watermarks, thresholds): numbers, like their defaults.
+NUMERIC_SETTINGS = frozenset(f.name for f in dataclasses.fields(EngineConfig)
+                             if type(f.default) in (int, float))
+
+
+def checked_snapshot(data: object, where: str) -> Snapshot:
+    """`data` (a decoded /v1/stats body) as a Snapshot; SourceError naming the first field
+    the console cannot use."""
+    values = _checked(Snapshot, data, where)
+    config = values.get("config", {})
+    for name in NUMERIC_SETTINGS & config.keys():
+        value = config[name]
+        if isinstance(value, bool) or not isinstance(value, int | float) \
+                or not math.isfinite(value):
+            raise _unusable(where, f"config.{name}", value)
+    return Snapshot(**values)
+
+
+def _checked(kind: type, data: object, where: str) -> dict[str, Any]:
+    if not isinstance(data, Mapping):
+        raise SourceError(f"{where}: expected an object for {kind.__name__}, got "
+                          f"{type(data).__name__}")
+    hints = typing.get_type_hints(kind)
+    values: dict[str, Any] = {}
+    for item in dataclasses.fields(kind):
+        if item.name in data:
+            values[item.name] = _value(hints[item.name], data[item.name],
+                                       f"{where} {item.name}")
+        elif item.default is dataclasses.MISSING and \
+                item.default_factory is dataclasses.MISSING:
+            raise SourceError(f"{where}: {kind.__name__} without its {item.name}")
+    return values
+
+
+def _value(hint: Any, value: object, where: str) -> object:
+    optional = _is_optional(hint)
+    base = _without_none(hint)
+    if value is None:
+        if optional:
+            return None
+        raise _unusable(where, "", value)
+    if base is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise _unusable(where, "", value)
+        if not math.isfinite(value):
+            if optional:
+                return None
+            raise _unusable(where, "", value)
+        return float(value)
+    if base is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _unusable(where, "", value)
+        return value
+    if base in (str, bool):
+        if not isinstance(value, base):
+            raise _unusable(where, "", value)
+        return value
+    if base is Percentiles:
+        return Percentiles(**_checked(Percentiles, value, where))
+    if typing.get_origin(base) is tuple:
+        if not isinstance(value, list | tuple):
+            raise _unusable(where, "", value)
+        (element, _) = typing.get_args(base)
+        if element is RequestView:
+            return tuple(RequestView(**_checked(RequestView, item, where)) for item in value)
+        return tuple(_value(element, item, where) for item in value)
+    if typing.get_origin(base) is dict:
+        if not isinstance(value, Mapping):
+            raise _unusable(where, "", value)
+        return dict(value)
+    return value
+
+
+def _is_optional(hint: Any) -> bool:
+    return isinstance(hint, types.UnionType) and type(None) in typing.get_args(hint)
+
+
+def _without_none(hint: Any) -> Any:
+    if not isinstance(hint, types.UnionType):
+        return hint
+    rest = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    return rest[0]
+
+
+def _unusable(where: str, name: str, value: object) -> SourceError:
+    shown = repr(value)[:40]
+    return SourceError(f"{where}{' ' + name if name else ''} is {shown}: not a figure the "
+                       "console can show; its figures are unknown until it answers numbers")

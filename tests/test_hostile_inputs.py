@@ -1,0 +1,174 @@
+"""The smaller doors: request files nested to exhaust the parser or naming tokens no model
+has, integers through floats, idle and slow connections, log floods, and a config patch
+racing the step that applies the last one."""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+
+from console.cli.main import main
+from engine import Engine, EngineConfig
+from engine.config import ConfigError
+from engine.harness.workload import WorkloadError, load_requests_jsonl, request_lines
+from engine.serve.connections import server_config
+from engine.serve.listener import listen
+from engine.serve.log_limit import RateLimitedLog, client_and_status
+from engine.serve.rate_limit import Rate
+
+
+def test_a_deeply_nested_line_is_refused_by_line_before_the_model_loads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    requests = tmp_path / "in.jsonl"
+    requests.write_text('{"id": "a", "prompt_token_ids": [1], "max_tokens": 1}\n'
+                        + "[" * 200_000 + "\n")
+
+    def no_model(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("the model must not load for a file that cannot be read")
+
+    monkeypatch.setattr("console.cli.run.start_session", no_model)
+    assert main(["run", "--model", "synthetic:tiny", "--requests", str(requests),
+                 "--no-db"]) == 2
+    err = capsys.readouterr().err
+    assert f"{requests}:2: nests JSON deeper than" in err and "Traceback" not in err
+    requests.write_text('{"id": "a", "x": ' + "[" * 40 + "]" * 40 + "}\n")  # parses; too deep
+    with pytest.raises(WorkloadError, match=":1: nests JSON deeper"):
+        request_lines(requests)
+    requests.write_text('{"id": "a", "prompt_token_ids": [' + "9" * 5000 + "]}\n")
+    with pytest.raises(WorkloadError, match=":1: not valid JSON"):
+        request_lines(requests)
+
+
+def test_token_ids_outside_the_vocabulary_name_their_line(tmp_path: Path) -> None:
+    requests = tmp_path / "in.jsonl"
+    good = '{"id": "a", "prompt_token_ids": [1, 2], "max_tokens": 1}\n'
+    for bad, shown in ((320, "token id 320 is outside"),
+                       (10**30, "token id of 31 digits is outside")):
+        requests.write_text(good + f'{{"id": "b", "prompt_token_ids": [1, {bad}], '
+                                   '"max_tokens": 1}\n')
+        with pytest.raises(WorkloadError, match=f":2: field 'prompt_token_ids': {shown}"):
+            load_requests_jsonl(requests, lambda text: [], vocab_size=320)
+    assert len(load_requests_jsonl(requests, lambda text: [])) == 2  # no vocabulary: no cap
+
+
+def test_integers_stay_integers() -> None:
+    big = 2**63 - 1
+    assert EngineConfig().replace(max_num_batched_tokens=big).max_num_batched_tokens == big
+    assert EngineConfig().replace(max_num_batched_tokens=str(big)).max_num_batched_tokens == big
+    assert EngineConfig().replace(max_num_batched_tokens="512.0").max_num_batched_tokens == 512
+    for bad in (2.0**60, 1.5, float("nan"), "1e30"):
+        with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+            EngineConfig().replace(max_num_batched_tokens=bad)
+
+
+class SteppingLock:
+    """The engine's config lock, letting one PATCH land the moment apply releases it."""
+
+    def __init__(self, on_release: list) -> None:
+        self.lock = threading.Lock()
+        self.on_release = on_release
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+
+    def __exit__(self, *_exc: object) -> None:
+        self.lock.release()
+        if self.on_release:
+            self.on_release.pop()()
+
+
+def test_a_patch_racing_apply_is_validated_against_the_config_it_replaces() -> None:
+    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32"))
+    engine.update_config(max_num_batched_tokens=512)
+    pending: list = []
+    engine._config_lock = SteppingLock(pending)  # the race's window is the point
+    pending.append(lambda: engine.update_config(chunk_tile=32))
+    engine.apply_pending_config()  # the PATCH lands as this releases the lock
+    engine.apply_pending_config()
+    assert engine.config.max_num_batched_tokens == 512  # the first PATCH was not lost
+    assert engine.config.chunk_tile == 32
+
+
+@pytest.fixture
+def guarded_server() -> Iterator[tuple[str, int]]:
+    """A server run as tokenflow runs its own: 0.3 s for headers, three connections."""
+    app = Starlette(routes=[Route("/", lambda request: PlainTextResponse("ok"))])
+    sock = listen("127.0.0.1", 0)
+    server = uvicorn.Server(server_config(app, lifespan="off", log_level="critical",
+                                          max_connections=3, header_timeout_s=0.3))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    yield sock.getsockname()[:2]
+    server.should_exit = True
+    thread.join(10)
+    sock.close()
+
+
+def test_slow_and_idle_connections_are_closed_and_counted(
+        guarded_server: tuple[str, int]) -> None:
+    address = guarded_server
+    request = b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    kept = http.client.HTTPConnection(*address)  # a whole request, then idle between requests
+    kept.request("GET", "/")
+    assert kept.getresponse().read() == b"ok"
+    idle = socket.create_connection(address)
+    slow = socket.create_connection(address)
+    slow.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: a")
+    with socket.create_connection(address) as fourth:  # three held: the next gets 503 at once
+        fourth.sendall(request)
+        assert fourth.recv(100).startswith(b"HTTP/1.1 503")
+    started = time.monotonic()
+    for held in (idle, slow):  # closed by the server once their headers are late
+        held.settimeout(10)
+        assert held.recv(100) == b""
+        held.close()
+    assert time.monotonic() - started < 5
+    kept.request("GET", "/")  # its headers came in time: it was not cut while it idled
+    answer = kept.getresponse()
+    assert answer.status == 200 and answer.read() == b"ok"
+    kept.close()
+    with socket.create_connection(address) as fresh:
+        fresh.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        assert fresh.recv(100).startswith(b"HTTP/1.1 200")
+
+
+def test_a_log_flood_passes_at_a_bounded_rate() -> None:
+    now = [0.0]
+    limit = RateLimitedLog(Rate(per_second=0.2, burst=10.0), clock=lambda: now[0])
+
+    def record(text: str = "Invalid HTTP request received.") -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.error", logging.WARNING, "", 0, text, (), None)
+
+    assert sum(limit.filter(record()) for _ in range(1000)) == 10
+    assert limit.filter(record("Exceeded concurrency limit."))  # another kind has its own
+    now[0] += 5.0
+    passed = record()
+    assert limit.filter(passed) and "990 more like it dropped" in passed.getMessage()
+    now[0] += 10_000.0  # a gap far past the window: back to the burst, never beyond
+    assert sum(limit.filter(record()) for _ in range(1000)) == 10
+
+
+def test_access_lines_are_limited_per_client_and_status() -> None:
+    limit = RateLimitedLog(Rate(per_second=0.2, burst=2.0), clock=lambda: 0.0,
+                           kind=client_and_status)
+
+    def access(client: str, status: int) -> logging.LogRecord:
+        return logging.LogRecord("uvicorn.access", logging.INFO, "", 0,
+                                 '%s - "%s %s HTTP/%s" %d',
+                                 (client, "POST", "/v1/traces", "1.1", status), None)
+
+    flood = sum(limit.filter(access(f"10.0.0.9:{port}", 401)) for port in range(1000, 1100))
+    assert flood == 2  # one client's refusals, whatever port it comes from
+    assert limit.filter(access("10.0.0.9:1", 200)) and limit.filter(access("10.0.0.7:1", 401))
