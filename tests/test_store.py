@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sqlite3
+import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -49,6 +52,7 @@ from engine.store import (
     unfinished_requests,
 )
 from engine.store.database import Database, downgrade_database, upgrade_database
+from engine.store.lock import LockFileError
 from engine.store.models import Base, BudgetTableRow, JournalRow, SlowQueryRow
 from tests.mounts import remount, tmpfs
 from tests.stores import damaged_store
@@ -573,3 +577,88 @@ def test_a_read_only_filesystem_is_read_and_its_message_suggests_no_chmod(
         assert main(["db", "current", "--db", str(path)]) == 0
         assert main(["slow-queries", "list", "--db", str(path)]) == 0
         assert "no slow queries recorded" in capsys.readouterr().out
+
+
+# --- migrations: each revision whole, or not at all ----------------------------------------
+
+# A child that upgrades `argv[1]` and SIGKILLs itself inside revision 0004, after its columns
+# were added and while its index is being built: where a slow upgrade of a big store dies.
+_KILLED_UPGRADE = """
+import os, signal, sys
+from alembic.operations import Operations
+from engine.store import open_database
+create_index = Operations.create_index
+def dying(self, name, *args, **kwargs):
+    if name == "ix_slow_queries_cause":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return create_index(self, name, *args, **kwargs)
+Operations.create_index = dying
+open_database(sys.argv[1])
+"""
+
+
+def store_at_0003(path: Path, slow_queries: int) -> None:
+    """A store at revision 0003 holding `slow_queries` rows, as an older tokenflow left it."""
+    database = open_database(path, upgrade=False)
+    upgrade_database(database, "0003")
+    with database.engine.begin() as connection:
+        connection.exec_driver_sql(
+            "INSERT INTO slow_queries (created_at, request_id, tenant, budget_score, "
+            "prompt_tokens, prefill_s, budgeted_s, chunks, config) VALUES "
+            "(1.0, ?, 't', 2.5, 100, 0.2, 0.1, '[]', '{}')",
+            [(f"r{i}",) for i in range(slow_queries)])
+    database.close()
+
+
+def test_an_upgrade_killed_mid_revision_is_finished_by_the_next_start(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    store_at_0003(path, 200)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    child = subprocess.run([sys.executable, "-c", _KILLED_UPGRADE, str(path)], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    # The killed revision left nothing behind: its columns went with its transaction.
+    with sqlite3.connect(path) as raw:
+        assert raw.execute("SELECT version_num FROM alembic_version").fetchone() == ("0003",)
+        columns = {row[1] for row in raw.execute("PRAGMA table_info(slow_queries)")}
+    assert "timeline" not in columns
+    database = open_database(path)  # the next start upgrades, no manual step
+    try:
+        assert database.revision() == head_revision()
+        with database.session() as session:
+            assert session.scalar(select(func.count()).select_from(SlowQueryRow)) == 200
+    finally:
+        database.close()
+
+
+# --- the lock file is never another file ---------------------------------------------------
+
+
+def test_a_lock_file_that_is_a_symlink_is_refused_and_its_target_untouched(
+        tmp_path: Path) -> None:
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    path = tmp_path / "s.db"
+    (tmp_path / "s.db.lock").symlink_to(precious)
+    database = open_database(path)
+    try:
+        with pytest.raises(LockFileError, match=r"symbolic link.*rm "):
+            database.claim_writer()
+    finally:
+        database.close()
+    assert precious.read_text() == "keep me"
+
+
+def test_a_lock_file_hard_linked_to_another_file_is_refused_and_left_whole(
+        tmp_path: Path) -> None:
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    path = tmp_path / "s.db"
+    os.link(precious, tmp_path / "s.db.lock")
+    database = open_database(path)
+    try:
+        with pytest.raises(LockFileError, match="2 hard links"):
+            database.claim_writer()
+    finally:
+        database.close()
+    assert precious.read_text() == "keep me"

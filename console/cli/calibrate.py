@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
             _store_event(database, engine, drift)
     finally:
         database.close()
-    summary = {**result.to_dict(), "calibration_id": run_id, "db": str(database.path),
+    summary = {**result.to_dict(), "calibration_id": run_id, "db": database.location,
                "previous_id": previous.id if previous else None,
                "drift": drift.to_dict() if drift else None}
     if args.json:

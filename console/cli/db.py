@@ -71,7 +71,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run_upgrade(args: argparse.Namespace) -> int:
     database = open_database(args.db, upgrade=True)
     try:
-        print(f"{database.path}: schema at revision {database.revision()} (head)")
+        print(f"{database.location}: schema at revision {database.revision()} (head)")
     finally:
         database.close()
     return 0
@@ -85,7 +85,7 @@ def run_current(args: argparse.Namespace) -> int:
         database.close()
     head = head_revision()
     state = "up to date" if revision == head else f"behind {head}; run `tokenflow db upgrade`"
-    print(f"{database.path}: schema at revision {revision or 'none (empty)'}, {state}")
+    print(f"{database.location}: schema at revision {revision or 'none (empty)'}, {state}")
     return 0
 
 
@@ -108,15 +108,15 @@ def run_release_quarantine(args: argparse.Namespace) -> int:
         released = release_quarantine(session, args.request_id)
     rid = terminal_safe(args.request_id)
     if not released:
-        raise UserError(f"no quarantined request {rid!r} in {database.path}; `tokenflow "
+        raise UserError(f"no quarantined request {rid!r} in {database.location}; `tokenflow "
                         "slow-queries list` shows the quarantined ones")
     print(f"request {rid} released: the next `tokenflow run --resume`, `serve` or console "
-          f"on {database.path} runs it again")
+          f"on {database.location} runs it again")
     return 0
 
 
 def run_discard_unfinished(args: argparse.Namespace) -> int:
     with _journal_write(args.db) as (database, session):
         discarded = discard_unfinished(session, DISCARDED)
-    print(f"discarded {len(discarded)} unfinished request(s) in {database.path}")
+    print(f"discarded {len(discarded)} unfinished request(s) in {database.location}")
     return 0

@@ -116,7 +116,7 @@ def _resume(session: EngineSession, workload: list[WorkloadRequest],
     finished before nor is being resumed."""
     resumption = session.resume_unfinished(skip=emitted)
     assert session.database is not None  # --resume with --no-db is refused up front
-    path = session.database.path
+    path = session.database.location
     # Said only now: the resume is committed (killed from here on, the next --resume finds
     # the same requests).
     print(f"resumed {len(resumption.resumed)} unfinished request(s) from {path}",

@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
                          public_stats=args.public_stats,
                          allowed_hosts=[*LOOPBACK_HOSTS, args.host, *args.allow_host])
         admin = "on" if token else f"off (set {TOKEN_ENV} or --admin-token-file)"
-        store = "none" if database is None else str(database.path)
+        store = "none" if database is None else database.location
         host, port = listener.getsockname()[:2]  # --port 0: the one the system chose
         print(f"tokenflow serve: {config.model} on {engine.runner.device}, "
               f"http://{host}:{port}, admin API {admin}, store {store}{traces}", flush=True)

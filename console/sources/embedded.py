@@ -189,7 +189,7 @@ class EmbeddedSource:
         with self._read() as session:
             record = get_slow_query(session, query_id)
         if record is None:
-            raise SourceError(f"no slow query with id {query_id} in {self.database.path}")
+            raise SourceError(f"no slow query with id {query_id} in {self.database.location}")
         return record
 
     def calibration_history(self) -> list[CalibrationRecord]:

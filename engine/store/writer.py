@@ -211,14 +211,14 @@ class StoreWriter:
                     self.on_commit(Commit(len(events), prefilling(batch)))
                 except Exception:  # a listener gone (a closed pipe) must not stop the journal
                     log.exception("store %s: on_commit failed; no more commits are reported",
-                                  self.database.path)
+                                  self.database.location)
                     self.on_commit = None
         else:
             self.dropped += len(events)
 
     def _skip(self, table: str, request_id: str | None, reason: str) -> None:
         self.skipped.append(SkippedRow(table, request_id, reason))
-        log.error("store %s skipped a %s row%s: %s", self.database.path, table,
+        log.error("store %s skipped a %s row%s: %s", self.database.location, table,
                   f" of request {request_id!r}" if request_id else "", reason)
 
     def _guarded(self, work: Callable[[], object]) -> bool:
@@ -253,7 +253,7 @@ class StoreWriter:
                 if kind == "permanent":
                     raise _Permanent from exc
                 delay = _RETRY_S[min(attempt, len(_RETRY_S) - 1)]
-                log.warning("store %s is busy (%s); retrying in %.2fs", self.database.path,
+                log.warning("store %s is busy (%s); retrying in %.2fs", self.database.location,
                             _reason(exc), delay)
                 time.sleep(delay)
                 attempt += 1
@@ -289,10 +289,10 @@ def _permanent_error(database: Database, exc: BaseException) -> StoreError:
         fix = "free space on its disk, then finish the run with --resume"
     elif "no such table" in message or "no such column" in message or "has no column" in message:
         fix = ("its schema is missing tables or columns: run `tokenflow db upgrade --db "
-               f"{database.path}`, or pass --db PATH to use another file")
+               f"{database.location}`, or pass --db PATH to use another file")
     elif name.startswith("SQLITE_READONLY"):
         fix = "it became read-only: fix its permissions, or pass --db PATH to use another file"
     else:
         fix = "fix the database or pass --db PATH to use another file"
-    return StoreError(f"the journal in {database.path} stopped: {message}; {fix}. "
+    return StoreError(f"the journal in {database.location} stopped: {message}; {fix}. "
                       "Nothing after this point was recorded.")
