@@ -83,7 +83,8 @@ class EmbeddedSource:
 
     @classmethod
     def start(cls, *, model: str | None = None, device: str | None = None,
-              workload: str = "mixed", db: Path | None = None,
+              workload: str = "mixed", db: str | Path | None = None,
+              server: str | None = None,
               config: EngineConfig | None = None, num_requests: int | None = None,
               rate: float | None = None, repeat: bool = True,
               simulate: Simulation | None = None,
@@ -103,7 +104,7 @@ class EmbeddedSource:
             if isinstance(event, CalibrationProgress):
                 say(event.fraction, f"calibrating ({event.reason}): {event.note}")
 
-        session = EngineSession.start(engine_config, db=db, simulate=simulate,
+        session = EngineSession.start(engine_config, db=db, server=server, simulate=simulate,
                                       observers=(calibrating,))
         try:
             engine, database = session.engine, session.database
