@@ -49,6 +49,7 @@ from engine.store import (
     drift_events,
     head_revision,
     latest_calibration,
+    list_slow_queries,
     next_cycle,
     open_database,
     save_calibration,
@@ -58,6 +59,7 @@ from engine.store.database import Database, downgrade_database, upgrade_database
 from engine.store.lock import LockFileError
 from engine.store.models import Base, BudgetTableRow, JournalRow, SlowQueryRow
 from tests.mounts import remount, tmpfs
+from tests.postgres import Cluster
 from tests.stores import damaged_store
 
 
@@ -674,3 +676,71 @@ def test_a_lock_file_hard_linked_to_another_file_is_refused_and_left_whole(
     finally:
         database.close()
     assert precious.read_text() == "keep me"
+
+
+# --- many servers, one history ---------------------------------------------------------------
+
+
+def slow(rid: str, score: float) -> SlowQuery:
+    return SlowQuery(request_id=rid, tenant="t", budget_score=score, prompt_tokens=4,
+                     prefill_s=0.2, budgeted_s=0.1, chunks=(), config={})
+
+
+def test_servers_share_a_postgresql_store_each_resuming_only_its_own(postgres: Cluster) -> None:
+    url = postgres.create_database()
+    box_a, box_b = open_database(url, server="box-a"), open_database(url, server="box-b")
+    twin_a = open_database(url, server="box-a")
+    try:
+        bus_a, bus_b = EventBus(), EventBus()
+        writer_a, writer_b = StoreWriter(box_a, bus_a), StoreWriter(box_b, bus_b)  # side by side
+        with pytest.raises(StoreLockedError) as caught:  # but one writer per name
+            twin_a.claim_writer()
+        assert "'box-a'" in str(caught.value) and f"pid {os.getpid()}" in str(caught.value)
+        assert "--server-name" in str(caught.value)
+        # the same request id on both servers is two requests
+        deliver(bus_a, writer_a, added("r1"), chunk("r1", 0, 0, 2, False), slow("r1", 3.0))
+        deliver(bus_b, writer_b, added("r1"), added("r2"), finished("r2"), slow("r2", 2.0))
+        assert writer_a.close() and writer_b.close()
+        with box_a.session() as session:
+            assert [(e.request_id, e.prefilled_tokens)
+                    for e in unfinished_requests(session)] == [("r1", 2)]
+            assert next_cycle(session, "r") == 0
+        with box_b.session() as session:
+            assert [e.request_id for e in unfinished_requests(session)] == ["r1"]
+            assert claim_for_resume(session, ["r1", "r2"]) == 1
+        assert journal_row_of(box_a, "box-a", "r1").resume_attempts == 0
+        with box_a.session() as session:  # every server's rows, and each one's alone
+            assert [(r.server, r.request_id) for r in list_slow_queries(session)] == [
+                ("box-a", "r1"), ("box-b", "r2")]
+            assert [r.request_id for r in list_slow_queries(session, server="box-b")] == ["r2"]
+    finally:
+        for database in (box_a, box_b, twin_a):
+            database.close()
+    reopened = open_database(url, server="box-a")  # released with its holder
+    reopened.claim_writer()
+    reopened.close()
+
+
+def journal_row_of(db: Database, server: str, rid: str) -> JournalRow:
+    with db.session() as session:
+        return session.scalars(select(JournalRow).where(JournalRow.server == server,
+                                                        JournalRow.request_id == rid)).one()
+
+
+def test_slow_query_pages_walk_every_order_without_gaps_or_repeats(database: Database) -> None:
+    bus = EventBus()
+    writer = StoreWriter(database, bus)
+    deliver(bus, writer, *(slow(f"r{i}", 1.5 + (i % 4) / 4) for i in range(23)))  # ties
+    assert writer.close()
+    with database.session() as session:
+        for sort in ("score", "time", "prompt", "prefill", "id"):
+            whole = [r.id for r in list_slow_queries(session, sort=sort)]
+            pages: list[int] = []
+            while len(pages) < len(whole):
+                page = list_slow_queries(session, sort=sort, limit=5,
+                                         after=pages[-1] if pages else None)
+                assert page, sort
+                pages += [r.id for r in page]
+            assert pages == whole and len(set(whole)) == 23, sort
+        scores = [r.budget_score for r in list_slow_queries(session)]
+        assert scores == sorted(scores, reverse=True)

@@ -16,7 +16,6 @@ from sqlalchemy.orm import Session
 
 from console.cli.terminal import terminal_safe
 from console.errors import UserError
-from engine.ops.recovery import DISCARDED
 from engine.store import discard_unfinished, release_quarantine
 from engine.store.database import (
     Database,
@@ -147,6 +146,8 @@ def run_release_quarantine(args: argparse.Namespace) -> int:
 
 
 def run_discard_unfinished(args: argparse.Namespace) -> int:
+    from engine.ops.recovery import DISCARDED  # the engine (torch): only for this action
+
     with _journal_write(args.db, args.server_name) as (database, session):
         discarded = discard_unfinished(session, DISCARDED)
     print(f"discarded {len(discarded)} unfinished request(s) in {database.location}")

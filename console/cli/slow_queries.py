@@ -7,6 +7,7 @@ import datetime
 import json
 import math
 import os
+import sys
 from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
@@ -16,7 +17,8 @@ from console.cli.db import add_db_argument, open_existing_store
 from console.cli.terminal import terminal_safe
 from console.errors import UserError
 from engine.stats import human_duration
-from engine.store import QuarantinedRequest, default_db_path, quarantined_requests
+from engine.store import QuarantinedRequest, quarantined_requests
+from engine.store.database import store_url
 from engine.store.lock import lock_path
 from engine.store.slow_queries import (
     EXPORT_FORMATS,
@@ -35,6 +37,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     listing = actions.add_parser("list", help="a table of slow queries")
     _add_filters(listing)
     listing.add_argument("--limit", type=int, default=50, help="rows to show (default 50)")
+    listing.add_argument("--after", type=int, metavar="ID",
+                         help="the next page: the rows after the one with this id (the last "
+                         "one listed), in the same order")
     listing.set_defaults(func=run_list)
 
     show = actions.add_parser("show", help="one slow query with its chunks and configuration")
@@ -56,6 +61,9 @@ def _add_filters(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sort", choices=list(SORT_FIELDS), default="score",
                         help="order by (default score, highest first)")
     parser.add_argument("--tenant", help="only this tenant")
+    parser.add_argument("--server", metavar="NAME",
+                        help="only this server's (its --server-name; default: every server "
+                        "sharing the store)")
     parser.add_argument("--min-score", type=float, help="only budget_score at least this")
 
 
@@ -66,13 +74,17 @@ def _select(args: argparse.Namespace,
             ) -> tuple[list[SlowQueryRecord], list[QuarantinedRequest]]:
     if args.limit is not None and not 1 <= args.limit <= SQLITE_INT_MAX:
         raise UserError(f"--limit must be between 1 and {SQLITE_INT_MAX}, got {args.limit}")
+    after = getattr(args, "after", None)  # export takes no pages
+    if after is not None and not 0 <= after <= SQLITE_INT_MAX:
+        raise UserError(f"--after takes a slow query's id (the last one listed), got {after}")
     if args.min_score is not None and not math.isfinite(args.min_score):
         raise UserError(f"--min-score must be a finite number, got {args.min_score}")
     database = open_existing_store(args.db)
     try:
         with database.session() as session:
             records = list_slow_queries(session, sort=args.sort, tenant=args.tenant,
-                                        min_score=args.min_score, limit=args.limit)
+                                        server=args.server, min_score=args.min_score,
+                                        limit=args.limit, after=after)
             return records, quarantined_requests(session)
     finally:
         database.close()
@@ -84,13 +96,15 @@ def run_list(args: argparse.Namespace) -> int:
         print("no slow queries recorded")
     else:
         header = ("ID", "WHEN", "TENANT", "SCORE", "PROMPT", "PREFILL_MS", "BUDGET_MS",
-                  "CHUNKS", "TAG", "REQUEST")
+                  "CHUNKS", "TAG", "SERVER", "REQUEST")
         _table(header, [
             (str(r.id), _when(r.created_at), r.tenant, f"{r.budget_score:.2f}",
              str(r.prompt_tokens), f"{r.prefill_s * 1e3:.1f}", f"{r.budgeted_s * 1e3:.1f}",
-             str(len(r.chunks)), r.tag or "-", r.request_id)
+             str(len(r.chunks)), r.tag or "-", r.server or "-", r.request_id)
             for r in records
         ])
+        if len(records) == args.limit:  # on stderr: stdout stays one table
+            print(f"next page: --after {records[-1].id}", file=sys.stderr)
     if quarantined:
         print(f"\nquarantined requests ({len(quarantined)}): not run again until "
               "`tokenflow db release-quarantine ID`")
@@ -211,7 +225,10 @@ def run_export(args: argparse.Namespace) -> int:
 def _refuse_store_files(output: Path, db: str | None) -> None:
     """--output may not name the store or the files SQLite keeps beside it: writing the
     export there would replace the database (issue 15, finding 8)."""
-    store = Path(db).expanduser() if db is not None else default_db_path()
+    url = store_url(db)
+    if url.get_backend_name() != "sqlite":
+        return  # a database server's files are not on this machine's paths
+    store = Path(str(url.database))
     for path in (store, store.with_name(store.name + "-wal"),
                  store.with_name(store.name + "-shm"), lock_path(store)):
         if output.resolve() == path.resolve() or (

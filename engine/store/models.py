@@ -121,7 +121,10 @@ class SlowQueryRow(Base):
     __table_args__ = (
         Index("ix_slow_queries_budget_score", "budget_score", "id"),
         Index("ix_slow_queries_created_at", "created_at", "id"),
+        Index("ix_slow_queries_prompt_tokens", "prompt_tokens", "id"),
+        Index("ix_slow_queries_prefill_s", "prefill_s", "id"),
         Index("ix_slow_queries_server_budget_score", "server", "budget_score", "id"),
+        Index("ix_slow_queries_server_created_at", "server", "created_at", "id"),
         Index("ix_slow_queries_tenant", "tenant"),
         Index("ix_slow_queries_cause", "cause"),
     )

@@ -44,8 +44,12 @@ def upgrade() -> None:
     op.drop_index("ix_slow_queries_budget_score", table_name="slow_queries")
     op.create_index("ix_slow_queries_budget_score", "slow_queries", ["budget_score", "id"])
     op.create_index("ix_slow_queries_created_at", "slow_queries", ["created_at", "id"])
+    op.create_index("ix_slow_queries_prompt_tokens", "slow_queries", ["prompt_tokens", "id"])
+    op.create_index("ix_slow_queries_prefill_s", "slow_queries", ["prefill_s", "id"])
     op.create_index("ix_slow_queries_server_budget_score", "slow_queries",
                     ["server", "budget_score", "id"])
+    op.create_index("ix_slow_queries_server_created_at", "slow_queries",
+                    ["server", "created_at", "id"])
     op.create_index("ix_calibration_runs_model_device", "calibration_runs", ["model", "device"])
     op.create_index("ix_drift_events_server", "drift_events", ["server", "id"])
 
@@ -53,7 +57,10 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_index("ix_drift_events_server", table_name="drift_events")
     op.drop_index("ix_calibration_runs_model_device", table_name="calibration_runs")
+    op.drop_index("ix_slow_queries_server_created_at", table_name="slow_queries")
     op.drop_index("ix_slow_queries_server_budget_score", table_name="slow_queries")
+    op.drop_index("ix_slow_queries_prefill_s", table_name="slow_queries")
+    op.drop_index("ix_slow_queries_prompt_tokens", table_name="slow_queries")
     op.drop_index("ix_slow_queries_created_at", table_name="slow_queries")
     op.drop_index("ix_slow_queries_budget_score", table_name="slow_queries")
     op.create_index("ix_slow_queries_budget_score", "slow_queries", ["budget_score"])
