@@ -23,6 +23,7 @@ from engine.budget.calibrate import (
     CalibrationResult,
     apply,
     calibrate,
+    device_key,
     latest_for,
     save_result,
 )
@@ -197,7 +198,7 @@ class EmbeddedSource:
         engine = self.loop.engine
         with self._read() as session:
             return calibration_history(session, model=engine.config.model,
-                                       device=str(engine.runner.device))
+                                       device=device_key(engine.runner.device))
 
     def drift_events(self) -> list[DriftRecord]:
         with self._read() as session:
