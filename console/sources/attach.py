@@ -46,10 +46,10 @@ def detect_kind(url: str) -> str:
         raise UserError(f"cannot reach {url} to tell what it serves ({exc}); prefix it with "
                         f"its kind: {', '.join(k + '+' + url for k in KINDS)}") from exc
     for kind, prefix in (("vllm", "\nvllm:"), ("sglang", "\nsglang:"),
-                         ("tokenflow", "\ntokenflow:")):
+                         ("tokenflow", "\ntokenflow_"), ("tokenflow", "\ntokenflow:")):
         if prefix in f"\n{text}":
             return kind
-    raise UserError(f"{url}/metrics has no tokenflow:, vllm: or sglang: metrics; prefix the "
+    raise UserError(f"{url}/metrics has no tokenflow_, vllm: or sglang: metrics; prefix the "
                     "URL with its kind if it is one of them")
 
 

@@ -80,7 +80,8 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
         return JSONResponse({"status": "ok"})
 
     async def metrics(_request: Request) -> Response:
-        return PlainTextResponse(render_metrics(loop.engine, snapshot()), media_type=CONTENT_TYPE)
+        return PlainTextResponse(render_metrics(loop.engine, snapshot(), up=loop.error is None),
+                                 media_type=CONTENT_TYPE)
 
     async def stats(request: Request) -> Response:
         require_reader(request)
