@@ -13,7 +13,6 @@ from __future__ import annotations
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -24,16 +23,12 @@ from pathlib import Path
 import httpx
 from sqlalchemy import create_engine
 
+from tests.postgres import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 SERVE_FLAGS = ("--model", "synthetic:tiny", "--device", "cpu", "--dtype", "float32",
                # every request a slow query, so both servers store some
                "--slow-query-threshold", "0.001", "--slow-query-min-overrun-ms", "0")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @dataclass

@@ -9,7 +9,6 @@ import contextlib
 import json
 import re
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.postgres import skip_or_fail
+from tests.postgres import free_port, skip_or_fail
 from tests.serving import killed_if_left, serve_on, stopped
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,12 +87,6 @@ def static_metrics(text: bytes) -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @contextlib.contextmanager
