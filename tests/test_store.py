@@ -744,3 +744,22 @@ def test_slow_query_pages_walk_every_order_without_gaps_or_repeats(database: Dat
             assert pages == whole and len(set(whole)) == 23, sort
         scores = [r.budget_score for r in list_slow_queries(session)]
         assert scores == sorted(scores, reverse=True)
+
+
+def test_a_store_half_upgraded_by_an_older_tokenflow_is_completed_on_start(
+        tmp_path: Path) -> None:
+    """What an upgrade killed by a tokenflow without transactional migrations left: 0004's
+    first columns added, the version stamp still 0003 (every start then failed on a
+    duplicate column)."""
+    path = tmp_path / "half.db"
+    store_at_0003(path, 3)
+    with sqlite3.connect(path) as raw:
+        raw.execute("ALTER TABLE slow_queries ADD COLUMN timeline JSON")
+        raw.execute("ALTER TABLE slow_queries ADD COLUMN cause VARCHAR(32)")
+    database = open_database(path)
+    try:
+        assert database.revision() == head_revision()
+        columns = {c["name"] for c in inspect(database.engine).get_columns("slow_queries")}
+        assert {"timeline", "cause", "cause_share", "verdict", "server"} <= columns
+    finally:
+        database.close()
