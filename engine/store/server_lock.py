@@ -36,7 +36,8 @@ def lock_key(server: str) -> int:
 
 
 def holder_description() -> str:
-    command = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+    command = " ".join([program, *sys.argv[1:2]])  # the subcommand: serve, run, calibrate...
     return f"pid {os.getpid()} on {socket.gethostname()}: {command}"[:_APPLICATION_NAME_MAX]
 
 
