@@ -763,3 +763,31 @@ def test_a_store_half_upgraded_by_an_older_tokenflow_is_completed_on_start(
         assert {"timeline", "cause", "cause_share", "verdict", "server"} <= columns
     finally:
         database.close()
+
+
+# --- one store URL ---------------------------------------------------------------------------
+
+
+def test_a_url_s_password_is_never_shown_and_other_databases_are_refused(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    closed = "postgresql://tf:s3cret@127.0.0.1:1/tokenflow"  # nothing listens on port 1
+    with pytest.raises(StoreError) as caught:
+        open_database(closed)
+    message = str(caught.value)
+    assert "s3cret" not in message and "tf:***@127.0.0.1:1/tokenflow" in message
+    assert "check that PostgreSQL runs there" in message
+    assert main(["db", "current", "--db", closed]) == 2
+    assert main(["slow-queries", "list", "--db", "mysql://tf:s3cret@host/db"]) == 2
+    err = capsys.readouterr().err
+    assert "s3cret" not in err and "SQLite or PostgreSQL only" in err
+
+
+def test_a_path_and_a_sqlite_url_name_the_same_store(tmp_path: Path) -> None:
+    by_path = open_database(tmp_path / "same.db", server="box-1")
+    by_path.close()
+    by_url = open_database(f"sqlite:///{tmp_path / 'same.db'}")
+    try:
+        assert by_url.path == tmp_path / "same.db" and not by_url.shared
+        assert by_url.location == str(tmp_path / "same.db")
+    finally:
+        by_url.close()
