@@ -791,3 +791,20 @@ def test_a_path_and_a_sqlite_url_name_the_same_store(tmp_path: Path) -> None:
         assert by_url.location == str(tmp_path / "same.db")
     finally:
         by_url.close()
+
+
+def test_one_listing_shows_every_server_and_server_filters_it(
+        store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    for server, score in (("box-a", 3.0), ("box-b", 2.0)):  # one after the other: SQLite
+        database = open_database(store_url, server=server)  # has one writer at a time
+        bus = EventBus()
+        writer = StoreWriter(database, bus)
+        deliver(bus, writer, slow(f"{server}-r", score))
+        assert writer.close()
+        database.close()
+    assert main(["slow-queries", "list", "--db", store_url]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    assert "SERVER" in header.split()
+    assert [row.split()[-2:] for row in rows] == [["box-a", "box-a-r"], ["box-b", "box-b-r"]]
+    assert main(["slow-queries", "list", "--db", store_url, "--server", "box-b"]) == 0
+    assert [row.split()[-1] for row in capsys.readouterr().out.splitlines()[1:]] == ["box-b-r"]
