@@ -3,7 +3,7 @@ steps (alternately), `--faults` times, while `--clients` clients keep sending co
 (half of them streaming) to a served engine with a store. After each fault a probe request
 must be answered within `--recover-s`; at the end nothing accepted may be lost or answered
 twice (the journal holds every request once, finished) and
-`tokenflow:engine_restarts_total` must equal the faults. Prints one JSON object; exits 1 on
+`tokenflow_engine_restarts_total` must equal the faults. Prints one JSON object; exits 1 on
 any miss.
 
 The engine is the GPU twin (simulated executor, no math) paced `--speed` times faster than
@@ -176,7 +176,7 @@ def probe(url: str, schedule: FaultClock, faults: int,
 
 
 def metric(text: str, name: str) -> float:
-    line = next(x for x in text.splitlines() if x.startswith(f"tokenflow:{name}{{"))
+    line = next(x for x in text.splitlines() if x.startswith(f"tokenflow_{name}{{"))
     return float(line.rsplit(" ", 1)[1])
 
 

@@ -192,7 +192,7 @@ def main() -> int:
         "output_tokens_per_s": round(tally.output_tokens / wall, 1),
         "latency_ms": dataclasses.asdict(percentiles_ms(tally.latency_s)),
         "stream_ttft_ms": dataclasses.asdict(percentiles_ms(tally.ttft_s)),
-        "server_generation_tokens_total": _counter(metrics, "tokenflow:generation_tokens_total"),
+        "server_generation_tokens_total": _counter(metrics, "tokenflow_generation_tokens_total"),
     }
     print(json.dumps(result, indent=2))
     unexpected = set(tally.status) - {"200", "429"}

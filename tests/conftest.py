@@ -1,11 +1,16 @@
-"""Shared fixtures: seeded randomness and tiny Hugging Face reference models."""
+"""Shared fixtures: seeded randomness, tiny Hugging Face reference models, and a throwaway
+PostgreSQL cluster for the store's tests on both databases."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+
+from tests.postgres import Cluster, cluster, skip_or_fail, unavailable
 
 
 @pytest.fixture(autouse=True)
@@ -19,3 +24,21 @@ def _isolated_data_dir(tmp_path_factory: pytest.TempPathFactory,
                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Commands that default to the user's data directory write into a temp one instead."""
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path_factory.mktemp("xdg-data")))
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[Cluster]:
+    """One throwaway PostgreSQL cluster for the whole session (see tests/postgres.py)."""
+    reason = unavailable()
+    if reason is not None:
+        skip_or_fail(reason)
+    with cluster() as started:
+        yield started
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """A fresh store of each kind: a SQLite file, then a new PostgreSQL database."""
+    if request.param == "sqlite":
+        return str(tmp_path / "store.db")
+    return request.getfixturevalue("postgres").create_database()

@@ -1,5 +1,6 @@
 """Kill `tokenflow run` with SIGKILL mid-prefill and mid-decode, resume, and get exactly the
-outputs of a run that was never interrupted, none emitted twice (pitfall 12)."""
+outputs of a run that was never interrupted, none emitted twice (pitfall 12). The journal's
+tests run on both stores, a SQLite file and a PostgreSQL database (`store_url`)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import IO
 
 import pytest
+from sqlalchemy import create_engine
+from sqlalchemy.exc import ProgrammingError
 
 from console.cli.main import main
 from engine import Engine, EngineConfig, SamplingParams
@@ -51,8 +54,22 @@ def _undisturbed(rows: list[dict]) -> dict[str, list[int]]:
             for r in rows}
 
 
-def test_sigkill_mid_prefill_and_mid_decode_then_resume(tmp_path: Path) -> None:
-    requests_file, output, db = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "j.db"
+def _query(db: str, sql: str) -> list[tuple[object, ...]]:
+    """Rows from another process's journal; [] while its schema does not exist yet."""
+    if "://" not in db:
+        return query_journal(Path(db), sql)
+    engine = create_engine(db)
+    try:
+        with engine.connect() as connection:
+            return [tuple(row) for row in connection.exec_driver_sql(sql)]
+    except ProgrammingError:
+        return []
+    finally:
+        engine.dispose()
+
+
+def test_sigkill_mid_prefill_and_mid_decode_then_resume(tmp_path: Path, store_url: str) -> None:
+    requests_file, output, db = tmp_path / "in.jsonl", tmp_path / "out.jsonl", store_url
     expected = _undisturbed(_requests(requests_file))
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
@@ -65,7 +82,7 @@ def test_sigkill_mid_prefill_and_mid_decode_then_resume(tmp_path: Path) -> None:
     second = subprocess.Popen([*args, "--resume"], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL)
     mid_decode = _kill_on_line(second, second.stdout,
-                               lambda line: bool(query_journal(db, decoding)))
+                               lambda line: bool(_query(db, decoding)))
     assert mid_prefill and mid_decode, "the run finished before it could be killed"
     subprocess.run([*args, "--resume"], env=env, capture_output=True, check=True)
 
@@ -116,7 +133,7 @@ def test_a_resume_killed_right_after_it_says_so_loses_nothing(tmp_path: Path) ->
     assert {line["id"]: line["token_ids"] for line in lines} == expected
 
 
-def _journal_three_unfinished(db_path: Path) -> dict[str, list[int]]:
+def _journal_three_unfinished(db_path: str | Path) -> dict[str, list[int]]:
     """Three requests journaled mid-flight by an engine that then stopped (as if killed);
     returns the tokens an undisturbed run gives each."""
     prompts = {"a": [5, 6, 7, 8] * 10, "b": [9, 10, 11] * 12, "c": [12, 13] * 20}
@@ -136,7 +153,7 @@ def _journal_three_unfinished(db_path: Path) -> dict[str, list[int]]:
     return expected
 
 
-def _resume_and_abandon(db_path: Path) -> Resumption:
+def _resume_and_abandon(db_path: str | Path) -> Resumption:
     """What `serve` does on start (resume the journal), then dies before its first step."""
     database = open_database(db_path)
     try:
@@ -147,8 +164,8 @@ def _resume_and_abandon(db_path: Path) -> Resumption:
 
 
 def test_serve_resume_killed_at_once_loses_nothing_then_quarantines(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    db = tmp_path / "serve.db"
+        store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    db = store_url
     expected = _journal_three_unfinished(db)
     # serve has no requests file to recompute from: the journal alone must keep them
     assert _resume_and_abandon(db).resumed == ("a", "b", "c")

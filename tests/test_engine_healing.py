@@ -43,7 +43,7 @@ class Served:
 
     def metric(self, name: str) -> float:
         for line in self.http.get("/metrics").text.splitlines():
-            if line.startswith(f"tokenflow:{name}{{"):
+            if line.startswith(f"tokenflow_{name}{{"):
                 return float(line.rsplit(" ", 1)[1])
         raise AssertionError(f"{name} not exported")
 

@@ -102,8 +102,8 @@ def test_metrics_use_vllm_names_in_tokens() -> None:
     engine.generate([prompt], SamplingParams(max_tokens=2))
     families = {f.name: f for f in text_string_to_metric_families(
         render_metrics(engine, engine.snapshot()))}
-    queries = families["tokenflow:prefix_cache_queries"]
-    hits = families["tokenflow:prefix_cache_hits"]
+    queries = families["tokenflow_prefix_cache_queries"]
+    hits = families["tokenflow_prefix_cache_hits"]
     assert queries.type == hits.type == "counter"
     assert queries.samples[0].value == 37 + 20 + 37
     assert hits.samples[0].value == 32

@@ -157,17 +157,17 @@ def test_metrics_parse_with_vllm_names_and_buckets(client: httpx.Client) -> None
     families = {f.name: f for f in text_string_to_metric_families(response.text)}
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                  "chunk_queue_length", "cache_pressure_ratio", "bandwidth_utilization_5s_avg"):
-        assert families[f"tokenflow:{name}"].type == "gauge"
+        assert families[f"tokenflow_{name}"].type == "gauge"
     for name in ("num_preemptions", "prompt_tokens", "generation_tokens", "slow_queries",
                  "requests_rejected", "requests_failed"):
-        assert families[f"tokenflow:{name}"].type == "counter"
+        assert families[f"tokenflow_{name}"].type == "counter"
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
-                 "e2e_request_latency_seconds", "iteration_tokens_total", "budget_score"):
-        assert families[f"tokenflow:{name}"].type == "histogram"
-    ttft = families["tokenflow:time_to_first_token_seconds"].samples
+                 "e2e_request_latency_seconds", "iteration_tokens", "budget_score"):
+        assert families[f"tokenflow_{name}"].type == "histogram"
+    ttft = families["tokenflow_time_to_first_token_seconds"].samples
     bounds = [float(s.labels["le"]) for s in ttft if s.name.endswith("_bucket")]
     assert bounds == [*TTFT_BUCKETS, float("inf")]
-    generated = families["tokenflow:generation_tokens"].samples[0]
+    generated = families["tokenflow_generation_tokens"].samples[0]
     assert generated.labels["model_name"] == MODEL and generated.value >= 3
 
 

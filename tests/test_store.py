@@ -1,10 +1,16 @@
-"""The SQLite store: migrations, PRAGMAs, the writer, the journal, retention, bad files."""
+"""The store: migrations, PRAGMAs, the writer, the journal, retention, bad files.
+
+Tests taking `database` run on both stores, a SQLite file and a PostgreSQL database (the
+`store_url` fixture); those about files, PRAGMAs and SQLite's own limits on SQLite alone."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sqlite3
+import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Callable
@@ -43,22 +49,30 @@ from engine.store import (
     drift_events,
     head_revision,
     latest_calibration,
+    list_slow_queries,
     next_cycle,
     open_database,
     save_calibration,
     unfinished_requests,
 )
 from engine.store.database import Database, downgrade_database, upgrade_database
+from engine.store.lock import LockFileError
 from engine.store.models import Base, BudgetTableRow, JournalRow, SlowQueryRow
 from tests.mounts import remount, tmpfs
+from tests.postgres import Cluster
 from tests.stores import damaged_store
 
 
 @pytest.fixture
-def database(tmp_path: Path) -> Database:
-    db = open_database(tmp_path / "store.db")
+def database(store_url: str) -> Database:
+    db = open_database(store_url)
     yield db
     db.close()
+
+
+def sqlite_only(database: Database) -> None:
+    if database.shared:
+        pytest.skip("about SQLite's own files, PRAGMAs or limits")
 
 
 def added(rid: str, prompt: tuple[int, ...] = (1, 2, 3, 4), tenant: str = "t") -> RequestAdded:
@@ -92,8 +106,8 @@ def journal_row(db: Database, rid: str) -> JournalRow:
 # --- schema ------------------------------------------------------------------------------
 
 
-def test_migration_round_trip_on_a_temporary_file(tmp_path: Path) -> None:
-    db = open_database(tmp_path / "round.db")
+def test_migrations_from_empty_to_head_and_back(store_url: str) -> None:
+    db = open_database(store_url)
     try:
         assert db.revision() == head_revision()
         tables = set(inspect(db.engine).get_table_names())
@@ -113,6 +127,7 @@ def test_migration_round_trip_on_a_temporary_file(tmp_path: Path) -> None:
 
 
 def test_pragmas_hold_on_every_connection(database: Database) -> None:
+    sqlite_only(database)
     connections = [database.engine.raw_connection() for _ in range(3)]  # three distinct ones
     try:
         for connection in connections:
@@ -447,7 +462,7 @@ def test_one_bad_row_is_skipped_with_its_reason_and_its_batch_is_written(
     assert journal_row(database, "r3").generated_token_ids == [7]
     (skipped,) = writer.skipped
     assert (skipped.table, skipped.request_id) == ("request_journal", "huge")
-    assert "too large" in skipped.reason
+    assert "too large" in skipped.reason or "out of range" in skipped.reason  # SQLite, PG
     assert writer.close()
 
 
@@ -459,12 +474,15 @@ def test_a_missing_table_stops_the_writer_with_a_clear_error(database: Database)
     deliver(bus, writer, added("r1"), added("r2"))  # flush returns: nothing retries forever
     with pytest.raises(StoreError, match="tokenflow db upgrade") as caught:
         writer.check()
-    assert "no such table" in str(caught.value) and str(database.path) in str(caught.value)
+    message = str(caught.value)
+    assert "no such table" in message or "does not exist" in message  # SQLite, PostgreSQL
+    assert database.location in message
     deliver(bus, writer, added("r3"))
     assert writer.dropped == 3 and writer.close()
 
 
 def test_a_full_database_stops_the_writer(database: Database) -> None:
+    sqlite_only(database)
     bus = EventBus()
     writer = StoreWriter(database, bus)
     deliver(bus, writer, added("r0"))
@@ -573,3 +591,220 @@ def test_a_read_only_filesystem_is_read_and_its_message_suggests_no_chmod(
         assert main(["db", "current", "--db", str(path)]) == 0
         assert main(["slow-queries", "list", "--db", str(path)]) == 0
         assert "no slow queries recorded" in capsys.readouterr().out
+
+
+# --- migrations: each revision whole, or not at all ----------------------------------------
+
+# A child that upgrades `argv[1]` and SIGKILLs itself inside revision 0004, after its columns
+# were added and while its index is being built: where a slow upgrade of a big store dies.
+_KILLED_UPGRADE = """
+import os, signal, sys
+from alembic.operations import Operations
+from engine.store import open_database
+create_index = Operations.create_index
+def dying(self, name, *args, **kwargs):
+    if name == "ix_slow_queries_cause":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return create_index(self, name, *args, **kwargs)
+Operations.create_index = dying
+open_database(sys.argv[1])
+"""
+
+
+def store_at_0003(path: Path, slow_queries: int) -> None:
+    """A store at revision 0003 holding `slow_queries` rows, as an older tokenflow left it."""
+    database = open_database(path, upgrade=False)
+    upgrade_database(database, "0003")
+    with database.engine.begin() as connection:
+        connection.exec_driver_sql(
+            "INSERT INTO slow_queries (created_at, request_id, tenant, budget_score, "
+            "prompt_tokens, prefill_s, budgeted_s, chunks, config) VALUES "
+            "(1.0, ?, 't', 2.5, 100, 0.2, 0.1, '[]', '{}')",
+            [(f"r{i}",) for i in range(slow_queries)])
+    database.close()
+
+
+def test_an_upgrade_killed_mid_revision_is_finished_by_the_next_start(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    store_at_0003(path, 200)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    child = subprocess.run([sys.executable, "-c", _KILLED_UPGRADE, str(path)], env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    # The killed revision left nothing behind: its columns went with its transaction.
+    with sqlite3.connect(path) as raw:
+        assert raw.execute("SELECT version_num FROM alembic_version").fetchone() == ("0003",)
+        columns = {row[1] for row in raw.execute("PRAGMA table_info(slow_queries)")}
+    assert "timeline" not in columns
+    database = open_database(path)  # the next start upgrades, no manual step
+    try:
+        assert database.revision() == head_revision()
+        with database.session() as session:
+            assert session.scalar(select(func.count()).select_from(SlowQueryRow)) == 200
+    finally:
+        database.close()
+
+
+# --- the lock file is never another file ---------------------------------------------------
+
+
+def test_a_lock_file_that_is_a_symlink_is_refused_and_its_target_untouched(
+        tmp_path: Path) -> None:
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    path = tmp_path / "s.db"
+    (tmp_path / "s.db.lock").symlink_to(precious)
+    database = open_database(path)
+    try:
+        with pytest.raises(LockFileError, match=r"symbolic link.*rm "):
+            database.claim_writer()
+    finally:
+        database.close()
+    assert precious.read_text() == "keep me"
+
+
+def test_a_lock_file_hard_linked_to_another_file_is_refused_and_left_whole(
+        tmp_path: Path) -> None:
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    path = tmp_path / "s.db"
+    os.link(precious, tmp_path / "s.db.lock")
+    database = open_database(path)
+    try:
+        with pytest.raises(LockFileError, match="2 hard links"):
+            database.claim_writer()
+    finally:
+        database.close()
+    assert precious.read_text() == "keep me"
+
+
+# --- many servers, one history ---------------------------------------------------------------
+
+
+def slow(rid: str, score: float) -> SlowQuery:
+    return SlowQuery(request_id=rid, tenant="t", budget_score=score, prompt_tokens=4,
+                     prefill_s=0.2, budgeted_s=0.1, chunks=(), config={})
+
+
+def test_servers_share_a_postgresql_store_each_resuming_only_its_own(postgres: Cluster) -> None:
+    url = postgres.create_database()
+    box_a, box_b = open_database(url, server="box-a"), open_database(url, server="box-b")
+    twin_a = open_database(url, server="box-a")
+    try:
+        bus_a, bus_b = EventBus(), EventBus()
+        writer_a, writer_b = StoreWriter(box_a, bus_a), StoreWriter(box_b, bus_b)  # side by side
+        with pytest.raises(StoreLockedError) as caught:  # but one writer per name
+            twin_a.claim_writer()
+        assert "'box-a'" in str(caught.value) and f"pid {os.getpid()}" in str(caught.value)
+        assert "--server-name" in str(caught.value)
+        # the same request id on both servers is two requests
+        deliver(bus_a, writer_a, added("r1"), chunk("r1", 0, 0, 2, False), slow("r1", 3.0))
+        deliver(bus_b, writer_b, added("r1"), added("r2"), finished("r2"), slow("r2", 2.0))
+        assert writer_a.close() and writer_b.close()
+        with box_a.session() as session:
+            assert [(e.request_id, e.prefilled_tokens)
+                    for e in unfinished_requests(session)] == [("r1", 2)]
+            assert next_cycle(session, "r") == 0
+        with box_b.session() as session:
+            assert [e.request_id for e in unfinished_requests(session)] == ["r1"]
+            assert claim_for_resume(session, ["r1", "r2"]) == 1
+        assert journal_row_of(box_a, "box-a", "r1").resume_attempts == 0
+        with box_a.session() as session:  # every server's rows, and each one's alone
+            assert [(r.server, r.request_id) for r in list_slow_queries(session)] == [
+                ("box-a", "r1"), ("box-b", "r2")]
+            assert [r.request_id for r in list_slow_queries(session, server="box-b")] == ["r2"]
+    finally:
+        for database in (box_a, box_b, twin_a):
+            database.close()
+    reopened = open_database(url, server="box-a")  # released with its holder
+    reopened.claim_writer()
+    reopened.close()
+
+
+def journal_row_of(db: Database, server: str, rid: str) -> JournalRow:
+    with db.session() as session:
+        return session.scalars(select(JournalRow).where(JournalRow.server == server,
+                                                        JournalRow.request_id == rid)).one()
+
+
+def test_slow_query_pages_walk_every_order_without_gaps_or_repeats(database: Database) -> None:
+    bus = EventBus()
+    writer = StoreWriter(database, bus)
+    deliver(bus, writer, *(slow(f"r{i}", 1.5 + (i % 4) / 4) for i in range(23)))  # ties
+    assert writer.close()
+    with database.session() as session:
+        for sort in ("score", "time", "prompt", "prefill", "id"):
+            whole = [r.id for r in list_slow_queries(session, sort=sort)]
+            pages: list[int] = []
+            while len(pages) < len(whole):
+                page = list_slow_queries(session, sort=sort, limit=5,
+                                         after=pages[-1] if pages else None)
+                assert page, sort
+                pages += [r.id for r in page]
+            assert pages == whole and len(set(whole)) == 23, sort
+        scores = [r.budget_score for r in list_slow_queries(session)]
+        assert scores == sorted(scores, reverse=True)
+
+
+def test_a_store_half_upgraded_by_an_older_tokenflow_is_completed_on_start(
+        tmp_path: Path) -> None:
+    """What an upgrade killed by a tokenflow without transactional migrations left: 0004's
+    first columns added, the version stamp still 0003 (every start then failed on a
+    duplicate column)."""
+    path = tmp_path / "half.db"
+    store_at_0003(path, 3)
+    with sqlite3.connect(path) as raw:
+        raw.execute("ALTER TABLE slow_queries ADD COLUMN timeline JSON")
+        raw.execute("ALTER TABLE slow_queries ADD COLUMN cause VARCHAR(32)")
+    database = open_database(path)
+    try:
+        assert database.revision() == head_revision()
+        columns = {c["name"] for c in inspect(database.engine).get_columns("slow_queries")}
+        assert {"timeline", "cause", "cause_share", "verdict", "server"} <= columns
+    finally:
+        database.close()
+
+
+# --- one store URL ---------------------------------------------------------------------------
+
+
+def test_a_url_s_password_is_never_shown_and_other_databases_are_refused(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    closed = "postgresql://tf:s3cret@127.0.0.1:1/tokenflow"  # nothing listens on port 1
+    with pytest.raises(StoreError) as caught:
+        open_database(closed)
+    message = str(caught.value)
+    assert "s3cret" not in message and "tf:***@127.0.0.1:1/tokenflow" in message
+    assert "check that PostgreSQL runs there" in message
+    assert main(["db", "current", "--db", closed]) == 2
+    assert main(["slow-queries", "list", "--db", "mysql://tf:s3cret@host/db"]) == 2
+    err = capsys.readouterr().err
+    assert "s3cret" not in err and "SQLite or PostgreSQL only" in err
+
+
+def test_a_path_and_a_sqlite_url_name_the_same_store(tmp_path: Path) -> None:
+    by_path = open_database(tmp_path / "same.db", server="box-1")
+    by_path.close()
+    by_url = open_database(f"sqlite:///{tmp_path / 'same.db'}")
+    try:
+        assert by_url.path == tmp_path / "same.db" and not by_url.shared
+        assert by_url.location == str(tmp_path / "same.db")
+    finally:
+        by_url.close()
+
+
+def test_one_listing_shows_every_server_and_server_filters_it(
+        store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    for server, score in (("box-a", 3.0), ("box-b", 2.0)):  # one after the other: SQLite
+        database = open_database(store_url, server=server)  # has one writer at a time
+        bus = EventBus()
+        writer = StoreWriter(database, bus)
+        deliver(bus, writer, slow(f"{server}-r", score))
+        assert writer.close()
+        database.close()
+    assert main(["slow-queries", "list", "--db", store_url]) == 0
+    header, *rows = capsys.readouterr().out.splitlines()
+    assert "SERVER" in header.split()
+    assert [row.split()[-2:] for row in rows] == [["box-a", "box-a-r"], ["box-b", "box-b-r"]]
+    assert main(["slow-queries", "list", "--db", store_url, "--server", "box-b"]) == 0
+    assert [row.split()[-1] for row in capsys.readouterr().out.splitlines()[1:]] == ["box-b-r"]

@@ -19,7 +19,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from console.cli.db import add_db_argument
+from console.cli.db import add_db_argument, add_server_name_argument
 from console.cli.engine_flags import add_engine_flags, engine_config
 from engine.budget.calibrate import (
     CalibrationResult,
@@ -47,12 +47,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                         help="show a progress bar on stderr (default: on)")
     add_db_argument(parser)
+    add_server_name_argument(parser, "this host")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     config = engine_config(args)
-    database = open_database(args.db)  # a bad --db fails before the engine loads
+    # a bad --db fails before the engine loads
+    database = open_database(args.db, server=args.server_name)
     try:
         engine = Engine(config)
         with _ProgressBar(args.progress) as progress:
@@ -70,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
             _store_event(database, engine, drift)
     finally:
         database.close()
-    summary = {**result.to_dict(), "calibration_id": run_id, "db": str(database.path),
+    summary = {**result.to_dict(), "calibration_id": run_id, "db": database.location,
                "previous_id": previous.id if previous else None,
                "drift": drift.to_dict() if drift else None}
     if args.json:

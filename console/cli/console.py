@@ -58,8 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "inference traces), conversations:FILE or trace:FILE (default: mixed)")
     add_rate_flag(parser)
     add_engine_flag(parser, "--enable-prefix-caching")
-    parser.add_argument("--db", type=Path, help="SQLite store (default: the user data dir); "
+    parser.add_argument("--db", metavar="PATH|URL",
+                        help="the store: a SQLite file (default: the user data dir) or a "
+                        "PostgreSQL URL (postgresql+psycopg://user@host/db) a fleet shares; "
                         "with --otlp-listen, where traced requests are kept")
+    parser.add_argument("--server-name", metavar="NAME",
+                        help="the name the embedded engine's rows carry in the store "
+                        "(default: this host)")
     parser.add_argument("--attach", action="append", metavar="URL", default=[],
                         help="watch a running server instead (repeatable: a fleet): tokenflow "
                         "serve, vLLM or SGLang, told apart by /metrics or by a prefix "
@@ -120,6 +125,7 @@ def conflict(args: argparse.Namespace) -> str | None:
     engine_flags = [flag for flag, value in (("--model", args.model), ("--device", args.device),
                                              ("--rate", args.rate is not None),
                                              ("--db", args.db and not args.otlp_listen),
+                                             ("--server-name", args.server_name),
                                              ("--simulate", args.simulate),
                                              ("--[no-]prefix-caching",
                                               args.enable_prefix_caching is not None))
@@ -160,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                   else EngineConfig(enable_prefix_caching=args.enable_prefix_caching))
         engine = ProcessSource.launch(model=args.model, device=args.device,
                                       workload=args.workload, rate=args.rate, db=args.db,
+                                      server=args.server_name,
                                       simulate=simulate, config=config)
     from console.tui.app import run  # Textual and the screens: seconds, overlapping the child's
 

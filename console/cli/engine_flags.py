@@ -84,7 +84,7 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
 
 
 def start_session(config: EngineConfig, *, db: str | Path | None, store: bool,
-                  **options: Any) -> EngineSession:
+                  server: str | None = None, **options: Any) -> EngineSession:
     """EngineSession.start (with its `options`), saying on stderr when compiling makes the
     start take a while."""
     # torch comes in here, not at import: tokenflow-console takes a flag from this module
@@ -96,7 +96,7 @@ def start_session(config: EngineConfig, *, db: str | Path | None, store: bool,
     if compiling:
         print("compiling the model (torch.compile, once at start; --no-compile skips it)...",
               file=sys.stderr, flush=True)
-    session = EngineSession.start(config, db=db, store=store, **options)
+    session = EngineSession.start(config, db=db, store=store, server=server, **options)
     if compiling:
         print(f"compiled and warmed up in {session.engine.runner.compile_s:.1f} s",
               file=sys.stderr, flush=True)

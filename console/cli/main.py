@@ -18,16 +18,21 @@ COMMANDS = ("run", "bench", "roofline", "calibrate", "db", "slow_queries", "serv
             "traces")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """Every subcommand's parser; only the one `argv` names when it names one, since each
+    module imports what its command needs (torch, for most) and a reading command such as
+    `slow-queries list` need not pay for the others'."""
     parser = argparse.ArgumentParser(prog="tokenflow", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in COMMANDS:
+    named = [name for name in COMMANDS if argv and name.replace("_", "-") in argv[:1]]
+    for name in named or COMMANDS:
         importlib.import_module(f"console.cli.{name}").register(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

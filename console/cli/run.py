@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from console.cli.db import add_db_argument, refuse_store_files
+from console.cli.db import add_db_argument, add_server_name_argument, refuse_store_files
 from console.cli.engine_flags import add_engine_flags, engine_config, start_session
 from console.cli.progress import RunProgress, add_quiet_flag
 from console.cli.terminal import terminal_safe
@@ -59,6 +59,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "(prompt + generated tokens are recomputed, generation goes on); "
                              "requests already in --output are not run again")
     add_db_argument(parser)
+    add_server_name_argument(parser, "this host")
     parser.add_argument("--no-db", action="store_true",
                         help="keep no request journal (a crash then loses in-flight work)")
     parser.add_argument("--report-commits", action="store_true",
@@ -83,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config(args)
     progress = RunProgress("tokenflow run", 0, quiet=args.quiet)
     progress.stage(f"loading {config.model}")
-    with start_session(config, db=args.db, store=not args.no_db,
+    with start_session(config, db=args.db, store=not args.no_db, server=args.server_name,
                        on_commit=report_commit if args.report_commits else None,
                        observers=(progress.on_calibration,)) as session:
         engine = session.engine
@@ -130,7 +131,7 @@ def _resume(session: EngineSession, workload: list[WorkloadRequest],
     finished before nor is being resumed."""
     resumption = session.resume_unfinished(skip=emitted)
     assert session.database is not None  # --resume with --no-db is refused up front
-    path = session.database.path
+    path = session.database.location
     # Said only now: the resume is committed (killed from here on, the next --resume finds
     # the same requests).
     print(f"resumed {len(resumption.resumed)} unfinished request(s) from {path}",

@@ -21,7 +21,7 @@ from types import FrameType
 
 import uvicorn
 
-from console.cli.db import add_db_argument
+from console.cli.db import add_db_argument, add_server_name_argument
 from console.cli.engine_flags import add_engine_flags, engine_config, start_session
 from console.cli.otlp_flags import add_otlp_token_flags, otlp_token
 from console.errors import UserError
@@ -67,7 +67,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                            f"always accepted: {', '.join(LOOPBACK_HOSTS)} and --host; "
                            f"'{ANY_HOST}' accepts any)")
     add_db_argument(parser)
-    parser.add_argument("--no-db", action="store_true", help="keep no SQLite store")
+    add_server_name_argument(parser, "this host:--port")
+    parser.add_argument("--no-db", action="store_true", help="keep no store")
     traces = parser.add_argument_group("traces")
     traces.add_argument("--otlp-listen", metavar="HOST:PORT",
                         help="also receive OTLP/HTTP traces (vLLM --otlp-traces-endpoint "
@@ -106,7 +107,9 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config(args)
     token = load_admin_token(args.admin_token_file)
     listener = _listen(args.host, args.port)  # a taken port fails now, not after the model loads
-    with listener, start_session(config, db=args.db, store=not args.no_db) as session, \
+    server_name = args.server_name or f"{socket.gethostname()}:{listener.getsockname()[1]}"
+    with listener, start_session(config, db=args.db, store=not args.no_db,
+                                 server=server_name) as session, \
             contextlib.ExitStack() as stack:
         engine, database = session.engine, session.database
         traces = ""
@@ -127,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
                          public_stats=args.public_stats,
                          allowed_hosts=[*LOOPBACK_HOSTS, args.host, *args.allow_host])
         admin = "on" if token else f"off (set {TOKEN_ENV} or --admin-token-file)"
-        store = "none" if database is None else str(database.path)
+        store = "none" if database is None else f"{database.location} as {database.server}"
         host, port = listener.getsockname()[:2]  # --port 0: the one the system chose
         print(f"tokenflow serve: {config.model} on {engine.runner.device}, "
               f"http://{host}:{port}, admin API {admin}, store {store}{traces}", flush=True)

@@ -6,6 +6,7 @@ import argparse
 import datetime
 import json
 import math
+import sys
 from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
@@ -33,6 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     listing = actions.add_parser("list", help="a table of slow queries")
     _add_filters(listing)
     listing.add_argument("--limit", type=int, default=50, help="rows to show (default 50)")
+    listing.add_argument("--after", type=int, metavar="ID",
+                         help="the next page: the rows after the one with this id (the last "
+                         "one listed), in the same order")
     listing.set_defaults(func=run_list)
 
     show = actions.add_parser("show", help="one slow query with its chunks and configuration")
@@ -54,6 +58,9 @@ def _add_filters(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sort", choices=list(SORT_FIELDS), default="score",
                         help="order by (default score, highest first)")
     parser.add_argument("--tenant", help="only this tenant")
+    parser.add_argument("--server", metavar="NAME",
+                        help="only this server's (its --server-name; default: every server "
+                        "sharing the store)")
     parser.add_argument("--min-score", type=float, help="only budget_score at least this")
 
 
@@ -64,13 +71,17 @@ def _select(args: argparse.Namespace,
             ) -> tuple[list[SlowQueryRecord], list[QuarantinedRequest]]:
     if args.limit is not None and not 1 <= args.limit <= SQLITE_INT_MAX:
         raise UserError(f"--limit must be between 1 and {SQLITE_INT_MAX}, got {args.limit}")
+    after = getattr(args, "after", None)  # export takes no pages
+    if after is not None and not 0 <= after <= SQLITE_INT_MAX:
+        raise UserError(f"--after takes a slow query's id (the last one listed), got {after}")
     if args.min_score is not None and not math.isfinite(args.min_score):
         raise UserError(f"--min-score must be a finite number, got {args.min_score}")
     database = open_existing_store(args.db)
     try:
         with database.session() as session:
             records = list_slow_queries(session, sort=args.sort, tenant=args.tenant,
-                                        min_score=args.min_score, limit=args.limit)
+                                        server=args.server, min_score=args.min_score,
+                                        limit=args.limit, after=after)
             return records, quarantined_requests(session)
     finally:
         database.close()
@@ -82,13 +93,15 @@ def run_list(args: argparse.Namespace) -> int:
         print("no slow queries recorded")
     else:
         header = ("ID", "WHEN", "TENANT", "SCORE", "PROMPT", "PREFILL_MS", "BUDGET_MS",
-                  "CHUNKS", "TAG", "REQUEST")
+                  "CHUNKS", "TAG", "SERVER", "REQUEST")
         _table(header, [
             (str(r.id), _when(r.created_at), r.tenant, f"{r.budget_score:.2f}",
              str(r.prompt_tokens), f"{r.prefill_s * 1e3:.1f}", f"{r.budgeted_s * 1e3:.1f}",
-             str(len(r.chunks)), r.tag or "-", r.request_id)
+             str(len(r.chunks)), r.tag or "-", r.server or "-", r.request_id)
             for r in records
         ])
+        if len(records) == args.limit:  # on stderr: stdout stays one table
+            print(f"next page: --after {records[-1].id}", file=sys.stderr)
     if quarantined:
         print(f"\nquarantined requests ({len(quarantined)}): not run again until "
               "`tokenflow db release-quarantine ID`")

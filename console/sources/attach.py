@@ -56,10 +56,10 @@ def detect_kind(url: str, *, token: str | None = None,
     finally:
         remote.close()
     for kind, prefix in (("vllm", "\nvllm:"), ("sglang", "\nsglang:"),
-                         ("tokenflow", "\ntokenflow:")):
+                         ("tokenflow", "\ntokenflow_"), ("tokenflow", "\ntokenflow:")):
         if prefix in f"\n{text}":
             return kind
-    raise UserError(f"{url}/metrics has no tokenflow:, vllm: or sglang: metrics; prefix the "
+    raise UserError(f"{url}/metrics has no tokenflow_, vllm: or sglang: metrics; prefix the "
                     "URL with its kind if it is one of them")
 
 

@@ -23,6 +23,7 @@ from engine.budget.calibrate import (
     CalibrationResult,
     apply,
     calibrate,
+    device_key,
     latest_for,
     save_result,
 )
@@ -83,7 +84,8 @@ class EmbeddedSource:
 
     @classmethod
     def start(cls, *, model: str | None = None, device: str | None = None,
-              workload: str = "mixed", db: Path | None = None,
+              workload: str = "mixed", db: str | Path | None = None,
+              server: str | None = None,
               config: EngineConfig | None = None, num_requests: int | None = None,
               rate: float | None = None, repeat: bool = True,
               simulate: Simulation | None = None,
@@ -103,7 +105,7 @@ class EmbeddedSource:
             if isinstance(event, CalibrationProgress):
                 say(event.fraction, f"calibrating ({event.reason}): {event.note}")
 
-        session = EngineSession.start(engine_config, db=db, simulate=simulate,
+        session = EngineSession.start(engine_config, db=db, server=server, simulate=simulate,
                                       observers=(calibrating,))
         try:
             engine, database = session.engine, session.database
@@ -189,14 +191,14 @@ class EmbeddedSource:
         with self._read() as session:
             record = get_slow_query(session, query_id)
         if record is None:
-            raise SourceError(f"no slow query with id {query_id} in {self.database.path}")
+            raise SourceError(f"no slow query with id {query_id} in {self.database.location}")
         return record
 
     def calibration_history(self) -> list[CalibrationRecord]:
         engine = self.loop.engine
         with self._read() as session:
             return calibration_history(session, model=engine.config.model,
-                                       device=str(engine.runner.device))
+                                       device=device_key(engine.runner.device))
 
     def drift_events(self) -> list[DriftRecord]:
         with self._read() as session:

@@ -345,7 +345,7 @@ class Calibration:
                 dram_active=statistics.median(dram) if dram else None))
         assert self._kv is not None  # the first unit of every sweep
         return CalibrationResult(
-            model=engine.config.model, device=str(engine.runner.device),
+            model=engine.config.model, device=device_key(engine.runner.device),
             dtype=str(engine.runner.dtype).removeprefix("torch."), created_at=time.time(),
             wall_s=time.perf_counter() - self._started, quick=self.quick, peaks=peaks,
             kv=self._kv, points=tuple(points), skipped=tuple(self._skipped),
@@ -499,9 +499,16 @@ def save_result(session: Session, result: CalibrationResult, reason: str) -> int
                             params=result.predictor.to_dict(), info=info, reason=reason)
 
 
+def device_key(device: torch.device) -> str:
+    """The device a stored calibration is looked up by, across a fleet sharing one store:
+    the GPU's model on CUDA (every box calls its first GPU cuda:0), else the device."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+
+
 def latest_for(session: Session, engine: Engine) -> CalibrationRecord | None:
     """The newest stored calibration of this engine's model, device and dtype."""
-    return latest_stored(session, model=engine.config.model, device=str(engine.runner.device),
+    return latest_stored(session, model=engine.config.model,
+                         device=device_key(engine.runner.device),
                          dtype=str(engine.runner.dtype).removeprefix("torch."))
 
 

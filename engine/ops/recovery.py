@@ -45,7 +45,7 @@ def resume_unfinished(engine: Engine, database: Database,
     on, so greedy outputs equal an uninterrupted run's. Takes the store's writer lock."""
     database.claim_writer()
     quarantined, failed = [], []
-    with explained(database.path), database.session() as session:
+    with explained(database.location), database.session() as session:
         entries = []
         for entry in unfinished_requests(session):
             if entry.request_id in skip:
@@ -101,7 +101,7 @@ def foreign_journal(engine: Engine, database: Database) -> str | None:
     if not foreign:
         return None
     top = max(max(ids) for ids in foreign)
-    return (f"the request journal in {database.path} holds {len(foreign)} unfinished "
+    return (f"the request journal in {database.location} holds {len(foreign)} unfinished "
             f"request(s) written by another model (token ids up to {top}; "
             f"{engine.config.model} has a vocabulary of {vocab}): resume them with that model, "
-            f"or clear them with `{DISCARD_COMMAND} --db {database.path}`")
+            f"or clear them with `{DISCARD_COMMAND} --db {database.location}`")

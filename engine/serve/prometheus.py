@@ -1,23 +1,27 @@
-"""GET /metrics: the Prometheus text format, with vLLM's names under the `tokenflow:` prefix.
+"""GET /metrics: the Prometheus text format, with vLLM's names under the `tokenflow_` prefix.
 
 Where vLLM has a metric of the same meaning we use its name, type and histogram buckets
-(engine.ops.metrics), so dashboards built for vLLM read tokenflow unchanged; the chunk queue,
-cache pressure, bandwidth and budget score are ours. Every sample carries `model_name`.
+(engine.ops.metrics), so a vLLM panel reads tokenflow by swapping the prefix; the chunk queue,
+cache pressure, bandwidth, budget score, mode, C* and pauses are ours. Every sample carries
+`model_name`. Names follow Prometheus's conventions (`promtool check metrics` passes): an
+underscore prefix (colons are for recording rules) and `_total` on counters alone.
 """
 
 from __future__ import annotations
 
 from engine.budget.plan import BUDGET_SCORE_DEFINITION
+from engine.core.batch import SchedulerMode
 from engine.core.engine import Engine
 from engine.ops.metrics import Histogram
 from engine.serve.loop import LoopHealth
 from engine.snapshot import Snapshot
 
-PREFIX = "tokenflow:"
+PREFIX = "tokenflow_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def render_metrics(engine: Engine, snapshot: Snapshot, health: LoopHealth | None = None) -> str:
+    """Every family; `health` is the serve loop's (None: no supervised loop)."""
     m = engine.metrics
     watermark = engine.config.cache_high_watermark
     labels = f'model_name="{_escape(snapshot.model)}"'
@@ -51,7 +55,7 @@ def render_metrics(engine: Engine, snapshot: Snapshot, health: LoopHealth | None
     histogram("time_to_first_token_seconds", "Time to first token.", m.ttft)
     histogram("inter_token_latency_seconds", "Time between consecutive tokens.", m.itl)
     histogram("e2e_request_latency_seconds", "End-to-end request latency.", m.e2e)
-    histogram("iteration_tokens_total", "Tokens (prefill + decode) per engine step.",
+    histogram("iteration_tokens", "Tokens (prefill + decode) per engine step.",
               m.iteration_tokens)
     gauge("chunk_queue_length", "Prefill chunks waiting to be scheduled.",
           snapshot.chunk_queue_length)
@@ -73,6 +77,22 @@ def render_metrics(engine: Engine, snapshot: Snapshot, health: LoopHealth | None
                 health.restarts)
         counter("requests_failed_engine_down", "Requests failed or refused because the "
                 "engine had stopped.", health.failed_while_down)
+    gauge("slow_query_threshold", "The budget_score past which a request is a slow query.",
+          engine.config.slow_query_threshold)
+    gauge("cache_high_watermark", "KV-cache usage at which prefill chunks stop being admitted.",
+          watermark)
+    chunk = snapshot.recommended_chunk_size
+    gauge("balance_chunk_tokens", "C*, the balance chunk size for the decode load now (NaN "
+          "before calibration).", float("nan") if chunk is None else chunk)
+    gauge("throttle_level", "Bandwidth throttle: 0 none, 1 and 2 fewer decodes, 3 prefills "
+          "paused.", snapshot.throttle_level)
+    gauge("prefill_paused_by_guard", "1 while a protection layer holds prefills back (the "
+          "degraded path or the bandwidth throttle's last level).",
+          float(engine.scheduler.prefill_paused or snapshot.throttle_level >= 3))
+    gauge("engine_paused", "1 while an operator has paused the engine.", float(snapshot.paused))
+    out.extend(_header("scheduler_mode", "The scheduler's mode: 1 on the current one.", "gauge"))
+    out.extend(f'{PREFIX}scheduler_mode{{{labels},mode="{mode.value}"}} '
+               f"{float(mode.value == snapshot.mode)!r}" for mode in SchedulerMode)
     return "\n".join(out) + "\n"
 
 

@@ -50,18 +50,20 @@ class EngineSession:
 
     @classmethod
     def start(cls, config: EngineConfig, *, db: str | Path | None = None, store: bool = True,
+              server: str | None = None,
               journal: bool = True, calibrate: bool = True,
               observers: Sequence[Subscriber] = (),
               on_commit: Callable[[Commit], None] | None = None,
               simulate: Simulation | None = None) -> EngineSession:
-        """Open the store at `db` (default path when None; none at all without `store`),
+        """Open the store at `db` (default path when None; none at all without `store`) to
+        write as `server` (default: this host),
         build the engine, subscribe `observers` to its bus, apply the stored calibration
         (or, with `calibrate`, run and store a first one) and, with `journal`, start the
         journal writer (`on_commit` hears each commit). The store is closed again if the
         engine cannot be built. `simulate` builds the GPU twin instead, paced to the wall
         clock, its step times from the simulation's target (which may read a calibration
         from the store); its own first calibration, on its simulated steps, is not stored."""
-        database = open_database(db) if store else None
+        database = open_database(db, server=server) if store else None
         try:
             if database is not None and journal:
                 database.claim_writer()  # one writer per store: refused before the model loads

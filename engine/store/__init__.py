@@ -1,4 +1,5 @@
-"""The SQLite store: request journal, slow queries, calibrations, drift and config history."""
+"""The store (a SQLite file, or a PostgreSQL database a fleet shares): request journal, slow
+queries, calibrations, drift and config history; every row names the server that wrote it."""
 
 from engine.store.calibration import (
     BudgetPoint,

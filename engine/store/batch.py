@@ -2,7 +2,8 @@
 
 Each request's events in a batch fold into one `_Progress` (state, tokens appended, chunk
 counts), so a batch costs one UPDATE per request whatever the token rate. The journal's
-statements are precompiled SQL bound by sqlite3 itself (see `_driver_sql`).
+statements are precompiled SQL, one text per dialect, bound by the driver itself (see
+`_driver_sql`). Every row carries the name of the server that wrote it.
 """
 
 from __future__ import annotations
@@ -24,8 +25,7 @@ from sqlalchemy import (
     type_coerce,
     update,
 )
-from sqlalchemy.dialects import sqlite
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.dialects import postgresql, sqlite
 
 from engine.events import (
     ChunkComplete,
@@ -79,6 +79,7 @@ class _Progress:
 
 @dataclass
 class Batch:
+    server: str = ""  # the server writing it
     added: list[dict[str, Any]] = field(default_factory=list)
     progress: dict[str, _Progress] = field(default_factory=dict)
     slow: list[dict[str, Any]] = field(default_factory=list)
@@ -92,14 +93,16 @@ Statement = tuple[Callable[[Connection, Any], object], list[dict[str, Any]], str
 
 def to_statements(batch: Batch) -> list[Statement]:
     """The batch as statements, each with its rows, in the order they must run."""
-    def driver(sql: str) -> Callable[[Connection, Any], object]:
-        return lambda connection, rows: connection.exec_driver_sql(sql, rows)
+    def driver(sql: dict[str, str]) -> Callable[[Connection, Any], object]:
+        return lambda connection, rows: connection.exec_driver_sql(
+            sql[connection.dialect.name], rows)
 
     def orm(model: Any) -> Callable[[Connection, Any], object]:
         return lambda connection, rows: connection.execute(insert(model), rows)
 
     now = time.time()
-    progress = [_progress_params(rid, p, now) for rid, p in batch.progress.items()]
+    progress = [_progress_params(batch.server, rid, p, now)
+                for rid, p in batch.progress.items()]
     statements: list[Statement] = [
         (driver(_UPSERT_JOURNAL), batch.added, "request_journal", "request_id"),
         (driver(_UPDATE_JOURNAL), progress, "request_journal", "b_request_id"),
@@ -115,8 +118,8 @@ def prefilling(batch: Batch) -> tuple[str, ...]:
                  if p.chunks and p.state == "PREFILL_CHUNKING")
 
 
-def fold(events: list[Event], wall_offset: float) -> Batch:
-    batch = Batch()
+def fold(events: list[Event], wall_offset: float, server: str = "") -> Batch:
+    batch = Batch(server)
     progress = batch.progress
     for index, event in enumerate(events):
         if index % _FOLD_SLICE == _FOLD_SLICE - 1:
@@ -138,7 +141,7 @@ def fold(events: list[Event], wall_offset: float) -> Batch:
             p.set_state("DECODING" if event.prefill_done else "PREFILL_CHUNKING")
         elif kind is RequestAdded:
             progress.pop(event.request_id, None)  # the new row replaces whatever came before
-            batch.added.append(_added_row(event, event.ts + wall_offset))
+            batch.added.append(_added_row(event, event.ts + wall_offset, server))
         elif kind is Preempted:
             p = progress.setdefault(event.request_id, _Progress())
             p.preemptions += 1
@@ -156,24 +159,25 @@ def fold(events: list[Event], wall_offset: float) -> Batch:
             p.finish_reason = event.reason
             p.finished_at = event.ts + wall_offset
         elif kind is SlowQuery:
-            batch.slow.append(_slow_row(event, event.ts + wall_offset))
+            batch.slow.append(_slow_row(event, event.ts + wall_offset, server))
         elif kind is Drift:
             batch.drift.append(
-                {"created_at": event.ts + wall_offset, "deviation": event.deviation,
-                 "detail": event.detail}
+                {"server": server, "created_at": event.ts + wall_offset,
+                 "deviation": event.deviation, "detail": event.detail}
             )
         elif kind is ConfigChanged:
             batch.config.extend(
-                {"created_at": event.ts + wall_offset, "field": name, "old": old, "new": new,
-                 "source": event.source}
+                {"server": server, "created_at": event.ts + wall_offset, "field": name,
+                 "old": old, "new": new, "source": event.source}
                 for name, (old, new) in event.changes.items()
             )
     return batch
 
 
-def _added_row(event: RequestAdded, at: float) -> dict[str, Any]:
+def _added_row(event: RequestAdded, at: float, server: str) -> dict[str, Any]:
     return {
-        "request_id": event.request_id, "tenant": event.tenant, "priority": event.priority,
+        "server": server, "request_id": event.request_id, "tenant": event.tenant,
+        "priority": event.priority,
         "tag": event.tag, "prompt_token_ids": ",".join(map(str, event.prompt_token_ids)),
         "sampling": json.dumps(event.sampling), "state": "WAITING", "prefilled_tokens": 0,
         "chunks_done": 0, "preemptions": 0,
@@ -185,9 +189,9 @@ def _added_row(event: RequestAdded, at: float) -> dict[str, Any]:
     }
 
 
-def _slow_row(event: SlowQuery, at: float) -> dict[str, Any]:
+def _slow_row(event: SlowQuery, at: float, server: str) -> dict[str, Any]:
     return {
-        "created_at": at, "request_id": event.request_id, "tenant": event.tenant,
+        "server": server, "created_at": at, "request_id": event.request_id, "tenant": event.tenant,
         "tag": event.tag, "budget_score": event.budget_score,
         "prompt_tokens": event.prompt_tokens, "prefill_s": event.prefill_s,
         "budgeted_s": event.budgeted_s, "chunks": list(event.chunks), "config": event.config,
@@ -197,9 +201,11 @@ def _slow_row(event: SlowQuery, at: float) -> dict[str, Any]:
     }
 
 
-def _progress_params(request_id: str, p: _Progress, now: float) -> dict[str, Any]:
+def _progress_params(server: str, request_id: str, p: _Progress, now: float,
+                     ) -> dict[str, Any]:
     return {
-        "b_request_id": request_id, "b_state": p.state, "b_prefilled": p.prefilled,
+        "b_server": server, "b_request_id": request_id, "b_state": p.state,
+        "b_prefilled": p.prefilled,
         "b_chunks": p.chunks, "b_preemptions": p.preemptions,
         "b_tokens": ",".join(map(str, p.tokens)), "b_token_count": len(p.tokens),
         "b_first_token_at": p.first_token_at, "b_finish_reason": p.finish_reason,
@@ -208,18 +214,25 @@ def _progress_params(request_id: str, p: _Progress, now: float) -> dict[str, Any
     }
 
 
-def _driver_sql(statement: Any) -> str:
-    """SQL text with :name parameters that sqlite3 binds from each row's dict by itself.
+def _driver_sql(build: Callable[[Any], Any]) -> dict[str, str]:
+    """SQL text per dialect, with named parameters the driver binds from each row's dict by
+    itself (sqlite3's :name, psycopg's %(name)s); `build` makes the statement from its
+    dialect's INSERT (each spells ON CONFLICT its own way).
 
     The journal sees most of the traffic, so its rows skip SQLAlchemy's per-row parameter
     processing; their values are therefore plain str/int/float (token ids and JSON as text).
     """
-    return str(statement.compile(dialect=sqlite.dialect(paramstyle="named")))
+    psycopg = postgresql.psycopg.dialect(paramstyle="pyformat")
+    return {
+        "sqlite": str(build(sqlite.insert).compile(dialect=sqlite.dialect(paramstyle="named"))),
+        "postgresql": str(build(postgresql.insert).compile(dialect=psycopg)),
+    }
 
 
-def _build_upsert() -> str:
+def _build_upsert(insert: Any) -> Any:
     columns = [c.name for c in _JOURNAL.c if c.name != "id"]
-    statement = sqlite_insert(_JOURNAL).values({name: bindparam(name) for name in columns})
+    # inline: rows are written many at once, and no ids are fetched or read back
+    statement = insert(_JOURNAL).inline().values({name: bindparam(name) for name in columns})
     replaced: dict[str, Any] = {name: statement.excluded[name] for name in columns}
     # A resumed request is re-added under its id: its resume count carries on, so it can be
     # quarantined. An id re-added after its request ended is a new request and starts at 0.
@@ -227,21 +240,20 @@ def _build_upsert() -> str:
                                                                       QUARANTINED)])
     for name in ("resume_attempts", "resumed_at"):
         replaced[name] = case((ended, statement.excluded[name]), else_=_JOURNAL.c[name])
-    return _driver_sql(
-        statement.on_conflict_do_update(index_elements=["request_id"], set_=replaced)
-    )
+    return statement.on_conflict_do_update(index_elements=["server", "request_id"],
+                                           set_=replaced)
 
 
-def _build_update() -> str:
+def _build_update(_insert: Any) -> Any:
     c = _JOURNAL.c
     tokens = bindparam("b_tokens", type_=Text)
     stored = type_coerce(c.generated_token_ids, Text)  # the raw "1,2,3" text, not list[int]
     # Constants are inlined so every row of an executemany binds only its own values.
     terminal = [literal_column(f"'{state}'") for state in TERMINAL_STATES]
     empty, comma = literal_column("''"), literal_column("','")
-    return _driver_sql(
+    return (
         update(_JOURNAL)
-        .where(c.request_id == bindparam("b_request_id"))
+        .where(c.server == bindparam("b_server"), c.request_id == bindparam("b_request_id"))
         .values(
             state=case(
                 (c.state.in_(terminal), c.state),
@@ -268,5 +280,5 @@ def _build_update() -> str:
     )
 
 
-_UPSERT_JOURNAL = _build_upsert()
-_UPDATE_JOURNAL = _build_update()
+_UPSERT_JOURNAL = _driver_sql(_build_upsert)
+_UPDATE_JOURNAL = _driver_sql(_build_update)

@@ -47,8 +47,8 @@ def save_calibration(
     """Store one run with its table, fitted predictor parameters and why it ran; commits,
     returns its id."""
     run = CalibrationRunRow(
-        created_at=time.time(), model=model, device=device, info=info or {}, params=params,
-        reason=reason,
+        server=session.info.get("server", ""), created_at=time.time(), model=model,
+        device=device, info=info or {}, params=params, reason=reason,
         table=[
             BudgetTableRow(tokens=p.tokens, context_tokens=p.context_tokens, seconds=p.seconds)
             for p in table

@@ -1,15 +1,25 @@
-"""Opening the SQLite store: PRAGMAs on every connection, schema upgrades, clear failures.
+"""Opening the store, a SQLite file or a PostgreSQL database behind one `--db`: PRAGMAs on
+every SQLite connection, schema upgrades, clear failures.
+
+`--db` is a path (SQLite, the embedded default) or a SQLAlchemy URL
+(`postgresql+psycopg://user@host/db`); a URL's password is never shown (`location`), and
+without one libpq takes it from PGPASSWORD or ~/.pgpass.
 
 The store is only ever opened through `open_database`, which refuses a file it cannot use
 (corrupt, written by a newer tokenflow, not writable) with a StoreError that names the file
 and the fix. It never deletes, moves or rewrites such a file. Corruption found later, in a
 page the open did not read, is the same StoreError wherever a query meets it. Read-only
 commands open the store read-only, so a read-only file or filesystem still serves them.
+
+Each revision of an upgrade commits alone with its version stamp, DDL included (SQLite
+too: see `_migration_engine`), so an upgrade killed at any point leaves the store at the
+last whole revision and the next start carries on from there.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sqlite3
 import urllib.parse
 from collections.abc import Iterator
@@ -23,18 +33,23 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import URL, Engine, create_engine, event, make_url
 from sqlalchemy.engine import ExceptionContext
-from sqlalchemy.exc import DBAPIError
+from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
 
 from engine.errors import EngineError
 from engine.store.lock import WriterLock
+from engine.store.server_lock import ServerLock
 
 # Package data beside this module, so an installed wheel migrates as a checkout does.
 MIGRATIONS_DIR = Path(__file__).resolve().with_name("migrations")
 BUSY_TIMEOUT_MS = 5000  # the longest a writer waits for another process's lock
 SQLITE_HEADER = b"SQLite format 3\x00"
+POSTGRESQL_DRIVER = "postgresql+psycopg"
+URL_HELP = ("--db takes a SQLite file path or a PostgreSQL URL such as "
+            "postgresql+psycopg://user@host:5432/tokenflow")
 
 
 class StoreError(EngineError):
@@ -45,72 +60,130 @@ def default_db_path() -> Path:
     return Path(platformdirs.user_data_dir("tokenflow")) / "tokenflow.db"
 
 
+def default_server_name() -> str:
+    """What a process that serves no port writes as: this host."""
+    return socket.gethostname()
+
+
+def store_url(db: str | Path | None) -> URL:
+    """The store `db` names: a path (SQLite; default `default_db_path()`), a sqlite:// URL
+    or a PostgreSQL one (`postgresql://` means psycopg 3, the driver tokenflow ships)."""
+    if db is None:
+        return URL.create("sqlite", database=str(default_db_path()))
+    if isinstance(db, Path) or "://" not in db:
+        return URL.create("sqlite", database=str(Path(db).expanduser()))
+    try:
+        url = make_url(db)
+    except ArgumentError as exc:
+        raise StoreError(f"cannot read the store URL {_masked(db)}: {exc}; {URL_HELP}") from None
+    if url.get_backend_name() == "sqlite":
+        if not url.database:
+            raise StoreError(f"{_masked(db)} names no file; {URL_HELP}")
+        return url.set(drivername="sqlite")
+    if url.get_backend_name() != "postgresql":
+        raise StoreError(f"{url.render_as_string(hide_password=True)}: tokenflow stores in "
+                         f"SQLite or PostgreSQL only; {URL_HELP}")
+    if url.drivername != POSTGRESQL_DRIVER:
+        url = url.set(drivername=POSTGRESQL_DRIVER)
+    if not url.database:
+        raise StoreError(f"{url.render_as_string(hide_password=True)} names no database; "
+                         f"{URL_HELP}")
+    return url
+
+
+def _masked(text: str) -> str:
+    """A URL we could not parse, with anything that may be a password cut out."""
+    scheme, _, rest = text.partition("://")
+    return f"{scheme}://***@{rest.rpartition('@')[2]}" if "@" in rest else text
+
+
 @dataclass
 class Database:
-    path: Path
+    url: URL
     engine: Engine
     sessions: sessionmaker[Session]
     read_only: bool = False
-    _writer_lock: WriterLock | None = field(default=None, repr=False)
+    server: str = field(default_factory=default_server_name)  # the name rows are written as
+    _writer_lock: WriterLock | ServerLock | None = field(default=None, repr=False)
+
+    @property
+    def shared(self) -> bool:
+        """A database many servers write into (PostgreSQL), not one process's file."""
+        return self.url.get_backend_name() != "sqlite"
+
+    @property
+    def path(self) -> Path | None:
+        """The SQLite file; None for a PostgreSQL store."""
+        return None if self.shared else Path(str(self.url.database))
+
+    @property
+    def location(self) -> str:
+        """The store as messages name it: the file, or the URL without its password."""
+        path = self.path
+        return str(path) if path is not None else self.url.render_as_string(hide_password=True)
 
     def session(self) -> Session:
         return self.sessions()
 
     def revision(self) -> str | None:
-        with self.engine.connect() as connection:
+        with explained(self.location), self.engine.connect() as connection:
             return MigrationContext.configure(connection).get_current_revision()
 
     def claim_writer(self) -> None:
-        """Become the store's one writer (see engine/store/lock.py) until `close()`; raises
-        StoreLockedError naming the process that already is. Whoever journals calls it
-        first: the StoreWriter and crash recovery do; calling it again is a no-op."""
+        """Become the one writer of this store (SQLite, see engine/store/lock.py) or of this
+        server's rows (PostgreSQL, see engine/store/server_lock.py) until `close()`; raises
+        StoreLockedError naming the one that already is. Whoever journals calls it first:
+        the StoreWriter and crash recovery do; calling it again is a no-op."""
         if self.read_only:
-            raise StoreError(f"{self.path} was opened read-only; it cannot be written")
-        if self._writer_lock is None:
-            try:
-                self._writer_lock = WriterLock.acquire(self.path)
-            except OSError as exc:
-                raise StoreError(f"cannot create the lock file beside {self.path}: "
-                                 f"{exc.strerror}; {_write_fix(self.path)}") from exc
+            raise StoreError(f"{self.location} was opened read-only; it cannot be written")
+        if self._writer_lock is not None:
+            return
+        path = self.path
+        if path is None:
+            with explained(self.location):
+                self._writer_lock = ServerLock.acquire(self.engine, self.server, self.location)
+            return
+        try:
+            self._writer_lock = WriterLock.acquire(path)
+        except OSError as exc:
+            raise StoreError(f"cannot create the lock file beside {path}: "
+                             f"{exc.strerror}; {_write_fix(path)}") from exc
 
     def close(self) -> None:
-        self.engine.dispose()
         if self._writer_lock is not None:
             self._writer_lock.release()
             self._writer_lock = None
+        self.engine.dispose()
 
 
 def open_database(path: str | Path | None = None, *, upgrade: bool = True,
-                  read_only: bool = False) -> Database:
-    """Open (creating if needed) the store at `path`, default `default_db_path()`.
+                  read_only: bool = False, server: str | None = None) -> Database:
+    """Open (creating if needed) the store `path` names (see `store_url`), default
+    `default_db_path()`, writing as `server` (default `default_server_name()`).
 
     With `upgrade`, the schema is brought to the newest revision first, as on every start.
-    `read_only` opens an existing file for reading only: nothing is created or upgraded,
+    `read_only` opens an existing store for reading only: nothing is created or upgraded,
     and a read-only file, directory or filesystem is no obstacle.
     """
-    db_path = Path(path).expanduser() if path is not None else default_db_path()
-    if read_only:
-        if not db_path.is_file():
-            raise StoreError(f"{db_path}: no such store; check the path")
-        _check_header(db_path)
-        engine = _reader_engine(db_path)
-        upgrade = False
+    url = store_url(path)
+    if url.get_backend_name() == "sqlite":
+        engine = _sqlite_engine(Path(str(url.database)), read_only)
     else:
-        _check_file(db_path)
-        engine = create_engine(f"sqlite:///{db_path}")
-        event.listen(engine, "connect", _set_pragmas)
-    event.listen(engine, "handle_error", _corruption_is_a_store_error(db_path))
-    database = Database(db_path, engine, sessionmaker(engine, expire_on_commit=False),
-                        read_only=read_only)
+        engine = create_engine(url, pool_pre_ping=True)
+    upgrade = upgrade and not read_only
+    database = Database(url, engine, sessionmaker(engine, expire_on_commit=False),
+                        read_only=read_only, server=server or default_server_name())
+    # Which server a session writes as, for the journal's queries (see journal.py).
+    database.sessions.configure(info={"server": database.server, "shared": database.shared})
     try:
-        with explained(db_path):
+        with explained(database.location):
             known = {script.revision for script in _scripts().walk_revisions()}
             current = database.revision()
             if current is not None and current not in known:
                 raise StoreError(
-                    f"{db_path} has schema revision {current!r}, which this tokenflow does not "
-                    "know: it was written by a newer version. Upgrade tokenflow, or pass "
-                    "--db PATH to use another file."
+                    f"{database.location} has schema revision {current!r}, which this "
+                    "tokenflow does not know: it was written by a newer version. Upgrade "
+                    "tokenflow, or pass --db PATH to use another store."
                 )
             if upgrade:
                 upgrade_database(database)
@@ -118,6 +191,20 @@ def open_database(path: str | Path | None = None, *, upgrade: bool = True,
         engine.dispose()
         raise
     return database
+
+
+def _sqlite_engine(db_path: Path, read_only: bool) -> Engine:
+    if read_only:
+        if not db_path.is_file():
+            raise StoreError(f"{db_path}: no such store; check the path")
+        _check_header(db_path)
+        engine = _reader_engine(db_path)
+    else:
+        _check_file(db_path)
+        engine = create_engine(f"sqlite:///{db_path}")
+        event.listen(engine, "connect", _set_pragmas)
+    event.listen(engine, "handle_error", _corruption_is_a_store_error(db_path))
+    return engine
 
 
 def _reader_engine(path: Path) -> Engine:
@@ -133,14 +220,49 @@ def _reader_engine(path: Path) -> Engine:
 
 
 def upgrade_database(database: Database, revision: str = "head") -> None:
-    with explained(database.path), database.engine.begin() as connection:
-        config = _alembic_config(connection)
-        command.upgrade(config, revision)
+    with explained(database.location), migration_connection(database) as connection:
+        command.upgrade(_alembic_config(connection), revision)
 
 
 def downgrade_database(database: Database, revision: str = "base") -> None:
-    with explained(database.path), database.engine.begin() as connection:
+    with explained(database.location), migration_connection(database) as connection:
         command.downgrade(_alembic_config(connection), revision)
+
+
+@contextmanager
+def migration_connection(database: Database) -> Iterator[Any]:
+    """A connection outside any transaction, so that Alembic begins and commits one per
+    revision (see env.py); on SQLite from an engine whose transactions hold DDL."""
+    path = database.path
+    if path is None:
+        with database.engine.connect() as connection:
+            yield connection
+        return
+    engine = _migration_engine(path)
+    try:
+        with engine.connect() as connection:
+            yield connection
+    finally:
+        engine.dispose()
+
+
+def _migration_engine(path: Path) -> Engine:
+    """pysqlite commits on its own before DDL unless it is left out of transaction handling
+    altogether; SQLAlchemy's recipe for transactional DDL on SQLite: no implicit BEGIN from
+    the driver, our own BEGIN IMMEDIATE (the write lock, waited for) at each transaction."""
+    engine = create_engine(f"sqlite:///{path}", poolclass=NullPool)
+    event.listen(engine, "handle_error", _corruption_is_a_store_error(path))
+
+    def connect(dbapi_connection: sqlite3.Connection, record: Any) -> None:
+        _set_pragmas(dbapi_connection, record)
+        dbapi_connection.isolation_level = None
+
+    def begin(connection: Any) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    event.listen(engine, "connect", connect)
+    event.listen(engine, "begin", begin)
+    return engine
 
 
 def head_revision() -> str:
@@ -245,11 +367,14 @@ def _corrupt(path: Path) -> StoreError:
 
 
 @contextmanager
-def explained(path: Path) -> Iterator[None]:
-    """Turn SQLite's terse failures into errors naming the file and the fix."""
+def explained(location: str | Path) -> Iterator[None]:
+    """Turn the database's terse failures into errors naming the store and the fix."""
     try:
         yield
     except DBAPIError as exc:
+        if "://" in str(location):
+            raise _server_error(str(location), exc) from exc
+        path = Path(location)
         message = str(exc.orig).lower()
         if "not a database" in message or "malformed" in message:
             raise _corrupt(path) from exc
@@ -263,3 +388,22 @@ def explained(path: Path) -> Iterator[None]:
                 f"cannot write the database {path} ({exc.orig}); {_write_fix(path)}"
             ) from exc
         raise StoreError(f"database {path}: {exc.orig}") from exc
+
+
+def _server_error(location: str, exc: DBAPIError) -> StoreError:
+    """A PostgreSQL failure as a StoreError naming the store (never its password)."""
+    state = getattr(exc.orig, "sqlstate", None) or ""
+    reason = str(exc.orig).strip().splitlines()[0] if str(exc.orig).strip() else type(exc.orig)
+    if state in ("42P01", "42703"):  # undefined table or column
+        fix = f"its schema is missing tables or columns; run `tokenflow db upgrade --db {location}`"
+    elif state.startswith("28"):  # authentication
+        fix = ("check the user, and give the password in PGPASSWORD or ~/.pgpass (a password "
+               "in the URL works too, and is never printed)")
+    elif state == "3D000":
+        fix = "create the database first (createdb), or name another in the URL"
+    elif not state or state.startswith("08"):  # no connection at all
+        fix = ("check that PostgreSQL runs there and accepts connections, and the URL's host "
+               "and port")
+    else:
+        fix = "fix the database or pass --db to use another store"
+    return StoreError(f"database {location}: {reason}; {fix}")

@@ -17,6 +17,7 @@ class DriftRecord:
     created_at: float
     deviation: float
     detail: str
+    server: str = ""  # the server whose engine drifted (every server's, in a shared store)
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class ConfigChangeRecord:
 
 def drift_events(session: Session, limit: int | None = 100) -> list[DriftRecord]:
     rows = session.scalars(select(DriftEventRow).order_by(DriftEventRow.id.desc()).limit(limit))
-    return [DriftRecord(r.id, r.created_at, r.deviation, r.detail) for r in rows]
+    return [DriftRecord(r.id, r.created_at, r.deviation, r.detail, r.server) for r in rows]
 
 
 def config_changes(session: Session, limit: int | None = 100) -> list[ConfigChangeRecord]:

@@ -1,5 +1,9 @@
 """Reading the request journal back: what a killed run left unfinished (pitfall 12), and the
-requests quarantined because resuming them kept killing the process."""
+requests quarantined because resuming them kept killing the process.
+
+In a store many servers share (PostgreSQL), a server reads and closes only its own entries:
+the session says which server it is (see `open_database`). A SQLite store has one writer,
+which takes over every entry it resumes, whatever name wrote it."""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import select, update
+from sqlalchemy import ColumnElement, select, true, update
 from sqlalchemy.orm import Session
 
 from engine.store.models import QUARANTINED, TERMINAL_STATES, JournalRow
@@ -43,11 +47,18 @@ class QuarantinedRequest:
     updated_at: float
 
 
+def own(session: Session) -> ColumnElement[bool]:
+    """This server's entries where servers share the store; all of them where not."""
+    if session.info.get("shared"):
+        return JournalRow.server == session.info["server"]
+    return true()
+
+
 def unfinished_requests(session: Session) -> list[JournalEntry]:
     """Requests neither finished, failed, rejected nor quarantined, oldest first."""
     rows = session.scalars(
         select(JournalRow)
-        .where(JournalRow.state.not_in((*TERMINAL_STATES, QUARANTINED)))
+        .where(JournalRow.state.not_in((*TERMINAL_STATES, QUARANTINED)), own(session))
         .order_by(JournalRow.id)
     )
     return [
@@ -84,8 +95,9 @@ def claim_for_resume(session: Session, request_ids: Iterable[str]) -> int:
     result = session.execute(
         update(JournalRow)
         .where(JournalRow.request_id.in_(list(request_ids)),
-               JournalRow.state.not_in((*TERMINAL_STATES, QUARANTINED)))
-        .values(resume_attempts=JournalRow.resume_attempts + 1, resumed_at=now, updated_at=now)
+               JournalRow.state.not_in((*TERMINAL_STATES, QUARANTINED)), own(session))
+        .values(resume_attempts=JournalRow.resume_attempts + 1, resumed_at=now, updated_at=now,
+                server=session.info.get("server", JournalRow.server))
     )
     session.commit()
     return result.rowcount
@@ -97,7 +109,7 @@ def close_entry(session: Session, request_id: str, state: str, reason: str) -> N
     now = time.time()
     session.execute(
         update(JournalRow)
-        .where(JournalRow.request_id == request_id)
+        .where(JournalRow.request_id == request_id, own(session))
         .values(state=state, finish_reason=reason, updated_at=now)
     )
     session.commit()
@@ -122,7 +134,8 @@ def release_quarantine(session: Session, request_id: str) -> bool:
     (its attempts start again from zero). Commits; False when no such quarantined entry."""
     result = session.execute(
         update(JournalRow)
-        .where(JournalRow.request_id == request_id, JournalRow.state == QUARANTINED)
+        .where(JournalRow.request_id == request_id, JournalRow.state == QUARANTINED,
+               own(session))
         .values(state="WAITING", resume_attempts=0, finish_reason=None, updated_at=time.time())
     )
     session.commit()
@@ -136,7 +149,8 @@ def next_cycle(session: Session, request_id: str) -> int:
     prefix = f"{request_id}-"
     names = session.scalars(
         select(JournalRow.request_id).where(JournalRow.request_id.startswith(prefix,
-                                                                             autoescape=True))
+                                                                             autoescape=True),
+                                            own(session))
     )
     cycles = [int(n[len(prefix):]) for n in names if n[len(prefix):].isdigit()]
     return max(cycles, default=-1) + 1

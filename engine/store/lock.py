@@ -1,15 +1,21 @@
-"""One writer per store: an exclusive lock on `<db>.lock` held by whoever journals.
+"""One writer per SQLite store: an exclusive lock on `<db>.lock` held by whoever journals.
 
-Two processes appending to the same journal rows corrupt it (issue 15, finding 3), so the
-writer takes `fcntl.flock` on a file beside the database and writes its pid and command
-line there for the next one to name. The kernel drops the lock when the holder dies, so a
-SIGKILLed run never leaves a stale lock. Readers never take it.
+Two processes appending to the same journal rows corrupt it, so the writer takes
+`fcntl.flock` on a file beside the database and writes its pid and command line there for
+the next one to name. The kernel drops the lock when the holder dies, so a SIGKILLed run
+never leaves a stale lock. Readers never take it.
+
+The lock file sits in a directory others may write to, so it is opened without following a
+symlink, and only a plain file with one link that we own is ever rewritten: a lock path
+planted to point at another file is refused and that file is left as it was.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +25,11 @@ from engine.errors import EngineError
 
 class StoreLockedError(EngineError):
     """Another process journals to this store; the message names it."""
+
+
+class LockFileError(EngineError):
+    """The lock path is something we must not write: a symlink, a link to another file, a
+    file of another user or not a file at all. The message names it and the fix."""
 
 
 def lock_path(db_path: Path) -> Path:
@@ -32,10 +43,20 @@ class WriterLock:
 
     @classmethod
     def acquire(cls, db_path: Path) -> WriterLock:
-        """Take the store's writer lock at once, or raise StoreLockedError naming the holder."""
+        """Take the store's writer lock at once, or raise StoreLockedError naming the holder
+        (LockFileError when the lock path is not ours to write)."""
         path = lock_path(db_path)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
+            fd = os.open(path, flags, 0o644)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise _not_ours(path, db_path, "is a symbolic link") from None
+            raise
+        try:
+            problem = _foreign(os.fstat(fd))
+            if problem is not None:
+                raise _not_ours(path, db_path, problem)
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip() or "unknown"
@@ -47,7 +68,7 @@ class WriterLock:
         except BaseException:
             os.close(fd)
             raise
-        os.ftruncate(fd, 0)
+        os.ftruncate(fd, 0)  # ours: a plain file with one link, checked above
         command = " ".join(sys.argv) or sys.executable
         os.pwrite(fd, f"pid {os.getpid()}: {command}\n".encode("utf-8", "replace"), 0)
         return cls(path, fd)
@@ -57,3 +78,20 @@ class WriterLock:
             os.ftruncate(self.fd, 0)  # no stale holder named once released
             os.close(self.fd)  # closing the last descriptor drops the flock
             self.fd = -1
+
+
+def _foreign(info: os.stat_result) -> str | None:
+    """Why the opened lock path is not ours to truncate, or None when it is."""
+    if not stat.S_ISREG(info.st_mode):
+        return "is not a regular file"
+    if info.st_nlink != 1:
+        return f"has {info.st_nlink} hard links (another file's contents)"
+    if info.st_uid != os.geteuid():
+        return f"belongs to another user (uid {info.st_uid})"
+    return None
+
+
+def _not_ours(path: Path, db_path: Path, problem: str) -> LockFileError:
+    return LockFileError(
+        f"the lock file {path} of the store {db_path} {problem}; it was left untouched. "
+        f"Remove it if it is stale (rm {path}), or pass --db PATH to use another file")

@@ -10,7 +10,17 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from sqlalchemy import JSON, Dialect, Float, ForeignKey, Index, String, Text, TypeDecorator
+from sqlalchemy import (
+    JSON,
+    Dialect,
+    Float,
+    ForeignKey,
+    Index,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 TERMINAL_STATES = ("FINISHED", "FAILED", "REJECTED")
@@ -40,13 +50,19 @@ class Base(DeclarativeBase):
     }
 
 
+def server_column() -> Mapped[str]:
+    """The server that wrote the row (`--server-name`): many share one PostgreSQL store."""
+    return mapped_column(String(256), default="", server_default="")
+
+
 class JournalRow(Base):
     """One request, updated as it progresses, so a killed run can be finished (pitfall 12)."""
 
     __tablename__ = "request_journal"
 
     id: Mapped[int] = mapped_column(primary_key=True)
-    request_id: Mapped[str] = mapped_column(String(128), unique=True)
+    server: Mapped[str] = server_column()
+    request_id: Mapped[str] = mapped_column(String(128))  # unique per server
     tenant: Mapped[str] = mapped_column(String(128))
     priority: Mapped[int]
     tag: Mapped[str | None] = mapped_column(String(128))
@@ -69,13 +85,18 @@ class JournalRow(Base):
     resumed_at: Mapped[float | None]
     resume_attempts: Mapped[int] = mapped_column(server_default="0")  # runs it was handed to
 
-    __table_args__ = (Index("ix_request_journal_state", "state"),)
+    __table_args__ = (
+        Index("ix_request_journal_state", "state"),
+        Index("ix_request_journal_server_state", "server", "state"),
+        UniqueConstraint("server", "request_id", name="uq_request_journal_server_request_id"),
+    )
 
 
 class SlowQueryRow(Base):
     __tablename__ = "slow_queries"
 
     id: Mapped[int] = mapped_column(primary_key=True)
+    server: Mapped[str] = server_column()
     created_at: Mapped[float]
     request_id: Mapped[str] = mapped_column(String(128))
     tenant: Mapped[str] = mapped_column(String(128))
@@ -96,8 +117,14 @@ class SlowQueryRow(Base):
     # and on requests traced from another server, which does not say
     cached_tokens: Mapped[int | None]
 
+    # Each list order has an index ending in id, so a page is an index walk, never a sort.
     __table_args__ = (
-        Index("ix_slow_queries_budget_score", "budget_score"),
+        Index("ix_slow_queries_budget_score", "budget_score", "id"),
+        Index("ix_slow_queries_created_at", "created_at", "id"),
+        Index("ix_slow_queries_prompt_tokens", "prompt_tokens", "id"),
+        Index("ix_slow_queries_prefill_s", "prefill_s", "id"),
+        Index("ix_slow_queries_server_budget_score", "server", "budget_score", "id"),
+        Index("ix_slow_queries_server_created_at", "server", "created_at", "id"),
         Index("ix_slow_queries_tenant", "tenant"),
         Index("ix_slow_queries_cause", "cause"),
     )
@@ -110,6 +137,7 @@ class TracedRequestRow(Base):
     __tablename__ = "traced_requests"
 
     id: Mapped[int] = mapped_column(primary_key=True)
+    server: Mapped[str] = server_column()  # the server that received the span
     received_at: Mapped[float]
     source: Mapped[str] = mapped_column(String(256))  # the span's service.name
     request_id: Mapped[str] = mapped_column(String(256))
@@ -132,6 +160,7 @@ class CalibrationRunRow(Base):
     __tablename__ = "calibration_runs"
 
     id: Mapped[int] = mapped_column(primary_key=True)
+    server: Mapped[str] = server_column()
     created_at: Mapped[float]
     model: Mapped[str] = mapped_column(Text)
     device: Mapped[str] = mapped_column(String(64))
@@ -142,6 +171,9 @@ class CalibrationRunRow(Base):
     table: Mapped[list[BudgetTableRow]] = relationship(
         back_populates="run", cascade="all, delete-orphan", passive_deletes=True
     )
+
+    # a calibration is looked up by model and GPU across the fleet
+    __table_args__ = (Index("ix_calibration_runs_model_device", "model", "device"),)
 
 
 class BudgetTableRow(Base):
@@ -163,9 +195,12 @@ class DriftEventRow(Base):
     __tablename__ = "drift_events"
 
     id: Mapped[int] = mapped_column(primary_key=True)
+    server: Mapped[str] = server_column()
     created_at: Mapped[float]
     deviation: Mapped[float]
     detail: Mapped[str] = mapped_column(Text)
+
+    __table_args__ = (Index("ix_drift_events_server", "server", "id"),)
 
 
 class ConfigChangeRow(Base):
@@ -174,6 +209,7 @@ class ConfigChangeRow(Base):
     __tablename__ = "config_changes"
 
     id: Mapped[int] = mapped_column(primary_key=True)
+    server: Mapped[str] = server_column()
     created_at: Mapped[float]
     field: Mapped[str] = mapped_column(String(128))
     old: Mapped[Any] = mapped_column(JSON, nullable=True)

@@ -1,4 +1,9 @@
-"""Slow queries: list with sorting and filters, fetch one, export as CSV or JSON."""
+"""Slow queries: list with sorting and filters, fetch one, export as CSV or JSON.
+
+A list is one page of an index walk: every order is a column and the id, descending (the
+id alone ascending), each with an index of its own (see models.py), and the next page
+starts after the last row shown (keyset pagination), so no page sorts or skips the table,
+however many rows a fleet has stored."""
 
 from __future__ import annotations
 
@@ -8,18 +13,19 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import select, tuple_
 from sqlalchemy.orm import Session
 
 from engine.errors import EngineError
 from engine.store.models import SlowQueryRow
 
+# sort name -> the column it orders by, highest first (ties: newest first); "id": oldest first
 SORT_FIELDS = {
-    "score": SlowQueryRow.budget_score.desc(),
-    "time": SlowQueryRow.created_at.desc(),
-    "prompt": SlowQueryRow.prompt_tokens.desc(),
-    "prefill": SlowQueryRow.prefill_s.desc(),
-    "id": SlowQueryRow.id.asc(),
+    "score": SlowQueryRow.budget_score,
+    "time": SlowQueryRow.created_at,
+    "prompt": SlowQueryRow.prompt_tokens,
+    "prefill": SlowQueryRow.prefill_s,
+    "id": SlowQueryRow.id,
 }
 EXPORT_FORMATS = ("csv", "json")
 
@@ -38,6 +44,7 @@ class SlowQueryRecord:
     chunks: list[dict[str, Any]]
     config: dict[str, Any]
     source: str | None = None  # None: this engine; otherwise the server that traced it
+    server: str = ""  # the server that stored it (--server-name)
     timeline: dict[str, Any] | None = None  # None on rows stored before revision 0004
     cause: str | None = None
     cause_share: float | None = None
@@ -54,14 +61,29 @@ def list_slow_queries(
     *,
     sort: str = "score",
     tenant: str | None = None,
+    server: str | None = None,
     min_score: float | None = None,
     limit: int | None = None,
+    after: int | None = None,
 ) -> list[SlowQueryRecord]:
+    """One page, in `sort` order, of the slow queries matching the filters; `after` is the
+    id of the last row of the page before (an id no longer stored restarts the list)."""
     if sort not in SORT_FIELDS:
         raise EngineError(f"unknown sort field {sort!r}; choose one of {', '.join(SORT_FIELDS)}")
-    query = select(SlowQueryRow).order_by(SORT_FIELDS[sort], SlowQueryRow.id)
+    column, row_id = SORT_FIELDS[sort], SlowQueryRow.id
+    if sort == "id":
+        query = select(SlowQueryRow).order_by(row_id)
+        if after is not None:
+            query = query.where(row_id > after)
+    else:
+        query = select(SlowQueryRow).order_by(column.desc(), row_id.desc())
+        last = None if after is None else session.scalar(select(column).where(row_id == after))
+        if last is not None:  # a row value compared: the walk goes on from that index entry
+            query = query.where(tuple_(column, row_id) < tuple_(last, after))
     if tenant is not None:
         query = query.where(SlowQueryRow.tenant == tenant)
+    if server is not None:
+        query = query.where(SlowQueryRow.server == server)
     if min_score is not None:
         query = query.where(SlowQueryRow.budget_score >= min_score)
     if limit is not None:

@@ -41,6 +41,10 @@ _STOP = object()
 _RETRY_S = (0.05, 0.2, 1.0)  # back-off while another connection holds the database
 # SQLite result codes (primary) that say one row is wrong, not the database.
 _ROW_ERRORS = ("SQLITE_CONSTRAINT", "SQLITE_TOOBIG", "SQLITE_MISMATCH", "SQLITE_RANGE")
+# PostgreSQL SQLSTATEs: data exceptions and constraint violations are one row's fault; a
+# conflict, a lock, a restart or a lost connection passes (retried); anything else is not.
+_PG_ROW_CLASSES = ("22", "23")
+_PG_BUSY = ("40001", "40P01", "55P03", "57P01", "57P02", "57P03")
 
 
 @dataclass
@@ -193,7 +197,7 @@ class StoreWriter:
         return items
 
     def _write_events(self, events: list[Event]) -> None:
-        batch = fold(events, wall_offset=wall_offset())
+        batch = fold(events, wall_offset=wall_offset(), server=self.database.server)
         statements = to_statements(batch)
 
         def whole_batch(connection: Connection) -> None:
@@ -215,14 +219,14 @@ class StoreWriter:
                     self.on_commit(Commit(len(events), prefilling(batch)))
                 except Exception:  # a listener gone (a closed pipe) must not stop the journal
                     log.exception("store %s: on_commit failed; no more commits are reported",
-                                  self.database.path)
+                                  self.database.location)
                     self.on_commit = None
         else:
             self.dropped += len(events)
 
     def _skip(self, table: str, request_id: str | None, reason: str) -> None:
         self.skipped.append(SkippedRow(table, request_id, reason))
-        log.error("store %s skipped a %s row%s: %s", self.database.path, table,
+        log.error("store %s skipped a %s row%s: %s", self.database.location, table,
                   f" of request {request_id!r}" if request_id else "", reason)
 
     def _guarded(self, work: Callable[[], object]) -> bool:
@@ -257,7 +261,7 @@ class StoreWriter:
                 if kind == "permanent":
                     raise _Permanent from exc
                 delay = _RETRY_S[min(attempt, len(_RETRY_S) - 1)]
-                log.warning("store %s is busy (%s); retrying in %.2fs", self.database.path,
+                log.warning("store %s is busy (%s); retrying in %.2fs", self.database.location,
                             _reason(exc), delay)
                 time.sleep(delay)
                 attempt += 1
@@ -268,6 +272,11 @@ def _classify(exc: BaseException) -> str:
     if isinstance(exc, StatementError) and not isinstance(exc, DBAPIError):
         exc = exc.orig or exc  # SQLAlchemy's wrapper of a bind-time error
     if isinstance(exc, DBAPIError):
+        state = getattr(exc.orig, "sqlstate", "")
+        if state or exc.connection_invalidated:  # PostgreSQL
+            if exc.connection_invalidated or state in _PG_BUSY or state.startswith("08"):
+                return "busy"
+            return "row" if state[:2] in _PG_ROW_CLASSES else "permanent"
         name = getattr(exc.orig, "sqlite_errorname", "")
         if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
             return "busy"
@@ -291,12 +300,13 @@ def _permanent_error(database: Database, exc: BaseException) -> StoreError:
     name = getattr(orig, "sqlite_errorname", "")
     if name.startswith("SQLITE_FULL") or getattr(orig, "errno", None) == errno.ENOSPC:
         fix = "free space on its disk, then finish the run with --resume"
-    elif "no such table" in message or "no such column" in message or "has no column" in message:
+    elif ("no such table" in message or "no such column" in message
+          or "has no column" in message or getattr(orig, "sqlstate", "") in ("42P01", "42703")):
         fix = ("its schema is missing tables or columns: run `tokenflow db upgrade --db "
-               f"{database.path}`, or pass --db PATH to use another file")
+               f"{database.location}`, or pass --db PATH to use another file")
     elif name.startswith("SQLITE_READONLY"):
         fix = "it became read-only: fix its permissions, or pass --db PATH to use another file"
     else:
         fix = "fix the database or pass --db PATH to use another file"
-    return StoreError(f"the journal in {database.path} stopped: {message}; {fix}. "
+    return StoreError(f"the journal in {database.location} stopped: {message}; {fix}. "
                       "Nothing after this point was recorded.")

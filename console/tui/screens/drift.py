@@ -62,7 +62,7 @@ class DriftScreen(ConsoleScreen):
     def on_mount(self) -> None:
         self.query_one("#calibrations").border_title = "Calibration history"
         self.query_one("#recalibration").border_title = "Recalibration"
-        self._columns("Drift events", "time", "deviation", "detail")
+        self._columns("Drift events", "time", "server", "deviation", "detail")
 
     def _columns(self, title: str, *labels: str) -> None:
         """The lower table's title and columns: drift events, or traced windows."""
@@ -106,11 +106,11 @@ class DriftScreen(ConsoleScreen):
             line.append(f" · prefill {figures[-1]:.2f} ms per 1k tokens", style="cyan")
         self.query_one("#calibration-line", Static).update(line)
         self.query_one(Plot).show((Series("prefill ms/1k tok", tuple(figures)),))
-        self._columns("Drift events", "time", "deviation", "detail")
+        self._columns("Drift events", "time", "server", "deviation", "detail")
         events = self.query_one("#drift-events", DataTable)
         for event in message.events:
-            events.add_row(clock(event.created_at), f"{event.deviation:+.1%}", plain(event.detail),
-                           key=str(event.id))
+            events.add_row(clock(event.created_at), plain(event.server or "–"),
+                           f"{event.deviation:+.1%}", plain(event.detail), key=str(event.id))
 
     def on_traced_drift_loaded(self, message: TracedDriftLoaded) -> None:
         points = message.points  # oldest first

@@ -37,6 +37,7 @@ COLUMNS = (
     Column("prefill", "prefill ms", 10),
     Column("budgeted", "budget ms", 10),
     Column("chunks", "chunks", 6),
+    Column("server", "server", 14, drop=4),  # every server sharing the store; `/` filters
 )
 RELOAD_S = 5.0
 
@@ -51,10 +52,11 @@ def slow_row(r: SlowQueryRecord) -> TableRow:
         key=str(r.id),
         cells=(str(r.id), clock(r.created_at), middle_cut(r.request_id, 14), r.tenant,
                budget_text(r.budget_score, threshold), str(r.prompt_tokens),
-               f"{r.prefill_s * 1e3:.1f}", f"{r.budgeted_s * 1e3:.1f}", str(len(r.chunks))),
+               f"{r.prefill_s * 1e3:.1f}", f"{r.budgeted_s * 1e3:.1f}", str(len(r.chunks)),
+               Text(middle_cut(r.server or "–", 14))),
         sort_values=(r.id, r.created_at, r.request_id, r.tenant, r.budget_score,
-                     r.prompt_tokens, r.prefill_s, r.budgeted_s, len(r.chunks)),
-        haystack=f"{r.request_id} {r.tenant} {r.tag or ''}".lower(),
+                     r.prompt_tokens, r.prefill_s, r.budgeted_s, len(r.chunks), r.server),
+        haystack=f"{r.request_id} {r.tenant} {r.tag or ''} {r.server}".lower(),
     )
 
 
@@ -156,7 +158,8 @@ class SlowQueryDetail(ModalScreen[None]):
                 f"  prompt {r.prompt_tokens} tok"
                 f"{'' if r.cached_tokens is None else f' ({r.cached_tokens} cached)'}"
                 f"  prefill {r.prefill_s * 1e3:.1f} ms"
-                f" of {r.budgeted_s * 1e3:.1f} ms budgeted  ", plain(f"tag {r.tag or '–'}")))
+                f" of {r.budgeted_s * 1e3:.1f} ms budgeted  ",
+                plain(f"tag {r.tag or '–'}  server {r.server or '–'}")))
             if r.verdict:  # records stored before revision 0003 have none
                 yield Static(Text.assemble(("verdict ", "dim"), plain(r.verdict, "bold yellow")),
                              id="detail-verdict")

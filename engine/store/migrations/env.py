@@ -1,4 +1,9 @@
-"""Alembic environment: migrate the connection tokenflow hands over, or open one from `-x db=`."""
+"""Alembic environment: migrate the connection tokenflow hands over, or open one from `-x db=`.
+
+Each revision runs in a transaction of its own with its version stamp (the connection comes
+outside any transaction, see database.py), DDL included on SQLite as on PostgreSQL: an
+upgrade killed mid-revision leaves the store at the revision before, never half of one.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +18,8 @@ config = context.config
 
 def run_migrations(connection: object) -> None:
     # Batch mode lets later revisions alter tables, which SQLite's ALTER cannot do in place.
-    context.configure(connection=connection, target_metadata=Base.metadata, render_as_batch=True)
+    context.configure(connection=connection, target_metadata=Base.metadata, render_as_batch=True,
+                      transaction_per_migration=True, transactional_ddl=True)
     with context.begin_transaction():
         context.run_migrations()
 
@@ -22,13 +28,13 @@ connection = config.attributes.get("connection")
 if connection is not None:
     run_migrations(connection)
 else:
-    from engine.store.database import open_database
+    from engine.store.database import migration_connection, open_database
 
     if config.config_file_name is not None:
         fileConfig(config.config_file_name)
     database = open_database(context.get_x_argument(as_dictionary=True).get("db"), upgrade=False)
     try:
-        with database.engine.begin() as own_connection:
+        with migration_connection(database) as own_connection:
             run_migrations(own_connection)
     finally:
         database.close()

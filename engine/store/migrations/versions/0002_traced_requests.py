@@ -11,6 +11,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from engine.store.migration_steps import add_columns
+
 revision = "0002"
 down_revision = "0001"
 branch_labels = None
@@ -18,8 +20,7 @@ depends_on = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("slow_queries") as batch:
-        batch.add_column(sa.Column("source", sa.String(256)))
+    add_columns("slow_queries", sa.Column("source", sa.String(256)))
     op.create_table(
         "traced_requests",
         sa.Column("id", sa.Integer, primary_key=True),

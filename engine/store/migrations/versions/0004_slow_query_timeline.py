@@ -11,6 +11,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from engine.store.migration_steps import add_columns, create_index
+
 revision = "0004"
 down_revision = "0003"
 branch_labels = None
@@ -19,12 +21,9 @@ depends_on = None
 
 def upgrade() -> None:
     # rows stored before this revision have no timeline: the columns stay nullable
-    with op.batch_alter_table("slow_queries") as batch:
-        batch.add_column(sa.Column("timeline", sa.JSON))
-        batch.add_column(sa.Column("cause", sa.String(32)))
-        batch.add_column(sa.Column("cause_share", sa.Float))
-        batch.add_column(sa.Column("verdict", sa.Text))
-    op.create_index("ix_slow_queries_cause", "slow_queries", ["cause"])
+    add_columns("slow_queries", sa.Column("timeline", sa.JSON), sa.Column("cause", sa.String(32)),
+                sa.Column("cause_share", sa.Float), sa.Column("verdict", sa.Text))
+    create_index("ix_slow_queries_cause", "slow_queries", ["cause"])
 
 
 def downgrade() -> None:

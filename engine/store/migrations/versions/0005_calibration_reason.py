@@ -11,6 +11,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from engine.store.migration_steps import add_columns
+
 revision = "0005"
 down_revision = "0004"
 branch_labels = None
@@ -18,8 +20,8 @@ depends_on = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("calibration_runs") as batch:
-        batch.add_column(sa.Column("reason", sa.Text, nullable=False, server_default=""))
+    add_columns("calibration_runs", sa.Column("reason", sa.Text, nullable=False,
+                                              server_default=""))
 
 
 def downgrade() -> None:

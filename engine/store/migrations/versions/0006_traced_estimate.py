@@ -11,6 +11,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from engine.store.migration_steps import add_columns
+
 revision = "0006"
 down_revision = "0005"
 branch_labels = None
@@ -18,8 +20,7 @@ depends_on = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("traced_requests") as batch:
-        batch.add_column(sa.Column("estimate", sa.String(64)))
+    add_columns("traced_requests", sa.Column("estimate", sa.String(64)))
 
 
 def downgrade() -> None:

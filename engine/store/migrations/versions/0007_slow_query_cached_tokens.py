@@ -10,6 +10,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
+from engine.store.migration_steps import add_columns
+
 revision = "0007"
 down_revision = "0006"
 branch_labels = None
@@ -18,8 +20,7 @@ depends_on = None
 
 def upgrade() -> None:
     # nullable: rows stored before this revision, and traced ones, do not know the count
-    with op.batch_alter_table("slow_queries") as batch:
-        batch.add_column(sa.Column("cached_tokens", sa.Integer))
+    add_columns("slow_queries", sa.Column("cached_tokens", sa.Integer))
 
 
 def downgrade() -> None:
