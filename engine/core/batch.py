@@ -147,13 +147,27 @@ class Batch:
         return self._shape
 
 
+class TokenLogprob(NamedTuple):  # a tuple: one per token of a request that asks
+    """A token's log-probability, its rank in the vocabulary (1 is the likeliest) and the
+    top N (token id, log-probability) pairs at its position, likeliest first."""
+
+    token: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]
+
+
 @dataclass(frozen=True)
 class ModelRunnerOutput:
     """One step's sampled tokens by request id; a request whose sampling raised is in
-    `errors` (id -> what went wrong) instead, so it fails alone (issue 15)."""
+    `errors` (id -> what went wrong) instead, so it fails alone (issue 15). Requests that
+    ask for them get their sampled token's logprob, and the prompt tokens each prefill
+    chunk scored (positions from 1: the first prompt token has no prediction)."""
 
     token_ids: dict[str, int] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
 class StepTiming(NamedTuple):  # a tuple: made every step
@@ -173,15 +187,24 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     state: str
+    # only for requests that ask: every generated token's and every scored prompt token's
+    # logprob so far, and where a matched stop string cuts the output text
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    text_end: int | None = None
 
     @classmethod
     def of(cls, request_id: str, new_token_ids: tuple[int, ...], token_ids: tuple[int, ...],
-           finished: bool, finish_reason: str | None, state: str) -> RequestOutput:
+           finished: bool, finish_reason: str | None, state: str,
+           logprobs: tuple[TokenLogprob, ...] | None = None,
+           prompt_logprobs: tuple[TokenLogprob, ...] | None = None,
+           text_end: int | None = None) -> RequestOutput:
         """The object the constructor makes, made for the step's hot path (an output per
         request per step): a frozen dataclass's __init__ sets each field through
         object.__setattr__, three times slower than filling the new object's __dict__."""
         output = object.__new__(cls)
         output.__dict__.update(request_id=request_id, new_token_ids=new_token_ids,
                                token_ids=token_ids, finished=finished,
-                               finish_reason=finish_reason, state=state)
+                               finish_reason=finish_reason, state=state, logprobs=logprobs,
+                               prompt_logprobs=prompt_logprobs, text_end=text_end)
         return output
