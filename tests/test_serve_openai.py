@@ -12,6 +12,7 @@ import httpx
 import openai
 import pytest
 
+from console.tui.widgets.requests_table import request_row
 from engine import Engine, EngineConfig
 from engine.model.chat_template import DEFAULT_TEMPLATE, ChatTemplate
 from engine.serve.app import create_app
@@ -238,3 +239,15 @@ def test_tokenize_detokenize_version_and_unknown_routes(http: httpx.Client) -> N
     assert missing.status_code == 404
     assert json.loads(missing.text)["error"]["type"] == "not_found_error"
     assert http.get("/v1/completions").status_code == 405
+
+
+def test_console_marks_scoring_and_chat_requests(api: openai.OpenAI, loop: EngineLoop) -> None:
+    api.completions.create(model=MODEL, prompt=[7, 8, 9], max_tokens=0, echo=True)
+    api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                max_tokens=1)
+    views = loop.call(lambda engine: engine.snapshot()).result(timeout=30).requests
+    kinds = {view.kind for view in views}
+    assert {"score", "chat"} <= kinds
+    score = next(view for view in views if view.kind == "score")
+    assert score.generated_tokens == 0 and score.state == "FINISHED"
+    assert request_row(score, 2.0).cells[2].plain == "FINISHED score"

@@ -19,7 +19,10 @@ if TYPE_CHECKING:  # only named in an annotation: the console's plan reads impor
     from engine.core.batch import TokenLogprob
 
 
-CHAT_TAG = "chat"  # the tag the HTTP server gives a chat completion's requests
+# the tags the HTTP server gives a chat completion's requests and a prompt-scoring request's
+# (distinct from workload tags), shown with slow queries
+CHAT_TAG = "chat-completion"
+SCORE_TAG = "prompt-score"
 
 
 class RequestState(enum.StrEnum):

@@ -27,7 +27,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from engine.config import SamplingParams
 from engine.core.batch import TokenLogprob
 from engine.core.engine import RequestOutput
-from engine.core.request import RequestState
+from engine.core.request import SCORE_TAG, RequestState
 from engine.errors import RequestError
 from engine.serve.loop import EngineLoop
 from engine.serve.protocol import (
@@ -322,7 +322,8 @@ class Completions:
         decode = g.engine_loop.engine.tokenizer.decode
         reply = _CompletionReply(f"cmpl-{_request_id()}", g.served, int(time.time()), decode,
                                  echo, Texts(decode, params))
-        return await g.run(request, generation, reply, decode)
+        return await g.run(request, generation, reply, decode,
+                           tag=SCORE_TAG if params.prefill_only else None)
 
 
 def include_usage(body: SamplingFields) -> bool:
