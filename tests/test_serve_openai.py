@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from console.tui.widgets.requests_table import request_row
 from engine import Engine, EngineConfig
@@ -251,3 +253,27 @@ def test_console_marks_scoring_and_chat_requests(api: openai.OpenAI, loop: Engin
     score = next(view for view in views if view.kind == "score")
     assert score.generated_tokens == 0 and score.state == "FINISHED"
     assert request_row(score, 2.0).cells[2].plain == "FINISHED score"
+
+
+def test_vllm_request_families_read_with_one_prefix_substitution(api: openai.OpenAI,
+                                                                 http: httpx.Client) -> None:
+    api.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=3, temperature=0,
+                           extra_body={"ignore_eos": True})
+    ours = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
+    captured = (Path(__file__).parent / "data" / "vllm_capture" / "metrics_1.txt").read_text()
+    vllm = {f.name: f for f in text_string_to_metric_families(captured)}
+    for name in ("request_success", "request_prompt_tokens", "request_generation_tokens",
+                 "request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_time_per_output_token_seconds", "time_to_first_token_seconds",
+                 "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        theirs, mine = vllm[f"vllm:{name}"], ours[f"tokenflow:{name}"]
+        assert mine.type == theirs.type, name
+        if theirs.type == "histogram":  # the same buckets, so quantiles read alike
+            def bounds(family) -> list[str]:
+                return sorted({s.labels["le"] for s in family.samples if "le" in s.labels},
+                              key=float)
+            assert bounds(mine)[:len(bounds(theirs)) - 1] == bounds(theirs)[:-1], name
+    reasons = {s.labels["finished_reason"]: s.value
+               for s in ours["tokenflow:request_success"].samples}
+    assert reasons["length"] >= 1 and {"stop", "abort"} <= set(reasons)
