@@ -80,3 +80,23 @@ def test_prefill_only_request_scores_its_prompt(llama) -> None:
     again = _run(engine, prompts[0], SamplingParams(max_tokens=0, prompt_logprobs=1))
     assert [e.logprob for e in again.prompt_logprobs] == pytest.approx(
         [e.logprob for e in out.prompt_logprobs], abs=1e-5)
+
+
+def test_scoring_rows_are_priced_in_the_step_shape(llama) -> None:
+    """A chunk that scores its prompt computes a logits row per token: the budget model
+    prices those rows (lm_head FLOPs and logits bytes) as a separate term."""
+    from engine.core.batch import Batch, ScheduledChunk
+    from engine.core.request import Request
+
+    directory, prompts = llama
+    engine = Engine(EngineConfig(model=str(directory), device="cpu", dtype="float32"))
+    plain = Request("a", prompts[0], SamplingParams(max_tokens=0), arrival=0.0)
+    scoring = Request("b", prompts[0], SamplingParams(max_tokens=0, prompt_logprobs=1),
+                      arrival=0.0)
+    shapes = [Batch(prefills=[ScheduledChunk(r, 0, 13)]).shape() for r in (plain, scoring)]
+    assert shapes[0].scored_rows == 0 and shapes[1].scored_rows == 13
+    last = Batch(prefills=[ScheduledChunk(scoring, 26, 14)]).shape()
+    assert last.scored_rows == 13  # the last prompt token's row predicts a generated one
+    extra = engine.budget.flops(shapes[1]) - engine.budget.flops(shapes[0])
+    assert extra == pytest.approx(13 * 2 * 64 * 400)  # lm_head: hidden × vocab per row
+    assert engine.budget.predict(shapes[1]) > engine.budget.predict(shapes[0])

@@ -48,6 +48,7 @@ class StepShape:
 
     prefill: tuple[tuple[int, int], ...] = ()
     decode_contexts: tuple[int, ...] = ()
+    scored_rows: int = 0  # extra logits rows computed to score prompt tokens (prompt_logprobs)
 
     # memoised: the cost models read these several times for every shape they price
     @_memo
@@ -61,8 +62,9 @@ class StepShape:
 
     @property
     def logits_rows(self) -> int:
-        """Rows of logits computed: one per prefill chunk end and one per decode."""
-        return len(self.prefill) + len(self.decode_contexts)
+        """Rows of logits computed: one per prefill chunk end and one per decode, and the
+        rows that score prompt tokens."""
+        return len(self.prefill) + len(self.decode_contexts) + self.scored_rows
 
     @_memo
     def cached_tokens_read(self) -> int:
@@ -108,6 +110,15 @@ class ScheduledChunk:
     def is_decode(self) -> bool:
         return self.request.is_decoding
 
+    @property
+    def scored_rows(self) -> int:
+        """Rows whose logits score a prompt token (row i predicts the token at start + i +
+        1): those of a prefill chunk whose request asks for prompt logprobs, else none."""
+        request = self.request
+        if request.params.prompt_logprobs is None or self.is_decode:
+            return 0
+        return max(0, min(self.num_tokens, request.num_prompt_tokens - 1 - self.start))
+
 
 @dataclass
 class Batch:
@@ -143,7 +154,8 @@ class Batch:
         it."""
         if self._shape is None:
             self._shape = StepShape(prefill=tuple((c.num_tokens, c.start) for c in self.prefills),
-                                    decode_contexts=tuple(c.start + 1 for c in self.decodes))
+                                    decode_contexts=tuple(c.start + 1 for c in self.decodes),
+                                    scored_rows=sum(c.scored_rows for c in self.prefills))
         return self._shape
 
 

@@ -225,8 +225,7 @@ class ModelRunner:
         tokens; a request whose sampling raises is in the output's errors instead. A chunk
         of a request that asks for prompt logprobs scores its prompt tokens from its own
         rows' logits: the prefill is the scoring pass."""
-        scoring = [c for c in batch.prefills if c.request.params.prompt_logprobs is not None
-                   and c.start + 1 < c.request.num_prompt_tokens]
+        scoring = [c for c in batch.prefills if c.scored_rows]
         logits, scored = self.forward(batch.chunks, scoring)
         output = sample(logits, [c.request for c in batch.sampling])
         for chunk, rows in zip(scoring, scored, strict=True):
@@ -255,9 +254,8 @@ class ModelRunner:
         scored = []
         for chunk in scoring:
             last = inputs.last_rows[id(chunk)]
-            rows = min(chunk.num_tokens, chunk.request.num_prompt_tokens - 1 - chunk.start)
             first = last - chunk.num_tokens + 1
-            scored.append(self.model.logits(hidden[first:first + rows]))
+            scored.append(self.model.logits(hidden[first:first + chunk.scored_rows]))
         return logits, scored
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
