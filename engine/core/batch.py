@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from engine.core.request import TokenLogprob
+
 if TYPE_CHECKING:
     from engine.core.request import Request
 
@@ -157,16 +159,6 @@ class Batch:
                                     decode_contexts=tuple(c.start + 1 for c in self.decodes),
                                     scored_rows=sum(c.scored_rows for c in self.prefills))
         return self._shape
-
-
-class TokenLogprob(NamedTuple):  # a tuple: one per token of a request that asks
-    """A token's log-probability, its rank in the vocabulary (1 is the likeliest) and the
-    top N (token id, log-probability) pairs at its position, likeliest first."""
-
-    token: int
-    logprob: float
-    rank: int
-    top: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)

@@ -9,14 +9,12 @@ from __future__ import annotations
 import enum
 from array import array
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from engine.config import SamplingParams
 
 if TYPE_CHECKING:  # only named in an annotation: the console's plan reads import this module
     import torch
-
-    from engine.core.batch import TokenLogprob
 
 
 # the tags the HTTP server gives a chat completion's requests and a prompt-scoring request's
@@ -40,6 +38,16 @@ class RequestState(enum.StrEnum):
 
 
 _FINAL = frozenset((RequestState.FINISHED, RequestState.FAILED, RequestState.REJECTED))
+
+
+class TokenLogprob(NamedTuple):  # a tuple: one per token of a request that asks
+    """A token's log-probability, its rank in the vocabulary (1 is the likeliest) and the
+    top N (token id, log-probability) pairs at its position, likeliest first."""
+
+    token: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True, slots=True)
