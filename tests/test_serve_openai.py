@@ -106,7 +106,8 @@ def test_min_p_top_k_top_p_and_default_temperature(api: openai.OpenAI) -> None:
 @pytest.mark.parametrize(("field", "value"), [
     ("best_of", 2), ("suffix", "x"), ("presence_penalty", 2.5), ("frequency_penalty", -3),
     ("repetition_penalty", -1), ("min_p", 2), ("top_k", -1), ("logprobs", 21),
-    ("logit_bias", {"100000": 1}), ("n", 0),
+    ("logit_bias", {"100000": 1}), ("n", 0), ("min_tokens", 2), ("use_beam_search", True),
+    ("allowed_token_ids", [5]), ("guided_json", {"type": "object"}), ("prompt_logprobs", 21),
 ])
 def test_refused_fields_name_themselves(http: httpx.Client, field: str, value: object) -> None:
     response = http.post("/v1/completions", json={"prompt": "hi", field: value})
@@ -181,6 +182,14 @@ def test_echo_with_logprobs_scores_the_prompt(api: openai.OpenAI) -> None:
     assert only.choices[0].logprobs.token_logprobs == pytest.approx(
         logprobs.token_logprobs[:10], abs=1e-5)
     assert only.usage is not None and only.usage.completion_tokens == 0
+    vllm_style = api.completions.create(model=MODEL, prompt=PROMPT[:10], max_tokens=1,
+                                        extra_body={"prompt_logprobs": 2})
+    scored = vllm_style.choices[0].prompt_logprobs  # type: ignore[attr-defined]
+    assert vllm_style.choices[0].logprobs is None and scored[0] is None and len(scored) == 10
+    for position, top in enumerate(scored[1:], start=1):
+        own = top[str(PROMPT[position])]
+        assert own["logprob"] == pytest.approx(logprobs.token_logprobs[position], abs=1e-5)
+        assert 2 <= len(top) <= 3
 
 
 def test_logprobs_of_generated_tokens(api: openai.OpenAI) -> None:

@@ -27,6 +27,7 @@ from engine.serve.completions import (
     Texts,
     check_n,
     include_usage,
+    prompt_logprobs,
 )
 from engine.serve.protocol import ApiError, ChatBody, ChatMessage, parse_model, read_json
 
@@ -72,12 +73,13 @@ class Chat:
             raise ApiError(400, "'max_completion_tokens' must be at least 1",
                            param="max_completion_tokens")
         params = g.params(body, max_tokens,
-                          logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+                          logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                          prompt_logprobs=body.prompt_logprobs)
         generation = Generation([prompt], params, check_n(body.n), body.stream is True,
                                 include_usage(body))
         decode = g.engine_loop.engine.tokenizer.decode
         reply = _ChatReply(f"chatcmpl-{uuid.uuid4().hex[:16]}", g.served, int(time.time()),
-                           decode, Texts(decode, params))
+                           decode, Texts(decode, params), body.prompt_logprobs is not None)
         return await g.run(request, generation, reply, decode, tag=CHAT_TAG)
 
 
@@ -88,6 +90,7 @@ class _ChatReply:
     created: int
     decode: Callable[[list[int]], str]
     texts: Texts
+    prompt_logprobs: bool  # vLLM's field: the rendered prompt's tokens scored
 
     def _body(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
@@ -111,7 +114,10 @@ class _ChatReply:
             "logprobs": None if c.output.logprobs is None else self._logprobs(c.output.logprobs),
             "finish_reason": FINISH_REASONS.get(c.output.finish_reason or "")}
             for c in choices]
-        return {**self._body("chat.completion", rendered), "usage": usage}
+        body = {**self._body("chat.completion", rendered), "usage": usage}
+        if self.prompt_logprobs:  # one prompt for every choice: vLLM puts it at the top
+            body["prompt_logprobs"] = prompt_logprobs(choices[0].output, self.decode)
+        return body
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         return {**self._body("chat.completion.chunk", []), "usage": usage}

@@ -315,13 +315,15 @@ class Completions:
             raise ApiError(400, "'max_tokens' 0 generates nothing: add \"echo\": true to score "
                                 "the prompt, or ask for at least 1 token", param="max_tokens")
         params = g.params(body, body.max_tokens, logprobs=body.logprobs,
-                          prompt_logprobs=body.logprobs if echo else None)
+                          prompt_logprobs=(body.prompt_logprobs if body.prompt_logprobs
+                                           is not None else body.logprobs if echo else None))
         prompts = [g.token_ids(p) for p in body.prompts()]
         generation = Generation(prompts, params, check_n(body.n), body.stream is True,
                                 include_usage(body))
         decode = g.engine_loop.engine.tokenizer.decode
         reply = _CompletionReply(f"cmpl-{_request_id()}", g.served, int(time.time()), decode,
-                                 echo, Texts(decode, params))
+                                 echo, body.logprobs is not None,
+                                 body.prompt_logprobs is not None, Texts(decode, params))
         return await g.run(request, generation, reply, decode,
                            tag=SCORE_TAG if params.prefill_only else None)
 
@@ -342,6 +344,8 @@ class _CompletionReply:
     created: int
     decode: Callable[[list[int]], str]
     echo: bool
+    logprobs: bool
+    prompt_logprobs: bool  # vLLM's own field, beside the OpenAI logprobs object
     texts: Texts
 
     def _body(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -356,8 +360,7 @@ class _CompletionReply:
             text = self.decode(choice.prompt) + text
             tokens = choice.prompt + tokens
             entries = _prompt_scored(choice.prompt, output) + entries
-        scored = (completion_logprobs(entries, self.decode)
-                  if output.logprobs is not None else None)
+        scored = completion_logprobs(entries, self.decode) if self.logprobs else None
         return self._body([{"index": choice.index, "text": text, "token_ids": tokens,
                             "logprobs": scored,
                             "finish_reason": FINISH_REASONS.get(output.finish_reason or "")}])
@@ -370,12 +373,12 @@ class _CompletionReply:
             if self.echo:
                 text = self.decode(choice.prompt) + text
                 entries = _prompt_scored(choice.prompt, output) + entries
-            scored = (completion_logprobs(entries, self.decode)
-                      if output.logprobs is not None or output.prompt_logprobs is not None
-                      else None)
+            scored = completion_logprobs(entries, self.decode) if self.logprobs else None
             rendered.append({"index": choice.index, "text": text,
                              "token_ids": list(output.token_ids), "logprobs": scored,
-                             "finish_reason": FINISH_REASONS.get(output.finish_reason or "")})
+                             "finish_reason": FINISH_REASONS.get(output.finish_reason or ""),
+                             **({"prompt_logprobs": prompt_logprobs(output, self.decode)}
+                                if self.prompt_logprobs else {})})
         return {**self._body(rendered), "usage": usage}
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
@@ -395,6 +398,23 @@ def _prompt_scored(prompt: list[int], output: RequestOutput) -> Scored:
     if output.prompt_logprobs is None:
         return []
     return [(prompt[0], None), *_scored(output.prompt_logprobs)]
+
+
+def prompt_logprobs(output: RequestOutput, decode: Callable[[list[int]], str]
+                    ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token a map from
+    token id to its logprob, rank and text: the prompt's own token and the top N."""
+    def logprob(token: int, value: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": max(value, MIN_LOGPROB), "rank": rank,
+                "decoded_token": decode([token])}
+
+    scored: list[dict[str, dict[str, Any]] | None] = [None]
+    for entry in output.prompt_logprobs or ():
+        top = {str(token): logprob(token, value, rank)
+               for rank, (token, value) in enumerate(entry.top, start=1)}
+        top[str(entry.token)] = logprob(entry.token, entry.logprob, entry.rank)
+        scored.append(top)
+    return scored
 
 
 def completion_logprobs(entries: Scored, decode: Callable[[list[int]], str]

@@ -156,6 +156,10 @@ HINTS = {
     "response_format": "must be {\"type\": \"text\"} or left out: structured output is not "
                        "supported by tokenflow",
     "logprobs": "must be an integer from 0 (completions) or true/false (chat)",
+    **{name: f"{UNSUPPORTED} (a vLLM extension tokenflow does not implement)"
+       for name in ("min_tokens", "allowed_token_ids", "bad_words", "use_beam_search",
+                    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                    "structured_outputs")},
     "add_special_tokens": "must be false or left out: tokenflow adds no special tokens to a "
                           "prompt, so counts match what completions see",
 }
@@ -189,6 +193,17 @@ class SamplingFields(BaseModel):
     n: StrictInt | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
+    prompt_logprobs: StrictInt | None = None  # vLLM's: the prompt's tokens scored, top N
+    # vLLM extensions tokenflow does not implement, refused rather than ignored
+    min_tokens: Literal[None, 0] = None
+    allowed_token_ids: Unused = None
+    bad_words: Unused = None
+    use_beam_search: Literal[None, False] = None
+    guided_json: Unused = None
+    guided_regex: Unused = None
+    guided_choice: Unused = None
+    guided_grammar: Unused = None
+    structured_outputs: Literal[None] = None
 
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -247,6 +262,7 @@ class ChatBody(SamplingFields):
     tool_choice: Literal[None, "none"] = None
     function_call: Literal[None, "none"] = None
     response_format: TextFormat | None = None
+    echo: Literal[None, False] = None  # vLLM's chat echo of the last message
 
 
 class TokenizeBody(BaseModel):
