@@ -6,9 +6,7 @@ and n. Tool calls are out of scope: `tools` and `functions` are refused with a 4
 
 from __future__ import annotations
 
-import time
-import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +22,7 @@ from engine.serve.completions import (
     Choice,
     Generation,
     Generations,
-    Texts,
+    Reply,
     check_n,
     include_usage,
     prompt_logprobs,
@@ -77,21 +75,12 @@ class Chat:
                           prompt_logprobs=body.prompt_logprobs)
         generation = Generation([prompt], params, check_n(body.n), body.stream is True,
                                 include_usage(body))
-        decode = g.engine_loop.engine.tokenizer.decode
-        reply = _ChatReply(f"chatcmpl-{uuid.uuid4().hex[:16]}", g.served, int(time.time()),
-                           decode, Texts(decode, params), body.prompt_logprobs is not None)
-        return await g.run(request, generation, reply, decode, tag=CHAT_TAG)
+        reply = _ChatReply.new("chatcmpl", g, params, body.prompt_logprobs is not None)
+        return await g.run(request, generation, reply, tag=CHAT_TAG)
 
 
 @dataclass(frozen=True)
-class _ChatReply:
-    id: str
-    model: str
-    created: int
-    decode: Callable[[list[int]], str]
-    texts: Texts
-    prompt_logprobs: bool  # vLLM's field: the rendered prompt's tokens scored
-
+class _ChatReply(Reply):
     def _body(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices}

@@ -76,6 +76,8 @@ class Choice:
 class ReplyFormat(Protocol):
     """How an endpoint renders choices: streamed chunks and the final body."""
 
+    texts: Texts
+
     def chunk(self, choice: Choice, text: str, tokens: list[int],
               logprobs: Sequence[TokenLogprob], first: bool) -> dict[str, Any]: ...
 
@@ -143,7 +145,7 @@ class Generations:
                                .vocab_size, max_tokens=max_tokens, **logprobs)
 
     async def run(self, request: Request, generation: Generation, reply: ReplyFormat,
-                  decode: Callable[[list[int]], str], tag: str | None = None) -> Response:
+                  tag: str | None = None) -> Response:
         """Submit every choice and answer: one JSON body, or SSE chunks as tokens come."""
         engine = self.engine_loop.engine
         choices = generation.choices()
@@ -169,9 +171,8 @@ class Generations:
             for request_id in request_ids:
                 self.engine_loop.abort(request_id)
             raise
-        texts = Texts(decode, generation.params)
         if generation.stream:
-            events = self._events(request_ids, queue, choices, reply, texts,
+            events = self._events(request_ids, queue, choices, reply, reply.texts,
                                   generation.include_usage, generation.n)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -320,11 +321,9 @@ class Completions:
         prompts = [g.token_ids(p) for p in body.prompts()]
         generation = Generation(prompts, params, check_n(body.n), body.stream is True,
                                 include_usage(body))
-        decode = g.engine_loop.engine.tokenizer.decode
-        reply = _CompletionReply(f"cmpl-{_request_id()}", g.served, int(time.time()), decode,
-                                 echo, body.logprobs is not None,
-                                 body.prompt_logprobs is not None, Texts(decode, params))
-        return await g.run(request, generation, reply, decode,
+        reply = _CompletionReply.new("cmpl", g, params, body.prompt_logprobs is not None,
+                                     echo=echo, logprobs=body.logprobs is not None)
+        return await g.run(request, generation, reply,
                            tag=SCORE_TAG if params.prefill_only else None)
 
 
@@ -333,20 +332,31 @@ def include_usage(body: SamplingFields) -> bool:
     return options is not None and options.include_usage is True
 
 
-def _request_id() -> str:
-    return uuid.uuid4().hex[:16]
-
-
 @dataclass(frozen=True)
-class _CompletionReply:
+class Reply:
+    """What every reply of one HTTP request shares: its id (`prefix` and a fresh suffix),
+    model, creation time, the tokenizer's decode, the choices' texts, and whether vLLM's
+    `prompt_logprobs` field was asked for."""
+
     id: str
     model: str
     created: int
     decode: Callable[[list[int]], str]
-    echo: bool
-    logprobs: bool
-    prompt_logprobs: bool  # vLLM's own field, beside the OpenAI logprobs object
     texts: Texts
+    prompt_logprobs: bool
+
+    @classmethod
+    def new(cls, prefix: str, generations: Generations, params: SamplingParams,
+            prompt_logprobs: bool, **more: Any) -> Any:
+        decode = generations.engine_loop.engine.tokenizer.decode
+        return cls(f"{prefix}-{uuid.uuid4().hex[:16]}", generations.served, int(time.time()),
+                   decode, Texts(decode, params), prompt_logprobs, **more)
+
+
+@dataclass(frozen=True)
+class _CompletionReply(Reply):
+    echo: bool = False
+    logprobs: bool = False  # the OpenAI logprobs object was asked for
 
     def _body(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created,
