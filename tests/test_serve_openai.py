@@ -286,3 +286,22 @@ def test_vllm_request_families_read_with_one_prefix_substitution(api: openai.Ope
     reasons = {s.labels["finished_reason"]: s.value
                for s in ours["tokenflow:request_success"].samples}
     assert reasons["length"] >= 1 and {"stop", "abort"} <= set(reasons)
+
+
+def test_streamed_choices_of_a_batch_with_n(http: httpx.Client, api: openai.OpenAI) -> None:
+    """Two prompts, two choices each, streamed: every choice's chunks join to its text, and
+    echo leads each choice with its own prompt once."""
+    body = {"model": MODEL, "prompt": [[5, 6, 7], [8, 9]], "max_tokens": 3, "n": 2,
+            "seed": 4, "ignore_eos": True, "echo": True, "logprobs": 1, "stream": True}
+    texts: dict[int, str] = {}
+    scored: dict[int, int] = {}
+    with http.stream("POST", "/v1/completions", json=body) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                choice = json.loads(line[6:])["choices"][0]
+                texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+                scored[choice["index"]] = (scored.get(choice["index"], 0)
+                                           + len(choice["logprobs"]["token_logprobs"]))
+    whole = http.post("/v1/completions", json={**body, "stream": False}).json()
+    assert texts == {c["index"]: c["text"] for c in whole["choices"]}
+    assert scored == {0: 6, 1: 6, 2: 5, 3: 5}  # prompt tokens and 3 generated each
