@@ -82,3 +82,37 @@ def test_generation_config_sets_the_http_defaults(tmp_path: Path) -> None:
          "repetition_penalty": 1.1, "do_sample": True}))
     assert load_defaults(str(tmp_path)) == SamplingDefaults(
         temperature=0.6, top_p=0.9, top_k=50, repetition_penalty=1.1, max_tokens=64)
+
+
+def test_serve_refuses_a_missing_chat_template_file(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from console.cli.main import main
+
+    assert main(["serve", "--no-db", "--chat-template", str(tmp_path / "none.jinja")]) == 2
+    assert "--chat-template" in capsys.readouterr().err
+
+
+def test_create_app_takes_the_operators_template(tmp_path: Path) -> None:
+    """`--chat-template FILE` reaches the chat endpoint: the rendered prompt is the file's."""
+    import httpx
+
+    from engine import Engine, EngineConfig
+    from engine.serve.app import create_app
+    from engine.serve.loop import EngineLoop
+    from engine.serve.thread import ServerThread
+
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    loop = EngineLoop(Engine(EngineConfig(model="synthetic:tiny", device="cpu",
+                                          dtype="float32"))).start()
+    try:
+        with ServerThread(create_app(loop, admin_token=None, chat_template=template)) as server, \
+                httpx.Client(base_url=server.url, timeout=60) as http:
+            counted = http.post("/tokenize", json={"messages": [{"role": "user",
+                                                                 "content": "abc"}]}).json()
+            assert counted["tokens"] == loop.engine.tokenizer.encode("[abc]")
+            reply = http.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "abc"}], "max_tokens": 2}).json()
+            assert reply["usage"]["prompt_tokens"] == len("[abc]")
+    finally:
+        loop.stop()
