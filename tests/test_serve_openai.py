@@ -108,9 +108,10 @@ def test_min_p_top_k_top_p_and_default_temperature(api: openai.OpenAI) -> None:
     ("repetition_penalty", -1), ("min_p", 2), ("top_k", -1), ("logprobs", 21),
     ("logit_bias", {"100000": 1}), ("n", 0), ("min_tokens", 2), ("use_beam_search", True),
     ("allowed_token_ids", [5]), ("guided_json", {"type": "object"}), ("prompt_logprobs", 21),
+    ("seed", 2**64 - 1),
 ])
 def test_refused_fields_name_themselves(http: httpx.Client, field: str, value: object) -> None:
-    response = http.post("/v1/completions", json={"prompt": "hi", field: value})
+    response = http.post("/v1/completions", json={"prompt": "hi", "n": 2, field: value})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == field
 

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from engine.config import SamplingParams
+from engine.config import ConfigError, SamplingParams
 from engine.core.batch import TokenLogprob
 from engine.core.engine import RequestOutput
 from engine.core.request import SCORE_TAG, RequestState
@@ -57,11 +57,16 @@ class Generation:
     include_usage: bool
 
     def choices(self) -> list[tuple[list[int], SamplingParams]]:
-        """(prompt, params) per choice, choice i from prompt i // n."""
+        """(prompt, params) per choice, choice i from prompt i // n; ApiError(400) when a
+        derived seed leaves the seed range."""
         seed = self.params.seed
-        return [(prompt, self.params if seed is None or j == 0
-                 else dataclasses.replace(self.params, seed=seed + j))
-                for prompt in self.prompts for j in range(self.n)]
+        try:
+            per_choice = [self.params if seed is None or j == 0
+                          else dataclasses.replace(self.params, seed=seed + j)
+                          for j in range(self.n)]
+        except ConfigError as exc:
+            raise ApiError(400, f"'seed' + n - 1 {exc.message}", param="seed") from None
+        return [(prompt, params) for prompt in self.prompts for params in per_choice]
 
 
 @dataclass(frozen=True)
