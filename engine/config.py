@@ -36,6 +36,8 @@ FLOAT32_MAX = 3.4028234663852886e38
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
 INT64_MAX = 2**63 - 1  # the journal's INTEGER columns; larger values cannot be stored
 MAX_TOP_K = 2**31 - 1  # torch.topk's k; a vocabulary is far smaller
+MAX_LOGPROBS = 20  # top log-probabilities one token may ask for (vLLM's max_logprobs)
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
 
 
 @dataclass(frozen=True)
@@ -50,11 +52,34 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    # vLLM's meanings: presence/frequency count output tokens only, repetition divides
+    # positive (multiplies negative) logits of every token seen in prompt or output
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    stop: tuple[str, ...] = ()  # matched on the detokenized output
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # per generated token: its own and the top N
+    prompt_logprobs: int | None = None  # per prompt token, computed in the prefill chunks
+
+    @property
+    def prefill_only(self) -> bool:
+        """A scoring request: its prompt is prefilled (and scored) and nothing generated."""
+        return self.max_tokens == 0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the sampler must change the logits before choosing (greedy included)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
+                    or self.repetition_penalty != 1.0)
 
     def __post_init__(self) -> None:
         max_tokens = _integer("max_tokens", self.max_tokens)
-        if not 1 <= max_tokens <= INT64_MAX:
-            raise ConfigError("max_tokens", f"must be in [1, {INT64_MAX}]")
+        if not 0 <= max_tokens <= INT64_MAX:
+            raise ConfigError("max_tokens", f"must be in [0, {INT64_MAX}] (0 only scores "
+                                            "the prompt)")
         temperature = _real("temperature", self.temperature)
         if not 0 <= temperature <= FLOAT32_MAX:
             raise ConfigError("temperature", f"must be in [0, {FLOAT32_MAX:.4g}] (0 is greedy)")
@@ -86,14 +111,62 @@ class SamplingParams:
         if bad is not None:
             raise ConfigError("stop_token_ids", f"token id {bad} is negative or too large")
         for name, value in (("max_tokens", max_tokens), ("temperature", temperature),
-                            ("top_p", top_p), ("top_k", top_k), ("stop_token_ids", stop_ids)):
+                            ("top_p", top_p), ("top_k", top_k), ("stop_token_ids", stop_ids),
+                            *self._checked_extras()):
             object.__setattr__(self, name, value)
+
+    def _checked_extras(self) -> list[tuple[str, Any]]:
+        """The penalties, biases, stop strings and logprob counts, checked and normalised
+        (lists from JSON become tuples) as vLLM bounds them."""
+        values: list[tuple[str, Any]] = []
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _real(name, getattr(self, name))
+            if not -2 <= value <= 2:
+                raise ConfigError(name, "must be in [-2, 2]")
+            values.append((name, value))
+        repetition = _real("repetition_penalty", self.repetition_penalty)
+        if not 0 < repetition <= FLOAT32_MAX:
+            raise ConfigError("repetition_penalty", "must be greater than 0 (1 disables it)")
+        min_p = _real("min_p", self.min_p)
+        if not 0 <= min_p <= 1:
+            raise ConfigError("min_p", "must be in [0, 1] (0 disables it)")
+        values += [("repetition_penalty", repetition), ("min_p", min_p)]
+        try:
+            bias = tuple((_integer("logit_bias", token), _real("logit_bias", value))
+                         for token, value in self.logit_bias)
+        except (TypeError, ValueError):
+            raise ConfigError("logit_bias", "must map token ids to numbers") from None
+        bad = next((t for t, _ in bias if not 0 <= t <= INT64_MAX), None)
+        if bad is not None:
+            raise ConfigError("logit_bias", f"token id {bad} is negative or too large")
+        if any(not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for _, v in bias):
+            raise ConfigError("logit_bias", f"values must be in [-{MAX_LOGIT_BIAS:g}, "
+                                            f"{MAX_LOGIT_BIAS:g}]")
+        if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):
+            raise ConfigError("stop", "must be a list of strings")
+        if any(not s for s in self.stop):
+            raise ConfigError("stop", "must not hold an empty string")
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ConfigError("include_stop_str_in_output", "must be true or false")
+        values += [("logit_bias", bias), ("stop", tuple(self.stop))]
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(self, name)
+            if count is not None:
+                count = _integer(name, count)
+                if not 0 <= count <= MAX_LOGPROBS:
+                    raise ConfigError(name, f"must be in [0, {MAX_LOGPROBS}]")
+            values.append((name, count))
+        return values
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise ConfigError unless every token id and top_k fit a vocabulary of this size."""
         bad = next((t for t in self.stop_token_ids if t >= vocab_size), None)
         if bad is not None:
             raise ConfigError("stop_token_ids",
+                              f"token id {bad} is outside the vocabulary [0, {vocab_size})")
+        bad = next((t for t, _ in self.logit_bias if t >= vocab_size), None)
+        if bad is not None:
+            raise ConfigError("logit_bias",
                               f"token id {bad} is outside the vocabulary [0, {vocab_size})")
         if self.top_k > vocab_size:
             raise ConfigError("top_k", f"must be at most the vocabulary size {vocab_size} "

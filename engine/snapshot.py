@@ -27,6 +27,7 @@ class RequestView:
     budget_score: float | None
     arrival_s: float
     cached_tokens: int = 0  # prompt tokens its latest admission found in the prefix cache
+    kind: str = "generate"  # or "chat" (a chat completion) or "score" (prefill only)
 
     @property
     def cached_share(self) -> float:

@@ -203,7 +203,7 @@ def test_an_entry_the_engine_refuses_is_failed_once_not_resumed_at_every_start(
     database = open_database(tmp_path / "old.db")
     bus = EventBus()
     writer = StoreWriter(database, bus)
-    for rid, sampling in (("refused", {"max_tokens": 0}), ("fine", {"max_tokens": 2})):
+    for rid, sampling in (("refused", {"max_tokens": -1}), ("fine", {"max_tokens": 2})):
         bus.publish(RequestAdded(request_id=rid, prompt_token_ids=(5, 6, 7), sampling=sampling,
                                  tenant="t"))
     bus.drain()

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from console.cli.main import main
 from engine import Engine, EngineConfig
+from engine.config import SamplingParams
 from engine.core.batch import RequestOutput
 from engine.errors import EngineError
 from engine.events import Event, Finished
@@ -22,7 +23,7 @@ from engine.model.tokenizer import ByteTokenizer
 from engine.ops.metrics import TTFT_BUCKETS
 from engine.serve.app import create_app
 from engine.serve.auth import TOKEN_ENV, load_admin_token
-from engine.serve.completions import _decode_all, _Reply
+from engine.serve.completions import Texts
 from engine.serve.loop import EngineLoop
 from engine.serve.thread import ServerThread
 
@@ -55,7 +56,7 @@ def client(server: ServerThread) -> Iterator[httpx.Client]:
 
 
 def complete(client: httpx.Client, **body: object) -> httpx.Response:
-    return client.post("/v1/completions", json={"model": MODEL, **body})
+    return client.post("/v1/completions", json={"model": MODEL, "temperature": 0, **body})
 
 
 def test_completion_from_token_ids(client: httpx.Client) -> None:
@@ -86,8 +87,9 @@ def test_streaming_sends_every_token_then_done(client: httpx.Client) -> None:
     expected = complete(client, prompt=[9, 10, 11], max_tokens=8, ignore_eos=True).json()
     events = []
     with client.stream("POST", "/v1/completions",
-                       json={"prompt": [9, 10, 11], "max_tokens": 8, "ignore_eos": True,
-                             "stream": True, "stream_options": {"include_usage": True}}) as r:
+                       json={"temperature": 0, "prompt": [9, 10, 11], "max_tokens": 8,
+                             "ignore_eos": True, "stream": True,
+                             "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
@@ -108,8 +110,8 @@ def test_streamed_text_holds_back_incomplete_characters(client: httpx.Client,
     incomplete: no U+FFFD for bytes that a later token completes, none at the end."""
     decode = loop.engine.tokenizer.decode
     with client.stream("POST", "/v1/completions",
-                       json={"prompt": [200, 201], "max_tokens": 48, "ignore_eos": True,
-                             "stream": True}) as r:
+                       json={"temperature": 0, "prompt": [200, 201], "max_tokens": 48,
+                             "ignore_eos": True, "stream": True}) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines()
                   if line.startswith("data: {")]
     assert len(chunks) == 48
@@ -126,12 +128,12 @@ def test_incomplete_utf8_is_held_back_until_it_completes() -> None:
     """"é" is two bytes, two tokens of the byte tokenizer: nothing after the first, the
     whole character after the second; an invalid byte mid-text stays visible as U+FFFD."""
     tokenizer = ByteTokenizer(320)
-    reply = _Reply("cmpl-x", MODEL, 1, tokenizer.decode, 0)
+    texts = Texts(tokenizer.decode, SamplingParams())
     tokens = tokenizer.encode("aé")
 
     def text(ids: list[int]) -> str:
-        return _decode_all(reply, RequestOutput("x", (ids[-1],), tuple(ids), False, None,
-                                                "DECODING"))
+        return texts.visible(RequestOutput("x", (ids[-1],), tuple(ids), False, None,
+                                           "DECODING"))
 
     assert [text(tokens[:n]) for n in (1, 2, 3)] == ["a", "a", "aé"]
     invalid = [0xFF + ByteTokenizer.OFFSET]
@@ -142,11 +144,11 @@ def test_openai_client_works(server: ServerThread) -> None:
     api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     assert [m.id for m in api.models.list().data] == [MODEL]
     result = api.completions.create(model=MODEL, prompt="The budget", max_tokens=4,
-                                    extra_body={"ignore_eos": True})
+                                    temperature=0, extra_body={"ignore_eos": True})
     assert result.choices[0].finish_reason == "length"
     assert result.usage is not None and result.usage.completion_tokens == 4
     stream = api.completions.create(model=MODEL, prompt="The budget", max_tokens=4, stream=True,
-                                    extra_body={"ignore_eos": True})
+                                    temperature=0, extra_body={"ignore_eos": True})
     assert "".join(chunk.choices[0].text for chunk in stream) == result.choices[0].text
 
 
@@ -230,7 +232,7 @@ def test_circuit_breaker_answers_422_before_engine_work(client: httpx.Client,
     (b"{not json", 400), (b"[1, 2]", 400), (b'{"max_tokens": 4}', 400),
     (b'{"prompt": "hi", "max_tokens": "four"}', 400), (b'{"prompt": "hi", "max_tokens": 0}', 400),
     (b'{"prompt": "hi", "temperature": -1}', 400), (b'{"prompt": [1, "a"]}', 400),
-    (b'{"prompt": []}', 400), (b'{"prompt": [999999]}', 400), (b'{"prompt": "hi", "n": 2}', 400),
+    (b'{"prompt": []}', 400), (b'{"prompt": [999999]}', 400), (b'{"prompt": "hi", "n": 0}', 400),
     (b'{"prompt": "hi", "model": "gpt-4"}', 404),
 ])
 def test_malformed_requests_are_refused(client: httpx.Client, content: bytes,

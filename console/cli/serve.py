@@ -62,6 +62,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     http.add_argument("--public-stats", action="store_true",
                       help="serve /v1/stats and /v1/slow_queries without the admin token "
                            "(they show request ids, tenants and the config)")
+    http.add_argument("--chat-template", type=Path, metavar="FILE",
+                      help="Jinja chat template for /v1/chat/completions, replacing the "
+                           "model's own (chat_template.jinja or tokenizer_config.json)")
     http.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                       help="also accept requests whose Host header is NAME (repeatable; "
                            f"always accepted: {', '.join(LOOPBACK_HOSTS)} and --host; "
@@ -104,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
     if args.otlp_listen and args.no_db:
         raise UserError("--otlp-listen keeps traced requests in the store; drop --no-db")
     otlp = otlp_token(args) if args.otlp_listen else None
+    if args.chat_template is not None and not args.chat_template.is_file():
+        raise UserError(f"--chat-template {str(args.chat_template)!r} is not a file; pass a "
+                        "Jinja template file")
     config = engine_config(args)
     token = load_admin_token(args.admin_token_file)
     listener = _listen(args.host, args.port)  # a taken port fails now, not after the model loads
@@ -128,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
                          max_body_bytes=args.max_body_bytes,
                          slow_queries_reader=None if database is None else _reader(database),
                          public_stats=args.public_stats,
-                         allowed_hosts=[*LOOPBACK_HOSTS, args.host, *args.allow_host])
+                         allowed_hosts=[*LOOPBACK_HOSTS, args.host, *args.allow_host],
+                         chat_template=args.chat_template)
         admin = "on" if token else f"off (set {TOKEN_ENV} or --admin-token-file)"
         store = "none" if database is None else f"{database.location} as {database.server}"
         host, port = listener.getsockname()[:2]  # --port 0: the one the system chose

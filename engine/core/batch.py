@@ -14,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from engine.core.request import TokenLogprob
+
 if TYPE_CHECKING:
     from engine.core.request import Request
 
@@ -48,6 +50,7 @@ class StepShape:
 
     prefill: tuple[tuple[int, int], ...] = ()
     decode_contexts: tuple[int, ...] = ()
+    scored_rows: int = 0  # extra logits rows computed to score prompt tokens (prompt_logprobs)
 
     # memoised: the cost models read these several times for every shape they price
     @_memo
@@ -61,8 +64,9 @@ class StepShape:
 
     @property
     def logits_rows(self) -> int:
-        """Rows of logits computed: one per prefill chunk end and one per decode."""
-        return len(self.prefill) + len(self.decode_contexts)
+        """Rows of logits computed: one per prefill chunk end and one per decode, and the
+        rows that score prompt tokens."""
+        return len(self.prefill) + len(self.decode_contexts) + self.scored_rows
 
     @_memo
     def cached_tokens_read(self) -> int:
@@ -108,6 +112,15 @@ class ScheduledChunk:
     def is_decode(self) -> bool:
         return self.request.is_decoding
 
+    @property
+    def scored_rows(self) -> int:
+        """Rows whose logits score a prompt token (row i predicts the token at start + i +
+        1): those of a prefill chunk whose request asks for prompt logprobs, else none."""
+        request = self.request
+        if request.params.prompt_logprobs is None or self.is_decode:
+            return 0
+        return max(0, min(self.num_tokens, request.num_prompt_tokens - 1 - self.start))
+
 
 @dataclass
 class Batch:
@@ -143,17 +156,22 @@ class Batch:
         it."""
         if self._shape is None:
             self._shape = StepShape(prefill=tuple((c.num_tokens, c.start) for c in self.prefills),
-                                    decode_contexts=tuple(c.start + 1 for c in self.decodes))
+                                    decode_contexts=tuple(c.start + 1 for c in self.decodes),
+                                    scored_rows=sum(c.scored_rows for c in self.prefills))
         return self._shape
 
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
     """One step's sampled tokens by request id; a request whose sampling raised is in
-    `errors` (id -> what went wrong) instead, so it fails alone (issue 15)."""
+    `errors` (id -> what went wrong) instead, so it fails alone (issue 15). Requests that
+    ask for them get their sampled token's logprob, and the prompt tokens each prefill
+    chunk scored (positions from 1: the first prompt token has no prediction)."""
 
     token_ids: dict[str, int] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
 class StepTiming(NamedTuple):  # a tuple: made every step
@@ -173,15 +191,24 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     state: str
+    # only for requests that ask: every generated token's and every scored prompt token's
+    # logprob so far, and where a matched stop string cuts the output text
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    text_end: int | None = None
 
     @classmethod
     def of(cls, request_id: str, new_token_ids: tuple[int, ...], token_ids: tuple[int, ...],
-           finished: bool, finish_reason: str | None, state: str) -> RequestOutput:
+           finished: bool, finish_reason: str | None, state: str,
+           logprobs: tuple[TokenLogprob, ...] | None = None,
+           prompt_logprobs: tuple[TokenLogprob, ...] | None = None,
+           text_end: int | None = None) -> RequestOutput:
         """The object the constructor makes, made for the step's hot path (an output per
         request per step): a frozen dataclass's __init__ sets each field through
         object.__setattr__, three times slower than filling the new object's __dict__."""
         output = object.__new__(cls)
         output.__dict__.update(request_id=request_id, new_token_ids=new_token_ids,
                                token_ids=token_ids, finished=finished,
-                               finish_reason=finish_reason, state=state)
+                               finish_reason=finish_reason, state=state, logprobs=logprobs,
+                               prompt_logprobs=prompt_logprobs, text_end=text_end)
         return output

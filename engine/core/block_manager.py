@@ -152,8 +152,11 @@ class BlockManager:
     def take_cached(self, request: Request) -> int:
         """Give a request that holds no block the longest run of cached blocks matching its
         tokens, never the block of its last token (that token must be computed for a token to
-        be sampled); its computed tokens start after them. Returns the cached tokens."""
-        if not self.enable_caching or request.block_table:
+        be sampled); its computed tokens start after them. Returns the cached tokens. A
+        request that scores its prompt reads no cache (as in vLLM): cached tokens are never
+        run, so they would go unscored; its blocks are still cached for others."""
+        if (not self.enable_caching or request.block_table
+                or request.params.prompt_logprobs is not None):
             return 0
         hashes = self._hashes(request, (request.num_tokens - 1) // self.block_size)
         for h in hashes:

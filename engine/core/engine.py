@@ -11,6 +11,7 @@ and read the last snapshot.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
@@ -95,7 +96,8 @@ class Engine:
                                    lambda shape: self.predict(shape), self.bus.publish, clock,
                                    bytes_moved=lambda shape: self.budget.bytes_moved(shape),
                                    eos_token_ids=self.tokenizer.eos_token_ids,
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len,
+                                   decode=self.tokenizer.decode)
         self.metrics = Metrics(config.stats_window_s)
         self.metrics.subscribe_to(self.bus)
         self.guards = Guards()
@@ -439,9 +441,8 @@ class Engine:
 
 
 def _params_dict(params: SamplingParams) -> dict[str, object]:
-    return {"max_tokens": params.max_tokens, "temperature": params.temperature,
-            "top_p": params.top_p, "top_k": params.top_k, "seed": params.seed,
-            "ignore_eos": params.ignore_eos, "stop_token_ids": list(params.stop_token_ids)}
+    """Every field, so a resumed request samples as it was asked to (tuples: JSON lists)."""
+    return dataclasses.asdict(params)
 
 
 def _view(request: Request, budget: int) -> RequestView:
@@ -455,4 +456,4 @@ def _view(request: Request, budget: int) -> RequestView:
         generated_tokens=len(request.output_token_ids), cached_tokens=request.cached_tokens,
         ttft_ms=None if request.ttft_s is None else request.ttft_s * 1000,
         tpot_ms=None if request.tpot_s is None else request.tpot_s * 1000,
-        budget_score=request.budget_score, arrival_s=request.arrival)
+        budget_score=request.budget_score, arrival_s=request.arrival, kind=request.kind)

@@ -10,6 +10,7 @@ import ctypes.util
 import gc
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,7 @@ from engine.core.batch import Batch, ModelRunnerOutput, ScheduledChunk
 from engine.core.cpu_graph import DecodeGraphs
 from engine.core.cpu_kernels import KernelUnavailable, prefill_supports
 from engine.core.cpu_kernels import load as load_cpu_kernels
-from engine.core.sampler import sample
+from engine.core.sampler import sample, token_logprobs
 from engine.errors import EngineError
 from engine.model.loader import load_model, model_config_for
 
@@ -98,6 +99,7 @@ class StepInputs:
     positions: torch.Tensor
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # row of each sampling chunk, in the order of the chunks given
+    last_rows: dict[int, int]  # id(chunk) -> its last row in the packed order
 
 
 class ModelRunner:
@@ -220,18 +222,41 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: Batch) -> ModelRunnerOutput:
         """Forward one packed batch and sample a token for each chunk that ends its known
-        tokens; a request whose sampling raises is in the output's errors instead."""
-        return sample(self.forward(batch.chunks), [c.request for c in batch.sampling])
+        tokens; a request whose sampling raises is in the output's errors instead. A chunk
+        of a request that asks for prompt logprobs scores its prompt tokens from its own
+        rows' logits: the prefill is the scoring pass."""
+        scoring = [c for c in batch.prefills if c.scored_rows]
+        logits, scored = self.forward(batch.chunks, scoring)
+        output = sample(logits, [c.request for c in batch.sampling])
+        for chunk, rows in zip(scoring, scored, strict=True):
+            request = chunk.request
+            first = chunk.start + 1  # row i predicts the token at position start + i + 1
+            targets = request.prompt_token_ids[first:first + len(rows)]
+            try:
+                output.prompt_logprobs[request.id] = (first, token_logprobs(
+                    torch.log_softmax(rows.float(), dim=-1), targets,
+                    request.params.prompt_logprobs or 0))
+            except Exception as exc:  # this request's alone, as its sampling is
+                output.errors[request.id] = f"scoring its prompt failed: {exc!r}"
+        return output
 
     @torch.inference_mode()
-    def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
-        """Logits [num sampling chunks, vocab] of one packed batch, in `chunks` order."""
+    def forward(self, chunks: list[ScheduledChunk], scoring: Sequence[ScheduledChunk] = ()
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Logits [num sampling chunks, vocab] of one packed batch, in `chunks` order, and
+        for each chunk of `scoring` the logits of its rows that predict prompt tokens."""
         inputs = self.prepare(chunks)
         if self.graphs is not None and self.graphs.covers(inputs.meta, len(inputs.input_ids)):
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
-        return self.model.logits(hidden.index_select(0, inputs.sample_rows))
+        logits = self.model.logits(hidden.index_select(0, inputs.sample_rows))
+        scored = []
+        for chunk in scoring:
+            last = inputs.last_rows[id(chunk)]
+            first = last - chunk.num_tokens + 1
+            scored.append(self.model.logits(hidden[first:first + chunk.scored_rows]))
+        return logits, scored
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
         prefills = [c for c in chunks if not c.is_decode]
@@ -309,6 +334,7 @@ class ModelRunner:
             positions=torch.cat(positions).to(self.device),
             meta=meta,
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
+            last_rows=row_of,
         )
 
     def _prefill_span(self, row: int, pos: torch.Tensor, table: torch.Tensor,

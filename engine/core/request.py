@@ -9,12 +9,18 @@ from __future__ import annotations
 import enum
 from array import array
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from engine.config import SamplingParams
 
 if TYPE_CHECKING:  # only named in an annotation: the console's plan reads import this module
     import torch
+
+
+# the tags the HTTP server gives a chat completion's requests and a prompt-scoring request's
+# (distinct from workload tags), shown with slow queries
+CHAT_TAG = "chat-completion"
+SCORE_TAG = "prompt-score"
 
 
 class RequestState(enum.StrEnum):
@@ -32,6 +38,16 @@ class RequestState(enum.StrEnum):
 
 
 _FINAL = frozenset((RequestState.FINISHED, RequestState.FAILED, RequestState.REJECTED))
+
+
+class TokenLogprob(NamedTuple):  # a tuple: one per token of a request that asks
+    """A token's log-probability, its rank in the vocabulary (1 is the likeliest) and the
+    top N (token id, log-probability) pairs at its position, likeliest first."""
+
+    token: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +133,18 @@ class Request:
     last_token_time: float | None = None
     finish_time: float | None = None
     generator: torch.Generator | None = None  # a seeded request's, made at its first draw
+    # asked-for logprobs: one per generated token, and one per prompt token from the second
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    stop_checked_chars: int = 0  # output text already searched for stop strings
+    text_end: int | None = None  # where a matched stop string cuts the output text
+
+    @property
+    def kind(self) -> str:
+        """What the console calls it: "score" (prefill only), "chat" or "generate"."""
+        if self.params.prefill_only:
+            return "score"
+        return "chat" if self.tag == CHAT_TAG else "generate"
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -171,6 +199,21 @@ class Request:
         if start >= prompt:
             return self.output_token_ids[start - prompt:end - prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt]
+
+    def match_stop(self, text: str) -> bool:
+        """Whether the output `text` (decoded, incomplete characters held back) now holds
+        one of the stop strings, across token boundaries; sets `text_end` to where the text
+        is cut: before the earliest match, or after it with include_stop_str_in_output."""
+        stops = self.params.stop
+        # only what the new characters can complete: a match ending before them was seen
+        since = max(0, self.stop_checked_chars - max(map(len, stops)) + 1)
+        self.stop_checked_chars = len(text)
+        found = [(at, stop) for stop in stops if (at := text.find(stop, since)) >= 0]
+        if not found:
+            return False
+        at, stop = min(found)
+        self.text_end = at + len(stop) if self.params.include_stop_str_in_output else at
+        return True
 
     def set_state(self, state: RequestState, reason: str) -> None:
         self.state = state

@@ -1,8 +1,12 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a per-request seed.
+"""Token sampling as vLLM V1 does it: logit_bias, then the penalties, then greedy or
+temperature, min_p, top-k and top-p, with a per-request seed; and logprobs.
 
 Each request is sampled on its own account: whatever one request's parameters make go wrong
 (a seed torch cannot take, probabilities that are all NaN) fails that request alone and
 every other row of the step still gets its token (issue 15).
+
+Logprobs are vLLM's default `raw_logprobs`: the log-softmax of the model's own logits,
+before bias, penalties and temperature, so a score does not depend on how it was sampled.
 """
 
 from __future__ import annotations
@@ -12,34 +16,86 @@ from collections.abc import Sequence
 import torch
 
 from engine.config import SamplingParams
-from engine.core.batch import ModelRunnerOutput
+from engine.core.batch import ModelRunnerOutput, TokenLogprob
 from engine.core.request import Request
 
 
 def sample(logits: torch.Tensor, requests: Sequence[Request]) -> ModelRunnerOutput:
     """One token per row of `logits` [M, V] (fp32), row i for `requests[i]`; greedy rows
-    never draw randomness."""
+    never draw randomness. A prefill-only request's row is not sampled."""
     greedy = logits.argmax(dim=-1).tolist()
     tokens: dict[str, int] = {}
     errors: dict[str, str] = {}
+    logprobs: dict[str, TokenLogprob] = {}
     for row, request in enumerate(requests):
         params = request.params
-        if not params.temperature > 0:
-            tokens[request.id] = greedy[row]
+        if params.prefill_only:
             continue
         try:
-            if params.seed is not None and request.generator is None:
-                request.generator = make_generator(params.seed)
-            tokens[request.id] = _draw(logits[row], params, request.generator)
+            raw = logits[row]
+            scores = _penalized(raw, request) if params.penalized else raw
+            if not params.temperature > 0:
+                token = greedy[row] if scores is raw else int(scores.argmax())
+            else:
+                if params.seed is not None and request.generator is None:
+                    request.generator = make_generator(params.seed)
+                token = _draw(scores, params, request.generator)
+            if params.logprobs is not None:
+                logprobs[request.id] = token_logprobs(
+                    torch.log_softmax(raw, dim=-1), [token], params.logprobs)[0]
+            tokens[request.id] = token
         except Exception as exc:  # whatever it is, it is this request's alone
             errors[request.id] = (f"sampling failed (temperature {params.temperature}, top_p "
                                   f"{params.top_p}, top_k {params.top_k}, seed {params.seed}): "
                                   f"{type(exc).__name__}: {exc}")
-    return ModelRunnerOutput(token_ids=tokens, errors=errors)
+    return ModelRunnerOutput(token_ids=tokens, errors=errors, logprobs=logprobs)
+
+
+def token_logprobs(logprobs: torch.Tensor, tokens: Sequence[int],
+                   top: int) -> list[TokenLogprob]:
+    """For each row of `logprobs` [N, V] (or one row [V]) the logprob and rank of
+    `tokens[i]` and the row's `top` likeliest tokens."""
+    rows = logprobs.view(-1, logprobs.shape[-1])
+    index = torch.tensor(tokens, dtype=torch.int64, device=rows.device).unsqueeze(1)
+    chosen = rows.gather(1, index)
+    ranks = ((rows > chosen).sum(dim=1) + 1).tolist()
+    top_values, top_ids = rows.topk(top, dim=1) if top else (rows[:, :0], rows[:, :0].long())
+    pairs = [tuple(zip(ids, values, strict=True))
+             for ids, values in zip(top_ids.tolist(), top_values.tolist(), strict=True)]
+    return [TokenLogprob(token, value, rank, top_pairs)
+            for token, value, rank, top_pairs in zip(tokens, chosen.squeeze(1).tolist(), ranks,
+                                                     pairs, strict=True)]
+
+
+def _penalized(logits: torch.Tensor, request: Request) -> torch.Tensor:
+    """A copy of one row with logit_bias added, then the repetition penalty (over prompt and
+    output tokens), then the frequency and presence penalties (output tokens only)."""
+    p = request.params
+    scores = logits.clone()
+    if p.logit_bias:
+        ids = torch.tensor([t for t, _ in p.logit_bias], dtype=torch.int64, device=scores.device)
+        bias = torch.tensor([b for _, b in p.logit_bias], dtype=scores.dtype,
+                            device=scores.device)
+        scores.index_add_(0, ids, bias)
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(request.prompt_token_ids + request.output_token_ids,
+                            dtype=torch.int64, device=scores.device).unique()
+        values = scores[seen]
+        scores[seen] = torch.where(values > 0, values / p.repetition_penalty,
+                                   values * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and request.output_token_ids:
+        counts = torch.bincount(torch.tensor(request.output_token_ids, dtype=torch.int64,
+                                             device=scores.device),
+                                minlength=scores.numel())[:scores.numel()].to(scores.dtype)
+        scores -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(scores.dtype)
+    return scores
 
 
 def _draw(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
     scaled = logits / p.temperature
+    if p.min_p > 0:  # vLLM: drop tokens below min_p times the likeliest one's probability
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
     if p.top_k > 0 and p.top_k < scaled.numel():
         kth = torch.topk(scaled, p.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -81,7 +81,8 @@ class Scheduler:
     def __init__(self, config: EngineConfig, blocks: BlockManager, bandwidth: BandwidthSource,
                  predict: Cost, publish: Callable[[Event], None], clock: Callable[[], float],
                  *, bytes_moved: Cost, eos_token_ids: Iterable[int],
-                 max_model_len: int) -> None:
+                 max_model_len: int,
+                 decode: Callable[[list[int]], str] = lambda ids: "") -> None:
         self.config = config
         self.blocks = blocks
         self.bandwidth = bandwidth
@@ -90,6 +91,7 @@ class Scheduler:
         self.publish = publish
         self.clock = clock
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.decode = decode  # the tokenizer's: stop strings match on the text
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}  # live: waiting, running or preempted
         self.recent: deque[Request] = deque(maxlen=RECENT_FINISHED)  # ended, newest last
@@ -451,6 +453,10 @@ class Scheduler:
             self._record_chunk(chunk, timing, start, len(batch.decodes),
                                prefill_tokens - chunk.num_tokens, batch.mode.value)
             cache(chunk.request)
+        for request_id, (first, scored) in output.prompt_logprobs.items():
+            request = self.requests[request_id]
+            # a recomputed prefill (after a preemption) scores positions already kept
+            request.prompt_logprobs += scored[max(0, len(request.prompt_logprobs) + 1 - first):]
         block_size = self.blocks.block_size
         for chunk in batch.decodes:
             request = chunk.request
@@ -465,7 +471,10 @@ class Scheduler:
             error = output.errors.get(request.id)
             if error is None:
                 try:
-                    token = output.token_ids[request.id]
+                    token = (None if request.params.prefill_only
+                             else output.token_ids[request.id])
+                    if request.id in output.logprobs:
+                        request.logprobs.append(output.logprobs[request.id])
                     outputs.append(self._append_token(request, token, timing))
                     continue
                 except Exception as exc:  # fault isolation: it fails this request only
@@ -480,6 +489,9 @@ class Scheduler:
         if token in params.stop_token_ids:
             return "stop"
         if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if params.stop and request.match_stop(self.decode(request.output_token_ids)
+                                              .rstrip("\ufffd")):
             return "stop"
         generated = len(request.output_token_ids)
         if generated >= params.max_tokens:
@@ -505,13 +517,19 @@ class Scheduler:
             estimated_bytes=self.bytes_moved(alone), predicted_s=timing.predicted_s,
             prefill_done=chunk.samples))
 
-    def _append_token(self, request: Request, token: int, timing: StepTiming) -> RequestOutput:
+    def _append_token(self, request: Request, token: int | None,
+                      timing: StepTiming) -> RequestOutput:
+        """Book `token` after the request's last chunk or decode; None ends a prefill-only
+        (scoring) request there, its prompt computed and nothing generated."""
         now = timing.end
         if request.state is RequestState.PREFILL_CHUNKING:
             request.set_state(RequestState.DECODING, "prefill complete")
             if request.prefill_finished is None:
                 request.prefill_finished = now
                 self._check_slow(request, now)
+        if token is None:
+            self.finish(request, RequestState.FINISHED, "length")
+            return request_output(request, ())
         if request.first_token_time is None:
             request.first_token_time = now
         elif request.decode_gaps is not None and request.last_token_time is not None:
@@ -631,5 +649,14 @@ def request_output(request: Request, new_tokens: tuple[int, ...]) -> RequestOutp
     state = request.state
     final = state.is_final
     # str() of a StrEnum is its value, without the enum's Python-level `value` property
-    return RequestOutput.of(request.id, new_tokens, tuple(request.output_token_ids), final,
-                            request.reason if final else None, str(state))
+    params = request.params
+    if params.logprobs is None and params.prompt_logprobs is None and not params.stop:
+        return RequestOutput.of(request.id, new_tokens, tuple(request.output_token_ids), final,
+                                request.reason if final else None, str(state))
+    return RequestOutput.of(
+        request.id, new_tokens, tuple(request.output_token_ids), final,
+        request.reason if final else None, str(state),
+        logprobs=None if params.logprobs is None else tuple(request.logprobs),
+        prompt_logprobs=(None if params.prompt_logprobs is None
+                         else tuple(request.prompt_logprobs)),
+        text_end=request.text_end)

@@ -38,6 +38,10 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# vLLM's 1-2-5 series for per-request token counts (it stops at max_model_len; we at 10^6)
+REQUEST_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))[:-2]
+# vLLM's finished_reason label values, by our Finished reasons
+FINISHED_REASONS = {"stop": "stop", "length": "length", "aborted": "abort"}
 BUDGET_SCORE_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 
 DEFAULT_WINDOW_S = 60.0
@@ -100,6 +104,39 @@ class Histogram:
         return rows
 
 
+@dataclass
+class RequestStats:
+    """vLLM's per-request families, from each Finished event: successes by finish reason,
+    prompt and generation tokens, and the request's phases: queue (arrival to first
+    admission), prefill (admission to first token), decode (first token to the end),
+    inference (admission to the end), and its mean time per output token."""
+
+    success: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: Histogram = field(default_factory=lambda: Histogram(REQUEST_TOKEN_BUCKETS))
+    generation_tokens: Histogram = field(
+        default_factory=lambda: Histogram(REQUEST_TOKEN_BUCKETS))
+    queue: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    prefill: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    decode: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    inference: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    tpot: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+
+    def on_finished(self, event: Finished) -> None:
+        reason = FINISHED_REASONS.get(event.reason, event.reason)
+        self.success[reason] = self.success.get(reason, 0) + 1
+        self.prompt_tokens.observe(event.prompt_tokens)
+        self.generation_tokens.observe(event.generated_tokens)
+        queue = event.queue_wait_s or 0.0
+        if event.queue_wait_s is not None:
+            self.queue.observe(queue)
+            self.inference.observe(max(0.0, event.e2e_s - queue))
+        if event.ttft_s is not None:
+            self.prefill.observe(max(0.0, event.ttft_s - queue))
+            self.decode.observe(max(0.0, event.e2e_s - event.ttft_s))
+            if event.generated_tokens > 1:
+                self.tpot.observe((event.e2e_s - event.ttft_s) / (event.generated_tokens - 1))
+
+
 class Metrics:
     def __init__(self, window_s: float = DEFAULT_WINDOW_S) -> None:
         self._lock = threading.Lock()
@@ -117,6 +154,7 @@ class Metrics:
         self.e2e = Histogram(E2E_BUCKETS)
         self.iteration_tokens = Histogram(ITERATION_TOKEN_BUCKETS)
         self.budget_score = Histogram(BUDGET_SCORE_BUCKETS)
+        self.requests = RequestStats()
         self.window_s = window_s
         self.recent_ttft = _Window(window_s)
         self.recent_tpot = _Window(window_s)
@@ -184,6 +222,7 @@ class Metrics:
 
     def _on_finished(self, event: Finished) -> None:
         with self._lock:
+            self.requests.on_finished(event)
             self._last_token_ts.pop(event.request_id, None)
             self.requests_finished_total += 1
             self.e2e.observe(event.e2e_s)

@@ -10,20 +10,26 @@ unless the operator makes them public; every request must name an allowed Host.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from engine.config import ConfigError
+from engine.model.chat_template import load_chat_template
+from engine.model.loader import SYNTHETIC_PREFIX
 from engine.serve.auth import TOKEN_ENV, require_admin
-from engine.serve.completions import Completions
+from engine.serve.chat import Chat, render_messages
+from engine.serve.completions import Completions, Generations
 from engine.serve.hosts import LOOPBACK_HOSTS, HostAllowList
 from engine.serve.loop import EngineLoop
 from engine.serve.prometheus import CONTENT_TYPE, render_metrics
@@ -31,6 +37,8 @@ from engine.serve.protocol import (
     ApiError,
     BodyLimits,
     ConfigPatch,
+    DetokenizeBody,
+    TokenizeBody,
     api_error_handler,
     json_response,
     parse_model,
@@ -50,11 +58,18 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
                max_queue: int = DEFAULT_MAX_QUEUE, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                slow_queries_reader: SlowQueriesReader | None = None, public_stats: bool = False,
-               allowed_hosts: Sequence[str] = LOOPBACK_HOSTS) -> Starlette:
-    """The starlette app; the caller owns `loop` (started before serving, stopped after)."""
+               allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
+               chat_template: Path | None = None) -> Starlette:
+    """The starlette app; the caller owns `loop` (started before serving, stopped after).
+    `chat_template` replaces the model's own template (ChatTemplateError if unusable)."""
     started = int(time.time())
     limits = BodyLimits(max_bytes=max_body_bytes, read_timeout_s=body_timeout_s)
-    completions = Completions(loop, max_queue=max_queue, limits=limits)
+    generations = Generations(loop, max_queue=max_queue, limits=limits)
+    completions = Completions(generations)
+    model = loop.engine.config.model
+    template = load_chat_template(model, chat_template,
+                                  synthetic=model.startswith(SYNTHETIC_PREFIX))
+    chat = Chat(generations, template)
 
     def require_reader(request: Request) -> None:
         if public_stats:
@@ -126,8 +141,36 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
         records = await run_in_threadpool(slow_queries_reader, limit)  # SQLite blocks
         return json_response({"data": [dataclasses.asdict(r) for r in records]})
 
+    async def tokenize(request: Request) -> Response:
+        body = parse_model(TokenizeBody, await read_json(request, limits))
+        generations.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise ApiError(400, "send either 'prompt' or 'messages'", param="prompt")
+        text = body.prompt if body.messages is None else render_messages(
+            template, body.messages, body.add_generation_prompt is not False)
+        tokens = generations.token_ids(text or "")
+        return JSONResponse({"count": len(tokens), "max_model_len": loop.engine.max_model_len,
+                             "tokens": tokens, "token_strs": None})
+
+    async def detokenize(request: Request) -> Response:
+        body = parse_model(DetokenizeBody, await read_json(request, limits))
+        generations.check_model(body.model)
+        vocab = loop.engine.model_config.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is outside the vocabulary [0, {vocab})",
+                           param="tokens")
+        return JSONResponse({"prompt": loop.engine.tokenizer.decode(body.tokens)})
+
+    async def version(_request: Request) -> Response:
+        return JSONResponse({"version": importlib.metadata.version("tokenflow")})
+
     routes = [
         Route("/v1/completions", completions.handle, methods=["POST"]),
+        Route("/v1/chat/completions", chat.handle, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/version", version, methods=["GET"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
@@ -138,6 +181,21 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
         Route("/v1/admin/resume", pause_or_resume(loop.resume), methods=["POST"]),
         Route("/v1/slow_queries", slow_queries, methods=["GET"]),
     ]
-    return Starlette(routes=routes, exception_handlers={ApiError: api_error_handler},
+    return Starlette(routes=routes, exception_handlers={ApiError: api_error_handler,
+                                                        HTTPException: _http_error},
                      middleware=[Middleware(HostAllowList, allowed=allowed_hosts)])
 
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such route, wrong method) in the OpenAI error body."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        message = f"no route {request.url.path!r}; see GET /v1/models and docs/serve.md"
+    elif exc.status_code == 405:
+        message = f"{request.method} is not allowed on {request.url.path!r}"
+    else:
+        message = str(exc.detail)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return ApiError(exc.status_code, message, kind=kind, headers=dict(exc.headers or {})
+                    ).response()

@@ -1,240 +1,469 @@
-"""POST /v1/completions, OpenAI-compatible: a prompt of text or token ids in, text and ids out.
+"""POST /v1/completions, OpenAI-compatible as vLLM is: prompts of text or token ids in, text,
+ids and logprobs out; and the generation machinery POST /v1/chat/completions shares.
 
 Everything that can be refused is refused before the engine sees the request: malformed
 fields (400), an unknown model (404), a prompt the engine could never serve, the circuit
-breaker included (422), a full queue (429) or a dead engine (503). Outputs cross from the
-engine thread to the event loop through `call_soon_threadsafe`; a client that goes away
-aborts its request so its KV blocks are freed at the next step (and the journal records it
-aborted). With a journal, a request's first output leaves only once its journal row is
-committed, and its last once its end is: a client never holds tokens of a request the
+breaker included (422), a full queue (429) or a dead engine (503). One HTTP request becomes
+one engine request per choice: per prompt of a batch, `n` each (they share the prompt's
+cached prefix; a seeded request's choice j samples with seed + j, as vLLM's). Outputs cross
+from the engine thread to the event loop through `call_soon_threadsafe`; a client that goes
+away aborts its requests so their KV blocks are freed at the next step (and the journal
+records them aborted). With a journal, a request's first output leaves only once its journal
+row is committed, and its last once its end is: a client never holds tokens of a request the
 journal does not know, nor a whole answer the journal would run again.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from engine.config import ConfigError, SamplingParams
+from engine.core.batch import TokenLogprob
 from engine.core.engine import RequestOutput
-from engine.core.request import RequestState
+from engine.core.request import SCORE_TAG, RequestState
 from engine.errors import RequestError
 from engine.serve.loop import EngineLoop
-from engine.serve.protocol import ApiError, BodyLimits, CompletionBody, parse_model, read_json
+from engine.serve.protocol import (
+    ApiError,
+    BodyLimits,
+    CompletionBody,
+    SamplingFields,
+    parse_model,
+    read_json,
+)
+from engine.serve.sampling import SamplingDefaults, load_defaults, sampling_params
 
 RETRY_AFTER_S = 1  # what a refused client is told to wait before trying again
 ERROR_CHECK_S = 1.0  # how often a waiting request checks that the engine thread is alive
 JOURNAL_WAIT_S = 10.0  # an output waits this long for the journal to commit it
 FINISH_REASONS = {"stop": "stop", "length": "length", "aborted": "abort"}
+MIN_LOGPROB = -9999.0  # vLLM's floor: JSON has no -inf
 
 
 @dataclass(frozen=True)
-class CompletionRequest:
-    prompt: str | list[int]
+class Generation:
+    """What one HTTP request asks of the engine: `n` choices of each prompt, in order."""
+
+    prompts: list[list[int]]
     params: SamplingParams
+    n: int
     stream: bool
     include_usage: bool
-    model: str | None
+
+    def choices(self) -> list[tuple[list[int], SamplingParams]]:
+        """(prompt, params) per choice, choice i from prompt i // n; ApiError(400) when a
+        derived seed leaves the seed range."""
+        seed = self.params.seed
+        try:
+            per_choice = [self.params if seed is None or j == 0
+                          else dataclasses.replace(self.params, seed=seed + j)
+                          for j in range(self.n)]
+        except ConfigError as exc:
+            raise ApiError(400, f"'seed' + n - 1 {exc.message}", param="seed") from None
+        return [(prompt, params) for prompt in self.prompts for params in per_choice]
 
 
-def parse_completion(data: Any, vocab_size: int) -> CompletionRequest:
-    """Validate a request body: types here, ranges in SamplingParams; ApiError(400) names the
-    offending field."""
-    body = parse_model(CompletionBody, data)
-    defaults = SamplingParams()
-    try:
-        params = SamplingParams(
-            max_tokens=_given(body.max_tokens, defaults.max_tokens),
-            temperature=_given(body.temperature, defaults.temperature),
-            top_p=_given(body.top_p, defaults.top_p),
-            top_k=_given(body.top_k, defaults.top_k),
-            seed=body.seed,
-            ignore_eos=_given(body.ignore_eos, defaults.ignore_eos),
-            stop_token_ids=tuple(body.stop_token_ids or ()),
-        )
-        params.check_vocab(vocab_size)
-    except ConfigError as exc:
-        raise ApiError(400, f"'{exc.field}' {exc.message}", param=exc.field) from None
-    options = body.stream_options
-    return CompletionRequest(prompt=body.single_prompt(), params=params,
-                             stream=body.stream is True,
-                             include_usage=options is not None and options.include_usage is True,
-                             model=body.model)
+@dataclass(frozen=True)
+class Choice:
+    """One choice's latest output, as the replies render it."""
+
+    index: int
+    prompt: list[int]
+    output: RequestOutput
 
 
-def _given(value: Any, default: Any) -> Any:
-    """JSON null means "the default", as OpenAI reads it."""
-    return default if value is None else value
+class ReplyFormat(Protocol):
+    """How an endpoint renders choices: streamed chunks and the final body."""
+
+    texts: Texts
+
+    def chunk(self, choice: Choice, text: str, tokens: list[int],
+              logprobs: Sequence[TokenLogprob], first: bool) -> dict[str, Any]: ...
+
+    def final(self, choices: list[Choice], usage: dict[str, int]) -> dict[str, Any]: ...
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]: ...
+
+
+def check_n(n: int | None) -> int:
+    if n is None:
+        return 1
+    if n < 1:
+        raise ApiError(400, "'n' must be at least 1", param="n")
+    return n
 
 
 class _Bridge:
-    """Engine-thread outputs of one request, delivered to the event loop in order."""
+    """Engine-thread outputs of one choice, delivered to the event loop in order onto the
+    queue all choices of the HTTP request share."""
 
-    def __init__(self, engine_loop: EngineLoop, on_finish: Callable[[], None],
-                 final_only: bool) -> None:
-        self.engine_loop = engine_loop
+    def __init__(self, index: int, queue: asyncio.Queue[tuple[int, RequestOutput]],
+                 on_finish: Callable[[], None], final_only: bool) -> None:
+        self.index = index
         self.aio = asyncio.get_running_loop()
-        self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self.queue = queue
         self.on_finish = on_finish
         self.final_only = final_only
-        self.finished = False
 
     def push(self, output: RequestOutput) -> None:  # on the engine thread
         if output.finished:
             self.aio.call_soon_threadsafe(self.on_finish)
         if output.finished or not self.final_only:
-            self.aio.call_soon_threadsafe(self.queue.put_nowait, output)
-
-    async def next(self) -> RequestOutput:
-        output = self.queue.get_nowait() if not self.queue.empty() else await self._wait()
-        self.finished = output.finished
-        return output
-
-    async def _wait(self) -> RequestOutput:
-        """The next output; a dead engine thread never sends one, so check it now and then."""
-        while True:
-            try:
-                return await asyncio.wait_for(self.queue.get(), ERROR_CHECK_S)
-            except TimeoutError:
-                if self.engine_loop.error is not None:
-                    raise _engine_down(self.engine_loop) from None
+            self.aio.call_soon_threadsafe(self.queue.put_nowait, (self.index, output))
 
 
-class Completions:
-    """The endpoint, with its admission state: requests accepted and not yet finished."""
+class Generations:
+    """The engine side of both endpoints, with its admission state: engine requests accepted
+    and not yet finished."""
 
     def __init__(self, engine_loop: EngineLoop, *, max_queue: int, limits: BodyLimits) -> None:
         self.engine_loop = engine_loop
         self.max_queue = max_queue
         self.limits = limits
         self.in_flight = 0
+        self.defaults: SamplingDefaults = load_defaults(engine_loop.engine.config.model)
 
-    async def handle(self, request: Request) -> Response:
-        engine = self.engine_loop.engine
-        body = parse_completion(await read_json(request, self.limits),
-                                engine.model_config.vocab_size)
-        served = engine.config.model
-        if body.model is not None and body.model != served:
-            raise ApiError(404, f"model {body.model!r} is not served here; use {served!r}",
+    @property
+    def served(self) -> str:
+        return self.engine_loop.engine.config.model
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served:
+            raise ApiError(404, f"model {model!r} is not served here; use {self.served!r}",
                            kind="not_found_error", param="model")
+
+    def token_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
         try:
-            token_ids = engine.prompt_token_ids(body.prompt)
+            return self.engine_loop.engine.prompt_token_ids(prompt)
         except RequestError as exc:
-            raise ApiError(400, str(exc), param="prompt") from None
-        reason = engine.rejection_reason(len(token_ids), body.params.max_tokens)
-        if reason:
-            raise ApiError(422, reason, param="prompt")
-        self._admit()
-        bridge = _Bridge(self.engine_loop, self._release, final_only=not body.stream)
-        self.in_flight += 1
+            raise ApiError(400, str(exc), param=param) from None
+
+    def params(self, body: SamplingFields, max_tokens: int | None, **logprobs: int | None
+               ) -> SamplingParams:
+        return sampling_params(body, self.defaults, self.engine_loop.engine.model_config
+                               .vocab_size, max_tokens=max_tokens, **logprobs)
+
+    async def run(self, request: Request, generation: Generation, reply: ReplyFormat,
+                  tag: str | None = None) -> Response:
+        """Submit every choice and answer: one JSON body, or SSE chunks as tokens come."""
+        engine = self.engine_loop.engine
+        choices = generation.choices()
+        for prompt, params in choices:
+            reason = engine.rejection_reason(len(prompt), params.max_tokens)
+            if reason:
+                raise ApiError(422, reason, param="prompt")
+        self._admit(len(choices))
+        queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
+        request_ids: list[str] = []
         try:
-            request_id = self.engine_loop.submit(token_ids, body.params, on_output=bridge.push)
+            for index, (prompt, params) in enumerate(choices):
+                bridge = _Bridge(index, queue, self._release,
+                                 final_only=not generation.stream)
+                self.in_flight += 1
+                try:
+                    request_ids.append(self.engine_loop.submit(prompt, params, tag=tag,
+                                                               on_output=bridge.push))
+                except BaseException:
+                    self.in_flight -= 1
+                    raise
         except BaseException:
-            self.in_flight -= 1
+            for request_id in request_ids:
+                self.engine_loop.abort(request_id)
             raise
-        reply = _Reply(f"cmpl-{request_id}", served, len(token_ids), engine.tokenizer.decode,
-                       int(time.time()))
-        if body.stream:
-            events = self._events(request_id, bridge, reply, body.include_usage)
+        if generation.stream:
+            events = self._events(request_ids, queue, choices, reply, reply.texts,
+                                  generation.include_usage, generation.n)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await self._complete(request, request_id, bridge, reply)
+        return await self._complete(request, request_ids, queue, choices, reply,
+                                    generation.n)
 
-    def _admit(self) -> None:
+    def _admit(self, count: int) -> None:
         if self.engine_loop.error is not None:
             self.engine_loop.failed_while_down += 1
             raise _engine_down(self.engine_loop)
-        if self.in_flight >= self.max_queue:
-            raise ApiError(429, f"the server queue is full ({self.max_queue} requests in "
-                                f"flight); retry after {RETRY_AFTER_S} s",
+        if self.in_flight + count > self.max_queue:
+            raise ApiError(429, f"the server queue is full ({self.in_flight} of "
+                                f"{self.max_queue} requests in flight, this one needs "
+                                f"{count}); retry after {RETRY_AFTER_S} s",
                            kind="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)})
 
     def _release(self) -> None:
         self.in_flight -= 1
 
-    async def _complete(self, request: Request, request_id: str, bridge: _Bridge,
-                        reply: _Reply) -> Response:
+    async def _next(self, queue: asyncio.Queue[tuple[int, RequestOutput]]
+                    ) -> tuple[int, RequestOutput]:
+        """The next output of any choice; a dead engine thread never sends one, so check it
+        now and then."""
+        while True:
+            try:
+                return await asyncio.wait_for(queue.get(), ERROR_CHECK_S)
+            except TimeoutError:
+                if self.engine_loop.error is not None:
+                    raise _engine_down(self.engine_loop) from None
+
+    async def _complete(self, request: Request, request_ids: list[str],
+                        queue: asyncio.Queue[tuple[int, RequestOutput]],
+                        choices: list[tuple[list[int], SamplingParams]],
+                        reply: ReplyFormat, n: int) -> Response:
+        finals: dict[int, RequestOutput] = {}
+
+        async def collect() -> None:
+            while len(finals) < len(request_ids):
+                index, output = await self._next(queue)
+                finals[index] = output
+
         disconnect = asyncio.create_task(_disconnected(request))
-        result = asyncio.create_task(bridge.next())
+        result = asyncio.create_task(collect())
         try:
             await asyncio.wait({disconnect, result}, return_when=asyncio.FIRST_COMPLETED)
             if not result.done():
-                self.engine_loop.abort(request_id)
+                for index, request_id in enumerate(request_ids):
+                    if index not in finals:
+                        self.engine_loop.abort(request_id)
                 return Response(status_code=499)  # nobody is listening any more
-            output = result.result()
+            result.result()
         finally:
             disconnect.cancel()
             result.cancel()
-        _raise_if_refused(self.engine_loop, output)
+        for output in finals.values():
+            _raise_if_refused(self.engine_loop, output)
         await _journaled(self.engine_loop)
-        return JSONResponse(reply.body(_decode_all(reply, output), list(output.token_ids),
-                                       FINISH_REASONS.get(output.finish_reason or ""),
-                                       usage=True, completion_tokens=len(output.token_ids)))
+        done = [Choice(i, choices[i][0], finals[i]) for i in range(len(request_ids))]
+        return JSONResponse(reply.final(done, _usage(done, n)))
 
-    async def _events(self, request_id: str, bridge: _Bridge, reply: _Reply,
-                      include_usage: bool) -> AsyncIterator[str]:
-        """One SSE chunk per generated token, as vLLM sends them; a chunk whose token leaves
-        a character incomplete carries its token id and no text (see _decode_all)."""
-        sent, journaled = "", False
+    async def _events(self, request_ids: list[str],
+                      queue: asyncio.Queue[tuple[int, RequestOutput]],
+                      choices: list[tuple[list[int], SamplingParams]], reply: ReplyFormat,
+                      texts: Texts, include_usage: bool, n: int) -> AsyncIterator[str]:
+        """One SSE chunk per choice per generated token, as vLLM sends them; a chunk whose
+        token leaves a character incomplete, or may begin a stop string, carries its token
+        id and no text yet (see Texts)."""
+        sent = [""] * len(request_ids)
+        sent_logprobs = [0] * len(request_ids)
+        started: set[int] = set()
+        finished: dict[int, RequestOutput] = {}
         try:
-            while not bridge.finished:
-                output = await bridge.next()
+            while len(finished) < len(request_ids):
+                index, output = await self._next(queue)
                 _raise_if_refused(self.engine_loop, output)
-                if not journaled or output.finished:
+                if index not in started or output.finished:
                     await _journaled(self.engine_loop)
-                    journaled = True
-                text = _decode_all(reply, output)
-                reason = FINISH_REASONS.get(output.finish_reason or "")
-                yield _sse(reply.body(text[len(sent):], list(output.new_token_ids), reason))
-                sent = text
-                if output.finished and include_usage:
-                    yield _sse({**reply.body("", [], None, usage=True,
-                                             completion_tokens=len(output.token_ids)),
-                                "choices": []})
+                text = texts.visible(output)
+                logprobs = output.logprobs or ()
+                yield _sse(reply.chunk(Choice(index, choices[index][0], output),
+                                       text[len(sent[index]):], list(output.new_token_ids),
+                                       logprobs[sent_logprobs[index]:],
+                                       first=index not in started))
+                sent[index], sent_logprobs[index] = text, len(logprobs)
+                started.add(index)
+                if output.finished:
+                    finished[index] = output
+            if include_usage:
+                done = [Choice(i, choices[i][0], finished[i]) for i in range(len(request_ids))]
+                yield _sse(reply.usage_chunk(_usage(done, n)))
         except ApiError as exc:
             yield _sse({"error": json.loads(exc.response().body)["error"]})
         finally:
-            if not bridge.finished:  # the client went away (or the engine died): free the slot
-                self.engine_loop.abort(request_id)
+            for index, request_id in enumerate(request_ids):
+                if index not in finished:  # the client went away (or the engine died)
+                    self.engine_loop.abort(request_id)
         yield "data: [DONE]\n\n"
 
 
+class Texts:
+    """The text of a choice's tokens so far, less a trailing U+FFFD: the bytes of a
+    character not yet complete (a multi-byte UTF-8 sequence split across tokens) are held
+    back until it completes, and never sent if it does not (vLLM's detokenizer does the
+    same). Text that may begin a stop string is held back too, and a matched stop string
+    cuts the text where the engine says (`text_end`)."""
+
+    def __init__(self, decode: Callable[[list[int]], str], params: SamplingParams) -> None:
+        self.decode = decode
+        stops = params.stop
+        self.holdback = (max(map(len, stops)) - 1
+                         if stops and not params.include_stop_str_in_output else 0)
+
+    def visible(self, output: RequestOutput) -> str:
+        text = self.final(output)
+        if output.text_end is None and not output.finished and self.holdback:
+            return text[:max(0, len(text) - self.holdback)]
+        return text
+
+    def final(self, output: RequestOutput) -> str:
+        text = self.decode(list(output.token_ids)).rstrip("\ufffd")
+        return text if output.text_end is None else text[:output.text_end]
+
+
+def _usage(choices: list[Choice], n: int) -> dict[str, int]:
+    """Prompt tokens once per prompt of the batch (its n choices share it), as vLLM counts
+    them; completion tokens of every choice."""
+    prompt_tokens = sum(len(c.prompt) for c in choices if c.index % n == 0)
+    completion = sum(len(c.output.token_ids) for c in choices)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+class Completions:
+    """POST /v1/completions over the shared generation machinery."""
+
+    def __init__(self, generations: Generations) -> None:
+        self.generations = generations
+
+    async def handle(self, request: Request) -> Response:
+        g = self.generations
+        body = parse_model(CompletionBody, await read_json(request, g.limits))
+        g.check_model(body.model)
+        echo = body.echo is True
+        if body.max_tokens == 0 and not echo:
+            raise ApiError(400, "'max_tokens' 0 generates nothing: add \"echo\": true to score "
+                                "the prompt, or ask for at least 1 token", param="max_tokens")
+        params = g.params(body, body.max_tokens, logprobs=body.logprobs,
+                          prompt_logprobs=(body.prompt_logprobs if body.prompt_logprobs
+                                           is not None else body.logprobs if echo else None))
+        prompts = [g.token_ids(p) for p in body.prompts()]
+        generation = Generation(prompts, params, check_n(body.n), body.stream is True,
+                                include_usage(body))
+        reply = _CompletionReply.new("cmpl", g, params, body.prompt_logprobs is not None,
+                                     echo=echo, logprobs=body.logprobs is not None)
+        return await g.run(request, generation, reply,
+                           tag=SCORE_TAG if params.prefill_only else None)
+
+
+def include_usage(body: SamplingFields) -> bool:
+    options = body.stream_options
+    return options is not None and options.include_usage is True
+
+
 @dataclass(frozen=True)
-class _Reply:
+class Reply:
+    """What every reply of one HTTP request shares: its id (`prefix` and a fresh suffix),
+    model, creation time, the tokenizer's decode, the choices' texts, and whether vLLM's
+    `prompt_logprobs` field was asked for."""
+
     id: str
     model: str
-    prompt_tokens: int
-    decode: Callable[[list[int]], str]
     created: int
+    decode: Callable[[list[int]], str]
+    texts: Texts
+    prompt_logprobs: bool
 
-    def body(self, text: str, token_ids: list[int], finish_reason: str | None, *,
-             usage: bool = False, completion_tokens: int = 0) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "id": self.id, "object": "text_completion", "created": self.created,
-            "model": self.model,
-            "choices": [{"index": 0, "text": text, "token_ids": token_ids, "logprobs": None,
-                         "finish_reason": finish_reason}],
-        }
-        if usage:
-            body["usage"] = {"prompt_tokens": self.prompt_tokens,
-                             "completion_tokens": completion_tokens,
-                             "total_tokens": self.prompt_tokens + completion_tokens}
-        return body
+    @classmethod
+    def new(cls, prefix: str, generations: Generations, params: SamplingParams,
+            prompt_logprobs: bool, **more: Any) -> Any:
+        decode = generations.engine_loop.engine.tokenizer.decode
+        return cls(f"{prefix}-{uuid.uuid4().hex[:16]}", generations.served, int(time.time()),
+                   decode, Texts(decode, params), prompt_logprobs, **more)
 
 
-def _decode_all(reply: _Reply, output: RequestOutput) -> str:
-    """The text of the tokens so far, less a trailing U+FFFD: the bytes of a character not
-    yet complete (a multi-byte UTF-8 sequence split across tokens) are held back until it
-    completes, and never sent if it does not (vLLM's detokenizer does the same)."""
-    return reply.decode(list(output.token_ids)).rstrip("\ufffd")
+@dataclass(frozen=True)
+class _CompletionReply(Reply):
+    echo: bool = False
+    logprobs: bool = False  # the OpenAI logprobs object was asked for
+
+    def _body(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": "text_completion", "created": self.created,
+                "model": self.model, "choices": choices}
+
+    def chunk(self, choice: Choice, text: str, tokens: list[int],
+              logprobs: Sequence[TokenLogprob], first: bool) -> dict[str, Any]:
+        output = choice.output
+        entries = _scored(logprobs)
+        if first and self.echo:  # the prompt leads the first chunk, as vLLM streams it
+            text = self.decode(choice.prompt) + text
+            tokens = choice.prompt + tokens
+            entries = _prompt_scored(choice.prompt, output) + entries
+        scored = completion_logprobs(entries, self.decode) if self.logprobs else None
+        return self._body([{"index": choice.index, "text": text, "token_ids": tokens,
+                            "logprobs": scored,
+                            "finish_reason": FINISH_REASONS.get(output.finish_reason or "")}])
+
+    def final(self, choices: list[Choice], usage: dict[str, int]) -> dict[str, Any]:
+        rendered = []
+        for choice in choices:
+            output = choice.output
+            text, entries = self.texts.final(output), _scored(output.logprobs or ())
+            if self.echo:
+                text = self.decode(choice.prompt) + text
+                entries = _prompt_scored(choice.prompt, output) + entries
+            scored = completion_logprobs(entries, self.decode) if self.logprobs else None
+            rendered.append({"index": choice.index, "text": text,
+                             "token_ids": list(output.token_ids), "logprobs": scored,
+                             "finish_reason": FINISH_REASONS.get(output.finish_reason or ""),
+                             **({"prompt_logprobs": prompt_logprobs(output, self.decode)}
+                                if self.prompt_logprobs else {})})
+        return {**self._body(rendered), "usage": usage}
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        return {**self._body([]), "usage": usage}
+
+
+Scored = list[tuple[int, TokenLogprob | None]]  # a token and its logprob (None: unscored)
+
+
+def _scored(logprobs: Sequence[TokenLogprob]) -> Scored:
+    return [(entry.token, entry) for entry in logprobs]
+
+
+def _prompt_scored(prompt: list[int], output: RequestOutput) -> Scored:
+    """An echoed prompt's tokens with their logprobs, the first unscored (nothing predicts
+    it); none when the prompt was not scored."""
+    if output.prompt_logprobs is None:
+        return []
+    return [(prompt[0], None), *_scored(output.prompt_logprobs)]
+
+
+def prompt_logprobs(output: RequestOutput, decode: Callable[[list[int]], str]
+                    ) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token a map from
+    token id to its logprob, rank and text: the prompt's own token and the top N."""
+    def logprob(token: int, value: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": max(value, MIN_LOGPROB), "rank": rank,
+                "decoded_token": decode([token])}
+
+    scored: list[dict[str, dict[str, Any]] | None] = [None]
+    for entry in output.prompt_logprobs or ():
+        top = {str(token): logprob(token, value, rank)
+               for rank, (token, value) in enumerate(entry.top, start=1)}
+        top[str(entry.token)] = logprob(entry.token, entry.logprob, entry.rank)
+        scored.append(top)
+    return scored
+
+
+def completion_logprobs(entries: Scored, decode: Callable[[list[int]], str]
+                        ) -> dict[str, Any]:
+    """The completions API's logprobs object: per token its text, logprob, the top
+    logprobs (the token's own first, then the top N, as vLLM lists them) and its offset in
+    the text."""
+    tokens, values, tops, offsets = [], [], [], []
+    offset = 0
+    for token, entry in entries:
+        text = decode([token])
+        tokens.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        if entry is None:
+            values.append(None)
+            tops.append(None)
+            continue
+        top = {text: max(entry.logprob, MIN_LOGPROB)}
+        for other, value in entry.top:
+            top.setdefault(decode([other]), max(value, MIN_LOGPROB))
+        values.append(max(entry.logprob, MIN_LOGPROB))
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+            "text_offset": offsets}
 
 
 def _sse(data: dict[str, Any]) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from engine.budget.plan import BUDGET_SCORE_DEFINITION
 from engine.core.batch import SchedulerMode
 from engine.core.engine import Engine
-from engine.ops.metrics import Histogram
+from engine.ops.metrics import Histogram, RequestStats
 from engine.serve.loop import LoopHealth
 from engine.snapshot import Snapshot
 
@@ -36,11 +36,7 @@ def render_metrics(engine: Engine, snapshot: Snapshot, health: LoopHealth | None
         out.append(f"{PREFIX}{name}_total{{{labels}}} {float(value)!r}")
 
     def histogram(name: str, help_text: str, h: Histogram) -> None:
-        out.extend(_header(name, help_text, "histogram"))
-        rows = h.cumulative()
-        out.extend(f'{PREFIX}{name}_bucket{{{labels},le="{le}"}} {float(n)!r}' for le, n in rows)
-        out.append(f"{PREFIX}{name}_count{{{labels}}} {float(rows[-1][1])!r}")
-        out.append(f"{PREFIX}{name}_sum{{{labels}}} {float(h.total)!r}")
+        out.extend(_histogram(name, help_text, h, labels))
 
     gauge("num_requests_running", "Requests in model execution batches.", snapshot.num_running)
     gauge("num_requests_waiting", "Requests waiting to be scheduled.", snapshot.num_waiting)
@@ -54,6 +50,8 @@ def render_metrics(engine: Engine, snapshot: Snapshot, health: LoopHealth | None
             m.prefix_cache_hits_total)
     histogram("time_to_first_token_seconds", "Time to first token.", m.ttft)
     histogram("inter_token_latency_seconds", "Time between consecutive tokens.", m.itl)
+    # vLLM's older name for the same per-token series, which its dashboards still read
+    histogram("time_per_output_token_seconds", "Time between consecutive tokens.", m.itl)
     histogram("e2e_request_latency_seconds", "End-to-end request latency.", m.e2e)
     histogram("iteration_tokens", "Tokens (prefill + decode) per engine step.",
               m.iteration_tokens)
@@ -93,7 +91,42 @@ def render_metrics(engine: Engine, snapshot: Snapshot, health: LoopHealth | None
     out.extend(_header("scheduler_mode", "The scheduler's mode: 1 on the current one.", "gauge"))
     out.extend(f'{PREFIX}scheduler_mode{{{labels},mode="{mode.value}"}} '
                f"{float(mode.value == snapshot.mode)!r}" for mode in SchedulerMode)
+    out.extend(_request_families(m.requests, labels))
     return "\n".join(out) + "\n"
+
+
+def _request_families(requests: RequestStats, labels: str) -> list[str]:
+    """vLLM's per-request families, under its names and meanings."""
+    out = _header("request_success_total", "Finished requests, by finish reason.", "counter")
+    for reason in ("stop", "length", "abort", *sorted(set(requests.success)
+                                                    - {"stop", "length", "abort"})):
+        out.append(f'{PREFIX}request_success_total{{{labels},finished_reason="{_escape(reason)}"}}'
+                   f" {float(requests.success.get(reason, 0))!r}")
+    for name, help_text, h in (
+            ("request_prompt_tokens", "Prompt tokens per finished request.",
+             requests.prompt_tokens),
+            ("request_generation_tokens", "Generated tokens per finished request.",
+             requests.generation_tokens),
+            ("request_queue_time_seconds", "Time from arrival to first admission.",
+             requests.queue),
+            ("request_prefill_time_seconds", "Time from first admission to the first token.",
+             requests.prefill),
+            ("request_decode_time_seconds", "Time from the first token to the end.",
+             requests.decode),
+            ("request_inference_time_seconds", "Time from first admission to the end.",
+             requests.inference),
+            ("request_time_per_output_token_seconds",
+             "Mean time per output token after the first, per request.", requests.tpot)):
+        out.extend(_histogram(name, help_text, h, labels))
+    return out
+
+
+def _histogram(name: str, help_text: str, h: Histogram, labels: str) -> list[str]:
+    rows = h.cumulative()
+    return [*_header(name, help_text, "histogram"),
+            *(f'{PREFIX}{name}_bucket{{{labels},le="{le}"}} {float(n)!r}' for le, n in rows),
+            f"{PREFIX}{name}_count{{{labels}}} {float(rows[-1][1])!r}",
+            f"{PREFIX}{name}_sum{{{labels}}} {float(h.total)!r}"]
 
 
 def _header(name: str, help_text: str, kind: str) -> list[str]:

@@ -142,19 +142,35 @@ def _too_deep(limits: BodyLimits, where: str) -> ApiError:
 
 
 # --- request models ----------------------------------------------------------------------
-One = Field(min_length=1, max_length=1)
-Prompt = (StrictStr | list[StrictInt] | Annotated[list[StrictStr], One]
-          | Annotated[list[list[StrictInt]], One])
+NonEmpty = Field(min_length=1)
+Prompt = (StrictStr | Annotated[list[StrictInt], NonEmpty] | Annotated[list[StrictStr], NonEmpty]
+          | Annotated[list[Annotated[list[StrictInt], NonEmpty]], NonEmpty])
 Number = StrictFloat  # takes ints too; ranges and finiteness: SamplingParams
 # OpenAI fields we do not implement, with the values that mean "not used".
 Unused = Literal[None, "", False] | Annotated[list[Any], Field(max_length=0)]
 UNSUPPORTED = "is not supported by tokenflow; leave it out"
 # Messages for fields whose pydantic error would name a union member instead of the rule.
 HINTS = {
-    "prompt": "must be text or a list of integer token ids, one prompt per request",
+    "prompt": "must be text, a list of integer token ids, or a list of either (one choice "
+              "per prompt)",
     "temperature": "must be a finite number", "top_p": "must be a finite number",
-    "n": UNSUPPORTED, "best_of": UNSUPPORTED, "echo": UNSUPPORTED, "logprobs": UNSUPPORTED,
-    "suffix": UNSUPPORTED, "stop": f"{UNSUPPORTED} and use stop_token_ids",
+    "best_of": f"{UNSUPPORTED} (or set it to 1): choosing the best of several samples is "
+               "not implemented; use n to get several",
+    "suffix": f"{UNSUPPORTED}: insertion needs a fill-in-the-middle model",
+    "stop": "must be a string or a list of strings",
+    "tools": f"{UNSUPPORTED}: tool calls are out of scope for tokenflow serve",
+    "functions": f"{UNSUPPORTED}: tool calls are out of scope for tokenflow serve",
+    "tool_choice": "must be 'none' or left out: tool calls are out of scope",
+    "function_call": "must be 'none' or left out: tool calls are out of scope",
+    "response_format": "must be {\"type\": \"text\"} or left out: structured output is not "
+                       "supported by tokenflow",
+    "logprobs": "must be an integer from 0 (completions) or true/false (chat)",
+    **{name: f"{UNSUPPORTED} (a vLLM extension tokenflow does not implement)"
+       for name in ("min_tokens", "allowed_token_ids", "bad_words", "use_beam_search",
+                    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                    "structured_outputs")},
+    "add_special_tokens": "must be false or left out: tokenflow adds no special tokens to a "
+                          "prompt, so counts match what completions see",
 }
 
 
@@ -163,34 +179,116 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool | None = None
 
 
-class CompletionBody(BaseModel):
-    """POST /v1/completions. Unknown fields are ignored, as OpenAI's own server does."""
+class SamplingFields(BaseModel):
+    """What completions and chat share: vLLM's sampling fields. Unknown fields are ignored,
+    as OpenAI's own server does; JSON null means "the default"."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
-    prompt: Prompt
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
     temperature: Number | None = None
     top_p: Number | None = None
     top_k: StrictInt | None = None
+    min_p: Number | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None
+    logit_bias: dict[StrictStr, Number] | None = None
     seed: StrictInt | None = None
     ignore_eos: StrictBool | None = None
+    stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None
+    include_stop_str_in_output: StrictBool | None = None
+    n: StrictInt | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
-    n: Literal[1] | None = None
+    prompt_logprobs: StrictInt | None = None  # vLLM's: the prompt's tokens scored, top N
+    # vLLM extensions tokenflow does not implement, refused rather than ignored
+    min_tokens: Literal[None, 0] = None
+    allowed_token_ids: Unused = None
+    bad_words: Unused = None
+    use_beam_search: Literal[None, False] = None
+    guided_json: Unused = None
+    guided_regex: Unused = None
+    guided_choice: Unused = None
+    guided_grammar: Unused = None
+    structured_outputs: Literal[None] = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+
+class CompletionBody(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: Prompt
+    logprobs: StrictInt | None = None
+    echo: StrictBool | None = None
     best_of: Literal[1] | None = None
-    echo: Unused = None
-    logprobs: Unused = None
-    stop: Unused = None
     suffix: Unused = None
 
-    def single_prompt(self) -> str | list[int]:
-        """The prompt, unwrapped from a one-element list."""
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one choice (or n) each: a single prompt is a list of one."""
         prompt = self.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
-            return prompt[0]
-        return prompt  # type: ignore[return-value]
+        if isinstance(prompt, list) and isinstance(prompt[0], str | list):
+            return list(prompt)  # type: ignore[arg-type]
+        return [prompt]  # type: ignore[list-item]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    role: Literal["system", "user", "assistant", "developer"]
+    content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    type: Literal["text"]
+
+
+class ChatBody(SamplingFields):
+    """POST /v1/chat/completions: text messages in, an assistant message out."""
+
+    messages: Annotated[list[ChatMessage], NonEmpty]
+    max_completion_tokens: StrictInt | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = None
+    add_generation_prompt: StrictBool | None = None
+    tools: Unused = None
+    functions: Unused = None
+    tool_choice: Literal[None, "none"] = None
+    function_call: Literal[None, "none"] = None
+    response_format: TextFormat | None = None
+    echo: Literal[None, False] = None  # vLLM's chat echo of the last message
+
+
+class TokenizeBody(BaseModel):
+    """POST /tokenize: a prompt, or chat messages rendered with the template (vLLM's)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: StrictBool | None = None
+    add_special_tokens: Literal[None, False] = None  # completions add none either
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    model: StrictStr | None = None
+    tokens: list[StrictInt]
 
 
 def _live_field_model() -> type[BaseModel]:

@@ -47,16 +47,19 @@ def budget_text(score: float | None, slow_threshold: float) -> Text:
 def request_row(r: RequestView, slow_threshold: float) -> TableRow:
     ttft = "–" if r.ttft_ms is None else f"{r.ttft_ms:.0f}"
     cached = f"{r.cached_share:.0%}" if r.cached_tokens else "–"
+    state = plain(r.state, style=STATE_STYLES.get(r.state, ""))
+    if r.kind != "generate":  # a chat completion, or a prompt scored without generating
+        state.append(f" {r.kind}", style="magenta")
     return TableRow(
         key=r.id,
-        cells=(r.id, r.tenant, plain(r.state, style=STATE_STYLES.get(r.state, "")),
+        cells=(r.id, r.tenant, state,
                str(r.prompt_tokens), cached, f"{r.chunks_done}/{r.chunks_total}",
                str(r.generated_tokens), ttft, budget_text(r.budget_score, slow_threshold)),
         sort_values=(r.arrival_s, r.tenant, r.state, r.prompt_tokens, r.cached_share,
                      r.chunks_done / max(r.chunks_total, 1), r.generated_tokens, r.ttft_ms,
                      (STATE_RANK.get(r.state, 0),
                       -1.0 if r.budget_score is None else r.budget_score)),
-        haystack=f"{r.id} {r.tenant} {r.state}".lower(),
+        haystack=f"{r.id} {r.tenant} {r.state} {r.kind}".lower(),
     )
 
 

@@ -1,0 +1,91 @@
+"""From an HTTP body's sampling fields to SamplingParams, with vLLM's defaults.
+
+The HTTP layer samples at temperature 1.0 unless the model directory's
+`generation_config.json` says otherwise (vLLM's `--generation-config auto`: it supplies
+temperature, top_p, top_k, min_p and repetition_penalty defaults, and max_new_tokens as the
+default max_tokens). The Python API keeps its own default, greedy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.config import ConfigError, SamplingParams
+from engine.serve.protocol import ApiError, SamplingFields
+
+DEFAULT_MAX_TOKENS = 16  # vLLM's (and OpenAI's) for completions
+# generation_config.json keys vLLM takes as request defaults, by SamplingParams field
+GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                   "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                   "max_new_tokens": "max_tokens"}
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = None  # None: completions 16, chat what the context leaves
+
+
+def load_defaults(model: str) -> SamplingDefaults:
+    """The defaults for `model`: its directory's generation_config.json over vLLM's own;
+    a synthetic model (no directory) or a directory without the file gets vLLM's own."""
+    path = Path(model).expanduser() / "generation_config.json"
+    if not path.is_file():
+        return SamplingDefaults()
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return SamplingDefaults()  # transformers, too, serves without a readable one
+    values: dict[str, Any] = {}
+    for key, name in GENERATION_KEYS.items():
+        value = data.get(key) if isinstance(data, dict) else None
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            values[name] = value
+    if "top_k" in values:  # transformers' "off" is 0 or the vocabulary, ours is 0
+        values["top_k"] = max(0, int(values["top_k"]))
+    if "max_tokens" in values:
+        values["max_tokens"] = int(values["max_tokens"])
+    return dataclasses.replace(SamplingDefaults(), **values)
+
+
+def sampling_params(body: SamplingFields, defaults: SamplingDefaults, vocab_size: int, *,
+                    max_tokens: int | None, logprobs: int | None = None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
+    """SamplingParams of `body` (one choice: n and seeds are the caller's); ApiError(400)
+    names the offending field."""
+    given = {name: value for name in ("temperature", "top_p", "top_k", "min_p",
+                                      "repetition_penalty", "presence_penalty",
+                                      "frequency_penalty", "ignore_eos",
+                                      "include_stop_str_in_output")
+             if (value := getattr(body, name)) is not None}
+    base = {name: getattr(defaults, name) for name in ("temperature", "top_p", "top_k",
+                                                       "min_p", "repetition_penalty")}
+    try:
+        bias = tuple((_token_id(key), value) for key, value in (body.logit_bias or {}).items())
+        params = SamplingParams(
+            **{**base, **given},
+            max_tokens=max_tokens if max_tokens is not None else (
+                defaults.max_tokens or DEFAULT_MAX_TOKENS),
+            seed=body.seed, stop_token_ids=tuple(body.stop_token_ids or ()),
+            stop=body.stop_strings(), logit_bias=bias, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs)
+        params.check_vocab(vocab_size)
+    except ConfigError as exc:
+        raise ApiError(400, f"'{exc.field}' {exc.message}", param=exc.field) from None
+    return params
+
+
+def _token_id(key: str) -> int:
+    """logit_bias keys are token ids as JSON strings."""
+    try:
+        return int(key)
+    except ValueError:
+        raise ConfigError("logit_bias", f"keys must be token ids, got {key!r}") from None

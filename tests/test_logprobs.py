@@ -1,0 +1,102 @@
+"""Logprobs are transformers' log_softmax of the same logits: the prompt's, scored inside the
+chunked prefill at any chunk budget, and the generated tokens'; greedy tokens are unchanged
+by asking for them, and a prefill-only request scores its prompt and generates nothing."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig, SamplingParams
+from tests.hf_models import hf_greedy, save_tiny
+
+MAX_NEW = 4
+TOP = 3
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int]]]:
+    directory = save_tiny("llama", tmp_path_factory.mktemp("llama"))
+    rng = random.Random(3)
+    return directory, [[rng.randrange(400) for _ in range(n)] for n in (40, 7, 2)]
+
+
+def _hf_logprobs(directory: Path, ids: list[int]) -> torch.Tensor:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def _run(engine: Engine, prompt: list[int], params: SamplingParams):
+    rid = engine.add_request(prompt, params)
+    while True:
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                return out
+
+
+@pytest.mark.parametrize("budget", [13, 4096])
+def test_logprobs_equal_transformers_log_softmax(llama, budget: int) -> None:
+    directory, prompts = llama
+    engine = Engine(EngineConfig(model=str(directory), device="cpu", dtype="float32",
+                                 max_num_batched_tokens=budget, chunk_tile=1))
+    expected_tokens = hf_greedy(directory, prompts, MAX_NEW)
+    for prompt, expected in zip(prompts, expected_tokens, strict=True):
+        out = _run(engine, prompt, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True,
+                                                  logprobs=TOP, prompt_logprobs=TOP))
+        assert list(out.token_ids) == expected  # greedy unchanged
+        reference = _hf_logprobs(directory, prompt + expected)
+        # prompt positions 1.. then the generated tokens, one row earlier each
+        scored = list(out.prompt_logprobs) + list(out.logprobs)
+        assert len(out.prompt_logprobs) == len(prompt) - 1
+        assert len(scored) == len(prompt) - 1 + MAX_NEW
+        for position, entry in enumerate(scored, start=1):
+            row = reference[position - 1]
+            token = (prompt + expected)[position]
+            assert entry.token == token
+            assert abs(entry.logprob - row[token].item()) < 1e-4
+            assert entry.rank == int((row > row[token]).sum()) + 1
+            top = row.topk(TOP)
+            assert [t for t, _ in entry.top] == top.indices.tolist()
+            assert max(abs(a - b) for (_, a), b in zip(entry.top, top.values.tolist(),
+                                                       strict=True)) < 1e-4
+
+
+def test_prefill_only_request_scores_its_prompt(llama) -> None:
+    directory, prompts = llama
+    engine = Engine(EngineConfig(model=str(directory), device="cpu", dtype="float32",
+                                 max_num_batched_tokens=13, chunk_tile=1))
+    out = _run(engine, prompts[0], SamplingParams(max_tokens=0, prompt_logprobs=0))
+    assert out.token_ids == () and out.finish_reason == "length"
+    assert len(out.prompt_logprobs) == len(prompts[0]) - 1
+    assert all(entry.top == () for entry in out.prompt_logprobs)
+    assert engine.blocks.num_used == 0
+    # the same prompt again reads no prefix cache: every position is scored once more
+    again = _run(engine, prompts[0], SamplingParams(max_tokens=0, prompt_logprobs=1))
+    assert [e.logprob for e in again.prompt_logprobs] == pytest.approx(
+        [e.logprob for e in out.prompt_logprobs], abs=1e-5)
+
+
+def test_scoring_rows_are_priced_in_the_step_shape(llama) -> None:
+    """A chunk that scores its prompt computes a logits row per token: the budget model
+    prices those rows (lm_head FLOPs and logits bytes) as a separate term."""
+    from engine.core.batch import Batch, ScheduledChunk
+    from engine.core.request import Request
+
+    directory, prompts = llama
+    engine = Engine(EngineConfig(model=str(directory), device="cpu", dtype="float32"))
+    plain = Request("a", prompts[0], SamplingParams(max_tokens=0), arrival=0.0)
+    scoring = Request("b", prompts[0], SamplingParams(max_tokens=0, prompt_logprobs=1),
+                      arrival=0.0)
+    shapes = [Batch(prefills=[ScheduledChunk(r, 0, 13)]).shape() for r in (plain, scoring)]
+    assert shapes[0].scored_rows == 0 and shapes[1].scored_rows == 13
+    last = Batch(prefills=[ScheduledChunk(scoring, 26, 14)]).shape()
+    assert last.scored_rows == 13  # the last prompt token's row predicts a generated one
+    extra = engine.budget.flops(shapes[1]) - engine.budget.flops(shapes[0])
+    assert extra == pytest.approx(13 * 2 * 64 * 400)  # lm_head: hidden × vocab per row
+    assert engine.budget.predict(shapes[1]) > engine.budget.predict(shapes[0])
