@@ -1,0 +1,142 @@
+"""A step priced per operation and summed, as the kernels run: one after another.
+
+A forward pass is a sequence of kernels, each bound by its own resource: the GEMMs by the
+tensor cores (or by reading the weights, at small batches), prefill attention by its
+(query, key) pairs, decode attention by reading the cached KV, norms and activations by
+moving each token's activations, the sampler by reading the logits rows, and tensor
+parallelism by its all-reduces (small ones latency-bound). Each has its own roofline on the
+sustained share of the device's peaks, and the step costs their sum plus a fixed cost (kernel
+launches, scheduling, host work), the way Vidur and LLMCompass price a step.
+
+`OperationEfficiency` holds the shares; a GPU profile (engine.sim.profiles) carries the ones
+fitted against published measurements, a calibration (engine.budget.calibrate) fits them on
+this machine from measured peaks. `StepPrice.predict` is called once a step: arithmetic on a
+few numbers per shape, its counts memoised on the shape.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from engine.budget.cost_model import BudgetModel
+from engine.budget.peaks import DevicePeaks
+from engine.config import ConfigError
+from engine.core.batch import StepShape
+
+OPERATIONS = ("gemm", "attention_prefill", "attention_decode", "elementwise", "sampler",
+              "communication", "step")
+# Logits are sampled in fp32: a row is read and written once by the softmax and top-k/p.
+LOGIT_BYTES = 4
+
+
+@dataclass(frozen=True)
+class OperationEfficiency:
+    """The share of a datasheet peak each operation sustains, and the fixed costs.
+
+    gemm_flops: dense GEMMs against the tensor-core peak of the weights' precision;
+    attention_flops: prefill attention (a flash kernel) against the same peak;
+    memory: streaming reads (weights in a GEMM, KV in attention) against the bandwidth;
+    elementwise: norms, activations, RoPE and residual adds against the bandwidth;
+    step_s: every step, whatever it runs (launches, scheduling, sampling set-up);
+    allreduce_s: one small all-reduce call between tensor-parallel GPUs (its latency).
+    """
+
+    gemm_flops: float = 0.7
+    attention_flops: float = 0.5
+    memory: float = 0.8
+    elementwise: float = 0.5
+    step_s: float = 0.0
+    allreduce_s: float = 15e-6
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            limit = math.inf if f.name.endswith("_s") else 1.0
+            if not (isinstance(value, int | float) and math.isfinite(value)
+                    and (0 <= value if f.name.endswith("_s") else 0 < value) and value <= limit):
+                raise ConfigError(f"efficiency.{f.name}", "must be a share in (0, 1] (a "
+                                  f"time in seconds >= 0 for *_s), got {value!r}")
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> OperationEfficiency:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError("efficiency", f"unknown field(s) {', '.join(sorted(unknown))}; "
+                              f"known: {', '.join(sorted(known))}")
+        return cls(**{k: float(v) for k, v in data.items()})
+
+
+@dataclass(frozen=True)
+class Link:
+    """What one all-reduce between `gpus` tensor-parallel GPUs costs: a latency per call and
+    the ring's 2(N-1)/N of the message over one GPU's one-way link bandwidth (NCCL's
+    bus-bandwidth formula)."""
+
+    gpus: int = 1
+    bandwidth: float = math.inf  # bytes/s one GPU sends one way
+
+    def seconds(self, message_bytes: float, latency_s: float) -> float:
+        if self.gpus < 2:
+            return 0.0
+        return latency_s + 2 * (self.gpus - 1) / self.gpus * message_bytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class StepPrice:
+    """Seconds of a step of `model` (its counts: FLOPs per token, bytes per element of the
+    weights, KV and activations) on `peaks` (of all tensor-parallel GPUs together), each
+    operation on its own roofline at `efficiency`, plus the all-reduces over `link`."""
+
+    model: BudgetModel
+    peaks: DevicePeaks  # FLOP/s at the weights' precision and bytes/s, of all GPUs
+    efficiency: OperationEfficiency
+    link: Link = Link()
+    _rates: tuple[float, float, float, float] = field(init=False, repr=False)
+    _comm_per_token: float = field(init=False, repr=False)
+    _key: str = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        e, p = self.efficiency, self.peaks
+        object.__setattr__(self, "_rates", (p.flops * e.gemm_flops, p.flops * e.attention_flops,
+                                            p.bandwidth * e.memory,
+                                            p.bandwidth * e.elementwise))
+        c = self.model.config
+        # two all-reduces a layer (after attention, after the MLP) of each token's hidden state
+        object.__setattr__(self, "_comm_per_token",
+                           c.hidden_size * self.model.activation_bytes_per_element)
+        # a shape's price depends on the counts and on every rate: the memo key names both
+        object.__setattr__(self, "_key", f"ops {self.model.counting_key} {p!r} {e!r} "
+                                         f"{self.link!r}")
+
+    def operations(self, shape: StepShape) -> dict[str, float]:
+        """Seconds of each operation of the step, in OPERATIONS order."""
+        if shape.num_tokens == 0:
+            return dict.fromkeys(OPERATIONS, 0.0)
+        m = self.model
+        gemm_rate, attention_rate, memory_rate, elementwise_rate = self._rates
+        counts = m.operation_counts(shape)
+        layers = 2 * m.config.num_layers
+        message = self._comm_per_token * shape.num_tokens
+        return {
+            "gemm": max(counts.gemm_flops / gemm_rate, m.weight_bytes / memory_rate),
+            "attention_prefill": max(counts.prefill_pair_flops / attention_rate,
+                                     counts.prefill_kv_bytes / memory_rate),
+            "attention_decode": max(counts.decode_pair_flops / attention_rate,
+                                    counts.decode_kv_bytes / memory_rate),
+            "elementwise": counts.activation_bytes / elementwise_rate,
+            "sampler": shape.logits_rows * m.config.vocab_size * LOGIT_BYTES / elementwise_rate,
+            "communication": layers * self.link.seconds(message, self.efficiency.allreduce_s),
+            "step": self.efficiency.step_s,
+        }
+
+    def predict(self, shape: StepShape) -> float:
+        return shape.counted(self._key, self._predict)
+
+    def _predict(self, shape: StepShape) -> float:
+        return sum(self.operations(shape).values())
