@@ -21,7 +21,7 @@ from engine.harness.workload import WorkloadRequest
 from engine.model.config import PRESETS
 from engine.sim.executor import SimulatedExecutor, VirtualClock, simulated_engine
 from engine.sim.fleet import run_fleet
-from engine.sim.gpus import GPUS, NVLINK4
+from engine.sim.profiles import PROFILES
 from engine.sim.router import RoutePolicy, Router
 from engine.sim.target import Deployment, SimTarget, StepTimeRatios, resolve_target
 
@@ -133,23 +133,29 @@ def test_simulated_run_makes_the_real_runs_scheduling_decisions() -> None:
 
 def test_kv_capacity_is_gpu_memory_less_weights_and_reserve() -> None:
     config = PRESETS["8b"]
-    one = Deployment(config, 2, GPUS["h100"])
-    two = Deployment(config, 2, GPUS["h100"], tp=2)
+    h100 = PROFILES["h100"]
+    one = Deployment(config, h100)
+    two = Deployment(config, h100, tp=2)
     assert one.weight_bytes == config.num_params() * 2
     # the second GPU holds no second copy of the weights: more than twice the KV
     assert two.kv_cache_bytes(0.9) > 2 * one.kv_cache_bytes(0.9)
-    assert one.kv_cache_bytes(0.9) < 0.9 * (GPUS["h100"].memory_bytes - one.weight_bytes)
+    assert one.kv_cache_bytes(0.9) < 0.9 * (h100.memory_bytes - one.weight_bytes)
 
 
-def test_tensor_parallel_adds_two_allreduces_per_layer_on_the_link() -> None:
+def test_tensor_parallel_adds_two_latency_bound_allreduces_per_layer() -> None:
     config = PRESETS["8b"]
-    two = Deployment(config, 2, GPUS["h100"], tp=2)
-    message = 512 * config.hidden_size * 2
-    per_call = 2 * (message / 2 / NVLINK4.bandwidth + NVLINK4.hop_latency_s)
-    assert two.allreduce_seconds(512) == pytest.approx(2 * config.num_layers * per_call)
+    h100 = PROFILES["h100"]
+    two = Deployment(config, h100, tp=2).step_price()
     shape = StepShape(decode_contexts=(1024,) * 64)
-    single = Deployment(config, 2, GPUS["h100"]).predictor()(shape)
-    assert two.predictor()(shape) < single  # half the weights per GPU outweighs the link
+    message = 64 * config.hidden_size * 2
+    per_call = (h100.efficiency.allreduce_s
+                + 2 * (2 - 1) / 2 * message / h100.interconnect.bandwidth)
+    assert two.operations(shape)["communication"] == pytest.approx(
+        2 * config.num_layers * per_call)
+    # a small all-reduce costs its latency, not a per-hop sum
+    assert per_call < 1.1 * h100.efficiency.allreduce_s
+    single = Deployment(config, h100).predictor()(shape)
+    assert two.predict(shape) < single  # half the weights per GPU outweighs the link
 
 
 def test_bad_simulation_inputs_name_the_fix(tmp_path: Path) -> None:
@@ -234,21 +240,31 @@ def test_a_fleet_replays_arrivals_across_replicas() -> None:
 
 
 def test_arrivals_microseconds_apart_share_an_idle_replicas_first_step() -> None:
-    """A real engine wakes for an arrival a little late, and what arrived meanwhile joins the
-    step; a twin stepping at the first arrival's instant made the second wait a whole step."""
+    """This host's engine, as calibrated, wakes for an arrival a little late, and what arrived
+    meanwhile joins the step; a twin stepping at the first arrival's instant made the second
+    wait a whole step."""
     from engine.sim.fleet import HOST_WAKE_S
 
-    config = EngineConfig(model="synthetic:8b", max_num_batched_tokens=512)
+    config = EngineConfig(model="synthetic:tiny", device="cpu", max_num_batched_tokens=512)
     first, second = _request(0, prompt=200, out=4), _request(1, prompt=200, out=4)
     second = dataclasses.replace(second, arrival_s=first.arrival_s + 7e-6)
     later = dataclasses.replace(_request(2, prompt=200, out=4), arrival_s=5.0)
-    fleet = run_fleet(config, resolve_target("h100", config), [first, second, later], 1,
+    fleet = run_fleet(config, _flat_target(0.01), [first, second, later], 1,
                       RoutePolicy.ROUND_ROBIN)
     records = fleet.merged.records
     assert records["q0"].first_scheduled == records["q1"].first_scheduled
     assert records["q0"].scheduling_delay_s == pytest.approx(HOST_WAKE_S)
     # one arriving alone to an idle replica waits for the wake-up only
     assert records["q2"].scheduling_delay_s == pytest.approx(HOST_WAKE_S)
+
+
+def test_a_named_gpu_adds_no_host_wake_up_to_arrivals() -> None:
+    """The wake-up is this host's figure: a simulated GPU server starts at the arrival."""
+    config = EngineConfig(model="synthetic:8b", max_num_batched_tokens=512)
+    alone = dataclasses.replace(_request(2, prompt=200, out=4), arrival_s=5.0)
+    fleet = run_fleet(config, resolve_target("h100", config), [alone], 1,
+                      RoutePolicy.ROUND_ROBIN)
+    assert fleet.merged.records["q2"].scheduling_delay_s == 0.0
 
 
 def test_bench_simulate_prints_the_real_json_plus_what_was_simulated(
@@ -262,7 +278,7 @@ def test_bench_simulate_prints_the_real_json_plus_what_was_simulated(
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     assert report["simulated"] is True and report["predictor"] == "roofline"
-    assert "H100 SXM datasheet" in report["predictor_source"]
+    assert "H100 datasheet" in report["predictor_source"]
     assert report["target"]["interconnect"]["name"].startswith("NVLink 4")
     run = report["runs"]["chunked"]
     assert run["finished"] == 6 and len(run["replicas"]) == 2

@@ -55,7 +55,7 @@ class OperationEfficiency:
             value = getattr(self, f.name)
             limit = math.inf if f.name.endswith("_s") else 1.0
             if not (isinstance(value, int | float) and math.isfinite(value)
-                    and (0 <= value if f.name.endswith("_s") else 0 < value) and value <= limit):
+                    and (value >= 0 if f.name.endswith("_s") else value > 0) and value <= limit):
                 raise ConfigError(f"efficiency.{f.name}", "must be a share in (0, 1] (a "
                                   f"time in seconds >= 0 for *_s), got {value!r}")
 
