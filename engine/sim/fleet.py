@@ -31,12 +31,11 @@ from engine.sim.target import SimTarget
 # default 700 the collector ran every few steps and took about 8% of a run; cycles are rare,
 # so collecting them a little later costs little memory.
 FLEET_GC_THRESHOLD = 100_000
-# An idle engine on this host, as calibrated, starts its step for an arrival this long after it (conv at a budget of
-# 512, synthetic:small: 2.7-2.8 ms from arrival to the step, sleep's overshoot and the step's
-# set-up). Trace arrivals come in bursts microseconds apart: a twin that stepped at the very
-# instant of the first ran it alone and made the next, 7 us later, wait a whole step (a 316-token
-# prompt's TTFT 203 ms against 285 real, where the real engine packed both into one step).
-# A named GPU's twin adds none: it is this host's figure, not the GPU server's.
+# An idle engine on this host, as calibrated, starts its step for an arrival a little after
+# it (sleep's overshoot and the step's set-up). Trace arrivals come in bursts microseconds
+# apart: a twin that stepped at the very instant of the first ran it alone and made the next
+# wait a whole step, where the real engine packed both into one. A named GPU's twin adds
+# none: it is this host's figure, not the GPU server's.
 HOST_WAKE_S = 0.002
 
 
