@@ -39,6 +39,9 @@ class OperationEfficiency:
     attention_flops: prefill attention (a flash kernel) against the same peak;
     memory: streaming reads (weights in a GEMM, KV in attention) against the bandwidth;
     elementwise: norms, activations, RoPE and residual adds against the bandwidth;
+    overlap: how little an operation near its ridge overlaps compute with memory: its time
+      is max(compute, memory) + overlap x min(compute, memory) (0: the ideal roofline, 1:
+      no overlap at all), which prices a short prefill's GEMMs between the two;
     step_s: every step, whatever it runs (launches, scheduling, sampling set-up);
     allreduce_s: one small all-reduce call between tensor-parallel GPUs (its latency).
     """
@@ -47,17 +50,19 @@ class OperationEfficiency:
     attention_flops: float = 0.5
     memory: float = 0.8
     elementwise: float = 0.5
+    overlap: float = 0.0
     step_s: float = 0.0
     allreduce_s: float = 15e-6
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
+            may_be_zero = f.name.endswith("_s") or f.name == "overlap"
             limit = math.inf if f.name.endswith("_s") else 1.0
             if not (isinstance(value, int | float) and math.isfinite(value)
-                    and (value >= 0 if f.name.endswith("_s") else value > 0) and value <= limit):
-                raise ConfigError(f"efficiency.{f.name}", "must be a share in (0, 1] (a "
-                                  f"time in seconds >= 0 for *_s), got {value!r}")
+                    and (value >= 0 if may_be_zero else value > 0) and value <= limit):
+                raise ConfigError(f"efficiency.{f.name}", "must be a share in (0, 1] (overlap "
+                                  f"in [0, 1], a time in seconds >= 0 for *_s), got {value!r}")
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -91,19 +96,23 @@ class Link:
 class StepPrice:
     """Seconds of a step of `model` (its counts: FLOPs per token, bytes per element of the
     weights, KV and activations) on `peaks` (of all tensor-parallel GPUs together), each
-    operation on its own roofline at `efficiency`, plus the all-reduces over `link`."""
+    operation on its own roofline at `efficiency`, plus the all-reduces over `link`.
+    Attention runs on the activations' precision (`attention_flops`, the BF16 peak) whatever
+    the weights' (FP8 or INT8 GEMMs run at `peaks.flops`)."""
 
     model: BudgetModel
     peaks: DevicePeaks  # FLOP/s at the weights' precision and bytes/s, of all GPUs
     efficiency: OperationEfficiency
     link: Link = Link()
+    attention_flops: float | None = None  # None: peaks.flops
     _rates: tuple[float, float, float, float] = field(init=False, repr=False)
     _comm_per_token: float = field(init=False, repr=False)
     _key: str = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         e, p = self.efficiency, self.peaks
-        object.__setattr__(self, "_rates", (p.flops * e.gemm_flops, p.flops * e.attention_flops,
+        attention = p.flops if self.attention_flops is None else self.attention_flops
+        object.__setattr__(self, "_rates", (p.flops * e.gemm_flops, attention * e.attention_flops,
                                             p.bandwidth * e.memory,
                                             p.bandwidth * e.elementwise))
         c = self.model.config
@@ -112,7 +121,7 @@ class StepPrice:
                            c.hidden_size * self.model.activation_bytes_per_element)
         # a shape's price depends on the counts and on every rate: the memo key names both
         object.__setattr__(self, "_key", f"ops {self.model.counting_key} {p!r} {e!r} "
-                                         f"{self.link!r}")
+                                         f"{self.link!r} {attention}")
 
     def operations(self, shape: StepShape) -> dict[str, float]:
         """Seconds of each operation of the step, in OPERATIONS order."""
@@ -123,12 +132,19 @@ class StepPrice:
         counts = m.operation_counts(shape)
         layers = 2 * m.config.num_layers
         message = self._comm_per_token * shape.num_tokens
+        overlap = self.efficiency.overlap
+
+        def roofline(compute_s: float, memory_s: float) -> float:
+            if compute_s > memory_s:
+                return compute_s + overlap * memory_s
+            return memory_s + overlap * compute_s
+
         return {
-            "gemm": max(counts.gemm_flops / gemm_rate, m.weight_bytes / memory_rate),
-            "attention_prefill": max(counts.prefill_pair_flops / attention_rate,
-                                     counts.prefill_kv_bytes / memory_rate),
-            "attention_decode": max(counts.decode_pair_flops / attention_rate,
-                                    counts.decode_kv_bytes / memory_rate),
+            "gemm": roofline(counts.gemm_flops / gemm_rate, m.weight_bytes / memory_rate),
+            "attention_prefill": roofline(counts.prefill_pair_flops / attention_rate,
+                                          counts.prefill_kv_bytes / memory_rate),
+            "attention_decode": roofline(counts.decode_pair_flops / attention_rate,
+                                         counts.decode_kv_bytes / memory_rate),
             "elementwise": counts.activation_bytes / elementwise_rate,
             "sampler": shape.logits_rows * m.config.vocab_size * LOGIT_BYTES / elementwise_rate,
             "communication": layers * self.link.seconds(message, self.efficiency.allreduce_s),

@@ -31,8 +31,9 @@ PEAK_OF = {"float32": "bfloat16", "bfloat16": "bfloat16", "float16": "bfloat16",
            "fp8": "fp8", "int8": "int8"}
 
 # Fitted against the published table by benchmarks/twin_published.py --fit (docs/twin.md).
-FITTED_EFFICIENCY = OperationEfficiency(gemm_flops=0.7, attention_flops=0.5, memory=0.8,
-                                        elementwise=0.5, step_s=0.0, allreduce_s=15e-6)
+FITTED_EFFICIENCY = OperationEfficiency(gemm_flops=0.799, attention_flops=0.204,
+                                        memory=0.7892, elementwise=1.0, overlap=1.0,
+                                        step_s=1.571e-3, allreduce_s=18.2e-6)
 FITTED_SOURCE = "fitted on the published cases of benchmarks/published_gpu_cases.json"
 
 

@@ -152,8 +152,10 @@ class Deployment:
         return int(free * memory_utilization) * self.tp
 
     def step_price(self) -> StepPrice:
+        attention = self.gpu.peak_flops(
+            "float32" if self.weight_dtype == "float32" else "bfloat16") * self.tp
         return StepPrice(self.budget, self.peaks, self.gpu.efficiency,
-                         Link(self.tp, self.gpu.interconnect.bandwidth))
+                         Link(self.tp, self.gpu.interconnect.bandwidth), attention)
 
     def predictor(self) -> Predict:
         """Step seconds: each operation on its own roofline, summed, plus the fixed cost."""
