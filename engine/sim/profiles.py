@@ -195,3 +195,16 @@ def profile_for_device_name(device_name: str) -> GpuProfile | None:
         if key in lowered:
             return PROFILES[key]
     return None
+
+
+def vllm_server_defaults(gpu: GpuProfile) -> dict[str, int | float]:
+    """What `vllm serve` schedules with on this GPU when not told otherwise (vLLM V1,
+    vllm/engine/arg_utils.py: 8192 tokens a step and 1024 sequences on GPUs of 70 GiB or
+    more other than the A100, 2048 and 256 below). V1 admits and chunks any number of
+    prefills within the budget and preempts only when a block cannot be had: no prefill
+    cap beyond the sequences, and the cache watermarks as high as this engine allows."""
+    large = gpu.memory_bytes >= 70 * GIB and not gpu.key.startswith("a100")
+    seqs = 1024 if large else 256
+    return {"max_num_batched_tokens": 8192 if large else 2048, "max_num_seqs": seqs,
+            "max_prefill_chunks": seqs, "cache_high_watermark": 0.99,
+            "cache_low_watermark": 0.98}
