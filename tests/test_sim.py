@@ -436,3 +436,58 @@ def test_a_twin_of_a_drifted_machine_runs_its_steps_slow_but_predicts_the_fit() 
     assert slow.step_time_ratio(prefill=True) == pytest.approx(2.0)
     assert slow.step_time_ratio(prefill=False) == pytest.approx(1.5)
     assert slow.records["one"].tpot_s == pytest.approx(0.015)
+
+
+def test_fp8_weights_halve_an_8b_decodes_weight_bytes_and_its_time_per_token() -> None:
+    h100 = PROFILES["h100"]
+    bf16 = Deployment(PRESETS["8b"], h100).step_price()
+    fp8 = Deployment(PRESETS["8b"], h100, weight_dtype="fp8").step_price()
+    assert fp8.model.weight_bytes == pytest.approx(bf16.model.weight_bytes / 2)
+    shape = StepShape(decode_contexts=(512,))  # batch 1: the weights' read bounds it
+    halved = bf16.operations(shape)["gemm"] / 2
+    assert fp8.operations(shape)["gemm"] == pytest.approx(halved, rel=0.01)
+    assert bf16.predict(shape) - fp8.predict(shape) == pytest.approx(halved, rel=0.02)
+    with pytest.raises(ConfigError, match="no fp8"):
+        Deployment(PRESETS["8b"], PROFILES["a100"], weight_dtype="fp8")
+
+
+def test_bench_on_a_gpu_takes_vllms_defaults_and_fixed_length_requests(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from console.cli.main import main
+
+    args = ["bench", "--simulate", "h100", "--model", "synthetic:8b", "--compare", "chunked",
+            "--db", str(tmp_path / "s.db"), "--json"]
+    assert main([*args, "--input-len", "100", "--output-len", "8", "--num-prompts", "3"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["gpu_defaults"]["max_num_batched_tokens"] == 8192
+    run = report["runs"]["chunked"]
+    assert run["config"]["max_num_batched_tokens"] == 8192 and run["finished"] == 3
+    assert report["workload"]["spec"] == "fixed:100in/8out"
+    requests = tmp_path / "r.jsonl"
+    requests.write_text('{"id": "a", "prompt_token_ids": [1, 2, 3], "max_tokens": 4}\n')
+    assert main([*args, "--requests", str(requests), "--max-num-batched-tokens", "512"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "max_num_batched_tokens" not in report["gpu_defaults"]  # the user's stands
+    assert report["runs"]["chunked"]["config"]["max_num_batched_tokens"] == 512
+    assert main([*args, "--requests", str(requests), "--input-len", "4"]) == 2
+    assert "pick one" in capsys.readouterr().err
+
+
+def test_roofline_shows_a_profile_and_a_users_file_overrides_it(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from console.cli.main import main
+
+    assert main(["roofline", "--gpu", "h200", "--show-profile", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["flops"]["fp8"] == 1979e12 and shown["sources"]["flops"]
+    override = tmp_path / "p.json"
+    override.write_text(json.dumps({"efficiency": {"step_s": 0.004}}))
+    assert main(["roofline", "--gpu", "h200", "--show-profile", "--json", "--gpu-profile",
+                 str(override)]) == 0
+    mine = json.loads(capsys.readouterr().out)
+    assert mine["efficiency"]["step_s"] == 0.004
+    assert mine["efficiency"]["memory"] == shown["efficiency"]["memory"]
+    config = EngineConfig(model="synthetic:8b")
+    slow = resolve_target("h200", config, gpu_profile=override)
+    shape = StepShape(decode_contexts=(100,))
+    assert slow.predict(shape) > resolve_target("h200", config).predict(shape)
