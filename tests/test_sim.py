@@ -491,3 +491,15 @@ def test_roofline_shows_a_profile_and_a_users_file_overrides_it(
     slow = resolve_target("h200", config, gpu_profile=override)
     shape = StepShape(decode_contexts=(100,))
     assert slow.predict(shape) > resolve_target("h200", config).predict(shape)
+
+
+def test_a_step_costs_the_sum_of_its_operations() -> None:
+    config = EngineConfig(model="synthetic:8b")
+    for tp in (1, 2):
+        price = Deployment(PRESETS["8b"], PROFILES["h100"], tp).step_price()
+        shape = StepShape(prefill=((300, 1000), (40, 0)), decode_contexts=(5, 900, 4000))
+        parts = price.operations(shape)
+        assert price.predict(shape) == pytest.approx(sum(parts.values()))
+        assert parts["step"] == PROFILES["h100"].efficiency.step_s
+        assert all(v >= 0 for v in parts.values()) and (parts["communication"] > 0) == (tp > 1)
+    assert resolve_target("h100", config).predict(StepShape()) == 0.0

@@ -155,4 +155,23 @@ class StepPrice:
         return shape.counted(self._key, self._predict)
 
     def _predict(self, shape: StepShape) -> float:
-        return sum(self.operations(shape).values())
+        """operations() summed, without its dict: the twin's every step calls this."""
+        if shape.num_tokens == 0:
+            return 0.0
+        m = self.model
+        gemm_rate, attention_rate, memory_rate, elementwise_rate = self._rates
+        c = m.operation_counts(shape)
+        overlap = self.efficiency.overlap
+        total = self.efficiency.step_s
+        for compute_s, memory_s in (
+                (c.gemm_flops / gemm_rate, m.weight_bytes / memory_rate),
+                (c.prefill_pair_flops / attention_rate, c.prefill_kv_bytes / memory_rate),
+                (c.decode_pair_flops / attention_rate, c.decode_kv_bytes / memory_rate)):
+            total += (compute_s + overlap * memory_s if compute_s > memory_s
+                      else memory_s + overlap * compute_s)
+        total += (c.activation_bytes + shape.logits_rows * m.config.vocab_size * LOGIT_BYTES
+                  ) / elementwise_rate
+        if self.link.gpus > 1:
+            total += 2 * m.config.num_layers * self.link.seconds(
+                self._comm_per_token * shape.num_tokens, self.efficiency.allreduce_s)
+        return total
