@@ -19,7 +19,8 @@ def add_workload_flags(parser: argparse.ArgumentParser, default: str = "mixed") 
     group.add_argument("--workload", default=default,
                        help="long-doc, chat, mixed, multiturn (conversations resending their "
                             "history), conversations:FILE (JSONL), conv, code (the Azure "
-                            "traces) or trace:FILE")
+                            "traces), trace:FILE or traced:DB (the requests an attached vLLM "
+                            "or SGLang fleet served, from the OTLP traces stored in DB)")
     group.add_argument("--num-requests", type=int, default=None,
                        help="requests to send (default: the profile's own count); for "
                             "multiturn, conversations")
