@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine.errors import EngineError
-from engine.harness.workload import build_workload
+from engine.harness.traced_workload import traced_requests
 from engine.serve.otlp import TraceCollector, decode_export
 from engine.store import open_database
 
@@ -33,18 +33,18 @@ def test_traced_workload_replays_every_traced_request_with_its_lengths(tmp_path:
     path = _collected(tmp_path)
     traced = sorted((t for body in EXPORTS for t in decode_export(body.read_bytes())),
                     key=lambda t: t.started_at)
-    workload = build_workload(f"traced:{path}", vocab_size=512, max_model_len=1024)
+    workload = traced_requests(f"traced:{path}", vocab_size=512, max_model_len=1024)
     assert [w.request_id for w in workload] == [t.request_id for t in traced]
     for w, t in zip(workload, traced, strict=True):
         assert len(w.prompt_token_ids) == t.prompt_tokens
         assert w.max_tokens == t.completion_tokens and w.ignore_eos
         assert w.arrival_s == pytest.approx(t.started_at - traced[0].started_at)
-    assert len(build_workload(f"traced:{path}", vocab_size=512, max_model_len=1024,
+    assert len(traced_requests(f"traced:{path}", vocab_size=512, max_model_len=1024,
                               num_requests=5)) == 5
     with pytest.raises(EngineError, match="raise --max-model-len"):
-        build_workload(f"traced:{path}", vocab_size=512, max_model_len=16)
+        traced_requests(f"traced:{path}", vocab_size=512, max_model_len=16)
     with pytest.raises(EngineError, match="no such store"):
-        build_workload(f"traced:{tmp_path / 'none.db'}", vocab_size=512, max_model_len=1024)
+        traced_requests(f"traced:{tmp_path / 'none.db'}", vocab_size=512, max_model_len=1024)
 
 
 def test_this_mornings_traffic_on_a_simulated_gpu(tmp_path: Path,

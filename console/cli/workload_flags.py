@@ -52,6 +52,7 @@ def add_rate_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
                              "pattern, rescaled to this mean rate); inf sends all at once")
 
 
+TRACED = "traced:"
 # vllm bench's default number of prompts
 DEFAULT_NUM_PROMPTS = 1000
 
@@ -62,6 +63,12 @@ def workload_for(args: argparse.Namespace, engine: Engine) -> list[WorkloadReque
     fixed = _fixed_length(args, engine)
     if fixed is not None:
         return fixed
+    if args.workload.startswith(TRACED):  # what an attached fleet served, from the store
+        from engine.harness.traced_workload import traced_requests
+
+        return traced_requests(args.workload, vocab_size=engine.model_config.vocab_size,
+                               max_model_len=engine.max_model_len, seed=args.workload_seed,
+                               num_requests=args.num_requests, time_scale=args.time_scale)
 
     scale = args.length_scale
     if scale is None:

@@ -147,11 +147,6 @@ def build_workload(
         raise WorkloadError(f"vocab_size must exceed {FIRST_PROMPT_TOKEN_ID}, got {vocab_size}")
     if max_model_len < 2:
         raise WorkloadError(f"max_model_len must be at least 2, got {max_model_len}")
-    if spec.startswith("traced:"):  # what an attached fleet served, from the store
-        from engine.harness.traced_workload import traced_requests
-
-        return traced_requests(spec, vocab_size=vocab_size, max_model_len=max_model_len,
-                               seed=seed, num_requests=num_requests, time_scale=time_scale)
     rng = random.Random(seed)
     if spec == "multiturn" or spec.startswith("conversations:"):
         if spec == "multiturn":
@@ -178,7 +173,7 @@ def build_workload(
                                rng)
     else:
         choices = ", ".join([*PROFILES, "multiturn", "conversations:PATH", *SHIPPED_TRACES,
-                             "trace:PATH", "traced:DB"])
+                             "trace:PATH"])
         raise WorkloadError(f"unknown workload {spec!r}; choose one of {choices}")
     return [
         _realize(f"{label}-{i:05d}", draft, length_scale, time_scale, vocab_size, max_model_len,
