@@ -94,8 +94,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="write report.md and PNG plots into DIR")
     parser.add_argument("--simulate", metavar="TARGET",
                         help="run on the GPU twin instead: this (the calibration stored for "
-                             "this device), a100, h100, h200, l40s, b200 (datasheet roofline) "
-                             "or calibration:ID; no weights are loaded")
+                             "this device), a GPU profile (a100, a100-pcie, h100, h100-pcie, "
+                             "h200, l40s, b200, a10, mi300x: each operation on its roofline, "
+                             "docs/twin.md) or calibration:ID; no weights are loaded")
     parser.add_argument("--tp", type=int, default=1,
                         help="with --simulate GPU: tensor-parallel GPUs (default 1)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
