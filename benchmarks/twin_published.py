@@ -11,44 +11,19 @@ method is in engine.sim.published and docs/twin.md.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 from pathlib import Path
 
-from engine.budget.operations import OperationEfficiency
+from engine.budget.operations import OperationEfficiency, fit_efficiency
 from engine.sim.profiles import FITTED_EFFICIENCY
 from engine.sim.published import PublishedCase, agreement, load_cases
 
 CASES = Path(__file__).with_name("published_gpu_cases.json")
-# Bounds of each factor the fit may choose: shares of a peak, and seconds.
-BOUNDS = {"gemm_flops": (0.2, 1.0), "attention_flops": (0.1, 1.0), "memory": (0.3, 1.0),
-          "elementwise": (0.05, 1.0), "overlap": (0.0, 1.0), "step_s": (0.0, 5e-3),
-          "allreduce_s": (1e-6, 60e-6)}
 
 
 def loss(cases: list[PublishedCase], efficiency: OperationEfficiency) -> float:
     """Squared log errors: a case 20% slow weighs as one 20% fast, whatever its unit."""
     return sum(math.log(c.predicted(efficiency) / c.measured) ** 2 for c in cases)
-
-
-def fit(cases: list[PublishedCase], start: OperationEfficiency) -> OperationEfficiency:
-    """Coordinate descent: each factor in turn moves by a shrinking step while the loss
-    falls, within BOUNDS."""
-    best, best_loss = start, loss(cases, start)
-    step = 0.5
-    while step > 1e-3:
-        improved = False
-        for name, (lo, hi) in BOUNDS.items():
-            for direction in (1 + step, 1 / (1 + step)):
-                value = getattr(best, name)
-                moved = value * direction if value > 0 else (hi - lo) * step / 10
-                candidate = dataclasses.replace(best, **{name: min(hi, max(lo, moved))})
-                candidate_loss = loss(cases, candidate)
-                if candidate_loss < best_loss - 1e-12:
-                    best, best_loss, improved = candidate, candidate_loss, True
-        if not improved:
-            step /= 2
-    return best
 
 
 def table(cases: list[PublishedCase], efficiency: OperationEfficiency) -> str:
@@ -69,7 +44,8 @@ def main() -> None:
     cases = load_cases(CASES)
     fitted = [c for c in cases if not c.held_back]
     held = [c for c in cases if c.held_back]
-    efficiency = fit(fitted, FITTED_EFFICIENCY) if args.fit else FITTED_EFFICIENCY
+    efficiency = (fit_efficiency(lambda e: loss(fitted, e), FITTED_EFFICIENCY) if args.fit
+                  else FITTED_EFFICIENCY)
     print(f"factors: {efficiency.to_dict()}")
     print(f"\nfitted on ({len(fitted)} cases):\n{table(fitted, efficiency)}")
     print(f"\nheld back ({len(held)} cases):\n{table(held, efficiency)}")

@@ -16,7 +16,9 @@ few numbers per shape, its counts memoised on the shape.
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -75,6 +77,34 @@ class OperationEfficiency:
             raise ConfigError("efficiency", f"unknown field(s) {', '.join(sorted(unknown))}; "
                               f"known: {', '.join(sorted(known))}")
         return cls(**{k: float(v) for k, v in data.items()})
+
+
+# Where a fit may move each factor: shares of a peak, the overlap, and seconds.
+FIT_BOUNDS = {"gemm_flops": (0.05, 1.0), "attention_flops": (0.05, 1.0), "memory": (0.05, 1.0),
+              "elementwise": (0.05, 1.0), "overlap": (0.0, 1.0), "step_s": (0.0, 5e-3),
+              "allreduce_s": (1e-6, 60e-6)}
+
+
+def fit_efficiency(loss: Callable[[OperationEfficiency], float], start: OperationEfficiency,
+                   fields_to_fit: tuple[str, ...] = tuple(FIT_BOUNDS)) -> OperationEfficiency:
+    """The factors of least `loss`, by coordinate descent: each factor in turn moves by a
+    shrinking step while the loss falls, within FIT_BOUNDS (a few hundred evaluations)."""
+    best, best_loss = start, loss(start)
+    step = 0.5
+    while step > 1e-3:
+        improved = False
+        for name in fields_to_fit:
+            lo, hi = FIT_BOUNDS[name]
+            for direction in (1 + step, 1 / (1 + step)):
+                value = getattr(best, name)
+                moved = value * direction if value > 0 else (hi - lo) * step / 10
+                candidate = dataclasses.replace(best, **{name: min(hi, max(lo, moved))})
+                candidate_loss = loss(candidate)
+                if candidate_loss < best_loss - 1e-12:
+                    best, best_loss, improved = candidate, candidate_loss, True
+        if not improved:
+            step /= 2
+    return best
 
 
 @dataclass(frozen=True)
