@@ -31,6 +31,7 @@ from engine.budget.calibrate import (
     save_result,
 )
 from engine.budget.drift import DriftMonitor, Job
+from engine.budget.operations import OperationEfficiency
 from engine.budget.predictor import StepTimePredictor
 from engine.budget.served import ServedCosts, ServedSample, measure_served
 from engine.config import ConfigError, EngineConfig, SamplingParams
@@ -480,6 +481,12 @@ def test_result_is_stored_with_its_table_and_predictor(tmp_path: Path, engine: E
     prefill = [p for p in calibrated.points if p.probe.kind == "prefill"]
     assert len(record.table) == len(prefill)
     assert record.info["heldout_median_abs_error"] == calibrated.heldout_median_abs_error
+    # the same steps in the GPU twin's per-operation form, beside the predictor
+    operations = record.info["operations"]
+    assert operations["form"] == "operations"
+    assert OperationEfficiency.from_dict(operations["efficiency"]) == (
+        calibrated.operations.efficiency)
+    assert operations["heldout_median_abs_error"] >= 0
 
 
 def test_runs_keep_their_reason_and_older_runs_upgrade_without_one(tmp_path: Path,

@@ -21,7 +21,7 @@ from engine.harness.workload import WorkloadRequest
 from engine.model.config import PRESETS
 from engine.sim.executor import SimulatedExecutor, VirtualClock, simulated_engine
 from engine.sim.fleet import run_fleet
-from engine.sim.gpus import GPUS, NVLINK4
+from engine.sim.profiles import PROFILES
 from engine.sim.router import RoutePolicy, Router
 from engine.sim.target import Deployment, SimTarget, StepTimeRatios, resolve_target
 
@@ -133,23 +133,29 @@ def test_simulated_run_makes_the_real_runs_scheduling_decisions() -> None:
 
 def test_kv_capacity_is_gpu_memory_less_weights_and_reserve() -> None:
     config = PRESETS["8b"]
-    one = Deployment(config, 2, GPUS["h100"])
-    two = Deployment(config, 2, GPUS["h100"], tp=2)
+    h100 = PROFILES["h100"]
+    one = Deployment(config, h100)
+    two = Deployment(config, h100, tp=2)
     assert one.weight_bytes == config.num_params() * 2
     # the second GPU holds no second copy of the weights: more than twice the KV
     assert two.kv_cache_bytes(0.9) > 2 * one.kv_cache_bytes(0.9)
-    assert one.kv_cache_bytes(0.9) < 0.9 * (GPUS["h100"].memory_bytes - one.weight_bytes)
+    assert one.kv_cache_bytes(0.9) < 0.9 * (h100.memory_bytes - one.weight_bytes)
 
 
-def test_tensor_parallel_adds_two_allreduces_per_layer_on_the_link() -> None:
+def test_tensor_parallel_adds_two_latency_bound_allreduces_per_layer() -> None:
     config = PRESETS["8b"]
-    two = Deployment(config, 2, GPUS["h100"], tp=2)
-    message = 512 * config.hidden_size * 2
-    per_call = 2 * (message / 2 / NVLINK4.bandwidth + NVLINK4.hop_latency_s)
-    assert two.allreduce_seconds(512) == pytest.approx(2 * config.num_layers * per_call)
+    h100 = PROFILES["h100"]
+    two = Deployment(config, h100, tp=2).step_price()
     shape = StepShape(decode_contexts=(1024,) * 64)
-    single = Deployment(config, 2, GPUS["h100"]).predictor()(shape)
-    assert two.predictor()(shape) < single  # half the weights per GPU outweighs the link
+    message = 64 * config.hidden_size * 2
+    per_call = (h100.efficiency.allreduce_s
+                + 2 * (2 - 1) / 2 * message / h100.interconnect.bandwidth)
+    assert two.operations(shape)["communication"] == pytest.approx(
+        2 * config.num_layers * per_call)
+    # a small all-reduce costs its latency, not a per-hop sum
+    assert per_call < 1.1 * h100.efficiency.allreduce_s
+    single = Deployment(config, h100).predictor()(shape)
+    assert two.predict(shape) < single  # half the weights per GPU outweighs the link
 
 
 def test_bad_simulation_inputs_name_the_fix(tmp_path: Path) -> None:
@@ -234,21 +240,31 @@ def test_a_fleet_replays_arrivals_across_replicas() -> None:
 
 
 def test_arrivals_microseconds_apart_share_an_idle_replicas_first_step() -> None:
-    """A real engine wakes for an arrival a little late, and what arrived meanwhile joins the
-    step; a twin stepping at the first arrival's instant made the second wait a whole step."""
+    """This host's engine, as calibrated, wakes for an arrival a little late, and what arrived
+    meanwhile joins the step; a twin stepping at the first arrival's instant made the second
+    wait a whole step."""
     from engine.sim.fleet import HOST_WAKE_S
 
-    config = EngineConfig(model="synthetic:8b", max_num_batched_tokens=512)
+    config = EngineConfig(model="synthetic:tiny", device="cpu", max_num_batched_tokens=512)
     first, second = _request(0, prompt=200, out=4), _request(1, prompt=200, out=4)
     second = dataclasses.replace(second, arrival_s=first.arrival_s + 7e-6)
     later = dataclasses.replace(_request(2, prompt=200, out=4), arrival_s=5.0)
-    fleet = run_fleet(config, resolve_target("h100", config), [first, second, later], 1,
+    fleet = run_fleet(config, _flat_target(0.01), [first, second, later], 1,
                       RoutePolicy.ROUND_ROBIN)
     records = fleet.merged.records
     assert records["q0"].first_scheduled == records["q1"].first_scheduled
     assert records["q0"].scheduling_delay_s == pytest.approx(HOST_WAKE_S)
     # one arriving alone to an idle replica waits for the wake-up only
     assert records["q2"].scheduling_delay_s == pytest.approx(HOST_WAKE_S)
+
+
+def test_a_named_gpu_adds_no_host_wake_up_to_arrivals() -> None:
+    """The wake-up is this host's figure: a simulated GPU server starts at the arrival."""
+    config = EngineConfig(model="synthetic:8b", max_num_batched_tokens=512)
+    alone = dataclasses.replace(_request(2, prompt=200, out=4), arrival_s=5.0)
+    fleet = run_fleet(config, resolve_target("h100", config), [alone], 1,
+                      RoutePolicy.ROUND_ROBIN)
+    assert fleet.merged.records["q2"].scheduling_delay_s == 0.0
 
 
 def test_bench_simulate_prints_the_real_json_plus_what_was_simulated(
@@ -262,7 +278,7 @@ def test_bench_simulate_prints_the_real_json_plus_what_was_simulated(
     assert code == 0
     report = json.loads(capsys.readouterr().out)
     assert report["simulated"] is True and report["predictor"] == "roofline"
-    assert "H100 SXM datasheet" in report["predictor_source"]
+    assert "H100 datasheet" in report["predictor_source"]
     assert report["target"]["interconnect"]["name"].startswith("NVLink 4")
     run = report["runs"]["chunked"]
     assert run["finished"] == 6 and len(run["replicas"]) == 2
@@ -420,3 +436,70 @@ def test_a_twin_of_a_drifted_machine_runs_its_steps_slow_but_predicts_the_fit() 
     assert slow.step_time_ratio(prefill=True) == pytest.approx(2.0)
     assert slow.step_time_ratio(prefill=False) == pytest.approx(1.5)
     assert slow.records["one"].tpot_s == pytest.approx(0.015)
+
+
+def test_fp8_weights_halve_an_8b_decodes_weight_bytes_and_its_time_per_token() -> None:
+    h100 = PROFILES["h100"]
+    bf16 = Deployment(PRESETS["8b"], h100).step_price()
+    fp8 = Deployment(PRESETS["8b"], h100, weight_dtype="fp8").step_price()
+    assert fp8.model.weight_bytes == pytest.approx(bf16.model.weight_bytes / 2)
+    shape = StepShape(decode_contexts=(512,))  # batch 1: the weights' read bounds it
+    halved = bf16.operations(shape)["gemm"] / 2
+    assert fp8.operations(shape)["gemm"] == pytest.approx(halved, rel=0.01)
+    assert bf16.predict(shape) - fp8.predict(shape) == pytest.approx(halved, rel=0.02)
+    with pytest.raises(ConfigError, match="no fp8"):
+        Deployment(PRESETS["8b"], PROFILES["a100"], weight_dtype="fp8")
+
+
+def test_bench_on_a_gpu_takes_vllms_defaults_and_fixed_length_requests(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from console.cli.main import main
+
+    args = ["bench", "--simulate", "h100", "--model", "synthetic:8b", "--compare", "chunked",
+            "--db", str(tmp_path / "s.db"), "--json"]
+    assert main([*args, "--input-len", "100", "--output-len", "8", "--num-prompts", "3"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["gpu_defaults"]["max_num_batched_tokens"] == 8192
+    run = report["runs"]["chunked"]
+    assert run["config"]["max_num_batched_tokens"] == 8192 and run["finished"] == 3
+    assert report["workload"]["spec"] == "fixed:100in/8out"
+    requests = tmp_path / "r.jsonl"
+    requests.write_text('{"id": "a", "prompt_token_ids": [1, 2, 3], "max_tokens": 4}\n')
+    assert main([*args, "--requests", str(requests), "--max-num-batched-tokens", "512"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "max_num_batched_tokens" not in report["gpu_defaults"]  # the user's stands
+    assert report["runs"]["chunked"]["config"]["max_num_batched_tokens"] == 512
+    assert main([*args, "--requests", str(requests), "--input-len", "4"]) == 2
+    assert "pick one" in capsys.readouterr().err
+
+
+def test_roofline_shows_a_profile_and_a_users_file_overrides_it(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from console.cli.main import main
+
+    assert main(["roofline", "--gpu", "h200", "--show-profile", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["flops"]["fp8"] == 1979e12 and shown["sources"]["flops"]
+    override = tmp_path / "p.json"
+    override.write_text(json.dumps({"efficiency": {"step_s": 0.004}}))
+    assert main(["roofline", "--gpu", "h200", "--show-profile", "--json", "--gpu-profile",
+                 str(override)]) == 0
+    mine = json.loads(capsys.readouterr().out)
+    assert mine["efficiency"]["step_s"] == 0.004
+    assert mine["efficiency"]["memory"] == shown["efficiency"]["memory"]
+    config = EngineConfig(model="synthetic:8b")
+    slow = resolve_target("h200", config, gpu_profile=override)
+    shape = StepShape(decode_contexts=(100,))
+    assert slow.predict(shape) > resolve_target("h200", config).predict(shape)
+
+
+def test_a_step_costs_the_sum_of_its_operations() -> None:
+    config = EngineConfig(model="synthetic:8b")
+    for tp in (1, 2):
+        price = Deployment(PRESETS["8b"], PROFILES["h100"], tp).step_price()
+        shape = StepShape(prefill=((300, 1000), (40, 0)), decode_contexts=(5, 900, 4000))
+        parts = price.operations(shape)
+        assert price.predict(shape) == pytest.approx(sum(parts.values()))
+        assert parts["step"] == PROFILES["h100"].efficiency.step_s
+        assert all(v >= 0 for v in parts.values()) and (parts["communication"] > 0) == (tp > 1)
+    assert resolve_target("h100", config).predict(StepShape()) == 0.0

@@ -32,7 +32,7 @@ from console.cli.db import add_db_argument
 from console.cli.engine_flags import add_engine_flags, engine_config
 from console.cli.progress import RunProgress, add_quiet_flag
 from console.cli.report import write_report
-from console.cli.workload_flags import add_workload_flags, workload_for
+from console.cli.workload_flags import add_fixed_length_flags, add_workload_flags, workload_for
 from console.errors import UserError
 from engine.budget.calibrate import apply
 from engine.budget.predictor import StepTimePredictor
@@ -54,6 +54,7 @@ from engine.harness.workload import WorkloadRequest, describe, steady_traffic
 from engine.serve.session import EngineSession
 from engine.sim.executor import VirtualClock, simulated_engine
 from engine.sim.fleet import FleetResult, run_fleet
+from engine.sim.profiles import profile, vllm_server_defaults
 from engine.sim.router import RoutePolicy
 from engine.sim.target import SimTarget, StepTimeRatios, resolve_target
 from engine.stats import ms, quantile
@@ -67,6 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                    description=__doc__)
     add_engine_flags(parser)
     add_workload_flags(parser)
+    add_fixed_length_flags(parser)
     parser.add_argument("--compare", default="chunked,unchunked",
                         help="comma-separated configuration names (default chunked,unchunked)")
     parser.add_argument("--config", action="append", default=[], metavar="NAME:FIELD=VALUE,...",
@@ -92,10 +94,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="write report.md and PNG plots into DIR")
     parser.add_argument("--simulate", metavar="TARGET",
                         help="run on the GPU twin instead: this (the calibration stored for "
-                             "this device), a100, h100, h200, l40s, b200 (datasheet roofline) "
-                             "or calibration:ID; no weights are loaded")
+                             "this device), a GPU profile (a100, a100-pcie, h100, h100-pcie, "
+                             "h200, l40s, b200, a10, mi300x: each operation on its roofline, "
+                             "docs/twin.md) or calibration:ID; no weights are loaded")
     parser.add_argument("--tp", type=int, default=1,
                         help="with --simulate GPU: tensor-parallel GPUs (default 1)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="with --simulate GPU: the KV cache's precision (--dtype fp8 or "
+                             "int8 sets the weights')")
+    parser.add_argument("--gpu-profile", type=Path, metavar="FILE",
+                        help="with --simulate GPU: a JSON profile over the named GPU's "
+                             "(`tokenflow roofline --gpu NAME --show-profile --json` prints one)")
     parser.add_argument("--replicas", type=int, default=1,
                         help="with --simulate: a fleet of this many replicas behind a router")
     parser.add_argument("--router", default=RoutePolicy.LEAST_TOKENS.value,
@@ -119,6 +128,9 @@ def bench(args: argparse.Namespace) -> int:
     names = [n.strip() for n in args.compare.split(",") if n.strip()]
     custom = dict(_parse_config(spec) for spec in args.config)
     target = _sim_target(args, base)
+    gpu_defaults = _gpu_defaults(args, base, target)
+    base = dataclasses.replace(base, **gpu_defaults)
+    base.validate()
     sim = None if target is None else _Simulation(target, args.replicas,
                                                   RoutePolicy.parse(args.router))
     if target is None:
@@ -140,7 +152,7 @@ def bench(args: argparse.Namespace) -> int:
                                    slo.tpot_s * 1e3 / 2) for name in names}
     prefill_s = isolated_prefill(probe)
     report: dict[str, Any] = {
-        "workload": {"spec": args.workload, **describe(workload).to_dict()},
+        "workload": {"spec": _workload_spec(args), **describe(workload).to_dict()},
         "machine": _machine(probe),
         "slo": {**slo.to_dict(), "ttft_ms": _ttft_slo_ms(workload, slo, prefill_s)},
         "calibrated": calibration is not None,  # step predictions from `tokenflow calibrate`
@@ -148,7 +160,8 @@ def bench(args: argparse.Namespace) -> int:
     }
     if target is not None:
         report.update(simulated=True, predictor=target.predictor,
-                      predictor_source=target.source, target=target.describe())
+                      predictor_source=target.source, target=target.describe(),
+                      gpu_defaults=gpu_defaults)
     results: dict[str, RunResult] = {}
     for name, config in configs.items():
         meter = HostLoadMeter()
@@ -195,6 +208,15 @@ def bench(args: argparse.Namespace) -> int:
     else:
         _print_table(report)
     return 0
+
+
+def _workload_spec(args: argparse.Namespace) -> str:
+    """What the requests were, as the report names them."""
+    if args.requests is not None:
+        return f"requests:{args.requests}"
+    if args.input_len is not None:
+        return f"fixed:{args.input_len}in/{args.output_len}out"
+    return str(args.workload)
 
 
 def _drift(real_runs: list[dict[str, Any]]) -> StepTimeRatios | None:
@@ -247,18 +269,34 @@ class _Simulation:
 
 def _sim_target(args: argparse.Namespace, base: EngineConfig) -> SimTarget | None:
     if args.simulate is None:
-        if args.tp != 1 or args.against_real or args.replicas != 1:
-            raise UserError("--tp, --replicas and --against-real apply to simulated runs; "
-                            "add --simulate")
+        if (args.tp != 1 or args.against_real or args.replicas != 1
+                or args.kv_cache_dtype != "auto" or args.gpu_profile is not None):
+            raise UserError("--tp, --replicas, --against-real, --kv-cache-dtype and "
+                            "--gpu-profile apply to simulated runs; add --simulate")
         return None
     if args.replicas < 1:
         raise UserError("--replicas must be at least 1")
     database = open_database(args.db)
     try:
         with database.session() as session:
-            return resolve_target(args.simulate, base, tp=args.tp, session=session)
+            return resolve_target(args.simulate, base, tp=args.tp, session=session,
+                                  kv_cache_dtype=args.kv_cache_dtype,
+                                  gpu_profile=args.gpu_profile)
     finally:
         database.close()
+
+
+def _gpu_defaults(args: argparse.Namespace, base: EngineConfig,
+                  target: SimTarget | None) -> dict[str, Any]:
+    """A vLLM server's scheduling defaults on the simulated GPU, for the fields the command
+    line left unset: a GPU target does not inherit this CPU's."""
+    if target is None or target.calibration is not None:
+        return {}
+    defaults = vllm_server_defaults(profile(args.simulate, args.gpu_profile))
+    return {name: value for name, value in defaults.items()
+            if getattr(args, name, None) is None and (
+                name not in ("cache_high_watermark", "cache_low_watermark")
+                or getattr(base, name) == getattr(EngineConfig(), name))}
 
 
 def _run(name: str, config: EngineConfig, workload: list[WorkloadRequest],
@@ -398,9 +436,14 @@ def _print_table(report: dict[str, Any]) -> None:
     for name, c in report.get("capacity", {}).items():
         print(f"capacity {name}: {c['rate']:.2f} requests/s (P99 {c['metric'].upper()})")
     _print_agreement(report)
+    if report.get("gpu_defaults"):
+        print("vLLM's GPU server defaults applied: " + ", ".join(
+            f"{k}={v}" for k, v in report["gpu_defaults"].items()))
     for name, run in runs.items():
         host = run.get("host")
-        if host is not None and not host["quiet"]:
+        # a simulated run's figures are simulated time, which host load cannot change
+        simulated = report.get("simulated") and ":real" not in name
+        if host is not None and not host["quiet"] and not simulated:
             print(f"{name} shared its machine: other processes used {host['others_cpus']:.2f} "
                   f"CPUs, the hypervisor stole {host['steal']:.0%}; not a quiet machine's "
                   "figures")

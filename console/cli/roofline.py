@@ -54,11 +54,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     load.add_argument("--kv-gib", type=float, default=20.0, help="KV pool in GiB (2^30 bytes)")
     load.add_argument("--step-ms", type=float, default=DEFAULT_STEP_TIME_S * 1e3,
                       help="step time budget of the three-constraint table")
+    machine.add_argument("--show-profile", action="store_true",
+                         help="print the GPU twin's profile of --gpu (peaks per precision, "
+                              "memory, link, efficiency factors, each figure's source)")
+    machine.add_argument("--gpu-profile", type=Path, metavar="FILE",
+                         help="a JSON profile over --gpu's (or a new GPU's) for --show-profile")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.show_profile:
+        return _show_profile(args)
     roofline = _roofline(args)
     report = _report(args, roofline)
     print(json.dumps(report, indent=2) if args.json else _render(report))
@@ -217,3 +224,31 @@ def _is_number(cell: str) -> bool:
         return math.isfinite(float(cell.replace(",", "")))
     except ValueError:
         return False
+
+
+def _show_profile(args: argparse.Namespace) -> int:
+    from engine.sim.profiles import profile
+
+    if args.gpu is None:
+        raise UserError("--show-profile: name the GPU with --gpu")
+    try:
+        gpu = profile(args.gpu, args.gpu_profile)
+    except ConfigError as exc:
+        raise UserError(f"--gpu: {exc.message}") from None
+    data = gpu.to_dict()
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    source = gpu.sources.get
+    lines = [f"{gpu.name} ({gpu.key})",
+             f"memory        {gpu.memory_bytes / 2**30:.1f} GiB   [{source('memory_bytes', '')}]",
+             f"bandwidth     {gpu.bandwidth / 1e12:.3g} TB/s   [{source('bandwidth', '')}]"]
+    lines += [f"{precision + ' peak':<13} {flops / 1e12:,.0f} TFLOP/s   "
+              f"[{gpu.sources.get('flops', '')}]" for precision, flops in gpu.flops.items()]
+    link = gpu.interconnect
+    lines.append(f"interconnect  {link.name}, {link.bandwidth / 1e9:.0f} GB/s one way   "
+                 f"[{link.source}]")
+    lines.append(f"efficiency    [{gpu.efficiency_source}]")
+    lines += [f"  {name:<16} {value:.4g}" for name, value in gpu.efficiency.to_dict().items()]
+    print("\n".join(lines))
+    return 0

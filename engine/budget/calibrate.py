@@ -27,6 +27,14 @@ from typing import Any
 import torch
 from sqlalchemy.orm import Session
 
+from engine.budget.cost_model import BudgetModel
+from engine.budget.operations import (
+    CALIBRATION_BOUNDS,
+    FIT_BOUNDS,
+    OperationEfficiency,
+    StepPrice,
+    fit_efficiency,
+)
 from engine.budget.peaks import DevicePeaks
 from engine.budget.predictor import StepTimePredictor
 from engine.budget.served import ServedCosts
@@ -240,6 +248,10 @@ class CalibrationResult:
     # what serving cost beyond the sweep (engine.budget.served), where a probe was served:
     # `tokenflow calibrate` serves one; a live engine's sweeps do not
     served: ServedCosts | None = None
+    # the same steps fitted in the GPU twin's per-operation form (engine.budget.operations)
+    # on the measured peaks: this device's efficiency factors, comparable with a GPU
+    # profile's, and that form's held-out errors beside the predictor's
+    operations: OperationsFit | None = None
 
     @property
     def heldout_errors(self) -> tuple[float, ...]:
@@ -260,6 +272,7 @@ class CalibrationResult:
             "heldout_points": len(errors), "points": len(self.points),
             "peaks": asdict(self.peaks), "kv": asdict(self.kv),
             "predictor": self.predictor.to_dict(),
+            "operations": None if self.operations is None else self.operations.to_dict(),
             "served": None if self.served is None else self.served.to_dict(),
             "table": [p.to_dict() for p in self.points],
             "skipped": [asdict(p) for p in self.skipped],
@@ -344,12 +357,15 @@ class Calibration:
                 nvml_memory_busy=statistics.median(busy) if busy else None,
                 dram_active=statistics.median(dram) if dram else None))
         assert self._kv is not None  # the first unit of every sweep
+        operations = fit_operations(budget, peaks, fit, [
+            (shape, statistics.median(times)) for probe, (shape, times) in timed.items()
+            if self._held_out[probe]])
         return CalibrationResult(
             model=engine.config.model, device=device_key(engine.runner.device),
             dtype=str(engine.runner.dtype).removeprefix("torch."), created_at=time.time(),
             wall_s=time.perf_counter() - self._started, quick=self.quick, peaks=peaks,
             kv=self._kv, points=tuple(points), skipped=tuple(self._skipped),
-            predictor=predictor)
+            predictor=predictor, operations=operations)
 
     # --- the units -----------------------------------------------------------------------
 
@@ -434,6 +450,46 @@ class Calibration:
         finally:
             for chunk in chunks:
                 blocks.release(chunk.request)
+
+
+@dataclass(frozen=True)
+class OperationsFit:
+    """Efficiency factors of the per-operation step price fitted on a sweep's steps against
+    the measured peaks (shares may pass 1: a small model's weights stay in a CPU's caches,
+    faster than the copy that measured the bandwidth), and the held-out relative errors."""
+
+    efficiency: OperationEfficiency
+    heldout_errors: tuple[float, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        errors = [abs(e) for e in self.heldout_errors]
+        return {"form": "operations", "efficiency": self.efficiency.to_dict(),
+                "heldout_median_abs_error": statistics.median(errors) if errors else None,
+                "heldout_max_abs_error": max(errors) if errors else None}
+
+
+# Where a calibration's factors start: mid-range, no fixed cost.
+OPERATIONS_START = OperationEfficiency(gemm_flops=0.5, attention_flops=0.5, memory=0.5,
+                                       elementwise=0.5, overlap=0.5, step_s=1e-3)
+
+
+def fit_operations(model: BudgetModel, peaks: DevicePeaks,
+                   fit: list[tuple[StepShape, list[float]]],
+                   held_out: list[tuple[StepShape, float]]) -> OperationsFit:
+    """The per-operation form fitted on the median time of each `fit` shape (squared log
+    errors), judged on `held_out`. One device, so no all-reduce."""
+    medians = [(shape, statistics.median(times)) for shape, times in fit]
+
+    def loss(efficiency: OperationEfficiency) -> float:
+        price = StepPrice(model, peaks, efficiency)
+        return sum(math.log(price.predict(shape) / seconds) ** 2 for shape, seconds in medians)
+
+    efficiency = fit_efficiency(loss, OPERATIONS_START,
+                                tuple(f for f in FIT_BOUNDS if f != "allreduce_s"),
+                                bounds=CALIBRATION_BOUNDS)
+    price = StepPrice(model, peaks, efficiency)
+    return OperationsFit(efficiency, tuple(price.predict(shape) / seconds - 1
+                                           for shape, seconds in held_out))
 
 
 def calibrate(engine: Engine, *, quick: bool = False, plan: SweepPlan | None = None,

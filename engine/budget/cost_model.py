@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from engine.budget.peaks import DevicePeaks
 from engine.budget.roofline import Roofline, StepEstimate, step_estimate
@@ -26,11 +26,23 @@ BANDWIDTH_HEADROOM = 0.15
 DEFAULT_STEP_TIME_S = 0.05
 
 
+class OperationCounts(NamedTuple):  # a tuple: made once a step
+    """What each operation of a step computes and moves (see BudgetModel)."""
+
+    gemm_flops: float  # linear layers per token, lm_head per logits row
+    prefill_pair_flops: float  # attention of prefill chunks over their (query, key) pairs
+    prefill_kv_bytes: float  # KV the prefill chunks read (their history) and write
+    decode_pair_flops: float
+    decode_kv_bytes: float  # KV the decodes read (their context) and write (one token)
+    activation_bytes: float  # each token's activations written and read once per layer
+
+
 @dataclass(frozen=True)
 class BudgetModel:
     """Step cost of a decoder-only `config` (any family) with `bytes_per_element` weights,
     activations and KV on a device with `peaks` (ideally measured, see
-    engine.budget.peaks.measure_peaks).
+    engine.budget.peaks.measure_peaks). Quantized weights or KV take their own sizes
+    (`weight_bytes_per_element`, `kv_bytes_per_element`, 1 for FP8 or INT8).
 
     FLOPs: 2·P_nonembed per token run (padding included), 2·vocab·hidden per logits row
     (lm_head), and 4·H·d_h per layer per (query, key) pair of attention, causal within a chunk.
@@ -45,6 +57,8 @@ class BudgetModel:
     bytes_per_element: int
     peaks: DevicePeaks
     step_overhead_s: float = 0.0  # launch and scheduling time no roofline term covers
+    weight_bytes_per_element: float | None = None  # None: bytes_per_element
+    kv_bytes_per_element: float | None = None  # None: bytes_per_element
     _linear_flops_per_token: float = field(init=False, repr=False)
     _lm_head_flops_per_row: float = field(init=False, repr=False)
     _attention_flops_per_pair: float = field(init=False, repr=False)  # one layer's
@@ -54,13 +68,16 @@ class BudgetModel:
     _weight_bytes: float = field(init=False, repr=False)
     _activation_bytes_per_token: float = field(init=False, repr=False)
     _logits_bytes_per_row: float = field(init=False, repr=False)
-    _flops_key: str = field(init=False, repr=False)
-    _bytes_key: str = field(init=False, repr=False)
+    _counts_key: str = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.bytes_per_element not in (1, 2, 4):
             raise ConfigError("bytes_per_element",
                               f"must be 1, 2 or 4, got {self.bytes_per_element}")
+        for name in ("weight_bytes_per_element", "kv_bytes_per_element"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= 4:
+                raise ConfigError(name, f"must be in (0, 4], got {value}")
         if self.peaks.flops <= 0 or self.peaks.bandwidth <= 0:
             raise ConfigError("peaks", f"flops and bandwidth must be > 0, got {self.peaks}")
         if self.step_overhead_s < 0:
@@ -72,12 +89,13 @@ class BudgetModel:
         # q, k, v; attention, o_proj and down outputs; gate, up and their activated product
         per_layer_elements = (sum(widths["qkv_proj"]) + 3 * c.hidden_size
                               + sum(widths["gate_up_proj"]) + c.intermediate_size)
+        weight_b = b if self.weight_bytes_per_element is None else self.weight_bytes_per_element
         derived = {
             "_linear_flops_per_token": 2 * self.params,
             "_lm_head_flops_per_row": 2 * lm_head_params,
             "_attention_flops_per_pair": 4 * q_width,
             "_kv_bytes_per_layer_token": self.kv_bytes_per_token / c.num_layers,
-            "_weight_bytes": (self.params + lm_head_params) * b,
+            "_weight_bytes": (self.params + lm_head_params) * weight_b,
             "_activation_bytes_per_token": 2 * c.num_layers * per_layer_elements * b,
             "_logits_bytes_per_row": c.vocab_size * b,
         }
@@ -89,8 +107,7 @@ class BudgetModel:
         # string: its hash is computed once)
         counting = repr((sorted(derived.items()), c.windowed_layers, c.num_layers,
                          c.sliding_window))
-        object.__setattr__(self, "_flops_key", f"flops {counting}")
-        object.__setattr__(self, "_bytes_key", f"bytes {counting}")
+        object.__setattr__(self, "_counts_key", f"counts {counting}")
 
     @property
     def params(self) -> int:
@@ -102,47 +119,69 @@ class BudgetModel:
         """Bytes of weights every step reads: the layers' and lm_head's."""
         return self._weight_bytes
 
+    @property
+    def activation_bytes_per_element(self) -> int:
+        return self.bytes_per_element
+
+    @property
+    def counting_key(self) -> str:
+        """Names everything the counts depend on: two models with equal keys count alike."""
+        return self._counts_key
+
     @cached_property
-    def kv_bytes_per_token(self) -> int:  # read for every shape priced
-        return self.config.kv_bytes_per_token(self.bytes_per_element)
+    def kv_bytes_per_token(self) -> float:  # read for every shape priced
+        b = self.bytes_per_element if self.kv_bytes_per_element is None else (
+            self.kv_bytes_per_element)
+        return self.config.kv_bytes_per_token(b)  # type: ignore[arg-type]
+
+    def operation_counts(self, shape: StepShape) -> OperationCounts:
+        # the engine's model and a simulated step predictor's count each step's shape
+        return shape.counted(self._counts_key, self._count)
 
     def flops(self, shape: StepShape) -> float:
-        # the engine's model and a simulated step predictor's count each step's shape
-        return shape.counted(self._flops_key, self._flops)
+        c = self.operation_counts(shape)
+        return c.gemm_flops + c.prefill_pair_flops + c.decode_pair_flops
 
     def bytes_moved(self, shape: StepShape) -> float:
-        return shape.counted(self._bytes_key, self._bytes_moved)
+        if shape.num_tokens == 0:
+            return 0.0
+        c = self.operation_counts(shape)
+        return (self._weight_bytes + c.prefill_kv_bytes + c.decode_kv_bytes
+                + c.activation_bytes + self._logits_bytes_per_row * shape.logits_rows)
 
-    def _flops(self, shape: StepShape) -> float:
-        pairs = sum(chunk * before + chunk * (chunk + 1) // 2 for chunk, before in shape.prefill)
-        pairs += sum(shape.decode_contexts) + len(shape.decode_contexts)  # context + 1 each
-        layer_pairs = self._full_layers * pairs
+    def _count(self, shape: StepShape) -> OperationCounts:
+        prefill_pairs = sum(chunk * before + chunk * (chunk + 1) // 2
+                            for chunk, before in shape.prefill)
+        decode_pairs = sum(shape.decode_contexts) + len(shape.decode_contexts)  # context + 1
+        prefill_read = sum(before for _, before in shape.prefill)
+        decode_read = sum(shape.decode_contexts)
+        prefill_layer_pairs = self._full_layers * prefill_pairs
+        decode_layer_pairs = self._full_layers * decode_pairs
+        # KV entries read or written, summed over layers
+        prefill_layer_tokens = self._full_layers * (prefill_read + shape.prefill_tokens)
+        decode_layer_tokens = self._full_layers * (decode_read + len(shape.decode_contexts))
         if self._window_layers:
             window = self.config.sliding_window
             assert window is not None  # ModelConfig refuses windowed layers without one
-            windowed = sum(window_pairs(chunk, before, window) for chunk, before in shape.prefill)
-            windowed += sum(min(context + 1, window) for context in shape.decode_contexts)
-            layer_pairs += self._window_layers * windowed
-        return (self._linear_flops_per_token * shape.num_tokens
-                + self._lm_head_flops_per_row * shape.logits_rows
-                + self._attention_flops_per_pair * layer_pairs)
-
-    def _bytes_moved(self, shape: StepShape) -> float:
-        if shape.num_tokens == 0:
-            return 0.0
-        new_tokens = shape.prefill_tokens + len(shape.decode_contexts)
-        # KV entries read or written, summed over layers
-        layer_tokens = self._full_layers * (shape.cached_tokens_read + new_tokens)
-        if self._window_layers:
-            window = self.config.sliding_window
-            assert window is not None
-            read = (sum(min(before, window) for _, before in shape.prefill)
-                    + sum(min(context, window) for context in shape.decode_contexts))
-            layer_tokens += self._window_layers * (read + new_tokens)
-        return (self._weight_bytes
-                + self._kv_bytes_per_layer_token * layer_tokens
-                + self._activation_bytes_per_token * shape.num_tokens
-                + self._logits_bytes_per_row * shape.logits_rows)
+            w = self._window_layers
+            prefill_layer_pairs += w * sum(window_pairs(chunk, before, window)
+                                           for chunk, before in shape.prefill)
+            decode_layer_pairs += w * sum(min(context + 1, window)
+                                          for context in shape.decode_contexts)
+            prefill_layer_tokens += w * (sum(min(before, window) for _, before in shape.prefill)
+                                         + shape.prefill_tokens)
+            decode_layer_tokens += w * (sum(min(context, window)
+                                            for context in shape.decode_contexts)
+                                        + len(shape.decode_contexts))
+        per_pair, per_token = self._attention_flops_per_pair, self._kv_bytes_per_layer_token
+        return OperationCounts(
+            gemm_flops=(self._linear_flops_per_token * shape.num_tokens
+                        + self._lm_head_flops_per_row * shape.logits_rows),
+            prefill_pair_flops=per_pair * prefill_layer_pairs,
+            prefill_kv_bytes=per_token * prefill_layer_tokens,
+            decode_pair_flops=per_pair * decode_layer_pairs,
+            decode_kv_bytes=per_token * decode_layer_tokens,
+            activation_bytes=self._activation_bytes_per_token * shape.num_tokens)
 
     def compute_seconds(self, shape: StepShape) -> float:
         return self.flops(shape) / self.peaks.flops
@@ -161,7 +200,8 @@ class BudgetModel:
     def roofline(self) -> Roofline:
         return Roofline(params=self.params, flops=self.peaks.flops,
                         bandwidth=self.peaks.bandwidth, kv_bytes_per_token=self.kv_bytes_per_token,
-                        weight_bits=8 * self.bytes_per_element,
+                        weight_bits=round(8 * (self.weight_bytes_per_element
+                                               or self.bytes_per_element)),
                         sliding_window=self.config.sliding_window,
                         windowed_share=self.config.windowed_share)
 

@@ -26,11 +26,14 @@ class DevicePeaks:
 
 
 # Dense (no structured sparsity) BF16 tensor-core peak and memory bandwidth, from the vendors'
-# datasheets: NVIDIA A100 80GB SXM, H100 SXM5, H200 SXM, L40S, A10 and GeForce RTX 4090
-# (Ada whitepaper, BF16 with FP32 accumulate), HGX B200 (per GPU); AMD Instinct MI300X.
+# datasheets: NVIDIA A100 80GB SXM and PCIe, H100 SXM5 and PCIe, H200 SXM, L40S, A10 and
+# GeForce RTX 4090 (Ada whitepaper, BF16 with FP32 accumulate), HGX B200 (per GPU); AMD
+# Instinct MI300X. The GPU twin's profiles (engine.sim.profiles) add FP8/INT8 and more.
 GPU_PRESETS: dict[str, DevicePeaks] = {
     "a100": DevicePeaks("a100", 312e12, 2.039e12, "NVIDIA A100 80GB SXM datasheet"),
+    "a100-pcie": DevicePeaks("a100-pcie", 312e12, 1.935e12, "NVIDIA A100 80GB PCIe datasheet"),
     "h100": DevicePeaks("h100", 989e12, 3.35e12, "NVIDIA H100 SXM datasheet"),
+    "h100-pcie": DevicePeaks("h100-pcie", 756e12, 2.0e12, "NVIDIA H100 PCIe datasheet"),
     "h200": DevicePeaks("h200", 989e12, 4.8e12, "NVIDIA H200 SXM datasheet"),
     "l40s": DevicePeaks("l40s", 362e12, 0.864e12, "NVIDIA L40S datasheet"),
     "b200": DevicePeaks("b200", 2250e12, 7.7e12, "NVIDIA HGX B200 datasheet"),

@@ -35,6 +35,9 @@ from engine.config import ConfigError
 from engine.core.batch import StepShape
 from engine.model.config import ModelConfig
 
+# The stored form of a predictor's parameters: a field of every stored calibration, so that a
+# later form can tell its own from these.
+FORM = "linear-features"
 FEATURES = ("constant", "multi_token", "tokens", "prefill_chunks", "decode_seqs",
             "prefill_pairs", "decode_context")
 # A fitted point this many median absolute deviations off the first fit is a timing outlier
@@ -170,8 +173,8 @@ class StepTimePredictor:
 
     # --- storage -------------------------------------------------------------------------
 
-    def to_dict(self) -> dict[str, float | int | str]:
-        return {"constant_s": self.constant_s, "multi_token_s": self.multi_token_s,
+    def to_dict(self) -> dict[str, float | int | str | None]:
+        return {"form": FORM, "constant_s": self.constant_s, "multi_token_s": self.multi_token_s,
                 "per_token_s": self.per_token_s, "token_knee": self.token_knee,
                 "per_prefill_chunk_s": self.per_prefill_chunk_s,
                 "per_decode_seq_s": self.per_decode_seq_s,
@@ -186,6 +189,11 @@ class StepTimePredictor:
         per-token price it was fitted with, and one stored before windows were counted gets
         none: it was fitted on whole histories."""
         stored = {"token_knee": 1.0, "sliding_window": None, "windowed_share": 0.0, **data}
+        form = stored.get("form", FORM)  # stored before forms were named: this one
+        if form != FORM:
+            raise ConfigError("predictor", f"stored predictor of form {form!r}, which this "
+                              f"version does not read (it reads {FORM!r}); recalibrate with "
+                              "`tokenflow calibrate`")
         try:
             return cls(**{name: stored[name] for name in cls.__dataclass_fields__})
         except KeyError as exc:

@@ -82,7 +82,8 @@ class SimulatedExecutor:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.device = SimulatedDevice(target.device, target.device_type)
-        self.dtype = DTYPES[target.dtype]
+        # FP8/INT8 weights compute with bf16 activations
+        self.dtype = DTYPES.get(target.dtype, torch.bfloat16)
         self.peaks = target.peaks
         self.block_size = config.block_size
         per_block = self.model_config.kv_bytes_per_token(self.bytes_per_element) * self.block_size
@@ -97,6 +98,9 @@ class SimulatedExecutor:
 
     @property
     def bytes_per_element(self) -> int:
+        """Of one KV element: what sizes the KV blocks."""
+        if self.target.kv_bytes_per_element is not None:
+            return self.target.kv_bytes_per_element
         return torch.empty((), dtype=self.dtype).element_size()
 
     def zero_blocks(self, blocks: list[int]) -> None:

@@ -31,11 +31,11 @@ from engine.sim.target import SimTarget
 # default 700 the collector ran every few steps and took about 8% of a run; cycles are rare,
 # so collecting them a little later costs little memory.
 FLEET_GC_THRESHOLD = 100_000
-# An idle real engine starts its step for an arrival this long after it (conv at a budget of
-# 512, synthetic:small: 2.7-2.8 ms from arrival to the step, sleep's overshoot and the step's
-# set-up). Trace arrivals come in bursts microseconds apart: a twin that stepped at the very
-# instant of the first ran it alone and made the next, 7 us later, wait a whole step (a 316-token
-# prompt's TTFT 203 ms against 285 real, where the real engine packed both into one step).
+# An idle engine on this host, as calibrated, starts its step for an arrival a little after
+# it (sleep's overshoot and the step's set-up). Trace arrivals come in bursts microseconds
+# apart: a twin that stepped at the very instant of the first ran it alone and made the next
+# wait a whole step, where the real engine packed both into one. A named GPU's twin adds
+# none: it is this host's figure, not the GPU server's.
 HOST_WAKE_S = 0.002
 
 
@@ -83,6 +83,7 @@ def run_fleet(config: EngineConfig, target: SimTarget, workload: list[WorkloadRe
     for engine, recorder in zip(engines, recorders, strict=True):
         engine.bus.subscribe(recorder, Recorder.KINDS)
     pending = deque(sorted(workload, key=lambda w: w.arrival_s))
+    wake_s = HOST_WAKE_S if target.calibration is not None else 0.0
     busy: set[int] = set()
     with _fewer_collections():
         while pending or busy:
@@ -93,7 +94,7 @@ def run_fleet(config: EngineConfig, target: SimTarget, workload: list[WorkloadRe
                 i = router.route(item)
                 # an idle replica wakes for it, as a real engine's loop does, a little later:
                 # what arrives meanwhile joins its first step; a busy one is mid-step
-                clocks[i].advance_to(arrival + (0.0 if i in busy else HOST_WAKE_S))
+                clocks[i].advance_to(arrival + (0.0 if i in busy else wake_s))
                 recorders[i].expect(item, arrival)
                 add(engines[i], item, arrival)
                 busy.add(i)

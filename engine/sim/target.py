@@ -2,8 +2,10 @@
 predictor, resolved from a `--simulate` spec.
 
 - "this": the predictor `tokenflow calibrate` stored for this model on this device.
-- a GPU name (a100, h100, h200, l40s, b200): the roofline of the model on that GPU's datasheet
-  peaks, split over `tp` GPUs with two all-reduces per layer priced by the GPU's interconnect.
+- a GPU name (engine.sim.profiles: a100, h100, h200, l40s, b200, ...): each operation of the
+  step on its own roofline of that GPU's profile (engine.budget.operations), split over `tp`
+  GPUs with two all-reduces per layer on the GPU's interconnect; weights and KV at their
+  precision (bf16, fp8, int8).
 - "calibration:ID": a stored calibration, e.g. one run on a lent GPU.
 
 No weights are loaded: the model's shape (a synthetic preset, or a directory holding only
@@ -15,12 +17,14 @@ from __future__ import annotations
 import datetime
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from sqlalchemy.orm import Session
 
 from engine.budget.calibrate import latest_stored
 from engine.budget.cost_model import BudgetModel
+from engine.budget.operations import Link, StepPrice
 from engine.budget.peaks import DevicePeaks, measure_peaks
 from engine.budget.predictor import StepTimePredictor
 from engine.budget.served import ServedCosts
@@ -29,13 +33,7 @@ from engine.core.batch import StepShape
 from engine.core.model_runner import CPU_KV_BYTES_DEFAULT, resolve_device, resolve_dtype
 from engine.model.config import ModelConfig
 from engine.model.loader import model_config_for
-from engine.sim.gpus import (
-    SUSTAINED_BANDWIDTH,
-    SUSTAINED_FLOPS,
-    GpuSpec,
-    gpu,
-    spec_for_device_name,
-)
+from engine.sim.profiles import KV_BYTES, WEIGHT_BYTES, GpuProfile, profile, profile_for_device_name
 from engine.store.calibration import calibration_history
 
 # What a CUDA process holds before any pool is sized (context, cuBLAS workspace): the real
@@ -77,6 +75,8 @@ class SimTarget:
     # steps take these times their predictions while the engine still predicts the fit's:
     # the twin of a machine that drifted since calibration, as a real run measured it
     drift: StepTimeRatios | None = None
+    # bytes of one KV element (FP8 KV: 1); None: the dtype's own size
+    kv_bytes_per_element: int | None = None
 
     @property
     def predictor(self) -> str:
@@ -93,27 +93,51 @@ class SimTarget:
 
 @dataclass(frozen=True)
 class Deployment:
-    """A model of `config` at `bytes_per_element` on `tp` GPUs of `gpu` (tensor parallel:
-    weights, KV heads, FLOPs and bytes split evenly)."""
+    """A model of `config` with `weight_dtype` weights and `kv_dtype` KV on `tp` GPUs of
+    `gpu` (tensor parallel: weights, KV heads, FLOPs and bytes split evenly)."""
 
     config: ModelConfig
-    bytes_per_element: int
-    gpu: GpuSpec
+    gpu: GpuProfile
     tp: int = 1
+    weight_dtype: str = GPU_DTYPE
+    kv_dtype: str = "auto"  # the activations' precision (bf16) unless fp8
 
     def __post_init__(self) -> None:
         c = self.config
         if self.tp < 1 or c.num_heads % self.tp or c.num_kv_heads % self.tp:
             raise ConfigError("tp", f"must be >= 1 and divide the model's {c.num_heads} "
                               f"attention and {c.num_kv_heads} KV heads, got {self.tp}")
+        if self.weight_dtype not in WEIGHT_BYTES:
+            raise ConfigError("dtype", f"{self.weight_dtype!r} is not supported on a simulated "
+                              f"GPU; choose {', '.join(WEIGHT_BYTES)}")
+        if self.kv_dtype not in KV_BYTES:
+            raise ConfigError("kv_cache_dtype", f"{self.kv_dtype!r} is not supported; choose "
+                              f"{', '.join(KV_BYTES)}")
+        self.gpu.peak_flops(self.weight_dtype)  # a precision the GPU lacks says so now
+
+    @property
+    def activation_bytes(self) -> int:
+        """Activations run at bf16 whatever the weights (fp32 runs in fp32)."""
+        return 4 if self.weight_dtype == "float32" else 2
+
+    @property
+    def kv_bytes_per_element(self) -> int:
+        return KV_BYTES[self.kv_dtype] or self.activation_bytes
+
+    @property
+    def budget(self) -> BudgetModel:
+        return BudgetModel(self.config, self.activation_bytes, self.peaks,
+                           weight_bytes_per_element=WEIGHT_BYTES[self.weight_dtype],
+                           kv_bytes_per_element=self.kv_bytes_per_element)
 
     @property
     def weight_bytes(self) -> int:
-        return self.config.num_params(include_embeddings=True) * self.bytes_per_element
+        """Every weight, the embeddings included: what the GPUs' memory holds."""
+        return self.config.num_params(include_embeddings=True) * WEIGHT_BYTES[self.weight_dtype]
 
     @property
     def peaks(self) -> DevicePeaks:
-        one = self.gpu.peaks
+        one = self.gpu.peaks(self.weight_dtype)
         return DevicePeaks(f"{one.name}x{self.tp}" if self.tp > 1 else one.name,
                            one.flops * self.tp, one.bandwidth * self.tp, one.source)
 
@@ -127,60 +151,62 @@ class Deployment:
                               f"({self.gpu.memory_bytes / 1e9:.0f} GB each); raise --tp")
         return int(free * memory_utilization) * self.tp
 
-    def allreduce_seconds(self, tokens: int) -> float:
-        """Megatron tensor parallelism all-reduces each token's hidden state twice a layer
-        (after attention and after the MLP)."""
-        message = tokens * self.config.hidden_size * self.bytes_per_element
-        per_call = self.gpu.interconnect.allreduce_seconds(message, self.tp)
-        return 2 * self.config.num_layers * per_call
+    def step_price(self) -> StepPrice:
+        attention = self.gpu.peak_flops(
+            "float32" if self.weight_dtype == "float32" else "bfloat16") * self.tp
+        return StepPrice(self.budget, self.peaks, self.gpu.efficiency,
+                         Link(self.tp, self.gpu.interconnect.bandwidth), attention)
 
     def predictor(self) -> Predict:
-        """Step seconds: the roofline on the sustained share of the peaks, plus the
-        all-reduces."""
-        peaks = self.peaks
-        sustained = DevicePeaks(peaks.name, peaks.flops * SUSTAINED_FLOPS,
-                                peaks.bandwidth * SUSTAINED_BANDWIDTH, peaks.source)
-        budget = BudgetModel(self.config, self.bytes_per_element, sustained)
-        if self.tp == 1:
-            return budget.predict
-        return lambda shape: budget.predict(shape) + self.allreduce_seconds(shape.num_tokens)
+        """Step seconds: each operation on its own roofline, summed, plus the fixed cost."""
+        return self.step_price().predict
 
 
 def resolve_target(spec: str, config: EngineConfig, *, tp: int = 1,
-                   session: Session | None = None) -> SimTarget:
-    """The SimTarget a `--simulate` spec names; ConfigError says what to fix."""
+                   session: Session | None = None, kv_cache_dtype: str = "auto",
+                   gpu_profile: Path | None = None) -> SimTarget:
+    """The SimTarget a `--simulate` spec names; ConfigError says what to fix. `gpu_profile`,
+    a JSON file, overrides the named GPU's profile (engine.sim.profiles)."""
     spec = spec.strip()
-    if spec == "this":
+    if spec in ("this",) or spec.startswith(CALIBRATION_PREFIX):
         _require_single(tp, spec)
-        return _this(config, _need(session, spec))
-    if spec.startswith(CALIBRATION_PREFIX):
-        _require_single(tp, spec)
-        return _stored(spec, config, _need(session, spec))
-    return _gpu_roofline(spec, config, tp)
+        if kv_cache_dtype != "auto" or gpu_profile is not None:
+            raise ConfigError("simulate", f"--kv-cache-dtype and --gpu-profile apply to a "
+                              f"named GPU, not {spec!r}: the calibration measured its own")
+        session = _need(session, spec)
+        return _this(config, session) if spec == "this" else _stored(spec, config, session)
+    return _gpu_roofline(spec, config, tp, kv_cache_dtype, gpu_profile)
 
 
-def _gpu_roofline(spec: str, config: EngineConfig, tp: int) -> SimTarget:
+def _gpu_roofline(spec: str, config: EngineConfig, tp: int, kv_dtype: str,
+                  profile_file: Path | None) -> SimTarget:
     model = model_config_for(config.model)
     dtype = GPU_DTYPE if config.dtype == "auto" else config.dtype
-    spec_gpu = gpu(spec)
-    deployment = Deployment(model, _bytes_per_element(dtype), spec_gpu, tp)
+    gpu = profile(spec, profile_file)
+    deployment = Deployment(model, gpu, tp, dtype, kv_dtype)
     kv = config.kv_cache_bytes or deployment.kv_cache_bytes(config.gpu_memory_utilization)
-    link = spec_gpu.interconnect
     details: dict[str, Any] = {
-        "gpu": spec_gpu.name, "tp": tp, "gpu_memory_bytes": spec_gpu.memory_bytes,
+        "gpu": gpu.name, "tp": tp, "gpu_memory_bytes": gpu.memory_bytes,
+        "weight_dtype": dtype, "kv_cache_dtype": kv_dtype,
         "weight_bytes": deployment.weight_bytes,
+        "kv_bytes_per_token": deployment.budget.kv_bytes_per_token,
+        "efficiency": gpu.efficiency.to_dict(), "efficiency_source": gpu.efficiency_source,
     }
     if tp > 1:
+        link = gpu.interconnect
         details["interconnect"] = {"name": link.name, "bandwidth": link.bandwidth,
-                                   "hop_latency_s": link.hop_latency_s, "source": link.source,
-                                   "allreduces_per_layer": 2}
-    label = f"sim:{spec.lower()}" + (f"x{tp}" if tp > 1 else "")
+                                   "allreduce_latency_s": gpu.efficiency.allreduce_s,
+                                   "source": link.source, "allreduces_per_layer": 2}
+    label = f"sim:{gpu.key}" + (f"x{tp}" if tp > 1 else "")
+    e = gpu.efficiency
     return SimTarget(spec=spec, device=label, dtype=dtype, peaks=deployment.peaks,
                      kv_cache_bytes=kv, predict=deployment.predictor(),
-                     source=(f"{spec_gpu.peaks.source} peaks at {SUSTAINED_FLOPS:.0%} FLOP/s "
-                             f"and {SUSTAINED_BANDWIDTH:.0%} bandwidth sustained, roofline of "
-                             f"{config.model}"),
-                     details=details)
+                     source=(f"{gpu.sources['flops']} peaks per operation (GEMMs "
+                             f"{e.gemm_flops:.0%} FLOP/s, attention {e.attention_flops:.0%}, "
+                             f"streaming {e.memory:.0%} bandwidth, elementwise "
+                             f"{e.elementwise:.0%}, {e.step_s * 1e3:.2f} ms a step; "
+                             f"{gpu.efficiency_source}) for {config.model}"),
+                     details=details, kv_bytes_per_element=deployment.kv_bytes_per_element)
 
 
 def _this(config: EngineConfig, session: Session) -> SimTarget:
@@ -220,12 +246,12 @@ def _stored(spec: str, config: EngineConfig, session: Session) -> SimTarget:
     predictor = StepTimePredictor.from_dict(record.params)
     info = record.info
     peaks = DevicePeaks(**info["peaks"])
-    known = spec_for_device_name(peaks.name)
+    known = profile_for_device_name(peaks.name)
     if config.kv_cache_bytes is not None:
         kv = config.kv_cache_bytes
     elif known is not None:
-        deployment = Deployment(model_config_for(config.model),
-                                _bytes_per_element(info["dtype"]), known)
+        deployment = Deployment(model_config_for(config.model), known,
+                                weight_dtype=info["dtype"])
         kv = deployment.kv_cache_bytes(config.gpu_memory_utilization)
     else:
         kv = int(info["kv"]["capacity_bytes"])
@@ -250,17 +276,10 @@ def _calibration_source(record_id: int, created_at: float, predictor: StepTimePr
             f"{predictor.points} steps)")
 
 
-def _bytes_per_element(dtype: str) -> int:
-    sizes = {"float32": 4, "bfloat16": 2, "float16": 2}
-    if dtype not in sizes:
-        raise ConfigError("dtype", f"{dtype!r} is not supported; choose {', '.join(sizes)}")
-    return sizes[dtype]
-
-
 def _require_single(tp: int, spec: str) -> None:
     if tp != 1:
         raise ConfigError("tp", f"--tp applies to a named GPU's roofline, not {spec!r}; "
-                          "drop --tp or simulate a100, h100, h200, l40s or b200")
+                          "drop --tp or simulate a named GPU (e.g. h100)")
 
 
 def _need(session: Session | None, spec: str) -> Session:

@@ -1,0 +1,75 @@
+"""A workload replaying what an attached fleet served: `--workload traced:DB`.
+
+The console's OTLP receiver stores every request a vLLM or SGLang server traced (its
+`llm_request` span: start, prompt and completion token counts) in the store's
+traced_requests table. Replaying them gives each its recorded arrival (its start, from the
+first one's) and lengths: the content is not traced, so prompts are seeded random tokens of
+the recorded length, and outputs ignore EOS to reach the recorded count. With `--simulate`
+this answers "this morning's traffic on H200s: what TTFT p99?".
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from sqlalchemy import select
+
+from engine.errors import EngineError
+from engine.harness.workload import FIRST_PROMPT_TOKEN_ID, WorkloadRequest
+from engine.store import open_database
+from engine.store.models import TracedRequestRow
+
+PREFIX = "traced:"
+
+
+def traced_requests(spec: str, *, vocab_size: int, max_model_len: int, seed: int = 0,
+                    num_requests: int | None = None, source: str | None = None,
+                    time_scale: float = 1.0) -> list[WorkloadRequest]:
+    """The traced requests of the store `spec` names ("traced:DB", DB a path or SQLAlchemy
+    URL), oldest first, optionally of one `source` (a span's service.name) and only the first
+    `num_requests`. A request longer than `max_model_len` is an error naming it: it cannot
+    be replayed as it was served."""
+    target = spec.removeprefix(PREFIX)
+    if not target:
+        raise EngineError("traced: give the store, e.g. traced:store.db")
+    if "://" not in target and not Path(target).expanduser().is_file():
+        raise EngineError(f"traced:{target}: no such store; give the --db the console "
+                          "collected the traces into")
+    database = open_database(target, read_only="://" not in target)
+    try:
+        query = select(TracedRequestRow.request_id, TracedRequestRow.source,
+                       TracedRequestRow.started_at, TracedRequestRow.prompt_tokens,
+                       TracedRequestRow.completion_tokens).order_by(
+            TracedRequestRow.started_at, TracedRequestRow.id)
+        if source is not None:
+            query = query.where(TracedRequestRow.source == source)
+        if num_requests is not None:
+            query = query.limit(num_requests)
+        with database.session() as session:
+            rows = session.execute(query).all()
+    finally:
+        database.close()
+    if not rows:
+        raise EngineError(f"traced:{target}: the store holds no traced requests"
+                          + (f" of source {source!r}" if source else "")
+                          + "; attach the console to a traced server with --otlp-listen first")
+    rng = random.Random(seed)
+    first = rows[0].started_at
+    requests: list[WorkloadRequest] = []
+    seen: set[str] = set()
+    for n, row in enumerate(rows):
+        if row.prompt_tokens + row.completion_tokens > max_model_len:
+            raise EngineError(f"traced request {row.request_id!r} holds {row.prompt_tokens} "
+                              f"prompt and {row.completion_tokens} output tokens, past the "
+                              f"model's length {max_model_len}; raise --max-model-len")
+        prompt = tuple(rng.randrange(FIRST_PROMPT_TOKEN_ID, vocab_size)
+                       for _ in range(max(1, row.prompt_tokens)))
+        # two traced servers may reuse an id: the replay's stay unique
+        request_id = str(row.request_id) if row.request_id not in seen else f"{row.request_id}#{n}"
+        seen.add(request_id)
+        requests.append(WorkloadRequest(
+            request_id=request_id, arrival_s=(row.started_at - first) * time_scale,
+            prompt_token_ids=prompt, max_tokens=max(1, row.completion_tokens),
+            tag=str(row.source), ignore_eos=True))
+    return requests

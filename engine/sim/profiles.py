@@ -1,0 +1,210 @@
+"""GPU profiles: what the twin knows of each GPU, as data, each figure with its source.
+
+A profile holds the datasheet's dense tensor-core peaks per precision (BF16, FP8, INT8), the
+memory and its bandwidth, the link tensor parallelism all-reduces over, and the efficiency
+factors and fixed costs of engine.budget.operations. The factors are one set for every GPU,
+fitted against published measurements (benchmarks/published_gpu_cases.json, docs/twin.md);
+a profile may carry its own. A user's JSON profile (`--gpu-profile FILE`) overrides a named
+one field by field, or defines a new GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.budget.operations import OperationEfficiency
+from engine.budget.peaks import GPU_PRESETS, DevicePeaks
+from engine.config import ConfigError
+
+GB = 10**9
+GIB = 2**30
+PRECISIONS = ("bfloat16", "fp8", "int8")
+# What each weight precision stores per element; float16 runs at the BF16 peak.
+WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}
+KV_BYTES = {"auto": None, "bfloat16": 2, "float16": 2, "fp8": 1}
+PEAK_OF = {"float32": "bfloat16", "bfloat16": "bfloat16", "float16": "bfloat16",
+           "fp8": "fp8", "int8": "int8"}
+
+# Fitted against the published table by benchmarks/twin_published.py --fit (docs/twin.md).
+FITTED_EFFICIENCY = OperationEfficiency(gemm_flops=0.799, attention_flops=0.204,
+                                        memory=0.7892, elementwise=1.0, overlap=1.0,
+                                        step_s=1.571e-3, allreduce_s=18.2e-6)
+FITTED_SOURCE = "fitted on the published cases of benchmarks/published_gpu_cases.json"
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    """The GPU-to-GPU link of one server: bytes/s one GPU sends one way."""
+
+    name: str
+    bandwidth: float
+    source: str
+
+
+NVLINK3 = Interconnect("NVLink 3", 300 * GB, "A100 datasheet: NVLink 600 GB/s bidirectional")
+NVLINK4 = Interconnect("NVLink 4", 450 * GB, "H100/H200 SXM datasheet: NVLink 900 GB/s "
+                                             "bidirectional")
+NVLINK5 = Interconnect("NVLink 5", 900 * GB, "HGX B200 datasheet: NVLink 1.8 TB/s "
+                                             "bidirectional")
+PCIE4 = Interconnect("PCIe 4.0 x16", 32 * GB, "PCIe 4.0 x16: 64 GB/s bidirectional")
+PCIE5 = Interconnect("PCIe 5.0 x16", 64 * GB, "PCIe 5.0 x16: 128 GB/s bidirectional")
+INFINITY_FABRIC = Interconnect("Infinity Fabric", 448 * GB, "MI300X datasheet: 7 links of "
+                                                            "128 GB/s bidirectional")
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    key: str
+    name: str
+    memory_bytes: int
+    bandwidth: float  # bytes/s
+    flops: dict[str, float]  # dense FLOP/s per precision of PRECISIONS (absent: not supported)
+    interconnect: Interconnect
+    sources: dict[str, str]  # figure -> where it comes from
+    efficiency: OperationEfficiency = FITTED_EFFICIENCY
+    efficiency_source: str = FITTED_SOURCE
+
+    def __post_init__(self) -> None:
+        if not (self.memory_bytes > 0 and self.bandwidth > 0 and self.flops.get("bfloat16")):
+            raise ConfigError("gpu profile", f"{self.key}: memory_bytes, bandwidth and a "
+                              "bfloat16 peak must be > 0")
+        unknown = set(self.flops) - set(PRECISIONS)
+        if unknown or not all(math.isfinite(v) and v > 0 for v in self.flops.values()):
+            raise ConfigError("gpu profile", f"{self.key}: flops takes positive peaks for "
+                              f"{', '.join(PRECISIONS)}; got {self.flops}")
+
+    def peak_flops(self, weight_dtype: str) -> float:
+        """The tensor-core peak that GEMMs on weights of `weight_dtype` run at."""
+        precision = PEAK_OF.get(weight_dtype)
+        if precision is None:
+            raise ConfigError("dtype", f"{weight_dtype!r} is not a weight precision; choose "
+                              f"{', '.join(WEIGHT_BYTES)}")
+        if precision not in self.flops:
+            raise ConfigError("dtype", f"{self.name} has no {precision} tensor cores "
+                              f"(its datasheet lists {', '.join(self.flops)}); choose one")
+        return self.flops[precision]
+
+    def peaks(self, weight_dtype: str = "bfloat16") -> DevicePeaks:
+        return DevicePeaks(self.key, self.peak_flops(weight_dtype), self.bandwidth,
+                           self.sources["flops"])
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["efficiency"] = self.efficiency.to_dict()
+        return out
+
+    def merged(self, data: dict[str, Any]) -> GpuProfile:
+        """This profile with a user's fields over it (nested dicts merge key by key)."""
+        base = self.to_dict()
+        unknown = set(data) - set(base)
+        if unknown:
+            raise ConfigError("gpu profile", f"unknown field(s) {', '.join(sorted(unknown))};"
+                              f" known: {', '.join(base)}")
+        for key, value in data.items():
+            if isinstance(base[key], dict) and isinstance(value, dict):
+                base[key] = {**base[key], **value}
+            else:
+                base[key] = value
+        return profile_from_dict(base)
+
+
+def profile_from_dict(data: dict[str, Any]) -> GpuProfile:
+    try:
+        link = data["interconnect"]
+        return GpuProfile(
+            key=str(data["key"]), name=str(data["name"]),
+            memory_bytes=int(data["memory_bytes"]), bandwidth=float(data["bandwidth"]),
+            flops={k: float(v) for k, v in data["flops"].items()},
+            interconnect=Interconnect(str(link["name"]), float(link["bandwidth"]),
+                                      str(link.get("source", ""))),
+            sources={k: str(v) for k, v in data.get("sources", {}).items()},
+            efficiency=OperationEfficiency.from_dict(data.get("efficiency", {})),
+            efficiency_source=str(data.get("efficiency_source", "given")))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConfigError("gpu profile", f"a profile needs key, name, memory_bytes, bandwidth, "
+                          f"flops (per precision) and interconnect (name, bandwidth): {exc}"
+                          ) from None
+
+
+def _profile(key: str, name: str, memory_bytes: int, fp8: float | None, int8: float | None,
+             link: Interconnect, datasheet: str, memory: str) -> GpuProfile:
+    preset = GPU_PRESETS[key]
+    flops = {"bfloat16": preset.flops}
+    flops.update({k: v for k, v in (("fp8", fp8), ("int8", int8)) if v is not None})
+    return GpuProfile(key, name, memory_bytes, preset.bandwidth, flops, link,
+                      sources={"flops": f"{datasheet} (dense, without sparsity)",
+                               "bandwidth": preset.source, "memory_bytes": memory,
+                               "interconnect": link.source})
+
+
+# FP8 and INT8 dense tensor-core peaks from the same datasheets as engine.budget.peaks (the
+# datasheets print them with sparsity, twice these); Ampere and the A10 have no FP8.
+PROFILES: dict[str, GpuProfile] = {p.key: p for p in (
+    _profile("a100", "A100 80GB SXM", 80 * GIB, None, 624e12, NVLINK3,
+             "NVIDIA A100 datasheet", "A100 80GB SXM datasheet: 80 GB HBM2e"),
+    _profile("a100-pcie", "A100 80GB PCIe", 80 * GIB, None, 624e12, PCIE4,
+             "NVIDIA A100 datasheet", "A100 80GB PCIe datasheet: 80 GB HBM2e"),
+    _profile("h100", "H100 SXM", 80 * GIB, 1979e12, 1979e12, NVLINK4,
+             "NVIDIA H100 datasheet", "H100 SXM datasheet: 80 GB HBM3"),
+    _profile("h100-pcie", "H100 PCIe", 80 * GIB, 1513e12, 1513e12, PCIE5,
+             "NVIDIA H100 datasheet", "H100 PCIe datasheet: 80 GB HBM2e"),
+    _profile("h200", "H200 SXM", 141 * GB, 1979e12, 1979e12, NVLINK4,
+             "NVIDIA H200 datasheet", "H200 SXM datasheet: 141 GB HBM3e"),
+    _profile("l40s", "L40S", 48 * GIB, 733e12, 733e12, PCIE4,
+             "NVIDIA L40S datasheet", "L40S datasheet: 48 GB GDDR6"),
+    _profile("b200", "B200 (HGX)", 180 * GB, 4500e12, 4500e12, NVLINK5,
+             "NVIDIA HGX B200 datasheet (per GPU)", "HGX B200 datasheet: 1.44 TB over 8 GPUs"),
+    _profile("a10", "A10", 24 * GIB, None, 250e12, PCIE4,
+             "NVIDIA A10 datasheet", "A10 datasheet: 24 GB GDDR6"),
+    _profile("mi300x", "Instinct MI300X", 192 * GB, 2614.9e12, 2614.9e12, INFINITY_FABRIC,
+             "AMD Instinct MI300X datasheet", "MI300X datasheet: 192 GB HBM3"),
+)}
+
+
+def profile(name: str, override: Path | None = None) -> GpuProfile:
+    """The named GPU's profile, with a user's JSON file over it; a file whose `key` names no
+    known GPU defines a new one (it must then give every field)."""
+    data: dict[str, Any] = {}
+    if override is not None:
+        try:
+            data = json.loads(Path(override).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError("gpu profile", f"cannot read {override}: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError("gpu profile", f"{override} must hold one JSON object")
+    known = PROFILES.get(name.lower())
+    if known is None:
+        if data.get("key", "").lower() == name.lower():
+            return profile_from_dict(data)
+        raise ConfigError("simulate", f"unknown GPU {name!r}; choose one of "
+                          f"{', '.join(PROFILES)}, 'this' (this device's stored calibration), "
+                          "calibration:ID, or give a profile file whose key is the name")
+    return known.merged(data) if data else known
+
+
+def profile_for_device_name(device_name: str) -> GpuProfile | None:
+    """The GPU whose datasheet matches a name torch reports ("NVIDIA H200"), if any; the
+    longest key first, so "H100 PCIe" is not taken for an H100 SXM."""
+    lowered = device_name.lower().replace(" ", "-")
+    for key in sorted(PROFILES, key=len, reverse=True):
+        if key in lowered:
+            return PROFILES[key]
+    return None
+
+
+def vllm_server_defaults(gpu: GpuProfile) -> dict[str, int | float]:
+    """What `vllm serve` schedules with on this GPU when not told otherwise (vLLM V1,
+    vllm/engine/arg_utils.py: 8192 tokens a step and 1024 sequences on GPUs of 70 GiB or
+    more other than the A100, 2048 and 256 below). V1 admits and chunks any number of
+    prefills within the budget and preempts only when a block cannot be had: no prefill
+    cap beyond the sequences, and the cache watermarks as high as this engine allows."""
+    large = gpu.memory_bytes >= 70 * GIB and not gpu.key.startswith("a100")
+    seqs = 1024 if large else 256
+    return {"max_num_batched_tokens": 8192 if large else 2048, "max_num_seqs": seqs,
+            "max_prefill_chunks": seqs, "cache_high_watermark": 0.99,
+            "cache_low_watermark": 0.98}
