@@ -50,7 +50,7 @@ BUDGET_S = 1.0  # per probe (decode, prefill): no new round starts past it once 
 # the probe's shapes, capped by the model's length and the KV pool: a decode batch at a
 # chat-sized context, and a chunk of a prompt with a chunk of history before it
 DECODES, DECODE_CONTEXT = 32, 256
-PREFILL_CHUNK, PREFILL_HISTORY = 256, 256
+PREFILL_CHUNK, PREFILL_HISTORY = 128, 384
 
 PAGED, TORCH, KERNELS = "paged", "torch", "kernels"
 K = TypeVar("K")  # a candidate
