@@ -242,6 +242,9 @@ class EngineConfig:
         _check(self.cpu_threads >= 0, "cpu_threads", "must be >= 0 (0 = all cores but one)")
         _check(self.attention_backend in ("auto", "torch", "flash", "paged"),
                "attention_backend", "must be auto, torch, flash or paged")
+        _check(not (self.cpu_graphs and self.attention_backend in ("torch", "flash")),
+               "cpu_graphs", "replays the CPU kernels' calls; it needs attention_backend "
+                             "auto or paged (or drop cpu_graphs)")
 
     def live_values(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in sorted(LIVE_FIELDS)}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.core import backend_choice
 from engine.core.backend_choice import (
     PAGED,
@@ -158,3 +158,8 @@ def test_graphs_win_when_they_measure_fastest(monkeypatch: pytest.MonkeyPatch) -
                                       kv_cache_bytes=1 << 22))
     assert runner.choice is not None and runner.choice.backends == Backends(GRAPHS, TORCH)
     assert runner.paged_decode and not runner.paged_prefill and runner.graphs is not None
+
+
+def test_graphs_forced_on_beside_torch_attention_is_refused_naming_the_fix() -> None:
+    with pytest.raises(ConfigError, match="needs attention_backend auto or paged"):
+        EngineConfig(device="cpu", attention_backend="torch", cpu_graphs=True).validate()

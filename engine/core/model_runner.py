@@ -169,6 +169,7 @@ class ModelRunner:
         elif kernels:
             self.choice = self._choose(config)
             self.apply(self.choice.backends)
+            self._graphs = self.graphs  # the probe's graphs and arena go unless chosen
             if self.choice.backends.decode.dense == TORCH and self.model.panels_packed:
                 self.model.pack_weights()  # drop linear_rows's copy of the weights
             self.attention_note = self.choice.line()
