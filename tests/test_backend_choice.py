@@ -112,8 +112,8 @@ def test_a_choice_round_trips_and_a_damaged_one_is_measured_again(_own_cache: Pa
 
 def _timings(decode: dict[DecodePath, float], prefill: dict[str, float]):
     """StepProbe._time answering from fixed figures, for the step each candidate runs."""
-    def fake(self: StepProbe, backends: Backends, step: list) -> float:
-        if step is self.decode_step:
+    def fake(self: StepProbe, backends: Backends, steps: list) -> float:
+        if steps is self.decode_steps:
             return decode[backends.decode]
         return prefill[backends.prefill_attention]
     return fake

@@ -47,9 +47,11 @@ log = logging.getLogger(__name__)
 MARGIN = 0.03  # a less simple candidate must be this much faster (median) to be picked
 MIN_ROUNDS, MAX_ROUNDS = 3, 9  # timed rounds of every candidate
 BUDGET_S = 1.0  # per probe (decode, prefill): no new round starts past it once MIN_ROUNDS ran
-# the probe's shapes, capped by the model's length and the KV pool: a decode batch at a
-# chat-sized context, and a chunk of a prompt with a chunk of history before it
-DECODES, DECODE_CONTEXT = 32, 256
+# the probe's shapes, capped by the model's length and the KV pool: decode batches at a
+# chat-sized context, a full one and the few left at a run's tail (where Python overhead,
+# which CPU graphs remove, weighs most), timed as one; and a chunk of a prompt with
+# history before it
+DECODES, TAIL_DECODES, DECODE_CONTEXT = 32, 4, 256
 PREFILL_CHUNK, PREFILL_HISTORY = 128, 384
 
 PAGED, TORCH, KERNELS = "paged", "torch", "kernels"
@@ -237,12 +239,14 @@ class StepProbe:
         decodes = max(1, min(DECODES, runner.num_blocks // -(-(context + 1) // bs)))
         history = min(PREFILL_HISTORY, limit // 2)
         chunk = max(1, min(PREFILL_CHUNK, limit - history, runner.num_blocks * bs - history))
-        self.shapes = {"decodes": decodes, "decode_context": context,
+        tail = min(TAIL_DECODES, decodes)
+        self.shapes = {"decodes": [decodes, tail], "decode_context": context,
                        "prefill_chunk": chunk, "prefill_history": history}
         vocab = runner.model_config.vocab_size
         tokens = [(7 * i + 1) % vocab for i in range(max(context + 1, history + chunk))]
-        self.decode_step = [self._chunk(tokens[:context + 1], i * -(-(context + 1) // bs),
-                                        context, 1) for i in range(decodes)]
+        batch = [self._chunk(tokens[:context + 1], i * -(-(context + 1) // bs), context, 1)
+                 for i in range(decodes)]
+        self.decode_steps = [batch, batch[:tail]]
         self.prefill_step = [self._chunk(tokens[:history + chunk], 0, history, chunk)]
         self.blocks = max(decodes * -(-(context + 1) // bs), -(-(history + chunk) // bs))
 
@@ -257,10 +261,12 @@ class StepProbe:
                                                  first_block + -(-len(tokens) // bs))))
         return ScheduledChunk.of(request, start, count)
 
-    def _time(self, backends: Backends, step: list[ScheduledChunk]) -> float:
+    def _time(self, backends: Backends, steps: list[list[ScheduledChunk]]) -> float:
+        """Seconds `steps` take, one after the other, on `backends`."""
         self.runner.apply(backends)
         start = time.perf_counter()
-        self.runner.forward(step)
+        for step in steps:
+            self.runner.forward(step)
         return time.perf_counter() - start
 
     def choose(self, found: Candidates) -> Choice:
@@ -269,12 +275,12 @@ class StepProbe:
         decode = {found.decode[0]: [0.0]}
         if len(found.decode) > 1:
             decode = interleaved(found.decode, lambda path: self._time(
-                Backends(path, TORCH), self.decode_step))
+                Backends(path, TORCH), self.decode_steps))
         chosen = pick(decode, lambda path: path.rank)
         prefill = {found.prefill[0]: [0.0]}
         if len(found.prefill) > 1:
             prefill = interleaved(found.prefill, lambda attention: self._time(
-                Backends(chosen, attention), self.prefill_step))
+                Backends(chosen, attention), [self.prefill_step]))
         attention = pick(prefill, lambda attention: attention == PAGED)
         self.runner.zero_blocks(list(range(self.blocks)))
         return Choice(Backends(chosen, attention), "measured",
