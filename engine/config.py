@@ -209,8 +209,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85  # share of free CUDA memory for the KV pool
     max_model_len: int | None = None  # None = the model's own limit
     max_num_seqs: int = 256
-    # auto: flash-attn on CUDA where installed, the paged decode kernel on CPU where it builds,
-    # else torch (SDPA over gathered copies of the history)
+    # auto: flash-attn on CUDA where installed; on CPU, whichever of the paged C++ kernels and
+    # torch (SDPA over gathered copies of the history) measures faster on this machine
+    # (engine.core.backend_choice); paged or torch forces one
     attention_backend: str = "auto"  # auto | torch | flash | paged
     cpu_threads: int = 0  # torch threads on CPU; 0 = all cores but one (UI, HTTP, store)
     # the snapshot's latency percentiles cover this many seconds (lifetime histograms stay)
@@ -220,8 +221,10 @@ class EngineConfig:
     # measured no faster (issue 18's notes in README) and costs 20-30 s of start.
     compile: bool | None = None
     # CPU eager kernels: replay each decode batch size's kernel calls, recorded at its first
-    # step (engine.core.cpu_graph); False runs every step's Python (debugging)
-    cpu_graphs: bool = True
+    # step (engine.core.cpu_graph). None: where measurement finds them faster
+    # (engine.core.backend_choice); True forces them (with the kernels they replay), False
+    # runs every step's Python
+    cpu_graphs: bool | None = None
     # --- live-tunable ---------------------------------------------------------------------
     max_num_batched_tokens: int = 256  # the token budget of one step (CPU-sized default)
     chunked_prefill: bool = True  # False: a prompt runs whole in one step or waits
@@ -312,6 +315,9 @@ class EngineConfig:
         _check(self.cpu_threads >= 0, "cpu_threads", "must be >= 0 (0 = all cores but one)")
         _check(self.attention_backend in ("auto", "torch", "flash", "paged"),
                "attention_backend", "must be auto, torch, flash or paged")
+        _check(not (self.cpu_graphs and self.attention_backend in ("torch", "flash")),
+               "cpu_graphs", "replays the CPU kernels' calls; it needs attention_backend "
+                             "auto or paged (or drop cpu_graphs)")
 
     def live_values(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in sorted(LIVE_FIELDS)}

@@ -24,7 +24,8 @@ MAX_TOKENS = (20, 9, 14, 25)
 def _generate(model: str, graphs: bool, params: SamplingParams | None = None,
               ) -> tuple[Engine, list[list[int]]]:
     engine = Engine(EngineConfig(model=model, device="cpu", dtype="float32", block_size=4,
-                                 max_num_batched_tokens=16, cpu_graphs=graphs))
+                                 max_num_batched_tokens=16, attention_backend="paged",
+                                 cpu_graphs=graphs))
     ids = [engine.add_request(prompt, params or SamplingParams(max_tokens=n, ignore_eos=True))
            for prompt, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
     done: dict[str, list[int]] = {}
@@ -115,7 +116,8 @@ def test_a_recording_sees_only_its_own_thread() -> None:
 
 
 def test_a_graph_is_captured_at_the_first_decode_step_of_its_size() -> None:
-    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32"))
+    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32",
+                                 cpu_graphs=True))
     graphs = engine.runner.graphs
     assert isinstance(graphs, DecodeGraphs)
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
@@ -125,8 +127,9 @@ def test_a_graph_is_captured_at_the_first_decode_step_of_its_size() -> None:
     assert list(graphs.graphs) == [(1, torch.get_num_threads())]
 
 
-def test_the_flag_turns_graphs_off() -> None:
+def test_the_flags_force_graphs_on_or_off_and_measurement_decides_without_them() -> None:
     parser = argparse.ArgumentParser()
     add_engine_flags(parser)
-    assert engine_config(parser.parse_args([])).cpu_graphs
-    assert not engine_config(parser.parse_args(["--no-cpu-graphs"])).cpu_graphs
+    assert engine_config(parser.parse_args([])).cpu_graphs is None
+    assert engine_config(parser.parse_args(["--cpu-graphs"])).cpu_graphs is True
+    assert engine_config(parser.parse_args(["--no-cpu-graphs"])).cpu_graphs is False

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from engine import Engine, EngineConfig, SamplingParams
+from engine.core.backend_choice import PAGED, TORCH, Backends, candidates
+from engine.core.cpu_kernels import prefill_supports
 from engine.core.model_runner import compiles
 from engine.model.transformer import Linear
 from tests.hf_models import FAMILIES, hf_greedy, hf_last_logits, save_tiny
@@ -61,6 +63,25 @@ def test_windows_across_small_blocks_are_exact(reference) -> None:
     outputs = _engine(directory, 13, block_size=4).generate(
         prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     assert outputs == expected
+
+
+# every decode path the backend choice can pick, each beside one of the prefill attentions
+# (both are taken where the head size fits the prefill kernel), so each is held to
+# transformers' tokens whatever a machine measures
+DECODE_PATHS = candidates("auto", None, kernels=True, graphable=True, prefill_fits=True).decode
+
+
+@pytest.mark.parametrize("index", range(len(DECODE_PATHS)),
+                         ids=[path.name for path in DECODE_PATHS])
+def test_every_path_the_backend_choice_can_pick_is_exact(reference, index: int) -> None:
+    directory, prompts, expected = reference
+    engine = _engine(directory, 24)
+    fits = prefill_supports(engine.model_config.head_dim)
+    engine.runner.apply(Backends(DECODE_PATHS[index], PAGED if index % 2 and fits else TORCH))
+    short = [i for i, n in enumerate(LENGTHS) if n <= 150]  # past every window, quicker
+    outputs = engine.generate([prompts[i] for i in short],
+                              SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    assert outputs == [expected[i] for i in short]
 
 
 def _first_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:

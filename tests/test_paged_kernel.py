@@ -141,11 +141,14 @@ def test_kernel_rejects_mixed_dtypes() -> None:
                             1.0, None, None)
 
 
-def test_decodes_take_the_kernel_on_cpu_and_the_torch_path_when_asked() -> None:
-    paged = ModelRunner(EngineConfig(device="cpu"))
+def test_the_kernel_path_and_the_torch_path_are_taken_when_asked() -> None:
+    paged = ModelRunner(EngineConfig(device="cpu", attention_backend="paged", cpu_graphs=True))
     torch_path = ModelRunner(EngineConfig(device="cpu", attention_backend="torch"))
-    assert paged.paged_kernel and paged.attention_note.startswith("paged")
-    assert not torch_path.paged_kernel and torch_path.attention_note == "torch"
+    assert paged.paged_decode and paged.paged_prefill and paged.graphs is not None
+    assert paged.attention_note == ("CPU backends (forced): decode paged/kernels/graphs, "
+                                    "prefill paged")
+    assert not torch_path.paged_decode and not torch_path.paged_prefill
+    assert torch_path.attention_note == "torch"
 
 
 def test_without_a_compiler_auto_keeps_the_torch_path_and_paged_says_why(monkeypatch) -> None:
@@ -153,7 +156,7 @@ def test_without_a_compiler_auto_keeps_the_torch_path_and_paged_says_why(monkeyp
     kernel.load.cache_clear()
     try:
         runner = ModelRunner(EngineConfig(device="cpu"))
-        assert not runner.paged_kernel
+        assert not runner.paged_decode and not runner.paged_prefill
         assert "no C++ compiler" in runner.attention_note
         with pytest.raises(EngineError, match="attention_backend=torch"):
             ModelRunner(dataclasses.replace(EngineConfig(device="cpu"),
@@ -189,8 +192,7 @@ def test_paged_attention_layer_uses_the_decode_tables() -> None:
     """A decode-only step through PagedAttention gives the same rows on both backends."""
     torch.manual_seed(1)
     layer = PagedAttention(num_heads=4, num_kv_heads=2, head_dim=16, use_flash=False)
-    runner = ModelRunner(EngineConfig(device="cpu"))
-    assert runner.paged_kernel
+    kernel.load()
     k_cache = torch.randn(2, 8, 16, 16)
     v_cache = torch.randn(2, 8, 16, 16)
     q, k, v = torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)

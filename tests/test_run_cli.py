@@ -238,7 +238,14 @@ def test_run_reports_cold_start_to_first_token(capsys: pytest.CaptureFixture[str
     summary = json.loads(capsys.readouterr().out)
     assert summary["compile_s"] == 0.0
     assert summary["cold_start_s"] > 0
-    assert summary["attention"].startswith("paged")  # the CPU decode kernel, where it builds
+    assert summary["attention"].startswith("CPU backends (")  # chosen where the kernels build
+    breakdown = summary["cold_start"]
+    assert set(breakdown) == {"import_s", "kernels_s", "model_load_s", "kv_cache_s",
+                              "backends_s", "compile_s", "first_calibration_s",
+                              "session_other_s", "to_first_token_s", "total_s"}
+    assert breakdown["total_s"] == pytest.approx(summary["cold_start_s"], abs=1e-3)
+    parts = sum(value for key, value in breakdown.items() if key != "total_s")
+    assert parts == pytest.approx(breakdown["total_s"], abs=0.01)
 
 
 @pytest.mark.slow  # compiles synthetic:tiny

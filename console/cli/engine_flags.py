@@ -40,12 +40,14 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--stats-window-s": ("stats_window_s", float,
                          "seconds the latency percentiles cover (default 60)"),
     "--attention-backend": ("attention_backend", str,
-                            "auto (flash-attn on CUDA where installed, the paged decode kernel "
-                            "on CPU), torch, flash or paged"),
+                            "auto (flash-attn on CUDA where installed; on CPU whichever of the "
+                            "paged C++ kernels and torch measures faster, cached per machine), "
+                            "torch, flash or paged"),
     "--compile": ("compile", bool, "torch.compile the model at start, warmed up before the "
                                    "first request (default: on CUDA only)"),
     "--cpu-graphs": ("cpu_graphs", bool, "replay CPU decode steps as recorded kernel calls "
-                                         "(default: on; --no-cpu-graphs runs them eagerly)"),
+                                         "(default: where measured faster; --no-cpu-graphs "
+                                         "runs them eagerly)"),
     "--enable-prefix-caching": ("enable_prefix_caching", bool,
                                 "reuse the KV blocks of prompt prefixes already computed "
                                 "(default: on; --no-prefix-caching recomputes every prompt)"),

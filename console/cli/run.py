@@ -81,13 +81,16 @@ def run(args: argparse.Namespace) -> int:
             refuse_store_files(args.output, args.db)
         _check_output(args.output, args.resume)
     started = time.monotonic() - (_process_age_s() or 0.0)
+    entered = time.monotonic()
     config = engine_config(args)
     progress = RunProgress("tokenflow run", 0, quiet=args.quiet)
     progress.stage(f"loading {config.model}")
     with start_session(config, db=args.db, store=not args.no_db, server=args.server_name,
                        on_commit=report_commit if args.report_commits else None,
                        observers=(progress.on_calibration,)) as session:
+        ready = time.monotonic()
         engine = session.engine
+        progress.stage(engine.runner.attention_note)  # the backends chosen, with timings
         if args.requests:
             workload = load_requests_jsonl(args.requests, engine.tokenizer.encode,
                                            vocab_size=engine.model_config.vocab_size)
@@ -117,7 +120,9 @@ def run(args: argparse.Namespace) -> int:
                                "workload": describe(workload).to_dict(), **result.summary(),
                                "compile_s": engine.runner.compile_s,
                                "attention": engine.runner.attention_note,
-                               "cold_start_s": first_token[0] - started if first_token else None}
+                               "cold_start_s": first_token[0] - started if first_token else None,
+                               "cold_start": _cold_start(session, started, entered, ready,
+                                                         first_token)}
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
@@ -253,6 +258,23 @@ def _set_aside_torn_line(fd: int, path: Path) -> None:
         raise UserError(f"cannot repair --output {path}: {exc.strerror}") from exc
     print(f"warning: {path} ended with a cut-short line ({len(fragment)} bytes, from a run "
           f"that was killed or ran out of disk); moved it to {torn}", file=sys.stderr)
+
+
+def _cold_start(session: EngineSession, started: float, entered: float, ready: float,
+                first_token: list[float]) -> dict[str, float | None]:
+    """Where the seconds to the first token went: imports (process start to the command),
+    the engine's start phase by phase (ModelRunner.startup_s), the first calibration, the
+    rest of the session's start (store, journal), and the steps to the first token."""
+    phases = {f"{name}_s": round(seconds, 3)
+              for name, seconds in session.engine.runner.startup_s.items()}
+    first = session.first_calibration
+    calibration = first.wall_s if first is not None else 0.0
+    engine_s = sum(session.engine.runner.startup_s.values())
+    return {"import_s": round(entered - started, 3), **phases,
+            "first_calibration_s": round(calibration, 3),
+            "session_other_s": round(ready - entered - engine_s - calibration, 3),
+            "to_first_token_s": round(first_token[0] - ready, 3) if first_token else None,
+            "total_s": round(first_token[0] - started, 3) if first_token else None}
 
 
 def _process_age_s() -> float | None:

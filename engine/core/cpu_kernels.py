@@ -13,8 +13,10 @@ calls alone is recorded once and replayed as a CPU graph (engine.core.cpu_graph)
 
 The library is C++ without torch headers, so the system compiler builds it once (13 s here);
 the shared object is cached under ~/.cache/tokenflow/kernels (or $TOKENFLOW_KERNEL_CACHE),
-keyed by the sources, the flags, the compiler and the CPU (it is built with -march=native).
-Where no compiler works, `load()` says why and the engine keeps the torch path.
+keyed by the sources, the flags, the compiler and the CPU (`build_key`). It is built with
+-march=native, or for the target $TOKENFLOW_KERNEL_MARCH names (x86-64-v3 builds the AVX2
+kernels on an AVX-512 machine, to measure what an AVX2-only CPU runs). Where no compiler
+works, `load()` says why and the engine keeps the torch path.
 """
 
 from __future__ import annotations
@@ -45,15 +47,16 @@ SOURCES = tuple(Path(__file__).with_name(name)
 # with a finite -1e30). It is
 # a compile flag only: linked with it, GCC adds crtfastmath, which flushes subnormals to zero
 # for the whole process (torch included) the moment the library loads.
-# -mprefer-vector-width=512: GCC vectorises loops (and picks glibc's vector expf) at 256 bits
-# on AVX-512 CPUs unless told; the prefill kernel then stored 8-wide expf results and
-# reloaded them as 16-wide vectors, stalling store forwarding (13% of its time in perf). With
-# 512-bit loops it ran 15-20% faster (one thread, Xeon); decode steps did not move. (An x86
-# flag: other compilers' targets do without it.)
-_WIDE = ("-mprefer-vector-width=512",) if platform.machine() in ("x86_64", "AMD64") else ()
-COMPILE_FLAGS = ("-O3", "-march=native", *_WIDE, "-fopenmp", "-ffast-math", "-fPIC", "-c")
+# -mprefer-vector-width=512 (targets with AVX-512 only): GCC vectorises loops (and picks
+# glibc's vector expf) at 256 bits on AVX-512 CPUs unless told; the prefill kernel then
+# stored 8-wide expf results and reloaded them as 16-wide vectors, stalling store forwarding
+# (13% of its time in perf). With 512-bit loops it ran 15-20% faster (one thread, Xeon).
+# On an AVX2 target the kernels' vectors are 8 floats (cpu_vectors.h) and the flag is left
+# out: there is no 512-bit width to prefer.
+WIDE_FLAGS = ("-mprefer-vector-width=512",)
+BASE_FLAGS = ("-O3", "-fopenmp", "-ffast-math", "-fPIC", "-c")
 LINK_FLAGS = ("-shared", "-fopenmp")
-FLAGS = COMPILE_FLAGS + LINK_FLAGS  # what the cached build is keyed on
+MARCH_ENV = "TOKENFLOW_KERNEL_MARCH"  # a -march target instead of native (part of the key)
 BUILD_TIMEOUT_S = 120
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ENTRIES = {  # each entry point's argument types
@@ -77,7 +80,21 @@ PREFILL_HEAD_DIM_STEP, PREFILL_MAX_HEAD_DIM = 16, 256
 
 
 @dataclass(frozen=True)
+class Toolchain:
+    """How the library is built here: the compiler, its flags, and what the build is keyed on."""
+
+    compiler: str
+    march: str
+    wide: bool  # the target has AVX-512, so loops are vectorised at 512 bits
+    compile_flags: tuple[str, ...]
+    key: str  # sources, flags, compiler version, CPU: the cached library's name and more
+
+
+@dataclass(frozen=True)
 class Kernels:
+    tools: Toolchain  # what the library was built with
+    lanes: int  # floats per vector: 16 with AVX-512, else 8
+    panel: int  # linear_rows's outputs per panel (pack_panels)
     paged_decode: ctypes._CFuncPtr
     paged_prefill: ctypes._CFuncPtr
     linear_rows: ctypes._CFuncPtr
@@ -145,12 +162,35 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(lines)))
 
 
-def _build(compiler: str) -> Path:
+def _macros(compiler: str, march: str) -> str:
+    """The compiler's predefined macros for -march=`march` (what the target's ISA has)."""
+    run = subprocess.run([compiler, f"-march={march}", "-dM", "-E", "-x", "c++", os.devnull],
+                         capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+    if run.returncode != 0:
+        raise KernelUnavailable(f"{compiler} does not take -march={march} "
+                                f"({run.stderr.strip().splitlines()[-1:]}); fix ${MARCH_ENV} "
+                                "or unset it")
+    return run.stdout
+
+
+def toolchain() -> Toolchain:
+    """The compiler, the target (native, or $TOKENFLOW_KERNEL_MARCH) and the build's key;
+    raises KernelUnavailable."""
+    compiler = _compiler()
+    march = os.environ.get(MARCH_ENV) or "native"
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              timeout=BUILD_TIMEOUT_S).stdout
-    key = hashlib.sha256("\0".join((*(source.read_text() for source in SOURCES), " ".join(FLAGS),
-                                    version, platform.machine(), _cpu_signature())).encode())
-    target = cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    wide = "__AVX512F__" in _macros(compiler, march)
+    flags = (*BASE_FLAGS, f"-march={march}", *(WIDE_FLAGS if wide else ()))
+    key = hashlib.sha256("\0".join((*(source.read_text() for source in SOURCES),
+                                    " ".join(flags + LINK_FLAGS), version, platform.machine(),
+                                    _cpu_signature())).encode()).hexdigest()[:16]
+    return Toolchain(compiler, march, wide, flags, key)
+
+
+def _build(tools: Toolchain) -> Path:
+    compiler = tools.compiler
+    target = cache_dir() / f"cpu_kernels-{tools.key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -161,7 +201,7 @@ def _build(compiler: str) -> Path:
     objects = [f"{partial[:-3]}-{source.stem}.o" for source in units]
     try:
         # the units compile side by side, then link
-        _run_all(compiler, [[compiler, *COMPILE_FLAGS, "-o", obj, str(source)]
+        _run_all(compiler, [[compiler, *tools.compile_flags, "-o", obj, str(source)]
                             for source, obj in zip(units, objects, strict=True)])
         _run_all(compiler, [[compiler, *LINK_FLAGS, "-o", partial, *objects]])
         os.replace(partial, target)
@@ -194,7 +234,8 @@ def _run_all(compiler: str, commands: list[list[str]]) -> None:
 def load() -> Kernels:
     """The kernels' entry points, built on first use; raises KernelUnavailable."""
     try:
-        library = ctypes.CDLL(str(_build(_compiler())))
+        tools = toolchain()
+        library = ctypes.CDLL(str(_build(tools)))
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"cannot build or load the CPU kernels: {exc}; "
                                 "use attention_backend=torch") from exc
@@ -204,7 +245,9 @@ def load() -> Kernels:
         entry.argtypes = argtypes
         entry.restype = None
         entries[name] = entry
-    return Kernels(**entries)
+    layout = (ctypes.c_int64 * 2)()
+    library.vector_layout(layout)
+    return Kernels(tools=tools, lanes=layout[0], panel=layout[1], **entries)
 
 
 def prefill_supports(head_dim: int) -> bool:
@@ -282,19 +325,17 @@ def _output(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# linear_rows's panels: PANEL outputs each, in vectors of LANES (layer_ops.cpp)
-PANEL, LANES = 48, 16
-
-
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """An nn.Linear weight [N, K] (float32) laid out for linear_rows, flat: panels of PANEL
-    outputs, each [K][PANEL], then the last N % PANEL outputs (zero-padded to whole vectors)
-    as one narrower panel [K][width]."""
+    """An nn.Linear weight [N, K] (float32) laid out for linear_rows, flat: panels of
+    Kernels.panel outputs, each [K][panel], then the last N % panel outputs (zero-padded to
+    whole vectors of Kernels.lanes) as one narrower panel [K][width]."""
     n, k = weight.shape
+    kernels = load()
+    panel, lanes = kernels.panel, kernels.lanes
     weight = weight.detach()
-    whole = n - n % PANEL
-    tail = torch.nn.functional.pad(weight[whole:], (0, 0, 0, -(n - whole) % LANES))
-    parts = (weight[:whole].view(-1, PANEL, k).transpose(1, 2).flatten(), tail.t().flatten())
+    whole = n - n % panel
+    tail = torch.nn.functional.pad(weight[whole:], (0, 0, 0, -(n - whole) % lanes))
+    parts = (weight[:whole].view(-1, panel, k).transpose(1, 2).flatten(), tail.t().flatten())
     panels = huge_pages.zeros((sum(p.numel() for p in parts),), weight.dtype)
     return torch.cat(parts, out=panels)
 
@@ -303,7 +344,7 @@ def linear_rows(x: torch.Tensor, panels: torch.Tensor, out_features: int,
                 bias: torch.Tensor | None) -> torch.Tensor:
     """x [rows, K] float32 @ W^T (+ bias), W packed by pack_panels -> [rows, out_features]."""
     rows, k = x.shape
-    padded = out_features + -out_features % LANES
+    padded = out_features + -out_features % load().lanes
     if x.dtype != torch.float32 or panels.numel() != k * padded:
         raise ValueError(f"linear_rows takes float32 rows of {panels.numel() // padded}, got "
                          f"{x.dtype} rows of {k}")

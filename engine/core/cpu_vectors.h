@@ -1,5 +1,7 @@
 // What the CPU kernels share: bfloat16 loads and stores that round as torch does, and GCC/Clang
-// vectors of 16 floats (one AVX-512 register, or two AVX2 ones).
+// vectors of one register: 16 floats where the target has AVX-512, else 8 (AVX2 and FMA). A
+// 16-float vector on AVX2 is two registers, which doubles every kernel's register pressure:
+// the GEMM's 24 sums alone then spill from AVX2's 16 registers.
 #pragma once
 
 #include <cstdint>
@@ -37,13 +39,17 @@ inline float round_to(float value) {
     return load(&held, 0);
 }
 
+#ifdef __AVX512F__
 constexpr int LANES = 16;
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
+#else
+constexpr int LANES = 8;
+#endif
+typedef float vec __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t ivec __attribute__((vector_size(LANES * sizeof(int32_t))));
 
-inline v16 vload(const float* p) { v16 v; std::memcpy(&v, p, sizeof v); return v; }
-inline void vstore(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
-inline v16 splat(float x) { return v16{} + x; }
+inline vec vload(const float* p) { vec v; std::memcpy(&v, p, sizeof v); return v; }
+inline void vstore(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
+inline vec splat(float x) { return vec{} + x; }
 
 // Runs run(element) with a float or a uint16_t (bfloat16) element, as `bf16` says.
 template <typename Run>

@@ -4,7 +4,7 @@
 // its GEMMs were 9, and most of the rest was torch dispatching a dozen small ops per norm,
 // rotation and cache write. These replace them on the CPU eager path:
 // - linear_rows: y = x W^T (+ b) for up to 64 rows, over weights packed in panels of 48
-//   outputs (cpu_kernels.pack_panels) that it streams once, keeping every row's sums in
+//   outputs (16 on AVX2; cpu_kernels.pack_panels) that it streams once, keeping every row's sums in
 //   registers: synthetic:small's GEMMs at 8 rows took 6.8 ms, against oneDNN's 9.7 and 6.4
 //   for a plain read of the same bytes (one thread, interleaved runs).
 // - rms_norm: the residual add and the norm in one pass, rounded as the torch module rounds.
@@ -29,9 +29,17 @@ using namespace tokenflow;
 
 // ---- linear_rows ----------------------------------------------------------------------------
 
-constexpr int VECTORS = 3;  // a panel's outputs in vectors: 8 rows keep 24 sums in registers
+// A panel's outputs in vectors, and the rows one pass over a panel computes: the sums
+// (rows x vectors), the panel's vectors and a broadcast must fit the registers, 32 with
+// AVX-512 (8 x 3 sums), 16 with AVX2 (6 x 2, as BLAS's AVX2 kernels tile).
+#ifdef __AVX512F__
+constexpr int VECTORS = 3;
+constexpr int64_t MAX_ROWS = 8;
+#else
+constexpr int VECTORS = 2;
+constexpr int64_t MAX_ROWS = 6;
+#endif
 constexpr int64_t PANEL = VECTORS * LANES;
-constexpr int64_t MAX_ROWS = 8;  // rows one pass over a panel computes
 // Floats ahead of the read position prefetched into L2: about one memory latency. An L1
 // prefetch, or a panel of two vectors, read synthetic:small's weights at 8 rows 20% slower.
 constexpr int64_t AHEAD = 1024;
@@ -41,12 +49,12 @@ template <int Rows, int Vectors>
 inline void panel_rows(const float* x, const float* panel, int64_t k_size, float* y,
                        int64_t ldy, int64_t cols, const float* bias) {
     constexpr int64_t width = Vectors * LANES;
-    v16 sums[Rows][Vectors];
+    vec sums[Rows][Vectors];
     for (int r = 0; r < Rows; ++r)
-        for (int j = 0; j < Vectors; ++j) sums[r][j] = v16{};
+        for (int j = 0; j < Vectors; ++j) sums[r][j] = vec{};
     for (int64_t k = 0; k < k_size; ++k) {
         const float* w = panel + k * width;
-        v16 weights[Vectors];
+        vec weights[Vectors];
 #pragma GCC unroll 4
         for (int j = 0; j < Vectors; ++j) {
             __builtin_prefetch(w + AHEAD + j * LANES, 0, 2);
@@ -54,7 +62,7 @@ inline void panel_rows(const float* x, const float* panel, int64_t k_size, float
         }
 #pragma GCC unroll 8
         for (int r = 0; r < Rows; ++r) {
-            v16 xb = splat(x[r * k_size + k]);
+            vec xb = splat(x[r * k_size + k]);
 #pragma GCC unroll 4
             for (int j = 0; j < Vectors; ++j) sums[r][j] += xb * weights[j];
         }
@@ -234,6 +242,13 @@ void cache_write(const void* k, const void* v, void* k_cache, void* v_cache,
                          static_cast<T*>(k_cache), static_cast<T*>(v_cache), slots, rows,
                          kv_heads, head_dim, k_stride, v_stride, cache_slots);
     });
+}
+
+// linear_rows's weight layout, for cpu_kernels.pack_panels: layout[0] = floats per vector
+// (LANES), layout[1] = outputs per panel (PANEL).
+void vector_layout(int64_t* layout) {
+    layout[0] = LANES;
+    layout[1] = PANEL;
 }
 
 // x += delta, `count` elements each (x rounded as stored, as torch's add rounds).

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import dataclasses
 import gc
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -26,6 +28,19 @@ from engine.core.attention import (
     cache_shape,
 )
 from engine.core.attention import flash_available as flash_importable
+from engine.core.backend_choice import (
+    KERNELS,
+    PAGED,
+    TORCH,
+    Backends,
+    Choice,
+    DecodePath,
+    StepProbe,
+    cache_key,
+    candidates,
+    load_cached,
+    store,
+)
 from engine.core.batch import Batch, ModelRunnerOutput, ScheduledChunk
 from engine.core.cpu_graph import DecodeGraphs
 from engine.core.cpu_kernels import KernelUnavailable, prefill_supports
@@ -33,6 +48,8 @@ from engine.core.cpu_kernels import load as load_cpu_kernels
 from engine.core.sampler import sample, token_logprobs
 from engine.errors import EngineError
 from engine.model.loader import load_model, model_config_for
+
+log = logging.getLogger(__name__)
 
 CPU_KV_BYTES_DEFAULT = 256 * 2**20
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
@@ -117,7 +134,11 @@ class ModelRunner:
         if config.attention_backend == "flash" and not self.use_flash:
             raise EngineError("attention_backend=flash needs CUDA and the flash-attn package "
                               "(pip install 'tokenflow[gpu]'); use auto or torch")
-        self.paged_kernel, self.attention_note = self._paged_kernel(config)
+        # where a start's seconds go, phase by phase (`tokenflow run --json`'s cold start)
+        self.startup_s: dict[str, float] = {}
+        mark = time.perf_counter()
+        kernels, self.attention_note = self._kernels(config)
+        self.startup_s["kernels"], mark = time.perf_counter() - mark, time.perf_counter()
         shape = model_config_for(config.model)
         self.max_model_len = min(config.max_model_len or shape.max_position_embeddings,
                                  shape.max_position_embeddings)
@@ -125,10 +146,7 @@ class ModelRunner:
                             seed=config.seed, use_flash=self.use_flash)
         self.model, self.model_config, self.tokenizer = (loaded.model, loaded.config,
                                                          loaded.tokenizer)
-        self.paged_prefill = self.paged_kernel and prefill_supports(self.model_config.head_dim)
-        if self.paged_kernel and not self.paged_prefill:
-            self.attention_note += (f"; prefill on SDPA (head size {self.model_config.head_dim}"
-                                    " does not fit the prefill kernel's tiles)")
+        self.startup_s["model_load"], mark = time.perf_counter() - mark, time.perf_counter()
         self.block_size = FLASH_BLOCK_SIZE if self.use_flash else config.block_size
         self.num_blocks = self._num_blocks(config)
         mc = self.model_config
@@ -136,22 +154,38 @@ class ModelRunner:
                              mc.num_kv_heads, mc.head_dim)
         self.kv_cache = (huge_pages.zeros(layout, self.dtype) if self.device.type == "cpu"
                          else torch.zeros(layout, dtype=self.dtype, device=self.device))
+        self.startup_s["kv_cache"], mark = time.perf_counter() - mark, time.perf_counter()
         self.compile_s = 0.0
+        self.paged_decode = self.paged_prefill = False
         self.graphs: DecodeGraphs | None = None
+        self._graphs: DecodeGraphs | None = None  # made once, kept while the choice is timed
+        self.choice: Choice | None = None  # CPU eager steps only
         if compiles(config):
             self.compile_s = self._compile()
-        elif self.paged_kernel:
-            self.model.use_cpu_kernels()
-            # linear_rows, which a graph's GEMMs must run on, is fp32 (bf16 takes oneDNN's)
-            if config.cpu_graphs and self.dtype == torch.float32:
-                self.graphs = DecodeGraphs(self.model, self.kv_cache,
-                                           -(-self.max_model_len // self.block_size))
+            if kernels:  # Inductor's fused dense ops around the paged attention kernels
+                fits = prefill_supports(self.model_config.head_dim)
+                self.choice = Choice(Backends(DecodePath(PAGED, TORCH, False),
+                                              PAGED if fits else TORCH), "compiled", {}, {})
+                self.apply(self.choice.backends)
+                self.attention_note = self.choice.line()
+        elif kernels:
+            self.choice = self._choose(config)
+            self.apply(self.choice.backends)
+            self._graphs = self.graphs  # the probe's graphs and arena go unless chosen
+            if self.choice.backends.decode.dense == TORCH and self.model.panels_packed:
+                self.model.pack_weights()  # drop linear_rows's copy of the weights
+            self.attention_note = self.choice.line()
+            log.info("%s", self.attention_note)
         else:
             self.model.pack_weights()
+        # the weights packed for the path taken, and the path chosen: nothing more when the
+        # choice is cached or forced; a measured one includes the probe's graph capture
+        self.startup_s["backends"] = (time.perf_counter() - mark) - self.compile_s
+        self.startup_s["compile"] = self.compile_s
 
-    def _paged_kernel(self, config: EngineConfig) -> tuple[bool, str]:
-        """Whether attention runs the in-place C++ kernels (CPU; asked for, or auto), and
-        what was chosen and why, for the start-up log."""
+    def _kernels(self, config: EngineConfig) -> tuple[bool, str]:
+        """Whether the C++ kernels are candidates here (CPU eager steps; asked for, or auto),
+        and, where they are not, what runs and why, for the start-up log."""
         if self.device.type != "cpu" or config.attention_backend not in ("auto", "paged"):
             if config.attention_backend == "paged":
                 raise EngineError("attention_backend=paged is the CPU kernel; on CUDA use auto, "
@@ -163,8 +197,36 @@ class ModelRunner:
             if config.attention_backend == "paged":
                 raise EngineError(str(exc)) from None
             return False, f"torch (the paged kernels are unavailable: {exc})"
-        return True, ("paged (kernels read the KV cache in place; the layers' norms, RoPE, "
-                      "SiLU and small GEMMs run on them too)")
+        return True, ""
+
+    def _choose(self, config: EngineConfig) -> Choice:
+        """The CPU backends for this model: cached, forced by the flags, or measured now."""
+        mc = self.model_config
+        found = candidates(config.attention_backend, config.cpu_graphs, True,
+                           graphable=self.dtype == torch.float32,
+                           prefill_fits=prefill_supports(mc.head_dim))
+        if len(found.decode) == 1 and len(found.prefill) == 1:
+            return Choice(Backends(found.decode[0], found.prefill[0]), "forced", {}, {})
+        probe = StepProbe(self)
+        key = cache_key(load_cpu_kernels().tools.key,
+                        {"model": dataclasses.asdict(mc), "dtype": str(self.dtype),
+                         "block_size": self.block_size, "probe": probe.shapes}, found)
+        cached = load_cached(key)
+        if cached is not None:
+            return cached
+        choice = probe.choose(found)
+        store(key, choice)
+        return choice
+
+    def apply(self, backends: Backends) -> None:
+        """Run eager CPU steps on `backends` from the next step on."""
+        self.paged_decode = backends.decode.attention == PAGED
+        self.paged_prefill = backends.prefill_attention == PAGED
+        self.model.use_cpu_kernels(backends.decode.dense == KERNELS)
+        if backends.decode.graphs and self._graphs is None:
+            self._graphs = DecodeGraphs(self.model, self.kv_cache,
+                                        -(-self.max_model_len // self.block_size))
+        self.graphs = self._graphs if backends.decode.graphs else None
 
     def _compile(self) -> float:
         """Compile the model and warm it up, so the first request does not pay for it;
@@ -308,7 +370,7 @@ class ModelRunner:
         decode_start = row - len(decodes)
         slot_mapping = torch.cat(slots).to(self.device)
         # the kernel windows each decode itself: one set of tables serves every layer
-        kernel = self._decode_tables(decodes) if self.paged_kernel else {}
+        kernel = self._decode_tables(decodes) if self.paged_decode else {}
         windowed = None
         if window is not None and not self.use_flash:
             windowed = AttentionMetadata(

@@ -208,11 +208,11 @@ void attend(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, T*
 // ---- prefill: one chunk's queries over its request's history and itself -------------------
 //
 // Flash-style: an online softmax over tiles of keys, so no score matrix larger than a tile
-// exists. A block of 16 query rows is one vector per head dimension (queries transposed
+// exists. A block of LANES query rows is one vector per head dimension (queries transposed
 // once), so each cached key row is read in place and broadcast one element at a time: a
-// tile's scores are [key][16 rows], and the softmax's max, exp and sums run across keys
+// tile's scores are [key][LANES rows], and the softmax's max, exp and sums run across keys
 // vector by vector, with no per-row reductions. P·V builds the output the same way,
-// [head dim][16 rows]. torch's CPU flash kernel, over a gathered copy, ran a 512-token chunk
+// [head dim][LANES rows]. torch's CPU flash kernel, over a gathered copy, ran a 512-token chunk
 // at 36-60 GFLOP/s here.
 
 // LANES (cpu_vectors.h): query rows per block, and keys per score tile
@@ -222,16 +222,16 @@ constexpr float MASKED = -1e30f;  // finite: the library is built with -ffast-ma
 constexpr float EXP_FLOOR = -87.0f;  // expf above its underflow, which glibc's vector form
                                      // hands to a slow scalar path
 
-inline v16 vmax(v16 a, v16 b) { return a > b ? a : b; }
+inline vec vmax(vec a, vec b) { return a > b ? a : b; }
 
-inline v16 vexp(v16 x) {  // one call of glibc's vector expf (-ffast-math vectorises the loop)
+inline vec vexp(vec x) {  // one call of glibc's vector expf (-ffast-math vectorises the loop)
     alignas(64) float lanes[LANES];
     vstore(lanes, x);
     for (int i = 0; i < LANES; ++i) lanes[i] = expf(lanes[i]);
     return vload(lanes);
 }
 
-// 16 cached rows [key, key + 16) of one head as float, in place when the cache is float and
+// LANES cached rows [key, key + LANES) of one head as float, in place when the cache is float and
 // its blocks hold whole tiles, else copied into `buffer` (rows at or past `length`: zeros).
 template <typename T>
 inline const float* tile_rows(const T* head, const int64_t* table, int64_t key, int64_t length,
@@ -277,9 +277,9 @@ void prefill_rows(const T* q, const T* k_head, const T* v_head, T* out, const in
                 acc[g][d][r] = 0.0f;
             }
     const int64_t first_pos = start + row0, last_pos = first_pos + rows - 1;
-    i16 positions;
+    ivec positions;
     for (int r = 0; r < LANES; ++r) positions[r] = static_cast<int32_t>(first_pos + r);
-    v16 top[G], total[G];
+    vec top[G], total[G];
     for (int g = 0; g < G; ++g) top[g] = splat(MASKED), total[g] = splat(0.0f);
     const int64_t lo = window > 0 ? std::max<int64_t>(0, first_pos - window + 1) / LANES * LANES : 0;
     const int64_t hi = last_pos + 1;
@@ -294,12 +294,12 @@ void prefill_rows(const T* q, const T* k_head, const T* v_head, T* out, const in
             values[u] = tile_rows(v_head, table, key0, length, block_size, head_dim,
                                   value_buffer[u]);
             for (int k0 = 0; k0 < LANES; k0 += STEP) {
-                v16 s[G][STEP] = {};
+                vec s[G][STEP] = {};
                 for (int64_t d = 0; d < head_dim; ++d) {
-                    v16 qd[G];
+                    vec qd[G];
                     for (int g = 0; g < G; ++g) qd[g] = vload(query[g][d]);
                     for (int k = 0; k < STEP; ++k) {
-                        const v16 key = splat(rows_k[(k0 + k) * head_dim + d]);
+                        const vec key = splat(rows_k[(k0 + k) * head_dim + d]);
                         for (int g = 0; g < G; ++g) s[g][k] += key * qd[g];
                     }
                 }
@@ -310,9 +310,9 @@ void prefill_rows(const T* q, const T* k_head, const T* v_head, T* out, const in
         // every row sees every key of the tile: none after the first row, none out of a window
         const bool whole = t0 + keys - 1 <= first_pos && (window <= 0 || t0 > last_pos - window);
         for (int g = 0; g < G; ++g) {
-            v16 next = top[g];
+            vec next = top[g];
             for (int j = 0; j < keys; ++j) {
-                v16 s = vload(scores[g][j]);
+                vec s = vload(scores[g][j]);
                 if (softcap > 0.0f) {
                     alignas(64) float lanes[LANES];
                     vstore(lanes, s / softcap);
@@ -321,19 +321,19 @@ void prefill_rows(const T* q, const T* k_head, const T* v_head, T* out, const in
                 }
                 if (!whole) {
                     const int32_t key = static_cast<int32_t>(t0 + j);
-                    i16 seen = positions >= key;
+                    ivec seen = positions >= key;
                     if (window > 0) seen &= positions - key < static_cast<int32_t>(window);
                     s = seen ? s : splat(MASKED);
                 }
                 vstore(scores[g][j], s);
                 next = vmax(next, s);
             }
-            const v16 rescale = top[g] > MASKED ? vexp(vmax(top[g] - next, splat(EXP_FLOOR)))
+            const vec rescale = top[g] > MASKED ? vexp(vmax(top[g] - next, splat(EXP_FLOOR)))
                                                 : splat(0.0f);
-            v16 added = splat(0.0f);
+            vec added = splat(0.0f);
             for (int j = 0; j < keys; ++j) {
-                const v16 s = vload(scores[g][j]);
-                v16 p = vexp(vmax(s - next, splat(EXP_FLOOR)));
+                const vec s = vload(scores[g][j]);
+                vec p = vexp(vmax(s - next, splat(EXP_FLOOR)));
                 if (!whole) p = s > MASKED ? p : splat(0.0f);
                 vstore(scores[g][j], p);
                 added += p;
@@ -348,16 +348,16 @@ void prefill_rows(const T* q, const T* k_head, const T* v_head, T* out, const in
         }
         // acc[d][row] += Σ_key value[d] · p
         for (int64_t d0 = 0; d0 < head_dim; d0 += STEP) {
-            v16 o[G][STEP];
+            vec o[G][STEP];
             for (int g = 0; g < G; ++g)
                 for (int i = 0; i < STEP; ++i) o[g][i] = vload(acc[g][d0 + i]);
             for (int u = 0; u < tiles; ++u)
                 for (int k = 0; k < LANES; ++k) {
-                    v16 p[G];
+                    vec p[G];
                     for (int g = 0; g < G; ++g) p[g] = vload(scores[g][u * LANES + k]);
                     const float* value = values[u] + k * head_dim + d0;
                     for (int i = 0; i < STEP; ++i) {
-                        const v16 x = splat(value[i]);
+                        const vec x = splat(value[i]);
                         for (int g = 0; g < G; ++g) o[g][i] += x * p[g];
                     }
                 }

@@ -67,6 +67,7 @@ class Linear(nn.Linear):
 
     packed: torch.Tensor | None = None
     panels: torch.Tensor | None = None  # cpu_kernels.linear_rows's layout
+    kernel = False  # small steps take linear_rows (set with panels; Transformer.use_cpu_kernels)
 
     def pack(self, panels: bool = False) -> None:
         """Pack the weight as it is now (call after loading; a later change to `weight` is
@@ -79,12 +80,13 @@ class Linear(nn.Linear):
                 and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
                                                                   _PACKED_ROWS)
-        if panels and self.weight.dtype == torch.float32:
-            self.panels = cpu_kernels.pack_panels(self.weight)
+        self.panels = (cpu_kernels.pack_panels(self.weight)
+                       if panels and self.weight.dtype == torch.float32 else None)
+        self.kernel = self.panels is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if self.panels is not None and rows <= PANEL_MAX_ROWS:
+        if self.kernel and rows <= PANEL_MAX_ROWS:
             return cpu_kernels.linear_rows(x, self.panels, self.out_features, self.bias)
         if self.packed is None:
             return super().forward(x)
@@ -282,6 +284,8 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
+    panels_packed = False  # the Linears hold linear_rows's panels (pack_weights(panels=True))
+
     def __init__(self, config: ModelConfig, max_positions: int, use_flash: bool = False) -> None:
         super().__init__()
         self.config = config
@@ -337,22 +341,25 @@ class Transformer(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack(panels)
+        self.panels_packed = panels
 
-    def use_cpu_kernels(self) -> None:
+    def use_cpu_kernels(self, enabled: bool = True) -> None:
         """Run eager CPU steps on engine.core.cpu_kernels: small fp32 GEMMs in linear_rows,
         and the norms, SiLU·mul, RoPE and cache writes as one call each. Call instead of
-        pack_weights; the torch ops stay the path everywhere else (and for debugging:
-        attention_backend=torch)."""
-        self.pack_weights(panels=True)
+        pack_weights; the torch ops stay the path everywhere else. `enabled=False` goes back
+        to the torch ops (the backend choice times both; the panels stay packed for a switch
+        back, and pack_weights() drops them)."""
+        if enabled and not self.panels_packed:
+            self.pack_weights(panels=True)
         for module in self.modules():
-            if isinstance(module, RMSNorm):
-                module.kernel = True
+            if isinstance(module, Linear):
+                module.kernel = enabled and module.panels is not None
+            elif isinstance(module, RMSNorm | DecoderLayer):
+                module.kernel = enabled
             elif isinstance(module, Attention):
-                module.kernel = module.attn.kernel = True
+                module.kernel = module.attn.kernel = enabled
             elif isinstance(module, MLP):
-                module.kernel = module.act is F.silu
-            elif isinstance(module, DecoderLayer):
-                module.kernel = True
+                module.kernel = enabled and module.act is F.silu
 
     def compile(self) -> None:  # type: ignore[override]
         """Run each layer's two dense halves through torch.compile with the token count

@@ -1,0 +1,289 @@
+"""The CPU backends an engine runs, chosen by measurement at its first start on a machine.
+
+Which path is fastest depends on the CPU: the C++ kernels (engine.core.cpu_kernels) were
+tuned where AVX-512 is, and an AVX2 machine ran the same decode steps slower than torch's
+own ops. So each choice is timed on the model's own shapes, not assumed:
+- decode steps: attention on the paged kernel or torch's gather + SDPA, the dense ops on the
+  C++ layer ops or torch/oneDNN, and CPU graphs on or off (they replay kernel calls, so
+  they need both of the former on the kernels, and float32);
+- prefill chunks: attention on the paged kernel or SDPA, with the decode's dense ops.
+
+Candidates run interleaved, round after round, one untimed round first (it captures the
+graphs and warms the caches), and each keeps its median; noise that hits one round hits
+every candidate alike. The pick is the simplest candidate within MARGIN of the fastest: a
+kernel must win by more than noise to be chosen over torch's path.
+
+The choice is cached as JSON beside the kernels (cpu_kernels.cache_dir), keyed by the
+kernels' own build key (sources, flags, compiler, CPU), torch's version, the model's shapes,
+the threads and the probe's shapes: a later start on the same machine pays nothing.
+Flags (attention_backend, cpu_graphs) narrow the candidates; one left is taken untimed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+import torch
+
+from engine.config import SamplingParams
+from engine.core.batch import ScheduledChunk
+from engine.core.cpu_kernels import cache_dir
+from engine.core.request import Request, RequestState
+from engine.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+MARGIN = 0.03  # a less simple candidate must be this much faster (median) to be picked
+MIN_ROUNDS, MAX_ROUNDS = 3, 9  # timed rounds of every candidate
+BUDGET_S = 1.0  # per probe (decode, prefill): no new round starts past it once MIN_ROUNDS ran
+# the probe's shapes, capped by the model's length and the KV pool: decode batches at a
+# chat-sized context, a full one and the few left at a run's tail (where Python overhead,
+# which CPU graphs remove, weighs most), timed as one; and a chunk of a prompt with
+# history before it
+DECODES, TAIL_DECODES, DECODE_CONTEXT = 32, 4, 256
+PREFILL_CHUNK, PREFILL_HISTORY = 128, 384
+
+PAGED, TORCH, KERNELS = "paged", "torch", "kernels"
+K = TypeVar("K")  # a candidate
+
+
+@dataclass(frozen=True)
+class DecodePath:
+    attention: str  # paged | torch
+    dense: str  # kernels | torch
+    graphs: bool
+
+    @property
+    def rank(self) -> int:
+        """How far from torch's plain path: fewer moving parts win a tie."""
+        return (self.attention == PAGED) + (self.dense == KERNELS) + self.graphs
+
+    @property
+    def name(self) -> str:
+        """attention/dense/graphs, e.g. paged/kernels/graphs"""
+        return "/".join((self.attention, self.dense, "graphs" if self.graphs else "eager"))
+
+
+@dataclass(frozen=True)
+class Backends:
+    """What a CPU engine runs: the decode path and prefill's attention."""
+
+    decode: DecodePath
+    prefill_attention: str  # paged | torch
+
+    def describe(self) -> str:
+        return f"decode {self.decode.name}, prefill {self.prefill_attention}"
+
+
+TORCH_BACKENDS = Backends(DecodePath(TORCH, TORCH, False), TORCH)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The backends picked, how (measured, cached or forced) and the medians behind it."""
+
+    backends: Backends
+    how: str  # measured | cached | forced
+    decode_ms: dict[str, float]  # candidate name -> median step, ms
+    prefill_ms: dict[str, float]
+    seconds: float = 0.0  # spent choosing at this start
+
+    def line(self) -> str:
+        """The choice and its timings in one line, for the start-up log."""
+        def figures(medians: Mapping[str, float]) -> str:
+            return ", ".join(f"{name} {ms:.1f}" for name, ms in medians.items())
+
+        how = f"measured in {self.seconds:.1f} s" if self.how == "measured" else self.how
+        text = f"CPU backends ({how}): {self.backends.describe()}"
+        timed = [f"{kind} ms: {figures(medians)}" for kind, medians in
+                 (("decode (attention/dense/graphs)", self.decode_ms),
+                  ("prefill", self.prefill_ms)) if medians]
+        return text + (f" [{'; '.join(timed)}]" if timed else "")
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """The paths a start may pick from, after the flags have narrowed them."""
+
+    decode: tuple[DecodePath, ...]
+    prefill: tuple[str, ...]
+
+
+def candidates(attention_backend: str, cpu_graphs: bool | None, kernels: bool,
+               graphable: bool, prefill_fits: bool) -> Candidates:
+    """The candidates for an engine's flags: `kernels` whether the C++ kernels load,
+    `graphable` whether CPU graphs could replay (float32), `prefill_fits` whether the model's
+    head size fits the prefill kernel."""
+    if attention_backend == TORCH or not kernels:
+        return Candidates((TORCH_BACKENDS.decode,), (TORCH,))
+    attentions = (PAGED,) if attention_backend == PAGED else (TORCH, PAGED)
+    decode = [DecodePath(attention, dense, False) for attention in attentions
+              for dense in (TORCH, KERNELS)
+              if attention_backend != PAGED or dense == KERNELS]
+    graphs = DecodePath(PAGED, KERNELS, True)
+    if graphable and cpu_graphs is not False:
+        decode = [graphs] if cpu_graphs else [*decode, graphs]
+    prefill = (PAGED,) if attention_backend == PAGED and prefill_fits else (
+        (TORCH, PAGED) if prefill_fits else (TORCH,))
+    return Candidates(tuple(decode), prefill)
+
+
+def pick(timings: Mapping[K, Sequence[float]], rank: Callable[[K], int],
+            margin: float = MARGIN) -> K:
+    """The simplest candidate (lowest rank) whose median is within `margin` of the fastest
+    median, the faster of equally simple ones."""
+    medians = {candidate: statistics.median(times) for candidate, times in timings.items()}
+    best = min(medians.values())
+    within = [candidate for candidate, median in medians.items()
+              if median <= best * (1 + margin)]
+    return min(within, key=lambda candidate: (rank(candidate), medians[candidate]))
+
+
+def interleaved(candidates: Sequence[K], run: Callable[[K], float],
+                   clock: Callable[[], float] = time.perf_counter,
+                   budget_s: float = BUDGET_S) -> dict[K, list[float]]:
+    """Each candidate's times from `run` (seconds), in rounds of every candidate after one
+    untimed round: MIN_ROUNDS at least, MAX_ROUNDS at most, no round started past
+    `budget_s`."""
+    for candidate in candidates:
+        run(candidate)
+    times: dict[K, list[float]] = {candidate: [] for candidate in candidates}
+    start = clock()
+    for rounds in range(MAX_ROUNDS):
+        if rounds >= MIN_ROUNDS and clock() - start > budget_s:
+            break
+        for candidate in candidates:
+            times[candidate].append(run(candidate))
+    return times
+
+
+def cache_key(kernel_key: str, shapes: Mapping[str, object], found: Candidates) -> str:
+    """What a cached choice holds for: the kernels' build (sources, flags, compiler, CPU),
+    torch, the model's and the probe's shapes, the threads and the candidates allowed."""
+    text = json.dumps({"kernels": kernel_key, "torch": torch.__version__,
+                       "threads": torch.get_num_threads(), "shapes": shapes,
+                       "candidates": dataclasses.asdict(found)}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cache_path(key: str) -> Path:
+    return cache_dir() / f"backends-{key}.json"
+
+
+def load_cached(key: str) -> Choice | None:
+    """The choice stored under `key`, or None (absent, or unreadable: then measured again)."""
+    try:
+        data = json.loads(cache_path(key).read_text())
+        backends = Backends(DecodePath(**data["decode"]), data["prefill_attention"])
+        return Choice(backends, "cached", data["decode_ms"], data["prefill_ms"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        if not isinstance(exc, FileNotFoundError):
+            log.warning("ignoring the cached backend choice %s: %s", cache_path(key), exc)
+        return None
+
+
+def store(key: str, choice: Choice) -> None:
+    """Write the choice under `key`, atomically (a concurrent start reads all or nothing)."""
+    path = cache_path(key)
+    data = {"decode": dataclasses.asdict(choice.backends.decode),
+            "prefill_attention": choice.backends.prefill_attention,
+            "decode_ms": choice.decode_ms, "prefill_ms": choice.prefill_ms}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(suffix=".json", dir=path.parent)
+        with os.fdopen(fd, "w") as out:
+            json.dump(data, out)
+        os.replace(partial, path)
+    except OSError as exc:  # a read-only cache costs the next start a measurement, no more
+        log.warning("cannot cache the backend choice in %s: %s", path, exc)
+
+
+def medians_ms(timings: Mapping[K, Sequence[float]], name: Callable[[K], str],
+                  ) -> dict[str, float]:
+    return {name(candidate): round(statistics.median(times) * 1e3, 3)
+            for candidate, times in timings.items()}
+
+
+class Runner(Protocol):
+    """What the probe needs of engine.core.model_runner.ModelRunner."""
+
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    model_config: ModelConfig
+
+    def apply(self, backends: Backends) -> None: ...
+    def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor: ...
+    def zero_blocks(self, blocks: list[int]) -> None: ...
+
+
+class StepProbe:
+    """Times a runner's decode steps and prefill chunks on each candidate path, on requests
+    of its own (the KV blocks they write are zeroed after)."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        bs, limit = runner.block_size, runner.max_model_len
+        context = max(1, min(DECODE_CONTEXT, limit - 1))
+        decodes = max(1, min(DECODES, runner.num_blocks // -(-(context + 1) // bs)))
+        history = min(PREFILL_HISTORY, limit // 2)
+        chunk = max(1, min(PREFILL_CHUNK, limit - history, runner.num_blocks * bs - history))
+        tail = min(TAIL_DECODES, decodes)
+        self.shapes = {"decodes": [decodes, tail], "decode_context": context,
+                       "prefill_chunk": chunk, "prefill_history": history}
+        vocab = runner.model_config.vocab_size
+        tokens = [(7 * i + 1) % vocab for i in range(max(context + 1, history + chunk))]
+        batch = [self._chunk(tokens[:context + 1], i * -(-(context + 1) // bs), context, 1)
+                 for i in range(decodes)]
+        self.decode_steps = [batch, batch[:tail]]
+        self.prefill_step = [self._chunk(tokens[:history + chunk], 0, history, chunk)]
+        self.blocks = max(decodes * -(-(context + 1) // bs), -(-(history + chunk) // bs))
+
+    def _chunk(self, tokens: list[int], first_block: int, start: int,
+               count: int) -> ScheduledChunk:
+        bs = self.runner.block_size
+        request = Request(f"probe-{first_block}", tokens, SamplingParams(max_tokens=1),
+                          arrival=0.0, num_computed_tokens=start,
+                          state=RequestState.DECODING if count == 1 and start
+                          else RequestState.PREFILL_CHUNKING,
+                          block_table=list(range(first_block,
+                                                 first_block + -(-len(tokens) // bs))))
+        return ScheduledChunk.of(request, start, count)
+
+    def _time(self, backends: Backends, steps: list[list[ScheduledChunk]]) -> float:
+        """Seconds `steps` take, one after the other, on `backends`."""
+        self.runner.apply(backends)
+        start = time.perf_counter()
+        for step in steps:
+            self.runner.forward(step)
+        return time.perf_counter() - start
+
+    def choose(self, found: Candidates) -> Choice:
+        """Time every candidate the flags leave and pick as `pick` does."""
+        started = time.perf_counter()
+        decode = {found.decode[0]: [0.0]}
+        if len(found.decode) > 1:
+            decode = interleaved(found.decode, lambda path: self._time(
+                Backends(path, TORCH), self.decode_steps))
+        chosen = pick(decode, lambda path: path.rank)
+        prefill = {found.prefill[0]: [0.0]}
+        if len(found.prefill) > 1:
+            prefill = interleaved(found.prefill, lambda attention: self._time(
+                Backends(chosen, attention), [self.prefill_step]))
+        attention = pick(prefill, lambda attention: attention == PAGED)
+        self.runner.zero_blocks(list(range(self.blocks)))
+        return Choice(Backends(chosen, attention), "measured",
+                      medians_ms(decode, lambda path: path.name) if len(decode) > 1 else {},
+                      medians_ms(prefill, str) if len(prefill) > 1 else {},
+                      seconds=time.perf_counter() - started)
