@@ -59,6 +59,11 @@ class ConsoleScreen(Screen):
         if self.state.failure:
             self.show_failure(self.state.failure)
 
+    def on_screen_suspend(self) -> None:
+        """Leaving a screen leaves its field: coming back, the digits are screen keys."""
+        if isinstance(self.focused, Input):
+            self.set_focus(None)
+
     def action_leave_input(self) -> None:
         """Escape leaves a field, so the screen's keys (1–5, c, p) are keys again."""
         if isinstance(self.focused, Input):

@@ -122,10 +122,12 @@ def around(history: MetricHistory, at: float, name: str, unit: Any) -> tuple[str
 
 
 class TuningScreen(ConsoleScreen):
-    AUTO_FOCUS = "#input-max_num_batched_tokens"
+    # Entering the screen focuses nothing, so 1-5 stay screen keys; Enter or Tab starts an edit.
+    AUTO_FOCUS = ""
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("ctrl+s", "apply", "Apply"),
         Binding("ctrl+r", "revert", "Revert"),
+        Binding("enter", "edit", "Edit", show=False),
     ]
     NEEDS: ClassVar[dict[str, Capability]] = {"apply": Capability.TUNE,
                                               "revert": Capability.TUNE}
@@ -308,6 +310,13 @@ class TuningScreen(ConsoleScreen):
             self._refused(self.state.set_arrival_rate(self, float(rate)))
         if changes:
             self._refused(self.state.apply_config(self, changes))
+
+    def action_edit(self) -> None:
+        """Enter with nothing focused: edit the first field the source lets one change."""
+        for box in self.query(".field-input").results(Input):
+            if box.focusable and box.parent is not None and box.parent.display:
+                box.focus()
+                return
 
     def action_apply_recommended(self) -> None:
         self._refused(self.state.apply_recommended(self))
