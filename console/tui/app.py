@@ -43,6 +43,7 @@ from console.tui.screens.splash import (
 from console.tui.screens.tuning import TuningScreen
 from console.tui.state import ConsoleState
 from engine.errors import EngineError
+from engine.harness.slo_targets import ServiceSLO
 from engine.snapshot import Snapshot
 
 if TYPE_CHECKING:
@@ -66,11 +67,13 @@ class TokenflowApp(App[None]):
     DEFAULT_MODE = "live"
 
     def __init__(self, source: Source, *, interval: float = POLL_INTERVAL_S,
-                 recorder: SessionRecorder | None = None, starting: bool = False) -> None:
+                 recorder: SessionRecorder | None = None, starting: bool = False,
+                 slo: ServiceSLO | None = None) -> None:
         """`starting`: `source` is a ProcessSource whose engine is still starting; a splash
-        shows its stages until it is ready, and the polls begin then."""
+        shows its stages until it is ready, and the polls begin then. `slo`: the latency
+        targets figures are coloured against (a chat service's by default)."""
         super().__init__()
-        self.state = ConsoleState(source)
+        self.state = ConsoleState(source, slo=slo or ServiceSLO())
         for mode, screen in SCREENS.items():  # each screen is handed the state, not the app
             self.add_mode(mode, functools.partial(screen, self.state))
         self.recorder = recorder
@@ -171,7 +174,7 @@ class TokenflowApp(App[None]):
         return None
 
     def on_config_applied(self, message: ConfigApplied) -> None:
-        self.notify("configuration applied", timeout=2)
+        self.notify(message.note, timeout=4)
 
     def on_config_rejected(self, message: ConfigRejected) -> None:
         self.notify(f"{message.field}: {message.message}" if message.field else message.message,
@@ -283,7 +286,8 @@ def run(args: argparse.Namespace, engine: ProcessSource | None) -> int:
         return 2
     # Engine warnings (e.g. chunks off their prediction) go to Textual's log, not the screen.
     logging.basicConfig(level=logging.WARNING, handlers=[TextualHandler()], force=True)
-    app = TokenflowApp(source, recorder=recorder, starting=engine is not None)
+    app = TokenflowApp(source, recorder=recorder, starting=engine is not None,
+                       slo=ServiceSLO(args.slo_ttft_ms, args.slo_itl_ms))
     app.run()
     if app.startup_error is not None:
         print(f"tokenflow-console: {app.startup_error}", file=sys.stderr)

@@ -40,7 +40,7 @@ class ConsoleScreen(Screen):
         # A poll can land while this screen is still mounting or already tearing down.
         header = self.query(EngineHeader)
         if header:
-            header.first().update_from(snapshot, self.state.source.name)
+            header.first().update_from(snapshot, self.state.source.name, self.state.slo)
 
     def show_failure(self, error: str) -> None:
         header = self.query(EngineHeader)

@@ -36,7 +36,7 @@ from console.tui.screens.base import ConsoleScreen
 from console.tui.state import ConsoleState
 from console.tui.widgets.field import Field as NumberField
 from console.tui.widgets.header import chunk_size
-from console.tui.widgets.latency import LatencySLO, append_latency, slo_style, window
+from console.tui.widgets.latency import append_latency, slo_style, window
 from console.tui.widgets.notice import unavailable
 from console.tui.widgets.plot import Line, Plot, Series, ms, number, per_s
 from engine.events import wall_offset
@@ -220,25 +220,25 @@ class TuningScreen(ConsoleScreen):
         self._show_charts(snapshot)
 
     def _live_line(self, snapshot: Snapshot) -> Text:
-        slo = LatencySLO.of(snapshot)
+        slo = self.state.slo
         text = Text(no_wrap=False, overflow="fold")
         text.append(f"over {window(snapshot):.0f} s: ", style="dim")
         text.append("ITL p99 ")
         tbt = snapshot.itl_ms.p99
-        text.append("–" if tbt is None else ms(tbt), style=slo_style(tbt, slo and slo.tbt_ms))
+        text.append("–" if tbt is None else ms(tbt), style=slo_style(tbt, slo.itl_ms))
         text.append(" · ")
-        append_latency(text, "TTFT p50/p99", snapshot.ttft_ms, slo and slo.ttft_ms)
+        append_latency(text, "TTFT p50/p99", snapshot.ttft_ms, slo.ttft_ms)
         text.append(" · queue ")
         text.append(f"{snapshot.num_waiting}", style="bold")
         text.append(f" waiting, {snapshot.chunk_queue_length} chunks · chunk ")
-        text.append(f"{chunk_size(snapshot.config)}", style="bold")
+        text.append(f"{chunk_size(snapshot.config) or '–'}", style="bold")
         text.append(" · ")  # C* stands in the header, and over time in its chart
         text.append(f"{snapshot.tokens_per_s:,.0f} tok/s", style="bold")
         text.append(f" over {snapshot.window_s or RATE_WINDOW_S:.0f} s", style="dim")
         return text
 
     def _show_charts(self, snapshot: Snapshot) -> None:
-        history, slo = self.state.history, LatencySLO.of(snapshot)
+        history, slo = self.state.history, self.state.slo
         marks, now = history.change_times, history.newest_ts
 
         def plot(name: str, series: tuple[Series, ...], lines: tuple[Line, ...] = ()) -> None:
@@ -246,9 +246,9 @@ class TuningScreen(ConsoleScreen):
 
         plot("tune-ttft", (Series.of("TTFT p50", history.points("ttft_p50")),
                            Series.of("p99", history.points("ttft_p99"))),
-             () if slo is None else (Line(slo.ttft_ms, f"SLO {ms(slo.ttft_ms)}", "red"),))
+             (Line(slo.ttft_ms, f"SLO {ms(slo.ttft_ms)}", "red"),))
         plot("tune-tbt", (Series.of("ITL p99", history.points("itl_p99")),),
-             () if slo is None else (Line(slo.tbt_ms, f"SLO {ms(slo.tbt_ms)}", "red"),))
+             (Line(slo.itl_ms, f"SLO {ms(slo.itl_ms)}", "red"),))
         plot("tune-queue", (Series.of("waiting", history.points("num_waiting")),
                             Series.of("chunks", history.points("chunk_queue_length"))))
         plot("tune-rates", (Series.of("arrived/s", history.points("arrival_rate")),
@@ -350,7 +350,7 @@ class TuningScreen(ConsoleScreen):
             if name in self._base:
                 self._take(name, value)
         self._mark_edits()
-        self.notify("configuration applied", timeout=2)
+        self.notify(message.note, timeout=4)
         self._load_changes()
 
     def on_rate_set(self, message: RateSet) -> None:
