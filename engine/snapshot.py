@@ -116,6 +116,7 @@ class Snapshot:
     # what traced requests' budget scores divide by ("roofline", "calibration 3"); "" when
     # the source's scores are its own engine's
     score_estimate: str = ""
+    score_note: str = ""  # why budget scores are missing ("–"), and the flags that fill them
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

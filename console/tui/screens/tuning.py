@@ -185,8 +185,7 @@ class TuningScreen(ConsoleScreen):
         tune = self.state.refusal(Capability.TUNE)
         for box in self.query(".field-input"):
             box.disabled = tune is not None
-        for button in self.query(Button):
-            button.disabled = tune is not None
+        self.query_one("#tuning-buttons").display = tune is None  # read-only: no Apply
         traffic = self.state.refusal(Capability.TRAFFIC)
         self.query_one(f"#input-{RATE_FIELD}", Input).parent.display = traffic is None
         history = self.state.refusal(Capability.CONFIG_HISTORY)
