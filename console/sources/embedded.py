@@ -35,7 +35,7 @@ from engine.budget.predictor import StepTimePredictor
 from engine.config import EngineConfig
 from engine.core.engine import Engine
 from engine.errors import EngineError
-from engine.events import CalibrationProgress, Event
+from engine.events import CalibrationProgress, ConfigChanged, Event
 from engine.harness.workload import build_workload, default_length_scale
 from engine.ops.recovery import foreign_journal
 from engine.serve.loop import EngineLoop
@@ -62,6 +62,7 @@ from engine.store import (
 )
 
 log = logging.getLogger(__name__)
+ARRIVAL_RATE = "arrival_rate"  # how a change of the traffic's rate is stored
 READ_FLUSH_TIMEOUT_S = 2.0
 CPU_MODEL = "synthetic:small"
 CUDA_MODEL = "synthetic:1b"  # the first GPU gets a preset big enough to load it
@@ -218,10 +219,19 @@ class EmbeddedSource:
                                    workload_rate=self.loop.arrival_rate)
 
     def set_arrival_rate(self, rate: float) -> float:
+        """Play the traffic at `rate` requests/s; stored as a change like any setting's, so
+        the Changes table and the charts' marks show it beside the budget's."""
+        old = self.loop.arrival_rate
         try:
-            return self.loop.set_arrival_rate(rate)
+            rate = self.loop.set_arrival_rate(rate)
         except ValueError as exc:
             raise SourceError(str(exc)) from None
+        if old != rate:
+            engine = self.loop.engine
+            self.loop.call(lambda _engine: engine.bus.publish(ConfigChanged(
+                changes={ARRIVAL_RATE: (None if old is None else round(old, 3), rate)},
+                source="console")))
+        return rate
 
     def update_config(self, **changes: Any) -> dict[str, Any]:
         return self.loop.update_config("console", **changes).live_values()

@@ -12,7 +12,7 @@ from textual.app import App, ComposeResult
 from console.tui.history import MetricHistory
 from console.tui.widgets.chunk_queue import ChunkQueue
 from console.tui.widgets.header import EngineHeader, warnings
-from console.tui.widgets.plot import Line, Plot, Series, ms
+from console.tui.widgets.plot import Line, Plot, Series, ms, per_s
 from engine.harness.slo_targets import ServiceSLO
 from engine.snapshot import Percentiles, RequestView, Snapshot
 
@@ -55,6 +55,20 @@ async def test_a_chart_has_a_legend_a_time_axis_labelled_lines_and_change_marks(
     assert "1.7 s┤" in text and "0 ms┤" in text  # the y axis in the series' unit
     assert sum("┊" in row for row in canvas) >= 3  # the change, down the chart
     assert any(set(row) & {chr(c) for c in range(0x2801, 0x2900)} for row in canvas)  # braille
+
+
+async def test_an_outlier_is_clipped_and_said_so_and_a_pane_shares_one_window() -> None:
+    """A resume's burst (146k tok/s) over a run of 340 and 45: the axis scales to the run,
+    the burst touches the top edge, and the legend says what was cut."""
+    values = tuple([146_000.0] + [340.0] * 29 + [45.0] * 30)
+    plot = Plot(unit=per_s)
+    plot.show((Series("prompt+output tok/s", values, TIMES),))
+    text = await drawn(plot, (70, 12))
+    assert "↑ clipped, peak 146k/s" in text.splitlines()[0]
+    assert "146k/s┤" not in text and "1.5k/s┤" in text  # 4× the bulk, with headroom
+    # a window that must reach back further than this series' own samples
+    plot.show((Series("prompt+output tok/s", values[30:], TIMES[30:]),), start=TIMES[0])
+    assert (await drawn(plot, (70, 12))).splitlines()[-1].strip().startswith("-2m")
 
 
 async def test_a_chart_without_times_plots_by_position_with_no_time_axis() -> None:

@@ -80,8 +80,19 @@ async def test_a_range_error_shows_inline_as_it_is_typed(tuning) -> None:
     box.value = "512"
     await pilot.pause()  # the Changed message is handled: no apply yet
     assert box.has_class("error") and box.has_class("edited")
-    assert "must be in [1, 10]" in note(screen, "slow_query_threshold")
-    assert "budget_score of 1 is on plan" in note(screen, "slow_query_threshold")
+    assert note(screen, "slow_query_threshold").startswith("must be at most 10: above 10")
+    box.value = "0.5"
+    await pilot.pause()
+    assert "must be at least 1: a budget_score of 1 is on plan" in note(screen,
+                                                                        "slow_query_threshold")
+    budget = screen.query_one("#input-max_num_batched_tokens", Input)
+    budget.value = "6"  # a digit too few: the message names the lower bound, not the upper
+    await pilot.pause()
+    assert note(screen, "max_num_batched_tokens").startswith("must be at least 16")
+    budget.value = str(engine.config.max_num_batched_tokens)
+    await pilot.pause()
+    box.value = "512"
+    await pilot.pause()
     await pilot.press("ctrl+s")
     await workers_done(pilot)
     assert engine.config == before

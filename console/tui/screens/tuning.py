@@ -55,18 +55,23 @@ class Field:
     kind: type  # int or float
     low: float
     high: float
-    why: str  # what the range protects, said when a value falls outside it
+    why: str  # what the upper bound protects, said when a value is above it
+    why_low: str = ""  # what the lower bound protects, said when a value is below it
 
     def check(self, text: str) -> str | None:
-        """Why `text` cannot be applied to this field, or None."""
+        """Why `text` cannot be applied to this field, or None: the bound it broke, and why
+        that bound is there."""
         try:
             value = float(text)
         except ValueError:
             return f"expected a {'whole ' if self.kind is int else ''}number, got {text!r}"
         if self.kind is int and value != int(value):
             return f"expected a whole number, got {text!r}"
-        if not self.low <= value <= self.high:
-            return f"must be in [{self.low:g}, {self.high:g}]: {self.why}"
+        if value < self.low:
+            return f"must be at least {self.low:g}" + (f": {self.why_low}" if self.why_low
+                                                        else "")
+        if value > self.high:
+            return f"must be at most {self.high:g}: {self.why}"
         return None
 
 
@@ -74,7 +79,8 @@ FIELDS: tuple[Field, ...] = (
     Field(RATE_FIELD, "Arrival rate /s", "the console's traffic; 0 holds it", float, 0, 1000,
           "beyond 1000 requests/s the workload plays all at once"),
     Field("max_num_batched_tokens", "Token budget", "tokens one step may spend", int, 16, 65536,
-          "one step beyond 65536 tokens outlasts any time-between-tokens SLO"),
+          "one step beyond 65536 tokens outlasts any time-between-tokens SLO",
+          "a step needs room for a chunk tile beside its decodes"),
     Field("chunk_tile", "Chunk tile", "chunks round down to a multiple", int, 1, 1024,
           "a tile beyond 1024 leaves most budgets one chunk or none"),
     Field("max_prefill_chunks", "Chunks at once", "partial prefills per step", int, 1, 64,
@@ -92,8 +98,8 @@ FIELDS: tuple[Field, ...] = (
     Field("bandwidth_pause", "BW pause", "above: new prefills paused", float, 0.05, 1.0,
           "a share of the device's peak bandwidth"),
     Field("slow_query_threshold", "Slow query", "budget_score above is slow", float, 1.0, 10.0,
-          "a budget_score of 1 is on plan: below 1 flags healthy requests, above 10 hides "
-          "real ones"),
+          "above 10 hides real slow queries", "a budget_score of 1 is on plan: below 1 flags "
+          "healthy requests"),
     Field("slow_query_min_overrun_ms", "Slow query min", "ms over plan, at least", float, 0.0,
           10_000.0, "milliseconds a prefill must overrun its plan to be a slow query"),
 )
@@ -241,7 +247,7 @@ class TuningScreen(ConsoleScreen):
         marks, now = history.change_times, history.newest_ts
 
         def plot(name: str, series: tuple[Series, ...], lines: tuple[Line, ...] = ()) -> None:
-            self.query_one(f"#{name}", Plot).show(series, lines, marks, now)
+            self.query_one(f"#{name}", Plot).show(series, lines, marks, now, history.oldest_ts)
 
         plot("tune-ttft", (Series.of("TTFT p50", history.points("ttft_p50")),
                            Series.of("p99", history.points("ttft_p99"))),
@@ -255,7 +261,8 @@ class TuningScreen(ConsoleScreen):
         budget = snapshot.config.get("max_num_batched_tokens")
         plot("tune-cstar", (Series.of("C*", history.points("cstar")),),
              () if budget is None else (Line(float(budget), f"budget {budget}"),))
-        plot("tune-throughput", (Series.of("tok/s", history.points("tokens_per_s")),))
+        plot("tune-throughput", (Series.of("prompt+output tok/s",
+                                           history.points("tokens_per_s")),))
 
     # --- the form ---------------------------------------------------------------------------
     def edited(self) -> dict[str, str]:
@@ -374,10 +381,21 @@ class TuningScreen(ConsoleScreen):
         latest = self.state.latest
         offset = (latest.wall_offset if latest is not None and latest.wall_offset is not None
                   else wall_offset())
+        rates = [c.created_at for c in message.changes if c.field == RATE_FIELD]
+        unequal = False
         for change in message.changes:
             at = change.created_at - offset
             ttft = around(history, at, "ttft_p99", ms)
             throughput = around(history, at, "tokens_per_s", number)
+            # another change of the arrival rate nearby: before and after differ in load too
+            moved = change.field != RATE_FIELD and any(
+                abs(t - change.created_at) <= AROUND_S for t in rates)
+            unequal |= moved
+            marker = " *" if moved else ""
             table.add_row(change.field, shown(change.old), shown(change.new), change.source,
                           datetime.fromtimestamp(change.created_at).strftime("%H:%M:%S"),
-                          *ttft, *throughput, key=str(change.id))
+                          ttft[0], ttft[1] + marker, throughput[0], throughput[1] + marker,
+                          key=str(change.id))
+        table.border_subtitle = (f"* arrivals changed within {AROUND_S:.0f} s: not at equal "
+                                 "load" if unequal else
+                                 "" if message.changes else "no change stored yet")

@@ -72,4 +72,5 @@ class Latency(Vertical):
             self.query_one(f"#{name}-plot", Plot).show((
                 Series.of(f"{name.upper()} p50", history.points(f"{name}_p50")),
                 Series.of("p99", history.points(f"{name}_p99")),
-            ), lines=(Line(limit, f"SLO {ms(limit)}", "red"),), marks=marks, now=now)
+            ), lines=(Line(limit, f"SLO {ms(limit)}", "red"),), marks=marks, now=now,
+                start=history.oldest_ts)
