@@ -32,7 +32,7 @@ from engine.budget.calibrate import (
 )
 from engine.budget.drift import DriftMonitor, drift_event
 from engine.budget.predictor import StepTimePredictor
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.core.engine import Engine
 from engine.errors import EngineError
 from engine.events import CalibrationProgress, ConfigChanged, Event
@@ -139,6 +139,10 @@ class EmbeddedSource:
                 # numbered on from the last run's traffic (each of its cycles added
                 # requests[0] first), so no id clashes with what that run left
                 first_cycle = next_cycle(db_session, requests[0].request_id) if requests else 0
+            restored = restore_config(engine, database, explicit=_explicit(base))
+            if restored:
+                say(1.0, "restoring the last stored settings: " + ", ".join(
+                    f"{name}={value}" for name, value in restored.items()))
             say(1.0, "replaying the journal")
             problem = foreign_journal(engine, database)
             if problem is not None:
@@ -340,3 +344,31 @@ def reuse_default_calibration(engine: Engine, database: Database) -> Calibration
     if copied is not None:
         apply(engine, StepTimePredictor.from_dict(copied.params))
     return copied
+
+
+def restore_config(engine: Engine, database: Database,
+                   explicit: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Set each live setting to the newest value the store's changes give it (a restart
+    comes back as it was left), except those the command line set; what it set."""
+    with database.session() as session:
+        changes = config_changes(session, limit=None)
+    live = engine.config.live_values()
+    newest: dict[str, Any] = {}
+    for change in reversed(changes):  # oldest first: the newest value of each field wins
+        newest[change.field] = change.new
+    wanted = {name: value for name, value in newest.items()
+              if name in live and name not in explicit and value != live[name]}
+    try:
+        engine.update_config("restored from the store", **wanted)
+    except ConfigError as exc:  # a value this version refuses: start from the defaults
+        log.warning("not restoring the stored settings: %s", exc)
+        return {}
+    engine.apply_pending_config()
+    return wanted
+
+
+def _explicit(config: EngineConfig) -> frozenset[str]:
+    """The settings a caller's config sets away from the defaults (flags beat the store)."""
+    default = EngineConfig().live_values()
+    return frozenset(name for name, value in config.live_values().items()
+                     if default.get(name) != value)

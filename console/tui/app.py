@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, ClassVar
 from textual.app import App, SystemCommand
 from textual.binding import BindingType
 from textual.logging import TextualHandler
-from textual.screen import Screen
+from textual.screen import ModalScreen, Screen
 
 from console.errors import UserError
 from console.sources.base import Source, SourceError
@@ -166,11 +166,16 @@ class TokenflowApp(App[None]):
                 screen.show_failure(message.error)
 
     def _shown_console_screen(self) -> ConsoleScreen | None:
-        """The console screen being shown, once composed. At shutdown the app stops running
-        before it prunes each screen's children, so a late poll must not redraw."""
-        if (self.is_running and self.screen_stack and isinstance(self.screen, ConsoleScreen)
-                and self.screen.is_mounted):
-            return self.screen
+        """The console screen being shown, once composed: the top one, or the one a dialog
+        sits over (the panes behind the resume notice show the engine, not nothing). At
+        shutdown the app stops running before it prunes each screen's children, so a late
+        poll must not redraw."""
+        if not (self.is_running and self.screen_stack):
+            return None
+        stack = self.screen_stack
+        screen = stack[-2] if isinstance(stack[-1], ModalScreen) and len(stack) > 1 else stack[-1]
+        if isinstance(screen, ConsoleScreen) and screen.is_mounted:
+            return screen
         return None
 
     def on_config_applied(self, message: ConfigApplied) -> None:

@@ -17,6 +17,7 @@ from console.sources.process import ProcessSource
 from console.tui.app import TokenflowApp
 from console.tui.collectors import SnapshotPolled
 from console.tui.screens.splash import EngineStarting, ResumedNotice
+from console.tui.widgets.requests_table import RequestsTable
 from engine.budget.calibrate import FIRST_REASON
 from engine.config import EngineConfig, SamplingParams
 from engine.serve.session import EngineSession
@@ -74,6 +75,8 @@ async def test_resumed_requests_are_announced_and_can_be_discarded(tmp_path: Pat
         await until(pilot, lambda: isinstance(app.screen, ResumedNotice), "the notice")
         notice = app.screen
         assert isinstance(notice, ResumedNotice) and len(notice.resumed) == 2
+        behind = app.screen_stack[-2].query_one(RequestsTable)  # the panes show the engine
+        await until(pilot, lambda: behind.table.row_count > 0, "the requests behind the notice")
         await pilot.press("d")
         await workers_done(pilot)
         await until(pilot, lambda: any("discarded 2 resumed" in n.message

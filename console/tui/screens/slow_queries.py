@@ -75,7 +75,9 @@ class SlowQueriesScreen(ConsoleScreen):
     def compose(self) -> ComposeResult:
         yield from self.compose_header()
         yield Static(id="slow-queries-unavailable", classes="unavailable")
-        yield KeyedTable(COLUMNS, id="slow-queries")
+        yield KeyedTable(COLUMNS, id="slow-queries",
+                         empty="no slow query stored yet: a request is one when its "
+                               "budget_score passes the slow-query threshold")
         yield from self.compose_footer()
 
     def on_mount(self) -> None:

@@ -61,7 +61,8 @@ def request_row(r: RequestView, slow_threshold: float) -> TableRow:
 
 class RequestsTable(KeyedTable):
     def __init__(self) -> None:
-        super().__init__(COLUMNS, id="requests", sort_index=SCORE_COLUMN, reverse=True)
+        super().__init__(COLUMNS, id="requests", sort_index=SCORE_COLUMN, reverse=True,
+                         empty="no request yet: the engine has not admitted any")
         self.border_title = "Requests"
 
     def update_from(self, snapshot: Snapshot) -> None:
