@@ -97,6 +97,7 @@ class Line:
 
 ROBUST_QUANTILE = 0.95  # the axis is scaled to the bulk of the samples, not their extreme
 OUTLIER_FACTOR = 4.0  # samples beyond this many times the bulk are clipped, and said to be
+LINE_REACH = 20.0  # a reference line beyond this many times the data's peak stays off the axis
 
 
 class Plot(Widget):
@@ -148,7 +149,7 @@ class Plot(Widget):
         if self._y_limits is not None:
             return self._y_limits
         values = [v for s in self._series for v in s.values]
-        lines = [line.value for line in self._lines]
+        lines = self._axis_lines(values)
         low, high = min(min(values + lines), 0.0), max(values + lines)
         clip = self._clip_at(values, lines)
         if clip is not None:
@@ -166,12 +167,17 @@ class Plot(Widget):
             return None
         return max([OUTLIER_FACTOR * body, *lines])
 
+    def _axis_lines(self, values: list[float]) -> list[float]:
+        """The reference lines the axis reaches for. One far above the data (an SLO of 2 s
+        over TTFTs of 2 ms) would flatten it: the legend names it, the axis stays put."""
+        return [line.value for line in self._lines if line.value <= LINE_REACH * max(values)]
+
     def _clipped(self) -> float | None:
         """The highest value the axis cut off, if any."""
         if self._y_limits is not None:
             return None
         values = [v for s in self._series for v in s.values]
-        clip = self._clip_at(values, [line.value for line in self._lines])
+        clip = self._clip_at(values, self._axis_lines(values))
         return None if clip is None or max(values) <= clip else max(values)
 
     def _build(self, width: int, height: int) -> Text:
@@ -260,6 +266,8 @@ class Plot(Widget):
         """The reference lines grouped by the chart row they fall on: one label per row."""
         tags: dict[int, list[Line]] = {}
         for line in self._lines:
+            if not low <= line.value <= high:
+                continue  # off the axis: the legend still names it
             tags.setdefault(round((line.value - low) / (high - low) * (rows - 1)), []).append(line)
         return [(shared[0].value, shared) for shared in tags.values()]
 
