@@ -22,6 +22,7 @@ from engine.budget.calibrate import FIRST_REASON
 from engine.config import EngineConfig, SamplingParams
 from engine.serve.session import EngineSession
 from engine.store import (
+    CalibrationRecord,
     calibration_history,
     close_entry,
     default_db_path,
@@ -110,6 +111,17 @@ async def test_quarantined_requests_are_announced_and_not_run(tmp_path: Path) ->
         await workers_done(pilot)
 
 
+def only_calibration(db: Path) -> CalibrationRecord:
+    """The one calibration `db` holds for synthetic:tiny on the CPU."""
+    database = open_database(db)
+    try:
+        with database.session() as session:
+            (run,) = calibration_history(session, model="synthetic:tiny", device="cpu")
+    finally:
+        database.close()
+    return run
+
+
 async def test_the_first_calibration_runs_beside_the_traffic(tmp_path: Path) -> None:
     """On a new store the splash ends once the model is loaded: the panes show requests
     while the first calibration runs between the engine's steps, C* and budget_score reading
@@ -137,13 +149,7 @@ async def test_the_first_calibration_runs_beside_the_traffic(tmp_path: Path) -> 
               if (m := re.search(r"shape (\d+)/(\d+)\)", what))]
     assert shapes, calibrating
     assert any(requests for _, requests in calibrating), "no traffic during the calibration"
-    database = open_database(db)
-    try:
-        with database.session() as session:
-            (run,) = calibration_history(session, model="synthetic:tiny", device="cpu")
-    finally:
-        database.close()
-    assert run.reason == FIRST_REASON
+    assert only_calibration(db).reason == FIRST_REASON
 
 
 async def test_a_new_store_reuses_the_default_stores_calibration(tmp_path: Path) -> None:
@@ -167,10 +173,5 @@ async def test_a_new_store_reuses_the_default_stores_calibration(tmp_path: Path)
         await workers_done(pilot)
     assert any(f"reusing calibration {session.calibration.id} of {default_db_path()}" in what
                for what in splash), splash
-    database = open_database(db)
-    try:
-        with database.session() as session_:
-            (run,) = calibration_history(session_, model="synthetic:tiny", device="cpu")
-    finally:
-        database.close()
+    run = only_calibration(db)
     assert run.reason.endswith("reused") and run.params == session.calibration.params
