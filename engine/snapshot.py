@@ -86,8 +86,12 @@ class Snapshot:
     # then "calibrated"; "" from a source that does not say
     calibration: str = ""
     recommended_chunk_size: int | None = None  # C* for the smoothed decode load
-    # C* as a token budget, as auto_budget spends it (engine.budget.auto.token_budget_for)
+    # C* before its clamp to [chunk_tile, max_num_batched_tokens]: the roofline's own answer
+    recommended_chunk_unclamped: int | None = None
+    # the budget `c` sets: the unclamped C* (at least a tile) plus one token for each of
+    # recommended_decodes (the smoothed decode load C* was set from), in whole tiles
     recommended_token_budget: int | None = None
+    recommended_decodes: int | None = None
     token_budget: int = 0  # this step's budget (differs from the config under auto_budget)
     preemptions_total: int = 0
     prompt_tokens_total: int = 0
@@ -115,6 +119,7 @@ class Snapshot:
     # what traced requests' budget scores divide by ("roofline", "calibration 3"); "" when
     # the source's scores are its own engine's
     score_estimate: str = ""
+    score_note: str = ""  # why budget scores are missing ("–"), and the flags that fill them
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

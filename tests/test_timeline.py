@@ -54,8 +54,8 @@ def test_a_prefill_held_back_by_the_throttle_names_it_and_its_parts_cover_the_ti
     held = slow[second.id]
     assert held.cause == Cause.BANDWIDTH_THROTTLE.value
     assert held.cause_share == pytest.approx(1.0)
-    assert held.verdict == ("waited 30.0 ms while bandwidth throttle level 2 held "
-                            "(100% of the overrun)")
+    assert held.verdict == ("prefill 70.0 ms, 30.0 ms over plan: waited 30.0 ms while "
+                            "bandwidth throttle level 2 held (100% of the overrun)")
     t = held.timeline
     assert t["prefill_parts"]["chunks"] == pytest.approx(4 * STEP_S)
     assert t["prefill_parts"]["bandwidth_throttle"] == pytest.approx(3 * STEP_S)
@@ -263,15 +263,15 @@ def test_show_prints_the_verdict_and_timeline_and_json_returns_them(
     db = str(tmp_path / "store.db")
     assert main(["slow-queries", "show", "1", "--db", db]) == 0
     out = capsys.readouterr().out
-    assert ("verdict: waited 30.0 ms while bandwidth throttle level 2 held (100% of the "
-            "overrun)  [cause bandwidth_throttle, 100%]") in out
+    assert ("verdict: prefill 70.0 ms, 30.0 ms over plan: waited 30.0 ms while bandwidth "
+            "throttle level 2 held (100% of the overrun)  [cause bandwidth_throttle, 100%]") in out
     assert "end to end 90.0 ms = queue wait 0 µs + prefill 70.0 ms + decode 20.0 ms" in out
     assert "prefill 70.0 ms: chunks 40.0 ms, bandwidth throttle 30.0 ms" in out
     assert "_s=" not in out  # no raw floats
     assert main(["slow-queries", "show", "1", "--db", db, "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["request_id"] == second.id and record["cause"] == "bandwidth_throttle"
-    assert record["verdict"].startswith("waited 30.0 ms")
+    assert record["verdict"].startswith("prefill 70.0 ms, 30.0 ms over plan: waited 30.0 ms")
     assert record["timeline"]["prefill_parts"]["bandwidth_throttle"] == pytest.approx(0.03)
     assert len(record["chunks"]) == 4 and record["chunks"][1]["mode"] == "BANDWIDTH_THROTTLE"
 

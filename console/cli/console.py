@@ -17,6 +17,7 @@ from console.cli.engine_flags import add_engine_flag
 from console.cli.otlp_flags import add_otlp_token_flags, otlp_token
 from console.cli.workload_flags import add_rate_flag
 from console.errors import UserError
+from engine.harness.slo_targets import CHAT_ITL_MS, CHAT_TTFT_MS
 
 
 class _TokenEnv(argparse.Action):
@@ -89,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the traced model's shape (a model directory or synthetic:PRESET) "
                         "that budget scores are predicted for: by its calibration stored for "
                         "--gpu in --db when there is one, else by its roofline")
+    parser.add_argument("--slo-ttft-ms", type=float, default=CHAT_TTFT_MS, metavar="MS",
+                        help="the time-to-first-token users are promised: latency figures "
+                             f"turn red beyond it (default {CHAT_TTFT_MS:g}, a chat service's)")
+    parser.add_argument("--slo-itl-ms", type=float, default=CHAT_ITL_MS, metavar="MS",
+                        help="the time between tokens users are promised (default "
+                             f"{CHAT_ITL_MS:g})")
     parser.add_argument("--replay", type=Path, metavar="FILE",
                         help="review a session recorded with --record")
     parser.add_argument("--speed", type=float, default=1.0,
@@ -112,6 +119,9 @@ def conflict(args: argparse.Namespace) -> str | None:
     attached = [flag for flag, value in (("--attach", args.attach),
                                          ("--attach-vllm", args.attach_vllm),
                                          ("--attach-sglang", args.attach_sglang)) if value]
+    for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-itl-ms", args.slo_itl_ms)):
+        if not 0 < value < float("inf"):
+            return f"{flag} must be a positive number of milliseconds, got {value:g}"
     chosen = (["--replay"] if args.replay else []) + attached
     if args.replay and attached:
         return f"{' and '.join(chosen)} cannot be combined; pick one source"

@@ -15,6 +15,7 @@ from typing import Any
 from console.cli.db import add_db_argument, open_existing_store, refuse_store_files
 from console.cli.terminal import terminal_safe
 from console.errors import UserError
+from engine.core.timeline import timeline_lines
 from engine.stats import human_duration
 from engine.store import QuarantinedRequest, quarantined_requests
 from engine.store.slow_queries import (
@@ -163,30 +164,10 @@ def _cached(record: SlowQueryRecord) -> str:
     return f" ({record.cached_tokens} found in the prefix cache, never prefilled)"
 
 
-def _parts(parts: dict[str, float], signed: bool = False) -> str:
-    shown = [f"{name.replace('_', ' ')} {'+' if signed and v > 0 else ''}{human_duration(v)}"
-             for name, v in parts.items() if v]
-    return ", ".join(shown) or "none"
-
-
 def _print_timeline(t: dict[str, Any]) -> None:
-    e2e = t["e2e_parts"]
     print("timeline (instants from arrival):")
-    print(f"  end to end {human_duration(t['e2e_s'])} = queue wait "
-          f"{human_duration(e2e['queue_wait'])} + prefill {human_duration(e2e['prefill'])} + "
-          f"decode {human_duration(e2e['decode'])} + tail {human_duration(e2e['tail'])}"
-          f"  ({t['outcome']})")
-    print(f"  prefill {human_duration(t['prefill_s'])}: {_parts(t['prefill_parts'])}")
-    print(f"  overrun {human_duration(t['overrun_s'])} by cause: "
-          f"{_parts(t['overrun_by_cause'], signed=True)}")
-    for p in t["preemptions"]:
-        again = human_duration(p["readmitted_s"]) if p["readmitted_s"] is not None else "never"
-        print(f"  preempted at {human_duration(p['at_s'])}, readmitted at {again}")
-    gaps = t["decode_gaps"]
-    if gaps["count"]:
-        print(f"  decode gaps: {gaps['count']}, p50 {human_duration(gaps['p50_s'])}, "
-              f"p99 {human_duration(gaps['p99_s'])}, max {human_duration(gaps['max_s'])} "
-              f"at step {gaps['worst_step']}")
+    for line in timeline_lines(t):
+        print(f"  {line}")
 
 
 def _print_chunks(chunks: list[dict[str, Any]]) -> None:

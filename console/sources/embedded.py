@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -20,18 +21,22 @@ from console.sources.base import (
     SourceError,
 )
 from engine.budget.calibrate import (
+    FIRST_REASON,
+    Calibration,
     CalibrationResult,
     apply,
     calibrate,
     device_key,
+    first_plan,
     latest_for,
     save_result,
 )
 from engine.budget.drift import DriftMonitor, drift_event
 from engine.budget.predictor import StepTimePredictor
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.core.engine import Engine
-from engine.events import CalibrationProgress, Event
+from engine.errors import EngineError
+from engine.events import CalibrationProgress, ConfigChanged, Event
 from engine.harness.workload import build_workload, default_length_scale
 from engine.ops.recovery import foreign_journal
 from engine.serve.loop import EngineLoop
@@ -47,13 +52,18 @@ from engine.store import (
     StoreWriter,
     calibration_history,
     config_changes,
+    default_db_path,
     drift_events,
     get_slow_query,
     list_slow_queries,
     next_cycle,
+    open_database,
     quarantined_requests,
+    save_calibration,
 )
 
+log = logging.getLogger(__name__)
+ARRIVAL_RATE = "arrival_rate"  # how a change of the traffic's rate is stored
 READ_FLUSH_TIMEOUT_S = 2.0
 CPU_MODEL = "synthetic:small"
 CUDA_MODEL = "synthetic:1b"  # the first GPU gets a preset big enough to load it
@@ -81,6 +91,8 @@ class EmbeddedSource:
         self.resumed: tuple[str, ...] = ()  # set by start(): requests resumed from the journal
         # set by start(): requests the journal holds quarantined (they killed resumed runs)
         self.quarantined: tuple[str, ...] = ()
+        # where the first calibration, run beside the traffic, stands ("pass 1/3, shape 7/16")
+        self.calibrating: str | None = None
 
     @classmethod
     def start(cls, *, model: str | None = None, device: str | None = None,
@@ -105,11 +117,19 @@ class EmbeddedSource:
             if isinstance(event, CalibrationProgress):
                 say(event.fraction, f"calibrating ({event.reason}): {event.note}")
 
+        # A real engine's first calibration runs beside the traffic, once the loop runs, so
+        # the panes come up at once; the twin's simulated one takes no time.
         session = EngineSession.start(engine_config, db=db, server=server, simulate=simulate,
-                                      observers=(calibrating,))
+                                      observers=(calibrating,),
+                                      calibrate=simulate is not None)
         try:
             engine, database = session.engine, session.database
             assert database is not None  # started with a store
+            if simulate is None and session.calibration is None:
+                session.calibration = reuse_default_calibration(engine, database)
+                if session.calibration is not None:
+                    say(1.0, f"reusing calibration {session.calibration.id} of "
+                             f"{default_db_path()}")
             requests = build_workload(
                 workload, vocab_size=engine.model_config.vocab_size,
                 max_model_len=engine.max_model_len, num_requests=num_requests, rate=rate,
@@ -121,6 +141,10 @@ class EmbeddedSource:
                 # numbered on from the last run's traffic (each of its cycles added
                 # requests[0] first), so no id clashes with what that run left
                 first_cycle = next_cycle(db_session, requests[0].request_id) if requests else 0
+            restored = restore_config(engine, database, explicit=_explicit(base))
+            if restored:
+                say(1.0, "restoring the last stored settings: " + ", ".join(
+                    f"{name}={value}" for name, value in restored.items()))
             say(1.0, "replaying the journal")
             problem = foreign_journal(engine, database)
             if problem is not None:
@@ -142,12 +166,47 @@ class EmbeddedSource:
             engine.bus.subscribe(source.monitor.observe)
             # a journal that stopped: the engine stops too, rather than serve on unrecorded
             source.writer.on_failure(lambda _error: loop.pause())
+            if not engine.calibrated:
+                source.calibrate_beside_traffic()
             loop.start()
         except BaseException:
             session.close()
             raise
         loop.play(requests, repeat=repeat, first_cycle=first_cycle)
         return source
+
+    def calibrate_beside_traffic(self) -> None:
+        """The first calibration, one unit of the sweep between engine steps: the traffic
+        flows meanwhile, and budget_score and C* wait for it (the snapshot says how far)."""
+        engine = self.loop.engine
+
+        def progress(fraction: float, note: str) -> None:
+            self.calibrating = note.split(":")[0]  # "pass 1/3, shape 7/16", not the shape
+            engine.bus.publish(CalibrationProgress(fraction=fraction, note=note,
+                                                   reason=FIRST_REASON))
+
+        sweep = Calibration(engine, first_plan(engine.runner.device), quick=True,
+                            progress=progress)
+
+        def unit(engine: Engine) -> None:
+            try:
+                if not sweep.advance():
+                    self.loop.call(unit)
+                    return
+                result = sweep.finish()
+            except EngineError as exc:  # the engine serves on, uncalibrated; `r` retries
+                log.warning("the first calibration failed: %s", exc)
+                self.calibrating = None
+                return
+            apply(engine, result.predictor)
+            self._store_result(result, FIRST_REASON)
+            if self.monitor is not None:
+                self.monitor.reference = result.predictor
+            progress(1.0, f"calibrated in {result.wall_s:.1f} s")
+            self.calibrating = None
+
+        self.calibrating = "starting"
+        self.loop.call(unit)
 
     def _store_result(self, result: CalibrationResult, reason: str) -> None:
         with self.database.session() as session:
@@ -158,14 +217,27 @@ class EmbeddedSource:
             raise SourceError(f"the engine stopped: {self.loop.error!r}")
         if self.writer.failure is not None:
             raise SourceError(f"the engine is paused: {self.writer.failure}")
-        return dataclasses.replace(self.loop.snapshot(), paused=self.loop.paused,
+        snapshot = self.loop.snapshot()
+        calibrating = self.calibrating
+        if calibrating is not None and snapshot.calibration == "calibrating":
+            snapshot = dataclasses.replace(snapshot, calibration=f"calibrating ({calibrating})")
+        return dataclasses.replace(snapshot, paused=self.loop.paused,
                                    workload_rate=self.loop.arrival_rate)
 
     def set_arrival_rate(self, rate: float) -> float:
+        """Play the traffic at `rate` requests/s; stored as a change like any setting's, so
+        the Changes table and the charts' marks show it beside the budget's."""
+        old = self.loop.arrival_rate
         try:
-            return self.loop.set_arrival_rate(rate)
+            rate = self.loop.set_arrival_rate(rate)
         except ValueError as exc:
             raise SourceError(str(exc)) from None
+        if old != rate:
+            engine = self.loop.engine
+            self.loop.call(lambda _engine: engine.bus.publish(ConfigChanged(
+                changes={ARRIVAL_RATE: (None if old is None else round(old, 3), rate)},
+                source="console")))
+        return rate
 
     def update_config(self, **changes: Any) -> dict[str, Any]:
         return self.loop.update_config("console", **changes).live_values()
@@ -224,6 +296,9 @@ class EmbeddedSource:
     def recalibrate(self, progress: Progress) -> CalibrationRecord:
         """A quick sweep between engine steps; a table >10% off the last one is a drift
         event (published, so the store keeps it); the new predictor takes over."""
+        if self.calibrating is not None:
+            raise SourceError(f"the first calibration is under way ({self.calibrating}); "
+                              "it is stored when done")
         def sweep(engine: Engine) -> CalibrationRecord:
             result = calibrate(engine, quick=True, progress=progress)
             with self.database.session() as session:
@@ -244,3 +319,58 @@ class EmbeddedSource:
 
     def close(self) -> None:
         self.session.close()
+
+
+def reuse_default_calibration(engine: Engine, database: Database) -> CalibrationRecord | None:
+    """The default store's newest calibration of this engine's model, device and dtype,
+    applied and copied into `database` (a new --db starts calibrated), or None."""
+    default = default_db_path()
+    if database.path.resolve() == default.resolve() or not default.is_file():
+        return None
+    try:
+        source = open_database(default, read_only=True)
+    except EngineError:
+        return None  # an unreadable default store is no reason to stop this one
+    try:
+        with source.session() as session:
+            record = latest_for(session, engine)
+    finally:
+        source.close()
+    if record is None:
+        return None
+    with database.session() as session:
+        save_calibration(session, model=record.model, device=record.device, table=record.table,
+                         params=record.params, info=record.info,
+                         reason=f"calibration {record.id} of {default}, reused")
+        copied = latest_for(session, engine)
+    if copied is not None:
+        apply(engine, StepTimePredictor.from_dict(copied.params))
+    return copied
+
+
+def restore_config(engine: Engine, database: Database,
+                   explicit: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Set each live setting to the newest value the store's changes give it (a restart
+    comes back as it was left), except those the command line set; what it set."""
+    with database.session() as session:
+        changes = config_changes(session, limit=None)
+    live = engine.config.live_values()
+    newest: dict[str, Any] = {}
+    for change in reversed(changes):  # oldest first: the newest value of each field wins
+        newest[change.field] = change.new
+    wanted = {name: value for name, value in newest.items()
+              if name in live and name not in explicit and value != live[name]}
+    try:
+        engine.update_config("restored from the store", **wanted)
+    except ConfigError as exc:  # a value this version refuses: start from the defaults
+        log.warning("not restoring the stored settings: %s", exc)
+        return {}
+    engine.apply_pending_config()
+    return wanted
+
+
+def _explicit(config: EngineConfig) -> frozenset[str]:
+    """The settings a caller's config sets away from the defaults (flags beat the store)."""
+    default = EngineConfig().live_values()
+    return frozenset(name for name, value in config.live_values().items()
+                     if default.get(name) != value)

@@ -87,6 +87,26 @@ class MemberState:
     def up(self) -> bool:
         return self.error == "" and self.snapshot is not None
 
+    def heard(self, snapshot: Snapshot, now: float) -> None:
+        """A poll answered with `snapshot` at wall-clock `now`."""
+        self.snapshot, self.last_seen, self.error = snapshot, now, ""
+        self.failures = 0
+        self.slow_totals.append((now, snapshot.slow_queries_total))
+
+    def row(self, index: int) -> FleetRow:
+        snap = self.snapshot
+        health = "up" if self.up else ("starting" if self.polls == 0 else "down")
+        known = snap is not None and health == "up"
+        return FleetRow(
+            index=index, name=_label(self.source), model=snap.model if snap else "",
+            running=snap.num_running if known else 0, waiting=snap.num_waiting if known else 0,
+            kv_usage=snap.kv_usage if known else None,
+            tokens_per_s=snap.tokens_per_s if known else None,
+            ttft_p99_ms=snap.ttft_ms.p99 if known else None,
+            itl_p99_ms=snap.itl_ms.p99 if known else None,
+            slow_per_min=self.slow_per_minute(), health=health,
+            last_seen=self.last_seen, error=self.error)
+
     def slow_per_minute(self) -> float:
         if len(self.slow_totals) < 2:
             return 0.0
@@ -146,10 +166,7 @@ class FleetSource:
                 state.error = str(exc) or type(exc).__name__
                 state.failures += 1
             else:
-                now = self.wall_clock()
-                state.snapshot, state.last_seen, state.error = snapshot, now, ""
-                state.failures = 0
-                state.slow_totals.append((now, snapshot.slow_queries_total))
+                state.heard(snapshot, self.wall_clock())
             with self.changed:
                 state.polls += 1
                 self.changed.notify_all()
@@ -178,22 +195,8 @@ class FleetSource:
         self.selected = index
 
     def rows(self) -> list[FleetRow]:
-        return sorted((self._row(i, s) for i, s in enumerate(self.states)),
+        return sorted((s.row(i) for i, s in enumerate(self.states)),
                       key=lambda row: row.severity)
-
-    def _row(self, index: int, state: MemberState) -> FleetRow:
-        snap = state.snapshot
-        health = "up" if state.up else ("starting" if state.polls == 0 else "down")
-        known = snap is not None and health == "up"
-        return FleetRow(
-            index=index, name=_label(state.source), model=snap.model if snap else "",
-            running=snap.num_running if known else 0, waiting=snap.num_waiting if known else 0,
-            kv_usage=snap.kv_usage if known else None,
-            tokens_per_s=snap.tokens_per_s if known else None,
-            ttft_p99_ms=snap.ttft_ms.p99 if known else None,
-            itl_p99_ms=snap.tpot_ms.p99 if known else None,
-            slow_per_min=state.slow_per_minute(), health=health,
-            last_seen=state.last_seen, error=state.error)
 
     def snapshot(self) -> Snapshot:
         """The selected server's latest snapshot (waiting for its first poll at most one

@@ -142,6 +142,8 @@ class ProcessSource:
         if self._closed:
             return
         self._closed = True  # from here on the child's last warnings are not re-logged
+        if not self._ready:  # still starting, it reads no call: `q` on the splash stops it now
+            self._process.terminate()
         with contextlib.suppress(BrokenPipeError, OSError), self._send_lock:  # or it is gone
             self._connection.send(None)
         self._process.join(CLOSE_TIMEOUT_S)

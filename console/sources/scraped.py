@@ -136,6 +136,15 @@ class ScrapedSource(RemoteBacked, ABC):
         estimate = None if self.traces is None else self.traces.estimate
         return "" if estimate is None else estimate.name
 
+    def score_note(self) -> str:
+        """Why traced budget scores are missing, naming the flags that fill them."""
+        if self.traces is None:
+            return ("budget_score needs per-request traces: pass --otlp-listen HOST:PORT "
+                    "(the server's --otlp-traces-endpoint)")
+        if self.traces.estimate is None:
+            return "budget_score needs an estimate: pass --roofline-model DIR and --gpu NAME"
+        return ""
+
     def traced_slow_total(self) -> int:
         return 0 if self.traces is None else self.traces.slow_total(self.trace_source)
 

@@ -50,6 +50,7 @@ class SglangMetricsSource(ScrapedSource):
             # console's history (one sample per step) samples while it does.
             step=int(count(PROMPT) + count(GENERATED)),
             requests=self.traced_requests(), score_estimate=self.score_estimate(),
+            score_note=self.score_note(),
             num_running=int(count("sglang:num_running_reqs")),
             num_waiting=int(count("sglang:num_queue_reqs")),
             kv_usage=usage,
@@ -58,7 +59,7 @@ class SglangMetricsSource(ScrapedSource):
             kv_block_size=1 if capacity else 0,
             tokens_per_s=prompt_rate + output_rate, output_tokens_per_s=output_rate,
             ttft_ms=percentiles(window.histogram(TTFT), 1000.0),
-            tpot_ms=percentiles(itl, 1000.0),
+            tpot_ms=percentiles(itl, 1000.0), itl_ms=percentiles(itl, 1000.0),
             prompt_tokens_total=int(count(PROMPT)), generation_tokens_total=int(count(GENERATED)),
             requests_finished_total=int(count(FINISHED)),
             slow_queries_total=self.traced_slow_total(),

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, ClassVar
 from textual.app import App, SystemCommand
 from textual.binding import BindingType
 from textual.logging import TextualHandler
-from textual.screen import Screen
+from textual.screen import ModalScreen, Screen
 
 from console.errors import UserError
 from console.sources.base import Source, SourceError
@@ -44,6 +44,7 @@ from console.tui.screens.tuning import TuningScreen
 from console.tui.state import ConsoleState
 from console.tui.text import escaped
 from engine.errors import EngineError
+from engine.harness.slo_targets import ServiceSLO
 from engine.snapshot import Snapshot
 
 if TYPE_CHECKING:
@@ -67,11 +68,13 @@ class TokenflowApp(App[None]):
     DEFAULT_MODE = "live"
 
     def __init__(self, source: Source, *, interval: float = POLL_INTERVAL_S,
-                 recorder: SessionRecorder | None = None, starting: bool = False) -> None:
+                 recorder: SessionRecorder | None = None, starting: bool = False,
+                 slo: ServiceSLO | None = None) -> None:
         """`starting`: `source` is a ProcessSource whose engine is still starting; a splash
-        shows its stages until it is ready, and the polls begin then."""
+        shows its stages until it is ready, and the polls begin then. `slo`: the latency
+        targets figures are coloured against (a chat service's by default)."""
         super().__init__()
-        self.state = ConsoleState(source)
+        self.state = ConsoleState(source, slo=slo or ServiceSLO())
         for mode, screen in SCREENS.items():  # each screen is handed the state, not the app
             self.add_mode(mode, functools.partial(screen, self.state))
         self.recorder = recorder
@@ -170,15 +173,20 @@ class TokenflowApp(App[None]):
                 screen.show_failure(message.error)
 
     def _shown_console_screen(self) -> ConsoleScreen | None:
-        """The console screen being shown, once composed. At shutdown the app stops running
-        before it prunes each screen's children, so a late poll must not redraw."""
-        if (self.is_running and self.screen_stack and isinstance(self.screen, ConsoleScreen)
-                and self.screen.is_mounted):
-            return self.screen
+        """The console screen being shown, once composed: the top one, or the one a dialog
+        sits over (the panes behind the resume notice show the engine, not nothing). At
+        shutdown the app stops running before it prunes each screen's children, so a late
+        poll must not redraw."""
+        if not (self.is_running and self.screen_stack):
+            return None
+        stack = self.screen_stack
+        screen = stack[-2] if isinstance(stack[-1], ModalScreen) and len(stack) > 1 else stack[-1]
+        if isinstance(screen, ConsoleScreen) and screen.is_mounted:
+            return screen
         return None
 
     def on_config_applied(self, message: ConfigApplied) -> None:
-        self.notify("configuration applied", timeout=2)
+        self.notify(message.note, timeout=4)
 
     def on_config_rejected(self, message: ConfigRejected) -> None:
         self.notify(escaped(f"{message.field}: {message.message}" if message.field
@@ -291,7 +299,8 @@ def run(args: argparse.Namespace, engine: ProcessSource | None) -> int:
         return 2
     # Engine warnings (e.g. chunks off their prediction) go to Textual's log, not the screen.
     logging.basicConfig(level=logging.WARNING, handlers=[TextualHandler()], force=True)
-    app = TokenflowApp(source, recorder=recorder, starting=engine is not None)
+    app = TokenflowApp(source, recorder=recorder, starting=engine is not None,
+                       slo=ServiceSLO(args.slo_ttft_ms, args.slo_itl_ms))
     app.run()
     if app.startup_error is not None:
         print(f"tokenflow-console: {app.startup_error}", file=sys.stderr)

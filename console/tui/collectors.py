@@ -168,9 +168,12 @@ def recalibrate_in_worker(target: DOMNode, source: Calibrating) -> None:
 
 
 class ConfigApplied(Message):
-    def __init__(self, config: dict[str, Any]) -> None:
+    """The live values after a change, and what to tell the operator ("" for the default)."""
+
+    def __init__(self, config: dict[str, Any], note: str = "") -> None:
         super().__init__()
         self.config = config
+        self.note = note or "configuration applied"
 
 
 class ConfigRejected(Message):
@@ -180,12 +183,14 @@ class ConfigRejected(Message):
         self.message = message
 
 
-def apply_config_in_worker(target: DOMNode, source: Tunable, changes: dict[str, Any]) -> None:
-    """Apply live changes on a worker thread; the result comes back as a message to `target`."""
+def apply_config_in_worker(target: DOMNode, source: Tunable, changes: dict[str, Any],
+                           note: str = "") -> None:
+    """Apply live changes on a worker thread; the result comes back as a message to `target`
+    (ConfigApplied carrying `note`, or ConfigRejected)."""
 
     def work() -> None:
         try:
-            target.post_message(ConfigApplied(source.update_config(**changes)))
+            target.post_message(ConfigApplied(source.update_config(**changes), note))
         except ConfigError as exc:
             target.post_message(ConfigRejected(exc.field, exc.message))
         except Exception as exc:

@@ -183,7 +183,7 @@ RULES: tuple[Rule, ...] = (
          _decode_stall),
     Rule("decode_memory_bound", "Throughput rises with concurrency but the GPU stays underused",
          "Decode sits in the memory-bound region",
-         "Estimate 2PB/(2P+BSk) (§3): is it far below the machine balance point?",
+         "Estimate 2PB/(2P+BSk): is it far below the machine balance point?",
          f"at least {MIN_DECODES} decoding, no chunk queue, prefill under 20% of tokens",
          _decode_memory_bound),
     Rule("preemption_recompute", "Raising max_num_batched_tokens lifts throughput, then drops it",
@@ -214,7 +214,7 @@ RULES: tuple[Rule, ...] = (
          "CACHE_PRESSURE_WAIT, or KV usage at the high watermark with requests waiting",
          _kv_capacity),
     Rule("prefix_cache_fall", "TTFT climbs back although prompts still share their prefixes",
-         "Prefix-cache hits fell: prefill grows from T(1-h) back toward T tokens (§12)",
+         "Prefix-cache hits fell: prefill grows from T(1-h) back toward T tokens",
          "Hit rate against KV usage: are cached prefixes evicted under pressure, or did the "
          "shared prefix change (its format, or something varying placed before it)?",
          f"recent hit rate under {CACHE_FALL_RATIO:.0%} of a lifetime rate of at least "

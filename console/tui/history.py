@@ -113,6 +113,10 @@ class MetricHistory:
                 old, new = previous.config.get(name), snapshot.config.get(name)
                 if old != new and old is not None and new is not None:
                     self.changes.append(Change(snapshot.ts, name, old, new))
+            old_rate, new_rate = previous.workload_rate, snapshot.workload_rate
+            if old_rate != new_rate and old_rate is not None and new_rate is not None:
+                self.changes.append(Change(snapshot.ts, "arrival_rate", round(old_rate, 3),
+                                           round(new_rate, 3)))
         self._previous = snapshot
         for name, value in values.items():
             if value is not None:

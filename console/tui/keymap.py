@@ -14,7 +14,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from textual._ansi_sequences import ANSI_SEQUENCES_KEYS
 from textual.binding import Binding
+from textual.keys import _character_to_key
 from textual.screen import Screen
 from textual.widget import Widget
 from textual.widgets import Input
@@ -55,7 +57,7 @@ COMMANDS: tuple[Command, ...] = (
             "Slow queries from the store: sort, filter, per-chunk detail, export"),
     Command("4,f4", "show('drift')", "Drift", "Calibration history, drift events, recalibration"),
     Command("5,f5", "show('diagnosis')", "Diagnosis",
-            "Seed 003 §11 symptoms evaluated against the live metrics"),
+            "Symptoms matched against the live metrics, with their cause and what to check"),
     Command("0", "show('fleet')", "Fleet",
             "Every attached server: health, load, latency, slow queries; enter opens one"),
     Command("c", "apply_recommended", "Apply C*",
@@ -68,16 +70,32 @@ COMMANDS: tuple[Command, ...] = (
 )
 # Textual's names for the printable keys above; every other key has no character to type.
 CHARACTERS = {"question_mark": "?"}
+ESC = "\x1b"
 INPUT_TYPES = {"integer": r"[-+]?(?:\d*|\d+_)*",  # as Textual's Input restricts its types
                "number": r"[-+]?(?:\d*|\d+_)*\.?(?:\d*|\d+_)*(?:\d[eE]?[-+]?(?:\d*|\d+_)*)?"}
 
 
+def after_escape(key: str) -> str | None:
+    """The key Textual reports when Escape and `key` arrive at once: ESC is the meta prefix,
+    so a letter reads as alt+letter, and a digit as the character macOS's Option gives it
+    (ESC 5 is "∞"). Escape then 5 at speed is still 5."""
+    character = CHARACTERS.get(key, key)
+    if len(character) != 1:
+        return None
+    meant = ANSI_SEQUENCES_KEYS.get(ESC + character)
+    if isinstance(meant, str):
+        return _character_to_key(meant)
+    return f"alt+{key}"
+
+
 def bindings() -> list[Binding]:
-    """One priority binding per key, running the app's `command` action; Textual drops it
-    while the focused widget consumes that key (see widgets.field.Field)."""
-    return [Binding(key, f"command({key!r})", c.title, key_display=c.shown_key, priority=True,
-                    show=False)
-            for c in COMMANDS for key in c.keys]
+    """One priority binding per key (and per key after a quick Escape), running the app's
+    `command` action; Textual drops it while the focused widget consumes that key (see
+    widgets.field.Field)."""
+    return [Binding(pressed, f"command({key!r})", c.title, key_display=c.shown_key,
+                    priority=True, show=False)
+            for c in COMMANDS for key in c.keys
+            for pressed in (key, after_escape(key)) if pressed is not None]
 
 
 def own_keys(screen: Screen) -> set[str]:

@@ -42,6 +42,7 @@ from console.tui.collectors import (
 )
 from console.tui.history import MetricHistory
 from console.tui.widgets.confirm import Confirm
+from engine.harness.slo_targets import ServiceSLO
 from engine.snapshot import Snapshot
 
 
@@ -51,6 +52,7 @@ class ConsoleState:
     history: MetricHistory = field(default_factory=MetricHistory)
     latest: Snapshot | None = None
     failure: str = ""  # the source's latest error, until a snapshot arrives again
+    slo: ServiceSLO = field(default_factory=ServiceSLO)  # the operator's latency targets
 
     @property
     def capabilities(self) -> Capabilities:
@@ -80,15 +82,16 @@ class ConsoleState:
         return isinstance(source, HttpSource)
 
     # --- actions --------------------------------------------------------------------------
-    def apply_config(self, node: DOMNode, changes: dict[str, Any]) -> str | None:
-        """Apply `changes` (on a remote server once the operator has said yes)."""
+    def apply_config(self, node: DOMNode, changes: dict[str, Any], note: str = "") -> str | None:
+        """Apply `changes` (on a remote server once the operator has said yes); `note` is
+        said once they are applied."""
         refusal = self.refusal(Capability.TUNE)
         if refusal is not None:
             return refusal
         tunable = facet(self.source, Tunable)
         listed = ", ".join(f"{name} → {value}" for name, value in changes.items())
         self._confirmed(node, f"Change {self.source.name}?\n{listed}", "not applied",
-                        lambda: apply_config_in_worker(node, tunable, changes))
+                        lambda: apply_config_in_worker(node, tunable, changes, note))
         return None
 
     def _confirmed(self, node: DOMNode, question: str, declined: str,
@@ -112,18 +115,21 @@ class ConsoleState:
         return refusal
 
     def apply_recommended(self, node: DOMNode) -> str | None:
-        """Set the token budget to the recommended C* with room for the running decodes."""
+        """Set the token budget to the recommended C* with room for the smoothed decode load:
+        the unclamped C*, so applying it again at the same load changes nothing."""
         refusal = self.refusal(Capability.TUNE)
         if refusal is not None:
             return refusal
         latest = self.latest
         budget = None if latest is None else latest.recommended_token_budget
-        if budget is None:
+        if latest is None or budget is None:
             return "no recommended C* yet: it needs a calibrated budget model"
-        if latest is not None and latest.config.get("max_num_batched_tokens") == budget:
-            return f"unchanged: the token budget is already C*'s {budget}"
-        # rounded by the engine's own policy, the one auto_budget uses (engine.budget.auto)
-        return self.apply_config(node, {"max_num_batched_tokens": budget})
+        why = recommended_why(latest)
+        old = latest.config.get("max_num_batched_tokens")
+        if old == budget:
+            return f"unchanged: the token budget is already {budget} ({why})"
+        return self.apply_config(node, {"max_num_batched_tokens": budget},
+                                 note=f"budget {old} → {budget} ({why})")
 
     def toggle_pause(self, node: DOMNode) -> str | None:
         """Pause or resume (on a remote server once the operator has said yes)."""
@@ -171,3 +177,13 @@ class ConsoleState:
             store = facet(self.source, ConfigHistory)
             load_in_worker(node, lambda: ConfigChangesLoaded(store.config_changes()))
         return refusal
+
+
+def recommended_why(snapshot: Snapshot) -> str:
+    """How the recommended budget was reached: "C* 256 + 28 decodes, rounded to tiles"."""
+    cstar = snapshot.recommended_chunk_unclamped or snapshot.recommended_chunk_size
+    tile = snapshot.config.get("chunk_tile")
+    chunk = f"C* {cstar}"
+    if cstar is not None and isinstance(tile, int) and cstar < tile:
+        chunk += f" raised to the tile {tile}"
+    return f"{chunk} + {snapshot.recommended_decodes or 0} decodes, rounded to tiles"

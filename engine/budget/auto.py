@@ -45,6 +45,9 @@ class CStar:
         self.window_s = window_s
         self.hysteresis = hysteresis
         self.value: int | None = None
+        # what `value` was set from: C* before the clamp, and the smoothed decodes beside it
+        self.unclamped: int | None = None
+        self.decodes = 0
         self.changes = 0  # times `value` moved after its first setting
         self._samples: deque[tuple[float, int, int]] = deque()  # (time, D, D·S)
         self._decodes = 0  # running sums over the window
@@ -67,11 +70,11 @@ class CStar:
             self._outside_since = None
         mean_decodes = round(self._decodes / len(self._samples))
         mean_context = self._context // self._decodes if self._decodes else 0
-        wanted = min(max(budget.recommended_chunk(mean_decodes, mean_context), tile),
-                     max(limit, tile))
+        unclamped = budget.recommended_chunk(mean_decodes, mean_context)
+        wanted = min(max(unclamped, tile), max(limit, tile))
         current = self.value
         if current is None:
-            self.value = wanted
+            self.value, self.unclamped, self.decodes = wanted, unclamped, mean_decodes
         elif abs(wanted - current) <= max(tile, self.hysteresis * current):
             self._outside_since = None
         elif self._outside_since is None:
@@ -79,7 +82,7 @@ class CStar:
         elif now - self._outside_since >= self.window_s:
             # a whole window outside the band: the load has changed, and the window now
             # holds only the new one, so C* moves once, to where it settles
-            self.value = wanted
+            self.value, self.unclamped, self.decodes = wanted, unclamped, mean_decodes
             self.changes += 1
             self._outside_since = None
         return self.value

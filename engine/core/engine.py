@@ -412,8 +412,11 @@ class Engine:
             queue_wait_ms=window.queue_wait, step_ms=window.step,
             calibration="calibrated" if self.calibrated else "calibrating",
             recommended_chunk_size=chunk,
+            recommended_chunk_unclamped=None if chunk is None else self.cstar.unclamped,
             recommended_token_budget=None if chunk is None else token_budget_for(
-                chunk, decodes, self.config.chunk_tile),
+                max(self.cstar.unclamped or chunk, self.config.chunk_tile), self.cstar.decodes,
+                self.config.chunk_tile),
+            recommended_decodes=None if chunk is None else self.cstar.decodes,
             token_budget=s.token_budget,
             preemptions_total=m.preemptions_total, prompt_tokens_total=m.prompt_tokens_total,
             generation_tokens_total=m.generation_tokens_total,

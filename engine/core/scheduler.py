@@ -554,9 +554,9 @@ class Scheduler:
             return
         if not self.config.is_slow_query(end - request.prefill_started, budget):
             return
-        first = request.prefill_started
+        first = request.arrival  # its queue wait is classed too
         steps = []
-        for step in reversed(self.step_log):  # only the steps since its admission
+        for step in reversed(self.step_log):  # only the steps since its arrival
             steps.append(step)
             if step.start <= first:
                 break

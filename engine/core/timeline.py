@@ -22,7 +22,7 @@ from __future__ import annotations
 import bisect
 import enum
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from engine.stats import human_duration, quantile
@@ -124,12 +124,68 @@ class Timeline:
     chunks: tuple[ChunkView, ...]
     preemptions: tuple[Preemption, ...]
     decode_gaps: GapStats
+    # the queue wait (arrival to admission) classed as the prefill's gaps are, and how many
+    # other requests were prefilled meanwhile
+    queue_wait_parts: dict[str, float] = field(default_factory=dict)
+    waited_behind: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def felt(self) -> tuple[str, float]:
+        """The largest part of what the user felt: the queue wait, the prefill, or the worst
+        stall between two tokens (beyond the usual gap)."""
+        gaps = self.decode_gaps
+        stall = (gaps.max_s - gaps.p50_s if gaps.max_s is not None and gaps.p50_s is not None
+                 else 0.0)
+        parts = {"queue wait": self.queue_wait_s or 0.0, "prefill": self.prefill_s,
+                 "decode stall": stall}
+        name = max(parts, key=lambda k: parts[k])
+        return name, parts[name]
+
     def verdict(self) -> str:
-        """One line an operator reads first, e.g. "queued 7.1 s behind 3 other prompts (73%
+        """One line an operator reads first: the largest part of what the user felt with its
+        cause in words, then, where that was not the prefill, why the prefill overran."""
+        part, seconds = self.felt()
+        prefill = (f"prefill {human_duration(self.prefill_s)}, "
+                   f"{human_duration(self.overrun_s)} over plan: {self.overrun_verdict()}")
+        if part == "queue wait":
+            behind = (f" behind {self.waited_behind} request"
+                      f"{'' if self.waited_behind == 1 else 's'}" if self.waited_behind else "")
+            return (f"waited {human_duration(seconds)} in the queue{behind}: "
+                    f"{self.queue_wait_cause()}; then {prefill}")
+        if part == "decode stall":
+            gaps = self.decode_gaps
+            return (f"stalled {human_duration(gaps.max_s)} between two tokens at step "
+                    f"{gaps.worst_step} (usually {human_duration(gaps.p50_s)}); {prefill}")
+        return prefill
+
+    def queue_wait_cause(self) -> str:
+        """Why it waited to be admitted, from what the engine did meanwhile."""
+        parts = {k: v for k, v in self.queue_wait_parts.items() if v > 0}
+        if not parts:
+            return "arrivals outran the budget"
+        return QUEUE_WAIT_CAUSES[Cause(max(parts, key=lambda k: parts[k]))]
+
+    def worst_chunk(self) -> ChunkView | None:
+        """Its chunk furthest over its own prediction (recomputed ones aside)."""
+        chunks = [c for c in self.chunks if not c.recomputed and c.predicted_s > 0]
+        return max(chunks, key=lambda c: c.duration_s - c.predicted_s, default=None)
+
+    def chunk_words(self) -> str:
+        """Its slowest chunk in words, against its own prediction: what shared its step."""
+        chunk = self.worst_chunk()
+        if chunk is None:
+            return (f"chunks {self.chunk_ratio:.1f}× the plan" if self.chunk_ratio
+                    else "chunks slower than predicted")
+        ratio = f"{chunk.duration_s / chunk.predicted_s:.1f}× its own prediction"
+        if chunk.decodes >= HEAVY_DECODE_SHARE * chunk.tokens:
+            return (f"its {chunk.tokens}-token chunk shared a step with {chunk.decodes} "
+                    f"decodes ({ratio})")
+        return f"its {chunk.tokens}-token chunk took {ratio}"
+
+    def overrun_verdict(self) -> str:
+        """Why the prefill overran its plan, e.g. "queued 7.1 s behind 3 other prompts (73%
         of the overrun)"."""
         took = human_duration(self.overrun_by_cause.get(self.cause.value, 0.0))
         share = f"{self.cause_share:.0%} of the overrun"
@@ -138,25 +194,35 @@ class Timeline:
                 return (f"queued {took} behind {self.queued_behind} other "
                         f"prompt{'s' if self.queued_behind != 1 else ''} ({share})")
             case Cause.SLOW_CHUNKS:
-                ratio = (f"{self.chunk_ratio:.1f}× predicted" if self.chunk_ratio
-                         else "slower than predicted")
                 held = (f" while bandwidth throttle level {self.chunk_throttle_level} held"
                         if self.chunk_throttle_level else "")
-                return f"chunks {ratio}{held} (+{took}, {share})"
+                return f"{self.chunk_words()}{held} (+{took}, {share})"
             case Cause.CACHE_PRESSURE:
                 return f"waited {took} in CACHE_PRESSURE_WAIT for KV blocks ({share})"
             case Cause.BANDWIDTH_THROTTLE:
                 return (f"waited {took} while bandwidth throttle level "
                         f"{self.throttle_level_max} held ({share})")
             case Cause.PREEMPTION:
-                return (f"preempted {len(self.preemptions)}×: {took} waiting and recomputing "
-                        f"({share})")
+                redone = sum(c.tokens for c in self.chunks if c.recomputed)
+                return (f"preempted {len(self.preemptions)}× to free KV blocks: {took} "
+                        f"waiting to be readmitted and recomputing {redone} tokens ({share})")
             case Cause.GUARD:
                 return f"prefills paused by a guard for {took} ({share})"
         return f"host time between steps {took} ({share})"
 
 
 NORMAL = ModeRecord(0.0, "NORMAL", 0, False)  # before the first logged change
+# a chunk beside at least this many decodes per prompt token is said to share a heavy step
+HEAVY_DECODE_SHARE = 4
+QUEUE_WAIT_CAUSES = {
+    Cause.QUEUED: "arrivals outran the budget",
+    Cause.CACHE_PRESSURE: "the KV cache stayed above its high watermark",
+    Cause.BANDWIDTH_THROTTLE: "the bandwidth throttle held new prefills",
+    Cause.GUARD: "the engine was paused",
+    Cause.HOST_OVERHEAD: "the engine sat between steps",
+    Cause.SLOW_CHUNKS: "the steps ran slower than predicted",
+    Cause.PREEMPTION: "it was preempted",
+}
 GAP_CLASSES = {"CACHE_PRESSURE_WAIT": Cause.CACHE_PRESSURE,
                "BANDWIDTH_THROTTLE": Cause.BANDWIDTH_THROTTLE}
 
@@ -249,6 +315,8 @@ class PrefillGaps:
     attempt: int  # preemptions before the prefill ended: its chunks of that attempt count
     end: float  # when the prefill ended (its first token, or the failure that cut it short)
     step_overhead_s: float = 0.0  # host time per step the plan priced into each step
+    queue_wait: dict[str, float] = field(default_factory=dict)  # arrival to admission, classed
+    waited_behind: int = 0  # other requests prefilled while it waited to be admitted
 
 
 def classify_prefill(request: Request, steps: Sequence[StepRecord],
@@ -264,11 +332,17 @@ def classify_prefill(request: Request, steps: Sequence[StepRecord],
     first = bisect.bisect_left(classifier.step_starts, t0)
     levels = [s.throttle_level for s in steps[first:] if s.start < t1]
     levels += [m.throttle_level for m in modes if t0 <= m.ts < t1]
+    waiting = _GapClassifier(steps, modes, request.id)
+    admitted = request.admissions[0] if request.admissions else t0
+    if admitted > request.arrival:
+        waiting.add(request.arrival, admitted)
     return PrefillGaps(totals={c.value: v for c, v in classifier.totals.items()},
                        queued_behind=len(classifier.behind),
                        throttle_level_max=max(levels, default=0),
                        attempt=request.num_preemptions, end=t1,
-                       step_overhead_s=step_overhead_s)
+                       step_overhead_s=step_overhead_s,
+                       queue_wait={c.value: v for c, v in waiting.totals.items()},
+                       waited_behind=len(waiting.behind))
 
 
 def _own(request: Request, t1: float) -> list[tuple[float, float]]:
@@ -357,4 +431,37 @@ def explain(request: Request, gaps: PrefillGaps) -> Timeline:
             for c in request.chunks),
         preemptions=preemptions,
         decode_gaps=gap_stats(request.decode_gaps or (),
-                              None if request.worst_gap is None else request.worst_gap[1]))
+                              None if request.worst_gap is None else request.worst_gap[1]),
+        queue_wait_parts=gaps.queue_wait, waited_behind=gaps.waited_behind)
+
+
+def _parts(parts: dict[str, float], signed: bool = False) -> str:
+    shown = [f"{name.replace('_', ' ')} {'+' if signed and v > 0 else ''}{human_duration(v)}"
+             for name, v in parts.items() if v]
+    return ", ".join(shown) or "none"
+
+
+def timeline_lines(t: dict[str, Any]) -> list[str]:
+    """A stored timeline (Timeline.to_dict) as the lines `tokenflow slow-queries show` and
+    the console's slow-query detail both print."""
+    e2e = t["e2e_parts"]
+    lines = [f"end to end {human_duration(t['e2e_s'])} = queue wait "
+             f"{human_duration(e2e['queue_wait'])} + prefill {human_duration(e2e['prefill'])} "
+             f"+ decode {human_duration(e2e['decode'])} + tail {human_duration(e2e['tail'])}"
+             f"  ({t['outcome']})"]
+    if t.get("queue_wait_parts"):
+        lines.append(f"queue wait {human_duration(t['queue_wait_s'])}: "
+                     f"{_parts(t['queue_wait_parts'])}; "
+                     f"{t.get('waited_behind', 0)} other requests prefilled meanwhile")
+    lines.append(f"prefill {human_duration(t['prefill_s'])}: {_parts(t['prefill_parts'])}")
+    lines.append(f"overrun {human_duration(t['overrun_s'])} by cause: "
+                 f"{_parts(t['overrun_by_cause'], signed=True)}")
+    for p in t["preemptions"]:
+        again = human_duration(p["readmitted_s"]) if p["readmitted_s"] is not None else "never"
+        lines.append(f"preempted at {human_duration(p['at_s'])}, readmitted at {again}")
+    gaps = t["decode_gaps"]
+    if gaps["count"]:
+        lines.append(f"decode gaps: {gaps['count']}, p50 {human_duration(gaps['p50_s'])}, "
+                     f"p99 {human_duration(gaps['p99_s'])}, max {human_duration(gaps['max_s'])} "
+                     f"at step {gaps['worst_step']}")
+    return lines

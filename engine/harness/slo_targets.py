@@ -1,5 +1,10 @@
-"""The SLO targets as multiples of one decode step (engine.harness.slo says why those). Apart
-from the probes that measure them, so the console reads them without importing torch."""
+"""SLO targets, apart from the probes that measure steps, so the console reads them without
+importing torch.
+
+Two kinds. `SLO`: multiples of one decode step (engine.harness.slo says why), for comparing
+schedulers on one machine in benchmarks. `ServiceSLO`: what a service promises its users, in
+absolute milliseconds, set by the operator; the console colours latency against it, so an
+engine that is slow reads slow, whatever its own step time."""
 
 from __future__ import annotations
 
@@ -9,6 +14,25 @@ from engine.stats import ms
 
 TPOT_MULTIPLE = 5.0
 DELAY_MULTIPLE = 25.0
+# A chat service's defaults: MLPerf Inference's Llama-2-70B server scenario (p99 TTFT 2 s,
+# p99 TPOT 200 ms).
+CHAT_TTFT_MS = 2000.0
+CHAT_ITL_MS = 200.0
+
+
+@dataclass(frozen=True)
+class ServiceSLO:
+    """Latency targets users are promised: the first token within `ttft_ms`, each next one
+    within `itl_ms`."""
+
+    ttft_ms: float = CHAT_TTFT_MS
+    itl_ms: float = CHAT_ITL_MS
+
+    def __post_init__(self) -> None:
+        for name, value in (("ttft_ms", self.ttft_ms), ("itl_ms", self.itl_ms)):
+            if not 0 < value < float("inf"):
+                raise ValueError(f"the {name.removesuffix('_ms').upper()} SLO must be a "
+                                 f"positive number of milliseconds, got {value}")
 
 
 @dataclass(frozen=True)

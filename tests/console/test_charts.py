@@ -12,7 +12,8 @@ from textual.app import App, ComposeResult
 from console.tui.history import MetricHistory
 from console.tui.widgets.chunk_queue import ChunkQueue
 from console.tui.widgets.header import EngineHeader, warnings
-from console.tui.widgets.plot import Line, Plot, Series, ms
+from console.tui.widgets.plot import Line, Plot, Series, ms, per_s
+from engine.harness.slo_targets import ServiceSLO
 from engine.snapshot import Percentiles, RequestView, Snapshot
 
 pytestmark = pytest.mark.anyio
@@ -54,6 +55,20 @@ async def test_a_chart_has_a_legend_a_time_axis_labelled_lines_and_change_marks(
     assert "1.7 s┤" in text and "0 ms┤" in text  # the y axis in the series' unit
     assert sum("┊" in row for row in canvas) >= 3  # the change, down the chart
     assert any(set(row) & {chr(c) for c in range(0x2801, 0x2900)} for row in canvas)  # braille
+
+
+async def test_an_outlier_is_clipped_and_said_so_and_a_pane_shares_one_window() -> None:
+    """A resume's burst (146k tok/s) over a run of 340 and 45: the axis scales to the run,
+    the burst touches the top edge, and the legend says what was cut."""
+    values = tuple([146_000.0] + [340.0] * 29 + [45.0] * 30)
+    plot = Plot(unit=per_s)
+    plot.show((Series("prompt+output tok/s", values, TIMES),))
+    text = await drawn(plot, (70, 12))
+    assert "↑ clipped, peak 146k/s" in text.splitlines()[0]
+    assert "146k/s┤" not in text and "1.5k/s┤" in text  # 4× the bulk, with headroom
+    # a window that must reach back further than this series' own samples
+    plot.show((Series("prompt+output tok/s", values[30:], TIMES[30:]),), start=TIMES[0])
+    assert (await drawn(plot, (70, 12))).splitlines()[-1].strip().startswith("-2m")
 
 
 async def test_a_chart_without_times_plots_by_position_with_no_time_axis() -> None:
@@ -108,19 +123,57 @@ async def test_the_header_flags_a_backlog_and_kv_above_the_watermark() -> None:
                     num_waiting=3, num_running=8, kv_usage=0.5)
     jammed = dataclasses.replace(calm, num_waiting=285, kv_usage=0.87,
                                  ttft_ms=Percentiles(p50=21_000.0), step_ms=Percentiles(p50=20.0))
-    assert warnings(calm) == []
-    assert warnings(jammed) == [("BACKLOG 285 waiting, TTFT p50 21.0 s", "bold red"),
-                                ("KV 87% ≥ 85%", "bold yellow")]
+    slo = ServiceSLO(ttft_ms=2000.0, itl_ms=200.0)
+    assert warnings(calm, slo) == []
+    assert warnings(jammed, slo) == [
+        ("BACKLOG 285 waiting, TTFT p50 21.0 s > SLO 2.0 s", "bold red"),
+        ("KV 87% ≥ 85%", "bold yellow")]
     # a backlog whose first tokens are still on time is yellow; another engine's KV, unmarked
     queued = dataclasses.replace(jammed, ttft_ms=Percentiles(p50=100.0), config={})
-    assert warnings(queued) == [("BACKLOG 285 waiting", "bold yellow")]
-    async with OneHeader().run_test() as pilot:
+    assert warnings(queued, slo) == [("BACKLOG 285 waiting", "bold yellow")]
+    # a few waiting while first tokens are late is a backlog too: the SLO is absolute
+    late = dataclasses.replace(calm, ttft_ms=Percentiles(p50=17_700.0))
+    assert warnings(late, slo)[0] == ("BACKLOG 3 waiting, TTFT p50 17.7 s > SLO 2.0 s",
+                                      "bold red")
+    async with OneHeader().run_test(size=(200, 5)) as pilot:
         header = pilot.app.query_one(EngineHeader)
-        header.update_from(calm, "test")
+        header.update_from(calm, "test", slo)
         assert str(header.render()).startswith("NORMAL  budget 64")
-        header.update_from(jammed, "test")
+        header.update_from(jammed, "test", slo)
         assert str(header.render()).startswith(
-            "NORMAL · BACKLOG 285 waiting, TTFT p50 21.0 s · KV 87% ≥ 85%  budget 64")
+            "NORMAL · BACKLOG 285 waiting, TTFT p50 21.0 s > SLO 2.0 s · KV 87% ≥ 85%  budget 64")
+
+
+async def test_the_header_names_the_clamp_omits_what_is_not_exported_and_fits() -> None:
+    class OneHeader(App[None]):
+        def compose(self) -> ComposeResult:
+            yield EngineHeader()
+
+    slo = ServiceSLO()
+    config = {"max_num_batched_tokens": 256, "chunk_tile": 16}
+    tile = Snapshot(config=config, calibration="calibrated", recommended_chunk_size=16,
+                    recommended_chunk_unclamped=7, tokens_per_s=340.0)
+    budget = dataclasses.replace(tile, recommended_chunk_size=256,
+                                 recommended_chunk_unclamped=1840)
+    calibrating = dataclasses.replace(tile, calibration="calibrating (pass 1/3, shape 7/16)",
+                                      recommended_chunk_size=None)
+    vllm = Snapshot(config={"block_size": 16}, tokens_per_s=90.0)
+    source = "embedded synthetic:small on cpu"
+    async with OneHeader().run_test(size=(160, 5)) as pilot:
+        header = pilot.app.query_one(EngineHeader)
+        for snapshot, words in ((tile, "C* 7 (clamped to tile 16)"),
+                                (budget, "C* 1840 (clamped to budget 256)"),
+                                (calibrating, "C* calibrating (pass 1/3, shape 7/16)")):
+            header.update_from(snapshot, source, slo)
+            assert words in str(header.render())
+        header.update_from(vllm, "vllm http://127.0.0.1:8000", slo)
+        shown = str(header.render())
+        assert "?" not in shown and "budget" not in shown and "C*" not in shown
+        await pilot.resize_terminal(60, 5)
+        await pilot.pause()
+        header.update_from(budget, source, slo)  # too wide: figures go, the name stays
+        shown = str(header.render())
+        assert shown.startswith("NORMAL") and shown.rstrip().endswith(source), shown
 
 
 async def test_chunk_queue_ids_are_cut_in_the_middle() -> None:

@@ -74,3 +74,28 @@ def test_a_journal_that_stops_pauses_the_console_engine_and_says_why(tmp_path: P
             source.resume()
     finally:
         source.close()
+
+
+def test_a_restart_restores_the_last_stored_settings_and_arrival_changes_are_stored(
+        tmp_path: Path) -> None:
+    """The budget came back at 256 after a restart although the last change set 96; the
+    arrival rate, changed too, is stored as a change like the budget's."""
+    db = tmp_path / "restart.db"
+    source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat", db=db,
+                                  num_requests=2, repeat=False)
+    try:
+        source.update_config(max_num_batched_tokens=96)
+        source.set_arrival_rate(0.5)
+        fields = {c.field: c.new for c in source.config_changes()}
+    finally:
+        source.close()
+    assert fields == {"max_num_batched_tokens": 96, "arrival_rate": 0.5}
+    heard: list[str] = []
+    source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat", db=db,
+                                  num_requests=2, repeat=False,
+                                  progress=lambda _fraction, what: heard.append(what))
+    try:
+        assert source.snapshot().config["max_num_batched_tokens"] == 96
+    finally:
+        source.close()
+    assert "restoring the last stored settings: max_num_batched_tokens=96" in heard

@@ -1,5 +1,6 @@
-"""Keys with a field focused: digits type into a number field, while `?`, `q`, F1–F5 and
-(after Escape) the screen digits still work; a filter box takes every letter."""
+"""Keys: entering a screen focuses no field, so 1–5 switch screens at any speed; Enter starts
+an edit. With a field focused digits type into it, while `?`, `q`, F1–F5 and (after Escape)
+the screen digits still work; a filter box takes every letter."""
 
 from __future__ import annotations
 
@@ -35,7 +36,19 @@ async def test_screen_keys_help_and_quit_work_with_a_field_focused(tmp_path: Pat
         assert isinstance(tuning, TuningScreen)
         box = tuning.query_one("#input-max_num_batched_tokens", Input)
         await until(pilot, lambda: box.value, "the form filled from a snapshot")
-        assert app.focused is box
+        live_budget = box.value
+        assert not isinstance(app.focused, Input)  # entering a screen focuses no field
+        await pilot.press("2", "3", "1")  # screen keys, at speed: no field takes them
+        assert isinstance(app.screen, LiveScreen)
+        await pilot.press("2")
+        assert app.screen is tuning and not isinstance(app.focused, Input)
+        assert box.value == live_budget
+        await pilot.press("enter")  # Enter starts an edit, in the first field
+        first = app.focused
+        assert isinstance(first, Input) and first.id == "input-arrival_rate"
+        await pilot.press("escape")
+        assert app.focused is None
+        box.focus()
         box.value = ""
         await pilot.press("5", "1", "2")  # digits are the field's
         assert box.value == "512" and app.screen is tuning
@@ -47,8 +60,8 @@ async def test_screen_keys_help_and_quit_work_with_a_field_focused(tmp_path: Pat
 
         await pilot.press("f3")  # F-keys switch whatever is focused
         assert isinstance(app.screen, SlowQueriesScreen)
-        await pilot.press("2")
-        assert app.screen is tuning
+        await pilot.press("2")  # coming back leaves the field: 2 was a screen key
+        assert app.screen is tuning and not isinstance(app.focused, Input)
         box.focus()
         await pilot.press("escape", "4")  # Escape leaves the field; 4 is a screen key again
         assert isinstance(app.screen, DriftScreen)

@@ -140,6 +140,9 @@ async def test_slow_queries_list_detail_and_export(tmp_path: Path,
         detail = app.screen
         assert isinstance(detail, SlowQueryDetail)
         assert detail.query_one("#detail-chunks", DataTable).row_count == len(detail.record.chunks)
+        if detail.record.timeline:  # the timeline `slow-queries show` prints, line by line
+            lines = str(detail.query_one("#detail-timeline", Static).render())
+            assert lines.startswith("end to end ") and "queue wait" in lines
         shown = str(detail.query_one("#detail-config-values", Static).render())
         assert all(f"{name}={value}" in shown for name, value in detail.record.config.items())
         await pilot.press("escape")
@@ -149,7 +152,8 @@ async def test_slow_queries_list_detail_and_export(tmp_path: Path,
                                                                   cached_tokens=96)))
         await pilot.pause()
         header = str(app.screen.query(Static).first().render())
-        assert f"prompt {detail.record.prompt_tokens} tok (96 cached)" in header
+        assert (f"prompt {detail.record.prompt_tokens} tok (96 found in the prefix cache)"
+                in header)  # the words `slow-queries show` uses
         await pilot.press("escape")
         assert isinstance(app.screen, SlowQueriesScreen)
 

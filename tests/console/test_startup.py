@@ -1,7 +1,9 @@
 """Start-up on a store another session left: requests it left unfinished are announced with
 a choice to discard them, and a journal written by another model is refused, naming the
-store and the command that clears it. The embedded engine runs in its child process, as
-`tokenflow-console` starts it; the tests wait on the app's messages and workers."""
+store and the command that clears it. A new store's first calibration runs beside the
+traffic, or is reused from the default store. The embedded engine runs in its child
+process, as `tokenflow-console` starts it; the tests wait on the app's messages and
+workers."""
 
 from __future__ import annotations
 
@@ -13,10 +15,20 @@ from textual.message import Message
 
 from console.sources.process import ProcessSource
 from console.tui.app import TokenflowApp
-from console.tui.screens.splash import EngineStarting, ResumedNotice, SplashScreen
+from console.tui.collectors import SnapshotPolled
+from console.tui.screens.splash import EngineStarting, ResumedNotice
+from console.tui.widgets.requests_table import RequestsTable
+from engine.budget.calibrate import FIRST_REASON
 from engine.config import EngineConfig, SamplingParams
 from engine.serve.session import EngineSession
-from engine.store import close_entry, open_database, unfinished_requests
+from engine.store import (
+    CalibrationRecord,
+    calibration_history,
+    close_entry,
+    default_db_path,
+    open_database,
+    unfinished_requests,
+)
 from engine.store.models import QUARANTINED
 from tests.console.conftest import until, workers_done
 
@@ -64,6 +76,8 @@ async def test_resumed_requests_are_announced_and_can_be_discarded(tmp_path: Pat
         await until(pilot, lambda: isinstance(app.screen, ResumedNotice), "the notice")
         notice = app.screen
         assert isinstance(notice, ResumedNotice) and len(notice.resumed) == 2
+        behind = app.screen_stack[-2].query_one(RequestsTable)  # the panes show the engine
+        await until(pilot, lambda: behind.table.row_count > 0, "the requests behind the notice")
         await pilot.press("d")
         await workers_done(pilot)
         await until(pilot, lambda: any("discarded 2 resumed" in n.message
@@ -97,23 +111,67 @@ async def test_quarantined_requests_are_announced_and_not_run(tmp_path: Path) ->
         await workers_done(pilot)
 
 
-async def test_the_splash_counts_the_first_calibrations_shapes(tmp_path: Path) -> None:
-    """Issue 16: the first calibration runs in the engine's child process; its per-shape
-    progress crosses the pipe to the splash, which says how many shapes are done."""
-    stages: list[tuple[str, bool]] = []
+def only_calibration(db: Path) -> CalibrationRecord:
+    """The one calibration `db` holds for synthetic:tiny on the CPU."""
+    database = open_database(db)
+    try:
+        with database.session() as session:
+            (run,) = calibration_history(session, model="synthetic:tiny", device="cpu")
+    finally:
+        database.close()
+    return run
+
+
+async def test_the_first_calibration_runs_beside_the_traffic(tmp_path: Path) -> None:
+    """On a new store the splash ends once the model is loaded: the panes show requests
+    while the first calibration runs between the engine's steps, C* and budget_score reading
+    how far it is ("calibrating (pass 1/3, shape 7/16)"); then it is stored."""
+    splash: list[str] = []
+    calibrating: list[tuple[str, int]] = []
 
     def heard(message: Message) -> None:
         if isinstance(message, EngineStarting):
-            stages.append((message.what, isinstance(app.screen, SplashScreen)))
+            splash.append(message.what)
+        elif isinstance(message, SnapshotPolled):
+            snapshot = message.snapshot
+            if snapshot.calibration.startswith("calibrating"):
+                calibrating.append((snapshot.calibration, len(snapshot.requests)))
 
-    app = console(tmp_path / "fresh.db")  # no stored calibration: the first one runs
+    db = tmp_path / "fresh.db"  # no stored calibration, here or in the default store
+    app = console(db)
     async with app.run_test(size=(120, 40), message_hook=heard) as pilot:
-        await until(pilot, lambda: not app.starting and app.latest is not None, "the engine")
+        await until(pilot, lambda: app.latest is not None
+                    and app.latest.calibration == "calibrated", "the first calibration")
         app.collector.stop()
         await workers_done(pilot)
-    counted = [(int(m[1]), int(m[2])) for what, _ in stages
-               if (m := re.search(r"pass \d+/\d+, shape (\d+)/(\d+)", what))]
-    assert counted and counted[0] == (1, counted[0][1]) and counted[-1][0] == counted[-1][1]
-    assert all(on_splash for _, on_splash in stages)
-    assert any(what.startswith("calibrating (first calibration at start): warm-up, shape 1/")
-               for what, _ in stages)
+    assert not any("calibrating" in what for what in splash), splash
+    shapes = [(int(m[1]), int(m[2])) for what, _ in calibrating
+              if (m := re.search(r"shape (\d+)/(\d+)\)", what))]
+    assert shapes, calibrating
+    assert any(requests for _, requests in calibrating), "no traffic during the calibration"
+    assert only_calibration(db).reason == FIRST_REASON
+
+
+async def test_a_new_store_reuses_the_default_stores_calibration(tmp_path: Path) -> None:
+    """A calibration stored for the same model and device in the default store is copied
+    into a new --db and used at once: no second first calibration."""
+    with EngineSession.start(EngineConfig(model="synthetic:tiny", device="cpu"),
+                             journal=False) as session:  # the default store, calibrated
+        assert session.calibration is not None
+    splash: list[str] = []
+
+    def heard(message: Message) -> None:
+        if isinstance(message, EngineStarting):
+            splash.append(message.what)
+
+    db = tmp_path / "new.db"
+    app = console(db)
+    async with app.run_test(size=(120, 40), message_hook=heard) as pilot:
+        await until(pilot, lambda: app.latest is not None, "a snapshot")
+        assert app.latest.calibration == "calibrated"
+        app.collector.stop()
+        await workers_done(pilot)
+    assert any(f"reusing calibration {session.calibration.id} of {default_db_path()}" in what
+               for what in splash), splash
+    run = only_calibration(db)
+    assert run.reason.endswith("reused") and run.params == session.calibration.params

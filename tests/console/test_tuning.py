@@ -80,8 +80,19 @@ async def test_a_range_error_shows_inline_as_it_is_typed(tuning) -> None:
     box.value = "512"
     await pilot.pause()  # the Changed message is handled: no apply yet
     assert box.has_class("error") and box.has_class("edited")
-    assert "must be in [1, 10]" in note(screen, "slow_query_threshold")
-    assert "budget_score of 1 is on plan" in note(screen, "slow_query_threshold")
+    assert note(screen, "slow_query_threshold").startswith("must be at most 10: above 10")
+    box.value = "0.5"
+    await pilot.pause()
+    assert "must be at least 1: a budget_score of 1 is on plan" in note(screen,
+                                                                        "slow_query_threshold")
+    budget = screen.query_one("#input-max_num_batched_tokens", Input)
+    budget.value = "6"  # a digit too few: the message names the lower bound, not the upper
+    await pilot.pause()
+    assert note(screen, "max_num_batched_tokens").startswith("must be at least 16")
+    budget.value = str(engine.config.max_num_batched_tokens)
+    await pilot.pause()
+    box.value = "512"
+    await pilot.pause()
     await pilot.press("ctrl+s")
     await workers_done(pilot)
     assert engine.config == before
@@ -93,22 +104,31 @@ async def test_a_range_error_shows_inline_as_it_is_typed(tuning) -> None:
     await until(pilot, lambda: not box.has_class("edited"), "the form caught up")
 
 
-async def test_apply_and_c_say_unchanged_when_nothing_changes(tuning) -> None:
+async def test_c_says_old_new_and_why_then_unchanged(tuning) -> None:
+    """Three presses of `c` at the same load: one change, said as old → new with how C*
+    became the budget, then "unchanged" twice (the budget C* is clamped to no longer feeds
+    back into it)."""
     app, pilot, screen = tuning
     engine = app.source.loop.engine
     await pilot.press("ctrl+s")
     await until(pilot, lambda: said(app, "unchanged: no field differs"))
+    app.source.update_config(max_num_batched_tokens=4096)
     await until(pilot, lambda: app.latest is not None
-                and app.latest.recommended_token_budget is not None)
+                and app.latest.config["max_num_batched_tokens"] == 4096
+                and app.latest.recommended_token_budget is not None, "a recommendation")
     budget = app.latest.recommended_token_budget
-    app.source.update_config(max_num_batched_tokens=budget)
-    await until(pilot, lambda: app.latest.config["max_num_batched_tokens"] == budget
-                and app.latest.recommended_token_budget == budget, "the budget at C*")
-    app.heard.clear()
     screen.query_one(DataTable).focus()
-    await pilot.press("c")
-    await until(pilot, lambda: said(app, f"unchanged: the token budget is already C*'s {budget}"))
-    assert engine.config.max_num_batched_tokens == budget
+    for _ in range(3):
+        await pilot.press("c")
+        await until(pilot, lambda: engine.config.max_num_batched_tokens == budget
+                    and app.latest.config["max_num_batched_tokens"] == budget, "applied")
+        await workers_done(pilot)
+    changed = [m for m in app.heard if m.startswith("budget 4096 → ")]
+    assert len(changed) == 1 and changed[0].startswith(f"budget 4096 → {budget} (C* ")
+    assert changed[0].endswith(" decodes, rounded to tiles)")
+    unchanged = [m for m in app.heard if m.startswith("unchanged: the token budget")]
+    assert len(unchanged) == 2, app.heard
+    assert unchanged[0].startswith(f"unchanged: the token budget is already {budget} (C* ")
 
 
 async def test_the_arrival_rate_is_a_live_knob(tuning) -> None:

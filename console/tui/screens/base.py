@@ -41,7 +41,7 @@ class ConsoleScreen(Screen):
         # A poll can land while this screen is still mounting or already tearing down.
         header = self.query(EngineHeader)
         if header:
-            header.first().update_from(snapshot, self.state.source.name)
+            header.first().update_from(snapshot, self.state.source.name, self.state.slo)
 
     def show_failure(self, error: str) -> None:
         header = self.query(EngineHeader)
@@ -59,6 +59,11 @@ class ConsoleScreen(Screen):
             self.show_snapshot(self.state.latest)
         if self.state.failure:
             self.show_failure(self.state.failure)
+
+    def on_screen_suspend(self) -> None:
+        """Leaving a screen leaves its field: coming back, the digits are screen keys."""
+        if isinstance(self.focused, Input):
+            self.set_focus(None)
 
     def action_leave_input(self) -> None:
         """Escape leaves a field, so the screen's keys (1–5, c, p) are keys again."""

@@ -1,7 +1,11 @@
-"""Diagnosis: seed 003 §11 evaluated live — which symptoms are present, why, and how to check."""
+"""Diagnosis: the symptom table evaluated live — which symptoms are present, why, and how to
+check. Each finding's lines hang under its first words, so a wrapped line never starts at the
+pane's edge (80 columns)."""
 
 from __future__ import annotations
 
+from rich.console import RenderableType
+from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
@@ -12,24 +16,26 @@ from console.tui.screens.base import ConsoleScreen
 from engine.snapshot import Snapshot
 
 
-def finding_text(symptom: str, mechanism: str, check: str, finding: Finding | None) -> Text:
-    text = Text()
+def finding_text(symptom: str, mechanism: str, check: str,
+                 finding: Finding | None) -> RenderableType:
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True)
+    grid.add_column()
     if finding is None:
-        text.append("○ absent   ", style="green")
-        text.append(symptom, style="dim")
-        return text
-    text.append("● PRESENT  ", style="bold red")
-    text.append(symptom, style="bold")
-    text.append("\n    mechanism  ", style="dim")
-    text.append(mechanism)
-    text.append("\n    check      ", style="dim")
-    text.append(check, style="cyan")
-    text.append("\n    condition  ", style="dim")
-    text.append(finding.condition)
-    text.append("\n    evidence   ", style="dim")
-    text.append("  ".join(f"{name} {value}" for name, value in finding.figures.items()),
-                style="yellow")
-    return text
+        grid.add_row(Text("○ absent", style="green"), Text(symptom, style="dim"))
+        return grid
+    grid.add_row(Text("● PRESENT", style="bold red"), Text(symptom, style="bold"))
+    details = Table.grid(padding=(0, 2))
+    details.add_column(no_wrap=True, style="dim")
+    details.add_column()
+    details.add_row("mechanism", mechanism)
+    details.add_row("check", Text(check, style="cyan"))
+    details.add_row("condition", finding.condition)
+    details.add_row("evidence", Text("  ".join(f"{name} {value}"
+                                              for name, value in finding.figures.items()),
+                                     style="yellow"))
+    grid.add_row("", details)
+    return grid
 
 
 class DiagnosisScreen(ConsoleScreen):
@@ -42,7 +48,7 @@ class DiagnosisScreen(ConsoleScreen):
         yield from self.compose_footer()
 
     def on_mount(self) -> None:
-        self.query_one("#diagnosis").border_title = "Diagnosis (seed 003 §11)"
+        self.query_one("#diagnosis").border_title = "Diagnosis: symptoms, causes, checks"
 
     def show_snapshot(self, snapshot: Snapshot) -> None:
         super().show_snapshot(snapshot)

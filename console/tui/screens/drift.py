@@ -41,7 +41,7 @@ def prefill_ms_per_1k(record: CalibrationRecord) -> float | None:
 class DriftScreen(ConsoleScreen):
     BINDINGS: ClassVar[list[BindingType]] = [Binding("r", "recalibrate", "Recalibrate")]
     NEEDS: ClassVar[dict[str, Capability]] = {"recalibrate": Capability.CALIBRATE}
-    RECALIBRATE_NOTE = "press r to recalibrate the token budget on this engine"
+    RECALIBRATE_NOTE = "press r to recalibrate the step-time model on this engine"
 
     def __init__(self, state: ConsoleState) -> None:
         super().__init__(state)
@@ -98,7 +98,7 @@ class DriftScreen(ConsoleScreen):
     def on_drift_loaded(self, message: DriftLoaded) -> None:
         runs = list(reversed(message.calibrations))  # oldest first, as time runs on the plot
         figures = [f for f in (prefill_ms_per_1k(r) for r in runs) if f is not None]
-        line = Text(f"{len(runs)} runs", style="bold")
+        line = Text(f"{len(runs)} run{'' if len(runs) == 1 else 's'}", style="bold")
         if runs:
             last = runs[-1]
             line.append(f" · last {clock(last.created_at)} on {last.model} / {last.device}")

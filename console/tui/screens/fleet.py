@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 from textual.app import ComposeResult
 from textual.message import Message
 from textual.widgets import DataTable, Static
 
-from console.sources.fleet import FleetSource
+from console.sources.fleet import FleetSource, MemberState
 from console.tui.screens.base import ConsoleScreen
+from console.tui.state import ConsoleState
 from console.tui.widgets.fleet_table import FleetTable
 from engine.snapshot import Snapshot
 
@@ -19,6 +22,10 @@ class FleetScreen(ConsoleScreen):
         def __init__(self, index: int) -> None:
             super().__init__()
             self.index = index
+
+    def __init__(self, state: ConsoleState) -> None:
+        super().__init__(state)
+        self.single = MemberState(state.source)  # one server: its row, from the console's polls
 
     def compose(self) -> ComposeResult:
         yield from self.compose_header()
@@ -35,16 +42,22 @@ class FleetScreen(ConsoleScreen):
 
     def show_failure(self, error: str) -> None:
         super().show_failure(error)  # the selected server is down; the others still report
+        self.single.error = error
         self._refresh_rows()
 
     def _refresh_rows(self) -> None:
         source = self.state.source
         note = self.query_one("#fleet-note", Static)
-        if not isinstance(source, FleetSource):
-            note.update("one server attached: pass several --attach URLs for a fleet")
+        if isinstance(source, FleetSource):
+            note.display = False
+            self.query_one(FleetTable).update_from(source.rows())
             return
-        note.display = False
-        self.query_one(FleetTable).update_from(source.rows())
+        note.update("one server: pass several --attach URLs for a fleet")
+        latest = self.state.latest
+        if latest is not None and latest is not self.single.snapshot and not self.state.failure:
+            self.single.heard(latest, time.time())
+        self.single.polls = 1 if self.single.snapshot or self.single.error else 0
+        self.query_one(FleetTable).update_from([self.single.row(0)])
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         if isinstance(self.state.source, FleetSource) and event.row_key.value is not None:

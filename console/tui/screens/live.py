@@ -44,7 +44,7 @@ class LiveScreen(ConsoleScreen):
                                                self.state.refusal(Capability.CHUNK_QUEUE))
         self.query_one(CachePressure).update_from(snapshot, history, watermarks=watermarks)
         self.query_one(Bandwidth).update_from(snapshot, history, throttles=watermarks)
-        self.query_one(Latency).update_from(snapshot, history)
+        self.query_one(Latency).update_from(snapshot, history, self.state.slo)
 
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         """Enter on a request: its timeline if it is a stored slow query, else its row."""

@@ -23,6 +23,8 @@ from console.tui.text import plain
 from console.tui.widgets.keyed_table import Column, KeyedTable, TableRow, middle_cut
 from console.tui.widgets.notice import unavailable
 from console.tui.widgets.requests_table import budget_text
+from engine.core.timeline import timeline_lines
+from engine.stats import human_duration
 
 if TYPE_CHECKING:  # annotations only: the store pulls SQLAlchemy and Alembic (~1 s)
     from engine.store import SlowQueryRecord
@@ -76,7 +78,9 @@ class SlowQueriesScreen(ConsoleScreen):
     def compose(self) -> ComposeResult:
         yield from self.compose_header()
         yield Static(id="slow-queries-unavailable", classes="unavailable")
-        yield KeyedTable(COLUMNS, id="slow-queries")
+        yield KeyedTable(COLUMNS, id="slow-queries",
+                         empty="no slow query stored yet: a request is one when its "
+                               "budget_score passes the slow-query threshold")
         yield from self.compose_footer()
 
     def on_mount(self) -> None:
@@ -156,13 +160,17 @@ class SlowQueryDetail(ModalScreen[None]):
                 plain(f"request {r.request_id}", "bold"), plain(f"  tenant {r.tenant}  "),
                 budget_text(r.budget_score, setting(r.config, "slow_query_threshold")),
                 f"  prompt {r.prompt_tokens} tok"
-                f"{'' if r.cached_tokens is None else f' ({r.cached_tokens} cached)'}"
-                f"  prefill {r.prefill_s * 1e3:.1f} ms"
-                f" of {r.budgeted_s * 1e3:.1f} ms budgeted  ",
+                + ("" if r.cached_tokens is None
+                   else f" ({r.cached_tokens} found in the prefix cache)")
+                + f"  prefill {human_duration(r.prefill_s)} of "
+                  f"{human_duration(r.budgeted_s)} budgeted  ",
                 plain(f"tag {r.tag or '–'}  server {r.server or '–'}")))
             if r.verdict:  # records stored before revision 0003 have none
                 yield Static(Text.assemble(("verdict ", "dim"), plain(r.verdict, "bold yellow")),
                              id="detail-verdict")
+            if r.timeline:  # the lines `tokenflow slow-queries show` prints
+                yield Static(Text("\n".join(timeline_lines(r.timeline))),
+                             id="detail-timeline")
             yield DataTable(id="detail-chunks", cursor_type="row", zebra_stripes=True)
             with VerticalScroll(id="detail-config"):
                 yield Static(config_text(r.config), id="detail-config-values")
@@ -172,14 +180,14 @@ class SlowQueryDetail(ModalScreen[None]):
         self.query_one("#detail").border_title = f"Slow query {self.record.id}"
         chunks = self.query_one("#detail-chunks", DataTable)
         chunks.border_title = "Chunks"
-        chunks.add_columns("#", "start", "tokens", "ms", "predicted", "ratio")
+        chunks.add_columns("#", "start", "tokens", "decodes", "took", "predicted", "× own")
         for chunk in self.record.chunks:
             duration = float(chunk.get("duration_s", 0.0))
             predicted = float(chunk.get("predicted_s", 0.0))
-            ratio = f"{duration / predicted:.2f}" if predicted > 0 else "–"
+            ratio = f"{duration / predicted:.1f}×" if predicted > 0 else "–"
             chunks.add_row(str(chunk.get("index", "")), str(chunk.get("start", "")),
-                           str(chunk.get("tokens", "")), f"{duration * 1e3:.2f}",
-                           f"{predicted * 1e3:.2f}", ratio)
+                           str(chunk.get("tokens", "")), str(chunk.get("decodes", "–")),
+                           human_duration(duration), human_duration(predicted), ratio)
         config = self.query_one("#detail-config", VerticalScroll)
         config.border_title = "Configuration at the time"
         config.border_subtitle = "yellow: not the default"

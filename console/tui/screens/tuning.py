@@ -37,7 +37,7 @@ from console.tui.state import ConsoleState
 from console.tui.text import escaped, plain
 from console.tui.widgets.field import Field as NumberField
 from console.tui.widgets.header import chunk_size
-from console.tui.widgets.latency import LatencySLO, append_latency, slo_style, window
+from console.tui.widgets.latency import append_latency, slo_style, window
 from console.tui.widgets.notice import unavailable
 from console.tui.widgets.plot import Line, Plot, Series, ms, number, per_s
 from engine.events import wall_offset
@@ -56,18 +56,23 @@ class Field:
     kind: type  # int or float
     low: float
     high: float
-    why: str  # what the range protects, said when a value falls outside it
+    why: str  # what the upper bound protects, said when a value is above it
+    why_low: str = ""  # what the lower bound protects, said when a value is below it
 
     def check(self, text: str) -> str | None:
-        """Why `text` cannot be applied to this field, or None."""
+        """Why `text` cannot be applied to this field, or None: the bound it broke, and why
+        that bound is there."""
         try:
             value = float(text)
         except ValueError:
             return f"expected a {'whole ' if self.kind is int else ''}number, got {text!r}"
         if self.kind is int and value != int(value):
             return f"expected a whole number, got {text!r}"
-        if not self.low <= value <= self.high:
-            return f"must be in [{self.low:g}, {self.high:g}]: {self.why}"
+        if value < self.low:
+            return f"must be at least {self.low:g}" + (f": {self.why_low}" if self.why_low
+                                                        else "")
+        if value > self.high:
+            return f"must be at most {self.high:g}: {self.why}"
         return None
 
 
@@ -75,16 +80,17 @@ FIELDS: tuple[Field, ...] = (
     Field(RATE_FIELD, "Arrival rate /s", "the console's traffic; 0 holds it", float, 0, 1000,
           "beyond 1000 requests/s the workload plays all at once"),
     Field("max_num_batched_tokens", "Token budget", "tokens one step may spend", int, 16, 65536,
-          "one step beyond 65536 tokens outlasts any time-between-tokens SLO"),
+          "one step beyond 65536 tokens outlasts any time-between-tokens SLO",
+          "a step needs room for a chunk tile beside its decodes"),
     Field("chunk_tile", "Chunk tile", "chunks round down to a multiple", int, 1, 1024,
           "a tile beyond 1024 leaves most budgets one chunk or none"),
-    Field("max_prefill_chunks", "Chunk concurrency", "partial prefills per step", int, 1, 64,
+    Field("max_prefill_chunks", "Chunks at once", "partial prefills per step", int, 1, 64,
           "more than 64 partial prefills per step only thin each chunk"),
     Field("long_prefill_threshold", "Chunk cap", "per request per step; 0 = none", int, 0,
           65536, "0 turns the cap off; above 65536 it never binds"),
-    Field("cache_high_watermark", "KV high watermark", "stop admitting above", float, 0.05,
+    Field("cache_high_watermark", "KV high mark", "stop admitting above", float, 0.05,
           0.99, "at 1 the cache fills before admission stops, and decodes preempt"),
-    Field("cache_low_watermark", "KV low watermark", "admit again below", float, 0.01, 0.98,
+    Field("cache_low_watermark", "KV low mark", "admit again below", float, 0.01, 0.98,
           "it must sit below the high watermark, above an empty cache"),
     Field("bandwidth_throttle_2", "BW throttle → 2", "5 s avg above: concurrency 2", float,
           0.05, 1.0, "a share of the device's peak bandwidth"),
@@ -93,8 +99,8 @@ FIELDS: tuple[Field, ...] = (
     Field("bandwidth_pause", "BW pause", "above: new prefills paused", float, 0.05, 1.0,
           "a share of the device's peak bandwidth"),
     Field("slow_query_threshold", "Slow query", "budget_score above is slow", float, 1.0, 10.0,
-          "a budget_score of 1 is on plan: below 1 flags healthy requests, above 10 hides "
-          "real ones"),
+          "above 10 hides real slow queries", "a budget_score of 1 is on plan: below 1 flags "
+          "healthy requests"),
     Field("slow_query_min_overrun_ms", "Slow query min", "ms over plan, at least", float, 0.0,
           10_000.0, "milliseconds a prefill must overrun its plan to be a slow query"),
 )
@@ -123,10 +129,12 @@ def around(history: MetricHistory, at: float, name: str, unit: Any) -> tuple[str
 
 
 class TuningScreen(ConsoleScreen):
-    AUTO_FOCUS = "#input-max_num_batched_tokens"
+    # Entering the screen focuses nothing, so 1-5 stay screen keys; Enter or Tab starts an edit.
+    AUTO_FOCUS = ""
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("ctrl+s", "apply", "Apply"),
         Binding("ctrl+r", "revert", "Revert"),
+        Binding("enter", "edit", "Edit", show=False),
     ]
     NEEDS: ClassVar[dict[str, Capability]] = {"apply": Capability.TUNE,
                                               "revert": Capability.TUNE}
@@ -184,8 +192,7 @@ class TuningScreen(ConsoleScreen):
         tune = self.state.refusal(Capability.TUNE)
         for box in self.query(".field-input"):
             box.disabled = tune is not None
-        for button in self.query(Button):
-            button.disabled = tune is not None
+        self.query_one("#tuning-buttons").display = tune is None  # read-only: no Apply
         traffic = self.state.refusal(Capability.TRAFFIC)
         self.query_one(f"#input-{RATE_FIELD}", Input).parent.display = traffic is None
         history = self.state.refusal(Capability.CONFIG_HISTORY)
@@ -219,35 +226,35 @@ class TuningScreen(ConsoleScreen):
         self._show_charts(snapshot)
 
     def _live_line(self, snapshot: Snapshot) -> Text:
-        slo = LatencySLO.of(snapshot)
+        slo = self.state.slo
         text = Text(no_wrap=False, overflow="fold")
         text.append(f"over {window(snapshot):.0f} s: ", style="dim")
         text.append("ITL p99 ")
         tbt = snapshot.itl_ms.p99
-        text.append("–" if tbt is None else ms(tbt), style=slo_style(tbt, slo and slo.tbt_ms))
+        text.append("–" if tbt is None else ms(tbt), style=slo_style(tbt, slo.itl_ms))
         text.append(" · ")
-        append_latency(text, "TTFT p50/p99", snapshot.ttft_ms, slo and slo.ttft_ms)
+        append_latency(text, "TTFT p50/p99", snapshot.ttft_ms, slo.ttft_ms)
         text.append(" · queue ")
         text.append(f"{snapshot.num_waiting}", style="bold")
         text.append(f" waiting, {snapshot.chunk_queue_length} chunks · chunk ")
-        text.append(f"{chunk_size(snapshot.config)}", style="bold")
+        text.append(f"{chunk_size(snapshot.config) or '–'}", style="bold")
         text.append(" · ")  # C* stands in the header, and over time in its chart
         text.append(f"{snapshot.tokens_per_s:,.0f} tok/s", style="bold")
         text.append(f" over {snapshot.window_s or RATE_WINDOW_S:.0f} s", style="dim")
         return text
 
     def _show_charts(self, snapshot: Snapshot) -> None:
-        history, slo = self.state.history, LatencySLO.of(snapshot)
+        history, slo = self.state.history, self.state.slo
         marks, now = history.change_times, history.newest_ts
 
         def plot(name: str, series: tuple[Series, ...], lines: tuple[Line, ...] = ()) -> None:
-            self.query_one(f"#{name}", Plot).show(series, lines, marks, now)
+            self.query_one(f"#{name}", Plot).show(series, lines, marks, now, history.oldest_ts)
 
         plot("tune-ttft", (Series.of("TTFT p50", history.points("ttft_p50")),
                            Series.of("p99", history.points("ttft_p99"))),
-             () if slo is None else (Line(slo.ttft_ms, f"SLO {ms(slo.ttft_ms)}", "red"),))
+             (Line(slo.ttft_ms, f"SLO {ms(slo.ttft_ms)}", "red"),))
         plot("tune-tbt", (Series.of("ITL p99", history.points("itl_p99")),),
-             () if slo is None else (Line(slo.tbt_ms, f"SLO {ms(slo.tbt_ms)}", "red"),))
+             (Line(slo.itl_ms, f"SLO {ms(slo.itl_ms)}", "red"),))
         plot("tune-queue", (Series.of("waiting", history.points("num_waiting")),
                             Series.of("chunks", history.points("chunk_queue_length"))))
         plot("tune-rates", (Series.of("arrived/s", history.points("arrival_rate")),
@@ -255,7 +262,8 @@ class TuningScreen(ConsoleScreen):
         budget = snapshot.config.get("max_num_batched_tokens")
         plot("tune-cstar", (Series.of("C*", history.points("cstar")),),
              () if budget is None else (Line(float(budget), f"budget {budget}"),))
-        plot("tune-throughput", (Series.of("tok/s", history.points("tokens_per_s")),))
+        plot("tune-throughput", (Series.of("prompt+output tok/s",
+                                           history.points("tokens_per_s")),))
 
     # --- the form ---------------------------------------------------------------------------
     def edited(self) -> dict[str, str]:
@@ -310,6 +318,13 @@ class TuningScreen(ConsoleScreen):
         if changes:
             self._refused(self.state.apply_config(self, changes))
 
+    def action_edit(self) -> None:
+        """Enter with nothing focused: edit the first field the source lets one change."""
+        for box in self.query(".field-input").results(Input):
+            if box.focusable and box.parent is not None and box.parent.display:
+                box.focus()
+                return
+
     def action_apply_recommended(self) -> None:
         self._refused(self.state.apply_recommended(self))
 
@@ -342,7 +357,7 @@ class TuningScreen(ConsoleScreen):
             if name in self._base:
                 self._take(name, value)
         self._mark_edits()
-        self.notify("configuration applied", timeout=2)
+        self.notify(message.note, timeout=4)
         self._load_changes()
 
     def on_rate_set(self, message: RateSet) -> None:
@@ -367,11 +382,21 @@ class TuningScreen(ConsoleScreen):
         latest = self.state.latest
         offset = (latest.wall_offset if latest is not None and latest.wall_offset is not None
                   else wall_offset())
+        rates = [c.created_at for c in message.changes if c.field == RATE_FIELD]
+        unequal = False
         for change in message.changes:
             at = change.created_at - offset
             ttft = around(history, at, "ttft_p99", ms)
             throughput = around(history, at, "tokens_per_s", number)
-            table.add_row(change.field, shown(change.old), shown(change.new),
-                          plain(change.source),
+            # another change of the arrival rate nearby: before and after differ in load too
+            moved = change.field != RATE_FIELD and any(
+                abs(t - change.created_at) <= AROUND_S for t in rates)
+            unequal |= moved
+            marker = " *" if moved else ""
+            table.add_row(change.field, shown(change.old), shown(change.new), plain(change.source),
                           datetime.fromtimestamp(change.created_at).strftime("%H:%M:%S"),
-                          *ttft, *throughput, key=str(change.id))
+                          ttft[0], ttft[1] + marker, throughput[0], throughput[1] + marker,
+                          key=str(change.id))
+        table.border_subtitle = (f"* arrivals changed within {AROUND_S:.0f} s: not at equal "
+                                 "load" if unequal else
+                                 "" if message.changes else "no change stored yet")

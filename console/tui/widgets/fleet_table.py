@@ -56,7 +56,7 @@ def fleet_row(row: FleetRow, rank: int) -> TableRow:
 
 class FleetTable(KeyedTable):
     def __init__(self) -> None:
-        super().__init__(COLUMNS, id="fleet")
+        super().__init__(COLUMNS, id="fleet", empty="no server has answered yet")
         self.border_title = "Fleet"
 
     def update_from(self, rows: list[FleetRow]) -> None:

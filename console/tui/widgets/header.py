@@ -1,18 +1,24 @@
-"""The header line: the engine's state, token budget, chunk size, recommended C* and tokens/s;
-or, while the source fails, what failed.
+"""The header line: the engine's state, token budget, chunk size, recommended C* and tokens/s,
+and the source's name; or, while the source fails, what failed.
 
 The state is the scheduler's mode, and beside it what the mode alone does not say: a backlog
 of waiting requests, and KV usage above the high watermark. NORMAL is green only when neither
-holds."""
+holds. A field the source does not export is left out, not shown as "?". When the line is
+wider than the terminal, figures drop from the least useful up; the state and the source's
+name stay.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from rich.text import Text
+from textual import events
 from textual.widgets import Static
 
-from console.tui.text import plain
-from console.tui.widgets.latency import LatencySLO
+from console.tui.text import escaped, plain
 from console.tui.widgets.plot import ms
+from engine.harness.slo_targets import ServiceSLO
 from engine.snapshot import Snapshot
 
 BACKLOG_MIN = 16  # fewer waiting requests than this is a queue, not a backlog
@@ -24,16 +30,18 @@ MODE_STYLES = {
 }
 
 
-def warnings(snapshot: Snapshot) -> list[tuple[str, str]]:
-    """What is wrong beside the mode, each with its style: a backlog (red once the median
-    first token is past twice its SLO), KV usage at or above the high watermark."""
+def warnings(snapshot: Snapshot, slo: ServiceSLO) -> list[tuple[str, str]]:
+    """What is wrong beside the mode, each with its style: a backlog (many waiting, or any
+    waiting while the median first token is past its SLO; red once it is), KV usage at or
+    above the high watermark."""
     out: list[tuple[str, str]] = []
     waiting = snapshot.num_waiting
-    if waiting >= max(BACKLOG_MIN, snapshot.num_running):
-        slo = LatencySLO.of(snapshot)
-        ttft = snapshot.ttft_ms.p50
-        late = slo is not None and ttft is not None and ttft > 2 * slo.ttft_ms
-        note = f"BACKLOG {waiting} waiting" + (f", TTFT p50 {ms(ttft)}" if late and ttft else "")
+    ttft = snapshot.ttft_ms.p50
+    late = ttft is not None and ttft > slo.ttft_ms
+    if waiting >= max(BACKLOG_MIN, snapshot.num_running) or (waiting and late):
+        note = f"BACKLOG {waiting} waiting"
+        if late and ttft is not None:
+            note += f", TTFT p50 {ms(ttft)} > SLO {ms(slo.ttft_ms)}"
         out.append((note, "bold red" if late else "bold yellow"))
     high = snapshot.config.get("cache_high_watermark")  # absent: not tokenflow's watermarks
     if high is not None and snapshot.kv_usage >= float(high):
@@ -41,40 +49,92 @@ def warnings(snapshot: Snapshot) -> list[tuple[str, str]]:
     return out
 
 
-def chunk_size(config: dict[str, object]) -> object:
-    """The largest chunk one request gets in a step: the per-request cap, else the budget."""
-    return config.get("long_prefill_threshold") or config.get("max_num_batched_tokens", "?")
+def chunk_size(config: dict[str, object]) -> object | None:
+    """The largest chunk one request gets in a step: the per-request cap, else the budget;
+    None when the source exports neither."""
+    return config.get("long_prefill_threshold") or config.get("max_num_batched_tokens")
+
+
+def cstar_text(snapshot: Snapshot) -> tuple[str, str] | None:
+    """C* as the header says it, with its style: how far the first calibration is, the
+    roofline's own value with the clamp named, or None when the source gives no C*."""
+    if snapshot.calibration.startswith("calibrating"):
+        return f"C* {snapshot.calibration}", "dim cyan"
+    cstar = snapshot.recommended_chunk_size
+    if cstar is None:
+        return None
+    unclamped = snapshot.recommended_chunk_unclamped
+    if unclamped is None or unclamped == cstar:
+        return f"C* {cstar}", "cyan"
+    bound = "tile" if unclamped < cstar else "budget"
+    return f"C* {unclamped} (clamped to {bound} {cstar})", "cyan"
+
+
+@dataclass(frozen=True)
+class Part:
+    text: str
+    style: str = ""
+    drop: int = 0  # 0: always shown; else dropped first when narrow, lowest first
+
+
+def parts(snapshot: Snapshot, source_name: str, slo: ServiceSLO) -> list[Part]:
+    config = snapshot.config
+    out: list[Part] = []
+    if snapshot.paused:
+        out.append(Part(" PAUSED ", "bold reverse yellow"))
+        out.append(Part(" "))
+    wrong = warnings(snapshot, slo)
+    style = MODE_STYLES.get(snapshot.mode, "bold")
+    out.append(Part(escaped(snapshot.mode), "bold yellow" if wrong and "green" in style else style))
+    for note, note_style in wrong:
+        out.append(Part(f" · {note}", note_style))
+    budget = config.get("max_num_batched_tokens")
+    if budget is not None:
+        out.append(Part(f"  budget {budget}", drop=4))
+    chunk, tile = chunk_size(config), config.get("chunk_tile")
+    if chunk is not None and tile is not None:
+        out.append(Part(f"  chunk {chunk}/tile {tile}", drop=2))
+    cstar = cstar_text(snapshot)
+    if cstar is not None:
+        out.append(Part(f"  {cstar[0]}", cstar[1], drop=3))
+    out.append(Part(f"  {snapshot.tokens_per_s:,.0f} tok/s", "bold", drop=5))
+    out.append(Part(f"  {escaped(source_name)}", "dim"))
+    return out
+
+
+def fitted(line: list[Part], width: int) -> Text:
+    """The parts that fit in `width` columns, the droppable ones going lowest first."""
+    kept = list(line)
+    droppable = sorted((p for p in kept if p.drop), key=lambda p: p.drop)
+    while droppable and sum(len(p.text) for p in kept) > width:
+        kept.remove(droppable.pop(0))
+    text = Text(no_wrap=True, overflow="ellipsis")
+    for part in kept:
+        text.append(part.text, style=part.style)
+    return text
 
 
 class EngineHeader(Static):
     DEFAULT_CSS = "EngineHeader { height: 1; background: $panel; padding: 0 1; }"
 
-    def update_from(self, snapshot: Snapshot, source_name: str) -> None:
-        config = snapshot.config
-        cstar = snapshot.recommended_chunk_size
-        text = Text(no_wrap=True, overflow="ellipsis")
-        if snapshot.paused:
-            text.append(" PAUSED ", style="bold reverse yellow")
-            text.append(" ")
-        wrong = warnings(snapshot)
-        style = MODE_STYLES.get(snapshot.mode, "bold")
-        text.append(plain(snapshot.mode,
-                          style="bold yellow" if wrong and "green" in style else style))
-        for note, note_style in wrong:
-            text.append(" · ")
-            text.append(note, style=note_style)
-        text.append(f"  budget {config.get('max_num_batched_tokens', '?')}")
-        text.append(f"  chunk {chunk_size(config)}/tile {config.get('chunk_tile', '?')}")
-        if snapshot.calibration == "calibrating":
-            text.append("  C* calibrating", style="dim cyan")
-        else:
-            text.append(f"  C* {cstar if cstar is not None else '–'}", style="cyan")
-        text.append(f"  {snapshot.tokens_per_s:,.0f} tok/s", style="bold")
-        text.append(plain(f"  {source_name}", style="dim"))
-        self.update(text)
+    def __init__(self) -> None:
+        super().__init__()
+        self._line: list[Part] = []
+
+    def update_from(self, snapshot: Snapshot, source_name: str, slo: ServiceSLO) -> None:
+        self._line = parts(snapshot, source_name, slo)
+        self._show()
+
+    def on_resize(self, event: events.Resize) -> None:
+        self._show()
+
+    def _show(self) -> None:
+        if self._line:
+            self.update(fitted(self._line, self.content_size.width or 10_000))
 
     def show_failure(self, error: str, source_name: str) -> None:
         """Kept until a snapshot arrives again: a toast alone fades while the panes go stale."""
+        self._line = []
         text = Text(no_wrap=True, overflow="ellipsis")
         text.append(" SOURCE FAILED ", style="bold reverse red")
         text.append(plain(f" {error}", style="bold red"))

@@ -1,8 +1,9 @@
 """The footer: the screens as tabs with the current one highlighted, this screen's own keys,
 and the commands, `?` and `q` last and never dropped.
 
-As the terminal narrows, this screen's keys go first, then the other tabs' titles (their
-keys stay), so `?` and `q` stay visible from 80 columns up.
+As the terminal narrows, this screen's keys and the other commands go first (help lists
+them), then the other tabs' titles (their keys stay): where you can go stays named, and `?`
+and `q` stay visible from 80 columns up.
 """
 
 from __future__ import annotations
@@ -77,10 +78,10 @@ class KeyBar(Widget):
                           current=c.screen == mode) for c in screens)
 
         line = tabs(short=False)
-        if len(line) + 1 + sum(map(len, extras)) + len(tail) > width:
+        if len(line) + 1 + len(tail) > width:
             line = tabs(short=True)  # the other screens keep their keys, not their titles
-            while extras and len(line) + 1 + sum(map(len, extras)) + len(tail) > width:
-                extras.pop()
+        while extras and len(line) + 1 + sum(map(len, extras)) + len(tail) > width:
+            extras.pop()
         line.append("│", style="dim")
         for extra in extras:
             line.append_text(extra)

@@ -17,7 +17,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical
-from textual.widgets import DataTable, Input
+from textual.widgets import DataTable, Input, Static
 from textual.widgets.data_table import ColumnKey
 
 from console.tui.text import escaped, plain
@@ -71,9 +71,10 @@ class KeyedTable(Vertical):
     ]
 
     def __init__(self, columns: Sequence[Column], *, id: str | None = None,
-                 sort_index: int = 0, reverse: bool = False) -> None:
+                 sort_index: int = 0, reverse: bool = False, empty: str = "") -> None:
         super().__init__(id=id)
         self.columns = tuple(columns)
+        self.empty = empty  # said under the header while no row is shown
         self.sort_index = sort_index
         self.reverse = reverse
         self.rows: dict[str, TableRow] = {}
@@ -85,6 +86,7 @@ class KeyedTable(Vertical):
         box = Input(placeholder="filter (esc clears)", classes="table-filter")
         box.display = False  # hidden, and so out of the focus chain, until / opens it
         yield box
+        yield Static(Text(self.empty, style="dim italic"), classes="table-empty")
         yield DataTable(cursor_type="row", zebra_stripes=True)
 
     def on_mount(self) -> None:
@@ -161,6 +163,7 @@ class KeyedTable(Vertical):
                         table.update_cell(key, column.key, new)
             self._shown[key] = cells
         self._sort()
+        self.query_one(".table-empty", Static).display = bool(self.empty) and not wanted
 
     def _sort(self) -> None:
         table = self.table

@@ -1,13 +1,11 @@
 """The latency pane: TTFT and ITL (time between tokens), p50/p99 over time, against their SLOs.
 
-The SLOs are set as engine.harness.slo sets them (Sarathi-Serve's multiples of one step),
-from the live step time: time between tokens within TPOT_MULTIPLE steps, the first token
-within DELAY_MULTIPLE steps. They move with the machine, so a laptop and an H200 read alike.
+The SLOs are the operator's (`--slo-ttft-ms`, `--slo-itl-ms`; a chat service's defaults),
+in absolute milliseconds: never derived from the engine's own speed, so a slow engine reads
+slow.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -16,22 +14,8 @@ from textual.widgets import Static
 
 from console.tui.history import MetricHistory
 from console.tui.widgets.plot import Line, Plot, Series, ms
-from engine.harness.slo_targets import DELAY_MULTIPLE, TPOT_MULTIPLE
+from engine.harness.slo_targets import ServiceSLO
 from engine.snapshot import Percentiles, Snapshot
-
-
-@dataclass(frozen=True)
-class LatencySLO:
-    ttft_ms: float
-    tbt_ms: float  # time between tokens
-
-    @classmethod
-    def of(cls, snapshot: Snapshot) -> LatencySLO | None:
-        """From the live step time; None before the first step has been timed."""
-        step = snapshot.step_ms.p50
-        if not step:
-            return None
-        return cls(DELAY_MULTIPLE * step, TPOT_MULTIPLE * step)
 
 
 def window(snapshot: Snapshot) -> float:
@@ -75,19 +59,18 @@ class Latency(Vertical):
             yield Plot(unit=ms, id="ttft-plot")
             yield Plot(unit=ms, id="itl-plot")
 
-    def update_from(self, snapshot: Snapshot, history: MetricHistory) -> None:
-        slo = LatencySLO.of(snapshot)
+    def update_from(self, snapshot: Snapshot, history: MetricHistory, slo: ServiceSLO) -> None:
         line = Text(no_wrap=True, overflow="ellipsis")
-        append_latency(line, "TTFT", snapshot.ttft_ms, slo and slo.ttft_ms)
+        append_latency(line, "TTFT", snapshot.ttft_ms, slo.ttft_ms)
         line.append(" · ")
-        append_latency(line, "ITL", snapshot.itl_ms, slo and slo.tbt_ms)
+        append_latency(line, "ITL", snapshot.itl_ms, slo.itl_ms)
         line.append(" p50/p99")
         line.append(f" over {window(snapshot):.0f} s", style="dim")
         self.query_one("#latency-line", Static).update(line)
         marks, now = history.change_times, history.newest_ts
-        for name, limit in (("ttft", slo and slo.ttft_ms), ("itl", slo and slo.tbt_ms)):
+        for name, limit in (("ttft", slo.ttft_ms), ("itl", slo.itl_ms)):
             self.query_one(f"#{name}-plot", Plot).show((
                 Series.of(f"{name.upper()} p50", history.points(f"{name}_p50")),
                 Series.of("p99", history.points(f"{name}_p99")),
-            ), lines=() if limit is None else (Line(limit, f"SLO {ms(limit)}", "red"),),
-                marks=marks, now=now)
+            ), lines=(Line(limit, f"SLO {ms(limit)}", "red"),), marks=marks, now=now,
+                start=history.oldest_ts)

@@ -22,6 +22,7 @@ from rich.text import Span, Text
 from textual.widget import Widget
 
 from console.tui.history import downsample
+from engine.stats import quantile
 
 SPARK_ROWS = 6  # below this a chart has no room for its legend, axis and ticks: sparklines
 SPARKS = " ▁▂▃▄▅▆▇█"
@@ -94,6 +95,11 @@ class Line:
     color: str = "yellow"
 
 
+ROBUST_QUANTILE = 0.95  # the axis is scaled to the bulk of the samples, not their extreme
+OUTLIER_FACTOR = 4.0  # samples beyond this many times the bulk are clipped, and said to be
+LINE_REACH = 20.0  # a reference line beyond this many times the data's peak stays off the axis
+
+
 class Plot(Widget):
     """Renders its series as Rich Text; the last picture is kept until its inputs change."""
 
@@ -106,16 +112,21 @@ class Plot(Widget):
         self._lines: tuple[Line, ...] = ()
         self._marks: tuple[float, ...] = ()
         self._now: float | None = None
+        self._start: float | None = None
         self._y_limits = y_limits
         self._unit = unit
         self._cache: tuple[object, Text] | None = None
 
     def show(self, series: tuple[Series, ...], lines: tuple[Line, ...] = (),
-             marks: tuple[float, ...] = (), now: float | None = None) -> None:
+             marks: tuple[float, ...] = (), now: float | None = None,
+             start: float | None = None) -> None:
         """Plot `series` against `lines`; `marks` are the times of applied changes, `now` the
-        right end of the time axis (the newest sample's time when None)."""
-        if (series, lines, marks, now) != (self._series, self._lines, self._marks, self._now):
-            self._series, self._lines, self._marks, self._now = series, lines, marks, now
+        right end of the time axis (the newest sample's time when None), `start` the oldest
+        time the window must reach (the pane's history, so its charts share one window; the
+        oldest sample's when None)."""
+        shown = (series, lines, marks, now, start)
+        if shown != (self._series, self._lines, self._marks, self._now, self._start):
+            self._series, self._lines, self._marks, self._now, self._start = shown
             self.refresh()
 
     @property
@@ -124,7 +135,7 @@ class Plot(Widget):
 
     def render(self) -> Text:
         width, height = self.size.width, self.size.height
-        key = (width, height, self._series, self._lines, self._marks, self._now)
+        key = (width, height, self._series, self._lines, self._marks, self._now, self._start)
         if self._cache is not None and self._cache[0] == key:
             return self._cache[1]
         text = self._build(width, height)
@@ -138,11 +149,36 @@ class Plot(Widget):
         if self._y_limits is not None:
             return self._y_limits
         values = [v for s in self._series for v in s.values]
-        values += [line.value for line in self._lines]
-        low, high = min(min(values), 0.0), max(values)
+        lines = self._axis_lines(values)
+        low, high = min(min(values + lines), 0.0), max(values + lines)
+        clip = self._clip_at(values, lines)
+        if clip is not None:
+            high = clip
         if high <= low:
             return low, low + 1.0
         return low, high * 1.1 if high > 0 else high  # headroom above the highest point
+
+    def _clip_at(self, values: list[float], lines: list[float]) -> float | None:
+        """Where the axis stops when a few outliers would flatten the rest (a resume's burst
+        of 146k tok/s over a run of 340): OUTLIER_FACTOR times the 95th percentile, or the
+        highest reference line; None when nothing lies that far out."""
+        body = quantile(values, ROBUST_QUANTILE)
+        if body is None or body <= 0 or max(values) <= OUTLIER_FACTOR * body:
+            return None
+        return max([OUTLIER_FACTOR * body, *lines])
+
+    def _axis_lines(self, values: list[float]) -> list[float]:
+        """The reference lines the axis reaches for. One far above the data (an SLO of 2 s
+        over TTFTs of 2 ms) would flatten it: the legend names it, the axis stays put."""
+        return [line.value for line in self._lines if line.value <= LINE_REACH * max(values)]
+
+    def _clipped(self) -> float | None:
+        """The highest value the axis cut off, if any."""
+        if self._y_limits is not None:
+            return None
+        values = [v for s in self._series for v in s.values]
+        clip = self._clip_at(values, self._axis_lines(values))
+        return None if clip is None or max(values) <= clip else max(values)
 
     def _build(self, width: int, height: int) -> Text:
         if not any(s.values for s in self._series):
@@ -184,6 +220,8 @@ class Plot(Widget):
         newest = max((s.times[-1] for s in self._series if s.times), default=0.0)
         now = self._now if self._now is not None else newest
         oldest = min((s.times[0] for s in self._series if s.times), default=now)
+        if self._start is not None:
+            oldest = min(oldest, self._start)
         span = next((s for s in SPANS_S if s >= now - oldest), SPANS_S[-1])
 
         figure = Terminal()._master  # its own figure: plotext's plt.figure is one global
@@ -193,6 +231,7 @@ class Plot(Widget):
         figure.ruler(["x", "y"]).pixel(DIM)
         for series, color in zip(self._series, self._colors(), strict=True):
             xs, ys = _columns(series, dots, now, span)
+            ys = [min(y, high) for y in ys]  # clipped outliers touch the top edge
             figure.draw(figure.signal(xs, ys, marker=plt.marker("braille", _pixel(color))).lines())
         if timed:
             figure.ruler("x").lim(-span, 0.0).ticks(
@@ -227,6 +266,8 @@ class Plot(Widget):
         """The reference lines grouped by the chart row they fall on: one label per row."""
         tags: dict[int, list[Line]] = {}
         for line in self._lines:
+            if not low <= line.value <= high:
+                continue  # off the axis: the legend still names it
             tags.setdefault(round((line.value - low) / (high - low) * (rows - 1)), []).append(line)
         return [(shared[0].value, shared) for shared in tags.values()]
 
@@ -236,6 +277,9 @@ class Plot(Widget):
         entries += [(f"┈ {line.label}", line.color) for line in self._lines]
         if self._marks and any(s.times for s in self._series):
             entries.append(("┊ change", MARK_STYLE))
+        clipped = self._clipped()
+        if clipped is not None:
+            entries.append((f"↑ clipped, peak {self._unit(clipped)}", "dim"))
         used = 0
         for entry, style in entries:
             if used + len(entry) + 2 > width:

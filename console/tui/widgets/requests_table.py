@@ -65,7 +65,8 @@ def request_row(r: RequestView, slow_threshold: float) -> TableRow:
 
 class RequestsTable(KeyedTable):
     def __init__(self) -> None:
-        super().__init__(COLUMNS, id="requests", sort_index=SCORE_COLUMN, reverse=True)
+        super().__init__(COLUMNS, id="requests", sort_index=SCORE_COLUMN, reverse=True,
+                         empty="no request yet: the engine has not admitted any")
         self.border_title = "Requests"
 
     def update_from(self, snapshot: Snapshot) -> None:
@@ -74,4 +75,8 @@ class RequestsTable(KeyedTable):
         subtitle = f"{snapshot.num_running} running · {snapshot.num_waiting} waiting"
         if snapshot.score_estimate:  # traced scores are measured against an estimate
             subtitle += f" · budget_score vs {snapshot.score_estimate} estimate"
+        if snapshot.calibration.startswith("calibrating"):  # every "–" says why
+            subtitle = f"budget_score {snapshot.calibration} · {subtitle}"
+        elif snapshot.score_note:
+            subtitle = f"{snapshot.score_note} · {subtitle}"
         self.border_subtitle = subtitle
