@@ -24,12 +24,16 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[int
     return directory, [[rng.randrange(400) for _ in range(n)] for n in (40, 7, 2)]
 
 
-def _hf_logprobs(directory: Path, ids: list[int]) -> torch.Tensor:
+@pytest.fixture(scope="module")
+def hf_logprobs(llama):  # -> Callable[[list[int]], torch.Tensor]
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-    with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama[0], dtype=torch.float32)
+
+    def logprobs(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    return logprobs
 
 
 def _run(engine: Engine, prompt: list[int], params: SamplingParams):
@@ -41,7 +45,7 @@ def _run(engine: Engine, prompt: list[int], params: SamplingParams):
 
 
 @pytest.mark.parametrize("budget", [13, 4096])
-def test_logprobs_equal_transformers_log_softmax(llama, budget: int) -> None:
+def test_logprobs_equal_transformers_log_softmax(llama, hf_logprobs, budget: int) -> None:
     directory, prompts = llama
     engine = Engine(EngineConfig(model=str(directory), device="cpu", dtype="float32",
                                  max_num_batched_tokens=budget, chunk_tile=1))
@@ -50,7 +54,7 @@ def test_logprobs_equal_transformers_log_softmax(llama, budget: int) -> None:
         out = _run(engine, prompt, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True,
                                                   logprobs=TOP, prompt_logprobs=TOP))
         assert list(out.token_ids) == expected  # greedy unchanged
-        reference = _hf_logprobs(directory, prompt + expected)
+        reference = hf_logprobs(prompt + expected)
         # prompt positions 1.. then the generated tokens, one row earlier each
         scored = list(out.prompt_logprobs) + list(out.logprobs)
         assert len(out.prompt_logprobs) == len(prompt) - 1
