@@ -163,7 +163,7 @@ async def test_the_header_names_the_clamp_omits_what_is_not_exported_and_fits() 
         header = pilot.app.query_one(EngineHeader)
         for snapshot, words in ((tile, "C* 7 (clamped to tile 16)"),
                                 (budget, "C* 1840 (clamped to budget 256)"),
-                                (calibrating, "C* calibrating (pass 1/3, shape 7/16)")):
+                                (calibrating, "C* calibrating (shape 7/16)")):
             header.update_from(snapshot, source, slo)
             assert words in str(header.render())
         header.update_from(vllm, "vllm http://127.0.0.1:8000", slo)

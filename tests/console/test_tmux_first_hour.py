@@ -67,7 +67,8 @@ def test_the_first_hour_keys_never_type_into_a_field(tmp_path: Path) -> None:
                f"echo $? > {exit_file}; tmux -L {socket} wait-for -S exited")
     subprocess.run([*tmux, "new-session", "-d", "-s", "hour", "-x", "120", "-y", "40",
                     command], check=True)
-    # a detached session takes tmux's default size; the first hour starts at 120x40
+    # a detached session falls back to tmux's default size (80x24) unless sized by hand
+    subprocess.run([*tmux, "set-option", "-t", "hour", "window-size", "manual"], check=True)
     subprocess.run([*tmux, "resize-window", "-t", "hour", "-x", "120", "-y", "40"], check=True)
 
     def keys(*names: str) -> None:  # one send-keys: the keys arrive at once, at speed

@@ -30,6 +30,9 @@ def test_first_minute_shows_progress_at_once_and_a_real_cstar(tmp_path: Path) ->
     started = time.monotonic()
     subprocess.run([*tmux, "new-session", "-d", "-s", "first", "-x", "120", "-y", "40",
                     command], check=True)
+    # a detached session falls back to tmux's default size (80x24) unless sized by hand
+    subprocess.run([*tmux, "set-option", "-t", "first", "window-size", "manual"], check=True)
+    subprocess.run([*tmux, "resize-window", "-t", "first", "-x", "120", "-y", "40"], check=True)
     try:
         first_seen = None
         cstars: list[str] = []
@@ -52,6 +55,6 @@ def test_first_minute_shows_progress_at_once_and_a_real_cstar(tmp_path: Path) ->
         assert any("loading" in s or "calibrating" in s for s in screens), (
             "the splash never named a stage")
         assert cstars and all(c == "calibrating" or (c.isdigit() and c != "1")
-                              for c in cstars), cstars
+                              for c in cstars), (cstars, screens[-1])
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True)

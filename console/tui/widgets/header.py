@@ -10,6 +10,7 @@ name stay.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from rich.text import Text
@@ -59,7 +60,8 @@ def cstar_text(snapshot: Snapshot) -> tuple[str, str] | None:
     """C* as the header says it, with its style: how far the first calibration is, the
     roofline's own value with the clamp named, or None when the source gives no C*."""
     if snapshot.calibration.startswith("calibrating"):
-        return f"C* {snapshot.calibration}", "dim cyan"
+        shape = re.search(r"shape \d+/\d+", snapshot.calibration)  # the pass is the pane's
+        return f"C* calibrating{f' ({shape[0]})' if shape else ''}", "dim cyan"
     cstar = snapshot.recommended_chunk_size
     if cstar is None:
         return None
