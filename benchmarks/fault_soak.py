@@ -16,6 +16,7 @@ reads the engine's clock) come every few real seconds:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import sys
@@ -85,6 +86,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)
+    names = itertools.count()  # each request's prompt ends in its own name
     config = EngineConfig(model="synthetic:tiny", kv_cache_bytes=64 << 20)
     with tempfile.TemporaryDirectory() as folder:
         session = EngineSession.start(config, db=Path(folder) / "faults.db", calibrate=False,
@@ -103,13 +105,13 @@ def main() -> int:
                 def client(n: int) -> None:
                     with httpx.Client(base_url=server.url, timeout=60) as http:
                         while not stop.is_set():
-                            replies.append(send(http, rng.randrange(1, 200), n % 2 == 1))
+                            replies.append(send(http, next(names), n % 2 == 1))
 
                 threads = [threading.Thread(target=client, args=(n,), daemon=True)
                            for n in range(args.clients)]
                 for thread in threads:
                     thread.start()
-                recoveries = probe(server.url, schedule, args.faults, replies)
+                recoveries = probe(server.url, schedule, args.faults, replies, names)
                 stop.set()
                 for thread in threads:
                     thread.join(120)
@@ -138,27 +140,28 @@ def main() -> int:
     return 0 if report["ok"] else 1
 
 
-def send(http: httpx.Client, prompt: int, stream: bool) -> tuple[str, int, int]:
-    body = {"prompt": [7] * prompt, "max_tokens": 16, "ignore_eos": True, "stream": stream}
+def send(http: httpx.Client, name: int, stream: bool) -> tuple[str, int, int]:
+    """(the request's prompt as the journal stores it, HTTP status, tokens received): the
+    prompt, ending in the request's own name, is what the journal knows it by."""
+    prompt = [7] * (1 + name % 150) + [1 + (name // 250**i) % 250 for i in range(3)]
+    rid = ",".join(map(str, prompt))
+    body = {"prompt": prompt, "max_tokens": 16, "ignore_eos": True, "stream": stream}
     if not stream:
         reply = http.post("/v1/completions", json=body)
-        data = reply.json()
-        return (data.get("id", "?"), reply.status_code,
-                data.get("usage", {}).get("completion_tokens", 0))
-    tokens, rid = 0, "?"
+        return rid, reply.status_code, reply.json().get("usage", {}).get("completion_tokens", 0)
+    tokens = 0
     with http.stream("POST", "/v1/completions", json=body) as reply:
         for line in reply.iter_lines():
             if line.startswith("data: {"):
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     return rid, 500, tokens
-                rid = chunk["id"]
-                tokens += len(chunk["choices"][0]["token_ids"]) if chunk["choices"] else 0
+                tokens += sum(len(c.get("token_ids") or ()) for c in chunk["choices"])
         return rid, reply.status_code, tokens
 
 
-def probe(url: str, schedule: FaultClock, faults: int,
-          replies: list[tuple[str, int, int]]) -> list[float]:
+def probe(url: str, schedule: FaultClock, faults: int, replies: list[tuple[str, int, int]],
+          names: itertools.count[int]) -> list[float]:
     """After each fault, seconds until a fresh request is answered in full."""
     recoveries: list[float] = []
     with httpx.Client(base_url=url, timeout=60) as http:
@@ -168,7 +171,7 @@ def probe(url: str, schedule: FaultClock, faults: int,
                 continue
             fault = schedule.raised_at[len(recoveries)]
             while True:
-                replies.append(send(http, 8, False))
+                replies.append(send(http, next(names), False))
                 if replies[-1][1] == 200:
                     break
             recoveries.append(round(time.perf_counter() - fault, 3))
@@ -186,7 +189,8 @@ def journal(db: Path) -> dict[str, str]:
     database = open_database(db)
     try:
         with database.session() as session:
-            return {f"cmpl-{r.request_id}": r.state for r in session.scalars(select(JournalRow))}
+            return {",".join(map(str, r.prompt_token_ids)): r.state
+                    for r in session.scalars(select(JournalRow))}
     finally:
         database.close()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import random
 import re
@@ -36,27 +37,32 @@ class Seen:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def stream(url: str, rng: random.Random, seen: Seen, stop: threading.Event) -> None:
+def stream(url: str, rng: random.Random, seen: Seen, stop: threading.Event,
+           names: itertools.count[int]) -> None:
+    """Stream request after request; each is known by its prompt, which ends in a unique
+    name (the reply's id names the completion, not the engine's request)."""
     with contextlib.suppress(httpx.HTTPError), httpx.Client(base_url=url, timeout=60) as http:
         while not stop.is_set():
-            body = {"prompt": "k" * rng.randrange(4, 200), "max_tokens": rng.randrange(4, 120),
-                    "ignore_eos": True, "stream": True}
-            rid = None
+            name = next(names)
+            prompt = [7] * rng.randrange(4, 200) + [1 + (name // 250**i) % 250 for i in range(3)]
+            body = {"prompt": prompt, "max_tokens": rng.randrange(4, 120), "ignore_eos": True,
+                    "stream": True}
+            rid, started = ",".join(map(str, prompt)), False
             with http.stream("POST", "/v1/completions", json=body) as reply:
                 for line in reply.iter_lines():
-                    if line.startswith("data: {") and rid is None:
-                        rid = json.loads(line[6:])["id"].removeprefix("cmpl-")
+                    if line.startswith("data: {") and not started:
+                        started = True
                         with seen.lock:
                             seen.first.add(rid)
-                    elif line == "data: [DONE]" and rid is not None:
+                    elif line == "data: [DONE]" and started:
                         with seen.lock:
                             seen.done.add(rid)
 
 
 def journal(db: Path) -> dict[str, tuple[str, str | None, int]]:
     with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as connection:
-        rows = connection.execute("SELECT request_id, state, finish_reason, resume_attempts "
-                                  "FROM request_journal").fetchall()
+        rows = connection.execute("SELECT prompt_token_ids, state, finish_reason, "
+                                  "resume_attempts FROM request_journal").fetchall()
     return {rid: (state, reason, attempts) for rid, state, reason, attempts in rows}
 
 
@@ -68,6 +74,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     rng = random.Random(args.seed)
+    names = itertools.count()
     missing, not_final, accepted, completed = [], [], 0, 0
     with tempfile.TemporaryDirectory() as folder:
         db = Path(folder) / "kills.db"
@@ -82,7 +89,7 @@ def main() -> int:
             seen, stop = Seen(), threading.Event()
             clients = [threading.Thread(target=stream, daemon=True,
                                         args=(url.group(0), random.Random(rng.random()), seen,
-                                              stop)) for _ in range(args.clients)]
+                                              stop, names)) for _ in range(args.clients)]
             for client in clients:
                 client.start()
             time.sleep(rng.uniform(1.0, 6.0))  # a random moment of the streams
