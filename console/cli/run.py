@@ -26,8 +26,8 @@ from engine.harness.driver import drive
 from engine.harness.workload import (
     WorkloadRequest,
     describe,
-    load_requests_jsonl,
     request_lines,
+    requests_from_lines,
 )
 from engine.serve.session import EngineSession
 from engine.store import StoreWriter
@@ -74,8 +74,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--resume reads the request journal; drop --no-db")
     if args.requests and not args.requests.exists():
         raise UserError(f"--requests {args.requests}: no such file")
-    if args.requests:
-        request_lines(args.requests)  # its JSON, before the model loads: a bad line fails fast
+    # A file's JSON is read before the model loads, so a bad line fails fast; a pipe can be
+    # read only once, when the engine is ready for it.
+    lines = request_lines(args.requests) if args.requests and args.requests.is_file() else None
     if args.output is not None:  # before anything is written, the store included
         if not args.no_db:
             refuse_store_files(args.output, args.db)
@@ -92,8 +93,9 @@ def run(args: argparse.Namespace) -> int:
         engine = session.engine
         progress.stage(engine.runner.attention_note)  # the backends chosen, with timings
         if args.requests:
-            workload = load_requests_jsonl(args.requests, engine.tokenizer.encode,
-                                           vocab_size=engine.model_config.vocab_size)
+            workload = requests_from_lines(
+                request_lines(args.requests) if lines is None else lines,
+                engine.tokenizer.encode, vocab_size=engine.model_config.vocab_size)
         else:
             workload = workload_for(args, engine)
         sink = _OutputSink(args.output, session.writer, resume=args.resume)

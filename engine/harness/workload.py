@@ -323,9 +323,16 @@ def load_requests_jsonl(path: Path | str, tokenizer_encode: Callable[[str], list
     """One JSON object per line: id, prompt_token_ids or prompt (text), max_tokens, and optional
     tenant, tag, priority, arrival_s, ignore_eos. Any bad line fails the whole file, named;
     token ids must be below `vocab_size` when it is given."""
+    return requests_from_lines(request_lines(path), tokenizer_encode, vocab_size=vocab_size)
+
+
+def requests_from_lines(lines: Sequence[tuple[str, dict[str, Any]]],
+                        tokenizer_encode: Callable[[str], list[int]], *,
+                        vocab_size: int | None = None) -> list[WorkloadRequest]:
+    """The requests of lines `request_lines` read (each checked, named by its line)."""
     requests: list[WorkloadRequest] = []
     seen: set[str] = set()
-    for where, obj in request_lines(path):
+    for where, obj in lines:
         request = _parse_request(where, obj, tokenizer_encode, vocab_size)
         if request.request_id in seen:
             raise WorkloadError(f"{where}: field 'id': {request.request_id!r} repeats "
