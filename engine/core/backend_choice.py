@@ -235,10 +235,11 @@ class StepProbe:
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
         bs, limit = runner.block_size, runner.max_model_len
-        context = max(1, min(DECODE_CONTEXT, limit - 1))
+        capacity = runner.num_blocks * bs  # a small pool shrinks the probe, never overflows
+        context = max(1, min(DECODE_CONTEXT, limit - 1, capacity - 1))
         decodes = max(1, min(DECODES, runner.num_blocks // -(-(context + 1) // bs)))
-        history = min(PREFILL_HISTORY, limit // 2)
-        chunk = max(1, min(PREFILL_CHUNK, limit - history, runner.num_blocks * bs - history))
+        history = min(PREFILL_HISTORY, limit // 2, capacity // 2)
+        chunk = max(1, min(PREFILL_CHUNK, limit - history, capacity - history))
         tail = min(TAIL_DECODES, decodes)
         self.shapes = {"decodes": [decodes, tail], "decode_context": context,
                        "prefill_chunk": chunk, "prefill_history": history}
