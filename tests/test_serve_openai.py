@@ -277,7 +277,7 @@ def test_vllm_request_families_read_with_one_prefix_substitution(api: openai.Ope
                  "request_decode_time_seconds", "request_inference_time_seconds",
                  "request_time_per_output_token_seconds", "time_to_first_token_seconds",
                  "inter_token_latency_seconds", "e2e_request_latency_seconds"):
-        theirs, mine = vllm[f"vllm:{name}"], ours[f"tokenflow:{name}"]
+        theirs, mine = vllm[f"vllm:{name}"], ours[f"tokenflow_{name}"]
         assert mine.type == theirs.type, name
         if theirs.type == "histogram":  # the same buckets, so quantiles read alike
             def bounds(family) -> list[str]:
@@ -285,7 +285,7 @@ def test_vllm_request_families_read_with_one_prefix_substitution(api: openai.Ope
                               key=float)
             assert bounds(mine)[:len(bounds(theirs)) - 1] == bounds(theirs)[:-1], name
     reasons = {s.labels["finished_reason"]: s.value
-               for s in ours["tokenflow:request_success"].samples}
+               for s in ours["tokenflow_request_success"].samples}
     assert reasons["length"] >= 1 and {"stop", "abort"} <= set(reasons)
 
 
