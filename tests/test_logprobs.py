@@ -4,6 +4,7 @@ by asking for them, and a prefill-only request scores its prompt and generates n
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import random
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from console.cli.engine_flags import add_engine_flags, engine_config
 from engine import Engine, EngineConfig, SamplingParams
 from engine.config import ConfigError
 from engine.core.request import Request
@@ -168,3 +170,13 @@ def test_processed_mode_keeps_prompt_logprobs_raw(llama, hf_logprobs) -> None:
 def test_logits_modes_are_refused_naming_the_field() -> None:
     with pytest.raises(ConfigError, match="logprobs_mode"):
         EngineConfig(logprobs_mode="raw_logits").validate()
+
+
+def test_logprobs_mode_flag_reaches_the_engine_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    args = parser.parse_args(["--logprobs-mode", "processed_logprobs"])
+    assert engine_config(args).logprobs_mode == "processed_logprobs"
+    assert engine_config(parser.parse_args([])).logprobs_mode == "raw_logprobs"
+    with pytest.raises(ConfigError, match="processed_logits"):
+        engine_config(parser.parse_args(["--logprobs-mode", "processed_logits"]))
