@@ -28,11 +28,11 @@ TASKS = Path(__file__).parent / "lm_eval_tasks"
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def serve(model: Path) -> tuple[subprocess.Popen[str], str]:
-    """`tokenflow serve` on `model`; its URL from the banner."""
+def serve(model: Path, *flags: str) -> tuple[subprocess.Popen[str], str]:
+    """`tokenflow serve` on `model` (with `flags`); its URL from the banner."""
     server = subprocess.Popen(
         [sys.executable, "-m", "console.cli.main", "serve", "--model", str(model),
-         "--device", "cpu", "--dtype", "float32", "--port", "0", "--no-db"],
+         "--device", "cpu", "--dtype", "float32", "--port", "0", "--no-db", *flags],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert server.stdout is not None
     banner = server.stdout.readline()

@@ -33,6 +33,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -59,18 +60,20 @@ class RunResult:
     requests: int
 
 
-def save_model(directory: Path, seed: int) -> None:
+def save_model(directory: Path, seed: int, words: Sequence[str] = ()) -> None:
     """The ~40M-parameter random Llama and a word-level tokenizer covering its whole
-    vocabulary (so vLLM's detokenizer can spell every id), as any Hugging Face directory."""
+    vocabulary (so vLLM's detokenizer can spell every id), as any Hugging Face directory.
+    `words` (with punctuation split off as tokens of its own) lead the vocabulary, so
+    text made of them encodes without unknown tokens; the rest are w<id>."""
     import torch
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    specials = ["<unk>", "<s>", "</s>"]
-    vocab = {w: i for i, w in enumerate(specials + [f"w{i}" for i in range(len(specials),
-                                                                           VOCAB)])}
+    named = ["<unk>", "<s>", "</s>", *dict.fromkeys(words)]
+    vocab = {w: i for i, w in enumerate(named + [f"w{i}" for i in range(len(named), VOCAB)])}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.pre_tokenizer = (pre_tokenizers.Whitespace() if words
+                               else pre_tokenizers.WhitespaceSplit())
     transformers.PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
     ).save_pretrained(directory)

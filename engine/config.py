@@ -36,6 +36,7 @@ FLOAT32_MAX = 3.4028234663852886e38
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
 INT64_MAX = 2**63 - 1  # the journal's INTEGER columns; larger values cannot be stored
 MAX_TOP_K = 2**31 - 1  # torch.topk's k; a vocabulary is far smaller
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's logprobs_mode values we build
 MAX_LOGPROBS = 20  # top log-probabilities one token may ask for (vLLM's max_logprobs)
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
 
@@ -213,6 +214,9 @@ class EngineConfig:
     # torch (SDPA over gathered copies of the history) measures faster on this machine
     # (engine.core.backend_choice); paged or torch forces one
     attention_backend: str = "auto"  # auto | torch | flash | paged
+    # vLLM's --logprobs-mode: raw_logprobs scores the model's logits; processed_logprobs the
+    # logits the sampler drew from (after bias, penalties, temperature, min_p, top-k/top-p)
+    logprobs_mode: str = "raw_logprobs"
     cpu_threads: int = 0  # torch threads on CPU; 0 = all cores but one (UI, HTTP, store)
     # the snapshot's latency percentiles cover this many seconds (lifetime histograms stay)
     stats_window_s: float = 60.0
@@ -313,6 +317,9 @@ class EngineConfig:
                    f"priority of {tenant!r} must be an integer, got {rank!r}")
         _check(self.auto_tpot_ms >= 0, "auto_tpot_ms", "must be >= 0 (0 = C* alone)")
         _check(self.cpu_threads >= 0, "cpu_threads", "must be >= 0 (0 = all cores but one)")
+        _check(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode",
+               "must be raw_logprobs or processed_logprobs (vLLM's raw_logits and "
+               "processed_logits modes are not built)")
         _check(self.attention_backend in ("auto", "torch", "flash", "paged"),
                "attention_backend", "must be auto, torch, flash or paged")
         _check(not (self.cpu_graphs and self.attention_backend in ("torch", "flash")),
@@ -335,7 +342,7 @@ LIVE_FIELDS = frozenset(
     if f.name not in {"model", "device", "dtype", "seed", "block_size", "kv_cache_bytes",
                       "gpu_memory_utilization", "max_model_len", "max_num_seqs",
                       "attention_backend", "cpu_threads", "stats_window_s", "compile",
-                      "cpu_graphs"}
+                      "cpu_graphs", "logprobs_mode"}
 )
 
 # The defaults as one importable value: a widget that meets a snapshot without some field

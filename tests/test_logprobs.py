@@ -4,13 +4,20 @@ by asking for them, and a prefill-only request scores its prompt and generates n
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import math
 import random
 from pathlib import Path
 
 import pytest
 import torch
 
+from console.cli.engine_flags import add_engine_flags, engine_config
 from engine import Engine, EngineConfig, SamplingParams
+from engine.config import ConfigError
+from engine.core.request import Request
+from engine.core.sampler import sample
 from tests.hf_models import hf_greedy, save_tiny
 
 MAX_NEW = 4
@@ -104,3 +111,72 @@ def test_scoring_rows_are_priced_in_the_step_shape(llama) -> None:
     extra = engine.budget.flops(shapes[1]) - engine.budget.flops(shapes[0])
     assert extra == pytest.approx(13 * 2 * 64 * 400)  # lm_head: hidden × vocab per row
     assert engine.budget.predict(shapes[1]) > engine.budget.predict(shapes[0])
+
+
+def _sampled(logits: torch.Tensor, params: SamplingParams, processed: bool):
+    request = Request(id="r", prompt_token_ids=[1, 2, 3], params=params, arrival=0.0,
+                      output_token_ids=[7, 7, 9])
+    out = sample(logits.unsqueeze(0), [request], processed_logprobs=processed)
+    return out.token_ids["r"], out.logprobs["r"]
+
+
+def test_processed_logprobs_are_the_logits_sampled_from() -> None:
+    """vLLM's processed_logprobs: log_softmax of the penalised logits over the temperature;
+    raw_logprobs: of the model's own logits. The token drawn is the same in both modes."""
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(0))
+    params = SamplingParams(temperature=2.0, seed=5, logprobs=TOP, logit_bias=((3, 4.0),),
+                            presence_penalty=0.5, frequency_penalty=0.25)
+    token, processed = _sampled(logits, params, processed=True)
+    raw_token, raw = _sampled(logits, params, processed=False)
+    assert token == raw_token
+    penalised = logits.clone()
+    penalised[3] += 4.0
+    penalised[7] -= 0.5 + 2 * 0.25
+    penalised[9] -= 0.5 + 0.25
+    expected = torch.log_softmax(penalised / 2.0, dim=-1)
+    assert abs(processed.logprob - expected[token].item()) < 1e-5
+    assert [t for t, _ in processed.top] == expected.topk(TOP).indices.tolist()
+    assert abs(raw.logprob - torch.log_softmax(logits, dim=-1)[token].item()) < 1e-5
+    # top-k cuts the rest to -inf: the kept tokens' logprobs sum to 1
+    _, cut = _sampled(logits, dataclasses.replace(params, top_k=2, logprobs=2), True)
+    assert abs(sum(math.exp(v) for _, v in cut.top) - 1.0) < 1e-5
+    # greedy: the same token either way, scored from the penalised logits unscaled
+    greedy = dataclasses.replace(params, temperature=0.0)
+    greedy_token, greedy_processed = _sampled(logits, greedy, processed=True)
+    assert greedy_token == _sampled(logits, greedy, processed=False)[0]
+    assert greedy_token == int(penalised.argmax())
+    assert abs(greedy_processed.logprob
+               - torch.log_softmax(penalised, dim=-1)[greedy_token].item()) < 1e-5
+
+
+def test_processed_mode_keeps_prompt_logprobs_raw(llama, hf_logprobs) -> None:
+    """As vLLM: prompt tokens skip the sampler's processing, so processed_logprobs scores
+    them as raw_logprobs does; generated tokens are scored after the temperature."""
+    directory, prompts = llama
+    engine = Engine(EngineConfig(model=str(directory), device="cpu", dtype="float32",
+                                 max_num_batched_tokens=13, chunk_tile=1,
+                                 logprobs_mode="processed_logprobs"))
+    prompt = prompts[1]
+    out = _run(engine, prompt, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, seed=1,
+                                              temperature=2.0, logprobs=TOP, prompt_logprobs=0))
+    reference = hf_logprobs(prompt + list(out.token_ids))
+    for position, entry in enumerate(out.prompt_logprobs, start=1):
+        assert abs(entry.logprob - reference[position - 1][prompt[position]].item()) < 1e-4
+    for offset, entry in enumerate(out.logprobs):
+        row = torch.log_softmax(reference[len(prompt) - 1 + offset] / 2.0, dim=-1)
+        assert abs(entry.logprob - row[entry.token].item()) < 1e-4
+
+
+def test_logits_modes_are_refused_naming_the_field() -> None:
+    with pytest.raises(ConfigError, match="logprobs_mode"):
+        EngineConfig(logprobs_mode="raw_logits").validate()
+
+
+def test_logprobs_mode_flag_reaches_the_engine_config() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    args = parser.parse_args(["--logprobs-mode", "processed_logprobs"])
+    assert engine_config(args).logprobs_mode == "processed_logprobs"
+    assert engine_config(parser.parse_args([])).logprobs_mode == "raw_logprobs"
+    with pytest.raises(ConfigError, match="processed_logits"):
+        engine_config(parser.parse_args(["--logprobs-mode", "processed_logits"]))

@@ -227,6 +227,15 @@ def test_chat_completions_stream_and_not_with_usage(api: openai.OpenAI,
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == choice.message.content
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 5
+    # guidellm's stream options: vLLM's continuous_usage_stats puts usage in every chunk
+    stream = api.chat.completions.create(model=MODEL, messages=messages,  # type: ignore[arg-type]
+                                         max_tokens=5, temperature=0, stream=True,
+                                         stream_options={"include_usage": True,
+                                                         "continuous_usage_stats": True},
+                                         extra_body={"ignore_eos": True})
+    chunks = [c for c in stream if c.choices]
+    assert [c.usage.completion_tokens for c in chunks if c.usage] == [1, 2, 3, 4, 5]
+    assert {c.usage.prompt_tokens for c in chunks if c.usage} == {counted}
     refused = http.post("/v1/chat/completions", json={"messages": messages, "tools": [
         {"type": "function", "function": {"name": "f"}}]})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"

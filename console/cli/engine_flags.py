@@ -43,6 +43,10 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
                             "auto (flash-attn on CUDA where installed; on CPU whichever of the "
                             "paged C++ kernels and torch measures faster, cached per machine), "
                             "torch, flash or paged"),
+    "--logprobs-mode": ("logprobs_mode", str,
+                        "raw_logprobs (default, as vLLM's) scores the model's own logits; "
+                        "processed_logprobs scores the logits sampled from, after bias, "
+                        "penalties, temperature, min_p, top-k and top-p"),
     "--compile": ("compile", bool, "torch.compile the model at start, warmed up before the "
                                    "first request (default: on CUDA only)"),
     "--cpu-graphs": ("cpu_graphs", bool, "replay CPU decode steps as recorded kernel calls "

@@ -129,6 +129,7 @@ class ModelRunner:
             torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
             _reuse_freed_memory()
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.processed_logprobs = config.logprobs_mode == "processed_logprobs"
         self.use_flash = (config.attention_backend in ("auto", "flash")
                           and flash_importable(self.device))
         if config.attention_backend == "flash" and not self.use_flash:
@@ -289,7 +290,7 @@ class ModelRunner:
         rows' logits: the prefill is the scoring pass."""
         scoring = [c for c in batch.prefills if c.scored_rows]
         logits, scored = self.forward(batch.chunks, scoring)
-        output = sample(logits, [c.request for c in batch.sampling])
+        output = sample(logits, [c.request for c in batch.sampling], self.processed_logprobs)
         for chunk, rows in zip(scoring, scored, strict=True):
             request = chunk.request
             first = chunk.start + 1  # row i predicts the token at position start + i + 1

@@ -5,8 +5,11 @@ Each request is sampled on its own account: whatever one request's parameters ma
 (a seed torch cannot take, probabilities that are all NaN) fails that request alone and
 every other row of the step still gets its token (issue 15).
 
-Logprobs are vLLM's default `raw_logprobs`: the log-softmax of the model's own logits,
-before bias, penalties and temperature, so a score does not depend on how it was sampled.
+Logprobs follow vLLM's `logprobs_mode`. `raw_logprobs` (the default) is the log-softmax
+of the model's own logits, before bias, penalties and temperature, so a score does not depend
+on how it was sampled. `processed_logprobs` is the log-softmax of the logits the token was
+drawn from: after bias and penalties, then (sampled rows) temperature, min_p, top-k and
+top-p, with the tokens those cut at -inf; a greedy row's are its penalised logits.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from engine.core.batch import ModelRunnerOutput, TokenLogprob
 from engine.core.request import Request
 
 
-def sample(logits: torch.Tensor, requests: Sequence[Request]) -> ModelRunnerOutput:
+def sample(logits: torch.Tensor, requests: Sequence[Request],
+           processed_logprobs: bool = False) -> ModelRunnerOutput:
     """One token per row of `logits` [M, V] (fp32), row i for `requests[i]`; greedy rows
-    never draw randomness. A prefill-only request's row is not sampled."""
+    never draw randomness. A prefill-only request's row is not sampled. Logprobs score the
+    raw row, or with `processed_logprobs` the row as processed for drawing."""
     greedy = logits.argmax(dim=-1).tolist()
     tokens: dict[str, int] = {}
     errors: dict[str, str] = {}
@@ -39,10 +44,13 @@ def sample(logits: torch.Tensor, requests: Sequence[Request]) -> ModelRunnerOutp
             else:
                 if params.seed is not None and request.generator is None:
                     request.generator = make_generator(params.seed)
-                token = _draw(scores, params, request.generator)
+                scores = _processed(scores, params)
+                token = int(torch.multinomial(torch.softmax(scores, dim=-1).cpu(), 1,
+                                              generator=request.generator).item())
             if params.logprobs is not None:
                 logprobs[request.id] = token_logprobs(
-                    torch.log_softmax(raw, dim=-1), [token], params.logprobs)[0]
+                    torch.log_softmax(scores if processed_logprobs else raw, dim=-1), [token],
+                    params.logprobs)[0]
             tokens[request.id] = token
         except Exception as exc:  # whatever it is, it is this request's alone
             errors[request.id] = (f"sampling failed (temperature {params.temperature}, top_p "
@@ -91,7 +99,9 @@ def _penalized(logits: torch.Tensor, request: Request) -> torch.Tensor:
     return scores
 
 
-def _draw(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+def _processed(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """One penalised row scaled by temperature, with the tokens min_p, top-k and top-p drop
+    at -inf: the logits a token is drawn from."""
     scaled = logits / p.temperature
     if p.min_p > 0:  # vLLM: drop tokens below min_p times the likeliest one's probability
         probs = torch.softmax(scaled, dim=-1)
@@ -107,8 +117,7 @@ def _draw(logits: torch.Tensor, p: SamplingParams, generator: torch.Generator | 
         drop = (probs.cumsum(dim=-1) - probs) >= p.top_p
         drop[0] = False
         scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    probs = torch.softmax(scaled, dim=-1)
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator).item())
+    return scaled
 
 
 def make_generator(seed: int) -> torch.Generator:

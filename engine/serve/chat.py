@@ -24,6 +24,7 @@ from engine.serve.completions import (
     Generations,
     Reply,
     check_n,
+    continuous_usage,
     include_usage,
     prompt_logprobs,
 )
@@ -74,7 +75,7 @@ class Chat:
                           logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                           prompt_logprobs=body.prompt_logprobs)
         generation = Generation([prompt], params, check_n(body.n), body.stream is True,
-                                include_usage(body))
+                                include_usage(body), continuous_usage(body))
         reply = _ChatReply.new("chatcmpl", g, params, body.prompt_logprobs is not None)
         return await g.run(request, generation, reply, tag=CHAT_TAG)
 

@@ -60,6 +60,7 @@ class Generation:
     n: int
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # usage in every streamed chunk, not only the last
 
     def choices(self) -> list[tuple[list[int], SamplingParams]]:
         """(prompt, params) per choice, choice i from prompt i // n; ApiError(400) when a
@@ -183,7 +184,7 @@ class Generations:
             raise
         if generation.stream:
             events = self._events(request_ids, queue, choices, reply, reply.texts,
-                                  generation.include_usage, generation.n)
+                                  generation)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         return await self._complete(request, request_ids, queue, choices, reply,
@@ -246,10 +247,11 @@ class Generations:
     async def _events(self, request_ids: list[str],
                       queue: asyncio.Queue[tuple[int, RequestOutput]],
                       choices: list[tuple[list[int], SamplingParams]], reply: ReplyFormat,
-                      texts: Texts, include_usage: bool, n: int) -> AsyncIterator[str]:
+                      texts: Texts, generation: Generation) -> AsyncIterator[str]:
         """One SSE chunk per choice per generated token, as vLLM sends them; a chunk whose
         token leaves a character incomplete, or may begin a stop string, carries its token
-        id and no text yet (see Texts)."""
+        id and no text yet (see Texts). With continuous usage each chunk carries its
+        choice's prompt and completion tokens so far, as vLLM's does."""
         sent = [""] * len(request_ids)
         sent_logprobs = [0] * len(request_ids)
         started: set[int] = set()
@@ -262,17 +264,20 @@ class Generations:
                     await _journaled(self.engine_loop)
                 text = texts.visible(output)
                 logprobs = output.logprobs or ()
-                yield _sse(reply.chunk(Choice(index, choices[index][0], output),
-                                       text[len(sent[index]):], list(output.new_token_ids),
-                                       logprobs[sent_logprobs[index]:],
-                                       first=index not in started))
+                choice = Choice(index, choices[index][0], output)
+                chunk = reply.chunk(choice, text[len(sent[index]):],
+                                    list(output.new_token_ids), logprobs[sent_logprobs[index]:],
+                                    first=index not in started)
+                if generation.continuous_usage:
+                    chunk["usage"] = _usage([choice], 1)
+                yield _sse(chunk)
                 sent[index], sent_logprobs[index] = text, len(logprobs)
                 started.add(index)
                 if output.finished:
                     finished[index] = output
-            if include_usage:
+            if generation.include_usage:
                 done = [Choice(i, choices[i][0], finished[i]) for i in range(len(request_ids))]
-                yield _sse(reply.usage_chunk(_usage(done, n)))
+                yield _sse(reply.usage_chunk(_usage(done, generation.n)))
         except ApiError as exc:
             yield _sse({"error": json.loads(exc.response().body)["error"]})
         finally:
@@ -334,7 +339,7 @@ class Completions:
                                            is not None else body.logprobs if echo else None))
         prompts = [g.token_ids(p) for p in body.prompts()]
         generation = Generation(prompts, params, check_n(body.n), body.stream is True,
-                                include_usage(body))
+                                include_usage(body), continuous_usage(body))
         reply = _CompletionReply.new("cmpl", g, params, body.prompt_logprobs is not None,
                                      echo=echo, logprobs=body.logprobs is not None)
         return await g.run(request, generation, reply,
@@ -344,6 +349,13 @@ class Completions:
 def include_usage(body: SamplingFields) -> bool:
     options = body.stream_options
     return options is not None and options.include_usage is True
+
+
+def continuous_usage(body: SamplingFields) -> bool:
+    """vLLM's continuous_usage_stats, which counts only together with include_usage."""
+    options = body.stream_options
+    return include_usage(body) and options is not None and (
+        options.continuous_usage_stats is True)
 
 
 @dataclass(frozen=True)

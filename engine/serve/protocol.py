@@ -177,6 +177,8 @@ HINTS = {
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
     include_usage: StrictBool | None = None
+    # vLLM's: with include_usage, every chunk also carries its choice's usage so far
+    continuous_usage_stats: StrictBool | None = None
 
 
 class SamplingFields(BaseModel):
