@@ -87,6 +87,7 @@ class Choice:
 class ReplyFormat(Protocol):
     """How an endpoint renders choices: streamed chunks and the final body."""
 
+    id: str  # "cmpl-<hex>": the engine requests of its choices are named after it
     texts: Texts
 
     def chunk(self, choice: Choice, text: str, tokens: list[int],
@@ -168,13 +169,15 @@ class Generations:
         queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
         request_ids: list[str] = []
         try:
+            base = reply.id.split("-", 1)[1]  # the engine's ids name the reply, as vLLM's
             for index, (prompt, params) in enumerate(choices):
                 bridge = _Bridge(index, queue, self._release,
                                  final_only=not generation.stream)
                 self.in_flight += 1
                 try:
-                    request_ids.append(self.engine_loop.submit(prompt, params, tag=tag,
-                                                               on_output=bridge.push))
+                    request_ids.append(self.engine_loop.submit(
+                        prompt, params, tag=tag, on_output=bridge.push,
+                        request_id=base if len(choices) == 1 else f"{base}-{index}"))
                 except BaseException:
                     self.in_flight -= 1
                     raise
