@@ -10,11 +10,18 @@ import pytest
 
 from engine.errors import EngineError
 from engine.harness.traced_workload import traced_requests
-from engine.serve.otlp import TraceCollector, decode_export
+from engine.serve.otlp import TraceCollector, TracedRequest
 from engine.store import open_database
 
 CAPTURE = Path(__file__).parent / "data" / "vllm_capture"
 EXPORTS = sorted(CAPTURE.glob("otlp_*.pb"))
+
+
+def served() -> list[TracedRequest]:
+    """Every request the captured exports traced, oldest first, as the receiver takes them."""
+    collector = TraceCollector()
+    return sorted((t for body in EXPORTS for t in collector.ingest(body.read_bytes()).requests),
+                  key=lambda t: t.started_at)
 
 
 def _collected(tmp_path: Path) -> Path:
@@ -31,8 +38,7 @@ def _collected(tmp_path: Path) -> Path:
 
 def test_traced_workload_replays_every_traced_request_with_its_lengths(tmp_path: Path) -> None:
     path = _collected(tmp_path)
-    traced = sorted((t for body in EXPORTS for t in decode_export(body.read_bytes())),
-                    key=lambda t: t.started_at)
+    traced = served()
     workload = traced_requests(f"traced:{path}", vocab_size=512, max_model_len=1024)
     assert [w.request_id for w in workload] == [t.request_id for t in traced]
     for w, t in zip(workload, traced, strict=True):
@@ -57,5 +63,5 @@ def test_this_mornings_traffic_on_a_simulated_gpu(tmp_path: Path,
                  "--db", str(tmp_path / "sim.db"), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     run = report["runs"]["chunked"]
-    assert run["finished"] == sum(len(decode_export(body.read_bytes())) for body in EXPORTS)
+    assert run["finished"] == len(served())
     assert run["config"]["max_num_batched_tokens"] == 2048 and run["ttft_ms"]["p99"] > 0
