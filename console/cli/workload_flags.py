@@ -58,25 +58,36 @@ DEFAULT_NUM_PROMPTS = 1000
 
 
 def workload_for(args: argparse.Namespace, engine: Engine) -> list[WorkloadRequest]:
-    from engine.harness.workload import build_workload, default_length_scale
-
     fixed = _fixed_length(args, engine)
     if fixed is not None:
         return fixed
-    if args.workload.startswith(TRACED):  # what an attached fleet served, from the store
+    return named_workload(args.workload, engine, num_requests=args.num_requests,
+                          rate=args.rate, seed=args.workload_seed,
+                          length_scale=args.length_scale, time_scale=args.time_scale)
+
+
+def named_workload(spec: str, engine: Engine, *, num_requests: int | None = None,
+                   rate: float | None = None, seed: int = 0, length_scale: float | None = None,
+                   time_scale: float = 1.0) -> list[WorkloadRequest]:
+    """The requests `--workload SPEC` names for `engine`, as `run`, `bench` and the
+    console's embedded engine take it: a profile, a trace, or traced:DB."""
+    from engine.harness.workload import build_workload, default_length_scale
+
+    if spec.startswith(TRACED):  # what an attached fleet served, from the store
         from engine.harness.traced_workload import traced_requests
 
-        return traced_requests(args.workload, vocab_size=engine.model_config.vocab_size,
-                               max_model_len=engine.max_model_len, seed=args.workload_seed,
-                               num_requests=args.num_requests, time_scale=args.time_scale)
-
-    scale = args.length_scale
-    if scale is None:
-        scale = default_length_scale(engine.runner.device.type)
-    return build_workload(args.workload, vocab_size=engine.model_config.vocab_size,
-                          max_model_len=engine.max_model_len, num_requests=args.num_requests,
-                          rate=args.rate, seed=args.workload_seed, length_scale=scale,
-                          time_scale=args.time_scale, encode=engine.tokenizer.encode)
+        if rate is not None:
+            raise UserError("--rate does not apply to traced:DB, which replays the recorded "
+                            "arrivals; stretch or squeeze them with --time-scale instead")
+        return traced_requests(spec, vocab_size=engine.model_config.vocab_size,
+                               max_model_len=engine.max_model_len, seed=seed,
+                               num_requests=num_requests, time_scale=time_scale)
+    scale = default_length_scale(engine.runner.device.type) if length_scale is None \
+        else length_scale
+    return build_workload(spec, vocab_size=engine.model_config.vocab_size,
+                          max_model_len=engine.max_model_len, num_requests=num_requests,
+                          rate=rate, seed=seed, length_scale=scale, time_scale=time_scale,
+                          encode=engine.tokenizer.encode)
 
 
 def _fixed_length(args: argparse.Namespace, engine: Engine) -> list[WorkloadRequest] | None:

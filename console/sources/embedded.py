@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from sqlalchemy.orm import Session
 
+from console.cli.workload_flags import named_workload
 from console.errors import UserError
 from console.sources.base import (
     TRACED_DRIFT_WHY,
@@ -37,7 +38,6 @@ from engine.config import ConfigError, EngineConfig
 from engine.core.engine import Engine
 from engine.errors import EngineError
 from engine.events import CalibrationProgress, ConfigChanged, Event
-from engine.harness.workload import build_workload, default_length_scale
 from engine.ops.recovery import foreign_journal
 from engine.serve.loop import EngineLoop
 from engine.serve.session import EngineSession
@@ -130,11 +130,8 @@ class EmbeddedSource:
                 if session.calibration is not None:
                     say(1.0, f"reusing calibration {session.calibration.id} of "
                              f"{default_db_path()}")
-            requests = build_workload(
-                workload, vocab_size=engine.model_config.vocab_size,
-                max_model_len=engine.max_model_len, num_requests=num_requests, rate=rate,
-                length_scale=default_length_scale(engine.runner.device.type),
-                encode=engine.tokenizer.encode,
+            requests = named_workload(
+                workload, engine, num_requests=num_requests, rate=rate,
                 # arrivals come on the wall clock, which a simulation outpaces speed-fold
                 time_scale=1.0 if simulate is None else 1.0 / simulate.speed)
             with database.session() as db_session:

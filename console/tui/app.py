@@ -69,12 +69,13 @@ class TokenflowApp(App[None]):
 
     def __init__(self, source: Source, *, interval: float = POLL_INTERVAL_S,
                  recorder: SessionRecorder | None = None, starting: bool = False,
-                 slo: ServiceSLO | None = None) -> None:
+                 slo: ServiceSLO | None = None, trace_store: str | None = None) -> None:
         """`starting`: `source` is a ProcessSource whose engine is still starting; a splash
         shows its stages until it is ready, and the polls begin then. `slo`: the latency
-        targets figures are coloured against (a chat service's by default)."""
+        targets figures are coloured against (a chat service's by default). `trace_store`: the
+        store the OTLP receiver writes the fleet's traces to, which the fleet view replays."""
         super().__init__()
-        self.state = ConsoleState(source, slo=slo or ServiceSLO())
+        self.state = ConsoleState(source, slo=slo or ServiceSLO(), trace_store=trace_store)
         for mode, screen in SCREENS.items():  # each screen is handed the state, not the app
             self.add_mode(mode, functools.partial(screen, self.state))
         self.recorder = recorder
@@ -287,6 +288,15 @@ def open_traces(args: argparse.Namespace) -> TraceCollector | None:
     return receiver.collector
 
 
+def trace_store(args: argparse.Namespace) -> str | None:
+    """Where --otlp-listen stores the traced requests (--db, else the user's store)."""
+    if not args.otlp_listen:
+        return None
+    from engine.store import default_db_path
+
+    return str(args.db or default_db_path())
+
+
 def run(args: argparse.Namespace, engine: ProcessSource | None) -> int:
     try:
         source = open_source(args, engine)
@@ -300,7 +310,8 @@ def run(args: argparse.Namespace, engine: ProcessSource | None) -> int:
     # Engine warnings (e.g. chunks off their prediction) go to Textual's log, not the screen.
     logging.basicConfig(level=logging.WARNING, handlers=[TextualHandler()], force=True)
     app = TokenflowApp(source, recorder=recorder, starting=engine is not None,
-                       slo=ServiceSLO(args.slo_ttft_ms, args.slo_itl_ms))
+                       slo=ServiceSLO(args.slo_ttft_ms, args.slo_itl_ms),
+                       trace_store=trace_store(args))
     app.run()
     if app.startup_error is not None:
         print(f"tokenflow-console: {app.startup_error}", file=sys.stderr)

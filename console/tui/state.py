@@ -53,6 +53,7 @@ class ConsoleState:
     latest: Snapshot | None = None
     failure: str = ""  # the source's latest error, until a snapshot arrives again
     slo: ServiceSLO = field(default_factory=ServiceSLO)  # the operator's latency targets
+    trace_store: str | None = None  # the store --otlp-listen writes the fleet's traces to
 
     @property
     def capabilities(self) -> Capabilities:

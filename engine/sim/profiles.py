@@ -24,11 +24,13 @@ from engine.config import ConfigError
 GB = 10**9
 GIB = 2**30
 PRECISIONS = ("bfloat16", "fp8", "int8")
-# What each weight precision stores per element; float16 runs at the BF16 peak.
-WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1}
+# What each weight precision stores per element; float16 runs at the BF16 peak. Weight-only
+# quantisation ("-wo") stores 1-byte weights but multiplies 16-bit activations: BF16 peak.
+WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1,
+                "fp8-wo": 1, "int8-wo": 1}
 KV_BYTES = {"auto": None, "bfloat16": 2, "float16": 2, "fp8": 1}
 PEAK_OF = {"float32": "bfloat16", "bfloat16": "bfloat16", "float16": "bfloat16",
-           "fp8": "fp8", "int8": "int8"}
+           "fp8": "fp8", "int8": "int8", "fp8-wo": "bfloat16", "int8-wo": "bfloat16"}
 
 # Fitted against the published table by benchmarks/twin_published.py --fit (docs/twin.md).
 FITTED_EFFICIENCY = OperationEfficiency(gemm_flops=0.799, attention_flops=0.204,

@@ -99,3 +99,32 @@ def test_a_restart_restores_the_last_stored_settings_and_arrival_changes_are_sto
     finally:
         source.close()
     assert "restoring the last stored settings: max_num_batched_tokens=96" in heard
+
+
+def test_the_embedded_engine_replays_what_a_traced_fleet_served(tmp_path: Path) -> None:
+    from tests.test_traced_workload import _collected, served
+
+    store = _collected(tmp_path)
+    db = tmp_path / "console.db"
+    expected = {f"{t.request_id}-0": "FINISHED" for t in served()[:2]}  # cycle 0
+    source = EmbeddedSource.start(model="synthetic:tiny", device="cpu",
+                                  workload=f"traced:{store}", db=db, num_requests=2,
+                                  repeat=False)
+    try:
+        deadline = time.monotonic() + 60
+        # each round waits for the engine loop to take a command; arrivals keep their gaps
+        while _journal_states(db) != expected:
+            assert source.loop.error is None, f"the engine loop died: {source.loop.error!r}"
+            assert time.monotonic() < deadline, f"not replayed: {_journal_states(db)}"
+            source.loop.call(lambda engine: None).result(timeout=60)
+    finally:
+        source.close()
+
+
+def _journal_states(db: Path) -> dict[str, str]:
+    database = open_database(db)
+    try:
+        with database.session() as session:
+            return dict(session.execute(select(JournalRow.request_id, JournalRow.state)).all())
+    finally:
+        database.close()

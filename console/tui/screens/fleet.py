@@ -3,19 +3,25 @@
 from __future__ import annotations
 
 import time
+from typing import ClassVar
 
 from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
 from textual.message import Message
 from textual.widgets import DataTable, Static
 
 from console.sources.fleet import FleetSource, MemberState
 from console.tui.screens.base import ConsoleScreen
+from console.tui.screens.simulate import SimulateTraffic
 from console.tui.state import ConsoleState
 from console.tui.widgets.fleet_table import FleetTable
 from engine.snapshot import Snapshot
 
 
 class FleetScreen(ConsoleScreen):
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("s", "simulate", "Simulate traffic")]
+
     class ServerChosen(Message):
         """Enter on a row: the app switches the fleet to that server and shows it live."""
 
@@ -62,3 +68,13 @@ class FleetScreen(ConsoleScreen):
     def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
         if isinstance(self.state.source, FleetSource) and event.row_key.value is not None:
             self.post_message(self.ServerChosen(int(event.row_key.value) - 1))
+
+    def action_simulate(self) -> None:
+        """"Simulate this traffic on …": the fleet's traced requests on a GPU's twin."""
+        store = self.state.trace_store
+        if store is None:
+            self.notify("no store of traced requests: attach with --otlp-listen (and --db) "
+                        "so the fleet's traces are stored, then simulate them",
+                        severity="warning", markup=False)
+            return
+        self.app.push_screen(SimulateTraffic(store))

@@ -24,6 +24,8 @@ SCREEN_KEYS = (
                "esc leaves the field, then 1–5 switch screens; F1–F5 switch while typing"),
     ("Slow queries", "enter detail · e export CSV · E export JSON · r reload"),
     ("Drift", "r recalibrate"),
+    ("Fleet", "enter opens a server · s simulates the traffic the fleet served (its stored "
+              "traces) on a GPU's twin at a token budget"),
     ("Anywhere", "? and q work even in a field · ctrl+p command palette · "
                  "esc closes a dialog"),
 )
