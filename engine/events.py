@@ -240,6 +240,7 @@ class EngineRestarted(Event):
     resumed: int  # requests resumed by this restart
     failed: int  # requests failed by it (twice in a failed step, or the engine stopped)
     stopped: bool = False
+    traceback: str = ""  # the exception's formatted traceback, as logged
 
 
 Subscriber = Callable[[Event], None]

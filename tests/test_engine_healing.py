@@ -24,7 +24,7 @@ from engine.serve.thread import ServerThread
 from engine.sim.executor import simulated_engine
 from engine.sim.target import resolve_target
 from engine.store import StoreWriter, open_database
-from engine.store.models import JournalRow
+from engine.store.models import EngineFaultRow, JournalRow
 
 CONFIG = EngineConfig(model="synthetic:tiny")
 MAX_TOKENS = 8
@@ -121,3 +121,19 @@ def test_a_crash_loop_stops_the_engine_and_says_where(served: Served) -> None:
     assert served.metric("num_requests_running") == 0.0
     assert served.metric("requests_failed_engine_down_total") == 2.0
     assert list(served.journal().values()) == ["FAILED", "FAILED"]
+
+
+def test_a_fault_is_stored_with_its_traceback(served: Served) -> None:
+    """The log is not the only record: the store keeps the fault, its place and traceback."""
+    StepFaults(served.session.engine, {2})
+    assert served.complete(1).status_code == 200
+    served.journal()  # flushes the writer
+    assert served.session.database is not None
+    with served.session.database.session() as s:
+        faults = list(s.scalars(select(EngineFaultRow)))
+    assert len(faults) == 1
+    fault = faults[0]
+    assert "faults.py:" in fault.place
+    assert fault.place.endswith("in faulty")
+    assert "Traceback" in fault.traceback and "in faulty" in fault.traceback
+    assert "InjectedFault" in fault.error and fault.restarts == 1 and not fault.stopped

@@ -286,7 +286,8 @@ class EngineLoop:
             resumed = self._resume(kept, owed)
         engine.bus.publish(EngineRestarted(restarts=supervisor.restarts, place=fault.place,
                                            error=fault.error, resumed=len(resumed),
-                                           failed=len(doomed), stopped=stopped is not None))
+                                           failed=len(doomed), stopped=stopped is not None,
+                                           traceback=fault.traceback))
         try:  # journal what the failed step published, the failures and the restart
             engine.bus.drain()
         except Exception:

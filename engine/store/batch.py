@@ -31,6 +31,7 @@ from engine.events import (
     ChunkComplete,
     ConfigChanged,
     Drift,
+    EngineRestarted,
     Event,
     Failed,
     Finished,
@@ -45,6 +46,7 @@ from engine.store.models import (
     TERMINAL_STATES,
     ConfigChangeRow,
     DriftEventRow,
+    EngineFaultRow,
     JournalRow,
     SlowQueryRow,
 )
@@ -85,6 +87,7 @@ class Batch:
     slow: list[dict[str, Any]] = field(default_factory=list)
     drift: list[dict[str, Any]] = field(default_factory=list)
     config: list[dict[str, Any]] = field(default_factory=list)
+    faults: list[dict[str, Any]] = field(default_factory=list)
 
 
 # One statement's rows: (execute one or many, rows, table, the request id column)
@@ -109,6 +112,7 @@ def to_statements(batch: Batch) -> list[Statement]:
         (orm(SlowQueryRow), batch.slow, "slow_queries", "request_id"),
         (orm(DriftEventRow), batch.drift, "drift_events", None),
         (orm(ConfigChangeRow), batch.config, "config_changes", None),
+        (orm(EngineFaultRow), batch.faults, "engine_faults", None),
     ]
     return [statement for statement in statements if statement[1]]
 
@@ -170,6 +174,13 @@ def fold(events: list[Event], wall_offset: float, server: str = "") -> Batch:
                 {"server": server, "created_at": event.ts + wall_offset, "field": name,
                  "old": old, "new": new, "source": event.source}
                 for name, (old, new) in event.changes.items()
+            )
+        elif kind is EngineRestarted:
+            batch.faults.append(
+                {"server": server, "created_at": event.ts + wall_offset,
+                 "restarts": event.restarts, "place": event.place, "error": event.error,
+                 "traceback": event.traceback, "stopped": event.stopped,
+                 "resumed": event.resumed, "failed": event.failed}
             )
     return batch
 

@@ -27,3 +27,9 @@ def create_index(name: str, table: str, columns: list[str]) -> None:
     """Create the index `name` unless `table` has it already."""
     if name not in {index["name"] for index in sa.inspect(op.get_bind()).get_indexes(table)}:
         op.create_index(name, table, columns)
+
+
+def create_table(name: str, *columns: sa.Column) -> None:
+    """Create the table `name` with `columns` unless the store has it already."""
+    if not sa.inspect(op.get_bind()).has_table(name):
+        op.create_table(name, *columns)

@@ -215,3 +215,23 @@ class ConfigChangeRow(Base):
     old: Mapped[Any] = mapped_column(JSON, nullable=True)
     new: Mapped[Any] = mapped_column(JSON, nullable=True)
     source: Mapped[str] = mapped_column(String(64))
+
+
+class EngineFaultRow(Base):
+    """An exception in the step loop that was no single request's fault, with its traceback,
+    and the restart it caused (or the stop, on a crash loop)."""
+
+    __tablename__ = "engine_faults"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    server: Mapped[str] = server_column()
+    created_at: Mapped[float]
+    restarts: Mapped[int]
+    place: Mapped[str] = mapped_column(Text)
+    error: Mapped[str] = mapped_column(Text)
+    traceback: Mapped[str] = mapped_column(Text)
+    stopped: Mapped[bool]
+    resumed: Mapped[int]
+    failed: Mapped[int]
+
+    __table_args__ = (Index("ix_engine_faults_server", "server", "id"),)

@@ -17,6 +17,7 @@ from engine.store.models import (
     CalibrationRunRow,
     ConfigChangeRow,
     DriftEventRow,
+    EngineFaultRow,
     JournalRow,
     SlowQueryRow,
     TracedRequestRow,
@@ -32,6 +33,7 @@ class RetentionLimits:
     calibration_runs: int = 200  # their budget tables go with them (ON DELETE CASCADE)
     drift_events: int = 10_000
     config_changes: int = 10_000
+    engine_faults: int = 1_000
 
     def __post_init__(self) -> None:
         for name, limit in vars(self).items():
@@ -52,6 +54,7 @@ def apply_retention(connection: Connection, limits: RetentionLimits) -> int:
         (CalibrationRunRow, limits.calibration_runs),
         (DriftEventRow, limits.drift_events),
         (ConfigChangeRow, limits.config_changes),
+        (EngineFaultRow, limits.engine_faults),
     ):
         deleted += _keep_newest(connection, row_type.__table__, limit)
     return deleted
