@@ -154,10 +154,11 @@ def test_compile_is_on_where_asked_else_on_cuda_only() -> None:
 
 
 def test_eager_cpu_steps_read_packed_weights() -> None:
-    """Every GEMM of an eager CPU engine runs on oneDNN-packed weights (Linear.pack), which
-    compute what F.linear does on the dense parameter; the exactness tests above run them."""
+    """Every GEMM of an eager CPU engine on torch's dense ops runs on oneDNN-packed weights
+    (Linear.pack), which compute what F.linear does on the dense parameter; the exactness
+    tests above run them. The path is forced: measurement may pick the C++ layer ops here."""
     engine = Engine(EngineConfig(model="synthetic:qwen3-small", device="cpu", dtype="float32",
-                                 kv_cache_bytes=1 << 24))
+                                 kv_cache_bytes=1 << 24, attention_backend="torch"))
     linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
     assert len(linears) == 4 * engine.model_config.num_layers + 1  # and lm_head
     generator = torch.Generator().manual_seed(0)
