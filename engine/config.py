@@ -211,7 +211,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's own limit
     max_num_seqs: int = 256
     # auto: flash-attn on CUDA where installed; on CPU, whichever of the paged C++ kernels and
-    # torch (SDPA over gathered copies of the history) measures faster on this machine
+    # torch (SDPA over gathered copies of the history) measures faster on the host CPU
     # (engine.core.backend_choice); paged or torch forces one
     attention_backend: str = "auto"  # auto | torch | flash | paged
     # vLLM's --logprobs-mode: raw_logprobs scores the model's logits; processed_logprobs the

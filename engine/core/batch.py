@@ -164,7 +164,7 @@ class Batch:
 @dataclass(frozen=True)
 class ModelRunnerOutput:
     """One step's sampled tokens by request id; a request whose sampling raised is in
-    `errors` (id -> what went wrong) instead, so it fails alone (issue 15). Requests that
+    `errors` (id -> what went wrong) instead, so it fails alone. Requests that
     ask for them get their sampled token's logprob, and the prompt tokens each prefill
     chunk scored (positions from 1: the first prompt token has no prediction)."""
 

@@ -50,7 +50,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
 # -mprefer-vector-width=512 (targets with AVX-512 only): GCC vectorises loops (and picks
 # glibc's vector expf) at 256 bits on AVX-512 CPUs unless told; the prefill kernel then
 # stored 8-wide expf results and reloaded them as 16-wide vectors, stalling store forwarding
-# (13% of its time in perf). With 512-bit loops it ran 15-20% faster (one thread, Xeon).
+# (figures in docs/cpu-backend.md).
 # On an AVX2 target the kernels' vectors are 8 floats (cpu_vectors.h) and the flag is left
 # out: there is no 512-bit width to prefer.
 WIDE_FLAGS = ("-mprefer-vector-width=512",)
