@@ -55,10 +55,10 @@ from step_micro import (  # run from benchmarks/, as the usage line says
 )
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.budget.calibrate import calibrate
-from engine.core.attention import flash_available
-from engine.core.batch import ScheduledChunk
+from engine.batch import ScheduledChunk
 from engine.core.request import RequestState
+from engine.harness.calibrate import calibrate
+from engine.kernels.attention import flash_available
 from engine.model.transformer import CUDA_GRAPH_MAX_TOKENS
 from engine.ops.telemetry import NvmlBandwidth, TelemetryError, nvml_available
 

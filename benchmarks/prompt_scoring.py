@@ -13,7 +13,7 @@ import random
 import time
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.core.batch import Batch, ModelRunnerOutput
+from engine.batch import Batch, ModelRunnerOutput
 
 
 def prefill_seconds(engine: Engine, prompt: list[int], params: SamplingParams

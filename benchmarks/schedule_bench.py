@@ -20,8 +20,8 @@ import random
 import statistics
 import time
 
+from engine.batch import ModelRunnerOutput, StepTiming
 from engine.config import EngineConfig, SamplingParams
-from engine.core.batch import ModelRunnerOutput, StepTiming
 from engine.core.block_manager import BlockManager
 from engine.core.request import Request, RequestState
 from engine.core.scheduler import Scheduler

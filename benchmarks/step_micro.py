@@ -48,11 +48,11 @@ import torch
 from torch import nn
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.budget.calibrate import timed_step
+from engine.batch import Batch, ScheduledChunk, StepShape
 from engine.budget.peaks import measure_peaks
-from engine.core import attention, cpu_kernels
-from engine.core.batch import Batch, ScheduledChunk, StepShape
 from engine.core.request import Request, RequestState
+from engine.harness.calibrate import timed_step
+from engine.kernels import attention, cpu_kernels
 
 
 def _engine(model: str, device: str, dtype: str, compile: bool = False,

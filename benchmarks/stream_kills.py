@@ -106,7 +106,7 @@ def main() -> int:
                 accepted += len(seen.first)
                 completed += len(seen.done)
         # the start after the last kill closes its orphans too
-        from engine.ops.recovery import abort_orphans
+        from engine.harness.recovery import abort_orphans
         from engine.store import open_database
 
         database = open_database(db)

@@ -225,7 +225,7 @@ class EngineConfig:
     # measured no faster (issue 18's notes in README) and costs 20-30 s of start.
     compile: bool | None = None
     # CPU eager kernels: replay each decode batch size's kernel calls, recorded at its first
-    # step (engine.core.cpu_graph). None: where measurement finds them faster
+    # step (engine.kernels.cpu_graph). None: where measurement finds them faster
     # (engine.core.backend_choice); True forces them (with the kernels they replay), False
     # runs every step's Python
     cpu_graphs: bool | None = None

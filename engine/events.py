@@ -177,9 +177,9 @@ class SlowQuery(Event):
     chunks: tuple[dict[str, Any], ...]
     config: dict[str, Any]
     tag: str | None = None
-    # where its time went (engine.core.timeline.Timeline.to_dict), published when it ends
+    # where its time went (engine.ops.timeline.Timeline.to_dict), published when it ends
     timeline: dict[str, Any] = field(default_factory=dict)
-    cause: str | None = None  # engine.core.timeline.Cause: what the overrun is attributed to
+    cause: str | None = None  # engine.ops.timeline.Cause: what the overrun is attributed to
     cause_share: float | None = None  # that cause's part of the overrun, 0..1
     verdict: str = ""  # one line: the cause, its time and share
     cached_tokens: int = 0  # prompt tokens found in the prefix cache: never prefilled

@@ -11,6 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from engine.batch import StepShape
 from engine.budget.auto import token_budget_for
 from engine.budget.cost_model import (
     BudgetModel,
@@ -22,7 +23,6 @@ from engine.budget.cost_model import (
 from engine.budget.peaks import GPU_PRESETS, DevicePeaks, measure_peaks
 from engine.budget.roofline import Roofline
 from engine.config import ConfigError
-from engine.core.batch import StepShape
 from engine.model.config import preset
 
 GIB = 1 << 30

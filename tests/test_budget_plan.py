@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from engine.batch import Batch, ModelRunnerOutput, StepShape
 from engine.budget.auto import CStar, token_budget_for
-from engine.budget.calibrate import FIRST_REASON, apply
 from engine.budget.cost_model import BudgetModel
 from engine.budget.peaks import DevicePeaks
 from engine.budget.plan import (
@@ -28,10 +28,10 @@ from engine.budget.plan import (
 )
 from engine.budget.predictor import StepTimePredictor
 from engine.config import EngineConfig, SamplingParams
-from engine.core.batch import Batch, ModelRunnerOutput, StepShape
 from engine.core.engine import Engine
 from engine.core.request import PlannedChunk, Request
 from engine.events import CalibrationProgress, Event, SlowQuery
+from engine.harness.calibrate import FIRST_REASON, apply
 from engine.serve.session import EngineSession
 from engine.store import calibration_history
 

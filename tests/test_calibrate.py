@@ -20,8 +20,15 @@ import pytest
 from sqlalchemy import text
 
 from console.cli.main import main
+from engine.batch import Batch, ModelRunnerOutput, StepShape
 from engine.budget.auto import CStar
-from engine.budget.calibrate import (
+from engine.budget.operations import OperationEfficiency
+from engine.budget.predictor import StepTimePredictor
+from engine.config import ConfigError, EngineConfig, SamplingParams
+from engine.core.engine import Engine
+from engine.errors import EngineError
+from engine.events import ChunkComplete, Drift, Event, StepComplete
+from engine.harness.calibrate import (
     Probe,
     SweepPlan,
     apply,
@@ -30,15 +37,8 @@ from engine.budget.calibrate import (
     latest_for,
     save_result,
 )
-from engine.budget.drift import DriftMonitor, Job
-from engine.budget.operations import OperationEfficiency
-from engine.budget.predictor import StepTimePredictor
-from engine.budget.served import ServedCosts, ServedSample, measure_served
-from engine.config import ConfigError, EngineConfig, SamplingParams
-from engine.core.batch import Batch, ModelRunnerOutput, StepShape
-from engine.core.engine import Engine
-from engine.errors import EngineError
-from engine.events import ChunkComplete, Drift, Event, StepComplete
+from engine.harness.drift import DriftMonitor, Job
+from engine.harness.served import ServedCosts, ServedSample, measure_served
 from engine.store import calibration_history, drift_events, open_database, save_calibration
 from engine.store.database import upgrade_database
 from tests.hf_models import save_tiny
@@ -385,7 +385,7 @@ def test_monitor_logs_chunks_off_their_prediction_without_recalibrating(
                              duration_s=duration, estimated_bytes=0.0, predicted_s=1.0,
                              prefill_done=False)
 
-    with caplog.at_level(logging.WARNING, logger="engine.budget.drift"):
+    with caplog.at_level(logging.WARNING, logger="engine.harness.drift"):
         for duration in (1.1, 0.9, 1.14, 0.86):  # within 15%: nothing
             monitor.observe(chunk(duration))
         assert monitor.off_prediction_total == 0 and not caplog.records

@@ -9,7 +9,7 @@ import pytest
 
 from console.cli.main import main
 from console.cli.progress import RunProgress
-from engine.core.batch import RequestOutput
+from engine.batch import RequestOutput
 
 
 def output(rid: str, tokens: int, finished: bool) -> RequestOutput:

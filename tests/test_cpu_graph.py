@@ -1,4 +1,4 @@
-"""CPU graphs (engine/core/cpu_graph.py): decode steps replayed from their recorded kernel calls
+"""CPU graphs (engine/kernels/cpu_graph.py): decode steps replayed from their recorded kernel calls
 compute what eager steps compute; a step that needs a torch op stays eager and says why."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 
 from console.cli.engine_flags import add_engine_flags, engine_config
 from engine import Engine, EngineConfig, SamplingParams
-from engine.core import cpu_graph, cpu_kernels
-from engine.core.cpu_graph import Arena, CpuGraph, DecodeGraphs, NotGraphable
+from engine.kernels import cpu_graph, cpu_kernels
+from engine.kernels.cpu_graph import Arena, CpuGraph, DecodeGraphs, NotGraphable
 from tests.hf_models import save_tiny
 
 # lengths that end prefill at different steps and finish at different ones, so decode batches

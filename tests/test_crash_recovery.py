@@ -22,7 +22,7 @@ from console.cli.main import main
 from engine import Engine, EngineConfig, SamplingParams
 from engine.events import EventBus, RequestAdded
 from engine.harness.chaos import query_journal
-from engine.ops.recovery import Resumption, resume_unfinished
+from engine.harness.recovery import Resumption, resume_unfinished
 from engine.store import StoreWriter, open_database, quarantined_requests
 
 FLAGS = ["--model", "synthetic:tiny", "--device", "cpu", "--max-num-batched-tokens", "8",

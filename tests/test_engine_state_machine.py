@@ -20,9 +20,9 @@ from hypothesis.stateful import (
     rule,
 )
 
+from engine.batch import RequestOutput
 from engine.clock import VirtualClock
 from engine.config import ConfigError, EngineConfig, SamplingParams
-from engine.core.batch import RequestOutput
 from engine.core.engine import Engine
 from engine.core.request import RequestState
 from engine.sim.executor import simulated_engine

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.core.backend_choice import PAGED, TORCH, Backends, candidates
-from engine.core.cpu_kernels import prefill_supports
 from engine.core.model_runner import compiles
+from engine.kernels.cpu_kernels import prefill_supports
 from engine.model.transformer import Linear
 from tests.hf_models import FAMILIES, hf_greedy, hf_last_logits, save_tiny
 

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import select
 
 from engine import Engine, EngineConfig, RequestError, SamplingParams
-from engine.core.batch import RequestOutput
+from engine.batch import RequestOutput
 from engine.events import Event, FailCause, Failed, GuardAction
 from engine.serve.loop import EngineLoop
 from engine.store import StoreWriter, open_database, unfinished_requests

@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
+from engine.batch import RequestOutput, ScheduledChunk, StepShape
 from engine.budget.cost_model import BudgetModel
 from engine.budget.peaks import DevicePeaks
 from engine.config import EngineConfig, SamplingParams
-from engine.core.batch import RequestOutput, ScheduledChunk, StepShape
 from engine.core.request import Request
 from engine.events import EventBus, FailCause, Failed, StepComplete, TokensGenerated
 from engine.harness.driver import Recorder

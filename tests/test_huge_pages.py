@@ -1,10 +1,10 @@
-"""engine.core.huge_pages: the KV cache's and the GEMM panels' memory."""
+"""engine.kernels.huge_pages: the KV cache's and the GEMM panels' memory."""
 
 import gc
 
 import torch
 
-from engine.core import huge_pages
+from engine.kernels import huge_pages
 
 
 def test_zeros_gives_a_writable_zero_tensor_that_keeps_its_mapping() -> None:

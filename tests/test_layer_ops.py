@@ -1,4 +1,4 @@
-"""The CPU kernels for a layer's dense ops (engine/core/layer_ops.cpp) against the torch ops
+"""The CPU kernels for a layer's dense ops (engine/kernels/layer_ops.cpp) against the torch ops
 they replace: linear_rows against F.linear, rms_norm against the RMSNorm module, silu_mul,
 rope against transformer.rotate, and cache_write against index_copy_. The exactness tests
 run them inside the engine against transformers."""
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import Engine, EngineConfig
-from engine.core import cpu_kernels as kernels
+from engine.kernels import cpu_kernels as kernels
 from engine.model.transformer import (
     MLP,
     PANEL_MAX_ROWS,

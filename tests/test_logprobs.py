@@ -96,7 +96,7 @@ def test_prefill_only_request_scores_its_prompt(llama) -> None:
 def test_scoring_rows_are_priced_in_the_step_shape(llama) -> None:
     """A chunk that scores its prompt computes a logits row per token: the budget model
     prices those rows (lm_head FLOPs and logits bytes) as a separate term."""
-    from engine.core.batch import Batch, ScheduledChunk
+    from engine.batch import Batch, ScheduledChunk
     from engine.core.request import Request
 
     directory, prompts = llama

@@ -1,4 +1,4 @@
-"""The CPU attention kernels (engine/core/paged_attention.cpp) against plain attention and the
+"""The CPU attention kernels (engine/kernels/paged_attention.cpp) against plain attention and the
 torch path's."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from engine.config import EngineConfig
-from engine.core import cpu_kernels as kernel
-from engine.core.attention import AttentionMetadata, DecodeGroup, PagedAttention, PrefillSpan
 from engine.core.model_runner import ModelRunner
 from engine.errors import EngineError
+from engine.kernels import cpu_kernels as kernel
+from engine.kernels.attention import AttentionMetadata, DecodeGroup, PagedAttention, PrefillSpan
 
 
 def reference(q, k_cache, v_cache, tables, lengths, scale, window, softcap):

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from engine import Engine
+from engine.batch import Batch, ModelRunnerOutput, StepTiming
 from engine.config import ConfigError, EngineConfig, SamplingParams
-from engine.core.batch import Batch, ModelRunnerOutput, StepTiming
 from engine.core.block_manager import BlockManager
 from engine.core.intake import rejection
 from engine.core.request import Request, RequestState

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine import Engine, EngineConfig, SamplingParams
+from engine.batch import Batch
 from engine.config import ConfigError
-from engine.core.batch import Batch
 from engine.core.request import Request, RequestState
 from engine.core.scheduler import THROTTLE_CONCURRENCY
 from engine.events import ModeChanged

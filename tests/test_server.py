@@ -15,8 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from console.cli.main import main
 from engine import Engine, EngineConfig
+from engine.batch import RequestOutput
 from engine.config import SamplingParams
-from engine.core.batch import RequestOutput
 from engine.errors import EngineError
 from engine.events import Event, Finished
 from engine.model.tokenizer import ByteTokenizer

@@ -20,7 +20,7 @@ import pytest
 from console.cli.main import main
 from engine import Engine, EngineConfig
 from engine.config import ConfigError, SamplingParams
-from engine.ops.recovery import Resumption, resume_unfinished
+from engine.harness.recovery import Resumption, resume_unfinished
 from engine.serve.app import create_app
 from engine.serve.loop import EngineLoop
 from engine.serve.thread import ServerThread

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from engine.ops.recovery import CLIENT_GONE, abort_orphans
+from engine.harness.recovery import CLIENT_GONE, abort_orphans
 from engine.store import open_database
 from tests.serving import killed_if_left, serve_on
 

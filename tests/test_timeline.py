@@ -16,14 +16,14 @@ from sqlalchemy import text
 
 from console.cli.main import main
 from engine import Engine, EngineConfig, SamplingParams
-from engine.budget.calibrate import apply, first_calibration
 from engine.budget.peaks import measure_peaks
 from engine.budget.predictor import StepTimePredictor
 from engine.core.request import Request
-from engine.core.timeline import Cause
 from engine.events import Event, EventBus, FailCause, Failed, ModeChanged, SlowQuery
 from engine.harness import chaos
+from engine.harness.calibrate import apply, first_calibration
 from engine.ops.telemetry import InjectedBandwidth, ModelBandwidth
+from engine.ops.timeline import Cause
 from engine.store import StoreWriter, list_slow_queries, open_database
 from engine.store.database import upgrade_database
 from tests.test_scheduler import STEP_S, SchedulerRig, sim

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from console.cli.main import main
-from engine.core.timeline import Cause, ChunkView, GapStats, Preemption, Timeline
 from engine.events import EventBus, SlowQuery
+from engine.ops.timeline import Cause, ChunkView, GapStats, Preemption, Timeline
 from engine.store import StoreWriter, list_slow_queries, open_database
 
 

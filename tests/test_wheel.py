@@ -71,8 +71,8 @@ def test_the_wheel_carries_migrations_traces_styles_and_the_kernels(wheel: Path)
             "engine/store/migrations/versions/0001_initial.py",
             "engine/harness/traces/azure_llm_2023_conv.csv",
             "engine/harness/traces/azure_llm_2023_code.csv",
-            "engine/harness/traces/README.md", "engine/core/paged_attention.cpp",
-            "engine/core/layer_ops.cpp", "engine/core/cpu_vectors.h"} <= names
+            "engine/harness/traces/README.md", "engine/kernels/paged_attention.cpp",
+            "engine/kernels/layer_ops.cpp", "engine/kernels/cpu_vectors.h"} <= names
     assert any(n.startswith("console/tui/") and n.endswith(".tcss") for n in names)
     assert not any(n.startswith(("tests/", "benchmarks/", "migrations/")) for n in names)
 

@@ -3,7 +3,7 @@
 Sweeps prefill chunks × context, decode batches × context and a few mixed steps on the
 engine's own model runner, fits the predictor on three quarters of the shapes and reports
 its error on the rest. Then it serves a short probe of mixed requests and fits what serving
-costs beyond the sweep (engine.budget.served), which the GPU twin charges. The run, its table
+costs beyond the sweep (engine.harness.served), which the GPU twin charges. The run, its table
 and the predictor go into the store; a table more than 10% off the last stored one for this
 model and device is also stored as a drift event.
 """
@@ -21,18 +21,18 @@ from tqdm import tqdm
 
 from console.cli.db import add_db_argument, add_server_name_argument
 from console.cli.engine_flags import add_engine_flags, engine_config
-from engine.budget.calibrate import (
+from engine.budget.predictor import StepTimePredictor
+from engine.core.engine import Engine
+from engine.events import Drift
+from engine.harness.calibrate import (
     CalibrationResult,
     apply,
     calibrate,
     latest_for,
     save_result,
 )
-from engine.budget.drift import drift_event
-from engine.budget.predictor import StepTimePredictor
-from engine.budget.served import measure_served
-from engine.core.engine import Engine
-from engine.events import Drift
+from engine.harness.drift import drift_event
+from engine.harness.served import measure_served
 from engine.store import Database, StoreWriter, open_database
 
 

@@ -163,7 +163,7 @@ def run_release_quarantine(args: argparse.Namespace) -> int:
 
 
 def run_discard_unfinished(args: argparse.Namespace) -> int:
-    from engine.ops.recovery import DISCARDED  # the engine (torch): only for this action
+    from engine.harness.recovery import DISCARDED  # the engine (torch): only for this action
 
     with _journal_write(args.db, args.server_name) as (database, session):
         discarded = discard_unfinished(session, DISCARDED)

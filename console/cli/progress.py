@@ -9,7 +9,7 @@ import sys
 import time
 from typing import TextIO
 
-from engine.core.batch import RequestOutput
+from engine.batch import RequestOutput
 from engine.events import CalibrationProgress, Event
 
 REFRESH_S = 1.0  # how often the line is redrawn (at most)

@@ -15,7 +15,7 @@ from typing import Any
 from console.cli.db import add_db_argument, open_existing_store, refuse_store_files
 from console.cli.terminal import terminal_safe
 from console.errors import UserError
-from engine.core.timeline import timeline_lines
+from engine.ops.timeline import timeline_lines
 from engine.stats import human_duration
 from engine.store import QuarantinedRequest, quarantined_requests
 from engine.store.slow_queries import (

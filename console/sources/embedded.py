@@ -21,7 +21,12 @@ from console.sources.base import (
     Progress,
     SourceError,
 )
-from engine.budget.calibrate import (
+from engine.budget.predictor import StepTimePredictor
+from engine.config import ConfigError, EngineConfig
+from engine.core.engine import Engine
+from engine.errors import EngineError
+from engine.events import CalibrationProgress, ConfigChanged, Event
+from engine.harness.calibrate import (
     FIRST_REASON,
     Calibration,
     CalibrationResult,
@@ -32,13 +37,8 @@ from engine.budget.calibrate import (
     latest_for,
     save_result,
 )
-from engine.budget.drift import DriftMonitor, drift_event
-from engine.budget.predictor import StepTimePredictor
-from engine.config import ConfigError, EngineConfig
-from engine.core.engine import Engine
-from engine.errors import EngineError
-from engine.events import CalibrationProgress, ConfigChanged, Event
-from engine.ops.recovery import foreign_journal
+from engine.harness.drift import DriftMonitor, drift_event
+from engine.harness.recovery import foreign_journal
 from engine.serve.loop import EngineLoop
 from engine.serve.session import EngineSession
 from engine.sim.executor import Simulation

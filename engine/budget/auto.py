@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
+from engine.batch import StepShape
 from engine.budget.cost_model import BudgetModel
 from engine.config import ConfigError, EngineConfig
-from engine.core.batch import StepShape
 
 DEFAULT_WINDOW_S = 20.0  # the decode load C* is computed from is averaged over this
 DEFAULT_HYSTERESIS = 0.25  # C* moves only for a change of more than this share

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import NamedTuple, Protocol
 
+from engine.batch import StepShape
 from engine.budget.peaks import DevicePeaks
 from engine.budget.roofline import Roofline, StepEstimate, step_estimate
 from engine.config import ConfigError
-from engine.core.batch import StepShape
 from engine.model.checkpoint import fused_widths
 from engine.model.config import ModelConfig
 

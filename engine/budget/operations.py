@@ -9,7 +9,7 @@ sustained share of the device's peaks, and the step costs their sum plus a fixed
 launches, scheduling, host work), the way Vidur and LLMCompass price a step.
 
 `OperationEfficiency` holds the shares; a GPU profile (engine.sim.profiles) carries the ones
-fitted against published measurements, a calibration (engine.budget.calibrate) fits them on
+fitted against published measurements, a calibration (engine.harness.calibrate) fits them on
 this machine from measured peaks. `StepPrice.predict` is called once a step: arithmetic on a
 few numbers per shape, its counts memoised on the shape.
 """
@@ -22,10 +22,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from engine.batch import StepShape
 from engine.budget.cost_model import BudgetModel
 from engine.budget.peaks import DevicePeaks
 from engine.config import ConfigError
-from engine.core.batch import StepShape
 
 OPERATIONS = ("gemm", "attention_prefill", "attention_decode", "elementwise", "sampler",
               "communication", "step")

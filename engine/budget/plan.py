@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.core.batch import StepShape
+from engine.batch import StepShape
 from engine.core.request import PlannedChunk
 
 BUDGET_SCORE_DEFINITION = (

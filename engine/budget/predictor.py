@@ -5,7 +5,7 @@ cost the forward pass really pays: a fixed launch and scheduling overhead (large
 has two tokens or more and its matmuls leave the matrix-vector kernels), the linear layers
 per token, per-sequence bookkeeping, and attention as (query, key) pairs for prefill chunks
 and as cached context read for decodes. The coefficients come from a least-squares fit to
-timed steps (engine.budget.calibrate), constrained non-negative because none of these costs can
+timed steps (engine.harness.calibrate), constrained non-negative because none of these costs can
 speed a step up.
 
 The linear layers are priced roofline-style, on max(tokens, knee): below the knee a step is
@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engine.batch import StepShape
 from engine.budget.cost_model import BudgetModel, window_pairs
 from engine.budget.peaks import DevicePeaks
 from engine.config import ConfigError
-from engine.core.batch import StepShape
 from engine.model.config import ModelConfig
 
 # The stored form of a predictor's parameters: a field of every stored calibration, so that a
@@ -249,7 +249,7 @@ class StepTimeRatio:
     of those, so a step that lost its core to another process (or a burst of them) moves it
     little, and it costs O(1) a step. Prefill plans are priced with it (a calibration taken on
     a quieter box is not a fault of every request), and a value that stays beyond the drift
-    threshold over the window is drift (engine.budget.drift).
+    threshold over the window is drift (engine.harness.drift).
 
     A bucket is as old as its last step, so the window holds the buckets with a step in the
     last `window_s`. With none (before the first bucket closes, or after an idle spell longer

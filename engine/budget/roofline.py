@@ -16,8 +16,8 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from engine.batch import StepShape
 from engine.config import ConfigError
-from engine.core.batch import StepShape
 
 # Compute and memory times within 2% of each other count as "balanced": C* rounded to a whole
 # token lands there, and the seed's table calls that row "both saturated".

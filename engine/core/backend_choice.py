@@ -1,6 +1,6 @@
 """The CPU backends an engine runs, chosen by measurement at its first start on a machine.
 
-Which path is fastest depends on the CPU: the C++ kernels (engine.core.cpu_kernels) were
+Which path is fastest depends on the CPU: the C++ kernels (engine.kernels.cpu_kernels) were
 tuned where AVX-512 is, and an AVX2 machine ran the same decode steps slower than torch's
 own ops. So each choice is timed on the model's own shapes, not assumed:
 - decode steps: attention on the paged kernel or torch's gather + SDPA, the dense ops on the
@@ -36,10 +36,10 @@ from typing import Protocol, TypeVar
 
 import torch
 
+from engine.batch import ScheduledChunk
 from engine.config import SamplingParams
-from engine.core.batch import ScheduledChunk
-from engine.core.cpu_kernels import cache_dir
 from engine.core.request import Request, RequestState
+from engine.kernels.cpu_kernels import cache_dir
 from engine.model.config import ModelConfig
 
 log = logging.getLogger(__name__)

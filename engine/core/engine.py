@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from engine.batch import Batch, RequestOutput, StepShape, StepTiming
 from engine.budget.auto import CStar, auto_token_budget, token_budget_for
 from engine.budget.cost_model import BudgetModel
 from engine.budget.peaks import measure_peaks
@@ -26,7 +27,6 @@ from engine.budget.predictor import StepTimeRatio
 from engine.clock import Clock
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.core import intake
-from engine.core.batch import Batch, RequestOutput, StepShape, StepTiming
 from engine.core.block_manager import BlockManager
 from engine.core.executor import Executor
 from engine.core.model_runner import ModelRunner
@@ -91,7 +91,7 @@ class Engine:
         self.predict: Callable[[StepShape], float] = self.budget.predict
         self.bandwidth = bandwidth or self._default_bandwidth()
         # the cost callables read self.predict / self.budget at each call: a calibration
-        # applied later (engine.budget.calibrate.apply) takes effect at the next step
+        # applied later (engine.harness.calibrate.apply) takes effect at the next step
         self.scheduler = Scheduler(config, self.blocks, self.bandwidth,
                                    lambda shape: self.predict(shape), self.bus.publish, clock,
                                    bytes_moved=lambda shape: self.budget.bytes_moved(shape),

@@ -7,8 +7,8 @@ from typing import Protocol
 
 import torch
 
+from engine.batch import Batch, ModelRunnerOutput
 from engine.budget.peaks import DevicePeaks
-from engine.core.batch import Batch, ModelRunnerOutput
 from engine.model.config import ModelConfig
 from engine.model.tokenizer import Tokenizer
 

@@ -17,17 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.batch import Batch, ModelRunnerOutput, ScheduledChunk
 from engine.config import EngineConfig
-from engine.core import huge_pages
-from engine.core.attention import (
-    FLASH_BLOCK_SIZE,
-    AttentionMetadata,
-    DecodeGroup,
-    PrefillSpan,
-    block_dim,
-    cache_shape,
-)
-from engine.core.attention import flash_available as flash_importable
 from engine.core.backend_choice import (
     KERNELS,
     PAGED,
@@ -41,12 +32,21 @@ from engine.core.backend_choice import (
     load_cached,
     store,
 )
-from engine.core.batch import Batch, ModelRunnerOutput, ScheduledChunk
-from engine.core.cpu_graph import DecodeGraphs
-from engine.core.cpu_kernels import KernelUnavailable, prefill_supports
-from engine.core.cpu_kernels import load as load_cpu_kernels
 from engine.core.sampler import sample, token_logprobs
 from engine.errors import EngineError
+from engine.kernels import huge_pages
+from engine.kernels.attention import (
+    FLASH_BLOCK_SIZE,
+    AttentionMetadata,
+    DecodeGroup,
+    PrefillSpan,
+    block_dim,
+    cache_shape,
+)
+from engine.kernels.attention import flash_available as flash_importable
+from engine.kernels.cpu_graph import DecodeGraphs
+from engine.kernels.cpu_kernels import KernelUnavailable, prefill_supports
+from engine.kernels.cpu_kernels import load as load_cpu_kernels
 from engine.model.loader import load_model, model_config_for
 
 log = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 
 import torch
 
+from engine.batch import ModelRunnerOutput, TokenLogprob
 from engine.config import SamplingParams
-from engine.core.batch import ModelRunnerOutput, TokenLogprob
 from engine.core.request import Request
 
 

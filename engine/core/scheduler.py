@@ -29,9 +29,7 @@ from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
 
-from engine.budget.plan import PlanItem, PlanRules, plan_prefills, replanned
-from engine.config import EngineConfig
-from engine.core.batch import (
+from engine.batch import (
     Batch,
     ModelRunnerOutput,
     RequestOutput,
@@ -40,9 +38,10 @@ from engine.core.batch import (
     StepShape,
     StepTiming,
 )
+from engine.budget.plan import PlanItem, PlanRules, plan_prefills, replanned
+from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
 from engine.core.request import ChunkTiming, Request, RequestState
-from engine.core.timeline import ModeRecord, PrefillGaps, StepRecord, classify_prefill, explain
 from engine.events import (
     CacheEvict,
     ChunkComplete,
@@ -57,6 +56,7 @@ from engine.events import (
     TokensGenerated,
 )
 from engine.ops.telemetry import BandwidthSource
+from engine.ops.timeline import ModeRecord, PrefillGaps, StepRecord, classify_prefill, explain
 
 RECENT_FINISHED = 64  # ended requests still shown in snapshots
 # steps and mode changes kept to explain a slow prefill (one small tuple each; a prefill longer
@@ -110,7 +110,7 @@ class Scheduler:
         self.flagged: dict[str, PrefillGaps] = {}
         self.steps = 0  # steps booked by `update`
         # No plan, so no budget_score or slow query, until the predictor is calibrated
-        # (engine.budget.calibrate.apply sets it).
+        # (engine.harness.calibrate.apply sets it).
         self.calibrated = False
         self._plan_rules: PlanRules | None = None  # the rules the plans in force assume
         # plan_rules()'s last answer, with the configuration and the budget it was made for

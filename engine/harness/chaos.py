@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
+from engine.batch import Batch, ModelRunnerOutput
 from engine.budget.peaks import measure_peaks
 from engine.config import EngineConfig
-from engine.core.batch import Batch, ModelRunnerOutput
 from engine.core.engine import Engine, RequestOutput
 from engine.core.request import RequestState
 from engine.errors import EngineError

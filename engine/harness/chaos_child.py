@@ -21,12 +21,12 @@ import json
 import sys
 from pathlib import Path
 
+from engine.batch import RequestOutput
 from engine.config import EngineConfig
-from engine.core.batch import RequestOutput
 from engine.core.engine import Engine
 from engine.harness.driver import drive
+from engine.harness.recovery import resume_unfinished
 from engine.harness.workload import load_requests_jsonl
-from engine.ops.recovery import resume_unfinished
 from engine.store import StoreWriter, open_database
 from engine.store.writer import report_commit
 

@@ -20,8 +20,8 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.batch import Batch, ScheduledChunk, StepShape
 from engine.config import SamplingParams
-from engine.core.batch import Batch, ScheduledChunk, StepShape
 from engine.core.engine import Engine
 from engine.core.request import Request, RequestState
 from engine.harness.driver import RunResult

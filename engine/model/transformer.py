@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.core import cpu_kernels
-from engine.core.attention import AttentionMetadata, PagedAttention
 from engine.errors import ModelLoadError
+from engine.kernels import cpu_kernels
+from engine.kernels.attention import AttentionMetadata, PagedAttention
 from engine.model.config import ModelConfig
 
 Rotation = tuple[torch.Tensor, torch.Tensor]  # cos, sin [N, 1, D/2] for one step's positions
@@ -279,7 +279,7 @@ class DecoderLayer(nn.Module):
             return x + self.post_feedforward_layernorm(self.mlp(h))
         x, h = self.post_attention_layernorm.add_and_norm(x, attn)
         # in place on the kernel path, as add_and_norm's add: a step of kernel calls alone
-        # replays as a CPU graph (engine.core.cpu_graph)
+        # replays as a CPU graph (engine.kernels.cpu_graph)
         return cpu_kernels.add_(x, self.mlp(h)) if self.kernel else x + self.mlp(h)
 
 
@@ -344,7 +344,7 @@ class Transformer(nn.Module):
         self.panels_packed = panels
 
     def use_cpu_kernels(self, enabled: bool = True) -> None:
-        """Run eager CPU steps on engine.core.cpu_kernels: small fp32 GEMMs in linear_rows,
+        """Run eager CPU steps on engine.kernels.cpu_kernels: small fp32 GEMMs in linear_rows,
         and the norms, SiLU·mul, RoPE and cache writes as one call each. Call instead of
         pack_weights; the torch ops stay the path everywhere else. `enabled=False` goes back
         to the torch ops (the backend choice times both; the panels stay packed for a switch

@@ -13,7 +13,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.core.batch import TokenLogprob
+from engine.batch import TokenLogprob
 from engine.core.request import CHAT_TAG
 from engine.model.chat_template import ChatTemplate, ChatTemplateError
 from engine.serve.completions import (

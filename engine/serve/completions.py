@@ -28,8 +28,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from engine.batch import TokenLogprob
 from engine.config import ConfigError, SamplingParams
-from engine.core.batch import TokenLogprob
 from engine.core.engine import RequestOutput
 from engine.core.request import SCORE_TAG, RequestState
 from engine.errors import RequestError

@@ -30,8 +30,8 @@ from engine.core.engine import Engine, RequestOutput
 from engine.core.request import Request, RequestState
 from engine.errors import EngineError
 from engine.events import EngineRestarted
+from engine.harness.recovery import Resumption
 from engine.harness.workload import WorkloadRequest
-from engine.ops.recovery import Resumption
 from engine.serve.supervisor import Supervisor
 from engine.snapshot import Snapshot
 

@@ -9,8 +9,8 @@ underscore prefix (colons are for recording rules) and `_total` on counters alon
 
 from __future__ import annotations
 
+from engine.batch import SchedulerMode
 from engine.budget.plan import BUDGET_SCORE_DEFINITION
-from engine.core.batch import SchedulerMode
 from engine.core.engine import Engine
 from engine.ops.metrics import Histogram, RequestStats
 from engine.serve.loop import LoopHealth

@@ -21,16 +21,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from engine.budget.calibrate import (
+from engine.config import EngineConfig
+from engine.core.engine import Engine
+from engine.events import Subscriber
+from engine.harness.calibrate import (
     CalibrationResult,
     apply_latest,
     first_calibration,
     latest_for,
 )
-from engine.config import EngineConfig
-from engine.core.engine import Engine
-from engine.events import Subscriber
-from engine.ops.recovery import Resumption, abort_orphans, resume_unfinished
+from engine.harness.recovery import Resumption, abort_orphans, resume_unfinished
 from engine.serve.loop import EngineLoop
 from engine.sim.executor import PacedClock, Simulation, simulated_engine
 from engine.sim.target import resolve_target

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.budget.calibrate import apply
+from engine.batch import Batch, ModelRunnerOutput, StepShape
 from engine.clock import VirtualClock
 from engine.config import EngineConfig
-from engine.core.batch import Batch, ModelRunnerOutput, StepShape
 from engine.core.engine import Engine
 from engine.core.model_runner import DTYPES
 from engine.errors import EngineError
+from engine.harness.calibrate import apply
 from engine.model.loader import model_config_for, tokenizer_for
 from engine.sim.target import SimTarget
 
@@ -92,7 +92,7 @@ class SimulatedExecutor:
             raise EngineError(f"the KV budget ({target.kv_cache_bytes} bytes) holds no block of "
                               f"{per_block} bytes; raise kv_cache_bytes or use a larger GPU")
         self._never = frozenset(self.model_config.eos_token_id)
-        # the calibrated host's own time after the last step (engine.budget.served), which a
+        # the calibrated host's own time after the last step (engine.harness.served), which a
         # virtual clock is moved on by (run_fleet); on a paced clock this host's passes anyway
         self.host_s = 0.0
 

@@ -122,5 +122,5 @@ def _step(engine: Engine, executor: SimulatedExecutor, clock: VirtualClock,
             router.finished(output.request_id)
     if clock.now == before:
         idle(clock.sleep)
-    else:  # the calibrated host's own time around the step it ran (engine.budget.served)
+    else:  # the calibrated host's own time around the step it ran (engine.harness.served)
         clock.now += executor.host_s

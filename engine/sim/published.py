@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine.batch import StepShape
 from engine.budget.operations import OperationEfficiency
-from engine.core.batch import StepShape
 from engine.model.config import ModelConfig
 from engine.sim.profiles import profile
 from engine.sim.target import Deployment

@@ -22,15 +22,15 @@ from typing import Any, NamedTuple
 
 from sqlalchemy.orm import Session
 
-from engine.budget.calibrate import latest_stored
+from engine.batch import StepShape
 from engine.budget.cost_model import BudgetModel
 from engine.budget.operations import Link, StepPrice
 from engine.budget.peaks import DevicePeaks, measure_peaks
 from engine.budget.predictor import StepTimePredictor
-from engine.budget.served import ServedCosts
 from engine.config import ConfigError, EngineConfig
-from engine.core.batch import StepShape
 from engine.core.model_runner import CPU_KV_BYTES_DEFAULT, resolve_device, resolve_dtype
+from engine.harness.calibrate import latest_stored
+from engine.harness.served import ServedCosts
 from engine.model.config import ModelConfig
 from engine.model.loader import model_config_for
 from engine.sim.profiles import KV_BYTES, WEIGHT_BYTES, GpuProfile, profile, profile_for_device_name
@@ -66,7 +66,7 @@ class SimTarget:
     predict: Predict = field(repr=False, compare=False)
     source: str  # where the step times come from, in words
     calibration: StepTimePredictor | None = None  # the stored fit, when predict is one
-    # what serving cost beyond the fit on the calibrated host (engine.budget.served), where
+    # what serving cost beyond the fit on the calibrated host (engine.harness.served), where
     # the calibration served a probe: host time between steps, prefill steps' served price
     served: ServedCosts | None = None
     details: dict[str, Any] = field(default_factory=dict)  # sizing and interconnect figures

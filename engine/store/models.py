@@ -108,9 +108,9 @@ class SlowQueryRow(Base):
     chunks: Mapped[list[Any]]  # per-chunk timings, as the engine reported them
     config: Mapped[dict[str, Any]]  # the live configuration when the request ran
     source: Mapped[str | None] = mapped_column(String(256))  # None: this engine; else a server
-    # where its time went (engine.core.timeline.Timeline); None on rows from before 0004
+    # where its time went (engine.ops.timeline.Timeline); None on rows from before 0004
     timeline: Mapped[dict[str, Any] | None]
-    cause: Mapped[str | None] = mapped_column(String(32))  # engine.core.timeline.Cause
+    cause: Mapped[str | None] = mapped_column(String(32))  # engine.ops.timeline.Cause
     cause_share: Mapped[float | None]  # the cause's part of the overrun, 0..1
     verdict: Mapped[str | None] = mapped_column(Text)
     # prompt tokens found in the prefix cache, never prefilled; None on rows from before 0007

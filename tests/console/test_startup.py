@@ -18,8 +18,8 @@ from console.tui.app import TokenflowApp
 from console.tui.collectors import SnapshotPolled
 from console.tui.screens.splash import EngineStarting, ResumedNotice
 from console.tui.widgets.requests_table import RequestsTable
-from engine.budget.calibrate import FIRST_REASON
 from engine.config import EngineConfig, SamplingParams
+from engine.harness.calibrate import FIRST_REASON
 from engine.serve.session import EngineSession
 from engine.store import (
     CalibrationRecord,

@@ -23,7 +23,7 @@ from console.tui.text import plain
 from console.tui.widgets.keyed_table import Column, KeyedTable, TableRow, middle_cut
 from console.tui.widgets.notice import unavailable
 from console.tui.widgets.requests_table import budget_text
-from engine.core.timeline import timeline_lines
+from engine.ops.timeline import timeline_lines
 from engine.stats import human_duration
 
 if TYPE_CHECKING:  # annotations only: the store pulls SQLAlchemy and Alembic (~1 s)

@@ -10,7 +10,7 @@ longer starts one by itself: on a shared CPU single steps are that far off all t
 never sooner than `min_interval_s` after the last one. A periodic one (an hour by default) and
 `request()` (on demand) remain. Every run is stored with its reason (`on_result`), and its
 progress is published as CalibrationProgress events. The new sweep is compared with the
-predictor in use over fixed reference shapes (engine.budget.calibrate.compare); more than 10%
+predictor in use over fixed reference shapes (engine.harness.calibrate.compare); more than 10%
 apart is a Drift event on the bus, which the store writer records and the console shows.
 
 A sweep runs the model, which belongs to the engine thread, so the monitor never runs one
@@ -26,7 +26,11 @@ import logging
 import time
 from collections.abc import Callable
 
-from engine.budget.calibrate import (
+from engine.budget.predictor import StepTimePredictor
+from engine.config import ConfigError
+from engine.core.engine import Engine
+from engine.events import CalibrationProgress, ChunkComplete, Drift, Event
+from engine.harness.calibrate import (
     Calibration,
     CalibrationResult,
     Progress,
@@ -35,10 +39,6 @@ from engine.budget.calibrate import (
     compare,
     plan_for,
 )
-from engine.budget.predictor import StepTimePredictor
-from engine.config import ConfigError
-from engine.core.engine import Engine
-from engine.events import CalibrationProgress, ChunkComplete, Drift, Event
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@
   torch runs several.
 
 Every call goes through `_call`, which `recording()` can watch: a decode step made of these
-calls alone is recorded once and replayed as a CPU graph (engine.core.cpu_graph).
+calls alone is recorded once and replayed as a CPU graph (engine.kernels.cpu_graph).
 
 The library is C++ without torch headers, so the system compiler builds it once (13 s here);
 the shared object is cached under ~/.cache/tokenflow/kernels (or $TOKENFLOW_KERNEL_CACHE),
@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from engine.core import huge_pages
+from engine.kernels import huge_pages
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_attention.cpp", "layer_ops.cpp", "cpu_vectors.h"))

@@ -8,7 +8,7 @@ SDPA's `is_causal=True` is top-left and wrong when query and key lengths differ)
 Backends:
 - torch (CPU, and CUDA without flash-attn): SDPA with an explicit mask per chunk, and one
   SDPA call for all decodes with queries grouped per KV head (no copy of keys for GQA).
-- paged (CPU, the default there): C++ kernels (engine.core.cpu_kernels) that read the cache
+- paged (CPU, the default there): C++ kernels (engine.kernels.cpu_kernels) that read the cache
   in place through the block tables instead of gathering each history into a copy first:
   one call per prefill chunk (flash-style, causal and windowed as above), one for every
   decode. A head size the prefill kernel's tiles do not fit keeps SDPA for prefill.
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.core.cpu_kernels import cache_write, paged_decode, paged_prefill
+from engine.kernels.cpu_kernels import cache_write, paged_decode, paged_prefill
 
 try:  # optional `gpu` extra; absent on CPU machines
     from flash_attn import flash_attn_varlen_func

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from sqlalchemy.orm import Session
 
+from engine.batch import Batch, ScheduledChunk, StepShape
 from engine.budget.cost_model import BudgetModel
 from engine.budget.operations import (
     CALIBRATION_BOUNDS,
@@ -37,13 +38,12 @@ from engine.budget.operations import (
 )
 from engine.budget.peaks import DevicePeaks
 from engine.budget.predictor import StepTimePredictor
-from engine.budget.served import ServedCosts
 from engine.config import SamplingParams
-from engine.core.batch import Batch, ScheduledChunk, StepShape
 from engine.core.engine import Engine
 from engine.core.request import Request, RequestState
 from engine.errors import EngineError
 from engine.events import CalibrationProgress
+from engine.harness.served import ServedCosts
 from engine.ops.telemetry import NvmlBandwidth, TelemetryError, nvml_available
 from engine.store import (
     BudgetPoint,
@@ -245,7 +245,7 @@ class CalibrationResult:
     points: tuple[CalibrationPoint, ...]
     skipped: tuple[Probe, ...]  # shapes the KV pool or max_model_len could not hold
     predictor: StepTimePredictor
-    # what serving cost beyond the sweep (engine.budget.served), where a probe was served:
+    # what serving cost beyond the sweep (engine.harness.served), where a probe was served:
     # `tokenflow calibrate` serves one; a live engine's sweeps do not
     served: ServedCosts | None = None
     # the same steps fitted in the GPU twin's per-operation form (engine.budget.operations)

@@ -2,7 +2,7 @@
 replayed without the Python that made them, as CUDA graphs replay a GPU's kernels (vLLM and
 nano-vllm capture decode batches the same way).
 
-Why: on the kernel path a decode step is a few dozen calls into engine.core.cpu_kernels with
+Why: on the kernel path a decode step is a few dozen calls into engine.kernels.cpu_kernels with
 Python and torch glue between them, and that glue runs from caches the weights' stream has
 just flushed. A decode step at D = 8 on synthetic:small took 13.8 ms, of which its kernel
 calls, repeated back to back, took 10.0 (one thread, Xeon; README, issue 18).
@@ -31,8 +31,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from engine.core import cpu_kernels, huge_pages
-from engine.core.attention import AttentionMetadata
+from engine.kernels import cpu_kernels, huge_pages
+from engine.kernels.attention import AttentionMetadata
 from engine.model.transformer import PANEL_MAX_ROWS, Rotation, Transformer
 
 log = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from engine.batch import StepShape
 from engine.budget.predictor import nonnegative_relative_lstsq
 from engine.config import SamplingParams
-from engine.core.batch import StepShape
 from engine.core.engine import Engine
 from engine.errors import EngineError
 from engine.events import ChunkComplete, Event, StepComplete
