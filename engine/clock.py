@@ -1,9 +1,4 @@
-"""Time as an input: every window, timeout and rate in the engine reads a `Clock`.
-
-Production code takes `time.monotonic`; tests and the time-warp harness take a
-`VirtualClock`, which moves only when told, so an idle night or a paused console passes in
-microseconds and a gap longer than any window is an ordinary test case.
-"""
+"""Time as an input: every window, timeout and rate in the engine reads a `Clock`."""
 
 from __future__ import annotations
 
@@ -18,8 +13,7 @@ class Clock(Protocol):
 
 
 class VirtualClock:
-    """Simulated seconds that move only when told: a step's predicted time, or an idle wait
-    for the next arrival. Starts at the monotonic clock so timestamps look like a real run's."""
+    """Simulated seconds that move only when told; start at the monotonic clock like a real run."""
 
     def __init__(self, start: float | None = None) -> None:
         self.now = time.monotonic() if start is None else start
@@ -31,5 +25,4 @@ class VirtualClock:
         self.now = max(self.now, t)
 
     def sleep(self, seconds: float) -> None:
-        """An idle wait: jump to its end instead of waiting for it."""
         self.now += max(0.0, seconds)

@@ -1,8 +1,4 @@
-"""Engine configuration and sampling parameters: the contracts every other module reads.
-
-Live-tunable fields can change between steps through `Engine.update_config`; `validate`
-checks a whole candidate configuration so a bad value never half-applies.
-"""
+"""Engine configuration and sampling parameters: the contracts every other module reads."""
 
 from __future__ import annotations
 
@@ -29,22 +25,20 @@ class ConfigError(EngineError, ValueError):
 
 
 MIN_TEMPERATURE = 1e-5  # the smallest temperature that samples; below it use 0 (greedy)
-# The sampler works in float32: a top_p below its smallest normal number rounds to 0 there and
-# masks every token (softmax of all -inf is NaN); a temperature above its largest overflows.
+# The sampler works in float32: a smaller top_p masks every token, a larger temperature overflows.
 FLOAT32_TINY = 1.1754943508222875e-38
 FLOAT32_MAX = 3.4028234663852886e38
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
 INT64_MAX = 2**63 - 1  # the journal's INTEGER columns; larger values cannot be stored
-MAX_TOP_K = 2**31 - 1  # torch.topk's k; a vocabulary is far smaller
-LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")  # vLLM's logprobs_mode values we build
-MAX_LOGPROBS = 20  # top log-probabilities one token may ask for (vLLM's max_logprobs)
-MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
+MAX_TOP_K = 2**31 - 1
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Validated on construction, so the HTTP server, the Python API and a resume from the
-    journal all refuse the same poison values (a ConfigError naming the field)."""
+    """Sampling parameters, validated on construction: every entry point refuses the same values."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -53,17 +47,15 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
-    # vLLM's meanings: presence/frequency count output tokens only, repetition divides
-    # positive (multiplies negative) logits of every token seen in prompt or output
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_p: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
-    stop: tuple[str, ...] = ()  # matched on the detokenized output
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
-    logprobs: int | None = None  # per generated token: its own and the top N
-    prompt_logprobs: int | None = None  # per prompt token, computed in the prefill chunks
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     @property
     def prefill_only(self) -> bool:
@@ -117,8 +109,7 @@ class SamplingParams:
             object.__setattr__(self, name, value)
 
     def _checked_extras(self) -> list[tuple[str, Any]]:
-        """The penalties, biases, stop strings and logprob counts, checked and normalised
-        (lists from JSON become tuples) as vLLM bounds them."""
+        """The penalties, biases, stop strings and logprob counts, checked as vLLM bounds them."""
         values: list[tuple[str, Any]] = []
         for name in ("presence_penalty", "frequency_penalty"):
             value = _real(name, getattr(self, name))
@@ -190,7 +181,7 @@ def _real(name: str, value: Any) -> float:
         raise ConfigError(name, f"must be a number, got {value!r}")
     try:
         result = float(value)
-    except OverflowError:  # an integer beyond any float
+    except OverflowError:
         raise ConfigError(name, "must be a finite number") from None
     if not math.isfinite(result):
         raise ConfigError(name, "must be a finite number")
@@ -199,66 +190,49 @@ def _real(name: str, value: Any) -> float:
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """The engine's settings; docs/contracts.md says what each field means."""
+
     # --- fixed at start -----------------------------------------------------------------
     model: str = "synthetic:tiny"
-    device: str = "auto"  # "auto" picks cuda:0 when available, else cpu
-    dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    dtype: str = "auto"
     seed: int = 0
     block_size: int = 16
-    # the KV pool's size; None = 256 MiB on CPU, gpu_memory_utilization of free CUDA memory
     kv_cache_bytes: int | None = None
-    gpu_memory_utilization: float = 0.85  # share of free CUDA memory for the KV pool
-    max_model_len: int | None = None  # None = the model's own limit
+    gpu_memory_utilization: float = 0.85
+    max_model_len: int | None = None
     max_num_seqs: int = 256
-    # auto: flash-attn on CUDA where installed; on CPU, whichever of the paged C++ kernels and
-    # torch (SDPA over gathered copies of the history) measures faster on the host CPU
-    # (engine.core.backend_choice); paged or torch forces one
-    attention_backend: str = "auto"  # auto | torch | flash | paged
-    # vLLM's --logprobs-mode: raw_logprobs scores the model's logits; processed_logprobs the
-    # logits the sampler drew from (after bias, penalties, temperature, min_p, top-k/top-p)
+    attention_backend: str = "auto"
     logprobs_mode: str = "raw_logprobs"
-    cpu_threads: int = 0  # torch threads on CPU; 0 = all cores but one (UI, HTTP, store)
-    # the snapshot's latency percentiles cover this many seconds (lifetime histograms stay)
+    cpu_threads: int = 0
     stats_window_s: float = 60.0
-    # torch.compile the model's layers, paid once at start (CUDA graphs for small steps on
-    # CUDA). None: on CUDA, where the graphs remove launch overhead; off on CPU, where it
-    # measured no faster (issue 18's notes in README) and costs 20-30 s of start.
     compile: bool | None = None
-    # CPU eager kernels: replay each decode batch size's kernel calls, recorded at its first
-    # step (engine.kernels.cpu_graph). None: where measurement finds them faster
-    # (engine.core.backend_choice); True forces them (with the kernels they replay), False
-    # runs every step's Python
     cpu_graphs: bool | None = None
     # --- live-tunable ---------------------------------------------------------------------
-    max_num_batched_tokens: int = 256  # the token budget of one step (CPU-sized default)
-    chunked_prefill: bool = True  # False: a prompt runs whole in one step or waits
-    # reuse the KV blocks of prompt prefixes already computed (vLLM V1's hashed blocks);
-    # turning it off drops the cache's hashes, so nothing is hit again until it is back on
+    max_num_batched_tokens: int = 256
+    chunked_prefill: bool = True
     enable_prefix_caching: bool = True
-    auto_budget: bool = False  # True: each step's budget is C* (live D, S) plus the decodes
-    auto_tpot_ms: float = 0.0  # with auto_budget: grow chunks while a step stays within this
-    chunk_tile: int = 16  # prefill chunks are rounded down to a multiple of this (pitfall 4)
-    max_prefill_chunks: int = 4  # partial prefills that may share a step (chunk concurrency)
-    long_prefill_threshold: int = 0  # cap on one request's chunk in a step; 0 = no cap
+    auto_budget: bool = False
+    auto_tpot_ms: float = 0.0
+    chunk_tile: int = 16
+    max_prefill_chunks: int = 4
+    long_prefill_threshold: int = 0
     cache_high_watermark: float = 0.85
     cache_low_watermark: float = 0.70
-    bandwidth_throttle_2: float = 0.90  # 5 s average above this: chunk concurrency 2
-    bandwidth_throttle_1: float = 0.95  # above this: concurrency 1
-    bandwidth_pause: float = 0.98  # above this for bandwidth_pause_s: new prefills paused
+    bandwidth_throttle_2: float = 0.90
+    bandwidth_throttle_1: float = 0.95
+    bandwidth_pause: float = 0.98
     bandwidth_pause_s: float = 10.0
-    slow_query_threshold: float = 1.5  # budget_score above this is a slow query
-    # ...and only when the prefill ran this much over its plan: below a few ms the ratio of a
-    # one-step prefill is timer, cache and scheduler jitter, which no user sees
+    slow_query_threshold: float = 1.5
     slow_query_min_overrun_ms: float = 5.0
-    max_prefill_tokens: int = 0  # circuit breaker base; 0 = max_model_len
-    chunk_timeout_base_ms: float = 0.0  # layer 4; 0 = off
-    guard_window_s: float = 10.0  # layers 1, 4, 5 stay engaged this long after they last acted
-    defrag_threshold: float = 0.30  # layer 3 engages (and compacts) above this fragmentation
-    defrag_interval_s: float = 300.0  # layer 3 compacts at most this often
-    degraded_path: bool = True  # layer 6: one minimal prefill at a time while layers 1-4 engage
-    preempt_protect_after: int = 3  # preemptions after which a request is not chosen again
-    tenant_shares: dict[str, float] = field(default_factory=dict)  # share of prefill budget
-    # added to the priority of the tenant's requests: higher is admitted first (FCFS within)
+    max_prefill_tokens: int = 0
+    chunk_timeout_base_ms: float = 0.0
+    guard_window_s: float = 10.0
+    defrag_threshold: float = 0.30
+    defrag_interval_s: float = 300.0
+    degraded_path: bool = True
+    preempt_protect_after: int = 3
+    tenant_shares: dict[str, float] = field(default_factory=dict)
     tenant_priorities: dict[str, int] = field(default_factory=dict)
 
     def replace(self, **changes: Any) -> EngineConfig:
@@ -330,8 +304,7 @@ class EngineConfig:
         return {name: getattr(self, name) for name in sorted(LIVE_FIELDS)}
 
     def is_slow_query(self, prefill_s: float, budget_s: float) -> bool:
-        """Whether a prefill that took `prefill_s` against a plan of `budget_s` is a slow
-        query: its budget_score above the threshold, and its overrun at least the minimum."""
+        """Whether a prefill of `prefill_s` against a plan of `budget_s` is a slow query."""
         return (prefill_s / budget_s > self.slow_query_threshold
                 and (prefill_s - budget_s) * 1e3 >= self.slow_query_min_overrun_ms)
 
@@ -345,9 +318,7 @@ LIVE_FIELDS = frozenset(
                       "cpu_graphs", "logprobs_mode"}
 )
 
-# The defaults as one importable value: a widget that meets a snapshot without some field
-# (an attached server of another version) falls back to DEFAULTS.cache_high_watermark etc.
-# instead of re-typing the number.
+# The defaults as one value: widgets fall back to it for fields an older snapshot lacks.
 DEFAULTS = EngineConfig()
 
 
@@ -377,15 +348,14 @@ def _coerce(name: str, value: Any) -> Any:
 
 
 def _whole(value: Any) -> int:
-    """An integer from an int, a decimal string or an integral float, never rounded through
-    a float: 2**63 - 1 stays 2**63 - 1, and a float past 2**53 (no longer exact) is refused."""
+    """An integer from an int, a decimal string or an integral float, never rounded via a float."""
     if isinstance(value, str):
         try:
             return int(value.strip())
         except ValueError:
-            value = float(value)  # "512.0"
+            value = float(value)
     if not isinstance(value, float):
-        return operator.index(value)  # int, numpy integers; TypeError otherwise
+        return operator.index(value)
     if not value.is_integer() or abs(value) > 2**53:
         raise ValueError
     return int(value)

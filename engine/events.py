@@ -1,12 +1,4 @@
-"""Engine events and the double-buffered bus that carries them to observers.
-
-The hot loop only records (vLLM V1 style): events carry monotonic timestamps and raw
-figures; observers (store, metrics, console, HTTP) turn them into intervals and rates.
-
-Producers on any thread `publish` into the front buffer; the engine loop calls `drain`,
-which swaps buffers under a lock and hands the back buffer to subscribers in order. No
-event is lost or reordered, and producers never wait on a subscriber (seed 000 §4).
-"""
+"""Engine events and the double-buffered bus that carries them to observers."""
 
 from __future__ import annotations
 
@@ -20,16 +12,14 @@ from typing import Any, ClassVar
 
 
 def wall_offset() -> float:
-    """What turns a monotonic timestamp (an event's `ts`) into wall-clock time on this
-    machine: the store stamps its rows with it, and snapshots carry it (Snapshot.wall_offset)
-    so a console elsewhere can place those rows on the snapshots' timeline."""
+    """Wall-clock minus monotonic time: places monotonic timestamps on the wall clock."""
     return time.time() - time.monotonic()
 
 
 @dataclass(frozen=True)
 class Event:
     kind: ClassVar[str] = "event"
-    # the C function itself: a token event per request per step is made with this default
+    # the C function itself: the hot path makes one event per request per step
     ts: float = field(default_factory=time.monotonic, kw_only=True)
 
     def to_dict(self) -> dict[str, Any]:
@@ -45,8 +35,8 @@ class StepComplete(Event):
     duration_s: float
     predicted_s: float = 0.0
     mode: str = "NORMAL"
-    flops: float = 0.0  # the budget model's count for this step (for MFU)
-    bytes_moved: float = 0.0  # likewise for memory traffic (for MBU and bandwidth)
+    flops: float = 0.0
+    bytes_moved: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -55,7 +45,7 @@ class ChunkComplete(Event):
     request_id: str
     chunk_index: int
     tokens: int
-    start: int  # first prompt position the chunk covered
+    start: int
     duration_s: float
     estimated_bytes: float
     predicted_s: float
@@ -72,9 +62,7 @@ class TokensGenerated(Event):
 
     @classmethod
     def of(cls, request_id: str, token_ids: tuple[int, ...], ts: float) -> TokensGenerated:
-        """The object the constructor makes, made for the step's hot path (an event per
-        request per step): a frozen dataclass's __init__ sets each field through
-        object.__setattr__, about twice as slow as filling the new object's __dict__."""
+        """Skip the frozen __init__'s per-field __setattr__: this runs per request per step."""
         event = object.__new__(cls)
         event.__dict__.update(ts=ts, request_id=request_id, token_ids=token_ids)
         return event
@@ -89,7 +77,7 @@ class RequestAdded(Event):
     tenant: str
     priority: int = 0
     tag: str | None = None
-    generated_token_ids: tuple[int, ...] = ()  # kept from before a crash (resume)
+    generated_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -102,8 +90,7 @@ class CacheEvict(Event):
 
 @dataclass(frozen=True)
 class PrefixCacheLookup(Event):
-    """A request admitted with the prefix cache on: of the `queried_tokens` it holds, the
-    first `cached_tokens` were found computed (vLLM's prefix_cache_queries / _hits)."""
+    """Admitted with the prefix cache on: `cached_tokens` of its `queried_tokens` were found."""
 
     kind: ClassVar[str] = "prefix_cache_lookup"
     request_id: str
@@ -129,24 +116,23 @@ class Finished(Event):
     ttft_s: float | None
     e2e_s: float
     budget_score: float | None
-    queue_wait_s: float | None = None  # arrival to first admission
+    queue_wait_s: float | None = None
 
 
 class RejectCause(enum.StrEnum):
-    """Why a well-formed request can never be served; observers branch on this, never on
-    the wording of the reason."""
+    """Why a well-formed request can never be served; observers branch on this, not on wording."""
 
-    BREAKER = "breaker"  # protection layer 1: prompt over max_prefill_tokens × BREAKER_FACTOR
-    TOO_LONG = "too_long"  # prompt + max_tokens over max_model_len
-    OVER_BUDGET = "over_budget"  # chunking off and the prompt over the token budget
-    KV_POOL = "kv_pool"  # needs more KV blocks than the whole pool
+    BREAKER = "breaker"
+    TOO_LONG = "too_long"
+    OVER_BUDGET = "over_budget"
+    KV_POOL = "kv_pool"
 
 
 class FailCause(enum.StrEnum):
-    CHUNK_TIMEOUT = "chunk_timeout"  # protection layer 4
-    FAULT = "fault"  # an exception in this request's sampling, stop check or output
-    ENGINE = "engine"  # the engine failed in its steps, not for this request's sake
-    CONFIG = "config"  # a live config change left it a prefill the engine cannot run
+    CHUNK_TIMEOUT = "chunk_timeout"
+    FAULT = "fault"
+    ENGINE = "engine"
+    CONFIG = "config"
 
 
 @dataclass(frozen=True)
@@ -177,12 +163,11 @@ class SlowQuery(Event):
     chunks: tuple[dict[str, Any], ...]
     config: dict[str, Any]
     tag: str | None = None
-    # where its time went (engine.ops.timeline.Timeline.to_dict), published when it ends
     timeline: dict[str, Any] = field(default_factory=dict)
-    cause: str | None = None  # engine.ops.timeline.Cause: what the overrun is attributed to
-    cause_share: float | None = None  # that cause's part of the overrun, 0..1
-    verdict: str = ""  # one line: the cause, its time and share
-    cached_tokens: int = 0  # prompt tokens found in the prefix cache: never prefilled
+    cause: str | None = None
+    cause_share: float | None = None
+    verdict: str = ""
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -196,21 +181,20 @@ class ModeChanged(Event):
 @dataclass(frozen=True)
 class ConfigChanged(Event):
     kind: ClassVar[str] = "config_changed"
-    changes: dict[str, tuple[Any, Any]]  # field -> (old, new)
+    changes: dict[str, tuple[Any, Any]]
     source: str
 
 
 @dataclass(frozen=True)
 class Drift(Event):
     kind: ClassVar[str] = "drift"
-    deviation: float  # relative difference of the new table from the stored one
+    deviation: float
     detail: str
 
 
 @dataclass(frozen=True)
 class CalibrationProgress(Event):
-    """A calibration sweep under way: `fraction` done (1.0: applied), what runs now, and why
-    it runs (the first calibration at start, persistent drift, on demand)."""
+    """A calibration sweep under way: `fraction` done (1.0: applied), what runs now and why."""
 
     kind: ClassVar[str] = "calibration_progress"
     fraction: float
@@ -230,43 +214,36 @@ class GuardAction(Event):
 
 @dataclass(frozen=True)
 class EngineRestarted(Event):
-    """A step raised an exception that was no single request's fault: the engine was
-    restarted from its journal (`stopped` False), or a crash loop stopped it (True)."""
+    """A step's fault restarted the engine from its journal, or a crash loop `stopped` it."""
 
     kind: ClassVar[str] = "engine_restarted"
-    restarts: int  # restarts so far, this one included
-    place: str  # file:line in function where the exception was raised
-    error: str  # the exception, repr()
-    resumed: int  # requests resumed by this restart
-    failed: int  # requests failed by it (twice in a failed step, or the engine stopped)
+    restarts: int
+    place: str
+    error: str
+    resumed: int
+    failed: int
     stopped: bool = False
-    traceback: str = ""  # the exception's formatted traceback, as logged
+    traceback: str = ""
 
 
 Subscriber = Callable[[Event], None]
 
 
 class EventBus:
-    """`clock`, when given, stamps every published event: an engine on a simulated clock
-    times its events in simulated seconds, as its requests are."""
+    """`clock`, when given, stamps every published event (simulated seconds when simulated)."""
 
     def __init__(self, clock: Callable[[], float] | None = None) -> None:
         self._clock = clock
         self._front: list[Event] = []
         self._back: list[Event] = []
         self._lock = threading.Lock()
-        # replaced, never mutated: a subscriber that (un)subscribes mid-drain changes only
-        # the events after the one it is hearing
+        # replaced, never mutated: a (un)subscribe mid-drain changes only the later events
         self._subscribers: tuple[tuple[Subscriber, tuple[type[Event], ...]], ...] = ()
-        # event type -> the subscribers that hear it, in subscription order; built on first
-        # sight of a type and dropped whenever the subscribers change
         self._routes: dict[type[Event], tuple[Subscriber, ...]] = {}
 
     def subscribe(self, fn: Subscriber, kinds: tuple[type[Event], ...] = ()
                   ) -> Callable[[], None]:
-        """`fn` hears every event, or only those of `kinds` (subclasses included): most
-        events are a token per request per step, which a subscriber to a few kinds is then
-        never called for."""
+        """`fn` hears every event, or only those of `kinds` (subclasses included)."""
         self._subscribers = (*self._subscribers, (fn, kinds))
         self._routes = {}
         return lambda: self._unsubscribe(fn)
@@ -294,13 +271,12 @@ class EventBus:
             self._front, self._back = self._back, self._front
         delivered = self._back
         for index, event in enumerate(delivered):
-            route = self._routes.get(type(event))  # read per event: see _subscribers
+            route = self._routes.get(type(event))
             try:
                 for fn in self._route(type(event)) if route is None else route:
                     fn(event)
             except BaseException:
-                # the events after the one that failed go first at the next drain, once,
-                # so an engine restarted after the fault still journals what was accepted
+                # undelivered events go first at the next drain: a restarted engine journals them
                 with self._lock:
                     self._front[:0] = delivered[index + 1:]
                 delivered.clear()

@@ -1,10 +1,4 @@
-"""Statistics, written once: nearest-rank quantiles, the p50/p90/p99 triple and seconds to ms.
-
-Latency quantiles are nearest-rank (an observed value, never one between two samples), as
-every engine-side report (metrics window, bench, SLO probes) has always computed them. Length
-descriptions of a workload use linear interpolation instead (numpy's default), so a median
-of an even count sits between the two middle lengths.
-"""
+"""Statistics, written once: nearest-rank quantiles, the p50/p90/p99 triple and seconds to ms."""
 
 from __future__ import annotations
 
@@ -48,13 +42,12 @@ def human_duration(seconds: float | None) -> str:
 
 
 def percentiles_ms(seconds: Iterable[float]) -> Percentiles:
-    """Percentiles of durations given in seconds, reported in milliseconds."""
     p = percentiles(seconds)
     return Percentiles(p50=ms(p.p50), p90=ms(p.p90), p99=ms(p.p99))
 
 
 def interpolated_quantile(ordered: list[int] | list[float], q: float) -> float:
-    """Linear interpolation between the closest ranks of sorted, non-empty `ordered`."""
+    """Linear interpolation between the closest ranks (lengths; latencies are nearest-rank)."""
     pos = (len(ordered) - 1) * q
     lo = math.floor(pos)
     hi = min(lo + 1, len(ordered) - 1)
