@@ -1,10 +1,4 @@
-"""One batch of engine events as SQL: folded per request, then a few statements.
-
-Each request's events in a batch fold into one `_Progress` (state, tokens appended, chunk
-counts), so a batch costs one UPDATE per request whatever the token rate. The journal's
-statements are precompiled SQL, one text per dialect, bound by the driver itself (see
-`_driver_sql`). Every row carries the name of the server that wrote it.
-"""
+"""One batch of engine events as SQL: folded per request, then a few statements."""
 
 from __future__ import annotations
 
@@ -52,9 +46,7 @@ from engine.store.models import (
 )
 
 _JOURNAL = JournalRow.__table__
-# Folding thousands of events holds the GIL for milliseconds; an engine thread coming back
-# from a forward pass would wait that long for it (Python only forces a hand-over after its
-# 5 ms switch interval). Yielding every few hundred events bounds that wait to ~0.1 ms.
+# Yield the GIL every few hundred folded events, so an engine thread never waits long for it.
 _FOLD_SLICE = 256
 
 
@@ -75,13 +67,13 @@ class _Progress:
     budget_score: float | None = None
 
     def set_state(self, state: str) -> None:
-        if self.state not in TERMINAL_STATES:  # a late event never reopens a finished request
+        if self.state not in TERMINAL_STATES:
             self.state = state
 
 
 @dataclass
 class Batch:
-    server: str = ""  # the server writing it
+    server: str = ""
     added: list[dict[str, Any]] = field(default_factory=list)
     progress: dict[str, _Progress] = field(default_factory=dict)
     slow: list[dict[str, Any]] = field(default_factory=list)
@@ -90,7 +82,6 @@ class Batch:
     faults: list[dict[str, Any]] = field(default_factory=list)
 
 
-# One statement's rows: (execute one or many, rows, table, the request id column)
 Statement = tuple[Callable[[Connection, Any], object], list[dict[str, Any]], str, str | None]
 
 
@@ -129,7 +120,7 @@ def fold(events: list[Event], wall_offset: float, server: str = "") -> Batch:
         if index % _FOLD_SLICE == _FOLD_SLICE - 1:
             time.sleep(0)  # hand the GIL back: see _FOLD_SLICE
         kind = type(event)
-        if kind is TokensGenerated:  # most events are these: kept to a few attribute writes
+        if kind is TokensGenerated:
             p = progress.get(event.request_id)
             if p is None:
                 p = progress[event.request_id] = _Progress()
@@ -144,7 +135,7 @@ def fold(events: list[Event], wall_offset: float, server: str = "") -> Batch:
             p.prefilled = event.start + event.tokens
             p.set_state("DECODING" if event.prefill_done else "PREFILL_CHUNKING")
         elif kind is RequestAdded:
-            progress.pop(event.request_id, None)  # the new row replaces whatever came before
+            progress.pop(event.request_id, None)
             batch.added.append(_added_row(event, event.ts + wall_offset, server))
         elif kind is Preempted:
             p = progress.setdefault(event.request_id, _Progress())
@@ -226,13 +217,7 @@ def _progress_params(server: str, request_id: str, p: _Progress, now: float,
 
 
 def _driver_sql(build: Callable[[Any], Any]) -> dict[str, str]:
-    """SQL text per dialect, with named parameters the driver binds from each row's dict by
-    itself (sqlite3's :name, psycopg's %(name)s); `build` makes the statement from its
-    dialect's INSERT (each spells ON CONFLICT its own way).
-
-    The journal sees most of the traffic, so its rows skip SQLAlchemy's per-row parameter
-    processing; their values are therefore plain str/int/float (token ids and JSON as text).
-    """
+    """SQL text per dialect, bound by the driver from each row's dict (no SQLAlchemy per row)."""
     psycopg = postgresql.psycopg.dialect(paramstyle="pyformat")
     return {
         "sqlite": str(build(sqlite.insert).compile(dialect=sqlite.dialect(paramstyle="named"))),
@@ -242,11 +227,9 @@ def _driver_sql(build: Callable[[Any], Any]) -> dict[str, str]:
 
 def _build_upsert(insert: Any) -> Any:
     columns = [c.name for c in _JOURNAL.c if c.name != "id"]
-    # inline: rows are written many at once, and no ids are fetched or read back
     statement = insert(_JOURNAL).inline().values({name: bindparam(name) for name in columns})
     replaced: dict[str, Any] = {name: statement.excluded[name] for name in columns}
-    # A resumed request is re-added under its id: its resume count carries on, so it can be
-    # quarantined. An id re-added after its request ended is a new request and starts at 0.
+    # A resumed request keeps its resume count (to quarantine it); an ended id re-added starts at 0.
     ended = _JOURNAL.c.state.in_([literal_column(f"'{s}'") for s in (*TERMINAL_STATES,
                                                                       QUARANTINED)])
     for name in ("resume_attempts", "resumed_at"):
@@ -258,8 +241,7 @@ def _build_upsert(insert: Any) -> Any:
 def _build_update(_insert: Any) -> Any:
     c = _JOURNAL.c
     tokens = bindparam("b_tokens", type_=Text)
-    stored = type_coerce(c.generated_token_ids, Text)  # the raw "1,2,3" text, not list[int]
-    # Constants are inlined so every row of an executemany binds only its own values.
+    stored = type_coerce(c.generated_token_ids, Text)
     terminal = [literal_column(f"'{state}'") for state in TERMINAL_STATES]
     empty, comma = literal_column("''"), literal_column("','")
     return (

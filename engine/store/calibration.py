@@ -31,7 +31,7 @@ class CalibrationRecord:
     info: dict[str, Any]
     params: dict[str, Any]
     table: list[BudgetPoint]
-    reason: str = ""  # why it ran ("" for runs stored before reasons were)
+    reason: str = ""
 
 
 def save_calibration(
@@ -44,8 +44,7 @@ def save_calibration(
     info: dict[str, Any] | None = None,
     reason: str = "",
 ) -> int:
-    """Store one run with its table, fitted predictor parameters and why it ran; commits,
-    returns its id."""
+    """Store one run with its table, fitted parameters and reason; commits, returns its id."""
     run = CalibrationRunRow(
         server=session.info.get("server", ""), created_at=time.time(), model=model,
         device=device, info=info or {}, params=params, reason=reason,

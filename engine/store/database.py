@@ -1,20 +1,4 @@
-"""Opening the store, a SQLite file or a PostgreSQL database behind one `--db`: PRAGMAs on
-every SQLite connection, schema upgrades, clear failures.
-
-`--db` is a path (SQLite, the embedded default) or a SQLAlchemy URL
-(`postgresql+psycopg://user@host/db`); a URL's password is never shown (`location`), and
-without one libpq takes it from PGPASSWORD or ~/.pgpass.
-
-The store is only ever opened through `open_database`, which refuses a file it cannot use
-(corrupt, written by a newer tokenflow, not writable) with a StoreError that names the file
-and the fix. It never deletes, moves or rewrites such a file. Corruption found later, in a
-page the open did not read, is the same StoreError wherever a query meets it. Read-only
-commands open the store read-only, so a read-only file or filesystem still serves them.
-
-Each revision of an upgrade commits alone with its version stamp, DDL included (SQLite
-too: see `_migration_engine`), so an upgrade killed at any point leaves the store at the
-last whole revision and the next start carries on from there.
-"""
+"""Opening the store (SQLite file or PostgreSQL URL): PRAGMAs, schema upgrades, clear failures."""
 
 from __future__ import annotations
 
@@ -43,9 +27,8 @@ from engine.errors import EngineError
 from engine.store.lock import WriterLock
 from engine.store.server_lock import ServerLock
 
-# Package data beside this module, so an installed wheel migrates as a checkout does.
 MIGRATIONS_DIR = Path(__file__).resolve().with_name("migrations")
-BUSY_TIMEOUT_MS = 5000  # the longest a writer waits for another process's lock
+BUSY_TIMEOUT_MS = 5000
 SQLITE_HEADER = b"SQLite format 3\x00"
 POSTGRESQL_DRIVER = "postgresql+psycopg"
 URL_HELP = ("--db takes a SQLite file path or a PostgreSQL URL such as "
@@ -66,8 +49,7 @@ def default_server_name() -> str:
 
 
 def store_url(db: str | Path | None) -> URL:
-    """The store `db` names: a path (SQLite; default `default_db_path()`), a sqlite:// URL
-    or a PostgreSQL one (`postgresql://` means psycopg 3, the driver tokenflow ships)."""
+    """The store `db` names: a path (SQLite; default `default_db_path()`) or a database URL."""
     if db is None:
         return URL.create("sqlite", database=str(default_db_path()))
     if isinstance(db, Path) or "://" not in db:
@@ -103,22 +85,19 @@ class Database:
     engine: Engine
     sessions: sessionmaker[Session]
     read_only: bool = False
-    server: str = field(default_factory=default_server_name)  # the name rows are written as
+    server: str = field(default_factory=default_server_name)
     _writer_lock: WriterLock | ServerLock | None = field(default=None, repr=False)
 
     @property
     def shared(self) -> bool:
-        """A database many servers write into (PostgreSQL), not one process's file."""
         return self.url.get_backend_name() != "sqlite"
 
     @property
     def path(self) -> Path | None:
-        """The SQLite file; None for a PostgreSQL store."""
         return None if self.shared else Path(str(self.url.database))
 
     @property
     def location(self) -> str:
-        """The store as messages name it: the file, or the URL without its password."""
         path = self.path
         return str(path) if path is not None else self.url.render_as_string(hide_password=True)
 
@@ -130,10 +109,7 @@ class Database:
             return MigrationContext.configure(connection).get_current_revision()
 
     def claim_writer(self) -> None:
-        """Become the one writer of this store (SQLite, see engine/store/lock.py) or of this
-        server's rows (PostgreSQL, see engine/store/server_lock.py) until `close()`; raises
-        StoreLockedError naming the one that already is. Whoever journals calls it first:
-        the StoreWriter and crash recovery do; calling it again is a no-op."""
+        """Become the one writer of this store (SQLite) or of this server's rows (PostgreSQL)."""
         if self.read_only:
             raise StoreError(f"{self.location} was opened read-only; it cannot be written")
         if self._writer_lock is not None:
@@ -158,13 +134,7 @@ class Database:
 
 def open_database(path: str | Path | None = None, *, upgrade: bool = True,
                   read_only: bool = False, server: str | None = None) -> Database:
-    """Open (creating if needed) the store `path` names (see `store_url`), default
-    `default_db_path()`, writing as `server` (default `default_server_name()`).
-
-    With `upgrade`, the schema is brought to the newest revision first, as on every start.
-    `read_only` opens an existing store for reading only: nothing is created or upgraded,
-    and a read-only file, directory or filesystem is no obstacle.
-    """
+    """Open (creating and upgrading unless `read_only`) the store `path` names; see `store_url`."""
     url = store_url(path)
     if url.get_backend_name() == "sqlite":
         engine = _sqlite_engine(Path(str(url.database)), read_only)
@@ -173,7 +143,6 @@ def open_database(path: str | Path | None = None, *, upgrade: bool = True,
     upgrade = upgrade and not read_only
     database = Database(url, engine, sessionmaker(engine, expire_on_commit=False),
                         read_only=read_only, server=server or default_server_name())
-    # Which server a session writes as, for the journal's queries (see journal.py).
     database.sessions.configure(info={"server": database.server, "shared": database.shared})
     try:
         with explained(database.location):
@@ -208,8 +177,7 @@ def _sqlite_engine(db_path: Path, read_only: bool) -> Engine:
 
 
 def _reader_engine(path: Path) -> Engine:
-    """An engine that only reads `path`: a plain connection where SQLite may tidy its WAL
-    files up, else a read-only one, immutable where not even those files can be made."""
+    """A reader of `path`: plain where SQLite may tidy its WAL, else read-only or immutable."""
     directory_writable = os.access(path.parent, os.W_OK | os.X_OK)
     if directory_writable and os.access(path, os.R_OK | os.W_OK):
         engine = create_engine(f"sqlite:///{path}")
@@ -231,8 +199,7 @@ def downgrade_database(database: Database, revision: str = "base") -> None:
 
 @contextmanager
 def migration_connection(database: Database) -> Iterator[Any]:
-    """A connection outside any transaction, so that Alembic begins and commits one per
-    revision (see env.py); on SQLite from an engine whose transactions hold DDL."""
+    """A connection outside any transaction, so Alembic commits one transaction per revision."""
     path = database.path
     if path is None:
         with database.engine.connect() as connection:
@@ -247,9 +214,7 @@ def migration_connection(database: Database) -> Iterator[Any]:
 
 
 def _migration_engine(path: Path) -> Engine:
-    """pysqlite commits on its own before DDL unless it is left out of transaction handling
-    altogether; SQLAlchemy's recipe for transactional DDL on SQLite: no implicit BEGIN from
-    the driver, our own BEGIN IMMEDIATE (the write lock, waited for) at each transaction."""
+    """Transactional DDL on SQLite: no implicit BEGIN from pysqlite, our own BEGIN IMMEDIATE."""
     engine = create_engine(f"sqlite:///{path}", poolclass=NullPool)
     event.listen(engine, "handle_error", _corruption_is_a_store_error(path))
 
@@ -274,7 +239,7 @@ def head_revision() -> str:
 def _alembic_config(connection: Any) -> Config:
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))
-    config.attributes["connection"] = connection  # env.py migrates on our connection
+    config.attributes["connection"] = connection
     return config
 
 
@@ -284,8 +249,7 @@ def _scripts() -> ScriptDirectory:
 
 def _set_pragmas(dbapi_connection: sqlite3.Connection, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
-    # WAL lets readers (console, CLI) run while the writer thread commits; NORMAL sync is
-    # durable across a process crash, which is what the journal must survive.
+    # WAL lets readers run while the writer commits; NORMAL sync survives a process crash.
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.execute("PRAGMA foreign_keys=ON")
@@ -315,7 +279,6 @@ def _check_file(path: Path) -> None:
                 f"no permission to read and write the database {path}; fix its permissions "
                 f"(chmod u+rw {path}), {fix}."
             )
-    # SQLite keeps its WAL and shared-memory files next to the database.
     if not os.access(directory, os.W_OK | os.X_OK):
         raise StoreError(
             f"no permission to write in {directory}, where the database {path} and its WAL "
@@ -338,7 +301,6 @@ def _read_only_filesystem(directory: Path) -> bool:
 
 
 def _write_fix(path: Path) -> str:
-    """How to get a writable store: permissions can be fixed, a read-only mount cannot."""
     directory = path.parent if path.parent.exists() else path.parent.parent
     if _read_only_filesystem(directory):
         return ("its filesystem is mounted read-only; pass --db PATH to put the store on a "
@@ -368,7 +330,6 @@ def _corrupt(path: Path) -> StoreError:
 
 @contextmanager
 def explained(location: str | Path) -> Iterator[None]:
-    """Turn the database's terse failures into errors naming the store and the fix."""
     try:
         yield
     except DBAPIError as exc:
@@ -396,12 +357,12 @@ def _server_error(location: str, exc: DBAPIError) -> StoreError:
     reason = str(exc.orig).strip().splitlines()[0] if str(exc.orig).strip() else type(exc.orig)
     if state in ("42P01", "42703"):  # undefined table or column
         fix = f"its schema is missing tables or columns; run `tokenflow db upgrade --db {location}`"
-    elif state.startswith("28"):  # authentication
+    elif state.startswith("28"):
         fix = ("check the user, and give the password in PGPASSWORD or ~/.pgpass (a password "
                "in the URL works too, and is never printed)")
     elif state == "3D000":
         fix = "create the database first (createdb), or name another in the URL"
-    elif not state or state.startswith("08"):  # no connection at all
+    elif not state or state.startswith("08"):
         fix = ("check that PostgreSQL runs there and accepts connections, and the URL's host "
                "and port")
     else:

@@ -17,7 +17,7 @@ class DriftRecord:
     created_at: float
     deviation: float
     detail: str
-    server: str = ""  # the server whose engine drifted (every server's, in a shared store)
+    server: str = ""
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,4 @@
-"""Reading the request journal back: what a killed run left unfinished (pitfall 12), and the
-requests quarantined because resuming them kept killing the process.
-
-In a store many servers share (PostgreSQL), a server reads and closes only its own entries:
-the session says which server it is (see `open_database`). A SQLite store has one writer,
-which takes over every entry it resumes, whatever name wrote it."""
+"""Reading the request journal back: what a killed run left unfinished, and what is quarantined."""
 
 from __future__ import annotations
 
@@ -17,8 +12,7 @@ from sqlalchemy.orm import Session
 
 from engine.store.models import QUARANTINED, TERMINAL_STATES, JournalRow
 
-# A request still unfinished after this many resumed runs died with it in flight is
-# quarantined: the process died twice while resuming it, so it is the likely cause.
+# Unfinished after this many resumed runs died with it in flight: likely the cause, so held back.
 QUARANTINE_AFTER = 2
 
 
@@ -48,7 +42,6 @@ class QuarantinedRequest:
 
 
 def own(session: Session) -> ColumnElement[bool]:
-    """This server's entries where servers share the store; all of them where not."""
     if session.info.get("shared"):
         return JournalRow.server == session.info["server"]
     return true()
@@ -79,8 +72,7 @@ def unfinished_requests(session: Session) -> list[JournalEntry]:
 
 
 def discard_unfinished(session: Session, reason: str, state: str = "FAILED") -> list[str]:
-    """Close every unfinished entry as `state` with `reason`, so no later run resumes it;
-    commits; the ids closed."""
+    """Close every unfinished entry as `state` with `reason`; commits; the ids closed."""
     ids = [entry.request_id for entry in unfinished_requests(session)]
     for request_id in ids:
         close_entry(session, request_id, state, reason)
@@ -88,9 +80,7 @@ def discard_unfinished(session: Session, reason: str, state: str = "FAILED") -> 
 
 
 def claim_for_resume(session: Session, request_ids: Iterable[str]) -> int:
-    """Count one more resume attempt for each entry, and commit, before the new run takes
-    them: the entries stay unfinished, so a run killed right after still finds them (a
-    closing state here lost them, issue 15 finding 14). Returns how many entries changed."""
+    """Count one more resume attempt per entry and commit; the entries stay unfinished."""
     now = time.time()
     result = session.execute(
         update(JournalRow)
@@ -104,8 +94,7 @@ def claim_for_resume(session: Session, request_ids: Iterable[str]) -> int:
 
 
 def close_entry(session: Session, request_id: str, state: str, reason: str) -> None:
-    """Set an unfinished entry's state (FAILED, QUARANTINED, or FINISHED for an abort) with
-    its reason; commits."""
+    """Set an unfinished entry's state (FAILED, QUARANTINED, or FINISHED for an abort); commits."""
     now = time.time()
     session.execute(
         update(JournalRow)
@@ -116,8 +105,7 @@ def close_entry(session: Session, request_id: str, state: str, reason: str) -> N
 
 
 def quarantined_requests(session: Session) -> list[QuarantinedRequest]:
-    """Quarantined entries, oldest first. Reads only columns every schema revision has, so a
-    read-only store that cannot be upgraded still lists them."""
+    """Quarantined entries, oldest first, from columns every schema revision has."""
     c = JournalRow.__table__.c
     rows = session.execute(
         select(c.request_id, c.tenant, c.tag, c.prompt_token_ids, c.generated_tokens,
@@ -130,8 +118,7 @@ def quarantined_requests(session: Session) -> list[QuarantinedRequest]:
 
 
 def release_quarantine(session: Session, request_id: str) -> bool:
-    """An operator's word: the quarantined entry is resumed by the next run that resumes
-    (its attempts start again from zero). Commits; False when no such quarantined entry."""
+    """Let the next resuming run take a quarantined entry again; False if there is none."""
     result = session.execute(
         update(JournalRow)
         .where(JournalRow.request_id == request_id, JournalRow.state == QUARANTINED,
@@ -143,9 +130,7 @@ def release_quarantine(session: Session, request_id: str) -> bool:
 
 
 def next_cycle(session: Session, request_id: str) -> int:
-    """One past the highest n of any `{request_id}-{n}` in the journal (0 if none): replayed
-    traffic whose cycles are numbered from here takes no id a killed run left in flight,
-    and overwrites no finished request's entry."""
+    """One past the highest n of any `{request_id}-{n}` in the journal, so replays reuse no id."""
     prefix = f"{request_id}-"
     names = session.scalars(
         select(JournalRow.request_id).where(JournalRow.request_id.startswith(prefix,

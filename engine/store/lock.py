@@ -1,14 +1,4 @@
-"""One writer per SQLite store: an exclusive lock on `<db>.lock` held by whoever journals.
-
-Two processes appending to the same journal rows corrupt it, so the writer takes
-`fcntl.flock` on a file beside the database and writes its pid and command line there for
-the next one to name. The kernel drops the lock when the holder dies, so a SIGKILLed run
-never leaves a stale lock. Readers never take it.
-
-The lock file sits in a directory others may write to, so it is opened without following a
-symlink, and only a plain file with one link that we own is ever rewritten: a lock path
-planted to point at another file is refused and that file is left as it was.
-"""
+"""One writer per SQLite store: an exclusive `flock` on `<db>.lock` that dies with its holder."""
 
 from __future__ import annotations
 
@@ -28,8 +18,7 @@ class StoreLockedError(EngineError):
 
 
 class LockFileError(EngineError):
-    """The lock path is something we must not write: a symlink, a link to another file, a
-    file of another user or not a file at all. The message names it and the fix."""
+    """The lock path is a symlink, a link, another user's file or no file: not ours to write."""
 
 
 def lock_path(db_path: Path) -> Path:
@@ -43,8 +32,7 @@ class WriterLock:
 
     @classmethod
     def acquire(cls, db_path: Path) -> WriterLock:
-        """Take the store's writer lock at once, or raise StoreLockedError naming the holder
-        (LockFileError when the lock path is not ours to write)."""
+        """Take the writer lock at once, or raise StoreLockedError naming the holder."""
         path = lock_path(db_path)
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
         try:
@@ -75,7 +63,7 @@ class WriterLock:
 
     def release(self) -> None:
         if self.fd >= 0:
-            os.ftruncate(self.fd, 0)  # no stale holder named once released
+            os.ftruncate(self.fd, 0)
             os.close(self.fd)  # closing the last descriptor drops the flock
             self.fd = -1
 

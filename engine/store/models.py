@@ -1,10 +1,4 @@
-"""The store's tables as SQLAlchemy 2 typed models.
-
-Timestamps are wall-clock epoch seconds (`*_at`), so rows stay meaningful across
-processes; the engine's monotonic event times are converted by the writer. Token id
-lists are comma-separated text so the writer can append generated tokens in SQL
-without reading the row back (see `TokenIds`).
-"""
+"""The store's tables as SQLAlchemy 2 typed models (`*_at`: wall-clock epoch seconds)."""
 
 from __future__ import annotations
 
@@ -24,8 +18,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 TERMINAL_STATES = ("FINISHED", "FAILED", "REJECTED")
-# Resumed and then lost with the process too often (pitfall 12's poison request): kept, never
-# resumed, never deleted by retention, until an operator releases it.
+# Too often resumed and lost with the process: kept, never resumed or deleted, until released.
 QUARANTINED = "QUARANTINED"
 
 
@@ -51,18 +44,18 @@ class Base(DeclarativeBase):
 
 
 def server_column() -> Mapped[str]:
-    """The server that wrote the row (`--server-name`): many share one PostgreSQL store."""
+    """The server that wrote the row (`--server-name`)."""
     return mapped_column(String(256), default="", server_default="")
 
 
 class JournalRow(Base):
-    """One request, updated as it progresses, so a killed run can be finished (pitfall 12)."""
+    """One request, updated as it progresses, so a killed run can be finished."""
 
     __tablename__ = "request_journal"
 
     id: Mapped[int] = mapped_column(primary_key=True)
     server: Mapped[str] = server_column()
-    request_id: Mapped[str] = mapped_column(String(128))  # unique per server
+    request_id: Mapped[str] = mapped_column(String(128))
     tenant: Mapped[str] = mapped_column(String(128))
     priority: Mapped[int]
     tag: Mapped[str | None] = mapped_column(String(128))
@@ -83,7 +76,7 @@ class JournalRow(Base):
     budget_score: Mapped[float | None]
     updated_at: Mapped[float]
     resumed_at: Mapped[float | None]
-    resume_attempts: Mapped[int] = mapped_column(server_default="0")  # runs it was handed to
+    resume_attempts: Mapped[int] = mapped_column(server_default="0")
 
     __table_args__ = (
         Index("ix_request_journal_state", "state"),
@@ -105,16 +98,13 @@ class SlowQueryRow(Base):
     prompt_tokens: Mapped[int]
     prefill_s: Mapped[float]
     budgeted_s: Mapped[float]
-    chunks: Mapped[list[Any]]  # per-chunk timings, as the engine reported them
-    config: Mapped[dict[str, Any]]  # the live configuration when the request ran
-    source: Mapped[str | None] = mapped_column(String(256))  # None: this engine; else a server
-    # where its time went (engine.ops.timeline.Timeline); None on rows from before 0004
+    chunks: Mapped[list[Any]]
+    config: Mapped[dict[str, Any]]
+    source: Mapped[str | None] = mapped_column(String(256))
     timeline: Mapped[dict[str, Any] | None]
-    cause: Mapped[str | None] = mapped_column(String(32))  # engine.ops.timeline.Cause
-    cause_share: Mapped[float | None]  # the cause's part of the overrun, 0..1
+    cause: Mapped[str | None] = mapped_column(String(32))
+    cause_share: Mapped[float | None]
     verdict: Mapped[str | None] = mapped_column(Text)
-    # prompt tokens found in the prefix cache, never prefilled; None on rows from before 0007
-    # and on requests traced from another server, which does not say
     cached_tokens: Mapped[int | None]
 
     # Each list order has an index ending in id, so a page is an index walk, never a sort.
@@ -131,15 +121,14 @@ class SlowQueryRow(Base):
 
 
 class TracedRequestRow(Base):
-    """One request another engine reported in a trace span (vLLM's `llm_request`), with the
-    budget score of its prefill against `estimate`: "roofline" or "calibration ID"."""
+    """A request another engine reported in a trace span, scored against `estimate`."""
 
     __tablename__ = "traced_requests"
 
     id: Mapped[int] = mapped_column(primary_key=True)
-    server: Mapped[str] = server_column()  # the server that received the span
+    server: Mapped[str] = server_column()
     received_at: Mapped[float]
-    source: Mapped[str] = mapped_column(String(256))  # the span's service.name
+    source: Mapped[str] = mapped_column(String(256))
     request_id: Mapped[str] = mapped_column(String(256))
     started_at: Mapped[float]
     prompt_tokens: Mapped[int]
@@ -151,7 +140,7 @@ class TracedRequestRow(Base):
     e2e_s: Mapped[float | None]
     predicted_prefill_s: Mapped[float | None]
     budget_score: Mapped[float | None]
-    estimate: Mapped[str | None] = mapped_column(String(64))  # None: no score
+    estimate: Mapped[str | None] = mapped_column(String(64))
 
     __table_args__ = (Index("ix_traced_requests_source", "source"),)
 
@@ -164,15 +153,13 @@ class CalibrationRunRow(Base):
     created_at: Mapped[float]
     model: Mapped[str] = mapped_column(Text)
     device: Mapped[str] = mapped_column(String(64))
-    info: Mapped[dict[str, Any]]  # the run as the calibrator described it
-    params: Mapped[dict[str, Any]]  # fitted predictor parameters
-    # why it ran: the first calibration at start, persistent drift, on demand ("" before 0004)
+    info: Mapped[dict[str, Any]]
+    params: Mapped[dict[str, Any]]
     reason: Mapped[str] = mapped_column(Text, default="", server_default="")
     table: Mapped[list[BudgetTableRow]] = relationship(
         back_populates="run", cascade="all, delete-orphan", passive_deletes=True
     )
 
-    # a calibration is looked up by model and GPU across the fleet
     __table_args__ = (Index("ix_calibration_runs_model_device", "model", "device"),)
 
 
@@ -204,7 +191,6 @@ class DriftEventRow(Base):
 
 
 class ConfigChangeRow(Base):
-    """One field changed: old -> new, when, and from where (api, console, cli, guard...)."""
 
     __tablename__ = "config_changes"
 
@@ -218,8 +204,7 @@ class ConfigChangeRow(Base):
 
 
 class EngineFaultRow(Base):
-    """An exception in the step loop that was no single request's fault, with its traceback,
-    and the restart it caused (or the stop, on a crash loop)."""
+    """An exception in the step loop that was no request's own fault, and the restart it caused."""
 
     __tablename__ = "engine_faults"
 

@@ -1,9 +1,4 @@
-"""How many rows each table keeps; the oldest beyond the limit are deleted.
-
-Unfinished journal entries are never deleted: they are what `run --resume` finishes. Rows
-other servers reported (traced requests, and slow queries with a source) have limits of
-their own, so a flood of traces never evicts this engine's own slow queries.
-"""
+"""How many rows each table keeps; unfinished journal entries are never deleted."""
 
 from __future__ import annotations
 
@@ -26,10 +21,10 @@ from engine.store.models import (
 
 @dataclass(frozen=True)
 class RetentionLimits:
-    journal: int = 100_000  # finished, failed or rejected requests (never quarantined ones)
-    slow_queries: int = 10_000  # this engine's own
+    journal: int = 100_000
+    slow_queries: int = 10_000
     traced_requests: int = 100_000
-    traced_slow_queries: int = 10_000  # slow queries of traced servers
+    traced_slow_queries: int = 10_000
     calibration_runs: int = 200  # their budget tables go with them (ON DELETE CASCADE)
     drift_events: int = 10_000
     config_changes: int = 10_000
@@ -61,7 +56,6 @@ def apply_retention(connection: Connection, limits: RetentionLimits) -> int:
 
 
 def apply_traced_retention(connection: Connection, limits: RetentionLimits) -> int:
-    """The limits of what traced servers reported: their requests and slow queries."""
     slow = SlowQueryRow.__table__
     return (_keep_newest(connection, TracedRequestRow.__table__, limits.traced_requests)
             + _keep_newest(connection, slow, limits.traced_slow_queries,
@@ -69,7 +63,6 @@ def apply_traced_retention(connection: Connection, limits: RetentionLimits) -> i
 
 
 def _keep_newest(connection: Connection, table: Table, keep: int, *where: object) -> int:
-    # Rows are append-ordered by their integer id, so the cut-off is one indexed lookup.
     cutoff = connection.execute(
         select(table.c.id).where(*where).order_by(table.c.id.desc()).offset(keep).limit(1)
     ).scalar()

@@ -1,12 +1,4 @@
-"""One writer per server name in a shared PostgreSQL store: a session advisory lock.
-
-Many servers write into one database side by side, each under its own name; two processes
-writing as the same name would resume and finish each other's requests. So the writer holds
-`pg_try_advisory_lock` keyed by its name on a connection of its own for as long as it
-writes. PostgreSQL drops the lock when that connection ends, so a SIGKILLed server never
-leaves a stale one. The connection's application_name says who holds it, for the next one
-to name.
-"""
+"""One writer per server name in a shared PostgreSQL store: a session advisory lock."""
 
 from __future__ import annotations
 
@@ -31,13 +23,12 @@ _HOLDER = ("SELECT a.application_name, a.client_addr, a.pid FROM pg_locks l "
 
 
 def lock_key(server: str) -> int:
-    """The lock's second key: a stable 31-bit hash of the server name."""
     return int.from_bytes(hashlib.sha256(server.encode()).digest()[:4], "big") & 0x7FFFFFFF
 
 
 def holder_description() -> str:
     program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
-    command = " ".join([program, *sys.argv[1:2]])  # the subcommand: serve, run, calibrate...
+    command = " ".join([program, *sys.argv[1:2]])
     return f"pid {os.getpid()} on {socket.gethostname()}: {command}"[:_APPLICATION_NAME_MAX]
 
 
@@ -48,7 +39,6 @@ class ServerLock:
 
     @classmethod
     def acquire(cls, engine: Engine, server: str, location: str) -> ServerLock:
-        """Hold the lock of `server` at once, or raise StoreLockedError naming its holder."""
         connection = engine.connect()
         try:
             connection.execute(text("SELECT set_config('application_name', :name, false)"),

@@ -1,9 +1,4 @@
-"""Slow queries: list with sorting and filters, fetch one, export as CSV or JSON.
-
-A list is one page of an index walk: every order is a column and the id, descending (the
-id alone ascending), each with an index of its own (see models.py), and the next page
-starts after the last row shown (keyset pagination), so no page sorts or skips the table,
-however many rows a fleet has stored."""
+"""Slow queries: keyset-paginated lists, fetch one, export as CSV or JSON."""
 
 from __future__ import annotations
 
@@ -43,13 +38,13 @@ class SlowQueryRecord:
     budgeted_s: float
     chunks: list[dict[str, Any]]
     config: dict[str, Any]
-    source: str | None = None  # None: this engine; otherwise the server that traced it
-    server: str = ""  # the server that stored it (--server-name)
-    timeline: dict[str, Any] | None = None  # None on rows stored before revision 0004
+    source: str | None = None
+    server: str = ""
+    timeline: dict[str, Any] | None = None
     cause: str | None = None
     cause_share: float | None = None
     verdict: str | None = None
-    cached_tokens: int | None = None  # None: unknown (see SlowQueryRow.cached_tokens)
+    cached_tokens: int | None = None
 
     @classmethod
     def from_row(cls, row: SlowQueryRow) -> SlowQueryRecord:
@@ -66,8 +61,7 @@ def list_slow_queries(
     limit: int | None = None,
     after: int | None = None,
 ) -> list[SlowQueryRecord]:
-    """One page, in `sort` order, of the slow queries matching the filters; `after` is the
-    id of the last row of the page before (an id no longer stored restarts the list)."""
+    """One page of matching slow queries in `sort` order, after the row with id `after`."""
     if sort not in SORT_FIELDS:
         raise EngineError(f"unknown sort field {sort!r}; choose one of {', '.join(SORT_FIELDS)}")
     column, row_id = SORT_FIELDS[sort], SlowQueryRow.id
@@ -78,7 +72,7 @@ def list_slow_queries(
     else:
         query = select(SlowQueryRow).order_by(column.desc(), row_id.desc())
         last = None if after is None else session.scalar(select(column).where(row_id == after))
-        if last is not None:  # a row value compared: the walk goes on from that index entry
+        if last is not None:
             query = query.where(tuple_(column, row_id) < tuple_(last, after))
     if tenant is not None:
         query = query.where(SlowQueryRow.tenant == tenant)
@@ -101,16 +95,14 @@ _FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
 
 
 def csv_cell(value: Any) -> Any:
-    """A text cell a spreadsheet shows as text: formula-leading text gets a leading quote
-    (OWASP's CSV-injection advice); numbers are left as they are."""
+    """A text cell a spreadsheet shows as text (OWASP's CSV-injection advice); numbers unchanged."""
     if isinstance(value, str) and value.startswith(_FORMULA_START):
         return "'" + value
     return value
 
 
 def export_slow_queries(records: list[SlowQueryRecord], fmt: str) -> str:
-    """CSV (chunks and config as JSON text in their cells, formula-leading text quoted) or a
-    JSON array."""
+    """CSV (JSON text in the chunks and config cells) or a JSON array."""
     if fmt == "json":
         return json.dumps([asdict(record) for record in records], indent=2) + "\n"
     if fmt != "csv":

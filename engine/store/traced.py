@@ -1,11 +1,4 @@
-"""Drift history of traced servers: how their measured prefill times compare with the
-prediction over time, from the traced requests in the store (issue 19).
-
-A traced request's budget_score is its measured prefill over the predicted one, so the
-windowed median of the scores is the measured/predicted ratio of that stretch of time: a
-ratio that climbs means the server got slower than its estimate says. Windows never mix
-estimates (a roofline ratio and a calibrated one mean different things).
-"""
+"""Drift of traced servers: the windowed median of their measured/predicted prefill ratios."""
 
 from __future__ import annotations
 
@@ -24,21 +17,19 @@ DRIFT_WINDOW_S = 60.0
 
 @dataclass(frozen=True)
 class TracedDriftPoint:
-    """The median measured/predicted prefill ratio of one source's requests that started in
-    [start, start + window_s)."""
+    """The median measured/predicted prefill ratio of one source's requests in one window."""
 
-    start: float  # epoch seconds
+    start: float
     window_s: float
     requests: int
     median_ratio: float
-    estimate: str  # "roofline" or "calibration ID"
+    estimate: str
 
 
 def traced_drift(session: Session, *, source: str | None = None,
                  window_s: float = DRIFT_WINDOW_S, limit: int = 10_000,
                  ) -> list[TracedDriftPoint]:
-    """Windows of scored traced requests (of one source, or all), oldest first; `limit`
-    caps the newest requests read."""
+    """Windows of scored traced requests (of one source, or all), oldest first."""
     if not window_s > 0:
         raise ConfigError("window_s", f"must be > 0, got {window_s}")
     query = (select(TracedRequestRow.started_at, TracedRequestRow.budget_score,

@@ -1,17 +1,4 @@
-"""StoreWriter: engine events into SQLite, off the hot path.
-
-The bus subscriber is `SimpleQueue.put` itself: O(1), never blocks, nothing to run on the
-engine thread. A daemon thread drains the queue in batches (what arrived within
-`batch_window_s` of the first event, at most `batch_size`) and writes each batch in one
-transaction. The queue is unbounded, so under load events wait in memory rather than being
-dropped.
-
-The journal never lies (issue 15): a database that is only busy (locked by another
-connection) is retried until it accepts the batch; one bad row (a value SQLite cannot hold,
-a constraint) is skipped with its reason while the rest of its batch is written row by row;
-anything else (schema missing, disk full, corruption) is permanent: the writer stops, and
-`failure` / `check()` tell whoever runs the engine to stop too, with a clear error.
-"""
+"""StoreWriter: engine events into the store on a thread of its own, off the hot path."""
 
 from __future__ import annotations
 
@@ -38,11 +25,10 @@ from engine.store.retention import RetentionLimits, apply_retention
 log = logging.getLogger(__name__)
 
 _STOP = object()
-_RETRY_S = (0.05, 0.2, 1.0)  # back-off while another connection holds the database
+_RETRY_S = (0.05, 0.2, 1.0)
 # SQLite result codes (primary) that say one row is wrong, not the database.
 _ROW_ERRORS = ("SQLITE_CONSTRAINT", "SQLITE_TOOBIG", "SQLITE_MISMATCH", "SQLITE_RANGE")
-# PostgreSQL SQLSTATEs: data exceptions and constraint violations are one row's fault; a
-# conflict, a lock, a restart or a lost connection passes (retried); anything else is not.
+# PostgreSQL SQLSTATE classes that are one row's fault; other errors are retried or permanent.
 _PG_ROW_CLASSES = ("22", "23")
 _PG_BUSY = ("40001", "40P01", "55P03", "57P01", "57P02", "57P03")
 
@@ -63,16 +49,14 @@ class SkippedRow:
 
 @dataclass(frozen=True)
 class Commit:
-    """What one committed batch journaled: told to `on_commit` after the commit, so a
-    supervisor can act on a state that is on disk (chaos kills a run mid-prefill on it)."""
+    """What one committed batch journaled, told to `on_commit` once it is on disk."""
 
     events: int
-    prefilling: tuple[str, ...]  # requests with a chunk journaled and their prefill unfinished
+    prefilling: tuple[str, ...]
 
 
 def report_commit(commit: Commit) -> None:
-    """An `on_commit` that prints each commit as one JSON line on stdout (`--report-commits`):
-    what a supervisor such as the chaos suite acts on."""
+    """An `on_commit` that prints each commit as one JSON line (`--report-commits`)."""
     print(json.dumps({"commit": dataclasses.asdict(commit)}), flush=True)
 
 
@@ -99,18 +83,18 @@ class StoreWriter:
                 f"retention_interval_s > 0; got {batch_size}, {batch_window_s}, "
                 f"{retention_interval_s}"
             )
-        database.claim_writer()  # one writer per store: refused here if another process is one
+        database.claim_writer()
         self.database = database
         self.on_commit = on_commit
         self.batch_size = batch_size
         self.batch_window_s = batch_window_s
         self.retention = retention or RetentionLimits()
         self.retention_interval_s = retention_interval_s
-        self.clock = clock  # paces retention; batches are real-time waits on the queue
-        self.written = 0  # events handled (stored or deliberately ignored)
-        self.dropped = 0  # events not written because the writer had stopped (see `failure`)
-        self.skipped: list[SkippedRow] = []  # rows refused one by one, with the reason
-        self.failure: StoreError | None = None  # the permanent error that stopped the writer
+        self.clock = clock
+        self.written = 0
+        self.dropped = 0
+        self.skipped: list[SkippedRow] = []
+        self.failure: StoreError | None = None
         self._on_failure: list[Callable[[StoreError], None]] = []
         self.last_error: Exception | None = None
         self._queue: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -127,14 +111,12 @@ class StoreWriter:
         return marker.done.wait(timeout)
 
     def check(self) -> None:
-        """Raise the permanent error that stopped the writer, if any: the journal no longer
-        follows the engine, so whoever runs it must stop rather than go on unrecorded."""
+        """Raise the permanent error that stopped the writer: whoever runs the engine stops too."""
         if self.failure is not None:
             raise self.failure
 
     def on_failure(self, callback: Callable[[StoreError], None]) -> None:
-        """Call `callback` (on the writer's thread) when a permanent error stops the writer,
-        at once if one already has: a server stops serving rather than go on unrecorded."""
+        """Call `callback` (writer's thread) when a permanent error stops the writer, or at once."""
         self._on_failure.append(callback)
         if self.failure is not None:
             callback(self.failure)
@@ -173,20 +155,14 @@ class StoreWriter:
                 return
 
     def _collect(self, timeout: float) -> list[object]:
-        """The next batch: wait for one item, let the window fill, take what is there.
-
-        Sleeping through the window (rather than waking per event) keeps the writer off the
-        GIL while the engine runs: about one wake-up per window, whatever the event rate.
-        """
+        """The next batch: wait for one item, sleep through the window, take what is there."""
         try:
             items = [self._queue.get(timeout=timeout)]
         except queue.Empty:
             return []
-        # A longer window folds more of each request's tokens into one UPDATE (a 0.2 s window
-        # costs about half the CPU per event of a 0.05 s one at 256 requests in flight);
-        # a crash loses at most one window of journal progress.
+        # A longer window folds more tokens per UPDATE; a crash loses at most one window.
         if isinstance(items[0], Event) and self._queue.qsize() < self.batch_size:
-            self._wake.wait(self.batch_window_s)  # flush() and close() cut the window short
+            self._wake.wait(self.batch_window_s)
         self._wake.clear()
         get = self._queue.get_nowait
         while len(items) < self.batch_size:
@@ -244,9 +220,7 @@ class StoreWriter:
             return False
 
     def _until_done(self, work: Callable[[Connection], object]) -> str | None:
-        """Run `work` in one transaction, retrying while the database is busy. Returns None
-        once committed, or why the rows were refused (a row error: the transaction was
-        rolled back). Raises _Permanent for anything retrying or skipping cannot mend."""
+        """Run `work` in one transaction, retrying while busy: None once committed, else why not."""
         attempt = 0
         while True:
             try:
@@ -270,10 +244,10 @@ class StoreWriter:
 def _classify(exc: BaseException) -> str:
     """"busy" (retry), "row" (this row's values) or "permanent" (stop the writer)."""
     if isinstance(exc, StatementError) and not isinstance(exc, DBAPIError):
-        exc = exc.orig or exc  # SQLAlchemy's wrapper of a bind-time error
+        exc = exc.orig or exc
     if isinstance(exc, DBAPIError):
         state = getattr(exc.orig, "sqlstate", "")
-        if state or exc.connection_invalidated:  # PostgreSQL
+        if state or exc.connection_invalidated:
             if exc.connection_invalidated or state in _PG_BUSY or state.startswith("08"):
                 return "busy"
             return "row" if state[:2] in _PG_ROW_CLASSES else "permanent"
@@ -284,7 +258,7 @@ def _classify(exc: BaseException) -> str:
             return "row"
         return "permanent"
     if isinstance(exc, OverflowError | ValueError | TypeError):
-        return "row"  # a Python value sqlite3 cannot bind (an int past 64 bits, a surrogate)
+        return "row"
     return "permanent"
 
 
@@ -294,7 +268,7 @@ def _reason(exc: BaseException) -> str:
 
 def _permanent_error(database: Database, exc: BaseException) -> StoreError:
     if isinstance(exc, StoreError):
-        return exc  # corruption, already explained (see database.py)
+        return exc
     message = _reason(exc)
     orig = exc.orig if isinstance(exc, DBAPIError) else exc
     name = getattr(orig, "sqlite_errorname", "")

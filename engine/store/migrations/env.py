@@ -1,9 +1,4 @@
-"""Alembic environment: migrate the connection tokenflow hands over, or open one from `-x db=`.
-
-Each revision runs in a transaction of its own with its version stamp (the connection comes
-outside any transaction, see database.py), DDL included on SQLite as on PostgreSQL: an
-upgrade killed mid-revision leaves the store at the revision before, never half of one.
-"""
+"""Alembic environment: migrate the connection tokenflow hands over, or open one from `-x db=`."""
 
 from __future__ import annotations
 

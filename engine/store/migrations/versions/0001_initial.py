@@ -1,10 +1,4 @@
-"""Initial store: request journal, slow queries, calibration runs and budget tables,
-drift events, configuration changes.
-
-Revision ID: 0001
-Revises:
-Create Date: 2025-01-01
-"""
+"""Initial store: journal, slow queries, calibrations, drift events, config changes."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""Traced requests from other engines (vLLM spans over OTLP), and where each slow query came
-from: NULL for this engine, the server otherwise.
-
-Revision ID: 0002
-Revises: 0001
-Create Date: 2026-11-30
-"""
+"""Traced requests from other engines, and where each slow query came from."""
 
 from __future__ import annotations
 

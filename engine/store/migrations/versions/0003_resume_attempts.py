@@ -1,12 +1,4 @@
-"""The journal counts how often each request was handed to a new run (resume_attempts), so a
-request that kills the process while it is resumed can be quarantined instead of resumed
-forever. Entries a resume had closed (state RESUMED) but never re-added are opened again:
-that state lost them when the resumed run died before re-adding them (issue 15, finding 14).
-
-Revision ID: 0003
-Revises: 0002
-Create Date: 2026-11-30
-"""
+"""Count resumes per journal entry (to quarantine), and reopen entries a resume had closed."""
 
 from __future__ import annotations
 

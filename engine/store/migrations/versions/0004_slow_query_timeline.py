@@ -1,10 +1,4 @@
-"""Slow queries keep their timeline (issue 16): where the request's time went, the cause its
-overrun is attributed to, that cause's share of the overrun, and the one-line verdict.
-
-Revision ID: 0004
-Revises: 0003
-Create Date: 2026-11-30
-"""
+"""Slow queries keep their timeline: where the time went, its cause, share and verdict."""
 
 from __future__ import annotations
 
@@ -20,7 +14,6 @@ depends_on = None
 
 
 def upgrade() -> None:
-    # rows stored before this revision have no timeline: the columns stay nullable
     add_columns("slow_queries", sa.Column("timeline", sa.JSON), sa.Column("cause", sa.String(32)),
                 sa.Column("cause_share", sa.Float), sa.Column("verdict", sa.Text))
     create_index("ix_slow_queries_cause", "slow_queries", ["cause"])

@@ -1,10 +1,4 @@
-"""Calibration runs record why they ran: the first calibration at start, drift that
-persisted, or an operator's request (issue 16).
-
-Revision ID: 0005
-Revises: 0004
-Create Date: 2026-11-30
-"""
+"""Calibration runs record why they ran: first at start, persistent drift, or on demand."""
 
 from __future__ import annotations
 

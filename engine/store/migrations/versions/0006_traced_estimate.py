@@ -1,10 +1,4 @@
-"""Each traced request names the estimate its budget_score divides by: "roofline" or
-"calibration ID" (issue 19), so drift history never mixes the two.
-
-Revision ID: 0006
-Revises: 0005
-Create Date: 2026-11-30
-"""
+"""Each traced request names the estimate its budget_score divides by."""
 
 from __future__ import annotations
 

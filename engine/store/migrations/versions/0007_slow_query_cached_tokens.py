@@ -1,9 +1,4 @@
-"""Slow queries keep the prompt tokens their request found in the prefix cache (issue 20).
-
-Revision ID: 0007
-Revises: 0006
-Create Date: 2026-11-30
-"""
+"""Slow queries keep the prompt tokens their request found in the prefix cache."""
 
 from __future__ import annotations
 
@@ -19,7 +14,6 @@ depends_on = None
 
 
 def upgrade() -> None:
-    # nullable: rows stored before this revision, and traced ones, do not know the count
     add_columns("slow_queries", sa.Column("cached_tokens", sa.Integer))
 
 

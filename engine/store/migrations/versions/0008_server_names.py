@@ -1,12 +1,4 @@
-"""Many servers, one history: every row names the server that wrote it, and the journal's
-request ids are unique per server rather than per store. Rows from before this revision
-were written by the one process that owned the store: they are named after this host.
-List views get the indexes their orders need, so a page never sorts the whole table.
-
-Revision ID: 0008
-Revises: 0007
-Create Date: 2026-12-04
-"""
+"""Every row names the server that wrote it; journal ids are unique per server."""
 
 from __future__ import annotations
 
@@ -24,7 +16,7 @@ TABLES = ("request_journal", "slow_queries", "traced_requests", "calibration_run
           "drift_events", "config_changes")
 # SQLite's inline UNIQUE of 0001 has no name: batch mode finds it by this convention.
 NAMING = {"uq": "uq_%(table_name)s_%(column_0_name)s"}
-POSTGRESQL_UNIQUE = "request_journal_request_id_key"  # the name PostgreSQL gave it
+POSTGRESQL_UNIQUE = "request_journal_request_id_key"
 
 
 def upgrade() -> None:

@@ -1,10 +1,4 @@
-"""Engine faults: every exception in the step loop that was no single request's fault,
-with its traceback, the restart it caused and what that restart resumed or failed.
-
-Revision ID: 0009
-Revises: 0008
-Create Date: 2026-12-04
-"""
+"""Engine faults: exceptions in the step loop, with traceback and the restart they caused."""
 
 from __future__ import annotations
 
