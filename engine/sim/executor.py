@@ -1,12 +1,4 @@
-"""The simulated executor: the model runner's surface with no model behind it.
-
-`run(batch)` does no math. It moves a clock on by the time the target's predictor gives for
-the step's shape and returns placeholder tokens, so the scheduler, block manager, guards,
-events, journal and metrics above it run unchanged on a GPU the machine does not have.
-
-The clock is the engine's: a `VirtualClock` jumps (as fast as the CPU can schedule), a
-`PacedClock` runs at wall-clock pace or a multiple of it (the live console).
-"""
+"""The simulated executor: the model runner's surface, no model behind it, on the engine's clock."""
 
 from __future__ import annotations
 
@@ -29,17 +21,13 @@ from engine.sim.target import SimTarget
 
 
 class PacedClock:
-    """Simulated seconds that pass `speed` times as fast as wall-clock seconds. A step waits
-    for the wall clock to catch up with its predicted end; a step the host runs late (its
-    scheduling took longer than the predicted time over `speed`) still takes its predicted
-    time: the lateness (or a sleep's overshoot) becomes a lag behind the wall clock, never a
-    longer step."""
+    """Seconds at `speed` times wall-clock pace: a late host lags, steps never lengthen."""
 
     def __init__(self, speed: float = 1.0) -> None:
         if not speed > 0:
             raise EngineError(f"simulation speed must be > 0, got {speed}")
         self.speed = speed
-        self.lag = 0.0  # simulated seconds the host has fallen behind
+        self.lag = 0.0
         self._wall0 = time.monotonic()
 
     def __call__(self) -> float:
@@ -49,7 +37,7 @@ class PacedClock:
         ahead = t - self()
         if ahead > 0:
             time.sleep(ahead / self.speed)
-        self.lag += max(0.0, self() - t)  # a late host, or a sleep that overslept
+        self.lag += max(0.0, self() - t)
 
     def sleep(self, seconds: float) -> None:
         time.sleep(max(0.0, seconds) / self.speed)
@@ -60,8 +48,7 @@ Clock = VirtualClock | PacedClock
 
 @dataclass(frozen=True)
 class SimulatedDevice:
-    """Stands where a torch.device does: `type` is never "cuda", so nothing reaches for NVML
-    or CUDA memory."""
+    """Stands where a torch.device does: `type` is never "cuda", so nothing reaches for NVML."""
 
     label: str
     type: str = "sim"
@@ -82,7 +69,6 @@ class SimulatedExecutor:
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.device = SimulatedDevice(target.device, target.device_type)
-        # FP8/INT8 weights compute with bf16 activations
         self.dtype = DTYPES.get(target.dtype, torch.bfloat16)
         self.peaks = target.peaks
         self.block_size = config.block_size
@@ -92,13 +78,11 @@ class SimulatedExecutor:
             raise EngineError(f"the KV budget ({target.kv_cache_bytes} bytes) holds no block of "
                               f"{per_block} bytes; raise kv_cache_bytes or use a larger GPU")
         self._never = frozenset(self.model_config.eos_token_id)
-        # the calibrated host's own time after the last step (engine.harness.served), which a
-        # virtual clock is moved on by (run_fleet); on a paced clock this host's passes anyway
+        # the calibrated host's time after the last step: run_fleet moves a virtual clock on by it
         self.host_s = 0.0
 
     @property
     def bytes_per_element(self) -> int:
-        """Of one KV element: what sizes the KV blocks."""
         if self.target.kv_bytes_per_element is not None:
             return self.target.kv_bytes_per_element
         return torch.empty((), dtype=self.dtype).element_size()
@@ -110,8 +94,7 @@ class SimulatedExecutor:
         """Compaction renumbers block tables (the block manager's); no KV rows to move."""
 
     def run(self, batch: Batch) -> ModelRunnerOutput:
-        """Advance the clock by the predicted step time; a placeholder token per sampling
-        chunk."""
+        """Advance the clock by the predicted step time; a placeholder token per sampling chunk."""
         start = self.clock()
         shape = batch.shape()
         target = self.target
@@ -119,21 +102,18 @@ class SimulatedExecutor:
         served, drift = target.served, target.drift
         if served is not None:
             self.host_s = served.host_seconds(shape)
-        if drift is not None:  # measured speeds, the served prefill scale's included
+        if drift is not None:
             seconds *= drift.prefill if shape.prefill else drift.decode
         elif served is not None:
             seconds = served.forward_seconds(shape, seconds)
         self.clock.advance_to(start + seconds)
-        # a sampling chunk ends at its request's last token: start + num_tokens is the
-        # request's num_tokens, without the property call per token
         tokens = {c.request.id: self._placeholder(c.start + c.num_tokens,
                                                   c.request.params.stop_token_ids)
                   for c in batch.sampling}
         return ModelRunnerOutput(token_ids=tokens)
 
     def _placeholder(self, position: int, stop: tuple[int, ...]) -> int:
-        """A deterministic token that never ends a request early: only max_tokens (or the
-        model's length) does, as with ignore-EOS workloads in a real run."""
+        """A deterministic token that never ends a request early, as in ignore-EOS workloads."""
         vocab = self.model_config.vocab_size
         token = position % vocab
         while token in self._never or token in stop:
@@ -143,8 +123,7 @@ class SimulatedExecutor:
 
 @dataclass(frozen=True)
 class Simulation:
-    """A live simulated engine: the target spec (see engine.sim.target), tensor-parallel
-    GPUs, and how many simulated seconds pass per wall-clock second."""
+    """A live simulated engine: target spec, tensor-parallel GPUs, simulated seconds per second."""
 
     target: str
     tp: int = 1
@@ -152,15 +131,11 @@ class Simulation:
 
 
 class _LastShape:
-    """A predictor that keeps its answer for the last shape it priced: the engine predicts
-    each step's time and then the executor takes it, for the same shape object, so it is
-    computed once. An identity test, not a cache keyed by the shape's hash, which would hash
-    the whole shape twice a step."""
+    """Keeps its answer for the last shape it priced (by identity), so a step is priced once."""
 
     def __init__(self, predict: Callable[[StepShape], float]) -> None:
         self._predict = predict
-        # one tuple, swapped whole: a reader on another thread never pairs a shape with
-        # another shape's time
+        # one tuple, swapped whole: another thread never pairs a shape with another's time
         self._last: tuple[StepShape | None, float] = (None, 0.0)
 
     def __call__(self, shape: StepShape) -> float:
@@ -177,7 +152,6 @@ def simulated_engine(config: EngineConfig, target: SimTarget, clock: Clock) -> E
     target = dataclasses.replace(target, predict=_LastShape(target.predict))
     engine = Engine(config, runner=SimulatedExecutor(config, target, clock), clock=clock)
     if target.calibration is not None:
-        # as a real run with a stored calibration: predictions and C* from the fit
         apply(engine, target.calibration)
     engine.predict = target.predict
     return engine

@@ -1,11 +1,4 @@
-"""A fleet of simulated replicas behind a router, replaying a workload at its own arrival
-times: one discrete-event loop over every replica's clock.
-
-Each replica is a whole simulated engine with its own virtual clock. The loop always does the
-earliest thing next: deliver the next arrival (to the replica the router picks) or run a step
-on the replica whose clock is furthest behind; so no replica sees a request before it
-arrives, and a request that lands while a replica is mid-step waits for that step.
-"""
+"""A fleet of simulated replicas behind a router: one discrete-event loop over their clocks."""
 
 from __future__ import annotations
 
@@ -26,16 +19,9 @@ from engine.sim.executor import SimulatedExecutor, VirtualClock, simulated_engin
 from engine.sim.router import RoutePolicy, Router
 from engine.sim.target import SimTarget
 
-# Young objects the collector lets pile up between its passes during a fleet run. Each step
-# allocates hundreds of short-lived, acyclic objects (chunks, events, outputs): at the
-# default 700 the collector ran every few steps and took about 8% of a run; cycles are rare,
-# so collecting them a little later costs little memory.
+# A step's many short-lived, acyclic objects would run the collector every few steps.
 FLEET_GC_THRESHOLD = 100_000
-# An idle engine on this host, as calibrated, starts its step for an arrival a little after
-# it (sleep's overshoot and the step's set-up). Trace arrivals come in bursts microseconds
-# apart: a twin that stepped at the very instant of the first ran it alone and made the next
-# wait a whole step, where the real engine packed both into one. A named GPU's twin adds
-# none: it is this host's figure, not the GPU server's.
+# An idle engine starts its step a little after an arrival, so a burst shares that step.
 HOST_WAKE_S = 0.002
 
 
@@ -53,7 +39,7 @@ def _fewer_collections() -> Iterator[None]:
 class FleetResult:
     replicas: tuple[RunResult, ...]
     policy: RoutePolicy
-    host_wall_s: float  # seconds this machine took to simulate it
+    host_wall_s: float
 
     @property
     def merged(self) -> RunResult:
@@ -92,8 +78,6 @@ def run_fleet(config: EngineConfig, target: SimTarget, workload: list[WorkloadRe
             if behind is None or arrival <= clocks[behind].now:
                 item = pending.popleft()
                 i = router.route(item)
-                # an idle replica wakes for it, as a real engine's loop does, a little later:
-                # what arrives meanwhile joins its first step; a busy one is mid-step
                 clocks[i].advance_to(arrival + (0.0 if i in busy else wake_s))
                 recorders[i].expect(item, arrival)
                 add(engines[i], item, arrival)
@@ -109,7 +93,7 @@ def run_fleet(config: EngineConfig, target: SimTarget, workload: list[WorkloadRe
 
 def _executor(engine: Engine) -> SimulatedExecutor:
     runner = engine.runner
-    assert isinstance(runner, SimulatedExecutor)  # simulated_engine's
+    assert isinstance(runner, SimulatedExecutor)
     return runner
 
 
@@ -122,5 +106,5 @@ def _step(engine: Engine, executor: SimulatedExecutor, clock: VirtualClock,
             router.finished(output.request_id)
     if clock.now == before:
         idle(clock.sleep)
-    else:  # the calibrated host's own time around the step it ran (engine.harness.served)
+    else:
         clock.now += executor.host_s

@@ -1,12 +1,4 @@
-"""GPU profiles: what the twin knows of each GPU, as data, each figure with its source.
-
-A profile holds the datasheet's dense tensor-core peaks per precision (BF16, FP8, INT8), the
-memory and its bandwidth, the link tensor parallelism all-reduces over, and the efficiency
-factors and fixed costs of engine.budget.operations. The factors are one set for every GPU,
-fitted against published measurements (benchmarks/published_gpu_cases.json, docs/twin.md);
-a profile may carry its own. A user's JSON profile (`--gpu-profile FILE`) overrides a named
-one field by field, or defines a new GPU.
-"""
+"""GPU profiles: what the twin knows of each GPU, as data, each figure with its source."""
 
 from __future__ import annotations
 
@@ -24,8 +16,7 @@ from engine.config import ConfigError
 GB = 10**9
 GIB = 2**30
 PRECISIONS = ("bfloat16", "fp8", "int8")
-# What each weight precision stores per element; float16 runs at the BF16 peak. Weight-only
-# quantisation ("-wo") stores 1-byte weights but multiplies 16-bit activations: BF16 peak.
+# Bytes per weight element; float16 and weight-only quantisation ("-wo") run at the BF16 peak.
 WEIGHT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1,
                 "fp8-wo": 1, "int8-wo": 1}
 KV_BYTES = {"auto": None, "bfloat16": 2, "float16": 2, "fp8": 1}
@@ -64,10 +55,10 @@ class GpuProfile:
     key: str
     name: str
     memory_bytes: int
-    bandwidth: float  # bytes/s
-    flops: dict[str, float]  # dense FLOP/s per precision of PRECISIONS (absent: not supported)
+    bandwidth: float
+    flops: dict[str, float]
     interconnect: Interconnect
-    sources: dict[str, str]  # figure -> where it comes from
+    sources: dict[str, str]
     efficiency: OperationEfficiency = FITTED_EFFICIENCY
     efficiency_source: str = FITTED_SOURCE
 
@@ -144,8 +135,7 @@ def _profile(key: str, name: str, memory_bytes: int, fp8: float | None, int8: fl
                                "interconnect": link.source})
 
 
-# FP8 and INT8 dense tensor-core peaks from the same datasheets as engine.budget.peaks (the
-# datasheets print them with sparsity, twice these); Ampere and the A10 have no FP8.
+# Dense FP8 and INT8 peaks from the datasheets (which print them with sparsity, twice these).
 PROFILES: dict[str, GpuProfile] = {p.key: p for p in (
     _profile("a100", "A100 80GB SXM", 80 * GIB, None, 624e12, NVLINK3,
              "NVIDIA A100 datasheet", "A100 80GB SXM datasheet: 80 GB HBM2e"),
@@ -169,8 +159,7 @@ PROFILES: dict[str, GpuProfile] = {p.key: p for p in (
 
 
 def profile(name: str, override: Path | None = None) -> GpuProfile:
-    """The named GPU's profile, with a user's JSON file over it; a file whose `key` names no
-    known GPU defines a new one (it must then give every field)."""
+    """The named GPU's profile, with a user's JSON file over it (or a new GPU the file defines)."""
     data: dict[str, Any] = {}
     if override is not None:
         try:
@@ -190,8 +179,7 @@ def profile(name: str, override: Path | None = None) -> GpuProfile:
 
 
 def profile_for_device_name(device_name: str) -> GpuProfile | None:
-    """The GPU whose datasheet matches a name torch reports ("NVIDIA H200"), if any; the
-    longest key first, so "H100 PCIe" is not taken for an H100 SXM."""
+    """The GPU whose datasheet matches a name torch reports ("NVIDIA H200"), longest key first."""
     lowered = device_name.lower().replace(" ", "-")
     for key in sorted(PROFILES, key=len, reverse=True):
         if key in lowered:
@@ -200,11 +188,7 @@ def profile_for_device_name(device_name: str) -> GpuProfile | None:
 
 
 def vllm_server_defaults(gpu: GpuProfile) -> dict[str, int | float]:
-    """What `vllm serve` schedules with on this GPU when not told otherwise (vLLM V1,
-    vllm/engine/arg_utils.py: 8192 tokens a step and 1024 sequences on GPUs of 70 GiB or
-    more other than the A100, 2048 and 256 below). V1 admits and chunks any number of
-    prefills within the budget and preempts only when a block cannot be had: no prefill
-    cap beyond the sequences, and the cache watermarks as high as this engine allows."""
+    """What `vllm serve` (V1) schedules with on this GPU when not told otherwise."""
     large = gpu.memory_bytes >= 70 * GIB and not gpu.key.startswith("a100")
     seqs = 1024 if large else 256
     return {"max_num_batched_tokens": 8192 if large else 2048, "max_num_seqs": seqs,

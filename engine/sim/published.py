@@ -1,18 +1,4 @@
-"""Published GPU measurements as test cases for the twin's step prices.
-
-Each case is one figure from a publication (an engine's performance table, a reference
-implementation's README, a paper's profiling data) with the conditions it was measured
-under. `predicted` prices the same experiment with the twin's per-operation step model on
-the named GPU's profile, scheduling it the way the publication ran it:
-
-- ttft: one prefill step of the whole prompt (batch 1);
-- decode: the mean step of a batch decoding from `input` to `input + output` tokens of
-  context, as ms per step or tokens/s of one sequence;
-- static_throughput: a static batch (one prefill step of every prompt, then the decodes),
-  output tokens per second per GPU deployment;
-- layer: one layer's non-attention kernels (norms, projections, activation, adds) at
-  `tokens` tokens, as a profiler times them.
-"""
+"""Published GPU measurements as test cases for the twin's step prices."""
 
 from __future__ import annotations
 
@@ -62,7 +48,6 @@ class PublishedCase:
             return price.predict(StepShape(prefill=((self.input, 0),))) * 1e3
         if self.kind == "layer":
             ops = price.operations(StepShape(prefill=((self.tokens, 0),)))
-            # the GEMMs' lm_head share is one row's, negligible beside a layer's
             return (ops["gemm"] + ops["elementwise"]) / self.model.num_layers * 1e3
         decode_s = sum(price.predict(StepShape(decode_contexts=(context,) * self.batch))
                        for context in range(self.input, self.input + self.output - 1))
@@ -99,7 +84,7 @@ def load_cases(path: Path) -> list[PublishedCase]:
 class Agreement:
     """Absolute relative errors of a set of cases."""
 
-    errors: dict[str, float]  # case id -> predicted / measured − 1
+    errors: dict[str, float]
 
     @property
     def median_abs(self) -> float:

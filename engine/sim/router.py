@@ -1,6 +1,4 @@
-"""Which replica of a fleet serves a request: round-robin, least outstanding tokens, or
-session affinity (the same session always on the same replica, for prefix reuse once prefix
-caching lands)."""
+"""Which replica of a fleet serves a request: round-robin, least outstanding tokens, or session."""
 
 from __future__ import annotations
 
@@ -28,9 +26,7 @@ class RoutePolicy(enum.StrEnum):
 
 @dataclass
 class Router:
-    """Routes requests and tracks each replica's outstanding tokens: prompt plus max_tokens
-    of every request it holds that has not finished (what a router in front of real replicas
-    can know without asking them)."""
+    """Routes requests and tracks each replica's outstanding tokens (prompt plus max_tokens)."""
 
     policy: RoutePolicy
     replicas: int
@@ -48,7 +44,7 @@ class Router:
             replica, self._next = self._next, (self._next + 1) % self.replicas
         elif self.policy is RoutePolicy.LEAST_TOKENS:
             replica = min(range(self.replicas), key=self.outstanding.__getitem__)
-        else:  # a session is a tenant in our workloads; crc32 is stable across processes
+        else:  # crc32 is stable across processes
             replica = zlib.crc32(request.tenant.encode()) % self.replicas
         tokens = len(request.prompt_token_ids) + request.max_tokens
         self.outstanding[replica] += tokens

@@ -1,16 +1,4 @@
-"""What a simulated engine stands for: a device, its peaks, its KV pool and a step-time
-predictor, resolved from a `--simulate` spec.
-
-- "this": the predictor `tokenflow calibrate` stored for this model on this device.
-- a GPU name (engine.sim.profiles: a100, h100, h200, l40s, b200, ...): each operation of the
-  step on its own roofline of that GPU's profile (engine.budget.operations), split over `tp`
-  GPUs with two all-reduces per layer on the GPU's interconnect; weights and KV at their
-  precision (bf16, fp8, int8).
-- "calibration:ID": a stored calibration, e.g. one run on a lent GPU.
-
-No weights are loaded: the model's shape (a synthetic preset, or a directory holding only
-config.json) sizes the weights and the KV cache.
-"""
+"""What a simulated engine stands for, resolved from a `--simulate` spec (see docs/twin.md)."""
 
 from __future__ import annotations
 
@@ -36,8 +24,7 @@ from engine.model.loader import model_config_for
 from engine.sim.profiles import KV_BYTES, WEIGHT_BYTES, GpuProfile, profile, profile_for_device_name
 from engine.store.calibration import calibration_history
 
-# What a CUDA process holds before any pool is sized (context, cuBLAS workspace): the real
-# runner sizes its KV pool from the memory free after loading, which excludes this.
+# Held by a CUDA process before its pool is sized; the real runner's free memory excludes it.
 CUDA_CONTEXT_BYTES = 512 << 20
 GPU_DTYPE = "bfloat16"
 CALIBRATION_PREFIX = "calibration:"
@@ -46,9 +33,7 @@ Predict = Callable[[StepShape], float]
 
 
 class StepTimeRatios(NamedTuple):
-    """Measured over predicted time of the median step with a prefill chunk, and of the
-    median decode-only step (1.3: 30% slower than calibrated). Apart, because compute and
-    memory bandwidth drift apart on a shared machine."""
+    """Measured over predicted step time, with a prefill chunk and decode-only: they drift apart."""
 
     prefill: float
     decode: float
@@ -58,24 +43,19 @@ class StepTimeRatios(NamedTuple):
 class SimTarget:
     """A simulated device: how it is labelled, how fast it is, how much KV it holds."""
 
-    spec: str  # as given to --simulate
-    device: str  # label in snapshots and reports, e.g. "sim:h100x2"
+    spec: str
+    device: str
     dtype: str
-    peaks: DevicePeaks  # of the whole deployment (all tp GPUs)
+    peaks: DevicePeaks
     kv_cache_bytes: int
     predict: Predict = field(repr=False, compare=False)
-    source: str  # where the step times come from, in words
-    calibration: StepTimePredictor | None = None  # the stored fit, when predict is one
-    # what serving cost beyond the fit on the calibrated host (engine.harness.served), where
-    # the calibration served a probe: host time between steps, prefill steps' served price
+    source: str
+    calibration: StepTimePredictor | None = None
     served: ServedCosts | None = None
-    details: dict[str, Any] = field(default_factory=dict)  # sizing and interconnect figures
-    # "cpu" when it stands for this CPU: CPU-sized workloads and no GPU telemetry, as for real
+    details: dict[str, Any] = field(default_factory=dict)
     device_type: str = "sim"
-    # steps take these times their predictions while the engine still predicts the fit's:
-    # the twin of a machine that drifted since calibration, as a real run measured it
+    # steps take these times their predictions while the engine predicts the fit's (a drifted host)
     drift: StepTimeRatios | None = None
-    # bytes of one KV element (FP8 KV: 1); None: the dtype's own size
     kv_bytes_per_element: int | None = None
 
     @property
@@ -93,14 +73,13 @@ class SimTarget:
 
 @dataclass(frozen=True)
 class Deployment:
-    """A model of `config` with `weight_dtype` weights and `kv_dtype` KV on `tp` GPUs of
-    `gpu` (tensor parallel: weights, KV heads, FLOPs and bytes split evenly)."""
+    """`config` with `weight_dtype` weights and `kv_dtype` KV, split evenly over `tp` GPUs."""
 
     config: ModelConfig
     gpu: GpuProfile
     tp: int = 1
     weight_dtype: str = GPU_DTYPE
-    kv_dtype: str = "auto"  # the activations' precision (bf16) unless fp8
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         c = self.config
@@ -113,7 +92,7 @@ class Deployment:
         if self.kv_dtype not in KV_BYTES:
             raise ConfigError("kv_cache_dtype", f"{self.kv_dtype!r} is not supported; choose "
                               f"{', '.join(KV_BYTES)}")
-        self.gpu.peak_flops(self.weight_dtype)  # a precision the GPU lacks says so now
+        self.gpu.peak_flops(self.weight_dtype)
 
     @property
     def activation_bytes(self) -> int:
@@ -142,8 +121,7 @@ class Deployment:
                            one.flops * self.tp, one.bandwidth * self.tp, one.source)
 
     def kv_cache_bytes(self, memory_utilization: float) -> int:
-        """KV over all GPUs: each GPU's memory less its share of the weights and the CUDA
-        context, times the utilisation share (the real runner's rule on the memory left)."""
+        """KV over all GPUs: memory less weights and CUDA context, times the utilisation share."""
         free = self.gpu.memory_bytes - self.weight_bytes / self.tp - CUDA_CONTEXT_BYTES
         if free <= 0:
             raise ConfigError("tp", f"{self.weight_bytes / 1e9:.1f} GB of weights do not fit "
@@ -165,8 +143,7 @@ class Deployment:
 def resolve_target(spec: str, config: EngineConfig, *, tp: int = 1,
                    session: Session | None = None, kv_cache_dtype: str = "auto",
                    gpu_profile: Path | None = None) -> SimTarget:
-    """The SimTarget a `--simulate` spec names; ConfigError says what to fix. `gpu_profile`,
-    a JSON file, overrides the named GPU's profile (engine.sim.profiles)."""
+    """The SimTarget a `--simulate` spec names, with `gpu_profile` over a named GPU's profile."""
     spec = spec.strip()
     if spec in ("this",) or spec.startswith(CALIBRATION_PREFIX):
         _require_single(tp, spec)
@@ -221,7 +198,7 @@ def _this(config: EngineConfig, session: Session) -> SimTarget:
         kv = config.kv_cache_bytes
     elif device.type == "cpu":
         kv = CPU_KV_BYTES_DEFAULT
-    else:  # the pool the calibrated run had
+    else:
         kv = int(record.info["kv"]["capacity_bytes"])
     return SimTarget(spec="this", device=f"sim:{device}", dtype=dtype,
                      peaks=measure_peaks(str(device), resolve_dtype(dtype, device)),
@@ -263,8 +240,7 @@ def _stored(spec: str, config: EngineConfig, session: Session) -> SimTarget:
 
 
 def _served(info: dict[str, Any]) -> ServedCosts | None:
-    """A calibration's served costs; none where it served no probe (a live engine's, or one
-    stored before the probe existed)."""
+    """A calibration's served costs; none where it served no probe."""
     served = info.get("served")
     return None if served is None else ServedCosts.from_dict(served)
 
