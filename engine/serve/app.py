@@ -1,11 +1,4 @@
-"""The HTTP app: routes of DESIGN.md over one EngineLoop.
-
-Handlers never touch engine state directly: requests go through `EngineLoop.submit`, tuning
-through `EngineLoop.update_config` (validated on the caller's thread, applied at a step
-boundary), and reads come from the loop's published snapshot. `/v1/stats` and
-`/v1/slow_queries` show request ids, tenants and the config, so they need the admin token
-unless the operator makes them public; every request must name an allowed Host.
-"""
+"""The HTTP app: DESIGN.md's routes over one EngineLoop; handlers never touch engine state."""
 
 from __future__ import annotations
 
@@ -47,7 +40,7 @@ from engine.serve.protocol import (
 from engine.snapshot import Snapshot
 from engine.store import SlowQueryRecord
 
-SlowQueriesReader = Callable[[int], list[SlowQueryRecord]]  # newest-scored first, at most N
+SlowQueriesReader = Callable[[int], list[SlowQueryRecord]]
 DEFAULT_MAX_QUEUE = 256
 DEFAULT_MAX_BODY_BYTES = BodyLimits.max_bytes
 DEFAULT_BODY_TIMEOUT_S = BodyLimits.read_timeout_s
@@ -60,8 +53,7 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
                slow_queries_reader: SlowQueriesReader | None = None, public_stats: bool = False,
                allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
                chat_template: Path | None = None) -> Starlette:
-    """The starlette app; the caller owns `loop` (started before serving, stopped after).
-    `chat_template` replaces the model's own template (ChatTemplateError if unusable)."""
+    """The starlette app; the caller owns `loop` (started before serving, stopped after)."""
     started = int(time.time())
     limits = BodyLimits(max_bytes=max_body_bytes, read_timeout_s=body_timeout_s)
     generations = Generations(loop, max_queue=max_queue, limits=limits)

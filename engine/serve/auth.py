@@ -1,9 +1,4 @@
-"""Bearer tokens (the admin endpoints', the trace receiver's): where they come from and how
-they are checked.
-
-Without a configured token the admin endpoints are off (403), so a server started without one
-cannot be retuned by whoever reaches its port.
-"""
+"""Bearer tokens: without a configured admin token the admin endpoints are off (403)."""
 
 from __future__ import annotations
 
@@ -20,12 +15,10 @@ TOKEN_ENV = "TOKENFLOW_ADMIN_TOKEN"
 
 
 def load_admin_token(token_file: Path | None = None) -> str | None:
-    """The token from `token_file` if given, else from $TOKENFLOW_ADMIN_TOKEN, else None."""
     return load_token(token_file, env=TOKEN_ENV, flag="--admin-token-file", what="admin")
 
 
 def load_token(token_file: Path | None, *, env: str, flag: str, what: str) -> str | None:
-    """The token from `token_file` (given as `flag`) if given, else from $`env`, else None."""
     if token_file is None:
         return os.environ.get(env, "").strip() or None
     try:

@@ -1,8 +1,4 @@
-"""POST /v1/chat/completions, OpenAI-compatible as vLLM is: system, user and assistant text
-messages rendered with the model's chat template, an assistant message back (streamed as
-`chat.completion.chunk` deltas or whole), with usage, logprobs/top_logprobs, stop strings
-and n. Tool calls are out of scope: `tools` and `functions` are refused with a 400.
-"""
+"""POST /v1/chat/completions, OpenAI-compatible as vLLM is; tools and functions are refused."""
 
 from __future__ import annotations
 
@@ -37,8 +33,7 @@ NO_TEMPLATE = ("this model has no chat template (no chat_template.jinja, none in
 
 def render_messages(template: ChatTemplate | None, messages: Sequence[ChatMessage],
                     add_generation_prompt: bool) -> str:
-    """The prompt text of `messages`; ApiError(400) without a template or when the
-    template refuses them."""
+    """The prompt text of `messages`; ApiError(400) without a template or when it refuses them."""
     if template is None:
         raise ApiError(400, NO_TEMPLATE, param="messages")
     plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
@@ -113,7 +108,6 @@ class _ChatReply(Reply):
         return {**self._body("chat.completion.chunk", []), "usage": usage}
 
     def _logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
-        """The chat API's logprobs: per token its text, bytes, logprob and the top N."""
         def item(token: int, value: float) -> dict[str, Any]:
             text = self.decode([token])
             return {"token": text, "logprob": max(value, MIN_LOGPROB),

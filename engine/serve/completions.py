@@ -1,17 +1,4 @@
-"""POST /v1/completions, OpenAI-compatible as vLLM is: prompts of text or token ids in, text,
-ids and logprobs out; and the generation machinery POST /v1/chat/completions shares.
-
-Everything that can be refused is refused before the engine sees the request: malformed
-fields (400), an unknown model (404), a prompt the engine could never serve, the circuit
-breaker included (422), a full queue (429) or a dead engine (503). One HTTP request becomes
-one engine request per choice: per prompt of a batch, `n` each (they share the prompt's
-cached prefix; a seeded request's choice j samples with seed + j, as vLLM's). Outputs cross
-from the engine thread to the event loop through `call_soon_threadsafe`; a client that goes
-away aborts its requests so their KV blocks are freed at the next step (and the journal
-records them aborted). With a journal, a request's first output leaves only once its journal
-row is committed, and its last once its end is: a client never holds tokens of a request the
-journal does not know, nor a whole answer the journal would run again.
-"""
+"""POST /v1/completions, OpenAI-compatible as vLLM is, and the machinery chat shares."""
 
 from __future__ import annotations
 
@@ -44,9 +31,9 @@ from engine.serve.protocol import (
 )
 from engine.serve.sampling import SamplingDefaults, load_defaults, sampling_params
 
-RETRY_AFTER_S = 1  # what a refused client is told to wait before trying again
-ERROR_CHECK_S = 1.0  # how often a waiting request checks that the engine thread is alive
-JOURNAL_WAIT_S = 10.0  # an output waits this long for the journal to commit it
+RETRY_AFTER_S = 1
+ERROR_CHECK_S = 1.0
+JOURNAL_WAIT_S = 10.0
 FINISH_REASONS = {"stop": "stop", "length": "length", "aborted": "abort"}
 MIN_LOGPROB = -9999.0  # vLLM's floor: JSON has no -inf
 
@@ -60,11 +47,10 @@ class Generation:
     n: int
     stream: bool
     include_usage: bool
-    continuous_usage: bool = False  # usage in every streamed chunk, not only the last
+    continuous_usage: bool = False
 
     def choices(self) -> list[tuple[list[int], SamplingParams]]:
-        """(prompt, params) per choice, choice i from prompt i // n; ApiError(400) when a
-        derived seed leaves the seed range."""
+        """(prompt, params) per choice, choice i from prompt i // n; ApiError(400): bad seed."""
         seed = self.params.seed
         try:
             per_choice = [self.params if seed is None or j == 0
@@ -77,7 +63,6 @@ class Generation:
 
 @dataclass(frozen=True)
 class Choice:
-    """One choice's latest output, as the replies render it."""
 
     index: int
     prompt: list[int]
@@ -87,7 +72,7 @@ class Choice:
 class ReplyFormat(Protocol):
     """How an endpoint renders choices: streamed chunks and the final body."""
 
-    id: str  # "cmpl-<hex>": the engine requests of its choices are named after it
+    id: str
     texts: Texts
 
     def chunk(self, choice: Choice, text: str, tokens: list[int],
@@ -107,8 +92,7 @@ def check_n(n: int | None) -> int:
 
 
 class _Bridge:
-    """Engine-thread outputs of one choice, delivered to the event loop in order onto the
-    queue all choices of the HTTP request share."""
+    """Engine-thread outputs of one choice, delivered in order to the request's shared queue."""
 
     def __init__(self, index: int, queue: asyncio.Queue[tuple[int, RequestOutput]],
                  on_finish: Callable[[], None], final_only: bool) -> None:
@@ -118,7 +102,7 @@ class _Bridge:
         self.on_finish = on_finish
         self.final_only = final_only
 
-    def push(self, output: RequestOutput) -> None:  # on the engine thread
+    def push(self, output: RequestOutput) -> None:
         if output.finished:
             self.aio.call_soon_threadsafe(self.on_finish)
         if output.finished or not self.final_only:
@@ -126,8 +110,7 @@ class _Bridge:
 
 
 class Generations:
-    """The engine side of both endpoints, with its admission state: engine requests accepted
-    and not yet finished."""
+    """The engine side of both endpoints, with its admission state."""
 
     def __init__(self, engine_loop: EngineLoop, *, max_queue: int, limits: BodyLimits) -> None:
         self.engine_loop = engine_loop
@@ -169,7 +152,7 @@ class Generations:
         queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
         request_ids: list[str] = []
         try:
-            base = reply.id.split("-", 1)[1]  # the engine's ids name the reply, as vLLM's
+            base = reply.id.split("-", 1)[1]
             for index, (prompt, params) in enumerate(choices):
                 bridge = _Bridge(index, queue, self._release,
                                  final_only=not generation.stream)
@@ -208,8 +191,7 @@ class Generations:
 
     async def _next(self, queue: asyncio.Queue[tuple[int, RequestOutput]]
                     ) -> tuple[int, RequestOutput]:
-        """The next output of any choice; a dead engine thread never sends one, so check it
-        now and then."""
+        """The next output of any choice; a dead engine thread never sends one, so check it."""
         while True:
             try:
                 return await asyncio.wait_for(queue.get(), ERROR_CHECK_S)
@@ -236,7 +218,7 @@ class Generations:
                 for index, request_id in enumerate(request_ids):
                     if index not in finals:
                         self.engine_loop.abort(request_id)
-                return Response(status_code=499)  # nobody is listening any more
+                return Response(status_code=499)
             result.result()
         finally:
             disconnect.cancel()
@@ -251,10 +233,7 @@ class Generations:
                       queue: asyncio.Queue[tuple[int, RequestOutput]],
                       choices: list[tuple[list[int], SamplingParams]], reply: ReplyFormat,
                       texts: Texts, generation: Generation) -> AsyncIterator[str]:
-        """One SSE chunk per choice per generated token, as vLLM sends them; a chunk whose
-        token leaves a character incomplete, or may begin a stop string, carries its token
-        id and no text yet (see Texts). With continuous usage each chunk carries its
-        choice's prompt and completion tokens so far, as vLLM's does."""
+        """One SSE chunk per choice per generated token, as vLLM sends them (see Texts)."""
         sent = [""] * len(request_ids)
         sent_logprobs = [0] * len(request_ids)
         started: set[int] = set()
@@ -285,17 +264,13 @@ class Generations:
             yield _sse({"error": json.loads(exc.response().body)["error"]})
         finally:
             for index, request_id in enumerate(request_ids):
-                if index not in finished:  # the client went away (or the engine died)
+                if index not in finished:
                     self.engine_loop.abort(request_id)
         yield "data: [DONE]\n\n"
 
 
 class Texts:
-    """The text of a choice's tokens so far, less a trailing U+FFFD: the bytes of a
-    character not yet complete (a multi-byte UTF-8 sequence split across tokens) are held
-    back until it completes, and never sent if it does not (vLLM's detokenizer does the
-    same). Text that may begin a stop string is held back too, and a matched stop string
-    cuts the text where the engine says (`text_end`)."""
+    """A choice's text so far, less incomplete UTF-8 characters and possible stop strings."""
 
     def __init__(self, decode: Callable[[list[int]], str], params: SamplingParams) -> None:
         self.decode = decode
@@ -315,8 +290,7 @@ class Texts:
 
 
 def _usage(choices: list[Choice], n: int) -> dict[str, int]:
-    """Prompt tokens once per prompt of the batch (its n choices share it), as vLLM counts
-    them; completion tokens of every choice."""
+    """Prompt tokens once per prompt (its n choices share it), as vLLM counts them."""
     prompt_tokens = sum(len(c.prompt) for c in choices if c.index % n == 0)
     completion = sum(len(c.output.token_ids) for c in choices)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
@@ -324,7 +298,6 @@ def _usage(choices: list[Choice], n: int) -> dict[str, int]:
 
 
 class Completions:
-    """POST /v1/completions over the shared generation machinery."""
 
     def __init__(self, generations: Generations) -> None:
         self.generations = generations
@@ -363,9 +336,7 @@ def continuous_usage(body: SamplingFields) -> bool:
 
 @dataclass(frozen=True)
 class Reply:
-    """What every reply of one HTTP request shares: its id (`prefix` and a fresh suffix),
-    model, creation time, the tokenizer's decode, the choices' texts, and whether vLLM's
-    `prompt_logprobs` field was asked for."""
+    """What every reply of one HTTP request shares: id, model, creation time, decode, texts."""
 
     id: str
     model: str
@@ -385,7 +356,7 @@ class Reply:
 @dataclass(frozen=True)
 class _CompletionReply(Reply):
     echo: bool = False
-    logprobs: bool = False  # the OpenAI logprobs object was asked for
+    logprobs: bool = False
 
     def _body(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created,
@@ -424,7 +395,7 @@ class _CompletionReply(Reply):
         return {**self._body([]), "usage": usage}
 
 
-Scored = list[tuple[int, TokenLogprob | None]]  # a token and its logprob (None: unscored)
+Scored = list[tuple[int, TokenLogprob | None]]
 
 
 def _scored(logprobs: Sequence[TokenLogprob]) -> Scored:
@@ -432,8 +403,7 @@ def _scored(logprobs: Sequence[TokenLogprob]) -> Scored:
 
 
 def _prompt_scored(prompt: list[int], output: RequestOutput) -> Scored:
-    """An echoed prompt's tokens with their logprobs, the first unscored (nothing predicts
-    it); none when the prompt was not scored."""
+    """An echoed prompt's tokens with their logprobs, the first unscored (nothing predicts it)."""
     if output.prompt_logprobs is None:
         return []
     return [(prompt[0], None), *_scored(output.prompt_logprobs)]
@@ -441,8 +411,7 @@ def _prompt_scored(prompt: list[int], output: RequestOutput) -> Scored:
 
 def prompt_logprobs(output: RequestOutput, decode: Callable[[list[int]], str]
                     ) -> list[dict[str, dict[str, Any]] | None]:
-    """vLLM's `prompt_logprobs`: None for the first prompt token, then per token a map from
-    token id to its logprob, rank and text: the prompt's own token and the top N."""
+    """vLLM's `prompt_logprobs`: None for the first token, then {token id: logprob, rank, text}."""
     def logprob(token: int, value: float, rank: int | None) -> dict[str, Any]:
         return {"logprob": max(value, MIN_LOGPROB), "rank": rank,
                 "decoded_token": decode([token])}
@@ -458,9 +427,7 @@ def prompt_logprobs(output: RequestOutput, decode: Callable[[list[int]], str]
 
 def completion_logprobs(entries: Scored, decode: Callable[[list[int]], str]
                         ) -> dict[str, Any]:
-    """The completions API's logprobs object: per token its text, logprob, the top
-    logprobs (the token's own first, then the top N, as vLLM lists them) and its offset in
-    the text."""
+    """The completions API's logprobs object: per token its text, logprob, top N and offset."""
     tokens, values, tops, offsets = [], [], [], []
     offset = 0
     for token, entry in entries:
@@ -508,6 +475,5 @@ def _engine_down(engine_loop: EngineLoop) -> ApiError:
 
 
 async def _disconnected(request: Request) -> None:
-    """Return when the client closes the connection (the body has been read already)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass

@@ -1,13 +1,4 @@
-"""How the HTTP server treats connections: a deadline for request headers, a cap on
-connections, a cap on header size, and warnings that cannot flood the log.
-
-uvicorn arms no timer on a connection until its first response, so a client that connects
-and sends nothing (or a header byte a second) holds the connection forever: 21,000 idle ones
-made new requests time out. Here every request's headers must arrive whole within
-HEADER_TIMEOUT_S of its first byte (of the connection, for the first), beyond
-`max_connections` new requests are answered 503 at once, and uvicorn's per-request warnings
-and access lines pass through a rate limit (engine.serve.log_limit).
-"""
+"""How the HTTP server treats connections: header deadline, connection and size caps, quiet logs."""
 
 from __future__ import annotations
 
@@ -23,9 +14,9 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from engine.serve.log_limit import RateLimitedLog, client_and_status
 
 HEADER_TIMEOUT_S = 10.0
-KEEP_ALIVE_S = 5  # idle between requests on one connection (uvicorn's default)
+KEEP_ALIVE_S = 5
 MAX_CONNECTIONS = 1000
-MAX_HEADER_BYTES = 64 << 10  # of a request line and headers; h11 answers 400 beyond
+MAX_HEADER_BYTES = 64 << 10
 
 
 class HeaderDeadlineProtocol(H11Protocol):
@@ -40,11 +31,11 @@ class HeaderDeadlineProtocol(H11Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self._deadline is None and self.conn.their_state is h11.IDLE:
-            self._arm()  # the first byte of the next request on a kept-alive connection
+            self._arm()
         super().data_received(data)
         if self._deadline is not None and self.conn.their_state is not h11.IDLE:
-            self._deadline.cancel()  # the headers are in: a deadline left armed would cut
-            self._deadline = None  # the connection while it idles between requests
+            self._deadline.cancel()  # headers in: an armed deadline would cut it idle
+            self._deadline = None
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._deadline is not None:
@@ -58,7 +49,7 @@ class HeaderDeadlineProtocol(H11Protocol):
     def _expire(self) -> None:
         self._deadline = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self.transport.close()  # still no whole request line and headers
+            self.transport.close()
 
 
 def server_config(app: ASGIApp, *, max_connections: int = MAX_CONNECTIONS,

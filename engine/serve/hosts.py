@@ -1,9 +1,4 @@
-"""The Host allow-list: a defence against DNS rebinding.
-
-A web page can make a browser resolve its own name to 127.0.0.1 and then post to the server
-as if it were same-origin; the browser still sends the page's name in `Host`. Only loopback
-names and the names the operator allows (the --host address, each --allow-host) get through.
-"""
+"""The Host allow-list: a defence against DNS rebinding (loopback and the operator's names only)."""
 
 from __future__ import annotations
 
@@ -22,7 +17,7 @@ def host_name(value: str) -> str:
     value = value.strip().lower().rstrip(".")
     if value.startswith("["):
         return value.partition("]")[0] + "]"
-    if value.count(":") > 1:  # a bare IPv6 address, as --host takes it
+    if value.count(":") > 1:
         return f"[{value}]"
     return value.partition(":")[0].rstrip(".")
 

@@ -1,11 +1,4 @@
-"""The listening socket of the HTTP server, made so that accepted connections get TCP_NODELAY.
-
-asyncio sets TCP_NODELAY on a connection only when its socket's protocol is IPPROTO_TCP, and
-`socket.create_server` makes sockets with protocol 0, so every connection accepted from one
-kept Nagle's algorithm: each response after the first on a keep-alive connection waited ~40 ms
-for the client's delayed ACK. Naming the protocol fixes it for every accepted socket (they
-inherit it); the option is also set on the listener, which Linux copies to accepted sockets.
-"""
+"""The HTTP server's listening socket, made so that accepted connections get TCP_NODELAY."""
 
 from __future__ import annotations
 

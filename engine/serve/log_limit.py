@@ -1,11 +1,4 @@
-"""A log that cannot be flooded: each kind of message passes at a bounded rate.
-
-A hostile client makes uvicorn warn once per bad request ("Invalid HTTP request received.",
-"Exceeded concurrency limit.") and log a line per request it refuses: 69 MB of log in 20 s.
-Each kind (a warning's template; an access line's client address and status) may pass BURST
-times and then once every 1/PER_SECOND seconds; the next one that passes says how many like
-it were dropped. The clock is injected (engine.serve.rate_limit).
-"""
+"""A log that cannot be flooded: each kind of message passes at a bounded rate."""
 
 from __future__ import annotations
 
@@ -16,8 +9,8 @@ from collections.abc import Callable
 from engine.serve.rate_limit import Rate, RateLimiter
 
 BURST = 10.0
-PER_SECOND = 0.2  # one a message kind every 5 s once the burst is spent
-MAX_KINDS = 256  # kinds remembered; the least recent is forgotten first
+PER_SECOND = 0.2
+MAX_KINDS = 256
 
 
 def template(record: logging.LogRecord) -> str:
@@ -26,9 +19,7 @@ def template(record: logging.LogRecord) -> str:
 
 
 def client_and_status(record: logging.LogRecord) -> str:
-    """An access line's kind: who asked and what they got (uvicorn's access arguments are
-    client "host:port", method, path, HTTP version, status), so one client's flood of
-    refusals is limited and not everyone's requests."""
+    """An access line's kind: client and status, so one client's flood is limited alone."""
     args = record.args if isinstance(record.args, tuple) else ()
     client = str(args[0]).rpartition(":")[0] if args else ""
     return f"{client} {args[-1] if args else ''}"
@@ -48,7 +39,7 @@ class RateLimitedLog(logging.Filter):
         kind = self.kind(record)
         if self.limiter.spend(kind, 1.0):
             if kind not in self.dropped and len(self.dropped) >= MAX_KINDS:
-                self.dropped.pop(next(iter(self.dropped)))  # bounded, like the limiter
+                self.dropped.pop(next(iter(self.dropped)))
             self.dropped[kind] = self.dropped.get(kind, 0) + 1
             return False
         dropped = self.dropped.pop(kind, 0)
@@ -59,6 +50,5 @@ class RateLimitedLog(logging.Filter):
     @classmethod
     def install(cls, logger: logging.Logger,
                 kind: Callable[[logging.LogRecord], str] = template) -> None:
-        """Add one limit to `logger` (once, however often servers start in a process)."""
         if not any(isinstance(f, cls) for f in logger.filters):
             logger.addFilter(cls(kind=kind))

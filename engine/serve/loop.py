@@ -1,15 +1,4 @@
-"""The engine on a background thread, for the console and the HTTP server.
-
-Other threads submit, abort, tune and read snapshots; everything that touches engine state
-is applied on the loop thread at a step boundary, so the engine itself stays single-threaded.
-The loop waits on a condition when idle (no polling sleeps) and refreshes the published
-snapshot after steps, at most every `snapshot_interval_s`.
-
-The loop must not die: an exception that escapes a step (or a command) is judged by the
-supervisor (engine.serve.supervisor). The engine restarts in place from its journal, the
-request callbacks carry on, and a crash loop stops it with an error that /health and every
-later request report, its live requests failed with that error so nobody waits for them.
-"""
+"""The engine on a background thread; other threads' commands apply at a step boundary."""
 
 from __future__ import annotations
 
@@ -38,18 +27,16 @@ from engine.snapshot import Snapshot
 log = logging.getLogger(__name__)
 
 OutputCallback = Callable[[RequestOutput], None]
-# resumes the engine's unfinished requests from its journal (EngineSession's, with a store)
 JournalResume = Callable[[Engine], Resumption]
 
 
 @dataclass(frozen=True)
 class LoopHealth:
-    """What monitoring needs to tell a healing engine from a stopped one."""
 
     up: bool
     restarts: int
-    failed_while_down: int  # requests failed, or refused, because the engine had stopped
-    error: str | None  # why it stopped
+    failed_while_down: int
+    error: str | None
 
 
 @dataclass(frozen=True)
@@ -68,11 +55,7 @@ class EngineLoop:
                  clock: Clock = time.monotonic, journal: JournalResume | None = None,
                  journal_flush: Callable[[float], bool] | None = None,
                  supervisor: Supervisor | None = None) -> None:
-        """`clock` paces snapshots and played workloads (real time: arrivals are wall-clock
-        events even for a simulated engine); the supervisor's crash-loop window runs on the
-        engine's own clock. Without `journal` a restart resumes from the live requests.
-        `journal_flush(timeout)` commits what the engine has published (False on timeout):
-        the server calls it before a request's first and last outputs leave."""
+        """`clock` paces snapshots and workloads; `journal_flush` commits what was published."""
         self.engine = engine
         self.snapshot_interval_s = snapshot_interval_s
         self.clock = clock
@@ -89,11 +72,11 @@ class EngineLoop:
         self._snapshot = engine.snapshot()
         self._snapshot_at = 0.0
         self._workload: deque[WorkloadRequest] = deque()
-        self._workload_start = 0.0  # real time at which the workload's clock read _played_s
-        self._played_s = 0.0  # the workload's own clock (its arrival times) at _workload_start
-        self._speed = 1.0  # workload seconds per real second: the arrival rate's multiplier
-        self._asked_speed = 1.0  # the last speed asked for (the loop thread installs it)
-        self._base_rate: float | None = None  # the workload's own mean arrival rate
+        self._workload_start = 0.0
+        self._played_s = 0.0
+        self._speed = 1.0
+        self._asked_speed = 1.0
+        self._base_rate: float | None = None
         self._workload_cycle: list[WorkloadRequest] | None = None
         self._cycle_count = 0
         self.error: BaseException | None = None
@@ -149,7 +132,7 @@ class EngineLoop:
         def run() -> None:
             try:
                 future.set_result(fn(self.engine))
-            except BaseException as exc:  # handed to the caller through the future
+            except BaseException as exc:
                 future.set_exception(exc)
 
         self._enqueue(run)
@@ -160,29 +143,25 @@ class EngineLoop:
 
     def play(self, workload: list[WorkloadRequest], repeat: bool = False,
              first_cycle: int = 0) -> None:
-        """Submit `workload` at its arrival times (relative to now); `repeat` cycles it. Each
-        request is named `{id}-{cycle}`, cycles counted from `first_cycle`."""
+        """Submit `workload` at its arrival times from now as `{id}-{cycle}`; `repeat` cycles it."""
         def install() -> None:
             self._workload = deque(workload)
             self._workload_start = self.clock()
             self._played_s = 0.0
-            self._speed = 1.0  # a new workload plays at its own rate
+            self._speed = 1.0
             self._workload_cycle = list(workload) if repeat else None
             self._cycle_count = first_cycle
         self._asked_speed = 1.0
         last = max((item.arrival_s for item in workload), default=0.0)
-        # all at once (or one request) has no rate to turn
         self._base_rate = len(workload) / last if last > 0 else None
         self._enqueue(install)
 
     @property
     def arrival_rate(self) -> float | None:
-        """Requests per second the played workload arrives at now; None with no rate to set."""
         return None if self._base_rate is None else self._base_rate * self._asked_speed
 
     def set_arrival_rate(self, rate: float) -> float:
-        """Play the workload at `rate` requests/s from now on (0 holds arrivals); its pattern
-        of gaps is kept, stretched or squeezed. Raises ValueError when it cannot be set."""
+        """Play the workload at `rate` requests/s (0 holds arrivals), keeping its gaps' pattern."""
         if self._base_rate is None:
             raise ValueError("no workload with a rate is playing (one sent all at once has none)")
         if not (rate >= 0 and rate < float("inf")):
@@ -224,7 +203,7 @@ class EngineLoop:
                         self._wake.wait(timeout=self._idle_timeout())
                         self._supervised(self._feed_workload)
                         if not self._paused:
-                            self._step()  # idle tick: modes and guards see time pass
+                            self._step()
                         self._publish_snapshot(force=True)
                     if self._stopping:
                         return
@@ -236,9 +215,8 @@ class EngineLoop:
                 if not self._paused and self.engine.has_unfinished():
                     for output in self._step():
                         self._deliver(output)
-                # going idle: publish now, so readers see the last requests finished
                 self._publish_snapshot(force=not self.engine.has_unfinished())
-        except BaseException as exc:  # surfaced to the UI / server instead of dying silently;
+        except BaseException as exc:
             # logged, never raised: a thread's traceback on stderr would paint over a console
             self.error = exc
             log.critical("the engine loop died: %r", exc, exc_info=exc)
@@ -261,11 +239,9 @@ class EngineLoop:
             self._heal(exc)
 
     def _heal(self, exc: Exception) -> None:
-        """A fault no single request caused: restart the engine from its journal, failing
-        the requests of the failed step that have been in one before; or, on a crash loop,
-        stop it and fail everything live."""
+        """A fault no request caused: restart from the journal, or stop on a crash loop."""
         engine, supervisor = self.engine, self.supervisor
-        if self.error is not None:  # stopped already: nothing left to fail or restart
+        if self.error is not None:
             log.error("after the engine stopped: %r", exc, exc_info=exc)
             return
         fault = supervisor.judge(exc)
@@ -288,7 +264,7 @@ class EngineLoop:
                                            error=fault.error, resumed=len(resumed),
                                            failed=len(doomed), stopped=stopped is not None,
                                            traceback=fault.traceback))
-        try:  # journal what the failed step published, the failures and the restart
+        try:
             engine.bus.drain()
         except Exception:
             log.exception("delivering the events of a restart failed")
@@ -297,13 +273,12 @@ class EngineLoop:
         self._publish_snapshot(force=True)
 
     def _resume(self, kept: list[Request], owed: list[RequestOutput]) -> list[str]:
-        """Re-add what the engine had accepted: from the journal when there is one (what it
-        refuses or quarantines fails, told to its caller), else from the requests in hand."""
+        """Re-add what the engine had accepted: from the journal when there is one, else in hand."""
         engine = self.engine
         handled: set[str] = set()
         if self.journal is not None:
             try:
-                engine.bus.drain()  # the journal must hold everything accepted so far
+                engine.bus.drain()
                 resumption = self.journal(engine)
             except Exception:
                 log.exception("resuming from the journal failed; resuming what is in memory")
@@ -330,7 +305,6 @@ class EngineLoop:
         return not self._paused and self.engine.has_unfinished()
 
     def _workload_clock(self, now: float) -> float:
-        """Where the workload's own clock stands at real time `now`."""
         return self._played_s + (now - self._workload_start) * self._speed
 
     def _idle_timeout(self) -> float:

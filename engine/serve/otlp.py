@@ -1,18 +1,4 @@
-"""OTLP/HTTP trace collection: other engines' per-request spans become traced requests.
-
-vLLM (started with --otlp-traces-endpoint and OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=
-http/protobuf) sends one `llm_request` span per finished request, holding its queue, TTFT,
-prefill and decode times, token counts and request id. Bodies are decoded with the
-OpenTelemetry protobufs. Each request gets a budget_score: its measured prefill time over
-the prefill time predicted for that prompt on that GPU, by the calibration stored for that
-model and GPU when there is one, else by the roofline; each score names its estimate.
-Requests and slow queries land in the store with their source recorded.
-
-The receiver trusts no exporter: the Host allow-list and a bearer token come first, then a
-rate per client, size caps with streaming gunzip (otlp_limits), a span cap, and a check of
-every span on its own (otlp_span), a bad one rejected alone and counted in OTLP's partial
-success. Traced rows have their own retention (engine.store.retention). docs/hardening.md.
-"""
+"""OTLP/HTTP trace collection: other engines' per-request spans become scored traced requests."""
 
 from __future__ import annotations
 
@@ -54,19 +40,19 @@ from engine.store import Database, SlowQueryRecord, TracedDriftPoint, traced_dri
 from engine.store.models import SlowQueryRow, TracedRequestRow
 from engine.store.retention import RetentionLimits, apply_traced_retention
 
-SLOW_THRESHOLD = 1.5  # the engine's default slow_query_threshold
-KEEP = 200  # traced requests kept in memory for the Requests table
+SLOW_THRESHOLD = 1.5
+KEEP = 200
 PROTOBUF = "application/x-protobuf"
-REASONS_SHOWN = 3  # rejected spans whose reason the partial-success message names
+REASONS_SHOWN = 3
 
 
 @dataclass(frozen=True)
 class PrefillEstimate:
     """What a traced prefill should take on the traced GPU, and which estimate says so."""
 
-    predict: Callable[[StepShape], float]  # seconds for a step of that shape
-    name: str  # "roofline" or "calibration ID": stored with every score
-    detail: str  # in words: whose roofline or calibration, on which GPU
+    predict: Callable[[StepShape], float]
+    name: str
+    detail: str
 
     @property
     def label(self) -> str:
@@ -75,8 +61,7 @@ class PrefillEstimate:
 
 @dataclass(frozen=True)
 class Export:
-    """What one export held: the requests taken, and how many request spans were rejected
-    (each alone) with the first reasons."""
+    """One export: the requests taken, and the request spans rejected (each alone) with reasons."""
 
     requests: list[TracedRequest]
     rejected: int = 0
@@ -115,8 +100,7 @@ def span_count(message: ExportTraceServiceRequest) -> int:
 
 def decode_export(message: ExportTraceServiceRequest, limits: OtlpLimits,
                   now: float) -> Export:
-    """Every `llm_request` span of one export, each checked alone; other spans are skipped.
-    `now` (epoch seconds) bounds start times."""
+    """Every `llm_request` span of one export, each checked alone; other spans are skipped."""
     found: list[TracedRequest] = []
     reasons: list[str] = []
     rejected = 0
@@ -139,10 +123,7 @@ def decode_export(message: ExportTraceServiceRequest, limits: OtlpLimits,
 
 
 class TraceCollector:
-    """Scores and keeps traced requests; safe to feed from the HTTP thread and read elsewhere.
-
-    `estimate` predicts each prefill; without it budget scores stay empty and say why.
-    """
+    """Scores and keeps traced requests; fed from the HTTP thread, read elsewhere."""
 
     def __init__(self, estimate: PrefillEstimate | None = None,
                  database: Database | None = None,
@@ -156,9 +137,9 @@ class TraceCollector:
         self.limits = limits or OtlpLimits()
         self.retention = retention or RetentionLimits()
         self.wall_clock = wall_clock
-        # entries are small and bounded: every string in one is capped by the limits
+        # small and bounded: every string in an entry is capped by the limits
         self.recent: deque[TracedRequest] = deque(maxlen=keep)
-        self.slow_counts: dict[str, int] = {}  # by source
+        self.slow_counts: dict[str, int] = {}
         self.received = 0
         self.rejected = 0
         self.lock = threading.Lock()
@@ -175,8 +156,7 @@ class TraceCollector:
         return self.take(parse_export(body, self.limits))
 
     def take(self, message: ExportTraceServiceRequest) -> Export:
-        """Check, score and keep one parsed export; a bad span is rejected alone and
-        counted in the answer."""
+        """Check, score and keep one parsed export; a bad span is rejected alone."""
         now = self.wall_clock()
         export = decode_export(message, self.limits, now)
         scored = [self.score(traced) for traced in export.requests]
@@ -197,30 +177,26 @@ class TraceCollector:
         if self.estimate is None or traced.prefill_s is None or traced.prompt_tokens <= 0:
             return traced
         predicted = self.estimate.predict(StepShape(prefill=((traced.prompt_tokens, 0),)))
-        if not (math.isfinite(predicted) and predicted > 0):  # no estimate to divide by
+        if not (math.isfinite(predicted) and predicted > 0):
             return traced
         return dataclasses.replace(traced, predicted_prefill_s=predicted,
                                    budget_score=traced.prefill_s / predicted,
                                    estimate=self.estimate.name)
 
     def wait_for(self, count: int, timeout: float | None = None) -> bool:
-        """Block until `count` traced requests have arrived in all (for tests and tools)."""
         with self.arrived:
             return self.arrived.wait_for(lambda: self.received >= count, timeout)
 
     def request_views(self, source: str | None = None) -> tuple[RequestView, ...]:
-        """Recent traced requests (of one source, or all), newest first."""
         with self.lock:
             rows = [t for t in self.recent if source is None or t.source == source]
         return tuple(t.view() for t in reversed(rows))
 
     def slow_total(self, source: str | None = None) -> int:
-        """Slow queries traced since start (of one source, or all)."""
         with self.lock:
             return self.slow_counts.get(source, 0) if source else sum(self.slow_counts.values())
 
     def slow_queries(self, source: str | None = None, limit: int = 500) -> list[SlowQueryRecord]:
-        """Traced slow queries from the store, newest first (none without a store)."""
         if self.database is None:
             return []
         query = select(SlowQueryRow).where(SlowQueryRow.source.is_not(None))
@@ -231,8 +207,7 @@ class TraceCollector:
             return [SlowQueryRecord.from_row(row) for row in session.scalars(query)]
 
     def drift(self, source: str | None = None) -> list[TracedDriftPoint]:
-        """Measured/predicted prefill ratio over time from the stored traced requests (of one
-        source, or all), oldest first; none without a store."""
+        """Measured/predicted prefill ratio over time (one source, or all); none without a store."""
         if self.database is None:
             return []
         with self.database.session() as session:
@@ -257,9 +232,7 @@ class TraceCollector:
 def create_otlp_app(collector: TraceCollector, *, token: str | None,
                     allowed_hosts: Iterable[str],
                     clock: Callable[[], float] = time.monotonic) -> Starlette:
-    """POST /v1/traces, as an OTLP/HTTP receiver answers it (protobuf only), behind the Host
-    allow-list; `token` is the bearer token exporters must send (None: anyone may post,
-    which only --otlp-insecure asks for). `clock` paces each client's rate."""
+    """POST /v1/traces (protobuf only), behind the Host allow-list and bearer `token`."""
     limits = collector.limits
     rates = RateLimiter(limits.rate, clock)
 
@@ -299,8 +272,7 @@ GRPC_CODES = {400: 3, 401: 16, 408: 4, 413: 8, 415: 3, 429: 8}
 
 
 async def _status_response(_request: Request, exc: Exception) -> Response:
-    """An error as OTLP/HTTP answers one: a protobuf google.rpc.Status (code 1, message 2),
-    written by hand as the two fields it holds."""
+    """An error as OTLP/HTTP answers one: a google.rpc.Status protobuf, written by hand."""
     assert isinstance(exc, ApiError)
     message = exc.message.encode()
     body = (b"\x08" + _varint(GRPC_CODES.get(exc.status, 2))

@@ -1,10 +1,4 @@
-"""What the trace receiver accepts: body sizes, span counts, rates and the range of every
-figure a span may carry, and the streaming gunzip that holds the decoded size to its cap.
-
-The caps are set for an exporter's batches (the OpenTelemetry SDK sends at most 512 spans
-per export by default; a vLLM span is under 1 KB), with room to spare; anything beyond them
-is an attack or a misconfiguration, refused with a message that names the cap.
-"""
+"""What the trace receiver accepts (sizes, counts, rates, ranges), and a capped streaming gunzip."""
 
 from __future__ import annotations
 
@@ -21,16 +15,16 @@ GZIP = "gzip"
 
 @dataclass(frozen=True)
 class OtlpLimits:
-    max_body_bytes: int = 4 << 20  # on the wire, compressed or not
-    max_export_bytes: int = 8 << 20  # the decoded protobuf, after gunzip
-    max_spans: int = 4096  # request spans per export
-    body_timeout_s: float = 10.0  # the whole body must arrive within this
+    max_body_bytes: int = 4 << 20
+    max_export_bytes: int = 8 << 20
+    max_spans: int = 4096
+    body_timeout_s: float = 10.0
     rate: Rate = field(default_factory=lambda: Rate(per_second=2000.0, burst=20_000.0))
-    max_text: int = 128  # characters of an id or a service name (the narrowest store column)
-    max_tokens: int = 1 << 24  # prompt or completion tokens of one request
-    max_seconds: float = 86_400.0  # any latency of one request
-    future_s: float = 86_400.0  # how far ahead of this clock a start time may be (skew)
-    earliest: float = 946_684_800.0  # 2000-01-01: no span starts before it
+    max_text: int = 128
+    max_tokens: int = 1 << 24
+    max_seconds: float = 86_400.0
+    future_s: float = 86_400.0
+    earliest: float = 946_684_800.0
 
     def __post_init__(self) -> None:
         for item in fields(self):
@@ -43,9 +37,7 @@ class OtlpLimits:
 
 
 def decoded_body(body: bytes, encoding: str, limits: OtlpLimits) -> bytes:
-    """The export's protobuf bytes: `body` as sent, or gunzipped (Content-Encoding is
-    case-insensitive); 413 past `max_export_bytes`, 400 for a broken gzip stream, 415 for an
-    encoding OTLP does not use."""
+    """The export's protobuf bytes, gunzipped if sent so; 413 past the cap, else 400/415."""
     encoding = encoding.strip().lower()
     if encoding in IDENTITY:
         if len(body) > limits.max_export_bytes:
@@ -58,8 +50,7 @@ def decoded_body(body: bytes, encoding: str, limits: OtlpLimits) -> bytes:
 
 
 def _gunzip(body: bytes, limits: OtlpLimits) -> bytes:
-    # zlib, not gzip.decompress: max_length stops inflating at the cap, so a bomb costs the
-    # cap and no more. A gzip file may hold several members, one after another.
+    # zlib with max_length stops inflating at the cap, so a bomb costs the cap and no more.
     out = bytearray()
     rest = body
     try:

@@ -1,9 +1,4 @@
-"""One traced request: what a vLLM `llm_request` span says about it, checked at the edge.
-
-Every figure is checked before it is believed: counts are integers in range, latencies
-finite and in range, the start time sane, ids and service names short text without control
-characters. A span that fails is rejected alone, with the reason; its neighbours are kept.
-"""
+"""One traced request: what a vLLM `llm_request` span says, each figure checked at the edge."""
 
 from __future__ import annotations
 
@@ -18,7 +13,7 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from engine.serve.otlp_limits import OtlpLimits
 from engine.snapshot import RequestView
 
-REQUEST_SPAN = "llm_request"  # vLLM's span per request; start-up spans carry other names
+REQUEST_SPAN = "llm_request"
 UNKNOWN_SERVICE = "unknown_service"
 
 # vLLM's span attributes (vllm/tracing/utils.py SpanAttributes)
@@ -39,9 +34,9 @@ class SpanRejected(ValueError):
 
 @dataclass(frozen=True)
 class TracedRequest:
-    source: str  # the span's service.name (OTEL_SERVICE_NAME on the server)
+    source: str
     request_id: str
-    started_at: float  # epoch seconds: when the server received the request
+    started_at: float
     prompt_tokens: int
     completion_tokens: int
     queue_s: float | None
@@ -49,12 +44,11 @@ class TracedRequest:
     prefill_s: float | None
     decode_s: float | None
     e2e_s: float | None
-    predicted_prefill_s: float | None = None  # None without a model shape
+    predicted_prefill_s: float | None = None
     budget_score: float | None = None
-    estimate: str | None = None  # PrefillEstimate.name of the prediction
+    estimate: str | None = None
 
     def view(self) -> RequestView:
-        """A finished row of the Requests table (a span arrives when its request is done)."""
         def ms(seconds: float | None) -> float | None:
             return None if seconds is None else seconds * 1000.0
 
@@ -77,8 +71,7 @@ def service_name(resource_attributes: Iterable[KeyValue], limits: OtlpLimits) ->
 
 
 def traced_request(source: str, span: Span, limits: OtlpLimits, now: float) -> TracedRequest:
-    """The request one `llm_request` span describes; SpanRejected names the first bad field.
-    `now` (epoch seconds) bounds the start time from above."""
+    """The request one `llm_request` span describes; SpanRejected names the first bad field."""
     attrs = attributes(span.attributes)
     started_at = span.start_time_unix_nano / 1e9
     if not limits.earliest <= started_at <= now + limits.future_s:
@@ -126,7 +119,7 @@ def _value(value: AnyValue) -> object:
 
 
 def _number(value: object, key: str) -> float:
-    # bool is an int to Python, not a figure; a string is never silently read as one
+    # bool is an int to Python, not a figure; a string is never read as one
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise SpanRejected(f"{key} is a {type(value).__name__}, not a number")
     number = float(value)

@@ -1,11 +1,4 @@
-"""GET /metrics: the Prometheus text format, with vLLM's names under the `tokenflow_` prefix.
-
-Where vLLM has a metric of the same meaning we use its name, type and histogram buckets
-(engine.ops.metrics), so a vLLM panel reads tokenflow by swapping the prefix; the chunk queue,
-cache pressure, bandwidth, budget score, mode, C* and pauses are ours. Every sample carries
-`model_name`. Names follow Prometheus's conventions (`promtool check metrics` passes): an
-underscore prefix (colons are for recording rules) and `_total` on counters alone.
-"""
+"""GET /metrics: Prometheus text, vLLM's names, types and buckets under the `tokenflow_` prefix."""
 
 from __future__ import annotations
 
@@ -32,7 +25,7 @@ def render_metrics(engine: Engine, snapshot: Snapshot, health: LoopHealth | None
         out.append(f"{PREFIX}{name}{{{labels}}} {float(value)!r}")
 
     def counter(name: str, help_text: str, value: float) -> None:
-        out.extend(_header(f"{name}_total", help_text, "counter"))  # as prometheus_client does
+        out.extend(_header(f"{name}_total", help_text, "counter"))
         out.append(f"{PREFIX}{name}_total{{{labels}}} {float(value)!r}")
 
     def histogram(name: str, help_text: str, h: Histogram) -> None:
@@ -96,7 +89,6 @@ def render_metrics(engine: Engine, snapshot: Snapshot, health: LoopHealth | None
 
 
 def _request_families(requests: RequestStats, labels: str) -> list[str]:
-    """vLLM's per-request families, under its names and meanings."""
     out = _header("request_success_total", "Finished requests, by finish reason.", "counter")
     for reason in ("stop", "length", "abort", *sorted(set(requests.success)
                                                     - {"stop", "length", "abort"})):

@@ -1,11 +1,4 @@
-"""What every endpoint shares: bounded JSON bodies, typed request models, OpenAI-shaped errors.
-
-A body is refused before any handler sees it unless it is JSON (by Content-Type too, so a
-web page cannot post it as a "simple" cross-site request), arrives within the read timeout,
-fits the size limit, nests at most `max_depth` deep and holds only valid Unicode text. The
-request models then check types field by field (pydantic, as vLLM's OpenAI server does);
-value ranges live with the contracts they guard (SamplingParams, EngineConfig).
-"""
+"""What every endpoint shares: bounded JSON bodies, typed request models, OpenAI-shaped errors."""
 
 from __future__ import annotations
 
@@ -61,13 +54,12 @@ async def api_error_handler(_request: Request, exc: Exception) -> Response:
 @dataclass(frozen=True)
 class BodyLimits:
     max_bytes: int = 1 << 20
-    read_timeout_s: float = 10.0  # a client that declares more than it sends is cut off
+    read_timeout_s: float = 10.0
     max_depth: int = 32  # OpenAI bodies nest 3 deep; 100,000 would exhaust the parser's stack
 
 
 async def read_json(request: Request, limits: BodyLimits) -> Any:
-    """The request body as JSON: 415 unless JSON, 408 past the read timeout, 413 past
-    `max_bytes` (checked while reading), 400 if malformed, too deep or not valid Unicode."""
+    """The body as JSON: 415 not JSON, 408 late, 413 too large, 400 malformed or too deep."""
     media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if media_type != JSON_TYPE:
         raise ApiError(415, f"send the body as JSON with 'Content-Type: {JSON_TYPE}'"
@@ -88,8 +80,7 @@ async def read_json(request: Request, limits: BodyLimits) -> Any:
 
 async def read_body(request: Request, max_bytes: int, timeout_s: float,
                     too_large: ApiError) -> bytes:
-    """The raw body, raising `too_large` past `max_bytes` (checked while reading, so a bomb
-    is never held whole) and 408 when it has not all arrived within `timeout_s`."""
+    """The raw body, refused while reading past `max_bytes` (a bomb is never held whole) or late."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise too_large
@@ -108,8 +99,7 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float,
 
 
 def _check_tree(data: Any, limits: BodyLimits) -> None:
-    """Depth and Unicode of every value and key, naming the first bad one's path (no
-    recursion: the tree's depth is what is being checked)."""
+    """Depth and Unicode of every value and key, without recursion (depth is what is checked)."""
     stack: list[tuple[Any, str, int]] = [(data, "", 0)]
     while stack:
         value, path, depth = stack.pop()
@@ -130,8 +120,7 @@ def _check_tree(data: Any, limits: BodyLimits) -> None:
 def _check_text(text: str, where: str) -> None:
     try:
         text.encode("utf-8")
-    except UnicodeEncodeError:  # JSON's \ud800 escapes decode to lone surrogates
-        # `where` is printable: a key is checked before the path below it is built
+    except UnicodeEncodeError:
         raise ApiError(400, f"'{where}' is not valid Unicode (it holds a lone surrogate); "
                             "send UTF-8 text", param=where) from None
 
@@ -145,7 +134,7 @@ def _too_deep(limits: BodyLimits, where: str) -> ApiError:
 NonEmpty = Field(min_length=1)
 Prompt = (StrictStr | Annotated[list[StrictInt], NonEmpty] | Annotated[list[StrictStr], NonEmpty]
           | Annotated[list[Annotated[list[StrictInt], NonEmpty]], NonEmpty])
-Number = StrictFloat  # takes ints too; ranges and finiteness: SamplingParams
+Number = StrictFloat
 # OpenAI fields we do not implement, with the values that mean "not used".
 Unused = Literal[None, "", False] | Annotated[list[Any], Field(max_length=0)]
 UNSUPPORTED = "is not supported by tokenflow; leave it out"
@@ -177,13 +166,11 @@ HINTS = {
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
     include_usage: StrictBool | None = None
-    # vLLM's: with include_usage, every chunk also carries its choice's usage so far
     continuous_usage_stats: StrictBool | None = None
 
 
 class SamplingFields(BaseModel):
-    """What completions and chat share: vLLM's sampling fields. Unknown fields are ignored,
-    as OpenAI's own server does; JSON null means "the default"."""
+    """vLLM's sampling fields; unknown fields are ignored, JSON null means "the default"."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
     model: StrictStr | None = None
@@ -204,7 +191,7 @@ class SamplingFields(BaseModel):
     n: StrictInt | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
-    prompt_logprobs: StrictInt | None = None  # vLLM's: the prompt's tokens scored, top N
+    prompt_logprobs: StrictInt | None = None
     # vLLM extensions tokenflow does not implement, refused rather than ignored
     min_tokens: Literal[None, 0] = None
     allowed_token_ids: Unused = None
@@ -221,7 +208,6 @@ class SamplingFields(BaseModel):
 
 
 class CompletionBody(SamplingFields):
-    """POST /v1/completions."""
 
     prompt: Prompt
     logprobs: StrictInt | None = None
@@ -230,7 +216,6 @@ class CompletionBody(SamplingFields):
     suffix: Unused = None
 
     def prompts(self) -> list[str | list[int]]:
-        """The prompts, one choice (or n) each: a single prompt is a list of one."""
         prompt = self.prompt
         if isinstance(prompt, list) and isinstance(prompt[0], str | list):
             return list(prompt)  # type: ignore[arg-type]
@@ -273,7 +258,7 @@ class ChatBody(SamplingFields):
     tool_choice: Literal[None, "none"] = None
     function_call: Literal[None, "none"] = None
     response_format: TextFormat | None = None
-    echo: Literal[None, False] = None  # vLLM's chat echo of the last message
+    echo: Literal[None, False] = None
 
 
 class TokenizeBody(BaseModel):
@@ -284,7 +269,7 @@ class TokenizeBody(BaseModel):
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: StrictBool | None = None
-    add_special_tokens: Literal[None, False] = None  # completions add none either
+    add_special_tokens: Literal[None, False] = None
 
 
 class DetokenizeBody(BaseModel):
@@ -294,10 +279,7 @@ class DetokenizeBody(BaseModel):
 
 
 def _live_field_model() -> type[BaseModel]:
-    """PATCH /v1/admin/config's types, from EngineConfig's live fields: JSON values of the
-    wrong type get 422 naming the field before EngineConfig.replace sees them. Scalars stay
-    lax ("512", "yes" are accepted, as forms send them); dict values must be numbers. Other
-    names pass through for EngineConfig.replace to name as unknown or fixed."""
+    """PATCH /v1/admin/config's types from EngineConfig's live fields: wrong types get 422."""
     finite = Field(allow_inf_nan=False)
     types: dict[str, Any] = {
         "int": Annotated[int, Field(ge=-INT64_MAX - 1, le=INT64_MAX)],
@@ -316,7 +298,6 @@ ConfigPatch = _live_field_model()
 
 
 def parse_model(model: type[M], data: Any, status: int = 400) -> M:
-    """`data` as `model`; the first failure becomes an ApiError naming its field."""
     try:
         return model.model_validate(data)
     except PydanticValidationError as exc:

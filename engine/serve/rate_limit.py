@@ -1,10 +1,4 @@
-"""Token buckets per client: how much each source may send, refilled with time.
-
-A source may spend `burst` at once and `per_second` after that. The clock is an argument, so
-the refill is exact across any gap (a long idle gap refills to `burst`, never beyond), and the
-number of sources remembered is bounded (memory, not fairness): the least recently seen is
-forgotten first and comes back with a full bucket, as after a quiet spell.
-"""
+"""Token buckets per client, refilled on an injected clock; the least recent is forgotten first."""
 
 from __future__ import annotations
 
@@ -34,17 +28,15 @@ class RateLimiter:
         self.rate = rate
         self.clock = clock
         self.max_sources = max_sources
-        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()  # tokens, at
+        self._buckets: OrderedDict[str, tuple[float, float]] = OrderedDict()
         self._lock = threading.Lock()
 
     def available(self, source: str) -> float:
-        """What `source` may spend now."""
         with self._lock:
             return self._refilled(source, self.clock())
 
     def spend(self, source: str, cost: float) -> float:
-        """Spend `cost` and return 0.0, or spend nothing and return the seconds until `cost`
-        is there (infinite when it is more than a full bucket)."""
+        """Spend `cost` and return 0.0, or spend nothing and return the wait until it is there."""
         with self._lock:
             now = self.clock()
             tokens = self._refilled(source, now)

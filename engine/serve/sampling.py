@@ -1,10 +1,4 @@
-"""From an HTTP body's sampling fields to SamplingParams, with vLLM's defaults.
-
-The HTTP layer samples at temperature 1.0 unless the model directory's
-`generation_config.json` says otherwise (vLLM's `--generation-config auto`: it supplies
-temperature, top_p, top_k, min_p and repetition_penalty defaults, and max_new_tokens as the
-default max_tokens). The Python API keeps its own default, greedy.
-"""
+"""From an HTTP body's sampling fields to SamplingParams, with vLLM's defaults."""
 
 from __future__ import annotations
 
@@ -17,7 +11,7 @@ from typing import Any
 from engine.config import ConfigError, SamplingParams
 from engine.serve.protocol import ApiError, SamplingFields
 
-DEFAULT_MAX_TOKENS = 16  # vLLM's (and OpenAI's) for completions
+DEFAULT_MAX_TOKENS = 16
 # generation_config.json keys vLLM takes as request defaults, by SamplingParams field
 GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                    "min_p": "min_p", "repetition_penalty": "repetition_penalty",
@@ -31,25 +25,24 @@ class SamplingDefaults:
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
-    max_tokens: int | None = None  # None: completions 16, chat what the context leaves
+    max_tokens: int | None = None
 
 
 def load_defaults(model: str) -> SamplingDefaults:
-    """The defaults for `model`: its directory's generation_config.json over vLLM's own;
-    a synthetic model (no directory) or a directory without the file gets vLLM's own."""
+    """The defaults for `model`: its generation_config.json over vLLM's own, when there is one."""
     path = Path(model).expanduser() / "generation_config.json"
     if not path.is_file():
         return SamplingDefaults()
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return SamplingDefaults()  # transformers, too, serves without a readable one
+        return SamplingDefaults()
     values: dict[str, Any] = {}
     for key, name in GENERATION_KEYS.items():
         value = data.get(key) if isinstance(data, dict) else None
         if isinstance(value, int | float) and not isinstance(value, bool):
             values[name] = value
-    if "top_k" in values:  # transformers' "off" is 0 or the vocabulary, ours is 0
+    if "top_k" in values:
         values["top_k"] = max(0, int(values["top_k"]))
     if "max_tokens" in values:
         values["max_tokens"] = int(values["max_tokens"])
@@ -59,8 +52,7 @@ def load_defaults(model: str) -> SamplingDefaults:
 def sampling_params(body: SamplingFields, defaults: SamplingDefaults, vocab_size: int, *,
                     max_tokens: int | None, logprobs: int | None = None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
-    """SamplingParams of `body` (one choice: n and seeds are the caller's); ApiError(400)
-    names the offending field."""
+    """SamplingParams of one choice of `body`; ApiError(400) names the offending field."""
     given = {name: value for name in ("temperature", "top_p", "top_k", "min_p",
                                       "repetition_penalty", "presence_penalty",
                                       "frequency_penalty", "ignore_eos",

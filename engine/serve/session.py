@@ -1,18 +1,4 @@
-"""An engine with its store, started and stopped in one order: `tokenflow run`, `serve`,
-`bench` and the console's embedded source all go through `EngineSession`.
-
-Start: the store first (a bad --db, or a store another process journals to, fails before
-the model loads: a journaling session is the store's one writer), then the engine, the
-newest stored calibration for its model and device, and the journal writer (subscribed
-before anything is resumed or submitted, so every request is journaled). With no stored
-calibration a quick first one runs before anything is served (seconds; its progress is
-CalibrationProgress events on the engine's bus, delivered to `observers`), and is stored:
-until an engine is calibrated it gives no budget_score, C* or slow query (issue 16). What a
-killed run left is resumed by an explicit `resume_unfinished` call, once the caller has
-checked its own input, so a bad flag never consumes the journal. Stop (`close`, or leaving
-the `with`): the loop thread, then the writer (it commits what is queued), then the
-database.
-"""
+"""An engine with its store, started and stopped in one order (run, serve, bench, console)."""
 
 from __future__ import annotations
 
@@ -36,17 +22,17 @@ from engine.sim.executor import PacedClock, Simulation, simulated_engine
 from engine.sim.target import resolve_target
 from engine.store import CalibrationRecord, Commit, Database, StoreWriter, open_database
 
-FLUSH_TIMEOUT_S = 10.0  # a restart waits this long for the journal to catch up
+FLUSH_TIMEOUT_S = 10.0
 
 
 @dataclass
 class EngineSession:
     engine: Engine
-    database: Database | None  # None: no store (--no-db)
-    writer: StoreWriter | None  # None: no store, or the store is only read (bench)
-    calibration: CalibrationRecord | None  # the stored calibration now applied, if any
+    database: Database | None
+    writer: StoreWriter | None
+    calibration: CalibrationRecord | None
     loop: EngineLoop | None = None
-    first_calibration: CalibrationResult | None = None  # the one run at start, if any
+    first_calibration: CalibrationResult | None = None
 
     @classmethod
     def start(cls, config: EngineConfig, *, db: str | Path | None = None, store: bool = True,
@@ -55,14 +41,7 @@ class EngineSession:
               observers: Sequence[Subscriber] = (),
               on_commit: Callable[[Commit], None] | None = None,
               simulate: Simulation | None = None) -> EngineSession:
-        """Open the store at `db` (default path when None; none at all without `store`) to
-        write as `server` (default: this host),
-        build the engine, subscribe `observers` to its bus, apply the stored calibration
-        (or, with `calibrate`, run and store a first one) and, with `journal`, start the
-        journal writer (`on_commit` hears each commit). The store is closed again if the
-        engine cannot be built. `simulate` builds the GPU twin instead, paced to the wall
-        clock, its step times from the simulation's target (which may read a calibration
-        from the store); its own first calibration, on its simulated steps, is not stored."""
+        """Open the store, build the engine, apply or run a calibration, start the journal."""
         database = open_database(db, server=server) if store else None
         try:
             if database is not None and journal:
@@ -95,20 +74,17 @@ class EngineSession:
         return cls(engine, database, writer, calibration, first_calibration=first)
 
     def resume_unfinished(self, skip: Set[str] = frozenset()) -> Resumption:
-        """Re-add what the journal holds unfinished (crash recovery, pitfall 12), except
-        `skip`; what was resumed, quarantined or refused. Nothing without a store."""
+        """Re-add what the journal holds unfinished, except `skip`; nothing without a store."""
         if self.database is None:
             return Resumption((), (), ())
         return resume_unfinished(self.engine, self.database, skip=frozenset(skip))
 
     def abort_orphans(self) -> tuple[str, ...]:
-        """Close what a killed server had in flight as aborted (its clients are gone); the
-        ids closed. Nothing without a store."""
+        """Close what a killed server had in flight as aborted (its clients are gone); the ids."""
         return () if self.database is None else abort_orphans(self.database)
 
     def attach_loop(self) -> EngineLoop:
-        """The engine's loop thread, not started: subscribe observers, then `start()` it.
-        `close` stops it before anything else."""
+        """The engine's loop thread, not started: subscribe observers, then `start()` it."""
         if self.loop is not None:
             raise RuntimeError("this session already has an engine loop")
         self.loop = EngineLoop(self.engine,
@@ -117,8 +93,7 @@ class EngineSession:
         return self.loop
 
     def _resume_after_fault(self, engine: Engine) -> Resumption:
-        """The loop's restart: once the writer has committed everything the engine
-        published, what the journal holds unfinished is what was accepted."""
+        """The loop's restart: what the journal holds unfinished, once the writer has caught up."""
         assert self.writer is not None and self.database is not None
         if not self.writer.flush(timeout=FLUSH_TIMEOUT_S):
             raise TimeoutError(f"the journal writer did not commit within {FLUSH_TIMEOUT_S} s")

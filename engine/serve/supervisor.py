@@ -1,12 +1,4 @@
-"""The engine loop's supervisor: when to restart an engine whose step raised, and when to stop.
-
-An exception that escapes a step is no single request's fault (those are failed alone inside
-the step). The engine restarts from its journal; the requests of the step that raised are
-retried once, and fail with the cause if a second failed step held them (a request that
-breaks every step it is in must not take the server down with it). `max_faults` faults
-within `window_s` on the engine's clock are a crash loop: the engine stops for good, with an
-error naming where the last traceback was raised.
-"""
+"""The engine loop's supervisor: when to restart an engine whose step raised, and when to stop."""
 
 from __future__ import annotations
 
@@ -19,9 +11,9 @@ from engine.clock import Clock
 from engine.config import ConfigError
 from engine.errors import EngineError
 
-MAX_FAULTS = 3  # this many faults ...
-FAULT_WINDOW_S = 60.0  # ... within this many seconds stop the engine
-STRIKES = 2  # a request in this many failed steps fails with the cause
+MAX_FAULTS = 3
+FAULT_WINDOW_S = 60.0
+STRIKES = 2
 
 
 @dataclass(frozen=True)
@@ -29,8 +21,8 @@ class Fault:
     """One exception that escaped a step."""
 
     ts: float
-    error: str  # repr() of the exception
-    place: str  # file:line in function, the innermost frame of its traceback
+    error: str
+    place: str
     traceback: str
 
     @classmethod
@@ -64,11 +56,10 @@ class Supervisor:
         self.last: Fault | None = None
         self.stopped: EngineStopped | None = None
         self._recent: deque[float] = deque(maxlen=max_faults)
-        self._struck: dict[str, int] = {}  # request id -> failed steps that held it
+        self._struck: dict[str, int] = {}
 
     def judge(self, exc: BaseException) -> Fault:
-        """Note a fault; `stopped` is set when it completes a crash loop, else it counts as
-        a restart."""
+        """Note a fault; `stopped` is set when it completes a crash loop."""
         fault = self.last = Fault.of(exc, self.clock())
         self._recent.append(fault.ts)
         if (len(self._recent) == self.max_faults
@@ -79,8 +70,7 @@ class Supervisor:
         return fault
 
     def struck_out(self, in_step: Iterable[str], live: Iterable[str]) -> set[str]:
-        """Count a strike against each request of the failed step; those at `strikes` fail,
-        the rest are retried. Requests no longer live are forgotten."""
+        """Strike each request of the failed step; those at `strikes` fail, the rest are retried."""
         alive = set(live)
         self._struck = {rid: n for rid, n in self._struck.items() if rid in alive}
         out = set()

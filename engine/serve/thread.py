@@ -1,8 +1,4 @@
-"""A uvicorn server on a background thread, for tests and benchmarks on loopback.
-
-The listening socket is bound and listening before the thread starts, so clients may connect
-at once (the kernel queues them) and nobody has to wait for the server to come up.
-"""
+"""A uvicorn server on a background thread, listening before it starts (tests, benchmarks)."""
 
 from __future__ import annotations
 
