@@ -1,18 +1,4 @@
-"""The token-budget calibrator: time real steps on this device, fit the step-time predictor.
-
-A sweep runs the engine's own model runner on packed batches of chosen shapes: prefill chunks
-× the context already cached before them, decode batches × context, and a few mixed steps
-like the ones the scheduler builds. Every shape is run `warmup` times untimed (seed 000
-pitfall 9: cold kernels, allocator and caches make the first runs up to 3× slower), then
-`repeats` times timed; the mean is reported as the seed asks and the median is what the fit
-uses, since on a shared CPU one run in twenty can lose its core to another process. Each timed
-run is the last of `burst` steps of its shape back to back, as a served run's steps follow
-steps like them. A quarter of the shapes is held out of the fit and the predictor's error on
-them is the figure of merit.
-
-A calibration advances one unit (the KV probe, then one shape) per `advance()`, so an engine
-loop can serve steps between units; `calibrate()` runs one to the end.
-"""
+"""The token-budget calibrator: time real steps on this device, fit the step-time predictor."""
 
 from __future__ import annotations
 
@@ -53,21 +39,18 @@ from engine.store import (
 )
 
 Progress = Callable[[float, str], None]  # fraction done in [0, 1], what is happening now
-HELD_OUT_SEED = 0  # which quarter of each kind's shapes is held out of the fit
+HELD_OUT_SEED = 0
 
 
 @dataclass(frozen=True)
 class Probe:
-    """One step shape to time: `chunks` prefill chunks (of different requests) of `chunk`
-    tokens after `chunk_context` cached ones, and `decode_seqs` decodes with `decode_context`
-    cached tokens each."""
+    """One step shape: `chunks` prefill chunks of `chunk` after `chunk_context`, and decodes."""
 
     chunk: int = 0
     chunk_context: int = 0
     decode_seqs: int = 0
     decode_context: int = 0
-    # several chunks in one step (short prompts arriving together) tell the per-chunk cost
-    # apart from the per-step one, which single-chunk steps alone cannot
+    # several chunks in one step tell the per-chunk cost apart from the per-step one
     chunks: int = 1
 
     @property
@@ -90,13 +73,7 @@ class SweepPlan:
     mixed: tuple[Probe, ...]
     warmup: int = 5
     repeats: int = 20
-    # A small decode step right after a step of another shape ran 8-12% slower on a CPU than
-    # the next one of its own shape (the other step evicted the weights it streams from the
-    # last-level cache), while served decodes follow decodes. The second of a burst was
-    # still 4-7% slower than later ones (synthetic:small, one decode after a 512-token
-    # prefill: 12.2, 11.3, 10.8, 10.8, then 10.4-10.7 ms), and served decode steps ran 6-16%
-    # under a sweep that timed the second; timing the fourth brought them within 4%.
-    # Prefill steps barely differ.
+    # Time the last of a burst of like steps: served steps follow steps like them (cache state).
     burst: int = 4
 
     def probes(self) -> list[Probe]:
@@ -107,12 +84,7 @@ class SweepPlan:
                 + list(self.mixed))
 
 
-# CPU shapes stay within a 20M-parameter model's reach (~1-2 ms per token); the GPU ones
-# reach the chunk sizes and batches where an 8B model turns compute bound. --quick keeps the
-# 5 warm-up runs of pitfall 9 and takes the median of 5 timed runs instead of 20.
-# The full CPU sweep times every decode count to 9, where served steps mostly are: our CPU
-# GEMM's cost steps with its 8-row passes, so the line is fitted where it is used most
-# (figures in the README's GPU twin section).
+# CPU shapes suit a 20M-parameter model; GPU ones reach where an 8B model turns compute bound.
 PLANS: dict[tuple[str, bool], SweepPlan] = {
     ("cpu", True): SweepPlan(
         prefill_chunks=(16, 32, 64, 128, 256), prefill_contexts=(0, 512),
@@ -147,10 +119,7 @@ PLANS: dict[tuple[str, bool], SweepPlan] = {
         warmup=5, repeats=20),
 }
 
-# The first calibration at start (issue 16): seconds, not minutes, so the engine gives
-# verdicts soon. Every feature of the predictor is still covered (one-token decodes for the
-# fixed per-step overhead, multi-token steps, prefill pairs, decode context), with fewer
-# shapes, warm-ups and repeats; the drift monitor refines it later if it is off.
+# The first calibration at start: seconds, not minutes, still covering every predictor feature.
 FIRST_PLANS: dict[str, SweepPlan] = {
     "cpu": SweepPlan(
         prefill_chunks=(16, 64, 256), prefill_contexts=(0, 512),
@@ -167,8 +136,7 @@ FIRST_PLANS: dict[str, SweepPlan] = {
 }
 FIRST_REASON = "first calibration at start"
 
-# The fixed shapes on which two predictors are compared for drift: small enough for any
-# model the engine runs, spread over the prefill, decode and mixed terms.
+# Fixed shapes two predictors are compared on for drift: prefill, decode and mixed terms.
 REFERENCE_SHAPES = (
     StepShape(prefill=((32, 0),)), StepShape(prefill=((128, 0),)),
     StepShape(prefill=((256, 0),)), StepShape(prefill=((128, 1024),)),
@@ -195,13 +163,13 @@ def _kind(device: torch.device) -> str:
 class KvProbe:
     """The KV pool allocated block by block until it refused one more."""
 
-    blocks: int  # blocks handed out (the free pool when the probe ran)
+    blocks: int
     total_blocks: int
     block_size: int
     capacity_tokens: int
     capacity_bytes: int
-    zero_s: float  # zeroing every probed block: a first-touch bandwidth figure
-    zero_bandwidth: float  # bytes/s
+    zero_s: float
+    zero_bandwidth: float
 
 
 @dataclass(frozen=True)
@@ -211,16 +179,16 @@ class CalibrationPoint:
     median_s: float
     min_s: float
     runs: int
-    flops: float  # the budget model's FLOPs for the step
+    flops: float
     bytes_moved: float
-    achieved_flops: float  # per second, over the median time
+    achieved_flops: float
     achieved_bandwidth: float
-    flops_utilization: float  # of the measured peaks
+    flops_utilization: float
     bandwidth_utilization: float
     predicted_s: float
     held_out: bool
-    nvml_memory_busy: float | None  # on a GPU: NVML's memory-controller busy share
-    dram_active: float | None = None  # on Hopper+: DCGM's DRAM-active share of peak bytes/s
+    nvml_memory_busy: float | None
+    dram_active: float | None = None
 
     @property
     def relative_error(self) -> float:
@@ -237,20 +205,17 @@ class CalibrationResult:
     model: str
     device: str
     dtype: str
-    created_at: float  # wall clock (time.time())
+    created_at: float
     wall_s: float
     quick: bool
     peaks: DevicePeaks
     kv: KvProbe
     points: tuple[CalibrationPoint, ...]
-    skipped: tuple[Probe, ...]  # shapes the KV pool or max_model_len could not hold
+    skipped: tuple[Probe, ...]
     predictor: StepTimePredictor
-    # what serving cost beyond the sweep (engine.harness.served), where a probe was served:
-    # `tokenflow calibrate` serves one; a live engine's sweeps do not
+    # what serving cost beyond the sweep (engine.harness.served), where a probe was served
     served: ServedCosts | None = None
-    # the same steps fitted in the GPU twin's per-operation form (engine.budget.operations)
-    # on the measured peaks: this device's efficiency factors, comparable with a GPU
-    # profile's, and that form's held-out errors beside the predictor's
+    # the same steps fitted in the twin's per-operation form (engine.budget.operations)
     operations: OperationsFit | None = None
 
     @property
@@ -280,14 +245,7 @@ class CalibrationResult:
 
 
 class Calibration:
-    """One sweep over `plan` on `engine`, a unit of work per `advance()`.
-
-    The timed runs are interleaved: after each shape's warm-up, pass after pass runs every
-    shape's burst once. Load from other processes comes and goes over seconds; a shape timed in one
-    sitting would read slow against the rest, while interleaved passes give every shape the
-    same mix of quiet and busy moments. Uses only free KV blocks, released after every run,
-    so it can run between the steps of a serving engine; it must run on the engine's thread.
-    """
+    """One sweep over `plan` on `engine`, a unit per `advance()`, timed passes interleaved."""
 
     def __init__(self, engine: Engine, plan: SweepPlan, *, quick: bool = False,
                  progress: Progress | None = None) -> None:
@@ -300,7 +258,7 @@ class Calibration:
         self.progress = progress
         self.probes = plan.probes()
         self._held_out = _held_out(self.probes)
-        self._batches: dict[Probe, Batch] = {}  # the shapes that fit
+        self._batches: dict[Probe, Batch] = {}
         self._times: dict[Probe, list[float]] = {}
         self._busy: dict[Probe, list[float]] = {}
         self._dram: dict[Probe, list[float]] = {}
@@ -356,7 +314,7 @@ class Calibration:
                 predicted_s=predictor.predict(shape), held_out=self._held_out[probe],
                 nvml_memory_busy=statistics.median(busy) if busy else None,
                 dram_active=statistics.median(dram) if dram else None))
-        assert self._kv is not None  # the first unit of every sweep
+        assert self._kv is not None
         operations = fit_operations(budget, peaks, fit, [
             (shape, statistics.median(times)) for probe, (shape, times) in timed.items()
             if self._held_out[probe]])
@@ -377,7 +335,7 @@ class Calibration:
         yield
         vocab = self.engine.model_config.vocab_size
         shapes = len(self.probes)
-        for index, probe in enumerate(self.probes, 1):  # "shape i/n": the console's splash
+        for index, probe in enumerate(self.probes, 1):
             self._report(done, f"warm-up, shape {index}/{shapes}: {_describe(probe)}")
             if probe.longest > self.engine.max_model_len:
                 self._skipped.append(probe)
@@ -432,8 +390,7 @@ class Calibration:
                        zero_bandwidth=granted * block_bytes / zero_s if zero_s > 0 else 0.0)
 
     def _run(self, batch: Batch, runs: int) -> float | None:
-        """Seconds of the last of `runs` steps of `batch`, its blocks held only meanwhile;
-        None if the free KV pool cannot hold them now."""
+        """Seconds of the last of `runs` steps of `batch`; None if the free KV cannot hold them."""
         chunks = batch.chunks
         blocks = self.engine.blocks
         needed = sum(blocks.blocks_for(c.start + c.num_tokens) for c in chunks)
@@ -454,9 +411,7 @@ class Calibration:
 
 @dataclass(frozen=True)
 class OperationsFit:
-    """Efficiency factors of the per-operation step price fitted on a sweep's steps against
-    the measured peaks (shares may pass 1: a small model's weights stay in a CPU's caches,
-    faster than the copy that measured the bandwidth), and the held-out relative errors."""
+    """Per-operation efficiency factors fitted on a sweep against measured peaks, with errors."""
 
     efficiency: OperationEfficiency
     heldout_errors: tuple[float, ...]
@@ -468,7 +423,6 @@ class OperationsFit:
                 "heldout_max_abs_error": max(errors) if errors else None}
 
 
-# Where a calibration's factors start: mid-range, no fixed cost.
 OPERATIONS_START = OperationEfficiency(gemm_flops=0.5, attention_flops=0.5, memory=0.5,
                                        elementwise=0.5, overlap=0.5, step_s=1e-3)
 
@@ -476,8 +430,7 @@ OPERATIONS_START = OperationEfficiency(gemm_flops=0.5, attention_flops=0.5, memo
 def fit_operations(model: BudgetModel, peaks: DevicePeaks,
                    fit: list[tuple[StepShape, list[float]]],
                    held_out: list[tuple[StepShape, float]]) -> OperationsFit:
-    """The per-operation form fitted on the median time of each `fit` shape (squared log
-    errors), judged on `held_out`. One device, so no all-reduce."""
+    """The per-operation form fitted on each `fit` shape's median time, judged on `held_out`."""
     medians = [(shape, statistics.median(times)) for shape, times in fit]
 
     def loss(efficiency: OperationEfficiency) -> float:
@@ -500,8 +453,7 @@ def calibrate(engine: Engine, *, quick: bool = False, plan: SweepPlan | None = N
 
 
 def compare(old: StepTimePredictor, new: StepTimePredictor) -> float:
-    """How far `new` is from `old`: the median over REFERENCE_SHAPES of new/old − 1 (a run
-    uniformly 20% slower gives +0.20)."""
+    """The median over REFERENCE_SHAPES of new/old − 1 (uniformly 20% slower: +0.20)."""
     ratios = [new.predict(s) / old.predict(s) for s in REFERENCE_SHAPES if old.predict(s) > 0]
     if not ratios:
         raise EngineError("the stored predictor predicts zero time for every reference shape; "
@@ -510,24 +462,17 @@ def compare(old: StepTimePredictor, new: StepTimePredictor) -> float:
 
 
 def apply(engine: Engine, predictor: StepTimePredictor) -> None:
-    """Budget prefill time with `predictor` and recommend C* from the calibrated peaks.
-
-    The scheduler reads `engine.predict` on every call and the snapshot takes its
-    recommended_chunk_size from `engine.budget.cost_model`, so both switch at the next step."""
+    """Budget prefill time with `predictor` and recommend C*; both switch at the next step."""
     engine.predict = predictor.predict
     engine.budget = predictor.budget_model(engine.model_config, engine.runner.bytes_per_element,
                                            engine.peaks)
-    engine.scheduler.calibrated = True  # budget_score and C* mean something from now on
+    engine.scheduler.calibrated = True
     engine.step_ratio.reset()
     engine.scheduler.step_scale = 1.0
 
 
 def first_calibration(engine: Engine, session: Session | None = None) -> CalibrationResult:
-    """The quick sweep at start (FIRST_PLANS), applied, and stored in `session` if given.
-
-    Its progress is published on the engine's bus as CalibrationProgress events (and
-    drained, so a subscriber sees each one as it happens); it runs on the calling thread,
-    before the engine serves."""
+    """The quick sweep at start (FIRST_PLANS), applied, stored in `session` if given."""
     def progress(fraction: float, note: str) -> None:
         engine.bus.publish(CalibrationProgress(fraction=fraction, note=note,
                                                reason=FIRST_REASON))
@@ -546,8 +491,7 @@ def first_calibration(engine: Engine, session: Session | None = None) -> Calibra
 # --- the store ---------------------------------------------------------------------------
 
 def save_result(session: Session, result: CalibrationResult, reason: str) -> int:
-    """Store the run, why it ran, its prefill table and its predictor; returns the run's
-    id."""
+    """Store the run, why it ran, its prefill table and its predictor; returns its id."""
     table = [BudgetPoint(p.probe.chunk, p.probe.chunk_context, p.median_s)
              for p in result.points if p.probe.kind == "prefill"]
     info = {k: v for k, v in result.to_dict().items() if k not in ("model", "device")}
@@ -556,8 +500,7 @@ def save_result(session: Session, result: CalibrationResult, reason: str) -> int
 
 
 def device_key(device: torch.device) -> str:
-    """The device a stored calibration is looked up by, across a fleet sharing one store:
-    the GPU's model on CUDA (every box calls its first GPU cuda:0), else the device."""
+    """The device a stored calibration is looked up by: the GPU's model on CUDA, else the device."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
 
 
@@ -570,13 +513,11 @@ def latest_for(session: Session, engine: Engine) -> CalibrationRecord | None:
 
 def latest_stored(session: Session, *, model: str, device: str,
                   dtype: str) -> CalibrationRecord | None:
-    """The newest stored calibration of `model` on `device` at `dtype`."""
     history = calibration_history(session, model=model, device=device)
     return next((r for r in history if r.info.get("dtype") == dtype), None)
 
 
 def apply_latest(engine: Engine, session: Session) -> CalibrationRecord | None:
-    """Apply the newest stored calibration for this engine, if there is one."""
     record = latest_for(session, engine)
     if record is not None:
         apply(engine, StepTimePredictor.from_dict(record.params))
@@ -585,7 +526,7 @@ def apply_latest(engine: Engine, session: Session) -> CalibrationRecord | None:
 
 # --- helpers -----------------------------------------------------------------------------
 
-_GREEDY = SamplingParams()  # probes sample greedily, the engine's default
+_GREEDY = SamplingParams()
 
 
 def _dummy_request(num_tokens: int, state: RequestState, vocab: int = 1) -> Request:
@@ -608,10 +549,7 @@ def _probe_batch(probe: Probe, vocab: int) -> Batch:
 
 
 def timed_step(engine: Engine, batch: Batch) -> float:
-    """Seconds of one forward pass plus sampling (`ModelRunner.run`), what the engine times as
-    a step; CUDA events on a GPU (they see the kernels, and the host-side preparation the GPU
-    waits through), the engine's own clock elsewhere (as its steps are timed; a test clock
-    makes a sweep exact)."""
+    """One forward pass plus sampling, timed as the engine times a step (CUDA events on a GPU)."""
     runner = engine.runner
     if runner.device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -631,7 +569,6 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _start_nvml(device: torch.device) -> NvmlBandwidth | None:
-    """NVML's memory-busy share as a cross-check of the achieved bytes/s, where there is one."""
     if device.type != "cuda" or not nvml_available():
         return None
     monitor = NvmlBandwidth(device_index=device.index or 0, interval_s=0.1)
@@ -643,8 +580,7 @@ def _start_nvml(device: torch.device) -> NvmlBandwidth | None:
 
 
 def _held_out(probes: list[Probe]) -> dict[Probe, bool]:
-    """A seeded random quarter (rounded up) of each kind's probes, never a kind's first or
-    last, so held-out shapes lie inside the fitted range rather than beyond it."""
+    """A seeded quarter of each kind's probes, never its first or last (inside the fit range)."""
     rng = random.Random(HELD_OUT_SEED)
     held = dict.fromkeys(probes, False)
     for kind in ("prefill", "decode", "mixed"):

@@ -1,13 +1,4 @@
-"""Protection layer 7: fault injection. Each scenario breaks one thing, checks that the engine
-recovers within a bound and that no accepted request is lost (seed 000 §6: all recover
-automatically, or the protection net has failed).
-
-recovery_ms runs from the end of the fault (or its detection, for a crash) to the first step
-that produced tokens again (for a crash: the first request the resumed run finished). A request
-is lost when it was accepted and never finished with the tokens an undisturbed run gives it;
-one a protection layer failed with a reason is retried, as a client would, and counts as lost
-only if the retries fail too.
-"""
+"""Fault injection: each scenario breaks one thing and checks recovery within a bound, no loss."""
 
 from __future__ import annotations
 
@@ -43,9 +34,9 @@ MODEL = "synthetic:tiny"
 KV_POOL_BYTES = 1 << 20  # 128 tiny blocks: small enough to run out, large enough to serve
 STEP_BUDGET = 32
 CHUNK_TILE = 8
-POLL_S = 0.01  # how often the crash scenario looks at the resumed process's output
-RETRIES = 3  # attempts a client makes for a request a protection layer failed
-SPIKE_UTIL = 0.99  # over bandwidth_pause: the throttle goes all the way to level 3
+POLL_S = 0.01
+RETRIES = 3
+SPIKE_UTIL = 0.99
 
 
 class ChaosError(EngineError):
@@ -80,10 +71,10 @@ class SuiteResult:
 
 @dataclass(frozen=True)
 class ChaosSettings:
-    requests: int  # requests in each scenario's workload
-    fault_s: float  # how long a fault lasts
-    bound_s: float  # recovery must come within this
-    crash_requests: int  # the crash scenario's workload (a separate process must be killed)
+    requests: int
+    fault_s: float
+    bound_s: float
+    crash_requests: int
 
 
 QUICK = ChaosSettings(requests=8, fault_s=0.3, bound_s=60.0, crash_requests=24)
@@ -100,7 +91,6 @@ def workload(count: int, seed: int, prefix: str) -> list[WorkloadRequest]:
 
 
 def chaos_engine(bandwidth: BandwidthSource | None = None, **changes: Any) -> Engine:
-    """A synthetic:tiny engine on CPU with a small KV pool; `changes` are live fields."""
     config = EngineConfig(model=MODEL, device="cpu", dtype="float32",
                           kv_cache_bytes=KV_POOL_BYTES, max_num_batched_tokens=STEP_BUDGET,
                           chunk_tile=CHUNK_TILE).replace(**changes)
@@ -108,7 +98,6 @@ def chaos_engine(bandwidth: BandwidthSource | None = None, **changes: Any) -> En
 
 
 def expected_outputs(requests: Sequence[WorkloadRequest]) -> dict[str, list[int]]:
-    """What an undisturbed engine generates for each request."""
     harness = _Harness(chaos_engine(), requests)
     harness.run_until(lambda: False, deadline=time.monotonic() + 600)
     return {rid: list(out.token_ids) for rid, out in harness.finished.items()}
@@ -119,13 +108,12 @@ class _Harness:
 
     def __init__(self, engine: Engine, requests: Sequence[WorkloadRequest],
                  held: int = 0) -> None:
-        """Submits every request but the last `held`, which wait for `release_held()`."""
         self.engine = engine
         self.requests = {r.request_id: r for r in requests}
         self.finished: dict[str, RequestOutput] = {}
-        self.failed: dict[str, str] = {}  # request id -> last failure reason
+        self.failed: dict[str, str] = {}
         self.attempts = dict.fromkeys(self.requests, 0)
-        self._attempt_of: dict[str, str] = {}  # engine id -> request id
+        self._attempt_of: dict[str, str] = {}
         self.retry_failed = False
         now = len(requests) - held
         self._held = [r.request_id for r in requests[now:]]
@@ -147,7 +135,6 @@ class _Harness:
                                 request_id=engine_id)
 
     def step(self) -> bool:
-        """One engine step; True when it produced tokens."""
         produced = False
         for out in self.engine.step():
             produced = produced or bool(out.new_token_ids)
@@ -167,15 +154,13 @@ class _Harness:
         self.tick_until(lambda: not self.engine.has_unfinished() or condition(), deadline)
 
     def tick_until(self, condition: Callable[[], bool], deadline: float) -> None:
-        """Step until `condition()` or the deadline, idle steps included, as the engine loop
-        keeps ticking with nothing to run (its modes still follow telemetry)."""
+        """Step until `condition()` or the deadline, idle steps included, as the loop ticks."""
         while not condition() and time.monotonic() < deadline:
             self.step()
 
     def first_tokens_after(self, deadline: float,
                            normal: Callable[[], bool] = lambda: True) -> float | None:
-        """Step until a step produces tokens while `normal()` holds; the time it ended, None
-        past the deadline."""
+        """Step until a step makes tokens while `normal()` holds; its end, None if too late."""
         while self.engine.has_unfinished() and time.monotonic() < deadline:
             if self.step() and normal():
                 return time.monotonic()
@@ -213,8 +198,7 @@ def kv_exhaustion(settings: ChaosSettings, expected: dict[str, list[int]],
     preemptions = engine.metrics.preemptions_total
     held = engine.blocks.reserve(engine.blocks.num_blocks)
     fault_end = time.monotonic() + settings.fault_s
-    # The fault lasts its time and until the scheduler has met it (an event, whatever the
-    # machine's load: a step that never ran during the fault saw nothing).
+    # The fault lasts its time and until the scheduler has met it, whatever the machine's load.
     harness.run_until(lambda: time.monotonic() >= fault_end and engine.scheduler.cache_pressure,
                       fault_end + settings.bound_s)
     detected = engine.scheduler.cache_pressure
@@ -231,13 +215,11 @@ def kv_exhaustion(settings: ChaosSettings, expected: dict[str, list[int]],
 
 def bandwidth_spike(settings: ChaosSettings, expected: dict[str, list[int]],
                     requests: Sequence[WorkloadRequest]) -> ScenarioResult:
-    """The bandwidth reading pinned at 99% (injected telemetry) for at least the fault time and
-    until the throttle has climbed to level 3; it releases when the spike ends."""
+    """The bandwidth reading pinned at 99% until the throttle reaches level 3; then released."""
     peak = measure_peaks("cpu", torch.float32).bandwidth
     injected = InjectedBandwidth(ModelBandwidth(peak))
     engine = chaos_engine(injected, bandwidth_pause_s=settings.fault_s / 3)
-    # Half the clients arrive after the spike: a fast engine may finish the first half during
-    # it, and recovery needs traffic to show (CI once saw nothing left to serve afterwards).
+    # Half the clients arrive after the spike, so recovery has traffic to show.
     harness = _Harness(engine, requests, held=len(requests) // 2)
     spike_until = time.monotonic() + settings.fault_s
     injected.inject(SPIKE_UTIL, spike_until + settings.bound_s)
@@ -248,7 +230,6 @@ def bandwidth_spike(settings: ChaosSettings, expected: dict[str, list[int]],
         top = max(top, engine.scheduler.throttle_level)
         return time.monotonic() >= spike_until and top == 3
 
-    # Idle ticks too: the first half may all finish before the throttle has climbed to level 3.
     harness.tick_until(spike_over, spike_until + settings.bound_s)
     engaged = "throttle" in engine.guards.engaged()
     injected.clear()
@@ -258,7 +239,7 @@ def bandwidth_spike(settings: ChaosSettings, expected: dict[str, list[int]],
     recovered = harness.first_tokens_after(fault_end + settings.bound_s,
                                            lambda: engine.scheduler.throttle_level == 0)
     harness.run_until(lambda: False, fault_end + settings.bound_s)
-    engine.step()  # an idle tick, as the engine loop makes: modes see the spike has ended
+    engine.step()  # an idle tick: modes see the spike has ended
     released = "throttle" not in engine.guards.engaged()
     return _result("bandwidth_spike", recovered, fault_end, harness.lost(expected), settings,
                    f"{SPIKE_UTIL:.0%} for {settings.fault_s:g} s; throttle reached level {top}",
@@ -268,11 +249,10 @@ def bandwidth_spike(settings: ChaosSettings, expected: dict[str, list[int]],
 
 def slow_chunks(settings: ChaosSettings, expected: dict[str, list[int]],
                 requests: Sequence[WorkloadRequest]) -> ScenarioResult:
-    """Prefill steps delayed past the chunk timeout: layer 4 fails those requests, releasing
-    their KV; the client retries them after the fault and everything finishes."""
+    """Prefill steps delayed past the chunk timeout: layer 4 fails them; the client retries."""
     base_ms = 100.0
     engine = chaos_engine(chunk_timeout_base_ms=base_ms)
-    delay_s = 3 * base_ms / 1000  # over the timeout of any chunk index below 20
+    delay_s = 3 * base_ms / 1000
     slow_until = time.monotonic() + settings.fault_s
     forward = engine.runner.run
     fault = threading.Event()
@@ -280,13 +260,12 @@ def slow_chunks(settings: ChaosSettings, expected: dict[str, list[int]],
 
     def slow_forward(batch: Batch) -> ModelRunnerOutput:
         if fault.is_set() and batch.prefills:
-            time.sleep(delay_s)  # the injected fault: a slow kernel
+            time.sleep(delay_s)
         return forward(batch)
 
     engine.runner.run = slow_forward
     harness = _Harness(engine, requests)
-    # The fault lasts its time and until a chunk has timed out: ended by an event, it cannot
-    # pass unseen on a loaded machine whose first step came after the fault's time.
+    # The fault lasts until a chunk has timed out: an event, never missed on a loaded machine.
     harness.run_until(lambda: time.monotonic() >= slow_until and bool(harness.failed),
                       slow_until + settings.bound_s)
     fault.clear()
@@ -307,8 +286,7 @@ def slow_chunks(settings: ChaosSettings, expected: dict[str, list[int]],
 
 def locked_database(settings: ChaosSettings, expected: dict[str, list[int]],
                     requests: Sequence[WorkloadRequest]) -> ScenarioResult:
-    """Another connection holds an exclusive transaction while the engine serves: the engine
-    goes on, the journal writer waits and catches up once the lock is gone."""
+    """Another connection holds an exclusive lock: the engine goes on, the journal catches up."""
     with tempfile.TemporaryDirectory(prefix="tokenflow-chaos-") as tmp:
         path = Path(tmp) / "chaos.db"
         database = open_database(path)
@@ -319,7 +297,7 @@ def locked_database(settings: ChaosSettings, expected: dict[str, list[int]],
             lock.execute("BEGIN EXCLUSIVE")
             harness = _Harness(engine, requests)
             lock_until = time.monotonic() + settings.fault_s
-            served = 0  # steps that produced tokens while the lock was held
+            served = 0
 
             def lock_over() -> bool:
                 nonlocal served
@@ -349,8 +327,7 @@ def locked_database(settings: ChaosSettings, expected: dict[str, list[int]],
 # --- the crash scenario ---------------------------------------------------------------------
 def sigkill(settings: ChaosSettings, expected: dict[str, list[int]],
             requests: Sequence[WorkloadRequest]) -> ScenarioResult:
-    """SIGKILL of a journaling engine process (engine.harness.chaos_child) mid-chunk, then
-    the same with `--resume` from the journal."""
+    """SIGKILL of a journaling engine process mid-chunk, then the same with `--resume`."""
     with tempfile.TemporaryDirectory(prefix="tokenflow-chaos-") as tmp:
         folder = Path(tmp)
         source, output, db = folder / "requests.jsonl", folder / "out.jsonl", folder / "j.db"
@@ -360,10 +337,7 @@ def sigkill(settings: ChaosSettings, expected: dict[str, list[int]],
                                   for r in requests))
         args = ["--requests", str(source), "--output", str(output), "--db", str(db)]
         deadline = time.monotonic() + settings.bound_s
-        # Killed at a step the child holds (`--hold`: it journals each step and waits for a
-        # go-ahead before the next), the first whose commits show a request mid-prefill after
-        # some have finished: the same state on any machine, however loaded, since the child
-        # cannot run ahead of what it reported.
+        # Killed at a step the child holds, chosen by its journal commits: the same on any machine.
         first = _launch([*args, "--report-commits", "--hold"], report=True)
         killed = _kill_when_held(first, lambda prefilling, held: bool(prefilling)
                                  and held["emitted"] > 0, deadline)
@@ -394,13 +368,12 @@ def sigkill(settings: ChaosSettings, expected: dict[str, list[int]],
 
 
 def _launch(args: list[str], report: bool = False) -> subprocess.Popen[bytes]:
-    # the child imports the engine this process runs, wherever it is installed ('' is the
-    # current folder, which the child, started elsewhere, must be given as a path)
+    # the child, started elsewhere, imports this engine ('' made an absolute path)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(os.path.abspath, sys.path)),
            "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "engine.harness.chaos_child", *args],
                             env=env, cwd=Path(args[args.index("--db") + 1]).parent,
-                            bufsize=0,  # unbuffered: select() sees every reported line
+                            bufsize=0,
                             stdin=subprocess.PIPE if report else subprocess.DEVNULL,
                             stdout=subprocess.PIPE if report else subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -408,24 +381,22 @@ def _launch(args: list[str], report: bool = False) -> subprocess.Popen[bytes]:
 
 def _kill_when_held(process: subprocess.Popen[bytes],
                     wanted: Callable[[set[str], dict[str, Any]], bool], deadline: float) -> bool:
-    """Step a `--report-commits --hold` child one step at a time and SIGKILL it at the first
-    held step that `wanted` accepts, given the requests its commits showed mid-prefill and the
-    held line; False if it ended, or the deadline passed, first."""
+    """Step a held child one step at a time; SIGKILL it at the first held step `wanted` accepts."""
     assert process.stdin is not None and process.stdout is not None
-    prefilling: set[str] = set()  # what this step's commits showed
+    prefilling: set[str] = set()
     with selectors.DefaultSelector() as selector:
         selector.register(process.stdout, selectors.EVENT_READ)
         while time.monotonic() < deadline:
             if not selector.select(timeout=deadline - time.monotonic()):
                 continue
             line = process.stdout.readline()
-            if not line:  # it ended without holding at such a step
+            if not line:
                 process.wait()
                 return False
             try:
                 report = json.loads(line)
             except ValueError:
-                continue  # not a report
+                continue
             if "commit" in report:
                 prefilling.update(report["commit"]["prefilling"])
                 continue
@@ -437,9 +408,9 @@ def _kill_when_held(process: subprocess.Popen[bytes],
                 return True
             prefilling.clear()
             try:
-                process.stdin.write(b"\n")  # step on
+                process.stdin.write(b"\n")
             except BrokenPipeError:
-                continue  # it died: the end of its stdout says so next
+                continue
     process.kill()
     process.wait()
     return False
@@ -459,14 +430,13 @@ def _wait(process: subprocess.Popen[bytes], condition: Callable[[], bool], deadl
 
 
 def query_journal(db: Path, sql: str) -> list[tuple[Any, ...]]:
-    """Read-only rows from another process's store; [] while it does not exist yet."""
     if not db.exists():
         return []
     try:
         with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1) as conn:
             return conn.execute(sql).fetchall()
     except sqlite3.OperationalError:
-        return []  # the schema is still being created
+        return []
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:

@@ -1,18 +1,4 @@
-"""The process the chaos suite's sigkill scenario kills and then resumes: an engine that
-journals to a store, serves the requests of a JSONL file and appends each one that ends to an
-output file; with `--resume` it first finishes what the journal left unfinished.
-
-It is the engine's own entry point, so the harness never launches the console's CLI:
-
-    python -m engine.harness.chaos_child --requests R.jsonl --output O.jsonl --db J.db [--resume]
-        [--report-commits [--hold]]
-
-With `--report-commits` it prints a JSON line on stdout after each journal commit. With
-`--hold` as well, each step is journaled before the next: after a step the child commits it,
-prints `{"held": {"step": N, "emitted": K}}` (K requests written to the output so far) and
-waits for a line on stdin before stepping on. The harness kills it at a held step, so where
-the kill lands is decided by the journal's state, never by how fast the machine is.
-"""
+"""The process the chaos suite's sigkill scenario kills and resumes (see docs/operations.md)."""
 
 from __future__ import annotations
 
@@ -57,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with args.output.open("a") as output:
             if args.output.stat().st_size and not args.output.read_bytes().endswith(b"\n"):
-                output.write("\n")  # the kill tore the last line: it stays a line of its own
+                output.write("\n")
             skip = set(emitted)
             if args.resume:
                 resumption = resume_unfinished(engine, database, skip=emitted)
@@ -71,13 +57,13 @@ def main(argv: list[str] | None = None) -> int:
                 if out.finished:
                     output.write(json.dumps({"id": out.request_id, "state": out.state,
                                              "token_ids": list(out.token_ids)}) + "\n")
-                    output.flush()  # a kill loses no line already written
+                    output.flush()
                     written += 1
 
             def hold() -> None:
                 nonlocal steps
                 steps += 1
-                writer.flush()  # this step's commits are reported before the held line
+                writer.flush()
                 print(json.dumps({"held": {"step": steps, "emitted": written}}), flush=True)
                 sys.stdin.readline()  # '' once the supervisor is gone: nothing to wait for
 
@@ -90,7 +76,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _emitted(path: Path) -> set[str]:
-    """Ids an earlier, killed run already wrote; a line the kill cut short is not one."""
     if not path.exists():
         return set()
     ids = set()

@@ -1,19 +1,4 @@
-"""Multi-turn conversations: the workload that exercises the prefix cache (issue 20).
-
-The Azure traces carry lengths and times only, no prefix information, so the shape is ours: a
-conversation opens with a system prompt shared by every conversation, then takes turns; each
-turn's prompt is the whole history (system prompt, earlier user messages and the replies to
-them) plus a new user message. A follow-up turn `follows` the one before: `drive` sends it
-`think_s` after that turn's reply is complete, with the reply the model actually gave in its
-history, as a chat client does (closed loop). Its stored prompt holds a placeholder reply of
-the same length and an arrival time `OPEN_LOOP_TURN_GAP_S` after the previous turn's, for
-consumers that replay arrival times only (the console's loop).
-
-`conversations:PATH` replays a JSONL file, one conversation per line:
-{"id": "c1", "arrival_s": 0.0, "tenant": "default", "system": "text" | "system_token_ids":
-[...], "turns": [{"user": "text" | "user_token_ids": [...], "max_tokens": 64,
-"think_s": 1.0}, ...]}; everything but "id" and "turns" is optional.
-"""
+"""Multi-turn conversations: the workload that exercises the prefix cache (docs/harness.md)."""
 
 from __future__ import annotations
 
@@ -26,9 +11,8 @@ from typing import Any
 
 from engine.errors import EngineError
 
-# Token ids 0..2 are special in the synthetic tokenizer (see workload.FIRST_PROMPT_TOKEN_ID).
 FIRST_TOKEN_ID = 3
-OPEN_LOOP_TURN_GAP_S = 5.0  # a follow-up's stored arrival after its previous turn's
+OPEN_LOOP_TURN_GAP_S = 5.0
 
 
 class ConversationError(EngineError):
@@ -37,11 +21,10 @@ class ConversationError(EngineError):
 
 @dataclass(frozen=True)
 class Turn:
-    """One turn as drafted: the new user message and the reply's length."""
 
     user: tuple[int, ...]
     max_tokens: int
-    think_s: float = 0.0  # after the previous turn's reply, before this message is sent
+    think_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -55,15 +38,14 @@ class Conversation:
 
 @dataclass(frozen=True)
 class MultiTurnProfile:
-    """`--workload multiturn`, at GPU scale (lengths are then scaled as for every profile)."""
 
     conversations: int = 16
     turns: int = 4
-    system_len: int = 1600  # the shared system prompt
-    user_len: int = 200  # each new user message (jittered)
-    reply_len: int = 200  # each reply (jittered)
+    system_len: int = 1600
+    user_len: int = 200
+    reply_len: int = 200
     think_s: float = 0.5
-    rate: float = 2.0  # conversations started per second (Poisson); inf = all at once
+    rate: float = 2.0
 
 
 MULTITURN = MultiTurnProfile()
@@ -96,8 +78,7 @@ def multiturn_conversations(profile: MultiTurnProfile, *, num_conversations: int
 
 def load_conversations(path: Path | str,
                        encode: Callable[[str], list[int]] | None) -> list[Conversation]:
-    """Conversations from a JSONL file (the format is in the module docstring); any bad line
-    fails the whole file, naming the line and the field."""
+    """Conversations from a JSONL file; any bad line fails the whole file, naming line and field."""
     path = Path(path)
     try:
         lines = path.read_text().splitlines()
@@ -120,12 +101,11 @@ def load_conversations(path: Path | str,
     return conversations
 
 
-MAX_DEPTH = 16  # a request or conversation nests 3 deep; 200,000 would exhaust the stack
+MAX_DEPTH = 16  # a conversation nests 3 deep; 200,000 would exhaust the stack
 
 
 def json_object(where: str, line: str, error: type[EngineError]) -> dict[str, Any]:
-    """One JSONL line that must hold an object, nested at most MAX_DEPTH deep; `error` says
-    where and what is wrong."""
+    """One JSONL line holding an object at most MAX_DEPTH deep; `error` says what is wrong."""
     too_deep = error(f"{where}: nests JSON deeper than {MAX_DEPTH} levels; a line holds one "
                      "flat object")
     try:
@@ -134,7 +114,7 @@ def json_object(where: str, line: str, error: type[EngineError]) -> dict[str, An
         raise error(f"{where}: not valid JSON ({exc.msg})") from None
     except RecursionError:
         raise too_deep from None
-    except ValueError as exc:  # an integer of more digits than Python converts
+    except ValueError as exc:
         raise error(f"{where}: not valid JSON ({exc})") from None
     if not isinstance(obj, dict):
         raise error(f"{where}: expected a JSON object, got {type(obj).__name__}")

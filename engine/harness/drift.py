@@ -1,24 +1,4 @@
-"""Drift: noticing that the calibrated step-time predictor no longer matches the device,
-without thrashing.
-
-The signal is the engine's live measured/predicted ratio of prefill steps
-(engine.budget.predictor.StepTimeRatio: a median of per-second medians over a minute), so one
-slow step, or a few seconds of another process taking the CPU, does not move it. A
-recalibration starts only when that ratio stays more than `threshold` off 1 for `persist_s`
-(seed 000 §4's 15% chunk deviation is logged as a warning, as the seed asks, and counted, but no
-longer starts one by itself: on a shared CPU single steps are that far off all the time), and
-never sooner than `min_interval_s` after the last one. A periodic one (an hour by default) and
-`request()` (on demand) remain. Every run is stored with its reason (`on_result`), and its
-progress is published as CalibrationProgress events. The new sweep is compared with the
-predictor in use over fixed reference shapes (engine.harness.calibrate.compare); more than 10%
-apart is a Drift event on the bus, which the store writer records and the console shows.
-
-A sweep runs the model, which belongs to the engine thread, so the monitor never runs one
-itself: it hands a job to `schedule` (EngineLoop.call fits), and the job runs one unit of
-the sweep (a warm-up or a single timed step) and schedules itself again, so the loop keeps
-serving between units. The conditions are checked as events arrive: an idle engine, which
-has nothing to mispredict, does not recalibrate.
-"""
+"""Drift: noticing, without thrashing, that the calibrated predictor no longer fits the device."""
 
 from __future__ import annotations
 
@@ -42,12 +22,12 @@ from engine.harness.calibrate import (
 
 log = logging.getLogger(__name__)
 
-CHUNK_TOLERANCE = 0.15  # a chunk this far off its prediction is a warning (seed 000 §4)
-DRIFT_THRESHOLD = 0.10  # a recalibration this far off the stored one is a drift event
+CHUNK_TOLERANCE = 0.15  # a chunk this far off its prediction is logged as a warning
+DRIFT_THRESHOLD = 0.10
 DEFAULT_INTERVAL_S = 3600.0
-LIVE_THRESHOLD = 0.25  # the live step ratio this far off 1 ...
-DEFAULT_PERSIST_S = 30.0  # ... for this long starts a recalibration
-DEFAULT_MIN_INTERVAL_S = 300.0  # and never sooner than this after the last one
+LIVE_THRESHOLD = 0.25
+DEFAULT_PERSIST_S = 30.0
+DEFAULT_MIN_INTERVAL_S = 300.0
 
 Job = Callable[[Engine], object]
 
@@ -65,7 +45,7 @@ def drift_event(reference: StepTimePredictor, result: CalibrationResult,
 
 
 class DriftMonitor:
-    """Subscribe `observe` to the engine's bus; see the module docstring."""
+    """Subscribe `observe` to the engine's bus; sweeps run a unit at a time via `schedule`."""
 
     def __init__(self, engine: Engine, schedule: Callable[[Job], object], *,
                  reference: StepTimePredictor | None = None, plan: SweepPlan | None = None,
@@ -86,7 +66,7 @@ class DriftMonitor:
             raise ConfigError("min_interval_s", f"must be >= 0, got {min_interval_s}")
         self.engine = engine
         self.schedule = schedule
-        self.reference = reference  # the predictor in use; None until one is calibrated
+        self.reference = reference
         self.plan = plan or plan_for(engine.runner.device, quick)
         self.quick = quick
         self.interval_s = interval_s
@@ -95,13 +75,13 @@ class DriftMonitor:
         self.live_threshold = live_threshold
         self.tolerance = tolerance
         self.threshold = threshold
-        self.on_result = on_result  # e.g. store the run with its reason
+        self.on_result = on_result
         self.progress = progress
         self.clock = clock
         self.off_prediction_total = 0
         self.recalibrations = 0
-        self.pending_reason: str | None = None  # a sweep is scheduled or running
-        self._beyond_since: float | None = None  # the live ratio went past the threshold
+        self.pending_reason: str | None = None
+        self._beyond_since: float | None = None
         self._last_calibrated = clock()
         self._calibration: Calibration | None = None
 
@@ -143,7 +123,6 @@ class DriftMonitor:
         return True
 
     def _run_unit(self, engine: Engine) -> None:
-        """One unit of the sweep on the engine thread; schedules the next or concludes."""
         if self._calibration is None:
             self._calibration = Calibration(engine, self.plan, quick=self.quick,
                                             progress=self._progress)
@@ -154,7 +133,7 @@ class DriftMonitor:
         self._conclude(engine, result)
 
     def _progress(self, fraction: float, note: str) -> None:
-        assert self.pending_reason is not None  # only a sweep under way reports progress
+        assert self.pending_reason is not None
         self.engine.bus.publish(CalibrationProgress(fraction=fraction, note=note,
                                                     reason=self.pending_reason))
         if self.progress is not None:

@@ -1,10 +1,4 @@
-"""Drive a workload through an engine on the caller's thread and summarise what happened.
-
-Requests are added at their arrival times (scaled real time); each request's clock starts
-at its intended arrival, so queueing shows up in TTFT as a client would see it. A conversation's
-follow-up turn (`WorkloadRequest.follows`) arrives `think_s` after the turn before it ended,
-with that turn's prompt and actual reply as its history (closed loop).
-"""
+"""Drive a workload through an engine on the caller's thread and summarise what happened."""
 
 from __future__ import annotations
 
@@ -44,9 +38,9 @@ class RequestRecord:
     token_ids: list[int] = field(default_factory=list)
     state: str = "WAITING"
     reason: str = ""
-    first_scheduled: float | None = None  # start of the step that ran its first chunk
+    first_scheduled: float | None = None
     prompt_token_ids: tuple[int, ...] = ()
-    cached_tokens: int = 0  # of its prompt, found in the prefix cache at admission
+    cached_tokens: int = 0
 
     @property
     def scheduling_delay_s(self) -> float | None:
@@ -73,16 +67,15 @@ class RunResult:
     wall_s: float
     preemptions: int = 0
     slow_queries: int = 0
-    prefix_cache_queries: int = 0  # tokens looked up at admission (vLLM's meaning)
-    prefix_cache_hits: int = 0  # of them, tokens found cached
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
     @property
     def step_s(self) -> list[float]:
         return [s.duration_s for s in self.steps]
 
     def utilisation(self, peaks: DevicePeaks) -> dict[str, float | None]:
-        """Prefill MFU over steps that ran prefill chunks, decode MBU over decode-only steps
-        (FLOPs and bytes from the budget model, against the measured peaks)."""
+        """Prefill MFU over prefill steps, decode MBU over decode-only ones, against the peaks."""
         prefill = [s for s in self.steps if s.prefill_tokens]
         decode = [s for s in self.steps if not s.prefill_tokens]
 
@@ -97,21 +90,16 @@ class RunResult:
         }
 
     def _priced(self, prefill: bool | None = None) -> list[tuple[float, float]]:
-        """(measured, predicted) seconds of each step that has both; `prefill` True or False
-        keeps the steps with a prefill chunk, or the decode-only ones."""
+        """(measured, predicted) seconds of each step with both, optionally of one kind."""
         return [(s.duration_s, s.predicted_s) for s in self.steps
                 if s.duration_s > 0 and s.predicted_s > 0
                 and (prefill is None or bool(s.prefill_tokens) == prefill)]
 
     def prediction_errors(self) -> list[float]:
-        """Relative error of predicted against measured step time, per step."""
         return [(predicted - measured) / measured for measured, predicted in self._priced()]
 
     def step_time_ratio(self, prefill: bool | None = None) -> float | None:
-        """The median step's measured over predicted time: how fast the machine ran against
-        its calibration (below 1: faster than when calibrated), over every step or (`prefill`
-        True, False) over the steps with a prefill chunk or the decode-only ones: compute and
-        memory bandwidth drift apart, and so do those two."""
+        """The median step's measured over predicted time (all, prefill or decode-only steps)."""
         ratios = [measured / predicted for measured, predicted in self._priced(prefill)]
         return statistics.median(ratios) if ratios else None
 
@@ -131,15 +119,13 @@ class RunResult:
             "output_tok_s": output / wall,
             "ttft_ms": _ms_percentiles([r.ttft_s for r in finished if r.ttft_s is not None]),
             "tpot_ms": _ms_percentiles([r.tpot_s for r in finished if r.tpot_s is not None]),
-            # every gap between two tokens: the seed's per-token TPOT, Sarathi-Serve's TBT
             "itl_ms": {**_ms_percentiles(itl), "max": ms(max(itl)) if itl else None},
             "step_ms": _ms_percentiles(self.step_s),
             "steps": len(self.step_s),
             "preemptions": self.preemptions,
             "slow_queries": self.slow_queries,
-            # the prefix cache's effect: prompt tokens actually computed, and what was found
             "prefill_tokens_computed": (sum(s.prefill_tokens for s in self.steps)
-                                        if self.steps else None),  # None: no engine steps
+                                        if self.steps else None),
             "prefix_cache_queries": self.prefix_cache_queries,
             "prefix_cache_hits": self.prefix_cache_hits,
             "hit_rate": (self.prefix_cache_hits / self.prefix_cache_queries
@@ -171,7 +157,7 @@ class Recorder:
                 record = self.records.get(event.request_id)
                 if record is not None:
                     count = len(event.token_ids)
-                    if count == 1:  # a step's token: no list made for it
+                    if count == 1:
                         record.token_times.append(event.ts)
                     else:
                         record.token_times.extend([event.ts] * count)
@@ -204,7 +190,7 @@ class Recorder:
             return
         held, new = record.token_ids, output.new_token_ids
         if len(held) + len(new) == len(output.token_ids):
-            held.extend(new)  # the usual output: its new tokens follow the ones held
+            held.extend(new)
         else:  # e.g. a resumed request's first output: take the whole list
             record.token_ids = list(output.token_ids)
         record.state = output.state
@@ -227,13 +213,11 @@ def drive(engine: Engine, workload: list[WorkloadRequest], *,
           on_output: Callable[[RequestOutput], None] | None = None,
           on_step: Callable[[], None] | None = None,
           sleep: Callable[[float], None] = time.sleep) -> RunResult:
-    """Serve `workload` as its arrivals come: `on_output` hears each output, `on_step` is
-    called after each step once its outputs were heard (a supervisor's hold point)."""
+    """Serve `workload` as its arrivals come; `on_step` runs after each step's outputs."""
     recorder = Recorder()
     unsubscribe = engine.bus.subscribe(recorder, Recorder.KINDS)
     ids = {w.request_id for w in workload}
-    # follow-up turns wait for the turn they follow (one that is not in the workload, e.g.
-    # done before a resume, is no reason to wait)
+    # follow-ups wait for their turn (unless it is not in the workload)
     followers = {w.follows: w for w in workload if w.follows in ids}
     pending = sorted((w for w in workload if w.follows not in ids), key=_arrival)
     start = engine.clock()
@@ -274,8 +258,7 @@ def _arrival(item: WorkloadRequest) -> float:
 
 
 def _next_turn(item: WorkloadRequest, previous: RequestRecord, ended: float) -> WorkloadRequest:
-    """A follow-up turn sent think_s after `previous` ended: its history is what `previous`
-    was sent and answered (a turn that did not finish keeps the placeholder history)."""
+    """A follow-up turn sent think_s after `previous` ended, with its real history."""
     prompt = item.prompt_token_ids
     if previous.state == "FINISHED":
         prompt = (previous.prompt_token_ids + tuple(previous.token_ids)
@@ -284,6 +267,5 @@ def _next_turn(item: WorkloadRequest, previous: RequestRecord, ended: float) -> 
 
 
 def idle(sleep: Callable[[float], None]) -> None:
-    """A step that ran nothing (prefills paused, blocks held): a simulated clock moves only
-    when a step runs, so let time pass as a real loop's next iteration would."""
+    """A step that ran nothing: let a simulated clock pass as a real loop's next iteration would."""
     sleep(IDLE_STEP_S)

@@ -1,9 +1,4 @@
-"""Step faults: an exception raised from the runner or the scheduler at chosen steps, the
-chaos that the serve loop's supervisor (engine.serve.supervisor) must heal from.
-
-The wrapped call runs unchanged on every other step; on a chosen one `before` runs first (a
-soak moves its clock on, so faults are spread as it wants), then InjectedFault is raised.
-"""
+"""Step faults: exceptions raised from the runner or scheduler at chosen steps, for supervisors."""
 
 from __future__ import annotations
 
@@ -22,8 +17,7 @@ class InjectedFault(RuntimeError):
 class StepFaults:
     def __init__(self, engine: Engine, at: Container[int], where: Where = "runner",
                  before: Callable[[], object] | None = None) -> None:
-        """Raise at the `at`-th calls (1-based) of `runner.run` or `scheduler.update`; `at`
-        may be any container, e.g. one whose `__contains__` reads a clock."""
+        """Raise at the `at`-th calls (1-based) of `runner.run` or `scheduler.update`."""
         self.at = at
         self.before = before
         self.calls = 0

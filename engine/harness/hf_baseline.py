@@ -1,12 +1,4 @@
-"""The `hf` baseline of `tokenflow bench`: Hugging Face transformers' `generate` in static
-batches, on the same weights and the same requests (transformers is a benchmark and test
-dependency, imported only here).
-
-Static batching as a plain HF server does it: when the model is free it takes the requests
-that have arrived (up to `batch_size`, waiting for the next arrival if none has), left-pads
-them, and generates until the longest output of the batch is done. Token times come from a
-logits processor, called once per generated position.
-"""
+"""The `hf` baseline of `tokenflow bench`: transformers' `generate` in static batches."""
 
 from __future__ import annotations
 
@@ -45,7 +37,6 @@ def hf_model(model: Transformer, config: ModelConfig) -> torch.nn.Module:
 
 
 def _hf_config_fields(config: ModelConfig) -> dict[str, Any]:
-    """`config` in transformers' config.json names, for its family's config class."""
     family = config.family
     fields: dict[str, Any] = dict(
         vocab_size=config.vocab_size, hidden_size=config.hidden_size,
@@ -101,7 +92,7 @@ def run_hf(model: torch.nn.Module, workload: list[WorkloadRequest], batch_size: 
         longest = max(len(w.prompt_token_ids) for w in batch)
         ids = torch.zeros(len(batch), longest, dtype=torch.int64)
         mask = torch.zeros_like(ids)
-        for row, item in enumerate(batch):  # left padding, as decoder-only generation needs
+        for row, item in enumerate(batch):
             ids[row, longest - len(item.prompt_token_ids):] = torch.tensor(item.prompt_token_ids)
             mask[row, longest - len(item.prompt_token_ids):] = 1
         steps = _StepClock(clock)

@@ -1,6 +1,4 @@
-"""How busy the host was while a benchmark ran, so that each figure says whether it came from a
-quiet machine: the CPU time other processes took, and the time the hypervisor stole for other
-guests (a shared VM's neighbours slow it without showing in its own process list)."""
+"""How busy the host was during a benchmark: other processes' CPU time and hypervisor steal."""
 
 from __future__ import annotations
 
@@ -11,20 +9,20 @@ from typing import Any
 
 import psutil
 
-# A run is called quiet below both: a quarter of a CPU of other work, 2% of CPU time stolen.
+# A run is quiet below both: a quarter of a CPU of other work, 2% of CPU time stolen.
 BUSY_OTHERS_CPUS = 0.25
 BUSY_STEAL = 0.02
 
-# /proc/stat counts guest time inside user and nice, and steal and idle are not work done here
+# /proc/stat counts guest time inside user and nice; steal and idle are not work done here
 _NOT_BUSY = ("idle", "iowait", "steal", "guest", "guest_nice")
 
 
 @dataclass(frozen=True)
 class HostLoad:
     wall_s: float
-    others_cpus: float  # CPUs' worth of time that other processes used, averaged over the run
-    steal: float  # share of all CPU time the hypervisor gave to other guests (0 where unknown)
-    load_1m: float  # the load average when the run ended
+    others_cpus: float
+    steal: float
+    load_1m: float
 
     @property
     def quiet(self) -> bool:

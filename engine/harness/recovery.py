@@ -1,11 +1,4 @@
-"""Crash recovery (pitfall 12): finish what a killed engine left in the request journal.
-
-A request that kills the process survives restarts through the journal, so each resume is
-counted (committed before the new run takes the request, so a run killed at once loses
-nothing) and a request still unfinished after QUARANTINE_AFTER resumed runs died is
-quarantined instead of resumed again: kept, listed, and run only after `tokenflow db
-release-quarantine ID`.
-"""
+"""Crash recovery: finish what a killed engine left in the journal; quarantine repeat killers."""
 
 from __future__ import annotations
 
@@ -33,16 +26,14 @@ DISCARDED = f"discarded unfinished ({DISCARD_COMMAND} or the console)"
 
 @dataclass(frozen=True)
 class Resumption:
-    resumed: tuple[str, ...]  # re-added to the engine, generation goes on
-    quarantined: tuple[str, ...]  # newly quarantined by this resume
-    failed: tuple[str, ...]  # entries the engine refused (closed as FAILED with the reason)
+    resumed: tuple[str, ...]
+    quarantined: tuple[str, ...]
+    failed: tuple[str, ...]
 
 
 def resume_unfinished(engine: Engine, database: Database,
                       skip: frozenset[str] | set[str] = frozenset()) -> Resumption:
-    """Re-add every unfinished journal entry (except `skip`, already emitted) with the tokens
-    it had generated: prompt and those are prefilled again (RECOMPUTE) and generation goes
-    on, so greedy outputs equal an uninterrupted run's. Takes the store's writer lock."""
+    """Re-add every unfinished entry (but `skip`) with its tokens; takes the writer lock."""
     database.claim_writer()
     quarantined, failed = [], []
     with explained(database.location), database.session() as session:
@@ -68,7 +59,7 @@ def resume_unfinished(engine: Engine, database: Database,
                                    tenant=entry.tenant, priority=entry.priority,
                                    request_id=entry.request_id, tag=entry.tag,
                                    generated=entry.generated_token_ids)
-            except (EngineError, TypeError, ValueError) as exc:  # refused by this tokenflow
+            except (EngineError, TypeError, ValueError) as exc:
                 close_entry(session, entry.request_id, "FAILED", f"not resumed: {exc}")
                 failed.append(entry.request_id)
                 continue
@@ -81,18 +72,14 @@ CLIENT_GONE = ("aborted: the server stopped while its client was connected (a se
 
 
 def abort_orphans(database: Database) -> tuple[str, ...]:
-    """Close every unfinished entry as aborted: what a served request's client was sent died
-    with its connection, so running it again would be for nobody, and a client that retries
-    would have it run twice. `tokenflow serve` calls this on start instead of resuming."""
+    """Close every unfinished entry as aborted: its client died with its connection."""
     database.claim_writer()
     with explained(database.path), database.session() as session:
         return tuple(discard_unfinished(session, CLIENT_GONE, state="FINISHED"))
 
 
 def foreign_journal(engine: Engine, database: Database) -> str | None:
-    """Why the journal's unfinished requests cannot be this engine's model's (token ids
-    beyond its vocabulary: another model wrote them), naming the store and the command that
-    clears them; None when they can be resumed. Reads only: nothing is closed."""
+    """Why the unfinished requests cannot be this model's (ids past its vocabulary), or None."""
     vocab = engine.model_config.vocab_size
     with database.session() as session:
         tokens = [(*e.prompt_token_ids, *e.generated_token_ids)

@@ -1,13 +1,4 @@
-"""What serving costs beyond the sweep's forward passes, measured by serving a short workload.
-
-The sweep times each shape's forward pass on its own. A served step pays more: the engine's
-own work around the pass (scheduling, booking, events, guards), 0.2-0.25 ms a step plus about
-0.5 ms a prefill chunk on the project's 2-core EPYC VM, 5-10% of a decode step there; and a
-step with a prefill chunk served between decodes may run slower or faster against its sweep
-price than a decode step does. `measure_served` serves requests of mixed lengths on an idle
-engine and fits both, so that the GPU twin (engine.sim) charges them as the real engine pays
-them.
-"""
+"""What serving costs beyond the sweep's forward passes, measured by serving a short probe."""
 
 from __future__ import annotations
 
@@ -25,15 +16,12 @@ from engine.core.engine import Engine
 from engine.errors import EngineError
 from engine.events import ChunkComplete, Event, StepComplete
 
-# The probe: one prompt arrives every PROBE_EVERY_STEPS steps, its length cycling through
-# PROBE_PROMPTS (tokens), so that prefill chunks of many sizes run beside a few decodes, as
-# they do in service; enough of them (PROBE_REQUESTS) that the prefill steps' median is stable.
+# The probe: prompts of cycling lengths, so many chunk sizes run beside a few decodes.
 PROBE_PROMPTS = (24, 96, 200, 48, 320, 64, 160, 32, 256, 112, 40, 180)
 PROBE_REQUESTS = 48
 PROBE_EVERY_STEPS = 3
 PROBE_OUTPUT_TOKENS = 16
-# A served step's host time this many median absolute deviations off the first fit lost its
-# core to something else (a collection, another process): dropped before the final fit.
+# A step this many MADs off the first fit lost its core (a collection, a process): dropped.
 OUTLIER_MADS = 4.0
 OUTLIER_FLOOR_S = 50e-6  # nor any closer than this: timer noise, not a lost core
 
@@ -45,8 +33,8 @@ class ServedSample:
     prefill_chunks: int
     decode_seqs: int
     forward_s: float
-    predicted_s: float  # the sweep's price of the forward pass
-    step_s: float  # engine.step() from entry to return
+    predicted_s: float
+    step_s: float
 
     @property
     def host_s(self) -> float:
@@ -55,15 +43,13 @@ class ServedSample:
 
 @dataclass(frozen=True)
 class ServedCosts:
-    """Host seconds per served step = step_s + per_decode_s × decodes + per_prefill_chunk_s
-    × chunks; a step with a prefill chunk runs `prefill_scale` times its sweep price
-    against a decode step's (a ratio of ratios: the machine's speed since the sweep cancels)."""
+    """Host seconds per served step, plus the prefill steps' price ratio against decode steps'."""
 
     step_s: float
     per_decode_s: float
     per_prefill_chunk_s: float
     prefill_scale: float
-    steps: int  # served steps the fit used
+    steps: int
 
     def host_seconds(self, shape: StepShape) -> float:
         return (self.step_s + self.per_decode_s * len(shape.decode_contexts)
@@ -103,10 +89,7 @@ class ServedCosts:
 
 
 def measure_served(engine: Engine, seed: int = 0) -> ServedCosts:
-    """Serve the probe's requests on `engine`, which must be idle and calibrated (its steps'
-    predictions are the sweep's prices), and fit what serving them cost beyond the sweep.
-    The requests are served for real: run it on an engine that serves nothing else after
-    (`tokenflow calibrate`'s), as they count in its metrics and prefix cache."""
+    """Serve the probe on an idle, calibrated `engine` that serves nothing else after, and fit."""
     if engine.has_unfinished():
         raise EngineError("the served probe needs an idle engine")
     if not engine.calibrated:

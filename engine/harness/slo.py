@@ -1,17 +1,4 @@
-"""Service-level objectives, goodput and capacity, set the way Sarathi-Serve and DistServe set
-theirs: relative to the cost of one decode step on this machine, so the same definitions hold
-on a laptop CPU and on an H200.
-
-- TPOT SLO: 5 × one decode-only step (Sarathi-Serve's strict SLO on time between tokens).
-- Scheduling-delay SLO: 25 × one decode step (Sarathi-Serve's relaxed multiple), for the time
-  from arrival to a request's first scheduled chunk.
-- TTFT SLO, per request: its own prefill cost alone (DistServe scales TTFT SLOs with prefill
-  latency) plus the scheduling-delay allowance.
-Goodput is the share of requests meeting both their TTFT and the TPOT SLO. Capacity is the
-highest arrival rate at which P99 TPOT (or P99 time between tokens, Sarathi-Serve's measure)
-and P99 scheduling delay stay within their SLOs, found by binary search as Sarathi-Serve and
-Vidur do.
-"""
+"""SLOs, goodput and capacity, in multiples of one decode step (as Sarathi-Serve, DistServe)."""
 
 from __future__ import annotations
 
@@ -41,7 +28,7 @@ def measure_decode_step(engine: Engine, batch: int = 8, context: int = 128,
         requests.append(request)
     step = Batch(decodes=[ScheduledChunk(r, context - 1, 1) for r in requests])
     try:
-        engine.runner.run(step)  # warm-up
+        engine.runner.run(step)
         samples = []
         for _ in range(repeats):  # on the engine's clock: a simulated step takes simulated time
             start = engine.clock()
@@ -85,9 +72,7 @@ def isolated_prefill(engine: Engine) -> Callable[[int], float]:
     return predict
 
 
-# What the TPOT SLO is checked against: "tpot", each request's mean time per output token
-# (vLLM's and DistServe's TPOT), or "tbt", every single gap between two tokens (Sarathi-Serve's
-# time between tokens, which a stall shows in full instead of averaged over the request).
+# TPOT SLO against "tpot" (mean per request) or "tbt" (every gap between two tokens).
 LATENCY_METRICS = ("tpot", "tbt")
 
 

@@ -1,10 +1,4 @@
-"""SLO targets, apart from the probes that measure steps, so the console reads them without
-importing torch.
-
-Two kinds. `SLO`: multiples of one decode step (engine.harness.slo says why), for comparing
-schedulers on one machine in benchmarks. `ServiceSLO`: what a service promises its users, in
-absolute milliseconds, set by the operator; the console colours latency against it, so an
-engine that is slow reads slow, whatever its own step time."""
+"""SLO targets, apart from the step probes, so the console reads them without torch."""
 
 from __future__ import annotations
 
@@ -14,16 +8,14 @@ from engine.stats import ms
 
 TPOT_MULTIPLE = 5.0
 DELAY_MULTIPLE = 25.0
-# A chat service's defaults: MLPerf Inference's Llama-2-70B server scenario (p99 TTFT 2 s,
-# p99 TPOT 200 ms).
+# A chat service's defaults: MLPerf Inference's Llama-2-70B server scenario.
 CHAT_TTFT_MS = 2000.0
 CHAT_ITL_MS = 200.0
 
 
 @dataclass(frozen=True)
 class ServiceSLO:
-    """Latency targets users are promised: the first token within `ttft_ms`, each next one
-    within `itl_ms`."""
+    """Latency users are promised: first token within `ttft_ms`, each next within `itl_ms`."""
 
     ttft_ms: float = CHAT_TTFT_MS
     itl_ms: float = CHAT_ITL_MS
@@ -37,7 +29,7 @@ class ServiceSLO:
 
 @dataclass(frozen=True)
 class SLO:
-    decode_step_s: float  # one decode-only step at the reference batch and context
+    decode_step_s: float
     tpot_s: float
     delay_s: float
 

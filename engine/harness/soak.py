@@ -1,15 +1,4 @@
-"""The time-warp soak: a day of traffic through the real scheduler, guards, metrics, store
-and journal, in minutes of wall time.
-
-The caller builds the engine on a VirtualClock (engine.sim's simulated executor does no
-math, so a step costs only the engine's own bookkeeping) and this drives it through `hours`
-simulated hours: the conversation trace replayed at its own timestamps in each busy hour,
-quiet nights with nothing at all, and at every hour boundary a pause (the engine takes no
-step while the clock runs on, as a console paused with `p`), a new token budget and an idle
-tick. A share of requests is aborted after their first token (clients that go away).
-Everything must end finished, aborted or failed with a reason, in the engine's outputs and
-in the journal; an exception from the engine is a failure of the soak, not a crash of it.
-"""
+"""The time-warp soak: a day of traffic through the real engine, store and journal, in minutes."""
 
 from __future__ import annotations
 
@@ -28,34 +17,34 @@ from engine.harness.workload import WorkloadRequest
 from engine.store import Database, StoreWriter, open_database, unfinished_requests
 
 HOUR_S = 3600.0
-FLUSH_TIMEOUT_S = 300.0  # the journal of a whole day may be a few seconds behind the engine
+FLUSH_TIMEOUT_S = 300.0  # a day's journal may be a few seconds behind the engine
 FINAL_STATES = ("FINISHED", "FAILED", "REJECTED")
 
 
 @dataclass(frozen=True)
 class SoakPlan:
     hours: int = 24
-    busy_from: int = 8  # the first busy hour of each day; the hours before it are night
-    requests_per_hour: int = 60  # sampled from the trace's hour, at its own timestamps
-    length_scale: float = 0.25  # trace prompt and output lengths are scaled by this
-    max_prompt_tokens: int = 1024  # and capped, so every prompt fits the model
+    busy_from: int = 8
+    requests_per_hour: int = 60
+    length_scale: float = 0.25
+    max_prompt_tokens: int = 1024
     max_output_tokens: int = 256
-    pause_s: float = 300.0  # each hour the engine takes no step for this long
-    budgets: tuple[int, ...] = (256, 512, 1024, 128)  # cycled, one per hour
-    abort_share: float = 0.02  # requests whose client leaves after the first token
+    pause_s: float = 300.0
+    budgets: tuple[int, ...] = (256, 512, 1024, 128)
+    abort_share: float = 0.02
     seed: int = 0
 
 
 @dataclass(frozen=True)
 class HourRow:
     hour: int
-    arrived: int  # requests that arrived in the hour
-    finished: int  # requests that finished in it (aborts included)
+    arrived: int
+    finished: int
     generated_tokens: int
-    running: int  # at the hour's end
+    running: int
     waiting: int
     kv_usage: float
-    budget: int  # the token budget in force during the hour
+    budget: int
 
 
 @dataclass
@@ -65,7 +54,7 @@ class SoakReport:
     steps: int = 0
     requests: int = 0
     states: dict[str, int] = field(default_factory=dict)
-    unaccounted: list[str] = field(default_factory=list)  # no final state, or no reason
+    unaccounted: list[str] = field(default_factory=list)
     journal_unfinished: list[str] = field(default_factory=list)
     exceptions: list[str] = field(default_factory=list)
     hours: list[HourRow] = field(default_factory=list)
@@ -77,8 +66,7 @@ class SoakReport:
 
 def day_of_trace(plan: SoakPlan, vocab_size: int,
                  rows: Sequence[TraceRow] | None = None) -> list[WorkloadRequest]:
-    """Each busy hour, `requests_per_hour` rows of the conversation trace (one per stratum,
-    so the hour keeps the trace's bursts and lulls) at their own offsets into the hour."""
+    """Each busy hour, `requests_per_hour` stratified trace rows at their own offsets."""
     rows = list(rows) if rows is not None else load_trace(shipped_trace("conv"))
     rows = [r for r in rows if r.arrival_s < HOUR_S]
     rng = random.Random(plan.seed)
@@ -112,8 +100,8 @@ class _Day:
         self.arrivals = [int(w.arrival_s // HOUR_S) for w in workload]
         self.rng = random.Random(plan.seed + 1)
         self.aborted: set[str] = set()
-        self.heard: set[str] = set()  # requests whose client has decided to stay or leave
-        self.totals = (0, 0)  # finished and generated at the last hour's end
+        self.heard: set[str] = set()
+        self.totals = (0, 0)
 
     def on_step(self) -> None:
         self.report.steps += 1
@@ -132,7 +120,7 @@ class _Day:
         rid = output.request_id
         if output.finished:
             self.heard.discard(rid)
-        elif rid not in self.heard:  # its first token: the client stays, or goes now
+        elif rid not in self.heard:
             self.heard.add(rid)
             if self.rng.random() < self.plan.abort_share:
                 self.aborted.add(rid)
@@ -158,16 +146,14 @@ class _Day:
 def time_warp_soak(engine: Engine, clock: VirtualClock, plan: SoakPlan,
                    workload: Sequence[WorkloadRequest], *, database: Database | None = None,
                    flush: Callable[[], object] | None = None) -> SoakReport:
-    """Drive `workload` through `engine` for `plan.hours` simulated hours; with `database`
-    (its journal written by a StoreWriter on the engine's bus, `flush` committing it), the
-    journal must hold nothing unfinished at the end."""
+    """Drive `workload` through `engine` for `plan.hours` simulated hours, then the journal."""
     report = SoakReport(requests=len(workload))
     day = _Day(engine, clock, plan, workload, report)
     started, wall = clock(), time.perf_counter()
     try:
         result = drive(engine, list(workload), on_output=day.on_output, on_step=day.on_step,
                        sleep=day.sleep)
-        day.sleep(max(0.0, started + plan.hours * HOUR_S - clock()))  # the rest of the day
+        day.sleep(max(0.0, started + plan.hours * HOUR_S - clock()))
     except Exception as exc:  # the soak's finding, reported with its traceback
         report.exceptions.append("".join(traceback.format_exception(exc)))
         return report

@@ -1,9 +1,4 @@
-"""Request traces: the two Azure traces shipped in the package, and any CSV of the same shape.
-
-The shipped traces are package data (engine/harness/traces/, with their README and its CC-BY
-4.0 attribution), read through importlib.resources, so an installed wheel replays them as a
-checkout does. A trace has arrival times and lengths only; workload.py turns rows into requests.
-"""
+"""Request traces: the two Azure traces shipped as package data, and any CSV of the same shape."""
 
 from __future__ import annotations
 
@@ -24,7 +19,6 @@ from engine.stats import LengthStats
 
 TRACE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 SAMPLE_MODES = ("window", "stratified")
-# Where the shipped traces come from and on what terms; their README says the same at length.
 TRACE_SOURCE = ("Azure LLM inference trace 2023 (Azure Public Dataset, "
                 "AzureLLMInferenceDataset2023; Patel et al., Splitwise, ISCA 2024)")
 TRACE_LICENSE = "CC-BY 4.0"
@@ -32,7 +26,7 @@ TRACE_LICENSE = "CC-BY 4.0"
 
 @dataclass(frozen=True)
 class ShippedTrace:
-    name: str  # what --workload takes
+    name: str
     file: str
     what: str
 
@@ -49,7 +43,7 @@ class TraceError(EngineError):
 
 @dataclass(frozen=True)
 class TraceRow:
-    arrival_s: float  # seconds after the trace's first request
+    arrival_s: float
     context_tokens: int
     generated_tokens: int
 
@@ -99,8 +93,7 @@ def _parse_row(path: object, line: int, row: dict[str, str]) -> tuple[datetime, 
 
 def sample_trace(rows: Sequence[TraceRow], n: int, mode: str,
                  rng: random.Random) -> list[TraceRow]:
-    """n rows in time order: a contiguous window at a random offset keeps the burst pattern;
-    one row from each of n equal strata keeps the whole trace's length mix and daily shape."""
+    """n rows in time order: a window keeps the bursts, strata the length mix and daily shape."""
     if n > len(rows):
         raise TraceError(f"asked for {n} requests but the trace has only {len(rows)} rows")
     if mode == "window":
@@ -120,7 +113,7 @@ class TraceSummary:
     file: str
     what: str
     requests: int
-    duration_s: float  # first to last arrival
+    duration_s: float
     rate_per_s: float | None
     prompt_tokens: LengthStats
     output_tokens: LengthStats

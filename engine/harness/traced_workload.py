@@ -1,12 +1,4 @@
-"""A workload replaying what an attached fleet served: `--workload traced:DB`.
-
-The console's OTLP receiver stores every request a vLLM or SGLang server traced (its
-`llm_request` span: start, prompt and completion token counts) in the store's
-traced_requests table. Replaying them gives each its recorded arrival (its start, from the
-first one's) and lengths: the content is not traced, so prompts are seeded random tokens of
-the recorded length, and outputs ignore EOS to reach the recorded count. With `--simulate`
-this answers "this morning's traffic on H200s: what TTFT p99?".
-"""
+"""A workload replaying what an attached fleet served (`--workload traced:DB`)."""
 
 from __future__ import annotations
 
@@ -26,10 +18,7 @@ PREFIX = "traced:"
 def traced_requests(spec: str, *, vocab_size: int, max_model_len: int, seed: int = 0,
                     num_requests: int | None = None, source: str | None = None,
                     time_scale: float = 1.0) -> list[WorkloadRequest]:
-    """The traced requests of the store `spec` names ("traced:DB", DB a path or SQLAlchemy
-    URL), oldest first, optionally of one `source` (a span's service.name) and only the first
-    `num_requests`. A request longer than `max_model_len` is an error naming it: it cannot
-    be replayed as it was served."""
+    """The traced requests of the store `spec` names, oldest first; too long ones are errors."""
     target = spec.removeprefix(PREFIX)
     if not target:
         raise EngineError("traced: give the store, e.g. traced:store.db")

@@ -1,10 +1,4 @@
-"""What requests arrive when: the three profiles of seed 003 §13, multi-turn conversations
-(engine.harness.conversations), Azure trace replay, JSONL files.
-
-Every workload is a list of WorkloadRequest sorted by arrival time. Prompts are seeded random
-token ids (timing depends on lengths, not on text), so a workload is reproducible from its spec
-and seed alone. Lengths in the seed are for a GPU; `length_scale` shrinks them for a CPU.
-"""
+"""What requests arrive when: profiles, multi-turn conversations, trace replay, JSONL files."""
 
 from __future__ import annotations
 
@@ -31,18 +25,14 @@ from engine.harness.conversations import (
 from engine.harness.trace import SHIPPED_TRACES, TraceRow, load_trace, sample_trace, shipped_trace
 from engine.stats import LengthStats
 
-# Token ids 0..2 are special (pad/bos/eos) in the synthetic tokenizer; prompts avoid them so
-# a random prompt never ends a sequence early or looks like padding.
+# Token ids 0..2 are special (pad/bos/eos) in the synthetic tokenizer; prompts avoid them.
 FIRST_PROMPT_TOKEN_ID = 3
 
-# Divides the seed's GPU lengths so that synthetic:small on 2 CPU cores finishes a default run
-# in a few tens of seconds, while a long-doc prompt (1000 tokens) still spans several chunks
-# of a 256-512 token budget.
+# Profiles' GPU lengths over 8: a CPU run takes tens of seconds, long documents still chunk.
 CPU_LENGTH_SCALE = 1 / 8
 GPU_LENGTH_SCALE = 1.0
 
-# A request file's arrival times are replayed in real time: 11.6 days at most (1e9 would
-# sleep 31 years); priorities are stored as SQLite's 64-bit integers.
+# Arrivals replay in real time: 11.6 days at most (1e9 would sleep 31 years).
 MAX_ARRIVAL_S = 1e6
 INT64_LIMIT = 2**63
 
@@ -54,7 +44,7 @@ class WorkloadError(EngineError):
 @dataclass(frozen=True)
 class WorkloadRequest:
     request_id: str
-    arrival_s: float  # seconds from the start of the run
+    arrival_s: float
     prompt_token_ids: tuple[int, ...]
     max_tokens: int
     tenant: str = "default"
@@ -62,9 +52,7 @@ class WorkloadRequest:
     priority: int = 0
     # Profiles and traces fix the output length; the caller must then ignore EOS.
     ignore_eos: bool = False
-    # A conversation's next turn: sent think_s after request `follows` has its reply, its
-    # first history_tokens tokens (that request's prompt and a placeholder reply) replaced by
-    # what that request was actually sent and answered (engine.harness.driver)
+    # A conversation's next turn, sent after request `follows` replies (engine.harness.driver).
     follows: str | None = None
     history_tokens: int = 0
     think_s: float = 0.0
@@ -73,7 +61,7 @@ class WorkloadRequest:
         return SamplingParams(max_tokens=self.max_tokens, ignore_eos=self.ignore_eos)
 
 
-# --- profiles (seed 003 §13) --------------------------------------------------------------
+# --- profiles ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -91,25 +79,20 @@ class Profile:
     name: str
     main: Shape
     num_requests: int
-    rate: float  # requests per second (Poisson); inf = all at t=0
-    rare: Shape | None = None  # a minority shape mixed in at rare_share of the requests
+    rate: float
+    rare: Shape | None = None
     rare_share: float = 0.0
 
 
 PROFILES: dict[str, Profile] = {
-    # 8000-token documents, 200-token answers, D = 8: chunking keeps new requests unblocked.
     "long-doc": Profile("long-doc", Shape("long-doc", 8000, 200, "default"),
                         num_requests=8, rate=0.5),
-    # 200-token questions, 800-token answers, D = 64: the bottleneck is KV capacity.
     "chat": Profile("chat", Shape("chat", 200, 800, "default"), num_requests=64, rate=8.0),
-    # A few long documents among many chats, D = 32: the target of chunked prefill. Separate
-    # tenants let the scheduler show that batch documents do not starve interactive chats.
     "mixed": Profile("mixed", Shape("chat", 200, 800, "interactive"), num_requests=32,
                      rate=4.0, rare=Shape("long-doc", 8000, 200, "batch"), rare_share=0.125),
 }
 TRACE_DEFAULT_REQUESTS = 64
 
-# Lengths vary by this much around a shape's mean, so requests do not move in lockstep.
 LENGTH_JITTER = 0.25
 
 
@@ -130,13 +113,7 @@ def build_workload(
     sample: str = "window",
     encode: Callable[[str], list[int]] | None = None,
 ) -> list[WorkloadRequest]:
-    """Requests for `spec`: a profile name, "multiturn", "conversations:PATH" (text in it
-    needs `encode`), "conv"/"code" (shipped traces) or "trace:PATH".
-
-    `rate` is requests/s (inf: all at t=0); for a profile it defaults to the profile's rate, for
-    a trace to the trace's own pattern. `time_scale` then stretches (>1) or squeezes (<1) all
-    arrival times. `sample` picks trace rows: a contiguous "window" or a "stratified" spread.
-    """
+    """Requests for `spec`: a profile, multiturn, conversations:PATH, conv, code or trace:PATH."""
     _check_positive("length_scale", length_scale)
     _check_positive("time_scale", time_scale)
     if rate is not None:
@@ -194,8 +171,7 @@ class _Draft:
 
 
 def _profile_drafts(profile: Profile, n: int, rate: float, rng: random.Random) -> list[_Draft]:
-    # An exact count of rare requests (at least one once n > 1) at random positions, so even
-    # a short mixed run holds a long document.
+    # An exact count of rare requests, at random positions, so even a short run holds one.
     rare_count = min(n - 1, max(1, round(n * profile.rare_share))) if profile.rare else 0
     kinds = [profile.main] * (n - rare_count)
     if profile.rare:
@@ -234,9 +210,7 @@ def _realize(request_id: str, draft: _Draft, length_scale: float, time_scale: fl
 def conversation_requests(conversations: Sequence[Conversation], *, vocab_size: int,
                           max_model_len: int, time_scale: float,
                           rng: random.Random) -> list[WorkloadRequest]:
-    """Each turn as a request whose prompt is the history plus its message; a placeholder
-    reply stands in for the model's until the driver knows it. A turn that would not fit
-    max_model_len ends its conversation there."""
+    """Each turn as a request: history plus message, a placeholder reply until it is known."""
     requests = []
     for conversation in conversations:
         history: tuple[int, ...] = conversation.system
@@ -276,7 +250,6 @@ def _trace_drafts(rows: list[TraceRow], n: int, rate: float | None, mode: str, l
     if rate is not None and math.isinf(rate):
         offsets = [0.0] * n
     elif rate is not None and offsets[-1] > 0:
-        # Keep the shape of the arrival pattern, rescaled to the target mean rate.
         stretch = (n - 1) / rate / offsets[-1]
         offsets = [t * stretch for t in offsets]
     return [_Draft(t, row.context_tokens, row.generated_tokens, "default", label)
@@ -288,19 +261,13 @@ def _trace_drafts(rows: list[TraceRow], n: int, rate: float | None, mode: str, l
 
 def steady_traffic(sample: Sequence[WorkloadRequest], rate: float, duration_s: float,
                    min_requests: int = 1) -> list[WorkloadRequest]:
-    """`sample` repeated in order, arriving at `rate` requests/s with the sample's own pattern
-    of gaps, for at least `duration_s` seconds and `min_requests` requests.
-
-    A capacity probe must last: a short burst at a rate the engine cannot sustain is simply
-    drained, while steady traffic at that rate grows a queue that the delay SLO then sees.
-    """
+    """`sample` repeated at `rate`/s (gap pattern kept), long enough for a queue to build."""
     _check_positive("rate", rate)
     if duration_s < 0 or not sample:
         raise WorkloadError("steady traffic needs a non-empty sample and duration_s >= 0")
     ordered = sorted(sample, key=lambda w: w.arrival_s)
     gaps = [b.arrival_s - a.arrival_s for a, b in itertools.pairwise(ordered)]
     mean_gap = sum(gaps) / len(gaps) if gaps else 0.0
-    # The wrap from the sample's last request to the next copy's first takes the mean gap.
     gaps.append(mean_gap)
     scale = 1 / (rate * mean_gap) if mean_gap > 0 else None
     count = max(min_requests, math.ceil(rate * duration_s))
@@ -320,9 +287,7 @@ def steady_traffic(sample: Sequence[WorkloadRequest], rate: float, duration_s: f
 
 def load_requests_jsonl(path: Path | str, tokenizer_encode: Callable[[str], list[int]], *,
                         vocab_size: int | None = None) -> list[WorkloadRequest]:
-    """One JSON object per line: id, prompt_token_ids or prompt (text), max_tokens, and optional
-    tenant, tag, priority, arrival_s, ignore_eos. Any bad line fails the whole file, named;
-    token ids must be below `vocab_size` when it is given."""
+    """One JSON object per line (see docs/harness.md); any bad line fails the whole file, named."""
     return requests_from_lines(request_lines(path), tokenizer_encode, vocab_size=vocab_size)
 
 
@@ -343,8 +308,7 @@ def requests_from_lines(lines: Sequence[tuple[str, dict[str, Any]]],
 
 
 def request_lines(path: Path | str) -> list[tuple[str, dict[str, Any]]]:
-    """Each non-blank line of a request file as ("PATH:LINE", its JSON object): UTF-8, JSON
-    and nesting checked. Cheap: callers run it before a model loads, to fail fast."""
+    """Each non-blank line as ("PATH:LINE", its object), checked; cheap: run before loading."""
     path = Path(path)
     try:
         lines = path.read_bytes().splitlines()
@@ -414,7 +378,7 @@ def _parse_request(where: str, obj: dict[str, Any],
         raise bad("priority", "must be an integer in [-2^63, 2^63)")
     arrival = obj.get("arrival_s", 0.0)
     if (isinstance(arrival, bool) or not isinstance(arrival, int | float)
-            or not 0 <= arrival <= MAX_ARRIVAL_S):  # NaN fails every comparison
+            or not 0 <= arrival <= MAX_ARRIVAL_S):
         raise bad("arrival_s", f"must be a number of seconds in [0, {MAX_ARRIVAL_S:g}]")
     if not isinstance(obj.get("ignore_eos", False), bool):
         raise bad("ignore_eos", "must be true or false")
@@ -435,8 +399,8 @@ class WorkloadStats:
     tenants: dict[str, int]
     prompt_tokens: LengthStats
     output_tokens: LengthStats
-    duration_s: float  # first to last arrival
-    rate_per_s: float | None  # None when every request arrives at once
+    duration_s: float
+    rate_per_s: float | None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -453,6 +417,5 @@ def describe(requests: Sequence[WorkloadRequest]) -> WorkloadStats:
         prompt_tokens=LengthStats.of([len(r.prompt_token_ids) for r in requests]),
         output_tokens=LengthStats.of([r.max_tokens for r in requests]),
         duration_s=duration,
-        # n arrivals span n - 1 gaps, so that is the rate a Poisson process would show.
         rate_per_s=(len(requests) - 1) / duration if duration > 0 else None,
     )
