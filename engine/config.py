@@ -24,7 +24,7 @@ class ConfigError(EngineError, ValueError):
         return ConfigError, (self.field, self.message)
 
 
-MIN_TEMPERATURE = 1e-5  # the smallest temperature that samples; below it use 0 (greedy)
+MIN_TEMPERATURE = 1e-5
 # The sampler works in float32: a smaller top_p masks every token, a larger temperature overflows.
 FLOAT32_TINY = 1.1754943508222875e-38
 FLOAT32_MAX = 3.4028234663852886e38
@@ -64,7 +64,6 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether the sampler must change the logits before choosing (greedy included)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias
                     or self.repetition_penalty != 1.0)
 

@@ -54,7 +54,6 @@ class ChunkComplete(Event):
 
 @dataclass(frozen=True)
 class TokensGenerated(Event):
-    """Tokens appended to a request in one step (journal and streaming read these)."""
 
     kind: ClassVar[str] = "tokens"
     request_id: str
@@ -204,7 +203,6 @@ class CalibrationProgress(Event):
 
 @dataclass(frozen=True)
 class GuardAction(Event):
-    """A protection layer engaged or released."""
 
     kind: ClassVar[str] = "guard"
     layer: str
@@ -266,7 +264,6 @@ class EventBus:
             self._front.append(event)
 
     def drain(self) -> int:
-        """Swap buffers and deliver everything published so far, in order."""
         with self._lock:
             self._front, self._back = self._back, self._front
         delivered = self._back

@@ -27,7 +27,6 @@ class RequestView:
 
     @property
     def cached_share(self) -> float:
-        """The share of its prompt found in the prefix cache, 0..1."""
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
@@ -43,7 +42,6 @@ class Snapshot:
     """docs/contracts.md says what each field means."""
 
     ts: float = 0.0
-    # wall-clock minus monotonic time where taken; None in recordings made before it existed
     wall_offset: float | None = None
     model: str = ""
     device: str = ""
@@ -76,7 +74,6 @@ class Snapshot:
     itl_ms: Percentiles = Percentiles()
     queue_wait_ms: Percentiles = Percentiles()
     step_ms: Percentiles = Percentiles()
-    # "calibrating" until the first calibration, then "calibrated"; "" when the source does not say
     calibration: str = ""
     recommended_chunk_size: int | None = None
     recommended_chunk_unclamped: int | None = None
@@ -96,7 +93,6 @@ class Snapshot:
     prefix_cache_hit_rate: float | None = None
     kv_blocks_cached: int = 0
     guards: tuple[str, ...] = ()
-    # attached servers' counters are differenced over `window_s` (0: the engine's own windows)
     window_s: float = 0.0
     step_tokens: Percentiles = Percentiles()
     kv_block_size: int = 0

@@ -30,7 +30,6 @@ def ms(seconds: float | None) -> float | None:
 
 
 def human_duration(seconds: float | None) -> str:
-    """A duration as people read it: "340 µs", "12.3 ms", "1.25 s", "71.0 s"; "–" for None."""
     if seconds is None:
         return "–"
     magnitude = abs(seconds)
@@ -56,7 +55,6 @@ def interpolated_quantile(ordered: list[int] | list[float], q: float) -> float:
 
 @dataclass(frozen=True)
 class LengthStats:
-    """How long a set of prompts or outputs is, in tokens (bench JSON's workload lengths)."""
 
     p50: float
     p90: float
