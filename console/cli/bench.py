@@ -487,7 +487,7 @@ def _signed(value: float | None) -> str:
     return "-" if value is None else f"{value:+.0%}"
 
 
-# what the GPU twin is judged on against real runs (issue 21), as (field, quantile, tolerance)
+# what the GPU twin is judged on against real runs, as (field, quantile, tolerance)
 AGREEMENT = (("output_tok_s", None, 0.10), ("ttft_ms", "p50", 0.10), ("ttft_ms", "p99", 0.20),
              ("tpot_ms", "p50", 0.10), ("tpot_ms", "p99", 0.20))
 

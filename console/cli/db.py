@@ -82,7 +82,7 @@ def refuse_store_files(output: Path, db: str | None) -> None:
     there would replace the database. Checked before anything is written."""
     url = store_url(db)
     if url.get_backend_name() != "sqlite":
-        return  # a database server's files are not on this machine's paths
+        return  # a database server's files are not local paths
     store = Path(str(url.database))
     for path in (store, store.with_name(store.name + "-wal"),
                  store.with_name(store.name + "-shm"), lock_path(store)):

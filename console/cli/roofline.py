@@ -1,6 +1,6 @@
 """`tokenflow roofline`: the seed-003 what-if table for chunk sizes, from a few numbers.
 
-With no flags it reproduces seed 003 §6·补一 (a 7B model on a 300 TFLOP/s, 2 TB/s machine with
+With no flags it reproduces the worked example (a 7B model on a 300 TFLOP/s, 2 TB/s machine with
 32 decodes at 2048 tokens of context); flags swap in a GPU preset, a model's shape, or any of
 the inputs, and --json prints the same as one object.
 """
@@ -21,7 +21,7 @@ from engine.budget.roofline import Roofline
 from engine.config import ConfigError
 from engine.model.config import ModelConfig, from_hf_config, preset
 
-# Seed 003 §6·补一: the worked example every default below comes from.
+# The worked example every default below comes from.
 SEED_PARAMS = 7e9
 SEED_FLOPS = 300e12
 SEED_BANDWIDTH = 2e12

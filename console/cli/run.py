@@ -34,9 +34,7 @@ from engine.store import StoreWriter
 from engine.store.writer import report_commit
 
 # No one watches a token's latency in a batch run: fewer, larger steps read the weights fewer
-# times. The vs-vLLM conversation workload (issue 18: 64 requests at t=0, 40M Llama, one thread)
-# took 467 steps at 4096 against 600 at 256, and 3.5-4% less time (two engines stepped
-# alternately in one process, so the machine's drift hit both alike).
+# times (docs/benchmarks.md has the figures).
 RUN_BUDGET = 4096
 
 

@@ -1,5 +1,5 @@
 """The peaks of the GPU an attached server runs on: a `--gpu NAME` datasheet, or NVML when
-the server is on this machine. Without either, the reason is kept so panes can say it."""
+the server runs on the same host. Without either, the reason is kept so panes can say it."""
 
 from __future__ import annotations
 

@@ -146,7 +146,7 @@ class EmbeddedSource:
             problem = foreign_journal(engine, database)
             if problem is not None:
                 raise UserError(problem)
-            # what a crashed console left (pitfall 12), announced by the console
+            # what a crashed console left in its journal, announced by the console
             resumed = session.resume_unfinished().resumed
             with database.session() as db_session:
                 quarantined = tuple(q.request_id for q in quarantined_requests(db_session))

@@ -1,6 +1,6 @@
-"""Seed 003 §11 — symptoms against mechanisms — evaluated on live metrics.
+"""Symptoms against mechanisms, evaluated on live metrics.
 
-Each rule is data: the symptom an operator sees, the mechanism the seed derives for it, the
+Each rule is data: the symptom an operator sees, the mechanism behind it, the
 one-line check it prescribes, the condition it tests, and a test that reads the snapshot and
 recent history. A test returns the evidence it used (the figures compared, with the window the
 percentiles cover), or None when the symptom is absent. Rules speak of "the GPU" only when the
@@ -162,7 +162,7 @@ def _kv_capacity(s: Snapshot, h: MetricHistory) -> Figures | None:
 
 
 def _prefix_cache_fall(s: Snapshot, h: MetricHistory) -> Figures | None:
-    """Seed 003 §12: cached prefixes cut the prefill from T to T(1-h) tokens; a hit rate that
+    """Cached prefixes cut the prefill from T to T(1-h) tokens; a hit rate that
     falls below what this traffic had shown gives that back (evicted or changed prefixes)."""
     recent = s.prefix_cache_hit_rate
     if recent is None or not s.prefix_cache_queries_total:
