@@ -510,16 +510,10 @@ def compare(old: StepTimePredictor, new: StepTimePredictor) -> float:
 
 
 def apply(engine: Engine, predictor: StepTimePredictor) -> None:
-    """Budget prefill time with `predictor` and recommend C* from the calibrated peaks.
-
-    The scheduler reads `engine.predict` on every call and the snapshot takes its
-    recommended_chunk_size from `engine.budget.cost_model`, so both switch at the next step."""
-    engine.predict = predictor.predict
-    engine.budget = predictor.budget_model(engine.model_config, engine.runner.bytes_per_element,
-                                           engine.peaks)
-    engine.scheduler.calibrated = True  # budget_score and C* mean something from now on
-    engine.step_ratio.reset()
-    engine.scheduler.step_scale = 1.0
+    """Budget prefill time with `predictor` and recommend C* from the calibrated peaks, from
+    the next step on."""
+    engine.scheduler.controller.calibrate(predictor.predict, predictor.budget_model(
+        engine.model_config, engine.runner.bytes_per_element, engine.peaks))
 
 
 def first_calibration(engine: Engine, session: Session | None = None) -> CalibrationResult:
