@@ -92,7 +92,7 @@ def main() -> int:
         session = EngineSession.start(config, db=Path(folder) / "faults.db", calibrate=False,
                                       simulate=Simulation("a100", speed=args.speed))
         engine = session.engine
-        engine.scheduler.calibrated = True
+        engine.scheduler.controller.calibrated = True
         # one schedule, shared by both wrapped calls: faults alternate runner and scheduler
         schedule = FaultClock(engine.clock, args.faults, rng)
         runner = StepFaults(engine, schedule.calls("runner"), "runner")

@@ -21,10 +21,15 @@ import statistics
 import time
 
 from engine.batch import ModelRunnerOutput, StepTiming
+from engine.budget.controller import BudgetController
+from engine.budget.cost_model import BudgetModel
+from engine.budget.peaks import DevicePeaks
 from engine.config import EngineConfig, SamplingParams
 from engine.core.block_manager import BlockManager
 from engine.core.request import Request, RequestState
 from engine.core.scheduler import Scheduler
+from engine.model.config import PRESETS
+from engine.ops.slow_query_watch import SlowQueryWatch
 from engine.ops.telemetry import BandwidthReading, BandwidthSource, ModelBandwidth
 from engine.stats import quantile
 
@@ -48,8 +53,10 @@ def build(iterations: int, bandwidth: BandwidthSource) -> Scheduler:
     contexts = [rng.randint(64, 4096) for _ in range(RUNNING)]
     grown = sum(-(-(c + iterations + 1) // BLOCK_SIZE) for c in contexts)
     blocks = BlockManager(grown + 64, BLOCK_SIZE)
-    scheduler = Scheduler(config, blocks, bandwidth, lambda shape: 1e-3, lambda event: None,
-                          time.monotonic, bytes_moved=lambda shape: 1e6, eos_token_ids=(),
+    model = BudgetModel(PRESETS["tiny"], 4, DevicePeaks("bench", 1e12, 1e11, "bench"))
+    scheduler = Scheduler(config, blocks, bandwidth, BudgetController(lambda shape: 1e-3, model),
+                          lambda event: None, time.monotonic,
+                          watch=SlowQueryWatch(lambda event: None), eos_token_ids=(),
                           max_model_len=1 << 30)
     params = SamplingParams(max_tokens=1_000_000, ignore_eos=True)
     for index, context in enumerate(contexts):

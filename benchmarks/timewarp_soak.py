@@ -34,7 +34,8 @@ def main() -> int:
     config = EngineConfig(model=args.model, kv_cache_bytes=1 << 30)
     clock = VirtualClock(start=0.0)
     engine = simulated_engine(config, resolve_target(args.gpu, config), clock)
-    engine.scheduler.calibrated = True  # C*, budget scores and the step-time ratio are kept
+    # C*, budget scores and the step-time ratio are kept
+    engine.scheduler.controller.calibrated = True
     plan = SoakPlan(hours=args.hours, requests_per_hour=args.requests_per_hour)
     workload = day_of_trace(plan, engine.model_config.vocab_size)
     with tempfile.TemporaryDirectory() as folder:

@@ -6,7 +6,8 @@ from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.errors import EngineError, ModelLoadError, RequestError
 
 if TYPE_CHECKING:
-    from engine.core.engine import Engine, RequestOutput
+    from engine.batch import RequestOutput
+    from engine.ops.equipped import Engine
 
 __all__ = ["ConfigError", "Engine", "EngineConfig", "EngineError", "ModelLoadError",
            "RequestError", "RequestOutput", "SamplingParams"]
@@ -15,8 +16,12 @@ __all__ = ["ConfigError", "Engine", "EngineConfig", "EngineError", "ModelLoadErr
 def __getattr__(name: str) -> Any:
     # Engine pulls in torch (seconds to import); the console's UI process, which only reads
     # snapshots and the store, never needs it.
-    if name in ("Engine", "RequestOutput"):
-        from engine.core import engine
+    if name == "Engine":
+        from engine.ops.equipped import Engine
 
-        return getattr(engine, name)
+        return Engine
+    if name == "RequestOutput":
+        from engine.batch import RequestOutput
+
+        return RequestOutput
     raise AttributeError(f"module 'engine' has no attribute {name!r}")

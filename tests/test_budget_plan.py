@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from engine import Engine
 from engine.batch import Batch, ModelRunnerOutput, StepShape
 from engine.budget.auto import CStar, token_budget_for
 from engine.budget.cost_model import BudgetModel
@@ -22,14 +23,14 @@ from engine.budget.peaks import DevicePeaks
 from engine.budget.plan import (
     BUDGET_SCORE_DEFINITION,
     PlanItem,
+    PlannedChunk,
     PlanRules,
     plan_prefills,
     replanned,
 )
 from engine.budget.predictor import StepTimePredictor
 from engine.config import EngineConfig, SamplingParams
-from engine.core.engine import Engine
-from engine.core.request import PlannedChunk, Request
+from engine.core.request import Request
 from engine.events import CalibrationProgress, Event, SlowQuery
 from engine.harness.calibrate import FIRST_REASON, apply
 from engine.serve.session import EngineSession

@@ -20,12 +20,12 @@ import pytest
 from sqlalchemy import text
 
 from console.cli.main import main
+from engine import Engine
 from engine.batch import Batch, ModelRunnerOutput, StepShape
 from engine.budget.auto import CStar
 from engine.budget.operations import OperationEfficiency
 from engine.budget.predictor import StepTimePredictor
 from engine.config import ConfigError, EngineConfig, SamplingParams
-from engine.core.engine import Engine
 from engine.errors import EngineError
 from engine.events import ChunkComplete, Drift, Event, StepComplete
 from engine.harness.calibrate import (
@@ -305,7 +305,7 @@ def test_apply_switches_budgeting_and_recommended_chunk(calibrated) -> None:
     predictor = calibrated.predictor
     apply(engine, predictor)
     shape = StepShape(prefill=((64, 0),))
-    assert engine.scheduler.predict(shape) == predictor.predict(shape)
+    assert engine.scheduler.controller.predict(shape) == predictor.predict(shape)
     expected = predictor.budget_model(engine.model_config, 4, engine.peaks)
     # C* at no load, held within [chunk_tile, max_num_batched_tokens] as the engine holds it
     config = engine.config

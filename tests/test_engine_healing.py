@@ -58,7 +58,8 @@ class Served:
 def served(tmp_path: Path) -> Iterator[Served]:
     clock = VirtualClock(start=0.0)
     engine = simulated_engine(CONFIG, resolve_target("a100", CONFIG), clock)
-    engine.scheduler.calibrated = True  # the step-time ratio is kept: the reproduction's path
+    # the step-time ratio is kept: the reproduction's path
+    engine.scheduler.controller.calibrated = True
     database = open_database(tmp_path / "store.db")
     session = EngineSession(engine, database, StoreWriter(database, engine.bus), None)
     loop = session.attach_loop().start()

@@ -20,10 +20,10 @@ from hypothesis.stateful import (
     rule,
 )
 
+from engine import Engine
 from engine.batch import RequestOutput
 from engine.clock import VirtualClock
 from engine.config import ConfigError, EngineConfig, SamplingParams
-from engine.core.engine import Engine
 from engine.core.request import RequestState
 from engine.sim.executor import simulated_engine
 from engine.sim.target import resolve_target
@@ -45,7 +45,7 @@ class EngineUnderTime(RuleBasedStateMachine):
     def start(self) -> None:
         self.clock = VirtualClock(start=0.0)
         self.engine: Engine = simulated_engine(CONFIG, TARGET, self.clock)
-        self.engine.scheduler.calibrated = True  # the windows a calibrated engine keeps
+        self.engine.scheduler.controller.calibrated = True  # the windows a calibrated engine keeps
         self.last: dict[str, RequestOutput] = {}
         self.added: list[str] = []
 

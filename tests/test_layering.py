@@ -1,6 +1,6 @@
-"""Imports point one way: console -> engine, never back; neither package imports itself back
-through others (no cycle); screens reach the console's state, never the App class. Read from
-the source text (ast), so nothing is imported."""
+"""Imports point one way: engine's packages in one order (PACKAGE_ORDER), console above all of
+engine; no module cycle; screens reach the console's state, never the App class. Read from
+the source text (ast, TYPE_CHECKING imports included), so nothing is imported."""
 
 from __future__ import annotations
 
@@ -8,6 +8,11 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# low -> high: a package may import only its own and lower ones. "leaves" are engine/*.py;
+# the root package (engine/__init__.py) hands out the equipped Engine, so it sits with ops.
+PACKAGE_ORDER = ("leaves", "kernels", "model", "budget", "core", "ops", "store", "harness",
+                 "sim", "serve", "console")
 
 
 def imports(package: str) -> dict[str, set[str]]:
@@ -67,6 +72,40 @@ def test_the_engine_never_imports_the_console() -> None:
     backwards = {name: sorted(t for t in targets if t.split(".")[0] == "console")
                  for name, targets in imports("engine").items()}
     assert {name: found for name, found in backwards.items() if found} == {}
+
+
+def layer(module: str) -> str:
+    """The package of PACKAGE_ORDER a module of engine or console belongs to."""
+    parts = module.split(".")
+    if parts[0] == "console":
+        return "console"
+    if module == "engine":
+        return "ops"
+    if len(parts) == 2 and (ROOT / "engine" / f"{parts[1]}.py").exists():
+        return "leaves"
+    return parts[1]
+
+
+def imports_against_the_order() -> list[str]:
+    """'importer -> imported (importer's package < imported's)' for every upward import."""
+    rank = {name: i for i, name in enumerate(PACKAGE_ORDER)}
+    known = {**import_graph("engine"), **import_graph("console")}
+    found = []
+    for module, targets in sorted(known.items()):
+        for target in sorted(targets & known.keys()):
+            if rank[layer(target)] > rank[layer(module)]:
+                found.append(f"{module} ({layer(module)}) -> {target} ({layer(target)})")
+    return found
+
+
+def test_packages_import_only_lower_packages() -> None:
+    offending = imports_against_the_order()
+    assert not offending, "imports against the package order:\n  " + "\n  ".join(offending)
+
+
+def test_every_engine_package_has_a_place_in_the_order() -> None:
+    packages = {layer(m) for m in import_graph("engine")}
+    assert packages <= set(PACKAGE_ORDER), packages - set(PACKAGE_ORDER)
 
 
 def test_the_cycle_finder_finds_one() -> None:

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from engine import Engine
 from engine.config import EngineConfig
-from engine.core.engine import Engine
 from engine.harness.workload import WorkloadRequest
 from engine.serve.loop import EngineLoop
 

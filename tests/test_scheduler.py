@@ -14,12 +14,17 @@ import pytest
 
 from engine import Engine
 from engine.batch import Batch, ModelRunnerOutput, StepTiming
+from engine.budget.controller import BudgetController
+from engine.budget.cost_model import BudgetModel
+from engine.budget.peaks import DevicePeaks
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.core.block_manager import BlockManager
 from engine.core.intake import rejection
 from engine.core.request import Request, RequestState
 from engine.core.scheduler import Scheduler
 from engine.events import ChunkComplete, ConfigChanged, Event, ModeChanged, Preempted
+from engine.model.config import PRESETS
+from engine.ops.slow_query_watch import SlowQueryWatch
 from engine.ops.telemetry import BandwidthReading, InjectedBandwidth
 
 STEP_S = 0.01  # simulated duration of one step
@@ -52,9 +57,11 @@ class SchedulerRig:
         self.blocks = BlockManager(self.num_blocks, self.config.block_size,
                                    enable_caching=self.config.enable_prefix_caching)
         self.bandwidth = InjectedBandwidth(IdleBandwidth(), clock=self.clock)
+        model = BudgetModel(PRESETS["tiny"], 4, DevicePeaks("rig", 1e12, 1e11, "rig"))
         self.scheduler = Scheduler(self.config, self.blocks, self.bandwidth,
-                                   lambda shape: 1e-3, self.events.append, self.clock,
-                                   bytes_moved=lambda shape: 0.0, eos_token_ids=(),
+                                   BudgetController(lambda shape: 1e-3, model),
+                                   self.events.append, self.clock,
+                                   watch=SlowQueryWatch(self.events.append), eos_token_ids=(),
                                    max_model_len=MAX_MODEL_LEN)
 
     def clock(self) -> float:

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from engine import Engine
 from engine.batch import StepShape
 from engine.budget.peaks import DevicePeaks, measure_peaks
 from engine.budget.predictor import StepTimePredictor
 from engine.budget.roofline import Roofline, step_estimate
 from engine.config import ConfigError, EngineConfig, SamplingParams
-from engine.core.engine import Engine
 from engine.events import ChunkComplete, Event, Finished, Preempted, StepComplete
 from engine.harness.driver import drive
 from engine.harness.workload import WorkloadRequest

@@ -12,12 +12,12 @@ from sqlalchemy import select
 
 from console.sources.prometheus_text import MAX_READINGS, MetricWindow, Reading
 from console.tui.history import MetricHistory
+from engine import Engine
 from engine.budget import auto, predictor
 from engine.budget.auto import CStar
 from engine.budget.predictor import StepTimeRatio
 from engine.clock import VirtualClock
 from engine.config import EngineConfig, SamplingParams
-from engine.core.engine import Engine
 from engine.core.request import RequestState
 from engine.events import EventBus, Finished, RequestAdded, StepComplete
 from engine.harness.driver import drive
@@ -37,7 +37,7 @@ def calibrated_sim(clock: VirtualClock) -> Engine:
     """The real scheduler, metrics and guards on the simulated executor, pricing prefill
     plans as a calibrated engine does (the step-time ratio is only kept then)."""
     engine = simulated_engine(CONFIG, resolve_target("a100", CONFIG), clock)
-    engine.scheduler.calibrated = True
+    engine.scheduler.controller.calibrated = True
     return engine
 
 

@@ -37,8 +37,8 @@ def throttled_rig() -> tuple[SchedulerRig, Request, Request]:
     bandwidth spike (level 2: one prefill at a time) holds the second back."""
     s = sim(max_num_batched_tokens=32, chunk_tile=4, max_prefill_chunks=2,
             long_prefill_threshold=16)
-    s.scheduler.predict = lambda shape: STEP_S  # a predictor that matches the rig's steps
-    s.scheduler.calibrated = True
+    s.scheduler.controller.price_with(lambda shape: STEP_S)  # matches the rig's steps
+    s.scheduler.controller.calibrated = True
     first, second = s.add(64, max_tokens=3), s.add(64, max_tokens=3)
     s.step()
     s.bandwidth.inject(0.96, until_s=1.0)

@@ -17,7 +17,7 @@ def test_six_simulated_hours_end_with_every_request_accounted_for(tmp_path: Path
     config = EngineConfig(model="synthetic:small", kv_cache_bytes=256 << 20)
     clock = VirtualClock(start=0.0)
     engine = simulated_engine(config, resolve_target("a100", config), clock)
-    engine.scheduler.calibrated = True
+    engine.scheduler.controller.calibrated = True
     plan = SoakPlan(hours=6, busy_from=3, requests_per_hour=15, abort_share=0.2,
                     max_output_tokens=64)
     workload = day_of_trace(plan, engine.model_config.vocab_size)

@@ -34,9 +34,9 @@ from console.cli.progress import RunProgress, add_quiet_flag
 from console.cli.report import write_report
 from console.cli.workload_flags import add_fixed_length_flags, add_workload_flags, workload_for
 from console.errors import UserError
+from engine import Engine
 from engine.budget.predictor import StepTimePredictor
 from engine.config import EngineConfig
-from engine.core.engine import Engine
 from engine.core.model_runner import resolve_device
 from engine.harness.calibrate import apply
 from engine.harness.driver import RunResult, drive

@@ -21,8 +21,8 @@ from tqdm import tqdm
 
 from console.cli.db import add_db_argument, add_server_name_argument
 from console.cli.engine_flags import add_engine_flags, engine_config
+from engine import Engine
 from engine.budget.predictor import StepTimePredictor
-from engine.core.engine import Engine
 from engine.events import Drift
 from engine.harness.calibrate import (
     CalibrationResult,

@@ -1,16 +1,6 @@
-"""The prefill plan budget_score is measured against (issue 16).
-
-A request's budget is the predicted time of the steps that will carry its chunks, with the
-other work planned beside them: the decodes, and the other prefills sharing those steps, ahead
-of it (whose chunks it waits behind) and after it (which only lengthen the steps). `plan_prefills`
-simulates the scheduler's normal-mode rules (decodes first, prefills in queue order, chunks cut
-to what is left and rounded down to whole tiles, at most `slots` prefills a step) over the work
-known now and prices every simulated step with the calibrated predictor.
-
-Faults are deliberately absent from the simulation: CACHE_PRESSURE_WAIT, a bandwidth throttle,
-the guards' degraded path, a preemption, or chunks slower than predicted all make the measured
-prefill longer than the plan, which is what a budget_score above the threshold reports.
-"""
+"""The prefill plan budget_score is measured against: the scheduler's normal-mode rules
+simulated over the work known now, each step priced by the calibrated predictor. Faults are
+left out on purpose, so a fault shows as a score above 1 (docs/budget-and-calibration.md)."""
 
 from __future__ import annotations
 
@@ -19,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.batch import StepShape
-from engine.core.request import PlannedChunk
+from engine.budget.planned_chunk import PlannedChunk
 
 BUDGET_SCORE_DEFINITION = (
     "budget_score = measured prefill time / planned prefill time. The plan is the predicted "
@@ -57,12 +47,8 @@ class PlanItem:
 
 def plan_prefills(items: Sequence[PlanItem], decode_contexts: Sequence[int], rules: PlanRules,
                   predict: Callable[[StepShape], float]) -> dict[object, list[PlannedChunk]]:
-    """The planned chunks of every item, simulated step by step from now.
-
-    Decodes grow by one token of context a step and a prefill that completes joins them (it
-    decodes from the next step); decodes that will end are unknown and stay, so a plan errs
-    on the long side, never short.
-    """
+    """The planned chunks of every item, simulated step by step from now. Decodes that will
+    end are unknown and stay, so a plan errs long, never short."""
     position = {item.key: item.position for item in items}
     end = {item.key: item.end for item in items}
     order = [item.key for item in items if item.position < item.end]
@@ -123,10 +109,8 @@ def _step_chunks(order: list[object], position: dict[object, int], end: dict[obj
 
 def replanned(planned: list[PlannedChunk], position: int, steps_waited: int,
               new: list[PlannedChunk]) -> list[PlannedChunk]:
-    """`planned` kept for the tokens before `position` (a chunk cut by it keeps its share of
-    the step), then `new`, the plan from `position` on. The wait already spent toward the
-    old plan's next chunk (`steps_waited` steps, at most what it planned) is credited to the
-    new plan's first chunk, so a re-plan never takes away budget time that has passed."""
+    """`planned` before `position`, then `new`; the wait already spent toward the old plan's
+    next chunk is credited to the new first chunk, so a re-plan never takes back time passed."""
     kept: list[PlannedChunk] = []
     credit_s, credit_steps = 0.0, 0
     for chunk in planned:

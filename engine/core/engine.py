@@ -1,13 +1,7 @@
-"""The engine loop: a step is four calls, as in nano-vllm and vLLM V1:
-
-    batch = scheduler.schedule() -> output = runner.run(batch)
-          -> scheduler.update(batch, output) -> bus.drain() (events to observers)
-
-Around them the engine only orchestrates: intake, configuration at step boundaries, the
-auto budget, and the guards' decisions. Everything here runs on one thread (the caller's, or
-`EngineLoop`'s). Other threads may call `update_config` (applied at the next step boundary)
-and read the last snapshot.
-"""
+"""The engine loop: a step is schedule -> run -> update -> drain (nano-vllm, vLLM V1), after
+the intake of what came between steps. It runs on one thread; other threads may call
+`update_config` (applied at the next step boundary) and read the last snapshot. Its guards,
+metrics and bandwidth source come from above core (`Equipment`; engine.ops.equipped)."""
 
 from __future__ import annotations
 
@@ -19,8 +13,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from engine.batch import Batch, RequestOutput, StepShape, StepTiming
-from engine.budget.auto import CStar, auto_token_budget, token_budget_for
+from engine.batch import Batch, ModelRunnerOutput, RequestOutput, StepShape, StepTiming
+from engine.budget.auto import token_budget_for
+from engine.budget.controller import BudgetController
 from engine.budget.cost_model import BudgetModel
 from engine.budget.peaks import measure_peaks
 from engine.budget.predictor import StepTimeRatio
@@ -28,6 +23,7 @@ from engine.clock import Clock
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.core import intake
 from engine.core.block_manager import BlockManager
+from engine.core.equipment import Equipment, GuardDecisions, GuardInputs
 from engine.core.executor import Executor
 from engine.core.model_runner import ModelRunner
 from engine.core.request import Request, RequestState
@@ -35,40 +31,22 @@ from engine.core.scheduler import Scheduler, request_output
 from engine.errors import RequestError
 from engine.events import (
     ConfigChanged,
-    Event,
     EventBus,
     FailCause,
     Failed,
     GuardAction,
     Rejected,
     RequestAdded,
-    StepComplete,
     wall_offset,
 )
-from engine.ops.guards import (
-    FAULT_EVENTS,
-    ChunkRun,
-    GuardDecisions,
-    GuardInputs,
-    Guards,
-    allocator_fragmentation,
-)
-from engine.ops.metrics import Metrics
-from engine.ops.telemetry import BandwidthSource, ModelBandwidth, NvmlBandwidth, nvml_available
 from engine.snapshot import RequestView, Snapshot
 
 __all__ = ["Engine", "RequestOutput"]
 
-# Prefill plans follow the live measured/predicted ratio this far at most: further off is
-# drift (a recalibration's business), and a fault filling the window must still show.
-MAX_STEP_SCALE = 2.0
-
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, *,
-                 bandwidth: BandwidthSource | None = None,
-                 clock: Clock = time.monotonic,
-                 runner: Executor | None = None) -> None:
+    def __init__(self, config: EngineConfig | None, equipment: Equipment, *,
+                 clock: Clock = time.monotonic, runner: Executor | None = None) -> None:
         """`runner` replaces the model runner by a simulated executor (engine.sim), which
         brings its device's peaks; `clock` is then the simulation's clock."""
         config = config or EngineConfig()
@@ -84,42 +62,38 @@ class Engine:
                                    enable_caching=config.enable_prefix_caching)
         self.peaks = (runner.peaks if runner is not None
                       else measure_peaks(str(self.runner.device), self.runner.dtype))
-        self.budget = BudgetModel(self.model_config, self.runner.bytes_per_element, self.peaks)
+        model = BudgetModel(self.model_config, self.runner.bytes_per_element, self.peaks)
         # one KV block's bytes, from the model's shape: a simulated executor holds no KV tensor
         self.block_bytes = (self.model_config.kv_bytes_per_token(self.runner.bytes_per_element)
                             * self.runner.block_size)
-        self.predict: Callable[[StepShape], float] = self.budget.predict
-        self.bandwidth = bandwidth or self._default_bandwidth()
-        # the cost callables read self.predict / self.budget at each call: a calibration
-        # applied later (engine.harness.calibrate.apply) takes effect at the next step
+        self.bandwidth = equipment.bandwidth(self.runner.device, self.peaks.bandwidth, clock)
         self.scheduler = Scheduler(config, self.blocks, self.bandwidth,
-                                   lambda shape: self.predict(shape), self.bus.publish, clock,
-                                   bytes_moved=lambda shape: self.budget.bytes_moved(shape),
+                                   BudgetController(model.predict, model), self.bus.publish,
+                                   clock, watch=equipment.prefill_watch(self.bus.publish),
                                    eos_token_ids=self.tokenizer.eos_token_ids,
                                    max_model_len=self.max_model_len,
                                    decode=self.tokenizer.decode)
-        self.metrics = Metrics(config.stats_window_s)
+        self.metrics = equipment.metrics(config)
         self.metrics.subscribe_to(self.bus)
-        self.guards = Guards()
-        self.bus.subscribe(self._observe, FAULT_EVENTS)
-        self.step_count = 0
-        self.cstar = CStar()  # C* from the smoothed decode load, once calibrated
-        # measured / predicted prefill steps since calibration
-        self.step_ratio = StepTimeRatio()
-        self._left_busy: float | None = None  # when the last step returned with work left
+        self.guards = equipment.guards(self.runner.device)
+        self.guards.subscribe_to(self.bus)
         self._out_of_band: list[RequestOutput] = []  # ended outside a step, returned by the next
         self._config_lock = threading.Lock()
         self._pending_config: tuple[EngineConfig, str] | None = None
         self.stepping: tuple[str, ...] = ()  # the requests of the step under way
 
-    def _default_bandwidth(self) -> BandwidthSource:
-        """NVML's 5 s average on a GPU it can see, else the model estimate."""
-        device = self.runner.device
-        if device.type == "cuda" and nvml_available():
-            source = NvmlBandwidth(device.index or 0, torch_device=str(device))
-            source.start()
-            return source
-        return ModelBandwidth(self.peaks.bandwidth, clock=self.clock)
+    @property
+    def predict(self) -> Callable[[StepShape], float]:
+        """The step-time predictor in force (the budget model's until a calibration)."""
+        return self.scheduler.controller.predict
+
+    @property
+    def budget(self) -> BudgetModel:
+        return self.scheduler.controller.model
+
+    @property
+    def step_ratio(self) -> StepTimeRatio:
+        return self.scheduler.controller.step_ratio
 
     # --- requests -----------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int] | str, params: SamplingParams | None = None, *,
@@ -215,14 +189,11 @@ class Engine:
                 self.bus.publish(Failed(request_id=request.id, reason=fail[request.id],
                                         cause=FailCause.ENGINE))
                 self._out_of_band.append(request_output(request, ()))
-        self.blocks = self.scheduler.blocks = BlockManager(
-            self.runner.num_blocks, self.runner.block_size,
-            enable_caching=self.config.enable_prefix_caching)
-        for queue in (self.scheduler.requests, self.scheduler.flagged, self.scheduler.waiting,
-                      self.scheduler.running):
-            queue.clear()
+        self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size,
+                                   enable_caching=self.config.enable_prefix_caching)
+        self.scheduler.reset(self.blocks)
         owed, self._out_of_band = self._out_of_band, []
-        self._left_busy, self.stepping = None, ()
+        self.stepping = ()
         return [r for r in live if r.id not in fail], owed
 
     def has_unfinished(self) -> bool:
@@ -279,83 +250,45 @@ class Engine:
     @property
     def calibrated(self) -> bool:
         """Whether a calibrated predictor is applied: until then no budget_score or C*."""
-        return self.scheduler.calibrated
+        return self.scheduler.controller.calibrated
 
     def step(self) -> list[RequestOutput]:
-        entered = self.clock()
-        self.apply_pending_config()
-        self._apply(self.guards.evaluate(self._guard_inputs()))
-        outputs, self._out_of_band = self._out_of_band, []
-        if self.calibrated:
-            decodes, context = self.scheduler.decode_load()
-            chunk = self.cstar.observe(entered, decodes, context, self.budget,
-                                       self.config.chunk_tile,
-                                       self.config.max_num_batched_tokens)
-            if self.config.auto_budget:
-                self.scheduler.auto_budget = auto_token_budget(
-                    self.config, chunk, self.predict, decodes, context, self.max_model_len)
-        self.stepping = ()
+        """One scheduler iteration: the outputs of the requests it moved or ended."""
+        outputs = self._intake()
         batch = self.scheduler.schedule()
-        self.stepping = tuple(c.request.id for c in (*batch.prefills, *batch.decodes))
-        forward_s = 0.0
         if batch.prefills or batch.decodes:
-            step_outputs, forward_s = self._run(batch)
-            outputs += step_outputs
-        self.bus.drain()
-        left = self.clock()
-        if batch.prefills or batch.decodes:
-            # with work waiting, the time since the last step left is the caller's loop
-            # (commands, snapshots): the plan's steps pay it too
-            since = entered if self._left_busy is None else self._left_busy
-            # the step's own time beyond the forward pass (scheduling, booking, events): part
-            # of every step a prefill plan prices, which the calibrated predictor does not time
-            self.scheduler.overheads.append(max(0.0, left - since - forward_s))
-        self._left_busy = left if self.scheduler.has_work() else None
+            output, timing = self._run(batch)
+            outputs += self.scheduler.update(batch, output, timing)
+        self._drain()
         return outputs
 
-    def _run(self, batch: Batch) -> tuple[list[RequestOutput], float]:
-        """Execute a scheduled batch, book it, publish its timing and let the guards judge;
-        the outputs and the forward pass's seconds."""
+    def _intake(self) -> list[RequestOutput]:
+        """The step boundary's intake: a configuration update, and the outputs owed by
+        requests that ended between steps."""
+        self.stepping = ()
+        self.apply_pending_config()
+        outputs, self._out_of_band = self._out_of_band, []
+        return outputs
+
+    def _run(self, batch: Batch) -> tuple[ModelRunnerOutput, StepTiming]:
+        self.stepping = tuple(c.request.id for c in (*batch.prefills, *batch.decodes))
         self.runner.zero_blocks(self.blocks.take_newly_allocated())
-        shape = batch.shape()
-        predicted = self.predict(shape)
+        predicted = self.predict(batch.shape())
         start = self.clock()
         output = self.runner.run(batch)
         end = self.clock()
-        timing = StepTiming(end, end - start, predicted)
-        if self.calibrated and batch.prefills:  # the steps prefill plans are made of
-            self.step_ratio.observe(end, timing.duration_s, predicted)
-            self.scheduler.step_scale = min(max(self.step_ratio.value, 1 / MAX_STEP_SCALE),
-                                            MAX_STEP_SCALE)
-        bytes_moved = self.budget.bytes_moved(shape)
-        self.bandwidth.record(bytes_moved, timing.duration_s)
-        self.step_count += 1
-        outputs = self.scheduler.update(batch, output, timing)
-        # step, prefill tokens, decode seqs, duration, predicted, mode, FLOPs, bytes moved:
-        # positional, as a frozen dataclass's keywords cost a third more
-        self.bus.publish(StepComplete(self.step_count, shape.prefill_tokens, len(batch.decodes),
-                                      timing.duration_s, predicted, batch.mode.value,
-                                      self.budget.flops(shape), bytes_moved))
-        runs = tuple([ChunkRun(c.request.id, c.request.chunks[-1].index, timing.duration_s)
-                      for c in batch.prefills if not c.request.state.is_final]
-                     ) if batch.prefills else ()
-        fragmentation = max(self.blocks.fragmentation(self.scheduler.requests.values()),
-                            allocator_fragmentation(self.runner.device))
-        self._apply(self.guards.evaluate(self._guard_inputs(fragmentation, runs)))
-        return outputs, timing.duration_s
+        return output, StepTiming(end, end - start, predicted)
 
-    # --- guards -------------------------------------------------------------------------
-    def _guard_inputs(self, fragmentation: float | None = None,
-                      chunks: tuple[ChunkRun, ...] = ()) -> GuardInputs:
+    def _drain(self) -> None:
+        """Deliver the step's events to the observers, apply what the guards decide from
+        them (once per step, at its boundary), and deliver what that caused."""
+        self.bus.drain()
         s = self.scheduler
-        return GuardInputs(self.clock(), self.config, s.throttle_level, s.bandwidth_util,
-                           fragmentation, chunks)
-
-    def _observe(self, event: Event) -> None:
-        """A fault an event reports (breaker, drift, a request failed alone) is judged at once;
-        subscribed to FAULT_EVENTS only."""
-        if self.guards.observe(event, self.clock):
-            self._apply(self.guards.evaluate(self._guard_inputs()))
+        fragmentation = (self.blocks.fragmentation(s.requests.values()) if self.stepping
+                         else None)
+        self._apply(self.guards.evaluate(GuardInputs(
+            self.clock(), self.config, s.throttle_level, s.bandwidth_util, fragmentation)))
+        self.bus.drain()
 
     def _apply(self, decisions: GuardDecisions) -> None:
         for request_id, reason in decisions.fail:
@@ -370,28 +303,22 @@ class Engine:
                 detail += ", torch.cuda.empty_cache()"
             self.bus.publish(GuardAction(layer="defrag", engaged=True, detail=detail,
                                          ts=self.clock()))
-        self.scheduler.prefill_paused = decisions.prefill_paused
+        self.scheduler.pause_prefill(decisions.prefill_paused)
         for event in decisions.events:
             self.bus.publish(event)
 
     # --- observation --------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
         now = self.clock()
-        s, m = self.scheduler, self.metrics
+        s = self.scheduler
         live = list(s.requests.values())
-        tokens_per_s, output_per_s = m.rates(now)
-        window = m.latency(now)
-        decodes, context = s.decode_load()
-        chunk = None
-        if self.calibrated:  # before a first step the load now is the smoothed load
-            chunk = self.cstar.value or self.cstar.observe(
-                now, decodes, context, self.budget, self.config.chunk_tile,
-                self.config.max_num_batched_tokens)
+        cstar = s.controller.cstar
+        chunk = s.controller.recommended_chunk(now, *s.decode_load(), self.config)
         reading = self.bandwidth.reading()
         return Snapshot(
             ts=now, wall_offset=wall_offset(), model=self.config.model,
             device=str(self.runner.device),
-            mode=s.mode.value, step=self.step_count,
+            mode=s.mode.value, step=s.steps,
             mode_reason=self._mode_reason(), config=self.config.live_values(),
             requests=tuple(_view(r, self.config.max_num_batched_tokens)
                            for r in [*s.recent, *live]),
@@ -406,30 +333,19 @@ class Engine:
             kv_bytes_total=float(self.blocks.num_blocks * self.block_bytes),
             bandwidth_bytes_per_s=reading.util_5s * self.peaks.bandwidth,
             bandwidth_util_5s=reading.util_5s, bandwidth_source=reading.source,
-            throttle_level=s.throttle_level, tokens_per_s=tokens_per_s,
-            output_tokens_per_s=output_per_s, stats_window_s=window.window_s,
-            ttft_ms=window.ttft, tpot_ms=window.tpot, itl_ms=window.itl,
-            queue_wait_ms=window.queue_wait, step_ms=window.step,
+            throttle_level=s.throttle_level,
             calibration="calibrated" if self.calibrated else "calibrating",
             recommended_chunk_size=chunk,
-            recommended_chunk_unclamped=None if chunk is None else self.cstar.unclamped,
+            recommended_chunk_unclamped=None if chunk is None else cstar.unclamped,
             recommended_token_budget=None if chunk is None else token_budget_for(
-                max(self.cstar.unclamped or chunk, self.config.chunk_tile), self.cstar.decodes,
+                max(cstar.unclamped or chunk, self.config.chunk_tile), cstar.decodes,
                 self.config.chunk_tile),
-            recommended_decodes=None if chunk is None else self.cstar.decodes,
+            recommended_decodes=None if chunk is None else cstar.decodes,
             token_budget=s.token_budget,
-            preemptions_total=m.preemptions_total, prompt_tokens_total=m.prompt_tokens_total,
-            generation_tokens_total=m.generation_tokens_total,
-            requests_finished_total=m.requests_finished_total,
-            requests_rejected_total=m.requests_rejected_total,
-            requests_failed_total=m.requests_failed_total,
             faults_isolated_total=self.guards.faults_isolated,
-            slow_queries_total=m.slow_queries_total,
-            prefix_cache_queries_total=m.prefix_cache_queries_total,
-            prefix_cache_hits_total=m.prefix_cache_hits_total,
-            prefix_cache_hit_rate=m.prefix_cache_hit_rate(now),
             kv_blocks_cached=self.blocks.num_cached,
             guards=self.guards.engaged(),
+            **self.metrics.snapshot_fields(now),
         )
 
     def _mode_reason(self) -> str:

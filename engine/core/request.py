@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from engine.config import SamplingParams
 
-if TYPE_CHECKING:  # only named in an annotation: the console's plan reads import this module
+if TYPE_CHECKING:  # only named in annotations: the console's plan reads import this module
     import torch
+
+    from engine.budget.planned_chunk import PlannedChunk
 
 
 # the tags the HTTP server gives a chat completion's requests and a prompt-scoring request's
@@ -66,31 +68,6 @@ class ChunkTiming:
     mode: str = "NORMAL"
     throttle_level: int = 0
     attempt: int = 0  # preemptions before it: chunks of an earlier attempt were recomputed
-
-
-@dataclass(frozen=True)
-class PlannedChunk:
-    """One chunk of a request's prefill plan: what a healthy engine runs (issue 16).
-
-    The plan simulates the scheduler's normal-mode rules over the work known at planning
-    time; budget_score is measured prefill time over the sum of `budget_s`.
-    start, tokens: prompt positions the chunk computes. wait_s: predicted time of the steps
-    (`wait_steps`) before it in which work ahead (decodes, earlier prefills) left it no room.
-    predicted_s: the predicted time of the step carrying it, whole: `decodes` decodes and
-    `other_prefill_tokens` tokens of other prefills run beside it.
-    """
-
-    start: int
-    tokens: int
-    predicted_s: float
-    wait_s: float = 0.0
-    wait_steps: int = 0
-    decodes: int = 0
-    other_prefill_tokens: int = 0
-
-    @property
-    def budget_s(self) -> float:
-        return self.wait_s + self.predicted_s
 
 
 @dataclass(eq=False)

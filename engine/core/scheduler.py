@@ -22,12 +22,9 @@ ahead of it, c = budget - (N - 1) - (chunk_tile - 1), S = max_prefill_chunks.
 from __future__ import annotations
 
 import math
-import statistics
-from array import array
 from bisect import insort
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable
-from dataclasses import asdict
 
 from engine.batch import (
     Batch,
@@ -38,9 +35,11 @@ from engine.batch import (
     StepShape,
     StepTiming,
 )
+from engine.budget.controller import BudgetController
 from engine.budget.plan import PlanItem, PlanRules, plan_prefills, replanned
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
+from engine.core.equipment import BandwidthSource, PrefillWatch
 from engine.core.request import ChunkTiming, Request, RequestState
 from engine.events import (
     CacheEvict,
@@ -52,42 +51,30 @@ from engine.events import (
     ModeChanged,
     Preempted,
     PrefixCacheLookup,
-    SlowQuery,
+    StepComplete,
     TokensGenerated,
 )
-from engine.ops.telemetry import BandwidthSource
-from engine.ops.timeline import ModeRecord, PrefillGaps, StepRecord, classify_prefill, explain
 
 RECENT_FINISHED = 64  # ended requests still shown in snapshots
-# steps and mode changes kept to explain a slow prefill (one small tuple each; a prefill longer
-# than the log classes its earliest gaps by the mode log alone)
-STEP_LOG = 65536
-MODE_LOG = 4096
-OVERHEAD_STEPS = 64  # steps whose median overhead the prefill plans add to each step
 QUEUED = (RequestState.WAITING, RequestState.PREEMPTED)
 # throttle level -> chunk concurrency cap (level 3 also pauses new prefills)
 THROTTLE_CONCURRENCY = {0: None, 1: 2, 2: 1, 3: 1}
 
 
-Cost = Callable[[StepShape], float]
-
-
 class Scheduler:
     """Owns every live request: `schedule` picks a step's batch, `update` books its result.
-
-    `predict` (seconds) and `bytes_moved` are the engine's cost model for a step shape; the
-    end-of-sequence ids and `max_model_len` are the model's stop conditions."""
+    The end-of-sequence ids and `max_model_len` are the model's stop conditions."""
 
     def __init__(self, config: EngineConfig, blocks: BlockManager, bandwidth: BandwidthSource,
-                 predict: Cost, publish: Callable[[Event], None], clock: Callable[[], float],
-                 *, bytes_moved: Cost, eos_token_ids: Iterable[int],
-                 max_model_len: int,
+                 controller: BudgetController, publish: Callable[[Event], None],
+                 clock: Callable[[], float], *, watch: PrefillWatch,
+                 eos_token_ids: Iterable[int], max_model_len: int,
                  decode: Callable[[list[int]], str] = lambda ids: "") -> None:
         self.config = config
         self.blocks = blocks
         self.bandwidth = bandwidth
-        self.predict = predict
-        self.bytes_moved = bytes_moved
+        self.controller = controller
+        self.watch = watch
         self.publish = publish
         self.clock = clock
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -100,30 +87,26 @@ class Scheduler:
         self.mode = SchedulerMode.NORMAL
         self.throttle_level = 0
         self.cache_pressure = False
-        self.prefill_paused = False  # degraded path (protection layer 6) when set by guards
-        self.auto_budget: int | None = None  # set each step by the engine when auto_budget
+        self.prefill_paused = False  # the guards' degraded path
         self._above_pause_since: float | None = None
         self.bandwidth_util = 0.0
-        self.step_log: deque[StepRecord] = deque(maxlen=STEP_LOG)
-        self.mode_log: deque[ModeRecord] = deque(maxlen=MODE_LOG)
-        # live requests flagged slow, with their prefill's gaps classed (published at the end)
-        self.flagged: dict[str, PrefillGaps] = {}
         self.steps = 0  # steps booked by `update`
-        # No plan, so no budget_score or slow query, until the predictor is calibrated
-        # (engine.harness.calibrate.apply sets it).
-        self.calibrated = False
+        self._scheduled_at = 0.0  # when the step under way was scheduled
         self._plan_rules: PlanRules | None = None  # the rules the plans in force assume
         # plan_rules()'s last answer, with the configuration and the budget it was made for
         self._rules_made: tuple[EngineConfig, int, PlanRules] | None = None
-        # set by the engine: each recent step's time beyond the forward pass, and how far
-        # steps run from the predictor lately (engine.budget.predictor.StepTimeRatio)
-        self.overheads: deque[float] = deque(maxlen=OVERHEAD_STEPS)
-        self.step_scale = 1.0
 
-    @property
-    def step_overhead_s(self) -> float:
-        """The median recent overhead, taken when a plan reads it rather than every step."""
-        return statistics.median(self.overheads) if self.overheads else 0.0
+    def pause_prefill(self, paused: bool) -> None:
+        """The guards' degraded path: one prefill at a time in chunk_tile-sized chunks."""
+        self.prefill_paused = paused
+
+    def reset(self, blocks: BlockManager) -> None:
+        """An engine restart: every live request leaves, and the KV pool starts empty."""
+        for queue in (self.requests, self.waiting, self.running):
+            queue.clear()
+        self.blocks = blocks
+        self.watch.clear()
+        self.controller.forget_steps()
 
     # --- queues -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -146,10 +129,8 @@ class Scheduler:
         request.finish_time = self.clock()
         self.recent.append(request)
         if state is RequestState.FAILED and request.prefill_finished is None:
-            self._check_slow(request, request.finish_time)  # failed mid-prefill (a guard)
-        gaps = self.flagged.pop(request.id, None)
-        if gaps is not None:
-            self._publish_slow(request, gaps)
+            self._prefill_ended(request, request.finish_time)  # failed mid-prefill (a guard)
+        self.watch.ended(request, self.config)
         if state is RequestState.FAILED:
             self.publish(Failed(request_id=request.id, reason=reason,
                                 cause=cause or FailCause.FAULT))
@@ -174,10 +155,8 @@ class Scheduler:
 
     @property
     def token_budget(self) -> int:
-        """This step's token budget: the configured one, or the engine's live C* choice."""
-        if self.config.auto_budget and self.auto_budget is not None:
-            return self.auto_budget
-        return self.config.max_num_batched_tokens
+        """This step's token budget: the configured one, or the live C* choice."""
+        return self.controller.token_budget(self.config)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -196,10 +175,10 @@ class Scheduler:
 
     # --- the step -----------------------------------------------------------------------
     def schedule(self) -> Batch:
+        now = self._scheduled_at = self.clock()
+        self.controller.before_step(now, *self.decode_load(), self.config, self.max_model_len)
         self._update_mode()
-        state = (self.mode.value, self.throttle_level, self.prefill_paused)
-        if not self.mode_log or self.mode_log[-1][1:] != state:
-            self.mode_log.append(ModeRecord(self.clock(), *state))
+        self.watch.mode(self.clock(), self.mode.value, self.throttle_level, self.prefill_paused)
         batch = Batch(mode=self.mode)
         budget = self._schedule_decodes(batch, self.token_budget)
         rules = self.plan_rules()  # once a step: the retune check and the chunk cap read it
@@ -413,7 +392,7 @@ class Scheduler:
         calibration and never broken by a preemption is replaced: a request admitted before
         the first calibration gets no verdict, and one preempted mid-prefill keeps the plan
         it had, so the recompute counts as overrun."""
-        if not self.calibrated:
+        if not self.controller.calibrated:
             return
         fresh = set(fresh)
         prefilling = sorted((r for r in self.running if r.state is RequestState.PREFILL_CHUNKING),
@@ -422,9 +401,7 @@ class Scheduler:
             return
         rules = self._plan_rules = self.plan_rules()
         items = [PlanItem(r, r.num_computed_tokens, r.num_tokens) for r in prefilling]
-        scale, overhead = self.step_scale, self.step_overhead_s
-        plans = plan_prefills(items, decode_contexts, rules,
-                              lambda shape: self.predict(shape) * scale + overhead)
+        plans = plan_prefills(items, decode_contexts, rules, self.controller.plan_price())
         for request in prefilling:
             if request in fresh:
                 request.planned = plans[request]
@@ -438,16 +415,16 @@ class Scheduler:
     def update(self, batch: Batch, output: ModelRunnerOutput,
                timing: StepTiming) -> list[RequestOutput]:
         """Book a step's result: prefill progress and chunk records, the sampled tokens
-        appended, stop conditions, finished requests' blocks freed. An error in one request's
-        sampling, stop check or output fails that request alone (FAILED, cause FAULT); the
-        others go on."""
+        appended, stop conditions, finished requests' blocks freed, the budget controller
+        taught, StepComplete published. An error in one request's sampling, stop check or
+        output fails that request alone (FAILED, cause FAULT); the others go on."""
         self.steps += 1
         start = timing.end - timing.duration_s
-        prefill_tokens = batch.shape().prefill_tokens
-        self.step_log.append(StepRecord(start, timing.end, self.steps, batch.mode.value,
-                                     self.throttle_level, self.prefill_paused,
-                                     tuple([c.request.id for c in batch.prefills]),
-                                     len(batch.decodes)))
+        shape = batch.shape()
+        prefill_tokens = shape.prefill_tokens
+        self.watch.step(start, timing.end, self.steps, batch.mode.value, self.throttle_level,
+                        self.prefill_paused, tuple([c.request.id for c in batch.prefills]),
+                        len(batch.decodes))
         cache = self.blocks.cache_full_blocks
         for chunk in batch.prefills:
             self._record_chunk(chunk, timing, start, len(batch.decodes),
@@ -481,7 +458,20 @@ class Scheduler:
                     error = f"handling its token failed: {type(exc).__name__}: {exc}"
             self.finish(request, RequestState.FAILED, error, FailCause.FAULT)
             outputs.append(request_output(request, ()))
+        self._step_done(batch, shape, timing)
         return outputs
+
+    def _step_done(self, batch: Batch, shape: StepShape, timing: StepTiming) -> None:
+        model = self.controller.model
+        bytes_moved = model.bytes_moved(shape)
+        self.bandwidth.record(bytes_moved, timing.duration_s)
+        self.controller.after_step(timing, self._scheduled_at, bool(batch.prefills),
+                                   self.has_work())
+        # step, prefill tokens, decode seqs, duration, predicted, mode, FLOPs, bytes moved:
+        # positional, as a frozen dataclass's keywords cost a third more
+        self.publish(StepComplete(self.steps, shape.prefill_tokens, len(batch.decodes),
+                                  timing.duration_s, timing.predicted_s, batch.mode.value,
+                                  model.flops(shape), bytes_moved))
 
     def stop_reason(self, request: Request, token: int) -> str | None:
         """Why `request` ends after emitting `token` ("stop", "length"), or None."""
@@ -514,7 +504,8 @@ class Scheduler:
         self.publish(ChunkComplete(
             request_id=request.id, chunk_index=index, tokens=chunk.num_tokens,
             start=chunk.start, duration_s=timing.duration_s,
-            estimated_bytes=self.bytes_moved(alone), predicted_s=timing.predicted_s,
+            estimated_bytes=self.controller.model.bytes_moved(alone),
+            predicted_s=timing.predicted_s,
             prefill_done=chunk.samples))
 
     def _append_token(self, request: Request, token: int | None,
@@ -526,7 +517,7 @@ class Scheduler:
             request.set_state(RequestState.DECODING, "prefill complete")
             if request.prefill_finished is None:
                 request.prefill_finished = now
-                self._check_slow(request, now)
+                self._prefill_ended(request, now)
         if token is None:
             self.finish(request, RequestState.FINISHED, "length")
             return request_output(request, ())
@@ -545,41 +536,8 @@ class Scheduler:
             self.finish(request, RequestState.FINISHED, reason)
         return request_output(request, (token,))
 
-    def _check_slow(self, request: Request, end: float) -> None:
-        """Flag a request whose prefill (ended at `end`, or cut short there by a failure)
-        overran its budget; its gaps are classed now, while the step log covers them, and
-        the slow query is published when it ends."""
-        budget = request.budgeted_prefill_s
-        if not budget or request.prefill_started is None:
-            return
-        if not self.config.is_slow_query(end - request.prefill_started, budget):
-            return
-        first = request.arrival  # its queue wait is classed too
-        steps = []
-        for step in reversed(self.step_log):  # only the steps since its arrival
-            steps.append(step)
-            if step.start <= first:
-                break
-        steps.reverse()
-        request.decode_gaps = array("d")
-        self.flagged[request.id] = classify_prefill(request, steps, list(self.mode_log), end,
-                                                    self.step_overhead_s)
-
-    def _publish_slow(self, request: Request, gaps: PrefillGaps) -> None:
-        timeline = explain(request, gaps)
-        verdict = timeline.verdict()
-        if request.state is RequestState.FAILED:
-            verdict += f"; then failed: {request.reason}"
-        self.publish(SlowQuery(
-            request_id=request.id, tenant=request.tenant,
-            budget_score=timeline.prefill_s / timeline.budgeted_s,
-            prompt_tokens=request.num_prompt_tokens, prefill_s=timeline.prefill_s,
-            budgeted_s=timeline.budgeted_s, chunks=tuple(asdict(c) for c in timeline.chunks),
-            config=self.config.live_values(), tag=request.tag,
-            # its chunks travel once, in the record's own chunks column
-            timeline={k: v for k, v in timeline.to_dict().items() if k != "chunks"},
-            cause=timeline.cause.value, cause_share=timeline.cause_share, verdict=verdict,
-            cached_tokens=request.cached_tokens))
+    def _prefill_ended(self, request: Request, end: float) -> None:
+        self.watch.prefill_ended(request, end, self.config, self.controller.step_overhead_s)
 
     # --- preemption ---------------------------------------------------------------------
     def _pick_victim(self) -> Request:

@@ -463,12 +463,8 @@ def compare(old: StepTimePredictor, new: StepTimePredictor) -> float:
 
 def apply(engine: Engine, predictor: StepTimePredictor) -> None:
     """Budget prefill time with `predictor` and recommend C*; both switch at the next step."""
-    engine.predict = predictor.predict
-    engine.budget = predictor.budget_model(engine.model_config, engine.runner.bytes_per_element,
-                                           engine.peaks)
-    engine.scheduler.calibrated = True
-    engine.step_ratio.reset()
-    engine.scheduler.step_scale = 1.0
+    engine.scheduler.controller.calibrate(predictor.predict, predictor.budget_model(
+        engine.model_config, engine.runner.bytes_per_element, engine.peaks))
 
 
 def first_calibration(engine: Engine, session: Session | None = None) -> CalibrationResult:

@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from engine.batch import Batch, ModelRunnerOutput
+from engine.batch import Batch, ModelRunnerOutput, RequestOutput
 from engine.budget.peaks import measure_peaks
 from engine.config import EngineConfig
-from engine.core.engine import Engine, RequestOutput
 from engine.core.request import RequestState
 from engine.errors import EngineError
 from engine.harness.workload import WorkloadRequest
+from engine.ops.equipped import Engine
 from engine.ops.telemetry import BandwidthSource, InjectedBandwidth, ModelBandwidth
 from engine.store import StoreWriter, open_database, unfinished_requests
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 from engine.batch import RequestOutput
 from engine.config import EngineConfig
-from engine.core.engine import Engine
 from engine.harness.driver import drive
 from engine.harness.recovery import resume_unfinished
 from engine.harness.workload import load_requests_jsonl
+from engine.ops.equipped import Engine
 from engine.store import StoreWriter, open_database
 from engine.store.writer import report_commit
 

@@ -287,3 +287,22 @@ class Metrics:
                                               self.recent_step)]
         ttft, tpot, itl, queue_wait, step = (percentiles_ms(values) for values in series)
         return WindowStats(self.window_s, ttft, tpot, itl, queue_wait, step)
+
+    def snapshot_fields(self, now: float) -> dict[str, Any]:
+        """The Snapshot fields these metrics own, as of `now`."""
+        tokens_per_s, output_per_s = self.rates(now)
+        window = self.latency(now)
+        return dict(
+            tokens_per_s=tokens_per_s, output_tokens_per_s=output_per_s,
+            stats_window_s=window.window_s, ttft_ms=window.ttft, tpot_ms=window.tpot,
+            itl_ms=window.itl, queue_wait_ms=window.queue_wait, step_ms=window.step,
+            preemptions_total=self.preemptions_total,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+            requests_finished_total=self.requests_finished_total,
+            requests_rejected_total=self.requests_rejected_total,
+            requests_failed_total=self.requests_failed_total,
+            slow_queries_total=self.slow_queries_total,
+            prefix_cache_queries_total=self.prefix_cache_queries_total,
+            prefix_cache_hits_total=self.prefix_cache_hits_total,
+            prefix_cache_hit_rate=self.prefix_cache_hit_rate(now))

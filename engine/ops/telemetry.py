@@ -14,8 +14,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
+from engine.core.equipment import BandwidthReading, BandwidthSource
 from engine.errors import EngineError
 
 # A model estimate above the peak means the byte model is off, not that the GPU beat physics;
@@ -25,17 +26,6 @@ MAX_UTILIZATION = 1.5
 
 class TelemetryError(EngineError):
     """A bandwidth source cannot be built or started."""
-
-
-class BandwidthReading(NamedTuple):  # a tuple: made at least once a step
-    util_5s: float  # fraction of peak memory bandwidth, averaged over the window
-    source: str  # "nvml" | "model" | "injected"
-
-
-class BandwidthSource(Protocol):
-    def reading(self) -> BandwidthReading: ...
-
-    def record(self, bytes_moved: float, duration_s: float) -> None: ...
 
 
 class _Step(NamedTuple):  # a tuple: made at least once a step

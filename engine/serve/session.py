@@ -8,7 +8,6 @@ from pathlib import Path
 from types import TracebackType
 
 from engine.config import EngineConfig
-from engine.core.engine import Engine
 from engine.events import Subscriber
 from engine.harness.calibrate import (
     CalibrationResult,
@@ -17,6 +16,7 @@ from engine.harness.calibrate import (
     latest_for,
 )
 from engine.harness.recovery import Resumption, abort_orphans, resume_unfinished
+from engine.ops.equipped import Engine
 from engine.serve.loop import EngineLoop
 from engine.sim.executor import PacedClock, Simulation, simulated_engine
 from engine.sim.target import resolve_target

@@ -12,11 +12,11 @@ import torch
 from engine.batch import Batch, ModelRunnerOutput, StepShape
 from engine.clock import VirtualClock
 from engine.config import EngineConfig
-from engine.core.engine import Engine
 from engine.core.model_runner import DTYPES
 from engine.errors import EngineError
 from engine.harness.calibrate import apply
 from engine.model.loader import model_config_for, tokenizer_for
+from engine.ops.equipped import Engine
 from engine.sim.target import SimTarget
 
 
@@ -153,5 +153,5 @@ def simulated_engine(config: EngineConfig, target: SimTarget, clock: Clock) -> E
     engine = Engine(config, runner=SimulatedExecutor(config, target, clock), clock=clock)
     if target.calibration is not None:
         apply(engine, target.calibration)
-    engine.predict = target.predict
+    engine.scheduler.controller.price_with(target.predict)
     return engine

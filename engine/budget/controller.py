@@ -1,0 +1,97 @@
+"""The budget controller: the token budget a step spends (configured, or C* under auto_budget)
+and the price prefill plans put on a step, both learnt from the steps' own timings."""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Callable
+
+from engine.batch import StepShape, StepTiming
+from engine.budget.auto import CStar, auto_token_budget
+from engine.budget.cost_model import BudgetModel
+from engine.budget.predictor import StepTimeRatio
+from engine.config import EngineConfig
+
+# plans follow the measured/predicted ratio this far at most: further off is drift, which a
+# recalibration handles, and a fault filling the window must still show as one
+MAX_STEP_SCALE = 2.0
+OVERHEAD_STEPS = 64  # steps whose median host time the plans add to each step
+
+
+class BudgetController:
+    """C* and the auto budget, the step-time ratio and the per-step host overhead. Nothing
+    is planned or recommended until `calibrate` (budget_score and C* need a fitted model)."""
+
+    def __init__(self, predict: Callable[[StepShape], float], model: BudgetModel) -> None:
+        self.predict = predict
+        self.model = model
+        self.calibrated = False
+        self.cstar = CStar()
+        self.step_ratio = StepTimeRatio()
+        self.step_scale = 1.0
+        self.auto_budget: int | None = None
+        self.overheads: deque[float] = deque(maxlen=OVERHEAD_STEPS)
+        self._busy_until: float | None = None  # the last forward's end, when work was left
+
+    def calibrate(self, predict: Callable[[StepShape], float], model: BudgetModel) -> None:
+        """Price steps with a calibrated predictor from the next step on."""
+        self.predict, self.model, self.calibrated = predict, model, True
+        self.step_ratio.reset()
+        self.step_scale = 1.0
+
+    def price_with(self, predict: Callable[[StepShape], float]) -> None:
+        """Predict steps with `predict` (a simulated device's own step times)."""
+        self.predict = predict
+
+    def forget_steps(self) -> None:
+        """An engine restart: the gap since the last step is no host overhead."""
+        self._busy_until = None
+
+    def token_budget(self, config: EngineConfig) -> int:
+        if config.auto_budget and self.auto_budget is not None:
+            return self.auto_budget
+        return config.max_num_batched_tokens
+
+    def before_step(self, now: float, decodes: int, context: int, config: EngineConfig,
+                    max_model_len: int) -> None:
+        """Smooth C* over the decode load and, under auto_budget, set this step's budget."""
+        if not self.calibrated:
+            return
+        chunk = self.cstar.observe(now, decodes, context, self.model, config.chunk_tile,
+                                   config.max_num_batched_tokens)
+        if config.auto_budget:
+            self.auto_budget = auto_token_budget(config, chunk, self.predict, decodes, context,
+                                                 max_model_len)
+
+    def recommended_chunk(self, now: float, decodes: int, context: int,
+                          config: EngineConfig) -> int | None:
+        """C* as the snapshot shows it; before a first step, from the load now."""
+        if not self.calibrated:
+            return None
+        return self.cstar.value or self.cstar.observe(
+            now, decodes, context, self.model, config.chunk_tile, config.max_num_batched_tokens)
+
+    def after_step(self, timing: StepTiming, scheduled_at: float, prefills: bool,
+                   work_left: bool) -> None:
+        """Learn from a step: its host time before the forward pass (since the last forward
+        when work was waiting, which the caller's loop then cost too) and, for the prefill
+        steps plans are made of, how far it ran from the prediction."""
+        start = timing.end - timing.duration_s
+        since = scheduled_at if self._busy_until is None else self._busy_until
+        self.overheads.append(max(0.0, start - since))
+        self._busy_until = timing.end if work_left else None
+        if self.calibrated and prefills:
+            self.step_ratio.observe(timing.end, timing.duration_s, timing.predicted_s)
+            self.step_scale = min(max(self.step_ratio.value, 1 / MAX_STEP_SCALE), MAX_STEP_SCALE)
+
+    @property
+    def step_overhead_s(self) -> float:
+        """The median recent overhead, taken when a plan reads it rather than every step."""
+        return statistics.median(self.overheads) if self.overheads else 0.0
+
+    def plan_price(self) -> Callable[[StepShape], float]:
+        """A step's price in a prefill plan: predicted, scaled as steps run lately, plus the
+        host overhead (both read once per plan)."""
+        predict, scale, overhead = self.predict, self.step_scale, self.step_overhead_s
+        return lambda shape: predict(shape) * scale + overhead

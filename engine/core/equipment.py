@@ -1,0 +1,96 @@
+"""What the step loop is equipped with from above core, as protocols: the bandwidth signal the
+mode machine reads, the guards' policy, the metrics a snapshot shows and the slow-query watch.
+engine.ops.equipped supplies the defaults; core never imports ops."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+from engine.clock import Clock
+from engine.config import EngineConfig
+from engine.core.request import Request
+from engine.events import Event, EventBus, GuardAction
+
+if TYPE_CHECKING:
+    import torch
+
+
+class BandwidthReading(NamedTuple):  # a tuple: made at least once a step
+    util_5s: float  # fraction of peak memory bandwidth, averaged over the window
+    source: str  # "nvml" | "model" | "injected"
+
+
+class BandwidthSource(Protocol):
+    def reading(self) -> BandwidthReading: ...
+
+    def record(self, bytes_moved: float, duration_s: float) -> None: ...
+
+
+class GuardInputs(NamedTuple):  # a tuple: made every step
+    now: float
+    config: EngineConfig
+    throttle_level: int
+    bandwidth_util: float
+    # KV fragmentation after a step that ran (None otherwise: the last measure stands)
+    fragmentation: float | None = None
+
+
+@dataclass(frozen=True)
+class GuardDecisions:
+    fail: tuple[tuple[str, str], ...] = ()  # (request id, reason)
+    compact: bool = False  # compact the KV pool now
+    prefill_paused: bool = False  # the degraded path
+    events: tuple[GuardAction, ...] = ()  # to publish, in order
+
+
+class Guard(Protocol):
+    """The protection layers: they hear the events, the engine asks them once per step."""
+
+    fragmentation: float
+    faults_isolated: int
+
+    def subscribe_to(self, bus: EventBus) -> None: ...
+
+    def evaluate(self, inputs: GuardInputs) -> GuardDecisions: ...
+
+    def engaged(self) -> tuple[str, ...]: ...
+
+
+class Metrics(Protocol):
+    def subscribe_to(self, bus: EventBus) -> None: ...
+
+    def snapshot_fields(self, now: float) -> dict[str, Any]:
+        """The Snapshot fields metrics own (rates, latency windows, counters)."""
+        ...
+
+
+class PrefillWatch(Protocol):
+    """Slow-query classification: it hears the scheduler's modes, steps, prefill ends and
+    request ends as they happen, while its logs still cover a prefill's gaps."""
+
+    def mode(self, ts: float, mode: str, throttle_level: int, paused: bool) -> None: ...
+
+    def step(self, start: float, end: float, step: int, mode: str, throttle_level: int,
+             paused: bool, prefills: tuple[str, ...], decodes: int) -> None: ...
+
+    def prefill_ended(self, request: Request, end: float, config: EngineConfig,
+                      step_overhead_s: float) -> None: ...
+
+    def ended(self, request: Request, config: EngineConfig) -> None: ...
+
+    def clear(self) -> None: ...
+
+
+class Equipment(Protocol):
+    """Builds each piece once the engine knows what it needs (its device, peak, bus)."""
+
+    def bandwidth(self, device: torch.device, peak_bytes_per_s: float,
+                  clock: Clock) -> BandwidthSource: ...
+
+    def guards(self, device: torch.device) -> Guard: ...
+
+    def metrics(self, config: EngineConfig) -> Metrics: ...
+
+    def prefill_watch(self, publish: Callable[[Event], None]) -> PrefillWatch: ...

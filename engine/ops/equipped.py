@@ -1,0 +1,56 @@
+"""The engine as users get it: core's step loop equipped with the guards, metrics, bandwidth
+telemetry and slow-query watch. `engine.Engine` is this class."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.clock import Clock
+from engine.config import EngineConfig
+from engine.core import engine as core
+from engine.core.equipment import BandwidthSource
+from engine.core.executor import Executor
+from engine.events import Event
+from engine.ops.guards import Guards
+from engine.ops.metrics import Metrics
+from engine.ops.slow_query_watch import SlowQueryWatch
+from engine.ops.telemetry import ModelBandwidth, NvmlBandwidth, nvml_available
+
+
+class DefaultEquipment:
+    """`bandwidth`, when given, replaces the device's own source (tests, chaos)."""
+
+    def __init__(self, bandwidth: BandwidthSource | None = None) -> None:
+        self._bandwidth = bandwidth
+
+    def bandwidth(self, device: torch.device, peak_bytes_per_s: float,
+                  clock: Clock) -> BandwidthSource:
+        """NVML's 5 s average on a GPU it can see, else the model estimate."""
+        if self._bandwidth is not None:
+            return self._bandwidth
+        if device.type == "cuda" and nvml_available():
+            source = NvmlBandwidth(device.index or 0, torch_device=str(device))
+            source.start()
+            return source
+        return ModelBandwidth(peak_bytes_per_s, clock=clock)
+
+    def guards(self, device: torch.device) -> Guards:
+        return Guards(device)
+
+    def metrics(self, config: EngineConfig) -> Metrics:
+        return Metrics(config.stats_window_s)
+
+    def prefill_watch(self, publish: Callable[[Event], None]) -> SlowQueryWatch:
+        return SlowQueryWatch(publish)
+
+
+class Engine(core.Engine):
+    def __init__(self, config: EngineConfig | None = None, *,
+                 bandwidth: BandwidthSource | None = None, clock: Clock = time.monotonic,
+                 runner: Executor | None = None) -> None:
+        """`runner` replaces the model runner by a simulated executor (engine.sim), which
+        brings its device's peaks; `clock` is then the simulation's clock."""
+        super().__init__(config, DefaultEquipment(bandwidth), clock=clock, runner=runner)
