@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 from engine import Engine, EngineConfig
 from engine.kernels import cpu_kernels as kernels
+from engine.kernels.cpu_kernels import PANEL_MAX_ROWS
 from engine.model.transformer import (
     MLP,
-    PANEL_MAX_ROWS,
     Attention,
     Linear,
     RMSNorm,

@@ -225,7 +225,7 @@ class ModelRunner:
         self.paged_prefill = backends.prefill_attention == PAGED
         self.model.use_cpu_kernels(backends.decode.dense == KERNELS)
         if backends.decode.graphs and self._graphs is None:
-            self._graphs = DecodeGraphs(self.model, self.kv_cache,
+            self._graphs = DecodeGraphs(self.model.decoder, self.kv_cache,
                                         -(-self.max_model_len // self.block_size))
         self.graphs = self._graphs if backends.decode.graphs else None
 
@@ -310,7 +310,9 @@ class ModelRunner:
         for each chunk of `scoring` the logits of its rows that predict prompt tokens."""
         inputs = self.prepare(chunks)
         if self.graphs is not None and self.graphs.covers(inputs.meta, len(inputs.input_ids)):
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            x = self.model.embed(inputs.input_ids)
+            hidden = self.graphs.run(x, self.model.rotations(inputs.positions, x.dtype),
+                                     inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
         logits = self.model.logits(hidden.index_select(0, inputs.sample_rows))

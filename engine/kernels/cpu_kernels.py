@@ -75,6 +75,10 @@ _ENTRIES = {  # each entry point's argument types
     "add_rows": [_PTR, _PTR, _I64, ctypes.c_int],
 }
 DTYPES = (torch.float32, torch.bfloat16)
+# Steps of at most this many rows run fp32 GEMMs in linear_rows; larger ones oneDNN's
+# (docs/cpu-backend.md has the crossover)
+PANEL_MAX_ROWS = 64
+Rotation = tuple[torch.Tensor, torch.Tensor]  # RoPE's cos, sin [N, 1, D/2] for one step
 # paged_prefill's vector tiles: head sizes in steps of 16 floats, up to MAX_HEAD_DIM
 PREFILL_HEAD_DIM_STEP, PREFILL_MAX_HEAD_DIM = 16, 256
 
@@ -381,7 +385,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def rope(x: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def rope(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
     """x [N, H, D] rotated in place by its positions (rotate-half, as transformer.rotate),
     and returned. Each row's heads must be contiguous (a slice of a fused projection is);
     rotation: RotaryEmbedding.at's cos, sin [N, 1, D / 2] in x's dtype."""

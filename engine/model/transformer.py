@@ -23,9 +23,8 @@ from torch import nn
 from engine.errors import ModelLoadError
 from engine.kernels import cpu_kernels
 from engine.kernels.attention import AttentionMetadata, PagedAttention
+from engine.kernels.cpu_kernels import PANEL_MAX_ROWS, Rotation
 from engine.model.config import ModelConfig
-
-Rotation = tuple[torch.Tensor, torch.Tensor]  # cos, sin [N, 1, D/2] for one step's positions
 
 # On CUDA, steps of at most this many tokens replay as CUDA graphs (Transformer.compile)
 CUDA_GRAPH_MAX_TOKENS = 64
@@ -44,11 +43,6 @@ _PACKED_ROWS = 8
 # step computes zero rows up to 4: 11-17% off the whole step at 1 and 2 decodes (where
 # linear_rows does not take the step: bf16, or the CPU kernels off).
 _MIN_ROWS = 4
-# Steps of at most this many rows run fp32 GEMMs in linear_rows (Linear.pack's `panels`).
-# linear_rows/oneDNN's packed GEMMs, one thread, interleaved (ms, all of a model's GEMMs):
-# synthetic:small 8.5/10.0 at 8 rows, 10.4/12.0 at 16, 14.9/16.4 at 32; the vs-vLLM Llama
-# 34.1/35.8 at 64, 45.4/46.3 at 96, 58.6/58.5 at 128 and 112.1/106.9 at 256.
-PANEL_MAX_ROWS = 64
 
 
 class Linear(nn.Linear):
