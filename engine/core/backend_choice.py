@@ -228,6 +228,19 @@ class Runner(Protocol):
     def zero_blocks(self, blocks: list[int]) -> None: ...
 
 
+def scratch_chunk(block_size: int, tokens: list[int], first_block: int, start: int,
+                  count: int) -> ScheduledChunk:
+    """`count` tokens from `start` of a request of its own on blocks from `first_block` on
+    (the probe's and the warm-up's steps)."""
+    request = Request(f"scratch-{first_block}", tokens, SamplingParams(max_tokens=1),
+                      arrival=0.0, num_computed_tokens=start,
+                      state=RequestState.DECODING if count == 1 and start
+                      else RequestState.PREFILL_CHUNKING,
+                      block_table=list(range(first_block,
+                                             first_block + -(-len(tokens) // block_size))))
+    return ScheduledChunk.of(request, start, count)
+
+
 class StepProbe:
     """Times a runner's decode steps and prefill chunks on each candidate path, on requests
     of its own (the KV blocks they write are zeroed after)."""
@@ -245,22 +258,12 @@ class StepProbe:
                        "prefill_chunk": chunk, "prefill_history": history}
         vocab = runner.model_config.vocab_size
         tokens = [(7 * i + 1) % vocab for i in range(max(context + 1, history + chunk))]
-        batch = [self._chunk(tokens[:context + 1], i * -(-(context + 1) // bs), context, 1)
+        per_decode = -(-(context + 1) // bs)
+        batch = [scratch_chunk(bs, tokens[:context + 1], i * per_decode, context, 1)
                  for i in range(decodes)]
         self.decode_steps = [batch, batch[:tail]]
-        self.prefill_step = [self._chunk(tokens[:history + chunk], 0, history, chunk)]
+        self.prefill_step = [scratch_chunk(bs, tokens[:history + chunk], 0, history, chunk)]
         self.blocks = max(decodes * -(-(context + 1) // bs), -(-(history + chunk) // bs))
-
-    def _chunk(self, tokens: list[int], first_block: int, start: int,
-               count: int) -> ScheduledChunk:
-        bs = self.runner.block_size
-        request = Request(f"probe-{first_block}", tokens, SamplingParams(max_tokens=1),
-                          arrival=0.0, num_computed_tokens=start,
-                          state=RequestState.DECODING if count == 1 and start
-                          else RequestState.PREFILL_CHUNKING,
-                          block_table=list(range(first_block,
-                                                 first_block + -(-len(tokens) // bs))))
-        return ScheduledChunk.of(request, start, count)
 
     def _time(self, backends: Backends, steps: list[list[ScheduledChunk]]) -> float:
         """Seconds `steps` take, one after the other, on `backends`."""

@@ -32,6 +32,7 @@ from engine.core.backend_choice import (
     load_cached,
     store,
 )
+from engine.core.kernel_swap import PACKED, PLAIN, KernelSwap
 from engine.core.sampler import sample, token_logprobs
 from engine.errors import EngineError
 from engine.kernels import huge_pages
@@ -149,20 +150,19 @@ class ModelRunner:
                                                          loaded.tokenizer)
         self.startup_s["model_load"], mark = time.perf_counter() - mark, time.perf_counter()
         self.block_size = FLASH_BLOCK_SIZE if self.use_flash else config.block_size
-        self.num_blocks = self._num_blocks(config)
-        mc = self.model_config
-        layout = cache_shape(self.use_flash, mc.num_layers, self.num_blocks, self.block_size,
-                             mc.num_kv_heads, mc.head_dim)
-        self.kv_cache = (huge_pages.zeros(layout, self.dtype) if self.device.type == "cpu"
-                         else torch.zeros(layout, dtype=self.dtype, device=self.device))
-        self.startup_s["kv_cache"], mark = time.perf_counter() - mark, time.perf_counter()
-        self.compile_s = 0.0
         self.paged_decode = self.paged_prefill = False
         self.graphs: DecodeGraphs | None = None
         self._graphs: DecodeGraphs | None = None  # made once, kept while the choice is timed
         self.choice: Choice | None = None  # CPU eager steps only
+        self.swap = KernelSwap(self.model)
+        # eager CPU steps read packed weights; compiled models and CUDA keep the plain modules
+        self.eager_cpu = self.device.type == "cpu" and not compiles(config)
+        self.compile_s = self._compile() if compiles(config) else 0.0
+        mark += self.compile_s
+        self.num_blocks = self._num_blocks(config)
+        self.kv_cache = self._allocate_kv()
+        self.startup_s["kv_cache"], mark = time.perf_counter() - mark, time.perf_counter()
         if compiles(config):
-            self.compile_s = self._compile()
             if kernels:  # Inductor's fused dense ops around the paged attention kernels
                 fits = prefill_supports(self.model_config.head_dim)
                 self.choice = Choice(Backends(DecodePath(PAGED, TORCH, False),
@@ -173,15 +173,14 @@ class ModelRunner:
             self.choice = self._choose(config)
             self.apply(self.choice.backends)
             self._graphs = self.graphs  # the probe's graphs and arena go unless chosen
-            if self.choice.backends.decode.dense == TORCH and self.model.panels_packed:
-                self.model.pack_weights()  # drop linear_rows's copy of the weights
+            self.swap.drop(KERNELS)  # linear_rows's copy of the weights, unless chosen
             self.attention_note = self.choice.line()
             log.info("%s", self.attention_note)
-        else:
-            self.model.pack_weights()
+        elif self.eager_cpu:
+            self.swap.use(PACKED)
         # the weights packed for the path taken, and the path chosen: nothing more when the
         # choice is cached or forced; a measured one includes the probe's graph capture
-        self.startup_s["backends"] = (time.perf_counter() - mark) - self.compile_s
+        self.startup_s["backends"] = time.perf_counter() - mark
         self.startup_s["compile"] = self.compile_s
 
     def _kernels(self, config: EngineConfig) -> tuple[bool, str]:
@@ -223,7 +222,8 @@ class ModelRunner:
         """Run eager CPU steps on `backends` from the next step on."""
         self.paged_decode = backends.decode.attention == PAGED
         self.paged_prefill = backends.prefill_attention == PAGED
-        self.model.use_cpu_kernels(backends.decode.dense == KERNELS)
+        dense = KERNELS if backends.decode.dense == KERNELS else PACKED
+        self.swap.use(dense if self.eager_cpu else PLAIN)
         if backends.decode.graphs and self._graphs is None:
             self._graphs = DecodeGraphs(self.model.decoder, self.kv_cache,
                                         -(-self.max_model_len // self.block_size))
@@ -262,6 +262,14 @@ class ModelRunner:
             raise EngineError(f"the KV budget ({budget} bytes) holds no block of {per_block} "
                               f"bytes; raise kv_cache_bytes or gpu_memory_utilization")
         return int(blocks)
+
+    def _allocate_kv(self) -> torch.Tensor:
+        mc = self.model_config
+        layout = cache_shape(self.use_flash, mc.num_layers, self.num_blocks, self.block_size,
+                             mc.num_kv_heads, mc.head_dim)
+        if self.device.type == "cpu":
+            return huge_pages.zeros(layout, self.dtype)
+        return torch.zeros(layout, dtype=self.dtype, device=self.device)
 
     def zero_blocks(self, blocks: list[int]) -> None:
         """Pitfall 2: a block handed to a new owner starts clean."""

@@ -25,12 +25,13 @@ soft-capping (Gemma 2) has no SDPA kernel; those layers run the same math unfuse
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.cpu_kernels import cache_write, paged_decode, paged_prefill
+from engine.kernels.cpu_kernels import paged_decode, paged_prefill
 
 try:  # optional `gpu` extra; absent on CPU machines
     from flash_attn import flash_attn_varlen_func
@@ -106,11 +107,22 @@ def block_dim(use_flash: bool) -> int:
     return 2 if use_flash else 3
 
 
+# k, v [N, Hkv, D], one layer's caches [Hkv, blocks, block_size, D], slots int64 [N]
+CacheWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                      None]
+
+
+def index_copy_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """torch's cache write (cpu_kernels.cache_write is the CPU kernel's)."""
+    heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
+    k_cache.view(heads, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1))
+    v_cache.view(heads, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1))
+
+
 class PagedAttention:
     """Writes new K/V into a layer's cache slice and attends over the history (the last
     `window` positions of it for a sliding-window layer)."""
-
-    kernel = False  # new K/V written by cpu_kernels.cache_write (Transformer.use_cpu_kernels)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, use_flash: bool,
                  scale: float | None = None, window: int | None = None,
@@ -123,6 +135,7 @@ class PagedAttention:
         self.use_flash = use_flash
         self.window = window
         self.softcap = softcap
+        self.write: CacheWrite = index_copy_write  # engine.core.kernel_swap may set the kernel's
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -144,13 +157,9 @@ class PagedAttention:
             if meta.windowed is None:
                 raise RuntimeError("a sliding-window layer needs AttentionMetadata.windowed")
             meta = meta.windowed
+        self.write(k, v, k_cache, v_cache, meta.slot_mapping)
         flat_k = k_cache.view(self.num_kv_heads, -1, self.head_dim)  # [Hkv, slots, D]
         flat_v = v_cache.view(self.num_kv_heads, -1, self.head_dim)
-        if self.kernel:
-            cache_write(k, v, k_cache, v_cache, meta.slot_mapping)
-        else:
-            flat_k.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-            flat_v.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as q may not be
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
