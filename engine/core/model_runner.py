@@ -12,7 +12,7 @@ import gc
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,9 +30,11 @@ from engine.core.backend_choice import (
     cache_key,
     candidates,
     load_cached,
+    scratch_chunk,
     store,
 )
 from engine.core.kernel_swap import PACKED, PLAIN, KernelSwap
+from engine.core.kv_sizing import kv_budget, read_cuda_memory
 from engine.core.sampler import sample, token_logprobs
 from engine.errors import EngineError
 from engine.kernels import huge_pages
@@ -157,6 +159,7 @@ class ModelRunner:
         self.swap = KernelSwap(self.model)
         # eager CPU steps read packed weights; compiled models and CUDA keep the plain modules
         self.eager_cpu = self.device.type == "cpu" and not compiles(config)
+        # compiled first: the KV pool of a GPU is sized after a warm-up step on the real path
         self.compile_s = self._compile() if compiles(config) else 0.0
         mark += self.compile_s
         self.num_blocks = self._num_blocks(config)
@@ -249,12 +252,7 @@ class ModelRunner:
         if config.kv_cache_bytes is not None:
             budget = config.kv_cache_bytes
         elif self.device.type == "cuda":
-            # engines built and dropped before this one (a bench's runs) hold their pools in
-            # torch's cache, which mem_get_info counts as used
-            gc.collect()
-            torch.cuda.empty_cache()
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * config.gpu_memory_utilization)
+            budget = self._measured_budget(config, per_block)
         else:
             budget = CPU_KV_BYTES_DEFAULT
         blocks = budget // per_block
@@ -263,6 +261,17 @@ class ModelRunner:
                               f"bytes; raise kv_cache_bytes or gpu_memory_utilization")
         return int(blocks)
 
+    def _measured_budget(self, config: EngineConfig, block_bytes: int) -> int:
+        """A GPU's KV bytes, sized after a warm-up step (called before the pool exists)."""
+        # engines built and dropped before this one (a bench's runs) hold their pools in
+        # torch's cache, which mem_get_info counts as used
+        gc.collect()
+        torch.cuda.empty_cache()
+        reading = read_cuda_memory(self.device, lambda: self._warm_up(config))
+        sized = kv_budget(reading, config.gpu_memory_utilization, block_bytes)
+        log.info("%s", sized.line)
+        return sized.bytes
+
     def _allocate_kv(self) -> torch.Tensor:
         mc = self.model_config
         layout = cache_shape(self.use_flash, mc.num_layers, self.num_blocks, self.block_size,
@@ -270,6 +279,24 @@ class ModelRunner:
         if self.device.type == "cpu":
             return huge_pages.zeros(layout, self.dtype)
         return torch.zeros(layout, dtype=self.dtype, device=self.device)
+
+    def _warm_up(self, config: EngineConfig) -> Callable[[], None]:
+        """A forward of the largest step, max_num_batched_tokens prompt tokens in sequences
+        of up to max_model_len, over a KV pool just large enough; returns what frees it."""
+        length = min(self.max_model_len, config.max_num_batched_tokens)
+        lengths = [min(length, config.max_num_batched_tokens - start)
+                   for start in range(0, config.max_num_batched_tokens, length)]
+        lengths = lengths[:config.max_num_seqs]
+        per_sequence = -(-length // self.block_size)
+        self.num_blocks = per_sequence * len(lengths)
+        self.kv_cache = self._allocate_kv()
+        self.forward([scratch_chunk(self.block_size, [0] * n, i * per_sequence, 0, n)
+                      for i, n in enumerate(lengths)])
+
+        def release() -> None:
+            del self.kv_cache
+
+        return release
 
     def zero_blocks(self, blocks: list[int]) -> None:
         """Pitfall 2: a block handed to a new owner starts clean."""
