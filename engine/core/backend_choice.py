@@ -1,22 +1,10 @@
-"""The CPU backends an engine runs, chosen by measurement at its first start on a machine.
+"""The CPU backends an engine runs, chosen by timing each candidate on the model's own shapes
+at its first start on a machine (the fastest path depends on the CPU).
 
-Which path is fastest depends on the CPU: the C++ kernels (engine.kernels.cpu_kernels) were
-tuned where AVX-512 is, and an AVX2 machine ran the same decode steps slower than torch's
-own ops. So each choice is timed on the model's own shapes, not assumed:
-- decode steps: attention on the paged kernel or torch's gather + SDPA, the dense ops on the
-  C++ layer ops or torch/oneDNN, and CPU graphs on or off (they replay kernel calls, so
-  they need both of the former on the kernels, and float32);
-- prefill chunks: attention on the paged kernel or SDPA, with the decode's dense ops.
-
-Candidates run interleaved, round after round, one untimed round first (it captures the
-graphs and warms the caches), and each keeps its median; noise that hits one round hits
-every candidate alike. The pick is the simplest candidate within MARGIN of the fastest: a
-kernel must win by more than noise to be chosen over torch's path.
-
-The choice is cached as JSON beside the kernels (cpu_kernels.cache_dir), keyed by the
-kernels' own build key (sources, flags, compiler, CPU), torch's version, the model's shapes,
-the threads and the probe's shapes: a later start on the same machine pays nothing.
-Flags (attention_backend, cpu_graphs) narrow the candidates; one left is taken untimed.
+Candidates run interleaved, after one untimed round, each keeping its median; the pick is the
+simplest within MARGIN of the fastest. The choice is cached beside the kernels, keyed by
+their build, torch, the model's and the probe's shapes and the threads. Flags
+(attention_backend, cpu_graphs) narrow the candidates; one left is taken untimed.
 """
 
 from __future__ import annotations

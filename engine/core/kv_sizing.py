@@ -13,11 +13,11 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class MemoryReading:
-    """A device's memory after the warm-up step, in bytes."""
+    """A device's memory in bytes after the warm-up step (free: once its scratch went back)."""
 
     total: int
-    free: int  # after the warm-up's scratch memory went back
-    activations: int  # the warm-up's peak over what stayed allocated (weights and all)
+    free: int
+    activations: int  # the warm-up's peak over what stayed allocated
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,7 @@ def kv_budget(reading: MemoryReading, utilization: float, block_bytes: int) -> K
 
 def read_cuda_memory(device: torch.device, warm_up: Callable[[], Callable[[], None]]
                      ) -> MemoryReading:
-    """Runs `warm_up` (which returns a function that frees its scratch memory) and reads
-    the device's memory: the peak over what stayed allocated, then what is free once the
-    scratch is freed."""
+    """The device's memory around `warm_up`, which returns what frees its scratch memory."""
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     release = warm_up()

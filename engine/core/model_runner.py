@@ -91,13 +91,8 @@ def compiles(config: EngineConfig) -> bool:
 
 
 def _reuse_freed_memory() -> None:
-    """Keep freed memory in glibc's heap instead of returning it to the OS.
-
-    Each step allocates megabytes of temporaries (gathered KV, activations); by default glibc
-    maps every one afresh and unmaps it on free, so the kernel faults and zeroes its pages
-    each time. Retaining them halved a decode step at 1,000 tokens of context on this VM
-    (198 -> 98 ms, synthetic:small, 8 requests). No-op where libc has no mallopt.
-    """
+    """Keep freed memory in glibc's heap: by default it maps each step's megabytes of
+    temporaries afresh, and the kernel faults and zeroes their pages every step."""
     path = ctypes.util.find_library("c")
     mallopt = getattr(ctypes.CDLL(path), "mallopt", None) if path else None
     if mallopt is not None:
@@ -126,9 +121,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
-            # OpenMP threads spin while they wait for each other; with every core busy, one
-            # preempted thread stalls the rest (matmuls measured 5-10x slower here). Leave a
-            # core to the UI, HTTP and store threads.
+            # spinning OpenMP threads stall when one is preempted: leave a core to the UI,
+            # HTTP and store threads
             torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
             _reuse_freed_memory()
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -299,7 +293,7 @@ class ModelRunner:
         return release
 
     def zero_blocks(self, blocks: list[int]) -> None:
-        """Pitfall 2: a block handed to a new owner starts clean."""
+        """A block handed to a new owner starts clean."""
         if blocks:
             index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
             self._block_rows().index_fill_(1, index, 0)
@@ -312,9 +306,8 @@ class ModelRunner:
         rows.index_copy_(1, dst, rows.index_select(1, src))
 
     def _block_rows(self) -> torch.Tensor:
-        """The KV tensor as [everything outside a block, blocks, one block's elements]: a view
-        whose block slices are contiguous runs (index_fill_ on the 6-D tensor's block dimension
-        took 5x longer in bfloat16)."""
+        """The KV tensor as [everything outside a block, blocks, one block's elements], whose
+        block slices are contiguous runs (fast to fill and copy)."""
         return self.kv_cache.flatten(0, block_dim(self.use_flash) - 1).flatten(2)
 
     @torch.inference_mode()
@@ -372,8 +365,7 @@ class ModelRunner:
         windowed_spans: list[PrefillSpan] = []
         row_of: dict[int, int] = {}
         row = 0
-        # a decode's one position and slot as plain ints, in one tensor for all: a few
-        # tensors per request per step took 1-2 ms of a 64-decode step
+        # a decode's position and slot as plain ints, one tensor for all (not one each)
         decode_positions: list[int] = []
         decode_slots: list[int] = []
         for chunk in ordered:
@@ -440,7 +432,7 @@ class ModelRunner:
     def _prefill_span(self, row: int, pos: torch.Tensor, table: torch.Tensor,
                       window: int | None) -> PrefillSpan:
         """A chunk at global positions `pos` attends causally lower-right over its history
-        (pitfall 6) and, on a windowed layer, only to keys within `window` of each query."""
+        and, on a windowed layer, only to keys within `window` of each query."""
         start, end = int(pos[0]), int(pos[-1]) + 1
         first = 0 if window is None else max(0, start - window + 1)
         keys = torch.arange(first, end, dtype=torch.int64)

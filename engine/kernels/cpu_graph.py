@@ -1,22 +1,11 @@
 """CPU graphs: a decode step recorded once per batch size as the kernel calls it makes, then
-replayed without the Python that made them, as CUDA graphs replay a GPU's kernels (vLLM and
+replayed without the Python between them, as CUDA graphs replay a GPU's kernels (vLLM and
 nano-vllm capture decode batches the same way).
 
-Why: on the kernel path a decode step is a few dozen calls into engine.kernels.cpu_kernels with
-Python and torch glue between them, and that glue runs from caches the weights' stream has
-just flushed. A decode step at D = 8 on synthetic:small took 13.8 ms, of which its kernel
-calls, repeated back to back, took 10.0 (one thread, Xeon; README, issue 18).
-
-How: the step's decoder (Transformer.decoder) runs once, for real, on static inputs, under
-cpu_kernels.recording() and a dispatch mode that
-- serves each tensor the step allocates from one arena shared by the graphs of every batch
-  size (one step runs at a time, and each replay writes a buffer before it reads it), so
-  the pointers recorded stay valid and the graphs cost one step's activations in all;
-- refuses any torch op that computes (anything but views and allocations): a step that needs
-  one could not replay, so that model keeps eager steps (NotGraphable names the op).
-A replay copies the step's inputs into the static ones and repeats the calls. Everything a
-capture writes is either its own memory or the KV slots the step writes anyway, so a step
-whose capture fails simply runs again eagerly.
+A capture runs the step once for real on static inputs, under cpu_kernels.recording() and a
+dispatch mode that serves every allocation from one arena shared by all batch sizes (so the
+recorded pointers stay valid) and refuses any torch op that computes: a step that needs one
+cannot replay, and that model keeps eager steps (NotGraphable names the op).
 """
 
 from __future__ import annotations
@@ -82,17 +71,15 @@ class _Capture(TorchDispatchMode):
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        # A capture never runs under torch.compile (compiled models take no kernels), and
-        # wrapping the hook for dynamo imported torch._dynamo at the first capture (1.5 s,
-        # within the first request) and wrapped every op after it.
+        # a capture never runs under torch.compile; wrapping for dynamo would import it
         return False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is torch.ops.aten.empty.memory_format:  # empty(size)
+        if func is torch.ops.aten.empty.memory_format:
             return self.arena.take(args[0], kwargs.get("dtype") or torch.get_default_dtype())
-        if func in _LIKE:  # empty_like(self), new_empty(self, size)
+        if func in _LIKE:
             like = args[0]
             shape = like.shape if func is torch.ops.aten.empty_like.default else args[1]
             return self.arena.take(shape, kwargs.get("dtype") or like.dtype)
@@ -121,9 +108,8 @@ class CpuGraph:
         self.calls = tuple(calls)
 
     def replay(self, values: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The output of a run over `values`, each copied into the leading corner of its
-        static input (a shorter block table leaves the rest of its row unread). The output
-        is the graph's own memory: read it before the next replay."""
+        """The output of a run over `values` (copied into the static inputs), in the graph's
+        own memory: read it before the next replay."""
         for static, value in zip(self.inputs, values, strict=True):
             _fill(static, value)
         for entry, args in self.calls:
@@ -132,10 +118,8 @@ class CpuGraph:
 
 
 class DecodeGraphs:
-    """The CPU graphs of one model's decode-only steps, one per batch size up to
-    PANEL_MAX_ROWS (larger steps run oneDNN's GEMMs), captured at each size's first step.
-    Static inputs are shared, sized for the largest batch: a graph of B decodes reads their
-    first B rows."""
+    """A model's decode-only steps as CPU graphs, one per batch size up to PANEL_MAX_ROWS,
+    captured at each size's first step; all read the first rows of shared static inputs."""
 
     def __init__(self, decoder: Decoder, kv_cache: torch.Tensor, max_blocks: int) -> None:
         self.decoder = decoder
@@ -147,16 +131,14 @@ class DecodeGraphs:
         self.statics: _Statics | None = None
 
     def covers(self, meta: AttentionMetadata, rows: int) -> bool:
-        """Whether a step of `rows` tokens with `meta` replays: decodes only, few enough."""
+        """Whether a step replays: decodes only, few enough."""
         return (self.refused is None and not meta.prefills and meta.decode_start == 0
                 and meta.decode_tables is not None and rows <= PANEL_MAX_ROWS
                 and meta.decode_tables.shape[1] <= self.max_blocks)
 
     def run(self, x: torch.Tensor, rotations: list[Rotation],
             meta: AttentionMetadata) -> torch.Tensor:
-        """The decoder's output for a step that `covers` accepts, replayed, or run eagerly
-        where this model cannot replay. x [B, H] the embedded tokens, `rotations` per layer
-        (layers that share a table share the tuple)."""
+        """The decoder's output for a step that `covers` accepts, replayed where it can be."""
         assert meta.decode_tables is not None and meta.decode_lengths is not None
         if self.statics is None:
             self.statics = _Statics(x, rotations, self.max_blocks)
@@ -206,7 +188,7 @@ class _Statics:
     def __init__(self, x: torch.Tensor, rotations: list[Rotation], max_blocks: int) -> None:
         rows = PANEL_MAX_ROWS
         first = {id(rotation): layer for layer, rotation in reversed(list(enumerate(rotations)))}
-        self.first_layers = sorted(first.values())  # the first layer of each table
+        self.first_layers = sorted(first.values())
         self.table_of = [self.first_layers.index(first[id(r)]) for r in rotations]
         self.x = x.new_zeros(rows, x.shape[1])
         self.tables = [tuple(t.new_zeros(rows, *t.shape[1:]) for t in rotations[layer])
@@ -219,7 +201,7 @@ class _Statics:
         return [rotations[layer] for layer in self.first_layers]
 
     def rows(self, rows: int) -> list[torch.Tensor]:
-        """The first `rows` rows of every static input, in `DecodeGraphs.run`'s order."""
+        """The first `rows` rows of every static input, in `run`'s order."""
         return [self.x[:rows], *(t[:rows] for table in self.tables for t in table),
                 self.slots[:rows], self.block_tables[:rows], self.lengths[:rows]]
 

@@ -1,23 +1,8 @@
-"""The CPU kernels: built once per machine, loaded with ctypes, and called per layer and step.
-
-- Attention (paged_attention.cpp): once with every decode of the batch, and once per prefill
-  chunk. They read each request's cached keys and values in place through its block table,
-  where the torch path copies the whole history per layer (index_select) before SDPA reads
-  the copy.
-- A layer's dense ops (layer_ops.cpp): a GEMM for steps of a few rows, the residual add with
-  RMSNorm, SiLU·mul, RoPE, the cache write and the MLP's residual add, each one call where
-  torch runs several.
-
-Every call goes through `_call`, which `recording()` can watch: a decode step made of these
-calls alone is recorded once and replayed as a CPU graph (engine.kernels.cpu_graph).
-
-The library is C++ without torch headers, so the system compiler builds it once (13 s here);
-the shared object is cached under ~/.cache/tokenflow/kernels (or $TOKENFLOW_KERNEL_CACHE),
-keyed by the sources, the flags, the compiler and the CPU (`build_key`). It is built with
--march=native, or for the target $TOKENFLOW_KERNEL_MARCH names (x86-64-v3 builds the AVX2
-kernels on an AVX-512 machine, to measure what an AVX2-only CPU runs). Where no compiler
-works, `load()` says why and the engine keeps the torch path.
-"""
+"""The CPU kernels (paged attention, a layer's dense ops), built once per machine with the
+system compiler and cached under ~/.cache/tokenflow/kernels keyed by sources, flags, compiler
+and CPU; each entry point is a torch operator tokenflow::NAME with one typed wrapper here.
+Where no compiler works, `load()` says why and the engine keeps the torch path
+(docs/cpu-backend.md)."""
 
 from __future__ import annotations
 
@@ -42,17 +27,9 @@ from engine.kernels import huge_pages
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_attention.cpp", "layer_ops.cpp", "cpu_vectors.h"))
-# -ffast-math lets the compiler vectorise the reductions and exp (glibc's vector expf needs
-# all of it); the kernels never make an infinity (decode reads only real keys, prefill masks
-# with a finite -1e30). It is
-# a compile flag only: linked with it, GCC adds crtfastmath, which flushes subnormals to zero
-# for the whole process (torch included) the moment the library loads.
-# -mprefer-vector-width=512 (targets with AVX-512 only): GCC vectorises loops (and picks
-# glibc's vector expf) at 256 bits on AVX-512 CPUs unless told; the prefill kernel then
-# stored 8-wide expf results and reloaded them as 16-wide vectors, stalling store forwarding
-# (figures in docs/cpu-backend.md).
-# On an AVX2 target the kernels' vectors are 8 floats (cpu_vectors.h) and the flag is left
-# out: there is no 512-bit width to prefer.
+# -ffast-math vectorises the reductions and exp (the kernels make no infinities); compile
+# only: linked, GCC's crtfastmath would flush subnormals for the whole process.
+# GCC vectorises at 256 bits on AVX-512 unless told otherwise (docs/cpu-backend.md).
 WIDE_FLAGS = ("-mprefer-vector-width=512",)
 BASE_FLAGS = ("-O3", "-fopenmp", "-ffast-math", "-fPIC", "-c")
 LINK_FLAGS = ("-shared", "-fopenmp")
@@ -84,13 +61,13 @@ PREFILL_HEAD_DIM_STEP, PREFILL_MAX_HEAD_DIM = 16, 256
 
 @dataclass(frozen=True)
 class Toolchain:
-    """How the library is built here: the compiler, its flags, and what the build is keyed on."""
+    """How the library is built here, and the key of the build."""
 
     compiler: str
     march: str
     wide: bool  # the target has AVX-512, so loops are vectorised at 512 bits
     compile_flags: tuple[str, ...]
-    key: str  # sources, flags, compiler version, CPU: the cached library's name and more
+    key: str  # sources, flags, compiler version, CPU
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
-"""CPU stand-ins for a model's plain torch modules, with the same call signatures:
-GEMMs on oneDNN's packed weights or on linear_rows, and the norms, RoPE and SiLU·mul on the
-C++ layer ops. engine.core.kernel_swap puts them into a loaded model."""
+"""CPU stand-ins for a model's plain torch modules, with their call signatures: GEMMs on
+oneDNN's packed weights or linear_rows, the rest on the C++ layer ops (engine.core.kernel_swap
+puts them in)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,8 @@ from torch import nn
 from engine.kernels import cpu_kernels
 from engine.kernels.cpu_kernels import PANEL_MAX_ROWS, Rotation
 
-# oneDNN lays packed weights out for this many rows per GEMM; the layout serves any count
-PACKED_ROWS = 8
-# oneDNN's fp32 kernels run fewer rows than this slower than this many: pad small steps
-MIN_ROWS = 4
+PACKED_ROWS = 8  # the rows oneDNN lays packed weights out for (any count runs)
+MIN_ROWS = 4  # oneDNN's fp32 GEMMs run fewer rows slower than this many: pad
 
 
 def packable(linear: nn.Linear) -> bool:
@@ -25,8 +23,8 @@ def packable(linear: nn.Linear) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """An nn.Linear that reads a copy of its weight packed once into oneDNN's blocked layout
-    (a later change to the weight is not seen). The dense weight stays the parameter."""
+    """An nn.Linear on a copy of its weight packed once for oneDNN; `weight` stays the
+    parameter."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -44,8 +42,7 @@ class PackedLinear(nn.Module):
 
 
 class PanelLinear(PackedLinear):
-    """A float32 PackedLinear whose steps of up to PANEL_MAX_ROWS rows run linear_rows on a
-    second copy of the weight in its panels."""
+    """A float32 PackedLinear whose steps of up to PANEL_MAX_ROWS rows run linear_rows."""
 
     def __init__(self, packed: PackedLinear) -> None:
         nn.Module.__init__(self)

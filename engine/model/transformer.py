@@ -76,13 +76,12 @@ class RotaryEmbedding(nn.Module):
                  max_positions: int) -> None:
         super().__init__()
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32),
-                            rope_inv_freq(head_dim, theta, scaling))  # [P, D/2]
+                            rope_inv_freq(head_dim, theta, scaling))
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
-        """The step's cos/sin rows, gathered once and shared by every layer (a gather per
-        layer and per q and k cost 2% of a CPU run)."""
+        """The step's cos/sin rows, gathered once for every layer."""
         return (self.cos[positions].unsqueeze(1).to(dtype),
                 self.sin[positions].unsqueeze(1).to(dtype))
 
@@ -191,12 +190,11 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(h, eps, offset)
         self.mlp = MLP(config)
 
-    # The two dense halves of a layer, either side of attention over the paged cache: what
-    # `Transformer.compile` compiles (attention stays eager, as vLLM splits its graphs there).
+    # the dense halves either side of attention: what Transformer.compile compiles
     def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None,
                          rotation: Rotation) -> tuple[torch.Tensor, ...]:
-        """x [N, H] the previous layer's output (the embedded tokens, with residual None, at
-        the first) -> q, k, v and the residual stream."""
+        """The previous layer's output (at the first, the embedded tokens and no residual)
+        -> q, k, v and the residual stream."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -205,7 +203,7 @@ class DecoderLayer(nn.Module):
 
     def after_attention(self, attn: torch.Tensor,
                         residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """attn [N, Hq, D] attention's output -> the MLP's output and the residual stream."""
+        """Attention's output [N, Hq, D] -> the MLP's output and the residual stream."""
         attn = self.self_attn.o_proj(attn.flatten(1))
         if self.gemma:
             residual, h = self.pre_feedforward_layernorm.add_and_norm(
@@ -243,12 +241,12 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids/positions [N]; kv_cache [2, L, ...] (attention.cache_shape) -> [N, H]."""
+        """input_ids, positions [N] -> hidden [N, H]."""
         x = self.embed(input_ids)
         return self.decoder(x, self.rotations(positions, x.dtype), kv_cache, meta)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [N] -> the residual stream's input [N, H]."""
+        """input_ids [N] -> [N, H]."""
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
@@ -256,8 +254,8 @@ class Transformer(nn.Module):
 
     def decoder(self, x: torch.Tensor, rotations: list[Rotation], kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """The layers and the final norm over embedded tokens x [N, H] (which the CPU
-        kernels' norms add into in place), with `rotations` (Transformer.rotations)."""
+        """The layers and the final norm over embedded tokens x [N, H] (the CPU kernels'
+        norms add into x in place)."""
         before, after = self._dense_halves(x.shape[0])
         residual = None
         for index, (layer, rotation) in enumerate(zip(self.layers, rotations, strict=True)):
@@ -267,14 +265,9 @@ class Transformer(nn.Module):
         return self.norm.add_and_norm(residual, x)[1]
 
     def compile(self) -> None:  # type: ignore[override]
-        """Run each layer's two dense halves through torch.compile with the token count
-        dynamic: Inductor fuses the norms, RoPE, SiLU·mul and residual adds around the GEMMs.
-        Parameters are graph inputs, so one graph serves every layer of the same shape and
-        compile time does not grow with depth.
-
-        On CUDA, steps of up to CUDA_GRAPH_MAX_TOKENS tokens (decode batches) also replay
-        as CUDA graphs ("reduce-overhead", one graph per token count, recorded at its first
-        step), where launch overhead dominates; longer steps run the compiled kernels."""
+        """Each layer's dense halves through torch.compile, the token count dynamic (one graph
+        serves every layer); on CUDA, steps of up to CUDA_GRAPH_MAX_TOKENS tokens also
+        replay as CUDA graphs."""
         before = torch.compile(DecoderLayer.before_attention, dynamic=True)
         after = torch.compile(DecoderLayer.after_attention, dynamic=True)
         self._regions = [(0, before, after)]
@@ -283,17 +276,15 @@ class Transformer(nn.Module):
                                            mode="reduce-overhead")
             graphed_after = torch.compile(DecoderLayer.after_attention, dynamic=True,
                                           mode="reduce-overhead")
-            # A graph's outputs live in memory its next replay overwrites, and the next
-            # layer replays the same graph: keep copies (a few rows each).
+            # the next layer's replay overwrites a graph's outputs: keep copies
             self._regions.insert(0, (
                 CUDA_GRAPH_MAX_TOKENS,
                 lambda *a: tuple(t.clone() for t in graphed_before(*a)),
                 lambda *a: tuple(t.clone() for t in graphed_after(*a))))
 
     def warm_up(self) -> None:
-        """Compile now rather than in the first request: at one token (torch.compile
-        specialises a size of 1), at two, whose graph serves every larger count, and past
-        the CUDA graphs' limit."""
+        """Compile now, not in the first request: at 1 token (specialised), at 2 (dynamic)
+        and past the CUDA graphs' limit."""
         weight = self.embed_tokens.weight
         for n in (1, 2, CUDA_GRAPH_MAX_TOKENS + 1):
             x = torch.zeros(n, self.config.hidden_size, dtype=weight.dtype, device=weight.device)
@@ -303,7 +294,7 @@ class Transformer(nn.Module):
             residual = None  # the first layer's variant, then the others'
             for layer, rotation in zip(self.layers, rotations, strict=True):
                 q, _, _, residual = before(layer, x, residual, rotation)
-                x, residual = after(layer, q, residual)  # q is shaped like attention's output
+                x, residual = after(layer, q, residual)  # q: shaped as attention's output
 
     def rotations(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Rotation]:
         """Each layer's cos/sin for this step's positions, gathered once per table."""
