@@ -205,9 +205,9 @@ class EngineConfig:
     dtype: str = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
     seed: int = 0
     block_size: int = 16
-    # the KV pool's size; None = 256 MiB on CPU, gpu_memory_utilization of free CUDA memory
+    # the KV pool's size; None = 256 MiB on CPU, sized after a warm-up step on CUDA
     kv_cache_bytes: int | None = None
-    gpu_memory_utilization: float = 0.85  # share of free CUDA memory for the KV pool
+    gpu_memory_utilization: float = 0.85  # share of the GPU's memory the engine may use
     max_model_len: int | None = None  # None = the model's own limit
     max_num_seqs: int = 256
     # auto: flash-attn on CUDA where installed; on CPU, whichever of the paged C++ kernels and
