@@ -11,6 +11,7 @@ import pytest
 from engine.config import ConfigError, EngineConfig
 from engine.core import backend_choice
 from engine.core.backend_choice import (
+    KERNELS,
     PAGED,
     TORCH,
     Backends,
@@ -26,6 +27,7 @@ from engine.core.backend_choice import (
     store,
 )
 from engine.core.model_runner import ModelRunner
+from engine.kernels.layers import PanelLinear
 
 EAGER_TORCH = DecodePath(TORCH, TORCH, False)
 KERNELS_EAGER = DecodePath(PAGED, "kernels", False)
@@ -130,7 +132,8 @@ def test_a_runner_takes_what_measures_fastest_says_so_and_a_later_start_reads_it
     assert runner.choice is not None and runner.choice.how == "measured"
     assert runner.choice.backends == Backends(EAGER_TORCH, PAGED)
     assert not runner.paged_decode and runner.paged_prefill and runner.graphs is None
-    assert not runner.model.panels_packed  # linear_rows's copy of the weights dropped
+    assert KERNELS not in runner.swap.built  # linear_rows's copy of the weights dropped
+    assert not any(isinstance(m, PanelLinear) for m in runner.model.modules())
     assert runner.attention_note.startswith(
         "CPU backends (measured in ") and "decode torch/torch/eager, prefill paged [decode" \
         in runner.attention_note and "torch/torch/eager 1000.0" in runner.attention_note

@@ -15,7 +15,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.core.backend_choice import PAGED, TORCH, Backends, candidates
 from engine.core.model_runner import compiles
 from engine.kernels.cpu_kernels import prefill_supports
-from engine.model.transformer import Linear
+from engine.kernels.layers import PackedLinear
 from tests.hf_models import FAMILIES, hf_greedy, hf_last_logits, save_tiny
 
 # windows are 8-16 tokens: most prompts cross them, several times
@@ -155,11 +155,11 @@ def test_compile_is_on_where_asked_else_on_cuda_only() -> None:
 
 def test_eager_cpu_steps_read_packed_weights() -> None:
     """Every GEMM of an eager CPU engine on torch's dense ops runs on oneDNN-packed weights
-    (Linear.pack), which compute what F.linear does on the dense parameter; the exactness
+    (PackedLinear), which compute what F.linear does on the dense parameter; the exactness
     tests above run them. The path is forced: measurement may pick the C++ layer ops here."""
     engine = Engine(EngineConfig(model="synthetic:qwen3-small", device="cpu", dtype="float32",
                                  kv_cache_bytes=1 << 24, attention_backend="torch"))
-    linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, PackedLinear)]
     assert len(linears) == 4 * engine.model_config.num_layers + 1  # and lm_head
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
@@ -180,7 +180,7 @@ def test_bfloat16_cpu_steps_read_packed_weights_too() -> None:
                                  kv_cache_bytes=1 << 24))
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
-        for linear in (m for m in engine.runner.model.modules() if isinstance(m, Linear)):
+        for linear in (m for m in engine.runner.model.modules() if isinstance(m, PackedLinear)):
             assert linear.packed is not None
             for rows in (1, 8, 300):
                 x = torch.randn(rows, linear.in_features, generator=generator,

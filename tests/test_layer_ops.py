@@ -11,15 +11,15 @@ import torch.nn.functional as F
 
 from engine import Engine, EngineConfig
 from engine.kernels import cpu_kernels as kernels
-from engine.model.transformer import (
-    MLP,
-    PANEL_MAX_ROWS,
-    Attention,
-    Linear,
-    RMSNorm,
-    RotaryEmbedding,
-    rotate,
+from engine.kernels.cpu_kernels import PANEL_MAX_ROWS
+from engine.kernels.layers import (
+    KernelRMSNorm,
+    KernelRotate,
+    KernelSiluMul,
+    PackedLinear,
+    PanelLinear,
 )
+from engine.model.transformer import RMSNorm, RotaryEmbedding, rotate
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -59,28 +59,27 @@ def test_linear_rows_refuses_what_it_does_not_compute() -> None:
         kernels.linear_rows(torch.randn(2, 16, dtype=torch.bfloat16), panels, 32, None)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_add_adds_in_place_rounded_as_torch_adds(dtype: torch.dtype) -> None:
-    x, delta = torch.randn(5, 96).to(dtype), torch.randn(5, 96).to(dtype)
-    want = x + delta
-    assert kernels.add_(x, delta) is x
-    assert torch.equal(x, want)
-    with pytest.raises(ValueError, match="two contiguous tensors alike"):
-        kernels.add_(x, delta.t())
+def test_the_kernels_are_torch_operators_the_profiler_sees() -> None:
+    x, weight = torch.randn(2, 16), torch.ones(16)
+    with torch.profiler.profile() as profile:
+        kernels.rms_norm(x, weight, 1e-6, 0.0)
+    assert "tokenflow::rms_norm" in {event.key for event in profile.key_averages()}
 
 
-def test_a_packed_linear_takes_the_kernel_for_small_steps_only() -> None:
-    linear = Linear(64, 96)
-    linear.pack(panels=True)
-    assert linear.panels is not None and linear.packed is not None
+def test_a_panel_linear_computes_what_f_linear_does_at_any_row_count(monkeypatch) -> None:
+    """linear_rows up to PANEL_MAX_ROWS rows, oneDNN's packed GEMM past it."""
+    plain = torch.nn.Linear(64, 96)
+    linear = PanelLinear(PackedLinear(plain))
+    assert linear.weight is plain.weight and linear.bias is plain.bias
+    calls = []
+    rows_kernel = kernels.linear_rows
+    monkeypatch.setattr(kernels, "linear_rows", lambda *a: calls.append(1) or rows_kernel(*a))
     for rows in (1, PANEL_MAX_ROWS, PANEL_MAX_ROWS + 1, 200):
         x = torch.randn(rows, 64)
         with torch.inference_mode():
-            assert torch.allclose(linear(x), F.linear(x, linear.weight, linear.bias),
+            assert torch.allclose(linear(x), F.linear(x, plain.weight, plain.bias),
                                   atol=1e-4, rtol=1e-5)
-    bf16 = Linear(64, 96, dtype=torch.bfloat16)
-    bf16.pack(panels=True)
-    assert bf16.panels is None  # the kernel is fp32 only; oneDNN keeps bf16
+    assert len(calls) == 2
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -146,17 +145,21 @@ def test_cache_write_puts_rows_where_index_copy_does(dtype: torch.dtype) -> None
 
 
 def test_an_engine_on_the_cpu_kernels_runs_every_dense_op_there() -> None:
-    """The kernel path switches each module over; attention_backend=torch keeps the torch
-    ops, and both generate the same tokens."""
+    """The kernel path swaps each module; attention_backend=torch keeps the torch ops on
+    packed weights, and both generate the same tokens."""
     def engine(backend: str) -> Engine:
         return Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32",
                                    kv_cache_bytes=1 << 24, attention_backend=backend))
 
     fast, plain = engine("paged"), engine("torch")
-    modules = list(fast.runner.model.modules())
-    assert all(m.kernel for m in modules if isinstance(m, RMSNorm | Attention | MLP))
-    assert all(m.panels is not None for m in modules if isinstance(m, Linear))
-    assert not any(m.kernel for m in plain.runner.model.modules()
-                   if isinstance(m, RMSNorm | Attention | MLP))
+    kinds = {type(m) for m in fast.runner.model.modules()}
+    assert {KernelRMSNorm, KernelRotate, KernelSiluMul, PanelLinear} <= kinds
+    assert not kinds & {RMSNorm, torch.nn.Linear, PackedLinear}
+    kinds = {type(m) for m in plain.runner.model.modules()}
+    assert PackedLinear in kinds and not kinds & {KernelRMSNorm, PanelLinear, torch.nn.Linear}
+    bf16 = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="bfloat16",
+                               kv_cache_bytes=1 << 24, attention_backend="paged"))
+    kinds = {type(m) for m in bf16.runner.model.modules()}
+    assert KernelRMSNorm in kinds and PanelLinear not in kinds  # linear_rows is fp32 only
     prompts = [[3 + i for i in range(n)] for n in (1, 9, 40)]
     assert fast.generate(prompts) == plain.generate(prompts)

@@ -25,7 +25,7 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--kv-cache-bytes": ("kv_cache_bytes", int, "KV pool size in bytes (default: 256 MiB on "
                                                 "CPU, --gpu-memory-utilization on CUDA)"),
     "--gpu-memory-utilization": ("gpu_memory_utilization", float,
-                                 "share of free GPU memory for the KV pool"),
+                                 "share of the GPU's total memory the engine may use"),
     "--max-model-len": ("max_model_len", int, "longest prompt + output"),
     "--max-num-seqs": ("max_num_seqs", int, "most requests running at once"),
     "--max-num-batched-tokens": ("max_num_batched_tokens", int, "the token budget of a step"),

@@ -1,22 +1,10 @@
-"""The CPU backends an engine runs, chosen by measurement at its first start on a machine.
+"""The CPU backends an engine runs, chosen by timing each candidate on the model's own shapes
+at its first start on a machine (the fastest path depends on the CPU).
 
-Which path is fastest depends on the CPU: the C++ kernels (engine.kernels.cpu_kernels) were
-tuned where AVX-512 is, and an AVX2 machine ran the same decode steps slower than torch's
-own ops. So each choice is timed on the model's own shapes, not assumed:
-- decode steps: attention on the paged kernel or torch's gather + SDPA, the dense ops on the
-  C++ layer ops or torch/oneDNN, and CPU graphs on or off (they replay kernel calls, so
-  they need both of the former on the kernels, and float32);
-- prefill chunks: attention on the paged kernel or SDPA, with the decode's dense ops.
-
-Candidates run interleaved, round after round, one untimed round first (it captures the
-graphs and warms the caches), and each keeps its median; noise that hits one round hits
-every candidate alike. The pick is the simplest candidate within MARGIN of the fastest: a
-kernel must win by more than noise to be chosen over torch's path.
-
-The choice is cached as JSON beside the kernels (cpu_kernels.cache_dir), keyed by the
-kernels' own build key (sources, flags, compiler, CPU), torch's version, the model's shapes,
-the threads and the probe's shapes: a later start on the same machine pays nothing.
-Flags (attention_backend, cpu_graphs) narrow the candidates; one left is taken untimed.
+Candidates run interleaved, after one untimed round, each keeping its median; the pick is the
+simplest within MARGIN of the fastest. The choice is cached beside the kernels, keyed by
+their build, torch, the model's and the probe's shapes and the threads. Flags
+(attention_backend, cpu_graphs) narrow the candidates; one left is taken untimed.
 """
 
 from __future__ import annotations
@@ -228,6 +216,19 @@ class Runner(Protocol):
     def zero_blocks(self, blocks: list[int]) -> None: ...
 
 
+def scratch_chunk(block_size: int, tokens: list[int], first_block: int, start: int,
+                  count: int) -> ScheduledChunk:
+    """`count` tokens from `start` of a request of its own on blocks from `first_block` on
+    (the probe's and the warm-up's steps)."""
+    request = Request(f"scratch-{first_block}", tokens, SamplingParams(max_tokens=1),
+                      arrival=0.0, num_computed_tokens=start,
+                      state=RequestState.DECODING if count == 1 and start
+                      else RequestState.PREFILL_CHUNKING,
+                      block_table=list(range(first_block,
+                                             first_block + -(-len(tokens) // block_size))))
+    return ScheduledChunk.of(request, start, count)
+
+
 class StepProbe:
     """Times a runner's decode steps and prefill chunks on each candidate path, on requests
     of its own (the KV blocks they write are zeroed after)."""
@@ -245,22 +246,12 @@ class StepProbe:
                        "prefill_chunk": chunk, "prefill_history": history}
         vocab = runner.model_config.vocab_size
         tokens = [(7 * i + 1) % vocab for i in range(max(context + 1, history + chunk))]
-        batch = [self._chunk(tokens[:context + 1], i * -(-(context + 1) // bs), context, 1)
+        per_decode = -(-(context + 1) // bs)
+        batch = [scratch_chunk(bs, tokens[:context + 1], i * per_decode, context, 1)
                  for i in range(decodes)]
         self.decode_steps = [batch, batch[:tail]]
-        self.prefill_step = [self._chunk(tokens[:history + chunk], 0, history, chunk)]
+        self.prefill_step = [scratch_chunk(bs, tokens[:history + chunk], 0, history, chunk)]
         self.blocks = max(decodes * -(-(context + 1) // bs), -(-(history + chunk) // bs))
-
-    def _chunk(self, tokens: list[int], first_block: int, start: int,
-               count: int) -> ScheduledChunk:
-        bs = self.runner.block_size
-        request = Request(f"probe-{first_block}", tokens, SamplingParams(max_tokens=1),
-                          arrival=0.0, num_computed_tokens=start,
-                          state=RequestState.DECODING if count == 1 and start
-                          else RequestState.PREFILL_CHUNKING,
-                          block_table=list(range(first_block,
-                                                 first_block + -(-len(tokens) // bs))))
-        return ScheduledChunk.of(request, start, count)
 
     def _time(self, backends: Backends, steps: list[list[ScheduledChunk]]) -> float:
         """Seconds `steps` take, one after the other, on `backends`."""

@@ -12,7 +12,7 @@ import gc
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +30,11 @@ from engine.core.backend_choice import (
     cache_key,
     candidates,
     load_cached,
+    scratch_chunk,
     store,
 )
+from engine.core.kernel_swap import PACKED, PLAIN, KernelSwap
+from engine.core.kv_sizing import kv_budget, read_cuda_memory
 from engine.core.sampler import sample, token_logprobs
 from engine.errors import EngineError
 from engine.kernels import huge_pages
@@ -88,13 +91,8 @@ def compiles(config: EngineConfig) -> bool:
 
 
 def _reuse_freed_memory() -> None:
-    """Keep freed memory in glibc's heap instead of returning it to the OS.
-
-    Each step allocates megabytes of temporaries (gathered KV, activations); by default glibc
-    maps every one afresh and unmaps it on free, so the kernel faults and zeroes its pages
-    each time. Retaining them halved a decode step at 1,000 tokens of context on this VM
-    (198 -> 98 ms, synthetic:small, 8 requests). No-op where libc has no mallopt.
-    """
+    """Keep freed memory in glibc's heap: by default it maps each step's megabytes of
+    temporaries afresh, and the kernel faults and zeroes their pages every step."""
     path = ctypes.util.find_library("c")
     mallopt = getattr(ctypes.CDLL(path), "mallopt", None) if path else None
     if mallopt is not None:
@@ -123,9 +121,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
-            # OpenMP threads spin while they wait for each other; with every core busy, one
-            # preempted thread stalls the rest (matmuls measured 5-10x slower here). Leave a
-            # core to the UI, HTTP and store threads.
+            # spinning OpenMP threads stall when one is preempted: leave a core to the UI,
+            # HTTP and store threads
             torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
             _reuse_freed_memory()
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -149,20 +146,20 @@ class ModelRunner:
                                                          loaded.tokenizer)
         self.startup_s["model_load"], mark = time.perf_counter() - mark, time.perf_counter()
         self.block_size = FLASH_BLOCK_SIZE if self.use_flash else config.block_size
-        self.num_blocks = self._num_blocks(config)
-        mc = self.model_config
-        layout = cache_shape(self.use_flash, mc.num_layers, self.num_blocks, self.block_size,
-                             mc.num_kv_heads, mc.head_dim)
-        self.kv_cache = (huge_pages.zeros(layout, self.dtype) if self.device.type == "cpu"
-                         else torch.zeros(layout, dtype=self.dtype, device=self.device))
-        self.startup_s["kv_cache"], mark = time.perf_counter() - mark, time.perf_counter()
-        self.compile_s = 0.0
         self.paged_decode = self.paged_prefill = False
         self.graphs: DecodeGraphs | None = None
         self._graphs: DecodeGraphs | None = None  # made once, kept while the choice is timed
         self.choice: Choice | None = None  # CPU eager steps only
+        self.swap = KernelSwap(self.model)
+        # eager CPU steps read packed weights; compiled models and CUDA keep the plain modules
+        self.eager_cpu = self.device.type == "cpu" and not compiles(config)
+        # compiled first: the KV pool of a GPU is sized after a warm-up step on the real path
+        self.compile_s = self._compile() if compiles(config) else 0.0
+        mark += self.compile_s
+        self.num_blocks = self._num_blocks(config)
+        self.kv_cache = self._allocate_kv()
+        self.startup_s["kv_cache"], mark = time.perf_counter() - mark, time.perf_counter()
         if compiles(config):
-            self.compile_s = self._compile()
             if kernels:  # Inductor's fused dense ops around the paged attention kernels
                 fits = prefill_supports(self.model_config.head_dim)
                 self.choice = Choice(Backends(DecodePath(PAGED, TORCH, False),
@@ -173,15 +170,14 @@ class ModelRunner:
             self.choice = self._choose(config)
             self.apply(self.choice.backends)
             self._graphs = self.graphs  # the probe's graphs and arena go unless chosen
-            if self.choice.backends.decode.dense == TORCH and self.model.panels_packed:
-                self.model.pack_weights()  # drop linear_rows's copy of the weights
+            self.swap.drop(KERNELS)  # linear_rows's copy of the weights, unless chosen
             self.attention_note = self.choice.line()
             log.info("%s", self.attention_note)
-        else:
-            self.model.pack_weights()
+        elif self.eager_cpu:
+            self.swap.use(PACKED)
         # the weights packed for the path taken, and the path chosen: nothing more when the
         # choice is cached or forced; a measured one includes the probe's graph capture
-        self.startup_s["backends"] = (time.perf_counter() - mark) - self.compile_s
+        self.startup_s["backends"] = time.perf_counter() - mark
         self.startup_s["compile"] = self.compile_s
 
     def _kernels(self, config: EngineConfig) -> tuple[bool, str]:
@@ -223,9 +219,10 @@ class ModelRunner:
         """Run eager CPU steps on `backends` from the next step on."""
         self.paged_decode = backends.decode.attention == PAGED
         self.paged_prefill = backends.prefill_attention == PAGED
-        self.model.use_cpu_kernels(backends.decode.dense == KERNELS)
+        dense = KERNELS if backends.decode.dense == KERNELS else PACKED
+        self.swap.use(dense if self.eager_cpu else PLAIN)
         if backends.decode.graphs and self._graphs is None:
-            self._graphs = DecodeGraphs(self.model, self.kv_cache,
+            self._graphs = DecodeGraphs(self.model.decoder, self.kv_cache,
                                         -(-self.max_model_len // self.block_size))
         self.graphs = self._graphs if backends.decode.graphs else None
 
@@ -249,12 +246,7 @@ class ModelRunner:
         if config.kv_cache_bytes is not None:
             budget = config.kv_cache_bytes
         elif self.device.type == "cuda":
-            # engines built and dropped before this one (a bench's runs) hold their pools in
-            # torch's cache, which mem_get_info counts as used
-            gc.collect()
-            torch.cuda.empty_cache()
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * config.gpu_memory_utilization)
+            budget = self._measured_budget(config, per_block)
         else:
             budget = CPU_KV_BYTES_DEFAULT
         blocks = budget // per_block
@@ -263,8 +255,45 @@ class ModelRunner:
                               f"bytes; raise kv_cache_bytes or gpu_memory_utilization")
         return int(blocks)
 
+    def _measured_budget(self, config: EngineConfig, block_bytes: int) -> int:
+        """A GPU's KV bytes, sized after a warm-up step (called before the pool exists)."""
+        # engines built and dropped before this one (a bench's runs) hold their pools in
+        # torch's cache, which mem_get_info counts as used
+        gc.collect()
+        torch.cuda.empty_cache()
+        reading = read_cuda_memory(self.device, lambda: self._warm_up(config))
+        sized = kv_budget(reading, config.gpu_memory_utilization, block_bytes)
+        log.info("%s", sized.line)
+        return sized.bytes
+
+    def _allocate_kv(self) -> torch.Tensor:
+        mc = self.model_config
+        layout = cache_shape(self.use_flash, mc.num_layers, self.num_blocks, self.block_size,
+                             mc.num_kv_heads, mc.head_dim)
+        if self.device.type == "cpu":
+            return huge_pages.zeros(layout, self.dtype)
+        return torch.zeros(layout, dtype=self.dtype, device=self.device)
+
+    def _warm_up(self, config: EngineConfig) -> Callable[[], None]:
+        """A forward of the largest step, max_num_batched_tokens prompt tokens in sequences
+        of up to max_model_len, over a KV pool just large enough; returns what frees it."""
+        length = min(self.max_model_len, config.max_num_batched_tokens)
+        lengths = [min(length, config.max_num_batched_tokens - start)
+                   for start in range(0, config.max_num_batched_tokens, length)]
+        lengths = lengths[:config.max_num_seqs]
+        per_sequence = -(-length // self.block_size)
+        self.num_blocks = per_sequence * len(lengths)
+        self.kv_cache = self._allocate_kv()
+        self.forward([scratch_chunk(self.block_size, [0] * n, i * per_sequence, 0, n)
+                      for i, n in enumerate(lengths)])
+
+        def release() -> None:
+            del self.kv_cache
+
+        return release
+
     def zero_blocks(self, blocks: list[int]) -> None:
-        """Pitfall 2: a block handed to a new owner starts clean."""
+        """A block handed to a new owner starts clean."""
         if blocks:
             index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
             self._block_rows().index_fill_(1, index, 0)
@@ -277,9 +306,8 @@ class ModelRunner:
         rows.index_copy_(1, dst, rows.index_select(1, src))
 
     def _block_rows(self) -> torch.Tensor:
-        """The KV tensor as [everything outside a block, blocks, one block's elements]: a view
-        whose block slices are contiguous runs (index_fill_ on the 6-D tensor's block dimension
-        took 5x longer in bfloat16)."""
+        """The KV tensor as [everything outside a block, blocks, one block's elements], whose
+        block slices are contiguous runs (fast to fill and copy)."""
         return self.kv_cache.flatten(0, block_dim(self.use_flash) - 1).flatten(2)
 
     @torch.inference_mode()
@@ -310,7 +338,9 @@ class ModelRunner:
         for each chunk of `scoring` the logits of its rows that predict prompt tokens."""
         inputs = self.prepare(chunks)
         if self.graphs is not None and self.graphs.covers(inputs.meta, len(inputs.input_ids)):
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+            x = self.model.embed(inputs.input_ids)
+            hidden = self.graphs.run(x, self.model.rotations(inputs.positions, x.dtype),
+                                     inputs.meta)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_cache, inputs.meta)
         logits = self.model.logits(hidden.index_select(0, inputs.sample_rows))
@@ -335,8 +365,7 @@ class ModelRunner:
         windowed_spans: list[PrefillSpan] = []
         row_of: dict[int, int] = {}
         row = 0
-        # a decode's one position and slot as plain ints, in one tensor for all: a few
-        # tensors per request per step took 1-2 ms of a 64-decode step
+        # a decode's position and slot as plain ints, one tensor for all (not one each)
         decode_positions: list[int] = []
         decode_slots: list[int] = []
         for chunk in ordered:
@@ -403,7 +432,7 @@ class ModelRunner:
     def _prefill_span(self, row: int, pos: torch.Tensor, table: torch.Tensor,
                       window: int | None) -> PrefillSpan:
         """A chunk at global positions `pos` attends causally lower-right over its history
-        (pitfall 6) and, on a windowed layer, only to keys within `window` of each query."""
+        and, on a windowed layer, only to keys within `window` of each query."""
         start, end = int(pos[0]), int(pos[-1]) + 1
         first = 0 if window is None else max(0, start - window + 1)
         keys = torch.arange(first, end, dtype=torch.int64)

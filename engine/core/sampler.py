@@ -1,15 +1,7 @@
-"""Token sampling as vLLM V1 does it: logit_bias, then the penalties, then greedy or
-temperature, min_p, top-k and top-p, with a per-request seed; and logprobs.
-
-Each request is sampled on its own account: whatever one request's parameters make go wrong
-(a seed torch cannot take, probabilities that are all NaN) fails that request alone and
-every other row of the step still gets its token (issue 15).
-
-Logprobs follow vLLM's `logprobs_mode`. `raw_logprobs` (the default) is the log-softmax
-of the model's own logits, before bias, penalties and temperature, so a score does not depend
-on how it was sampled. `processed_logprobs` is the log-softmax of the logits the token was
-drawn from: after bias and penalties, then (sampled rows) temperature, min_p, top-k and
-top-p, with the tokens those cut at -inf; a greedy row's are its penalised logits.
+"""Token sampling as vLLM V1 does it: logit_bias, the penalties, then greedy or temperature,
+min_p, top-k and top-p with a per-request seed; and logprobs per vLLM's `logprobs_mode`
+(raw: of the model's logits; processed: of the logits the token was drawn from). What goes
+wrong with one request's parameters fails that request alone.
 """
 
 from __future__ import annotations

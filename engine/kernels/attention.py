@@ -1,36 +1,23 @@
-"""Attention over the paged KV cache for one mixed batch, and the metadata it needs.
+"""Attention over the paged KV cache for one packed batch (prefill chunks first, then
+single-token decodes), and the metadata it needs, built once per step.
 
-A batch is packed (varlen, no padding between requests): prefill chunks first, then
-single-token decodes. Each prefill chunk attends to its request's whole history with a
-causal mask aligned lower-right (query i sits at global position start + i; pitfall 6:
-SDPA's `is_causal=True` is top-left and wrong when query and key lengths differ).
-
-Backends:
-- torch (CPU, and CUDA without flash-attn): SDPA with an explicit mask per chunk, and one
-  SDPA call for all decodes with queries grouped per KV head (no copy of keys for GQA).
-- paged (CPU, the default there): C++ kernels (engine.kernels.cpu_kernels) that read the cache
-  in place through the block tables instead of gathering each history into a copy first:
-  one call per prefill chunk (flash-style, causal and windowed as above), one for every
-  decode. A head size the prefill kernel's tiles do not fit keeps SDPA for prefill.
-- flash (CUDA with flash-attn importable): `flash_attn_varlen_func` over the paged cache with
-  a block table, which aligns causal masks bottom-right itself.
-
-Sliding-window layers (Mistral, Phi-3, Gemma) see only keys in (p - window, p] from a query
-at position p. On the torch path they read `meta.windowed`, built once per step beside the
-full-history metadata: each chunk gathers only the keys its window reaches and masks the rest,
-so every chunk boundary is exact. flash-attn takes the window as `window_size`. Attention
-soft-capping (Gemma 2) has no SDPA kernel; those layers run the same math unfused.
+A chunk attends to its request's whole history with a causal mask aligned lower-right (query
+i sits at position start + i; SDPA's `is_causal` is top-left, wrong when the lengths differ).
+Backends: torch (SDPA per chunk, one SDPA for all decodes), paged (the CPU kernels, reading
+the cache in place through the block tables) and flash (flash-attn on CUDA). Sliding-window
+layers read `meta.windowed` on the torch path; soft-capped layers (Gemma 2) run unfused.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.cpu_kernels import cache_write, paged_decode, paged_prefill
+from engine.kernels.cpu_kernels import paged_decode, paged_prefill
 
 try:  # optional `gpu` extra; absent on CPU machines
     from flash_attn import flash_attn_varlen_func
@@ -42,15 +29,15 @@ FLASH_BLOCK_SIZE = 256  # flash-attn's paged KV needs blocks that are a multiple
 
 @dataclass(frozen=True)
 class PrefillSpan:
-    """One prefill chunk: rows [q_start, q_start + q_len) of the batch. The torch path reads
-    key_slots and mask; the paged kernel reads block_table and start instead."""
+    """One prefill chunk, rows [q_start, q_start + q_len): key_slots and mask for the torch
+    path, block_table and start for the paged kernel."""
 
     q_start: int
     q_len: int
-    key_slots: torch.Tensor | None  # int64 [context_len]: cache slots of every key it sees
-    mask: torch.Tensor | None  # bool [q_len, context_len], True = attend; None = square causal
-    block_table: torch.Tensor | None = None  # int64: the request's blocks (paged kernel)
-    start: int = 0  # the chunk's first position (paged kernel)
+    key_slots: torch.Tensor | None
+    mask: torch.Tensor | None  # True = attend; None = square causal
+    block_table: torch.Tensor | None = None
+    start: int = 0
 
 
 @dataclass(frozen=True)
@@ -59,29 +46,25 @@ class DecodeGroup:
 
     row_start: int
     rows: int
-    # Whole blocks are gathered, not single slots: fewer, larger copies (4 KB rows, not 256 B).
-    block_ids: torch.Tensor  # int64 [rows, blocks]: each block table, padding -> block 0
-    bias: torch.Tensor  # [1, rows, 1, blocks * block_size]: 0 for real keys, -inf otherwise
+    block_ids: torch.Tensor  # [rows, blocks], padded with block 0: whole blocks are gathered
+    bias: torch.Tensor  # [1, rows, 1, blocks * block_size]: -inf past each row's keys
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
     """Everything attention needs for one step, built once per step (not per layer)."""
 
-    slot_mapping: torch.Tensor  # int64 [num_tokens]: where each new token's K/V is written
+    slot_mapping: torch.Tensor  # where each new token's K/V is written
     prefills: tuple[PrefillSpan, ...]
     decode_start: int  # decodes are rows [decode_start, num_tokens)
     decode_groups: tuple[DecodeGroup, ...]
-    # flash-attn only
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     block_table: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
-    # torch path: the same step for sliding-window layers (None when the model has none)
-    windowed: AttentionMetadata | None = None
-    # paged kernel (CPU): the decodes' block tables, int64 [decodes, widest], and keys per
-    # decode (position + 1); set instead of decode_groups
+    windowed: AttentionMetadata | None = None  # the step for sliding-window layers (torch)
+    # the paged kernel's, instead of decode_groups: block tables and keys per decode
     decode_tables: torch.Tensor | None = None
     decode_lengths: torch.Tensor | None = None
 
@@ -92,25 +75,33 @@ def flash_available(device: torch.device) -> bool:
 
 def cache_shape(use_flash: bool, num_layers: int, num_blocks: int, block_size: int,
                 num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    """The one KV tensor: [K/V, layer, ...]. flash-attn wants [blocks, block_size, heads, dim];
-    the torch path keeps heads outermost ([heads, blocks, block_size, dim]) so a gather of
-    slots lands directly in the [heads, keys, dim] layout matmul and SDPA take, with no
-    transpose copy per layer."""
+    """The one KV tensor [K/V, layer, ...]: flash-attn's blocks outermost, else heads outermost
+    so a gather of slots lands in SDPA's [heads, keys, dim] with no transpose copy."""
     if use_flash:
         return (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
     return (2, num_layers, num_kv_heads, num_blocks, block_size, head_dim)
 
 
 def block_dim(use_flash: bool) -> int:
-    """The dimension of the KV tensor that indexes blocks (zeroed on allocation)."""
+    """The dimension of the KV tensor that indexes blocks."""
     return 2 if use_flash else 3
+
+
+CacheWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                      None]
+
+
+def index_copy_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """k, v [N, Hkv, D] into one layer's caches [Hkv, blocks, block_size, D] at `slots`."""
+    heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
+    k_cache.view(heads, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1))
+    v_cache.view(heads, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1))
 
 
 class PagedAttention:
     """Writes new K/V into a layer's cache slice and attends over the history (the last
     `window` positions of it for a sliding-window layer)."""
-
-    kernel = False  # new K/V written by cpu_kernels.cache_write (Transformer.use_cpu_kernels)
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, use_flash: bool,
                  scale: float | None = None, window: int | None = None,
@@ -123,11 +114,12 @@ class PagedAttention:
         self.use_flash = use_flash
         self.window = window
         self.softcap = softcap
+        self.write: CacheWrite = index_copy_write  # or the kernel's (engine.core.kernel_swap)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        """q [N, Hq, D], k/v [N, Hkv, D] and this layer's caches (see cache_shape) -> [N, Hq, D]."""
+        """q [N, Hq, D], k/v [N, Hkv, D] and this layer's caches -> [N, Hq, D]."""
         if self.use_flash:
             flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
             flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
@@ -144,14 +136,10 @@ class PagedAttention:
             if meta.windowed is None:
                 raise RuntimeError("a sliding-window layer needs AttentionMetadata.windowed")
             meta = meta.windowed
-        flat_k = k_cache.view(self.num_kv_heads, -1, self.head_dim)  # [Hkv, slots, D]
+        self.write(k, v, k_cache, v_cache, meta.slot_mapping)
+        flat_k = k_cache.view(self.num_kv_heads, -1, self.head_dim)
         flat_v = v_cache.view(self.num_kv_heads, -1, self.head_dim)
-        if self.kernel:
-            cache_write(k, v, k_cache, v_cache, meta.slot_mapping)
-        else:
-            flat_k.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-            flat_v.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous, as q may not be
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         for span in meta.prefills:
             rows = slice(span.q_start, span.q_start + span.q_len)
             if span.block_table is not None:
@@ -159,12 +147,12 @@ class PagedAttention:
                               self.scale, self.window, self.softcap, out=out[rows])
             else:
                 out[rows] = self._prefill(q[rows], flat_k, flat_v, span)
-        if meta.decode_tables is not None:  # set only when the step has decodes
+        if meta.decode_tables is not None:
             paged_decode(q[meta.decode_start:], k_cache, v_cache, meta.decode_tables,
                          meta.decode_lengths, self.scale, self.window, self.softcap,
                          out=out[meta.decode_start:])
             return out
-        block_k = k_cache.flatten(2)  # [Hkv, blocks, block_size * D]
+        block_k = k_cache.flatten(2)
         block_v = v_cache.flatten(2)
         for group in meta.decode_groups:
             rows = slice(group.row_start, group.row_start + group.rows)
@@ -173,8 +161,8 @@ class PagedAttention:
 
     def _prefill(self, q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
                  span: PrefillSpan) -> torch.Tensor:
-        assert span.key_slots is not None  # built for the torch path
-        keys = flat_k.index_select(1, span.key_slots)  # [Hkv, S, D]
+        assert span.key_slots is not None
+        keys = flat_k.index_select(1, span.key_slots)
         values = flat_v.index_select(1, span.key_slots)
         if self.softcap is not None:
             mask = span.mask
@@ -188,12 +176,11 @@ class PagedAttention:
                                                 self.head_dim)
             out = self._softcapped(grouped, keys[:, None], values[:, None], bias)
             return out.reshape(self.num_heads, span.q_len, self.head_dim).transpose(0, 1)
-        # A leading batch dimension: SDPA's fused CPU kernel takes only 4-D inputs; 3-D ones
-        # fall back to the math path, 2-2.7x slower for a 500-token chunk.
+        # 4-D: SDPA's fused CPU kernel takes no 3-D inputs
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None], keys[None], values[None], attn_mask=span.mask,
             is_causal=span.mask is None, scale=self.scale, enable_gqa=True,
-        )  # [1, Hq, C, D]
+        )
         return out[0].transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, block_k: torch.Tensor, block_v: torch.Tensor,
@@ -201,7 +188,7 @@ class PagedAttention:
         batch = group.rows
         shape = (self.num_kv_heads, batch, group.bias.shape[-1], self.head_dim)
         block_ids = group.block_ids.view(-1)
-        keys = block_k.index_select(1, block_ids).view(shape)  # [Hkv, B, S, D]
+        keys = block_k.index_select(1, block_ids).view(shape)
         values = block_v.index_select(1, block_ids).view(shape)
         # queries grouped per KV head: [B, Hq, D] -> [Hkv, B, G, D]; (Hkv, B) are SDPA's batch
         # dimensions, so GQA needs no copy of the keys
@@ -210,14 +197,13 @@ class PagedAttention:
             out = self._softcapped(grouped, keys, values, group.bias)
         else:
             out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=group.bias,
-                                                 scale=self.scale)  # [Hkv, B, G, D]
+                                                 scale=self.scale)
         return out.transpose(0, 1).reshape(batch, self.num_heads, self.head_dim)
 
     def _softcapped(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     bias: torch.Tensor) -> torch.Tensor:
         """Gemma 2's attention: scores capped at ±softcap by tanh before the mask and softmax
-        (in fp32, as transformers does). q [..., Q, D], keys/values [..., S, D], bias
-        broadcastable to [..., Q, S]."""
+        (in fp32, as transformers does)."""
         scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale
         scores = self.softcap * torch.tanh(scores / self.softcap) + bias
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)

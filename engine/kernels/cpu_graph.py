@@ -1,22 +1,11 @@
 """CPU graphs: a decode step recorded once per batch size as the kernel calls it makes, then
-replayed without the Python that made them, as CUDA graphs replay a GPU's kernels (vLLM and
+replayed without the Python between them, as CUDA graphs replay a GPU's kernels (vLLM and
 nano-vllm capture decode batches the same way).
 
-Why: on the kernel path a decode step is a few dozen calls into engine.kernels.cpu_kernels with
-Python and torch glue between them, and that glue runs from caches the weights' stream has
-just flushed. A decode step at D = 8 on synthetic:small took 13.8 ms, of which its kernel
-calls, repeated back to back, took 10.0 (one thread, Xeon; README, issue 18).
-
-How: the step's decoder (Transformer.decoder) runs once, for real, on static inputs, under
-cpu_kernels.recording() and a dispatch mode that
-- serves each tensor the step allocates from one arena shared by the graphs of every batch
-  size (one step runs at a time, and each replay writes a buffer before it reads it), so
-  the pointers recorded stay valid and the graphs cost one step's activations in all;
-- refuses any torch op that computes (anything but views and allocations): a step that needs
-  one could not replay, so that model keeps eager steps (NotGraphable names the op).
-A replay copies the step's inputs into the static ones and repeats the calls. Everything a
-capture writes is either its own memory or the KV slots the step writes anyway, so a step
-whose capture fails simply runs again eagerly.
+A capture runs the step once for real on static inputs, under cpu_kernels.recording() and a
+dispatch mode that serves every allocation from one arena shared by all batch sizes (so the
+recorded pointers stay valid) and refuses any torch op that computes: a step that needs one
+cannot replay, and that model keeps eager steps (NotGraphable names the op).
 """
 
 from __future__ import annotations
@@ -33,7 +22,7 @@ from torch.utils._pytree import tree_leaves
 
 from engine.kernels import cpu_kernels, huge_pages
 from engine.kernels.attention import AttentionMetadata
-from engine.model.transformer import PANEL_MAX_ROWS, Rotation, Transformer
+from engine.kernels.cpu_kernels import PANEL_MAX_ROWS, Rotation
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +30,11 @@ ARENA_ALIGN = 64  # bytes: a cache line, as torch's CPU allocator aligns
 ARENA_START_BYTES = 8 << 20  # doubled (and the graphs captured again) when a capture needs more
 # allocations shaped after a tensor (torch.empty itself is matched on its own)
 _LIKE = {torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default}
+
+
+# x [N, H], each layer's rotation, the KV tensor, the step's metadata -> hidden [N, H]
+Decoder = Callable[[torch.Tensor, list[Rotation], torch.Tensor, AttentionMetadata],
+                   torch.Tensor]
 
 
 class NotGraphable(RuntimeError):
@@ -77,20 +71,20 @@ class _Capture(TorchDispatchMode):
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        # A capture never runs under torch.compile (compiled models take no kernels), and
-        # wrapping the hook for dynamo imported torch._dynamo at the first capture (1.5 s,
-        # within the first request) and wrapped every op after it.
+        # a capture never runs under torch.compile; wrapping for dynamo would import it
         return False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is torch.ops.aten.empty.memory_format:  # empty(size)
+        if func is torch.ops.aten.empty.memory_format:
             return self.arena.take(args[0], kwargs.get("dtype") or torch.get_default_dtype())
-        if func in _LIKE:  # empty_like(self), new_empty(self, size)
+        if func in _LIKE:
             like = args[0]
             shape = like.shape if func is torch.ops.aten.empty_like.default else args[1]
             return self.arena.take(shape, kwargs.get("dtype") or like.dtype)
+        if func.namespace == "tokenflow":  # a CPU kernel: cpu_kernels.recording() sees it
+            return func(*args, **kwargs)
         if func._schema.is_mutable:
             raise NotGraphable(f"{func} writes a tensor outside the CPU kernels")
         out = func(*args, **kwargs)
@@ -114,9 +108,8 @@ class CpuGraph:
         self.calls = tuple(calls)
 
     def replay(self, values: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The output of a run over `values`, each copied into the leading corner of its
-        static input (a shorter block table leaves the rest of its row unread). The output
-        is the graph's own memory: read it before the next replay."""
+        """The output of a run over `values` (copied into the static inputs), in the graph's
+        own memory: read it before the next replay."""
         for static, value in zip(self.inputs, values, strict=True):
             _fill(static, value)
         for entry, args in self.calls:
@@ -125,45 +118,32 @@ class CpuGraph:
 
 
 class DecodeGraphs:
-    """The CPU graphs of one model's decode-only steps, one per batch size up to
-    PANEL_MAX_ROWS (larger steps run oneDNN's GEMMs, torch ops), captured at each size's
-    first step. Static inputs are shared too, sized for the largest batch: a graph of B
-    decodes reads their first B rows."""
+    """A model's decode-only steps as CPU graphs, one per batch size up to PANEL_MAX_ROWS,
+    captured at each size's first step; all read the first rows of shared static inputs."""
 
-    def __init__(self, model: Transformer, kv_cache: torch.Tensor, max_blocks: int) -> None:
-        self.model = model
+    def __init__(self, decoder: Decoder, kv_cache: torch.Tensor, max_blocks: int) -> None:
+        self.decoder = decoder
         self.kv_cache = kv_cache
+        self.max_blocks = max_blocks
         self.arena = Arena(ARENA_START_BYTES)
         self.graphs: dict[tuple[int, int], CpuGraph] = {}  # (decodes, threads) -> graph
         self.refused: str | None = None  # why this model's steps stay eager
-        config, dtype = model.config, model.embed_tokens.weight.dtype
-        rows, half = PANEL_MAX_ROWS, config.head_dim // 2
-        # layers share RoPE tables (Transformer.rotations gathers once per table): the first
-        # layer of each table, and each layer's table, worked out once
-        ropes = [id(layer.self_attn.rope) for layer in model.layers]
-        self.first_layers = [ropes.index(rope) for rope in dict.fromkeys(ropes)]
-        self.table_of = [self.first_layers.index(ropes.index(rope)) for rope in ropes]
-        self.x = torch.zeros(rows, config.hidden_size, dtype=dtype)
-        self.rotations = [(torch.zeros(rows, 1, half, dtype=dtype),
-                           torch.zeros(rows, 1, half, dtype=dtype)) for _ in self.first_layers]
-        self.slots = torch.zeros(rows, dtype=torch.int64)
-        self.tables = torch.zeros(rows, max_blocks, dtype=torch.int64)
-        self.lengths = torch.ones(rows, dtype=torch.int64)
+        self.statics: _Statics | None = None
 
     def covers(self, meta: AttentionMetadata, rows: int) -> bool:
-        """Whether a step of `rows` tokens with `meta` replays: decodes only, few enough."""
+        """Whether a step replays: decodes only, few enough."""
         return (self.refused is None and not meta.prefills and meta.decode_start == 0
                 and meta.decode_tables is not None and rows <= PANEL_MAX_ROWS
-                and meta.decode_tables.shape[1] <= self.tables.shape[1])
+                and meta.decode_tables.shape[1] <= self.max_blocks)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+    def run(self, x: torch.Tensor, rotations: list[Rotation],
             meta: AttentionMetadata) -> torch.Tensor:
-        """The model's output (Transformer.forward's) for a step that `covers` accepts,
-        replayed, or run eagerly where this model cannot replay."""
+        """The decoder's output for a step that `covers` accepts, replayed where it can be."""
         assert meta.decode_tables is not None and meta.decode_lengths is not None
-        x = self.model.embed(input_ids)
-        rotations = self.model.rotations(positions, x.dtype)
-        values = [x, *(t for layer in self.first_layers for t in rotations[layer]),
+        if self.statics is None:
+            self.statics = _Statics(x, rotations, self.max_blocks)
+        tables = self.statics.distinct(rotations)
+        values = [x, *(t for rotation in tables for t in rotation),
                   meta.slot_mapping, meta.decode_tables, meta.decode_lengths]
         key = (x.shape[0], torch.get_num_threads())
         graph = self.graphs.get(key)
@@ -173,23 +153,22 @@ class DecodeGraphs:
             except NotGraphable as exc:
                 self.refused = str(exc)
                 log.info("decode steps stay eager: %s", exc)
-                return self.model.decoder(x, rotations, self.kv_cache, meta)
+                return self.decoder(x, rotations, self.kv_cache, meta)
             self.graphs[key] = graph
             return graph.output  # the capture ran this step
         return graph.replay(values)
 
     def _capture(self, rows: int, values: list[torch.Tensor]) -> CpuGraph:
-        statics = [self.x[:rows], *(t[:rows] for pair in self.rotations for t in pair),
-                   self.slots[:rows], self.tables[:rows], self.lengths[:rows]]
-        tables: list[Rotation] = [(cos[:rows], sin[:rows]) for cos, sin in self.rotations]
-        static_rotations = [tables[table] for table in self.table_of]
+        assert self.statics is not None
+        statics = self.statics.rows(rows)
         meta = AttentionMetadata(slot_mapping=statics[-3], prefills=(), decode_start=0,
                                  decode_groups=(), decode_tables=statics[-2],
                                  decode_lengths=statics[-1])
         meta = replace(meta, windowed=meta)  # the kernel windows each decode itself
+        rotations = self.statics.rotations(rows)
 
         def run() -> torch.Tensor:
-            return self.model.decoder(statics[0], static_rotations, self.kv_cache, meta)
+            return self.decoder(statics[0], rotations, self.kv_cache, meta)
 
         while True:
             # afresh each try: a capture cut short has updated x in place
@@ -201,6 +180,34 @@ class DecodeGraphs:
                 # a larger arena moves every graph's buffers: capture them afresh
                 self.arena = Arena(2 * self.arena.buffer.numel())
                 self.graphs.clear()
+
+
+class _Statics:
+    """The graphs' static inputs for PANEL_MAX_ROWS decodes, shaped after a first step's."""
+
+    def __init__(self, x: torch.Tensor, rotations: list[Rotation], max_blocks: int) -> None:
+        rows = PANEL_MAX_ROWS
+        first = {id(rotation): layer for layer, rotation in reversed(list(enumerate(rotations)))}
+        self.first_layers = sorted(first.values())
+        self.table_of = [self.first_layers.index(first[id(r)]) for r in rotations]
+        self.x = x.new_zeros(rows, x.shape[1])
+        self.tables = [tuple(t.new_zeros(rows, *t.shape[1:]) for t in rotations[layer])
+                       for layer in self.first_layers]
+        self.slots = torch.zeros(rows, dtype=torch.int64)
+        self.block_tables = torch.zeros(rows, max_blocks, dtype=torch.int64)
+        self.lengths = torch.ones(rows, dtype=torch.int64)
+
+    def distinct(self, rotations: list[Rotation]) -> list[Rotation]:
+        return [rotations[layer] for layer in self.first_layers]
+
+    def rows(self, rows: int) -> list[torch.Tensor]:
+        """The first `rows` rows of every static input, in `run`'s order."""
+        return [self.x[:rows], *(t[:rows] for table in self.tables for t in table),
+                self.slots[:rows], self.block_tables[:rows], self.lengths[:rows]]
+
+    def rotations(self, rows: int) -> list[Rotation]:
+        tables: list[Rotation] = [(cos[:rows], sin[:rows]) for cos, sin in self.tables]
+        return [tables[table] for table in self.table_of]
 
 
 def _fill(static: torch.Tensor, value: torch.Tensor) -> None:

@@ -1,23 +1,8 @@
-"""The CPU kernels: built once per machine, loaded with ctypes, and called per layer and step.
-
-- Attention (paged_attention.cpp): once with every decode of the batch, and once per prefill
-  chunk. They read each request's cached keys and values in place through its block table,
-  where the torch path copies the whole history per layer (index_select) before SDPA reads
-  the copy.
-- A layer's dense ops (layer_ops.cpp): a GEMM for steps of a few rows, the residual add with
-  RMSNorm, SiLU·mul, RoPE, the cache write and the MLP's residual add, each one call where
-  torch runs several.
-
-Every call goes through `_call`, which `recording()` can watch: a decode step made of these
-calls alone is recorded once and replayed as a CPU graph (engine.kernels.cpu_graph).
-
-The library is C++ without torch headers, so the system compiler builds it once (13 s here);
-the shared object is cached under ~/.cache/tokenflow/kernels (or $TOKENFLOW_KERNEL_CACHE),
-keyed by the sources, the flags, the compiler and the CPU (`build_key`). It is built with
--march=native, or for the target $TOKENFLOW_KERNEL_MARCH names (x86-64-v3 builds the AVX2
-kernels on an AVX-512 machine, to measure what an AVX2-only CPU runs). Where no compiler
-works, `load()` says why and the engine keeps the torch path.
-"""
+"""The CPU kernels (paged attention, a layer's dense ops), built once per machine with the
+system compiler and cached under ~/.cache/tokenflow/kernels keyed by sources, flags, compiler
+and CPU; each entry point is a torch operator tokenflow::NAME with one typed wrapper here.
+Where no compiler works, `load()` says why and the engine keeps the torch path
+(docs/cpu-backend.md)."""
 
 from __future__ import annotations
 
@@ -30,7 +15,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,17 +27,9 @@ from engine.kernels import huge_pages
 
 SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_attention.cpp", "layer_ops.cpp", "cpu_vectors.h"))
-# -ffast-math lets the compiler vectorise the reductions and exp (glibc's vector expf needs
-# all of it); the kernels never make an infinity (decode reads only real keys, prefill masks
-# with a finite -1e30). It is
-# a compile flag only: linked with it, GCC adds crtfastmath, which flushes subnormals to zero
-# for the whole process (torch included) the moment the library loads.
-# -mprefer-vector-width=512 (targets with AVX-512 only): GCC vectorises loops (and picks
-# glibc's vector expf) at 256 bits on AVX-512 CPUs unless told; the prefill kernel then
-# stored 8-wide expf results and reloaded them as 16-wide vectors, stalling store forwarding
-# (figures in docs/cpu-backend.md).
-# On an AVX2 target the kernels' vectors are 8 floats (cpu_vectors.h) and the flag is left
-# out: there is no 512-bit width to prefer.
+# -ffast-math vectorises the reductions and exp (the kernels make no infinities); compile
+# only: linked, GCC's crtfastmath would flush subnormals for the whole process.
+# GCC vectorises at 256 bits on AVX-512 unless told otherwise (docs/cpu-backend.md).
 WIDE_FLAGS = ("-mprefer-vector-width=512",)
 BASE_FLAGS = ("-O3", "-fopenmp", "-ffast-math", "-fPIC", "-c")
 LINK_FLAGS = ("-shared", "-fopenmp")
@@ -72,22 +49,25 @@ _ENTRIES = {  # each entry point's argument types
     "rope": [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, ctypes.c_int, ctypes.c_int],
     "cache_write": [_PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _I64,
                     ctypes.c_int],
-    "add_rows": [_PTR, _PTR, _I64, ctypes.c_int],
 }
 DTYPES = (torch.float32, torch.bfloat16)
+# Steps of at most this many rows run fp32 GEMMs in linear_rows; larger ones oneDNN's
+# (docs/cpu-backend.md has the crossover)
+PANEL_MAX_ROWS = 64
+Rotation = tuple[torch.Tensor, torch.Tensor]  # RoPE's cos, sin [N, 1, D/2] for one step
 # paged_prefill's vector tiles: head sizes in steps of 16 floats, up to MAX_HEAD_DIM
 PREFILL_HEAD_DIM_STEP, PREFILL_MAX_HEAD_DIM = 16, 256
 
 
 @dataclass(frozen=True)
 class Toolchain:
-    """How the library is built here: the compiler, its flags, and what the build is keyed on."""
+    """How the library is built here, and the key of the build."""
 
     compiler: str
     march: str
     wide: bool  # the target has AVX-512, so loops are vectorised at 512 bits
     compile_flags: tuple[str, ...]
-    key: str  # sources, flags, compiler version, CPU: the cached library's name and more
+    key: str  # sources, flags, compiler version, CPU
 
 
 @dataclass(frozen=True)
@@ -102,7 +82,6 @@ class Kernels:
     silu_mul: ctypes._CFuncPtr
     rope: ctypes._CFuncPtr
     cache_write: ctypes._CFuncPtr
-    add_rows: ctypes._CFuncPtr
 
 
 # A kernel call as made: the entry point and its arguments, pointers included
@@ -263,30 +242,104 @@ def _check_operands(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError("the paged kernels need contiguous caches")
 
 
+# Each entry point is a torch operator, tokenflow::NAME, so the profiler and the dispatcher
+# see it; its CPU kernel unpacks the tensors into the C call. Operators write their outputs
+# into tensors the typed wrapper below allocated (a CPU graph's capture serves those).
+_LIBRARY = torch.library.Library("tokenflow", "DEF")
+
+
+def _operator(schema: str) -> Callable[[Callable[..., None]], Any]:
+    def register(kernel: Callable[..., None]) -> Any:
+        name = schema.split("(", 1)[0]
+        _LIBRARY.define(schema)
+        _LIBRARY.impl(name, kernel, "CPU")
+        return getattr(torch.ops.tokenflow, name).default
+    return register
+
+
+@_operator("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+           "Tensor lengths, float scale, int window, float softcap, Tensor(a!) out) -> ()")
+def _paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  tables: torch.Tensor, lengths: torch.Tensor, scale: float, window: int,
+                  softcap: float, out: torch.Tensor) -> None:
+    kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    batch, q_heads, _ = q.shape
+    _call("paged_decode", q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+          out.data_ptr(), tables.data_ptr(), lengths.data_ptr(), batch, tables.shape[1],
+          kv_heads, q_heads // kv_heads, head_dim, num_blocks, block_size, scale, window,
+          softcap, _bf16(q), torch.get_num_threads())
+
+
+@_operator("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
+           "int start, float scale, int window, float softcap, Tensor(a!) out) -> ()")
+def _paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   table: torch.Tensor, start: int, scale: float, window: int, softcap: float,
+                   out: torch.Tensor) -> None:
+    kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    chunk, q_heads, _ = q.shape
+    _call("paged_prefill", q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+          table.data_ptr(), start, chunk, kv_heads, q_heads // kv_heads, head_dim, num_blocks,
+          block_size, scale, window, softcap, _bf16(q), torch.get_num_threads())
+
+
+@_operator("linear_rows(Tensor x, Tensor panels, Tensor? bias, Tensor(a!) out) -> ()")
+def _linear_rows(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+                 out: torch.Tensor) -> None:
+    rows, k = x.shape
+    _call("linear_rows", x.data_ptr(), rows, k, panels.data_ptr(), out.shape[1], out.data_ptr(),
+          None if bias is None else bias.data_ptr(), torch.get_num_threads())
+
+
+@_operator("rms_norm(Tensor x, Tensor(b!)? residual, Tensor weight, float eps, float offset, "
+           "Tensor(a!) out) -> ()")
+def _rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+              eps: float, offset: float, out: torch.Tensor) -> None:
+    _call("rms_norm", x.data_ptr(), None if residual is None else residual.data_ptr(),
+          weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, offset,
+          _bf16(x), torch.get_num_threads())
+
+
+@_operator("silu_mul(Tensor gate_up, Tensor(a!) out) -> ()")
+def _silu_mul(gate_up: torch.Tensor, out: torch.Tensor) -> None:
+    rows, inter = out.shape
+    _call("silu_mul", gate_up.data_ptr(), out.data_ptr(), rows, inter, _bf16(gate_up),
+          torch.get_num_threads())
+
+
+@_operator("rope(Tensor(a!) x, Tensor cos, Tensor sin) -> ()")
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    rows, heads, head_dim = x.shape
+    _call("rope", x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, heads, head_dim,
+          x.stride(0), _bf16(x), torch.get_num_threads())
+
+
+@_operator("cache_write(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+           "Tensor slots) -> ()")
+def _cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    _call("cache_write", k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+          slots.data_ptr(), k.shape[0], kv_heads, head_dim, k.stride(0), v.stride(0),
+          num_blocks * block_size, _bf16(k))
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, lengths: torch.Tensor, scale: float,
                  window: int | None, softcap: float | None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one query token per request over its cached keys.
 
-    q [B, Hq, D] (Hq a multiple of the KV heads; each row's heads contiguous, rows at any
-    stride), one layer's caches [Hkv, blocks, block_size, D], block_tables int64 [B, W],
-    lengths int64 [B] (keys per request: position + 1). `window` keeps each request's last
-    `window` keys; `softcap` caps scores by tanh (Gemma 2). Writes into `out` ([B, Hq, D],
-    contiguous) when given. -> [B, Hq, D].
+    q [B, Hq, D] (Hq a multiple of the KV heads; each row's heads contiguous), one layer's
+    caches [Hkv, blocks, block_size, D], block_tables int64 [B, W], lengths int64 [B] (keys
+    per request). `window` keeps each request's last `window` keys; `softcap` caps scores by
+    tanh (Gemma 2). Writes into `out` ([B, Hq, D], contiguous) when given. -> [B, Hq, D].
     """
     _check_operands(q, k_cache, v_cache)
-    kv_heads, num_blocks, block_size, head_dim = k_cache.shape
-    batch, q_heads, _ = q.shape
-    if q.stride()[1:] != (head_dim, 1):
+    if q.stride()[1:] != (k_cache.shape[-1], 1):
         q = q.contiguous()
-    tables = block_tables.contiguous()
-    lengths = lengths.contiguous()
     out = _output(out, q)
-    _call("paged_decode", q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-          out.data_ptr(), tables.data_ptr(), lengths.data_ptr(), batch, tables.shape[1],
-          kv_heads, q_heads // kv_heads, head_dim, num_blocks, block_size, scale, window or 0,
-          softcap or 0.0, _bf16(q), torch.get_num_threads())
+    _paged_decode(q, k_cache, v_cache, block_tables.contiguous(), lengths.contiguous(), scale,
+                  window or 0, softcap or 0.0, out)
     return out
 
 
@@ -294,25 +347,21 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_table: torch.Tensor, start: int, scale: float, window: int | None,
                   softcap: float | None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one prefill chunk: q [C, Hq, D] at positions start.., causal over its
-    request's cached keys [0, start + C), which already hold the chunk's own (the layer
-    wrote them first). block_table int64 [>= blocks used]; `window` and `softcap` as in
-    paged_decode. Writes into `out` ([C, Hq, D], contiguous) when given. -> [C, Hq, D].
+    request's cached keys [0, start + C), which already hold the chunk's own. block_table
+    int64 [>= blocks used]; the rest as paged_decode. -> [C, Hq, D].
     """
     _check_operands(q, k_cache, v_cache)
-    kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    block_size, head_dim = k_cache.shape[2:]
     if not prefill_supports(head_dim):
         raise ValueError(f"paged_prefill takes head sizes in steps of {PREFILL_HEAD_DIM_STEP} "
                          f"up to {PREFILL_MAX_HEAD_DIM}, got {head_dim}")
-    chunk, q_heads, _ = q.shape
-    if block_table.numel() * block_size < start + chunk:
+    if block_table.numel() * block_size < start + q.shape[0]:
         raise ValueError(f"a block table of {block_table.numel()} blocks holds "
-                         f"{block_table.numel() * block_size} keys, not {start + chunk}")
+                         f"{block_table.numel() * block_size} keys, not {start + q.shape[0]}")
     q = q.contiguous()
-    table = block_table.contiguous()
     out = _output(out, q)
-    _call("paged_prefill", q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-          table.data_ptr(), start, chunk, kv_heads, q_heads // kv_heads, head_dim, num_blocks,
-          block_size, scale, window or 0, softcap or 0.0, _bf16(q), torch.get_num_threads())
+    _paged_prefill(q, k_cache, v_cache, block_table.contiguous(), start, scale, window or 0,
+                   softcap or 0.0, out)
     return out
 
 
@@ -348,49 +397,43 @@ def linear_rows(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     if x.dtype != torch.float32 or panels.numel() != k * padded:
         raise ValueError(f"linear_rows takes float32 rows of {panels.numel() // padded}, got "
                          f"{x.dtype} rows of {k}")
-    x = x.contiguous()
     out = torch.empty(rows, out_features)
-    _call("linear_rows", x.data_ptr(), rows, k, panels.data_ptr(), out_features, out.data_ptr(),
-          None if bias is None else bias.data_ptr(), torch.get_num_threads())
+    _linear_rows(x.contiguous(), panels, bias, out)
     return out
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
              residual: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm of x [..., dim] as engine.model.transformer.RMSNorm computes it. With
-    `residual` (contiguous, shaped like x), first adds x into it in place and norms the sum:
-    the residual add and the next block's norm in one pass."""
+    """RMSNorm of x [..., dim] as the model's RMSNorm computes it. With `residual`
+    (contiguous, shaped like x), first adds x into it in place and norms the sum."""
     if residual is not None and (not residual.is_contiguous() or residual.shape != x.shape
                                  or residual.dtype != x.dtype):
         raise ValueError("rms_norm's residual must be contiguous and shaped like x")
+    _bf16(x)
     x = x.contiguous()
     out = torch.empty_like(x)
-    _call("rms_norm", x.data_ptr(), None if residual is None else residual.data_ptr(),
-          weight.data_ptr(), out.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps, offset,
-          _bf16(x), torch.get_num_threads())
+    _rms_norm(x, residual, weight, eps, offset, out)
     return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SiLU(gate) * up of the fused projection gate_up [rows, 2 * inter] -> [rows, inter]."""
+    _bf16(gate_up)
     gate_up = gate_up.contiguous()
     rows, width = gate_up.shape
     out = gate_up.new_empty(rows, width // 2)
-    _call("silu_mul", gate_up.data_ptr(), out.data_ptr(), rows, width // 2, _bf16(gate_up),
-          torch.get_num_threads())
+    _silu_mul(gate_up, out)
     return out
 
 
-def rope(x: torch.Tensor, rotation: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """x [N, H, D] rotated in place by its positions (rotate-half, as transformer.rotate),
-    and returned. Each row's heads must be contiguous (a slice of a fused projection is);
-    rotation: RotaryEmbedding.at's cos, sin [N, 1, D / 2] in x's dtype."""
-    rows, heads, head_dim = x.shape
-    if x.stride(2) != 1 or x.stride(1) != head_dim:
+def rope(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
+    """x [N, H, D] (each row's heads contiguous) rotated in place by its positions, as the
+    model's `rotate`, and returned; rotation: cos, sin [N, 1, D / 2] in x's dtype."""
+    _bf16(x)
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
         raise ValueError("rope rotates rows whose heads are contiguous")
     cos, sin = (t.contiguous() for t in rotation)
-    _call("rope", x.data_ptr(), cos.data_ptr(), sin.data_ptr(), rows, heads, head_dim,
-          x.stride(0), _bf16(x), torch.get_num_threads())
+    _rope(x, cos, sin)
     return x
 
 
@@ -399,26 +442,14 @@ def cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     """A step's new keys and values, k and v [N, Hkv, D] (each row's heads contiguous), into
     one layer's caches [Hkv, blocks, block_size, D] at slots int64 [N]."""
     _check_operands(k, k_cache, v_cache)
-    kv_heads, num_blocks, block_size, head_dim = k_cache.shape
+    kv_heads, _, _, head_dim = k_cache.shape
     rows = k.shape[0]
     if (k.shape != (rows, kv_heads, head_dim) or v.shape != k.shape or v.dtype != k.dtype
             or k.stride()[1:] != (head_dim, 1) or v.stride()[1:] != (head_dim, 1)
             or slots.shape != (rows,)):
         raise ValueError(f"cache_write takes k, v [rows, {kv_heads}, {head_dim}] alike, each "
                          f"row's heads contiguous, and a slot per row")
-    slots = slots.contiguous()
-    _call("cache_write", k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-          slots.data_ptr(), rows, kv_heads, head_dim, k.stride(0), v.stride(0),
-          num_blocks * block_size, _bf16(k))
-
-
-def add_(x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-    """x += delta in place (both contiguous, alike), rounded as torch's add; returns x."""
-    if (not x.is_contiguous() or not delta.is_contiguous() or x.shape != delta.shape
-            or x.dtype != delta.dtype):
-        raise ValueError("add_ takes two contiguous tensors alike")
-    _call("add_rows", x.data_ptr(), delta.data_ptr(), x.numel(), _bf16(x))
-    return x
+    _cache_write(k, v, k_cache, v_cache, slots.contiguous())
 
 
 def _bf16(t: torch.Tensor) -> int:

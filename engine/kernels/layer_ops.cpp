@@ -1,21 +1,10 @@
-// The dense ops of a decoder layer on CPU, each one call where torch runs several (issue 18).
-//
-// A decode step on a small model is short: synthetic:small at 8 decodes took 16 ms, of which
-// its GEMMs were 9, and most of the rest was torch dispatching a dozen small ops per norm,
-// rotation and cache write. These replace them on the CPU eager path:
-// - linear_rows: y = x W^T (+ b) for up to 64 rows, over weights packed in panels of 48
-//   outputs (16 on AVX2; cpu_kernels.pack_panels) that it streams once, keeping every row's sums in
-//   registers: synthetic:small's GEMMs at 8 rows took 6.8 ms, against oneDNN's 9.7 and 6.4
-//   for a plain read of the same bytes (one thread, interleaved runs).
+// The dense ops of a decoder layer on CPU, each one call where torch runs several small ops
+// (figures in docs/cpu-backend.md):
+// - linear_rows: y = x W^T (+ b) for a few rows, over weights packed in panels
+//   (cpu_kernels.pack_panels) streamed once, every row's sums kept in registers.
 // - rms_norm: the residual add and the norm in one pass, rounded as the torch module rounds.
-// - silu_mul: SiLU(gate) * up over the fused gate/up projection.
-// - rope: RoPE on q and k in place, where torch's rotation ran six ops and a concatenation.
-// - cache_write: a step's new keys and values into their cache slots, where index_copy_ took
-//   about 20 us per call for 8 rows.
-// - add_rows: the MLP's residual add in place, so that a decode step runs nothing but these
-//   calls and replays as a CPU graph (cpu_graph.py).
-// Sums run in a different order than torch's, so results may differ in the last bit, as the
-// paged attention kernels' do; the exactness tests hold tokens identical to transformers.
+// - silu_mul; rope on q and k in place; cache_write of a step's keys and values.
+// Sums run in a different order than torch's, so results may differ in the last bit.
 
 #include <cmath>
 #include <cstdint>
@@ -40,8 +29,8 @@ constexpr int VECTORS = 2;
 constexpr int64_t MAX_ROWS = 6;
 #endif
 constexpr int64_t PANEL = VECTORS * LANES;
-// Floats ahead of the read position prefetched into L2: about one memory latency. An L1
-// prefetch, or a panel of two vectors, read synthetic:small's weights at 8 rows 20% slower.
+// Floats ahead of the read position prefetched into L2: about one memory latency (an L1
+// prefetch was slower).
 constexpr int64_t AHEAD = 1024;
 
 // `Rows` rows of x [Rows, K] against one panel [K][Vectors * LANES] -> y's `cols` columns.
@@ -91,7 +80,7 @@ void panel_rows_of(int64_t rows, int64_t vectors, const float* x, const float* p
     }
 }
 
-// ---- rms_norm, silu_mul, rope, cache_write, add_rows ---------------------------------------
+// ---- rms_norm, silu_mul, rope, cache_write -------------------------------------------------
 
 template <typename T>
 void norm_rows(const T* delta, T* residual, const T* weight, T* out, int64_t rows,
@@ -171,11 +160,6 @@ void cache_write_rows(const T* k, const T* v, T* k_cache, T* v_cache, const int6
         }
 }
 
-template <typename T>
-void add_elements(T* x, const T* delta, int64_t count) {
-    for (int64_t i = 0; i < count; ++i) store(x, i, load(x, i) + load(delta, i));
-}
-
 }  // namespace
 
 extern "C" {
@@ -249,14 +233,6 @@ void cache_write(const void* k, const void* v, void* k_cache, void* v_cache,
 void vector_layout(int64_t* layout) {
     layout[0] = LANES;
     layout[1] = PANEL;
-}
-
-// x += delta, `count` elements each (x rounded as stored, as torch's add rounds).
-void add_rows(void* x, const void* delta, int64_t count, int bf16) {
-    by_dtype(bf16, [&](auto element) {
-        using T = decltype(element);
-        add_elements(static_cast<T*>(x), static_cast<const T*>(delta), count);
-    });
 }
 
 }  // extern "C"

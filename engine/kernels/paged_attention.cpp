@@ -1,17 +1,11 @@
-// Attention over the paged KV cache, read in place (issue 18): every decode of a step in one
-// call (paged_decode), and one prefill chunk per call (paged_prefill, below).
+// Attention over the paged KV cache, read in place as vLLM's paged-attention kernels read it:
+// every decode of a step in one call (paged_decode), one prefill chunk per call
+// (paged_prefill). Each request's block table is walked and each cached key and value read
+// once, where the torch path gathers the history into a copy first.
 //
-// The torch path gathers every decode's KV history into a fresh tensor (index_select) and
-// then runs SDPA over the copy: the history is read twice and written once per layer and
-// step. This kernel walks each request's block table and reads each cached key and value
-// once, as vLLM's CPU and CUDA paged-attention kernels do. Plain C ABI, loaded with ctypes:
-// no torch headers, so the system compiler builds it once per machine (with layer_ops.cpp:
-// 13 s on a 2-core Xeon).
-//
-// Layout (engine/core/attention.py::cache_shape, torch path): one layer's cache is
-// [kv_heads, blocks, block_size, head_dim], contiguous. Query head h reads KV head h / group.
-// Scores are kept per (request, KV head) in a scratch row, softmaxed in float, then the
-// values are summed with those weights: two passes over the keys' blocks, none copied.
+// Layout (attention.py's cache_shape): one layer's cache is [kv_heads, blocks, block_size,
+// head_dim], contiguous; query head h reads KV head h / group. Scores are kept per (request,
+// KV head) in a scratch row and softmaxed in float; a second pass sums the values.
 
 #include <algorithm>
 #include <cmath>
@@ -27,14 +21,9 @@ namespace {
 
 using namespace tokenflow;
 
-// A request's blocks sit anywhere in the pool, where the hardware prefetcher cannot follow
-// (it stops at page boundaries): while a block is computed, the block AHEAD places on is
-// fetched, or every block starts with a stall on memory (a walk without it read the blocks
-// at half the bandwidth of a plain copy here). Only the first row of each 4 KiB page of it
-// is prefetched: that starts the L2 streamer on the page, which fetches the rest without
-// holding the core's few L1 miss buffers, as software prefetches do. Against prefetching
-// every row (one layer, one thread, 8 requests x 256 tokens of 64-float heads): 13-15%
-// faster from L3, 9% from memory after a flush; 64 requests x 896 tokens: no change.
+// A request's blocks sit anywhere in the pool, where the hardware prefetcher cannot follow:
+// the block AHEAD is prefetched while one is computed, one row per 4 KiB page, which starts
+// the L2 streamer on the page (docs/cpu-backend.md has the figures).
 constexpr int64_t PAGE_BYTES = 4096;
 
 template <typename T>
@@ -51,9 +40,8 @@ inline void fetch_pair(const T* head, const T* companion, int64_t at, int64_t he
     if (companion != nullptr) prefetch_row(companion + at, head_dim);
 }
 
-// Two blocks ahead, not one: one block's compute is about one memory latency, so the last
-// rows of the next block arrived late (one layer at 64 requests x 900 tokens: 10.0 ms at
-// one block ahead, 9.0 at two, 9.4 at three).
+// Two blocks ahead: one block's compute is about one memory latency, so at one block ahead
+// the next block's last rows arrive late.
 constexpr int64_t AHEAD = 2;
 
 // Whether row t of a block starts a page (blocks start on one where their size is a
@@ -65,7 +53,7 @@ inline bool starts_page(int64_t t, int64_t row_bytes) {
 // Calls visit(row, index) for the cached rows of positions [first, length) of one head, in
 // order, block by block (no division per key), prefetching AHEAD blocks ahead. `companion`,
 // another cache's slice laid out like `head` (the values beside the keys), is prefetched at
-// the same places, so that a later walk over it reads from L2 (8.2 against 9.0 ms above).
+// the same places, so that a later walk over it reads from L2.
 template <typename T, typename Visit>
 inline void walk(const T* head, const int64_t* table, int64_t first, int64_t length,
                  int64_t block_size, int64_t head_dim, Visit visit,

@@ -85,7 +85,7 @@ class ModelConfig:
         return total
 
     def kv_bytes_per_token(self, bytes_per_element: int) -> int:
-        """k = 2 · L · H_kv · d_h · b (seed 003 §2)."""
+        """k = 2 · L · H_kv · d_h · b: K and V of every layer."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
 
 
