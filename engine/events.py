@@ -183,6 +183,7 @@ class SlowQuery(Event):
     cause_share: float | None = None  # that cause's part of the overrun, 0..1
     verdict: str = ""  # one line: the cause, its time and share
     cached_tokens: int = 0  # prompt tokens found in the prefix cache: never prefilled
+    resumed_tokens: int | None = None  # resumed from the journal: output tokens it had then
 
 
 @dataclass(frozen=True)

@@ -579,7 +579,7 @@ class Scheduler:
             # its chunks travel once, in the record's own chunks column
             timeline={k: v for k, v in timeline.to_dict().items() if k != "chunks"},
             cause=timeline.cause.value, cause_share=timeline.cause_share, verdict=verdict,
-            cached_tokens=request.cached_tokens))
+            cached_tokens=request.cached_tokens, resumed_tokens=request.resumed_tokens))
 
     # --- preemption ---------------------------------------------------------------------
     def _pick_victim(self) -> Request:
