@@ -167,6 +167,7 @@ class SlowQuery(Event):
     cause_share: float | None = None
     verdict: str = ""
     cached_tokens: int = 0
+    resumed_tokens: int | None = None  # output tokens it had when resumed from the journal
 
 
 @dataclass(frozen=True)

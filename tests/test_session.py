@@ -34,6 +34,8 @@ def test_a_killed_sessions_requests_resume_to_the_uninterrupted_tokens(tmp_path:
 
     with EngineSession.start(CONFIG, db=db) as second:
         assert second.resume_unfinished().resumed == (rid,)
+        # marked as resumed, though it had generated nothing yet (stopped mid-prefill)
+        assert second.engine.scheduler.requests[rid].resumed_tokens == 0
         outputs = {}
         while second.engine.has_unfinished():
             outputs.update({o.request_id: o for o in second.engine.step() if o.finished})

@@ -75,7 +75,7 @@ def test_show_one_and_a_missing_id(capsys: pytest.CaptureFixture[str], db_path: 
     assert "request r2" in out and "tenant acme" in out and "tag contract" in out
     assert "budget_score 3.20" in out and "prefill 32.0 ms against a budget of 10.0 ms" in out
     assert "4.0 ms" in out and "duration_s=" not in out  # durations as people read them
-    assert "4000 prompt tokens (3072 found in the prefix cache, never prefilled)" in out
+    assert "\n4000 prompt tokens, 3072 (77%) found in the prefix cache, never prefilled\n" in out
     assert '"max_num_batched_tokens": 512' in out
     code, _, err = run(capsys, "slow-queries", "show", "99", "--db", db_path)
     assert code == 2 and "no slow query with id 99" in err

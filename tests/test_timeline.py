@@ -32,14 +32,16 @@ TOLERANCE = 0.05  # the parts add up to the measured time within 5%
 
 
 # --- on the scheduler, with a scripted clock --------------------------------------------
-def throttled_rig() -> tuple[SchedulerRig, Request, Request]:
+def throttled_rig(resumed_tokens: int | None = None) -> tuple[SchedulerRig, Request, Request]:
     """Two 64-token prompts share the steps (16 tokens each); after the first step a
-    bandwidth spike (level 2: one prefill at a time) holds the second back."""
+    bandwidth spike (level 2: one prefill at a time) holds the second back. `resumed_tokens`:
+    the second came back from the journal after a restart, with that many tokens."""
     s = sim(max_num_batched_tokens=32, chunk_tile=4, max_prefill_chunks=2,
             long_prefill_threshold=16)
     s.scheduler.controller.price_with(lambda shape: STEP_S)  # matches the rig's steps
     s.scheduler.controller.calibrated = True
     first, second = s.add(64, max_tokens=3), s.add(64, max_tokens=3)
+    second.resumed_tokens = resumed_tokens
     s.step()
     s.bandwidth.inject(0.96, until_s=1.0)
     s.run()
@@ -274,6 +276,34 @@ def test_show_prints_the_verdict_and_timeline_and_json_returns_them(
     assert record["verdict"].startswith("prefill 70.0 ms, 30.0 ms over plan: waited 30.0 ms")
     assert record["timeline"]["prefill_parts"]["bandwidth_throttle"] == pytest.approx(0.03)
     assert len(record["chunks"]) == 4 and record["chunks"][1]["mode"] == "BANDWIDTH_THROTTLE"
+
+
+def test_a_resumed_request_says_so_once_beside_its_cached_tokens(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A request resumed from the journal carries the mark to its slow query, its stored
+    record and `slow-queries show`, which says it once, on the prompt's line; the verdict
+    stays about the time."""
+    s, first, second = throttled_rig(resumed_tokens=2)
+    (held,) = s.of(SlowQuery)
+    assert held.request_id == second.id and held.resumed_tokens == 2
+    assert "resumed" not in held.verdict
+    database = open_database(tmp_path / "store.db")
+    bus = EventBus()
+    writer = StoreWriter(database, bus)
+    bus.publish(held)
+    bus.drain()
+    assert writer.close()
+    with database.session() as session:
+        (record,) = list_slow_queries(session)
+    database.close()
+    assert record.resumed_tokens == 2 and record.cached_tokens == 0
+    assert main(["slow-queries", "show", "1", "--db", str(tmp_path / "store.db")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("resumed from the journal") == 1 and out.count("prefix cache") == 1
+    assert ("\n64 prompt tokens, none found in the prefix cache; resumed from the journal "
+            "after a restart with 2 output tokens already generated, prefilled again with its "
+            "prompt\n") in out
+    assert first.resumed_tokens is None  # a request that was never resumed says nothing
 
 
 def test_slow_queries_stored_before_timelines_still_show(

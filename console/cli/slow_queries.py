@@ -145,8 +145,8 @@ def run_show(args: argparse.Namespace) -> int:
         share = f", {record.cause_share:.0%}" if record.cause_share is not None else ""
         print(f"verdict: {terminal_safe(record.verdict)}  [cause {record.cause}{share}]")
     print(f"budget_score {record.budget_score:.2f}: prefill {human_duration(record.prefill_s)} "
-          f"against a budget of {human_duration(record.budgeted_s)}, {record.prompt_tokens} "
-          f"prompt tokens{_cached(record)}")
+          f"against a budget of {human_duration(record.budgeted_s)}")
+    print(record.prompt_words())
     if record.timeline:
         _print_timeline(record.timeline)
     print(f"chunks ({len(record.chunks)}):")
@@ -154,14 +154,6 @@ def run_show(args: argparse.Namespace) -> int:
     print("configuration at the time:")
     print(json.dumps(record.config, indent=2, sort_keys=True))  # ASCII: escapes are escaped
     return 0
-
-
-def _cached(record: SlowQueryRecord) -> str:
-    """The prefix-cache part of the prompt; nothing where the record does not know it (stored
-    before revision 0006, or traced from another server)."""
-    if record.cached_tokens is None:
-        return ""
-    return f" ({record.cached_tokens} found in the prefix cache, never prefilled)"
 
 
 def _print_timeline(t: dict[str, Any]) -> None:

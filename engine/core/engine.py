@@ -99,13 +99,14 @@ class Engine:
     def add_request(self, prompt: Sequence[int] | str, params: SamplingParams | None = None, *,
                     tenant: str = "default", priority: int = 0, request_id: str | None = None,
                     tag: str | None = None, arrival: float | None = None,
-                    generated: Sequence[int] = ()) -> str:
+                    generated: Sequence[int] = (), resumed: bool = False) -> str:
         """Queue a request; malformed input raises RequestError and changes nothing.
 
         A well-formed request the engine can never serve (too long for the model or the KV
         pool, or over the circuit breaker) is recorded as REJECTED with its reason and cause.
         `generated` resumes a request after a crash: those tokens count as output already
-        emitted; prompt and them are prefilled again (RECOMPUTE) and generation goes on."""
+        emitted; prompt and them are prefilled again (RECOMPUTE) and generation goes on.
+        `resumed`: it comes from the journal after a restart, which its slow query says."""
         params = params or SamplingParams()
         try:  # the server checks this at its edge; the Python API and resumes meet it here
             params.check_vocab(self.model_config.vocab_size)
@@ -118,7 +119,8 @@ class Engine:
             raise RequestError(f"request id {rid!r} is already in flight; use a unique id")
         request = Request(id=rid, prompt_token_ids=token_ids, params=params,
                           arrival=self.clock() if arrival is None else arrival, tenant=tenant,
-                          priority=priority, tag=tag, output_token_ids=already)
+                          priority=priority, tag=tag, output_token_ids=already,
+                          resumed_tokens=len(already) if resumed else None)
         self.bus.publish(RequestAdded(request_id=rid, prompt_token_ids=tuple(token_ids),
                                       sampling=_params_dict(params), tenant=tenant,
                                       priority=priority, tag=tag,

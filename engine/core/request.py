@@ -89,6 +89,8 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_hashed_blocks: int = 0
     cached_tokens: int = 0
+    # resumed from the journal after a restart: the output tokens it had by then (None: not)
+    resumed_tokens: int | None = None
     num_preemptions: int = 0
     chunks: list[ChunkTiming] = field(default_factory=list)
     prefill_started: float | None = None

@@ -58,7 +58,7 @@ def resume_unfinished(engine: Engine, database: Database,
                 engine.add_request(entry.prompt_token_ids, SamplingParams(**sampling),
                                    tenant=entry.tenant, priority=entry.priority,
                                    request_id=entry.request_id, tag=entry.tag,
-                                   generated=entry.generated_token_ids)
+                                   generated=entry.generated_token_ids, resumed=True)
             except (EngineError, TypeError, ValueError) as exc:
                 close_entry(session, entry.request_id, "FAILED", f"not resumed: {exc}")
                 failed.append(entry.request_id)

@@ -71,7 +71,7 @@ class SlowQueryWatch:
             # its chunks travel once, in the record's own chunks column
             timeline={k: v for k, v in timeline.to_dict().items() if k != "chunks"},
             cause=timeline.cause.value, cause_share=timeline.cause_share, verdict=verdict,
-            cached_tokens=request.cached_tokens))
+            cached_tokens=request.cached_tokens, resumed_tokens=request.resumed_tokens))
 
     def clear(self) -> None:
         """An engine restart: the requests it flagged are resumed afresh."""

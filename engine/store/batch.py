@@ -199,7 +199,7 @@ def _slow_row(event: SlowQuery, at: float, server: str) -> dict[str, Any]:
         "budgeted_s": event.budgeted_s, "chunks": list(event.chunks), "config": event.config,
         "timeline": event.timeline or None, "cause": event.cause,
         "cause_share": event.cause_share, "verdict": event.verdict or None,
-        "cached_tokens": event.cached_tokens,
+        "cached_tokens": event.cached_tokens, "resumed_tokens": event.resumed_tokens,
     }
 
 

@@ -45,10 +45,33 @@ class SlowQueryRecord:
     cause_share: float | None = None
     verdict: str | None = None
     cached_tokens: int | None = None
+    resumed_tokens: int | None = None
 
     @classmethod
     def from_row(cls, row: SlowQueryRow) -> SlowQueryRecord:
         return cls(**{name: getattr(row, name) for name in cls.__dataclass_fields__})
+
+    def prompt_words(self) -> str:
+        return prompt_words(self.prompt_tokens, self.cached_tokens, self.resumed_tokens)
+
+
+def prompt_words(prompt_tokens: int, cached_tokens: int | None,
+                 resumed_tokens: int | None = None) -> str:
+    """Where a request's prompt came from, in the one wording every view of it uses: its
+    tokens, those the prefix cache held (unless unknown: None), and a resume from the
+    journal after a restart, with the output tokens it brought back (None: not resumed)."""
+    words = f"{prompt_tokens} prompt tokens"
+    if cached_tokens == 0:
+        words += ", none found in the prefix cache"
+    elif cached_tokens is not None:
+        share = cached_tokens / prompt_tokens if prompt_tokens else 0.0
+        words += f", {cached_tokens} ({share:.0%}) found in the prefix cache, never prefilled"
+    if resumed_tokens is not None:
+        words += "; resumed from the journal after a restart"
+        if resumed_tokens:
+            words += (f" with {resumed_tokens} output tokens already generated, prefilled "
+                      "again with its prompt")
+    return words
 
 
 def list_slow_queries(

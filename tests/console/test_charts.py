@@ -8,13 +8,19 @@ import dataclasses
 import pytest
 from rich.text import Text
 from textual.app import App, ComposeResult
+from textual.widgets import DataTable
 
+from console.tui.collectors import ConfigChangesLoaded
 from console.tui.history import MetricHistory
+from console.tui.screens.tuning import AROUND_S, Load, TuningScreen
 from console.tui.widgets.chunk_queue import ChunkQueue
 from console.tui.widgets.header import EngineHeader, warnings
 from console.tui.widgets.plot import Line, Plot, Series, ms, per_s
+from engine.clock import VirtualClock
 from engine.harness.slo_targets import ServiceSLO
 from engine.snapshot import Percentiles, RequestView, Snapshot
+from engine.store import ConfigChangeRecord
+from tests.console.conftest import replay_app, workers_done
 
 pytestmark = pytest.mark.anyio
 
@@ -188,3 +194,75 @@ async def test_chunk_queue_ids_are_cut_in_the_middle() -> None:
     assert rows[0].startswith("5 chunks queued · 2 prefilling")
     assert rows[1].startswith("long-…0011 ") and rows[1].endswith("1/4    25%")
     assert rows[2].startswith("long-…0012 ") and rows[2].endswith("2/4    50%")
+
+
+POLL_S = 0.5
+
+
+def arrivals(history: MetricHistory, clock: VirtualClock, seconds: float,
+             per_poll: tuple[int, ...], tokens_per_s: float, finished: int = 0) -> int:
+    """A poll every POLL_S on `clock` for `seconds`, `per_poll[i % len]` requests arriving
+    (and finishing at once) before the i-th, counted on from `finished`; the count after."""
+    for i in range(round(seconds / POLL_S)):
+        clock.sleep(POLL_S)
+        finished += per_poll[i % len(per_poll)]
+        history.record(snap(history.last_step + 1, clock(), requests_finished_total=finished,
+                            tokens_per_s=tokens_per_s))
+    return finished
+
+def test_a_change_compares_its_two_sides_only_at_equal_load() -> None:
+    """Arrivals that doubled across a change make its before and after incomparable, and it
+    says so with the two rates; arrivals that only jitter (1 or 2 a poll, 3/s) are equal."""
+    clock = VirtualClock(start=1000.0)
+    history = MetricHistory()
+    finished = arrivals(history, clock, AROUND_S, (1,), 300.0)  # 2/s
+    change = clock()
+    arrivals(history, clock, AROUND_S, (2,), 150.0, finished)  # 4/s
+    doubled = Load.around(history, change)
+    assert doubled.before == pytest.approx(2.0, rel=0.05)
+    assert doubled.after == pytest.approx(4.0, rel=0.05)
+    assert doubled.comparable is False
+    assert doubled.sentence() == "arrivals changed (2/s → 4/s): not comparable"
+    assert doubled.cell() == "2→4/s unequal"
+    assert doubled.cell(rate_change=True) == "2→4/s"  # the change itself: unequal by design
+
+    history.clear()
+    finished = arrivals(history, clock, AROUND_S, (1, 2), 300.0)
+    steady = clock()
+    arrivals(history, clock, AROUND_S, (2, 1), 280.0, finished)
+    level = Load.around(history, steady)
+    assert level.comparable is True and level.cell() == "equal, 3/s"
+    # nothing after the change yet: no verdict on the load
+    assert Load.around(history, clock() + 1.0).comparable is None
+    assert Load.around(history, clock() + 1.0).cell() == "–"
+
+
+async def test_the_changes_table_says_when_arrivals_changed_around_a_change() -> None:
+    """The Tuning screen's stored changes, each with its load: a budget change across which
+    arrivals doubled reads "not comparable" with both rates, and the table says why."""
+    app = replay_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("2")
+        await workers_done(pilot)
+        app.collector.stop()
+        await workers_done(pilot)
+        screen = app.screen
+        assert isinstance(screen, TuningScreen)
+        state, clock, wall = app.state, VirtualClock(start=1000.0), 1.7e9
+        state.forget_history()
+        finished = 0
+        for per_poll in ((1,), (2,)):  # 2/s for the 30 s before the change, 4/s after
+            for _ in range(round(AROUND_S / POLL_S)):
+                clock.sleep(POLL_S)
+                finished += per_poll[0]
+                state.record(snap(state.history.last_step + 1, clock(), wall_offset=wall,
+                                  requests_finished_total=finished, tokens_per_s=300.0))
+        changed = ConfigChangeRecord(1, wall + 1000.0 + AROUND_S, "max_num_batched_tokens", 256,
+                                     288, "console")
+        screen.post_message(ConfigChangesLoaded([changed]))
+        await pilot.pause()
+        table = screen.query_one("#config-changes", DataTable)
+        load = str(table.get_cell("1", "load"))
+        assert load == "2→4/s unequal"
+        assert str(table.border_subtitle) == ("max_num_batched_tokens: arrivals changed "
+                                              "(2/s → 4/s): not comparable")

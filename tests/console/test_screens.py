@@ -118,7 +118,8 @@ async def test_a_requests_cached_share_shows_in_its_row_and_its_detail() -> None
         await pilot.pause()
         printer = Console(width=200, record=True, file=io.StringIO())
         printer.print(app.screen.query(Static).first().content)
-        assert "300 tokens (75%) from the prefix cache, never prefilled" in printer.export_text()
+        assert ("400 prompt tokens, 300 (75%) found in the prefix cache, never prefilled"
+                in printer.export_text())
 
 
 async def test_slow_queries_list_detail_and_export(tmp_path: Path,
@@ -147,13 +148,16 @@ async def test_slow_queries_list_detail_and_export(tmp_path: Path,
         assert all(f"{name}={value}" in shown for name, value in detail.record.config.items())
         await pilot.press("escape")
         assert isinstance(app.screen, SlowQueriesScreen)
-        # a record that knows its prefix-cache hit says it beside the prompt
-        await app.push_screen(SlowQueryDetail(dataclasses.replace(detail.record,
-                                                                  cached_tokens=96)))
+        # a record that knows its prefix-cache hit and its resume says each, once, in the
+        # words `slow-queries show` uses
+        resumed = dataclasses.replace(detail.record, cached_tokens=96, resumed_tokens=37)
+        await app.push_screen(SlowQueryDetail(resumed))
         await pilot.pause()
-        header = str(app.screen.query(Static).first().render())
-        assert (f"prompt {detail.record.prompt_tokens} tok (96 found in the prefix cache)"
-                in header)  # the words `slow-queries show` uses
+        shown = "\n".join(str(s.render()) for s in app.screen.query(Static))
+        assert resumed.prompt_words() in shown
+        assert "96 (" in shown and " found in the prefix cache" in shown
+        assert shown.count("resumed from the journal") == 1
+        assert "with 37 output tokens already generated" in shown
         await pilot.press("escape")
         assert isinstance(app.screen, SlowQueriesScreen)
 

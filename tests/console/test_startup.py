@@ -8,6 +8,8 @@ workers."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,12 @@ from textual.message import Message
 from console.sources.process import ProcessSource
 from console.tui.app import TokenflowApp
 from console.tui.collectors import SnapshotPolled
+from console.tui.screens.live import LiveScreen
 from console.tui.screens.splash import EngineStarting, ResumedNotice
+from console.tui.widgets.bandwidth import Bandwidth
+from console.tui.widgets.cache_pressure import CachePressure
+from console.tui.widgets.chunk_queue import ChunkQueue
+from console.tui.widgets.header import EngineHeader
 from console.tui.widgets.requests_table import RequestsTable
 from engine.config import EngineConfig, SamplingParams
 from engine.harness.calibrate import FIRST_REASON
@@ -31,8 +38,18 @@ from engine.store import (
 )
 from engine.store.models import QUARANTINED
 from tests.console.conftest import until, workers_done
+from tests.console.test_hostile_text import rendered
 
 pytestmark = pytest.mark.anyio
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_console_process_never_imports_torch() -> None:
+    """The console's own process loads Textual and the screens while the engine's child
+    loads torch: importing it here too would double the launch's work on the same cores."""
+    check = ("import sys, console.cli.console, console.tui.app; "
+             "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", check], cwd=ROOT).returncode == 0
 
 
 def leave_unfinished(db: Path, model: str, prompts: list[list[int]]) -> None:
@@ -150,6 +167,47 @@ async def test_the_first_calibration_runs_beside_the_traffic(tmp_path: Path) -> 
     assert shapes, calibrating
     assert any(requests for _, requests in calibrating), "no traffic during the calibration"
     assert only_calibration(db).reason == FIRST_REASON
+
+
+def live_panes(app: TokenflowApp) -> dict[str, str]:
+    """The text the four Live panes and the header show now, or {} before the Live screen."""
+    screen = app.screen
+    if not isinstance(screen, LiveScreen) or not screen.is_mounted:
+        return {}
+    return {"header": rendered(screen.query_one(EngineHeader).content),
+            "requests": f"{screen.query_one(RequestsTable).table.row_count} rows",
+            "chunks": rendered(screen.query_one(ChunkQueue).render()),
+            "cache": rendered(screen.query_one(CachePressure).query_one("#kv-gauge").content),
+            "bandwidth": rendered(screen.query_one(Bandwidth).query_one("#bandwidth-line")
+                                  .content)}
+
+
+async def test_the_live_panes_show_numbers_before_the_first_calibration_ends(
+        tmp_path: Path) -> None:
+    """On a new store the four Live panes fill with the traffic's numbers (tokens flowing,
+    requests listed, KV blocks in use, a bandwidth share) while the header still says the
+    first calibration is under way: it never holds the screen."""
+    shown: dict[str, str] = {}
+    app = console(tmp_path / "fresh.db")
+
+    def numbers() -> bool:
+        latest = app.latest
+        if latest is None or latest.tokens_per_s <= 0 or latest.kv_blocks_used == 0:
+            return False
+        shown.update(live_panes(app), calibration=latest.calibration)
+        return bool(shown.get("header"))
+
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, numbers, "the Live panes with the traffic's numbers")
+        app.collector.stop()
+        await workers_done(pilot)
+    assert shown["calibration"].startswith("calibrating ("), shown
+    assert "calibrating" in shown["header"] and re.search(r"[1-9][\d,]* tok/s",
+                                                          shown["header"]), shown
+    assert shown["requests"] != "0 rows", shown
+    assert re.search(r"\d+ chunks queued · \d+ prefilling", shown["chunks"]), shown
+    assert re.search(r"[1-9]\d*/\d+ blocks", shown["cache"]), shown
+    assert re.search(r"\d+%|GB/s", shown["bandwidth"]), shown
 
 
 async def test_a_new_store_reuses_the_default_stores_calibration(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from textual.widgets import Static
 
 from console.tui.text import plain
 from engine.snapshot import RequestView
+from engine.store import prompt_words
 
 NO_TIMELINE = ("no timeline: the engine keeps one for slow queries only "
                "(budget_score above the threshold)")
@@ -37,9 +38,8 @@ class RequestDetail(ModalScreen[None]):
         for name, value in (
                 ("state", f"{r.state}{f'  ({r.reason})' if r.reason else ''}"),
                 ("tenant", r.tenant),
-                ("prompt", f"{r.prompt_tokens} tokens, {r.prefilled_tokens} prefilled"),
-                ("cached", f"{r.cached_tokens} tokens ({r.cached_share:.0%}) from the prefix "
-                           "cache, never prefilled"),
+                ("prompt", f"{prompt_words(r.prompt_tokens, r.cached_tokens)}; "
+                           f"{r.prefilled_tokens} prefilled"),
                 ("chunks", f"{r.chunks_done} of {r.chunks_total}"),
                 ("generated", f"{r.generated_tokens} tokens"),
                 ("TTFT", ms(r.ttft_ms)),

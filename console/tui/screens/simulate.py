@@ -15,11 +15,18 @@ from textual.widgets import Input, Static
 
 from console.errors import UserError
 from engine.errors import EngineError
-from engine.sim.profiles import PROFILES
 
 DEFAULT_GPU = "h100"
 DEFAULT_BUDGET = 2048  # vLLM's GPU server takes 2,048-8,192
 DEFAULT_MODEL = "synthetic:8b"
+
+
+def gpu_names() -> tuple[str, ...]:
+    """The twin's GPUs. Its profiles pull in torch, so they load when this dialog opens, not
+    with the console (whose launch competes with the engine process for the cores)."""
+    from engine.sim.profiles import PROFILES
+
+    return tuple(PROFILES)
 
 
 class TrafficSimulated(Message):
@@ -61,7 +68,7 @@ class SimulateTraffic(ModalScreen[None]):
         with Vertical():
             yield Static("Simulate this traffic (the requests the fleet served, from the "
                          f"traces in {self.store}) on:", markup=False)
-            yield Static("GPU: " + ", ".join(PROFILES), classes="dim", markup=False)
+            yield Static("GPU: " + ", ".join(gpu_names()), classes="dim", markup=False)
             yield Input(DEFAULT_GPU, id="simulate-gpu", placeholder="GPU")
             yield Static("token budget (max_num_batched_tokens)", classes="dim", markup=False)
             yield Input(str(DEFAULT_BUDGET), id="simulate-budget", type="integer")
@@ -76,8 +83,8 @@ class SimulateTraffic(ModalScreen[None]):
         budget_text = self.query_one("#simulate-budget", Input).value.strip()
         model = self.query_one("#simulate-model", Input).value.strip() or DEFAULT_MODEL
         result = self.query_one("#simulate-result", Static)
-        if gpu not in PROFILES:
-            result.update(f"unknown GPU {gpu!r}; choose one of {', '.join(PROFILES)}")
+        if gpu not in gpu_names():
+            result.update(f"unknown GPU {gpu!r}; choose one of {', '.join(gpu_names())}")
             return
         if not budget_text.isdigit() or int(budget_text) < 1:
             result.update("the token budget is a whole number of tokens, at least 1")

@@ -159,15 +159,14 @@ class SlowQueryDetail(ModalScreen[None]):
             yield Static(Text.assemble(
                 plain(f"request {r.request_id}", "bold"), plain(f"  tenant {r.tenant}  "),
                 budget_text(r.budget_score, setting(r.config, "slow_query_threshold")),
-                f"  prompt {r.prompt_tokens} tok"
-                + ("" if r.cached_tokens is None
-                   else f" ({r.cached_tokens} found in the prefix cache)")
-                + f"  prefill {human_duration(r.prefill_s)} of "
-                  f"{human_duration(r.budgeted_s)} budgeted  ",
+                f"  prefill {human_duration(r.prefill_s)} of "
+                f"{human_duration(r.budgeted_s)} budgeted  ",
                 plain(f"tag {r.tag or '–'}  server {r.server or '–'}")))
             if r.verdict:  # records stored before revision 0003 have none
                 yield Static(Text.assemble(("verdict ", "dim"), plain(r.verdict, "bold yellow")),
                              id="detail-verdict")
+            # the words `tokenflow slow-queries show` prints: cached tokens and a resume, once
+            yield Static(plain(r.prompt_words()), id="detail-prompt")
             if r.timeline:  # the lines `tokenflow slow-queries show` prints
                 yield Static(Text("\n".join(timeline_lines(r.timeline))),
                              id="detail-timeline")

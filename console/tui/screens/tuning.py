@@ -46,6 +46,10 @@ from engine.snapshot import Snapshot
 
 NARROW_COLUMNS = 110  # below this the charts stack into one column of sparklines
 AROUND_S = 30.0  # the changes table compares this long before a change with as long after
+# Arrival rates this far apart (relative to the higher) make the two sides of a change unequal
+# loads; 30 s of Poisson arrivals at a few per second vary by less than this.
+ARRIVALS_TOLERANCE = 0.25
+IDLE_ARRIVALS = 0.05  # requests/s: below this on both sides, both are idle, hence equal
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,42 @@ def around(history: MetricHistory, at: float, name: str, unit: Any) -> tuple[str
     return mean(at - AROUND_S, at), after
 
 
+@dataclass(frozen=True)
+class Load:
+    """The arrival rates (requests/s) over the AROUND_S before a change and after it: a
+    change's figures compare only where these are equal within ARRIVALS_TOLERANCE."""
+
+    before: float | None
+    after: float | None
+
+    @classmethod
+    def around(cls, history: MetricHistory, at: float) -> Load:
+        return cls(history.mean_between("arrival_rate", at - AROUND_S, at),
+                   history.mean_between("arrival_rate", at, at + AROUND_S))
+
+    @property
+    def comparable(self) -> bool | None:
+        """Whether the two sides saw equal arrivals; None where a side has no sample."""
+        if self.before is None or self.after is None:
+            return None
+        high = max(self.before, self.after)
+        return high < IDLE_ARRIVALS or abs(self.before - self.after) <= ARRIVALS_TOLERANCE * high
+
+    def cell(self, rate_change: bool = False) -> str:
+        """The load in a Changes cell; `rate_change`: the change was the arrival rate itself,
+        whose two sides differ in load by design."""
+        if self.comparable is None:
+            return "–"
+        if self.comparable and not rate_change:
+            return f"equal, {self.before:.2g}/s"
+        moved = f"{self.before:.2g}→{self.after:.2g}/s"
+        return moved if rate_change else f"{moved} unequal"
+
+    def sentence(self) -> str:
+        assert self.before is not None and self.after is not None  # only said when unequal
+        return f"arrivals changed ({self.before:.2g}/s → {self.after:.2g}/s): not comparable"
+
+
 class TuningScreen(ConsoleScreen):
     # Entering the screen focuses nothing, so 1-5 stay screen keys; Enter or Tab starts an edit.
     AUTO_FOCUS = ""
@@ -179,7 +219,7 @@ class TuningScreen(ConsoleScreen):
         for key, label in (("field", "field"), ("old", "old"), ("new", "new"), ("by", "by"),
                            ("at", "at"), ("ttft-before", f"TTFT p99 -{span}"),
                            ("ttft-after", f"+{span}"), ("tps-before", f"tok/s -{span}"),
-                           ("tps-after", f"+{span}")):
+                           ("tps-after", f"+{span}"), ("load", "arrivals")):
             changes.add_column(label, key=key)
 
     def on_resize(self, event: events.Resize) -> None:
@@ -382,21 +422,22 @@ class TuningScreen(ConsoleScreen):
         latest = self.state.latest
         offset = (latest.wall_offset if latest is not None and latest.wall_offset is not None
                   else wall_offset())
-        rates = [c.created_at for c in message.changes if c.field == RATE_FIELD]
-        unequal = False
+        unequal: tuple[str, Load] | None = None  # the newest change whose load moved
         for change in message.changes:
             at = change.created_at - offset
             ttft = around(history, at, "ttft_p99", ms)
             throughput = around(history, at, "tokens_per_s", number)
-            # another change of the arrival rate nearby: before and after differ in load too
-            moved = change.field != RATE_FIELD and any(
-                abs(t - change.created_at) <= AROUND_S for t in rates)
-            unequal |= moved
-            marker = " *" if moved else ""
+            # the measured arrivals, whatever moved them: a stored rate change or the traffic
+            load = Load.around(history, at)
+            moved = load.comparable is False and change.field != RATE_FIELD
+            if moved and unequal is None:
+                unequal = (change.field, load)
             table.add_row(change.field, shown(change.old), shown(change.new), plain(change.source),
                           datetime.fromtimestamp(change.created_at).strftime("%H:%M:%S"),
-                          ttft[0], ttft[1] + marker, throughput[0], throughput[1] + marker,
+                          ttft[0], ttft[1], throughput[0], throughput[1],
+                          Text(load.cell(change.field == RATE_FIELD),
+                               style="yellow" if moved else "dim"),
                           key=str(change.id))
-        table.border_subtitle = (f"* arrivals changed within {AROUND_S:.0f} s: not at equal "
-                                 "load" if unequal else
-                                 "" if message.changes else "no change stored yet")
+        table.border_subtitle = (
+            f"{unequal[0]}: {unequal[1].sentence()}" if unequal is not None
+            else "" if message.changes else "no change stored yet")
