@@ -11,7 +11,7 @@ the named GPU's profile, scheduling it the way the publication ran it:
 - static_throughput: a static batch (one prefill step of every prompt, then the decodes),
   output tokens per second per GPU deployment;
 - layer: one layer's non-attention kernels (norms, projections, activation, adds) at
-  `tokens` tokens, as a profiler times them.
+  `tokens` tokens, as a profiler times them, with the layer's kernel floor.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ class PublishedCase:
         if self.kind == "layer":
             ops = price.operations(StepShape(prefill=((self.tokens, 0),)))
             # the GEMMs' lm_head share is one row's, negligible beside a layer's
-            return (ops["gemm"] + ops["elementwise"]) / self.model.num_layers * 1e3
+            return ((ops["gemm"] + ops["elementwise"]) / self.model.num_layers
+                    + efficiency.layer_s) * 1e3
         decode_s = sum(price.predict(StepShape(decode_contexts=(context,) * self.batch))
                        for context in range(self.input, self.input + self.output - 1))
         if self.kind == "decode":
