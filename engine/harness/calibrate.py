@@ -15,13 +15,7 @@ from sqlalchemy.orm import Session
 
 from engine.batch import Batch, ScheduledChunk, StepShape
 from engine.budget.cost_model import BudgetModel
-from engine.budget.operations import (
-    CALIBRATION_BOUNDS,
-    FIT_BOUNDS,
-    OperationEfficiency,
-    StepPrice,
-    fit_efficiency,
-)
+from engine.budget.operations import OperationEfficiency, StepPrice, fit_step_price
 from engine.budget.peaks import DevicePeaks
 from engine.budget.predictor import StepTimePredictor
 from engine.config import SamplingParams
@@ -423,23 +417,12 @@ class OperationsFit:
                 "heldout_max_abs_error": max(errors) if errors else None}
 
 
-OPERATIONS_START = OperationEfficiency(gemm_flops=0.5, attention_flops=0.5, memory=0.5,
-                                       elementwise=0.5, overlap=0.5, step_s=1e-3)
-
-
 def fit_operations(model: BudgetModel, peaks: DevicePeaks,
                    fit: list[tuple[StepShape, list[float]]],
                    held_out: list[tuple[StepShape, float]]) -> OperationsFit:
     """The per-operation form fitted on each `fit` shape's median time, judged on `held_out`."""
-    medians = [(shape, statistics.median(times)) for shape, times in fit]
-
-    def loss(efficiency: OperationEfficiency) -> float:
-        price = StepPrice(model, peaks, efficiency)
-        return sum(math.log(price.predict(shape) / seconds) ** 2 for shape, seconds in medians)
-
-    efficiency = fit_efficiency(loss, OPERATIONS_START,
-                                tuple(f for f in FIT_BOUNDS if f != "allreduce_s"),
-                                bounds=CALIBRATION_BOUNDS)
+    efficiency = fit_step_price(model, peaks, [(shape, statistics.median(times))
+                                               for shape, times in fit])
     price = StepPrice(model, peaks, efficiency)
     return OperationsFit(efficiency, tuple(price.predict(shape) / seconds - 1
                                            for shape, seconds in held_out))

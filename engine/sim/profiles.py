@@ -23,10 +23,19 @@ KV_BYTES = {"auto": None, "bfloat16": 2, "float16": 2, "fp8": 1}
 PEAK_OF = {"float32": "bfloat16", "bfloat16": "bfloat16", "float16": "bfloat16",
            "fp8": "fp8", "int8": "int8", "fp8-wo": "bfloat16", "int8-wo": "bfloat16"}
 
+
+def weight_kind(weight_dtype: str) -> str:
+    """How GEMMs on `weight_dtype` weights run (engine.budget.operations.WEIGHT_KINDS)."""
+    if weight_dtype.endswith("-wo"):
+        return "weight-only"
+    return "8-bit" if PEAK_OF.get(weight_dtype) in ("fp8", "int8") else "16-bit"
+
+
 # Fitted against the published table by benchmarks/twin_published.py --fit (docs/twin.md).
-FITTED_EFFICIENCY = OperationEfficiency(gemm_flops=0.799, attention_flops=0.204,
-                                        memory=0.7892, elementwise=1.0, overlap=1.0,
-                                        step_s=1.571e-3, allreduce_s=18.2e-6)
+FITTED_EFFICIENCY = OperationEfficiency(gemm_flops=0.784, attention_flops=0.525,
+                                        memory=0.8996, elementwise=1.0, overlap=1.0,
+                                        gemm_flops_8bit=0.645, weight_only_memory=0.7262,
+                                        step_s=0.0, layer_s=60.2e-6, allreduce_s=10e-6)
 FITTED_SOURCE = "fitted on the published cases of benchmarks/published_gpu_cases.json"
 
 

@@ -48,7 +48,8 @@ class PublishedCase:
             return price.predict(StepShape(prefill=((self.input, 0),))) * 1e3
         if self.kind == "layer":
             ops = price.operations(StepShape(prefill=((self.tokens, 0),)))
-            return (ops["gemm"] + ops["elementwise"]) / self.model.num_layers * 1e3
+            return ((ops["gemm"] + ops["elementwise"]) / self.model.num_layers
+                    + efficiency.layer_s) * 1e3
         decode_s = sum(price.predict(StepShape(decode_contexts=(context,) * self.batch))
                        for context in range(self.input, self.input + self.output - 1))
         if self.kind == "decode":

@@ -21,7 +21,14 @@ from engine.harness.calibrate import latest_stored
 from engine.harness.served import ServedCosts
 from engine.model.config import ModelConfig
 from engine.model.loader import model_config_for
-from engine.sim.profiles import KV_BYTES, WEIGHT_BYTES, GpuProfile, profile, profile_for_device_name
+from engine.sim.profiles import (
+    KV_BYTES,
+    WEIGHT_BYTES,
+    GpuProfile,
+    profile,
+    profile_for_device_name,
+    weight_kind,
+)
 from engine.store.calibration import calibration_history
 
 # Held by a CUDA process before its pool is sized; the real runner's free memory excludes it.
@@ -133,7 +140,8 @@ class Deployment:
         attention = self.gpu.peak_flops(
             "float32" if self.weight_dtype == "float32" else "bfloat16") * self.tp
         return StepPrice(self.budget, self.peaks, self.gpu.efficiency,
-                         Link(self.tp, self.gpu.interconnect.bandwidth), attention)
+                         Link(self.tp, self.gpu.interconnect.bandwidth), attention,
+                         weight_kind(self.weight_dtype))
 
     def predictor(self) -> Predict:
         """Step seconds: each operation on its own roofline, summed, plus the fixed cost."""
