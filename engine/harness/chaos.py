@@ -32,9 +32,10 @@ import torch
 from engine.batch import Batch, ModelRunnerOutput
 from engine.budget.peaks import measure_peaks
 from engine.config import EngineConfig
-from engine.core.engine import Engine, RequestOutput
+from engine.core.engine import Engine
 from engine.core.request import RequestState
 from engine.errors import EngineError
+from engine.harness.driver import OutputTokens
 from engine.harness.workload import WorkloadRequest
 from engine.ops.telemetry import BandwidthSource, InjectedBandwidth, ModelBandwidth
 from engine.store import StoreWriter, open_database, unfinished_requests
@@ -111,7 +112,7 @@ def expected_outputs(requests: Sequence[WorkloadRequest]) -> dict[str, list[int]
     """What an undisturbed engine generates for each request."""
     harness = _Harness(chaos_engine(), requests)
     harness.run_until(lambda: False, deadline=time.monotonic() + 600)
-    return {rid: list(out.token_ids) for rid, out in harness.finished.items()}
+    return dict(harness.finished)
 
 
 class _Harness:
@@ -122,7 +123,8 @@ class _Harness:
         """Submits every request but the last `held`, which wait for `release_held()`."""
         self.engine = engine
         self.requests = {r.request_id: r for r in requests}
-        self.finished: dict[str, RequestOutput] = {}
+        self.finished: dict[str, list[int]] = {}  # request id -> its tokens
+        self.tokens = OutputTokens()
         self.failed: dict[str, str] = {}  # request id -> last failure reason
         self.attempts = dict.fromkeys(self.requests, 0)
         self._attempt_of: dict[str, str] = {}  # engine id -> request id
@@ -151,11 +153,12 @@ class _Harness:
         produced = False
         for out in self.engine.step():
             produced = produced or bool(out.new_token_ids)
+            tokens = self.tokens.add(out)
             if not out.finished:
                 continue
             rid = self._attempt_of[out.request_id]
             if out.state == RequestState.FINISHED.value:
-                self.finished[rid] = out
+                self.finished[rid] = tokens
                 continue
             self.failed[rid] = out.finish_reason or out.state
             if self.retry_failed and self.attempts[rid] < RETRIES:
@@ -184,7 +187,7 @@ class _Harness:
     def lost(self, expected: dict[str, list[int]]) -> int:
         return sum(1 for rid in self.requests
                    if rid not in self.finished
-                   or list(self.finished[rid].token_ids) != expected[rid])
+                   or self.finished[rid] != expected[rid])
 
 
 def _result(name: str, recovered_at: float | None, fault_end: float, lost: int,
