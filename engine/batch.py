@@ -185,30 +185,31 @@ class StepTiming(NamedTuple):  # a tuple: made every step
 
 @dataclass(frozen=True)
 class RequestOutput:
+    """What one step produced for a request: its new tokens only, as vLLM V1's outputs;
+    whoever needs the whole output keeps it."""
+
     request_id: str
     new_token_ids: tuple[int, ...]
-    token_ids: tuple[int, ...]  # everything generated so far
     finished: bool
     finish_reason: str | None
     state: str
-    # only for requests that ask: every generated token's and every scored prompt token's
-    # logprob so far, and where a matched stop string cuts the output text
+    # only for requests that ask: the new tokens' logprobs, the scored prompt tokens' (on the
+    # request's first output) and where a matched stop string cuts the output text
     logprobs: tuple[TokenLogprob, ...] | None = None
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     text_end: int | None = None
 
     @classmethod
-    def of(cls, request_id: str, new_token_ids: tuple[int, ...], token_ids: tuple[int, ...],
-           finished: bool, finish_reason: str | None, state: str,
+    def of(cls, request_id: str, new_token_ids: tuple[int, ...], finished: bool,
+           finish_reason: str | None, state: str,
            logprobs: tuple[TokenLogprob, ...] | None = None,
            prompt_logprobs: tuple[TokenLogprob, ...] | None = None,
            text_end: int | None = None) -> RequestOutput:
-        """The object the constructor makes, made for the step's hot path (an output per
-        request per step): a frozen dataclass's __init__ sets each field through
-        object.__setattr__, three times slower than filling the new object's __dict__."""
+        """The constructor's object without a frozen __init__'s per-field setattr: made for
+        every request every step."""
         output = object.__new__(cls)
         output.__dict__.update(request_id=request_id, new_token_ids=new_token_ids,
-                               token_ids=token_ids, finished=finished,
-                               finish_reason=finish_reason, state=state, logprobs=logprobs,
-                               prompt_logprobs=prompt_logprobs, text_end=text_end)
+                               finished=finished, finish_reason=finish_reason, state=state,
+                               logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                               text_end=text_end)
         return output

@@ -38,6 +38,7 @@ from engine.harness.calibrate import (
     save_result,
 )
 from engine.harness.drift import DriftMonitor, Job
+from engine.harness.driver import OutputTokens
 from engine.harness.served import ServedCosts, ServedSample, measure_served
 from engine.store import calibration_history, drift_events, open_database, save_calibration
 from engine.store.database import upgrade_database
@@ -330,11 +331,13 @@ def test_calibrating_between_steps_leaves_serving_exact(calibrated) -> None:
     monitor = DriftMonitor(engine, jobs.append, plan=TEST_PLAN)
     monitor.request("test")
     outputs: dict[str, list[int]] = {}
+    tokens = OutputTokens()
 
     def step() -> None:
         for out in engine.step():
+            held = tokens.add(out)
             if out.finished:
-                outputs[out.request_id] = list(out.token_ids)
+                outputs[out.request_id] = held
 
     run_jobs(engine, jobs, between=step)
     while engine.has_unfinished():

@@ -14,7 +14,7 @@ from engine.batch import RequestOutput
 
 def output(rid: str, tokens: int, finished: bool) -> RequestOutput:
     ids = tuple(range(tokens))
-    return RequestOutput(request_id=rid, new_token_ids=ids, token_ids=ids, finished=finished,
+    return RequestOutput(request_id=rid, new_token_ids=ids, finished=finished,
                          finish_reason="length" if finished else None,
                          state="FINISHED" if finished else "DECODING")
 

@@ -11,6 +11,7 @@ import torch
 
 from console.cli.engine_flags import add_engine_flags, engine_config
 from engine import Engine, EngineConfig, SamplingParams
+from engine.harness.driver import OutputTokens
 from engine.kernels import cpu_graph, cpu_kernels
 from engine.kernels.cpu_graph import Arena, CpuGraph, DecodeGraphs, NotGraphable
 from tests.hf_models import save_tiny
@@ -29,10 +30,12 @@ def _generate(model: str, graphs: bool, params: SamplingParams | None = None,
     ids = [engine.add_request(prompt, params or SamplingParams(max_tokens=n, ignore_eos=True))
            for prompt, n in zip(PROMPTS, MAX_TOKENS, strict=True)]
     done: dict[str, list[int]] = {}
+    tokens = OutputTokens()
     while len(done) < len(ids):
         for out in engine.step():
+            held = tokens.add(out)
             if out.finished:
-                done[out.request_id] = list(out.token_ids)
+                done[out.request_id] = held
     return engine, [done[i] for i in ids]
 
 

@@ -22,6 +22,7 @@ from console.cli.main import main
 from engine import Engine, EngineConfig, SamplingParams
 from engine.events import EventBus, RequestAdded
 from engine.harness.chaos import query_journal
+from engine.harness.driver import OutputTokens
 from engine.harness.recovery import Resumption, resume_unfinished
 from engine.store import StoreWriter, open_database, quarantined_requests
 
@@ -186,10 +187,14 @@ def test_serve_resume_killed_at_once_loses_nothing_then_quarantines(
     engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu"))
     writer = StoreWriter(database, engine.bus)
     try:
-        assert resume_unfinished(engine, database).resumed == ("b",)  # the operator's word
-        outputs = {}
+        resumption = resume_unfinished(engine, database)
+        assert resumption.resumed == ("b",)  # the operator's word
+        tokens, outputs = OutputTokens(resumption.generated), {}
         while engine.has_unfinished():
-            outputs.update({o.request_id: list(o.token_ids) for o in engine.step() if o.finished})
+            for o in engine.step():
+                held = tokens.add(o)
+                if o.finished:
+                    outputs[o.request_id] = held
         assert writer.close()
         with database.session() as session:
             assert [q.request_id for q in quarantined_requests(session)] == ["a", "c"]

@@ -15,10 +15,12 @@ import httpx
 import pytest
 from sqlalchemy import select
 
+from engine.batch import RequestOutput
 from engine.clock import VirtualClock
 from engine.config import EngineConfig
 from engine.harness.faults import StepFaults
 from engine.serve.app import create_app
+from engine.serve.loop import _Listener
 from engine.serve.session import EngineSession
 from engine.serve.thread import ServerThread
 from engine.sim.executor import simulated_engine
@@ -138,3 +140,23 @@ def test_a_fault_is_stored_with_its_traceback(served: Served) -> None:
     assert fault.place.endswith("in faulty")
     assert "Traceback" in fault.traceback and "in faulty" in fault.traceback
     assert "InjectedFault" in fault.error and fault.restarts == 1 and not fault.stopped
+
+
+def test_a_resumed_requests_caller_hears_each_token_once() -> None:
+    """Outputs carry new tokens only: after a restart the loop sends what the engine kept
+    and the caller had not heard, and drops what it generates again that the caller had."""
+    heard: list[int] = []
+    listener = _Listener(lambda out: heard.extend(out.new_token_ids))
+
+    def hear(*tokens: int) -> None:
+        listener.hear(RequestOutput("r", tokens, False, None, "DECODING"))
+
+    hear(1)
+    hear(2)
+    caught_up = listener.resumed("r", [1, 2, 3])  # the failed step's token went unheard
+    assert caught_up is not None and caught_up.new_token_ids == (3,)
+    listener.hear(caught_up)
+    assert listener.resumed("r", [1]) is None  # the journal kept less than was heard
+    for token in (2, 3, 4):
+        hear(token)
+    assert heard == [1, 2, 3, 4]

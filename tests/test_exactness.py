@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from engine import Engine, EngineConfig, SamplingParams
 from engine.core.backend_choice import PAGED, TORCH, Backends, candidates
 from engine.core.model_runner import compiles
+from engine.harness.driver import OutputTokens
 from engine.kernels.cpu_kernels import prefill_supports
 from engine.kernels.layers import PackedLinear
 from tests.hf_models import FAMILIES, hf_greedy, hf_last_logits, save_tiny
@@ -120,14 +121,16 @@ def test_mixed_batch_prefill_beside_decodes_is_exact(reference) -> None:
     params = SamplingParams(max_tokens=MAX_NEW, ignore_eos=True)
     ids = {}
     results: dict[str, list[int]] = {}
+    tokens = OutputTokens()
     pending = list(enumerate(prompts))
     while pending or engine.has_unfinished():
         if pending:
             index, prompt = pending.pop(0)
             ids[engine.add_request(prompt, params)] = index
         for out in engine.step():
+            held = tokens.add(out)
             if out.finished:
-                results[out.request_id] = list(out.token_ids)
+                results[out.request_id] = held
     assert [results[rid] for rid in sorted(ids, key=ids.get)] == expected
 
 

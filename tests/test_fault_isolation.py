@@ -13,6 +13,7 @@ from sqlalchemy import select
 from engine import Engine, EngineConfig, RequestError, SamplingParams
 from engine.batch import RequestOutput
 from engine.events import Event, FailCause, Failed, GuardAction
+from engine.harness.driver import OutputTokens
 from engine.serve.loop import EngineLoop
 from engine.store import StoreWriter, open_database, unfinished_requests
 from engine.store.models import JournalRow
@@ -53,13 +54,14 @@ def test_a_request_whose_sampling_raises_fails_alone(expected: list[list[int]],
     good = [engine.add_request(p, GREEDY) for p in PROMPTS[:2]]
     bad = engine.add_request(PROMPTS[1], slipped_through(**poison))
     good.append(engine.add_request(PROMPTS[2], GREEDY))
-    done = {}
+    done, tokens, held = {}, OutputTokens(), {}
     while engine.has_unfinished():
         for out in engine.step():
+            held[out.request_id] = tokens.add(out)
             if out.finished:
                 done[out.request_id] = out
     engine.bus.drain()
-    assert [list(done[rid].token_ids) for rid in good] == expected
+    assert [held[rid] for rid in good] == expected
     assert all(done[rid].state == "FINISHED" for rid in good)
     assert done[bad].state == "FAILED" and "sampling failed" in done[bad].finish_reason
     failed = [e for e in events if isinstance(e, Failed)]
@@ -102,12 +104,14 @@ def test_a_failed_request_is_journaled_failed_and_never_resumed(tmp_path: Path) 
 def test_an_output_callback_that_raises_fails_its_request_and_the_loop_goes_on(
         expected: list[list[int]]) -> None:
     loop = EngineLoop(tiny_engine()).start()
-    results: dict[str, RequestOutput] = {}
+    results: dict[str, list[int]] = {}
+    tokens = OutputTokens()
     all_done = threading.Event()
 
     def collect(out: RequestOutput) -> None:
+        held = tokens.add(out)
         if out.finished:
-            results[out.request_id] = out
+            results[out.request_id] = held
             if len(results) == len(PROMPTS):
                 all_done.set()
 
@@ -118,7 +122,7 @@ def test_an_output_callback_that_raises_fails_its_request_and_the_loop_goes_on(
         bad = loop.submit(PROMPTS[0], GREEDY, on_output=broken)
         good = [loop.submit(p, GREEDY, on_output=collect) for p in PROMPTS]
         assert all_done.wait(120)
-        assert [list(results[rid].token_ids) for rid in good] == expected
+        assert [results[rid] for rid in good] == expected
         ended = loop.call(lambda engine: next(r for r in engine.scheduler.recent
                                               if r.id == bad)).result(60)
         assert ended.state == "FAILED" and "the client's stream is gone" in ended.reason

@@ -13,6 +13,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.budget.peaks import measure_peaks
 from engine.core.request import RequestState
 from engine.events import Drift, Event, GuardAction, StepComplete
+from engine.harness.driver import OutputTokens
 from engine.ops.guards import chunk_timeout_s
 from engine.ops.telemetry import InjectedBandwidth, ModelBandwidth
 
@@ -48,11 +49,12 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 
 def finish(engine: Engine) -> dict[str, list[int]]:
-    done = {}
+    done, tokens = {}, OutputTokens()
     while engine.has_unfinished():
         for out in engine.step():
+            held = tokens.add(out)
             if out.finished:
-                done[out.request_id] = list(out.token_ids)
+                done[out.request_id] = held
     return done
 
 
@@ -119,10 +121,12 @@ def test_compaction_keeps_generation_exact_and_blocks_contiguous() -> None:
     for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)):
         engine.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True), request_id=f"r{i}")
     done: dict[str, list[int]] = {}
+    tokens = OutputTokens()
     while engine.has_unfinished():
         for out in engine.step():
+            held = tokens.add(out)
             if out.finished:
-                done[out.request_id] = list(out.token_ids)
+                done[out.request_id] = held
         live = list(engine.scheduler.requests.values())
         engine.blocks.check_consistent(live)
         if engine.guards.fragmentation > 0.01:  # the guard compacted after this step
@@ -142,7 +146,8 @@ def test_chunk_timeout_fails_the_slow_request_releases_its_blocks_others_go_on()
     reference, _ = make_engine(FakeClock())
     expected = reference.generate([prompt(20, seed=2)], params)[0]
     other = engine.add_request(prompt(20, seed=2), params)
-    engine.step()  # the other request is prefilled and decoding
+    # the other request is prefilled and decoding: its first token
+    head = [token for out in engine.step() for token in out.new_token_ids]
     slow = engine.add_request(prompt(60, seed=1), params)
     forward = engine.runner.run
 
@@ -156,7 +161,7 @@ def test_chunk_timeout_fails_the_slow_request_releases_its_blocks_others_go_on()
     done = finish(engine)
     failed = next(r for r in engine.scheduler.recent if r.id == slow)
     assert failed.state is RequestState.FAILED and "chunk timeout" in failed.reason
-    assert done[other] == expected
+    assert head + done[other] == expected
     assert engine.blocks.num_used == 0
     assert any(a.layer == "chunk_timeout" and slow in a.detail for a in seen)
     clock.now += WINDOW_S

@@ -12,7 +12,7 @@ from engine.budget.peaks import DevicePeaks
 from engine.config import EngineConfig, SamplingParams
 from engine.core.request import Request
 from engine.events import EventBus, FailCause, Failed, StepComplete, TokensGenerated
-from engine.harness.driver import Recorder
+from engine.harness.driver import OutputTokens, Recorder
 from engine.harness.workload import WorkloadRequest
 from engine.model.config import preset
 from engine.ops.guards import GuardInputs, Guards
@@ -70,24 +70,28 @@ def test_a_steps_output_tokens_enter_the_rate_window_with_its_step() -> None:
     assert metrics.generation_tokens_total == 6 and metrics.itl.count == 4
 
 
-def _output(token_ids: tuple[int, ...], new: tuple[int, ...], finished: bool = False
-            ) -> RequestOutput:
-    return RequestOutput(request_id="r", new_token_ids=new, token_ids=token_ids,
-                         finished=finished, finish_reason="length" if finished else None,
+def _output(new: tuple[int, ...], finished: bool = False) -> RequestOutput:
+    return RequestOutput(request_id="r", new_token_ids=new, finished=finished,
+                         finish_reason="length" if finished else None,
                          state="FINISHED" if finished else "DECODING")
 
 
-def test_the_recorder_holds_every_token_whether_or_not_outputs_line_up() -> None:
+def test_the_recorder_holds_every_token_of_new_token_outputs() -> None:
     recorder = Recorder()
     recorder.expect(WorkloadRequest("r", 0.0, (1, 2, 3), 4), 0.0)
     record = recorder.records["r"]
-    # a resumed request's first output carries the tokens it had before the crash
-    recorder.settle(_output((7, 8, 9), (9,)))
-    assert record.token_ids == [7, 8, 9]
-    recorder.settle(_output((7, 8, 9, 10), (10,)))
-    recorder.settle(_output((7, 8, 9, 10), (), finished=True))  # e.g. failed: no new token
-    assert record.token_ids == [7, 8, 9, 10]
+    recorder.settle(_output((9,)))
+    recorder.settle(_output((10,)))
+    recorder.settle(_output((), finished=True))  # e.g. failed: no new token
+    assert record.token_ids == [9, 10]
     assert (record.state, record.reason) == ("FINISHED", "length")
+
+
+def test_output_tokens_start_a_resumed_request_from_its_generated_tokens() -> None:
+    tokens = OutputTokens({"r": (7, 8)})
+    assert tokens.add(_output((9,))) == [7, 8, 9]
+    assert tokens.add(_output((10,), finished=True)) == [7, 8, 9, 10]
+    assert tokens.add(_output((5,))) == [5]  # ended: forgotten, a new one starts afresh
 
 
 def test_quiet_evaluations_share_one_decision_and_a_change_still_speaks() -> None:
@@ -107,8 +111,8 @@ def test_quiet_evaluations_share_one_decision_and_a_change_still_speaks() -> Non
 def test_the_hot_path_constructors_make_what_the_dataclass_constructors_make() -> None:
     request = Request(id="r", prompt_token_ids=[1, 2], params=SamplingParams(), arrival=0.0)
     pairs = [
-        (RequestOutput.of("r", (3,), (3,), False, None, "DECODING"),
-         RequestOutput(request_id="r", new_token_ids=(3,), token_ids=(3,), finished=False,
+        (RequestOutput.of("r", (3,), False, None, "DECODING"),
+         RequestOutput(request_id="r", new_token_ids=(3,), finished=False,
                        finish_reason=None, state="DECODING")),
         (ScheduledChunk.of(request, 2, 1), ScheduledChunk(request, 2, 1)),
         (TokensGenerated.of("r", (3,), 1.5), TokensGenerated(request_id="r", token_ids=(3,),

@@ -18,6 +18,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.config import ConfigError
 from engine.core.request import Request
 from engine.core.sampler import sample
+from engine.serve.completions import Choice
 from tests.hf_models import hf_greedy, save_tiny
 
 MAX_NEW = 4
@@ -43,12 +44,16 @@ def hf_logprobs(llama):  # -> Callable[[list[int]], torch.Tensor]
     return logprobs
 
 
-def _run(engine: Engine, prompt: list[int], params: SamplingParams):
+def _run(engine: Engine, prompt: list[int], params: SamplingParams) -> Choice:
+    """The request's whole output, gathered as the HTTP layer gathers it."""
     rid = engine.add_request(prompt, params)
+    choice = Choice(0, prompt)
     while True:
         for out in engine.step():
-            if out.request_id == rid and out.finished:
-                return out
+            if out.request_id == rid:
+                choice.add(out)
+                if out.finished:
+                    return choice
 
 
 @pytest.mark.parametrize("budget", [13, 4096])
@@ -60,7 +65,7 @@ def test_logprobs_equal_transformers_log_softmax(llama, hf_logprobs, budget: int
     for prompt, expected in zip(prompts, expected_tokens, strict=True):
         out = _run(engine, prompt, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True,
                                                   logprobs=TOP, prompt_logprobs=TOP))
-        assert list(out.token_ids) == expected  # greedy unchanged
+        assert out.token_ids == expected  # greedy unchanged
         reference = hf_logprobs(prompt + expected)
         # prompt positions 1.. then the generated tokens, one row earlier each
         scored = list(out.prompt_logprobs) + list(out.logprobs)
@@ -83,7 +88,7 @@ def test_prefill_only_request_scores_its_prompt(llama) -> None:
     engine = Engine(EngineConfig(model=str(directory), device="cpu", dtype="float32",
                                  max_num_batched_tokens=13, chunk_tile=1))
     out = _run(engine, prompts[0], SamplingParams(max_tokens=0, prompt_logprobs=0))
-    assert out.token_ids == () and out.finish_reason == "length"
+    assert out.token_ids == [] and out.finish_reason == "length"
     assert len(out.prompt_logprobs) == len(prompts[0]) - 1
     assert all(entry.top == () for entry in out.prompt_logprobs)
     assert engine.blocks.num_used == 0
@@ -159,7 +164,7 @@ def test_processed_mode_keeps_prompt_logprobs_raw(llama, hf_logprobs) -> None:
     prompt = prompts[1]
     out = _run(engine, prompt, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True, seed=1,
                                               temperature=2.0, logprobs=TOP, prompt_logprobs=0))
-    reference = hf_logprobs(prompt + list(out.token_ids))
+    reference = hf_logprobs(prompt + out.token_ids)
     for position, entry in enumerate(out.prompt_logprobs, start=1):
         assert abs(entry.logprob - reference[position - 1][prompt[position]].item()) < 1e-4
     for offset, entry in enumerate(out.logprobs):

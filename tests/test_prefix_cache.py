@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.harness.conversations import ConversationError
-from engine.harness.driver import RunResult, drive
+from engine.harness.driver import OutputTokens, RunResult, drive
 from engine.harness.workload import build_workload
 from engine.serve.prometheus import render_metrics
 
@@ -60,8 +60,10 @@ def test_compaction_moves_shared_blocks_once_and_tokens_stay_exact() -> None:
     engine = _engine(True, chunk_tile=1)
     engine.generate([[*system, 9]], SamplingParams(max_tokens=1))  # caches the system prompt
     ids = [engine.add_request(p, params) for p in prompts]
+    tokens = OutputTokens()
     for _ in range(3):
-        engine.step()
+        for out in engine.step():
+            tokens.add(out)
     live = list(engine.scheduler.requests.values())
     shared = {b for r in live for b in r.block_table if engine.blocks._ref_counts[b] > 1}
     assert shared  # the system prompt's blocks are held by every request
@@ -72,8 +74,9 @@ def test_compaction_moves_shared_blocks_once_and_tokens_stay_exact() -> None:
     outputs: dict[str, list[int]] = {}
     while engine.has_unfinished():
         for out in engine.step():
+            held = tokens.add(out)
             if out.finished:
-                outputs[out.request_id] = list(out.token_ids)
+                outputs[out.request_id] = held
     assert [outputs[i] for i in ids] == expected
 
 

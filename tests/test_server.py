@@ -23,7 +23,7 @@ from engine.model.tokenizer import ByteTokenizer
 from engine.ops.metrics import TTFT_BUCKETS
 from engine.serve.app import create_app
 from engine.serve.auth import TOKEN_ENV, load_admin_token
-from engine.serve.completions import Texts
+from engine.serve.completions import Choice, Texts
 from engine.serve.loop import EngineLoop
 from engine.serve.thread import ServerThread
 
@@ -132,8 +132,9 @@ def test_incomplete_utf8_is_held_back_until_it_completes() -> None:
     tokens = tokenizer.encode("aé")
 
     def text(ids: list[int]) -> str:
-        return texts.visible(RequestOutput("x", (ids[-1],), tuple(ids), False, None,
-                                           "DECODING"))
+        choice = Choice(0, [])
+        choice.add(RequestOutput("x", tuple(ids), False, None, "DECODING"))
+        return texts.visible(choice)
 
     assert [text(tokens[:n]) for n in (1, 2, 3)] == ["a", "a", "aé"]
     invalid = [0xFF + ByteTokenizer.OFFSET]

@@ -9,6 +9,7 @@ import pytest
 
 from engine import EngineConfig, SamplingParams
 from engine.errors import ModelLoadError
+from engine.harness.driver import OutputTokens
 from engine.serve.session import EngineSession
 from engine.store import open_database, unfinished_requests
 
@@ -33,13 +34,17 @@ def test_a_killed_sessions_requests_resume_to_the_uninterrupted_tokens(tmp_path:
     database.close()
 
     with EngineSession.start(CONFIG, db=db) as second:
-        assert second.resume_unfinished().resumed == (rid,)
+        resumption = second.resume_unfinished()
+        assert resumption.resumed == (rid,)
         # marked as resumed, though it had generated nothing yet (stopped mid-prefill)
         assert second.engine.scheduler.requests[rid].resumed_tokens == 0
-        outputs = {}
+        tokens, outputs = OutputTokens(resumption.generated), {}
         while second.engine.has_unfinished():
-            outputs.update({o.request_id: o for o in second.engine.step() if o.finished})
-    assert list(outputs[rid].token_ids) == expected
+            for o in second.engine.step():
+                held = tokens.add(o)
+                if o.finished:
+                    outputs[o.request_id] = held
+    assert outputs[rid] == expected
 
 
 def test_close_stops_the_loop_and_the_writer_after_committing(tmp_path: Path) -> None:

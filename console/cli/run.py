@@ -22,7 +22,7 @@ from console.cli.terminal import terminal_safe
 from console.cli.workload_flags import add_workload_flags, workload_for
 from console.errors import UserError
 from engine.core.engine import RequestOutput
-from engine.harness.driver import drive
+from engine.harness.driver import OutputTokens, drive
 from engine.harness.workload import (
     WorkloadRequest,
     describe,
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         first_token: list[float] = []
 
         def on_output(output: RequestOutput) -> None:
-            if not first_token and output.token_ids:
+            if not first_token and output.new_token_ids:
                 first_token.append(time.monotonic())
             sink.write(output)
             progress.on_output(output)
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             remaining = workload
             if args.resume:
-                remaining = _resume(session, workload, sink.emitted())
+                remaining = _resume(session, workload, sink)
             progress.start(len(remaining))
             result = drive(engine, remaining, on_output=on_output)
         finally:
@@ -131,10 +131,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _resume(session: EngineSession, workload: list[WorkloadRequest],
-            emitted: set[str]) -> list[WorkloadRequest]:
+            sink: _OutputSink) -> list[WorkloadRequest]:
     """Resume the journal's unfinished requests; return the part of `workload` that neither
     finished before nor is being resumed."""
+    emitted = sink.emitted()
     resumption = session.resume_unfinished(skip=emitted)
+    sink.tokens = OutputTokens(resumption.generated)
     assert session.database is not None  # --resume with --no-db is refused up front
     path = session.database.location
     # Said only now: the resume is committed (killed from here on, the next --resume finds
@@ -170,6 +172,7 @@ class _OutputSink:
         self._path = path
         self._writer = writer
         self._fd: int | None = None
+        self.tokens = OutputTokens()  # a resumed run's starts from the journal's
         if path is None:
             return
         access = os.O_RDWR if resume else os.O_WRONLY | os.O_EXCL
@@ -199,10 +202,11 @@ class _OutputSink:
     def write(self, output: RequestOutput) -> None:
         if self._writer is not None:
             self._writer.check()  # a journal that stopped stops the run (StoreError)
+        tokens = self.tokens.add(output)
         if not output.finished:
             return
         if output.state == "FINISHED":
-            line = {"id": output.request_id, "token_ids": list(output.token_ids)}
+            line = {"id": output.request_id, "token_ids": tokens}
         else:  # REJECTED or FAILED: said, with the reason, rather than silently missing
             print(f"request {terminal_safe(output.request_id)} {output.state}: "
                   f"{terminal_safe(output.finish_reason or '')}", file=sys.stderr)

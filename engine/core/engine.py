@@ -203,16 +203,20 @@ class Engine:
 
     def generate(self, prompts: Sequence[Sequence[int] | str],
                  params: SamplingParams | None = None) -> list[list[int]]:
-        ids = [self.add_request(p, params) for p in prompts]
-        results: dict[str, list[int]] = {}
-        while len(results) < len(ids):
+        results: dict[str, list[int]] = {self.add_request(p, params): [] for p in prompts}
+        left = len(results)
+        while left:
             for out in self.step():
-                if out.finished and out.request_id in ids:
+                tokens = results.get(out.request_id)
+                if tokens is None:
+                    continue
+                tokens += out.new_token_ids
+                if out.finished:
                     if out.state != RequestState.FINISHED:
                         raise RequestError(f"request {out.request_id} {out.state}: "
                                            f"{out.finish_reason}")
-                    results[out.request_id] = list(out.token_ids)
-        return [results[i] for i in ids]
+                    left -= 1
+        return list(results.values())
 
     # --- configuration ------------------------------------------------------------------
     def update_config(self, source: str = "api", **changes: object) -> EngineConfig:

@@ -609,12 +609,14 @@ def request_output(request: Request, new_tokens: tuple[int, ...]) -> RequestOutp
     # str() of a StrEnum is its value, without the enum's Python-level `value` property
     params = request.params
     if params.logprobs is None and params.prompt_logprobs is None and not params.stop:
-        return RequestOutput.of(request.id, new_tokens, tuple(request.output_token_ids), final,
+        return RequestOutput.of(request.id, new_tokens, final,
                                 request.reason if final else None, str(state))
+    # the prompt's logprobs go with the first output: nothing was generated before it
+    first = len(request.output_token_ids) == len(new_tokens)
     return RequestOutput.of(
-        request.id, new_tokens, tuple(request.output_token_ids), final,
-        request.reason if final else None, str(state),
-        logprobs=None if params.logprobs is None else tuple(request.logprobs),
-        prompt_logprobs=(None if params.prompt_logprobs is None
-                         else tuple(request.prompt_logprobs)),
+        request.id, new_tokens, final, request.reason if final else None, str(state),
+        logprobs=(None if params.logprobs is None
+                  else tuple(request.logprobs[-len(new_tokens):]) if new_tokens else ()),
+        prompt_logprobs=(tuple(request.prompt_logprobs)
+                         if params.prompt_logprobs is not None and first else None),
         text_end=request.text_end)

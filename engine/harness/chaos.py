@@ -20,11 +20,12 @@ from typing import Any
 
 import torch
 
-from engine.batch import Batch, ModelRunnerOutput, RequestOutput
+from engine.batch import Batch, ModelRunnerOutput
 from engine.budget.peaks import measure_peaks
 from engine.config import EngineConfig
 from engine.core.request import RequestState
 from engine.errors import EngineError
+from engine.harness.driver import OutputTokens
 from engine.harness.workload import WorkloadRequest
 from engine.ops.equipped import Engine
 from engine.ops.telemetry import BandwidthSource, InjectedBandwidth, ModelBandwidth
@@ -100,7 +101,7 @@ def chaos_engine(bandwidth: BandwidthSource | None = None, **changes: Any) -> En
 def expected_outputs(requests: Sequence[WorkloadRequest]) -> dict[str, list[int]]:
     harness = _Harness(chaos_engine(), requests)
     harness.run_until(lambda: False, deadline=time.monotonic() + 600)
-    return {rid: list(out.token_ids) for rid, out in harness.finished.items()}
+    return dict(harness.finished)
 
 
 class _Harness:
@@ -110,8 +111,9 @@ class _Harness:
                  held: int = 0) -> None:
         self.engine = engine
         self.requests = {r.request_id: r for r in requests}
-        self.finished: dict[str, RequestOutput] = {}
-        self.failed: dict[str, str] = {}
+        self.finished: dict[str, list[int]] = {}  # request id -> its tokens
+        self.tokens = OutputTokens()
+        self.failed: dict[str, str] = {}  # request id -> last failure reason
         self.attempts = dict.fromkeys(self.requests, 0)
         self._attempt_of: dict[str, str] = {}
         self.retry_failed = False
@@ -138,11 +140,12 @@ class _Harness:
         produced = False
         for out in self.engine.step():
             produced = produced or bool(out.new_token_ids)
+            tokens = self.tokens.add(out)
             if not out.finished:
                 continue
             rid = self._attempt_of[out.request_id]
             if out.state == RequestState.FINISHED.value:
-                self.finished[rid] = out
+                self.finished[rid] = tokens
                 continue
             self.failed[rid] = out.finish_reason or out.state
             if self.retry_failed and self.attempts[rid] < RETRIES:
@@ -169,7 +172,7 @@ class _Harness:
     def lost(self, expected: dict[str, list[int]]) -> int:
         return sum(1 for rid in self.requests
                    if rid not in self.finished
-                   or list(self.finished[rid].token_ids) != expected[rid])
+                   or self.finished[rid] != expected[rid])
 
 
 def _result(name: str, recovered_at: float | None, fault_end: float, lost: int,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from engine.batch import RequestOutput
 from engine.config import EngineConfig
-from engine.harness.driver import drive
+from engine.harness.driver import OutputTokens, drive
 from engine.harness.recovery import resume_unfinished
 from engine.harness.workload import load_requests_jsonl
 from engine.ops.equipped import Engine
@@ -45,19 +45,22 @@ def main(argv: list[str] | None = None) -> int:
             if args.output.stat().st_size and not args.output.read_bytes().endswith(b"\n"):
                 output.write("\n")
             skip = set(emitted)
+            tokens = OutputTokens()
             if args.resume:
                 resumption = resume_unfinished(engine, database, skip=emitted)
                 skip |= {*resumption.resumed, *resumption.quarantined}
+                tokens = OutputTokens(resumption.generated)
 
             written = 0
             steps = 0
 
             def write(out: RequestOutput) -> None:
                 nonlocal written
+                held = tokens.add(out)
                 if out.finished:
                     output.write(json.dumps({"id": out.request_id, "state": out.state,
-                                             "token_ids": list(out.token_ids)}) + "\n")
-                    output.flush()
+                                             "token_ids": held}) + "\n")
+                    output.flush()  # a kill loses no line already written
                     written += 1
 
             def hold() -> None:

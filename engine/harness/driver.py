@@ -7,7 +7,7 @@ import itertools
 import statistics
 import time
 from bisect import insort
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,11 +188,7 @@ class Recorder:
         record = self.records.get(output.request_id)
         if record is None:
             return
-        held, new = record.token_ids, output.new_token_ids
-        if len(held) + len(new) == len(output.token_ids):
-            held.extend(new)
-        else:  # e.g. a resumed request's first output: take the whole list
-            record.token_ids = list(output.token_ids)
+        record.token_ids += output.new_token_ids
         record.state = output.state
         if output.finished:
             record.reason = output.finish_reason or ""
@@ -200,6 +196,23 @@ class Recorder:
     def result(self, wall_s: float) -> RunResult:
         return RunResult(self.records, self.steps, wall_s, self.preemptions, self.slow_queries,
                          self.prefix_cache_queries, self.prefix_cache_hits)
+
+
+class OutputTokens:
+    """Each live request's output tokens so far, gathered from outputs that carry only the
+    new ones; a resumed request starts from the tokens it was resumed with."""
+
+    def __init__(self, resumed: Mapping[str, Sequence[int]] | None = None) -> None:
+        self._held = {rid: list(tokens) for rid, tokens in (resumed or {}).items()}
+
+    def add(self, output: RequestOutput) -> list[int]:
+        """The request's tokens so far, this output's included; forgotten once it ends."""
+        rid = output.request_id
+        held = self._held.setdefault(rid, [])
+        held += output.new_token_ids
+        if output.finished:
+            del self._held[rid]
+        return held
 
 
 def add(engine: Engine, item: WorkloadRequest, arrival: float) -> None:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from engine.config import SamplingParams
 from engine.core.engine import Engine
@@ -26,9 +27,11 @@ DISCARDED = f"discarded unfinished ({DISCARD_COMMAND} or the console)"
 
 @dataclass(frozen=True)
 class Resumption:
-    resumed: tuple[str, ...]
-    quarantined: tuple[str, ...]
-    failed: tuple[str, ...]
+    resumed: tuple[str, ...]  # re-added to the engine, generation goes on
+    quarantined: tuple[str, ...]  # newly quarantined by this resume
+    failed: tuple[str, ...]  # entries the engine refused (closed as FAILED with the reason)
+    # the tokens each resumed request had generated: its outputs carry only the ones after
+    generated: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
 
 def resume_unfinished(engine: Engine, database: Database,
@@ -51,7 +54,7 @@ def resume_unfinished(engine: Engine, database: Database,
                 entries.append(entry)
         # Durable before a single token is computed or "resumed N" is said.
         claim_for_resume(session, [e.request_id for e in entries])
-        resumed = []
+        resumed, generated = [], {}
         for entry in entries:
             sampling = {k: v for k, v in entry.sampling.items() if k in _SAMPLING_FIELDS}
             try:
@@ -64,7 +67,8 @@ def resume_unfinished(engine: Engine, database: Database,
                 failed.append(entry.request_id)
                 continue
             resumed.append(entry.request_id)
-    return Resumption(tuple(resumed), tuple(quarantined), tuple(failed))
+            generated[entry.request_id] = tuple(entry.generated_token_ids)
+    return Resumption(tuple(resumed), tuple(quarantined), tuple(failed), generated)
 
 
 CLIENT_GONE = ("aborted: the server stopped while its client was connected (a served "

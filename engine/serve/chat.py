@@ -83,25 +83,24 @@ class _ChatReply(Reply):
 
     def chunk(self, choice: Choice, text: str, tokens: list[int],
               logprobs: Sequence[TokenLogprob], first: bool) -> dict[str, Any]:
-        output = choice.output
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {
             "content": text}
         return self._body("chat.completion.chunk", [{
             "index": choice.index, "delta": delta,
-            "logprobs": None if output.logprobs is None else self._logprobs(logprobs),
-            "finish_reason": FINISH_REASONS.get(output.finish_reason or "")}])
+            "logprobs": None if choice.logprobs is None else self._logprobs(logprobs),
+            "finish_reason": FINISH_REASONS.get(choice.finish_reason or "")}])
 
     def final(self, choices: list[Choice], usage: dict[str, int]) -> dict[str, Any]:
         rendered = [{
             "index": c.index,
-            "message": {"role": "assistant", "content": self.texts.final(c.output),
+            "message": {"role": "assistant", "content": self.texts.final(c),
                         "tool_calls": []},
-            "logprobs": None if c.output.logprobs is None else self._logprobs(c.output.logprobs),
-            "finish_reason": FINISH_REASONS.get(c.output.finish_reason or "")}
+            "logprobs": None if c.logprobs is None else self._logprobs(c.logprobs),
+            "finish_reason": FINISH_REASONS.get(c.finish_reason or "")}
             for c in choices]
         body = {**self._body("chat.completion", rendered), "usage": usage}
         if self.prompt_logprobs:  # one prompt for every choice: vLLM puts it at the top
-            body["prompt_logprobs"] = prompt_logprobs(choices[0].output, self.decode)
+            body["prompt_logprobs"] = prompt_logprobs(choices[0], self.decode)
         return body
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from starlette.concurrency import run_in_threadpool
@@ -61,12 +61,30 @@ class Generation:
         return [(prompt, params) for prompt in self.prompts for params in per_choice]
 
 
-@dataclass(frozen=True)
+@dataclass
 class Choice:
+    """One choice's output so far, as the replies render it: the engine's outputs carry
+    each step's new tokens, the HTTP layer keeps them all."""
 
     index: int
     prompt: list[int]
-    output: RequestOutput
+    output: RequestOutput | None = None  # the latest
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None  # None: not asked for
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+
+    def add(self, output: RequestOutput) -> None:
+        self.output = output
+        self.token_ids += output.new_token_ids
+        if output.logprobs is not None:
+            self.logprobs = self.logprobs or []
+            self.logprobs += output.logprobs
+        if output.prompt_logprobs is not None:
+            self.prompt_logprobs = output.prompt_logprobs
+
+    @property
+    def finish_reason(self) -> str | None:
+        return None if self.output is None else self.output.finish_reason
 
 
 class ReplyFormat(Protocol):
@@ -92,21 +110,25 @@ def check_n(n: int | None) -> int:
 
 
 class _Bridge:
-    """Engine-thread outputs of one choice, delivered in order to the request's shared queue."""
+    """Engine-thread outputs of one choice, delivered to the event loop in order onto the
+    queue all choices of the HTTP request share; with `final_only`, only the last crosses,
+    the choice gathered on the engine thread."""
 
-    def __init__(self, index: int, queue: asyncio.Queue[tuple[int, RequestOutput]],
+    def __init__(self, choice: Choice, queue: asyncio.Queue[tuple[int, RequestOutput]],
                  on_finish: Callable[[], None], final_only: bool) -> None:
-        self.index = index
+        self.choice = choice
         self.aio = asyncio.get_running_loop()
         self.queue = queue
         self.on_finish = on_finish
         self.final_only = final_only
 
-    def push(self, output: RequestOutput) -> None:
+    def push(self, output: RequestOutput) -> None:  # on the engine thread
+        if self.final_only:
+            self.choice.add(output)
         if output.finished:
             self.aio.call_soon_threadsafe(self.on_finish)
         if output.finished or not self.final_only:
-            self.aio.call_soon_threadsafe(self.queue.put_nowait, (self.index, output))
+            self.aio.call_soon_threadsafe(self.queue.put_nowait, (self.choice.index, output))
 
 
 class Generations:
@@ -151,10 +173,11 @@ class Generations:
         self._admit(len(choices))
         queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
         request_ids: list[str] = []
+        chosen = [Choice(index, prompt) for index, (prompt, _) in enumerate(choices)]
         try:
             base = reply.id.split("-", 1)[1]
             for index, (prompt, params) in enumerate(choices):
-                bridge = _Bridge(index, queue, self._release,
+                bridge = _Bridge(chosen[index], queue, self._release,
                                  final_only=not generation.stream)
                 self.in_flight += 1
                 try:
@@ -169,11 +192,11 @@ class Generations:
                 self.engine_loop.abort(request_id)
             raise
         if generation.stream:
-            events = self._events(request_ids, queue, choices, reply, reply.texts,
+            events = self._events(request_ids, queue, chosen, reply, reply.texts,
                                   generation)
             return StreamingResponse(events, media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await self._complete(request, request_ids, queue, choices, reply,
+        return await self._complete(request, request_ids, queue, chosen, reply,
                                     generation.n)
 
     def _admit(self, count: int) -> None:
@@ -201,8 +224,7 @@ class Generations:
 
     async def _complete(self, request: Request, request_ids: list[str],
                         queue: asyncio.Queue[tuple[int, RequestOutput]],
-                        choices: list[tuple[list[int], SamplingParams]],
-                        reply: ReplyFormat, n: int) -> Response:
+                        choices: list[Choice], reply: ReplyFormat, n: int) -> Response:
         finals: dict[int, RequestOutput] = {}
 
         async def collect() -> None:
@@ -226,40 +248,37 @@ class Generations:
         for output in finals.values():
             _raise_if_refused(self.engine_loop, output)
         await _journaled(self.engine_loop)
-        done = [Choice(i, choices[i][0], finals[i]) for i in range(len(request_ids))]
-        return JSONResponse(reply.final(done, _usage(done, n)))
+        return JSONResponse(reply.final(choices, _usage(choices, n)))
 
     async def _events(self, request_ids: list[str],
                       queue: asyncio.Queue[tuple[int, RequestOutput]],
-                      choices: list[tuple[list[int], SamplingParams]], reply: ReplyFormat,
+                      choices: list[Choice], reply: ReplyFormat,
                       texts: Texts, generation: Generation) -> AsyncIterator[str]:
         """One SSE chunk per choice per generated token, as vLLM sends them (see Texts)."""
         sent = [""] * len(request_ids)
-        sent_logprobs = [0] * len(request_ids)
         started: set[int] = set()
-        finished: dict[int, RequestOutput] = {}
+        finished: set[int] = set()
         try:
             while len(finished) < len(request_ids):
                 index, output = await self._next(queue)
                 _raise_if_refused(self.engine_loop, output)
                 if index not in started or output.finished:
                     await _journaled(self.engine_loop)
-                text = texts.visible(output)
-                logprobs = output.logprobs or ()
-                choice = Choice(index, choices[index][0], output)
+                choice = choices[index]
+                choice.add(output)
+                text = texts.visible(choice)
                 chunk = reply.chunk(choice, text[len(sent[index]):],
-                                    list(output.new_token_ids), logprobs[sent_logprobs[index]:],
+                                    list(output.new_token_ids), output.logprobs or (),
                                     first=index not in started)
                 if generation.continuous_usage:
                     chunk["usage"] = _usage([choice], 1)
                 yield _sse(chunk)
-                sent[index], sent_logprobs[index] = text, len(logprobs)
+                sent[index] = text
                 started.add(index)
                 if output.finished:
-                    finished[index] = output
+                    finished.add(index)
             if generation.include_usage:
-                done = [Choice(i, choices[i][0], finished[i]) for i in range(len(request_ids))]
-                yield _sse(reply.usage_chunk(_usage(done, generation.n)))
+                yield _sse(reply.usage_chunk(_usage(choices, generation.n)))
         except ApiError as exc:
             yield _sse({"error": json.loads(exc.response().body)["error"]})
         finally:
@@ -278,21 +297,24 @@ class Texts:
         self.holdback = (max(map(len, stops)) - 1
                          if stops and not params.include_stop_str_in_output else 0)
 
-    def visible(self, output: RequestOutput) -> str:
-        text = self.final(output)
-        if output.text_end is None and not output.finished and self.holdback:
+    def visible(self, choice: Choice) -> str:
+        text = self.final(choice)
+        output = choice.output
+        if output is not None and output.text_end is None and not output.finished \
+                and self.holdback:
             return text[:max(0, len(text) - self.holdback)]
         return text
 
-    def final(self, output: RequestOutput) -> str:
-        text = self.decode(list(output.token_ids)).rstrip("\ufffd")
-        return text if output.text_end is None else text[:output.text_end]
+    def final(self, choice: Choice) -> str:
+        text = self.decode(choice.token_ids).rstrip("\ufffd")
+        text_end = None if choice.output is None else choice.output.text_end
+        return text if text_end is None else text[:text_end]
 
 
 def _usage(choices: list[Choice], n: int) -> dict[str, int]:
     """Prompt tokens once per prompt (its n choices share it), as vLLM counts them."""
     prompt_tokens = sum(len(c.prompt) for c in choices if c.index % n == 0)
-    completion = sum(len(c.output.token_ids) for c in choices)
+    completion = sum(len(c.token_ids) for c in choices)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion}
 
@@ -364,30 +386,28 @@ class _CompletionReply(Reply):
 
     def chunk(self, choice: Choice, text: str, tokens: list[int],
               logprobs: Sequence[TokenLogprob], first: bool) -> dict[str, Any]:
-        output = choice.output
         entries = _scored(logprobs)
         if first and self.echo:  # the prompt leads the first chunk, as vLLM streams it
             text = self.decode(choice.prompt) + text
             tokens = choice.prompt + tokens
-            entries = _prompt_scored(choice.prompt, output) + entries
+            entries = _prompt_scored(choice) + entries
         scored = completion_logprobs(entries, self.decode) if self.logprobs else None
         return self._body([{"index": choice.index, "text": text, "token_ids": tokens,
                             "logprobs": scored,
-                            "finish_reason": FINISH_REASONS.get(output.finish_reason or "")}])
+                            "finish_reason": FINISH_REASONS.get(choice.finish_reason or "")}])
 
     def final(self, choices: list[Choice], usage: dict[str, int]) -> dict[str, Any]:
         rendered = []
         for choice in choices:
-            output = choice.output
-            text, entries = self.texts.final(output), _scored(output.logprobs or ())
+            text, entries = self.texts.final(choice), _scored(choice.logprobs or ())
             if self.echo:
                 text = self.decode(choice.prompt) + text
-                entries = _prompt_scored(choice.prompt, output) + entries
+                entries = _prompt_scored(choice) + entries
             scored = completion_logprobs(entries, self.decode) if self.logprobs else None
             rendered.append({"index": choice.index, "text": text,
-                             "token_ids": list(output.token_ids), "logprobs": scored,
-                             "finish_reason": FINISH_REASONS.get(output.finish_reason or ""),
-                             **({"prompt_logprobs": prompt_logprobs(output, self.decode)}
+                             "token_ids": list(choice.token_ids), "logprobs": scored,
+                             "finish_reason": FINISH_REASONS.get(choice.finish_reason or ""),
+                             **({"prompt_logprobs": prompt_logprobs(choice, self.decode)}
                                 if self.prompt_logprobs else {})})
         return {**self._body(rendered), "usage": usage}
 
@@ -402,14 +422,15 @@ def _scored(logprobs: Sequence[TokenLogprob]) -> Scored:
     return [(entry.token, entry) for entry in logprobs]
 
 
-def _prompt_scored(prompt: list[int], output: RequestOutput) -> Scored:
-    """An echoed prompt's tokens with their logprobs, the first unscored (nothing predicts it)."""
-    if output.prompt_logprobs is None:
+def _prompt_scored(choice: Choice) -> Scored:
+    """An echoed prompt's tokens with their logprobs, the first unscored (nothing predicts
+    it); none when the prompt was not scored."""
+    if choice.prompt_logprobs is None:
         return []
-    return [(prompt[0], None), *_scored(output.prompt_logprobs)]
+    return [(choice.prompt[0], None), *_scored(choice.prompt_logprobs)]
 
 
-def prompt_logprobs(output: RequestOutput, decode: Callable[[list[int]], str]
+def prompt_logprobs(choice: Choice, decode: Callable[[list[int]], str]
                     ) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's `prompt_logprobs`: None for the first token, then {token id: logprob, rank, text}."""
     def logprob(token: int, value: float, rank: int | None) -> dict[str, Any]:
@@ -417,7 +438,7 @@ def prompt_logprobs(output: RequestOutput, decode: Callable[[list[int]], str]
                 "decoded_token": decode([token])}
 
     scored: list[dict[str, dict[str, Any]] | None] = [None]
-    for entry in output.prompt_logprobs or ():
+    for entry in choice.prompt_logprobs or ():
         top = {str(token): logprob(token, value, rank)
                for rank, (token, value) in enumerate(entry.top, start=1)}
         top[str(entry.token)] = logprob(entry.token, entry.logprob, entry.rank)

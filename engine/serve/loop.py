@@ -65,7 +65,7 @@ class EngineLoop:
         self.failed_while_down = 0
         self._commands: deque[Callable[[], None]] = deque()
         self._wake = threading.Condition()
-        self._callbacks: dict[str, OutputCallback] = {}
+        self._listeners: dict[str, _Listener] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._paused = False
@@ -184,16 +184,16 @@ class EngineLoop:
 
     def _add(self, s: _Submission) -> None:
         if s.on_output is not None:
-            self._callbacks[s.request_id] = s.on_output
+            self._listeners[s.request_id] = _Listener(s.on_output)
         if self.error is not None:
             self.failed_while_down += 1
-            self._deliver(_failed(s.request_id, (), str(self.error)))
+            self._deliver(_failed(s.request_id, str(self.error)))
             return
         try:
             self.engine.add_request(s.token_ids, s.params, tenant=s.tenant, priority=s.priority,
                                     request_id=s.request_id, tag=s.tag)
         except EngineError as exc:  # this request's own fault (a duplicate id): it alone fails
-            self._deliver(_failed(s.request_id, (), str(exc)))
+            self._deliver(_failed(s.request_id, str(exc)))
 
     def _run(self) -> None:
         try:
@@ -276,6 +276,7 @@ class EngineLoop:
         """Re-add what the engine had accepted: from the journal when there is one, else in hand."""
         engine = self.engine
         handled: set[str] = set()
+        generated = {r.id: r.output_token_ids for r in kept}
         if self.journal is not None:
             try:
                 engine.bus.drain()
@@ -285,9 +286,10 @@ class EngineLoop:
             else:
                 handled = {*resumption.resumed, *resumption.quarantined, *resumption.failed}
                 closed = {*resumption.quarantined, *resumption.failed}
-                owed.extend(_failed(r.id, tuple(r.output_token_ids),
-                                    "not resumed after an engine restart (see the journal)")
+                owed.extend(_failed(r.id, "not resumed after an engine restart (see the "
+                                          "journal)")
                             for r in kept if r.id in closed)
+                generated.update(resumption.generated)
         for request in kept:
             if request.id not in handled:
                 engine.add_request(request.prompt_token_ids, request.params,
@@ -295,6 +297,10 @@ class EngineLoop:
                                    request_id=request.id, tag=request.tag,
                                    arrival=request.arrival,
                                    generated=request.output_token_ids)
+        # ahead of what is owed: a resumed request that ended at once is owed its end
+        owed[:0] = [output for rid, tokens in generated.items()
+                    if (listener := self._listeners.get(rid)) is not None
+                    and (output := listener.resumed(rid, tokens)) is not None]
         return list(engine.scheduler.requests)
 
     def health(self) -> LoopHealth:
@@ -328,15 +334,15 @@ class EngineLoop:
             self._played_s = 0.0
 
     def _deliver(self, output: RequestOutput) -> None:
-        callback = self._callbacks.get(output.request_id)
-        if callback is None:
+        listener = self._listeners.get(output.request_id)
+        if listener is None:
             return
         if output.finished:
-            del self._callbacks[output.request_id]
+            del self._listeners[output.request_id]
         try:
-            callback(output)
+            listener.hear(output)
         except Exception as exc:  # a fault in one request's output fails that request alone
-            self._callbacks.pop(output.request_id, None)
+            self._listeners.pop(output.request_id, None)
             self.engine.fail(output.request_id, f"delivering its output failed: "
                                                 f"{type(exc).__name__}: {exc}")
 
@@ -353,6 +359,37 @@ class EngineLoop:
             self._snapshot_at = now
 
 
-def _failed(request_id: str, token_ids: tuple[int, ...], reason: str) -> RequestOutput:
+def _failed(request_id: str, reason: str) -> RequestOutput:
     """The last output of a request that ended outside the engine's steps."""
-    return RequestOutput(request_id, (), token_ids, True, reason, RequestState.FAILED.value)
+    return RequestOutput(request_id, (), True, reason, RequestState.FAILED.value)
+
+
+class _Listener:
+    """A request's output callback and the tokens it has heard: a request resumed after a
+    restart generates from what the engine kept, more or less than the caller heard."""
+
+    def __init__(self, callback: OutputCallback) -> None:
+        self.callback = callback
+        self.heard = 0
+        self.repeats = 0  # tokens the resumed request generates again, already heard
+
+    def hear(self, output: RequestOutput) -> None:
+        if self.repeats:
+            new = output.new_token_ids
+            dropped = min(self.repeats, len(new))
+            self.repeats -= dropped
+            logprobs = output.logprobs
+            output = dataclasses.replace(
+                output, new_token_ids=new[dropped:],
+                logprobs=None if logprobs is None else logprobs[dropped:])
+        self.heard += len(output.new_token_ids)
+        self.callback(output)
+
+    def resumed(self, request_id: str, generated: Sequence[int]) -> RequestOutput | None:
+        """After `request_id` was resumed with `generated`: an output of the tokens not yet
+        heard, or None."""
+        self.repeats = max(0, self.heard - len(generated))
+        unheard = tuple(generated[self.heard:])
+        if not unheard:
+            return None
+        return RequestOutput(request_id, unheard, False, None, RequestState.WAITING.value)
