@@ -1,11 +1,4 @@
-"""The CPU backends an engine runs, chosen by timing each candidate on the model's own shapes
-at its first start on a machine (the fastest path depends on the CPU).
-
-Candidates run interleaved, after one untimed round, each keeping its median; the pick is the
-simplest within MARGIN of the fastest. The choice is cached beside the kernels, keyed by
-their build, torch, the model's and the probe's shapes and the threads. Flags
-(attention_backend, cpu_graphs) narrow the candidates; one left is taken untimed.
-"""
+"""The CPU backends an engine runs."""
 
 from __future__ import annotations
 
@@ -59,7 +52,7 @@ class DecodePath:
 
     @property
     def name(self) -> str:
-        """attention/dense/graphs, e.g. paged/kernels/graphs"""
+        """Like "paged/onednn/graphs": attention, dense, graphs or eager."""
         return "/".join((self.attention, self.dense, "graphs" if self.graphs else "eager"))
 
 
@@ -110,9 +103,7 @@ class Candidates:
 
 def candidates(attention_backend: str, cpu_graphs: bool | None, kernels: bool,
                graphable: bool, prefill_fits: bool) -> Candidates:
-    """The candidates for an engine's flags: `kernels` whether the C++ kernels load,
-    `graphable` whether CPU graphs could replay (float32), `prefill_fits` whether the model's
-    head size fits the prefill kernel."""
+    """The candidates an engine's flags allow."""
     if attention_backend == TORCH or not kernels:
         return Candidates((TORCH_BACKENDS.decode,), (TORCH,))
     attentions = (PAGED,) if attention_backend == PAGED else (TORCH, PAGED)
@@ -129,8 +120,7 @@ def candidates(attention_backend: str, cpu_graphs: bool | None, kernels: bool,
 
 def pick(timings: Mapping[K, Sequence[float]], rank: Callable[[K], int],
             margin: float = MARGIN) -> K:
-    """The simplest candidate (lowest rank) whose median is within `margin` of the fastest
-    median, the faster of equally simple ones."""
+    """The simplest candidate within `margin` of the fastest median."""
     medians = {candidate: statistics.median(times) for candidate, times in timings.items()}
     best = min(medians.values())
     within = [candidate for candidate, median in medians.items()
@@ -141,9 +131,7 @@ def pick(timings: Mapping[K, Sequence[float]], rank: Callable[[K], int],
 def interleaved(candidates: Sequence[K], run: Callable[[K], float],
                    clock: Callable[[], float] = time.perf_counter,
                    budget_s: float = BUDGET_S) -> dict[K, list[float]]:
-    """Each candidate's times from `run` (seconds), in rounds of every candidate after one
-    untimed round: MIN_ROUNDS at least, MAX_ROUNDS at most, no round started past
-    `budget_s`."""
+    """Each candidate's times from `run` (seconds)."""
     for candidate in candidates:
         run(candidate)
     times: dict[K, list[float]] = {candidate: [] for candidate in candidates}
@@ -157,8 +145,7 @@ def interleaved(candidates: Sequence[K], run: Callable[[K], float],
 
 
 def cache_key(kernel_key: str, shapes: Mapping[str, object], found: Candidates) -> str:
-    """What a cached choice holds for: the kernels' build (sources, flags, compiler, CPU),
-    torch, the model's and the probe's shapes, the threads and the candidates allowed."""
+    """What a cached choice is keyed by: kernel build, torch, shapes, threads, candidates."""
     text = json.dumps({"kernels": kernel_key, "torch": torch.__version__,
                        "threads": torch.get_num_threads(), "shapes": shapes,
                        "candidates": dataclasses.asdict(found)}, sort_keys=True, default=str)
@@ -218,8 +205,7 @@ class Runner(Protocol):
 
 def scratch_chunk(block_size: int, tokens: list[int], first_block: int, start: int,
                   count: int) -> ScheduledChunk:
-    """`count` tokens from `start` of a request of its own on blocks from `first_block` on
-    (the probe's and the warm-up's steps)."""
+    """`count` tokens from `start` of a request of its own on blocks from `first_block` on."""
     request = Request(f"scratch-{first_block}", tokens, SamplingParams(max_tokens=1),
                       arrival=0.0, num_computed_tokens=start,
                       state=RequestState.DECODING if count == 1 and start
@@ -230,8 +216,7 @@ def scratch_chunk(block_size: int, tokens: list[int], first_block: int, start: i
 
 
 class StepProbe:
-    """Times a runner's decode steps and prefill chunks on each candidate path, on requests
-    of its own (the KV blocks they write are zeroed after)."""
+    """Times a runner's decode steps and prefill chunks on each candidate path."""
 
     def __init__(self, runner: Runner) -> None:
         self.runner = runner

@@ -1,6 +1,4 @@
-"""What the step loop is equipped with from above core, as protocols: the bandwidth signal the
-mode machine reads, the guards' policy, the metrics a snapshot shows and the slow-query watch.
-engine.ops.equipped supplies the defaults; core never imports ops."""
+"""What the step loop is equipped with from above core, as protocols."""
 
 from __future__ import annotations
 
@@ -67,8 +65,7 @@ class Metrics(Protocol):
 
 
 class PrefillWatch(Protocol):
-    """Slow-query classification: it hears the scheduler's modes, steps, prefill ends and
-    request ends as they happen, while its logs still cover a prefill's gaps."""
+    """Slow-query classification, fed the scheduler's events as they happen."""
 
     def mode(self, ts: float, mode: str, throttle_level: int, paused: bool) -> None: ...
 

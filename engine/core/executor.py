@@ -1,5 +1,4 @@
-"""What the engine needs of an executor other than its own ModelRunner: the surface the
-simulated executor (engine.sim) provides, plus the peaks of the device it stands for."""
+"""What the engine needs of an executor other than its own ModelRunner."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""Intake: a prompt's token ids (malformed input raises and changes nothing) and why a
-well-formed request can never be served (a `Rejection` with its cause), before any engine
-state changes. The HTTP server asks the same questions before it queues a request.
-"""
+"""Intake: check a prompt's token ids and reject unservable requests before any state changes."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""The one place a loaded model's dense modules are swapped for the CPU's, and back: the model
-stays plain torch, as gpt-fast keeps it and swaps in quantized linears from outside."""
+"""The one place a loaded model's dense modules are swapped for the CPU's, and back."""
 
 from __future__ import annotations
 

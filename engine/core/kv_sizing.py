@@ -1,5 +1,4 @@
-"""How many bytes a GPU's KV pool gets: measured after a warm-up step at the largest token
-budget, as nano-vllm and vLLM size theirs, so the pool leaves room for the activations."""
+"""How many bytes a GPU's KV pool gets."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ class KvBudget:
 
 
 def kv_budget(reading: MemoryReading, utilization: float, block_bytes: int) -> KvBudget:
-    """`utilization` of the device's memory, less what is in use (this process's weights and
-    anything else's) and the activations' peak."""
+    """`utilization` of the device's memory, less what is in use."""
     used = reading.total - reading.free
     budget = max(0, int(reading.total * utilization) - used - reading.activations)
     line = (f"KV cache: {utilization:g} x {reading.total / GIB:.2f} GiB - "

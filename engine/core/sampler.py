@@ -1,8 +1,4 @@
-"""Token sampling as vLLM V1 does it: logit_bias, the penalties, then greedy or temperature,
-min_p, top-k and top-p with a per-request seed; and logprobs per vLLM's `logprobs_mode`
-(raw: of the model's logits; processed: of the logits the token was drawn from). What goes
-wrong with one request's parameters fails that request alone.
-"""
+"""Token sampling as vLLM V1 does it: logit_bias, the penalties, then greedy or temperature."""
 
 from __future__ import annotations
 
@@ -17,9 +13,7 @@ from engine.core.request import Request
 
 def sample(logits: torch.Tensor, requests: Sequence[Request],
            processed_logprobs: bool = False) -> ModelRunnerOutput:
-    """One token per row of `logits` [M, V] (fp32), row i for `requests[i]`; greedy rows
-    never draw randomness. A prefill-only request's row is not sampled. Logprobs score the
-    raw row, or with `processed_logprobs` the row as processed for drawing."""
+    """One token per row of `logits` [M, V] (fp32), row i for `requests[i]`."""
     greedy = logits.argmax(dim=-1).tolist()
     tokens: dict[str, int] = {}
     errors: dict[str, str] = {}
@@ -53,8 +47,7 @@ def sample(logits: torch.Tensor, requests: Sequence[Request],
 
 def token_logprobs(logprobs: torch.Tensor, tokens: Sequence[int],
                    top: int) -> list[TokenLogprob]:
-    """For each row of `logprobs` [N, V] (or one row [V]) the logprob and rank of
-    `tokens[i]` and the row's `top` likeliest tokens."""
+    """Each row's logprob and rank of `tokens[i]`, and its `top` likeliest tokens."""
     rows = logprobs.view(-1, logprobs.shape[-1])
     index = torch.tensor(tokens, dtype=torch.int64, device=rows.device).unsqueeze(1)
     chosen = rows.gather(1, index)
@@ -68,8 +61,7 @@ def token_logprobs(logprobs: torch.Tensor, tokens: Sequence[int],
 
 
 def _penalized(logits: torch.Tensor, request: Request) -> torch.Tensor:
-    """A copy of one row with logit_bias added, then the repetition penalty (over prompt and
-    output tokens), then the frequency and presence penalties (output tokens only)."""
+    """A copy of one row with logit_bias added, then the repetition penalty."""
     p = request.params
     scores = logits.clone()
     if p.logit_bias:
@@ -92,8 +84,7 @@ def _penalized(logits: torch.Tensor, request: Request) -> torch.Tensor:
 
 
 def _processed(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """One penalised row scaled by temperature, with the tokens min_p, top-k and top-p drop
-    at -inf: the logits a token is drawn from."""
+    """One penalised row after temperature, min_p, top-k and top-p: the logits drawn from."""
     scaled = logits / p.temperature
     if p.min_p > 0:  # vLLM: drop tokens below min_p times the likeliest one's probability
         probs = torch.softmax(scaled, dim=-1)
@@ -113,6 +104,5 @@ def _processed(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def make_generator(seed: int) -> torch.Generator:
-    """A CPU generator for a seeded request (unseeded requests share torch's global one);
-    raises for a seed outside [-2^63, 2^64)."""
+    """A CPU generator for a seeded request (unseeded requests share torch's global one)."""
     return torch.Generator(device="cpu").manual_seed(seed)

@@ -1,12 +1,4 @@
-"""Attention over the paged KV cache for one packed batch (prefill chunks first, then
-single-token decodes), and the metadata it needs, built once per step.
-
-A chunk attends to its request's whole history with a causal mask aligned lower-right (query
-i sits at position start + i; SDPA's `is_causal` is top-left, wrong when the lengths differ).
-Backends: torch (SDPA per chunk, one SDPA for all decodes), paged (the CPU kernels, reading
-the cache in place through the block tables) and flash (flash-attn on CUDA). Sliding-window
-layers read `meta.windowed` on the torch path; soft-capped layers (Gemma 2) run unfused.
-"""
+"""Attention over the paged KV cache for one packed batch, and its per-step metadata."""
 
 from __future__ import annotations
 
@@ -29,8 +21,7 @@ FLASH_BLOCK_SIZE = 256  # flash-attn's paged KV needs blocks that are a multiple
 
 @dataclass(frozen=True)
 class PrefillSpan:
-    """One prefill chunk, rows [q_start, q_start + q_len): key_slots and mask for the torch
-    path, block_table and start for the paged kernel."""
+    """One prefill chunk, rows [q_start, q_start + q_len): key_slots and mask for the torch path."""
 
     q_start: int
     q_len: int
@@ -75,8 +66,7 @@ def flash_available(device: torch.device) -> bool:
 
 def cache_shape(use_flash: bool, num_layers: int, num_blocks: int, block_size: int,
                 num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    """The one KV tensor [K/V, layer, ...]: flash-attn's blocks outermost, else heads outermost
-    so a gather of slots lands in SDPA's [heads, keys, dim] with no transpose copy."""
+    """The one KV tensor [K/V, layer, ...]: flash-attn's blocks outermost, else heads outermost."""
     if use_flash:
         return (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
     return (2, num_layers, num_kv_heads, num_blocks, block_size, head_dim)
@@ -100,8 +90,7 @@ def index_copy_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 
 
 class PagedAttention:
-    """Writes new K/V into a layer's cache slice and attends over the history (the last
-    `window` positions of it for a sliding-window layer)."""
+    """Writes new K/V into a layer's cache slice and attends over the history."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, use_flash: bool,
                  scale: float | None = None, window: int | None = None,
@@ -202,8 +191,7 @@ class PagedAttention:
 
     def _softcapped(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     bias: torch.Tensor) -> torch.Tensor:
-        """Gemma 2's attention: scores capped at ±softcap by tanh before the mask and softmax
-        (in fp32, as transformers does)."""
+        """Gemma 2's attention: scores capped at ±softcap by tanh before the mask and softmax."""
         scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale
         scores = self.softcap * torch.tanh(scores / self.softcap) + bias
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)

@@ -1,12 +1,4 @@
-"""CPU graphs: a decode step recorded once per batch size as the kernel calls it makes, then
-replayed without the Python between them, as CUDA graphs replay a GPU's kernels (vLLM and
-nano-vllm capture decode batches the same way).
-
-A capture runs the step once for real on static inputs, under cpu_kernels.recording() and a
-dispatch mode that serves every allocation from one arena shared by all batch sizes (so the
-recorded pointers stay valid) and refuses any torch op that computes: a step that needs one
-cannot replay, and that model keeps eager steps (NotGraphable names the op).
-"""
+"""CPU graphs: a decode step's kernel calls recorded per batch size, then replayed."""
 
 from __future__ import annotations
 
@@ -108,8 +100,7 @@ class CpuGraph:
         self.calls = tuple(calls)
 
     def replay(self, values: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The output of a run over `values` (copied into the static inputs), in the graph's
-        own memory: read it before the next replay."""
+        """The output of a run over `values` (copied into the static inputs)."""
         for static, value in zip(self.inputs, values, strict=True):
             _fill(static, value)
         for entry, args in self.calls:
@@ -118,8 +109,7 @@ class CpuGraph:
 
 
 class DecodeGraphs:
-    """A model's decode-only steps as CPU graphs, one per batch size up to PANEL_MAX_ROWS,
-    captured at each size's first step; all read the first rows of shared static inputs."""
+    """A model's decode-only steps as CPU graphs, one per batch size up to PANEL_MAX_ROWS."""
 
     def __init__(self, decoder: Decoder, kv_cache: torch.Tensor, max_blocks: int) -> None:
         self.decoder = decoder

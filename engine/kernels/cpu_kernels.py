@@ -1,8 +1,4 @@
-"""The CPU kernels (paged attention, a layer's dense ops), built once per machine with the
-system compiler and cached under ~/.cache/tokenflow/kernels keyed by sources, flags, compiler
-and CPU; each entry point is a torch operator tokenflow::NAME with one typed wrapper here.
-Where no compiler works, `load()` says why and the engine keeps the torch path
-(docs/cpu-backend.md)."""
+"""The CPU kernels (paged attention, a layer's dense ops), built once per machine."""
 
 from __future__ import annotations
 
@@ -100,8 +96,7 @@ def _call(name: str, *args: Any) -> None:
 
 @contextmanager
 def recording() -> Iterator[list[Call]]:
-    """Every kernel call this thread makes inside, in order, as it was made. The calls still
-    run; replaying the list repeats them on the same memory."""
+    """Every kernel call this thread makes inside, in order, as it was made."""
     if getattr(_recording, "calls", None) is not None:
         raise RuntimeError("kernel calls are already being recorded")
     _recording.calls = calls = []
@@ -153,8 +148,7 @@ def _macros(compiler: str, march: str) -> str:
 
 
 def toolchain() -> Toolchain:
-    """The compiler, the target (native, or $TOKENFLOW_KERNEL_MARCH) and the build's key;
-    raises KernelUnavailable."""
+    """The compiler, the target (native, or $TOKENFLOW_KERNEL_MARCH) and the build's key."""
     compiler = _compiler()
     march = os.environ.get(MARCH_ENV) or "native"
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
@@ -327,13 +321,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, lengths: torch.Tensor, scale: float,
                  window: int | None, softcap: float | None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of one query token per request over its cached keys.
-
-    q [B, Hq, D] (Hq a multiple of the KV heads; each row's heads contiguous), one layer's
-    caches [Hkv, blocks, block_size, D], block_tables int64 [B, W], lengths int64 [B] (keys
-    per request). `window` keeps each request's last `window` keys; `softcap` caps scores by
-    tanh (Gemma 2). Writes into `out` ([B, Hq, D], contiguous) when given. -> [B, Hq, D].
-    """
+    """Attention of one query token per request over its cached keys."""
     _check_operands(q, k_cache, v_cache)
     if q.stride()[1:] != (k_cache.shape[-1], 1):
         q = q.contiguous()
@@ -346,10 +334,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_table: torch.Tensor, start: int, scale: float, window: int | None,
                   softcap: float | None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of one prefill chunk: q [C, Hq, D] at positions start.., causal over its
-    request's cached keys [0, start + C), which already hold the chunk's own. block_table
-    int64 [>= blocks used]; the rest as paged_decode. -> [C, Hq, D].
-    """
+    """Causal attention of one prefill chunk over its request's cached keys."""
     _check_operands(q, k_cache, v_cache)
     block_size, head_dim = k_cache.shape[2:]
     if not prefill_supports(head_dim):
@@ -375,9 +360,7 @@ def _output(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """An nn.Linear weight [N, K] (float32) laid out for linear_rows, flat: panels of
-    Kernels.panel outputs, each [K][panel], then the last N % panel outputs (zero-padded to
-    whole vectors of Kernels.lanes) as one narrower panel [K][width]."""
+    """An nn.Linear weight [N, K] (float32) laid out for linear_rows, flat."""
     n, k = weight.shape
     kernels = load()
     panel, lanes = kernels.panel, kernels.lanes
@@ -404,8 +387,7 @@ def linear_rows(x: torch.Tensor, panels: torch.Tensor, out_features: int,
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
              residual: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm of x [..., dim] as the model's RMSNorm computes it. With `residual`
-    (contiguous, shaped like x), first adds x into it in place and norms the sum."""
+    """RMSNorm of x [..., dim] as the model's RMSNorm computes it."""
     if residual is not None and (not residual.is_contiguous() or residual.shape != x.shape
                                  or residual.dtype != x.dtype):
         raise ValueError("rms_norm's residual must be contiguous and shaped like x")
@@ -427,8 +409,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rope(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
-    """x [N, H, D] (each row's heads contiguous) rotated in place by its positions, as the
-    model's `rotate`, and returned; rotation: cos, sin [N, 1, D / 2] in x's dtype."""
+    """x [N, H, D] (each row's heads contiguous) rotated in place by its positions."""
     _bf16(x)
     if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
         raise ValueError("rope rotates rows whose heads are contiguous")
@@ -439,8 +420,7 @@ def rope(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
 
 def cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """A step's new keys and values, k and v [N, Hkv, D] (each row's heads contiguous), into
-    one layer's caches [Hkv, blocks, block_size, D] at slots int64 [N]."""
+    """A step's new keys and values, k and v [N, Hkv, D] (each row's heads contiguous)."""
     _check_operands(k, k_cache, v_cache)
     kv_heads, _, _, head_dim = k_cache.shape
     rows = k.shape[0]

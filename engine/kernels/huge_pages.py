@@ -1,6 +1,4 @@
-"""Host tensors on transparent huge pages for the memory the CPU kernels stream: the paged
-KV cache is read block by block, and one 2 MiB TLB entry covers what 512 of 4 KiB cover.
-Where THP is `madvise` only a mapping that asks gets them, so this one asks."""
+"""Host tensors on transparent huge pages for the memory the CPU kernels stream."""
 
 from __future__ import annotations
 
@@ -12,8 +10,7 @@ import torch
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero CPU tensor in a fresh anonymous mapping advised to use huge pages, every page
-    touched now so that first-touch faults are paid at start, not by the steps."""
+    """A zero CPU tensor in a fresh anonymous mapping advised to use huge pages."""
     count = math.prod(shape)
     if count == 0:
         return torch.zeros(shape, dtype=dtype)

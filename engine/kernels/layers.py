@@ -1,6 +1,4 @@
-"""CPU stand-ins for a model's plain torch modules, with their call signatures: GEMMs on
-oneDNN's packed weights or linear_rows, the rest on the C++ layer ops (engine.core.kernel_swap
-puts them in)."""
+"""CPU stand-ins for a model's plain torch modules, with their call signatures."""
 
 from __future__ import annotations
 
@@ -23,8 +21,7 @@ def packable(linear: nn.Linear) -> bool:
 
 
 class PackedLinear(nn.Module):
-    """An nn.Linear on a copy of its weight packed once for oneDNN; `weight` stays the
-    parameter."""
+    """An nn.Linear on a copy of its weight packed once for oneDNN; `weight` stays the parameter."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()

@@ -1,11 +1,4 @@
-"""Chat templates: a model directory's Jinja template turns chat messages into prompt text,
-rendered as transformers renders it (`apply_chat_template`): a sandboxed, immutable Jinja
-environment with `trim_blocks`/`lstrip_blocks`, the `tojson` filter, `raise_exception` and
-`strftime_now`, and the tokenizer's special tokens as variables.
-
-The template comes from `--chat-template FILE`, else the directory's `chat_template.jinja`,
-else `tokenizer_config.json`'s `chat_template`. Synthetic models get a plain default.
-"""
+"""Chat templates: a model directory's Jinja template turns chat messages into prompt text."""
 
 from __future__ import annotations
 
@@ -39,8 +32,7 @@ class ChatTemplate:
     special_tokens: dict[str, str]
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text of `messages`; ChatTemplateError if the template refuses them
-        (templates call raise_exception, e.g. on roles out of order)."""
+        """The prompt text of `messages`; ChatTemplateError if the template refuses them."""
         try:
             return _compiled(self.source).render(messages=messages,
                                                  add_generation_prompt=add_generation_prompt,
@@ -51,8 +43,7 @@ class ChatTemplate:
 
 def load_chat_template(model: str, override: Path | None = None,
                        synthetic: bool = False) -> ChatTemplate | None:
-    """The template of `model` (a directory, or a synthetic preset when `synthetic`), or the
-    file `override`; None when the model directory has none."""
+    """The template of `model` (a directory, or a synthetic preset when `synthetic`)."""
     directory = None if synthetic else Path(model).expanduser()
     special = _special_tokens(directory) if directory else {}
     if override is not None:
@@ -92,7 +83,7 @@ def _tokenizer_config(directory: Path) -> dict[str, Any]:
 
 
 def _special_tokens(directory: Path) -> dict[str, str]:
-    """bos_token etc. as text: tokenizer_config holds a string or an AddedToken dict."""
+    """bos_token etc. as text."""
     config = _tokenizer_config(directory)
     tokens = {}
     for name in SPECIAL_TOKENS:

@@ -1,9 +1,4 @@
-"""The checkpoint layout: which Hugging Face tensors make up our fused projections.
-
-Our model runs q/k/v as one `qkv_proj` and gate/up as one `gate_up_proj` (one matmul each
-instead of three and two). Most checkpoints store the parts; Phi-3 stores them fused, as we do.
-The loader, the hf baseline and the budget's activation count all read this one map.
-"""
+"""The checkpoint layout: which Hugging Face tensors make up our fused projections."""
 
 from __future__ import annotations
 
@@ -25,8 +20,7 @@ def fused_widths(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def to_ours(hf_name: str, config: ModelConfig) -> tuple[str, int | None]:
-    """A checkpoint tensor's name in our model, and its part index in a fused projection
-    (None when the tensor is the whole parameter)."""
+    """A checkpoint tensor's name in our model, and its part index in a fused projection."""
     name = hf_name.removeprefix("model.")
     if config.family.fused_checkpoint:
         return name, None
@@ -44,8 +38,7 @@ def fused_part(param: torch.Tensor, name: str, slot: int, config: ModelConfig) -
 
 
 def expected_parts(name: str, config: ModelConfig) -> list[str]:
-    """The keys a loader must see to fill parameter `name`: `name#slot` per part when the
-    checkpoint stores it in parts, else `name`."""
+    """The keys a loader must see to fill parameter `name`."""
     fused = _fused_of(name)
     if fused is None or config.family.fused_checkpoint:
         return [name]

@@ -1,5 +1,4 @@
-"""The shape of a model (any family in engine.model.family), the synthetic presets, and
-config.json parsing."""
+"""The shape of a model (any family in engine.model.family), the synthetic presets."""
 
 from __future__ import annotations
 
@@ -173,8 +172,7 @@ def preset(name: str) -> ModelConfig:
 
 
 def from_hf_config(path: Path) -> ModelConfig:
-    """Parse config.json in both the older (torch_dtype, rope_theta) and newer
-    (dtype, rope_parameters) forms written by transformers."""
+    """Parse config.json in both its older and newer transformers forms."""
     try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:

@@ -1,8 +1,4 @@
-"""The model families tokenflow serves, and what sets each one's transformer apart from Llama's.
-
-Everything else about a model (its widths, windows, RoPE bases, soft-caps) is a number in its
-`ModelConfig`; a family only switches structural pieces on.
-"""
+"""The model families tokenflow serves, and what sets each one's transformer apart from Llama's."""
 
 from __future__ import annotations
 

@@ -1,7 +1,4 @@
-"""The decoder-only transformer of every family we serve (Llama, Mistral, Qwen2/3, Gemma 2/3,
-Phi-3) in plain PyTorch, over a packed batch: tokens of several requests in one flat list,
-each rotated at its global position. The CPU kernels and packed linears are swapped in from
-outside at load time (engine.core.kernel_swap)."""
+"""The decoder-only transformer of every family we serve, in plain PyTorch over a packed batch."""
 
 from __future__ import annotations
 
@@ -171,10 +168,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual blocks; Gemma also norms each block's output before adding it
-    (its `post_attention_layernorm` is that output norm, where Llama's is the MLP's input).
-    As in vLLM, a layer returns its MLP's output and the residual stream apart; the next
-    norm adds them (add_and_norm)."""
+    """Pre-norm residual blocks; Gemma also norms each block's output before adding it."""
 
     def __init__(self, config: ModelConfig, rope: RotaryEmbedding, window: int | None,
                  use_flash: bool) -> None:
@@ -193,8 +187,7 @@ class DecoderLayer(nn.Module):
     # the dense halves either side of attention: what Transformer.compile compiles
     def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None,
                          rotation: Rotation) -> tuple[torch.Tensor, ...]:
-        """The previous layer's output (at the first, the embedded tokens and no residual)
-        -> q, k, v and the residual stream."""
+        """The previous layer's output -> q, k, v and the residual stream."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -254,8 +247,7 @@ class Transformer(nn.Module):
 
     def decoder(self, x: torch.Tensor, rotations: list[Rotation], kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """The layers and the final norm over embedded tokens x [N, H] (the CPU kernels'
-        norms add into x in place)."""
+        """The layers and the final norm over embedded tokens x [N, H]."""
         before, after = self._dense_halves(x.shape[0])
         residual = None
         for index, (layer, rotation) in enumerate(zip(self.layers, rotations, strict=True)):
@@ -265,9 +257,7 @@ class Transformer(nn.Module):
         return self.norm.add_and_norm(residual, x)[1]
 
     def compile(self) -> None:  # type: ignore[override]
-        """Each layer's dense halves through torch.compile, the token count dynamic (one graph
-        serves every layer); on CUDA, steps of up to CUDA_GRAPH_MAX_TOKENS tokens also
-        replay as CUDA graphs."""
+        """Each layer's dense halves through torch.compile, the token count dynamic."""
         before = torch.compile(DecoderLayer.before_attention, dynamic=True)
         after = torch.compile(DecoderLayer.after_attention, dynamic=True)
         self._regions = [(0, before, after)]
@@ -283,8 +273,7 @@ class Transformer(nn.Module):
                 lambda *a: tuple(t.clone() for t in graphed_after(*a))))
 
     def warm_up(self) -> None:
-        """Compile now, not in the first request: at 1 token (specialised), at 2 (dynamic)
-        and past the CUDA graphs' limit."""
+        """Compile now, not in the first request."""
         weight = self.embed_tokens.weight
         for n in (1, 2, CUDA_GRAPH_MAX_TOKENS + 1):
             x = torch.zeros(n, self.config.hidden_size, dtype=weight.dtype, device=weight.device)
