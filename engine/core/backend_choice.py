@@ -47,12 +47,10 @@ class DecodePath:
 
     @property
     def rank(self) -> int:
-        """How far from torch's plain path: fewer moving parts win a tie."""
         return (self.attention == PAGED) + (self.dense == KERNELS) + self.graphs
 
     @property
     def name(self) -> str:
-        """Like "paged/onednn/graphs": attention, dense, graphs or eager."""
         return "/".join((self.attention, self.dense, "graphs" if self.graphs else "eager"))
 
 
@@ -157,7 +155,6 @@ def cache_path(key: str) -> Path:
 
 
 def load_cached(key: str) -> Choice | None:
-    """The choice stored under `key`, or None (absent, or unreadable: then measured again)."""
     try:
         data = json.loads(cache_path(key).read_text())
         backends = Backends(DecodePath(**data["decode"]), data["prefill_attention"])
@@ -239,7 +236,6 @@ class StepProbe:
         self.blocks = max(decodes * -(-(context + 1) // bs), -(-(history + chunk) // bs))
 
     def _time(self, backends: Backends, steps: list[list[ScheduledChunk]]) -> float:
-        """Seconds `steps` take, one after the other, on `backends`."""
         self.runner.apply(backends)
         start = time.perf_counter()
         for step in steps:

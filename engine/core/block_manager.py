@@ -16,12 +16,10 @@ BlockHash = bytes
 
 
 def block_hash(parent: BlockHash | None, tokens: list[int]) -> BlockHash:
-    """The hash of a full block: its tokens and its parent's hash."""
     return _block_hash(parent, array("q", tokens).tobytes())
 
 
 def _block_hash(parent: BlockHash | None, token_bytes: bytes) -> BlockHash:
-    """block_hash of a block given as its tokens' int64 bytes."""
     digest = hashlib.sha256(parent or b"")
     digest.update(token_bytes)
     return digest.digest()
@@ -53,7 +51,6 @@ class BlockManager:
 
     @property
     def _num_unheld(self) -> int:
-        """Blocks no request holds (the reserved ones included)."""
         return len(self._front) + self.num_blocks - self._untouched + len(self._back)
 
     @property
@@ -65,7 +62,6 @@ class BlockManager:
         return self.num_blocks - self._num_unheld + self._reserved
 
     def is_free(self, block: int) -> bool:
-        """Whether no request holds `block` (reserved blocks are free here)."""
         return self._ref_counts[block] == 0
 
     @property
@@ -74,7 +70,6 @@ class BlockManager:
 
     @property
     def num_cached(self) -> int:
-        """Registered blocks, in use or free: the prefix cache's size."""
         return len(self._cached)
 
     def blocks_for(self, num_tokens: int) -> int:
@@ -89,7 +84,6 @@ class BlockManager:
         return self.blocks_needed(request, num_new_tokens) <= self.num_free
 
     def grow(self, request: Request, num_new_tokens: int) -> None:
-        """Give `request` blocks for `num_new_tokens` more tokens (caller checked can_grow)."""
         for _ in range(self.blocks_needed(request, num_new_tokens)):
             if self.num_free <= 0:
                 raise BlockError("grow() without can_grow(): the pool is empty")
@@ -165,7 +159,6 @@ class BlockManager:
             self._cached.clear()
 
     def _hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
-        """The hashes of the request's first `num_blocks` blocks, extending its memo."""
         hashes = request.block_hashes
         done = len(hashes)
         if done >= num_blocks:
@@ -190,7 +183,6 @@ class BlockManager:
     # --- maintenance --------------------------------------------------------------------
     @property
     def num_allocated(self) -> int:
-        """Blocks held by requests (reserved ones not counted)."""
         return self.num_blocks - self._num_unheld
 
     def compact(self, requests: list[Request], move: MoveBlocks) -> int:

@@ -60,7 +60,6 @@ class Metrics(Protocol):
     def subscribe_to(self, bus: EventBus) -> None: ...
 
     def snapshot_fields(self, now: float) -> dict[str, Any]:
-        """The Snapshot fields metrics own (rates, latency windows, counters)."""
         ...
 
 

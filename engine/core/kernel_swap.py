@@ -51,7 +51,6 @@ class KernelSwap:
         self.current = kind
 
     def drop(self, kind: str) -> None:
-        """Free `kind`'s stand-ins (their weight copies) unless in use."""
         if kind not in (PLAIN, self.current):
             self.built.pop(kind, None)
 

@@ -61,7 +61,6 @@ def token_logprobs(logprobs: torch.Tensor, tokens: Sequence[int],
 
 
 def _penalized(logits: torch.Tensor, request: Request) -> torch.Tensor:
-    """A copy of one row with logit_bias added, then the repetition penalty."""
     p = request.params
     scores = logits.clone()
     if p.logit_bias:
@@ -84,7 +83,6 @@ def _penalized(logits: torch.Tensor, request: Request) -> torch.Tensor:
 
 
 def _processed(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """One penalised row after temperature, min_p, top-k and top-p: the logits drawn from."""
     scaled = logits / p.temperature
     if p.min_p > 0:  # vLLM: drop tokens below min_p times the likeliest one's probability
         probs = torch.softmax(scaled, dim=-1)
@@ -104,5 +102,4 @@ def _processed(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 def make_generator(seed: int) -> torch.Generator:
-    """A CPU generator for a seeded request (unseeded requests share torch's global one)."""
     return torch.Generator(device="cpu").manual_seed(seed)

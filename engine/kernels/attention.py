@@ -73,7 +73,6 @@ def cache_shape(use_flash: bool, num_layers: int, num_blocks: int, block_size: i
 
 
 def block_dim(use_flash: bool) -> int:
-    """The dimension of the KV tensor that indexes blocks."""
     return 2 if use_flash else 3
 
 
@@ -108,7 +107,6 @@ class PagedAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        """q [N, Hq, D], k/v [N, Hkv, D] and this layer's caches -> [N, Hq, D]."""
         if self.use_flash:
             flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
             flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
@@ -191,7 +189,6 @@ class PagedAttention:
 
     def _softcapped(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                     bias: torch.Tensor) -> torch.Tensor:
-        """Gemma 2's attention: scores capped at ±softcap by tanh before the mask and softmax."""
         scores = torch.matmul(q, keys.transpose(-1, -2)) * self.scale
         scores = self.softcap * torch.tanh(scores / self.softcap) + bias
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)

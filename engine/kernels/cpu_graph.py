@@ -121,7 +121,6 @@ class DecodeGraphs:
         self.statics: _Statics | None = None
 
     def covers(self, meta: AttentionMetadata, rows: int) -> bool:
-        """Whether a step replays: decodes only, few enough."""
         return (self.refused is None and not meta.prefills and meta.decode_start == 0
                 and meta.decode_tables is not None and rows <= PANEL_MAX_ROWS
                 and meta.decode_tables.shape[1] <= self.max_blocks)
@@ -191,7 +190,6 @@ class _Statics:
         return [rotations[layer] for layer in self.first_layers]
 
     def rows(self, rows: int) -> list[torch.Tensor]:
-        """The first `rows` rows of every static input, in `run`'s order."""
         return [self.x[:rows], *(t[:rows] for table in self.tables for t in table),
                 self.slots[:rows], self.block_tables[:rows], self.lengths[:rows]]
 
@@ -201,5 +199,4 @@ class _Statics:
 
 
 def _fill(static: torch.Tensor, value: torch.Tensor) -> None:
-    """value into the leading corner of static (a narrower block table leaves the rest)."""
     static[tuple(slice(0, size) for size in value.shape)].copy_(value)

@@ -127,7 +127,6 @@ def _compiler() -> str:
 
 
 def _cpu_signature() -> str:
-    """What -march=native depends on: the CPU's model and feature flags."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -137,7 +136,6 @@ def _cpu_signature() -> str:
 
 
 def _macros(compiler: str, march: str) -> str:
-    """The compiler's predefined macros for -march=`march` (what the target's ISA has)."""
     run = subprocess.run([compiler, f"-march={march}", "-dM", "-E", "-x", "c++", os.devnull],
                          capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
     if run.returncode != 0:
@@ -224,7 +222,6 @@ def load() -> Kernels:
 
 
 def prefill_supports(head_dim: int) -> bool:
-    """Whether paged_prefill's tiles fit this head size (else prefill stays on SDPA)."""
     return head_dim % PREFILL_HEAD_DIM_STEP == 0 and head_dim <= PREFILL_MAX_HEAD_DIM
 
 
@@ -351,7 +348,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _output(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
-    """An attention kernel's output: `out` when given (checked), else a new tensor."""
     if out is None:
         return torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if not out.is_contiguous() or out.shape != q.shape or out.dtype != q.dtype:

@@ -32,7 +32,6 @@ class ChatTemplate:
     special_tokens: dict[str, str]
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text of `messages`; ChatTemplateError if the template refuses them."""
         try:
             return _compiled(self.source).render(messages=messages,
                                                  add_generation_prompt=add_generation_prompt,
@@ -83,7 +82,6 @@ def _tokenizer_config(directory: Path) -> dict[str, Any]:
 
 
 def _special_tokens(directory: Path) -> dict[str, str]:
-    """bos_token etc. as text."""
     config = _tokenizer_config(directory)
     tokens = {}
     for name in SPECIAL_TOKENS:
@@ -104,7 +102,6 @@ def _strftime_now(format: str) -> str:
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    """transformers' tojson: no HTML escaping, unlike Jinja's own."""
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)
 

@@ -54,17 +54,14 @@ class ModelConfig:
         return FAMILIES[self.architecture]
 
     def window(self, layer: int) -> int | None:
-        """The sliding window of `layer`, or None where it attends to the whole history."""
         return self.sliding_window if layer in self.sliding_layers else None
 
     @property
     def windowed_layers(self) -> int:
-        """How many layers attend through the sliding window."""
         return sum(1 for layer in range(self.num_layers) if self.window(layer) is not None)
 
     @property
     def windowed_share(self) -> float:
-        """The windowed layers' share of the layers, and so of each token's KV bytes."""
         return self.windowed_layers / self.num_layers
 
     def num_params(self, include_embeddings: bool = True) -> int:
@@ -84,7 +81,6 @@ class ModelConfig:
         return total
 
     def kv_bytes_per_token(self, bytes_per_element: int) -> int:
-        """k = 2 · L · H_kv · d_h · b: K and V of every layer."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
 
 
@@ -239,7 +235,6 @@ def from_hf_config(path: Path) -> ModelConfig:
 
 def _sliding_layers(raw: dict[str, Any], family: Family,
                     layers: int) -> tuple[int | None, tuple[int, ...]]:
-    """The window and the layers it applies to, as transformers decides them per family."""
     window = raw.get("sliding_window")
     if family.name in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
         window = None  # Qwen configs carry a window they do not use unless told to

@@ -78,7 +78,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def at(self, positions: torch.Tensor, dtype: torch.dtype) -> Rotation:
-        """The step's cos/sin rows, gathered once for every layer."""
         return (self.cos[positions].unsqueeze(1).to(dtype),
                 self.sin[positions].unsqueeze(1).to(dtype))
 
@@ -297,7 +296,6 @@ class Transformer(nn.Module):
         return rotations
 
     def _dense_halves(self, num_tokens: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
-        """The two dense halves of a layer (compiled or not) that run `num_tokens` tokens."""
         for limit, before, after in self._regions:
             if limit == 0 or num_tokens <= limit:
                 return before, after
