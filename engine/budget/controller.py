@@ -1,5 +1,4 @@
-"""The budget controller: the token budget a step spends (configured, or C* under auto_budget)
-and the price prefill plans put on a step, both learnt from the steps' own timings."""
+"""The token budget a step spends and the price plans put on a step, learnt from step timings."""
 
 from __future__ import annotations
 
@@ -13,15 +12,12 @@ from engine.budget.cost_model import BudgetModel
 from engine.budget.predictor import StepTimeRatio
 from engine.config import EngineConfig
 
-# plans follow the measured/predicted ratio this far at most: further off is drift, which a
-# recalibration handles, and a fault filling the window must still show as one
 MAX_STEP_SCALE = 2.0
-OVERHEAD_STEPS = 64  # steps whose median host time the plans add to each step
+OVERHEAD_STEPS = 64
 
 
 class BudgetController:
-    """C* and the auto budget, the step-time ratio and the per-step host overhead. Nothing
-    is planned or recommended until `calibrate` (budget_score and C* need a fitted model)."""
+    """C* and the auto budget, the step-time ratio and the per-step host overhead."""
 
     def __init__(self, predict: Callable[[StepShape], float], model: BudgetModel) -> None:
         self.predict = predict
@@ -32,7 +28,7 @@ class BudgetController:
         self.step_scale = 1.0
         self.auto_budget: int | None = None
         self.overheads: deque[float] = deque(maxlen=OVERHEAD_STEPS)
-        self._busy_until: float | None = None  # the last forward's end, when work was left
+        self._busy_until: float | None = None
 
     def calibrate(self, predict: Callable[[StepShape], float], model: BudgetModel) -> None:
         """Price steps with a calibrated predictor from the next step on."""
@@ -41,7 +37,6 @@ class BudgetController:
         self.step_scale = 1.0
 
     def price_with(self, predict: Callable[[StepShape], float]) -> None:
-        """Predict steps with `predict` (a simulated device's own step times)."""
         self.predict = predict
 
     def forget_steps(self) -> None:
@@ -74,9 +69,7 @@ class BudgetController:
 
     def after_step(self, timing: StepTiming, scheduled_at: float, prefills: bool,
                    work_left: bool) -> None:
-        """Learn from a step: its host time before the forward pass (since the last forward
-        when work was waiting, which the caller's loop then cost too) and, for the prefill
-        steps plans are made of, how far it ran from the prediction."""
+        """Learn a step's host overhead and, for planned prefills, its error against prediction."""
         start = timing.end - timing.duration_s
         since = scheduled_at if self._busy_until is None else self._busy_until
         self.overheads.append(max(0.0, start - since))
@@ -91,7 +84,6 @@ class BudgetController:
         return statistics.median(self.overheads) if self.overheads else 0.0
 
     def plan_price(self) -> Callable[[StepShape], float]:
-        """A step's price in a prefill plan: predicted, scaled as steps run lately, plus the
-        host overhead (both read once per plan)."""
+        """A step's price in a plan: predicted, scaled as steps ran lately, plus host overhead."""
         predict, scale, overhead = self.predict, self.step_scale, self.step_overhead_s
         return lambda shape: predict(shape) * scale + overhead

@@ -1,9 +1,4 @@
-"""The token budget model: what a step of a given shape costs on this model and device, and
-the three constraints (seed 000 §3) that bound how many tokens one step may batch.
-
-`BudgetModel.predict` is called once per engine step, so it is pure arithmetic on a small
-`StepShape` with every per-model constant worked out once at construction.
-"""
+"""What a step of a given shape costs, and the three constraints on the tokens one step batches."""
 
 from __future__ import annotations
 
@@ -19,51 +14,36 @@ from engine.config import ConfigError
 from engine.model.checkpoint import fused_widths
 from engine.model.config import ModelConfig
 
-# Seed 000 §3: keep the bandwidth a step needs at least 15% under what the device delivers.
 BANDWIDTH_HEADROOM = 0.15
-# A per-stream TPOT of 50 ms (20 tokens/s) is a common interactive target; callers with an
-# SLO pass their own.
 DEFAULT_STEP_TIME_S = 0.05
 
 
-class OperationCounts(NamedTuple):  # a tuple: made once a step
+class OperationCounts(NamedTuple):
     """What each operation of a step computes and moves (see BudgetModel)."""
 
-    gemm_flops: float  # linear layers per token, lm_head per logits row
-    prefill_pair_flops: float  # attention of prefill chunks over their (query, key) pairs
-    prefill_kv_bytes: float  # KV the prefill chunks read (their history) and write
+    gemm_flops: float
+    prefill_pair_flops: float
+    prefill_kv_bytes: float
     decode_pair_flops: float
-    decode_kv_bytes: float  # KV the decodes read (their context) and write (one token)
-    activation_bytes: float  # each token's activations written and read once per layer
+    decode_kv_bytes: float
+    activation_bytes: float
 
 
 @dataclass(frozen=True)
 class BudgetModel:
-    """Step cost of a decoder-only `config` (any family) with `bytes_per_element` weights,
-    activations and KV on a device with `peaks` (ideally measured, see
-    engine.budget.peaks.measure_peaks). Quantized weights or KV take their own sizes
-    (`weight_bytes_per_element`, `kv_bytes_per_element`, 1 for FP8 or INT8).
-
-    FLOPs: 2·P_nonembed per token run (padding included), 2·vocab·hidden per logits row
-    (lm_head), and 4·H·d_h per layer per (query, key) pair of attention, causal within a chunk.
-    Bytes: the weights once, the cached KV every query attends to, the KV of new tokens, and
-    each token's activations written and read once per layer.
-    A sliding-window layer attends to at most `window` keys per query and reads at most
-    `window` cached tokens per sequence: its pairs and KV bytes are priced by
-    min(context, window), the full-attention layers' by the whole context.
-    """
+    """Step cost of a decoder-only `config` on a device with `peaks`."""
 
     config: ModelConfig
     bytes_per_element: int
     peaks: DevicePeaks
-    step_overhead_s: float = 0.0  # launch and scheduling time no roofline term covers
-    weight_bytes_per_element: float | None = None  # None: bytes_per_element
-    kv_bytes_per_element: float | None = None  # None: bytes_per_element
+    step_overhead_s: float = 0.0
+    weight_bytes_per_element: float | None = None
+    kv_bytes_per_element: float | None = None
     _linear_flops_per_token: float = field(init=False, repr=False)
     _lm_head_flops_per_row: float = field(init=False, repr=False)
-    _attention_flops_per_pair: float = field(init=False, repr=False)  # one layer's
+    _attention_flops_per_pair: float = field(init=False, repr=False)
     _full_layers: int = field(init=False, repr=False)
-    _window_layers: int = field(init=False, repr=False)  # sliding-window ones
+    _window_layers: int = field(init=False, repr=False)
     _kv_bytes_per_layer_token: float = field(init=False, repr=False)
     _weight_bytes: float = field(init=False, repr=False)
     _activation_bytes_per_token: float = field(init=False, repr=False)
@@ -86,7 +66,6 @@ class BudgetModel:
         lm_head_params = c.vocab_size * c.hidden_size
         widths = fused_widths(c)
         q_width = widths["qkv_proj"][0]
-        # q, k, v; attention, o_proj and down outputs; gate, up and their activated product
         per_layer_elements = (sum(widths["qkv_proj"]) + 3 * c.hidden_size
                               + sum(widths["gate_up_proj"]) + c.intermediate_size)
         weight_b = b if self.weight_bytes_per_element is None else self.weight_bytes_per_element
@@ -103,8 +82,6 @@ class BudgetModel:
             object.__setattr__(self, name, float(value))
         object.__setattr__(self, "_window_layers", c.windowed_layers)
         object.__setattr__(self, "_full_layers", c.num_layers - c.windowed_layers)
-        # what the counts depend on, so models that count alike share a shape's counts (a
-        # string: its hash is computed once)
         counting = repr((sorted(derived.items()), c.windowed_layers, c.num_layers,
                          c.sliding_window))
         object.__setattr__(self, "_counts_key", f"counts {counting}")
@@ -116,7 +93,6 @@ class BudgetModel:
 
     @property
     def weight_bytes(self) -> float:
-        """Bytes of weights every step reads: the layers' and lm_head's."""
         return self._weight_bytes
 
     @property
@@ -129,13 +105,12 @@ class BudgetModel:
         return self._counts_key
 
     @cached_property
-    def kv_bytes_per_token(self) -> float:  # read for every shape priced
+    def kv_bytes_per_token(self) -> float:
         b = self.bytes_per_element if self.kv_bytes_per_element is None else (
             self.kv_bytes_per_element)
         return self.config.kv_bytes_per_token(b)  # type: ignore[arg-type]
 
     def operation_counts(self, shape: StepShape) -> OperationCounts:
-        # the engine's model and a simulated step predictor's count each step's shape
         return shape.counted(self._counts_key, self._count)
 
     def flops(self, shape: StepShape) -> float:
@@ -152,17 +127,16 @@ class BudgetModel:
     def _count(self, shape: StepShape) -> OperationCounts:
         prefill_pairs = sum(chunk * before + chunk * (chunk + 1) // 2
                             for chunk, before in shape.prefill)
-        decode_pairs = sum(shape.decode_contexts) + len(shape.decode_contexts)  # context + 1
+        decode_pairs = sum(shape.decode_contexts) + len(shape.decode_contexts)
         prefill_read = sum(before for _, before in shape.prefill)
         decode_read = sum(shape.decode_contexts)
         prefill_layer_pairs = self._full_layers * prefill_pairs
         decode_layer_pairs = self._full_layers * decode_pairs
-        # KV entries read or written, summed over layers
         prefill_layer_tokens = self._full_layers * (prefill_read + shape.prefill_tokens)
         decode_layer_tokens = self._full_layers * (decode_read + len(shape.decode_contexts))
         if self._window_layers:
             window = self.config.sliding_window
-            assert window is not None  # ModelConfig refuses windowed layers without one
+            assert window is not None
             w = self._window_layers
             prefill_layer_pairs += w * sum(window_pairs(chunk, before, window)
                                            for chunk, before in shape.prefill)
@@ -206,18 +180,15 @@ class BudgetModel:
                         windowed_share=self.config.windowed_share)
 
     def recommended_chunk(self, decode_seqs: int, context: int) -> int:
-        """C* for this model and device, at least one token."""
         return max(1, round(self.roofline().balance_chunk(decode_seqs, context)))
 
 
 def window_pairs(chunk: int, before: int, window: int) -> int:
-    """(query, key) pairs of a chunk of `chunk` queries after `before` cached tokens on a
-    layer whose query at position p sees the keys in (p − window, p]: the sum of
-    min(k, window) for k in before+1 .. before+chunk, in closed form."""
+    """(query, key) pairs of a `chunk`-query chunk after `before` cached tokens under `window`."""
     lo, hi = before + 1, before + chunk
-    if hi <= window:  # every query still sees its whole history
+    if hi <= window:
         return (lo + hi) * chunk // 2
-    if lo > window:  # every query sees a full window
+    if lo > window:
         return chunk * window
     return (lo + window) * (window - lo + 1) // 2 + (hi - window) * window
 
@@ -235,12 +206,11 @@ class StepCostModel(Protocol):
 
 @dataclass(frozen=True)
 class BudgetSegment:
-    """Over sequence lengths lo..hi (grid points, inclusive) one constraint governs; a step
-    may batch at most `max_batched_tokens` tokens anywhere in the range."""
+    """A range of sequence lengths one constraint governs, and its token cap."""
 
     lo: int
     hi: int
-    governing: str  # "compute" | "bandwidth" | "kv_capacity"
+    governing: str
     max_batched_tokens: int
 
 
@@ -249,18 +219,7 @@ CONSTRAINTS = ("compute", "bandwidth", "kv_capacity")
 
 def budget_limits(model: StepCostModel, kv_bytes: float, context: int, *, decode_seqs: int = 0,
                   step_time_s: float = DEFAULT_STEP_TIME_S) -> dict[str, int]:
-    """The most tokens one step may batch under each constraint, at sequence length S.
-
-    The step is the engine's mixed step with every sequence at length S: D = `decode_seqs`
-    decodes with S tokens of context each, plus one prefill chunk of C tokens continuing a
-    sequence that already has S tokens cached. The step batches C + D tokens, and C is the
-    largest chunk with
-      compute:     compute time ≤ step_time_s;
-      bandwidth:   memory time ≤ (1 − 15% headroom) · step_time_s;
-      kv_capacity: the KV of all the step's sequences fits in `kv_bytes`.
-    A constraint the decodes alone break allows 0 tokens: at that length D sequences cannot
-    be served within it, whatever the chunk size.
-    """
+    """The most tokens one step may batch under each constraint, at sequence length S."""
     capacity = int(kv_bytes // model.kv_bytes_per_token)
     decodes = (context,) * decode_seqs
 
@@ -277,8 +236,8 @@ def budget_limits(model: StepCostModel, kv_bytes: float, context: int, *, decode
         if not fits(shape(0)):
             limits[name] = 0
             continue
-        lo, hi = 0, capacity  # no chunk longer than the whole pool can ever run
-        while lo < hi:  # the largest chunk that fits: every cost grows with the chunk
+        lo, hi = 0, capacity
+        while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if fits(shape(mid)) else (lo, mid - 1)
         limits[name] = lo + decode_seqs
@@ -288,16 +247,7 @@ def budget_limits(model: StepCostModel, kv_bytes: float, context: int, *, decode
 def budget_table(model: StepCostModel, kv_bytes: float, tokens_grid: list[int], *,
                  decode_seqs: int = 0,
                  step_time_s: float = DEFAULT_STEP_TIME_S) -> list[BudgetSegment]:
-    """Which of the three constraints governs each range of sequence lengths (seed 000 §3).
-
-    At every length S of the grid the governing constraint is the one allowing the fewest
-    batched tokens (`budget_limits`); a tie goes to the harder wall, KV capacity (memory that
-    is not there) before bandwidth before compute (time that merely runs over). A segment
-    governed by KV capacity with 0 tokens says that D sequences of those lengths do not fit
-    in the pool at all: lower the concurrency or add memory (seed 003 §13). Neighbouring
-    grid points with the same governor merge into one segment whose budget is the smallest in
-    it, so it holds at every length of the range.
-    """
+    """Which of the three constraints governs each range of sequence lengths."""
     if not tokens_grid or any(b <= a for a, b in itertools.pairwise(tokens_grid)):
         raise ConfigError("tokens_grid", "must be a non-empty, strictly increasing list")
     if tokens_grid[0] < 1:

@@ -1,18 +1,4 @@
-"""A step priced per operation and summed, as the kernels run: one after another.
-
-A forward pass is a sequence of kernels, each bound by its own resource: the GEMMs by the
-tensor cores (or by reading the weights, at small batches), prefill attention by its
-(query, key) pairs, decode attention by reading the cached KV, norms and activations by
-moving each token's activations, the sampler by reading the logits rows, and tensor
-parallelism by its all-reduces (small ones latency-bound). Each has its own roofline on the
-sustained share of the device's peaks, and the step costs their sum plus a fixed cost (kernel
-launches, scheduling, host work), the way Vidur and LLMCompass price a step.
-
-`OperationEfficiency` holds the shares; a GPU profile (engine.sim.profiles) carries the ones
-fitted against published measurements, a calibration (engine.harness.calibrate) fits them on
-this machine from measured peaks. `StepPrice.predict` is called once a step: arithmetic on a
-few numbers per shape, its counts memoised on the shape.
-"""
+"""A step priced per operation and summed, as the kernels run: one after another."""
 
 from __future__ import annotations
 
@@ -33,34 +19,13 @@ from engine.config import ConfigError
 
 OPERATIONS = ("gemm", "attention_prefill", "attention_decode", "elementwise", "sampler",
               "communication", "step")
-# A share of a measured peak may pass 1 (see CALIBRATION_BOUNDS), never by this much.
 MAX_SHARE = 20.0
-# Logits are sampled in fp32: a row is read and written once by the softmax and top-k/p.
 LOGIT_BYTES = 4
 
 
 @dataclass(frozen=True)
 class OperationEfficiency:
-    """The share of a datasheet peak each operation sustains, and the fixed costs.
-
-    gemm_flops: dense GEMMs against the tensor-core peak of the weights' precision;
-    attention_flops: prefill attention (a flash kernel) against the same peak;
-    memory: streaming reads (weights in a GEMM, KV in attention) against the bandwidth;
-    elementwise: norms, activations, RoPE and residual adds against the bandwidth;
-    overlap: how little an operation near its ridge overlaps compute with memory: its time
-      is max(compute, memory) + overlap x min(compute, memory) (0: the ideal roofline, 1:
-      no overlap at all), which prices a short prefill's GEMMs between the two;
-    gemm_flops_8bit: GEMMs on FP8 or INT8 tensor cores against that peak, which a card
-      holds at lower clocks within its power limit than the 16-bit one;
-    weight_only_memory: weight-only quantised GEMMs (int8-wo, fp8-wo) streaming their weights,
-      against the bandwidth: each weight is dequantised on the CUDA cores on the way in;
-    step_s: every step, whatever it runs (scheduling, sampling set-up, the host);
-    layer_s: every layer of every step: the floor of its dozen kernels' launches and tails,
-      which no roofline term reaches at small shapes;
-    chunk_s: every prefill chunk (its attention call, positions and block-table metadata);
-    sequence_s: every decoding sequence (its block table, logits row and sampling set-up);
-    allreduce_s: one small all-reduce call between tensor-parallel GPUs (its latency).
-    """
+    """The share of a datasheet peak each operation sustains, and the fixed costs."""
 
     gemm_flops: float = 0.7
     attention_flops: float = 0.5
@@ -101,16 +66,12 @@ class OperationEfficiency:
 
 
 Bounds = dict[str, tuple[float, float]]
-# Where a fit may move each factor: shares of a datasheet peak, the overlap, and seconds. A
-# small all-reduce cannot beat NCCL's latency on NVLink, so the per-layer floor cannot absorb it.
 FIT_BOUNDS: Bounds = {"gemm_flops": (0.05, 1.0), "attention_flops": (0.05, 1.0),
                       "memory": (0.05, 1.0), "elementwise": (0.05, 1.0), "overlap": (0.0, 1.0),
                       "gemm_flops_8bit": (0.05, 1.0), "weight_only_memory": (0.05, 1.0),
                       "step_s": (0.0, 5e-3), "layer_s": (0.0, 200e-6),
                       "chunk_s": (0.0, 1e-3), "sequence_s": (0.0, 1e-4),
                       "allreduce_s": (10e-6, 60e-6)}
-# Against measured peaks a share may pass 1 (weights held in a CPU's caches outrun the copy
-# that measured the bandwidth), and a host's fixed cost a step may be larger.
 CALIBRATION_BOUNDS: Bounds = {**FIT_BOUNDS, **{name: (0.01, MAX_SHARE) for name in (
     "gemm_flops", "attention_flops", "memory", "elementwise")}, "step_s": (0.0, 0.05),
     "chunk_s": (0.0, 0.01), "sequence_s": (0.0, 0.01)}
@@ -119,8 +80,7 @@ CALIBRATION_BOUNDS: Bounds = {**FIT_BOUNDS, **{name: (0.01, MAX_SHARE) for name 
 def fit_efficiency(loss: Callable[[OperationEfficiency], float], start: OperationEfficiency,
                    fields_to_fit: tuple[str, ...] = tuple(FIT_BOUNDS),
                    bounds: Bounds = FIT_BOUNDS) -> OperationEfficiency:
-    """The factors of least `loss`, by coordinate descent: each factor in turn moves by a
-    shrinking step while the loss falls, within `bounds` (a few hundred evaluations)."""
+    """The factors of least `loss`, by coordinate descent within `bounds`."""
     best, best_loss = start, loss(start)
     step = 0.5
     while step > 1e-3:
@@ -141,12 +101,10 @@ def fit_efficiency(loss: Callable[[OperationEfficiency], float], start: Operatio
 
 @dataclass(frozen=True)
 class Link:
-    """What one all-reduce between `gpus` tensor-parallel GPUs costs: a latency per call and
-    the ring's 2(N-1)/N of the message over one GPU's one-way link bandwidth (NCCL's
-    bus-bandwidth formula)."""
+    """A tensor-parallel all-reduce: a latency per call plus the ring's 2(N-1)/N of the message."""
 
     gpus: int = 1
-    bandwidth: float = math.inf  # bytes/s one GPU sends one way
+    bandwidth: float = math.inf
 
     def seconds(self, message_bytes: float, latency_s: float) -> float:
         if self.gpus < 2:
@@ -154,25 +112,19 @@ class Link:
         return latency_s + 2 * (self.gpus - 1) / self.gpus * message_bytes / self.bandwidth
 
 
-# How a step's GEMMs hold their weights: 16-bit (BF16/FP16 peak and share), 8-bit (FP8 or
-# INT8 tensor cores) or weight-only (1-byte weights dequantised into 16-bit GEMMs).
 WEIGHT_KINDS = ("16-bit", "8-bit", "weight-only")
 
 
 @dataclass(frozen=True)
 class StepPrice:
-    """Seconds of a step of `model` (its counts: FLOPs per token, bytes per element of the
-    weights, KV and activations) on `peaks` (of all tensor-parallel GPUs together), each
-    operation on its own roofline at `efficiency`, plus the all-reduces over `link`.
-    Attention runs on the activations' precision (`attention_flops`, the BF16 peak) whatever
-    the weights' (FP8 or INT8 GEMMs run at `peaks.flops`)."""
+    """Seconds of a step of `model` on `peaks`: each operation on its roofline, plus all-reduces."""
 
     model: BudgetModel
-    peaks: DevicePeaks  # FLOP/s at the weights' precision and bytes/s, of all GPUs
+    peaks: DevicePeaks
     efficiency: OperationEfficiency
     link: Link = Link()
-    attention_flops: float | None = None  # None: peaks.flops
-    weights: str = "16-bit"  # one of WEIGHT_KINDS
+    attention_flops: float | None = None
+    weights: str = "16-bit"
     _rates: tuple[float, float, float, float, float] = field(init=False, repr=False)
     _comm_per_token: float = field(init=False, repr=False)
     _fixed_s: float = field(init=False, repr=False)
@@ -190,16 +142,13 @@ class StepPrice:
                                             p.bandwidth * weight_share, p.bandwidth * e.memory,
                                             p.bandwidth * e.elementwise))
         c = self.model.config
-        # two all-reduces a layer (after attention, after the MLP) of each token's hidden state
         object.__setattr__(self, "_comm_per_token",
                            c.hidden_size * self.model.activation_bytes_per_element)
         object.__setattr__(self, "_fixed_s", e.step_s + c.num_layers * e.layer_s)
-        # a shape's price depends on the counts and on every rate: the memo key names both
         object.__setattr__(self, "_key", f"ops {self.model.counting_key} {p!r} {e!r} "
                                          f"{self.link!r} {attention} {self.weights}")
 
     def operations(self, shape: StepShape) -> dict[str, float]:
-        """Seconds of each operation of the step, in OPERATIONS order."""
         if shape.num_tokens == 0:
             return dict.fromkeys(OPERATIONS, 0.0)
         m = self.model
@@ -256,12 +205,8 @@ class StepPrice:
         return total
 
 
-# A step this many median absolute deviations off the first fit is a timing outlier (another
-# process took the CPU), dropped before the final fit; never under 10%, as the linear form's.
 OUTLIER_MADS = 4.0
 OUTLIER_FLOOR = 0.10
-# What a calibration fits: one device, so no all-reduce; one precision, so no 8-bit or
-# weight-only shares; one model, so its per-layer floor is the per-step one.
 CALIBRATED_FIELDS = ("gemm_flops", "attention_flops", "memory", "elementwise", "overlap",
                      "step_s", "chunk_s", "sequence_s")
 
@@ -269,11 +214,7 @@ CALIBRATED_FIELDS = ("gemm_flops", "attention_flops", "memory", "elementwise", "
 def fit_step_price(model: BudgetModel, peaks: DevicePeaks, steps: list[tuple[StepShape, float]],
                    bounds: Bounds = CALIBRATION_BOUNDS,
                    fields_to_fit: tuple[str, ...] = CALIBRATED_FIELDS) -> OperationEfficiency:
-    """The factors of least squared log error on measured `steps` (shape, seconds).
-
-    With every operation summed (overlap 1) a step is linear in each share's inverse and in
-    each fixed cost, so a non-negative least-squares solve starts the descent near the
-    optimum instead of at mid-range, where coordinate steps on seven coupled factors stall."""
+    """The factors of least squared log error on measured `steps` (shape, seconds)."""
     start = _summed_solution(model, peaks, steps, bounds)
 
     def loss_on(kept: list[tuple[StepShape, float]]) -> Callable[[OperationEfficiency], float]:
@@ -296,9 +237,7 @@ def fit_step_price(model: BudgetModel, peaks: DevicePeaks, steps: list[tuple[Ste
 
 def _summed_solution(model: BudgetModel, peaks: DevicePeaks,
                      steps: list[tuple[StepShape, float]], bounds: Bounds) -> OperationEfficiency:
-    """The factors that fit `steps` best with no overlap anywhere, by least squares on
-    relative error: columns are each share's work at the full peak and each fixed cost's
-    count; a coefficient is a share's inverse or a cost."""
+    """The factors fitting `steps` with no overlap, by least squares on relative error."""
     vocab = model.config.vocab_size
     rows, seconds = [], []
     for shape, measured in steps:

@@ -1,8 +1,4 @@
-"""What a device can do: dense matmul FLOP/s and memory bandwidth, from datasheets or measured.
-
-Datasheet peaks are the ceilings vendors print; `measure_peaks` runs a square matmul and a
-large copy so the budget model works from what this box actually reaches.
-"""
+"""What a device can do: dense matmul FLOP/s and memory bandwidth, from datasheets or measured."""
 
 from __future__ import annotations
 
@@ -20,15 +16,11 @@ from engine.config import ConfigError
 @dataclass(frozen=True)
 class DevicePeaks:
     name: str
-    flops: float  # dense matmul FLOP/s in the serving dtype
-    bandwidth: float  # memory bytes/s (read + written)
-    source: str  # where the numbers come from: a datasheet or "measured ..."
+    flops: float
+    bandwidth: float
+    source: str
 
 
-# Dense (no structured sparsity) BF16 tensor-core peak and memory bandwidth, from the vendors'
-# datasheets: NVIDIA A100 80GB SXM and PCIe, H100 SXM5 and PCIe, H200 SXM, L40S, A10 and
-# GeForce RTX 4090 (Ada whitepaper, BF16 with FP32 accumulate), HGX B200 (per GPU); AMD
-# Instinct MI300X. The GPU twin's profiles (engine.sim.profiles) add FP8/INT8 and more.
 GPU_PRESETS: dict[str, DevicePeaks] = {
     "a100": DevicePeaks("a100", 312e12, 2.039e12, "NVIDIA A100 80GB SXM datasheet"),
     "a100-pcie": DevicePeaks("a100-pcie", 312e12, 1.935e12, "NVIDIA A100 80GB PCIe datasheet"),
@@ -42,12 +34,7 @@ GPU_PRESETS: dict[str, DevicePeaks] = {
     "mi300x": DevicePeaks("mi300x", 1307e12, 5.3e12, "AMD Instinct MI300X datasheet"),
 }
 
-# Sizes chosen so a CPU run stays well under a second or two (about 0.15 TFLOP/s fp32 and
-# ~10 GB/s here) while a GPU matmul is large enough to reach its tensor-core peak and the copy
-# is far larger than any cache (L2 is 50-256 MiB on current GPUs).
 _MATMUL_SIZE = {"cpu": 1024, "cuda": 8192}
-# CPUs without bf16 matrix units run it at ~1 GFLOP/s (measured here): a smaller square keeps
-# the measurement within the CPU time budget.
 _CPU_LOW_PRECISION_SIZE = 256
 _COPY_BYTES = {"cpu": 128 << 20, "cuda": 2 << 30}
 _REPEATS = {"cpu": 5, "cuda": 10}
@@ -73,7 +60,7 @@ def measure_peaks(device: str, dtype: torch.dtype) -> DevicePeaks:
         src = torch.empty(elements, device=dev, dtype=dtype).fill_(1.0)
         dst = torch.empty_like(src)
         copy_s = _median_seconds(dev, lambda: dst.copy_(src), repeats)
-        moved = 2 * src.numel() * src.element_size()  # read src, write dst
+        moved = 2 * src.numel() * src.element_size()
     return DevicePeaks(
         name=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         flops=2 * n**3 / matmul_s,
@@ -84,8 +71,7 @@ def measure_peaks(device: str, dtype: torch.dtype) -> DevicePeaks:
 
 
 def _median_seconds(device: torch.device, op: Callable[[], object], repeats: int) -> float:
-    """Median wall time of `op` after two warm-up runs; CUDA events time the GPU, not the
-    launch."""
+    """Median wall time of `op` after two warm-up runs; CUDA events time the GPU, not the launch."""
     for _ in range(2):
         op()
     times = []

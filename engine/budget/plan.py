@@ -1,6 +1,4 @@
-"""The prefill plan budget_score is measured against: the scheduler's normal-mode rules
-simulated over the work known now, each step priced by the calibrated predictor. Faults are
-left out on purpose, so a fault shows as a score above 1 (docs/budget-and-calibration.md)."""
+"""The prefill plan budget_score measures against: scheduler rules, priced by the predictor."""
 
 from __future__ import annotations
 
@@ -21,34 +19,29 @@ BUDGET_SCORE_DEFINITION = (
     "chunks slower than predicted, or a guard. A slow query also overran its plan by at least "
     "slow_query_min_overrun_ms. None (\"calibrating\") until the engine's first calibration.")
 
-# a plan longer than this many steps is cut short (a prompt the budget can never reach)
 MAX_PLAN_STEPS = 100_000
 
 
 @dataclass(frozen=True)
 class PlanRules:
-    """The scheduler's normal-mode rules a plan simulates."""
-
-    budget: int  # tokens a step
-    tile: int  # partial chunks are whole tiles
-    slots: int  # prefills that may share a step
-    chunk_cap: float  # tokens one prefill may take in a step (inf: no cap)
-    chunked: bool  # False: whole prompts only
+    budget: int
+    tile: int
+    slots: int
+    chunk_cap: float
+    chunked: bool
 
 
 @dataclass(frozen=True)
 class PlanItem:
     """A prefill to plan: tokens [position, end) still to compute, in queue order."""
 
-    key: object  # what the result is keyed by (the request)
+    key: object
     position: int
     end: int
 
 
 def plan_prefills(items: Sequence[PlanItem], decode_contexts: Sequence[int], rules: PlanRules,
                   predict: Callable[[StepShape], float]) -> dict[object, list[PlannedChunk]]:
-    """The planned chunks of every item, simulated step by step from now. Decodes that will
-    end are unknown and stay, so a plan errs long, never short."""
     position = {item.key: item.position for item in items}
     end = {item.key: item.end for item in items}
     order = [item.key for item in items if item.position < item.end]
@@ -84,8 +77,7 @@ def plan_prefills(items: Sequence[PlanItem], decode_contexts: Sequence[int], rul
 
 def _step_chunks(order: list[object], position: dict[object, int], end: dict[object, int],
                  decodes: int, rules: PlanRules) -> dict[object, int]:
-    """Tokens each prefill gets in one simulated step (the scheduler's `_plan_chunks`
-    without tenant shares or KV limits)."""
+    """Tokens each prefill gets in one simulated step, without tenant shares or KV limits."""
     left = rules.budget - decodes
     chunks: dict[object, int] = {}
     for key in order:
@@ -99,8 +91,6 @@ def _step_chunks(order: list[object], position: dict[object, int], end: dict[obj
             chunks[key] = tokens
             left -= tokens
     if not chunks:
-        # the decodes fill the budget: the scheduler waits for some to end; plan the head's
-        # next tile as if one had (the alternative is a plan that never ends)
         head = order[0]
         chunks[head] = min(end[head] - position[head], rules.tile) if rules.chunked \
             else end[head] - position[head]
@@ -109,8 +99,7 @@ def _step_chunks(order: list[object], position: dict[object, int], end: dict[obj
 
 def replanned(planned: list[PlannedChunk], position: int, steps_waited: int,
               new: list[PlannedChunk]) -> list[PlannedChunk]:
-    """`planned` before `position`, then `new`; the wait already spent toward the old plan's
-    next chunk is credited to the new first chunk, so a re-plan never takes back time passed."""
+    """`planned` before `position`, then `new`, credited the wait already spent."""
     kept: list[PlannedChunk] = []
     credit_s, credit_steps = 0.0, 0
     for chunk in planned:

@@ -7,10 +7,6 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class PlannedChunk:
-    """One chunk of a prefill plan: the step carrying it (`predicted_s`, beside `decodes`
-    decodes and `other_prefill_tokens` of other prefills) and the `wait_steps` steps before it
-    that left it no room (`wait_s`)."""
-
     start: int
     tokens: int
     predicted_s: float

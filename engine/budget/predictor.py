@@ -1,23 +1,4 @@
-"""The calibrated step-time predictor: measured seconds of a step from its shape.
-
-Like Vidur's and DistServe's latency models it is linear in a few per-step features, each a
-cost the forward pass really pays: a fixed launch and scheduling overhead (larger once a step
-has two tokens or more and its matmuls leave the matrix-vector kernels), the linear layers
-per token, per-sequence bookkeeping, and attention as (query, key) pairs for prefill chunks
-and as cached context read for decodes. The coefficients come from a least-squares fit to
-timed steps (engine.harness.calibrate), constrained non-negative because none of these costs can
-speed a step up.
-
-The linear layers are priced roofline-style, on max(tokens, knee): below the knee a step is
-bound by reading the weights once, so a few more tokens (a small decode batch, a short chunk
-riding along) cost nothing extra; above it each token pays its compute. The knee is found by
-a 1-D search in the fit (for a fixed knee the model stays linear). A knee of 1 is the plain
-per-token price, which is what calibrations stored before the knee existed mean.
-
-Attention is counted as the model runs it: a sliding-window layer (Mistral, Gemma, Phi-3)
-sees at most `sliding_window` keys per query, so its pairs and cached reads are capped there
-and averaged over the layers by their share, as the roofline (engine.budget.cost_model) does.
-"""
+"""The calibrated step-time predictor: measured seconds of a step from its shape."""
 
 from __future__ import annotations
 
@@ -35,27 +16,19 @@ from engine.budget.peaks import DevicePeaks
 from engine.config import ConfigError
 from engine.model.config import ModelConfig
 
-# The stored form of a predictor's parameters: a field of every stored calibration, so that a
-# later form can tell its own from these.
 FORM = "linear-features"
 FEATURES = ("constant", "multi_token", "tokens", "prefill_chunks", "decode_seqs",
             "prefill_pairs", "decode_context")
-# A fitted point this many median absolute deviations off the first fit is a timing outlier
-# (another process took the CPU), dropped before the final fit; never under 10% relative.
 OUTLIER_MADS = 4.0
 OUTLIER_FLOOR = 0.10
-DEFAULT_RATIO_WINDOW_S = 60.0  # the live measured/predicted ratio is a median over this
-BUCKET_STEPS = 4096  # a ratio bucket closes after this many steps even if the clock stands
-# Knees the fit tries between 1 and the largest step it was given, besides each step's own
-# token count: a geometric grid this many points per doubling.
+DEFAULT_RATIO_WINDOW_S = 60.0
+BUCKET_STEPS = 4096
 KNEE_STEPS_PER_DOUBLING = 8
 
 
 def features(shape: StepShape, knee: float = 1.0, sliding_window: int | None = None,
              windowed_share: float = 0.0) -> tuple[float, ...]:
-    """The regressors of one step, in FEATURES order; the linear layers' tokens are counted
-    as `knee` in a step of fewer (weight-read bound). Attention's pairs and context are the
-    mean over the layers, `windowed_share` of them seeing only `sliding_window` keys."""
+    """A step's regressors in FEATURES order; under `knee` tokens, linear layers cost `knee`."""
     pairs = sum(chunk * before + chunk * (chunk + 1) / 2 for chunk, before in shape.prefill)
     context = float(sum(shape.decode_contexts))
     if sliding_window is not None and windowed_share > 0:
@@ -73,18 +46,16 @@ def features(shape: StepShape, knee: float = 1.0, sliding_window: int | None = N
 class StepTimePredictor:
     """Seconds per step = Σ coefficient × feature; coefficients in FEATURES order."""
 
-    constant_s: float  # every step: launches, Python, weights streamed once
-    multi_token_s: float  # a step of 2+ tokens runs matrix-matrix kernels, not matrix-vector
-    per_token_s: float  # linear layers and activations, per token run
-    per_prefill_chunk_s: float  # one attention call and metadata per prefill chunk
-    per_decode_seq_s: float  # per decoding sequence: block table, logits row
-    per_prefill_pair_s: float  # one (query, key) pair of prefill attention
-    per_decode_context_s: float  # one cached token a decode attends to
-    points: int  # timed steps the fit used
-    source: str  # where the coefficients come from
-    # a step of fewer tokens pays the linear layers of this many (reading the weights once)
+    constant_s: float
+    multi_token_s: float
+    per_token_s: float
+    per_prefill_chunk_s: float
+    per_decode_seq_s: float
+    per_prefill_pair_s: float
+    per_decode_context_s: float
+    points: int
+    source: str
     token_knee: float = 1.0
-    # the model's sliding window and the share of its layers that use it (features())
     sliding_window: int | None = None
     windowed_share: float = 0.0
 
@@ -118,12 +89,7 @@ class StepTimePredictor:
     def fit(cls, shapes: Sequence[StepShape], seconds: Sequence[float],
             source: str = "least squares", sliding_window: int | None = None,
             windowed_share: float = 0.0) -> StepTimePredictor:
-        """Non-negative least squares on relative error, the knee searched, one outlier pass.
-        `sliding_window` and `windowed_share` describe the model the steps ran (features()).
-
-        Each row is divided by its measured time, so a 1 ms decode weighs as much as a 1 s
-        prefill: the predictor is judged on relative error, and the fit minimises it.
-        """
+        """Non-negative least squares on relative error, the knee searched, one outlier pass."""
         if len(shapes) != len(seconds):
             raise ConfigError("seconds", f"{len(seconds)} times for {len(shapes)} shapes")
         if len(shapes) < len(FEATURES):
@@ -145,17 +111,10 @@ class StepTimePredictor:
                    token_knee=knee, sliding_window=sliding_window,
                    windowed_share=windowed_share if sliding_window is not None else 0.0)
 
-    # --- the calibrated device for the roofline ------------------------------------------
 
     def effective_peaks(self, config: ModelConfig, bytes_per_element: int,
                         fallback: DevicePeaks) -> DevicePeaks:
-        """The FLOP/s and bytes/s this box achieves running `config`, read off the fit.
-
-        F: 2P FLOPs per token over the per-token time (linear layers are the 2P term).
-        W: k KV bytes per cached token over the time a decode spends per token of context
-        (the memory-bound read of seed 003). A coefficient the fit set to zero says nothing
-        about that side, which keeps `fallback`'s figure.
-        """
+        """The FLOP/s and bytes/s this box achieves running `config`, read off the fit."""
         base = BudgetModel(config, bytes_per_element, fallback)
         flops = 2 * base.params / self.per_token_s if self.per_token_s > 0 else fallback.flops
         bandwidth = (base.kv_bytes_per_token / self.per_decode_context_s
@@ -165,13 +124,11 @@ class StepTimePredictor:
 
     def budget_model(self, config: ModelConfig, bytes_per_element: int,
                      fallback: DevicePeaks) -> BudgetModel:
-        """A BudgetModel on the calibrated peaks: its recommended_chunk is C* from the
-        calibrated R = F/W, P and k."""
+        """A BudgetModel on the calibrated peaks, so its C* uses the calibrated R, P and k."""
         return BudgetModel(config, bytes_per_element,
                            self.effective_peaks(config, bytes_per_element, fallback),
                            step_overhead_s=self.constant_s)
 
-    # --- storage -------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, float | int | str | None]:
         return {"form": FORM, "constant_s": self.constant_s, "multi_token_s": self.multi_token_s,
@@ -185,11 +142,9 @@ class StepTimePredictor:
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> StepTimePredictor:
-        """A stored predictor; one stored before the knee existed gets a knee of 1, the plain
-        per-token price it was fitted with, and one stored before windows were counted gets
-        none: it was fitted on whole histories."""
+        """A stored predictor; older ones get knee 1 and no windows, as they were fitted."""
         stored = {"token_knee": 1.0, "sliding_window": None, "windowed_share": 0.0, **data}
-        form = stored.get("form", FORM)  # stored before forms were named: this one
+        form = stored.get("form", FORM)
         if form != FORM:
             raise ConfigError("predictor", f"stored predictor of form {form!r}, which this "
                               f"version does not read (it reads {FORM!r}); recalibrate with "
@@ -202,16 +157,13 @@ class StepTimePredictor:
 
 
 def _with_knee(x: np.ndarray, tokens: np.ndarray, knee: float) -> np.ndarray:
-    """`x` with its tokens column priced on max(tokens, knee)."""
     priced = x.copy()
     priced[:, FEATURES.index("tokens")] = np.maximum(tokens, knee)
     return priced
 
 
 def _best_knee(x: np.ndarray, tokens: np.ndarray, y: np.ndarray) -> tuple[float, np.ndarray]:
-    """The knee (and its coefficients) of least relative squared error: every step's token
-    count and a geometric grid between them, the smallest knee among equals (a knee no step
-    tells apart from 1 keeps the plain per-token price)."""
+    """The knee of least relative squared error on a geometric grid; the smallest among equals."""
     top = float(tokens.max())
     grid = np.exp2(np.arange(0, math.log2(max(top, 1.0)) * KNEE_STEPS_PER_DOUBLING + 1)
                    / KNEE_STEPS_PER_DOUBLING)
@@ -227,8 +179,7 @@ def _best_knee(x: np.ndarray, tokens: np.ndarray, y: np.ndarray) -> tuple[float,
 
 
 def nonnegative_relative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """min ‖(x·c − y)/y‖ with c ≥ 0: solve, pin the most negative coefficient to zero,
-    solve again over the rest (an active-set descent; seven features converge in a few)."""
+    """min ‖(x·c − y)/y‖ with c ≥ 0, by active-set descent."""
     rows = x / y[:, None]
     ones = np.ones_like(y)
     active = list(range(x.shape[1]))
@@ -243,27 +194,13 @@ def nonnegative_relative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
 
 class StepTimeRatio:
-    """Measured over predicted step time, as the engine runs: the median over `window_s`.
-
-    Each `bucket_s` of steps is summarised by its median and the window's value is the median
-    of those, so a step that lost its core to another process (or a burst of them) moves it
-    little, and it costs O(1) a step. Prefill plans are priced with it (a calibration taken on
-    a quieter box is not a fault of every request), and a value that stays beyond the drift
-    threshold over the window is drift (engine.harness.drift).
-
-    A bucket is as old as its last step, so the window holds the buckets with a step in the
-    last `window_s`. With none (before the first bucket closes, or after an idle spell longer
-    than the window) nothing measured says the predictor is off, and the value is 1.0. A
-    clock that does not move still closes a bucket every BUCKET_STEPS steps, and the window
-    keeps at most as many buckets as fit in it, so memory is bounded whatever the clock does.
-    """
+    """Measured over predicted step time, as the engine runs: the median over `window_s`."""
 
     def __init__(self, window_s: float = DEFAULT_RATIO_WINDOW_S, bucket_s: float = 1.0) -> None:
         if not 0 < bucket_s <= window_s:
             raise ConfigError("window_s", f"must be >= bucket_s > 0, got {window_s}, {bucket_s}")
         self.window_s = window_s
         self.bucket_s = bucket_s
-        # (first step, last step, median, steps), oldest first
         self._buckets: deque[tuple[float, float, float, int]] = deque(
             maxlen=math.ceil(window_s / bucket_s) + 1)
         self._current: list[float] = []
@@ -293,7 +230,6 @@ class StepTimeRatio:
 
     @property
     def steps(self) -> int:
-        """Steps the value summarises."""
         return sum(b[3] for b in self._buckets)
 
     @property

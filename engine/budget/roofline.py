@@ -1,14 +1,4 @@
-"""The seed-003 roofline of one mixed step: compute time against memory time.
-
-One step runs C prefill tokens and D decode sequences (each with S tokens of context):
-
-    tau = max(2P(C + D) / F, (weight_bytes + D·S·k) / W)
-
-Everything here is closed-form arithmetic on a handful of numbers (P, F, W, k): the what-if
-table of `tokenflow roofline`, the balance chunk C*, TTFT/TPOT, KV capacity and preemption
-cost. The model-aware estimate the scheduler calls each step is
-`engine.budget.cost_model.BudgetModel`.
-"""
+"""The roofline of one mixed step: compute time against memory time."""
 
 from __future__ import annotations
 
@@ -19,16 +9,14 @@ from typing import NamedTuple
 from engine.batch import StepShape
 from engine.config import ConfigError
 
-# Compute and memory times within 2% of each other count as "balanced": C* rounded to a whole
-# token lands there, and the seed's table calls that row "both saturated".
 _BALANCED_TOLERANCE = 0.02
 
 
-class StepEstimate(NamedTuple):  # a tuple: made at least once a step
+class StepEstimate(NamedTuple):
     tau_s: float
     compute_s: float
     memory_s: float
-    bound: str  # "compute" | "memory" | "balanced"
+    bound: str
 
 
 @dataclass(frozen=True)
@@ -55,11 +43,7 @@ def step_estimate(compute_s: float, memory_s: float,
 
 @dataclass(frozen=True)
 class Roofline:
-    """P parameters, F FLOP/s, W bytes/s, k KV bytes per token, weights at `weight_bits`.
-
-    A model with sliding-window layers (`windowed_share` of the layers, and so of k) reads at
-    most `sliding_window` cached tokens per sequence on those layers.
-    """
+    """P parameters, F FLOP/s, W bytes/s, k KV bytes per token, weights at `weight_bits`."""
 
     params: float
     flops: float
@@ -88,32 +72,27 @@ class Roofline:
 
     @property
     def weight_bytes(self) -> float:
-        """2P bytes at bf16, scaled by weight_bits/16 so quantized weights move fewer bytes
-        (seed 000, pitfall 3)."""
+        """2P bytes at bf16, scaled by weight_bits/16 for quantized weights."""
         return 2 * self.params * self.weight_bits / 16
 
-    # --- any step shape (the same interface as BudgetModel, for the budget table) ---------
 
     def compute_seconds(self, shape: StepShape) -> float:
         return 2 * self.params * shape.num_tokens / self.flops
 
     def kv_read_tokens(self, context: int) -> float:
-        """Cached tokens' worth of k a sequence with `context` cached tokens reads: all of
-        them on full-attention layers, at most the window on windowed ones."""
+        """Cached tokens a sequence reads: all, or at most the window on windowed layers."""
         if not self.windowed_share:
             return context
-        assert self.sliding_window is not None  # __post_init__ holds it
+        assert self.sliding_window is not None
         return ((1 - self.windowed_share) * context
                 + self.windowed_share * min(context, self.sliding_window))
 
     def memory_seconds(self, shape: StepShape) -> float:
-        """Weights once plus the KV the step attends to; the seed leaves per-token
-        activations out (its α term), so does this."""
+        """Weights once plus the KV the step attends to; per-token activations are left out."""
         contexts = [before for _, before in shape.prefill] + list(shape.decode_contexts)
         read = sum(self.kv_read_tokens(context) for context in contexts)
         return (self.weight_bytes + read * self.kv_bytes_per_token) / self.bandwidth
 
-    # --- the seed's mixed step: C prefill tokens, D decodes at context S ------------------
 
     def step_time(self, chunk: int, decode_seqs: int, context: int) -> StepEstimate:
         shape = StepShape(prefill=((chunk, 0),) if chunk > 0 else (),
@@ -121,19 +100,14 @@ class Roofline:
         return step_estimate(self.compute_seconds(shape), self.memory_seconds(shape))
 
     def balance_chunk(self, decode_seqs: int, context: int) -> float:
-        """C* where compute time equals memory time: 2P(C+D)/F = (weights + DSk)/W.
-
-        At bf16 this is the seed's R(1 + DSk/2P) − D. It is negative when the decodes alone
-        are compute bound: then no prefill fits without lengthening the step.
-        """
+        """C* where compute time equals memory time: 2P(C+D)/F = (weights + DSk)/W."""
         kv_bytes = decode_seqs * self.kv_read_tokens(context) * self.kv_bytes_per_token
         return self.machine_balance * (self.weight_bytes + kv_bytes) / (2 * self.params) - (
             decode_seqs
         )
 
     def rounds(self, prompt: int, chunk: int, hit_rate: float = 0.0) -> int:
-        """Steps to prefill a prompt whose first `hit_rate` share is already cached; at
-        least one, since the first token needs a forward pass even on a full hit."""
+        """Prefill steps for a prompt whose `hit_rate` share is cached; at least one."""
         if chunk < 1:
             raise ConfigError("chunk", f"must be >= 1, got {chunk}")
         if not 0 <= hit_rate <= 1:
@@ -142,7 +116,7 @@ class Roofline:
 
     def ttft(self, prompt: int, chunk: int, decode_seqs: int, context: int,
              hit_rate: float = 0.0) -> float:
-        """TTFT ≈ ⌈T(1−h)/C⌉·τ seconds (seed 003 §5 and §12)."""
+        """TTFT ≈ ⌈T(1−h)/C⌉·τ seconds."""
         return self.rounds(prompt, chunk, hit_rate) * self.tpot(chunk, decode_seqs, context)
 
     def tpot(self, chunk: int, decode_seqs: int, context: int) -> float:
@@ -170,8 +144,7 @@ class Roofline:
         return 2 * self.params * prompt / (self.weight_bytes + alpha * prompt)
 
     def decode_intensity(self, batch: int, context: int) -> float:
-        """AI = 2PB / (weights + BSk): capped by 2P/(Sk) however large the batch (S as
-        read: at most the window on windowed layers)."""
+        """AI = 2PB / (weights + BSk), capped by 2P/(Sk) however large the batch."""
         return 2 * self.params * batch / (
             self.weight_bytes + batch * self.kv_read_tokens(context) * self.kv_bytes_per_token
         )

@@ -1,5 +1,4 @@
-"""The engine as users get it: core's step loop equipped with the guards, metrics, bandwidth
-telemetry and slow-query watch. `engine.Engine` is this class."""
+"""The engine as users get it: the step loop with guards, metrics, telemetry, slow-query watch."""
 
 from __future__ import annotations
 
@@ -51,6 +50,5 @@ class Engine(core.Engine):
     def __init__(self, config: EngineConfig | None = None, *,
                  bandwidth: BandwidthSource | None = None, clock: Clock = time.monotonic,
                  runner: Executor | None = None) -> None:
-        """`runner` replaces the model runner by a simulated executor (engine.sim), which
-        brings its device's peaks; `clock` is then the simulation's clock."""
+        """A simulated `runner` brings its device's peaks; `clock` is then the simulation's."""
         super().__init__(config, DefaultEquipment(bandwidth), clock=clock, runner=runner)

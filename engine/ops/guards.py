@@ -1,9 +1,4 @@
-"""The protection layers as a pure policy: the guards hear the step's events, and once per
-step `evaluate` returns decisions (fail these requests, compact the KV pool, pause prefill)
-and the GuardAction events to publish; the engine applies them at the step boundary. Layers
-engage in order within one evaluation, so the next layer takes over before another step runs.
-The layers and their triggers: docs/operations.md.
-"""
+"""The protection layers as a pure policy: events in, per-step decisions out for the engine."""
 
 from __future__ import annotations
 
@@ -27,10 +22,10 @@ from engine.events import (
 )
 
 LAYERS = ("breaker", "throttle", "defrag", "chunk_timeout", "drift", "degraded")
-TIMEOUT_GROWTH = 0.1  # seed 000 §6: timeout = base × (1 + 0.1 × chunk index)
+TIMEOUT_GROWTH = 0.1
 
 
-class ChunkRun(NamedTuple):  # a tuple: made at least once a step
+class ChunkRun(NamedTuple):
     """A prefill chunk the last step ran, for layer 4."""
 
     request_id: str
@@ -49,18 +44,18 @@ def chunk_timeout_s(config: EngineConfig, chunk_index: int) -> float:
 
 class Guards:
     def __init__(self, device: torch.device | None = None) -> None:
-        self.device = device  # on CUDA, the allocator's slack counts as fragmentation
-        self.fragmentation = 0.0  # the larger of KV block tails and allocator slack
-        self.faults_isolated = 0  # requests failed alone by their own error (layer 7)
-        self._engaged = (False,) * len(LAYERS)  # in LAYERS order
+        self.device = device
+        self.fragmentation = 0.0
+        self.faults_isolated = 0
+        self._engaged = (False,) * len(LAYERS)
         self._last_breaker: float | None = None
         self._last_timeout: float | None = None
         self._last_drift: float | None = None
         self._last_defrag: float | None = None
         self._timeout_detail = ""
         self._drift_detail = ""
-        self._pending: list[GuardAction] = []  # actions seen between evaluations
-        self._chunks: dict[str, ChunkRun] = {}  # the step's chunks of live requests
+        self._pending: list[GuardAction] = []
+        self._chunks: dict[str, ChunkRun] = {}
 
     def engaged(self) -> tuple[str, ...]:
         return tuple(name for name, on in zip(LAYERS, self._engaged, strict=True) if on)
@@ -74,8 +69,7 @@ class Guards:
                                                   event.duration_s)
 
     def _on_end(self, event: Rejected | Drift | Failed | Finished) -> None:
-        """A fault an event reports, noted at its time stamp; an ended request's chunk is
-        no longer layer 4's business."""
+        """Note the fault an event reports; an ended request's chunk no longer times out."""
         if isinstance(event, Rejected) and event.cause is RejectCause.BREAKER:
             self._last_breaker = event.ts
         elif isinstance(event, Drift):
@@ -94,7 +88,7 @@ class Guards:
         events, self._pending = self._pending, []
         runs, self._chunks = self._chunks, {}
         fail = []
-        for run in runs.values():  # layer 4
+        for run in runs.values():
             limit = chunk_timeout_s(cfg, run.chunk_index)
             if not limit or run.duration_s <= limit:
                 continue
@@ -108,7 +102,7 @@ class Guards:
             events.append(GuardAction(layer="chunk_timeout", engaged=True, ts=now,
                                       detail=self._timeout_detail))
         compact = False
-        if inputs.fragmentation is not None:  # layer 3
+        if inputs.fragmentation is not None:
             self.fragmentation = max(inputs.fragmentation, allocator_fragmentation(self.device))
             due = self._last_defrag is None or now - self._last_defrag >= cfg.defrag_interval_s
             if self.fragmentation > cfg.defrag_threshold and due:
@@ -121,16 +115,16 @@ class Guards:
         defrag = self.fragmentation > cfg.defrag_threshold
         timeout = self._last_timeout is not None and now - self._last_timeout < window
         drift = self._last_drift is not None and now - self._last_drift < window
-        degraded = cfg.degraded_path and breaker and throttle and defrag and timeout  # 1-4
-        engaged = (breaker, throttle, defrag, timeout, drift, degraded)  # LAYERS order
-        if engaged != self._engaged:  # most steps: compare first, word later
+        degraded = cfg.degraded_path and breaker and throttle and defrag and timeout
+        engaged = (breaker, throttle, defrag, timeout, drift, degraded)
+        if engaged != self._engaged:
             for name, now_on, was_on in zip(LAYERS, engaged, self._engaged, strict=True):
                 if now_on != was_on:
                     events.append(GuardAction(
                         layer=name, engaged=now_on, ts=now,
                         detail=self._detail(name, inputs) if now_on else "released"))
             self._engaged = engaged
-        if not (fail or compact or events):  # most evaluations: the shared "nothing to do"
+        if not (fail or compact or events):
             return _PAUSED if degraded else _QUIET
         return GuardDecisions(fail=tuple(fail), compact=compact, prefill_paused=degraded,
                               events=tuple(events))
@@ -152,7 +146,7 @@ class Guards:
                 return self._timeout_detail
             case "drift":
                 return self._drift_detail
-            case _:  # degraded
+            case _:
                 return ("layers 1-4 engaged: one prefill at a time in chunk_tile-sized chunks "
                         "while decodes go on")
 

@@ -1,8 +1,4 @@
-"""Metrics as an event observer: lifetime counters and Prometheus-style histograms, and
-percentiles over a stated time window (issue 16: the last `window_s` seconds, so a spike leaves
-the snapshot once it is that old). The hot loop only publishes events; this turns them into
-intervals and rates.
-"""
+"""Metrics as an event observer: counters, histograms, and percentiles over a time window."""
 
 from __future__ import annotations
 
@@ -30,7 +26,6 @@ from engine.events import (
 from engine.snapshot import Percentiles
 from engine.stats import percentiles_ms
 
-# vLLM's bucket boundaries, so dashboards built for vLLM read ours the same way.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -38,15 +33,11 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-# vLLM's 1-2-5 series for per-request token counts (it stops at max_model_len; we at 10^6)
 REQUEST_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))[:-2]
-# vLLM's finished_reason label values, by our Finished reasons
 FINISHED_REASONS = {"stop": "stop", "length": "length", "aborted": "abort"}
 BUDGET_SCORE_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 
 DEFAULT_WINDOW_S = 60.0
-# a bound on each windowed series, so a sort per snapshot stays cheap under heavy traffic:
-# beyond it the window holds the most recent samples only
 WINDOW_SAMPLES = 16384
 RATE_WINDOW_S = 10.0
 
@@ -59,7 +50,7 @@ class WindowStats:
     ttft: Percentiles
     tpot: Percentiles
     itl: Percentiles
-    queue_wait: Percentiles  # arrival to admission
+    queue_wait: Percentiles
     step: Percentiles
 
 
@@ -83,7 +74,7 @@ class _Window:
 @dataclass
 class Histogram:
     buckets: tuple[float, ...]
-    counts: list[int] = field(default_factory=list)  # per bucket, non-cumulative; last = +Inf
+    counts: list[int] = field(default_factory=list)
     total: float = 0.0
     count: int = 0
 
@@ -106,10 +97,7 @@ class Histogram:
 
 @dataclass
 class RequestStats:
-    """vLLM's per-request families, from each Finished event: successes by finish reason,
-    prompt and generation tokens, and the request's phases: queue (arrival to first
-    admission), prefill (admission to first token), decode (first token to the end),
-    inference (admission to the end), and its mean time per output token."""
+    """vLLM's per-request families from each Finished event: counts, tokens and phase times."""
 
     success: dict[str, int] = field(default_factory=dict)
     prompt_tokens: Histogram = field(default_factory=lambda: Histogram(REQUEST_TOKEN_BUCKETS))
@@ -161,16 +149,14 @@ class Metrics:
         self.recent_itl = _Window(window_s)
         self.recent_queue_wait = _Window(window_s)
         self.recent_step = _Window(window_s)
-        self.recent_queried = _Window(window_s)  # prefix-cache lookups, in tokens
+        self.recent_queried = _Window(window_s)
         self.recent_cached = _Window(window_s)
-        # (ts, step seconds, tokens, output tokens) of the steps in the last RATE_WINDOW_S
         self._rate: deque[tuple[float, float, int, int]] = deque(maxlen=WINDOW_SAMPLES)
-        self._step_output = 0  # output tokens heard since the last StepComplete
+        self._step_output = 0
         self._last_token_ts: dict[str, float] = {}
 
     def subscribe_to(self, bus: EventBus) -> None:
-        """Hear `bus`'s events: each kind goes straight to its handler, and the kinds no
-        handler takes are never delivered."""
+        """Hear `bus`'s events; kinds no handler takes are never delivered."""
         for kind, handler in self._handlers().items():
             bus.subscribe(handler, (kind,))
 
@@ -187,10 +173,7 @@ class Metrics:
                 Failed: self._on_failed, SlowQuery: self._on_slow_query,
                 PrefixCacheLookup: self._on_prefix_lookup}
 
-    # each handler holds the lock: snapshots read on other threads
     def _on_tokens(self, event: TokensGenerated) -> None:
-        # the commonest event, a token per request per step: the step's StepComplete follows
-        # its tokens and enters them in the rate window, once for them all
         ts, count = event.ts, len(event.token_ids)
         with self._lock:
             self.generation_tokens_total += count
@@ -258,9 +241,7 @@ class Metrics:
             self.recent_cached.add(event.ts, event.cached_tokens)
 
     def rates(self, now: float) -> tuple[float, float]:
-        """(tokens/s, output tokens/s) over the last RATE_WINDOW_S seconds, or since the
-        first step in it began if that is later: one step's rate is its own tokens over its
-        own time, never over an arbitrary floor. No step, or no time passed: 0."""
+        """(tokens/s, output tokens/s) over RATE_WINDOW_S, or since its first step if later."""
         with self._lock:
             window = [r for r in self._rate if r[0] >= now - RATE_WINDOW_S]
         if not window:
@@ -271,16 +252,14 @@ class Metrics:
         return sum(r[2] for r in window) / span, sum(r[3] for r in window) / span
 
     def prefix_cache_hit_rate(self, now: float) -> float | None:
-        """Cached over queried tokens of the admissions in the last `window_s` seconds before
-        `now`; None without any."""
+        """Cached over queried tokens of admissions in the last `window_s`; None without any."""
         with self._lock:
             queried = sum(self.recent_queried.values(now))
             cached = sum(self.recent_cached.values(now))
         return cached / queried if queried else None
 
     def latency(self, now: float) -> WindowStats:
-        """Percentiles (ms) of what ended in the last `window_s` seconds before `now`:
-        requests (TTFT, TPOT, queue wait), tokens (ITL) and steps."""
+        """Percentiles (ms) of requests, tokens and steps ended in the last `window_s` seconds."""
         with self._lock:
             series = [w.values(now) for w in (self.recent_ttft, self.recent_tpot,
                                               self.recent_itl, self.recent_queue_wait,

@@ -1,6 +1,4 @@
-"""The slow-query watch: the scheduler's step and mode logs, a prefill that overran its plan
-classed when it ends (while the logs still cover its gaps), its SlowQuery published when the
-request ends."""
+"""The slow-query watch: prefills that overran their plan, classed while the logs cover them."""
 
 from __future__ import annotations
 
@@ -14,7 +12,6 @@ from engine.core.request import Request, RequestState
 from engine.events import Event, SlowQuery
 from engine.ops.timeline import ModeRecord, PrefillGaps, StepRecord, classify_prefill, explain
 
-# one small tuple each; a prefill longer than the step log is classed by the mode log alone
 STEP_LOG = 65536
 MODE_LOG = 4096
 
@@ -24,7 +21,7 @@ class SlowQueryWatch:
         self.publish = publish
         self.step_log: deque[StepRecord] = deque(maxlen=STEP_LOG)
         self.mode_log: deque[ModeRecord] = deque(maxlen=MODE_LOG)
-        self.flagged: dict[str, PrefillGaps] = {}  # live requests flagged slow
+        self.flagged: dict[str, PrefillGaps] = {}
 
     def mode(self, ts: float, mode: str, throttle_level: int, paused: bool) -> None:
         if not self.mode_log or self.mode_log[-1][1:] != (mode, throttle_level, paused):
@@ -37,15 +34,14 @@ class SlowQueryWatch:
 
     def prefill_ended(self, request: Request, end: float, config: EngineConfig,
                       step_overhead_s: float) -> None:
-        """Flag a request whose prefill (ended at `end`, or cut short there) overran its
-        budget; from now on its decode gaps are kept too."""
+        """Flag a request whose prefill overran its budget; keep its decode gaps from now on."""
         budget = request.budgeted_prefill_s
         if not budget or request.prefill_started is None:
             return
         if not config.is_slow_query(end - request.prefill_started, budget):
             return
         steps = []
-        for step in reversed(self.step_log):  # only the steps since its arrival
+        for step in reversed(self.step_log):
             steps.append(step)
             if step.start <= request.arrival:
                 break
@@ -68,7 +64,6 @@ class SlowQueryWatch:
             prompt_tokens=request.num_prompt_tokens, prefill_s=timeline.prefill_s,
             budgeted_s=timeline.budgeted_s, chunks=tuple(asdict(c) for c in timeline.chunks),
             config=config.live_values(), tag=request.tag,
-            # its chunks travel once, in the record's own chunks column
             timeline={k: v for k, v in timeline.to_dict().items() if k != "chunks"},
             cause=timeline.cause.value, cause_share=timeline.cause_share, verdict=verdict,
             cached_tokens=request.cached_tokens, resumed_tokens=request.resumed_tokens))

@@ -1,10 +1,4 @@
-"""Memory bandwidth utilisation over a 5-second window: bandwidth_utilization_5s_avg (seed 000
-§4, §6), the signal behind the scheduler's BANDWIDTH_THROTTLE mode.
-
-Three sources share one interface: NVML on a GPU (the memory controller's busy share), a model
-estimate anywhere (bytes the engine says each step moved, over wall time), and an injected
-override for chaos tests and demos.
-"""
+"""Memory bandwidth utilisation over a 5-second window, behind the BANDWIDTH_THROTTLE mode."""
 
 from __future__ import annotations
 
@@ -19,8 +13,6 @@ from typing import NamedTuple
 from engine.core.equipment import BandwidthReading, BandwidthSource
 from engine.errors import EngineError
 
-# A model estimate above the peak means the byte model is off, not that the GPU beat physics;
-# the clip keeps one bad estimate from pinning the 5 s average while still showing > 1.
 MAX_UTILIZATION = 1.5
 
 
@@ -28,7 +20,7 @@ class TelemetryError(EngineError):
     """A bandwidth source cannot be built or started."""
 
 
-class _Step(NamedTuple):  # a tuple: made at least once a step
+class _Step(NamedTuple):
     end: float
     bytes_moved: float
     duration_s: float
@@ -48,9 +40,9 @@ class ModelBandwidth:
         self._clock = clock
         self._started = clock()
         self._steps: deque[_Step] = deque()
-        self._moved = 0.0  # bytes of the steps in _steps
-        self._busy = 0.0  # seconds of the steps in _steps
-        self._lock = threading.Lock()  # the engine records, the console and HTTP read
+        self._moved = 0.0
+        self._busy = 0.0
+        self._lock = threading.Lock()
 
     def record(self, bytes_moved: float, duration_s: float) -> None:
         """A step that just ended moved `bytes_moved` in `duration_s` seconds."""
@@ -68,26 +60,19 @@ class ModelBandwidth:
         now = self._clock()
         window_start = now - self.window_s
         with self._lock:
-            # Running sums keep a reading O(1): the engine reads this every step.
             while self._steps and self._steps[0].end <= window_start:
                 old = self._steps.popleft()
                 self._moved -= old.bytes_moved
                 self._busy -= old.duration_s
             if not self._steps:
-                self._moved = self._busy = 0.0  # no float drift carried across idle spells
+                self._moved = self._busy = 0.0
             moved, busy = self._moved, self._busy
             if self._steps:
-                # The oldest step may have begun before the window: count only its share inside.
                 first = self._steps[0]
                 outside = first.duration_s - min(first.duration_s, first.end - window_start)
                 if outside > 0:
                     moved -= first.bytes_moved * outside / first.duration_s
                     busy -= outside
-        # Divide by the wall time the window covers, not by the time spent in steps: an engine
-        # that idles half the window moved half the bytes, and that is what throttling should
-        # see. Before a full window has passed, only the time since the source began counts.
-        # The busy time is a floor for clocks that disagree (steps reported longer than the
-        # wall time seen here), so a reading never divides by too little.
         covered = max(min(self.window_s, now - self._started), busy)
         if covered <= 0:
             return BandwidthReading(0.0, "model")
@@ -98,15 +83,13 @@ class ModelBandwidth:
 @dataclass(frozen=True)
 class NvmlSample:
     ts: float
-    memory_busy: float  # share of the sample period the memory controller was busy, 0..1
+    memory_busy: float
     used_bytes: int
     total_bytes: int
     memory_clock_mhz: int
     sm_clock_mhz: int
-    torch_allocated_bytes: int | None  # tensors live in torch's caching allocator
-    torch_reserved_bytes: int | None  # held by the allocator, allocated or cached
-    # DCGM's DRAM-active: the share of peak DRAM bandwidth used since the previous sample, from
-    # NVML's GPM counters (Hopper and later); None elsewhere and on the first sample.
+    torch_allocated_bytes: int | None
+    torch_reserved_bytes: int | None
     dram_active: float | None = None
 
 
@@ -135,25 +118,18 @@ def nvml_available(nvml: ModuleType | None = None) -> bool:
 
 
 class DramActive:
-    """DCGM's DRAM-active counter read through NVML's GPM interface, which needs no DCGM daemon:
-    the share of peak DRAM bandwidth used between two GPM samples (Hopper and later GPUs).
-
-    NVML's `memory` utilisation counts time the controller was busy at all; DRAM-active counts
-    bytes against the peak, so the two disagree on light traffic, and the calibrator reports
-    both beside its own bytes/s estimate.
-    """
+    """DCGM's DRAM-active counter read through NVML's GPM interface, with no DCGM daemon."""
 
     def __init__(self, nvml: ModuleType, handle: object) -> None:
         self.nvml = nvml
         self._previous: object | None = None
         try:
             self.supported = bool(nvml.nvmlGpmQueryDeviceSupport(handle).isSupportedDevice)
-        except (AttributeError, nvml.NVMLError):  # an older pynvml or driver, a pre-Hopper GPU
+        except (AttributeError, nvml.NVMLError):
             self.supported = False
 
     def read(self, handle: object) -> float | None:
-        """DRAM-active since the last read (0..1); None on the first read or without GPM.
-        `handle` is the caller's current one: it is fetched again after a driver reset."""
+        """DRAM-active since the last read (0..1); None on the first read or without GPM."""
         if not self.supported:
             return None
         nvml = self.nvml
@@ -176,7 +152,7 @@ class DramActive:
         finally:
             nvml.nvmlGpmSampleFree(previous)
         metric = request.metrics[0]
-        return None if metric.nvmlReturn != 0 else metric.value / 100.0  # NVML_SUCCESS is 0
+        return None if metric.nvmlReturn != 0 else metric.value / 100.0
 
     def close(self) -> None:
         if self._previous is not None:
@@ -185,12 +161,7 @@ class DramActive:
 
 
 class NvmlBandwidth:
-    """Samples NVML on a daemon thread and averages the memory controller's busy share.
-
-    NVML's `memory` utilisation is the share of time the memory controller was busy, not the
-    share of peak bytes/s; it is the number nvidia-smi and nvtop show, so operators can match
-    the console against them.
-    """
+    """Samples NVML on a daemon thread and averages the memory controller's busy share."""
 
     def __init__(self, device_index: int = 0, interval_s: float = 0.2, window_s: float = 5.0,
                  *, nvml: ModuleType | None = None, torch_device: str | None = None,
@@ -201,7 +172,7 @@ class NvmlBandwidth:
         self.device_index = device_index
         self.interval_s = interval_s
         self.window_s = window_s
-        self.torch_device = torch_device  # "cuda:N" adds torch's allocator figures
+        self.torch_device = torch_device
         self.last_error: str | None = None
         self._nvml = nvml
         self._clock = clock
@@ -245,7 +216,6 @@ class NvmlBandwidth:
         self._nvml.nvmlShutdown()
 
     def _run(self) -> None:
-        # Sample first, then wait: even a start() followed at once by stop() leaves a sample.
         while True:
             self.sample()
             if self._stop.wait(self.interval_s):
@@ -255,8 +225,6 @@ class NvmlBandwidth:
         """Take one sample now (the thread calls this; tests may too)."""
         nvml = self._nvml
         try:
-            # The handle goes stale when the driver resets or the CUDA context is rebuilt
-            # (seed 000 §6); fetch it again after any error instead of failing for good.
             if self._handle is None:
                 self._handle = nvml.nvmlDeviceGetHandleByIndex(self.device_index)
             rates = nvml.nvmlDeviceGetUtilizationRates(self._handle)
@@ -302,17 +270,13 @@ class NvmlBandwidth:
 
 
 class InjectedBandwidth:
-    """Wraps a source; inject() overrides its reading until a deadline on the same clock.
-
-    The chaos suite and the console demo simulate a bandwidth spike with it; scheduler tests
-    use it as a scripted source.
-    """
+    """Wraps a source; inject() overrides its reading until a deadline on the same clock."""
 
     def __init__(self, inner: BandwidthSource,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.inner = inner
         self._clock = clock
-        self._override: tuple[float, float] | None = None  # (util, until_s)
+        self._override: tuple[float, float] | None = None
         self._lock = threading.Lock()
 
     def inject(self, util: float, until_s: float) -> None:

@@ -1,21 +1,4 @@
-"""A request's timeline (issue 16): where its time went, and why a slow query was slow.
-
-The step loop only appends small tuples: one `StepRecord` per step to the scheduler's step
-log, one `ModeRecord` when the scheduler's mode changes, a chunk, a preemption, a decode gap.
-`explain` turns them into a `Timeline` once, when a slow request ends.
-
-The prefill interval (admission to first token) is split into parts that cover it exactly:
-the steps that carried the request's chunks, time preempted (and chunks it had to recompute),
-and the rest (gaps), each instant of a gap classed by what the engine did then: another step
-in NORMAL mode (queued behind other prefills), a step or idle time in CACHE_PRESSURE_WAIT or
-BANDWIDTH_THROTTLE, prefills paused by a guard, or host time between steps in NORMAL mode.
-The end-to-end time is queue wait + prefill + decode gaps + the tail after the last token.
-
-Overrun = measured prefill - budgeted prefill (the plan, `Request.planned`). Each cause's share
-is its time beyond what the plan expected: chunks beyond their planned step time, queueing
-beyond the plan's waits, and every wait the plan does not foresee (modes, preemption, guards,
-host time). The shares sum to the overrun.
-"""
+"""A request's timeline: where its time went, and why a slow query was slow."""
 
 from __future__ import annotations
 
@@ -34,13 +17,13 @@ if TYPE_CHECKING:
 class Cause(enum.StrEnum):
     """What a slow query's overrun is attributed to (stored on the slow-query record)."""
 
-    QUEUED = "queued"  # behind other requests' prefills, beyond the plan's waits
-    SLOW_CHUNKS = "slow_chunks"  # its chunks' steps ran slower than predicted (drift, device)
-    CACHE_PRESSURE = "cache_pressure"  # waited in CACHE_PRESSURE_WAIT
-    BANDWIDTH_THROTTLE = "bandwidth_throttle"  # waited while the bandwidth throttle held
-    PREEMPTION = "preemption"  # preempted: waited for readmission and recomputed its prefix
-    GUARD = "guard"  # prefills paused by a protection layer (degraded path)
-    HOST_OVERHEAD = "host_overhead"  # host time between steps (scheduling, observers)
+    QUEUED = "queued"
+    SLOW_CHUNKS = "slow_chunks"
+    CACHE_PRESSURE = "cache_pressure"
+    BANDWIDTH_THROTTLE = "bandwidth_throttle"
+    PREEMPTION = "preemption"
+    GUARD = "guard"
+    HOST_OVERHEAD = "host_overhead"
 
 
 class StepRecord(NamedTuple):
@@ -52,7 +35,7 @@ class StepRecord(NamedTuple):
     mode: str
     throttle_level: int
     paused: bool
-    prefills: tuple[str, ...]  # request ids of its prefill chunks
+    prefills: tuple[str, ...]
     decodes: int
 
 
@@ -78,7 +61,7 @@ class GapStats:
 
 @dataclass(frozen=True)
 class Preemption:
-    at_s: float  # from arrival
+    at_s: float
     readmitted_s: float | None
 
 
@@ -87,22 +70,21 @@ class ChunkView:
     index: int
     start: int
     tokens: int
-    at_s: float  # step start, from arrival
+    at_s: float
     duration_s: float
     predicted_s: float
-    planned_s: float | None  # the plan's step time for this chunk, if it had one
+    planned_s: float | None
     step: int
     decodes: int
     other_prefill_tokens: int
     mode: str
     throttle_level: int
-    recomputed: bool  # discarded by a later preemption
+    recomputed: bool
 
 
 @dataclass(frozen=True)
 class Timeline:
-    """Everything stored with a slow query about where its time went (seconds; instants are
-    measured from arrival)."""
+    """Where a slow query's time went, in seconds; instants count from arrival."""
 
     admitted_s: float | None
     queue_wait_s: float | None
@@ -112,20 +94,18 @@ class Timeline:
     first_token_s: float | None
     e2e_s: float | None
     outcome: str
-    prefill_parts: dict[str, float]  # chunks, preempted, recomputed and each gap class
-    e2e_parts: dict[str, float]  # queue_wait, prefill, decode, tail
+    prefill_parts: dict[str, float]
+    e2e_parts: dict[str, float]
     overrun_by_cause: dict[str, float]
     cause: Cause
-    cause_share: float  # the cause's part of the overrun, 0..1
-    queued_behind: int  # other requests whose prefills ran while this one waited in NORMAL
-    throttle_level_max: int  # highest throttle level over the prefill
-    chunk_throttle_level: int  # highest throttle level under which its chunks ran
-    chunk_ratio: float | None  # its chunks' measured / planned step time
+    cause_share: float
+    queued_behind: int
+    throttle_level_max: int
+    chunk_throttle_level: int
+    chunk_ratio: float | None
     chunks: tuple[ChunkView, ...]
     preemptions: tuple[Preemption, ...]
     decode_gaps: GapStats
-    # the queue wait (arrival to admission) classed as the prefill's gaps are, and how many
-    # other requests were prefilled meanwhile
     queue_wait_parts: dict[str, float] = field(default_factory=dict)
     waited_behind: int = 0
 
@@ -133,8 +113,7 @@ class Timeline:
         return asdict(self)
 
     def felt(self) -> tuple[str, float]:
-        """The largest part of what the user felt: the queue wait, the prefill, or the worst
-        stall between two tokens (beyond the usual gap)."""
+        """The largest part of what the user felt: queue wait, prefill or worst token stall."""
         gaps = self.decode_gaps
         stall = (gaps.max_s - gaps.p50_s if gaps.max_s is not None and gaps.p50_s is not None
                  else 0.0)
@@ -144,8 +123,7 @@ class Timeline:
         return name, parts[name]
 
     def verdict(self) -> str:
-        """One line an operator reads first: the largest part of what the user felt with its
-        cause in words, then, where that was not the prefill, why the prefill overran."""
+        """The operator's first line: what the user felt most, with its cause in words."""
         part, seconds = self.felt()
         prefill = (f"prefill {human_duration(self.prefill_s)}, "
                    f"{human_duration(self.overrun_s)} over plan: {self.overrun_verdict()}")
@@ -185,8 +163,7 @@ class Timeline:
         return f"its {chunk.tokens}-token chunk took {ratio}"
 
     def overrun_verdict(self) -> str:
-        """Why the prefill overran its plan, e.g. "queued 7.1 s behind 3 other prompts (73%
-        of the overrun)"."""
+        """Why the prefill overran its plan, with the cause's share of the overrun."""
         took = human_duration(self.overrun_by_cause.get(self.cause.value, 0.0))
         share = f"{self.cause_share:.0%} of the overrun"
         match self.cause:
@@ -211,8 +188,7 @@ class Timeline:
         return f"host time between steps {took} ({share})"
 
 
-NORMAL = ModeRecord(0.0, "NORMAL", 0, False)  # before the first logged change
-# a chunk beside at least this many decodes per prompt token is said to share a heavy step
+NORMAL = ModeRecord(0.0, "NORMAL", 0, False)
 HEAVY_DECODE_SHARE = 4
 QUEUE_WAIT_CAUSES = {
     Cause.QUEUED: "arrivals outran the budget",
@@ -309,14 +285,14 @@ def gap_stats(gaps: Sequence[float], worst_step: int | None) -> GapStats:
 class PrefillGaps:
     """A prefill's gaps classed while the step log still covers them (when it is flagged)."""
 
-    totals: dict[str, float]  # gap class (a Cause value) -> seconds
+    totals: dict[str, float]
     queued_behind: int
     throttle_level_max: int
-    attempt: int  # preemptions before the prefill ended: its chunks of that attempt count
-    end: float  # when the prefill ended (its first token, or the failure that cut it short)
-    step_overhead_s: float = 0.0  # host time per step the plan priced into each step
-    queue_wait: dict[str, float] = field(default_factory=dict)  # arrival to admission, classed
-    waited_behind: int = 0  # other requests prefilled while it waited to be admitted
+    attempt: int
+    end: float
+    step_overhead_s: float = 0.0
+    queue_wait: dict[str, float] = field(default_factory=dict)
+    waited_behind: int = 0
 
 
 def classify_prefill(request: Request, steps: Sequence[StepRecord],
@@ -362,7 +338,7 @@ def _held(request: Request, t1: float) -> list[tuple[float, float]]:
 
 
 def explain(request: Request, gaps: PrefillGaps) -> Timeline:
-    """The timeline of a flagged request, once it has ended. Instants are from its arrival."""
+    """The timeline of a flagged request, once it has ended."""
     t0, t1 = request.prefill_started, gaps.end
     if t0 is None:
         raise ValueError(f"request {request.id} was never admitted")
@@ -379,8 +355,6 @@ def explain(request: Request, gaps: PrefillGaps) -> Timeline:
                          Cause.GUARD, Cause.HOST_OVERHEAD)}}
     planned = request.planned
     planned_steps = sum(p.predicted_s for p in planned)
-    # the plan prices each step as forward pass + host overhead; the timeline measures the
-    # two apart (chunks, host gaps), so the plan's overhead is set against the host gaps
     overhead = gaps.step_overhead_s
     chunk_overhead = overhead * len(planned)
     wait_overhead = overhead * sum(p.wait_steps for p in planned)
@@ -398,7 +372,6 @@ def explain(request: Request, gaps: PrefillGaps) -> Timeline:
     prefill_s = t1 - t0
     budget = request.budgeted_prefill_s or 0.0
     overrun = prefill_s - budget
-    # the positive parts can exceed the overrun when other parts came in under the plan
     positive = sum(v for v in by_cause.values() if v > 0)
     share = by_cause[cause] / max(overrun, positive) if by_cause[cause] > 0 else 0.0
     plan_by_start = {p.start: p.predicted_s for p in planned}
@@ -442,8 +415,7 @@ def _parts(parts: dict[str, float], signed: bool = False) -> str:
 
 
 def timeline_lines(t: dict[str, Any]) -> list[str]:
-    """A stored timeline (Timeline.to_dict) as the lines `tokenflow slow-queries show` and
-    the console's slow-query detail both print."""
+    """A stored timeline as the lines the CLI and the console's slow-query detail print."""
     e2e = t["e2e_parts"]
     lines = [f"end to end {human_duration(t['e2e_s'])} = queue wait "
              f"{human_duration(e2e['queue_wait'])} + prefill {human_duration(e2e['prefill'])} "
