@@ -416,8 +416,8 @@ void paged_prefill(const void* q, const void* k_cache, const void* v_cache, void
 // q: [batch, kv_heads * group, head_dim], rows q_stride elements apart (a slice of the fused
 // q/k/v projection is read in place); out: the same shape, contiguous; caches: [kv_heads,
 // num_blocks, block_size, head_dim]; tables: [batch, table_width] block ids; lengths: [batch]
-// keys per request (its position + 1). window > 0 keeps the last `window` keys; softcap > 0 caps scores.
-// bf16 != 0: every tensor is bfloat16 (accumulation stays float), else float32.
+// keys per request (its position + 1). window > 0 keeps the last `window` keys; softcap > 0
+// caps scores. bf16 != 0: every tensor is bfloat16 (accumulation stays float), else float32.
 void paged_decode(const void* q, int64_t q_stride, const void* k_cache, const void* v_cache,
                   void* out, const int64_t* tables, const int64_t* lengths, int64_t batch,
                   int64_t table_width, int64_t kv_heads, int64_t group, int64_t head_dim,
