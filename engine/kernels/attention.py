@@ -21,7 +21,6 @@ FLASH_BLOCK_SIZE = 256  # flash-attn's paged KV needs blocks that are a multiple
 
 @dataclass(frozen=True)
 class PrefillSpan:
-    """One prefill chunk, rows [q_start, q_start + q_len): key_slots and mask for the torch path."""
 
     q_start: int
     q_len: int
@@ -33,19 +32,18 @@ class PrefillSpan:
 
 @dataclass(frozen=True)
 class DecodeGroup:
-    """Single-token decodes in rows [row_start, row_start + rows), padded to one width."""
 
     row_start: int
     rows: int
-    block_ids: torch.Tensor  # [rows, blocks], padded with block 0: whole blocks are gathered
-    bias: torch.Tensor  # [1, rows, 1, blocks * block_size]: -inf past each row's keys
+    block_ids: torch.Tensor
+    bias: torch.Tensor
 
 
 @dataclass(frozen=True)
 class AttentionMetadata:
     """Everything attention needs for one step, built once per step (not per layer)."""
 
-    slot_mapping: torch.Tensor  # where each new token's K/V is written
+    slot_mapping: torch.Tensor
     prefills: tuple[PrefillSpan, ...]
     decode_start: int  # decodes are rows [decode_start, num_tokens)
     decode_groups: tuple[DecodeGroup, ...]
@@ -54,8 +52,7 @@ class AttentionMetadata:
     block_table: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
-    windowed: AttentionMetadata | None = None  # the step for sliding-window layers (torch)
-    # the paged kernel's, instead of decode_groups: block tables and keys per decode
+    windowed: AttentionMetadata | None = None
     decode_tables: torch.Tensor | None = None
     decode_lengths: torch.Tensor | None = None
 
@@ -66,7 +63,6 @@ def flash_available(device: torch.device) -> bool:
 
 def cache_shape(use_flash: bool, num_layers: int, num_blocks: int, block_size: int,
                 num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    """The one KV tensor [K/V, layer, ...]: flash-attn's blocks outermost, else heads outermost."""
     if use_flash:
         return (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
     return (2, num_layers, num_kv_heads, num_blocks, block_size, head_dim)
@@ -82,7 +78,6 @@ CacheWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, t
 
 def index_copy_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """k, v [N, Hkv, D] into one layer's caches [Hkv, blocks, block_size, D] at `slots`."""
     heads, head_dim = k_cache.shape[0], k_cache.shape[-1]
     k_cache.view(heads, -1, head_dim).index_copy_(1, slots, k.transpose(0, 1))
     v_cache.view(heads, -1, head_dim).index_copy_(1, slots, v.transpose(0, 1))
@@ -158,7 +153,6 @@ class PagedAttention:
                                   device=q.device).tril()
             bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
             bias.masked_fill_(~mask, float("-inf"))
-            # [C, Hq, D] -> [Hkv, G, C, D]: query head h uses KV head h // G
             grouped = q.transpose(0, 1).reshape(self.num_kv_heads, self.group, span.q_len,
                                                 self.head_dim)
             out = self._softcapped(grouped, keys[:, None], values[:, None], bias)
@@ -177,8 +171,7 @@ class PagedAttention:
         block_ids = group.block_ids.view(-1)
         keys = block_k.index_select(1, block_ids).view(shape)
         values = block_v.index_select(1, block_ids).view(shape)
-        # queries grouped per KV head: [B, Hq, D] -> [Hkv, B, G, D]; (Hkv, B) are SDPA's batch
-        # dimensions, so GQA needs no copy of the keys
+        # queries grouped per KV head: (Hkv, B) are SDPA's batch dims, so GQA copies no keys
         grouped = q.view(batch, self.num_kv_heads, self.group, self.head_dim).transpose(0, 1)
         if self.softcap is not None:
             out = self._softcapped(grouped, keys, values, group.bias)

@@ -18,13 +18,11 @@ from engine.kernels.cpu_kernels import PANEL_MAX_ROWS, Rotation
 
 log = logging.getLogger(__name__)
 
-ARENA_ALIGN = 64  # bytes: a cache line, as torch's CPU allocator aligns
+ARENA_ALIGN = 64
 ARENA_START_BYTES = 8 << 20  # doubled (and the graphs captured again) when a capture needs more
-# allocations shaped after a tensor (torch.empty itself is matched on its own)
 _LIKE = {torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default}
 
 
-# x [N, H], each layer's rotation, the KV tensor, the step's metadata -> hidden [N, H]
 Decoder = Callable[[torch.Tensor, list[Rotation], torch.Tensor, AttentionMetadata],
                    torch.Tensor]
 
@@ -45,7 +43,6 @@ class Arena:
         self.used = 0
 
     def take(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """A contiguous tensor of `shape`, uninitialised as torch.empty's."""
         start = -(-self.used // ARENA_ALIGN) * ARENA_ALIGN
         end = start + math.prod(shape) * dtype.itemsize
         if end > self.buffer.numel():
@@ -116,7 +113,7 @@ class DecodeGraphs:
         self.kv_cache = kv_cache
         self.max_blocks = max_blocks
         self.arena = Arena(ARENA_START_BYTES)
-        self.graphs: dict[tuple[int, int], CpuGraph] = {}  # (decodes, threads) -> graph
+        self.graphs: dict[tuple[int, int], CpuGraph] = {}
         self.refused: str | None = None  # why this model's steps stay eager
         self.statics: _Statics | None = None
 
@@ -127,7 +124,6 @@ class DecodeGraphs:
 
     def run(self, x: torch.Tensor, rotations: list[Rotation],
             meta: AttentionMetadata) -> torch.Tensor:
-        """The decoder's output for a step that `covers` accepts, replayed where it can be."""
         assert meta.decode_tables is not None and meta.decode_lengths is not None
         if self.statics is None:
             self.statics = _Statics(x, rotations, self.max_blocks)
@@ -144,7 +140,7 @@ class DecodeGraphs:
                 log.info("decode steps stay eager: %s", exc)
                 return self.decoder(x, rotations, self.kv_cache, meta)
             self.graphs[key] = graph
-            return graph.output  # the capture ran this step
+            return graph.output
         return graph.replay(values)
 
     def _capture(self, rows: int, values: list[torch.Tensor]) -> CpuGraph:
@@ -172,7 +168,6 @@ class DecodeGraphs:
 
 
 class _Statics:
-    """The graphs' static inputs for PANEL_MAX_ROWS decodes, shaped after a first step's."""
 
     def __init__(self, x: torch.Tensor, rotations: list[Rotation], max_blocks: int) -> None:
         rows = PANEL_MAX_ROWS

@@ -25,14 +25,13 @@ SOURCES = tuple(Path(__file__).with_name(name)
                 for name in ("paged_attention.cpp", "layer_ops.cpp", "cpu_vectors.h"))
 # -ffast-math vectorises the reductions and exp (the kernels make no infinities); compile
 # only: linked, GCC's crtfastmath would flush subnormals for the whole process.
-# GCC vectorises at 256 bits on AVX-512 unless told otherwise (docs/cpu-backend.md).
 WIDE_FLAGS = ("-mprefer-vector-width=512",)
 BASE_FLAGS = ("-O3", "-fopenmp", "-ffast-math", "-fPIC", "-c")
 LINK_FLAGS = ("-shared", "-fopenmp")
 MARCH_ENV = "TOKENFLOW_KERNEL_MARCH"  # a -march target instead of native (part of the key)
 BUILD_TIMEOUT_S = 120
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_ENTRIES = {  # each entry point's argument types
+_ENTRIES = {
     "paged_decode": [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64,
                      _I64, _I64, ctypes.c_float, _I64, ctypes.c_float, ctypes.c_int,
                      ctypes.c_int],
@@ -47,30 +46,27 @@ _ENTRIES = {  # each entry point's argument types
                     ctypes.c_int],
 }
 DTYPES = (torch.float32, torch.bfloat16)
-# Steps of at most this many rows run fp32 GEMMs in linear_rows; larger ones oneDNN's
-# (docs/cpu-backend.md has the crossover)
+# Steps of at most this many rows run fp32 GEMMs in linear_rows; larger ones oneDNN's.
 PANEL_MAX_ROWS = 64
 Rotation = tuple[torch.Tensor, torch.Tensor]  # RoPE's cos, sin [N, 1, D/2] for one step
-# paged_prefill's vector tiles: head sizes in steps of 16 floats, up to MAX_HEAD_DIM
 PREFILL_HEAD_DIM_STEP, PREFILL_MAX_HEAD_DIM = 16, 256
 
 
 @dataclass(frozen=True)
 class Toolchain:
-    """How the library is built here, and the key of the build."""
 
     compiler: str
     march: str
-    wide: bool  # the target has AVX-512, so loops are vectorised at 512 bits
+    wide: bool
     compile_flags: tuple[str, ...]
-    key: str  # sources, flags, compiler version, CPU
+    key: str
 
 
 @dataclass(frozen=True)
 class Kernels:
-    tools: Toolchain  # what the library was built with
-    lanes: int  # floats per vector: 16 with AVX-512, else 8
-    panel: int  # linear_rows's outputs per panel (pack_panels)
+    tools: Toolchain
+    lanes: int
+    panel: int
     paged_decode: ctypes._CFuncPtr
     paged_prefill: ctypes._CFuncPtr
     linear_rows: ctypes._CFuncPtr
@@ -80,7 +76,6 @@ class Kernels:
     cache_write: ctypes._CFuncPtr
 
 
-# A kernel call as made: the entry point and its arguments, pointers included
 Call = tuple[ctypes._CFuncPtr, tuple[Any, ...]]
 # per thread: engines stepping in other threads are not recorded into another's graph
 _recording = threading.local()
@@ -146,7 +141,6 @@ def _macros(compiler: str, march: str) -> str:
 
 
 def toolchain() -> Toolchain:
-    """The compiler, the target (native, or $TOKENFLOW_KERNEL_MARCH) and the build's key."""
     compiler = _compiler()
     march = os.environ.get(MARCH_ENV) or "native"
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
@@ -171,7 +165,6 @@ def _build(tools: Toolchain) -> Path:
     units = [source for source in SOURCES if source.suffix == ".cpp"]
     objects = [f"{partial[:-3]}-{source.stem}.o" for source in units]
     try:
-        # the units compile side by side, then link
         _run_all(compiler, [[compiler, *tools.compile_flags, "-o", obj, str(source)]
                             for source, obj in zip(units, objects, strict=True)])
         _run_all(compiler, [[compiler, *LINK_FLAGS, "-o", partial, *objects]])
@@ -233,9 +226,7 @@ def _check_operands(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError("the paged kernels need contiguous caches")
 
 
-# Each entry point is a torch operator, tokenflow::NAME, so the profiler and the dispatcher
-# see it; its CPU kernel unpacks the tensors into the C call. Operators write their outputs
-# into tensors the typed wrapper below allocated (a CPU graph's capture serves those).
+# Each entry point is a torch operator, tokenflow::NAME, visible to profiler and dispatcher.
 _LIBRARY = torch.library.Library("tokenflow", "DEF")
 
 
@@ -318,7 +309,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, lengths: torch.Tensor, scale: float,
                  window: int | None, softcap: float | None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of one query token per request over its cached keys."""
     _check_operands(q, k_cache, v_cache)
     if q.stride()[1:] != (k_cache.shape[-1], 1):
         q = q.contiguous()
@@ -331,7 +321,6 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_table: torch.Tensor, start: int, scale: float, window: int | None,
                   softcap: float | None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of one prefill chunk over its request's cached keys."""
     _check_operands(q, k_cache, v_cache)
     block_size, head_dim = k_cache.shape[2:]
     if not prefill_supports(head_dim):
@@ -383,7 +372,6 @@ def linear_rows(x: torch.Tensor, panels: torch.Tensor, out_features: int,
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
              residual: torch.Tensor | None = None) -> torch.Tensor:
-    """RMSNorm of x [..., dim] as the model's RMSNorm computes it."""
     if residual is not None and (not residual.is_contiguous() or residual.shape != x.shape
                                  or residual.dtype != x.dtype):
         raise ValueError("rms_norm's residual must be contiguous and shaped like x")
@@ -395,7 +383,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float,
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """SiLU(gate) * up of the fused projection gate_up [rows, 2 * inter] -> [rows, inter]."""
     _bf16(gate_up)
     gate_up = gate_up.contiguous()
     rows, width = gate_up.shape
@@ -405,7 +392,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def rope(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
-    """x [N, H, D] (each row's heads contiguous) rotated in place by its positions."""
     _bf16(x)
     if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
         raise ValueError("rope rotates rows whose heads are contiguous")
@@ -416,7 +402,6 @@ def rope(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
 
 def cache_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """A step's new keys and values, k and v [N, Hkv, D] (each row's heads contiguous)."""
     _check_operands(k, k_cache, v_cache)
     kv_heads, _, _, head_dim = k_cache.shape
     rows = k.shape[0]

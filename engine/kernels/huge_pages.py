@@ -10,7 +10,6 @@ import torch
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero CPU tensor in a fresh anonymous mapping advised to use huge pages."""
     count = math.prod(shape)
     if count == 0:
         return torch.zeros(shape, dtype=dtype)

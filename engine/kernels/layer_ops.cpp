@@ -1,5 +1,4 @@
-// The dense ops of a decoder layer on CPU, each one call where torch runs several small ops
-// (figures in docs/cpu-backend.md):
+// The dense ops of a decoder layer on CPU, each one call where torch runs several small ops:
 // - linear_rows: y = x W^T (+ b) for a few rows, over weights packed in panels
 //   (cpu_kernels.pack_panels) streamed once, every row's sums kept in registers.
 // - rms_norm: the residual add and the norm in one pass, rounded as the torch module rounds.
@@ -29,8 +28,7 @@ constexpr int VECTORS = 2;
 constexpr int64_t MAX_ROWS = 6;
 #endif
 constexpr int64_t PANEL = VECTORS * LANES;
-// Floats ahead of the read position prefetched into L2: about one memory latency (an L1
-// prefetch was slower).
+// Floats ahead of the read position prefetched into L2: about one memory latency.
 constexpr int64_t AHEAD = 1024;
 
 // `Rows` rows of x [Rows, K] against one panel [K][Vectors * LANES] -> y's `cols` columns.

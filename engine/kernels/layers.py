@@ -13,7 +13,6 @@ MIN_ROWS = 4  # oneDNN's fp32 GEMMs run fewer rows slower than this many: pad
 
 
 def packable(linear: nn.Linear) -> bool:
-    """Whether oneDNN has a packed GEMM for this linear's weight here."""
     weight = linear.weight
     return weight.device.type == "cpu" and (
         weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16
@@ -54,7 +53,6 @@ class PanelLinear(PackedLinear):
 
 
 class KernelRMSNorm(nn.Module):
-    """RMSNorm (engine.model.transformer's) on rms_norm; add_and_norm adds in place."""
 
     def __init__(self, weight: nn.Parameter, eps: float, offset: float) -> None:
         super().__init__()
@@ -70,14 +68,12 @@ class KernelRMSNorm(nn.Module):
 
 
 class KernelRotate(nn.Module):
-    """RoPE in place on rope."""
 
     def forward(self, x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
         return cpu_kernels.rope(x, rotation)
 
 
 class KernelSiluMul(nn.Module):
-    """SiLU(gate) * up on silu_mul."""
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         return cpu_kernels.silu_mul(gate_up)

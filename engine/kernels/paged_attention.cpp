@@ -22,8 +22,7 @@ namespace {
 using namespace tokenflow;
 
 // A request's blocks sit anywhere in the pool, where the hardware prefetcher cannot follow:
-// the block AHEAD is prefetched while one is computed, one row per 4 KiB page, which starts
-// the L2 streamer on the page (docs/cpu-backend.md has the figures).
+// the block AHEAD is prefetched, one row per 4 KiB page, which starts the L2 streamer.
 constexpr int64_t PAGE_BYTES = 4096;
 
 template <typename T>
@@ -89,7 +88,7 @@ inline void walk(const T* head, const int64_t* table, int64_t first, int64_t len
 }
 
 // HeadDim > 0 fixes the head size at compile time (the common 64 and 128): the loops over it
-// unroll and a head's accumulator stays in registers (measured 1.4x on the in-cache compute).
+// unroll and a head's accumulator stays in registers.
 template <typename T, int64_t HeadDim>
 void attend(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, T* out,
             const int64_t* tables, const int64_t* lengths, int64_t batch, int64_t table_width,
@@ -148,10 +147,7 @@ void attend(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, T*
 #pragma omp simd
                 for (int64_t i = 0; i < keys; ++i) sg[i] *= inv;
             }
-            // two query heads per walk over the values, which loads each value row once for
-            // both (one head per walk loaded it twice, the second time from L2: the
-            // vs-vLLM run's decode attention took 4% longer); the accumulators fit in
-            // registers
+            // two query heads per walk over the values: each value row is loaded once for both
             for (int64_t g = 0; g < group; g += 2) {
                 const float* __restrict s0 = scores + g * keys;
                 float* a0 = acc + g * head_dim;
@@ -200,8 +196,7 @@ void attend(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, T*
 // once), so each cached key row is read in place and broadcast one element at a time: a
 // tile's scores are [key][LANES rows], and the softmax's max, exp and sums run across keys
 // vector by vector, with no per-row reductions. P·V builds the output the same way,
-// [head dim][LANES rows]. torch's CPU flash kernel, over a gathered copy, ran a 512-token chunk
-// at 36-60 GFLOP/s here.
+// [head dim][LANES rows].
 
 // LANES (cpu_vectors.h): query rows per block, and keys per score tile
 constexpr int TILE_KEYS = 64;   // keys per softmax step: four score tiles
@@ -420,9 +415,9 @@ void paged_prefill(const void* q, const void* k_cache, const void* v_cache, void
 
 // q: [batch, kv_heads * group, head_dim], rows q_stride elements apart (a slice of the fused
 // q/k/v projection is read in place); out: the same shape, contiguous; caches: [kv_heads,
-// num_blocks, block_size, head_dim]; tables: [batch, table_width] block ids; lengths: [batch] keys per request
-// (its position + 1). window > 0 keeps the last `window` keys; softcap > 0 caps scores.
-// bf16 != 0: every tensor is bfloat16 (accumulation stays float), else float32.
+// num_blocks, block_size, head_dim]; tables: [batch, table_width] block ids; lengths: [batch]
+// keys per request (its position + 1). window > 0 keeps the last `window` keys; softcap > 0
+// caps scores. bf16 != 0: every tensor is bfloat16 (accumulation stays float), else float32.
 void paged_decode(const void* q, int64_t q_stride, const void* k_cache, const void* v_cache,
                   void* out, const int64_t* tables, const int64_t* lengths, int64_t batch,
                   int64_t table_width, int64_t kv_heads, int64_t group, int64_t head_dim,

@@ -42,7 +42,6 @@ class ChatTemplate:
 
 def load_chat_template(model: str, override: Path | None = None,
                        synthetic: bool = False) -> ChatTemplate | None:
-    """The template of `model` (a directory, or a synthetic preset when `synthetic`)."""
     directory = None if synthetic else Path(model).expanduser()
     special = _special_tokens(directory) if directory else {}
     if override is not None:

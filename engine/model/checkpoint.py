@@ -14,13 +14,11 @@ FUSED: dict[str, tuple[str, ...]] = {
 
 
 def fused_widths(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Output rows of each part of each fused projection, in FUSED's order."""
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     return {"qkv_proj": (q, kv, kv), "gate_up_proj": (config.intermediate_size,) * 2}
 
 
 def to_ours(hf_name: str, config: ModelConfig) -> tuple[str, int | None]:
-    """A checkpoint tensor's name in our model, and its part index in a fused projection."""
     name = hf_name.removeprefix("model.")
     if config.family.fused_checkpoint:
         return name, None
@@ -38,7 +36,6 @@ def fused_part(param: torch.Tensor, name: str, slot: int, config: ModelConfig) -
 
 
 def expected_parts(name: str, config: ModelConfig) -> list[str]:
-    """The keys a loader must see to fill parameter `name`."""
     fused = _fused_of(name)
     if fused is None or config.family.fused_checkpoint:
         return [name]

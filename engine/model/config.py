@@ -15,7 +15,7 @@ ROPE_SCALINGS = ("llama3", "linear")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str = "llama"  # a key of engine.model.family.FAMILIES
+    architecture: str = "llama"
     vocab_size: int = 512
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -28,10 +28,9 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None  # llama3 (factor, low/high_freq_factor, ...), linear
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2 has q/k/v bias
-    hidden_act: str = "silu"  # or gelu_pytorch_tanh (Gemma)
-    # Sliding-window attention: a query at position p sees keys in (p - window, p], on the
-    # layers listed; the others attend to the whole history.
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    # Sliding window: a query at p sees keys in (p - window, p], on the layers listed.
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
     rope_local_theta: float | None = None  # Gemma 3: the RoPE base of the windowed layers
@@ -84,11 +83,8 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * bytes_per_element
 
 
-# Synthetic presets: seeded random weights with these shapes and a byte-level tokenizer.
-# tiny is for tests, small (~20M) the CPU console default, 150m for CPU benchmarks; 1b, 7b
-# and 8b are the real shapes of Llama 3.2 1B, Llama 2 7B and Llama 3 8B for GPUs. Each other
-# family has a small (~20M, CPU) preset with its own features switched on, and the real
-# shape of one of its models for GPUs.
+# Synthetic presets: seeded random weights, a byte tokenizer; tiny for tests, small and 150m
+# for CPUs; 1b, 7b, 8b and each other family's larger preset are real shapes for GPUs.
 _LLAMA3_SCALING = {
     "rope_type": "llama3",
     "factor": 32.0,

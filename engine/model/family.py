@@ -9,13 +9,12 @@ from dataclasses import dataclass
 class Family:
     name: str
     hf_architecture: str  # `architectures` in config.json, and the transformers model class
-    hf_config: str  # the transformers config class (the hf baseline builds one)
-    qkv_bias: bool = False  # Qwen2: q/k/v projections carry a bias
+    hf_config: str
+    qkv_bias: bool = False
     qk_norm: bool = False  # RMSNorm over each head of q and k, before RoPE
-    # Gemma: (1 + w) RMSNorm, norms before and after both attention and the MLP, and
-    # embeddings scaled by √hidden
+    # Gemma: (1 + w) RMSNorm, norms around attention and the MLP, embeddings scaled by √hidden
     gemma: bool = False
-    fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj fused
+    fused_checkpoint: bool = False
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (

@@ -45,7 +45,6 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype, max_position
 
 
 def tokenizer_for(name: str, config: ModelConfig) -> Tokenizer:
-    """A model directory's tokenizer.json, else a byte tokenizer."""
     if not name.startswith(SYNTHETIC_PREFIX):
         tokenizer_file = _model_dir(name) / "tokenizer.json"
         if tokenizer_file.exists():

@@ -34,7 +34,6 @@ class RMSNorm(nn.Module):
 
     def add_and_norm(self, residual: torch.Tensor,
                      delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual stream plus a block's output, and its norm."""
         residual = residual + delta
         return residual, self(residual)
 
@@ -67,7 +66,6 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position up to max_positions, computed once."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None,
                  max_positions: int) -> None:
@@ -83,21 +81,18 @@ class RotaryEmbedding(nn.Module):
 
 
 def rotate(x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
-    """x [N, H, D] rotated by its global position (rotate-half layout)."""
     cos, sin = rotation
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class Rotate(nn.Module):
-    """RoPE applied to q and k heads [N, H, D] with a step's rotation (RotaryEmbedding.at)."""
 
     def forward(self, x: torch.Tensor, rotation: Rotation) -> torch.Tensor:
         return rotate(x, rotation)
 
 
 class ActAndMul(nn.Module):
-    """act(gate) * up over the fused gate/up projection [N, 2 * inter] -> [N, inter]."""
 
     def __init__(self, hidden_act: str) -> None:
         super().__init__()
@@ -186,7 +181,6 @@ class DecoderLayer(nn.Module):
     # the dense halves either side of attention: what Transformer.compile compiles
     def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None,
                          rotation: Rotation) -> tuple[torch.Tensor, ...]:
-        """The previous layer's output -> q, k, v and the residual stream."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -195,7 +189,6 @@ class DecoderLayer(nn.Module):
 
     def after_attention(self, attn: torch.Tensor,
                         residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Attention's output [N, Hq, D] -> the MLP's output and the residual stream."""
         attn = self.self_attn.o_proj(attn.flatten(1))
         if self.gemma:
             residual, h = self.pre_feedforward_layernorm.add_and_norm(
@@ -233,12 +226,10 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [N] -> hidden [N, H]."""
         x = self.embed(input_ids)
         return self.decoder(x, self.rotations(positions, x.dtype), kv_cache, meta)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [N] -> [N, H]."""
         x = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
@@ -246,7 +237,6 @@ class Transformer(nn.Module):
 
     def decoder(self, x: torch.Tensor, rotations: list[Rotation], kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """The layers and the final norm over embedded tokens x [N, H]."""
         before, after = self._dense_halves(x.shape[0])
         residual = None
         for index, (layer, rotation) in enumerate(zip(self.layers, rotations, strict=True)):
@@ -279,13 +269,12 @@ class Transformer(nn.Module):
             positions = torch.zeros(n, dtype=torch.int64, device=weight.device)
             before, after = self._dense_halves(n)
             rotations = self.rotations(positions, weight.dtype)
-            residual = None  # the first layer's variant, then the others'
+            residual = None
             for layer, rotation in zip(self.layers, rotations, strict=True):
                 q, _, _, residual = before(layer, x, residual, rotation)
                 x, residual = after(layer, q, residual)  # q: shaped as attention's output
 
     def rotations(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Rotation]:
-        """Each layer's cos/sin for this step's positions, gathered once per table."""
         tables: dict[int, Rotation] = {}
         rotations = []
         for layer in self.layers:
