@@ -38,7 +38,7 @@ from engine.batch import (
 from engine.budget.controller import BudgetController
 from engine.budget.plan import PlanItem, PlanRules, plan_prefills, replanned
 from engine.config import EngineConfig
-from engine.core.block_manager import BlockManager
+from engine.core.block_manager import BlockError, BlockManager
 from engine.core.equipment import BandwidthSource, PrefillWatch
 from engine.core.request import ChunkTiming, Request, RequestState
 from engine.events import (
@@ -196,7 +196,7 @@ class Scheduler:
                 continue
             # hot path (256 decodes under 1 ms): most decodes still fit their last block
             if request.num_computed_tokens >= len(request.block_table) * block_size:
-                while not self.blocks.can_grow(request, 1):
+                while self.blocks.allocate(request, 1) is None:
                     victim = self._pick_victim()
                     self._preempt(victim, batch)
                     if victim in (c.request for c in batch.decodes):
@@ -206,7 +206,6 @@ class Scheduler:
                         break
                 if request.state is RequestState.PREEMPTED:
                     continue
-                self.blocks.grow(request, 1)
             batch.decodes.append(ScheduledChunk.of(request, request.num_computed_tokens, 1))
             budget -= 1
         return budget
@@ -247,7 +246,8 @@ class Scheduler:
             if request.state is not RequestState.PREFILL_CHUNKING and self._admit(request, now):
                 fresh.append(request)
             chunk = ScheduledChunk(request, request.num_computed_tokens, tokens)
-            self.blocks.grow(request, tokens)
+            if self.blocks.allocate(request, tokens) is None:
+                raise BlockError("a prefill plan outgrew the free KV blocks")
             batch.prefills.append(chunk)
         if fresh:  # a new arrival shares the budget: everyone's plan changes
             self._replan(tuple(c.start + 1 for c in batch.decodes), fresh)
