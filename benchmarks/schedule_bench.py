@@ -65,7 +65,7 @@ def build(iterations: int, bandwidth: BandwidthSource) -> Scheduler:
         scheduler.add(request)
         scheduler.waiting.remove(request)  # placed as running, as if admitted long ago
         scheduler.running.append(request)
-        blocks.grow(request, context)
+        blocks.allocate(request, context)
         request.num_computed_tokens = context
         request.output_token_ids.append(5)
         request.set_state(RequestState.DECODING, "prefill complete")

@@ -78,7 +78,7 @@ def _timed(engine: Engine, chunks: list[ScheduledChunk], warmup: int, repeats: i
 def _request(engine: Engine, rid: str, tokens: int, state: RequestState) -> Request:
     request = Request(rid, [3 + i % 250 for i in range(tokens)], SamplingParams(max_tokens=1),
                       arrival=0.0, state=state)
-    engine.blocks.grow(request, tokens)
+    engine.blocks.allocate(request, tokens)
     return request
 
 

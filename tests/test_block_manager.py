@@ -64,17 +64,29 @@ def test_blocks_are_zeroed_when_reallocated() -> None:
     engine.generate([list(range(3, 20))], SamplingParams(max_tokens=2, ignore_eos=True))
     assert engine.runner.kv_cache.abs().sum() > 0  # the finished request left KV behind
     request = Request("r", [5] * 4, SamplingParams(max_tokens=1), arrival=0.0)
-    engine.blocks.grow(request, 4)
+    engine.blocks.allocate(request, 4)
     engine.runner.zero_blocks(engine.blocks.take_newly_allocated())
     block = request.block_table[0]
     assert engine.runner.kv_cache[:, :, :, block].abs().sum() == 0
     assert engine.runner.kv_cache.dtype.is_floating_point
 
 
+def test_allocate_returns_none_and_changes_nothing_when_the_pool_is_short() -> None:
+    blocks = BlockManager(4, 4)
+    first = Request("a", [5] * 9, SamplingParams(max_tokens=1), arrival=0.0)
+    assert blocks.allocate(first, 9) == [0, 1, 2]
+    assert blocks.allocate(first, 4) == []  # its last block still has room
+    other = Request("b", [5] * 8, SamplingParams(max_tokens=1), arrival=0.0)
+    assert blocks.allocate(other, 8) is None
+    assert other.block_table == [] and blocks.num_free == 1
+    assert blocks.take_newly_allocated() == [0, 1, 2]
+    blocks.check_consistent([first])
+
+
 def test_double_free_is_detected() -> None:
     blocks = BlockManager(4, 4)
     request = Request("r", [5] * 6, SamplingParams(max_tokens=1), arrival=0.0)
-    blocks.grow(request, 6)
+    blocks.allocate(request, 6)
     table = list(request.block_table)
     blocks.release(request)
     request.block_table = table
@@ -85,7 +97,7 @@ def test_double_free_is_detected() -> None:
 def test_fragmentation_counts_partly_filled_blocks() -> None:
     blocks = BlockManager(8, 4)
     request = Request("r", [5] * 6, SamplingParams(max_tokens=1), arrival=0.0)
-    blocks.grow(request, 6)
+    blocks.allocate(request, 6)
     request.num_computed_tokens = 6
     assert blocks.fragmentation([request]) == pytest.approx(2 / 8)
     assert blocks.usage == pytest.approx(2 / 8)
@@ -137,8 +149,7 @@ def test_shared_blocks_are_never_freed_or_moved_under_a_reader(ops) -> None:
         elif kind == "compute" and live:
             request = live[a % len(live)]
             step = min(tokens, request.num_pending)
-            if step and blocks.can_grow(request, step):
-                blocks.grow(request, step)
+            if step and blocks.allocate(request, step) is not None:
                 for block in blocks.take_newly_allocated():
                     pool.content[block] = None  # the runner zeroes it
                 end = request.num_computed_tokens + step
@@ -176,7 +187,7 @@ def test_shared_blocks_are_never_freed_or_moved_under_a_reader(ops) -> None:
 def test_freed_cached_blocks_are_evicted_least_recently_freed_first() -> None:
     blocks = BlockManager(4, BLOCK)
     first = Request("a", list(range(3, 12)), SamplingParams(max_tokens=1), 0.0)  # 2 full + 1
-    blocks.grow(first, 9)
+    blocks.allocate(first, 9)
     first.num_computed_tokens = 9
     blocks.cache_full_blocks(first)
     assert blocks.num_cached == 2
@@ -184,7 +195,7 @@ def test_freed_cached_blocks_are_evicted_least_recently_freed_first() -> None:
     assert blocks.num_free == 4
     # the two uncached blocks are reused first, then the cached tail before the cached head
     other = Request("b", [20] * 12, SamplingParams(max_tokens=1), 0.0)
-    blocks.grow(other, 12)
+    blocks.allocate(other, 12)
     assert blocks.num_cached == 1 and blocks.evictions == 1
     again = Request("c", list(range(3, 12)), SamplingParams(max_tokens=1), 0.0)
     assert blocks.take_cached(again) == BLOCK  # the head block survived
@@ -194,7 +205,7 @@ def test_freed_cached_blocks_are_evicted_least_recently_freed_first() -> None:
 def test_turning_caching_off_drops_every_hash() -> None:
     blocks = BlockManager(4, BLOCK)
     first = Request("a", list(range(3, 12)), SamplingParams(max_tokens=1), 0.0)
-    blocks.grow(first, 9)
+    blocks.allocate(first, 9)
     first.num_computed_tokens = 9
     blocks.cache_full_blocks(first)
     blocks.set_caching(False)
@@ -224,10 +235,7 @@ def test_blocks_are_handed_out_in_free_list_order(ops) -> None:
         elif kind == "compute" and live:
             request = live[a % len(live)]
             step = min(tokens, request.num_pending)
-            if step and blocks.can_grow(request, step):
-                held = len(request.block_table)
-                blocks.grow(request, step)
-                handed = request.block_table[held:]
+            if step and (handed := blocks.allocate(request, step)) is not None:
                 assert handed == reference[:len(handed)]
                 del reference[:len(handed)]
                 request.num_computed_tokens += step

@@ -80,18 +80,21 @@ class BlockManager:
         total = self.blocks_for(request.num_computed_tokens + num_new_tokens)
         return max(0, total - len(request.block_table))
 
-    def can_grow(self, request: Request, num_new_tokens: int) -> bool:
-        return self.blocks_needed(request, num_new_tokens) <= self.num_free
-
-    def grow(self, request: Request, num_new_tokens: int) -> None:
-        for _ in range(self.blocks_needed(request, num_new_tokens)):
-            if self.num_free <= 0:
-                raise BlockError("grow() without can_grow(): the pool is empty")
+    def allocate(self, request: Request, num_new_tokens: int) -> list[int] | None:
+        """Blocks for `num_new_tokens` more computed tokens: the ones added to the request's
+        table, or None, with nothing changed, when the pool cannot hold them."""
+        needed = self.blocks_needed(request, num_new_tokens)
+        if needed > self.num_free:
+            return None
+        new = []
+        for _ in range(needed):
             block = self._pop_free()
             self._forget(block)  # evicted: its KV is about to be overwritten
             self._ref_counts[block] = 1
-            self.newly_allocated.append(block)
-            request.block_table.append(block)
+            new.append(block)
+        self.newly_allocated += new
+        request.block_table += new
+        return new
 
     def release(self, request: Request) -> int:
         """Drop the request's references; returns how many blocks went back to the pool."""

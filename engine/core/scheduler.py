@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from bisect import insort
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Callable, Iterable
 
 from engine.batch import (
@@ -38,8 +38,10 @@ from engine.batch import (
 from engine.budget.controller import BudgetController
 from engine.budget.plan import PlanItem, PlanRules, plan_prefills, replanned
 from engine.config import EngineConfig
-from engine.core.block_manager import BlockManager
+from engine.core.admission import Admission
+from engine.core.block_manager import BlockError, BlockManager
 from engine.core.equipment import BandwidthSource, PrefillWatch
+from engine.core.modes import THROTTLE_CONCURRENCY, Modes
 from engine.core.request import ChunkTiming, Request, RequestState
 from engine.events import (
     CacheEvict,
@@ -48,17 +50,11 @@ from engine.events import (
     FailCause,
     Failed,
     Finished,
-    ModeChanged,
-    Preempted,
-    PrefixCacheLookup,
     StepComplete,
     TokensGenerated,
 )
 
 RECENT_FINISHED = 64  # ended requests still shown in snapshots
-QUEUED = (RequestState.WAITING, RequestState.PREEMPTED)
-# throttle level -> chunk concurrency cap (level 3 also pauses new prefills)
-THROTTLE_CONCURRENCY = {0: None, 1: 2, 2: 1, 3: 1}
 
 
 class Scheduler:
@@ -70,8 +66,8 @@ class Scheduler:
                  clock: Callable[[], float], *, watch: PrefillWatch,
                  eos_token_ids: Iterable[int], max_model_len: int,
                  decode: Callable[[list[int]], str] = lambda ids: "") -> None:
-        self.config = config
-        self.blocks = blocks
+        self.admission = Admission(config, blocks, publish, clock)
+        self.modes = Modes(bandwidth, publish, clock)
         self.bandwidth = bandwidth
         self.controller = controller
         self.watch = watch
@@ -82,19 +78,38 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}  # live: waiting, running or preempted
         self.recent: deque[Request] = deque(maxlen=RECENT_FINISHED)  # ended, newest last
-        self.waiting: list[Request] = []  # sorted by _queue_key
-        self.running: list[Request] = []  # admission order
-        self.mode = SchedulerMode.NORMAL
-        self.throttle_level = 0
-        self.cache_pressure = False
+        self.waiting = self.admission.waiting
+        self.running = self.admission.running
         self.prefill_paused = False  # the guards' degraded path
-        self._above_pause_since: float | None = None
-        self.bandwidth_util = 0.0
         self.steps = 0  # steps booked by `update`
         self._scheduled_at = 0.0  # when the step under way was scheduled
         self._plan_rules: PlanRules | None = None  # the rules the plans in force assume
         # plan_rules()'s last answer, with the configuration and the budget it was made for
         self._rules_made: tuple[EngineConfig, int, PlanRules] | None = None
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.admission.config
+
+    @property
+    def blocks(self) -> BlockManager:
+        return self.admission.blocks
+
+    @property
+    def mode(self) -> SchedulerMode:
+        return self.modes.mode
+
+    @property
+    def throttle_level(self) -> int:
+        return self.modes.throttle_level
+
+    @property
+    def cache_pressure(self) -> bool:
+        return self.modes.cache_pressure
+
+    @property
+    def bandwidth_util(self) -> float:
+        return self.modes.bandwidth_util
 
     def pause_prefill(self, paused: bool) -> None:
         """The guards' degraded path: one prefill at a time in chunk_tile-sized chunks."""
@@ -104,7 +119,7 @@ class Scheduler:
         """An engine restart: every live request leaves, and the KV pool starts empty."""
         for queue in (self.requests, self.waiting, self.running):
             queue.clear()
-        self.blocks = blocks
+        self.admission.blocks = blocks
         self.watch.clear()
         self.controller.forget_steps()
 
@@ -112,7 +127,7 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.requests[request.id] = request
         request.set_state(RequestState.WAITING, "queued")
-        insort(self.waiting, request, key=self._queue_key)
+        insort(self.waiting, request, key=self.admission.queue_key)
 
     def finish(self, request: Request, state: RequestState, reason: str,
                cause: FailCause | None = None) -> None:
@@ -149,9 +164,9 @@ class Scheduler:
         reorder = config.tenant_priorities != self.config.tenant_priorities
         if config.enable_prefix_caching != self.config.enable_prefix_caching:
             self.blocks.set_caching(config.enable_prefix_caching)
-        self.config = config
+        self.admission.config = config
         if reorder:
-            self.waiting.sort(key=self._queue_key)
+            self.waiting.sort(key=self.admission.queue_key)
 
     @property
     def token_budget(self) -> int:
@@ -177,7 +192,7 @@ class Scheduler:
     def schedule(self) -> Batch:
         now = self._scheduled_at = self.clock()
         self.controller.before_step(now, *self.decode_load(), self.config, self.max_model_len)
-        self._update_mode()
+        self.modes.update(self.config, self.blocks.usage)
         self.watch.mode(self.clock(), self.mode.value, self.throttle_level, self.prefill_paused)
         batch = Batch(mode=self.mode)
         budget = self._schedule_decodes(batch, self.token_budget)
@@ -196,9 +211,9 @@ class Scheduler:
                 continue
             # hot path (256 decodes under 1 ms): most decodes still fit their last block
             if request.num_computed_tokens >= len(request.block_table) * block_size:
-                while not self.blocks.can_grow(request, 1):
-                    victim = self._pick_victim()
-                    self._preempt(victim, batch)
+                while self.blocks.allocate(request, 1) is None:
+                    victim = self.admission.pick_victim()
+                    self.admission.preempt(victim, batch)
                     if victim in (c.request for c in batch.decodes):
                         batch.decodes = [c for c in batch.decodes if c.request is not victim]
                         budget += 1
@@ -206,7 +221,6 @@ class Scheduler:
                         break
                 if request.state is RequestState.PREEMPTED:
                     continue
-                self.blocks.grow(request, 1)
             batch.decodes.append(ScheduledChunk.of(request, request.num_computed_tokens, 1))
             budget -= 1
         return budget
@@ -216,7 +230,7 @@ class Scheduler:
         chunking = RequestState.PREFILL_CHUNKING
         in_progress = [r for r in self.running if r.state is chunking]
         if len(in_progress) > 1:
-            in_progress.sort(key=self._queue_key)
+            in_progress.sort(key=self.admission.queue_key)
         slots = cfg.max_prefill_chunks
         cap = THROTTLE_CONCURRENCY[self.throttle_level]
         if cap is not None:
@@ -228,138 +242,32 @@ class Scheduler:
             # minimal chunks so the service never stops.
             slots, chunk_cap = 1, cfg.chunk_tile
         admit = not (batch.preempted or self.cache_pressure or self.throttle_level >= 3)
-        candidates = in_progress + (self._admissible() if admit else [])
-        plan = self._plan_chunks(candidates, budget, slots, chunk_cap)
+        candidates = in_progress + (self.admission.admissible() if admit else [])
+        plan = self.admission.plan_chunks(candidates, budget, slots, chunk_cap)
         if not plan and not batch.decodes:
             # Nothing decodes, so no block will come back on its own: tenant limits yield
             # first, then the latest partial prefill gives its blocks to the others.
-            plan = self._plan_chunks(candidates, budget, slots, chunk_cap, isolate=False)
+            plan = self.admission.plan_chunks(candidates, budget, slots, chunk_cap, isolate=False)
             while not plan and len(in_progress) > 1:
-                victim = self._pick_victim()
-                self._preempt(victim, batch)
+                victim = self.admission.pick_victim()
+                self.admission.preempt(victim, batch)
                 in_progress.remove(victim)
-                plan = self._plan_chunks(in_progress, budget, slots, chunk_cap, isolate=False)
+                plan = self.admission.plan_chunks(in_progress, budget, slots, chunk_cap,
+                                                  isolate=False)
         if not plan:
             return
         now = self.clock()
         fresh = []
         for request, tokens in plan.items():
-            if request.state is not RequestState.PREFILL_CHUNKING and self._admit(request, now):
+            if (request.state is not RequestState.PREFILL_CHUNKING
+                    and self.admission.admit(request, now, self.steps)):
                 fresh.append(request)
             chunk = ScheduledChunk(request, request.num_computed_tokens, tokens)
-            self.blocks.grow(request, tokens)
+            if self.blocks.allocate(request, tokens) is None:
+                raise BlockError("a prefill plan outgrew the free KV blocks")
             batch.prefills.append(chunk)
         if fresh:  # a new arrival shares the budget: everyone's plan changes
             self._replan(tuple(c.start + 1 for c in batch.decodes), fresh)
-
-    def _admissible(self) -> list[Request]:
-        # every running request must fit one decode token in the budget (stall-free)
-        limit = min(self.config.max_num_seqs, self.config.max_num_batched_tokens)
-        room = limit - len(self.running)
-        return self.waiting[:max(0, room)]
-
-    def _plan_chunks(self, candidates: list[Request], budget: int, slots: int,
-                     chunk_cap: float, isolate: bool = True) -> dict[Request, int]:
-        """Token counts per request: shares first (pitfall 5), then leftovers, FCFS.
-
-        `isolate=False` drops the tenant limits (budget shares and KV room)."""
-        if not candidates:
-            return {}
-        cfg = self.config
-        tile = cfg.chunk_tile
-        free_blocks = self.blocks.num_free
-        tenants = {r.tenant for r in candidates}
-        shared = isolate and len(tenants) > 1 and any(t in cfg.tenant_shares for t in tenants)
-        tenant_left = self._tenant_budgets(tenants, budget) if shared else None
-        kv_left = self._tenant_kv_room(tenants) if isolate else {}
-        plan: dict[Request, int] = {}
-        for use_shares in ((True, False) if shared else (False,)):
-            for request in candidates:
-                if budget < 1:
-                    break
-                if request not in plan and len(plan) >= slots:
-                    continue
-                took = 0
-                if not request.block_table and request.state in QUEUED:
-                    # its cached prefix costs no budget: the plan covers only the rest
-                    before = self.blocks.num_free
-                    self.blocks.take_cached(request)
-                    took = before - self.blocks.num_free
-                    free_blocks -= took
-                have = plan.get(request, 0)
-                want = min(request.num_pending - have, budget, chunk_cap - have)
-                if use_shares and tenant_left is not None:
-                    want = min(want, tenant_left[request.tenant])
-                by_kv = ((len(request.block_table) + free_blocks) * self.blocks.block_size
-                         - request.num_computed_tokens - have)
-                want = min(want, by_kv, kv_left.get(request.tenant, math.inf))
-                total = have + int(max(0, want))
-                if total < request.num_pending:
-                    # partial chunks are whole tiles; without chunking, whole prompts only
-                    total = total // tile * tile if cfg.chunked_prefill else 0
-                added = total - have
-                if (added <= 0 and request not in plan and request.block_table
-                        and request.state in QUEUED):
-                    # left out: a waiting request holds no block (its cached ones may be
-                    # the very blocks the others need)
-                    self.blocks.release(request)
-                    request.num_computed_tokens = 0
-                    free_blocks += took
-                if added <= 0:
-                    queued = request.state in QUEUED
-                    if queued and by_kv < min(request.num_pending - have, tile):
-                        break  # FCFS: the head waits for blocks; later ones do not jump it
-                    continue
-                plan[request] = total
-                budget -= added
-                blocks_before = self.blocks.blocks_for(request.num_computed_tokens + have)
-                blocks_after = self.blocks.blocks_for(request.num_computed_tokens + total)
-                free_blocks -= max(0, blocks_after - max(blocks_before, len(request.block_table)))
-                if tenant_left is not None:
-                    tenant_left[request.tenant] -= added
-                if request.tenant in kv_left:
-                    kv_left[request.tenant] -= added
-        return plan
-
-    def _tenant_budgets(self, tenants: Iterable[str], budget: int) -> dict[str, float]:
-        shares = self.config.tenant_shares
-        tenants = list(tenants)
-        unassigned = [t for t in tenants if t not in shares]
-        rest = max(0.0, 1.0 - sum(shares.get(t, 0.0) for t in tenants))
-        default = rest / len(unassigned) if unassigned else 0.0
-        return {t: math.floor(shares.get(t, default) * budget) for t in tenants}
-
-    def _tenant_kv_room(self, tenants: Iterable[str]) -> dict[str, float]:
-        """Tokens each tenant with a share may still place in the KV pool."""
-        shares = self.config.tenant_shares
-        if not any(t in shares for t in tenants):
-            return {}
-        held: dict[str, int] = defaultdict(int)
-        for request in self.running:
-            held[request.tenant] += len(request.block_table)
-        room = {}
-        for tenant in tenants:
-            if tenant in shares:
-                blocks = shares[tenant] * self.blocks.num_blocks - held[tenant]
-                room[tenant] = max(0.0, blocks * self.blocks.block_size)
-        return room
-
-    def _admit(self, request: Request, now: float) -> bool:
-        """Move a waiting request to running; True at its first admission."""
-        self.waiting.remove(request)
-        self.running.append(request)
-        request.admissions.append(now)
-        request.cached_tokens = request.num_computed_tokens
-        if self.config.enable_prefix_caching:
-            self.publish(PrefixCacheLookup(request_id=request.id, queried_tokens=request.num_tokens,
-                                           cached_tokens=request.cached_tokens))
-        request.set_state(RequestState.PREFILL_CHUNKING,
-                          "recompute after preemption" if request.num_preemptions else "admitted")
-        if request.prefill_started is not None:
-            return False
-        request.prefill_started = now
-        request.last_chunk_step = self.steps
-        return True
 
     # --- the prefill plan budget_score is measured against (engine.budget.plan) ---------
     def plan_rules(self) -> PlanRules:
@@ -396,7 +304,7 @@ class Scheduler:
             return
         fresh = set(fresh)
         prefilling = sorted((r for r in self.running if r.state is RequestState.PREFILL_CHUNKING),
-                            key=self._queue_key)
+                            key=self.admission.queue_key)
         if not prefilling:
             return
         rules = self._plan_rules = self.plan_rules()
@@ -540,67 +448,8 @@ class Scheduler:
         self.watch.prefill_ended(request, end, self.config, self.controller.step_overhead_s)
 
     # --- preemption ---------------------------------------------------------------------
-    def _pick_victim(self) -> Request:
-        """Lowest priority, latest arrival; requests preempted often are protected."""
-        protect = self.config.preempt_protect_after
-        candidates = [r for r in self.running if r.num_preemptions < protect] or self.running
-        # equal arrivals: the latest admitted goes, as the waiting queue orders ties
-        return min(reversed(candidates), key=lambda r: (self._priority(r), -r.arrival))
-
-    def _preempt(self, victim: Request, batch: Batch) -> None:
-        discarded = victim.num_computed_tokens
-        self.running.remove(victim)
-        self.blocks.release(victim)
-        victim.num_computed_tokens = 0
-        victim.preempted_at.append(self.clock())
-        victim.num_preemptions += 1
-        victim.set_state(RequestState.PREEMPTED, "KV blocks exhausted; will recompute")
-        insort(self.waiting, victim, key=self._queue_key)
-        batch.preempted.append(victim)
-        self.publish(Preempted(request_id=victim.id, reason=victim.reason,
-                               tokens_discarded=discarded))
 
     # --- modes --------------------------------------------------------------------------
-    def _update_mode(self) -> None:
-        cfg = self.config
-        usage = self.blocks.usage
-        if self.cache_pressure and usage < cfg.cache_low_watermark:
-            self.cache_pressure = False
-        elif not self.cache_pressure and usage >= cfg.cache_high_watermark:
-            self.cache_pressure = True
-        now = self.clock()
-        util = self.bandwidth.reading().util_5s
-        self.bandwidth_util = util
-        if util > cfg.bandwidth_pause:
-            self._above_pause_since = self._above_pause_since or now
-        else:
-            self._above_pause_since = None
-        level = 0
-        if self._above_pause_since is not None and now - self._above_pause_since >= \
-                cfg.bandwidth_pause_s:
-            level = 3
-        elif util > cfg.bandwidth_throttle_1:
-            level = 2
-        elif util > cfg.bandwidth_throttle_2:
-            level = 1
-        if self.cache_pressure:
-            mode = SchedulerMode.CACHE_PRESSURE_WAIT
-        elif level:
-            mode = SchedulerMode.BANDWIDTH_THROTTLE
-        else:
-            mode = SchedulerMode.NORMAL
-        if mode is not self.mode or level != self.throttle_level:
-            reason = (f"kv usage {usage:.2f}, bandwidth 5s avg {util:.2f}, "
-                      f"throttle level {level}")
-            self.publish(ModeChanged(old=self.mode.value, new=mode.value, reason=reason))
-            self.mode, self.throttle_level = mode, level
-
-    def _priority(self, request: Request) -> int:
-        """The request's own priority plus its tenant's entry in tenant_priorities."""
-        return request.priority + self.config.tenant_priorities.get(request.tenant, 0)
-
-    def _queue_key(self, request: Request) -> tuple[int, float]:
-        return (-self._priority(request), request.arrival)
 
 
 def request_output(request: Request, new_tokens: tuple[int, ...]) -> RequestOutput:

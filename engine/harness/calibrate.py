@@ -367,8 +367,8 @@ class Calibration:
         blocks, runner = self.engine.blocks, self.engine.runner
         holder = _dummy_request(1, RequestState.PREFILL_CHUNKING)
         # Grow a block at a time until the pool refuses: what a request can really get.
-        while blocks.can_grow(holder, len(holder.block_table) * blocks.block_size + 1):
-            blocks.grow(holder, len(holder.block_table) * blocks.block_size + 1)
+        while blocks.allocate(holder, len(holder.block_table) * blocks.block_size + 1):
+            pass  # one block a call: a grant is never empty
         granted = len(holder.block_table)
         start = time.perf_counter()
         runner.zero_blocks(blocks.take_newly_allocated())
@@ -387,11 +387,12 @@ class Calibration:
         """Seconds of the last of `runs` steps of `batch`; None if the free KV cannot hold them."""
         chunks = batch.chunks
         blocks = self.engine.blocks
-        needed = sum(blocks.blocks_for(c.start + c.num_tokens) for c in chunks)
-        if needed > blocks.num_free:
-            return None
-        for chunk in chunks:
-            blocks.grow(chunk.request, chunk.start + chunk.num_tokens)
+        for index, chunk in enumerate(chunks):
+            if blocks.allocate(chunk.request, chunk.start + chunk.num_tokens) is None:
+                for placed in chunks[:index]:
+                    blocks.release(placed.request)
+                blocks.take_newly_allocated()
+                return None
         try:
             self.engine.runner.zero_blocks(blocks.take_newly_allocated())
             seconds = math.nan

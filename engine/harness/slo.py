@@ -23,7 +23,8 @@ def measure_decode_step(engine: Engine, batch: int = 8, context: int = 128,
     for i in range(batch):
         request = Request(f"slo-probe-{i}", [3] * context, SamplingParams(max_tokens=1),
                           arrival=0.0, state=RequestState.DECODING)
-        engine.blocks.grow(request, context)
+        if engine.blocks.allocate(request, context) is None:
+            raise ValueError(f"the KV pool cannot hold {batch} sequences of {context} tokens")
         request.num_computed_tokens = context - 1
         requests.append(request)
     step = Batch(decodes=[ScheduledChunk(r, context - 1, 1) for r in requests])
