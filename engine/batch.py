@@ -1,23 +1,82 @@
-"""The step's contracts: what the scheduler hands the runner (`Batch` of `ScheduledChunk`s),
-what the runner hands back (`ModelRunnerOutput`), what a step cost (`StepShape`, `StepTiming`)
-and what a caller of `Engine.step` receives (`RequestOutput`).
-
-The runner, the cost models, the calibrator, the SLO code and the chaos harness import this
-module rather than the scheduler (vLLM V1 keeps `SchedulerOutput` apart for the same reason).
-It imports nothing heavy, so `tokenflow roofline` stays free of torch.
-"""
+"""The step's contracts (a leaf, free of torch): the scheduler's `Batch`, the runner's
+`ModelRunnerOutput`, a step's cost (`StepShape`, `StepTiming`) and `RequestOutput`."""
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple
-
-from engine.core.request import TokenLogprob
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 if TYPE_CHECKING:
-    from engine.core.request import Request
+    from engine.config import SamplingParams
+
+
+class TokenLogprob(NamedTuple):  # a tuple: one per token of a request that asks
+    """A token's log-probability, its rank in the vocabulary (1 is the likeliest) and the
+    top N (token id, log-probability) pairs at its position, likeliest first."""
+
+    token: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkTiming:
+    """One prefill chunk as its step was booked (a part of the request's timeline)."""
+
+    index: int
+    start: int  # first prompt position
+    tokens: int
+    duration_s: float  # the step's measured time
+    predicted_s: float  # the step's predicted time, whole
+    step_start: float = 0.0  # when the step's forward pass began (the engine's clock)
+    step: int = 0
+    decodes: int = 0  # decodes in the same step
+    other_prefill_tokens: int = 0  # other requests' prefill tokens in the same step
+    mode: str = "NORMAL"
+    throttle_level: int = 0
+    attempt: int = 0  # preemptions before it: chunks of an earlier attempt were recomputed
+
+
+@dataclass(frozen=True)
+class PlannedChunk:
+    """One chunk of a request's prefill plan (the scheduler's normal-mode rules over the
+    work known at planning time): positions, the predicted time of the step carrying it and
+    of the steps it waited (`wait_steps`) behind decodes and earlier prefills."""
+
+    start: int
+    tokens: int
+    predicted_s: float
+    wait_s: float = 0.0
+    wait_steps: int = 0
+    decodes: int = 0
+    other_prefill_tokens: int = 0
+
+    @property
+    def budget_s(self) -> float:
+        return self.wait_s + self.predicted_s
+
+
+class ChunkRequest(Protocol):
+    """What a chunk's readers use of its request (engine.core.request.Request)."""
+
+    id: str
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    block_table: list[int]
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
+    def is_decoding(self) -> bool: ...
+
+    def tokens_between(self, start: int, end: int) -> list[int]: ...
 
 
 class SchedulerMode(enum.StrEnum):
@@ -27,8 +86,7 @@ class SchedulerMode(enum.StrEnum):
 
 
 class _memo:  # a decorator, named like the one it stands for
-    """functools.cached_property without Python 3.11's per-class lock, which a shape made
-    and priced every step paid on each first read."""
+    """functools.cached_property without its per-class lock: shapes are made every step."""
 
     def __init__(self, fn: Callable[[Any], Any]) -> None:
         self._fn, self._name = fn, fn.__name__
@@ -42,17 +100,13 @@ class _memo:  # a decorator, named like the one it stands for
 
 @dataclass(frozen=True)
 class StepShape:
-    """What one step computes, as the cost models need it.
-
-    prefill: (chunk_tokens, context_before) per prefill chunk in the step; decode_contexts: the
-    cached context length of each decode sequence.
-    """
+    """What one step computes: (chunk_tokens, context_before) per prefill chunk and the
+    cached context length of each decode."""
 
     prefill: tuple[tuple[int, int], ...] = ()
     decode_contexts: tuple[int, ...] = ()
     scored_rows: int = 0  # extra logits rows computed to score prompt tokens (prompt_logprobs)
 
-    # memoised: the cost models read these several times for every shape they price
     @_memo
     def prefill_tokens(self) -> int:
         return sum(chunk for chunk, _ in self.prefill)
@@ -64,8 +118,7 @@ class StepShape:
 
     @property
     def logits_rows(self) -> int:
-        """Rows of logits computed: one per prefill chunk end and one per decode, and the
-        rows that score prompt tokens."""
+        """Rows of logits: one per prefill chunk end and per decode, plus scoring rows."""
         return len(self.prefill) + len(self.decode_contexts) + self.scored_rows
 
     @_memo
@@ -79,9 +132,7 @@ class StepShape:
         return self.cached_tokens_read + self.prefill_tokens + len(self.decode_contexts)
 
     def counted(self, key: str, count: Callable[[StepShape], float]) -> float:
-        """`count(self)`, kept under `key`: a shape never changes, so a count made once
-        stands for every model that counts alike (the engine prices a step, a simulated
-        executor times it, the step's event reports its FLOPs and bytes)."""
+        """`count(self)`, kept under `key`: a shape never changes."""
         memo = self.__dict__  # beside the memoised properties, never a field
         value = memo.get(key)
         if value is None:
@@ -91,14 +142,13 @@ class StepShape:
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    request: Request
+    request: ChunkRequest
     start: int  # first token position computed this step
     num_tokens: int
 
     @classmethod
-    def of(cls, request: Request, start: int, num_tokens: int) -> ScheduledChunk:
-        """The object the constructor makes, made for the hot path (a chunk per decode per
-        step): see RequestOutput.of."""
+    def of(cls, request: ChunkRequest, start: int, num_tokens: int) -> ScheduledChunk:
+        """The constructor's object, without a frozen __init__'s per-field setattr."""
         chunk = object.__new__(cls)
         chunk.__dict__.update(request=request, start=start, num_tokens=num_tokens)
         return chunk
@@ -114,8 +164,8 @@ class ScheduledChunk:
 
     @property
     def scored_rows(self) -> int:
-        """Rows whose logits score a prompt token (row i predicts the token at start + i +
-        1): those of a prefill chunk whose request asks for prompt logprobs, else none."""
+        """Rows scoring prompt tokens (row i predicts position start + i + 1), for a prefill
+        chunk whose request asks for prompt logprobs."""
         request = self.request
         if request.params.prompt_logprobs is None or self.is_decode:
             return 0
@@ -126,7 +176,7 @@ class ScheduledChunk:
 class Batch:
     prefills: list[ScheduledChunk] = field(default_factory=list)
     decodes: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # request ids
     mode: SchedulerMode = SchedulerMode.NORMAL
     # derived once the batch is scheduled (it is not changed after): see shape(), sampling
     _shape: StepShape | None = field(default=None, init=False, repr=False, compare=False)
@@ -140,9 +190,8 @@ class Batch:
 
     @property
     def sampling(self) -> list[ScheduledChunk]:
-        """The chunks that sample a token, in `chunks` order (the rows of the logits); found
-        once, before the step's tokens are appended (the runner and the scheduler's update
-        both read it). Every decode samples: it computes its request's last token."""
+        """The chunks that sample a token, in logits-row order; found once, before the
+        step's tokens are appended (runner and update both read it)."""
         if self._sampling is None:
             self._sampling = [c for c in self.prefills if c.samples] + self.decodes
         return self._sampling
@@ -152,8 +201,7 @@ class Batch:
         return sum(c.num_tokens for c in self.prefills) + len(self.decodes)
 
     def shape(self) -> StepShape:
-        """The step's shape, built once: the engine prices it and a simulated executor runs
-        it."""
+        """The step's shape, built once."""
         if self._shape is None:
             self._shape = StepShape(prefill=tuple((c.num_tokens, c.start) for c in self.prefills),
                                     decode_contexts=tuple(c.start + 1 for c in self.decodes),
@@ -163,10 +211,8 @@ class Batch:
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
-    """One step's sampled tokens by request id; a request whose sampling raised is in
-    `errors` (id -> what went wrong) instead, so it fails alone. Requests that
-    ask for them get their sampled token's logprob, and the prompt tokens each prefill
-    chunk scored (positions from 1: the first prompt token has no prediction)."""
+    """One step's sampled tokens by request id, or the error that fails that request alone;
+    logprobs and scored prompt tokens (from position 1) for requests that ask."""
 
     token_ids: dict[str, int] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
@@ -175,8 +221,7 @@ class ModelRunnerOutput:
 
 
 class StepTiming(NamedTuple):  # a tuple: made every step
-    """When a step's forward pass and sampling ended, how long they took, what the budget
-    model predicted."""
+    """When a step's forward pass ended, how long it took and what was predicted."""
 
     end: float
     duration_s: float

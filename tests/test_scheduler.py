@@ -207,7 +207,7 @@ def test_preemption_recomputes_the_lowest_priority_latest_arrival() -> None:
     s.add(4, max_tokens=1)  # waits: nothing is admitted in a step that preempted
     batch = s.step()  # every decode crosses into a fourth block
     victim = requests[2]  # priority 0, arrived last among priority 0
-    assert batch.preempted == [victim]
+    assert batch.preempted == [victim.id]
     assert victim.state is RequestState.PREEMPTED and victim.num_computed_tokens == 0
     assert victim.block_table == [] and victim.num_preemptions == 1
     assert not batch.prefills
@@ -224,11 +224,11 @@ def test_a_request_preempted_often_is_protected_while_others_can_go() -> None:
     s, requests = _full_pool()
     s.set_config(preempt_protect_after=2)
     requests[2].num_preemptions = 2
-    assert s.step().preempted == [requests[1]]  # next lowest priority, latest arrival
+    assert s.step().preempted == [requests[1].id]  # next lowest priority, latest arrival
     s, requests = _full_pool()
     for r in requests:
         r.num_preemptions = 3
-    assert s.step().preempted == [requests[2]]  # all protected: the usual order again
+    assert s.step().preempted == [requests[2].id]  # all protected: the usual order again
 
 
 def test_in_progress_prefills_that_fill_the_pool_do_not_deadlock() -> None:

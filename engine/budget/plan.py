@@ -6,8 +6,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.batch import StepShape
-from engine.budget.planned_chunk import PlannedChunk
+from engine.batch import PlannedChunk, StepShape
 
 BUDGET_SCORE_DEFINITION = (
     "budget_score = measured prefill time / planned prefill time. The plan is the predicted "

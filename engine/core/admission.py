@@ -160,6 +160,6 @@ class Admission:
         victim.num_preemptions += 1
         victim.set_state(RequestState.PREEMPTED, "KV blocks exhausted; will recompute")
         insort(self.waiting, victim, key=self.queue_key)
-        batch.preempted.append(victim)
+        batch.preempted.append(victim.id)
         self.publish(Preempted(request_id=victim.id, reason=victim.reason,
                                tokens_discarded=discarded))

@@ -1,26 +1,21 @@
-"""A request as the engine sees it: tokens, progress, state and the timings behind its metrics.
-
-Like vLLM V1 there are no phases: `num_computed_tokens` (tokens whose KV is cached) catches
-up with `num_tokens`; a decode is simply a request one token behind.
-"""
+"""A request as the engine sees it; as in vLLM V1 a decode is a request one token behind
+(`num_computed_tokens` catches up with `num_tokens`), not a phase."""
 
 from __future__ import annotations
 
 import enum
 from array import array
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
+from engine.batch import ChunkTiming, PlannedChunk, TokenLogprob
 from engine.config import SamplingParams
 
-if TYPE_CHECKING:  # only named in annotations: the console's plan reads import this module
+if TYPE_CHECKING:  # the console imports this module without torch
     import torch
 
-    from engine.budget.planned_chunk import PlannedChunk
 
-
-# the tags the HTTP server gives a chat completion's requests and a prompt-scoring request's
-# (distinct from workload tags), shown with slow queries
+# the HTTP server's tags for chat completions and prompt scoring, shown with slow queries
 CHAT_TAG = "chat-completion"
 SCORE_TAG = "prompt-score"
 
@@ -42,34 +37,6 @@ class RequestState(enum.StrEnum):
 _FINAL = frozenset((RequestState.FINISHED, RequestState.FAILED, RequestState.REJECTED))
 
 
-class TokenLogprob(NamedTuple):  # a tuple: one per token of a request that asks
-    """A token's log-probability, its rank in the vocabulary (1 is the likeliest) and the
-    top N (token id, log-probability) pairs at its position, likeliest first."""
-
-    token: int
-    logprob: float
-    rank: int
-    top: tuple[tuple[int, float], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkTiming:
-    """One prefill chunk as its step was booked (a part of the request's timeline)."""
-
-    index: int
-    start: int  # first prompt position
-    tokens: int
-    duration_s: float  # the step's measured time
-    predicted_s: float  # the step's predicted time, whole
-    step_start: float = 0.0  # when the step's forward pass began (the engine's clock)
-    step: int = 0
-    decodes: int = 0  # decodes in the same step
-    other_prefill_tokens: int = 0  # other requests' prefill tokens in the same step
-    mode: str = "NORMAL"
-    throttle_level: int = 0
-    attempt: int = 0  # preemptions before it: chunks of an earlier attempt were recomputed
-
-
 @dataclass(eq=False)
 class Request:
     id: str
@@ -84,8 +51,7 @@ class Request:
     state: RequestState = RequestState.WAITING
     reason: str = "queued"
     block_table: list[int] = field(default_factory=list)
-    # prefix cache: hashes of its full blocks (memo), how many of its table's blocks are
-    # registered, and the tokens its latest admission found cached
+    # prefix cache: its full blocks' hashes, how many are registered, tokens found cached
     block_hashes: list[bytes] = field(default_factory=list)
     num_hashed_blocks: int = 0
     cached_tokens: int = 0
@@ -95,16 +61,14 @@ class Request:
     chunks: list[ChunkTiming] = field(default_factory=list)
     prefill_started: float | None = None
     prefill_finished: float | None = None
-    # the prefill budget (issue 16): the plan for the whole prompt, re-planned from the
-    # current position when the plan changes for a reason that is not a fault; empty until
-    # the engine is calibrated (no verdict before then)
+    # the prefill plan, re-planned from the current position when it changes for a reason
+    # that is not a fault; empty until the engine is calibrated
     planned: list[PlannedChunk] = field(default_factory=list)
     replans: int = 0
-    # timeline (issue 16): appended as it happens, explained if the request is slow
+    # timeline: appended as it happens, explained if the request is slow
     admissions: list[float] = field(default_factory=list)
     preempted_at: list[float] = field(default_factory=list)
-    # seconds between tokens after the first, kept only once the request is flagged slow
-    # (its prefill has ended by then, so no gap is missed); raw doubles, no object per token
+    # seconds between tokens, kept only once the request is flagged slow
     decode_gaps: array[float] | None = None
     worst_gap: tuple[float, int] | None = None  # the longest decode gap and its step
     last_chunk_step: int = 0  # the scheduler's step count at its last chunk (or admission)
@@ -112,7 +76,7 @@ class Request:
     last_token_time: float | None = None
     finish_time: float | None = None
     generator: torch.Generator | None = None  # a seeded request's, made at its first draw
-    # asked-for logprobs: one per generated token, and one per prompt token from the second
+    # asked-for logprobs: per generated token, and per prompt token from the second
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     stop_checked_chars: int = 0  # output text already searched for stop strings
@@ -150,7 +114,7 @@ class Request:
 
     @property
     def budget_score(self) -> float | None:
-        """Measured prefill time / planned prefill time (seed 000 §6, issue 16)."""
+        """Measured prefill time over planned prefill time."""
         if self.prefill_finished is None or self.prefill_started is None:
             return None
         budget = self.budgeted_prefill_s
@@ -180,9 +144,8 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt]
 
     def match_stop(self, text: str) -> bool:
-        """Whether the output `text` (decoded, incomplete characters held back) now holds
-        one of the stop strings, across token boundaries; sets `text_end` to where the text
-        is cut: before the earliest match, or after it with include_stop_str_in_output."""
+        """Whether the output `text` now holds a stop string; sets `text_end` where the text
+        is cut (before the earliest match, or after it with include_stop_str_in_output)."""
         stops = self.params.stop
         # only what the new characters can complete: a match ending before them was seen
         since = max(0, self.stop_checked_chars - max(map(len, stops)) + 1)
