@@ -14,14 +14,13 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from engine.batch import Batch, ModelRunnerOutput, RequestOutput, StepShape, StepTiming
-from engine.budget.auto import token_budget_for
 from engine.budget.controller import BudgetController
 from engine.budget.cost_model import BudgetModel
 from engine.budget.peaks import measure_peaks
 from engine.budget.predictor import StepTimeRatio
 from engine.clock import Clock
 from engine.config import ConfigError, EngineConfig, SamplingParams
-from engine.core import intake
+from engine.core import intake, observation
 from engine.core.block_manager import BlockManager
 from engine.core.equipment import Equipment, GuardDecisions, GuardInputs
 from engine.core.executor import Executor
@@ -37,9 +36,8 @@ from engine.events import (
     GuardAction,
     Rejected,
     RequestAdded,
-    wall_offset,
 )
-from engine.snapshot import RequestView, Snapshot
+from engine.snapshot import Snapshot
 
 __all__ = ["Engine", "RequestOutput"]
 
@@ -315,70 +313,10 @@ class Engine:
 
     # --- observation --------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
-        now = self.clock()
-        s = self.scheduler
-        live = list(s.requests.values())
-        cstar = s.controller.cstar
-        chunk = s.controller.recommended_chunk(now, *s.decode_load(), self.config)
-        reading = self.bandwidth.reading()
-        return Snapshot(
-            ts=now, wall_offset=wall_offset(), model=self.config.model,
-            device=str(self.runner.device),
-            mode=s.mode.value, step=s.steps,
-            mode_reason=self._mode_reason(), config=self.config.live_values(),
-            requests=tuple(_view(r, self.config.max_num_batched_tokens)
-                           for r in [*s.recent, *live]),
-            num_running=len(s.running), num_waiting=len(s.waiting),
-            chunk_queue_length=s.chunk_queue_length,
-            kv_usage=self.blocks.usage, kv_blocks_used=self.blocks.num_used,
-            kv_blocks_total=self.blocks.num_blocks,
-            kv_fragmentation=self.blocks.fragmentation(live),
-            kv_compactions_total=self.blocks.compactions,
-            kv_blocks_moved_total=self.blocks.blocks_moved,
-            kv_block_size=self.config.block_size,
-            kv_bytes_total=float(self.blocks.num_blocks * self.block_bytes),
-            bandwidth_bytes_per_s=reading.util_5s * self.peaks.bandwidth,
-            bandwidth_util_5s=reading.util_5s, bandwidth_source=reading.source,
-            throttle_level=s.throttle_level,
-            calibration="calibrated" if self.calibrated else "calibrating",
-            recommended_chunk_size=chunk,
-            recommended_chunk_unclamped=None if chunk is None else cstar.unclamped,
-            recommended_token_budget=None if chunk is None else token_budget_for(
-                max(cstar.unclamped or chunk, self.config.chunk_tile), cstar.decodes,
-                self.config.chunk_tile),
-            recommended_decodes=None if chunk is None else cstar.decodes,
-            token_budget=s.token_budget,
-            faults_isolated_total=self.guards.faults_isolated,
-            kv_blocks_cached=self.blocks.num_cached,
-            guards=self.guards.engaged(),
-            **self.metrics.snapshot_fields(now),
-        )
-
-    def _mode_reason(self) -> str:
-        s = self.scheduler
-        if s.cache_pressure:
-            return (f"KV usage {self.blocks.usage:.0%} reached the high watermark "
-                    f"{self.config.cache_high_watermark:.0%}; decodes only")
-        if s.throttle_level:
-            return (f"bandwidth 5 s average {s.bandwidth_util:.0%}: "
-                    f"throttle level {s.throttle_level}")
-        return ""
+        return observation.snapshot(self)
 
 
 def _params_dict(params: SamplingParams) -> dict[str, object]:
     """Every field, so a resumed request samples as it was asked to (tuples: JSON lists)."""
     return dataclasses.asdict(params)
 
-
-def _view(request: Request, budget: int) -> RequestView:
-    chunk = max(1, budget)
-    return RequestView(
-        id=request.id, tenant=request.tenant, state=request.state.value, reason=request.reason,
-        prompt_tokens=request.num_prompt_tokens,
-        prefilled_tokens=min(request.num_computed_tokens, request.num_prompt_tokens),
-        chunks_done=len(request.chunks),
-        chunks_total=max(len(request.chunks), -(-request.num_prompt_tokens // chunk)),
-        generated_tokens=len(request.output_token_ids), cached_tokens=request.cached_tokens,
-        ttft_ms=None if request.ttft_s is None else request.ttft_s * 1000,
-        tpot_ms=None if request.tpot_s is None else request.tpot_s * 1000,
-        budget_score=request.budget_score, arrival_s=request.arrival, kind=request.kind)

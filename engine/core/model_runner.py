@@ -13,7 +13,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -36,16 +35,10 @@ from engine.core.backend_choice import (
 from engine.core.kernel_swap import PACKED, PLAIN, KernelSwap
 from engine.core.kv_sizing import kv_budget, read_cuda_memory
 from engine.core.sampler import sample, token_logprobs
+from engine.core.step_inputs import InputLayout, StepInputs, prepare
 from engine.errors import EngineError
 from engine.kernels import huge_pages
-from engine.kernels.attention import (
-    FLASH_BLOCK_SIZE,
-    AttentionMetadata,
-    DecodeGroup,
-    PrefillSpan,
-    block_dim,
-    cache_shape,
-)
+from engine.kernels.attention import FLASH_BLOCK_SIZE, block_dim, cache_shape
 from engine.kernels.attention import flash_available as flash_importable
 from engine.kernels.cpu_graph import DecodeGraphs
 from engine.kernels.cpu_kernels import KernelUnavailable, prefill_supports
@@ -100,23 +93,6 @@ def _reuse_freed_memory() -> None:
         mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
 
-def _block_tables(chunks: list[ScheduledChunk], dtype: torch.dtype) -> torch.Tensor:
-    """Each chunk's block table as a row, padded with block 0 to the longest (built as one
-    list: a tensor per row cost a call per request per step)."""
-    width = max(len(c.request.block_table) for c in chunks)
-    return torch.tensor([c.request.block_table + [0] * (width - len(c.request.block_table))
-                         for c in chunks], dtype=dtype)
-
-
-@dataclass(frozen=True)
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    sample_rows: torch.Tensor  # row of each sampling chunk, in the order of the chunks given
-    last_rows: dict[int, int]  # id(chunk) -> its last row in the packed order
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.device = resolve_device(config.device)
@@ -146,6 +122,10 @@ class ModelRunner:
                                                          loaded.tokenizer)
         self.startup_s["model_load"], mark = time.perf_counter() - mark, time.perf_counter()
         self.block_size = FLASH_BLOCK_SIZE if self.use_flash else config.block_size
+        mc = self.model_config
+        self.layout = InputLayout(self.device, self.dtype, self.block_size,
+                                  mc.sliding_window if mc.sliding_layers else None,
+                                  self.use_flash)
         self.paged_decode = self.paged_prefill = False
         self.graphs: DecodeGraphs | None = None
         self._graphs: DecodeGraphs | None = None  # made once, kept while the choice is timed
@@ -352,167 +332,4 @@ class ModelRunner:
         return logits, scored
 
     def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
-        prefills = [c for c in chunks if not c.is_decode]
-        # decodes sorted by context so each group pads little (see _decode_groups)
-        decodes = sorted((c for c in chunks if c.is_decode), key=lambda c: -c.start)
-        ordered = prefills + decodes
-        bs = self.block_size
-        window = self.model_config.sliding_window if self.model_config.sliding_layers else None
-        token_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        spans: list[PrefillSpan] = []
-        windowed_spans: list[PrefillSpan] = []
-        row_of: dict[int, int] = {}
-        row = 0
-        # a decode's position and slot as plain ints, one tensor for all (not one each)
-        decode_positions: list[int] = []
-        decode_slots: list[int] = []
-        for chunk in ordered:
-            request = chunk.request
-            end = chunk.start + chunk.num_tokens
-            token_ids.extend(request.tokens_between(chunk.start, end))
-            row += chunk.num_tokens
-            row_of[id(chunk)] = row - 1
-            if chunk.is_decode:
-                decode_positions.append(chunk.start)
-                decode_slots.append(request.block_table[chunk.start // bs] * bs
-                                    + chunk.start % bs)
-                continue
-            table = torch.tensor(request.block_table, dtype=torch.int64)
-            pos = torch.arange(chunk.start, end, dtype=torch.int64)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            first = row - chunk.num_tokens
-            if self.paged_prefill:
-                # the kernel masks and windows each chunk itself: one span serves every layer
-                span = PrefillSpan(first, chunk.num_tokens, None, None, block_table=table,
-                                   start=chunk.start)
-                spans.append(span)
-                windowed_spans.append(span)
-            else:
-                spans.append(self._prefill_span(first, pos, table, None))
-                if window is not None and not self.use_flash:
-                    windowed_spans.append(self._prefill_span(first, pos, table, window))
-        if decodes:  # after the prefills, as `ordered` has them
-            positions.append(torch.tensor(decode_positions, dtype=torch.int64))
-            slots.append(torch.tensor(decode_slots, dtype=torch.int64))
-        decode_start = row - len(decodes)
-        slot_mapping = torch.cat(slots).to(self.device)
-        # the kernel windows each decode itself: one set of tables serves every layer
-        kernel = self._decode_tables(decodes) if self.paged_decode else {}
-        windowed = None
-        if window is not None and not self.use_flash:
-            windowed = AttentionMetadata(
-                slot_mapping=slot_mapping,
-                prefills=tuple(windowed_spans),
-                decode_start=decode_start,
-                decode_groups=() if kernel else self._decode_groups(decodes, decode_start,
-                                                                    window),
-                **kernel,
-            )
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            prefills=tuple(spans),
-            decode_start=decode_start,
-            decode_groups=() if kernel else self._decode_groups(decodes, decode_start, None),
-            **(self._flash_fields(ordered) if self.use_flash else {}),
-            windowed=windowed,
-            **kernel,
-        )
-        sample_rows = [row_of[id(c)] for c in chunks if c.samples]
-        return StepInputs(
-            input_ids=torch.tensor(token_ids, dtype=torch.int64, device=self.device),
-            positions=torch.cat(positions).to(self.device),
-            meta=meta,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
-            last_rows=row_of,
-        )
-
-    def _prefill_span(self, row: int, pos: torch.Tensor, table: torch.Tensor,
-                      window: int | None) -> PrefillSpan:
-        """A chunk at global positions `pos` attends causally lower-right over its history
-        and, on a windowed layer, only to keys within `window` of each query."""
-        start, end = int(pos[0]), int(pos[-1]) + 1
-        first = 0 if window is None else max(0, start - window + 1)
-        keys = torch.arange(first, end, dtype=torch.int64)
-        mask = None
-        if start > 0 or (window is not None and end > window):
-            mask = keys.unsqueeze(0) <= pos.unsqueeze(1)
-            if window is not None:
-                mask &= keys.unsqueeze(0) > pos.unsqueeze(1) - window
-            mask = mask.to(self.device)
-        bs = self.block_size
-        return PrefillSpan(row, len(pos), (table[keys // bs] * bs + keys % bs).to(self.device),
-                           mask)
-
-    def _decode_groups(self, decodes: list[ScheduledChunk], first_row: int,
-                       window: int | None) -> tuple[DecodeGroup, ...]:
-        """Decodes (longest context first) in groups padded to their longest member, a new
-        group starting where padding would exceed a quarter of the group's real keys. On a
-        windowed layer each decode gathers only the blocks its window reaches."""
-        bs = self.block_size
-
-        def first_block(chunk: ScheduledChunk) -> int:
-            return 0 if window is None else max(0, chunk.start + 1 - window) // bs
-
-        def gathered(chunk: ScheduledChunk) -> int:  # keys from its first gathered block on
-            return chunk.start + 1 - first_block(chunk) * bs
-
-        groups: list[list[ScheduledChunk]] = []
-        longest = real = 0  # of the last group: its widest row and its real keys
-        for chunk in decodes:
-            keys = gathered(chunk)
-            if groups and max(longest, keys) * (len(groups[-1]) + 1) <= 1.25 * (real + keys):
-                groups[-1].append(chunk)
-                longest, real = max(longest, keys), real + keys
-                continue
-            groups.append([chunk])
-            longest = real = keys
-        result, row = [], first_row
-        for group in groups:
-            width = max(-(-gathered(c) // bs) for c in group)
-            tables = torch.zeros(len(group), width, dtype=torch.int64)
-            firsts = [first_block(c) for c in group]
-            for i, (chunk, first) in enumerate(zip(group, firsts, strict=True)):
-                table = chunk.request.block_table[first:first + width]
-                tables[i, :len(table)] = torch.tensor(table, dtype=torch.int64)
-            # global position of each gathered key; a row sees those in [low, length)
-            positions = (torch.tensor(firsts, dtype=torch.int64).unsqueeze(1) * bs
-                         + torch.arange(width * bs, dtype=torch.int64))
-            lengths = torch.tensor([[c.start + 1] for c in group], dtype=torch.int64)
-            hidden = positions >= lengths
-            if window is not None:
-                hidden |= positions < lengths - window
-            bias = torch.zeros(len(group), width * bs, dtype=self.dtype)
-            bias.masked_fill_(hidden, float("-inf"))
-            result.append(DecodeGroup(row, len(group), tables.to(self.device),
-                                      bias.view(1, len(group), 1, width * bs).to(self.device)))
-            row += len(group)
-        return tuple(result)
-
-    def _decode_tables(self, decodes: list[ScheduledChunk]) -> dict[str, torch.Tensor]:
-        """The paged kernel's metadata: each decode's block table (padded with block 0,
-        never read: a decode reads only its own `length` keys) and its key count."""
-        if not decodes:
-            return {}
-        lengths = torch.tensor([c.start + 1 for c in decodes], dtype=torch.int64)
-        return {"decode_tables": _block_tables(decodes, torch.int64), "decode_lengths": lengths}
-
-    def _flash_fields(self, ordered: list[ScheduledChunk]) -> dict[str, object]:
-        q_lens = [c.num_tokens for c in ordered]
-        k_lens = [c.start + c.num_tokens for c in ordered]
-        tables = _block_tables(ordered, torch.int32)
-        cumulative = [0]
-        for n in q_lens:
-            cumulative.append(cumulative[-1] + n)
-        cumulative_k = [0]
-        for n in k_lens:
-            cumulative_k.append(cumulative_k[-1] + n)
-        return {
-            "cu_seqlens_q": torch.tensor(cumulative, dtype=torch.int32, device=self.device),
-            "cu_seqlens_k": torch.tensor(cumulative_k, dtype=torch.int32, device=self.device),
-            "block_table": tables.to(self.device),
-            "max_seqlen_q": max(q_lens),
-            "max_seqlen_k": max(k_lens),
-        }
+        return prepare(chunks, self.layout, self.paged_prefill, self.paged_decode)

@@ -21,6 +21,7 @@ from engine.errors import EngineError
 from engine.events import EngineRestarted
 from engine.harness.recovery import Resumption
 from engine.harness.workload import WorkloadRequest
+from engine.serve.playback import WorkloadPlayer
 from engine.serve.supervisor import Supervisor
 from engine.snapshot import Snapshot
 
@@ -71,14 +72,7 @@ class EngineLoop:
         self._paused = False
         self._snapshot = engine.snapshot()
         self._snapshot_at = 0.0
-        self._workload: deque[WorkloadRequest] = deque()
-        self._workload_start = 0.0
-        self._played_s = 0.0
-        self._speed = 1.0
-        self._asked_speed = 1.0
-        self._base_rate: float | None = None
-        self._workload_cycle: list[WorkloadRequest] | None = None
-        self._cycle_count = 0
+        self.player = WorkloadPlayer(clock)
         self.error: BaseException | None = None
 
     # --- lifecycle ----------------------------------------------------------------------
@@ -144,36 +138,17 @@ class EngineLoop:
     def play(self, workload: list[WorkloadRequest], repeat: bool = False,
              first_cycle: int = 0) -> None:
         """Submit `workload` at its arrival times from now as `{id}-{cycle}`; `repeat` cycles it."""
-        def install() -> None:
-            self._workload = deque(workload)
-            self._workload_start = self.clock()
-            self._played_s = 0.0
-            self._speed = 1.0
-            self._workload_cycle = list(workload) if repeat else None
-            self._cycle_count = first_cycle
-        self._asked_speed = 1.0
-        last = max((item.arrival_s for item in workload), default=0.0)
-        self._base_rate = len(workload) / last if last > 0 else None
-        self._enqueue(install)
+        self.player.plan(workload)
+        self._enqueue(lambda: self.player.install(workload, repeat, first_cycle))
 
     @property
     def arrival_rate(self) -> float | None:
-        return None if self._base_rate is None else self._base_rate * self._asked_speed
+        return self.player.arrival_rate
 
     def set_arrival_rate(self, rate: float) -> float:
         """Play the workload at `rate` requests/s (0 holds arrivals), keeping its gaps' pattern."""
-        if self._base_rate is None:
-            raise ValueError("no workload with a rate is playing (one sent all at once has none)")
-        if not (rate >= 0 and rate < float("inf")):
-            raise ValueError(f"the arrival rate must be a finite number >= 0, got {rate}")
-        speed = self._asked_speed = rate / self._base_rate
-
-        def retime() -> None:
-            now = self.clock()
-            self._played_s = self._workload_clock(now)
-            self._workload_start = now
-            self._speed = speed
-        self._enqueue(retime)
+        speed = self.player.speed_for(rate)
+        self._enqueue(lambda: self.player.retime(speed))
         return rate
 
     # --- the loop thread ----------------------------------------------------------------
@@ -200,7 +175,7 @@ class EngineLoop:
             while True:
                 with self._wake:
                     while not self._stopping and not self._commands and not self._has_work():
-                        self._wake.wait(timeout=self._idle_timeout())
+                        self._wake.wait(timeout=self.player.idle_timeout(self.snapshot_interval_s))
                         self._supervised(self._feed_workload)
                         if not self._paused:
                             self._step()
@@ -310,28 +285,8 @@ class EngineLoop:
     def _has_work(self) -> bool:
         return not self._paused and self.engine.has_unfinished()
 
-    def _workload_clock(self, now: float) -> float:
-        return self._played_s + (now - self._workload_start) * self._speed
-
-    def _idle_timeout(self) -> float:
-        if self._workload and self._speed > 0:
-            ahead = self._workload[0].arrival_s - self._workload_clock(self.clock())
-            return max(0.0, min(ahead / self._speed, self.snapshot_interval_s))
-        return self.snapshot_interval_s
-
     def _feed_workload(self) -> None:
-        elapsed = self._workload_clock(self.clock())
-        while self._workload and self._workload[0].arrival_s <= elapsed:
-            item = self._workload.popleft()
-            self.engine.add_request(list(item.prompt_token_ids), item.sampling_params(),
-                                    tenant=item.tenant, priority=item.priority,
-                                    request_id=f"{item.request_id}-{self._cycle_count}",
-                                    tag=item.tag)
-        if not self._workload and self._workload_cycle:
-            self._cycle_count += 1
-            self._workload = deque(self._workload_cycle)
-            self._workload_start = self.clock()
-            self._played_s = 0.0
+        self.player.feed(self.engine)
 
     def _deliver(self, output: RequestOutput) -> None:
         listener = self._listeners.get(output.request_id)
