@@ -22,11 +22,12 @@ from engine.clock import Clock
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.core import intake, observation
 from engine.core.block_manager import BlockManager
+from engine.core.bookkeeping import request_output
 from engine.core.equipment import Equipment, GuardDecisions, GuardInputs
 from engine.core.executor import Executor
 from engine.core.model_runner import ModelRunner
 from engine.core.request import Request, RequestState
-from engine.core.scheduler import Scheduler, request_output
+from engine.core.scheduler import Scheduler
 from engine.errors import RequestError
 from engine.events import (
     ConfigChanged,

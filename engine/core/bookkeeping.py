@@ -1,0 +1,162 @@
+"""After a step: chunk records, appended tokens, stop conditions and the step's own record."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from engine.batch import (
+    Batch,
+    ModelRunnerOutput,
+    RequestOutput,
+    ScheduledChunk,
+    StepShape,
+    StepTiming,
+)
+from engine.budget.controller import BudgetController
+from engine.core.equipment import BandwidthSource
+from engine.core.request import ChunkTiming, Request, RequestState
+from engine.events import ChunkComplete, Event, FailCause, StepComplete, TokensGenerated
+
+
+class Bookkeeper:
+    """Books a step's result on its requests and publishes it. The end-of-sequence ids and
+    `max_model_len` are the model's stop conditions; `finish` ends a request."""
+
+    def __init__(self, controller: BudgetController, bandwidth: BandwidthSource,
+                 publish: Callable[[Event], None],
+                 finish: Callable[..., None],
+                 prefill_ended: Callable[[Request, float], None], *,
+                 eos_token_ids: Iterable[int], max_model_len: int,
+                 decode: Callable[[list[int]], str]) -> None:
+        self.controller = controller
+        self.bandwidth = bandwidth
+        self.publish = publish
+        self.finish = finish
+        self.prefill_ended = prefill_ended
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.decode = decode  # the tokenizer's: stop strings match on the text
+        self.max_model_len = max_model_len
+
+    def stop_reason(self, request: Request, token: int) -> str | None:
+        """Why `request` ends after emitting `token` ("stop", "length"), or None."""
+        params = request.params
+        if token in params.stop_token_ids:
+            return "stop"
+        if not params.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if params.stop and request.match_stop(self.decode(request.output_token_ids)
+                                              .rstrip("\ufffd")):
+            return "stop"
+        generated = len(request.output_token_ids)
+        if generated >= params.max_tokens:
+            return "length"
+        if len(request.prompt_token_ids) + generated >= self.max_model_len:  # num_tokens
+            return "length"
+        return None
+
+    def record_prompt_logprobs(self, requests: dict[str, Request],
+                               output: ModelRunnerOutput) -> None:
+        for request_id, (first, scored) in output.prompt_logprobs.items():
+            request = requests[request_id]
+            # a recomputed prefill (after a preemption) scores positions already kept
+            request.prompt_logprobs += scored[max(0, len(request.prompt_logprobs) + 1 - first):]
+
+    def sampled(self, batch: Batch, output: ModelRunnerOutput, timing: StepTiming,
+                step: int) -> list[RequestOutput]:
+        """Book each sampling request's token. An error in one request's sampling, stop check
+        or output fails that request alone (FAILED, cause FAULT); the others go on."""
+        outputs = []
+        for chunk in batch.sampling:
+            request = chunk.request
+            error = output.errors.get(request.id)
+            if error is None:
+                try:
+                    token = (None if request.params.prefill_only
+                             else output.token_ids[request.id])
+                    if request.id in output.logprobs:
+                        request.logprobs.append(output.logprobs[request.id])
+                    outputs.append(self.append_token(request, token, timing, step))
+                    continue
+                except Exception as exc:  # fault isolation: it fails this request only
+                    error = f"handling its token failed: {type(exc).__name__}: {exc}"
+            self.finish(request, RequestState.FAILED, error, FailCause.FAULT)
+            outputs.append(request_output(request, ()))
+        return outputs
+
+    def record_chunk(self, chunk: ScheduledChunk, timing: StepTiming, start: float,
+                     decodes: int, other_tokens: int, mode: str, step: int,
+                     throttle_level: int) -> None:
+        request = chunk.request
+        request.num_computed_tokens += chunk.num_tokens
+        request.last_chunk_step = step
+        index = len(request.chunks)
+        request.chunks.append(ChunkTiming(index, chunk.start, chunk.num_tokens,
+                                          timing.duration_s, timing.predicted_s, start,
+                                          step, decodes, other_tokens, mode,
+                                          throttle_level, request.num_preemptions))
+        alone = StepShape(prefill=((chunk.num_tokens, chunk.start),))
+        self.publish(ChunkComplete(
+            request_id=request.id, chunk_index=index, tokens=chunk.num_tokens,
+            start=chunk.start, duration_s=timing.duration_s,
+            estimated_bytes=self.controller.model.bytes_moved(alone),
+            predicted_s=timing.predicted_s,
+            prefill_done=chunk.samples))
+
+    def append_token(self, request: Request, token: int | None, timing: StepTiming,
+                     step: int) -> RequestOutput:
+        """Book `token` after the request's last chunk or decode; None ends a prefill-only
+        (scoring) request there, its prompt computed and nothing generated."""
+        now = timing.end
+        if request.state is RequestState.PREFILL_CHUNKING:
+            request.set_state(RequestState.DECODING, "prefill complete")
+            if request.prefill_finished is None:
+                request.prefill_finished = now
+                self.prefill_ended(request, now)
+        if token is None:
+            self.finish(request, RequestState.FINISHED, "length")
+            return request_output(request, ())
+        if request.first_token_time is None:
+            request.first_token_time = now
+        elif request.decode_gaps is not None and request.last_token_time is not None:
+            gap = now - request.last_token_time
+            request.decode_gaps.append(gap)
+            if request.worst_gap is None or gap > request.worst_gap[0]:
+                request.worst_gap = (gap, step)
+        request.output_token_ids.append(token)
+        request.last_token_time = now
+        self.publish(TokensGenerated.of(request.id, (token,), now))
+        reason = self.stop_reason(request, token)
+        if reason:
+            self.finish(request, RequestState.FINISHED, reason)
+        return request_output(request, (token,))
+
+    def step_done(self, batch: Batch, shape: StepShape, timing: StepTiming, step: int,
+                  scheduled_at: float, has_work: bool) -> None:
+        model = self.controller.model
+        bytes_moved = model.bytes_moved(shape)
+        self.bandwidth.record(bytes_moved, timing.duration_s)
+        self.controller.after_step(timing, scheduled_at, bool(batch.prefills), has_work)
+        # step, prefill tokens, decode seqs, duration, predicted, mode, FLOPs, bytes moved:
+        # positional, as a frozen dataclass's keywords cost a third more
+        self.publish(StepComplete(step, shape.prefill_tokens, len(batch.decodes),
+                                  timing.duration_s, timing.predicted_s, batch.mode.value,
+                                  model.flops(shape), bytes_moved))
+
+
+def request_output(request: Request, new_tokens: tuple[int, ...]) -> RequestOutput:
+    state = request.state
+    final = state.is_final
+    # str() of a StrEnum is its value, without the enum's Python-level `value` property
+    params = request.params
+    if params.logprobs is None and params.prompt_logprobs is None and not params.stop:
+        return RequestOutput.of(request.id, new_tokens, final,
+                                request.reason if final else None, str(state))
+    # the prompt's logprobs go with the first output: nothing was generated before it
+    first = len(request.output_token_ids) == len(new_tokens)
+    return RequestOutput.of(
+        request.id, new_tokens, final, request.reason if final else None, str(state),
+        logprobs=(None if params.logprobs is None
+                  else tuple(request.logprobs[-len(new_tokens):]) if new_tokens else ()),
+        prompt_logprobs=(tuple(request.prompt_logprobs)
+                         if params.prompt_logprobs is not None and first else None),
+        text_end=request.text_end)
