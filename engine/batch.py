@@ -1,5 +1,4 @@
-"""The step's contracts (a leaf, free of torch): the scheduler's `Batch`, the runner's
-`ModelRunnerOutput`, a step's cost (`StepShape`, `StepTiming`) and `RequestOutput`."""
+"""The step's contracts, free of torch: Batch, ModelRunnerOutput, step cost, RequestOutput."""
 
 from __future__ import annotations
 
@@ -13,8 +12,7 @@ if TYPE_CHECKING:
 
 
 class TokenLogprob(NamedTuple):  # a tuple: one per token of a request that asks
-    """A token's log-probability, its rank in the vocabulary (1 is the likeliest) and the
-    top N (token id, log-probability) pairs at its position, likeliest first."""
+    """A token's log-probability, its rank (1 is likeliest) and the top N pairs, likeliest first."""
 
     token: int
     logprob: float
@@ -42,9 +40,7 @@ class ChunkTiming:
 
 @dataclass(frozen=True)
 class PlannedChunk:
-    """One chunk of a request's prefill plan (the scheduler's normal-mode rules over the
-    work known at planning time): positions, the predicted time of the step carrying it and
-    of the steps it waited (`wait_steps`) behind decodes and earlier prefills."""
+    """One chunk of a request's prefill plan: positions, predicted step time, steps waited."""
 
     start: int
     tokens: int
@@ -94,14 +90,13 @@ class _memo:  # a decorator, named like the one it stands for
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
         if obj is None:
             return self
-        value = obj.__dict__[self._name] = self._fn(obj)  # later reads find it there
+        value = obj.__dict__[self._name] = self._fn(obj)
         return value
 
 
 @dataclass(frozen=True)
 class StepShape:
-    """What one step computes: (chunk_tokens, context_before) per prefill chunk and the
-    cached context length of each decode."""
+    """A step's work: (chunk_tokens, context_before) per prefill chunk, each decode's context."""
 
     prefill: tuple[tuple[int, int], ...] = ()
     decode_contexts: tuple[int, ...] = ()
@@ -164,8 +159,7 @@ class ScheduledChunk:
 
     @property
     def scored_rows(self) -> int:
-        """Rows scoring prompt tokens (row i predicts position start + i + 1), for a prefill
-        chunk whose request asks for prompt logprobs."""
+        """Rows scoring prompt tokens (row i predicts position start + i + 1), when asked for."""
         request = self.request
         if request.params.prompt_logprobs is None or self.is_decode:
             return 0
@@ -190,8 +184,7 @@ class Batch:
 
     @property
     def sampling(self) -> list[ScheduledChunk]:
-        """The chunks that sample a token, in logits-row order; found once, before the
-        step's tokens are appended (runner and update both read it)."""
+        """The chunks that sample a token, in logits-row order; found before tokens are appended."""
         if self._sampling is None:
             self._sampling = [c for c in self.prefills if c.samples] + self.decodes
         return self._sampling
@@ -201,7 +194,6 @@ class Batch:
         return sum(c.num_tokens for c in self.prefills) + len(self.decodes)
 
     def shape(self) -> StepShape:
-        """The step's shape, built once."""
         if self._shape is None:
             self._shape = StepShape(prefill=tuple((c.num_tokens, c.start) for c in self.prefills),
                                     decode_contexts=tuple(c.start + 1 for c in self.decodes),
@@ -211,8 +203,7 @@ class Batch:
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
-    """One step's sampled tokens by request id, or the error that fails that request alone;
-    logprobs and scored prompt tokens (from position 1) for requests that ask."""
+    """One step's sampled tokens or per-request errors by request id, and asked-for logprobs."""
 
     token_ids: dict[str, int] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
@@ -230,16 +221,14 @@ class StepTiming(NamedTuple):  # a tuple: made every step
 
 @dataclass(frozen=True)
 class RequestOutput:
-    """What one step produced for a request: its new tokens only, as vLLM V1's outputs;
-    whoever needs the whole output keeps it."""
+    """What one step produced for a request: its new tokens only, as vLLM V1's outputs."""
 
     request_id: str
     new_token_ids: tuple[int, ...]
     finished: bool
     finish_reason: str | None
     state: str
-    # only for requests that ask: the new tokens' logprobs, the scored prompt tokens' (on the
-    # request's first output) and where a matched stop string cuts the output text
+    # only for requests that ask; prompt logprobs come on the request's first output
     logprobs: tuple[TokenLogprob, ...] | None = None
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     text_end: int | None = None
@@ -250,8 +239,7 @@ class RequestOutput:
            logprobs: tuple[TokenLogprob, ...] | None = None,
            prompt_logprobs: tuple[TokenLogprob, ...] | None = None,
            text_end: int | None = None) -> RequestOutput:
-        """The constructor's object without a frozen __init__'s per-field setattr: made for
-        every request every step."""
+        """The constructor's object without a frozen __init__'s setattr: made every step."""
         output = object.__new__(cls)
         output.__dict__.update(request_id=request_id, new_token_ids=new_token_ids,
                                finished=finished, finish_reason=finish_reason, state=state,

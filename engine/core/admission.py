@@ -43,9 +43,7 @@ class Admission:
 
     def plan_chunks(self, candidates: list[Request], budget: int, slots: int,
                      chunk_cap: float, isolate: bool = True) -> dict[Request, int]:
-        """Token counts per request: shares first (pitfall 5), then leftovers, FCFS.
-
-        `isolate=False` drops the tenant limits (budget shares and KV room)."""
+        """Token counts per request: shares first, then leftovers, FCFS; `isolate` tenants."""
         if not candidates:
             return {}
         cfg = self.config
@@ -83,8 +81,7 @@ class Admission:
                 added = total - have
                 if (added <= 0 and request not in plan and request.block_table
                         and request.state in QUEUED):
-                    # left out: a waiting request holds no block (its cached ones may be
-                    # the very blocks the others need)
+                    # left out: its cached blocks may be the very ones the others need
                     self.blocks.release(request)
                     request.num_computed_tokens = 0
                     free_blocks += took

@@ -26,17 +26,15 @@ from engine.model.config import ModelConfig
 log = logging.getLogger(__name__)
 
 MARGIN = 0.03  # a less simple candidate must be this much faster (median) to be picked
-MIN_ROUNDS, MAX_ROUNDS = 3, 9  # timed rounds of every candidate
+MIN_ROUNDS, MAX_ROUNDS = 3, 9
 BUDGET_S = 1.0  # per probe (decode, prefill): no new round starts past it once MIN_ROUNDS ran
-# the probe's shapes, capped by the model's length and the KV pool: decode batches at a
-# chat-sized context, a full one and the few left at a run's tail (where Python overhead,
-# which CPU graphs remove, weighs most), timed as one; and a chunk of a prompt with
-# history before it
+# the probe's shapes: decode batches (chat-sized, full, a run's tail, where Python overhead
+# weighs most) timed as one, and a prompt chunk with history
 DECODES, TAIL_DECODES, DECODE_CONTEXT = 32, 4, 256
 PREFILL_CHUNK, PREFILL_HISTORY = 128, 384
 
 PAGED, TORCH, KERNELS = "paged", "torch", "kernels"
-K = TypeVar("K")  # a candidate
+K = TypeVar("K")
 
 
 @dataclass(frozen=True)
@@ -79,7 +77,6 @@ class Choice:
     seconds: float = 0.0  # spent choosing at this start
 
     def line(self) -> str:
-        """The choice and its timings in one line, for the start-up log."""
         def figures(medians: Mapping[str, float]) -> str:
             return ", ".join(f"{name} {ms:.1f}" for name, ms in medians.items())
 
@@ -101,7 +98,6 @@ class Candidates:
 
 def candidates(attention_backend: str, cpu_graphs: bool | None, kernels: bool,
                graphable: bool, prefill_fits: bool) -> Candidates:
-    """The candidates an engine's flags allow."""
     if attention_backend == TORCH or not kernels:
         return Candidates((TORCH_BACKENDS.decode,), (TORCH,))
     attentions = (PAGED,) if attention_backend == PAGED else (TORCH, PAGED)

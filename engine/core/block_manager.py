@@ -36,7 +36,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
-        # the free list (module docstring): front stack (next on top), untouched range, back
+        # the free list: front stack (next on top), untouched range, back
         self._front: list[int] = []
         self._untouched = 0  # blocks from here to num_blocks were never handed out
         self._back: OrderedDict[int, None] = OrderedDict()
@@ -76,13 +76,11 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
-        """Extra blocks `request` needs to hold `num_new_tokens` more computed tokens."""
         total = self.blocks_for(request.num_computed_tokens + num_new_tokens)
         return max(0, total - len(request.block_table))
 
     def allocate(self, request: Request, num_new_tokens: int) -> list[int] | None:
-        """Blocks for `num_new_tokens` more computed tokens: the ones added to the request's
-        table, or None, with nothing changed, when the pool cannot hold them."""
+        """The blocks added for `num_new_tokens` more tokens, or None (no change) if none fit."""
         needed = self.blocks_needed(request, num_new_tokens)
         if needed > self.num_free:
             return None
@@ -121,7 +119,6 @@ class BlockManager:
             return self._untouched - 1
         return self._back.popitem(last=False)[0]
 
-    # --- prefix cache -------------------------------------------------------------------
     def take_cached(self, request: Request) -> int:
         """Give a blockless request its longest cached prefix, never its last token's block."""
         if (not self.enable_caching or request.block_table
@@ -141,7 +138,6 @@ class BlockManager:
         return request.num_computed_tokens
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's blocks filled since the last call."""
         full = request.num_computed_tokens // self.block_size
         if not self.enable_caching or full <= request.num_hashed_blocks:
             return
@@ -166,8 +162,7 @@ class BlockManager:
         done = len(hashes)
         if done >= num_blocks:
             return hashes
-        # the new blocks' tokens as int64 bytes in one conversion, sliced per block (a
-        # prompt of thousands of tokens is hashed when it is admitted)
+        # one int64 conversion, sliced per block: long prompts are hashed at admission
         bs = self.block_size
         tokens = array("q", request.tokens_between(done * bs, num_blocks * bs))
         raw, width = tokens.tobytes(), bs * tokens.itemsize
@@ -183,7 +178,6 @@ class BlockManager:
             self._hash_of[block] = None
             self.evictions += 1
 
-    # --- maintenance --------------------------------------------------------------------
     @property
     def num_allocated(self) -> int:
         return self.num_blocks - self._num_unheld
@@ -247,7 +241,6 @@ class BlockManager:
         return 1.0 - filled / allocated
 
     def check_consistent(self, live: list[Request]) -> None:
-        """Every block is either free or referenced by exactly its holders."""
         counts = [0] * self.num_blocks
         for request in live:
             for block in request.block_table:

@@ -1,7 +1,4 @@
-"""The engine loop: a step is schedule -> run -> update -> drain (nano-vllm, vLLM V1), after
-the intake of what came between steps. It runs on one thread; other threads may call
-`update_config` (applied at the next step boundary) and read the last snapshot. Its guards,
-metrics and bandwidth source come from above core (`Equipment`; engine.ops.equipped)."""
+"""The engine loop: intake, then schedule -> run -> update -> drain, on one thread."""
 
 from __future__ import annotations
 
@@ -46,8 +43,7 @@ __all__ = ["Engine", "RequestOutput"]
 class Engine:
     def __init__(self, config: EngineConfig | None, equipment: Equipment, *,
                  clock: Clock = time.monotonic, runner: Executor | None = None) -> None:
-        """`runner` replaces the model runner by a simulated executor (engine.sim), which
-        brings its device's peaks; `clock` is then the simulation's clock."""
+        """`runner` swaps in a simulated executor (engine.sim); `clock` is then its clock."""
         config = config or EngineConfig()
         config.validate()
         self.config = config
@@ -94,18 +90,12 @@ class Engine:
     def step_ratio(self) -> StepTimeRatio:
         return self.scheduler.controller.step_ratio
 
-    # --- requests -----------------------------------------------------------------------
     def add_request(self, prompt: Sequence[int] | str, params: SamplingParams | None = None, *,
                     tenant: str = "default", priority: int = 0, request_id: str | None = None,
                     tag: str | None = None, arrival: float | None = None,
                     generated: Sequence[int] = (), resumed: bool = False) -> str:
-        """Queue a request; malformed input raises RequestError and changes nothing.
-
-        A well-formed request the engine can never serve (too long for the model or the KV
-        pool, or over the circuit breaker) is recorded as REJECTED with its reason and cause.
-        `generated` resumes a request after a crash: those tokens count as output already
-        emitted; prompt and them are prefilled again (RECOMPUTE) and generation goes on.
-        `resumed`: it comes from the journal after a restart, which its slow query says."""
+        """Queue a request (malformed: RequestError; unservable: REJECTED). `generated` are
+        tokens emitted before a crash, prefilled again (RECOMPUTE) with the prompt."""
         params = params or SamplingParams()
         try:  # the server checks this at its edge; the Python API and resumes meet it here
             params.check_vocab(self.model_config.vocab_size)
@@ -160,8 +150,7 @@ class Engine:
         return self._end(request_id, RequestState.FINISHED, "aborted")
 
     def fail(self, request_id: str, reason: str) -> bool:
-        """Fail a live request for a fault of its own found outside the step (its output could
-        not be delivered); it fails alone and guard layer 7 counts it. False if not live."""
+        """Fail a live request for its own fault found outside the step; False if not live."""
         return self._end(request_id, RequestState.FAILED, reason, FailCause.FAULT)
 
     def _end(self, request_id: str, state: RequestState, reason: str,
@@ -175,10 +164,8 @@ class Engine:
 
     def restart(self, fail: Mapping[str, str] | None = None
                 ) -> tuple[list[Request], list[RequestOutput]]:
-        """After a step failed half done: the live requests named in `fail` fail with their
-        reason (cause ENGINE), every other one leaves the scheduler without an end (the
-        caller resumes it), and the KV pool starts empty, as after a process restart.
-        Returns the requests to resume and the outputs owed to callers, failures included."""
+        """After a step failed half done: fail those in `fail`, empty the KV pool, and return
+        the requests to resume and the outputs owed to callers."""
         fail = fail or {}
         live = list(self.scheduler.requests.values())
         now = self.clock()
@@ -217,10 +204,8 @@ class Engine:
                     left -= 1
         return list(results.values())
 
-    # --- configuration ------------------------------------------------------------------
     def update_config(self, source: str = "api", **changes: object) -> EngineConfig:
-        """Validate now (ConfigError names the field; nothing changes), apply at the next
-        step boundary. Safe to call from any thread."""
+        """Validate now (ConfigError), apply at the next step boundary; any thread."""
         with self._config_lock:
             base = self._pending_config[0] if self._pending_config else self.config
             candidate = base.replace(**changes)
@@ -231,8 +216,8 @@ class Engine:
         """Make a validated update current; called at step boundaries (and by idle loops)."""
         if self._pending_config is None:  # most steps: no lock (one landing now waits a step)
             return
-        with self._config_lock:  # taken and made current at once: a PATCH landing now is
-            pending, self._pending_config = self._pending_config, None  # validated against it
+        with self._config_lock:  # taken and applied at once: a PATCH now is checked against it
+            pending, self._pending_config = self._pending_config, None
             if pending is None:
                 return
             new, source = pending
@@ -251,7 +236,6 @@ class Engine:
                         f"max_num_batched_tokens {new.max_num_batched_tokens}, under the "
                         f"{left} tokens it has left to prefill"), FailCause.CONFIG)
 
-    # --- the step -----------------------------------------------------------------------
     @property
     def calibrated(self) -> bool:
         """Whether a calibrated predictor is applied: until then no budget_score or C*."""
@@ -268,8 +252,7 @@ class Engine:
         return outputs
 
     def _intake(self) -> list[RequestOutput]:
-        """The step boundary's intake: a configuration update, and the outputs owed by
-        requests that ended between steps."""
+        """The step boundary's intake: a config update and outputs of requests ended meanwhile."""
         self.stepping = ()
         self.apply_pending_config()
         outputs, self._out_of_band = self._out_of_band, []
@@ -285,8 +268,7 @@ class Engine:
         return output, StepTiming(end, end - start, predicted)
 
     def _drain(self) -> None:
-        """Deliver the step's events to the observers, apply what the guards decide from
-        them (once per step, at its boundary), and deliver what that caused."""
+        """Deliver the step's events to the observers and apply what the guards decide."""
         self.bus.drain()
         s = self.scheduler
         fragmentation = (self.blocks.fragmentation(s.requests.values()) if self.stepping
@@ -312,7 +294,6 @@ class Engine:
         for event in decisions.events:
             self.bus.publish(event)
 
-    # --- observation --------------------------------------------------------------------
     def snapshot(self) -> Snapshot:
         return observation.snapshot(self)
 

@@ -1,7 +1,4 @@
-"""The model runner: owns the model and the one preallocated KV tensor, turns a scheduled
-batch into packed inputs and attention metadata once per step, runs the forward pass and
-samples the rows that end a chunk (the one place tokens are sampled).
-"""
+"""The model runner: owns the model and KV tensor, runs each batch and samples its tokens."""
 
 from __future__ import annotations
 
@@ -84,8 +81,7 @@ def compiles(config: EngineConfig) -> bool:
 
 
 def _reuse_freed_memory() -> None:
-    """Keep freed memory in glibc's heap: by default it maps each step's megabytes of
-    temporaries afresh, and the kernel faults and zeroes their pages every step."""
+    """Keep freed memory in glibc's heap, so each step's temporaries are not faulted afresh."""
     path = ctypes.util.find_library("c")
     mallopt = getattr(ctypes.CDLL(path), "mallopt", None) if path else None
     if mallopt is not None:
@@ -97,8 +93,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
-            # spinning OpenMP threads stall when one is preempted: leave a core to the UI,
-            # HTTP and store threads
+            # spinning OpenMP threads stall when preempted: leave a core to the other threads
             torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
             _reuse_freed_memory()
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -155,14 +150,12 @@ class ModelRunner:
             log.info("%s", self.attention_note)
         elif self.eager_cpu:
             self.swap.use(PACKED)
-        # the weights packed for the path taken, and the path chosen: nothing more when the
-        # choice is cached or forced; a measured one includes the probe's graph capture
+        # a measured choice's seconds include the probe's graph capture
         self.startup_s["backends"] = time.perf_counter() - mark
         self.startup_s["compile"] = self.compile_s
 
     def _kernels(self, config: EngineConfig) -> tuple[bool, str]:
-        """Whether the C++ kernels are candidates here (CPU eager steps; asked for, or auto),
-        and, where they are not, what runs and why, for the start-up log."""
+        """Whether the C++ kernels are candidates here and, if not, why (for the start-up log)."""
         if self.device.type != "cpu" or config.attention_backend not in ("auto", "paged"):
             if config.attention_backend == "paged":
                 raise EngineError("attention_backend=paged is the CPU kernel; on CUDA use auto, "
@@ -196,7 +189,6 @@ class ModelRunner:
         return choice
 
     def apply(self, backends: Backends) -> None:
-        """Run eager CPU steps on `backends` from the next step on."""
         self.paged_decode = backends.decode.attention == PAGED
         self.paged_prefill = backends.prefill_attention == PAGED
         dense = KERNELS if backends.decode.dense == KERNELS else PACKED
@@ -207,8 +199,7 @@ class ModelRunner:
         self.graphs = self._graphs if backends.decode.graphs else None
 
     def _compile(self) -> float:
-        """Compile the model and warm it up, so the first request does not pay for it;
-        returns the seconds it took."""
+        """Compile and warm up the model so the first request does not pay; returns seconds."""
         start = time.perf_counter()
         self.model.compile()
         with torch.inference_mode():  # the mode forward runs in, or its guards would not hold
@@ -237,8 +228,7 @@ class ModelRunner:
 
     def _measured_budget(self, config: EngineConfig, block_bytes: int) -> int:
         """A GPU's KV bytes, sized after a warm-up step (called before the pool exists)."""
-        # engines built and dropped before this one (a bench's runs) hold their pools in
-        # torch's cache, which mem_get_info counts as used
+        # earlier engines' pools sit in torch's cache, which mem_get_info counts as used
         gc.collect()
         torch.cuda.empty_cache()
         reading = read_cuda_memory(self.device, lambda: self._warm_up(config))
@@ -255,8 +245,7 @@ class ModelRunner:
         return torch.zeros(layout, dtype=self.dtype, device=self.device)
 
     def _warm_up(self, config: EngineConfig) -> Callable[[], None]:
-        """A forward of the largest step, max_num_batched_tokens prompt tokens in sequences
-        of up to max_model_len, over a KV pool just large enough; returns what frees it."""
+        """A forward of the largest step over a just-large-enough KV pool; returns what frees it."""
         length = min(self.max_model_len, config.max_num_batched_tokens)
         lengths = [min(length, config.max_num_batched_tokens - start)
                    for start in range(0, config.max_num_batched_tokens, length)]
@@ -273,7 +262,6 @@ class ModelRunner:
         return release
 
     def zero_blocks(self, blocks: list[int]) -> None:
-        """A block handed to a new owner starts clean."""
         if blocks:
             index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
             self._block_rows().index_fill_(1, index, 0)
@@ -286,16 +274,13 @@ class ModelRunner:
         rows.index_copy_(1, dst, rows.index_select(1, src))
 
     def _block_rows(self) -> torch.Tensor:
-        """The KV tensor as [everything outside a block, blocks, one block's elements], whose
-        block slices are contiguous runs (fast to fill and copy)."""
+        """The KV tensor as [outside a block, blocks, a block's elements]: contiguous blocks."""
         return self.kv_cache.flatten(0, block_dim(self.use_flash) - 1).flatten(2)
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> ModelRunnerOutput:
-        """Forward one packed batch and sample a token for each chunk that ends its known
-        tokens; a request whose sampling raises is in the output's errors instead. A chunk
-        of a request that asks for prompt logprobs scores its prompt tokens from its own
-        rows' logits: the prefill is the scoring pass."""
+        """Forward one batch and sample each chunk that ends its known tokens; a sampling error
+        fails its request alone. Prompt logprobs come from the prefill's own rows."""
         scoring = [c for c in batch.prefills if c.scored_rows]
         logits, scored = self.forward(batch.chunks, scoring)
         output = sample(logits, [c.request for c in batch.sampling], self.processed_logprobs)
@@ -314,8 +299,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, chunks: list[ScheduledChunk], scoring: Sequence[ScheduledChunk] = ()
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Logits [num sampling chunks, vocab] of one packed batch, in `chunks` order, and
-        for each chunk of `scoring` the logits of its rows that predict prompt tokens."""
+        """Sampling logits in `chunks` order, and each `scoring` chunk's prompt-token logits."""
         inputs = self.prepare(chunks)
         if self.graphs is not None and self.graphs.covers(inputs.meta, len(inputs.input_ids)):
             x = self.model.embed(inputs.input_ids)

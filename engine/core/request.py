@@ -1,5 +1,4 @@
-"""A request as the engine sees it; as in vLLM V1 a decode is a request one token behind
-(`num_computed_tokens` catches up with `num_tokens`), not a phase."""
+"""A request as the engine sees it; as in vLLM V1 a decode is a request one token behind."""
 
 from __future__ import annotations
 
@@ -61,11 +60,9 @@ class Request:
     chunks: list[ChunkTiming] = field(default_factory=list)
     prefill_started: float | None = None
     prefill_finished: float | None = None
-    # the prefill plan, re-planned from the current position when it changes for a reason
-    # that is not a fault; empty until the engine is calibrated
+    # the prefill plan, re-planned unless on a fault; empty until the engine is calibrated
     planned: list[PlannedChunk] = field(default_factory=list)
     replans: int = 0
-    # timeline: appended as it happens, explained if the request is slow
     admissions: list[float] = field(default_factory=list)
     preempted_at: list[float] = field(default_factory=list)
     # seconds between tokens, kept only once the request is flagged slow
@@ -128,7 +125,6 @@ class Request:
 
     @property
     def tpot_s(self) -> float | None:
-        """Mean time per output token after the first."""
         n = len(self.output_token_ids)
         if n < 2 or self.first_token_time is None or self.last_token_time is None:
             return None
@@ -144,8 +140,7 @@ class Request:
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt]
 
     def match_stop(self, text: str) -> bool:
-        """Whether the output `text` now holds a stop string; sets `text_end` where the text
-        is cut (before the earliest match, or after it with include_stop_str_in_output)."""
+        """Whether the output `text` now holds a stop string; sets `text_end` where it is cut."""
         stops = self.params.stop
         # only what the new characters can complete: a match ending before them was seen
         since = max(0, self.stop_checked_chars - max(map(len, stops)) + 1)

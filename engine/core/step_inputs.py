@@ -21,8 +21,7 @@ class InputLayout:
 
 
 def _block_tables(chunks: list[ScheduledChunk], dtype: torch.dtype) -> torch.Tensor:
-    """Each chunk's block table as a row, padded with block 0 to the longest (built as one
-    list: a tensor per row cost a call per request per step)."""
+    """Each chunk's block table as a row, padded with block 0 (one list, not a tensor per row)."""
     width = max(len(c.request.block_table) for c in chunks)
     return torch.tensor([c.request.block_table + [0] * (width - len(c.request.block_table))
                          for c in chunks], dtype=dtype)
@@ -39,8 +38,7 @@ class StepInputs:
 
 def prepare(chunks: list[ScheduledChunk], layout: InputLayout, paged_prefill: bool,
             paged_decode: bool) -> StepInputs:
-    """Pack `chunks` into one step's token, position and slot tensors and its attention
-    metadata (prefills first, then decodes longest context first)."""
+    """Pack `chunks` into one step's tensors and attention metadata, prefills first."""
     prefills = [c for c in chunks if not c.is_decode]
     # decodes sorted by context so each group pads little (see _decode_groups)
     decodes = sorted((c for c in chunks if c.is_decode), key=lambda c: -c.start)
@@ -83,7 +81,7 @@ def prepare(chunks: list[ScheduledChunk], layout: InputLayout, paged_prefill: bo
             spans.append(_prefill_span(layout, first, pos, table, None))
             if window is not None and not layout.use_flash:
                 windowed_spans.append(_prefill_span(layout, first, pos, table, window))
-    if decodes:  # after the prefills, as `ordered` has them
+    if decodes:
         positions.append(torch.tensor(decode_positions, dtype=torch.int64))
         slots.append(torch.tensor(decode_slots, dtype=torch.int64))
     decode_start = row - len(decodes)
@@ -120,8 +118,7 @@ def prepare(chunks: list[ScheduledChunk], layout: InputLayout, paged_prefill: bo
 
 def _prefill_span(layout: InputLayout, row: int, pos: torch.Tensor, table: torch.Tensor,
                   window: int | None) -> PrefillSpan:
-    """A chunk at global positions `pos` attends causally lower-right over its history
-    and, on a windowed layer, only to keys within `window` of each query."""
+    """Causal lower-right mask over a chunk's history, limited to `window` where windowed."""
     start, end = int(pos[0]), int(pos[-1]) + 1
     first = 0 if window is None else max(0, start - window + 1)
     keys = torch.arange(first, end, dtype=torch.int64)
@@ -137,9 +134,8 @@ def _prefill_span(layout: InputLayout, row: int, pos: torch.Tensor, table: torch
 
 def _decode_groups(layout: InputLayout, decodes: list[ScheduledChunk], first_row: int,
                    window: int | None) -> tuple[DecodeGroup, ...]:
-    """Decodes (longest context first) in groups padded to their longest member, a new
-    group starting where padding would exceed a quarter of the group's real keys. On a
-    windowed layer each decode gathers only the blocks its window reaches."""
+    """Decodes in groups padded to their longest member; a new group starts where padding
+    would exceed a quarter of the group's real keys."""
     bs = layout.block_size
 
     def first_block(chunk: ScheduledChunk) -> int:
@@ -181,8 +177,7 @@ def _decode_groups(layout: InputLayout, decodes: list[ScheduledChunk], first_row
     return tuple(result)
 
 def _decode_tables(decodes: list[ScheduledChunk]) -> dict[str, torch.Tensor]:
-    """The paged kernel's metadata: each decode's block table (padded with block 0,
-    never read: a decode reads only its own `length` keys) and its key count."""
+    """The paged kernel's metadata: block tables (padding never read) and key counts."""
     if not decodes:
         return {}
     lengths = torch.tensor([c.start + 1 for c in decodes], dtype=torch.int64)
