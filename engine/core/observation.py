@@ -2,15 +2,38 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from engine.budget.auto import token_budget_for
+from engine.budget.peaks import DevicePeaks
+from engine.clock import Clock
+from engine.config import EngineConfig
+from engine.core.block_manager import BlockManager
+from engine.core.equipment import BandwidthSource, Guard, Metrics
+from engine.core.executor import Executor
+from engine.core.model_runner import ModelRunner
 from engine.core.request import Request
+from engine.core.scheduler import Scheduler
 from engine.events import wall_offset
 from engine.snapshot import RequestView, Snapshot
 
-if TYPE_CHECKING:
-    from engine.core.engine import Engine
+
+class Engine(Protocol):
+    """What a snapshot reads of an engine (the Engine class imports this module)."""
+
+    clock: Clock
+    config: EngineConfig
+    scheduler: Scheduler
+    runner: ModelRunner | Executor
+    blocks: BlockManager
+    block_bytes: int
+    peaks: DevicePeaks
+    bandwidth: BandwidthSource
+    guards: Guard
+    metrics: Metrics
+
+    @property
+    def calibrated(self) -> bool: ...
 
 
 def snapshot(engine: Engine) -> Snapshot:
