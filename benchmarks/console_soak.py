@@ -36,8 +36,9 @@ FLAT = ("console_rss", "console_fds", "engine_rss", "engine_fds")
 
 
 def console_program() -> str:
-    script = Path(sys.prefix) / "bin" / "tokenflow-console"
-    return str(script) if script.exists() else f"{sys.executable} -m console.cli.console"
+    """This checkout's console, run from its root: an installed `tokenflow-console` script
+    imports wherever the install points (an editable one, another checkout)."""
+    return f"{sys.executable} -m console.cli.console"
 
 
 def usage(processes: list[psutil.Process]) -> tuple[int, int, int]:

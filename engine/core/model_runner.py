@@ -46,6 +46,10 @@ log = logging.getLogger(__name__)
 
 CPU_KV_BYTES_DEFAULT = 256 * 2**20
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+# GEMM primitives oneDNN keeps compiled (its default is 1,024): see _bound_onednn_caches
+ONEDNN_CACHE_ENTRIES = 256
+# the capacities of oneDNN's primitive cache and of torch's ideep cache in front of it
+ONEDNN_CACHE_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -89,6 +93,13 @@ def _reuse_freed_memory() -> None:
         mallopt(M_TRIM_THRESHOLD, 1 << 30)
 
 
+def _bound_onednn_caches() -> None:
+    """Keep the newest GEMM primitives only: chunked prefill makes a step of every size, and
+    oneDNN caches one per size; each cache reads its capacity at first use."""
+    for name in ONEDNN_CACHE_ENV:
+        os.environ.setdefault(name, str(ONEDNN_CACHE_ENTRIES))
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.device = resolve_device(config.device)
@@ -96,6 +107,7 @@ class ModelRunner:
             # spinning OpenMP threads stall when preempted: leave a core to the other threads
             torch.set_num_threads(config.cpu_threads or max(1, (os.cpu_count() or 2) - 1))
             _reuse_freed_memory()
+            _bound_onednn_caches()
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.processed_logprobs = config.logprobs_mode == "processed_logprobs"
         self.use_flash = (config.attention_backend in ("auto", "flash")
