@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine.core.model_runner import ONEDNN_CACHE_ENTRIES, ONEDNN_CACHE_ENV
-from engine.harness.heap import heap
+from tests.heap import heap
 
 ROOT = Path(__file__).resolve().parents[1]
 BOUND_BYTES = 16 * 2**20  # what the bounded engine may retain beyond its full caches
@@ -28,7 +28,7 @@ OLD_DEFAULT = 1024  # oneDNN's and ideep's own capacity
 CHILD = """
 import json, os, sys
 from engine import Engine, EngineConfig, SamplingParams
-from engine.harness.heap import heap
+from tests.heap import heap
 from engine.kernels.cpu_kernels import PANEL_MAX_ROWS
 
 entries = int(sys.argv[1])

@@ -367,9 +367,9 @@ class Calibration:
         blocks, runner = self.engine.blocks, self.engine.runner
         holder = _dummy_request(1, RequestState.PREFILL_CHUNKING)
         # Grow a block at a time until the pool refuses: what a request can really get.
-        while blocks.allocate(holder, len(holder.block_table) * blocks.block_size + 1):
-            pass  # one block a call: a grant is never empty
-        granted = len(holder.block_table)
+        granted = 0
+        while blocks.allocate(holder, granted * blocks.block_size + 1):
+            granted += 1
         start = time.perf_counter()
         runner.zero_blocks(blocks.take_newly_allocated())
         _synchronize(runner.device)

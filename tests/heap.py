@@ -1,7 +1,7 @@
 """glibc's heap as memory soaks read it: the bytes allocated and the freed bytes it holds.
 
 A process's RSS rises both when something keeps more memory and when glibc keeps what was
-freed (the CPU runner asks it to, engine.core.model_runner); only the allocated bytes tell a
+freed (the CPU runner asks it to); only the allocated bytes tell a
 leak or a filling cache from a heap that has not shrunk. They count what C and C++ code
 allocates too (torch, oneDNN), which tracemalloc does not see.
 """
