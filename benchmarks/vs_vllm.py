@@ -7,7 +7,8 @@ The model is a random Llama of about 40M parameters, fp32 (hidden 512, 8 layers,
 KV heads, vocabulary 16,000), seeded and saved with transformers' save_pretrained beside a
 word-level tokenizer both engines load. The workload is the shipped Azure conversation trace,
 every request at t = 0, prompts as token ids (so tokenization cannot differ), greedy, ignore_eos,
-each request's max_tokens from the trace. The runs, each `--repeat` times:
+each request's max_tokens from the trace. `--avx2-stand-in` runs both engines as on an
+AVX2-only CPU (AVX2_ENV, and STAND_IN for vLLM). The runs, each `--repeat` times:
 
 - vllm-default: offline `LLM(model=DIR)`, its defaults (a 4096-token budget on CPU), prefix
   caching off, dtype float32: vLLM's own `auto` downcasts a float32 checkpoint to bfloat16 on
@@ -45,6 +46,11 @@ VOCAB = 16_000
 MAX_MODEL_LEN = 2048
 KV_CACHE_GIB = 2
 PEER = Path(__file__).with_name("_vllm_peer.py")
+STAND_IN = Path(__file__).with_name("avx2_stand_in")  # a sitecustomize for vLLM's interpreter
+# An AVX2-only CPU on an AVX-512 one: our kernels built for x86-64-v3, torch's own kernels,
+# oneDNN and MKL held to AVX2 (vLLM's kernel choice too, through STAND_IN).
+AVX2_ENV = {"TOKENFLOW_KERNEL_MARCH": "x86-64-v3", "ATEN_CPU_CAPABILITY": "avx2",
+            "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -101,12 +107,21 @@ def run_vllm(args: argparse.Namespace, model: Path, requests: Path, out: Path,
                "--out", str(out), "--dtype", args.vllm_dtype]
     if budget is not None:
         command += ["--max-num-batched-tokens", str(budget)]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_CACHE_GIB)}
-    env.pop("PYTHONPATH", None)  # the peer's own site-packages, none of ours
+    env = peer_env(VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB))
     _check(subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True), command)
     result = json.loads(out.read_text())
     return result, result["tokens"], result["tpot_s"]
+
+
+def peer_env(**extra: str) -> dict[str, str]:
+    """The environment of a vLLM process: the peer's own site-packages, none of ours (but the
+    stand-in's sitecustomize when AVX2_ENV is in force)."""
+    env = {**os.environ, **extra}
+    env.pop("PYTHONPATH", None)
+    if env.get("ATEN_CPU_CAPABILITY") == AVX2_ENV["ATEN_CPU_CAPABILITY"]:
+        env["PYTHONPATH"] = str(STAND_IN)
+    return env
 
 
 def run_tokenflow(args: argparse.Namespace, model: Path, requests: Path, work: Path, name: str,
@@ -184,8 +199,12 @@ def main() -> None:
     parser.add_argument("--tokenflow-arg", action="append", default=[],
                         help="an extra flag for every `tokenflow run` (repeat it), e.g. "
                              "--tokenflow-arg=--compile")
+    parser.add_argument("--avx2-stand-in", action="store_true",
+                        help="run both engines as on an AVX2-only CPU (see AVX2_ENV)")
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = parser.parse_args()
+    if args.avx2_stand_in:
+        os.environ.update(AVX2_ENV)
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     unknown = sorted(set(runs) - set(RUNS))
     if unknown:
@@ -230,6 +249,7 @@ def main() -> None:
             "workload": {"trace": "conv", "requests": len(workload), "prompt_tokens": prompt,
                          "output_tokens": output, "arrival": "all at t=0"},
             "vllm_dtype": args.vllm_dtype, "tokenflow_args": args.tokenflow_arg,
+            "avx2_stand_in": args.avx2_stand_in,
             "reference": runs[0], "results": [asdict(r) for r in results]}, indent=2))
 
 
