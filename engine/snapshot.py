@@ -24,6 +24,7 @@ class RequestView:
     arrival_s: float
     cached_tokens: int = 0
     kind: str = "generate"
+    resumed_tokens: int | None = None  # output tokens it had when resumed; None: never was
 
     @property
     def cached_share(self) -> float:

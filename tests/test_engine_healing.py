@@ -160,3 +160,25 @@ def test_a_resumed_requests_caller_hears_each_token_once() -> None:
     for token in (2, 3, 4):
         hear(token)
     assert heard == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("where", ["runner", "scheduler"])
+def test_a_resumed_requests_tokens_are_counted_once(served: Served, where: str) -> None:
+    """A restart re-adds what the engine had accepted: the token counters still count each
+    request's prompt once over its life, and each token it generated once. 18 requests from 6
+    clients take 3 x MAX_TOKENS steps at least; the two faults are far enough apart that no
+    request is held in both (which would fail it)."""
+    engine = served.session.engine
+    in_flight: list[int] = []  # requests the engine held at each fault: re-added after it
+    faults = StepFaults(engine, {4, 17}, where,
+                        before=lambda: (in_flight.append(len(engine.scheduler.requests)),
+                                        served.clock.sleep(31)))
+    with ThreadPoolExecutor(6) as pool:
+        replies = list(pool.map(served.complete, range(18)))
+    assert [r.status_code for r in replies] == [200] * 18, [r.text for r in replies]
+    assert faults.raised == 2 and all(in_flight), in_flight
+    assert served.metric("engine_restarts_total") == 2
+    prompts = sum(5 + n % 20 for n in range(18))  # complete(n)'s prompt length
+    assert sum(r.json()["usage"]["prompt_tokens"] for r in replies) == prompts
+    assert served.metric("prompt_tokens_total") == prompts
+    assert served.metric("generation_tokens_total") == 18 * MAX_TOKENS

@@ -38,6 +38,8 @@ def test_a_killed_sessions_requests_resume_to_the_uninterrupted_tokens(tmp_path:
         assert resumption.resumed == (rid,)
         # marked as resumed, though it had generated nothing yet (stopped mid-prefill)
         assert second.engine.scheduler.requests[rid].resumed_tokens == 0
+        # and so the snapshot the console's Requests table and /v1/stats read says
+        assert [(r.id, r.resumed_tokens) for r in second.engine.snapshot().requests] == [(rid, 0)]
         tokens, outputs = OutputTokens(resumption.generated), {}
         while second.engine.has_unfinished():
             for o in second.engine.step():

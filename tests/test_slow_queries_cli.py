@@ -63,6 +63,43 @@ def test_list_sorts_and_filters(capsys: pytest.CaptureFixture[str], db_path: str
     assert listed_ids(out) == ["2"]
 
 
+def test_list_marks_resumed_requests_in_its_table_and_json(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A request resumed from the journal after a restart shows the output tokens it had
+    (0: it stopped mid-prefill); one never resumed shows "-" and null."""
+    path = tmp_path / "resumed.db"
+    database = open_database(path)
+    bus = EventBus()
+    writer = StoreWriter(database, bus)
+    for rid, score, resumed in [("fresh", 3.0, None), ("mid-prefill", 2.0, 0),
+                                ("decoding", 1.5, 37)]:
+        bus.publish(SlowQuery(request_id=rid, tenant="t", budget_score=score, prompt_tokens=64,
+                              prefill_s=score * 0.01, budgeted_s=0.01, chunks=(),
+                              config=CONFIG, resumed_tokens=resumed))
+    bus.drain()
+    assert writer.close()
+    database.close()
+
+    code, out, _ = run(capsys, "slow-queries", "list", "--db", str(path))
+    header, *rows = (line.split() for line in out.splitlines())
+    column = header.index("RESUMED") + 1  # WHEN is two words: a date and a time
+    assert code == 0 and [(row[-1], row[column]) for row in rows] == [
+        ("fresh", "-"), ("mid-prefill", "0"), ("decoding", "37")]
+
+    code, out, err = run(capsys, "slow-queries", "list", "--db", str(path), "--json",
+                         "--limit", "2")
+    listed = json.loads(out)
+    assert code == 0 and err == ""
+    assert [(r["request_id"], r["resumed_tokens"]) for r in listed["slow_queries"]] == [
+        ("fresh", None), ("mid-prefill", 0)]
+    assert listed["next_after"] == listed["slow_queries"][-1]["id"]
+    assert listed["quarantined"] == []
+    _, out, _ = run(capsys, "slow-queries", "list", "--db", str(path), "--json",
+                    "--after", str(listed["next_after"]))
+    (last,) = json.loads(out)["slow_queries"]
+    assert (last["request_id"], last["resumed_tokens"]) == ("decoding", 37)
+
+
 def test_list_of_an_empty_store(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     open_database(tmp_path / "new.db").close()
     code, out, _ = run(capsys, "slow-queries", "list", "--db", str(tmp_path / "new.db"))

@@ -38,6 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     listing.add_argument("--after", type=int, metavar="ID",
                          help="the next page: the rows after the one with this id (the last "
                          "one listed), in the same order")
+    listing.add_argument("--json", action="store_true",
+                         help="one JSON object: the page's records (as export writes them), "
+                         "the --after of the next page and the quarantined requests")
     listing.set_defaults(func=run_list)
 
     show = actions.add_parser("show", help="one slow query with its chunks and configuration")
@@ -90,19 +93,28 @@ def _select(args: argparse.Namespace,
 
 def run_list(args: argparse.Namespace) -> int:
     records, quarantined = _select(args)
+    next_after = records[-1].id if records and len(records) == args.limit else None
+    if args.json:
+        print(json.dumps({"slow_queries": [asdict(r) for r in records],
+                          "next_after": next_after,
+                          "quarantined": [asdict(q) for q in quarantined]}, indent=2))
+        return 0
     if not records:
         print("no slow queries recorded")
     else:
+        # RESUMED: the output tokens a request had when resumed from the journal after a
+        # restart (0: it stopped mid-prefill); "-" for one that never was
         header = ("ID", "WHEN", "TENANT", "SCORE", "PROMPT", "PREFILL_MS", "BUDGET_MS",
-                  "CHUNKS", "TAG", "SERVER", "REQUEST")
+                  "CHUNKS", "RESUMED", "TAG", "SERVER", "REQUEST")
         _table(header, [
             (str(r.id), _when(r.created_at), r.tenant, f"{r.budget_score:.2f}",
              str(r.prompt_tokens), f"{r.prefill_s * 1e3:.1f}", f"{r.budgeted_s * 1e3:.1f}",
-             str(len(r.chunks)), r.tag or "-", r.server or "-", r.request_id)
+             str(len(r.chunks)), "-" if r.resumed_tokens is None else str(r.resumed_tokens),
+             r.tag or "-", r.server or "-", r.request_id)
             for r in records
         ])
-        if len(records) == args.limit:  # on stderr: stdout stays one table
-            print(f"next page: --after {records[-1].id}", file=sys.stderr)
+    if next_after is not None:  # on stderr: stdout stays one table
+        print(f"next page: --after {next_after}", file=sys.stderr)
     if quarantined:
         print(f"\nquarantined requests ({len(quarantined)}): not run again until "
               "`tokenflow db release-quarantine ID`")

@@ -100,4 +100,5 @@ def _view(request: Request, budget: int) -> RequestView:
         generated_tokens=len(request.output_token_ids), cached_tokens=request.cached_tokens,
         ttft_ms=None if request.ttft_s is None else request.ttft_s * 1000,
         tpot_ms=None if request.tpot_s is None else request.tpot_s * 1000,
-        budget_score=request.budget_score, arrival_s=request.arrival, kind=request.kind)
+        budget_score=request.budget_score, arrival_s=request.arrival, kind=request.kind,
+        resumed_tokens=request.resumed_tokens)

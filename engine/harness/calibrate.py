@@ -162,8 +162,6 @@ class KvProbe:
     block_size: int
     capacity_tokens: int
     capacity_bytes: int
-    zero_s: float
-    zero_bandwidth: float
 
 
 @dataclass(frozen=True)
@@ -370,18 +368,17 @@ class Calibration:
         granted = 0
         while blocks.allocate(holder, granted * blocks.block_size + 1):
             granted += 1
-        start = time.perf_counter()
-        runner.zero_blocks(blocks.take_newly_allocated())
-        _synchronize(runner.device)
-        zero_s = time.perf_counter() - start
+        # The probe writes none of its blocks, so it zeroes none (a full pool's write): each
+        # is zeroed when a request is granted it. What others are owed is zeroed as ever.
+        probed = set(holder.block_table)
+        runner.zero_blocks([b for b in blocks.take_newly_allocated() if b not in probed])
         blocks.release(holder)
         block_bytes = (self.engine.model_config.kv_bytes_per_token(runner.bytes_per_element)
                        * blocks.block_size)
         capacity = granted * blocks.block_size
         return KvProbe(blocks=granted, total_blocks=blocks.num_blocks,
                        block_size=blocks.block_size, capacity_tokens=capacity,
-                       capacity_bytes=granted * block_bytes, zero_s=zero_s,
-                       zero_bandwidth=granted * block_bytes / zero_s if zero_s > 0 else 0.0)
+                       capacity_bytes=granted * block_bytes)
 
     def _run(self, batch: Batch, runs: int) -> float | None:
         """Seconds of the last of `runs` steps of `batch`; None if the free KV cannot hold them."""
@@ -541,11 +538,6 @@ def timed_step(engine: Engine, batch: Batch) -> float:
     start_s = engine.clock()  # a simulated engine's clock: the twin calibrates on its own steps
     runner.run(batch)
     return engine.clock() - start_s
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _start_nvml(device: torch.device) -> NvmlBandwidth | None:

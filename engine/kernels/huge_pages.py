@@ -18,4 +18,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if advice is not None:
         with contextlib.suppress(OSError):  # a kernel built without THP: ordinary pages
             region.madvise(advice)
-    return torch.frombuffer(region, dtype=dtype, count=count).view(shape).zero_()
+    # An anonymous mapping reads as zeros; one write a page faults it in (the kernel zeroes
+    # it then), so serving never pays the faults and the pool is not written a second time.
+    torch.frombuffer(region, dtype=torch.uint8)[::mmap.PAGESIZE].zero_()
+    return torch.frombuffer(region, dtype=dtype, count=count).view(shape)

@@ -154,6 +154,8 @@ class Metrics:
         self._rate: deque[tuple[float, float, int, int]] = deque(maxlen=WINDOW_SAMPLES)
         self._step_output = 0
         self._last_token_ts: dict[str, float] = {}
+        # live requests whose prompt is counted: a restart re-adds them, the same requests
+        self._prompt_counted: set[str] = set()
 
     def subscribe_to(self, bus: EventBus) -> None:
         """Hear `bus`'s events; kinds no handler takes are never delivered."""
@@ -197,7 +199,9 @@ class Metrics:
 
     def _on_added(self, event: RequestAdded) -> None:
         with self._lock:
-            self.prompt_tokens_total += len(event.prompt_token_ids)
+            if event.request_id not in self._prompt_counted:
+                self._prompt_counted.add(event.request_id)
+                self.prompt_tokens_total += len(event.prompt_token_ids)
 
     def _on_preempted(self, event: Preempted) -> None:
         with self._lock:
@@ -207,6 +211,7 @@ class Metrics:
         with self._lock:
             self.requests.on_finished(event)
             self._last_token_ts.pop(event.request_id, None)
+            self._prompt_counted.discard(event.request_id)
             self.requests_finished_total += 1
             self.e2e.observe(event.e2e_s)
             if event.queue_wait_s is not None:
@@ -222,11 +227,13 @@ class Metrics:
 
     def _on_rejected(self, event: Rejected) -> None:
         with self._lock:
+            self._prompt_counted.discard(event.request_id)
             self.requests_rejected_total += 1
 
     def _on_failed(self, event: Failed) -> None:
         with self._lock:
             self._last_token_ts.pop(event.request_id, None)
+            self._prompt_counted.discard(event.request_id)
             self.requests_failed_total += 1
 
     def _on_slow_query(self, event: SlowQuery) -> None:

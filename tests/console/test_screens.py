@@ -109,10 +109,14 @@ async def test_a_requests_cached_share_shows_in_its_row_and_its_detail() -> None
         assert request_row(dataclasses.replace(view, cached_tokens=0), 2.0).cells[cached] == "–"
         requests = app.screen.query_one(RequestsTable)
         assert cached in requests.shown_columns  # wide enough at 120 columns
-        # the first column to go as the table narrows, before the tenant
-        narrower = (requests.fitting(w) for w in range(requests.size.width, 0, -1))
-        first_drop = next(shown for shown in narrower if len(shown) < len(COLUMNS))
-        assert first_drop == tuple(i for i in range(len(COLUMNS)) if i != cached)
+        # the first columns to go as the table narrows: the rare resume mark, then the
+        # cached share, before the tenant
+        resumed = [c.key for c in COLUMNS].index("resumed")
+        narrower = [requests.fitting(w) for w in range(requests.size.width, 0, -1)]
+        drops = [shown for shown in narrower if len(shown) < len(COLUMNS)]
+        assert drops[0] == tuple(i for i in range(len(COLUMNS)) if i != resumed)
+        second = next(shown for shown in drops if len(shown) < len(COLUMNS) - 1)
+        assert second == tuple(i for i in range(len(COLUMNS)) if i not in (resumed, cached))
 
         await app.push_screen(RequestDetail(view))
         await pilot.pause()
@@ -120,6 +124,42 @@ async def test_a_requests_cached_share_shows_in_its_row_and_its_detail() -> None
         printer.print(app.screen.query(Static).first().content)
         assert ("400 prompt tokens, 300 (75%) found in the prefix cache, never prefilled"
                 in printer.export_text())
+
+
+async def test_a_resumed_request_is_marked_in_its_row_and_its_detail() -> None:
+    app = replay_app()
+    async with app.run_test(size=(120, 40)) as pilot:
+        await replayed(pilot)
+        latest = app.latest
+        view = dataclasses.replace(latest.requests[0], resumed_tokens=37)
+        column = [c.key for c in COLUMNS].index("resumed")
+        assert request_row(view, 2.0).cells[column].plain == "↻ 37"
+        # resumed mid-prefill, before its first token, is a resume too
+        assert request_row(dataclasses.replace(view, resumed_tokens=0), 2.0
+                           ).cells[column].plain == "↻ 0"
+        assert request_row(latest.requests[1], 2.0).cells[column].plain == "–"
+
+        requests = app.screen.query_one(RequestsTable)
+        requests.update_from(dataclasses.replace(latest, requests=(view, *latest.requests[1:])))
+        await pilot.pause()
+        table = requests.table
+        assert column in requests.shown_columns  # wide enough at 120 columns
+        assert table.get_cell(view.id, "resumed").plain == "↻ 37"
+        assert table.get_cell(latest.requests[1].id, "resumed").plain == "–"
+        # where the column has dropped, the filter still finds them
+        table.focus()
+        await pilot.press("slash")
+        requests.query_one(Input).value = "resumed"
+        await pilot.pause()
+        assert [row.value for row in table.rows] == [view.id]
+        await pilot.press("escape")
+
+        await app.push_screen(RequestDetail(view))
+        await pilot.pause()
+        printer = Console(width=200, record=True, file=io.StringIO())
+        printer.print(app.screen.query(Static).first().content)
+        assert ("resumed from the journal after a restart with 37 output tokens already "
+                "generated" in printer.export_text())
 
 
 async def test_slow_queries_list_detail_and_export(tmp_path: Path,

@@ -38,7 +38,7 @@ class RequestDetail(ModalScreen[None]):
         for name, value in (
                 ("state", f"{r.state}{f'  ({r.reason})' if r.reason else ''}"),
                 ("tenant", r.tenant),
-                ("prompt", f"{prompt_words(r.prompt_tokens, r.cached_tokens)}; "
+                ("prompt", f"{prompt_words(r.prompt_tokens, r.cached_tokens, r.resumed_tokens)}; "
                            f"{r.prefilled_tokens} prefilled"),
                 ("chunks", f"{r.chunks_done} of {r.chunks_total}"),
                 ("generated", f"{r.generated_tokens} tokens"),

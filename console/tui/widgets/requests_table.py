@@ -1,6 +1,8 @@
 """The "Requests" pane: one keyed row per request, its budget_score coloured at 1.0 (on
 budget) and at the slow-query threshold. Running requests come first, the worst
-budget_score at the top: what needs a look is what is in view."""
+budget_score at the top: what needs a look is what is in view. A request resumed from the
+journal after a restart is marked ↻ with the output tokens it had (`/resumed` finds them
+where the column has dropped)."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ COLUMNS = (
     Column("generated", "gen", 5, drop=1),
     Column("ttft", "TTFT ms", 8),
     Column("score", "budget_score", 14),
+    Column("resumed", "resumed", 7, drop=5),
 )
 SCORE_COLUMN = 8
 # Running first, then waiting, then done: the order of the budget_score column's sort.
@@ -44,6 +47,13 @@ def budget_text(score: float | None, slow_threshold: float) -> Text:
     return Text(f"{score:.2f}", style=level_style(score, 1.0, slow_threshold))
 
 
+def resumed_text(resumed_tokens: int | None) -> Text:
+    """↻ and the output tokens a resumed request had; a dash for one never resumed."""
+    if resumed_tokens is None:
+        return Text("–")
+    return Text(f"↻ {resumed_tokens}", style="yellow")
+
+
 def request_row(r: RequestView, slow_threshold: float) -> TableRow:
     ttft = "–" if r.ttft_ms is None else f"{r.ttft_ms:.0f}"
     cached = f"{r.cached_share:.0%}" if r.cached_tokens else "–"
@@ -54,12 +64,14 @@ def request_row(r: RequestView, slow_threshold: float) -> TableRow:
         key=r.id,
         cells=(r.id, r.tenant, state,
                str(r.prompt_tokens), cached, f"{r.chunks_done}/{r.chunks_total}",
-               str(r.generated_tokens), ttft, budget_text(r.budget_score, slow_threshold)),
+               str(r.generated_tokens), ttft, budget_text(r.budget_score, slow_threshold),
+               resumed_text(r.resumed_tokens)),
         sort_values=(r.arrival_s, r.tenant, r.state, r.prompt_tokens, r.cached_share,
                      r.chunks_done / max(r.chunks_total, 1), r.generated_tokens, r.ttft_ms,
                      (STATE_RANK.get(r.state, 0),
-                      -1.0 if r.budget_score is None else r.budget_score)),
-        haystack=f"{r.id} {r.tenant} {r.state} {r.kind}".lower(),
+                      -1.0 if r.budget_score is None else r.budget_score), r.resumed_tokens),
+        haystack=f"{r.id} {r.tenant} {r.state} {r.kind}"
+                 f"{'' if r.resumed_tokens is None else ' resumed'}".lower(),
     )
 
 
