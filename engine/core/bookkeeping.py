@@ -61,13 +61,13 @@ class Bookkeeper:
             # a recomputed prefill (after a preemption) scores positions already kept
             request.prompt_logprobs += scored[max(0, len(request.prompt_logprobs) + 1 - first):]
 
-    def sampled(self, batch: Batch, output: ModelRunnerOutput, timing: StepTiming,
-                step: int) -> list[RequestOutput]:
+    def sampled(self, batch: Batch, requests: dict[str, Request], output: ModelRunnerOutput,
+                timing: StepTiming, step: int) -> list[RequestOutput]:
         """Book each sampling request's token. An error in one request's sampling, stop check
         or output fails that request alone (FAILED, cause FAULT); the others go on."""
         outputs = []
         for chunk in batch.sampling:
-            request = chunk.request
+            request = requests[chunk.request_id]
             error = output.errors.get(request.id)
             if error is None:
                 try:
@@ -83,10 +83,9 @@ class Bookkeeper:
             outputs.append(request_output(request, ()))
         return outputs
 
-    def record_chunk(self, chunk: ScheduledChunk, timing: StepTiming, start: float,
-                     decodes: int, other_tokens: int, mode: str, step: int,
+    def record_chunk(self, chunk: ScheduledChunk, request: Request, timing: StepTiming,
+                     start: float, decodes: int, other_tokens: int, mode: str, step: int,
                      throttle_level: int) -> None:
-        request = chunk.request
         request.num_computed_tokens += chunk.num_tokens
         request.last_chunk_step = step
         index = len(request.chunks)

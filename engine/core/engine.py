@@ -248,6 +248,8 @@ class Engine:
         if batch.prefills or batch.decodes:
             output, timing = self._run(batch)
             outputs += self.scheduler.update(batch, output, timing)
+        elif batch.finished or batch.preempted:
+            self.runner.run(batch)  # nothing to compute: the runner only forgets requests
         self._drain()
         return outputs
 
@@ -259,7 +261,7 @@ class Engine:
         return outputs
 
     def _run(self, batch: Batch) -> tuple[ModelRunnerOutput, StepTiming]:
-        self.stepping = tuple(c.request.id for c in (*batch.prefills, *batch.decodes))
+        self.stepping = tuple(c.request_id for c in (*batch.prefills, *batch.decodes))
         self.runner.zero_blocks(self.blocks.take_newly_allocated())
         predicted = self.predict(batch.shape())
         start = self.clock()

@@ -62,6 +62,7 @@ class Scheduler:
         self.waiting = self.admission.waiting
         self.running = self.admission.running
         self.prefill_paused = False  # the guards' degraded path
+        self.ended: list[str] = []  # ids the runner has yet to hear ended: the next batch's
         self.steps = 0  # steps booked by `update`
         self._scheduled_at = 0.0  # when the step under way was scheduled
 
@@ -95,6 +96,7 @@ class Scheduler:
 
     def reset(self, blocks: BlockManager) -> None:
         """An engine restart: every live request leaves, and the KV pool starts empty."""
+        self.ended.extend(self.requests)  # the runner forgets them; resumed ones enter afresh
         for queue in (self.requests, self.waiting, self.running):
             queue.clear()
         self.admission.blocks = blocks
@@ -113,6 +115,7 @@ class Scheduler:
         pool and its end is published. A request that already ended is left alone."""
         if self.requests.pop(request.id, None) is None:
             return
+        self.ended.append(request.id)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -172,7 +175,8 @@ class Scheduler:
         self.controller.before_step(now, *self.decode_load(), self.config, self.max_model_len)
         self.modes.update(self.config, self.blocks.usage)
         self.watch.mode(self.clock(), self.mode.value, self.throttle_level, self.prefill_paused)
-        batch = Batch(mode=self.mode)
+        batch = Batch(mode=self.mode, finished=self.ended)
+        self.ended = []
         budget = self._schedule_decodes(batch, self.token_budget)
         # once a step: the retune check and the chunk cap read it
         rules = self.replanner.rules(self.config, self.token_budget)
@@ -190,18 +194,20 @@ class Scheduler:
             if request.state is not decoding:
                 continue
             # hot path (256 decodes under 1 ms): most decodes still fit their last block
+            new: list[int] | None = None
             if request.num_computed_tokens >= len(request.block_table) * block_size:
-                while self.blocks.allocate(request, 1) is None:
+                while (new := self.blocks.allocate(request, 1)) is None:
                     victim = self.admission.pick_victim()
                     self.admission.preempt(victim, batch)
-                    if victim in (c.request for c in batch.decodes):
-                        batch.decodes = [c for c in batch.decodes if c.request is not victim]
+                    if any(c.request_id == victim.id for c in batch.decodes):
+                        batch.decodes = [c for c in batch.decodes if c.request_id != victim.id]
                         budget += 1
                     if victim is request:
                         break
                 if request.state is RequestState.PREEMPTED:
                     continue
-            batch.decodes.append(ScheduledChunk.of(request, request.num_computed_tokens, 1))
+            batch.decodes.append(ScheduledChunk.of(request.id, request.num_computed_tokens, 1,
+                                                   tuple(new) if new else (), True))
             budget -= 1
         return budget
 
@@ -239,13 +245,16 @@ class Scheduler:
         now = self.clock()
         fresh = []
         for request, tokens in plan.items():
-            if (request.state is not RequestState.PREFILL_CHUNKING
-                    and self.admission.admit(request, now, self.steps)):
+            entering = request.state is not RequestState.PREFILL_CHUNKING
+            if entering and self.admission.admit(request, now, self.steps):
                 fresh.append(request)
-            chunk = ScheduledChunk(request, request.num_computed_tokens, tokens)
-            if self.blocks.allocate(request, tokens) is None:
+            start = request.num_computed_tokens
+            new = self.blocks.allocate(request, tokens)
+            if new is None:
                 raise BlockError("a prefill plan outgrew the free KV blocks")
-            batch.prefills.append(chunk)
+            if entering:  # the runner gets its whole block table with its tokens
+                batch.new_requests.append(request.entering())
+            batch.prefills.append(request.chunk(start, tokens, () if entering else tuple(new)))
         if fresh:  # a new arrival shares the budget: everyone's plan changes
             self.replanner.replan(self.replanner.rules(cfg, self.token_budget),
                                   tuple(c.start + 1 for c in batch.decodes), fresh, self.steps)
@@ -260,24 +269,26 @@ class Scheduler:
         shape = batch.shape()
         prefill_tokens = shape.prefill_tokens
         self.watch.step(start, timing.end, self.steps, batch.mode.value, self.throttle_level,
-                        self.prefill_paused, tuple([c.request.id for c in batch.prefills]),
+                        self.prefill_paused, tuple([c.request_id for c in batch.prefills]),
                         len(batch.decodes))
         cache = self.blocks.cache_full_blocks
+        requests = self.requests  # a batch's requests stay live until their tokens are booked
         for chunk in batch.prefills:
-            self.books.record_chunk(chunk, timing, start, len(batch.decodes),
+            request = requests[chunk.request_id]
+            self.books.record_chunk(chunk, request, timing, start, len(batch.decodes),
                                     prefill_tokens - chunk.num_tokens, batch.mode.value,
                                     self.steps, self.throttle_level)
-            cache(chunk.request)
-        self.books.record_prompt_logprobs(self.requests, output)
+            cache(request)
+        self.books.record_prompt_logprobs(requests, output)
         block_size = self.blocks.block_size
         for chunk in batch.decodes:
-            request = chunk.request
+            request = requests[chunk.request_id]
             request.num_computed_tokens += 1
             # a decode fills a block only on its last slot: register it (and any block a
             # cache that was off left unregistered) then, not on every token
             if not request.num_computed_tokens % block_size:
                 cache(request)
-        outputs = self.books.sampled(batch, output, timing, self.steps)
+        outputs = self.books.sampled(batch, requests, output, timing, self.steps)
         self.books.step_done(batch, shape, timing, self.steps, self._scheduled_at,
                              self.has_work())
         return outputs
