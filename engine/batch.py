@@ -158,14 +158,16 @@ class ScheduledChunk:
 @dataclass
 class Batch:
     """The scheduler's message to the runner: ids, positions and block deltas, no live
-    request. The runner applies it in field order: it forgets the requests that ended or
-    were preempted, takes the new ones, then runs the chunks."""
+    request. The runner forgets the requests that ended, then those preempted, takes the new
+    ones and runs the chunks. The engine runs only batches with chunks, so the scheduler keeps
+    what an empty step would tell for the next batch that runs."""
 
     prefills: list[ScheduledChunk] = field(default_factory=list)
     decodes: list[ScheduledChunk] = field(default_factory=list)
     new_requests: list[NewRequest] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)  # request ids, preempted this step
-    # ids of requests that ended (finished, aborted, failed) since the last batch
+    # request ids preempted this step (and in steps before it that ran nothing)
+    preempted: list[str] = field(default_factory=list)
+    # ids of requests that ended (finished, aborted, failed) since the last batch that ran
     finished: list[str] = field(default_factory=list)
     mode: SchedulerMode = SchedulerMode.NORMAL
     # derived once the batch is scheduled (it is not changed after): see shape(), sampling
@@ -195,6 +197,22 @@ class Batch:
                                     decode_contexts=tuple(c.start + 1 for c in self.decodes),
                                     scored_rows=sum(c.scored_rows for c in self.prefills))
         return self._shape
+
+
+@dataclass
+class Unheard:
+    """Ids the runner has yet to hear ended or preempted. The engine runs only batches with
+    chunks, so what an empty step would tell waits for the next batch that runs."""
+
+    ended: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    def tell(self, batch: Batch) -> None:
+        """Put on a scheduled `batch` all the runner has yet to hear, if it runs."""
+        self.preempted += batch.preempted
+        if batch.prefills or batch.decodes:
+            batch.finished, batch.preempted = self.ended, self.preempted
+            self.ended, self.preempted = [], []
 
 
 @contextmanager

@@ -248,8 +248,6 @@ class Engine:
         if batch.prefills or batch.decodes:
             output, timing = self._run(batch)
             outputs += self.scheduler.update(batch, output, timing)
-        elif batch.finished or batch.preempted:
-            self.runner.run(batch)  # nothing to compute: the runner only forgets requests
         self._drain()
         return outputs
 

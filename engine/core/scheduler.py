@@ -15,6 +15,7 @@ from engine.batch import (
     ScheduledChunk,
     SchedulerMode,
     StepTiming,
+    Unheard,
 )
 from engine.budget.controller import BudgetController
 from engine.config import EngineConfig
@@ -25,13 +26,7 @@ from engine.core.equipment import BandwidthSource, PrefillWatch
 from engine.core.modes import THROTTLE_CONCURRENCY, Modes
 from engine.core.replanner import Replanner
 from engine.core.request import Request, RequestState
-from engine.events import (
-    CacheEvict,
-    Event,
-    FailCause,
-    Failed,
-    Finished,
-)
+from engine.events import Event, FailCause
 
 RECENT_FINISHED = 64  # ended requests still shown in snapshots
 
@@ -49,7 +44,6 @@ class Scheduler:
         self.bandwidth = bandwidth
         self.controller = controller
         self.watch = watch
-        self.publish = publish
         self.clock = clock
         self.max_model_len = max_model_len
         self.replanner = Replanner(self.admission, controller)
@@ -62,7 +56,7 @@ class Scheduler:
         self.waiting = self.admission.waiting
         self.running = self.admission.running
         self.prefill_paused = False  # the guards' degraded path
-        self.ended: list[str] = []  # ids the runner has yet to hear ended: the next batch's
+        self.unheard = Unheard()  # ids the runner has yet to hear ended or preempted
         self.steps = 0  # steps booked by `update`
         self._scheduled_at = 0.0  # when the step under way was scheduled
 
@@ -96,7 +90,7 @@ class Scheduler:
 
     def reset(self, blocks: BlockManager) -> None:
         """An engine restart: every live request leaves, and the KV pool starts empty."""
-        self.ended.extend(self.requests)  # the runner forgets them; resumed ones enter afresh
+        self.unheard.ended.extend(self.requests)  # resumed ones enter the runner afresh
         for queue in (self.requests, self.waiting, self.running):
             queue.clear()
         self.admission.blocks = blocks
@@ -115,7 +109,7 @@ class Scheduler:
         pool and its end is published. A request that already ended is left alone."""
         if self.requests.pop(request.id, None) is None:
             return
-        self.ended.append(request.id)
+        self.unheard.ended.append(request.id)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -127,18 +121,7 @@ class Scheduler:
         if state is RequestState.FAILED and request.prefill_finished is None:
             self._prefill_ended(request, request.finish_time)  # failed mid-prefill (a guard)
         self.watch.ended(request, self.config)
-        if state is RequestState.FAILED:
-            self.publish(Failed(request_id=request.id, reason=reason,
-                                cause=cause or FailCause.FAULT))
-        else:
-            self.publish(Finished(
-                request_id=request.id, reason=reason, prompt_tokens=request.num_prompt_tokens,
-                generated_tokens=len(request.output_token_ids), ttft_s=request.ttft_s,
-                e2e_s=request.finish_time - request.arrival, budget_score=request.budget_score,
-                queue_wait_s=None if request.prefill_started is None
-                else request.prefill_started - request.arrival))
-        self.publish(CacheEvict(request_id=request.id, blocks_freed=freed,
-                                usage_after=self.blocks.usage))
+        self.books.ended(request, cause, freed, self.blocks.usage)
 
     def set_config(self, config: EngineConfig) -> None:
         """Take a new configuration at a step boundary; tenant priorities reorder the queue."""
@@ -175,14 +158,14 @@ class Scheduler:
         self.controller.before_step(now, *self.decode_load(), self.config, self.max_model_len)
         self.modes.update(self.config, self.blocks.usage)
         self.watch.mode(self.clock(), self.mode.value, self.throttle_level, self.prefill_paused)
-        batch = Batch(mode=self.mode, finished=self.ended)
-        self.ended = []
+        batch = Batch(mode=self.mode)
         budget = self._schedule_decodes(batch, self.token_budget)
         # once a step: the retune check and the chunk cap read it
         rules = self.replanner.rules(self.config, self.token_budget)
         self.replanner.replan_if_retuned(rules, tuple(c.start + 1 for c in batch.decodes),
                                          self.steps)
         self._schedule_prefills(batch, budget, rules.chunk_cap)
+        self.unheard.tell(batch)
         return batch
 
     def _schedule_decodes(self, batch: Batch, budget: int) -> int:
