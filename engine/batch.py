@@ -159,8 +159,7 @@ class ScheduledChunk:
 class Batch:
     """The scheduler's message to the runner: ids, positions and block deltas, no live
     request. The runner forgets the requests that ended, then those preempted, takes the new
-    ones and runs the chunks. The engine runs only batches with chunks, so the scheduler keeps
-    what an empty step would tell for the next batch that runs."""
+    ones and runs the chunks (see Unheard for ids told while no batch runs)."""
 
     prefills: list[ScheduledChunk] = field(default_factory=list)
     decodes: list[ScheduledChunk] = field(default_factory=list)
