@@ -55,7 +55,6 @@ from step_micro import (  # run from benchmarks/, as the usage line says
 )
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.batch import ScheduledChunk
 from engine.core.request import RequestState
 from engine.harness.calibrate import calibrate
 from engine.kernels.attention import flash_available
@@ -97,7 +96,7 @@ def compiled(model: str) -> dict[str, Any]:
         timings[name] = {f"decode_{d}_ms": _timed(engine, running[:d], 3, 20) * 1e3
                          for d in (1, 8, 32, CUDA_GRAPH_MAX_TOKENS)}
         timings[name]["prefill_1024_ms"] = _timed(
-            engine, [ScheduledChunk(prefill, 0, 1024)], 2, 10) * 1e3
+            engine, [prefill.chunk(0, 1024)], 2, 10) * 1e3
     return {"greedy_equal_to_cpu": exact, "ok": all(exact.values()),
             "compile_s": engines["compiled"].runner.compile_s, "model": model, **timings}
 

@@ -83,7 +83,7 @@ def measure(iterations: int, bandwidth: BandwidthSource) -> dict[str, float]:
         start = time.perf_counter_ns()
         batch = scheduler.schedule()
         scheduled = time.perf_counter_ns()
-        output = ModelRunnerOutput(token_ids={c.request.id: 5 for c in batch.decodes})
+        output = ModelRunnerOutput(token_ids={c.request_id: 5 for c in batch.decodes})
         scheduler.update(batch, output, StepTiming(end=0.0, duration_s=1e-3, predicted_s=1e-3))
         end = time.perf_counter_ns()
         bandwidth.record(1e6, 1e-3)

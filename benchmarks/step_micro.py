@@ -76,9 +76,11 @@ def _timed(engine: Engine, chunks: list[ScheduledChunk], warmup: int, repeats: i
 
 
 def _request(engine: Engine, rid: str, tokens: int, state: RequestState) -> Request:
+    """A request holding the KV blocks of its `tokens`, lent to the runner for the run."""
     request = Request(rid, [3 + i % 250 for i in range(tokens)], SamplingParams(max_tokens=1),
                       arrival=0.0, state=state)
     engine.blocks.allocate(request, tokens)
+    engine.runner.run(Batch(new_requests=[request.entering()]))
     return request
 
 
@@ -88,7 +90,7 @@ def _decodes(engine: Engine, count: int, context: int) -> list[ScheduledChunk]:
     for i in range(count):
         request = _request(engine, f"d{i}", context, RequestState.DECODING)
         request.num_computed_tokens = context - 1
-        chunks.append(ScheduledChunk(request, context - 1, 1))
+        chunks.append(request.chunk(context - 1, 1))
     return chunks
 
 
@@ -100,7 +102,7 @@ def measure(model: str, *, device: str = "cpu", dtype: str = "float32", chunk: i
     peaks = engine.peaks
 
     prefill = _request(engine, "prefill", chunk, RequestState.PREFILL_CHUNKING)
-    prefill_s = _timed(engine, [ScheduledChunk(prefill, 0, chunk)], 2, repeats)
+    prefill_s = _timed(engine, [prefill.chunk(0, chunk)], 2, repeats)
     prefill_shape = StepShape(prefill=((chunk, 0),))
 
     decode_s = _timed(engine, _decodes(engine, batch, context), 3, repeats)
@@ -144,7 +146,7 @@ def step_curve(model: str, *, device: str = "cpu", dtype: str = "float32",
     for d in decodes:
         for p in prefills:
             if d or p:
-                chunks = running[:d] + ([ScheduledChunk(prefill, 0, p)] if p else [])
+                chunks = running[:d] + ([prefill.chunk(0, p)] if p else [])
                 step_ms[d, p] = _timed(engine, chunks, 2, repeats) * 1e3
     alone_per_token = step_ms[0, max(prefills)] / max(prefills)
     rows = []
@@ -177,7 +179,7 @@ def limits(model: str = "synthetic:small", *, device: str = "cpu", dtype: str = 
     for name, engine in engines.items():
         prefill = _request(engine, "prefill", chunk, RequestState.PREFILL_CHUNKING)
         steps[name] = {"decode": _batch(_decodes(engine, batch, context)),
-                       "prefill": _batch([ScheduledChunk(prefill, 0, chunk)])}
+                       "prefill": _batch([prefill.chunk(0, chunk)])}
     result: dict[str, Any] = {"model": model, "device": device, "batch": batch,
                               "context": context, "chunk": chunk, "compile_s": compile_s,
                               "weight_bytes": budget.weight_bytes,
@@ -321,7 +323,7 @@ def _flex_row(engine: Engine, flex: Any, chunks: list[ScheduledChunk], repeats: 
     k_cache, v_cache = runner.kv_cache[0, 0], runner.kv_cache[1, 0]
     bs, slots, batch = runner.block_size, runner.num_blocks * runner.block_size, len(chunks)
     meta = runner.prepare(chunks).meta
-    tables = [c.request.block_table for c in chunks]
+    tables = [runner.requests.held[c.request_id].block_table for c in chunks]
     owner = torch.full((runner.num_blocks,), -1, dtype=torch.int64)
     order = torch.zeros(runner.num_blocks, dtype=torch.int64)
     for row, table in enumerate(tables):

@@ -1,11 +1,13 @@
-"""The step's contracts, free of torch: Batch, ModelRunnerOutput, step cost, RequestOutput."""
+"""The step's contracts, free of torch: Batch (the scheduler's message to the runner),
+ModelRunnerOutput, step cost, RequestOutput."""
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from engine.config import SamplingParams
@@ -53,26 +55,6 @@ class PlannedChunk:
     @property
     def budget_s(self) -> float:
         return self.wait_s + self.predicted_s
-
-
-class ChunkRequest(Protocol):
-    """What a chunk's readers use of its request (engine.core.request.Request)."""
-
-    id: str
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    block_table: list[int]
-
-    @property
-    def num_tokens(self) -> int: ...
-
-    @property
-    def num_prompt_tokens(self) -> int: ...
-
-    @property
-    def is_decoding(self) -> bool: ...
-
-    def tokens_between(self, start: int, end: int) -> list[int]: ...
 
 
 class SchedulerMode(enum.StrEnum):
@@ -136,41 +118,56 @@ class StepShape:
 
 
 @dataclass(frozen=True)
+class NewRequest:
+    """A request entering the runner (admitted, or again after a preemption or a restart):
+    what the runner keeps of it, sent once; later steps send only what changed."""
+
+    id: str
+    prompt_token_ids: Sequence[int]  # never changed once the request is made
+    output_token_ids: tuple[int, ...]  # generated before it entered: recomputed with the prompt
+    params: SamplingParams
+    block_ids: tuple[int, ...]  # its KV blocks as it enters, prefix-cached ones first
+
+
+@dataclass(frozen=True)
 class ScheduledChunk:
-    request: ChunkRequest
+    """One request's share of a step: tokens [start, start + num_tokens), and the KV blocks
+    it was given since the runner last heard of it. The runner knows its tokens: the prompt
+    came with its NewRequest, and a decode's token is the one the runner sampled."""
+
+    request_id: str
     start: int  # first token position computed this step
     num_tokens: int
+    new_block_ids: tuple[int, ...] = ()
+    is_decode: bool = False
+    samples: bool = True  # it reaches the end of the known tokens, so a token is sampled
+    scored_rows: int = 0  # rows scoring prompt tokens (row i predicts start + i + 1)
 
     @classmethod
-    def of(cls, request: ChunkRequest, start: int, num_tokens: int) -> ScheduledChunk:
+    def of(cls, request_id: str, start: int, num_tokens: int,
+           new_block_ids: tuple[int, ...] = (), is_decode: bool = False, samples: bool = True,
+           scored_rows: int = 0) -> ScheduledChunk:
         """The constructor's object, without a frozen __init__'s per-field setattr."""
         chunk = object.__new__(cls)
-        chunk.__dict__.update(request=request, start=start, num_tokens=num_tokens)
+        chunk.__dict__.update(request_id=request_id, start=start, num_tokens=num_tokens,
+                              new_block_ids=new_block_ids, is_decode=is_decode,
+                              samples=samples, scored_rows=scored_rows)
         return chunk
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the end of the known tokens, so a new token is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
-
-    @property
-    def is_decode(self) -> bool:
-        return self.request.is_decoding
-
-    @property
-    def scored_rows(self) -> int:
-        """Rows scoring prompt tokens (row i predicts position start + i + 1), when asked for."""
-        request = self.request
-        if request.params.prompt_logprobs is None or self.is_decode:
-            return 0
-        return max(0, min(self.num_tokens, request.num_prompt_tokens - 1 - self.start))
 
 
 @dataclass
 class Batch:
+    """The scheduler's message to the runner: ids, positions and block deltas, no live
+    request. The runner forgets the requests that ended, then those preempted, takes the new
+    ones and runs the chunks (see Unheard for ids told while no batch runs)."""
+
     prefills: list[ScheduledChunk] = field(default_factory=list)
     decodes: list[ScheduledChunk] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)  # request ids
+    new_requests: list[NewRequest] = field(default_factory=list)
+    # request ids preempted this step (and in steps before it that ran nothing)
+    preempted: list[str] = field(default_factory=list)
+    # ids of requests that ended (finished, aborted, failed) since the last batch that ran
+    finished: list[str] = field(default_factory=list)
     mode: SchedulerMode = SchedulerMode.NORMAL
     # derived once the batch is scheduled (it is not changed after): see shape(), sampling
     _shape: StepShape | None = field(default=None, init=False, repr=False, compare=False)
@@ -184,7 +181,7 @@ class Batch:
 
     @property
     def sampling(self) -> list[ScheduledChunk]:
-        """The chunks that sample a token, in logits-row order; found before tokens are appended."""
+        """The chunks that sample a token, in logits-row order."""
         if self._sampling is None:
             self._sampling = [c for c in self.prefills if c.samples] + self.decodes
         return self._sampling
@@ -199,6 +196,33 @@ class Batch:
                                     decode_contexts=tuple(c.start + 1 for c in self.decodes),
                                     scored_rows=sum(c.scored_rows for c in self.prefills))
         return self._shape
+
+
+@dataclass
+class Unheard:
+    """Ids the runner has yet to hear ended or preempted. The engine runs only batches with
+    chunks, so what an empty step would tell waits for the next batch that runs."""
+
+    ended: list[str] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)
+
+    def tell(self, batch: Batch) -> None:
+        """Put on a scheduled `batch` all the runner has yet to hear, if it runs."""
+        self.preempted += batch.preempted
+        if batch.prefills or batch.decodes:
+            batch.finished, batch.preempted = self.ended, self.preempted
+            self.ended, self.preempted = [], []
+
+
+@contextmanager
+def lent(run: Callable[[Batch], object], requests: Sequence[NewRequest]) -> Iterator[None]:
+    """`requests` held by a runner for the block, outside any scheduler (probes, warm-ups):
+    a batch without chunks only changes what the runner holds."""
+    run(Batch(new_requests=list(requests)))
+    try:
+        yield
+    finally:
+        run(Batch(finished=[r.id for r in requests]))
 
 
 @dataclass(frozen=True)

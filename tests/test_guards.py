@@ -152,7 +152,7 @@ def test_chunk_timeout_fails_the_slow_request_releases_its_blocks_others_go_on()
     forward = engine.runner.run
 
     def slow_forward(batch):  # the model clock runs 0.3 s while the slow request prefills
-        if any(c.request.id == slow for c in batch.prefills):
+        if any(c.request_id == slow for c in batch.prefills):
             clock.now += 0.3
         return forward(batch)
 
@@ -202,7 +202,7 @@ def test_degraded_path_takes_over_before_the_next_step_and_keeps_serving() -> No
     forward = engine.runner.run
 
     def slow_forward(batch):
-        if any(c.request.id == victim for c in batch.prefills):
+        if any(c.request_id == victim for c in batch.prefills):
             clock.now += 0.3
         return forward(batch)
 

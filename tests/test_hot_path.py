@@ -9,8 +9,7 @@ import pytest
 from engine.batch import RequestOutput, ScheduledChunk, StepShape
 from engine.budget.cost_model import BudgetModel
 from engine.budget.peaks import DevicePeaks
-from engine.config import EngineConfig, SamplingParams
-from engine.core.request import Request
+from engine.config import EngineConfig
 from engine.events import EventBus, FailCause, Failed, StepComplete, TokensGenerated
 from engine.harness.driver import OutputTokens, Recorder
 from engine.harness.workload import WorkloadRequest
@@ -109,12 +108,12 @@ def test_quiet_evaluations_share_one_decision_and_a_change_still_speaks() -> Non
 
 
 def test_the_hot_path_constructors_make_what_the_dataclass_constructors_make() -> None:
-    request = Request(id="r", prompt_token_ids=[1, 2], params=SamplingParams(), arrival=0.0)
     pairs = [
         (RequestOutput.of("r", (3,), False, None, "DECODING"),
          RequestOutput(request_id="r", new_token_ids=(3,), finished=False,
                        finish_reason=None, state="DECODING")),
-        (ScheduledChunk.of(request, 2, 1), ScheduledChunk(request, 2, 1)),
+        (ScheduledChunk.of("r", 2, 1, (4,), True, True, 0),
+         ScheduledChunk("r", 2, 1, (4,), is_decode=True, samples=True, scored_rows=0)),
         (TokensGenerated.of("r", (3,), 1.5), TokensGenerated(request_id="r", token_ids=(3,),
                                                              ts=1.5)),
     ]

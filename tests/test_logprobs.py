@@ -16,7 +16,7 @@ import torch
 from console.cli.engine_flags import add_engine_flags, engine_config
 from engine import Engine, EngineConfig, SamplingParams
 from engine.config import ConfigError
-from engine.core.request import Request
+from engine.core.runner_requests import RunnerRequest
 from engine.core.sampler import sample
 from engine.serve.completions import Choice
 from tests.hf_models import hf_greedy, save_tiny
@@ -101,7 +101,7 @@ def test_prefill_only_request_scores_its_prompt(llama) -> None:
 def test_scoring_rows_are_priced_in_the_step_shape(llama) -> None:
     """A chunk that scores its prompt computes a logits row per token: the budget model
     prices those rows (lm_head FLOPs and logits bytes) as a separate term."""
-    from engine.batch import Batch, ScheduledChunk
+    from engine.batch import Batch
     from engine.core.request import Request
 
     directory, prompts = llama
@@ -109,9 +109,9 @@ def test_scoring_rows_are_priced_in_the_step_shape(llama) -> None:
     plain = Request("a", prompts[0], SamplingParams(max_tokens=0), arrival=0.0)
     scoring = Request("b", prompts[0], SamplingParams(max_tokens=0, prompt_logprobs=1),
                       arrival=0.0)
-    shapes = [Batch(prefills=[ScheduledChunk(r, 0, 13)]).shape() for r in (plain, scoring)]
+    shapes = [Batch(prefills=[r.chunk(0, 13)]).shape() for r in (plain, scoring)]
     assert shapes[0].scored_rows == 0 and shapes[1].scored_rows == 13
-    last = Batch(prefills=[ScheduledChunk(scoring, 26, 14)]).shape()
+    last = Batch(prefills=[scoring.chunk(26, 14)]).shape()
     assert last.scored_rows == 13  # the last prompt token's row predicts a generated one
     extra = engine.budget.flops(shapes[1]) - engine.budget.flops(shapes[0])
     assert extra == pytest.approx(13 * 2 * 64 * 400)  # lm_head: hidden × vocab per row
@@ -119,8 +119,8 @@ def test_scoring_rows_are_priced_in_the_step_shape(llama) -> None:
 
 
 def _sampled(logits: torch.Tensor, params: SamplingParams, processed: bool):
-    request = Request(id="r", prompt_token_ids=[1, 2, 3], params=params, arrival=0.0,
-                      output_token_ids=[7, 7, 9])
+    request = RunnerRequest("r", [1, 2, 3, 7, 7, 9], num_prompt_tokens=3, params=params,
+                            block_table=[])
     out = sample(logits.unsqueeze(0), [request], processed_logprobs=processed)
     return out.token_ids["r"], out.logprobs["r"]
 

@@ -51,6 +51,7 @@ class SchedulerRig:
     now: float = 0.0
     events: list[Event] = field(default_factory=list)
     requests: list[Request] = field(default_factory=list)
+    by_id: dict[str, Request] = field(default_factory=dict)  # a batch names its requests by id
     sampled: set[Request] = field(default_factory=set)  # chunks of the last step that sampled
 
     def __post_init__(self) -> None:
@@ -77,6 +78,7 @@ class SchedulerRig:
                           arrival=self.now if arrival is None else arrival, tenant=tenant,
                           priority=priority)
         self.requests.append(request)
+        self.by_id[request.id] = request
         refused = rejection(prompt_tokens, max_tokens, self.config, MAX_MODEL_LEN, self.blocks)
         if refused is not None:
             request.set_state(RequestState.REJECTED, refused.message)
@@ -91,7 +93,7 @@ class SchedulerRig:
 
     def step(self) -> Batch:
         batch = self.scheduler.schedule()
-        self.sampled = {c.request for c in batch.sampling}
+        self.sampled = {self.by_id[c.request_id] for c in batch.sampling}
         self.now += STEP_S
         output = ModelRunnerOutput(token_ids={r.id: TOKEN for r in self.sampled})
         self.scheduler.update(batch, output, StepTiming(self.now, STEP_S, 1e-3))
@@ -117,7 +119,7 @@ def sim(num_blocks: int = 256, **changes: object) -> SchedulerRig:
 
 
 def prefill_sizes(batch: Batch) -> dict[str, int]:
-    return {c.request.id: c.num_tokens for c in batch.prefills}
+    return {c.request_id: c.num_tokens for c in batch.prefills}
 
 
 # --- decode first, chunking --------------------------------------------------------------
@@ -128,7 +130,7 @@ def test_decodes_are_scheduled_before_prefills_and_fit_the_budget() -> None:
     assert all(r.is_decoding for r in decoders)
     long = s.add(200)
     batch = s.step()
-    assert [c.request for c in batch.decodes] == decoders
+    assert [s.by_id[c.request_id] for c in batch.decodes] == decoders
     assert prefill_sizes(batch) == {long.id: 24}  # 32 - 6 decodes = 26, rounded to tiles
     assert batch.num_tokens <= 32
 
@@ -211,7 +213,7 @@ def test_preemption_recomputes_the_lowest_priority_latest_arrival() -> None:
     assert victim.state is RequestState.PREEMPTED and victim.num_computed_tokens == 0
     assert victim.block_table == [] and victim.num_preemptions == 1
     assert not batch.prefills
-    assert {c.request.id for c in batch.decodes} == {"r0", "r1", "r3"}
+    assert {c.request_id for c in batch.decodes} == {"r0", "r1", "r3"}
     event = s.of(Preempted)[0]
     assert event.request_id == victim.id and event.tokens_discarded == 12
     assert victim.output_token_ids == [TOKEN]  # recompute keeps what it generated

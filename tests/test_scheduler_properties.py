@@ -114,7 +114,7 @@ def test_invariants_hold_for_random_workloads(scenario) -> None:
         budget = config.max_num_batched_tokens
         assert batch.num_tokens <= budget
         # every runnable decode runs unless it was preempted
-        decoded = {c.request for c in batch.decodes}
+        decoded = {sim.by_id[c.request_id] for c in batch.decodes}
         assert all(r in decoded or r.id in batch.preempted for r in decoding)
         assert all(c.num_tokens == 1 for c in batch.decodes)
         # chunks: whole tiles except a prompt's final remainder, capped, few per step
@@ -122,12 +122,12 @@ def test_invariants_hold_for_random_workloads(scenario) -> None:
         assert len(batch.prefills) <= min(config.max_prefill_chunks, cap)
         for chunk in batch.prefills:
             assert chunk.num_tokens >= 1
-            if chunk.request not in sim.sampled:
+            if sim.by_id[chunk.request_id] not in sim.sampled:
                 assert chunk.num_tokens % tile == 0
                 assert config.chunked_prefill
             if config.long_prefill_threshold and config.chunked_prefill:
                 assert chunk.num_tokens <= max(config.long_prefill_threshold, tile)
-        admitted = [c.request for c in batch.prefills if c.request in queued]
+        admitted = [r for c in batch.prefills if (r := sim.by_id[c.request_id]) in queued]
         if batch.preempted:
             assert not admitted, "a request was admitted in a step that preempted"
         if not config.tenant_shares and config.chunked_prefill:
@@ -161,7 +161,7 @@ def _check_fcfs(batch: Batch, admitted: list[Request], queued: set[Request], til
     for request in admitted:
         key = (-request.priority, request.arrival)
         if any((-r.priority, r.arrival) < key for r in left_behind):
-            chunk = next(c for c in batch.prefills if c.request is request)
+            chunk = next(c for c in batch.prefills if c.request_id == request.id)
             assert chunk.start == 0 and chunk.num_tokens < tile
 
 
@@ -216,7 +216,7 @@ def test_no_request_waits_longer_than_the_fcfs_bound(scenario) -> None:
     for step, batch in enumerate(sim.run()):
         assert not batch.preempted and batch.mode == "NORMAL"
         for chunk in batch.prefills:
-            first_chunk.setdefault(chunk.request, step)
+            first_chunk.setdefault(sim.by_id[chunk.request_id], step)
     order = sorted(requests, key=lambda r: (-r.priority, r.arrival))
     c = config.max_num_batched_tokens - (n - 1) - (config.chunk_tile - 1)
     for position, request in enumerate(order):

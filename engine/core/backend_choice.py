@@ -17,9 +17,8 @@ from typing import Protocol, TypeVar
 
 import torch
 
-from engine.batch import ScheduledChunk
+from engine.batch import Batch, ModelRunnerOutput, NewRequest, ScheduledChunk, lent
 from engine.config import SamplingParams
-from engine.core.request import Request, RequestState
 from engine.kernels.cpu_kernels import cache_dir
 from engine.model.config import ModelConfig
 
@@ -192,20 +191,19 @@ class Runner(Protocol):
     model_config: ModelConfig
 
     def apply(self, backends: Backends) -> None: ...
-    def forward(self, chunks: list[ScheduledChunk]) -> torch.Tensor: ...
+    def run(self, batch: Batch) -> ModelRunnerOutput: ...
+    def forward(self, chunks: list[ScheduledChunk]) -> object: ...
     def zero_blocks(self, blocks: list[int]) -> None: ...
 
 
-def scratch_chunk(block_size: int, tokens: list[int], first_block: int, start: int,
-                  count: int) -> ScheduledChunk:
-    """`count` tokens from `start` of a request of its own on blocks from `first_block` on."""
-    request = Request(f"scratch-{first_block}", tokens, SamplingParams(max_tokens=1),
-                      arrival=0.0, num_computed_tokens=start,
-                      state=RequestState.DECODING if count == 1 and start
-                      else RequestState.PREFILL_CHUNKING,
-                      block_table=list(range(first_block,
-                                             first_block + -(-len(tokens) // block_size))))
-    return ScheduledChunk.of(request, start, count)
+def scratch(request_id: str, block_size: int, tokens: list[int], first_block: int, start: int,
+            count: int) -> tuple[NewRequest, ScheduledChunk]:
+    """`count` tokens from `start` of a request of its own on blocks from `first_block` on:
+    what the runner is lent, and its chunk."""
+    blocks = tuple(range(first_block, first_block + -(-len(tokens) // block_size)))
+    return (NewRequest(request_id, tokens, (), SamplingParams(max_tokens=1), blocks),
+            ScheduledChunk.of(request_id, start, count, (), count == 1 and start > 0,
+                              start + count == len(tokens)))
 
 
 class StepProbe:
@@ -225,10 +223,14 @@ class StepProbe:
         vocab = runner.model_config.vocab_size
         tokens = [(7 * i + 1) % vocab for i in range(max(context + 1, history + chunk))]
         per_decode = -(-(context + 1) // bs)
-        batch = [scratch_chunk(bs, tokens[:context + 1], i * per_decode, context, 1)
-                 for i in range(decodes)]
+        scratches = [scratch(f"probe-decode-{i}", bs, tokens[:context + 1], i * per_decode,
+                             context, 1) for i in range(decodes)]
+        scratches.append(scratch("probe-prefill", bs, tokens[:history + chunk], 0, history,
+                                 chunk))
+        self.lent = [new for new, _ in scratches]
+        batch = [chunk for _, chunk in scratches[:decodes]]
         self.decode_steps = [batch, batch[:tail]]
-        self.prefill_step = [scratch_chunk(bs, tokens[:history + chunk], 0, history, chunk)]
+        self.prefill_step = [scratches[-1][1]]
         self.blocks = max(decodes * -(-(context + 1) // bs), -(-(history + chunk) // bs))
 
     def _time(self, backends: Backends, steps: list[list[ScheduledChunk]]) -> float:
@@ -242,14 +244,15 @@ class StepProbe:
         """Time every candidate the flags leave and pick as `pick` does."""
         started = time.perf_counter()
         decode = {found.decode[0]: [0.0]}
-        if len(found.decode) > 1:
-            decode = interleaved(found.decode, lambda path: self._time(
-                Backends(path, TORCH), self.decode_steps))
-        chosen = pick(decode, lambda path: path.rank)
         prefill = {found.prefill[0]: [0.0]}
-        if len(found.prefill) > 1:
-            prefill = interleaved(found.prefill, lambda attention: self._time(
-                Backends(chosen, attention), [self.prefill_step]))
+        with lent(self.runner.run, self.lent):
+            if len(found.decode) > 1:
+                decode = interleaved(found.decode, lambda path: self._time(
+                    Backends(path, TORCH), self.decode_steps))
+            chosen = pick(decode, lambda path: path.rank)
+            if len(found.prefill) > 1:
+                prefill = interleaved(found.prefill, lambda attention: self._time(
+                    Backends(chosen, attention), [self.prefill_step]))
         attention = pick(prefill, lambda attention: attention == PAGED)
         self.runner.zero_blocks(list(range(self.blocks)))
         return Choice(Backends(chosen, attention), "measured",

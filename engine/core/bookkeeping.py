@@ -15,7 +15,16 @@ from engine.batch import (
 from engine.budget.controller import BudgetController
 from engine.core.equipment import BandwidthSource
 from engine.core.request import ChunkTiming, Request, RequestState
-from engine.events import ChunkComplete, Event, FailCause, StepComplete, TokensGenerated
+from engine.events import (
+    CacheEvict,
+    ChunkComplete,
+    Event,
+    FailCause,
+    Failed,
+    Finished,
+    StepComplete,
+    TokensGenerated,
+)
 
 
 class Bookkeeper:
@@ -61,13 +70,13 @@ class Bookkeeper:
             # a recomputed prefill (after a preemption) scores positions already kept
             request.prompt_logprobs += scored[max(0, len(request.prompt_logprobs) + 1 - first):]
 
-    def sampled(self, batch: Batch, output: ModelRunnerOutput, timing: StepTiming,
-                step: int) -> list[RequestOutput]:
+    def sampled(self, batch: Batch, requests: dict[str, Request], output: ModelRunnerOutput,
+                timing: StepTiming, step: int) -> list[RequestOutput]:
         """Book each sampling request's token. An error in one request's sampling, stop check
         or output fails that request alone (FAILED, cause FAULT); the others go on."""
         outputs = []
         for chunk in batch.sampling:
-            request = chunk.request
+            request = requests[chunk.request_id]
             error = output.errors.get(request.id)
             if error is None:
                 try:
@@ -83,10 +92,9 @@ class Bookkeeper:
             outputs.append(request_output(request, ()))
         return outputs
 
-    def record_chunk(self, chunk: ScheduledChunk, timing: StepTiming, start: float,
-                     decodes: int, other_tokens: int, mode: str, step: int,
+    def record_chunk(self, chunk: ScheduledChunk, request: Request, timing: StepTiming,
+                     start: float, decodes: int, other_tokens: int, mode: str, step: int,
                      throttle_level: int) -> None:
-        request = chunk.request
         request.num_computed_tokens += chunk.num_tokens
         request.last_chunk_step = step
         index = len(request.chunks)
@@ -129,6 +137,24 @@ class Bookkeeper:
         if reason:
             self.finish(request, RequestState.FINISHED, reason)
         return request_output(request, (token,))
+
+    def ended(self, request: Request, cause: FailCause | None, blocks_freed: int,
+              usage_after: float) -> None:
+        """Publish a request's end (FINISHED, or FAILED with its cause) and its freed blocks."""
+        if request.state is RequestState.FAILED:
+            self.publish(Failed(request_id=request.id, reason=request.reason,
+                                cause=cause or FailCause.FAULT))
+        else:
+            assert request.finish_time is not None
+            self.publish(Finished(
+                request_id=request.id, reason=request.reason,
+                prompt_tokens=request.num_prompt_tokens,
+                generated_tokens=len(request.output_token_ids), ttft_s=request.ttft_s,
+                e2e_s=request.finish_time - request.arrival, budget_score=request.budget_score,
+                queue_wait_s=None if request.prefill_started is None
+                else request.prefill_started - request.arrival))
+        self.publish(CacheEvict(request_id=request.id, blocks_freed=blocks_freed,
+                                usage_after=usage_after))
 
     def step_done(self, batch: Batch, shape: StepShape, timing: StepTiming, step: int,
                   scheduled_at: float, has_work: bool) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from engine.batch import Batch, ModelRunnerOutput, ScheduledChunk
+from engine.batch import Batch, ModelRunnerOutput, ScheduledChunk, lent
 from engine.config import EngineConfig
 from engine.core.backend_choice import (
     KERNELS,
@@ -26,11 +26,12 @@ from engine.core.backend_choice import (
     cache_key,
     candidates,
     load_cached,
-    scratch_chunk,
+    scratch,
     store,
 )
 from engine.core.kernel_swap import PACKED, PLAIN, KernelSwap
 from engine.core.kv_sizing import kv_budget, read_cuda_memory
+from engine.core.runner_requests import RunnerRequest, RunnerRequests
 from engine.core.sampler import sample, token_logprobs
 from engine.core.step_inputs import InputLayout, StepInputs, prepare
 from engine.errors import EngineError
@@ -110,6 +111,7 @@ class ModelRunner:
             _bound_onednn_caches()
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.processed_logprobs = config.logprobs_mode == "processed_logprobs"
+        self.requests = RunnerRequests()  # what the scheduler's batches told it
         self.use_flash = (config.attention_backend in ("auto", "flash")
                           and flash_importable(self.device))
         if config.attention_backend == "flash" and not self.use_flash:
@@ -265,8 +267,10 @@ class ModelRunner:
         per_sequence = -(-length // self.block_size)
         self.num_blocks = per_sequence * len(lengths)
         self.kv_cache = self._allocate_kv()
-        self.forward([scratch_chunk(self.block_size, [0] * n, i * per_sequence, 0, n)
-                      for i, n in enumerate(lengths)])
+        scratches = [scratch(f"warm-up-{i}", self.block_size, [0] * n, i * per_sequence, 0, n)
+                     for i, n in enumerate(lengths)]
+        with lent(self.run, [new for new, _ in scratches]):
+            self.forward([chunk for _, chunk in scratches])
 
         def release() -> None:
             del self.kv_cache
@@ -279,11 +283,13 @@ class ModelRunner:
             self._block_rows().index_fill_(1, index, 0)
 
     def move_blocks(self, source: list[int], target: list[int]) -> None:
-        """Copy the KV rows of blocks `source` to blocks `target` (cache compaction)."""
+        """Copy the KV rows of blocks `source` to blocks `target` (cache compaction), and
+        renumber the block tables held: the scheduler's were renumbered alike."""
         src = torch.tensor(source, dtype=torch.int64, device=self.device)
         dst = torch.tensor(target, dtype=torch.int64, device=self.device)
         rows = self._block_rows()
         rows.index_copy_(1, dst, rows.index_select(1, src))
+        self.requests.renumber(dict(zip(source, target, strict=True)))
 
     def _block_rows(self) -> torch.Tensor:
         """The KV tensor as [outside a block, blocks, a block's elements]: contiguous blocks."""
@@ -291,28 +297,37 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> ModelRunnerOutput:
-        """Forward one batch and sample each chunk that ends its known tokens; a sampling error
-        fails its request alone. Prompt logprobs come from the prefill's own rows."""
+        """Apply the batch's message, forward its chunks and sample each that ends its known
+        tokens; a sampling error fails its request alone. Prompt logprobs come from the
+        prefill's own rows. A batch without chunks only changes the requests held."""
+        chunks = batch.chunks
+        rows = self.requests.update(batch)
+        if not chunks:
+            return ModelRunnerOutput()
         scoring = [c for c in batch.prefills if c.scored_rows]
-        logits, scored = self.forward(batch.chunks, scoring)
-        output = sample(logits, [c.request for c in batch.sampling], self.processed_logprobs)
-        for chunk, rows in zip(scoring, scored, strict=True):
-            request = chunk.request
+        logits, scored = self.forward(chunks, scoring, rows)
+        sampling = [row for chunk, row in zip(chunks, rows, strict=True) if chunk.samples]
+        output = sample(logits, sampling, self.processed_logprobs)
+        self.requests.sampled(sampling, output)
+        for chunk, logit_rows in zip(scoring, scored, strict=True):
+            request = self.requests.held[chunk.request_id]
             first = chunk.start + 1  # row i predicts the token at position start + i + 1
-            targets = request.prompt_token_ids[first:first + len(rows)]
+            targets = request.token_ids[first:first + len(logit_rows)]
             try:
                 output.prompt_logprobs[request.id] = (first, token_logprobs(
-                    torch.log_softmax(rows.float(), dim=-1), targets,
+                    torch.log_softmax(logit_rows.float(), dim=-1), targets,
                     request.params.prompt_logprobs or 0))
             except Exception as exc:  # this request's alone, as its sampling is
                 output.errors[request.id] = f"scoring its prompt failed: {exc!r}"
         return output
 
     @torch.inference_mode()
-    def forward(self, chunks: list[ScheduledChunk], scoring: Sequence[ScheduledChunk] = ()
+    def forward(self, chunks: list[ScheduledChunk], scoring: Sequence[ScheduledChunk] = (),
+                rows: list[RunnerRequest] | None = None
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Sampling logits in `chunks` order, and each `scoring` chunk's prompt-token logits."""
-        inputs = self.prepare(chunks)
+        """Sampling logits in `chunks` order, and each `scoring` chunk's prompt-token logits;
+        `rows` are the chunks' requests where the caller has them."""
+        inputs = self.prepare(chunks, rows)
         if self.graphs is not None and self.graphs.covers(inputs.meta, len(inputs.input_ids)):
             x = self.model.embed(inputs.input_ids)
             hidden = self.graphs.run(x, self.model.rotations(inputs.positions, x.dtype),
@@ -327,5 +342,7 @@ class ModelRunner:
             scored.append(self.model.logits(hidden[first:first + chunk.scored_rows]))
         return logits, scored
 
-    def prepare(self, chunks: list[ScheduledChunk]) -> StepInputs:
-        return prepare(chunks, self.layout, self.paged_prefill, self.paged_decode)
+    def prepare(self, chunks: list[ScheduledChunk], rows: list[RunnerRequest] | None = None
+                ) -> StepInputs:
+        return prepare(chunks, self.requests.rows(chunks) if rows is None else rows,
+                       self.layout, self.paged_prefill, self.paged_decode)

@@ -7,7 +7,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.batch import ChunkTiming, PlannedChunk, TokenLogprob
+from engine.batch import ChunkTiming, NewRequest, PlannedChunk, ScheduledChunk, TokenLogprob
 from engine.config import SamplingParams
 
 if TYPE_CHECKING:  # the console imports this module without torch
@@ -138,6 +138,21 @@ class Request:
         if start >= prompt:
             return self.output_token_ids[start - prompt:end - prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt]
+
+    def entering(self) -> NewRequest:
+        """What the runner is told as this request enters it: its tokens and blocks now."""
+        return NewRequest(self.id, self.prompt_token_ids, tuple(self.output_token_ids),
+                          self.params, tuple(self.block_table))
+
+    def chunk(self, start: int, num_tokens: int, new_block_ids: tuple[int, ...] = ()
+              ) -> ScheduledChunk:
+        """The message for this request's `num_tokens` from `start`, in its state now."""
+        decode = self.is_decoding
+        scored = 0
+        if self.params.prompt_logprobs is not None and not decode:
+            scored = max(0, min(num_tokens, self.num_prompt_tokens - 1 - start))
+        return ScheduledChunk.of(self.id, start, num_tokens, new_block_ids, decode,
+                                 start + num_tokens == self.num_tokens, scored)
 
     def match_stop(self, text: str) -> bool:
         """Whether the output `text` now holds a stop string; sets `text_end` where it is cut."""

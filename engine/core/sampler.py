@@ -8,12 +8,13 @@ import torch
 
 from engine.batch import ModelRunnerOutput, TokenLogprob
 from engine.config import SamplingParams
-from engine.core.request import Request
+from engine.core.runner_requests import RunnerRequest
 
 
-def sample(logits: torch.Tensor, requests: Sequence[Request],
+def sample(logits: torch.Tensor, requests: Sequence[RunnerRequest],
            processed_logprobs: bool = False) -> ModelRunnerOutput:
-    """One token per row of `logits` [M, V] (fp32), row i for `requests[i]`."""
+    """One token per row of `logits` [M, V] (fp32), row i for `requests[i]`; a seeded
+    request's generator is made at its first draw and kept with it."""
     greedy = logits.argmax(dim=-1).tolist()
     tokens: dict[str, int] = {}
     errors: dict[str, str] = {}
@@ -60,7 +61,7 @@ def token_logprobs(logprobs: torch.Tensor, tokens: Sequence[int],
                                                      pairs, strict=True)]
 
 
-def _penalized(logits: torch.Tensor, request: Request) -> torch.Tensor:
+def _penalized(logits: torch.Tensor, request: RunnerRequest) -> torch.Tensor:
     p = request.params
     scores = logits.clone()
     if p.logit_bias:
@@ -69,14 +70,13 @@ def _penalized(logits: torch.Tensor, request: Request) -> torch.Tensor:
                             device=scores.device)
         scores.index_add_(0, ids, bias)
     if p.repetition_penalty != 1.0:
-        seen = torch.tensor(request.prompt_token_ids + request.output_token_ids,
-                            dtype=torch.int64, device=scores.device).unique()
+        seen = torch.tensor(request.token_ids, dtype=torch.int64, device=scores.device).unique()
         values = scores[seen]
         scores[seen] = torch.where(values > 0, values / p.repetition_penalty,
                                    values * p.repetition_penalty)
-    if (p.frequency_penalty or p.presence_penalty) and request.output_token_ids:
-        counts = torch.bincount(torch.tensor(request.output_token_ids, dtype=torch.int64,
-                                             device=scores.device),
+    generated = request.output_token_ids if p.frequency_penalty or p.presence_penalty else []
+    if generated:
+        counts = torch.bincount(torch.tensor(generated, dtype=torch.int64, device=scores.device),
                                 minlength=scores.numel())[:scores.numel()].to(scores.dtype)
         scores -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(scores.dtype)
     return scores

@@ -15,6 +15,7 @@ from engine.batch import (
     ScheduledChunk,
     SchedulerMode,
     StepTiming,
+    Unheard,
 )
 from engine.budget.controller import BudgetController
 from engine.config import EngineConfig
@@ -25,13 +26,7 @@ from engine.core.equipment import BandwidthSource, PrefillWatch
 from engine.core.modes import THROTTLE_CONCURRENCY, Modes
 from engine.core.replanner import Replanner
 from engine.core.request import Request, RequestState
-from engine.events import (
-    CacheEvict,
-    Event,
-    FailCause,
-    Failed,
-    Finished,
-)
+from engine.events import Event, FailCause
 
 RECENT_FINISHED = 64  # ended requests still shown in snapshots
 
@@ -49,7 +44,6 @@ class Scheduler:
         self.bandwidth = bandwidth
         self.controller = controller
         self.watch = watch
-        self.publish = publish
         self.clock = clock
         self.max_model_len = max_model_len
         self.replanner = Replanner(self.admission, controller)
@@ -62,6 +56,7 @@ class Scheduler:
         self.waiting = self.admission.waiting
         self.running = self.admission.running
         self.prefill_paused = False  # the guards' degraded path
+        self.unheard = Unheard()  # ids the runner has yet to hear ended or preempted
         self.steps = 0  # steps booked by `update`
         self._scheduled_at = 0.0  # when the step under way was scheduled
 
@@ -95,6 +90,7 @@ class Scheduler:
 
     def reset(self, blocks: BlockManager) -> None:
         """An engine restart: every live request leaves, and the KV pool starts empty."""
+        self.unheard.ended.extend(self.requests)  # resumed ones enter the runner afresh
         for queue in (self.requests, self.waiting, self.running):
             queue.clear()
         self.admission.blocks = blocks
@@ -113,6 +109,7 @@ class Scheduler:
         pool and its end is published. A request that already ended is left alone."""
         if self.requests.pop(request.id, None) is None:
             return
+        self.unheard.ended.append(request.id)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -124,18 +121,7 @@ class Scheduler:
         if state is RequestState.FAILED and request.prefill_finished is None:
             self._prefill_ended(request, request.finish_time)  # failed mid-prefill (a guard)
         self.watch.ended(request, self.config)
-        if state is RequestState.FAILED:
-            self.publish(Failed(request_id=request.id, reason=reason,
-                                cause=cause or FailCause.FAULT))
-        else:
-            self.publish(Finished(
-                request_id=request.id, reason=reason, prompt_tokens=request.num_prompt_tokens,
-                generated_tokens=len(request.output_token_ids), ttft_s=request.ttft_s,
-                e2e_s=request.finish_time - request.arrival, budget_score=request.budget_score,
-                queue_wait_s=None if request.prefill_started is None
-                else request.prefill_started - request.arrival))
-        self.publish(CacheEvict(request_id=request.id, blocks_freed=freed,
-                                usage_after=self.blocks.usage))
+        self.books.ended(request, cause, freed, self.blocks.usage)
 
     def set_config(self, config: EngineConfig) -> None:
         """Take a new configuration at a step boundary; tenant priorities reorder the queue."""
@@ -179,6 +165,7 @@ class Scheduler:
         self.replanner.replan_if_retuned(rules, tuple(c.start + 1 for c in batch.decodes),
                                          self.steps)
         self._schedule_prefills(batch, budget, rules.chunk_cap)
+        self.unheard.tell(batch)
         return batch
 
     def _schedule_decodes(self, batch: Batch, budget: int) -> int:
@@ -190,18 +177,20 @@ class Scheduler:
             if request.state is not decoding:
                 continue
             # hot path (256 decodes under 1 ms): most decodes still fit their last block
+            new: list[int] | None = None
             if request.num_computed_tokens >= len(request.block_table) * block_size:
-                while self.blocks.allocate(request, 1) is None:
+                while (new := self.blocks.allocate(request, 1)) is None:
                     victim = self.admission.pick_victim()
                     self.admission.preempt(victim, batch)
-                    if victim in (c.request for c in batch.decodes):
-                        batch.decodes = [c for c in batch.decodes if c.request is not victim]
+                    if any(c.request_id == victim.id for c in batch.decodes):
+                        batch.decodes = [c for c in batch.decodes if c.request_id != victim.id]
                         budget += 1
                     if victim is request:
                         break
                 if request.state is RequestState.PREEMPTED:
                     continue
-            batch.decodes.append(ScheduledChunk.of(request, request.num_computed_tokens, 1))
+            batch.decodes.append(ScheduledChunk.of(request.id, request.num_computed_tokens, 1,
+                                                   tuple(new) if new else (), True))
             budget -= 1
         return budget
 
@@ -239,13 +228,16 @@ class Scheduler:
         now = self.clock()
         fresh = []
         for request, tokens in plan.items():
-            if (request.state is not RequestState.PREFILL_CHUNKING
-                    and self.admission.admit(request, now, self.steps)):
+            entering = request.state is not RequestState.PREFILL_CHUNKING
+            if entering and self.admission.admit(request, now, self.steps):
                 fresh.append(request)
-            chunk = ScheduledChunk(request, request.num_computed_tokens, tokens)
-            if self.blocks.allocate(request, tokens) is None:
+            start = request.num_computed_tokens
+            new = self.blocks.allocate(request, tokens)
+            if new is None:
                 raise BlockError("a prefill plan outgrew the free KV blocks")
-            batch.prefills.append(chunk)
+            if entering:  # the runner gets its whole block table with its tokens
+                batch.new_requests.append(request.entering())
+            batch.prefills.append(request.chunk(start, tokens, () if entering else tuple(new)))
         if fresh:  # a new arrival shares the budget: everyone's plan changes
             self.replanner.replan(self.replanner.rules(cfg, self.token_budget),
                                   tuple(c.start + 1 for c in batch.decodes), fresh, self.steps)
@@ -260,24 +252,26 @@ class Scheduler:
         shape = batch.shape()
         prefill_tokens = shape.prefill_tokens
         self.watch.step(start, timing.end, self.steps, batch.mode.value, self.throttle_level,
-                        self.prefill_paused, tuple([c.request.id for c in batch.prefills]),
+                        self.prefill_paused, tuple([c.request_id for c in batch.prefills]),
                         len(batch.decodes))
         cache = self.blocks.cache_full_blocks
+        requests = self.requests  # a batch's requests stay live until their tokens are booked
         for chunk in batch.prefills:
-            self.books.record_chunk(chunk, timing, start, len(batch.decodes),
+            request = requests[chunk.request_id]
+            self.books.record_chunk(chunk, request, timing, start, len(batch.decodes),
                                     prefill_tokens - chunk.num_tokens, batch.mode.value,
                                     self.steps, self.throttle_level)
-            cache(chunk.request)
-        self.books.record_prompt_logprobs(self.requests, output)
+            cache(request)
+        self.books.record_prompt_logprobs(requests, output)
         block_size = self.blocks.block_size
         for chunk in batch.decodes:
-            request = chunk.request
+            request = requests[chunk.request_id]
             request.num_computed_tokens += 1
             # a decode fills a block only on its last slot: register it (and any block a
             # cache that was off left unregistered) then, not on every token
             if not request.num_computed_tokens % block_size:
                 cache(request)
-        outputs = self.books.sampled(batch, output, timing, self.steps)
+        outputs = self.books.sampled(batch, requests, output, timing, self.steps)
         self.books.step_done(batch, shape, timing, self.steps, self._scheduled_at,
                              self.has_work())
         return outputs

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import ScheduledChunk
+from engine.core.runner_requests import RunnerRequest
 from engine.kernels.attention import AttentionMetadata, DecodeGroup, PrefillSpan
 
 
@@ -20,11 +21,15 @@ class InputLayout:
     use_flash: bool
 
 
-def _block_tables(chunks: list[ScheduledChunk], dtype: torch.dtype) -> torch.Tensor:
+# a chunk and what the runner holds of its request
+Pair = tuple[ScheduledChunk, RunnerRequest]
+
+
+def _block_tables(pairs: list[Pair], dtype: torch.dtype) -> torch.Tensor:
     """Each chunk's block table as a row, padded with block 0 (one list, not a tensor per row)."""
-    width = max(len(c.request.block_table) for c in chunks)
-    return torch.tensor([c.request.block_table + [0] * (width - len(c.request.block_table))
-                         for c in chunks], dtype=dtype)
+    width = max(len(r.block_table) for _, r in pairs)
+    return torch.tensor([r.block_table + [0] * (width - len(r.block_table)) for _, r in pairs],
+                        dtype=dtype)
 
 
 @dataclass(frozen=True)
@@ -36,12 +41,14 @@ class StepInputs:
     last_rows: dict[int, int]  # id(chunk) -> its last row in the packed order
 
 
-def prepare(chunks: list[ScheduledChunk], layout: InputLayout, paged_prefill: bool,
-            paged_decode: bool) -> StepInputs:
-    """Pack `chunks` into one step's tensors and attention metadata, prefills first."""
-    prefills = [c for c in chunks if not c.is_decode]
+def prepare(chunks: list[ScheduledChunk], requests: list[RunnerRequest], layout: InputLayout,
+            paged_prefill: bool, paged_decode: bool) -> StepInputs:
+    """Pack `chunks` (of `requests`, one each) into one step's tensors and attention
+    metadata, prefills first."""
+    paired = list(zip(chunks, requests, strict=True))
+    prefills = [p for p in paired if not p[0].is_decode]
     # decodes sorted by context so each group pads little (see _decode_groups)
-    decodes = sorted((c for c in chunks if c.is_decode), key=lambda c: -c.start)
+    decodes = sorted((p for p in paired if p[0].is_decode), key=lambda p: -p[0].start)
     ordered = prefills + decodes
     bs = layout.block_size
     window = layout.window
@@ -55,10 +62,9 @@ def prepare(chunks: list[ScheduledChunk], layout: InputLayout, paged_prefill: bo
     # a decode's position and slot as plain ints, one tensor for all (not one each)
     decode_positions: list[int] = []
     decode_slots: list[int] = []
-    for chunk in ordered:
-        request = chunk.request
+    for chunk, request in ordered:
         end = chunk.start + chunk.num_tokens
-        token_ids.extend(request.tokens_between(chunk.start, end))
+        token_ids.extend(request.token_ids[chunk.start:end])
         row += chunk.num_tokens
         row_of[id(chunk)] = row - 1
         if chunk.is_decode:
@@ -132,7 +138,7 @@ def _prefill_span(layout: InputLayout, row: int, pos: torch.Tensor, table: torch
     return PrefillSpan(row, len(pos), (table[keys // bs] * bs + keys % bs).to(layout.device),
                        mask)
 
-def _decode_groups(layout: InputLayout, decodes: list[ScheduledChunk], first_row: int,
+def _decode_groups(layout: InputLayout, decodes: list[Pair], first_row: int,
                    window: int | None) -> tuple[DecodeGroup, ...]:
     """Decodes in groups padded to their longest member; a new group starts where padding
     would exceed a quarter of the group's real keys."""
@@ -144,28 +150,28 @@ def _decode_groups(layout: InputLayout, decodes: list[ScheduledChunk], first_row
     def gathered(chunk: ScheduledChunk) -> int:  # keys from its first gathered block on
         return chunk.start + 1 - first_block(chunk) * bs
 
-    groups: list[list[ScheduledChunk]] = []
+    groups: list[list[Pair]] = []
     longest = real = 0  # of the last group: its widest row and its real keys
-    for chunk in decodes:
-        keys = gathered(chunk)
+    for pair in decodes:
+        keys = gathered(pair[0])
         if groups and max(longest, keys) * (len(groups[-1]) + 1) <= 1.25 * (real + keys):
-            groups[-1].append(chunk)
+            groups[-1].append(pair)
             longest, real = max(longest, keys), real + keys
             continue
-        groups.append([chunk])
+        groups.append([pair])
         longest = real = keys
     result, row = [], first_row
     for group in groups:
-        width = max(-(-gathered(c) // bs) for c in group)
+        width = max(-(-gathered(c) // bs) for c, _ in group)
         tables = torch.zeros(len(group), width, dtype=torch.int64)
-        firsts = [first_block(c) for c in group]
-        for i, (chunk, first) in enumerate(zip(group, firsts, strict=True)):
-            table = chunk.request.block_table[first:first + width]
+        firsts = [first_block(c) for c, _ in group]
+        for i, ((_, request), first) in enumerate(zip(group, firsts, strict=True)):
+            table = request.block_table[first:first + width]
             tables[i, :len(table)] = torch.tensor(table, dtype=torch.int64)
         # global position of each gathered key; a row sees those in [low, length)
         positions = (torch.tensor(firsts, dtype=torch.int64).unsqueeze(1) * bs
                      + torch.arange(width * bs, dtype=torch.int64))
-        lengths = torch.tensor([[c.start + 1] for c in group], dtype=torch.int64)
+        lengths = torch.tensor([[c.start + 1] for c, _ in group], dtype=torch.int64)
         hidden = positions >= lengths
         if window is not None:
             hidden |= positions < lengths - window
@@ -176,16 +182,16 @@ def _decode_groups(layout: InputLayout, decodes: list[ScheduledChunk], first_row
         row += len(group)
     return tuple(result)
 
-def _decode_tables(decodes: list[ScheduledChunk]) -> dict[str, torch.Tensor]:
+def _decode_tables(decodes: list[Pair]) -> dict[str, torch.Tensor]:
     """The paged kernel's metadata: block tables (padding never read) and key counts."""
     if not decodes:
         return {}
-    lengths = torch.tensor([c.start + 1 for c in decodes], dtype=torch.int64)
+    lengths = torch.tensor([c.start + 1 for c, _ in decodes], dtype=torch.int64)
     return {"decode_tables": _block_tables(decodes, torch.int64), "decode_lengths": lengths}
 
-def _flash_fields(layout: InputLayout, ordered: list[ScheduledChunk]) -> dict[str, object]:
-    q_lens = [c.num_tokens for c in ordered]
-    k_lens = [c.start + c.num_tokens for c in ordered]
+def _flash_fields(layout: InputLayout, ordered: list[Pair]) -> dict[str, object]:
+    q_lens = [c.num_tokens for c, _ in ordered]
+    k_lens = [c.start + c.num_tokens for c, _ in ordered]
     tables = _block_tables(ordered, torch.int32)
     cumulative = [0]
     for n in q_lens:

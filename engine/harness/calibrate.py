@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from sqlalchemy.orm import Session
 
-from engine.batch import Batch, ScheduledChunk, StepShape
+from engine.batch import Batch, StepShape, lent
 from engine.budget.cost_model import BudgetModel
 from engine.budget.operations import OperationEfficiency, StepPrice, fit_step_price
 from engine.budget.peaks import DevicePeaks
@@ -250,7 +250,7 @@ class Calibration:
         self.progress = progress
         self.probes = plan.probes()
         self._held_out = _held_out(self.probes)
-        self._batches: dict[Probe, Batch] = {}
+        self._steps: dict[Probe, ProbeStep] = {}
         self._times: dict[Probe, list[float]] = {}
         self._busy: dict[Probe, list[float]] = {}
         self._dram: dict[Probe, list[float]] = {}
@@ -278,8 +278,8 @@ class Calibration:
             self._nvml.stop()
             self._nvml = None
         engine = self.engine
-        timed = {probe: (batch.shape(), self._times[probe])
-                 for probe, batch in self._batches.items() if self._times[probe]}
+        timed = {probe: (step.batch.shape(), self._times[probe])
+                 for probe, step in self._steps.items() if self._times[probe]}
         fit = [(shape, times) for probe, (shape, times) in timed.items()
                if not self._held_out[probe]]
         if not fit:
@@ -332,20 +332,20 @@ class Calibration:
             if probe.longest > self.engine.max_model_len:
                 self._skipped.append(probe)
             else:
-                batch = _probe_batch(probe, vocab)
-                if self._run(batch, self.plan.warmup) is None:
+                step = _probe_step(probe, vocab)
+                if self._run(step, self.plan.warmup) is None:
                     self._skipped.append(probe)
                 else:
-                    self._batches[probe] = batch
+                    self._steps[probe] = step
                     self._times[probe], self._busy[probe], self._dram[probe] = [], [], []
-            done += 1 + (0 if probe in self._batches else self.plan.repeats)
+            done += 1 + (0 if probe in self._steps else self.plan.repeats)
             yield
         for repeat in range(self.plan.repeats):
-            timed = len(self._batches)
-            for index, (probe, batch) in enumerate(self._batches.items(), 1):
+            timed = len(self._steps)
+            for index, (probe, step) in enumerate(self._steps.items(), 1):
                 self._report(done, f"pass {repeat + 1}/{self.plan.repeats}, shape "
                              f"{index}/{timed}: {_describe(probe)}")
-                seconds = self._run(batch, self.plan.burst)
+                seconds = self._run(step, self.plan.burst)
                 if seconds is not None:  # None: serving took the blocks since the warm-up
                     self._times[probe].append(seconds)
                     latest = self._nvml.latest() if self._nvml is not None else None
@@ -380,25 +380,26 @@ class Calibration:
                        block_size=blocks.block_size, capacity_tokens=capacity,
                        capacity_bytes=granted * block_bytes)
 
-    def _run(self, batch: Batch, runs: int) -> float | None:
-        """Seconds of the last of `runs` steps of `batch`; None if the free KV cannot hold them."""
-        chunks = batch.chunks
-        blocks = self.engine.blocks
-        for index, chunk in enumerate(chunks):
-            if blocks.allocate(chunk.request, chunk.start + chunk.num_tokens) is None:
-                for placed in chunks[:index]:
-                    blocks.release(placed.request)
+    def _run(self, step: ProbeStep, runs: int) -> float | None:
+        """Seconds of the last of `runs` runs of `step`; None if the free KV cannot hold it."""
+        requests, blocks, runner = step.requests, self.engine.blocks, self.engine.runner
+        for index, request in enumerate(requests):
+            if blocks.allocate(request, request.num_tokens) is None:
+                for placed in requests[:index]:
+                    blocks.release(placed)
                 blocks.take_newly_allocated()
                 return None
         try:
-            self.engine.runner.zero_blocks(blocks.take_newly_allocated())
+            runner.zero_blocks(blocks.take_newly_allocated())
             seconds = math.nan
-            for _ in range(runs):
-                seconds = timed_step(self.engine, batch)
+            # lent before the timed runs: a served step's decodes bring no new request
+            with lent(runner.run, [r.entering() for r in requests]):
+                for _ in range(runs):
+                    seconds = timed_step(self.engine, step.batch)
             return seconds
         finally:
-            for chunk in chunks:
-                blocks.release(chunk.request)
+            for request in requests:
+                blocks.release(request)
 
 
 @dataclass(frozen=True)
@@ -506,23 +507,35 @@ def apply_latest(engine: Engine, session: Session) -> CalibrationRecord | None:
 _GREEDY = SamplingParams()
 
 
-def _dummy_request(num_tokens: int, state: RequestState, vocab: int = 1) -> Request:
-    request = Request(id="calibration", prompt_token_ids=[i % vocab for i in range(num_tokens)],
+def _dummy_request(num_tokens: int, state: RequestState, vocab: int = 1,
+                   request_id: str = "calibration") -> Request:
+    request = Request(id=request_id, prompt_token_ids=[i % vocab for i in range(num_tokens)],
                       params=_GREEDY, arrival=0.0)
     request.set_state(state, "calibration probe")
     return request
 
 
-def _probe_batch(probe: Probe, vocab: int) -> Batch:
-    batch = Batch()
+@dataclass(frozen=True)
+class ProbeStep:
+    """A probe's requests (each holds KV blocks while it runs) and the batch that steps them."""
+
+    requests: list[Request]
+    batch: Batch
+
+
+def _probe_step(probe: Probe, vocab: int) -> ProbeStep:
+    requests, batch = [], Batch()
     for _ in range(probe.chunks if probe.chunk else 0):
-        request = _dummy_request(probe.chunk_context + probe.chunk,
-                                 RequestState.PREFILL_CHUNKING, vocab)
-        batch.prefills.append(ScheduledChunk(request, probe.chunk_context, probe.chunk))
+        request = _dummy_request(probe.chunk_context + probe.chunk, RequestState.PREFILL_CHUNKING,
+                                 vocab, f"calibration-{len(requests)}")
+        requests.append(request)
+        batch.prefills.append(request.chunk(probe.chunk_context, probe.chunk))
     for _ in range(probe.decode_seqs):
-        request = _dummy_request(probe.decode_context + 1, RequestState.DECODING, vocab)
-        batch.decodes.append(ScheduledChunk(request, probe.decode_context, 1))
-    return batch
+        request = _dummy_request(probe.decode_context + 1, RequestState.DECODING, vocab,
+                                 f"calibration-{len(requests)}")
+        requests.append(request)
+        batch.decodes.append(request.chunk(probe.decode_context, 1))
+    return ProbeStep(requests, batch)
 
 
 def timed_step(engine: Engine, batch: Batch) -> float:

@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.batch import Batch, ScheduledChunk, StepShape
+from engine.batch import Batch, StepShape, lent
 from engine.config import SamplingParams
 from engine.core.engine import Engine
 from engine.core.request import Request, RequestState
@@ -27,14 +27,15 @@ def measure_decode_step(engine: Engine, batch: int = 8, context: int = 128,
             raise ValueError(f"the KV pool cannot hold {batch} sequences of {context} tokens")
         request.num_computed_tokens = context - 1
         requests.append(request)
-    step = Batch(decodes=[ScheduledChunk(r, context - 1, 1) for r in requests])
+    step = Batch(decodes=[r.chunk(context - 1, 1) for r in requests])
     try:
-        engine.runner.run(step)
-        samples = []
-        for _ in range(repeats):  # on the engine's clock: a simulated step takes simulated time
-            start = engine.clock()
+        with lent(engine.runner.run, [r.entering() for r in requests]):
             engine.runner.run(step)
-            samples.append(engine.clock() - start)
+            samples = []
+            for _ in range(repeats):  # on the engine's clock: a simulated step takes simulated time
+                start = engine.clock()
+                engine.runner.run(step)
+                samples.append(engine.clock() - start)
     finally:
         for request in requests:
             engine.blocks.release(request)

@@ -78,6 +78,8 @@ class SimulatedExecutor:
             raise EngineError(f"the KV budget ({target.kv_cache_bytes} bytes) holds no block of "
                               f"{per_block} bytes; raise kv_cache_bytes or use a larger GPU")
         self._never = frozenset(self.model_config.eos_token_id)
+        # the stop tokens of each request the scheduler's batches brought in, until it leaves
+        self.stops: dict[str, tuple[int, ...]] = {}
         # the calibrated host's time after the last step: run_fleet moves a virtual clock on by it
         self.host_s = 0.0
 
@@ -94,7 +96,15 @@ class SimulatedExecutor:
         """Compaction renumbers block tables (the block manager's); no KV rows to move."""
 
     def run(self, batch: Batch) -> ModelRunnerOutput:
-        """Advance the clock by the predicted step time; a placeholder token per sampling chunk."""
+        """Advance the clock by the predicted step time; a placeholder token per sampling chunk.
+        A batch without chunks only changes the requests held."""
+        stops = self.stops
+        for request_id in (*batch.finished, *batch.preempted):
+            stops.pop(request_id, None)
+        for new in batch.new_requests:
+            stops[new.id] = new.params.stop_token_ids
+        if not (batch.prefills or batch.decodes):
+            return ModelRunnerOutput()
         start = self.clock()
         shape = batch.shape()
         target = self.target
@@ -107,8 +117,7 @@ class SimulatedExecutor:
         elif served is not None:
             seconds = served.forward_seconds(shape, seconds)
         self.clock.advance_to(start + seconds)
-        tokens = {c.request.id: self._placeholder(c.start + c.num_tokens,
-                                                  c.request.params.stop_token_ids)
+        tokens = {c.request_id: self._placeholder(c.start + c.num_tokens, stops[c.request_id])
                   for c in batch.sampling}
         return ModelRunnerOutput(token_ids=tokens)
 
