@@ -124,6 +124,16 @@ def peer_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def parse_with_stand_in(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """`parser`'s arguments plus --avx2-stand-in, whose AVX2_ENV every child process inherits."""
+    parser.add_argument("--avx2-stand-in", action="store_true",
+                        help="run both engines as on an AVX2-only CPU (see AVX2_ENV)")
+    args = parser.parse_args()
+    if args.avx2_stand_in:
+        os.environ.update(AVX2_ENV)
+    return args
+
+
 def run_tokenflow(args: argparse.Namespace, model: Path, requests: Path, work: Path, name: str,
                   budget: int | None, db: bool) -> tuple[dict, dict[str, list[int]], float | None]:
     output = work / f"{name}.jsonl"
@@ -199,12 +209,8 @@ def main() -> None:
     parser.add_argument("--tokenflow-arg", action="append", default=[],
                         help="an extra flag for every `tokenflow run` (repeat it), e.g. "
                              "--tokenflow-arg=--compile")
-    parser.add_argument("--avx2-stand-in", action="store_true",
-                        help="run both engines as on an AVX2-only CPU (see AVX2_ENV)")
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
-    args = parser.parse_args()
-    if args.avx2_stand_in:
-        os.environ.update(AVX2_ENV)
+    args = parse_with_stand_in(parser)
     runs = [r.strip() for r in args.runs.split(",") if r.strip()]
     unknown = sorted(set(runs) - set(RUNS))
     if unknown:

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-from vs_vllm import AVX2_ENV, KV_CACHE_GIB, peer_env, save_model
+from vs_vllm import KV_CACHE_GIB, parse_with_stand_in, peer_env, save_model
 
 REPO = Path(__file__).resolve().parent.parent
 SHIM = Path(__file__).with_name("vllm_bench_shim.py")
@@ -94,12 +94,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=2, help="measured runs of each server")
     parser.add_argument("--workdir", type=Path, default=None)
-    parser.add_argument("--avx2-stand-in", action="store_true",
-                        help="run both servers as on an AVX2-only CPU (vs_vllm.AVX2_ENV)")
     parser.add_argument("--json", type=Path, default=None, help="write every figure here")
-    args = parser.parse_args()
-    if args.avx2_stand_in:
-        os.environ.update(AVX2_ENV)
+    args = parse_with_stand_in(parser)
 
     work = args.workdir or Path(tempfile.mkdtemp(prefix="vs_vllm_serve-"))
     work.mkdir(parents=True, exist_ok=True)
