@@ -14,8 +14,7 @@ __all__ = ["ConfigError", "Engine", "EngineConfig", "EngineError", "ModelLoadErr
 
 
 def __getattr__(name: str) -> Any:
-    # Engine pulls in torch (seconds to import); the console's UI process, which only reads
-    # snapshots and the store, never needs it.
+    # lazy: Engine imports torch (seconds), which the console's UI process never needs
     if name == "Engine":
         from engine.ops.equipped import Engine
 

@@ -1,5 +1,4 @@
-"""The step's contracts, free of torch: Batch (the scheduler's message to the runner),
-ModelRunnerOutput, step cost, RequestOutput."""
+"""The step's contracts, free of torch: Batch, ModelRunnerOutput, step cost, RequestOutput."""
 
 from __future__ import annotations
 
@@ -27,14 +26,14 @@ class ChunkTiming:
     """One prefill chunk as its step was booked (a part of the request's timeline)."""
 
     index: int
-    start: int  # first prompt position
+    start: int
     tokens: int
-    duration_s: float  # the step's measured time
+    duration_s: float
     predicted_s: float  # the step's predicted time, whole
     step_start: float = 0.0  # when the step's forward pass began (the engine's clock)
     step: int = 0
-    decodes: int = 0  # decodes in the same step
-    other_prefill_tokens: int = 0  # other requests' prefill tokens in the same step
+    decodes: int = 0
+    other_prefill_tokens: int = 0
     mode: str = "NORMAL"
     throttle_level: int = 0
     attempt: int = 0  # preemptions before it: chunks of an earlier attempt were recomputed
@@ -95,7 +94,6 @@ class StepShape:
 
     @property
     def logits_rows(self) -> int:
-        """Rows of logits: one per prefill chunk end and per decode, plus scoring rows."""
         return len(self.prefill) + len(self.decode_contexts) + self.scored_rows
 
     @_memo
@@ -105,7 +103,6 @@ class StepShape:
 
     @property
     def kv_tokens_after(self) -> int:
-        """KV entries the step's sequences hold once it has run."""
         return self.cached_tokens_read + self.prefill_tokens + len(self.decode_contexts)
 
     def counted(self, key: str, count: Callable[[StepShape], float]) -> float:
@@ -119,8 +116,7 @@ class StepShape:
 
 @dataclass(frozen=True)
 class NewRequest:
-    """A request entering the runner (admitted, or again after a preemption or a restart):
-    what the runner keeps of it, sent once; later steps send only what changed."""
+    """A request entering the runner (on admission, or after a preemption or restart): sent once."""
 
     id: str
     prompt_token_ids: Sequence[int]  # never changed once the request is made
@@ -131,12 +127,10 @@ class NewRequest:
 
 @dataclass(frozen=True)
 class ScheduledChunk:
-    """One request's share of a step: tokens [start, start + num_tokens), and the KV blocks
-    it was given since the runner last heard of it. The runner knows its tokens: the prompt
-    came with its NewRequest, and a decode's token is the one the runner sampled."""
+    """One request's share of a step: tokens [start, start + num_tokens) and its new KV blocks."""
 
     request_id: str
-    start: int  # first token position computed this step
+    start: int
     num_tokens: int
     new_block_ids: tuple[int, ...] = ()
     is_decode: bool = False
@@ -157,9 +151,8 @@ class ScheduledChunk:
 
 @dataclass
 class Batch:
-    """The scheduler's message to the runner: ids, positions and block deltas, no live
-    request. The runner forgets the requests that ended, then those preempted, takes the new
-    ones and runs the chunks (see Unheard for ids told while no batch runs)."""
+    """The scheduler's message to the runner, no live request: the runner drops `finished`, then
+    `preempted`, takes `new_requests` and runs the chunks (Unheard: ids told while none runs)."""
 
     prefills: list[ScheduledChunk] = field(default_factory=list)
     decodes: list[ScheduledChunk] = field(default_factory=list)
@@ -200,8 +193,7 @@ class Batch:
 
 @dataclass
 class Unheard:
-    """Ids the runner has yet to hear ended or preempted. The engine runs only batches with
-    chunks, so what an empty step would tell waits for the next batch that runs."""
+    """Ids the runner has yet to hear ended or preempted: only batches with chunks are run."""
 
     ended: list[str] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)
@@ -216,8 +208,7 @@ class Unheard:
 
 @contextmanager
 def lent(run: Callable[[Batch], object], requests: Sequence[NewRequest]) -> Iterator[None]:
-    """`requests` held by a runner for the block, outside any scheduler (probes, warm-ups):
-    a batch without chunks only changes what the runner holds."""
+    """Lend `requests` to a runner for the block, outside any scheduler (probes, warm-ups)."""
     run(Batch(new_requests=list(requests)))
     try:
         yield

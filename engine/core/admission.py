@@ -32,7 +32,6 @@ class Admission:
         return (-self.priority(request), request.arrival)
 
     def priority(self, request: Request) -> int:
-        """The request's own priority plus its tenant's entry in tenant_priorities."""
         return request.priority + self.config.tenant_priorities.get(request.tenant, 0)
 
     def admissible(self) -> list[Request]:

@@ -27,8 +27,7 @@ log = logging.getLogger(__name__)
 MARGIN = 0.03  # a less simple candidate must be this much faster (median) to be picked
 MIN_ROUNDS, MAX_ROUNDS = 3, 9
 BUDGET_S = 1.0  # per probe (decode, prefill): no new round starts past it once MIN_ROUNDS ran
-# the probe's shapes: decode batches (chat-sized, full, a run's tail, where Python overhead
-# weighs most) timed as one, and a prompt chunk with history
+# probe shapes: a full and a tail decode batch (overhead weighs most there); a chunk with history
 DECODES, TAIL_DECODES, DECODE_CONTEXT = 32, 4, 256
 PREFILL_CHUNK, PREFILL_HISTORY = 128, 384
 
@@ -198,8 +197,7 @@ class Runner(Protocol):
 
 def scratch(request_id: str, block_size: int, tokens: list[int], first_block: int, start: int,
             count: int) -> tuple[NewRequest, ScheduledChunk]:
-    """`count` tokens from `start` of a request of its own on blocks from `first_block` on:
-    what the runner is lent, and its chunk."""
+    """A lent request's `count` tokens from `start`, on blocks from `first_block` on."""
     blocks = tuple(range(first_block, first_block + -(-len(tokens) // block_size)))
     return (NewRequest(request_id, tokens, (), SamplingParams(max_tokens=1), blocks),
             ScheduledChunk.of(request_id, start, count, (), count == 1 and start > 0,

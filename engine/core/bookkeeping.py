@@ -28,8 +28,7 @@ from engine.events import (
 
 
 class Bookkeeper:
-    """Books a step's result on its requests and publishes it. The end-of-sequence ids and
-    `max_model_len` are the model's stop conditions; `finish` ends a request."""
+    """Books a step's result on its requests and publishes it."""
 
     def __init__(self, controller: BudgetController, bandwidth: BandwidthSource,
                  publish: Callable[[Event], None],
@@ -59,7 +58,7 @@ class Bookkeeper:
         generated = len(request.output_token_ids)
         if generated >= params.max_tokens:
             return "length"
-        if len(request.prompt_token_ids) + generated >= self.max_model_len:  # num_tokens
+        if len(request.prompt_token_ids) + generated >= self.max_model_len:
             return "length"
         return None
 
@@ -72,8 +71,7 @@ class Bookkeeper:
 
     def sampled(self, batch: Batch, requests: dict[str, Request], output: ModelRunnerOutput,
                 timing: StepTiming, step: int) -> list[RequestOutput]:
-        """Book each sampling request's token. An error in one request's sampling, stop check
-        or output fails that request alone (FAILED, cause FAULT); the others go on."""
+        """Book each sampling request's token; an error fails that request alone (FAULT)."""
         outputs = []
         for chunk in batch.sampling:
             request = requests[chunk.request_id]
@@ -112,8 +110,7 @@ class Bookkeeper:
 
     def append_token(self, request: Request, token: int | None, timing: StepTiming,
                      step: int) -> RequestOutput:
-        """Book `token` after the request's last chunk or decode; None ends a prefill-only
-        (scoring) request there, its prompt computed and nothing generated."""
+        """Book `token` after the request's last chunk or decode; None ends a prefill-only one."""
         now = timing.end
         if request.state is RequestState.PREFILL_CHUNKING:
             request.set_state(RequestState.DECODING, "prefill complete")
@@ -140,7 +137,6 @@ class Bookkeeper:
 
     def ended(self, request: Request, cause: FailCause | None, blocks_freed: int,
               usage_after: float) -> None:
-        """Publish a request's end (FINISHED, or FAILED with its cause) and its freed blocks."""
         if request.state is RequestState.FAILED:
             self.publish(Failed(request_id=request.id, reason=request.reason,
                                 cause=cause or FailCause.FAULT))
@@ -162,8 +158,7 @@ class Bookkeeper:
         bytes_moved = model.bytes_moved(shape)
         self.bandwidth.record(bytes_moved, timing.duration_s)
         self.controller.after_step(timing, scheduled_at, bool(batch.prefills), has_work)
-        # step, prefill tokens, decode seqs, duration, predicted, mode, FLOPs, bytes moved:
-        # positional, as a frozen dataclass's keywords cost a third more
+        # positional: keywords on a frozen dataclass cost more, and this is made every step
         self.publish(StepComplete(step, shape.prefill_tokens, len(batch.decodes),
                                   timing.duration_s, timing.predicted_s, batch.mode.value,
                                   model.flops(shape), bytes_moved))

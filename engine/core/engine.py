@@ -75,7 +75,7 @@ class Engine:
         self._out_of_band: list[RequestOutput] = []  # ended outside a step, returned by the next
         self._config_lock = threading.Lock()
         self._pending_config: tuple[EngineConfig, str] | None = None
-        self.stepping: tuple[str, ...] = ()  # the requests of the step under way
+        self.stepping: tuple[str, ...] = ()
 
     @property
     def predict(self) -> Callable[[StepShape], float]:
@@ -94,8 +94,7 @@ class Engine:
                     tenant: str = "default", priority: int = 0, request_id: str | None = None,
                     tag: str | None = None, arrival: float | None = None,
                     generated: Sequence[int] = (), resumed: bool = False) -> str:
-        """Queue a request (malformed: RequestError; unservable: REJECTED). `generated` are
-        tokens emitted before a crash, prefilled again (RECOMPUTE) with the prompt."""
+        """Queue a request (malformed: RequestError; unservable: REJECTED) with pre-crash tokens."""
         params = params or SamplingParams()
         try:  # the server checks this at its edge; the Python API and resumes meet it here
             params.check_vocab(self.model_config.vocab_size)
@@ -164,8 +163,7 @@ class Engine:
 
     def restart(self, fail: Mapping[str, str] | None = None
                 ) -> tuple[list[Request], list[RequestOutput]]:
-        """After a step failed half done: fail those in `fail`, empty the KV pool, and return
-        the requests to resume and the outputs owed to callers."""
+        """After a half-done step: fail `fail`, empty the KV pool; returns (to resume, owed)."""
         fail = fail or {}
         live = list(self.scheduler.requests.values())
         now = self.clock()
@@ -252,7 +250,6 @@ class Engine:
         return outputs
 
     def _intake(self) -> list[RequestOutput]:
-        """The step boundary's intake: a config update and outputs of requests ended meanwhile."""
         self.stepping = ()
         self.apply_pending_config()
         outputs, self._out_of_band = self._out_of_band, []
@@ -268,7 +265,6 @@ class Engine:
         return output, StepTiming(end, end - start, predicted)
 
     def _drain(self) -> None:
-        """Deliver the step's events to the observers and apply what the guards decide."""
         self.bus.drain()
         s = self.scheduler
         fragmentation = (self.blocks.fragmentation(s.requests.values()) if self.stepping

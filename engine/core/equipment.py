@@ -38,7 +38,7 @@ class GuardInputs(NamedTuple):  # a tuple: made every step
 @dataclass(frozen=True)
 class GuardDecisions:
     fail: tuple[tuple[str, str], ...] = ()  # (request id, reason)
-    compact: bool = False  # compact the KV pool now
+    compact: bool = False
     prefill_paused: bool = False  # the degraded path
     events: tuple[GuardAction, ...] = ()  # to publish, in order
 

@@ -95,8 +95,7 @@ def _reuse_freed_memory() -> None:
 
 
 def _bound_onednn_caches() -> None:
-    """Keep the newest GEMM primitives only: chunked prefill makes a step of every size, and
-    oneDNN caches one per size; each cache reads its capacity at first use."""
+    """Bound oneDNN's per-size GEMM caches (chunked prefill makes every size) before first use."""
     for name in ONEDNN_CACHE_ENV:
         os.environ.setdefault(name, str(ONEDNN_CACHE_ENTRIES))
 
@@ -111,7 +110,7 @@ class ModelRunner:
             _bound_onednn_caches()
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.processed_logprobs = config.logprobs_mode == "processed_logprobs"
-        self.requests = RunnerRequests()  # what the scheduler's batches told it
+        self.requests = RunnerRequests()
         self.use_flash = (config.attention_backend in ("auto", "flash")
                           and flash_importable(self.device))
         if config.attention_backend == "flash" and not self.use_flash:
@@ -283,8 +282,7 @@ class ModelRunner:
             self._block_rows().index_fill_(1, index, 0)
 
     def move_blocks(self, source: list[int], target: list[int]) -> None:
-        """Copy the KV rows of blocks `source` to blocks `target` (cache compaction), and
-        renumber the block tables held: the scheduler's were renumbered alike."""
+        """Copy the KV rows of blocks `source` to `target` (compaction); renumber held tables."""
         src = torch.tensor(source, dtype=torch.int64, device=self.device)
         dst = torch.tensor(target, dtype=torch.int64, device=self.device)
         rows = self._block_rows()
@@ -297,9 +295,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> ModelRunnerOutput:
-        """Apply the batch's message, forward its chunks and sample each that ends its known
-        tokens; a sampling error fails its request alone. Prompt logprobs come from the
-        prefill's own rows. A batch without chunks only changes the requests held."""
+        """Apply the batch's message, forward its chunks, sample; an error fails its request."""
         chunks = batch.chunks
         rows = self.requests.update(batch)
         if not chunks:
@@ -325,8 +321,7 @@ class ModelRunner:
     def forward(self, chunks: list[ScheduledChunk], scoring: Sequence[ScheduledChunk] = (),
                 rows: list[RunnerRequest] | None = None
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Sampling logits in `chunks` order, and each `scoring` chunk's prompt-token logits;
-        `rows` are the chunks' requests where the caller has them."""
+        """Sampling logits in `chunks` order, and each `scoring` chunk's prompt-token logits."""
         inputs = self.prepare(chunks, rows)
         if self.graphs is not None and self.graphs.covers(inputs.meta, len(inputs.input_ids)):
             x = self.model.embed(inputs.input_ids)

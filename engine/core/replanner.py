@@ -28,8 +28,7 @@ class Replanner:
         # read every step: made again only when the configuration or the budget changed
         if made is not None and made[0] is cfg and made[1] == budget:
             return made[2]
-        # a cap below one tile would round every partial chunk to nothing, and without
-        # chunking a capped prompt could never run whole
+        # a cap under a tile rounds partial chunks to nothing; unchunked, capped prompts never run
         cap = max(cfg.long_prefill_threshold, cfg.chunk_tile) \
             if cfg.long_prefill_threshold and cfg.chunked_prefill else math.inf
         rules = PlanRules(budget=budget, tile=cfg.chunk_tile, slots=cfg.max_prefill_chunks,
@@ -39,20 +38,16 @@ class Replanner:
 
     def replan_if_retuned(self, rules: PlanRules, decode_contexts: tuple[int, ...],
                           steps: int) -> None:
-        """A tuning change (configuration, the auto budget's C*) re-plans what is in flight,
-        beside the batch's decodes."""
+        """Re-plan what is in flight when the tuning (configuration, auto budget's C*) changed."""
         if rules is not self._plan_rules and rules != self._plan_rules:
             self._plan_rules = rules
             self.replan(rules, decode_contexts, (), steps)
 
     def replan(self, rules: PlanRules, decode_contexts: tuple[int, ...],
                fresh: Iterable[Request], steps: int) -> None:
-        """Plan every prefill in flight from where it stands, beside `decode_contexts`.
-
-        Every running prefill is simulated (it shares the steps), but only a plan made since
-        calibration and never broken by a preemption is replaced: a request admitted before
-        the first calibration gets no verdict, and one preempted mid-prefill keeps the plan
-        it had, so the recompute counts as overrun."""
+        """Plan every prefill in flight beside `decode_contexts` (all share the steps). Only plans
+        made since calibration and unbroken by preemption are replaced: one admitted before
+        calibration gets no verdict, and a preempted one's recompute counts as overrun."""
         if not self.controller.calibrated:
             return
         fresh = set(fresh)

@@ -111,7 +111,6 @@ class Request:
 
     @property
     def budget_score(self) -> float | None:
-        """Measured prefill time over planned prefill time."""
         if self.prefill_finished is None or self.prefill_started is None:
             return None
         budget = self.budgeted_prefill_s

@@ -1,5 +1,4 @@
-"""What the model runner holds of each request between steps, kept from the scheduler's
-messages (vLLM V1's CachedRequestState): tokens, block table and seeded generator."""
+"""What the model runner holds of each request between steps (vLLM V1's CachedRequestState)."""
 
 from __future__ import annotations
 
@@ -27,13 +26,11 @@ class RunnerRequest:
 
 
 class RunnerRequests:
-    """The runner's requests by id: entered from a batch's new requests, grown by its chunks'
-    blocks and sampled tokens, dropped when a batch says they ended or were preempted."""
+    """The runner's requests by id, kept as the batches' messages say."""
 
     def __init__(self) -> None:
         self.held: dict[str, RunnerRequest] = {}
-        # a preempted seeded request's generator, until it enters again or ends: its
-        # recompute draws on from where it was, so its tokens do not depend on the preemption
+        # a preempted seeded request's generator: its recompute draws on, as if never preempted
         self.parked: dict[str, torch.Generator] = {}
 
     def update(self, batch: Batch) -> list[RunnerRequest]:

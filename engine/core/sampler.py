@@ -13,8 +13,7 @@ from engine.core.runner_requests import RunnerRequest
 
 def sample(logits: torch.Tensor, requests: Sequence[RunnerRequest],
            processed_logprobs: bool = False) -> ModelRunnerOutput:
-    """One token per row of `logits` [M, V] (fp32), row i for `requests[i]`; a seeded
-    request's generator is made at its first draw and kept with it."""
+    """One token per row of `logits` [M, V] (fp32), row i for `requests[i]`."""
     greedy = logits.argmax(dim=-1).tolist()
     tokens: dict[str, int] = {}
     errors: dict[str, str] = {}
@@ -93,8 +92,7 @@ def _processed(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.top_p < 1.0:
         sorted_logits, order = torch.sort(scaled, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
-        # drop a token once the mass before it already reaches top_p; the top token always
-        # stays, even when top_p is below float32's smallest number and compares as 0
+        # drop a token once the mass before it reaches top_p; the top one stays (top_p may be ~0)
         drop = (probs.cumsum(dim=-1) - probs) >= p.top_p
         drop[0] = False
         scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))

@@ -1,6 +1,4 @@
-"""The token-budget scheduler: one budget a step, decodes first, then chunked prefills in
-FCFS (priority, arrival) order; cache pressure and bandwidth throttling gate prefill, and a
-decode short of blocks preempts the lowest-priority, latest arrival by recompute."""
+"""The token-budget scheduler: decodes first, then chunked prefills in (priority, arrival) order."""
 
 from __future__ import annotations
 
@@ -55,10 +53,10 @@ class Scheduler:
         self.recent: deque[Request] = deque(maxlen=RECENT_FINISHED)  # ended, newest last
         self.waiting = self.admission.waiting
         self.running = self.admission.running
-        self.prefill_paused = False  # the guards' degraded path
-        self.unheard = Unheard()  # ids the runner has yet to hear ended or preempted
+        self.prefill_paused = False
+        self.unheard = Unheard()
         self.steps = 0  # steps booked by `update`
-        self._scheduled_at = 0.0  # when the step under way was scheduled
+        self._scheduled_at = 0.0
 
     @property
     def config(self) -> EngineConfig:
@@ -97,7 +95,6 @@ class Scheduler:
         self.watch.clear()
         self.controller.forget_steps()
 
-    # --- queues -------------------------------------------------------------------------
     def add(self, request: Request) -> None:
         self.requests[request.id] = request
         request.set_state(RequestState.WAITING, "queued")
@@ -105,8 +102,7 @@ class Scheduler:
 
     def finish(self, request: Request, state: RequestState, reason: str,
                cause: FailCause | None = None) -> None:
-        """End a live request (FINISHED, or FAILED with its cause): its blocks go back to the
-        pool and its end is published. A request that already ended is left alone."""
+        """End a live request (FINISHED, or FAILED with its cause); an ended one is left alone."""
         if self.requests.pop(request.id, None) is None:
             return
         self.unheard.ended.append(request.id)
@@ -119,7 +115,7 @@ class Scheduler:
         request.finish_time = self.clock()
         self.recent.append(request)
         if state is RequestState.FAILED and request.prefill_finished is None:
-            self._prefill_ended(request, request.finish_time)  # failed mid-prefill (a guard)
+            self._prefill_ended(request, request.finish_time)
         self.watch.ended(request, self.config)
         self.books.ended(request, cause, freed, self.blocks.usage)
 
@@ -149,10 +145,8 @@ class Scheduler:
 
     @property
     def chunk_queue_length(self) -> int:
-        """Requests with prompt tokens still to prefill: in progress plus waiting."""
         return len(self.waiting) + sum(1 for r in self.running if not r.is_decoding)
 
-    # --- the step -----------------------------------------------------------------------
     def schedule(self) -> Batch:
         now = self._scheduled_at = self.clock()
         self.controller.before_step(now, *self.decode_load(), self.config, self.max_model_len)
@@ -207,15 +201,13 @@ class Scheduler:
         if self.cache_pressure or self.prefill_paused:
             if batch.decodes and not self.prefill_paused:
                 return  # decodes only, until evictions relieve the pressure
-            # No decode to free blocks (or the degraded path): keep one prefill moving with
-            # minimal chunks so the service never stops.
+            # no decode frees blocks (or degraded): one prefill, minimal chunks: service never stops
             slots, chunk_cap = 1, cfg.chunk_tile
         admit = not (batch.preempted or self.cache_pressure or self.throttle_level >= 3)
         candidates = in_progress + (self.admission.admissible() if admit else [])
         plan = self.admission.plan_chunks(candidates, budget, slots, chunk_cap)
         if not plan and not batch.decodes:
-            # Nothing decodes, so no block will come back on its own: tenant limits yield
-            # first, then the latest partial prefill gives its blocks to the others.
+            # no decode will free a block: tenant limits yield, then the latest partial prefill goes
             plan = self.admission.plan_chunks(candidates, budget, slots, chunk_cap, isolate=False)
             while not plan and len(in_progress) > 1:
                 victim = self.admission.pick_victim()
@@ -242,11 +234,9 @@ class Scheduler:
             self.replanner.replan(self.replanner.rules(cfg, self.token_budget),
                                   tuple(c.start + 1 for c in batch.decodes), fresh, self.steps)
 
-    # --- after the step -----------------------------------------------------------------
     def update(self, batch: Batch, output: ModelRunnerOutput,
                timing: StepTiming) -> list[RequestOutput]:
-        """Book a step's result: prefill progress and chunk records, the sampled tokens
-        (a fault fails its request alone), the budget controller taught, StepComplete."""
+        """Book a step's result and teach the controller; a faulty token fails its request alone."""
         self.steps += 1
         start = timing.end - timing.duration_s
         shape = batch.shape()
@@ -267,8 +257,7 @@ class Scheduler:
         for chunk in batch.decodes:
             request = requests[chunk.request_id]
             request.num_computed_tokens += 1
-            # a decode fills a block only on its last slot: register it (and any block a
-            # cache that was off left unregistered) then, not on every token
+            # register blocks once a decode fills one (and any a disabled cache skipped)
             if not request.num_computed_tokens % block_size:
                 cache(request)
         outputs = self.books.sampled(batch, requests, output, timing, self.steps)

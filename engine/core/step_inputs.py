@@ -21,7 +21,6 @@ class InputLayout:
     use_flash: bool
 
 
-# a chunk and what the runner holds of its request
 Pair = tuple[ScheduledChunk, RunnerRequest]
 
 
@@ -43,8 +42,7 @@ class StepInputs:
 
 def prepare(chunks: list[ScheduledChunk], requests: list[RunnerRequest], layout: InputLayout,
             paged_prefill: bool, paged_decode: bool) -> StepInputs:
-    """Pack `chunks` (of `requests`, one each) into one step's tensors and attention
-    metadata, prefills first."""
+    """Pack `chunks` (of `requests`, one each) into a step's tensors, prefills first."""
     paired = list(zip(chunks, requests, strict=True))
     prefills = [p for p in paired if not p[0].is_decode]
     # decodes sorted by context so each group pads little (see _decode_groups)
@@ -140,8 +138,7 @@ def _prefill_span(layout: InputLayout, row: int, pos: torch.Tensor, table: torch
 
 def _decode_groups(layout: InputLayout, decodes: list[Pair], first_row: int,
                    window: int | None) -> tuple[DecodeGroup, ...]:
-    """Decodes in groups padded to their longest member; a new group starts where padding
-    would exceed a quarter of the group's real keys."""
+    """Decodes in groups padded to their longest; a new group where padding passes a quarter."""
     bs = layout.block_size
 
     def first_block(chunk: ScheduledChunk) -> int:

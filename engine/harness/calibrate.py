@@ -317,8 +317,6 @@ class Calibration:
             kv=self._kv, points=tuple(points), skipped=tuple(self._skipped),
             predictor=predictor, operations=operations)
 
-    # --- the units -----------------------------------------------------------------------
-
     def _run_units(self) -> Iterator[None]:
         done = 0
         self._report(done, "probing KV capacity")
@@ -368,8 +366,7 @@ class Calibration:
         granted = 0
         while blocks.allocate(holder, granted * blocks.block_size + 1):
             granted += 1
-        # The probe writes none of its blocks, so it zeroes none (a full pool's write): each
-        # is zeroed when a request is granted it. What others are owed is zeroed as ever.
+        # the probe writes no block, so zeroes none (a full pool's write): each is zeroed on grant
         probed = set(holder.block_table)
         runner.zero_blocks([b for b in blocks.take_newly_allocated() if b not in probed])
         blocks.release(holder)
@@ -466,8 +463,6 @@ def first_calibration(engine: Engine, session: Session | None = None) -> Calibra
     return result
 
 
-# --- the store ---------------------------------------------------------------------------
-
 def save_result(session: Session, result: CalibrationResult, reason: str) -> int:
     """Store the run, why it ran, its prefill table and its predictor; returns its id."""
     table = [BudgetPoint(p.probe.chunk, p.probe.chunk_context, p.median_s)
@@ -501,8 +496,6 @@ def apply_latest(engine: Engine, session: Session) -> CalibrationRecord | None:
         apply(engine, StepTimePredictor.from_dict(record.params))
     return record
 
-
-# --- helpers -----------------------------------------------------------------------------
 
 _GREEDY = SamplingParams()
 

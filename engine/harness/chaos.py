@@ -82,7 +82,6 @@ QUICK = ChaosSettings(requests=8, fault_s=0.3, bound_s=60.0, crash_requests=24)
 FULL = ChaosSettings(requests=32, fault_s=3.0, bound_s=300.0, crash_requests=48)
 
 
-# --- shared pieces --------------------------------------------------------------------------
 def workload(count: int, seed: int, prefix: str) -> list[WorkloadRequest]:
     rng = random.Random(seed)
     return [WorkloadRequest(request_id=f"{prefix}{i:03d}", arrival_s=0.0,
@@ -111,9 +110,9 @@ class _Harness:
                  held: int = 0) -> None:
         self.engine = engine
         self.requests = {r.request_id: r for r in requests}
-        self.finished: dict[str, list[int]] = {}  # request id -> its tokens
+        self.finished: dict[str, list[int]] = {}
         self.tokens = OutputTokens()
-        self.failed: dict[str, str] = {}  # request id -> last failure reason
+        self.failed: dict[str, str] = {}
         self.attempts = dict.fromkeys(self.requests, 0)
         self._attempt_of: dict[str, str] = {}
         self.retry_failed = False
@@ -190,7 +189,6 @@ def _result(name: str, recovered_at: float | None, fault_end: float, lost: int,
                           detail if passed else f"{'; '.join(failures)} ({detail})")
 
 
-# --- in-process scenarios -------------------------------------------------------------------
 def kv_exhaustion(settings: ChaosSettings, expected: dict[str, list[int]],
                   requests: Sequence[WorkloadRequest]) -> ScenarioResult:
     """Every free KV block reserved away mid-run; the engine preempts and waits, then resumes."""
@@ -327,7 +325,6 @@ def locked_database(settings: ChaosSettings, expected: dict[str, list[int]],
                    (writer.dropped == 0, f"the writer dropped {writer.dropped} event(s)"))
 
 
-# --- the crash scenario ---------------------------------------------------------------------
 def sigkill(settings: ChaosSettings, expected: dict[str, list[int]],
             requests: Sequence[WorkloadRequest]) -> ScenarioResult:
     """SIGKILL of a journaling engine process mid-chunk, then the same with `--resume`."""
@@ -454,7 +451,6 @@ def _lines(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-# --- the suite ------------------------------------------------------------------------------
 Scenario = Callable[[ChaosSettings, dict[str, list[int]], Sequence[WorkloadRequest]],
                     ScenarioResult]
 SCENARIOS: dict[str, Scenario] = {

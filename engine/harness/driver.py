@@ -199,8 +199,7 @@ class Recorder:
 
 
 class OutputTokens:
-    """Each live request's output tokens so far, gathered from outputs that carry only the
-    new ones; a resumed request starts from the tokens it was resumed with."""
+    """Each live request's output tokens so far; a resumed one starts from those it came with."""
 
     def __init__(self, resumed: Mapping[str, Sequence[int]] | None = None) -> None:
         self._held = {rid: list(tokens) for rid, tokens in (resumed or {}).items()}

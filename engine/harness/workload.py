@@ -61,9 +61,6 @@ class WorkloadRequest:
         return SamplingParams(max_tokens=self.max_tokens, ignore_eos=self.ignore_eos)
 
 
-# --- profiles ------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class Shape:
     """One kind of request in a profile, at GPU scale."""
@@ -239,9 +236,6 @@ def _check_positive(name: str, value: float) -> None:
         raise WorkloadError(f"{name} must be > 0, got {value}")
 
 
-# --- trace replay ---------------------------------------------------------------------------
-
-
 def _trace_drafts(rows: list[TraceRow], n: int, rate: float | None, mode: str, label: str,
                   rng: random.Random) -> list[_Draft]:
     chosen = sample_trace(rows, n, mode, rng)
@@ -254,9 +248,6 @@ def _trace_drafts(rows: list[TraceRow], n: int, rate: float | None, mode: str, l
         offsets = [t * stretch for t in offsets]
     return [_Draft(t, row.context_tokens, row.generated_tokens, "default", label)
             for t, row in zip(offsets, chosen, strict=True)]
-
-
-# --- steady traffic (capacity probes) ---------------------------------------------------------
 
 
 def steady_traffic(sample: Sequence[WorkloadRequest], rate: float, duration_s: float,
@@ -280,9 +271,6 @@ def steady_traffic(sample: Sequence[WorkloadRequest], rate: float, duration_s: f
         traffic.append(dataclasses.replace(request, request_id=request_id, arrival_s=arrival))
         arrival += gaps[index] * scale if scale is not None else 1 / rate
     return traffic
-
-
-# --- request files ----------------------------------------------------------------------------
 
 
 def load_requests_jsonl(path: Path | str, tokenizer_encode: Callable[[str], list[int]], *,
@@ -386,9 +374,6 @@ def _parse_request(where: str, obj: dict[str, Any],
                            tenant=obj.get("tenant", "default"), tag=obj.get("tag"),
                            priority=priority,
                            ignore_eos=obj.get("ignore_eos", False))
-
-
-# --- description ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)

@@ -63,12 +63,11 @@ class Generation:
 
 @dataclass
 class Choice:
-    """One choice's output so far, as the replies render it: the engine's outputs carry
-    each step's new tokens, the HTTP layer keeps them all."""
+    """One choice's output so far: the engine's outputs carry new tokens, this keeps them all."""
 
     index: int
     prompt: list[int]
-    output: RequestOutput | None = None  # the latest
+    output: RequestOutput | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # None: not asked for
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
@@ -110,9 +109,8 @@ def check_n(n: int | None) -> int:
 
 
 class _Bridge:
-    """Engine-thread outputs of one choice, delivered to the event loop in order onto the
-    queue all choices of the HTTP request share; with `final_only`, only the last crosses,
-    the choice gathered on the engine thread."""
+    """Engine-thread outputs of one choice, in order onto the HTTP request's shared queue; with
+    `final_only`, only the last crosses, the choice gathered on the engine thread."""
 
     def __init__(self, choice: Choice, queue: asyncio.Queue[tuple[int, RequestOutput]],
                  on_finish: Callable[[], None], final_only: bool) -> None:
@@ -423,8 +421,7 @@ def _scored(logprobs: Sequence[TokenLogprob]) -> Scored:
 
 
 def _prompt_scored(choice: Choice) -> Scored:
-    """An echoed prompt's tokens with their logprobs, the first unscored (nothing predicts
-    it); none when the prompt was not scored."""
+    """An echoed prompt's tokens and logprobs, the first unscored; none if it was not scored."""
     if choice.prompt_logprobs is None:
         return []
     return [(choice.prompt[0], None), *_scored(choice.prompt_logprobs)]

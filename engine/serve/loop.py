@@ -320,8 +320,7 @@ def _failed(request_id: str, reason: str) -> RequestOutput:
 
 
 class _Listener:
-    """A request's output callback and the tokens it has heard: a request resumed after a
-    restart generates from what the engine kept, more or less than the caller heard."""
+    """A request's callback and the tokens it heard: a resumed request may have more or fewer."""
 
     def __init__(self, callback: OutputCallback) -> None:
         self.callback = callback
@@ -341,8 +340,7 @@ class _Listener:
         self.callback(output)
 
     def resumed(self, request_id: str, generated: Sequence[int]) -> RequestOutput | None:
-        """After `request_id` was resumed with `generated`: an output of the tokens not yet
-        heard, or None."""
+        """After a resume with `generated`: an output of the tokens not yet heard, or None."""
         self.repeats = max(0, self.heard - len(generated))
         unheard = tuple(generated[self.heard:])
         if not unheard:

@@ -130,7 +130,6 @@ def _too_deep(limits: BodyLimits, where: str) -> ApiError:
                          "completions need 3")
 
 
-# --- request models ----------------------------------------------------------------------
 NonEmpty = Field(min_length=1)
 Prompt = (StrictStr | Annotated[list[StrictInt], NonEmpty] | Annotated[list[StrictStr], NonEmpty]
           | Annotated[list[Annotated[list[StrictInt], NonEmpty]], NonEmpty])

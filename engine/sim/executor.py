@@ -96,8 +96,7 @@ class SimulatedExecutor:
         """Compaction renumbers block tables (the block manager's); no KV rows to move."""
 
     def run(self, batch: Batch) -> ModelRunnerOutput:
-        """Advance the clock by the predicted step time; a placeholder token per sampling chunk.
-        A batch without chunks only changes the requests held."""
+        """Advance the clock by the predicted step time; a placeholder token per sampling chunk."""
         stops = self.stops
         for request_id in (*batch.finished, *batch.preempted):
             stops.pop(request_id, None)

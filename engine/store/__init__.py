@@ -1,5 +1,4 @@
-"""The store (a SQLite file, or a PostgreSQL database a fleet shares): request journal, slow
-queries, calibrations, drift and config history; every row names the server that wrote it."""
+"""The store (SQLite, or PostgreSQL a fleet shares); every row names the server that wrote it."""
 
 from engine.store.calibration import (
     BudgetPoint,

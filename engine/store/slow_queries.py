@@ -57,9 +57,8 @@ class SlowQueryRecord:
 
 def prompt_words(prompt_tokens: int, cached_tokens: int | None,
                  resumed_tokens: int | None = None) -> str:
-    """Where a request's prompt came from, in the one wording every view of it uses: its
-    tokens, those the prefix cache held (unless unknown: None), and a resume from the
-    journal after a restart, with the output tokens it brought back (None: not resumed)."""
+    """A request's prompt in the one wording every view uses: its tokens, those cached (None:
+    unknown) and the output tokens a journal resume brought back (None: not resumed)."""
     words = f"{prompt_tokens} prompt tokens"
     if cached_tokens == 0:
         words += ", none found in the prefix cache"
