@@ -39,7 +39,12 @@ from engine.harness.calibrate import (
 )
 from engine.harness.drift import DriftMonitor, Job
 from engine.harness.driver import OutputTokens
-from engine.harness.served import ServedCosts, ServedSample, measure_served
+from engine.harness.served import (
+    QUICK_PROBE_REQUESTS,
+    ServedCosts,
+    ServedSample,
+    measure_served,
+)
 from engine.store import calibration_history, drift_events, open_database, save_calibration
 from engine.store.database import upgrade_database
 from tests.hf_models import save_tiny
@@ -532,6 +537,8 @@ def test_cli_calibrates_stores_and_flags_drift(tmp_path: Path, capsys: pytest.Ca
     assert out["previous_id"] == 1 and out["calibration_id"] == 2
     assert out["drift"]["kind"] == "drift" and out["drift"]["deviation"] > 0.4
     assert out["served"]["steps"] > 0 and out["served"]["prefill_scale"] > 0  # a probe served
+    assert set(out["phases"]) == {"engine_start_s", "sweep_s", "served_probe_s"}
+    assert all(v > 0 for v in out["phases"].values())
     database = open_database(db)
     with database.session() as session:
         assert len(calibration_history(session)) == 2
@@ -581,6 +588,10 @@ def test_the_served_probe_fits_host_time_and_prefill_steps_served_price() -> Non
     assert costs.prefill_scale == pytest.approx(1.2)
     assert costs.steps > 20 and not engine.has_unfinished()
     assert ServedCosts.from_dict(costs.to_dict()) == costs
+    quick = measure_served(engine, requests=QUICK_PROBE_REQUESTS)
+    assert quick.per_prefill_chunk_s == pytest.approx(5e-4)
+    assert quick.prefill_scale == pytest.approx(1.2)
+    assert 3 <= quick.steps < costs.steps and not engine.has_unfinished()
     engine.add_request([5] * 8, SamplingParams(max_tokens=2))
     with pytest.raises(EngineError, match="idle engine"):
         measure_served(engine)

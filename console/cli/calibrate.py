@@ -14,6 +14,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +33,7 @@ from engine.harness.calibrate import (
     save_result,
 )
 from engine.harness.drift import drift_event
-from engine.harness.served import measure_served
+from engine.harness.served import PROBE_REQUESTS, QUICK_PROBE_REQUESTS, measure_served
 from engine.store import Database, StoreWriter, open_database
 
 
@@ -41,8 +42,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                    description=__doc__.splitlines()[0])
     add_engine_flags(parser)
     parser.add_argument("--quick", action="store_true",
-                        help="a smaller sweep with 5 timed runs per shape (under 2 minutes on "
-                        "a CPU) instead of 20")
+                        help="a smaller sweep with 3 timed runs per shape instead of 20, and a "
+                        "smaller served probe (seconds on a CPU)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                         help="show a progress bar on stderr (default: on)")
@@ -56,13 +57,20 @@ def run(args: argparse.Namespace) -> int:
     # a bad --db fails before the engine loads
     database = open_database(args.db, server=args.server_name)
     try:
+        started = time.perf_counter()
         engine = Engine(config)
+        phases = {"engine_start_s": time.perf_counter() - started}
         with _ProgressBar(args.progress) as progress:
             result = calibrate(engine, quick=args.quick, progress=progress)
+            phases["sweep_s"] = result.wall_s
             if progress is not None:
                 progress(1.0, "serving a probe")
             apply(engine, result.predictor)  # the probe's steps are priced by the new fit
-            result = dataclasses.replace(result, served=measure_served(engine))
+            served_at = time.perf_counter()
+            served = measure_served(
+                engine, requests=QUICK_PROBE_REQUESTS if args.quick else PROBE_REQUESTS)
+            phases["served_probe_s"] = time.perf_counter() - served_at
+            result = dataclasses.replace(result, served=served)
         with database.session() as session:
             previous = latest_for(session, engine)
             drift = (drift_event(StepTimePredictor.from_dict(previous.params), result)
@@ -74,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
         database.close()
     summary = {**result.to_dict(), "calibration_id": run_id, "db": database.location,
                "previous_id": previous.id if previous else None,
-               "drift": drift.to_dict() if drift else None}
+               "drift": drift.to_dict() if drift else None,
+               "phases": {k: round(v, 3) for k, v in phases.items()}}
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
@@ -113,8 +122,11 @@ def _store_event(database: Database, engine: Engine, event: Drift) -> None:
 
 def _print_summary(result: CalibrationResult, s: dict[str, Any]) -> None:
     p, kv = result.predictor, result.kv
+    phases = s["phases"]
     print(f"{result.model} on {result.device} ({result.dtype}): {len(result.points)} shapes "
-          f"in {result.wall_s:.0f} s, run #{s['calibration_id']} stored in {s['db']}")
+          f"in {result.wall_s:.1f} s, run #{s['calibration_id']} stored in {s['db']}")
+    print(f"  engine start {phases['engine_start_s']:.1f} s, sweep {phases['sweep_s']:.1f} s, "
+          f"served probe {phases['served_probe_s']:.1f} s")
     print(f"  held-out median |error| {result.heldout_median_abs_error:.1%} over "
           f"{len(result.heldout_errors)} shapes (max {max(result.heldout_errors, default=0):.1%})")
     print(f"  predictor: {p.constant_s * 1e3:.2f} ms/step (+{p.multi_token_s * 1e3:.2f} ms past "

@@ -80,12 +80,14 @@ class SweepPlan:
 
 # CPU shapes suit a 20M-parameter model; GPU ones reach where an 8B model turns compute bound.
 PLANS: dict[tuple[str, bool], SweepPlan] = {
+    # Seconds, not minutes: each shape once per pass, no burst; the served probe prices the
+    # cache state a burst would have caught.
     ("cpu", True): SweepPlan(
-        prefill_chunks=(16, 32, 64, 128, 256), prefill_contexts=(0, 512),
-        decode_batches=(1, 4, 16, 32), decode_contexts=(64, 512),
-        mixed=(Probe(32, 0, 32, 128), Probe(64, 256, 8, 256), Probe(128, 0, 16, 512),
-               Probe(128, 512, 4, 1024), Probe(256, 128, 8, 128), Probe(32, 0, 4, 64, chunks=4)),
-        warmup=5, repeats=5),
+        prefill_chunks=(16, 64, 128), prefill_contexts=(0, 512),
+        decode_batches=(1, 8, 32), decode_contexts=(64, 512),
+        mixed=(Probe(32, 0, 16, 128), Probe(128, 256, 8, 256), Probe(64, 0, 32, 512),
+               Probe(16, 0, 4, 64, chunks=4)),
+        warmup=1, repeats=3, burst=1),
     ("cpu", False): SweepPlan(
         prefill_chunks=(16, 32, 64, 128, 256, 384, 512), prefill_contexts=(0, 256, 1024, 2048),
         decode_batches=(1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16, 24, 32, 64),
@@ -113,14 +115,10 @@ PLANS: dict[tuple[str, bool], SweepPlan] = {
         warmup=5, repeats=20),
 }
 
-# The first calibration at start: seconds, not minutes, still covering every predictor feature.
+# The first calibration at start: seconds, not minutes, still covering every predictor feature
+# (on a CPU the quick sweep already is).
 FIRST_PLANS: dict[str, SweepPlan] = {
-    "cpu": SweepPlan(
-        prefill_chunks=(16, 64, 256), prefill_contexts=(0, 512),
-        decode_batches=(1, 8, 32), decode_contexts=(64, 512),
-        mixed=(Probe(32, 0, 16, 128), Probe(128, 256, 8, 256), Probe(64, 0, 32, 512),
-               Probe(16, 0, 4, 64, chunks=4)),
-        warmup=2, repeats=3),
+    "cpu": PLANS[("cpu", True)],
     "cuda": SweepPlan(
         prefill_chunks=(64, 512, 2048), prefill_contexts=(0, 4096),
         decode_batches=(1, 32, 256), decode_contexts=(256, 4096),

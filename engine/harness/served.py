@@ -19,6 +19,8 @@ from engine.events import ChunkComplete, Event, StepComplete
 # The probe: prompts of cycling lengths, so many chunk sizes run beside a few decodes.
 PROBE_PROMPTS = (24, 96, 200, 48, 320, 64, 160, 32, 256, 112, 40, 180)
 PROBE_REQUESTS = 48
+# `calibrate --quick`: still several of each prompt length, so every fitted cost has steps
+QUICK_PROBE_REQUESTS = 16
 PROBE_EVERY_STEPS = 3
 PROBE_OUTPUT_TOKENS = 16
 # A step this many MADs off the first fit lost its core (a collection, a process): dropped.
@@ -88,8 +90,9 @@ class ServedCosts:
                    int(data["steps"]))
 
 
-def measure_served(engine: Engine, seed: int = 0) -> ServedCosts:
-    """Serve the probe on an idle, calibrated `engine` that serves nothing else after, and fit."""
+def measure_served(engine: Engine, seed: int = 0, requests: int = PROBE_REQUESTS) -> ServedCosts:
+    """Serve `requests` of the probe on an idle, calibrated `engine` that serves nothing else
+    after, and fit."""
     if engine.has_unfinished():
         raise EngineError("the served probe needs an idle engine")
     if not engine.calibrated:
@@ -98,7 +101,7 @@ def measure_served(engine: Engine, seed: int = 0) -> ServedCosts:
     vocab = engine.model_config.vocab_size
     longest = engine.max_model_len - PROBE_OUTPUT_TOKENS
     pending = [[rng.randrange(vocab) for _ in range(min(n, longest))]
-               for n in itertools.islice(itertools.cycle(PROBE_PROMPTS), PROBE_REQUESTS)]
+               for n in itertools.islice(itertools.cycle(PROBE_PROMPTS), requests)]
     params = SamplingParams(max_tokens=PROBE_OUTPUT_TOKENS, ignore_eos=True)
     heard: list[Event] = []
     unsubscribe = engine.bus.subscribe(heard.append)
