@@ -77,14 +77,20 @@ CALIBRATION_BOUNDS: Bounds = {**FIT_BOUNDS, **{name: (0.01, MAX_SHARE) for name 
     "chunk_s": (0.0, 0.01), "sequence_s": (0.0, 0.01)}
 
 
+# Coordinate descent crawls along a valley of two factors trading off (the loss falls by parts
+# per million a round): the step halves after this many rounds, so a fit takes the same time.
+ROUNDS_PER_STEP = 10
+
+
 def fit_efficiency(loss: Callable[[OperationEfficiency], float], start: OperationEfficiency,
                    fields_to_fit: tuple[str, ...] = tuple(FIT_BOUNDS),
                    bounds: Bounds = FIT_BOUNDS) -> OperationEfficiency:
     """The factors of least `loss`, by coordinate descent within `bounds`."""
     best, best_loss = start, loss(start)
-    step = 0.5
+    step, rounds = 0.5, 0
     while step > 1e-3:
         improved = False
+        rounds += 1
         for name in fields_to_fit:
             lo, hi = bounds[name]
             for direction in (1 + step, 1 / (1 + step)):
@@ -94,8 +100,8 @@ def fit_efficiency(loss: Callable[[OperationEfficiency], float], start: Operatio
                 candidate_loss = loss(candidate)
                 if candidate_loss < best_loss - 1e-12:
                     best, best_loss, improved = candidate, candidate_loss, True
-        if not improved:
-            step /= 2
+        if not improved or rounds >= ROUNDS_PER_STEP:
+            step, rounds = step / 2, 0
     return best
 
 
