@@ -170,10 +170,12 @@ def main(argv: list[str] | None = None) -> int:
         print("tokenflow-console: starting the engine…", file=sys.stderr, flush=True)
         from console.sources.process import ProcessSource
         from engine.config import EngineConfig
-        from engine.sim.executor import Simulation
 
-        simulate = None if args.simulate is None else Simulation(args.simulate, args.tp,
-                                                                 args.sim_speed)
+        simulate = None
+        if args.simulate is not None:  # the twin's module imports torch: seconds before a spawn
+            from engine.sim.executor import Simulation
+
+            simulate = Simulation(args.simulate, args.tp, args.sim_speed)
         config = (None if args.enable_prefix_caching is None
                   else EngineConfig(enable_prefix_caching=args.enable_prefix_caching))
         engine = ProcessSource.launch(model=args.model, device=args.device,

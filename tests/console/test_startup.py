@@ -50,6 +50,13 @@ def test_the_console_process_never_imports_torch() -> None:
     check = ("import sys, console.cli.console, console.tui.app; "
              "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", check], cwd=ROOT).returncode == 0
+    # nor before the child is launched: whatever it imported first delays the spawn
+    launch = ("import sys, console.sources.process as p, console.tui.app as a; seen = []; "
+              "p.ProcessSource.launch = classmethod("
+              "lambda cls, **o: seen.append('torch' in sys.modules)); "
+              "a.run = lambda args, engine: 0; "
+              "from console.cli.console import main; main([]); sys.exit(seen != [False])")
+    assert subprocess.run([sys.executable, "-c", launch], cwd=ROOT).returncode == 0
 
 
 def leave_unfinished(db: Path, model: str, prompts: list[list[int]]) -> None:
