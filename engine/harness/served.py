@@ -19,7 +19,7 @@ from engine.events import ChunkComplete, Event, StepComplete
 # The probe: prompts of cycling lengths, so many chunk sizes run beside a few decodes.
 PROBE_PROMPTS = (24, 96, 200, 48, 320, 64, 160, 32, 256, 112, 40, 180)
 PROBE_REQUESTS = 48
-# `calibrate --quick`: still several of each prompt length, so every fitted cost has steps
+# `calibrate --quick`: every prompt length at least once, so every fitted cost has steps
 QUICK_PROBE_REQUESTS = 16
 PROBE_EVERY_STEPS = 3
 PROBE_OUTPUT_TOKENS = 16
