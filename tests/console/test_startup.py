@@ -69,9 +69,14 @@ def leave_unfinished(db: Path, model: str, prompts: list[list[int]]) -> None:
         session.engine.step()
 
 
-def console(db: Path) -> TokenflowApp:
+# tiny's first calibration lasts about a second: on a fast CPU it can end before the first
+# Poisson arrival at the chat workload's rate, so the tests that watch it send all at once
+ALL_AT_ONCE = {"rate": float("inf"), "num_requests": 32}
+
+
+def console(db: Path, **workload: float | int) -> TokenflowApp:
     engine = ProcessSource.launch(model="synthetic:tiny", device="cpu", workload="chat",
-                                  db=db)
+                                  db=db, **workload)
     return TokenflowApp(engine, interval=0.05, starting=True)
 
 
@@ -162,7 +167,7 @@ async def test_the_first_calibration_runs_beside_the_traffic(tmp_path: Path) -> 
                 calibrating.append((snapshot.calibration, len(snapshot.requests)))
 
     db = tmp_path / "fresh.db"  # no stored calibration, here or in the default store
-    app = console(db)
+    app = console(db, **ALL_AT_ONCE)
     async with app.run_test(size=(120, 40), message_hook=heard) as pilot:
         await until(pilot, lambda: app.latest is not None
                     and app.latest.calibration == "calibrated", "the first calibration")
@@ -195,7 +200,7 @@ async def test_the_live_panes_show_numbers_before_the_first_calibration_ends(
     requests listed, KV blocks in use, a bandwidth share) while the header still says the
     first calibration is under way: it never holds the screen."""
     shown: dict[str, str] = {}
-    app = console(tmp_path / "fresh.db")
+    app = console(tmp_path / "fresh.db", **ALL_AT_ONCE)
 
     def numbers() -> bool:
         latest = app.latest
