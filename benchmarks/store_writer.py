@@ -47,7 +47,7 @@ def request_events(rid: str, step: int) -> Iterator[Event]:
                             duration_s=0.004, estimated_bytes=2e8, predicted_s=0.004,
                             prefill_done=step == 1)
     if step >= 1:
-        yield TokensGenerated(request_id=rid, token_ids=(step,))
+        yield TokensGenerated(request_ids=(rid,), token_ids=(step,))
     if step == 65:
         yield Finished(request_id=rid, reason="length", prompt_tokens=128, generated_tokens=65,
                        ttft_s=0.01, e2e_s=1.0, budget_score=1.7)

@@ -6,7 +6,7 @@ import dataclasses
 import enum
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -54,17 +54,24 @@ class ChunkComplete(Event):
 
 @dataclass(frozen=True)
 class TokensGenerated(Event):
+    """A step's new tokens, `token_ids[i]` for `request_ids[i]`: one event a step rather
+    than one a token, which is most of the bus's traffic (a request may appear twice)."""
 
     kind: ClassVar[str] = "tokens"
-    request_id: str
+    request_ids: tuple[str, ...]
     token_ids: tuple[int, ...]
 
     @classmethod
-    def of(cls, request_id: str, token_ids: tuple[int, ...], ts: float) -> TokensGenerated:
-        """Skip the frozen __init__'s per-field __setattr__: this runs per request per step."""
+    def of(cls, request_ids: tuple[str, ...], token_ids: tuple[int, ...],
+           ts: float) -> TokensGenerated:
+        """Skip the frozen __init__'s per-field __setattr__: this runs every step."""
         event = object.__new__(cls)
-        event.__dict__.update(ts=ts, request_id=request_id, token_ids=token_ids)
+        event.__dict__.update(ts=ts, request_ids=request_ids, token_ids=token_ids)
         return event
+
+    def pairs(self) -> Iterator[tuple[str, int]]:
+        """(request_id, token) in the order sampled."""
+        return zip(self.request_ids, self.token_ids, strict=True)
 
 
 @dataclass(frozen=True)

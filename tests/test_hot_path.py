@@ -24,14 +24,14 @@ def test_a_subscriber_that_leaves_mid_drain_hears_no_later_event() -> None:
     leave = None
 
     def once(event: TokensGenerated) -> None:
-        heard.append(f"once {event.request_id}")
+        heard.append(f"once {event.request_ids[0]}")
         assert leave is not None
         leave()
 
     leave = bus.subscribe(once)
-    bus.subscribe(lambda e: heard.append(f"all {e.request_id}"))
+    bus.subscribe(lambda e: heard.append(f"all {e.request_ids[0]}"))
     for rid in ("a", "b"):
-        bus.publish(TokensGenerated(request_id=rid, token_ids=(1,)))
+        bus.publish(TokensGenerated(request_ids=(rid,), token_ids=(1,)))
     assert bus.drain() == 2
     assert heard == ["once a", "all a", "all b"]
 
@@ -42,7 +42,7 @@ def test_a_subscriber_to_some_kinds_hears_only_those_in_order_with_the_others() 
     bus.subscribe(lambda e: heard.append(f"all {e.kind}"))
     leave = bus.subscribe(lambda e: heard.append(f"steps {e.kind}"), (StepComplete,))
     bus.subscribe(lambda e: heard.append(f"faults {e.kind}"), (Failed,))
-    bus.publish(TokensGenerated(request_id="a", token_ids=(1,)))
+    bus.publish(TokensGenerated(request_ids=("a",), token_ids=(1,)))
     bus.publish(StepComplete(step=1, prefill_tokens=0, decode_seqs=1, duration_s=0.1))
     bus.publish(Failed(request_id="a", reason="x", cause=FailCause.FAULT))
     bus.drain()
@@ -59,8 +59,8 @@ def test_a_steps_output_tokens_enter_the_rate_window_with_its_step() -> None:
     metrics, bus = Metrics(), EventBus()
     metrics.subscribe_to(bus)
     for step in range(1, 4):
-        for rid in ("a", "b"):
-            bus.publish(TokensGenerated(request_id=rid, token_ids=(step,), ts=float(step)))
+        bus.publish(TokensGenerated(request_ids=("a", "b"), token_ids=(step, step),
+                                    ts=float(step)))
         bus.publish(StepComplete(step=step, prefill_tokens=5, decode_seqs=2, duration_s=1.0,
                                  ts=float(step)))
         bus.drain()
@@ -114,8 +114,8 @@ def test_the_hot_path_constructors_make_what_the_dataclass_constructors_make() -
                        finish_reason=None, state="DECODING")),
         (ScheduledChunk.of("r", 2, 1, (4,), True, True, 0),
          ScheduledChunk("r", 2, 1, (4,), is_decode=True, samples=True, scored_rows=0)),
-        (TokensGenerated.of("r", (3,), 1.5), TokensGenerated(request_id="r", token_ids=(3,),
-                                                             ts=1.5)),
+        (TokensGenerated.of(("r",), (3,), 1.5),
+         TokensGenerated(request_ids=("r",), token_ids=(3,), ts=1.5)),
     ]
     for fast, plain in pairs:
         # every field set, in the constructor's order, and still frozen

@@ -24,7 +24,7 @@ def test_a_spike_leaves_the_window_but_stays_in_the_lifetime_histogram() -> None
     metrics.observe(StepComplete(step=1, prefill_tokens=8, decode_seqs=0, duration_s=3.0,
                                  ts=0.0))
     for i, ts in enumerate((0.0, 0.5, 1.5)):  # gaps of 0.5 s and 1 s
-        metrics.observe(TokensGenerated(request_id="spike", token_ids=(i,), ts=ts))
+        metrics.observe(TokensGenerated(request_ids=("spike",), token_ids=(i,), ts=ts))
     during = metrics.latency(now=30.0)
     assert during.window_s == 60.0
     assert during.ttft.p99 == pytest.approx(128_000.0)

@@ -264,7 +264,7 @@ def test_journal_follows_every_chunk_and_token(database: Database) -> None:
         row = journal_row(database, "r1")
         assert (row.state, row.prefilled_tokens, row.chunks_done) == ("PREFILL_CHUNKING", 2, 1)
         deliver(bus, writer, chunk("r1", 1, start=2, tokens=2, done=True),
-                TokensGenerated(request_id="r1", token_ids=(9,)))
+                TokensGenerated(request_ids=("r1",), token_ids=(9,)))
         row = journal_row(database, "r1")
         assert (row.state, row.prefilled_tokens, row.chunks_done) == ("DECODING", 4, 2)
         assert row.generated_token_ids == [9] and row.first_token_at is not None
@@ -272,8 +272,8 @@ def test_journal_follows_every_chunk_and_token(database: Database) -> None:
         row = journal_row(database, "r1")
         assert (row.state, row.prefilled_tokens, row.preemptions) == ("PREEMPTED", 0, 1)
         deliver(bus, writer, chunk("r1", 2, start=0, tokens=5, done=True),
-                TokensGenerated(request_id="r1", token_ids=(8,)), finished("r1"),
-                TokensGenerated(request_id="r1", token_ids=(7,)))
+                TokensGenerated(request_ids=("r1",), token_ids=(8,)), finished("r1"),
+                TokensGenerated(request_ids=("r1",), token_ids=(7,)))
         row = journal_row(database, "r1")
         assert row.state == "FINISHED" and row.finish_reason == "length"
         assert row.generated_token_ids == [9, 8, 7] and row.generated_tokens == 3
@@ -292,7 +292,7 @@ def test_no_event_lost_under_a_burst_from_several_threads(database: Database) ->
             rid = f"{thread}-{r}"
             bus.publish(added(rid))
             for token in range(tokens_per_request):
-                bus.publish(TokensGenerated(request_id=rid, token_ids=(token,)))
+                bus.publish(TokensGenerated(request_ids=(rid,), token_ids=(token,)))
             bus.publish(SlowQuery(request_id=rid, tenant="t", budget_score=2.0, prompt_tokens=4,
                                   prefill_s=0.2, budgeted_s=0.1, chunks=(), config={}))
 
@@ -320,11 +320,11 @@ def test_unfinished_requests_and_mark_resumed(database: Database) -> None:
     bus = EventBus()
     writer = StoreWriter(database, bus)
     deliver(bus, writer, added("done"), chunk("done", 0, 0, 4, True),
-            TokensGenerated(request_id="done", token_ids=(5,)), finished("done"),
+            TokensGenerated(request_ids=("done",), token_ids=(5,)), finished("done"),
             added("mid", prompt=(1, 2, 3, 4, 5, 6), tenant="a"),
             chunk("mid", 0, 0, 4, False),
             added("decoding"), chunk("decoding", 0, 0, 4, True),
-            TokensGenerated(request_id="decoding", token_ids=(11, 12)),
+            TokensGenerated(request_ids=("decoding", "decoding"), token_ids=(11, 12)),
             added("waiting"))
     assert writer.close()
     with database.session() as session:
@@ -452,8 +452,7 @@ def test_one_bad_row_is_skipped_with_its_reason_and_its_batch_is_written(
     events: list[object] = [added(f"r{i}") for i in range(50)]
     events.insert(25, RequestAdded(request_id="huge", prompt_token_ids=(1, 2), sampling={},
                                    tenant="t", priority=10**23))  # past SQLite's integer
-    events += [TokensGenerated(request_id="r3", token_ids=(7,)),
-               TokensGenerated(request_id="huge", token_ids=(7,))]
+    events.append(TokensGenerated(request_ids=("r3", "huge"), token_ids=(7, 7)))
     deliver(bus, writer, *events)
     assert writer.failure is None
     with database.session() as session:

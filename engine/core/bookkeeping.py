@@ -71,8 +71,9 @@ class Bookkeeper:
 
     def sampled(self, batch: Batch, requests: dict[str, Request], output: ModelRunnerOutput,
                 timing: StepTiming, step: int) -> list[RequestOutput]:
-        """Book each sampling request's token; an error fails that request alone (FAULT)."""
-        outputs = []
+        """Book each sampling request's token; an error fails that request alone (FAULT).
+        The step's tokens go out as one event, ahead of the Finished of those they end."""
+        booked: list[tuple[Request, int | None, str | None]] = []
         for chunk in batch.sampling:
             request = requests[chunk.request_id]
             error = output.errors.get(request.id)
@@ -82,12 +83,22 @@ class Bookkeeper:
                              else output.token_ids[request.id])
                     if request.id in output.logprobs:
                         request.logprobs.append(output.logprobs[request.id])
-                    outputs.append(self.append_token(request, token, timing, step))
+                    booked.append((request, token, self.append_token(request, token, timing,
+                                                                     step)))
                     continue
                 except Exception as exc:  # fault isolation: it fails this request only
                     error = f"handling its token failed: {type(exc).__name__}: {exc}"
             self.finish(request, RequestState.FAILED, error, FailCause.FAULT)
-            outputs.append(request_output(request, ()))
+            booked.append((request, None, None))
+        tokens = [(request.id, token) for request, token, _ in booked if token is not None]
+        if tokens:
+            ids, values = zip(*tokens, strict=True)
+            self.publish(TokensGenerated.of(ids, values, timing.end))
+        outputs = []
+        for request, token, reason in booked:
+            if reason is not None:
+                self.finish(request, RequestState.FINISHED, reason)
+            outputs.append(request_output(request, () if token is None else (token,)))
         return outputs
 
     def record_chunk(self, chunk: ScheduledChunk, request: Request, timing: StepTiming,
@@ -109,8 +120,9 @@ class Bookkeeper:
             prefill_done=chunk.samples))
 
     def append_token(self, request: Request, token: int | None, timing: StepTiming,
-                     step: int) -> RequestOutput:
-        """Book `token` after the request's last chunk or decode; None ends a prefill-only one."""
+                     step: int) -> str | None:
+        """Book `token` after the request's last chunk or decode and say why it ends the
+        request, or None; a None token ends a prefill-only one ("length")."""
         now = timing.end
         if request.state is RequestState.PREFILL_CHUNKING:
             request.set_state(RequestState.DECODING, "prefill complete")
@@ -118,8 +130,7 @@ class Bookkeeper:
                 request.prefill_finished = now
                 self.prefill_ended(request, now)
         if token is None:
-            self.finish(request, RequestState.FINISHED, "length")
-            return request_output(request, ())
+            return "length"
         if request.first_token_time is None:
             request.first_token_time = now
         elif request.decode_gaps is not None and request.last_token_time is not None:
@@ -129,11 +140,7 @@ class Bookkeeper:
                 request.worst_gap = (gap, step)
         request.output_token_ids.append(token)
         request.last_token_time = now
-        self.publish(TokensGenerated.of(request.id, (token,), now))
-        reason = self.stop_reason(request, token)
-        if reason:
-            self.finish(request, RequestState.FINISHED, reason)
-        return request_output(request, (token,))
+        return self.stop_reason(request, token)
 
     def ended(self, request: Request, cause: FailCause | None, blocks_freed: int,
               usage_after: float) -> None:

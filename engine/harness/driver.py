@@ -154,13 +154,11 @@ class Recorder:
     def __call__(self, event: Event) -> None:
         match event:
             case TokensGenerated():
-                record = self.records.get(event.request_id)
-                if record is not None:
-                    count = len(event.token_ids)
-                    if count == 1:
-                        record.token_times.append(event.ts)
-                    else:
-                        record.token_times.extend([event.ts] * count)
+                records, ts = self.records, event.ts
+                for request_id in event.request_ids:
+                    record = records.get(request_id)
+                    if record is not None:
+                        record.token_times.append(ts)
             case StepComplete():
                 self.steps.append(event)
             case ChunkComplete(chunk_index=0):

@@ -177,14 +177,16 @@ class Metrics:
 
     def _on_tokens(self, event: TokensGenerated) -> None:
         ts, count = event.ts, len(event.token_ids)
+        last_token_ts = self._last_token_ts
         with self._lock:
             self.generation_tokens_total += count
             self._step_output += count
-            last = self._last_token_ts.get(event.request_id)
-            if last is not None:
-                self.itl.observe(ts - last)
-                self.recent_itl.add(ts, ts - last)
-            self._last_token_ts[event.request_id] = ts
+            for request_id in event.request_ids:
+                last = last_token_ts.get(request_id)
+                if last is not None:
+                    self.itl.observe(ts - last)
+                    self.recent_itl.add(ts, ts - last)
+                last_token_ts[request_id] = ts
 
     def _on_step(self, event: StepComplete) -> None:
         tokens = event.prefill_tokens + event.decode_seqs

@@ -121,14 +121,16 @@ def fold(events: list[Event], wall_offset: float, server: str = "") -> Batch:
             time.sleep(0)  # hand the GIL back: see _FOLD_SLICE
         kind = type(event)
         if kind is TokensGenerated:
-            p = progress.get(event.request_id)
-            if p is None:
-                p = progress[event.request_id] = _Progress()
-            if p.first_token_at is None:
-                p.first_token_at = event.ts + wall_offset
-            p.tokens += event.token_ids
-            if p.state not in TERMINAL_STATES:
-                p.state = "DECODING"
+            at = event.ts + wall_offset
+            for request_id, token in event.pairs():
+                p = progress.get(request_id)
+                if p is None:
+                    p = progress[request_id] = _Progress()
+                if p.first_token_at is None:
+                    p.first_token_at = at
+                p.tokens.append(token)
+                if p.state not in TERMINAL_STATES:
+                    p.state = "DECODING"
         elif kind is ChunkComplete:
             p = progress.setdefault(event.request_id, _Progress())
             p.chunks += 1
