@@ -103,6 +103,24 @@ def test_packages_import_only_lower_packages() -> None:
     assert not offending, "imports against the package order:\n  " + "\n  ".join(offending)
 
 
+# the console's own packages, low -> high: the shell (cli) hands the screens (tui) what they
+# need from it, such as the twin run, rather than the screens reaching up for it
+CONSOLE_ORDER = ("leaves", "sources", "tui", "cli")
+
+
+def test_the_consoles_packages_import_one_way() -> None:
+    graph = import_graph("console")
+
+    def part(module: str) -> str:
+        parts = module.split(".")
+        return "leaves" if len(parts) == 2 and parts[1] not in CONSOLE_ORDER else parts[1]
+
+    rank = {name: i for i, name in enumerate(CONSOLE_ORDER)}
+    upward = [f"{module} -> {target}" for module, targets in sorted(graph.items())
+              for target in sorted(targets) if rank[part(target)] > rank[part(module)]]
+    assert not upward, "imports against the console's order:\n  " + "\n  ".join(upward)
+
+
 def test_every_engine_package_has_a_place_in_the_order() -> None:
     packages = {layer(m) for m in import_graph("engine")}
     assert packages <= set(PACKAGE_ORDER), packages - set(PACKAGE_ORDER)

@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from console.cli.engine_flags import add_engine_flag
 from console.cli.otlp_flags import add_otlp_token_flags, otlp_token
@@ -184,7 +184,14 @@ def main(argv: list[str] | None = None) -> int:
                                       simulate=simulate, config=config)
     from console.tui.app import run  # Textual and the screens: seconds, overlapping the child's
 
-    return run(args, engine)
+    return run(args, engine, simulated_traffic)
+
+
+def simulated_traffic(store: str, gpu: str, budget: int, model: str) -> dict[str, Any]:
+    """The fleet view's twin run; bench's module (and torch) loads only when it is asked."""
+    from console.cli.bench import simulated_traffic as run
+
+    return run(store, gpu, budget, model)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from console.errors import UserError
+from console.sources.workloads import named_workload
 
 if TYPE_CHECKING:  # the engine pulls in torch: kept off the console's launch path (--rate)
     from engine.core.engine import Engine
@@ -52,7 +53,6 @@ def add_rate_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
                              "pattern, rescaled to this mean rate); inf sends all at once")
 
 
-TRACED = "traced:"
 # vllm bench's default number of prompts
 DEFAULT_NUM_PROMPTS = 1000
 
@@ -64,30 +64,6 @@ def workload_for(args: argparse.Namespace, engine: Engine) -> list[WorkloadReque
     return named_workload(args.workload, engine, num_requests=args.num_requests,
                           rate=args.rate, seed=args.workload_seed,
                           length_scale=args.length_scale, time_scale=args.time_scale)
-
-
-def named_workload(spec: str, engine: Engine, *, num_requests: int | None = None,
-                   rate: float | None = None, seed: int = 0, length_scale: float | None = None,
-                   time_scale: float = 1.0) -> list[WorkloadRequest]:
-    """The requests `--workload SPEC` names for `engine`, as `run`, `bench` and the
-    console's embedded engine take it: a profile, a trace, or traced:DB."""
-    from engine.harness.workload import build_workload, default_length_scale
-
-    if spec.startswith(TRACED):  # what an attached fleet served, from the store
-        from engine.harness.traced_workload import traced_requests
-
-        if rate is not None:
-            raise UserError("--rate does not apply to traced:DB, which replays the recorded "
-                            "arrivals; stretch or squeeze them with --time-scale instead")
-        return traced_requests(spec, vocab_size=engine.model_config.vocab_size,
-                               max_model_len=engine.max_model_len, seed=seed,
-                               num_requests=num_requests, time_scale=time_scale)
-    scale = default_length_scale(engine.runner.device.type) if length_scale is None \
-        else length_scale
-    return build_workload(spec, vocab_size=engine.model_config.vocab_size,
-                          max_model_len=engine.max_model_len, num_requests=num_requests,
-                          rate=rate, seed=seed, length_scale=scale, time_scale=time_scale,
-                          encode=engine.tokenizer.encode)
 
 
 def _fixed_length(args: argparse.Namespace, engine: Engine) -> list[WorkloadRequest] | None:

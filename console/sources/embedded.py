@@ -12,7 +12,6 @@ from typing import Any
 import torch
 from sqlalchemy.orm import Session
 
-from console.cli.workload_flags import named_workload
 from console.errors import UserError
 from console.sources.base import (
     TRACED_DRIFT_WHY,
@@ -21,6 +20,7 @@ from console.sources.base import (
     Progress,
     SourceError,
 )
+from console.sources.workloads import named_workload
 from engine.budget.predictor import StepTimePredictor
 from engine.config import ConfigError, EngineConfig
 from engine.core.engine import Engine

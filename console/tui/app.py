@@ -41,7 +41,7 @@ from console.tui.screens.splash import (
     SplashScreen,
 )
 from console.tui.screens.tuning import TuningScreen
-from console.tui.state import ConsoleState
+from console.tui.state import ConsoleState, TracedTraffic, TwinRun
 from console.tui.text import escaped
 from engine.errors import EngineError
 from engine.harness.slo_targets import ServiceSLO
@@ -69,13 +69,13 @@ class TokenflowApp(App[None]):
 
     def __init__(self, source: Source, *, interval: float = POLL_INTERVAL_S,
                  recorder: SessionRecorder | None = None, starting: bool = False,
-                 slo: ServiceSLO | None = None, trace_store: str | None = None) -> None:
+                 slo: ServiceSLO | None = None, traced: TracedTraffic | None = None) -> None:
         """`starting`: `source` is a ProcessSource whose engine is still starting; a splash
         shows its stages until it is ready, and the polls begin then. `slo`: the latency
-        targets figures are coloured against (a chat service's by default). `trace_store`: the
-        store the OTLP receiver writes the fleet's traces to, which the fleet view replays."""
+        targets figures are coloured against (a chat service's by default). `traced`: the fleet's
+        traced requests, which the fleet view replays on a GPU's twin."""
         super().__init__()
-        self.state = ConsoleState(source, slo=slo or ServiceSLO(), trace_store=trace_store)
+        self.state = ConsoleState(source, slo=slo or ServiceSLO(), traced=traced)
         for mode, screen in SCREENS.items():  # each screen is handed the state, not the app
             self.add_mode(mode, functools.partial(screen, self.state))
         self.recorder = recorder
@@ -288,16 +288,18 @@ def open_traces(args: argparse.Namespace) -> TraceCollector | None:
     return receiver.collector
 
 
-def trace_store(args: argparse.Namespace) -> str | None:
-    """Where --otlp-listen stores the traced requests (--db, else the user's store)."""
+def traced_traffic(args: argparse.Namespace, simulate: TwinRun) -> TracedTraffic | None:
+    """What --otlp-listen stores (in --db, else the user's store), replayed by `simulate`."""
     if not args.otlp_listen:
         return None
     from engine.store import default_db_path
 
-    return str(args.db or default_db_path())
+    return TracedTraffic(str(args.db or default_db_path()), simulate)
 
 
-def run(args: argparse.Namespace, engine: ProcessSource | None) -> int:
+def run(args: argparse.Namespace, engine: ProcessSource | None, simulate: TwinRun) -> int:
+    """The console on `args`' source (`engine`, once launched, for the embedded one);
+    `simulate` is the shell's twin run for the fleet view's traced traffic."""
     try:
         source = open_source(args, engine)
         recorder = SessionRecorder(args.record) if args.record else None
@@ -311,7 +313,7 @@ def run(args: argparse.Namespace, engine: ProcessSource | None) -> int:
     logging.basicConfig(level=logging.WARNING, handlers=[TextualHandler()], force=True)
     app = TokenflowApp(source, recorder=recorder, starting=engine is not None,
                        slo=ServiceSLO(args.slo_ttft_ms, args.slo_itl_ms),
-                       trace_store=trace_store(args))
+                       traced=traced_traffic(args, simulate))
     app.run()
     if app.startup_error is not None:
         print(f"tokenflow-console: {app.startup_error}", file=sys.stderr)

@@ -45,6 +45,19 @@ from console.tui.widgets.confirm import Confirm
 from engine.harness.slo_targets import ServiceSLO
 from engine.snapshot import Snapshot
 
+# (store, gpu, token budget, model) -> the twin run's report: `bench --simulate GPU
+# --workload traced:STORE`, which the shell (console.cli) provides
+TwinRun = Callable[[str, str, int, str], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class TracedTraffic:
+    """The requests an attached fleet served, as --otlp-listen stores their traces, and the
+    twin run that replays them."""
+
+    store: str
+    simulate: TwinRun
+
 
 @dataclass
 class ConsoleState:
@@ -53,7 +66,7 @@ class ConsoleState:
     latest: Snapshot | None = None
     failure: str = ""  # the source's latest error, until a snapshot arrives again
     slo: ServiceSLO = field(default_factory=ServiceSLO)  # the operator's latency targets
-    trace_store: str | None = None  # the store --otlp-listen writes the fleet's traces to
+    traced: TracedTraffic | None = None  # None: no --otlp-listen, nothing to simulate
 
     @property
     def capabilities(self) -> Capabilities:

@@ -8,11 +8,13 @@ from pathlib import Path
 import pytest
 from textual.widgets import Input, Static
 
+from console.cli.console import simulated_traffic
 from console.sources.fleet import FleetSource
 from console.sources.replay import ReplaySource
 from console.tui.app import TokenflowApp
 from console.tui.screens.fleet import FleetScreen
 from console.tui.screens.simulate import SimulateTraffic
+from console.tui.state import TracedTraffic
 from tests.console.conftest import FAST_POLL_S, SESSION, until
 from tests.test_traced_workload import _collected, served
 
@@ -36,7 +38,8 @@ async def test_simulate_without_a_trace_store_says_how_to_get_one() -> None:
 
 async def test_simulate_the_traffic_the_fleet_served_on_a_gpu(tmp_path: Path) -> None:
     store = _collected(tmp_path)
-    app = TokenflowApp(_fleet(), interval=FAST_POLL_S, trace_store=str(store))
+    app = TokenflowApp(_fleet(), interval=FAST_POLL_S,
+                       traced=TracedTraffic(str(store), simulated_traffic))
     async with app.run_test(size=(120, 40)) as pilot:
         await pilot.press("0")
         await until(pilot, lambda: isinstance(app.screen, FleetScreen), "the fleet screen")

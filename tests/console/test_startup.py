@@ -54,7 +54,7 @@ def test_the_console_process_never_imports_torch() -> None:
     launch = ("import sys, console.sources.process as p, console.tui.app as a; seen = []; "
               "p.ProcessSource.launch = classmethod("
               "lambda cls, **o: seen.append('torch' in sys.modules)); "
-              "a.run = lambda args, engine: 0; "
+              "a.run = lambda args, engine, simulate: 0; "
               "from console.cli.console import main; main([]); sys.exit(seen != [False])")
     assert subprocess.run([sys.executable, "-c", launch], cwd=ROOT).returncode == 0
 

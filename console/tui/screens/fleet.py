@@ -71,10 +71,10 @@ class FleetScreen(ConsoleScreen):
 
     def action_simulate(self) -> None:
         """"Simulate this traffic on …": the fleet's traced requests on a GPU's twin."""
-        store = self.state.trace_store
-        if store is None:
+        traced = self.state.traced
+        if traced is None:
             self.notify("no store of traced requests: attach with --otlp-listen (and --db) "
                         "so the fleet's traces are stored, then simulate them",
                         severity="warning", markup=False)
             return
-        self.app.push_screen(SimulateTraffic(store))
+        self.app.push_screen(SimulateTraffic(traced))

@@ -14,6 +14,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Input, Static
 
 from console.errors import UserError
+from console.tui.state import TracedTraffic
 from engine.errors import EngineError
 
 DEFAULT_GPU = "h100"
@@ -60,14 +61,14 @@ class SimulateTraffic(ModalScreen[None]):
     """
     BINDINGS: ClassVar[list[BindingType]] = [Binding("escape", "dismiss", "Close")]
 
-    def __init__(self, store: str) -> None:
+    def __init__(self, traced: TracedTraffic) -> None:
         super().__init__()
-        self.store = store
+        self.traced = traced
 
     def compose(self) -> ComposeResult:
         with Vertical():
             yield Static("Simulate this traffic (the requests the fleet served, from the "
-                         f"traces in {self.store}) on:", markup=False)
+                         f"traces in {self.traced.store}) on:", markup=False)
             yield Static("GPU: " + ", ".join(gpu_names()), classes="dim", markup=False)
             yield Input(DEFAULT_GPU, id="simulate-gpu", placeholder="GPU")
             yield Static("token budget (max_num_batched_tokens)", classes="dim", markup=False)
@@ -96,10 +97,8 @@ class SimulateTraffic(ModalScreen[None]):
                         name="simulate traffic", exit_on_error=False)
 
     def _simulate(self, gpu: str, budget: int, model: str) -> None:
-        from console.cli.bench import simulated_traffic  # torch: only once it is asked for
-
         try:
-            report = simulated_traffic(self.store, gpu, budget, model)
+            report = self.traced.simulate(self.traced.store, gpu, budget, model)
         except (UserError, EngineError, SystemExit) as exc:
             self.post_message(TrafficSimulated(None, str(exc)))
             return
