@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import select
@@ -70,6 +71,34 @@ def test_a_request_whose_sampling_raises_fails_alone(expected: list[list[int]],
                for e in events)
     snapshot = engine.snapshot()
     assert snapshot.faults_isolated_total == 1 and snapshot.requests_failed_total == 1
+    assert engine.blocks.num_used == 0
+    assert engine.generate(PROMPTS, GREEDY) == expected  # the engine goes on
+
+
+def test_a_request_whose_ending_raises_ends_alone(expected: list[list[int]]) -> None:
+    """A fault while ending a request (here the slow-query watch on it) is that request's:
+    the others of the same steps finish exactly and the engine goes on."""
+    engine = tiny_engine()
+    good = [engine.add_request(p, GREEDY) for p in PROMPTS[:2]]
+    bad = engine.add_request(PROMPTS[1], GREEDY)
+    good.append(engine.add_request(PROMPTS[2], GREEDY))
+    watch = engine.scheduler.watch
+    ended = watch.ended
+
+    def fragile(request: Any, config: EngineConfig) -> None:  # fault injection
+        if request.id == bad:
+            raise ValueError("poisoned")
+        ended(request, config)
+
+    watch.ended = fragile  # type: ignore[method-assign]
+    done, tokens, held = {}, OutputTokens(), {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            held[out.request_id] = tokens.add(out)
+            if out.finished:
+                done[out.request_id] = out
+    assert [held[rid] for rid in good] == expected
+    assert all(done[rid].state == "FINISHED" for rid in good) and bad in done
     assert engine.blocks.num_used == 0
     assert engine.generate(PROMPTS, GREEDY) == expected  # the engine goes on
 

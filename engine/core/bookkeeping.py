@@ -87,7 +87,7 @@ class Bookkeeper:
                                                                      step)))
                     continue
                 except Exception as exc:  # fault isolation: it fails this request only
-                    error = f"handling its token failed: {type(exc).__name__}: {exc}"
+                    error = _handling_failed(exc)
             self.finish(request, RequestState.FAILED, error, FailCause.FAULT)
             booked.append((request, None, None))
         tokens = [(request.id, token) for request, token, _ in booked if token is not None]
@@ -97,7 +97,11 @@ class Bookkeeper:
         outputs = []
         for request, token, reason in booked:
             if reason is not None:
-                self.finish(request, RequestState.FINISHED, reason)
+                try:
+                    self.finish(request, RequestState.FINISHED, reason)
+                except Exception as exc:  # as above: ending it fails this request only
+                    self.finish(request, RequestState.FAILED, _handling_failed(exc),
+                                FailCause.FAULT)
             outputs.append(request_output(request, () if token is None else (token,)))
         return outputs
 
@@ -169,6 +173,10 @@ class Bookkeeper:
         self.publish(StepComplete(step, shape.prefill_tokens, len(batch.decodes),
                                   timing.duration_s, timing.predicted_s, batch.mode.value,
                                   model.flops(shape), bytes_moved))
+
+
+def _handling_failed(exc: Exception) -> str:
+    return f"handling its token failed: {type(exc).__name__}: {exc}"
 
 
 def request_output(request: Request, new_tokens: tuple[int, ...]) -> RequestOutput:
