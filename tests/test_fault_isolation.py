@@ -37,6 +37,17 @@ def tiny_engine() -> Engine:
                                kv_cache_bytes=1 << 20, max_num_batched_tokens=32, chunk_tile=8))
 
 
+def run_out(engine: Engine) -> tuple[dict[str, RequestOutput], dict[str, list[int]]]:
+    """Step until nothing is left: each request's final output, and the tokens it heard."""
+    done, tokens, held = {}, OutputTokens(), {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            held[out.request_id] = tokens.add(out)
+            if out.finished:
+                done[out.request_id] = out
+    return done, held
+
+
 @pytest.fixture(scope="module")
 def expected() -> list[list[int]]:
     return tiny_engine().generate(PROMPTS, GREEDY)
@@ -55,12 +66,7 @@ def test_a_request_whose_sampling_raises_fails_alone(expected: list[list[int]],
     good = [engine.add_request(p, GREEDY) for p in PROMPTS[:2]]
     bad = engine.add_request(PROMPTS[1], slipped_through(**poison))
     good.append(engine.add_request(PROMPTS[2], GREEDY))
-    done, tokens, held = {}, OutputTokens(), {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            held[out.request_id] = tokens.add(out)
-            if out.finished:
-                done[out.request_id] = out
+    done, held = run_out(engine)
     engine.bus.drain()
     assert [held[rid] for rid in good] == expected
     assert all(done[rid].state == "FINISHED" for rid in good)
@@ -91,12 +97,7 @@ def test_a_request_whose_ending_raises_ends_alone(expected: list[list[int]]) -> 
         ended(request, config)
 
     watch.ended = fragile  # type: ignore[method-assign]
-    done, tokens, held = {}, OutputTokens(), {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            held[out.request_id] = tokens.add(out)
-            if out.finished:
-                done[out.request_id] = out
+    done, held = run_out(engine)
     assert [held[rid] for rid in good] == expected
     assert all(done[rid].state == "FINISHED" for rid in good) and bad in done
     assert engine.blocks.num_used == 0
