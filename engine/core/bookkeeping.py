@@ -74,6 +74,8 @@ class Bookkeeper:
         """Book each sampling request's token; an error fails that request alone (FAULT).
         The step's tokens go out as one event, ahead of the Finished of those they end."""
         booked: list[tuple[Request, int | None, str | None]] = []
+        ids: list[str] = []
+        values: list[int] = []
         for chunk in batch.sampling:
             request = requests[chunk.request_id]
             error = output.errors.get(request.id)
@@ -85,15 +87,16 @@ class Bookkeeper:
                         request.logprobs.append(output.logprobs[request.id])
                     booked.append((request, token, self.append_token(request, token, timing,
                                                                      step)))
+                    if token is not None:
+                        ids.append(request.id)
+                        values.append(token)
                     continue
                 except Exception as exc:  # fault isolation: it fails this request only
                     error = _handling_failed(exc)
             self.finish(request, RequestState.FAILED, error, FailCause.FAULT)
             booked.append((request, None, None))
-        tokens = [(request.id, token) for request, token, _ in booked if token is not None]
-        if tokens:
-            ids, values = zip(*tokens, strict=True)
-            self.publish(TokensGenerated.of(ids, values, timing.end))
+        if ids:
+            self.publish(TokensGenerated.of(tuple(ids), tuple(values), timing.end))
         outputs = []
         for request, token, reason in booked:
             if reason is not None:
