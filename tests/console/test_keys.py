@@ -62,6 +62,7 @@ async def test_screen_keys_help_and_quit_work_with_a_field_focused(tmp_path: Pat
         assert isinstance(app.screen, SlowQueriesScreen)
         await pilot.press("2")  # coming back leaves the field: 2 was a screen key
         assert app.screen is tuning and not isinstance(app.focused, Input)
+        assert box.value == live_budget  # leaving the screen dropped the unapplied edit
         box.focus()
         await pilot.press("escape", "4")  # Escape leaves the field; 4 is a screen key again
         assert isinstance(app.screen, DriftScreen)
@@ -71,7 +72,7 @@ async def test_screen_keys_help_and_quit_work_with_a_field_focused(tmp_path: Pat
         await pilot.pause()
         await pilot.press("q")  # q from inside a field
         await workers_done(pilot)
-        assert box.value == "512" and not app.is_running
+        assert not app.is_running
 
 
 async def test_a_filter_box_takes_letters_and_escape_leaves_it() -> None:

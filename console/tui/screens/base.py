@@ -23,7 +23,8 @@ from engine.snapshot import Snapshot
 class ConsoleScreen(Screen):
     AUTO_FOCUS = "DataTable"
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("escape", "leave_input", "Leave the field", show=False)]
+        # priority: it acts in the order it was sent, before the keys typed after it
+        Binding("escape", "leave_input", "Leave the field", show=False, priority=True)]
     NEEDS: ClassVar[dict[str, Capability]] = {}  # this screen's actions -> what they need
 
     def __init__(self, state: ConsoleState) -> None:
@@ -62,11 +63,18 @@ class ConsoleScreen(Screen):
 
     def on_screen_suspend(self) -> None:
         """Leaving a screen leaves its field: coming back, the digits are screen keys."""
-        if isinstance(self.focused, Input):
-            self.set_focus(None)
+        self.end_edit()
+
+    def leave(self) -> None:
+        """The app is switching to another screen: end the edit now, before the keys sent
+        after the screen key arrive."""
+        self.end_edit()
 
     def action_leave_input(self) -> None:
         """Escape leaves a field, so the screen's keys (1–5, c, p) are keys again."""
+        self.end_edit()
+
+    def end_edit(self) -> None:
         if isinstance(self.focused, Input):
             self.set_focus(None)
 

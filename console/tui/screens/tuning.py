@@ -36,6 +36,7 @@ from console.tui.screens.base import ConsoleScreen
 from console.tui.state import ConsoleState
 from console.tui.text import escaped, plain
 from console.tui.widgets.field import Field as NumberField
+from console.tui.widgets.field import start_edit
 from console.tui.widgets.header import chunk_size
 from console.tui.widgets.latency import append_latency, slo_style, window
 from console.tui.widgets.notice import unavailable
@@ -169,12 +170,19 @@ class Load:
 
 
 class TuningScreen(ConsoleScreen):
-    # Entering the screen focuses nothing, so 1-5 stay screen keys; Enter or Tab starts an edit.
+    """One rule for the form's focus: a screen key always acts unless a field is being
+    edited. Entering the screen edits nothing; Enter or Tab starts an edit with the field's
+    value selected (typing replaces it); Apply (Enter, ctrl+s) ends it, Escape drops the
+    field's unapplied text, ctrl+r and leaving the screen drop every unapplied edit."""
+
     AUTO_FOCUS = ""
+    # priority: each acts in the order it was sent, before the keys typed after it
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("ctrl+s", "apply", "Apply"),
-        Binding("ctrl+r", "revert", "Revert"),
-        Binding("enter", "edit", "Edit", show=False),
+        Binding("ctrl+s", "apply", "Apply", priority=True),
+        Binding("ctrl+r", "revert", "Revert", priority=True),
+        Binding("enter", "enter", "Edit", show=False, priority=True),
+        Binding("tab", "next_field(1)", "Next field", show=False, priority=True),
+        Binding("shift+tab", "next_field(-1)", "Previous field", show=False, priority=True),
     ]
     NEEDS: ClassVar[dict[str, Capability]] = {"apply": Capability.TUNE,
                                               "revert": Capability.TUNE}
@@ -212,6 +220,7 @@ class TuningScreen(ConsoleScreen):
     def on_mount(self) -> None:
         self.border_title = "Tuning"
         self.query_one("#tuning-form").border_title = "Live configuration"
+        self._show_editing()
         self.query_one("#tuning-charts").border_title = "Effect (marks: applied changes)"
         changes = self.query_one("#config-changes", DataTable)
         changes.border_title = "Changes (stored)"
@@ -258,8 +267,12 @@ class TuningScreen(ConsoleScreen):
         # Refill only the inputs the operator has not edited, so typing is never overwritten.
         for field in FIELDS:
             box = self.query_one(f"#input-{field.name}", Input)
-            if field.name not in self._base or box.value == shown(self._base[field.name]):
-                box.value = shown(live[field.name])
+            fresh = shown(live[field.name])
+            if box.value != fresh and (field.name not in self._base
+                                       or box.value == shown(self._base[field.name])):
+                box.value = fresh
+                if box is self.focused:
+                    box.select_all()  # still untouched: typing still replaces it
             self._base[field.name] = live[field.name]
         self._mark_edits()
         self.query_one("#tuning-live", Static).update(self._live_line(snapshot))
@@ -342,6 +355,8 @@ class TuningScreen(ConsoleScreen):
         box.set_class(problem is not None, "error")
 
     def action_apply(self) -> None:
+        """Apply every edited field together; this ends the edit, applied or refused."""
+        self.end_edit()
         changes = self.edited()
         if not changes:
             self.notify("unchanged: no field differs from the live value", timeout=2)
@@ -358,12 +373,64 @@ class TuningScreen(ConsoleScreen):
         if changes:
             self._refused(self.state.apply_config(self, changes))
 
-    def action_edit(self) -> None:
-        """Enter with nothing focused: edit the first field the source lets one change."""
-        for box in self.query(".field-input").results(Input):
-            if box.focusable and box.parent is not None and box.parent.display:
-                box.focus()
-                return
+    def _fields(self) -> list[Input]:
+        """The inputs the source lets one edit, in the form's order."""
+        return [box for box in self.query(".field-input").results(Input)
+                if box.focusable and box.parent is not None and box.parent.display]
+
+    def action_enter(self) -> None:
+        """Enter applies while a field is edited, presses a focused button, and otherwise
+        starts an edit in the first field."""
+        if isinstance(self.focused, Input):
+            self.action_apply()
+        elif isinstance(self.focused, Button):
+            self.focused.press()
+        else:
+            self.action_next_field(1)
+
+    def action_next_field(self, step: int) -> None:
+        """Tab: edit the next field (the first, when none is edited); shift+Tab the one
+        before. Other edits stay, to be applied together."""
+        boxes = self._fields()
+        if not boxes:
+            return
+        at = boxes.index(self.focused) if self.focused in boxes else (-1 if step > 0 else 0)
+        start_edit(self, boxes[(at + step) % len(boxes)])
+        self._show_editing()
+
+    def action_leave_input(self) -> None:
+        """Escape ends the edit and drops the field's unapplied text."""
+        box = self.focused
+        if isinstance(box, Input):
+            self._restore(box)
+        self.end_edit()
+
+    def on_screen_suspend(self) -> None:
+        """A dialog over the form (help, a question) only pauses the edit."""
+
+    def leave(self) -> None:
+        """Leaving the screen drops every unapplied edit: coming back, the form shows the
+        live values and no stray key typed before can block an Apply."""
+        self.action_revert()
+
+    def end_edit(self) -> None:
+        super().end_edit()
+        self._show_editing()
+
+    def _show_editing(self) -> None:
+        """Say on the form's frame whether a field is being edited, and what keys do."""
+        box = self.focused
+        name = (box.id or "").removeprefix("input-") if isinstance(box, Input) else ""
+        field = BY_NAME.get(name)
+        self.query_one("#tuning-form").border_subtitle = (
+            f"editing {field.label}: typing replaces · Enter applies · Esc cancels"
+            if field is not None else "Enter or Tab: edit")
+
+    def _restore(self, box: Input) -> None:
+        name = (box.id or "").removeprefix("input-")
+        if name in BY_NAME:
+            box.value = shown(self._base.get(name))
+            self._show_note(BY_NAME[name], None)
 
     def action_apply_recommended(self) -> None:
         self._refused(self.state.apply_recommended(self))
@@ -373,17 +440,15 @@ class TuningScreen(ConsoleScreen):
             self.notify(escaped(refusal), severity="warning", markup=False)
 
     def action_revert(self) -> None:
-        for field in FIELDS:
-            self.query_one(f"#input-{field.name}", Input).value = shown(self._base.get(field.name))
-            self._show_note(field, None)
+        """Drop every unapplied edit: the form shows the live values again."""
+        self.end_edit()
+        for box in self.query(".field-input").results(Input):
+            self._restore(box)
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         actions = {"apply": self.action_apply, "revert": self.action_revert,
                    "apply-cstar": self.action_apply_recommended}
         actions[event.button.id or ""]()
-
-    def on_input_submitted(self, event: Input.Submitted) -> None:
-        self.action_apply()
 
     def _take(self, name: str, value: Any) -> None:
         """`name` is live at `value` now: the form shows it, unedited."""
