@@ -23,8 +23,7 @@ from engine.snapshot import Snapshot
 class ConsoleScreen(Screen):
     AUTO_FOCUS = "DataTable"
     BINDINGS: ClassVar[list[BindingType]] = [
-        # priority: it acts in the order it was sent, before the keys typed after it
-        Binding("escape", "leave_input", "Leave the field", show=False, priority=True)]
+        Binding("escape", "leave_input", "Leave the field", show=False)]
     NEEDS: ClassVar[dict[str, Capability]] = {}  # this screen's actions -> what they need
 
     def __init__(self, state: ConsoleState) -> None:

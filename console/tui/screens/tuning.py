@@ -183,6 +183,7 @@ class TuningScreen(ConsoleScreen):
         Binding("enter", "enter", "Edit", show=False, priority=True),
         Binding("tab", "next_field(1)", "Next field", show=False, priority=True),
         Binding("shift+tab", "next_field(-1)", "Previous field", show=False, priority=True),
+        Binding("escape", "leave_input", "Leave the field", show=False, priority=True),
     ]
     NEEDS: ClassVar[dict[str, Capability]] = {"apply": Capability.TUNE,
                                               "revert": Capability.TUNE}
