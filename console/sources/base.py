@@ -128,6 +128,12 @@ class SlowQueryStore(Source, Protocol):
     def slow_query(self, query_id: int) -> SlowQueryRecord: ...
 
 
+def stated_rate(rate: float) -> float:
+    """An arrival rate as the console states it everywhere (the Tuning field, the stored
+    change, the charts' marks): three significant figures."""
+    return float(f"{rate:.3g}")
+
+
 class Traffic(Source, Protocol):
     def set_arrival_rate(self, rate: float) -> float:
         """Play the console's workload at `rate` requests/s from now on (SourceError if not)."""

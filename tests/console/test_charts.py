@@ -107,9 +107,9 @@ def test_history_rates_changes_and_the_figures_around_a_change() -> None:
     history.record(snap(2, 2.0, num_waiting=6, requests_finished_total=2, tokens_per_s=100.0))
     history.record(snap(3, 4.0, num_waiting=6, requests_finished_total=2, tokens_per_s=300.0,
                         config={"max_num_batched_tokens": 512}))
-    # 2 finished and 2 more waiting: 4 arrived in 2 s; then none
-    assert history.values("arrival_rate") == [2.0, 0.0]
-    assert history.values("finish_rate") == [1.0, 0.0]
+    # 2 finished and 2 more waiting: 4 arrived in 2 s; then none, so 4 in the 4 s so far
+    assert history.values("arrival_rate") == [2.0, 1.0]
+    assert history.values("finish_rate") == [1.0, 0.5]
     [change] = history.changes
     assert (change.ts, change.field, change.old, change.new) == (4.0, "max_num_batched_tokens",
                                                                  256, 512)

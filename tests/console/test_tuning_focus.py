@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from textual import events
 from textual.pilot import Pilot
-from textual.widgets import Input
+from textual.widgets import DataTable, Input
 
 from console.sources.embedded import EmbeddedSource
 from console.tui.app import TokenflowApp
@@ -137,3 +137,14 @@ async def test_a_refused_apply_ends_the_edit_and_marks_the_field(form) -> None:
     await burst(pilot, "1", "2")  # the edit ended: screen keys; leaving dropped the 9
     assert app.screen is screen and budget.value == live and not budget.has_class("error")
     assert engine.config == before
+
+
+async def test_the_changes_table_shows_an_enter_applied_change_at_once(form) -> None:
+    _, pilot, screen = form
+    changes = screen.query_one("#config-changes", DataTable)
+    await burst(pilot, "tab", "tab", "4", "1", "6", "enter")
+    await until(pilot, lambda: changes.row_count == 1, "the budget's change listed")
+    await burst(pilot, "tab", "1", ".", "5", "enter")  # the arrival rate, stored too
+    await until(pilot, lambda: changes.row_count == 2, "the rate's change listed")
+    row = changes.get_row_at(0)
+    assert (row[0], row[2]) == ("arrival_rate", "1.5")

@@ -23,7 +23,7 @@ from textual.binding import Binding, BindingType
 from textual.containers import Grid, Horizontal, VerticalScroll
 from textual.widgets import Button, DataTable, Input, Label, Static
 
-from console.sources.base import Capability
+from console.sources.base import Capability, stated_rate
 from console.tui.collectors import (
     RATE_FIELD,
     ConfigApplied,
@@ -143,8 +143,8 @@ class Load:
 
     @classmethod
     def around(cls, history: MetricHistory, at: float) -> Load:
-        return cls(history.mean_between("arrival_rate", at - AROUND_S, at),
-                   history.mean_between("arrival_rate", at, at + AROUND_S))
+        return cls(history.rate_between("arrived", at - AROUND_S, at),
+                   history.rate_between("arrived", at, at + AROUND_S))
 
     @property
     def comparable(self) -> bool | None:
@@ -264,7 +264,7 @@ class TuningScreen(ConsoleScreen):
         super().show_snapshot(snapshot)
         live = {field.name: snapshot.config.get(field.name) for field in FIELDS}
         rate = snapshot.workload_rate  # three figures: the form shows 3.2, not 3.2016
-        live[RATE_FIELD] = None if rate is None else float(f"{rate:.3g}")
+        live[RATE_FIELD] = None if rate is None else stated_rate(rate)
         # Refill only the inputs the operator has not edited, so typing is never overwritten.
         for field in FIELDS:
             box = self.query_one(f"#input-{field.name}", Input)
@@ -467,9 +467,10 @@ class TuningScreen(ConsoleScreen):
         self._load_changes()
 
     def on_rate_set(self, message: RateSet) -> None:
-        self._take(RATE_FIELD, message.rate)
+        self._take(RATE_FIELD, stated_rate(message.rate))
         self._mark_edits()
-        self.notify(f"arrival rate {message.rate:g}/s", timeout=2)
+        self.notify(f"arrival rate {stated_rate(message.rate):g}/s", timeout=2)
+        self._load_changes()  # the rate's change is stored like any setting's
 
     def on_config_rejected(self, message: ConfigRejected) -> None:
         message.stop()  # shown beside its field, not again by the app
