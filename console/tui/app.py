@@ -160,9 +160,10 @@ class TokenflowApp(App[None]):
     async def on_event(self, event: events.Event) -> None:
         """A key for the focused field is applied here, as it arrives, so keystrokes land in
         the order they were sent, and a command key after them sees their effect."""
-        if (isinstance(event, events.Key) and not event.is_forwarded
-                and isinstance(self.focused, Input) and await keystroke(self.focused, event)):
-            return
+        if isinstance(event, events.Key) and not event.is_forwarded:
+            self.collector.hurry()  # the operator is here: figures at the full rate again
+            if isinstance(self.focused, Input) and await keystroke(self.focused, event):
+                return
         await super().on_event(event)
 
     def on_snapshot_polled(self, message: SnapshotPolled) -> None:
