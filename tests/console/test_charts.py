@@ -77,6 +77,19 @@ async def test_an_outlier_is_clipped_and_said_so_and_a_pane_shares_one_window() 
     assert (await drawn(plot, (70, 12))).splitlines()[-1].strip().startswith("-2m")
 
 
+async def test_a_long_peak_is_clipped_so_the_slo_keeps_its_own_row() -> None:
+    """After a pause, TTFT p99 sat near 100 s for half the window: no outlier by count, but
+    a 2 s SLO fell on the `0 ms` row. The axis stops where the SLO is a row above zero."""
+    values = tuple([100_000.0] * 30 + [300.0] * 30)
+    plot = Plot(unit=ms)
+    plot.show((Series("TTFT p99", values, TIMES),), lines=(Line(2000.0, "SLO 2.0 s", "red"),))
+    rows = (await drawn(plot, (60, 12))).splitlines()
+    assert "↑ clipped, peak 100.0 s" in rows[0]
+    canvas = rows[1:-2]
+    [slo] = [row for row in canvas if row.rstrip().endswith("SLO 2.0 s")]
+    assert "0 ms┤" not in slo and canvas.index(slo) < len(canvas) - 1
+
+
 async def test_a_chart_without_times_plots_by_position_with_no_time_axis() -> None:
     plot = Plot()
     plot.show((Series("prefill ms/1k tok", tuple(float(i % 5) for i in range(40))),))
