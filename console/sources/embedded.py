@@ -51,6 +51,7 @@ from engine.store import (
     Database,
     DriftRecord,
     SlowQueryRecord,
+    StoredMetrics,
     StoreWriter,
     calibration_history,
     config_changes,
@@ -62,6 +63,7 @@ from engine.store import (
     open_database,
     quarantined_requests,
     save_calibration,
+    stored_metrics,
 )
 
 log = logging.getLogger(__name__)
@@ -283,6 +285,10 @@ class EmbeddedSource:
     def config_changes(self) -> list[ConfigChangeRecord]:
         with self._read() as session:
             return config_changes(session)
+
+    def stored_metrics(self, start: float, end: float, buckets: int) -> StoredMetrics:
+        with self._read() as session:
+            return stored_metrics(session, start, end, buckets)
 
     def _read(self) -> AbstractContextManager[Session]:
         """A session that sees every event published so far: a change the operator just

@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # annotations only: the store pulls SQLAlchemy and Alembic (~
         ConfigChangeRecord,
         DriftRecord,
         SlowQueryRecord,
+        StoredMetrics,
         TracedDriftPoint,
     )
 
@@ -70,6 +71,12 @@ class ConfigChangesLoaded(Message):
     def __init__(self, changes: list[ConfigChangeRecord]) -> None:
         super().__init__()
         self.changes = changes
+
+
+class StoredMetricsLoaded(Message):
+    def __init__(self, metrics: StoredMetrics) -> None:
+        super().__init__()
+        self.metrics = metrics
 
 
 class RecalibrationProgress(Message):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from rich.text import Text
 from textual import events
@@ -30,11 +30,21 @@ from console.tui.collectors import (
     ConfigChangesLoaded,
     ConfigRejected,
     RateSet,
+    StoredMetricsLoaded,
 )
 from console.tui.history import MetricHistory
 from console.tui.screens.base import ConsoleScreen
 from console.tui.state import ConsoleState
 from console.tui.text import escaped, plain
+from console.tui.time_range import (
+    BUCKETS,
+    MEMORY,
+    RANGES,
+    RELOAD_S,
+    TimeRange,
+    on_engine_clock,
+    points,
+)
 from console.tui.widgets.field import Field as NumberField
 from console.tui.widgets.field import start_edit
 from console.tui.widgets.header import chunk_size
@@ -44,6 +54,9 @@ from console.tui.widgets.plot import Line, Plot, Series, ms, number, per_s
 from engine.events import wall_offset
 from engine.ops.metrics import RATE_WINDOW_S
 from engine.snapshot import Snapshot
+
+if TYPE_CHECKING:  # the store pulls in SQLAlchemy: kept off the launch path
+    from engine.store import StoredMetrics
 
 NARROW_COLUMNS = 110  # below this the charts stack into one column of sparklines
 AROUND_S = 30.0  # the changes table compares this long before a change with as long after
@@ -185,6 +198,7 @@ class TuningScreen(ConsoleScreen):
         Binding("tab", "next_field(1)", "Next field", show=False, priority=True),
         Binding("shift+tab", "next_field(-1)", "Previous field", show=False, priority=True),
         Binding("escape", "leave_input", "Leave the field", show=False, priority=True),
+        Binding("t", "time_range", "Range"),
     ]
     NEEDS: ClassVar[dict[str, Capability]] = {"apply": Capability.TUNE,
                                               "revert": Capability.TUNE}
@@ -192,6 +206,9 @@ class TuningScreen(ConsoleScreen):
     def __init__(self, state: ConsoleState) -> None:
         super().__init__(state)
         self._base: dict[str, Any] = {}  # the live values the form was last filled from
+        self._range: TimeRange = MEMORY
+        self._stored: StoredMetrics | None = None  # the store's figures for a longer range
+        self._stored_at: float | None = None  # the engine time they were asked for
 
     def compose(self) -> ComposeResult:
         yield from self.compose_header()
@@ -223,7 +240,7 @@ class TuningScreen(ConsoleScreen):
         self.border_title = "Tuning"
         self.query_one("#tuning-form").border_title = "Live configuration"
         self._show_editing()
-        self.query_one("#tuning-charts").border_title = "Effect (marks: applied changes)"
+        self._title_charts()
         changes = self.query_one("#config-changes", DataTable)
         changes.border_title = "Changes (stored)"
         span = f"{AROUND_S:.0f}s"
@@ -298,27 +315,78 @@ class TuningScreen(ConsoleScreen):
         text.append(f" over {snapshot.window_s or RATE_WINDOW_S:.0f} s", style="dim")
         return text
 
+    def _offset(self) -> float:
+        """Wall-clock minus the engine's clock, as the newest snapshot says."""
+        latest = self.state.latest
+        return (latest.wall_offset if latest is not None and latest.wall_offset is not None
+                else wall_offset())
+
+    def action_time_range(self) -> None:
+        """`t`: the next time range; beyond the in-memory minutes the store fills the past."""
+        at = RANGES.index(self._range)
+        wanted = RANGES[(at + 1) % len(RANGES)]
+        refusal = self.state.refusal(Capability.STORED_METRICS)
+        if wanted is not MEMORY and refusal is not None:
+            self.notify(escaped(refusal), severity="warning", markup=False)
+            wanted = MEMORY
+        self._range, self._stored, self._stored_at = wanted, None, None
+        self._title_charts()
+        if self.state.latest is not None:
+            self._show_charts(self.state.latest)
+
+    def _title_charts(self) -> None:
+        self.query_one("#tuning-charts").border_title = (
+            f"Effect over {self._range.label} (t: range; marks: changes)")
+
+    def _load_stored(self, now: float) -> None:
+        """Ask the store for the range's figures, at most every RELOAD_S."""
+        if self._range is MEMORY or (self._stored_at is not None
+                                     and now - self._stored_at < RELOAD_S):
+            return
+        self._stored_at = now
+        start = self._range.start(now, self.state.session_start or now)
+        if now > start:
+            offset = self._offset()
+            self.state.load_stored_metrics(self, start + offset, now + offset, BUCKETS)
+
+    def on_stored_metrics_loaded(self, message: StoredMetricsLoaded) -> None:
+        self._stored = message.metrics
+        if self.state.latest is not None:
+            self._show_charts(self.state.latest)
+
     def _show_charts(self, snapshot: Snapshot) -> None:
         history, slo = self.state.history, self.state.slo
-        marks, now = history.change_times, history.newest_ts
+        now = history.newest_ts
+        if now is None:
+            return
+        self._load_stored(now)
+        stored, offset = self._stored, self._offset()
+        marks, events = history.change_times, ()
+        start = history.oldest_ts
+        if self._range is not MEMORY:
+            start = self._range.start(now, self.state.session_start or now)
+        if stored is not None:
+            marks = (*on_engine_clock(stored.changes, offset), *marks)
+            events = on_engine_clock((*stored.drift, *stored.restarts), offset)
 
-        def plot(name: str, series: tuple[Series, ...], lines: tuple[Line, ...] = ()) -> None:
-            self.query_one(f"#{name}", Plot).show(series, lines, marks, now, history.oldest_ts)
+        def series(label: str, name: str) -> Series:
+            return Series.of(label, points(history, name, stored, offset))
 
-        plot("tune-ttft", (Series.of("TTFT p50", history.points("ttft_p50")),
-                           Series.of("p99", history.points("ttft_p99"))),
+        def plot(name: str, shown: tuple[Series, ...], lines: tuple[Line, ...] = ()) -> None:
+            self.query_one(f"#{name}", Plot).show(shown, lines, marks, now, start, events)
+
+        plot("tune-ttft", (series("TTFT p50", "ttft_p50"), series("p99", "ttft_p99")),
              (Line(slo.ttft_ms, f"SLO {ms(slo.ttft_ms)}", "red"),))
-        plot("tune-tbt", (Series.of("ITL p99", history.points("itl_p99")),),
+        plot("tune-tbt", (series("ITL p99", "itl_p99"),),
              (Line(slo.itl_ms, f"SLO {ms(slo.itl_ms)}", "red"),))
-        plot("tune-queue", (Series.of("waiting", history.points("num_waiting")),
-                            Series.of("chunks", history.points("chunk_queue_length"))))
-        plot("tune-rates", (Series.of("arrived/s", history.points("arrival_rate")),
-                            Series.of("finished/s", history.points("finish_rate"))))
+        plot("tune-queue", (series("waiting", "num_waiting"),
+                            series("chunks", "chunk_queue_length")))
+        plot("tune-rates", (series("arrived/s", "arrival_rate"),
+                            series("finished/s", "finish_rate")))
         budget = snapshot.config.get("max_num_batched_tokens")
-        plot("tune-cstar", (Series.of("C*", history.points("cstar")),),
+        plot("tune-cstar", (series("C*", "cstar"),),
              () if budget is None else (Line(float(budget), f"budget {budget}"),))
-        plot("tune-throughput", (Series.of("prompt+output tok/s",
-                                           history.points("tokens_per_s")),))
+        plot("tune-throughput", (series("prompt+output tok/s", "tokens_per_s"),))
 
     # --- the form ---------------------------------------------------------------------------
     def edited(self) -> dict[str, str]:

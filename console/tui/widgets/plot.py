@@ -28,7 +28,9 @@ SPARK_ROWS = 6  # below this a chart has no room for its legend, axis and ticks:
 SPARKS = " ▁▂▃▄▅▆▇█"
 PALETTE = ("cyan", "bright_blue", "green", "bright_magenta")
 MARK_STYLE = "magenta"
-SPANS_S = (30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)  # a time axis rounds up to one
+EVENT_STYLE = "yellow"  # drift events and engine restarts
+SPANS_S = (30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 6 * 3600.0, 24 * 3600.0, 7 * 86400.0)
+# a time axis rounds up to one of SPANS_S
 DIM = plt.pixel(foreground=Color.parse("bright_black").number)  # the frame and its ticks
 
 Unit = Callable[[float], str]
@@ -62,6 +64,8 @@ def duration(seconds: float) -> str:
     seconds = round(seconds)
     if seconds < 120:
         return f"{seconds}s"
+    if seconds >= 2 * 3600 and seconds % 3600 == 0:
+        return f"{seconds // 3600}h"
     minutes, rest = divmod(seconds, 60)
     return f"{minutes}m{rest}s" if rest else f"{minutes}m"
 
@@ -111,6 +115,7 @@ class Plot(Widget):
         self._series: tuple[Series, ...] = ()
         self._lines: tuple[Line, ...] = ()
         self._marks: tuple[float, ...] = ()
+        self._events: tuple[float, ...] = ()
         self._now: float | None = None
         self._start: float | None = None
         self._y_limits = y_limits
@@ -119,14 +124,16 @@ class Plot(Widget):
 
     def show(self, series: tuple[Series, ...], lines: tuple[Line, ...] = (),
              marks: tuple[float, ...] = (), now: float | None = None,
-             start: float | None = None) -> None:
-        """Plot `series` against `lines`; `marks` are the times of applied changes, `now` the
-        right end of the time axis (the newest sample's time when None), `start` the oldest
-        time the window must reach (the pane's history, so its charts share one window; the
-        oldest sample's when None)."""
-        shown = (series, lines, marks, now, start)
-        if shown != (self._series, self._lines, self._marks, self._now, self._start):
-            self._series, self._lines, self._marks, self._now, self._start = shown
+             start: float | None = None, events: tuple[float, ...] = ()) -> None:
+        """Plot `series` against `lines`; `marks` are the times of applied changes, `events`
+        those of drift events and engine restarts, `now` the right end of the time axis (the
+        newest sample's time when None), `start` the oldest time the window must reach (the
+        pane's history, so its charts share one window; the oldest sample's when None)."""
+        shown = (series, lines, marks, now, start, events)
+        if shown != (self._series, self._lines, self._marks, self._now, self._start,
+                     self._events):
+            (self._series, self._lines, self._marks, self._now, self._start,
+             self._events) = shown
             self.refresh()
 
     @property
@@ -245,9 +252,10 @@ class Plot(Widget):
         if timed:
             figure.ruler("x").lim(-span, 0.0).ticks(
                 [-span, -span / 2, 0.0], [f"-{duration(span)}", f"-{duration(span / 2)}", "now"])
-            for mark in self._marks:
-                if now - span <= mark <= now:
-                    figure.line(mark - now, 1, pixel=_pixel(MARK_STYLE), style="dotted")
+            for times, style in ((self._events, EVENT_STYLE), (self._marks, MARK_STYLE)):
+                for mark in times:
+                    if now - span <= mark <= now:
+                        figure.line(mark - now, 1, pixel=_pixel(style), style="dotted")
         else:
             figure.ruler("x").lim(0, max(dots - 1, 1)).ticks([])
         right = 0.0 if timed else max(dots - 1, 1)
@@ -289,6 +297,8 @@ class Plot(Widget):
         entries += [(f"┈ {line.label}", line.color) for line in self._lines]
         if self._marks and any(s.times for s in self._series):
             entries.append(("┊ change", MARK_STYLE))
+        if self._events and any(s.times for s in self._series):
+            entries.append(("┊ drift/restart", EVENT_STYLE))
         used = 0
         for entry, style in entries:
             if used + len(entry) + 2 > width:

@@ -1,0 +1,75 @@
+"""The charts' time range: beyond the minutes the console holds, the store fills the past,
+read through the source, with its changes, drift events and restarts marked. The store is
+seeded with a run stamped two hours before now (the rows' clock is the test's)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from textual.widgets import Input
+
+from console.sources.embedded import EmbeddedSource
+from console.tui.app import TokenflowApp
+from console.tui.screens.tuning import TuningScreen
+from console.tui.widgets.plot import Plot
+from engine.config import EngineConfig
+from engine.store import open_database
+from engine.store.models import ConfigChangeRow, DriftEventRow, JournalRow
+from tests.console.conftest import FAST_POLL_S, until
+from tests.test_metric_history import journal
+
+pytestmark = pytest.mark.anyio
+HOUR = 3600.0
+
+
+def seed(db: Path, ago: float) -> float:
+    """A two-hour run that ended `ago` seconds before now; returns its start (wall)."""
+    start = time.time() - ago - 2 * HOUR
+    database = open_database(db)
+    try:
+        with database.session() as session:
+            session.add_all(journal(start + n * 60.0, 2.5, n) for n in range(120))
+            session.add(ConfigChangeRow(created_at=start + HOUR, field="chunk_tile", old=16,
+                                        new=32, source="console"))
+            session.add(DriftEventRow(created_at=start + 1.5 * HOUR, deviation=0.3,
+                                      detail="prefill 30% slow"))
+            session.commit()
+    finally:
+        database.close()
+    return start
+
+
+async def test_the_range_key_reads_hours_back_from_the_store(tmp_path: Path) -> None:
+    db = tmp_path / "range.db"
+    start = seed(db, ago=HOUR)
+    source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat", db=db,
+                                  config=EngineConfig(dtype="float32"), num_requests=2,
+                                  repeat=False)
+    app = TokenflowApp(source, interval=FAST_POLL_S)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await pilot.press("2")
+        screen = app.screen
+        assert isinstance(screen, TuningScreen)
+        await until(pilot, lambda: screen.query_one(
+            "#input-max_num_batched_tokens", Input).value, "the form filled")
+        ttft = screen.query_one("#tune-ttft", Plot)
+        charts = screen.query_one("#tuning-charts")
+        assert "over 10 min" in str(charts.border_title)
+        await pilot.press("t")  # 1 h: the seeded run ended an hour ago, just out of view
+        assert "over 1 h" in str(charts.border_title)
+        await pilot.press("t")  # 6 h: the whole run, from the store
+        assert "over 6 h" in str(charts.border_title)
+        offset = app.latest.wall_offset or (time.time() - time.monotonic())
+        await until(pilot, lambda: ttft.series and ttft.series[1].times
+                    and ttft.series[1].times[0] < start - offset + 10 * 60, "the stored run")
+        older = [v for t, v in zip(ttft.series[1].times, ttft.series[1].values, strict=True)
+                 if t < start - offset + 2 * HOUR]
+        assert older and all(v == pytest.approx(2500.0) for v in older)  # TTFT p99 2.5 s
+        assert any(abs(mark - (start + HOUR - offset)) < 1 for mark in ttft._marks)
+        assert any(abs(event - (start + 1.5 * HOUR - offset)) < 1 for event in ttft._events)
+        for _ in range(3):  # 24 h, the session, and back to the minutes in memory
+            await pilot.press("t")
+        assert "over 10 min" in str(charts.border_title)
+        await until(pilot, lambda: not ttft._events, "the stored marks gone")
