@@ -74,9 +74,13 @@ class ConfigChangesLoaded(Message):
 
 
 class StoredMetricsLoaded(Message):
-    def __init__(self, metrics: StoredMetrics) -> None:
+    """The store's figures over a span; `change`: the id of the stored change whose before
+    and after they are, None for a chart's range."""
+
+    def __init__(self, metrics: StoredMetrics, change: int | None = None) -> None:
         super().__init__()
         self.metrics = metrics
+        self.change = change
 
 
 class RecalibrationProgress(Message):

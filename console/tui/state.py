@@ -190,14 +190,15 @@ class ConsoleState:
             return None
         return refusal
 
-    def load_stored_metrics(self, node: DOMNode, start: float, end: float,
-                            buckets: int) -> str | None:
-        """The engine's figures over wall-clock [start, end) from its store."""
+    def load_stored_metrics(self, node: DOMNode, start: float, end: float, buckets: int,
+                            change: int | None = None) -> str | None:
+        """The engine's figures over wall-clock [start, end) from its store (for the stored
+        change `change`, if one)."""
         refusal = self.refusal(Capability.STORED_METRICS)
         if refusal is None:
             store = facet(self.source, MetricStore)
             load_in_worker(node, lambda: StoredMetricsLoaded(
-                store.stored_metrics(start, end, buckets)))
+                store.stored_metrics(start, end, buckets), change))
         return refusal
 
     def load_config_changes(self, node: DOMNode) -> str | None:

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from textual.widgets import Input
+from textual.widgets import DataTable, Input
 
 from console.sources.embedded import EmbeddedSource
 from console.tui.app import TokenflowApp
@@ -16,7 +16,7 @@ from console.tui.screens.tuning import TuningScreen
 from console.tui.widgets.plot import Plot
 from engine.config import EngineConfig
 from engine.store import open_database
-from engine.store.models import ConfigChangeRow, DriftEventRow, JournalRow
+from engine.store.models import ConfigChangeRow, DriftEventRow
 from tests.console.conftest import FAST_POLL_S, until
 from tests.test_metric_history import journal
 
@@ -30,7 +30,7 @@ def seed(db: Path, ago: float) -> float:
     database = open_database(db)
     try:
         with database.session() as session:
-            session.add_all(journal(start + n * 60.0, 2.5, n) for n in range(120))
+            session.add_all(journal(start + n * 10.0, 2.5, n) for n in range(720))
             session.add(ConfigChangeRow(created_at=start + HOUR, field="chunk_tile", old=16,
                                         new=32, source="console"))
             session.add(DriftEventRow(created_at=start + 1.5 * HOUR, deviation=0.3,
@@ -69,6 +69,14 @@ async def test_the_range_key_reads_hours_back_from_the_store(tmp_path: Path) -> 
         assert older and all(v == pytest.approx(2500.0) for v in older)  # TTFT p99 2.5 s
         assert any(abs(mark - (start + HOUR - offset)) < 1 for mark in ttft._marks)
         assert any(abs(event - (start + 1.5 * HOUR - offset)) < 1 for event in ttft._events)
+        # a change older than the console's memory keeps its before and after, from the store
+        table = screen.query_one("#config-changes", DataTable)
+        await until(pilot, lambda: table.row_count, "the stored changes")
+        [key] = [k for k in table.rows if str(table.get_cell(k, "by")) == "console"]
+        await until(pilot, lambda: str(table.get_cell(key, "ttft-before")) == "2.5 s",
+                    "the change's figures from the store")
+        assert str(table.get_cell(key, "ttft-after")) == "2.5 s"
+        assert str(table.get_cell(key, "load")) == "equal, 0.1/s"
         for _ in range(3):  # 24 h, the session, and back to the minutes in memory
             await pilot.press("t")
         assert "over 10 min" in str(charts.border_title)

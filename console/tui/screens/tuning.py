@@ -350,6 +350,9 @@ class TuningScreen(ConsoleScreen):
             self.state.load_stored_metrics(self, start + offset, now + offset, BUCKETS)
 
     def on_stored_metrics_loaded(self, message: StoredMetricsLoaded) -> None:
+        if message.change is not None:
+            self._show_stored_around(message.change, message.metrics)
+            return
         self._stored = message.metrics
         if self.state.latest is not None:
             self._show_charts(self.state.latest)
@@ -559,6 +562,7 @@ class TuningScreen(ConsoleScreen):
         offset = (latest.wall_offset if latest is not None and latest.wall_offset is not None
                   else wall_offset())
         unequal: tuple[str, Load] | None = None  # the newest change whose load moved
+        stored = self.state.refusal(Capability.STORED_METRICS) is None
         for change in message.changes:
             at = change.created_at - offset
             ttft = around(history, at, "ttft_p99", ms)
@@ -574,6 +578,29 @@ class TuningScreen(ConsoleScreen):
                           Text(load.cell(change.field == RATE_FIELD),
                                style="yellow" if moved else "dim"),
                           key=str(change.id))
+            done = history.newest_ts is not None and history.newest_ts >= at + AROUND_S
+            if stored and done and "–" in (*ttft, *throughput):  # older than memory holds
+                self.state.load_stored_metrics(self, change.created_at - AROUND_S,
+                                               change.created_at + AROUND_S, 2, change.id)
         table.border_subtitle = (
             f"{unequal[0]}: {unequal[1].sentence()}" if unequal is not None
             else "" if message.changes else "no change stored yet")
+
+    def _show_stored_around(self, change: int, metrics: StoredMetrics) -> None:
+        """A change older than the console's memory: its before and after from the store
+        (TTFT p99 of the requests whose first token came in each half, tokens/s of those
+        that finished in it)."""
+        table = self.query_one("#config-changes", DataTable)
+        key = str(change)
+        if key not in table.rows or len(metrics.buckets) != 2:
+            return
+        before, after = metrics.buckets
+        for column, bucket in (("ttft-before", before), ("ttft-after", after)):
+            value = bucket.ttft_p99_ms
+            table.update_cell(key, column, "–" if value is None else ms(value))
+        for column, bucket in (("tps-before", before), ("tps-after", after)):
+            table.update_cell(key, column, number(bucket.tokens_per_s))
+        load = Load(before.arrivals_per_s, after.arrivals_per_s)
+        rate_change = str(table.get_cell(key, "field")) == RATE_FIELD
+        table.update_cell(key, "load", Text(load.cell(rate_change), style="yellow" if (
+            load.comparable is False and not rate_change) else "dim"))
