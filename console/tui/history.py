@@ -63,12 +63,6 @@ def _read(snapshot: Snapshot) -> dict[str, float | None]:
     }
 
 
-def arrived(snapshot: Snapshot) -> int:
-    """Requests that have entered the engine: those done, refused or failed, and those in it."""
-    return (snapshot.requests_finished_total + snapshot.requests_rejected_total
-            + snapshot.requests_failed_total + snapshot.num_running + snapshot.num_waiting)
-
-
 @dataclass(frozen=True)
 class Counts:
     """The running totals arrival and finish rates are taken from, at a snapshot's time."""
@@ -117,7 +111,7 @@ class MetricHistory:
         self.last_step = snapshot.step
         values = _read(snapshot)
         values.update(self._rates(snapshot))
-        values["arrived"] = float(arrived(snapshot))
+        values["arrived"] = float(snapshot.arrived)
         previous = self._previous
         if previous is not None and snapshot.ts > previous.ts:
             for name in MARKED:
@@ -140,7 +134,7 @@ class MetricHistory:
         pixel the maximum of its samples) showed 9-18/s for traffic at 3.2/s. Steps follow
         arrivals, so after a quiet spell longer than the window, everything counted since
         the last sample fell within the window."""
-        now = Counts(snapshot.ts, arrived(snapshot), snapshot.requests_finished_total)
+        now = Counts(snapshot.ts, snapshot.arrived, snapshot.requests_finished_total)
         counts = self._counts
         counts.append(now)
         while len(counts) > 1 and counts[1].ts <= now.ts - RATE_WINDOW_S:

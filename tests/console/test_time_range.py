@@ -10,14 +10,16 @@ from pathlib import Path
 import pytest
 from textual.widgets import DataTable, Input
 
+from console.sources.base import SourceError
 from console.sources.embedded import EmbeddedSource
+from console.sources.replay import ReplaySource
 from console.tui.app import TokenflowApp
 from console.tui.screens.tuning import TuningScreen
 from console.tui.widgets.plot import Plot
 from engine.config import EngineConfig
 from engine.store import open_database
 from engine.store.models import ConfigChangeRow, DriftEventRow
-from tests.console.conftest import FAST_POLL_S, until
+from tests.console.conftest import FAST_POLL_S, SESSION, until
 from tests.test_metric_history import journal
 
 pytestmark = pytest.mark.anyio
@@ -81,3 +83,21 @@ async def test_the_range_key_reads_hours_back_from_the_store(tmp_path: Path) -> 
             await pilot.press("t")
         assert "over 10 min" in str(charts.border_title)
         await until(pilot, lambda: not ttft._events, "the stored marks gone")
+
+
+def test_a_recording_is_its_own_store_as_far_as_it_has_played() -> None:
+    source = ReplaySource(SESSION, speed=0)
+    while not source.finished:
+        source.snapshot()
+    first, last = source._snapshots[0], source._snapshots[-1]
+    assert first.wall_offset is not None and last.wall_offset is not None
+    start, end = first.ts + first.wall_offset, last.ts + last.wall_offset + 1.0
+    view = source.stored_metrics(start, end, 4)
+    width = (end - start) / 4
+    arrived = sum(b.arrivals_per_s for b in view.buckets) * width
+    assert arrived == pytest.approx(last.arrived - first.arrived)
+    assert any(b.ttft_p99_ms is not None for b in view.buckets)
+    assert view.changes == tuple(sorted(c.created_at for c in source.config_changes()
+                                        if start <= c.created_at < end))
+    with pytest.raises(SourceError, match="end > start"):
+        source.stored_metrics(end, start, 4)

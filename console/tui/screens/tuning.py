@@ -579,7 +579,7 @@ class TuningScreen(ConsoleScreen):
                                style="yellow" if moved else "dim"),
                           key=str(change.id))
             done = history.newest_ts is not None and history.newest_ts >= at + AROUND_S
-            if stored and done and "–" in (*ttft, *throughput):  # older than memory holds
+            if stored and done and {*ttft, *throughput} == {"–"}:  # older than memory holds
                 self.state.load_stored_metrics(self, change.created_at - AROUND_S,
                                                change.created_at + AROUND_S, 2, change.id)
         table.border_subtitle = (
