@@ -10,9 +10,10 @@ from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.widgets import DataTable
 
+from console.tui.change_effect import AROUND_S, Load
 from console.tui.collectors import ConfigChangesLoaded
 from console.tui.history import MetricHistory
-from console.tui.screens.tuning import AROUND_S, Load, TuningScreen
+from console.tui.screens.tuning import TuningScreen
 from console.tui.widgets.chunk_queue import ChunkQueue
 from console.tui.widgets.header import EngineHeader, warnings
 from console.tui.widgets.plot import Line, Plot, Series, ms, per_s

@@ -12,7 +12,6 @@ by the engine (config_changed events), so the changes table is the store's recor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -24,6 +23,7 @@ from textual.containers import Grid, Horizontal, VerticalScroll
 from textual.widgets import Button, DataTable, Input, Label, Static
 
 from console.sources.base import Capability, stated_rate
+from console.tui.change_effect import AROUND_S, Load, around
 from console.tui.collectors import (
     RATE_FIELD,
     ConfigApplied,
@@ -32,7 +32,6 @@ from console.tui.collectors import (
     RateSet,
     StoredMetricsLoaded,
 )
-from console.tui.history import MetricHistory
 from console.tui.screens.base import ConsoleScreen
 from console.tui.state import ConsoleState
 from console.tui.text import escaped, plain
@@ -45,6 +44,7 @@ from console.tui.time_range import (
     on_engine_clock,
     points,
 )
+from console.tui.tuning_form import BY_NAME, FIELDS, Field, shown
 from console.tui.widgets.field import Field as NumberField
 from console.tui.widgets.field import start_edit
 from console.tui.widgets.header import chunk_size
@@ -59,128 +59,6 @@ if TYPE_CHECKING:  # the store pulls in SQLAlchemy: kept off the launch path
     from engine.store import StoredMetrics
 
 NARROW_COLUMNS = 110  # below this the charts stack into one column of sparklines
-AROUND_S = 30.0  # the changes table compares this long before a change with as long after
-# Arrival rates this far apart (relative to the higher) make the two sides of a change unequal
-# loads; 30 s of Poisson arrivals at a few per second vary by less than this.
-ARRIVALS_TOLERANCE = 0.25
-IDLE_ARRIVALS = 0.05  # requests/s: below this on both sides, both are idle, hence equal
-
-
-@dataclass(frozen=True)
-class Field:
-    name: str  # the EngineConfig field (RATE_FIELD: the traffic's arrival rate)
-    label: str
-    help: str
-    kind: type  # int or float
-    low: float
-    high: float
-    why: str  # what the upper bound protects, said when a value is above it
-    why_low: str = ""  # what the lower bound protects, said when a value is below it
-
-    def check(self, text: str) -> str | None:
-        """Why `text` cannot be applied to this field, or None: the bound it broke, and why
-        that bound is there."""
-        try:
-            value = float(text)
-        except ValueError:
-            return f"expected a {'whole ' if self.kind is int else ''}number, got {text!r}"
-        if self.kind is int and value != int(value):
-            return f"expected a whole number, got {text!r}"
-        if value < self.low:
-            return f"must be at least {self.low:g}" + (f": {self.why_low}" if self.why_low
-                                                        else "")
-        if value > self.high:
-            return f"must be at most {self.high:g}: {self.why}"
-        return None
-
-
-FIELDS: tuple[Field, ...] = (
-    Field(RATE_FIELD, "Arrival rate /s", "the console's traffic; 0 holds it", float, 0, 1000,
-          "beyond 1000 requests/s the workload plays all at once"),
-    Field("max_num_batched_tokens", "Token budget", "tokens one step may spend", int, 16, 65536,
-          "one step beyond 65536 tokens outlasts any time-between-tokens SLO",
-          "a step needs room for a chunk tile beside its decodes"),
-    Field("chunk_tile", "Chunk tile", "chunks round down to a multiple", int, 1, 1024,
-          "a tile beyond 1024 leaves most budgets one chunk or none"),
-    Field("max_prefill_chunks", "Chunks at once", "partial prefills per step", int, 1, 64,
-          "more than 64 partial prefills per step only thin each chunk"),
-    Field("long_prefill_threshold", "Chunk cap", "per request per step; 0 = none", int, 0,
-          65536, "0 turns the cap off; above 65536 it never binds"),
-    Field("cache_high_watermark", "KV high mark", "stop admitting above", float, 0.05,
-          0.99, "at 1 the cache fills before admission stops, and decodes preempt"),
-    Field("cache_low_watermark", "KV low mark", "admit again below", float, 0.01, 0.98,
-          "it must sit below the high watermark, above an empty cache"),
-    Field("bandwidth_throttle_2", "BW throttle → 2", "5 s avg above: concurrency 2", float,
-          0.05, 1.0, "a share of the device's peak bandwidth"),
-    Field("bandwidth_throttle_1", "BW throttle → 1", "above: concurrency 1", float, 0.05, 1.0,
-          "a share of the device's peak bandwidth"),
-    Field("bandwidth_pause", "BW pause", "above: new prefills paused", float, 0.05, 1.0,
-          "a share of the device's peak bandwidth"),
-    Field("slow_query_threshold", "Slow query", "budget_score above is slow", float, 1.0, 10.0,
-          "above 10 hides real slow queries", "a budget_score of 1 is on plan: below 1 flags "
-          "healthy requests"),
-    Field("slow_query_min_overrun_ms", "Slow query min", "ms over plan, at least", float, 0.0,
-          10_000.0, "milliseconds a prefill must overrun its plan to be a slow query"),
-)
-BY_NAME = {field.name: field for field in FIELDS}
-
-
-def shown(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value)
-
-
-def around(history: MetricHistory, at: float, name: str, unit: Any) -> tuple[str, str]:
-    """`name` averaged over the AROUND_S before `at` and the AROUND_S after it (over the
-    seconds so far, said as "over 12s", while that half is still running); "–" where the
-    history holds no sample. A bare "…" read as a cell cut short."""
-    def mean(start: float, end: float) -> str:
-        value = history.mean_between(name, start, end)
-        return "–" if value is None else unit(value)
-    after = mean(at, at + AROUND_S)
-    newest = history.newest_ts
-    if newest is not None and newest < at + AROUND_S and after != "–":
-        after += f" over {max(newest - at, 0):.0f}s"
-    return mean(at - AROUND_S, at), after
-
-
-@dataclass(frozen=True)
-class Load:
-    """The arrival rates (requests/s) over the AROUND_S before a change and after it: a
-    change's figures compare only where these are equal within ARRIVALS_TOLERANCE."""
-
-    before: float | None
-    after: float | None
-
-    @classmethod
-    def around(cls, history: MetricHistory, at: float) -> Load:
-        return cls(history.rate_between("arrived", at - AROUND_S, at),
-                   history.rate_between("arrived", at, at + AROUND_S))
-
-    @property
-    def comparable(self) -> bool | None:
-        """Whether the two sides saw equal arrivals; None where a side has no sample."""
-        if self.before is None or self.after is None:
-            return None
-        high = max(self.before, self.after)
-        return high < IDLE_ARRIVALS or abs(self.before - self.after) <= ARRIVALS_TOLERANCE * high
-
-    def cell(self, rate_change: bool = False) -> str:
-        """The load in a Changes cell; `rate_change`: the change was the arrival rate itself,
-        whose two sides differ in load by design."""
-        if self.comparable is None:
-            return "–"
-        if self.comparable and not rate_change:
-            return f"equal, {self.before:.2g}/s"
-        moved = f"{self.before:.2g}→{self.after:.2g}/s"
-        return moved if rate_change else f"{moved} unequal"
-
-    def sentence(self) -> str:
-        assert self.before is not None and self.after is not None  # only said when unequal
-        return f"arrivals changed ({self.before:.2g}/s → {self.after:.2g}/s): not comparable"
 
 
 class TuningScreen(ConsoleScreen):
