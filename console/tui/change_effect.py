@@ -17,7 +17,7 @@ IDLE_ARRIVALS = 0.05  # requests/s: below this on both sides, both are idle, hen
 
 def around(history: MetricHistory, at: float, name: str, unit: Any) -> tuple[str, str]:
     """`name` averaged over the AROUND_S before `at` and the AROUND_S after it (over the
-    seconds so far, said as "over 12s", while that half is still running); "–" where the
+    seconds so far, said as "(12s)", while that half is still running); "–" where the
     history holds no sample. A bare "…" read as a cell cut short."""
     def mean(start: float, end: float) -> str:
         value = history.mean_between(name, start, end)
@@ -25,7 +25,7 @@ def around(history: MetricHistory, at: float, name: str, unit: Any) -> tuple[str
     after = mean(at, at + AROUND_S)
     newest = history.newest_ts
     if newest is not None and newest < at + AROUND_S and after != "–":
-        after += f" over {max(newest - at, 0):.0f}s"
+        after += f" ({max(newest - at, 0):.0f}s)"
     return mean(at - AROUND_S, at), after
 
 

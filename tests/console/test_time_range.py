@@ -58,11 +58,11 @@ async def test_the_range_key_reads_hours_back_from_the_store(tmp_path: Path) -> 
             "#input-max_num_batched_tokens", Input).value, "the form filled")
         ttft = screen.query_one("#tune-ttft", Plot)
         charts = screen.query_one("#tuning-charts")
-        assert "over 10 min" in str(charts.border_title)
+        assert "· 10 min (t)" in str(charts.border_title)
         await pilot.press("t")  # 1 h: the seeded run ended an hour ago, just out of view
-        assert "over 1 h" in str(charts.border_title)
+        assert "· 1 h (t)" in str(charts.border_title)
         await pilot.press("t")  # 6 h: the whole run, from the store
-        assert "over 6 h" in str(charts.border_title)
+        assert "· 6 h (t)" in str(charts.border_title)
         offset = app.latest.wall_offset or (time.time() - time.monotonic())
         await until(pilot, lambda: ttft.series and ttft.series[1].times
                     and ttft.series[1].times[0] < start - offset + 10 * 60, "the stored run")
@@ -81,7 +81,7 @@ async def test_the_range_key_reads_hours_back_from_the_store(tmp_path: Path) -> 
         assert str(table.get_cell(key, "load")) == "equal, 0.1/s"
         for _ in range(3):  # 24 h, the session, and back to the minutes in memory
             await pilot.press("t")
-        assert "over 10 min" in str(charts.border_title)
+        assert "· 10 min (t)" in str(charts.border_title)
         await until(pilot, lambda: not ttft._events, "the stored marks gone")
 
 

@@ -214,7 +214,7 @@ class TuningScreen(ConsoleScreen):
 
     def _title_charts(self) -> None:
         self.query_one("#tuning-charts").border_title = (
-            f"Effect over {self._range.label} (t: range; marks: changes)")
+            f"Effect · {self._range.label} (t)")
 
     def _load_stored(self, now: float) -> None:
         """Ask the store for the range's figures, at most every RELOAD_S."""
