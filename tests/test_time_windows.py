@@ -242,6 +242,19 @@ def test_arrival_rates_are_taken_over_the_rate_window_across_polls_and_idle_gaps
     assert history.values("arrival_rate")[-1] == pytest.approx(6 / RATE_WINDOW_S)
 
 
+def test_pauses_resumes_and_restarts_are_marked_though_the_step_stands() -> None:
+    history = MetricHistory()
+    base = Snapshot(ts=0.0, step=3)
+    history.record(base)
+    history.record(dataclasses.replace(base, ts=5.0, paused=True))  # the same step, paused
+    history.record(dataclasses.replace(base, ts=9000.0, paused=True))  # hours later, still
+    history.record(dataclasses.replace(base, ts=9001.0))  # resumed
+    history.record(dataclasses.replace(base, ts=9002.0, step=4, engine_restarts=1))
+    assert list(history.events) == [5.0, 9001.0, 9002.0]
+    history.clear()
+    assert not history.events
+
+
 # --- the store writer's retention timer ---------------------------------------------------
 
 def test_store_retention_runs_on_the_writers_clock(tmp_path: Path) -> None:

@@ -98,6 +98,9 @@ class MetricHistory:
     _previous: Snapshot | None = None
     _counts: deque[Counts] = field(default_factory=deque)  # the last RATE_WINDOW_S of totals
     _seen_ts: float | None = None  # the newest snapshot's time, sampled or not
+    # when the engine was seen to pause, resume or restart: marks beside the changes'
+    events: deque[float] = field(default_factory=lambda: deque(maxlen=100))
+    _seen: Snapshot | None = None  # the newest snapshot, sampled or not
 
     def __post_init__(self) -> None:
         self.samples = {name: deque(maxlen=self.capacity) for name in SERIES}
@@ -105,6 +108,10 @@ class MetricHistory:
     def record(self, snapshot: Snapshot) -> None:
         # time passes for an idle or paused engine too: windows end at the newest snapshot
         self._seen_ts = snapshot.ts if self._seen_ts is None else max(self._seen_ts, snapshot.ts)
+        seen, self._seen = self._seen, snapshot
+        if seen is not None and (seen.paused != snapshot.paused
+                                 or snapshot.engine_restarts > seen.engine_restarts):
+            self.events.append(snapshot.ts)  # a pause holds the step: seen before sampling
         # A paused or idle engine hands back the same step; one sample per step keeps plots honest.
         if snapshot.step == self.last_step:
             return
@@ -156,6 +163,8 @@ class MetricHistory:
         for series in self.samples.values():
             series.clear()
         self.changes.clear()
+        self.events.clear()
+        self._seen = None
         self.last_step = -1
         self._previous = None
         self._counts.clear()

@@ -242,13 +242,13 @@ class TuningScreen(ConsoleScreen):
             return
         self._load_stored(now)
         stored, offset = self._stored, self._offset()
-        marks, events = history.change_times, ()
+        marks, events = history.change_times, tuple(history.events)
         start = history.oldest_ts
         if self._range is not MEMORY:
             start = self._range.start(now, self.state.session_start or now)
         if stored is not None:
             marks = (*on_engine_clock(stored.changes, offset), *marks)
-            events = on_engine_clock((*stored.drift, *stored.restarts), offset)
+            events = (*on_engine_clock((*stored.drift, *stored.restarts), offset), *events)
 
         def series(label: str, name: str) -> Series:
             return Series.of(label, points(history, name, stored, offset))

@@ -28,7 +28,7 @@ SPARK_ROWS = 6  # below this a chart has no room for its legend, axis and ticks:
 SPARKS = " ▁▂▃▄▅▆▇█"
 PALETTE = ("cyan", "bright_blue", "green", "bright_magenta")
 MARK_STYLE = "magenta"
-EVENT_STYLE = "yellow"  # drift events and engine restarts
+EVENT_STYLE = "yellow"  # drift events, pauses and resumes, engine restarts
 SPANS_S = (30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 6 * 3600.0, 24 * 3600.0, 7 * 86400.0)
 # a time axis rounds up to one of SPANS_S
 DIM = plt.pixel(foreground=Color.parse("bright_black").number)  # the frame and its ticks
@@ -298,7 +298,7 @@ class Plot(Widget):
         if self._marks and any(s.times for s in self._series):
             entries.append(("┊ change", MARK_STYLE))
         if self._events and any(s.times for s in self._series):
-            entries.append(("┊ drift/restart", EVENT_STYLE))
+            entries.append(("┊ drift/pause/restart", EVENT_STYLE))
         used = 0
         for entry, style in entries:
             if used + len(entry) + 2 > width:
