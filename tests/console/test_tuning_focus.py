@@ -83,6 +83,8 @@ async def test_tab_and_enter_start_an_edit_whose_typing_replaces_the_value(form)
     assert app.focused is rate
     await burst(pilot, "escape", "enter", "tab", "5", "1", "2")  # typed at once after Tab
     assert app.focused is budget and budget.value == "512"
+    await burst(pilot, "ctrl+r", "tab")  # after a refresh, Tab still starts an edit
+    assert app.focused is rate and budget.value != "512"
 
 
 async def test_apply_ends_the_edit_so_the_next_digit_is_a_screen_key(form) -> None:
