@@ -104,6 +104,13 @@ class Snapshot:
     score_estimate: str = ""
     score_note: str = ""
 
+    @property
+    def arrived(self) -> int:
+        """Requests that have entered the engine: those done, refused or failed, and those in
+        it."""
+        return (self.requests_finished_total + self.requests_rejected_total
+                + self.requests_failed_total + self.num_running + self.num_waiting)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

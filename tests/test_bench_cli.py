@@ -124,3 +124,25 @@ def test_a_bench_run_frees_the_engines_of_the_runs_before(
         assert built[0]() is None
     finally:
         gc.enable()
+
+
+def test_an_unknown_flag_prints_the_subcommands_usage(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "--model", "synthetic:tiny", "--no-db"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: tokenflow bench ")
+    assert "tokenflow bench: error: unrecognized arguments: --no-db" in err
+
+
+def test_identical_chunked_and_unchunked_rows_say_why_and_columns_have_units(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--simulate", "h100", "--model", "synthetic:tiny", "--workload",
+                 "chat", "--num-requests", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(out) if line.startswith("config"))
+    assert out[header + 1].split() == ["tok/s", "tok/s", "ms", "ms", "ms", "ms", "ms", "ms",
+                                       "count", "count", "share", "tokens", "share"]
+    assert any(line.startswith("note: chunked and unchunked are identical: the longest "
+                               "prompt (") for line in out)

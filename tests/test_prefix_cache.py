@@ -146,3 +146,14 @@ def test_conversation_file_replays_and_bad_lines_are_named(tmp_path: Path) -> No
     bad.write_text(json.dumps({"id": "a", "turns": [{"user": "hi", "max_tokens": 0}]}) + "\n")
     with pytest.raises(ConversationError, match=r"bad.jsonl:1: field 'turns\[0\].max_tokens'"):
         build_workload(f"conversations:{bad}", vocab_size=320, max_model_len=2048)
+
+
+def test_a_cached_prompt_counts_only_the_chunks_it_computes() -> None:
+    engine = _engine(True)
+    engine.update_config(max_num_batched_tokens=32, chunk_tile=16)
+    prompt = list(range(3, 60))
+    engine.generate([prompt], SamplingParams(max_tokens=2))
+    engine.generate([prompt], SamplingParams(max_tokens=2))
+    views = sorted(engine.snapshot().requests, key=lambda v: v.cached_tokens)
+    assert [(v.cached_tokens, v.chunks_done, v.chunks_total) for v in views] == [
+        (0, 2, 2), (48, 1, 1)]  # 57 tokens in chunks of 32; then 9 past the cached 48

@@ -22,7 +22,7 @@ from engine.core.request import RequestState
 from engine.events import EventBus, Finished, RequestAdded, StepComplete
 from engine.harness.driver import drive
 from engine.harness.workload import WorkloadRequest
-from engine.ops.metrics import WINDOW_SAMPLES, Metrics
+from engine.ops.metrics import RATE_WINDOW_S, WINDOW_SAMPLES, Metrics
 from engine.ops.telemetry import ModelBandwidth
 from engine.sim.executor import simulated_engine
 from engine.sim.target import resolve_target
@@ -224,6 +224,35 @@ def test_history_windows_end_at_the_newest_snapshot_not_the_newest_sample() -> N
     assert history.newest_ts == 3610.0 and history.window("preemptions_total", 60.0) == []
     history.record(dataclasses.replace(base, ts=3610.0, step=2))  # a clock that stands
     assert history.newest_ts == 3610.0
+
+
+def test_arrival_rates_are_taken_over_the_rate_window_across_polls_and_idle_gaps() -> None:
+    history = MetricHistory()
+    base = Snapshot(ts=0.0, step=0)
+    # 3 requests a second, polled every 0.4 s: each poll sees 1 or 2 arrive, never 7.5/s
+    for n in range(1, 76):
+        ts = n * 0.4
+        history.record(dataclasses.replace(base, ts=ts, step=n,
+                                           requests_finished_total=int(ts * 3)))
+    rates = history.values("arrival_rate")[-50:]  # a full window behind each
+    assert all(2.8 <= rate <= 3.2 for rate in rates), rates
+    # an hour idle, then 6 arrive: 6 over the last window, not 6 over the hour
+    history.record(dataclasses.replace(base, ts=3630.0, step=100,
+                                       requests_finished_total=90 + 6))
+    assert history.values("arrival_rate")[-1] == pytest.approx(6 / RATE_WINDOW_S)
+
+
+def test_pauses_resumes_and_restarts_are_marked_though_the_step_stands() -> None:
+    history = MetricHistory()
+    base = Snapshot(ts=0.0, step=3)
+    history.record(base)
+    history.record(dataclasses.replace(base, ts=5.0, paused=True))  # the same step, paused
+    history.record(dataclasses.replace(base, ts=9000.0, paused=True))  # hours later, still
+    history.record(dataclasses.replace(base, ts=9001.0))  # resumed
+    history.record(dataclasses.replace(base, ts=9002.0, step=4, engine_restarts=1))
+    assert list(history.events) == [5.0, 9001.0, 9002.0]
+    history.clear()
+    assert not history.events
 
 
 # --- the store writer's retention timer ---------------------------------------------------

@@ -443,14 +443,22 @@ def _print_table(report: dict[str, Any]) -> None:
               f"{'slow':>6}{'goodput':>9}{'prefilled':>10}{'hit rate':>9}")
     print(f"workload {report['workload']['spec']}: {report['workload']['requests']} requests "
           f"on {report['machine']['model']} ({report['machine']['device']})")
+    units = (f"{'':<14}{'tok/s':>10}{'tok/s':>9}{'ms':>10}{'ms':>10}{'ms':>10}{'ms':>10}"
+             f"{'ms':>9}{'ms':>9}{'count':>9}{'count':>6}{'share':>9}{'tokens':>10}{'share':>9}")
     print(header)
+    print(units)
+    rows = {}
     for name, r in runs.items():
-        print(f"{name:<14}{r['output_tok_s']:>10.1f}{r['throughput_tok_s']:>9.1f}"
-              f"{_f(r['ttft_ms']['p50']):>10}{_f(r['ttft_ms']['p99']):>10}"
-              f"{_f(r['tpot_ms']['p50']):>10}{_f(r['tpot_ms']['p99']):>10}"
-              f"{_f(r['itl_ms']['p99']):>9}{_f(r['itl_ms']['max']):>9}{r['preemptions']:>9}"
-              f"{r['slow_queries']:>6}{r['goodput']:>9.2f}"
-              f"{_f(r.get('prefill_tokens_computed')):>10}{_pct(r.get('hit_rate')):>9}")
+        rows[name] = (f"{r['output_tok_s']:>10.1f}{r['throughput_tok_s']:>9.1f}"
+                      f"{_f(r['ttft_ms']['p50']):>10}{_f(r['ttft_ms']['p99']):>10}"
+                      f"{_f(r['tpot_ms']['p50']):>10}{_f(r['tpot_ms']['p99']):>10}"
+                      f"{_f(r['itl_ms']['p99']):>9}{_f(r['itl_ms']['max']):>9}"
+                      f"{r['preemptions']:>9}{r['slow_queries']:>6}{r['goodput']:>9.2f}"
+                      f"{_f(r.get('prefill_tokens_computed')):>10}{_pct(r.get('hit_rate')):>9}")
+        print(f"{name:<14}{rows[name]}")
+    note = _same_rows_note(report, rows)
+    if note:
+        print(note)
     for name, c in report.get("capacity", {}).items():
         print(f"capacity {name}: {c['rate']:.2f} requests/s (P99 {c['metric'].upper()})")
     _print_agreement(report)
@@ -465,6 +473,18 @@ def _print_table(report: dict[str, Any]) -> None:
             print(f"{name} shared its machine: other processes used {host['others_cpus']:.2f} "
                   f"CPUs, the hypervisor stole {host['steal']:.0%}; not a quiet machine's "
                   "figures")
+
+
+def _same_rows_note(report: dict[str, Any], rows: dict[str, str]) -> str:
+    """Why `chunked` and `unchunked` print the same figures, when they do: no prompt was
+    longer than the chunked budget, so no prefill was ever split."""
+    if "chunked" not in rows or rows["chunked"] != rows.get("unchunked"):
+        return ""
+    longest = report["workload"].get("prompt_tokens", {}).get("max")
+    budget = report["runs"]["chunked"].get("config", {}).get("max_num_batched_tokens")
+    return (f"note: chunked and unchunked are identical: the longest prompt ({longest} tokens) "
+            f"fits the chunked token budget ({budget}), so no prefill was split; a workload "
+            "with longer prompts (long-doc) tells them apart")
 
 
 def _real_names(name: str, count: int) -> list[str]:

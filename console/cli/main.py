@@ -27,12 +27,16 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     named = [name for name in COMMANDS if argv and name.replace("_", "-") in argv[:1]]
     for name in named or COMMANDS:
         importlib.import_module(f"console.cli.{name}").register(subparsers)
+    for command in subparsers.choices.values():  # an unknown flag is named by its command
+        command.set_defaults(command_parser=command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser(argv).parse_args(argv)
+    args, unknown = build_parser(argv).parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top level's: its flags are what was wrong
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

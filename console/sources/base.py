@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # the store pulls in SQLAlchemy: kept off the launch path
         ConfigChangeRecord,
         DriftRecord,
         SlowQueryRecord,
+        StoredMetrics,
         TracedDriftPoint,
     )
 
@@ -56,6 +57,8 @@ class Capability(enum.Enum):
     # The snapshot carries the chunk queue and each request's prefill progress.
     CHUNK_QUEUE = "chunk queue"
     TRAFFIC = "the arrival rate"  # Traffic: the console's own workload, played at a set rate
+    # MetricStore: the engine's figures over hours, from its store (charts beyond memory)
+    STORED_METRICS = "stored history"
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,12 @@ class SlowQueryStore(Source, Protocol):
     def slow_query(self, query_id: int) -> SlowQueryRecord: ...
 
 
+def stated_rate(rate: float) -> float:
+    """An arrival rate as the console states it everywhere (the Tuning field, the stored
+    change, the charts' marks): three significant figures."""
+    return float(f"{rate:.3g}")
+
+
 class Traffic(Source, Protocol):
     def set_arrival_rate(self, rate: float) -> float:
         """Play the console's workload at `rate` requests/s from now on (SourceError if not)."""
@@ -150,6 +159,12 @@ class ConfigHistory(Source, Protocol):
     def config_changes(self) -> list[ConfigChangeRecord]: ...
 
 
+class MetricStore(Source, Protocol):
+    def stored_metrics(self, start: float, end: float, buckets: int) -> StoredMetrics:
+        """The engine's figures over wall-clock [start, end) in `buckets` equal buckets."""
+        ...
+
+
 FacetT = TypeVar("FacetT", bound=Source)
 FACETS: dict[type[Source], Capability] = {
     Tunable: Capability.TUNE,
@@ -160,6 +175,7 @@ FACETS: dict[type[Source], Capability] = {
     TracedDrift: Capability.TRACED_DRIFT,
     ConfigHistory: Capability.CONFIG_HISTORY,
     Traffic: Capability.TRAFFIC,
+    MetricStore: Capability.STORED_METRICS,
 }
 
 

@@ -23,6 +23,7 @@ from console.sources.base import (
     CalibrationStore,
     Capabilities,
     ConfigHistory,
+    MetricStore,
     Pausable,
     Progress,
     SlowQueryStore,
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # annotations only: the store pulls SQLAlchemy and Alembic (~
         ConfigChangeRecord,
         DriftRecord,
         SlowQueryRecord,
+        StoredMetrics,
         TracedDriftPoint,
     )
 
@@ -234,6 +236,9 @@ class FleetSource:
 
     def config_changes(self) -> list[ConfigChangeRecord]:
         return facet(self.active, ConfigHistory).config_changes()
+
+    def stored_metrics(self, start: float, end: float, buckets: int) -> StoredMetrics:
+        return facet(self.active, MetricStore).stored_metrics(start, end, buckets)
 
     def recalibrate(self, progress: Progress) -> CalibrationRecord:
         return facet(self.active, Calibrating).recalibrate(progress)

@@ -43,6 +43,9 @@ class HttpSource(RemoteBacked):
                                        "store, which HTTP does not publish",
             Capability.TRAFFIC: "a server's traffic comes from its clients, not the console",
             Capability.TRACED_DRIFT: TRACED_DRIFT_WHY,
+            Capability.STORED_METRICS: "the server's request journal stays in its own store, "
+                                       "which HTTP does not publish: charts hold what the "
+                                       "console has seen",
         })
 
     def snapshot(self) -> Snapshot:

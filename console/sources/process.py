@@ -36,12 +36,18 @@ from console.sources.base import (
 from engine.snapshot import Snapshot
 
 if TYPE_CHECKING:  # the store pulls in SQLAlchemy: kept off the launch path
-    from engine.store import CalibrationRecord, ConfigChangeRecord, DriftRecord, SlowQueryRecord
+    from engine.store import (
+        CalibrationRecord,
+        ConfigChangeRecord,
+        DriftRecord,
+        SlowQueryRecord,
+        StoredMetrics,
+    )
 
 # The Source methods a child answers; anything else is refused.
 CALLS = frozenset({"snapshot", "update_config", "pause", "resume", "discard", "slow_queries",
                    "slow_query", "calibration_history", "drift_events", "config_changes",
-                   "recalibrate", "set_arrival_rate"})
+                   "recalibrate", "set_arrival_rate", "stored_metrics"})
 CLOSE_TIMEOUT_S = 15.0
 
 
@@ -133,6 +139,9 @@ class ProcessSource:
 
     def config_changes(self) -> list[ConfigChangeRecord]:
         return self._call("config_changes")
+
+    def stored_metrics(self, start: float, end: float, buckets: int) -> StoredMetrics:
+        return self._call("stored_metrics", start, end, buckets)
 
     def recalibrate(self, progress: Progress) -> CalibrationRecord:
         return self._call("recalibrate", progress=progress)

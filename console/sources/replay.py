@@ -30,7 +30,9 @@ from engine.store import (
     CalibrationRecord,
     ConfigChangeRecord,
     DriftRecord,
+    MetricBucket,
     SlowQueryRecord,
+    StoredMetrics,
 )
 
 
@@ -176,6 +178,52 @@ class ReplaySource:
 
     def config_changes(self) -> list[ConfigChangeRecord]:
         return list(self._changes)
+
+    def stored_metrics(self, start: float, end: float, buckets: int) -> StoredMetrics:
+        """The recording's own figures over wall-clock [start, end), as far as it has
+        played: each bucket the mean of its snapshots' TTFT percentiles and tok/s, and the
+        requests that arrived and finished between snapshots; a snapshot without a wall
+        offset cannot be placed."""
+        if not end > start or buckets < 1:
+            raise SourceError(f"a history needs end > start and buckets >= 1, got "
+                              f"[{start}, {end}) in {buckets}")
+        with self._lock:
+            played = self._snapshots[:max(self._cursor, 0) + 1]
+        width = (end - start) / buckets
+        figures: list[dict[str, list[float]]] = [
+            {"p50": [], "p99": [], "tps": [], "arrived": [], "finished": []}
+            for _ in range(buckets)]
+        restarts = []
+        for before, snapshot in zip([None, *played], played, strict=False):
+            if snapshot.wall_offset is None:
+                continue
+            at = snapshot.ts + snapshot.wall_offset
+            if not start <= at < end:
+                continue
+            bucket = figures[min(int((at - start) / width), buckets - 1)]
+            for key, value in (("p50", snapshot.ttft_ms.p50), ("p99", snapshot.ttft_ms.p99),
+                               ("tps", snapshot.tokens_per_s)):
+                if value is not None:
+                    bucket[key].append(value)
+            if before is not None:
+                bucket["arrived"].append(max(snapshot.arrived - before.arrived, 0))
+                bucket["finished"].append(max(snapshot.requests_finished_total
+                                              - before.requests_finished_total, 0))
+                if snapshot.engine_restarts > before.engine_restarts:
+                    restarts.append(at)
+
+        def mean(values: list[float]) -> float | None:
+            return sum(values) / len(values) if values else None
+
+        return StoredMetrics(
+            start, end,
+            tuple(MetricBucket(start + (i + 1) * width, sum(f["arrived"]) / width,
+                               sum(f["finished"]) / width, mean(f["tps"]) or 0.0,
+                               mean(f["p50"]), mean(f["p99"]))
+                  for i, f in enumerate(figures)),
+            tuple(sorted(c.created_at for c in self._changes if start <= c.created_at < end)),
+            tuple(sorted(d.created_at for d in self._drift if start <= d.created_at < end)),
+            tuple(restarts))
 
     def close(self) -> None:
         """A recording holds no resources once loaded."""

@@ -61,6 +61,8 @@ class ScrapedSource(RemoteBacked, ABC):
             Capability.CALIBRATE: f"tokenflow cannot calibrate a {self.label} server",
             Capability.DRIFT: f"{self.label} keeps no token-budget calibration",
             Capability.CONFIG_HISTORY: f"{self.label} keeps no configuration history",
+            Capability.STORED_METRICS: f"{self.label} keeps no request journal: charts hold "
+                                       "what the console has seen",
             Capability.TRAFFIC: f"a {self.label} server's traffic comes from its clients",
             Capability.WATERMARKS: f"{self.label} admits by its own rules, not tokenflow's "
                                    "watermarks",

@@ -9,10 +9,13 @@ import sys
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, ClassVar
 
+from textual import events
 from textual.app import App, SystemCommand
+from textual.await_complete import AwaitComplete
 from textual.binding import BindingType
 from textual.logging import TextualHandler
 from textual.screen import ModalScreen, Screen
+from textual.widgets import Input
 
 from console.errors import UserError
 from console.sources.base import Source, SourceError
@@ -43,6 +46,7 @@ from console.tui.screens.splash import (
 from console.tui.screens.tuning import TuningScreen
 from console.tui.state import ConsoleState, TracedTraffic, TwinRun
 from console.tui.text import escaped
+from console.tui.widgets.field import keystroke
 from engine.errors import EngineError
 from engine.harness.slo_targets import ServiceSLO
 from engine.snapshot import Snapshot
@@ -153,6 +157,15 @@ class TokenflowApp(App[None]):
             self.recorder.finish(self.source)
         self.source.close()
 
+    async def on_event(self, event: events.Event) -> None:
+        """A key for the focused field is applied here, as it arrives, so keystrokes land in
+        the order they were sent, and a command key after them sees their effect."""
+        if isinstance(event, events.Key) and not event.is_forwarded:
+            self.collector.hurry()  # the operator is here: figures at the full rate again
+            if isinstance(self.focused, Input) and await keystroke(self.focused, event):
+                return
+        await super().on_event(event)
+
     def on_snapshot_polled(self, message: SnapshotPolled) -> None:
         before = self.state.latest
         if message.snapshot.engine_restarts > (0 if before is None else before.engine_restarts):
@@ -195,6 +208,11 @@ class TokenflowApp(App[None]):
 
     def action_show(self, mode: str) -> None:
         self.switch_mode(mode)
+
+    def switch_mode(self, mode: str) -> AwaitComplete:
+        if isinstance(self.screen, ConsoleScreen) and mode != self.current_mode:
+            self.screen.leave()
+        return super().switch_mode(mode)
 
     def action_help(self) -> None:
         if isinstance(self.screen, HelpScreen):

@@ -6,6 +6,7 @@ when the previous one has finished, so a slow source never piles polls up.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from textual.app import App
 from textual.dom import DOMNode
 from textual.message import Message
+from textual.timer import Timer
 
 from console.sources.base import Calibrating, Source, Traffic, Tunable
 from console.sources.replay import SessionRecorder
@@ -29,6 +31,7 @@ if TYPE_CHECKING:  # annotations only: the store pulls SQLAlchemy and Alembic (~
         ConfigChangeRecord,
         DriftRecord,
         SlowQueryRecord,
+        StoredMetrics,
         TracedDriftPoint,
     )
 
@@ -70,6 +73,16 @@ class ConfigChangesLoaded(Message):
         self.changes = changes
 
 
+class StoredMetricsLoaded(Message):
+    """The store's figures over a span; `change`: the id of the stored change whose before
+    and after they are, None for a chart's range."""
+
+    def __init__(self, metrics: StoredMetrics, change: int | None = None) -> None:
+        super().__init__()
+        self.metrics = metrics
+        self.change = change
+
+
 class RecalibrationProgress(Message):
     def __init__(self, fraction: float, note: str) -> None:
         super().__init__()
@@ -84,11 +97,26 @@ class RecalibrationDone(Message):
         self.error = error
 
 
+# While nothing moves (a snapshot that differs from the last posted only in its time), the
+# poll slows down to this many intervals, and the panes are redrawn every QUIET_REDRAW_S of
+# the source's time only, so time axes still move: repainting every pane at 2.5 Hz for
+# an idle engine cost a sixth of a core.
+QUIET_SLOWDOWN = 5
+QUIET_REDRAW_S = 5.0
+
+
+def quiet(snapshot: Snapshot, last: Snapshot | None) -> bool:
+    """Whether `snapshot` says nothing `last` did not, but the time."""
+    return last is not None and dataclasses.replace(snapshot, ts=last.ts) == last
+
+
 @dataclass
 class SnapshotCollector:
     """Polls `source.snapshot()` every `interval` seconds on a worker thread, and posts each
     snapshot that differs from the last: a finished or paused recording, or a fleet member
-    between its own polls, repeats one, and repainting every pane for it kept a core busy."""
+    between its own polls, repeats one, and repainting every pane for it kept a core busy.
+    An idle engine's snapshots differ in their time alone: those are posted every
+    QUIET_REDRAW_S, and the poll slows down until something moves or a key is pressed."""
 
     app: App
     source: Source
@@ -96,22 +124,41 @@ class SnapshotCollector:
     recorder: SessionRecorder | None = None
     running: bool = False
     _last: Snapshot | None = field(default=None, init=False, repr=False)
+    delay: float = field(default=0.0, init=False)  # until the next poll; grows while quiet
+    _timer: Timer | None = field(default=None, init=False, repr=False)
+    _in_flight: bool = field(default=False, init=False, repr=False)  # the app's thread's
 
     def start(self) -> None:
         self.running = True
+        self.delay = self.interval
         self._launch()
 
     def stop(self) -> None:
         self.running = False
 
+    def hurry(self) -> None:
+        """The operator pressed a key: poll at the full rate again, starting now."""
+        slowed = self.delay > self.interval
+        self.delay = self.interval
+        if slowed and self._timer is not None and not self._in_flight:
+            self._timer.stop()
+            self._launch()
+
     def _launch(self) -> None:
-        if self.running:
+        self._timer = None
+        if self.running and not self._in_flight:
+            self._in_flight = True
             self.app.run_worker(self._collect, thread=True, group="snapshot", exit_on_error=False)
 
     def _collect(self) -> None:
         try:
             snapshot = self.source.snapshot()
-            if snapshot != self._last:
+            last = self._last
+            still = quiet(snapshot, last)
+            self.delay = (min(self.delay * 2, self.interval * QUIET_SLOWDOWN) if still
+                          else self.interval)
+            if snapshot != last and (not still or last is None
+                                     or snapshot.ts - last.ts >= QUIET_REDRAW_S):
                 self._last = snapshot
                 if self.recorder is not None:
                     self.recorder.snapshot(snapshot)
@@ -126,9 +173,14 @@ class SnapshotCollector:
         if not self.running:
             return
         try:
-            self.app.call_from_thread(self.app.set_timer, self.interval, self._launch)
+            self.app.call_from_thread(self._arm)
         except RuntimeError:
             self.running = False  # the app closed while this poll was in flight
+
+    def _arm(self) -> None:
+        self._in_flight = False
+        if self.running:
+            self._timer = self.app.set_timer(self.delay, self._launch)
 
 
 def worker_error(exc: Exception) -> str:

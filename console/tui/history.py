@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from console.sources.base import stated_rate
+from engine.ops.metrics import RATE_WINDOW_S
 from engine.snapshot import Snapshot
 
 # Each series is one number read from a snapshot (or the difference of two); None (no sample
@@ -29,6 +31,7 @@ SERIES: dict[str, str] = {
     "cstar": "C*",
     "arrival_rate": "arrivals/s",
     "finish_rate": "finished/s",
+    "arrived": "requests arrived",  # a running total: rates between any two times
 }
 
 # The live-tunable settings whose changes are marked on the time charts.
@@ -60,10 +63,13 @@ def _read(snapshot: Snapshot) -> dict[str, float | None]:
     }
 
 
-def arrived(snapshot: Snapshot) -> int:
-    """Requests that have entered the engine: those done, refused or failed, and those in it."""
-    return (snapshot.requests_finished_total + snapshot.requests_rejected_total
-            + snapshot.requests_failed_total + snapshot.num_running + snapshot.num_waiting)
+@dataclass(frozen=True)
+class Counts:
+    """The running totals arrival and finish rates are taken from, at a snapshot's time."""
+
+    ts: float
+    arrived: int
+    finished: int
 
 
 @dataclass(frozen=True)
@@ -90,7 +96,11 @@ class MetricHistory:
     changes: deque[Change] = field(default_factory=lambda: deque(maxlen=100))
     last_step: int = -1
     _previous: Snapshot | None = None
+    _counts: deque[Counts] = field(default_factory=deque)  # the last RATE_WINDOW_S of totals
     _seen_ts: float | None = None  # the newest snapshot's time, sampled or not
+    # when the engine was seen to pause, resume or restart: marks beside the changes'
+    events: deque[float] = field(default_factory=lambda: deque(maxlen=100))
+    _seen: Snapshot | None = None  # the newest snapshot, sampled or not
 
     def __post_init__(self) -> None:
         self.samples = {name: deque(maxlen=self.capacity) for name in SERIES}
@@ -98,30 +108,50 @@ class MetricHistory:
     def record(self, snapshot: Snapshot) -> None:
         # time passes for an idle or paused engine too: windows end at the newest snapshot
         self._seen_ts = snapshot.ts if self._seen_ts is None else max(self._seen_ts, snapshot.ts)
+        seen, self._seen = self._seen, snapshot
+        if seen is not None and (seen.paused != snapshot.paused
+                                 or snapshot.engine_restarts > seen.engine_restarts):
+            self.events.append(snapshot.ts)  # a pause holds the step: seen before sampling
         # A paused or idle engine hands back the same step; one sample per step keeps plots honest.
         if snapshot.step == self.last_step:
             return
         self.last_step = snapshot.step
         values = _read(snapshot)
+        values.update(self._rates(snapshot))
+        values["arrived"] = float(snapshot.arrived)
         previous = self._previous
         if previous is not None and snapshot.ts > previous.ts:
-            elapsed = snapshot.ts - previous.ts
-            values["arrival_rate"] = max(arrived(snapshot) - arrived(previous), 0) / elapsed
-            values["finish_rate"] = max(snapshot.requests_finished_total
-                                        - previous.requests_finished_total, 0) / elapsed
             for name in MARKED:
                 old, new = previous.config.get(name), snapshot.config.get(name)
                 if old != new and old is not None and new is not None:
                     self.changes.append(Change(snapshot.ts, name, old, new))
             old_rate, new_rate = previous.workload_rate, snapshot.workload_rate
             if old_rate != new_rate and old_rate is not None and new_rate is not None:
-                self.changes.append(Change(snapshot.ts, "arrival_rate", round(old_rate, 3),
-                                           round(new_rate, 3)))
+                self.changes.append(Change(snapshot.ts, "arrival_rate", stated_rate(old_rate),
+                                           stated_rate(new_rate)))
         self._previous = snapshot
         for name, value in values.items():
             if value is not None:
                 self.samples[name].append((snapshot.ts, float(value)))
         self._forget_old_changes()
+
+    def _rates(self, snapshot: Snapshot) -> dict[str, float]:
+        """Arrivals and finishes per second over the last RATE_WINDOW_S (the window tok/s is
+        taken over): between two polls a rate is 0 or a burst, and a chart of those (each
+        pixel the maximum of its samples) showed 9-18/s for traffic at 3.2/s. Steps follow
+        arrivals, so after a quiet spell longer than the window, everything counted since
+        the last sample fell within the window."""
+        now = Counts(snapshot.ts, snapshot.arrived, snapshot.requests_finished_total)
+        counts = self._counts
+        counts.append(now)
+        while len(counts) > 1 and counts[1].ts <= now.ts - RATE_WINDOW_S:
+            counts.popleft()
+        base = counts[0]  # the newest total at least a window old, else the oldest kept
+        span = min(now.ts - base.ts, RATE_WINDOW_S)
+        if span <= 0:
+            return {}
+        return {"arrival_rate": max(now.arrived - base.arrived, 0) / span,
+                "finish_rate": max(now.finished - base.finished, 0) / span}
 
     def _forget_old_changes(self) -> None:
         oldest = self.oldest_ts
@@ -133,8 +163,11 @@ class MetricHistory:
         for series in self.samples.values():
             series.clear()
         self.changes.clear()
+        self.events.clear()
+        self._seen = None
         self.last_step = -1
         self._previous = None
+        self._counts.clear()
         self._seen_ts = None
 
     def values(self, name: str) -> list[float]:
@@ -166,6 +199,14 @@ class MetricHistory:
         if newest is None:
             return []
         return [value for ts, value in self.samples[name] if newest - ts <= seconds]
+
+    def rate_between(self, name: str, start: float, end: float) -> float | None:
+        """How fast the running total `name` grew over the samples in [start, end), per
+        second; None without two samples apart in time."""
+        inside = [(ts, value) for ts, value in self.samples[name] if start <= ts < end]
+        if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
+            return None
+        return max(inside[-1][1] - inside[0][1], 0.0) / (inside[-1][0] - inside[0][0])
 
     def mean_between(self, name: str, start: float, end: float) -> float | None:
         """The mean of `name` over snapshot times in [start, end); None without a sample."""

@@ -6,7 +6,8 @@ its key still answers, with the reason (see ConsoleScreen.on_key).
 Every command key is a priority binding, so it works from every screen, with a field
 focused too (k9s: `?` helps everywhere). A key still goes to the focused field when the
 field takes that character (a digit into a number Field, any letter into a filter box);
-Escape leaves the field, and F1–F5 switch screens whatever is focused.
+Escape leaves the field, and F1–F5 switch screens whatever is focused. Every key is decided
+in the order it was sent (widgets.field.keystroke).
 """
 
 from __future__ import annotations
@@ -116,8 +117,15 @@ def typed_into(focused: Widget | None, key: str) -> bool:
     character = CHARACTERS.get(key, key)
     if not isinstance(focused, Input) or len(character) != 1 or not character.isprintable():
         return False
-    value = focused.value
-    at = focused.cursor_position
-    candidate = f"{value[:at]}{character}{value[at:]}"
-    patterns = [p for p in (INPUT_TYPES.get(focused.type), focused.restrict) if p]
+    return accepts(focused, character)
+
+
+def accepts(box: Input, character: str) -> bool:
+    """Whether `box`'s type and restriction take `character` typed at its cursor (over its
+    selection, if any)."""
+    value = box.value
+    selection = box.selection
+    start, end = sorted(selection) if not selection.is_empty else (box.cursor_position,) * 2
+    candidate = f"{value[:start]}{character}{value[end:]}"
+    patterns = [p for p in (INPUT_TYPES.get(box.type), box.restrict) if p]
     return all(re.fullmatch(p, candidate) is not None for p in patterns)

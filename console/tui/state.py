@@ -20,6 +20,7 @@ from console.sources.base import (
     Capabilities,
     Capability,
     ConfigHistory,
+    MetricStore,
     Pausable,
     SlowQueryStore,
     Source,
@@ -34,6 +35,7 @@ from console.tui.collectors import (
     ConfigChangesLoaded,
     DriftLoaded,
     SlowQueriesLoaded,
+    StoredMetricsLoaded,
     TracedDriftLoaded,
     apply_config_in_worker,
     load_in_worker,
@@ -67,6 +69,7 @@ class ConsoleState:
     failure: str = ""  # the source's latest error, until a snapshot arrives again
     slo: ServiceSLO = field(default_factory=ServiceSLO)  # the operator's latency targets
     traced: TracedTraffic | None = None  # None: no --otlp-listen, nothing to simulate
+    session_start: float | None = None  # the first snapshot's time: the "session" range
 
     @property
     def capabilities(self) -> Capabilities:
@@ -81,6 +84,8 @@ class ConsoleState:
 
     def record(self, snapshot: Snapshot) -> None:
         self.history.record(snapshot)
+        if self.session_start is None:
+            self.session_start = snapshot.ts
         self.latest = snapshot
         self.failure = ""
 
@@ -183,6 +188,17 @@ class ConsoleState:
             traced = facet(self.source, TracedDrift)
             load_in_worker(node, lambda: TracedDriftLoaded(traced.traced_drift()))
             return None
+        return refusal
+
+    def load_stored_metrics(self, node: DOMNode, start: float, end: float, buckets: int,
+                            change: int | None = None) -> str | None:
+        """The engine's figures over wall-clock [start, end) from its store (for the stored
+        change `change`, if one)."""
+        refusal = self.refusal(Capability.STORED_METRICS)
+        if refusal is None:
+            store = facet(self.source, MetricStore)
+            load_in_worker(node, lambda: StoredMetricsLoaded(
+                store.stored_metrics(start, end, buckets), change))
         return refusal
 
     def load_config_changes(self, node: DOMNode) -> str | None:

@@ -91,12 +91,14 @@ def _mode_reason(engine: Engine) -> str:
 
 def _view(request: Request, budget: int) -> RequestView:
     chunk = max(1, budget)
+    done = len(request.chunks)
+    # the chunks still to run: a prompt the prefix cache covered needs none
+    left = max(0, request.num_prompt_tokens - request.num_computed_tokens)
     return RequestView(
         id=request.id, tenant=request.tenant, state=request.state.value, reason=request.reason,
         prompt_tokens=request.num_prompt_tokens,
         prefilled_tokens=min(request.num_computed_tokens, request.num_prompt_tokens),
-        chunks_done=len(request.chunks),
-        chunks_total=max(len(request.chunks), -(-request.num_prompt_tokens // chunk)),
+        chunks_done=done, chunks_total=done + -(-left // chunk),
         generated_tokens=len(request.output_token_ids), cached_tokens=request.cached_tokens,
         ttft_ms=None if request.ttft_s is None else request.ttft_s * 1000,
         tpot_ms=None if request.tpot_s is None else request.tpot_s * 1000,

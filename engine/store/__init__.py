@@ -29,6 +29,7 @@ from engine.store.journal import (
     unfinished_requests,
 )
 from engine.store.lock import StoreLockedError
+from engine.store.metric_history import MetricBucket, StoredMetrics, stored_metrics
 from engine.store.retention import RetentionLimits, apply_retention
 from engine.store.slow_queries import (
     SlowQueryRecord,
@@ -49,6 +50,7 @@ __all__ = [
     "Database",
     "DriftRecord",
     "JournalEntry",
+    "MetricBucket",
     "QuarantinedRequest",
     "RetentionLimits",
     "SkippedRow",
@@ -56,6 +58,7 @@ __all__ = [
     "StoreError",
     "StoreLockedError",
     "StoreWriter",
+    "StoredMetrics",
     "TracedDriftPoint",
     "apply_retention",
     "calibration_history",
@@ -76,6 +79,7 @@ __all__ = [
     "quarantined_requests",
     "release_quarantine",
     "save_calibration",
+    "stored_metrics",
     "traced_drift",
     "unfinished_requests",
     "upgrade_database",

@@ -10,9 +10,10 @@ from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.widgets import DataTable
 
+from console.tui.change_effect import AROUND_S, Load
 from console.tui.collectors import ConfigChangesLoaded
 from console.tui.history import MetricHistory
-from console.tui.screens.tuning import AROUND_S, Load, TuningScreen
+from console.tui.screens.tuning import TuningScreen
 from console.tui.widgets.chunk_queue import ChunkQueue
 from console.tui.widgets.header import EngineHeader, warnings
 from console.tui.widgets.plot import Line, Plot, Series, ms, per_s
@@ -77,6 +78,19 @@ async def test_an_outlier_is_clipped_and_said_so_and_a_pane_shares_one_window() 
     assert (await drawn(plot, (70, 12))).splitlines()[-1].strip().startswith("-2m")
 
 
+async def test_a_long_peak_is_clipped_so_the_slo_keeps_its_own_row() -> None:
+    """After a pause, TTFT p99 sat near 100 s for half the window: no outlier by count, but
+    a 2 s SLO fell on the `0 ms` row. The axis stops where the SLO is a row above zero."""
+    values = tuple([100_000.0] * 30 + [300.0] * 30)
+    plot = Plot(unit=ms)
+    plot.show((Series("TTFT p99", values, TIMES),), lines=(Line(2000.0, "SLO 2.0 s", "red"),))
+    rows = (await drawn(plot, (60, 12))).splitlines()
+    assert "↑ clipped, peak 100.0 s" in rows[0]
+    canvas = rows[1:-2]
+    [slo] = [row for row in canvas if row.rstrip().endswith("SLO 2.0 s")]
+    assert "0 ms┤" not in slo and canvas.index(slo) < len(canvas) - 1
+
+
 async def test_a_chart_without_times_plots_by_position_with_no_time_axis() -> None:
     plot = Plot()
     plot.show((Series("prefill ms/1k tok", tuple(float(i % 5) for i in range(40))),))
@@ -107,9 +121,9 @@ def test_history_rates_changes_and_the_figures_around_a_change() -> None:
     history.record(snap(2, 2.0, num_waiting=6, requests_finished_total=2, tokens_per_s=100.0))
     history.record(snap(3, 4.0, num_waiting=6, requests_finished_total=2, tokens_per_s=300.0,
                         config={"max_num_batched_tokens": 512}))
-    # 2 finished and 2 more waiting: 4 arrived in 2 s; then none
-    assert history.values("arrival_rate") == [2.0, 0.0]
-    assert history.values("finish_rate") == [1.0, 0.0]
+    # 2 finished and 2 more waiting: 4 arrived in 2 s; then none, so 4 in the 4 s so far
+    assert history.values("arrival_rate") == [2.0, 1.0]
+    assert history.values("finish_rate") == [1.0, 0.5]
     [change] = history.changes
     assert (change.ts, change.field, change.old, change.new) == (4.0, "max_num_batched_tokens",
                                                                  256, 512)

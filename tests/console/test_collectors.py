@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 from textual.message import Message
 
 from console.sources.replay import ReplaySource
-from console.tui.collectors import SnapshotCollector, SnapshotPolled, SourceFailed
+from console.tui.collectors import (
+    QUIET_REDRAW_S,
+    QUIET_SLOWDOWN,
+    SnapshotCollector,
+    SnapshotPolled,
+    SourceFailed,
+)
 from engine.snapshot import Snapshot
 from tests.console.conftest import SESSION
 
@@ -54,3 +61,32 @@ def test_a_finished_recording_is_posted_once_and_again_after_a_failure(
     source.pause()
     collector._collect()
     assert inbox.snapshots()[-1].paused  # a change of the paused flag alone is new
+
+
+def test_an_idle_engine_is_redrawn_seldom_and_polled_slower_until_something_moves() -> None:
+    """Snapshots of an idle engine differ in their time alone: one is posted every
+    QUIET_REDRAW_S of the source's clock, and the poll slows to QUIET_SLOWDOWN intervals."""
+    clock = itertools.count()
+    idle = Snapshot(step=7, ts=0.0)
+    moving: list[Snapshot] = []
+
+    class Idle:
+        name = "idle"
+
+        def snapshot(self) -> Snapshot:
+            ts = next(clock) * 0.4
+            return moving.pop() if moving else dataclasses.replace(idle, ts=ts)
+
+    inbox = Inbox()
+    collector = SnapshotCollector(inbox, Idle(), interval=0.4)  # type: ignore[arg-type]
+    collector.delay = collector.interval
+    for _ in range(100):  # 40 s of the source's time
+        collector._collect()
+    times = [s.ts for s in inbox.snapshots()]
+    assert times[0] == 0.0 and len(times) == 1 + int(39.6 // QUIET_REDRAW_S)
+    assert all(b - a == pytest.approx(QUIET_REDRAW_S, abs=0.4) for a, b in
+               itertools.pairwise(times))
+    assert collector.delay == pytest.approx(0.4 * QUIET_SLOWDOWN)
+    moving.append(dataclasses.replace(idle, step=8, ts=40.0))
+    collector._collect()  # a step: posted at once, and polled at the full rate again
+    assert inbox.snapshots()[-1].step == 8 and collector.delay == 0.4

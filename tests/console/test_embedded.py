@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from console.sources.base import SourceError
+from console.sources.base import SourceError, stated_rate
 from console.sources.embedded import EmbeddedSource
 from engine.events import ChunkComplete, EventBus, RequestAdded
 from engine.store import StoreWriter, open_database
@@ -128,3 +128,18 @@ def _journal_states(db: Path) -> dict[str, str]:
             return dict(session.execute(select(JournalRow.request_id, JournalRow.state)).all())
     finally:
         database.close()
+
+
+def test_the_rate_flag_is_the_rate_played_shown_and_stored(tmp_path: Path) -> None:
+    """`--rate 20` on a 32-request Poisson sample once played (and showed) 16/s; a change
+    stored the old rate as 3.202 where the form showed 3.2."""
+    source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="mixed",
+                                  db=tmp_path / "rate.db", rate=20.0)
+    try:
+        assert source.snapshot().workload_rate == pytest.approx(20.0)
+        source.set_arrival_rate(3.14159)
+        [change] = [c for c in source.config_changes() if c.field == "arrival_rate"]
+        assert (change.old, change.new) == (20.0, 3.14)
+        assert stated_rate(source.snapshot().workload_rate) == 3.14
+    finally:
+        source.close()

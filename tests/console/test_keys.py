@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from textual.widgets import Input
+from textual.widgets import Input, Static
 
 from console.sources.embedded import EmbeddedSource
 from console.tui.app import TokenflowApp
@@ -18,6 +18,7 @@ from console.tui.screens.live import LiveScreen
 from console.tui.screens.slow_queries import SlowQueriesScreen
 from console.tui.screens.tuning import TuningScreen
 from console.tui.widgets.keyed_table import middle_cut
+from console.tui.widgets.requests_table import RequestsTable
 from engine.config import EngineConfig
 from tests.console.conftest import FAST_POLL_S, replay_app, replayed, until, workers_done
 
@@ -62,6 +63,7 @@ async def test_screen_keys_help_and_quit_work_with_a_field_focused(tmp_path: Pat
         assert isinstance(app.screen, SlowQueriesScreen)
         await pilot.press("2")  # coming back leaves the field: 2 was a screen key
         assert app.screen is tuning and not isinstance(app.focused, Input)
+        assert box.value == live_budget  # leaving the screen dropped the unapplied edit
         box.focus()
         await pilot.press("escape", "4")  # Escape leaves the field; 4 is a screen key again
         assert isinstance(app.screen, DriftScreen)
@@ -71,7 +73,7 @@ async def test_screen_keys_help_and_quit_work_with_a_field_focused(tmp_path: Pat
         await pilot.pause()
         await pilot.press("q")  # q from inside a field
         await workers_done(pilot)
-        assert box.value == "512" and not app.is_running
+        assert not app.is_running
 
 
 async def test_a_filter_box_takes_letters_and_escape_leaves_it() -> None:
@@ -96,3 +98,17 @@ def test_ids_are_cut_in_the_middle() -> None:
     assert middle_cut("long-doc-00017", 14) == "long-doc-00017"
     assert middle_cut("long-doc-00017-3", 14) == "long-do…0017-3"
     assert middle_cut("long-doc-00017-3", 14) != middle_cut("long-doc-00018-3", 14)
+
+
+async def test_a_filter_that_hides_every_row_says_so_not_that_none_exist() -> None:
+    async with replay_app().run_test(size=(120, 40)) as pilot:
+        await replayed(pilot)
+        table = pilot.app.screen.query_one(RequestsTable)
+        rows = len(table.rows)
+        assert rows > 0
+        await pilot.press("slash", "z", "z", "z")
+        note = str(table.query_one(".table-empty", Static).render())
+        assert note == (f"none of the {rows} rows matches the filter zzz · / edits it, Escape "
+                        "clears it")
+        await pilot.press("escape")
+        assert not table.query_one(".table-empty", Static).display

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from textual.message import Message
+from textual.widgets import Static
 
 from console.sources.process import ProcessSource
 from console.tui.app import TokenflowApp
@@ -105,6 +106,8 @@ async def test_resumed_requests_are_announced_and_can_be_discarded(tmp_path: Pat
         await until(pilot, lambda: isinstance(app.screen, ResumedNotice), "the notice")
         notice = app.screen
         assert isinstance(notice, ResumedNotice) and len(notice.resumed) == 2
+        said = "\n".join(str(s.render()) for s in notice.query(Static))
+        assert "journal\nThe last session" in said and "\\x" not in said  # a real line break
         behind = app.screen_stack[-2].query_one(RequestsTable)  # the panes show the engine
         await until(pilot, lambda: behind.table.row_count > 0, "the requests behind the notice")
         await pilot.press("d")

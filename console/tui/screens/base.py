@@ -62,11 +62,18 @@ class ConsoleScreen(Screen):
 
     def on_screen_suspend(self) -> None:
         """Leaving a screen leaves its field: coming back, the digits are screen keys."""
-        if isinstance(self.focused, Input):
-            self.set_focus(None)
+        self.end_edit()
+
+    def leave(self) -> None:
+        """The app is switching to another screen: end the edit now, before the keys sent
+        after the screen key arrive."""
+        self.end_edit()
 
     def action_leave_input(self) -> None:
         """Escape leaves a field, so the screen's keys (1–5, c, p) are keys again."""
+        self.end_edit()
+
+    def end_edit(self) -> None:
         if isinstance(self.focused, Input):
             self.set_focus(None)
 

@@ -64,7 +64,8 @@ class ResumedNotice(ModalScreen[bool]):
         with Vertical(id="resumed"):
             yield Static(Text.assemble(
                 (f"{len(self.resumed)} request(s) resumed from the journal", "bold yellow"),
-                plain(f"\nThe last session on this store left them unfinished; "
+                "\n",  # a line break of our own: plain() would show it as an escape
+                plain(f"The last session on this store left them unfinished; "
                       f"{self.source_name} is running them again: {shown}")))
             yield Static(Text.assemble(("k", "bold"), " keep them   ", ("d", "bold"),
                                        " discard them"))

@@ -12,9 +12,8 @@ by the engine (config_changed events), so the changes table is the store's recor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from rich.text import Text
 from textual import events
@@ -23,19 +22,31 @@ from textual.binding import Binding, BindingType
 from textual.containers import Grid, Horizontal, VerticalScroll
 from textual.widgets import Button, DataTable, Input, Label, Static
 
-from console.sources.base import Capability
+from console.sources.base import Capability, stated_rate
+from console.tui.change_effect import AROUND_S, Load, around
 from console.tui.collectors import (
     RATE_FIELD,
     ConfigApplied,
     ConfigChangesLoaded,
     ConfigRejected,
     RateSet,
+    StoredMetricsLoaded,
 )
-from console.tui.history import MetricHistory
 from console.tui.screens.base import ConsoleScreen
 from console.tui.state import ConsoleState
 from console.tui.text import escaped, plain
+from console.tui.time_range import (
+    BUCKETS,
+    MEMORY,
+    RANGES,
+    RELOAD_S,
+    TimeRange,
+    on_engine_clock,
+    points,
+)
+from console.tui.tuning_form import BY_NAME, FIELDS, Field, shown
 from console.tui.widgets.field import Field as NumberField
+from console.tui.widgets.field import start_edit
 from console.tui.widgets.header import chunk_size
 from console.tui.widgets.latency import append_latency, slo_style, window
 from console.tui.widgets.notice import unavailable
@@ -44,137 +55,28 @@ from engine.events import wall_offset
 from engine.ops.metrics import RATE_WINDOW_S
 from engine.snapshot import Snapshot
 
+if TYPE_CHECKING:  # the store pulls in SQLAlchemy: kept off the launch path
+    from engine.store import StoredMetrics
+
 NARROW_COLUMNS = 110  # below this the charts stack into one column of sparklines
-AROUND_S = 30.0  # the changes table compares this long before a change with as long after
-# Arrival rates this far apart (relative to the higher) make the two sides of a change unequal
-# loads; 30 s of Poisson arrivals at a few per second vary by less than this.
-ARRIVALS_TOLERANCE = 0.25
-IDLE_ARRIVALS = 0.05  # requests/s: below this on both sides, both are idle, hence equal
-
-
-@dataclass(frozen=True)
-class Field:
-    name: str  # the EngineConfig field (RATE_FIELD: the traffic's arrival rate)
-    label: str
-    help: str
-    kind: type  # int or float
-    low: float
-    high: float
-    why: str  # what the upper bound protects, said when a value is above it
-    why_low: str = ""  # what the lower bound protects, said when a value is below it
-
-    def check(self, text: str) -> str | None:
-        """Why `text` cannot be applied to this field, or None: the bound it broke, and why
-        that bound is there."""
-        try:
-            value = float(text)
-        except ValueError:
-            return f"expected a {'whole ' if self.kind is int else ''}number, got {text!r}"
-        if self.kind is int and value != int(value):
-            return f"expected a whole number, got {text!r}"
-        if value < self.low:
-            return f"must be at least {self.low:g}" + (f": {self.why_low}" if self.why_low
-                                                        else "")
-        if value > self.high:
-            return f"must be at most {self.high:g}: {self.why}"
-        return None
-
-
-FIELDS: tuple[Field, ...] = (
-    Field(RATE_FIELD, "Arrival rate /s", "the console's traffic; 0 holds it", float, 0, 1000,
-          "beyond 1000 requests/s the workload plays all at once"),
-    Field("max_num_batched_tokens", "Token budget", "tokens one step may spend", int, 16, 65536,
-          "one step beyond 65536 tokens outlasts any time-between-tokens SLO",
-          "a step needs room for a chunk tile beside its decodes"),
-    Field("chunk_tile", "Chunk tile", "chunks round down to a multiple", int, 1, 1024,
-          "a tile beyond 1024 leaves most budgets one chunk or none"),
-    Field("max_prefill_chunks", "Chunks at once", "partial prefills per step", int, 1, 64,
-          "more than 64 partial prefills per step only thin each chunk"),
-    Field("long_prefill_threshold", "Chunk cap", "per request per step; 0 = none", int, 0,
-          65536, "0 turns the cap off; above 65536 it never binds"),
-    Field("cache_high_watermark", "KV high mark", "stop admitting above", float, 0.05,
-          0.99, "at 1 the cache fills before admission stops, and decodes preempt"),
-    Field("cache_low_watermark", "KV low mark", "admit again below", float, 0.01, 0.98,
-          "it must sit below the high watermark, above an empty cache"),
-    Field("bandwidth_throttle_2", "BW throttle → 2", "5 s avg above: concurrency 2", float,
-          0.05, 1.0, "a share of the device's peak bandwidth"),
-    Field("bandwidth_throttle_1", "BW throttle → 1", "above: concurrency 1", float, 0.05, 1.0,
-          "a share of the device's peak bandwidth"),
-    Field("bandwidth_pause", "BW pause", "above: new prefills paused", float, 0.05, 1.0,
-          "a share of the device's peak bandwidth"),
-    Field("slow_query_threshold", "Slow query", "budget_score above is slow", float, 1.0, 10.0,
-          "above 10 hides real slow queries", "a budget_score of 1 is on plan: below 1 flags "
-          "healthy requests"),
-    Field("slow_query_min_overrun_ms", "Slow query min", "ms over plan, at least", float, 0.0,
-          10_000.0, "milliseconds a prefill must overrun its plan to be a slow query"),
-)
-BY_NAME = {field.name: field for field in FIELDS}
-
-
-def shown(value: Any) -> str:
-    if value is None:
-        return ""
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value)
-
-
-def around(history: MetricHistory, at: float, name: str, unit: Any) -> tuple[str, str]:
-    """`name` averaged over the AROUND_S before `at` and the AROUND_S after it (so far, with
-    "…", while that half is still running); "–" where the history holds no sample."""
-    def mean(start: float, end: float) -> str:
-        value = history.mean_between(name, start, end)
-        return "–" if value is None else unit(value)
-    after = mean(at, at + AROUND_S)
-    newest = history.newest_ts
-    if newest is not None and newest < at + AROUND_S and after != "–":
-        after += "…"
-    return mean(at - AROUND_S, at), after
-
-
-@dataclass(frozen=True)
-class Load:
-    """The arrival rates (requests/s) over the AROUND_S before a change and after it: a
-    change's figures compare only where these are equal within ARRIVALS_TOLERANCE."""
-
-    before: float | None
-    after: float | None
-
-    @classmethod
-    def around(cls, history: MetricHistory, at: float) -> Load:
-        return cls(history.mean_between("arrival_rate", at - AROUND_S, at),
-                   history.mean_between("arrival_rate", at, at + AROUND_S))
-
-    @property
-    def comparable(self) -> bool | None:
-        """Whether the two sides saw equal arrivals; None where a side has no sample."""
-        if self.before is None or self.after is None:
-            return None
-        high = max(self.before, self.after)
-        return high < IDLE_ARRIVALS or abs(self.before - self.after) <= ARRIVALS_TOLERANCE * high
-
-    def cell(self, rate_change: bool = False) -> str:
-        """The load in a Changes cell; `rate_change`: the change was the arrival rate itself,
-        whose two sides differ in load by design."""
-        if self.comparable is None:
-            return "–"
-        if self.comparable and not rate_change:
-            return f"equal, {self.before:.2g}/s"
-        moved = f"{self.before:.2g}→{self.after:.2g}/s"
-        return moved if rate_change else f"{moved} unequal"
-
-    def sentence(self) -> str:
-        assert self.before is not None and self.after is not None  # only said when unequal
-        return f"arrivals changed ({self.before:.2g}/s → {self.after:.2g}/s): not comparable"
 
 
 class TuningScreen(ConsoleScreen):
-    # Entering the screen focuses nothing, so 1-5 stay screen keys; Enter or Tab starts an edit.
+    """One rule for the form's focus: a screen key always acts unless a field is being
+    edited. Entering the screen edits nothing; Enter or Tab starts an edit with the field's
+    value selected (typing replaces it); Apply (Enter, ctrl+s) ends it, Escape drops the
+    field's unapplied text, ctrl+r and leaving the screen drop every unapplied edit."""
+
     AUTO_FOCUS = ""
+    # priority: each acts in the order it was sent, before the keys typed after it
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("ctrl+s", "apply", "Apply"),
-        Binding("ctrl+r", "revert", "Revert"),
-        Binding("enter", "edit", "Edit", show=False),
+        Binding("ctrl+s", "apply", "Apply", priority=True),
+        Binding("ctrl+r", "revert", "Revert", priority=True),
+        Binding("enter", "enter", "Edit", show=False, priority=True),
+        Binding("tab", "next_field(1)", "Next field", show=False, priority=True),
+        Binding("shift+tab", "next_field(-1)", "Previous field", show=False, priority=True),
+        Binding("escape", "leave_input", "Leave the field", show=False, priority=True),
+        Binding("t", "time_range", "Range"),
     ]
     NEEDS: ClassVar[dict[str, Capability]] = {"apply": Capability.TUNE,
                                               "revert": Capability.TUNE}
@@ -182,6 +84,9 @@ class TuningScreen(ConsoleScreen):
     def __init__(self, state: ConsoleState) -> None:
         super().__init__(state)
         self._base: dict[str, Any] = {}  # the live values the form was last filled from
+        self._range: TimeRange = MEMORY
+        self._stored: StoredMetrics | None = None  # the store's figures for a longer range
+        self._stored_at: float | None = None  # the engine time they were asked for
 
     def compose(self) -> ComposeResult:
         yield from self.compose_header()
@@ -212,7 +117,8 @@ class TuningScreen(ConsoleScreen):
     def on_mount(self) -> None:
         self.border_title = "Tuning"
         self.query_one("#tuning-form").border_title = "Live configuration"
-        self.query_one("#tuning-charts").border_title = "Effect (marks: applied changes)"
+        self._show_editing()
+        self._title_charts()
         changes = self.query_one("#config-changes", DataTable)
         changes.border_title = "Changes (stored)"
         span = f"{AROUND_S:.0f}s"
@@ -254,12 +160,16 @@ class TuningScreen(ConsoleScreen):
         super().show_snapshot(snapshot)
         live = {field.name: snapshot.config.get(field.name) for field in FIELDS}
         rate = snapshot.workload_rate  # three figures: the form shows 3.2, not 3.2016
-        live[RATE_FIELD] = None if rate is None else float(f"{rate:.3g}")
+        live[RATE_FIELD] = None if rate is None else stated_rate(rate)
         # Refill only the inputs the operator has not edited, so typing is never overwritten.
         for field in FIELDS:
             box = self.query_one(f"#input-{field.name}", Input)
-            if field.name not in self._base or box.value == shown(self._base[field.name]):
-                box.value = shown(live[field.name])
+            fresh = shown(live[field.name])
+            if box.value != fresh and (field.name not in self._base
+                                       or box.value == shown(self._base[field.name])):
+                box.value = fresh
+                if box is self.focused:
+                    box.select_all()  # still untouched: typing still replaces it
             self._base[field.name] = live[field.name]
         self._mark_edits()
         self.query_one("#tuning-live", Static).update(self._live_line(snapshot))
@@ -283,27 +193,81 @@ class TuningScreen(ConsoleScreen):
         text.append(f" over {snapshot.window_s or RATE_WINDOW_S:.0f} s", style="dim")
         return text
 
+    def _offset(self) -> float:
+        """Wall-clock minus the engine's clock, as the newest snapshot says."""
+        latest = self.state.latest
+        return (latest.wall_offset if latest is not None and latest.wall_offset is not None
+                else wall_offset())
+
+    def action_time_range(self) -> None:
+        """`t`: the next time range; beyond the in-memory minutes the store fills the past."""
+        at = RANGES.index(self._range)
+        wanted = RANGES[(at + 1) % len(RANGES)]
+        refusal = self.state.refusal(Capability.STORED_METRICS)
+        if wanted is not MEMORY and refusal is not None:
+            self.notify(escaped(refusal), severity="warning", markup=False)
+            wanted = MEMORY
+        self._range, self._stored, self._stored_at = wanted, None, None
+        self._title_charts()
+        if self.state.latest is not None:
+            self._show_charts(self.state.latest)
+
+    def _title_charts(self) -> None:
+        self.query_one("#tuning-charts").border_title = (
+            f"Effect · {self._range.label} (t)")
+
+    def _load_stored(self, now: float) -> None:
+        """Ask the store for the range's figures, at most every RELOAD_S."""
+        if self._range is MEMORY or (self._stored_at is not None
+                                     and now - self._stored_at < RELOAD_S):
+            return
+        self._stored_at = now
+        start = self._range.start(now, self.state.session_start or now)
+        if now > start:
+            offset = self._offset()
+            self.state.load_stored_metrics(self, start + offset, now + offset, BUCKETS)
+
+    def on_stored_metrics_loaded(self, message: StoredMetricsLoaded) -> None:
+        if message.change is not None:
+            self._show_stored_around(message.change, message.metrics)
+            return
+        self._stored = message.metrics
+        if self.state.latest is not None:
+            self._show_charts(self.state.latest)
+
     def _show_charts(self, snapshot: Snapshot) -> None:
         history, slo = self.state.history, self.state.slo
-        marks, now = history.change_times, history.newest_ts
+        now = history.newest_ts
+        if now is None:
+            return
+        self._load_stored(now)
+        stored, offset = self._stored, self._offset()
+        marks, events = history.change_times, tuple(history.events)
+        start = history.oldest_ts
+        if self._range is not MEMORY:
+            start = self._range.start(now, self.state.session_start or now)
+        if stored is not None:
+            marks = (*on_engine_clock(stored.changes, offset), *marks)
+            events = (*on_engine_clock((*stored.drift, *stored.restarts), offset), *events)
 
-        def plot(name: str, series: tuple[Series, ...], lines: tuple[Line, ...] = ()) -> None:
-            self.query_one(f"#{name}", Plot).show(series, lines, marks, now, history.oldest_ts)
+        def series(label: str, name: str) -> Series:
+            return Series.of(label, points(history, name, stored, offset))
 
-        plot("tune-ttft", (Series.of("TTFT p50", history.points("ttft_p50")),
-                           Series.of("p99", history.points("ttft_p99"))),
+        def plot(name: str, shown: tuple[Series, ...], lines: tuple[Line, ...] = ()) -> None:
+            self.query_one(f"#{name}", Plot).show(shown, lines, marks, now, start, events)
+
+        plot("tune-ttft", (series("TTFT p50", "ttft_p50"), series("p99", "ttft_p99")),
              (Line(slo.ttft_ms, f"SLO {ms(slo.ttft_ms)}", "red"),))
-        plot("tune-tbt", (Series.of("ITL p99", history.points("itl_p99")),),
+        plot("tune-tbt", (series("ITL p99", "itl_p99"),),
              (Line(slo.itl_ms, f"SLO {ms(slo.itl_ms)}", "red"),))
-        plot("tune-queue", (Series.of("waiting", history.points("num_waiting")),
-                            Series.of("chunks", history.points("chunk_queue_length"))))
-        plot("tune-rates", (Series.of("arrived/s", history.points("arrival_rate")),
-                            Series.of("finished/s", history.points("finish_rate"))))
+        plot("tune-queue", (series("waiting", "num_waiting"),
+                            series("chunks", "chunk_queue_length")))
+        plot("tune-rates", (series("arrived/s", "arrival_rate"),
+                            series("finished/s", "finish_rate")))
         budget = snapshot.config.get("max_num_batched_tokens")
-        plot("tune-cstar", (Series.of("C*", history.points("cstar")),),
+        plot("tune-cstar", (series("C*", "cstar"),),
              () if budget is None else (Line(float(budget), f"budget {budget}"),))
-        plot("tune-throughput", (Series.of("prompt+output tok/s",
-                                           history.points("tokens_per_s")),))
+        plot("tune-throughput", (series("prompt+output tok/s", "tokens_per_s"),))
 
     # --- the form ---------------------------------------------------------------------------
     def edited(self) -> dict[str, str]:
@@ -342,6 +306,8 @@ class TuningScreen(ConsoleScreen):
         box.set_class(problem is not None, "error")
 
     def action_apply(self) -> None:
+        """Apply every edited field together; this ends the edit, applied or refused."""
+        self.end_edit()
         changes = self.edited()
         if not changes:
             self.notify("unchanged: no field differs from the live value", timeout=2)
@@ -358,12 +324,64 @@ class TuningScreen(ConsoleScreen):
         if changes:
             self._refused(self.state.apply_config(self, changes))
 
-    def action_edit(self) -> None:
-        """Enter with nothing focused: edit the first field the source lets one change."""
-        for box in self.query(".field-input").results(Input):
-            if box.focusable and box.parent is not None and box.parent.display:
-                box.focus()
-                return
+    def _fields(self) -> list[Input]:
+        """The inputs the source lets one edit, in the form's order."""
+        return [box for box in self.query(".field-input").results(Input)
+                if box.focusable and box.parent is not None and box.parent.display]
+
+    def action_enter(self) -> None:
+        """Enter applies while a field is edited, presses a focused button, and otherwise
+        starts an edit in the first field."""
+        if isinstance(self.focused, Input):
+            self.action_apply()
+        elif isinstance(self.focused, Button):
+            self.focused.press()
+        else:
+            self.action_next_field(1)
+
+    def action_next_field(self, step: int) -> None:
+        """Tab: edit the next field (the first, when none is edited); shift+Tab the one
+        before. Other edits stay, to be applied together."""
+        boxes = self._fields()
+        if not boxes:
+            return
+        at = boxes.index(self.focused) if self.focused in boxes else (-1 if step > 0 else 0)
+        start_edit(self, boxes[(at + step) % len(boxes)])
+        self._show_editing()
+
+    def action_leave_input(self) -> None:
+        """Escape ends the edit and drops the field's unapplied text."""
+        box = self.focused
+        if isinstance(box, Input):
+            self._restore(box)
+        self.end_edit()
+
+    def on_screen_suspend(self) -> None:
+        """A dialog over the form (help, a question) only pauses the edit."""
+
+    def leave(self) -> None:
+        """Leaving the screen drops every unapplied edit: coming back, the form shows the
+        live values and no stray key typed before can block an Apply."""
+        self.action_revert()
+
+    def end_edit(self) -> None:
+        super().end_edit()
+        self._show_editing()
+
+    def _show_editing(self) -> None:
+        """Say on the form's frame whether a field is being edited, and what keys do."""
+        box = self.focused
+        name = (box.id or "").removeprefix("input-") if isinstance(box, Input) else ""
+        field = BY_NAME.get(name)
+        self.query_one("#tuning-form").border_subtitle = (
+            f"editing {field.label}: typing replaces · Enter applies · Esc cancels"
+            if field is not None else "Enter or Tab: edit")
+
+    def _restore(self, box: Input) -> None:
+        name = (box.id or "").removeprefix("input-")
+        if name in BY_NAME:
+            box.value = shown(self._base.get(name))
+            self._show_note(BY_NAME[name], None)
 
     def action_apply_recommended(self) -> None:
         self._refused(self.state.apply_recommended(self))
@@ -373,17 +391,15 @@ class TuningScreen(ConsoleScreen):
             self.notify(escaped(refusal), severity="warning", markup=False)
 
     def action_revert(self) -> None:
-        for field in FIELDS:
-            self.query_one(f"#input-{field.name}", Input).value = shown(self._base.get(field.name))
-            self._show_note(field, None)
+        """Drop every unapplied edit: the form shows the live values again."""
+        self.end_edit()
+        for box in self.query(".field-input").results(Input):
+            self._restore(box)
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         actions = {"apply": self.action_apply, "revert": self.action_revert,
                    "apply-cstar": self.action_apply_recommended}
         actions[event.button.id or ""]()
-
-    def on_input_submitted(self, event: Input.Submitted) -> None:
-        self.action_apply()
 
     def _take(self, name: str, value: Any) -> None:
         """`name` is live at `value` now: the form shows it, unedited."""
@@ -401,9 +417,10 @@ class TuningScreen(ConsoleScreen):
         self._load_changes()
 
     def on_rate_set(self, message: RateSet) -> None:
-        self._take(RATE_FIELD, message.rate)
+        self._take(RATE_FIELD, stated_rate(message.rate))
         self._mark_edits()
-        self.notify(f"arrival rate {message.rate:g}/s", timeout=2)
+        self.notify(f"arrival rate {stated_rate(message.rate):g}/s", timeout=2)
+        self._load_changes()  # the rate's change is stored like any setting's
 
     def on_config_rejected(self, message: ConfigRejected) -> None:
         message.stop()  # shown beside its field, not again by the app
@@ -423,6 +440,7 @@ class TuningScreen(ConsoleScreen):
         offset = (latest.wall_offset if latest is not None and latest.wall_offset is not None
                   else wall_offset())
         unequal: tuple[str, Load] | None = None  # the newest change whose load moved
+        stored = self.state.refusal(Capability.STORED_METRICS) is None
         for change in message.changes:
             at = change.created_at - offset
             ttft = around(history, at, "ttft_p99", ms)
@@ -438,6 +456,29 @@ class TuningScreen(ConsoleScreen):
                           Text(load.cell(change.field == RATE_FIELD),
                                style="yellow" if moved else "dim"),
                           key=str(change.id))
+            done = history.newest_ts is not None and history.newest_ts >= at + AROUND_S
+            if stored and done and {*ttft, *throughput} == {"–"}:  # older than memory holds
+                self.state.load_stored_metrics(self, change.created_at - AROUND_S,
+                                               change.created_at + AROUND_S, 2, change.id)
         table.border_subtitle = (
             f"{unequal[0]}: {unequal[1].sentence()}" if unequal is not None
             else "" if message.changes else "no change stored yet")
+
+    def _show_stored_around(self, change: int, metrics: StoredMetrics) -> None:
+        """A change older than the console's memory: its before and after from the store
+        (TTFT p99 of the requests whose first token came in each half, tokens/s of those
+        that finished in it)."""
+        table = self.query_one("#config-changes", DataTable)
+        key = str(change)
+        if key not in table.rows or len(metrics.buckets) != 2:
+            return
+        before, after = metrics.buckets
+        for column, bucket in (("ttft-before", before), ("ttft-after", after)):
+            value = bucket.ttft_p99_ms
+            table.update_cell(key, column, "–" if value is None else ms(value))
+        for column, bucket in (("tps-before", before), ("tps-after", after)):
+            table.update_cell(key, column, number(bucket.tokens_per_s))
+        load = Load(before.arrivals_per_s, after.arrivals_per_s)
+        rate_change = str(table.get_cell(key, "field")) == RATE_FIELD
+        table.update_cell(key, "load", Text(load.cell(rate_change), style="yellow" if (
+            load.comparable is False and not rate_change) else "dim"))

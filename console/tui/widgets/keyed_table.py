@@ -163,7 +163,30 @@ class KeyedTable(Vertical):
                         table.update_cell(key, column.key, new)
             self._shown[key] = cells
         self._sort()
-        self.query_one(".table-empty", Static).display = bool(self.empty) and not wanted
+        self._say_empty(bool(wanted))
+
+    def _say_empty(self, rows_shown: bool) -> None:
+        """Under the header while no row is shown: why, the filter's part included (a
+        filter that hides every row is not an empty store)."""
+        note = self.query_one(".table-empty", Static)
+        hidden = len(self.rows)
+        if rows_shown:
+            note.display = False
+        elif hidden:
+            note.update(Text.assemble(
+                f"none of the {hidden} row{'' if hidden == 1 else 's'} matches the filter ",
+                (escaped(self._filter), "bold"), " · / edits it, Escape clears it",
+                style="dim italic"))
+            note.display = True
+        else:
+            note.update(Text(self.empty, style="dim italic"))
+            note.display = bool(self.empty)
+
+    def say_when_empty(self, text: str) -> None:
+        """What the table says while it holds no row at all."""
+        if text != self.empty:
+            self.empty = text
+            self._say_empty(bool(self._shown))
 
     def _sort(self) -> None:
         table = self.table

@@ -28,7 +28,9 @@ SPARK_ROWS = 6  # below this a chart has no room for its legend, axis and ticks:
 SPARKS = " ▁▂▃▄▅▆▇█"
 PALETTE = ("cyan", "bright_blue", "green", "bright_magenta")
 MARK_STYLE = "magenta"
-SPANS_S = (30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)  # a time axis rounds up to one
+EVENT_STYLE = "yellow"  # drift events, pauses and resumes, engine restarts
+SPANS_S = (30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 6 * 3600.0, 24 * 3600.0, 7 * 86400.0)
+# a time axis rounds up to one of SPANS_S
 DIM = plt.pixel(foreground=Color.parse("bright_black").number)  # the frame and its ticks
 
 Unit = Callable[[float], str]
@@ -62,6 +64,8 @@ def duration(seconds: float) -> str:
     seconds = round(seconds)
     if seconds < 120:
         return f"{seconds}s"
+    if seconds >= 2 * 3600 and seconds % 3600 == 0:
+        return f"{seconds // 3600}h"
     minutes, rest = divmod(seconds, 60)
     return f"{minutes}m{rest}s" if rest else f"{minutes}m"
 
@@ -111,6 +115,7 @@ class Plot(Widget):
         self._series: tuple[Series, ...] = ()
         self._lines: tuple[Line, ...] = ()
         self._marks: tuple[float, ...] = ()
+        self._events: tuple[float, ...] = ()
         self._now: float | None = None
         self._start: float | None = None
         self._y_limits = y_limits
@@ -119,14 +124,16 @@ class Plot(Widget):
 
     def show(self, series: tuple[Series, ...], lines: tuple[Line, ...] = (),
              marks: tuple[float, ...] = (), now: float | None = None,
-             start: float | None = None) -> None:
-        """Plot `series` against `lines`; `marks` are the times of applied changes, `now` the
-        right end of the time axis (the newest sample's time when None), `start` the oldest
-        time the window must reach (the pane's history, so its charts share one window; the
-        oldest sample's when None)."""
-        shown = (series, lines, marks, now, start)
-        if shown != (self._series, self._lines, self._marks, self._now, self._start):
-            self._series, self._lines, self._marks, self._now, self._start = shown
+             start: float | None = None, events: tuple[float, ...] = ()) -> None:
+        """Plot `series` against `lines`; `marks` are the times of applied changes, `events`
+        those of drift events and engine restarts, `now` the right end of the time axis (the
+        newest sample's time when None), `start` the oldest time the window must reach (the
+        pane's history, so its charts share one window; the oldest sample's when None)."""
+        shown = (series, lines, marks, now, start, events)
+        if shown != (self._series, self._lines, self._marks, self._now, self._start,
+                     self._events):
+            (self._series, self._lines, self._marks, self._now, self._start,
+             self._events) = shown
             self.refresh()
 
     @property
@@ -145,39 +152,48 @@ class Plot(Widget):
     def _colors(self) -> list[str]:
         return [s.color or PALETTE[i % len(PALETTE)] for i, s in enumerate(self._series)]
 
-    def _range(self) -> tuple[float, float]:
+    def _range(self, rows: int = 0) -> tuple[float, float]:
+        """The y axis for a chart of `rows` rows (0: sparklines, which draw no lines)."""
         if self._y_limits is not None:
             return self._y_limits
         values = [v for s in self._series for v in s.values]
         lines = self._axis_lines(values)
         low, high = min(min(values + lines), 0.0), max(values + lines)
-        clip = self._clip_at(values, lines)
+        clip = self._clip_at(values, lines, rows)
         if clip is not None:
             high = clip
         if high <= low:
             return low, low + 1.0
         return low, high * 1.1 if high > 0 else high  # headroom above the highest point
 
-    def _clip_at(self, values: list[float], lines: list[float]) -> float | None:
+    def _clip_at(self, values: list[float], lines: list[float], rows: int) -> float | None:
         """Where the axis stops when a few outliers would flatten the rest (a resume's burst
         of 146k tok/s over a run of 340): OUTLIER_FACTOR times the 95th percentile, or the
-        highest reference line; None when nothing lies that far out."""
+        highest reference line; or where the highest reference line still sits a row above
+        the axis's zero (a 100 s peak after a pause drew a 2 s SLO on the `0 ms` row). None
+        when nothing lies that far out."""
+        clips = []
         body = quantile(values, ROBUST_QUANTILE)
-        if body is None or body <= 0 or max(values) <= OUTLIER_FACTOR * body:
-            return None
-        return max([OUTLIER_FACTOR * body, *lines])
+        if body is not None and body > 0 and max(values) > OUTLIER_FACTOR * body:
+            clips.append(max([OUTLIER_FACTOR * body, *lines]))
+        top = max(lines, default=0.0)
+        if rows > 2 and top > 0:
+            room = top * (rows - 1) / 1.1  # the line on row 1 of `rows`, after the headroom
+            if max(values) > room:
+                clips.append(room)
+        return min(clips, default=None)
 
     def _axis_lines(self, values: list[float]) -> list[float]:
         """The reference lines the axis reaches for. One far above the data (an SLO of 2 s
         over TTFTs of 2 ms) would flatten it: the legend names it, the axis stays put."""
         return [line.value for line in self._lines if line.value <= LINE_REACH * max(values)]
 
-    def _clipped(self) -> float | None:
+    def _clipped(self, rows: int = 0) -> float | None:
         """The highest value the axis cut off, if any."""
         if self._y_limits is not None:
             return None
         values = [v for s in self._series for v in s.values]
-        clip = self._clip_at(values, self._axis_lines(values))
+        clip = self._clip_at(values, self._axis_lines(values), rows)
         return None if clip is None or max(values) <= clip else max(values)
 
     def _build(self, width: int, height: int) -> Text:
@@ -210,9 +226,9 @@ class Plot(Widget):
         return text
 
     def _chart(self, width: int, height: int) -> Text:
-        low, high = self._range()
         timed = any(s.times for s in self._series)
         rows = height - 1 - (2 if timed else 1)  # the legend above; the x axis (and its ticks)
+        low, high = self._range(rows)
         shares = (1.0, 0.5, 0.0) if rows >= 5 else (1.0, 0.0)
         ticks = [low + (high - low) * share for share in shares]
         labels = [self._unit(tick) for tick in ticks]
@@ -236,9 +252,10 @@ class Plot(Widget):
         if timed:
             figure.ruler("x").lim(-span, 0.0).ticks(
                 [-span, -span / 2, 0.0], [f"-{duration(span)}", f"-{duration(span / 2)}", "now"])
-            for mark in self._marks:
-                if now - span <= mark <= now:
-                    figure.line(mark - now, 1, pixel=_pixel(MARK_STYLE), style="dotted")
+            for times, style in ((self._events, EVENT_STYLE), (self._marks, MARK_STYLE)):
+                for mark in times:
+                    if now - span <= mark <= now:
+                        figure.line(mark - now, 1, pixel=_pixel(style), style="dotted")
         else:
             figure.ruler("x").lim(0, max(dots - 1, 1)).ticks([])
         right = 0.0 if timed else max(dots - 1, 1)
@@ -250,7 +267,7 @@ class Plot(Widget):
             figure.draw(figure.text(right, value, tag, alignment="right"))
 
         text = Text(no_wrap=True, overflow="crop", end="")
-        self._legend(text, width)
+        self._legend(text, width, rows)
         text.append("\n")
         chart = Text.from_ansi(figure.build().string(), no_wrap=True, end="")
         # plotext paints a line's cells on a white ground and has no "terminal default" one:
@@ -271,15 +288,17 @@ class Plot(Widget):
             tags.setdefault(round((line.value - low) / (high - low) * (rows - 1)), []).append(line)
         return [(shared[0].value, shared) for shared in tags.values()]
 
-    def _legend(self, text: Text, width: int) -> None:
+    def _legend(self, text: Text, width: int, rows: int) -> None:
         entries: list[tuple[str, str]] = [
             (f"━ {s.label}", color) for s, color in zip(self._series, self._colors(), strict=True)]
+        clipped = self._clipped(rows)  # before the lines: a narrow legend keeps it
+        if clipped is not None:
+            entries.append((f"↑ clipped, peak {self._unit(clipped)}", "dim"))
         entries += [(f"┈ {line.label}", line.color) for line in self._lines]
         if self._marks and any(s.times for s in self._series):
             entries.append(("┊ change", MARK_STYLE))
-        clipped = self._clipped()
-        if clipped is not None:
-            entries.append((f"↑ clipped, peak {self._unit(clipped)}", "dim"))
+        if self._events and any(s.times for s in self._series):
+            entries.append(("┊ drift/pause/restart", EVENT_STYLE))
         used = 0
         for entry, style in entries:
             if used + len(entry) + 2 > width:

@@ -75,15 +75,22 @@ def request_row(r: RequestView, slow_threshold: float) -> TableRow:
     )
 
 
+NO_REQUEST = "no request yet: the engine has not admitted any"
+
+
 class RequestsTable(KeyedTable):
     def __init__(self) -> None:
         super().__init__(COLUMNS, id="requests", sort_index=SCORE_COLUMN, reverse=True,
-                         empty="no request yet: the engine has not admitted any")
+                         empty=NO_REQUEST)
         self.border_title = "Requests"
 
     def update_from(self, snapshot: Snapshot) -> None:
         threshold = setting(snapshot.config, "slow_query_threshold")
         self.sync([request_row(r, threshold) for r in snapshot.requests])
+        counted = snapshot.num_running + snapshot.num_waiting
+        self.say_when_empty(NO_REQUEST if not counted else (
+            f"{snapshot.num_running} running and {snapshot.num_waiting} waiting, but this "
+            "source lists no request one by one"))
         subtitle = f"{snapshot.num_running} running · {snapshot.num_waiting} waiting"
         if snapshot.score_estimate:  # traced scores are measured against an estimate
             subtitle += f" · budget_score vs {snapshot.score_estimate} estimate"
