@@ -46,9 +46,9 @@ FITTED_H100 = OperationEfficiency(gemm_flops=0.5921, attention_flops=0.2, memory
                                   **_SHARED)
 FITTED_SOURCE = "fitted on the published cases of engine/sim/published_gpu_cases.json"
 FITTED_BY_GPU: dict[str, tuple[OperationEfficiency, str]] = {
-    "a100": (FITTED_A100, f"{FITTED_SOURCE}: the A100's own (38 cases)"),
+    "a100": (FITTED_A100, f"{FITTED_SOURCE}: the A100's own (36 fitted cases)"),
     "a100-pcie": (FITTED_A100, f"{FITTED_SOURCE}: the A100 SXM's, borrowed"),
-    "h100": (FITTED_H100, f"{FITTED_SOURCE}: the H100's own (44 cases)"),
+    "h100": (FITTED_H100, f"{FITTED_SOURCE}: the H100's own (42 fitted cases)"),
     "h100-pcie": (FITTED_H100, f"{FITTED_SOURCE}: the H100 SXM's, borrowed"),
     "h200": (FITTED_H100, f"{FITTED_SOURCE}: the H100's (the same chip), borrowed"),
 }
