@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from engine.batch import Batch, ModelRunnerOutput, RequestOutput, StepShape, StepTiming
 from engine.budget.controller import BudgetController
 from engine.budget.cost_model import BudgetModel
-from engine.budget.peaks import DevicePeaks
+from engine.budget.peaks import measure_peaks
 from engine.budget.predictor import StepTimeRatio
 from engine.clock import Clock
 from engine.config import ConfigError, EngineConfig, SamplingParams
@@ -54,7 +54,7 @@ class Engine:
             # the model's code and torch, imported only by an engine that runs a model
             from engine.core.model_runner import ModelRunner
             runner = ModelRunner(config)
-            self.peaks = measure_peaks_of(runner)
+            self.peaks = measure_peaks(str(runner.device), runner.dtype)
         else:
             self.peaks = runner.peaks
         self.runner: ModelRunner | Executor = runner
@@ -304,9 +304,3 @@ class Engine:
 def _params_dict(params: SamplingParams) -> dict[str, object]:
     """Every field, so a resumed request samples as it was asked to (tuples: JSON lists)."""
     return dataclasses.asdict(params)
-
-
-def measure_peaks_of(runner: ModelRunner) -> DevicePeaks:
-    """The runner's device's peaks, measured (torch)."""
-    from engine.budget.peaks import measure_peaks
-    return measure_peaks(str(runner.device), runner.dtype)
