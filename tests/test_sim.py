@@ -148,12 +148,13 @@ def test_tensor_parallel_adds_two_latency_bound_allreduces_per_layer() -> None:
     two = Deployment(config, h100, tp=2).step_price()
     shape = StepShape(decode_contexts=(1024,) * 64)
     message = 64 * config.hidden_size * 2
-    per_call = (h100.efficiency.allreduce_s
+    e = h100.efficiency
+    per_call = (e.allreduce_s + e.tp_allreduce_s
                 + 2 * (2 - 1) / 2 * message / h100.interconnect.bandwidth)
     assert two.operations(shape)["communication"] == pytest.approx(
         2 * config.num_layers * per_call)
     # a small all-reduce costs its latency, not a per-hop sum
-    assert per_call < 1.2 * h100.efficiency.allreduce_s
+    assert per_call < 1.2 * (e.allreduce_s + e.tp_allreduce_s)
     single = Deployment(config, h100).predictor()(shape)
     assert two.predict(shape) < single  # half the weights per GPU outweighs the link
 

@@ -1,37 +1,111 @@
-"""The GPU twin against published GPU measurements (benchmarks/published_gpu_cases.json):
-arithmetic only, on the shipped factors."""
+"""The GPU twin against published GPU measurements (engine/sim/published_gpu_cases.json):
+arithmetic only on the shipped factors, but for the served cases, which run the twin's
+engine (slow)."""
 
 from __future__ import annotations
 
-from pathlib import Path
+import dataclasses
+import json
 
 import pytest
 
 from engine.batch import StepShape
-from engine.sim.profiles import FITTED_EFFICIENCY, profile
-from engine.sim.published import agreement, load_cases
+from engine.sim.profiles import profile
+from engine.sim.published import (
+    PUBLISHED_CASES,
+    PublishedCase,
+    agreement,
+    load_cases,
+    too_fast,
+)
 from engine.sim.target import Deployment
 
-CASES = Path(__file__).parent.parent / "benchmarks" / "published_gpu_cases.json"
+CASES = PUBLISHED_CASES
 
 
 def test_published_table_is_big_and_varied_enough() -> None:
     cases = load_cases(CASES)
-    assert len(cases) >= 15 and len({c.source for c in cases}) >= 4
-    assert sum(c.held_back for c in cases) >= 5
+    assert len(cases) >= 90 and len({c.source for c in cases}) >= 7
+    assert {"a100", "h100", "l40s"} <= {c.gpu for c in cases}
+    assert {1, 2, 4, 8} <= {c.tp for c in cases}
+    assert min(c.batch for c in cases) == 1 and max(c.batch for c in cases) >= 500
+    assert {"static_latency", "static_throughput", "served", "ttft", "decode"} <= {
+        c.kind for c in cases}
+    # one whole source is held out, by the rule written before fitting (docs/twin.md)
+    assert {c.source for c in cases if c.kind == "served"} == {"gpustack"}
+    assert all(c.held_back for c in cases if c.source == "gpustack")
 
 
-def test_twin_agrees_with_published_gpu_measurements() -> None:
-    cases = load_cases(CASES)
-    held = agreement([c for c in cases if c.held_back], FITTED_EFFICIENCY)
-    assert held.median_abs <= 0.10 and held.worst_abs <= 0.25, held.errors
-    every = agreement(cases, FITTED_EFFICIENCY)
-    assert every.median_abs <= 0.10 and every.worst_abs <= 0.25, every.errors
+def _fitted_and_first_held_back() -> tuple[list[PublishedCase], list[PublishedCase]]:
+    cases = [c for c in load_cases(CASES) if c.kind != "served"]
+    return [c for c in cases if not c.held_back], [c for c in cases if c.held_back]
+
+
+def test_twin_agrees_with_the_cases_it_was_fitted_on() -> None:
+    fitted, _ = _fitted_and_first_held_back()
+    judged = agreement(fitted)
+    within = sorted(abs(e) for e in judged.errors.values())
+    assert judged.median_abs <= 0.10, judged.errors
+    # every fitted case but one (a 70B run the publication measured 6x slower than its
+    # neighbours) within 25%
+    assert within[-2] <= 0.25, judged.errors
+    too_fast_count = sum(too_fast(c, judged.errors[c.id]) for c in fitted)
+    assert 0.3 <= too_fast_count / len(fitted) <= 0.7  # neither side dominates
+
+
+def test_twin_agrees_with_the_first_tables_held_back_cases() -> None:
+    _, held = _fitted_and_first_held_back()
+    judged = agreement(held)
+    assert judged.median_abs <= 0.12 and judged.worst_abs <= 0.20, judged.errors
+
+
+def test_stored_errors_are_the_shipped_factors_errors() -> None:
+    """`bench --simulate` reports these as its band: they must be today's."""
+    stored = {c["id"]: c.get("twin_error") for c in json.loads(CASES.read_text())["cases"]}
+    for case in load_cases(CASES):
+        if case.kind != "served":
+            assert stored[case.id] == pytest.approx(case.error(), abs=1e-4), case.id
+
+
+@pytest.mark.slow
+def test_stored_errors_of_the_served_cases_are_the_twins_engine_runs() -> None:
+    stored = {c["id"]: c.get("twin_error") for c in json.loads(CASES.read_text())["cases"]}
+    for case in load_cases(CASES):
+        if case.kind == "served":
+            assert stored[case.id] == pytest.approx(case.error(), abs=1e-4), case.id
+
+
+def test_fixed_costs_grow_with_tensor_parallelism_and_small_gemms_run_below_their_share(
+        ) -> None:
+    model = next(c.model for c in load_cases(CASES) if c.id == "gptfast-7b-int8")
+    gpu = profile("h100")
+    e = dataclasses.replace(gpu.efficiency, tp_step_s=1e-4, tp_allreduce_s=2e-6,
+                            gemm_m_half=64.0)
+    shaped = dataclasses.replace(gpu, efficiency=e)
+    decode = StepShape(decode_contexts=(100,))
+    one, four = (Deployment(model, shaped, tp).step_price() for tp in (1, 4))
+    assert four.operations(decode)["step"] - one.operations(decode)["step"] == pytest.approx(
+        3 * 1e-4)
+    calls = 2 * model.num_layers
+    flat = Deployment(model, dataclasses.replace(gpu, efficiency=dataclasses.replace(
+        e, tp_allreduce_s=0.0)), 4).step_price()
+    assert (four.operations(decode)["communication"] - flat.operations(decode)["communication"]
+            == pytest.approx(calls * 3 * 2e-6))
+    # a GEMM of M rows at M / (M + 64) of its share: 128 rows take 1.5x their FLOPs' time
+    compute = dataclasses.replace(e, gemm_flops=0.5, memory=0.95, overlap=0.0)
+    price = Deployment(model, dataclasses.replace(gpu, efficiency=compute)).step_price()
+    prefill = StepShape(prefill=((128, 0),))
+    flops = price.model.operation_counts(prefill).gemm_flops
+    assert price.operations(prefill)["gemm"] == pytest.approx(
+        flops / (gpu.flops["bfloat16"] * 0.5) * 1.5)
 
 
 def test_weight_only_int8_reads_one_byte_a_weight_at_the_bf16_peak() -> None:
     model = next(c.model for c in load_cases(CASES) if c.id == "gptfast-7b-int8")
+    # a GEMV's compute below its share aside (gemm_m_half): the weights' read alone
     a100 = profile("a100")
+    a100 = dataclasses.replace(a100, efficiency=dataclasses.replace(a100.efficiency,
+                                                                    gemm_m_half=0.0))
     bf16, w8a8, weight_only = (Deployment(model, a100, 1, d) for d in ("bfloat16", "int8",
                                                                          "int8-wo"))
     assert weight_only.weight_bytes == w8a8.weight_bytes == bf16.weight_bytes // 2

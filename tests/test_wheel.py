@@ -72,7 +72,8 @@ def test_the_wheel_carries_migrations_traces_styles_and_the_kernels(wheel: Path)
             "engine/harness/traces/azure_llm_2023_conv.csv",
             "engine/harness/traces/azure_llm_2023_code.csv",
             "engine/harness/traces/README.md", "engine/kernels/paged_attention.cpp",
-            "engine/kernels/layer_ops.cpp", "engine/kernels/cpu_vectors.h"} <= names
+            "engine/kernels/layer_ops.cpp", "engine/kernels/cpu_vectors.h",
+            "engine/sim/published_gpu_cases.json"} <= names
     assert any(n.startswith("console/tui/") and n.endswith(".tcss") for n in names)
     assert not any(n.startswith(("tests/", "benchmarks/", "migrations/")) for n in names)
 
@@ -98,6 +99,15 @@ def test_roofline_json(target: Path, tmp_path: Path) -> None:
 def test_traces(target: Path, tmp_path: Path) -> None:
     out = _tokenflow(target, tmp_path, "traces")
     assert "conv" in out and "code" in out and "CC-BY 4.0" in out
+
+
+def test_a_simulated_bench_reports_its_nearest_published_cases(target: Path,
+                                                               tmp_path: Path) -> None:
+    report = json.loads(_tokenflow(
+        target, tmp_path, "bench", "--model", "synthetic:8b", "--simulate", "h100",
+        "--input-len", "128", "--output-len", "16", "--num-prompts", "8", "--compare",
+        "chunked", "--json"))
+    assert report["runs"]["chunked"]["trust"]["nearest"][0]["source"] == "argonne"
 
 
 def test_bench_replays_a_shipped_trace(target: Path, tmp_path: Path) -> None:

@@ -14,33 +14,31 @@ and reports how far the simulation lies from the real runs' median.
 
 from __future__ import annotations
 
+# torch, the model code, the store and the plots are imported where a run needs them: a
+# simulated run needs none of them, and they are most of its start-up.
 import argparse
 import dataclasses
 import gc
+import importlib.metadata
 import json
 import os
 import platform
 import statistics
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from console.cli.db import add_db_argument
 from console.cli.engine_flags import add_engine_flags, engine_config
 from console.cli.progress import RunProgress, add_quiet_flag
-from console.cli.report import write_report
 from console.cli.workload_flags import add_fixed_length_flags, add_workload_flags, workload_for
 from console.errors import UserError
 from engine import Engine
 from engine.budget.predictor import StepTimePredictor
 from engine.config import EngineConfig
-from engine.core.model_runner import resolve_device
-from engine.harness.calibrate import apply
 from engine.harness.driver import RunResult, drive
-from engine.harness.hf_baseline import hf_model, run_hf
 from engine.harness.host_load import HostLoadMeter
 from engine.harness.slo import (
     LATENCY_METRICS,
@@ -51,14 +49,13 @@ from engine.harness.slo import (
     measure_decode_step,
 )
 from engine.harness.workload import WorkloadRequest, describe, steady_traffic
-from engine.serve.session import EngineSession
 from engine.sim.executor import VirtualClock, simulated_engine
 from engine.sim.fleet import FleetResult, run_fleet
 from engine.sim.profiles import profile, vllm_server_defaults
 from engine.sim.router import RoutePolicy
-from engine.sim.target import SimTarget, StepTimeRatios, resolve_target
+from engine.sim.target import SimTarget, StepTimeRatios, needs_store, resolve_target
+from engine.sim.trust import Trust, run_shape, trust
 from engine.stats import ms, quantile
-from engine.store import open_database
 
 PROBE_KV_BYTES = 1 << 30  # on CUDA: a decode step of 8 x 128 tokens, even on a 7B model
 
@@ -159,6 +156,7 @@ def bench_report(args: argparse.Namespace) -> dict[str, Any]:
         # The store is only read here, for the stored calibration, which every run applies.
         starting = RunProgress("tokenflow bench", 0, quiet=args.quiet)
         starting.stage(f"loading {base.model}")
+        from engine.serve.session import EngineSession
         with EngineSession.start(_probe_config(base), db=args.db, journal=False,
                                  observers=(starting.on_calibration,)) as session:
             probe = session.engine
@@ -224,6 +222,7 @@ def bench_report(args: argparse.Namespace) -> dict[str, Any]:
     if args.capacity:
         report["capacity"] = _capacities(args, configs, workload, slo, calibration, sim)
     if args.report:
+        from console.cli.report import write_report
         report["report"] = str(write_report(args.report, report, results))
     return report
 
@@ -254,6 +253,7 @@ def _probe_config(base: EngineConfig) -> EngineConfig:
     """The probe engine lives through every run. On CUDA, where each engine's KV pool is a
     share of the memory free when it starts, its pool is kept small (it measures one decode
     step) so that the runs' engines get the GPU."""
+    from engine.core.model_runner import resolve_device
     if base.kv_cache_bytes is None and resolve_device(base.device).type == "cuda":
         return base.replace(kv_cache_bytes=PROBE_KV_BYTES)
     return base
@@ -282,6 +282,11 @@ class _Simulation:
                                                    prefill_s)}
         if self.replicas == 1:
             del report["replicas"], report["router"]
+        if self.target.calibration is None:  # a named GPU: judged by the published cases
+            target = self.target
+            report["trust"] = trust(run_shape(
+                target.spec, target.dtype, probe.model_config, target.details.get("tp", 1),
+                fleet.merged, workload)).to_dict()
         return fleet.merged, report
 
 
@@ -294,6 +299,10 @@ def _sim_target(args: argparse.Namespace, base: EngineConfig) -> SimTarget | Non
         return None
     if args.replicas < 1:
         raise UserError("--replicas must be at least 1")
+    if not needs_store(args.simulate):
+        return resolve_target(args.simulate, base, tp=args.tp, kv_cache_dtype=args.kv_cache_dtype,
+                              gpu_profile=args.gpu_profile)
+    from engine.store import open_database
     database = open_database(args.db)
     try:
         with database.session() as session:
@@ -328,8 +337,10 @@ def _run(name: str, config: EngineConfig, workload: list[WorkloadRequest],
     gc.collect()
     engine = Engine(config)
     if calibration is not None:
+        from engine.harness.calibrate import apply
         apply(engine, calibration)
     if name == "hf":
+        from engine.harness.hf_baseline import hf_model, run_hf
         model = hf_model(engine.runner.model, engine.model_config)
         return run_hf(model, workload, batch_size=hf_batch_size)
     if progress is None:
@@ -420,19 +431,22 @@ def _parse_config(spec: str) -> tuple[str, dict[str, str]]:
 
 def _machine(engine: Engine) -> dict[str, Any]:
     peaks = engine.peaks
+    cuda = engine.runner.device.type == "cuda"
+    if cuda or "torch" in sys.modules:
+        import torch
     return {
         "device": str(engine.runner.device),
         "cpu_count": os.cpu_count(),
         "platform": platform.platform(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
+        "torch": importlib.metadata.version("torch"),
+        # a simulated run imports no torch: its threads never ran anything
+        "torch_threads": torch.get_num_threads() if "torch" in sys.modules else None,
         "model": engine.config.model,
         "dtype": str(engine.runner.dtype).removeprefix("torch."),
         "peak_flops": peaks.flops,
         "peak_bandwidth": peaks.bandwidth,
         "peaks_source": peaks.source,
-        **({"gpu": torch.cuda.get_device_name(engine.runner.device)}
-           if engine.runner.device.type == "cuda" else {}),
+        **({"gpu": torch.cuda.get_device_name(engine.runner.device)} if cuda else {}),
     }
 
 
@@ -462,6 +476,9 @@ def _print_table(report: dict[str, Any]) -> None:
     for name, c in report.get("capacity", {}).items():
         print(f"capacity {name}: {c['rate']:.2f} requests/s (P99 {c['metric'].upper()})")
     _print_agreement(report)
+    for name, r in runs.items():
+        if "trust" in r:
+            print(f"trust {name}: {Trust.from_dict(r['trust']).line()}")
     if report.get("gpu_defaults"):
         print("vLLM's GPU server defaults applied: " + ", ".join(
             f"{k}={v}" for k, v in report["gpu_defaults"].items()))

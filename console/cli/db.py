@@ -12,29 +12,28 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-
-from sqlalchemy.orm import Session
+from typing import TYPE_CHECKING
 
 from console.cli.terminal import terminal_safe
 from console.errors import UserError
-from engine.store import discard_unfinished, release_quarantine
-from engine.store.database import (
-    Database,
-    default_db_path,
-    head_revision,
-    open_database,
-    store_url,
-)
-from engine.store.lock import lock_path
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from engine.store.database import Database
+
+# The store's code (SQLAlchemy, Alembic) is imported by the functions that open it: every
+# command registers --db, and one that never opens the store (a simulated bench on a named
+# GPU) should not pay for importing it.
 
 
 def add_db_argument(parser: argparse.ArgumentParser, *actions: argparse.ArgumentParser) -> None:
     """`--db` on `parser` and, for a command with actions, on each of them too, so that it
     may come before or after the action (`slow-queries --db F list`, `slow-queries list --db
     F`); there it defaults to nothing rather than overwriting the value given before."""
-    help_text = (f"the store: a SQLite file (default: {default_db_path()}) or a PostgreSQL "
-                 "URL a fleet shares, postgresql+psycopg://user@host:5432/db (password from "
-                 "PGPASSWORD or ~/.pgpass)")
+    help_text = ("the store: a SQLite file (default: tokenflow.db in the user data directory) "
+                 "or a PostgreSQL URL a fleet shares, postgresql+psycopg://user@host:5432/db "
+                 "(password from PGPASSWORD or ~/.pgpass)")
     parser.add_argument("--db", metavar="PATH|URL", default=None, help=help_text)
     for action in actions:
         action.add_argument("--db", metavar="PATH|URL", default=argparse.SUPPRESS,
@@ -51,6 +50,7 @@ def add_server_name_argument(parser: argparse.ArgumentParser, default: str) -> N
 
 def _missing_file(db: str | None) -> Path | None:
     """The SQLite file `db` names when it does not exist; None for a URL or a file."""
+    from engine.store.database import store_url
     url = store_url(db)
     if url.get_backend_name() != "sqlite":
         return None
@@ -62,6 +62,7 @@ def open_existing_store(db: str | None) -> Database:
     """The store a read-only command reads, opened read-only: it is never changed (nor
     upgraded), and a read-only file or filesystem is no obstacle. A `--db` naming no file is
     a mistyped path, not an empty store: it is refused rather than created."""
+    from engine.store.database import open_database
     missing = _missing_file(db)
     if missing is not None:
         if db is None:  # the default store before anything ran: an empty one, as before
@@ -80,6 +81,8 @@ def open_existing_store(db: str | None) -> Database:
 def refuse_store_files(output: Path, db: str | None) -> None:
     """An --output may not name the store or the files SQLite keeps beside it: writing
     there would replace the database. Checked before anything is written."""
+    from engine.store.database import store_url
+    from engine.store.lock import lock_path
     url = store_url(db)
     if url.get_backend_name() != "sqlite":
         return  # a database server's files are not local paths
@@ -114,6 +117,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_upgrade(args: argparse.Namespace) -> int:
+    from engine.store.database import open_database
     database = open_database(args.db, upgrade=True)
     try:
         print(f"{database.location}: schema at revision {database.revision()} (head)")
@@ -123,6 +127,7 @@ def run_upgrade(args: argparse.Namespace) -> int:
 
 
 def run_current(args: argparse.Namespace) -> int:
+    from engine.store.database import head_revision
     database = open_existing_store(args.db)
     try:
         revision = database.revision()
@@ -139,6 +144,7 @@ def _journal_write(db: str | None, server: str | None,
                    ) -> Iterator[tuple[Database, Session]]:
     """An existing store, held as its one writer (of `server`'s rows, in a shared store):
     not while a run or server owns it."""
+    from engine.store.database import open_database
     if db is not None and _missing_file(db) is not None:
         raise UserError(f"{db}: no such store; check the path")
     database = open_database(db, server=server)
@@ -151,6 +157,7 @@ def _journal_write(db: str | None, server: str | None,
 
 
 def run_release_quarantine(args: argparse.Namespace) -> int:
+    from engine.store import release_quarantine
     with _journal_write(args.db, args.server_name) as (database, session):
         released = release_quarantine(session, args.request_id)
     rid = terminal_safe(args.request_id)
@@ -164,6 +171,7 @@ def run_release_quarantine(args: argparse.Namespace) -> int:
 
 def run_discard_unfinished(args: argparse.Namespace) -> int:
     from engine.harness.recovery import DISCARDED  # the engine (torch): only for this action
+    from engine.store import discard_unfinished
 
     with _journal_write(args.db, args.server_name) as (database, session):
         discarded = discard_unfinished(session, DISCARDED)

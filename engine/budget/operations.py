@@ -39,17 +39,31 @@ class OperationEfficiency:
     chunk_s: float = 0.0
     sequence_s: float = 0.0
     allreduce_s: float = 15e-6
+    # a GEMM of M rows runs at its share times M / (M + gemm_m_half): tiles and waves a small
+    # M leaves idle (0: every M at the full share)
+    gemm_m_half: float = 0.0
+    # decode attention's share of the same peak: paged decode kernels gather a few rows per
+    # sequence and may run off the tensor cores (0: the prefill's `attention_flops`)
+    decode_attention_flops: float = 0.0
+    # costs each GPU beyond the first adds: a step's (broadcasting its inputs to the workers,
+    # their launches in lock step) and an all-reduce call's (a longer ring)
+    tp_step_s: float = 0.0
+    tp_allreduce_s: float = 0.0
+    # a serving front end's time per request (HTTP, chat template, tokenising), one after
+    # another: what a client sending every request at once waits beyond the engine
+    request_s: float = 0.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            may_be_zero = f.name.endswith("_s") or f.name == "overlap"
-            limit = math.inf if f.name.endswith("_s") else 1.0 if f.name == "overlap" else (
-                MAX_SHARE)
+            unbounded = f.name.endswith("_s") or f.name == "gemm_m_half"
+            may_be_zero = unbounded or f.name in ("overlap", "decode_attention_flops")
+            limit = math.inf if unbounded else 1.0 if f.name == "overlap" else MAX_SHARE
             if not (isinstance(value, int | float) and math.isfinite(value)
                     and (value >= 0 if may_be_zero else value > 0) and value <= limit):
                 raise ConfigError(f"efficiency.{f.name}", f"must be a share in (0, {MAX_SHARE}] "
-                                  "(overlap in [0, 1], a time in seconds >= 0 for *_s), got "
+                                  "(overlap in [0, 1], a time in seconds >= 0 for *_s, "
+                                  "tokens >= 0 for gemm_m_half), got "
                                   f"{value!r}")
 
     def to_dict(self) -> dict[str, float]:
@@ -66,12 +80,15 @@ class OperationEfficiency:
 
 
 Bounds = dict[str, tuple[float, float]]
-FIT_BOUNDS: Bounds = {"gemm_flops": (0.05, 1.0), "attention_flops": (0.05, 1.0),
-                      "memory": (0.05, 1.0), "elementwise": (0.05, 1.0), "overlap": (0.0, 1.0),
+FIT_BOUNDS: Bounds = {"gemm_flops": (0.05, 0.9), "attention_flops": (0.2, 1.0),
+                      "memory": (0.05, 0.95), "elementwise": (0.05, 1.0), "overlap": (0.0, 1.0),
                       "gemm_flops_8bit": (0.05, 1.0), "weight_only_memory": (0.05, 1.0),
                       "step_s": (0.0, 5e-3), "layer_s": (0.0, 200e-6),
                       "chunk_s": (0.0, 1e-3), "sequence_s": (0.0, 1e-4),
-                      "allreduce_s": (10e-6, 60e-6)}
+                      "allreduce_s": (10e-6, 60e-6), "gemm_m_half": (0.0, 2048.0),
+                      "decode_attention_flops": (0.01, 1.0),
+                      "tp_step_s": (0.0, 5e-3), "tp_allreduce_s": (0.0, 60e-6),
+                      "request_s": (0.0, 0.1)}
 CALIBRATION_BOUNDS: Bounds = {**FIT_BOUNDS, **{name: (0.01, MAX_SHARE) for name in (
     "gemm_flops", "attention_flops", "memory", "elementwise")}, "step_s": (0.0, 0.05),
     "chunk_s": (0.0, 0.01), "sequence_s": (0.0, 0.01)}
@@ -132,8 +149,10 @@ class StepPrice:
     attention_flops: float | None = None
     weights: str = "16-bit"
     _rates: tuple[float, float, float, float, float] = field(init=False, repr=False)
+    _decode_attention_rate: float = field(init=False, repr=False)
     _comm_per_token: float = field(init=False, repr=False)
     _fixed_s: float = field(init=False, repr=False)
+    _allreduce_s: float = field(init=False, repr=False)
     _key: str = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -147,10 +166,15 @@ class StepPrice:
         object.__setattr__(self, "_rates", (p.flops * gemm_share, attention * e.attention_flops,
                                             p.bandwidth * weight_share, p.bandwidth * e.memory,
                                             p.bandwidth * e.elementwise))
+        object.__setattr__(self, "_decode_attention_rate",
+                           attention * (e.decode_attention_flops or e.attention_flops))
         c = self.model.config
         object.__setattr__(self, "_comm_per_token",
                            c.hidden_size * self.model.activation_bytes_per_element)
-        object.__setattr__(self, "_fixed_s", e.step_s + c.num_layers * e.layer_s)
+        extra_gpus = max(0, self.link.gpus - 1)
+        object.__setattr__(self, "_fixed_s", e.step_s + c.num_layers * e.layer_s
+                           + extra_gpus * e.tp_step_s)
+        object.__setattr__(self, "_allreduce_s", e.allreduce_s + extra_gpus * e.tp_allreduce_s)
         object.__setattr__(self, "_key", f"ops {self.model.counting_key} {p!r} {e!r} "
                                          f"{self.link!r} {attention} {self.weights}")
 
@@ -158,7 +182,7 @@ class StepPrice:
         if shape.num_tokens == 0:
             return dict.fromkeys(OPERATIONS, 0.0)
         m = self.model
-        gemm_rate, attention_rate, weight_rate, memory_rate, elementwise_rate = self._rates
+        _, attention_rate, weight_rate, memory_rate, elementwise_rate = self._rates
         counts = m.operation_counts(shape)
         layers = 2 * m.config.num_layers
         message = self._comm_per_token * shape.num_tokens
@@ -170,14 +194,15 @@ class StepPrice:
             return memory_s + overlap * compute_s
 
         return {
-            "gemm": roofline(counts.gemm_flops / gemm_rate, m.weight_bytes / weight_rate),
+            "gemm": roofline(self._gemm_compute_s(counts.gemm_flops, shape.num_tokens),
+                             m.weight_bytes / weight_rate),
             "attention_prefill": roofline(counts.prefill_pair_flops / attention_rate,
                                           counts.prefill_kv_bytes / memory_rate),
-            "attention_decode": roofline(counts.decode_pair_flops / attention_rate,
+            "attention_decode": roofline(counts.decode_pair_flops / self._decode_attention_rate,
                                          counts.decode_kv_bytes / memory_rate),
             "elementwise": counts.activation_bytes / elementwise_rate,
             "sampler": shape.logits_rows * m.config.vocab_size * LOGIT_BYTES / elementwise_rate,
-            "communication": layers * self.link.seconds(message, self.efficiency.allreduce_s),
+            "communication": layers * self.link.seconds(message, self._allreduce_s),
             "step": self._fixed_s + self._per_step(shape),
         }
 
@@ -193,22 +218,28 @@ class StepPrice:
         if shape.num_tokens == 0:
             return 0.0
         m = self.model
-        gemm_rate, attention_rate, weight_rate, memory_rate, elementwise_rate = self._rates
+        _, attention_rate, weight_rate, memory_rate, elementwise_rate = self._rates
         c = m.operation_counts(shape)
         overlap = self.efficiency.overlap
         total = self._fixed_s + self._per_step(shape)
         for compute_s, memory_s in (
-                (c.gemm_flops / gemm_rate, m.weight_bytes / weight_rate),
+                (self._gemm_compute_s(c.gemm_flops, shape.num_tokens),
+                 m.weight_bytes / weight_rate),
                 (c.prefill_pair_flops / attention_rate, c.prefill_kv_bytes / memory_rate),
-                (c.decode_pair_flops / attention_rate, c.decode_kv_bytes / memory_rate)):
+                (c.decode_pair_flops / self._decode_attention_rate,
+                 c.decode_kv_bytes / memory_rate)):
             total += (compute_s + overlap * memory_s if compute_s > memory_s
                       else memory_s + overlap * compute_s)
         total += (c.activation_bytes + shape.logits_rows * m.config.vocab_size * LOGIT_BYTES
                   ) / elementwise_rate
         if self.link.gpus > 1:
             total += 2 * m.config.num_layers * self.link.seconds(
-                self._comm_per_token * shape.num_tokens, self.efficiency.allreduce_s)
+                self._comm_per_token * shape.num_tokens, self._allreduce_s)
         return total
+
+    def _gemm_compute_s(self, flops: float, rows: int) -> float:
+        """`flops` of GEMMs over `rows` tokens at the share a GEMM of that many rows sustains."""
+        return flops / self._rates[0] * (1 + self.efficiency.gemm_m_half / rows)
 
 
 OUTLIER_MADS = 4.0

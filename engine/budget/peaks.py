@@ -7,10 +7,12 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.config import ConfigError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ _REPEATS = {"cpu": 5, "cuda": 10}
 @functools.cache
 def measure_peaks(device: str, dtype: torch.dtype) -> DevicePeaks:
     """Median matmul FLOP/s and copy bandwidth on `device`, once per process."""
+    import torch
     dev = torch.device(device)
     if dev.type not in _MATMUL_SIZE:
         raise ConfigError("device", f"cannot measure peaks on {device!r}; use cpu or cuda")
@@ -72,6 +75,7 @@ def measure_peaks(device: str, dtype: torch.dtype) -> DevicePeaks:
 
 def _median_seconds(device: torch.device, op: Callable[[], object], repeats: int) -> float:
     """Median wall time of `op` after two warm-up runs; CUDA events time the GPU, not the launch."""
+    import torch
     for _ in range(2):
         op()
     times = []

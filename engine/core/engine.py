@@ -7,8 +7,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.batch import Batch, ModelRunnerOutput, RequestOutput, StepShape, StepTiming
 from engine.budget.controller import BudgetController
@@ -22,7 +21,6 @@ from engine.core.block_manager import BlockManager
 from engine.core.bookkeeping import request_output
 from engine.core.equipment import Equipment, GuardDecisions, GuardInputs
 from engine.core.executor import Executor
-from engine.core.model_runner import ModelRunner
 from engine.core.request import Request, RequestState
 from engine.core.scheduler import Scheduler
 from engine.errors import RequestError
@@ -39,6 +37,9 @@ from engine.snapshot import Snapshot
 
 __all__ = ["Engine", "RequestOutput"]
 
+if TYPE_CHECKING:
+    from engine.core.model_runner import ModelRunner
+
 
 class Engine:
     def __init__(self, config: EngineConfig | None, equipment: Equipment, *,
@@ -49,14 +50,19 @@ class Engine:
         self.config = config
         self.clock = clock
         self.bus = EventBus(clock)
-        self.runner: ModelRunner | Executor = runner or ModelRunner(config)
+        if runner is None:
+            # the model's code and torch, imported only by an engine that runs a model
+            from engine.core.model_runner import ModelRunner
+            runner = ModelRunner(config)
+            self.peaks = measure_peaks(str(runner.device), runner.dtype)
+        else:
+            self.peaks = runner.peaks
+        self.runner: ModelRunner | Executor = runner
         self.model_config = self.runner.model_config
         self.tokenizer = self.runner.tokenizer
         self.max_model_len = self.runner.max_model_len
         self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size,
                                    enable_caching=config.enable_prefix_caching)
-        self.peaks = (runner.peaks if runner is not None
-                      else measure_peaks(str(self.runner.device), self.runner.dtype))
         model = BudgetModel(self.model_config, self.runner.bytes_per_element, self.peaks)
         # one KV block's bytes, from the model's shape: a simulated executor holds no KV tensor
         self.block_bytes = (self.model_config.kv_bytes_per_token(self.runner.bytes_per_element)
@@ -282,6 +288,7 @@ class Engine:
             detail = (f"fragmentation {self.guards.fragmentation:.0%}: compacted, "
                       f"{moved} KV blocks moved")
             if self.runner.device.type == "cuda":
+                import torch
                 torch.cuda.empty_cache()
                 detail += ", torch.cuda.empty_cache()"
             self.bus.publish(GuardAction(layer="defrag", engaged=True, detail=detail,
@@ -297,4 +304,3 @@ class Engine:
 def _params_dict(params: SamplingParams) -> dict[str, object]:
     """Every field, so a resumed request samples as it was asked to (tuples: JSON lists)."""
     return dataclasses.asdict(params)
-

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from engine.batch import Batch, ModelRunnerOutput
 from engine.budget.peaks import DevicePeaks
 from engine.model.config import ModelConfig
 from engine.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Device(Protocol):
@@ -19,7 +20,7 @@ class Device(Protocol):
 
 class Executor(Protocol):
     device: Device
-    dtype: torch.dtype
+    dtype: torch.dtype | str  # a simulated executor names its precision
     model_config: ModelConfig
     tokenizer: Tokenizer
     max_model_len: int

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from engine.budget.auto import token_budget_for
 from engine.budget.peaks import DevicePeaks
@@ -11,11 +11,13 @@ from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
 from engine.core.equipment import BandwidthSource, Guard, Metrics
 from engine.core.executor import Executor
-from engine.core.model_runner import ModelRunner
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
 from engine.events import wall_offset
 from engine.snapshot import RequestView, Snapshot
+
+if TYPE_CHECKING:
+    from engine.core.model_runner import ModelRunner
 
 
 class Engine(Protocol):

@@ -52,8 +52,8 @@ def traced_requests(spec: str, *, vocab_size: int, max_model_len: int, seed: int
             raise EngineError(f"traced request {row.request_id!r} holds {row.prompt_tokens} "
                               f"prompt and {row.completion_tokens} output tokens, past the "
                               f"model's length {max_model_len}; raise --max-model-len")
-        prompt = tuple(rng.randrange(FIRST_PROMPT_TOKEN_ID, vocab_size)
-                       for _ in range(max(1, row.prompt_tokens)))
+        prompt = tuple(rng.choices(range(FIRST_PROMPT_TOKEN_ID, vocab_size),
+                                   k=max(1, row.prompt_tokens)))
         # two traced servers may reuse an id: the replay's stay unique
         request_id = str(row.request_id) if row.request_id not in seen else f"{row.request_id}#{n}"
         seen.add(request_id)

@@ -199,7 +199,8 @@ def _realize(request_id: str, draft: _Draft, length_scale: float, time_scale: fl
              vocab_size: int, max_model_len: int, rng: random.Random) -> WorkloadRequest:
     prompt_len = min(max(1, round(draft.prompt_len * length_scale)), max_model_len - 1)
     output_len = min(max(1, round(draft.output_len * length_scale)), max_model_len - prompt_len)
-    prompt = tuple(rng.randrange(FIRST_PROMPT_TOKEN_ID, vocab_size) for _ in range(prompt_len))
+    # one call for the whole prompt: a call a token was most of a simulated bench's start-up
+    prompt = tuple(rng.choices(range(FIRST_PROMPT_TOKEN_ID, vocab_size), k=prompt_len))
     return WorkloadRequest(request_id, draft.arrival_s * time_scale, prompt, output_len,
                            tenant=draft.tenant, tag=draft.tag, ignore_eos=True)
 
@@ -224,8 +225,8 @@ def conversation_requests(conversations: Sequence[Conversation], *, vocab_size: 
                 history_tokens=len(history) if previous else 0,
                 think_s=turn.think_s * time_scale)
             requests.append(request)
-            reply = tuple(rng.randrange(FIRST_PROMPT_TOKEN_ID, vocab_size)
-                          for _ in range(turn.max_tokens))
+            reply = tuple(rng.choices(range(FIRST_PROMPT_TOKEN_ID, vocab_size),
+                                      k=turn.max_tokens))
             history, previous = prompt + reply, request
             arrival += OPEN_LOOP_TURN_GAP_S * time_scale
     return sorted(requests, key=lambda r: r.arrival_s)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from engine.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    import torch
 
 # our fused projection -> its parts in a checkpoint, in the order they are stacked
 FUSED: dict[str, tuple[str, ...]] = {

@@ -5,16 +5,20 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
-from safetensors import safe_open
+from typing import TYPE_CHECKING
 
 from engine.errors import ModelLoadError
 from engine.model.checkpoint import expected_parts, fused_part, to_ours
 from engine.model.config import PRESETS, ModelConfig, from_hf_config, preset
 from engine.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
-from engine.model.transformer import Transformer
 
+if TYPE_CHECKING:
+    import torch
+
+    from engine.model.transformer import Transformer
+
+# torch, safetensors and the model's code are imported by the functions that build a model:
+# a model's shape and tokenizer (the twin's whole need) come without them.
 SYNTHETIC_PREFIX = "synthetic:"
 
 
@@ -64,6 +68,9 @@ def _model_dir(name: str) -> Path:
 
 def _build(config: ModelConfig, max_positions: int, use_flash: bool, device: torch.device,
            dtype: torch.dtype) -> Transformer:
+    import torch
+
+    from engine.model.transformer import Transformer
     with torch.device(device):
         model = Transformer(config, max_positions, use_flash)
     # rope tables stay fp32; everything else in the serving dtype
@@ -71,6 +78,7 @@ def _build(config: ModelConfig, max_positions: int, use_flash: bool, device: tor
 
 
 def _init_random(model: Transformer, seed: int) -> None:
+    import torch
     generator = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -81,6 +89,8 @@ def _init_random(model: Transformer, seed: int) -> None:
 
 
 def _load_safetensors(model: Transformer, directory: Path, config: ModelConfig) -> None:
+    import torch
+    from safetensors import safe_open
     files = _weight_files(directory)
     params = dict(model.named_parameters())
     loaded: set[str] = set()

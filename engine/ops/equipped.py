@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine.clock import Clock
 from engine.config import EngineConfig
@@ -17,6 +16,9 @@ from engine.ops.guards import Guards
 from engine.ops.metrics import Metrics
 from engine.ops.slow_query_watch import SlowQueryWatch
 from engine.ops.telemetry import ModelBandwidth, NvmlBandwidth, nvml_available
+
+if TYPE_CHECKING:
+    import torch
 
 
 class DefaultEquipment:

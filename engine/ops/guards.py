@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, NamedTuple
 
 from engine.config import EngineConfig
 from engine.core.equipment import GuardDecisions, GuardInputs
@@ -20,6 +18,9 @@ from engine.events import (
     RejectCause,
     Rejected,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 LAYERS = ("breaker", "throttle", "defrag", "chunk_timeout", "drift", "degraded")
 TIMEOUT_GROWTH = 0.1
@@ -155,6 +156,7 @@ def allocator_fragmentation(device: torch.device | None) -> float:
     """CUDA memory torch holds but no tensor uses, as a share of what it holds; 0 elsewhere."""
     if device is None or device.type != "cuda":
         return 0.0
+    import torch
     reserved = torch.cuda.memory_reserved(device)
     if not reserved:
         return 0.0

@@ -7,17 +7,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from engine.batch import Batch, ModelRunnerOutput, StepShape
 from engine.clock import VirtualClock
 from engine.config import EngineConfig
-from engine.core.model_runner import DTYPES
 from engine.errors import EngineError
-from engine.harness.calibrate import apply
 from engine.model.loader import model_config_for, tokenizer_for
 from engine.ops.equipped import Engine
 from engine.sim.target import SimTarget
+
+ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class PacedClock:
@@ -64,12 +62,13 @@ class SimulatedExecutor:
     def __init__(self, config: EngineConfig, target: SimTarget, clock: Clock) -> None:
         self.target = target
         self.clock = clock
-        self.model_config = model_config_for(config.model)
+        self.model_config = target.model_config or model_config_for(config.model)
         self.tokenizer = tokenizer_for(config.model, self.model_config)
         self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
                                  self.model_config.max_position_embeddings)
         self.device = SimulatedDevice(target.device, target.device_type)
-        self.dtype = DTYPES.get(target.dtype, torch.bfloat16)
+        # the activations' precision by name: the twin holds no tensor, so it imports no torch
+        self.dtype = target.dtype if target.dtype in ELEMENT_BYTES else "bfloat16"
         self.peaks = target.peaks
         self.block_size = config.block_size
         per_block = self.model_config.kv_bytes_per_token(self.bytes_per_element) * self.block_size
@@ -87,7 +86,7 @@ class SimulatedExecutor:
     def bytes_per_element(self) -> int:
         if self.target.kv_bytes_per_element is not None:
             return self.target.kv_bytes_per_element
-        return torch.empty((), dtype=self.dtype).element_size()
+        return ELEMENT_BYTES[self.dtype]
 
     def zero_blocks(self, blocks: list[int]) -> None:
         """There is no KV tensor to zero; allocation is still the block manager's."""
@@ -160,6 +159,8 @@ def simulated_engine(config: EngineConfig, target: SimTarget, clock: Clock) -> E
     target = dataclasses.replace(target, predict=_LastShape(target.predict))
     engine = Engine(config, runner=SimulatedExecutor(config, target, clock), clock=clock)
     if target.calibration is not None:
+        # the calibration's code and store: a named GPU's twin needs neither
+        from engine.harness.calibrate import apply
         apply(engine, target.calibration)
     engine.scheduler.controller.price_with(target.predict)
     return engine

@@ -31,12 +31,29 @@ def weight_kind(weight_dtype: str) -> str:
     return "8-bit" if PEAK_OF.get(weight_dtype) in ("fp8", "int8") else "16-bit"
 
 
-# Fitted against the published table by benchmarks/twin_published.py --fit (docs/twin.md).
+# Fitted against the published cases by benchmarks/twin_published.py --fit (docs/twin.md):
+# the kernel floors, tensor-parallel costs and quantised shares every GPU shares, and the
+# engine the twin stands for (vLLM: its host time a step, its paged decode attention's share).
+_SHARED = dict(gemm_flops_8bit=0.756, weight_only_memory=0.5845, layer_s=0.0,
+               allreduce_s=31.6e-6, tp_step_s=0.0, tp_allreduce_s=0.0, elementwise=1.0,
+               overlap=1.0, step_s=3.23e-3, decode_attention_flops=0.0115)
+# Each GPU's own shares, fitted on its cases; a GPU with no cases borrows (see FITTED_BY_GPU).
 FITTED_EFFICIENCY = OperationEfficiency(gemm_flops=0.784, attention_flops=0.525,
-                                        memory=0.8996, elementwise=1.0, overlap=1.0,
-                                        gemm_flops_8bit=0.645, weight_only_memory=0.7262,
-                                        step_s=0.0, layer_s=60.2e-6, allreduce_s=10e-6)
-FITTED_SOURCE = "fitted on the published cases of benchmarks/published_gpu_cases.json"
+                                        memory=0.8996, **_SHARED)
+FITTED_A100 = OperationEfficiency(gemm_flops=0.7785, attention_flops=0.2, memory=0.7312,
+                                  gemm_m_half=10.58, **_SHARED)
+FITTED_H100 = OperationEfficiency(gemm_flops=0.5921, attention_flops=0.2, memory=0.95,
+                                  **_SHARED)
+FITTED_SOURCE = "fitted on the published cases of engine/sim/published_gpu_cases.json"
+FITTED_BY_GPU: dict[str, tuple[OperationEfficiency, str]] = {
+    "a100": (FITTED_A100, f"{FITTED_SOURCE}: the A100's own (36 fitted cases)"),
+    "a100-pcie": (FITTED_A100, f"{FITTED_SOURCE}: the A100 SXM's, borrowed"),
+    "h100": (FITTED_H100, f"{FITTED_SOURCE}: the H100's own (42 fitted cases)"),
+    "h100-pcie": (FITTED_H100, f"{FITTED_SOURCE}: the H100 SXM's, borrowed"),
+    "h200": (FITTED_H100, f"{FITTED_SOURCE}: the H100's (the same chip), borrowed"),
+}
+GENERIC_SOURCE = (f"{FITTED_SOURCE}: the first table's shares, no case of this GPU's own "
+                  "beyond it")
 
 
 @dataclass(frozen=True)
@@ -138,7 +155,9 @@ def _profile(key: str, name: str, memory_bytes: int, fp8: float | None, int8: fl
     preset = GPU_PRESETS[key]
     flops = {"bfloat16": preset.flops}
     flops.update({k: v for k, v in (("fp8", fp8), ("int8", int8)) if v is not None})
+    efficiency, source = FITTED_BY_GPU.get(key, (FITTED_EFFICIENCY, GENERIC_SOURCE))
     return GpuProfile(key, name, memory_bytes, preset.bandwidth, flops, link,
+                      efficiency=efficiency, efficiency_source=source,
                       sources={"flops": f"{datasheet} (dense, without sparsity)",
                                "bandwidth": preset.source, "memory_bytes": memory,
                                "interconnect": link.source})

@@ -12,10 +12,16 @@ from typing import Any
 from engine.batch import StepShape
 from engine.budget.operations import OperationEfficiency
 from engine.model.config import ModelConfig
-from engine.sim.profiles import profile
+from engine.sim.profiles import profile, vllm_server_defaults
 from engine.sim.target import Deployment
 
-KINDS = ("ttft", "decode", "static_throughput", "layer")
+PUBLISHED_CASES = Path(__file__).with_name("published_gpu_cases.json")
+KINDS = ("ttft", "decode", "static_throughput", "static_latency", "layer", "served")
+# A decode run's mean step, from this many evenly spaced contexts: the price is linear in the
+# context between the roofline's kinks, and a case decoding 2,048 tokens prices 2,047 steps.
+DECODE_SAMPLES = 8
+# What `vllm serve` leaves for the KV cache when not told otherwise.
+VLLM_MEMORY_UTILIZATION = 0.9
 
 
 @dataclass(frozen=True)
@@ -32,58 +38,115 @@ class PublishedCase:
     unit: str
     held_back: bool
     conditions: str
+    harness: str = "offline"
+    # the source's engine's own factors, fitted (its host time a step, its decode attention's
+    # share): none for vLLM's sources, whose are the GPU profile's
+    engine: tuple[tuple[str, float], ...] = ()
     input: int = 0
     output: int = 0
     batch: int = 1
     tokens: int = 0
 
-    def deployment(self, efficiency: OperationEfficiency) -> Deployment:
-        gpu = dataclasses.replace(profile(self.gpu), efficiency=efficiency)
+    def efficiency(self) -> OperationEfficiency:
+        """The shipped factors for this case: its GPU's, with its engine's step cost."""
+        return dataclasses.replace(profile(self.gpu).efficiency, **dict(self.engine))
+
+    def deployment(self, efficiency: OperationEfficiency | None = None) -> Deployment:
+        gpu = dataclasses.replace(profile(self.gpu), efficiency=efficiency or self.efficiency())
         return Deployment(self.model, gpu, self.tp, self.dtype, self.kv_cache_dtype)
 
-    def predicted(self, efficiency: OperationEfficiency) -> float:
+    def kv_fits(self) -> bool:
+        """Whether the batch's whole KV fits the pool: a static case does not model preemption."""
+        if self.kind not in ("static_throughput", "static_latency", "decode"):
+            return True
+        deployment = self.deployment()
+        need = self.batch * (self.input + self.output) * deployment.budget.kv_bytes_per_token
+        return need <= deployment.kv_cache_bytes(VLLM_MEMORY_UTILIZATION)
+
+    def predicted(self, efficiency: OperationEfficiency | None = None) -> float:
         """The twin's figure for this case, in the case's unit."""
+        if self.kind == "served":
+            return self._served(efficiency)
+        e = efficiency or self.efficiency()
         price = self.deployment(efficiency).step_price()
         if self.kind == "ttft":
             return price.predict(StepShape(prefill=((self.input, 0),))) * 1e3
         if self.kind == "layer":
             ops = price.operations(StepShape(prefill=((self.tokens, 0),)))
             return ((ops["gemm"] + ops["elementwise"]) / self.model.num_layers
-                    + efficiency.layer_s) * 1e3
-        decode_s = sum(price.predict(StepShape(decode_contexts=(context,) * self.batch))
-                       for context in range(self.input, self.input + self.output - 1))
+                    + e.layer_s) * 1e3
+        steps = self.output - 1
+        samples = min(steps, DECODE_SAMPLES)
+        contexts = [self.input + int((i + 0.5) * steps / samples) for i in range(samples)]
+        decode_s = steps * statistics.fmean(
+            price.predict(StepShape(decode_contexts=(context,) * self.batch))
+            for context in contexts)
         if self.kind == "decode":
-            step_s = decode_s / (self.output - 1)
+            step_s = decode_s / steps
             return 1 / step_s if self.unit == "tok/s" else step_s * 1e3
         prefill_s = price.predict(StepShape(prefill=((self.input, 0),) * self.batch))
+        if self.kind == "static_latency":
+            return prefill_s + decode_s
         return self.batch * self.output / (prefill_s + decode_s)
 
-    def error(self, efficiency: OperationEfficiency) -> float:
+    def _served(self, efficiency: OperationEfficiency | None) -> float:
+        """Seconds of the twin's engine serving `batch` requests sent at once, as vLLM would."""
+        from engine.config import EngineConfig
+        from engine.harness.workload import WorkloadRequest
+        from engine.sim.fleet import run_fleet
+        from engine.sim.router import RoutePolicy
+        from engine.sim.target import deployment_target
+
+        deployment = self.deployment(efficiency)
+        config = EngineConfig(model="synthetic:tiny", gpu_memory_utilization=
+                              VLLM_MEMORY_UTILIZATION,
+                              max_model_len=self.input + self.output,
+                              **vllm_server_defaults(deployment.gpu))
+        target = deployment_target(deployment, config, self.gpu)
+        frontend_s = deployment.gpu.efficiency.request_s if self.harness != "offline" else 0.0
+        vocab = self.model.vocab_size
+        # distinct prompts from the first block on, as random datasets are: no prefix hits
+        workload = [WorkloadRequest(f"r{i}", i * frontend_s,
+                                    tuple((i * 7919 + j) % vocab for j in range(self.input)),
+                                    self.output, ignore_eos=True)
+                    for i in range(self.batch)]
+        return run_fleet(config, target, workload, 1, RoutePolicy("round-robin")).merged.wall_s
+
+    def error(self, efficiency: OperationEfficiency | None = None) -> float:
         """predicted / measured − 1, on the case's own figure."""
         return self.predicted(efficiency) / self.measured - 1
 
+    @property
+    def duration_like(self) -> bool:
+        """Whether the figure grows as the twin slows (a time), or shrinks (a rate)."""
+        return self.unit in ("ms", "s")
 
-def load_cases(path: Path) -> list[PublishedCase]:
+
+def load_cases(path: Path, *, fitting_only: bool = True) -> list[PublishedCase]:
+    """The cases of `path`, without those the hold-out rules leave out (docs/twin.md)."""
     data: dict[str, Any] = json.loads(Path(path).read_text())
     models = {name: ModelConfig(**{k: v for k, v in m.items() if k != "source"})
               for name, m in data["models"].items()}
+    sources = data["sources"]
     cases = []
     for c in data["cases"]:
-        if c["source"] not in data["sources"] or c["kind"] not in KINDS:
+        if c["source"] not in sources or c["kind"] not in KINDS:
             raise ValueError(f"case {c['id']}: unknown source or kind")
         cases.append(PublishedCase(
             id=c["id"], source=c["source"], gpu=c["gpu"], model=models[c["model"]],
             tp=c["tp"], dtype="bfloat16" if c["dtype"] == "float16" else c["dtype"],
             kv_cache_dtype=c.get("kv_cache_dtype", "auto"), kind=c["kind"],
             measured=float(c["measured"]), unit=c["unit"], held_back=c["held_back"],
-            conditions=c["conditions"], input=c.get("input", 0), output=c.get("output", 0),
+            conditions=c["conditions"], harness=sources[c["source"]].get("harness", "offline"),
+            engine=tuple(sorted(sources[c["source"]].get("fitted", {}).items())),
+            input=c.get("input", 0), output=c.get("output", 0),
             batch=c.get("batch", 1), tokens=c.get("tokens", 0)))
-    return cases
+    return [c for c in cases if c.kv_fits()] if fitting_only else cases
 
 
 @dataclass(frozen=True)
 class Agreement:
-    """Absolute relative errors of a set of cases."""
+    """Relative errors of a set of cases (predicted / measured − 1)."""
 
     errors: dict[str, float]
 
@@ -96,5 +159,11 @@ class Agreement:
         return max(abs(e) for e in self.errors.values())
 
 
-def agreement(cases: list[PublishedCase], efficiency: OperationEfficiency) -> Agreement:
+def agreement(cases: list[PublishedCase], efficiency: OperationEfficiency | None = None
+              ) -> Agreement:
     return Agreement({c.id: c.error(efficiency) for c in cases})
+
+
+def too_fast(case: PublishedCase, error: float) -> bool:
+    """The twin ran faster than the publication: a shorter time, or a higher rate."""
+    return error < 0 if case.duration_like else error > 0

@@ -6,18 +6,14 @@ import datetime
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
-
-from sqlalchemy.orm import Session
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from engine.batch import StepShape
 from engine.budget.cost_model import BudgetModel
 from engine.budget.operations import Link, StepPrice
-from engine.budget.peaks import DevicePeaks, measure_peaks
+from engine.budget.peaks import DevicePeaks
 from engine.budget.predictor import StepTimePredictor
 from engine.config import ConfigError, EngineConfig
-from engine.core.model_runner import CPU_KV_BYTES_DEFAULT, resolve_device, resolve_dtype
-from engine.harness.calibrate import latest_stored
 from engine.harness.served import ServedCosts
 from engine.model.config import ModelConfig
 from engine.model.loader import model_config_for
@@ -29,7 +25,9 @@ from engine.sim.profiles import (
     profile_for_device_name,
     weight_kind,
 )
-from engine.store.calibration import calibration_history
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
 
 # Held by a CUDA process before its pool is sized; the real runner's free memory excludes it.
 CUDA_CONTEXT_BYTES = 512 << 20
@@ -64,6 +62,8 @@ class SimTarget:
     # steps take these times their predictions while the engine predicts the fit's (a drifted host)
     drift: StepTimeRatios | None = None
     kv_bytes_per_element: int | None = None
+    # the shape the executor sizes KV and tokens by, where not the engine config's model
+    model_config: ModelConfig | None = field(default=None, repr=False, compare=False)
 
     @property
     def predictor(self) -> str:
@@ -148,12 +148,18 @@ class Deployment:
         return self.step_price().predict
 
 
+def needs_store(spec: str) -> bool:
+    """Whether `spec` names a stored calibration (a named GPU needs no store)."""
+    spec = spec.strip()
+    return spec == "this" or spec.startswith(CALIBRATION_PREFIX)
+
+
 def resolve_target(spec: str, config: EngineConfig, *, tp: int = 1,
                    session: Session | None = None, kv_cache_dtype: str = "auto",
                    gpu_profile: Path | None = None) -> SimTarget:
     """The SimTarget a `--simulate` spec names, with `gpu_profile` over a named GPU's profile."""
     spec = spec.strip()
-    if spec in ("this",) or spec.startswith(CALIBRATION_PREFIX):
+    if needs_store(spec):
         _require_single(tp, spec)
         if kv_cache_dtype != "auto" or gpu_profile is not None:
             raise ConfigError("simulate", f"--kv-cache-dtype and --gpu-profile apply to a "
@@ -165,10 +171,16 @@ def resolve_target(spec: str, config: EngineConfig, *, tp: int = 1,
 
 def _gpu_roofline(spec: str, config: EngineConfig, tp: int, kv_dtype: str,
                   profile_file: Path | None) -> SimTarget:
-    model = model_config_for(config.model)
     dtype = GPU_DTYPE if config.dtype == "auto" else config.dtype
-    gpu = profile(spec, profile_file)
-    deployment = Deployment(model, gpu, tp, dtype, kv_dtype)
+    deployment = Deployment(model_config_for(config.model), profile(spec, profile_file), tp,
+                            dtype, kv_dtype)
+    return deployment_target(deployment, config, spec)
+
+
+def deployment_target(deployment: Deployment, config: EngineConfig, spec: str) -> SimTarget:
+    """The simulated GPU(s) of `deployment`, its KV pool sized as `config` asks."""
+    gpu, tp, dtype, kv_dtype = (deployment.gpu, deployment.tp, deployment.weight_dtype,
+                                deployment.kv_dtype)
     kv = config.kv_cache_bytes or deployment.kv_cache_bytes(config.gpu_memory_utilization)
     details: dict[str, Any] = {
         "gpu": gpu.name, "tp": tp, "gpu_memory_bytes": gpu.memory_bytes,
@@ -191,10 +203,16 @@ def _gpu_roofline(spec: str, config: EngineConfig, tp: int, kv_dtype: str,
                              f"streaming {e.memory:.0%} bandwidth, elementwise "
                              f"{e.elementwise:.0%}, {e.step_s * 1e3:.2f} ms a step; "
                              f"{gpu.efficiency_source}) for {config.model}"),
-                     details=details, kv_bytes_per_element=deployment.kv_bytes_per_element)
+                     details=details, kv_bytes_per_element=deployment.kv_bytes_per_element,
+                     model_config=deployment.config)
 
 
 def _this(config: EngineConfig, session: Session) -> SimTarget:
+    # the model runner, the peaks' measurement and the store: only a calibrated twin needs them
+    from engine.budget.peaks import measure_peaks
+    from engine.core.model_runner import CPU_KV_BYTES_DEFAULT, resolve_device, resolve_dtype
+    from engine.harness.calibrate import latest_stored
+
     device = resolve_device(config.device)
     dtype = str(resolve_dtype(config.dtype, device)).removeprefix("torch.")
     record = latest_stored(session, model=config.model, device=str(device), dtype=dtype)
@@ -218,6 +236,8 @@ def _this(config: EngineConfig, session: Session) -> SimTarget:
 
 
 def _stored(spec: str, config: EngineConfig, session: Session) -> SimTarget:
+    from engine.store.calibration import calibration_history
+
     text = spec.removeprefix(CALIBRATION_PREFIX)
     if not text.isdigit():
         raise ConfigError("simulate", f"{spec!r}: expected calibration:ID with a numeric id "

@@ -1,0 +1,135 @@
+"""How far to trust a simulated run: the published cases nearest its shape, and their errors.
+
+A run is placed by its GPU, precision, model size, tensor parallelism, batch (the mean
+number of sequences decoding a step) and prompt and output lengths; a case by the same. The
+distance is a sum of log ratios (a factor of e in one dimension counts 1; another GPU or
+precision counts as a factor of e), so the cases nearest a run are those measured on the
+most similar work. The band is the largest |error| the twin showed on the nearest cases, and
+never less than its median |error| on the held-out cases (the nearest are mostly fitted on,
+so their own errors flatter it); a run farther than FAR from every case gets none.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.harness.driver import RunResult
+from engine.harness.workload import WorkloadRequest
+from engine.model.config import ModelConfig
+from engine.sim.published import PUBLISHED_CASES
+
+FAR = 2.5  # past this, no case is near: a factor of 12 in one dimension, or e.g. 3 and 3 and 2
+NEAREST = 3
+# Lengths weigh half: the twin prices a context's tokens the same whichever length they make.
+WEIGHTS = {"params": 1.0, "tp": 1.0, "batch": 1.0, "input": 0.5, "output": 0.5}
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What a run (or a published case) is, for the distance between them."""
+
+    gpu: str
+    dtype: str
+    params: float
+    tp: int
+    batch: float
+    input: float
+    output: float
+
+    def distance(self, other: RunShape) -> float:
+        d = sum(weight * abs(math.log(max(getattr(self, name), 1e-9)
+                                      / max(getattr(other, name), 1e-9)))
+                for name, weight in WEIGHTS.items())
+        return d + (self.gpu != other.gpu) + (_precision(self.dtype) != _precision(other.dtype))
+
+
+@dataclass(frozen=True)
+class NearCase:
+    id: str
+    source: str
+    conditions: str
+    distance: float
+    error: float
+
+
+@dataclass(frozen=True)
+class Trust:
+    """The nearest published cases of a run and the band their errors give."""
+
+    nearest: tuple[NearCase, ...]
+    # the largest |error| among the nearest, at least the held-out median; None when far
+    band: float | None
+
+    @property
+    def far(self) -> bool:
+        return self.band is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"nearest": [asdict(n) for n in self.nearest], "band": self.band,
+                "far": self.far, "far_distance": FAR}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trust:
+        return cls(tuple(NearCase(**n) for n in data["nearest"]), data["band"])
+
+    def line(self) -> str:
+        if not self.nearest:
+            return "no published case priced: no band, do not trust its absolute figures"
+        first = self.nearest[0]
+        where = f"{first.id} ({first.source}, distance {first.distance:.2f})"
+        if self.far:
+            return (f"far from every published case (nearest {where}, twin {first.error:+.0%} "
+                    "there): no band, do not trust its absolute figures")
+        return (f"nearest published case {where}: twin {first.error:+.0%}; band "
+                f"±{self.band:.0%} (the largest |error| of the {len(self.nearest)} nearest, "
+                "at least the held-out cases' median)")
+
+
+def _precision(dtype: str) -> str:
+    return "16-bit" if dtype in ("bfloat16", "float16", "float32") else dtype
+
+
+def case_shapes(path: Path = PUBLISHED_CASES) -> list[tuple[RunShape, dict[str, Any]]]:
+    """Every case with a stored twin error, as a shape beside its record."""
+    data = json.loads(Path(path).read_text())
+    params = {name: ModelConfig(**{k: v for k, v in m.items() if k != "source"}).num_params(
+        include_embeddings=False) for name, m in data["models"].items()}
+    shapes = []
+    for c in data["cases"]:
+        if "twin_error" not in c:
+            continue
+        shapes.append((RunShape(c["gpu"], "bfloat16" if c["dtype"] == "float16" else c["dtype"],
+                                params[c["model"]], c["tp"], c.get("batch", 1),
+                                max(c.get("input", 0), c.get("tokens", 0), 1),
+                                max(c.get("output", 1), 1)), c))
+    return shapes
+
+
+def trust(run: RunShape, path: Path = PUBLISHED_CASES) -> Trust:
+    shapes = case_shapes(path)
+    held = sorted(abs(c["twin_error"]) for _, c in shapes if c.get("held_back"))
+    floor = held[len(held) // 2] if held else 0.0
+    ranked = sorted(((run.distance(shape), c) for shape, c in shapes),
+                    key=lambda pair: pair[0])[:NEAREST]
+    nearest = tuple(NearCase(c["id"], c["source"], c["conditions"], round(d, 3),
+                             c["twin_error"]) for d, c in ranked)
+    band = (None if not ranked or ranked[0][0] > FAR
+            else max(floor, *(abs(n.error) for n in nearest)))
+    return Trust(nearest, band)
+
+
+def run_shape(gpu: str, dtype: str, model: ModelConfig, tp: int, result: RunResult,
+              workload: list[WorkloadRequest]) -> RunShape:
+    """A simulated run's shape: its batch is the mean number decoding over its time."""
+    steps = [s for s in result.steps if s.duration_s > 0]
+    total = sum(s.duration_s for s in steps)
+    batch = (sum(s.decode_seqs * s.duration_s for s in steps) / total) if total else 1.0
+    n = max(len(workload), 1)
+    return RunShape(gpu.lower(), dtype, model.num_params(include_embeddings=False), tp,
+                    max(batch, 1.0),
+                    max(sum(len(w.prompt_token_ids) for w in workload) / n, 1.0),
+                    max(sum(w.max_tokens for w in workload) / n, 1.0))
