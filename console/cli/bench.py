@@ -41,7 +41,6 @@ from engine.core.model_runner import resolve_device
 from engine.harness.calibrate import apply
 from engine.harness.driver import RunResult, drive
 from engine.harness.hf_baseline import hf_model, run_hf
-from engine.harness.host_load import HostLoadMeter
 from engine.harness.slo import (
     LATENCY_METRICS,
     SLO,
@@ -51,6 +50,7 @@ from engine.harness.slo import (
     measure_decode_step,
 )
 from engine.harness.workload import WorkloadRequest, describe, steady_traffic
+from engine.ops.host import HostLoadMeter
 from engine.serve.session import EngineSession
 from engine.sim.executor import VirtualClock, simulated_engine
 from engine.sim.fleet import FleetResult, run_fleet

@@ -24,6 +24,8 @@ class Cause(enum.StrEnum):
     PREEMPTION = "preemption"
     GUARD = "guard"
     HOST_OVERHEAD = "host_overhead"
+    HOST_BUSY = "host_busy"  # other processes took the CPUs (a contended step)
+    PAUSED = "paused"  # the operator paused the engine
 
 
 class StepRecord(NamedTuple):
@@ -37,6 +39,9 @@ class StepRecord(NamedTuple):
     paused: bool
     prefills: tuple[str, ...]
     decodes: int
+    contended: bool = False  # the host's mark: other work took the CPUs around it
+    others_cpus: float = 0.0
+    waiting: int = 0  # the queue after it was scheduled
 
 
 class ModeRecord(NamedTuple):
@@ -45,7 +50,26 @@ class ModeRecord(NamedTuple):
     ts: float
     mode: str
     throttle_level: int
-    paused: bool
+    paused: bool  # a guard held prefills back (the degraded path)
+    held: bool = False  # the operator paused the engine: no steps ran
+
+
+@dataclass(frozen=True)
+class QueueContext:
+    """The queue while a request waited: arrivals and finishes a second, its length."""
+
+    arrivals_per_s: float
+    finishes_per_s: float
+    queued_at_arrival: int
+    window_s: float
+
+    def words(self) -> str:
+        return (f"{self.arrivals_per_s:.1f} arrivals/s against {self.finishes_per_s:.1f} "
+                f"finishes/s, {self.queued_at_arrival} queued when it arrived")
+
+    @property
+    def overloaded(self) -> bool:
+        return self.arrivals_per_s > self.finishes_per_s
 
 
 @dataclass(frozen=True)
@@ -108,6 +132,11 @@ class Timeline:
     decode_gaps: GapStats
     queue_wait_parts: dict[str, float] = field(default_factory=dict)
     waited_behind: int = 0
+    rules: tuple[str, ...] = ()  # which rules stored it: budget_score, ttft_slo, itl_slo
+    threshold: float | None = None  # the budget_score threshold in force
+    queue: QueueContext | None = None
+    host_cpus: float = 0.0  # the most CPUs other processes took while it was live
+    stall_cause: str | None = None  # why its worst gap between tokens was long, in words
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -122,28 +151,63 @@ class Timeline:
         name = max(parts, key=lambda k: parts[k])
         return name, parts[name]
 
+    @property
+    def budget_score(self) -> float | None:
+        return self.prefill_s / self.budgeted_s if self.budgeted_s > 0 else None
+
     def verdict(self) -> str:
-        """The operator's first line: what the user felt most, with its cause in words."""
+        """What the user felt most and its cause; then, second, the budget_score's reading."""
+        return f"{self.felt_verdict()}\n{self.budget_verdict()}"
+
+    def felt_verdict(self) -> str:
         part, seconds = self.felt()
-        prefill = (f"prefill {human_duration(self.prefill_s)}, "
-                   f"{human_duration(self.overrun_s)} over plan: {self.overrun_verdict()}")
         if part == "queue wait":
-            behind = (f" behind {self.waited_behind} request"
-                      f"{'' if self.waited_behind == 1 else 's'}" if self.waited_behind else "")
-            return (f"waited {human_duration(seconds)} in the queue{behind}: "
-                    f"{self.queue_wait_cause()}; then {prefill}")
+            return self.queue_verdict(seconds)
         if part == "decode stall":
             gaps = self.decode_gaps
+            cause = f": {self.stall_cause}" if self.stall_cause else ""
             return (f"stalled {human_duration(gaps.max_s)} between two tokens at step "
-                    f"{gaps.worst_step} (usually {human_duration(gaps.p50_s)}); {prefill}")
-        return prefill
+                    f"{gaps.worst_step} (usually {human_duration(gaps.p50_s)}){cause}")
+        return f"prefill took {human_duration(self.prefill_s)}: {self.overrun_verdict()}"
 
-    def queue_wait_cause(self) -> str:
-        """Why it waited to be admitted, from what the engine did meanwhile."""
+    def budget_verdict(self) -> str:
+        """The seed's reading: actual over budgeted prefill time against its threshold."""
+        score = self.budget_score
+        if score is None:
+            return "budget_score unknown: no calibrated plan for its prefill"
+        over = (f"{human_duration(self.overrun_s)} over its {human_duration(self.budgeted_s)} "
+                f"plan" if self.overrun_s > 0 else
+                f"within its {human_duration(self.budgeted_s)} plan")
+        threshold = ("" if self.threshold is None else
+                     f" ({'over' if score > self.threshold else 'within'} its threshold "
+                     f"{self.threshold:g})")
+        why = ("" if self.felt()[0] == "prefill" or self.overrun_s <= 0
+               else f": {self.overrun_verdict()}")
+        return (f"budget_score {score:.2f}{threshold}: prefill {human_duration(self.prefill_s)},"
+                f" {over}{why}")
+
+    def queue_verdict(self, seconds: float) -> str:
+        """Why it waited to be admitted: the queue's rates first, then what held it."""
+        waited = f"waited {human_duration(seconds)} in the queue"
         parts = {k: v for k, v in self.queue_wait_parts.items() if v > 0}
-        if not parts:
-            return "arrivals outran the budget"
-        return QUEUE_WAIT_CAUSES[Cause(max(parts, key=lambda k: parts[k]))]
+        cause = Cause(max(parts, key=lambda k: parts[k])) if parts else Cause.QUEUED
+        queue = self.queue
+        rates = f" ({queue.words()})" if queue is not None else ""
+        host_s = parts.get(Cause.HOST_BUSY.value, 0.0)
+        host = (f"other processes took the CPU for {human_duration(host_s)} of it "
+                f"({self.host_cpus:.1f} CPUs of their work)") if host_s else ""
+        if cause is Cause.PAUSED:
+            return (f"{waited}: the operator paused the engine for "
+                    f"{human_duration(parts[cause.value])} of it{rates}")
+        if queue is not None and queue.overloaded and cause in (Cause.QUEUED, Cause.HOST_BUSY):
+            # more came than left: the queue would have grown on a quiet host too
+            return f"{waited}: arrivals outran finishes, {queue.words()}" + (
+                f"; {host}" if host else "")
+        if cause is Cause.HOST_BUSY:
+            return f"{waited}: {host}{rates}"
+        behind = (f" behind {self.waited_behind} request"
+                  f"{'' if self.waited_behind == 1 else 's'}" if self.waited_behind else "")
+        return f"{waited}{behind}: {QUEUE_WAIT_CAUSES[cause]}{rates}"
 
     def worst_chunk(self) -> ChunkView | None:
         """Its chunk furthest over its own prediction (recomputed ones aside)."""
@@ -184,7 +248,12 @@ class Timeline:
                 return (f"preempted {len(self.preemptions)}× to free KV blocks: {took} "
                         f"waiting to be readmitted and recomputing {redone} tokens ({share})")
             case Cause.GUARD:
-                return f"prefills paused by a guard for {took} ({share})"
+                return f"prefills held back by a guard for {took} ({share})"
+            case Cause.PAUSED:
+                return f"the operator paused the engine for {took} ({share})"
+            case Cause.HOST_BUSY:
+                return (f"other processes took the CPU ({self.host_cpus:.1f} CPUs of their "
+                        f"work) while its steps ran: +{took} ({share})")
         return f"host time between steps {took} ({share})"
 
 
@@ -194,8 +263,10 @@ QUEUE_WAIT_CAUSES = {
     Cause.QUEUED: "arrivals outran the budget",
     Cause.CACHE_PRESSURE: "the KV cache stayed above its high watermark",
     Cause.BANDWIDTH_THROTTLE: "the bandwidth throttle held new prefills",
-    Cause.GUARD: "the engine was paused",
+    Cause.GUARD: "a guard held new prefills back",
     Cause.HOST_OVERHEAD: "the engine sat between steps",
+    Cause.HOST_BUSY: "other processes took the CPU",
+    Cause.PAUSED: "the operator paused the engine",
     Cause.SLOW_CHUNKS: "the steps ran slower than predicted",
     Cause.PREEMPTION: "it was preempted",
 }
@@ -203,12 +274,17 @@ GAP_CLASSES = {"CACHE_PRESSURE_WAIT": Cause.CACHE_PRESSURE,
                "BANDWIDTH_THROTTLE": Cause.BANDWIDTH_THROTTLE}
 
 
-def _gap_class(mode: str, paused: bool, in_step: bool) -> Cause:
+def _gap_class(mode: str, paused: bool, in_step: bool, held: bool = False,
+               contended: bool = False) -> Cause:
+    if held:
+        return Cause.PAUSED
     if paused:
         return Cause.GUARD
     cls = GAP_CLASSES.get(mode)
     if cls is not None:
         return cls
+    if contended:  # the steps ran, or the engine waited for a CPU, while others held them
+        return Cause.HOST_BUSY
     return Cause.QUEUED if in_step else Cause.HOST_OVERHEAD
 
 
@@ -240,6 +316,7 @@ class _GapClassifier:
         self.request_id = request_id
         self.totals: dict[Cause, float] = {}
         self.behind: set[str] = set()
+        self.host_cpus = 0.0
 
     def add(self, start: float, end: float) -> None:
         cursor = start
@@ -250,24 +327,27 @@ class _GapClassifier:
             if step.end <= cursor:
                 continue
             if step.start > cursor:
-                self._idle(cursor, step.start)
+                self._idle(cursor, step.start, step.contended)
             a, b = max(cursor, step.start), min(end, step.end)
-            cls = _gap_class(step.mode, step.paused, in_step=True)
+            cls = _gap_class(step.mode, step.paused, in_step=True, contended=step.contended)
             self.totals[cls] = self.totals.get(cls, 0.0) + (b - a)
-            if cls is Cause.QUEUED:
+            self.host_cpus = max(self.host_cpus, step.others_cpus if step.contended else 0.0)
+            if cls in (Cause.QUEUED, Cause.HOST_BUSY):
                 self.behind.update(r for r in step.prefills if r != self.request_id)
             cursor = b
         if end > cursor:
             self._idle(cursor, end)
 
-    def _idle(self, start: float, end: float) -> None:
-        """Time with no step running, classed by the mode in force, split at its changes."""
+    def _idle(self, start: float, end: float, contended: bool = False) -> None:
+        """Time with no step running, classed by the mode in force, split at its changes;
+        `contended`: the host reading that covers it (the next step's) was busy."""
         i = bisect.bisect_right(self.mode_ts, start) - 1
         cursor = start
         while cursor < end:
             state = self.modes[i] if i >= 0 else NORMAL
             upto = min(end, self.mode_ts[i + 1]) if i + 1 < len(self.modes) else end
-            cls = _gap_class(state.mode, state.paused, in_step=False)
+            cls = _gap_class(state.mode, state.paused, in_step=False, held=state.held,
+                             contended=contended)
             self.totals[cls] = self.totals.get(cls, 0.0) + max(0.0, upto - cursor)
             cursor = max(cursor, upto)
             i += 1
@@ -293,11 +373,14 @@ class PrefillGaps:
     step_overhead_s: float = 0.0
     queue_wait: dict[str, float] = field(default_factory=dict)
     waited_behind: int = 0
+    queue: QueueContext | None = None
+    host_cpus: float = 0.0
 
 
 def classify_prefill(request: Request, steps: Sequence[StepRecord],
                      modes: Sequence[ModeRecord], end: float,
-                     step_overhead_s: float = 0.0) -> PrefillGaps:
+                     step_overhead_s: float = 0.0,
+                     queue: QueueContext | None = None) -> PrefillGaps:
     """Class the gaps of a request whose prefill has just ended at `end`."""
     t0, t1 = request.prefill_started, end
     if t0 is None:
@@ -318,7 +401,8 @@ def classify_prefill(request: Request, steps: Sequence[StepRecord],
                        attempt=request.num_preemptions, end=t1,
                        step_overhead_s=step_overhead_s,
                        queue_wait={c.value: v for c, v in waiting.totals.items()},
-                       waited_behind=len(waiting.behind))
+                       waited_behind=len(waiting.behind), queue=queue,
+                       host_cpus=max(classifier.host_cpus, waiting.host_cpus))
 
 
 def _own(request: Request, t1: float) -> list[tuple[float, float]]:
@@ -337,7 +421,8 @@ def _held(request: Request, t1: float) -> list[tuple[float, float]]:
     return [(at, t1 if again is None else again) for at, again in _preemptions(request)]
 
 
-def explain(request: Request, gaps: PrefillGaps) -> Timeline:
+def explain(request: Request, gaps: PrefillGaps, rules: tuple[str, ...] = (),
+            threshold: float | None = None, stall_cause: str | None = None) -> Timeline:
     """The timeline of a flagged request, once it has ended."""
     t0, t1 = request.prefill_started, gaps.end
     if t0 is None:
@@ -352,21 +437,29 @@ def explain(request: Request, gaps: PrefillGaps) -> Timeline:
     prefill_parts = {"chunks": chunk_s, "recomputed_chunks": recomputed_s, "preempted": held_s,
                      **{cls.value: gap.get(cls.value, 0.0) for cls in
                         (Cause.QUEUED, Cause.CACHE_PRESSURE, Cause.BANDWIDTH_THROTTLE,
-                         Cause.GUARD, Cause.HOST_OVERHEAD)}}
+                         Cause.GUARD, Cause.HOST_OVERHEAD, Cause.HOST_BUSY, Cause.PAUSED)}}
     planned = request.planned
     planned_steps = sum(p.predicted_s for p in planned)
     overhead = gaps.step_overhead_s
     chunk_overhead = overhead * len(planned)
     wait_overhead = overhead * sum(p.wait_steps for p in planned)
+    slow_chunks = chunk_s - (planned_steps - chunk_overhead)
+    # a chunk that ran while other processes held the CPUs: its overrun is theirs
+    contended = max(0.0, min(slow_chunks, sum(c.duration_s - c.predicted_s
+                                              for c in effective if c.contended)))
+    # time queued behind others' chunks: past the plan, shared out as it was classed
+    queued, busy = gap.get(Cause.QUEUED.value, 0.0), gap.get(Cause.HOST_BUSY.value, 0.0)
+    queued_over = queued + busy - (sum(p.wait_s for p in planned) - wait_overhead)
+    busy_over = queued_over * busy / (queued + busy) if queued + busy > 0 else 0.0
     by_cause = {
-        Cause.SLOW_CHUNKS: chunk_s - (planned_steps - chunk_overhead),
-        Cause.QUEUED: gap.get(Cause.QUEUED.value, 0.0)
-        - (sum(p.wait_s for p in planned) - wait_overhead),
+        Cause.SLOW_CHUNKS: slow_chunks - contended,
+        Cause.HOST_BUSY: contended + busy_over,
+        Cause.QUEUED: queued_over - busy_over,
         Cause.PREEMPTION: recomputed_s + held_s,
         Cause.HOST_OVERHEAD: gap.get(Cause.HOST_OVERHEAD.value, 0.0) - chunk_overhead
         - wait_overhead,
         **{cls: gap.get(cls.value, 0.0) for cls in
-           (Cause.CACHE_PRESSURE, Cause.BANDWIDTH_THROTTLE, Cause.GUARD)},
+           (Cause.CACHE_PRESSURE, Cause.BANDWIDTH_THROTTLE, Cause.GUARD, Cause.PAUSED)},
     }
     cause = max(by_cause, key=lambda c: by_cause[c])
     prefill_s = t1 - t0
@@ -405,7 +498,9 @@ def explain(request: Request, gaps: PrefillGaps) -> Timeline:
         preemptions=preemptions,
         decode_gaps=gap_stats(request.decode_gaps or (),
                               None if request.worst_gap is None else request.worst_gap[1]),
-        queue_wait_parts=gaps.queue_wait, waited_behind=gaps.waited_behind)
+        queue_wait_parts=gaps.queue_wait, waited_behind=gaps.waited_behind, rules=rules,
+        threshold=threshold, queue=gaps.queue, host_cpus=gaps.host_cpus,
+        stall_cause=stall_cause)
 
 
 def _parts(parts: dict[str, float], signed: bool = False) -> str:
@@ -421,6 +516,15 @@ def timeline_lines(t: dict[str, Any]) -> list[str]:
              f"{human_duration(e2e['queue_wait'])} + prefill {human_duration(e2e['prefill'])} "
              f"+ decode {human_duration(e2e['decode'])} + tail {human_duration(e2e['tail'])}"
              f"  ({t['outcome']})"]
+    if t.get("rules"):
+        lines.append(f"stored by: {', '.join(t['rules'])}")
+    queue = t.get("queue")
+    if queue:
+        lines.append(f"queue: {QueueContext(**queue).words()} "
+                     f"(over {human_duration(queue['window_s'])})")
+    if t.get("host_cpus"):
+        lines.append(f"host: other processes took up to {t['host_cpus']:.1f} CPUs while it "
+                     "was live")
     if t.get("queue_wait_parts"):
         lines.append(f"queue wait {human_duration(t['queue_wait_s'])}: "
                      f"{_parts(t['queue_wait_parts'])}; "
