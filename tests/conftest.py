@@ -44,14 +44,16 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return request.getfixturevalue("postgres").create_database()
 
 
-@pytest.fixture(autouse=True)
-def _quiet_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Engines read a quiet host: what a test asserts never hangs on its neighbours' load.
-    Tests of host sensing build their HostSensor with readings of their own."""
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_host() -> Iterator[None]:
+    """Engines read a quiet host (module-scoped ones too): what a test asserts never hangs on
+    its neighbours' load. Tests of host sensing build their HostSensor with their readings."""
     from engine.ops import equipped
     from engine.ops.host import HostCounters, HostSensor
 
     def quiet(clock: Callable[[], float]) -> HostSensor:
         return HostSensor(clock, read=lambda: HostCounters(0.0, 0.0, 0.0, 0.0, cpus=1))
 
-    monkeypatch.setattr(equipped, "HostSensor", quiet)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(equipped, "HostSensor", quiet)
+        yield

@@ -105,11 +105,12 @@ def run_list(args: argparse.Namespace) -> int:
         # RESUMED: the output tokens a request had when resumed from the journal after a
         # restart (0: it stopped mid-prefill); "-" for one that never was
         # RULES: which rules stored it; N: the SLO breaches a sampled row stands for
-        header = ("ID", "WHEN", "TENANT", "RULES", "N", "CAUSE", "SCORE", "PROMPT",
+        header = ("ID", "WHEN", "TENANT", "RULES", "N", "FELT", "CAUSE", "SCORE", "PROMPT",
                   "PREFILL_MS", "BUDGET_MS", "CHUNKS", "RESUMED", "TAG", "SERVER", "REQUEST")
         _table(header, [
             (str(r.id), _when(r.created_at), r.tenant, r.rules, str(r.represents),
-             r.cause or "-", "-" if r.budget_score is None else f"{r.budget_score:.2f}",
+             r.felt_part or "-", r.felt_cause or r.cause or "-",
+             "-" if r.budget_score is None else f"{r.budget_score:.2f}",
              str(r.prompt_tokens), f"{r.prefill_s * 1e3:.1f}", f"{r.budgeted_s * 1e3:.1f}",
              str(len(r.chunks)), "-" if r.resumed_tokens is None else str(r.resumed_tokens),
              r.tag or "-", r.server or "-", r.request_id)
@@ -158,11 +159,14 @@ def run_show(args: argparse.Namespace) -> int:
     print(f"stored by {record.rules}"
           + (f", standing for {record.represents} requests" if record.represents > 1 else ""))
     if record.verdict:  # its lines: what the user felt and why, then the budget_score
-        share = f", {record.cause_share:.0%}" if record.cause_share is not None else ""
         first, *rest = record.verdict.split("\n")
-        print(f"verdict: {terminal_safe(first)}  [cause {record.cause}{share}]")
-        for line in rest:
-            print(f"         {terminal_safe(line)}")
+        felt = record.felt_cause is not None  # rows before 0011: one line, the overrun's
+        print(f"verdict: {terminal_safe(first)}"
+              + (_cause_tag(record.felt_cause, record.felt_share) if felt
+                 else _cause_tag(record.cause, record.cause_share)))
+        for i, line in enumerate(rest):  # the budget_score's line: the overrun's cause
+            tag = _cause_tag(record.cause, record.cause_share) if felt and i == 0 else ""
+            print(f"         {terminal_safe(line)}{tag}")
     if record.budget_score is not None and not record.verdict:  # a row from before 0004
         print(f"budget_score {record.budget_score:.2f}: prefill "
               f"{human_duration(record.prefill_s)} against a budget of "
@@ -175,6 +179,12 @@ def run_show(args: argparse.Namespace) -> int:
     print("configuration at the time:")
     print(json.dumps(record.config, indent=2, sort_keys=True))  # ASCII: escapes are escaped
     return 0
+
+
+def _cause_tag(cause: str | None, share: float | None) -> str:
+    if cause is None:
+        return ""
+    return f"  [cause {cause}{f', {share:.0%}' if share is not None else ''}]"
 
 
 def _print_timeline(t: dict[str, Any]) -> None:

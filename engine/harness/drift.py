@@ -81,6 +81,8 @@ class DriftMonitor:
         self.off_prediction_total = 0
         self.recalibrations = 0
         self.pending_reason: str | None = None
+        # why a due recalibration waits (other processes hold the CPUs), or None
+        self.waiting: str | None = None
         self._beyond_since: float | None = None
         self._last_calibrated = clock()
         self._calibration: Calibration | None = None
@@ -96,6 +98,9 @@ class DriftMonitor:
                             event.chunk_index, event.request_id, event.duration_s * 1e3,
                             off * 100, event.predicted_s * 1e3)
         if self.pending_reason is not None:
+            if self.waiting is not None and not self.engine.host.latest.contended:
+                self.waiting = None  # the host is quiet again: the sweep may measure it
+                self.schedule(self._run_unit)
             return
         ratio = self.engine.step_ratio
         drift = ratio.value - 1
@@ -123,6 +128,15 @@ class DriftMonitor:
         return True
 
     def _run_unit(self, engine: Engine) -> None:
+        host = engine.host.mark(engine.clock())
+        if host.contended:  # a sweep now would time the neighbours' load into the predictor
+            self._calibration = None
+            if self.waiting is None:
+                self.waiting = (f"recalibration waits: other processes use "
+                                f"{host.others_cpus:.1f} CPUs, steal {host.steal:.0%}")
+                log.info("%s", self.waiting)
+                self._progress(0.0, self.waiting)
+            return  # observe() schedules it again once a step finds the host quiet
         if self._calibration is None:
             self._calibration = Calibration(engine, self.plan, quick=self.quick,
                                             progress=self._progress)

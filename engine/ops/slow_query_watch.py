@@ -14,6 +14,7 @@ from engine.config import BUDGET_RULE, SLO_ITL_RULE, EngineConfig
 from engine.core.request import Request, RequestState
 from engine.events import Event, SlowQuery
 from engine.ops.timeline import (
+    Cause,
     ModeRecord,
     PrefillGaps,
     QueueContext,
@@ -62,14 +63,15 @@ class SloSampler:
 
 
 class SlowQueryWatch:
-    def __init__(self, publish: Callable[[Event], None]) -> None:
+    def __init__(self, publish: Callable[[Event], None],
+                 sampler: SloSampler | None = None) -> None:
         self.publish = publish
         self.step_log: deque[StepRecord] = deque(maxlen=STEP_LOG)
         self.mode_log: deque[ModeRecord] = deque(maxlen=MODE_LOG)
         self.arrivals: deque[float] = deque(maxlen=RATE_LOG)
         self.finishes: deque[float] = deque(maxlen=RATE_LOG)
         self.flagged: dict[str, tuple[PrefillGaps, tuple[str, ...]]] = {}
-        self.sampler = SloSampler()
+        self.sampler = sampler or SloSampler()
         self.sampled_out: set[str] = set()  # live requests whose breach was only counted
         self.held = False
 
@@ -132,7 +134,9 @@ class SlowQueryWatch:
         to its admission), and the queue it joined."""
         until = request.admissions[0] if request.admissions else request.arrival
         since = min(request.arrival, until - RATE_WINDOW_S)
-        window = max(until - since, 1e-9)
+        if self.arrivals:  # not before the first arrival: an engine just started is no rate
+            since = max(since, min(self.arrivals[0], request.arrival))
+        window = max(until - since, 1e-3)
 
         def count(log: deque[float]) -> int:
             return bisect.bisect_right(log, until) - bisect.bisect_left(log, since)
@@ -172,6 +176,7 @@ class SlowQueryWatch:
                         f"{represents - 1} not stored one by one (more than "
                         f"{SLO_RATE_PER_S:g}/s after a burst of {SLO_BURST})")
         score = timeline.budget_score
+        felt, felt_share = timeline.felt_cause()
         self.publish(SlowQuery(
             request_id=request.id, tenant=request.tenant, budget_score=score,
             prompt_tokens=request.num_prompt_tokens, prefill_s=timeline.prefill_s,
@@ -180,9 +185,10 @@ class SlowQueryWatch:
             timeline={k: v for k, v in timeline.to_dict().items() if k != "chunks"},
             cause=timeline.cause.value, cause_share=timeline.cause_share, verdict=verdict,
             cached_tokens=request.cached_tokens, resumed_tokens=request.resumed_tokens,
-            rules=rules, represents=represents))
+            rules=rules, represents=represents, felt_part=timeline.felt()[0].replace(" ", "_"),
+            felt_cause=felt.value, felt_share=felt_share))
 
-    def _stall_cause(self, request: Request) -> str | None:
+    def _stall_cause(self, request: Request) -> tuple[Cause, str] | None:
         """Why its longest gap between tokens was long: a pause, a busy host, or what shared
         the step that ended it."""
         if request.worst_gap is None:
@@ -195,13 +201,16 @@ class SlowQueryWatch:
         i = bisect.bisect_right([m.ts for m in self.mode_log], start) - 1
         held = any(m.held for m in list(self.mode_log)[max(i, 0):] if m.ts < step.end)
         if held:
-            return "the operator paused the engine"
+            return Cause.PAUSED, "the operator paused the engine"
         if step.contended:
-            return f"other processes took the CPU ({step.others_cpus:.1f} CPUs of their work)"
+            return Cause.HOST_BUSY, (f"other processes took the CPU ({step.others_cpus:.1f} "
+                                     "CPUs of their work)")
+        took = human_duration(step.end - step.start)
         if step.prefills:
-            return (f"{len(step.prefills)} prefill chunk{'s' if len(step.prefills) > 1 else ''}"
-                    f" shared its step of {human_duration(step.end - step.start)}")
-        return f"its step took {human_duration(step.end - step.start)}"
+            return Cause.DECODE_STALL, (f"{len(step.prefills)} prefill chunk"
+                                        f"{'s' if len(step.prefills) > 1 else ''} shared its "
+                                        f"step of {took}")
+        return Cause.DECODE_STALL, f"its step took {took}"
 
     def clear(self) -> None:
         """An engine restart: the requests it flagged are resumed afresh."""

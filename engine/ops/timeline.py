@@ -26,6 +26,7 @@ class Cause(enum.StrEnum):
     HOST_OVERHEAD = "host_overhead"
     HOST_BUSY = "host_busy"  # other processes took the CPUs (a contended step)
     PAUSED = "paused"  # the operator paused the engine
+    DECODE_STALL = "decode_stall"  # a long step between two of its tokens
 
 
 class StepRecord(NamedTuple):
@@ -104,6 +105,7 @@ class ChunkView:
     mode: str
     throttle_level: int
     recomputed: bool
+    contended: bool = False  # other processes took the host's CPUs around its step
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,7 @@ class Timeline:
     queue: QueueContext | None = None
     host_cpus: float = 0.0  # the most CPUs other processes took while it was live
     stall_cause: str | None = None  # why its worst gap between tokens was long, in words
+    stall_class: Cause = Cause.DECODE_STALL
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -159,6 +162,27 @@ class Timeline:
         """What the user felt most and its cause; then, second, the budget_score's reading."""
         return f"{self.felt_verdict()}\n{self.budget_verdict()}"
 
+    def felt_cause(self) -> tuple[Cause, float]:
+        """The cause of the largest felt part, with its share of that part."""
+        part, seconds = self.felt()
+        if part == "decode stall":
+            return self.stall_class, 1.0
+        if part == "prefill":
+            return self.cause, self.cause_share
+        cause = self._queue_cause()
+        parts = self.queue_wait_parts
+        taken = (parts.get(Cause.QUEUED.value, 0.0) + parts.get(Cause.HOST_BUSY.value, 0.0)
+                 if cause is Cause.QUEUED else parts.get(cause.value, 0.0))
+        return cause, min(1.0, taken / seconds) if seconds > 0 else 0.0
+
+    def _queue_cause(self) -> Cause:
+        parts = {k: v for k, v in self.queue_wait_parts.items() if v > 0}
+        cause = Cause(max(parts, key=lambda k: parts[k])) if parts else Cause.QUEUED
+        if (self.queue is not None and self.queue.overloaded
+                and cause in (Cause.QUEUED, Cause.HOST_BUSY)):
+            return Cause.QUEUED  # more came than left: it would have grown on a quiet host
+        return cause
+
     def felt_verdict(self) -> str:
         part, seconds = self.felt()
         if part == "queue wait":
@@ -175,14 +199,13 @@ class Timeline:
         score = self.budget_score
         if score is None:
             return "budget_score unknown: no calibrated plan for its prefill"
+        overran = self.overrun_s > OVERRUN_EPSILON_S
         over = (f"{human_duration(self.overrun_s)} over its {human_duration(self.budgeted_s)} "
-                f"plan" if self.overrun_s > 0 else
-                f"within its {human_duration(self.budgeted_s)} plan")
+                f"plan" if overran else f"within its {human_duration(self.budgeted_s)} plan")
         threshold = ("" if self.threshold is None else
                      f" ({'over' if score > self.threshold else 'within'} its threshold "
                      f"{self.threshold:g})")
-        why = ("" if self.felt()[0] == "prefill" or self.overrun_s <= 0
-               else f": {self.overrun_verdict()}")
+        why = "" if self.felt()[0] == "prefill" or not overran else f": {self.overrun_verdict()}"
         return (f"budget_score {score:.2f}{threshold}: prefill {human_duration(self.prefill_s)},"
                 f" {over}{why}")
 
@@ -190,7 +213,7 @@ class Timeline:
         """Why it waited to be admitted: the queue's rates first, then what held it."""
         waited = f"waited {human_duration(seconds)} in the queue"
         parts = {k: v for k, v in self.queue_wait_parts.items() if v > 0}
-        cause = Cause(max(parts, key=lambda k: parts[k])) if parts else Cause.QUEUED
+        cause = self._queue_cause()
         queue = self.queue
         rates = f" ({queue.words()})" if queue is not None else ""
         host_s = parts.get(Cause.HOST_BUSY.value, 0.0)
@@ -199,8 +222,7 @@ class Timeline:
         if cause is Cause.PAUSED:
             return (f"{waited}: the operator paused the engine for "
                     f"{human_duration(parts[cause.value])} of it{rates}")
-        if queue is not None and queue.overloaded and cause in (Cause.QUEUED, Cause.HOST_BUSY):
-            # more came than left: the queue would have grown on a quiet host too
+        if queue is not None and cause is Cause.QUEUED:
             return f"{waited}: arrivals outran finishes, {queue.words()}" + (
                 f"; {host}" if host else "")
         if cause is Cause.HOST_BUSY:
@@ -258,6 +280,7 @@ class Timeline:
 
 
 NORMAL = ModeRecord(0.0, "NORMAL", 0, False)
+OVERRUN_EPSILON_S = 1e-6  # below a microsecond, a prefill ran as planned (float sums)
 HEAVY_DECODE_SHARE = 4
 QUEUE_WAIT_CAUSES = {
     Cause.QUEUED: "arrivals outran the budget",
@@ -316,7 +339,6 @@ class _GapClassifier:
         self.request_id = request_id
         self.totals: dict[Cause, float] = {}
         self.behind: set[str] = set()
-        self.host_cpus = 0.0
 
     def add(self, start: float, end: float) -> None:
         cursor = start
@@ -331,7 +353,6 @@ class _GapClassifier:
             a, b = max(cursor, step.start), min(end, step.end)
             cls = _gap_class(step.mode, step.paused, in_step=True, contended=step.contended)
             self.totals[cls] = self.totals.get(cls, 0.0) + (b - a)
-            self.host_cpus = max(self.host_cpus, step.others_cpus if step.contended else 0.0)
             if cls in (Cause.QUEUED, Cause.HOST_BUSY):
                 self.behind.update(r for r in step.prefills if r != self.request_id)
             cursor = b
@@ -402,7 +423,8 @@ def classify_prefill(request: Request, steps: Sequence[StepRecord],
                        step_overhead_s=step_overhead_s,
                        queue_wait={c.value: v for c, v in waiting.totals.items()},
                        waited_behind=len(waiting.behind), queue=queue,
-                       host_cpus=max(classifier.host_cpus, waiting.host_cpus))
+                       host_cpus=max((s.others_cpus for s in steps
+                                      if s.contended and s.end > request.arrival), default=0.0))
 
 
 def _own(request: Request, t1: float) -> list[tuple[float, float]]:
@@ -422,7 +444,8 @@ def _held(request: Request, t1: float) -> list[tuple[float, float]]:
 
 
 def explain(request: Request, gaps: PrefillGaps, rules: tuple[str, ...] = (),
-            threshold: float | None = None, stall_cause: str | None = None) -> Timeline:
+            threshold: float | None = None,
+            stall: tuple[Cause, str] | None = None) -> Timeline:
     """The timeline of a flagged request, once it has ended."""
     t0, t1 = request.prefill_started, gaps.end
     if t0 is None:
@@ -493,14 +516,16 @@ def explain(request: Request, gaps: PrefillGaps, rules: tuple[str, ...] = (),
             duration_s=c.duration_s, predicted_s=c.predicted_s,
             planned_s=plan_by_start.get(c.start), step=c.step, decodes=c.decodes,
             other_prefill_tokens=c.other_prefill_tokens, mode=c.mode,
-            throttle_level=c.throttle_level, recomputed=c.attempt != gaps.attempt)
+            throttle_level=c.throttle_level, recomputed=c.attempt != gaps.attempt,
+            contended=c.contended)
             for c in request.chunks),
         preemptions=preemptions,
         decode_gaps=gap_stats(request.decode_gaps or (),
                               None if request.worst_gap is None else request.worst_gap[1]),
         queue_wait_parts=gaps.queue_wait, waited_behind=gaps.waited_behind, rules=rules,
         threshold=threshold, queue=gaps.queue, host_cpus=gaps.host_cpus,
-        stall_cause=stall_cause)
+        stall_cause=None if stall is None else stall[1],
+        stall_class=Cause.DECODE_STALL if stall is None else stall[0])
 
 
 def _parts(parts: dict[str, float], signed: bool = False) -> str:

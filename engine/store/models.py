@@ -112,6 +112,10 @@ class SlowQueryRow(Base):
     rules: Mapped[str] = mapped_column(String(64), default="budget_score",
                                        server_default="budget_score")
     represents: Mapped[int] = mapped_column(default=1, server_default="1")
+    # what the user felt most and its cause (None: a row before 0011)
+    felt_part: Mapped[str | None] = mapped_column(String(32))
+    felt_cause: Mapped[str | None] = mapped_column(String(32))
+    felt_share: Mapped[float | None]
 
     # Each list order has an index ending in id, so a page is an index walk, never a sort.
     __table_args__ = (

@@ -50,6 +50,9 @@ class SlowQueryRecord:
     resumed_tokens: int | None = None
     rules: str = "budget_score"  # which rules stored it, comma-separated
     represents: int = 1  # itself and the SLO breaches sampled out before it
+    felt_part: str | None = None  # queue_wait, prefill or decode_stall (None: before 0011)
+    felt_cause: str | None = None
+    felt_share: float | None = None
 
     @classmethod
     def from_row(cls, row: SlowQueryRow) -> SlowQueryRecord:
