@@ -10,13 +10,14 @@ import re
 
 import pytest
 
-from engine import Engine, EngineConfig
+from engine import Engine, EngineConfig, SamplingParams
 from engine.batch import HostMark, StepTiming
 from engine.core.modes import Modes
+from engine.core.scheduler import RECENT_FINISHED
 from engine.events import CalibrationProgress, SlowQuery, StepComplete
 from engine.harness.drift import DriftMonitor, Job
 from engine.ops.host import HostCounters, HostSensor
-from engine.ops.slow_query_watch import SloSampler
+from engine.ops.slow_query_watch import RATE_LOG, STEP_LOG, SloSampler
 from engine.ops.telemetry import ModelBandwidth
 from tests.test_scheduler import STEP_S, SchedulerRig, sim
 
@@ -230,3 +231,35 @@ def test_a_recalibration_due_under_contention_waits_and_says_why() -> None:
     sensor.mark(host.now)  # a step's mark: the host is quiet again
     monitor.observe(step)
     assert len(jobs) == 1 and monitor.waiting is None and monitor.pending_reason == "test"
+
+
+def test_what_an_engine_keeps_per_request_is_bounded_by_count_not_by_requests_served() -> None:
+    """Every request past its SLO (a 1 ms one): what the engine keeps after 320 requests is
+    what it kept after 80, as far as anything grows with finished requests."""
+    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32",
+                                 slo_ttft_ms=1e-3, slo_itl_ms=1e-3))
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+
+    def serve(n: int) -> dict[str, int]:
+        for i in range(n):
+            engine.add_request([3 + i % 50] * (8 + i % 24), params)
+            if i % 3 == 0:
+                engine.step()
+        while engine.has_unfinished():
+            engine.step()
+        watch, s = engine.scheduler.watch, engine.scheduler
+        return {"live": len(s.requests), "recent": len(s.recent),
+                "flagged": len(watch.flagged), "sampled_out": len(watch.sampled_out),
+                # the runner hears of the last step's ends with the next batch
+                "runner": len(engine.runner.requests.held) + len(engine.runner.requests.parked)
+                - len(s.unheard.ended),
+                "metrics": len(engine.metrics._last_token_ts)
+                + len(engine.metrics._prompt_counted)}
+
+    after_80 = serve(80)
+    after_320 = serve(240)
+    assert after_320 == after_80 == {"live": 0, "recent": RECENT_FINISHED, "flagged": 0,
+                                     "sampled_out": 0, "runner": 0, "metrics": 0}
+    watch = engine.scheduler.watch
+    assert watch.step_log.maxlen == STEP_LOG and watch.arrivals.maxlen == RATE_LOG
+    assert watch.finishes.maxlen == RATE_LOG and watch.mode_log.maxlen is not None

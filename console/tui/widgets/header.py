@@ -33,8 +33,8 @@ MODE_STYLES = {
 
 def warnings(snapshot: Snapshot, slo: ServiceSLO) -> list[tuple[str, str]]:
     """What is wrong beside the mode, each with its style: a backlog (many waiting, or any
-    waiting while the median first token is past its SLO; red once it is), KV usage at or
-    above the high watermark."""
+    waiting while the median first token is past its SLO; red once it is), other processes
+    taking the host's CPUs, KV usage at or above the high watermark."""
     out: list[tuple[str, str]] = []
     waiting = snapshot.num_waiting
     ttft = snapshot.ttft_ms.p50
@@ -44,6 +44,8 @@ def warnings(snapshot: Snapshot, slo: ServiceSLO) -> list[tuple[str, str]]:
         if late and ttft is not None:
             note += f", TTFT p50 {ms(ttft)} > SLO {ms(slo.ttft_ms)}"
         out.append((note, "bold red" if late else "bold yellow"))
+    if snapshot.host_contended:  # what the engine's timings now include: others' load
+        out.append((f"HOST BUSY others {snapshot.host_others_cpus:.1f} CPUs", "bold yellow"))
     high = snapshot.config.get("cache_high_watermark")  # absent: not tokenflow's watermarks
     if high is not None and snapshot.kv_usage >= float(high):
         out.append((f"KV {snapshot.kv_usage:.0%} ≥ {float(high):.0%}", "bold yellow"))
