@@ -83,6 +83,8 @@ class Snapshot:
     queue_wait_ms: Percentiles = Percentiles()
     step_ms: Percentiles = Percentiles()
     calibration: str = ""
+    # a calibration copied from another store, with where it was measured ("" otherwise)
+    calibration_reused: str = ""
     recommended_chunk_size: int | None = None
     recommended_chunk_unclamped: int | None = None
     recommended_token_budget: int | None = None

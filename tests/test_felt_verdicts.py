@@ -209,6 +209,7 @@ def test_a_recalibration_due_under_contention_waits_and_says_why() -> None:
     sensor = HostSensor(lambda: host.now, read=lambda: host.counters, interval_s=0.5)
     engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32"),
                     host=sensor, clock=lambda: host.now)
+    engine.scheduler.controller.calibrated = True  # a plan in force: the one to protect
     progress: list[CalibrationProgress] = []
     engine.bus.subscribe(lambda e: progress.append(e) if isinstance(e, CalibrationProgress)
                          else None)

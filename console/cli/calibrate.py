@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from console.cli.db import add_db_argument, add_server_name_argument
 from console.cli.engine_flags import add_engine_flags, engine_config
+from console.errors import UserError
 from engine import Engine
 from engine.budget.predictor import StepTimePredictor
 from engine.events import Drift
@@ -71,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
                 engine, requests=QUICK_PROBE_REQUESTS if args.quick else PROBE_REQUESTS)
             phases["served_probe_s"] = time.perf_counter() - served_at
             result = dataclasses.replace(result, served=served)
+        if result.contended:
+            raise UserError(f"calibration not stored: it was measured while "
+                            f"{result.load_words()}, so its step times are partly theirs; "
+                            "run it again on a quiet host")
         with database.session() as session:
             previous = latest_for(session, engine)
             drift = (drift_event(StepTimePredictor.from_dict(previous.params), result)

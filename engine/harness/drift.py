@@ -129,7 +129,9 @@ class DriftMonitor:
 
     def _run_unit(self, engine: Engine) -> None:
         host = engine.host.mark(engine.clock())
-        if host.contended:  # a sweep now would time the neighbours' load into the predictor
+        # a sweep now would time the neighbours' load into the predictor (the first one runs:
+        # the engine has no plan without it, and a quiet host's sweep replaces it)
+        if host.contended and engine.calibrated:
             self._calibration = None
             if self.waiting is None:
                 self.waiting = (f"recalibration waits: other processes use "
@@ -155,6 +157,12 @@ class DriftMonitor:
 
     def _conclude(self, engine: Engine, result: CalibrationResult) -> None:
         reason = self.pending_reason or "on demand"
+        first = not engine.calibrated
+        if result.contended and not first:  # refused: the host got busy during the sweep
+            self.waiting = f"recalibration refused: measured while {result.load_words()}"
+            log.info("%s", self.waiting)
+            self._progress(0.0, self.waiting)
+            return  # still pending: observe() runs it again on a quiet host
         if self.reference is not None:
             event = drift_event(self.reference, result, self.threshold)
             if event is not None:
@@ -168,6 +176,9 @@ class DriftMonitor:
         self._progress_done(reason, result)
         if self.on_result is not None:
             self.on_result(result, reason)
+        if first and result.contended:  # replaced once a sweep finds the host quiet
+            self.request(f"replacing a first calibration measured while "
+                         f"{result.load_words()}")
 
     def _progress_done(self, reason: str, result: CalibrationResult) -> None:
         self.engine.bus.publish(CalibrationProgress(

@@ -44,6 +44,8 @@ def warnings(snapshot: Snapshot, slo: ServiceSLO) -> list[tuple[str, str]]:
         if late and ttft is not None:
             note += f", TTFT p50 {ms(ttft)} > SLO {ms(slo.ttft_ms)}"
         out.append((note, "bold red" if late else "bold yellow"))
+    if snapshot.calibration_reused:  # until a calibration measured here replaces it
+        out.append(("CALIBRATION REUSED", "bold yellow"))
     if snapshot.host_contended:  # what the engine's timings now include: others' load
         out.append((f"HOST BUSY others {snapshot.host_others_cpus:.1f} CPUs", "bold yellow"))
     high = snapshot.config.get("cache_high_watermark")  # absent: not tokenflow's watermarks
