@@ -105,7 +105,7 @@ def test_the_operators_pause_is_named_as_a_pause() -> None:
     first = by_id[waited.id]
     assert first.rules == ("ttft_slo",)
     assert first.verdict.startswith(
-        "waited 20.0 s in the queue: the operator paused the engine for 20.0 s of it (")
+        "waited 20.0 s in the queue: the operator paused the engine for 20.0 s of it; ")
     assert (first.felt_cause, first.felt_share) == ("paused", pytest.approx(1.0))
     assert "sat between steps" not in first.verdict
     second = by_id[stalled.id]

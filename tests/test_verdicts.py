@@ -69,21 +69,22 @@ def test_a_queue_wait_leads_with_arrivals_against_finishes_and_budget_score_come
     pressure = replace(QUEUE_WAIT, queue_wait_parts={Cause.CACHE_PRESSURE.value: 20.0})
     assert pressure.verdict().startswith(
         "waited 21.4 s in the queue behind 52 requests: the KV cache stayed above its high "
-        "watermark (38.0 arrivals/s against 2.9 finishes/s")
+        "watermark; arrivals outran finishes, 38.0 arrivals/s against 2.9 finishes/s")
 
 
 def test_a_queue_wait_in_a_pause_or_on_a_busy_host_names_it() -> None:
     paused = replace(QUEUE_WAIT, queue_wait_parts={Cause.PAUSED.value: 19.9,
                                                    Cause.QUEUED.value: 1.5})
     assert paused.verdict().startswith(
-        "waited 21.4 s in the queue: the operator paused the engine for 19.9 s of it (")
+        "waited 21.4 s in the queue: the operator paused the engine for 19.9 s of it; ")
     keeping_up = QueueContext(arrivals_per_s=2.0, finishes_per_s=2.0, queued_at_arrival=3,
                               window_s=21.4)
     busy = replace(QUEUE_WAIT, queue=keeping_up, host_cpus=1.8,
                    queue_wait_parts={Cause.HOST_BUSY.value: 15.0, Cause.QUEUED.value: 6.4})
     assert busy.verdict().startswith(
         "waited 21.4 s in the queue: other processes took the CPU for 15.0 s of it (1.8 CPUs "
-        "of their work) (2.0 arrivals/s against 2.0 finishes/s")
+        "of their work); the 3 queued when it arrived drained at 2.0 finishes/s against 2.0 "
+        "arrivals/s")
 
 
 def test_a_prefill_beside_heavy_decode_says_what_shared_its_step_against_its_own_prediction(

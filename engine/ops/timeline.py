@@ -65,8 +65,14 @@ class QueueContext:
     window_s: float
 
     def words(self) -> str:
-        return (f"{self.arrivals_per_s:.1f} arrivals/s against {self.finishes_per_s:.1f} "
-                f"finishes/s, {self.queued_at_arrival} queued when it arrived")
+        """Its rates and length; arrivals outrunning finishes first, when they did."""
+        if self.overloaded:
+            return (f"arrivals outran finishes, {self.arrivals_per_s:.1f} arrivals/s against "
+                    f"{self.finishes_per_s:.1f} finishes/s, {self.queued_at_arrival} queued "
+                    "when it arrived")
+        return (f"the {self.queued_at_arrival} queued when it arrived drained at "
+                f"{self.finishes_per_s:.1f} finishes/s against {self.arrivals_per_s:.1f} "
+                "arrivals/s")
 
     @property
     def overloaded(self) -> bool:
@@ -215,7 +221,7 @@ class Timeline:
         parts = {k: v for k, v in self.queue_wait_parts.items() if v > 0}
         cause = self._queue_cause()
         queue = self.queue
-        rates = f" ({queue.words()})" if queue is not None else ""
+        rates = f"; {queue.words()}" if queue is not None else ""
         host_s = parts.get(Cause.HOST_BUSY.value, 0.0)
         host = (f"other processes took the CPU for {human_duration(host_s)} of it "
                 f"({self.host_cpus:.1f} CPUs of their work)") if host_s else ""
@@ -223,8 +229,7 @@ class Timeline:
             return (f"{waited}: the operator paused the engine for "
                     f"{human_duration(parts[cause.value])} of it{rates}")
         if queue is not None and cause is Cause.QUEUED:
-            return f"{waited}: arrivals outran finishes, {queue.words()}" + (
-                f"; {host}" if host else "")
+            return f"{waited}: {queue.words()}" + (f"; {host}" if host else "")
         if cause is Cause.HOST_BUSY:
             return f"{waited}: {host}{rates}"
         behind = (f" behind {self.waited_behind} request"
