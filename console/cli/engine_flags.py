@@ -71,10 +71,15 @@ _ALIASES = {"--enable-prefix-caching": ("--prefix-caching",)}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, model_default: str = "synthetic:small",
-                     ) -> None:
+                     skip: frozenset[str] = frozenset()) -> None:
+    """Every engine flag but those in `skip` (a command they would mean nothing to)."""
     group = parser.add_argument_group("engine")
     for flag in _FLAGS:
-        add_engine_flag(group, flag, model_default)
+        if flag not in skip:
+            add_engine_flag(group, flag, model_default)
+
+
+SLO_FLAGS = frozenset({"--slo-ttft-ms", "--slo-itl-ms"})
 
 
 def add_engine_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str,
