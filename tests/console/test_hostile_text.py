@@ -95,6 +95,9 @@ async def test_hostile_ids_in_a_recording_show_as_text(tmp_path: Path) -> None:
         await pilot.pause()
         summary = rendered(app.screen.query(Static).first().content)
         assert "request \\x1b]0;owned\\x07" in summary and "tenant [/]" in summary
+        # the verdict's lines (the felt part, then the budget_score), each escaped alone
+        verdict = rendered(app.screen.query_one("#detail-verdict", Static).content)
+        assert "\n        budget_score" in verdict and "\x1b" not in verdict
         app.pop_screen()
 
         app.notify(escaped(f"source failed: {MARKUP}{TITLE}"), markup=False)  # as the app does
