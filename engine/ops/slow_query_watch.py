@@ -13,15 +13,8 @@ from engine.batch import QUIET, HostMark
 from engine.config import BUDGET_RULE, SLO_ITL_RULE, EngineConfig
 from engine.core.request import Request, RequestState
 from engine.events import Event, SlowQuery
-from engine.ops.timeline import (
-    Cause,
-    ModeRecord,
-    PrefillGaps,
-    QueueContext,
-    StepRecord,
-    classify_prefill,
-    explain,
-)
+from engine.ops.gaps import ModeRecord, PrefillGaps, StepRecord, classify_prefill, explain
+from engine.ops.timeline import Cause, QueueContext
 from engine.stats import human_duration
 
 STEP_LOG = 65536
