@@ -37,6 +37,7 @@ class ChunkTiming:
     mode: str = "NORMAL"
     throttle_level: int = 0
     attempt: int = 0  # preemptions before it: chunks of an earlier attempt were recomputed
+    contended: bool = False  # other processes took the host's CPUs around its step
 
 
 @dataclass(frozen=True)
@@ -226,12 +227,30 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
 
+class HostMark(NamedTuple):  # a tuple: made every step
+    """The host around a step: whether other work took its CPUs (a contended step)."""
+
+    contended: bool = False
+    others_cpus: float = 0.0  # CPUs' worth of other processes' time
+    steal: float = 0.0  # share of CPU time the hypervisor took
+    own_cpus: float = 0.0  # this process's CPU time over wall time
+    measured: bool = False  # False: no reading yet, or a simulated device's host
+
+
+QUIET = HostMark()
+
+
 class StepTiming(NamedTuple):  # a tuple: made every step
     """When a step's forward pass ended, how long it took and what was predicted."""
 
     end: float
     duration_s: float
     predicted_s: float
+    host: HostMark = QUIET  # the host's mark at its end: did other work take the CPUs
+
+    @property
+    def contended(self) -> bool:
+        return self.host.contended
 
 
 @dataclass(frozen=True)

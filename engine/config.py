@@ -224,6 +224,9 @@ class EngineConfig:
     bandwidth_pause_s: float = 10.0
     slow_query_threshold: float = 1.5
     slow_query_min_overrun_ms: float = 5.0
+    # the operator's SLO (0: none): a request past either is stored as a slow query too
+    slo_ttft_ms: float = 0.0
+    slo_itl_ms: float = 0.0
     max_prefill_tokens: int = 0
     chunk_timeout_base_ms: float = 0.0
     guard_window_s: float = 10.0
@@ -274,6 +277,10 @@ class EngineConfig:
         )
         _check(self.bandwidth_pause_s >= 0, "bandwidth_pause_s", "must be >= 0")
         _check(self.slow_query_threshold > 0, "slow_query_threshold", "must be > 0")
+        for name in ("slo_ttft_ms", "slo_itl_ms"):
+            value = getattr(self, name)
+            _check(0 <= value < float("inf"), name,
+                   "must be a number of milliseconds >= 0 (0: no SLO)")
         _check(self.slow_query_min_overrun_ms >= 0, "slow_query_min_overrun_ms",
                "must be >= 0 (ms; 0 = the ratio alone decides)")
         _check(self.stats_window_s > 0, "stats_window_s", "must be > 0 (seconds)")
@@ -302,11 +309,25 @@ class EngineConfig:
     def live_values(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in sorted(LIVE_FIELDS)}
 
+    def slo_breaches(self, ttft_s: float | None, worst_itl_s: float | None) -> tuple[str, ...]:
+        """Which of the operator's SLOs a request's TTFT and worst gap between tokens broke."""
+        rules = []
+        if self.slo_ttft_ms and ttft_s is not None and ttft_s * 1e3 > self.slo_ttft_ms:
+            rules.append(SLO_TTFT_RULE)
+        if self.slo_itl_ms and worst_itl_s is not None and worst_itl_s * 1e3 > self.slo_itl_ms:
+            rules.append(SLO_ITL_RULE)
+        return tuple(rules)
+
     def is_slow_query(self, prefill_s: float, budget_s: float) -> bool:
         """Whether a prefill of `prefill_s` against a plan of `budget_s` is a slow query."""
         return (prefill_s / budget_s > self.slow_query_threshold
                 and (prefill_s - budget_s) * 1e3 >= self.slow_query_min_overrun_ms)
 
+
+# The rules that store a slow query, as its record names them.
+BUDGET_RULE = "budget_score"
+SLO_TTFT_RULE = "ttft_slo"
+SLO_ITL_RULE = "itl_slo"
 
 LIVE_FIELDS = frozenset(
     f.name

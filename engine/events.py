@@ -162,7 +162,7 @@ class SlowQuery(Event):
     kind: ClassVar[str] = "slow_query"
     request_id: str
     tenant: str
-    budget_score: float
+    budget_score: float | None  # None: no calibrated plan (an SLO breach stored it)
     prompt_tokens: int
     prefill_s: float
     budgeted_s: float
@@ -175,6 +175,13 @@ class SlowQuery(Event):
     verdict: str = ""
     cached_tokens: int = 0
     resumed_tokens: int | None = None  # output tokens it had when resumed from the journal
+    rules: tuple[str, ...] = ("budget_score",)  # which rules stored it
+    represents: int = 1  # itself and the SLO breaches sampled out before it
+    # what the user felt most (queue_wait, prefill, decode_stall), its cause and share of it;
+    # `cause` and `cause_share` are the prefill overrun's, the budget_score's reading
+    felt_part: str | None = None
+    felt_cause: str | None = None
+    felt_share: float | None = None
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,13 @@ class Snapshot:
     bandwidth_util_5s: float = 0.0
     bandwidth_source: str = "model"
     throttle_level: int = 0  # 0 none, 1 concurrency 2, 2 concurrency 1, 3 prefills paused
+    throttle_note: str = ""  # why the throttle may not act now ("" when it may)
+    # the host around the last step: other processes' CPUs, steal, this process's CPUs
+    host_contended: bool = False
+    host_others_cpus: float = 0.0
+    host_steal: float = 0.0
+    host_own_cpus: float = 0.0
+    host_measured: bool = False  # False: no reading yet, or a simulated device
     tokens_per_s: float = 0.0
     output_tokens_per_s: float = 0.0
     stats_window_s: float = 60.0
@@ -76,6 +83,8 @@ class Snapshot:
     queue_wait_ms: Percentiles = Percentiles()
     step_ms: Percentiles = Percentiles()
     calibration: str = ""
+    # a calibration copied from another store, with where it was measured ("" otherwise)
+    calibration_reused: str = ""
     recommended_chunk_size: int | None = None
     recommended_chunk_unclamped: int | None = None
     recommended_token_budget: int | None = None
@@ -89,6 +98,7 @@ class Snapshot:
     requests_failed_total: int = 0
     faults_isolated_total: int = 0
     slow_queries_total: int = 0
+    slow_queries_unstored: int = 0  # SLO breaches sampled out (stored rows say how many)
     prefix_cache_queries_total: int = 0
     prefix_cache_hits_total: int = 0
     prefix_cache_hit_rate: float | None = None

@@ -4,7 +4,7 @@ PostgreSQL cluster for the store's tests on both databases."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -42,3 +42,18 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return str(tmp_path / "store.db")
     return request.getfixturevalue("postgres").create_database()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _quiet_host() -> Iterator[None]:
+    """Engines read a quiet host (module-scoped ones too): what a test asserts never hangs on
+    its neighbours' load. Tests of host sensing build their HostSensor with their readings."""
+    from engine.ops import equipped
+    from engine.ops.host import HostCounters, HostSensor
+
+    def quiet(clock: Callable[[], float]) -> HostSensor:
+        return HostSensor(clock, read=lambda: HostCounters(0.0, 0.0, 0.0, 0.0, cpus=1))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(equipped, "HostSensor", quiet)
+        yield

@@ -350,6 +350,13 @@ def test_several_targets_open_as_a_fleet(server: ServerThread, vllm_server: Serv
         fleet.select(3)
     assert fleet.wait_for(lambda: all(s.polls for s in fleet.states), timeout=10)
     assert {row.health for row in fleet.rows()} == {"up"}
+    fleet.select(0)
+    fleet.pause()  # a paused server answers, but is not serving: its row says so
+    try:
+        assert fleet.wait_for(lambda: fleet.states[0].row(0).health == "paused", timeout=10)
+        assert [row.health for row in fleet.rows()] == ["paused", "up", "up"]  # worst first
+    finally:
+        fleet.resume()
     fleet.close()
     single = open_http_source([f"tokenflow+{server.url}"])
     assert isinstance(single, HttpSource)

@@ -85,6 +85,7 @@ def test_bandwidth_throttle_levels_follow_the_scripted_source() -> None:
 def test_the_pause_timer_restarts_when_bandwidth_dips() -> None:
     s = sim(max_num_batched_tokens=64, chunk_tile=16, bandwidth_pause_s=2.5 * STEP_S)
     s.add(900, max_tokens=1)
+    s.add(900, max_tokens=1)  # two prompts: the throttle has prefills to hold back
     for util in (0.99, 0.99, 0.97, 0.99, 0.99, 0.99):
         s.bandwidth.inject(util, until_s=s.now + 1.0)
         s.step()
@@ -98,6 +99,7 @@ def test_cache_pressure_outranks_the_bandwidth_throttle() -> None:
     s = sim(num_blocks=10, max_num_batched_tokens=64, chunk_tile=4,
             cache_high_watermark=0.5, cache_low_watermark=0.2)
     s.add(30, max_tokens=8)
+    s.add(8, max_tokens=8)
     s.bandwidth.inject(0.96, until_s=10.0)
     s.step()
     s.step()
@@ -135,6 +137,7 @@ def test_engine_publishes_mode_changes_on_its_bus() -> None:
 
     bandwidth.inject(0.99, until_s=clock[0] + 1.0)
     engine.add_request([5] * 40, params)
+    engine.add_request([6] * 40, params)
     engine.step()
     steps = [e for e in events if isinstance(e, StepComplete)]
     assert steps[-1].mode == "BANDWIDTH_THROTTLE"

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from engine import Engine
-from engine.batch import Batch, ModelRunnerOutput, StepTiming
+from engine.batch import QUIET, Batch, HostMark, ModelRunnerOutput, StepTiming
 from engine.budget.controller import BudgetController
 from engine.budget.cost_model import BudgetModel
 from engine.budget.peaks import DevicePeaks
@@ -53,6 +53,8 @@ class SchedulerRig:
     requests: list[Request] = field(default_factory=list)
     by_id: dict[str, Request] = field(default_factory=dict)  # a batch names its requests by id
     sampled: set[Request] = field(default_factory=set)  # chunks of the last step that sampled
+    host: HostMark = QUIET  # the host's mark each step carries
+    step_s: float = STEP_S  # how long each step takes on the scripted clock
 
     def __post_init__(self) -> None:
         self.blocks = BlockManager(self.num_blocks, self.config.block_size,
@@ -94,9 +96,9 @@ class SchedulerRig:
     def step(self) -> Batch:
         batch = self.scheduler.schedule()
         self.sampled = {self.by_id[c.request_id] for c in batch.sampling}
-        self.now += STEP_S
+        self.now += self.step_s
         output = ModelRunnerOutput(token_ids={r.id: TOKEN for r in self.sampled})
-        self.scheduler.update(batch, output, StepTiming(self.now, STEP_S, 1e-3))
+        self.scheduler.update(batch, output, StepTiming(self.now, self.step_s, 1e-3, self.host))
         return batch
 
     def finish(self, request: Request, reason: str = "length") -> None:

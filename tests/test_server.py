@@ -174,7 +174,15 @@ def test_metrics_parse_with_vllm_names_and_buckets(client: httpx.Client) -> None
     assert generated.labels["model_name"] == MODEL and generated.value >= 3
 
 
-def test_models_health_and_stats(client: httpx.Client) -> None:
+def test_models_health_and_stats(client: httpx.Client, loop: EngineLoop) -> None:
+    assert client.get("/health").json() == {"status": "ok"}
+    loop.pause()  # a pause is a pause: not "ok", and not an error either
+    try:
+        paused = client.get("/health")
+        assert paused.status_code == 503 and paused.json()["status"] == "paused"
+        assert "POST /v1/admin/resume" in paused.json()["detail"]
+    finally:
+        loop.resume()
     assert client.get("/health").json() == {"status": "ok"}
     assert client.get("/v1/models").json()["data"][0]["id"] == MODEL
     assert client.get("/v1/stats").status_code == 401  # request ids: the admin token's

@@ -52,7 +52,8 @@ def listed_ids(out: str) -> list[str]:
 
 def test_list_sorts_and_filters(capsys: pytest.CaptureFixture[str], db_path: str) -> None:
     code, out, _ = run(capsys, "slow-queries", "list", "--db", db_path)
-    assert code == 0 and out.splitlines()[0].split()[:4] == ["ID", "WHEN", "TENANT", "SCORE"]
+    assert code == 0 and out.splitlines()[0].split()[:8] == [
+        "ID", "WHEN", "TENANT", "RULES", "N", "FELT", "CAUSE", "SCORE"]
     assert listed_ids(out) == ["2", "3", "4", "1"]  # highest budget_score first
     _, out, _ = run(capsys, "slow-queries", "list", "--db", db_path, "--sort", "prompt")
     assert listed_ids(out) == ["2", "3", "1", "4"]

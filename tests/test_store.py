@@ -378,7 +378,8 @@ def test_drift_config_changes_and_calibrations(database: Database) -> None:
         save_calibration(session, model="other", device="cpu", table=[], params={})
         latest = latest_calibration(session, model="synthetic:tiny", device="cpu")
         assert latest is not None and latest.id == second and latest.params == {"a": 2.0}
-        assert latest.info == {"steps": 3} and latest.table == [BudgetPoint(64, 0, 0.02)]
+        assert latest.info["steps"] == 3 and latest.table == [BudgetPoint(64, 0, 0.02)]
+        assert latest.info["provenance"]["store"].startswith(("sqlite", "postgresql"))
         history = calibration_history(session, model="synthetic:tiny")
         assert [run.id for run in history] == [second, first]
         assert history[1].table == [BudgetPoint(32, 0, 0.005), BudgetPoint(64, 0, 0.01)]

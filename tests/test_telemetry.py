@@ -141,7 +141,7 @@ def test_nvml_sampling_and_five_second_average():
     for _ in range(3):
         source.sample()
         clock.t += 1.0
-    assert source.reading() == BandwidthReading(pytest.approx(0.9), "nvml")
+    assert source.reading() == BandwidthReading(pytest.approx(0.9), "nvml", measured=True)
     for _ in range(5):
         source.sample()
         clock.t += 1.0
@@ -184,7 +184,7 @@ def test_nvml_thread_start_stop():
     source.stop()  # the thread samples before its first wait, so one sample is certain
     assert nvml.state["init"] == 1 and nvml.state["shutdown"] == 1
     assert source.latest() is not None
-    assert source.reading() == BandwidthReading(pytest.approx(0.4), "nvml")
+    assert source.reading() == BandwidthReading(pytest.approx(0.4), "nvml", measured=True)
 
 
 def test_injected_override_expires():
@@ -196,7 +196,7 @@ def test_injected_override_expires():
     as_protocol.record(2 * GB, 1.0)  # forwarded to the wrapped source
     assert as_protocol.reading() == BandwidthReading(pytest.approx(0.2), "model")
     source.inject(0.99, until_s=clock.t + 12.0)
-    assert source.reading() == BandwidthReading(0.99, "injected")
+    assert source.reading() == BandwidthReading(0.99, "injected", measured=True)
     clock.t += 11.9
     assert source.reading().source == "injected"
     clock.t += 0.1

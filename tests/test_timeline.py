@@ -56,8 +56,11 @@ def test_a_prefill_held_back_by_the_throttle_names_it_and_its_parts_cover_the_ti
     held = slow[second.id]
     assert held.cause == Cause.BANDWIDTH_THROTTLE.value
     assert held.cause_share == pytest.approx(1.0)
-    assert held.verdict == ("prefill 70.0 ms, 30.0 ms over plan: waited 30.0 ms while "
-                            "bandwidth throttle level 2 held (100% of the overrun)")
+    assert held.verdict == ("prefill took 70.0 ms: waited 30.0 ms while bandwidth throttle "
+                            "level 2 held (100% of the overrun)\n"
+                            "budget_score 1.75 (over its threshold 1.5): prefill 70.0 ms, "
+                            "30.0 ms over its 40.0 ms plan")
+    assert held.rules == ("budget_score",) and held.represents == 1
     t = held.timeline
     assert t["prefill_parts"]["chunks"] == pytest.approx(4 * STEP_S)
     assert t["prefill_parts"]["bandwidth_throttle"] == pytest.approx(3 * STEP_S)
@@ -65,7 +68,9 @@ def test_a_prefill_held_back_by_the_throttle_names_it_and_its_parts_cover_the_ti
     assert t["e2e_parts"] == pytest.approx({"queue_wait": 0.0, "prefill": 7 * STEP_S,
                                             "decode": 2 * STEP_S, "tail": 0.0})
     assert t["e2e_s"] == pytest.approx(9 * STEP_S)
-    assert [c["mode"] for c in held.chunks] == ["NORMAL"] + ["BANDWIDTH_THROTTLE"] * 3
+    # its last chunk ran alone, the first request done: a lone request is not throttled
+    assert [c["mode"] for c in held.chunks] == (["NORMAL"] + ["BANDWIDTH_THROTTLE"] * 2
+                                                + ["NORMAL"])
     assert [c["other_prefill_tokens"] for c in held.chunks] == [16, 0, 0, 0]
     assert t["decode_gaps"]["count"] == 2 and t["decode_gaps"]["max_s"] == pytest.approx(STEP_S)
     assert first.state.is_final and second.state.is_final
@@ -265,15 +270,18 @@ def test_show_prints_the_verdict_and_timeline_and_json_returns_them(
     db = str(tmp_path / "store.db")
     assert main(["slow-queries", "show", "1", "--db", db]) == 0
     out = capsys.readouterr().out
-    assert ("verdict: prefill 70.0 ms, 30.0 ms over plan: waited 30.0 ms while bandwidth "
-            "throttle level 2 held (100% of the overrun)  [cause bandwidth_throttle, 100%]") in out
+    assert ("verdict: prefill took 70.0 ms: waited 30.0 ms while bandwidth throttle level 2 "
+            "held (100% of the overrun)  [cause bandwidth_throttle, 100%]\n         "
+            "budget_score 1.75 (over its threshold 1.5)") in out
+    assert "stored by budget_score\n" in out
     assert "end to end 90.0 ms = queue wait 0 µs + prefill 70.0 ms + decode 20.0 ms" in out
     assert "prefill 70.0 ms: chunks 40.0 ms, bandwidth throttle 30.0 ms" in out
     assert "_s=" not in out  # no raw floats
     assert main(["slow-queries", "show", "1", "--db", db, "--json"]) == 0
     record = json.loads(capsys.readouterr().out)
     assert record["request_id"] == second.id and record["cause"] == "bandwidth_throttle"
-    assert record["verdict"].startswith("prefill 70.0 ms, 30.0 ms over plan: waited 30.0 ms")
+    assert record["verdict"].startswith("prefill took 70.0 ms: waited 30.0 ms")
+    assert record["rules"] == "budget_score" and record["represents"] == 1
     assert record["timeline"]["prefill_parts"]["bandwidth_throttle"] == pytest.approx(0.03)
     assert len(record["chunks"]) == 4 and record["chunks"][1]["mode"] == "BANDWIDTH_THROTTLE"
 

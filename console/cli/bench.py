@@ -39,7 +39,6 @@ from engine import Engine
 from engine.budget.predictor import StepTimePredictor
 from engine.config import EngineConfig
 from engine.harness.driver import RunResult, drive
-from engine.harness.host_load import HostLoadMeter
 from engine.harness.slo import (
     LATENCY_METRICS,
     SLO,
@@ -49,6 +48,7 @@ from engine.harness.slo import (
     measure_decode_step,
 )
 from engine.harness.workload import WorkloadRequest, describe, steady_traffic
+from engine.ops.host import HostLoadMeter
 from engine.sim.executor import VirtualClock, simulated_engine
 from engine.sim.fleet import FleetResult, run_fleet
 from engine.sim.profiles import profile, vllm_server_defaults

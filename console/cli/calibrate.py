@@ -21,7 +21,8 @@ from typing import Any
 from tqdm import tqdm
 
 from console.cli.db import add_db_argument, add_server_name_argument
-from console.cli.engine_flags import add_engine_flags, engine_config
+from console.cli.engine_flags import SLO_FLAGS, add_engine_flags, engine_config
+from console.errors import UserError
 from engine import Engine
 from engine.budget.predictor import StepTimePredictor
 from engine.events import Drift
@@ -40,7 +41,7 @@ from engine.store import Database, StoreWriter, open_database
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("calibrate", help="measure step times and fit the predictor",
                                    description=__doc__.splitlines()[0])
-    add_engine_flags(parser)
+    add_engine_flags(parser, skip=SLO_FLAGS)  # a sweep serves no users: no SLO to keep
     parser.add_argument("--quick", action="store_true",
                         help="a smaller sweep with 3 timed runs per shape instead of 20, and a "
                         "smaller served probe (seconds on a CPU)")
@@ -71,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
                 engine, requests=QUICK_PROBE_REQUESTS if args.quick else PROBE_REQUESTS)
             phases["served_probe_s"] = time.perf_counter() - served_at
             result = dataclasses.replace(result, served=served)
+        if result.contended:
+            raise UserError(f"calibration not stored: it was measured while "
+                            f"{result.load_words()}, so its step times are partly theirs; "
+                            "run it again on a quiet host")
         with database.session() as session:
             previous = latest_for(session, engine)
             drift = (drift_event(StepTimePredictor.from_dict(previous.params), result)

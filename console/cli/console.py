@@ -176,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
             from engine.sim.executor import Simulation
 
             simulate = Simulation(args.simulate, args.tp, args.sim_speed)
-        config = (None if args.enable_prefix_caching is None
-                  else EngineConfig(enable_prefix_caching=args.enable_prefix_caching))
+        config = EngineConfig(slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms)
+        if args.enable_prefix_caching is not None:
+            config = config.replace(enable_prefix_caching=args.enable_prefix_caching)
         engine = ProcessSource.launch(model=args.model, device=args.device,
                                       workload=args.workload, rate=args.rate, db=args.db,
                                       server=args.server_name,

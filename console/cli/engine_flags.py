@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
+from engine.harness.slo_targets import CHAT_ITL_MS, CHAT_TTFT_MS
 from engine.model.config import PRESETS
 
 if TYPE_CHECKING:
@@ -37,6 +38,13 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--slow-query-threshold": ("slow_query_threshold", float, "budget_score of a slow query"),
     "--slow-query-min-overrun-ms": ("slow_query_min_overrun_ms", float,
                                     "a slow query also overran its plan by this much (ms)"),
+    "--slo-ttft-ms": ("slo_ttft_ms", float,
+                      f"the time to first token users are promised; a request past it is "
+                      f"stored as a slow query (default {CHAT_TTFT_MS:g}, a chat service's; "
+                      f"0: none)"),
+    "--slo-itl-ms": ("slo_itl_ms", float,
+                     f"the time between tokens users are promised; a request with a longer "
+                     f"gap is stored as a slow query (default {CHAT_ITL_MS:g}; 0: none)"),
     "--stats-window-s": ("stats_window_s", float,
                          "seconds the latency percentiles cover (default 60)"),
     "--attention-backend": ("attention_backend", str,
@@ -56,15 +64,22 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
                                 "reuse the KV blocks of prompt prefixes already computed "
                                 "(default: on; --no-prefix-caching recomputes every prompt)"),
 }
+# the command line's defaults where they differ from EngineConfig's (the Python API's: no SLO)
+_CLI_DEFAULTS: dict[str, object] = {"slo_ttft_ms": CHAT_TTFT_MS, "slo_itl_ms": CHAT_ITL_MS}
 # vLLM's spelling first; the short one as tokenflow's docs write it
 _ALIASES = {"--enable-prefix-caching": ("--prefix-caching",)}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, model_default: str = "synthetic:small",
-                     ) -> None:
+                     skip: frozenset[str] = frozenset()) -> None:
+    """Every engine flag but those in `skip` (a command they would mean nothing to)."""
     group = parser.add_argument_group("engine")
     for flag in _FLAGS:
-        add_engine_flag(group, flag, model_default)
+        if flag not in skip:
+            add_engine_flag(group, flag, model_default)
+
+
+SLO_FLAGS = frozenset({"--slo-ttft-ms", "--slo-itl-ms"})
 
 
 def add_engine_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str,
@@ -75,7 +90,7 @@ def add_engine_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, f
         parser.add_argument(flag, *_ALIASES.get(flag, ()), dest=field,
                             action=argparse.BooleanOptionalAction, help=text)
         return
-    default = model_default if field == "model" else None
+    default = model_default if field == "model" else _CLI_DEFAULTS.get(field)
     parser.add_argument(flag, dest=field, type=kind, default=default, help=text)
 
 

@@ -303,7 +303,9 @@ def _print_summary(s: dict[str, Any]) -> None:
     print(f"  TTFT ms {fmt(s['ttft_ms'])}")
     print(f"  TPOT ms {fmt(s['tpot_ms'])}")
     print(f"  step ms {fmt(s['step_ms'])}, preemptions {s['preemptions']}, "
-          f"slow queries {s['slow_queries']}")
+          f"slow queries {s['slow_queries']}"
+          + (f" (+{s['slow_queries_sampled']} SLO breaches sampled out)"
+             if s.get("slow_queries_sampled") else ""))
     print(f"  attention: {s['attention']}")
     if s["cold_start_s"] is not None:
         print(f"  cold start to first token {s['cold_start_s']:.1f} s "

@@ -104,10 +104,13 @@ def run_list(args: argparse.Namespace) -> int:
     else:
         # RESUMED: the output tokens a request had when resumed from the journal after a
         # restart (0: it stopped mid-prefill); "-" for one that never was
-        header = ("ID", "WHEN", "TENANT", "SCORE", "PROMPT", "PREFILL_MS", "BUDGET_MS",
-                  "CHUNKS", "RESUMED", "TAG", "SERVER", "REQUEST")
+        # RULES: which rules stored it; N: the SLO breaches a sampled row stands for
+        header = ("ID", "WHEN", "TENANT", "RULES", "N", "FELT", "CAUSE", "SCORE", "PROMPT",
+                  "PREFILL_MS", "BUDGET_MS", "CHUNKS", "RESUMED", "TAG", "SERVER", "REQUEST")
         _table(header, [
-            (str(r.id), _when(r.created_at), r.tenant, f"{r.budget_score:.2f}",
+            (str(r.id), _when(r.created_at), r.tenant, r.rules, str(r.represents),
+             r.felt_part or "-", r.felt_cause or r.cause or "-",
+             "-" if r.budget_score is None else f"{r.budget_score:.2f}",
              str(r.prompt_tokens), f"{r.prefill_s * 1e3:.1f}", f"{r.budgeted_s * 1e3:.1f}",
              str(len(r.chunks)), "-" if r.resumed_tokens is None else str(r.resumed_tokens),
              r.tag or "-", r.server or "-", r.request_id)
@@ -153,11 +156,21 @@ def run_show(args: argparse.Namespace) -> int:
     print(f"slow query {record.id}  request {terminal_safe(record.request_id)}  tenant "
           f"{terminal_safe(record.tenant)}  tag {terminal_safe(record.tag or '-')}  at "
           f"{_when(record.created_at)}")
-    if record.verdict:
-        share = f", {record.cause_share:.0%}" if record.cause_share is not None else ""
-        print(f"verdict: {terminal_safe(record.verdict)}  [cause {record.cause}{share}]")
-    print(f"budget_score {record.budget_score:.2f}: prefill {human_duration(record.prefill_s)} "
-          f"against a budget of {human_duration(record.budgeted_s)}")
+    print(f"stored by {record.rules}"
+          + (f", standing for {record.represents} requests" if record.represents > 1 else ""))
+    if record.verdict:  # its lines: what the user felt and why, then the budget_score
+        first, *rest = record.verdict.split("\n")
+        felt = record.felt_cause is not None  # rows before 0011: one line, the overrun's
+        print(f"verdict: {terminal_safe(first)}"
+              + (_cause_tag(record.felt_cause, record.felt_share) if felt
+                 else _cause_tag(record.cause, record.cause_share)))
+        for i, line in enumerate(rest):  # the budget_score's line: the overrun's cause
+            tag = _cause_tag(record.cause, record.cause_share) if felt and i == 0 else ""
+            print(f"         {terminal_safe(line)}{tag}")
+    if record.budget_score is not None and not record.verdict:  # a row from before 0004
+        print(f"budget_score {record.budget_score:.2f}: prefill "
+              f"{human_duration(record.prefill_s)} against a budget of "
+              f"{human_duration(record.budgeted_s)}")
     print(record.prompt_words())
     if record.timeline:
         _print_timeline(record.timeline)
@@ -166,6 +179,12 @@ def run_show(args: argparse.Namespace) -> int:
     print("configuration at the time:")
     print(json.dumps(record.config, indent=2, sort_keys=True))  # ASCII: escapes are escaped
     return 0
+
+
+def _cause_tag(cause: str | None, share: float | None) -> str:
+    if cause is None:
+        return ""
+    return f"  [cause {cause}{f', {share:.0%}' if share is not None else ''}]"
 
 
 def _print_timeline(t: dict[str, Any]) -> None:

@@ -65,6 +65,7 @@ from engine.store import (
     save_calibration,
     stored_metrics,
 )
+from engine.store.calibration import REUSED
 
 log = logging.getLogger(__name__)
 ARRIVAL_RATE = "arrival_rate"  # how a change of the traffic's rate is stored
@@ -226,6 +227,12 @@ class EmbeddedSource:
         calibrating = self.calibrating
         if calibrating is not None and snapshot.calibration == "calibrating":
             snapshot = dataclasses.replace(snapshot, calibration=f"calibrating ({calibrating})")
+        reused = self.session.calibration
+        if (reused is not None and reused.reused and self.monitor is not None
+                and self.monitor.recalibrations == 0):
+            # marked until the first calibration measured here replaces it
+            snapshot = dataclasses.replace(
+                snapshot, calibration_reused=f"reused: {reused.provenance_words()}")
         return dataclasses.replace(snapshot, paused=self.loop.paused,
                                    workload_rate=self.loop.arrival_rate)
 
@@ -346,12 +353,13 @@ def reuse_default_calibration(engine: Engine, database: Database) -> Calibration
             record = latest_for(session, engine)
     finally:
         source.close()
-    if record is None:
+    load = ((record.info.get("provenance") or {}).get("load") or {}) if record else {}
+    if record is None or load.get("contended"):  # one measured under load is not spread
         return None
     with database.session() as session:
         save_calibration(session, model=record.model, device=record.device, table=record.table,
                          params=record.params, info=record.info,
-                         reason=f"calibration {record.id} of {default}, reused")
+                         reason=f"calibration {record.id} of {default}{REUSED}")
         copied = latest_for(session, engine)
     if copied is not None:
         apply(engine, StepTimePredictor.from_dict(copied.params))

@@ -99,6 +99,8 @@ class MemberState:
         snap = self.snapshot
         health = "up" if self.up else ("starting" if self.polls == 0 else "down")
         known = snap is not None and health == "up"
+        if known and snap.paused:  # answering, but an operator holds it: not serving
+            health = "paused"
         return FleetRow(
             index=index, name=_label(self.source), model=snap.model if snap else "",
             running=snap.num_running if known else 0, waiting=snap.num_waiting if known else 0,
@@ -131,14 +133,14 @@ class FleetRow:
     ttft_p99_ms: float | None
     itl_p99_ms: float | None
     slow_per_min: float
-    health: str  # "up", "down", "starting"
+    health: str  # "up", "paused", "down", "starting"
     last_seen: float | None
     error: str
 
     @property
     def severity(self) -> tuple[float, ...]:
         """Sort key, worst first: down, then slow queries, then TTFT p99, then KV usage."""
-        down = {"down": 0, "starting": 1}.get(self.health, 2)
+        down = {"down": 0, "starting": 1, "paused": 2}.get(self.health, 3)
         return (down, -self.slow_per_min, -(self.ttft_p99_ms or 0.0), -(self.kv_usage or 0.0))
 
 

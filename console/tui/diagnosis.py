@@ -13,11 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from console.tui.history import MetricHistory
-from engine.harness.slo_targets import DELAY_MULTIPLE
+from engine.harness.slo_targets import ServiceSLO
 from engine.snapshot import Snapshot
 
 Figures = dict[str, str]
-Test = Callable[[Snapshot, MetricHistory], Figures | None]
+Test = Callable[[Snapshot, MetricHistory, ServiceSLO], Figures | None]
 
 # How far back "recently" reaches, and the ratios that count as a heavy tail.
 WINDOW_S = 30.0
@@ -72,7 +72,7 @@ def _ratio(high: float | None, low: float | None) -> float | None:
     return high / low
 
 
-def _decode_stall(s: Snapshot, h: MetricHistory) -> Figures | None:
+def _decode_stall(s: Snapshot, h: MetricHistory, slo: ServiceSLO) -> Figures | None:
     ratio = _ratio(s.tpot_ms.p99, s.tpot_ms.p50)
     prefilling = sum(r.state == "PREFILL_CHUNKING" for r in s.requests)
     if ratio is None or ratio < TPOT_STALL_RATIO or (prefilling == 0 and s.chunk_queue_length == 0):
@@ -82,7 +82,7 @@ def _decode_stall(s: Snapshot, h: MetricHistory) -> Figures | None:
             "chunk queue": str(s.chunk_queue_length), "window": _window(s)}
 
 
-def _decode_memory_bound(s: Snapshot, h: MetricHistory) -> Figures | None:
+def _decode_memory_bound(s: Snapshot, h: MetricHistory, slo: ServiceSLO) -> Figures | None:
     decoding = sum(r.state == "DECODING" for r in s.requests)
     prefill_share = 1.0 - s.output_tokens_per_s / s.tokens_per_s if s.tokens_per_s > 0 else 1.0
     if decoding < MIN_DECODES or s.chunk_queue_length > 0 or prefill_share > 0.2:
@@ -93,7 +93,7 @@ def _decode_memory_bound(s: Snapshot, h: MetricHistory) -> Figures | None:
             "bandwidth 5 s": f"{s.bandwidth_util_5s:.0%} ({s.bandwidth_source})"}
 
 
-def _preemption_recompute(s: Snapshot, h: MetricHistory) -> Figures | None:
+def _preemption_recompute(s: Snapshot, h: MetricHistory, slo: ServiceSLO) -> Figures | None:
     recent = h.window("preemptions_total", WINDOW_S)
     new = int(recent[-1] - recent[0]) if len(recent) >= 2 else 0
     high = float(s.config.get("cache_high_watermark", 1.0))
@@ -104,7 +104,7 @@ def _preemption_recompute(s: Snapshot, h: MetricHistory) -> Figures | None:
             "token budget": str(s.config.get("max_num_batched_tokens", "?"))}
 
 
-def _step_jitter(s: Snapshot, h: MetricHistory) -> Figures | None:
+def _step_jitter(s: Snapshot, h: MetricHistory, slo: ServiceSLO) -> Figures | None:
     ratio = _ratio(s.step_ms.p99, s.step_ms.p50)
     if ratio is None or ratio < STEP_JITTER_RATIO:
         return None
@@ -112,7 +112,7 @@ def _step_jitter(s: Snapshot, h: MetricHistory) -> Figures | None:
             "p99/p50": f"{ratio:.1f}x", "window": _window(s)}
 
 
-def _queueing(s: Snapshot, h: MetricHistory) -> Figures | None:
+def _queueing(s: Snapshot, h: MetricHistory, slo: ServiceSLO) -> Figures | None:
     ratio = _ratio(s.ttft_ms.p99, s.ttft_ms.p50)
     if ratio is None or ratio < TTFT_BURST_RATIO or s.num_waiting == 0:
         return None
@@ -124,35 +124,25 @@ def _queueing(s: Snapshot, h: MetricHistory) -> Figures | None:
             "window": _window(s)}
 
 
-def ttft_slo_ms(s: Snapshot) -> float | None:
-    """The TTFT SLO of a typical request, as engine.harness.slo sets it (its own prefill plus
-    DELAY_MULTIPLE steps of scheduling delay), estimated from the snapshot: a step at the
-    window's median step time, the prefill as the median request's chunks."""
-    step = s.step_ms.p50
-    if step is None or step <= 0:
-        return None
-    chunks = sorted(r.chunks_total for r in s.requests) or [1]
-    return step * (DELAY_MULTIPLE + max(1, chunks[len(chunks) // 2]))
-
-
-def _sustained_queueing(s: Snapshot, h: MetricHistory) -> Figures | None:
+def _sustained_queueing(s: Snapshot, h: MetricHistory, slo: ServiceSLO) -> Figures | None:
+    """Against the operator's TTFT SLO, the one every screen shows."""
     backlog = h.window("num_waiting", s.stats_window_s)
-    slo = ttft_slo_ms(s)
-    if len(backlog) < MIN_BACKLOG_SAMPLES or slo is None or s.ttft_ms.p50 is None:
+    target = slo.ttft_ms
+    if len(backlog) < MIN_BACKLOG_SAMPLES or s.ttft_ms.p50 is None:
         return None
     half = len(backlog) // 2
     early, late = backlog[:half], backlog[half:]
     growing = (backlog[-1] > backlog[0]
                and sum(late) / len(late) > sum(early) / len(early))
-    if not growing or s.ttft_ms.p50 < TTFT_SLO_FACTOR * slo:
+    if not growing or s.ttft_ms.p50 < TTFT_SLO_FACTOR * target:
         return None
     return {"waiting": f"{backlog[0]:.0f} → {backlog[-1]:.0f}",
             "samples": str(len(backlog)), "TTFT p50": f"{s.ttft_ms.p50:.0f} ms",
-            "TTFT SLO (est.)": f"{slo:.0f} ms",
-            "p50/SLO": f"{s.ttft_ms.p50 / slo:.1f}x", "window": _window(s)}
+            "TTFT SLO": f"{target:.0f} ms",
+            "p50/SLO": f"{s.ttft_ms.p50 / target:.1f}x", "window": _window(s)}
 
 
-def _kv_capacity(s: Snapshot, h: MetricHistory) -> Figures | None:
+def _kv_capacity(s: Snapshot, h: MetricHistory, slo: ServiceSLO) -> Figures | None:
     high = float(s.config.get("cache_high_watermark", 1.0))
     if s.mode != "CACHE_PRESSURE_WAIT" and not (s.kv_usage >= high and s.num_waiting > 0):
         return None
@@ -161,7 +151,7 @@ def _kv_capacity(s: Snapshot, h: MetricHistory) -> Figures | None:
             "running": str(s.num_running), "waiting": str(s.num_waiting), "mode": s.mode}
 
 
-def _prefix_cache_fall(s: Snapshot, h: MetricHistory) -> Figures | None:
+def _prefix_cache_fall(s: Snapshot, h: MetricHistory, slo: ServiceSLO) -> Figures | None:
     """Cached prefixes cut the prefill from T to T(1-h) tokens; a hit rate that
     falls below what this traffic had shown gives that back (evicted or changed prefixes)."""
     recent = s.prefix_cache_hit_rate
@@ -223,11 +213,11 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def evaluate(snapshot: Snapshot, history: MetricHistory) -> list[Finding]:
+def evaluate(snapshot: Snapshot, history: MetricHistory, slo: ServiceSLO) -> list[Finding]:
     """The symptoms present now, each with its mechanism, check and the evidence it used."""
     findings = []
     for rule in RULES:
-        figures = rule.test(snapshot, history)
+        figures = rule.test(snapshot, history, slo)
         if figures is not None:
             findings.append(Finding(rule.key, rule.worded(snapshot), rule.mechanism, rule.check,
                                     rule.condition, figures))

@@ -69,14 +69,20 @@ class BudgetController:
 
     def after_step(self, timing: StepTiming, scheduled_at: float, prefills: bool,
                    work_left: bool) -> None:
-        """Learn a step's host overhead and, for planned prefills, its error against prediction."""
+        """Learn a step's host overhead and, for planned prefills, its error against prediction;
+        a contended step (other processes took the CPUs) teaches neither."""
         start = timing.end - timing.duration_s
         since = scheduled_at if self._busy_until is None else self._busy_until
-        self.overheads.append(max(0.0, start - since))
+        if not timing.contended:
+            self.overheads.append(max(0.0, start - since))
         self._busy_until = timing.end if work_left else None
-        if self.calibrated and prefills:
+        if self.calibrated and prefills and not timing.contended:
             self.step_ratio.observe(timing.end, timing.duration_s, timing.predicted_s)
             self.step_scale = min(max(self.step_ratio.value, 1 / MAX_STEP_SCALE), MAX_STEP_SCALE)
+
+    def paused(self) -> None:
+        """The operator paused stepping: the time until the next step is no host overhead."""
+        self._busy_until = None
 
     @property
     def step_overhead_s(self) -> float:

@@ -117,7 +117,8 @@ class Bookkeeper:
         request.chunks.append(ChunkTiming(index, chunk.start, chunk.num_tokens,
                                           timing.duration_s, timing.predicted_s, start,
                                           step, decodes, other_tokens, mode,
-                                          throttle_level, request.num_preemptions))
+                                          throttle_level, request.num_preemptions,
+                                          timing.contended))
         alone = StepShape(prefill=((chunk.num_tokens, chunk.start),))
         self.publish(ChunkComplete(
             request_id=request.id, chunk_index=index, tokens=chunk.num_tokens,

@@ -76,6 +76,9 @@ class Engine:
                                    decode=self.tokenizer.decode)
         self.metrics = equipment.metrics(config)
         self.metrics.subscribe_to(self.bus)
+        # a simulated device's steps take simulated time: this machine's load is not theirs
+        self.host = equipment.host(clock, simulated=runner is not None)
+        self.held = False  # the operator's pause (a serving loop's), as the engine was told
         self.guards = equipment.guards(self.runner.device)
         self.guards.subscribe_to(self.bus)
         self._out_of_band: list[RequestOutput] = []  # ended outside a step, returned by the next
@@ -268,7 +271,7 @@ class Engine:
         start = self.clock()
         output = self.runner.run(batch)
         end = self.clock()
-        return output, StepTiming(end, end - start, predicted)
+        return output, StepTiming(end, end - start, predicted, self.host.mark(end))
 
     def _drain(self) -> None:
         self.bus.drain()
@@ -296,6 +299,14 @@ class Engine:
         self.scheduler.pause_prefill(decisions.prefill_paused)
         for event in decisions.events:
             self.bus.publish(event)
+
+    def hold(self, held: bool) -> None:
+        """The operator paused (or resumed) stepping: the time between is a pause, not a
+        stall; called on the thread that steps the engine."""
+        if held != self.held:
+            self.held = held
+            self.scheduler.watch.hold(self.clock(), held)
+            self.scheduler.controller.paused()
 
     def snapshot(self) -> Snapshot:
         return observation.snapshot(self)

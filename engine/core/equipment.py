@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from engine.batch import QUIET, HostMark
 from engine.clock import Clock
 from engine.config import EngineConfig
 from engine.core.request import Request
@@ -18,6 +19,15 @@ if TYPE_CHECKING:
 class BandwidthReading(NamedTuple):  # a tuple: made at least once a step
     util_5s: float  # fraction of peak memory bandwidth, averaged over the window
     source: str  # "nvml" | "model" | "injected"
+    # read off the hardware (NVML, GPM, an injected reading), not modelled: only such a
+    # figure may throttle
+    measured: bool = False
+
+
+class HostSense(Protocol):
+    latest: HostMark  # the last reading, as the snapshot shows it
+
+    def mark(self, now: float) -> HostMark: ...
 
 
 class BandwidthSource(Protocol):
@@ -69,7 +79,12 @@ class PrefillWatch(Protocol):
     def mode(self, ts: float, mode: str, throttle_level: int, paused: bool) -> None: ...
 
     def step(self, start: float, end: float, step: int, mode: str, throttle_level: int,
-             paused: bool, prefills: tuple[str, ...], decodes: int) -> None: ...
+             paused: bool, prefills: tuple[str, ...], decodes: int,
+             host: HostMark = QUIET, waiting: int = 0) -> None: ...
+
+    def arrived(self, ts: float) -> None: ...
+
+    def hold(self, ts: float, held: bool) -> None: ...
 
     def prefill_ended(self, request: Request, end: float, config: EngineConfig,
                       step_overhead_s: float) -> None: ...
@@ -77,6 +92,9 @@ class PrefillWatch(Protocol):
     def ended(self, request: Request, config: EngineConfig) -> None: ...
 
     def clear(self) -> None: ...
+
+    @property
+    def unstored(self) -> int: ...
 
 
 class Equipment(Protocol):
@@ -90,3 +108,5 @@ class Equipment(Protocol):
     def metrics(self, config: EngineConfig) -> Metrics: ...
 
     def prefill_watch(self, publish: Callable[[Event], None]) -> PrefillWatch: ...
+
+    def host(self, clock: Clock, simulated: bool) -> HostSense: ...

@@ -6,11 +6,25 @@ from collections.abc import Callable
 
 from engine.batch import SchedulerMode
 from engine.config import EngineConfig
-from engine.core.equipment import BandwidthSource
+from engine.core.equipment import BandwidthReading, BandwidthSource
 from engine.events import Event, ModeChanged
 
 # throttle level -> chunk concurrency cap (level 3 also pauses new prefills)
 THROTTLE_CONCURRENCY = {0: None, 1: 2, 2: 1, 3: 1}
+
+
+def throttle_off_reason(reading: BandwidthReading, live: int, prefills: int) -> str:
+    """Why the bandwidth throttle may not act now, or "" when it may: it acts only on a
+    measured figure, and only where holding prefills back leaves the decodes their batch (a
+    lone request, or decodes alone, are memory-bound by nature: a cap cannot help them)."""
+    if not reading.measured:
+        return ("throttle off: the bandwidth figure is modelled, not measured (on a GPU, "
+                "NVML measures it)")
+    if live <= 1:
+        return "throttle off: one request is running; limiting concurrency cannot help it"
+    if prefills == 0:
+        return "throttle off: decodes alone; limiting prefill concurrency cannot help them"
+    return ""
 
 
 class Modes:
@@ -25,16 +39,22 @@ class Modes:
         self.throttle_level = 0
         self.cache_pressure = False
         self.bandwidth_util = 0.0
+        self.throttle_note = ""  # why the throttle may not act, when it may not
         self._above_pause_since: float | None = None
 
-    def update(self, cfg: EngineConfig, usage: float) -> None:
+    def update(self, cfg: EngineConfig, usage: float, live: int = 0, prefills: int = 0) -> None:
+        """`live`: requests running or waiting; `prefills`: those with prompt left."""
         if self.cache_pressure and usage < cfg.cache_low_watermark:
             self.cache_pressure = False
         elif not self.cache_pressure and usage >= cfg.cache_high_watermark:
             self.cache_pressure = True
         now = self.clock()
-        util = self.bandwidth.reading().util_5s
+        reading = self.bandwidth.reading()
+        util = reading.util_5s
         self.bandwidth_util = util
+        self.throttle_note = throttle_off_reason(reading, live, prefills)
+        if self.throttle_note:
+            util = 0.0  # no level from a reading it may not act on
         if util > cfg.bandwidth_pause:
             self._above_pause_since = self._above_pause_since or now
         else:

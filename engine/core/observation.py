@@ -9,7 +9,7 @@ from engine.budget.peaks import DevicePeaks
 from engine.clock import Clock
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
-from engine.core.equipment import BandwidthSource, Guard, Metrics
+from engine.core.equipment import BandwidthSource, Guard, HostSense, Metrics
 from engine.core.executor import Executor
 from engine.core.request import Request
 from engine.core.scheduler import Scheduler
@@ -31,6 +31,7 @@ class Engine(Protocol):
     block_bytes: int
     peaks: DevicePeaks
     bandwidth: BandwidthSource
+    host: HostSense
     guards: Guard
     metrics: Metrics
 
@@ -46,6 +47,7 @@ def snapshot(engine: Engine) -> Snapshot:
     cstar = s.controller.cstar
     chunk = s.controller.recommended_chunk(now, *s.decode_load(), engine.config)
     reading = engine.bandwidth.reading()
+    host = engine.host.latest
     return Snapshot(
         ts=now, wall_offset=wall_offset(), model=engine.config.model,
         device=str(engine.runner.device),
@@ -64,7 +66,10 @@ def snapshot(engine: Engine) -> Snapshot:
         kv_bytes_total=float(engine.blocks.num_blocks * engine.block_bytes),
         bandwidth_bytes_per_s=reading.util_5s * engine.peaks.bandwidth,
         bandwidth_util_5s=reading.util_5s, bandwidth_source=reading.source,
-        throttle_level=s.throttle_level,
+        throttle_level=s.throttle_level, throttle_note=s.modes.throttle_note,
+        host_contended=host.contended, host_others_cpus=host.others_cpus,
+        host_steal=host.steal, host_own_cpus=host.own_cpus, host_measured=host.measured,
+        slow_queries_unstored=s.watch.unstored,
         calibration="calibrated" if engine.calibrated else "calibrating",
         recommended_chunk_size=chunk,
         recommended_chunk_unclamped=None if chunk is None else cstar.unclamped,

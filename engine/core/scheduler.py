@@ -96,6 +96,7 @@ class Scheduler:
         self.controller.forget_steps()
 
     def add(self, request: Request) -> None:
+        self.watch.arrived(request.arrival)
         self.requests[request.id] = request
         request.set_state(RequestState.WAITING, "queued")
         insort(self.waiting, request, key=self.admission.queue_key)
@@ -150,7 +151,8 @@ class Scheduler:
     def schedule(self) -> Batch:
         now = self._scheduled_at = self.clock()
         self.controller.before_step(now, *self.decode_load(), self.config, self.max_model_len)
-        self.modes.update(self.config, self.blocks.usage)
+        self.modes.update(self.config, self.blocks.usage, len(self.requests),
+                          self.chunk_queue_length)
         self.watch.mode(self.clock(), self.mode.value, self.throttle_level, self.prefill_paused)
         batch = Batch(mode=self.mode)
         budget = self._schedule_decodes(batch, self.token_budget)
@@ -243,7 +245,7 @@ class Scheduler:
         prefill_tokens = shape.prefill_tokens
         self.watch.step(start, timing.end, self.steps, batch.mode.value, self.throttle_level,
                         self.prefill_paused, tuple([c.request_id for c in batch.prefills]),
-                        len(batch.decodes))
+                        len(batch.decodes), timing.host, len(self.waiting))
         cache = self.blocks.cache_full_blocks
         requests = self.requests  # a batch's requests stay live until their tokens are booked
         for chunk in batch.prefills:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+import socket
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 from sqlalchemy.orm import Session
 
-from engine.batch import Batch, StepShape, lent
+from engine.batch import QUIET, Batch, HostMark, StepShape, lent
 from engine.budget.cost_model import BudgetModel
 from engine.budget.operations import OperationEfficiency, StepPrice, fit_step_price
 from engine.budget.peaks import DevicePeaks
@@ -207,6 +208,28 @@ class CalibrationResult:
     served: ServedCosts | None = None
     # the same steps fitted in the twin's per-operation form (engine.budget.operations)
     operations: OperationsFit | None = None
+    # where and under what load it was measured: the busiest host reading of the sweep
+    host: str = ""
+    load: HostMark = QUIET
+
+    @property
+    def contended(self) -> bool:
+        """Other processes took the CPUs while it ran: its step times are partly theirs."""
+        return self.load.contended
+
+    def load_words(self) -> str:
+        return (f"other processes used {self.load.others_cpus:.1f} CPUs, steal "
+                f"{self.load.steal:.0%}")
+
+    def provenance(self) -> dict[str, Any]:
+        """Measured when, on which host and device, under what load (the store is added
+        where it is first saved)."""
+        return {"measured_at": self.created_at, "host": self.host, "device": self.device,
+                "load": {"contended": self.load.contended,
+                         "others_cpus": round(self.load.others_cpus, 3),
+                         "steal": round(self.load.steal, 4),
+                         "own_cpus": round(self.load.own_cpus, 3),
+                         "measured": self.load.measured}}
 
     @property
     def heldout_errors(self) -> tuple[float, ...]:
@@ -231,6 +254,7 @@ class CalibrationResult:
             "served": None if self.served is None else self.served.to_dict(),
             "table": [p.to_dict() for p in self.points],
             "skipped": [asdict(p) for p in self.skipped],
+            "provenance": self.provenance(),
         }
 
 
@@ -258,6 +282,7 @@ class Calibration:
         self._started = time.perf_counter()
         self._done = False
         self._nvml = _start_nvml(engine.runner.device)
+        self._load = engine.host.mark(engine.clock())  # the busiest reading while it runs
 
     @property
     def total_units(self) -> int:
@@ -267,6 +292,10 @@ class Calibration:
         """Run the next unit; True once the sweep is complete."""
         if not self._done:
             self._done = next(self._units, True) is True
+            mark = self.engine.host.mark(self.engine.clock())
+            if (mark.contended, mark.others_cpus) > (self._load.contended,
+                                                      self._load.others_cpus):
+                self._load = mark
         return self._done
 
     def finish(self) -> CalibrationResult:
@@ -313,7 +342,8 @@ class Calibration:
             dtype=str(engine.runner.dtype).removeprefix("torch."), created_at=time.time(),
             wall_s=time.perf_counter() - self._started, quick=self.quick, peaks=peaks,
             kv=self._kv, points=tuple(points), skipped=tuple(self._skipped),
-            predictor=predictor, operations=operations)
+            predictor=predictor, operations=operations, host=socket.gethostname(),
+            load=self._load)
 
     def _run_units(self) -> Iterator[None]:
         done = 0
@@ -454,10 +484,11 @@ def first_calibration(engine: Engine, session: Session | None = None) -> Calibra
     result = calibrate(engine, quick=True, plan=first_plan(engine.runner.device),
                        progress=progress)
     apply(engine, result.predictor)
-    if session is not None:
+    if session is not None:  # its provenance names its load: no other store reuses it if busy
         save_result(session, result, FIRST_REASON)
+    busy = f"; measured while {result.load_words()}" if result.contended else ""
     progress(1.0, f"calibrated in {result.wall_s:.1f} s: held-out step error "
-             f"{result.heldout_median_abs_error:.0%}")
+             f"{result.heldout_median_abs_error:.0%}{busy}")
     return result
 
 

@@ -81,6 +81,8 @@ class DriftMonitor:
         self.off_prediction_total = 0
         self.recalibrations = 0
         self.pending_reason: str | None = None
+        # why a due recalibration waits (other processes hold the CPUs), or None
+        self.waiting: str | None = None
         self._beyond_since: float | None = None
         self._last_calibrated = clock()
         self._calibration: Calibration | None = None
@@ -96,6 +98,9 @@ class DriftMonitor:
                             event.chunk_index, event.request_id, event.duration_s * 1e3,
                             off * 100, event.predicted_s * 1e3)
         if self.pending_reason is not None:
+            if self.waiting is not None and not self.engine.host.latest.contended:
+                self.waiting = None  # the host is quiet again: the sweep may measure it
+                self.schedule(self._run_unit)
             return
         ratio = self.engine.step_ratio
         drift = ratio.value - 1
@@ -123,6 +128,17 @@ class DriftMonitor:
         return True
 
     def _run_unit(self, engine: Engine) -> None:
+        host = engine.host.mark(engine.clock())
+        # a sweep now would time the neighbours' load into the predictor (the first one runs:
+        # the engine has no plan without it, and a quiet host's sweep replaces it)
+        if host.contended and engine.calibrated:
+            self._calibration = None
+            if self.waiting is None:
+                self.waiting = (f"recalibration waits: other processes use "
+                                f"{host.others_cpus:.1f} CPUs, steal {host.steal:.0%}")
+                log.info("%s", self.waiting)
+                self._progress(0.0, self.waiting)
+            return  # observe() schedules it again once a step finds the host quiet
         if self._calibration is None:
             self._calibration = Calibration(engine, self.plan, quick=self.quick,
                                             progress=self._progress)
@@ -141,6 +157,12 @@ class DriftMonitor:
 
     def _conclude(self, engine: Engine, result: CalibrationResult) -> None:
         reason = self.pending_reason or "on demand"
+        first = not engine.calibrated
+        if result.contended and not first:  # refused: the host got busy during the sweep
+            self.waiting = f"recalibration refused: measured while {result.load_words()}"
+            log.info("%s", self.waiting)
+            self._progress(0.0, self.waiting)
+            return  # still pending: observe() runs it again on a quiet host
         if self.reference is not None:
             event = drift_event(self.reference, result, self.threshold)
             if event is not None:
@@ -154,6 +176,9 @@ class DriftMonitor:
         self._progress_done(reason, result)
         if self.on_result is not None:
             self.on_result(result, reason)
+        if first and result.contended:  # replaced once a sweep finds the host quiet
+            self.request(f"replacing a first calibration measured while "
+                         f"{result.load_words()}")
 
     def _progress_done(self, reason: str, result: CalibrationResult) -> None:
         self.engine.bus.publish(CalibrationProgress(

@@ -69,6 +69,7 @@ class RunResult:
     slow_queries: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    slow_queries_sampled: int = 0  # SLO breaches stored rows stand for beyond themselves
 
     @property
     def step_s(self) -> list[float]:
@@ -124,6 +125,7 @@ class RunResult:
             "steps": len(self.step_s),
             "preemptions": self.preemptions,
             "slow_queries": self.slow_queries,
+            "slow_queries_sampled": self.slow_queries_sampled,
             "prefill_tokens_computed": (sum(s.prefill_tokens for s in self.steps)
                                         if self.steps else None),
             "prefix_cache_queries": self.prefix_cache_queries,
@@ -148,6 +150,7 @@ class Recorder:
         self.steps: list[StepComplete] = []
         self.preemptions = 0
         self.slow_queries = 0
+        self.slow_queries_sampled = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -169,6 +172,7 @@ class Recorder:
                 self.preemptions += 1
             case SlowQuery():
                 self.slow_queries += 1
+                self.slow_queries_sampled += event.represents - 1
             case PrefixCacheLookup():
                 self.prefix_cache_queries += event.queried_tokens
                 self.prefix_cache_hits += event.cached_tokens
@@ -193,7 +197,8 @@ class Recorder:
 
     def result(self, wall_s: float) -> RunResult:
         return RunResult(self.records, self.steps, wall_s, self.preemptions, self.slow_queries,
-                         self.prefix_cache_queries, self.prefix_cache_hits)
+                         self.prefix_cache_queries, self.prefix_cache_hits,
+                         self.slow_queries_sampled)
 
 
 class OutputTokens:

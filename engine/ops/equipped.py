@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING
 from engine.clock import Clock
 from engine.config import EngineConfig
 from engine.core import engine as core
-from engine.core.equipment import BandwidthSource
+from engine.core.equipment import BandwidthSource, HostSense
 from engine.core.executor import Executor
 from engine.events import Event
 from engine.ops.guards import Guards
+from engine.ops.host import HostSensor, QuietHost
 from engine.ops.metrics import Metrics
 from engine.ops.slow_query_watch import SlowQueryWatch
 from engine.ops.telemetry import ModelBandwidth, NvmlBandwidth, nvml_available
@@ -22,10 +23,12 @@ if TYPE_CHECKING:
 
 
 class DefaultEquipment:
-    """`bandwidth`, when given, replaces the device's own source (tests, chaos)."""
+    """`bandwidth` and `host`, when given, replace the device's own sources (tests, chaos)."""
 
-    def __init__(self, bandwidth: BandwidthSource | None = None) -> None:
+    def __init__(self, bandwidth: BandwidthSource | None = None,
+                 host: HostSense | None = None) -> None:
         self._bandwidth = bandwidth
+        self._host = host
 
     def bandwidth(self, device: torch.device, peak_bytes_per_s: float,
                   clock: Clock) -> BandwidthSource:
@@ -47,10 +50,15 @@ class DefaultEquipment:
     def prefill_watch(self, publish: Callable[[Event], None]) -> SlowQueryWatch:
         return SlowQueryWatch(publish)
 
+    def host(self, clock: Clock, simulated: bool) -> HostSense:
+        if self._host is not None:
+            return self._host
+        return QuietHost() if simulated else HostSensor(clock)
+
 
 class Engine(core.Engine):
     def __init__(self, config: EngineConfig | None = None, *,
-                 bandwidth: BandwidthSource | None = None, clock: Clock = time.monotonic,
-                 runner: Executor | None = None) -> None:
+                 bandwidth: BandwidthSource | None = None, host: HostSense | None = None,
+                 clock: Clock = time.monotonic, runner: Executor | None = None) -> None:
         """A simulated `runner` brings its device's peaks; `clock` is then the simulation's."""
-        super().__init__(config, DefaultEquipment(bandwidth), clock=clock, runner=runner)
+        super().__init__(config, DefaultEquipment(bandwidth, host), clock=clock, runner=runner)

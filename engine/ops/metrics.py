@@ -240,7 +240,7 @@ class Metrics:
 
     def _on_slow_query(self, event: SlowQuery) -> None:
         with self._lock:
-            self.slow_queries_total += 1
+            self.slow_queries_total += event.represents
 
     def _on_prefix_lookup(self, event: PrefixCacheLookup) -> None:
         with self._lock:

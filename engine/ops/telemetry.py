@@ -263,7 +263,8 @@ class NvmlBandwidth:
         cutoff = self._clock() - self.window_s
         with self._lock:
             recent = [s.memory_busy for s in self._samples if s.ts > cutoff]
-        return BandwidthReading(sum(recent) / len(recent) if recent else 0.0, "nvml")
+        return BandwidthReading(sum(recent) / len(recent) if recent else 0.0, "nvml",
+                                measured=bool(recent))
 
     def record(self, bytes_moved: float, duration_s: float) -> None:
         """NVML measures the hardware itself; the engine's estimates are not needed."""
@@ -297,7 +298,7 @@ class InjectedBandwidth:
             if override is not None and self._clock() >= override[1]:
                 self._override = override = None
         if override is not None:
-            return BandwidthReading(override[0], "injected")
+            return BandwidthReading(override[0], "injected", measured=True)
         return self.inner.reading()
 
     def record(self, bytes_moved: float, duration_s: float) -> None:

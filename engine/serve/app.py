@@ -85,6 +85,9 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
         if loop.error is not None:
             return JSONResponse({"status": "error", "error": str(loop.error) or repr(loop.error),
                                  "restarts": loop.health().restarts}, status_code=503)
+        if loop.paused:  # alive, but an operator holds it: not serving until resumed
+            return JSONResponse({"status": "paused", "detail": "an operator paused the "
+                                 "engine; POST /v1/admin/resume serves again"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def metrics(_request: Request) -> Response:

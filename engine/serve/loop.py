@@ -94,10 +94,13 @@ class EngineLoop:
 
     def pause(self) -> None:
         self._paused = True
+        # the engine hears it on its own thread: the pause is then named in its verdicts
+        self._enqueue(lambda: self.engine.hold(True))
 
     def resume(self) -> None:
         with self._wake:
             self._paused = False
+            self._commands.append(lambda: self.engine.hold(False))
             self._wake.notify()
 
     # --- from any thread ----------------------------------------------------------------

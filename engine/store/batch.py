@@ -202,6 +202,9 @@ def _slow_row(event: SlowQuery, at: float, server: str) -> dict[str, Any]:
         "timeline": event.timeline or None, "cause": event.cause,
         "cause_share": event.cause_share, "verdict": event.verdict or None,
         "cached_tokens": event.cached_tokens, "resumed_tokens": event.resumed_tokens,
+        "rules": ",".join(event.rules), "represents": event.represents,
+        "felt_part": event.felt_part, "felt_cause": event.felt_cause,
+        "felt_share": event.felt_share,
     }
 
 

@@ -33,6 +33,25 @@ class CalibrationRecord:
     table: list[BudgetPoint]
     reason: str = ""
 
+    @property
+    def reused(self) -> bool:
+        """Copied from another store (reuse_default_calibration), not measured here."""
+        return self.reason.endswith(REUSED)
+
+    def provenance_words(self) -> str:
+        """Where and under what load it was measured, as the header and Drift say it."""
+        p = self.info.get("provenance") or {}
+        if not p:
+            return "where it was measured is not recorded"
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(p.get("measured_at", 0.0)))
+        load = p.get("load") or {}
+        busy = (f"while other processes used {load.get('others_cpus', 0.0):.1f} CPUs"
+                if load.get("contended") else "on a quiet host")
+        return (f"measured {when} on {p.get('host') or 'an unnamed host'} "
+                f"({p.get('device', self.device)}) {busy}, stored in {p.get('store', '?')}")
+
+
+REUSED = ", reused"  # the end of a copied calibration's reason
 
 def save_calibration(
     session: Session,
@@ -44,10 +63,16 @@ def save_calibration(
     info: dict[str, Any] | None = None,
     reason: str = "",
 ) -> int:
-    """Store one run with its table, fitted parameters and reason; commits, returns its id."""
+    """Store one run with its table, fitted parameters and reason; commits, returns its id.
+    Its provenance names this store unless it already names the one it was measured in
+    (a copy keeps its origin)."""
+    info = dict(info or {})
+    provenance = dict(info.get("provenance") or {})
+    provenance.setdefault("store", session.get_bind().url.render_as_string(hide_password=True))
+    info["provenance"] = provenance
     run = CalibrationRunRow(
         server=session.info.get("server", ""), created_at=time.time(), model=model,
-        device=device, info=info or {}, params=params, reason=reason,
+        device=device, info=info, params=params, reason=reason,
         table=[
             BudgetTableRow(tokens=p.tokens, context_tokens=p.context_tokens, seconds=p.seconds)
             for p in table

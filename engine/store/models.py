@@ -94,7 +94,7 @@ class SlowQueryRow(Base):
     request_id: Mapped[str] = mapped_column(String(128))
     tenant: Mapped[str] = mapped_column(String(128))
     tag: Mapped[str | None] = mapped_column(String(128))
-    budget_score: Mapped[float]
+    budget_score: Mapped[float | None]  # None: an SLO breach without a calibrated plan
     prompt_tokens: Mapped[int]
     prefill_s: Mapped[float]
     budgeted_s: Mapped[float]
@@ -108,6 +108,14 @@ class SlowQueryRow(Base):
     cached_tokens: Mapped[int | None]
     # output tokens it had when resumed from the journal; None: not (or a row before 0010)
     resumed_tokens: Mapped[int | None]
+    # the rules that stored it, comma-separated: budget_score, ttft_slo, itl_slo
+    rules: Mapped[str] = mapped_column(String(64), default="budget_score",
+                                       server_default="budget_score")
+    represents: Mapped[int] = mapped_column(default=1, server_default="1")
+    # what the user felt most and its cause (None: a row before 0011)
+    felt_part: Mapped[str | None] = mapped_column(String(32))
+    felt_cause: Mapped[str | None] = mapped_column(String(32))
+    felt_share: Mapped[float | None]
 
     # Each list order has an index ending in id, so a page is an index walk, never a sort.
     __table_args__ = (

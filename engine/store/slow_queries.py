@@ -8,7 +8,7 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sqlalchemy import select, tuple_
+from sqlalchemy import func, select, tuple_
 from sqlalchemy.orm import Session
 
 from engine.errors import EngineError
@@ -16,7 +16,9 @@ from engine.store.models import SlowQueryRow
 
 # sort name -> the column it orders by, highest first (ties: newest first); "id": oldest first
 SORT_FIELDS = {
-    "score": SlowQueryRow.budget_score,
+    # an SLO breach stored without a calibrated plan has no score: it sorts last, and pages
+    # on (every database orders NULL differently and compares it with nothing)
+    "score": func.coalesce(SlowQueryRow.budget_score, -1.0),
     "time": SlowQueryRow.created_at,
     "prompt": SlowQueryRow.prompt_tokens,
     "prefill": SlowQueryRow.prefill_s,
@@ -32,7 +34,7 @@ class SlowQueryRecord:
     request_id: str
     tenant: str
     tag: str | None
-    budget_score: float
+    budget_score: float | None
     prompt_tokens: int
     prefill_s: float
     budgeted_s: float
@@ -46,6 +48,11 @@ class SlowQueryRecord:
     verdict: str | None = None
     cached_tokens: int | None = None
     resumed_tokens: int | None = None
+    rules: str = "budget_score"  # which rules stored it, comma-separated
+    represents: int = 1  # itself and the SLO breaches sampled out before it
+    felt_part: str | None = None  # queue_wait, prefill or decode_stall (None: before 0011)
+    felt_cause: str | None = None
+    felt_share: float | None = None
 
     @classmethod
     def from_row(cls, row: SlowQueryRow) -> SlowQueryRecord:

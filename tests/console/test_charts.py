@@ -8,12 +8,13 @@ import dataclasses
 import pytest
 from rich.text import Text
 from textual.app import App, ComposeResult
-from textual.widgets import DataTable
+from textual.widgets import DataTable, Static
 
 from console.tui.change_effect import AROUND_S, Load
 from console.tui.collectors import ConfigChangesLoaded
 from console.tui.history import MetricHistory
 from console.tui.screens.tuning import TuningScreen
+from console.tui.widgets.bandwidth import Bandwidth
 from console.tui.widgets.chunk_queue import ChunkQueue
 from console.tui.widgets.header import EngineHeader, warnings
 from console.tui.widgets.plot import Line, Plot, Series, ms, per_s
@@ -280,3 +281,30 @@ async def test_the_changes_table_says_when_arrivals_changed_around_a_change() ->
         assert load == "2→4/s unequal"
         assert str(table.border_subtitle) == ("max_num_batched_tokens: arrivals changed "
                                               "(2/s → 4/s): not comparable")
+
+
+async def test_a_busy_host_is_marked_in_the_header_and_the_bandwidth_pane_says_who() -> None:
+    class Panes(App[None]):
+        def compose(self) -> ComposeResult:
+            yield EngineHeader()
+            yield Bandwidth()
+
+    slo = ServiceSLO()
+    quiet = Snapshot(config={"max_num_batched_tokens": 64}, host_measured=True,
+                     host_others_cpus=0.1, host_own_cpus=1.8, bandwidth_util_5s=0.98,
+                     throttle_note="throttle off: the bandwidth figure is modelled, not "
+                                   "measured (on a GPU, NVML measures it)")
+    busy = dataclasses.replace(quiet, host_contended=True, host_others_cpus=1.6,
+                               host_own_cpus=0.4)
+    async with Panes().run_test(size=(120, 20)) as pilot:
+        pilot.app.query_one(EngineHeader).update_from(quiet, "test", slo)
+        assert str(pilot.app.query_one(EngineHeader).render()).startswith("NORMAL  budget 64")
+        pilot.app.query_one(EngineHeader).update_from(busy, "test", slo)
+        assert str(pilot.app.query_one(EngineHeader).render()).startswith(
+            "NORMAL · HOST BUSY  budget 64")
+        pane = pilot.app.query_one(Bandwidth)
+        pane.update_from(busy, MetricHistory())
+        line = str(pane.query_one("#bandwidth-line", Static).render())
+        assert "throttle off: the bandwidth figure is modelled" in line
+        assert "throttle 2" not in line and "concurrency 1" not in line
+        assert line.endswith("host busy · others 1.6 CPUs · steal 0% · engine 0.4 CPUs")

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from console.tui.diagnosis import RULES, evaluate, ttft_slo_ms
+from console.tui.diagnosis import RULES, evaluate
 from console.tui.history import MetricHistory, downsample
+from engine.harness.slo_targets import ServiceSLO
 from engine.snapshot import Percentiles, RequestView, Snapshot
 
 CONFIG = {"cache_high_watermark": 0.85, "max_num_batched_tokens": 512}
@@ -17,6 +18,7 @@ def request(i: int, state: str) -> RequestView:
                        ttft_ms=None, tpot_ms=None, budget_score=None, arrival_s=float(i))
 
 
+SLO = ServiceSLO(ttft_ms=260.0)
 CALM = Snapshot(ts=1.0, step=1, config=CONFIG, tokens_per_s=1000.0, output_tokens_per_s=500.0,
                 ttft_ms=Percentiles(100.0, 120.0, 150.0), tpot_ms=Percentiles(10.0, 11.0, 12.0),
                 step_ms=Percentiles(10.0, 11.0, 12.0), kv_usage=0.3, bandwidth_util_5s=0.8)
@@ -24,7 +26,7 @@ CALM = Snapshot(ts=1.0, step=1, config=CONFIG, tokens_per_s=1000.0, output_token
 
 def symptoms(snapshot: Snapshot, history: MetricHistory | None = None) -> set[str]:
     """The keys of the rules that fire."""
-    return {f.key for f in evaluate(snapshot, history or MetricHistory())}
+    return {f.key for f in evaluate(snapshot, history or MetricHistory(), SLO)}
 
 
 def test_a_calm_engine_shows_no_symptom() -> None:
@@ -34,7 +36,7 @@ def test_a_calm_engine_shows_no_symptom() -> None:
 def test_decode_stall_needs_a_heavy_tpot_tail_while_prefilling() -> None:
     stalled = dataclasses.replace(CALM, tpot_ms=Percentiles(10.0, 20.0, 80.0),
                                   requests=(request(0, "PREFILL_CHUNKING"),))
-    found = evaluate(stalled, MetricHistory())
+    found = evaluate(stalled, MetricHistory(), SLO)
     assert "decode_stall" in {f.key for f in found}
     assert found[0].figures["p99/p50"] == "8.0x"
     idle = dataclasses.replace(stalled, requests=())
@@ -53,7 +55,7 @@ def test_preemption_recompute_reads_the_history_window() -> None:
         history.record(dataclasses.replace(CALM, ts=float(step), step=step,
                                            preemptions_total=preemptions))
     full = dataclasses.replace(CALM, kv_usage=0.9, preemptions_total=5)
-    found = {f.key: f for f in evaluate(full, history)}
+    found = {f.key: f for f in evaluate(full, history, SLO)}
     assert found["preemption_recompute"].figures["preemptions in 30 s"] == "5"
     assert "preemption_recompute" not in symptoms(full)  # no history, no preemptions seen
 
@@ -87,12 +89,11 @@ def backlog_history(waiting: list[int], **changes: object) -> MetricHistory:
 
 
 def test_sustained_queueing_needs_a_growing_backlog_and_ttft_far_above_its_slo() -> None:
-    slo = ttft_slo_ms(CALM)
-    assert slo is not None  # 10 ms steps × (25 steps of delay + 1 chunk) = 260 ms
+    slo = SLO.ttft_ms  # the operator's, as the header shows it: never an estimate
     slow = dataclasses.replace(CALM, num_waiting=12,
                                ttft_ms=Percentiles(3 * slo, 4 * slo, 5 * slo))
     growing = backlog_history([1, 2, 4, 6, 9, 12])
-    found = {f.key: f for f in evaluate(slow, growing)}
+    found = {f.key: f for f in evaluate(slow, growing, SLO)}
     evidence = found["sustained_queueing"].figures
     assert evidence["waiting"] == "1 → 12" and evidence["p50/SLO"] == "3.0x"
     assert evidence["window"] == "60 s"  # the window the snapshot states
@@ -108,9 +109,9 @@ def test_sustained_queueing_needs_a_growing_backlog_and_ttft_far_above_its_slo()
 def test_every_finding_states_its_condition_and_evidence() -> None:
     queued = dataclasses.replace(CALM, ttft_ms=Percentiles(100.0, 300.0, 900.0), num_waiting=7,
                                  bandwidth_util_5s=0.2, step_ms=Percentiles(10.0, 20.0, 40.0))
-    for finding in evaluate(queued, MetricHistory()):
+    for finding in evaluate(queued, MetricHistory(), SLO):
         assert finding.condition and finding.figures
-    assert {f.key for f in evaluate(queued, MetricHistory())} >= {"step_jitter",
+    assert {f.key for f in evaluate(queued, MetricHistory(), SLO)} >= {"step_jitter",
                                                                    "queueing_bursts"}
 
 
@@ -118,10 +119,10 @@ def test_rules_say_the_device_on_a_cpu_and_the_gpu_on_cuda() -> None:
     idle = dataclasses.replace(CALM, ttft_ms=Percentiles(100.0, 300.0, 900.0), num_waiting=7,
                                bandwidth_util_5s=0.2)
     on_cpu = {f.key: f.symptom for f in evaluate(dataclasses.replace(idle, device="cpu"),
-                                                  MetricHistory())}
+                                                  MetricHistory(), SLO)}
     assert on_cpu["queueing_bursts"] == "TTFT soars in bursts while the device is not busy"
     on_gpu = {f.key: f.symptom for f in evaluate(dataclasses.replace(idle, device="cuda:0"),
-                                                  MetricHistory())}
+                                                  MetricHistory(), SLO)}
     assert on_gpu["queueing_bursts"] == "TTFT soars in bursts while the GPU is not busy"
     assert all("GPU" not in rule.worded(dataclasses.replace(idle, device="cpu"))
                for rule in RULES)
@@ -131,7 +132,7 @@ def test_prefix_cache_fall_needs_a_useful_cache_that_stopped_hitting() -> None:
     fell = dataclasses.replace(CALM, prefix_cache_queries_total=10_000,
                                prefix_cache_hits_total=6_000, prefix_cache_hit_rate=0.1,
                                kv_usage=0.95, kv_blocks_cached=40, kv_blocks_total=64)
-    found = {f.key: f for f in evaluate(fell, MetricHistory())}
+    found = {f.key: f for f in evaluate(fell, MetricHistory(), SLO)}
     assert found["prefix_cache_fall"].figures["hit rate overall"] == "60%"
     steady = dataclasses.replace(fell, prefix_cache_hit_rate=0.55)
     assert "prefix_cache_fall" not in symptoms(steady)

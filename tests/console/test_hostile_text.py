@@ -48,6 +48,8 @@ def hostile_recording(tmp_path: Path) -> Path:
             data["mode"] = f"NORMAL{TITLE}"
         elif record["kind"] == "slow_query":
             data["request_id"], data["tenant"], data["tag"] = TITLE, MARKUP, CLEAR
+            # a verdict's two lines, the first carrying a failure reason from outside
+            data["verdict"] = f"prefill took 1.2 s: then failed: {TITLE}\nbudget_score 1.50"
         lines.append(json.dumps(record))
     path = tmp_path / "hostile.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -95,6 +97,10 @@ async def test_hostile_ids_in_a_recording_show_as_text(tmp_path: Path) -> None:
         await pilot.pause()
         summary = rendered(app.screen.query(Static).first().content)
         assert "request \\x1b]0;owned\\x07" in summary and "tenant [/]" in summary
+        # the verdict's lines (the felt part, then the budget_score), each escaped alone
+        verdict = rendered(app.screen.query_one("#detail-verdict", Static).content)
+        assert "failed: \\x1b]0;owned\\x07\n        budget_score 1.50" in verdict
+        assert "\x1b" not in verdict
         app.pop_screen()
 
         app.notify(escaped(f"source failed: {MARKUP}{TITLE}"), markup=False)  # as the app does

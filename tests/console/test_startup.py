@@ -242,6 +242,11 @@ async def test_a_new_store_reuses_the_default_stores_calibration(tmp_path: Path)
     async with app.run_test(size=(120, 40), message_hook=heard) as pilot:
         await until(pilot, lambda: app.latest is not None, "a snapshot")
         assert app.latest.calibration == "calibrated"
+        # marked until a calibration measured here replaces it, naming where it was measured
+        reused = app.latest.calibration_reused
+        assert reused.startswith("reused: measured ") and "on a quiet host" in reused
+        assert str(default_db_path()) in reused
+        assert "CALIBRATION REUSED" in str(app.screen.query_one(EngineHeader).render())
         app.collector.stop()
         await workers_done(pilot)
     assert any(f"reusing calibration {session.calibration.id} of {default_db_path()}" in what

@@ -52,9 +52,14 @@ class DiagnosisScreen(ConsoleScreen):
 
     def show_snapshot(self, snapshot: Snapshot) -> None:
         super().show_snapshot(snapshot)
-        findings = {f.key: f for f in evaluate(snapshot, self.state.history)}
-        summary = Text(f"{len(findings)} of {len(RULES)} symptoms present now",
-                       style="bold red" if findings else "bold green")
+        findings = {f.key: f for f in evaluate(snapshot, self.state.history, self.state.slo)}
+        if snapshot.paused:  # no symptom explains a queue the operator is holding
+            summary = Text(f"paused by the operator: {snapshot.num_waiting} waiting, "
+                           f"{snapshot.num_running} held mid-request; nothing runs until it "
+                           "is resumed", style="bold yellow")
+        else:
+            summary = Text(f"{len(findings)} of {len(RULES)} symptoms present now",
+                           style="bold red" if findings else "bold green")
         self.query_one("#diagnosis-summary", Static).update(summary)
         # Present symptoms first, each keeps the seed's order within its group.
         ordered = sorted(RULES, key=lambda rule: rule.key not in findings)

@@ -56,7 +56,9 @@ def slow_row(r: SlowQueryRecord) -> TableRow:
                budget_text(r.budget_score, threshold), str(r.prompt_tokens),
                f"{r.prefill_s * 1e3:.1f}", f"{r.budgeted_s * 1e3:.1f}", str(len(r.chunks)),
                Text(middle_cut(r.server or "–", 14))),
-        sort_values=(r.id, r.created_at, r.request_id, r.tenant, r.budget_score,
+        # an SLO breach stored with no calibrated plan has no score: it sorts last
+        sort_values=(r.id, r.created_at, r.request_id, r.tenant,
+                     -1.0 if r.budget_score is None else r.budget_score,
                      r.prompt_tokens, r.prefill_s, r.budgeted_s, len(r.chunks), r.server),
         haystack=f"{r.request_id} {r.tenant} {r.tag or ''} {r.server}".lower(),
     )
@@ -163,8 +165,10 @@ class SlowQueryDetail(ModalScreen[None]):
                 f"{human_duration(r.budgeted_s)} budgeted  ",
                 plain(f"tag {r.tag or '–'}  server {r.server or '–'}")))
             if r.verdict:  # records stored before revision 0003 have none
-                yield Static(Text.assemble(("verdict ", "dim"), plain(r.verdict, "bold yellow")),
-                             id="detail-verdict")
+                # its lines (what the user felt, then the budget_score), each escaped alone
+                lines = Text("\n        ").join(plain(line, "bold yellow")
+                                                for line in r.verdict.split("\n"))
+                yield Static(Text.assemble(("verdict ", "dim"), lines), id="detail-verdict")
             # the words `tokenflow slow-queries show` prints: cached tokens and a resume, once
             yield Static(plain(r.prompt_words()), id="detail-prompt")
             if r.timeline:  # the lines `tokenflow slow-queries show` prints

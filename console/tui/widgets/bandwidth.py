@@ -1,4 +1,5 @@
-"""The "Bandwidth" pane: the 5-second average, where it comes from, the throttle, a history."""
+"""The "Bandwidth" pane: the 5-second average, where it comes from, the throttle, who else
+uses the host (as htop and nvitop show it), a history."""
 
 from __future__ import annotations
 
@@ -14,6 +15,16 @@ from console.tui.widgets.plot import Line, Plot, Series, percent
 from engine.snapshot import Snapshot
 
 THROTTLE_LEVELS = ("none", "concurrency 2", "concurrency 1", "prefills paused")
+
+
+def host_text(snapshot: Snapshot) -> Text:
+    """The host around the last step: others' CPUs, steal, the engine's own CPUs."""
+    text = Text("host ")
+    text.append("busy" if snapshot.host_contended else "quiet",
+                style="bold yellow" if snapshot.host_contended else "green")
+    text.append(f" · others {snapshot.host_others_cpus:.1f} CPUs · steal "
+                f"{snapshot.host_steal:.0%} · engine {snapshot.host_own_cpus:.1f} CPUs")
+    return text
 
 
 class Bandwidth(Vertical):
@@ -47,10 +58,15 @@ class Bandwidth(Vertical):
                 line.append(f" {snapshot.bandwidth_bytes_per_s / 1e9:.2f} GB/s", style="bold")
             span = "5 s avg" if not snapshot.window_s else "of peak"
             line.append(f" {span} · {snapshot.bandwidth_source}")
-        if throttles:
+        if throttles and snapshot.throttle_note:  # it may not act now: why, not a level
+            line.append(f"\n{snapshot.throttle_note}", style="dim")
+        elif throttles:
             level = min(max(snapshot.throttle_level, 0), len(THROTTLE_LEVELS) - 1)
             line.append("\nthrottle ")
             line.append(f"{level} {THROTTLE_LEVELS[level]}", style="bold" if level else "green")
+        if snapshot.host_measured:
+            line.append("\n")
+            line.append_text(host_text(snapshot))
         self.query_one("#bandwidth-line", Static).update(line)
         lines = (Line(throttle, f"throttle {throttle:.0%}"),
                  Line(pause, f"pause {pause:.0%}", "red")) if throttles else ()

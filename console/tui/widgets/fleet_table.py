@@ -22,7 +22,8 @@ COLUMNS = (
     Column("itl", "ITL p99", 8),
     Column("slow", "slow/min", 8),
 )
-HEALTH_STYLES = {"up": "green", "down": "bold red", "starting": "yellow"}
+HEALTH_STYLES = {"up": "green", "paused": "bold yellow", "down": "bold red",
+                 "starting": "yellow"}
 
 
 def _number(value: float | None, fmt: str) -> str:

@@ -33,8 +33,8 @@ MODE_STYLES = {
 
 def warnings(snapshot: Snapshot, slo: ServiceSLO) -> list[tuple[str, str]]:
     """What is wrong beside the mode, each with its style: a backlog (many waiting, or any
-    waiting while the median first token is past its SLO; red once it is), KV usage at or
-    above the high watermark."""
+    waiting while the median first token is past its SLO; red once it is), a reused
+    calibration, KV usage at or above the high watermark."""
     out: list[tuple[str, str]] = []
     waiting = snapshot.num_waiting
     ttft = snapshot.ttft_ms.p50
@@ -44,6 +44,8 @@ def warnings(snapshot: Snapshot, slo: ServiceSLO) -> list[tuple[str, str]]:
         if late and ttft is not None:
             note += f", TTFT p50 {ms(ttft)} > SLO {ms(slo.ttft_ms)}"
         out.append((note, "bold red" if late else "bold yellow"))
+    if snapshot.calibration_reused:  # until a calibration measured here replaces it
+        out.append(("CALIBRATION REUSED", "bold yellow"))
     high = snapshot.config.get("cache_high_watermark")  # absent: not tokenflow's watermarks
     if high is not None and snapshot.kv_usage >= float(high):
         out.append((f"KV {snapshot.kv_usage:.0%} ≥ {float(high):.0%}", "bold yellow"))
@@ -90,6 +92,8 @@ def parts(snapshot: Snapshot, source_name: str, slo: ServiceSLO) -> list[Part]:
     out.append(Part(escaped(snapshot.mode), "bold yellow" if wrong and "green" in style else style))
     for note, note_style in wrong:
         out.append(Part(f" · {note}", note_style))
+    if snapshot.host_contended:  # the engine's timings include others' load (the Bandwidth
+        out.append(Part(" · HOST BUSY", "bold yellow", drop=1))  # pane's host line: who)
     budget = config.get("max_num_batched_tokens")
     if budget is not None:
         out.append(Part(f"  budget {budget}", drop=4))

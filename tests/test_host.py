@@ -1,4 +1,4 @@
-"""The host-load reading each bench run carries: what else used the machine meanwhile."""
+"""The host's load: what else used the machine during a bench run, and around each step."""
 
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ from collections import namedtuple
 import psutil
 import pytest
 
-from engine.harness import host_load
-from engine.harness.host_load import HostLoad, HostLoadMeter
+from engine.ops.host import HostLoad, HostLoadMeter
 
 CpuTimes = namedtuple("CpuTimes", "user nice system idle iowait irq softirq steal guest "
                                   "guest_nice")
@@ -20,7 +19,8 @@ def test_a_quiet_reading_and_a_busy_one() -> None:
     assert not HostLoad(wall_s=1.0, others_cpus=0.5, steal=0.0, load_1m=1.5).quiet
     assert not HostLoad(wall_s=1.0, others_cpus=0.0, steal=0.05, load_1m=0.2).quiet
     assert HostLoad(1.0, 0.12345, 0.001234, 0.456).to_dict() == {
-        "others_cpus": 0.123, "steal": 0.0012, "load_1m": 0.46, "quiet": True}
+        "others_cpus": 0.123, "steal": 0.0012, "load_1m": 0.46, "own_cpus": 0.0,
+        "quiet": True}
 
 
 def test_others_are_the_hosts_busy_time_less_this_process_and_guests(
@@ -34,11 +34,11 @@ def test_others_are_the_hosts_busy_time_less_this_process_and_guests(
     clock = iter([100.0, 110.0])
     monkeypatch.setattr(psutil, "cpu_times", lambda: next(host))
     monkeypatch.setattr(psutil.Process, "cpu_times", lambda self: next(own))
-    monkeypatch.setattr(host_load.time, "monotonic", lambda: next(clock))
-    reading = HostLoadMeter().reading()
+    reading = HostLoadMeter(clock=lambda: next(clock)).reading()
     assert reading.wall_s == 10.0
     assert reading.others_cpus == pytest.approx((12.0 - 9.0) / 10.0)  # 0.3 CPUs elsewhere
     assert reading.steal == pytest.approx(2.0 / 20.0)
+    assert reading.own_cpus == pytest.approx(9.0 / 10.0)
     assert not reading.quiet
 
 
