@@ -13,7 +13,6 @@ import torch
 from engine.batch import Batch, ModelRunnerOutput, RequestOutput, StepShape, StepTiming
 from engine.budget.controller import BudgetController
 from engine.budget.cost_model import BudgetModel
-from engine.budget.peaks import measure_peaks
 from engine.budget.predictor import StepTimeRatio
 from engine.clock import Clock
 from engine.config import ConfigError, EngineConfig, SamplingParams
@@ -55,8 +54,7 @@ class Engine:
         self.max_model_len = self.runner.max_model_len
         self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size,
                                    enable_caching=config.enable_prefix_caching)
-        self.peaks = (runner.peaks if runner is not None
-                      else measure_peaks(str(self.runner.device), self.runner.dtype))
+        self.peaks = self.runner.peaks  # a model runner measures them before its KV pool
         model = BudgetModel(self.model_config, self.runner.bytes_per_element, self.peaks)
         # one KV block's bytes, from the model's shape: a simulated executor holds no KV tensor
         self.block_bytes = (self.model_config.kv_bytes_per_token(self.runner.bytes_per_element)

@@ -17,6 +17,36 @@ except ImportError:  # pragma: no cover - depends on the machine
     flash_attn_varlen_func = None
 
 FLASH_BLOCK_SIZE = 256  # flash-attn's paged KV needs blocks that are a multiple of 256
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MIN_CAPABILITY = (8, 0)  # Ampere
+FLASH_MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class GpuDescription:
+    """What the attention guard and the KV sizing read of a GPU (tests make one by hand)."""
+
+    name: str
+    capability: tuple[int, int]
+    total_bytes: int
+
+
+def describe_gpu(device: torch.device) -> GpuDescription:
+    props = torch.cuda.get_device_properties(device)
+    return GpuDescription(props.name, (props.major, props.minor), props.total_memory)
+
+
+def flash_refusal(gpu: GpuDescription, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why flash-attn cannot run this model here, or None where it can."""
+    if dtype not in FLASH_DTYPES:
+        return f"flash-attn takes float16 or bfloat16, not {str(dtype).removeprefix('torch.')}"
+    if gpu.capability < FLASH_MIN_CAPABILITY:
+        major, minor = gpu.capability
+        return (f"flash-attn needs compute capability 8.0 (Ampere) or newer; {gpu.name} has "
+                f"{major}.{minor}")
+    if head_dim > FLASH_MAX_HEAD_DIM:
+        return f"flash-attn takes head sizes up to {FLASH_MAX_HEAD_DIM}, not {head_dim}"
+    return None
 
 
 @dataclass(frozen=True)
