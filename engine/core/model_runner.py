@@ -142,7 +142,7 @@ class ModelRunner:
         mc = self.model_config
         self.layout = InputLayout(self.device, self.dtype, self.block_size,
                                   mc.sliding_window if mc.sliding_layers else None,
-                                  self.use_flash)
+                                  self.use_flash, config.attention_backend == "flex")
         self.paged_decode = self.paged_prefill = False
         self.graphs: DecodeGraphs | None = None
         self._graphs: DecodeGraphs | None = None  # made once, kept while the choice is timed
@@ -202,7 +202,9 @@ class ModelRunner:
             if config.attention_backend == "paged":
                 raise EngineError("attention_backend=paged is the CPU kernel; on CUDA use auto, "
                                   "flash or torch")
-            return False, "flash" if self.use_flash else "torch"
+            if self.use_flash:
+                return False, "flash"
+            return False, "flex" if config.attention_backend == "flex" else "torch"
         try:
             load_cpu_kernels()
         except KernelUnavailable as exc:

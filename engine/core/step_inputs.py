@@ -10,7 +10,7 @@ import torch
 from engine.batch import ScheduledChunk
 from engine.core.runner_requests import RunnerRequest
 from engine.core.sampler import SamplingInputs
-from engine.kernels.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from engine.kernels.attention import AttentionMetadata, DecodeGroup, FlexMetadata, PrefillSpan
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,7 @@ class InputLayout:
     block_size: int
     window: int | None  # the sliding window, where the model has sliding layers
     use_flash: bool
+    use_flex: bool = False
 
 
 Pair = tuple[ScheduledChunk, RunnerRequest]
@@ -63,8 +64,8 @@ def prepare(chunks: list[ScheduledChunk], requests: list[RunnerRequest], layout:
     # a decode's position and slot as plain ints, one tensor for all (not one each)
     decode_positions: list[int] = []
     decode_slots: list[int] = []
-    # flash reads only the slots, offsets and block tables: no masks or gathers for it
-    spanned = not layout.use_flash
+    # flash and flex read only their own fields: no masks or gathers for them
+    spanned = not (layout.use_flash or layout.use_flex)
     for chunk, request in ordered:
         end = chunk.start + chunk.num_tokens
         token_ids.extend(request.token_ids[chunk.start:end])
@@ -116,7 +117,8 @@ def prepare(chunks: list[ScheduledChunk], requests: list[RunnerRequest], layout:
         decode_start=decode_start,
         decode_groups=() if kernel or not spanned else _decode_groups(layout, decodes,
                                                                       decode_start, None),
-        **({} if spanned else _flash_fields(ordered)),
+        **(_flash_fields(ordered) if layout.use_flash else {}),
+        flex=_flex_fields(layout, ordered) if layout.use_flex else None,
         windowed=windowed,
         **kernel,
     )
@@ -210,3 +212,20 @@ def _flash_fields(ordered: list[Pair]) -> dict[str, object]:
         "max_seqlen_q": max(q_lens),
         "max_seqlen_k": max(k_lens),
     }
+
+
+def _flex_fields(layout: InputLayout, ordered: list[Pair]) -> FlexMetadata:
+    """Each chunk's whole history side by side, in the packed order of its queries."""
+    bs = layout.block_size
+    slots, query_seq, query_pos, key_seq, key_pos = [], [], [], [], []
+    for seq, (chunk, request) in enumerate(ordered):
+        end = chunk.start + chunk.num_tokens
+        table = torch.tensor(request.block_table, dtype=torch.int64)
+        keys = torch.arange(end, dtype=torch.int64)
+        slots.append(table[keys // bs] * bs + keys % bs)
+        key_pos.append(keys)
+        key_seq.append(torch.full((end,), seq, dtype=torch.int64))
+        query_pos.append(keys[chunk.start:])
+        query_seq.append(torch.full((chunk.num_tokens,), seq, dtype=torch.int64))
+    return FlexMetadata(torch.cat(slots), torch.cat(query_seq), torch.cat(query_pos),
+                        torch.cat(key_seq), torch.cat(key_pos))

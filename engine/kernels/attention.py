@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from engine.kernels.cpu_kernels import paged_decode, paged_prefill
+
+try:  # FlexAttention: in torch itself, fused where compiled (CUDA); eager on CPU is exact
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:  # pragma: no cover - torch older than 2.5
+    flex_attention = create_block_mask = None
 
 try:  # optional `gpu` extra; absent on CPU machines
     from flash_attn import flash_attn_varlen_func
@@ -70,6 +77,36 @@ class DecodeGroup:
 
 
 @dataclass(frozen=True)
+class FlexMetadata:
+    """The step's keys gathered into one view and who may see whom, for FlexAttention.
+
+    Every chunk's history (prefills and decodes alike) lies side by side in `key_slots`; a
+    query sees the keys of its own sequence at or before its position (within the window on
+    windowed layers). One gather and one fused call a layer serve the whole step."""
+
+    key_slots: torch.Tensor  # [K] flat cache slots of every chunk's keys
+    query_seq: torch.Tensor  # [N] the sequence (chunk index) of each query row
+    query_pos: torch.Tensor  # [N]
+    key_seq: torch.Tensor  # [K]
+    key_pos: torch.Tensor  # [K]
+    # the block masks built from these on the device, by window (made once a step, not a layer)
+    masks: dict[int | None, object] = field(default_factory=dict, init=False, compare=False)
+
+    def mask_mod(self, window: int | None) -> Callable[..., torch.Tensor]:
+        query_seq, query_pos, key_seq, key_pos = (self.query_seq, self.query_pos, self.key_seq,
+                                                  self.key_pos)
+
+        def visible(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor,
+                    k: torch.Tensor) -> torch.Tensor:
+            seen = (query_seq[q] == key_seq[k]) & (key_pos[k] <= query_pos[q])
+            if window is not None:
+                seen = seen & (key_pos[k] > query_pos[q] - window)
+            return seen
+
+        return visible
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Everything attention needs for one step, built once per step (not per layer)."""
 
@@ -85,6 +122,7 @@ class AttentionMetadata:
     windowed: AttentionMetadata | None = None
     decode_tables: torch.Tensor | None = None
     decode_lengths: torch.Tensor | None = None
+    flex: FlexMetadata | None = None  # FlexAttention reads this alone
 
 
 def flash_available(device: torch.device) -> bool:
@@ -144,6 +182,8 @@ class PagedAttention:
                 window_size=(-1, -1) if self.window is None else (self.window - 1, 0),
                 softcap=self.softcap or 0.0, block_table=meta.block_table,
             )
+        if meta.flex is not None:
+            return self._flex(q, k, v, k_cache, v_cache, meta)
         if self.window is not None:
             if meta.windowed is None:
                 raise RuntimeError("a sliding-window layer needs AttentionMetadata.windowed")
@@ -170,6 +210,38 @@ class PagedAttention:
             rows = slice(group.row_start, group.row_start + group.rows)
             out[rows] = self._decode(q[rows], block_k, block_v, group)
         return out
+
+    def _flex(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        flex = meta.flex
+        assert flex is not None
+        index_copy_write(k, v, k_cache, v_cache, meta.slot_mapping)
+        keys = k_cache.view(self.num_kv_heads, -1, self.head_dim).index_select(1, flex.key_slots)
+        values = v_cache.view(self.num_kv_heads, -1, self.head_dim).index_select(
+            1, flex.key_slots)
+        visible = flex.mask_mod(self.window)
+        cap = self.softcap
+        if q.is_cuda:  # sparse blocks and a fused kernel
+            if self.window not in flex.masks:
+                flex.masks[self.window] = create_block_mask(
+                    visible, None, None, q.shape[0], keys.shape[1], device=q.device)
+            block_mask, score_mod = flex.masks[self.window], None
+            if cap is not None:
+                def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor,
+                              qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+                    return cap * torch.tanh(score / cap)
+            out = _compiled_flex()(q.transpose(0, 1)[None], keys[None], values[None],
+                                   score_mod=score_mod, block_mask=block_mask,
+                                   scale=self.scale, enable_gqa=True)
+        else:  # eager: the mask as a score_mod, no block mask to build each step
+            def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor,
+                          qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+                if cap is not None:
+                    score = cap * torch.tanh(score / cap)
+                return torch.where(visible(b, h, qi, ki), score, float("-inf"))
+            out = _eager_flex(q.transpose(0, 1)[None], keys[None], values[None],
+                              score_mod=score_mod, scale=self.scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
 
     def _prefill(self, q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
                  span: PrefillSpan) -> torch.Tensor:
@@ -216,3 +288,14 @@ class PagedAttention:
         scores = self.softcap * torch.tanh(scores / self.softcap) + bias
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(weights, values)
+
+
+def _eager_flex(*args: object, **kwargs: object) -> torch.Tensor:
+    with warnings.catch_warnings():  # eager is what CPU runs by design: no nudge to compile
+        warnings.filterwarnings("ignore", message=".*flex_attention.*")
+        return flex_attention(*args, **kwargs)
+
+
+@functools.cache
+def _compiled_flex() -> Callable[..., torch.Tensor]:
+    return torch.compile(flex_attention, dynamic=True)
