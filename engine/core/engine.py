@@ -180,6 +180,10 @@ class Engine:
         self.stepping = ()
         return [r for r in live if r.id not in fail], owed
 
+    def close(self) -> None:
+        """Stop what runs beside the steps (the bandwidth sampler's thread); idempotent."""
+        self.bandwidth.close()
+
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.requests) or bool(self._out_of_band)
 

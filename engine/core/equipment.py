@@ -17,13 +17,17 @@ if TYPE_CHECKING:
 
 class BandwidthReading(NamedTuple):  # a tuple: made at least once a step
     util_5s: float  # fraction of peak memory bandwidth, averaged over the window
-    source: str  # "nvml" | "model" | "injected"
+    source: str  # "nvml-gpm" (DRAM bandwidth, measured) | "model" | "injected"
+    measured: bool = False  # read off the hardware, not estimated from the engine's bytes
+    note: str = ""  # why the share is unknown, where it is (shown instead of it)
 
 
 class BandwidthSource(Protocol):
     def reading(self) -> BandwidthReading: ...
 
     def record(self, bytes_moved: float, duration_s: float) -> None: ...
+
+    def close(self) -> None: ...  # stops any sampler thread: called as its engine ends
 
 
 class GuardInputs(NamedTuple):  # a tuple: made every step

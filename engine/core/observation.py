@@ -62,6 +62,7 @@ def snapshot(engine: Engine) -> Snapshot:
         kv_bytes_total=float(engine.blocks.num_blocks * engine.block_bytes),
         bandwidth_bytes_per_s=reading.util_5s * engine.peaks.bandwidth,
         bandwidth_util_5s=reading.util_5s, bandwidth_source=reading.source,
+        bandwidth_note=reading.note,
         throttle_level=s.throttle_level,
         calibration="calibrated" if engine.calibrated else "calibrating",
         recommended_chunk_size=chunk,
