@@ -30,6 +30,7 @@ from engine.core.backend_choice import (
     scratch,
     store,
 )
+from engine.core.cuda_graphs import CudaGraphs, capture_sizes
 from engine.core.kernel_swap import PACKED, PLAIN, KernelSwap
 from engine.core.kv_sizing import WorstStep, kv_budget, read_cuda_memory, worst_step_scratch
 from engine.core.runner_requests import RunnerRequest, RunnerRequests
@@ -50,7 +51,6 @@ from engine.kernels.cpu_graph import DecodeGraphs
 from engine.kernels.cpu_kernels import KernelUnavailable, prefill_supports
 from engine.kernels.cpu_kernels import load as load_cpu_kernels
 from engine.model.loader import load_model, model_config_for
-from engine.model.transformer import CUDA_GRAPH_MAX_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +158,8 @@ class ModelRunner:
         self.startup_s["peaks"], mark = time.perf_counter() - mark, time.perf_counter()
         self.num_blocks = self._num_blocks(config)
         self.kv_cache = self._allocate_kv()
+        self.cuda_graphs = (self._cuda_graphs(config)
+                            if self.device.type == "cuda" and compiles(config) else None)
         self.startup_s["kv_cache"], mark = time.perf_counter() - mark, time.perf_counter()
         if compiles(config):
             if kernels:  # Inductor's fused dense ops around the paged attention kernels
@@ -282,10 +284,25 @@ class ModelRunner:
         log.info("%s", sized.line)
         return sized.bytes
 
+    def _cuda_graphs(self, config: EngineConfig) -> CudaGraphs:
+        """Whole-model decode graphs; captured as their sizes are first met, on the engine's
+        thread. SDPA gathers whole tables in them: fewer sizes where that is large."""
+        return CudaGraphs(self.model, self.kv_cache, device=self.device,
+                          block_size=self.block_size, max_model_len=self.max_model_len,
+                          pad_block=self.num_blocks, window=self.layout.window,
+                          use_flash=self.use_flash, sizes=self.graph_sizes(config))
+
+    def graph_sizes(self, config: EngineConfig) -> tuple[int, ...]:
+        mc = self.model_config
+        row = 0 if self.use_flash else (2 * self.max_model_len * mc.num_kv_heads * mc.head_dim
+                                        * self.bytes_per_element)
+        return capture_sizes(config.max_num_seqs, row)
+
     def worst_step(self, config: EngineConfig) -> WorstStep:
         """The largest step a live change of the budget may make: what the pool leaves room for."""
         attention = "flash" if self.use_flash else config.attention_backend
-        graphs = CUDA_GRAPH_MAX_TOKENS if self.device.type == "cuda" and compiles(config) else 0
+        graphs = (self.graph_sizes(config)[-1]
+                  if self.device.type == "cuda" and compiles(config) else 0)
         return WorstStep(tokens=config.max_num_batched_tokens_cap, context=self.max_model_len,
                          rows=config.max_num_seqs,
                          attention=attention if attention in ("flash", "flex") else "torch",
@@ -293,7 +310,8 @@ class ModelRunner:
 
     def _allocate_kv(self) -> torch.Tensor:
         mc = self.model_config
-        layout = cache_shape(self.use_flash, mc.num_layers, self.num_blocks, self.block_size,
+        # one spare block past the pool's: CUDA graphs' padding rows write there
+        layout = cache_shape(self.use_flash, mc.num_layers, self.num_blocks + 1, self.block_size,
                              mc.num_kv_heads, mc.head_dim)
         if self.device.type == "cpu":
             return huge_pages.zeros(layout, self.dtype)
@@ -344,10 +362,17 @@ class ModelRunner:
             return ModelRunnerOutput()
         scoring = [c for c in batch.prefills if c.scored_rows]
         sampling = [row for chunk, row in zip(chunks, rows, strict=True) if chunk.samples]
-        inputs = self.prepare(chunks, rows, sampling_inputs(sampling,
-                                                            self.model_config.vocab_size))
-        logits, scored = self.forward(chunks, scoring, inputs=inputs)
-        output = sample(logits, sampling, self.processed_logprobs, inputs.sampling)
+        host = sampling_inputs(sampling, self.model_config.vocab_size)
+        graphs = self.cuda_graphs
+        if graphs is not None and graphs.covers(chunks):  # every decode samples, in order
+            graphed, on_device = self.staging.upload((graphs.host_inputs(chunks, rows), host))
+            logits = self.model.logits(graphs.run(graphed)[:len(chunks)])
+            scored: list[torch.Tensor] = []
+        else:
+            inputs = self.prepare(chunks, rows, host)
+            logits, scored = self.forward(chunks, scoring, inputs=inputs)
+            on_device = inputs.sampling
+        output = sample(logits, sampling, self.processed_logprobs, on_device)
         self.requests.sampled(sampling, output)
         for chunk, logit_rows in zip(scoring, scored, strict=True):
             request = self.requests.held[chunk.request_id]
