@@ -14,6 +14,7 @@ so a run cut off at its time limit still returns every line it finished.
 - live_budget: the engine loop with the budget raised mid-run: the same tokens.
 - transfers: one read back and one upload a step (engine.harness.host_syncs).
 - throughput: decode tok/s and MBU, prefill MFU at batch 1/32/128 on synthetic:1b and :8b.
+- attention_paths: a decode step and a later chunk on torch, flex and flash, side by side.
 - telemetry: NVML's reading over TELEMETRY_LOAD_S of copies against the bandwidth achieved.
 - console: the console under tmux for 60 s: live panes, no traceback.
 - calibration, targets (only when named): the quick calibration's held-out error; issue 3's
@@ -259,6 +260,29 @@ def throughput(s: Setting) -> dict[str, Any]:
             "pass": not judged or (min(ones) >= MBU_TARGET and min(mfus) >= MFU_TARGET)}
 
 
+def attention_paths(s: Setting) -> dict[str, Any]:
+    """Each attention path's decode step and later chunk on the same model: the measurement
+    from which `auto` would choose on a GPU (as backend_choice does on the CPU)."""
+    model, dtype = ("synthetic:tiny", "float32") if s.dry else (s.model, "bfloat16")
+    batch, context, chunk = (4, 128, 64) if s.dry else (32, 1024, 2048)
+    paths = [*PATHS, *(["flash"] if _flash_runs(s) else [])]
+    rows = {}
+    for path in paths:
+        engine = _engine(s, model, dtype=dtype, kv=SMALL_KV if s.dry else None,
+                         attention_backend=path, max_model_len=4096,
+                         max_num_batched_tokens=chunk, max_num_batched_tokens_cap=chunk,
+                         compile=False)
+        warm, repeats = (0, 1) if s.dry else (2, 20)  # eager flex is slow on the CPU
+        decode_s = _timed(engine, _decodes(engine, batch, context), warm, repeats)
+        later = _request(engine, "later", 2 * chunk, RequestState.PREFILL_CHUNKING)
+        chunk_s = _timed(engine, [later.chunk(chunk, chunk)], warm, max(1, repeats // 2))
+        rows[path] = {"decode_ms": decode_s * 1e3, "later_chunk_ms": chunk_s * 1e3}
+        del engine, later
+        _free()
+    return {"model": model, "decode_batch": batch, "context": context, "chunk": chunk,
+            "paths": rows, "threshold": "every path runs (the figures choose)", "pass": True}
+
+
 def telemetry(s: Setting) -> dict[str, Any]:
     """A copy loop held for TELEMETRY_LOAD_S while NVML samples; its achieved share of the
     measured copy peak against what NVML reads."""
@@ -379,10 +403,10 @@ def targets(s: Setting) -> dict[str, Any]:
 CHECKS: dict[str, Callable[[Setting], dict[str, Any]]] = {
     "exactness": exactness, "later_chunk": later_chunk, "memory_headroom": memory_headroom,
     "live_budget": live_budget, "transfers": transfers, "throughput": throughput,
-    "telemetry": telemetry, "console": console, "calibration": calibration,
-    "targets": targets}
+    "attention_paths": attention_paths, "telemetry": telemetry, "console": console,
+    "calibration": calibration, "targets": targets}
 ALL = ("exactness", "later_chunk", "memory_headroom", "live_budget", "transfers",
-       "throughput", "telemetry", "console")
+       "throughput", "attention_paths", "telemetry", "console")
 
 
 def run_check(name: str, setting: Setting) -> dict[str, Any]:
