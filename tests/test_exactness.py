@@ -15,6 +15,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.core.backend_choice import PAGED, TORCH, Backends, candidates
 from engine.core.model_runner import compiles
 from engine.harness.driver import OutputTokens
+from engine.kernels import attention
 from engine.kernels.cpu_kernels import prefill_supports
 from engine.kernels.layers import PackedLinear
 from tests.hf_models import FAMILIES, hf_greedy, hf_last_logits, save_tiny
@@ -97,6 +98,16 @@ def test_flex_attention_is_exact_at_every_chunk_position(reference, budget: int)
                               SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     assert outputs == [expected[i] for i in kept]
     assert engine.runner.attention_note == "flex"
+
+
+def test_long_chunks_attend_in_slices_exactly(reference, monkeypatch) -> None:
+    """A chunk whose scores would pass SCORE_BYTES attends a few query rows at a time (here
+    3 to 7 rows of a 300-token prompt), windows and soft-caps included."""
+    directory, prompts, expected = reference
+    monkeypatch.setattr(attention, "SCORE_BYTES", 4 * 300 * 8 * 5)
+    outputs = _engine(directory, 64, attention="torch").generate(
+        prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    assert outputs == expected
 
 
 @pytest.mark.parametrize("kv_heads", [1, 4], ids=["multi-query", "multi-head"])

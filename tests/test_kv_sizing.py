@@ -22,7 +22,7 @@ from engine.core.kv_sizing import (
 )
 from engine.core.model_runner import ModelRunner
 from engine.errors import EngineError
-from engine.kernels.attention import GpuDescription, flash_refusal
+from engine.kernels.attention import SCORE_BYTES, GpuDescription, flash_refusal
 from engine.model.config import ModelConfig
 
 
@@ -67,8 +67,9 @@ def test_a_gpu_pool_is_sized_after_a_warm_up_at_the_largest_step(
 
 
 def test_the_worst_step_counts_scores_gathers_sampler_and_graphs() -> None:
-    """1b-like shape: a 2,048-token chunk at a 32k context scores 32 x 2048 x 32768 floats
-    twice (scores, softmax), 16 GiB, which a warm-up at position 0 never allocates."""
+    """1b-like shape: a 2,048-token chunk at a 32k context would score 32 x 2048 x 32768
+    floats twice (scores, softmax), 16 GiB, which a warm-up at position 0 never allocates:
+    attention takes it in slices of query rows, whose scores stay under SCORE_BYTES."""
     mc = ModelConfig(vocab_size=128_256, hidden_size=2048, intermediate_size=8192,
                      num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
                      max_position_embeddings=32768)
@@ -78,9 +79,10 @@ def test_the_worst_step_counts_scores_gathers_sampler_and_graphs() -> None:
     assert scratch.parts == {
         "dense": 2048 * per_token,
         "sampler": 256 * 128_256 * (8 * 4 + 2),
-        "chunk_scores": 32 * 2048 * 32768 * 8 + 2048 * 32768,
+        "chunk_scores": SCORE_BYTES + 2048 * 32768,  # a slice's scores and the bool mask
         "cuda_graphs": 64 * per_token}
-    assert scratch.parts["chunk_scores"] > 16 * GIB
+    short = worst_step_scratch(mc, 2, WorstStep(64, 512, 64, "torch"))
+    assert short.parts["chunk_scores"] == 32 * 64 * 512 * 8 + 64 * 512  # one slice
     assert scratch.per_pool_byte == 1.25 / 16  # one layer's gather, padded
     flash = worst_step_scratch(mc, 2, WorstStep(2048, 32768, 256, "flash"))
     assert set(flash.parts) == {"dense", "sampler"} and flash.per_pool_byte == 0

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels.attention import SCORE_BYTES, SCORE_ELEMENT_BYTES
 from engine.model.config import ModelConfig
 
 GIB = 2**30
@@ -60,9 +61,10 @@ def worst_step_scratch(mc: ModelConfig, element_bytes: int, worst: WorstStep) ->
     rows = min(worst.rows, worst.tokens)
     parts = {"dense": worst.tokens * per_token,
              "sampler": rows * mc.vocab_size * (SAMPLER_FLOATS_PER_LOGIT * 4 + element_bytes)}
-    if worst.attention == "torch":  # a chunk at the deepest context: fp32 scores and softmax
+    if worst.attention == "torch":  # a chunk at the deepest context: its scores, in slices
         chunk = min(worst.tokens, worst.context)
-        parts["chunk_scores"] = (mc.num_heads * chunk * worst.context * 2 * 4
+        scores = mc.num_heads * chunk * worst.context * SCORE_ELEMENT_BYTES
+        parts["chunk_scores"] = (min(scores, SCORE_BYTES)
                                  + chunk * worst.context)  # and its bool mask
     if worst.graph_tokens:  # the graphs' private pool: the dense half at their largest batch
         parts["cuda_graphs"] = worst.graph_tokens * per_token

@@ -24,6 +24,9 @@ except ImportError:  # pragma: no cover - depends on the machine
     flash_attn_varlen_func = None
 
 FLASH_BLOCK_SIZE = 256  # flash-attn's paged KV needs blocks that are a multiple of 256
+# one prefill slice's attention scores at most (SDPA's math kernel holds them all, in fp32)
+SCORE_BYTES = 1 << 30
+SCORE_ELEMENT_BYTES = 8  # a score and its softmax, float32 each
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MIN_CAPABILITY = (8, 0)  # Ampere
 FLASH_MAX_HEAD_DIM = 256
@@ -248,21 +251,39 @@ class PagedAttention:
         assert span.key_slots is not None
         keys = flat_k.index_select(1, span.key_slots)
         values = flat_v.index_select(1, span.key_slots)
+        width = keys.shape[1]
+        rows = max(1, SCORE_BYTES // (self.num_heads * width * SCORE_ELEMENT_BYTES))
+        if rows >= span.q_len:
+            return self._attend(q, keys, values, span.mask)
+        # a long chunk over a deep history: its query rows in slices, each row's own result
+        out = torch.empty_like(q)
+        for first in range(0, span.q_len, rows):
+            last = min(first + rows, span.q_len)
+            if span.mask is not None:
+                mask = span.mask[first:last]
+            else:  # square causal: row i sees keys 0..i
+                mask = (torch.arange(width, device=q.device)[None]
+                        <= torch.arange(first, last, device=q.device)[:, None])
+            out[first:last] = self._attend(q[first:last], keys, values, mask)
+        return out
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """q [n, Hq, D] over keys and values [Hkv, K, D]; `mask` [n, K] (None: square causal)."""
+        n = q.shape[0]
         if self.softcap is not None:
-            mask = span.mask
             if mask is None:
-                mask = torch.ones(span.q_len, span.q_len, dtype=torch.bool,
-                                  device=q.device).tril()
+                mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
             bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
             bias.masked_fill_(~mask, float("-inf"))
-            grouped = q.transpose(0, 1).reshape(self.num_kv_heads, self.group, span.q_len,
+            grouped = q.transpose(0, 1).reshape(self.num_kv_heads, self.group, n,
                                                 self.head_dim)
             out = self._softcapped(grouped, keys[:, None], values[:, None], bias)
-            return out.reshape(self.num_heads, span.q_len, self.head_dim).transpose(0, 1)
+            return out.reshape(self.num_heads, n, self.head_dim).transpose(0, 1)
         # 4-D: SDPA's fused CPU kernel takes no 3-D inputs
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=span.mask,
-            is_causal=span.mask is None, scale=self.scale, enable_gqa=True,
+            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+            is_causal=mask is None, scale=self.scale, enable_gqa=True,
         )
         return out[0].transpose(0, 1)
 
