@@ -161,7 +161,8 @@ def sample(logits: torch.Tensor, requests: Sequence[RunnerRequest],
     host = sampling_inputs(requests, logits.shape[-1]) if inputs is None else inputs
     s = _on(host, logits.device)
     scores = logits if s.penalties is None else _penalized(logits, s.penalties)
-    # `scores` are final here: what sampling and processed logprobs read
+    # the one place the logits become final: whatever else shapes them (logits processors)
+    # applies to `scores` here, before greedy, sampling and processed logprobs read them
     greedy = scores.argmax(dim=-1)
     processed = _processed(scores, s)
     probs = torch.softmax(processed, dim=-1)
