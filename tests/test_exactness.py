@@ -100,6 +100,18 @@ def test_flex_attention_is_exact_at_every_chunk_position(reference, budget: int)
     assert engine.runner.attention_note == "flex"
 
 
+@pytest.mark.slow  # a block mask built eagerly each step: ~20 s a family on a small CPU
+@pytest.mark.parametrize("reference", ["llama", "mistral", "gemma2"], indirect=True)
+def test_flex_with_block_masks_is_exact(reference, monkeypatch) -> None:
+    """The CUDA path's block masks (built from the mask_mod once a step and window) and its
+    soft-cap score_mod, run eagerly on the CPU."""
+    directory, prompts, expected = reference
+    monkeypatch.setattr(attention, "block_masked", lambda device: True)
+    outputs = _engine(directory, 7, attention="flex").generate(
+        prompts[:4], SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    assert outputs == expected[:4]  # up to 64 tokens: across every window
+
+
 def test_long_chunks_attend_in_slices_exactly(reference, monkeypatch) -> None:
     """A chunk whose scores would pass SCORE_BYTES attends a few query rows at a time (here
     3 to 7 rows of a 300-token prompt), windows and soft-caps included."""

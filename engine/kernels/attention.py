@@ -224,7 +224,7 @@ class PagedAttention:
             1, flex.key_slots)
         visible = flex.mask_mod(self.window)
         cap = self.softcap
-        if q.is_cuda:  # sparse blocks and a fused kernel
+        if block_masked(q.device):  # sparse blocks and, compiled, a fused kernel
             if self.window not in flex.masks:
                 flex.masks[self.window] = create_block_mask(
                     visible, None, None, q.shape[0], keys.shape[1], device=q.device)
@@ -233,9 +233,9 @@ class PagedAttention:
                 def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor,
                               qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
                     return cap * torch.tanh(score / cap)
-            out = _compiled_flex()(q.transpose(0, 1)[None], keys[None], values[None],
-                                   score_mod=score_mod, block_mask=block_mask,
-                                   scale=self.scale, enable_gqa=True)
+            run = _compiled_flex() if q.is_cuda else _eager_flex
+            out = run(q.transpose(0, 1)[None], keys[None], values[None], score_mod=score_mod,
+                      block_mask=block_mask, scale=self.scale, enable_gqa=True)
         else:  # eager: the mask as a score_mod, no block mask to build each step
             def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor,
                           qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
@@ -309,6 +309,13 @@ class PagedAttention:
         scores = self.softcap * torch.tanh(scores / self.softcap) + bias
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(weights, values)
+
+
+def block_masked(device: torch.device) -> bool:
+    """Whether flex skips masked blocks (and runs compiled): on CUDA. On the CPU a block mask
+    each step costs more than it saves, and Inductor's CPU flex template fails to build with
+    dynamic shapes (torch 2.13)."""
+    return device.type == "cuda"
 
 
 def _eager_flex(*args: object, **kwargs: object) -> torch.Tensor:
