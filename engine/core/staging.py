@@ -67,23 +67,26 @@ def unpack(buffer: torch.Tensor, packed: Packed) -> list[torch.Tensor]:
 
 
 class Staging:
-    """One pinned buffer per runner, reused step after step.
-
-    Reuse is safe because each step ends by reading its tokens back, after which the step's
-    upload has long finished."""
+    """One pinned buffer per runner, reused step after step: packing waits for the last copy
+    out of it to end (a step's read back has mostly seen to that already)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._buffer: torch.Tensor | None = None
+        self._copied: torch.cuda.Event | None = None
         self.uploads = 0  # copies made so far (one a step)
 
     def upload(self, value: T) -> T:
         """`value` with its tensors on the device, in one copy; unchanged on the CPU."""
         if self.device.type == "cpu":
             return value
+        if self._copied is not None:
+            self._copied.synchronize()
         found = tensors(value)
         buffer, packed = pack(found, self._pinned(found))
         device_copy = buffer[:packed.nbytes].to(self.device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
         self.uploads += 1
         views = iter(unpack(device_copy, packed))
         return moved(value, lambda _: next(views))
