@@ -18,15 +18,22 @@ KINDS = [SamplingParams(max_tokens=8, ignore_eos=True),
                         repetition_penalty=1.2, min_p=0.05, logit_bias=((5, 2.0),))]
 
 
+CUDA = pytest.param("cuda", "auto", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])
+
+
 def _engine(**changes: object) -> Engine:
     config = dict(model="synthetic:tiny", device="cpu", dtype="float32",
                   kv_cache_bytes=1 << 22, max_num_batched_tokens=64, chunk_tile=16)
     return Engine(EngineConfig(**(config | changes)))
 
 
-@pytest.mark.parametrize("backend", ["torch", "auto"])
-def test_a_step_reads_tensor_values_once(backend: str) -> None:
-    engine = _engine(attention_backend=backend)
+@pytest.mark.parametrize(("device", "backend"), [("cpu", "torch"), ("cpu", "auto"),
+                                                  ("cpu", "flex"), CUDA])
+def test_a_step_reads_tensor_values_once(device: str, backend: str) -> None:
+    """On a GPU each read is a host sync and the upload is one pinned copy; on the CPU the
+    same count holds and nothing needs uploading."""
+    engine = _engine(device=device, attention_backend=backend)
     for i in range(12):
         engine.add_request([3 + (i * 7 + j) % 300 for j in range(5 + 9 * i)], KINDS[i % 3])
     uploads = []
@@ -40,10 +47,12 @@ def test_a_step_reads_tensor_values_once(backend: str) -> None:
     steps = 0
     while engine.has_unfinished():
         uploads.clear()
-        with HostReads(torch.device("cpu")) as reads:
+        before = engine.runner.staging.uploads
+        with HostReads(engine.runner.device) as reads:
             engine.step()
         assert reads.total == 1, dict(reads.counts)
         assert len(uploads) == 1
+        assert engine.runner.staging.uploads - before == (device == "cuda")
         steps += 1
     assert steps > 8
 
