@@ -201,7 +201,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     max_model_len: int | None = None
     max_num_seqs: int = 256
-    # the live budget's ceiling: a GPU's KV pool leaves room for a step this large
+    # the live budget's ceiling (budget_ceiling): a GPU's pool leaves room for such a step
     max_num_batched_tokens_cap: int = 16384
     attention_backend: str = "auto"
     logprobs_mode: str = "raw_logprobs"
@@ -257,10 +257,7 @@ class EngineConfig:
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
         _check(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be > 0")
         _check(self.chunk_tile >= 1, "chunk_tile", "must be >= 1")
-        _check(self.max_num_batched_tokens <= self.max_num_batched_tokens_cap,
-               "max_num_batched_tokens",
-               f"must be at most max_num_batched_tokens_cap ({self.max_num_batched_tokens_cap}), "
-               "the step size the memory was sized for; raise the cap at start")
+        _check(self.max_num_batched_tokens_cap >= 1, "max_num_batched_tokens_cap", "must be >= 1")
         _check(
             self.max_num_batched_tokens >= self.chunk_tile,
             "max_num_batched_tokens",
@@ -304,6 +301,11 @@ class EngineConfig:
         _check(not (self.cpu_graphs and self.attention_backend in ("torch", "flash", "flex")),
                "cpu_graphs", "replays the CPU kernels' calls; it needs attention_backend "
                              "auto or paged (or drop cpu_graphs)")
+
+    def budget_ceiling(self) -> int:
+        """The most tokens a live change may give a step: the cap, or the start's budget where
+        that is larger. A GPU's KV pool leaves room for a step this large."""
+        return max(self.max_num_batched_tokens_cap, self.max_num_batched_tokens)
 
     def live_values(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in sorted(LIVE_FIELDS)}

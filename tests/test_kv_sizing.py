@@ -10,6 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from engine import Engine
 from engine.config import ConfigError, EngineConfig
 from engine.core import model_runner
 from engine.core.kv_sizing import (
@@ -139,13 +140,17 @@ def test_a_refused_flash_falls_back_with_one_line_or_fails_where_forced(
     assert runner._flash(config, 64) is True
 
 
-def test_a_live_budget_stays_under_its_cap() -> None:
-    config = EngineConfig(max_num_batched_tokens_cap=4096)
-    assert config.replace(max_num_batched_tokens=4096).max_num_batched_tokens == 4096
-    with pytest.raises(ConfigError, match="max_num_batched_tokens_cap"):
-        config.replace(max_num_batched_tokens=4097)
+def test_a_live_budget_stays_under_the_ceiling_the_pool_was_sized_for() -> None:
+    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32",
+                                 kv_cache_bytes=1 << 20, max_num_batched_tokens_cap=4096))
+    assert engine.update_config(max_num_batched_tokens=4096).max_num_batched_tokens == 4096
+    with pytest.raises(ConfigError, match=r"at most 4096.*max_num_batched_tokens_cap"):
+        engine.update_config(max_num_batched_tokens=4097)
     with pytest.raises(ConfigError, match="fixed at start"):
-        config.replace(max_num_batched_tokens_cap=8192)
+        engine.update_config(max_num_batched_tokens_cap=8192)
+    # a start above the cap is its own ceiling
+    big = EngineConfig(max_num_batched_tokens=20000, max_num_batched_tokens_cap=4096)
+    assert big.budget_ceiling() == 20000
 
 
 def test_device_peaks_are_measured_before_the_pool_exists(

@@ -46,6 +46,7 @@ class Engine:
         config = config or EngineConfig()
         config.validate()
         self.config = config
+        self.budget_ceiling = config.budget_ceiling()  # fixed at start, as the pool is
         self.clock = clock
         self.bus = EventBus(clock)
         self.runner: ModelRunner | Executor = runner or ModelRunner(config)
@@ -209,6 +210,10 @@ class Engine:
         with self._config_lock:
             base = self._pending_config[0] if self._pending_config else self.config
             candidate = base.replace(**changes)
+            if candidate.max_num_batched_tokens > self.budget_ceiling:
+                raise ConfigError("max_num_batched_tokens", (
+                    f"must be at most {self.budget_ceiling}, the step the memory was sized "
+                    "for; start with a larger max_num_batched_tokens_cap"))
             self._pending_config = (candidate, source)
             return candidate
 

@@ -303,7 +303,7 @@ class ModelRunner:
         attention = "flash" if self.use_flash else config.attention_backend
         graphs = (self.graph_sizes(config)[-1]
                   if self.device.type == "cuda" and compiles(config) else 0)
-        return WorstStep(tokens=config.max_num_batched_tokens_cap, context=self.max_model_len,
+        return WorstStep(tokens=config.budget_ceiling(), context=self.max_model_len,
                          rows=config.max_num_seqs,
                          attention=attention if attention in ("flash", "flex") else "torch",
                          graph_tokens=graphs)
