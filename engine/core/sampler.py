@@ -46,6 +46,7 @@ class SamplingInputs:
     seeded_noise: torch.Tensor  # [S, V]: Exp(1) draws of each seeded row's generator
     penalties: Penalties | None
     logprobs: int  # the most top logprobs a row asks for; -1 where none asks
+    samples: bool  # whether any row samples at a temperature (else every row is greedy)
     sorts: bool  # whether a row asks for top-k or top-p (a sort of the vocabulary)
     unseeded: bool  # whether a row samples from the device's own generator
     errors: dict[int, str]  # row -> why its parameters cannot be sampled (drawn as greedy)
@@ -108,6 +109,7 @@ def sampling_inputs(requests: Sequence[RunnerRequest], vocab: int) -> SamplingIn
         seeded_noise=torch.stack(noise) if noise else torch.empty(0, vocab),
         penalties=_penalties(requests, vocab),
         logprobs=max(asked, default=-1),
+        samples=any(r.params.temperature > 0 and not r.params.prefill_only for r in requests),
         sorts=any(r.params.temperature > 0 and (0 < r.params.top_k < vocab
                                                 or r.params.top_p < 1.0) for r in requests),
         unseeded=any(r.params.temperature > 0 and r.params.seed is None
@@ -163,14 +165,16 @@ def sample(logits: torch.Tensor, requests: Sequence[RunnerRequest],
     scores = logits if s.penalties is None else _penalized(logits, s.penalties)
     # the one place the logits become final: whatever else shapes them (logits processors)
     # applies to `scores` here, before greedy, sampling and processed logprobs read them
-    greedy = scores.argmax(dim=-1)
-    processed = _processed(scores, s)
-    probs = torch.softmax(processed, dim=-1)
-    noise = torch.empty_like(probs).exponential_(1) if s.unseeded else torch.ones_like(probs)
-    noise.index_copy_(0, s.seeded_rows, s.seeded_noise)
-    drawn = (probs / noise).argmax(dim=-1)
-    tokens = torch.where(s.sampled, drawn, greedy)
-    broken = s.sampled & ~torch.isfinite(probs).all(dim=-1)
+    tokens = scores.argmax(dim=-1)
+    processed, broken = scores, torch.zeros_like(s.sampled)
+    if host.samples:  # greedy steps (the default) skip the vocabulary-wide passes
+        processed = _processed(scores, s)
+        probs = torch.softmax(processed, dim=-1)
+        noise = (torch.empty_like(probs).exponential_(1) if s.unseeded
+                 else torch.ones_like(probs))
+        noise.index_copy_(0, s.seeded_rows, s.seeded_noise)
+        tokens = torch.where(s.sampled, (probs / noise).argmax(dim=-1), tokens)
+        broken = s.sampled & ~torch.isfinite(probs).all(dim=-1)
     columns = [tokens.double(), broken.double()]
     if host.logprobs >= 0:
         chosen_from = torch.where(s.sampled[:, None], processed, scores) \
