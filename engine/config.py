@@ -201,6 +201,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     max_model_len: int | None = None
     max_num_seqs: int = 256
+    # the live budget's ceiling (budget_ceiling): a GPU's pool leaves room for such a step
+    max_num_batched_tokens_cap: int = 16384
     attention_backend: str = "auto"
     logprobs_mode: str = "raw_logprobs"
     cpu_threads: int = 0
@@ -258,6 +260,7 @@ class EngineConfig:
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", "must be in (0, 1]")
         _check(self.max_num_batched_tokens > 0, "max_num_batched_tokens", "must be > 0")
         _check(self.chunk_tile >= 1, "chunk_tile", "must be >= 1")
+        _check(self.max_num_batched_tokens_cap >= 1, "max_num_batched_tokens_cap", "must be >= 1")
         _check(
             self.max_num_batched_tokens >= self.chunk_tile,
             "max_num_batched_tokens",
@@ -300,11 +303,16 @@ class EngineConfig:
         _check(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode",
                "must be raw_logprobs or processed_logprobs (vLLM's raw_logits and "
                "processed_logits modes are not built)")
-        _check(self.attention_backend in ("auto", "torch", "flash", "paged"),
-               "attention_backend", "must be auto, torch, flash or paged")
-        _check(not (self.cpu_graphs and self.attention_backend in ("torch", "flash")),
+        _check(self.attention_backend in ("auto", "torch", "flash", "flex", "paged"),
+               "attention_backend", "must be auto, torch, flash, flex or paged")
+        _check(not (self.cpu_graphs and self.attention_backend in ("torch", "flash", "flex")),
                "cpu_graphs", "replays the CPU kernels' calls; it needs attention_backend "
                              "auto or paged (or drop cpu_graphs)")
+
+    def budget_ceiling(self) -> int:
+        """The most tokens a live change may give a step: the cap, or the start's budget where
+        that is larger. A GPU's KV pool leaves room for a step this large."""
+        return max(self.max_num_batched_tokens_cap, self.max_num_batched_tokens)
 
     def live_values(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in sorted(LIVE_FIELDS)}
@@ -334,6 +342,7 @@ LIVE_FIELDS = frozenset(
     for f in dataclasses.fields(EngineConfig)
     if f.name not in {"model", "device", "dtype", "seed", "block_size", "kv_cache_bytes",
                       "gpu_memory_utilization", "max_model_len", "max_num_seqs",
+                      "max_num_batched_tokens_cap",
                       "attention_backend", "cpu_threads", "stats_window_s", "compile",
                       "cpu_graphs", "logprobs_mode"}
 )

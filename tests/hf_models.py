@@ -14,12 +14,13 @@ import torch
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3")
 
 
-def _config(kind: str):  # -> transformers.PretrainedConfig
+def _config(kind: str, kv_heads: int = 2):  # -> transformers.PretrainedConfig
     import transformers
 
     common = dict(vocab_size=400, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                  rms_norm_eps=1e-6, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+                  num_attention_heads=4, num_key_value_heads=kv_heads,
+                  max_position_embeddings=1024, rms_norm_eps=1e-6, eos_token_id=None,
+                  bos_token_id=None, pad_token_id=None)
     if kind == "llama":
         return transformers.LlamaConfig(
             **common, tie_word_embeddings=False,
@@ -49,11 +50,12 @@ def _config(kind: str):  # -> transformers.PretrainedConfig
     raise ValueError(kind)
 
 
-def save_tiny(kind: str, directory: Path, seed: int = 0) -> Path:
+def save_tiny(kind: str, directory: Path, seed: int = 0, kv_heads: int = 2) -> Path:
+    """`kv_heads` of the 4 query heads' keys: 4 is plain multi-head, 1 multi-query."""
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(_config(kind))
+    model = transformers.AutoModelForCausalLM.from_config(_config(kind, kv_heads))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("bias"):  # random init leaves biases at zero; make them matter

@@ -15,6 +15,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.core.backend_choice import PAGED, TORCH, Backends, candidates
 from engine.core.model_runner import compiles
 from engine.harness.driver import OutputTokens
+from engine.kernels import attention
 from engine.kernels.cpu_kernels import prefill_supports
 from engine.kernels.layers import PackedLinear
 from tests.hf_models import FAMILIES, hf_greedy, hf_last_logits, save_tiny
@@ -33,10 +34,11 @@ def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 
 def _engine(directory: Path, budget: int, block_size: int = 16,
-            compile: bool = False) -> Engine:
+            compile: bool = False, attention: str = "auto") -> Engine:
     return Engine(EngineConfig(model=str(directory), device="cpu", dtype="float32",
                                max_num_batched_tokens=budget, chunk_tile=1,
-                               block_size=block_size, compile=compile))
+                               block_size=block_size, compile=compile,
+                               attention_backend=attention))
 
 
 @pytest.mark.parametrize("budget", [7, 13, 64, 4096])
@@ -83,6 +85,55 @@ def test_every_path_the_backend_choice_can_pick_is_exact(reference, index: int) 
     outputs = engine.generate([prompts[i] for i in short],
                               SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     assert outputs == [expected[i] for i in short]
+
+
+@pytest.mark.parametrize("budget", [1, 7, 64])
+def test_flex_attention_is_exact_at_every_chunk_position(reference, budget: int) -> None:
+    """FlexAttention over the step's gathered keys: chunks cut at every position (a budget
+    of 1 makes each prompt token its own chunk), beside decodes, windows and soft-caps."""
+    directory, prompts, expected = reference
+    engine = _engine(directory, budget, attention="flex")
+    kept = [i for i, n in enumerate(LENGTHS) if budget > 1 or n <= 64]
+    outputs = engine.generate([prompts[i] for i in kept],
+                              SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    assert outputs == [expected[i] for i in kept]
+    assert engine.runner.attention_note == "flex"
+
+
+@pytest.mark.slow  # a block mask built eagerly each step: ~20 s a family on a small CPU
+@pytest.mark.parametrize("reference", ["llama", "mistral", "gemma2"], indirect=True)
+def test_flex_with_block_masks_is_exact(reference, monkeypatch) -> None:
+    """The CUDA path's block masks (built from the mask_mod once a step and window) and its
+    soft-cap score_mod, run eagerly on the CPU."""
+    directory, prompts, expected = reference
+    monkeypatch.setattr(attention, "block_masked", lambda device: True)
+    outputs = _engine(directory, 7, attention="flex").generate(
+        prompts[:4], SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    assert outputs == expected[:4]  # up to 64 tokens: across every window
+
+
+def test_long_chunks_attend_in_slices_exactly(reference, monkeypatch) -> None:
+    """A chunk whose scores would pass SCORE_BYTES attends a few query rows at a time (here
+    3 to 7 rows of a 300-token prompt), windows and soft-caps included."""
+    directory, prompts, expected = reference
+    monkeypatch.setattr(attention, "SCORE_BYTES", 4 * 300 * 8 * 5)
+    outputs = _engine(directory, 64, attention="torch").generate(
+        prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+    assert outputs == expected
+
+
+@pytest.mark.parametrize("kv_heads", [1, 4], ids=["multi-query", "multi-head"])
+@pytest.mark.parametrize("attention", ["flex", "torch", "auto"])
+def test_every_gqa_ratio_is_exact(tmp_path: Path, kv_heads: int, attention: str) -> None:
+    """The families above share 2 query heads per KV head; 4 (one KV head) and 1 too."""
+    directory = save_tiny("llama", tmp_path, kv_heads=kv_heads)
+    rng = random.Random(11)
+    prompts = [[rng.randrange(400) for _ in range(n)] for n in (1, 30, 90)]
+    expected = hf_greedy(directory, prompts, MAX_NEW)
+    for budget in (7, 4096):
+        outputs = _engine(directory, budget, attention=attention).generate(
+            prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
+        assert outputs == expected, budget
 
 
 def _first_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:

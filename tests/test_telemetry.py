@@ -1,7 +1,9 @@
+import threading
 from types import SimpleNamespace
 
 import pytest
 
+from engine import Engine, EngineConfig
 from engine.ops.telemetry import (
     MAX_UTILIZATION,
     BandwidthReading,
@@ -11,6 +13,7 @@ from engine.ops.telemetry import (
     ModelBandwidth,
     NvmlBandwidth,
     TelemetryError,
+    cuda_uuid,
     nvml_available,
 )
 
@@ -120,7 +123,8 @@ def test_nvml_on_this_machine_samples_or_names_the_fallback():
     source.stop()  # the thread samples before its first wait, so one sample is certain
     latest = source.latest()
     assert latest is not None and latest.total_bytes > 0
-    assert source.reading().source == "nvml" and 0.0 <= source.reading().util_5s <= 1.0
+    assert source.reading().source in ("nvml-gpm", "model")
+    assert 0.0 <= source.reading().util_5s <= 1.0
 
 
 def test_nvml_without_its_library_names_the_fallback():
@@ -134,27 +138,92 @@ def test_nvml_available_with_fake_module():
     assert nvml_available(fake_pynvml([0], library=False)) is False
 
 
-def test_nvml_sampling_and_five_second_average():
+def test_nvml_samples_keep_the_busy_share_and_clocks_as_figures():
     clock = FakeClock()
     nvml = fake_pynvml([90, 90, 90, 30, 30, 30, 30, 30])
     source = NvmlBandwidth(interval_s=1.0, window_s=5.0, nvml=nvml, clock=clock)
-    for _ in range(3):
+    for _ in range(8):
         source.sample()
         clock.t += 1.0
-    assert source.reading() == BandwidthReading(pytest.approx(0.9), "nvml", measured=True)
-    for _ in range(5):
-        source.sample()
-        clock.t += 1.0
-    # The window now holds samples at 103..107 (30 %); 100..102 (90 %) have aged out.
-    clock.t -= 1.0
-    assert source.reading().util_5s == pytest.approx(0.3)
     latest = source.latest()
-    assert latest is not None
+    assert latest is not None and latest.memory_busy == pytest.approx(0.3)
     assert (latest.used_bytes, latest.total_bytes) == (30 * GB, 141 * GB)
     assert (latest.memory_clock_mhz, latest.sm_clock_mhz) == (2619, 1980)
     assert latest.torch_allocated_bytes is None
-    source.record(1e9, 1.0)  # NVML measures the hardware; estimates are ignored
-    assert source.reading().util_5s == pytest.approx(0.3)
+    # the busy share is time, not bandwidth: without GPM nothing is measured
+    assert source.reading() == BandwidthReading(0.0, "model")
+
+
+def test_the_measured_reading_is_gpm_dram_bandwidth_over_the_window():
+    clock = FakeClock()
+    nvml = fake_gpm(fake_pynvml([99] * 9), [90, 90, 90, 30, 30, 30, 30, 30])
+    source = NvmlBandwidth(interval_s=1.0, window_s=5.0, nvml=nvml, clock=clock)
+    source._dram = DramActive(nvml, "gpu0")  # what start() sets up, without its thread
+    for _ in range(4):  # the first read opens GPM's first interval
+        source.sample()
+        clock.t += 1.0
+    assert source.reading() == BandwidthReading(pytest.approx(0.9), "nvml-gpm", True)
+    for _ in range(5):
+        source.sample()
+        clock.t += 1.0
+    clock.t -= 1.0  # the window holds the last five samples: 30 % each
+    assert source.reading() == BandwidthReading(pytest.approx(0.3), "nvml-gpm", True)
+
+
+def test_without_gpm_the_reading_is_the_engines_bytes_over_the_peak():
+    clock = FakeClock()
+    nvml = fake_gpm(fake_pynvml([95] * 3), [50.0], supported=False)
+    estimate = ModelBandwidth(peak_bytes_per_s=10 * GB, clock=clock)
+    source = NvmlBandwidth(interval_s=1.0, nvml=nvml, clock=clock, estimate=estimate)
+    source._dram = DramActive(nvml, "gpu0")
+    clock.t += 1.0
+    source.record(4 * GB, 1.0)
+    source.sample()
+    assert source.reading() == BandwidthReading(pytest.approx(0.4), "model", False)
+
+
+def test_not_supported_everywhere_reads_unknown_with_the_reason():
+    clock = FakeClock()
+    nvml = fake_pynvml([50])
+
+    def not_supported(handle):
+        raise FakeNvmlError("Not Supported")
+
+    nvml.nvmlDeviceGetUtilizationRates = not_supported
+    source = NvmlBandwidth(nvml=nvml, clock=clock)
+    for _ in range(3):
+        assert source.sample() is None
+    reading = source.reading()
+    assert not reading.measured and reading.util_5s == 0.0
+    assert reading.note == "bandwidth unknown: NVML Not Supported"
+
+
+def test_the_gpu_is_found_by_uuid_not_by_the_cuda_ordinal(monkeypatch):
+    """Under CUDA_VISIBLE_DEVICES=3 torch's cuda:0 is NVML's GPU 3: the UUID names it."""
+    import torch
+
+    nvml = fake_pynvml([40])
+    asked = []
+    nvml.nvmlDeviceGetHandleByUUID = lambda uuid: asked.append(uuid) or "gpu3"
+    nvml.nvmlDeviceGetHandleByIndex = lambda index: pytest.fail("looked up by index")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(uuid="6f1c-b3"))
+    source = NvmlBandwidth(interval_s=60.0, nvml=nvml, uuid=cuda_uuid("cuda:0"))
+    source.start()
+    source.stop()
+    assert asked == ["GPU-6f1c-b3"]
+
+
+def test_closing_an_engine_stops_its_sampler_thread():
+    nvml = fake_pynvml([40])
+    source = NvmlBandwidth(interval_s=60.0, nvml=nvml)
+    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32",
+                                 kv_cache_bytes=1 << 20), bandwidth=source)
+    source.start()
+    assert any(t.name == "nvml-bandwidth" for t in threading.enumerate())
+    engine.close()
+    assert not any(t.name == "nvml-bandwidth" for t in threading.enumerate())
+    assert nvml.state["shutdown"] == 1
 
 
 def test_nvml_error_is_kept_and_handle_refetched():
@@ -184,7 +253,7 @@ def test_nvml_thread_start_stop():
     source.stop()  # the thread samples before its first wait, so one sample is certain
     assert nvml.state["init"] == 1 and nvml.state["shutdown"] == 1
     assert source.latest() is not None
-    assert source.reading() == BandwidthReading(pytest.approx(0.4), "nvml", measured=True)
+    assert source.reading() == BandwidthReading(0.0, "model")  # no GPM here
 
 
 def test_injected_override_expires():

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 from engine.batch import Batch, ModelRunnerOutput, RequestOutput, StepShape, StepTiming
 from engine.budget.controller import BudgetController
 from engine.budget.cost_model import BudgetModel
-from engine.budget.peaks import measure_peaks
 from engine.budget.predictor import StepTimeRatio
 from engine.clock import Clock
 from engine.config import ConfigError, EngineConfig, SamplingParams
@@ -48,21 +47,20 @@ class Engine:
         config = config or EngineConfig()
         config.validate()
         self.config = config
+        self.budget_ceiling = config.budget_ceiling()  # fixed at start, as the pool is
         self.clock = clock
         self.bus = EventBus(clock)
         if runner is None:
             # the model's code and torch, imported only by an engine that runs a model
             from engine.core.model_runner import ModelRunner
             runner = ModelRunner(config)
-            self.peaks = measure_peaks(str(runner.device), runner.dtype)
-        else:
-            self.peaks = runner.peaks
         self.runner: ModelRunner | Executor = runner
         self.model_config = self.runner.model_config
         self.tokenizer = self.runner.tokenizer
         self.max_model_len = self.runner.max_model_len
         self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size,
                                    enable_caching=config.enable_prefix_caching)
+        self.peaks = self.runner.peaks  # a model runner measures them before its KV pool
         model = BudgetModel(self.model_config, self.runner.bytes_per_element, self.peaks)
         # one KV block's bytes, from the model's shape: a simulated executor holds no KV tensor
         self.block_bytes = (self.model_config.kv_bytes_per_token(self.runner.bytes_per_element)
@@ -191,6 +189,10 @@ class Engine:
         self.stepping = ()
         return [r for r in live if r.id not in fail], owed
 
+    def close(self) -> None:
+        """Stop what runs beside the steps (the bandwidth sampler's thread); idempotent."""
+        self.bandwidth.close()
+
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.requests) or bool(self._out_of_band)
 
@@ -216,6 +218,10 @@ class Engine:
         with self._config_lock:
             base = self._pending_config[0] if self._pending_config else self.config
             candidate = base.replace(**changes)
+            if candidate.max_num_batched_tokens > self.budget_ceiling:
+                raise ConfigError("max_num_batched_tokens", (
+                    f"must be at most {self.budget_ceiling}, the step the memory was sized "
+                    "for; start with a larger max_num_batched_tokens_cap"))
             self._pending_config = (candidate, source)
             return candidate
 

@@ -18,10 +18,11 @@ if TYPE_CHECKING:
 
 class BandwidthReading(NamedTuple):  # a tuple: made at least once a step
     util_5s: float  # fraction of peak memory bandwidth, averaged over the window
-    source: str  # "nvml" | "model" | "injected"
-    # read off the hardware (NVML, GPM, an injected reading), not modelled: only such a
-    # figure may throttle
+    source: str  # "nvml-gpm" (DRAM bandwidth, measured) | "model" | "injected"
+    # read off the hardware (GPM, an injected reading), not estimated from the engine's
+    # bytes: only such a figure may throttle
     measured: bool = False
+    note: str = ""  # why the share is unknown, where it is (shown instead of it)
 
 
 class HostSense(Protocol):
@@ -34,6 +35,8 @@ class BandwidthSource(Protocol):
     def reading(self) -> BandwidthReading: ...
 
     def record(self, bytes_moved: float, duration_s: float) -> None: ...
+
+    def close(self) -> None: ...  # stops any sampler thread: called as its engine ends
 
 
 class GuardInputs(NamedTuple):  # a tuple: made every step

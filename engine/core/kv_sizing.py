@@ -1,4 +1,10 @@
-"""How many bytes a GPU's KV pool gets."""
+"""How many bytes a GPU's KV pool gets: what is left of the device once the weights, the worst
+step the engine allows and its CUDA graphs have had theirs.
+
+The warm-up step measures the dense half at the largest budget; the attention spikes that a
+warm-up at position 0 never meets are counted from the model's shape: a later chunk's scores
+over the deepest context (SDPA), the per-layer gather of the KV a step reads (SDPA decode,
+the gathered FlexAttention view), and the sampler's rows."""
 
 from __future__ import annotations
 
@@ -7,7 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels.attention import SCORE_BYTES, SCORE_ELEMENT_BYTES
+from engine.model.config import ModelConfig
+
 GIB = 2**30
+# how much wider the padded decode gather is than the keys it holds (its groups pad to 1.25x)
+DECODE_PADDING = 1.25
+SAMPLER_FLOATS_PER_LOGIT = 8  # the sampler's [rows, vocab] temporaries, in float32 each
 
 
 @dataclass(frozen=True)
@@ -20,19 +32,69 @@ class MemoryReading:
 
 
 @dataclass(frozen=True)
+class WorstStep:
+    """The largest step the engine allows, whatever the live settings become."""
+
+    tokens: int  # the live token budget's ceiling (max_num_batched_tokens_cap)
+    context: int  # the deepest context: max_model_len
+    rows: int  # the most rows a step samples: max_num_seqs, at most `tokens`
+    attention: str  # flash, flex or torch: which of them gathers or scores what
+    graph_tokens: int = 0  # the largest decode batch held as a CUDA graph (0: none)
+
+
+@dataclass(frozen=True)
+class StepScratch:
+    """The worst step's transient bytes: fixed ones, and the gather's share of the pool."""
+
+    parts: dict[str, int]
+    per_pool_byte: float  # gathered bytes per byte of KV pool (one layer's worth, padded)
+
+    @property
+    def fixed(self) -> int:
+        return sum(self.parts.values())
+
+
+def worst_step_scratch(mc: ModelConfig, element_bytes: int, worst: WorstStep) -> StepScratch:
+    """The transient bytes of `worst` on a model shaped `mc` with `element_bytes` weights."""
+    per_token = (mc.num_heads * mc.head_dim + 2 * mc.num_kv_heads * mc.head_dim
+                 + 3 * mc.intermediate_size + 4 * mc.hidden_size) * element_bytes
+    rows = min(worst.rows, worst.tokens)
+    parts = {"dense": worst.tokens * per_token,
+             "sampler": rows * mc.vocab_size * (SAMPLER_FLOATS_PER_LOGIT * 4 + element_bytes)}
+    if worst.attention == "torch":  # a chunk at the deepest context: its scores, in slices
+        chunk = min(worst.tokens, worst.context)
+        scores = mc.num_heads * chunk * worst.context * SCORE_ELEMENT_BYTES
+        parts["chunk_scores"] = (min(scores, SCORE_BYTES)
+                                 + chunk * worst.context)  # and its bool mask
+    if worst.graph_tokens:  # the graphs' private pool: the dense half at their largest batch
+        parts["cuda_graphs"] = worst.graph_tokens * per_token
+    gathers = worst.attention in ("torch", "flex")
+    return StepScratch(parts, DECODE_PADDING / mc.num_layers if gathers else 0.0)
+
+
+@dataclass(frozen=True)
 class KvBudget:
     bytes: int
     line: str  # the arithmetic, for the start-up log
 
 
-def kv_budget(reading: MemoryReading, utilization: float, block_bytes: int) -> KvBudget:
-    """`utilization` of the device's memory, less what is in use."""
+def kv_budget(reading: MemoryReading, utilization: float, block_bytes: int,
+              scratch: StepScratch | None = None) -> KvBudget:
+    """`utilization` of the device's memory, less what is in use and the worst step's scratch
+    (the measured warm-up peak where it is larger than the counted fixed part)."""
+    scratch = scratch or StepScratch({}, 0.0)
     used = reading.total - reading.free
-    budget = max(0, int(reading.total * utilization) - used - reading.activations)
+    fixed = max(reading.activations, scratch.fixed)
+    left = max(0, int(reading.total * utilization) - used - fixed)
+    budget = int(left / (1 + scratch.per_pool_byte))
+    counted = ", ".join(f"{name} {size / GIB:.2f}" for name, size in scratch.parts.items())
+    gather = (f" / (1 + {scratch.per_pool_byte:.3g} gathered per pool byte)"
+              if scratch.per_pool_byte else "")
     line = (f"KV cache: {utilization:g} x {reading.total / GIB:.2f} GiB - "
-            f"{used / GIB:.2f} GiB in use - {reading.activations / GIB:.2f} GiB activation "
-            f"peak = {budget / GIB:.2f} GiB, {budget // block_bytes} blocks of "
-            f"{block_bytes / 2**20:.2f} MiB")
+            f"{used / GIB:.2f} GiB in use - {fixed / GIB:.2f} GiB worst step "
+            f"(warm-up peak {reading.activations / GIB:.2f}"
+            f"{'; ' + counted if counted else ''}){gather} = {budget / GIB:.2f} GiB, "
+            f"{budget // block_bytes} blocks of {block_bytes / 2**20:.2f} MiB")
     return KvBudget(budget, line)
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from engine.batch import Batch, ModelRunnerOutput, ScheduledChunk, lent
+from engine.budget.peaks import measure_peaks
 from engine.config import EngineConfig
 from engine.core.backend_choice import (
     KERNELS,
@@ -29,14 +30,22 @@ from engine.core.backend_choice import (
     scratch,
     store,
 )
+from engine.core.cuda_graphs import CudaGraphs, capture_sizes
 from engine.core.kernel_swap import PACKED, PLAIN, KernelSwap
-from engine.core.kv_sizing import kv_budget, read_cuda_memory
+from engine.core.kv_sizing import WorstStep, kv_budget, read_cuda_memory, worst_step_scratch
 from engine.core.runner_requests import RunnerRequest, RunnerRequests
-from engine.core.sampler import sample, token_logprobs
+from engine.core.sampler import SamplingInputs, sample, sampling_inputs, token_logprobs
+from engine.core.staging import Staging
 from engine.core.step_inputs import InputLayout, StepInputs, prepare
 from engine.errors import EngineError
 from engine.kernels import huge_pages
-from engine.kernels.attention import FLASH_BLOCK_SIZE, block_dim, cache_shape
+from engine.kernels.attention import (
+    FLASH_BLOCK_SIZE,
+    block_dim,
+    cache_shape,
+    describe_gpu,
+    flash_refusal,
+)
 from engine.kernels.attention import flash_available as flash_importable
 from engine.kernels.cpu_graph import DecodeGraphs
 from engine.kernels.cpu_kernels import KernelUnavailable, prefill_supports
@@ -111,17 +120,14 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.processed_logprobs = config.logprobs_mode == "processed_logprobs"
         self.requests = RunnerRequests()
-        self.use_flash = (config.attention_backend in ("auto", "flash")
-                          and flash_importable(self.device))
-        if config.attention_backend == "flash" and not self.use_flash:
-            raise EngineError("attention_backend=flash needs CUDA and the flash-attn package "
-                              "(pip install 'tokenflow[gpu]'); use auto or torch")
+        self.staging = Staging(self.device)
+        shape = model_config_for(config.model)
+        self.use_flash = self._flash(config, shape.head_dim)
         # where a start's seconds go, phase by phase (`tokenflow run --json`'s cold start)
         self.startup_s: dict[str, float] = {}
         mark = time.perf_counter()
         kernels, self.attention_note = self._kernels(config)
         self.startup_s["kernels"], mark = time.perf_counter() - mark, time.perf_counter()
-        shape = model_config_for(config.model)
         self.max_model_len = min(config.max_model_len or shape.max_position_embeddings,
                                  shape.max_position_embeddings)
         loaded = load_model(config.model, self.device, self.dtype, self.max_model_len,
@@ -130,10 +136,13 @@ class ModelRunner:
                                                          loaded.tokenizer)
         self.startup_s["model_load"], mark = time.perf_counter() - mark, time.perf_counter()
         self.block_size = FLASH_BLOCK_SIZE if self.use_flash else config.block_size
+        if self.block_size != config.block_size:
+            log.info("KV blocks of %d tokens, not the %d asked: flash-attn's paged KV needs "
+                     "multiples of %d", self.block_size, config.block_size, FLASH_BLOCK_SIZE)
         mc = self.model_config
         self.layout = InputLayout(self.device, self.dtype, self.block_size,
                                   mc.sliding_window if mc.sliding_layers else None,
-                                  self.use_flash)
+                                  self.use_flash, config.attention_backend == "flex")
         self.paged_decode = self.paged_prefill = False
         self.graphs: DecodeGraphs | None = None
         self._graphs: DecodeGraphs | None = None  # made once, kept while the choice is timed
@@ -144,8 +153,13 @@ class ModelRunner:
         # compiled first: the KV pool of a GPU is sized after a warm-up step on the real path
         self.compile_s = self._compile() if compiles(config) else 0.0
         mark += self.compile_s
+        # before the pool: the copy probe's scratch (GiBs on a GPU) must not meet a full device
+        self.peaks = measure_peaks(str(self.device), self.dtype)
+        self.startup_s["peaks"], mark = time.perf_counter() - mark, time.perf_counter()
         self.num_blocks = self._num_blocks(config)
         self.kv_cache = self._allocate_kv()
+        self.cuda_graphs = (self._cuda_graphs(config)
+                            if self.device.type == "cuda" and compiles(config) else None)
         self.startup_s["kv_cache"], mark = time.perf_counter() - mark, time.perf_counter()
         if compiles(config):
             if kernels:  # Inductor's fused dense ops around the paged attention kernels
@@ -167,13 +181,32 @@ class ModelRunner:
         self.startup_s["backends"] = time.perf_counter() - mark
         self.startup_s["compile"] = self.compile_s
 
+    def _flash(self, config: EngineConfig, head_dim: int) -> bool:
+        """Whether attention runs on flash-attn: asked or auto, installed, and able to here."""
+        if config.attention_backend not in ("auto", "flash"):
+            return False
+        if not flash_importable(self.device):
+            if config.attention_backend == "flash":
+                raise EngineError("attention_backend=flash needs CUDA and the flash-attn package "
+                                  "(pip install 'tokenflow[gpu]'); use auto, flex or torch")
+            return False
+        refusal = flash_refusal(describe_gpu(self.device), self.dtype, head_dim)
+        if refusal is None:
+            return True
+        if config.attention_backend == "flash":
+            raise EngineError(f"attention_backend=flash: {refusal}; use auto, flex or torch")
+        log.info("flash-attn is installed but not used: %s; attention runs on torch", refusal)
+        return False
+
     def _kernels(self, config: EngineConfig) -> tuple[bool, str]:
         """Whether the C++ kernels are candidates here and, if not, why (for the start-up log)."""
         if self.device.type != "cpu" or config.attention_backend not in ("auto", "paged"):
             if config.attention_backend == "paged":
                 raise EngineError("attention_backend=paged is the CPU kernel; on CUDA use auto, "
                                   "flash or torch")
-            return False, "flash" if self.use_flash else "torch"
+            if self.use_flash:
+                return False, "flash"
+            return False, "flex" if config.attention_backend == "flex" else "torch"
         try:
             load_cpu_kernels()
         except KernelUnavailable as exc:
@@ -245,13 +278,40 @@ class ModelRunner:
         gc.collect()
         torch.cuda.empty_cache()
         reading = read_cuda_memory(self.device, lambda: self._warm_up(config))
-        sized = kv_budget(reading, config.gpu_memory_utilization, block_bytes)
+        scratch = worst_step_scratch(self.model_config, self.bytes_per_element,
+                                     self.worst_step(config))
+        sized = kv_budget(reading, config.gpu_memory_utilization, block_bytes, scratch)
         log.info("%s", sized.line)
         return sized.bytes
 
+    def _cuda_graphs(self, config: EngineConfig) -> CudaGraphs:
+        """Whole-model decode graphs; captured as their sizes are first met, on the engine's
+        thread. SDPA gathers whole tables in them: fewer sizes where that is large."""
+        return CudaGraphs(self.model, self.kv_cache, device=self.device,
+                          block_size=self.block_size, max_model_len=self.max_model_len,
+                          pad_block=self.num_blocks, window=self.layout.window,
+                          use_flash=self.use_flash, sizes=self.graph_sizes(config))
+
+    def graph_sizes(self, config: EngineConfig) -> tuple[int, ...]:
+        mc = self.model_config
+        row = 0 if self.use_flash else (2 * self.max_model_len * mc.num_kv_heads * mc.head_dim
+                                        * self.bytes_per_element)
+        return capture_sizes(config.max_num_seqs, row)
+
+    def worst_step(self, config: EngineConfig) -> WorstStep:
+        """The largest step a live change of the budget may make: what the pool leaves room for."""
+        attention = "flash" if self.use_flash else config.attention_backend
+        graphs = (self.graph_sizes(config)[-1]
+                  if self.device.type == "cuda" and compiles(config) else 0)
+        return WorstStep(tokens=config.budget_ceiling(), context=self.max_model_len,
+                         rows=config.max_num_seqs,
+                         attention=attention if attention in ("flash", "flex") else "torch",
+                         graph_tokens=graphs)
+
     def _allocate_kv(self) -> torch.Tensor:
         mc = self.model_config
-        layout = cache_shape(self.use_flash, mc.num_layers, self.num_blocks, self.block_size,
+        # one spare block past the pool's: CUDA graphs' padding rows write there
+        layout = cache_shape(self.use_flash, mc.num_layers, self.num_blocks + 1, self.block_size,
                              mc.num_kv_heads, mc.head_dim)
         if self.device.type == "cpu":
             return huge_pages.zeros(layout, self.dtype)
@@ -301,9 +361,18 @@ class ModelRunner:
         if not chunks:
             return ModelRunnerOutput()
         scoring = [c for c in batch.prefills if c.scored_rows]
-        logits, scored = self.forward(chunks, scoring, rows)
         sampling = [row for chunk, row in zip(chunks, rows, strict=True) if chunk.samples]
-        output = sample(logits, sampling, self.processed_logprobs)
+        host = sampling_inputs(sampling, self.model_config.vocab_size)
+        graphs = self.cuda_graphs
+        if graphs is not None and graphs.covers(chunks):  # every decode samples, in order
+            graphed, on_device = self.staging.upload((graphs.host_inputs(chunks, rows), host))
+            logits = self.model.logits(graphs.run(graphed)[:len(chunks)])
+            scored: list[torch.Tensor] = []
+        else:
+            inputs = self.prepare(chunks, rows, host)
+            logits, scored = self.forward(chunks, scoring, inputs=inputs)
+            on_device = inputs.sampling
+        output = sample(logits, sampling, self.processed_logprobs, on_device)
         self.requests.sampled(sampling, output)
         for chunk, logit_rows in zip(scoring, scored, strict=True):
             request = self.requests.held[chunk.request_id]
@@ -319,10 +388,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, chunks: list[ScheduledChunk], scoring: Sequence[ScheduledChunk] = (),
-                rows: list[RunnerRequest] | None = None
+                rows: list[RunnerRequest] | None = None, inputs: StepInputs | None = None
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Sampling logits in `chunks` order, and each `scoring` chunk's prompt-token logits."""
-        inputs = self.prepare(chunks, rows)
+        if inputs is None:
+            inputs = self.prepare(chunks, rows)
         if self.graphs is not None and self.graphs.covers(inputs.meta, len(inputs.input_ids)):
             x = self.model.embed(inputs.input_ids)
             hidden = self.graphs.run(x, self.model.rotations(inputs.positions, x.dtype),
@@ -337,7 +407,9 @@ class ModelRunner:
             scored.append(self.model.logits(hidden[first:first + chunk.scored_rows]))
         return logits, scored
 
-    def prepare(self, chunks: list[ScheduledChunk], rows: list[RunnerRequest] | None = None
-                ) -> StepInputs:
-        return prepare(chunks, self.requests.rows(chunks) if rows is None else rows,
-                       self.layout, self.paged_prefill, self.paged_decode)
+    def prepare(self, chunks: list[ScheduledChunk], rows: list[RunnerRequest] | None = None,
+                sampling: SamplingInputs | None = None) -> StepInputs:
+        """The step's inputs on the device: built on the host, sent in one upload."""
+        inputs = prepare(chunks, self.requests.rows(chunks) if rows is None else rows,
+                         self.layout, self.paged_prefill, self.paged_decode)
+        return self.staging.upload(dataclasses.replace(inputs, sampling=sampling))

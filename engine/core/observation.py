@@ -62,10 +62,11 @@ def snapshot(engine: Engine) -> Snapshot:
         kv_fragmentation=engine.blocks.fragmentation(live),
         kv_compactions_total=engine.blocks.compactions,
         kv_blocks_moved_total=engine.blocks.blocks_moved,
-        kv_block_size=engine.config.block_size,
+        kv_block_size=engine.blocks.block_size,  # flash-attn forces its own
         kv_bytes_total=float(engine.blocks.num_blocks * engine.block_bytes),
         bandwidth_bytes_per_s=reading.util_5s * engine.peaks.bandwidth,
         bandwidth_util_5s=reading.util_5s, bandwidth_source=reading.source,
+        bandwidth_note=reading.note,
         throttle_level=s.throttle_level, throttle_note=s.modes.throttle_note,
         host_contended=host.contended, host_others_cpus=host.others_cpus,
         host_steal=host.steal, host_own_cpus=host.own_cpus, host_measured=host.measured,

@@ -1,4 +1,5 @@
-"""A step's packed inputs: tokens, positions, KV slots and attention metadata of a batch."""
+"""A step's packed inputs: tokens, positions, KV slots and attention metadata of a batch,
+built on the host; the runner uploads them in one copy (engine.core.staging)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import torch
 
 from engine.batch import ScheduledChunk
 from engine.core.runner_requests import RunnerRequest
-from engine.kernels.attention import AttentionMetadata, DecodeGroup, PrefillSpan
+from engine.core.sampler import SamplingInputs
+from engine.kernels.attention import AttentionMetadata, DecodeGroup, FlexMetadata, PrefillSpan
 
 
 @dataclass(frozen=True)
@@ -19,6 +21,7 @@ class InputLayout:
     block_size: int
     window: int | None  # the sliding window, where the model has sliding layers
     use_flash: bool
+    use_flex: bool = False
 
 
 Pair = tuple[ScheduledChunk, RunnerRequest]
@@ -38,6 +41,7 @@ class StepInputs:
     meta: AttentionMetadata
     sample_rows: torch.Tensor  # row of each sampling chunk, in the order of the chunks given
     last_rows: dict[int, int]  # id(chunk) -> its last row in the packed order
+    sampling: SamplingInputs | None = None  # the step's sampling inputs, uploaded beside
 
 
 def prepare(chunks: list[ScheduledChunk], requests: list[RunnerRequest], layout: InputLayout,
@@ -60,6 +64,8 @@ def prepare(chunks: list[ScheduledChunk], requests: list[RunnerRequest], layout:
     # a decode's position and slot as plain ints, one tensor for all (not one each)
     decode_positions: list[int] = []
     decode_slots: list[int] = []
+    # flash and flex read only their own fields: no masks or gathers for them
+    spanned = not (layout.use_flash or layout.use_flex)
     for chunk, request in ordered:
         end = chunk.start + chunk.num_tokens
         token_ids.extend(request.token_ids[chunk.start:end])
@@ -75,6 +81,8 @@ def prepare(chunks: list[ScheduledChunk], requests: list[RunnerRequest], layout:
         positions.append(pos)
         slots.append(table[pos // bs] * bs + pos % bs)
         first = row - chunk.num_tokens
+        if not spanned:
+            continue
         if paged_prefill:
             # the kernel masks and windows each chunk itself: one span serves every layer
             span = PrefillSpan(first, chunk.num_tokens, None, None, block_table=table,
@@ -82,18 +90,19 @@ def prepare(chunks: list[ScheduledChunk], requests: list[RunnerRequest], layout:
             spans.append(span)
             windowed_spans.append(span)
         else:
-            spans.append(_prefill_span(layout, first, pos, table, None))
-            if window is not None and not layout.use_flash:
-                windowed_spans.append(_prefill_span(layout, first, pos, table, window))
+            spans.append(_prefill_span(layout, first, chunk.start, end, table, None))
+            if window is not None:
+                windowed_spans.append(_prefill_span(layout, first, chunk.start, end, table,
+                                                    window))
     if decodes:
         positions.append(torch.tensor(decode_positions, dtype=torch.int64))
         slots.append(torch.tensor(decode_slots, dtype=torch.int64))
     decode_start = row - len(decodes)
-    slot_mapping = torch.cat(slots).to(layout.device)
+    slot_mapping = torch.cat(slots)
     # the kernel windows each decode itself: one set of tables serves every layer
-    kernel = _decode_tables(decodes) if paged_decode else {}
+    kernel = _decode_tables(decodes) if paged_decode and spanned else {}
     windowed = None
-    if window is not None and not layout.use_flash:
+    if window is not None and spanned:
         windowed = AttentionMetadata(
             slot_mapping=slot_mapping,
             prefills=tuple(windowed_spans),
@@ -106,24 +115,26 @@ def prepare(chunks: list[ScheduledChunk], requests: list[RunnerRequest], layout:
         slot_mapping=slot_mapping,
         prefills=tuple(spans),
         decode_start=decode_start,
-        decode_groups=() if kernel else _decode_groups(layout, decodes, decode_start, None),
-        **(_flash_fields(layout, ordered) if layout.use_flash else {}),
+        decode_groups=() if kernel or not spanned else _decode_groups(layout, decodes,
+                                                                      decode_start, None),
+        **(_flash_fields(ordered) if layout.use_flash else {}),
+        flex=_flex_fields(layout, ordered) if layout.use_flex else None,
         windowed=windowed,
         **kernel,
     )
     sample_rows = [row_of[id(c)] for c in chunks if c.samples]
     return StepInputs(
-        input_ids=torch.tensor(token_ids, dtype=torch.int64, device=layout.device),
-        positions=torch.cat(positions).to(layout.device),
+        input_ids=torch.tensor(token_ids, dtype=torch.int64),
+        positions=torch.cat(positions),
         meta=meta,
-        sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=layout.device),
+        sample_rows=torch.tensor(sample_rows, dtype=torch.int64),
         last_rows=row_of,
     )
 
-def _prefill_span(layout: InputLayout, row: int, pos: torch.Tensor, table: torch.Tensor,
+def _prefill_span(layout: InputLayout, row: int, start: int, end: int, table: torch.Tensor,
                   window: int | None) -> PrefillSpan:
-    """Causal lower-right mask over a chunk's history, limited to `window` where windowed."""
-    start, end = int(pos[0]), int(pos[-1]) + 1
+    """Causal lower-right mask over positions [start, end)'s history, limited to `window`."""
+    pos = torch.arange(start, end, dtype=torch.int64)
     first = 0 if window is None else max(0, start - window + 1)
     keys = torch.arange(first, end, dtype=torch.int64)
     mask = None
@@ -131,10 +142,8 @@ def _prefill_span(layout: InputLayout, row: int, pos: torch.Tensor, table: torch
         mask = keys.unsqueeze(0) <= pos.unsqueeze(1)
         if window is not None:
             mask &= keys.unsqueeze(0) > pos.unsqueeze(1) - window
-        mask = mask.to(layout.device)
     bs = layout.block_size
-    return PrefillSpan(row, len(pos), (table[keys // bs] * bs + keys % bs).to(layout.device),
-                       mask)
+    return PrefillSpan(row, len(pos), table[keys // bs] * bs + keys % bs, mask)
 
 def _decode_groups(layout: InputLayout, decodes: list[Pair], first_row: int,
                    window: int | None) -> tuple[DecodeGroup, ...]:
@@ -174,8 +183,8 @@ def _decode_groups(layout: InputLayout, decodes: list[Pair], first_row: int,
             hidden |= positions < lengths - window
         bias = torch.zeros(len(group), width * bs, dtype=layout.dtype)
         bias.masked_fill_(hidden, float("-inf"))
-        result.append(DecodeGroup(row, len(group), tables.to(layout.device),
-                                  bias.view(1, len(group), 1, width * bs).to(layout.device)))
+        result.append(DecodeGroup(row, len(group), tables,
+                                  bias.view(1, len(group), 1, width * bs)))
         row += len(group)
     return tuple(result)
 
@@ -186,7 +195,7 @@ def _decode_tables(decodes: list[Pair]) -> dict[str, torch.Tensor]:
     lengths = torch.tensor([c.start + 1 for c, _ in decodes], dtype=torch.int64)
     return {"decode_tables": _block_tables(decodes, torch.int64), "decode_lengths": lengths}
 
-def _flash_fields(layout: InputLayout, ordered: list[Pair]) -> dict[str, object]:
+def _flash_fields(ordered: list[Pair]) -> dict[str, object]:
     q_lens = [c.num_tokens for c, _ in ordered]
     k_lens = [c.start + c.num_tokens for c, _ in ordered]
     tables = _block_tables(ordered, torch.int32)
@@ -197,9 +206,26 @@ def _flash_fields(layout: InputLayout, ordered: list[Pair]) -> dict[str, object]
     for n in k_lens:
         cumulative_k.append(cumulative_k[-1] + n)
     return {
-        "cu_seqlens_q": torch.tensor(cumulative, dtype=torch.int32, device=layout.device),
-        "cu_seqlens_k": torch.tensor(cumulative_k, dtype=torch.int32, device=layout.device),
-        "block_table": tables.to(layout.device),
+        "cu_seqlens_q": torch.tensor(cumulative, dtype=torch.int32),
+        "cu_seqlens_k": torch.tensor(cumulative_k, dtype=torch.int32),
+        "block_table": tables,
         "max_seqlen_q": max(q_lens),
         "max_seqlen_k": max(k_lens),
     }
+
+
+def _flex_fields(layout: InputLayout, ordered: list[Pair]) -> FlexMetadata:
+    """Each chunk's whole history side by side, in the packed order of its queries."""
+    bs = layout.block_size
+    slots, query_seq, query_pos, key_seq, key_pos = [], [], [], [], []
+    for seq, (chunk, request) in enumerate(ordered):
+        end = chunk.start + chunk.num_tokens
+        table = torch.tensor(request.block_table, dtype=torch.int64)
+        keys = torch.arange(end, dtype=torch.int64)
+        slots.append(table[keys // bs] * bs + keys % bs)
+        key_pos.append(keys)
+        key_seq.append(torch.full((end,), seq, dtype=torch.int64))
+        query_pos.append(keys[chunk.start:])
+        query_seq.append(torch.full((chunk.num_tokens,), seq, dtype=torch.int64))
+    return FlexMetadata(torch.cat(slots), torch.cat(query_seq), torch.cat(query_pos),
+                        torch.cat(key_seq), torch.cat(key_pos))

@@ -25,7 +25,7 @@ from engine.core.request import Request, RequestState
 from engine.errors import EngineError
 from engine.events import CalibrationProgress
 from engine.harness.served import ServedCosts
-from engine.ops.telemetry import NvmlBandwidth, TelemetryError, nvml_available
+from engine.ops.telemetry import NvmlBandwidth, TelemetryError, cuda_uuid, nvml_available
 from engine.store import (
     BudgetPoint,
     CalibrationRecord,
@@ -578,7 +578,7 @@ def timed_step(engine: Engine, batch: Batch) -> float:
 def _start_nvml(device: torch.device) -> NvmlBandwidth | None:
     if device.type != "cuda" or not nvml_available():
         return None
-    monitor = NvmlBandwidth(device_index=device.index or 0, interval_s=0.1)
+    monitor = NvmlBandwidth(uuid=cuda_uuid(str(device)), interval_s=0.1)
     try:
         monitor.start()
     except TelemetryError:

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from engine.kernels.cpu_kernels import paged_decode, paged_prefill
+
+try:  # FlexAttention: in torch itself, fused where compiled (CUDA); eager on CPU is exact
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+except ImportError:  # pragma: no cover - torch older than 2.5
+    flex_attention = create_block_mask = None
 
 try:  # optional `gpu` extra; absent on CPU machines
     from flash_attn import flash_attn_varlen_func
@@ -17,6 +24,39 @@ except ImportError:  # pragma: no cover - depends on the machine
     flash_attn_varlen_func = None
 
 FLASH_BLOCK_SIZE = 256  # flash-attn's paged KV needs blocks that are a multiple of 256
+# one prefill slice's attention scores at most (SDPA's math kernel holds them all, in fp32)
+SCORE_BYTES = 1 << 30
+SCORE_ELEMENT_BYTES = 8  # a score and its softmax, float32 each
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_MIN_CAPABILITY = (8, 0)  # Ampere
+FLASH_MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class GpuDescription:
+    """What the attention guard and the KV sizing read of a GPU (tests make one by hand)."""
+
+    name: str
+    capability: tuple[int, int]
+    total_bytes: int
+
+
+def describe_gpu(device: torch.device) -> GpuDescription:
+    props = torch.cuda.get_device_properties(device)
+    return GpuDescription(props.name, (props.major, props.minor), props.total_memory)
+
+
+def flash_refusal(gpu: GpuDescription, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why flash-attn cannot run this model here, or None where it can."""
+    if dtype not in FLASH_DTYPES:
+        return f"flash-attn takes float16 or bfloat16, not {str(dtype).removeprefix('torch.')}"
+    if gpu.capability < FLASH_MIN_CAPABILITY:
+        major, minor = gpu.capability
+        return (f"flash-attn needs compute capability 8.0 (Ampere) or newer; {gpu.name} has "
+                f"{major}.{minor}")
+    if head_dim > FLASH_MAX_HEAD_DIM:
+        return f"flash-attn takes head sizes up to {FLASH_MAX_HEAD_DIM}, not {head_dim}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -40,6 +80,36 @@ class DecodeGroup:
 
 
 @dataclass(frozen=True)
+class FlexMetadata:
+    """The step's keys gathered into one view and who may see whom, for FlexAttention.
+
+    Every chunk's history (prefills and decodes alike) lies side by side in `key_slots`; a
+    query sees the keys of its own sequence at or before its position (within the window on
+    windowed layers). One gather and one fused call a layer serve the whole step."""
+
+    key_slots: torch.Tensor  # [K] flat cache slots of every chunk's keys
+    query_seq: torch.Tensor  # [N] the sequence (chunk index) of each query row
+    query_pos: torch.Tensor  # [N]
+    key_seq: torch.Tensor  # [K]
+    key_pos: torch.Tensor  # [K]
+    # the block masks built from these on the device, by window (made once a step, not a layer)
+    masks: dict[int | None, object] = field(default_factory=dict, init=False, compare=False)
+
+    def mask_mod(self, window: int | None) -> Callable[..., torch.Tensor]:
+        query_seq, query_pos, key_seq, key_pos = (self.query_seq, self.query_pos, self.key_seq,
+                                                  self.key_pos)
+
+        def visible(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor,
+                    k: torch.Tensor) -> torch.Tensor:
+            seen = (query_seq[q] == key_seq[k]) & (key_pos[k] <= query_pos[q])
+            if window is not None:
+                seen = seen & (key_pos[k] > query_pos[q] - window)
+            return seen
+
+        return visible
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Everything attention needs for one step, built once per step (not per layer)."""
 
@@ -55,6 +125,7 @@ class AttentionMetadata:
     windowed: AttentionMetadata | None = None
     decode_tables: torch.Tensor | None = None
     decode_lengths: torch.Tensor | None = None
+    flex: FlexMetadata | None = None  # FlexAttention reads this alone
 
 
 def flash_available(device: torch.device) -> bool:
@@ -114,6 +185,8 @@ class PagedAttention:
                 window_size=(-1, -1) if self.window is None else (self.window - 1, 0),
                 softcap=self.softcap or 0.0, block_table=meta.block_table,
             )
+        if meta.flex is not None:
+            return self._flex(q, k, v, k_cache, v_cache, meta)
         if self.window is not None:
             if meta.windowed is None:
                 raise RuntimeError("a sliding-window layer needs AttentionMetadata.windowed")
@@ -141,26 +214,76 @@ class PagedAttention:
             out[rows] = self._decode(q[rows], block_k, block_v, group)
         return out
 
+    def _flex(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+              v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        flex = meta.flex
+        assert flex is not None
+        index_copy_write(k, v, k_cache, v_cache, meta.slot_mapping)
+        keys = k_cache.view(self.num_kv_heads, -1, self.head_dim).index_select(1, flex.key_slots)
+        values = v_cache.view(self.num_kv_heads, -1, self.head_dim).index_select(
+            1, flex.key_slots)
+        visible = flex.mask_mod(self.window)
+        cap = self.softcap
+        if block_masked(q.device):  # sparse blocks and, compiled, a fused kernel
+            if self.window not in flex.masks:
+                flex.masks[self.window] = create_block_mask(
+                    visible, None, None, q.shape[0], keys.shape[1], device=q.device)
+            block_mask, score_mod = flex.masks[self.window], None
+            if cap is not None:
+                def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor,
+                              qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+                    return cap * torch.tanh(score / cap)
+            run = _compiled_flex() if q.is_cuda else _eager_flex
+            out = run(q.transpose(0, 1)[None], keys[None], values[None], score_mod=score_mod,
+                      block_mask=block_mask, scale=self.scale, enable_gqa=True)
+        else:  # eager: the mask as a score_mod, no block mask to build each step
+            def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor,
+                          qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
+                if cap is not None:
+                    score = cap * torch.tanh(score / cap)
+                return torch.where(visible(b, h, qi, ki), score, float("-inf"))
+            out = _eager_flex(q.transpose(0, 1)[None], keys[None], values[None],
+                              score_mod=score_mod, scale=self.scale, enable_gqa=True)
+        return out[0].transpose(0, 1)
+
     def _prefill(self, q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
                  span: PrefillSpan) -> torch.Tensor:
         assert span.key_slots is not None
         keys = flat_k.index_select(1, span.key_slots)
         values = flat_v.index_select(1, span.key_slots)
+        width = keys.shape[1]
+        rows = max(1, SCORE_BYTES // (self.num_heads * width * SCORE_ELEMENT_BYTES))
+        if rows >= span.q_len:
+            return self._attend(q, keys, values, span.mask)
+        # a long chunk over a deep history: its query rows in slices, each row's own result
+        out = torch.empty_like(q)
+        for first in range(0, span.q_len, rows):
+            last = min(first + rows, span.q_len)
+            if span.mask is not None:
+                mask = span.mask[first:last]
+            else:  # square causal: row i sees keys 0..i
+                mask = (torch.arange(width, device=q.device)[None]
+                        <= torch.arange(first, last, device=q.device)[:, None])
+            out[first:last] = self._attend(q[first:last], keys, values, mask)
+        return out
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        """q [n, Hq, D] over keys and values [Hkv, K, D]; `mask` [n, K] (None: square causal)."""
+        n = q.shape[0]
         if self.softcap is not None:
-            mask = span.mask
             if mask is None:
-                mask = torch.ones(span.q_len, span.q_len, dtype=torch.bool,
-                                  device=q.device).tril()
+                mask = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
             bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device)
             bias.masked_fill_(~mask, float("-inf"))
-            grouped = q.transpose(0, 1).reshape(self.num_kv_heads, self.group, span.q_len,
+            grouped = q.transpose(0, 1).reshape(self.num_kv_heads, self.group, n,
                                                 self.head_dim)
             out = self._softcapped(grouped, keys[:, None], values[:, None], bias)
-            return out.reshape(self.num_heads, span.q_len, self.head_dim).transpose(0, 1)
+            return out.reshape(self.num_heads, n, self.head_dim).transpose(0, 1)
         # 4-D: SDPA's fused CPU kernel takes no 3-D inputs
         out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=span.mask,
-            is_causal=span.mask is None, scale=self.scale, enable_gqa=True,
+            q.transpose(0, 1)[None], keys[None], values[None], attn_mask=mask,
+            is_causal=mask is None, scale=self.scale, enable_gqa=True,
         )
         return out[0].transpose(0, 1)
 
@@ -186,3 +309,21 @@ class PagedAttention:
         scores = self.softcap * torch.tanh(scores / self.softcap) + bias
         weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(weights, values)
+
+
+def block_masked(device: torch.device) -> bool:
+    """Whether flex skips masked blocks (and runs compiled): on CUDA. On the CPU a block mask
+    each step costs more than it saves, and Inductor's CPU flex template fails to build with
+    dynamic shapes (torch 2.13)."""
+    return device.type == "cuda"
+
+
+def _eager_flex(*args: object, **kwargs: object) -> torch.Tensor:
+    with warnings.catch_warnings():  # eager is what CPU runs by design: no nudge to compile
+        warnings.filterwarnings("ignore", message=".*flex_attention.*")
+        return flex_attention(*args, **kwargs)
+
+
+@functools.cache
+def _compiled_flex() -> Callable[..., torch.Tensor]:
+    return torch.compile(flex_attention, dynamic=True)

@@ -15,8 +15,8 @@ from engine.kernels.attention import AttentionMetadata, PagedAttention
 from engine.kernels.cpu_kernels import Rotation
 from engine.model.config import ModelConfig
 
-# On CUDA, steps of at most this many tokens replay as CUDA graphs (Transformer.compile)
-CUDA_GRAPH_MAX_TOKENS = 64
+# Dynamo's per-function limit, shared by every model of a process: room for several models
+RECOMPILE_LIMIT = 64
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -220,9 +220,9 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # (largest token count or 0 for any, before_attention, after_attention), in order
-        self._regions: list[tuple[int, Callable[..., Any], Callable[..., Any]]] = [
-            (0, DecoderLayer.before_attention, DecoderLayer.after_attention)]
+        # the dense halves either side of attention: plain, or compiled (compile())
+        self._before: Callable[..., Any] = DecoderLayer.before_attention
+        self._after: Callable[..., Any] = DecoderLayer.after_attention
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -237,7 +237,7 @@ class Transformer(nn.Module):
 
     def decoder(self, x: torch.Tensor, rotations: list[Rotation], kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        before, after = self._dense_halves(x.shape[0])
+        before, after = self._before, self._after
         residual = None
         for index, (layer, rotation) in enumerate(zip(self.layers, rotations, strict=True)):
             q, k, v, residual = before(layer, x, residual, rotation)
@@ -246,33 +246,24 @@ class Transformer(nn.Module):
         return self.norm.add_and_norm(residual, x)[1]
 
     def compile(self) -> None:  # type: ignore[override]
-        """Each layer's dense halves through torch.compile, the token count dynamic."""
-        before = torch.compile(DecoderLayer.before_attention, dynamic=True)
-        after = torch.compile(DecoderLayer.after_attention, dynamic=True)
-        self._regions = [(0, before, after)]
-        if self.embed_tokens.weight.is_cuda:
-            graphed_before = torch.compile(DecoderLayer.before_attention, dynamic=True,
-                                           mode="reduce-overhead")
-            graphed_after = torch.compile(DecoderLayer.after_attention, dynamic=True,
-                                          mode="reduce-overhead")
-            # the next layer's replay overwrites a graph's outputs: keep copies
-            self._regions.insert(0, (
-                CUDA_GRAPH_MAX_TOKENS,
-                lambda *a: tuple(t.clone() for t in graphed_before(*a)),
-                lambda *a: tuple(t.clone() for t in graphed_after(*a))))
+        """Each layer's dense halves through torch.compile, the token count dynamic; CUDA
+        graphs hold whole decode steps (engine.core.cuda_graphs), not layers."""
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
+                                                   RECOMPILE_LIMIT)
+        self._before = torch.compile(DecoderLayer.before_attention, dynamic=True)
+        self._after = torch.compile(DecoderLayer.after_attention, dynamic=True)
 
     def warm_up(self) -> None:
-        """Compile now, not in the first request."""
+        """Compile now, not in the first request: one token, two, and any count."""
         weight = self.embed_tokens.weight
-        for n in (1, 2, CUDA_GRAPH_MAX_TOKENS + 1):
+        for n in (1, 2, 17):
             x = torch.zeros(n, self.config.hidden_size, dtype=weight.dtype, device=weight.device)
             positions = torch.zeros(n, dtype=torch.int64, device=weight.device)
-            before, after = self._dense_halves(n)
             rotations = self.rotations(positions, weight.dtype)
             residual = None
             for layer, rotation in zip(self.layers, rotations, strict=True):
-                q, _, _, residual = before(layer, x, residual, rotation)
-                x, residual = after(layer, q, residual)  # q: shaped as attention's output
+                q, _, _, residual = self._before(layer, x, residual, rotation)
+                x, residual = self._after(layer, q, residual)  # q: shaped as attention's output
 
     def rotations(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Rotation]:
         tables: dict[int, Rotation] = {}
@@ -283,12 +274,6 @@ class Transformer(nn.Module):
                 tables[id(rope)] = rope.at(positions, dtype)
             rotations.append(tables[id(rope)])
         return rotations
-
-    def _dense_halves(self, num_tokens: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
-        for limit, before, after in self._regions:
-            if limit == 0 or num_tokens <= limit:
-                return before, after
-        raise AssertionError("the last region takes any token count")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()

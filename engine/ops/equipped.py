@@ -16,7 +16,7 @@ from engine.ops.guards import Guards
 from engine.ops.host import HostSensor, QuietHost
 from engine.ops.metrics import Metrics
 from engine.ops.slow_query_watch import SlowQueryWatch
-from engine.ops.telemetry import ModelBandwidth, NvmlBandwidth, nvml_available
+from engine.ops.telemetry import ModelBandwidth, NvmlBandwidth, cuda_uuid, nvml_available
 
 if TYPE_CHECKING:
     import torch
@@ -32,14 +32,17 @@ class DefaultEquipment:
 
     def bandwidth(self, device: torch.device, peak_bytes_per_s: float,
                   clock: Clock) -> BandwidthSource:
-        """NVML's 5 s average on a GPU it can see, else the model estimate."""
+        """NVML's 5 s average on a GPU it can see (GPM's, else the estimate), else the model
+        estimate."""
         if self._bandwidth is not None:
             return self._bandwidth
+        estimate = ModelBandwidth(peak_bytes_per_s, clock=clock)
         if device.type == "cuda" and nvml_available():
-            source = NvmlBandwidth(device.index or 0, torch_device=str(device))
+            source = NvmlBandwidth(torch_device=str(device), uuid=cuda_uuid(str(device)),
+                                   estimate=estimate)
             source.start()
             return source
-        return ModelBandwidth(peak_bytes_per_s, clock=clock)
+        return estimate
 
     def guards(self, device: torch.device) -> Guards:
         return Guards(device)

@@ -1,4 +1,9 @@
-"""Memory bandwidth utilisation over a 5-second window, behind the BANDWIDTH_THROTTLE mode."""
+"""Memory bandwidth utilisation over a 5-second window, behind the BANDWIDTH_THROTTLE mode.
+
+Measured only from GPM's DRAM bandwidth utilisation (Hopper and newer); NVML's "memory
+utilization" is the share of time the memory was busy, not a share of bandwidth, and is kept
+as a figure beside it. Without GPM the share is the engine's achieved bytes over the
+profile's peak, labelled as that estimate."""
 
 from __future__ import annotations
 
@@ -78,6 +83,9 @@ class ModelBandwidth:
             return BandwidthReading(0.0, "model")
         util = moved / covered / self.peak_bytes_per_s
         return BandwidthReading(min(max(util, 0.0), MAX_UTILIZATION), "model")
+
+    def close(self) -> None:
+        """Nothing runs beside it."""
 
 
 @dataclass(frozen=True)
@@ -160,16 +168,28 @@ class DramActive:
             self._previous = None
 
 
+def cuda_uuid(device: str) -> str:
+    """NVML's name for a torch CUDA device: its UUID, which CUDA_VISIBLE_DEVICES cannot renumber
+    (the CUDA ordinal is an index into the visible devices, NVML's into all of them)."""
+    import torch
+
+    return f"GPU-{torch.cuda.get_device_properties(device).uuid}"
+
+
 class NvmlBandwidth:
-    """Samples NVML on a daemon thread and averages the memory controller's busy share."""
+    """Samples NVML on a daemon thread: GPM's DRAM bandwidth utilisation over the window is
+    the measured reading; without it, `estimate` (the engine's bytes over the peak)."""
 
     def __init__(self, device_index: int = 0, interval_s: float = 0.2, window_s: float = 5.0,
                  *, nvml: ModuleType | None = None, torch_device: str | None = None,
+                 uuid: str | None = None, estimate: ModelBandwidth | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not interval_s > 0 or not window_s > 0:
             raise TelemetryError(f"interval_s and window_s must be > 0, got {interval_s}, "
                                  f"{window_s}")
         self.device_index = device_index
+        self.uuid = uuid
+        self.estimate = estimate
         self.interval_s = interval_s
         self.window_s = window_s
         self.torch_device = torch_device
@@ -194,15 +214,23 @@ class NvmlBandwidth:
                                      "the model-estimated bandwidth") from None
         try:
             self._nvml.nvmlInit()
-            self._handle = self._nvml.nvmlDeviceGetHandleByIndex(self.device_index)
+            self._handle = self._get_handle()
             self._dram = DramActive(self._nvml, self._handle)
         except self._nvml.NVMLError as exc:
-            raise TelemetryError(f"NVML cannot read GPU {self.device_index} ({exc}); use the "
-                                 "model-estimated bandwidth on machines without NVIDIA GPUs"
-                                 ) from None
+            raise TelemetryError(f"NVML cannot read GPU {self.uuid or self.device_index} "
+                                 f"({exc}); use the model-estimated bandwidth on machines "
+                                 "without NVIDIA GPUs") from None
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="nvml-bandwidth", daemon=True)
         self._thread.start()
+
+    def _get_handle(self) -> object:
+        if self.uuid is None:
+            return self._nvml.nvmlDeviceGetHandleByIndex(self.device_index)
+        return self._nvml.nvmlDeviceGetHandleByUUID(self.uuid)
+
+    def close(self) -> None:
+        self.stop()
 
     def stop(self) -> None:
         if self._thread is None:
@@ -226,7 +254,7 @@ class NvmlBandwidth:
         nvml = self._nvml
         try:
             if self._handle is None:
-                self._handle = nvml.nvmlDeviceGetHandleByIndex(self.device_index)
+                self._handle = self._get_handle()
             rates = nvml.nvmlDeviceGetUtilizationRates(self._handle)
             memory = nvml.nvmlDeviceGetMemoryInfo(self._handle)
             mem_clock = nvml.nvmlDeviceGetClockInfo(self._handle, nvml.NVML_CLOCK_MEM)
@@ -262,12 +290,21 @@ class NvmlBandwidth:
     def reading(self) -> BandwidthReading:
         cutoff = self._clock() - self.window_s
         with self._lock:
-            recent = [s.memory_busy for s in self._samples if s.ts > cutoff]
-        return BandwidthReading(sum(recent) / len(recent) if recent else 0.0, "nvml",
-                                measured=bool(recent))
+            recent = [s for s in self._samples if s.ts > cutoff]
+        dram = [s.dram_active for s in recent if s.dram_active is not None]
+        if dram:
+            return BandwidthReading(sum(dram) / len(dram), "nvml-gpm", measured=True)
+        estimate = (self.estimate.reading() if self.estimate is not None
+                    else BandwidthReading(0.0, "model"))
+        if not recent:  # every sample failed (NotSupported, MIG, a lost GPU) or none yet
+            why = self.last_error or "no NVML sample yet"
+            return estimate._replace(note=f"bandwidth unknown: NVML {why}")
+        return estimate  # no GPM (before Hopper): the engine's bytes over the peak
 
     def record(self, bytes_moved: float, duration_s: float) -> None:
-        """NVML measures the hardware itself; the engine's estimates are not needed."""
+        """The engine's bytes feed the estimate shown where GPM cannot measure."""
+        if self.estimate is not None:
+            self.estimate.record(bytes_moved, duration_s)
 
 
 class InjectedBandwidth:
@@ -303,3 +340,6 @@ class InjectedBandwidth:
 
     def record(self, bytes_moved: float, duration_s: float) -> None:
         self.inner.record(bytes_moved, duration_s)
+
+    def close(self) -> None:
+        self.inner.close()

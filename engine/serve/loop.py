@@ -87,6 +87,7 @@ class EngineLoop:
             self._wake.notify()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.engine.close()  # its telemetry thread ends with it
 
     @property
     def paused(self) -> bool:
