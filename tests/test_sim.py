@@ -346,7 +346,7 @@ def test_against_real_runs_each_config_n_times_and_compares_with_their_median(
     assert "their steps took" in printed and "simulated at their median speeds" in printed
     assert "at the real runs' speed" in printed
     # every run says how busy the machine was meanwhile, and a busy one is called out
-    assert all(set(run["host"]) == {"others_cpus", "steal", "load_1m", "quiet"}
+    assert all(set(run["host"]) == {"others_cpus", "steal", "load_1m", "own_cpus", "quiet"}
                for run in report["runs"].values())
     report["runs"]["chunked:real2"]["host"] = {"others_cpus": 1.02, "steal": 0.031,
                                                "load_1m": 2.1, "quiet": False}
