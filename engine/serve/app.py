@@ -79,7 +79,13 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
         engine = loop.engine
         return JSONResponse({"object": "list", "data": [{
             "id": engine.config.model, "object": "model", "created": started,
-            "owned_by": "tokenflow", "max_model_len": engine.max_model_len}]})
+            "owned_by": "tokenflow", "root": engine.config.model, "parent": None,
+            "max_model_len": engine.max_model_len, "permission": [{
+                "id": f"modelperm-{engine.config.model}", "object": "model_permission",
+                "created": started, "allow_create_engine": False, "allow_sampling": True,
+                "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                "allow_fine_tuning": False, "organization": "*", "group": None,
+                "is_blocking": False}]}]})
 
     async def health(_request: Request) -> Response:
         if loop.error is not None:
@@ -138,9 +144,13 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
         generations.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "send either 'prompt' or 'messages'", param="prompt")
-        text = body.prompt if body.messages is None else render_messages(
-            template, body.messages, body.add_generation_prompt is not False)
-        tokens = generations.token_ids(text or "")
+        if body.messages is None:
+            text, special = body.prompt, body.add_special_tokens is not False
+        else:  # vLLM: a chat template writes its own special tokens
+            text = render_messages(template, body.messages, body.add_generation_prompt,
+                                   body.continue_final_message)
+            special = body.add_special_tokens is True
+        tokens = generations.token_ids(text or "", add_special_tokens=special)
         return JSONResponse({"count": len(tokens), "max_model_len": loop.engine.max_model_len,
                              "tokens": tokens, "token_strs": None})
 

@@ -32,14 +32,22 @@ NO_TEMPLATE = ("this model has no chat template (no chat_template.jinja, none in
 
 
 def render_messages(template: ChatTemplate | None, messages: Sequence[ChatMessage],
-                    add_generation_prompt: bool) -> str:
-    """The prompt text of `messages`; ApiError(400) without a template or when it refuses them."""
+                    add_generation_prompt: bool | None,
+                    continue_final_message: bool | None = None
+                    ) -> str:
+    """The prompt text of `messages`; ApiError(400) without a template or when it refuses them.
+    `add_generation_prompt` defaults to true, and to false when continuing the final message."""
     if template is None:
         raise ApiError(400, NO_TEMPLATE, param="messages")
+    if continue_final_message and add_generation_prompt:
+        raise ApiError(400, "Cannot set both `continue_final_message` and "
+                            "`add_generation_prompt` to True.", param="continue_final_message")
     plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
               **({"name": m.name} if m.name is not None else {})} for m in messages]
     try:
-        return template.render(plain, add_generation_prompt)
+        return template.render(plain, add_generation_prompt=(
+            not continue_final_message if add_generation_prompt is None
+            else add_generation_prompt), continue_final_message=continue_final_message is True)
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param="messages") from None
 
@@ -53,25 +61,27 @@ class Chat:
         g = self.generations
         body = parse_model(ChatBody, await read_json(request, g.limits))
         g.check_model(body.model)
-        prompt = g.token_ids(render_messages(self.template, body.messages,
-                                             body.add_generation_prompt is not False),
-                             param="messages")
+        text = render_messages(self.template, body.messages, body.add_generation_prompt,
+                               body.continue_final_message)
+        # the template writes the special tokens it wants, so none are added by default
+        prompt = g.token_ids(text, param="messages",
+                             add_special_tokens=body.add_special_tokens is True)
         if body.top_logprobs is not None and body.logprobs is not True:
             raise ApiError(400, "'top_logprobs' needs \"logprobs\": true", param="top_logprobs")
         max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
                       else body.max_tokens)
-        if max_tokens is None and g.defaults.max_tokens is None:
-            # vLLM: what the context leaves after the prompt
-            max_tokens = max(1, g.engine_loop.engine.max_model_len - len(prompt))
         if max_tokens == 0:
             raise ApiError(400, "'max_completion_tokens' must be at least 1",
                            param="max_completion_tokens")
-        params = g.params(body, max_tokens,
+        # vLLM: unset, generation_config.json's max_new_tokens, then what the context leaves
+        params = g.params(body, max_tokens if max_tokens is not None else g.defaults.max_tokens,
                           logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                           prompt_logprobs=body.prompt_logprobs)
         generation = Generation([prompt], params, check_n(body.n), body.stream is True,
-                                include_usage(body), continuous_usage(body))
-        reply = _ChatReply.new("chatcmpl", g, params, body.prompt_logprobs is not None)
+                                include_usage(body), continuous_usage(body),
+                                g.engine_loop.engine.max_model_len)
+        reply = _ChatReply.new("chatcmpl", g, params, body.prompt_logprobs is not None,
+                               body.skip_special_tokens is not False)
         return await g.run(request, generation, reply, tag=CHAT_TAG)
 
 

@@ -157,8 +157,6 @@ HINTS = {
        for name in ("min_tokens", "allowed_token_ids", "bad_words", "use_beam_search",
                     "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                     "structured_outputs")},
-    "add_special_tokens": "must be false or left out: tokenflow adds no special tokens to a "
-                          "prompt, so counts match what completions see",
 }
 
 
@@ -191,6 +189,10 @@ class SamplingFields(BaseModel):
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     prompt_logprobs: StrictInt | None = None
+    # the tokenizer's special tokens: added to a text prompt (default: true for completions,
+    # false for chat, whose template writes them), left out of the output text
+    add_special_tokens: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
     # vLLM extensions tokenflow does not implement, refused rather than ignored
     min_tokens: Literal[None, 0] = None
     allowed_token_ids: Unused = None
@@ -252,6 +254,7 @@ class ChatBody(SamplingFields):
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool | None = None
+    continue_final_message: StrictBool | None = None
     tools: Unused = None
     functions: Unused = None
     tool_choice: Literal[None, "none"] = None
@@ -268,7 +271,8 @@ class TokenizeBody(BaseModel):
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: StrictBool | None = None
-    add_special_tokens: Literal[None, False] = None
+    continue_final_message: StrictBool | None = None
+    add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for messages
 
 
 class DetokenizeBody(BaseModel):
