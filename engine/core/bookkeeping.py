@@ -48,6 +48,9 @@ class Bookkeeper:
     def stop_reason(self, request: Request, token: int) -> str | None:
         """Why `request` ends after emitting `token` ("stop", "length"), or None."""
         params = request.params
+        generated = len(request.output_token_ids)
+        if generated < params.min_tokens:  # vLLM: no stop of any kind before min_tokens
+            return self._length(request, generated)
         if token in params.stop_token_ids:
             return "stop"
         if not params.ignore_eos and token in self.eos_token_ids:
@@ -55,8 +58,10 @@ class Bookkeeper:
         if params.stop and request.match_stop(self.decode(request.output_token_ids)
                                               .rstrip("\ufffd")):
             return "stop"
-        generated = len(request.output_token_ids)
-        if generated >= params.max_tokens:
+        return self._length(request, generated)
+
+    def _length(self, request: Request, generated: int) -> str | None:
+        if generated >= request.params.max_tokens:
             return "length"
         if len(request.prompt_token_ids) + generated >= self.max_model_len:
             return "length"

@@ -23,6 +23,7 @@ from engine.core.block_manager import BlockManager
 from engine.core.bookkeeping import request_output
 from engine.core.equipment import Equipment, GuardDecisions, GuardInputs
 from engine.core.executor import Executor
+from engine.core.logits_processors import check_grammar
 from engine.core.model_runner import ModelRunner
 from engine.core.request import Request, RequestState
 from engine.core.scheduler import Scheduler
@@ -101,6 +102,9 @@ class Engine:
             params.check_vocab(self.model_config.vocab_size)
         except ConfigError as exc:
             raise RequestError(str(exc)) from None
+        if params.structured_output is not None and (
+                error := check_grammar(params.structured_output)):
+            raise RequestError(f"structured_output: llguidance refuses the grammar: {error}")
         token_ids = self.prompt_token_ids(prompt)
         already = self.prompt_token_ids(generated) if generated else []
         rid = request_id or uuid.uuid4().hex[:16]

@@ -31,6 +31,7 @@ from engine.core.backend_choice import (
 )
 from engine.core.kernel_swap import PACKED, PLAIN, KernelSwap
 from engine.core.kv_sizing import kv_budget, read_cuda_memory
+from engine.core.logits_processors import LogitsProcessors
 from engine.core.runner_requests import RunnerRequest, RunnerRequests
 from engine.core.sampler import sample, token_logprobs
 from engine.core.step_inputs import InputLayout, StepInputs, prepare
@@ -128,6 +129,7 @@ class ModelRunner:
                             seed=config.seed, use_flash=self.use_flash)
         self.model, self.model_config, self.tokenizer = (loaded.model, loaded.config,
                                                          loaded.tokenizer)
+        self.logits_processors = LogitsProcessors(self.tokenizer, self.model_config.vocab_size)
         self.startup_s["model_load"], mark = time.perf_counter() - mark, time.perf_counter()
         self.block_size = FLASH_BLOCK_SIZE if self.use_flash else config.block_size
         mc = self.model_config
@@ -303,7 +305,7 @@ class ModelRunner:
         scoring = [c for c in batch.prefills if c.scored_rows]
         logits, scored = self.forward(chunks, scoring, rows)
         sampling = [row for chunk, row in zip(chunks, rows, strict=True) if chunk.samples]
-        output = sample(logits, sampling, self.processed_logprobs)
+        output = sample(logits, sampling, self.processed_logprobs, self.logits_processors)
         self.requests.sampled(sampling, output)
         for chunk, logit_rows in zip(scoring, scored, strict=True):
             request = self.requests.held[chunk.request_id]

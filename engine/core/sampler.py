@@ -8,12 +8,18 @@ import torch
 
 from engine.batch import ModelRunnerOutput, TokenLogprob
 from engine.config import SamplingParams
+from engine.core.logits_processors import LogitsProcessors
 from engine.core.runner_requests import RunnerRequest
 
 
 def sample(logits: torch.Tensor, requests: Sequence[RunnerRequest],
-           processed_logprobs: bool = False) -> ModelRunnerOutput:
+           processed_logprobs: bool = False,
+           processors: LogitsProcessors | None = None) -> ModelRunnerOutput:
     """One token per row of `logits` [M, V] (fp32), row i for `requests[i]`."""
+    # --- logits processors (grammar masks, min_tokens): the final logits, before sampling ---
+    if processors is not None:
+        logits = processors.apply(logits, requests)
+    # --- end of logits processors ---
     greedy = logits.argmax(dim=-1).tolist()
     tokens: dict[str, int] = {}
     errors: dict[str, str] = {}

@@ -52,3 +52,7 @@ class HFTokenizer:
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def to_str(self) -> str:
+        """The tokenizer as tokenizer.json holds it (what grammar libraries read)."""
+        return self._tokenizer.to_str()

@@ -52,7 +52,8 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
                body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                slow_queries_reader: SlowQueriesReader | None = None, public_stats: bool = False,
                allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
-               chat_template: Path | None = None) -> Starlette:
+               chat_template: Path | None = None,
+               tool_call_parser: str | None = None) -> Starlette:
     """The starlette app; the caller owns `loop` (started before serving, stopped after)."""
     started = int(time.time())
     limits = BodyLimits(max_bytes=max_body_bytes, read_timeout_s=body_timeout_s)
@@ -61,7 +62,7 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
     model = loop.engine.config.model
     template = load_chat_template(model, chat_template,
                                   synthetic=model.startswith(SYNTHETIC_PREFIX))
-    chat = Chat(generations, template)
+    chat = Chat(generations, template, tool_call_parser)  # a parser: auto tool choice is on
 
     def require_reader(request: Request) -> None:
         if public_stats:

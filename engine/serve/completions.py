@@ -74,8 +74,13 @@ class Generation:
         if prompt_tokens >= self.max_model_len:
             raise context_length_error(self.max_model_len, prompt_tokens)
         left = self.max_model_len - prompt_tokens
-        return params if params.max_tokens <= left else dataclasses.replace(params,
-                                                                            max_tokens=left)
+        if params.max_tokens <= left:
+            return params
+        try:
+            return dataclasses.replace(params, max_tokens=left)
+        except ConfigError as exc:  # min_tokens over what the context leaves
+            raise ApiError(400, f"'{exc.field}' {exc.message} ({left}, what the context "
+                                "leaves after the prompt)", param=exc.field) from None
 
 
 def context_length_error(max_model_len: int, prompt_tokens: int) -> ApiError:

@@ -10,6 +10,7 @@ from typing import Any
 
 from engine.config import INT64_MAX, ConfigError, SamplingParams
 from engine.serve.protocol import ApiError, SamplingFields
+from engine.serve.structured import structured_grammar
 
 DEFAULT_MAX_TOKENS = 16
 # generation_config.json keys vLLM takes as request defaults, by SamplingParams field
@@ -69,7 +70,8 @@ def sampling_params(body: SamplingFields, defaults: SamplingDefaults, vocab_size
             max_tokens=INT64_MAX if max_tokens is None else max_tokens,
             seed=body.seed, stop_token_ids=tuple(body.stop_token_ids or ()),
             stop=body.stop_strings(), logit_bias=bias, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, min_tokens=body.min_tokens or 0,
+            structured_output=structured_grammar(body))
         params.check_vocab(vocab_size)
     except ConfigError as exc:
         raise ApiError(400, f"'{exc.field}' {exc.message}", param=exc.field) from None
