@@ -95,7 +95,8 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
         return JSONResponse({"status": "ok"})
 
     async def metrics(_request: Request) -> Response:
-        return PlainTextResponse(render_metrics(loop.engine, snapshot(), loop.health()),
+        return PlainTextResponse(render_metrics(loop.engine, snapshot(), loop.health(),
+                                                generations.queue_full),
                                  media_type=CONTENT_TYPE)
 
     async def stats(request: Request) -> Response:

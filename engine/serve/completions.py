@@ -167,6 +167,7 @@ class Generations:
         self.max_queue = max_queue
         self.limits = limits
         self.in_flight = 0
+        self.queue_full = 0  # requests refused with 429: vLLM's admission_rejections
         self.defaults: SamplingDefaults = load_defaults(engine_loop.engine.config.model)
 
     @property
@@ -221,6 +222,8 @@ class Generations:
             for request_id in request_ids:
                 self.engine_loop.abort(request_id)
             raise
+        for _ in generation.prompts:  # vLLM's request_params_n: one per prompt, its n choices
+            engine.metrics.observe_n(generation.n)  # type: ignore[attr-defined]
         if generation.stream:
             events = self._events(request_ids, queue, chosen, reply, reply.texts,
                                   generation)
@@ -234,6 +237,7 @@ class Generations:
             self.engine_loop.failed_while_down += 1
             raise _engine_down(self.engine_loop)
         if self.in_flight + count > self.max_queue:
+            self.queue_full += 1
             raise ApiError(429, f"the server queue is full ({self.in_flight} of "
                                 f"{self.max_queue} requests in flight, this one needs "
                                 f"{count}); retry after {RETRY_AFTER_S} s",
