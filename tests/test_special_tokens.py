@@ -227,3 +227,28 @@ def test_a_prompt_over_the_context_gets_vllms_400(llama_server: tuple[str, Path]
             assert error["param"] == "input_tokens" and error["type"] == "BadRequestError"
         models = http.get("/v1/models").json()["data"][0]
         assert models["root"] == models["id"] and models["parent"] is None
+
+
+def test_the_text_reads_as_a_continuation_of_the_prompt(llama_server: tuple[str, Path]) -> None:
+    """SentencePiece drops a text's leading space: vLLM's detokenizer, primed with the prompt,
+    keeps the space of the first generated "▁hello", and so does tokenflow."""
+    import httpx
+    import transformers
+
+    url, directory = llama_server
+    hf = transformers.AutoTokenizer.from_pretrained(directory)
+    hello = hf.convert_tokens_to_ids("▁hello")
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for stream in (False, True):
+            body = {"prompt": "the cat", "max_tokens": 2, "temperature": 0,
+                    "ignore_eos": True, "logit_bias": {str(hello): 100}, "stream": stream}
+            if stream:
+                with http.stream("POST", "/v1/completions", json=body) as response:
+                    text = "".join(json.loads(line[6:])["choices"][0]["text"]
+                                   for line in response.iter_lines()
+                                   if line.startswith("data: {"))
+            else:
+                text = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+            prompt = hf.encode("the cat")
+            assert text == hf.decode([*prompt, hello, hello])[len(hf.decode(prompt)):]
+            assert text == " hello hello"

@@ -25,6 +25,7 @@ from engine.events import (
     StepComplete,
     TokensGenerated,
 )
+from engine.model.tokenizer import continuation
 
 
 class Bookkeeper:
@@ -55,8 +56,9 @@ class Bookkeeper:
             return "stop"
         if not params.ignore_eos and token in self.eos_token_ids:
             return "stop"
-        if params.stop and request.match_stop(self.decode(request.output_token_ids)
-                                              .rstrip("\ufffd")):
+        if params.stop and request.match_stop(continuation(
+                self.decode, request.prompt_token_ids, request.output_token_ids)
+                .rstrip("\ufffd")):
             return "stop"
         return self._length(request, generated)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -56,3 +57,18 @@ class HFTokenizer:
     def to_str(self) -> str:
         """The tokenizer as tokenizer.json holds it (what grammar libraries read)."""
         return self._tokenizer.to_str()
+
+
+CONTEXT_TOKENS = 4  # enough of the prompt to settle how its continuation's first token reads
+
+
+def continuation(decode: Callable[[list[int]], str], prompt: Sequence[int],
+                 output: list[int]) -> str:
+    """The text `output` adds after `prompt`, as a detokenizer primed with the prompt reads
+    it (vLLM's is): SentencePiece tokenizers drop a text's leading space, not a continuation's."""
+    head = list(prompt[-CONTEXT_TOKENS:])
+    if not output or not head:
+        return decode(output)
+    before = decode(head)
+    whole = decode(head + output)
+    return whole[len(before):] if whole.startswith(before) else decode(output)

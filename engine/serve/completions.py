@@ -21,6 +21,7 @@ from engine.config import ConfigError, SamplingParams
 from engine.core.engine import RequestOutput
 from engine.core.request import SCORE_TAG, RequestState
 from engine.errors import RequestError
+from engine.model.tokenizer import continuation
 from engine.serve.loop import EngineLoop
 from engine.serve.protocol import (
     ApiError,
@@ -350,7 +351,7 @@ class Texts:
         if (text_end is None and tokens and tokens[-1] in self.silent_stops
                 and choice.finish_reason == "stop"):
             tokens = tokens[:-1]
-        text = self.decode(tokens).rstrip("\ufffd")
+        text = continuation(self.decode, choice.prompt, tokens).rstrip("\ufffd")
         return text if text_end is None else text[:text_end]
 
 
