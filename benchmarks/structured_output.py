@@ -122,7 +122,7 @@ def mask_cost(vocab: int, batches: list[int], steps: int, seed: int) -> list[dic
             for _ in range(steps):
                 logits = torch.randn(batch, vocab, generator=generator)
                 start = time.perf_counter()
-                masked = processors.apply(logits, requests)
+                masked, _, _ = processors.apply(logits, requests)
                 times.append(time.perf_counter() - start)
                 for row, request in enumerate(requests):
                     allowed = masked[row].isfinite()

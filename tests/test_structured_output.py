@@ -94,10 +94,31 @@ def test_a_recomputed_request_is_masked_from_where_it_was() -> None:
     params = SamplingParams(max_tokens=9, structured_output=grammar)
     prompt = [b + 3 for b in b"go"]
     before = RunnerRequest("r", [*prompt, ord("a") + 3], len(prompt), params, [])
-    masked = processors.apply(torch.zeros(1, 320), [before])
+    masked, _, refused = processors.apply(torch.zeros(1, 320), [before])
     again = RunnerRequest("r", [*prompt, ord("a") + 3], len(prompt), params, [])
-    assert torch.equal(processors.apply(torch.zeros(1, 320), [again]), masked)
+    assert torch.equal(processors.apply(torch.zeros(1, 320), [again])[0], masked)
     assert masked[0].isfinite().nonzero().flatten().tolist() == [ord("b") + 3]
+    assert refused == {}
+
+
+def test_sentencepiece_pieces_are_read_as_text(tmp_path) -> None:
+    """A tokenizer llguidance cannot read from tokenizer.json (a Metaspace decoder alone):
+    its pieces, "▁" read as a space, make the grammar's vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from engine.model.tokenizer import HFTokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁yes": 3, "▁no": 4, "▁maybe": 5, "yes": 6,
+             "▁": 7}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tokenizer.decoder = decoders.Metaspace(prepend_scheme="first")
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    processors = LogitsProcessors(HFTokenizer(tmp_path / "tokenizer.json", (2,)), 8)
+    grammar = structured_grammar(SamplingFields(guided_regex=" (yes|no)"))
+    request = RunnerRequest("r", [1], 1, SamplingParams(structured_output=grammar), [])
+    masked, _, refused = processors.apply(torch.zeros(1, 8), [request])
+    assert refused == {} and masked[0].isfinite().nonzero().flatten().tolist() == [3, 4, 7]
 
 
 def test_min_tokens_holds_back_eos_and_stop_tokens(engine: Engine) -> None:

@@ -24,11 +24,57 @@ def grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTok
     """llguidance's view of the model's tokenizer: each id's bytes, the EOS ids."""
     eos = list(tokenizer.eos_token_ids)
     if isinstance(tokenizer, HFTokenizer):
-        return llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size, eos_token=eos)
+        try:  # byte-level and byte-fallback tokenizers: llguidance reads tokenizer.json
+            return llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size,
+                                          eos_token=eos)
+        except ValueError:  # others (a Metaspace decoder alone): each piece's text
+            return llguidance.LLTokenizer(_PieceVocabulary(tokenizer, vocab_size),
+                                          n_vocab=vocab_size, eos_token=eos)
     if isinstance(tokenizer, ByteTokenizer):
         return llguidance.LLTokenizer(_ByteVocabulary(tokenizer, vocab_size),
                                       n_vocab=vocab_size, eos_token=eos)
     raise TypeError(f"no grammar vocabulary for {type(tokenizer).__name__}")
+
+
+class _PieceVocabulary:
+    """llguidance's TokenizerWrapper from a tokenizer's pieces: SentencePiece's "▁" is a space,
+    "<0xAB>" a byte; special tokens and ids past the vocabulary are special."""
+
+    def __init__(self, tokenizer: HFTokenizer, vocab_size: int) -> None:
+        self.eos_token_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else 0
+        self.bos_token_id = None
+        special = tokenizer.special_ids()
+        self.tokens = [_piece_bytes(tokenizer.piece(i)) if i not in special
+                       and tokenizer.piece(i) is not None else f"<|special_{i}|>".encode()
+                       for i in range(vocab_size)]
+        self.special_token_ids = sorted(i for i in range(vocab_size)
+                                        if i in special or tokenizer.piece(i) is None)
+        self.is_tokenizer_wrapper = True
+        self._ids = {token: i for i, token in enumerate(self.tokens)
+                     if i not in self.special_token_ids}
+        self._longest = max(map(len, self._ids), default=1)
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        """The longest pieces that spell `text`, left to right (the model's own tokenizer
+        reads a leading space as "▁▁", so llguidance is given pieces it can trust)."""
+        data = text.encode("utf-8") if isinstance(text, str) else text
+        ids, at = [], 0
+        while at < len(data):
+            for end in range(min(len(data), at + self._longest), at, -1):
+                token = self._ids.get(data[at:end])
+                if token is not None:
+                    ids.append(token)
+                    at = end
+                    break
+            else:
+                at += 1  # a byte no piece spells: the grammar cannot reach it either
+        return ids
+
+
+def _piece_bytes(piece: str) -> bytes:
+    if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+        return bytes([int(piece[3:5], 16)])
+    return piece.replace("▁", " ").encode("utf-8")
 
 
 class _ByteVocabulary:
@@ -75,10 +121,19 @@ class LogitsProcessors:
             self._vocabulary = grammar_tokenizer(self.tokenizer, self.vocab_size)
         return self._vocabulary
 
-    def apply(self, logits: torch.Tensor, requests: Sequence[RunnerRequest]) -> torch.Tensor:
-        """`logits` [M, V], row i for `requests[i]`, with disallowed tokens at -inf (in place)."""
-        constrained = [(row, r) for row, r in enumerate(requests)
-                       if r.params.structured_output is not None and not r.params.prefill_only]
+    def apply(self, logits: torch.Tensor, requests: Sequence[RunnerRequest]
+              ) -> tuple[torch.Tensor, list[RunnerRequest], dict[str, str]]:
+        """`logits` [M, V], row i for `requests[i]`, with disallowed tokens at -inf (in place),
+        and the requests; a request whose grammar fails leaves both, its error returned."""
+        refused: dict[str, str] = {}
+        constrained = []
+        for row, request in enumerate(requests):
+            if request.params.structured_output is None or request.params.prefill_only:
+                continue
+            try:
+                constrained.append((row, request, self._matcher(request)))
+            except Exception as exc:  # this request's grammar alone
+                refused[request.id] = f"structured output failed: {type(exc).__name__}: {exc}"
         if constrained:
             self._mask_grammar(logits, constrained)
         for row, request in enumerate(requests):
@@ -87,12 +142,16 @@ class LogitsProcessors:
                 stops = {*params.stop_token_ids,
                          *(() if params.ignore_eos else self.eos_token_ids)}
                 logits[row, [t for t in stops if t < logits.shape[-1]]] = float("-inf")
-        return logits
+        if not refused:
+            return logits, list(requests), refused
+        kept = [row for row, request in enumerate(requests) if request.id not in refused]
+        return logits[kept], [requests[row] for row in kept], refused
 
     def _mask_grammar(self, logits: torch.Tensor,
-                      constrained: list[tuple[int, RunnerRequest]]) -> None:
+                      constrained: list[tuple[int, RunnerRequest, llguidance.LLMatcher]]
+                      ) -> None:
         """One bitmask for every constrained row, filled in parallel, applied as one mask."""
-        matchers = [self._matcher(request) for _, request in constrained]
+        matchers = [matcher for _, _, matcher in constrained]
         vocab = logits.shape[-1]
         bitmask = torch.zeros((len(constrained), (vocab + 31) // 32), dtype=torch.int32)
         if self._executor is None:
@@ -105,7 +164,7 @@ class LogitsProcessors:
             if matcher.is_error():  # a state the grammar cannot continue: end the request
                 allowed[i] = False
                 allowed[i, list(self.eos_token_ids)] = True
-        rows = torch.tensor([row for row, _ in constrained], dtype=torch.int64)
+        rows = torch.tensor([row for row, _, _ in constrained], dtype=torch.int64)
         logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
 
     def _matcher(self, request: RunnerRequest) -> llguidance.LLMatcher:

@@ -16,13 +16,15 @@ def sample(logits: torch.Tensor, requests: Sequence[RunnerRequest],
            processed_logprobs: bool = False,
            processors: LogitsProcessors | None = None) -> ModelRunnerOutput:
     """One token per row of `logits` [M, V] (fp32), row i for `requests[i]`."""
-    # --- logits processors (grammar masks, min_tokens): the final logits, before sampling ---
+    # --- logits processors (grammar masks, min_tokens): the final logits, before sampling;
+    # a request whose processor fails is failed alone and leaves the batch ---
+    refused: dict[str, str] = {}
     if processors is not None:
-        logits = processors.apply(logits, requests)
+        logits, requests, refused = processors.apply(logits, requests)
     # --- end of logits processors ---
     greedy = logits.argmax(dim=-1).tolist()
     tokens: dict[str, int] = {}
-    errors: dict[str, str] = {}
+    errors: dict[str, str] = dict(refused)
     logprobs: dict[str, TokenLogprob] = {}
     for row, request in enumerate(requests):
         params = request.params

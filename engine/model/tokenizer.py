@@ -58,6 +58,14 @@ class HFTokenizer:
         """The tokenizer as tokenizer.json holds it (what grammar libraries read)."""
         return self._tokenizer.to_str()
 
+    def piece(self, token_id: int) -> str | None:
+        """The vocabulary's string for `token_id` (None past it)."""
+        return self._tokenizer.id_to_token(token_id)
+
+    def special_ids(self) -> set[int]:
+        return {i for i, token in self._tokenizer.get_added_tokens_decoder().items()
+                if token.special}
+
 
 CONTEXT_TOKENS = 4  # enough of the prompt to settle how its continuation's first token reads
 

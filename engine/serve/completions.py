@@ -87,8 +87,10 @@ class Generation:
 def context_length_error(max_model_len: int, prompt_tokens: int) -> ApiError:
     """vLLM's words, status, type and param: LiteLLM maps them to ContextWindowExceededError."""
     return ApiError(400, f"This model's maximum context length is {max_model_len} tokens. "
-                         f"However, your request has {prompt_tokens} input tokens. Please "
-                         "reduce the length of the input messages.",
+                         f"However, your prompt contains {prompt_tokens} input tokens, which "
+                         "exceeds this limit even without any output tokens. Please reduce the "
+                         f"length of the input prompt. (parameter=input_tokens, "
+                         f"value={prompt_tokens})",
                     kind="BadRequestError", param="input_tokens")
 
 
