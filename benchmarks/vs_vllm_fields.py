@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -27,7 +28,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from vs_vllm import KV_CACHE_GIB, VOCAB, peer_env, save_model
-from vs_vllm_serve import server
+from vs_vllm_serve import SHIM, server
 
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] "
             "{{ m['content'] }} [/INST]{% else %} {{ m['content'] }} {{ eos_token }}{% endif %}"
@@ -160,10 +161,12 @@ def checks(stop: int) -> dict[str, Check]:
         "min_tokens (EOS biased up)": usage("/v1/completions", {
             "prompt": prompt, "max_tokens": 8, "min_tokens": 5, "temperature": 0,
             "logit_bias": {"2": 100}}, "completion_tokens"),
-        "guided_choice": text("/v1/completions", {**greedy, "max_tokens": 10,
-                                                  "guided_choice": ["w3 w4", "w5"]}),
-        "guided_regex": text("/v1/completions", {**greedy, "max_tokens": 10,
-                                                 "guided_regex": "( ?w[0-9]+){2}"}),
+        "guided_choice (vLLM 0.32 no longer reads it)": text(
+            "/v1/completions", {**greedy, "max_tokens": 10, "guided_choice": ["w3 w4", "w5"]}),
+        "structured_outputs.choice": text("/v1/completions", {
+            **greedy, "max_tokens": 10, "structured_outputs": {"choice": [" w3 w4", " w5"]}}),
+        "structured_outputs.regex": text("/v1/completions", {
+            **greedy, "max_tokens": 10, "structured_outputs": {"regex": "( w[0-9]+){2}"}}),
         "response_format json_schema parses": parses("/v1/chat/completions", {
             "messages": chat, "max_tokens": 30, "temperature": 0,
             "response_format": {"type": "json_schema",
@@ -185,6 +188,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--clients-python", default=None,
+                        help="an interpreter with langchain-openai and litellm: runs "
+                             "benchmarks/_client_checks.py against both servers")
     args = parser.parse_args()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="vs_vllm_fields-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -195,9 +201,11 @@ def main() -> None:
     MODEL[0] = str(model)
     repo = Path(__file__).resolve().parents[1]
     ours = [sys.executable, "-m", "console.cli.main", "serve", "--model", str(model),
-            "--port", "8771", "--kv-cache-bytes", str(KV_CACHE_GIB << 30), "--no-db"]
+            "--port", "8771", "--kv-cache-bytes", str(KV_CACHE_GIB << 30), "--no-db",
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     peer = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
-            str(model), "--dtype", "float32", "--port", "8772"]
+            str(model), "--dtype", "float32", "--port", "8772",
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
     with server(ours, {**os.environ, "PYTHONPATH": str(repo)}, 8771,
                 work / "tokenflow.log") as ours_url, \
             server(peer, peer_env(VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB),
@@ -221,6 +229,28 @@ def main() -> None:
             table.append((name, answers["tokenflow"], answers["vllm"]))
             print(f"| {name} | {'same' if answers['tokenflow'] == answers['vllm'] else 'DIFFERENT'}"
                   f" | {answers['tokenflow']!r} | {answers['vllm']!r} |", flush=True)
+        for name, url in urls.items():  # `vllm bench serve` without --model reads root
+            done = subprocess.run(
+                [args.vllm_python, str(SHIM), "bench", "serve", "--backend", "openai",
+                 "--base-url", url, "--endpoint", "/v1/completions", "--dataset-name",
+                 "random", "--random-input-len", "16", "--random-output-len", "4",
+                 "--num-prompts", "4", "--seed", "0"], env=peer_env(VLLM_TARGET_DEVICE="cpu"),
+                capture_output=True, text=True, cwd=repo)
+            tail = [line for line in done.stdout.splitlines() if "Successful requests" in line]
+            table.append((f"vllm bench serve without --model: {name}", done.returncode, tail))
+            print(f"| vllm bench serve without --model, {name} | exit {done.returncode} | "
+                  f"{tail} | {done.stderr[-300:]!r} |", flush=True)
+        if args.clients_python:
+            answers = {name: json.loads(subprocess.run(
+                [args.clients_python, str(Path(__file__).with_name("_client_checks.py")),
+                 "--url", url, "--model", MODEL[0]], capture_output=True, text=True,
+                env=peer_env(), check=True).stdout.splitlines()[-1])
+                for name, url in urls.items()}
+            for name in answers["tokenflow"]:
+                mine, theirs = answers["tokenflow"][name], answers["vllm"][name]
+                table.append((name, mine, theirs))
+                print(f"| {name} | {'same' if mine == theirs else 'DIFFERENT'} | {mine!r} | "
+                      f"{theirs!r} |", flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps({"tokens": tokens, "fields": table}, indent=1,
                                         default=str))

@@ -169,3 +169,27 @@ def test_the_openai_client_gets_json_that_matches_its_schema(server: str) -> Non
                                   extra_body={"structured_outputs": {"regex": "a",
                                                                      "json_object": True}})
     assert refused.value.body["param"] == "structured_outputs.json_object"  # type: ignore[index]
+
+
+def test_a_grammar_the_vocabulary_cannot_follow_fails_its_request_alone(tmp_path) -> None:
+    """No token spells the forced text " w" on its own here, and llguidance gives up: that
+    request fails with llguidance's reason; the batch's other rows are sampled as ever."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from engine.core.sampler import sample
+    from engine.model.tokenizer import HFTokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"▁w{i}": i for i in range(3, 16)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tokenizer.decoder = decoders.Metaspace(prepend_scheme="first")
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    processors = LogitsProcessors(HFTokenizer(tmp_path / "tokenizer.json", (2,)), 16)
+    grammar = structured_grammar(SamplingFields(guided_regex="( w[0-9]+){2}"))
+    stuck = RunnerRequest("stuck", [1], 1, SamplingParams(structured_output=grammar), [])
+    free = RunnerRequest("free", [1], 1, SamplingParams(), [])
+    logits = torch.zeros(2, 16)
+    logits[1, 7] = 5.0
+    output = sample(logits, [stuck, free], processors=processors)
+    assert output.errors["stuck"].startswith("structured output failed: ")
+    assert output.token_ids == {"free": 7}

@@ -136,6 +136,9 @@ class LogitsProcessors:
                 refused[request.id] = f"structured output failed: {type(exc).__name__}: {exc}"
         if constrained:
             self._mask_grammar(logits, constrained)
+            for _, request, matcher in constrained:  # e.g. a forced text no token spells
+                if matcher.is_error():
+                    refused[request.id] = f"structured output failed: {matcher.get_error()}"
         for row, request in enumerate(requests):
             params = request.params
             if params.min_tokens and len(request.output_token_ids) < params.min_tokens:
@@ -160,10 +163,6 @@ class LogitsProcessors:
             [(matcher, i) for i, matcher in enumerate(matchers)], bitmask.data_ptr(),
             bitmask.shape[1] * 4, len(constrained))
         allowed = ((bitmask.unsqueeze(-1) >> BITS) & 1).flatten(1)[:, :vocab].bool()
-        for i, matcher in enumerate(matchers):
-            if matcher.is_error():  # a state the grammar cannot continue: end the request
-                allowed[i] = False
-                allowed[i, list(self.eos_token_ids)] = True
         rows = torch.tensor([row for row, _, _ in constrained], dtype=torch.int64)
         logits[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
 
