@@ -138,7 +138,8 @@ class LogitsProcessors:
             self._mask_grammar(logits, constrained)
             for _, request, matcher in constrained:  # e.g. a forced text no token spells
                 if matcher.is_error():
-                    refused[request.id] = f"structured output failed: {matcher.get_error()}"
+                    reason = (matcher.get_error().splitlines() or ["unknown"])[0]  # no dump
+                    refused[request.id] = f"structured output failed: {reason}"
         for row, request in enumerate(requests):
             params = request.params
             if params.min_tokens and len(request.output_token_ids) < params.min_tokens:
