@@ -58,6 +58,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     min_tokens: int = 0  # stop tokens, EOS and stop strings wait until this many are out
     structured_output: str | None = None  # an llguidance grammar the output must match
+    skip_special_tokens: bool = True  # the output text, stop strings matched in it included
 
     @property
     def prefill_only(self) -> bool:
@@ -154,6 +155,8 @@ class SamplingParams:
             raise ConfigError("min_tokens", "must be in [0, max_tokens]")
         if self.structured_output is not None and not isinstance(self.structured_output, str):
             raise ConfigError("structured_output", "must be an llguidance grammar (text)")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ConfigError("skip_special_tokens", "must be true or false")
         values.append(("min_tokens", min_tokens))
         return values
 

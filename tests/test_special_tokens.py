@@ -254,3 +254,20 @@ def test_the_text_reads_as_a_continuation_of_the_prompt(llama_server: tuple[str,
             prompt = hf.encode("the cat")
             assert text == hf.decode([*prompt, hello, hello])[len(hf.decode(prompt)):]
             assert text == " hello hello"
+
+
+def test_stop_strings_match_the_text_skip_special_tokens_gives(
+        llama_server: tuple[str, Path]) -> None:
+    """With skip_special_tokens false a special token's text is output text, and a stop
+    string can match it, as in vLLM."""
+    import httpx
+
+    url, _ = llama_server
+    with httpx.Client(base_url=url, timeout=60) as http:
+        body = {"prompt": "hello", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+                "logit_bias": {"1": 100}, "stop": ["<s><s>"]}
+        kept = http.post("/v1/completions", json={**body, "skip_special_tokens": False}
+                         ).json()["choices"][0]
+        skipped = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert kept["finish_reason"] == "stop" and kept["text"] == "" and kept["token_ids"] == [1, 1]
+    assert skipped["finish_reason"] == "length" and skipped["token_ids"] == [1] * 5

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 
 from engine.batch import (
@@ -36,7 +37,7 @@ class Bookkeeper:
                  finish: Callable[..., None],
                  prefill_ended: Callable[[Request, float], None], *,
                  eos_token_ids: Iterable[int], max_model_len: int,
-                 decode: Callable[[list[int]], str]) -> None:
+                 decode: Callable[..., str]) -> None:
         self.controller = controller
         self.bandwidth = bandwidth
         self.publish = publish
@@ -57,7 +58,8 @@ class Bookkeeper:
         if not params.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if params.stop and request.match_stop(continuation(
-                self.decode, request.prompt_token_ids, request.output_token_ids)
+                functools.partial(self.decode, skip_special_tokens=params.skip_special_tokens),
+                request.prompt_token_ids, request.output_token_ids)
                 .rstrip("\ufffd")):
             return "stop"
         return self._length(request, generated)

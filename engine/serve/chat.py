@@ -114,7 +114,7 @@ class Chat:
                                 include_usage(body), continuous_usage(body),
                                 g.engine_loop.engine.max_model_len)
         reply = _ChatReply.new("chatcmpl", g, params, body.prompt_logprobs is not None,
-                               body.skip_special_tokens is not False, tools=tools)
+                               tools=tools)
         return await g.run(request, generation, reply, tag=CHAT_TAG)
 
 

@@ -390,8 +390,7 @@ class Completions:
                                 include_usage(body), continuous_usage(body),
                                 g.engine_loop.engine.max_model_len)
         reply = _CompletionReply.new("cmpl", g, params, body.prompt_logprobs is not None,
-                                     body.skip_special_tokens is not False, echo=echo,
-                                     logprobs=body.logprobs is not None)
+                                     echo=echo, logprobs=body.logprobs is not None)
         return await g.run(request, generation, reply,
                            tag=SCORE_TAG if params.prefill_only else None)
 
@@ -421,9 +420,10 @@ class Reply:
 
     @classmethod
     def new(cls, prefix: str, generations: Generations, params: SamplingParams,
-            prompt_logprobs: bool, skip_special_tokens: bool, **more: Any) -> Any:
+            prompt_logprobs: bool, **more: Any) -> Any:
         tokenizer = generations.engine_loop.engine.tokenizer
-        decode = functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
+        decode = functools.partial(tokenizer.decode,
+                                   skip_special_tokens=params.skip_special_tokens)
         return cls(f"{prefix}-{uuid.uuid4().hex[:16]}", generations.served, int(time.time()),
                    decode, Texts(decode, params, tokenizer.eos_token_ids), prompt_logprobs,
                    **more)

@@ -71,6 +71,7 @@ def sampling_params(body: SamplingFields, defaults: SamplingDefaults, vocab_size
             seed=body.seed, stop_token_ids=tuple(body.stop_token_ids or ()),
             stop=body.stop_strings(), logit_bias=bias, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, min_tokens=body.min_tokens or 0,
+            skip_special_tokens=body.skip_special_tokens is not False,
             structured_output=structured_grammar(body))
         params.check_vocab(vocab_size)
     except ConfigError as exc:
