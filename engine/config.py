@@ -56,6 +56,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    min_tokens: int = 0  # stop tokens, EOS and stop strings wait until this many are out
+    structured_output: str | None = None  # an llguidance grammar the output must match
+    skip_special_tokens: bool = True  # the output text, stop strings matched in it included
 
     @property
     def prefill_only(self) -> bool:
@@ -147,6 +150,14 @@ class SamplingParams:
                 if not 0 <= count <= MAX_LOGPROBS:
                     raise ConfigError(name, f"must be in [0, {MAX_LOGPROBS}]")
             values.append((name, count))
+        min_tokens = _integer("min_tokens", self.min_tokens)
+        if not 0 <= min_tokens <= _integer("max_tokens", self.max_tokens):
+            raise ConfigError("min_tokens", "must be in [0, max_tokens]")
+        if self.structured_output is not None and not isinstance(self.structured_output, str):
+            raise ConfigError("structured_output", "must be an llguidance grammar (text)")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise ConfigError("skip_special_tokens", "must be true or false")
+        values.append(("min_tokens", min_tokens))
         return values
 
     def check_vocab(self, vocab_size: int) -> None:

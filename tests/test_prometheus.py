@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from engine.serve.prometheus import PREFIX
 from tests.postgres import free_port, skip_or_fail
 from tests.serving import killed_if_left, serve_on, stopped
 
@@ -142,7 +143,10 @@ def test_prometheus_scrapes_serve_and_every_shipped_expression_returns_data(
         metrics = httpx.get(f"{base_url}/metrics").text
         check = subprocess.run([promtool, "check", "metrics"], input=metrics, text=True,
                                capture_output=True)
-        assert check.returncode == 0, check.stdout + check.stderr
+        # vLLM's name for a histogram ends in _total: kept so its dashboards read it
+        findings = [line for line in (check.stdout + check.stderr).splitlines()
+                    if line.strip() and line.split()[0] != f"{PREFIX}iteration_tokens_total"]
+        assert check.returncode in (0, 3) and findings == [], check.stdout + check.stderr
         stopped(server)
 
 

@@ -165,7 +165,7 @@ def test_metrics_parse_with_vllm_names_and_buckets(client: httpx.Client) -> None
                  "requests_rejected", "requests_failed"):
         assert families[f"tokenflow_{name}"].type == "counter"
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
-                 "e2e_request_latency_seconds", "iteration_tokens", "budget_score"):
+                 "e2e_request_latency_seconds", "iteration_tokens_total", "budget_score"):
         assert families[f"tokenflow_{name}"].type == "histogram"
     ttft = families["tokenflow_time_to_first_token_seconds"].samples
     bounds = [float(s.labels["le"]) for s in ttft if s.name.endswith("_bucket")]

@@ -35,6 +35,7 @@ from engine.serve.auth import TOKEN_ENV, load_admin_token
 from engine.serve.connections import HEADER_TIMEOUT_S, MAX_CONNECTIONS, server_config
 from engine.serve.hosts import ANY_HOST, LOOPBACK_HOSTS
 from engine.serve.listener import listen
+from engine.serve.tools import PARSERS
 from engine.store import Database, SlowQueryRecord, list_slow_queries
 
 GRACEFUL_SHUTDOWN_S = 5
@@ -65,6 +66,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     http.add_argument("--chat-template", type=Path, metavar="FILE",
                       help="Jinja chat template for /v1/chat/completions, replacing the "
                            "model's own (chat_template.jinja or tokenizer_config.json)")
+    http.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help="let the model call tools when a chat request's tool_choice is "
+                           "auto (needs --tool-call-parser), as vLLM's flag")
+    http.add_argument("--tool-call-parser", choices=PARSERS,
+                      help="how tool calls are found in a model's text (vLLM's names): "
+                           "hermes (<tool_call> JSON blocks), llama3_json")
     http.add_argument("--allow-host", action="append", default=[], metavar="NAME",
                       help="also accept requests whose Host header is NAME (repeatable; "
                            f"always accepted: {', '.join(LOOPBACK_HOSTS)} and --host; "
@@ -107,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
     if args.otlp_listen and args.no_db:
         raise UserError("--otlp-listen keeps traced requests in the store; drop --no-db")
     otlp = otlp_token(args) if args.otlp_listen else None
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise UserError("--enable-auto-tool-choice needs --tool-call-parser "
+                        f"({' or '.join(PARSERS)})")
     if args.chat_template is not None and not args.chat_template.is_file():
         raise UserError(f"--chat-template {str(args.chat_template)!r} is not a file; pass a "
                         "Jinja template file")
@@ -135,7 +145,9 @@ def run(args: argparse.Namespace) -> int:
                          slow_queries_reader=None if database is None else _reader(database),
                          public_stats=args.public_stats,
                          allowed_hosts=[*LOOPBACK_HOSTS, args.host, *args.allow_host],
-                         chat_template=args.chat_template)
+                         chat_template=args.chat_template,
+                         tool_call_parser=(args.tool_call_parser
+                                           if args.enable_auto_tool_choice else None))
         admin = "on" if token else f"off (set {TOKEN_ENV} or --admin-token-file)"
         store = "none" if database is None else f"{database.location} as {database.server}"
         host, port = listener.getsockname()[:2]  # --port 0: the one the system chose

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable
 
 from engine.batch import (
@@ -25,6 +26,7 @@ from engine.events import (
     StepComplete,
     TokensGenerated,
 )
+from engine.model.tokenizer import continuation
 
 
 class Bookkeeper:
@@ -35,7 +37,7 @@ class Bookkeeper:
                  finish: Callable[..., None],
                  prefill_ended: Callable[[Request, float], None], *,
                  eos_token_ids: Iterable[int], max_model_len: int,
-                 decode: Callable[[list[int]], str]) -> None:
+                 decode: Callable[..., str]) -> None:
         self.controller = controller
         self.bandwidth = bandwidth
         self.publish = publish
@@ -48,15 +50,22 @@ class Bookkeeper:
     def stop_reason(self, request: Request, token: int) -> str | None:
         """Why `request` ends after emitting `token` ("stop", "length"), or None."""
         params = request.params
+        generated = len(request.output_token_ids)
+        if generated < params.min_tokens:  # vLLM: no stop of any kind before min_tokens
+            return self._length(request, generated)
         if token in params.stop_token_ids:
             return "stop"
         if not params.ignore_eos and token in self.eos_token_ids:
             return "stop"
-        if params.stop and request.match_stop(self.decode(request.output_token_ids)
-                                              .rstrip("\ufffd")):
+        if params.stop and request.match_stop(continuation(
+                functools.partial(self.decode, skip_special_tokens=params.skip_special_tokens),
+                request.prompt_token_ids, request.output_token_ids)
+                .rstrip("\ufffd")):
             return "stop"
-        generated = len(request.output_token_ids)
-        if generated >= params.max_tokens:
+        return self._length(request, generated)
+
+    def _length(self, request: Request, generated: int) -> str | None:
+        if generated >= request.params.max_tokens:
             return "length"
         if len(request.prompt_token_ids) + generated >= self.max_model_len:
             return "length"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 import uuid
@@ -107,6 +108,12 @@ class Engine:
             params.check_vocab(self.model_config.vocab_size)
         except ConfigError as exc:
             raise RequestError(str(exc)) from None
+        if params.structured_output is not None:
+            # the grammar library, imported only by an engine asked for structured output
+            from engine.core.logits_processors import check_grammar
+            if error := check_grammar(params.structured_output):
+                raise RequestError(
+                    f"structured_output: llguidance refuses the grammar: {error}")
         token_ids = self.prompt_token_ids(prompt)
         already = self.prompt_token_ids(generated) if generated else []
         rid = request_id or uuid.uuid4().hex[:16]
@@ -136,10 +143,13 @@ class Engine:
             self._out_of_band.append(request_output(request, ()))
         return rid
 
-    def prompt_token_ids(self, prompt: Sequence[int] | str) -> list[int]:
-        """Token ids of a prompt; RequestError if it is malformed (no state changes)."""
-        return intake.prompt_token_ids(prompt, self.tokenizer.encode,
-                                       self.model_config.vocab_size)
+    def prompt_token_ids(self, prompt: Sequence[int] | str, *,
+                         add_special_tokens: bool = False) -> list[int]:
+        """Token ids of a prompt; RequestError if it is malformed (no state changes). Text gets
+        the tokenizer's special tokens (its BOS) only with `add_special_tokens`."""
+        return intake.prompt_token_ids(
+            prompt, functools.partial(self.tokenizer.encode, add_special_tokens=add_special_tokens),
+            self.model_config.vocab_size)
 
     def rejection(self, prompt_tokens: int, max_tokens: int) -> intake.Rejection | None:
         """Why a request of this size can never be served, or None (no engine work done)."""

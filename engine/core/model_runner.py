@@ -33,6 +33,7 @@ from engine.core.backend_choice import (
 from engine.core.cuda_graphs import CudaGraphs, capture_sizes
 from engine.core.kernel_swap import PACKED, PLAIN, KernelSwap
 from engine.core.kv_sizing import WorstStep, kv_budget, read_cuda_memory, worst_step_scratch
+from engine.core.logits_processors import LogitsProcessors
 from engine.core.runner_requests import RunnerRequest, RunnerRequests
 from engine.core.sampler import SamplingInputs, sample, sampling_inputs, token_logprobs
 from engine.core.staging import Staging
@@ -134,6 +135,7 @@ class ModelRunner:
                             seed=config.seed, use_flash=self.use_flash)
         self.model, self.model_config, self.tokenizer = (loaded.model, loaded.config,
                                                          loaded.tokenizer)
+        self.logits_processors = LogitsProcessors(self.tokenizer, self.model_config.vocab_size)
         self.startup_s["model_load"], mark = time.perf_counter() - mark, time.perf_counter()
         self.block_size = FLASH_BLOCK_SIZE if self.use_flash else config.block_size
         if self.block_size != config.block_size:
@@ -372,7 +374,8 @@ class ModelRunner:
             inputs = self.prepare(chunks, rows, host)
             logits, scored = self.forward(chunks, scoring, inputs=inputs)
             on_device = inputs.sampling
-        output = sample(logits, sampling, self.processed_logprobs, on_device)
+        output = sample(logits, sampling, self.processed_logprobs, on_device,
+                        self.logits_processors)
         self.requests.sampled(sampling, output)
         for chunk, logit_rows in zip(scoring, scored, strict=True):
             request = self.requests.held[chunk.request_id]

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import ModelRunnerOutput, TokenLogprob
+from engine.core.logits_processors import LogitsProcessors
 from engine.core.runner_requests import RunnerRequest
 from engine.core.staging import moved
 
@@ -155,16 +156,22 @@ def _processed(scores: torch.Tensor, s: SamplingInputs) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, requests: Sequence[RunnerRequest],
            processed_logprobs: bool = False,
-           inputs: SamplingInputs | None = None) -> ModelRunnerOutput:
+           inputs: SamplingInputs | None = None,
+           processors: LogitsProcessors | None = None) -> ModelRunnerOutput:
     """One token per row of `logits` [M, V] (fp32), row i for `requests[i]`; `inputs` as
-    sampling_inputs made them (on the logits' device), else made here."""
+    sampling_inputs made them (on the logits' device), else made here; `processors` (grammar
+    masks, min_tokens) shape the final logits, and a request whose processor fails fails
+    alone."""
     if not requests:
         return ModelRunnerOutput()
     host = sampling_inputs(requests, logits.shape[-1]) if inputs is None else inputs
     s = _on(host, logits.device)
     scores = logits if s.penalties is None else _penalized(logits, s.penalties)
-    # the one place the logits become final: whatever else shapes them (logits processors)
-    # applies to `scores` here, before greedy, sampling and processed logprobs read them
+    # the one place the logits become final: the logits processors shape `scores` here,
+    # before greedy, sampling and processed logprobs read them
+    refused: dict[str, str] = {}
+    if processors is not None:
+        refused = processors.apply(scores, requests)
     tokens = scores.argmax(dim=-1)
     processed, broken = scores, torch.zeros_like(s.sampled)
     if host.samples:  # greedy steps (the default) skip the vocabulary-wide passes
@@ -185,17 +192,20 @@ def sample(logits: torch.Tensor, requests: Sequence[RunnerRequest],
         columns += [chosen[:, 0].double(), (logprobs > chosen).sum(dim=1).double() + 1,
                     top_ids.double().flatten(1), top_values.double().flatten(1)]
     read = torch.cat([c.view(len(requests), -1) for c in columns], dim=1).tolist()
-    return _output(read, requests, host)
+    return _output(read, requests, host, refused)
 
 
 def _output(read: list[list[float]], requests: Sequence[RunnerRequest],
-            inputs: SamplingInputs) -> ModelRunnerOutput:
+            inputs: SamplingInputs, refused: dict[str, str]) -> ModelRunnerOutput:
     """The step's one read back, per request: its token, error or logprobs."""
     output = ModelRunnerOutput()
     top = inputs.logprobs
     for row, (request, values) in enumerate(zip(requests, read, strict=True)):
         params = request.params
         if params.prefill_only:
+            continue
+        if request.id in refused:  # its processor failed: the token drawn is not its
+            output.errors[request.id] = refused[request.id]
             continue
         cause = inputs.errors.get(row) or ("probabilities are not finite (NaN or inf)"
                                            if values[1] else None)

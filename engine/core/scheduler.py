@@ -36,7 +36,8 @@ class Scheduler:
                  controller: BudgetController, publish: Callable[[Event], None],
                  clock: Callable[[], float], *, watch: PrefillWatch,
                  eos_token_ids: Iterable[int], max_model_len: int,
-                 decode: Callable[[list[int]], str] = lambda ids: "") -> None:
+                 decode: Callable[..., str] = lambda ids, skip_special_tokens=True: ""
+                 ) -> None:
         self.admission = Admission(config, blocks, publish, clock)
         self.modes = Modes(bandwidth, publish, clock)
         self.bandwidth = bandwidth

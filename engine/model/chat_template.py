@@ -31,13 +31,36 @@ class ChatTemplate:
     source: str
     special_tokens: dict[str, str]
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               continue_final_message: bool = False, **extra: Any) -> str:
+        """The prompt text; `continue_final_message` ends it inside the last message's text,
+        where the model goes on writing (transformers' rule: a tag marks where it ends)."""
+        if continue_final_message:
+            messages = _tagged_final(messages)
         try:
-            return _compiled(self.source).render(messages=messages,
+            text = _compiled(self.source).render(messages=messages,
                                                  add_generation_prompt=add_generation_prompt,
-                                                 **self.special_tokens)
+                                                 **self.special_tokens, **extra)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template refused the messages: {exc}") from None
+        if not continue_final_message:
+            return text
+        at = text.rfind(CONTINUE_TAG.strip())
+        if at < 0:
+            raise ChatTemplateError("continue_final_message is set but the chat template drops "
+                                    "the final message's text; leave continue_final_message out")
+        # a template that trims the message's trailing space trimmed the tag's too
+        return text[:at] if text[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG else text[:at].rstrip()
+
+
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _tagged_final(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if not messages or not isinstance(messages[-1].get("content"), str):
+        raise ChatTemplateError("continue_final_message needs a final message with text to "
+                                "continue")
+    return [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + CONTINUE_TAG}]
 
 
 def load_chat_template(model: str, override: Path | None = None,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -9,11 +10,14 @@ from tokenizers import Tokenizer as HFTokenizerImpl
 
 
 class Tokenizer(Protocol):
+    """`add_special_tokens` applies the tokenizer's own rules (a BOS where its post-processor
+    adds one); `skip_special_tokens` leaves special tokens' text out, as transformers does."""
+
     eos_token_ids: tuple[int, ...]
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]: ...
 
-    def decode(self, token_ids: list[int]) -> str: ...
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class ByteTokenizer:
@@ -27,10 +31,12 @@ class ByteTokenizer:
             raise ValueError("a byte tokenizer needs a vocabulary of at least 259")
         self.eos_token_ids = (self.EOS,)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        # it has no post-processor: no special token is ever added, as vLLM has none to add
         return [b + self.OFFSET for b in text.encode("utf-8")]
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        # PAD, BOS and EOS have no text, skipped or not
         data = bytes(t - self.OFFSET for t in token_ids if self.OFFSET <= t < 256 + self.OFFSET)
         return data.decode("utf-8", errors="replace")
 
@@ -40,8 +46,37 @@ class HFTokenizer:
         self._tokenizer = HFTokenizerImpl.from_file(str(path))
         self.eos_token_ids = eos_token_ids
 
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        # tokenizer.json's post-processor decides, as transformers 5 does when the file exists
+        # (it then drops tokenizer_config.json's add_bos_token / add_eos_token)
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=True)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def to_str(self) -> str:
+        """The tokenizer as tokenizer.json holds it (what grammar libraries read)."""
+        return self._tokenizer.to_str()
+
+    def piece(self, token_id: int) -> str | None:
+        """The vocabulary's string for `token_id` (None past it)."""
+        return self._tokenizer.id_to_token(token_id)
+
+    def special_ids(self) -> set[int]:
+        return {i for i, token in self._tokenizer.get_added_tokens_decoder().items()
+                if token.special}
+
+
+CONTEXT_TOKENS = 4  # enough of the prompt to settle how its continuation's first token reads
+
+
+def continuation(decode: Callable[[list[int]], str], prompt: Sequence[int],
+                 output: list[int]) -> str:
+    """The text `output` adds after `prompt`, as a detokenizer primed with the prompt reads
+    it (vLLM's is): SentencePiece tokenizers drop a text's leading space, not a continuation's."""
+    head = list(prompt[-CONTEXT_TOKENS:])
+    if not output or not head:
+        return decode(output)
+    before = decode(head)
+    whole = decode(head + output)
+    return whole[len(before):] if whole.startswith(before) else decode(output)

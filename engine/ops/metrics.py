@@ -34,6 +34,8 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 REQUEST_TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(7) for m in (1, 2, 5))[:-2]
+N_BUCKETS = (1, 2, 5, 10, 20)
+PREEMPTION_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
 FINISHED_REASONS = {"stop": "stop", "length": "length", "aborted": "abort"}
 BUDGET_SCORE_BUCKETS = (0.25, 0.5, 0.75, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 
@@ -108,8 +110,23 @@ class RequestStats:
     decode: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     inference: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
     tpot: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
+    # what was asked: max_tokens per request, n per HTTP prompt (told by the server)
+    params_max_tokens: Histogram = field(default_factory=lambda: Histogram(REQUEST_TOKEN_BUCKETS))
+    params_n: Histogram = field(default_factory=lambda: Histogram(N_BUCKETS))
+    preemptions: Histogram = field(default_factory=lambda: Histogram(PREEMPTION_BUCKETS))
+    prefill_computed: Histogram = field(
+        default_factory=lambda: Histogram(REQUEST_TOKEN_BUCKETS))
+    prompt_computed_total: int = 0  # prompt tokens of finished requests, by source
+    prompt_cached_total: int = 0
 
-    def on_finished(self, event: Finished) -> None:
+    def on_finished(self, event: Finished, preempted: int, cached: int) -> None:
+        """`preempted`: times the request was preempted; `cached`: its prompt tokens found in
+        the prefix cache at its first admission."""
+        self.preemptions.observe(preempted)
+        computed = max(0, event.prompt_tokens - cached)
+        self.prefill_computed.observe(computed)
+        self.prompt_computed_total += computed
+        self.prompt_cached_total += event.prompt_tokens - computed
         reason = FINISHED_REASONS.get(event.reason, event.reason)
         self.success[reason] = self.success.get(reason, 0) + 1
         self.prompt_tokens.observe(event.prompt_tokens)
@@ -156,6 +173,8 @@ class Metrics:
         self._last_token_ts: dict[str, float] = {}
         # live requests whose prompt is counted: a restart re-adds them, the same requests
         self._prompt_counted: set[str] = set()
+        self._preempted: dict[str, int] = {}  # live requests' preemptions so far
+        self._cached: dict[str, int] = {}  # live requests' prefix-cache hit at first admission
 
     def subscribe_to(self, bus: EventBus) -> None:
         """Hear `bus`'s events; kinds no handler takes are never delivered."""
@@ -204,14 +223,19 @@ class Metrics:
             if event.request_id not in self._prompt_counted:
                 self._prompt_counted.add(event.request_id)
                 self.prompt_tokens_total += len(event.prompt_token_ids)
+                max_tokens = event.sampling.get("max_tokens")
+                if isinstance(max_tokens, int):
+                    self.requests.params_max_tokens.observe(max_tokens)
 
     def _on_preempted(self, event: Preempted) -> None:
         with self._lock:
             self.preemptions_total += 1
+            self._preempted[event.request_id] = self._preempted.get(event.request_id, 0) + 1
 
     def _on_finished(self, event: Finished) -> None:
         with self._lock:
-            self.requests.on_finished(event)
+            self.requests.on_finished(event, self._preempted.pop(event.request_id, 0),
+                                      self._cached.pop(event.request_id, 0))
             self._last_token_ts.pop(event.request_id, None)
             self._prompt_counted.discard(event.request_id)
             self.requests_finished_total += 1
@@ -229,13 +253,13 @@ class Metrics:
 
     def _on_rejected(self, event: Rejected) -> None:
         with self._lock:
-            self._prompt_counted.discard(event.request_id)
+            self._forget(event.request_id)
             self.requests_rejected_total += 1
 
     def _on_failed(self, event: Failed) -> None:
         with self._lock:
             self._last_token_ts.pop(event.request_id, None)
-            self._prompt_counted.discard(event.request_id)
+            self._forget(event.request_id)
             self.requests_failed_total += 1
 
     def _on_slow_query(self, event: SlowQuery) -> None:
@@ -246,8 +270,19 @@ class Metrics:
         with self._lock:
             self.prefix_cache_queries_total += event.queried_tokens
             self.prefix_cache_hits_total += event.cached_tokens
+            self._cached.setdefault(event.request_id, event.cached_tokens)
             self.recent_queried.add(event.ts, event.queried_tokens)
             self.recent_cached.add(event.ts, event.cached_tokens)
+
+    def observe_n(self, n: int) -> None:
+        """One prompt of an HTTP request asked for `n` choices (each is its own request)."""
+        with self._lock:
+            self.requests.params_n.observe(n)
+
+    def _forget(self, request_id: str) -> None:
+        self._prompt_counted.discard(request_id)
+        self._preempted.pop(request_id, None)
+        self._cached.pop(request_id, None)
 
     def rates(self, now: float) -> tuple[float, float]:
         """(tokens/s, output tokens/s) over RATE_WINDOW_S, or since its first step if later."""

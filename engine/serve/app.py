@@ -52,7 +52,8 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
                body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                slow_queries_reader: SlowQueriesReader | None = None, public_stats: bool = False,
                allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
-               chat_template: Path | None = None) -> Starlette:
+               chat_template: Path | None = None,
+               tool_call_parser: str | None = None) -> Starlette:
     """The starlette app; the caller owns `loop` (started before serving, stopped after)."""
     started = int(time.time())
     limits = BodyLimits(max_bytes=max_body_bytes, read_timeout_s=body_timeout_s)
@@ -61,7 +62,7 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
     model = loop.engine.config.model
     template = load_chat_template(model, chat_template,
                                   synthetic=model.startswith(SYNTHETIC_PREFIX))
-    chat = Chat(generations, template)
+    chat = Chat(generations, template, tool_call_parser)  # a parser: auto tool choice is on
 
     def require_reader(request: Request) -> None:
         if public_stats:
@@ -79,7 +80,13 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
         engine = loop.engine
         return JSONResponse({"object": "list", "data": [{
             "id": engine.config.model, "object": "model", "created": started,
-            "owned_by": "tokenflow", "max_model_len": engine.max_model_len}]})
+            "owned_by": "tokenflow", "root": engine.config.model, "parent": None,
+            "max_model_len": engine.max_model_len, "permission": [{
+                "id": f"modelperm-{engine.config.model}", "object": "model_permission",
+                "created": started, "allow_create_engine": False, "allow_sampling": True,
+                "allow_logprobs": True, "allow_search_indices": False, "allow_view": True,
+                "allow_fine_tuning": False, "organization": "*", "group": None,
+                "is_blocking": False}]}]})
 
     async def health(_request: Request) -> Response:
         if loop.error is not None:
@@ -91,7 +98,8 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
         return JSONResponse({"status": "ok"})
 
     async def metrics(_request: Request) -> Response:
-        return PlainTextResponse(render_metrics(loop.engine, snapshot(), loop.health()),
+        return PlainTextResponse(render_metrics(loop.engine, snapshot(), loop.health(),
+                                                generations.queue_full),
                                  media_type=CONTENT_TYPE)
 
     async def stats(request: Request) -> Response:
@@ -141,9 +149,13 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
         generations.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise ApiError(400, "send either 'prompt' or 'messages'", param="prompt")
-        text = body.prompt if body.messages is None else render_messages(
-            template, body.messages, body.add_generation_prompt is not False)
-        tokens = generations.token_ids(text or "")
+        if body.messages is None:
+            text, special = body.prompt, body.add_special_tokens is not False
+        else:  # vLLM: a chat template writes its own special tokens
+            text = render_messages(template, body.messages, body.add_generation_prompt,
+                                   body.continue_final_message)
+            special = body.add_special_tokens is True
+        tokens = generations.token_ids(text or "", add_special_tokens=special)
         return JSONResponse({"count": len(tokens), "max_model_len": loop.engine.max_model_len,
                              "tokens": tokens, "token_strs": None})
 

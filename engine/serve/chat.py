@@ -1,7 +1,8 @@
-"""POST /v1/chat/completions, OpenAI-compatible as vLLM is; tools and functions are refused."""
+"""POST /v1/chat/completions, OpenAI-compatible as vLLM is, tool calls included."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ from engine.serve.completions import (
     prompt_logprobs,
 )
 from engine.serve.protocol import ApiError, ChatBody, ChatMessage, parse_model, read_json
+from engine.serve.tools import ToolCall, ToolUse, template_tools, tool_use
 
 NO_TEMPLATE = ("this model has no chat template (no chat_template.jinja, none in "
                "tokenizer_config.json): start the server with --chat-template FILE, or use "
@@ -32,51 +34,94 @@ NO_TEMPLATE = ("this model has no chat template (no chat_template.jinja, none in
 
 
 def render_messages(template: ChatTemplate | None, messages: Sequence[ChatMessage],
-                    add_generation_prompt: bool) -> str:
-    """The prompt text of `messages`; ApiError(400) without a template or when it refuses them."""
+                    add_generation_prompt: bool | None,
+                    continue_final_message: bool | None = None,
+                    tools: list[dict[str, Any]] | None = None) -> str:
+    """The prompt text of `messages`; ApiError(400) without a template or when it refuses them.
+    `add_generation_prompt` defaults to true, and to false when continuing the final message."""
     if template is None:
         raise ApiError(400, NO_TEMPLATE, param="messages")
-    plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
-              **({"name": m.name} if m.name is not None else {})} for m in messages]
+    if continue_final_message and add_generation_prompt:
+        raise ApiError(400, "Cannot set both `continue_final_message` and "
+                            "`add_generation_prompt` to True.", param="continue_final_message")
     try:
-        return template.render(plain, add_generation_prompt)
+        return template.render([_plain(m) for m in messages], add_generation_prompt=(
+            not continue_final_message if add_generation_prompt is None
+            else add_generation_prompt), continue_final_message=continue_final_message is True,
+            **({"tools": tools} if tools else {}))
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param="messages") from None
 
 
+def _plain(message: ChatMessage) -> dict[str, Any]:
+    """A message as templates read it; a call's arguments as an object, as vLLM passes them."""
+    plain: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
+                             "content": message.text()}
+    if message.name is not None:
+        plain["name"] = message.name
+    if message.tool_call_id is not None:
+        plain["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        plain["tool_calls"] = [{"id": call.id, "type": "function", "function": {
+            "name": call.function.name, "arguments": _object(call.function.arguments)}}
+            for call in message.tool_calls]
+    return plain
+
+
+def _object(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
 class Chat:
-    def __init__(self, generations: Generations, template: ChatTemplate | None) -> None:
+    def __init__(self, generations: Generations, template: ChatTemplate | None,
+                 tool_call_parser: str | None = None) -> None:
         self.generations = generations
         self.template = template
+        self.tool_call_parser = tool_call_parser
 
     async def handle(self, request: Request) -> Response:
         g = self.generations
         body = parse_model(ChatBody, await read_json(request, g.limits))
         g.check_model(body.model)
-        prompt = g.token_ids(render_messages(self.template, body.messages,
-                                             body.add_generation_prompt is not False),
-                             param="messages")
+        tools = tool_use(body, self.tool_call_parser)
+        if tools is not None and (schema := tools.schema()) is not None:
+            if body.guided_json is not None:
+                raise ApiError(400, "'guided_json' cannot be combined with a required or "
+                                    "named tool_choice, which constrains the output itself",
+                               param="guided_json")
+            body = body.model_copy(update={"guided_json": schema})  # vLLM forces it so
+        text = render_messages(self.template, body.messages, body.add_generation_prompt,
+                               body.continue_final_message,
+                               template_tools(body.tools) if body.tools else None)
+        # the template writes the special tokens it wants, so none are added by default
+        prompt = g.token_ids(text, param="messages",
+                             add_special_tokens=body.add_special_tokens is True)
         if body.top_logprobs is not None and body.logprobs is not True:
             raise ApiError(400, "'top_logprobs' needs \"logprobs\": true", param="top_logprobs")
         max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
                       else body.max_tokens)
-        if max_tokens is None and g.defaults.max_tokens is None:
-            # vLLM: what the context leaves after the prompt
-            max_tokens = max(1, g.engine_loop.engine.max_model_len - len(prompt))
         if max_tokens == 0:
             raise ApiError(400, "'max_completion_tokens' must be at least 1",
                            param="max_completion_tokens")
-        params = g.params(body, max_tokens,
+        # vLLM: unset, generation_config.json's max_new_tokens, then what the context leaves
+        params = g.params(body, max_tokens if max_tokens is not None else g.defaults.max_tokens,
                           logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                           prompt_logprobs=body.prompt_logprobs)
         generation = Generation([prompt], params, check_n(body.n), body.stream is True,
-                                include_usage(body), continuous_usage(body))
-        reply = _ChatReply.new("chatcmpl", g, params, body.prompt_logprobs is not None)
+                                include_usage(body), continuous_usage(body),
+                                g.engine_loop.engine.max_model_len)
+        reply = _ChatReply.new("chatcmpl", g, params, body.prompt_logprobs is not None,
+                               tools=tools)
         return await g.run(request, generation, reply, tag=CHAT_TAG)
 
 
 @dataclass(frozen=True)
 class _ChatReply(Reply):
+    tools: ToolUse | None = None
+
     def _body(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices}
@@ -85,19 +130,50 @@ class _ChatReply(Reply):
               logprobs: Sequence[TokenLogprob], first: bool) -> dict[str, Any]:
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {
             "content": text}
+        finish_reason = FINISH_REASONS.get(choice.finish_reason or "")
+        if self._calls_tools:  # the calls are known once the answer is whole: sent at its end
+            delta.pop("content")
+            if choice.output is not None and choice.output.finished:
+                content, calls, finish_reason = self._answer(choice)
+                delta["content"] = content
+                delta["tool_calls"] = [call.as_json(i) for i, call in enumerate(calls)]
         return self._body("chat.completion.chunk", [{
             "index": choice.index, "delta": delta,
             "logprobs": None if choice.logprobs is None else self._logprobs(logprobs),
-            "finish_reason": FINISH_REASONS.get(choice.finish_reason or "")}])
+            "finish_reason": finish_reason}])
+
+    @property
+    def _calls_tools(self) -> bool:
+        return self.tools is not None and self.tools.choice != "none"
+
+    def _answer(self, choice: Choice) -> tuple[str | None, tuple[ToolCall, ...], str | None]:
+        """The choice's content, tool calls and finish reason (vLLM's "tool_calls" when an
+        auto or required choice called tools)."""
+        text = self.texts.final(choice)
+        finish_reason = FINISH_REASONS.get(choice.finish_reason or "")
+        if self.tools is None:
+            return text, (), finish_reason
+        try:
+            parsed = self.tools.parse(text)
+        except (ValueError, KeyError, TypeError):  # cut short (max_tokens): the text as it is
+            return text, (), finish_reason
+        if not parsed.calls:
+            return parsed.content, (), finish_reason
+        if self.tools.forced:  # vLLM: content "", and finish_reason tool_calls if required
+            return "", parsed.calls, ("tool_calls" if self.tools.choice == "required"
+                                      and finish_reason == "stop" else finish_reason)
+        return parsed.content, parsed.calls, "tool_calls"
 
     def final(self, choices: list[Choice], usage: dict[str, int]) -> dict[str, Any]:
-        rendered = [{
-            "index": c.index,
-            "message": {"role": "assistant", "content": self.texts.final(c),
-                        "tool_calls": []},
-            "logprobs": None if c.logprobs is None else self._logprobs(c.logprobs),
-            "finish_reason": FINISH_REASONS.get(c.finish_reason or "")}
-            for c in choices]
+        rendered = []
+        for c in choices:
+            content, calls, finish_reason = self._answer(c)
+            rendered.append({
+                "index": c.index,
+                "message": {"role": "assistant", "content": content,
+                            "tool_calls": [call.as_json() for call in calls]},
+                "logprobs": None if c.logprobs is None else self._logprobs(c.logprobs),
+                "finish_reason": finish_reason})
         body = {**self._body("chat.completion", rendered), "usage": usage}
         if self.prompt_logprobs:  # one prompt for every choice: vLLM puts it at the top
             body["prompt_logprobs"] = prompt_logprobs(choices[0], self.decode)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import time
 import uuid
@@ -20,6 +21,7 @@ from engine.config import ConfigError, SamplingParams
 from engine.core.engine import RequestOutput
 from engine.core.request import SCORE_TAG, RequestState
 from engine.errors import RequestError
+from engine.model.tokenizer import continuation
 from engine.serve.loop import EngineLoop
 from engine.serve.protocol import (
     ApiError,
@@ -29,7 +31,12 @@ from engine.serve.protocol import (
     parse_model,
     read_json,
 )
-from engine.serve.sampling import SamplingDefaults, load_defaults, sampling_params
+from engine.serve.sampling import (
+    DEFAULT_MAX_TOKENS,
+    SamplingDefaults,
+    load_defaults,
+    sampling_params,
+)
 
 RETRY_AFTER_S = 1
 ERROR_CHECK_S = 1.0
@@ -47,10 +54,12 @@ class Generation:
     n: int
     stream: bool
     include_usage: bool
-    continuous_usage: bool = False
+    continuous_usage: bool
+    max_model_len: int
 
     def choices(self) -> list[tuple[list[int], SamplingParams]]:
-        """(prompt, params) per choice, choice i from prompt i // n; ApiError(400): bad seed."""
+        """(prompt, params) per choice, choice i from prompt i // n; ApiError(400): a bad seed
+        or a prompt that fills the context. max_tokens is cut to what the context leaves."""
         seed = self.params.seed
         try:
             per_choice = [self.params if seed is None or j == 0
@@ -58,7 +67,31 @@ class Generation:
                           for j in range(self.n)]
         except ConfigError as exc:
             raise ApiError(400, f"'seed' + n - 1 {exc.message}", param="seed") from None
-        return [(prompt, params) for prompt in self.prompts for params in per_choice]
+        return [(prompt, self._fitted(params, len(prompt)))
+                for prompt in self.prompts for params in per_choice]
+
+    def _fitted(self, params: SamplingParams, prompt_tokens: int) -> SamplingParams:
+        """vLLM's get_max_tokens: the prompt must leave room, and max_tokens takes what is left."""
+        if prompt_tokens >= self.max_model_len:
+            raise context_length_error(self.max_model_len, prompt_tokens)
+        left = self.max_model_len - prompt_tokens
+        if params.max_tokens <= left:
+            return params
+        try:
+            return dataclasses.replace(params, max_tokens=left)
+        except ConfigError as exc:  # min_tokens over what the context leaves
+            raise ApiError(400, f"'{exc.field}' {exc.message} ({left}, what the context "
+                                "leaves after the prompt)", param=exc.field) from None
+
+
+def context_length_error(max_model_len: int, prompt_tokens: int) -> ApiError:
+    """vLLM's words, status, type and param: LiteLLM maps them to ContextWindowExceededError."""
+    return ApiError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                         f"However, your prompt contains {prompt_tokens} input tokens, which "
+                         "exceeds this limit even without any output tokens. Please reduce the "
+                         f"length of the input prompt. (parameter=input_tokens, "
+                         f"value={prompt_tokens})",
+                    kind="BadRequestError", param="input_tokens")
 
 
 @dataclass
@@ -137,6 +170,7 @@ class Generations:
         self.max_queue = max_queue
         self.limits = limits
         self.in_flight = 0
+        self.queue_full = 0  # requests refused with 429: vLLM's admission_rejections
         self.defaults: SamplingDefaults = load_defaults(engine_loop.engine.config.model)
 
     @property
@@ -148,9 +182,11 @@ class Generations:
             raise ApiError(404, f"model {model!r} is not served here; use {self.served!r}",
                            kind="not_found_error", param="model")
 
-    def token_ids(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+    def token_ids(self, prompt: str | list[int], param: str = "prompt",
+                  add_special_tokens: bool = False) -> list[int]:
         try:
-            return self.engine_loop.engine.prompt_token_ids(prompt)
+            return self.engine_loop.engine.prompt_token_ids(
+                prompt, add_special_tokens=add_special_tokens)
         except RequestError as exc:
             raise ApiError(400, str(exc), param=param) from None
 
@@ -189,6 +225,8 @@ class Generations:
             for request_id in request_ids:
                 self.engine_loop.abort(request_id)
             raise
+        for _ in generation.prompts:  # vLLM's request_params_n: one per prompt, its n choices
+            engine.metrics.observe_n(generation.n)  # type: ignore[attr-defined]
         if generation.stream:
             events = self._events(request_ids, queue, chosen, reply, reply.texts,
                                   generation)
@@ -202,6 +240,7 @@ class Generations:
             self.engine_loop.failed_while_down += 1
             raise _engine_down(self.engine_loop)
         if self.in_flight + count > self.max_queue:
+            self.queue_full += 1
             raise ApiError(429, f"the server queue is full ({self.in_flight} of "
                                 f"{self.max_queue} requests in flight, this one needs "
                                 f"{count}); retry after {RETRY_AFTER_S} s",
@@ -287,13 +326,18 @@ class Generations:
 
 
 class Texts:
-    """A choice's text so far, less incomplete UTF-8 characters and possible stop strings."""
+    """A choice's text so far, less incomplete UTF-8 characters and possible stop strings.
+    The token that stopped a choice (a stop token id, or EOS) has no text, as in vLLM, unless
+    `include_stop_str_in_output`; its id stays in the token ids."""
 
-    def __init__(self, decode: Callable[[list[int]], str], params: SamplingParams) -> None:
+    def __init__(self, decode: Callable[[list[int]], str], params: SamplingParams,
+                 eos_token_ids: Sequence[int] = ()) -> None:
         self.decode = decode
         stops = params.stop
         self.holdback = (max(map(len, stops)) - 1
                          if stops and not params.include_stop_str_in_output else 0)
+        self.silent_stops = frozenset(() if params.include_stop_str_in_output else (
+            *params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)))
 
     def visible(self, choice: Choice) -> str:
         text = self.final(choice)
@@ -304,8 +348,12 @@ class Texts:
         return text
 
     def final(self, choice: Choice) -> str:
-        text = self.decode(choice.token_ids).rstrip("\ufffd")
+        tokens = choice.token_ids
         text_end = None if choice.output is None else choice.output.text_end
+        if (text_end is None and tokens and tokens[-1] in self.silent_stops
+                and choice.finish_reason == "stop"):
+            tokens = tokens[:-1]
+        text = continuation(self.decode, choice.prompt, tokens).rstrip("\ufffd")
         return text if text_end is None else text[:text_end]
 
 
@@ -330,12 +378,17 @@ class Completions:
         if body.max_tokens == 0 and not echo:
             raise ApiError(400, "'max_tokens' 0 generates nothing: add \"echo\": true to score "
                                 "the prompt, or ask for at least 1 token", param="max_tokens")
-        params = g.params(body, body.max_tokens, logprobs=body.logprobs,
+        # vLLM's CompletionRequest defaults max_tokens to 16, so generation_config.json's
+        # max_new_tokens never applies here
+        params = g.params(body, DEFAULT_MAX_TOKENS if body.max_tokens is None
+                          else body.max_tokens, logprobs=body.logprobs,
                           prompt_logprobs=(body.prompt_logprobs if body.prompt_logprobs
                                            is not None else body.logprobs if echo else None))
-        prompts = [g.token_ids(p) for p in body.prompts()]
+        prompts = [g.token_ids(p, add_special_tokens=body.add_special_tokens is not False)
+                   for p in body.prompts()]
         generation = Generation(prompts, params, check_n(body.n), body.stream is True,
-                                include_usage(body), continuous_usage(body))
+                                include_usage(body), continuous_usage(body),
+                                g.engine_loop.engine.max_model_len)
         reply = _CompletionReply.new("cmpl", g, params, body.prompt_logprobs is not None,
                                      echo=echo, logprobs=body.logprobs is not None)
         return await g.run(request, generation, reply,
@@ -368,9 +421,12 @@ class Reply:
     @classmethod
     def new(cls, prefix: str, generations: Generations, params: SamplingParams,
             prompt_logprobs: bool, **more: Any) -> Any:
-        decode = generations.engine_loop.engine.tokenizer.decode
+        tokenizer = generations.engine_loop.engine.tokenizer
+        decode = functools.partial(tokenizer.decode,
+                                   skip_special_tokens=params.skip_special_tokens)
         return cls(f"{prefix}-{uuid.uuid4().hex[:16]}", generations.served, int(time.time()),
-                   decode, Texts(decode, params), prompt_logprobs, **more)
+                   decode, Texts(decode, params, tokenizer.eos_token_ids), prompt_logprobs,
+                   **more)
 
 
 @dataclass(frozen=True)

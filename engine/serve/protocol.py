@@ -146,19 +146,14 @@ HINTS = {
                "not implemented; use n to get several",
     "suffix": f"{UNSUPPORTED}: insertion needs a fill-in-the-middle model",
     "stop": "must be a string or a list of strings",
-    "tools": f"{UNSUPPORTED}: tool calls are out of scope for tokenflow serve",
-    "functions": f"{UNSUPPORTED}: tool calls are out of scope for tokenflow serve",
-    "tool_choice": "must be 'none' or left out: tool calls are out of scope",
-    "function_call": "must be 'none' or left out: tool calls are out of scope",
-    "response_format": "must be {\"type\": \"text\"} or left out: structured output is not "
-                       "supported by tokenflow",
+    "functions": f"{UNSUPPORTED}: it is OpenAI's older form; send 'tools'",
+    "tool_choice": "must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                   "\"function\": {\"name\": ...}}",
+    "function_call": "must be 'none' or left out: send 'tools' and 'tool_choice'",
+    "parallel_tool_calls": "must be true or left out: the model may make several calls",
     "logprobs": "must be an integer from 0 (completions) or true/false (chat)",
     **{name: f"{UNSUPPORTED} (a vLLM extension tokenflow does not implement)"
-       for name in ("min_tokens", "allowed_token_ids", "bad_words", "use_beam_search",
-                    "guided_json", "guided_regex", "guided_choice", "guided_grammar",
-                    "structured_outputs")},
-    "add_special_tokens": "must be false or left out: tokenflow adds no special tokens to a "
-                          "prompt, so counts match what completions see",
+       for name in ("allowed_token_ids", "bad_words", "use_beam_search")},
 }
 
 
@@ -166,6 +161,33 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
     include_usage: StrictBool | None = None
     continuous_usage_stats: StrictBool | None = None
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True, populate_by_name=True)
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: one constraint, and how JSON may be laid out."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    json_: StrictStr | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+    disable_any_whitespace: StrictBool | None = None
+    disable_fallback: StrictBool | None = None  # one backend here: nothing to fall back from
 
 
 class SamplingFields(BaseModel):
@@ -191,16 +213,22 @@ class SamplingFields(BaseModel):
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     prompt_logprobs: StrictInt | None = None
+    # the tokenizer's special tokens: added to a text prompt (default: true for completions,
+    # false for chat, whose template writes them), left out of the output text
+    add_special_tokens: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    min_tokens: StrictInt | None = None
+    # structured output (engine.serve.structured): one of these at a time
+    response_format: ResponseFormat | None = None
+    guided_json: StrictStr | dict[str, Any] | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    structured_outputs: StructuredOutputs | None = None
     # vLLM extensions tokenflow does not implement, refused rather than ignored
-    min_tokens: Literal[None, 0] = None
     allowed_token_ids: Unused = None
     bad_words: Unused = None
     use_beam_search: Literal[None, False] = None
-    guided_json: Unused = None
-    guided_regex: Unused = None
-    guided_choice: Unused = None
-    guided_grammar: Unused = None
-    structured_outputs: Literal[None] = None
 
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -227,11 +255,28 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+class FunctionCallIn(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    name: StrictStr
+    arguments: StrictStr
+
+
+class ToolCallIn(BaseModel):
+    """A call an assistant message in the history made."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
-    role: Literal["system", "user", "assistant", "developer"]
+    role: Literal["system", "user", "assistant", "developer", "tool"]
     content: StrictStr | list[TextPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: StrictStr | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -239,9 +284,29 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    type: Literal["text"]
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatBody(SamplingFields):
@@ -252,11 +317,12 @@ class ChatBody(SamplingFields):
     logprobs: StrictBool | None = None
     top_logprobs: StrictInt | None = None
     add_generation_prompt: StrictBool | None = None
-    tools: Unused = None
+    continue_final_message: StrictBool | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: Literal[None, True] = None
     functions: Unused = None
-    tool_choice: Literal[None, "none"] = None
     function_call: Literal[None, "none"] = None
-    response_format: TextFormat | None = None
     echo: Literal[None, False] = None
 
 
@@ -268,7 +334,8 @@ class TokenizeBody(BaseModel):
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: StrictBool | None = None
-    add_special_tokens: Literal[None, False] = None
+    continue_final_message: StrictBool | None = None
+    add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for messages
 
 
 class DetokenizeBody(BaseModel):

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.config import ConfigError, SamplingParams
+from engine.config import INT64_MAX, ConfigError, SamplingParams
 from engine.serve.protocol import ApiError, SamplingFields
+from engine.serve.structured import structured_grammar
 
 DEFAULT_MAX_TOKENS = 16
 # generation_config.json keys vLLM takes as request defaults, by SamplingParams field
@@ -52,7 +53,8 @@ def load_defaults(model: str) -> SamplingDefaults:
 def sampling_params(body: SamplingFields, defaults: SamplingDefaults, vocab_size: int, *,
                     max_tokens: int | None, logprobs: int | None = None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
-    """SamplingParams of one choice of `body`; ApiError(400) names the offending field."""
+    """SamplingParams of one choice of `body`; ApiError(400) names the offending field.
+    `max_tokens` is the endpoint's resolved value (its own default applied), None for all."""
     given = {name: value for name in ("temperature", "top_p", "top_k", "min_p",
                                       "repetition_penalty", "presence_penalty",
                                       "frequency_penalty", "ignore_eos",
@@ -64,11 +66,13 @@ def sampling_params(body: SamplingFields, defaults: SamplingDefaults, vocab_size
         bias = tuple((_token_id(key), value) for key, value in (body.logit_bias or {}).items())
         params = SamplingParams(
             **{**base, **given},
-            max_tokens=max_tokens if max_tokens is not None else (
-                defaults.max_tokens or DEFAULT_MAX_TOKENS),
+            # unset: all the context leaves (Generation cuts it to that, per prompt)
+            max_tokens=INT64_MAX if max_tokens is None else max_tokens,
             seed=body.seed, stop_token_ids=tuple(body.stop_token_ids or ()),
             stop=body.stop_strings(), logit_bias=bias, logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs)
+            prompt_logprobs=prompt_logprobs, min_tokens=body.min_tokens or 0,
+            skip_special_tokens=body.skip_special_tokens is not False,
+            structured_output=structured_grammar(body))
         params.check_vocab(vocab_size)
     except ConfigError as exc:
         raise ApiError(400, f"'{exc.field}' {exc.message}", param=exc.field) from None

@@ -1,0 +1,170 @@
+"""Tool calls as vLLM makes them: tools and tool messages through the model's template,
+`required` and named choices forced through the grammar (so they always parse), and the
+hermes and llama3_json parsers for `auto`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.serve.tools import PARSE
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "the weather in a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"],
+        "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "integer", "minimum": -12, "maximum": 14}}, "required": ["zone"],
+        "additionalProperties": False}}}
+# Hermes 2 Pro's way of showing tools and tool results, shortened
+HERMES_TEMPLATE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m.get('tool_calls') %}{% for c in m['tool_calls'] %}<tool_call>\n"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}"
+    "\n</tool_call>{% endfor %}{% elif m['role'] == 'tool' %}<tool_response>\n"
+    "{{ m['content'] }}\n</tool_response>{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+HISTORY = [
+    {"role": "user", "content": "weather in Oslo?"},
+    {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "-3"},
+]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from engine import Engine, EngineConfig
+    from engine.serve.app import create_app
+    from engine.serve.loop import EngineLoop
+    from engine.serve.thread import ServerThread
+
+    template = tmp_path_factory.mktemp("tools") / "hermes.jinja"
+    template.write_text(HERMES_TEMPLATE)
+    loop = EngineLoop(Engine(EngineConfig(model="synthetic:tiny", device="cpu",
+                                          dtype="float32"))).start()
+    try:
+        with ServerThread(create_app(loop, admin_token=None, chat_template=template,
+                                     tool_call_parser="hermes")) as running:
+            yield running.url
+    finally:
+        loop.stop()
+
+
+def test_tools_and_tool_messages_render_as_transformers_renders_them(tmp_path: Path) -> None:
+    import transformers
+    from tokenizers import Tokenizer, models
+
+    from engine.model.chat_template import load_chat_template
+    from engine.serve.chat import render_messages
+    from engine.serve.protocol import ChatBody
+    from engine.serve.tools import template_tools
+
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")),
+        chat_template=HERMES_TEMPLATE).save_pretrained(tmp_path)
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    history = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(
+        c["function"]["arguments"])}} for c in m["tool_calls"]]} if "tool_calls" in m else m
+        for m in HISTORY]  # templates read the arguments as an object, as vLLM passes them
+    theirs = hf.apply_chat_template(history, tools=[WEATHER, TIME], tokenize=False,
+                                    add_generation_prompt=True)
+    body = ChatBody.model_validate({"messages": HISTORY, "tools": [WEATHER, TIME]})
+    ours = render_messages(load_chat_template(str(tmp_path)), body.messages, True, None,
+                           template_tools(body.tools or []))
+    assert ours == theirs
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_required_and_named_choices_always_parse(server: str, stream: bool) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    for seed in range(4):
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            asked = dict(model="synthetic:tiny", messages=HISTORY[:1], tools=[WEATHER, TIME],
+                         tool_choice=choice, temperature=1.0, seed=seed, max_tokens=400)
+            if stream:
+                calls: dict[int, dict[str, str]] = {}
+                finish = None
+                for chunk in client.chat.completions.create(**asked, stream=True):
+                    delta = chunk.choices[0].delta
+                    for call in delta.tool_calls or ():
+                        calls[call.index] = {"name": call.function.name,
+                                             "arguments": call.function.arguments}
+                    finish = chunk.choices[0].finish_reason or finish
+                found = list(calls.values())
+            else:
+                reply = client.chat.completions.create(**asked).choices[0]
+                finish = reply.finish_reason
+                found = [{"name": c.function.name, "arguments": c.function.arguments}
+                         for c in reply.message.tool_calls or ()]
+            assert found, (choice, seed)
+            for call in found:
+                arguments = json.loads(call["arguments"])
+                if call["name"] == "get_weather":
+                    assert set(arguments) == {"city", "unit"} and arguments["unit"] in "cf"
+                else:
+                    assert call["name"] == "get_time" and -12 <= arguments["zone"] <= 14
+            assert finish == ("tool_calls" if choice == "required" else "stop")
+            if choice != "required":
+                assert [c["name"] for c in found] == ["get_weather"]
+
+
+def test_none_answers_in_text_and_auto_needs_a_parser(server: str) -> None:
+    import httpx
+
+    from engine import Engine, EngineConfig
+    from engine.serve.app import create_app
+    from engine.serve.loop import EngineLoop
+    from engine.serve.thread import ServerThread
+
+    with httpx.Client(base_url=server, timeout=60) as http:
+        none = http.post("/v1/chat/completions", json={
+            "messages": HISTORY, "tools": [WEATHER], "tool_choice": "none", "max_tokens": 3,
+            "temperature": 0}).json()["choices"][0]
+        assert none["message"]["tool_calls"] == [] and isinstance(
+            none["message"]["content"], str)
+        unknown = http.post("/v1/chat/completions", json={
+            "messages": HISTORY, "tools": [WEATHER],
+            "tool_choice": {"type": "function", "function": {"name": "nope"}}})
+        assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "tool_choice"
+    loop = EngineLoop(Engine(EngineConfig(model="synthetic:tiny", device="cpu",
+                                          dtype="float32"))).start()
+    try:
+        with ServerThread(create_app(loop, admin_token=None)) as plain, \
+                httpx.Client(base_url=plain.url, timeout=60) as http:
+            auto = http.post("/v1/chat/completions", json={"messages": HISTORY[:1],
+                                                           "tools": [WEATHER]})
+            assert auto.status_code == 400
+            assert auto.json()["error"]["message"] == (
+                '"auto" tool choice requires --enable-auto-tool-choice and '
+                "--tool-call-parser to be set")
+    finally:
+        loop.stop()
+
+
+def test_the_parsers_find_the_calls_vllms_find() -> None:
+    hermes = PARSE["hermes"]('Let me look.<tool_call>\n{"name": "get_weather", "arguments": '
+                             '{"city": "Oslo", "unit": "c"}}\n</tool_call><tool_call>'
+                             '{"name": "get_time", "arguments": {"zone": 1}}</tool_call>')
+    assert hermes.content == "Let me look."
+    assert [(c.name, json.loads(c.arguments)) for c in hermes.calls] == [
+        ("get_weather", {"city": "Oslo", "unit": "c"}), ("get_time", {"zone": 1})]
+    assert PARSE["hermes"]("no calls here").calls == ()
+    assert PARSE["hermes"]("<tool_call>{broken").content == "<tool_call>{broken"
+    llama = PARSE["llama3_json"]('<|python_tag|>{"name": "get_time", "parameters": {"zone": 2}}; '
+                                 '{"name": "get_weather", "parameters": {"city": "Rome", '
+                                 '"unit": "f"}}')
+    assert llama.content is None
+    assert [(c.name, json.loads(c.arguments)) for c in llama.calls] == [
+        ("get_time", {"zone": 2}), ("get_weather", {"city": "Rome", "unit": "f"})]
+    assert PARSE["llama3_json"]("It is sunny.").calls == ()
