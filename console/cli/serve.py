@@ -28,6 +28,7 @@ from console.errors import UserError
 from engine.serve.app import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
+    DEFAULT_SHARE,
     SlowQueriesReader,
     create_app,
 )
@@ -42,7 +43,9 @@ GRACEFUL_SHUTDOWN_S = 5
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="HTTP API (OpenAI-compatible completions)",
-                                   description=__doc__.splitlines()[0])
+                                   description=__doc__.splitlines()[0],
+                                   epilog="Each request's share, refused with a 400 naming "
+                                          f"the limit before any work: {DEFAULT_SHARE.describe()}")
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1",
                       help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server)")

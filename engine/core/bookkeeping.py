@@ -15,6 +15,7 @@ from engine.batch import (
 from engine.budget.controller import BudgetController
 from engine.core.equipment import BandwidthSource
 from engine.core.request import ChunkTiming, Request, RequestState
+from engine.core.stops import StopScanner
 from engine.events import (
     CacheEvict,
     ChunkComplete,
@@ -52,9 +53,14 @@ class Bookkeeper:
             return "stop"
         if not params.ignore_eos and token in self.eos_token_ids:
             return "stop"
-        if params.stop and request.match_stop(self.decode(request.output_token_ids)
-                                              .rstrip("\ufffd")):
-            return "stop"
+        if params.stop:
+            if request.stop_scanner is None:
+                request.stop_scanner = StopScanner(params.stop,
+                                                   params.include_stop_str_in_output,
+                                                   self.decode)
+            request.text_end = request.stop_scanner.feed(request.output_token_ids)
+            if request.text_end is not None:
+                return "stop"
         generated = len(request.output_token_ids)
         if generated >= params.max_tokens:
             return "length"

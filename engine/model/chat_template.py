@@ -31,13 +31,19 @@ class ChatTemplate:
     source: str
     special_tokens: dict[str, str]
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+               extra: dict[str, Any] | None = None) -> str:
+        """The prompt text; `extra` variables (a request's) override the special tokens."""
+        variables = {**self.special_tokens, **(extra or {}), "messages": messages,
+                     "add_generation_prompt": add_generation_prompt}
         try:
-            return _compiled(self.source).render(messages=messages,
-                                                 add_generation_prompt=add_generation_prompt,
-                                                 **self.special_tokens)
+            return _compiled(self.source).render(**variables)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template refused the messages: {exc}") from None
+        except Exception as exc:
+            # index) is the template's fault, answered as such, never a server error
+            raise ChatTemplateError(f"the chat template failed on these messages: "
+                                    f"{type(exc).__name__}: {exc}") from None
 
 
 def load_chat_template(model: str, override: Path | None = None,

@@ -37,6 +37,7 @@ from engine.serve.protocol import (
     parse_model,
     read_json,
 )
+from engine.serve.shares import RequestShare
 from engine.snapshot import Snapshot
 from engine.store import SlowQueryRecord
 
@@ -45,6 +46,7 @@ DEFAULT_MAX_QUEUE = 256
 DEFAULT_MAX_BODY_BYTES = BodyLimits.max_bytes
 DEFAULT_BODY_TIMEOUT_S = BodyLimits.read_timeout_s
 MAX_SLOW_QUERIES = 5000
+DEFAULT_SHARE = RequestShare()
 
 
 def create_app(loop: EngineLoop, *, admin_token: str | None,
@@ -52,11 +54,12 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
                body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
                slow_queries_reader: SlowQueriesReader | None = None, public_stats: bool = False,
                allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
-               chat_template: Path | None = None) -> Starlette:
+               chat_template: Path | None = None,
+               share: RequestShare = DEFAULT_SHARE) -> Starlette:
     """The starlette app; the caller owns `loop` (started before serving, stopped after)."""
     started = int(time.time())
     limits = BodyLimits(max_bytes=max_body_bytes, read_timeout_s=body_timeout_s)
-    generations = Generations(loop, max_queue=max_queue, limits=limits)
+    generations = Generations(loop, max_queue=max_queue, limits=limits, share=share)
     completions = Completions(generations)
     model = loop.engine.config.model
     template = load_chat_template(model, chat_template,

@@ -19,7 +19,6 @@ from engine.serve.completions import (
     Generation,
     Generations,
     Reply,
-    check_n,
     continuous_usage,
     include_usage,
     prompt_logprobs,
@@ -32,16 +31,27 @@ NO_TEMPLATE = ("this model has no chat template (no chat_template.jinja, none in
 
 
 def render_messages(template: ChatTemplate | None, messages: Sequence[ChatMessage],
-                    add_generation_prompt: bool) -> str:
-    """The prompt text of `messages`; ApiError(400) without a template or when it refuses them."""
+                    add_generation_prompt: bool, extra: dict[str, Any] | None = None) -> str:
+    """The prompt text of `messages`, `extra` the template's other variables (vLLM's
+    chat_template_kwargs and documents); ApiError(400) without a template or when it fails."""
     if template is None:
         raise ApiError(400, NO_TEMPLATE, param="messages")
     plain = [{"role": "system" if m.role == "developer" else m.role, "content": m.text(),
               **({"name": m.name} if m.name is not None else {})} for m in messages]
     try:
-        return template.render(plain, add_generation_prompt)
+        return template.render(plain, add_generation_prompt, extra or {})
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param="messages") from None
+
+
+def template_variables(body: ChatBody) -> dict[str, Any]:
+    """vLLM's chat_template_kwargs, over `documents`; they may not replace the messages."""
+    kwargs = body.chat_template_kwargs or {}
+    if "messages" in kwargs:
+        raise ApiError(400, "'chat_template_kwargs' must not set 'messages'; send them as "
+                            "'messages'", param="chat_template_kwargs")
+    documents = {} if body.documents is None else {"documents": body.documents}
+    return {**documents, **kwargs}
 
 
 class Chat:
@@ -53,9 +63,13 @@ class Chat:
         g = self.generations
         body = parse_model(ChatBody, await read_json(request, g.limits))
         g.check_model(body.model)
+        priority = g.check_fields(body, 1)
+        extra = template_variables(body)
+        add_generation_prompt = extra.pop("add_generation_prompt",
+                                          body.add_generation_prompt is not False)
         prompt = g.token_ids(render_messages(self.template, body.messages,
-                                             body.add_generation_prompt is not False),
-                             param="messages")
+                                             add_generation_prompt is not False, extra),
+                             "messages", body.truncate_prompt_tokens)
         if body.top_logprobs is not None and body.logprobs is not True:
             raise ApiError(400, "'top_logprobs' needs \"logprobs\": true", param="top_logprobs")
         max_tokens = (body.max_completion_tokens if body.max_completion_tokens is not None
@@ -69,9 +83,9 @@ class Chat:
         params = g.params(body, max_tokens,
                           logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                           prompt_logprobs=body.prompt_logprobs)
-        generation = Generation([prompt], params, check_n(body.n), body.stream is True,
-                                include_usage(body), continuous_usage(body))
-        reply = _ChatReply.new("chatcmpl", g, params, body.prompt_logprobs is not None)
+        generation = Generation([prompt], params, body.n or 1, body.stream is True,
+                                include_usage(body), continuous_usage(body), priority)
+        reply = _ChatReply.new("chatcmpl", g, params, body)
         return await g.run(request, generation, reply, tag=CHAT_TAG)
 
 
@@ -100,7 +114,7 @@ class _ChatReply(Reply):
             for c in choices]
         body = {**self._body("chat.completion", rendered), "usage": usage}
         if self.prompt_logprobs:  # one prompt for every choice: vLLM puts it at the top
-            body["prompt_logprobs"] = prompt_logprobs(choices[0], self.decode)
+            body["prompt_logprobs"] = prompt_logprobs(choices[0], self.token_text)
         return body
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
@@ -108,7 +122,7 @@ class _ChatReply(Reply):
 
     def _logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
         def item(token: int, value: float) -> dict[str, Any]:
-            text = self.decode([token])
+            text = self.token_text(token)
             return {"token": text, "logprob": max(value, MIN_LOGPROB),
                     "bytes": list(text.encode("utf-8"))}
         return {"content": [{**item(e.token, e.logprob),

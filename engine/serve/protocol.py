@@ -157,6 +157,11 @@ HINTS = {
        for name in ("min_tokens", "allowed_token_ids", "bad_words", "use_beam_search",
                     "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                     "structured_outputs")},
+    "length_penalty": "must be 1 or left out: it weighs beam search's candidates, and "
+                      "tokenflow has no beam search (vLLM ignores it without one)",
+    "chat_template": "is refused: a template sent with a request is not trusted (vLLM refuses "
+                     "it too unless started with --trust-request-chat-template); start the "
+                     "server with --chat-template FILE",
     "add_special_tokens": "must be false or left out: tokenflow adds no special tokens to a "
                           "prompt, so counts match what completions see",
 }
@@ -191,7 +196,11 @@ class SamplingFields(BaseModel):
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
     prompt_logprobs: StrictInt | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+    priority: StrictInt | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
     # vLLM extensions tokenflow does not implement, refused rather than ignored
+    length_penalty: Literal[None, 1] | Annotated[StrictFloat, Field(ge=1.0, le=1.0)] = None
     min_tokens: Literal[None, 0] = None
     allowed_token_ids: Unused = None
     bad_words: Unused = None
@@ -258,6 +267,9 @@ class ChatBody(SamplingFields):
     function_call: Literal[None, "none"] = None
     response_format: TextFormat | None = None
     echo: Literal[None, False] = None
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
+    documents: list[dict[StrictStr, StrictStr]] | None = None
+    chat_template: Literal[None] = None
 
 
 class TokenizeBody(BaseModel):
