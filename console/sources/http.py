@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from console.sources.base import TRACED_DRIFT_WHY, Capabilities, Capability, SourceError
-from console.sources.checked import checked_snapshot
+from console.sources.checked import checked_slow_query, checked_snapshot
 from console.sources.remote import Remote, RemoteBacked, bearer, error_message
 from engine.config import ConfigError
 from engine.serve.auth import TOKEN_ENV
@@ -78,11 +78,16 @@ class HttpSource(RemoteBacked):
     def slow_queries(self, limit: int = 500) -> list[SlowQueryRecord]:
         limit = max(1, min(limit, MAX_SLOW_QUERIES))
         response = self._call("GET", "/v1/slow_queries", params={"limit": limit})
+        where = f"{self.remote.url}/v1/slow_queries"
         try:
-            return [SlowQueryRecord(**record) for record in response.json()["data"]]
+            records = response.json()["data"]
         except (ValueError, RecursionError, TypeError, KeyError) as exc:  # not our shape
-            raise SourceError(f"{self.remote.url}/v1/slow_queries answered what the console "
-                              f"cannot read ({type(exc).__name__})") from None
+            raise SourceError(f"{where} answered what the console cannot read "
+                              f"({type(exc).__name__})") from None
+        if not isinstance(records, list):
+            raise SourceError(f"{where} answered what the console cannot read (data is not "
+                              "a list)")
+        return [checked_slow_query(record, where) for record in records]
 
     def slow_query(self, query_id: int) -> SlowQueryRecord:
         for record in self.slow_queries(MAX_SLOW_QUERIES):
