@@ -153,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
                          slow_queries_reader=None if database is None else _reader(database),
                          public_stats=args.public_stats,
                          allowed_hosts=[*LOOPBACK_HOSTS, args.host, *args.allow_host],
-                         chat_template=args.chat_template)
+                         chat_template=args.chat_template,
+                         store_health=None if session.writer is None else session.writer.health)
         admin = "on" if token else f"off (set {TOKEN_ENV} or --admin-token-file)"
         store = "none" if database is None else f"{database.location} as {database.server}"
         host, port = listener.getsockname()[:2]  # --port 0: the one the system chose

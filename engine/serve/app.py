@@ -40,8 +40,10 @@ from engine.serve.protocol import (
 from engine.serve.shares import RequestShare
 from engine.snapshot import Snapshot
 from engine.store import SlowQueryRecord
+from engine.store.writer import WriterHealth
 
 SlowQueriesReader = Callable[[int], list[SlowQueryRecord]]
+StoreHealth = Callable[[], WriterHealth]
 DEFAULT_MAX_QUEUE = 256
 DEFAULT_MAX_BODY_BYTES = BodyLimits.max_bytes
 DEFAULT_BODY_TIMEOUT_S = BodyLimits.read_timeout_s
@@ -55,7 +57,8 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
                slow_queries_reader: SlowQueriesReader | None = None, public_stats: bool = False,
                allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
                chat_template: Path | None = None,
-               share: RequestShare = DEFAULT_SHARE) -> Starlette:
+               share: RequestShare = DEFAULT_SHARE,
+               store_health: StoreHealth | None = None) -> Starlette:
     """The starlette app; the caller owns `loop` (started before serving, stopped after)."""
     started = int(time.time())
     limits = BodyLimits(max_bytes=max_body_bytes, read_timeout_s=body_timeout_s)
@@ -88,7 +91,17 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
         if loop.error is not None:
             return JSONResponse({"status": "error", "error": str(loop.error) or repr(loop.error),
                                  "restarts": loop.health().restarts}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        if store_health is None:
+            return JSONResponse({"status": "ok"})
+        store = store_health()  # unreachable: still serving, from memory, and said here
+        return JSONResponse({"status": "ok" if store.state == "ok" else "degraded",
+                             "store": store.to_dict()})
+
+    def stats_body() -> dict[str, Any]:
+        body = snapshot().to_dict()
+        if store_health is not None:
+            body["store"] = store_health().to_dict()
+        return body
 
     async def metrics(_request: Request) -> Response:
         return PlainTextResponse(render_metrics(loop.engine, snapshot(), loop.health()),
@@ -96,7 +109,7 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
 
     async def stats(request: Request) -> Response:
         require_reader(request)
-        return json_response(snapshot().to_dict())
+        return json_response(stats_body())
 
     async def get_config(request: Request) -> Response:
         require_admin(request, admin_token)

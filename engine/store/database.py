@@ -17,7 +17,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import URL, Engine, create_engine, event, make_url
+from sqlalchemy import URL, Connection, Engine, create_engine, event, make_url
 from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
@@ -146,6 +146,13 @@ class Database:
         except OSError as exc:
             raise StoreError(f"cannot create the lock file beside {path}: "
                              f"{exc.strerror}; {_write_fix(path)}") from exc
+
+    def check_writer(self, connection: Connection) -> None:
+        """In a write transaction: raise ServerNameLost if another process took this server's
+        name (PostgreSQL); take it back first if it is free (a restart ended our session)."""
+        lock = self._writer_lock
+        if isinstance(lock, ServerLock) and not lock.check(connection):
+            lock.check(connection)  # taken back: the check now sees our new session's lock
 
     def close(self) -> None:
         if self._writer_lock is not None:
