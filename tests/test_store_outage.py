@@ -99,7 +99,7 @@ def test_an_outage_past_its_bound_stops_the_writer_and_says_why(
         database.close()
 
 
-def test_a_writer_whose_lock_was_taken_over_stops_and_the_new_holder_closes_only_the_open(
+def test_a_writer_whose_lock_session_ended_stops_and_a_new_holder_closes_only_the_open(
         postgres: Cluster) -> None:
     url = postgres.create_database()
     first = open_database(url, server="box")
@@ -124,7 +124,7 @@ def test_a_writer_whose_lock_was_taken_over_stops_and_the_new_holder_closes_only
             eventually(gone, "the lock session's end")
         assert abort_orphans(second) == ("open",)  # the name was free: the second took it
         deliver(bus, writer, finished("open"))  # the first's next batch finds it taken
-        assert writer.failure is not None and "taken over" in str(writer.failure)
+        assert writer.failure is not None and "was lost" in str(writer.failure)
         assert not writer.served(timeout=0)
         assert journal_row(second, "answered").state == "FINISHED"
         assert journal_row(second, "answered").finish_reason == "length"

@@ -4,7 +4,10 @@ in every write batch's own transaction.
 The lock is held by one connection's session; if that session ends (the connection was
 killed, or PostgreSQL restarted) the lock is free, and another process may take the name
 while this one still runs. So each write transaction first takes a shared barrier lock and
-checks that the name's lock is still held by this process's lock session. A new holder takes
+checks that the name's lock is still held by this process's lock session. If PostgreSQL
+restarted (every session ended) and the name is free, the writer takes it back; if the lock
+session alone ended (killed), the writer stops: another process may have taken the name and
+closed this one's requests meanwhile. A new holder takes
 the barrier exclusively once (waiting for the old holder's write transactions in flight)
 before it reads or closes anything: every batch the old holder committed is seen, and every
 later one sees the name taken and is rolled back."""
@@ -57,6 +60,7 @@ class ServerLock:
     backend_pid: int = 0  # the lock session's PostgreSQL backend
     engine: Engine | None = None
     location: str = ""
+    started: object = None  # pg_postmaster_start_time() when the lock was taken
 
     @classmethod
     def acquire(cls, engine: Engine, server: str, location: str) -> ServerLock:
@@ -72,7 +76,7 @@ class ServerLock:
         except BaseException:
             connection.close()
             raise
-        return cls(server, connection, pid, engine, location)
+        return cls(server, connection, pid, engine, location, _postmaster_start(connection))
 
     def check(self, connection: Connection) -> bool:
         """In a write transaction (`connection`'s): True if this process still holds the name;
@@ -85,12 +89,20 @@ class ServerLock:
                                                    "pid": self.backend_pid}).scalar()
         if held:
             return True
+        if _postmaster_start(connection) == self.started:
+            # the session alone ended (killed) while PostgreSQL ran on: another process may
+            # have taken the name and closed this one's requests meanwhile
+            raise ServerNameLost(
+                f"the lock on the server name {self.server!r} in {self.location} was lost "
+                "(its connection was ended while PostgreSQL kept running); another process "
+                "may write as this name now, so this process stopped writing as it. Nothing "
+                "after this point was recorded here: restart it")
         self._retake()
         return False
 
     def _retake(self) -> None:
-        """The lock session ended (PostgreSQL restarted, or the connection was killed): take
-        the name again if it is free, else ServerNameLost."""
+        """PostgreSQL restarted, ending every session and lock: take the name again if it is
+        free, else ServerNameLost."""
         assert self.engine is not None
         if self.connection is not None:
             self.connection.invalidate()
@@ -99,6 +111,7 @@ class ServerLock:
         connection = self.engine.connect()
         try:
             self.backend_pid = _take(connection, self.server, self.location, lost=True)
+            self.started = _postmaster_start(connection)
             connection.commit()
         except BaseException:
             connection.close()
@@ -139,6 +152,10 @@ def _take(connection: Connection, server: str, location: str, lost: bool = False
             "one process writes as a server name at a time: stop it, or pass "
             "--server-name NAME to write as another server")
     return int(connection.execute(text("SELECT pg_backend_pid()")).scalar() or 0)
+
+
+def _postmaster_start(connection: Connection) -> object:
+    return connection.execute(text("SELECT pg_postmaster_start_time()")).scalar()
 
 
 def _holder(connection: Connection, server: str) -> str:
