@@ -222,6 +222,8 @@ def run(pg: Cluster, restarts: int, kills: int, clients: int) -> dict[str, objec
         "kill_outcomes": outcomes, "journal_states": dict(report.states),
         "unfinished": len(report.unfinished),
         "answered_but_not_finished_or_rerun": len(report.rerun_after_answer),
+        "samples": [f"{server}/{rid}: {report.answered[(server, rid)]}"
+                    for server, rid in report.rerun_after_answer[:5]],
         "tracebacks": logs.count("Traceback"),
         "lock_loss_said": sum("was lost" in line or "taken over" in line
                               for line in old_logs),

@@ -122,6 +122,33 @@ def test_a_fleet_poller_survives_any_failure_and_backs_off() -> None:
         fleet.close()
 
 
+def test_a_server_whose_store_is_unreachable_shows_degraded_in_the_fleet() -> None:
+    store = [{"state": "unreachable", "since_s": 12.4, "held_events": 340, "error": "refused"}]
+    members = [HttpSource("http://tf.test", transport=answering(
+        lambda: json.dumps({**GOOD, "store": store[0]})))]
+    fleet = FleetSource(members, interval=0.01)
+    try:
+        assert fleet.wait_for(lambda: fleet.states[0].polls >= 2, timeout=30)
+        row = fleet.rows()[0]
+        assert row.health == "degraded" and row.tokens_per_s == 369.0  # still serving
+        assert row.error == "store unreachable 12 s, 340 events held"
+        store[0] = {"state": "ok", "since_s": None, "held_events": 0, "error": None}
+        assert fleet.wait_for(lambda: fleet.rows()[0].health == "up", timeout=30)
+    finally:
+        fleet.close()
+    absurd = HttpSource("http://tf.test", transport=answering(lambda: json.dumps(
+        {**GOOD, "store": {"state": "unreachable", "since_s": 1.7e308}})))
+    absurd.snapshot()  # an absurd figure is unknown, the state still said
+    assert absurd.store_note == "store unreachable"
+    absurd.close()
+    for bad in ({"state": "nope"}, {"state": "unreachable", "held_events": "9"}, "x"):
+        source = HttpSource("http://tf.test", transport=answering(
+            lambda bad=bad: json.dumps({**GOOD, "store": bad})))
+        with pytest.raises(SourceError, match="store"):
+            source.snapshot()
+        source.close()
+
+
 def test_retries_back_off_doubling_to_a_cap() -> None:
     assert retry_delay(0.4, 0) == 0.4
     assert [retry_delay(0.4, n) for n in (1, 2, 3)] == [0.8, 1.6, 3.2]

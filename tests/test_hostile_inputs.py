@@ -27,6 +27,7 @@ from engine.harness.workload import WorkloadError, load_requests_jsonl, request_
 from engine.serve.connections import AcceptErrorLog, GuardedServer, server_config
 from engine.serve.listener import listen
 from engine.serve.log_limit import RateLimitedLog, client_and_status
+from engine.serve.memory import IdleTrim
 from engine.serve.rate_limit import Rate
 
 
@@ -285,3 +286,15 @@ def test_accept_errors_are_logged_once_a_second_with_a_count(
     assert len(lines) == 3
     assert "9999 more since the last line" in lines[1] and "more since" not in lines[2]
     assert all("Traceback" not in line and "Too many open files" in line for line in lines)
+
+
+def test_memory_is_trimmed_when_the_server_goes_idle_at_most_once_an_interval() -> None:
+    now = [0.0]
+    trimmed = threading.Event()
+    trim = IdleTrim(clock=lambda: now[0], interval_s=10.0, trim=trimmed.set)
+    assert trim.idle() and trimmed.wait(10)
+    now[0] += 9.0
+    assert not trim.idle()  # within the interval: a burst of short requests trims once
+    now[0] += 3600.0  # a gap far past the interval
+    assert trim.idle() and trim.trims == 2
+    assert IdleTrim().trim is not None  # glibc here: the real malloc_trim is found

@@ -52,6 +52,29 @@ def checked_slow_query(data: object, where: str) -> SlowQueryRecord:
     return SlowQueryRecord(**_checked(SlowQueryRecord, data, where))
 
 
+STORE_STATES = ("ok", "unreachable", "stopped")
+
+
+def store_note(data: object, where: str) -> str:
+    """What a server's /v1/stats says of its store ("" when it is fine or says nothing):
+    "store unreachable 12 s, 340 events held"; SourceError if it is not what serve writes."""
+    if data is None:
+        return ""
+    if not isinstance(data, Mapping) or data.get("state") not in STORE_STATES:
+        raise _unusable(where, "store", data)
+    state = data["state"]
+    if state == "ok":
+        return ""
+    since = _value(float | None, data.get("since_s"), f"{where} store.since_s")
+    held = _value(int | None, data.get("held_events", 0), f"{where} store.held_events")
+    words = f"store {state}"
+    if since is not None:
+        words += f" {since:.0f} s"
+    if held:
+        words += f", {held} events held"
+    return words
+
+
 def _in_range(value: int | float) -> bool:
     if isinstance(value, int):
         return -MAX_INTEGER <= value <= MAX_INTEGER

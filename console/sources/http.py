@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from console.sources.base import TRACED_DRIFT_WHY, Capabilities, Capability, SourceError
-from console.sources.checked import checked_slow_query, checked_snapshot
+from console.sources.checked import checked_slow_query, checked_snapshot, store_note
 from console.sources.remote import Remote, RemoteBacked, bearer, error_message
 from engine.config import ConfigError
 from engine.serve.auth import TOKEN_ENV
@@ -33,6 +33,7 @@ class HttpSource(RemoteBacked):
                  clock: Callable[[], float] = time.monotonic,
                  transport: httpx.BaseTransport | None = None) -> None:
         self.remote = Remote(url, headers=bearer(token), clock=clock, transport=transport)
+        self.store_note = ""  # the server's store, when it is not fine (checked.store_note)
         there = f"on the machine serving {self.remote.url}"
         self.capabilities = Capabilities.lacking({
             Capability.CALIBRATE: f"calibration runs next to the engine: run `tokenflow "
@@ -55,7 +56,10 @@ class HttpSource(RemoteBacked):
     def _snapshot(self, response: httpx.Response) -> Snapshot:
         """The answer's snapshot; an unusable answer marks the server failing (backing off)."""
         try:
-            return checked_snapshot(response.json(), "/v1/stats")
+            data = response.json()
+            snapshot = checked_snapshot(data, "/v1/stats")
+            self.store_note = store_note(data.get("store"), "/v1/stats")
+            return snapshot
         except (ValueError, RecursionError) as exc:  # not JSON, or nested past the parser
             raise self.remote.failed(f"/v1/stats is not a JSON snapshot "
                                      f"({type(exc).__name__})") from None

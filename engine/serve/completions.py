@@ -21,6 +21,7 @@ from engine.core.engine import RequestOutput
 from engine.core.request import SCORE_TAG, RequestState
 from engine.errors import RequestError
 from engine.serve.loop import EngineLoop
+from engine.serve.memory import IdleTrim
 from engine.serve.protocol import (
     ApiError,
     BodyLimits,
@@ -133,6 +134,7 @@ class Generations:
         self.limits = limits
         self.share = share
         self.in_flight = 0
+        self.trim = IdleTrim()
         self.defaults: SamplingDefaults = load_defaults(engine_loop.engine.config.model)
 
     @property
@@ -232,6 +234,8 @@ class Generations:
 
     def _release(self) -> None:
         self.in_flight -= 1
+        if self.in_flight == 0:
+            self.trim.idle()
 
     async def _next(self, queue: asyncio.Queue[tuple[int, RequestOutput]]
                     ) -> tuple[int, RequestOutput]:

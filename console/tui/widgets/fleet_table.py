@@ -7,6 +7,7 @@ import time
 from rich.text import Text
 
 from console.sources.fleet import FleetRow
+from console.tui.text import plain
 from console.tui.widgets.keyed_table import Column, KeyedTable, TableRow
 
 COLUMNS = (
@@ -22,7 +23,8 @@ COLUMNS = (
     Column("itl", "ITL p99", 8),
     Column("slow", "slow/min", 8),
 )
-HEALTH_STYLES = {"up": "green", "down": "bold red", "starting": "yellow"}
+HEALTH_STYLES = {"up": "green", "down": "bold red", "starting": "yellow",
+                 "degraded": "bold yellow"}
 
 
 def _number(value: float | None, fmt: str) -> str:
@@ -30,6 +32,8 @@ def _number(value: float | None, fmt: str) -> str:
 
 
 def health_text(row: FleetRow) -> Text:
+    if row.health == "degraded":  # "store unreachable 12 s, 340 events held"
+        return plain(row.error, HEALTH_STYLES["degraded"])
     if row.health != "down":
         return Text(row.health, style=HEALTH_STYLES[row.health])
     seen = ("never seen" if row.last_seen is None
