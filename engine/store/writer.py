@@ -283,7 +283,9 @@ class StoreWriter:
                     return _reason(exc)
                 if kind == "permanent":
                     raise _Permanent from exc
-                if kind == "unreachable":
+                if kind == "unreachable" and attempt:
+                    # twice in a row: the database, not one connection (a killed backend is
+                    # retried at once); only then do answers stop waiting for commits
                     self._unreachable(exc)
                 delay = _RETRY_S[min(attempt, len(_RETRY_S) - 1)]
                 if attempt < len(_RETRY_S):  # then once a backoff, not once a retry
