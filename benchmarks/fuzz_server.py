@@ -13,6 +13,10 @@ no request to resume (all finished before a SIGTERM). Prints one JSON object; ex
 on any engine death, 5xx, transport error or failed normal request.
 
     PYTHONPATH=. .venv/bin/python benchmarks/fuzz_server.py [--bodies 10000] [--seed 0]
+
+With --attacks it instead replays each attack that once took the server down (one request's
+n, stop strings, logit_bias and answer size; unread streams; trickled bodies; the file
+limit) beside a bystander, against RSS and bystander-p99 bounds (benchmarks/fuzz_attacks.py).
 """
 
 from __future__ import annotations
@@ -253,7 +257,13 @@ def main() -> int:
     parser.add_argument("--followers", type=int, default=100,
                         help="normal requests after each engine-killing request")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--attacks", action="store_true",
+                        help="replay the attacks of benchmarks/fuzz_attacks.py instead")
     args = parser.parse_args()
+    if args.attacks:
+        from benchmarks.fuzz_attacks import run_attacks
+
+        return run_attacks()
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     tally = Tally()

@@ -57,6 +57,16 @@ class Cluster:
     root: Path
     _names: Iterator[int]
     _template_ready: bool = False
+    _control: tuple[str, ...] = ()  # pg_ctl -D DATA -o OPTIONS -l LOG, as its owner
+
+    def stop(self) -> None:
+        """Stop the server as a restart does: every session, and its locks, ends."""
+        subprocess.run([*self._control, "-m", "fast", "-w", "stop"], check=True,
+                       capture_output=True, cwd=self.root)
+
+    def start(self) -> None:
+        subprocess.run([*self._control, "-w", "start"], check=True, capture_output=True,
+                       cwd=self.root)
 
     def url(self, database: str = "postgres") -> str:
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
@@ -108,11 +118,11 @@ def cluster() -> Iterator[Cluster]:
         # fsync off: a test cluster is thrown away; a crash of the tests' server never is
         options = (f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off "
                    "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
-        subprocess.run(_as_owner([str(bindir / "pg_ctl"), "-D", str(data), "-o", options,
-                                  "-l", str(root / "log"), "-w", "start"]),
-                       check=True, capture_output=True, cwd=root)
+        control = tuple(_as_owner([str(bindir / "pg_ctl"), "-D", str(data), "-o", options,
+                                   "-l", str(root / "log")]))
+        subprocess.run([*control, "-w", "start"], check=True, capture_output=True, cwd=root)
         try:
-            yield Cluster(port, root, itertools.count())
+            yield Cluster(port, root, itertools.count(), _control=control)
         finally:
             subprocess.run(_as_owner([str(bindir / "pg_ctl"), "-D", str(data), "-m",
                                       "immediate", "stop"]), capture_output=True, cwd=root)

@@ -122,6 +122,33 @@ def test_a_fleet_poller_survives_any_failure_and_backs_off() -> None:
         fleet.close()
 
 
+def test_a_server_whose_store_is_unreachable_shows_degraded_in_the_fleet() -> None:
+    store = [{"state": "unreachable", "since_s": 12.4, "held_events": 340, "error": "refused"}]
+    members = [HttpSource("http://tf.test", transport=answering(
+        lambda: json.dumps({**GOOD, "store": store[0]})))]
+    fleet = FleetSource(members, interval=0.01)
+    try:
+        assert fleet.wait_for(lambda: fleet.states[0].polls >= 2, timeout=30)
+        row = fleet.rows()[0]
+        assert row.health == "degraded" and row.tokens_per_s == 369.0  # still serving
+        assert row.error == "store unreachable 12 s, 340 events held"
+        store[0] = {"state": "ok", "since_s": None, "held_events": 0, "error": None}
+        assert fleet.wait_for(lambda: fleet.rows()[0].health == "up", timeout=30)
+    finally:
+        fleet.close()
+    absurd = HttpSource("http://tf.test", transport=answering(lambda: json.dumps(
+        {**GOOD, "store": {"state": "unreachable", "since_s": 1.7e308}})))
+    absurd.snapshot()  # an absurd figure is unknown, the state still said
+    assert absurd.store_note == "store unreachable"
+    absurd.close()
+    for bad in ({"state": "nope"}, {"state": "unreachable", "held_events": "9"}, "x"):
+        source = HttpSource("http://tf.test", transport=answering(
+            lambda bad=bad: json.dumps({**GOOD, "store": bad})))
+        with pytest.raises(SourceError, match="store"):
+            source.snapshot()
+        source.close()
+
+
 def test_retries_back_off_doubling_to_a_cap() -> None:
     assert retry_delay(0.4, 0) == 0.4
     assert [retry_delay(0.4, n) for n in (1, 2, 3)] == [0.8, 1.6, 3.2]
@@ -259,9 +286,52 @@ def test_token_flags_name_their_server(monkeypatch: pytest.MonkeyPatch,
     assert "$A_TOKEN is not set" in capsys.readouterr().err
 
 
+def test_finite_but_absurd_figures_are_unknown_or_refused() -> None:
+    clock = Clock()
+    body = [stats(prefix_cache_hit_rate=1.7e308, ttft_ms={"p50": -1.7e308, "p90": 1.0,
+                                                         "p99": 2.0})]
+    source = HttpSource("http://tf.test", clock=clock, transport=answering(lambda: body[0]))
+    snapshot = source.snapshot()
+    assert snapshot.prefix_cache_hit_rate is None and snapshot.ttft_ms.p50 is None
+    for bad, named in ((stats(tokens_per_s=1.7e308), "tokens_per_s"),
+                       (stats(num_running=2**70), "num_running"),
+                       (stats(config={"cache_high_watermark": -1.7e308}),
+                        "cache_high_watermark")):
+        clock.now += MAX_DELAY_S + 1
+        body[0] = bad
+        with pytest.raises(SourceError, match=named):
+            source.snapshot()
+    source.close()
+
+
+SLOW = {"id": 1, "created_at": 1.78e9, "request_id": "r", "tenant": "t", "tag": None,
+        "budget_score": 2.0, "prompt_tokens": 4, "prefill_s": 0.02, "budgeted_s": 0.01,
+        "chunks": [{"index": 0, "tokens": 4, "duration_s": 0.01}], "config": {},
+        "server": "box"}
+
+
+@pytest.mark.parametrize(("change", "named"), [
+    ({"budget_score": "3.5"}, "budget_score"), ({"budget_score": float("nan")}, "budget_score"),
+    ({"prefill_s": 1.7e308}, "prefill_s"), ({"server": 5}, "server"),
+    ({"chunks": [{"tokens": 1.7e308}]}, "chunks"), ({"chunks": "x"}, "chunks"),
+    ({"config": {"max_num_batched_tokens": float("inf")}}, "config"),
+    ({"cause_share": "0.5"}, "cause_share"), ({"timeline": {"s": [1e400]}}, "timeline"),
+])
+def test_every_slow_query_field_is_checked(change: dict[str, object], named: str) -> None:
+    good = json.dumps({"data": [SLOW]})
+    source = HttpSource("http://tf.test", transport=answering(lambda: good))
+    assert source.slow_queries()[0].budget_score == 2.0
+    source.close()
+    bad = json.dumps({"data": [{**SLOW, **change}]})
+    source = HttpSource("http://tf.test", transport=answering(lambda: bad))
+    with pytest.raises(SourceError, match=named):
+        source.slow_queries()
+    source.close()
+
+
 def test_slow_queries_of_the_wrong_shape_are_named_not_raised_raw() -> None:
     for body in ('{"data": [{"id": 1}]}', '{"data": 5}', '[]', "[" * 100_000):
         source = HttpSource("http://tf.test", transport=answering(lambda body=body: body))
-        with pytest.raises(SourceError, match="cannot read"):
+        with pytest.raises(SourceError, match=r"cannot read|without its created_at"):
             source.slow_queries()
         source.close()

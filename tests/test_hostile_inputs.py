@@ -4,27 +4,30 @@ racing the step that applies the last one."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
+from uvicorn.server import ServerState
 
 from console.cli.main import main
 from engine import Engine, EngineConfig
 from engine.config import ConfigError
 from engine.harness.workload import WorkloadError, load_requests_jsonl, request_lines
-from engine.serve.connections import server_config
+from engine.serve.connections import AcceptErrorLog, GuardedServer, server_config
 from engine.serve.listener import listen
 from engine.serve.log_limit import RateLimitedLog, client_and_status
+from engine.serve.memory import IdleTrim
 from engine.serve.rate_limit import Rate
 
 
@@ -106,8 +109,8 @@ def guarded_server() -> Iterator[tuple[str, int]]:
     """A server run as tokenflow runs its own: 0.3 s for headers, three connections."""
     app = Starlette(routes=[Route("/", lambda request: PlainTextResponse("ok"))])
     sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(server_config(app, lifespan="off", log_level="critical",
-                                          max_connections=3, header_timeout_s=0.3))
+    server = GuardedServer(server_config(app, lifespan="off", log_level="critical",
+                                         max_connections=3, header_timeout_s=0.3))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     yield sock.getsockname()[:2]
@@ -172,3 +175,126 @@ def test_access_lines_are_limited_per_client_and_status() -> None:
     flood = sum(limit.filter(access(f"10.0.0.9:{port}", 401)) for port in range(1000, 1100))
     assert flood == 2  # one client's refusals, whatever port it comes from
     assert limit.filter(access("10.0.0.9:1", 200)) and limit.filter(access("10.0.0.7:1", 401))
+
+
+class FakeTransport:
+    """A socket's transport as the protocol sees it: what was written, whether it was closed."""
+
+    def __init__(self, peer: str) -> None:
+        self.peer = peer
+        self.written = b""
+        self.closed = False
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return {"peername": (self.peer, 4000), "sockname": ("127.0.0.1", 8000)}.get(name,
+                                                                                    default)
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    """The loop the protocols' request tasks go to; they run at the end, then it closes."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.run_until_complete(asyncio.sleep(0.05))
+    loop.close()
+
+
+def connections_on(loop: asyncio.AbstractEventLoop, now: list[float], per_address: int = 2
+                   ) -> Callable[[str], Any]:
+    """A factory of server-side protocols sharing one guard, on the clock `now`."""
+    config = server_config(PlainTextResponse("ok"), lifespan="off", per_address=per_address,
+                           header_timeout_s=10.0, body_timeout_s=10.0,
+                           clock=lambda: now[0])
+    config.load()
+    state = ServerState()
+
+    def connect(peer: str) -> Any:
+        protocol = config.http_protocol_class(config=config, server_state=state,
+                                              app_state={}, _loop=loop)
+        transport = FakeTransport(peer)
+        protocol.connection_made(transport)
+        return protocol, transport
+    return connect
+
+
+def test_a_body_trickle_is_cut_at_its_deadline_on_the_guards_clock(
+        loop: asyncio.AbstractEventLoop) -> None:
+    now = [0.0]
+    connect = connections_on(loop, now)
+    protocol, transport = connect("10.0.0.1")
+    protocol.data_received(b"GET /metrics HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n"
+                           b"\r\n")
+    for _ in range(9):  # a byte a second: the body is still coming at 9 s
+        now[0] += 1.0
+        protocol.data_received(b"x")
+        protocol.expire()
+        assert not transport.closed
+    now[0] += 1.5  # past 10 s since the headers, however the bytes trickle
+    protocol.expire()
+    assert transport.closed
+    whole, whole_transport = connect("10.0.0.2")  # a whole body in time is never cut
+    whole.data_received(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\nab")
+    now[0] += 1000.0
+    whole.expire()
+    assert not whole_transport.closed
+
+
+def test_connections_are_capped_per_address_and_freed_when_they_close(
+        loop: asyncio.AbstractEventLoop) -> None:
+    connect = connections_on(loop, [0.0], per_address=2)
+    first, _ = connect("10.0.0.1")
+    connect("10.0.0.1")
+    _third, refused = connect("10.0.0.1")
+    assert refused.closed and refused.written.startswith(b"HTTP/1.1 503")
+    assert b"too many connections from this address" in refused.written
+    _other, fine = connect("10.0.0.2")  # another address has its own share
+    assert not fine.closed
+    first.connection_lost(None)
+    _again, after = connect("10.0.0.1")
+    assert not after.closed
+
+
+def test_accept_errors_are_logged_once_a_second_with_a_count(
+        caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    handler = AcceptErrorLog(clock=lambda: now[0])
+    error = OSError(24, "Too many open files")
+    context = {"message": "socket.accept() out of system resource", "exception": error}
+    with caplog.at_level(logging.ERROR, logger="tokenflow.serve"):
+        for _ in range(10_000):  # a flood within one second: one line
+            handler(None, context)  # type: ignore[arg-type]
+        now[0] += 1.0
+        handler(None, context)  # type: ignore[arg-type]
+        now[0] += 3600.0  # a gap far past the interval: one line, nothing owed
+        handler(None, context)  # type: ignore[arg-type]
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 3
+    assert "9999 more since the last line" in lines[1] and "more since" not in lines[2]
+    assert all("Traceback" not in line and "Too many open files" in line for line in lines)
+
+
+def test_memory_is_trimmed_when_the_server_goes_idle_at_most_once_an_interval() -> None:
+    now = [0.0]
+    trimmed = threading.Event()
+    trim = IdleTrim(clock=lambda: now[0], interval_s=10.0, trim=trimmed.set)
+    assert trim.idle() and trimmed.wait(10)
+    now[0] += 9.0
+    assert not trim.idle()  # within the interval: a burst of short requests trims once
+    now[0] += 3600.0  # a gap far past the interval
+    assert trim.idle() and trim.trims == 2
+    assert IdleTrim().trim is not None  # glibc here: the real malloc_trim is found

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import math
+import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,8 +22,17 @@ from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from sqlalchemy import func, select
 from starlette.testclient import TestClient
 
-from engine.serve.otlp import PROTOBUF, PrefillEstimate, TraceCollector, create_otlp_app
-from engine.serve.otlp_limits import OtlpLimits
+from engine.serve.otlp import (
+    PROTOBUF,
+    STORE_RETRY_S,
+    PrefillEstimate,
+    TraceCollector,
+    create_otlp_app,
+    export_cost,
+    parse_export,
+)
+from engine.serve.otlp_limits import OtlpLimits, decoded_body
+from engine.serve.protocol import ApiError
 from engine.serve.rate_limit import Rate, RateLimiter
 from engine.store import Database, open_database
 from engine.store.models import SlowQueryRow, TracedRequestRow
@@ -31,7 +41,8 @@ from engine.store.retention import RetentionLimits
 TOKEN = "s3cret-otlp"
 NOW = 1_780_000_000.0  # the receiver's wall clock in these tests (2026)
 SMALL = OtlpLimits(max_body_bytes=64 << 10, max_export_bytes=128 << 10, max_spans=50,
-                   body_timeout_s=0.2, rate=Rate(per_second=10.0, burst=100.0))
+                   max_entries=60, body_timeout_s=0.2, rate=Rate(per_second=10.0, burst=100.0),
+                   global_rate=Rate(per_second=30.0, burst=300.0))
 
 
 class Clock:
@@ -175,17 +186,18 @@ def test_a_flood_of_spans_is_capped_per_export_and_rated_per_client() -> None:
         over = post([request_span(f"r{i}") for i in range(SMALL.max_spans + 1)])
         assert over.status_code == 413 and "OTEL_BSP_MAX_EXPORT_BATCH_SIZE" in over.text
         assert collector.received == 0
-        full = [request_span(f"r{i}") for i in range(SMALL.max_spans)]
+        # an export costs its spans, its resource and its scope: 48 + 2
+        full = [request_span(f"r{i}") for i in range(SMALL.max_spans - 2)]
         assert post(full).status_code == 200 and post(full).status_code == 200  # the burst
         refused = post([request_span("one-more")])
         assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
-        clock.now += 1.0  # 10 spans a second come back, no more
-        assert post(full[:10]).status_code == 200
+        clock.now += 1.0  # 10 entries a second come back, no more
+        assert post(full[:8]).status_code == 200
         assert post(full[:1]).status_code == 429
         clock.now += 1000.0  # a gap far longer than the bucket: it refills to the burst only
         assert post(full).status_code == 200 and post(full).status_code == 200
         assert post(full[:1]).status_code == 429
-    assert collector.received == 4 * SMALL.max_spans + 10
+    assert collector.received == 4 * (SMALL.max_spans - 2) + 8
 
 
 def test_the_rate_limiter_refills_exactly_across_gaps_and_forgets_old_sources() -> None:
@@ -299,3 +311,93 @@ def test_a_receiver_without_a_token_must_be_asked_for(
     assert console_main(["--attach", "http://127.0.0.1:9", "--otlp-listen", "127.0.0.1:0",
                          "--otlp-token-file", str(empty)]) == 2
     assert "is empty" in capsys.readouterr().err
+
+
+def asgi_post(app: object, body: bytes, client: str) -> int:
+    """One POST /v1/traces from `client`'s address, straight through the ASGI app."""
+    sent: list[dict[str, object]] = []
+
+    async def exchange() -> None:
+        chunks = [{"type": "http.request", "body": body, "more_body": False}]
+
+        async def receive() -> dict[str, object]:
+            return chunks.pop(0) if chunks else {"type": "http.disconnect"}
+
+        async def send(message: dict[str, object]) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/v1/traces", "raw_path":
+                 b"/v1/traces", "query_string": b"", "http_version": "1.1", "scheme": "http",
+                 "server": ("127.0.0.1", 4318), "client": (client, 5000),
+                 "headers": [(b"host", b"127.0.0.1:4318"), (b"content-type", PROTOBUF.encode()),
+                             (b"authorization", f"Bearer {TOKEN}".encode()),
+                             (b"content-length", str(len(body)).encode())]}
+        await app(scope, receive, send)  # type: ignore[operator]
+
+    asyncio.run(asyncio.wait_for(exchange(), 10))
+    return int(sent[0]["status"])  # type: ignore[call-overload]
+
+
+def test_many_addresses_meet_a_global_rate_beside_their_own() -> None:
+    clock = Clock()
+    collector = collector_with()
+    app = create_otlp_app(collector, token=TOKEN, allowed_hosts=["127.0.0.1"], clock=clock)
+    body = export(*[request_span(f"r{i}") for i in range(SMALL.max_spans - 2)])  # costs 50
+    answers = [asgi_post(app, body, f"10.0.0.{i}") for i in range(10)]
+    assert answers == [200] * 6 + [429] * 4  # 300 for everyone together, 100 for each
+    clock.now += 10.0  # 300 more come back to everyone: a new address is served again
+    assert asgi_post(app, body, "10.0.1.1") == 200
+
+
+def test_empty_resources_and_scopes_are_counted_before_parsing_and_against_the_rate() -> None:
+    message = ExportTraceServiceRequest()
+    for _ in range(SMALL.max_entries + 1):
+        message.resource_spans.add()
+    with pytest.raises(ApiError, match="resources, scopes and spans") as caught:
+        parse_export(message.SerializeToString(), SMALL)
+    assert caught.value.status == 413
+    scopes = ExportTraceServiceRequest()
+    resource = scopes.resource_spans.add()
+    for _ in range(30):
+        resource.scope_spans.add()
+    resource.scope_spans[0].spans.append(request_span())
+    parsed = parse_export(scopes.SerializeToString(), SMALL)
+    assert export_cost(parsed) == 1 + 30 + 1
+    clock = Clock()
+    collector = collector_with()
+    with receiver(collector, clock) as client:
+        for expected in (200, 200, 200, 429):  # 32 each from a burst of 100
+            answer = client.post("/v1/traces", content=scopes.SerializeToString(),
+                                 headers=headers())
+            assert answer.status_code == expected
+
+
+def test_gzip_members_are_capped() -> None:
+    one = gzip.compress(export(request_span()))
+    assert decoded_body(one, "gzip", SMALL) == export(request_span())
+    empty = gzip.compress(b"")
+    with pytest.raises(ApiError, match="members") as caught:
+        decoded_body(empty * (SMALL.max_gzip_members + 1), "gzip", SMALL)
+    assert caught.value.status == 400
+    assert decoded_body(empty * SMALL.max_gzip_members, "gzip", SMALL) == b""
+
+
+def test_a_locked_store_is_retried_then_answered_503_never_500(database: Database) -> None:
+    slept: list[float] = []
+    collector = collector_with(database, sleep=slept.append)
+    with database.engine.connect() as pooled:  # SQLite's own wait, shortened for the test
+        pooled.exec_driver_sql("PRAGMA busy_timeout=0")
+    holder = sqlite3.connect(database.path, timeout=0)
+    holder.execute("BEGIN EXCLUSIVE")  # another writer holds the file
+    try:
+        with receiver(collector) as client:
+            answer = client.post("/v1/traces", content=export(request_span("r-locked")),
+                                 headers=headers())
+        assert answer.status_code == 503 and answer.headers["Retry-After"] == "1"
+        assert slept == list(STORE_RETRY_S)
+    finally:
+        holder.rollback()
+        holder.close()
+    with receiver(collector) as client:  # free again: stored
+        assert client.post("/v1/traces", content=export(request_span("r-free")),
+                           headers=headers()).status_code == 200

@@ -230,6 +230,27 @@ def test_export_never_writes_over_the_store(suffix: str, db_path: str, tmp_path:
     assert Path(db_path).read_bytes() == before
 
 
+def test_export_output_follows_no_symlink_and_overwrites_only_when_asked(
+        db_path: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me")
+    link = tmp_path / "link.json"
+    link.symlink_to(precious)
+    export = ("slow-queries", "export", "--format", "json", "--db", db_path, "--output")
+    code, _, err = run(capsys, *export, str(link))
+    assert code == 2 and "is a symlink" in err
+    code, _, err = run(capsys, *export, str(link), "--overwrite")
+    assert code == 2 and "is a symlink" in err and precious.read_text() == "keep me"
+    code, _, err = run(capsys, *export, str(precious))
+    assert code == 2 and "exists" in err and "--overwrite" in err
+    assert precious.read_text() == "keep me"
+    code, _, _ = run(capsys, *export, str(precious), "--overwrite")
+    assert code == 0 and isinstance(json.loads(precious.read_text()), list)
+    code, _, err = run(capsys, "slow-queries", "export", "--format", "json", "--db", db_path,
+                       "--overwrite")
+    assert code == 2 and "add --output FILE" in err
+
+
 def _store_with(path: Path, **fields: str) -> str:
     database = open_database(path)
     bus = EventBus()

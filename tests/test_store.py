@@ -55,7 +55,8 @@ from engine.store import (
     save_calibration,
     unfinished_requests,
 )
-from engine.store.database import Database, downgrade_database, upgrade_database
+from engine.store.database import Database, downgrade_database, shown_url, upgrade_database
+from engine.store.database import store_url as store_url_of
 from engine.store.lock import LockFileError
 from engine.store.models import Base, BudgetTableRow, JournalRow, SlowQueryRow
 from tests.mounts import remount, tmpfs
@@ -780,6 +781,23 @@ def test_a_url_s_password_is_never_shown_and_other_databases_are_refused(
     assert main(["slow-queries", "list", "--db", "mysql://tf:s3cret@host/db"]) == 2
     err = capsys.readouterr().err
     assert "s3cret" not in err and "SQLite or PostgreSQL only" in err
+
+
+@pytest.mark.parametrize("url", [
+    "postgresql://tf@127.0.0.1:1/tokenflow?password=s3cret",
+    "postgresql://tf@127.0.0.1:1/tokenflow?sslmode=disable&PassWord=s3cret",
+    "postgresql://tf:pa@s3cret@127.0.0.1:1/tokenflow",
+    "postgresql://tf:s3cret@[::1:1/tokenflow",
+])
+def test_a_password_is_masked_in_any_url_form(url: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(StoreError) as caught:
+        open_database(url)
+    assert "s3cret" not in str(caught.value)
+    assert main(["db", "current", "--db", url]) == 2
+    assert "s3cret" not in capsys.readouterr().err
+    if "?" in url:
+        assert "s3cret" not in shown_url(store_url_of(url))
 
 
 def test_a_path_and_a_sqlite_url_name_the_same_store(tmp_path: Path) -> None:

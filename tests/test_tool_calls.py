@@ -79,7 +79,7 @@ def test_tools_and_tool_messages_render_as_transformers_renders_them(tmp_path: P
                                     add_generation_prompt=True)
     body = ChatBody.model_validate({"messages": HISTORY, "tools": [WEATHER, TIME]})
     ours = render_messages(load_chat_template(str(tmp_path)), body.messages, True, None,
-                           template_tools(body.tools or []))
+                           {"tools": template_tools(body.tools or [])})
     assert ours == theirs
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import stat
 import sys
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 
 from console.cli.db import add_db_argument, add_server_name_argument, refuse_store_files
 from console.cli.engine_flags import add_engine_flags, engine_config, start_session
+from console.cli.output_file import check_output, open_output
 from console.cli.progress import RunProgress, add_quiet_flag
 from console.cli.terminal import terminal_safe
 from console.cli.workload_flags import add_workload_flags, workload_for
@@ -78,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     if args.output is not None:  # before anything is written, the store included
         if not args.no_db:
             refuse_store_files(args.output, args.db)
-        _check_output(args.output, args.resume)
+        check_output(args.output, may_exist=args.resume,
+                     keep_hint="pass --resume to finish the run that wrote it")
     started = time.monotonic() - (_process_age_s() or 0.0)
     entered = time.monotonic()
     config = engine_config(args)
@@ -152,16 +153,6 @@ def _resume(session: EngineSession, workload: list[WorkloadRequest],
     return [w for w in workload if w.request_id not in skip]
 
 
-def _check_output(path: Path, resume: bool) -> None:
-    """Refuse, before the model loads, an --output this run must not write: an existing file
-    without --resume (it would be appended to), a symlink (it would write where it points)."""
-    if path.is_symlink():
-        raise UserError(f"--output {path} is a symlink; name the file itself")
-    if not resume and path.exists():
-        raise UserError(f"--output {path} exists; choose another --output, or pass --resume "
-                        "to finish the run that wrote it")
-
-
 class _OutputSink:
     """Appends one JSON line per ended request, written and flushed at once so a crash loses
     none. Without --resume the file is new (O_EXCL); with it, a line an earlier run left cut
@@ -176,14 +167,7 @@ class _OutputSink:
         if path is None:
             return
         access = os.O_RDWR if resume else os.O_WRONLY | os.O_EXCL
-        try:
-            self._fd = os.open(path, access | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-        except OSError as exc:
-            raise UserError(f"cannot open --output {path}: {exc.strerror}; choose "
-                            "another --output") from exc
-        if not stat.S_ISREG(os.fstat(self._fd).st_mode):  # a FIFO or a device
-            self.close()
-            raise UserError(f"--output {path} is not a regular file; choose another --output")
+        self._fd = open_output(path, access | os.O_APPEND)
         if resume:
             _set_aside_torn_line(self._fd, path)
 

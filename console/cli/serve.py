@@ -28,11 +28,19 @@ from console.errors import UserError
 from engine.serve.app import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_QUEUE,
+    DEFAULT_SHARE,
     SlowQueriesReader,
     create_app,
 )
 from engine.serve.auth import TOKEN_ENV, load_admin_token
-from engine.serve.connections import HEADER_TIMEOUT_S, MAX_CONNECTIONS, server_config
+from engine.serve.connections import (
+    BODY_TIMEOUT_S,
+    HEADER_TIMEOUT_S,
+    MAX_CONNECTIONS,
+    MAX_CONNECTIONS_PER_ADDRESS,
+    GuardedServer,
+    server_config,
+)
 from engine.serve.hosts import ANY_HOST, LOOPBACK_HOSTS
 from engine.serve.listener import listen
 from engine.serve.tools import PARSERS
@@ -43,7 +51,9 @@ GRACEFUL_SHUTDOWN_S = 5
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="HTTP API (OpenAI-compatible completions)",
-                                   description=__doc__.splitlines()[0])
+                                   description=__doc__.splitlines()[0],
+                                   epilog="Each request's share, refused with a 400 naming "
+                                          f"the limit before any work: {DEFAULT_SHARE.describe()}")
     http = parser.add_argument_group("http")
     http.add_argument("--host", default="127.0.0.1",
                       help="address to bind (default 127.0.0.1; 0.0.0.0 exposes the server)")
@@ -57,7 +67,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     http.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
                       help="open connections before new requests get 503 at once (default "
                            f"{MAX_CONNECTIONS}); request headers must arrive within "
-                           f"{HEADER_TIMEOUT_S:g} s")
+                           f"{HEADER_TIMEOUT_S:g} s, and a body within {BODY_TIMEOUT_S:g} s "
+                           "of its headers")
+    http.add_argument("--max-connections-per-address", type=int,
+                      default=MAX_CONNECTIONS_PER_ADDRESS, metavar="N",
+                      help="open connections from one client address before its next one "
+                           f"gets 503 and is closed (default {MAX_CONNECTIONS_PER_ADDRESS})")
     http.add_argument("--admin-token-file", type=Path, metavar="FILE",
                       help=f"bearer token of the admin endpoints (default: ${TOKEN_ENV})")
     http.add_argument("--public-stats", action="store_true",
@@ -100,6 +115,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--max-queue must be at least 1, got {args.max_queue}")
     if args.max_connections < 1:
         raise UserError(f"--max-connections must be at least 1, got {args.max_connections}")
+    if args.max_connections_per_address < 1:
+        raise UserError("--max-connections-per-address must be at least 1, got "
+                        f"{args.max_connections_per_address}")
     if args.max_body_bytes < 1024:
         raise UserError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
     if not 0 <= args.port <= 65535:
@@ -147,15 +165,17 @@ def run(args: argparse.Namespace) -> int:
                          allowed_hosts=[*LOOPBACK_HOSTS, args.host, *args.allow_host],
                          chat_template=args.chat_template,
                          tool_call_parser=(args.tool_call_parser
-                                           if args.enable_auto_tool_choice else None))
+                                           if args.enable_auto_tool_choice else None),
+                         store_health=None if session.writer is None else session.writer.health)
         admin = "on" if token else f"off (set {TOKEN_ENV} or --admin-token-file)"
         store = "none" if database is None else f"{database.location} as {database.server}"
         host, port = listener.getsockname()[:2]  # --port 0: the one the system chose
         print(f"tokenflow serve: {config.model} on {engine.runner.device}, "
               f"http://{host}:{port}, admin API {admin}, store {store}{traces}", flush=True)
-        server = uvicorn.Server(server_config(app, lifespan="off",
-                                              max_connections=args.max_connections,
-                                              timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
+        server = GuardedServer(server_config(app, lifespan="off",
+                                             max_connections=args.max_connections,
+                                             per_address=args.max_connections_per_address,
+                                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
         if session.writer is not None:  # the journal stopped: stop serving, say why, exit 2
             session.writer.on_failure(lambda _error: setattr(server, "should_exit", True))
         _serve_until_signalled(server, listener)

@@ -6,6 +6,7 @@ import argparse
 import datetime
 import json
 import math
+import os
 import sys
 from collections.abc import Iterable
 from dataclasses import asdict
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from console.cli.db import add_db_argument, open_existing_store, refuse_store_files
+from console.cli.output_file import check_output, open_output
 from console.cli.terminal import terminal_safe
 from console.errors import UserError
 from engine.ops.timeline import timeline_lines
@@ -52,7 +54,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     export = actions.add_parser("export", help="every matching slow query as CSV or JSON")
     _add_filters(export)
     export.add_argument("--format", choices=EXPORT_FORMATS, required=True)
-    export.add_argument("--output", metavar="FILE", help="write here instead of stdout")
+    export.add_argument("--output", metavar="FILE",
+                        help="write here instead of stdout: a new file (never through a "
+                             "symlink), or an existing one with --overwrite")
+    export.add_argument("--overwrite", action="store_true",
+                        help="with --output: replace the file if it exists")
     export.add_argument("--limit", type=int, default=None, help="at most this many rows")
     export.set_defaults(func=run_export)
     add_db_argument(parser, listing, show, export)
@@ -208,15 +214,22 @@ def _print_chunks(chunks: list[dict[str, Any]]) -> None:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    if args.output is not None:
+    if args.overwrite and args.output is None:
+        raise UserError("--overwrite replaces an --output file; add --output FILE")
+    if args.output is not None:  # before the store is read
         refuse_store_files(Path(args.output), args.db)
+        check_output(Path(args.output), may_exist=args.overwrite,
+                     keep_hint="pass --overwrite to replace it")
     records, _ = _select(args)
     text = export_slow_queries(records, args.format)
     if args.output is None:
         print(text, end="")
         return 0
+    flags = os.O_WRONLY | (os.O_TRUNC if args.overwrite else os.O_EXCL)
+    fd = open_output(Path(args.output), flags)
     try:
-        Path(args.output).write_text(text)
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.write(text)
     except OSError as exc:
         message = f"cannot write {args.output}: {exc.strerror}; choose another --output"
         raise UserError(message) from exc

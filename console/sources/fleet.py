@@ -98,7 +98,10 @@ class MemberState:
     def row(self, index: int) -> FleetRow:
         snap = self.snapshot
         health = "up" if self.up else ("starting" if self.polls == 0 else "down")
-        known = snap is not None and health == "up"
+        note = getattr(self.source, "store_note", "")  # serving, but its store is not
+        if health == "up" and note:
+            health = "degraded"
+        known = snap is not None and health in ("up", "degraded")
         if known and snap.paused:  # answering, but an operator holds it: not serving
             health = "paused"
         return FleetRow(
@@ -109,7 +112,8 @@ class MemberState:
             ttft_p99_ms=snap.ttft_ms.p99 if known else None,
             itl_p99_ms=snap.itl_ms.p99 if known else None,
             slow_per_min=self.slow_per_minute(), health=health,
-            last_seen=self.last_seen, error=self.error)
+            last_seen=self.last_seen, error=self.error or (note if health == "degraded"
+                                                           else ""))
 
     def slow_per_minute(self) -> float:
         if len(self.slow_totals) < 2:
@@ -133,14 +137,14 @@ class FleetRow:
     ttft_p99_ms: float | None
     itl_p99_ms: float | None
     slow_per_min: float
-    health: str  # "up", "paused", "down", "starting"
+    health: str  # "up", "paused", "degraded" (serving; its store is not), "down", "starting"
     last_seen: float | None
     error: str
 
     @property
     def severity(self) -> tuple[float, ...]:
         """Sort key, worst first: down, then slow queries, then TTFT p99, then KV usage."""
-        down = {"down": 0, "starting": 1, "paused": 2}.get(self.health, 3)
+        down = {"down": 0, "starting": 1, "degraded": 1, "paused": 2}.get(self.health, 3)
         return (down, -self.slow_per_min, -(self.ttft_p99_ms or 0.0), -(self.kv_usage or 0.0))
 
 

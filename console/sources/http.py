@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from console.sources.base import TRACED_DRIFT_WHY, Capabilities, Capability, SourceError
-from console.sources.checked import checked_snapshot
+from console.sources.checked import checked_slow_query, checked_snapshot, store_note
 from console.sources.remote import Remote, RemoteBacked, bearer, error_message
 from engine.config import ConfigError
 from engine.serve.auth import TOKEN_ENV
@@ -33,6 +33,7 @@ class HttpSource(RemoteBacked):
                  clock: Callable[[], float] = time.monotonic,
                  transport: httpx.BaseTransport | None = None) -> None:
         self.remote = Remote(url, headers=bearer(token), clock=clock, transport=transport)
+        self.store_note = ""  # the server's store, when it is not fine (checked.store_note)
         there = f"on the machine serving {self.remote.url}"
         self.capabilities = Capabilities.lacking({
             Capability.CALIBRATE: f"calibration runs next to the engine: run `tokenflow "
@@ -58,7 +59,10 @@ class HttpSource(RemoteBacked):
     def _snapshot(self, response: httpx.Response) -> Snapshot:
         """The answer's snapshot; an unusable answer marks the server failing (backing off)."""
         try:
-            return checked_snapshot(response.json(), "/v1/stats")
+            data = response.json()
+            snapshot = checked_snapshot(data, "/v1/stats")
+            self.store_note = store_note(data.get("store"), "/v1/stats")
+            return snapshot
         except (ValueError, RecursionError) as exc:  # not JSON, or nested past the parser
             raise self.remote.failed(f"/v1/stats is not a JSON snapshot "
                                      f"({type(exc).__name__})") from None
@@ -81,11 +85,16 @@ class HttpSource(RemoteBacked):
     def slow_queries(self, limit: int = 500) -> list[SlowQueryRecord]:
         limit = max(1, min(limit, MAX_SLOW_QUERIES))
         response = self._call("GET", "/v1/slow_queries", params={"limit": limit})
+        where = f"{self.remote.url}/v1/slow_queries"
         try:
-            return [SlowQueryRecord(**record) for record in response.json()["data"]]
+            records = response.json()["data"]
         except (ValueError, RecursionError, TypeError, KeyError) as exc:  # not our shape
-            raise SourceError(f"{self.remote.url}/v1/slow_queries answered what the console "
-                              f"cannot read ({type(exc).__name__})") from None
+            raise SourceError(f"{where} answered what the console cannot read "
+                              f"({type(exc).__name__})") from None
+        if not isinstance(records, list):
+            raise SourceError(f"{where} answered what the console cannot read (data is not "
+                              "a list)")
+        return [checked_slow_query(record, where) for record in records]
 
     def slow_query(self, query_id: int) -> SlowQueryRecord:
         for record in self.slow_queries(MAX_SLOW_QUERIES):

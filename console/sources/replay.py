@@ -24,6 +24,7 @@ from console.sources.base import (
     Source,
     SourceError,
 )
+from console.sources.checked import checked_slow_query, checked_snapshot
 from engine.snapshot import Snapshot
 from engine.store import (
     BudgetPoint,
@@ -107,8 +108,8 @@ class ReplaySource:
         except OSError as exc:
             raise SourceError(f"cannot read recording {path}: {exc.strerror}") from exc
         parsers: dict[str, Callable[[dict[str, Any]], None]] = {
-            "snapshot": lambda d: self._snapshots.append(Snapshot.from_dict(d)),
-            "slow_query": lambda d: self._slow.append(SlowQueryRecord(**d)),
+            "snapshot": lambda d: self._snapshots.append(checked_snapshot(d, str(path))),
+            "slow_query": lambda d: self._slow.append(checked_slow_query(d, str(path))),
             "calibration": lambda d: self._calibrations.append(_calibration(d)),
             "drift": lambda d: self._drift.append(DriftRecord(**d)),
             "config_change": lambda d: self._changes.append(ConfigChangeRecord(**d)),
@@ -119,7 +120,7 @@ class ReplaySource:
             try:
                 record = json.loads(line)
                 parsers[record["kind"]](record["data"])
-            except (ValueError, KeyError, TypeError) as exc:
+            except (ValueError, KeyError, TypeError, SourceError) as exc:
                 raise SourceError(
                     f"{path}:{number} is not a tokenflow recording line ({exc}); "
                     "record one with tokenflow-console --record FILE") from exc

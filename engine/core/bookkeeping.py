@@ -16,6 +16,7 @@ from engine.batch import (
 from engine.budget.controller import BudgetController
 from engine.core.equipment import BandwidthSource
 from engine.core.request import ChunkTiming, Request, RequestState
+from engine.core.stops import StopScanner
 from engine.events import (
     CacheEvict,
     ChunkComplete,
@@ -26,7 +27,6 @@ from engine.events import (
     StepComplete,
     TokensGenerated,
 )
-from engine.model.tokenizer import continuation
 
 
 class Bookkeeper:
@@ -57,11 +57,15 @@ class Bookkeeper:
             return "stop"
         if not params.ignore_eos and token in self.eos_token_ids:
             return "stop"
-        if params.stop and request.match_stop(continuation(
-                functools.partial(self.decode, skip_special_tokens=params.skip_special_tokens),
-                request.prompt_token_ids, request.output_token_ids)
-                .rstrip("\ufffd")):
-            return "stop"
+        if params.stop:
+            if request.stop_scanner is None:
+                request.stop_scanner = StopScanner(
+                    params.stop, params.include_stop_str_in_output,
+                    functools.partial(self.decode, skip_special_tokens=params.skip_special_tokens),
+                    prime=request.prompt_token_ids)
+            request.text_end = request.stop_scanner.feed(request.output_token_ids)
+            if request.text_end is not None:
+                return "stop"
         return self._length(request, generated)
 
     def _length(self, request: Request, generated: int) -> str | None:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from engine.batch import ChunkTiming, NewRequest, PlannedChunk, ScheduledChunk, TokenLogprob
 from engine.config import SamplingParams
+from engine.core.stops import StopScanner
 
 if TYPE_CHECKING:  # the console imports this module without torch
     import torch
@@ -76,7 +77,7 @@ class Request:
     # asked-for logprobs: per generated token, and per prompt token from the second
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
-    stop_checked_chars: int = 0  # output text already searched for stop strings
+    stop_scanner: StopScanner | None = None  # made at the first token of a request with stops
     text_end: int | None = None  # where a matched stop string cuts the output text
 
     @property
@@ -152,19 +153,6 @@ class Request:
             scored = max(0, min(num_tokens, self.num_prompt_tokens - 1 - start))
         return ScheduledChunk.of(self.id, start, num_tokens, new_block_ids, decode,
                                  start + num_tokens == self.num_tokens, scored)
-
-    def match_stop(self, text: str) -> bool:
-        """Whether the output `text` now holds a stop string; sets `text_end` where it is cut."""
-        stops = self.params.stop
-        # only what the new characters can complete: a match ending before them was seen
-        since = max(0, self.stop_checked_chars - max(map(len, stops)) + 1)
-        self.stop_checked_chars = len(text)
-        found = [(at, stop) for stop in stops if (at := text.find(stop, since)) >= 0]
-        if not found:
-            return False
-        at, stop = min(found)
-        self.text_end = at + len(stop) if self.params.include_stop_str_in_output else at
-        return True
 
     def set_state(self, state: RequestState, reason: str) -> None:
         self.state = state

@@ -32,17 +32,24 @@ class ChatTemplate:
     special_tokens: dict[str, str]
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-               continue_final_message: bool = False, **extra: Any) -> str:
-        """The prompt text; `continue_final_message` ends it inside the last message's text,
-        where the model goes on writing (transformers' rule: a tag marks where it ends)."""
+               continue_final_message: bool = False,
+               extra: dict[str, Any] | None = None) -> str:
+        """The prompt text; `extra` variables (a request's) override the special tokens;
+        `continue_final_message` ends it inside the last message's text, where the model goes
+        on writing (transformers' rule: a tag marks where it ends)."""
         if continue_final_message:
             messages = _tagged_final(messages)
+        variables = {**self.special_tokens, **(extra or {}), "messages": messages,
+                     "add_generation_prompt": add_generation_prompt}
         try:
-            text = _compiled(self.source).render(messages=messages,
-                                                 add_generation_prompt=add_generation_prompt,
-                                                 **self.special_tokens, **extra)
+            text = _compiled(self.source).render(**variables)
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template refused the messages: {exc}") from None
+        except Exception as exc:
+            # a runtime error inside the template (1/0, a bad index) is the template's fault,
+            # answered as such, never a server error
+            raise ChatTemplateError(f"the chat template failed on these messages: "
+                                    f"{type(exc).__name__}: {exc}") from None
         if not continue_final_message:
             return text
         at = text.rfind(CONTINUE_TAG.strip())

@@ -37,14 +37,18 @@ from engine.serve.protocol import (
     parse_model,
     read_json,
 )
+from engine.serve.shares import RequestShare
 from engine.snapshot import Snapshot
 from engine.store import SlowQueryRecord
+from engine.store.writer import WriterHealth
 
 SlowQueriesReader = Callable[[int], list[SlowQueryRecord]]
+StoreHealth = Callable[[], WriterHealth]
 DEFAULT_MAX_QUEUE = 256
 DEFAULT_MAX_BODY_BYTES = BodyLimits.max_bytes
 DEFAULT_BODY_TIMEOUT_S = BodyLimits.read_timeout_s
 MAX_SLOW_QUERIES = 5000
+DEFAULT_SHARE = RequestShare()
 
 
 def create_app(loop: EngineLoop, *, admin_token: str | None,
@@ -53,11 +57,13 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
                slow_queries_reader: SlowQueriesReader | None = None, public_stats: bool = False,
                allowed_hosts: Sequence[str] = LOOPBACK_HOSTS,
                chat_template: Path | None = None,
-               tool_call_parser: str | None = None) -> Starlette:
+               tool_call_parser: str | None = None,
+               share: RequestShare = DEFAULT_SHARE,
+               store_health: StoreHealth | None = None) -> Starlette:
     """The starlette app; the caller owns `loop` (started before serving, stopped after)."""
     started = int(time.time())
     limits = BodyLimits(max_bytes=max_body_bytes, read_timeout_s=body_timeout_s)
-    generations = Generations(loop, max_queue=max_queue, limits=limits)
+    generations = Generations(loop, max_queue=max_queue, limits=limits, share=share)
     completions = Completions(generations)
     model = loop.engine.config.model
     template = load_chat_template(model, chat_template,
@@ -95,7 +101,17 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
         if loop.paused:  # alive, but an operator holds it: not serving until resumed
             return JSONResponse({"status": "paused", "detail": "an operator paused the "
                                  "engine; POST /v1/admin/resume serves again"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        if store_health is None:
+            return JSONResponse({"status": "ok"})
+        store = store_health()  # unreachable: still serving, from memory, and said here
+        return JSONResponse({"status": "ok" if store.state == "ok" else "degraded",
+                             "store": store.to_dict()})
+
+    def stats_body() -> dict[str, Any]:
+        body = snapshot().to_dict()
+        if store_health is not None:
+            body["store"] = store_health().to_dict()
+        return body
 
     async def metrics(_request: Request) -> Response:
         return PlainTextResponse(render_metrics(loop.engine, snapshot(), loop.health(),
@@ -104,7 +120,7 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
 
     async def stats(request: Request) -> Response:
         require_reader(request)
-        return json_response(snapshot().to_dict())
+        return json_response(stats_body())
 
     async def get_config(request: Request) -> Response:
         require_admin(request, admin_token)

@@ -20,7 +20,6 @@ from engine.serve.completions import (
     Generation,
     Generations,
     Reply,
-    check_n,
     continuous_usage,
     include_usage,
     prompt_logprobs,
@@ -36,8 +35,9 @@ NO_TEMPLATE = ("this model has no chat template (no chat_template.jinja, none in
 def render_messages(template: ChatTemplate | None, messages: Sequence[ChatMessage],
                     add_generation_prompt: bool | None,
                     continue_final_message: bool | None = None,
-                    tools: list[dict[str, Any]] | None = None) -> str:
-    """The prompt text of `messages`; ApiError(400) without a template or when it refuses them.
+                    extra: dict[str, Any] | None = None) -> str:
+    """The prompt text of `messages`, `extra` the template's other variables (tools, and vLLM's
+    chat_template_kwargs and documents); ApiError(400) without a template or when it fails.
     `add_generation_prompt` defaults to true, and to false when continuing the final message."""
     if template is None:
         raise ApiError(400, NO_TEMPLATE, param="messages")
@@ -48,7 +48,7 @@ def render_messages(template: ChatTemplate | None, messages: Sequence[ChatMessag
         return template.render([_plain(m) for m in messages], add_generation_prompt=(
             not continue_final_message if add_generation_prompt is None
             else add_generation_prompt), continue_final_message=continue_final_message is True,
-            **({"tools": tools} if tools else {}))
+            extra=extra)
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param="messages") from None
 
@@ -75,6 +75,16 @@ def _object(arguments: str) -> Any:
         return arguments
 
 
+def template_variables(body: ChatBody) -> dict[str, Any]:
+    """vLLM's chat_template_kwargs, over `documents`; they may not replace the messages."""
+    kwargs = body.chat_template_kwargs or {}
+    if "messages" in kwargs:
+        raise ApiError(400, "'chat_template_kwargs' must not set 'messages'; send them as "
+                            "'messages'", param="chat_template_kwargs")
+    documents = {} if body.documents is None else {"documents": body.documents}
+    return {**documents, **kwargs}
+
+
 class Chat:
     def __init__(self, generations: Generations, template: ChatTemplate | None,
                  tool_call_parser: str | None = None) -> None:
@@ -86,6 +96,7 @@ class Chat:
         g = self.generations
         body = parse_model(ChatBody, await read_json(request, g.limits))
         g.check_model(body.model)
+        priority = g.check_fields(body, 1)
         tools = tool_use(body, self.tool_call_parser)
         if tools is not None and (schema := tools.schema()) is not None:
             if body.guided_json is not None:
@@ -93,11 +104,15 @@ class Chat:
                                     "named tool_choice, which constrains the output itself",
                                param="guided_json")
             body = body.model_copy(update={"guided_json": schema})  # vLLM forces it so
-        text = render_messages(self.template, body.messages, body.add_generation_prompt,
-                               body.continue_final_message,
-                               template_tools(body.tools) if body.tools else None)
+        extra = template_variables(body)
+        if body.tools:
+            extra = {"tools": template_tools(body.tools), **extra}
+        asked = extra.pop("add_generation_prompt", body.add_generation_prompt)
+        text = render_messages(self.template, body.messages,
+                               None if asked is None else asked is not False,
+                               body.continue_final_message, extra)
         # the template writes the special tokens it wants, so none are added by default
-        prompt = g.token_ids(text, param="messages",
+        prompt = g.token_ids(text, "messages", body.truncate_prompt_tokens,
                              add_special_tokens=body.add_special_tokens is True)
         if body.top_logprobs is not None and body.logprobs is not True:
             raise ApiError(400, "'top_logprobs' needs \"logprobs\": true", param="top_logprobs")
@@ -110,11 +125,10 @@ class Chat:
         params = g.params(body, max_tokens if max_tokens is not None else g.defaults.max_tokens,
                           logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                           prompt_logprobs=body.prompt_logprobs)
-        generation = Generation([prompt], params, check_n(body.n), body.stream is True,
+        generation = Generation([prompt], params, body.n or 1, body.stream is True,
                                 include_usage(body), continuous_usage(body),
-                                g.engine_loop.engine.max_model_len)
-        reply = _ChatReply.new("chatcmpl", g, params, body.prompt_logprobs is not None,
-                               tools=tools)
+                                g.engine_loop.engine.max_model_len, priority)
+        reply = _ChatReply.new("chatcmpl", g, params, body, tools=tools)
         return await g.run(request, generation, reply, tag=CHAT_TAG)
 
 
@@ -176,7 +190,7 @@ class _ChatReply(Reply):
                 "finish_reason": finish_reason})
         body = {**self._body("chat.completion", rendered), "usage": usage}
         if self.prompt_logprobs:  # one prompt for every choice: vLLM puts it at the top
-            body["prompt_logprobs"] = prompt_logprobs(choices[0], self.decode)
+            body["prompt_logprobs"] = prompt_logprobs(choices[0], self.token_text)
         return body
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
@@ -184,7 +198,7 @@ class _ChatReply(Reply):
 
     def _logprobs(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
         def item(token: int, value: float) -> dict[str, Any]:
-            text = self.decode([token])
+            text = self.token_text(token)
             return {"token": text, "logprob": max(value, MIN_LOGPROB),
                     "bytes": list(text.encode("utf-8"))}
         return {"content": [{**item(e.token, e.logprob),

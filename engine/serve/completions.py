@@ -14,15 +14,16 @@ from typing import Any, Protocol
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from engine.batch import TokenLogprob
-from engine.config import ConfigError, SamplingParams
+from engine.config import INT64_MAX, ConfigError, SamplingParams
 from engine.core.engine import RequestOutput
 from engine.core.request import SCORE_TAG, RequestState
 from engine.errors import RequestError
 from engine.model.tokenizer import continuation
 from engine.serve.loop import EngineLoop
+from engine.serve.memory import IdleTrim
 from engine.serve.protocol import (
     ApiError,
     BodyLimits,
@@ -37,6 +38,7 @@ from engine.serve.sampling import (
     load_defaults,
     sampling_params,
 )
+from engine.serve.shares import RequestShare
 
 RETRY_AFTER_S = 1
 ERROR_CHECK_S = 1.0
@@ -56,6 +58,7 @@ class Generation:
     include_usage: bool
     continuous_usage: bool
     max_model_len: int
+    priority: int = 0  # the engine's: higher goes first
 
     def choices(self) -> list[tuple[list[int], SamplingParams]]:
         """(prompt, params) per choice, choice i from prompt i // n; ApiError(400): a bad seed
@@ -133,14 +136,6 @@ class ReplyFormat(Protocol):
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]: ...
 
 
-def check_n(n: int | None) -> int:
-    if n is None:
-        return 1
-    if n < 1:
-        raise ApiError(400, "'n' must be at least 1", param="n")
-    return n
-
-
 class _Bridge:
     """Engine-thread outputs of one choice, in order onto the HTTP request's shared queue; with
     `final_only`, only the last crosses, the choice gathered on the engine thread."""
@@ -165,12 +160,15 @@ class _Bridge:
 class Generations:
     """The engine side of both endpoints, with its admission state."""
 
-    def __init__(self, engine_loop: EngineLoop, *, max_queue: int, limits: BodyLimits) -> None:
+    def __init__(self, engine_loop: EngineLoop, *, max_queue: int, limits: BodyLimits,
+                 share: RequestShare) -> None:
         self.engine_loop = engine_loop
         self.max_queue = max_queue
         self.limits = limits
+        self.share = share
         self.in_flight = 0
         self.queue_full = 0  # requests refused with 429: vLLM's admission_rejections
+        self.trim = IdleTrim()
         self.defaults: SamplingDefaults = load_defaults(engine_loop.engine.config.model)
 
     @property
@@ -183,12 +181,35 @@ class Generations:
                            kind="not_found_error", param="model")
 
     def token_ids(self, prompt: str | list[int], param: str = "prompt",
-                  add_special_tokens: bool = False) -> list[int]:
+                  keep: int | None = None, add_special_tokens: bool = False) -> list[int]:
+        """The prompt's token ids, cut to the last `keep` (vLLM's truncate_prompt_tokens)."""
         try:
-            return self.engine_loop.engine.prompt_token_ids(
+            tokens = self.engine_loop.engine.prompt_token_ids(
                 prompt, add_special_tokens=add_special_tokens)
         except RequestError as exc:
             raise ApiError(400, str(exc), param=param) from None
+        if keep is None:
+            return tokens
+        max_len = self.engine_loop.engine.max_model_len
+        if keep == -1:
+            keep = max_len
+        if keep < 1:
+            raise ApiError(400, "'truncate_prompt_tokens' must be at least 1, or -1 for the "
+                                "model's context length", param="truncate_prompt_tokens")
+        if keep > max_len:
+            raise ApiError(400, f"'truncate_prompt_tokens' {keep} is greater than the context "
+                                f"length {max_len}; select a smaller truncation size",
+                           param="truncate_prompt_tokens")
+        return tokens[-keep:]
+
+    def check_fields(self, body: SamplingFields, prompts: int) -> int:
+        """The request's engine priority, once its share and fields pass (ApiError(400))."""
+        self.share.check_fields(body, prompts)
+        priority = body.priority or 0
+        if not -INT64_MAX <= priority <= INT64_MAX:
+            raise ApiError(400, f"'priority' must be in [-{INT64_MAX}, {INT64_MAX}]",
+                           param="priority")
+        return -priority  # vLLM's: a lower value is served first; the engine's is the reverse
 
     def params(self, body: SamplingFields, max_tokens: int | None, **logprobs: int | None
                ) -> SamplingParams:
@@ -199,6 +220,8 @@ class Generations:
                   tag: str | None = None) -> Response:
         """Submit every choice and answer: one JSON body, or SSE chunks as tokens come."""
         engine = self.engine_loop.engine
+        self.share.check_logprobs(generation.prompts, generation.params, generation.n,
+                                  engine.max_model_len)
         choices = generation.choices()
         for prompt, params in choices:
             reason = engine.rejection_reason(len(prompt), params.max_tokens)
@@ -217,6 +240,7 @@ class Generations:
                 try:
                     request_ids.append(self.engine_loop.submit(
                         prompt, params, tag=tag, on_output=bridge.push,
+                        priority=generation.priority,
                         request_id=base if len(choices) == 1 else f"{base}-{index}"))
                 except BaseException:
                     self.in_flight -= 1
@@ -248,6 +272,8 @@ class Generations:
 
     def _release(self) -> None:
         self.in_flight -= 1
+        if self.in_flight == 0:
+            self.trim.idle()
 
     async def _next(self, queue: asyncio.Queue[tuple[int, RequestOutput]]
                     ) -> tuple[int, RequestOutput]:
@@ -285,7 +311,10 @@ class Generations:
         for output in finals.values():
             _raise_if_refused(self.engine_loop, output)
         await _journaled(self.engine_loop)
-        return JSONResponse(reply.final(choices, _usage(choices, n)))
+        # a large answer (logprobs of many choices) is built off the event loop
+        body = await run_in_threadpool(lambda: _json_bytes(reply.final(choices,
+                                                                       _usage(choices, n))))
+        return Response(body, media_type="application/json")
 
     async def _events(self, request_ids: list[str],
                       queue: asyncio.Queue[tuple[int, RequestOutput]],
@@ -374,6 +403,7 @@ class Completions:
         g = self.generations
         body = parse_model(CompletionBody, await read_json(request, g.limits))
         g.check_model(body.model)
+        priority = g.check_fields(body, len(body.prompts()))
         echo = body.echo is True
         if body.max_tokens == 0 and not echo:
             raise ApiError(400, "'max_tokens' 0 generates nothing: add \"echo\": true to score "
@@ -384,13 +414,14 @@ class Completions:
                           else body.max_tokens, logprobs=body.logprobs,
                           prompt_logprobs=(body.prompt_logprobs if body.prompt_logprobs
                                            is not None else body.logprobs if echo else None))
-        prompts = [g.token_ids(p, add_special_tokens=body.add_special_tokens is not False)
+        prompts = [g.token_ids(p, keep=body.truncate_prompt_tokens,
+                               add_special_tokens=body.add_special_tokens is not False)
                    for p in body.prompts()]
-        generation = Generation(prompts, params, check_n(body.n), body.stream is True,
+        generation = Generation(prompts, params, body.n or 1, body.stream is True,
                                 include_usage(body), continuous_usage(body),
-                                g.engine_loop.engine.max_model_len)
-        reply = _CompletionReply.new("cmpl", g, params, body.prompt_logprobs is not None,
-                                     echo=echo, logprobs=body.logprobs is not None)
+                                g.engine_loop.engine.max_model_len, priority)
+        reply = _CompletionReply.new("cmpl", g, params, body, echo=echo,
+                                     logprobs=body.logprobs is not None)
         return await g.run(request, generation, reply,
                            tag=SCORE_TAG if params.prefill_only else None)
 
@@ -417,16 +448,25 @@ class Reply:
     decode: Callable[[list[int]], str]
     texts: Texts
     prompt_logprobs: bool
+    token_text: Callable[[int], str]  # a token as logprobs name it
 
     @classmethod
     def new(cls, prefix: str, generations: Generations, params: SamplingParams,
-            prompt_logprobs: bool, **more: Any) -> Any:
+            body: SamplingFields, **more: Any) -> Any:
         tokenizer = generations.engine_loop.engine.tokenizer
         decode = functools.partial(tokenizer.decode,
                                    skip_special_tokens=params.skip_special_tokens)
+
+        def token_text(token: int) -> str:
+            return decode([token])
+
+        def token_id_text(token: int) -> str:  # vLLM's return_tokens_as_token_ids
+            return f"token_id:{token}"
+
         return cls(f"{prefix}-{uuid.uuid4().hex[:16]}", generations.served, int(time.time()),
-                   decode, Texts(decode, params, tokenizer.eos_token_ids), prompt_logprobs,
-                   **more)
+                   decode, Texts(decode, params, tokenizer.eos_token_ids),
+                   body.prompt_logprobs is not None,
+                   token_id_text if body.return_tokens_as_token_ids else token_text, **more)
 
 
 @dataclass(frozen=True)
@@ -445,7 +485,7 @@ class _CompletionReply(Reply):
             text = self.decode(choice.prompt) + text
             tokens = choice.prompt + tokens
             entries = _prompt_scored(choice) + entries
-        scored = completion_logprobs(entries, self.decode) if self.logprobs else None
+        scored = completion_logprobs(entries, self.token_text) if self.logprobs else None
         return self._body([{"index": choice.index, "text": text, "token_ids": tokens,
                             "logprobs": scored,
                             "finish_reason": FINISH_REASONS.get(choice.finish_reason or "")}])
@@ -457,11 +497,11 @@ class _CompletionReply(Reply):
             if self.echo:
                 text = self.decode(choice.prompt) + text
                 entries = _prompt_scored(choice) + entries
-            scored = completion_logprobs(entries, self.decode) if self.logprobs else None
+            scored = completion_logprobs(entries, self.token_text) if self.logprobs else None
             rendered.append({"index": choice.index, "text": text,
                              "token_ids": list(choice.token_ids), "logprobs": scored,
                              "finish_reason": FINISH_REASONS.get(choice.finish_reason or ""),
-                             **({"prompt_logprobs": prompt_logprobs(choice, self.decode)}
+                             **({"prompt_logprobs": prompt_logprobs(choice, self.token_text)}
                                 if self.prompt_logprobs else {})})
         return {**self._body(rendered), "usage": usage}
 
@@ -483,12 +523,12 @@ def _prompt_scored(choice: Choice) -> Scored:
     return [(choice.prompt[0], None), *_scored(choice.prompt_logprobs)]
 
 
-def prompt_logprobs(choice: Choice, decode: Callable[[list[int]], str]
+def prompt_logprobs(choice: Choice, token_text: Callable[[int], str]
                     ) -> list[dict[str, dict[str, Any]] | None]:
     """vLLM's `prompt_logprobs`: None for the first token, then {token id: logprob, rank, text}."""
     def logprob(token: int, value: float, rank: int | None) -> dict[str, Any]:
         return {"logprob": max(value, MIN_LOGPROB), "rank": rank,
-                "decoded_token": decode([token])}
+                "decoded_token": token_text(token)}
 
     scored: list[dict[str, dict[str, Any]] | None] = [None]
     for entry in choice.prompt_logprobs or ():
@@ -499,13 +539,13 @@ def prompt_logprobs(choice: Choice, decode: Callable[[list[int]], str]
     return scored
 
 
-def completion_logprobs(entries: Scored, decode: Callable[[list[int]], str]
+def completion_logprobs(entries: Scored, token_text: Callable[[int], str]
                         ) -> dict[str, Any]:
     """The completions API's logprobs object: per token its text, logprob, top N and offset."""
     tokens, values, tops, offsets = [], [], [], []
     offset = 0
     for token, entry in entries:
-        text = decode([token])
+        text = token_text(token)
         tokens.append(text)
         offsets.append(offset)
         offset += len(text)
@@ -515,11 +555,17 @@ def completion_logprobs(entries: Scored, decode: Callable[[list[int]], str]
             continue
         top = {text: max(entry.logprob, MIN_LOGPROB)}
         for other, value in entry.top:
-            top.setdefault(decode([other]), max(value, MIN_LOGPROB))
+            top.setdefault(token_text(other), max(value, MIN_LOGPROB))
         values.append(max(entry.logprob, MIN_LOGPROB))
         tops.append(top)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def _json_bytes(data: Any) -> bytes:
+    """As starlette's JSONResponse renders a body."""
+    return json.dumps(data, ensure_ascii=False, allow_nan=False, indent=None,
+                      separators=(",", ":")).encode("utf-8")
 
 
 def _sse(data: dict[str, Any]) -> str:

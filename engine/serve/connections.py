@@ -1,9 +1,13 @@
-"""How the HTTP server treats connections: header deadline, connection and size caps, quiet logs."""
+"""How the HTTP server treats connections: header and body deadlines, connection caps (in all
+and per address), size caps, and logs that a flood cannot fill."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
+import time
+from collections.abc import Callable
 from typing import Any
 
 import h11
@@ -14,49 +18,158 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from engine.serve.log_limit import RateLimitedLog, client_and_status
 
 HEADER_TIMEOUT_S = 10.0
+BODY_TIMEOUT_S = 10.0  # from the end of the headers to the end of the body
 KEEP_ALIVE_S = 5
 MAX_CONNECTIONS = 1000
+MAX_CONNECTIONS_PER_ADDRESS = 256
 MAX_HEADER_BYTES = 64 << 10
+ACCEPT_LOG_INTERVAL_S = 1.0
+TOO_MANY = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\nRetry-After: 1\r\nContent-Length: %d\r\n\r\n%b")
+TOO_MANY_BODY = (b'{"error": {"message": "too many connections from this address; close idle '
+                 b'ones or retry after 1 s", "type": "server_error", "param": null, '
+                 b'"code": 503}}')
+log = logging.getLogger("tokenflow.serve")
 
 
-class HeaderDeadlineProtocol(H11Protocol):
-    """uvicorn's h11 protocol, closing a connection whose request headers are late."""
+class ConnectionGuard:
+    """One server's open connections by client address, and the clock its deadlines read."""
+
+    def __init__(self, per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.per_address = per_address
+        self.clock = clock
+        self.open: dict[str, int] = {}
+
+    def admit(self, address: str) -> bool:
+        count = self.open.get(address, 0)
+        if count >= self.per_address:
+            return False
+        self.open[address] = count + 1
+        return True
+
+    def release(self, address: str) -> None:
+        count = self.open.pop(address, 0) - 1
+        if count > 0:
+            self.open[address] = count
+
+
+class DeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol, closing a connection whose request headers or body are late,
+    and refusing one past its address's cap."""
 
     header_timeout_s = HEADER_TIMEOUT_S
-    _deadline: asyncio.TimerHandle | None = None
+    body_timeout_s = BODY_TIMEOUT_S
+    guard: ConnectionGuard
+    _timer: asyncio.TimerHandle | None = None
+    _due: float = 0.0
+    _phase: object = None  # h11.IDLE: waiting for headers; h11.SEND_BODY: for the body
+    _address: str | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._arm()
+        peer = transport.get_extra_info("peername")
+        address = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        if not self.guard.admit(address):
+            transport.write(TOO_MANY % (len(TOO_MANY_BODY), TOO_MANY_BODY))
+            transport.close()
+            return
+        self._address = address
+        self._arm(h11.IDLE, self.header_timeout_s)
 
     def data_received(self, data: bytes) -> None:
-        if self._deadline is None and self.conn.their_state is h11.IDLE:
-            self._arm()
+        if self._address is None:
+            return  # refused: the 503 is on its way
+        if self._timer is None and self.conn.their_state is h11.IDLE:
+            self._arm(h11.IDLE, self.header_timeout_s)
         super().data_received(data)
-        if self._deadline is not None and self.conn.their_state is not h11.IDLE:
-            self._deadline.cancel()  # headers in: an armed deadline would cut it idle
-            self._deadline = None
+        state = self.conn.their_state
+        if state is h11.SEND_BODY and self._phase is not h11.SEND_BODY:
+            self._arm(h11.SEND_BODY, self.body_timeout_s)
+        elif state is not self._phase:
+            self._disarm()  # the awaited part is in: an armed deadline would cut it idle
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+        self._disarm()
+        if self._address is not None:
+            self.guard.release(self._address)
+            self._address = None
         super().connection_lost(exc)
 
-    def _arm(self) -> None:
-        self._deadline = self.loop.call_later(self.header_timeout_s, self._expire)
+    def _arm(self, phase: object, timeout_s: float) -> None:
+        self._disarm()
+        self._phase = phase
+        self._due = self.guard.clock() + timeout_s
+        self._timer = self.loop.call_later(timeout_s, self.expire)
 
-    def _expire(self) -> None:
-        self._deadline = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = None
+        self._phase = None
+
+    def expire(self) -> None:
+        """Close the connection if what it was waiting for is still late by the guard's clock."""
+        self._timer = None
+        left = self._due - self.guard.clock()
+        if left > 0:  # the guard's clock is behind the loop's: look again then
+            self._timer = self.loop.call_later(left, self.expire)
+            return
+        if self.conn.their_state is self._phase and not self.transport.is_closing():
             self.transport.close()
+        self._phase = None
+
+
+class AcceptErrorLog:
+    """The event loop's exception handler: at most one line a second per kind of error, with a
+    count of those since the last line, never a traceback (the file limit made asyncio print
+    one per failed accept)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 interval_s: float = ACCEPT_LOG_INTERVAL_S,
+                 logger: logging.Logger = log) -> None:
+        self.clock = clock
+        self.interval_s = interval_s
+        self.logger = logger
+        self.last: dict[str, float] = {}
+        self.unsaid: dict[str, int] = {}
+
+    def __call__(self, _loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        message = str(context.get("message") or "event loop error")
+        kind = f"{message}: {type(exc).__name__}" if exc is not None else message
+        now = self.clock()
+        last = self.last.get(kind)
+        if last is not None and 0 <= now - last < self.interval_s:
+            self.unsaid[kind] = self.unsaid.get(kind, 0) + 1
+            return
+        if kind not in self.last and len(self.last) >= 64:  # kinds remembered are bounded
+            oldest = min(self.last, key=self.last.__getitem__)
+            self.last.pop(oldest)
+            self.unsaid.pop(oldest, None)
+        self.last[kind] = now
+        count = self.unsaid.pop(kind, 0)
+        more = f" ({count} more since the last line)" if count else ""
+        self.logger.error("%s%s%s", message, f": {exc}" if exc is not None else "", more)
+
+
+class GuardedServer(uvicorn.Server):
+    """uvicorn's server with the event loop's errors through AcceptErrorLog."""
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        asyncio.get_running_loop().set_exception_handler(AcceptErrorLog())
+        await super().serve(sockets)
 
 
 def server_config(app: ASGIApp, *, max_connections: int = MAX_CONNECTIONS,
-                  header_timeout_s: float = HEADER_TIMEOUT_S, **options: Any) -> uvicorn.Config:
+                  header_timeout_s: float = HEADER_TIMEOUT_S,
+                  body_timeout_s: float = BODY_TIMEOUT_S,
+                  per_address: int = MAX_CONNECTIONS_PER_ADDRESS,
+                  clock: Callable[[], float] = time.monotonic, **options: Any) -> uvicorn.Config:
     """The uvicorn Config every tokenflow HTTP server runs with; `options` are uvicorn's."""
-    protocol = type("HeaderDeadline", (HeaderDeadlineProtocol,),
-                    {"header_timeout_s": header_timeout_s})
+    protocol = type("Deadline", (DeadlineProtocol,),
+                    {"header_timeout_s": header_timeout_s, "body_timeout_s": body_timeout_s,
+                     "guard": ConnectionGuard(per_address, clock)})
     RateLimitedLog.install(logging.getLogger("uvicorn.error"))
     RateLimitedLog.install(logging.getLogger("uvicorn.access"), kind=client_and_status)
     return uvicorn.Config(app, http=protocol, limit_concurrency=max_connections,

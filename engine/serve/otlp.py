@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import threading
 import time
@@ -16,6 +17,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from sqlalchemy import insert, select
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -25,7 +27,7 @@ from starlette.routing import Route
 from engine.budget.roofline import StepShape
 from engine.serve.auth import bearer_matches
 from engine.serve.hosts import HostAllowList
-from engine.serve.otlp_limits import OtlpLimits, decoded_body
+from engine.serve.otlp_limits import OtlpLimits, decoded_body, entry_count
 from engine.serve.otlp_span import (
     REQUEST_SPAN,
     SpanRejected,
@@ -40,7 +42,11 @@ from engine.store import Database, SlowQueryRecord, TracedDriftPoint, traced_dri
 from engine.store.models import SlowQueryRow, TracedRequestRow
 from engine.store.retention import RetentionLimits, apply_traced_retention
 
+log = logging.getLogger(__name__)
 SLOW_THRESHOLD = 1.5
+STORE_RETRY_S = (0.05, 0.2, 0.5, 1.0)  # SQLite's own busy timeout comes first
+STORE_RETRY_AFTER_S = 1
+GLOBAL = "every client"
 KEEP = 200
 PROTOBUF = "application/x-protobuf"
 REASONS_SHOWN = 3
@@ -79,7 +85,9 @@ class Export:
 
 
 def parse_export(body: bytes, limits: OtlpLimits) -> ExportTraceServiceRequest:
-    """One OTLP export body (protobuf bytes): 400 if it is not one, 413 past `max_spans`."""
+    """One OTLP export body (protobuf bytes): 400 if it is not one, 413 past `max_entries`
+    (counted before parsing) or `max_spans`."""
+    entry_count(body, limits)
     message = ExportTraceServiceRequest()
     try:
         message.ParseFromString(body)
@@ -96,6 +104,12 @@ def parse_export(body: bytes, limits: OtlpLimits) -> ExportTraceServiceRequest:
 def span_count(message: ExportTraceServiceRequest) -> int:
     return sum(len(scope.spans) for resource in message.resource_spans
                for scope in resource.scope_spans)
+
+
+def export_cost(message: ExportTraceServiceRequest) -> int:
+    """What an export spends of the rate: every resource, scope and span (at least 1)."""
+    scopes = sum(len(resource.scope_spans) for resource in message.resource_spans)
+    return max(1, len(message.resource_spans) + scopes + span_count(message))
 
 
 def decode_export(message: ExportTraceServiceRequest, limits: OtlpLimits,
@@ -130,13 +144,15 @@ class TraceCollector:
                  slow_threshold: float = SLOW_THRESHOLD, keep: int = KEEP, *,
                  limits: OtlpLimits | None = None,
                  retention: RetentionLimits | None = None,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.estimate = estimate
         self.database = database
         self.slow_threshold = slow_threshold
         self.limits = limits or OtlpLimits()
         self.retention = retention or RetentionLimits()
         self.wall_clock = wall_clock
+        self.sleep = sleep
         # small and bounded: every string in an entry is capped by the limits
         self.recent: deque[TracedRequest] = deque(maxlen=keep)
         self.slow_counts: dict[str, int] = {}
@@ -163,7 +179,7 @@ class TraceCollector:
         slow = [t for t in scored if t.budget_score is not None
                 and t.budget_score >= self.slow_threshold]
         if self.database is not None and scored:
-            self._store(scored, slow, now)
+            self._stored(scored, slow, now)
         with self.arrived:
             self.recent.extend(scored)
             for t in slow:
@@ -213,6 +229,24 @@ class TraceCollector:
         with self.database.session() as session:
             return traced_drift(session, source=source)
 
+    def _stored(self, scored: list[TracedRequest], slow: list[TracedRequest],
+                now: float) -> None:
+        """Store, retrying while the store is busy ("database is locked"); 503 with
+        Retry-After if it stays busy or fails, never a 500 (and no span data in the log)."""
+        for attempt, delay in enumerate((*STORE_RETRY_S, None)):
+            try:
+                self._store(scored, slow, now)
+                return
+            except SQLAlchemyError as exc:
+                reason = str(getattr(exc, "orig", None) or exc).splitlines()[0][:200]
+                if delay is None or ("locked" not in reason and "busy" not in reason):
+                    log.warning("the trace store refused an export after %d tries: %s",
+                                attempt + 1, reason)
+                    raise ApiError(503, f"the trace store is busy ({reason}); retry",
+                                   kind="server_error",
+                                   headers={"Retry-After": str(STORE_RETRY_AFTER_S)}) from None
+                self.sleep(delay)
+
     def _store(self, scored: list[TracedRequest], slow: list[TracedRequest],
                now: float) -> None:
         config = {"prediction": self.score_label, "slow_query_threshold": self.slow_threshold}
@@ -235,6 +269,7 @@ def create_otlp_app(collector: TraceCollector, *, token: str | None,
     """POST /v1/traces (protobuf only), behind the Host allow-list and bearer `token`."""
     limits = collector.limits
     rates = RateLimiter(limits.rate, clock)
+    overall = RateLimiter(limits.global_rate, clock, max_sources=1)
 
     async def traces(request: Request) -> Response:
         if token is not None and not bearer_matches(request.headers.get("authorization", ""),
@@ -249,15 +284,20 @@ def create_otlp_app(collector: TraceCollector, *, token: str | None,
         client = request.client.host if request.client else "unknown"
         if rates.available(client) < 1:
             raise _slow_down(rates.spend(client, 1))
+        if overall.available(GLOBAL) < 1:
+            raise _slow_down(overall.spend(GLOBAL, 1))
         body = await read_body(request, limits.max_body_bytes, limits.body_timeout_s,
                                ApiError(413, f"the body is over {limits.max_body_bytes} bytes; "
                                              "send smaller batches "
                                              "(OTEL_BSP_MAX_EXPORT_BATCH_SIZE)"))
         message = parse_export(
             decoded_body(body, request.headers.get("content-encoding", ""), limits), limits)
-        wait = rates.spend(client, max(span_count(message), 1))
-        if wait:
+        cost = export_cost(message)
+        wait = max(rates.wait(client, cost), overall.wait(GLOBAL, cost))
+        if wait:  # neither bucket is spent unless both have room
             raise _slow_down(wait)
+        rates.spend(client, cost)
+        overall.spend(GLOBAL, cost)
         export = await run_in_threadpool(collector.take, message)
         return Response(export.response().SerializeToString(), media_type=PROTOBUF)
 

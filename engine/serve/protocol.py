@@ -154,6 +154,11 @@ HINTS = {
     "logprobs": "must be an integer from 0 (completions) or true/false (chat)",
     **{name: f"{UNSUPPORTED} (a vLLM extension tokenflow does not implement)"
        for name in ("allowed_token_ids", "bad_words", "use_beam_search")},
+    "length_penalty": "must be 1 or left out: it weighs beam search's candidates, and "
+                      "tokenflow has no beam search (vLLM ignores it without one)",
+    "chat_template": "is refused: a template sent with a request is not trusted (vLLM refuses "
+                     "it too unless started with --trust-request-chat-template); start the "
+                     "server with --chat-template FILE",
 }
 
 
@@ -225,7 +230,11 @@ class SamplingFields(BaseModel):
     guided_choice: list[StrictStr] | None = None
     guided_grammar: StrictStr | None = None
     structured_outputs: StructuredOutputs | None = None
+    truncate_prompt_tokens: StrictInt | None = None
+    priority: StrictInt | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
     # vLLM extensions tokenflow does not implement, refused rather than ignored
+    length_penalty: Literal[None, 1] | Annotated[StrictFloat, Field(ge=1.0, le=1.0)] = None
     allowed_token_ids: Unused = None
     bad_words: Unused = None
     use_beam_search: Literal[None, False] = None
@@ -324,6 +333,9 @@ class ChatBody(SamplingFields):
     functions: Unused = None
     function_call: Literal[None, "none"] = None
     echo: Literal[None, False] = None
+    chat_template_kwargs: dict[StrictStr, Any] | None = None
+    documents: list[dict[StrictStr, StrictStr]] | None = None
+    chat_template: Literal[None] = None
 
 
 class TokenizeBody(BaseModel):

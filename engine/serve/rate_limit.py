@@ -35,6 +35,13 @@ class RateLimiter:
         with self._lock:
             return self._refilled(source, self.clock())
 
+    def wait(self, source: str, cost: float) -> float:
+        """The wait until `cost` is there (0.0: now; inf: never), spending nothing."""
+        tokens = self.available(source)
+        if cost <= tokens:
+            return 0.0
+        return float("inf") if cost > self.rate.burst else (cost - tokens) / self.rate.per_second
+
     def spend(self, source: str, cost: float) -> float:
         """Spend `cost` and return 0.0, or spend nothing and return the wait until it is there."""
         with self._lock:

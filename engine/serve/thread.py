@@ -5,10 +5,9 @@ from __future__ import annotations
 import threading
 from types import TracebackType
 
-import uvicorn
 from starlette.types import ASGIApp
 
-from engine.serve.connections import server_config
+from engine.serve.connections import GuardedServer, server_config
 from engine.serve.listener import BACKLOG, listen
 
 GRACEFUL_SHUTDOWN_S = 2
@@ -20,7 +19,7 @@ class ServerThread:
         self.sock = listen(host, port, nodelay=nodelay)
         config = server_config(app, log_level="warning", lifespan="off", backlog=BACKLOG,
                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-        self.server = uvicorn.Server(config)
+        self.server = GuardedServer(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        name="tokenflow-http", daemon=True)
 

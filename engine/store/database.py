@@ -17,7 +17,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import URL, Engine, create_engine, event, make_url
+from sqlalchemy import URL, Connection, Engine, create_engine, event, make_url
 from sqlalchemy.engine import ExceptionContext
 from sqlalchemy.exc import ArgumentError, DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
@@ -54,29 +54,51 @@ def store_url(db: str | Path | None) -> URL:
         return URL.create("sqlite", database=str(default_db_path()))
     if isinstance(db, Path) or "://" not in db:
         return URL.create("sqlite", database=str(Path(db).expanduser()))
+    if _authority(db).count("@") > 1:  # read as a host, the password's tail would show
+        raise StoreError(f"the store URL {_masked(db)} has an '@' in its user or password: "
+                         f"write it as %40; {URL_HELP}")
     try:
         url = make_url(db)
-    except ArgumentError as exc:
+    except (ArgumentError, ValueError) as exc:  # a bad port is a ValueError
         raise StoreError(f"cannot read the store URL {_masked(db)}: {exc}; {URL_HELP}") from None
     if url.get_backend_name() == "sqlite":
         if not url.database:
             raise StoreError(f"{_masked(db)} names no file; {URL_HELP}")
         return url.set(drivername="sqlite")
     if url.get_backend_name() != "postgresql":
-        raise StoreError(f"{url.render_as_string(hide_password=True)}: tokenflow stores in "
+        raise StoreError(f"{shown_url(url)}: tokenflow stores in "
                          f"SQLite or PostgreSQL only; {URL_HELP}")
     if url.drivername != POSTGRESQL_DRIVER:
         url = url.set(drivername=POSTGRESQL_DRIVER)
     if not url.database:
-        raise StoreError(f"{url.render_as_string(hide_password=True)} names no database; "
+        raise StoreError(f"{shown_url(url)} names no database; "
                          f"{URL_HELP}")
     return url
 
 
+def shown_url(url: URL) -> str:
+    """`url` as it may be printed: its password, in the user part or the query, as ***."""
+    query = {key: "***" if "password" in key.lower() else value
+             for key, value in url.query.items()}
+    return url.set(query=query).render_as_string(hide_password=True)
+
+
+def _authority(text: str) -> str:
+    """The user, password, host and port of a URL's text."""
+    rest = text.partition("://")[2]
+    return rest.split("/", 1)[0].split("?", 1)[0]
+
+
 def _masked(text: str) -> str:
-    """A URL we could not parse, with anything that may be a password cut out."""
+    """A URL we could not parse, with anything that may be a password cut out: the user part
+    up to the last '@' of the authority, and every query value."""
     scheme, _, rest = text.partition("://")
-    return f"{scheme}://***@{rest.rpartition('@')[2]}" if "@" in rest else text
+    authority = _authority(text)
+    path = rest[len(authority):]
+    if "@" in authority:
+        authority = f"***@{authority.rpartition('@')[2]}"
+    path, _, query = path.partition("?")
+    return f"{scheme}://{authority}{path}" + ("?***" if query else "")
 
 
 @dataclass
@@ -99,7 +121,7 @@ class Database:
     @property
     def location(self) -> str:
         path = self.path
-        return str(path) if path is not None else self.url.render_as_string(hide_password=True)
+        return str(path) if path is not None else shown_url(self.url)
 
     def session(self) -> Session:
         return self.sessions()
@@ -124,6 +146,13 @@ class Database:
         except OSError as exc:
             raise StoreError(f"cannot create the lock file beside {path}: "
                              f"{exc.strerror}; {_write_fix(path)}") from exc
+
+    def check_writer(self, connection: Connection) -> None:
+        """In a write transaction: raise ServerNameLost if another process took this server's
+        name (PostgreSQL); take it back first if it is free (a restart ended our session)."""
+        lock = self._writer_lock
+        if isinstance(lock, ServerLock) and not lock.check(connection):
+            lock.check(connection)  # taken back: the check now sees our new session's lock
 
     def close(self) -> None:
         if self._writer_lock is not None:

@@ -20,12 +20,17 @@ from engine.errors import EngineError
 from engine.events import Event, EventBus, wall_offset
 from engine.store.batch import fold, prefilling, to_statements
 from engine.store.database import Database, StoreError
+from engine.store.lock import StoreLockedError
 from engine.store.retention import RetentionLimits, apply_retention
 
 log = logging.getLogger(__name__)
 
 _STOP = object()
 _RETRY_S = (0.05, 0.2, 1.0)
+# How long, and how many events, a server keeps serving from memory while its store cannot be
+# reached (refused or reset connections); past either the writer stops, as on any failure.
+MAX_OUTAGE_S = 600.0
+MAX_HELD_EVENTS = 1_000_000
 # SQLite result codes (primary) that say one row is wrong, not the database.
 _ROW_ERRORS = ("SQLITE_CONSTRAINT", "SQLITE_TOOBIG", "SQLITE_MISMATCH", "SQLITE_RANGE")
 # PostgreSQL SQLSTATE classes that are one row's fault; other errors are retried or permanent.
@@ -45,6 +50,20 @@ class SkippedRow:
     table: str
     request_id: str | None
     reason: str
+
+
+@dataclass(frozen=True)
+class WriterHealth:
+    """What /health and the console say about the journal: "ok", "unreachable" (retrying,
+    serving from memory) or "stopped"."""
+
+    state: str
+    since_s: float | None = None  # how long it has been unreachable
+    held_events: int = 0  # events waiting in memory for the store
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
 
 
 @dataclass(frozen=True)
@@ -76,6 +95,9 @@ class StoreWriter:
         retention_interval_s: float = 60.0,
         on_commit: Callable[[Commit], None] | None = None,
         clock: Clock = time.monotonic,
+        max_outage_s: float = MAX_OUTAGE_S,
+        max_held_events: int = MAX_HELD_EVENTS,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         if batch_size < 1 or batch_window_s < 0 or retention_interval_s <= 0:
             raise EngineError(
@@ -91,6 +113,10 @@ class StoreWriter:
         self.retention = retention or RetentionLimits()
         self.retention_interval_s = retention_interval_s
         self.clock = clock
+        self.sleep = sleep
+        self.max_outage_s = max_outage_s
+        self.max_held_events = max_held_events
+        self.unreachable_since: float | None = None  # the clock's time of the first refusal
         self.written = 0
         self.dropped = 0
         self.skipped: list[SkippedRow] = []
@@ -109,6 +135,24 @@ class StoreWriter:
         self._queue.put(marker)
         self._wake.set()
         return marker.done.wait(timeout)
+
+    def served(self, timeout: float | None = None) -> bool:
+        """`flush` for answering clients: False once the writer has stopped (an answer it
+        cannot record is not given); while the store is unreachable (within the bounds, said
+        on /health) the events are held in memory and the answer need not wait."""
+        if self.unreachable_since is not None and self.failure is None:
+            return True
+        return self.flush(timeout) and self.failure is None
+
+    def health(self) -> WriterHealth:
+        since = self.unreachable_since
+        if self.failure is not None:
+            return WriterHealth("stopped", error=str(self.failure))
+        if since is None:
+            return WriterHealth("ok")
+        return WriterHealth("unreachable", since_s=max(0.0, self.clock() - since),
+                            held_events=self._queue.qsize(),
+                            error=None if self.last_error is None else _reason(self.last_error))
 
     def check(self) -> None:
         """Raise the permanent error that stopped the writer: whoever runs the engine stops too."""
@@ -225,7 +269,12 @@ class StoreWriter:
         while True:
             try:
                 with self.database.engine.begin() as connection:
+                    self.database.check_writer(connection)  # the server name is still ours
                     work(connection)
+                if self.unreachable_since is not None:
+                    log.warning("store %s is reachable again; the events held in memory are "
+                                "being written", self.database.location)
+                    self.unreachable_since = None
                 return None
             except Exception as exc:
                 kind = _classify(exc)
@@ -234,21 +283,46 @@ class StoreWriter:
                     return _reason(exc)
                 if kind == "permanent":
                     raise _Permanent from exc
+                if kind == "unreachable" and attempt:
+                    # twice in a row: the database, not one connection (a killed backend is
+                    # retried at once); only then do answers stop waiting for commits
+                    self._unreachable(exc)
                 delay = _RETRY_S[min(attempt, len(_RETRY_S) - 1)]
-                log.warning("store %s is busy (%s); retrying in %.2fs", self.database.location,
-                            _reason(exc), delay)
-                time.sleep(delay)
+                if attempt < len(_RETRY_S):  # then once a backoff, not once a retry
+                    log.warning("store %s is %s (%s); retrying every %.2fs at most",
+                                self.database.location, kind, _reason(exc), delay)
+                self.sleep(delay)
                 attempt += 1
+
+    def _unreachable(self, exc: Exception) -> None:
+        """Keep serving from memory within the bounds; past them, stop as on any failure."""
+        now = self.clock()
+        if self.unreachable_since is None:
+            self.unreachable_since = now
+        held = self._queue.qsize()
+        if now - self.unreachable_since > self.max_outage_s or held > self.max_held_events:
+            raise _Permanent from StoreError(
+                f"the journal in {self.database.location} stopped: the store was unreachable "
+                f"for {now - self.unreachable_since:.0f} s ({_reason(exc)}) with {held} events "
+                f"held in memory, past the bounds of {self.max_outage_s:g} s and "
+                f"{self.max_held_events} events. Nothing after this point was recorded.")
 
 
 def _classify(exc: BaseException) -> str:
-    """"busy" (retry), "row" (this row's values) or "permanent" (stop the writer)."""
+    """"busy" or "unreachable" (retry), "row" (this row's values) or "permanent" (stop)."""
     if isinstance(exc, StatementError) and not isinstance(exc, DBAPIError):
         exc = exc.orig or exc
     if isinstance(exc, DBAPIError):
-        state = getattr(exc.orig, "sqlstate", "")
+        state = getattr(exc.orig, "sqlstate", "") or ""
+        if hasattr(exc.orig, "sqlstate") and not state:
+            # PostgreSQL's driver without a SQLSTATE: the connection itself failed (refused,
+            # reset, closed by a restart), not a statement
+            return "unreachable"
         if state or exc.connection_invalidated:
-            if exc.connection_invalidated or state in _PG_BUSY or state.startswith("08"):
+            if exc.connection_invalidated or state.startswith("08") or state in (
+                    "57P01", "57P02", "57P03"):  # shut down, crashed, starting up
+                return "unreachable"
+            if state in _PG_BUSY:
                 return "busy"
             return "row" if state[:2] in _PG_ROW_CLASSES else "permanent"
         name = getattr(exc.orig, "sqlite_errorname", "")
@@ -269,6 +343,8 @@ def _reason(exc: BaseException) -> str:
 def _permanent_error(database: Database, exc: BaseException) -> StoreError:
     if isinstance(exc, StoreError):
         return exc
+    if isinstance(exc, StoreLockedError):  # the server name was taken over
+        return StoreError(str(exc))
     message = _reason(exc)
     orig = exc.orig if isinstance(exc, DBAPIError) else exc
     name = getattr(orig, "sqlite_errorname", "")

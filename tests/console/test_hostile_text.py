@@ -13,7 +13,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 from rich.console import Console
-from textual.widgets import Static
+from textual.widgets import DataTable, Static
 
 from console.sources.replay import ReplaySource
 from console.sources.vllm import VllmMetricsSource
@@ -21,10 +21,11 @@ from console.tui.app import TokenflowApp
 from console.tui.screens.request_detail import RequestDetail
 from console.tui.screens.slow_queries import SlowQueryDetail
 from console.tui.text import escaped, plain
+from console.tui.widgets.chunk_queue import ChunkQueue
 from console.tui.widgets.header import EngineHeader
 from console.tui.widgets.requests_table import RequestsTable
 from engine.serve.otlp import TraceCollector
-from tests.console.conftest import REPLAY_POLL_S, SESSION, replayed, until
+from tests.console.conftest import REPLAY_POLL_S, SESSION, replayed, until, workers_done
 
 MARKUP = "[/]"
 TITLE = "\x1b]0;owned\x07"
@@ -45,11 +46,16 @@ def hostile_recording(tmp_path: Path) -> Path:
             for index, request in enumerate(data["requests"][:3]):
                 request["id"] = hostile[index]
                 request["tenant"] = f"[bold]{CLEAR}"
+                if index == 1:  # the chunk queue lists prefilling requests by id
+                    request["state"] = "PREFILL_CHUNKING"
             data["mode"] = f"NORMAL{TITLE}"
+            data["prefix_cache_hit_rate"] = 1.7e308  # finite, absurd: unknown, never drawn
+            data["ttft_ms"] = {"p50": -1.7e308, "p90": None, "p99": 1.7e308}
         elif record["kind"] == "slow_query":
             data["request_id"], data["tenant"], data["tag"] = TITLE, MARKUP, CLEAR
             # a verdict's two lines, the first carrying a failure reason from outside
             data["verdict"] = f"prefill took 1.2 s: then failed: {TITLE}\nbudget_score 1.50"
+            data["server"] = TITLE
         lines.append(json.dumps(record))
     path = tmp_path / "hostile.jsonl"
     path.write_text("\n".join(lines) + "\n")
@@ -130,3 +136,26 @@ async def test_a_traced_span_named_with_markup_does_not_end_the_console() -> Non
         assert row[0].plain == MARKUP and row[1].plain == "[b]vllm"
         assert app.is_running
     source.close()
+
+
+async def test_every_screen_shows_hostile_values_as_text(tmp_path: Path) -> None:
+    app = TokenflowApp(ReplaySource(hostile_recording(tmp_path), speed=0),
+                       interval=REPLAY_POLL_S)
+    async with app.run_test(size=(160, 50)) as pilot:
+        await replayed(pilot)
+        assert app.latest.prefix_cache_hit_rate is None and app.latest.ttft_ms.p50 is None
+        for key in ("1", "2", "3", "4", "5", "0", "1"):
+            await pilot.press(key)
+            await workers_done(pilot)
+            screen = app.export_screenshot()
+            assert "\x1b" not in screen and "\x07" not in screen, key
+            assert app.is_running, key
+        queue = rendered(app.screen.query_one(ChunkQueue).render())
+        assert "\\x1b" in queue and "\x1b" not in queue
+        await pilot.press("3")
+        await workers_done(pilot)
+        table = app.screen.query_one(DataTable)
+        cells = [cell for row in range(table.row_count) for cell in table.get_row_at(row)]
+        shown = [cell.plain if hasattr(cell, "plain") else str(cell) for cell in cells]
+        assert any("\\x1b]0;owned" in text for text in shown)
+        assert all("\x1b" not in text for text in shown)

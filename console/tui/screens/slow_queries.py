@@ -19,7 +19,7 @@ from console.tui.collectors import SlowQueriesLoaded
 from console.tui.screens.base import ConsoleScreen
 from console.tui.settings import DEFAULTS, setting
 from console.tui.state import ConsoleState
-from console.tui.text import plain
+from console.tui.text import escaped, plain
 from console.tui.widgets.keyed_table import Column, KeyedTable, TableRow, middle_cut
 from console.tui.widgets.notice import unavailable
 from console.tui.widgets.requests_table import budget_text
@@ -55,7 +55,7 @@ def slow_row(r: SlowQueryRecord) -> TableRow:
         cells=(str(r.id), clock(r.created_at), middle_cut(r.request_id, 14), r.tenant,
                budget_text(r.budget_score, threshold), str(r.prompt_tokens),
                f"{r.prefill_s * 1e3:.1f}", f"{r.budgeted_s * 1e3:.1f}", str(len(r.chunks)),
-               Text(middle_cut(r.server or "–", 14))),
+               plain(middle_cut(r.server or "–", 14))),
         # an SLO breach stored with no calibrated plan has no score: it sorts last
         sort_values=(r.id, r.created_at, r.request_id, r.tenant,
                      -1.0 if r.budget_score is None else r.budget_score,
@@ -172,7 +172,7 @@ class SlowQueryDetail(ModalScreen[None]):
             # the words `tokenflow slow-queries show` prints: cached tokens and a resume, once
             yield Static(plain(r.prompt_words()), id="detail-prompt")
             if r.timeline:  # the lines `tokenflow slow-queries show` prints
-                yield Static(Text("\n".join(timeline_lines(r.timeline))),
+                yield Static(Text("\n".join(map(escaped, timeline_lines(r.timeline)))),
                              id="detail-timeline")
             yield DataTable(id="detail-chunks", cursor_type="row", zebra_stripes=True)
             with VerticalScroll(id="detail-config"):

@@ -10,6 +10,7 @@ from textual.widgets import Static
 
 from console.tui.history import MetricHistory
 from console.tui.settings import setting
+from console.tui.text import escaped
 from console.tui.widgets.gauge import gauge, level_style
 from console.tui.widgets.header import MODE_STYLES
 from console.tui.widgets.plot import Line, Plot, Series, percent
@@ -45,7 +46,7 @@ class CachePressure(Vertical):
             line.append(f" · {snapshot.kv_usage * snapshot.kv_bytes_total / 2**30:.2f}/"
                         f"{snapshot.kv_bytes_total / 2**30:.2f} GiB")
         line.append("\n")
-        line.append(snapshot.mode, style=MODE_STYLES.get(snapshot.mode, "bold"))
+        line.append(escaped(snapshot.mode), style=MODE_STYLES.get(snapshot.mode, "bold"))
         if snapshot.prefix_cache_hit_rate is not None:  # None: caching off or no lookup yet
             line.append(f"  prefix hits {snapshot.prefix_cache_hit_rate:.0%}")
         self.query_one("#kv-gauge", Static).update(line)

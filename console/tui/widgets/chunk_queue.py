@@ -9,6 +9,7 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widget import Widget
 
+from console.tui.text import escaped
 from console.tui.widgets.gauge import gauge
 from console.tui.widgets.keyed_table import middle_cut
 from console.tui.widgets.notice import unavailable
@@ -54,7 +55,7 @@ class ChunkQueue(Widget):
         bar_width = max(width - (ID_WIDTH + 18), 4)
         for r in shown:
             done = r.prefilled_tokens / max(r.prompt_tokens, 1)
-            text.append(f"\n{middle_cut(r.id, ID_WIDTH):<{ID_WIDTH}} ")
+            text.append(f"\n{middle_cut(escaped(r.id), ID_WIDTH):<{ID_WIDTH}} ")
             text.append_text(gauge(done, bar_width, style="cyan"))
             text.append(f" {r.chunks_done:>3}/{r.chunks_total:<3} {done:>4.0%}")
         if overflow and rows > 0:

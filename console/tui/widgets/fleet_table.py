@@ -7,6 +7,7 @@ import time
 from rich.text import Text
 
 from console.sources.fleet import FleetRow
+from console.tui.text import plain
 from console.tui.widgets.keyed_table import Column, KeyedTable, TableRow
 
 COLUMNS = (
@@ -23,7 +24,7 @@ COLUMNS = (
     Column("slow", "slow/min", 8),
 )
 HEALTH_STYLES = {"up": "green", "paused": "bold yellow", "down": "bold red",
-                 "starting": "yellow"}
+                 "starting": "yellow", "degraded": "bold yellow"}
 
 
 def _number(value: float | None, fmt: str) -> str:
@@ -31,6 +32,8 @@ def _number(value: float | None, fmt: str) -> str:
 
 
 def health_text(row: FleetRow) -> Text:
+    if row.health == "degraded":  # "store unreachable 12 s, 340 events held"
+        return plain(row.error, HEALTH_STYLES["degraded"])
     if row.health != "down":
         return Text(row.health, style=HEALTH_STYLES[row.health])
     seen = ("never seen" if row.last_seen is None

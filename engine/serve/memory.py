@@ -1,0 +1,48 @@
+"""Memory given back to the system when the server goes idle.
+
+Streams a client never reads leave their outputs and chunks in many small allocations; once
+they close, glibc keeps the freed pages in its arenas, so the server's RSS stayed at its peak
+(250 unread streams: 912 to 1,734 MiB, and there after they closed). `malloc_trim` returns
+them. It runs on a worker thread, at most once per interval, when the last request in flight
+ends; where the C library has no `malloc_trim` (not glibc) it does nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import threading
+import time
+from collections.abc import Callable
+
+TRIM_INTERVAL_S = 10.0
+
+
+def _malloc_trim() -> Callable[[], object] | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    trim = getattr(ctypes.CDLL(name), "malloc_trim", None)
+    return None if trim is None else (lambda: trim(0))
+
+
+class IdleTrim:
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 interval_s: float = TRIM_INTERVAL_S,
+                 trim: Callable[[], object] | None = None) -> None:
+        self.clock = clock
+        self.interval_s = interval_s
+        self.trim = trim if trim is not None else _malloc_trim()
+        self.last: float | None = None
+        self.trims = 0
+
+    def idle(self) -> bool:
+        """The last request ended: trim, unless one ran within the interval. Whether it did."""
+        now = self.clock()
+        if self.trim is None or (self.last is not None and 0 <= now - self.last
+                                 < self.interval_s):
+            return False
+        self.last = now
+        self.trims += 1
+        threading.Thread(target=self.trim, name="tokenflow-trim", daemon=True).start()
+        return True
