@@ -310,8 +310,18 @@ SLOW = {"id": 1, "created_at": 1.78e9, "request_id": "r", "tenant": "t", "tag": 
         "server": "box"}
 
 
+def test_a_score_that_is_no_number_reads_as_unknown() -> None:
+    # budget_score is optional (an SLO breach stored before any calibration has none), so a
+    # NaN or an absurd score is shown as unknown, never drawn
+    for score in (float("nan"), 1.7e308):
+        body = json.dumps({"data": [{**SLOW, "budget_score": score}]})
+        source = HttpSource("http://tf.test", transport=answering(lambda body=body: body))
+        assert source.slow_queries()[0].budget_score is None
+        source.close()
+
+
 @pytest.mark.parametrize(("change", "named"), [
-    ({"budget_score": "3.5"}, "budget_score"), ({"budget_score": float("nan")}, "budget_score"),
+    ({"budget_score": "3.5"}, "budget_score"), ({"prefill_s": float("nan")}, "prefill_s"),
     ({"prefill_s": 1.7e308}, "prefill_s"), ({"server": 5}, "server"),
     ({"chunks": [{"tokens": 1.7e308}]}, "chunks"), ({"chunks": "x"}, "chunks"),
     ({"config": {"max_num_batched_tokens": float("inf")}}, "config"),
