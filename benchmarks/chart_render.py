@@ -1,5 +1,5 @@
 """One console chart rendered off-screen: 58×12 cells, two series of 600 samples, an SLO line
-and a change mark (issue 17: plotext must keep rendering fast). Prints JSON: the best and the
+and a change mark (plotext must keep rendering fast). Prints JSON: the best and the
 median of `--repeats` renders, in ms.
 
     PYTHONPATH=. .venv/bin/python benchmarks/chart_render.py [--repeats 20]

@@ -1,5 +1,5 @@
 """`tokenflow run` as shipped (the CPU backends measured at start) against every forced path,
-and with the journal on and off, runs alternating (issue 43).
+and with the journal on and off, runs alternating.
 
     PYTHONPATH=. .venv/bin/python benchmarks/cpu_backends.py --repeat 2
     TOKENFLOW_KERNEL_MARCH=x86-64-v3 PYTHONPATH=. .venv/bin/python benchmarks/cpu_backends.py

@@ -1,4 +1,4 @@
-"""Fuzz a real `tokenflow serve` (issue 15, "Must show"): N hostile bodies while a steady
+"""Fuzz a real `tokenflow serve`: N hostile bodies while a steady
 client sends normal requests.
 
 It starts `tokenflow serve` (synthetic:tiny on CPU, a temporary store, an admin token) in a

@@ -17,8 +17,8 @@ so a run cut off at its time limit still returns every line it finished.
 - attention_paths: a decode step and a later chunk on torch, flex and flash, side by side.
 - telemetry: NVML's reading over TELEMETRY_LOAD_S of copies against the bandwidth achieved.
 - console: the console under tmux for 60 s: live panes, no traceback.
-- calibration, targets (only when named): the quick calibration's held-out error; issue 3's
-  and 9's `tokenflow bench` comparisons.
+- calibration, targets (only when named): the quick calibration's held-out error; the
+  mixed-load and conversation-trace `tokenflow bench` comparisons.
 
 `--dry-run` runs every check's code that needs no CUDA, on the CPU with tiny shapes (figures
 not judged), so the script is tested where no GPU is.
@@ -373,7 +373,7 @@ def calibration(s: Setting) -> dict[str, Any]:
             "threshold": 0.25, "pass": error is not None and error <= 0.25}
 
 
-# issue 3 (mixed), issue 9 (conversation trace against hf; capacity at the TPOT SLO)
+# mixed load; the conversation trace against hf; capacity at the TPOT SLO
 TARGET_BENCHES = {
     "mixed": ["--workload", "mixed", "--compare", "chunked,unchunked"],
     "conv": ["--workload", "conv", "--compare", "chunked,hf"],

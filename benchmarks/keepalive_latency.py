@@ -1,6 +1,6 @@
 """Keep-alive latency: a 1-token completion sent as the second request on one connection.
 
-Issue 15, finding 7: without TCP_NODELAY on accepted sockets, every response after the first
+Without TCP_NODELAY on accepted sockets, every response after the first
 on a keep-alive connection waited for the client's delayed ACK (~40 ms on Linux). This starts
 the real app (synthetic:tiny on CPU) on loopback twice, with the fix (the listener of
 engine.serve.listener) and without it (`socket.create_server`, what `tokenflow serve` used),

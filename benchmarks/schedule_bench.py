@@ -1,4 +1,4 @@
-"""Benchmark of Scheduler.schedule() with 256 running decodes (issue 3: under 1 ms).
+"""Benchmark of Scheduler.schedule() with 256 running decodes (target: under 1 ms).
 
 A Scheduler over a BlockManager holds 256 decoding requests of varied context (64 to 4096
 tokens) and some waiting ones that cannot be admitted (max_num_seqs is full), as in a

@@ -3,7 +3,7 @@
 idle gaps drawn from 0 to `--max-gap-s` seconds (longer than every window the engine keeps).
 Every `--sample-s` seconds the server's RSS, open file descriptors, threads and store size
 are sampled from /proc. Prints one JSON object: the samples, the replies by status, and the
-spread of RSS and fds after the warm-up, sampled between bursts (the issue's bar: 0 5xx,
+spread of RSS and fds after the warm-up, sampled between bursts (the bar: 0 5xx,
 both flat within 10%).
 
     python benchmarks/soak.py [--duration-s 1800] [--model synthetic:tiny] > soak.json

@@ -1,11 +1,11 @@
 """One 512-token prefill chunk and one decode step at batch 32 with 512 tokens of context on
 synthetic:150m, as fractions of this machine's matmul peak and memory bandwidth, both measured
-in the same run (issue 2); CUDA events time it on a GPU. Prints JSON.
+in the same run; CUDA events time it on a GPU. Prints JSON.
 
     PYTHONPATH=. .venv/bin/python benchmarks/step_micro.py [--model synthetic:150m]
     PYTHONPATH=. .venv/bin/python benchmarks/step_micro.py --model synthetic:small --curve
 
-`--limits` (issue 18): on synthetic:small, a decode step at D = 8 as weight-read bandwidth
+`--limits`: on synthetic:small, a decode step at D = 8 as weight-read bandwidth
 against the streaming (copy) bandwidth, and a 256-token prefill chunk as FLOP/s against the
 matmul peak, each peak measured at the same thread count, at one thread and at the engine's;
 three engines side by side in the same process, their steps interleaved, so a busy machine
@@ -19,7 +19,7 @@ stream (a sum; the copy that `streaming_bandwidth` times both reads and writes).
 
     PYTHONPATH=. .venv/bin/python benchmarks/step_micro.py --limits
 
-`--split` (issue 18): where the eager decode step of `--limits` (no CPU graph) spends its
+`--split`: where the eager decode step of `--limits` (no CPU graph) spends its
 time, by taking the step with its attention kernel, its GEMMs, or both stubbed out (outputs
 left uninitialised, so only for timing), interleaved: attention is what stubbing it saves,
 GEMMs likewise, and the rest (norms, RoPE, the cache write, sampling and Python) what remains
@@ -30,7 +30,7 @@ that Python.
 
     PYTHONPATH=. .venv/bin/python benchmarks/step_micro.py --split
 
-`--flex` (issue 18): one layer's decode attention at D = 8, the engine's gather-then-SDPA
+`--flex`: one layer's decode attention at D = 8, the engine's gather-then-SDPA
 path against FlexAttention (compiled) reading the paged cache in place through a block mask
 built from the block tables, with the mask's build time (once a step), in process CPU ms.
 """

@@ -1,4 +1,4 @@
-"""The GPU twin against real runs on this machine, as issue 21 asks, in one command.
+"""The GPU twin against real runs on this machine, in one command.
 
     PYTHONPATH=. .venv/bin/python benchmarks/twin_validation.py --out /tmp/twin
     PYTHONPATH=. .venv/bin/python benchmarks/twin_validation.py --out /tmp/twin --db D --reuse

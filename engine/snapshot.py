@@ -1,4 +1,5 @@
-"""The snapshot: one immutable picture of the engine, plain data that round-trips through JSON."""
+"""The snapshot: one immutable picture of the engine, plain data that round-trips through JSON;
+and the one wording of a request's prompt that every view of it uses."""
 
 from __future__ import annotations
 
@@ -29,6 +30,24 @@ class RequestView:
     @property
     def cached_share(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def prompt_words(prompt_tokens: int, cached_tokens: int | None,
+                 resumed_tokens: int | None = None) -> str:
+    """A request's prompt in the one wording every view uses: its tokens, those cached (None:
+    unknown) and the output tokens a journal resume brought back (None: not resumed)."""
+    words = f"{prompt_tokens} prompt tokens"
+    if cached_tokens == 0:
+        words += ", none found in the prefix cache"
+    elif cached_tokens is not None:
+        share = cached_tokens / prompt_tokens if prompt_tokens else 0.0
+        words += f", {cached_tokens} ({share:.0%}) found in the prefix cache, never prefilled"
+    if resumed_tokens is not None:
+        words += "; resumed from the journal after a restart"
+        if resumed_tokens:
+            words += (f" with {resumed_tokens} output tokens already generated, prefilled "
+                      "again with its prompt")
+    return words
 
 
 @dataclass(frozen=True)

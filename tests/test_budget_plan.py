@@ -1,4 +1,4 @@
-"""budget_score against the prefill plan (issue 16): the plan itself, healthy engines scoring
+"""budget_score against the prefill plan: the plan itself, healthy engines scoring
 near 1 at any load, faults scoring above the threshold, no verdict or C* before calibration,
 a stable C*, and the first calibration at start.
 

@@ -108,7 +108,7 @@ def _kill_on_line(process: subprocess.Popen[bytes], stream: IO[bytes],
 
 
 def test_a_resume_killed_right_after_it_says_so_loses_nothing(tmp_path: Path) -> None:
-    """Issue 15, finding 14: the resume is committed before "resumed N" is said, so a kill
+    """The resume is committed before "resumed N" is said, so a kill
     right after it leaves the same requests for the next resume (it said "resumed 0")."""
     requests_file, output, db = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "j.db"
     expected = _undisturbed(_requests(requests_file))

@@ -74,7 +74,7 @@ def served(tmp_path: Path) -> Iterator[Served]:
 
 
 def test_an_idle_minute_over_http(served: Served) -> None:
-    """The issue's reproduction against the server: 200, 200, 65 s of nothing, 200."""
+    """An idle minute between requests, against the server: 200, 200, 65 s of nothing, 200."""
     assert served.complete(1).status_code == 200
     served.clock.sleep(5)
     assert served.complete(2).status_code == 200

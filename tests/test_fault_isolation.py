@@ -1,4 +1,4 @@
-"""Per-request fault isolation (issue 15): an error one request's sampling causes fails that
+"""Per-request fault isolation: an error one request's sampling causes fails that
 request alone (FAILED with the error, a Failed event of cause FAULT, counted by guard layer 7),
 while the other requests of the same steps finish exactly and the engine goes on."""
 

@@ -1,5 +1,5 @@
 """Fuzzing the front doors of a real server: 1,500 random and malformed /v1/completions bodies
-(issue 15's poison values among them) and 500 live-configuration updates. The engine keeps
+(poison sampling values among them) and 500 live-configuration updates. The engine keeps
 serving, nothing answers 5xx, and every request that got 200 completed with its tokens.
 benchmarks/fuzz_server.py sends the same bodies, 10,000 of them, to `tokenflow serve`."""
 

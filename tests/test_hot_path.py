@@ -1,4 +1,5 @@
-"""The per-step shortcuts of issue 21 keep what the plain code did."""
+"""The per-step shortcuts (bus fan-out by kind, shared quiet guard decisions, hot-path
+constructors, shared shape counts) keep what the plain code did."""
 
 from __future__ import annotations
 

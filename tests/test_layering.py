@@ -131,6 +131,25 @@ def test_the_cycle_finder_finds_one() -> None:
     assert cycle_in({"a": {"b"}, "b": set()}) is None
 
 
+# The TUI reads stored rows only through its Source, so every source (a recording, a remote
+# server) answers the same calls; and it runs no workload, calibration or chaos of the bench
+# harness. The SLO targets are the one runtime module still kept in engine/harness/.
+FORBIDDEN_TO_THE_TUI = ("engine.store", "engine.harness")
+HARNESS_MODULES_THE_TUI_READS = ("engine.harness.slo_targets",)
+
+
+def within(name: str, modules: tuple[str, ...]) -> bool:
+    return any(name == module or name.startswith(f"{module}.") for module in modules)
+
+
+def test_the_tui_reads_the_store_only_through_its_source() -> None:
+    reaching = {module: sorted(t for t in targets if within(t, FORBIDDEN_TO_THE_TUI)
+                               and not within(t, HARNESS_MODULES_THE_TUI_READS))
+                for module, targets in imports("console").items()
+                if within(module, ("console.tui",))}
+    assert reaching and {m: found for m, found in reaching.items() if found} == {}
+
+
 def test_screens_depend_on_the_state_not_the_app() -> None:
     graph = import_graph("console")
     screens = [m for m in graph if m.startswith("console.tui.screens.")]

@@ -1,4 +1,4 @@
-"""Windowed percentiles (issue 16): the snapshot's TTFT, TPOT, ITL, queue wait and step
+"""Windowed percentiles: the snapshot's TTFT, TPOT, ITL, queue wait and step
 percentiles cover the last stats_window_s seconds; the lifetime histograms keep everything."""
 
 from __future__ import annotations

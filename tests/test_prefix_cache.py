@@ -1,4 +1,4 @@
-"""Prefix caching through the stack (issue 20): exact tokens with and without it on the
+"""Prefix caching through the stack: exact tokens with and without it on the
 multi-turn profile under forced preemption, compaction of shared blocks, the live switch, the
 metrics, and the multi-turn workload and conversation files."""
 

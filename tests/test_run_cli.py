@@ -93,7 +93,7 @@ def test_a_rejected_request_is_written_with_its_reason_not_dropped(
     assert "request huge REJECTED: circuit breaker" in capsys.readouterr().err
 
 
-# --- issue 15: one writer, whole output lines, a journal that stops the run ---------------
+# --- one writer, whole output lines, a journal that stops the run ------------------------
 
 RUN_FLAGS = ["--model", "synthetic:tiny", "--device", "cpu", "--max-num-batched-tokens", "64"]
 

@@ -1,7 +1,7 @@
-"""Issue 15's server findings, each as a regression test against real uvicorn on loopback:
-poison sampling values (1, 2, 12), 500s that closed keep-alive connections (6), the missing
-TCP_NODELAY (7) and the server's hygiene (11). Every refusal is a 4xx naming the field, the
-connection stays usable and the engine goes on serving."""
+"""The server's edges against real uvicorn on loopback: poison sampling values, errors that
+must not close keep-alive connections, TCP_NODELAY on accepted sockets and the server's
+hygiene. Every refusal is a 4xx naming the field, the connection stays usable and the engine
+goes on serving."""
 
 from __future__ import annotations
 
@@ -32,12 +32,12 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 JSON_TYPE = {"Content-Type": "application/json"}
 NORMAL = {"prompt": [5, 6, 7], "max_tokens": 2, "ignore_eos": True}
 VOCAB = 320  # synthetic:tiny
-# The two requests that killed the engine until a restart (findings 1 and 2).
+# The two requests that once killed the engine until a restart.
 KILLERS = [
     (b'{"prompt": "hi", "seed": 18446744073709551616}', "seed"),
     (b'{"prompt": "hi", "temperature": 1.0, "top_p": 7e-46}', "top_p"),
 ]
-# (raw body, the field the refusal must name): findings 1, 2, 6 and 12.
+# (raw body, the field the refusal must name)
 POISON = [
     *KILLERS,
     (b'{"prompt": "hi", "seed": -9223372036854775809}', "seed"),
@@ -298,8 +298,8 @@ def test_serve_stopped_by_sigterm_flushes_its_journal_and_exits_0(tmp_path: Path
 
 def test_serve_whose_journal_stops_stops_serving_with_a_clear_error(tmp_path: Path) -> None:
     """A permanent journal error (here a table dropped under the running server) stops the
-    server with exit 2 and the fix, instead of serving on unrecorded (issue 15: a journal
-    that never lies)."""
+    server with exit 2 and the fix, instead of serving on unrecorded (a journal that never
+    lies)."""
     db = tmp_path / "serve.db"
     with killed_if_left(serve_on(db)) as server:
         assert server.stdout is not None

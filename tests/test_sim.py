@@ -1,4 +1,4 @@
-"""The GPU twin: a simulated executor under the real scheduler (issue 21)."""
+"""The GPU twin: a simulated executor under the real scheduler."""
 
 from __future__ import annotations
 

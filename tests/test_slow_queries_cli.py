@@ -205,7 +205,7 @@ def test_reading_a_store_that_is_not_there_is_refused_and_creates_nothing(
     assert not typo.parent.exists()
 
 
-# --- issue 15: bounds, the store never overwritten, safe output ---------------------------
+# --- bounds, the store never overwritten, safe output -------------------------------------
 
 
 @pytest.mark.parametrize("argv", [("list", "--limit", "9223372036854775808"),

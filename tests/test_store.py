@@ -420,7 +420,7 @@ def test_bad_writer_settings_are_refused(database: Database) -> None:
         StoreWriter(database, EventBus(), retention_interval_s=0)
 
 
-# --- one writer per store (issue 15, finding 3) ------------------------------------------
+# --- one writer per store -------------------------------------------------------------
 
 
 def test_a_second_writer_is_refused_naming_the_holder_and_readers_are_not(
@@ -444,7 +444,7 @@ def test_a_second_writer_is_refused_naming_the_holder_and_readers_are_not(
         second.close()
 
 
-# --- a journal that never lies (finding 5) ------------------------------------------------
+# --- a journal that never lies --------------------------------------------------------------
 
 
 def test_one_bad_row_is_skipped_with_its_reason_and_its_batch_is_written(
@@ -525,7 +525,7 @@ def test_resume_attempts_carry_over_a_re_add_and_reset_for_a_new_request(
     assert writer.close()
 
 
-# --- damaged and read-only stores (findings 9, 10) ----------------------------------------
+# --- damaged and read-only stores --------------------------------------------------------
 
 
 def test_corrupt_pages_behind_a_valid_header_are_one_store_error(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Slow-query timelines (issue 16): the parts cover the measured prefill and end-to-end times,
+"""Slow-query timelines: the parts cover the measured prefill and end-to-end times,
 and the faults chaos injects are named as the cause of the requests they delayed."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The wheel works anywhere: built with `pip wheel --no-deps`, installed with `--target` into a
 temporary folder and run from another temporary folder, far from this checkout, it migrates a
-store, prints the roofline table, lists the shipped traces and replays one in a bench
-(issue 14, "Must show"). The installed copy's dependencies are this venv's, on PYTHONPATH's
+store, prints the roofline table, lists the shipped traces and replays one in a bench. The
+installed copy's dependencies are this venv's, on PYTHONPATH's
 heels; a fresh venv with dependencies from PyPI is the same check done by hand.
 """
 

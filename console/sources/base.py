@@ -7,7 +7,8 @@ and chunk queue mean anything. A capability brings the methods of its facet prot
 (`Tunable`, `Pausable`, ...); a source implements only the facets it declares, and says why it
 lacks the others, so a screen shows "not available on this source" with that reason instead
 of an empty list from a stub. Store rows arrive as the store's own records (engine.store),
-newest first.
+newest first; the screens name those record types from here, so the TUI never imports the
+store (tests/test_layering.py).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast
 from engine.errors import EngineError
 from engine.snapshot import Snapshot
 
-if TYPE_CHECKING:  # the store pulls in SQLAlchemy: kept off the launch path
+if TYPE_CHECKING:  # the store pulls in SQLAlchemy: kept off the launch path (and the
+    # record types are the Source's vocabulary: the TUI imports them from here)
     from engine.store import (
         CalibrationRecord,
         ConfigChangeRecord,
@@ -129,6 +131,14 @@ class SlowQueryStore(Source, Protocol):
     def slow_queries(self, limit: int = 500) -> list[SlowQueryRecord]: ...
 
     def slow_query(self, query_id: int) -> SlowQueryRecord: ...
+
+
+def export_slow_queries(records: list[SlowQueryRecord], fmt: str) -> str:
+    """Slow queries a SlowQueryStore handed out, as CSV or JSON text: the store's one export
+    (`tokenflow slow-queries --export` writes the same), loaded on first use like the store."""
+    from engine.store import export_slow_queries as export
+
+    return export(records, fmt)
 
 
 def stated_rate(rate: float) -> float:

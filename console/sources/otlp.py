@@ -21,7 +21,13 @@ from engine.model.loader import model_config_for
 from engine.serve.hosts import LOOPBACK_HOSTS
 from engine.serve.otlp import SLOW_THRESHOLD, PrefillEstimate, TraceCollector, create_otlp_app
 from engine.serve.thread import ServerThread
-from engine.store import CalibrationRecord, Database, calibration_history
+from engine.store import (
+    CalibrationRecord,
+    Database,
+    calibration_history,
+    default_db_path,
+    open_database,
+)
 
 # Scores assume 16-bit weights, activations and KV, what vLLM and SGLang serve by default.
 BYTES_PER_ELEMENT = 2
@@ -100,6 +106,16 @@ def same_model(stored: str, given: str) -> bool:
     stored_path, given_path = Path(stored), Path(given)
     return stored_path.is_dir() and given_path.is_dir() and stored_path.resolve() == \
         given_path.resolve()
+
+
+def trace_store(db: str | None) -> str:
+    """The store the console's receiver writes traces to, and its twin reads them back from:
+    `db` (--db), else the user's store."""
+    return str(db or default_db_path())
+
+
+def open_trace_store(db: str | None) -> Database:
+    return open_database(trace_store(db))
 
 
 def start_receiver(listen: str, *, token: str | None, shape: str | None = None,

@@ -298,11 +298,10 @@ def open_traces(args: argparse.Namespace) -> TraceCollector | None:
     """The OTLP receiver of --otlp-listen, writing to --db (default: the user's store)."""
     if not args.otlp_listen:
         return None
-    from console.sources.otlp import start_receiver
-    from engine.store import open_database
+    from console.sources.otlp import open_trace_store, start_receiver
 
     receiver = start_receiver(args.otlp_listen, token=args.otlp_token, shape=args.roofline_model,
-                              gpu=args.gpu, database=open_database(args.db))
+                              gpu=args.gpu, database=open_trace_store(args.db))
     return receiver.collector
 
 
@@ -310,9 +309,9 @@ def traced_traffic(args: argparse.Namespace, simulate: TwinRun) -> TracedTraffic
     """What --otlp-listen stores (in --db, else the user's store), replayed by `simulate`."""
     if not args.otlp_listen:
         return None
-    from engine.store import default_db_path
+    from console.sources.otlp import trace_store
 
-    return TracedTraffic(str(args.db or default_db_path()), simulate)
+    return TracedTraffic(trace_store(args.db), simulate)
 
 
 def run(args: argparse.Namespace, engine: ProcessSource | None, simulate: TwinRun) -> int:

@@ -26,7 +26,7 @@ from engine.snapshot import Snapshot
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # annotations only: the store pulls SQLAlchemy and Alembic (~1 s)
-    from engine.store import (
+    from console.sources.base import (
         CalibrationRecord,
         ConfigChangeRecord,
         DriftRecord,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from console.tui.history import MetricHistory
 
 if TYPE_CHECKING:  # the store pulls in SQLAlchemy: kept off the launch path
-    from engine.store import StoredMetrics
+    from console.sources.base import StoredMetrics
 
 BUCKETS = 120  # about one per column of a chart
 RELOAD_S = 30.0  # a stored view is read again this often (of the engine's clock)

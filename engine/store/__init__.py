@@ -36,7 +36,6 @@ from engine.store.slow_queries import (
     export_slow_queries,
     get_slow_query,
     list_slow_queries,
-    prompt_words,
 )
 from engine.store.traced import TracedDriftPoint, traced_drift
 from engine.store.writer import Commit, SkippedRow, StoreWriter
@@ -75,7 +74,6 @@ __all__ = [
     "list_slow_queries",
     "next_cycle",
     "open_database",
-    "prompt_words",
     "quarantined_requests",
     "release_quarantine",
     "save_calibration",

@@ -12,6 +12,7 @@ from sqlalchemy import func, select, tuple_
 from sqlalchemy.orm import Session
 
 from engine.errors import EngineError
+from engine.snapshot import prompt_words
 from engine.store.models import SlowQueryRow
 
 # sort name -> the column it orders by, highest first (ties: newest first); "id": oldest first
@@ -60,24 +61,6 @@ class SlowQueryRecord:
 
     def prompt_words(self) -> str:
         return prompt_words(self.prompt_tokens, self.cached_tokens, self.resumed_tokens)
-
-
-def prompt_words(prompt_tokens: int, cached_tokens: int | None,
-                 resumed_tokens: int | None = None) -> str:
-    """A request's prompt in the one wording every view uses: its tokens, those cached (None:
-    unknown) and the output tokens a journal resume brought back (None: not resumed)."""
-    words = f"{prompt_tokens} prompt tokens"
-    if cached_tokens == 0:
-        words += ", none found in the prefix cache"
-    elif cached_tokens is not None:
-        share = cached_tokens / prompt_tokens if prompt_tokens else 0.0
-        words += f", {cached_tokens} ({share:.0%}) found in the prefix cache, never prefilled"
-    if resumed_tokens is not None:
-        words += "; resumed from the journal after a restart"
-        if resumed_tokens:
-            words += (f" with {resumed_tokens} output tokens already generated, prefilled "
-                      "again with its prompt")
-    return words
 
 
 def list_slow_queries(

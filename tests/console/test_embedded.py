@@ -57,7 +57,7 @@ def test_resumed_requests_and_new_traffic_never_share_an_id(tmp_path: Path) -> N
 
 
 def test_a_journal_that_stops_pauses_the_console_engine_and_says_why(tmp_path: Path) -> None:
-    """Issue 15: the console's engine does not serve on unrecorded when its journal stops."""
+    """The console's engine does not serve on unrecorded when its journal stops."""
     db = tmp_path / "store.db"
     source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat", db=db,
                                   num_requests=4, rate=float("inf"), repeat=True)

@@ -11,7 +11,7 @@ from textual.widgets import Input, Static
 
 from console.sources.embedded import EmbeddedSource
 from console.tui.app import TokenflowApp
-from console.tui.keymap import typed_into
+from console.tui.keymap import CHARACTERS, COMMANDS, after_escape, typed_into
 from console.tui.screens.drift import DriftScreen
 from console.tui.screens.help import HelpScreen
 from console.tui.screens.live import LiveScreen
@@ -112,3 +112,19 @@ async def test_a_filter_that_hides_every_row_says_so_not_that_none_exist() -> No
                         "clears it")
         await pilot.press("escape")
         assert not table.query_one(".table-empty", Static).display
+
+
+def test_a_command_key_after_a_quick_escape_is_the_key_textual_reports() -> None:
+    # The keymap keeps to Textual's public API; this holds its copy to Textual's own table of
+    # what Escape and a character sent at once read as (a digit: macOS's Option character).
+    from textual._ansi_sequences import ANSI_SEQUENCES_KEYS
+    from textual.keys import _character_to_key
+
+    for key in [key for c in COMMANDS for key in c.keys] + list("0123456789"):
+        character = CHARACTERS.get(key, key)
+        if len(character) != 1:
+            assert after_escape(key) is None
+            continue
+        meant = ANSI_SEQUENCES_KEYS.get("\x1b" + character)
+        reported = _character_to_key(meant) if isinstance(meant, str) else f"alt+{key}"
+        assert after_escape(key) == reported, key

@@ -120,7 +120,7 @@ async def test_resumed_requests_are_announced_and_can_be_discarded(tmp_path: Pat
 
 
 async def test_quarantined_requests_are_announced_and_not_run(tmp_path: Path) -> None:
-    """Issue 15: a request that killed two resumed runs is kept, held back, and shown."""
+    """A request that killed two resumed runs is kept, held back, and shown."""
     db = tmp_path / "poisoned.db"
     leave_unfinished(db, "synthetic:tiny", [[5] * 40])
     database = open_database(db)

@@ -28,7 +28,7 @@ from console.tui.widgets.notice import unavailable
 from console.tui.widgets.plot import Line, Plot, Series
 
 if TYPE_CHECKING:  # annotations only: the store pulls SQLAlchemy and Alembic (~1 s)
-    from engine.store import CalibrationRecord
+    from console.sources.base import CalibrationRecord
 
 
 def prefill_ms_per_1k(record: CalibrationRecord) -> float | None:

@@ -13,8 +13,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Static
 
 from console.tui.text import plain
-from engine.snapshot import RequestView
-from engine.store import prompt_words
+from engine.snapshot import RequestView, prompt_words
 
 NO_TIMELINE = ("no timeline: the engine keeps one for slow queries only "
                "(budget_score above the threshold)")

@@ -14,7 +14,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Static
 
-from console.sources.base import Capability
+from console.sources.base import Capability, export_slow_queries
 from console.tui.collectors import SlowQueriesLoaded
 from console.tui.screens.base import ConsoleScreen
 from console.tui.settings import DEFAULTS, setting
@@ -27,7 +27,7 @@ from engine.ops.timeline import timeline_lines
 from engine.stats import human_duration
 
 if TYPE_CHECKING:  # annotations only: the store pulls SQLAlchemy and Alembic (~1 s)
-    from engine.store import SlowQueryRecord
+    from console.sources.base import SlowQueryRecord
 
 COLUMNS = (
     Column("id", "id", 6),
@@ -117,8 +117,6 @@ class SlowQueriesScreen(ConsoleScreen):
             self.app.push_screen(SlowQueryDetail(record))
 
     def action_export(self, fmt: str) -> None:
-        from engine.store import export_slow_queries  # the store loads on first use (see above)
-
         table = self.query_one(KeyedTable)
         keys = [str(k.value) for k in table.table.rows]  # what is shown: filtered, in order
         records = [self.records[k] for k in keys if k in self.records]

@@ -56,7 +56,7 @@ from engine.ops.metrics import RATE_WINDOW_S
 from engine.snapshot import Snapshot
 
 if TYPE_CHECKING:  # the store pulls in SQLAlchemy: kept off the launch path
-    from engine.store import StoredMetrics
+    from console.sources.base import StoredMetrics
 
 NARROW_COLUMNS = 110  # below this the charts stack into one column of sparklines
 
