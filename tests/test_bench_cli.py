@@ -17,6 +17,7 @@ from engine import Engine, EngineConfig
 from engine.harness.workload import WorkloadRequest
 
 
+@pytest.mark.slow  # a bench of every configuration
 def test_bench_json_runs_every_configuration_and_writes_a_report(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["bench", "--model", "synthetic:tiny", "--workload", "mixed",

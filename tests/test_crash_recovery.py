@@ -69,6 +69,7 @@ def _query(db: str, sql: str) -> list[tuple[object, ...]]:
         engine.dispose()
 
 
+@pytest.mark.slow  # kills and restarts processes
 def test_sigkill_mid_prefill_and_mid_decode_then_resume(tmp_path: Path, store_url: str) -> None:
     requests_file, output, db = tmp_path / "in.jsonl", tmp_path / "out.jsonl", store_url
     expected = _undisturbed(_requests(requests_file))
@@ -107,6 +108,7 @@ def _kill_on_line(process: subprocess.Popen[bytes], stream: IO[bytes],
     return None
 
 
+@pytest.mark.slow  # kills and restarts processes
 def test_a_resume_killed_right_after_it_says_so_loses_nothing(tmp_path: Path) -> None:
     """The resume is committed before "resumed N" is said, so a kill
     right after it leaves the same requests for the next resume (it said "resumed 0")."""

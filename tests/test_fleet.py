@@ -3,10 +3,13 @@ and restarts (tests/fleet.py; benchmarks/store_fleet_kill.py runs 20 kills)."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.fleet import listed_servers, soak
 from tests.postgres import Cluster
 
 
+@pytest.mark.slow  # a soak: servers killed and restarted
 def test_two_servers_write_one_history_through_kills_and_restarts(postgres: Cluster) -> None:
     db = postgres.create_database()
     report = soak(db, kills=2)

@@ -123,6 +123,7 @@ def check_completion(response: httpx.Response, body: bytes) -> bool:
     return True
 
 
+@pytest.mark.slow  # a soak: 2,000 bodies
 def test_fuzz_completions_then_live_config(server: Server) -> None:
     @settings(max_examples=COMPLETIONS, **FUZZ)
     @given(body=bodies)

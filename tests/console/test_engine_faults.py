@@ -12,7 +12,7 @@ from console.sources.replay import ReplaySource
 from console.tui.app import TokenflowApp
 from console.tui.collectors import SnapshotCollector, SourceFailed
 from engine.snapshot import Snapshot
-from tests.console.conftest import REPLAY_POLL_S, SESSION, until
+from tests.console.conftest import REPLAY_POLL_S, SESSION, notified, until
 from tests.console.test_collectors import Inbox
 
 
@@ -52,7 +52,7 @@ async def test_each_engine_restart_is_a_notification(monkeypatch: pytest.MonkeyP
     app = TokenflowApp(source, interval=REPLAY_POLL_S)
     async with app.run_test() as pilot:
         def restarts() -> list[str]:
-            return [n.message for n in app._notifications if n.title == "engine restarted"]
+            return [n.message for n in notified(app) if n.title == "engine restarted"]
 
         await until(pilot, lambda: len(restarts()) >= 2, "two restarts shown")
         assert restarts()[:2] == [

@@ -15,7 +15,7 @@ from console.tui.app import TokenflowApp
 from console.tui.screens.fleet import FleetScreen
 from console.tui.screens.simulate import SimulateTraffic
 from console.tui.state import TracedTraffic
-from tests.console.conftest import FAST_POLL_S, SESSION, until
+from tests.console.conftest import FAST_POLL_S, SESSION, notified, until
 from tests.test_traced_workload import _collected, served
 
 pytestmark = pytest.mark.anyio
@@ -31,9 +31,9 @@ async def test_simulate_without_a_trace_store_says_how_to_get_one() -> None:
         await pilot.press("0")
         await until(pilot, lambda: isinstance(app.screen, FleetScreen), "the fleet screen")
         await pilot.press("s")
-        await until(pilot, lambda: app._notifications, "a notification")
+        await until(pilot, lambda: notified(app), "a notification")
         assert not isinstance(app.screen, SimulateTraffic)
-        assert "--otlp-listen" in list(app._notifications)[-1].message
+        assert "--otlp-listen" in notified(app)[-1].message
 
 
 async def test_simulate_the_traffic_the_fleet_served_on_a_gpu(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ from console.tui.widgets.requests_table import (
 from tests.console.conftest import (
     FAST_POLL_S,
     SESSION,
+    notified,
     replay_app,
     replayed,
     until,
@@ -228,7 +229,7 @@ async def test_drift_screen_plots_history_and_reports_a_refused_recalibration() 
         await pilot.press("r")
         await workers_done(pilot)
         assert not screen.recalibrating
-        assert any("cannot recalibrate" in n.message for n in app._notifications)
+        assert any("cannot recalibrate" in n.message for n in notified(app))
 
 
 async def test_diagnosis_screen_lists_every_rule() -> None:
@@ -260,7 +261,7 @@ async def test_tuning_on_a_recording_is_refused_inline_without_change() -> None:
         assert "ctrl+s" not in screen.active_bindings
         await pilot.press("ctrl+s")
         await workers_done(pilot)
-        assert [n.message for n in app._notifications if "read-only" in n.message]
+        assert [n.message for n in notified(app) if "read-only" in n.message]
         assert app.latest.config["max_num_batched_tokens"] == 256
         # the recorded history is still shown: the recording can read it, only not tune
         assert screen.query_one("#config-changes", DataTable).row_count == 1

@@ -38,7 +38,7 @@ from engine.store import (
     unfinished_requests,
 )
 from engine.store.models import QUARANTINED
-from tests.console.conftest import until, workers_done
+from tests.console.conftest import notified, until, workers_done
 from tests.console.test_hostile_text import rendered
 
 pytestmark = pytest.mark.anyio
@@ -113,7 +113,7 @@ async def test_resumed_requests_are_announced_and_can_be_discarded(tmp_path: Pat
         await pilot.press("d")
         await workers_done(pilot)
         await until(pilot, lambda: any("discarded 2 resumed" in n.message
-                                       for n in app._notifications), "the discard")
+                                       for n in notified(app)), "the discard")
         await until(pilot, lambda: app.latest is not None and not any(
             r.id in notice.resumed and r.state not in ("FINISHED", "FAILED")
             for r in app.latest.requests), "the resumed requests gone")
@@ -135,7 +135,7 @@ async def test_quarantined_requests_are_announced_and_not_run(tmp_path: Path) ->
         await until(pilot, lambda: any("1 request(s) quarantined" in n.message
                                        and entry.request_id in n.message
                                        and "release-quarantine" in n.message
-                                       for n in app._notifications), "the announcement")
+                                       for n in notified(app)), "the announcement")
         assert not isinstance(app.screen, ResumedNotice)  # it was not resumed
         await until(pilot, lambda: app.latest is not None, "a snapshot")
         assert all(r.id != entry.request_id for r in app.latest.requests)
