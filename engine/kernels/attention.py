@@ -224,6 +224,9 @@ class PagedAttention:
             1, flex.key_slots)
         visible = flex.mask_mod(self.window)
         cap = self.softcap
+        # scaled here, and flex's own scale held at 1: a model's scale passed as a float becomes
+        # a traced tensor once Dynamo has seen two models, and reading it back costs a host read
+        q = q * self.scale
         if block_masked(q.device):  # sparse blocks and, compiled, a fused kernel
             if self.window not in flex.masks:
                 flex.masks[self.window] = create_block_mask(
@@ -235,7 +238,7 @@ class PagedAttention:
                     return cap * torch.tanh(score / cap)
             run = _compiled_flex() if q.is_cuda else _eager_flex
             out = run(q.transpose(0, 1)[None], keys[None], values[None], score_mod=score_mod,
-                      block_mask=block_mask, scale=self.scale, enable_gqa=True)
+                      block_mask=block_mask, scale=1.0, enable_gqa=True)
         else:  # eager: the mask as a score_mod, no block mask to build each step
             def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor,
                           qi: torch.Tensor, ki: torch.Tensor) -> torch.Tensor:
@@ -243,7 +246,7 @@ class PagedAttention:
                     score = cap * torch.tanh(score / cap)
                 return torch.where(visible(b, h, qi, ki), score, float("-inf"))
             out = _eager_flex(q.transpose(0, 1)[None], keys[None], values[None],
-                              score_mod=score_mod, scale=self.scale, enable_gqa=True)
+                              score_mod=score_mod, scale=1.0, enable_gqa=True)
         return out[0].transpose(0, 1)
 
     def _prefill(self, q: torch.Tensor, flat_k: torch.Tensor, flat_v: torch.Tensor,
