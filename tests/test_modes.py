@@ -95,6 +95,21 @@ def test_the_pause_timer_restarts_when_bandwidth_dips() -> None:
     assert s.scheduler.throttle_level == 3
 
 
+def test_a_spike_held_off_by_a_lone_request_pauses_prefills_once_more_arrive() -> None:
+    """How long the bandwidth stayed high is the reading's: a lone request holds the throttle
+    off without restarting the pause timer, so the spike acts as soon as a cap can help."""
+    s = sim(max_num_batched_tokens=64, chunk_tile=16, bandwidth_pause_s=2.5 * STEP_S)
+    s.add(900, max_tokens=1)
+    for _ in range(4):  # longer than bandwidth_pause_s, with one request live
+        s.bandwidth.inject(0.99, until_s=s.now + 1.0)
+        s.step()
+        assert s.scheduler.throttle_level == 0
+    s.add(900, max_tokens=1)
+    s.bandwidth.inject(0.99, until_s=s.now + 1.0)
+    s.step()
+    assert s.scheduler.throttle_level == 3
+
+
 def test_cache_pressure_outranks_the_bandwidth_throttle() -> None:
     s = sim(num_blocks=10, max_num_batched_tokens=64, chunk_tile=4,
             cache_high_watermark=0.5, cache_low_watermark=0.2)

@@ -53,14 +53,18 @@ class Modes:
         util = reading.util_5s
         self.bandwidth_util = util
         self.throttle_note = throttle_off_reason(reading, live, prefills)
-        if self.throttle_note:
-            util = 0.0  # no level from a reading it may not act on
+        if not reading.measured:
+            util = 0.0  # a modelled figure is no reading at all
+        # how long the bandwidth has stayed high is a fact of the reading, kept while a lone
+        # request or decodes alone hold the throttle off, so a spike that outlasts them acts
         if util > cfg.bandwidth_pause:
             self._above_pause_since = self._above_pause_since or now
         else:
             self._above_pause_since = None
         level = 0
-        if self._above_pause_since is not None and now - self._above_pause_since >= \
+        if self.throttle_note:
+            pass  # no level where a cap cannot help
+        elif self._above_pause_since is not None and now - self._above_pause_since >= \
                 cfg.bandwidth_pause_s:
             level = 3
         elif util > cfg.bandwidth_throttle_1:

@@ -221,9 +221,10 @@ def bandwidth_spike(settings: ChaosSettings, expected: dict[str, list[int]],
     """The bandwidth reading pinned at 99% until the throttle reaches level 3; then released."""
     peak = measure_peaks("cpu", torch.float32).bandwidth
     injected = InjectedBandwidth(ModelBandwidth(peak))
-    engine = chaos_engine(injected, bandwidth_pause_s=settings.fault_s / 3)
-    # Half the clients arrive after the spike, so recovery has traffic to show.
-    harness = _Harness(engine, requests, held=len(requests) // 2)
+    engine = chaos_engine(injected, bandwidth_pause_s=settings.fault_s / 30)
+    # Every client arrives during the spike, and the pause comes soon: the throttle acts only
+    # while several requests run and some still prefill; level 3 then holds prefills back
+    harness = _Harness(engine, requests)
     spike_until = time.monotonic() + settings.fault_s
     injected.inject(SPIKE_UTIL, spike_until + settings.bound_s)
     top = 0
