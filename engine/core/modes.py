@@ -62,15 +62,14 @@ class Modes:
         else:
             self._above_pause_since = None
         level = 0
-        if self.throttle_note:
-            pass  # no level where a cap cannot help
-        elif self._above_pause_since is not None and now - self._above_pause_since >= \
-                cfg.bandwidth_pause_s:
-            level = 3
-        elif util > cfg.bandwidth_throttle_1:
-            level = 2
-        elif util > cfg.bandwidth_throttle_2:
-            level = 1
+        if not self.throttle_note:  # else no level: a cap cannot help
+            if self._above_pause_since is not None and now - self._above_pause_since >= \
+                    cfg.bandwidth_pause_s:
+                level = 3
+            elif util > cfg.bandwidth_throttle_1:
+                level = 2
+            elif util > cfg.bandwidth_throttle_2:
+                level = 1
         if self.cache_pressure:
             mode = SchedulerMode.CACHE_PRESSURE_WAIT
         elif level:
