@@ -31,7 +31,7 @@ from engine.harness.recovery import abort_orphans
 from engine.store import open_database
 from engine.store.lock import StoreLockedError
 from engine.store.server_lock import _BARRIER, _NAMESPACE, lock_key
-from tests.fleet import ROOT, Member, Report, _check
+from tests.fleet import ROOT, Member, Report, _check, send_until
 from tests.postgres import Cluster, cluster
 
 DOWN_S = 3.0  # how long PostgreSQL stays down each restart
@@ -140,27 +140,7 @@ def run(pg: Cluster, restarts: int, kills: int, clients: int) -> dict[str, objec
     old_logs: list[str] = []
 
     def client(index: int) -> None:
-        local = random.Random(index)
-        with httpx.Client(timeout=60) as http:
-            while not done.is_set():
-                member = members[local.randrange(2)]
-                body = {"prompt": "fleet " * local.randrange(4, 40),
-                        "max_tokens": local.randrange(2, 12)}
-                try:
-                    response = http.post(f"http://127.0.0.1:{member.port}/v1/completions",
-                                         json=body)
-                except httpx.HTTPError:
-                    with lock:
-                        report.client_failures += 1
-                    continue
-                if response.status_code != 200:
-                    with lock:
-                        report.client_failures += 1
-                    continue
-                request_id = response.json()["id"].removeprefix("cmpl-")
-                with lock:
-                    report.answered[(member.name, request_id)] = "answered"
-                member.record_answer()
+        send_until(done, members, report, lock, random.Random(index))
 
     for member in members:
         member.start()

@@ -94,6 +94,30 @@ class Report:
         return not self.unfinished and not self.rerun_after_answer and bool(self.answered)
 
 
+def send_until(done: threading.Event, members: list[Member], report: Report,
+               lock: threading.Lock, local: random.Random) -> None:
+    """One client: completions to a member drawn at random until `done`, each answer noted
+    in `report` under the member that gave it, each failure counted."""
+    with httpx.Client(timeout=60) as http:
+        while not done.is_set():
+            member = members[local.randrange(len(members))]
+            body = {"model": "synthetic:tiny", "prompt": "fleet " * local.randrange(4, 40),
+                    "max_tokens": local.randrange(2, 12)}
+            try:
+                response = http.post(f"http://127.0.0.1:{member.port}/v1/completions",
+                                     json=body)
+            except httpx.HTTPError:
+                response = None
+            if response is None or response.status_code != 200:
+                with lock:
+                    report.client_failures += 1
+                continue
+            request_id = response.json()["id"].removeprefix("cmpl-")
+            with lock:
+                report.answered[(member.name, request_id)] = "answered"
+            member.record_answer()
+
+
 def soak(db: str, *, kills: int, clients: int = 4, answers_before_kill: int = 3,
          seed: int = 0) -> Report:
     rng = random.Random(seed)
@@ -102,27 +126,7 @@ def soak(db: str, *, kills: int, clients: int = 4, answers_before_kill: int = 3,
     lock, done = threading.Lock(), threading.Event()
 
     def client(index: int) -> None:
-        local = random.Random(seed * 100 + index)
-        with httpx.Client(timeout=60) as http:
-            while not done.is_set():
-                member = members[local.randrange(2)]
-                body = {"model": "synthetic:tiny", "prompt": "fleet " * local.randrange(4, 40),
-                        "max_tokens": local.randrange(2, 12)}
-                try:
-                    response = http.post(f"http://127.0.0.1:{member.port}/v1/completions",
-                                         json=body)
-                except httpx.HTTPError:
-                    with lock:
-                        report.client_failures += 1
-                    continue
-                if response.status_code != 200:
-                    with lock:
-                        report.client_failures += 1
-                    continue
-                request_id = response.json()["id"].removeprefix("cmpl-")
-                with lock:
-                    report.answered[(member.name, request_id)] = "answered"
-                member.record_answer()
+        send_until(done, members, report, lock, random.Random(seed * 100 + index))
 
     for member in members:
         member.start()

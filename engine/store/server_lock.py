@@ -14,6 +14,7 @@ later one sees the name taken and is rolled back."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import socket
@@ -119,17 +120,17 @@ class ServerLock:
         self.connection = connection
 
     def release(self) -> None:
-        if self.connection is not None:
-            try:
+        if self.connection is None:
+            return
+        try:
+            with contextlib.suppress(DBAPIError):  # a session already gone took its lock along
                 self.connection.execute(text(f"SELECT pg_advisory_unlock({_KEYS})"),
                                         {"ns": _NAMESPACE, "key": lock_key(self.server)})
                 self.connection.commit()
-            except DBAPIError:
-                pass  # the session is gone, and the lock with it
-            finally:
-                self.connection.invalidate()  # never back to the pool with its name set
-                self.connection.close()
-                self.connection = None
+        finally:
+            self.connection.invalidate()  # never back to the pool with its name set
+            self.connection.close()
+            self.connection = None
 
 
 def _take(connection: Connection, server: str, location: str, lost: bool = False) -> int:
