@@ -17,6 +17,7 @@ import pytest
 from tests.console.terminal import screen
 from tests.console.test_tmux_smoke import TOKENS_PER_S, console_command
 
+WIDTH = "220"
 LIVE_CAP_S = 120.0  # a generous cap on waiting for the engine, so a broken start fails
 CSTAR = re.compile(r"C\* (\S+)")
 
@@ -27,11 +28,12 @@ def test_first_minute_shows_a_word_then_the_stages_and_a_real_cstar(tmp_path: Pa
     socket = f"tokenflow-first-{os.getpid()}-{time.monotonic_ns()}"
     tmux = ["tmux", "-L", socket]
     command = f"{console_command(tmp_path / 'first.db')} --model synthetic:tiny"
-    subprocess.run([*tmux, "new-session", "-d", "-s", "first", "-x", "120", "-y", "40",
+    # wide enough that the header never drops C* for warnings a loaded machine raises
+    subprocess.run([*tmux, "new-session", "-d", "-s", "first", "-x", WIDTH, "-y", "40",
                     command], check=True)
     # a detached session falls back to tmux's default size (80x24) unless sized by hand
     subprocess.run([*tmux, "set-option", "-t", "first", "window-size", "manual"], check=True)
-    subprocess.run([*tmux, "resize-window", "-t", "first", "-x", "120", "-y", "40"], check=True)
+    subprocess.run([*tmux, "resize-window", "-t", "first", "-x", WIDTH, "-y", "40"], check=True)
     try:
         cstars: list[str] = []
         screens: list[str] = []
