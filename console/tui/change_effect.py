@@ -15,18 +15,32 @@ ARRIVALS_TOLERANCE = 0.25
 IDLE_ARRIVALS = 0.05  # requests/s: below this on both sides, both are idle, hence equal
 
 
-def around(history: MetricHistory, at: float, name: str, unit: Any) -> tuple[str, str]:
-    """`name` averaged over the AROUND_S before `at` and the AROUND_S after it (over the
-    seconds so far, said as "(12s)", while that half is still running); "–" where the
-    history holds no sample. A bare "…" read as a cell cut short."""
-    def mean(start: float, end: float) -> str:
-        value = history.mean_between(name, start, end)
-        return "–" if value is None else unit(value)
-    after = mean(at, at + AROUND_S)
-    newest = history.newest_ts
-    if newest is not None and newest < at + AROUND_S and after != "–":
-        after += f" ({max(newest - at, 0):.0f}s)"
-    return mean(at - AROUND_S, at), after
+@dataclass(frozen=True)
+class Around:
+    """A figure averaged over the AROUND_S before a change and the AROUND_S after it (None
+    where the history holds no sample); `running_s`: the seconds of the after half so far,
+    while it is still running."""
+
+    before: float | None
+    after: float | None
+    running_s: float | None = None
+
+    @classmethod
+    def of(cls, history: MetricHistory, at: float, name: str) -> Around:
+        after = history.mean_between(name, at, at + AROUND_S)
+        newest = history.newest_ts
+        running = (max(newest - at, 0.0) if newest is not None and newest < at + AROUND_S
+                   and after is not None else None)
+        return cls(history.mean_between(name, at - AROUND_S, at), after, running)
+
+    def cells(self, unit: Any) -> tuple[str, str]:
+        """Both halves in `unit`, "–" where there is no sample; a running half says so as
+        "(12s)" (a bare "…" read as a cell cut short)."""
+        before = "–" if self.before is None else unit(self.before)
+        after = "–" if self.after is None else unit(self.after)
+        if self.running_s is not None:
+            after += f" ({self.running_s:.0f}s)"
+        return before, after
 
 
 @dataclass(frozen=True)

@@ -103,11 +103,20 @@ class RecalibrationDone(Message):
 # an idle engine cost a sixth of a core.
 QUIET_SLOWDOWN = 5
 QUIET_REDRAW_S = 5.0
+# Wall-clock minus the engine's clock, read at two instants, differs in its last digits from
+# one poll to the next; only a step of the wall clock moves it further.
+WALL_JITTER_S = 0.5
 
 
 def quiet(snapshot: Snapshot, last: Snapshot | None) -> bool:
     """Whether `snapshot` says nothing `last` did not, but the time."""
-    return last is not None and dataclasses.replace(snapshot, ts=last.ts) == last
+    if last is None:
+        return False
+    if (snapshot.wall_offset is None) != (last.wall_offset is None) or (
+            snapshot.wall_offset is not None and last.wall_offset is not None
+            and abs(snapshot.wall_offset - last.wall_offset) > WALL_JITTER_S):
+        return False
+    return dataclasses.replace(snapshot, ts=last.ts, wall_offset=last.wall_offset) == last
 
 
 @dataclass

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from textual.widgets import DataTable, Input, Static
+from textual.widgets import Static
 
 from console.sources.base import (
     Capabilities,
@@ -122,12 +122,12 @@ async def test_screens_and_keys_follow_a_read_only_source() -> None:
         await workers_done(pilot)
         tuning = app.screen
         assert isinstance(tuning, TuningScreen)
-        assert all(box.disabled for box in tuning.query(Input))
+        assert all(box.disabled for box in tuning.query(".field-input"))
         assert not tuning.query_one("#tuning-buttons").display  # no Apply on a read-only source
         refusal = str(tuning.query_one("#tuning-refusal", Static).render())
         assert "change its flags and restart it" in refusal
         assert "configuration history is not available" in refusal
-        assert not tuning.query_one("#config-changes", DataTable).display
+        assert not tuning.query_one("#config-changes", KeyedTable).display
 
         await pilot.press("3")
         await workers_done(pilot)
@@ -188,8 +188,9 @@ async def test_a_traced_vllm_has_a_drift_history_from_its_traces(tmp_path: Path)
             await pilot.press("4")
             drift = app.screen
             assert isinstance(drift, DriftScreen)
-            await until(pilot, lambda: drift.query_one("#drift-events", DataTable).row_count
-                        == len(points), "the traced windows")
+            windows = drift.query_one("#traced-windows", KeyedTable)
+            await until(pilot, lambda: windows.table.row_count == len(points),
+                        "the traced windows")
             line = str(drift.query_one("#calibration-line", Static).render())
             assert f"20 traced requests in {len(points)} windows" in line
             assert "vs roofline estimate" in line

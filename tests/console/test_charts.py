@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 from rich.text import Text
 from textual.app import App, ComposeResult
-from textual.widgets import DataTable, Static
+from textual.widgets import Static
 
 from console.tui.change_effect import AROUND_S, Load
 from console.tui.collectors import ConfigChangesLoaded
@@ -17,6 +17,7 @@ from console.tui.screens.tuning import TuningScreen
 from console.tui.widgets.bandwidth import Bandwidth
 from console.tui.widgets.chunk_queue import ChunkQueue
 from console.tui.widgets.header import EngineHeader, warnings
+from console.tui.widgets.keyed_table import KeyedTable
 from console.tui.widgets.plot import Line, Plot, Series, ms, per_s
 from engine.clock import VirtualClock
 from engine.harness.slo_targets import ServiceSLO
@@ -276,11 +277,11 @@ async def test_the_changes_table_says_when_arrivals_changed_around_a_change() ->
                                      288, "console")
         screen.post_message(ConfigChangesLoaded([changed]))
         await pilot.pause()
-        table = screen.query_one("#config-changes", DataTable)
-        load = str(table.get_cell("1", "load"))
+        changes = screen.query_one("#config-changes", KeyedTable)
+        load = str(changes.table.get_cell("1", "load"))
         assert load == "2→4/s unequal"
-        assert str(table.border_subtitle) == ("max_num_batched_tokens: arrivals changed "
-                                              "(2/s → 4/s): not comparable")
+        assert str(changes.border_subtitle) == ("Token budget: arrivals changed "
+                                                "(2/s → 4/s): not comparable")
 
 
 async def test_a_busy_host_is_marked_in_the_header_and_the_bandwidth_pane_says_who() -> None:

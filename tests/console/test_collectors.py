@@ -64,18 +64,20 @@ def test_a_finished_recording_is_posted_once_and_again_after_a_failure(
 
 
 def test_an_idle_engine_is_redrawn_seldom_and_polled_slower_until_something_moves() -> None:
-    """Snapshots of an idle engine differ in their time alone: one is posted every
-    QUIET_REDRAW_S of the source's clock, and the poll slows to QUIET_SLOWDOWN intervals."""
+    """Snapshots of an idle engine differ in their time alone (and in the last digits of
+    their wall-clock offset): one is posted every QUIET_REDRAW_S of the source's clock, and
+    the poll slows to QUIET_SLOWDOWN intervals."""
     clock = itertools.count()
-    idle = Snapshot(step=7, ts=0.0)
+    idle = Snapshot(step=7, ts=0.0, wall_offset=1.7e9)
     moving: list[Snapshot] = []
 
     class Idle:
         name = "idle"
 
         def snapshot(self) -> Snapshot:
-            ts = next(clock) * 0.4
-            return moving.pop() if moving else dataclasses.replace(idle, ts=ts)
+            tick = next(clock)
+            return moving.pop() if moving else dataclasses.replace(
+                idle, ts=tick * 0.4, wall_offset=1.7e9 + (tick % 3) * 2.4e-7)
 
     inbox = Inbox()
     collector = SnapshotCollector(inbox, Idle(), interval=0.4)  # type: ignore[arg-type]
@@ -90,3 +92,7 @@ def test_an_idle_engine_is_redrawn_seldom_and_polled_slower_until_something_move
     moving.append(dataclasses.replace(idle, step=8, ts=40.0))
     collector._collect()  # a step: posted at once, and polled at the full rate again
     assert inbox.snapshots()[-1].step == 8 and collector.delay == 0.4
+    stepped = dataclasses.replace(inbox.snapshots()[-1], ts=40.4, wall_offset=1.7e9 + 3600)
+    moving.append(stepped)
+    collector._collect()  # the wall clock stepped: the store's times map elsewhere now
+    assert inbox.snapshots()[-1] is stepped

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import re
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from console.tui.screens.live import LiveScreen
 from console.tui.screens.request_detail import RequestDetail
 from console.tui.screens.slow_queries import SlowQueriesScreen, SlowQueryDetail
 from console.tui.screens.tuning import TuningScreen
+from console.tui.widgets.fleet_table import FleetTable
 from console.tui.widgets.header import EngineHeader
 from console.tui.widgets.keyed_table import KeyedTable
 from console.tui.widgets.plot import Plot
@@ -113,7 +115,7 @@ async def test_a_requests_cached_share_shows_in_its_row_and_its_detail() -> None
         # the first columns to go as the table narrows: the rare resume mark, then the
         # cached share, before the tenant
         resumed = [c.key for c in COLUMNS].index("resumed")
-        narrower = [requests.fitting(w) for w in range(requests.size.width, 0, -1)]
+        narrower = [requests.fitting(w)[0] for w in range(requests.size.width, 0, -1)]
         drops = [shown for shown in narrower if len(shown) < len(COLUMNS)]
         assert drops[0] == tuple(i for i in range(len(COLUMNS)) if i != resumed)
         second = next(shown for shown in drops if len(shown) < len(COLUMNS) - 1)
@@ -220,7 +222,7 @@ async def test_drift_screen_plots_history_and_reports_a_refused_recalibration() 
         plot = screen.query_one(Plot)
         # the first calibration at start, and the two runs the recording adds
         assert len(plot._series[0].values) == len(app.source.calibration_history()) == 3
-        assert screen.query_one("#drift-events", DataTable).row_count == 1
+        assert screen.query_one("#drift-events", KeyedTable).table.row_count == 1
         # A recording cannot recalibrate: r is off the footer, and the pane says why.
         assert "r" not in screen.active_bindings
         note = str(screen.query_one("#recalibration-note", Static).render())
@@ -264,7 +266,7 @@ async def test_tuning_on_a_recording_is_refused_inline_without_change() -> None:
         assert [n.message for n in notified(app) if "read-only" in n.message]
         assert app.latest.config["max_num_batched_tokens"] == 256
         # the recorded history is still shown: the recording can read it, only not tune
-        assert screen.query_one("#config-changes", DataTable).row_count == 1
+        assert screen.query_one("#config-changes", KeyedTable).table.row_count == 1
 
 
 async def test_help_pause_and_command_palette() -> None:
@@ -294,6 +296,43 @@ async def test_help_pause_and_command_palette() -> None:
         await until(pilot, lambda: commands.option_count > 0, "a palette match")
         await pilot.press("enter")
         await until(pilot, lambda: isinstance(app.screen, DiagnosisScreen), "the diagnosis")
+
+
+def assert_fits(app: TokenflowApp, key: str) -> None:
+    tables = [t for t in app.screen.query(DataTable) if t.display and t.row_count]
+    assert tables, f"screen {key} shows no table with rows"
+    for table in tables:
+        assert table.virtual_size.width <= table.scrollable_content_region.width, (
+            key, [c.label.plain for c in table.columns.values()])
+
+
+@pytest.mark.parametrize("size", SIZES)
+async def test_no_table_scrolls_sideways_and_times_are_never_cut(size: tuple[int, int]) -> None:
+    """Every table on every screen fits its width (columns drop by priority, a fill column
+    wraps), and the time that keys the changes and drift events is shown whole."""
+    app = replay_app()
+    async with app.run_test(size=size) as pilot:
+        await replayed(pilot)
+        keyed = {}
+        for key, table in (("1", ""), ("2", "#config-changes"), ("3", ""),
+                           ("4", "#drift-events")):
+            await pilot.press(key)
+            await workers_done(pilot)
+            assert_fits(app, key)
+            if table:
+                keyed[key] = app.screen.query_one(table, KeyedTable)
+        for table in keyed.values():
+            cells = [str(table.table.get_row_at(i)[0]) for i in range(table.table.row_count)]
+            assert cells and all(re.fullmatch(r"\d\d:\d\d:\d\d", c) for c in cells)
+            column = table.table.columns[ColumnKey(table.columns[0].key)]
+            assert column.get_render_width(table.table) >= len("00:00:00") + 2
+    fleet = FleetSource([ReplaySource(SESSION, speed=0), ReplaySource(SESSION, speed=0)])
+    app = TokenflowApp(fleet, interval=FAST_POLL_S)
+    async with app.run_test(size=size) as pilot:
+        await pilot.press("0")
+        await until(pilot, lambda: app.screen.query_one(FleetTable).table.row_count == 2,
+                    "both servers listed")
+        assert_fits(app, "0")
 
 
 async def test_next_server_moves_through_a_fleet_of_attached_sources() -> None:

@@ -8,13 +8,14 @@ import time
 from pathlib import Path
 
 import pytest
-from textual.widgets import DataTable, Input
+from textual.widgets import Input
 
 from console.sources.base import SourceError
 from console.sources.embedded import EmbeddedSource
 from console.sources.replay import ReplaySource
 from console.tui.app import TokenflowApp
-from console.tui.screens.tuning import TuningScreen
+from console.tui.screens.tuning import CHANGE_COLUMNS, TuningScreen
+from console.tui.widgets.keyed_table import KeyedTable
 from console.tui.widgets.plot import Plot
 from engine.config import EngineConfig
 from engine.store import open_database
@@ -72,9 +73,11 @@ async def test_the_range_key_reads_hours_back_from_the_store(tmp_path: Path) -> 
         assert any(abs(mark - (start + HOUR - offset)) < 1 for mark in ttft._marks)
         assert any(abs(event - (start + 1.5 * HOUR - offset)) < 1 for event in ttft._events)
         # a change older than the console's memory keeps its before and after, from the store
-        table = screen.query_one("#config-changes", DataTable)
+        changes = screen.query_one("#config-changes", KeyedTable)
+        table = changes.table
         await until(pilot, lambda: table.row_count, "the stored changes")
-        [key] = [k for k in table.rows if str(table.get_cell(k, "by")) == "console"]
+        by = [c.key for c in CHANGE_COLUMNS].index("by")
+        [key] = [k for k, row in changes.rows.items() if row.cells[by] == "console"]
         await until(pilot, lambda: str(table.get_cell(key, "ttft-before")) == "2.5 s",
                     "the change's figures from the store")
         assert str(table.get_cell(key, "ttft-after")) == "2.5 s"

@@ -14,6 +14,7 @@ from textual.widgets import DataTable, Input, Static
 from console.sources.embedded import EmbeddedSource
 from console.tui.app import TokenflowApp
 from console.tui.screens.tuning import TuningScreen
+from console.tui.widgets.keyed_table import KeyedTable
 from engine.config import EngineConfig
 from tests.console.conftest import until, workers_done
 
@@ -155,9 +156,10 @@ async def test_a_good_value_is_applied_live_and_stored(tuning) -> None:
     assert not box.has_class("error")
     app.source.writer.flush(10.0)
     screen.on_screen_resume()
-    changes = screen.query_one("#config-changes", DataTable)
-    await until(pilot, lambda: changes.row_count >= 1)
-    assert changes.get_row_at(0)[:3] == ["max_num_batched_tokens", "256", "384"]
+    changes = screen.query_one("#config-changes", KeyedTable)
+    await until(pilot, lambda: changes.table.row_count >= 1)
+    [row] = changes.rows.values()
+    assert row.cells[1:4] == ("Token budget", "256", "384")
 
 
 async def test_the_recommended_key_applies_c_star_in_whole_tiles(tuning) -> None:

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 from textual import events
 from textual.pilot import Pilot
-from textual.widgets import DataTable, Input
+from textual.widgets import Input
 
 from console.sources.embedded import EmbeddedSource
 from console.tui.app import TokenflowApp
 from console.tui.screens.drift import DriftScreen
 from console.tui.screens.slow_queries import SlowQueriesScreen
 from console.tui.screens.tuning import TuningScreen
+from console.tui.widgets.keyed_table import KeyedTable
 from engine.config import EngineConfig
 from tests.console.conftest import FAST_POLL_S, until, workers_done
 
@@ -143,10 +144,11 @@ async def test_a_refused_apply_ends_the_edit_and_marks_the_field(form) -> None:
 
 async def test_the_changes_table_shows_an_enter_applied_change_at_once(form) -> None:
     _, pilot, screen = form
-    changes = screen.query_one("#config-changes", DataTable)
+    table = screen.query_one("#config-changes", KeyedTable)
+    changes = table.table
     await burst(pilot, "tab", "tab", "4", "1", "6", "enter")
     await until(pilot, lambda: changes.row_count == 1, "the budget's change listed")
     await burst(pilot, "tab", "1", ".", "5", "enter")  # the arrival rate, stored too
     await until(pilot, lambda: changes.row_count == 2, "the rate's change listed")
-    row = changes.get_row_at(0)
-    assert (row[0], row[2]) == ("arrival_rate", "1.5")
+    newest = table.rows[changes.get_row_at(0)[0].key]  # the newest change on top
+    assert (newest.cells[1], newest.cells[3]) == ("Arrival rate /s", "1.5")

@@ -11,7 +11,7 @@ from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical
-from textual.widgets import DataTable, ProgressBar, Static
+from textual.widgets import ProgressBar, Static
 
 from console.sources.base import Capability
 from console.tui.collectors import (
@@ -23,12 +23,44 @@ from console.tui.collectors import (
 from console.tui.screens.base import ConsoleScreen
 from console.tui.screens.slow_queries import clock
 from console.tui.state import ConsoleState
-from console.tui.text import plain
+from console.tui.widgets.keyed_table import Column, KeyedTable, TableRow, middle_cut
 from console.tui.widgets.notice import unavailable
 from console.tui.widgets.plot import Line, Plot, Series
 
 if TYPE_CHECKING:  # annotations only: the store pulls SQLAlchemy and Alembic (~1 s)
-    from console.sources.base import CalibrationRecord
+    from console.sources.base import CalibrationRecord, DriftRecord, TracedDriftPoint
+
+# The time is the key column: it never drops and is never cut; the detail wraps.
+EVENT_COLUMNS = (
+    Column("time", "time", 8),
+    Column("deviation", "deviation", 9),
+    Column("server", "server", drop=1),
+    Column("detail", "detail", fill=True),
+)
+WINDOW_COLUMNS = (
+    Column("window", "window", 8),
+    Column("ratio", "measured/predicted"),
+    Column("requests", "requests", fill=True),
+)
+SERVER_WIDTH = 14  # a fleet's URLs, cut in the middle
+
+
+def event_row(event: DriftRecord) -> TableRow:
+    return TableRow(
+        key=str(event.id),
+        cells=(clock(event.created_at), f"{event.deviation:+.1%}",
+               middle_cut(event.server or "–", SERVER_WIDTH), event.detail),
+        sort_values=(event.created_at, event.deviation, event.server, event.detail),
+        haystack=f"{event.server} {event.detail}".lower())
+
+
+def window_row(point: TracedDriftPoint) -> TableRow:
+    return TableRow(
+        key=f"{point.start}:{point.estimate}",
+        cells=(clock(point.start), f"{point.median_ratio:.2f}×",
+               f"{point.requests} vs {point.estimate} estimate"),
+        sort_values=(point.start, point.median_ratio, point.requests),
+        haystack=point.estimate.lower())
 
 
 def prefill_ms_per_1k(record: CalibrationRecord) -> float | None:
@@ -53,7 +85,10 @@ class DriftScreen(ConsoleScreen):
             yield Static(id="calibration-line")
             yield Plot(id="calibration-plot")
         with Horizontal(id="drift-bottom"):
-            yield DataTable(id="drift-events", cursor_type="row", zebra_stripes=True)
+            yield KeyedTable(EVENT_COLUMNS, id="drift-events", reverse=True,
+                             empty="no drift event stored")
+            yield KeyedTable(WINDOW_COLUMNS, id="traced-windows", reverse=True,
+                             empty="no traced window yet")
             with Vertical(id="recalibration"):
                 yield Static(id="recalibration-note")
                 yield ProgressBar(total=100, show_eta=False, id="recalibration-progress")
@@ -62,22 +97,16 @@ class DriftScreen(ConsoleScreen):
     def on_mount(self) -> None:
         self.query_one("#calibrations").border_title = "Calibration history"
         self.query_one("#recalibration").border_title = "Recalibration"
-        self._columns("Drift events", "time", "server", "deviation", "detail")
-
-    def _columns(self, title: str, *labels: str) -> None:
-        """The lower table's title and columns: drift events, or traced windows."""
-        events = self.query_one("#drift-events", DataTable)
-        events.border_title = title
-        events.clear(columns=True)
-        for label in labels:
-            events.add_column(label, key=label)
+        self.query_one("#drift-events").border_title = "Drift events"
+        self.query_one("#traced-windows").border_title = "Traced windows"
 
     def show_capabilities(self) -> None:
         super().show_capabilities()
         history = self.state.refusal(Capability.DRIFT)
         traced = history is not None and self.state.refusal(Capability.TRACED_DRIFT) is None
         self.query_one(Plot).display = history is None or traced
-        self.query_one("#drift-events").display = history is None or traced
+        self.query_one("#drift-events").display = history is None
+        self.query_one("#traced-windows").display = traced
         self.query_one("#calibrations").border_title = ("Traced drift history" if traced
                                                         else "Calibration history")
         if history is not None and not traced:
@@ -106,11 +135,7 @@ class DriftScreen(ConsoleScreen):
             line.append(f" · prefill {figures[-1]:.2f} ms per 1k tokens", style="cyan")
         self.query_one("#calibration-line", Static).update(line)
         self.query_one(Plot).show((Series("prefill ms/1k tok", tuple(figures)),))
-        self._columns("Drift events", "time", "server", "deviation", "detail")
-        events = self.query_one("#drift-events", DataTable)
-        for event in message.events:
-            events.add_row(clock(event.created_at), plain(event.server or "–"),
-                           f"{event.deviation:+.1%}", plain(event.detail), key=str(event.id))
+        self.query_one("#drift-events", KeyedTable).sync([event_row(e) for e in message.events])
 
     def on_traced_drift_loaded(self, message: TracedDriftLoaded) -> None:
         points = message.points  # oldest first
@@ -130,12 +155,7 @@ class DriftScreen(ConsoleScreen):
                          tuple(p.median_ratio for p in points if p.estimate == estimate))
                   for estimate in estimates),
             lines=(Line(1.0, "as predicted"),))
-        self._columns("Traced windows", "window", "measured/predicted", "requests")
-        events = self.query_one("#drift-events", DataTable)
-        for point in reversed(points):  # newest first, as drift events are
-            events.add_row(clock(point.start), f"{point.median_ratio:.2f}×",
-                           plain(f"{point.requests} vs {point.estimate} estimate"),
-                           key=f"{point.start}:{point.estimate}")
+        self.query_one("#traced-windows", KeyedTable).sync([window_row(p) for p in points])
 
     def action_recalibrate(self) -> None:
         if self.recalibrating:

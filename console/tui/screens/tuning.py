@@ -20,10 +20,10 @@ from textual import events
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Grid, Horizontal, VerticalScroll
-from textual.widgets import Button, DataTable, Input, Label, Static
+from textual.widgets import Button, Input, Label, Static
 
 from console.sources.base import Capability, stated_rate
-from console.tui.change_effect import AROUND_S, Load, around
+from console.tui.change_effect import AROUND_S, Around, Load
 from console.tui.collectors import (
     RATE_FIELD,
     ConfigApplied,
@@ -48,17 +48,54 @@ from console.tui.tuning_form import BY_NAME, FIELDS, Field, shown
 from console.tui.widgets.field import Field as NumberField
 from console.tui.widgets.field import start_edit
 from console.tui.widgets.header import chunk_size
+from console.tui.widgets.keyed_table import Column, KeyedTable, TableRow
 from console.tui.widgets.latency import append_latency, slo_style, window
 from console.tui.widgets.notice import unavailable
 from console.tui.widgets.plot import Line, Plot, Series, ms, number, per_s
+from console.tui.widgets.redraw import update_changed
 from engine.events import wall_offset
 from engine.ops.metrics import RATE_WINDOW_S
 from engine.snapshot import Snapshot
 
 if TYPE_CHECKING:  # the store pulls in SQLAlchemy: kept off the launch path
-    from console.sources.base import StoredMetrics
+    from console.sources.base import ConfigChangeRecord, StoredMetrics
 
 NARROW_COLUMNS = 110  # below this the charts stack into one column of sparklines
+SPAN = f"{AROUND_S:.0f}s"
+# The change's time is the key column; a field is named as the form labels it. As the table
+# narrows, who changed it goes first, then the arrivals (the subtitle names an unequal load),
+# the old value, and throughput, so TTFT before and after stay beside the new value.
+CHANGE_COLUMNS = (
+    Column("at", "at", 8),
+    Column("field", "field"),
+    Column("old", "old", drop=3),
+    Column("new", "new"),
+    Column("by", "by", drop=5),
+    Column("ttft-before", f"TTFT p99 -{SPAN}"),
+    Column("ttft-after", f"+{SPAN}"),
+    Column("tps-before", f"tok/s -{SPAN}", drop=2),
+    Column("tps-after", f"+{SPAN}", drop=2),
+    Column("load", "arrivals", drop=4),
+)
+
+
+def change_row(change: ConfigChangeRecord, ttft: Around, throughput: Around,
+               load: Load) -> TableRow:
+    """A stored change with its TTFT p99 and tok/s before and after it, and the arrivals."""
+    rate_change = change.field == RATE_FIELD
+    moved = load.comparable is False and not rate_change
+    field = BY_NAME.get(change.field)
+    return TableRow(
+        key=str(change.id),
+        cells=(datetime.fromtimestamp(change.created_at).strftime("%H:%M:%S"),
+               change.field if field is None else field.label, shown(change.old),
+               shown(change.new), change.source, *ttft.cells(ms), *throughput.cells(number),
+               Text(load.cell(rate_change), style="yellow" if moved else "dim")),
+        sort_values=(change.created_at, change.field, None, None, change.source,
+                     ttft.before, ttft.after, throughput.before, throughput.after,
+                     load.after),
+        haystack=f"{change.field} {'' if field is None else field.label} "
+                 f"{change.source}".lower())
 
 
 class TuningScreen(ConsoleScreen):
@@ -87,6 +124,7 @@ class TuningScreen(ConsoleScreen):
         self._range: TimeRange = MEMORY
         self._stored: StoredMetrics | None = None  # the store's figures for a longer range
         self._stored_at: float | None = None  # the engine time they were asked for
+        self._changes: dict[int, ConfigChangeRecord] = {}  # the stored changes shown, by id
 
     def compose(self) -> ComposeResult:
         yield from self.compose_header()
@@ -111,7 +149,8 @@ class TuningScreen(ConsoleScreen):
                 yield Plot(unit=per_s, id="tune-rates")
                 yield Plot(unit=number, id="tune-cstar")
                 yield Plot(unit=per_s, id="tune-throughput")
-        yield DataTable(id="config-changes", cursor_type="row", zebra_stripes=True)
+        yield KeyedTable(CHANGE_COLUMNS, id="config-changes", reverse=True,
+                         empty="no change stored yet")
         yield from self.compose_footer()
 
     def on_mount(self) -> None:
@@ -119,14 +158,7 @@ class TuningScreen(ConsoleScreen):
         self.query_one("#tuning-form").border_title = "Live configuration"
         self._show_editing()
         self._title_charts()
-        changes = self.query_one("#config-changes", DataTable)
-        changes.border_title = "Changes (stored)"
-        span = f"{AROUND_S:.0f}s"
-        for key, label in (("field", "field"), ("old", "old"), ("new", "new"), ("by", "by"),
-                           ("at", "at"), ("ttft-before", f"TTFT p99 -{span}"),
-                           ("ttft-after", f"+{span}"), ("tps-before", f"tok/s -{span}"),
-                           ("tps-after", f"+{span}"), ("load", "arrivals")):
-            changes.add_column(label, key=key)
+        self.query_one("#config-changes").border_title = "Changes (stored)"
 
     def on_resize(self, event: events.Resize) -> None:
         self.set_class(event.size.width < NARROW_COLUMNS, "narrow")
@@ -172,7 +204,7 @@ class TuningScreen(ConsoleScreen):
                     box.select_all()  # still untouched: typing still replaces it
             self._base[field.name] = live[field.name]
         self._mark_edits()
-        self.query_one("#tuning-live", Static).update(self._live_line(snapshot))
+        update_changed(self.query_one("#tuning-live", Static), self._live_line(snapshot))
         self._show_charts(snapshot)
 
     def _live_line(self, snapshot: Snapshot) -> Text:
@@ -248,7 +280,8 @@ class TuningScreen(ConsoleScreen):
             start = self._range.start(now, self.state.session_start or now)
         if stored is not None:
             marks = (*on_engine_clock(stored.changes, offset), *marks)
-            events = (*on_engine_clock((*stored.drift, *stored.restarts), offset), *events)
+            events = (*on_engine_clock((*stored.drift, *stored.restarts, *stored.pauses),
+                                       offset), *events)
 
         def series(label: str, name: str) -> Series:
             return Series.of(label, points(history, name, stored, offset))
@@ -329,10 +362,17 @@ class TuningScreen(ConsoleScreen):
         return [box for box in self.query(".field-input").results(Input)
                 if box.focusable and box.parent is not None and box.parent.display]
 
-    def action_enter(self) -> None:
-        """Enter applies while a field is edited, presses a focused button, and otherwise
-        starts an edit in the first field."""
-        if isinstance(self.focused, Input):
+    def _filtering(self) -> bool:
+        """Whether the focused input is the changes table's filter, not a field."""
+        return isinstance(self.focused, Input) and not self.focused.has_class("field-input")
+
+    async def action_enter(self) -> None:
+        """Enter applies while a field is edited, closes the changes' filter box, presses a
+        focused button, and otherwise starts an edit in the first field."""
+        if self._filtering():
+            assert isinstance(self.focused, Input)
+            await self.focused.action_submit()
+        elif isinstance(self.focused, Input):
             self.action_apply()
         elif isinstance(self.focused, Button):
             self.focused.press()
@@ -350,7 +390,11 @@ class TuningScreen(ConsoleScreen):
         self._show_editing()
 
     def action_leave_input(self) -> None:
-        """Escape ends the edit and drops the field's unapplied text."""
+        """Escape ends the edit and drops the field's unapplied text (in the changes' filter
+        box, it clears the filter)."""
+        if self._filtering():
+            self.query_one("#config-changes", KeyedTable).action_clear_filter()
+            return
         box = self.focused
         if isinstance(box, Input):
             self._restore(box)
@@ -431,54 +475,44 @@ class TuningScreen(ConsoleScreen):
             self.notify(escaped(message.message), severity="error", markup=False)
 
     def on_config_changes_loaded(self, message: ConfigChangesLoaded) -> None:
-        table = self.query_one("#config-changes", DataTable)
-        table.clear()
+        table = self.query_one("#config-changes", KeyedTable)
         history = self.state.history
         # the store stamps wall-clock time, snapshots the engine's monotonic clock: the newest
         # snapshot says how they relate where it was taken (a recording, a remote engine)
-        latest = self.state.latest
-        offset = (latest.wall_offset if latest is not None and latest.wall_offset is not None
-                  else wall_offset())
+        offset = self._offset()
         unequal: tuple[str, Load] | None = None  # the newest change whose load moved
         stored = self.state.refusal(Capability.STORED_METRICS) is None
+        rows = []
         for change in message.changes:
             at = change.created_at - offset
-            ttft = around(history, at, "ttft_p99", ms)
-            throughput = around(history, at, "tokens_per_s", number)
+            ttft = Around.of(history, at, "ttft_p99")
+            throughput = Around.of(history, at, "tokens_per_s")
             # the measured arrivals, whatever moved them: a stored rate change or the traffic
             load = Load.around(history, at)
-            moved = load.comparable is False and change.field != RATE_FIELD
-            if moved and unequal is None:
-                unequal = (change.field, load)
-            table.add_row(change.field, shown(change.old), shown(change.new), plain(change.source),
-                          datetime.fromtimestamp(change.created_at).strftime("%H:%M:%S"),
-                          ttft[0], ttft[1], throughput[0], throughput[1],
-                          Text(load.cell(change.field == RATE_FIELD),
-                               style="yellow" if moved else "dim"),
-                          key=str(change.id))
+            if load.comparable is False and change.field != RATE_FIELD and unequal is None:
+                unequal = (BY_NAME[change.field].label if change.field in BY_NAME
+                           else change.field, load)
+            rows.append(change_row(change, ttft, throughput, load))
             done = history.newest_ts is not None and history.newest_ts >= at + AROUND_S
-            if stored and done and {*ttft, *throughput} == {"–"}:  # older than memory holds
+            if stored and done and {ttft.before, ttft.after, throughput.before,
+                                    throughput.after} == {None}:  # older than memory holds
                 self.state.load_stored_metrics(self, change.created_at - AROUND_S,
                                                change.created_at + AROUND_S, 2, change.id)
+        self._changes = {change.id: change for change in message.changes}
+        table.sync(rows)
         table.border_subtitle = (
-            f"{unequal[0]}: {unequal[1].sentence()}" if unequal is not None
-            else "" if message.changes else "no change stored yet")
+            f"{unequal[0]}: {unequal[1].sentence()}" if unequal is not None else "")
 
     def _show_stored_around(self, change: int, metrics: StoredMetrics) -> None:
         """A change older than the console's memory: its before and after from the store
         (TTFT p99 of the requests whose first token came in each half, tokens/s of those
         that finished in it)."""
-        table = self.query_one("#config-changes", DataTable)
-        key = str(change)
-        if key not in table.rows or len(metrics.buckets) != 2:
+        table = self.query_one("#config-changes", KeyedTable)
+        record = self._changes.get(change)
+        if record is None or str(change) not in table.rows or len(metrics.buckets) != 2:
             return
         before, after = metrics.buckets
-        for column, bucket in (("ttft-before", before), ("ttft-after", after)):
-            value = bucket.ttft_p99_ms
-            table.update_cell(key, column, "–" if value is None else ms(value))
-        for column, bucket in (("tps-before", before), ("tps-after", after)):
-            table.update_cell(key, column, number(bucket.tokens_per_s))
-        load = Load(before.arrivals_per_s, after.arrivals_per_s)
-        rate_change = str(table.get_cell(key, "field")) == RATE_FIELD
-        table.update_cell(key, "load", Text(load.cell(rate_change), style="yellow" if (
-            load.comparable is False and not rate_change) else "dim"))
+        row = change_row(record, Around(before.ttft_p99_ms, after.ttft_p99_ms),
+                         Around(before.tokens_per_s, after.tokens_per_s),
+                         Load(before.arrivals_per_s, after.arrivals_per_s))
+        table.sync([row if key == row.key else kept for key, kept in table.rows.items()])

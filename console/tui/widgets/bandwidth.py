@@ -12,6 +12,7 @@ from console.tui.history import MetricHistory
 from console.tui.settings import setting
 from console.tui.widgets.gauge import level_style
 from console.tui.widgets.plot import Line, Plot, Series, percent
+from console.tui.widgets.redraw import update_changed
 from engine.snapshot import Snapshot
 
 THROTTLE_LEVELS = ("none", "concurrency 2", "concurrency 1", "prefills paused")
@@ -67,7 +68,7 @@ class Bandwidth(Vertical):
         if snapshot.host_measured:
             line.append("\n")
             line.append_text(host_text(snapshot))
-        self.query_one("#bandwidth-line", Static).update(line)
+        update_changed(self.query_one("#bandwidth-line", Static), line)
         lines = (Line(throttle, f"throttle {throttle:.0%}"),
                  Line(pause, f"pause {pause:.0%}", "red")) if throttles else ()
         self.query_one(Plot).show(

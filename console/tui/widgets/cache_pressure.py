@@ -14,6 +14,7 @@ from console.tui.text import escaped
 from console.tui.widgets.gauge import gauge, level_style
 from console.tui.widgets.header import MODE_STYLES
 from console.tui.widgets.plot import Line, Plot, Series, percent
+from console.tui.widgets.redraw import update_changed
 from engine.snapshot import Snapshot
 
 
@@ -49,7 +50,7 @@ class CachePressure(Vertical):
         line.append(escaped(snapshot.mode), style=MODE_STYLES.get(snapshot.mode, "bold"))
         if snapshot.prefix_cache_hit_rate is not None:  # None: caching off or no lookup yet
             line.append(f"  prefix hits {snapshot.prefix_cache_hit_rate:.0%}")
-        self.query_one("#kv-gauge", Static).update(line)
+        update_changed(self.query_one("#kv-gauge", Static), line)
         lines = (Line(marks[0], f"low {marks[0]:.0%}", "green"),
                  Line(marks[1], f"high {marks[1]:.0%}", "red")) if marks else ()
         self.query_one(Plot).show((Series.of("KV usage", history.points("kv_usage")),),

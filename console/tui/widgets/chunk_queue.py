@@ -33,12 +33,14 @@ class ChunkQueue(Widget):
 
     def update_from(self, snapshot: Snapshot, refusal: str | None = None) -> None:
         """`refusal`: why this source has no chunk queue to show, if it has none."""
+        shown = (self._length, self._prefilling, self._scraped, self._refusal)
         self._length = snapshot.chunk_queue_length
         self._prefilling = tuple(r for r in snapshot.requests if r.state in PREFILLING)
         self._scraped = snapshot if snapshot.mode in SCRAPED_MODES else None
         self.border_title = "Tokens per step" if self._scraped else "Chunk queue"
         self._refusal = refusal
-        self.refresh()
+        if (self._length, self._prefilling, self._scraped, self._refusal) != shown:
+            self.refresh()  # an idle engine's empty queue is not drawn again
 
     def render(self) -> Text:
         if self._scraped is not None:  # another engine's steps stand in for the chunk queue

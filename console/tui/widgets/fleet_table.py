@@ -10,18 +10,20 @@ from console.sources.fleet import FleetRow
 from console.tui.text import plain
 from console.tui.widgets.keyed_table import Column, KeyedTable, TableRow
 
+# Narrowing, the model goes first (one fleet mostly serves one), then the KV share, ITL, the
+# slow-query rate and tok/s; health, the server, its queue and TTFT (what users feel) stay.
 COLUMNS = (
     Column("server", "#", 3),
     Column("health", "health", 16),
     Column("url", "server", 24),
-    Column("model", "model", 18),
+    Column("model", "model", 18, drop=5),
     Column("running", "run", 5),
     Column("waiting", "wait", 5),
-    Column("kv", "KV %", 6),
-    Column("tok_s", "tok/s", 8),
+    Column("kv", "KV %", 6, drop=4),
+    Column("tok_s", "tok/s", 8, drop=1),
     Column("ttft", "TTFT p99", 9),
-    Column("itl", "ITL p99", 8),
-    Column("slow", "slow/min", 8),
+    Column("itl", "ITL p99", 8, drop=3),
+    Column("slow", "slow/min", 8, drop=2),
 )
 HEALTH_STYLES = {"up": "green", "paused": "bold yellow", "down": "bold red",
                  "starting": "yellow", "degraded": "bold yellow"}

@@ -19,6 +19,7 @@ from textual.widgets import Static
 
 from console.tui.text import escaped, plain
 from console.tui.widgets.plot import ms
+from console.tui.widgets.redraw import update_changed
 from engine.harness.slo_targets import ServiceSLO
 from engine.snapshot import Snapshot
 
@@ -136,7 +137,7 @@ class EngineHeader(Static):
 
     def _show(self) -> None:
         if self._line:
-            self.update(fitted(self._line, self.content_size.width or 10_000))
+            update_changed(self, fitted(self._line, self.content_size.width or 10_000))
 
     def show_failure(self, error: str, source_name: str) -> None:
         """Kept until a snapshot arrives again: a toast alone fades while the panes go stale."""

@@ -2,9 +2,11 @@
 
 Updating cells in place (instead of clearing and refilling) keeps the cursor, the scroll
 position and the sort order where the operator left them. The sorted column's header
-carries an arrow. As the table narrows, columns drop by priority; the key column (the
-first) never drops, and a key too long for it is cut in the middle, so `long-doc-00017`
-and `long-doc-00018` stay apart.
+carries an arrow. As the table narrows, columns drop by priority, so it never scrolls
+sideways; the key column (the first) never drops, and a key too long for it is cut in the
+middle, so `long-doc-00017` and `long-doc-00018` stay apart. A column without a width is as
+wide as its widest cell; a `fill` column takes the width left and wraps its cells onto more
+lines. A sync that changes no row redraws nothing.
 """
 
 from __future__ import annotations
@@ -24,14 +26,16 @@ from console.tui.text import escaped, plain
 
 CELL_PADDING = 2  # DataTable pads each cell by one column on either side
 CHROME = 4  # the border, and the vertical scrollbar's room
+FILL_MIN = 16  # a wrapped column narrower than this is more lines than words
 
 
 @dataclass(frozen=True)
 class Column:
     key: str
     label: str
-    width: int | None = None
-    drop: int = 0  # 0: always shown; otherwise dropped first when narrow, highest first
+    width: int | None = None  # None: as wide as its widest cell
+    drop: int = 0  # 0: always shown; else dropped when narrow, highest first, equals together
+    fill: bool = False  # takes the width the others leave, its cells wrapped (one at most)
 
 
 def middle_cut(text: str, width: int) -> str:
@@ -81,6 +85,8 @@ class KeyedTable(Vertical):
         self._filter = ""
         self._shown: dict[str, tuple[Text, ...]] = {}
         self.shown_columns: tuple[int, ...] = tuple(range(len(self.columns)))  # indexes shown
+        self._widths: dict[int, int] = {}  # the widths given to the DataTable's columns
+        assert sum(c.fill for c in self.columns) <= 1, "one fill column at most"
 
     def compose(self) -> ComposeResult:
         box = Input(placeholder="filter (esc clears)", classes="table-filter")
@@ -96,36 +102,68 @@ class KeyedTable(Vertical):
         table = self.query_one(DataTable)
         for index in self.shown_columns:
             column = self.columns[index]
-            table.add_column(self._label(index), key=column.key, width=column.width)
+            table.add_column(self._label(index), key=column.key, width=self._widths.get(index))
 
     def _label(self, index: int) -> str:
         arrow = (" ▲", " ▼")[self.reverse] if index == self.sort_index else ""
         return f"{self.columns[index].label}{arrow}"
 
-    def fitting(self, width: int) -> tuple[int, ...]:
-        """The columns that fit in `width`: those with the highest `drop` go first."""
+    def _natural(self, index: int) -> int:
+        """The columns `index` needs: its width; else its widest cell, at least its label with
+        the sort arrow; a fill column, at least FILL_MIN (it takes more when there is room)."""
+        column = self.columns[index]
+        if column.width is not None:
+            return column.width
+        label = len(column.label) + 2
+        if column.fill:
+            return max(label, FILL_MIN)
+        cells = (row.cells[index] for row in self.rows.values())
+        return max([label, *(len(cell) if isinstance(cell, str) else cell.cell_len
+                             for cell in cells)])
+
+    def fitting(self, width: int) -> tuple[tuple[int, ...], dict[int, int]]:
+        """The columns that fit in `width` (those with the highest `drop` go first, columns
+        sharing it together; one gone early comes back if what went later left it room), and
+        each one's width: its natural width, the fill column's what the others leave."""
         visible = set(range(len(self.columns)))
         room = width - CHROME
+        natural = {i: self._natural(i) for i in visible}
 
         def used() -> int:
-            return sum((self.columns[i].width or len(self.columns[i].label)) + CELL_PADDING
-                       for i in visible)
+            return sum(natural[i] + CELL_PADDING for i in visible)
 
-        for index in sorted((i for i, c in enumerate(self.columns) if c.drop),
-                            key=lambda i: -self.columns[i].drop):
+        levels = sorted({c.drop for c in self.columns if c.drop}, reverse=True)
+        dropped = []
+        for level in levels:
             if used() <= room:
                 break
-            visible.discard(index)
-        return tuple(sorted(visible))
+            dropped.append({i for i, c in enumerate(self.columns) if c.drop == level})
+            visible -= dropped[-1]
+        for columns in reversed(dropped[:-1]):  # one dropped early may fit in the room left
+            if used() + sum(natural[i] + CELL_PADDING for i in columns) <= room:
+                visible |= columns
+        widths = {i: natural[i] for i in visible}
+        for index in visible:
+            if self.columns[index].fill:
+                widths[index] = max(natural[index], room - used() + natural[index])
+        return tuple(sorted(visible)), widths
 
     def on_resize(self) -> None:
-        visible = self.fitting(self.size.width)
-        if visible != self.shown_columns:
-            self.shown_columns = visible
-            self.table.clear(columns=True)
-            self._shown = {}
-            self._add_columns()
-            self._apply()
+        self._refit()
+
+    def _refit(self) -> bool:
+        """Fit the columns to the table's width; True when they changed (and were rebuilt)."""
+        if not self.size.width:
+            return False  # not laid out yet: the first resize fits it
+        visible, widths = self.fitting(self.size.width)
+        if visible == self.shown_columns and widths == self._widths:
+            return False
+        self.shown_columns, self._widths = visible, widths
+        self.table.clear(columns=True)
+        self._shown = {}
+        self._add_columns()
+        self._apply(force=True)
+        return True
 
     def _cells(self, row: TableRow) -> tuple[Text, ...]:
         """The row's cells for the visible columns as text (a str cell would be parsed as
@@ -143,27 +181,40 @@ class KeyedTable(Vertical):
 
     def sync(self, rows: Sequence[TableRow]) -> None:
         self.rows = {row.key: row for row in rows}
-        self._apply()
+        if not self._refit():
+            self._apply()
 
-    def _apply(self) -> None:
+    def _apply(self, force: bool = False) -> None:
+        """Show the rows the filter keeps; the table is re-sorted and redrawn only when a row
+        came, went or changed (or `force`): an idle engine's repeated rows cost nothing."""
         table = self.table
         wanted = {k: r for k, r in self.rows.items() if self._filter in r.haystack}
+        changed = force
         for key in [k for k in self._shown if k not in wanted]:
             table.remove_row(key)
             del self._shown[key]
+            changed = True
         columns = [self.columns[i] for i in self.shown_columns]
+        wraps = any(column.fill for column in columns)
         for key, row in wanted.items():
             cells = self._cells(row)
             shown = self._shown.get(key)
+            if shown == cells:
+                continue
+            changed = True
+            if shown is not None and wraps:  # a wrapped row's height is measured as it is added
+                table.remove_row(key)
+                shown = None
             if shown is None:
-                table.add_row(*cells, key=key)
-            elif shown != cells:
+                table.add_row(*cells, key=key, height=None if wraps else 1)
+            else:
                 for column, old, new in zip(columns, shown, cells, strict=True):
                     if old != new:
                         table.update_cell(key, column.key, new)
             self._shown[key] = cells
-        self._sort()
-        self._say_empty(bool(wanted))
+        if changed:
+            self._sort()
+            self._say_empty(bool(wanted))
 
     def _say_empty(self, rows_shown: bool) -> None:
         """Under the header while no row is shown: why, the filter's part included (a
@@ -217,7 +268,7 @@ class KeyedTable(Vertical):
     def on_input_changed(self, event: Input.Changed) -> None:
         event.stop()
         self._filter = event.value.strip().lower()
-        self._apply()
+        self._apply(force=True)
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()

@@ -14,6 +14,7 @@ from textual.widgets import Static
 
 from console.tui.history import MetricHistory
 from console.tui.widgets.plot import Line, Plot, Series, ms
+from console.tui.widgets.redraw import update_changed
 from engine.harness.slo_targets import ServiceSLO
 from engine.snapshot import Percentiles, Snapshot
 
@@ -66,7 +67,7 @@ class Latency(Vertical):
         append_latency(line, "ITL", snapshot.itl_ms, slo.itl_ms)
         line.append(" p50/p99")
         line.append(f" over {window(snapshot):.0f} s", style="dim")
-        self.query_one("#latency-line", Static).update(line)
+        update_changed(self.query_one("#latency-line", Static), line)
         marks, now = history.change_times, history.newest_ts
         for name, limit in (("ttft", slo.ttft_ms), ("itl", slo.itl_ms)):
             self.query_one(f"#{name}-plot", Plot).show((

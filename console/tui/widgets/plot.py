@@ -142,7 +142,8 @@ class Plot(Widget):
 
     def render(self) -> Text:
         width, height = self.size.width, self.size.height
-        key = (width, height, self._series, self._lines, self._marks, self._now, self._start)
+        key = (width, height, self._series, self._lines, self._marks, self._now, self._start,
+               self._events)
         if self._cache is not None and self._cache[0] == key:
             return self._cache[1]
         text = self._build(width, height)
