@@ -200,6 +200,14 @@ class ConfigChanged(Event):
 
 
 @dataclass(frozen=True)
+class PauseChanged(Event):
+    """The operator paused stepping (`paused`), or resumed it."""
+
+    kind: ClassVar[str] = "pause_changed"
+    paused: bool
+
+
+@dataclass(frozen=True)
 class Drift(Event):
     kind: ClassVar[str] = "drift"
     deviation: float

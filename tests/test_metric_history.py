@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 
 from engine.store import open_database, stored_metrics
-from engine.store.models import ConfigChangeRow, DriftEventRow, EngineFaultRow, JournalRow
+from engine.store.models import (
+    ConfigChangeRow,
+    DriftEventRow,
+    EngineFaultRow,
+    JournalRow,
+    PauseRow,
+)
 
 START = 1_700_000_000.0  # the run's first request, on the wall clock the rows carry
 HOUR = 3600.0
@@ -38,6 +44,8 @@ def test_a_two_hour_run_reads_back_as_a_six_hour_view_with_its_marks(tmp_path: P
             session.add(EngineFaultRow(created_at=START + 0.5 * HOUR, restarts=1, place="step",
                                        error="boom", traceback="", stopped=False, resumed=0,
                                        failed=0))
+            session.add_all(PauseRow(created_at=START + at, paused=paused)
+                            for at, paused in ((0.75 * HOUR, True), (0.8 * HOUR, False)))
             session.commit()
         end = START + 2 * HOUR
         with database.session() as session:
@@ -54,5 +62,6 @@ def test_a_two_hour_run_reads_back_as_a_six_hour_view_with_its_marks(tmp_path: P
     assert view.changes == (START + HOUR,)
     assert view.drift == (START + 1.5 * HOUR,)
     assert view.restarts == (START + 0.5 * HOUR,)
+    assert view.pauses == (START + 0.75 * HOUR, START + 0.8 * HOUR)
     with pytest.raises(ValueError, match="end > start"):
         stored_metrics(None, end, end, 1)  # type: ignore[arg-type]

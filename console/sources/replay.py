@@ -194,7 +194,7 @@ class ReplaySource:
         figures: list[dict[str, list[float]]] = [
             {"p50": [], "p99": [], "tps": [], "arrived": [], "finished": []}
             for _ in range(buckets)]
-        restarts = []
+        restarts, pauses = [], []
         for before, snapshot in zip([None, *played], played, strict=False):
             if snapshot.wall_offset is None:
                 continue
@@ -212,6 +212,8 @@ class ReplaySource:
                                               - before.requests_finished_total, 0))
                 if snapshot.engine_restarts > before.engine_restarts:
                     restarts.append(at)
+                if snapshot.paused != before.paused:
+                    pauses.append(at)
 
         def mean(values: list[float]) -> float | None:
             return sum(values) / len(values) if values else None
@@ -224,7 +226,7 @@ class ReplaySource:
                   for i, f in enumerate(figures)),
             tuple(sorted(c.created_at for c in self._changes if start <= c.created_at < end)),
             tuple(sorted(d.created_at for d in self._drift if start <= d.created_at < end)),
-            tuple(restarts))
+            tuple(restarts), tuple(pauses))
 
     def close(self) -> None:
         """A recording holds no resources once loaded."""

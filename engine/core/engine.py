@@ -30,6 +30,7 @@ from engine.events import (
     FailCause,
     Failed,
     GuardAction,
+    PauseChanged,
     Rejected,
     RequestAdded,
 )
@@ -323,6 +324,7 @@ class Engine:
             self.held = held
             self.scheduler.watch.hold(self.clock(), held)
             self.scheduler.controller.paused()
+            self.bus.publish(PauseChanged(paused=held, ts=self.clock()))  # stored for history
 
     def snapshot(self) -> Snapshot:
         return observation.snapshot(self)

@@ -138,7 +138,9 @@ class _Day:
             running=snapshot.num_running, waiting=snapshot.num_waiting,
             kv_usage=snapshot.kv_usage, budget=snapshot.token_budget))
         self.totals = totals
+        self.engine.hold(True)  # the operator's pause, as a serving loop tells the engine
         self.clock.advance_to(self.clock() + self.plan.pause_s)  # paused: no step runs
+        self.engine.hold(False)
         self.engine.update_config("soak", max_num_batched_tokens=budget)
         self.engine.step()  # the idle tick a serving loop makes: modes and guards see time
 

@@ -29,6 +29,7 @@ from engine.events import (
     Event,
     Failed,
     Finished,
+    PauseChanged,
     Preempted,
     Rejected,
     RequestAdded,
@@ -42,6 +43,7 @@ from engine.store.models import (
     DriftEventRow,
     EngineFaultRow,
     JournalRow,
+    PauseRow,
     SlowQueryRow,
 )
 
@@ -80,6 +82,7 @@ class Batch:
     drift: list[dict[str, Any]] = field(default_factory=list)
     config: list[dict[str, Any]] = field(default_factory=list)
     faults: list[dict[str, Any]] = field(default_factory=list)
+    pauses: list[dict[str, Any]] = field(default_factory=list)
 
 
 Statement = tuple[Callable[[Connection, Any], object], list[dict[str, Any]], str, str | None]
@@ -104,6 +107,7 @@ def to_statements(batch: Batch) -> list[Statement]:
         (orm(DriftEventRow), batch.drift, "drift_events", None),
         (orm(ConfigChangeRow), batch.config, "config_changes", None),
         (orm(EngineFaultRow), batch.faults, "engine_faults", None),
+        (orm(PauseRow), batch.pauses, "pauses", None),
     ]
     return [statement for statement in statements if statement[1]]
 
@@ -168,6 +172,9 @@ def fold(events: list[Event], wall_offset: float, server: str = "") -> Batch:
                  "old": old, "new": new, "source": event.source}
                 for name, (old, new) in event.changes.items()
             )
+        elif kind is PauseChanged:
+            batch.pauses.append({"server": server, "created_at": event.ts + wall_offset,
+                                 "paused": event.paused})
         elif kind is EngineRestarted:
             batch.faults.append(
                 {"server": server, "created_at": event.ts + wall_offset,

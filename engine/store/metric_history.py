@@ -1,7 +1,7 @@
 """The engine's figures over any span the store still holds: arrivals, finishes, TTFT and
 tokens per second in equal buckets, from the request journal, with the times of the changes,
-drift events and engine restarts inside the span. The console's in-memory history holds
-minutes; this is what its charts read for anything older."""
+drift events, pauses and resumes, and engine restarts inside the span. The console's
+in-memory history holds minutes; this is what its charts read for anything older."""
 
 from __future__ import annotations
 
@@ -11,7 +11,13 @@ from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from engine.stats import quantile
-from engine.store.models import ConfigChangeRow, DriftEventRow, EngineFaultRow, JournalRow
+from engine.store.models import (
+    ConfigChangeRow,
+    DriftEventRow,
+    EngineFaultRow,
+    JournalRow,
+    PauseRow,
+)
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,7 @@ class StoredMetrics:
     changes: tuple[float, ...]  # when a configuration change was stored
     drift: tuple[float, ...]  # when a drift event was stored
     restarts: tuple[float, ...]  # when the engine restarted after a fault
+    pauses: tuple[float, ...]  # when the operator paused stepping or resumed it
 
 
 def stored_metrics(session: Session, start: float, end: float,
@@ -71,9 +78,10 @@ def stored_metrics(session: Session, start: float, end: float,
                      tokens[i] / width, quantile(ttfts[i], 0.5), quantile(ttfts[i], 0.99))
         for i in range(buckets))
 
-    def times(row: type[ConfigChangeRow | DriftEventRow | EngineFaultRow]) -> tuple[float, ...]:
+    def times(row: type[ConfigChangeRow | DriftEventRow | EngineFaultRow | PauseRow]
+              ) -> tuple[float, ...]:
         return tuple(session.scalars(select(row.created_at).where(
             row.created_at >= start, row.created_at < end).order_by(row.created_at)))
 
     return StoredMetrics(start, end, out, times(ConfigChangeRow), times(DriftEventRow),
-                         times(EngineFaultRow))
+                         times(EngineFaultRow), times(PauseRow))

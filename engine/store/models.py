@@ -213,6 +213,19 @@ class ConfigChangeRow(Base):
     source: Mapped[str] = mapped_column(String(64))
 
 
+class PauseRow(Base):
+    """The operator paused the engine's stepping, or resumed it."""
+
+    __tablename__ = "pauses"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    server: Mapped[str] = server_column()
+    created_at: Mapped[float]
+    paused: Mapped[bool]
+
+    __table_args__ = (Index("ix_pauses_created_at", "created_at"),)
+
+
 class EngineFaultRow(Base):
     """An exception in the step loop that was no request's own fault, and the restart it caused."""
 

@@ -14,6 +14,7 @@ from engine.store.models import (
     DriftEventRow,
     EngineFaultRow,
     JournalRow,
+    PauseRow,
     SlowQueryRow,
     TracedRequestRow,
 )
@@ -29,6 +30,7 @@ class RetentionLimits:
     drift_events: int = 10_000
     config_changes: int = 10_000
     engine_faults: int = 1_000
+    pauses: int = 10_000
 
     def __post_init__(self) -> None:
         for name, limit in vars(self).items():
@@ -50,6 +52,7 @@ def apply_retention(connection: Connection, limits: RetentionLimits) -> int:
         (DriftEventRow, limits.drift_events),
         (ConfigChangeRow, limits.config_changes),
         (EngineFaultRow, limits.engine_faults),
+        (PauseRow, limits.pauses),
     ):
         deleted += _keep_newest(connection, row_type.__table__, limit)
     return deleted
