@@ -334,7 +334,7 @@ class TuningScreen(ConsoleScreen):
     def _show_note(self, field: Field, problem: str | None) -> None:
         note = self.query_one(f"#note-{field.name}", Static)
         box = self.query_one(f"#input-{field.name}", Input)
-        note.update(plain(problem, style="bold red") if problem else field.help)
+        update_changed(note, plain(problem, style="bold red") if problem else field.help)
         note.set_class(problem is not None, "error")
         box.set_class(problem is not None, "error")
 
