@@ -24,7 +24,7 @@ from tests.console.conftest import FAST_POLL_S, until, workers_done
 pytestmark = pytest.mark.anyio
 
 CHARACTERS = {"backspace": None, "escape": "\x1b", "enter": "\r", "tab": "\t",
-              "ctrl+s": None, "ctrl+r": None, "shift+tab": None}
+              "ctrl+s": None, "ctrl+r": None, "shift+tab": None, "slash": "/"}
 
 
 @pytest.fixture
@@ -152,3 +152,28 @@ async def test_the_changes_table_shows_an_enter_applied_change_at_once(form) -> 
     await until(pilot, lambda: changes.row_count == 2, "the rate's change listed")
     newest = table.rows[changes.get_row_at(0)[0].key]  # the newest change on top
     assert (newest.cells[1], newest.cells[3]) == ("Arrival rate /s", "1.5")
+
+
+async def test_the_changes_filter_takes_enter_and_escape_not_the_form(form) -> None:
+    """`/` on the changes table opens its filter; Enter there closes it and Escape clears
+    it, without applying or dropping anything in the form."""
+    app, pilot, screen = form
+    changes = screen.query_one("#config-changes", KeyedTable)
+    await burst(pilot, "tab", "tab", "4", "1", "6", "enter")
+    await until(pilot, lambda: changes.table.row_count == 1, "the budget's change listed")
+    budget = field(screen, "max_num_batched_tokens")
+    await burst(pilot, "tab", "tab", "5", "1", "2")  # an edit left unapplied
+    changes.table.focus()
+    await pilot.pause()
+    assert app.focused is changes.table
+    await burst(pilot, "slash", "b", "u", "d", "enter")  # typed at once behind the `/`
+    box = changes.query_one(Input)
+    assert box.value == "bud" and app.focused is changes.table  # Enter closed the box
+    assert budget.value == "512" and budget.has_class("edited")  # nothing was applied
+    assert changes.table.row_count == 1  # "Token budget" matches
+    # reopened, the box selects its text (typing replaces it); in the open box `/` is text
+    await burst(pilot, "slash", "slash", "x")
+    assert box.value == "/x" and changes.table.row_count == 0
+    await burst(pilot, "escape")
+    assert box.value == "" and not box.display and app.focused is changes.table
+    assert changes.table.row_count == 1 and budget.value == "512"

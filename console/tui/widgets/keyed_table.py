@@ -68,7 +68,9 @@ class KeyedTable(Vertical):
     """A filter box over a DataTable; `sync(rows)` adds, updates and removes rows by key."""
 
     BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("slash", "filter", "Filter"),
+        # priority: the app runs it as the key arrives, so the keys typed right behind it
+        # find the box focused (a table's own binding runs later, from the table's queue)
+        Binding("slash", "filter", "Filter", priority=True),
         Binding("o", "next_sort", "Sort by"),
         Binding("O", "reverse_sort", "Reverse"),
         Binding("escape", "clear_filter", "Clear filter", show=False),
@@ -255,15 +257,17 @@ class KeyedTable(Vertical):
         table.sort(self.columns[0].key, key=order, reverse=self.reverse)
 
     def action_filter(self) -> None:
+        """`/` opens the filter box (in the open box, the app types it as text first). Focus
+        moves at once, not at the next idle moment as `focus()` would."""
         box = self.query_one(Input)
         box.display = True
-        box.focus()
+        self.screen.set_focus(box)
 
     def action_clear_filter(self) -> None:
         box = self.query_one(Input)
         box.value = ""
         box.display = False
-        self.table.focus()
+        self.screen.set_focus(self.table)
 
     def on_input_changed(self, event: Input.Changed) -> None:
         event.stop()
@@ -272,7 +276,7 @@ class KeyedTable(Vertical):
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
         event.stop()
-        self.table.focus()
+        self.screen.set_focus(self.table)
 
     def action_next_sort(self) -> None:
         self.sort_index = (self.sort_index + 1) % len(self.columns)
