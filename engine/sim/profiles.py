@@ -50,9 +50,10 @@ A100_ATTENTION = dict(attention_flops=0.676, attention_context_half=385.0)
 H100_ATTENTION = dict(attention_flops=0.655, attention_context_half=567.0)
 ATTENTION_SOURCES = {
     "a100": ("FlashAttention-2 (vLLM's prefill kernel on Ampere; Dao 2023, arXiv 2307.08691): "
-             "forward 'up to 73% of the theoretical maximum FLOPs/s on A100', times the causal "
-             "to non-causal ratio at 16k, head dim 128 (335/370 on its H100 figure); the rise "
-             "with length from that causal figure (191..335 TFLOP/s over 512..16k: half at 385)"),
+             "'50-73% of the theoretical maximum FLOPs/s on A100' (its abstract), the top "
+             "taken for long prompts, times the causal to non-causal ratio at 16k, head dim "
+             "128 (335/370, FlashAttention-2 in FlashAttention-3's H100 figures); the rise with "
+             "length from that causal figure (191..335 TFLOP/s over 512..16k: half at 385)"),
     "h100": ("FlashAttention-3 (vLLM's prefill kernel on Hopper; Shah et al. 2024, arXiv "
              "2407.08608), forward, causal, head dim 128, H100 SXM5: 292, 423, 521, 579, 602, "
              "616 TFLOP/s at 512..16k tokens, least squares on share x L / (L + half)"),
