@@ -238,6 +238,9 @@ def test_a_fleet_replays_arrivals_across_replicas() -> None:
         assert record.first_scheduled >= record.arrival  # never before it arrives
         assert len(record.token_ids) == item.max_tokens
     assert fleet.summary()["replicas"][0]["requests"] == 4
+    # the routing alone, without walking each replica's requests again
+    assert "replicas" not in fleet.routing(per_replica=False)
+    assert fleet.routing()["x_real_time"] == fleet.summary()["x_real_time"]
 
 
 def test_arrivals_microseconds_apart_share_an_idle_replicas_first_step() -> None:

@@ -117,3 +117,32 @@ def test_weight_only_int8_reads_one_byte_a_weight_at_the_bf16_peak() -> None:
             for d in (bf16, weight_only)}
     assert gemm["int8-wo"] / gemm["bfloat16"] == pytest.approx(
         e.memory / e.weight_only_memory / 2, rel=0.01)
+
+
+def test_prefill_attention_runs_faster_a_pair_over_longer_keys_as_the_kernels_publish() -> None:
+    model = next(c.model for c in load_cases(CASES) if c.id == "gptfast-7b-int8")
+    h100 = profile("h100")
+    assert "FlashAttention-3" in h100.sources["attention"]
+    assert "FlashAttention-2" in profile("a100").sources["attention"]
+    e = dataclasses.replace(h100.efficiency, attention_flops=0.5,
+                            attention_context_half=512.0, memory=0.95, overlap=0.0)
+    price = Deployment(model, dataclasses.replace(h100, efficiency=e)).step_price()
+    peak = h100.flops["bfloat16"] * 0.5
+
+    def seconds_a_pair_flop(shape: StepShape) -> float:
+        flops = price.model.operation_counts(shape).prefill_pair_flops
+        return price.operations(shape)["attention_prefill"] / flops * peak
+
+    # a chunk whose last row sees L keys runs at L / (L + 512) of the share
+    assert seconds_a_pair_flop(StepShape(prefill=((512, 0),))) == pytest.approx(2.0)
+    assert seconds_a_pair_flop(StepShape(prefill=((512, 7680),))) == pytest.approx(
+        (8192 + 512) / 8192)
+    # two chunks in one step: each at its own length's share, weighted by its pairs
+    both = StepShape(prefill=((512, 0), (512, 7680)))
+    short, long = (price.model.operation_counts(StepShape(prefill=(c,))).prefill_pair_flops
+                   for c in ((512, 0), (512, 7680)))
+    assert seconds_a_pair_flop(both) == pytest.approx(
+        (short * 2.0 + long * (8192 + 512) / 8192) / (short + long))
+    flat = dataclasses.replace(e, attention_context_half=0.0)
+    price = Deployment(model, dataclasses.replace(h100, efficiency=flat)).step_price()
+    assert seconds_a_pair_flop(StepShape(prefill=((512, 0),))) == pytest.approx(1.0)

@@ -278,10 +278,11 @@ class _Simulation:
         """Run `name` simulated: the fleet's merged result and its report (with each
         replica's figures when there are several)."""
         fleet = self.run(name, config, workload)
-        report = {**fleet.summary(), **_run_report(name, config, fleet.merged, probe, slo,
-                                                   prefill_s)}
+        # the merged run's summary is _run_report's: the fleet adds only its routing
+        report = {**fleet.routing(per_replica=self.replicas > 1),
+                  **_run_report(name, config, fleet.merged, probe, slo, prefill_s)}
         if self.replicas == 1:
-            del report["replicas"], report["router"]
+            del report["router"]
         if self.target.calibration is None:  # a named GPU: judged by the published cases
             target = self.target
             report["trust"] = trust(run_shape(

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from engine.batch import StepShape
-from engine.budget.cost_model import BudgetModel
+from engine.budget.cost_model import BudgetModel, OperationCounts
 from engine.budget.peaks import DevicePeaks
 from engine.budget.predictor import nonnegative_relative_lstsq
 from engine.config import ConfigError
@@ -42,6 +42,9 @@ class OperationEfficiency:
     # a GEMM of M rows runs at its share times M / (M + gemm_m_half): tiles and waves a small
     # M leaves idle (0: every M at the full share)
     gemm_m_half: float = 0.0
+    # prefill attention over keys reaching L tokens runs at its share times L / (L + this): a
+    # short sequence leaves the kernel's tiles and waves idle (0: every length at the share)
+    attention_context_half: float = 0.0
     # decode attention's share of the same peak: paged decode kernels gather a few rows per
     # sequence and may run off the tensor cores (0: the prefill's `attention_flops`)
     decode_attention_flops: float = 0.0
@@ -56,14 +59,15 @@ class OperationEfficiency:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            unbounded = f.name.endswith("_s") or f.name == "gemm_m_half"
+            unbounded = f.name.endswith("_s") or f.name in ("gemm_m_half",
+                                                            "attention_context_half")
             may_be_zero = unbounded or f.name in ("overlap", "decode_attention_flops")
             limit = math.inf if unbounded else 1.0 if f.name == "overlap" else MAX_SHARE
             if not (isinstance(value, int | float) and math.isfinite(value)
                     and (value >= 0 if may_be_zero else value > 0) and value <= limit):
                 raise ConfigError(f"efficiency.{f.name}", f"must be a share in (0, {MAX_SHARE}] "
                                   "(overlap in [0, 1], a time in seconds >= 0 for *_s, "
-                                  "tokens >= 0 for gemm_m_half), got "
+                                  "tokens >= 0 for gemm_m_half and attention_context_half), got "
                                   f"{value!r}")
 
     def to_dict(self) -> dict[str, float]:
@@ -86,6 +90,7 @@ FIT_BOUNDS: Bounds = {"gemm_flops": (0.05, 0.9), "attention_flops": (0.2, 1.0),
                       "step_s": (0.0, 5e-3), "layer_s": (0.0, 200e-6),
                       "chunk_s": (0.0, 1e-3), "sequence_s": (0.0, 1e-4),
                       "allreduce_s": (10e-6, 60e-6), "gemm_m_half": (0.0, 2048.0),
+                      "attention_context_half": (0.0, 4096.0),
                       "decode_attention_flops": (0.01, 1.0),
                       "tp_step_s": (0.0, 5e-3), "tp_allreduce_s": (0.0, 60e-6),
                       "request_s": (0.0, 0.1)}
@@ -182,7 +187,7 @@ class StepPrice:
         if shape.num_tokens == 0:
             return dict.fromkeys(OPERATIONS, 0.0)
         m = self.model
-        _, attention_rate, weight_rate, memory_rate, elementwise_rate = self._rates
+        _, _, weight_rate, memory_rate, elementwise_rate = self._rates
         counts = m.operation_counts(shape)
         layers = 2 * m.config.num_layers
         message = self._comm_per_token * shape.num_tokens
@@ -196,7 +201,7 @@ class StepPrice:
         return {
             "gemm": roofline(self._gemm_compute_s(counts.gemm_flops, shape.num_tokens),
                              m.weight_bytes / weight_rate),
-            "attention_prefill": roofline(counts.prefill_pair_flops / attention_rate,
+            "attention_prefill": roofline(self._prefill_attention_compute_s(shape, counts),
                                           counts.prefill_kv_bytes / memory_rate),
             "attention_decode": roofline(counts.decode_pair_flops / self._decode_attention_rate,
                                          counts.decode_kv_bytes / memory_rate),
@@ -218,14 +223,14 @@ class StepPrice:
         if shape.num_tokens == 0:
             return 0.0
         m = self.model
-        _, attention_rate, weight_rate, memory_rate, elementwise_rate = self._rates
+        _, _, weight_rate, memory_rate, elementwise_rate = self._rates
         c = m.operation_counts(shape)
         overlap = self.efficiency.overlap
         total = self._fixed_s + self._per_step(shape)
         for compute_s, memory_s in (
                 (self._gemm_compute_s(c.gemm_flops, shape.num_tokens),
                  m.weight_bytes / weight_rate),
-                (c.prefill_pair_flops / attention_rate, c.prefill_kv_bytes / memory_rate),
+                (self._prefill_attention_compute_s(shape, c), c.prefill_kv_bytes / memory_rate),
                 (c.decode_pair_flops / self._decode_attention_rate,
                  c.decode_kv_bytes / memory_rate)):
             total += (compute_s + overlap * memory_s if compute_s > memory_s
@@ -237,9 +242,27 @@ class StepPrice:
                 self._comm_per_token * shape.num_tokens, self._allreduce_s)
         return total
 
+    def _prefill_attention_compute_s(self, shape: StepShape, counts: OperationCounts) -> float:
+        """The chunks' attention, each at the share its key length sustains."""
+        seconds = counts.prefill_pair_flops / self._rates[1]
+        half = self.efficiency.attention_context_half
+        if half == 0.0 or seconds == 0.0:
+            return seconds
+        return seconds * (1 + half * shape.counted("inverse key length", _inverse_key_length))
+
     def _gemm_compute_s(self, flops: float, rows: int) -> float:
         """`flops` of GEMMs over `rows` tokens at the share a GEMM of that many rows sustains."""
         return flops / self._rates[0] * (1 + self.efficiency.gemm_m_half / rows)
+
+
+def _inverse_key_length(shape: StepShape) -> float:
+    """1 / L over the prefill chunks' query-key pairs, L the keys a chunk's last row sees."""
+    pairs = weighted = 0.0
+    for chunk, before in shape.prefill:
+        count = chunk * before + chunk * (chunk + 1) / 2
+        pairs += count
+        weighted += count / (before + chunk)
+    return weighted / pairs if pairs else 0.0
 
 
 OUTLIER_MADS = 4.0

@@ -51,11 +51,15 @@ class FleetResult:
                          sum(r.slow_queries for r in self.replicas))
 
     def summary(self) -> dict[str, Any]:
-        merged = self.merged
-        return {**merged.summary(), "router": self.policy.value,
-                "host_wall_s": self.host_wall_s,
-                "x_real_time": merged.wall_s / max(self.host_wall_s, 1e-9),
-                "replicas": [r.summary() for r in self.replicas]}
+        return {**self.merged.summary(), **self.routing()}
+
+    def routing(self, per_replica: bool = True) -> dict[str, Any]:
+        """What the fleet adds to its merged run's summary: the router, the host's time, and
+        each replica's own summary (a run's summary walks every request: only when asked)."""
+        wall_s = max(r.wall_s for r in self.replicas)
+        return {"router": self.policy.value, "host_wall_s": self.host_wall_s,
+                "x_real_time": wall_s / max(self.host_wall_s, 1e-9),
+                **({"replicas": [r.summary() for r in self.replicas]} if per_replica else {})}
 
 
 def run_fleet(config: EngineConfig, target: SimTarget, workload: list[WorkloadRequest],

