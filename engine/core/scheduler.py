@@ -18,10 +18,11 @@ from engine.batch import (
 from engine.budget.controller import BudgetController
 from engine.config import EngineConfig
 from engine.core.admission import Admission
-from engine.core.block_manager import BlockError, BlockManager
+from engine.core.block_manager import BlockManager
 from engine.core.bookkeeping import Bookkeeper, handling_failed, request_output
 from engine.core.equipment import BandwidthSource, PrefillWatch
 from engine.core.modes import THROTTLE_CONCURRENCY, Modes
+from engine.core.planning import PrefillPlan, plan_chunks
 from engine.core.replanner import Replanner
 from engine.core.request import Ending, Request, RequestState
 from engine.events import Event, FailCause
@@ -234,34 +235,28 @@ class Scheduler:
             slots, chunk_cap = 1, cfg.chunk_tile
         admit = not (batch.preempted or self.cache_pressure or self.throttle_level >= 3)
         candidates = in_progress + (self.admission.admissible() if admit else [])
-        plan = self.admission.plan_chunks(candidates, budget, slots, chunk_cap)
+        plan = self._plan(candidates, budget, slots, chunk_cap)
         if not plan and not batch.decodes:
             # no decode will free a block: tenant limits yield, then the latest partial prefill goes
-            plan = self.admission.plan_chunks(candidates, budget, slots, chunk_cap, isolate=False)
+            plan = self._plan(candidates, budget, slots, chunk_cap, isolate=False)
             while not plan and len(in_progress) > 1:
                 victim = self.admission.pick_victim()
                 self.admission.preempt(victim, batch)
                 in_progress.remove(victim)
-                plan = self.admission.plan_chunks(in_progress, budget, slots, chunk_cap,
-                                                  isolate=False)
+                plan = self._plan(in_progress, budget, slots, chunk_cap, isolate=False)
         if not plan:
             return
-        now = self.clock()
-        fresh = []
-        for request, tokens in plan.items():
-            entering = request.state is not RequestState.PREFILL_CHUNKING
-            if entering and self.admission.admit(request, now, self.steps):
-                fresh.append(request)
-            start = request.num_computed_tokens
-            new = self.blocks.allocate(request, tokens)
-            if new is None:
-                raise BlockError("a prefill plan outgrew the free KV blocks")
-            if entering:  # the runner gets its whole block table with its tokens
-                batch.new_requests.append(request.entering())
-            batch.prefills.append(request.chunk(start, tokens, () if entering else tuple(new)))
-        if fresh:  # a new arrival shares the budget: everyone's plan changes
+        if fresh := self.admission.allocate(plan, batch, self.steps):
+            # a new arrival shares the budget: everyone's plan changes
             self.replanner.replan(self.replanner.rules(cfg, self.token_budget),
                                   tuple(c.start + 1 for c in batch.decodes), fresh, self.steps)
+
+    def _plan(self, candidates: list[Request], budget: int, slots: int, chunk_cap: float,
+              isolate: bool = True) -> PrefillPlan:
+        plan = plan_chunks(candidates, budget, slots, chunk_cap, self.config, self.running,
+                           self.blocks, isolate)
+        self.blocks.touch(plan.warmed)  # looked up, kept warm for when they are admitted
+        return plan
 
     def update(self, batch: Batch, output: ModelRunnerOutput,
                timing: StepTiming) -> list[RequestOutput]:
