@@ -20,7 +20,7 @@ from engine.budget.peaks import DevicePeaks
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.core.block_manager import BlockManager
 from engine.core.intake import rejection
-from engine.core.request import Request, RequestState
+from engine.core.request import Ending, Request, RequestState
 from engine.core.scheduler import Scheduler
 from engine.events import ChunkComplete, ConfigChanged, Event, ModeChanged, Preempted
 from engine.model.config import PRESETS
@@ -102,7 +102,7 @@ class SchedulerRig:
         return batch
 
     def finish(self, request: Request, reason: str = "length") -> None:
-        self.scheduler.finish(request, RequestState.FINISHED, reason)
+        self.scheduler.end(Ending(request, RequestState.FINISHED, reason))
 
     def run(self, max_steps: int = 10_000) -> list[Batch]:
         batches = []

@@ -82,10 +82,8 @@ def _step_chunks(order: list[object], position: dict[object, int], end: dict[obj
     for key in order:
         if left < 1 or len(chunks) >= rules.slots:
             break
-        remaining = end[key] - position[key]
-        tokens = int(min(remaining, left, rules.chunk_cap))
-        if tokens < remaining:
-            tokens = tokens // rules.tile * rules.tile if rules.chunked else 0
+        tokens = chunk_tokens(end[key] - position[key], min(left, rules.chunk_cap), rules.tile,
+                              rules.chunked)
         if tokens > 0:
             chunks[key] = tokens
             left -= tokens
@@ -94,6 +92,16 @@ def _step_chunks(order: list[object], position: dict[object, int], end: dict[obj
         chunks[head] = min(end[head] - position[head], rules.tile) if rules.chunked \
             else end[head] - position[head]
     return chunks
+
+
+def chunk_tokens(remaining: int, room: float, tile: int, chunked: bool) -> int:
+    """The chunk rule, the scheduler's and the plans': a prefill with `remaining` tokens takes
+    all of them if they fit in `room` (the least of its budget, cap and KV), else whole tiles,
+    and without chunked prefill nothing."""
+    tokens = int(max(0, min(remaining, room)))
+    if tokens < remaining:
+        return tokens // tile * tile if chunked else 0
+    return tokens
 
 
 def replanned(planned: list[PlannedChunk], position: int, steps_waited: int,

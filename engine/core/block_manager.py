@@ -119,16 +119,26 @@ class BlockManager:
             return self._untouched - 1
         return self._back.popitem(last=False)[0]
 
-    def take_cached(self, request: Request) -> int:
-        """Give a blockless request its longest cached prefix, never its last token's block."""
+    def cached_prefix(self, request: Request) -> tuple[int, ...]:
+        """The blocks of a blockless request's longest cached prefix, never its last token's
+        block; a lookup that changes no block (the request memoizes its block hashes)."""
         if (not self.enable_caching or request.block_table
                 or request.params.prompt_logprobs is not None):
-            return 0
-        hashes = self._hashes(request, (request.num_tokens - 1) // self.block_size)
-        for h in hashes:
+            return ()
+        found = []
+        for h in self._hashes(request, (request.num_tokens - 1) // self.block_size):
             block = self._cached.get(h)
             if block is None:
                 break
+            found.append(block)
+        return tuple(found)
+
+    def take_cached(self, request: Request) -> int:
+        """Give a blockless request its longest cached prefix; returns its tokens."""
+        prefix = self.cached_prefix(request)
+        if not prefix:
+            return 0
+        for block in prefix:
             if self._ref_counts[block] == 0:
                 del self._back[block]  # a free block with a hash was released to the back
             self._ref_counts[block] += 1
@@ -136,6 +146,12 @@ class BlockManager:
         request.num_hashed_blocks = len(request.block_table)
         request.num_computed_tokens = len(request.block_table) * self.block_size
         return request.num_computed_tokens
+
+    def touch(self, blocks: Iterable[int]) -> None:
+        """Count free cached blocks as just used: they go to the back of the eviction order."""
+        for block in blocks:
+            if block in self._back:
+                self._back.move_to_end(block)
 
     def cache_full_blocks(self, request: Request) -> None:
         full = request.num_computed_tokens // self.block_size

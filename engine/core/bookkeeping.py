@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterable
+from typing import TypeAlias
 
 from engine.batch import (
     Batch,
@@ -14,8 +15,9 @@ from engine.batch import (
     StepTiming,
 )
 from engine.budget.controller import BudgetController
-from engine.core.equipment import BandwidthSource
-from engine.core.request import ChunkTiming, Request, RequestState
+from engine.config import EngineConfig
+from engine.core.equipment import BandwidthSource, PrefillWatch
+from engine.core.request import ChunkTiming, Ending, Request, RequestState
 from engine.core.stops import StopScanner
 from engine.events import (
     CacheEvict,
@@ -24,25 +26,28 @@ from engine.events import (
     FailCause,
     Failed,
     Finished,
+    RejectCause,
+    Rejected,
     StepComplete,
     TokensGenerated,
 )
 
+# a booked request, the new tokens its output carries, and its Ending if the step ended it
+Booked: TypeAlias = tuple[Request, tuple[int, ...], Ending | None]
+
 
 class Bookkeeper:
-    """Books a step's result on its requests and publishes it."""
+    """Books a step's result on its requests and publishes it; says which requests it ends
+    (their Endings) and leaves the ending to the scheduler."""
 
     def __init__(self, controller: BudgetController, bandwidth: BandwidthSource,
-                 publish: Callable[[Event], None],
-                 finish: Callable[..., None],
-                 prefill_ended: Callable[[Request, float], None], *,
+                 publish: Callable[[Event], None], watch: PrefillWatch, *,
                  eos_token_ids: Iterable[int], max_model_len: int,
                  decode: Callable[..., str]) -> None:
         self.controller = controller
         self.bandwidth = bandwidth
         self.publish = publish
-        self.finish = finish
-        self.prefill_ended = prefill_ended
+        self.watch = watch
         self.eos_token_ids = frozenset(eos_token_ids)
         self.decode = decode  # the tokenizer's: stop strings match on the text
         self.max_model_len = max_model_len
@@ -83,10 +88,11 @@ class Bookkeeper:
             request.prompt_logprobs += scored[max(0, len(request.prompt_logprobs) + 1 - first):]
 
     def sampled(self, batch: Batch, requests: dict[str, Request], output: ModelRunnerOutput,
-                timing: StepTiming, step: int) -> list[RequestOutput]:
-        """Book each sampling request's token; an error fails that request alone (FAULT).
-        The step's tokens go out as one event, ahead of the Finished of those they end."""
-        booked: list[tuple[Request, int | None, str | None]] = []
+                timing: StepTiming, step: int, config: EngineConfig) -> list[Booked]:
+        """Book each sampling request's token, in logits-row order, with the Ending of those
+        it ends; an error is that request's alone (FAULT). The step's tokens go out as one
+        event, ahead of every ending's."""
+        booked: list[Booked] = []
         ids: list[str] = []
         values: list[int] = []
         for chunk in batch.sampling:
@@ -98,28 +104,21 @@ class Bookkeeper:
                              else output.token_ids[request.id])
                     if request.id in output.logprobs:
                         request.logprobs.append(output.logprobs[request.id])
-                    booked.append((request, token, self.append_token(request, token, timing,
-                                                                     step)))
+                    reason = self.append_token(request, token, timing, step, config)
+                    tokens = () if token is None else (token,)
+                    booked.append((request, tokens, None if reason is None else
+                                   Ending(request, RequestState.FINISHED, reason, None, tokens)))
                     if token is not None:
                         ids.append(request.id)
                         values.append(token)
                     continue
                 except Exception as exc:  # fault isolation: it fails this request only
-                    error = _handling_failed(exc)
-            self.finish(request, RequestState.FAILED, error, FailCause.FAULT)
-            booked.append((request, None, None))
+                    error = handling_failed(exc)
+            booked.append((request, (), Ending(request, RequestState.FAILED, error,
+                                               FailCause.FAULT)))
         if ids:
             self.publish(TokensGenerated.of(tuple(ids), tuple(values), timing.end))
-        outputs = []
-        for request, token, reason in booked:
-            if reason is not None:
-                try:
-                    self.finish(request, RequestState.FINISHED, reason)
-                except Exception as exc:  # as above: ending it fails this request only
-                    self.finish(request, RequestState.FAILED, _handling_failed(exc),
-                                FailCause.FAULT)
-            outputs.append(request_output(request, () if token is None else (token,)))
-        return outputs
+        return booked
 
     def record_chunk(self, chunk: ScheduledChunk, request: Request, timing: StepTiming,
                      start: float, decodes: int, other_tokens: int, mode: str, step: int,
@@ -141,7 +140,7 @@ class Bookkeeper:
             prefill_done=chunk.samples))
 
     def append_token(self, request: Request, token: int | None, timing: StepTiming,
-                     step: int) -> str | None:
+                     step: int, config: EngineConfig) -> str | None:
         """Book `token` after the request's last chunk or decode and say why it ends the
         request, or None; a None token ends a prefill-only one ("length")."""
         now = timing.end
@@ -149,7 +148,7 @@ class Bookkeeper:
             request.set_state(RequestState.DECODING, "prefill complete")
             if request.prefill_finished is None:
                 request.prefill_finished = now
-                self.prefill_ended(request, now)
+                self.watch.prefill_ended(request, now, config, self.controller.step_overhead_s)
         if token is None:
             return "length"
         if request.first_token_time is None:
@@ -163,9 +162,15 @@ class Bookkeeper:
         request.last_token_time = now
         return self.stop_reason(request, token)
 
-    def ended(self, request: Request, cause: FailCause | None, blocks_freed: int,
-              usage_after: float) -> None:
-        if request.state is RequestState.FAILED:
+    def ended(self, request: Request, cause: FailCause | RejectCause | None,
+              blocks_freed: int | None, usage_after: float) -> None:
+        """Publish how `request` ended, then the blocks it gave back (None: it never held
+        any, as a request rejected at intake)."""
+        if request.state is RequestState.REJECTED:
+            assert isinstance(cause, RejectCause)
+            self.publish(Rejected(request_id=request.id, reason=request.reason, cause=cause))
+        elif request.state is RequestState.FAILED:
+            assert not isinstance(cause, RejectCause)
             self.publish(Failed(request_id=request.id, reason=request.reason,
                                 cause=cause or FailCause.FAULT))
         else:
@@ -177,8 +182,9 @@ class Bookkeeper:
                 e2e_s=request.finish_time - request.arrival, budget_score=request.budget_score,
                 queue_wait_s=None if request.prefill_started is None
                 else request.prefill_started - request.arrival))
-        self.publish(CacheEvict(request_id=request.id, blocks_freed=blocks_freed,
-                                usage_after=usage_after))
+        if blocks_freed is not None:
+            self.publish(CacheEvict(request_id=request.id, blocks_freed=blocks_freed,
+                                    usage_after=usage_after))
 
     def step_done(self, batch: Batch, shape: StepShape, timing: StepTiming, step: int,
                   scheduled_at: float, has_work: bool) -> None:
@@ -192,7 +198,7 @@ class Bookkeeper:
                                   model.flops(shape), bytes_moved))
 
 
-def _handling_failed(exc: Exception) -> str:
+def handling_failed(exc: Exception) -> str:
     return f"handling its token failed: {type(exc).__name__}: {exc}"
 
 

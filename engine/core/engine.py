@@ -18,20 +18,17 @@ from engine.clock import Clock
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.core import intake, observation
 from engine.core.block_manager import BlockManager
-from engine.core.bookkeeping import request_output
 from engine.core.equipment import Equipment, GuardDecisions, GuardInputs
 from engine.core.executor import Executor
-from engine.core.request import Request, RequestState
+from engine.core.request import Ending, Request, RequestState
 from engine.core.scheduler import Scheduler
 from engine.errors import RequestError
 from engine.events import (
     ConfigChanged,
     EventBus,
     FailCause,
-    Failed,
     GuardAction,
     PauseChanged,
-    Rejected,
     RequestAdded,
 )
 from engine.snapshot import Snapshot
@@ -130,18 +127,13 @@ class Engine:
                                       generated_token_ids=tuple(already)))
         rejection = self.rejection(len(token_ids), params.max_tokens)
         if rejection:
-            request.set_state(RequestState.REJECTED, rejection.message)
-            request.finish_time = self.clock()
-            self.scheduler.recent.append(request)
-            self.bus.publish(Rejected(request_id=rid, reason=rejection.message,
-                                      cause=rejection.cause))
-            self._out_of_band.append(request_output(request, ()))
+            self._owe(self.scheduler.end(Ending(request, RequestState.REJECTED,
+                                                rejection.message, rejection.cause)))
             return rid
         self.scheduler.add(request)
         ended = self.scheduler.stop_reason(request, already[-1]) if already else None
         if ended:  # it had ended before the crash; only its record was lost
-            self.scheduler.finish(request, RequestState.FINISHED, ended)
-            self._out_of_band.append(request_output(request, ()))
+            self._owe(self.scheduler.end(Ending(request, RequestState.FINISHED, ended)))
         return rid
 
     def prompt_token_ids(self, prompt: Sequence[int] | str, *,
@@ -175,30 +167,23 @@ class Engine:
         request = self.scheduler.requests.get(request_id)
         if request is None:
             return False
-        self.scheduler.finish(request, state, reason, cause)
-        self._out_of_band.append(request_output(request, ()))
+        self._owe(self.scheduler.end(Ending(request, state, reason, cause)))
         return True
+
+    def _owe(self, output: RequestOutput | None) -> None:
+        """Keep the output of a request ended between steps for the next step to return."""
+        if output is not None:
+            self._out_of_band.append(output)
 
     def restart(self, fail: Mapping[str, str] | None = None
                 ) -> tuple[list[Request], list[RequestOutput]]:
         """After a half-done step: fail `fail`, empty the KV pool; returns (to resume, owed)."""
-        fail = fail or {}
-        live = list(self.scheduler.requests.values())
-        now = self.clock()
-        for request in live:
-            if request.id in fail:
-                request.set_state(RequestState.FAILED, fail[request.id])
-                request.finish_time = now
-                self.scheduler.recent.append(request)
-                self.bus.publish(Failed(request_id=request.id, reason=fail[request.id],
-                                        cause=FailCause.ENGINE))
-                self._out_of_band.append(request_output(request, ()))
         self.blocks = BlockManager(self.runner.num_blocks, self.runner.block_size,
                                    enable_caching=self.config.enable_prefix_caching)
-        self.scheduler.reset(self.blocks)
-        owed, self._out_of_band = self._out_of_band, []
+        kept, failed = self.scheduler.reset(self.blocks, fail or {})
+        owed, self._out_of_band = self._out_of_band + failed, []
         self.stepping = ()
-        return [r for r in live if r.id not in fail], owed
+        return kept, owed
 
     def close(self) -> None:
         """Stop what runs beside the steps (the bandwidth sampler's thread); idempotent."""

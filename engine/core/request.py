@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from engine.batch import ChunkTiming, NewRequest, PlannedChunk, ScheduledChunk, TokenLogprob
 from engine.config import SamplingParams
 from engine.core.stops import StopScanner
+from engine.events import FailCause, RejectCause
 
 if TYPE_CHECKING:  # the console imports this module without torch
     import torch
@@ -157,3 +158,16 @@ class Request:
     def set_state(self, state: RequestState, reason: str) -> None:
         self.state = state
         self.reason = reason
+
+
+@dataclass(frozen=True)
+class Ending:
+    """How a request ends (`Scheduler.end`): FINISHED for a reason ("stop", "length",
+    "aborted"), FAILED with its cause, or REJECTED at intake with its cause; `tokens` are the
+    new tokens its last output carries (the token that stopped it)."""
+
+    request: Request
+    state: RequestState
+    reason: str
+    cause: FailCause | RejectCause | None = None
+    tokens: tuple[int, ...] = ()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from bisect import insort
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from engine.batch import (
     Batch,
@@ -18,12 +18,13 @@ from engine.batch import (
 from engine.budget.controller import BudgetController
 from engine.config import EngineConfig
 from engine.core.admission import Admission
-from engine.core.block_manager import BlockError, BlockManager
-from engine.core.bookkeeping import Bookkeeper
+from engine.core.block_manager import BlockManager
+from engine.core.bookkeeping import Bookkeeper, handling_failed, request_output
 from engine.core.equipment import BandwidthSource, PrefillWatch
 from engine.core.modes import THROTTLE_CONCURRENCY, Modes
+from engine.core.planning import PrefillPlan, plan_chunks
 from engine.core.replanner import Replanner
-from engine.core.request import Request, RequestState
+from engine.core.request import Ending, Request, RequestState
 from engine.events import Event, FailCause
 
 RECENT_FINISHED = 64  # ended requests still shown in snapshots
@@ -46,7 +47,7 @@ class Scheduler:
         self.clock = clock
         self.max_model_len = max_model_len
         self.replanner = Replanner(self.admission, controller)
-        self.books = Bookkeeper(controller, bandwidth, publish, self.finish, self._prefill_ended,
+        self.books = Bookkeeper(controller, bandwidth, publish, watch,
                                 eos_token_ids=eos_token_ids, max_model_len=max_model_len,
                                 decode=decode)
         self.stop_reason = self.books.stop_reason  # the engine checks a resumed request's tail
@@ -87,14 +88,24 @@ class Scheduler:
         """The guards' degraded path: one prefill at a time in chunk_tile-sized chunks."""
         self.prefill_paused = paused
 
-    def reset(self, blocks: BlockManager) -> None:
-        """An engine restart: every live request leaves, and the KV pool starts empty."""
+    def reset(self, blocks: BlockManager, fail: Mapping[str, str]
+              ) -> tuple[list[Request], list[RequestOutput]]:
+        """An engine restart: the KV pool starts empty; the requests in `fail` end (FAILED,
+        ENGINE) and every other live one leaves, returned to be resumed afresh."""
+        for request in self.requests.values():
+            request.block_table = []  # their KV went with the old pool
+            request.num_hashed_blocks = 0
+        self.admission.blocks = blocks
+        owed = [output for request in list(self.requests.values()) if request.id in fail
+                if (output := self.end(Ending(request, RequestState.FAILED, fail[request.id],
+                                              FailCause.ENGINE)))]
+        kept = list(self.requests.values())
         self.unheard.ended.extend(self.requests)  # resumed ones enter the runner afresh
         for queue in (self.requests, self.waiting, self.running):
             queue.clear()
-        self.admission.blocks = blocks
         self.watch.clear()
         self.controller.forget_steps()
+        return kept, owed
 
     def add(self, request: Request) -> None:
         self.watch.arrived(request.arrival)
@@ -102,24 +113,40 @@ class Scheduler:
         request.set_state(RequestState.WAITING, "queued")
         insort(self.waiting, request, key=self.admission.queue_key)
 
-    def finish(self, request: Request, state: RequestState, reason: str,
-               cause: FailCause | None = None) -> None:
-        """End a live request (FINISHED, or FAILED with its cause); an ended one is left alone."""
-        if self.requests.pop(request.id, None) is None:
-            return
-        self.unheard.ended.append(request.id)
-        if request in self.running:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
+    def end(self, ending: Ending) -> RequestOutput | None:
+        """The one way a request ends: it leaves the queues and gives back its KV blocks, its
+        state, reason and finish time are set, and its end is published; returns its last
+        output. One already ended is left alone (None)."""
+        request = ending.request
+        if request.state.is_final:
+            return None
+        live = self.requests.pop(request.id, None) is not None  # else rejected at intake
+        if live:
+            self.unheard.ended.append(request.id)
+            if request in self.running:
+                self.running.remove(request)
+            elif request in self.waiting:
+                self.waiting.remove(request)
         freed = self.blocks.release(request)
-        request.set_state(state, reason)
+        request.set_state(ending.state, ending.reason)
         request.finish_time = self.clock()
         self.recent.append(request)
-        if state is RequestState.FAILED and request.prefill_finished is None:
-            self._prefill_ended(request, request.finish_time)
-        self.watch.ended(request, self.config)
-        self.books.ended(request, cause, freed, self.blocks.usage)
+        if live:
+            if ending.state is RequestState.FAILED and request.prefill_finished is None:
+                self.watch.prefill_ended(request, request.finish_time, self.config,
+                                         self.controller.step_overhead_s)
+            self.watch.ended(request, self.config)
+        self.books.ended(request, ending.cause, freed if live else None, self.blocks.usage)
+        return request_output(request, ending.tokens)
+
+    def _end_alone(self, ending: Ending) -> RequestOutput:
+        """End a request its step's result ended; a fault while ending it is its alone."""
+        try:
+            output = self.end(ending)
+        except Exception as exc:  # fault isolation: it fails this request only
+            output = self.end(Ending(ending.request, RequestState.FAILED, handling_failed(exc),
+                                     FailCause.FAULT, ending.tokens))
+        return output or request_output(ending.request, ending.tokens)
 
     def set_config(self, config: EngineConfig) -> None:
         """Take a new configuration at a step boundary; tenant priorities reorder the queue."""
@@ -208,34 +235,28 @@ class Scheduler:
             slots, chunk_cap = 1, cfg.chunk_tile
         admit = not (batch.preempted or self.cache_pressure or self.throttle_level >= 3)
         candidates = in_progress + (self.admission.admissible() if admit else [])
-        plan = self.admission.plan_chunks(candidates, budget, slots, chunk_cap)
+        plan = self._plan(candidates, budget, slots, chunk_cap)
         if not plan and not batch.decodes:
             # no decode will free a block: tenant limits yield, then the latest partial prefill goes
-            plan = self.admission.plan_chunks(candidates, budget, slots, chunk_cap, isolate=False)
+            plan = self._plan(candidates, budget, slots, chunk_cap, isolate=False)
             while not plan and len(in_progress) > 1:
                 victim = self.admission.pick_victim()
                 self.admission.preempt(victim, batch)
                 in_progress.remove(victim)
-                plan = self.admission.plan_chunks(in_progress, budget, slots, chunk_cap,
-                                                  isolate=False)
+                plan = self._plan(in_progress, budget, slots, chunk_cap, isolate=False)
         if not plan:
             return
-        now = self.clock()
-        fresh = []
-        for request, tokens in plan.items():
-            entering = request.state is not RequestState.PREFILL_CHUNKING
-            if entering and self.admission.admit(request, now, self.steps):
-                fresh.append(request)
-            start = request.num_computed_tokens
-            new = self.blocks.allocate(request, tokens)
-            if new is None:
-                raise BlockError("a prefill plan outgrew the free KV blocks")
-            if entering:  # the runner gets its whole block table with its tokens
-                batch.new_requests.append(request.entering())
-            batch.prefills.append(request.chunk(start, tokens, () if entering else tuple(new)))
-        if fresh:  # a new arrival shares the budget: everyone's plan changes
+        if fresh := self.admission.allocate(plan, batch, self.steps):
+            # a new arrival shares the budget: everyone's plan changes
             self.replanner.replan(self.replanner.rules(cfg, self.token_budget),
                                   tuple(c.start + 1 for c in batch.decodes), fresh, self.steps)
+
+    def _plan(self, candidates: list[Request], budget: int, slots: int, chunk_cap: float,
+              isolate: bool = True) -> PrefillPlan:
+        plan = plan_chunks(candidates, budget, slots, chunk_cap, self.config, self.running,
+                           self.blocks, isolate)
+        self.blocks.touch(plan.warmed)  # looked up, kept warm for when they are admitted
+        return plan
 
     def update(self, batch: Batch, output: ModelRunnerOutput,
                timing: StepTiming) -> list[RequestOutput]:
@@ -263,10 +284,13 @@ class Scheduler:
             # register blocks once a decode fills one (and any a disabled cache skipped)
             if not request.num_computed_tokens % block_size:
                 cache(request)
-        outputs = self.books.sampled(batch, requests, output, timing, self.steps)
+        booked = self.books.sampled(batch, requests, output, timing, self.steps, self.config)
+        # faults end first, then the requests their tokens stopped (each in logits-row order)
+        endings = sorted((ending for _, _, ending in booked if ending is not None),
+                         key=lambda ending: ending.state is not RequestState.FAILED)
+        last = {ending.request.id: self._end_alone(ending) for ending in endings}
+        outputs = [last.get(request.id) or request_output(request, tokens)
+                   for request, tokens, _ in booked]
         self.books.step_done(batch, shape, timing, self.steps, self._scheduled_at,
                              self.has_work())
         return outputs
-
-    def _prefill_ended(self, request: Request, end: float) -> None:
-        self.watch.prefill_ended(request, end, self.config, self.controller.step_overhead_s)
