@@ -10,7 +10,7 @@ Each round, for each concurrency: tokenflow with the cadence off, vLLM, then tok
 it on (`--min-decodes`, `--max-wait-ms`, set live through PATCH /v1/admin/config), so load on
 the machine falls on all three alike. `vllm bench serve --backend openai`, random prompts of
 128 tokens in and 32 out, ignore_eos, seed 0. Prints one row a run: output tok/s, TTFT mean,
-TPOT mean. (The figures in docs/serve.md came from the same runs, driven by hand.)
+TPOT mean.
 """
 
 from __future__ import annotations
