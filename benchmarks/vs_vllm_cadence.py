@@ -7,7 +7,7 @@
 Both servers are already up on one model directory (benchmarks/vs_vllm.py's 40M Llama, fp32;
 `tokenflow serve --admin-token-file TOKEN`, vLLM's OpenAI server with `--dtype float32`).
 Each round, for each concurrency: tokenflow with the cadence off, vLLM, then tokenflow with
-it on (`--min-decodes`, `--max-wait-ms`, set live through PATCH /v1/admin/config), so load on
+it on (the other way round every other round) (`--min-decodes`, `--max-wait-ms`, set live through PATCH /v1/admin/config), so load on
 the machine falls on all three alike. `vllm bench serve --backend openai`, random prompts of
 128 tokens in and 32 out, ignore_eos, seed 0. Prints one row a run: output tok/s, TTFT mean,
 TPOT mean.
@@ -73,6 +73,8 @@ def main() -> None:
         for concurrency in args.concurrency:
             runs = (("tokenflow-off", args.tokenflow, 0), ("vllm", args.vllm, None),
                     ("tokenflow-on", args.tokenflow, args.min_decodes))
+            if round_ % 2 == 0:  # every other round in reverse: no order favours one
+                runs = runs[::-1]
             for name, url, min_decodes in runs:
                 if min_decodes is not None:
                     set_cadence(args, min_decodes)
