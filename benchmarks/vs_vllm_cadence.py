@@ -7,8 +7,9 @@
 Both servers are already up on one model directory (benchmarks/vs_vllm.py's 40M Llama, fp32;
 `tokenflow serve --admin-token-file TOKEN`, vLLM's OpenAI server with `--dtype float32`).
 Each round, for each concurrency: tokenflow with the cadence off, vLLM, then tokenflow with
-it on (the other way round every other round) (`--min-decodes`, `--max-wait-ms`, set live through PATCH /v1/admin/config), so load on
-the machine falls on all three alike. `vllm bench serve --backend openai`, random prompts of
+it on (`--min-decodes`, `--max-wait-ms`, set live through PATCH /v1/admin/config); every
+other round the other way round, so load on the machine and order favour none of the three.
+`vllm bench serve --backend openai`, random prompts of
 128 tokens in and 32 out, ignore_eos, seed 0. Prints one row a run: output tok/s, TTFT mean,
 TPOT mean.
 """
