@@ -7,9 +7,10 @@
 have ended. The engine's clock is `time.thread_time` (the engine runs in this thread, torch
 at one thread), so other processes on a shared machine do not stretch it: arrivals, the
 cadence's wait and every TTFT and TPOT are in CPU seconds of this thread. Runs the cadence
-off and on (`--min-decodes`, `--max-wait-ms`), alternating, `--repeat` times each, and
-prints output tokens per CPU second, TTFT mean and TPOT mean (vLLM's definition: per request
-(last - first token) / (tokens - 1), then the mean).
+off and on (`--min-decodes`, `--max-wait-ms`) under one token budget (`--budget`),
+alternating, `--repeat` times each, and prints output tokens per CPU second, TTFT mean and
+TPOT mean (vLLM's definition: per request (last - first token) / (tokens - 1), then the
+mean).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from engine import Engine, EngineConfig, SamplingParams
 def run(args: argparse.Namespace, min_decodes: int) -> tuple[float, float, float]:
     config = EngineConfig(model=args.model, device="cpu", dtype="float32",
                           kv_cache_bytes=1 << 30, cpu_threads=1,
+                          max_num_batched_tokens=args.budget,
                           cadence_min_decodes=min_decodes, cadence_max_wait_ms=args.max_wait_ms)
     engine = Engine(config, clock=time.thread_time)
     rng = random.Random(0)
@@ -71,6 +73,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--budget", type=int, default=EngineConfig().max_num_batched_tokens,
+                        help="max_num_batched_tokens (vLLM-CPU's serving default is 2048)")
     parser.add_argument("--min-decodes", type=int, default=4)
     parser.add_argument("--max-wait-ms", type=float, default=250.0)
     args = parser.parse_args()
