@@ -229,6 +229,10 @@ class EngineConfig:
     chunk_tile: int = 16
     max_prefill_chunks: int = 4
     long_prefill_threshold: int = 0
+    # the decode cadence (engine/core/cadence.py): a step with this many decodes starts new
+    # prefills only with a step's worth waiting or the oldest waiting this long; 0: off
+    cadence_min_decodes: int = 0
+    cadence_max_wait_ms: float = 250.0
     cache_high_watermark: float = 0.85
     cache_low_watermark: float = 0.70
     bandwidth_throttle_2: float = 0.90
@@ -279,6 +283,9 @@ class EngineConfig:
         )
         _check(self.max_prefill_chunks >= 1, "max_prefill_chunks", "must be >= 1")
         _check(self.long_prefill_threshold >= 0, "long_prefill_threshold", "must be >= 0")
+        _check(self.cadence_min_decodes >= 0, "cadence_min_decodes", "must be >= 0 (0: off)")
+        _check(0 <= self.cadence_max_wait_ms < float("inf"), "cadence_max_wait_ms",
+               "must be a number of milliseconds >= 0")
         _check(
             0 < self.cache_low_watermark < self.cache_high_watermark < 1,
             "cache_low_watermark" if self.cache_low_watermark <= 0 else "cache_high_watermark",

@@ -35,6 +35,12 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--long-prefill-threshold": ("long_prefill_threshold", int,
                                  "cap on one request's chunk (0 = none)"),
     "--max-prefill-tokens": ("max_prefill_tokens", int, "circuit breaker base (0 = model limit)"),
+    "--cadence-min-decodes": ("cadence_min_decodes", int,
+                              "a step with this many decodes starts new prefills only with a "
+                              "step's worth of prompt tokens waiting or the oldest waiting "
+                              "--cadence-max-wait-ms (0 = off)"),
+    "--cadence-max-wait-ms": ("cadence_max_wait_ms", float,
+                              "the longest the decode cadence holds a prompt (default 250)"),
     "--slow-query-threshold": ("slow_query_threshold", float, "budget_score of a slow query"),
     "--slow-query-min-overrun-ms": ("slow_query_min_overrun_ms", float,
                                     "a slow query also overran its plan by this much (ms)"),

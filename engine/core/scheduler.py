@@ -20,6 +20,7 @@ from engine.config import EngineConfig
 from engine.core.admission import Admission
 from engine.core.block_manager import BlockManager
 from engine.core.bookkeeping import Bookkeeper, handling_failed, request_output
+from engine.core.cadence import DecodeCadence
 from engine.core.equipment import BandwidthSource, PrefillWatch
 from engine.core.modes import THROTTLE_CONCURRENCY, Modes
 from engine.core.planning import PrefillPlan, plan_chunks
@@ -234,6 +235,10 @@ class Scheduler:
             # no decode frees blocks (or degraded): one prefill, minimal chunks: service never stops
             slots, chunk_cap = 1, cfg.chunk_tile
         admit = not (batch.preempted or self.cache_pressure or self.throttle_level >= 3)
+        cadence = DecodeCadence.of(cfg)
+        if admit and self.waiting and cadence.holds(len(batch.decodes), bool(in_progress)):
+            admit = cadence.admits(self._waiting_tokens(budget), budget,
+                                   self.clock() - self.waiting[0].arrival)
         candidates = in_progress + (self.admission.admissible() if admit else [])
         plan = self._plan(candidates, budget, slots, chunk_cap)
         if not plan and not batch.decodes:
@@ -257,6 +262,15 @@ class Scheduler:
                            self.blocks, isolate)
         self.blocks.touch(plan.warmed)  # looked up, kept warm for when they are admitted
         return plan
+
+    def _waiting_tokens(self, enough: int) -> int:
+        """The queued prompts' tokens, counted until they reach `enough`."""
+        tokens = 0
+        for request in self.waiting:
+            tokens += request.num_pending
+            if tokens >= enough:
+                break
+        return tokens
 
     def update(self, batch: Batch, output: ModelRunnerOutput,
                timing: StepTiming) -> list[RequestOutput]:

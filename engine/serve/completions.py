@@ -21,7 +21,7 @@ from engine.config import INT64_MAX, ConfigError, SamplingParams
 from engine.core.engine import RequestOutput
 from engine.core.request import SCORE_TAG, RequestState
 from engine.errors import RequestError
-from engine.model.tokenizer import continuation
+from engine.model.detokenizer import IncrementalDetokenizer
 from engine.serve.loop import EngineLoop
 from engine.serve.memory import IdleTrim
 from engine.serve.protocol import (
@@ -321,7 +321,6 @@ class Generations:
                       choices: list[Choice], reply: ReplyFormat,
                       texts: Texts, generation: Generation) -> AsyncIterator[str]:
         """One SSE chunk per choice per generated token, as vLLM sends them (see Texts)."""
-        sent = [""] * len(request_ids)
         started: set[int] = set()
         finished: set[int] = set()
         try:
@@ -332,14 +331,12 @@ class Generations:
                     await _journaled(self.engine_loop)
                 choice = choices[index]
                 choice.add(output)
-                text = texts.visible(choice)
-                chunk = reply.chunk(choice, text[len(sent[index]):],
+                chunk = reply.chunk(choice, texts.delta(choice),
                                     list(output.new_token_ids), output.logprobs or (),
                                     first=index not in started)
                 if generation.continuous_usage:
                     chunk["usage"] = _usage([choice], 1)
                 yield _sse(chunk)
-                sent[index] = text
                 started.add(index)
                 if output.finished:
                     finished.add(index)
@@ -357,7 +354,8 @@ class Generations:
 class Texts:
     """A choice's text so far, less incomplete UTF-8 characters and possible stop strings.
     The token that stopped a choice (a stop token id, or EOS) has no text, as in vLLM, unless
-    `include_stop_str_in_output`; its id stays in the token ids."""
+    `include_stop_str_in_output`; its id stays in the token ids. Each choice's text is
+    detokenized incrementally, so a streamed token costs the same however long the output."""
 
     def __init__(self, decode: Callable[[list[int]], str], params: SamplingParams,
                  eos_token_ids: Sequence[int] = ()) -> None:
@@ -367,23 +365,46 @@ class Texts:
                          if stops and not params.include_stop_str_in_output else 0)
         self.silent_stops = frozenset(() if params.include_stop_str_in_output else (
             *params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)))
+        self._read: dict[int, IncrementalDetokenizer] = {}  # by choice index
+        self._sent: dict[int, int] = {}  # characters streamed, by choice index
 
-    def visible(self, choice: Choice) -> str:
-        text = self.final(choice)
+    def delta(self, choice: Choice) -> str:
+        """The text to stream for `choice` since the last call: the new complete characters,
+        less the stop strings' holdback while the choice runs; its cut text once it ends."""
+        read = self._fed(choice)
         output = choice.output
-        if output is not None and output.text_end is None and not output.finished \
-                and self.holdback:
-            return text[:max(0, len(text) - self.holdback)]
-        return text
+        if output is not None and (output.text_end is not None or output.finished):
+            text = self.final(choice)
+            new, self._sent[choice.index] = text[self._sent[choice.index]:], len(text)
+            return new
+        sent = self._sent[choice.index]
+        pending = read.pending().rstrip("\ufffd")
+        end = read.length + len(pending) - self.holdback
+        if end <= sent:
+            return ""
+        self._sent[choice.index] = end
+        start = min(sent, read.length)  # what was sent may reach into the pending characters
+        return (read.since(start) + pending)[sent - start:end - start]
 
     def final(self, choice: Choice) -> str:
-        tokens = choice.token_ids
         text_end = None if choice.output is None else choice.output.text_end
-        if (text_end is None and tokens and tokens[-1] in self.silent_stops
-                and choice.finish_reason == "stop"):
-            tokens = tokens[:-1]
-        text = continuation(self.decode, choice.prompt, tokens).rstrip("\ufffd")
+        text = self._fed(choice).whole().rstrip("\ufffd")
         return text if text_end is None else text[:text_end]
+
+    def _fed(self, choice: Choice) -> IncrementalDetokenizer:
+        """The choice's detokenizer, given the tokens it has not read (but a silent stop)."""
+        tokens = choice.token_ids
+        read = len(tokens)
+        if (choice.output is not None and choice.output.text_end is None and tokens
+                and tokens[-1] in self.silent_stops and choice.finish_reason == "stop"):
+            read -= 1
+        detokenizer = self._read.get(choice.index)
+        if detokenizer is None:
+            detokenizer = self._read[choice.index] = IncrementalDetokenizer(self.decode,
+                                                                            choice.prompt)
+            self._sent[choice.index] = 0
+        detokenizer.extend(tokens[len(detokenizer.tokens):read])
+        return detokenizer
 
 
 def _usage(choices: list[Choice], n: int) -> dict[str, int]:
