@@ -78,10 +78,6 @@ class IncrementalDetokenizer:
         prefix, window = self._window()
         return window[len(prefix) + self.taken:]
 
-    def whole(self) -> str:
-        """The text with the characters still in progress, as a whole decode reads it."""
-        return self.text + self.pending()
-
     def _add(self, new: str) -> None:
         self.pieces.append(new)
         self.length += len(new)

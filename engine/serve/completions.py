@@ -388,7 +388,9 @@ class Texts:
 
     def final(self, choice: Choice) -> str:
         text_end = None if choice.output is None else choice.output.text_end
-        text = self._fed(choice).whole().rstrip("\ufffd")
+        read = self._fed(choice)
+        # only the unfinished tail is held back: what the detokenizer took was already streamed
+        text = read.text + read.pending().rstrip("\ufffd")
         return text if text_end is None else text[:text_end]
 
     def _fed(self, choice: Choice) -> IncrementalDetokenizer:
