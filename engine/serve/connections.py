@@ -4,6 +4,7 @@ and per address), size caps, and logs that a flood cannot fill."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import socket
@@ -52,11 +53,13 @@ class ConnectionGuard:
         self.idle: dict[DeadlineProtocol, None] = {}
         self.shed_count = 0
 
+    def full(self, address: str) -> bool:
+        return self.open.get(address, 0) >= self.per_address
+
     def admit(self, address: str) -> bool:
-        count = self.open.get(address, 0)
-        if count >= self.per_address:
+        if self.full(address):
             return False
-        self.open[address] = count + 1
+        self.open[address] = self.open.get(address, 0) + 1
         return True
 
     def release(self, address: str) -> None:
@@ -188,6 +191,16 @@ class AcceptErrorLog:
         self.logger.error("%s%s%s", message, f": {exc}" if exc is not None else "", more)
 
 
+def refuse(conn: socket.socket) -> None:
+    """Answer 503 on a fresh connection past its address's cap and close it, without waiting:
+    a client that does not read it loses only the answer. What it sent already is read first,
+    so the close is a FIN that leaves the answer readable, not a reset."""
+    with contextlib.suppress(OSError):
+        conn.send(TOO_MANY % (len(TOO_MANY_BODY), TOO_MANY_BODY))
+        conn.recv(MAX_HEADER_BYTES)
+    conn.close()
+
+
 class AcceptBackoff:
     """How long to pause accepting after running out of descriptors: short at first, longer
     while it lasts, short again after a connection is accepted."""
@@ -226,7 +239,7 @@ class Acceptor:
     def _accept(self) -> None:
         for _ in range(ACCEPT_PER_TICK):
             try:
-                conn, _address = self.sock.accept()
+                conn, peer = self.sock.accept()
             except (BlockingIOError, InterruptedError, ConnectionAbortedError):
                 return
             except OSError as exc:
@@ -238,6 +251,9 @@ class Acceptor:
                 return
             self.backoff.accepted()
             conn.setblocking(False)
+            if isinstance(peer, tuple) and peer and self.guard.full(str(peer[0])):
+                refuse(conn)  # before a transport and a protocol are built for it
+                continue
             task = self.loop.create_task(self._connect(conn))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
