@@ -11,16 +11,17 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import select, text
 from starlette.testclient import TestClient
 
 from engine import Engine, EngineConfig
 from engine.events import EventBus
-from engine.harness.recovery import abort_orphans
+from engine.harness.recovery import CLIENT_GONE, abort_orphans
 from engine.serve.app import create_app
 from engine.serve.loop import EngineLoop
 from engine.store import StoreWriter, close_entry, open_database, unfinished_requests
 from engine.store.lock import StoreLockedError
+from engine.store.models import JournalRow
 from engine.store.server_lock import ServerLock
 from engine.store.writer import Commit, WriterHealth
 from tests.postgres import Cluster
@@ -124,9 +125,15 @@ def test_a_writer_whose_lock_session_ended_stops_and_a_new_holder_closes_only_th
                 return not alive
             eventually(gone, "the lock session's end")
         assert abort_orphans(second) == ("open",)  # the name was free: the second took it
-        deliver(bus, writer, finished("open"))  # the first's next batch finds it taken
+        # the first's next batch finds it taken; nothing in it was answered, so none of it
+        # is written
+        deliver(bus, writer, finished("open"), added("unanswered"), finished("unanswered"))
         assert writer.failure is not None and "was lost" in str(writer.failure)
         assert not writer.served(timeout=0)
+        assert journal_row(second, "open").finish_reason == CLIENT_GONE
+        with second.session() as session:
+            assert not session.scalars(select(JournalRow).where(
+                JournalRow.request_id == "unanswered")).all()
         assert journal_row(second, "answered").state == "FINISHED"
         assert journal_row(second, "answered").finish_reason == "length"
     finally:

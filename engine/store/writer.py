@@ -289,9 +289,9 @@ class StoreWriter:
             items.append(item)
             if isinstance(item, _Flush):
                 item.done.set()
-        promised = max((i for i, item in enumerate(items) if item is _PROMISED), default=-1)
+        promised = max((i for i, item in enumerate(items) if item is _PROMISED), default=0)
         events = [item for item in items[:promised] if isinstance(item, Event)]
-        if not events:
+        if not events:  # nothing was answered before it was stored
             return
         batch = fold(events, wall_offset=wall_offset(), server=self.database.server)
         ended = {rid for rid, p in batch.progress.items() if p.state in TERMINAL_STATES}
