@@ -156,7 +156,8 @@ class StoreWriter:
             with self._promise_lock:
                 self._promises += 1
             self._queue.put(_PROMISED)
-            return True
+            # stopped meanwhile: its last write may have missed this marker, so no answer
+            return self.failure is None
         return self.flush(timeout) and self.failure is None
 
     def health(self) -> WriterHealth:
