@@ -313,7 +313,11 @@ def drain_log(server: subprocess.Popen[bytes], into: list[bytes]) -> None:
         LOG_BYTES[0] += len(line)
 
 
-def run_attacks(idle_requests: int = 40) -> int:
+def run_attacks(idle_requests: int = 40, only: tuple[str, ...] = ()) -> int:
+    unknown = set(only) - {name for name, _ in ATTACKS}
+    if unknown:
+        raise SystemExit(f"no attack named {', '.join(sorted(unknown))}; the attacks: "
+                         + ", ".join(name for name, _ in ATTACKS))
     port = free_port()
     log: list[bytes] = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -332,6 +336,8 @@ def run_attacks(idle_requests: int = 40) -> int:
             report["idle"] = {"rss_mib": round(idle_rss / 2**20, 1),
                               "bystander_p99_s": round(idle_p99, 4)}
             for name, attack in ATTACKS:
+                if only and name not in only:
+                    continue
                 # the machine's load drifts: each attack is judged against an idle window
                 # taken just before it, as well as against the first one
                 local = Bystander(port)

@@ -13,6 +13,7 @@ no request to resume (all finished before a SIGTERM). Prints one JSON object; ex
 on any engine death, 5xx, transport error or failed normal request.
 
     PYTHONPATH=. .venv/bin/python benchmarks/fuzz_server.py [--bodies 10000] [--seed 0]
+    PYTHONPATH=. .venv/bin/python benchmarks/fuzz_server.py --attacks [--attack file_limit]
 
 With --attacks it instead replays each attack that once took the server down (one request's
 n, stop strings, logit_bias and answer size; unread streams; trickled bodies; the file
@@ -259,11 +260,15 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--attacks", action="store_true",
                         help="replay the attacks of benchmarks/fuzz_attacks.py instead")
+    parser.add_argument("--attack", action="append", default=[], metavar="NAME",
+                        help="with --attacks, replay only NAME (repeatable): "
+                             "huge_n, stop_strings, logit_bias, big_answer, unread_streams, "
+                             "body_trickle, file_limit")
     args = parser.parse_args()
     if args.attacks:
         from benchmarks.fuzz_attacks import run_attacks
 
-        return run_attacks()
+        return run_attacks(only=tuple(args.attack))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     tally = Tally()

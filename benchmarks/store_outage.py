@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -207,6 +208,11 @@ def run(pg: Cluster, restarts: int, kills: int, clients: int) -> dict[str, objec
         "tracebacks": logs.count("Traceback"),
         "lock_loss_said": sum("was lost" in line or "taken over" in line
                               for line in old_logs),
+        # answers a writer had given from memory and recorded after its name was lost
+        "recorded_after_name_lost": sum(
+            int(found.group(1)) for line in old_logs
+            if (found := re.search(r"recorded the outcomes of (\d+) requests", line))),
+        "unrecorded_said": sum("could not be recorded" in line for line in old_logs),
     }
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 from sqlalchemy import create_engine
 
+from engine.harness.recovery import CLIENT_GONE
 from tests.postgres import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,16 +163,20 @@ def _check(db: str, report: Report) -> None:
     try:
         with engine.connect() as connection:
             rows = connection.exec_driver_sql(
-                "SELECT server, request_id, state, resume_attempts FROM request_journal").all()
+                "SELECT server, request_id, state, resume_attempts, finish_reason "
+                "FROM request_journal").all()
     finally:
         engine.dispose()
-    journal = {(server, rid): (state, attempts) for server, rid, state, attempts in rows}
-    report.states = Counter(state for state, _ in journal.values())
-    report.unfinished = sorted(key for key, (state, _) in journal.items()
+    journal = {(server, rid): (state, attempts, reason)
+               for server, rid, state, attempts, reason in rows}
+    report.states = Counter(state for state, _, _ in journal.values())
+    report.unfinished = sorted(key for key, (state, _, _) in journal.items()
                                if state not in ("FINISHED", "FAILED", "REJECTED", "QUARANTINED"))
-    report.resumed = sum(1 for _, attempts in journal.values() if attempts)
+    report.resumed = sum(1 for _, attempts, _ in journal.values() if attempts)
     for key in report.answered:
-        state, attempts = journal.get(key, ("missing", 0))
+        state, attempts, reason = journal.get(key, ("missing", 0, None))
+        if state == "FINISHED" and reason == CLIENT_GONE:
+            state = "aborted"  # closed by a newcomer as unanswered, though it was answered
         report.answered[key] = state
         if state != "FINISHED" or attempts:
             report.rerun_after_answer.append(key)

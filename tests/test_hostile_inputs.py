@@ -8,6 +8,8 @@ import asyncio
 import http.client
 import logging
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,7 +26,12 @@ from console.cli.main import main
 from engine import Engine, EngineConfig
 from engine.config import ConfigError
 from engine.harness.workload import WorkloadError, load_requests_jsonl, request_lines
-from engine.serve.connections import AcceptErrorLog, GuardedServer, server_config
+from engine.serve.connections import (
+    AcceptBackoff,
+    AcceptErrorLog,
+    GuardedServer,
+    server_config,
+)
 from engine.serve.listener import listen
 from engine.serve.log_limit import RateLimitedLog, client_and_status
 from engine.serve.memory import IdleTrim
@@ -286,6 +293,61 @@ def test_accept_errors_are_logged_once_a_second_with_a_count(
     assert len(lines) == 3
     assert "9999 more since the last line" in lines[1] and "more since" not in lines[2]
     assert all("Traceback" not in line and "Too many open files" in line for line in lines)
+
+
+# A server whose file limit is a few descriptors above what it uses, whose header deadline
+# (10 minutes) never frees one: it prints its port once it accepts.
+FILE_LIMITED_SERVER = """
+import os, resource, sys, threading, time
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+from engine.serve.connections import GuardedServer, server_config
+from engine.serve.listener import listen
+
+app = Starlette(routes=[Route("/", lambda request: PlainTextResponse("ok"))])
+sock = listen("127.0.0.1", 0)
+server = GuardedServer(server_config(app, lifespan="off", log_level="critical",
+                                     header_timeout_s=600.0))
+used = len(os.listdir("/proc/self/fd"))
+resource.setrlimit(resource.RLIMIT_NOFILE, (used + 24, resource.getrlimit(
+    resource.RLIMIT_NOFILE)[1]))
+threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+while not server.started:
+    time.sleep(0.01)
+print(sock.getsockname()[1], flush=True)
+sys.stdin.read()
+"""
+
+
+def test_at_the_file_limit_idle_connections_make_room_for_a_request() -> None:
+    root = Path(__file__).resolve().parents[1]
+    server = subprocess.Popen([sys.executable, "-c", FILE_LIMITED_SERVER], cwd=root,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    idle: list[socket.socket] = []
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        for _ in range(60):  # more than the descriptors left: they are never freed by time
+            idle.append(socket.create_connection(("127.0.0.1", port)))
+        client = http.client.HTTPConnection("127.0.0.1", port, timeout=60)  # a hang guard
+        client.request("GET", "/")
+        assert client.getresponse().read() == b"ok"
+        oldest = idle[0]
+        oldest.settimeout(60)
+        assert oldest.recv(100) == b""  # closed to make room: it had waited longest
+    finally:
+        for sock in idle:
+            sock.close()
+        server.kill()
+        server.wait()
+
+
+def test_accepting_pauses_briefly_at_the_file_limit_and_longer_while_it_lasts() -> None:
+    backoff = AcceptBackoff((0.002, 0.01, 0.05))
+    assert [backoff.failed() for _ in range(5)] == [0.002, 0.01, 0.05, 0.05, 0.05]
+    backoff.accepted()
+    assert backoff.failed() == 0.002
 
 
 def test_memory_is_trimmed_when_the_server_goes_idle_at_most_once_an_interval() -> None:

@@ -94,11 +94,13 @@ def claim_for_resume(session: Session, request_ids: Iterable[str]) -> int:
 
 
 def close_entry(session: Session, request_id: str, state: str, reason: str) -> None:
-    """Set an unfinished entry's state (FAILED, QUARANTINED, or FINISHED for an abort); commits."""
+    """Set an unfinished entry's state (FAILED, QUARANTINED, or FINISHED for an abort); commits.
+    An entry that ended meanwhile (its writer recorded it after it was read) is left as is."""
     now = time.time()
     session.execute(
         update(JournalRow)
-        .where(JournalRow.request_id == request_id, own(session))
+        .where(JournalRow.request_id == request_id, own(session),
+               JournalRow.state.not_in((*TERMINAL_STATES, QUARANTINED)))
         .values(state=state, finish_reason=reason, updated_at=now)
     )
     session.commit()

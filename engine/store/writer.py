@@ -18,14 +18,19 @@ from sqlalchemy.exc import DBAPIError, StatementError
 from engine.clock import Clock
 from engine.errors import EngineError
 from engine.events import Event, EventBus, wall_offset
-from engine.store.batch import fold, prefilling, to_statements
+from engine.store.batch import Batch, fold, prefilling, to_statements
 from engine.store.database import Database, StoreError
 from engine.store.lock import StoreLockedError
+from engine.store.models import TERMINAL_STATES
 from engine.store.retention import RetentionLimits, apply_retention
+from engine.store.server_lock import ServerNameLost
 
 log = logging.getLogger(__name__)
 
 _STOP = object()
+# Queued by `served` when an answer goes out before its events are stored: everything queued
+# before it was promised to a client.
+_PROMISED = object()
 _RETRY_S = (0.05, 0.2, 1.0)
 # How long, and how many events, a server keeps serving from memory while its store cannot be
 # reached (refused or reset connections); past either the writer stops, as on any failure.
@@ -58,9 +63,10 @@ class WriterHealth:
     serving from memory) or "stopped"."""
 
     state: str
-    since_s: float | None = None  # how long it has been unreachable
+    since_s: float | None = None  # how long it has been unreachable (or catching up since)
     held_events: int = 0  # events waiting in memory for the store
     error: str | None = None
+    unrecorded: int = 0  # answered requests whose outcome could not be stored (said, not hidden)
 
     def to_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -116,7 +122,13 @@ class StoreWriter:
         self.sleep = sleep
         self.max_outage_s = max_outage_s
         self.max_held_events = max_held_events
-        self.unreachable_since: float | None = None  # the clock's time of the first refusal
+        # the clock's time of the first refusal; cleared once what was answered from memory
+        # meanwhile is on disk, not at the first commit after it
+        self.unreachable_since: float | None = None
+        self._reconnected = False  # the store answers again; the backlog is being written
+        self.unrecorded = 0
+        self._promises = 0  # _PROMISED markers queued (not events: held_events leaves them out)
+        self._promise_lock = threading.Lock()
         self.written = 0
         self.dropped = 0
         self.skipped: list[SkippedRow] = []
@@ -141,18 +153,26 @@ class StoreWriter:
         cannot record is not given); while the store is unreachable (within the bounds, said
         on /health) the events are held in memory and the answer need not wait."""
         if self.unreachable_since is not None and self.failure is None:
-            return True
+            with self._promise_lock:
+                self._promises += 1
+            self._queue.put(_PROMISED)
+            # stopped meanwhile: its last write may have missed this marker, so no answer
+            return self.failure is None
         return self.flush(timeout) and self.failure is None
 
     def health(self) -> WriterHealth:
         since = self.unreachable_since
         if self.failure is not None:
-            return WriterHealth("stopped", error=str(self.failure))
+            return WriterHealth("stopped", error=str(self.failure), unrecorded=self.unrecorded)
         if since is None:
             return WriterHealth("ok")
+        held = max(0, self._queue.qsize() - self._promises)
+        if self._reconnected:
+            error = f"reachable again; writing the {held} events held in memory"
+        else:
+            error = None if self.last_error is None else _reason(self.last_error)
         return WriterHealth("unreachable", since_s=max(0.0, self.clock() - since),
-                            held_events=self._queue.qsize(),
-                            error=None if self.last_error is None else _reason(self.last_error))
+                            held_events=held, error=error)
 
     def check(self) -> None:
         """Raise the permanent error that stopped the writer: whoever runs the engine stops too."""
@@ -183,8 +203,12 @@ class StoreWriter:
             due = min(max(0.0, next_retention - self.clock()), self.retention_interval_s)
             items = self._collect(timeout=due)
             events = [item for item in items if isinstance(item, Event)]
-            if events and self.failure is None:
-                self._write_events(events)
+            with self._promise_lock:
+                self._promises -= sum(item is _PROMISED for item in items)
+            stopped = self.failure is not None
+            written = False
+            if events and not stopped:
+                written = self._write_events(events)
             elif events:
                 self.dropped += len(events)
             if self.clock() >= next_retention:
@@ -192,6 +216,13 @@ class StoreWriter:
                     self._guarded(lambda: self._until_done(
                         lambda conn: apply_retention(conn, self.retention)))
                 next_retention = self.clock() + self.retention_interval_s
+            if self.failure is None and self._reconnected and len(items) < self.batch_size:
+                # the backlog answered from memory is on disk (this batch emptied the queue):
+                # answers wait for commits again
+                self.unreachable_since, self._reconnected = None, False
+            elif self.failure is not None and not stopped and isinstance(self.last_error,
+                                                                          ServerNameLost):
+                self._last_will([] if written else items)
             for item in items:
                 if isinstance(item, _Flush):
                     item.done.set()
@@ -216,7 +247,7 @@ class StoreWriter:
                 break
         return items
 
-    def _write_events(self, events: list[Event]) -> None:
+    def _write_events(self, events: list[Event]) -> bool:
         batch = fold(events, wall_offset=wall_offset(), server=self.database.server)
         statements = to_statements(batch)
 
@@ -243,6 +274,44 @@ class StoreWriter:
                     self.on_commit = None
         else:
             self.dropped += len(events)
+        return written
+
+    def _last_will(self, items: list[object]) -> None:
+        """The server name was taken over while answers had gone out from memory (an outage):
+        record what was promised, then stop. Only requests that ended before the last promise
+        are written, with this process's own observations: their ids are this process's
+        alone, and a new holder's sweep closes no ended entry (one it closed first is set
+        right here). Nothing else is written: the rest was never answered."""
+        while True:  # `failure` is set: every answer from memory has queued its marker by now
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            items.append(item)
+            if isinstance(item, _Flush):
+                item.done.set()
+        promised = max((i for i, item in enumerate(items) if item is _PROMISED), default=0)
+        events = [item for item in items[:promised] if isinstance(item, Event)]
+        if not events:  # nothing was answered before it was stored
+            return
+        batch = fold(events, wall_offset=wall_offset(), server=self.database.server)
+        ended = {rid for rid, p in batch.progress.items() if p.state in TERMINAL_STATES}
+        kept = Batch(batch.server, [row for row in batch.added if row["request_id"] in ended],
+                     {rid: p for rid, p in batch.progress.items() if rid in ended},
+                     batch.slow, batch.drift, batch.config, batch.faults)
+        try:
+            with self.database.engine.begin() as connection:
+                for execute, rows, _table, _key in to_statements(kept):
+                    execute(connection, rows)
+        except Exception as exc:  # said on /health and here, with the count
+            self.unrecorded = len(ended)
+            log.error("store %s: the outcomes of %d requests answered from memory could not "
+                      "be recorded after the server name was lost: %s",
+                      self.database.location, len(ended), _reason(exc))
+            return
+        self.written += len(events)
+        log.warning("store %s: recorded the outcomes of %d requests answered from memory "
+                    "before stopping", self.database.location, len(ended))
 
     def _skip(self, table: str, request_id: str | None, reason: str) -> None:
         self.skipped.append(SkippedRow(table, request_id, reason))
@@ -271,10 +340,10 @@ class StoreWriter:
                 with self.database.engine.begin() as connection:
                     self.database.check_writer(connection)  # the server name is still ours
                     work(connection)
-                if self.unreachable_since is not None:
+                if self.unreachable_since is not None and not self._reconnected:
                     log.warning("store %s is reachable again; the events held in memory are "
                                 "being written", self.database.location)
-                    self.unreachable_since = None
+                    self._reconnected = True
                 return None
             except Exception as exc:
                 kind = _classify(exc)
@@ -297,6 +366,7 @@ class StoreWriter:
     def _unreachable(self, exc: Exception) -> None:
         """Keep serving from memory within the bounds; past them, stop as on any failure."""
         now = self.clock()
+        self._reconnected = False
         if self.unreachable_since is None:
             self.unreachable_since = now
         held = self._queue.qsize()
