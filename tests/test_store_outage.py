@@ -15,11 +15,11 @@ from starlette.testclient import TestClient
 
 from engine import Engine, EngineConfig
 from engine.events import EventBus
-from engine.harness.recovery import abort_orphans
 from engine.serve.app import create_app
 from engine.serve.loop import EngineLoop
 from engine.store import StoreWriter, open_database
 from engine.store.lock import StoreLockedError
+from engine.store.recovery import abort_orphans
 from engine.store.server_lock import ServerLock
 from engine.store.writer import WriterHealth
 from tests.postgres import Cluster

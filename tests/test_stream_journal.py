@@ -15,8 +15,8 @@ from pathlib import Path
 
 import httpx
 
-from engine.harness.recovery import CLIENT_GONE, abort_orphans
 from engine.store import open_database
+from engine.store.recovery import CLIENT_GONE, abort_orphans
 from tests.serving import killed_if_left, serve_on
 
 # each request is known by its prompt (token ids, as the journal stores them): the reply's

@@ -40,7 +40,6 @@ from engine.harness.calibrate import (
     save_result,
 )
 from engine.harness.drift import DriftMonitor, drift_event
-from engine.harness.recovery import foreign_journal
 from engine.serve.loop import EngineLoop
 from engine.serve.session import EngineSession
 from engine.sim.executor import Simulation
@@ -66,6 +65,7 @@ from engine.store import (
     stored_metrics,
 )
 from engine.store.calibration import REUSED
+from engine.store.recovery import foreign_journal
 
 log = logging.getLogger(__name__)
 ARRIVAL_RATE = "arrival_rate"  # how a change of the traffic's rate is stored

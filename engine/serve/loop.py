@@ -19,11 +19,11 @@ from engine.core.engine import Engine, RequestOutput
 from engine.core.request import Request, RequestState
 from engine.errors import EngineError
 from engine.events import EngineRestarted
-from engine.harness.recovery import Resumption
 from engine.harness.workload import WorkloadRequest
 from engine.serve.playback import WorkloadPlayer
 from engine.serve.supervisor import Supervisor
 from engine.snapshot import Snapshot
+from engine.store.recovery import Resumption
 
 log = logging.getLogger(__name__)
 

@@ -15,12 +15,12 @@ from engine.harness.calibrate import (
     first_calibration,
     latest_for,
 )
-from engine.harness.recovery import Resumption, abort_orphans, resume_unfinished
 from engine.ops.equipped import Engine
 from engine.serve.loop import EngineLoop
 from engine.sim.executor import PacedClock, Simulation, simulated_engine
 from engine.sim.target import resolve_target
 from engine.store import CalibrationRecord, Commit, Database, StoreWriter, open_database
+from engine.store.recovery import Resumption, abort_orphans, resume_unfinished
 
 FLUSH_TIMEOUT_S = 10.0
 
