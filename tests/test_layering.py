@@ -132,10 +132,8 @@ def test_the_cycle_finder_finds_one() -> None:
 
 
 # The TUI reads stored rows only through its Source, so every source (a recording, a remote
-# server) answers the same calls; and it runs no workload, calibration or chaos of the bench
-# harness. The SLO targets are the one runtime module still kept in engine/harness/.
+# server) answers the same calls; and it runs no workload or chaos of the bench harness.
 FORBIDDEN_TO_THE_TUI = ("engine.store", "engine.harness")
-HARNESS_MODULES_THE_TUI_READS = ("engine.harness.slo_targets",)
 
 
 def within(name: str, modules: tuple[str, ...]) -> bool:
@@ -143,8 +141,7 @@ def within(name: str, modules: tuple[str, ...]) -> bool:
 
 
 def test_the_tui_reads_the_store_only_through_its_source() -> None:
-    reaching = {module: sorted(t for t in targets if within(t, FORBIDDEN_TO_THE_TUI)
-                               and not within(t, HARNESS_MODULES_THE_TUI_READS))
+    reaching = {module: sorted(t for t in targets if within(t, FORBIDDEN_TO_THE_TUI))
                 for module, targets in imports("console").items()
                 if within(module, ("console.tui",))}
     assert reaching and {m: found for m, found in reaching.items() if found} == {}

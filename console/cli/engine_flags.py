@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
-from engine.harness.slo_targets import CHAT_ITL_MS, CHAT_TTFT_MS
 from engine.model.config import PRESETS
+from engine.slo_targets import CHAT_ITL_MS, CHAT_TTFT_MS
 
 if TYPE_CHECKING:
     from engine.serve.session import EngineSession

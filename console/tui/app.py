@@ -48,7 +48,7 @@ from console.tui.state import ConsoleState, TracedTraffic, TwinRun
 from console.tui.text import escaped
 from console.tui.widgets.field import keystroke
 from engine.errors import EngineError
-from engine.harness.slo_targets import ServiceSLO
+from engine.slo_targets import ServiceSLO
 from engine.snapshot import Snapshot
 
 if TYPE_CHECKING:

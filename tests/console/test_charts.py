@@ -19,7 +19,7 @@ from console.tui.widgets.chunk_queue import ChunkQueue
 from console.tui.widgets.header import EngineHeader, warnings
 from console.tui.widgets.plot import Line, Plot, Series, ms, per_s
 from engine.clock import VirtualClock
-from engine.harness.slo_targets import ServiceSLO
+from engine.slo_targets import ServiceSLO
 from engine.snapshot import Percentiles, RequestView, Snapshot
 from engine.store import ConfigChangeRecord
 from tests.console.conftest import replay_app, workers_done
