@@ -362,7 +362,7 @@ def console(s: Setting) -> dict[str, Any]:
 
 
 def calibration(s: Setting) -> dict[str, Any]:
-    from engine.harness.calibrate import calibrate
+    from engine.calibration.calibrate import calibrate
 
     engine = _engine(s, "synthetic:tiny" if s.dry else s.model,
                      dtype="float32" if s.dry else "bfloat16", kv=SMALL_KV if s.dry else None,

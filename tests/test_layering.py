@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # low -> high: a package may import only its own and lower ones. "leaves" are engine/*.py;
 # the root package (engine/__init__.py) hands out the equipped Engine, so it sits with ops.
-PACKAGE_ORDER = ("leaves", "kernels", "model", "budget", "core", "ops", "store", "harness",
-                 "sim", "serve", "console")
+PACKAGE_ORDER = ("leaves", "kernels", "model", "budget", "core", "ops", "store", "calibration",
+                 "harness", "sim", "serve", "console")
 
 
 def imports(package: str) -> dict[str, set[str]]:

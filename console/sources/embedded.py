@@ -24,11 +24,7 @@ from console.sources.base import (
 )
 from console.sources.workloads import named_workload
 from engine.budget.predictor import StepTimePredictor
-from engine.config import ConfigError, EngineConfig
-from engine.core.engine import Engine
-from engine.errors import EngineError
-from engine.events import CalibrationProgress, ConfigChanged, Event
-from engine.harness.calibrate import (
+from engine.calibration.calibrate import (
     FIRST_REASON,
     Calibration,
     CalibrationResult,
@@ -39,7 +35,11 @@ from engine.harness.calibrate import (
     latest_for,
     save_result,
 )
-from engine.harness.drift import DriftMonitor, drift_event
+from engine.calibration.drift import DriftMonitor, drift_event
+from engine.config import ConfigError, EngineConfig
+from engine.core.engine import Engine
+from engine.errors import EngineError
+from engine.events import CalibrationProgress, ConfigChanged, Event
 from engine.serve.loop import EngineLoop
 from engine.serve.session import EngineSession
 from engine.sim.executor import Simulation

@@ -7,14 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from engine.config import EngineConfig
-from engine.events import Subscriber
-from engine.harness.calibrate import (
+from engine.calibration.calibrate import (
     CalibrationResult,
     apply_latest,
     first_calibration,
     latest_for,
 )
+from engine.config import EngineConfig
+from engine.events import Subscriber
 from engine.ops.equipped import Engine
 from engine.serve.loop import EngineLoop
 from engine.sim.executor import PacedClock, Simulation, simulated_engine

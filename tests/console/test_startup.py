@@ -27,8 +27,8 @@ from console.tui.widgets.cache_pressure import CachePressure
 from console.tui.widgets.chunk_queue import ChunkQueue
 from console.tui.widgets.header import EngineHeader
 from console.tui.widgets.requests_table import RequestsTable
+from engine.calibration.calibrate import FIRST_REASON
 from engine.config import EngineConfig, SamplingParams
-from engine.harness.calibrate import FIRST_REASON
 from engine.serve.session import EngineSession
 from engine.store import (
     CalibrationRecord,
