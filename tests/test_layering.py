@@ -152,3 +152,25 @@ def test_screens_depend_on_the_state_not_the_app() -> None:
     screens = [m for m in graph if m.startswith("console.tui.screens.")]
     assert screens and all("console.tui.app" not in graph[m] for m in screens)
     assert "console.tui.state" in graph["console.tui.screens.base"]
+
+
+# engine/harness/ is for workloads, baselines and chaos: the twin (engine/sim) replays its
+# workloads and these commands run them. Nothing the runtime runs (core, ops, store,
+# calibration, serve, the console's screens and its other sources) imports it.
+RUN_WORKLOADS = ("console.cli.bench", "console.cli.chaos", "console.cli.report",
+                 "console.cli.run", "console.cli.traces", "console.cli.workload_flags",
+                 "console.sources.workloads")
+
+
+def harness_importers() -> set[str]:
+    return {module for package in ("engine", "console")
+            for module, targets in imports(package).items()
+            if any(within(target, ("engine.harness",)) for target in targets)}
+
+
+def test_only_the_twin_and_the_workload_commands_import_the_harness() -> None:
+    importers = harness_importers()
+    others = {module for module in importers if module not in RUN_WORKLOADS
+              and not within(module, ("engine.harness", "engine.sim"))}
+    assert not others, f"runtime modules import engine.harness: {sorted(others)}"
+    assert set(RUN_WORKLOADS) <= importers, "RUN_WORKLOADS names a module that no longer needs it"

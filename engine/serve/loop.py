@@ -19,8 +19,7 @@ from engine.core.engine import Engine, RequestOutput
 from engine.core.request import Request, RequestState
 from engine.errors import EngineError
 from engine.events import EngineRestarted
-from engine.harness.workload import WorkloadRequest
-from engine.serve.playback import WorkloadPlayer
+from engine.serve.playback import Arrival, WorkloadPlayer
 from engine.serve.supervisor import Supervisor
 from engine.snapshot import Snapshot
 from engine.store.recovery import Resumption
@@ -139,7 +138,7 @@ class EngineLoop:
     def snapshot(self) -> Snapshot:
         return self._snapshot
 
-    def play(self, workload: list[WorkloadRequest], repeat: bool = False,
+    def play(self, workload: Sequence[Arrival], repeat: bool = False,
              first_cycle: int = 0) -> None:
         """Submit `workload` at its arrival times from now as `{id}-{cycle}`; `repeat` cycles it."""
         self.player.plan(workload)
