@@ -121,4 +121,9 @@ def start_session(config: EngineConfig, *, db: str | Path | None, store: bool,
     if compiling:
         print(f"compiled and warmed up in {session.engine.runner.compile_s:.1f} s",
               file=sys.stderr, flush=True)
+    if session.orphans:
+        assert session.database is not None
+        print(f"closed {len(session.orphans)} request(s) the last process on "
+              f"{session.database.location} left unfinished, as aborted", file=sys.stderr,
+              flush=True)
     return session
