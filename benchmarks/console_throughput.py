@@ -23,8 +23,8 @@ from pathlib import Path
 from console.sources.process import ProcessSource
 from console.tui.app import TokenflowApp
 from engine import Engine, RequestOutput
+from engine.calibration.calibrate import calibrate, save_result
 from engine.config import EngineConfig
-from engine.harness.calibrate import calibrate, save_result
 from engine.harness.driver import drive
 from engine.harness.workload import WorkloadRequest, build_workload, default_length_scale
 from engine.serve.loop import EngineLoop

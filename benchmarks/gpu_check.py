@@ -12,7 +12,7 @@ so a run cut off at its time limit still returns every line it finished.
   deepest context beside decodes) runs beside a pool sized by the engine, under
   gpu_memory_utilization of the device.
 - live_budget: the engine loop with the budget raised mid-run: the same tokens.
-- transfers: one read back and one upload a step (engine.harness.host_syncs).
+- transfers: one read back and one upload a step (tests.host_syncs).
 - throughput: decode tok/s and MBU, prefill MFU at batch 1/32/128 on synthetic:1b and :8b.
 - attention_paths: a decode step and a later chunk on torch, flex and flash, side by side.
 - telemetry: NVML's reading over TELEMETRY_LOAD_S of copies against the bandwidth achieved.
@@ -55,9 +55,9 @@ from step_micro import _decodes, _request, _timed  # run from benchmarks/, as th
 from engine import Engine, EngineConfig, SamplingParams
 from engine.batch import StepShape
 from engine.core.request import RequestState
-from engine.harness.host_syncs import HostReads
 from engine.kernels.attention import describe_gpu, flash_available, flash_refusal
 from engine.ops.telemetry import NvmlBandwidth, TelemetryError, nvml_available
+from tests.host_syncs import HostReads
 
 PROMPTS = [[3 + (i * 7 + j) % 300 for j in range(n)] for i, n in enumerate((1, 17, 64, 200))]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -362,7 +362,7 @@ def console(s: Setting) -> dict[str, Any]:
 
 
 def calibration(s: Setting) -> dict[str, Any]:
-    from engine.harness.calibrate import calibrate
+    from engine.calibration.calibrate import calibrate
 
     engine = _engine(s, "synthetic:tiny" if s.dry else s.model,
                      dtype="float32" if s.dry else "bfloat16", kv=SMALL_KV if s.dry else None,

@@ -50,8 +50,8 @@ from torch import nn
 from engine import Engine, EngineConfig, SamplingParams
 from engine.batch import Batch, ScheduledChunk, StepShape
 from engine.budget.peaks import measure_peaks
+from engine.calibration.calibrate import timed_step
 from engine.core.request import Request, RequestState
-from engine.harness.calibrate import timed_step
 from engine.kernels import attention, cpu_kernels
 
 

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import httpx
 from sqlalchemy import Connection, create_engine, text
 
-from engine.harness.recovery import abort_orphans
 from engine.store import open_database
 from engine.store.lock import StoreLockedError
+from engine.store.recovery import abort_orphans
 from engine.store.server_lock import _BARRIER, _NAMESPACE, lock_key
 from tests.fleet import ROOT, Member, Report, _check, send_until
 from tests.postgres import Cluster, cluster

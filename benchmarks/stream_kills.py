@@ -106,8 +106,8 @@ def main() -> int:
                 accepted += len(seen.first)
                 completed += len(seen.done)
         # the start after the last kill closes its orphans too
-        from engine.harness.recovery import abort_orphans
         from engine.store import open_database
+        from engine.store.recovery import abort_orphans
 
         database = open_database(db)
         try:

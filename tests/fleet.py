@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 from sqlalchemy import create_engine
 
-from engine.harness.recovery import CLIENT_GONE
+from engine.store.recovery import ORPHANED
 from tests.postgres import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -175,7 +175,7 @@ def _check(db: str, report: Report) -> None:
     report.resumed = sum(1 for _, attempts, _ in journal.values() if attempts)
     for key in report.answered:
         state, attempts, reason = journal.get(key, ("missing", 0, None))
-        if state == "FINISHED" and reason == CLIENT_GONE:
+        if state == "FINISHED" and reason == ORPHANED:
             state = "aborted"  # closed by a newcomer as unanswered, though it was answered
         report.answered[key] = state
         if state != "FINISHED" or attempts:

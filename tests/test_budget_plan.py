@@ -29,10 +29,10 @@ from engine.budget.plan import (
     replanned,
 )
 from engine.budget.predictor import StepTimePredictor
+from engine.calibration.calibrate import FIRST_REASON, apply
 from engine.config import EngineConfig, SamplingParams
 from engine.core.request import Request
 from engine.events import CalibrationProgress, Event, SlowQuery
-from engine.harness.calibrate import FIRST_REASON, apply
 from engine.serve.session import EngineSession
 from engine.store import calibration_history
 

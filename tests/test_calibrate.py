@@ -25,10 +25,7 @@ from engine.batch import Batch, ModelRunnerOutput, StepShape
 from engine.budget.auto import CStar
 from engine.budget.operations import OperationEfficiency
 from engine.budget.predictor import StepTimePredictor
-from engine.config import ConfigError, EngineConfig, SamplingParams
-from engine.errors import EngineError
-from engine.events import ChunkComplete, Drift, Event, StepComplete
-from engine.harness.calibrate import (
+from engine.calibration.calibrate import (
     Probe,
     SweepPlan,
     apply,
@@ -37,14 +34,17 @@ from engine.harness.calibrate import (
     latest_for,
     save_result,
 )
-from engine.harness.drift import DriftMonitor, Job
-from engine.harness.driver import OutputTokens
-from engine.harness.served import (
+from engine.calibration.drift import DriftMonitor, Job
+from engine.calibration.served import (
     QUICK_PROBE_REQUESTS,
     ServedCosts,
     ServedSample,
     measure_served,
 )
+from engine.config import ConfigError, EngineConfig, SamplingParams
+from engine.errors import EngineError
+from engine.events import ChunkComplete, Drift, Event, StepComplete
+from engine.harness.driver import OutputTokens
 from engine.store import calibration_history, drift_events, open_database, save_calibration
 from engine.store.database import upgrade_database
 from tests.hf_models import save_tiny
@@ -394,7 +394,7 @@ def test_monitor_logs_chunks_off_their_prediction_without_recalibrating(
                              duration_s=duration, estimated_bytes=0.0, predicted_s=1.0,
                              prefill_done=False)
 
-    with caplog.at_level(logging.WARNING, logger="engine.harness.drift"):
+    with caplog.at_level(logging.WARNING, logger="engine.calibration.drift"):
         for duration in (1.1, 0.9, 1.14, 0.86):  # within 15%: nothing
             monitor.observe(chunk(duration))
         assert monitor.off_prediction_total == 0 and not caplog.records

@@ -23,8 +23,8 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.events import EventBus, RequestAdded
 from engine.harness.chaos import query_journal
 from engine.harness.driver import OutputTokens
-from engine.harness.recovery import Resumption, resume_unfinished
 from engine.store import StoreWriter, open_database, quarantined_requests
+from engine.store.recovery import Resumption, resume_unfinished
 
 FLAGS = ["--model", "synthetic:tiny", "--device", "cpu", "--max-num-batched-tokens", "8",
          "--chunk-tile", "8"]

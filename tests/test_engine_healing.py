@@ -20,7 +20,7 @@ from engine.clock import VirtualClock
 from engine.config import EngineConfig
 from engine.harness.faults import StepFaults
 from engine.serve.app import create_app
-from engine.serve.loop import _Listener
+from engine.serve.outputs import _Listener
 from engine.serve.session import EngineSession
 from engine.serve.thread import ServerThread
 from engine.sim.executor import simulated_engine

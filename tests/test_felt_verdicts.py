@@ -12,10 +12,10 @@ import pytest
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.batch import HostMark, StepTiming
+from engine.calibration.drift import DriftMonitor, Job
 from engine.core.modes import Modes
 from engine.core.scheduler import RECENT_FINISHED
 from engine.events import CalibrationProgress, SlowQuery, StepComplete
-from engine.harness.drift import DriftMonitor, Job
 from engine.ops.host import HostCounters, HostSensor
 from engine.ops.slow_query_watch import RATE_LOG, STEP_LOG, SloSampler
 from engine.ops.telemetry import ModelBandwidth

@@ -10,7 +10,7 @@ import torch
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.core.staging import pack, tensors, unpack
-from engine.harness.host_syncs import HostReads
+from tests.host_syncs import HostReads
 
 KINDS = [SamplingParams(max_tokens=8, ignore_eos=True),
          SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, top_p=0.9, top_k=20),

@@ -11,8 +11,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # low -> high: a package may import only its own and lower ones. "leaves" are engine/*.py;
 # the root package (engine/__init__.py) hands out the equipped Engine, so it sits with ops.
-PACKAGE_ORDER = ("leaves", "kernels", "model", "budget", "core", "ops", "store", "harness",
-                 "sim", "serve", "console")
+PACKAGE_ORDER = ("leaves", "kernels", "model", "budget", "core", "ops", "store", "calibration",
+                 "harness", "sim", "serve", "console")
 
 
 def imports(package: str) -> dict[str, set[str]]:
@@ -132,10 +132,8 @@ def test_the_cycle_finder_finds_one() -> None:
 
 
 # The TUI reads stored rows only through its Source, so every source (a recording, a remote
-# server) answers the same calls; and it runs no workload, calibration or chaos of the bench
-# harness. The SLO targets are the one runtime module still kept in engine/harness/.
+# server) answers the same calls; and it runs no workload or chaos of the bench harness.
 FORBIDDEN_TO_THE_TUI = ("engine.store", "engine.harness")
-HARNESS_MODULES_THE_TUI_READS = ("engine.harness.slo_targets",)
 
 
 def within(name: str, modules: tuple[str, ...]) -> bool:
@@ -143,8 +141,7 @@ def within(name: str, modules: tuple[str, ...]) -> bool:
 
 
 def test_the_tui_reads_the_store_only_through_its_source() -> None:
-    reaching = {module: sorted(t for t in targets if within(t, FORBIDDEN_TO_THE_TUI)
-                               and not within(t, HARNESS_MODULES_THE_TUI_READS))
+    reaching = {module: sorted(t for t in targets if within(t, FORBIDDEN_TO_THE_TUI))
                 for module, targets in imports("console").items()
                 if within(module, ("console.tui",))}
     assert reaching and {m: found for m, found in reaching.items() if found} == {}
@@ -155,3 +152,25 @@ def test_screens_depend_on_the_state_not_the_app() -> None:
     screens = [m for m in graph if m.startswith("console.tui.screens.")]
     assert screens and all("console.tui.app" not in graph[m] for m in screens)
     assert "console.tui.state" in graph["console.tui.screens.base"]
+
+
+# engine/harness/ is for workloads, baselines and chaos: the twin (engine/sim) replays its
+# workloads and these commands run them. Nothing the runtime runs (core, ops, store,
+# calibration, serve, the console's screens and its other sources) imports it.
+RUN_WORKLOADS = ("console.cli.bench", "console.cli.chaos", "console.cli.report",
+                 "console.cli.run", "console.cli.traces", "console.cli.workload_flags",
+                 "console.sources.workloads")
+
+
+def harness_importers() -> set[str]:
+    return {module for package in ("engine", "console")
+            for module, targets in imports(package).items()
+            if any(within(target, ("engine.harness",)) for target in targets)}
+
+
+def test_only_the_twin_and_the_workload_commands_import_the_harness() -> None:
+    importers = harness_importers()
+    others = {module for module in importers if module not in RUN_WORKLOADS
+              and not within(module, ("engine.harness", "engine.sim"))}
+    assert not others, f"runtime modules import engine.harness: {sorted(others)}"
+    assert set(RUN_WORKLOADS) <= importers, "RUN_WORKLOADS names a module that no longer needs it"

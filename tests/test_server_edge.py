@@ -20,11 +20,11 @@ import pytest
 from console.cli.main import main
 from engine import Engine, EngineConfig
 from engine.config import ConfigError, SamplingParams
-from engine.harness.recovery import Resumption, resume_unfinished
 from engine.serve.app import create_app
 from engine.serve.loop import EngineLoop
 from engine.serve.thread import ServerThread
 from engine.store import StoreWriter, open_database, unfinished_requests
+from engine.store.recovery import Resumption, resume_unfinished
 from tests.serving import killed_if_left, serve_on, stopped
 
 TOKEN = "edge-admin-token"

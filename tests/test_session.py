@@ -6,12 +6,15 @@ import threading
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
 
 from engine import EngineConfig, SamplingParams
 from engine.errors import ModelLoadError
 from engine.harness.driver import OutputTokens
 from engine.serve.session import EngineSession
 from engine.store import open_database, unfinished_requests
+from engine.store.models import JournalRow
+from engine.store.recovery import ORPHANED
 
 CONFIG = EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32",
                       max_num_batched_tokens=16, chunk_tile=8)
@@ -33,7 +36,7 @@ def test_a_killed_sessions_requests_resume_to_the_uninterrupted_tokens(tmp_path:
         assert [e.request_id for e in unfinished_requests(s)] == [rid]
     database.close()
 
-    with EngineSession.start(CONFIG, db=db) as second:
+    with EngineSession.start(CONFIG, db=db, resume=True) as second:
         resumption = second.resume_unfinished()
         assert resumption.resumed == (rid,)
         # marked as resumed, though it had generated nothing yet (stopped mid-prefill)
@@ -47,6 +50,46 @@ def test_a_killed_sessions_requests_resume_to_the_uninterrupted_tokens(tmp_path:
                 if o.finished:
                     outputs[o.request_id] = held
     assert outputs[rid] == expected
+
+
+def leave_orphan(db: Path) -> str:
+    """A session that stops with one request mid-prefill, as a crash leaves the journal."""
+    with EngineSession.start(CONFIG, db=db, calibrate=False) as session:
+        rid = session.engine.add_request(PROMPT, PARAMS)
+        session.engine.step()
+    return rid
+
+
+def journal_row(db: Path, rid: str) -> tuple[str, str | None, int]:
+    database = open_database(db)
+    try:
+        with database.session() as s:
+            row = s.scalars(select(JournalRow).where(JournalRow.request_id == rid)).one()
+            return row.state, row.finish_reason, row.resume_attempts
+    finally:
+        database.close()
+
+
+def test_every_start_closes_orphans_as_aborted_unless_asked_to_resume(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    rid = leave_orphan(db)
+    with EngineSession.start(CONFIG, db=db, calibrate=False, resume=True) as kept:
+        assert kept.orphans == ()  # run --resume's start: left for resume_unfinished
+    assert journal_row(db, rid)[:2] == ("PREFILL_CHUNKING", None)  # left as it was
+    with EngineSession.start(CONFIG, db=db, calibrate=False) as session:
+        assert session.orphans == (rid,)
+        assert not session.engine.has_unfinished()  # nothing is run again
+    assert journal_row(db, rid) == ("FINISHED", ORPHANED, 0)
+    with EngineSession.start(CONFIG, db=db, calibrate=False) as again:
+        assert again.orphans == ()  # closed once
+
+
+def test_a_start_that_fails_leaves_the_orphans_as_they_were(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    rid = leave_orphan(db)
+    with pytest.raises(ModelLoadError):
+        EngineSession.start(EngineConfig(model=str(tmp_path / "missing"), device="cpu"), db=db)
+    assert journal_row(db, rid)[:2] == ("PREFILL_CHUNKING", None)  # left as it was
 
 
 def test_close_stops_the_loop_and_the_writer_after_committing(tmp_path: Path) -> None:

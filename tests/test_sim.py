@@ -303,7 +303,7 @@ def test_console_simulation_flags_need_the_embedded_engine() -> None:
 
 
 def test_the_twin_calibrates_on_its_own_step_times() -> None:
-    from engine.harness.calibrate import calibrate
+    from engine.calibration.calibrate import calibrate
 
     config = EngineConfig(model="synthetic:8b", max_num_batched_tokens=512)
     target = resolve_target("h100", config)
@@ -395,9 +395,9 @@ def _flat_target(step_s: float, **changes: object) -> SimTarget:
 
 
 def test_a_twin_charges_what_serving_cost_its_calibrated_host() -> None:
-    """Served costs (engine.harness.served): host time after every step, and a step with a
+    """Served costs (engine.calibration.served): host time after every step, and a step with a
     prefill chunk at its served price."""
-    from engine.harness.served import ServedCosts
+    from engine.calibration.served import ServedCosts
     from engine.sim.fleet import HOST_WAKE_S
 
     config = EngineConfig(model="synthetic:tiny", device="cpu")
@@ -425,7 +425,7 @@ def test_a_twin_of_a_drifted_machine_runs_its_steps_slow_but_predicts_the_fit() 
     """drift: steps take those times their predictions (prefill and decode-only steps apart),
     while the engine still predicts the fit's time, as a real engine on a machine slower than
     at calibration; measured ratios replace the served prefill scale."""
-    from engine.harness.served import ServedCosts
+    from engine.calibration.served import ServedCosts
 
     config = EngineConfig(model="synthetic:tiny", device="cpu")
     workload = [WorkloadRequest("one", 0.0, tuple(range(3, 35)), max_tokens=6,

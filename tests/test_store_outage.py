@@ -16,12 +16,12 @@ from starlette.testclient import TestClient
 
 from engine import Engine, EngineConfig
 from engine.events import EventBus
-from engine.harness.recovery import CLIENT_GONE, abort_orphans
 from engine.serve.app import create_app
 from engine.serve.loop import EngineLoop
 from engine.store import StoreWriter, close_entry, open_database, unfinished_requests
 from engine.store.lock import StoreLockedError
 from engine.store.models import JournalRow
+from engine.store.recovery import ORPHANED, abort_orphans
 from engine.store.server_lock import ServerLock
 from engine.store.writer import Commit, WriterHealth
 from tests.postgres import Cluster
@@ -130,7 +130,7 @@ def test_a_writer_whose_lock_session_ended_stops_and_a_new_holder_closes_only_th
         deliver(bus, writer, finished("open"), added("unanswered"), finished("unanswered"))
         assert writer.failure is not None and "was lost" in str(writer.failure)
         assert not writer.served(timeout=0)
-        assert journal_row(second, "open").finish_reason == CLIENT_GONE
+        assert journal_row(second, "open").finish_reason == ORPHANED
         with second.session() as session:
             assert not session.scalars(select(JournalRow).where(
                 JournalRow.request_id == "unanswered")).all()

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import httpx
 
-from engine.harness.recovery import CLIENT_GONE, abort_orphans
-from engine.store import open_database
-from tests.serving import killed_if_left, serve_on
+from engine.store.recovery import ORPHANED
+from tests.serving import killed_if_left, serve_on, stopped
 
 # each request is known by its prompt (token ids, as the journal stores them): the reply's
 # id names the completion, not the engine's request
@@ -52,7 +51,8 @@ def chunks(response: httpx.Response) -> Iterator[dict[str, object] | str]:
 
 def test_kills_at_each_point_of_a_stream(tmp_path: Path) -> None:
     db = tmp_path / "serve.db"
-    with killed_if_left(serve_on(db)) as server:
+    name = ("--server-name", "box-a")  # the restart is the same server, whatever its port
+    with killed_if_left(serve_on(db, *name)) as server:
         assert server.stdout is not None
         url = re.search(r"http://[^,\s]+", server.stdout.readline())
         assert url
@@ -82,12 +82,11 @@ def test_kills_at_each_point_of_a_stream(tmp_path: Path) -> None:
                 server.kill()
                 server.wait(timeout=60)
     # the next start closes it as aborted: its client is gone, nothing is run again
-    database = open_database(db)
-    try:
-        assert len(abort_orphans(database)) == 1
-    finally:
-        database.close()
+    with killed_if_left(serve_on(db, *name)) as restarted:
+        assert restarted.stdout is not None and "http://" in restarted.stdout.readline()
+        said = stopped(restarted)
+    assert f"closed 1 request(s) the last process on {db} left unfinished" in said
     after = journal(db)
-    assert after[held] == ("FINISHED", CLIENT_GONE, 0)
+    assert after[held] == ("FINISHED", ORPHANED, 0)
     assert all(attempts == 0 for _, _, attempts in after.values())
     assert len(after) == 3

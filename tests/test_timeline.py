@@ -20,11 +20,11 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.batch import Batch, ModelRunnerOutput
 from engine.budget.peaks import measure_peaks
 from engine.budget.predictor import StepTimePredictor
+from engine.calibration.calibrate import apply, first_calibration
 from engine.clock import VirtualClock
 from engine.core.request import Request
 from engine.events import Event, EventBus, FailCause, Failed, ModeChanged, SlowQuery
 from engine.harness import chaos
-from engine.harness.calibrate import apply, first_calibration
 from engine.ops.telemetry import BandwidthSource, InjectedBandwidth, ModelBandwidth
 from engine.ops.timeline import Cause
 from engine.store import StoreWriter, list_slow_queries, open_database

@@ -338,7 +338,7 @@ def _run(name: str, config: EngineConfig, workload: list[WorkloadRequest],
     gc.collect()
     engine = Engine(config)
     if calibration is not None:
-        from engine.harness.calibrate import apply
+        from engine.calibration.calibrate import apply
         apply(engine, calibration)
     if name == "hf":
         from engine.harness.hf_baseline import hf_model, run_hf

@@ -3,7 +3,7 @@
 Sweeps prefill chunks × context, decode batches × context and a few mixed steps on the
 engine's own model runner, fits the predictor on three quarters of the shapes and reports
 its error on the rest. Then it serves a short probe of mixed requests and fits what serving
-costs beyond the sweep (engine.harness.served), which the GPU twin charges. The run, its table
+costs beyond the sweep (engine.calibration.served), which the GPU twin charges. The run, its table
 and the predictor go into the store; a table more than 10% off the last stored one for this
 model and device is also stored as a drift event.
 """
@@ -25,16 +25,16 @@ from console.cli.engine_flags import SLO_FLAGS, add_engine_flags, engine_config
 from console.errors import UserError
 from engine import Engine
 from engine.budget.predictor import StepTimePredictor
-from engine.events import Drift
-from engine.harness.calibrate import (
+from engine.calibration.calibrate import (
     CalibrationResult,
     apply,
     calibrate,
     latest_for,
     save_result,
 )
-from engine.harness.drift import drift_event
-from engine.harness.served import PROBE_REQUESTS, QUICK_PROBE_REQUESTS, measure_served
+from engine.calibration.drift import drift_event
+from engine.calibration.served import PROBE_REQUESTS, QUICK_PROBE_REQUESTS, measure_served
+from engine.events import Drift
 from engine.store import Database, StoreWriter, open_database
 
 

@@ -17,7 +17,7 @@ from console.cli.engine_flags import add_engine_flag
 from console.cli.otlp_flags import add_otlp_token_flags, otlp_token
 from console.cli.workload_flags import add_rate_flag
 from console.errors import UserError
-from engine.harness.slo_targets import CHAT_ITL_MS, CHAT_TTFT_MS
+from engine.slo_targets import CHAT_ITL_MS, CHAT_TTFT_MS
 
 
 class _TokenEnv(argparse.Action):

@@ -170,8 +170,8 @@ def run_release_quarantine(args: argparse.Namespace) -> int:
 
 
 def run_discard_unfinished(args: argparse.Namespace) -> int:
-    from engine.harness.recovery import DISCARDED  # the engine (torch): only for this action
     from engine.store import discard_unfinished
+    from engine.store.recovery import DISCARDED  # the engine (torch): only for this action
 
     with _journal_write(args.db, args.server_name) as (database, session):
         discarded = discard_unfinished(session, DISCARDED)

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
-from engine.harness.slo_targets import CHAT_ITL_MS, CHAT_TTFT_MS
 from engine.model.config import PRESETS
+from engine.slo_targets import CHAT_ITL_MS, CHAT_TTFT_MS
 
 if TYPE_CHECKING:
     from engine.serve.session import EngineSession
@@ -127,4 +127,9 @@ def start_session(config: EngineConfig, *, db: str | Path | None, store: bool,
     if compiling:
         print(f"compiled and warmed up in {session.engine.runner.compile_s:.1f} s",
               file=sys.stderr, flush=True)
+    if session.orphans:
+        assert session.database is not None
+        print(f"closed {len(session.orphans)} request(s) the last process on "
+              f"{session.database.location} left unfinished, as aborted", file=sys.stderr,
+              flush=True)
     return session

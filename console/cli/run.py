@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     progress = RunProgress("tokenflow run", 0, quiet=args.quiet)
     progress.stage(f"loading {config.model}")
     with start_session(config, db=args.db, store=not args.no_db, server=args.server_name,
+                       resume=args.resume,
                        on_commit=report_commit if args.report_commits else None,
                        observers=(progress.on_calibration,)) as session:
         ready = time.monotonic()

@@ -156,7 +156,6 @@ def run(args: argparse.Namespace) -> int:
                                       allow_hosts=args.allow_host)
             stack.callback(receiver.close)
             traces = f", OTLP traces {receiver.url}"
-        session.abort_orphans()  # what a killed server had in flight: its clients are gone
         loop = session.attach_loop().start()
         app = create_app(loop, admin_token=token, max_queue=args.max_queue,
                          max_body_bytes=args.max_body_bytes,

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from sqlalchemy.orm import Session
 
-from console.errors import UserError
 from console.sources.base import (
     TRACED_DRIFT_WHY,
     Capabilities,
@@ -24,11 +23,7 @@ from console.sources.base import (
 )
 from console.sources.workloads import named_workload
 from engine.budget.predictor import StepTimePredictor
-from engine.config import ConfigError, EngineConfig
-from engine.core.engine import Engine
-from engine.errors import EngineError
-from engine.events import CalibrationProgress, ConfigChanged, Event
-from engine.harness.calibrate import (
+from engine.calibration.calibrate import (
     FIRST_REASON,
     Calibration,
     CalibrationResult,
@@ -39,8 +34,11 @@ from engine.harness.calibrate import (
     latest_for,
     save_result,
 )
-from engine.harness.drift import DriftMonitor, drift_event
-from engine.harness.recovery import foreign_journal
+from engine.calibration.drift import DriftMonitor, drift_event
+from engine.config import ConfigError, EngineConfig
+from engine.core.engine import Engine
+from engine.errors import EngineError
+from engine.events import CalibrationProgress, ConfigChanged, Event
 from engine.serve.loop import EngineLoop
 from engine.serve.session import EngineSession
 from engine.sim.executor import Simulation
@@ -93,7 +91,8 @@ class EmbeddedSource:
         engine = session.engine
         self.name = f"embedded {engine.config.model} on {engine.runner.device}"
         self.monitor: DriftMonitor | None = None  # set by start(): drift (protection layer 5)
-        self.resumed: tuple[str, ...] = ()  # set by start(): requests resumed from the journal
+        # set by start(): what the last session left unfinished, closed as aborted
+        self.orphans: tuple[str, ...] = session.orphans
         # set by start(): requests the journal holds quarantined (they killed resumed runs)
         self.quarantined: tuple[str, ...] = ()
         # where the first calibration, run beside the traffic, stands ("pass 1/3, shape 7/16")
@@ -110,7 +109,7 @@ class EmbeddedSource:
         """Open the store, build the engine, start its loop and the workload (`num_requests`
         at `rate` requests/s, the workload's own defaults when None), repeating if asked.
         `simulate` runs the GPU twin (no weights, predicted step times) at its speed.
-        `progress` hears each stage: loading the model, calibrating, replaying the journal."""
+        `progress` hears each stage: loading the model, calibrating, restoring the settings."""
         device = device or "auto"
         base = config or EngineConfig()
         engine_config = dataclasses.replace(base, model=model or default_model(device),
@@ -147,17 +146,11 @@ class EmbeddedSource:
             if restored:
                 say(1.0, "restoring the last stored settings: " + ", ".join(
                     f"{name}={value}" for name, value in restored.items()))
-            say(1.0, "replaying the journal")
-            problem = foreign_journal(engine, database)
-            if problem is not None:
-                raise UserError(problem)
-            # what a crashed console left in its journal, announced by the console
-            resumed = session.resume_unfinished().resumed
             with database.session() as db_session:
                 quarantined = tuple(q.request_id for q in quarantined_requests(db_session))
             loop = session.attach_loop()
             source = cls(session)
-            source.resumed, source.quarantined = resumed, quarantined
+            source.quarantined = quarantined
             if simulate is not None:
                 source.name = f"SIMULATED {source.name} (x{simulate.speed:g})"
             calibration = session.calibration
@@ -257,11 +250,6 @@ class EmbeddedSource:
 
     def pause(self) -> None:
         self.loop.pause()
-
-    def discard(self, request_ids: tuple[str, ...]) -> None:
-        """Abort requests resumed from the journal that the operator does not want again."""
-        for request_id in request_ids:
-            self.loop.abort(request_id)
 
     def resume(self) -> None:
         if self.writer.failure is not None:  # it stays paused until the store is mended

@@ -45,7 +45,7 @@ if TYPE_CHECKING:  # the store pulls in SQLAlchemy: kept off the launch path
     )
 
 # The Source methods a child answers; anything else is refused.
-CALLS = frozenset({"snapshot", "update_config", "pause", "resume", "discard", "slow_queries",
+CALLS = frozenset({"snapshot", "update_config", "pause", "resume", "slow_queries",
                    "slow_query", "calibration_history", "drift_events", "config_changes",
                    "recalibrate", "set_arrival_rate", "stored_metrics"})
 CLOSE_TIMEOUT_S = 15.0
@@ -64,7 +64,8 @@ class ProcessSource:
         self._pending: dict[int, tuple[Future[Any], Progress | None]] = {}
         self._ids = itertools.count()
         self._ready = False
-        self.resumed: tuple[str, ...] = ()  # requests the engine resumed from the journal
+        # what the last session on the store left unfinished, closed as aborted at start
+        self.orphans: tuple[str, ...] = ()
         self.quarantined: tuple[str, ...] = ()  # and those the journal holds quarantined
         self._closed = False
         self._reader_done = False  # set before the reader fails what is pending
@@ -90,7 +91,7 @@ class ProcessSource:
 
     def wait_ready(self, progress: Progress | None = None) -> ProcessSource:
         """Wait for the child to start, passing `progress` each stage it reports (loading the
-        model, calibrating, replaying the journal); raise its start-up error, if any."""
+        model, calibrating, restoring the settings); raise its start-up error, if any."""
         if self._ready:
             return self
         try:
@@ -102,7 +103,7 @@ class ProcessSource:
         if kind == "error":
             self._process.join(CLOSE_TIMEOUT_S)
             raise payload
-        (self.name, self.resumed, self.quarantined), self._ready = payload, True
+        (self.name, self.orphans, self.quarantined), self._ready = payload, True
         self._reader.start()
         return self
 
@@ -118,9 +119,6 @@ class ProcessSource:
 
     def pause(self) -> None:
         self._call("pause")
-
-    def discard(self, request_ids: tuple[str, ...]) -> None:
-        self._call("discard", request_ids)
 
     def resume(self) -> None:
         self._call("resume")
@@ -251,7 +249,7 @@ def serve(connection: Connection, options: dict[str, Any]) -> None:
         send((call_id, "result", result))
 
     with ThreadPoolExecutor(max_workers=4, thread_name_prefix="tokenflow-call") as pool:
-        send((None, "ready", (source.name, source.resumed, source.quarantined)))
+        send((None, "ready", (source.name, source.orphans, source.quarantined)))
         while True:
             try:
                 message = connection.recv()

@@ -40,7 +40,6 @@ from console.tui.screens.slow_queries import SlowQueriesScreen
 from console.tui.screens.splash import (
     EngineStarted,
     EngineStarting,
-    ResumedNotice,
     SplashScreen,
 )
 from console.tui.screens.tuning import TuningScreen
@@ -48,7 +47,7 @@ from console.tui.state import ConsoleState, TracedTraffic, TwinRun
 from console.tui.text import escaped
 from console.tui.widgets.field import keystroke
 from engine.errors import EngineError
-from engine.harness.slo_targets import ServiceSLO
+from engine.slo_targets import ServiceSLO
 from engine.snapshot import Snapshot
 
 if TYPE_CHECKING:
@@ -111,7 +110,7 @@ class TokenflowApp(App[None]):
         except (UserError, EngineError, SourceError) as exc:
             self.post_message(EngineStarted(str(exc)))
             return
-        self.post_message(EngineStarted(None, source.resumed, source.quarantined))
+        self.post_message(EngineStarted(None, source.orphans, source.quarantined))
 
     def on_engine_starting(self, message: EngineStarting) -> None:
         if isinstance(self.screen, SplashScreen):
@@ -133,22 +132,10 @@ class TokenflowApp(App[None]):
                                 f"{shown}. They killed the runs that resumed them; `tokenflow "
                                 "db release-quarantine ID` runs one again"),
                         title="quarantine", severity="warning", timeout=30, markup=False)
-        if message.resumed:
-            self.push_screen(ResumedNotice(message.resumed, self.source.name),
-                             functools.partial(self._resumed_chosen, message.resumed))
-
-    def _resumed_chosen(self, resumed: tuple[str, ...], discard: bool | None) -> None:
-        if discard:
-            self.run_worker(functools.partial(self._discard, resumed), thread=True,
-                            name="discard resumed")
-        else:
-            self.notify(f"kept {len(resumed)} resumed request(s)", timeout=3)
-
-    def _discard(self, resumed: tuple[str, ...]) -> None:
-        source = self.source
-        assert isinstance(source, ProcessSource)
-        source.discard(resumed)
-        self.call_from_thread(self.notify, f"discarded {len(resumed)} resumed request(s)")
+        if message.orphans:
+            self.notify(f"closed {len(message.orphans)} request(s) the last session left "
+                        "unfinished, as aborted (the journal keeps them)", title="journal",
+                        timeout=10)
 
     def on_unmount(self) -> None:
         if not self.starting:

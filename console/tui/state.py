@@ -44,7 +44,7 @@ from console.tui.collectors import (
 )
 from console.tui.history import MetricHistory
 from console.tui.widgets.confirm import Confirm
-from engine.harness.slo_targets import ServiceSLO
+from engine.slo_targets import ServiceSLO
 from engine.snapshot import Snapshot
 
 # (store, gpu, token budget, model) -> the twin run's report: `bench --simulate GPU

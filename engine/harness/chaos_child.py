@@ -10,10 +10,10 @@ from pathlib import Path
 from engine.batch import RequestOutput
 from engine.config import EngineConfig
 from engine.harness.driver import OutputTokens, drive
-from engine.harness.recovery import resume_unfinished
 from engine.harness.workload import load_requests_jsonl
 from engine.ops.equipped import Engine
 from engine.store import StoreWriter, open_database
+from engine.store.recovery import resume_unfinished
 from engine.store.writer import report_commit
 
 # One tile a step: prompts of 40-160 tokens take several steps each, so a kill lands mid-chunk.

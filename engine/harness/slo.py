@@ -12,7 +12,7 @@ from engine.config import SamplingParams
 from engine.core.engine import Engine
 from engine.core.request import Request, RequestState
 from engine.harness.driver import RunResult
-from engine.harness.slo_targets import SLO
+from engine.slo_targets import SLO
 from engine.stats import ms, quantile
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -16,19 +15,15 @@ from typing import Any
 from engine.clock import Clock
 from engine.config import EngineConfig, SamplingParams
 from engine.core.engine import Engine, RequestOutput
-from engine.core.request import Request, RequestState
 from engine.errors import EngineError
-from engine.events import EngineRestarted
-from engine.harness.recovery import Resumption
-from engine.harness.workload import WorkloadRequest
-from engine.serve.playback import WorkloadPlayer
+from engine.serve.healing import Healer, JournalResume
+from engine.serve.outputs import OutputCallback, Outputs, failed
+from engine.serve.playback import Arrival, WorkloadPlayer
+from engine.serve.snapshots import SnapshotPublisher
 from engine.serve.supervisor import Supervisor
 from engine.snapshot import Snapshot
 
 log = logging.getLogger(__name__)
-
-OutputCallback = Callable[[RequestOutput], None]
-JournalResume = Callable[[Engine], Resumption]
 
 
 @dataclass(frozen=True)
@@ -52,6 +47,10 @@ class _Submission:
 
 
 class EngineLoop:
+    """The thread and its commands; requests' outputs (Outputs), restarts after a fault
+    (Healer), the published snapshot (SnapshotPublisher) and workload playback
+    (WorkloadPlayer) each have their own class."""
+
     def __init__(self, engine: Engine, snapshot_interval_s: float = 0.1, *,
                  clock: Clock = time.monotonic, journal: JournalResume | None = None,
                  journal_flush: Callable[[float], bool] | None = None,
@@ -59,21 +58,19 @@ class EngineLoop:
         """`clock` paces snapshots and workloads; `journal_flush` commits what was published."""
         self.engine = engine
         self.snapshot_interval_s = snapshot_interval_s
-        self.clock = clock
-        self.journal = journal
         self.journal_flush = journal_flush
         self.supervisor = supervisor or Supervisor(engine.clock)
         self.failed_while_down = 0
+        self.error: BaseException | None = None  # the engine stopped: a crash loop, or died
         self._commands: deque[Callable[[], None]] = deque()
         self._wake = threading.Condition()
-        self._listeners: dict[str, _Listener] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._paused = False
-        self._snapshot = engine.snapshot()
-        self._snapshot_at = 0.0
+        self.outputs = Outputs(engine)
+        self.healer = Healer(engine, self.supervisor, journal, self.outputs)
+        self.snapshots = SnapshotPublisher(engine, self.supervisor, clock, snapshot_interval_s)
         self.player = WorkloadPlayer(clock)
-        self.error: BaseException | None = None
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self) -> EngineLoop:
@@ -137,9 +134,9 @@ class EngineLoop:
         return future
 
     def snapshot(self) -> Snapshot:
-        return self._snapshot
+        return self.snapshots.latest
 
-    def play(self, workload: list[WorkloadRequest], repeat: bool = False,
+    def play(self, workload: Sequence[Arrival], repeat: bool = False,
              first_cycle: int = 0) -> None:
         """Submit `workload` at its arrival times from now as `{id}-{cycle}`; `repeat` cycles it."""
         self.player.plan(workload)
@@ -163,16 +160,16 @@ class EngineLoop:
 
     def _add(self, s: _Submission) -> None:
         if s.on_output is not None:
-            self._listeners[s.request_id] = _Listener(s.on_output)
+            self.outputs.listen(s.request_id, s.on_output)
         if self.error is not None:
             self.failed_while_down += 1
-            self._deliver(_failed(s.request_id, str(self.error)))
+            self.outputs.deliver(failed(s.request_id, str(self.error)))
             return
         try:
             self.engine.add_request(s.token_ids, s.params, tenant=s.tenant, priority=s.priority,
                                     request_id=s.request_id, tag=s.tag)
         except EngineError as exc:  # this request's own fault (a duplicate id): it alone fails
-            self._deliver(_failed(s.request_id, str(exc)))
+            self.outputs.deliver(failed(s.request_id, str(exc)))
 
     def _run(self) -> None:
         try:
@@ -183,7 +180,7 @@ class EngineLoop:
                         self._supervised(self._feed_workload)
                         if not self._paused:
                             self._step()
-                        self._publish_snapshot(force=True)
+                        self.snapshots.publish(force=True)
                     if self._stopping:
                         return
                     commands, self._commands = self._commands, deque()
@@ -193,13 +190,13 @@ class EngineLoop:
                 self._supervised(self._feed_workload)
                 if not self._paused and self.engine.has_unfinished():
                     for output in self._step():
-                        self._deliver(output)
-                self._publish_snapshot(force=not self.engine.has_unfinished())
+                        self.outputs.deliver(output)
+                self.snapshots.publish(force=not self.engine.has_unfinished())
         except BaseException as exc:
             # logged, never raised: a thread's traceback on stderr would paint over a console
             self.error = exc
             log.critical("the engine loop died: %r", exc, exc_info=exc)
-            self._publish_snapshot(force=True)
+            self.snapshots.publish(force=True)
 
     def _step(self) -> list[RequestOutput]:
         """One engine step, supervised; nothing once the engine has stopped."""
@@ -219,68 +216,16 @@ class EngineLoop:
 
     def _heal(self, exc: Exception) -> None:
         """A fault no request caused: restart from the journal, or stop on a crash loop."""
-        engine, supervisor = self.engine, self.supervisor
         if self.error is not None:
             log.error("after the engine stopped: %r", exc, exc_info=exc)
             return
-        fault = supervisor.judge(exc)
-        log.error("engine fault at %s: %s\n%s", fault.place, fault.error, fault.traceback)
-        stopped = supervisor.stopped
-        live = list(engine.scheduler.requests)
-        doomed = (set(live) if stopped is not None
-                  else supervisor.struck_out(engine.stepping, live))
-        reason = (str(stopped) if stopped is not None else
-                  f"the engine failed twice in a step holding this request: {fault.error} at "
-                  f"{fault.place}")
-        kept, owed = engine.restart(dict.fromkeys(doomed, reason))
-        if stopped is not None:
-            self.error = stopped
-            self.failed_while_down += len(doomed)
-            resumed: list[str] = []
-        else:
-            resumed = self._resume(kept, owed)
-        engine.bus.publish(EngineRestarted(restarts=supervisor.restarts, place=fault.place,
-                                           error=fault.error, resumed=len(resumed),
-                                           failed=len(doomed), stopped=stopped is not None,
-                                           traceback=fault.traceback))
-        try:
-            engine.bus.drain()
-        except Exception:
-            log.exception("delivering the events of a restart failed")
-        for output in owed:
-            self._deliver(output)
-        self._publish_snapshot(force=True)
-
-    def _resume(self, kept: list[Request], owed: list[RequestOutput]) -> list[str]:
-        """Re-add what the engine had accepted: from the journal when there is one, else in hand."""
-        engine = self.engine
-        handled: set[str] = set()
-        generated = {r.id: r.output_token_ids for r in kept}
-        if self.journal is not None:
-            try:
-                engine.bus.drain()
-                resumption = self.journal(engine)
-            except Exception:
-                log.exception("resuming from the journal failed; resuming what is in memory")
-            else:
-                handled = {*resumption.resumed, *resumption.quarantined, *resumption.failed}
-                closed = {*resumption.quarantined, *resumption.failed}
-                owed.extend(_failed(r.id, "not resumed after an engine restart (see the "
-                                          "journal)")
-                            for r in kept if r.id in closed)
-                generated.update(resumption.generated)
-        for request in kept:
-            if request.id not in handled:
-                engine.add_request(request.prompt_token_ids, request.params,
-                                   tenant=request.tenant, priority=request.priority,
-                                   request_id=request.id, tag=request.tag,
-                                   arrival=request.arrival,
-                                   generated=request.output_token_ids)
-        # ahead of what is owed: a resumed request that ended at once is owed its end
-        owed[:0] = [output for rid, tokens in generated.items()
-                    if (listener := self._listeners.get(rid)) is not None
-                    and (output := listener.resumed(rid, tokens)) is not None]
-        return list(engine.scheduler.requests)
+        healed = self.healer.heal(exc)
+        if healed.stopped is not None:
+            self.error = healed.stopped
+            self.failed_while_down += healed.failed_while_down
+        for output in healed.owed:
+            self.outputs.deliver(output)
+        self.snapshots.publish(force=True)
 
     def health(self) -> LoopHealth:
         return LoopHealth(self.error is None, self.supervisor.restarts, self.failed_while_down,
@@ -291,62 +236,3 @@ class EngineLoop:
 
     def _feed_workload(self) -> None:
         self.player.feed(self.engine)
-
-    def _deliver(self, output: RequestOutput) -> None:
-        listener = self._listeners.get(output.request_id)
-        if listener is None:
-            return
-        if output.finished:
-            del self._listeners[output.request_id]
-        try:
-            listener.hear(output)
-        except Exception as exc:  # a fault in one request's output fails that request alone
-            self._listeners.pop(output.request_id, None)
-            self.engine.fail(output.request_id, f"delivering its output failed: "
-                                                f"{type(exc).__name__}: {exc}")
-
-    def _publish_snapshot(self, force: bool = False) -> None:
-        now = self.clock()
-        if force or now - self._snapshot_at >= self.snapshot_interval_s:
-            snapshot = self.engine.snapshot()
-            last = self.supervisor.last
-            if last is not None:
-                snapshot = dataclasses.replace(
-                    snapshot, engine_restarts=self.supervisor.restarts,
-                    engine_fault=f"{last.error} at {last.place}")
-            self._snapshot = snapshot
-            self._snapshot_at = now
-
-
-def _failed(request_id: str, reason: str) -> RequestOutput:
-    """The last output of a request that ended outside the engine's steps."""
-    return RequestOutput(request_id, (), True, reason, RequestState.FAILED.value)
-
-
-class _Listener:
-    """A request's callback and the tokens it heard: a resumed request may have more or fewer."""
-
-    def __init__(self, callback: OutputCallback) -> None:
-        self.callback = callback
-        self.heard = 0
-        self.repeats = 0  # tokens the resumed request generates again, already heard
-
-    def hear(self, output: RequestOutput) -> None:
-        if self.repeats:
-            new = output.new_token_ids
-            dropped = min(self.repeats, len(new))
-            self.repeats -= dropped
-            logprobs = output.logprobs
-            output = dataclasses.replace(
-                output, new_token_ids=new[dropped:],
-                logprobs=None if logprobs is None else logprobs[dropped:])
-        self.heard += len(output.new_token_ids)
-        self.callback(output)
-
-    def resumed(self, request_id: str, generated: Sequence[int]) -> RequestOutput | None:
-        """After a resume with `generated`: an output of the tokens not yet heard, or None."""
-        self.repeats = max(0, self.heard - len(generated))
-        unheard = tuple(generated[self.heard:])
-        if not unheard:
-            return None
-        return RequestOutput(request_id, unheard, False, None, RequestState.WAITING.value)

@@ -3,10 +3,31 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
+from typing import Protocol
 
 from engine.clock import Clock
+from engine.config import SamplingParams
 from engine.core.engine import Engine
-from engine.harness.workload import WorkloadRequest
+
+
+class Arrival(Protocol):
+    """A request due `arrival_s` seconds into a workload: what the bench harness's workloads
+    (WorkloadRequest) hand the player, which builds none itself."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def arrival_s(self) -> float: ...
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def tag(self) -> str | None: ...
+    def sampling_params(self) -> SamplingParams: ...
 
 
 class WorkloadPlayer:
@@ -14,22 +35,22 @@ class WorkloadPlayer:
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
-        self._workload: deque[WorkloadRequest] = deque()
+        self._workload: deque[Arrival] = deque()
         self._workload_start = 0.0
         self._played_s = 0.0
         self._speed = 1.0
         self._asked_speed = 1.0
         self._base_rate: float | None = None
-        self._workload_cycle: list[WorkloadRequest] | None = None
+        self._workload_cycle: list[Arrival] | None = None
         self._cycle_count = 0
 
-    def plan(self, workload: list[WorkloadRequest]) -> None:
+    def plan(self, workload: Sequence[Arrival]) -> None:
         """The rate `workload` arrives at by its own times."""
         self._asked_speed = 1.0
         last = max((item.arrival_s for item in workload), default=0.0)
         self._base_rate = len(workload) / last if last > 0 else None
 
-    def install(self, workload: list[WorkloadRequest], repeat: bool, first_cycle: int) -> None:
+    def install(self, workload: Sequence[Arrival], repeat: bool, first_cycle: int) -> None:
         self._workload = deque(workload)
         self._workload_start = self.clock()
         self._played_s = 0.0

@@ -7,20 +7,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
-from engine.config import EngineConfig
-from engine.events import Subscriber
-from engine.harness.calibrate import (
+from engine.calibration.calibrate import (
     CalibrationResult,
     apply_latest,
     first_calibration,
     latest_for,
 )
-from engine.harness.recovery import Resumption, abort_orphans, resume_unfinished
+from engine.config import EngineConfig
+from engine.events import Subscriber
 from engine.ops.equipped import Engine
 from engine.serve.loop import EngineLoop
 from engine.sim.executor import PacedClock, Simulation, simulated_engine
 from engine.sim.target import resolve_target
 from engine.store import CalibrationRecord, Commit, Database, StoreWriter, open_database
+from engine.store.recovery import Resumption, abort_orphans, resume_unfinished
 
 FLUSH_TIMEOUT_S = 10.0
 
@@ -33,6 +33,8 @@ class EngineSession:
     calibration: CalibrationRecord | None
     loop: EngineLoop | None = None
     first_calibration: CalibrationResult | None = None
+    # what the last process on this store left unfinished, closed as aborted at start
+    orphans: tuple[str, ...] = ()
 
     @classmethod
     def start(cls, config: EngineConfig, *, db: str | Path | None = None, store: bool = True,
@@ -40,9 +42,13 @@ class EngineSession:
               journal: bool = True, calibrate: bool = True,
               observers: Sequence[Subscriber] = (),
               on_commit: Callable[[Commit], None] | None = None,
-              simulate: Simulation | None = None) -> EngineSession:
-        """Open the store, build the engine, apply or run a calibration, start the journal."""
+              simulate: Simulation | None = None, resume: bool = False) -> EngineSession:
+        """Open the store, build the engine, apply or run a calibration, close the store's
+        orphans, start the journal. Every start (serve, the console, run, bench) comes through here,
+        so orphans get one treatment: closed as aborted (docs/engine.md, "Orphaned
+        requests"), unless `resume` keeps them for `resume_unfinished` (run --resume)."""
         database = open_database(db, server=server) if store else None
+        orphans: tuple[str, ...] = ()
         try:
             if database is not None and journal:
                 database.claim_writer()  # one writer per store: refused before the model loads
@@ -65,23 +71,22 @@ class EngineSession:
                             calibration = latest_for(session, engine)
                 elif calibrate:
                     first = first_calibration(engine)
+            if database is not None and journal and not resume:
+                orphans = abort_orphans(database)  # once the start can no longer fail
         except BaseException:
             if database is not None:
                 database.close()
             raise
         writer = (StoreWriter(database, engine.bus, on_commit=on_commit)
                   if database is not None and journal else None)
-        return cls(engine, database, writer, calibration, first_calibration=first)
+        return cls(engine, database, writer, calibration, first_calibration=first,
+                   orphans=orphans)
 
     def resume_unfinished(self, skip: Set[str] = frozenset()) -> Resumption:
         """Re-add what the journal holds unfinished, except `skip`; nothing without a store."""
         if self.database is None:
             return Resumption((), (), ())
         return resume_unfinished(self.engine, self.database, skip=frozenset(skip))
-
-    def abort_orphans(self) -> tuple[str, ...]:
-        """Close what a killed server had in flight as aborted (its clients are gone); the ids."""
-        return () if self.database is None else abort_orphans(self.database)
 
     def attach_loop(self) -> EngineLoop:
         """The engine's loop thread, not started: subscribe observers, then `start()` it."""

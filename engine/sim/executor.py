@@ -160,7 +160,7 @@ def simulated_engine(config: EngineConfig, target: SimTarget, clock: Clock) -> E
     engine = Engine(config, runner=SimulatedExecutor(config, target, clock), clock=clock)
     if target.calibration is not None:
         # the calibration's code and store: a named GPU's twin needs neither
-        from engine.harness.calibrate import apply
+        from engine.calibration.calibrate import apply
         apply(engine, target.calibration)
     engine.scheduler.controller.price_with(target.predict)
     return engine

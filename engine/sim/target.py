@@ -13,8 +13,8 @@ from engine.budget.cost_model import BudgetModel
 from engine.budget.operations import Link, StepPrice
 from engine.budget.peaks import DevicePeaks
 from engine.budget.predictor import StepTimePredictor
+from engine.calibration.served import ServedCosts
 from engine.config import ConfigError, EngineConfig
-from engine.harness.served import ServedCosts
 from engine.model.config import ModelConfig
 from engine.model.loader import model_config_for
 from engine.sim.profiles import (
@@ -210,8 +210,8 @@ def deployment_target(deployment: Deployment, config: EngineConfig, spec: str) -
 def _this(config: EngineConfig, session: Session) -> SimTarget:
     # the model runner, the peaks' measurement and the store: only a calibrated twin needs them
     from engine.budget.peaks import measure_peaks
+    from engine.calibration.calibrate import latest_stored
     from engine.core.model_runner import CPU_KV_BYTES_DEFAULT, resolve_device, resolve_dtype
-    from engine.harness.calibrate import latest_stored
 
     device = resolve_device(config.device)
     dtype = str(resolve_dtype(config.dtype, device)).removeprefix("torch.")

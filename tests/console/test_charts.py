@@ -20,7 +20,7 @@ from console.tui.widgets.header import EngineHeader, warnings
 from console.tui.widgets.keyed_table import KeyedTable
 from console.tui.widgets.plot import Line, Plot, Series, ms, per_s
 from engine.clock import VirtualClock
-from engine.harness.slo_targets import ServiceSLO
+from engine.slo_targets import ServiceSLO
 from engine.snapshot import Percentiles, RequestView, Snapshot
 from engine.store import ConfigChangeRecord
 from tests.console.conftest import replay_app, workers_done

@@ -6,7 +6,7 @@ import dataclasses
 
 from console.tui.diagnosis import RULES, evaluate
 from console.tui.history import MetricHistory, downsample
-from engine.harness.slo_targets import ServiceSLO
+from engine.slo_targets import ServiceSLO
 from engine.snapshot import Percentiles, RequestView, Snapshot
 
 CONFIG = {"cache_high_watermark": 0.85, "max_num_batched_tokens": 512}

@@ -16,6 +16,7 @@ from console.sources.embedded import EmbeddedSource
 from engine.events import ChunkComplete, EventBus, RequestAdded
 from engine.store import StoreWriter, open_database
 from engine.store.models import JournalRow
+from engine.store.recovery import ORPHANED
 
 
 def _leave_unfinished(db: Path, request_id: str) -> None:
@@ -34,26 +35,32 @@ def _leave_unfinished(db: Path, request_id: str) -> None:
     database.close()
 
 
-def test_resumed_requests_and_new_traffic_never_share_an_id(tmp_path: Path) -> None:
+def test_an_orphan_and_new_traffic_never_share_an_id(tmp_path: Path) -> None:
     db = tmp_path / "left.db"
     _leave_unfinished(db, "chat-00000-0")  # the id the new traffic's first request had
     source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat", db=db,
                                   num_requests=2, rate=float("inf"), repeat=False)
+    new = {"chat-00000-1", "chat-00001-1"}  # numbered on from the orphan's cycle
+
+    def rows() -> dict[str, tuple[str, str | None]]:
+        source.writer.flush(timeout=60)
+        with source.database.session() as session:
+            found = session.execute(select(JournalRow.request_id, JournalRow.state,
+                                           JournalRow.finish_reason)).all()
+        return {rid: (state, reason) for rid, state, reason in found}
+
     try:
         deadline = time.monotonic() + 60
-        while source.loop.call(lambda engine: engine.has_unfinished()).result(timeout=60):
+        while not all(rows().get(rid, ("",))[0] == "FINISHED" for rid in new):
             assert source.loop.error is None, f"the engine loop died: {source.loop.error!r}"
             assert time.monotonic() < deadline, "the requests did not finish"
+            source.loop.call(lambda engine: None).result(timeout=60)  # a step boundary on
+        found = rows()
     finally:
         source.close()
-    database = open_database(db)
-    try:
-        with database.session() as session:
-            states = dict(session.execute(select(JournalRow.request_id, JournalRow.state)).all())
-    finally:
-        database.close()
-    assert states == {"chat-00000-0": "FINISHED", "chat-00000-1": "FINISHED",
-                      "chat-00001-1": "FINISHED"}
+    assert source.orphans == ("chat-00000-0",)
+    assert found["chat-00000-0"] == ("FINISHED", ORPHANED)  # closed at start, not run
+    assert set(found) == {"chat-00000-0", *new}
 
 
 def test_a_journal_that_stops_pauses_the_console_engine_and_says_why(tmp_path: Path) -> None:

@@ -1,9 +1,8 @@
-"""Start-up on a store another session left: requests it left unfinished are announced with
-a choice to discard them, and a journal written by another model is refused, naming the
-store and the command that clears it. A new store's first calibration runs beside the
-traffic, or is reused from the default store. The embedded engine runs in its child
-process, as `tokenflow-console` starts it; the tests wait on the app's messages and
-workers."""
+"""Start-up on a store another session left: requests it left unfinished (another model's
+too) are closed as aborted and announced, as every start closes them. A new store's first
+calibration runs beside the traffic, or is reused from the default store. The embedded
+engine runs in its child process, as `tokenflow-console` starts it; the tests wait on the
+app's messages and workers."""
 
 from __future__ import annotations
 
@@ -15,20 +14,19 @@ from pathlib import Path
 import pytest
 from sqlalchemy import func, select
 from textual.message import Message
-from textual.widgets import Static
 
 from console.sources.process import ProcessSource
 from console.tui.app import TokenflowApp
 from console.tui.collectors import SnapshotPolled
 from console.tui.screens.live import LiveScreen
-from console.tui.screens.splash import EngineStarting, ResumedNotice
+from console.tui.screens.splash import EngineStarting
 from console.tui.widgets.bandwidth import Bandwidth
 from console.tui.widgets.cache_pressure import CachePressure
 from console.tui.widgets.chunk_queue import ChunkQueue
 from console.tui.widgets.header import EngineHeader
 from console.tui.widgets.requests_table import RequestsTable
+from engine.calibration.calibrate import FIRST_REASON
 from engine.config import EngineConfig, SamplingParams
-from engine.harness.calibrate import FIRST_REASON
 from engine.serve.session import EngineSession
 from engine.store import (
     CalibrationRecord,
@@ -39,6 +37,7 @@ from engine.store import (
     unfinished_requests,
 )
 from engine.store.models import QUARANTINED, CalibrationRunRow, JournalRow
+from engine.store.recovery import ORPHANED
 from tests.console.conftest import notified, until, workers_done
 from tests.console.test_hostile_text import rendered
 
@@ -61,14 +60,15 @@ def test_the_console_process_never_imports_torch() -> None:
     assert subprocess.run([sys.executable, "-c", launch], cwd=ROOT).returncode == 0
 
 
-def leave_unfinished(db: Path, model: str, prompts: list[list[int]]) -> None:
+def leave_unfinished(db: Path, model: str, prompts: list[list[int]]) -> list[str]:
     """A session on `db` that stops with `prompts` admitted and unfinished (a crash's
-    journal)."""
+    journal), leaving what earlier ones left as it was; their ids."""
     with EngineSession.start(EngineConfig(model=model, device="cpu", dtype="float32"),
-                             db=db, calibrate=False) as session:
-        for prompt in prompts:
-            session.engine.add_request(prompt, SamplingParams(max_tokens=64))
+                             db=db, calibrate=False, resume=True) as session:
+        ids = [session.engine.add_request(prompt, SamplingParams(max_tokens=64))
+               for prompt in prompts]
         session.engine.step()
+    return ids
 
 
 # tiny's first calibration lasts about a second: on a fast CPU it can end before the first
@@ -82,42 +82,27 @@ def console(db: Path, **workload: float | int) -> TokenflowApp:
     return TokenflowApp(engine, interval=0.05, starting=True)
 
 
-async def test_a_journal_from_another_model_is_refused_naming_the_store(tmp_path: Path) -> None:
-    db = tmp_path / "other.db"
-    leave_unfinished(db, "synthetic:small", [[400, 401, 402, 480]])  # beyond tiny's 320
-    app = console(db)
-    await app.run_async(headless=True, size=(120, 40))  # the app exits when start-up fails
-    assert app.return_code == 2
-    error = app.startup_error
-    assert error is not None and str(db) in error and "another model" in error
-    assert f"tokenflow db discard-unfinished --db {db}" in error
-    database = open_database(db)  # refused: nothing in the journal was touched
-    try:
-        with database.session() as session:
-            assert len(unfinished_requests(session)) == 1
-    finally:
-        database.close()
-
-
-async def test_resumed_requests_are_announced_and_can_be_discarded(tmp_path: Path) -> None:
+async def test_what_the_last_session_left_unfinished_is_closed_as_aborted(
+        tmp_path: Path) -> None:
     db = tmp_path / "crashed.db"
-    leave_unfinished(db, "synthetic:tiny", [[5] * 40, [7] * 60])
+    left = [*leave_unfinished(db, "synthetic:small", [[400, 401, 402, 480]]),  # beyond tiny's
+            *leave_unfinished(db, "synthetic:tiny", [[5] * 40, [7] * 60])]
     app = console(db)
     async with app.run_test(size=(120, 40)) as pilot:
-        await until(pilot, lambda: isinstance(app.screen, ResumedNotice), "the notice")
-        notice = app.screen
-        assert isinstance(notice, ResumedNotice) and len(notice.resumed) == 2
-        said = "\n".join(str(s.render()) for s in notice.query(Static))
-        assert "journal\nThe last session" in said and "\\x" not in said  # a real line break
-        behind = app.screen_stack[-2].query_one(RequestsTable)  # the panes show the engine
-        await until(pilot, lambda: behind.table.row_count > 0, "the requests behind the notice")
-        await pilot.press("d")
+        await until(pilot, lambda: any("closed 3 request(s) the last session left unfinished"
+                                       in n.message for n in notified(app)), "the notice")
+        await until(pilot, lambda: app.latest is not None, "a snapshot")
+        assert app.latest is not None and not {r.id for r in app.latest.requests} & set(left)
+        app.collector.stop()
         await workers_done(pilot)
-        await until(pilot, lambda: any("discarded 2 resumed" in n.message
-                                       for n in notified(app)), "the discard")
-        await until(pilot, lambda: app.latest is not None and not any(
-            r.id in notice.resumed and r.state not in ("FINISHED", "FAILED")
-            for r in app.latest.requests), "the resumed requests gone")
+    database = open_database(db)
+    try:
+        with database.session() as session:
+            rows = session.scalars(select(JournalRow).where(JournalRow.request_id.in_(left)))
+            assert sorted((r.state, r.finish_reason) for r in rows) == [
+                ("FINISHED", ORPHANED)] * 3
+    finally:
+        database.close()
 
 
 async def test_quarantined_requests_are_announced_and_not_run(tmp_path: Path) -> None:
@@ -137,7 +122,7 @@ async def test_quarantined_requests_are_announced_and_not_run(tmp_path: Path) ->
                                        and entry.request_id in n.message
                                        and "release-quarantine" in n.message
                                        for n in notified(app)), "the announcement")
-        assert not isinstance(app.screen, ResumedNotice)  # it was not resumed
+        assert not any("closed" in n.message for n in notified(app))  # it was no orphan
         await until(pilot, lambda: app.latest is not None, "a snapshot")
         assert all(r.id != entry.request_id for r in app.latest.requests)
         app.collector.stop()

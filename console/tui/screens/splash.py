@@ -1,18 +1,16 @@
 """What the console shows while the embedded engine starts: each stage as the engine
-reports it (loading the model, calibrating, replaying the journal), so the terminal is never
+reports it (loading the model, calibrating, restoring the settings), so the terminal is never
 blank for the seconds a model load and a first calibration take."""
 
 from __future__ import annotations
 
 import time
-from typing import ClassVar
 
 from rich.text import Text
 from textual.app import ComposeResult
-from textual.binding import Binding, BindingType
-from textual.containers import Center, Middle, Vertical
+from textual.containers import Center, Middle
 from textual.message import Message
-from textual.screen import ModalScreen, Screen
+from textual.screen import Screen
 from textual.widgets import ProgressBar, Static
 
 from console.tui.keymap import COMMANDS
@@ -29,49 +27,15 @@ class EngineStarting(Message):
 
 
 class EngineStarted(Message):
-    """The engine is ready (`error` None), with the requests it resumed from the journal;
-    or why it did not start."""
+    """The engine is ready (`error` None), with the requests the last session left
+    unfinished, closed as aborted at start; or why it did not start."""
 
-    def __init__(self, error: str | None, resumed: tuple[str, ...] = (),
+    def __init__(self, error: str | None, orphans: tuple[str, ...] = (),
                  quarantined: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.error = error
-        self.resumed = resumed
+        self.orphans = orphans
         self.quarantined = quarantined  # held back: they killed the runs that resumed them
-
-
-class ResumedNotice(ModalScreen[bool]):
-    """Requests the last session left unfinished are running again: keep them, or discard
-    them (True)."""
-
-    DEFAULT_CSS = """
-    ResumedNotice { align: center middle; }
-    #resumed { width: 80%; max-width: 90; height: auto; padding: 1 2; background: $surface;
-               border: round $warning; }
-    """
-    BINDINGS: ClassVar[list[BindingType]] = [
-        Binding("k,escape,enter", "dismiss(False)", "Keep them"),
-        Binding("d", "dismiss(True)", "Discard them"),
-    ]
-
-    def __init__(self, resumed: tuple[str, ...], source_name: str) -> None:
-        super().__init__()
-        self.resumed = resumed
-        self.source_name = source_name
-
-    def compose(self) -> ComposeResult:
-        shown = ", ".join(self.resumed[:5]) + (" …" if len(self.resumed) > 5 else "")
-        with Vertical(id="resumed"):
-            yield Static(Text.assemble(
-                (f"{len(self.resumed)} request(s) resumed from the journal", "bold yellow"),
-                "\n",  # a line break of our own: plain() would show it as an escape
-                plain(f"The last session on this store left them unfinished; "
-                      f"{self.source_name} is running them again: {shown}")))
-            yield Static(Text.assemble(("k", "bold"), " keep them   ", ("d", "bold"),
-                                       " discard them"))
-
-    def on_mount(self) -> None:
-        self.query_one("#resumed").border_title = "Resumed requests"
 
 
 class SplashScreen(Screen[None]):

@@ -20,7 +20,7 @@ from textual.widgets import Static
 from console.tui.text import escaped, plain
 from console.tui.widgets.plot import ms
 from console.tui.widgets.redraw import update_changed
-from engine.harness.slo_targets import ServiceSLO
+from engine.slo_targets import ServiceSLO
 from engine.snapshot import Snapshot
 
 BACKLOG_MIN = 16  # fewer waiting requests than this is a queue, not a backlog

@@ -15,7 +15,7 @@ from textual.widgets import Static
 from console.tui.history import MetricHistory
 from console.tui.widgets.plot import Line, Plot, Series, ms
 from console.tui.widgets.redraw import update_changed
-from engine.harness.slo_targets import ServiceSLO
+from engine.slo_targets import ServiceSLO
 from engine.snapshot import Percentiles, Snapshot
 
 

@@ -7,10 +7,7 @@ import time
 from collections.abc import Callable
 
 from engine.budget.predictor import StepTimePredictor
-from engine.config import ConfigError
-from engine.core.engine import Engine
-from engine.events import CalibrationProgress, ChunkComplete, Drift, Event
-from engine.harness.calibrate import (
+from engine.calibration.calibrate import (
     Calibration,
     CalibrationResult,
     Progress,
@@ -19,6 +16,9 @@ from engine.harness.calibrate import (
     compare,
     plan_for,
 )
+from engine.config import ConfigError
+from engine.core.engine import Engine
+from engine.events import CalibrationProgress, ChunkComplete, Drift, Event
 
 log = logging.getLogger(__name__)
 

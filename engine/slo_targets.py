@@ -1,4 +1,5 @@
-"""SLO targets, apart from the step probes, so the console reads them without torch."""
+"""The latency users are promised: a leaf, so the console and the bench harness read it
+without torch."""
 
 from __future__ import annotations
 

@@ -71,28 +71,14 @@ def resume_unfinished(engine: Engine, database: Database,
     return Resumption(tuple(resumed), tuple(quarantined), tuple(failed), generated)
 
 
-CLIENT_GONE = ("aborted: the server stopped while its client was connected (a served "
-               "request is resumed only while its client can still receive it)")
+ORPHANED = ("aborted: the process running it stopped first, and whoever asked for it went "
+            "with it (`tokenflow run --resume` finishes a killed run's requests instead)")
 
 
 def abort_orphans(database: Database) -> tuple[str, ...]:
-    """Close every unfinished entry as aborted: its client died with its connection."""
+    """Close every unfinished entry as aborted (ORPHANED); the ids. The start-up rule:
+    docs/engine.md, "Orphaned requests"."""
     database.claim_writer()
     with explained(database.path), database.session() as session:
-        return tuple(discard_unfinished(session, CLIENT_GONE, state="FINISHED"))
+        return tuple(discard_unfinished(session, ORPHANED, state="FINISHED"))
 
-
-def foreign_journal(engine: Engine, database: Database) -> str | None:
-    """Why the unfinished requests cannot be this model's (ids past its vocabulary), or None."""
-    vocab = engine.model_config.vocab_size
-    with database.session() as session:
-        tokens = [(*e.prompt_token_ids, *e.generated_token_ids)
-                  for e in unfinished_requests(session)]
-    foreign = [ids for ids in tokens if ids and max(ids) >= vocab]
-    if not foreign:
-        return None
-    top = max(max(ids) for ids in foreign)
-    return (f"the request journal in {database.location} holds {len(foreign)} unfinished "
-            f"request(s) written by another model (token ids up to {top}; "
-            f"{engine.config.model} has a vocabulary of {vocab}): resume them with that model, "
-            f"or clear them with `{DISCARD_COMMAND} --db {database.location}`")

@@ -19,12 +19,12 @@ from engine.budget.cost_model import BudgetModel
 from engine.budget.operations import OperationEfficiency, StepPrice, fit_step_price
 from engine.budget.peaks import DevicePeaks
 from engine.budget.predictor import StepTimePredictor
+from engine.calibration.served import ServedCosts
 from engine.config import SamplingParams
 from engine.core.engine import Engine
 from engine.core.request import Request, RequestState
 from engine.errors import EngineError
 from engine.events import CalibrationProgress
-from engine.harness.served import ServedCosts
 from engine.ops.telemetry import NvmlBandwidth, TelemetryError, cuda_uuid, nvml_available
 from engine.store import (
     BudgetPoint,
@@ -204,7 +204,7 @@ class CalibrationResult:
     points: tuple[CalibrationPoint, ...]
     skipped: tuple[Probe, ...]
     predictor: StepTimePredictor
-    # what serving cost beyond the sweep (engine.harness.served), where a probe was served
+    # what serving cost beyond the sweep (engine.calibration.served), where a probe was served
     served: ServedCosts | None = None
     # the same steps fitted in the twin's per-operation form (engine.budget.operations)
     operations: OperationsFit | None = None
