@@ -76,7 +76,7 @@ class Engine:
         self.metrics = equipment.metrics(config)
         self.metrics.subscribe_to(self.bus)
         # a simulated device's steps take simulated time: this machine's load is not theirs
-        self.host = equipment.host(clock, simulated=runner is not None)
+        self.host = equipment.host(clock, self.runner.device, simulated=runner is not None)
         self.held = False  # the operator's pause (a serving loop's), as the engine was told
         self.guards = equipment.guards(self.runner.device)
         self.guards.subscribe_to(self.bus)
@@ -200,8 +200,10 @@ class Engine:
         return [r for r in live if r.id not in fail], owed
 
     def close(self) -> None:
-        """Stop what runs beside the steps (the bandwidth sampler's thread); idempotent."""
+        """Stop what runs beside the steps (the bandwidth sampler's thread, the host's NVML
+        session); idempotent."""
         self.bandwidth.close()
+        self.host.close()
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.requests) or bool(self._out_of_band)
