@@ -21,6 +21,7 @@ from engine.errors import EngineError
 from engine.events import EngineRestarted
 from engine.harness.recovery import Resumption
 from engine.harness.workload import WorkloadRequest
+from engine.serve.memory import IdleTrim
 from engine.serve.playback import WorkloadPlayer
 from engine.serve.supervisor import Supervisor
 from engine.snapshot import Snapshot
@@ -74,6 +75,8 @@ class EngineLoop:
         self._snapshot_at = 0.0
         self.player = WorkloadPlayer(clock)
         self.error: BaseException | None = None
+        # a backlog never lets the engine idle: freed memory goes back while it works
+        self.trim = IdleTrim(clock=clock)
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self) -> EngineLoop:
@@ -194,6 +197,10 @@ class EngineLoop:
                 if not self._paused and self.engine.has_unfinished():
                     for output in self._step():
                         self._deliver(output)
+                    if self.engine.has_unfinished():
+                        self.trim.busy()
+                    else:
+                        self.trim.idle()
                 self._publish_snapshot(force=not self.engine.has_unfinished())
         except BaseException as exc:
             # logged, never raised: a thread's traceback on stderr would paint over a console
