@@ -291,6 +291,9 @@ def main() -> int:
     mark, last = at(backlog, args.mark_s), at(backlog, args.minutes * 60)
     after = [s["rss"] for s in backlog if s["t_s"] >= args.mark_s and s["rss"]]
     growth = (max(after) - mark["rss"]) / mark["rss"] if mark and mark["rss"] and after else None
+    anon_after = [s["anon"] for s in backlog if s["t_s"] >= args.mark_s and s["anon"]]
+    anon_growth = ((max(anon_after) - mark["anon"]) / mark["anon"]
+                   if mark and mark["anon"] and anon_after else None)
     lone_throttle = sum(1 for s in samples
                         if s["running"] == 1 and "BANDWIDTH_THROTTLE" in s["states"])
     ok = (growth is not None and growth <= args.tolerance and quit_cleanly
@@ -303,6 +306,9 @@ def main() -> int:
             "ok": ok, "quit_cleanly": quit_cleanly,
             "rss_at_mark": mark and mark["rss"], "rss_at_end_of_backlog": last and last["rss"],
             "rss_growth_after_mark": growth, "tolerance": args.tolerance,
+            # file pages of shared libraries leave RSS when the machine is short of memory
+            "anon_at_mark": mark and mark["anon"], "anon_at_end_of_backlog": last and last["anon"],
+            "anon_growth_after_mark": anon_growth,
             "max_waiting": max((s["waiting"] or 0 for s in samples), default=0),
             "samples_with_waiting_ge_low": sum(1 for s in backlog
                                                if (s["waiting"] or 0) >= args.low),
