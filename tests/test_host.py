@@ -193,3 +193,19 @@ def test_an_engine_on_a_gpu_reads_its_neighbours_through_nvml_and_closes_it(
                                               simulated=False)
     on_cpu.mark(1.0)
     assert nvml.inits == 1 and on_cpu.latest.gpu_others == ""  # /proc alone
+
+
+def test_an_engine_of_a_real_model_senses_its_host_and_a_simulated_one_does_not() -> None:
+    from engine import Engine, EngineConfig
+    from engine.ops.host import QuietHost
+    from engine.sim.executor import simulated_engine
+    from engine.sim.target import resolve_target
+
+    config = EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32")
+    engine = Engine(config)
+    try:
+        assert isinstance(engine.host, HostSensor)
+    finally:
+        engine.close()
+    twin = simulated_engine(config, resolve_target("h100", config), lambda: 0.0)
+    assert isinstance(twin.host, QuietHost)

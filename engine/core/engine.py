@@ -51,6 +51,8 @@ class Engine:
         self.budget_ceiling = config.budget_ceiling()  # fixed at start, as the pool is
         self.clock = clock
         self.bus = EventBus(clock)
+        # a simulated device's steps take simulated time: this machine's load is not theirs
+        simulated = runner is not None  # asked before a runner of the real model is built
         if runner is None:
             # the model's code and torch, imported only by an engine that runs a model
             from engine.core.model_runner import ModelRunner
@@ -75,8 +77,7 @@ class Engine:
                                    decode=self.tokenizer.decode)
         self.metrics = equipment.metrics(config)
         self.metrics.subscribe_to(self.bus)
-        # a simulated device's steps take simulated time: this machine's load is not theirs
-        self.host = equipment.host(clock, self.runner.device, simulated=runner is not None)
+        self.host = equipment.host(clock, self.runner.device, simulated=simulated)
         self.held = False  # the operator's pause (a serving loop's), as the engine was told
         self.guards = equipment.guards(self.runner.device)
         self.guards.subscribe_to(self.bus)
