@@ -228,13 +228,17 @@ class ModelRunnerOutput:
 
 
 class HostMark(NamedTuple):  # a tuple: made every step
-    """The host around a step: whether other work took its CPUs (a contended step)."""
+    """The host around a step: whether other work took its CPUs or its GPU (a contended
+    step)."""
 
     contended: bool = False
     others_cpus: float = 0.0  # CPUs' worth of other processes' time
     steal: float = 0.0  # share of CPU time the hypervisor took
     own_cpus: float = 0.0  # this process's CPU time over wall time
     measured: bool = False  # False: no reading yet, or a simulated device's host
+    others_gpu: float = 0.0  # other processes' share of the GPU's SM time (NVML)
+    # who they are, as nvitop lists them ("python[4242] 37% SM 2.1 GiB"); "": no GPU reading
+    gpu_others: str = ""
 
 
 QUIET = HostMark()

@@ -93,6 +93,8 @@ class Snapshot:
     host_steal: float = 0.0
     host_own_cpus: float = 0.0
     host_measured: bool = False  # False: no reading yet, or a simulated device
+    host_others_gpu: float = 0.0  # other processes' share of the GPU's SM time (NVML)
+    host_gpu_others: str = ""  # who else computes on the GPU; "": not read (no GPU, no NVML)
     tokens_per_s: float = 0.0
     output_tokens_per_s: float = 0.0
     stats_window_s: float = 60.0

@@ -49,10 +49,11 @@ def _quiet_host() -> Iterator[None]:
     """Engines read a quiet host (module-scoped ones too): what a test asserts never hangs on
     its neighbours' load. Tests of host sensing build their HostSensor with their readings."""
     from engine.ops import equipped
-    from engine.ops.host import HostCounters, HostSensor
+    from engine.ops.host import HostCounters, HostSensor, NvmlProcesses
 
-    def quiet(clock: Callable[[], float]) -> HostSensor:
-        return HostSensor(clock, read=lambda: HostCounters(0.0, 0.0, 0.0, 0.0, cpus=1))
+    def quiet(clock: Callable[[], float], gpu: NvmlProcesses | None = None) -> HostSensor:
+        return HostSensor(clock, read=lambda: HostCounters(0.0, 0.0, 0.0, 0.0, cpus=1),
+                          gpu=gpu)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(equipped, "HostSensor", quiet)

@@ -133,6 +133,22 @@ def test_contention_starting_mid_prefill_names_the_host_not_the_chunks() -> None
     assert contended == [False] * 3 + [True] * 5
 
 
+def test_another_process_on_the_gpu_is_named_as_the_cpu_one_is() -> None:
+    s = priced(max_num_batched_tokens=16, chunk_tile=4, long_prefill_threshold=16)
+    request = s.add(128, max_tokens=2)
+    for _ in range(3):
+        s.step()
+    s.host = HostMark(contended=True, own_cpus=1.0, measured=True, others_gpu=0.4,
+                      gpu_others="python[4242] 40% SM 2.0 GiB")
+    s.step_s = 3 * STEP_S
+    s.run()
+    (event,) = slow_queries(s)
+    assert event.request_id == request.id and event.felt_cause == "host_busy"
+    assert event.verdict.split("\n")[0] == (
+        "prefill took 180.0 ms: other processes took the GPU (40% of the GPU's SM time) while "
+        "its steps ran: +100.0 ms (100% of the overrun)")
+
+
 def test_contended_steps_teach_the_step_ratio_nothing() -> None:
     controller = priced().scheduler.controller
     busy = HostMark(contended=True, others_cpus=1.5, measured=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import itertools
 import logging
 import socket
 import subprocess
@@ -23,7 +24,8 @@ from starlette.routing import Route
 from uvicorn.server import ServerState
 
 from console.cli.main import main
-from engine import Engine, EngineConfig
+from engine import Engine, EngineConfig, SamplingParams
+from engine.batch import RequestOutput
 from engine.config import ConfigError
 from engine.harness.workload import WorkloadError, load_requests_jsonl, request_lines
 from engine.serve.connections import (
@@ -34,6 +36,7 @@ from engine.serve.connections import (
 )
 from engine.serve.listener import listen
 from engine.serve.log_limit import RateLimitedLog, client_and_status
+from engine.serve.loop import EngineLoop
 from engine.serve.memory import IdleTrim
 from engine.serve.rate_limit import Rate
 
@@ -360,3 +363,59 @@ def test_memory_is_trimmed_when_the_server_goes_idle_at_most_once_an_interval() 
     now[0] += 3600.0  # a gap far past the interval
     assert trim.idle() and trim.trims == 2
     assert IdleTrim().trim is not None  # glibc here: the real malloc_trim is found
+
+
+def test_memory_is_trimmed_every_interval_while_a_backlog_keeps_the_engine_busy() -> None:
+    now = [0.0]
+    trimmed: list[float] = []
+    trim = IdleTrim(clock=lambda: now[0], interval_s=10.0, busy_interval_s=60.0,
+                    trim=lambda: trimmed.append(now[0]))
+    assert not trim.busy()  # the first busy step starts the count
+    for _ in range(60 * 3):  # three busy minutes, a step a second
+        now[0] += 1.0
+        trim.busy()
+    assert trim.trims == 3
+    now[0] += 5.0
+    assert not trim.idle()  # a busy trim counts: the idle one waits out its interval
+    now[0] += 7200.0  # a gap far past both intervals
+    assert trim.busy() and trim.trims == 4
+
+
+def test_the_engine_loop_gives_memory_back_while_it_works_and_once_idle() -> None:
+    """The loop's clock advances 10 s a reading: a minute of it passes within a few steps."""
+    ticks = itertools.count()
+    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32"))
+    loop = EngineLoop(engine, clock=lambda: 10.0 * next(ticks))
+    loop.trim.trim = lambda: None  # the decisions are what is tested, not glibc
+    decided: list[tuple[str, bool]] = []
+
+    def recorded(name: str) -> Callable[[], bool]:
+        asked = getattr(loop.trim, name)
+
+        def decide() -> bool:
+            decided.append((name, asked()))
+            return decided[-1][1]
+        return decide
+
+    loop.trim.busy = recorded("busy")  # type: ignore[method-assign]
+    loop.trim.idle = recorded("idle")  # type: ignore[method-assign]
+    finished: list[str] = []
+    all_done = threading.Event()
+
+    def heard(out: RequestOutput) -> None:
+        if out.finished:
+            finished.append(out.request_id)
+            if len(finished) == 4:
+                all_done.set()
+
+    loop.start()
+    try:
+        for i in range(4):
+            loop.submit([1, 2, 3, 4 + i], SamplingParams(max_tokens=40, ignore_eos=True),
+                        on_output=heard)
+        assert all_done.wait(120)
+        loop.call(lambda _engine: None).result(60)  # the loop has gone round once more
+    finally:
+        loop.stop()
+    assert ("busy", True) in decided  # trimmed while requests were in hand
+    assert decided[-1] == ("idle", True)  # and once the last one ended

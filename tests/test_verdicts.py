@@ -85,6 +85,14 @@ def test_a_queue_wait_in_a_pause_or_on_a_busy_host_names_it() -> None:
         "waited 21.4 s in the queue: other processes took the CPU for 15.0 s of it (1.8 CPUs "
         "of their work); the 3 queued when it arrived drained at 2.0 finishes/s against 2.0 "
         "arrivals/s")
+    on_the_gpu = replace(busy, host_cpus=0.0, host_gpu=0.4)
+    assert on_the_gpu.verdict().startswith(
+        "waited 21.4 s in the queue: other processes took the GPU for 15.0 s of it (40% of "
+        "the GPU's SM time); ")
+    both = replace(busy, host_gpu=0.4)
+    assert both.verdict().startswith(
+        "waited 21.4 s in the queue: other processes took the CPU and GPU for 15.0 s of it "
+        "(1.8 CPUs and 40% of the GPU's SM time); ")
 
 
 def test_a_prefill_beside_heavy_decode_says_what_shared_its_step_against_its_own_prediction(

@@ -134,8 +134,10 @@ class DriftMonitor:
         if host.contended and engine.calibrated:
             self._calibration = None
             if self.waiting is None:
+                gpu = (f", the GPU {host.others_gpu:.0%} ({host.gpu_others})"
+                       if host.others_gpu else "")
                 self.waiting = (f"recalibration waits: other processes use "
-                                f"{host.others_cpus:.1f} CPUs, steal {host.steal:.0%}")
+                                f"{host.others_cpus:.1f} CPUs, steal {host.steal:.0%}{gpu}")
                 log.info("%s", self.waiting)
                 self._progress(0.0, self.waiting)
             return  # observe() schedules it again once a step finds the host quiet

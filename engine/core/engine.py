@@ -49,6 +49,8 @@ class Engine:
         self.budget_ceiling = config.budget_ceiling()  # fixed at start, as the pool is
         self.clock = clock
         self.bus = EventBus(clock)
+        # a simulated device's steps take simulated time: this machine's load is not theirs
+        simulated = runner is not None  # asked before a runner of the real model is built
         if runner is None:
             # the model's code and torch, imported only by an engine that runs a model
             from engine.core.model_runner import ModelRunner
@@ -73,8 +75,7 @@ class Engine:
                                    decode=self.tokenizer.decode)
         self.metrics = equipment.metrics(config)
         self.metrics.subscribe_to(self.bus)
-        # a simulated device's steps take simulated time: this machine's load is not theirs
-        self.host = equipment.host(clock, simulated=runner is not None)
+        self.host = equipment.host(clock, self.runner.device, simulated=simulated)
         self.held = False  # the operator's pause (a serving loop's), as the engine was told
         self.guards = equipment.guards(self.runner.device)
         self.guards.subscribe_to(self.bus)
@@ -186,8 +187,10 @@ class Engine:
         return kept, owed
 
     def close(self) -> None:
-        """Stop what runs beside the steps (the bandwidth sampler's thread); idempotent."""
+        """Stop what runs beside the steps (the bandwidth sampler's thread, the host's NVML
+        session); idempotent."""
         self.bandwidth.close()
+        self.host.close()
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.requests) or bool(self._out_of_band)

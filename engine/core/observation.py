@@ -70,6 +70,7 @@ def snapshot(engine: Engine) -> Snapshot:
         throttle_level=s.throttle_level, throttle_note=s.modes.throttle_note,
         host_contended=host.contended, host_others_cpus=host.others_cpus,
         host_steal=host.steal, host_own_cpus=host.own_cpus, host_measured=host.measured,
+        host_others_gpu=host.others_gpu, host_gpu_others=host.gpu_others,
         slow_queries_unstored=s.watch.unstored,
         calibration="calibrated" if engine.calibrated else "calibrating",
         recommended_chunk_size=chunk,

@@ -13,7 +13,7 @@ from engine.core.equipment import BandwidthSource, HostSense
 from engine.core.executor import Executor
 from engine.events import Event
 from engine.ops.guards import Guards
-from engine.ops.host import HostSensor, QuietHost
+from engine.ops.host import HostSensor, NvmlProcesses, QuietHost
 from engine.ops.metrics import Metrics
 from engine.ops.slow_query_watch import SlowQueryWatch
 from engine.ops.telemetry import ModelBandwidth, NvmlBandwidth, cuda_uuid, nvml_available
@@ -53,10 +53,16 @@ class DefaultEquipment:
     def prefill_watch(self, publish: Callable[[Event], None]) -> SlowQueryWatch:
         return SlowQueryWatch(publish)
 
-    def host(self, clock: Clock, simulated: bool) -> HostSense:
+    def host(self, clock: Clock, device: torch.device, simulated: bool) -> HostSense:
+        """/proc's readings; on a GPU NVML sees, also the other processes computing on it."""
         if self._host is not None:
             return self._host
-        return QuietHost() if simulated else HostSensor(clock)
+        if simulated:
+            return QuietHost()
+        gpu = None
+        if device.type == "cuda" and nvml_available():
+            gpu = NvmlProcesses.open(cuda_uuid(str(device)))
+        return HostSensor(clock, gpu=gpu)
 
 
 class Engine(core.Engine):

@@ -36,6 +36,7 @@ class StepRecord(NamedTuple):
     contended: bool = False  # the host's mark: other work took the CPUs around it
     others_cpus: float = 0.0
     waiting: int = 0  # the queue after it was scheduled
+    others_gpu: float = 0.0  # other processes' share of the GPU's SM time around it
 
 
 class ModeRecord(NamedTuple):
@@ -153,6 +154,7 @@ class PrefillGaps:
     waited_behind: int = 0
     queue: QueueContext | None = None
     host_cpus: float = 0.0
+    host_gpu: float = 0.0
 
 
 def classify_prefill(request: Request, steps: Sequence[StepRecord],
@@ -181,7 +183,9 @@ def classify_prefill(request: Request, steps: Sequence[StepRecord],
                        queue_wait={c.value: v for c, v in waiting.totals.items()},
                        waited_behind=len(waiting.behind), queue=queue,
                        host_cpus=max((s.others_cpus for s in steps
-                                      if s.contended and s.end > request.arrival), default=0.0))
+                                      if s.contended and s.end > request.arrival), default=0.0),
+                       host_gpu=max((s.others_gpu for s in steps
+                                     if s.contended and s.end > request.arrival), default=0.0))
 
 
 def _own(request: Request, t1: float) -> list[tuple[float, float]]:
@@ -281,6 +285,7 @@ def explain(request: Request, gaps: PrefillGaps, rules: tuple[str, ...] = (),
                               None if request.worst_gap is None else request.worst_gap[1]),
         queue_wait_parts=gaps.queue_wait, waited_behind=gaps.waited_behind, rules=rules,
         threshold=threshold, queue=gaps.queue, host_cpus=gaps.host_cpus,
+        host_gpu=gaps.host_gpu,
         stall_cause=None if stall is None else stall[1],
         stall_class=Cause.DECODE_STALL if stall is None else stall[0])
 

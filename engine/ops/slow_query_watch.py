@@ -14,7 +14,7 @@ from engine.config import BUDGET_RULE, SLO_ITL_RULE, EngineConfig
 from engine.core.request import Request, RequestState
 from engine.events import Event, SlowQuery
 from engine.ops.gaps import ModeRecord, PrefillGaps, StepRecord, classify_prefill, explain
-from engine.ops.timeline import Cause, QueueContext
+from engine.ops.timeline import Cause, QueueContext, host_taken
 from engine.stats import human_duration
 
 STEP_LOG = 65536
@@ -91,7 +91,7 @@ class SlowQueryWatch:
              host: HostMark = QUIET, waiting: int = 0) -> None:
         self.step_log.append(StepRecord(start, end, step, mode, throttle_level, paused,
                                         prefills, decodes, host.contended, host.others_cpus,
-                                        waiting))
+                                        waiting, host.others_gpu))
 
     def prefill_ended(self, request: Request, end: float, config: EngineConfig,
                       step_overhead_s: float) -> None:
@@ -196,8 +196,8 @@ class SlowQueryWatch:
         if held:
             return Cause.PAUSED, "the operator paused the engine"
         if step.contended:
-            return Cause.HOST_BUSY, (f"other processes took the CPU ({step.others_cpus:.1f} "
-                                     "CPUs of their work)")
+            took, theirs = host_taken(step.others_cpus, step.others_gpu)
+            return Cause.HOST_BUSY, f"{took} ({theirs})"
         took = human_duration(step.end - step.start)
         if step.prefills:
             return Cause.DECODE_STALL, (f"{len(step.prefills)} prefill chunk"

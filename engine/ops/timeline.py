@@ -114,6 +114,7 @@ class Timeline:
     threshold: float | None = None  # the budget_score threshold in force
     queue: QueueContext | None = None
     host_cpus: float = 0.0  # the most CPUs other processes took while it was live
+    host_gpu: float = 0.0  # the largest share of the GPU's SM time they took meanwhile
     stall_cause: str | None = None  # why its worst gap between tokens was long, in words
     stall_class: Cause = Cause.DECODE_STALL
 
@@ -193,8 +194,8 @@ class Timeline:
         queue = self.queue
         rates = f"; {queue.words()}" if queue is not None else ""
         host_s = parts.get(Cause.HOST_BUSY.value, 0.0)
-        host = (f"other processes took the CPU for {human_duration(host_s)} of it "
-                f"({self.host_cpus:.1f} CPUs of their work)") if host_s else ""
+        took, theirs = host_taken(self.host_cpus, self.host_gpu)
+        host = f"{took} for {human_duration(host_s)} of it ({theirs})" if host_s else ""
         if cause is Cause.PAUSED:
             return (f"{waited}: the operator paused the engine for "
                     f"{human_duration(parts[cause.value])} of it{rates}")
@@ -249,9 +250,20 @@ class Timeline:
             case Cause.PAUSED:
                 return f"the operator paused the engine for {took} ({share})"
             case Cause.HOST_BUSY:
-                return (f"other processes took the CPU ({self.host_cpus:.1f} CPUs of their "
-                        f"work) while its steps ran: +{took} ({share})")
+                host, theirs = host_taken(self.host_cpus, self.host_gpu)
+                return f"{host} ({theirs}) while its steps ran: +{took} ({share})"
         return f"host time between steps {took} ({share})"
+
+
+def host_taken(cpus: float, gpu: float) -> tuple[str, str]:
+    """What other processes took, and how much of their work: "the CPU" in CPUs, and on a GPU
+    NVML measured, its share of the SM time."""
+    if not gpu:
+        return "other processes took the CPU", f"{cpus:.1f} CPUs of their work"
+    their = f"{gpu:.0%} of the GPU's SM time"
+    if cpus:
+        return "other processes took the CPU and GPU", f"{cpus:.1f} CPUs and {their}"
+    return "other processes took the GPU", their
 
 
 OVERRUN_EPSILON_S = 1e-6  # below a microsecond, a prefill ran as planned (float sums)
@@ -289,6 +301,9 @@ def timeline_lines(t: dict[str, Any]) -> list[str]:
     if t.get("host_cpus"):
         lines.append(f"host: other processes took up to {t['host_cpus']:.1f} CPUs while it "
                      "was live")
+    if t.get("host_gpu"):
+        lines.append(f"host: other processes took up to {t['host_gpu']:.0%} of the GPU's SM "
+                     "time while it was live")
     if t.get("queue_wait_parts"):
         lines.append(f"queue wait {human_duration(t['queue_wait_s'])}: "
                      f"{_parts(t['queue_wait_parts'])}; "

@@ -17,6 +17,7 @@ from engine.config import EngineConfig, SamplingParams
 from engine.core.engine import Engine, RequestOutput
 from engine.errors import EngineError
 from engine.serve.healing import Healer, JournalResume
+from engine.serve.memory import IdleTrim
 from engine.serve.outputs import OutputCallback, Outputs, failed
 from engine.serve.playback import Arrival, WorkloadPlayer
 from engine.serve.snapshots import SnapshotPublisher
@@ -71,6 +72,8 @@ class EngineLoop:
         self.healer = Healer(engine, self.supervisor, journal, self.outputs)
         self.snapshots = SnapshotPublisher(engine, self.supervisor, clock, snapshot_interval_s)
         self.player = WorkloadPlayer(clock)
+        # a backlog never lets the engine idle: freed memory goes back while it works
+        self.trim = IdleTrim(clock=clock)
 
     # --- lifecycle ----------------------------------------------------------------------
     def start(self) -> EngineLoop:
@@ -191,6 +194,10 @@ class EngineLoop:
                 if not self._paused and self.engine.has_unfinished():
                     for output in self._step():
                         self.outputs.deliver(output)
+                    if self.engine.has_unfinished():
+                        self.trim.busy()
+                    else:
+                        self.trim.idle()
                 self.snapshots.publish(force=not self.engine.has_unfinished())
         except BaseException as exc:
             # logged, never raised: a thread's traceback on stderr would paint over a console

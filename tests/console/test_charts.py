@@ -309,3 +309,12 @@ async def test_a_busy_host_is_marked_in_the_header_and_the_bandwidth_pane_says_w
         assert "throttle off: the bandwidth figure is modelled" in line
         assert "throttle 2" not in line and "concurrency 1" not in line
         assert line.endswith("host busy · others 1.6 CPUs · steal 0% · engine 0.4 CPUs")
+        # on a GPU, who else computes on it (NVML's names are outside text: never markup)
+        gpu = dataclasses.replace(busy, host_others_cpus=0.0, host_others_gpu=0.4,
+                                  host_gpu_others="[bold]x[/bold][4242] 40% SM 2.0 GiB")
+        pilot.app.query_one(EngineHeader).update_from(gpu, "test", slo)
+        assert "HOST BUSY" in str(pilot.app.query_one(EngineHeader).render())
+        pane.update_from(gpu, MetricHistory())
+        line = str(pane.query_one("#bandwidth-line", Static).render())
+        assert line.endswith("host busy · others 0.0 CPUs · steal 0% · engine 0.4 CPUs · GPU "
+                             "others 40% SM: [bold]x[/bold][4242] 40% SM 2.0 GiB")

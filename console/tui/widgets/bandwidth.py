@@ -19,12 +19,16 @@ THROTTLE_LEVELS = ("none", "concurrency 2", "concurrency 1", "prefills paused")
 
 
 def host_text(snapshot: Snapshot) -> Text:
-    """The host around the last step: others' CPUs, steal, the engine's own CPUs."""
+    """The host around the last step: others' CPUs, steal, the engine's own CPUs, and on a
+    GPU the other processes computing on it."""
     text = Text("host ")
     text.append("busy" if snapshot.host_contended else "quiet",
                 style="bold yellow" if snapshot.host_contended else "green")
     text.append(f" · others {snapshot.host_others_cpus:.1f} CPUs · steal "
                 f"{snapshot.host_steal:.0%} · engine {snapshot.host_own_cpus:.1f} CPUs")
+    if snapshot.host_gpu_others:  # NVML's view of the GPU, as nvitop lists its processes
+        text.append(f" · GPU others {snapshot.host_others_gpu:.0%} SM: "
+                    f"{snapshot.host_gpu_others}")
     return text
 
 
