@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from engine.serve.tools import PARSE, ToolStream, ToolUse
+from engine.serve.tools import PARSE, ToolCall, ToolStream, ToolUse
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",
@@ -266,3 +266,48 @@ def _streams_as_parsed(use: ToolUse, text: str) -> None:
     assert content == (whole.content or "")
     assert [tuple(calls[i]) for i in sorted(calls)] == [(c.name, c.arguments)
                                                         for c in whole.calls]
+
+
+def test_parallel_tool_calls_false_makes_one_call_at_most(server: str) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    counts = []
+    for seed in range(4):
+        asked: dict[str, Any] = dict(
+            model="synthetic:tiny", messages=HISTORY[:1], tools=[WEATHER, TIME],
+            tool_choice="required", temperature=1.0, seed=seed, max_tokens=400,
+            parallel_tool_calls=False)
+        whole = client.chat.completions.create(**asked).choices[0]
+        parts = streamed(client, asked)
+        assert [(c.function.name, c.function.arguments) for c in parts.message.tool_calls] \
+            == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        counts.append(len(whole.message.tool_calls))
+    assert counts == [1] * 4
+    assert ToolUse(_tools(), "auto", "hermes", parallel=False).parse(
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call>'
+        '<tool_call>{"name": "b", "arguments": {}}</tool_call>').calls == (ToolCall("a", "{}"),)
+
+
+def test_required_hoists_the_tools_defs_where_their_references_point(server: str) -> None:
+    import httpx
+
+    place = {"type": "function", "function": {"name": "go", "parameters": {
+        "type": "object", "$defs": {"city": {"enum": ["Oslo", "Rome"]}},
+        "properties": {"to": {"$ref": "#/$defs/city"}}, "required": ["to"],
+        "additionalProperties": False}}}
+    other = {"type": "function", "function": {"name": "stay", "parameters": {
+        "type": "object", "$defs": {"city": {"enum": ["Paris"]}},
+        "properties": {"at": {"$ref": "#/$defs/city"}}}}}
+    with httpx.Client(base_url=server, timeout=60) as http:
+        for seed in range(3):
+            reply = http.post("/v1/chat/completions", json={
+                "messages": HISTORY[:1], "tools": [place], "tool_choice": "required",
+                "temperature": 1.0, "seed": seed, "max_tokens": 200}).json()
+            calls = reply["choices"][0]["message"]["tool_calls"]
+            assert calls and all(json.loads(c["function"]["arguments"])["to"] in (
+                "Oslo", "Rome") for c in calls)
+        clash = http.post("/v1/chat/completions", json={
+            "messages": HISTORY[:1], "tools": [place, other], "tool_choice": "required"})
+        assert clash.status_code == 400 and clash.json()["error"]["param"] == "tools"
+        assert "'city' has multiple schemas" in clash.json()["error"]["message"]

@@ -44,6 +44,7 @@ class ToolUse:
     tools: tuple[Tool, ...]
     choice: str
     parser: str | None
+    parallel: bool = True  # false: the first call alone (vLLM's parallel_tool_calls: false)
 
     @property
     def forced(self) -> bool:
@@ -52,13 +53,26 @@ class ToolUse:
     def schema(self) -> dict[str, Any] | None:
         """The JSON schema a forced choice's output must match (vLLM's), else None. A call
         holds its name and parameters alone: vLLM's schema allows more keys, which a model
-        that has not learned the form fills with text that may never end."""
+        that has not learned the form fills with text that may never end. The tools' `$defs`
+        move to the top, where their `#/$defs/...` references point; ApiError(400) when two
+        tools define one name differently."""
         if self.choice == "required":
-            return {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
-                {"properties": {"name": {"type": "string", "enum": [t.function.name]},
-                                "parameters": t.function.parameters or {"type": "object"}},
-                 "required": ["name", "parameters"], "additionalProperties": False}
-                for t in self.tools]}}
+            defs: dict[str, Any] = {}
+            calls = []
+            for tool in self.tools:
+                parameters = dict(tool.function.parameters or {"type": "object"})
+                for name, schema in (parameters.pop("$defs", None) or {}).items():
+                    if defs.setdefault(name, schema) != schema:
+                        raise ApiError(400, f"Tool definition '{name}' has multiple schemas, "
+                                            "which is not supported.", param="tools")
+                calls.append({"properties": {"name": {"type": "string",
+                                                      "enum": [tool.function.name]},
+                                             "parameters": parameters},
+                              "required": ["name", "parameters"],
+                              "additionalProperties": False})
+            return {"type": "array", "minItems": 1, **({} if self.parallel else {"maxItems": 1}),
+                    "items": {"type": "object", "anyOf": calls},
+                    **({"$defs": defs} if defs else {})}
         if self.forced:
             tool = next(t for t in self.tools if t.function.name == self.choice)
             return tool.function.parameters or {"type": "object"}
@@ -70,23 +84,26 @@ class ToolUse:
             return Parsed(text, ())
         if self.choice == "required":
             calls = json.loads(text)
-            return Parsed(None, tuple(ToolCall(c["name"], _arguments(c["parameters"]))
-                                      for c in calls))
+            return self._limited(Parsed(None, tuple(
+                ToolCall(c["name"], _arguments(c["parameters"])) for c in calls)))
         if self.forced:
             return Parsed(None, (ToolCall(self.choice, text),))
         assert self.parser is not None
-        return PARSE[self.parser](text)
+        return self._limited(PARSE[self.parser](text))
 
     def partial(self, text: str) -> Parsed:
         """What of a streamed answer's `text` so far is final: the content that cannot turn
         out to be a call, and each call whose name is whole with its arguments so far, in the
         form `parse` gives them (so the pieces concatenate to the whole answer's)."""
         if self.choice == "required":
-            return Parsed("", _required_calls(text))
+            return self._limited(Parsed("", _required_calls(text)))
         if self.forced:
             return Parsed("", (ToolCall(self.choice, text),))
         assert self.parser is not None
-        return PARTIAL[self.parser](text)
+        return self._limited(PARTIAL[self.parser](text))
+
+    def _limited(self, parsed: Parsed) -> Parsed:
+        return parsed if self.parallel else Parsed(parsed.content, parsed.calls[:1])
 
 
 def tool_use(body: ChatBody, parser: str | None) -> ToolUse | None:
@@ -107,7 +124,7 @@ def tool_use(body: ChatBody, parser: str | None) -> ToolUse | None:
     if choice == "auto" and parser is None:
         raise ApiError(400, '"auto" tool choice requires --enable-auto-tool-choice and '
                             "--tool-call-parser to be set", param="tool_choice")
-    return ToolUse(tuple(body.tools), choice, parser)
+    return ToolUse(tuple(body.tools), choice, parser, body.parallel_tool_calls is not False)
 
 
 def _arguments(value: Any) -> str:
