@@ -11,7 +11,8 @@ The model directory has a byte-level BPE tokenizer trained here on the repositor
 Hermes's special tokens and a Hermes/Qwen-style chat template that renders tools and tool
 results (benchmarks/hermes_chat_template.jinja), and a small random Llama (fp32). Both
 servers run `--tool-call-parser hermes`; vLLM runs its `guidance` structured-outputs backend
-(llguidance, as tokenflow) unless `--vllm-backend` names another. One server runs at a time.
+(llguidance, as tokenflow) unless `--vllm-backend` names another (0.32's guidance backend
+refuses every forced tool choice: `auto` picks xgrammar for those). One server at a time.
 vLLM is never a dependency: it runs from its own venv, and the clients from theirs.
 """
 
@@ -107,6 +108,9 @@ def main() -> None:
     parser.add_argument("--vllm-backend", default="guidance",
                         help="vLLM's --structured-outputs-config.backend")
     parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--servers", nargs="*", default=["tokenflow", "vllm"],
+                        help="the servers to ask again; the others' answers are read from "
+                             "the last run's NAME.json in --workdir")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
@@ -129,8 +133,11 @@ def main() -> None:
     }
     found: dict[str, dict[str, Any]] = {}
     for name, (command, env, port) in runs.items():  # one server at a time
-        with server(command, env, port, work / f"{name}.log") as url:
-            found[name] = answers(name, url, args, model)
+        saved = work / f"{name}.json"
+        if name in args.servers or not saved.exists():
+            with server(command, env, port, work / f"{name}.log") as url:
+                saved.write_text(json.dumps(answers(name, url, args, model), indent=1))
+        found[name] = json.loads(saved.read_text())
     print("| check | verdict | tokenflow | vLLM |\n| --- | --- | --- | --- |")
     for check, ours in found["tokenflow"].items():
         theirs = found["vllm"].get(check)

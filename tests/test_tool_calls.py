@@ -60,7 +60,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         loop.stop()
 
 
-def test_tools_and_tool_messages_render_as_transformers_renders_them(tmp_path: Path) -> None:
+def test_tools_and_tool_messages_render_as_vllm_passes_them(tmp_path: Path) -> None:
     import transformers
     from tokenizers import Tokenizer, models
 
@@ -76,7 +76,11 @@ def test_tools_and_tool_messages_render_as_transformers_renders_them(tmp_path: P
     history = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(
         c["function"]["arguments"])}} for c in m["tool_calls"]]} if "tool_calls" in m else m
         for m in HISTORY]  # templates read the arguments as an object, as vLLM passes them
-    theirs = hf.apply_chat_template(history, tools=[WEATHER, TIME], tokenize=False,
+    # vLLM passes a tool without a description as "description": null
+    function = TIME["function"]
+    as_vllm = [WEATHER, {**TIME, "function": {"name": function["name"], "description": None,
+                                              "parameters": function["parameters"]}}]
+    theirs = hf.apply_chat_template(history, tools=as_vllm, tokenize=False,
                                     add_generation_prompt=True)
     body = ChatBody.model_validate({"messages": HISTORY, "tools": [WEATHER, TIME]})
     ours = render_messages(load_chat_template(str(tmp_path)), body.messages, True, None,
@@ -154,7 +158,7 @@ def test_streamed_calls_concatenate_to_the_answer_not_streamed(server: str,
         whole = client.chat.completions.create(**asked).choices[0]
         parts = streamed(client, asked)
         assert parts.finish_reason == whole.finish_reason
-        assert parts.message.content == (whole.message.content or None)
+        assert parts.message.content == whole.message.content
         assert [(c.function.name, c.function.arguments) for c in parts.message.tool_calls] \
             == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
         assert whole.message.tool_calls

@@ -163,8 +163,8 @@ class _ChatReply(Reply):
             else:
                 found = self.tools.partial(self.texts.visible(choice))
             content_delta, call_deltas = stream.step(found)
-            if content_delta is not None:
-                delta["content"] = content_delta
+            if content_delta is not None or first:  # vLLM's first chunk has content ""
+                delta["content"] = content_delta or ""
             if call_deltas:
                 delta["tool_calls"] = call_deltas
         return self._body("chat.completion.chunk", [{

