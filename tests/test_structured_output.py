@@ -196,14 +196,14 @@ def test_a_grammar_may_spell_an_added_token_that_is_not_special(tmp_path) -> Non
     grammar = structured_grammar(SamplingFields(guided_regex=r"It is\.<tool_call>\{\}"))
     request = RunnerRequest("r", [0], 1, SamplingParams(structured_output=grammar), [])
     tag = tokenizer.token_to_id("<tool_call>")
-    while True:
+    for _ in range(64):
         logits = torch.zeros(1, vocab)
         logits[0, tag] = 1.0  # the model wants the tag wherever the grammar allows it
         assert processors.apply(logits, [request]) == {}
         token = int(logits[0].argmax())
-        if token == 0:
+        if token == 0:  # EOS: the grammar is done
             break
-        request.output_token_ids.append(token)
+        request.token_ids.append(token)
     assert hf.decode(request.output_token_ids) == "It is.<tool_call>{}"
 
 
