@@ -175,6 +175,38 @@ def test_the_openai_client_gets_json_that_matches_its_schema(server: str) -> Non
     assert refused.value.body["param"] == "structured_outputs.json_object"  # type: ignore[index]
 
 
+def test_a_grammar_may_spell_an_added_token_that_is_not_special(tmp_path) -> None:
+    """Hermes's `<tool_call>` is an added token that is not special: a grammar that spells it
+    is followed to the end, the tag written as text, never refused as a special token."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from engine.model.tokenizer import HFTokenizer
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.train_from_iterator(["It is, call a tool."] * 4, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer.add_tokens([AddedToken("<tool_call>", special=False, normalized=False)])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    vocab = tokenizer.get_vocab_size()
+    hf = HFTokenizer(tmp_path / "tokenizer.json", (0,))
+    processors = LogitsProcessors(hf, vocab)
+    grammar = structured_grammar(SamplingFields(guided_regex=r"It is\.<tool_call>\{\}"))
+    request = RunnerRequest("r", [0], 1, SamplingParams(structured_output=grammar), [])
+    tag = tokenizer.token_to_id("<tool_call>")
+    for _ in range(64):
+        logits = torch.zeros(1, vocab)
+        logits[0, tag] = 1.0  # the model wants the tag wherever the grammar allows it
+        assert processors.apply(logits, [request]) == {}
+        token = int(logits[0].argmax())
+        if token == 0:  # EOS: the grammar is done
+            break
+        request.token_ids.append(token)
+    assert hf.decode(request.output_token_ids) == "It is.<tool_call>{}"
+
+
 def test_a_grammar_the_vocabulary_cannot_follow_fails_its_request_alone(tmp_path) -> None:
     """No token spells the forced text " w" on its own here, and llguidance gives up: that
     request fails with llguidance's reason; the batch's other rows are sampled as ever."""

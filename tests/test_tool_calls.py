@@ -7,10 +7,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from engine.serve.tools import PARSE
+from engine.serve.tools import PARSE, ToolCall, ToolStream, ToolUse
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",
@@ -59,7 +60,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         loop.stop()
 
 
-def test_tools_and_tool_messages_render_as_transformers_renders_them(tmp_path: Path) -> None:
+def test_tools_and_tool_messages_render_as_vllm_passes_them(tmp_path: Path) -> None:
     import transformers
     from tokenizers import Tokenizer, models
 
@@ -75,7 +76,11 @@ def test_tools_and_tool_messages_render_as_transformers_renders_them(tmp_path: P
     history = [{**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": json.loads(
         c["function"]["arguments"])}} for c in m["tool_calls"]]} if "tool_calls" in m else m
         for m in HISTORY]  # templates read the arguments as an object, as vLLM passes them
-    theirs = hf.apply_chat_template(history, tools=[WEATHER, TIME], tokenize=False,
+    # vLLM passes a tool without a description as "description": null
+    function = TIME["function"]
+    as_vllm = [WEATHER, {**TIME, "function": {"name": function["name"], "description": None,
+                                              "parameters": function["parameters"]}}]
+    theirs = hf.apply_chat_template(history, tools=as_vllm, tokenize=False,
                                     add_generation_prompt=True)
     body = ChatBody.model_validate({"messages": HISTORY, "tools": [WEATHER, TIME]})
     ours = render_messages(load_chat_template(str(tmp_path)), body.messages, True, None,
@@ -93,15 +98,10 @@ def test_required_and_named_choices_always_parse(server: str, stream: bool) -> N
             asked = dict(model="synthetic:tiny", messages=HISTORY[:1], tools=[WEATHER, TIME],
                          tool_choice=choice, temperature=1.0, seed=seed, max_tokens=400)
             if stream:
-                calls: dict[int, dict[str, str]] = {}
-                finish = None
-                for chunk in client.chat.completions.create(**asked, stream=True):
-                    delta = chunk.choices[0].delta
-                    for call in delta.tool_calls or ():
-                        calls[call.index] = {"name": call.function.name,
-                                             "arguments": call.function.arguments}
-                    finish = chunk.choices[0].finish_reason or finish
-                found = list(calls.values())
+                reply = streamed(client, asked)
+                finish = reply.finish_reason
+                found = [{"name": c.function.name, "arguments": c.function.arguments}
+                         for c in reply.message.tool_calls or ()]
             else:
                 reply = client.chat.completions.create(**asked).choices[0]
                 finish = reply.finish_reason
@@ -117,6 +117,55 @@ def test_required_and_named_choices_always_parse(server: str, stream: bool) -> N
             assert finish == ("tool_calls" if choice == "required" else "stop")
             if choice != "required":
                 assert [c["name"] for c in found] == ["get_weather"]
+
+
+def streamed(client: Any, asked: dict[str, Any]) -> Any:
+    """The streamed answer as the openai client accumulates it, after checking each tool-call
+    delta's shape: a call's first delta has its id, type and name; the later ones arguments
+    alone, so an accumulator that concatenates strings keeps one id and one name."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    state = ChatCompletionStreamState()
+    seen: set[int] = set()
+    for chunk in client.chat.completions.create(**asked, stream=True):
+        for call in chunk.choices[0].delta.tool_calls or ():
+            if call.index in seen:
+                assert call.id is None and call.type is None and call.function.name is None
+            else:
+                assert call.id and call.type == "function" and call.function.name
+                seen.add(call.index)
+        state.handle_chunk(chunk)
+    return state.current_completion_snapshot.choices[0]
+
+
+@pytest.mark.parametrize("choice", ["required", "named", "auto"])
+def test_streamed_calls_concatenate_to_the_answer_not_streamed(server: str,
+                                                              choice: str) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    tool_choice: Any = {"required": "required", "auto": "auto", "named": {
+        "type": "function", "function": {"name": "get_weather"}}}[choice]
+    pieces = 0
+    for seed in range(3):
+        asked: dict[str, Any] = dict(
+            model="synthetic:tiny", messages=HISTORY[:1], tools=[WEATHER, TIME],
+            tool_choice=tool_choice, temperature=1.0, seed=seed, max_tokens=400)
+        if choice == "auto":  # the hermes parser's form, forced so the calls are found
+            asked["extra_body"] = {"structured_outputs": {"regex": (
+                r'Sure\.<tool_call>\{"name": "get_time", "arguments": \{"zone": -?[0-9]\}\}'
+                r"</tool_call>")}}
+        whole = client.chat.completions.create(**asked).choices[0]
+        parts = streamed(client, asked)
+        assert parts.finish_reason == whole.finish_reason
+        assert parts.message.content == whole.message.content
+        assert [(c.function.name, c.function.arguments) for c in parts.message.tool_calls] \
+            == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        assert whole.message.tool_calls
+        pieces += sum(1 for chunk in client.chat.completions.create(**asked, stream=True)
+                      for call in chunk.choices[0].delta.tool_calls or ()
+                      if call.function.arguments)
+    assert pieces > 3 * 2  # the arguments came in pieces, not whole at the end
 
 
 def test_none_answers_in_text_and_auto_needs_a_parser(server: str) -> None:
@@ -168,3 +217,101 @@ def test_the_parsers_find_the_calls_vllms_find() -> None:
     assert [(c.name, json.loads(c.arguments)) for c in llama.calls] == [
         ("get_time", {"zone": 2}), ("get_weather", {"city": "Rome", "unit": "f"})]
     assert PARSE["llama3_json"]("It is sunny.").calls == ()
+
+
+@pytest.mark.parametrize(("parser", "text"), [
+    ("hermes", 'Let me look.<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+               '"Os\\u006co",  "unit":"c"}}\n</tool_call><tool_call>{"arguments": {"zone": 1.50},'
+               ' "name": "get_time"}</tool_call>'),
+    ("hermes", "no calls, only a < sign and <tool"),
+    ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": [1, {}]}"}</tool_call>'),
+    ("llama3_json", '<|python_tag|>{"name": "get_time", "parameters": {"zone": 2}}; '
+                    '{"name": "get_weather", "parameters": {"city": "Rome", "unit": "f"}}'),
+    ("llama3_json", '  {"name": "get_time", "parameters": {"zone": [1e2, true, null]}}'),
+    ("llama3_json", "It is sunny, {not a call}."),
+])
+def test_a_parsers_stream_concatenates_to_its_parse(parser: str, text: str) -> None:
+    _streams_as_parsed(ToolUse(_tools(), "auto", parser), text)
+
+
+@pytest.mark.parametrize(("choice", "text"), [
+    ("required", '[{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}},'
+                 '\n {"name": "get_time" , "parameters":{"zone":-3}}]'),
+    ("get_weather", '{"city": "Oslo", "unit": "c"}'),
+])
+def test_a_forced_choices_stream_concatenates_to_its_parse(choice: str, text: str) -> None:
+    _streams_as_parsed(ToolUse(_tools(), choice, None), text)
+
+
+def _tools() -> tuple[Any, ...]:
+    from engine.serve.protocol import Tool
+
+    return Tool.model_validate(WEATHER), Tool.model_validate(TIME)
+
+
+def _streams_as_parsed(use: ToolUse, text: str) -> None:
+    """Fed one character at a time and then the whole answer, the stream's content and each
+    call's name and argument pieces concatenate to what parse gives the whole text."""
+    stream = ToolStream(use)
+    content, calls = "", {}
+    for end in [*range(len(text) + 1), None]:
+        found = use.partial(text[:end]) if end is not None else use.parse(text)
+        delta, deltas = stream.step(found)
+        content += delta or ""
+        for call in deltas:
+            if "id" in call:
+                assert call["index"] not in calls and call["type"] == "function"
+                calls[call["index"]] = [call["function"]["name"], call["function"]["arguments"]]
+            else:
+                assert set(call) == {"index", "function"} and set(call["function"]) == {
+                    "arguments"}
+                calls[call["index"]][1] += call["function"]["arguments"]
+    whole = use.parse(text)
+    assert content == (whole.content or "")
+    assert [tuple(calls[i]) for i in sorted(calls)] == [(c.name, c.arguments)
+                                                        for c in whole.calls]
+
+
+def test_parallel_tool_calls_false_makes_one_call_at_most(server: str) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+    counts = []
+    for seed in range(4):
+        asked: dict[str, Any] = dict(
+            model="synthetic:tiny", messages=HISTORY[:1], tools=[WEATHER, TIME],
+            tool_choice="required", temperature=1.0, seed=seed, max_tokens=400,
+            parallel_tool_calls=False)
+        whole = client.chat.completions.create(**asked).choices[0]
+        parts = streamed(client, asked)
+        assert [(c.function.name, c.function.arguments) for c in parts.message.tool_calls] \
+            == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+        counts.append(len(whole.message.tool_calls))
+    assert counts == [1] * 4
+    assert ToolUse(_tools(), "auto", "hermes", parallel=False).parse(
+        '<tool_call>{"name": "a", "arguments": {}}</tool_call>'
+        '<tool_call>{"name": "b", "arguments": {}}</tool_call>').calls == (ToolCall("a", "{}"),)
+
+
+def test_required_hoists_the_tools_defs_where_their_references_point(server: str) -> None:
+    import httpx
+
+    place = {"type": "function", "function": {"name": "go", "parameters": {
+        "type": "object", "$defs": {"city": {"enum": ["Oslo", "Rome"]}},
+        "properties": {"to": {"$ref": "#/$defs/city"}}, "required": ["to"],
+        "additionalProperties": False}}}
+    other = {"type": "function", "function": {"name": "stay", "parameters": {
+        "type": "object", "$defs": {"city": {"enum": ["Paris"]}},
+        "properties": {"at": {"$ref": "#/$defs/city"}}}}}
+    with httpx.Client(base_url=server, timeout=60) as http:
+        for seed in range(3):
+            reply = http.post("/v1/chat/completions", json={
+                "messages": HISTORY[:1], "tools": [place], "tool_choice": "required",
+                "temperature": 1.0, "seed": seed, "max_tokens": 200}).json()
+            calls = reply["choices"][0]["message"]["tool_calls"]
+            assert calls and all(json.loads(c["function"]["arguments"])["to"] in (
+                "Oslo", "Rome") for c in calls)
+        clash = http.post("/v1/chat/completions", json={
+            "messages": HISTORY[:1], "tools": [place, other], "tool_choice": "required"})
+        assert clash.status_code == 400 and clash.json()["error"]["param"] == "tools"
+        assert "'city' has multiple schemas" in clash.json()["error"]["message"]

@@ -7,12 +7,14 @@ from the journal, is constrained from where it was."""
 
 from __future__ import annotations
 
+import json
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import llguidance
 import torch
+from tokenizers import pre_tokenizers
 
 from engine.core.runner_requests import RunnerRequest
 from engine.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
@@ -25,8 +27,8 @@ def grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTok
     eos = list(tokenizer.eos_token_ids)
     if isinstance(tokenizer, HFTokenizer):
         try:  # byte-level and byte-fallback tokenizers: llguidance reads tokenizer.json
-            return llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=vocab_size,
-                                          eos_token=eos)
+            return llguidance.LLTokenizer(_plain_added_tokens(tokenizer.to_str()),
+                                          n_vocab=vocab_size, eos_token=eos)
         except ValueError:  # others (a Metaspace decoder alone): each piece's text
             return llguidance.LLTokenizer(_PieceVocabulary(tokenizer, vocab_size),
                                           n_vocab=vocab_size, eos_token=eos)
@@ -34,6 +36,26 @@ def grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> llguidance.LLTok
         return llguidance.LLTokenizer(_ByteVocabulary(tokenizer, vocab_size),
                                       n_vocab=vocab_size, eos_token=eos)
     raise TypeError(f"no grammar vocabulary for {type(tokenizer).__name__}")
+
+
+def _plain_added_tokens(tokenizer_json: str) -> str:
+    """tokenizer.json with a byte-level BPE's non-special added tokens (Hermes's
+    `<tool_call>`) moved into its vocabulary. llguidance takes every added token as special,
+    then refuses the very token its own forced-text path chose when a grammar spells one."""
+    data = json.loads(tokenizer_json)
+    model, added = data.get("model") or {}, data.get("added_tokens") or []
+    if model.get("type") != "BPE" or (data.get("decoder") or {}).get("type") != "ByteLevel" \
+            or all(token["special"] for token in added):
+        return tokenizer_json
+    spell = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    vocab = model["vocab"]
+    kept = []
+    for token in added:
+        piece = "".join(part for part, _ in spell.pre_tokenize_str(token["content"]))
+        if token["special"] or vocab.setdefault(piece, token["id"]) != token["id"]:
+            kept.append(token)  # a piece the vocabulary already has stays an added token
+    data["added_tokens"] = kept
+    return json.dumps(data)
 
 
 class _PieceVocabulary:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -25,7 +25,14 @@ from engine.serve.completions import (
     prompt_logprobs,
 )
 from engine.serve.protocol import ApiError, ChatBody, ChatMessage, parse_model, read_json
-from engine.serve.tools import ToolCall, ToolUse, template_tools, tool_use
+from engine.serve.tools import (
+    Parsed,
+    ToolCall,
+    ToolStream,
+    ToolUse,
+    template_tools,
+    tool_use,
+)
 
 NO_TEMPLATE = ("this model has no chat template (no chat_template.jinja, none in "
                "tokenizer_config.json): start the server with --chat-template FILE, or use "
@@ -135,6 +142,7 @@ class Chat:
 @dataclass(frozen=True)
 class _ChatReply(Reply):
     tools: ToolUse | None = None
+    streams: dict[int, ToolStream] = field(default_factory=dict)  # by choice index
 
     def _body(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
@@ -145,20 +153,24 @@ class _ChatReply(Reply):
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {
             "content": text}
         finish_reason = FINISH_REASONS.get(choice.finish_reason or "")
-        if self._calls_tools:  # the calls are known once the answer is whole: sent at its end
+        if self.tools is not None and self.tools.choice != "none":
+            # what of the text is final so far; the whole answer's calls at its end
             delta.pop("content")
+            stream = self.streams.setdefault(choice.index, ToolStream(self.tools))
             if choice.output is not None and choice.output.finished:
                 content, calls, finish_reason = self._answer(choice)
-                delta["content"] = content
-                delta["tool_calls"] = [call.as_json(i) for i, call in enumerate(calls)]
+                found = Parsed(content, calls)
+            else:
+                found = self.tools.partial(self.texts.visible(choice))
+            content_delta, call_deltas = stream.step(found)
+            if content_delta is not None or first:  # vLLM's first chunk has content ""
+                delta["content"] = content_delta or ""
+            if call_deltas:
+                delta["tool_calls"] = call_deltas
         return self._body("chat.completion.chunk", [{
             "index": choice.index, "delta": delta,
             "logprobs": None if choice.logprobs is None else self._logprobs(logprobs),
             "finish_reason": finish_reason}])
-
-    @property
-    def _calls_tools(self) -> bool:
-        return self.tools is not None and self.tools.choice != "none"
 
     def _answer(self, choice: Choice) -> tuple[str | None, tuple[ToolCall, ...], str | None]:
         """The choice's content, tool calls and finish reason (vLLM's "tool_calls" when an

@@ -150,7 +150,7 @@ HINTS = {
     "tool_choice": "must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
                    "\"function\": {\"name\": ...}}",
     "function_call": "must be 'none' or left out: send 'tools' and 'tool_choice'",
-    "parallel_tool_calls": "must be true or left out: the model may make several calls",
+    "parallel_tool_calls": "must be true or false",
     "logprobs": "must be an integer from 0 (completions) or true/false (chat)",
     **{name: f"{UNSUPPORTED} (a vLLM extension tokenflow does not implement)"
        for name in ("allowed_token_ids", "bad_words", "use_beam_search")},
@@ -329,7 +329,7 @@ class ChatBody(SamplingFields):
     continue_final_message: StrictBool | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: Literal[None, True] = None
+    parallel_tool_calls: bool | None = None  # false: one call at most, as vLLM
     functions: Unused = None
     function_call: Literal[None, "none"] = None
     echo: Literal[None, False] = None
