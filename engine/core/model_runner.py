@@ -16,7 +16,10 @@ import torch
 from engine.batch import Batch, ModelRunnerOutput, ScheduledChunk, lent
 from engine.budget.peaks import measure_peaks
 from engine.config import EngineConfig
+from engine.core.attention_choice import AttentionChoice, attention_candidates, choose_attention
 from engine.core.backend_choice import (
+    DECODE_CONTEXT,
+    DECODES,
     KERNELS,
     PAGED,
     TORCH,
@@ -132,9 +135,6 @@ class ModelRunner:
                                                          loaded.tokenizer)
         self.logits_processors = LogitsProcessors(self.tokenizer, self.model_config.vocab_size)
         self.startup_s["model_load"], mark = time.perf_counter() - mark, time.perf_counter()
-        # the one attention path this runner runs: its KV layout and its step metadata
-        self.backend = self._backend(config, flash)
-        self.block_size = self.backend.block_size
         self.graphs: DecodeGraphs | None = None
         self._graphs: DecodeGraphs | None = None  # made once, kept while the choice is timed
         self.choice: Choice | None = None  # CPU eager steps only
@@ -144,6 +144,21 @@ class ModelRunner:
         # compiled first: the KV pool of a GPU is sized after a warm-up step on the real path
         self.compile_s = self._compile() if compiles(config) else 0.0
         mark += self.compile_s
+        # the one attention path this runner runs: its KV layout and its step metadata, timed
+        # on the compiled model where auto leaves a choice
+        found = attention_candidates(config.attention_backend, self.device.type, flash)
+        self.attention: AttentionChoice = choose_attention(
+            found, self.attention_timer(config, time.perf_counter), time.perf_counter)
+        self.backend = self._backend(config, self.attention.name)
+        self.block_size = self.backend.block_size
+        if self.block_size != config.block_size:
+            log.info("KV blocks of %d tokens, not the %d asked: flash-attn's paged KV needs "
+                     "multiples of %d", self.block_size, config.block_size, self.block_size)
+        if self.attention.how == "measured":
+            del self.kv_cache  # the last probe's pool: the KV sizing below must not count it
+            self.attention_note = self.attention.name
+            log.info("%s", self.attention.line())
+        self.startup_s["attention"], mark = time.perf_counter() - mark, time.perf_counter()
         # before the pool: the copy probe's scratch (GiBs on a GPU) must not meet a full device
         self.peaks = measure_peaks(str(self.device), self.dtype)
         self.startup_s["peaks"], mark = time.perf_counter() - mark, time.perf_counter()
@@ -189,19 +204,43 @@ class ModelRunner:
         log.info("flash-attn is installed but not used: %s; attention runs on torch", refusal)
         return False
 
-    def _backend(self, config: EngineConfig, flash: bool) -> AttentionBackend:
+    def _backend(self, config: EngineConfig, name: str) -> AttentionBackend:
         mc = self.model_config
         window = mc.sliding_window if mc.sliding_layers else None
-        if flash:
-            backend = FlashBackend(window)
-            if backend.block_size != config.block_size:
-                log.info("KV blocks of %d tokens, not the %d asked: flash-attn's paged KV needs "
-                         "multiples of %d", backend.block_size, config.block_size,
-                         backend.block_size)
-            return backend
-        if config.attention_backend == "flex":
+        if name == "flash":
+            return FlashBackend(window)
+        if name == "flex":
             return FlexBackend(config.block_size, window, self.dtype)
         return TorchBackend(config.block_size, window, self.dtype)
+
+    def attention_timer(self, config: EngineConfig,
+                         clock: Callable[[], float]) -> Callable[[str], float]:
+        """Seconds of one mixed step (a chunk over history beside a batch of decodes) on a
+        path, each path over its own small KV pool, freed once the choice is made."""
+        pools: dict[str, tuple[AttentionBackend, int, torch.Tensor]] = {}
+
+        def time_step(name: str) -> float:
+            if name not in pools:
+                self.backend = self._backend(config, name)
+                self.block_size = self.backend.block_size
+                per_decode = -(-(DECODE_CONTEXT + 1) // self.block_size)
+                self.num_blocks = DECODES * per_decode
+                pools[name] = (self.backend, self.num_blocks, self._allocate_kv())
+            self.backend, self.num_blocks, self.kv_cache = pools[name]
+            self.block_size = self.backend.block_size
+            probe = StepProbe(self)
+            with lent(self.run, probe.lent):
+                self._synchronize()
+                start = clock()
+                self.forward(probe.prefill_step + probe.decode_steps[0])
+                self._synchronize()
+                return clock() - start
+
+        return time_step
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _kernels(self, config: EngineConfig, flash: bool) -> tuple[bool, str]:
         """Whether the C++ kernels are candidates here and, if not, why (for the start-up log)."""
