@@ -188,7 +188,7 @@ class ModelRunner:
         self.startup_s["compile"] = self.compile_s
 
     def _flash(self, config: EngineConfig, head_dim: int) -> bool:
-        """Whether attention runs on flash-attn: asked or auto, installed, and able to here."""
+        """Whether flash-attn is a candidate: asked or auto, installed, and able to run here."""
         if config.attention_backend not in ("auto", "flash"):
             return False
         if not flash_importable(self.device):
@@ -201,7 +201,7 @@ class ModelRunner:
             return True
         if config.attention_backend == "flash":
             raise EngineError(f"attention_backend=flash: {refusal}; use auto, flex or torch")
-        log.info("flash-attn is installed but not used: %s; attention runs on torch", refusal)
+        log.info("flash-attn is installed but no candidate: %s", refusal)
         return False
 
     def _backend(self, config: EngineConfig, name: str) -> AttentionBackend:
