@@ -114,7 +114,7 @@ def measure(model: str, *, device: str = "cpu", dtype: str = "float32", chunk: i
     return {
         "model": model,
         "device": str(engine.runner.device),
-        "attention": "flash-attn" if engine.runner.use_flash else "torch",
+        "attention": "flash-attn" if engine.runner.backend.name == "flash" else "torch",
         "params": budget.params,
         "peak_flops": peaks.flops,
         "peak_bandwidth": peaks.bandwidth,

@@ -131,7 +131,8 @@ def test_a_runner_takes_what_measures_fastest_says_so_and_a_later_start_reads_it
     runner = ModelRunner(config)
     assert runner.choice is not None and runner.choice.how == "measured"
     assert runner.choice.backends == Backends(EAGER_TORCH, PAGED)
-    assert not runner.paged_decode and runner.paged_prefill and runner.graphs is None
+    assert not runner.backend.paged_decode and runner.backend.paged_prefill
+    assert runner.graphs is None
     assert KERNELS not in runner.swap.built  # linear_rows's copy of the weights dropped
     assert not any(isinstance(m, PanelLinear) for m in runner.model.modules())
     assert runner.attention_note.startswith(
@@ -150,7 +151,7 @@ def test_a_runner_takes_what_measures_fastest_says_so_and_a_later_start_reads_it
                                       kv_cache_bytes=1 << 22, attention_backend="paged",
                                       cpu_graphs=False))
     assert forced.choice is not None and forced.choice.how == "forced"
-    assert forced.paged_decode and forced.graphs is None
+    assert forced.backend.paged_decode and forced.graphs is None
 
 
 def test_graphs_win_when_they_measure_fastest(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -160,7 +161,8 @@ def test_graphs_win_when_they_measure_fastest(monkeypatch: pytest.MonkeyPatch) -
     runner = ModelRunner(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32",
                                       kv_cache_bytes=1 << 22))
     assert runner.choice is not None and runner.choice.backends == Backends(GRAPHS, TORCH)
-    assert runner.paged_decode and not runner.paged_prefill and runner.graphs is not None
+    assert runner.backend.paged_decode and not runner.backend.paged_prefill
+    assert runner.graphs is not None
 
 
 def test_graphs_forced_on_beside_torch_attention_is_refused_naming_the_fix() -> None:

@@ -46,9 +46,9 @@ def _graphed(directory: Path, budget: int, sizes: tuple[int, ...]) -> tuple[Engi
     runner = engine.runner
     double = ReplayDouble()
     runner.cuda_graphs = CudaGraphs(
-        runner.model, runner.kv_cache, device=runner.device, block_size=runner.block_size,
-        max_model_len=runner.max_model_len, pad_block=runner.num_blocks,
-        window=runner.layout.window, use_flash=False, sizes=sizes, capture=double)
+        runner.model, runner.kv_cache, device=runner.device, backend=runner.backend,
+        max_model_len=runner.max_model_len, pad_block=runner.num_blocks, sizes=sizes,
+        capture=double)
     return engine, double
 
 

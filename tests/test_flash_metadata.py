@@ -7,7 +7,9 @@ from __future__ import annotations
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
-from engine.core.step_inputs import InputLayout, prepare
+from engine.core.step_inputs import prepare
+from engine.kernels.attention import FlashMetadata
+from engine.kernels.backends import FlashBackend
 
 
 def test_flash_fields_follow_the_packed_order() -> None:
@@ -20,9 +22,9 @@ def test_flash_fields_follow_the_packed_order() -> None:
     engine.add_request(long_prompt, SamplingParams(max_tokens=4, ignore_eos=True))
     batch = engine.scheduler.schedule()
     rows = engine.runner.requests.update(batch)
-    layout = InputLayout(torch.device("cpu"), torch.float32, 16, None, use_flash=True)
-    inputs = prepare(batch.chunks, rows, layout, False, False)
+    inputs = prepare(batch.chunks, rows, FlashBackend(None, block_size=16))
     meta = inputs.meta
+    assert isinstance(meta, FlashMetadata)
     prefill = next(c for c in batch.chunks if not c.is_decode)
     decode = next(c for c in batch.chunks if c.is_decode)
     assert meta.cu_seqlens_q.dtype == meta.cu_seqlens_k.dtype == torch.int32
@@ -37,8 +39,6 @@ def test_flash_fields_follow_the_packed_order() -> None:
     assert meta.block_table.tolist() == [
         t + [0] * (width - len(t)) for t in (tables[prefill.request_id],
                                              tables[decode.request_id])]
-    assert meta.prefills == () and meta.decode_groups == () and meta.windowed is None
-    assert meta.decode_tables is None and meta.flex is None
     # the new tokens' slots, prefill rows first
     table = tables[prefill.request_id]
     first = [table[p // 16] * 16 + p % 16 for p in range(prefill.start, prefill.start + 3)]

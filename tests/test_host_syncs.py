@@ -70,7 +70,7 @@ def test_packed_inputs_come_back_whole() -> None:
     from engine.core.step_inputs import prepare
 
     inputs = dataclasses.replace(
-        prepare(batch.chunks, rows, runner.layout, runner.paged_prefill, runner.paged_decode),
+        prepare(batch.chunks, rows, runner.backend),
         sampling=sampling_inputs([r for c, r in zip(batch.chunks, rows, strict=True)
                                   if c.samples], engine.model_config.vocab_size))
     found = tensors(inputs)

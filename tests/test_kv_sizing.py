@@ -121,7 +121,7 @@ def test_flash_runs_only_on_its_dtypes_gpus_and_head_sizes(gpu, dtype, head_dim,
 def test_a_refused_flash_falls_back_with_one_line_or_fails_where_forced(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, backend: str) -> None:
     """The runner's guard with the GPU faked: fp32 on an Ampere card (the correctness checks'
-    dtype) runs on torch under auto, and is refused, naming the fix, where flash is forced."""
+    dtype) is no candidate under auto, and is refused, naming the fix, where flash is forced."""
     runner = ModelRunner(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32",
                                       attention_backend="torch"))
     monkeypatch.setattr(model_runner, "flash_importable", lambda device: True)
@@ -134,8 +134,8 @@ def test_a_refused_flash_falls_back_with_one_line_or_fails_where_forced(
     with caplog.at_level(logging.INFO, logger=model_runner.__name__):
         assert runner._flash(config, 64) is False
     lines = [r.message for r in caplog.records if "flash-attn" in r.message]
-    assert lines == ["flash-attn is installed but not used: flash-attn takes float16 or "
-                     "bfloat16, not float32; attention runs on torch"]
+    assert lines == ["flash-attn is installed but no candidate: flash-attn takes float16 or "
+                     "bfloat16, not float32"]
     runner.dtype = torch.bfloat16
     assert runner._flash(config, 64) is True
 

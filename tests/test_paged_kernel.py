@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.core.model_runner import ModelRunner
 from engine.errors import EngineError
 from engine.kernels import cpu_kernels as kernel
-from engine.kernels.attention import AttentionMetadata, DecodeGroup, PagedAttention, PrefillSpan
+from engine.kernels.attention import DecodeGroup, PagedAttention, PrefillSpan, TorchMetadata
 
 
 def reference(q, k_cache, v_cache, tables, lengths, scale, window, softcap):
@@ -144,10 +144,11 @@ def test_kernel_rejects_mixed_dtypes() -> None:
 def test_the_kernel_path_and_the_torch_path_are_taken_when_asked() -> None:
     paged = ModelRunner(EngineConfig(device="cpu", attention_backend="paged", cpu_graphs=True))
     torch_path = ModelRunner(EngineConfig(device="cpu", attention_backend="torch"))
-    assert paged.paged_decode and paged.paged_prefill and paged.graphs is not None
+    assert paged.backend.paged_decode and paged.backend.paged_prefill
+    assert paged.graphs is not None
     assert paged.attention_note == ("CPU backends (forced): decode paged/kernels/graphs, "
                                     "prefill paged")
-    assert not torch_path.paged_decode and not torch_path.paged_prefill
+    assert not torch_path.backend.paged_decode and not torch_path.backend.paged_prefill
     assert torch_path.attention_note == "torch"
 
 
@@ -156,7 +157,7 @@ def test_without_a_compiler_auto_keeps_the_torch_path_and_paged_says_why(monkeyp
     kernel.load.cache_clear()
     try:
         runner = ModelRunner(EngineConfig(device="cpu"))
-        assert not runner.paged_decode and not runner.paged_prefill
+        assert not runner.backend.paged_decode and not runner.backend.paged_prefill
         assert "no C++ compiler" in runner.attention_note
         with pytest.raises(EngineError, match="attention_backend=torch"):
             ModelRunner(dataclasses.replace(EngineConfig(device="cpu"),
@@ -169,7 +170,7 @@ def test_paged_attention_layer_runs_prefill_chunks_through_the_kernel() -> None:
     """A step of two prefill chunks (one with history) gives the same rows whether the
     spans carry block tables (the kernel) or slots and masks (SDPA)."""
     torch.manual_seed(4)
-    layer = PagedAttention(num_heads=4, num_kv_heads=2, head_dim=16, use_flash=False)
+    layer = PagedAttention(num_heads=4, num_kv_heads=2, head_dim=16)
     k_cache, v_cache = torch.randn(2, 2, 8, 16, 16).unbind(0)
     q, k, v = torch.randn(30, 4, 16), torch.randn(30, 2, 16), torch.randn(30, 2, 16)
     first, second = torch.tensor([6, 2]), torch.tensor([1, 4, 7])
@@ -182,7 +183,7 @@ def test_paged_attention_layer_runs_prefill_chunks_through_the_kernel() -> None:
     torch_spans = (PrefillSpan(0, 12, slots[:12], None),
                    PrefillSpan(12, 18, second[keys // 16] * 16 + keys % 16,
                                keys[None] <= torch.arange(20, 38)[:, None]))
-    metas = [AttentionMetadata(slot_mapping=slots, prefills=spans, decode_start=30,
+    metas = [TorchMetadata(slot_mapping=slots, prefills=spans, decode_start=30,
                                decode_groups=()) for spans in (kernel_spans, torch_spans)]
     got, want = (layer(q, k, v, k_cache.clone(), v_cache.clone(), meta) for meta in metas)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
@@ -191,7 +192,7 @@ def test_paged_attention_layer_runs_prefill_chunks_through_the_kernel() -> None:
 def test_paged_attention_layer_uses_the_decode_tables() -> None:
     """A decode-only step through PagedAttention gives the same rows on both backends."""
     torch.manual_seed(1)
-    layer = PagedAttention(num_heads=4, num_kv_heads=2, head_dim=16, use_flash=False)
+    layer = PagedAttention(num_heads=4, num_kv_heads=2, head_dim=16)
     kernel.load()
     k_cache = torch.randn(2, 8, 16, 16)
     v_cache = torch.randn(2, 8, 16, 16)
@@ -199,13 +200,13 @@ def test_paged_attention_layer_uses_the_decode_tables() -> None:
     tables = torch.tensor([[3, 5], [1, 0]], dtype=torch.int64)
     lengths = torch.tensor([20, 9], dtype=torch.int64)
     slots = torch.tensor([5 * 16 + 3, 1 * 16 + 8], dtype=torch.int64)
-    paged_meta = AttentionMetadata(slot_mapping=slots, prefills=(), decode_start=0,
+    paged_meta = TorchMetadata(slot_mapping=slots, prefills=(), decode_start=0,
                                    decode_groups=(), decode_tables=tables,
                                    decode_lengths=lengths)
     bias = torch.zeros(1, 2, 1, 32)
     bias[0, 0, 0, 20:] = float("-inf")
     bias[0, 1, 0, 9:] = float("-inf")
-    torch_meta = AttentionMetadata(slot_mapping=slots, prefills=(), decode_start=0,
+    torch_meta = TorchMetadata(slot_mapping=slots, prefills=(), decode_start=0,
                                    decode_groups=(DecodeGroup(0, 2, tables, bias),))
     got = layer(q, k, v, k_cache.clone(), v_cache.clone(), paged_meta)
     want = layer(q, k, v, k_cache.clone(), v_cache.clone(), torch_meta)

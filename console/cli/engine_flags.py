@@ -54,9 +54,10 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--stats-window-s": ("stats_window_s", float,
                          "seconds the latency percentiles cover (default 60)"),
     "--attention-backend": ("attention_backend", str,
-                            "auto (flash-attn on CUDA where installed; on CPU whichever of the "
-                            "paged C++ kernels and torch measures faster, cached per machine), "
-                            "torch, flash or paged"),
+                            "auto (on CUDA the fastest of torch, flex and flash-attn where "
+                            "installed, timed at start; on CPU whichever of the paged C++ "
+                            "kernels and torch measures faster, cached per machine), torch, "
+                            "flash, flex or paged"),
     "--logprobs-mode": ("logprobs_mode", str,
                         "raw_logprobs (default, as vLLM's) scores the model's own logits; "
                         "processed_logprobs scores the logits sampled from, after bias, "

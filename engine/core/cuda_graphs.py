@@ -19,7 +19,8 @@ import torch
 
 from engine.batch import ScheduledChunk
 from engine.core.runner_requests import RunnerRequest
-from engine.kernels.attention import AttentionMetadata, DecodeGroup
+from engine.kernels.attention import AttentionMetadata
+from engine.kernels.backends import AttentionBackend
 
 # vLLM's capture sizes: 1, 2, 4, then every 8 up to the largest decode batch
 SMALL_SIZES = (1, 2, 4)
@@ -76,14 +77,14 @@ class CudaGraphs:
     """The captured decode graphs of one runner; `capture` is cuda_capture on a GPU."""
 
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, *, device: torch.device,
-                 block_size: int, max_model_len: int, pad_block: int, window: int | None,
-                 use_flash: bool, sizes: Sequence[int], capture: Capture = cuda_capture,
+                 backend: AttentionBackend, max_model_len: int, pad_block: int,
+                 sizes: Sequence[int], capture: Capture = cuda_capture,
                  pool: object = None) -> None:
         self.model, self.kv_cache = model, kv_cache
-        self.block_size, self.window, self.use_flash = block_size, window, use_flash
+        self.backend, self.block_size = backend, backend.block_size
         self.max_model_len = max_model_len
         self.sizes = tuple(sorted(sizes))
-        self.width = -(-max_model_len // block_size)
+        self.width = -(-max_model_len // self.block_size)
         self.pad_block = pad_block
         self._capture, self._pool = capture, pool
         largest = self.sizes[-1]
@@ -144,29 +145,5 @@ class CudaGraphs:
     def _metadata(self, size: int) -> AttentionMetadata:
         """Attention's metadata from the static buffers, built inside the graph."""
         s = self.static
-        lengths, tables = s.lengths[:size], s.tables[:size]
-        if self.use_flash:
-            zero = torch.zeros(1, dtype=torch.int32, device=lengths.device)
-            return AttentionMetadata(
-                slot_mapping=s.slots[:size], prefills=(), decode_start=0, decode_groups=(),
-                cu_seqlens_q=torch.arange(size + 1, dtype=torch.int32, device=lengths.device),
-                cu_seqlens_k=torch.cat((zero, lengths.cumsum(0).to(torch.int32))),
-                block_table=tables.to(torch.int32), max_seqlen_q=1,
-                max_seqlen_k=self.max_model_len)
-        keys = torch.arange(self.width * self.block_size, device=lengths.device)
-        dtype = self.kv_cache.dtype
-
-        def group(window: int | None) -> DecodeGroup:
-            hidden = keys >= lengths[:, None]
-            if window is not None:
-                hidden |= keys < lengths[:, None] - window
-            bias = torch.zeros(hidden.shape, dtype=dtype, device=lengths.device)
-            bias.masked_fill_(hidden, float("-inf"))
-            return DecodeGroup(0, size, tables, bias.view(1, size, 1, -1))
-
-        windowed = None
-        if self.window is not None:
-            windowed = AttentionMetadata(slot_mapping=s.slots[:size], prefills=(),
-                                         decode_start=0, decode_groups=(group(self.window),))
-        return AttentionMetadata(slot_mapping=s.slots[:size], prefills=(), decode_start=0,
-                                 decode_groups=(group(None),), windowed=windowed)
+        return self.backend.graph_metadata(s.slots[:size], s.tables[:size], s.lengths[:size],
+                                           self.max_model_len)

@@ -16,7 +16,10 @@ import torch
 from engine.batch import Batch, ModelRunnerOutput, ScheduledChunk, lent
 from engine.budget.peaks import measure_peaks
 from engine.config import EngineConfig
+from engine.core.attention_choice import AttentionChoice, attention_candidates, choose_attention
 from engine.core.backend_choice import (
+    DECODE_CONTEXT,
+    DECODES,
     KERNELS,
     PAGED,
     TORCH,
@@ -37,17 +40,12 @@ from engine.core.logits_processors import LogitsProcessors
 from engine.core.runner_requests import RunnerRequest, RunnerRequests
 from engine.core.sampler import SamplingInputs, sample, sampling_inputs, token_logprobs
 from engine.core.staging import Staging
-from engine.core.step_inputs import InputLayout, StepInputs, prepare
+from engine.core.step_inputs import StepInputs, prepare
 from engine.errors import EngineError
 from engine.kernels import huge_pages
-from engine.kernels.attention import (
-    FLASH_BLOCK_SIZE,
-    block_dim,
-    cache_shape,
-    describe_gpu,
-    flash_refusal,
-)
+from engine.kernels.attention import describe_gpu, flash_refusal
 from engine.kernels.attention import flash_available as flash_importable
+from engine.kernels.backends import AttentionBackend, FlashBackend, FlexBackend, TorchBackend
 from engine.kernels.cpu_graph import DecodeGraphs
 from engine.kernels.cpu_kernels import KernelUnavailable, prefill_supports
 from engine.kernels.cpu_kernels import load as load_cpu_kernels
@@ -123,29 +121,20 @@ class ModelRunner:
         self.requests = RunnerRequests()
         self.staging = Staging(self.device)
         shape = model_config_for(config.model)
-        self.use_flash = self._flash(config, shape.head_dim)
+        flash = self._flash(config, shape.head_dim)
         # where a start's seconds go, phase by phase (`tokenflow run --json`'s cold start)
         self.startup_s: dict[str, float] = {}
         mark = time.perf_counter()
-        kernels, self.attention_note = self._kernels(config)
+        kernels, self.attention_note = self._kernels(config, flash)
         self.startup_s["kernels"], mark = time.perf_counter() - mark, time.perf_counter()
         self.max_model_len = min(config.max_model_len or shape.max_position_embeddings,
                                  shape.max_position_embeddings)
         loaded = load_model(config.model, self.device, self.dtype, self.max_model_len,
-                            seed=config.seed, use_flash=self.use_flash)
+                            seed=config.seed)
         self.model, self.model_config, self.tokenizer = (loaded.model, loaded.config,
                                                          loaded.tokenizer)
         self.logits_processors = LogitsProcessors(self.tokenizer, self.model_config.vocab_size)
         self.startup_s["model_load"], mark = time.perf_counter() - mark, time.perf_counter()
-        self.block_size = FLASH_BLOCK_SIZE if self.use_flash else config.block_size
-        if self.block_size != config.block_size:
-            log.info("KV blocks of %d tokens, not the %d asked: flash-attn's paged KV needs "
-                     "multiples of %d", self.block_size, config.block_size, FLASH_BLOCK_SIZE)
-        mc = self.model_config
-        self.layout = InputLayout(self.device, self.dtype, self.block_size,
-                                  mc.sliding_window if mc.sliding_layers else None,
-                                  self.use_flash, config.attention_backend == "flex")
-        self.paged_decode = self.paged_prefill = False
         self.graphs: DecodeGraphs | None = None
         self._graphs: DecodeGraphs | None = None  # made once, kept while the choice is timed
         self.choice: Choice | None = None  # CPU eager steps only
@@ -155,6 +144,21 @@ class ModelRunner:
         # compiled first: the KV pool of a GPU is sized after a warm-up step on the real path
         self.compile_s = self._compile() if compiles(config) else 0.0
         mark += self.compile_s
+        # the one attention path this runner runs: its KV layout and its step metadata, timed
+        # on the compiled model where auto leaves a choice
+        found = attention_candidates(config.attention_backend, self.device.type, flash)
+        self.attention: AttentionChoice = choose_attention(
+            found, self.attention_timer(config, time.perf_counter), time.perf_counter)
+        self.backend = self._backend(config, self.attention.name)
+        self.block_size = self.backend.block_size
+        if self.block_size != config.block_size:
+            log.info("KV blocks of %d tokens, not the %d asked: flash-attn's paged KV needs "
+                     "multiples of %d", self.block_size, config.block_size, self.block_size)
+        if self.attention.how == "measured":
+            del self.kv_cache  # the last probe's pool: the KV sizing below must not count it
+            self.attention_note = self.attention.name
+            log.info("%s", self.attention.line())
+        self.startup_s["attention"], mark = time.perf_counter() - mark, time.perf_counter()
         # before the pool: the copy probe's scratch (GiBs on a GPU) must not meet a full device
         self.peaks = measure_peaks(str(self.device), self.dtype)
         self.startup_s["peaks"], mark = time.perf_counter() - mark, time.perf_counter()
@@ -184,7 +188,7 @@ class ModelRunner:
         self.startup_s["compile"] = self.compile_s
 
     def _flash(self, config: EngineConfig, head_dim: int) -> bool:
-        """Whether attention runs on flash-attn: asked or auto, installed, and able to here."""
+        """Whether flash-attn is a candidate: asked or auto, installed, and able to run here."""
         if config.attention_backend not in ("auto", "flash"):
             return False
         if not flash_importable(self.device):
@@ -197,16 +201,54 @@ class ModelRunner:
             return True
         if config.attention_backend == "flash":
             raise EngineError(f"attention_backend=flash: {refusal}; use auto, flex or torch")
-        log.info("flash-attn is installed but not used: %s; attention runs on torch", refusal)
+        log.info("flash-attn is installed but no candidate: %s", refusal)
         return False
 
-    def _kernels(self, config: EngineConfig) -> tuple[bool, str]:
+    def _backend(self, config: EngineConfig, name: str) -> AttentionBackend:
+        mc = self.model_config
+        window = mc.sliding_window if mc.sliding_layers else None
+        if name == "flash":
+            return FlashBackend(window)
+        if name == "flex":
+            return FlexBackend(config.block_size, window, self.dtype)
+        return TorchBackend(config.block_size, window, self.dtype)
+
+    def attention_timer(self, config: EngineConfig,
+                         clock: Callable[[], float]) -> Callable[[str], float]:
+        """Seconds of one mixed step (a chunk over history beside a batch of decodes) on a
+        path, each path over its own small KV pool, freed once the choice is made."""
+        pools: dict[str, tuple[AttentionBackend, int, torch.Tensor]] = {}
+
+        def time_step(name: str) -> float:
+            if name not in pools:
+                self.backend = self._backend(config, name)
+                self.block_size = self.backend.block_size
+                per_decode = -(-(DECODE_CONTEXT + 1) // self.block_size)
+                self.num_blocks = DECODES * per_decode
+                pools[name] = (self.backend, self.num_blocks, self._allocate_kv())
+            self.backend, self.num_blocks, self.kv_cache = pools[name]
+            self.block_size = self.backend.block_size
+            probe = StepProbe(self)
+            with lent(self.run, probe.lent):
+                self._synchronize()
+                start = clock()
+                self.forward(probe.prefill_step + probe.decode_steps[0])
+                self._synchronize()
+                return clock() - start
+
+        return time_step
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _kernels(self, config: EngineConfig, flash: bool) -> tuple[bool, str]:
         """Whether the C++ kernels are candidates here and, if not, why (for the start-up log)."""
         if self.device.type != "cpu" or config.attention_backend not in ("auto", "paged"):
             if config.attention_backend == "paged":
                 raise EngineError("attention_backend=paged is the CPU kernel; on CUDA use auto, "
                                   "flash or torch")
-            if self.use_flash:
+            if flash:
                 return False, "flash"
             return False, "flex" if config.attention_backend == "flex" else "torch"
         try:
@@ -237,8 +279,12 @@ class ModelRunner:
         return choice
 
     def apply(self, backends: Backends) -> None:
-        self.paged_decode = backends.decode.attention == PAGED
-        self.paged_prefill = backends.prefill_attention == PAGED
+        """Run the CPU backends chosen: the paged kernels are the gather path's to take."""
+        if not isinstance(self.backend, TorchBackend):
+            raise EngineError(f"the CPU backends apply to the torch attention path, not "
+                              f"{self.backend.name}")
+        self.backend.paged_decode = backends.decode.attention == PAGED
+        self.backend.paged_prefill = backends.prefill_attention == PAGED
         dense = KERNELS if backends.decode.dense == KERNELS else PACKED
         self.swap.use(dense if self.eager_cpu else PLAIN)
         if backends.decode.graphs and self._graphs is None:
@@ -289,32 +335,30 @@ class ModelRunner:
     def _cuda_graphs(self, config: EngineConfig) -> CudaGraphs:
         """Whole-model decode graphs; captured as their sizes are first met, on the engine's
         thread. SDPA gathers whole tables in them: fewer sizes where that is large."""
-        return CudaGraphs(self.model, self.kv_cache, device=self.device,
-                          block_size=self.block_size, max_model_len=self.max_model_len,
-                          pad_block=self.num_blocks, window=self.layout.window,
-                          use_flash=self.use_flash, sizes=self.graph_sizes(config))
+        return CudaGraphs(self.model, self.kv_cache, device=self.device, backend=self.backend,
+                          max_model_len=self.max_model_len, pad_block=self.num_blocks,
+                          sizes=self.graph_sizes(config))
 
     def graph_sizes(self, config: EngineConfig) -> tuple[int, ...]:
         mc = self.model_config
-        row = 0 if self.use_flash else (2 * self.max_model_len * mc.num_kv_heads * mc.head_dim
-                                        * self.bytes_per_element)
+        row = 0 if not self.backend.gathers else (2 * self.max_model_len * mc.num_kv_heads
+                                                  * mc.head_dim * self.bytes_per_element)
         return capture_sizes(config.max_num_seqs, row)
 
     def worst_step(self, config: EngineConfig) -> WorstStep:
         """The largest step a live change of the budget may make: what the pool leaves room for."""
-        attention = "flash" if self.use_flash else config.attention_backend
         graphs = (self.graph_sizes(config)[-1]
                   if self.device.type == "cuda" and compiles(config) else 0)
         return WorstStep(tokens=config.budget_ceiling(), context=self.max_model_len,
                          rows=config.max_num_seqs,
-                         attention=attention if attention in ("flash", "flex") else "torch",
+                         attention=self.backend.name,
                          graph_tokens=graphs)
 
     def _allocate_kv(self) -> torch.Tensor:
         mc = self.model_config
         # one spare block past the pool's: CUDA graphs' padding rows write there
-        layout = cache_shape(self.use_flash, mc.num_layers, self.num_blocks + 1, self.block_size,
-                             mc.num_kv_heads, mc.head_dim)
+        layout = self.backend.cache_shape(mc.num_layers, self.num_blocks + 1, mc.num_kv_heads,
+                                          mc.head_dim)
         if self.device.type == "cpu":
             return huge_pages.zeros(layout, self.dtype)
         return torch.zeros(layout, dtype=self.dtype, device=self.device)
@@ -353,7 +397,7 @@ class ModelRunner:
 
     def _block_rows(self) -> torch.Tensor:
         """The KV tensor as [outside a block, blocks, a block's elements]: contiguous blocks."""
-        return self.kv_cache.flatten(0, block_dim(self.use_flash) - 1).flatten(2)
+        return self.kv_cache.flatten(0, self.backend.block_dim - 1).flatten(2)
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> ModelRunnerOutput:
@@ -414,5 +458,5 @@ class ModelRunner:
                 sampling: SamplingInputs | None = None) -> StepInputs:
         """The step's inputs on the device: built on the host, sent in one upload."""
         inputs = prepare(chunks, self.requests.rows(chunks) if rows is None else rows,
-                         self.layout, self.paged_prefill, self.paged_decode)
+                         self.backend)
         return self.staging.upload(dataclasses.replace(inputs, sampling=sampling))

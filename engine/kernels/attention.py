@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache for one packed batch, and its per-step metadata."""
+"""Attention over the paged KV cache for one packed batch, and each path's per-step metadata:
+the path a layer runs is the type of the metadata it is handed (engine.kernels.backends)."""
 
 from __future__ import annotations
 
@@ -87,6 +88,7 @@ class FlexMetadata:
     query sees the keys of its own sequence at or before its position (within the window on
     windowed layers). One gather and one fused call a layer serve the whole step."""
 
+    slot_mapping: torch.Tensor  # [N] where each new token's K/V is written
     key_slots: torch.Tensor  # [K] flat cache slots of every chunk's keys
     query_seq: torch.Tensor  # [N] the sequence (chunk index) of each query row
     query_pos: torch.Tensor  # [N]
@@ -110,37 +112,36 @@ class FlexMetadata:
 
 
 @dataclass(frozen=True)
-class AttentionMetadata:
-    """Everything attention needs for one step, built once per step (not per layer)."""
+class TorchMetadata:
+    """The gather path's step: SDPA over gathered keys, or the CPU paged kernels where the
+    spans carry block tables and `decode_tables` is set. Built once per step, not per layer."""
 
     slot_mapping: torch.Tensor
     prefills: tuple[PrefillSpan, ...]
     decode_start: int  # decodes are rows [decode_start, num_tokens)
     decode_groups: tuple[DecodeGroup, ...]
-    cu_seqlens_q: torch.Tensor | None = None
-    cu_seqlens_k: torch.Tensor | None = None
-    block_table: torch.Tensor | None = None
-    max_seqlen_q: int = 0
-    max_seqlen_k: int = 0
-    windowed: AttentionMetadata | None = None
+    windowed: TorchMetadata | None = None  # what sliding-window layers read instead
     decode_tables: torch.Tensor | None = None
     decode_lengths: torch.Tensor | None = None
-    flex: FlexMetadata | None = None  # FlexAttention reads this alone
+
+
+@dataclass(frozen=True)
+class FlashMetadata:
+    """What flash_attn_varlen_func reads: int32 offsets in packed order and block tables."""
+
+    slot_mapping: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    block_table: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+AttentionMetadata = TorchMetadata | FlashMetadata | FlexMetadata
 
 
 def flash_available(device: torch.device) -> bool:
     return device.type == "cuda" and flash_attn_varlen_func is not None
-
-
-def cache_shape(use_flash: bool, num_layers: int, num_blocks: int, block_size: int,
-                num_kv_heads: int, head_dim: int) -> tuple[int, ...]:
-    if use_flash:
-        return (2, num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-    return (2, num_layers, num_kv_heads, num_blocks, block_size, head_dim)
-
-
-def block_dim(use_flash: bool) -> int:
-    return 2 if use_flash else 3
 
 
 CacheWrite = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
@@ -157,7 +158,7 @@ def index_copy_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
 class PagedAttention:
     """Writes new K/V into a layer's cache slice and attends over the history."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, use_flash: bool,
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  scale: float | None = None, window: int | None = None,
                  softcap: float | None = None) -> None:
         self.num_heads = num_heads
@@ -165,7 +166,6 @@ class PagedAttention:
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
-        self.use_flash = use_flash
         self.window = window
         self.softcap = softcap
         self.write: CacheWrite = index_copy_write  # or the kernel's (engine.core.kernel_swap)
@@ -173,23 +173,31 @@ class PagedAttention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
-        if self.use_flash:
-            flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
-            flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
-            flat_k.index_copy_(0, meta.slot_mapping, k)
-            flat_v.index_copy_(0, meta.slot_mapping, v)
-            return flash_attn_varlen_func(
-                q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
-                meta.max_seqlen_k, softmax_scale=self.scale, causal=True,
-                # flash's window counts keys left of the query, ours includes the query
-                window_size=(-1, -1) if self.window is None else (self.window - 1, 0),
-                softcap=self.softcap or 0.0, block_table=meta.block_table,
-            )
-        if meta.flex is not None:
+        if isinstance(meta, FlashMetadata):
+            return self._flash(q, k, v, k_cache, v_cache, meta)
+        if isinstance(meta, FlexMetadata):
             return self._flex(q, k, v, k_cache, v_cache, meta)
+        return self._gather(q, k, v, k_cache, v_cache, meta)
+
+    def _flash(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: FlashMetadata) -> torch.Tensor:
+        flat_k = k_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_v = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        flat_k.index_copy_(0, meta.slot_mapping, k)
+        flat_v.index_copy_(0, meta.slot_mapping, v)
+        return flash_attn_varlen_func(
+            q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
+            meta.max_seqlen_k, softmax_scale=self.scale, causal=True,
+            # flash's window counts keys left of the query, ours includes the query
+            window_size=(-1, -1) if self.window is None else (self.window - 1, 0),
+            softcap=self.softcap or 0.0, block_table=meta.block_table,
+        )
+
+    def _gather(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: TorchMetadata) -> torch.Tensor:
         if self.window is not None:
             if meta.windowed is None:
-                raise RuntimeError("a sliding-window layer needs AttentionMetadata.windowed")
+                raise RuntimeError("a sliding-window layer needs TorchMetadata.windowed")
             meta = meta.windowed
         self.write(k, v, k_cache, v_cache, meta.slot_mapping)
         flat_k = k_cache.view(self.num_kv_heads, -1, self.head_dim)
@@ -215,10 +223,8 @@ class PagedAttention:
         return out
 
     def _flex(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-              v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        flex = meta.flex
-        assert flex is not None
-        index_copy_write(k, v, k_cache, v_cache, meta.slot_mapping)
+              v_cache: torch.Tensor, flex: FlexMetadata) -> torch.Tensor:
+        index_copy_write(k, v, k_cache, v_cache, flex.slot_mapping)
         keys = k_cache.view(self.num_kv_heads, -1, self.head_dim).index_select(1, flex.key_slots)
         values = v_cache.view(self.num_kv_heads, -1, self.head_dim).index_select(
             1, flex.key_slots)

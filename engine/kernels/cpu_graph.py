@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from engine.kernels import cpu_kernels, huge_pages
-from engine.kernels.attention import AttentionMetadata
+from engine.kernels.attention import AttentionMetadata, TorchMetadata
 from engine.kernels.cpu_kernels import PANEL_MAX_ROWS, Rotation
 
 log = logging.getLogger(__name__)
@@ -118,12 +118,14 @@ class DecodeGraphs:
         self.statics: _Statics | None = None
 
     def covers(self, meta: AttentionMetadata, rows: int) -> bool:
-        return (self.refused is None and not meta.prefills and meta.decode_start == 0
+        return (self.refused is None and isinstance(meta, TorchMetadata) and not meta.prefills
+                and meta.decode_start == 0
                 and meta.decode_tables is not None and rows <= PANEL_MAX_ROWS
                 and meta.decode_tables.shape[1] <= self.max_blocks)
 
     def run(self, x: torch.Tensor, rotations: list[Rotation],
             meta: AttentionMetadata) -> torch.Tensor:
+        assert isinstance(meta, TorchMetadata)
         assert meta.decode_tables is not None and meta.decode_lengths is not None
         if self.statics is None:
             self.statics = _Statics(x, rotations, self.max_blocks)
@@ -146,9 +148,9 @@ class DecodeGraphs:
     def _capture(self, rows: int, values: list[torch.Tensor]) -> CpuGraph:
         assert self.statics is not None
         statics = self.statics.rows(rows)
-        meta = AttentionMetadata(slot_mapping=statics[-3], prefills=(), decode_start=0,
-                                 decode_groups=(), decode_tables=statics[-2],
-                                 decode_lengths=statics[-1])
+        meta = TorchMetadata(slot_mapping=statics[-3], prefills=(), decode_start=0,
+                             decode_groups=(), decode_tables=statics[-2],
+                             decode_lengths=statics[-1])
         meta = replace(meta, windowed=meta)  # the kernel windows each decode itself
         rotations = self.statics.rotations(rows)
 

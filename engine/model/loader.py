@@ -37,13 +37,13 @@ def model_config_for(name: str) -> ModelConfig:
 
 
 def load_model(name: str, device: torch.device, dtype: torch.dtype, max_positions: int,
-               seed: int = 0, use_flash: bool = False) -> LoadedModel:
+               seed: int = 0) -> LoadedModel:
     config = model_config_for(name)
     if name.startswith(SYNTHETIC_PREFIX):
-        model = _build(config, max_positions, use_flash, device, dtype)
+        model = _build(config, max_positions, device, dtype)
         _init_random(model, seed)
         return LoadedModel(model, config, tokenizer_for(name, config))
-    model = _build(config, max_positions, use_flash, device, dtype)
+    model = _build(config, max_positions, device, dtype)
     _load_safetensors(model, _model_dir(name), config)
     return LoadedModel(model, config, tokenizer_for(name, config))
 
@@ -66,13 +66,13 @@ def _model_dir(name: str) -> Path:
     return path
 
 
-def _build(config: ModelConfig, max_positions: int, use_flash: bool, device: torch.device,
+def _build(config: ModelConfig, max_positions: int, device: torch.device,
            dtype: torch.dtype) -> Transformer:
     import torch
 
     from engine.model.transformer import Transformer
     with torch.device(device):
-        model = Transformer(config, max_positions, use_flash)
+        model = Transformer(config, max_positions)
     # rope tables stay fp32; everything else in the serving dtype
     return model.to(dtype=dtype).eval().requires_grad_(False)
 

@@ -108,8 +108,7 @@ class ActAndMul(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, window: int | None,
-                 use_flash: bool) -> None:
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, window: int | None) -> None:
         super().__init__()
         family = config.family
         self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
@@ -129,7 +128,7 @@ class Attention(nn.Module):
         self.window = window
         scale = (config.query_pre_attn_scalar or config.head_dim) ** -0.5
         self.attn = PagedAttention(config.num_heads, config.num_kv_heads, config.head_dim,
-                                   use_flash, scale=scale, window=window,
+                                   scale=scale, window=window,
                                    softcap=config.attn_softcap)
 
     def project(self, x: torch.Tensor,
@@ -164,14 +163,13 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm residual blocks; Gemma also norms each block's output before adding it."""
 
-    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, window: int | None,
-                 use_flash: bool) -> None:
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding, window: int | None) -> None:
         super().__init__()
         h, eps = config.hidden_size, config.rms_norm_eps
         self.gemma = config.family.gemma
         offset = 1.0 if self.gemma else 0.0
         self.input_layernorm = RMSNorm(h, eps, offset)
-        self.self_attn = Attention(config, rope, window, use_flash)
+        self.self_attn = Attention(config, rope, window)
         self.post_attention_layernorm = RMSNorm(h, eps, offset)
         if self.gemma:
             self.pre_feedforward_layernorm = RMSNorm(h, eps, offset)
@@ -199,7 +197,7 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int, use_flash: bool = False) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = config
         rope = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling,
@@ -212,8 +210,7 @@ class Transformer(nn.Module):
         # Gemma multiplies embeddings by √hidden, rounded to the weights' dtype as it does
         self.embed_scale = config.hidden_size ** 0.5 if config.family.gemma else None
         self.layers = nn.ModuleList(
-            DecoderLayer(config, local_rope if config.window(i) else rope, config.window(i),
-                         use_flash)
+            DecoderLayer(config, local_rope if config.window(i) else rope, config.window(i))
             for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps,
                             1.0 if config.family.gemma else 0.0)
