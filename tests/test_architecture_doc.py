@@ -71,8 +71,9 @@ def test_every_engine_and_console_folder_is_in_the_tree() -> None:
 
 def test_the_tree_reader_resolves_by_indentation() -> None:
     named, folders = tree_paths(["engine/   x", "  core/   scheduler.py,",
-                                 "           engine.py: the scheduler/runner loop",
+                                 "           engine_core.py: the scheduler/runner loop",
                                  "  config.py", "docs/"])
     assert folders == {ROOT / "engine/", ROOT / "engine/core/", ROOT / "docs/"}
-    assert named == folders | {ROOT / "engine/core/scheduler.py", ROOT / "engine/core/engine.py",
+    assert named == folders | {ROOT / "engine/core/scheduler.py",
+                               ROOT / "engine/core/engine_core.py",
                                ROOT / "engine/config.py"}

@@ -21,7 +21,7 @@ from console.cli.progress import RunProgress, add_quiet_flag
 from console.cli.terminal import terminal_safe
 from console.cli.workload_flags import add_workload_flags, workload_for
 from console.errors import UserError
-from engine.core.engine import RequestOutput
+from engine.core.engine_core import RequestOutput
 from engine.harness.driver import OutputTokens, drive
 from engine.harness.workload import (
     WorkloadRequest,

@@ -11,7 +11,7 @@ from console.errors import UserError
 from console.sources.workloads import named_workload
 
 if TYPE_CHECKING:  # the engine pulls in torch: kept off the console's launch path (--rate)
-    from engine.core.engine import Engine
+    from engine.core.engine_core import EngineCore
     from engine.harness.workload import WorkloadRequest
 
 
@@ -57,7 +57,7 @@ def add_rate_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> 
 DEFAULT_NUM_PROMPTS = 1000
 
 
-def workload_for(args: argparse.Namespace, engine: Engine) -> list[WorkloadRequest]:
+def workload_for(args: argparse.Namespace, engine: EngineCore) -> list[WorkloadRequest]:
     fixed = _fixed_length(args, engine)
     if fixed is not None:
         return fixed
@@ -66,7 +66,7 @@ def workload_for(args: argparse.Namespace, engine: Engine) -> list[WorkloadReque
                           length_scale=args.length_scale, time_scale=args.time_scale)
 
 
-def _fixed_length(args: argparse.Namespace, engine: Engine) -> list[WorkloadRequest] | None:
+def _fixed_length(args: argparse.Namespace, engine: EngineCore) -> list[WorkloadRequest] | None:
     """The requests file's or the random fixed-length prompts' requests, if asked for."""
     from engine.harness.workload import WorkloadRequest, load_requests_jsonl
 

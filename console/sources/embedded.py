@@ -36,7 +36,7 @@ from engine.calibration.calibrate import (
 )
 from engine.calibration.drift import DriftMonitor, drift_event
 from engine.config import ConfigError, EngineConfig
-from engine.core.engine import Engine
+from engine.core.engine_core import EngineCore
 from engine.errors import EngineError
 from engine.events import CalibrationProgress, ConfigChanged, Event
 from engine.serve.loop import EngineLoop
@@ -187,7 +187,7 @@ class EmbeddedSource:
         sweep = Calibration(engine, first_plan(engine.runner.device), quick=True,
                             progress=progress)
 
-        def unit(engine: Engine) -> None:
+        def unit(engine: EngineCore) -> None:
             try:
                 if not sweep.advance():
                     self.loop.call(unit)
@@ -288,7 +288,7 @@ class EmbeddedSource:
     def _read(self) -> AbstractContextManager[Session]:
         """A session that sees every event published so far: a change the operator just
         made is in the history they open next, not one batch window later."""
-        def publish_pending(engine: Engine) -> None:
+        def publish_pending(engine: EngineCore) -> None:
             engine.apply_pending_config()  # a change made just now is applied and published
             engine.bus.drain()
 
@@ -304,7 +304,7 @@ class EmbeddedSource:
         if self.calibrating is not None:
             raise SourceError(f"the first calibration is under way ({self.calibrating}); "
                               "it is stored when done")
-        def sweep(engine: Engine) -> CalibrationRecord:
+        def sweep(engine: EngineCore) -> CalibrationRecord:
             result = calibrate(engine, quick=True, progress=progress)
             with self.database.session() as session:
                 previous = latest_for(session, engine)
@@ -326,7 +326,7 @@ class EmbeddedSource:
         self.session.close()
 
 
-def reuse_default_calibration(engine: Engine, database: Database) -> CalibrationRecord | None:
+def reuse_default_calibration(engine: EngineCore, database: Database) -> CalibrationRecord | None:
     """The default store's newest calibration of this engine's model, device and dtype,
     applied and copied into `database` (a new --db starts calibrated), or None."""
     default = default_db_path()
@@ -354,7 +354,7 @@ def reuse_default_calibration(engine: Engine, database: Database) -> Calibration
     return copied
 
 
-def restore_config(engine: Engine, database: Database,
+def restore_config(engine: EngineCore, database: Database,
                    explicit: frozenset[str] = frozenset()) -> dict[str, Any]:
     """Set each live setting to the newest value the store's changes give it (a restart
     comes back as it was left), except those the command line set; what it set."""

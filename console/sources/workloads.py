@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING
 from console.errors import UserError
 
 if TYPE_CHECKING:  # the engine pulls in torch: kept off the console's launch path
-    from engine.core.engine import Engine
+    from engine.core.engine_core import EngineCore
     from engine.harness.workload import WorkloadRequest
 
 TRACED = "traced:"
 
 
-def named_workload(spec: str, engine: Engine, *, num_requests: int | None = None,
+def named_workload(spec: str, engine: EngineCore, *, num_requests: int | None = None,
                    rate: float | None = None, seed: int = 0, length_scale: float | None = None,
                    time_scale: float = 1.0) -> list[WorkloadRequest]:
     """The requests `--workload SPEC` names for `engine`, as `run`, `bench` and the

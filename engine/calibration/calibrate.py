@@ -21,7 +21,7 @@ from engine.budget.peaks import DevicePeaks
 from engine.budget.predictor import StepTimePredictor
 from engine.calibration.served import ServedCosts
 from engine.config import SamplingParams
-from engine.core.engine import Engine
+from engine.core.engine_core import EngineCore
 from engine.core.request import Request, RequestState
 from engine.errors import EngineError
 from engine.events import CalibrationProgress
@@ -261,7 +261,7 @@ class CalibrationResult:
 class Calibration:
     """One sweep over `plan` on `engine`, a unit per `advance()`, timed passes interleaved."""
 
-    def __init__(self, engine: Engine, plan: SweepPlan, *, quick: bool = False,
+    def __init__(self, engine: EngineCore, plan: SweepPlan, *, quick: bool = False,
                  progress: Progress | None = None) -> None:
         if plan.warmup < 0 or plan.repeats < 1 or plan.burst < 1:
             raise EngineError(f"a sweep needs warmup >= 0, repeats >= 1 and burst >= 1, got "
@@ -452,7 +452,7 @@ def fit_operations(model: BudgetModel, peaks: DevicePeaks,
                                            for shape, seconds in held_out))
 
 
-def calibrate(engine: Engine, *, quick: bool = False, plan: SweepPlan | None = None,
+def calibrate(engine: EngineCore, *, quick: bool = False, plan: SweepPlan | None = None,
               progress: Progress | None = None) -> CalibrationResult:
     """Run a whole sweep (the device's plan unless `plan` is given) and fit."""
     plan = plan or plan_for(engine.runner.device, quick)
@@ -468,13 +468,13 @@ def compare(old: StepTimePredictor, new: StepTimePredictor) -> float:
     return statistics.median(ratios) - 1
 
 
-def apply(engine: Engine, predictor: StepTimePredictor) -> None:
+def apply(engine: EngineCore, predictor: StepTimePredictor) -> None:
     """Budget prefill time with `predictor` and recommend C*; both switch at the next step."""
     engine.scheduler.controller.calibrate(predictor.predict, predictor.budget_model(
         engine.model_config, engine.runner.bytes_per_element, engine.peaks))
 
 
-def first_calibration(engine: Engine, session: Session | None = None) -> CalibrationResult:
+def first_calibration(engine: EngineCore, session: Session | None = None) -> CalibrationResult:
     """The quick sweep at start (FIRST_PLANS), applied, stored in `session` if given."""
     def progress(fraction: float, note: str) -> None:
         engine.bus.publish(CalibrationProgress(fraction=fraction, note=note,
@@ -506,7 +506,7 @@ def device_key(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
 
 
-def latest_for(session: Session, engine: Engine) -> CalibrationRecord | None:
+def latest_for(session: Session, engine: EngineCore) -> CalibrationRecord | None:
     """The newest stored calibration of this engine's model, device and dtype."""
     return latest_stored(session, model=engine.config.model,
                          device=device_key(engine.runner.device),
@@ -519,7 +519,7 @@ def latest_stored(session: Session, *, model: str, device: str,
     return next((r for r in history if r.info.get("dtype") == dtype), None)
 
 
-def apply_latest(engine: Engine, session: Session) -> CalibrationRecord | None:
+def apply_latest(engine: EngineCore, session: Session) -> CalibrationRecord | None:
     record = latest_for(session, engine)
     if record is not None:
         apply(engine, StepTimePredictor.from_dict(record.params))
@@ -560,7 +560,7 @@ def _probe_step(probe: Probe, vocab: int) -> ProbeStep:
     return ProbeStep(requests, batch)
 
 
-def timed_step(engine: Engine, batch: Batch) -> float:
+def timed_step(engine: EngineCore, batch: Batch) -> float:
     """One forward pass plus sampling, timed as the engine times a step (CUDA events on a GPU)."""
     runner = engine.runner
     if runner.device.type == "cuda":

@@ -17,7 +17,7 @@ from engine.calibration.calibrate import (
     plan_for,
 )
 from engine.config import ConfigError
-from engine.core.engine import Engine
+from engine.core.engine_core import EngineCore
 from engine.events import CalibrationProgress, ChunkComplete, Drift, Event
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ LIVE_THRESHOLD = 0.25
 DEFAULT_PERSIST_S = 30.0
 DEFAULT_MIN_INTERVAL_S = 300.0
 
-Job = Callable[[Engine], object]
+Job = Callable[[EngineCore], object]
 
 
 def drift_event(reference: StepTimePredictor, result: CalibrationResult,
@@ -47,7 +47,7 @@ def drift_event(reference: StepTimePredictor, result: CalibrationResult,
 class DriftMonitor:
     """Subscribe `observe` to the engine's bus; sweeps run a unit at a time via `schedule`."""
 
-    def __init__(self, engine: Engine, schedule: Callable[[Job], object], *,
+    def __init__(self, engine: EngineCore, schedule: Callable[[Job], object], *,
                  reference: StepTimePredictor | None = None, plan: SweepPlan | None = None,
                  quick: bool = True, interval_s: float = DEFAULT_INTERVAL_S,
                  persist_s: float = DEFAULT_PERSIST_S,
@@ -127,7 +127,7 @@ class DriftMonitor:
         self.schedule(self._run_unit)
         return True
 
-    def _run_unit(self, engine: Engine) -> None:
+    def _run_unit(self, engine: EngineCore) -> None:
         host = engine.host.mark(engine.clock())
         # a sweep now would time the neighbours' load into the predictor (the first one runs:
         # the engine has no plan without it, and a quiet host's sweep replaces it)
@@ -157,7 +157,7 @@ class DriftMonitor:
         if self.progress is not None:
             self.progress(fraction, note)
 
-    def _conclude(self, engine: Engine, result: CalibrationResult) -> None:
+    def _conclude(self, engine: EngineCore, result: CalibrationResult) -> None:
         reason = self.pending_reason or "on demand"
         first = not engine.calibrated
         if result.contended and not first:  # refused: the host got busy during the sweep

@@ -12,7 +12,7 @@ import numpy as np
 from engine.batch import StepShape
 from engine.budget.predictor import nonnegative_relative_lstsq
 from engine.config import SamplingParams
-from engine.core.engine import Engine
+from engine.core.engine_core import EngineCore
 from engine.errors import EngineError
 from engine.events import ChunkComplete, Event, StepComplete
 
@@ -90,7 +90,8 @@ class ServedCosts:
                    int(data["steps"]))
 
 
-def measure_served(engine: Engine, seed: int = 0, requests: int = PROBE_REQUESTS) -> ServedCosts:
+def measure_served(engine: EngineCore, seed: int = 0,
+                   requests: int = PROBE_REQUESTS) -> ServedCosts:
     """Serve `requests` of the probe on an idle, calibrated `engine` that serves nothing else
     after, and fit."""
     if engine.has_unfinished():

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.budget.peaks import DevicePeaks
-from engine.core.engine import Engine, RequestOutput
+from engine.core.engine_core import EngineCore, RequestOutput
 from engine.events import (
     ChunkComplete,
     Event,
@@ -217,14 +217,14 @@ class OutputTokens:
         return held
 
 
-def add(engine: Engine, item: WorkloadRequest, arrival: float) -> None:
+def add(engine: EngineCore, item: WorkloadRequest, arrival: float) -> None:
     """Add a workload request to `engine` as arriving at `arrival`."""
     engine.add_request(list(item.prompt_token_ids), item.sampling_params(), tenant=item.tenant,
                        priority=item.priority, request_id=item.request_id, tag=item.tag,
                        arrival=arrival)
 
 
-def drive(engine: Engine, workload: list[WorkloadRequest], *,
+def drive(engine: EngineCore, workload: list[WorkloadRequest], *,
           on_output: Callable[[RequestOutput], None] | None = None,
           on_step: Callable[[], None] | None = None,
           sleep: Callable[[float], None] = time.sleep) -> RunResult:

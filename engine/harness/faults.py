@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Container
 from typing import Any, Literal
 
-from engine.core.engine import Engine
+from engine.core.engine_core import EngineCore
 
 Where = Literal["runner", "scheduler"]
 
@@ -15,7 +15,7 @@ class InjectedFault(RuntimeError):
 
 
 class StepFaults:
-    def __init__(self, engine: Engine, at: Container[int], where: Where = "runner",
+    def __init__(self, engine: EngineCore, at: Container[int], where: Where = "runner",
                  before: Callable[[], object] | None = None) -> None:
         """Raise at the `at`-th calls (1-based) of `runner.run` or `scheduler.update`."""
         self.at = at

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 
 from engine.batch import Batch, StepShape, lent
 from engine.config import SamplingParams
-from engine.core.engine import Engine
+from engine.core.engine_core import EngineCore
 from engine.core.request import Request, RequestState
 from engine.harness.driver import RunResult
 from engine.slo_targets import SLO
 from engine.stats import ms, quantile
 
 
-def measure_decode_step(engine: Engine, batch: int = 8, context: int = 128,
+def measure_decode_step(engine: EngineCore, batch: int = 8, context: int = 128,
                         repeats: int = 7) -> float:
     """Median time of one decode-only step of `batch` sequences at `context` tokens."""
     requests = []
@@ -59,7 +59,7 @@ def goodput(result: RunResult, slo: SLO, prefill_s: Callable[[int], float]) -> f
     return good / len(records)
 
 
-def isolated_prefill(engine: Engine) -> Callable[[int], float]:
+def isolated_prefill(engine: EngineCore) -> Callable[[int], float]:
     """Predicted time to prefill a prompt alone, in chunks of the engine's token budget."""
     budget = engine.config.max_num_batched_tokens
 

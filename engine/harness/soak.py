@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.clock import VirtualClock
-from engine.core.engine import Engine, RequestOutput
+from engine.core.engine_core import EngineCore, RequestOutput
 from engine.harness.driver import drive
 from engine.harness.trace import TraceRow, load_trace, sample_trace, shipped_trace
 from engine.harness.workload import WorkloadRequest
@@ -89,7 +89,7 @@ def day_of_trace(plan: SoakPlan, vocab_size: int,
 class _Day:
     """The hourly events of the soak, run from drive's step hook and from its idle waits."""
 
-    def __init__(self, engine: Engine, clock: VirtualClock, plan: SoakPlan,
+    def __init__(self, engine: EngineCore, clock: VirtualClock, plan: SoakPlan,
                  workload: Sequence[WorkloadRequest], report: SoakReport) -> None:
         self.engine = engine
         self.clock = clock
@@ -145,7 +145,7 @@ class _Day:
         self.engine.step()  # the idle tick a serving loop makes: modes and guards see time
 
 
-def time_warp_soak(engine: Engine, clock: VirtualClock, plan: SoakPlan,
+def time_warp_soak(engine: EngineCore, clock: VirtualClock, plan: SoakPlan,
                    workload: Sequence[WorkloadRequest], *, database: Database | None = None,
                    flush: Callable[[], object] | None = None) -> SoakReport:
     """Drive `workload` through `engine` for `plan.hours` simulated hours, then the journal."""
@@ -177,7 +177,7 @@ def time_warp_soak(engine: Engine, clock: VirtualClock, plan: SoakPlan,
     return report
 
 
-def journaled_soak(engine: Engine, clock: VirtualClock, plan: SoakPlan,
+def journaled_soak(engine: EngineCore, clock: VirtualClock, plan: SoakPlan,
                    workload: Sequence[WorkloadRequest], store: Path) -> SoakReport:
     """`time_warp_soak` with a store at `store` journaling the engine's bus throughout."""
     database = open_database(store)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from engine.clock import Clock
 from engine.config import EngineConfig
-from engine.core import engine as core
+from engine.core import engine_core as core
 from engine.core.equipment import BandwidthSource, HostSense
 from engine.core.executor import Executor
 from engine.events import Event
@@ -65,7 +65,7 @@ class DefaultEquipment:
         return HostSensor(clock, gpu=gpu)
 
 
-class Engine(core.Engine):
+class Engine(core.EngineCore):
     def __init__(self, config: EngineConfig | None = None, *,
                  bandwidth: BandwidthSource | None = None, host: HostSense | None = None,
                  clock: Clock = time.monotonic, runner: Executor | None = None) -> None:

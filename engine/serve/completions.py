@@ -18,7 +18,7 @@ from starlette.responses import Response, StreamingResponse
 
 from engine.batch import TokenLogprob
 from engine.config import INT64_MAX, ConfigError, SamplingParams
-from engine.core.engine import RequestOutput
+from engine.core.engine_core import RequestOutput
 from engine.core.request import SCORE_TAG, RequestState
 from engine.errors import RequestError
 from engine.model.detokenizer import IncrementalDetokenizer

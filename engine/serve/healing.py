@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.core.engine import Engine, RequestOutput
+from engine.core.engine_core import EngineCore, RequestOutput
 from engine.core.request import Request
 from engine.events import EngineRestarted
 from engine.serve.outputs import Outputs, failed
@@ -15,7 +15,7 @@ from engine.store.recovery import Resumption
 
 log = logging.getLogger(__name__)
 
-JournalResume = Callable[[Engine], Resumption]
+JournalResume = Callable[[EngineCore], Resumption]
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class Healed:
 class Healer:
     """Restarts the engine after a fault, from the journal when there is one."""
 
-    def __init__(self, engine: Engine, supervisor: Supervisor, journal: JournalResume | None,
+    def __init__(self, engine: EngineCore, supervisor: Supervisor, journal: JournalResume | None,
                  outputs: Outputs) -> None:
         self.engine = engine
         self.supervisor = supervisor

@@ -14,7 +14,7 @@ from typing import Any
 
 from engine.clock import Clock
 from engine.config import EngineConfig, SamplingParams
-from engine.core.engine import Engine, RequestOutput
+from engine.core.engine_core import EngineCore, RequestOutput
 from engine.errors import EngineError
 from engine.serve.healing import Healer, JournalResume
 from engine.serve.memory import IdleTrim
@@ -52,7 +52,7 @@ class EngineLoop:
     (Healer), the published snapshot (SnapshotPublisher) and workload playback
     (WorkloadPlayer) each have their own class."""
 
-    def __init__(self, engine: Engine, snapshot_interval_s: float = 0.1, *,
+    def __init__(self, engine: EngineCore, snapshot_interval_s: float = 0.1, *,
                  clock: Clock = time.monotonic, journal: JournalResume | None = None,
                  journal_flush: Callable[[float], bool] | None = None,
                  supervisor: Supervisor | None = None) -> None:
@@ -123,7 +123,7 @@ class EngineLoop:
         self._enqueue(lambda: None)  # wake an idle loop so the change applies now
         return config
 
-    def call(self, fn: Callable[[Engine], Any]) -> Future[Any]:
+    def call(self, fn: Callable[[EngineCore], Any]) -> Future[Any]:
         """Run fn(engine) on the loop thread at the next step boundary."""
         future: Future[Any] = Future()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
-from engine.core.engine import Engine, RequestOutput
+from engine.core.engine_core import EngineCore, RequestOutput
 from engine.core.request import RequestState
 
 OutputCallback = Callable[[RequestOutput], None]
@@ -19,7 +19,7 @@ def failed(request_id: str, reason: str) -> RequestOutput:
 class Outputs:
     """The listeners of the requests submitted with a callback, by request id."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineCore) -> None:
         self.engine = engine
         self._listeners: dict[str, _Listener] = {}
 

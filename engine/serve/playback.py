@@ -8,7 +8,7 @@ from typing import Protocol
 
 from engine.clock import Clock
 from engine.config import SamplingParams
-from engine.core.engine import Engine
+from engine.core.engine_core import EngineCore
 
 
 class Arrival(Protocol):
@@ -87,7 +87,7 @@ class WorkloadPlayer:
             return max(0.0, min(ahead / self._speed, interval_s))
         return interval_s
 
-    def feed(self, engine: Engine) -> None:
+    def feed(self, engine: EngineCore) -> None:
         """Add to `engine` the requests whose arrival time has come."""
         elapsed = self._workload_clock(self.clock())
         while self._workload and self._workload[0].arrival_s <= elapsed:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from engine.batch import SchedulerMode
 from engine.budget.plan import BUDGET_SCORE_DEFINITION
-from engine.core.engine import Engine
+from engine.core.engine_core import EngineCore
 from engine.ops.metrics import Histogram, RequestStats
 from engine.serve.loop import LoopHealth
 from engine.snapshot import Snapshot
@@ -13,7 +13,7 @@ PREFIX = "tokenflow_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def render_metrics(engine: Engine, snapshot: Snapshot, health: LoopHealth | None = None,
+def render_metrics(engine: EngineCore, snapshot: Snapshot, health: LoopHealth | None = None,
                    queue_full: int = 0) -> str:
     """Every family; `health` is the serve loop's (None: no supervised loop); `queue_full`
     counts requests the server refused with its queue full."""
@@ -93,7 +93,7 @@ def render_metrics(engine: Engine, snapshot: Snapshot, health: LoopHealth | None
     return "\n".join(out) + "\n"
 
 
-def _vllm_families(engine: Engine, snapshot: Snapshot, labels: str,
+def _vllm_families(engine: EngineCore, snapshot: Snapshot, labels: str,
                    queue_full: int) -> list[str]:
     """vLLM's families for what tokenflow has none of (no sleep mode, no external or
     multimodal cache): their values say so, and dashboards find every series."""

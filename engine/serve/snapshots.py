@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 
 from engine.clock import Clock
-from engine.core.engine import Engine
+from engine.core.engine_core import EngineCore
 from engine.serve.supervisor import Supervisor
 from engine.snapshot import Snapshot
 
 
 class SnapshotPublisher:
-    def __init__(self, engine: Engine, supervisor: Supervisor, clock: Clock,
+    def __init__(self, engine: EngineCore, supervisor: Supervisor, clock: Clock,
                  interval_s: float) -> None:
         self.engine = engine
         self.supervisor = supervisor

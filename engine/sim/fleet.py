@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.core.engine import Engine
+from engine.core.engine_core import EngineCore
 from engine.harness.driver import Recorder, RunResult, add, idle
 from engine.harness.workload import WorkloadRequest
 from engine.sim.executor import SimulatedExecutor, VirtualClock, simulated_engine
@@ -95,13 +95,13 @@ def run_fleet(config: EngineConfig, target: SimTarget, workload: list[WorkloadRe
     return FleetResult(results, policy, time.perf_counter() - started)
 
 
-def _executor(engine: Engine) -> SimulatedExecutor:
+def _executor(engine: EngineCore) -> SimulatedExecutor:
     runner = engine.runner
     assert isinstance(runner, SimulatedExecutor)
     return runner
 
 
-def _step(engine: Engine, executor: SimulatedExecutor, clock: VirtualClock,
+def _step(engine: EngineCore, executor: SimulatedExecutor, clock: VirtualClock,
           recorder: Recorder, router: Router) -> None:
     before = clock.now
     for output in engine.step():

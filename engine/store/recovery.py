@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.config import SamplingParams
-from engine.core.engine import Engine
+from engine.core.engine_core import EngineCore
 from engine.errors import EngineError
 from engine.store import (
     QUARANTINE_AFTER,
@@ -34,7 +34,7 @@ class Resumption:
     generated: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
 
-def resume_unfinished(engine: Engine, database: Database,
+def resume_unfinished(engine: EngineCore, database: Database,
                       skip: frozenset[str] | set[str] = frozenset()) -> Resumption:
     """Re-add every unfinished entry (but `skip`) with its tokens; takes the writer lock."""
     database.claim_writer()

@@ -33,13 +33,13 @@ from engine.events import (
 )
 from engine.snapshot import Snapshot
 
-__all__ = ["Engine", "RequestOutput"]
+__all__ = ["EngineCore", "RequestOutput"]
 
 if TYPE_CHECKING:
     from engine.core.model_runner import ModelRunner
 
 
-class Engine:
+class EngineCore:
     def __init__(self, config: EngineConfig | None, equipment: Equipment, *,
                  clock: Clock = time.monotonic, runner: Executor | None = None) -> None:
         """`runner` swaps in a simulated executor (engine.sim); `clock` is then its clock."""
