@@ -386,6 +386,15 @@ class Texts:
         start = min(sent, read.length)  # what was sent may reach into the pending characters
         return (read.since(start) + pending)[sent - start:end - start]
 
+    def visible(self, choice: Choice) -> str:
+        """The choice's text so far, less the stop strings' holdback while it runs."""
+        text = self.final(choice)
+        output = choice.output
+        if output is not None and output.text_end is None and not output.finished \
+                and self.holdback:
+            return text[:max(0, len(text) - self.holdback)]
+        return text
+
     def final(self, choice: Choice) -> str:
         text_end = None if choice.output is None else choice.output.text_end
         read = self._fed(choice)
