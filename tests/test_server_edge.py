@@ -9,6 +9,7 @@ import contextlib
 import http.client
 import json
 import re
+import signal
 import socket
 import sqlite3
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from console.cli import serve as serve_cli
 from console.cli.main import main
 from engine import Engine, EngineConfig
 from engine.config import ConfigError, SamplingParams
@@ -326,3 +328,23 @@ def test_serve_on_a_store_missing_a_table_is_one_line(
                  "--db", str(db)]) == 2
     err = capsys.readouterr().err
     assert "schema is missing tables" in err and len(err.strip().splitlines()) == 1
+
+
+def test_serve_says_where_it_listens_only_once_a_stop_is_graceful(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whoever reads the banner may send SIGTERM at once: by then the handler that lets the
+    journal flush must be in place, not the default that kills the process."""
+    at_banner: list[object] = []
+
+    class Server:
+        should_exit = False
+
+        def run(self, sockets: list[socket.socket]) -> None:
+            assert at_banner, "the banner comes before serving"
+
+    monkeypatch.setattr(serve_cli, "print", lambda *_a, **_k: at_banner.append(
+        signal.getsignal(signal.SIGTERM)), raising=False)
+    before = signal.getsignal(signal.SIGTERM)
+    serve_cli._serve_until_signalled(Server(), socket.socket(), "tokenflow serve: ...")
+    assert at_banner[0] not in (before, signal.SIG_DFL)
+    assert signal.getsignal(signal.SIGTERM) == before

@@ -169,22 +169,25 @@ def run(args: argparse.Namespace) -> int:
         admin = "on" if token else f"off (set {TOKEN_ENV} or --admin-token-file)"
         store = "none" if database is None else f"{database.location} as {database.server}"
         host, port = listener.getsockname()[:2]  # --port 0: the one the system chose
-        print(f"tokenflow serve: {config.model} on {engine.runner.device}, "
-              f"http://{host}:{port}, admin API {admin}, store {store}{traces}", flush=True)
+        banner = (f"tokenflow serve: {config.model} on {engine.runner.device}, "
+                  f"http://{host}:{port}, admin API {admin}, store {store}{traces}")
         server = GuardedServer(server_config(app, lifespan="off",
                                              max_connections=args.max_connections,
                                              per_address=args.max_connections_per_address,
                                              timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
         if session.writer is not None:  # the journal stopped: stop serving, say why, exit 2
             session.writer.on_failure(lambda _error: setattr(server, "should_exit", True))
-        _serve_until_signalled(server, listener)
+        _serve_until_signalled(server, listener, banner)
         if session.writer is not None:
             session.writer.check()
     return 0
 
 
-def _serve_until_signalled(server: uvicorn.Server, listener: socket.socket) -> None:
-    """Run until SIGINT or SIGTERM, then return so the caller flushes the journal.
+def _serve_until_signalled(server: uvicorn.Server, listener: socket.socket,
+                           banner: str) -> None:
+    """Print `banner`, run until SIGINT or SIGTERM, then return so the caller flushes the
+    journal. The banner comes once the handlers are in place: whoever reads it may stop the
+    server at once, and that stop must be a graceful one.
 
     uvicorn shuts down gracefully on these signals and then raises the same signal again
     under the handler that was installed before it started; the default one would kill the
@@ -194,6 +197,7 @@ def _serve_until_signalled(server: uvicorn.Server, listener: socket.socket) -> N
         server.should_exit = True
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    print(banner, flush=True)
     try:
         server.run(sockets=[listener])
     finally:
