@@ -110,20 +110,7 @@ def test_a_writer_whose_lock_session_ended_stops_and_a_new_holder_closes_only_th
     second = open_database(url, server="box")
     try:
         deliver(bus, writer, added("answered"), finished("answered"), added("open"))
-        lock = first._writer_lock
-        assert isinstance(lock, ServerLock)
-        with second.engine.connect() as connection:  # the lock's connection is killed
-            connection.execute(text("SELECT pg_terminate_backend(:pid)"),
-                               {"pid": lock.backend_pid})
-            connection.commit()
-
-            def gone() -> bool:
-                alive = connection.execute(text("SELECT count(*) FROM pg_stat_activity "
-                                                "WHERE pid = :pid"),
-                                           {"pid": lock.backend_pid}).scalar()
-                connection.commit()
-                return not alive
-            eventually(gone, "the lock session's end")
+        kill_lock_session(first, second)
         assert abort_orphans(second) == ("open",)  # the name was free: the second took it
         # the first's next batch finds it taken; nothing in it was answered, so none of it
         # is written

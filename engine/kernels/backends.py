@@ -57,13 +57,23 @@ class AttentionBackend(Protocol):
         ...
 
 
-def _heads_first(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int) -> tuple[int, ...]:
-    return (2, num_layers, num_kv_heads, num_blocks, block_size, head_dim)
+class _HeadsFirst:
+    """The gathering paths' KV layout: (k/v, layer, kv head, block, slot, head dim), blocks on
+    axis 3 of it."""
+
+    block_size: int
+
+    def cache_shape(self, num_layers: int, num_blocks: int, num_kv_heads: int,
+                    head_dim: int) -> tuple[int, ...]:
+        return (2, num_layers, num_kv_heads, num_blocks, self.block_size, head_dim)
+
+    @property
+    def block_dim(self) -> int:
+        return 3
 
 
 @dataclass
-class TorchBackend:
+class TorchBackend(_HeadsFirst):
     """Gathered keys through SDPA; on the CPU, the paged kernels where the choice took them."""
 
     block_size: int
@@ -73,14 +83,6 @@ class TorchBackend:
     paged_decode: bool = False
     name: str = "torch"
     gathers: bool = True
-
-    def cache_shape(self, num_layers: int, num_blocks: int, num_kv_heads: int,
-                    head_dim: int) -> tuple[int, ...]:
-        return _heads_first(num_layers, num_blocks, self.block_size, num_kv_heads, head_dim)
-
-    @property
-    def block_dim(self) -> int:
-        return 3
 
     def metadata(self, ordered: list[Pair], slot_mapping: torch.Tensor,
                  decode_start: int) -> TorchMetadata:
@@ -208,7 +210,7 @@ class TorchBackend:
 
 
 @dataclass
-class FlexBackend:
+class FlexBackend(_HeadsFirst):
     """FlexAttention over each chunk's whole history, gathered side by side once a layer.
     Its CUDA graphs' decodes run on the gather path's metadata."""
 
@@ -217,14 +219,6 @@ class FlexBackend:
     dtype: torch.dtype
     name: str = "flex"
     gathers: bool = True
-
-    def cache_shape(self, num_layers: int, num_blocks: int, num_kv_heads: int,
-                    head_dim: int) -> tuple[int, ...]:
-        return _heads_first(num_layers, num_blocks, self.block_size, num_kv_heads, head_dim)
-
-    @property
-    def block_dim(self) -> int:
-        return 3
 
     def metadata(self, ordered: list[Pair], slot_mapping: torch.Tensor,
                  decode_start: int) -> FlexMetadata:

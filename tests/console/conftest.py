@@ -16,8 +16,11 @@ from textual.pilot import Pilot
 from textual.widgets import Input
 from textual.worker import WorkerCancelled
 
+from console.sources.embedded import EmbeddedSource
 from console.sources.replay import ReplaySource
 from console.tui.app import POLL_INTERVAL_S, TokenflowApp
+from console.tui.screens.tuning import TuningScreen
+from engine.config import EngineConfig
 
 SESSION = Path(__file__).parent / "data" / "session.jsonl"
 # live sources are polled often enough for a test's conditions to come soon, and seldom
@@ -106,3 +109,21 @@ async def replayed(pilot: Pilot) -> None:
     # pause and key press waits for an idle moment (up to 1 s each)
     app.collector.interval = POLL_INTERVAL_S
     await pilot.pause()
+
+
+def chat_console(db: Path, num_requests: int) -> TokenflowApp:
+    """The console on `db`'s store: synthetic:tiny serving `num_requests` of chat, once."""
+    source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat", db=db,
+                                  config=EngineConfig(dtype="float32"),
+                                  num_requests=num_requests, repeat=False)
+    return TokenflowApp(source, interval=FAST_POLL_S)
+
+
+async def tuning_shown(pilot: Pilot) -> TuningScreen:
+    """Switch to Tuning (2) and wait for its form to fill from the engine's config."""
+    await pilot.press("2")
+    screen = pilot.app.screen
+    assert isinstance(screen, TuningScreen)
+    await until(pilot, lambda: screen.query_one(
+        "#input-max_num_batched_tokens", Input).value, "the form filled")
+    return screen

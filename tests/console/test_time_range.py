@@ -8,19 +8,15 @@ import time
 from pathlib import Path
 
 import pytest
-from textual.widgets import Input
 
 from console.sources.base import SourceError
-from console.sources.embedded import EmbeddedSource
 from console.sources.replay import ReplaySource
-from console.tui.app import TokenflowApp
-from console.tui.screens.tuning import CHANGE_COLUMNS, TuningScreen
+from console.tui.screens.tuning import CHANGE_COLUMNS
 from console.tui.widgets.keyed_table import KeyedTable
 from console.tui.widgets.plot import Plot
-from engine.config import EngineConfig
 from engine.store import open_database
 from engine.store.models import ConfigChangeRow, DriftEventRow
-from tests.console.conftest import FAST_POLL_S, SESSION, until
+from tests.console.conftest import SESSION, chat_console, tuning_shown, until
 from tests.test_metric_history import journal
 
 pytestmark = pytest.mark.anyio
@@ -47,16 +43,9 @@ def seed(db: Path, ago: float) -> float:
 async def test_the_range_key_reads_hours_back_from_the_store(tmp_path: Path) -> None:
     db = tmp_path / "range.db"
     start = seed(db, ago=HOUR)
-    source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat", db=db,
-                                  config=EngineConfig(dtype="float32"), num_requests=2,
-                                  repeat=False)
-    app = TokenflowApp(source, interval=FAST_POLL_S)
+    app = chat_console(db, 2)
     async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.press("2")
-        screen = app.screen
-        assert isinstance(screen, TuningScreen)
-        await until(pilot, lambda: screen.query_one(
-            "#input-max_num_batched_tokens", Input).value, "the form filled")
+        screen = await tuning_shown(pilot)
         ttft = screen.query_one("#tune-ttft", Plot)
         charts = screen.query_one("#tuning-charts")
         assert "· 10 min (t)" in str(charts.border_title)

@@ -9,11 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from textual.widgets import Input
 
-from console.sources.embedded import EmbeddedSource
-from console.tui.app import TokenflowApp
-from console.tui.screens.tuning import TuningScreen
 from console.tui.widgets.plot import Plot
 from engine.clock import VirtualClock
 from engine.config import EngineConfig
@@ -22,7 +18,7 @@ from engine.harness.soak import SoakPlan, day_of_trace, time_warp_soak
 from engine.sim.executor import simulated_engine
 from engine.sim.target import resolve_target
 from engine.store import StoreWriter, open_database, stored_metrics
-from tests.console.conftest import FAST_POLL_S, until
+from tests.console.conftest import chat_console, tuning_shown, until
 
 pytestmark = pytest.mark.anyio
 HOUR = 3600.0
@@ -82,16 +78,9 @@ async def test_a_warped_two_hour_run_is_marked_in_place_on_the_six_hour_view(
     assert 1.5 * HOUR <= drift - offset - start < 1.75 * HOUR
     assert 0.5 * HOUR <= restart - offset - start < 0.75 * HOUR
 
-    source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat", db=db,
-                                  config=EngineConfig(dtype="float32"), num_requests=1,
-                                  repeat=False)
-    app = TokenflowApp(source, interval=FAST_POLL_S)
+    app = chat_console(db, 1)
     async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.press("2")
-        screen = app.screen
-        assert isinstance(screen, TuningScreen)
-        await until(pilot, lambda: screen.query_one(
-            "#input-max_num_batched_tokens", Input).value, "the form filled")
+        screen = await tuning_shown(pilot)
         await pilot.press("t", "t")  # 1 h, then 6 h
         assert "· 6 h (t)" in str(screen.query_one("#tuning-charts").border_title)
         plots = list(screen.query("#tuning-charts Plot").results(Plot))
