@@ -59,6 +59,7 @@ from engine.core.request import RequestState
 from engine.kernels.attention import describe_gpu, flash_available, flash_refusal
 from engine.ops.telemetry import NvmlBandwidth, TelemetryError, nvml_available
 from tests.host_syncs import HostReads
+from tests.prompt_logits import prompt_logits
 
 PROMPTS = [[3 + (i * 7 + j) % 300 for j in range(n)] for i, n in enumerate((1, 17, 64, 200))]
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -98,28 +99,15 @@ def _free() -> None:
 PATHS = ("torch", "flex")  # the paths that run fp32: flash takes none (its guard)
 
 
+def _last_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
+    """The prompt's last logits in fp32 on the host, where paths and dtypes are compared."""
+    return prompt_logits(engine, prompt).float().cpu()
+
+
 def _flash_runs(s: Setting) -> bool:
     if s.device == "cpu" or not flash_available(torch.device(s.device)):
         return False
     return flash_refusal(describe_gpu(torch.device(s.device)), torch.bfloat16, 64) is None
-
-
-def _last_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
-    captured: list[torch.Tensor] = []
-    model = engine.runner.model
-    original = model.logits
-
-    def capture(hidden: torch.Tensor) -> torch.Tensor:
-        out = original(hidden)
-        captured.append(out)
-        return out
-
-    model.logits = capture
-    try:
-        engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
-    finally:
-        model.logits = original
-    return captured[-1][0].float().cpu()
 
 
 def exactness(s: Setting) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from engine.kernels import attention
 from engine.kernels.cpu_kernels import prefill_supports
 from engine.kernels.layers import PackedLinear
 from tests.hf_models import FAMILIES, hf_greedy, hf_last_logits, save_tiny
+from tests.prompt_logits import prompt_logits
 
 # windows are 8-16 tokens: most prompts cross them, several times
 LENGTHS = [1, 2, 17, 64, 100, 150, 233, 300, 5]
@@ -136,31 +137,13 @@ def test_every_gqa_ratio_is_exact(tmp_path: Path, kv_heads: int, attention: str)
         assert outputs == expected, budget
 
 
-def _first_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
-    captured: list[torch.Tensor] = []
-    model = engine.runner.model
-    original = model.logits
-
-    def capture(hidden: torch.Tensor) -> torch.Tensor:
-        out = original(hidden)
-        captured.append(out)
-        return out
-
-    model.logits = capture
-    try:
-        engine.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
-    finally:
-        model.logits = original
-    return captured[-1][0]
-
-
 def test_chunked_prefill_logits_match_full_prefill(reference) -> None:
     """Logits, not just tokens: Gemma 2's final soft-cap never changes the argmax."""
     directory, prompts, _ = reference
     prompt = prompts[LENGTHS.index(300)]
-    full = _first_logits(_engine(directory, 4096), prompt)
+    full = prompt_logits(_engine(directory, 4096), prompt)
     for budget in (7, 64, 100):
-        chunked = _first_logits(_engine(directory, budget), prompt)
+        chunked = prompt_logits(_engine(directory, budget), prompt)
         assert torch.allclose(chunked, full, atol=1e-4, rtol=0), budget
     assert torch.allclose(full, hf_last_logits(directory, prompt), atol=1e-4, rtol=0)
 
@@ -196,8 +179,8 @@ def test_compiled_forward_is_exact(reference) -> None:
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     assert outputs == expected
     prompt = prompts[LENGTHS.index(300)]
-    assert torch.allclose(_first_logits(engine, prompt),
-                          _first_logits(_engine(directory, 13), prompt), atol=1e-4, rtol=0)
+    assert torch.allclose(prompt_logits(engine, prompt),
+                          prompt_logits(_engine(directory, 13), prompt), atol=1e-4, rtol=0)
 
 
 def test_compile_is_on_where_asked_else_on_cuda_only() -> None:

@@ -56,3 +56,23 @@ def screen(tmux: list[str], target: str, directory: Path) -> Iterator[Screen]:
         yield Screen(tmux, target, descriptor)
     finally:
         os.close(descriptor)
+
+
+def new_session(tmux: list[str], name: str, command: str, width: int | str = 120,
+                height: int | str = 40) -> None:
+    """Run `command` in a detached session `name` of exactly `width` x `height`: a detached
+    session falls back to tmux's default size (80x24) unless sized by hand."""
+    subprocess.run([*tmux, "new-session", "-d", "-s", name, "-x", str(width), "-y", str(height),
+                    command], check=True)
+    subprocess.run([*tmux, "set-option", "-t", name, "window-size", "manual"], check=True)
+    resize(tmux, name, width, height)
+
+
+def resize(tmux: list[str], name: str, width: int | str, height: int | str) -> None:
+    subprocess.run([*tmux, "resize-window", "-t", name, "-x", str(width), "-y", str(height)],
+                   check=True)
+
+
+def send_keys(tmux: list[str], name: str, *keys: str) -> None:
+    """One send-keys: the keys arrive at once, at speed."""
+    subprocess.run([*tmux, "send-keys", "-t", name, *keys], check=True)

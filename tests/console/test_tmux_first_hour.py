@@ -7,6 +7,7 @@ store shows afterwards that no setting was changed."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from engine.store import config_changes, open_database
-from tests.console.terminal import Screen, screen
+from tests.console.terminal import Screen, new_session, resize, screen, send_keys
 from tests.console.test_tmux_smoke import PANES, console_command
 
 # Hang guards, not speed targets: each wait ends on what the screen shows.
@@ -65,14 +66,8 @@ def test_the_first_hour_keys_never_type_into_a_field(tmp_path: Path) -> None:
     exit_file = tmp_path / "exit_code"
     command = (f"{console_command(db)} --model synthetic:tiny --device cpu; "
                f"echo $? > {exit_file}; tmux -L {socket} wait-for -S exited")
-    subprocess.run([*tmux, "new-session", "-d", "-s", "hour", "-x", "120", "-y", "40",
-                    command], check=True)
-    # a detached session falls back to tmux's default size (80x24) unless sized by hand
-    subprocess.run([*tmux, "set-option", "-t", "hour", "window-size", "manual"], check=True)
-    subprocess.run([*tmux, "resize-window", "-t", "hour", "-x", "120", "-y", "40"], check=True)
-
-    def keys(*names: str) -> None:  # one send-keys: the keys arrive at once, at speed
-        subprocess.run([*tmux, "send-keys", "-t", "hour", *names], check=True)
+    new_session(tmux, "hour", command)
+    keys = functools.partial(send_keys, tmux, "hour")
 
     try:
         with screen(tmux, "hour", tmp_path) as pane:
@@ -93,8 +88,7 @@ def test_the_first_hour_keys_never_type_into_a_field(tmp_path: Path) -> None:
             wait_for(pane, lambda t: "keys and glossary" not in t and "Diagnosis:" in t,
                      "help closed")
 
-            subprocess.run([*tmux, "resize-window", "-t", "hour", "-x", "80", "-y", "24"],
-                           check=True)
+            resize(tmux, "hour", 80, 24)
             for key, shown in (("5", "Diagnosis:"), ("2", "Live configuration"),
                                ("1", "Requests"), ("4", "Drift")):
                 keys(key)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.console.terminal import screen
+from tests.console.terminal import new_session, screen
 from tests.console.test_tmux_smoke import TOKENS_PER_S, console_command
 
 WIDTH = "220"
@@ -29,11 +29,7 @@ def test_first_minute_shows_a_word_then_the_stages_and_a_real_cstar(tmp_path: Pa
     tmux = ["tmux", "-L", socket]
     command = f"{console_command(tmp_path / 'first.db')} --model synthetic:tiny"
     # wide enough that the header never drops C* for warnings a loaded machine raises
-    subprocess.run([*tmux, "new-session", "-d", "-s", "first", "-x", WIDTH, "-y", "40",
-                    command], check=True)
-    # a detached session falls back to tmux's default size (80x24) unless sized by hand
-    subprocess.run([*tmux, "set-option", "-t", "first", "window-size", "manual"], check=True)
-    subprocess.run([*tmux, "resize-window", "-t", "first", "-x", WIDTH, "-y", "40"], check=True)
+    new_session(tmux, "first", command, width=WIDTH)
     try:
         cstars: list[str] = []
         screens: list[str] = []

@@ -7,6 +7,7 @@ wait is on what the screen shows (tests/console/terminal.py)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from engine.store import config_changes, open_database
-from tests.console.terminal import screen
+from tests.console.terminal import new_session, resize, screen, send_keys
 from tests.console.test_tmux_first_hour import (
     EXIT_WITHIN_S,
     START_WITHIN_S,
@@ -51,13 +52,8 @@ def test_a_tuning_session_at_speed_beside_a_busy_core(tmp_path: Path) -> None:
     command = (f"{console_command(db)} --model synthetic:tiny --device cpu; "
                f"echo $? > {exit_file}; tmux -L {socket} wait-for -S exited")
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-    subprocess.run([*tmux, "new-session", "-d", "-s", "tune", "-x", "120", "-y", "40", command],
-                   check=True)
-    subprocess.run([*tmux, "set-option", "-t", "tune", "window-size", "manual"], check=True)
-    subprocess.run([*tmux, "resize-window", "-t", "tune", "-x", "120", "-y", "40"], check=True)
-
-    def keys(*names: str) -> None:  # one send-keys: the keys arrive at once, at speed
-        subprocess.run([*tmux, "send-keys", "-t", "tune", *names], check=True)
+    new_session(tmux, "tune", command)
+    keys = functools.partial(send_keys, tmux, "tune")
 
     try:
         with screen(tmux, "tune", tmp_path) as pane:
@@ -78,8 +74,7 @@ def test_a_tuning_session_at_speed_beside_a_busy_core(tmp_path: Path) -> None:
             keys("2")
             wait_for(pane, budget_is(512), "the budget applied at 512")
 
-            subprocess.run([*tmux, "resize-window", "-t", "tune", "-x", "80", "-y", "24"],
-                           check=True)
+            resize(tmux, "tune", 80, 24)
             wait_for(pane, budget_is(512, width=80), "the form at 80x24")
             keys("Tab", "Tab", "6", "4", "0", "Enter", "4")
             wait_for(pane, lambda t: "Calibration history" in t, "Drift at 80x24")
