@@ -144,27 +144,26 @@ def cache_key(kernel_key: str, shapes: Mapping[str, object], found: Candidates) 
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def cache_path(key: str) -> Path:
-    return cache_dir() / f"backends-{key}.json"
+def cache_path(key: str, kind: str = "backends") -> Path:
+    return cache_dir() / f"{kind}-{key}.json"
 
 
-def load_cached(key: str) -> Choice | None:
+def read_cached(path: Path) -> dict | None:
+    """A cached choice's JSON; None where there is none (a damaged one is logged, then
+    measured again)."""
     try:
-        data = json.loads(cache_path(key).read_text())
-        backends = Backends(DecodePath(**data["decode"]), data["prefill_attention"])
-        return Choice(backends, "cached", data["decode_ms"], data["prefill_ms"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            raise ValueError(f"not an object: {type(data).__name__}")
+        return data
+    except (OSError, ValueError) as exc:
         if not isinstance(exc, FileNotFoundError):
-            log.warning("ignoring the cached backend choice %s: %s", cache_path(key), exc)
+            log.warning("ignoring the cached choice %s: %s", path, exc)
         return None
 
 
-def store(key: str, choice: Choice) -> None:
-    """Write the choice under `key`, atomically (a concurrent start reads all or nothing)."""
-    path = cache_path(key)
-    data = {"decode": dataclasses.asdict(choice.backends.decode),
-            "prefill_attention": choice.backends.prefill_attention,
-            "decode_ms": choice.decode_ms, "prefill_ms": choice.prefill_ms}
+def write_cached(path: Path, data: Mapping[str, object]) -> None:
+    """Write `data` to `path` atomically (a concurrent start reads all or nothing)."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, partial = tempfile.mkstemp(suffix=".json", dir=path.parent)
@@ -172,7 +171,26 @@ def store(key: str, choice: Choice) -> None:
             json.dump(data, out)
         os.replace(partial, path)
     except OSError as exc:  # a read-only cache costs the next start a measurement, no more
-        log.warning("cannot cache the backend choice in %s: %s", path, exc)
+        log.warning("cannot cache the choice in %s: %s", path, exc)
+
+
+def load_cached(key: str) -> Choice | None:
+    data = read_cached(cache_path(key))
+    if data is None:
+        return None
+    try:
+        backends = Backends(DecodePath(**data["decode"]), data["prefill_attention"])
+        return Choice(backends, "cached", data["decode_ms"], data["prefill_ms"])
+    except (KeyError, TypeError) as exc:
+        log.warning("ignoring the cached backend choice %s: %s", cache_path(key), exc)
+        return None
+
+
+def store(key: str, choice: Choice) -> None:
+    write_cached(cache_path(key), {
+        "decode": dataclasses.asdict(choice.backends.decode),
+        "prefill_attention": choice.backends.prefill_attention,
+        "decode_ms": choice.decode_ms, "prefill_ms": choice.prefill_ms})
 
 
 def medians_ms(timings: Mapping[K, Sequence[float]], name: Callable[[K], str],

@@ -8,6 +8,7 @@ import dataclasses
 import gc
 import logging
 import os
+import platform
 import time
 from collections.abc import Callable, Sequence
 
@@ -16,12 +17,19 @@ import torch
 from engine.batch import Batch, ModelRunnerOutput, ScheduledChunk, lent
 from engine.budget.peaks import measure_peaks
 from engine.config import EngineConfig
-from engine.core.attention_choice import AttentionChoice, attention_candidates, choose_attention
+from engine.core.attention_choice import (
+    AttentionChoice,
+    attention_cache_key,
+    attention_candidates,
+    choose_attention,
+)
 from engine.core.backend_choice import (
     DECODE_CONTEXT,
     DECODES,
     KERNELS,
     PAGED,
+    PREFILL_CHUNK,
+    PREFILL_HISTORY,
     TORCH,
     Backends,
     Choice,
@@ -148,7 +156,8 @@ class ModelRunner:
         # on the compiled model where auto leaves a choice
         found = attention_candidates(config.attention_backend, self.device.type, flash)
         self.attention: AttentionChoice = choose_attention(
-            found, self.attention_timer(config, time.perf_counter), time.perf_counter)
+            found, self.attention_timer(config, time.perf_counter), time.perf_counter,
+            key=self.attention_key(config, found) if len(found) > 1 else None)
         self.backend = self._backend(config, self.attention.name)
         self.block_size = self.backend.block_size
         if self.block_size != config.block_size:
@@ -156,6 +165,7 @@ class ModelRunner:
                      "multiples of %d", self.block_size, config.block_size, self.block_size)
         if self.attention.how == "measured":
             del self.kv_cache  # the last probe's pool: the KV sizing below must not count it
+        if self.attention.how != "forced":
             self.attention_note = self.attention.name
             log.info("%s", self.attention.line())
         self.startup_s["attention"], mark = time.perf_counter() - mark, time.perf_counter()
@@ -237,6 +247,16 @@ class ModelRunner:
                 return clock() - start
 
         return time_step
+
+    def attention_key(self, config: EngineConfig, found: Sequence[str]) -> str:
+        """The cached attention choice's key: this device, the model, and what the probe
+        times it on (compiled or not, its block size and shapes)."""
+        device = (describe_gpu(self.device).name if self.device.type == "cuda"
+                  else platform.processor() or platform.machine())
+        shapes = {"model": dataclasses.asdict(self.model_config), "compiled": compiles(config),
+                  "block_size": config.block_size, "max_model_len": self.max_model_len,
+                  "probe": [DECODES, DECODE_CONTEXT, PREFILL_CHUNK, PREFILL_HISTORY]}
+        return attention_cache_key(device, shapes, str(self.dtype), found)
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
