@@ -3,10 +3,21 @@ builds for a CUDA graph's decodes is a type a layer runs."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
+from torch._inductor.exc import InductorError
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from engine.kernels.attention import FlashMetadata, TorchMetadata
+from engine import EngineConfig
+from engine.core.model_runner import ModelRunner
+from engine.kernels.attention import (
+    EAGER_FLEX_ON_CPU,
+    FlashMetadata,
+    FlexMetadata,
+    TorchMetadata,
+)
 from engine.kernels.backends import (
     AttentionBackend,
     FlashBackend,
@@ -36,3 +47,47 @@ def test_decode_graphs_read_metadata_a_layer_can_run(backend: AttentionBackend,
     lengths = torch.tensor([6, 25])
     meta = backend.graph_metadata(slots, tables, lengths, max_model_len=64)
     assert type(meta) is kind and meta.slot_mapping is slots
+
+
+def test_flex_asked_compiled_on_the_cpu_runs_eagerly_and_says_so_once(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(ModelRunner, "_compile", lambda self: 0.0)  # the dense halves: moot
+    with caplog.at_level(logging.INFO, logger="engine.core.model_runner"):
+        runner = ModelRunner(EngineConfig(model="synthetic:tiny", device="cpu",
+                                          dtype="float32", kv_cache_bytes=1 << 22,
+                                          attention_backend="flex", compile=True))
+    assert runner.backend.name == "flex"
+    assert [r.getMessage() for r in caplog.records].count(EAGER_FLEX_ON_CPU) == 1
+
+
+def _packed(starts: list[int], counts: list[int]) -> FlexMetadata:
+    """The flex metadata of chunks of `counts` tokens from `starts`, side by side."""
+    query_seq, query_pos, key_seq, key_pos = [], [], [], []
+    for seq, (start, count) in enumerate(zip(starts, counts, strict=True)):
+        key_pos.append(torch.arange(start + count))
+        key_seq.append(torch.full((start + count,), seq))
+        query_pos.append(torch.arange(start, start + count))
+        query_seq.append(torch.full((count,), seq))
+    keys = torch.cat(key_pos)
+    return FlexMetadata(torch.arange(0), keys, torch.cat(query_seq), torch.cat(query_pos),
+                        torch.cat(key_seq), keys)
+
+
+@pytest.mark.slow  # one C++ build of Inductor's flex template, about half a minute
+def test_compiled_flex_on_the_cpu_still_fails_to_build_with_dynamic_shapes() -> None:
+    """The torch limitation behind EAGER_FLEX_ON_CPU, on the engine's own mask: when this
+    fails because the build succeeds, let block_masked compile flex on the CPU too."""
+    meta = _packed([0, 30, 9], [7, 1, 1])  # a chunk beside two decodes
+    rows, width = len(meta.query_seq), len(meta.key_seq)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, rows, 16), torch.randn(1, 2, width, 16), torch.randn(
+        1, 2, width, 16)
+    mask = create_block_mask(meta.mask_mod(None), None, None, rows, width, device="cpu")
+    compiled = torch.compile(flex_attention, dynamic=True)
+    with pytest.raises(InductorError, match=r"cur_kvSplitSize[0-9]"):
+        compiled(q, k, v, block_mask=mask, scale=1.0, enable_gqa=True)
+    # static shapes build, but would compile afresh for every step's shape
+    static = torch.compile(flex_attention, dynamic=False)
+    expected = flex_attention(q, k, v, block_mask=mask, scale=1.0, enable_gqa=True)
+    torch.testing.assert_close(static(q, k, v, block_mask=mask, scale=1.0, enable_gqa=True),
+                               expected)

@@ -51,7 +51,12 @@ from engine.core.staging import Staging
 from engine.core.step_inputs import StepInputs, prepare
 from engine.errors import EngineError
 from engine.kernels import huge_pages
-from engine.kernels.attention import describe_gpu, flash_refusal
+from engine.kernels.attention import (
+    EAGER_FLEX_ON_CPU,
+    block_masked,
+    describe_gpu,
+    flash_refusal,
+)
 from engine.kernels.attention import flash_available as flash_importable
 from engine.kernels.backends import AttentionBackend, FlashBackend, FlexBackend, TorchBackend
 from engine.kernels.cpu_graph import DecodeGraphs
@@ -160,6 +165,8 @@ class ModelRunner:
             key=self.attention_key(config, found) if len(found) > 1 else None)
         self.backend = self._backend(config, self.attention.name)
         self.block_size = self.backend.block_size
+        if self.backend.name == "flex" and compiles(config) and not block_masked(self.device):
+            log.info("%s", EAGER_FLEX_ON_CPU)
         if self.block_size != config.block_size:
             log.info("KV blocks of %d tokens, not the %d asked: flash-attn's paged KV needs "
                      "multiples of %d", self.block_size, config.block_size, self.block_size)

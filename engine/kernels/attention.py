@@ -323,8 +323,15 @@ class PagedAttention:
 def block_masked(device: torch.device) -> bool:
     """Whether flex skips masked blocks (and runs compiled): on CUDA. On the CPU a block mask
     each step costs more than it saves, and Inductor's CPU flex template fails to build with
-    dynamic shapes (torch 2.13)."""
+    dynamic shapes (EAGER_FLEX_ON_CPU)."""
     return device.type == "cuda"
+
+
+# Inductor's CPU flex template renames its block-size symbol by plain text replacement, so
+# with ten or more size symbols `ks1` also rewrites `ks17`; the C++ then fails to build
+EAGER_FLEX_ON_CPU = ("flex attention runs eagerly on the CPU (compile covers the dense layers "
+                     "only): Inductor's CPU flex template fails to build with dynamic shapes "
+                     f"in torch {torch.__version__.split('+')[0]} (docs/gpu.md)")
 
 
 def _eager_flex(*args: object, **kwargs: object) -> torch.Tensor:
