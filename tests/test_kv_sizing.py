@@ -110,6 +110,9 @@ AMPERE, TURING = GpuDescription("A100", (8, 0), 80 * GIB), GpuDescription("T4", 
     (AMPERE, torch.float32, 128, "float16 or bfloat16, not float32"),
     (TURING, torch.bfloat16, 128, "compute capability 8.0 (Ampere) or newer; T4 has 7.5"),
     (AMPERE, torch.bfloat16, 512, "head sizes up to 256, not 512"),
+    (AMPERE, torch.bfloat16, 72, None),
+    (AMPERE, torch.bfloat16, 100, "head sizes in multiples of 8, not 100"),
+    (GpuDescription("B200", (10, 0), 180 * GIB), torch.bfloat16, 64, None),
 ])
 def test_flash_runs_only_on_its_dtypes_gpus_and_head_sizes(gpu, dtype, head_dim,
                                                             refused) -> None:

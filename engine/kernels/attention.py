@@ -31,6 +31,7 @@ SCORE_ELEMENT_BYTES = 8  # a score and its softmax, float32 each
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 FLASH_MIN_CAPABILITY = (8, 0)  # Ampere
 FLASH_MAX_HEAD_DIM = 256
+FLASH_HEAD_DIM_MULTIPLE = 8  # flash_api.cpp's check; its Python wrapper pads others
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,10 @@ def flash_refusal(gpu: GpuDescription, dtype: torch.dtype, head_dim: int) -> str
                 f"{major}.{minor}")
     if head_dim > FLASH_MAX_HEAD_DIM:
         return f"flash-attn takes head sizes up to {FLASH_MAX_HEAD_DIM}, not {head_dim}"
+    if head_dim % FLASH_HEAD_DIM_MULTIPLE:
+        # its wrapper would pad the whole paged cache to the next multiple, every layer
+        return (f"flash-attn's paged KV needs head sizes in multiples of "
+                f"{FLASH_HEAD_DIM_MULTIPLE}, not {head_dim}")
     return None
 
 
