@@ -57,7 +57,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.batch import StepShape
 from engine.core.request import RequestState
 from engine.kernels.attention import describe_gpu, flash_available, flash_refusal
-from engine.ops.telemetry import NvmlBandwidth, TelemetryError, nvml_available
+from engine.ops.telemetry import NvmlBandwidth, TelemetryError, cuda_uuid, nvml_available
 from tests.host_syncs import HostReads
 from tests.prompt_logits import prompt_logits
 
@@ -295,7 +295,8 @@ def telemetry(s: Setting) -> dict[str, Any]:
     if s.device == "cpu" or not nvml_available():
         reason = "no NVML on this machine"
     else:
-        monitor = NvmlBandwidth(interval_s=0.1, torch_device=s.device)
+        monitor = NvmlBandwidth(interval_s=0.1, torch_device=s.device,
+                                uuid=cuda_uuid(s.device))  # CUDA_VISIBLE_DEVICES-proof
         try:
             monitor.start()
         except TelemetryError as exc:

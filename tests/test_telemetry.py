@@ -336,3 +336,49 @@ def test_no_gpm_means_no_dram_active_and_nothing_else_changes():
     assert not dram.supported and dram.read("gpu0") is None
     old_library = fake_pynvml([40])  # a pynvml without the GPM functions at all
     assert not DramActive(old_library, "gpu0").supported
+
+
+def test_a_gpu_nvml_cannot_name_reads_unknown_and_the_start_goes_on():
+    """A MIG instance or a lost card: its UUID names no NVML device. start() does not raise
+    (the engine starts), the reading says why, and a later sample that finds it measures."""
+    clock = FakeClock()
+    nvml = fake_gpm(fake_pynvml([40] * 4), [70.0])
+    found = {"now": False}
+
+    def by_uuid(uuid):
+        if not found["now"]:
+            raise FakeNvmlError("Not Found")
+        return "gpu0"
+
+    nvml.nvmlDeviceGetHandleByUUID = by_uuid
+    source = NvmlBandwidth(interval_s=60.0, nvml=nvml, uuid="GPU-0c", clock=clock)
+    source.start()
+    source.stop()
+    assert source.reading().note == "bandwidth unknown: NVML Not Found"
+    found["now"] = True
+    source.sample()
+    source.sample()
+    assert source.reading() == BandwidthReading(pytest.approx(0.7), "nvml-gpm", True)
+
+
+def test_a_failed_gpm_read_frees_its_sample():
+    nvml = fake_gpm(fake_pynvml([40]), [50.0])
+
+    def lost(handle, sample):
+        raise FakeNvmlError("GPU is lost")
+
+    nvml.nvmlGpmSampleGet = lost
+    dram = DramActive(nvml, "gpu0")
+    assert dram.read("gpu0") is None and dram.read("gpu0") is None
+    assert not nvml.live_samples
+
+
+def test_a_lost_handle_starts_gpm_afresh_on_the_next():
+    nvml = fake_gpm(fake_pynvml([40] * 5), [60.0])
+    source = NvmlBandwidth(nvml=nvml, clock=FakeClock())
+    assert source.sample() is not None and source._dram is not None
+    nvml.state["fail_next"] = True
+    assert source.sample() is None
+    assert source._dram is None and not nvml.live_samples  # the old interval is freed
+    first, second = source.sample(), source.sample()
+    assert (first.dram_active, second.dram_active) == (None, pytest.approx(0.6))

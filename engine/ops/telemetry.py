@@ -142,8 +142,13 @@ class DramActive:
             return None
         nvml = self.nvml
         try:
-            current = nvml.nvmlGpmSampleGet(handle, nvml.nvmlGpmSampleAlloc())
+            current = nvml.nvmlGpmSampleAlloc()
         except nvml.NVMLError:
+            return None
+        try:
+            nvml.nvmlGpmSampleGet(handle, current)
+        except nvml.NVMLError:
+            nvml.nvmlGpmSampleFree(current)
             return None
         previous, self._previous = self._previous, current
         if previous is None:
@@ -214,12 +219,11 @@ class NvmlBandwidth:
                                      "the model-estimated bandwidth") from None
         try:
             self._nvml.nvmlInit()
-            self._handle = self._get_handle()
-            self._dram = DramActive(self._nvml, self._handle)
         except self._nvml.NVMLError as exc:
-            raise TelemetryError(f"NVML cannot read GPU {self.uuid or self.device_index} "
-                                 f"({exc}); use the model-estimated bandwidth on machines "
-                                 "without NVIDIA GPUs") from None
+            raise TelemetryError(f"NVML cannot start ({exc}); use the model-estimated "
+                                 "bandwidth on machines without NVIDIA GPUs") from None
+        # a GPU NVML cannot name (a MIG instance, a lost card) reads unknown, with the reason,
+        # and is looked up again each sample: the engine starts either way
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="nvml-bandwidth", daemon=True)
         self._thread.start()
@@ -255,6 +259,8 @@ class NvmlBandwidth:
         try:
             if self._handle is None:
                 self._handle = self._get_handle()
+                if self._dram is None:
+                    self._dram = DramActive(nvml, self._handle)
             rates = nvml.nvmlDeviceGetUtilizationRates(self._handle)
             memory = nvml.nvmlDeviceGetMemoryInfo(self._handle)
             mem_clock = nvml.nvmlDeviceGetClockInfo(self._handle, nvml.NVML_CLOCK_MEM)
@@ -262,6 +268,9 @@ class NvmlBandwidth:
         except nvml.NVMLError as exc:
             self.last_error = str(exc)
             self._handle = None
+            if self._dram is not None:  # its open interval belongs to the handle just lost
+                self._dram.close()
+                self._dram = None
             return None
         allocated, reserved = self._torch_memory()
         dram = self._dram.read(self._handle) if self._dram is not None else None
