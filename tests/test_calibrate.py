@@ -284,6 +284,25 @@ def test_probes_beyond_the_pool_or_model_length_are_skipped(engine: Engine) -> N
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
 
+def test_probes_past_the_worst_step_the_pool_was_sized_for_are_skipped(
+        steps: KnownSteps) -> None:
+    """A GPU's pool leaves room for the budget's ceiling and max_num_seqs rows, no more: a
+    probe past either is a step the engine never runs, and could run the device out."""
+    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32",
+                                 max_num_batched_tokens=32, max_num_batched_tokens_cap=64,
+                                 max_num_seqs=4), clock=steps)
+    steps.drive(engine)
+    too_wide = Probe(chunk=40, chunks=2)  # 80 tokens over a ceiling of 64
+    too_many_rows = Probe(chunk=8, decode_seqs=4, decode_context=8)  # 5 rows over 4
+    plan = SweepPlan(prefill_chunks=(8, 16, 32, 48), prefill_contexts=(0, 16),
+                     decode_batches=(1, 2), decode_contexts=(8, 32),
+                     mixed=(too_wide, too_many_rows, Probe(chunk=60, decode_seqs=3,
+                                                           decode_context=8)),
+                     warmup=1, repeats=1)
+    result = calibrate(engine, plan=plan)
+    assert set(result.skipped) == {too_wide, too_many_rows}
+
+
 def test_each_timed_run_is_the_last_of_a_burst_of_its_shape(engine: Engine) -> None:
     plan = SweepPlan(prefill_chunks=(8, 16, 32, 48), prefill_contexts=(0, 32),
                      decode_batches=(1, 2), decode_contexts=(8, 32), mixed=(), warmup=1,

@@ -58,6 +58,14 @@ class Probe:
     def longest(self) -> int:
         return max(self.chunk_context + self.chunk, self.decode_context + 1)
 
+    @property
+    def tokens(self) -> int:
+        return self.chunk * self.chunks + self.decode_seqs
+
+    @property
+    def rows(self) -> int:
+        return (self.chunks if self.chunk else 0) + self.decode_seqs
+
 
 @dataclass(frozen=True)
 class SweepPlan:
@@ -355,7 +363,12 @@ class Calibration:
         shapes = len(self.probes)
         for index, probe in enumerate(self.probes, 1):
             self._report(done, f"warm-up, shape {index}/{shapes}: {_describe(probe)}")
-            if probe.longest > self.engine.max_model_len:
+            config = self.engine.config
+            # past the step the KV pool was sized to leave room for, a probe could run the
+            # device out of memory: the engine never runs such a step
+            if (probe.longest > self.engine.max_model_len
+                    or probe.tokens > config.budget_ceiling()
+                    or probe.rows > config.max_num_seqs):
                 self._skipped.append(probe)
             else:
                 step = _probe_step(probe, vocab)
