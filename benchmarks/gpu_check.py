@@ -7,7 +7,8 @@ so a run cut off at its time limit still returns every line it finished.
 - exactness: greedy tokens on the device equal the CPU engine's (fp32) on every attention
   path (torch, flex, flash where it can run), eager and compiled; bf16 logits within
   BF16_TOLERANCE of fp32's.
-- later_chunk: a prompt prefilled in 64-token chunks gives the logits of one whole prefill.
+- later_chunk: a prompt prefilled in 64-token chunks gives the logits of one whole prefill
+  (torch and flex in fp32; flash, where it runs, in bf16 within BF16_TOLERANCE).
 - memory_headroom: the worst step the engine allows (a chunk of the budget's cap at the
   deepest context beside decodes) runs beside a pool sized by the engine, under
   gpu_memory_utilization of the device.
@@ -16,7 +17,8 @@ so a run cut off at its time limit still returns every line it finished.
 - throughput: decode tok/s and MBU, prefill MFU at batch 1/32/128 on synthetic:1b and :8b.
 - attention_paths: a decode step and a later chunk on torch, flex and flash, side by side,
   and the path `auto` took from its own timed step (measured on CUDA, untimed on the CPU).
-- telemetry: NVML's reading over TELEMETRY_LOAD_S of copies against the bandwidth achieved.
+- telemetry: NVML's reading over TELEMETRY_LOAD_S of copies against the bandwidth achieved,
+  the GPU found by UUID; no engine's sampler thread outlives its close.
 - console: the console under tmux for 60 s: live panes, no traceback.
 - calibration, targets (only when named): the quick calibration's held-out error; the
   mixed-load and conversation-trace `tokenflow bench` comparisons.
@@ -38,12 +40,14 @@ import argparse
 import contextlib
 import gc
 import io
+import itertools
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,19 +85,31 @@ class Setting:
     big_model: str
 
 
+_OPEN: list[Engine] = []  # engines made since the last _free, closed there
+
+
 def _engine(s: Setting, model: str = "synthetic:tiny", *, dtype: str = "float32",
             kv: int | None = SMALL_KV, **changes: Any) -> Engine:
     """An engine on the check's device; a fixed pool unless `kv` is None (the engine sizes
     it), so engines of one process never find the device taken."""
-    return Engine(EngineConfig(model=model, device=s.device, dtype=dtype, kv_cache_bytes=kv,
-                               **changes))
+    engine = Engine(EngineConfig(model=model, device=s.device, dtype=dtype, kv_cache_bytes=kv,
+                                 **changes))
+    _OPEN.append(engine)
+    return engine
 
 
 def _free() -> None:
-    """Give a finished check's engines back, so the next one sizes against a free device."""
+    """Close the engines made so far (their NVML sampler threads stop) and give their memory
+    back, so the next one sizes against a free device."""
+    while _OPEN:
+        _OPEN.pop().close()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def _sampler_threads() -> int:
+    return sum(t.name == "nvml-bandwidth" for t in threading.enumerate())
 
 
 PATHS = ("torch", "flex")  # the paths that run fp32: flash takes none (its guard)
@@ -149,8 +165,20 @@ def later_chunk(s: Setting) -> dict[str, Any]:
                                        chunk_tile=16), prompt)
         errors[path] = float((whole - chunked).abs().max())
     _free()
-    return {"max_abs_error": errors, "threshold": CHUNK_TOLERANCE,
-            "pass": all(e <= CHUNK_TOLERANCE for e in errors.values())}
+    # flash runs bf16 only: its later chunks (paged block tables) against its own whole prefill
+    flash = {}
+    if _flash_runs(s):
+        whole = _last_logits(_engine(s, dtype="bfloat16", attention_backend="flash",
+                                     max_num_batched_tokens=4096), prompt)
+        chunked = _last_logits(_engine(s, dtype="bfloat16", attention_backend="flash",
+                                       max_num_batched_tokens=64, chunk_tile=16), prompt)
+        flash["flash"] = float((whole - chunked).abs().max() / whole.abs().max())
+        _free()
+    return {"max_abs_error": errors, "bf16_relative_error": flash,
+            "threshold": {"max_abs_error": CHUNK_TOLERANCE,
+                          "bf16_relative_error": BF16_TOLERANCE},
+            "pass": all(e <= CHUNK_TOLERANCE for e in errors.values())
+            and all(e <= BF16_TOLERANCE for e in flash.values())}
 
 
 def memory_headroom(s: Setting) -> dict[str, Any]:
@@ -320,11 +348,15 @@ def telemetry(s: Setting) -> dict[str, Any]:
                 "pass": s.dry}
     reading = monitor.reading()
     monitor.stop()
+    _free()
+    left = _sampler_threads()  # every engine so far is closed: none of theirs may run on
     gap = abs(reading.util_5s - achieved / peak)
     return {**result, "nvml": {"util": reading.util_5s, "source": reading.source,
                                "measured": reading.measured, "note": reading.note},
-            "threshold": {"measured": True, "gap": TELEMETRY_TOLERANCE},
-            "pass": reading.measured and gap <= TELEMETRY_TOLERANCE}
+            "sampler_threads_left": left,
+            "threshold": {"measured": True, "gap": TELEMETRY_TOLERANCE,
+                          "sampler_threads_left": 0},
+            "pass": reading.measured and gap <= TELEMETRY_TOLERANCE and left == 0}
 
 
 def _peak_bandwidth(s: Setting) -> float:
@@ -450,7 +482,8 @@ def main() -> int:
               "gpu": torch.cuda.get_device_name(0) if not args.dry_run else None,
               "flash_attn": _flash_runs(setting)}
     failed = False
-    for line in (header, *(run_check(name, setting) for name in chosen)):
+    # lazily: each line is out before the next check starts (a tuple would run them all first)
+    for line in itertools.chain((header,), (run_check(name, setting) for name in chosen)):
         text = json.dumps(line, default=str, ensure_ascii=False)
         print(text, flush=True)
         if sink is not None:
