@@ -11,7 +11,9 @@ from torch._inductor.exc import InductorError
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from engine import EngineConfig
+from engine.batch import ScheduledChunk
 from engine.core.model_runner import ModelRunner
+from engine.kernels import backends
 from engine.kernels.attention import (
     EAGER_FLEX_ON_CPU,
     FlashMetadata,
@@ -91,3 +93,46 @@ def test_compiled_flex_on_the_cpu_still_fails_to_build_with_dynamic_shapes() -> 
     expected = flex_attention(q, k, v, block_mask=mask, scale=1.0, enable_gqa=True)
     torch.testing.assert_close(static(q, k, v, block_mask=mask, scale=1.0, enable_gqa=True),
                                expected)
+
+
+class _Held:
+    def __init__(self, blocks: int) -> None:
+        self.block_table = list(range(blocks))
+
+
+def _chunk(start: int, count: int) -> ScheduledChunk:
+    return ScheduledChunk.of("r", start, count, (), count == 1 and start > 0, True)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_flex_tiles_cover_every_visible_key_and_skip_the_rest(
+        monkeypatch: pytest.MonkeyPatch, window: int | None) -> None:
+    """The block tables flex reads on CUDA, against the dense mask they replace: every tile
+    holding a visible key is listed, first; a lone chunk lists exactly those tiles."""
+    monkeypatch.setattr(backends, "FLEX_TILE", 4)
+    backend = FlexBackend(4, window, torch.float32, block_masks=True)
+
+    def tiles_of(chunks: list[ScheduledChunk]) -> tuple[torch.Tensor, torch.Tensor,
+                                                        torch.Tensor]:
+        pairs = [(c, _Held(-(-(c.start + c.num_tokens) // 4))) for c in chunks]
+        meta = backend.metadata(pairs, torch.arange(0), 0)
+        tiles = meta.windowed_tiles if window is not None else meta.tiles
+        assert tiles is not None and (meta.tiles is not None)
+        rows, keys = len(meta.query_seq), len(meta.key_seq)
+        q, k = torch.arange(rows)[:, None], torch.arange(keys)[None]
+        dense = meta.mask_mod(window)(None, None, q, k)
+        padded = torch.zeros(-(-rows // 4) * 4, -(-keys // 4) * 4, dtype=torch.bool)
+        padded[:rows, :keys] = dense
+        needed = padded.view(padded.shape[0] // 4, 4, -1, 4).any(dim=3).any(dim=1)
+        listed = torch.zeros_like(needed)
+        num, indices = tiles
+        for row in range(needed.shape[0]):
+            listed[row, indices[0, 0, row, :num[0, 0, row]].long()] = True
+        return needed, listed, num
+
+    needed, listed, _ = tiles_of([_chunk(0, 13), _chunk(30, 1), _chunk(6, 5), _chunk(9, 1)])
+    assert (listed | ~needed).all()  # every needed tile is listed
+    assert listed.sum() < listed.numel()  # and others are skipped
+    needed, listed, num = tiles_of([_chunk(10, 11)])
+    assert torch.equal(listed, needed)
+    assert num.dtype == torch.int32 and num.shape == (1, 1, needed.shape[0])

@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from engine import Engine, EngineConfig, SamplingParams
+from engine.core import model_runner
 from engine.core.backend_choice import PAGED, TORCH, Backends, candidates
 from engine.core.model_runner import compiles
 from engine.harness.driver import OutputTokens
-from engine.kernels import attention
+from engine.kernels import attention, backends
 from engine.kernels.cpu_kernels import prefill_supports
 from engine.kernels.layers import PackedLinear
 from tests.hf_models import FAMILIES, hf_greedy, hf_last_logits, save_tiny
@@ -104,13 +105,22 @@ def test_flex_attention_is_exact_at_every_chunk_position(reference, budget: int)
 @pytest.mark.slow  # a block mask built eagerly each step: ~20 s a family on a small CPU
 @pytest.mark.parametrize("reference", ["llama", "mistral", "gemma2"], indirect=True)
 def test_flex_with_block_masks_is_exact(reference, monkeypatch) -> None:
-    """The CUDA path's block masks (built from the mask_mod once a step and window) and its
-    soft-cap score_mod, run eagerly on the CPU."""
+    """The CUDA path's block masks (sparse tiles built on the host from the chunks' spans,
+    the mask_mod inside each tile) and its soft-cap score_mod, run eagerly on the CPU; tiles
+    of 16 tokens, so a step's chunks and windows span many."""
     directory, prompts, expected = reference
-    monkeypatch.setattr(attention, "block_masked", lambda device: True)
+    monkeypatch.setattr(model_runner, "block_masked", lambda device: True)
+    monkeypatch.setattr(attention, "FLEX_TILE", 16)
+    monkeypatch.setattr(backends, "FLEX_TILE", 16)
+    made = []
+    from_tiles = attention.BlockMask.from_kv_blocks
+    monkeypatch.setattr(attention.BlockMask, "from_kv_blocks", classmethod(
+        lambda cls, *args, **kwargs: made.append(kwargs["BLOCK_SIZE"]) or from_tiles(
+            *args, **kwargs)))
     outputs = _engine(directory, 7, attention="flex").generate(
         prompts[:4], SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     assert outputs == expected[:4]  # up to 64 tokens: across every window
+    assert made and set(made) == {16}  # the tiles, not a dense mask, chose the blocks
 
 
 def test_long_chunks_attend_in_slices_exactly(reference, monkeypatch) -> None:

@@ -227,7 +227,8 @@ class ModelRunner:
         if name == "flash":
             return FlashBackend(window)
         if name == "flex":
-            return FlexBackend(config.block_size, window, self.dtype)
+            return FlexBackend(config.block_size, window, self.dtype,
+                               block_masks=block_masked(self.device))
         return TorchBackend(config.block_size, window, self.dtype)
 
     def attention_timer(self, config: EngineConfig,

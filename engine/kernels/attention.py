@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from engine.kernels.cpu_kernels import paged_decode, paged_prefill
 
 try:  # FlexAttention: in torch itself, fused where compiled (CUDA); eager on CPU is exact
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
 except ImportError:  # pragma: no cover - torch older than 2.5
-    flex_attention = create_block_mask = None
+    flex_attention = BlockMask = None
 
 try:  # optional `gpu` extra; absent on CPU machines
     from flash_attn import flash_attn_varlen_func
@@ -25,6 +25,7 @@ except ImportError:  # pragma: no cover - depends on the machine
     flash_attn_varlen_func = None
 
 FLASH_BLOCK_SIZE = 256  # flash-attn's paged KV needs blocks that are a multiple of 256
+FLEX_TILE = 128  # FlexAttention's sparse block, on both axes (its default)
 # one prefill slice's attention scores at most (SDPA's math kernel holds them all, in fp32)
 SCORE_BYTES = 1 << 30
 SCORE_ELEMENT_BYTES = 8  # a score and its softmax, float32 each
@@ -99,6 +100,10 @@ class FlexMetadata:
     query_pos: torch.Tensor  # [N]
     key_seq: torch.Tensor  # [K]
     key_pos: torch.Tensor  # [K]
+    # FlexAttention's sparse block tables (engine.kernels.backends.flex_tiles), for all
+    # layers and for sliding-window ones; None where flex runs without a block mask (the CPU)
+    tiles: tuple[torch.Tensor, torch.Tensor] | None = None
+    windowed_tiles: tuple[torch.Tensor, torch.Tensor] | None = None
     # the block masks built from these on the device, by window (made once a step, not a layer)
     masks: dict[int | None, object] = field(default_factory=dict, init=False, compare=False)
 
@@ -238,10 +243,12 @@ class PagedAttention:
         # scaled here, and flex's own scale held at 1: a model's scale passed as a float becomes
         # a traced tensor once Dynamo has seen two models, and reading it back costs a host read
         q = q * self.scale
-        if block_masked(q.device):  # sparse blocks and, compiled, a fused kernel
+        tiles = flex.tiles if self.window is None else flex.windowed_tiles
+        if tiles is not None:  # sparse blocks and, compiled, a fused kernel
             if self.window not in flex.masks:
-                flex.masks[self.window] = create_block_mask(
-                    visible, None, None, q.shape[0], keys.shape[1], device=q.device)
+                flex.masks[self.window] = BlockMask.from_kv_blocks(
+                    *tiles, BLOCK_SIZE=FLEX_TILE, mask_mod=visible,
+                    seq_lengths=(q.shape[0], keys.shape[1]))
             block_mask, score_mod = flex.masks[self.window], None
             if cap is not None:
                 def score_mod(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor,

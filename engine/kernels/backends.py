@@ -13,6 +13,7 @@ import torch
 from engine.batch import ScheduledChunk
 from engine.kernels.attention import (
     FLASH_BLOCK_SIZE,
+    FLEX_TILE,
     AttentionMetadata,
     DecodeGroup,
     FlashMetadata,
@@ -212,11 +213,14 @@ class TorchBackend(_HeadsFirst):
 @dataclass
 class FlexBackend(_HeadsFirst):
     """FlexAttention over each chunk's whole history, gathered side by side once a layer.
-    Its CUDA graphs' decodes run on the gather path's metadata."""
+    Its CUDA graphs' decodes run on the gather path's metadata. With `block_masks` (CUDA)
+    each step also carries the key tiles each query tile may see, built on the host from the
+    chunks' spans, so no [queries, keys] mask is ever made."""
 
     block_size: int
     window: int | None
     dtype: torch.dtype
+    block_masks: bool = False
     name: str = "flex"
     gathers: bool = True
 
@@ -225,6 +229,8 @@ class FlexBackend(_HeadsFirst):
         """Each chunk's whole history side by side, in the packed order of its queries."""
         bs = self.block_size
         slots, query_seq, query_pos, key_seq, key_pos = [], [], [], [], []
+        spans: list[FlexSpan] = []
+        rows = keys_before = 0
         for seq, (chunk, request) in enumerate(ordered):
             end = chunk.start + chunk.num_tokens
             table = torch.tensor(request.block_table, dtype=torch.int64)
@@ -234,13 +240,51 @@ class FlexBackend(_HeadsFirst):
             key_seq.append(torch.full((end,), seq, dtype=torch.int64))
             query_pos.append(keys[chunk.start:])
             query_seq.append(torch.full((chunk.num_tokens,), seq, dtype=torch.int64))
+            spans.append(FlexSpan(rows, chunk.num_tokens, keys_before, chunk.start))
+            rows, keys_before = rows + chunk.num_tokens, keys_before + end
+        tiles = windowed = None
+        if self.block_masks:
+            tiles = flex_tiles(spans, rows, keys_before, None)
+            if self.window is not None:
+                windowed = flex_tiles(spans, rows, keys_before, self.window)
         return FlexMetadata(slot_mapping, torch.cat(slots), torch.cat(query_seq),
-                            torch.cat(query_pos), torch.cat(key_seq), torch.cat(key_pos))
+                            torch.cat(query_pos), torch.cat(key_seq), torch.cat(key_pos),
+                            tiles, windowed)
 
     def graph_metadata(self, slots: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor,
                        max_model_len: int) -> TorchMetadata:
         return TorchBackend(self.block_size, self.window, self.dtype).graph_metadata(
             slots, tables, lengths, max_model_len)
+
+
+@dataclass(frozen=True)
+class FlexSpan:
+    """One chunk in a flex step: its rows of the packed queries and its keys' first index."""
+
+    row: int
+    count: int
+    first_key: int
+    start: int  # the position of its first query
+
+
+def flex_tiles(spans: list[FlexSpan], rows: int, keys: int,
+               window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlexAttention's sparse block tables, (kv_num_blocks [1, 1, Q], kv_indices [1, 1, Q, K])
+    over Q query tiles and K key tiles of FLEX_TILE: every key tile where some query of the
+    tile sees some key of its own chunk. A superset where a tile holds several chunks; the
+    mask_mod, applied in every listed tile, keeps the result exact."""
+    t = FLEX_TILE
+    seen = torch.zeros(-(-rows // t), -(-keys // t), dtype=torch.bool)
+    for span in spans:
+        for tile in range(span.row // t, (span.row + span.count - 1) // t + 1):
+            first = max(span.row, tile * t) - span.row  # the span's queries in this tile
+            last = min(span.row + span.count, (tile + 1) * t) - 1 - span.row
+            low = 0 if window is None else max(0, span.start + first - window + 1)
+            high = span.start + last  # a query sees keys up to its own position
+            seen[tile, (span.first_key + low) // t:(span.first_key + high) // t + 1] = True
+    order = torch.argsort(seen.to(torch.int8), dim=-1, descending=True, stable=True)
+    return (seen.sum(dim=-1, dtype=torch.int32)[None, None],
+            order.to(torch.int32)[None, None])
 
 
 @dataclass
