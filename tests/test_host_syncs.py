@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from engine import Engine, EngineConfig, SamplingParams
+from engine.core import model_runner
 from engine.core.staging import pack, tensors, unpack
 from tests.host_syncs import HostReads
 
@@ -33,6 +34,17 @@ def _engine(**changes: object) -> Engine:
 def test_a_step_reads_tensor_values_once(device: str, backend: str) -> None:
     """On a GPU each read is a host sync and the upload is one pinned copy; on the CPU the
     same count holds and nothing needs uploading."""
+    _reads_once(device, backend)
+
+
+def test_flex_block_masks_read_nothing_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA's flex path (sparse tiles uploaded with the step, a BlockMask made from them),
+    run eagerly on the CPU, where every read of a tensor counts."""
+    monkeypatch.setattr(model_runner, "block_masked", lambda device: True)
+    _reads_once("cpu", "flex")
+
+
+def _reads_once(device: str, backend: str) -> None:
     engine = _engine(device=device, attention_backend=backend)
     for i in range(12):
         engine.add_request([3 + (i * 7 + j) % 300 for j in range(5 + 9 * i)], KINDS[i % 3])
