@@ -5,7 +5,9 @@ failure; --dry-run runs every check's CPU path."""
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import json
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -95,3 +97,12 @@ def test_the_dry_run_passes_every_check_with_a_threshold(
     lines = _lines(capsys.readouterr().out)
     assert [line["check"] for line in lines] == ["setup", *gpu_check.ALL]
     assert all(line["pass"] is True and "threshold" in line for line in lines[1:])
+
+
+def test_gpu_prepare_carries_the_versions_this_tree_runs() -> None:
+    """The GPU machine is offline: scripts/gpu_prepare downloads, for the tree to carry, the
+    very versions installed here (pyproject's pins and their locked dependencies)."""
+    script = (BENCHMARKS.parent / "scripts" / "gpu_prepare").read_text()
+    pins = dict(re.findall(r"\b([a-z][a-z0-9-]*)==([0-9][0-9.]*)", script))
+    assert len(pins) >= 10
+    assert {name: importlib.metadata.version(name) for name in pins} == pins
