@@ -303,9 +303,10 @@ def attention_paths(s: Setting) -> dict[str, Any]:
     auto = {"path": choice.name, "how": choice.how, "step_ms": choice.step_ms}
     del engine
     _free()
-    # a GPU times every candidate; the CPU takes the gather path untimed
-    chose = (choice.how == "measured" and set(PATHS) <= set(choice.step_ms)) if not s.dry \
-        else choice.how == "forced"
+    # a GPU times every candidate (or took a choice it timed at an earlier start, with its
+    # figures); the CPU takes the gather path untimed
+    chose = (choice.how in ("measured", "cached") and set(PATHS) <= set(choice.step_ms)) \
+        if not s.dry else choice.how == "forced"
     return {"model": model, "decode_batch": batch, "context": context, "chunk": chunk,
             "paths": rows, "auto": auto,
             "threshold": "every path runs; auto timed each candidate", "pass": chose}
