@@ -15,6 +15,7 @@ from engine.ops.telemetry import (
     TelemetryError,
     cuda_uuid,
     nvml_available,
+    visible_gpu_handle,
 )
 
 GB = 1e9
@@ -382,3 +383,15 @@ def test_a_lost_handle_starts_gpm_afresh_on_the_next():
     assert source._dram is None and not nvml.live_samples  # the old interval is freed
     first, second = source.sample(), source.sample()
     assert (first.dram_active, second.dram_active) == (None, pytest.approx(0.6))
+
+
+@pytest.mark.parametrize(("visible", "expected"), [
+    ("", "gpu0"), ("2,3", "gpu2"), ("GPU-bbbb-2222,GPU-aaaa-1111", "gpu1"), ("GPU-bbbb", "gpu1"),
+])
+def test_an_attached_servers_gpu_is_the_first_cuda_may_see(visible: str, expected: str):
+    """With no CUDA device of our own to ask its UUID, CUDA_VISIBLE_DEVICES says which GPU
+    CUDA's first is (NVML numbers every GPU and ignores the variable)."""
+    nvml = fake_pynvml([40], devices=3)
+    uuids = {"gpu0": b"GPU-cccc-3333", "gpu1": b"GPU-bbbb-2222", "gpu2": b"GPU-aaaa-1111"}
+    nvml.nvmlDeviceGetUUID = uuids.__getitem__
+    assert visible_gpu_handle(nvml, {"CUDA_VISIBLE_DEVICES": visible}) == expected

@@ -10,7 +10,7 @@ import torch
 
 from engine.budget.peaks import GPU_PRESETS, DevicePeaks, measure_peaks
 from engine.config import ConfigError
-from engine.ops.telemetry import nvml_available
+from engine.ops.telemetry import nvml_available, visible_gpu_handle
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
 
@@ -56,7 +56,7 @@ def lookup_peaks(gpu: str | None, url: str) -> PeakLookup:
 
     pynvml.nvmlInit()
     try:
-        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+        name = pynvml.nvmlDeviceGetName(visible_gpu_handle(pynvml))
     finally:
         pynvml.nvmlShutdown()
     name = name.decode() if isinstance(name, bytes) else str(name)

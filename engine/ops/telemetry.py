@@ -7,10 +7,11 @@ profile's peak, labelled as that estimate."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 from typing import NamedTuple
@@ -171,6 +172,21 @@ class DramActive:
         if self._previous is not None:
             self.nvml.nvmlGpmSampleFree(self._previous)
             self._previous = None
+
+
+def visible_gpu_handle(nvml: ModuleType, environ: Mapping[str, str] = os.environ) -> object:
+    """NVML's handle of the first GPU CUDA_VISIBLE_DEVICES leaves CUDA (NVML ignores the
+    variable): by UUID or a UUID's prefix where it names one, by index where it numbers one,
+    else GPU 0. For when no CUDA device of ours can say its UUID (an attached server)."""
+    first = environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    if first.startswith(("GPU-", "MIG-")):
+        for index in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = nvml.nvmlDeviceGetUUID(handle)
+            if (uuid.decode() if isinstance(uuid, bytes) else str(uuid)).startswith(first):
+                return handle
+        return nvml.nvmlDeviceGetHandleByUUID(first)  # NVML's own error names what failed
+    return nvml.nvmlDeviceGetHandleByIndex(int(first) if first.isdigit() else 0)
 
 
 def cuda_uuid(device: str) -> str:
