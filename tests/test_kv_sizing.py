@@ -4,6 +4,7 @@ can: the arithmetic on the device's numbers, and the runner's paths with those n
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 
@@ -74,14 +75,15 @@ def test_the_worst_step_counts_scores_gathers_sampler_and_graphs() -> None:
     mc = ModelConfig(vocab_size=128_256, hidden_size=2048, intermediate_size=8192,
                      num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
                      max_position_embeddings=32768)
-    worst = WorstStep(tokens=2048, context=32768, rows=256, attention="torch", graph_tokens=64)
+    worst = WorstStep(tokens=2048, context=32768, rows=256, attention="torch", graph_tokens=64,
+                      graph_gather=3 * GIB)
     scratch = worst_step_scratch(mc, 2, worst)
     per_token = (32 * 64 + 2 * 8 * 64 + 3 * 8192 + 4 * 2048) * 2
     assert scratch.parts == {
         "dense": 2048 * per_token,
         "sampler": 256 * 128_256 * (8 * 4 + 2),
         "chunk_scores": SCORE_BYTES + 2048 * 32768,  # a slice's scores and the bool mask
-        "cuda_graphs": 64 * per_token}
+        "cuda_graphs": 64 * per_token + 3 * GIB}  # its gather, kept in the graphs' pool
     short = worst_step_scratch(mc, 2, WorstStep(64, 512, 64, "torch"))
     assert short.parts["chunk_scores"] == 32 * 64 * 512 * 8 + 64 * 512  # one slice
     assert scratch.per_pool_byte == 1.25 / 16  # one layer's gather, padded
@@ -168,3 +170,22 @@ def test_device_peaks_are_measured_before_the_pool_exists(
     runner = ModelRunner(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32",
                                       attention_backend="torch"))
     assert order == ["peaks", "pool"] and runner.peaks.bandwidth > 0
+
+
+@pytest.mark.parametrize("attention", ["torch", "flex"])
+def test_the_graphs_pool_keeps_room_for_their_whole_table_gather(attention: str) -> None:
+    """A graphed decode on SDPA gathers its whole table (max_model_len wide) in every layer,
+    with a length mask: the graphs' private pool keeps that apart from the eager steps."""
+    config = EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32",
+                          kv_cache_bytes=1 << 22, attention_backend=attention, max_num_seqs=8,
+                          max_model_len=256, compile=True)
+    runner = ModelRunner(dataclasses.replace(config, compile=False))
+    runner.device = torch.device("cuda:0")  # the CUDA sizing, on a CPU runner
+    worst = runner.worst_step(config)
+    mc = runner.model_config
+    masks = 1 + (runner.backend.window is not None)
+    assert worst.graph_tokens == 8
+    assert worst.graph_gather == 8 * (2 * 256 * mc.num_kv_heads * mc.head_dim * 4
+                                      + masks * 256 * 4)
+    parts = worst_step_scratch(mc, 4, worst).parts
+    assert parts["cuda_graphs"] > worst.graph_gather

@@ -40,6 +40,9 @@ class WorstStep:
     rows: int  # the most rows a step samples: max_num_seqs, at most `tokens`
     attention: str  # flash, flex or torch: which of them gathers or scores what
     graph_tokens: int = 0  # the largest decode batch held as a CUDA graph (0: none)
+    # what that graph's attention gathers and masks, whole tables wide (SDPA in a graph), in
+    # bytes: the graphs' private pool keeps it, apart from the eager steps' memory
+    graph_gather: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,8 +69,8 @@ def worst_step_scratch(mc: ModelConfig, element_bytes: int, worst: WorstStep) ->
         scores = mc.num_heads * chunk * worst.context * SCORE_ELEMENT_BYTES
         parts["chunk_scores"] = (min(scores, SCORE_BYTES)
                                  + chunk * worst.context)  # and its bool mask
-    if worst.graph_tokens:  # the graphs' private pool: the dense half at their largest batch
-        parts["cuda_graphs"] = worst.graph_tokens * per_token
+    if worst.graph_tokens:  # the graphs' private pool: their largest batch's temporaries
+        parts["cuda_graphs"] = worst.graph_tokens * per_token + worst.graph_gather
     gathers = worst.attention in ("torch", "flex")
     return StepScratch(parts, DECODE_PADDING / mc.num_layers if gathers else 0.0)
 

@@ -367,20 +367,27 @@ class ModelRunner:
                           max_model_len=self.max_model_len, pad_block=self.num_blocks,
                           sizes=self.graph_sizes(config))
 
-    def graph_sizes(self, config: EngineConfig) -> tuple[int, ...]:
+    def _graph_row_bytes(self) -> int:
+        """What one graphed decode's attention gathers in a layer: its whole table's K and V."""
         mc = self.model_config
-        row = 0 if not self.backend.gathers else (2 * self.max_model_len * mc.num_kv_heads
-                                                  * mc.head_dim * self.bytes_per_element)
-        return capture_sizes(config.max_num_seqs, row)
+        return 0 if not self.backend.gathers else (2 * self.max_model_len * mc.num_kv_heads
+                                                   * mc.head_dim * self.bytes_per_element)
+
+    def graph_sizes(self, config: EngineConfig) -> tuple[int, ...]:
+        return capture_sizes(config.max_num_seqs, self._graph_row_bytes())
 
     def worst_step(self, config: EngineConfig) -> WorstStep:
         """The largest step a live change of the budget may make: what the pool leaves room for."""
-        graphs = (self.graph_sizes(config)[-1]
-                  if self.device.type == "cuda" and compiles(config) else 0)
+        graphs = gather = 0
+        if self.device.type == "cuda" and compiles(config):
+            graphs = self.graph_sizes(config)[-1]
+            if self.backend.gathers:  # one layer's K and V, and its length masks (a window's too)
+                masks = 1 + (self.backend.window is not None)
+                gather = graphs * (self._graph_row_bytes()
+                                   + masks * self.max_model_len * self.bytes_per_element)
         return WorstStep(tokens=config.budget_ceiling(), context=self.max_model_len,
-                         rows=config.max_num_seqs,
-                         attention=self.backend.name,
-                         graph_tokens=graphs)
+                         rows=config.max_num_seqs, attention=self.backend.name,
+                         graph_tokens=graphs, graph_gather=gather)
 
     def _allocate_kv(self) -> torch.Tensor:
         mc = self.model_config
