@@ -136,3 +136,23 @@ def test_flex_tiles_cover_every_visible_key_and_skip_the_rest(
     needed, listed, num = tiles_of([_chunk(10, 11)])
     assert torch.equal(listed, needed)
     assert num.dtype == torch.int32 and num.shape == (1, 1, needed.shape[0])
+
+
+@pytest.mark.parametrize(("start", "count", "window"), [
+    (0, 9, None), (0, 9, 4), (0, 3, 4), (7, 5, None), (7, 5, 3), (20, 1, 6)])
+def test_a_prefill_mask_is_made_from_positions_on_the_device(start: int, count: int,
+                                                              window: int | None) -> None:
+    """The gather path's chunk mask, built where attention runs (never uploaded), row slice
+    by row slice: query p sees key k of its history where k <= p and, windowed, k > p - w."""
+    table = torch.arange(4)
+    span = TorchBackend(8, window, torch.float32)._prefill_span(0, start, start + count,
+                                                                table, window)
+    first = 0 if window is None else max(0, start - window + 1)
+    keys = torch.arange(first, start + count)[None]
+    positions = torch.arange(start, start + count)[:, None]
+    expected = (keys <= positions) & ((keys > positions - window) if window else True)
+    whole = span.mask(0, count, torch.device("cpu"))
+    square = start == 0 and (window is None or count <= window)
+    assert whole is None if square else torch.equal(whole, expected)
+    for low in range(count):  # any slice of rows, the square causal case included
+        assert torch.equal(span.mask(low, low + 1, torch.device("cpu")), expected[low:low + 1])

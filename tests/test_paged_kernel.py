@@ -177,12 +177,11 @@ def test_paged_attention_layer_runs_prefill_chunks_through_the_kernel() -> None:
     # chunk 1: a fresh 12-token prompt; chunk 2: tokens 20..37 of a request with history
     slots = torch.cat([first[torch.arange(12) // 16] * 16 + torch.arange(12),
                        second[torch.arange(20, 38) // 16] * 16 + torch.arange(20, 38) % 16])
-    kernel_spans = (PrefillSpan(0, 12, None, None, block_table=first, start=0),
-                    PrefillSpan(12, 18, None, None, block_table=second, start=20))
+    kernel_spans = (PrefillSpan(0, 12, None, block_table=first, start=0),
+                    PrefillSpan(12, 18, None, block_table=second, start=20))
     keys = torch.arange(38)
-    torch_spans = (PrefillSpan(0, 12, slots[:12], None),
-                   PrefillSpan(12, 18, second[keys // 16] * 16 + keys % 16,
-                               keys[None] <= torch.arange(20, 38)[:, None]))
+    torch_spans = (PrefillSpan(0, 12, slots[:12]),
+                   PrefillSpan(12, 18, second[keys // 16] * 16 + keys % 16, start=20))
     metas = [TorchMetadata(slot_mapping=slots, prefills=spans, decode_start=30,
                                decode_groups=()) for spans in (kernel_spans, torch_spans)]
     got, want = (layer(q, k, v, k_cache.clone(), v_cache.clone(), meta) for meta in metas)

@@ -68,13 +68,31 @@ def flash_refusal(gpu: GpuDescription, dtype: torch.dtype, head_dim: int) -> str
 
 @dataclass(frozen=True)
 class PrefillSpan:
+    """A prefill chunk's rows of the step: SDPA's gathered key slots, or the CPU kernel's
+    block table. Its mask is made on the device from positions (mask), never uploaded: at a
+    deep context it is the size of the chunk times the context."""
 
     q_start: int
     q_len: int
     key_slots: torch.Tensor | None
-    mask: torch.Tensor | None  # True = attend; None = square causal
     block_table: torch.Tensor | None = None
-    start: int = 0
+    start: int = 0  # the position of its first query
+    first_key: int = 0  # the position of its first gathered key
+    window: int | None = None
+
+    def mask(self, first: int, last: int, device: torch.device) -> torch.Tensor | None:
+        """Rows [first, last)'s mask over the gathered keys (True = attend): causal from
+        the right, within the window; None where it is the square causal one SDPA makes."""
+        end = self.start + self.q_len
+        if (first, last, self.start) == (0, self.q_len, 0) and (
+                self.window is None or end <= self.window):
+            return None
+        positions = torch.arange(self.start + first, self.start + last, device=device)[:, None]
+        keys = torch.arange(self.first_key, end, device=device)[None]
+        mask = keys <= positions
+        if self.window is not None:
+            mask &= keys > positions - self.window
+        return mask
 
 
 @dataclass(frozen=True)
@@ -275,17 +293,13 @@ class PagedAttention:
         width = keys.shape[1]
         rows = max(1, SCORE_BYTES // (self.num_heads * width * SCORE_ELEMENT_BYTES))
         if rows >= span.q_len:
-            return self._attend(q, keys, values, span.mask)
+            return self._attend(q, keys, values, span.mask(0, span.q_len, q.device))
         # a long chunk over a deep history: its query rows in slices, each row's own result
         out = torch.empty_like(q)
         for first in range(0, span.q_len, rows):
             last = min(first + rows, span.q_len)
-            if span.mask is not None:
-                mask = span.mask[first:last]
-            else:  # square causal: row i sees keys 0..i
-                mask = (torch.arange(width, device=q.device)[None]
-                        <= torch.arange(first, last, device=q.device)[:, None])
-            out[first:last] = self._attend(q[first:last], keys, values, mask)
+            out[first:last] = self._attend(q[first:last], keys, values,
+                                           span.mask(first, last, q.device))
         return out
 
     def _attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -100,7 +100,7 @@ class TorchBackend(_HeadsFirst):
             table = torch.tensor(request.block_table, dtype=torch.int64)
             if self.paged_prefill:
                 # the kernel masks and windows each chunk itself: one span serves every layer
-                span = PrefillSpan(first, chunk.num_tokens, None, None, block_table=table,
+                span = PrefillSpan(first, chunk.num_tokens, None, block_table=table,
                                    start=chunk.start)
                 spans.append(span)
                 windowed_spans.append(span)
@@ -153,17 +153,12 @@ class TorchBackend(_HeadsFirst):
 
     def _prefill_span(self, row: int, start: int, end: int, table: torch.Tensor,
                       window: int | None) -> PrefillSpan:
-        """Causal lower-right mask over positions [start, end)'s history, limited to `window`."""
-        pos = torch.arange(start, end, dtype=torch.int64)
+        """Positions [start, end) over the history they see, from the window's first key."""
         first = 0 if window is None else max(0, start - window + 1)
         keys = torch.arange(first, end, dtype=torch.int64)
-        mask = None
-        if start > 0 or (window is not None and end > window):
-            mask = keys.unsqueeze(0) <= pos.unsqueeze(1)
-            if window is not None:
-                mask &= keys.unsqueeze(0) > pos.unsqueeze(1) - window
         bs = self.block_size
-        return PrefillSpan(row, len(pos), table[keys // bs] * bs + keys % bs, mask)
+        return PrefillSpan(row, end - start, table[keys // bs] * bs + keys % bs, start=start,
+                           first_key=first, window=window)
 
     def _decode_groups(self, decodes: list[Pair], first_row: int,
                        window: int | None) -> tuple[DecodeGroup, ...]:
