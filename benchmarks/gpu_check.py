@@ -61,6 +61,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.batch import StepShape
 from engine.core.request import RequestState
 from engine.kernels.attention import describe_gpu, flash_available, flash_refusal
+from engine.model.loader import model_config_for
 from engine.ops.telemetry import NvmlBandwidth, TelemetryError, cuda_uuid, nvml_available
 from tests.host_syncs import HostReads
 from tests.prompt_logits import prompt_logits
@@ -120,10 +121,12 @@ def _last_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
     return prompt_logits(engine, prompt).float().cpu()
 
 
-def _flash_runs(s: Setting) -> bool:
+def _flash_runs(s: Setting, model: str = "synthetic:tiny") -> bool:
+    """Whether flash-attn's guard lets `model` run on flash here, in bf16."""
     if s.device == "cpu" or not flash_available(torch.device(s.device)):
         return False
-    return flash_refusal(describe_gpu(torch.device(s.device)), torch.bfloat16, 64) is None
+    return flash_refusal(describe_gpu(torch.device(s.device)), torch.bfloat16,
+                         model_config_for(model).head_dim) is None
 
 
 def exactness(s: Setting) -> dict[str, Any]:
@@ -282,7 +285,7 @@ def attention_paths(s: Setting) -> dict[str, Any]:
     from which `auto` would choose on a GPU (as backend_choice does on the CPU)."""
     model, dtype = ("synthetic:tiny", "float32") if s.dry else (s.model, "bfloat16")
     batch, context, chunk = (4, 128, 64) if s.dry else (32, 1024, 2048)
-    paths = [*PATHS, *(["flash"] if _flash_runs(s) else [])]
+    paths = [*PATHS, *(["flash"] if _flash_runs(s, model) else [])]
     rows = {}
     for path in paths:
         engine = _engine(s, model, dtype=dtype, kv=SMALL_KV if s.dry else None,
@@ -481,7 +484,7 @@ def main() -> int:
     header = {"check": "setup", "torch": torch.__version__, "device": setting.device,
               "dry_run": args.dry_run, "pass": True,
               "gpu": torch.cuda.get_device_name(0) if not args.dry_run else None,
-              "flash_attn": _flash_runs(setting)}
+              "flash_attn": _flash_runs(setting, setting.model)}
     failed = False
     # lazily: each line is out before the next check starts (a tuple would run them all first)
     for line in itertools.chain((header,), (run_check(name, setting) for name in chosen)):
