@@ -10,7 +10,7 @@ import torch
 from torch._inductor.exc import InductorError
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from engine import EngineConfig
+from engine import Engine, EngineConfig, SamplingParams
 from engine.batch import ScheduledChunk
 from engine.core.model_runner import ModelRunner
 from engine.kernels import backends
@@ -156,3 +156,24 @@ def test_a_prefill_mask_is_made_from_positions_on_the_device(start: int, count: 
     assert whole is None if square else torch.equal(whole, expected)
     for low in range(count):  # any slice of rows, the square causal case included
         assert torch.equal(span.mask(low, low + 1, torch.device("cpu")), expected[low:low + 1])
+
+
+def test_the_snapshot_reports_the_block_size_the_path_forced(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """flash-attn's paged KV needs blocks of 256 whatever was asked: a path with its own block
+    size (here the gather path made to force 32) is what the pool, the block manager and the
+    snapshot use, and the start says so once."""
+    def forced(self: ModelRunner, config: EngineConfig, name: str) -> AttentionBackend:
+        return TorchBackend(32, None, self.dtype)
+
+    monkeypatch.setattr(ModelRunner, "_backend", forced)
+    with caplog.at_level(logging.INFO, logger="engine.core.model_runner"):
+        engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32",
+                                     kv_cache_bytes=1 << 22, attention_backend="torch",
+                                     block_size=16))
+    assert engine.runner.block_size == engine.blocks.block_size == 32
+    assert engine.snapshot().kv_block_size == 32
+    assert engine.generate([[5, 6, 7] * 20], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert [r.getMessage() for r in caplog.records if "KV blocks of" in r.getMessage()] == [
+        "KV blocks of 32 tokens, not the 16 asked: flash-attn's paged KV needs multiples "
+        "of 32"]
