@@ -19,6 +19,7 @@ from engine.harness.driver import OutputTokens
 from engine.kernels import attention, backends
 from engine.kernels.cpu_kernels import prefill_supports
 from engine.kernels.layers import PackedLinear
+from engine.model.transformer import RECOMPILE_LIMIT
 from tests.hf_models import FAMILIES, hf_greedy, hf_last_logits, save_tiny
 from tests.prompt_logits import prompt_logits
 
@@ -186,6 +187,9 @@ def test_compiled_forward_is_exact(reference) -> None:
     directory, prompts, expected = reference
     engine = _engine(directory, 13, compile=True)
     assert engine.runner.compile_s > 0
+    # one process compiles every family here: Dynamo's limit (8 by default) is shared by all,
+    # and past it a model would quietly run eager
+    assert torch._dynamo.config.recompile_limit >= RECOMPILE_LIMIT
     outputs = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW, ignore_eos=True))
     assert outputs == expected
     prompt = prompts[LENGTHS.index(300)]
