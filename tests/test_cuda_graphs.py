@@ -26,11 +26,18 @@ class ReplayDouble:
     def __init__(self) -> None:
         self.captured: list[tuple[int, threading.Thread]] = []
         self.replays = 0
+        self.pools: list[object] = []  # the pool each capture was given
+        self.pools_made = 0
+
+    def new_pool(self) -> object:
+        self.pools_made += 1
+        return object()
 
     def __call__(self, run: Callable[[], torch.Tensor], pool: object
                  ) -> tuple[Callable[[], None], torch.Tensor]:
         out = run().clone()
         self.captured.append((out.shape[0], threading.current_thread()))
+        self.pools.append(pool)
 
         def replay() -> None:
             self.replays += 1
@@ -48,7 +55,7 @@ def _graphed(directory: Path, budget: int, sizes: tuple[int, ...]) -> tuple[Engi
     runner.cuda_graphs = CudaGraphs(
         runner.model, runner.kv_cache, device=runner.device, backend=runner.backend,
         max_model_len=runner.max_model_len, pad_block=runner.num_blocks, sizes=sizes,
-        capture=double)
+        capture=double, new_pool=double.new_pool)
     return engine, double
 
 
@@ -73,6 +80,8 @@ def test_graphed_decodes_are_exact_with_padding(tmp_path: Path, kind: str) -> No
     assert sorted(sizes) == sorted(set(sizes))  # each size captured once
     assert 8 in sizes and double.replays > len(sizes)
     assert {thread for _, thread in double.captured} == {threading.current_thread()}
+    # every size shares one memory pool, made once
+    assert double.pools_made == 1 and len({id(pool) for pool in double.pools}) == 1
 
 
 def test_a_live_budget_change_needs_no_recapture(tmp_path: Path) -> None:

@@ -79,14 +79,17 @@ class CudaGraphs:
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, *, device: torch.device,
                  backend: AttentionBackend, max_model_len: int, pad_block: int,
                  sizes: Sequence[int], capture: Capture = cuda_capture,
-                 pool: object = None) -> None:
+                 new_pool: Callable[[], object] = torch.cuda.graph_pool_handle) -> None:
         self.model, self.kv_cache = model, kv_cache
         self.backend, self.block_size = backend, backend.block_size
         self.max_model_len = max_model_len
         self.sizes = tuple(sorted(sizes))
         self.width = -(-max_model_len // self.block_size)
         self.pad_block = pad_block
-        self._capture, self._pool = capture, pool
+        # one memory pool for every size, made at the first capture: without it each graph
+        # would keep a private pool of its own temporaries, sizes times over
+        self._capture, self._new_pool = capture, new_pool
+        self._pool: object | None = None
         largest = self.sizes[-1]
         self.static = GraphInputs(
             input_ids=torch.zeros(largest, dtype=torch.int64, device=device),
@@ -132,6 +135,8 @@ class CudaGraphs:
         for name in ("input_ids", "positions", "slots", "tables", "lengths"):
             getattr(self.static, name)[:size].copy_(getattr(inputs, name), non_blocking=True)
         if size not in self.graphs:
+            if self._pool is None:
+                self._pool = self._new_pool()
             self.graphs[size] = self._capture(lambda: self._forward(size), self._pool)
         replay, out = self.graphs[size]
         replay()
