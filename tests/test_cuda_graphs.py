@@ -111,3 +111,24 @@ def test_capture_sizes_follow_vllm_and_bound_the_gather() -> None:
     assert capture_sizes(1000)[-1] == 256
     # SDPA in a graph gathers whole tables: 64 MiB a row leaves room for 16 rows in 1 GiB
     assert capture_sizes(256, gather_bytes_per_row=64 << 20) == (1, 2, 4, 8, 16)
+
+
+def test_a_step_uploads_tables_as_wide_as_its_longest_row(tmp_path: Path) -> None:
+    """Not max_model_len's width (at 128k and blocks of 16, 16 MB a step at 256 rows): the
+    longest row's, to a power of two; the static columns past it are masked off by length."""
+    engine, _ = _graphed(save_tiny("llama", tmp_path), 64, (1, 2, 4))
+    graphs = engine.runner.cuda_graphs
+    bs = graphs.block_size
+
+    class Row:
+        def __init__(self, blocks: int) -> None:
+            self.token_ids = [7] * (blocks * bs)
+            self.block_table = list(range(10, 10 + blocks))
+
+    def decode(position: int) -> object:
+        return type("Chunk", (), {"start": position})()
+
+    inputs = graphs.host_inputs([decode(5 * bs), decode(2)], [Row(6), Row(1)])
+    assert inputs.tables.shape == (2, 8) and graphs.width > 8
+    assert inputs.tables[0, :6].tolist() == list(range(10, 16))
+    assert inputs.tables[1].tolist() == [10] + [graphs.pad_block] * 7

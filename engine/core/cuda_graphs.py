@@ -109,18 +109,22 @@ class CudaGraphs:
     def host_inputs(self, chunks: Sequence[ScheduledChunk],
                     rows: Sequence[RunnerRequest]) -> GraphInputs:
         """The step's rows padded to its graph's size: padding decodes one token in the spare
-        block, which no request owns."""
+        block, which no request owns. Tables only as wide as the longest row's (a power of
+        two): the static columns past it keep earlier block ids, which attention masks off
+        by length, so a step uploads its own tables, not max_model_len's."""
         size = self.size_for(len(chunks))
         bs, pad = self.block_size, self.pad_block
         ids, positions, slots, lengths = [], [], [], []
-        tables = torch.full((size, self.width), pad, dtype=torch.int64)
+        longest = max(c.start // bs + 1 for c in chunks)
+        tables = torch.full((size, min(self.width, 1 << (longest - 1).bit_length())), pad,
+                            dtype=torch.int64)
         for i, (chunk, request) in enumerate(zip(chunks, rows, strict=True)):
             position = chunk.start
             ids.append(request.token_ids[position])
             positions.append(position)
             slots.append(request.block_table[position // bs] * bs + position % bs)
             lengths.append(position + 1)
-            table = request.block_table[:self.width]
+            table = request.block_table[:tables.shape[1]]
             tables[i, :len(table)] = torch.tensor(table, dtype=torch.int64)
         padding = size - len(chunks)
         return GraphInputs(
@@ -132,8 +136,10 @@ class CudaGraphs:
     def run(self, inputs: GraphInputs) -> torch.Tensor:
         """The hidden states of the step's rows (padding included), by replaying its graph."""
         size = inputs.input_ids.shape[0]
-        for name in ("input_ids", "positions", "slots", "tables", "lengths"):
+        for name in ("input_ids", "positions", "slots", "lengths"):
             getattr(self.static, name)[:size].copy_(getattr(inputs, name), non_blocking=True)
+        self.static.tables[:size, :inputs.tables.shape[1]].copy_(inputs.tables,
+                                                                 non_blocking=True)
         if size not in self.graphs:
             if self._pool is None:
                 self._pool = self._new_pool()
