@@ -395,7 +395,7 @@ def console(s: Setting) -> dict[str, Any]:
             subprocess.run([*tmux, "kill-server"], check=False)
     live = all(p in pane for p in ("Requests", "Bandwidth"))
     broken = "Traceback" in pane or "console exited" in pane
-    return {"seconds": seconds, "live_panes": live, "ended_or_raised": broken,
+    return {"watched_s": seconds, "live_panes": live, "ended_or_raised": broken,
             "pane_tail": pane.strip()[-800:],
             "threshold": "live panes (judged on a GPU), still running, no traceback",
             "pass": not broken and (live or s.dry)}
