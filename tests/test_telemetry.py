@@ -395,3 +395,28 @@ def test_an_attached_servers_gpu_is_the_first_cuda_may_see(visible: str, expecte
     uuids = {"gpu0": b"GPU-cccc-3333", "gpu1": b"GPU-bbbb-2222", "gpu2": b"GPU-aaaa-1111"}
     nvml.nvmlDeviceGetUUID = uuids.__getitem__
     assert visible_gpu_handle(nvml, {"CUDA_VISIBLE_DEVICES": visible}) == expected
+
+
+def test_a_gpu_nvml_cannot_open_leaves_the_engine_starting_without_its_processes(
+        monkeypatch, caplog):
+    """The host sense's NVML side, on a GPU NVML cannot name (a MIG instance): the engine
+    starts, says once that the GPU's other processes are unknown, and senses the host."""
+    import logging
+
+    import pynvml
+    import torch
+
+    from engine.ops import equipped
+    from engine.ops.host import HostSensor
+
+    def refuse(cls, uuid, nvml=None):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+
+    monkeypatch.setattr(equipped, "nvml_available", lambda: True)
+    monkeypatch.setattr(equipped, "cuda_uuid", lambda device: "MIG-0c")
+    monkeypatch.setattr(equipped.NvmlProcesses, "open", classmethod(refuse))
+    with caplog.at_level(logging.WARNING, logger=equipped.__name__):
+        sense = equipped.DefaultEquipment().host(FakeClock(), torch.device("cuda:0"), False)
+    assert isinstance(sense, HostSensor) and sense._gpu is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "other processes on the GPU unknown: NVML cannot open cuda:0 (Not Found)"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -20,6 +21,8 @@ from engine.ops.telemetry import ModelBandwidth, NvmlBandwidth, cuda_uuid, nvml_
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger(__name__)
 
 
 class DefaultEquipment:
@@ -61,7 +64,13 @@ class DefaultEquipment:
             return QuietHost()
         gpu = None
         if device.type == "cuda" and nvml_available():
-            gpu = NvmlProcesses.open(cuda_uuid(str(device)))
+            import pynvml
+
+            try:
+                gpu = NvmlProcesses.open(cuda_uuid(str(device)))
+            except pynvml.NVMLError as exc:  # a GPU NVML cannot name (a MIG instance)
+                log.warning("other processes on the GPU unknown: NVML cannot open %s (%s)",
+                            device, exc)
         return HostSensor(clock, gpu=gpu)
 
 
