@@ -69,8 +69,8 @@ def flash_refusal(gpu: GpuDescription, dtype: torch.dtype, head_dim: int) -> str
 @dataclass(frozen=True)
 class PrefillSpan:
     """A prefill chunk's rows of the step: SDPA's gathered key slots, or the CPU kernel's
-    block table. Its mask is made on the device from positions (mask), never uploaded: at a
-    deep context it is the size of the chunk times the context."""
+    block table. Its mask is made on the device from positions (`mask`), never uploaded: at
+    a deep context it is the size of the chunk times the context."""
 
     q_start: int
     q_len: int
