@@ -5,6 +5,7 @@ racing the step that applies the last one."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import http.client
 import itertools
 import logging
@@ -37,7 +38,7 @@ from engine.serve.connections import (
 from engine.serve.listener import listen
 from engine.serve.log_limit import RateLimitedLog, client_and_status
 from engine.serve.loop import EngineLoop
-from engine.serve.memory import IdleTrim
+from engine.serve.memory import IdleTrim, freeze_startup_heap
 from engine.serve.rate_limit import Rate
 
 
@@ -419,3 +420,17 @@ def test_the_engine_loop_gives_memory_back_while_it_works_and_once_idle() -> Non
         loop.stop()
     assert ("busy", True) in decided  # trimmed while requests were in hand
     assert decided[-1] == ("idle", True)  # and once the last one ended
+
+
+def test_the_start_up_heap_is_left_out_of_later_collections() -> None:
+    built = [[index] for index in range(1000)]  # what start-up leaves, tracked by the collector
+    try:
+        assert freeze_startup_heap() >= len(built)
+        later = [[0]]
+        generation_2 = {id(obj) for obj in gc.get_objects(generation=2)}
+        # a full collection walks only what came after the freeze
+        assert not generation_2 & {id(obj) for obj in built}
+        gc.collect()
+        assert id(later) in {id(obj) for obj in gc.get_objects(generation=2)}
+    finally:
+        gc.unfreeze()
