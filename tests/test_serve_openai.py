@@ -19,7 +19,6 @@ from engine import Engine, EngineConfig
 from engine.model.chat_template import DEFAULT_TEMPLATE, ChatTemplate
 from engine.serve.app import create_app
 from engine.serve.chat import render_messages
-from engine.serve.completions import _json_bytes, _json_pieces
 from engine.serve.loop import EngineLoop
 from engine.serve.protocol import ApiError, ChatMessage
 from engine.serve.thread import ServerThread
@@ -388,12 +387,3 @@ def test_a_prompt_is_scored_once_for_all_its_choices(http: httpx.Client, loop: E
         assert values[:len(prompt)] == scored[index - index % 3][:len(prompt)]
     assert len(_scored_requests(loop, answer_id)) == len(prompts)
 
-
-def test_an_answer_rendered_a_choice_at_a_time_is_the_whole_rendering() -> None:
-    answer = {"id": "cmpl-1", "model": 'm"choices":[]', "usage": {"total_tokens": 2},
-              "choices": [{"index": 0, "text": '"choices":[]'}, {"index": 1, "text": "é"}]}
-    pieces = list(_json_pieces(answer))
-    assert len(pieces) == 4  # the shell's two halves and a piece per choice
-    assert b"".join(pieces) == _json_bytes(answer)
-    assert b"".join(_json_pieces({**answer, "choices": []})) == _json_bytes(
-        {**answer, "choices": []})
