@@ -30,8 +30,7 @@ from engine.serve.protocol import (
     BodyLimits,
     CompletionBody,
     SamplingFields,
-    parse_model,
-    read_json,
+    read_model,
 )
 from engine.serve.sampling import (
     DEFAULT_MAX_TOKENS,
@@ -470,7 +469,7 @@ class Completions:
 
     async def handle(self, request: Request) -> Response:
         g = self.generations
-        body = parse_model(CompletionBody, await read_json(request, g.limits))
+        body = await read_model(request, CompletionBody, g.limits)
         g.check_model(body.model)
         priority = g.check_fields(body, len(body.prompts()))
         echo = body.echo is True
