@@ -8,7 +8,7 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass, field
 
-DEFAULT_PER_ADDRESS = 64
+DEFAULT_PER_ADDRESS = 32
 
 
 @dataclass
