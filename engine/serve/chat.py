@@ -161,7 +161,7 @@ class _ChatReply(Reply):
                 content, calls, finish_reason = self._answer(choice)
                 found = Parsed(content, calls)
             else:
-                found = self.tools.partial(self.texts.visible(choice))
+                found = self.tools.partial(self.texts.visible(choice), stream.scans)
             content_delta, call_deltas = stream.step(found)
             if content_delta is not None or first:  # vLLM's first chunk has content ""
                 delta["content"] = content_delta or ""
