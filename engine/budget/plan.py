@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.batch import PlannedChunk, StepShape
@@ -97,7 +97,7 @@ def _step_chunks(order: list[object], position: dict[object, int], end: dict[obj
     return chunks
 
 
-def short_prefills(remaining: Sequence[int], budget: int, slots: int, tile: int,
+def short_prefills(remaining: Iterable[int], budget: int, slots: int, tile: int,
                    may_jump: Callable[[int], bool] = lambda _index: True) -> list[int]:
     """The short-prompt rule, the scheduler's and the plans': of the prefills in queue order
     with `remaining` tokens each, the indices of those that go ahead of the rest in a step.

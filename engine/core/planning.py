@@ -8,7 +8,6 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from itertools import accumulate
 
 from engine.budget.plan import chunk_tokens, short_prefills
 from engine.config import EngineConfig
@@ -116,15 +115,20 @@ def _short_first(candidates: Sequence[Request], budget: int, slots: int, config:
     """The candidates with those short_prefills picks first. A queued one jumps only while
     the free KV blocks hold it (a queued head waiting for blocks keeps its place), and no one
     jumps a request of a higher priority."""
+    if slots < 2 or len(candidates) < 2:
+        return list(candidates)
     free = pool.num_free
     priorities = config.tenant_priorities
-    ranks = [r.priority + priorities.get(r.tenant, 0) for r in candidates]
-    highest = list(accumulate(ranks, max))  # of each candidate and those before it
+    folded = [0, -math.inf]  # candidates folded into the highest rank so far, and that rank
 
     def may_jump(index: int) -> bool:
         nonlocal free
+        while folded[0] < index:  # ranks are read only as far as a short one is asked about
+            ahead = candidates[folded[0]]
+            folded[1] = max(folded[1], ahead.priority + priorities.get(ahead.tenant, 0))
+            folded[0] += 1
         request = candidates[index]
-        if ranks[index] < highest[index]:
+        if request.priority + priorities.get(request.tenant, 0) < folded[1]:
             return False
         if request.state not in QUEUED:
             return True
@@ -134,8 +138,10 @@ def _short_first(candidates: Sequence[Request], budget: int, slots: int, config:
         free -= need
         return True
 
-    short = short_prefills([r.num_pending for r in candidates], budget, slots,
+    short = short_prefills((r.num_pending for r in candidates), budget, slots,
                            config.chunk_tile, may_jump)
+    if not short:
+        return list(candidates)
     picked = set(short)
     return [*(candidates[i] for i in short),
             *(r for i, r in enumerate(candidates) if i not in picked)]
