@@ -170,6 +170,8 @@ def test_each_token_decodes_a_window_whatever_the_output_length() -> None:
         sent.append(texts.delta(choice))
     assert "".join(sent) == text
     assert max(read) <= 2 * 4  # a character's bytes and the one before: never the output
+    # a window is decoded once a token (its prefix and itself), not again for the chunk
+    assert len(read) <= 2 * len(tokenizer.encode(text))
 
 
 def _decode_of(tokenizer: HFTokenizer) -> Callable[[list[int]], str]:

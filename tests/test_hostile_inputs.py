@@ -5,8 +5,10 @@ racing the step that applies the last one."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import http.client
 import itertools
+import json
 import logging
 import socket
 import subprocess
@@ -18,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import BaseModel, field_validator
 from starlette.applications import Starlette
+from starlette.requests import Request
 from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from uvicorn.server import ServerState
@@ -37,7 +41,8 @@ from engine.serve.connections import (
 from engine.serve.listener import listen
 from engine.serve.log_limit import RateLimitedLog, client_and_status
 from engine.serve.loop import EngineLoop
-from engine.serve.memory import IdleTrim
+from engine.serve.memory import IdleTrim, freeze_startup_heap
+from engine.serve.protocol import OFF_LOOP_BYTES, BodyLimits, read_model
 from engine.serve.rate_limit import Rate
 
 
@@ -419,3 +424,58 @@ def test_the_engine_loop_gives_memory_back_while_it_works_and_once_idle() -> Non
         loop.stop()
     assert ("busy", True) in decided  # trimmed while requests were in hand
     assert decided[-1] == ("idle", True)  # and once the last one ended
+
+
+def test_the_start_up_heap_is_left_out_of_later_collections() -> None:
+    built = [[index] for index in range(1000)]  # what start-up leaves, tracked by the collector
+    try:
+        assert freeze_startup_heap() >= len(built)
+        later = [[0]]
+        generation_2 = {id(obj) for obj in gc.get_objects(generation=2)}
+        # a full collection walks only what came after the freeze
+        assert not generation_2 & {id(obj) for obj in built}
+        gc.collect()
+        assert id(later) in {id(obj) for obj in gc.get_objects(generation=2)}
+    finally:
+        gc.unfreeze()
+
+
+class _Recorded(BaseModel):
+    """A body whose validation says which thread ran it."""
+
+    stop: list[str]
+
+    @field_validator("stop")
+    @classmethod
+    def _seen(cls, value: list[str]) -> list[str]:
+        VALIDATED_ON.append(threading.get_ident())
+        return value
+
+
+VALIDATED_ON: list[int] = []
+
+
+@pytest.mark.parametrize("strings, off_loop", [(10, False), (20_000, True)])
+def test_a_large_body_is_parsed_off_the_event_loop(strings: int, off_loop: bool) -> None:
+    raw = json.dumps({"stop": [f"{i:x}" for i in range(strings)]}).encode()
+    assert (len(raw) >= OFF_LOOP_BYTES) is off_loop
+
+    async def read() -> int:
+        sent = False
+
+        async def receive() -> dict[str, object]:
+            nonlocal sent
+            if sent:
+                return {"type": "http.disconnect"}
+            sent = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+
+        request = Request({"type": "http", "method": "POST", "path": "/", "headers": [
+            (b"content-type", b"application/json")]}, receive)
+        body = await read_model(request, _Recorded, BodyLimits())
+        assert len(body.stop) == strings
+        return threading.get_ident()
+
+    VALIDATED_ON.clear()
+    loop_thread = asyncio.run(read())
+    assert ([loop_thread] != VALIDATED_ON) is off_loop and len(VALIDATED_ON) == 1

@@ -4,12 +4,15 @@ percentiles cover the last stats_window_s seconds; the lifetime histograms keep 
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.config import ConfigError
 from engine.events import Finished, StepComplete, TokensGenerated
-from engine.ops.metrics import Metrics
+from engine.ops.metrics import Metrics, _Window
 from engine.snapshot import Snapshot
+from engine.stats import percentiles_ms
 
 
 def finished(ts: float, ttft_s: float, queue_wait_s: float, rid: str = "r") -> Finished:
@@ -52,3 +55,17 @@ def test_the_snapshot_states_its_window_and_round_trips() -> None:
 def test_a_window_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="stats_window_s"):
         EngineConfig(stats_window_s=0).validate()
+
+
+@given(values=st.lists(st.floats(0.0, 1e4, allow_nan=False), max_size=300),
+       horizon=st.floats(0.0, 400.0))
+@settings(max_examples=200, deadline=None)
+def test_window_percentiles_are_the_nearest_rank_ones_of_the_samples_in_it(
+        values: list[float], horizon: float) -> None:
+    window = _Window(span_s=100.0)
+    for ts, value in enumerate(values):
+        window.add(float(ts), value)
+    now = horizon + 100.0  # samples older than the span have left
+    kept = [value for ts, value in enumerate(values) if ts >= now - 100.0]
+    assert window.percentiles_ms(now) == percentiles_ms(kept)
+    assert window.values(now) == kept

@@ -173,6 +173,7 @@ def test_serve_help_names_each_limit(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):
         main(["serve", "--help"])
     shown = " ".join(capsys.readouterr().out.split())
+    assert "--max-running-per-address N choices from one client address" in shown
     share = RequestShare()
     for limit in (share.max_n, share.max_choices, share.max_stop_strings, share.max_stop_chars,
                   share.max_logit_bias, share.max_logprob_entries):

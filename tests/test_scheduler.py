@@ -245,17 +245,65 @@ def test_in_progress_prefills_that_fill_the_pool_do_not_deadlock() -> None:
     assert s.blocks.num_used == 0
 
 
+# --- short prompts beside long ones ---------------------------------------------------------
+def test_a_short_prompt_is_prefilled_in_the_next_step_behind_long_ones() -> None:
+    s = sim(num_blocks=4096, max_num_batched_tokens=256, chunk_tile=16)
+    longs = [s.add(1500, max_tokens=1) for _ in range(32)]
+    s.step()  # the first long prompt takes the whole budget
+    short = s.add(11, max_tokens=8)
+    batch = s.step()
+    assert prefill_sizes(batch)[short.id] == 11
+    # the long prefill still advances, with what the short one left
+    assert prefill_sizes(batch)[longs[0].id] == 256 - 11 - 5  # whole tiles of 16
+
+
+def test_short_prompts_take_at_most_half_the_budget_and_one_slot_less_than_all() -> None:
+    s = sim(num_blocks=4096, max_num_batched_tokens=256, chunk_tile=16, max_prefill_chunks=4)
+    long = s.add(2000, max_tokens=1)
+    s.step()
+    shorts = [s.add(60, max_tokens=1) for _ in range(6)]
+    batch = s.step()
+    sizes = prefill_sizes(batch)
+    assert [r.id for r in shorts if r.id in sizes] == [shorts[0].id, shorts[1].id]
+    assert sizes[long.id] >= 128
+    while long.num_computed_tokens < 2000:  # the long prompt advances every step
+        before = long.num_computed_tokens
+        s.step()
+        assert long.num_computed_tokens > before
+
+
+def test_a_short_prompt_jumps_no_request_of_a_higher_priority() -> None:
+    s = sim(num_blocks=4096, max_num_batched_tokens=256, chunk_tile=16)
+    urgent = s.add(1500, max_tokens=1, priority=1)
+    s.step()
+    short = s.add(11, max_tokens=1)
+    assert short.id not in prefill_sizes(s.step())
+    assert urgent.num_computed_tokens == 512
+
+
+def test_a_short_prompt_jumps_only_while_the_free_blocks_hold_it() -> None:
+    s = sim(num_blocks=10, max_num_batched_tokens=32, chunk_tile=4)
+    long = s.add(36, max_tokens=1)
+    s.step()  # 32 tokens: 8 of the 10 blocks of 4
+    short = s.add(12, max_tokens=1)  # 3 blocks: the long prompt's last block would not fit
+    batch = s.step()
+    assert batch.prefills[0].request_id == long.id  # the short one only takes what is left
+    assert long.num_computed_tokens == 36
+    assert prefill_sizes(batch)[short.id] == 4
+
+
 # --- tenants (pitfall 5) ------------------------------------------------------------------
 def _first_chunk_step(shares: dict[str, float]) -> int:
     s = sim(num_blocks=4096, max_num_batched_tokens=256, chunk_tile=16,
             tenant_shares=shares)
     for _ in range(4):
         s.add(2000, max_tokens=2, tenant="bulk", arrival=0.0)
-    short = s.add(64, max_tokens=2, tenant="chat", arrival=1.0)
+    # longer than a slot's share of the step (256 / 4): no short prompt, which would jump
+    chat = s.add(100, max_tokens=2, tenant="chat", arrival=1.0)
     for step, batch in enumerate(s.run()):
-        if short.id in prefill_sizes(batch):
+        if chat.id in prefill_sizes(batch):
             return step
-    raise AssertionError("the short request never ran")
+    raise AssertionError("the chat request never ran")
 
 
 def test_tenant_shares_keep_a_long_prompt_tenant_from_starving_another() -> None:

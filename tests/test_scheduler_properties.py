@@ -131,7 +131,8 @@ def test_invariants_hold_for_random_workloads(scenario) -> None:
         if batch.preempted:
             assert not admitted, "a request was admitted in a step that preempted"
         if not config.tenant_shares and config.chunked_prefill:
-            _check_fcfs(batch, admitted, queued, tile)
+            _check_fcfs(batch, admitted, queued, tile,
+                        max(tile, budget // config.max_prefill_chunks))
         # every mode change is published
         new = len(sim.of(ModeChanged)) - changes
         changed = (scheduler.mode, scheduler.throttle_level) != (mode, level)
@@ -153,16 +154,19 @@ def test_invariants_hold_for_random_workloads(scenario) -> None:
             assert len(request.output_token_ids) == request.params.max_tokens
 
 
-def _check_fcfs(batch: Batch, admitted: list[Request], queued: set[Request], tile: int) -> None:
+def _check_fcfs(batch: Batch, admitted: list[Request], queued: set[Request], tile: int,
+                short: int) -> None:
     """A later request is admitted ahead of a queued earlier one (same or lower priority)
-    only as a whole prompt shorter than a tile, in budget the earlier one could not use."""
+    only as a whole prompt: shorter than a tile, in budget the earlier one could not use, or
+    a short one (at most a slot's share of the step, `short`), which goes ahead of long ones."""
     left_behind = [r for r in queued if r.state in (RequestState.WAITING,
                                                     RequestState.PREEMPTED)]
     for request in admitted:
         key = (-request.priority, request.arrival)
         if any((-r.priority, r.arrival) < key for r in left_behind):
             chunk = next(c for c in batch.prefills if c.request_id == request.id)
-            assert chunk.start == 0 and chunk.num_tokens < tile
+            assert chunk.start == 0 and (chunk.num_tokens < tile
+                                         or (chunk.samples and chunk.num_tokens <= short))
 
 
 @st.composite
@@ -191,20 +195,23 @@ def test_no_request_waits_longer_than_the_fcfs_bound(scenario) -> None:
     budget B >= N + chunk_tile.
 
     Order requests by the queue key (higher priority first, then arrival). For request i,
-    let a_i be the number of requests ahead of it and A_i their prompt tokens. Then the
-    number of steps that run before i's first prefill chunk is at most
+    let a_i be the number of requests ahead of it and A_i their prompt tokens, and J_i the
+    number of other short prompts (at most max(chunk_tile, B // S) tokens). Then the number
+    of steps that run before i's first prefill chunk is at most
 
-        floor(A_i / c) + floor(a_i / S),   c = B - (N - 1) - (chunk_tile - 1),
-                                           S = max_prefill_chunks.
+        floor(A_i / c) + floor(a_i / S) + J_i,   c = B - (N - 1) - (chunk_tile - 1),
+                                                  S = max_prefill_chunks.
 
-    Why: decodes take at most N - 1 tokens of a step. In a step where i gets no chunk, the
-    planner walked the requests ahead of it first (partial prefills are always ahead of i:
-    a later request can only jump it as a whole prompt shorter than a tile, which finishes
-    its prefill in that step), and either all S chunk slots went to requests ahead of i and
-    each completed its prompt (a chunk cut short by the budget leaves under one tile, so
-    it is the other case), or less than one tile of budget was left: at least c prompt
-    tokens ahead of i were computed. Each waiting step therefore removes c tokens from A_i
-    or S requests from a_i.
+    Why: decodes take at most N - 1 tokens of a step. A step in which short prompts go
+    ahead (short_prefills) finishes at least one of them whole: there are at most J_i such
+    steps. In any other step where i gets no chunk, the planner walked the requests ahead
+    of it first (partial prefills are always ahead of i: a later request can only jump it
+    as a short prompt, which finishes its prefill in that step, or as a whole prompt shorter
+    than a tile), and either all S chunk slots went to requests ahead of i and each
+    completed its prompt (a chunk cut short by the budget leaves under one tile, so it is
+    the other case), or less than one tile of budget was left: at least c prompt tokens
+    ahead of i were computed. Each such step therefore removes c tokens from A_i or S
+    requests from a_i.
     """
     config, specs = scenario
     n = len(specs)
@@ -219,9 +226,13 @@ def test_no_request_waits_longer_than_the_fcfs_bound(scenario) -> None:
             first_chunk.setdefault(sim.by_id[chunk.request_id], step)
     order = sorted(requests, key=lambda r: (-r.priority, r.arrival))
     c = config.max_num_batched_tokens - (n - 1) - (config.chunk_tile - 1)
+    short = max(config.chunk_tile,
+                config.max_num_batched_tokens // config.max_prefill_chunks)
+    shorts = sum(r.num_prompt_tokens <= short for r in requests)
     for position, request in enumerate(order):
         tokens_ahead = sum(r.num_prompt_tokens for r in order[:position])
-        bound = tokens_ahead // c + position // config.max_prefill_chunks
+        jumps = shorts - (request.num_prompt_tokens <= short)
+        bound = tokens_ahead // c + position // config.max_prefill_chunks + jumps
         assert first_chunk[request] <= bound, (position, tokens_ahead, c)
         assert request.state is RequestState.FINISHED
 

@@ -348,3 +348,42 @@ def test_streamed_choices_of_a_batch_with_n(http: httpx.Client, api: openai.Open
     whole = http.post("/v1/completions", json={**body, "stream": False}).json()
     assert texts == {c["index"]: c["text"] for c in whole["choices"]}
     assert scored == {0: 6, 1: 6, 2: 5, 3: 5}  # prompt tokens and 3 generated each
+
+
+def _scored_requests(loop: EngineLoop, answer_id: str) -> list[str]:
+    """The engine's requests of one answer that scored their prompt."""
+    base = answer_id.split("-", 1)[1]
+    return [r.id for r in loop.engine.scheduler.recent
+            if r.id.startswith(base) and r.params.prompt_logprobs is not None]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_is_scored_once_for_all_its_choices(http: httpx.Client, loop: EngineLoop,
+                                                     stream: bool) -> None:
+    """Echo with logprobs and n choices: each choice shows its prompt's logprobs, and the
+    engine scores each prompt once, not once per choice."""
+    prompts = [PROMPT, PROMPT[:20]]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 2, "n": 3, "seed": 1,
+            "ignore_eos": True, "echo": True, "logprobs": 2, "stream": stream}
+    scored: dict[int, list[float | None]] = {}
+    if stream:
+        with http.stream("POST", "/v1/completions", json=body) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    choice = chunk["choices"][0]
+                    scored.setdefault(choice["index"], []).extend(
+                        choice["logprobs"]["token_logprobs"])
+                    answer_id = chunk["id"]
+    else:
+        answer = http.post("/v1/completions", json=body).json()
+        answer_id = answer["id"]
+        scored = {c["index"]: c["logprobs"]["token_logprobs"] for c in answer["choices"]}
+    assert sorted(scored) == list(range(6))
+    for index, values in scored.items():
+        prompt = prompts[index // 3]
+        assert len(values) == len(prompt) + 2
+        assert values[0] is None and None not in values[1:]
+        assert values[:len(prompt)] == scored[index - index % 3][:len(prompt)]
+    assert len(_scored_requests(loop, answer_id)) == len(prompts)
+

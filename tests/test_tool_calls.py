@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from engine.serve import tools
 from engine.serve.tools import PARSE, ToolCall, ToolStream, ToolUse
 
 WEATHER = {"type": "function", "function": {
@@ -255,7 +256,10 @@ def _streams_as_parsed(use: ToolUse, text: str) -> None:
     stream = ToolStream(use)
     content, calls = "", {}
     for end in [*range(len(text) + 1), None]:
-        found = use.partial(text[:end]) if end is not None else use.parse(text)
+        found = (use.partial(text[:end], stream.scans) if end is not None
+                 else use.parse(text))
+        if end is not None:  # read on from the last text, as read afresh
+            assert found == use.partial(text[:end])
         delta, deltas = stream.step(found)
         content += delta or ""
         for call in deltas:
@@ -315,3 +319,28 @@ def test_required_hoists_the_tools_defs_where_their_references_point(server: str
             "messages": HISTORY[:1], "tools": [place, other], "tool_choice": "required"})
         assert clash.status_code == 400 and clash.json()["error"]["param"] == "tools"
         assert "'city' has multiple schemas" in clash.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"xs": [%s]}}</tool_call>'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"xs": [%s]}}'),
+])
+def test_a_long_streamed_argument_is_read_once(monkeypatch: pytest.MonkeyPatch, parser: str,
+                                               text: str) -> None:
+    """Streamed a character at a time, each JSON token of a call is read once, not again at
+    every chunk: the work is linear in the argument's length."""
+    text %= ", ".join(str(i) for i in range(400))
+    reads = [0]
+    token = tools._token
+
+    def counted(text: str, pos: int) -> tuple[str, str, int] | None:
+        reads[0] += 1
+        return token(text, pos)
+
+    monkeypatch.setattr(tools, "_token", counted)
+    use = ToolUse(_tools(), "auto", parser)
+    stream = ToolStream(use)
+    for end in range(len(text) + 1):
+        stream.step(use.partial(text[:end], stream.scans))
+    assert stream.calls[0].arguments == use.parse(text).calls[0].arguments
+    assert reads[0] <= 4 * len(text)  # afresh at every chunk: over 100 times as many

@@ -43,7 +43,9 @@ from engine.serve.connections import (
 )
 from engine.serve.hosts import ANY_HOST, LOOPBACK_HOSTS
 from engine.serve.listener import listen
+from engine.serve.memory import freeze_startup_heap
 from engine.serve.tools import PARSERS
+from engine.serve.turns import DEFAULT_PER_ADDRESS, ClientTurns
 from engine.store import Database, SlowQueryRecord, list_slow_queries
 
 GRACEFUL_SHUTDOWN_S = 5
@@ -73,6 +75,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       default=MAX_CONNECTIONS_PER_ADDRESS, metavar="N",
                       help="open connections from one client address before its next one "
                            f"gets 503 and is closed (default {MAX_CONNECTIONS_PER_ADDRESS})")
+    http.add_argument("--max-running-per-address", type=int, default=DEFAULT_PER_ADDRESS,
+                      metavar="N",
+                      help="choices from one client address in the engine at once; more "
+                           "wait their turn in order, counted in --max-queue (default "
+                           f"{DEFAULT_PER_ADDRESS}). vLLM has no such limit: set it to "
+                           "--max-num-seqs for vLLM's behaviour")
     http.add_argument("--admin-token-file", type=Path, metavar="FILE",
                       help=f"bearer token of the admin endpoints (default: ${TOKEN_ENV})")
     http.add_argument("--public-stats", action="store_true",
@@ -118,6 +126,9 @@ def run(args: argparse.Namespace) -> int:
     if args.max_connections_per_address < 1:
         raise UserError("--max-connections-per-address must be at least 1, got "
                         f"{args.max_connections_per_address}")
+    if args.max_running_per_address < 1:
+        raise UserError("--max-running-per-address must be at least 1, got "
+                        f"{args.max_running_per_address}")
     if args.max_body_bytes < 1024:
         raise UserError(f"--max-body-bytes must be at least 1024, got {args.max_body_bytes}")
     if not 0 <= args.port <= 65535:
@@ -159,6 +170,7 @@ def run(args: argparse.Namespace) -> int:
         loop = session.attach_loop().start()
         app = create_app(loop, admin_token=token, max_queue=args.max_queue,
                          max_body_bytes=args.max_body_bytes,
+                         turns=ClientTurns(args.max_running_per_address),
                          slow_queries_reader=None if database is None else _reader(database),
                          public_stats=args.public_stats,
                          allowed_hosts=[*LOOPBACK_HOSTS, args.host, *args.allow_host],
@@ -166,6 +178,7 @@ def run(args: argparse.Namespace) -> int:
                          tool_call_parser=(args.tool_call_parser
                                            if args.enable_auto_tool_choice else None),
                          store_health=None if session.writer is None else session.writer.health)
+        freeze_startup_heap()
         admin = "on" if token else f"off (set {TOKEN_ENV} or --admin-token-file)"
         store = "none" if database is None else f"{database.location} as {database.server}"
         host, port = listener.getsockname()[:2]  # --port 0: the one the system chose

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from engine.batch import PlannedChunk, StepShape
@@ -79,7 +79,10 @@ def _step_chunks(order: list[object], position: dict[object, int], end: dict[obj
     """Tokens each prefill gets in one simulated step, without tenant shares or KV limits."""
     left = rules.budget - decodes
     chunks: dict[object, int] = {}
-    for key in order:
+    short = short_prefills([end[key] - position[key] for key in order], left, rules.slots,
+                           rules.tile)
+    picked = set(short)
+    for key in [*(order[i] for i in short), *(k for i, k in enumerate(order) if i not in picked)]:
         if left < 1 or len(chunks) >= rules.slots:
             break
         tokens = chunk_tokens(end[key] - position[key], min(left, rules.chunk_cap), rules.tile,
@@ -92,6 +95,27 @@ def _step_chunks(order: list[object], position: dict[object, int], end: dict[obj
         chunks[head] = min(end[head] - position[head], rules.tile) if rules.chunked \
             else end[head] - position[head]
     return chunks
+
+
+def short_prefills(remaining: Iterable[int], budget: int, slots: int, tile: int,
+                   may_jump: Callable[[int], bool] = lambda _index: True) -> list[int]:
+    """The short-prompt rule, the scheduler's and the plans': of the prefills in queue order
+    with `remaining` tokens each, the indices of those that go ahead of the rest in a step.
+    A prefill that a slot's share of the step (`budget` / `slots`) finishes whole goes first,
+    so a short prompt waits a step, not behind every long prompt before it (vLLM's
+    max_long_partial_prefills lets short prompts jump long ones likewise). Short ones take at
+    most half the budget and one slot less than all: the long ones advance every step.
+    `may_jump(i)` is asked last, of each one short enough."""
+    limit = max(tile, budget // max(1, slots))
+    room = budget // 2
+    picked: list[int] = []
+    for index, tokens in enumerate(remaining):
+        if len(picked) >= slots - 1:
+            break
+        if tokens <= min(limit, room) and may_jump(index):
+            picked.append(index)
+            room -= tokens
+    return picked
 
 
 def chunk_tokens(remaining: int, room: float, tile: int, chunked: bool) -> int:

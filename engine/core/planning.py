@@ -9,7 +9,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from engine.budget.plan import chunk_tokens
+from engine.budget.plan import chunk_tokens, short_prefills
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
 from engine.core.request import Request, RequestState
@@ -44,11 +44,13 @@ class PrefillPlan:
 def plan_chunks(candidates: Sequence[Request], budget: int, slots: int, chunk_cap: float,
                 config: EngineConfig, running: Sequence[Request], pool: BlockManager,
                 isolate: bool = True) -> PrefillPlan:
-    """Token counts per request: tenant shares first, then leftovers, FCFS, within the budget,
-    the chunk slots and the free KV blocks; `isolate` keeps tenants to their shares.
+    """Token counts per request: tenant shares first, then leftovers, FCFS but short prompts
+    first (short_prefills), within the budget, the chunk slots and the free KV blocks;
+    `isolate` keeps tenants to their shares.
     Reads the pool (its free count and cached prefixes) and changes nothing."""
     if not candidates:
         return PrefillPlan()
+    candidates = _short_first(candidates, budget, slots, config, pool)
     tile, block_size = config.chunk_tile, pool.block_size
     free_blocks = pool.num_free
     tenants = {r.tenant for r in candidates}
@@ -106,6 +108,43 @@ def plan_chunks(candidates: Sequence[Request], budget: int, slots: int, chunk_ca
                 kv_left[request.tenant] -= added
     return PrefillPlan(tuple(PlannedPrefill(r, starts[r], n, prefixes[r])
                              for r, n in totals.items()), tuple(warmed))
+
+
+def _short_first(candidates: Sequence[Request], budget: int, slots: int, config: EngineConfig,
+                 pool: BlockManager) -> list[Request]:
+    """The candidates with those short_prefills picks first. A queued one jumps only while
+    the free KV blocks hold it (a queued head waiting for blocks keeps its place), and no one
+    jumps a request of a higher priority."""
+    if slots < 2 or len(candidates) < 2:
+        return list(candidates)
+    free = pool.num_free
+    priorities = config.tenant_priorities
+    folded = [0, -math.inf]  # candidates folded into the highest rank so far, and that rank
+
+    def may_jump(index: int) -> bool:
+        nonlocal free
+        while folded[0] < index:  # ranks are read only as far as a short one is asked about
+            ahead = candidates[folded[0]]
+            folded[1] = max(folded[1], ahead.priority + priorities.get(ahead.tenant, 0))
+            folded[0] += 1
+        request = candidates[index]
+        if request.priority + priorities.get(request.tenant, 0) < folded[1]:
+            return False
+        if request.state not in QUEUED:
+            return True
+        need = pool.blocks_for(request.num_pending)
+        if need > free:
+            return False
+        free -= need
+        return True
+
+    short = short_prefills((r.num_pending for r in candidates), budget, slots,
+                           config.chunk_tile, may_jump)
+    if not short:
+        return list(candidates)
+    picked = set(short)
+    return [*(candidates[i] for i in short),
+            *(r for i, r in enumerate(candidates) if i not in picked)]
 
 
 def _tenant_budgets(config: EngineConfig, tenants: Iterable[str], budget: int

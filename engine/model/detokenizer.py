@@ -31,6 +31,9 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = 0
         self.taken = 0  # characters past the window's prefix already in `text`
+        # the last few token ranges decoded (tokens only grow, so a range's text stays): the
+        # window read for one token is the prefix of the next, and pending() follows extend()
+        self._decoded: dict[tuple[int, int], str] = {}
 
     def extend(self, token_ids: Sequence[int]) -> str:
         """Add `token_ids`; the characters they complete (added to `text`)."""
@@ -84,9 +87,16 @@ class IncrementalDetokenizer:
 
     def _window(self) -> tuple[str, str]:
         """The decoded prefix (tokens already read) and the decoded window (all since it)."""
-        head = self.tokens[self.prefix_offset:self.read_offset]
-        window = self.tokens[self.prefix_offset:]
-        if self.prefix_offset == 0:  # only the first window starts the output
-            return (continuation(self.decode, self.prime, head),
-                    continuation(self.decode, self.prime, window))
-        return self.decode(head), self.decode(window)
+        return (self._text(self.prefix_offset, self.read_offset),
+                self._text(self.prefix_offset, len(self.tokens)))
+
+    def _text(self, start: int, end: int) -> str:
+        found = self._decoded.get((start, end))
+        if found is None:
+            ids = self.tokens[start:end]
+            # only the first window starts the output
+            found = continuation(self.decode, self.prime, ids) if start == 0 else self.decode(ids)
+            if len(self._decoded) >= 4:
+                self._decoded.clear()
+            self._decoded[start, end] = found
+        return found

@@ -10,6 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from engine.events import (
     Event,
     EventBus,
@@ -24,7 +26,7 @@ from engine.events import (
     TokensGenerated,
 )
 from engine.snapshot import Percentiles
-from engine.stats import percentiles_ms
+from engine.stats import MS_PER_S
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -61,16 +63,35 @@ class _Window:
 
     def __init__(self, span_s: float) -> None:
         self.span_s = span_s
-        self.samples: deque[tuple[float, float]] = deque(maxlen=WINDOW_SAMPLES)
+        # two deques, not one of pairs: numpy reads the values without a Python loop
+        self.times: deque[float] = deque(maxlen=WINDOW_SAMPLES)
+        self.samples: deque[float] = deque(maxlen=WINDOW_SAMPLES)
 
     def add(self, ts: float, value: float) -> None:
-        self.samples.append((ts, value))
+        self.times.append(ts)
+        self.samples.append(value)
 
     def values(self, now: float) -> list[float]:
+        self._expire(now)
+        return list(self.samples)
+
+    def percentiles_ms(self, now: float) -> Percentiles:
+        """percentiles_ms of the values, found by partition: the engine's thread takes them
+        for every snapshot (ten a second), and sorting five full windows cost it 23 ms."""
+        self._expire(now)
+        count = len(self.samples)
+        if not count:
+            return Percentiles(p50=None, p90=None, p99=None)
+        ranks = [min(count - 1, int(q * count)) for q in (0.50, 0.90, 0.99)]
+        ordered = np.partition(np.fromiter(self.samples, dtype=np.float64, count=count), ranks)
+        p50, p90, p99 = (float(ordered[rank]) * MS_PER_S for rank in ranks)
+        return Percentiles(p50=p50, p90=p90, p99=p99)
+
+    def _expire(self, now: float) -> None:
         horizon = now - self.span_s
-        while self.samples and self.samples[0][0] < horizon:
+        while self.times and self.times[0] < horizon:
+            self.times.popleft()
             self.samples.popleft()
-        return [value for _, value in self.samples]
 
 
 @dataclass
@@ -305,10 +326,10 @@ class Metrics:
     def latency(self, now: float) -> WindowStats:
         """Percentiles (ms) of requests, tokens and steps ended in the last `window_s` seconds."""
         with self._lock:
-            series = [w.values(now) for w in (self.recent_ttft, self.recent_tpot,
-                                              self.recent_itl, self.recent_queue_wait,
-                                              self.recent_step)]
-        ttft, tpot, itl, queue_wait, step = (percentiles_ms(values) for values in series)
+            ttft, tpot, itl, queue_wait, step = (
+                w.percentiles_ms(now) for w in (self.recent_ttft, self.recent_tpot,
+                                                 self.recent_itl, self.recent_queue_wait,
+                                                 self.recent_step))
         return WindowStats(self.window_s, ttft, tpot, itl, queue_wait, step)
 
     def snapshot_fields(self, now: float) -> dict[str, Any]:

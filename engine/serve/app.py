@@ -38,6 +38,7 @@ from engine.serve.protocol import (
     read_json,
 )
 from engine.serve.shares import RequestShare
+from engine.serve.turns import ClientTurns
 from engine.snapshot import Snapshot
 from engine.store import SlowQueryRecord
 from engine.store.writer import WriterHealth
@@ -59,11 +60,14 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
                chat_template: Path | None = None,
                tool_call_parser: str | None = None,
                share: RequestShare = DEFAULT_SHARE,
+               turns: ClientTurns | None = None,
                store_health: StoreHealth | None = None) -> Starlette:
-    """The starlette app; the caller owns `loop` (started before serving, stopped after)."""
+    """The starlette app; the caller owns `loop` (started before serving, stopped after).
+    `turns`: each client address's share of the engine (ClientTurns' default)."""
     started = int(time.time())
     limits = BodyLimits(max_bytes=max_body_bytes, read_timeout_s=body_timeout_s)
-    generations = Generations(loop, max_queue=max_queue, limits=limits, share=share)
+    generations = Generations(loop, max_queue=max_queue, limits=limits, share=share,
+                              turns=turns or ClientTurns())
     completions = Completions(generations)
     model = loop.engine.config.model
     template = load_chat_template(model, chat_template,

@@ -24,7 +24,7 @@ from engine.serve.completions import (
     include_usage,
     prompt_logprobs,
 )
-from engine.serve.protocol import ApiError, ChatBody, ChatMessage, parse_model, read_json
+from engine.serve.protocol import ApiError, ChatBody, ChatMessage, read_model
 from engine.serve.tools import (
     Parsed,
     ToolCall,
@@ -101,7 +101,7 @@ class Chat:
 
     async def handle(self, request: Request) -> Response:
         g = self.generations
-        body = parse_model(ChatBody, await read_json(request, g.limits))
+        body = await read_model(request, ChatBody, g.limits)
         g.check_model(body.model)
         priority = g.check_fields(body, 1)
         tools = tool_use(body, self.tool_call_parser)
@@ -161,7 +161,7 @@ class _ChatReply(Reply):
                 content, calls, finish_reason = self._answer(choice)
                 found = Parsed(content, calls)
             else:
-                found = self.tools.partial(self.texts.visible(choice))
+                found = self.tools.partial(self.texts.visible(choice), stream.scans)
             content_delta, call_deltas = stream.step(found)
             if content_delta is not None or first:  # vLLM's first chunk has content ""
                 delta["content"] = content_delta or ""

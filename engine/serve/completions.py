@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import orjson
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -29,8 +30,7 @@ from engine.serve.protocol import (
     BodyLimits,
     CompletionBody,
     SamplingFields,
-    parse_model,
-    read_json,
+    read_model,
 )
 from engine.serve.sampling import (
     DEFAULT_MAX_TOKENS,
@@ -39,6 +39,7 @@ from engine.serve.sampling import (
     sampling_params,
 )
 from engine.serve.shares import RequestShare
+from engine.serve.turns import ClientTurns
 
 RETRY_AFTER_S = 1
 ERROR_CHECK_S = 1.0
@@ -62,7 +63,10 @@ class Generation:
 
     def choices(self) -> list[tuple[list[int], SamplingParams]]:
         """(prompt, params) per choice, choice i from prompt i // n; ApiError(400): a bad seed
-        or a prompt that fills the context. max_tokens is cut to what the context leaves."""
+        or a prompt that fills the context. max_tokens is cut to what the context leaves.
+        Only a prompt's first choice scores it (prompt_logprobs): its n choices share one
+        prompt, and the others then share its prefix-cached blocks instead of prefilling
+        and scoring it again."""
         seed = self.params.seed
         try:
             per_choice = [self.params if seed is None or j == 0
@@ -70,6 +74,9 @@ class Generation:
                           for j in range(self.n)]
         except ConfigError as exc:
             raise ApiError(400, f"'seed' + n - 1 {exc.message}", param="seed") from None
+        if self.params.prompt_logprobs is not None:
+            per_choice[1:] = [dataclasses.replace(params, prompt_logprobs=None)
+                              for params in per_choice[1:]]
         return [(prompt, self._fitted(params, len(prompt)))
                 for prompt in self.prompts for params in per_choice]
 
@@ -99,14 +106,17 @@ def context_length_error(max_model_len: int, prompt_tokens: int) -> ApiError:
 
 @dataclass
 class Choice:
-    """One choice's output so far: the engine's outputs carry new tokens, this keeps them all."""
+    """One choice's output so far: the engine's outputs carry new tokens, this keeps them all.
+    A prompt's later choices read its logprobs from its first (`scorer`), which alone scores
+    it (Generation.choices)."""
 
     index: int
     prompt: list[int]
     output: RequestOutput | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None  # None: not asked for
-    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    scorer: Choice | None = None
+    scored: tuple[TokenLogprob, ...] | None = None
 
     def add(self, output: RequestOutput) -> None:
         self.output = output
@@ -115,7 +125,17 @@ class Choice:
             self.logprobs = self.logprobs or []
             self.logprobs += output.logprobs
         if output.prompt_logprobs is not None:
-            self.prompt_logprobs = output.prompt_logprobs
+            self.scored = output.prompt_logprobs
+
+    @property
+    def prompt_logprobs(self) -> tuple[TokenLogprob, ...] | None:
+        return self.scored if self.scorer is None else self.scorer.scored
+
+    @property
+    def awaits_scorer(self) -> bool:
+        """Whether the prompt's logprobs this choice shows are not in yet: its scorer's first
+        output, which carries them, has not come."""
+        return self.scorer is not None and self.scorer.output is None
 
     @property
     def finish_reason(self) -> str | None:
@@ -161,9 +181,10 @@ class Generations:
     """The engine side of both endpoints, with its admission state."""
 
     def __init__(self, engine_loop: EngineLoop, *, max_queue: int, limits: BodyLimits,
-                 share: RequestShare) -> None:
+                 share: RequestShare, turns: ClientTurns | None = None) -> None:
         self.engine_loop = engine_loop
         self.max_queue = max_queue
+        self.turns = turns or ClientTurns()
         self.limits = limits
         self.share = share
         self.in_flight = 0
@@ -228,24 +249,33 @@ class Generations:
             if reason:
                 raise ApiError(422, reason, param="prompt")
         self._admit(len(choices))
+        address = request.client.host if request.client is not None else ""
+        self.in_flight += len(choices)  # waiting for its address's turn counts as in flight
+        try:
+            await self.turns.take(address, len(choices))
+        except BaseException:
+            self.in_flight -= len(choices)
+            raise
+        release = functools.partial(self._release, address)
         queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
         request_ids: list[str] = []
         chosen = [Choice(index, prompt) for index, (prompt, _) in enumerate(choices)]
+        if generation.params.prompt_logprobs is not None:
+            for choice in chosen:
+                if choice.index % generation.n:
+                    choice.scorer = chosen[choice.index - choice.index % generation.n]
         try:
             base = reply.id.split("-", 1)[1]
             for index, (prompt, params) in enumerate(choices):
-                bridge = _Bridge(chosen[index], queue, self._release,
+                bridge = _Bridge(chosen[index], queue, release,
                                  final_only=not generation.stream)
-                self.in_flight += 1
-                try:
-                    request_ids.append(self.engine_loop.submit(
-                        prompt, params, tag=tag, on_output=bridge.push,
-                        priority=generation.priority,
-                        request_id=base if len(choices) == 1 else f"{base}-{index}"))
-                except BaseException:
-                    self.in_flight -= 1
-                    raise
+                request_ids.append(self.engine_loop.submit(
+                    prompt, params, tag=tag, on_output=bridge.push,
+                    priority=generation.priority,
+                    request_id=base if len(choices) == 1 else f"{base}-{index}"))
         except BaseException:
+            for _ in range(len(choices) - len(request_ids)):  # never submitted: never finish
+                release()
             for request_id in request_ids:
                 self.engine_loop.abort(request_id)
             raise
@@ -270,8 +300,9 @@ class Generations:
                                 f"{count}); retry after {RETRY_AFTER_S} s",
                            kind="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)})
 
-    def _release(self) -> None:
+    def _release(self, address: str) -> None:
         self.in_flight -= 1
+        self.turns.give_back(address)
         if self.in_flight == 0:
             self.trim.idle()
 
@@ -323,23 +354,28 @@ class Generations:
         """One SSE chunk per choice per generated token, as vLLM sends them (see Texts)."""
         started: set[int] = set()
         finished: set[int] = set()
+        parked: dict[int, list[tuple[int, RequestOutput]]] = {}  # by scorer: until it is heard
         try:
             while len(finished) < len(request_ids):
-                index, output = await self._next(queue)
-                _raise_if_refused(self.engine_loop, output)
-                if index not in started or output.finished:
-                    await _journaled(self.engine_loop)
-                choice = choices[index]
-                choice.add(output)
-                chunk = reply.chunk(choice, texts.delta(choice),
-                                    list(output.new_token_ids), output.logprobs or (),
-                                    first=index not in started)
-                if generation.continuous_usage:
-                    chunk["usage"] = _usage([choice], 1)
-                yield _sse(chunk)
-                started.add(index)
-                if output.finished:
-                    finished.add(index)
+                heard = await self._next(queue)
+                _raise_if_refused(self.engine_loop, heard[1])
+                if choices[heard[0]].awaits_scorer:
+                    parked.setdefault(heard[0] - heard[0] % generation.n, []).append(heard)
+                    continue
+                for index, output in [heard, *parked.pop(heard[0], ())]:
+                    if index not in started or output.finished:
+                        await _journaled(self.engine_loop)
+                    choice = choices[index]
+                    choice.add(output)
+                    chunk = reply.chunk(choice, texts.delta(choice),
+                                        list(output.new_token_ids), output.logprobs or (),
+                                        first=index not in started)
+                    if generation.continuous_usage:
+                        chunk["usage"] = _usage([choice], 1)
+                    yield _sse(chunk)
+                    started.add(index)
+                    if output.finished:
+                        finished.add(index)
             if generation.include_usage:
                 yield _sse(reply.usage_chunk(_usage(choices, generation.n)))
         except ApiError as exc:
@@ -433,7 +469,7 @@ class Completions:
 
     async def handle(self, request: Request) -> Response:
         g = self.generations
-        body = parse_model(CompletionBody, await read_json(request, g.limits))
+        body = await read_model(request, CompletionBody, g.limits)
         g.check_model(body.model)
         priority = g.check_fields(body, len(body.prompts()))
         echo = body.echo is True
@@ -489,6 +525,7 @@ class Reply:
         decode = functools.partial(tokenizer.decode,
                                    skip_special_tokens=params.skip_special_tokens)
 
+        @functools.cache  # the reply's own: a large answer names the same tokens again and again
         def token_text(token: int) -> str:
             return decode([token])
 
@@ -524,17 +561,34 @@ class _CompletionReply(Reply):
 
     def final(self, choices: list[Choice], usage: dict[str, int]) -> dict[str, Any]:
         rendered = []
+        # a prompt's n choices show the same echo and prompt logprobs: rendered once, shared
+        echoes: dict[int, tuple[str, dict[str, Any] | None]] = {}
+        prompts: dict[int, list[dict[str, dict[str, Any]] | None]] = {}
         for choice in choices:
-            text, entries = self.texts.final(choice), _scored(choice.logprobs or ())
+            first = choice.scorer or choice
+            text = self.texts.final(choice)
+            entries = _scored(choice.logprobs or ())
+            scored = None
             if self.echo:
-                text = self.decode(choice.prompt) + text
-                entries = _prompt_scored(choice) + entries
-            scored = completion_logprobs(entries, self.token_text) if self.logprobs else None
+                if first.index not in echoes:
+                    echoes[first.index] = (self.decode(first.prompt), completion_logprobs(
+                        _prompt_scored(first), self.token_text) if self.logprobs else None)
+                echoed, echoed_scored = echoes[first.index]
+                if echoed_scored is not None:
+                    scored = joined_logprobs(echoed_scored, completion_logprobs(
+                        entries, self.token_text, offset=len(echoed)))
+                text = echoed + text
+            elif self.logprobs:
+                scored = completion_logprobs(entries, self.token_text)
+            extra = {}
+            if self.prompt_logprobs:
+                if first.index not in prompts:
+                    prompts[first.index] = prompt_logprobs(first, self.token_text)
+                extra["prompt_logprobs"] = prompts[first.index]
             rendered.append({"index": choice.index, "text": text,
                              "token_ids": list(choice.token_ids), "logprobs": scored,
                              "finish_reason": FINISH_REASONS.get(choice.finish_reason or ""),
-                             **({"prompt_logprobs": prompt_logprobs(choice, self.token_text)}
-                                if self.prompt_logprobs else {})})
+                             **extra})
         return {**self._body(rendered), "usage": usage}
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
@@ -571,11 +625,11 @@ def prompt_logprobs(choice: Choice, token_text: Callable[[int], str]
     return scored
 
 
-def completion_logprobs(entries: Scored, token_text: Callable[[int], str]
+def completion_logprobs(entries: Scored, token_text: Callable[[int], str], offset: int = 0
                         ) -> dict[str, Any]:
-    """The completions API's logprobs object: per token its text, logprob, top N and offset."""
+    """The completions API's logprobs object: per token its text, logprob, top N and offset
+    (in the text, from `offset`)."""
     tokens, values, tops, offsets = [], [], [], []
-    offset = 0
     for token, entry in entries:
         text = token_text(token)
         tokens.append(text)
@@ -594,14 +648,20 @@ def completion_logprobs(entries: Scored, token_text: Callable[[int], str]
             "text_offset": offsets}
 
 
+def joined_logprobs(head: dict[str, Any], tail: dict[str, Any]) -> dict[str, Any]:
+    """Two logprobs objects of consecutive text as one; the head's entries are shared."""
+    return {key: head[key] + tail[key] for key in head}
+
+
 def _json_bytes(data: Any) -> bytes:
-    """As starlette's JSONResponse renders a body."""
-    return json.dumps(data, ensure_ascii=False, allow_nan=False, indent=None,
-                      separators=(",", ":")).encode("utf-8")
+    """UTF-8 JSON, as starlette's JSONResponse renders a body, by orjson: a JSON encoder holds
+    the GIL while it runs, and the standard library's held the engine's thread and the event
+    loop for 20-40 ms a choice of a large answer (orjson: 1 ms)."""
+    return orjson.dumps(data)
 
 
 def _sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data)}\n\n"
+    return f"data: {orjson.dumps(data).decode()}\n\n"
 
 
 def _raise_if_refused(engine_loop: EngineLoop, output: RequestOutput) -> None:

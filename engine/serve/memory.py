@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import threading
 import time
 from collections.abc import Callable
@@ -61,3 +62,14 @@ class IdleTrim:
         self.trims += 1
         threading.Thread(target=self.trim, name="tokenflow-trim", daemon=True).start()
         return True
+
+
+def freeze_startup_heap() -> int:
+    """Leave everything start-up built (the model, the libraries) out of every later garbage
+    collection, as vLLM's engine core does after it starts; returns the objects frozen.
+    A full collection walks every tracked object with all threads stopped: it ran for
+    hundreds of milliseconds once a hostile body or a large answer set one off, and every
+    client waited."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()

@@ -19,6 +19,7 @@ from pydantic import (
     create_model,
 )
 from pydantic import ValidationError as PydanticValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -51,6 +52,9 @@ async def api_error_handler(_request: Request, exc: Exception) -> Response:
     return exc.response()
 
 
+OFF_LOOP_BYTES = 64 * 1024  # bodies this large are decoded on a worker thread
+
+
 @dataclass(frozen=True)
 class BodyLimits:
     max_bytes: int = 1 << 20
@@ -60,14 +64,35 @@ class BodyLimits:
 
 async def read_json(request: Request, limits: BodyLimits) -> Any:
     """The body as JSON: 415 not JSON, 408 late, 413 too large, 400 malformed or too deep."""
+    body = await _json_body(request, limits)
+    if len(body) < OFF_LOOP_BYTES:
+        return _decoded(body, limits)
+    return await run_in_threadpool(_decoded, body, limits)
+
+
+async def read_model(request: Request, model: type[M], limits: BodyLimits,
+                     status: int = 400) -> M:
+    """read_json's body as `model` (parse_model). A large body is decoded, checked and
+    validated on a worker thread: 110,000 stop strings (0.9 MB) held the event loop, and
+    every client's request on it, for 270 ms before the share refused them."""
+    body = await _json_body(request, limits)
+    if len(body) < OFF_LOOP_BYTES:
+        return parse_model(model, _decoded(body, limits), status)
+    return await run_in_threadpool(lambda: parse_model(model, _decoded(body, limits), status))
+
+
+async def _json_body(request: Request, limits: BodyLimits) -> bytes:
     media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
     if media_type != JSON_TYPE:
         raise ApiError(415, f"send the body as JSON with 'Content-Type: {JSON_TYPE}'"
                             f"{f', not {media_type!r}' if media_type else ''}")
-    body = await read_body(request, limits.max_bytes, limits.read_timeout_s,
+    return await read_body(request, limits.max_bytes, limits.read_timeout_s,
                            ApiError(413, f"request body is over the limit of {limits.max_bytes} "
                                          "bytes; send a shorter prompt or raise the server's "
                                          "body limit"))
+
+
+def _decoded(body: bytes, limits: BodyLimits) -> Any:
     try:
         data = json.loads(body)
     except RecursionError:

@@ -91,16 +91,18 @@ class ToolUse:
         assert self.parser is not None
         return self._limited(PARSE[self.parser](text))
 
-    def partial(self, text: str) -> Parsed:
+    def partial(self, text: str, scans: Scans | None = None) -> Parsed:
         """What of a streamed answer's `text` so far is final: the content that cannot turn
         out to be a call, and each call whose name is whole with its arguments so far, in the
-        form `parse` gives them (so the pieces concatenate to the whole answer's)."""
+        form `parse` gives them (so the pieces concatenate to the whole answer's). With the
+        stream's `scans`, each call is read on from where the last text left it."""
+        scans = None if scans is None else scans.reading(text)
         if self.choice == "required":
-            return self._limited(Parsed("", _required_calls(text)))
+            return self._limited(Parsed("", _required_calls(text, scans)))
         if self.forced:
             return Parsed("", (ToolCall(self.choice, text),))
         assert self.parser is not None
-        return self._limited(PARTIAL[self.parser](text))
+        return self._limited(PARTIAL[self.parser](text, scans))
 
     def _limited(self, parsed: Parsed) -> Parsed:
         return parsed if self.parallel else Parsed(parsed.content, parsed.calls[:1])
@@ -188,50 +190,101 @@ def _token(text: str, pos: int) -> tuple[str, str, int] | None:
     return ("s", string, found.end()) if string is not None else ("a", atom, found.end())
 
 
-def _scan_call(text: str, pos: int, keys: tuple[str, ...]) -> tuple[ToolCall | None, int | None]:
-    """The call object at `pos` (`{"name": ..., keys[i]: ...}`) so far: a ToolCall once its
-    name is whole, with its arguments' canonical text so far (json.dumps's, token by token,
-    or a string argument once closed), and where the object ends (None while it is open)."""
-    first = _token(text, pos)
-    if first is None or first[1] != "{":
-        return None, None
-    pos, depth, key, expect_key, in_value = first[2], 1, None, True, False
-    name: str | None = None
-    arguments: list[str] = []
-    while (token := _token(text, pos)) is not None:
-        kind, value, pos = token
-        if depth == 1 and not in_value:
+class _CallScan:
+    """One call object's scan from `start` (`{"name": ..., keys[i]: ...}`), resumed where it
+    stopped as a streamed answer's text grows: each chunk reads only the new tokens, so an
+    argument streamed over many chunks costs time linear in its length."""
+
+    def __init__(self, start: int, keys: tuple[str, ...]) -> None:
+        self.start, self.keys = start, keys
+        self.pos: int | None = None  # past the tokens read; None: the `{` not yet read
+        self.depth, self.key, self.expect_key, self.in_value = 1, None, True, False
+        self.name: str | None = None
+        self.arguments: list[str] = []
+        self.end: int | None = None  # past the object's `}`, once read
+        self.stopped = False  # not a call object, or a token that is not JSON
+
+    def advance(self, text: str) -> tuple[ToolCall | None, int | None]:
+        """The call so far: a ToolCall once its name is whole, with its arguments' canonical
+        text so far (json.dumps's, token by token, or a string argument once closed), and
+        where the object ends (None while it is open)."""
+        if self.pos is None and not self.stopped:
+            first = _token(text, self.start)
+            if first is not None:
+                self.pos = first[2]
+                self.stopped = first[1] != "{"
+        while (self.pos is not None and self.end is None and not self.stopped
+               and (token := _token(text, self.pos)) is not None):
+            self._read(*token)
+        if self.pos is None or (self.stopped and self.end is None and not self.name):
+            return None, None
+        call = ToolCall(self.name, "".join(self.arguments)) if self.name else None
+        return call, self.end
+
+    def _read(self, kind: str, value: str, end: int) -> None:
+        if self.depth == 1 and not self.in_value:
+            self.pos = end
             if kind == "p" and value == "}":
-                return (ToolCall(name, "".join(arguments)) if name else None), pos
-            if kind == "p":
-                expect_key = value == ","
-                in_value = value == ":"
-            elif expect_key and kind == "s":
-                key, expect_key = json.loads(value), False
-            continue
+                self.end = end
+            elif kind == "p":
+                self.expect_key = value == ","
+                self.in_value = value == ":"
+            elif self.expect_key and kind == "s":
+                self.key, self.expect_key = json.loads(value), False
+            return
         try:
             canonical = (CANONICAL_PUNCTUATION.get(value, value) if kind == "p" else
                          json.dumps(json.loads(value), ensure_ascii=False))
         except ValueError:
-            break
-        if depth == 1 and key == "name" and kind == "s":
-            name = json.loads(value)
-        elif key in keys:
-            arguments.append(json.loads(value) if depth == 1 and kind == "s" else canonical)
+            self.stopped = True
+            return
+        self.pos = end
+        if self.depth == 1 and self.key == "name" and kind == "s":
+            self.name = json.loads(value)
+        elif self.key in self.keys:
+            self.arguments.append(json.loads(value) if self.depth == 1 and kind == "s"
+                                  else canonical)
         if kind == "p" and value in "{[":
-            depth += 1
+            self.depth += 1
         elif kind == "p" and value in "}]":
-            depth -= 1
-        in_value = depth > 1
-    return (ToolCall(name, "".join(arguments)) if name else None), None
+            self.depth -= 1
+        self.in_value = self.depth > 1
 
 
-def _calls_from(text: str, pos: int, keys: tuple[str, ...], separator: str
-                ) -> tuple[ToolCall, ...]:
+class Scans:
+    """A streamed choice's call scans, by where each starts: its text only grows, so a scan
+    goes on from where it stopped; a text that does not extend the last one starts afresh."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.scans: dict[tuple[int, tuple[str, ...]], _CallScan] = {}
+
+    def reading(self, text: str) -> Scans:
+        if not text.startswith(self.text):
+            self.scans.clear()
+        self.text = text
+        return self
+
+    def at(self, start: int, keys: tuple[str, ...]) -> _CallScan:
+        scan = self.scans.get((start, keys))
+        if scan is None:
+            scan = self.scans[start, keys] = _CallScan(start, keys)
+        return scan
+
+
+def _scan_call(text: str, pos: int, keys: tuple[str, ...], scans: Scans | None
+               ) -> tuple[ToolCall | None, int | None]:
+    """The call object at `pos` so far (_CallScan.advance), resumed from `scans` if given."""
+    scan = _CallScan(pos, keys) if scans is None else scans.at(pos, keys)
+    return scan.advance(text)
+
+
+def _calls_from(text: str, pos: int, keys: tuple[str, ...], separator: str,
+                scans: Scans | None) -> tuple[ToolCall, ...]:
     """The calls of a `separator`-separated run of call objects from `pos`, so far."""
     calls: list[ToolCall] = []
     while True:
-        call, end = _scan_call(text, pos, keys)
+        call, end = _scan_call(text, pos, keys, scans)
         if call is not None:
             calls.append(call)
         after = None if end is None else _token(text, end)
@@ -240,11 +293,11 @@ def _calls_from(text: str, pos: int, keys: tuple[str, ...], separator: str
         pos = after[2]
 
 
-def _required_calls(text: str) -> tuple[ToolCall, ...]:
+def _required_calls(text: str, scans: Scans | None) -> tuple[ToolCall, ...]:
     opening = _token(text, 0)
     if opening is None or opening[1] != "[":
         return ()
-    return _calls_from(text, opening[2], ("parameters",), ",")
+    return _calls_from(text, opening[2], ("parameters",), ",", scans)
 
 
 def _held(text: str, tag: str) -> int:
@@ -255,13 +308,13 @@ def _held(text: str, tag: str) -> int:
     return len(text)
 
 
-def _hermes_partial(text: str) -> Parsed:
+def _hermes_partial(text: str, scans: Scans | None) -> Parsed:
     start = text.find("<tool_call>")
     if start < 0:
         return Parsed(text[:_held(text, "<tool_call>")], ())
     calls: list[ToolCall] = []
     while start >= 0:
-        call, _ = _scan_call(text, start + len("<tool_call>"), ("arguments",))
+        call, _ = _scan_call(text, start + len("<tool_call>"), ("arguments",), scans)
         end = text.find("</tool_call>", start)
         if call is not None:
             calls.append(call)
@@ -269,17 +322,17 @@ def _hermes_partial(text: str) -> Parsed:
     return Parsed(text[:text.find("<tool_call>")], tuple(calls))
 
 
-def _llama3_json_partial(text: str) -> Parsed:
+def _llama3_json_partial(text: str, scans: Scans | None) -> Parsed:
     start = text.find(PYTHON_TAG)
     if start < 0 and not text.lstrip().startswith("{"):
         # text that may still become calls (blank so far) is held back
         return Parsed("" if not text.strip() else text[:_held(text, PYTHON_TAG)], ())
     body = len(text) - len(text.lstrip()) if start < 0 else start + len(PYTHON_TAG)
     return Parsed(text[:max(start, 0)], _calls_from(text, body, ("parameters", "arguments"),
-                                                    ";"))
+                                                    ";", scans))
 
 
-PARTIAL: dict[str, Callable[[str], Parsed]] = {"hermes": _hermes_partial,
+PARTIAL: dict[str, Callable[[str, Scans | None], Parsed]] = {"hermes": _hermes_partial,
                                                "llama3_json": _llama3_json_partial}
 
 
@@ -291,6 +344,7 @@ class ToolStream:
     use: ToolUse
     content: str = ""
     calls: list[ToolCall] = field(default_factory=list)  # as sent so far, with their ids
+    scans: Scans = field(default_factory=Scans)  # for use.partial: calls read on, not again
 
     def step(self, found: Parsed) -> tuple[str | None, list[dict[str, Any]]]:
         """The content delta (None: nothing new) and tool-call deltas that bring what was
