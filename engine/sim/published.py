@@ -12,7 +12,7 @@ from typing import Any
 from engine.batch import StepShape
 from engine.budget.operations import OperationEfficiency
 from engine.model.config import ModelConfig
-from engine.sim.profiles import profile, vllm_server_defaults
+from engine.sim.profiles import profile, vllm_defaults
 from engine.sim.target import Deployment
 
 PUBLISHED_CASES = Path(__file__).with_name("published_gpu_cases.json")
@@ -20,8 +20,6 @@ KINDS = ("ttft", "decode", "static_throughput", "static_latency", "layer", "serv
 # A decode run's mean step, from this many evenly spaced contexts: the price is linear in the
 # context between the roofline's kinks, and a case decoding 2,048 tokens prices 2,047 steps.
 DECODE_SAMPLES = 8
-# What `vllm serve` leaves for the KV cache when not told otherwise.
-VLLM_MEMORY_UTILIZATION = 0.9
 
 
 @dataclass(frozen=True)
@@ -61,7 +59,10 @@ class PublishedCase:
             return True
         deployment = self.deployment()
         need = self.batch * (self.input + self.output) * deployment.budget.kv_bytes_per_token
-        return need <= deployment.kv_cache_bytes(VLLM_MEMORY_UTILIZATION)
+        defaults = vllm_defaults(deployment.gpu, offline=True)
+        return need <= deployment.kv_cache_bytes(defaults["gpu_memory_utilization"],
+                                                 int(defaults["max_num_batched_tokens"]),
+                                                 int(defaults["max_num_seqs"]))
 
     def predicted(self, efficiency: OperationEfficiency | None = None) -> float:
         """The twin's figure for this case, in the case's unit."""
@@ -98,15 +99,18 @@ class PublishedCase:
         from engine.sim.target import deployment_target
 
         deployment = self.deployment(efficiency)
-        config = EngineConfig(model="synthetic:tiny", gpu_memory_utilization=
-                              VLLM_MEMORY_UTILIZATION,
-                              max_model_len=self.input + self.output,
-                              **vllm_server_defaults(deployment.gpu))
+        config = EngineConfig(model="synthetic:tiny", max_model_len=self.input + self.output,
+                              **vllm_defaults(deployment.gpu))
         target = deployment_target(deployment, config, self.gpu)
-        frontend_s = deployment.gpu.efficiency.request_s if self.harness != "offline" else 0.0
+        # An HTTP harness's burst reaches the engine when vLLM's API server has taken it all in:
+        # each request's handler renders its chat template, then awaits the one-thread,
+        # micro-batching tokenizer (AsyncMicrobatchTokenizer, vllm/utils), so the event loop
+        # runs every handler's first half before any reaches the engine (docs/twin.md).
+        intake_s = self.batch * deployment.gpu.efficiency.request_s
+        arrival_s = intake_s if self.harness != "offline" else 0.0
         vocab = self.model.vocab_size
         # distinct prompts from the first block on, as random datasets are: no prefix hits
-        workload = [WorkloadRequest(f"r{i}", i * frontend_s,
+        workload = [WorkloadRequest(f"r{i}", arrival_s,
                                     tuple((i * 7919 + j) % vocab for j in range(self.input)),
                                     self.output, ignore_eos=True)
                     for i in range(self.batch)]
