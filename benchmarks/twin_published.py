@@ -144,6 +144,30 @@ def table(cases: list[PublishedCase], errors: dict[str, float], markdown: bool =
     return "\n".join(lines)
 
 
+# A served run's summary figures beside the source's printed ones: (label, summary key, pct).
+LATENCIES = (("TTFT p50", "ttft_ms", "p50"), ("TPOT p50", "tpot_ms", "p50"),
+             ("ITL p50", "itl_ms", "p50"), ("ITL p99", "itl_ms", "p99"))
+
+
+def served_detail(cases: list[PublishedCase]) -> str:
+    """Each served case's latencies, printed against the twin's (ms): a step priced wrong
+    shows in every ITL, a schedule or front end wrong in TTFT alone."""
+    lines = ["| case | " + " | ".join(f"{label} printed / twin" for label, _, _ in LATENCIES)
+             + " |", "| --- |" + " --- |" * len(LATENCIES)]
+    for c in cases:
+        printed = dict(c.printed_ms)
+        if c.kind != "served" or not printed:
+            continue
+        summary = c.served_run().summary()
+        cells = []
+        for _, key, pct in LATENCIES:
+            name = f"{key.removesuffix('_ms')}_{pct}"
+            twin = summary[key][pct]
+            cells.append(f"{printed[name]:,.0f} / {twin:,.0f} ({twin / printed[name] - 1:+.0%})")
+        lines.append(f"| {c.id} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def write_errors(cases: list[PublishedCase], known: dict[str, float]) -> None:
     """Each case's error on the shipped factors (those in `known` already priced), into the
     cases file; a case the KV rule leaves out has none (its schedule is not the publication's)."""
@@ -165,6 +189,9 @@ def main() -> None:
                              "file (`twin_error`: what `bench --simulate` reports as its band)")
     parser.add_argument("--markdown", action="store_true",
                         help="print the per-case tables as docs/twin.md holds them")
+    parser.add_argument("--served-detail", action="store_true",
+                        help="also print each served case's printed latencies against the "
+                             "twin's (runs the served cases again)")
     parser.add_argument("--no-served", action="store_true",
                         help="skip the served cases (each runs the twin's engine: seconds)")
     args = parser.parse_args()
@@ -196,6 +223,8 @@ def main() -> None:
             "all": judged}
     print(f"\n{sets_table(sets, errors)}\n\nsources "
           f"{len({c.source for c in judged})}")
+    if args.served_detail:
+        print(f"\nserved cases, latencies in ms:\n{served_detail(held)}")
 
 
 if __name__ == "__main__":

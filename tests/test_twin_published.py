@@ -159,3 +159,13 @@ def test_a_served_burst_reaches_the_engine_once_the_front_end_has_taken_it_all_i
     offline = dataclasses.replace(served, harness="offline")
     intake_s = 40 * profile("h100").efficiency.request_s
     assert served.predicted() == pytest.approx(offline.predicted() + intake_s, rel=1e-6)
+
+
+def test_served_cases_keep_their_sources_printed_latencies() -> None:
+    """They tell a step priced wrong (every ITL) from a schedule or front end (TTFT alone)."""
+    served = [c for c in load_cases(CASES, fitting_only=False) if c.kind == "served"]
+    assert served
+    for case in served:
+        printed = dict(case.printed_ms)
+        assert set(printed) == {"ttft_p50", "tpot_p50", "itl_p50", "itl_p99"}, case.id
+        assert printed["itl_p50"] <= printed["itl_p99"], case.id

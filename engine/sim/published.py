@@ -7,13 +7,16 @@ import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.batch import StepShape
 from engine.budget.operations import OperationEfficiency
 from engine.model.config import ModelConfig
 from engine.sim.profiles import profile, vllm_defaults
 from engine.sim.target import Deployment
+
+if TYPE_CHECKING:
+    from engine.harness.driver import RunResult
 
 PUBLISHED_CASES = Path(__file__).with_name("published_gpu_cases.json")
 KINDS = ("ttft", "decode", "static_throughput", "static_latency", "layer", "served")
@@ -44,6 +47,9 @@ class PublishedCase:
     output: int = 0
     batch: int = 1
     tokens: int = 0
+    # a served case's per-request latencies as its source printed them (medians, P99 ITL),
+    # to tell a schedule's error from a step's: not fitted on, not judged
+    printed_ms: tuple[tuple[str, float], ...] = ()
 
     def efficiency(self) -> OperationEfficiency:
         """The shipped factors for this case: its GPU's, with its engine's step cost."""
@@ -91,7 +97,10 @@ class PublishedCase:
         return self.batch * self.output / (prefill_s + decode_s)
 
     def _served(self, efficiency: OperationEfficiency | None) -> float:
-        """Seconds of the twin's engine serving `batch` requests sent at once, as vLLM would."""
+        return self.served_run(efficiency).wall_s
+
+    def served_run(self, efficiency: OperationEfficiency | None = None) -> RunResult:
+        """The twin's engine serving `batch` requests sent at once, as vLLM would."""
         from engine.config import EngineConfig
         from engine.harness.workload import WorkloadRequest
         from engine.sim.fleet import run_fleet
@@ -114,7 +123,7 @@ class PublishedCase:
                                     tuple((i * 7919 + j) % vocab for j in range(self.input)),
                                     self.output, ignore_eos=True)
                     for i in range(self.batch)]
-        return run_fleet(config, target, workload, 1, RoutePolicy("round-robin")).merged.wall_s
+        return run_fleet(config, target, workload, 1, RoutePolicy("round-robin")).merged
 
     def error(self, efficiency: OperationEfficiency | None = None) -> float:
         """predicted / measured − 1, on the case's own figure."""
@@ -144,7 +153,8 @@ def load_cases(path: Path, *, fitting_only: bool = True) -> list[PublishedCase]:
             conditions=c["conditions"], harness=sources[c["source"]].get("harness", "offline"),
             engine=tuple(sorted(sources[c["source"]].get("fitted", {}).items())),
             input=c.get("input", 0), output=c.get("output", 0),
-            batch=c.get("batch", 1), tokens=c.get("tokens", 0)))
+            batch=c.get("batch", 1), tokens=c.get("tokens", 0),
+            printed_ms=tuple(c.get("printed_ms", {}).items())))
     return [c for c in cases if c.kv_fits()] if fitting_only else cases
 
 
