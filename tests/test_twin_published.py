@@ -158,7 +158,7 @@ def test_a_served_burst_reaches_the_engine_once_the_front_end_has_taken_it_all_i
                            harness="vllm-bench-serve", input=64, output=4, batch=40)
     offline = dataclasses.replace(served, harness="offline")
     intake_s = 40 * profile("h100").efficiency.request_s
-    assert served.predicted() == pytest.approx(offline.predicted() + intake_s, rel=1e-6)
+    assert served.predicted() == pytest.approx(offline.predicted() + intake_s, rel=1e-4)
 
 
 def test_served_cases_keep_their_sources_printed_latencies() -> None:

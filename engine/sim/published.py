@@ -23,6 +23,8 @@ KINDS = ("ttft", "decode", "static_throughput", "static_latency", "layer", "serv
 # A decode run's mean step, from this many evenly spaced contexts: the price is linear in the
 # context between the roofline's kinks, and a case decoding 2,048 tokens prices 2,047 steps.
 DECODE_SAMPLES = 8
+# A burst's requests reach the engine in the order sent, this far apart.
+ORDER_S = 1e-6
 
 
 @dataclass(frozen=True)
@@ -118,8 +120,11 @@ class PublishedCase:
         intake_s = self.batch * deployment.gpu.efficiency.request_s
         arrival_s = intake_s if self.harness != "offline" else 0.0
         vocab = self.model.vocab_size
-        # distinct prompts from the first block on, as random datasets are: no prefix hits
-        workload = [WorkloadRequest(f"r{i}", arrival_s,
+        # distinct prompts from the first block on, as random datasets are: no prefix hits;
+        # in the order sent, a microsecond apart, as the engine takes them one message at a
+        # time: its first-come queue then puts a preempted request back before every later
+        # one, as V1 prepends it
+        workload = [WorkloadRequest(f"r{i}", arrival_s + i * ORDER_S,
                                     tuple((i * 7919 + j) % vocab for j in range(self.input)),
                                     self.output, ignore_eos=True)
                     for i in range(self.batch)]

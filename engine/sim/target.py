@@ -36,9 +36,9 @@ if TYPE_CHECKING:
 # the pool is sized, live in the share the utilisation leaves.
 NON_TORCH_BYTES = 256 << 20
 # The profile run's sampler (gpu_model_runner._dummy_sampler_run) holds one row of logits per
-# sequence at float32 four times over: the logits, the probabilities, the exponential draw
-# and their quotient (v1/sample/sampler.py), on every GPU (vLLM gathers the vocabulary).
-SAMPLER_BYTES_PER_LOGIT = 16
+# sequence in bf16, then at float32 the logits, the probabilities and the exponential draw
+# it divides them by in place (v1/sample/sampler.py, ops/topk_topp_sampler.py), on every GPU.
+SAMPLER_BYTES_PER_LOGIT = 2 + 3 * 4
 GPU_DTYPE = "bfloat16"
 CALIBRATION_PREFIX = "calibration:"
 
