@@ -21,7 +21,7 @@ from engine.harness.workload import WorkloadRequest
 from engine.model.config import PRESETS
 from engine.sim.executor import SimulatedExecutor, VirtualClock, simulated_engine
 from engine.sim.fleet import run_fleet
-from engine.sim.profiles import PROFILES
+from engine.sim.profiles import PROFILES, vllm_defaults
 from engine.sim.router import RoutePolicy, Router
 from engine.sim.target import (
     NON_TORCH_BYTES,
@@ -528,3 +528,15 @@ def test_a_step_costs_the_sum_of_its_operations() -> None:
                                               + 2 * e.chunk_s + 3 * e.sequence_s)
         assert all(v >= 0 for v in parts.values()) and (parts["communication"] > 0) == (tp > 1)
     assert resolve_target("h100", config).predict(StepShape()) == 0.0
+
+
+@pytest.mark.parametrize(("gpu", "server", "offline", "seqs"), [
+    ("h100", 8192, 16384, 1024), ("h200", 8192, 16384, 1024), ("a100", 2048, 8192, 256),
+    ("l40s", 2048, 8192, 256)])
+def test_vllms_defaults_follow_the_gpu_and_the_entry_point(gpu: str, server: int, offline: int,
+                                                         seqs: int) -> None:
+    served, batch = vllm_defaults(PROFILES[gpu]), vllm_defaults(PROFILES[gpu], offline=True)
+    assert (served["max_num_batched_tokens"], batch["max_num_batched_tokens"]) == (server,
+                                                                                  offline)
+    assert served["max_num_seqs"] == batch["max_num_seqs"] == seqs
+    assert served["gpu_memory_utilization"] == 0.9
