@@ -23,8 +23,8 @@ from engine.budget.operations import FIT_BOUNDS, OperationEfficiency
 from engine.sim.profiles import profile
 from engine.sim.published import (
     PUBLISHED_CASES,
+    Agreement,
     PublishedCase,
-    agreement,
     load_cases,
     too_fast,
 )
@@ -41,6 +41,8 @@ FITTED_GPUS = ("a100", "h100")
 # Sources whose engine is vLLM: they share the profile's step cost, which `bench --simulate`
 # (vLLM's defaults) charges.
 VLLM_SOURCES = ("argonne", "gpustack")
+# Held out whole by the rule written before fitting (docs/twin.md, "the hold-out rule").
+HELD_OUT_SOURCES = ("gpustack",)
 Params = dict[str, float]
 ROUNDS_PER_STEP = 6
 
@@ -102,36 +104,74 @@ def fit(cases: list[PublishedCase], params: Params) -> Params:
     return best
 
 
-def table(cases: list[PublishedCase], params: Params | None, markdown: bool = False) -> str:
+def errors_of(cases: list[PublishedCase], params: Params | None) -> dict[str, float]:
+    return {c.id: c.error(None if params is None else case_efficiency(c, params))
+            for c in cases}
+
+
+def sets_table(sets: dict[str, list[PublishedCase]], errors: dict[str, float]) -> str:
+    """Each set's median and worst |error| and its too fast / too slow counts."""
+    lines = ["| set | cases | median |error| | worst | too fast | too slow |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for name, cases in sets.items():
+        if not cases:
+            continue
+        judged = Agreement({c.id: errors[c.id] for c in cases})
+        fast = sum(too_fast(c, errors[c.id]) for c in cases)
+        lines.append(f"| {name} | {len(cases)} | {judged.median_abs:.1%} | "
+                     f"{judged.worst_abs:.1%} | {fast} | {len(cases) - fast} |")
+    return "\n".join(lines)
+
+
+def table(cases: list[PublishedCase], errors: dict[str, float], markdown: bool = False) -> str:
     lines = (["| case | source | conditions | measured | twin | error |",
               "| --- | --- | --- | --- | --- | --- |"] if markdown else
              [f"{'case':<44}{'measured':>11}{'twin':>11}  {'unit':<13}{'error':>8}  side"])
-    errors = {}
     for c in cases:
-        e = None if params is None else case_efficiency(c, params)
-        predicted = c.predicted(e)
-        error = predicted / c.measured - 1
-        errors[c.id] = error
+        error = errors[c.id]
+        predicted = c.measured * (1 + error)
         if markdown:
             lines.append(f"| {c.id} | {c.source} | {c.conditions} | {c.measured:,.4g} {c.unit} "
                          f"| {predicted:,.4g} | {error:+.1%} |")
         else:
             lines.append(f"{c.id:<44}{c.measured:>11.5g}{predicted:>11.5g}  {c.unit:<13}"
                          f"{error:>+8.1%}  {'fast' if too_fast(c, error) else 'slow'}")
+    judged = Agreement({c.id: errors[c.id] for c in cases})
     fast = sum(too_fast(c, errors[c.id]) for c in cases)
-    absolute = sorted(abs(v) for v in errors.values())
-    median = (absolute[len(absolute) // 2] if len(absolute) % 2
-              else sum(absolute[len(absolute) // 2 - 1:len(absolute) // 2 + 1]) / 2)
     lines.append(("\n" if markdown else "")
-                 + f"median |error| {median:.1%}, worst {absolute[-1]:.1%} over {len(cases)} "
-                 f"cases; too fast {fast}, too slow {len(cases) - fast}")
+                 + f"median |error| {judged.median_abs:.1%}, worst {judged.worst_abs:.1%} over "
+                 f"{len(cases)} cases; too fast {fast}, too slow {len(cases) - fast}")
     return "\n".join(lines)
 
 
-def write_errors(cases: list[PublishedCase]) -> None:
-    """Each case's error on the shipped factors, into the cases file; a case the KV rule leaves
-    out has none (its schedule is not the publication's)."""
-    errors = {c.id: round(c.error(), 4) for c in cases}
+# A served run's summary figures beside the source's printed ones: (label, summary key, pct).
+LATENCIES = (("TTFT p50", "ttft_ms", "p50"), ("TPOT p50", "tpot_ms", "p50"),
+             ("ITL p50", "itl_ms", "p50"), ("ITL p99", "itl_ms", "p99"))
+
+
+def served_detail(cases: list[PublishedCase]) -> str:
+    """Each served case's latencies, printed against the twin's (ms): a step priced wrong
+    shows in every ITL, a schedule or front end wrong in TTFT alone."""
+    lines = ["| case | " + " | ".join(f"{label} printed / twin" for label, _, _ in LATENCIES)
+             + " |", "| --- |" + " --- |" * len(LATENCIES)]
+    for c in cases:
+        printed = dict(c.printed_ms)
+        if c.kind != "served" or not printed:
+            continue
+        summary = c.served_run().summary()
+        cells = []
+        for _, key, pct in LATENCIES:
+            name = f"{key.removesuffix('_ms')}_{pct}"
+            twin = summary[key][pct]
+            cells.append(f"{printed[name]:,.0f} / {twin:,.0f} ({twin / printed[name] - 1:+.0%})")
+        lines.append(f"| {c.id} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_errors(cases: list[PublishedCase], known: dict[str, float]) -> None:
+    """Each case's error on the shipped factors (those in `known` already priced), into the
+    cases file; a case the KV rule leaves out has none (its schedule is not the publication's)."""
+    errors = {c.id: round(known[c.id] if c.id in known else c.error(), 4) for c in cases}
     data = json.loads(CASES.read_text())
     for case in data["cases"]:
         case.pop("twin_error", None)
@@ -149,6 +189,9 @@ def main() -> None:
                              "file (`twin_error`: what `bench --simulate` reports as its band)")
     parser.add_argument("--markdown", action="store_true",
                         help="print the per-case tables as docs/twin.md holds them")
+    parser.add_argument("--served-detail", action="store_true",
+                        help="also print each served case's printed latencies against the "
+                             "twin's (runs the served cases again)")
     parser.add_argument("--no-served", action="store_true",
                         help="skip the served cases (each runs the twin's engine: seconds)")
     args = parser.parse_args()
@@ -165,15 +208,23 @@ def main() -> None:
         params = fit(fitted, start)
         for name, value in params.items():
             print(f"{name:<26}{value:.6g}")
+    judged = [*fitted, *held]
+    errors = errors_of(judged, params)
     print(f"\nleft out by the KV rule: {', '.join(left_out) or 'none'}")
-    print(f"\nfitted on ({len(fitted)} cases):\n{table(fitted, params, args.markdown)}")
-    print(f"\nheld back ({len(held)} cases):\n{table(held, params, args.markdown)}")
+    print(f"\nfitted on ({len(fitted)} cases):\n{table(fitted, errors, args.markdown)}")
+    print(f"\nheld back ({len(held)} cases):\n{table(held, errors, args.markdown)}")
     if args.write:
-        write_errors(cases)
-    if params is None:
-        judged = agreement(cases)
-        print(f"\nall {len(cases)}: median |error| {judged.median_abs:.1%}, worst "
-              f"{judged.worst_abs:.1%}; sources {len({c.source for c in cases})}")
+        write_errors(cases, errors if params is None else {})
+    sets = {"fitted on": fitted,
+            "the first table's held-back cases": [c for c in held
+                                                  if c.source not in HELD_OUT_SOURCES],
+            **{f"held out: {s}, whole": [c for c in held if c.source == s]
+               for s in HELD_OUT_SOURCES},
+            "all": judged}
+    print(f"\n{sets_table(sets, errors)}\n\nsources "
+          f"{len({c.source for c in judged})}")
+    if args.served_detail:
+        print(f"\nserved cases, latencies in ms:\n{served_detail(held)}")
 
 
 if __name__ == "__main__":

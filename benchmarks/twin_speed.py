@@ -21,7 +21,7 @@ from engine.config import EngineConfig
 from engine.harness.workload import build_workload
 from engine.model.config import PRESETS
 from engine.sim.fleet import run_fleet
-from engine.sim.profiles import PROFILES, vllm_server_defaults
+from engine.sim.profiles import PROFILES, vllm_defaults
 from engine.sim.router import RoutePolicy
 from engine.sim.target import SimTarget, resolve_target
 
@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     config = dataclasses.replace(EngineConfig(model="synthetic:8b"),
-                                 **vllm_server_defaults(PROFILES["h100"]))
+                                 **vllm_defaults(PROFILES["h100"]))
     workload = build_workload("conv", vocab_size=PRESETS["8b"].vocab_size, max_model_len=8192,
                               num_requests=args.num_requests, rate=None, seed=0,
                               length_scale=1.0, time_scale=1.0)

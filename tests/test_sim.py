@@ -21,9 +21,16 @@ from engine.harness.workload import WorkloadRequest
 from engine.model.config import PRESETS
 from engine.sim.executor import SimulatedExecutor, VirtualClock, simulated_engine
 from engine.sim.fleet import run_fleet
-from engine.sim.profiles import PROFILES
+from engine.sim.profiles import PROFILES, vllm_defaults
 from engine.sim.router import RoutePolicy, Router
-from engine.sim.target import Deployment, SimTarget, StepTimeRatios, resolve_target
+from engine.sim.target import (
+    NON_TORCH_BYTES,
+    SAMPLER_BYTES_PER_LOGIT,
+    Deployment,
+    SimTarget,
+    StepTimeRatios,
+    resolve_target,
+)
 
 # --- seed 003 §6·补一: a 4,096-token prompt beside 32 decodes at 2,048 tokens --------------
 
@@ -131,15 +138,21 @@ def test_simulated_run_makes_the_real_runs_scheduling_decisions() -> None:
 # --- models without weights, tensor parallelism ------------------------------------------
 
 
-def test_kv_capacity_is_gpu_memory_less_weights_and_reserve() -> None:
+def test_kv_capacity_is_vllms_share_of_memory_less_weights_and_the_profile_runs_peak() -> None:
     config = PRESETS["8b"]
     h100 = PROFILES["h100"]
     one = Deployment(config, h100)
     two = Deployment(config, h100, tp=2)
     assert one.weight_bytes == config.num_params() * 2
     # the second GPU holds no second copy of the weights: more than twice the KV
-    assert two.kv_cache_bytes(0.9) > 2 * one.kv_cache_bytes(0.9)
-    assert one.kv_cache_bytes(0.9) < 0.9 * (h100.memory_bytes - one.weight_bytes)
+    assert two.kv_cache_bytes(0.9, 8192, 1024) > 2 * one.kv_cache_bytes(0.9, 8192, 1024)
+    peak = one.activation_peak_bytes(8192, 1024)
+    assert one.kv_cache_bytes(0.9, 8192, 1024) == int(
+        0.9 * h100.memory_bytes - one.weight_bytes - peak - NON_TORCH_BYTES)
+    # 1,024 sequences' logits outweigh 8,192 tokens' activations; 256 sequences do not
+    assert peak == 1024 * config.vocab_size * SAMPLER_BYTES_PER_LOGIT
+    assert one.activation_peak_bytes(8192, 256) < peak
+    assert one.kv_cache_bytes(0.9, 2048, 256) > one.kv_cache_bytes(0.9, 8192, 1024)
 
 
 def test_tensor_parallel_adds_two_latency_bound_allreduces_per_layer() -> None:
@@ -463,7 +476,13 @@ def test_bench_on_a_gpu_takes_vllms_defaults_and_fixed_length_requests(
             "--db", str(tmp_path / "s.db"), "--json"]
     assert main([*args, "--input-len", "100", "--output-len", "8", "--num-prompts", "3"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["gpu_defaults"]["max_num_batched_tokens"] == 8192
+    defaults = report["gpu_defaults"]
+    assert defaults["max_num_batched_tokens"] == 8192 and defaults["max_num_seqs"] == 1024
+    # V1 preempts the newest however often it was preempted, and sizes KV at 0.9 of memory
+    assert defaults["preempt_protect_after"] > 3 and defaults["gpu_memory_utilization"] == 0.9
+    # the pool is what vLLM's profile run at those defaults leaves
+    assert report["target"]["kv_cache_bytes"] == Deployment(
+        PRESETS["8b"], PROFILES["h100"]).kv_cache_bytes(0.9, 8192, 1024)
     run = report["runs"]["chunked"]
     assert run["config"]["max_num_batched_tokens"] == 8192 and run["finished"] == 3
     assert report["workload"]["spec"] == "fixed:100in/8out"
@@ -509,3 +528,15 @@ def test_a_step_costs_the_sum_of_its_operations() -> None:
                                               + 2 * e.chunk_s + 3 * e.sequence_s)
         assert all(v >= 0 for v in parts.values()) and (parts["communication"] > 0) == (tp > 1)
     assert resolve_target("h100", config).predict(StepShape()) == 0.0
+
+
+@pytest.mark.parametrize(("gpu", "server", "offline", "seqs"), [
+    ("h100", 8192, 16384, 1024), ("h200", 8192, 16384, 1024), ("a100", 2048, 8192, 256),
+    ("l40s", 2048, 8192, 256)])
+def test_vllms_defaults_follow_the_gpu_and_the_entry_point(gpu: str, server: int, offline: int,
+                                                         seqs: int) -> None:
+    served, batch = vllm_defaults(PROFILES[gpu]), vllm_defaults(PROFILES[gpu], offline=True)
+    assert (served["max_num_batched_tokens"], batch["max_num_batched_tokens"]) == (server,
+                                                                                  offline)
+    assert served["max_num_seqs"] == batch["max_num_seqs"] == seqs
+    assert served["gpu_memory_utilization"] == 0.9

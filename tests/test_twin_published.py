@@ -146,3 +146,26 @@ def test_prefill_attention_runs_faster_a_pair_over_longer_keys_as_the_kernels_pu
     flat = dataclasses.replace(e, attention_context_half=0.0)
     price = Deployment(model, dataclasses.replace(h100, efficiency=flat)).step_price()
     assert seconds_a_pair_flop(StepShape(prefill=((512, 0),))) == pytest.approx(1.0)
+
+
+def test_a_served_burst_reaches_the_engine_once_the_front_end_has_taken_it_all_in() -> None:
+    """vLLM's API server runs every handler's template before any awaits the tokenizer: the
+    engine starts on a burst only after the front end's time for all of it."""
+    model = next(c.model for c in load_cases(CASES) if c.id == "gptfast-7b-int8")
+    served = PublishedCase(id="burst", source="gpustack", gpu="h100", model=model, tp=1,
+                           dtype="bfloat16", kv_cache_dtype="auto", kind="served",
+                           measured=1.0, unit="s", held_back=True, conditions="",
+                           harness="vllm-bench-serve", input=64, output=4, batch=40)
+    offline = dataclasses.replace(served, harness="offline")
+    intake_s = 40 * profile("h100").efficiency.request_s
+    assert served.predicted() == pytest.approx(offline.predicted() + intake_s, rel=1e-4)
+
+
+def test_served_cases_keep_their_sources_printed_latencies() -> None:
+    """They tell a step priced wrong (every ITL) from a schedule or front end (TTFT alone)."""
+    served = [c for c in load_cases(CASES, fitting_only=False) if c.kind == "served"]
+    assert served
+    for case in served:
+        printed = dict(case.printed_ms)
+        assert set(printed) == {"ttft_p50", "tpot_p50", "itl_p50", "itl_p99"}, case.id
+        assert printed["itl_p50"] <= printed["itl_p99"], case.id

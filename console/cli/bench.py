@@ -51,7 +51,7 @@ from engine.harness.workload import WorkloadRequest, describe, steady_traffic
 from engine.ops.host import HostLoadMeter
 from engine.sim.executor import VirtualClock, simulated_engine
 from engine.sim.fleet import FleetResult, run_fleet
-from engine.sim.profiles import profile, vllm_server_defaults
+from engine.sim.profiles import profile, vllm_defaults
 from engine.sim.router import RoutePolicy
 from engine.sim.target import SimTarget, StepTimeRatios, needs_store, resolve_target
 from engine.sim.trust import Trust, run_shape, trust
@@ -148,7 +148,10 @@ def bench_report(args: argparse.Namespace) -> dict[str, Any]:
     custom = dict(_parse_config(spec) for spec in args.config)
     target = _sim_target(args, base)
     gpu_defaults = _gpu_defaults(args, base, target)
-    base = dataclasses.replace(base, **gpu_defaults)
+    if gpu_defaults:
+        base = dataclasses.replace(base, **gpu_defaults)
+        # the KV pool is what vLLM's profile run leaves at those defaults
+        target = _sim_target(args, base)
     base.validate()
     sim = None if target is None else _Simulation(target, args.replicas,
                                                   RoutePolicy.parse(args.router))
@@ -320,10 +323,11 @@ def _gpu_defaults(args: argparse.Namespace, base: EngineConfig,
     line left unset: a GPU target does not inherit this CPU's."""
     if target is None or target.calibration is not None:
         return {}
-    defaults = vllm_server_defaults(profile(args.simulate, args.gpu_profile))
+    defaults = vllm_defaults(profile(args.simulate, args.gpu_profile))
     return {name: value for name, value in defaults.items()
             if getattr(args, name, None) is None and (
-                name not in ("cache_high_watermark", "cache_low_watermark")
+                name not in ("cache_high_watermark", "cache_low_watermark",
+                             "preempt_protect_after", "gpu_memory_utilization")
                 or getattr(base, name) == getattr(EngineConfig(), name))}
 
 

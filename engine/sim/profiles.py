@@ -237,10 +237,20 @@ def profile_for_device_name(device_name: str) -> GpuProfile | None:
     return None
 
 
-def vllm_server_defaults(gpu: GpuProfile) -> dict[str, int | float]:
-    """What `vllm serve` (V1) schedules with on this GPU when not told otherwise."""
+# vLLM V1 preempts the newest running request however often it was preempted before
+# (vllm/v1/core/sched/scheduler.py: `preempted_req = self.running.pop()`): none is protected.
+VLLM_NEVER_PROTECTS = 2**31 - 1
+
+
+def vllm_defaults(gpu: GpuProfile, *, offline: bool = False) -> dict[str, int | float]:
+    """What vLLM (V1) schedules with on this GPU when not told otherwise: `vllm serve`, or the
+    offline `LLM` class. From vllm/engine/arg_utils.py (EngineArgs._set_default_args, v0.11):
+    a GPU of 70 GiB or more whose name is not an A100 gets the larger budget and 1,024
+    sequences; others 256. V1 has no KV watermark: admission stops only when blocks run out.
+    The memory share is CacheConfig's default (vllm/config/cache.py)."""
     large = gpu.memory_bytes >= 70 * GIB and not gpu.key.startswith("a100")
     seqs = 1024 if large else 256
-    return {"max_num_batched_tokens": 8192 if large else 2048, "max_num_seqs": seqs,
+    tokens = (16384 if large else 8192) if offline else (8192 if large else 2048)
+    return {"gpu_memory_utilization": 0.9, "max_num_batched_tokens": tokens, "max_num_seqs": seqs,
             "max_prefill_chunks": seqs, "cache_high_watermark": 0.99,
-            "cache_low_watermark": 0.98}
+            "cache_low_watermark": 0.98, "preempt_protect_after": VLLM_NEVER_PROTECTS}

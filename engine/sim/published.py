@@ -7,21 +7,24 @@ import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.batch import StepShape
 from engine.budget.operations import OperationEfficiency
 from engine.model.config import ModelConfig
-from engine.sim.profiles import profile, vllm_server_defaults
+from engine.sim.profiles import profile, vllm_defaults
 from engine.sim.target import Deployment
+
+if TYPE_CHECKING:
+    from engine.harness.driver import RunResult
 
 PUBLISHED_CASES = Path(__file__).with_name("published_gpu_cases.json")
 KINDS = ("ttft", "decode", "static_throughput", "static_latency", "layer", "served")
 # A decode run's mean step, from this many evenly spaced contexts: the price is linear in the
 # context between the roofline's kinks, and a case decoding 2,048 tokens prices 2,047 steps.
 DECODE_SAMPLES = 8
-# What `vllm serve` leaves for the KV cache when not told otherwise.
-VLLM_MEMORY_UTILIZATION = 0.9
+# A burst's requests reach the engine in the order sent, this far apart.
+ORDER_S = 1e-6
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,9 @@ class PublishedCase:
     output: int = 0
     batch: int = 1
     tokens: int = 0
+    # a served case's per-request latencies as its source printed them (medians, P99 ITL),
+    # to tell a schedule's error from a step's: not fitted on, not judged
+    printed_ms: tuple[tuple[str, float], ...] = ()
 
     def efficiency(self) -> OperationEfficiency:
         """The shipped factors for this case: its GPU's, with its engine's step cost."""
@@ -61,7 +67,10 @@ class PublishedCase:
             return True
         deployment = self.deployment()
         need = self.batch * (self.input + self.output) * deployment.budget.kv_bytes_per_token
-        return need <= deployment.kv_cache_bytes(VLLM_MEMORY_UTILIZATION)
+        defaults = vllm_defaults(deployment.gpu, offline=True)
+        return need <= deployment.kv_cache_bytes(defaults["gpu_memory_utilization"],
+                                                 int(defaults["max_num_batched_tokens"]),
+                                                 int(defaults["max_num_seqs"]))
 
     def predicted(self, efficiency: OperationEfficiency | None = None) -> float:
         """The twin's figure for this case, in the case's unit."""
@@ -90,7 +99,10 @@ class PublishedCase:
         return self.batch * self.output / (prefill_s + decode_s)
 
     def _served(self, efficiency: OperationEfficiency | None) -> float:
-        """Seconds of the twin's engine serving `batch` requests sent at once, as vLLM would."""
+        return self.served_run(efficiency).wall_s
+
+    def served_run(self, efficiency: OperationEfficiency | None = None) -> RunResult:
+        """The twin's engine serving `batch` requests sent at once, as vLLM would."""
         from engine.config import EngineConfig
         from engine.harness.workload import WorkloadRequest
         from engine.sim.fleet import run_fleet
@@ -98,19 +110,25 @@ class PublishedCase:
         from engine.sim.target import deployment_target
 
         deployment = self.deployment(efficiency)
-        config = EngineConfig(model="synthetic:tiny", gpu_memory_utilization=
-                              VLLM_MEMORY_UTILIZATION,
-                              max_model_len=self.input + self.output,
-                              **vllm_server_defaults(deployment.gpu))
+        config = EngineConfig(model="synthetic:tiny", max_model_len=self.input + self.output,
+                              **vllm_defaults(deployment.gpu))
         target = deployment_target(deployment, config, self.gpu)
-        frontend_s = deployment.gpu.efficiency.request_s if self.harness != "offline" else 0.0
+        # An HTTP harness's burst reaches the engine when vLLM's API server has taken it all in:
+        # each request's handler renders its chat template, then awaits the one-thread,
+        # micro-batching tokenizer (AsyncMicrobatchTokenizer, vllm/utils), so the event loop
+        # runs every handler's first half before any reaches the engine (docs/twin.md).
+        intake_s = self.batch * deployment.gpu.efficiency.request_s
+        arrival_s = intake_s if self.harness != "offline" else 0.0
         vocab = self.model.vocab_size
-        # distinct prompts from the first block on, as random datasets are: no prefix hits
-        workload = [WorkloadRequest(f"r{i}", i * frontend_s,
+        # distinct prompts from the first block on, as random datasets are: no prefix hits;
+        # in the order sent, a microsecond apart, as the engine takes them one message at a
+        # time: its first-come queue then puts a preempted request back before every later
+        # one, as V1 prepends it
+        workload = [WorkloadRequest(f"r{i}", arrival_s + i * ORDER_S,
                                     tuple((i * 7919 + j) % vocab for j in range(self.input)),
                                     self.output, ignore_eos=True)
                     for i in range(self.batch)]
-        return run_fleet(config, target, workload, 1, RoutePolicy("round-robin")).merged.wall_s
+        return run_fleet(config, target, workload, 1, RoutePolicy("round-robin")).merged
 
     def error(self, efficiency: OperationEfficiency | None = None) -> float:
         """predicted / measured − 1, on the case's own figure."""
@@ -140,7 +158,8 @@ def load_cases(path: Path, *, fitting_only: bool = True) -> list[PublishedCase]:
             conditions=c["conditions"], harness=sources[c["source"]].get("harness", "offline"),
             engine=tuple(sorted(sources[c["source"]].get("fitted", {}).items())),
             input=c.get("input", 0), output=c.get("output", 0),
-            batch=c.get("batch", 1), tokens=c.get("tokens", 0)))
+            batch=c.get("batch", 1), tokens=c.get("tokens", 0),
+            printed_ms=tuple(c.get("printed_ms", {}).items())))
     return [c for c in cases if c.kv_fits()] if fitting_only else cases
 
 

@@ -29,8 +29,16 @@ from engine.sim.profiles import (
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
-# Held by a CUDA process before its pool is sized; the real runner's free memory excludes it.
-CUDA_CONTEXT_BYTES = 512 << 20
+# vLLM's KV pool (V1, v0.11: vllm/v1/worker/gpu_worker.py, determine_available_memory) is each
+# GPU's memory times gpu_memory_utilization, less what its profile run measured: the weights,
+# the activation peak and the memory outside torch's allocator (NON_TORCH_BYTES, the figure
+# vLLM logged in vllm-project/vllm#13061). The CUDA context and the CUDA graphs, captured after
+# the pool is sized, live in the share the utilisation leaves.
+NON_TORCH_BYTES = 256 << 20
+# The profile run's sampler (gpu_model_runner._dummy_sampler_run) holds one row of logits per
+# sequence in bf16, then at float32 the logits, the probabilities and the exponential draw
+# it divides them by in place (v1/sample/sampler.py, ops/topk_topp_sampler.py), on every GPU.
+SAMPLER_BYTES_PER_LOGIT = 2 + 3 * 4
 GPU_DTYPE = "bfloat16"
 CALIBRATION_PREFIX = "calibration:"
 
@@ -127,14 +135,29 @@ class Deployment:
         return DevicePeaks(f"{one.name}x{self.tp}" if self.tp > 1 else one.name,
                            one.flops * self.tp, one.bandwidth * self.tp, one.source)
 
-    def kv_cache_bytes(self, memory_utilization: float) -> int:
-        """KV over all GPUs: memory less weights and CUDA context, times the utilisation share."""
-        free = self.gpu.memory_bytes - self.weight_bytes / self.tp - CUDA_CONTEXT_BYTES
+    def activation_peak_bytes(self, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+        """Each GPU's peak in vLLM's profile run: a forward over `max_num_batched_tokens`
+        (the residual stream, QKV, the MLP's gate-up and its activation live at once), or the
+        sampler over min(tokens, seqs) rows of logits, whichever is larger."""
+        c, tp = self.config, self.tp
+        width = (2 * c.hidden_size + (c.num_heads + 2 * c.num_kv_heads) * c.head_dim // tp
+                 + 3 * c.intermediate_size // tp)
+        forward = max_num_batched_tokens * width * self.activation_bytes
+        rows = min(max_num_batched_tokens, max_num_seqs)
+        return max(forward, rows * c.vocab_size * SAMPLER_BYTES_PER_LOGIT)
+
+    def kv_cache_bytes(self, memory_utilization: float, max_num_batched_tokens: int,
+                       max_num_seqs: int) -> int:
+        """KV over all GPUs, sized as vLLM sizes it (NON_TORCH_BYTES says where from)."""
+        free = (self.gpu.memory_bytes * memory_utilization - self.weight_bytes / self.tp
+                - self.activation_peak_bytes(max_num_batched_tokens, max_num_seqs)
+                - NON_TORCH_BYTES)
         if free <= 0:
-            raise ConfigError("tp", f"{self.weight_bytes / 1e9:.1f} GB of weights do not fit "
-                              f"on {self.tp} x {self.gpu.name} "
+            raise ConfigError("tp", f"{self.weight_bytes / 1e9:.1f} GB of weights and the "
+                              f"activations do not fit in {memory_utilization:.0%} of "
+                              f"{self.tp} x {self.gpu.name} "
                               f"({self.gpu.memory_bytes / 1e9:.0f} GB each); raise --tp")
-        return int(free * memory_utilization) * self.tp
+        return int(free) * self.tp
 
     def step_price(self) -> StepPrice:
         attention = self.gpu.peak_flops(
@@ -181,7 +204,8 @@ def deployment_target(deployment: Deployment, config: EngineConfig, spec: str) -
     """The simulated GPU(s) of `deployment`, its KV pool sized as `config` asks."""
     gpu, tp, dtype, kv_dtype = (deployment.gpu, deployment.tp, deployment.weight_dtype,
                                 deployment.kv_dtype)
-    kv = config.kv_cache_bytes or deployment.kv_cache_bytes(config.gpu_memory_utilization)
+    kv = config.kv_cache_bytes or deployment.kv_cache_bytes(
+        config.gpu_memory_utilization, config.max_num_batched_tokens, config.max_num_seqs)
     details: dict[str, Any] = {
         "gpu": gpu.name, "tp": tp, "gpu_memory_bytes": gpu.memory_bytes,
         "weight_dtype": dtype, "kv_cache_dtype": kv_dtype,
@@ -257,7 +281,8 @@ def _stored(spec: str, config: EngineConfig, session: Session) -> SimTarget:
     elif known is not None:
         deployment = Deployment(model_config_for(config.model), known,
                                 weight_dtype=info["dtype"])
-        kv = deployment.kv_cache_bytes(config.gpu_memory_utilization)
+        kv = deployment.kv_cache_bytes(config.gpu_memory_utilization,
+                                       config.max_num_batched_tokens, config.max_num_seqs)
     else:
         kv = int(info["kv"]["capacity_bytes"])
     return SimTarget(spec=spec, device=f"sim:{record.device}", dtype=info["dtype"], peaks=peaks,
