@@ -224,6 +224,17 @@ def test_preemption_recomputes_the_lowest_priority_latest_arrival() -> None:
     assert all(len(r.output_token_ids) == 4 for r in requests)
 
 
+def test_a_preempted_request_waits_ahead_of_requests_that_arrived_with_it() -> None:
+    s = sim(num_blocks=12, max_num_batched_tokens=64, chunk_tile=4,
+            cache_high_watermark=0.99, cache_low_watermark=0.98)
+    running = [s.add(12, max_tokens=4, arrival=0.0) for _ in range(4)]
+    s.step()
+    late = s.add(4, max_tokens=1, arrival=0.0)
+    batch = s.step()
+    assert batch.preempted == [running[-1].id]
+    assert s.scheduler.waiting[:2] == [running[-1], late]
+
+
 def test_a_request_preempted_often_is_protected_while_others_can_go() -> None:
     s, requests = _full_pool()
     s.set_config(preempt_protect_after=2)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from bisect import insort
+from bisect import insort, insort_left
 from collections.abc import Callable
 
 from engine.batch import Batch
@@ -93,7 +93,9 @@ class Admission:
         victim.preempted_at.append(self.clock())
         victim.num_preemptions += 1
         victim.set_state(RequestState.PREEMPTED, "KV blocks exhausted; will recompute")
-        insort(self.waiting, victim, key=self.queue_key)
+        # ahead of waiting requests that tie with it, as V1 prepends: behind them, equal
+        # arrivals would evict each other's cached prefix and preempt each other in turn
+        insort_left(self.waiting, victim, key=self.queue_key)
         batch.preempted.append(victim.id)
         self.publish(Preempted(request_id=victim.id, reason=victim.reason,
                                tokens_discarded=discarded))
