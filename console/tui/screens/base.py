@@ -29,6 +29,12 @@ class ConsoleScreen(Screen):
     def __init__(self, state: ConsoleState) -> None:
         super().__init__()
         self.state = state
+        self._styled_for: tuple[object, ...] | None = None  # the app's look when it left
+
+    def _app_look(self) -> tuple[object, ...]:
+        """What of the app a screen's styles follow, beside its own classes: the theme and
+        the app's pseudo-classes (focus or blur, dark or light)."""
+        return self.app.theme, frozenset(self.app.get_pseudo_classes())
 
     def compose_header(self) -> ComposeResult:
         yield EngineHeader()
@@ -53,7 +59,12 @@ class ConsoleScreen(Screen):
         source changes what it can do (a fleet switched server)."""
         self.refresh_bindings()
 
-    def on_screen_resume(self) -> None:
+    def on_screen_resume(self, event: events.ScreenResume) -> None:
+        # Textual restyles a resumed screen whole, and a restyle empties every widget's
+        # rendered lines; a screen's own changes restyle it as they happen, so only an app
+        # that changed its look while the screen was away needs one.
+        if self._styled_for == self._app_look():
+            event.refresh_styles = False
         self.show_capabilities()
         if self.state.latest is not None:
             self.show_snapshot(self.state.latest)
@@ -63,6 +74,7 @@ class ConsoleScreen(Screen):
     def on_screen_suspend(self) -> None:
         """Leaving a screen leaves its field: coming back, the digits are screen keys."""
         self.end_edit()
+        self._styled_for = self._app_look()
 
     def leave(self) -> None:
         """The app is switching to another screen: end the edit now, before the keys sent

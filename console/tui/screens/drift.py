@@ -117,8 +117,7 @@ class DriftScreen(ConsoleScreen):
                 self.RECALIBRATE_NOTE if refusal is None else unavailable(refusal))
             self.query_one(ProgressBar).display = refusal is None
 
-    def on_screen_resume(self) -> None:
-        super().on_screen_resume()
+    def on_screen_resume(self) -> None:  # Textual runs ConsoleScreen's handler too
         self._load()
 
     def _load(self) -> None:

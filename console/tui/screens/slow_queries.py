@@ -97,8 +97,7 @@ class SlowQueriesScreen(ConsoleScreen):
         note.display = refusal is not None
         self.query_one(KeyedTable).display = refusal is None
 
-    def on_screen_resume(self) -> None:
-        super().on_screen_resume()
+    def on_screen_resume(self) -> None:  # Textual runs ConsoleScreen's handler too
         self.action_reload()
 
     def action_reload(self) -> None:
