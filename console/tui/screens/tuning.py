@@ -180,8 +180,7 @@ class TuningScreen(ConsoleScreen):
         note.update(unavailable("\n".join(lines)))
         note.display = bool(lines)
 
-    def on_screen_resume(self) -> None:
-        super().on_screen_resume()
+    def on_screen_resume(self) -> None:  # Textual runs ConsoleScreen's handler too
         self._load_changes()
 
     def _load_changes(self) -> None:
@@ -280,8 +279,8 @@ class TuningScreen(ConsoleScreen):
             start = self._range.start(now, self.state.session_start or now)
         if stored is not None:
             marks = (*on_engine_clock(stored.changes, offset), *marks)
-            events = (*on_engine_clock((*stored.drift, *stored.restarts, *stored.pauses),
-                                       offset), *events)
+            events = (*on_engine_clock((*stored.drift, *stored.restarts, *stored.pauses,
+                                        *stored.starts), offset), *events)
 
         def series(label: str, name: str) -> Series:
             return Series.of(label, points(history, name, stored, offset))
