@@ -51,7 +51,7 @@ from console.tui.widgets.header import chunk_size
 from console.tui.widgets.keyed_table import Column, KeyedTable, TableRow
 from console.tui.widgets.latency import append_latency, slo_style, window
 from console.tui.widgets.notice import unavailable
-from console.tui.widgets.plot import Line, Plot, Series, ms, number, per_s
+from console.tui.widgets.plot import Line, Plot, Series, keyed_marks, ms, number, per_s
 from console.tui.widgets.redraw import update_changed
 from engine.events import wall_offset
 from engine.ops.metrics import RATE_WINDOW_S
@@ -143,12 +143,12 @@ class TuningScreen(ConsoleScreen):
                     yield Button("C* c", id="apply-cstar")
                 yield Static(id="tuning-refusal", classes="unavailable")
             with Grid(id="tuning-charts"):
-                yield Plot(unit=ms, id="tune-ttft")
-                yield Plot(unit=ms, id="tune-tbt")
-                yield Plot(unit=number, id="tune-queue")
-                yield Plot(unit=per_s, id="tune-rates")
-                yield Plot(unit=number, id="tune-cstar")
-                yield Plot(unit=per_s, id="tune-throughput")
+                yield Plot(unit=ms, id="tune-ttft", mark_keys=False)
+                yield Plot(unit=ms, id="tune-tbt", mark_keys=False)
+                yield Plot(unit=number, id="tune-queue", mark_keys=False)
+                yield Plot(unit=per_s, id="tune-rates", mark_keys=False)
+                yield Plot(unit=number, id="tune-cstar", mark_keys=False)
+                yield Plot(unit=per_s, id="tune-throughput", mark_keys=False)
         yield KeyedTable(CHANGE_COLUMNS, id="config-changes", reverse=True,
                          empty="no change stored yet")
         yield from self.compose_footer()
@@ -300,6 +300,9 @@ class TuningScreen(ConsoleScreen):
         plot("tune-cstar", (series("C*", "cstar"),),
              () if budget is None else (Line(float(budget), f"budget {budget}"),))
         plot("tune-throughput", (series("prompt+output tok/s", "tokens_per_s"),))
+        # six charts a third of the width each have no room to name the marks: their frame does
+        charts = self.query_one("#tuning-charts")
+        charts.border_subtitle = keyed_marks(charts.query(Plot).results(Plot))
 
     # --- the form ---------------------------------------------------------------------------
     def edited(self) -> dict[str, str]:
