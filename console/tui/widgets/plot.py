@@ -279,7 +279,7 @@ class Plot(Widget):
             figure.draw(figure.text(right, value, tag, alignment="right"))
 
         text = Text(no_wrap=True, overflow="crop", end="")
-        self._legend(text, width, rows)
+        self._legend(text, width, rows, low, high)
         text.append("\n")
         chart = Text.from_ansi(figure.build().string(), no_wrap=True, end="")
         # plotext paints a line's cells on a white ground and has no "terminal default" one:
@@ -300,11 +300,10 @@ class Plot(Widget):
             tags.setdefault(round((line.value - low) / (high - low) * (rows - 1)), []).append(line)
         return [(shared[0].value, shared) for shared in tags.values()]
 
-    def _legend(self, text: Text, width: int, rows: int) -> None:
+    def _legend(self, text: Text, width: int, rows: int, low: float, high: float) -> None:
         """One row: the series, then what the row has room for, by rank: the clip, a line
         the axis does not reach, the marks, and last a line drawn on the chart (labelled
-        there already). Entries keep their order."""
-        low, high = self._range(rows)
+        there already), on the axis from `low` to `high`. Entries keep their order."""
         entries: list[tuple[int, str, str]] = [  # (rank, entry, style)
             (0, f"━ {s.label}", color)
             for s, color in zip(self._series, self._colors(), strict=True)]
