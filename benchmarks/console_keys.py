@@ -9,10 +9,13 @@ tmux, the console and its redraw, with no polling of the pane inside it.
 
 The console's own CPU time (its process, not the engine's) is read before and after the
 presses; less its idle rate over the seconds before them, it gives the CPU a press costs,
-which a loaded machine changes far less than it changes the waits.
+which a loaded machine changes far less than it changes the waits. Its UI thread's CPU time
+from each key's send to its frame, less that thread's idle rate over the same wait, is the
+CPU the console spent to answer the key (`ui_cpu_ms_to_frame`); the longer waits of a
+loaded machine add only the idle work inside them, which is taken off.
 
-Prints one JSON object: median, p90 and max in ms, CPU ms per press, the console's idle CPU
-share of one core, and the load average.
+Prints one JSON object: median, p90 and max in ms, CPU ms per press, the UI thread's CPU ms
+from key to frame (mean), the console's idle CPU share of one core, and the load average.
 
     python benchmarks/console_keys.py [--presses 20] [--hogs 2] [--root CHECKOUT]
 """
@@ -38,9 +41,11 @@ SETTLE_S = 3.0  # past the start-up's first redraws
 IDLE_S = 4.0  # the console's idle CPU rate is read over this long before the presses
 
 
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of process `pid` (its threads, not its children)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+def cpu_seconds(pid: int, thread: int | None = None) -> float:
+    """User plus system CPU time of process `pid` (its threads, not its children), or of
+    its `thread` alone."""
+    stat = Path(f"/proc/{pid}/stat" if thread is None else f"/proc/{pid}/task/{thread}/stat")
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -129,13 +134,16 @@ def main() -> int:
             frames.wait(0.2)
         raise SystemExit(f"{seen!r} not shown within {SHOWN_WITHIN_S} s")
 
+    to_frame: list[float] = []  # the UI thread's CPU seconds from each key to its frame
+
     def press(key: str, seen: str, absent: str) -> float:
         """Send `key`; the wait until the bytes written since show `seen`'s title."""
-        sent, since = time.monotonic(), frames.mark()
+        sent, since, ui_cpu = time.monotonic(), frames.mark(), cpu_seconds(pid, pid)
         subprocess.run([*tmux, "send-keys", "-t", "keys", key], check=True)
         at = frames.until(seen.encode(), since, sent + SHOWN_WITHIN_S)
         if at is None:
             raise SystemExit(f"{seen!r} not written within {SHOWN_WITHIN_S} s")
+        to_frame.append(cpu_seconds(pid, pid) - ui_cpu - ui_idle_rate * (at - sent))
         shown(seen, absent, sent)  # the pane shows it, the old screen gone
         return at - sent
 
@@ -145,10 +153,11 @@ def main() -> int:
         time.sleep(SETTLE_S)
         pid = int(subprocess.run([*tmux, "display-message", "-p", "-t", "keys", "#{pane_pid}"],
                                  capture_output=True, text=True, check=True).stdout)
-        idle_from, idle_cpu = time.monotonic(), cpu_seconds(pid)
+        idle_from, idle_cpu, idle_ui = time.monotonic(), cpu_seconds(pid), cpu_seconds(pid, pid)
         time.sleep(IDLE_S)
         start, start_cpu = time.monotonic(), cpu_seconds(pid)
         idle_rate = (start_cpu - idle_cpu) / (start - idle_from)
+        ui_idle_rate = (cpu_seconds(pid, pid) - idle_ui) / (start - idle_from)
         for n in range(args.presses):
             key, seen, absent = (("2", "Live configuration", "Chunk queue") if n % 2 == 0
                                  else ("1", "Chunk queue", "Live configuration"))
@@ -166,6 +175,7 @@ def main() -> int:
                       "p90_ms": round(waits[int(0.9 * (len(waits) - 1))], 1),
                       "max_ms": round(waits[-1], 1),
                       "cpu_ms_per_press": round(1000 * spent / len(waits), 1),
+                      "ui_cpu_ms_to_frame": round(1000 * statistics.mean(to_frame), 1),
                       "idle_cpu_pct": round(100 * idle_rate, 2),
                       "load_1m": round(os.getloadavg()[0], 2)}))
     return 0

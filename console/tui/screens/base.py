@@ -30,6 +30,7 @@ class ConsoleScreen(Screen):
         super().__init__()
         self.state = state
         self._styled_for: tuple[object, ...] | None = None  # the app's look when it left
+        self._shown: Snapshot | None = None  # the snapshot last drawn
 
     def _app_look(self) -> tuple[object, ...]:
         """What of the app a screen's styles follow, beside its own classes: the theme and
@@ -43,7 +44,9 @@ class ConsoleScreen(Screen):
         yield KeyBar(self.state)
 
     def show_snapshot(self, snapshot: Snapshot) -> None:
-        """Redraw from a new snapshot; the app calls it only on the screen being shown."""
+        """Redraw from a new snapshot; the app calls it only on the screen being shown, and
+        on the screen it is about to show."""
+        self._shown = snapshot
         # A poll can land while this screen is still mounting or already tearing down.
         header = self.query(EngineHeader)
         if header:
@@ -66,8 +69,8 @@ class ConsoleScreen(Screen):
         if self._styled_for == self._app_look():
             event.refresh_styles = False
         self.show_capabilities()
-        if self.state.latest is not None:
-            self.show_snapshot(self.state.latest)
+        if self.state.latest is not None and self.state.latest is not self._shown:
+            self.show_snapshot(self.state.latest)  # the switch drew it already, as a rule
         if self.state.failure:
             self.show_failure(self.state.failure)
 

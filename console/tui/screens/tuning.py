@@ -177,7 +177,7 @@ class TuningScreen(ConsoleScreen):
         self.query_one("#config-changes").display = history is None
         lines = [refusal for refusal in (tune, history) if refusal is not None]
         note = self.query_one("#tuning-refusal", Static)
-        note.update(unavailable("\n".join(lines)))
+        update_changed(note, unavailable("\n".join(lines)))  # an update lays the screen out
         note.display = bool(lines)
 
     def on_screen_resume(self) -> None:  # Textual runs ConsoleScreen's handler too
@@ -300,7 +300,11 @@ class TuningScreen(ConsoleScreen):
         plot("tune-cstar", (series("C*", "cstar"),),
              () if budget is None else (Line(float(budget), f"budget {budget}"),))
         plot("tune-throughput", (series("prompt+output tok/s", "tokens_per_s"),))
-        # six charts a third of the width each have no room to name the marks: their frame does
+        self.call_after_refresh(self._key_marks)  # once laid out: a chart's size decides
+
+    def _key_marks(self) -> None:
+        """Six charts a third of the width each have no room to name the marks: their frame
+        names those they draw."""
         charts = self.query_one("#tuning-charts")
         charts.border_subtitle = keyed_marks(charts.query(Plot).results(Plot))
 
