@@ -208,6 +208,15 @@ class PauseChanged(Event):
 
 
 @dataclass(frozen=True)
+class SessionStarted(Event):
+    """A process (serve, the console, run, bench) started the engine on its store; `orphans`
+    is how many requests the process before it left unfinished, closed at this start."""
+
+    kind: ClassVar[str] = "session_started"
+    orphans: int = 0
+
+
+@dataclass(frozen=True)
 class Drift(Event):
     kind: ClassVar[str] = "drift"
     deviation: float

@@ -3,10 +3,14 @@ stamped on a chosen clock, read as a six-hour view in ten-minute buckets."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
 
+from engine.config import EngineConfig
+from engine.serve.session import EngineSession
 from engine.store import open_database, stored_metrics
 from engine.store.models import (
     ConfigChangeRow,
@@ -14,6 +18,7 @@ from engine.store.models import (
     EngineFaultRow,
     JournalRow,
     PauseRow,
+    SessionStartRow,
 )
 
 START = 1_700_000_000.0  # the run's first request, on the wall clock the rows carry
@@ -65,3 +70,37 @@ def test_a_two_hour_run_reads_back_as_a_six_hour_view_with_its_marks(tmp_path: P
     assert view.pauses == (START + 0.75 * HOUR, START + 0.8 * HOUR)
     with pytest.raises(ValueError, match="end > start"):
         stored_metrics(None, end, end, 1)  # type: ignore[arg-type]
+
+
+def test_each_start_of_a_process_on_the_store_is_stored_and_read_back(tmp_path: Path) -> None:
+    """A second process on the same store (a console restarted) is a mark of its own, with
+    the requests the first left unfinished."""
+    db = tmp_path / "store.db"
+    config = EngineConfig(model="synthetic:tiny", dtype="float32")
+
+    def start_and_stop(leave_unfinished: bool) -> None:
+        with EngineSession.start(config, db=db, calibrate=False) as session:
+            assert session.writer is not None and session.database is not None
+            session.engine.step()  # a step delivers the bus's events to the writer
+            assert session.writer.flush(timeout=60.0)
+            if leave_unfinished:
+                with session.database.session() as s:
+                    row = journal(time.time(), 0.05, 0)
+                    row.state, row.finished_at = "WAITING", None
+                    s.add(row)
+                    s.commit()
+
+    before = time.time()
+    start_and_stop(leave_unfinished=True)
+    start_and_stop(leave_unfinished=False)
+    database = open_database(db)
+    try:
+        with database.session() as session:
+            view = stored_metrics(session, before - 1.0, time.time() + 1.0, 1)
+            orphans = session.scalars(select(SessionStartRow.orphans)
+                                      .order_by(SessionStartRow.id)).all()
+    finally:
+        database.close()
+    assert len(view.starts) == 2 and view.starts[0] < view.starts[1]
+    assert all(before - 1.0 <= at <= time.time() for at in view.starts)
+    assert orphans == [0, 1]  # the second start closed what the first left

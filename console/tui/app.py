@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from engine.serve.otlp import TraceCollector
 
 POLL_INTERVAL_S = 0.4  # panes refresh at 2.5 Hz
+HOLD_BOUND_S = 1.0  # the longest a screen switch holds frames back
 SCREENS: dict[str, type[ConsoleScreen]] = {  # the modes; keymap's show('NAME') switches
     "live": LiveScreen,
     "tuning": TuningScreen,
@@ -79,12 +80,18 @@ class TokenflowApp(App[None]):
         traced requests, which the fleet view replays on a GPU's twin."""
         super().__init__()
         self.state = ConsoleState(source, slo=slo or ServiceSLO(), traced=traced)
-        for mode, screen in SCREENS.items():  # each screen is handed the state, not the app
-            self.add_mode(mode, functools.partial(screen, self.state))
+        self._mode_screens: dict[str, ConsoleScreen] = {}  # each mode's screen, once made
+        for mode in SCREENS:
+            self.add_mode(mode, functools.partial(self._make_screen, mode))
+        self._switching = False  # inside switch_mode: Textual's hold on the screen is skipped
         self.recorder = recorder
         self.collector = SnapshotCollector(self, source, interval, recorder)
         self.starting = starting
         self.startup_error: str | None = None  # why the engine did not start, for the shell
+
+    def _make_screen(self, mode: str) -> ConsoleScreen:
+        screen = self._mode_screens[mode] = SCREENS[mode](self.state)  # handed the state
+        return screen
 
     @property
     def source(self) -> Source:
@@ -197,9 +204,42 @@ class TokenflowApp(App[None]):
         self.switch_mode(mode)
 
     def switch_mode(self, mode: str) -> AwaitComplete:
-        if isinstance(self.screen, ConsoleScreen) and mode != self.current_mode:
+        """The screen a key asks for is drawn whole, once, as soon as it has resumed: its
+        figures are set before the switch, and frames are held until its resume is handled
+        (Textual holds them a fixed 50 ms instead, and then draws the screen again)."""
+        if mode == self.current_mode:
+            return super().switch_mode(mode)
+        if isinstance(self.screen, ConsoleScreen):
             self.screen.leave()
-        return super().switch_mode(mode)
+        target = self._mode_screens.get(mode)
+        if target is not None and target.is_mounted and self.state.latest is not None:
+            target.show_snapshot(self.state.latest)
+        hold = self.batch_update()
+        hold.__enter__()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                hold.__exit__(None, None, None)
+                self.screen.refresh()
+
+        self._switching = True
+        try:
+            switched = super().switch_mode(mode)
+        except BaseException:
+            release()
+            raise
+        finally:
+            self._switching = False
+        self.screen.call_later(release)  # queued behind the ScreenResume the switch posted
+        self.set_timer(HOLD_BOUND_S, release)  # a bound, should that screen be torn down
+        return switched
+
+    def delay_update(self, delay: float = 0.05) -> None:
+        if not self._switching:  # switch_mode holds frames itself
+            super().delay_update(delay)
 
     def action_help(self) -> None:
         if isinstance(self.screen, HelpScreen):

@@ -14,7 +14,7 @@ from engine.calibration.calibrate import (
     latest_for,
 )
 from engine.config import EngineConfig
-from engine.events import Subscriber
+from engine.events import SessionStarted, Subscriber
 from engine.ops.equipped import Engine
 from engine.serve.loop import EngineLoop
 from engine.sim.executor import PacedClock, Simulation, simulated_engine
@@ -79,6 +79,8 @@ class EngineSession:
             raise
         writer = (StoreWriter(database, engine.bus, on_commit=on_commit)
                   if database is not None and journal else None)
+        if writer is not None:  # stored, so a long history marks each restart of the process
+            engine.bus.publish(SessionStarted(orphans=len(orphans)))
         return cls(engine, database, writer, calibration, first_calibration=first,
                    orphans=orphans)
 

@@ -33,6 +33,7 @@ from engine.events import (
     Preempted,
     Rejected,
     RequestAdded,
+    SessionStarted,
     SlowQuery,
     TokensGenerated,
 )
@@ -44,6 +45,7 @@ from engine.store.models import (
     EngineFaultRow,
     JournalRow,
     PauseRow,
+    SessionStartRow,
     SlowQueryRow,
 )
 
@@ -83,6 +85,7 @@ class Batch:
     config: list[dict[str, Any]] = field(default_factory=list)
     faults: list[dict[str, Any]] = field(default_factory=list)
     pauses: list[dict[str, Any]] = field(default_factory=list)
+    starts: list[dict[str, Any]] = field(default_factory=list)
 
 
 Statement = tuple[Callable[[Connection, Any], object], list[dict[str, Any]], str, str | None]
@@ -108,6 +111,7 @@ def to_statements(batch: Batch) -> list[Statement]:
         (orm(ConfigChangeRow), batch.config, "config_changes", None),
         (orm(EngineFaultRow), batch.faults, "engine_faults", None),
         (orm(PauseRow), batch.pauses, "pauses", None),
+        (orm(SessionStartRow), batch.starts, "session_starts", None),
     ]
     return [statement for statement in statements if statement[1]]
 
@@ -175,6 +179,9 @@ def fold(events: list[Event], wall_offset: float, server: str = "") -> Batch:
         elif kind is PauseChanged:
             batch.pauses.append({"server": server, "created_at": event.ts + wall_offset,
                                  "paused": event.paused})
+        elif kind is SessionStarted:
+            batch.starts.append({"server": server, "created_at": event.ts + wall_offset,
+                                 "orphans": event.orphans})
         elif kind is EngineRestarted:
             batch.faults.append(
                 {"server": server, "created_at": event.ts + wall_offset,

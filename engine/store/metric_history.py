@@ -1,6 +1,6 @@
 """The engine's figures over any span the store still holds: arrivals, finishes, TTFT and
 tokens per second in equal buckets, from the request journal, with the times of the changes,
-drift events, pauses and resumes, and engine restarts inside the span. The console's
+drift events, pauses and resumes, engine restarts and process starts inside the span. The console's
 in-memory history holds minutes; this is what its charts read for anything older."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from engine.store.models import (
     EngineFaultRow,
     JournalRow,
     PauseRow,
+    SessionStartRow,
 )
 
 
@@ -41,6 +42,7 @@ class StoredMetrics:
     drift: tuple[float, ...]  # when a drift event was stored
     restarts: tuple[float, ...]  # when the engine restarted after a fault
     pauses: tuple[float, ...]  # when the operator paused stepping or resumed it
+    starts: tuple[float, ...] = ()  # when a process (re)started the engine on the store
 
 
 def stored_metrics(session: Session, start: float, end: float,
@@ -78,10 +80,10 @@ def stored_metrics(session: Session, start: float, end: float,
                      tokens[i] / width, quantile(ttfts[i], 0.5), quantile(ttfts[i], 0.99))
         for i in range(buckets))
 
-    def times(row: type[ConfigChangeRow | DriftEventRow | EngineFaultRow | PauseRow]
-              ) -> tuple[float, ...]:
+    def times(row: type[ConfigChangeRow | DriftEventRow | EngineFaultRow | PauseRow
+                        | SessionStartRow]) -> tuple[float, ...]:
         return tuple(session.scalars(select(row.created_at).where(
             row.created_at >= start, row.created_at < end).order_by(row.created_at)))
 
     return StoredMetrics(start, end, out, times(ConfigChangeRow), times(DriftEventRow),
-                         times(EngineFaultRow), times(PauseRow))
+                         times(EngineFaultRow), times(PauseRow), times(SessionStartRow))

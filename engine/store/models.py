@@ -226,6 +226,20 @@ class PauseRow(Base):
     __table_args__ = (Index("ix_pauses_created_at", "created_at"),)
 
 
+class SessionStartRow(Base):
+    """A process started the engine on this store: after the first, each is a restart of
+    the whole process, which a long history marks beside the engine's own restarts."""
+
+    __tablename__ = "session_starts"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    server: Mapped[str] = server_column()
+    created_at: Mapped[float]
+    orphans: Mapped[int]
+
+    __table_args__ = (Index("ix_session_starts_created_at", "created_at"),)
+
+
 class EngineFaultRow(Base):
     """An exception in the step loop that was no request's own fault, and the restart it caused."""
 

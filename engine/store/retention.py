@@ -15,6 +15,7 @@ from engine.store.models import (
     EngineFaultRow,
     JournalRow,
     PauseRow,
+    SessionStartRow,
     SlowQueryRow,
     TracedRequestRow,
 )
@@ -31,6 +32,7 @@ class RetentionLimits:
     config_changes: int = 10_000
     engine_faults: int = 1_000
     pauses: int = 10_000
+    session_starts: int = 10_000
 
     def __post_init__(self) -> None:
         for name, limit in vars(self).items():
@@ -53,6 +55,7 @@ def apply_retention(connection: Connection, limits: RetentionLimits) -> int:
         (ConfigChangeRow, limits.config_changes),
         (EngineFaultRow, limits.engine_faults),
         (PauseRow, limits.pauses),
+        (SessionStartRow, limits.session_starts),
     ):
         deleted += _keep_newest(connection, row_type.__table__, limit)
     return deleted

@@ -23,7 +23,7 @@ from engine.clock import VirtualClock
 from engine.slo_targets import ServiceSLO
 from engine.snapshot import Percentiles, RequestView, Snapshot
 from engine.store import ConfigChangeRecord
-from tests.console.conftest import replay_app, workers_done
+from tests.console.conftest import replay_app, replayed, until, workers_done
 
 pytestmark = pytest.mark.anyio
 
@@ -318,3 +318,39 @@ async def test_a_busy_host_is_marked_in_the_header_and_the_bandwidth_pane_says_w
         line = str(pane.query_one("#bandwidth-line", Static).render())
         assert line.endswith("host busy · others 0.0 CPUs · steal 0% · engine 0.4 CPUs · GPU "
                              "others 40% SM: [bold]x[/bold][4242] 40% SM 2.0 GiB")
+
+
+async def test_a_short_legend_keeps_the_marks_before_a_line_labelled_on_the_chart() -> None:
+    plot = Plot(unit=ms)
+    plot.show((TTFT,), lines=(Line(150.0, "SLO 150 ms", "red"),), marks=(60.0,))
+    text = await drawn(plot, (30, 12))
+    rows = text.splitlines()
+    assert rows[0] == "━ TTFT p99  ┊ change"  # the SLO gave way: it is named on its row
+    assert any(row.rstrip().endswith("SLO 150 ms") for row in rows[1:-2])
+
+
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)])
+async def test_the_tuning_charts_keep_every_series_and_name_the_marks_they_draw(
+        size: tuple[int, int]) -> None:
+    """Six charts a third of the width each: the marks' key sits once on their frame, so
+    no legend drops a mark's key or a series for it; sparklines draw no marks, name none."""
+    app = replay_app()
+    async with app.run_test(size=size) as pilot:
+        await replayed(pilot)
+        await pilot.press("2", "t")  # the hour view: the recording's changes and its pause
+        frame = app.screen.query_one("#tuning-charts")
+        plots = list(frame.query(Plot).results(Plot))
+        await until(pilot, lambda: all(p._marks and p._events for p in plots), "the marks")
+        await until(pilot, lambda: frame.border_subtitle is not None, "the frame's key")
+        key = str(frame.border_subtitle)
+        drawn = [plot.drawn_marks() for plot in plots]
+        for plot in plots:
+            rows = plot.render().plain.splitlines()
+            named = rows[0] if size[0] >= 110 else "\n".join(rows)  # a legend, or sparklines
+            assert all(series.label in named for series in plot.series), named
+            assert all(len(row) <= plot.size.width for row in rows)
+        if size[0] >= 110:
+            assert all(changes and events for changes, events in drawn)
+            assert "┊ change" in key and "┊ drift/pause/restart" in key
+        else:
+            assert not any(changes or events for changes, events in drawn) and key == ""

@@ -1,7 +1,8 @@
 """The 6-hour history after a 2-hour run on an injected clock: the time-warp soak drives the
 simulated engine through two hours (a pause and a budget change at each hour's end) in about
 a second, its store writer journaling everything; then the console opens on that store and
-its 6-hour view marks every change, pause, drift event and restart where it happened."""
+its 6-hour view marks every change, pause, drift event and restart where it happened, the
+restarts of the whole process (the run's and the console's own start on that store) too."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import pytest
 from console.tui.widgets.plot import Plot
 from engine.clock import VirtualClock
 from engine.config import EngineConfig
-from engine.events import Drift, EngineRestarted, Event
+from engine.events import Drift, EngineRestarted, Event, SessionStarted
 from engine.harness.soak import SoakPlan, day_of_trace, time_warp_soak
 from engine.sim.executor import simulated_engine
 from engine.sim.target import resolve_target
-from engine.store import StoreWriter, open_database, stored_metrics
+from engine.store import StoredMetrics, StoreWriter, open_database, stored_metrics
 from tests.console.conftest import chat_console, tuning_shown, until
 
 pytestmark = pytest.mark.anyio
@@ -41,6 +42,7 @@ def warped_run(db: Path) -> float:
     due: list[tuple[float, Event]] = [
         (start + 0.5 * HOUR, EngineRestarted(restarts=1, place="step", error="injected fault",
                                               resumed=0, failed=0)),
+        (start + 1.25 * HOUR, SessionStarted(orphans=0)),  # as EngineSession.start does
         (start + 1.5 * HOUR, Drift(deviation=0.3, detail="prefill 30% slow"))]
 
     def publish_due(_: Event) -> None:
@@ -61,30 +63,39 @@ def warped_run(db: Path) -> float:
     return start
 
 
+def stored_since(db: Path, since: float) -> StoredMetrics:
+    database = open_database(db)
+    try:
+        with database.session() as session:
+            return stored_metrics(session, since, time.time() + 1.0, 1)
+    finally:
+        database.close()
+
+
 async def test_a_warped_two_hour_run_is_marked_in_place_on_the_six_hour_view(
         tmp_path: Path) -> None:
     db = tmp_path / "warped.db"
     start = warped_run(db)
     offset = time.time() - time.monotonic()  # where the store put the engine clock's times
-    database = open_database(db)
-    try:
-        with database.session() as session:
-            stored = stored_metrics(session, start + offset - 1, time.time(), 1)
-    finally:
-        database.close()
+    stored = stored_since(db, start + offset - 1)
     # a change and a pause and resume at each hour's end, as the soak makes them
     assert len(stored.changes) == 2 and len(stored.pauses) == 4
     [drift], [restart] = stored.drift, stored.restarts  # published as the clock passed them
     assert 1.5 * HOUR <= drift - offset - start < 1.75 * HOUR
     assert 0.5 * HOUR <= restart - offset - start < 0.75 * HOUR
+    [run_start] = stored.starts
+    assert 1.25 * HOUR <= run_start - offset - start < 1.5 * HOUR
 
-    app = chat_console(db, 1)
+    app = chat_console(db, 1)  # the whole process started again on the same store
     async with app.run_test(size=(120, 40)) as pilot:
         screen = await tuning_shown(pilot)
+        await until(pilot, lambda: len(stored_since(db, start + offset - 1).starts) == 2,
+                    "the console's own start stored")
+        stored = stored_since(db, start + offset - 1)
         await pilot.press("t", "t")  # 1 h, then 6 h
         assert "· 6 h (t)" in str(screen.query_one("#tuning-charts").border_title)
         plots = list(screen.query("#tuning-charts Plot").results(Plot))
-        await until(pilot, lambda: all(len(p._events) >= 6 for p in plots),
+        await until(pilot, lambda: all(len(p._events) >= 8 for p in plots),
                     "the stored marks on every chart")
         now = app.state.history.newest_ts
         assert now is not None
@@ -95,7 +106,8 @@ async def test_a_warped_two_hour_run_is_marked_in_place_on_the_six_hour_view(
 
         for plot in plots:
             assert placed(plot._marks, stored.changes)
-            assert placed(plot._events, (*stored.drift, *stored.restarts, *stored.pauses))
+            assert placed(plot._events, (*stored.drift, *stored.restarts, *stored.pauses,
+                                         *stored.starts))
             # every mark lies inside the six hours shown, the run's start too
             assert all(now - 6 * HOUR <= t <= now for t in (*plot._marks, *plot._events))
             assert plot._start is not None and plot._start <= start

@@ -29,6 +29,13 @@ class ConsoleScreen(Screen):
     def __init__(self, state: ConsoleState) -> None:
         super().__init__()
         self.state = state
+        self._styled_for: tuple[object, ...] | None = None  # the app's look when it left
+        self._shown: Snapshot | None = None  # the snapshot last drawn
+
+    def _app_look(self) -> tuple[object, ...]:
+        """What of the app a screen's styles follow, beside its own classes: the theme and
+        the app's pseudo-classes (focus or blur, dark or light)."""
+        return self.app.theme, frozenset(self.app.get_pseudo_classes())
 
     def compose_header(self) -> ComposeResult:
         yield EngineHeader()
@@ -37,7 +44,9 @@ class ConsoleScreen(Screen):
         yield KeyBar(self.state)
 
     def show_snapshot(self, snapshot: Snapshot) -> None:
-        """Redraw from a new snapshot; the app calls it only on the screen being shown."""
+        """Redraw from a new snapshot; the app calls it only on the screen being shown, and
+        on the screen it is about to show."""
+        self._shown = snapshot
         # A poll can land while this screen is still mounting or already tearing down.
         header = self.query(EngineHeader)
         if header:
@@ -53,16 +62,22 @@ class ConsoleScreen(Screen):
         source changes what it can do (a fleet switched server)."""
         self.refresh_bindings()
 
-    def on_screen_resume(self) -> None:
+    def on_screen_resume(self, event: events.ScreenResume) -> None:
+        # Textual restyles a resumed screen whole, and a restyle empties every widget's
+        # rendered lines; a screen's own changes restyle it as they happen, so only an app
+        # that changed its look while the screen was away needs one.
+        if self._styled_for == self._app_look():
+            event.refresh_styles = False
         self.show_capabilities()
-        if self.state.latest is not None:
-            self.show_snapshot(self.state.latest)
+        if self.state.latest is not None and self.state.latest is not self._shown:
+            self.show_snapshot(self.state.latest)  # the switch drew it already, as a rule
         if self.state.failure:
             self.show_failure(self.state.failure)
 
     def on_screen_suspend(self) -> None:
         """Leaving a screen leaves its field: coming back, the digits are screen keys."""
         self.end_edit()
+        self._styled_for = self._app_look()
 
     def leave(self) -> None:
         """The app is switching to another screen: end the edit now, before the keys sent

@@ -26,6 +26,7 @@ from console.tui.state import ConsoleState
 from console.tui.widgets.keyed_table import Column, KeyedTable, TableRow, middle_cut
 from console.tui.widgets.notice import unavailable
 from console.tui.widgets.plot import Line, Plot, Series
+from console.tui.widgets.redraw import update_changed
 
 if TYPE_CHECKING:  # annotations only: the store pulls SQLAlchemy and Alembic (~1 s)
     from console.sources.base import CalibrationRecord, DriftRecord, TracedDriftPoint
@@ -110,15 +111,14 @@ class DriftScreen(ConsoleScreen):
         self.query_one("#calibrations").border_title = ("Traced drift history" if traced
                                                         else "Calibration history")
         if history is not None and not traced:
-            self.query_one("#calibration-line", Static).update(unavailable(history))
+            update_changed(self.query_one("#calibration-line", Static), unavailable(history))
         if not self.recalibrating:  # its progress notes stay until it ends
             refusal = self.state.refusal(Capability.CALIBRATE)
-            self.query_one("#recalibration-note", Static).update(
-                self.RECALIBRATE_NOTE if refusal is None else unavailable(refusal))
+            update_changed(self.query_one("#recalibration-note", Static),
+                           self.RECALIBRATE_NOTE if refusal is None else unavailable(refusal))
             self.query_one(ProgressBar).display = refusal is None
 
-    def on_screen_resume(self) -> None:
-        super().on_screen_resume()
+    def on_screen_resume(self) -> None:  # Textual runs ConsoleScreen's handler too
         self._load()
 
     def _load(self) -> None:

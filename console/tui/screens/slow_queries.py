@@ -22,6 +22,7 @@ from console.tui.state import ConsoleState
 from console.tui.text import escaped, plain
 from console.tui.widgets.keyed_table import Column, KeyedTable, TableRow, middle_cut
 from console.tui.widgets.notice import unavailable
+from console.tui.widgets.redraw import update_changed
 from console.tui.widgets.requests_table import budget_text
 from engine.ops.timeline import timeline_lines
 from engine.stats import human_duration
@@ -93,12 +94,11 @@ class SlowQueriesScreen(ConsoleScreen):
         super().show_capabilities()
         refusal = self.state.refusal(Capability.SLOW_QUERIES)
         note = self.query_one("#slow-queries-unavailable", Static)
-        note.update(unavailable(refusal or ""))
+        update_changed(note, unavailable(refusal or ""))  # an update lays the screen out
         note.display = refusal is not None
         self.query_one(KeyedTable).display = refusal is None
 
-    def on_screen_resume(self) -> None:
-        super().on_screen_resume()
+    def on_screen_resume(self) -> None:  # Textual runs ConsoleScreen's handler too
         self.action_reload()
 
     def action_reload(self) -> None:

@@ -51,7 +51,7 @@ from console.tui.widgets.header import chunk_size
 from console.tui.widgets.keyed_table import Column, KeyedTable, TableRow
 from console.tui.widgets.latency import append_latency, slo_style, window
 from console.tui.widgets.notice import unavailable
-from console.tui.widgets.plot import Line, Plot, Series, ms, number, per_s
+from console.tui.widgets.plot import Line, Plot, Series, keyed_marks, ms, number, per_s
 from console.tui.widgets.redraw import update_changed
 from engine.events import wall_offset
 from engine.ops.metrics import RATE_WINDOW_S
@@ -143,12 +143,12 @@ class TuningScreen(ConsoleScreen):
                     yield Button("C* c", id="apply-cstar")
                 yield Static(id="tuning-refusal", classes="unavailable")
             with Grid(id="tuning-charts"):
-                yield Plot(unit=ms, id="tune-ttft")
-                yield Plot(unit=ms, id="tune-tbt")
-                yield Plot(unit=number, id="tune-queue")
-                yield Plot(unit=per_s, id="tune-rates")
-                yield Plot(unit=number, id="tune-cstar")
-                yield Plot(unit=per_s, id="tune-throughput")
+                yield Plot(unit=ms, id="tune-ttft", mark_keys=False)
+                yield Plot(unit=ms, id="tune-tbt", mark_keys=False)
+                yield Plot(unit=number, id="tune-queue", mark_keys=False)
+                yield Plot(unit=per_s, id="tune-rates", mark_keys=False)
+                yield Plot(unit=number, id="tune-cstar", mark_keys=False)
+                yield Plot(unit=per_s, id="tune-throughput", mark_keys=False)
         yield KeyedTable(CHANGE_COLUMNS, id="config-changes", reverse=True,
                          empty="no change stored yet")
         yield from self.compose_footer()
@@ -177,11 +177,10 @@ class TuningScreen(ConsoleScreen):
         self.query_one("#config-changes").display = history is None
         lines = [refusal for refusal in (tune, history) if refusal is not None]
         note = self.query_one("#tuning-refusal", Static)
-        note.update(unavailable("\n".join(lines)))
+        update_changed(note, unavailable("\n".join(lines)))  # an update lays the screen out
         note.display = bool(lines)
 
-    def on_screen_resume(self) -> None:
-        super().on_screen_resume()
+    def on_screen_resume(self) -> None:  # Textual runs ConsoleScreen's handler too
         self._load_changes()
 
     def _load_changes(self) -> None:
@@ -280,8 +279,8 @@ class TuningScreen(ConsoleScreen):
             start = self._range.start(now, self.state.session_start or now)
         if stored is not None:
             marks = (*on_engine_clock(stored.changes, offset), *marks)
-            events = (*on_engine_clock((*stored.drift, *stored.restarts, *stored.pauses),
-                                       offset), *events)
+            events = (*on_engine_clock((*stored.drift, *stored.restarts, *stored.pauses,
+                                        *stored.starts), offset), *events)
 
         def series(label: str, name: str) -> Series:
             return Series.of(label, points(history, name, stored, offset))
@@ -301,6 +300,13 @@ class TuningScreen(ConsoleScreen):
         plot("tune-cstar", (series("C*", "cstar"),),
              () if budget is None else (Line(float(budget), f"budget {budget}"),))
         plot("tune-throughput", (series("prompt+output tok/s", "tokens_per_s"),))
+        self.call_after_refresh(self._key_marks)  # once laid out: a chart's size decides
+
+    def _key_marks(self) -> None:
+        """Six charts a third of the width each have no room to name the marks: their frame
+        names those they draw."""
+        charts = self.query_one("#tuning-charts")
+        charts.border_subtitle = keyed_marks(charts.query(Plot).results(Plot))
 
     # --- the form ---------------------------------------------------------------------------
     def edited(self) -> dict[str, str]:

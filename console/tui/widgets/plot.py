@@ -29,6 +29,7 @@ SPARKS = " ▁▂▃▄▅▆▇█"
 PALETTE = ("cyan", "bright_blue", "green", "bright_magenta")
 MARK_STYLE = "magenta"
 EVENT_STYLE = "yellow"  # drift events, pauses and resumes, engine restarts
+MARK_KEYS = ((MARK_STYLE, "┊ change"), (EVENT_STYLE, "┊ drift/pause/restart"))
 SPANS_S = (30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0, 6 * 3600.0, 24 * 3600.0, 7 * 86400.0)
 # a time axis rounds up to one of SPANS_S
 DIM = plt.pixel(foreground=Color.parse("bright_black").number)  # the frame and its ticks
@@ -110,8 +111,12 @@ class Plot(Widget):
     DEFAULT_CSS = "Plot { width: 1fr; height: 1fr; min-height: 1; }"
 
     def __init__(self, *, y_limits: tuple[float, float] | None = None, unit: Unit = number,
-                 id: str | None = None, classes: str | None = None) -> None:
+                 id: str | None = None, classes: str | None = None,
+                 mark_keys: bool = True) -> None:
+        """`mark_keys`: the legend names the marks; False where the charts' frame names them
+        once for all (`keyed_marks`)."""
         super().__init__(id=id, classes=classes)
+        self._mark_keys = mark_keys
         self._series: tuple[Series, ...] = ()
         self._lines: tuple[Line, ...] = ()
         self._marks: tuple[float, ...] = ()
@@ -139,6 +144,12 @@ class Plot(Widget):
     @property
     def series(self) -> tuple[Series, ...]:
         return self._series
+
+    def drawn_marks(self) -> tuple[bool, bool]:
+        """Whether the chart draws change marks, and drift/pause/restart marks: a chart with
+        a time axis does (sparklines draw none)."""
+        charted = self.size.height >= SPARK_ROWS and any(s.times for s in self._series)
+        return charted and bool(self._marks), charted and bool(self._events)
 
     def render(self) -> Text:
         width, height = self.size.width, self.size.height
@@ -268,7 +279,7 @@ class Plot(Widget):
             figure.draw(figure.text(right, value, tag, alignment="right"))
 
         text = Text(no_wrap=True, overflow="crop", end="")
-        self._legend(text, width, rows)
+        self._legend(text, width, rows, low, high)
         text.append("\n")
         chart = Text.from_ansi(figure.build().string(), no_wrap=True, end="")
         # plotext paints a line's cells on a white ground and has no "terminal default" one:
@@ -289,24 +300,42 @@ class Plot(Widget):
             tags.setdefault(round((line.value - low) / (high - low) * (rows - 1)), []).append(line)
         return [(shared[0].value, shared) for shared in tags.values()]
 
-    def _legend(self, text: Text, width: int, rows: int) -> None:
-        entries: list[tuple[str, str]] = [
-            (f"━ {s.label}", color) for s, color in zip(self._series, self._colors(), strict=True)]
-        clipped = self._clipped(rows)  # before the lines: a narrow legend keeps it
+    def _legend(self, text: Text, width: int, rows: int, low: float, high: float) -> None:
+        """One row: the series, then what the row has room for, by rank: the clip, a line
+        the axis does not reach, the marks, and last a line drawn on the chart (labelled
+        there already), on the axis from `low` to `high`. Entries keep their order."""
+        entries: list[tuple[int, str, str]] = [  # (rank, entry, style)
+            (0, f"━ {s.label}", color)
+            for s, color in zip(self._series, self._colors(), strict=True)]
+        clipped = self._clipped(rows)
         if clipped is not None:
-            entries.append((f"↑ clipped, peak {self._unit(clipped)}", "dim"))
-        entries += [(f"┈ {line.label}", line.color) for line in self._lines]
-        if self._marks and any(s.times for s in self._series):
-            entries.append(("┊ change", MARK_STYLE))
-        if self._events and any(s.times for s in self._series):
-            entries.append(("┊ drift/pause/restart", EVENT_STYLE))
+            entries.append((1, f"↑ clipped, peak {self._unit(clipped)}", "dim"))
+        entries += [(4 if low <= line.value <= high else 2, f"┈ {line.label}", line.color)
+                    for line in self._lines]
+        if self._mark_keys:
+            entries += [(3, key, style) for (style, key), shown
+                        in zip(MARK_KEYS, self.drawn_marks(), strict=True) if shown]
+        kept: set[int] = set()
         used = 0
-        for entry, style in entries:
-            if used + len(entry) + 2 > width:
-                break
-            text.append(entry, style=style)
-            text.append("  ")
-            used += len(entry) + 2
+        for index in sorted(range(len(entries)), key=lambda i: entries[i][0]):
+            room = len(entries[index][1]) + (2 if kept else 0)  # two spaces between entries
+            if used + room <= width:
+                kept.add(index)
+                used += room
+        for number, index in enumerate(sorted(kept)):
+            text.append("  " if number else "")
+            text.append(entries[index][1], style=entries[index][2])
+
+
+def keyed_marks(plots: Iterable[Plot]) -> Text:
+    """The key to the marks the `plots` draw, for their shared frame."""
+    drawn = [any(flags) for flags in zip(*(p.drawn_marks() for p in plots), strict=True)]
+    key = Text()
+    for (style, entry), shown in zip(MARK_KEYS, drawn or (False, False), strict=True):
+        if shown:
+            key.append("  " if key else "")
+            key.append(entry, style=style)
+    return key
 
 
 def _columns(series: Series, dots: int, now: float,
