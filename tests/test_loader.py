@@ -86,6 +86,7 @@ def test_family_presets_serve_without_download(name: str) -> None:
     assert len(outputs[0][0]) == 3
 
 
+@pytest.mark.slow  # builds a model of every family
 def test_family_config_fields_parse(tmp_path: Path) -> None:
     """Each family's windows, norms and caps as transformers decides them from config.json."""
     layouts = {}
