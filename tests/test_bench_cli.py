@@ -89,6 +89,7 @@ def test_bench_rejects_a_negative_capacity_duration(capsys: pytest.CaptureFixtur
     assert "--capacity-duration" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # two bench runs
 def test_bench_multiturn_shows_what_the_prefix_cache_saves(
         capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["bench", "--model", "synthetic:tiny", "--workload", "multiturn",
@@ -104,6 +105,7 @@ def test_bench_multiturn_shows_what_the_prefix_cache_saves(
     assert cached["prefill_tokens_computed"] < plain["prefill_tokens_computed"] / 2
 
 
+@pytest.mark.slow  # several bench runs
 def test_a_bench_run_frees_the_engines_of_the_runs_before(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A bench builds an engine per run; whether or not a dropped engine's parts refer to

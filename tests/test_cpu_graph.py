@@ -39,6 +39,7 @@ def _generate(model: str, graphs: bool, params: SamplingParams | None = None,
     return engine, [done[i] for i in ids]
 
 
+@pytest.mark.slow  # an eager and a graphed engine side by side
 def test_decode_steps_replay_what_eager_steps_compute(monkeypatch) -> None:
     replays = []
     replay = CpuGraph.replay

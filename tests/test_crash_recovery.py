@@ -166,6 +166,7 @@ def _resume_and_abandon(db_path: str | Path) -> Resumption:
         database.close()
 
 
+@pytest.mark.slow  # kills and restarts processes
 def test_serve_resume_killed_at_once_loses_nothing_then_quarantines(
         store_url: str, capsys: pytest.CaptureFixture[str]) -> None:
     db = store_url

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -116,7 +117,7 @@ class EngineUnderTime(RuleBasedStateMachine):
 EngineUnderTime.TestCase.settings = settings(
     max_examples=EXAMPLES, stateful_step_count=20, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
-TestEngineUnderTime = EngineUnderTime.TestCase
+TestEngineUnderTime = pytest.mark.slow(EngineUnderTime.TestCase)  # many engine runs
 
 
 def test_a_patch_that_strands_a_queued_prefill_fails_it_with_the_reason() -> None:

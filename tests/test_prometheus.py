@@ -17,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
+import pytest
 import yaml
 
 from engine.serve.prometheus import PREFIX
@@ -112,6 +113,7 @@ def load(base_url: str) -> Iterator[None]:
             thread.join(timeout=60)
 
 
+@pytest.mark.slow  # starts serve and Prometheus
 def test_prometheus_scrapes_serve_and_every_shipped_expression_returns_data(
         tmp_path: Path) -> None:
     prometheus, promtool = tool("prometheus"), tool("promtool")

@@ -125,6 +125,7 @@ def _journal(db: Path) -> dict[str, tuple[str, list[int]]]:
         database.close()
 
 
+@pytest.mark.slow  # two runs of tokenflow run
 def test_a_second_run_on_one_db_is_refused_at_once_and_the_first_stays_exact(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     source, db = tmp_path / "in.jsonl", tmp_path / "j.db"
@@ -261,6 +262,7 @@ def test_run_compiles_with_a_progress_line(capsys: pytest.CaptureFixture[str]) -
     assert 0 < summary["compile_s"] < summary["cold_start_s"]
 
 
+@pytest.mark.slow  # two runs of tokenflow run
 def test_prefix_caching_can_be_turned_off_from_the_command_line(
         capsys: pytest.CaptureFixture[str]) -> None:
     def summary(*flags: str) -> dict[str, Any]:

@@ -8,6 +8,8 @@ import pickle
 import random
 from typing import Any
 
+import pytest
+
 from engine import Engine, EngineConfig, SamplingParams
 from engine.batch import Batch, NewRequest, ScheduledChunk, StepShape
 from engine.core.model_runner import ModelRunner
@@ -74,6 +76,7 @@ def _held(runner: ModelRunner) -> set[str]:
     return set(runner.requests.held) | set(runner.requests.parked)
 
 
+@pytest.mark.slow  # a soak: 2,000 requests
 def test_the_runner_forgets_every_request_that_ends_is_aborted_or_preempted() -> None:
     """Thousands of requests through a pool small enough to preempt, some aborted: after
     every step the runner holds only running requests and those whose end it has yet to

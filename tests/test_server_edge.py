@@ -252,6 +252,7 @@ def test_sampling_params_accept_the_edges_and_check_a_vocabulary() -> None:
         SamplingParams(top_k=VOCAB + 1).check_vocab(VOCAB)
 
 
+@pytest.mark.slow  # starts tokenflow serve twice
 def test_poison_never_reaches_the_journal_so_a_restart_resumes_nothing(
         tmp_path: Path) -> None:
     database = open_database(tmp_path / "journal.db")
@@ -276,6 +277,7 @@ def test_poison_never_reaches_the_journal_so_a_restart_resumes_nothing(
     database.close()
 
 
+@pytest.mark.slow  # starts and stops tokenflow serve
 def test_serve_stopped_by_sigterm_flushes_its_journal_and_exits_0(tmp_path: Path) -> None:
     """uvicorn re-raised SIGTERM after its graceful shutdown and killed `tokenflow serve`
     before the store writer's last batch: the last finished request stayed DECODING in the
@@ -298,6 +300,7 @@ def test_serve_stopped_by_sigterm_flushes_its_journal_and_exits_0(tmp_path: Path
         database.close()
 
 
+@pytest.mark.slow  # starts tokenflow serve
 def test_serve_whose_journal_stops_stops_serving_with_a_clear_error(tmp_path: Path) -> None:
     """A permanent journal error (here a table dropped under the running server) stops the
     server with exit 2 and the fix, instead of serving on unrecorded (a journal that never

@@ -326,6 +326,7 @@ def test_the_twin_calibrates_on_its_own_step_times() -> None:
     assert result.kv.capacity_bytes <= target.kv_cache_bytes
 
 
+@pytest.mark.slow  # real engine runs, several a config
 def test_against_real_runs_each_config_n_times_and_compares_with_their_median(
         capsys: pytest.CaptureFixture[str]) -> None:
     from console.cli.bench import _print_agreement, _print_table, real_runs, sim_vs_real

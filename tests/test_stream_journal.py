@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 
 from engine.store.recovery import ORPHANED
 from tests.serving import killed_if_left, serve_on, stopped
@@ -49,6 +50,7 @@ def chunks(response: httpx.Response) -> Iterator[dict[str, object] | str]:
             yield data if data == "[DONE]" else json.loads(data)
 
 
+@pytest.mark.slow  # kills serve at each point of a stream
 def test_kills_at_each_point_of_a_stream(tmp_path: Path) -> None:
     db = tmp_path / "serve.db"
     name = ("--server-name", "box-a")  # the restart is the same server, whatever its port

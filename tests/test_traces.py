@@ -207,6 +207,7 @@ def test_bad_listen_addresses_and_model_shapes_are_named() -> None:
     assert prefill_estimate(None, "h200") is None
 
 
+@pytest.mark.slow  # starts tokenflow serve
 def test_tokenflow_serve_collects_traces_into_its_own_store(tmp_path: Path) -> None:
     """`tokenflow serve --otlp-listen`: the same receiver as the console's, on the server's
     store; the captured vLLM exports become rows, and slow queries with their source at the

@@ -102,6 +102,7 @@ def test_a_fleet_can_do_what_its_selected_server_can() -> None:
     fleet.close()
 
 
+@pytest.mark.slow  # walks every screen and key
 @pytest.mark.anyio
 async def test_screens_and_keys_follow_a_read_only_source() -> None:
     app = TokenflowApp(recorded_vllm(), interval=FAST_POLL_S)

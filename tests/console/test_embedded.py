@@ -83,6 +83,7 @@ def test_a_journal_that_stops_pauses_the_console_engine_and_says_why(tmp_path: P
         source.close()
 
 
+@pytest.mark.slow  # starts the embedded engine twice
 def test_a_restart_restores_the_last_stored_settings_and_arrival_changes_are_stored(
         tmp_path: Path) -> None:
     """The budget came back at 256 after a restart although the last change set 96; the
@@ -137,6 +138,7 @@ def _journal_states(db: Path) -> dict[str, str]:
         database.close()
 
 
+@pytest.mark.slow  # plays traffic on an embedded engine
 def test_the_rate_flag_is_the_rate_played_shown_and_stored(tmp_path: Path) -> None:
     """`--rate 20` on a 32-request Poisson sample once played (and showed) 16/s; a change
     stored the old rate as 3.202 where the form showed 3.2."""

@@ -18,6 +18,8 @@ from engine.config import ConfigError
 from engine.errors import ModelLoadError
 from tests.console.conftest import FAST_POLL_S, until
 
+pytestmark = pytest.mark.slow  # starts the console's engine process
+
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessSource]:

@@ -76,6 +76,7 @@ async def test_the_helper_escapes_controls_and_never_parses_markup() -> None:
     assert "\x1b" not in rendered(plain(TITLE + CLEAR))
 
 
+@pytest.mark.slow  # replays a recording in the console
 async def test_hostile_ids_in_a_recording_show_as_text(tmp_path: Path) -> None:
     app = TokenflowApp(ReplaySource(hostile_recording(tmp_path), speed=0),
                        interval=REPLAY_POLL_S)

@@ -25,6 +25,7 @@ from tests.console.conftest import FAST_POLL_S, replay_app, replayed, until, wor
 pytestmark = pytest.mark.anyio
 
 
+@pytest.mark.slow  # every screen's keys, one by one
 async def test_screen_keys_help_and_quit_work_with_a_field_focused(tmp_path: Path) -> None:
     # two requests, not endless traffic: a busy process makes every key press wait for idle
     source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat",

@@ -41,7 +41,7 @@ from engine.store.recovery import ORPHANED
 from tests.console.conftest import notified, until, workers_done
 from tests.console.test_hostile_text import rendered
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]  # starts the console and its engine, calibrating
 ROOT = Path(__file__).resolve().parents[2]
 
 

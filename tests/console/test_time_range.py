@@ -40,6 +40,7 @@ def seed(db: Path, ago: float) -> float:
     return start
 
 
+@pytest.mark.slow  # the console with an engine, over hours of store
 async def test_the_range_key_reads_hours_back_from_the_store(tmp_path: Path) -> None:
     db = tmp_path / "range.db"
     start = seed(db, ago=HOUR)

@@ -21,7 +21,7 @@ from engine.sim.target import resolve_target
 from engine.store import StoredMetrics, StoreWriter, open_database, stored_metrics
 from tests.console.conftest import chat_console, tuning_shown, until
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]  # a two-hour run, warped
 HOUR = 3600.0
 ENDED_AGO_S = 600.0  # the run ended ten minutes ago: all of it lies beyond the console's memory
 

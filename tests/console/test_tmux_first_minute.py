@@ -21,7 +21,8 @@ WIDTH = "220"
 LIVE_CAP_S = 120.0  # a generous cap on waiting for the engine, so a broken start fails
 CSTAR = re.compile(r"C\* (\S+)")
 
-pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+pytestmark = [pytest.mark.slow,  # the console in a real terminal
+              pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")]
 
 
 def test_first_minute_shows_a_word_then_the_stages_and_a_real_cstar(tmp_path: Path) -> None:

@@ -24,7 +24,8 @@ TOKENS_PER_S = re.compile(r"([\d,]+) tok/s")
 LIVE_WITHIN_S = 120.0
 EXIT_WITHIN_S = 60.0
 
-pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+pytestmark = [pytest.mark.slow,  # the console in a real terminal
+              pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")]
 
 
 def console_command(db: Path) -> str:

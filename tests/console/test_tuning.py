@@ -18,7 +18,7 @@ from console.tui.widgets.keyed_table import KeyedTable
 from engine.config import EngineConfig
 from tests.console.conftest import until, workers_done
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]  # the console with an engine, tuned live
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from console.tui.widgets.keyed_table import KeyedTable
 from engine.config import EngineConfig
 from tests.console.conftest import FAST_POLL_S, until, workers_done
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]  # the console with an engine, tuned live
 
 CHARACTERS = {"backspace": None, "escape": "\x1b", "enter": "\r", "tab": "\t",
               "ctrl+s": None, "ctrl+r": None, "shift+tab": None, "slash": "/"}
