@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from bisect import insort, insort_left
+from bisect import insort_left
 from collections.abc import Callable
 
 from engine.batch import Batch
