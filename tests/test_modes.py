@@ -45,7 +45,8 @@ def test_cache_pressure_waits_for_evictions_below_the_low_watermark() -> None:
 def test_cache_pressure_without_decodes_keeps_one_prefill_moving_by_tiles() -> None:
     s = sim(num_blocks=30, max_num_batched_tokens=64, chunk_tile=4,
             cache_high_watermark=0.5, cache_low_watermark=0.2)
-    long, other = s.add(100, max_tokens=1), s.add(10, max_tokens=1)
+    # 20 tokens is over budget / slots: no short prompt jumps ahead here
+    long, other = s.add(100, max_tokens=1), s.add(20, max_tokens=1)
     batches = s.run()
     assert prefill_sizes(batches[0]) == {long.id: 64}  # 16 of 30 blocks: over the watermark
     pressured = [b for b in batches if b.mode == "CACHE_PRESSURE_WAIT"]

@@ -33,9 +33,9 @@ class ConsoleScreen(Screen):
         self._shown: Snapshot | None = None  # the snapshot last drawn
 
     def _app_look(self) -> tuple[object, ...]:
-        """What of the app a screen's styles follow, beside its own classes: the theme and
-        the app's pseudo-classes (focus or blur, dark or light)."""
-        return self.app.theme, frozenset(self.app.get_pseudo_classes())
+        """What of the app a screen's styles follow, beside its own classes: the theme, the
+        app's pseudo-classes (focus or blur, dark or light) and its size (the width rules)."""
+        return self.app.theme, frozenset(self.app.get_pseudo_classes()), self.app.size
 
     def compose_header(self) -> ComposeResult:
         yield EngineHeader()
@@ -66,11 +66,15 @@ class ConsoleScreen(Screen):
         # Textual restyles a resumed screen whole, and a restyle empties every widget's
         # rendered lines; a screen's own changes restyle it as they happen, so only an app
         # that changed its look while the screen was away needs one.
-        if self._styled_for == self._app_look():
+        same_look = self._styled_for == self._app_look()
+        if same_look:
             event.refresh_styles = False
         self.show_capabilities()
-        if self.state.latest is not None and self.state.latest is not self._shown:
-            self.show_snapshot(self.state.latest)  # the switch drew it already, as a rule
+        # the switch drew the latest snapshot already, as a rule, but at the size the screen
+        # had when it left: a terminal resized meanwhile needs the figures fitted again
+        if self.state.latest is not None and (self.state.latest is not self._shown
+                                              or not same_look):
+            self.show_snapshot(self.state.latest)
         if self.state.failure:
             self.show_failure(self.state.failure)
 
