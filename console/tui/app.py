@@ -212,8 +212,10 @@ class TokenflowApp(App[None]):
         if isinstance(self.screen, ConsoleScreen):
             self.screen.leave()
         target = self._mode_screens.get(mode)
-        if target is not None and target.is_mounted and self.state.latest is not None:
-            target.show_snapshot(self.state.latest)
+        if target is not None and target.is_mounted:
+            target.switched_to = True
+            if self.state.latest is not None:
+                target.show_snapshot(self.state.latest)
         hold = self.batch_update()
         hold.__enter__()
         released = False

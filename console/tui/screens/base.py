@@ -30,6 +30,7 @@ class ConsoleScreen(Screen):
         super().__init__()
         self.state = state
         self._styled_for: tuple[object, ...] | None = None  # the app's look when it left
+        self.switched_to = False  # set by the app's switch_mode: the next resume is its own
         self._shown: Snapshot | None = None  # the snapshot last drawn
 
     def _app_look(self) -> tuple[object, ...]:
@@ -66,9 +67,12 @@ class ConsoleScreen(Screen):
         # Textual restyles a resumed screen whole, and a restyle empties every widget's
         # rendered lines; a screen's own changes restyle it as they happen, so only an app
         # that changed its look while the screen was away needs one.
+        # Only a screen key's switch skips the restyle: a screen uncovered by a pop (the
+        # splash, help, a dialog) may never have been styled while it lay underneath.
         same_look = self._styled_for == self._app_look()
-        if same_look:
+        if same_look and self.switched_to:
             event.refresh_styles = False
+        self.switched_to = False
         self.show_capabilities()
         # the switch drew the latest snapshot already, as a rule, but at the size the screen
         # had when it left: a terminal resized meanwhile needs the figures fitted again
