@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine import Engine
+from engine.config import EngineConfig
+from engine.serve.loop import EngineLoop
 from tests.postgres import Cluster, cluster, skip_or_fail, unavailable
 
 
@@ -58,3 +61,13 @@ def _quiet_host() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(equipped, "HostSensor", quiet)
         yield
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[EngineLoop]:
+    """A started engine loop on synthetic:tiny, shared by a module's tests; a module that
+    needs another configuration defines its own `loop`."""
+    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32"))
+    started = EngineLoop(engine).start()
+    yield started
+    started.stop()

@@ -44,7 +44,6 @@ from console.tui.app import TokenflowApp
 from console.tui.screens.tuning import TuningScreen
 from console.tui.widgets.confirm import Confirm
 from console.tui.widgets.header import EngineHeader
-from engine import Engine, EngineConfig
 from engine.budget.peaks import GPU_PRESETS
 from engine.config import ConfigError
 from engine.serve.app import create_app
@@ -69,14 +68,6 @@ SLOW = SlowQueryRecord(id=7, created_at=1.7e9, request_id="r-7", tenant="default
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[EngineLoop]:
-    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32"))
-    loop = EngineLoop(engine).start()
-    yield loop
-    loop.stop()
 
 
 @pytest.fixture(scope="module")

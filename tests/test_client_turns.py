@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from engine import Engine, EngineConfig
 from engine.serve.app import create_app
 from engine.serve.loop import EngineLoop
 from engine.serve.thread import ServerThread
@@ -76,14 +74,6 @@ def test_a_cancelled_wait_leaves_its_place_to_those_behind_it() -> None:
 def test_a_share_under_one_is_refused() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         ClientTurns(per_address=0)
-
-
-@pytest.fixture(scope="module")
-def loop() -> Iterator[EngineLoop]:
-    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32"))
-    loop = EngineLoop(engine).start()
-    yield loop
-    loop.stop()
 
 
 def _engine_requests(loop: EngineLoop) -> int:

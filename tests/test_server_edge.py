@@ -76,14 +76,6 @@ POISON = [
 
 
 @pytest.fixture(scope="module")
-def loop() -> Iterator[EngineLoop]:
-    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32"))
-    loop = EngineLoop(engine).start()
-    yield loop
-    loop.stop()
-
-
-@pytest.fixture(scope="module")
 def server(loop: EngineLoop) -> Iterator[ServerThread]:
     with ServerThread(create_app(loop, admin_token=TOKEN, max_body_bytes=1 << 20,
                                  body_timeout_s=0.5)) as running:
