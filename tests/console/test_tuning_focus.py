@@ -5,6 +5,7 @@ applied in the order they were sent."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,10 @@ from textual.widgets import Input
 
 from console.sources.embedded import EmbeddedSource
 from console.tui.app import TokenflowApp
+from console.tui.collectors import ConfigApplied
 from console.tui.screens.drift import DriftScreen
 from console.tui.screens.slow_queries import SlowQueriesScreen
-from console.tui.screens.tuning import TuningScreen
+from console.tui.screens.tuning import STALE_SNAPSHOTS, TuningScreen
 from console.tui.widgets.keyed_table import KeyedTable
 from engine.config import EngineConfig
 from tests.console.conftest import FAST_POLL_S, until, workers_done
@@ -177,3 +179,32 @@ async def test_the_changes_filter_takes_enter_and_escape_not_the_form(form) -> N
     await burst(pilot, "escape")
     assert box.value == "" and not box.display and app.focused is changes.table
     assert changes.table.row_count == 1 and budget.value == "512"
+
+
+async def test_a_snapshot_taken_before_an_apply_does_not_put_the_old_value_back(form) -> None:
+    app, pilot, screen = form
+    app.collector.stop()  # the snapshots arrive only as the test hands them over
+    budget = field(screen, "max_num_batched_tokens")
+    stale = app.state.latest
+    assert stale is not None and stale.config["max_num_batched_tokens"] == 256
+    screen.post_message(ConfigApplied({"max_num_batched_tokens": 448}))
+    await until(pilot, lambda: budget.value == "448", "the form shows the applied 448")
+    for _ in range(STALE_SNAPSHOTS - 1):  # polled before the apply, delivered after it
+        screen.show_snapshot(stale)
+        assert budget.value == "448" and not budget.has_class("edited")
+    screen.show_snapshot(replace(stale, config={**stale.config, "max_num_batched_tokens": 448}))
+    screen.show_snapshot(stale)  # shown once, the applied value is live: the form follows
+    assert budget.value == "256"
+
+
+async def test_a_change_made_elsewhere_shows_after_the_stale_snapshots(form) -> None:
+    app, pilot, screen = form
+    app.collector.stop()
+    budget = field(screen, "max_num_batched_tokens")
+    stale = app.state.latest
+    assert stale is not None
+    screen.post_message(ConfigApplied({"max_num_batched_tokens": 448}))
+    await until(pilot, lambda: budget.value == "448", "the form shows the applied 448")
+    for _ in range(STALE_SNAPSHOTS):  # never shows 448: another hand changed it meanwhile
+        screen.show_snapshot(stale)
+    assert budget.value == "256"

@@ -61,6 +61,7 @@ if TYPE_CHECKING:  # the store pulls in SQLAlchemy: kept off the launch path
     from console.sources.base import ConfigChangeRecord, StoredMetrics
 
 NARROW_COLUMNS = 110  # below this the charts stack into one column of sparklines
+STALE_SNAPSHOTS = 3  # snapshots an applied value waits for one that shows it
 SPAN = f"{AROUND_S:.0f}s"
 # The change's time is the key column; a field is named as the form labels it. As the table
 # narrows, who changed it goes first, then the arrivals (the subtitle names an unequal load),
@@ -121,6 +122,10 @@ class TuningScreen(ConsoleScreen):
     def __init__(self, state: ConsoleState) -> None:
         super().__init__(state)
         self._base: dict[str, Any] = {}  # the live values the form was last filled from
+        # applied values no snapshot has shown yet, with the snapshots they may still wait:
+        # one taken before the change may still be on its way and must not put the old value
+        # back; a change made elsewhere meanwhile shows after STALE_SNAPSHOTS
+        self._applied: dict[str, tuple[Any, int]] = {}
         self._range: TimeRange = MEMORY
         self._stored: StoredMetrics | None = None  # the store's figures for a longer range
         self._stored_at: float | None = None  # the engine time they were asked for
@@ -196,6 +201,11 @@ class TuningScreen(ConsoleScreen):
         for field in FIELDS:
             box = self.query_one(f"#input-{field.name}", Input)
             fresh = shown(live[field.name])
+            if field.name in self._applied:
+                value, left = self._applied.pop(field.name)
+                if fresh != shown(value) and left > 1:
+                    self._applied[field.name] = (value, left - 1)
+                    continue  # a snapshot from before the change: the applied value stands
             if box.value != fresh and (field.name not in self._base
                                        or box.value == shown(self._base[field.name])):
                 box.value = fresh
@@ -454,6 +464,7 @@ class TuningScreen(ConsoleScreen):
     def _take(self, name: str, value: Any) -> None:
         """`name` is live at `value` now: the form shows it, unedited."""
         self._base[name] = value
+        self._applied[name] = (value, STALE_SNAPSHOTS)
         self.query_one(f"#input-{name}", Input).value = shown(value)
         self._show_note(BY_NAME[name], None)
 
