@@ -9,7 +9,7 @@ from collections.abc import Callable
 from engine.batch import Batch
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockError, BlockManager
-from engine.core.planning import PrefillPlan
+from engine.core.planning import PrefillPlan, rank
 from engine.core.request import Request, RequestState
 from engine.events import Event, Preempted, PrefixCacheLookup
 
@@ -30,7 +30,7 @@ class Admission:
         return (-self.priority(request), request.arrival)
 
     def priority(self, request: Request) -> int:
-        return request.priority + self.config.tenant_priorities.get(request.tenant, 0)
+        return rank(request, self.config)
 
     def admissible(self) -> list[Request]:
         # every running request must fit one decode token in the budget (stall-free)

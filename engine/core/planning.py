@@ -110,6 +110,12 @@ def plan_chunks(candidates: Sequence[Request], budget: int, slots: int, chunk_ca
                              for r, n in totals.items()), tuple(warmed))
 
 
+def rank(request: Request, config: EngineConfig) -> int:
+    """A request's priority with its tenant's added: the order admission and preemption
+    follow, and which no short prompt may jump."""
+    return request.priority + config.tenant_priorities.get(request.tenant, 0)
+
+
 def _short_first(candidates: Sequence[Request], budget: int, slots: int, config: EngineConfig,
                  pool: BlockManager) -> list[Request]:
     """The candidates with those short_prefills picks first. A queued one jumps only while
@@ -118,17 +124,15 @@ def _short_first(candidates: Sequence[Request], budget: int, slots: int, config:
     if slots < 2 or len(candidates) < 2:
         return list(candidates)
     free = pool.num_free
-    priorities = config.tenant_priorities
     folded = [0, -math.inf]  # candidates folded into the highest rank so far, and that rank
 
     def may_jump(index: int) -> bool:
         nonlocal free
         while folded[0] < index:  # ranks are read only as far as a short one is asked about
-            ahead = candidates[folded[0]]
-            folded[1] = max(folded[1], ahead.priority + priorities.get(ahead.tenant, 0))
+            folded[1] = max(folded[1], rank(candidates[folded[0]], config))
             folded[0] += 1
         request = candidates[index]
-        if request.priority + priorities.get(request.tenant, 0) < folded[1]:
+        if rank(request, config) < folded[1]:
             return False
         if request.state not in QUEUED:
             return True
