@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -158,7 +159,25 @@ def test_a_served_burst_reaches_the_engine_once_the_front_end_has_taken_it_all_i
                            harness="vllm-bench-serve", input=64, output=4, batch=40)
     offline = dataclasses.replace(served, harness="offline")
     intake_s = 40 * profile("h100").efficiency.request_s
+    assert served.front_end_s() == pytest.approx(intake_s) and offline.front_end_s() == 0.0
     assert served.predicted() == pytest.approx(offline.predicted() + intake_s, rel=1e-4)
+    # a server that parses the model's chat template for every request pays it for each one
+    parsing = dataclasses.replace(served, template_parse_s=0.01)
+    assert parsing.predicted() == pytest.approx(served.predicted() + 40 * 0.01, rel=1e-4)
+
+
+def test_the_held_out_servers_template_parse_is_measured_and_bad_values_name_the_fix(
+        tmp_path: Path) -> None:
+    gpustack = [c for c in load_cases(CASES, fitting_only=False) if c.source == "gpustack"]
+    assert {c.template_parse_s for c in gpustack} == {0.0100}
+    assert all(c.template_parse_s == 0.0 for c in load_cases(CASES) if c.source != "gpustack")
+    data = json.loads(CASES.read_text())
+    for bad in (-0.001, "fast", float("nan"), 2.0):
+        data["sources"]["gpustack"]["template_parse_s"] = bad
+        broken = tmp_path / "cases.json"
+        broken.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match="template_parse_s is a server's CPU seconds"):
+            load_cases(broken)
 
 
 def test_served_cases_keep_their_sources_printed_latencies() -> None:

@@ -42,6 +42,9 @@ class PublishedCase:
     held_back: bool
     conditions: str
     harness: str = "offline"
+    # the source's server's CPU a chat request beyond `request_s`: vLLM 0.11 parses the model's
+    # chat template anew for each (benchmarks/vllm_template_parse.py), measured, not fitted
+    template_parse_s: float = 0.0
     # the source's engine's own factors, fitted (its host time a step, its decode attention's
     # share): none for vLLM's sources, whose are the GPU profile's
     engine: tuple[tuple[str, float], ...] = ()
@@ -113,12 +116,7 @@ class PublishedCase:
         config = EngineConfig(model="synthetic:tiny", max_model_len=self.input + self.output,
                               **vllm_defaults(deployment.gpu))
         target = deployment_target(deployment, config, self.gpu)
-        # An HTTP harness's burst reaches the engine when vLLM's API server has taken it all in:
-        # each request's handler renders its chat template, then awaits the one-thread,
-        # micro-batching tokenizer (AsyncMicrobatchTokenizer, vllm/utils), so the event loop
-        # runs every handler's first half before any reaches the engine (docs/twin.md).
-        intake_s = self.batch * deployment.gpu.efficiency.request_s
-        arrival_s = intake_s if self.harness != "offline" else 0.0
+        arrival_s = self.front_end_s(deployment.gpu.efficiency)
         vocab = self.model.vocab_size
         # distinct prompts from the first block on, as random datasets are: no prefix hits;
         # in the order sent, a microsecond apart, as the engine takes them one message at a
@@ -129,6 +127,17 @@ class PublishedCase:
                                     self.output, ignore_eos=True)
                     for i in range(self.batch)]
         return run_fleet(config, target, workload, 1, RoutePolicy("round-robin")).merged
+
+    def front_end_s(self, efficiency: OperationEfficiency | None = None) -> float:
+        """What an HTTP harness's burst waits before the engine sees any of it: vLLM's API
+        server renders each request's chat template in its handler, then awaits the
+        one-thread, micro-batching tokenizer (AsyncMicrobatchTokenizer, vllm/utils), so the
+        event loop runs every handler's first half before any reaches the engine
+        (docs/twin.md). Offline harnesses have no front end."""
+        if self.harness == "offline":
+            return 0.0
+        e = efficiency or self.efficiency()
+        return self.batch * (e.request_s + self.template_parse_s)
 
     def error(self, efficiency: OperationEfficiency | None = None) -> float:
         """predicted / measured − 1, on the case's own figure."""
@@ -146,6 +155,11 @@ def load_cases(path: Path, *, fitting_only: bool = True) -> list[PublishedCase]:
     models = {name: ModelConfig(**{k: v for k, v in m.items() if k != "source"})
               for name, m in data["models"].items()}
     sources = data["sources"]
+    for name, source in sources.items():
+        parse_s = source.get("template_parse_s", 0.0)
+        if not (isinstance(parse_s, int | float) and 0 <= parse_s < 1):
+            raise ValueError(f"source {name}: template_parse_s is a server's CPU seconds a "
+                             f"chat request, >= 0 and under 1; got {parse_s!r}")
     cases = []
     for c in data["cases"]:
         if c["source"] not in sources or c["kind"] not in KINDS:
@@ -156,6 +170,7 @@ def load_cases(path: Path, *, fitting_only: bool = True) -> list[PublishedCase]:
             kv_cache_dtype=c.get("kv_cache_dtype", "auto"), kind=c["kind"],
             measured=float(c["measured"]), unit=c["unit"], held_back=c["held_back"],
             conditions=c["conditions"], harness=sources[c["source"]].get("harness", "offline"),
+            template_parse_s=float(sources[c["source"]].get("template_parse_s", 0.0)),
             engine=tuple(sorted(sources[c["source"]].get("fitted", {}).items())),
             input=c.get("input", 0), output=c.get("output", 0),
             batch=c.get("batch", 1), tokens=c.get("tokens", 0),
