@@ -166,7 +166,7 @@ def test_a_served_burst_reaches_the_engine_once_the_front_end_has_taken_it_all_i
     assert parsing.predicted() == pytest.approx(served.predicted() + 40 * 0.01, rel=1e-4)
 
 
-def test_the_held_out_servers_template_parse_is_measured_and_bad_values_name_the_fix(
+def test_only_the_chat_served_source_pays_a_template_parse_and_bad_values_name_the_fix(
         tmp_path: Path) -> None:
     gpustack = [c for c in load_cases(CASES, fitting_only=False) if c.source == "gpustack"]
     assert {c.template_parse_s for c in gpustack} == {0.0100}
