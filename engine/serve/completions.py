@@ -47,6 +47,8 @@ ERROR_CHECK_S = 1.0
 JOURNAL_WAIT_S = 10.0
 FINISH_REASONS = {"stop": "stop", "length": "length", "aborted": "abort"}
 MIN_LOGPROB = -9999.0  # vLLM's floor: JSON has no -inf
+# An answer of this many entries (answer_entries) or more is built on a worker thread.
+OFF_LOOP_ENTRIES = 4096
 
 
 @dataclass(frozen=True)
@@ -357,9 +359,13 @@ class Generations:
         for output in finals.values():
             _raise_if_refused(self.engine_loop, output)
         await _journaled(self.engine_loop)
-        # a large answer (logprobs of many choices) is built off the event loop
-        body = await run_in_threadpool(lambda: _json_bytes(reply.final(choices,
-                                                                       _usage(choices, n))))
+        def build() -> bytes:
+            return _json_bytes(reply.final(choices, _usage(choices, n)))
+
+        # a large answer (logprobs of many choices) is built off the event loop; a small one
+        # on it, where a worker thread's two hand-offs would cost more than building it
+        body = (build() if answer_entries(choices) < OFF_LOOP_ENTRIES
+                else await run_in_threadpool(build))
         return Response(body, media_type="application/json")
 
     async def _events(self, request_ids: list[str],
@@ -467,6 +473,18 @@ class Texts:
             self._sent[choice.index] = 0
         detokenizer.extend(tokens[len(detokenizer.tokens):read])
         return detokenizer
+
+
+def answer_entries(choices: Sequence[Choice]) -> int:
+    """What building an answer costs, in entries: each choice's prompt and output tokens,
+    and each logprob alternative it shows. Read from counts, not by walking the entries."""
+    total = 0
+    for choice in choices:
+        total += len(choice.prompt) + len(choice.token_ids)
+        for entries in (choice.logprobs, choice.prompt_logprobs):
+            if entries:
+                total += len(entries) * (1 + len(entries[-1].top))
+    return total
 
 
 def _usage(choices: list[Choice], n: int) -> dict[str, int]:
