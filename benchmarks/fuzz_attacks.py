@@ -34,6 +34,13 @@ JSON_TYPE = "application/json"
 BYSTANDER = json.dumps({"prompt": "hello there", "max_tokens": 8, "temperature": 0,
                         "ignore_eos": True}).encode()
 FILE_LIMIT = 512  # the server's RLIMIT_NOFILE, so the file-limit attack reaches it quickly
+# The bystander is another client: each attack sends from a loopback address of its own, so
+# the attacker is judged by its own per-address share (serve's --max-running-per-address),
+# never by one it shares with the bystander.
+STOP_STRINGS_FROM = "127.0.0.5"
+BIG_ANSWER_FROM = "127.0.0.6"
+HUGE_N_FROM = "127.0.0.7"
+LOGIT_BIAS_FROM = "127.0.0.8"
 
 
 @dataclass
@@ -72,8 +79,9 @@ def p99(values: list[float]) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[98]
 
 
-def post(port: int, body: bytes, path: str = "/v1/completions", source: str = "127.0.0.1",
+def post(port: int, body: bytes, *, source: str, path: str = "/v1/completions",
          timeout: float = 120) -> tuple[int, bytes]:
+    """An attacker's request, from its own loopback address `source`."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout,
                                       source_address=(source, 0))
     try:
@@ -117,17 +125,19 @@ def huge_n(port: int) -> tuple[dict[str, object], bool]:
     seed blocked every endpoint for 16 s and 9.5 s."""
     out = {}
     for n in (9223372036854775808, 10**6, 10**7):
-        status, body = post(port, json.dumps({"prompt": "hello", "n": n, "seed": 1}).encode())
+        status, body = post(port, json.dumps({"prompt": "hello", "n": n, "seed": 1}).encode(),
+                            source=HUGE_N_FROM)
         out[str(n)] = f"{status} {json.loads(body)['error']['message'][:70]}"
     return out, all(v.startswith("400") for v in out.values())
 
 
 def stop_strings(port: int) -> tuple[dict[str, object], bool]:
     """110,000 stop strings cost 48 ms a token on the engine thread; 16 such requests made a
-    bystander's 8 tokens take 1.8-3.3 s. Now: refused, and 16 at the limit are served."""
+    bystander's 8 tokens take 1.8-3.3 s. Now: refused, and 16 at the limit are served. Sent
+    from STOP_STRINGS_FROM, not the bystander's address."""
     many_stops = json.dumps({"prompt": "hello", "max_tokens": 64,
                              "stop": [f"{i:x}" for i in range(110_000)]}).encode()  # 0.9 MB
-    refused, _ = post(port, many_stops)
+    refused, _ = post(port, many_stops, source=STOP_STRINGS_FROM)
     plain = {"prompt": "hello", "max_tokens": 64, "ignore_eos": True}
     at_limit = json.dumps({**plain, "stop": [f"{chr(0x4e00 + i)}{'z' * 62}"
                                              for i in range(64)]}).encode()
@@ -135,7 +145,7 @@ def stop_strings(port: int) -> tuple[dict[str, object], bool]:
     for name, body in (("without", json.dumps(plain).encode()), ("with", at_limit),
                        ("without_again", json.dumps(plain).encode())):
         started = time.perf_counter()
-        served = many(16, lambda _i, body=body: post(port, body))
+        served = many(16, lambda _i, body=body: post(port, body, source=STOP_STRINGS_FROM))
         walls[name] = round(time.perf_counter() - started, 2)
         counted = statuses(served)
     ratio = walls["with"] / min(walls["without"], walls["without_again"])
@@ -152,20 +162,22 @@ def logit_bias(port: int) -> tuple[dict[str, object], bool]:
         keys["0" * (i % 40 + 1) + "7" if i % 2 else
              "\u0660" * (i % 30) + "\u0667"] = 1.0
     body = json.dumps({"prompt": "hello", "max_tokens": 4, "logit_bias": keys}).encode()
-    status, _ = post(port, body)
+    status, _ = post(port, body, source=LOGIT_BIAS_FROM)
     dup = json.dumps({"prompt": "hello", "max_tokens": 4,
                       "logit_bias": {"07": 100, "7": 100}}).encode()
-    dup_status, _ = post(port, dup)
+    dup_status, _ = post(port, dup, source=LOGIT_BIAS_FROM)
     return {"74161_keys": status, "leading_zero": dup_status}, status == dup_status == 400
 
 
 def big_answer(port: int) -> tuple[dict[str, object], bool]:
     """echo + logprobs 20 + n 50 on an 8.3 KB prompt gave a 27 MiB answer built on the event
     loop (/health stalled 6.7 s). Now refused; the largest answer within the share is built on
-    a worker thread while /health answers (its bound: /health within 1 s)."""
+    a worker thread while /health answers (its bound: /health within 1 s). Sent from
+    BIG_ANSWER_FROM: its 4 x 8 choices would fill the bystander's address's share of 32."""
     prompt = "word " * 1660  # 8.3 KB
     refused, _ = post(port, json.dumps({"prompt": prompt, "echo": True, "logprobs": 20,
-                                        "n": 50, "max_tokens": 1}).encode())
+                                        "n": 50, "max_tokens": 1}).encode(),
+                       source=BIG_ANSWER_FROM)
     inside = json.dumps({"prompt": "abc" * 500, "echo": True, "logprobs": 20, "n": 8,
                          "max_tokens": 1}).encode()  # 8 x 21 x 1,501 entries, under the cap
     health: list[float] = []
@@ -183,7 +195,7 @@ def big_answer(port: int) -> tuple[dict[str, object], bool]:
 
     prober = threading.Thread(target=probe, daemon=True)
     prober.start()
-    results = many(4, lambda _i: post(port, inside))
+    results = many(4, lambda _i: post(port, inside, source=BIG_ANSWER_FROM))
     done.set()
     prober.join(30)
     sizes = [len(r[1]) for r in results if isinstance(r, tuple)]

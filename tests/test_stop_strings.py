@@ -60,3 +60,13 @@ def test_a_scan_reads_each_new_character_once_whatever_the_output_length() -> No
     for count in range(1, len(tokens) + 1):
         assert scanner.feed(tokens[:count]) is None
     assert max(read) <= 2  # the window, never the output so far
+
+
+def test_scanners_of_the_same_stop_strings_share_one_automaton() -> None:
+    stops = [f"{chr(0x4e00 + i)}{'z' * 62}" for i in range(64)]
+    first = StopScanner(stops, False, TOKENIZER.decode)
+    second = StopScanner(list(stops), True, TOKENIZER.decode)
+    assert first.automaton is second.automaton
+    assert StopScanner(stops[:-1], False, TOKENIZER.decode).automaton is not first.automaton
+    tokens = TOKENIZER.encode("ab" + stops[7] + "cd")
+    assert scanned_cut(tokens, stops, True) == whole_text_cut(tokens, stops, True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import ahocorasick
@@ -18,10 +19,7 @@ class StopScanner:
 
     def __init__(self, stops: Sequence[str], include_stop: bool,
                  decode: Callable[[list[int]], str], prime: Sequence[int] = ()) -> None:
-        self.automaton = ahocorasick.Automaton()
-        for stop in stops:
-            self.automaton.add_word(stop, stop)
-        self.automaton.make_automaton()
+        self.automaton = automaton(tuple(stops))
         self.keep = max(map(len, stops)) - 1  # a match ending in new text starts after this
         self.include_stop = include_stop
         # the prompt primes it: the output's text continues it, as the answer's does
@@ -47,3 +45,15 @@ class StopScanner:
             return None
         start, stop = found
         return base + start + (len(stop) if self.include_stop else 0)
+
+
+@functools.lru_cache(maxsize=64)
+def automaton(stops: tuple[str, ...]) -> ahocorasick.Automaton:
+    """The Aho-Corasick automaton of `stops`, built once per set: a client's requests mostly
+    repeat theirs, and building one for many long strings costs the engine's thread more than
+    a step. Read-only once made, so scanners share it."""
+    made = ahocorasick.Automaton()
+    for stop in stops:
+        made.add_word(stop, stop)
+    made.make_automaton()
+    return made

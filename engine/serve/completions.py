@@ -24,6 +24,7 @@ from engine.core.request import SCORE_TAG, RequestState
 from engine.errors import RequestError
 from engine.model.detokenizer import IncrementalDetokenizer
 from engine.serve.loop import EngineLoop
+from engine.serve.mailbox import Mailbox
 from engine.serve.memory import IdleTrim
 from engine.serve.protocol import (
     ApiError,
@@ -46,6 +47,8 @@ ERROR_CHECK_S = 1.0
 JOURNAL_WAIT_S = 10.0
 FINISH_REASONS = {"stop": "stop", "length": "length", "aborted": "abort"}
 MIN_LOGPROB = -9999.0  # vLLM's floor: JSON has no -inf
+# An answer of this many entries (answer_entries) or more is built on a worker thread.
+OFF_LOOP_ENTRIES = 4096
 
 
 @dataclass(frozen=True)
@@ -157,13 +160,14 @@ class ReplyFormat(Protocol):
 
 
 class _Bridge:
-    """Engine-thread outputs of one choice, in order onto the HTTP request's shared queue; with
-    `final_only`, only the last crosses, the choice gathered on the engine thread."""
+    """Engine-thread outputs of one choice, in order onto the HTTP request's shared queue
+    through the step's mailbox; with `final_only`, only the last crosses, the choice gathered
+    on the engine thread."""
 
     def __init__(self, choice: Choice, queue: asyncio.Queue[tuple[int, RequestOutput]],
-                 on_finish: Callable[[], None], final_only: bool) -> None:
+                 on_finish: Callable[[], None], final_only: bool, mailbox: Mailbox) -> None:
         self.choice = choice
-        self.aio = asyncio.get_running_loop()
+        self.mailbox = mailbox
         self.queue = queue
         self.on_finish = on_finish
         self.final_only = final_only
@@ -172,9 +176,9 @@ class _Bridge:
         if self.final_only:
             self.choice.add(output)
         if output.finished:
-            self.aio.call_soon_threadsafe(self.on_finish)
+            self.mailbox.post(self.on_finish)
         if output.finished or not self.final_only:
-            self.aio.call_soon_threadsafe(self.queue.put_nowait, (self.choice.index, output))
+            self.mailbox.post(self.queue.put_nowait, (self.choice.index, output))
 
 
 class Generations:
@@ -191,10 +195,22 @@ class Generations:
         self.queue_full = 0  # requests refused with 429: vLLM's admission_rejections
         self.trim = IdleTrim()
         self.defaults: SamplingDefaults = load_defaults(engine_loop.engine.config.model)
+        self._mailbox: Mailbox | None = None
 
     @property
     def served(self) -> str:
         return self.engine_loop.engine.config.model
+
+    def mailbox(self) -> Mailbox:
+        """The running asyncio loop's mailbox, sent once a step by the engine loop (a new
+        loop, as a restarted test client's, gets a new one)."""
+        aio = asyncio.get_running_loop()
+        if self._mailbox is None or self._mailbox.aio is not aio:
+            if self._mailbox is not None:
+                self.engine_loop.outputs.remove_sender(self._mailbox.send)
+            self._mailbox = Mailbox(aio)
+            self.engine_loop.outputs.add_sender(self._mailbox.send)
+        return self._mailbox
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served:
@@ -260,6 +276,7 @@ class Generations:
         queue: asyncio.Queue[tuple[int, RequestOutput]] = asyncio.Queue()
         request_ids: list[str] = []
         chosen = [Choice(index, prompt) for index, (prompt, _) in enumerate(choices)]
+        mailbox = self.mailbox()
         if generation.params.prompt_logprobs is not None:
             for choice in chosen:
                 if choice.index % generation.n:
@@ -268,7 +285,7 @@ class Generations:
             base = reply.id.split("-", 1)[1]
             for index, (prompt, params) in enumerate(choices):
                 bridge = _Bridge(chosen[index], queue, release,
-                                 final_only=not generation.stream)
+                                 final_only=not generation.stream, mailbox=mailbox)
                 request_ids.append(self.engine_loop.submit(
                     prompt, params, tag=tag, on_output=bridge.push,
                     priority=generation.priority,
@@ -342,9 +359,13 @@ class Generations:
         for output in finals.values():
             _raise_if_refused(self.engine_loop, output)
         await _journaled(self.engine_loop)
-        # a large answer (logprobs of many choices) is built off the event loop
-        body = await run_in_threadpool(lambda: _json_bytes(reply.final(choices,
-                                                                       _usage(choices, n))))
+        def build() -> bytes:
+            return _json_bytes(reply.final(choices, _usage(choices, n)))
+
+        # a large answer (logprobs of many choices) is built off the event loop; a small one
+        # on it, where a worker thread's two hand-offs would cost more than building it
+        body = (build() if answer_entries(choices) < OFF_LOOP_ENTRIES
+                else await run_in_threadpool(build))
         return Response(body, media_type="application/json")
 
     async def _events(self, request_ids: list[str],
@@ -452,6 +473,18 @@ class Texts:
             self._sent[choice.index] = 0
         detokenizer.extend(tokens[len(detokenizer.tokens):read])
         return detokenizer
+
+
+def answer_entries(choices: Sequence[Choice]) -> int:
+    """What building an answer costs, in entries: each choice's prompt and output tokens,
+    and each logprob alternative it shows. Read from counts, not by walking the entries."""
+    total = 0
+    for choice in choices:
+        total += len(choice.prompt) + len(choice.token_ids)
+        for entries in (choice.logprobs, choice.prompt_logprobs):
+            if entries:
+                total += len(entries) * (1 + len(entries[-1].top))
+    return total
 
 
 def _usage(choices: list[Choice], n: int) -> dict[str, int]:

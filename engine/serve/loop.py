@@ -181,19 +181,19 @@ class EngineLoop:
                     while not self._stopping and not self._commands and not self._has_work():
                         self._wake.wait(timeout=self.player.idle_timeout(self.snapshot_interval_s))
                         self._supervised(self._feed_workload)
-                        if not self._paused:
-                            self._step()
+                        if not self._paused:  # a resume or a workload may have brought work
+                            self._step_and_deliver()
                         self.snapshots.publish(force=True)
                     if self._stopping:
                         return
                     commands, self._commands = self._commands, deque()
                 for command in commands:
                     self._supervised(command)
+                self._supervised(self.outputs.sent)  # a command may have ended a request
                 self._supervised(self.engine.apply_pending_config)
                 self._supervised(self._feed_workload)
                 if not self._paused and self.engine.has_unfinished():
-                    for output in self._step():
-                        self.outputs.deliver(output)
+                    self._step_and_deliver()
                     if self.engine.has_unfinished():
                         self.trim.busy()
                     else:
@@ -204,6 +204,12 @@ class EngineLoop:
             self.error = exc
             log.critical("the engine loop died: %r", exc, exc_info=exc)
             self.snapshots.publish(force=True)
+
+    def _step_and_deliver(self) -> None:
+        """A step, its outputs delivered and sent on before anything else (the snapshot)."""
+        for output in self._step():
+            self.outputs.deliver(output)
+        self._supervised(self.outputs.sent)
 
     def _step(self) -> list[RequestOutput]:
         """One engine step, supervised; nothing once the engine has stopped."""

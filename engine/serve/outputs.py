@@ -17,11 +17,25 @@ def failed(request_id: str, reason: str) -> RequestOutput:
 
 
 class Outputs:
-    """The listeners of the requests submitted with a callback, by request id."""
+    """The listeners of the requests submitted with a callback, by request id, and what
+    sends their outputs on once delivered (`senders`, run by `sent`)."""
 
     def __init__(self, engine: EngineCore) -> None:
         self.engine = engine
         self._listeners: dict[str, _Listener] = {}
+        # replaced, never changed in place: the loop's thread reads it while others add
+        self.senders: tuple[Callable[[], None], ...] = ()
+
+    def add_sender(self, send: Callable[[], None]) -> None:
+        self.senders = (*self.senders, send)
+
+    def remove_sender(self, send: Callable[[], None]) -> None:
+        self.senders = tuple(s for s in self.senders if s != send)
+
+    def sent(self) -> None:
+        """The outputs delivered so far go on: each sender passes its batch along."""
+        for send in self.senders:
+            send()
 
     def listen(self, request_id: str, callback: OutputCallback) -> None:
         self._listeners[request_id] = _Listener(callback)
