@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from console.sources.replay import ReplaySource
 from console.tui.app import POLL_INTERVAL_S, TokenflowApp
 from console.tui.screens.tuning import TuningScreen
 from engine.config import EngineConfig
+from engine.serve.session import EngineSession
 
 SESSION = Path(__file__).parent / "data" / "session.jsonl"
 # live sources are polled often enough for a test's conditions to come soon, and seldom
@@ -58,6 +60,27 @@ def notifications_kept(monkeypatch: pytest.MonkeyPatch) -> None:
         return add(self, notification)
 
     monkeypatch.setattr(Notifications, "add", keeping)
+
+
+@pytest.fixture(scope="session")
+def calibrated_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store, migrated, holding the first calibration of synthetic:tiny on the CPU (float32,
+    as "auto" is there): made once per worker."""
+    db = tmp_path_factory.mktemp("calibrated") / "template.db"
+    config = EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32")
+    with EngineSession.start(config, db=db, journal=False) as session:
+        assert session.first_calibration is not None
+    return db
+
+
+@pytest.fixture
+def calibrated_db(calibrated_template: Path, tmp_path: Path) -> Path:
+    """A new store already calibrated for synthetic:tiny, for tests whose claim is not the
+    first calibration: it would run beside their traffic, and a busy process makes every
+    key press and pause wait for idle (up to a second each)."""
+    db = tmp_path / "calibrated.db"
+    shutil.copyfile(calibrated_template, db)
+    return db
 
 
 def notified(app: App[object]) -> list[Notification]:

@@ -30,10 +30,10 @@ CHARACTERS = {"backspace": None, "escape": "\x1b", "enter": "\r", "tab": "\t",
 
 
 @pytest.fixture
-async def form(tmp_path: Path) -> AsyncIterator[tuple[TokenflowApp, Pilot, TuningScreen]]:
+async def form(calibrated_db: Path) -> AsyncIterator[tuple[TokenflowApp, Pilot, TuningScreen]]:
     # two requests, not endless traffic: a busy process makes every key press wait for idle
     source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat",
-                                  db=tmp_path / "f.db", config=EngineConfig(dtype="float32"),
+                                  db=calibrated_db, config=EngineConfig(dtype="float32"),
                                   num_requests=2, repeat=False)
     app = TokenflowApp(source, interval=FAST_POLL_S)
     async with app.run_test(size=(120, 40)) as pilot:
