@@ -29,7 +29,9 @@ SESSION = Path(__file__).parent / "data" / "session.jsonl"
 # enough that the process goes idle between polls: Textual's pilot waits for an idle
 # moment (up to 1 s) at every key press and pause
 FAST_POLL_S = 0.1
-REPLAY_POLL_S = 0.02  # a recording's snapshots are shown one per poll
+# a recording's snapshots are shown one per poll, unpainted until the last (`replayed`):
+# the replay waits on this interval, not on work, so it is as short as the timers allow
+REPLAY_POLL_S = 0.005
 MAX_ROUNDS = 2000  # a bound on rounds of real waits, so a broken condition fails, not hangs
 WORKERS_GUARD_S = 30.0
 
