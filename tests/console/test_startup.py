@@ -1,5 +1,6 @@
 """Start-up on a store another session left: requests it left unfinished (another model's
-too) are closed as aborted and announced, as every start closes them. A new store's first
+too) are closed as aborted and announced, as every start closes them, and quarantined ones
+are held back and named. A new store's first
 calibration runs beside the traffic, or is reused from the default store. The embedded
 engine runs in its child process, as `tokenflow-console` starts it; the tests wait on the
 app's messages and workers."""
@@ -34,7 +35,6 @@ from engine.store import (
     close_entry,
     default_db_path,
     open_database,
-    unfinished_requests,
 )
 from engine.store.models import QUARANTINED, CalibrationRunRow, JournalRow
 from engine.store.recovery import ORPHANED
@@ -48,10 +48,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_console_process_never_imports_torch() -> None:
     """The console's own process loads Textual and the screens while the engine's child
     loads torch: importing it here too would double the launch's work on the same cores."""
-    check = ("import sys, console.cli.console, console.tui.app; "
-             "sys.exit('torch' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", check], cwd=ROOT).returncode == 0
-    # nor before the child is launched: whatever it imported first delays the spawn
+    # checked as the child is launched, after the console's imports and its argument
+    # parsing: whatever it imported first delays the spawn
     launch = ("import sys, console.sources.process as p, console.tui.app as a; seen = []; "
               "p.ProcessSource.launch = classmethod("
               "lambda cls, **o: seen.append('torch' in sys.modules)); "
@@ -85,51 +83,45 @@ def console(db: Path, **workload: float | int | bool) -> TokenflowApp:
     return TokenflowApp(engine, interval=0.05, starting=True)
 
 
-async def test_what_the_last_session_left_unfinished_is_closed_as_aborted(
+async def test_what_the_last_session_left_is_closed_as_aborted_and_quarantine_held_back(
         calibrated_db: Path) -> None:
+    """Requests the last sessions left unfinished (another model's too) are closed as
+    aborted and announced; one that killed two resumed runs is kept, held back, and shown,
+    and is no orphan."""
     db = calibrated_db
+    [poisoned] = leave_unfinished(db, "synthetic:tiny", [[5] * 40])
+    database = open_database(db)
+    try:
+        with database.session() as session:
+            close_entry(session, poisoned, QUARANTINED, "quarantined: test")
+    finally:
+        database.close()
     left = [*leave_unfinished(db, "synthetic:small", [[400, 401, 402, 480]]),  # beyond tiny's
             *leave_unfinished(db, "synthetic:tiny", [[5] * 40, [7] * 60])]
     app = console(db, **TWO_REQUESTS)
     async with app.run_test(size=(120, 40)) as pilot:
+        # 3, not 4: the quarantined request is no orphan
         await until(pilot, lambda: any("closed 3 request(s) the last session left unfinished"
                                        in n.message for n in notified(app)), "the notice")
-        await until(pilot, lambda: app.latest is not None, "a snapshot")
-        assert app.latest is not None and not {r.id for r in app.latest.requests} & set(left)
-        app.collector.stop()
-        await workers_done(pilot)
-    database = open_database(db)
-    try:
-        with database.session() as session:
-            rows = session.scalars(select(JournalRow).where(JournalRow.request_id.in_(left)))
-            assert sorted((r.state, r.finish_reason) for r in rows) == [
-                ("FINISHED", ORPHANED)] * 3
-    finally:
-        database.close()
-
-
-async def test_quarantined_requests_are_announced_and_not_run(calibrated_db: Path) -> None:
-    """A request that killed two resumed runs is kept, held back, and shown."""
-    db = calibrated_db
-    leave_unfinished(db, "synthetic:tiny", [[5] * 40])
-    database = open_database(db)
-    try:
-        with database.session() as session:
-            (entry,) = unfinished_requests(session)
-            close_entry(session, entry.request_id, QUARANTINED, "quarantined: test")
-    finally:
-        database.close()
-    app = console(db, **TWO_REQUESTS)
-    async with app.run_test(size=(120, 40)) as pilot:
         await until(pilot, lambda: any("1 request(s) quarantined" in n.message
-                                       and entry.request_id in n.message
+                                       and poisoned in n.message
                                        and "release-quarantine" in n.message
                                        for n in notified(app)), "the announcement")
-        assert not any("closed" in n.message for n in notified(app))  # it was no orphan
         await until(pilot, lambda: app.latest is not None, "a snapshot")
-        assert all(r.id != entry.request_id for r in app.latest.requests)
+        assert app.latest is not None
+        assert not {r.id for r in app.latest.requests} & {*left, poisoned}
         app.collector.stop()
         await workers_done(pilot)
+    database = open_database(db)
+    try:
+        with database.session() as session:
+            rows = session.scalars(select(JournalRow).where(
+                JournalRow.request_id.in_([*left, poisoned])))
+            states = {r.request_id: (r.state, r.finish_reason) for r in rows}
+    finally:
+        database.close()
+    assert sorted(states[rid] for rid in left) == [("FINISHED", ORPHANED)] * 3
+    assert states[poisoned][0] == QUARANTINED
 
 
 def only_calibration(db: Path) -> CalibrationRecord:
