@@ -1,9 +1,8 @@
 """Start-up on a store another session left: requests it left unfinished (another model's
 too) are closed as aborted and announced, as every start closes them, and quarantined ones
-are held back and named. A new store's first
-calibration runs beside the traffic, or is reused from the default store. The embedded
-engine runs in its child process, as `tokenflow-console` starts it; the tests wait on the
-app's messages and workers."""
+are held back and named. A new store's first calibration runs beside the traffic, or is
+reused from the default store. The embedded engine runs in its child process, as
+`tokenflow-console` starts it; the tests wait on the app's messages and workers."""
 
 from __future__ import annotations
 
