@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import shutil
 import time
 from collections.abc import Callable, Iterator
@@ -32,6 +33,9 @@ FAST_POLL_S = 0.1
 # a recording's snapshots are shown one per poll, unpainted until the last (`replayed`):
 # the replay waits on this interval, not on work, so it is as short as the timers allow
 REPLAY_POLL_S = 0.005
+# the UI tests' engines: float32 (what "auto" is on the CPU) and a KV pool for the few
+# requests they play (2,048 blocks of tiny), not the CPU default's, which each start faults in
+UI_ENGINE = EngineConfig(dtype="float32", kv_cache_bytes=16 << 20)
 MAX_ROUNDS = 2000  # a bound on rounds of real waits, so a broken condition fails, not hangs
 WORKERS_GUARD_S = 30.0
 
@@ -69,7 +73,7 @@ def calibrated_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A store, migrated, holding the first calibration of synthetic:tiny on the CPU (float32,
     as "auto" is there): made once per worker."""
     db = tmp_path_factory.mktemp("calibrated") / "template.db"
-    config = EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32")
+    config = dataclasses.replace(UI_ENGINE, model="synthetic:tiny", device="cpu")
     with EngineSession.start(config, db=db, journal=False) as session:
         assert session.first_calibration is not None
     return db
@@ -139,7 +143,7 @@ async def replayed(pilot: Pilot) -> None:
 def chat_console(db: Path, num_requests: int) -> TokenflowApp:
     """The console on `db`'s store: synthetic:tiny serving `num_requests` of chat, once."""
     source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat", db=db,
-                                  config=EngineConfig(dtype="float32"),
+                                  config=UI_ENGINE,
                                   num_requests=num_requests, repeat=False)
     return TokenflowApp(source, interval=FAST_POLL_S)
 

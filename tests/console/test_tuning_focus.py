@@ -20,8 +20,7 @@ from console.tui.screens.drift import DriftScreen
 from console.tui.screens.slow_queries import SlowQueriesScreen
 from console.tui.screens.tuning import STALE_SNAPSHOTS, TuningScreen
 from console.tui.widgets.keyed_table import KeyedTable
-from engine.config import EngineConfig
-from tests.console.conftest import FAST_POLL_S, until, workers_done
+from tests.console.conftest import FAST_POLL_S, UI_ENGINE, until, workers_done
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]  # the console with an engine, tuned live
 
@@ -33,7 +32,7 @@ CHARACTERS = {"backspace": None, "escape": "\x1b", "enter": "\r", "tab": "\t",
 async def form(calibrated_db: Path) -> AsyncIterator[tuple[TokenflowApp, Pilot, TuningScreen]]:
     # two requests, not endless traffic: a busy process makes every key press wait for idle
     source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat",
-                                  db=calibrated_db, config=EngineConfig(dtype="float32"),
+                                  db=calibrated_db, config=UI_ENGINE,
                                   num_requests=2, repeat=False)
     app = TokenflowApp(source, interval=FAST_POLL_S)
     async with app.run_test(size=(120, 40)) as pilot:
