@@ -72,13 +72,6 @@ def wait_for(pane: Screen, seen: Callable[[str], bool], what: str,
     raise AssertionError(f"{what} not shown within {within_s} s:\n{text}")
 
 
-def moving(text: str) -> bool:
-    """The four live panes, with tokens flowing."""
-    rate = TOKENS_PER_S.search(text)
-    return all(p in text for p in PANES) and rate is not None and int(
-        rate[1].replace(",", "")) > 0
-
-
 @contextmanager
 def screen(tmux: list[str], target: str, directory: Path) -> Iterator[Screen]:
     """A Screen of `target`, piped through a FIFO in `directory` for the `with` block."""

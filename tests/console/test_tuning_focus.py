@@ -183,6 +183,7 @@ async def test_the_changes_filter_takes_enter_and_escape_not_the_form(form) -> N
 async def test_a_snapshot_taken_before_an_apply_does_not_put_the_old_value_back(form) -> None:
     app, pilot, screen = form
     app.collector.stop()  # the snapshots arrive only as the test hands them over
+    await workers_done(pilot)  # a poll in flight lands now, not after the apply
     budget = field(screen, "max_num_batched_tokens")
     stale = app.state.latest
     assert stale is not None and stale.config["max_num_batched_tokens"] == 256
@@ -199,6 +200,7 @@ async def test_a_snapshot_taken_before_an_apply_does_not_put_the_old_value_back(
 async def test_a_change_made_elsewhere_shows_after_the_stale_snapshots(form) -> None:
     app, pilot, screen = form
     app.collector.stop()
+    await workers_done(pilot)  # a poll in flight lands now, not after the apply
     budget = field(screen, "max_num_batched_tokens")
     stale = app.state.latest
     assert stale is not None
