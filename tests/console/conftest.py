@@ -83,7 +83,8 @@ def calibrated_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def calibrated_db(calibrated_template: Path, tmp_path: Path) -> Path:
     """A new store already calibrated for synthetic:tiny, for tests whose claim is not the
     first calibration: it would run beside their traffic, and a busy process makes every
-    key press and pause wait for idle (up to a second each)."""
+    key press and pause wait for idle (up to a second each). The calibration's provenance
+    names the template's path, where it was measured."""
     db = tmp_path / "calibrated.db"
     shutil.copyfile(calibrated_template, db)
     return db
