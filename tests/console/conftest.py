@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,13 +23,19 @@ from console.sources.replay import ReplaySource
 from console.tui.app import POLL_INTERVAL_S, TokenflowApp
 from console.tui.screens.tuning import TuningScreen
 from engine.config import EngineConfig
+from engine.serve.session import EngineSession
 
 SESSION = Path(__file__).parent / "data" / "session.jsonl"
 # live sources are polled often enough for a test's conditions to come soon, and seldom
 # enough that the process goes idle between polls: Textual's pilot waits for an idle
 # moment (up to 1 s) at every key press and pause
 FAST_POLL_S = 0.1
-REPLAY_POLL_S = 0.02  # a recording's snapshots are shown one per poll
+# a recording's snapshots are shown one per poll, unpainted until the last (`replayed`):
+# the replay waits on this interval, not on work, so it is as short as the timers allow
+REPLAY_POLL_S = 0.005
+# the UI tests' engines: float32 (what "auto" is on the CPU) and a KV pool for the few
+# requests they play (2,048 blocks of tiny), not the CPU default's, which each start faults in
+UI_ENGINE = EngineConfig(dtype="float32", kv_cache_bytes=16 << 20)
 MAX_ROUNDS = 2000  # a bound on rounds of real waits, so a broken condition fails, not hangs
 WORKERS_GUARD_S = 30.0
 
@@ -58,6 +66,28 @@ def notifications_kept(monkeypatch: pytest.MonkeyPatch) -> None:
         return add(self, notification)
 
     monkeypatch.setattr(Notifications, "add", keeping)
+
+
+@pytest.fixture(scope="session")
+def calibrated_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store, migrated, holding the first calibration of synthetic:tiny on the CPU (float32,
+    as "auto" is there): made once per worker."""
+    db = tmp_path_factory.mktemp("calibrated") / "template.db"
+    config = dataclasses.replace(UI_ENGINE, model="synthetic:tiny", device="cpu")
+    with EngineSession.start(config, db=db, journal=False) as session:
+        assert session.first_calibration is not None
+    return db
+
+
+@pytest.fixture
+def calibrated_db(calibrated_template: Path, tmp_path: Path) -> Path:
+    """A new store already calibrated for synthetic:tiny, for tests whose claim is not the
+    first calibration: it would run beside their traffic, and a busy process makes every
+    key press and pause wait for idle (up to a second each). The calibration's provenance
+    names the template's path, where it was measured."""
+    db = tmp_path / "calibrated.db"
+    shutil.copyfile(calibrated_template, db)
+    return db
 
 
 def notified(app: App[object]) -> list[Notification]:
@@ -114,7 +144,7 @@ async def replayed(pilot: Pilot) -> None:
 def chat_console(db: Path, num_requests: int) -> TokenflowApp:
     """The console on `db`'s store: synthetic:tiny serving `num_requests` of chat, once."""
     source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat", db=db,
-                                  config=EngineConfig(dtype="float32"),
+                                  config=UI_ENGINE,
                                   num_requests=num_requests, repeat=False)
     return TokenflowApp(source, interval=FAST_POLL_S)
 

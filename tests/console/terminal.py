@@ -7,15 +7,33 @@ waits on the program's own output, not on a fixed polling pause.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import select
 import subprocess
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 READ_BYTES = 1 << 16
+ROOT = Path(__file__).resolve().parents[2]
+PANES = ("Requests", "Chunk queue", "Cache pressure", "Bandwidth")
+TOKENS_PER_S = re.compile(r"([\d,]+) tok/s")
+# Hang guards, not speed targets: each wait ends on what the screen shows (a loaded machine
+# once took ~13 s to the first live screen). Speed is for benchmarks.
+START_WITHIN_S = 120.0
+SHOWN_WITHIN_S = 30.0
+EXIT_WITHIN_S = 60.0
+
+
+def console_command(db: Path) -> str:
+    """The shell command that starts the console on `db`, as a user would."""
+    script = ROOT / ".venv" / "bin" / "tokenflow-console"
+    program = str(script) if script.exists() else f"{sys.executable} -m console.cli.console"
+    return f"cd {ROOT} && {program} --db {db}"
 
 
 class Screen:
@@ -42,6 +60,16 @@ class Screen:
             if not os.read(self._fifo, READ_BYTES):
                 self._closed = True  # the pane's program (and its pipe) ended
             yield self.text()
+
+
+def wait_for(pane: Screen, seen: Callable[[str], bool], what: str,
+             within_s: float = SHOWN_WITHIN_S) -> str:
+    """The first screen of `pane` that `seen` accepts, read each time the program draws."""
+    text = ""
+    for text in pane.frames(within_s):
+        if seen(text):
+            return text
+    raise AssertionError(f"{what} not shown within {within_s} s:\n{text}")
 
 
 @contextmanager
@@ -76,3 +104,21 @@ def resize(tmux: list[str], name: str, width: int | str, height: int | str) -> N
 def send_keys(tmux: list[str], name: str, *keys: str) -> None:
     """One send-keys: the keys arrive at once, at speed."""
     subprocess.run([*tmux, "send-keys", "-t", name, *keys], check=True)
+
+
+def exiting(command: str, socket: str, exit_file: Path) -> str:
+    """`command`, then its exit code into `exit_file` and a signal on the tmux channel
+    "exited" (of the server `socket`), so a test waits on that event, not on the file."""
+    return f"{command}; echo $? > {exit_file}; tmux -L {socket} wait-for -S exited"
+
+
+def quit_on_q(tmux: list[str], name: str, exit_file: Path) -> None:
+    """Press q in session `name` (started with `exiting`): the console exits with 0."""
+    send_keys(tmux, name, "q")
+    # Returns when signalled (or when the server has gone with the finished session);
+    # tmux remembers a signal sent before anyone waits.
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        subprocess.run([*tmux, "wait-for", "exited"], capture_output=True,
+                       timeout=EXIT_WITHIN_S)
+    assert exit_file.exists(), "the console did not exit on q"
+    assert exit_file.read_text().strip() == "0"

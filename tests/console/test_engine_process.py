@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 from collections.abc import Iterator
@@ -22,8 +23,10 @@ pytestmark = pytest.mark.slow  # starts the console's engine process
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessSource]:
+def source(tmp_path_factory: pytest.TempPathFactory,
+           calibrated_template: Path) -> Iterator[ProcessSource]:
     db = tmp_path_factory.mktemp("process") / "p.db"
+    shutil.copyfile(calibrated_template, db)  # no first calibration beside the calls
     source = ProcessSource.start(model="synthetic:tiny", device="cpu", workload="chat", db=db,
                                  num_requests=4, rate=float("inf"), repeat=False)
     yield source
@@ -85,34 +88,28 @@ def test_a_missing_model_path_fails_start_with_the_engines_error(tmp_path: Path)
                             db=tmp_path / "m.db")
 
 
-def test_after_close_a_call_is_a_clear_error(tmp_path: Path) -> None:
+def test_after_close_a_call_is_a_clear_error(calibrated_db: Path) -> None:
     source = ProcessSource.start(model="synthetic:tiny", device="cpu", workload="chat",
-                                 db=tmp_path / "c.db", num_requests=2, repeat=False)
+                                 db=calibrated_db, num_requests=2, repeat=False)
     source.close()
     with pytest.raises(SourceError, match="closed"):
         source.snapshot()
 
 
-def test_a_killed_engine_process_is_a_clear_error_not_a_hang(tmp_path: Path) -> None:
-    source = ProcessSource.start(model="synthetic:tiny", device="cpu", workload="chat",
-                                 db=tmp_path / "k.db", num_requests=2, repeat=False)
-    try:
-        os.kill(source._process.pid, signal.SIGKILL)
-        source._process.join(10)
-        with pytest.raises(SourceError, match=r"engine process has exited \(exit code -9\)"):
-            source.snapshot()
-    finally:
-        source.close()
-
-
 @pytest.mark.anyio
-async def test_the_header_keeps_showing_a_dead_engine_after_its_toast(tmp_path: Path) -> None:
+async def test_a_killed_engine_process_is_a_clear_error_the_header_keeps_showing(
+        calibrated_db: Path) -> None:
+    """Not a hang: each call says the process exited and how; the header says so too, after
+    its toast has gone, on every screen."""
     source = ProcessSource.start(model="synthetic:tiny", device="cpu", workload="chat",
-                                 db=tmp_path / "h.db", num_requests=2, repeat=False)
+                                 db=calibrated_db, num_requests=2, repeat=False)
     app = TokenflowApp(source, interval=FAST_POLL_S)
     async with app.run_test(size=(120, 40)) as pilot:
         header = app.screen.query_one(EngineHeader)
         os.kill(source._process.pid, signal.SIGKILL)
+        source._process.join(10)
+        with pytest.raises(SourceError, match=r"engine process has exited \(exit code -9\)"):
+            source.snapshot()
         await until(pilot, lambda: "SOURCE FAILED" in str(header.render()), "the failure shown")
         shown = str(header.render())
         assert "SOURCE FAILED" in shown and "engine process has exited" in shown

@@ -19,17 +19,23 @@ from console.tui.screens.slow_queries import SlowQueriesScreen
 from console.tui.screens.tuning import TuningScreen
 from console.tui.widgets.keyed_table import middle_cut
 from console.tui.widgets.requests_table import RequestsTable
-from engine.config import EngineConfig
-from tests.console.conftest import FAST_POLL_S, replay_app, replayed, until, workers_done
+from tests.console.conftest import (
+    FAST_POLL_S,
+    UI_ENGINE,
+    replay_app,
+    replayed,
+    until,
+    workers_done,
+)
 
 pytestmark = pytest.mark.anyio
 
 
 @pytest.mark.slow  # every screen's keys, one by one
-async def test_screen_keys_help_and_quit_work_with_a_field_focused(tmp_path: Path) -> None:
+async def test_screen_keys_help_and_quit_work_with_a_field_focused(calibrated_db: Path) -> None:
     # two requests, not endless traffic: a busy process makes every key press wait for idle
     source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat",
-                                  db=tmp_path / "k.db", config=EngineConfig(dtype="float32"),
+                                  db=calibrated_db, config=UI_ENGINE,
                                   num_requests=2, repeat=False)
     app = TokenflowApp(source, interval=FAST_POLL_S)
     async with app.run_test(size=(120, 40)) as pilot:

@@ -1,8 +1,8 @@
 """Start-up on a store another session left: requests it left unfinished (another model's
-too) are closed as aborted and announced, as every start closes them. A new store's first
-calibration runs beside the traffic, or is reused from the default store. The embedded
-engine runs in its child process, as `tokenflow-console` starts it; the tests wait on the
-app's messages and workers."""
+too) are closed as aborted and announced, as every start closes them, and quarantined ones
+are held back and named. A new store's first calibration runs beside the traffic, or is
+reused from the default store. The embedded engine runs in its child process, as
+`tokenflow-console` starts it; the tests wait on the app's messages and workers."""
 
 from __future__ import annotations
 
@@ -34,7 +34,6 @@ from engine.store import (
     close_entry,
     default_db_path,
     open_database,
-    unfinished_requests,
 )
 from engine.store.models import QUARANTINED, CalibrationRunRow, JournalRow
 from engine.store.recovery import ORPHANED
@@ -48,10 +47,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_the_console_process_never_imports_torch() -> None:
     """The console's own process loads Textual and the screens while the engine's child
     loads torch: importing it here too would double the launch's work on the same cores."""
-    check = ("import sys, console.cli.console, console.tui.app; "
-             "sys.exit('torch' in sys.modules)")
-    assert subprocess.run([sys.executable, "-c", check], cwd=ROOT).returncode == 0
-    # nor before the child is launched: whatever it imported first delays the spawn
+    # checked as the child is launched, after the console's imports and its argument
+    # parsing: whatever it imported first delays the spawn
     launch = ("import sys, console.sources.process as p, console.tui.app as a; seen = []; "
               "p.ProcessSource.launch = classmethod("
               "lambda cls, **o: seen.append('torch' in sys.modules)); "
@@ -74,59 +71,56 @@ def leave_unfinished(db: Path, model: str, prompts: list[list[int]]) -> list[str
 # tiny's first calibration lasts about a second: on a fast CPU it can end before the first
 # Poisson arrival at the chat workload's rate, so the tests that watch it send all at once
 ALL_AT_ONCE = {"rate": float("inf"), "num_requests": 32}
+# the tests of what a start announces need a snapshot, not endless traffic (on a store
+# calibrated already: the first calibration is not what they watch)
+TWO_REQUESTS = {"num_requests": 2, "repeat": False}
 
 
-def console(db: Path, **workload: float | int) -> TokenflowApp:
+def console(db: Path, **workload: float | int | bool) -> TokenflowApp:
     engine = ProcessSource.launch(model="synthetic:tiny", device="cpu", workload="chat",
                                   db=db, **workload)
     return TokenflowApp(engine, interval=0.05, starting=True)
 
 
-async def test_what_the_last_session_left_unfinished_is_closed_as_aborted(
-        tmp_path: Path) -> None:
-    db = tmp_path / "crashed.db"
+async def test_what_the_last_session_left_is_closed_as_aborted_and_quarantine_held_back(
+        calibrated_db: Path) -> None:
+    """Requests the last sessions left unfinished (another model's too) are closed as
+    aborted and announced; one that killed two resumed runs is kept, held back, and shown,
+    and is no orphan."""
+    db = calibrated_db
+    [poisoned] = leave_unfinished(db, "synthetic:tiny", [[5] * 40])
+    database = open_database(db)
+    try:
+        with database.session() as session:
+            close_entry(session, poisoned, QUARANTINED, "quarantined: test")
+    finally:
+        database.close()
     left = [*leave_unfinished(db, "synthetic:small", [[400, 401, 402, 480]]),  # beyond tiny's
             *leave_unfinished(db, "synthetic:tiny", [[5] * 40, [7] * 60])]
-    app = console(db)
+    app = console(db, **TWO_REQUESTS)
     async with app.run_test(size=(120, 40)) as pilot:
+        # 3, not 4: the quarantined request is no orphan
         await until(pilot, lambda: any("closed 3 request(s) the last session left unfinished"
                                        in n.message for n in notified(app)), "the notice")
-        await until(pilot, lambda: app.latest is not None, "a snapshot")
-        assert app.latest is not None and not {r.id for r in app.latest.requests} & set(left)
-        app.collector.stop()
-        await workers_done(pilot)
-    database = open_database(db)
-    try:
-        with database.session() as session:
-            rows = session.scalars(select(JournalRow).where(JournalRow.request_id.in_(left)))
-            assert sorted((r.state, r.finish_reason) for r in rows) == [
-                ("FINISHED", ORPHANED)] * 3
-    finally:
-        database.close()
-
-
-async def test_quarantined_requests_are_announced_and_not_run(tmp_path: Path) -> None:
-    """A request that killed two resumed runs is kept, held back, and shown."""
-    db = tmp_path / "poisoned.db"
-    leave_unfinished(db, "synthetic:tiny", [[5] * 40])
-    database = open_database(db)
-    try:
-        with database.session() as session:
-            (entry,) = unfinished_requests(session)
-            close_entry(session, entry.request_id, QUARANTINED, "quarantined: test")
-    finally:
-        database.close()
-    app = console(db)
-    async with app.run_test(size=(120, 40)) as pilot:
         await until(pilot, lambda: any("1 request(s) quarantined" in n.message
-                                       and entry.request_id in n.message
+                                       and poisoned in n.message
                                        and "release-quarantine" in n.message
                                        for n in notified(app)), "the announcement")
-        assert not any("closed" in n.message for n in notified(app))  # it was no orphan
         await until(pilot, lambda: app.latest is not None, "a snapshot")
-        assert all(r.id != entry.request_id for r in app.latest.requests)
+        assert app.latest is not None
+        assert not {r.id for r in app.latest.requests} & {*left, poisoned}
         app.collector.stop()
         await workers_done(pilot)
+    database = open_database(db)
+    try:
+        with database.session() as session:
+            rows = session.scalars(select(JournalRow).where(
+                JournalRow.request_id.in_([*left, poisoned])))
+            states = {r.request_id: (r.state, r.finish_reason) for r in rows}
+    finally:
+        database.close()
+    assert sorted(states[rid] for rid in left) == [("FINISHED", ORPHANED)] * 3
+    assert states[poisoned][0] == QUARANTINED
 
 
 def only_calibration(db: Path) -> CalibrationRecord:
@@ -138,36 +132,6 @@ def only_calibration(db: Path) -> CalibrationRecord:
     finally:
         database.close()
     return run
-
-
-async def test_the_first_calibration_runs_beside_the_traffic(tmp_path: Path) -> None:
-    """On a new store the splash ends once the model is loaded: the panes show requests
-    while the first calibration runs between the engine's steps, C* and budget_score reading
-    how far it is ("calibrating (pass 1/3, shape 7/16)"); then it is stored."""
-    splash: list[str] = []
-    calibrating: list[tuple[str, int]] = []
-
-    def heard(message: Message) -> None:
-        if isinstance(message, EngineStarting):
-            splash.append(message.what)
-        elif isinstance(message, SnapshotPolled):
-            snapshot = message.snapshot
-            if snapshot.calibration.startswith("calibrating"):
-                calibrating.append((snapshot.calibration, len(snapshot.requests)))
-
-    db = tmp_path / "fresh.db"  # no stored calibration, here or in the default store
-    app = console(db, **ALL_AT_ONCE)
-    async with app.run_test(size=(120, 40), message_hook=heard) as pilot:
-        await until(pilot, lambda: app.latest is not None
-                    and app.latest.calibration == "calibrated", "the first calibration")
-        app.collector.stop()
-        await workers_done(pilot)
-    assert not any("calibrating" in what for what in splash), splash
-    shapes = [(int(m[1]), int(m[2])) for what, _ in calibrating
-              if (m := re.search(r"shape (\d+)/(\d+)\)", what))]
-    assert shapes, calibrating
-    assert any(requests for _, requests in calibrating), "no traffic during the calibration"
-    assert only_calibration(db).reason == FIRST_REASON
 
 
 def live_panes(app: TokenflowApp) -> dict[str, str]:
@@ -196,13 +160,27 @@ def first_token_and_calibration(db: Path) -> tuple[float, float]:
     return first, calibrated
 
 
-async def test_the_live_panes_show_numbers_before_the_first_calibration_ends(
+async def test_the_first_calibration_runs_beside_the_traffic_the_panes_show(
         tmp_path: Path) -> None:
-    """On a new store the four Live panes fill with the traffic's numbers (tokens flowing,
-    requests listed, KV blocks in use, a bandwidth share) while the header still says the
-    first calibration is under way: it never holds the screen."""
+    """On a new store the splash ends once the model is loaded: the four Live panes fill
+    with the traffic's numbers (tokens flowing, requests listed, KV blocks in use, a
+    bandwidth share) while the header says the first calibration is under way, running
+    between the engine's steps, C* and budget_score reading how far it is ("calibrating
+    (pass 1/3, shape 7/16)"); then it is stored. It never holds the screen."""
+    splash: list[str] = []
+    calibrating: list[tuple[str, int]] = []
     shown: dict[str, str] = {}
-    app = console(tmp_path / "fresh.db", **ALL_AT_ONCE)
+
+    def heard(message: Message) -> None:
+        if isinstance(message, EngineStarting):
+            splash.append(message.what)
+        elif isinstance(message, SnapshotPolled):
+            snapshot = message.snapshot
+            if snapshot.calibration.startswith("calibrating"):
+                calibrating.append((snapshot.calibration, len(snapshot.requests)))
+
+    db = tmp_path / "fresh.db"  # no stored calibration, here or in the default store
+    app = console(db, **ALL_AT_ONCE)
 
     def numbers() -> bool:
         latest = app.latest
@@ -211,14 +189,22 @@ async def test_the_live_panes_show_numbers_before_the_first_calibration_ends(
         shown.update(live_panes(app), calibration=latest.calibration)
         return bool(shown.get("header"))
 
-    async with app.run_test(size=(120, 40)) as pilot:
+    async with app.run_test(size=(120, 40), message_hook=heard) as pilot:
         await until(pilot, numbers, "the Live panes with the traffic's numbers")
+        await until(pilot, lambda: app.latest is not None
+                    and app.latest.calibration == "calibrated", "the first calibration")
         app.collector.stop()
         await workers_done(pilot)
+    assert not any("calibrating" in what for what in splash), splash
+    shapes = [(int(m[1]), int(m[2])) for what, _ in calibrating
+              if (m := re.search(r"shape (\d+)/(\d+)\)", what))]
+    assert shapes, calibrating
+    assert any(requests for _, requests in calibrating), "no traffic during the calibration"
+    assert only_calibration(db).reason == FIRST_REASON
     if shown["calibration"] == "calibrated":
         # a quiet machine may end the first calibration before the first poll that has numbers:
         # then the store tells whether the traffic's first tokens came while it ran
-        first_token, calibrated = first_token_and_calibration(tmp_path / "fresh.db")
+        first_token, calibrated = first_token_and_calibration(db)
         assert first_token < calibrated, (first_token, calibrated)
     else:
         assert shown["calibration"].startswith("calibrating ("), shown

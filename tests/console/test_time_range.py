@@ -41,8 +41,8 @@ def seed(db: Path, ago: float) -> float:
 
 
 @pytest.mark.slow  # the console with an engine, over hours of store
-async def test_the_range_key_reads_hours_back_from_the_store(tmp_path: Path) -> None:
-    db = tmp_path / "range.db"
+async def test_the_range_key_reads_hours_back_from_the_store(calibrated_db: Path) -> None:
+    db = calibrated_db
     start = seed(db, ago=HOUR)
     app = chat_console(db, 2)
     async with app.run_test(size=(120, 40)) as pilot:

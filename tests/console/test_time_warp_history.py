@@ -73,8 +73,8 @@ def stored_since(db: Path, since: float) -> StoredMetrics:
 
 
 async def test_a_warped_two_hour_run_is_marked_in_place_on_the_six_hour_view(
-        tmp_path: Path) -> None:
-    db = tmp_path / "warped.db"
+        calibrated_db: Path) -> None:
+    db = calibrated_db
     start = warped_run(db)
     offset = time.time() - time.monotonic()  # where the store put the engine clock's times
     stored = stored_since(db, start + offset - 1)

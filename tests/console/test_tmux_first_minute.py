@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.console.terminal import new_session, screen
-from tests.console.test_tmux_smoke import TOKENS_PER_S, console_command
+from tests.console.terminal import TOKENS_PER_S, console_command, new_session, screen
 
 WIDTH = "220"
 LIVE_CAP_S = 120.0  # a generous cap on waiting for the engine, so a broken start fails

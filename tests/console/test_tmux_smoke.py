@@ -5,33 +5,24 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.console.terminal import screen
-
-ROOT = Path(__file__).resolve().parents[2]
-PANES = ("Requests", "Chunk queue", "Cache pressure", "Bandwidth")
-TOKENS_PER_S = re.compile(r"([\d,]+) tok/s")
-# Hang guards, not speed targets: the waits end on what the screen shows and on the exit
-# signal; a loaded machine once took ~13 s to the first live screen. Speed is for benchmarks.
-LIVE_WITHIN_S = 120.0
-EXIT_WITHIN_S = 60.0
+from tests.console.terminal import (
+    EXIT_WITHIN_S,
+    PANES,
+    START_WITHIN_S,
+    TOKENS_PER_S,
+    console_command,
+    screen,
+)
 
 pytestmark = [pytest.mark.slow,  # the console in a real terminal
               pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")]
-
-
-def console_command(db: Path) -> str:
-    script = ROOT / ".venv" / "bin" / "tokenflow-console"
-    program = str(script) if script.exists() else f"{sys.executable} -m console.cli.console"
-    return f"cd {ROOT} && {program} --db {db}"
 
 
 def test_console_under_tmux_goes_live_and_quits_on_q(tmp_path: Path) -> None:
@@ -48,12 +39,12 @@ def test_console_under_tmux_goes_live_and_quits_on_q(tmp_path: Path) -> None:
         text = ""
         live = False
         with screen(tmux, "smoke", tmp_path) as pane:
-            for text in pane.frames(LIVE_WITHIN_S):  # read each time the console draws
+            for text in pane.frames(START_WITHIN_S):  # read each time the console draws
                 rate = TOKENS_PER_S.search(text)
                 if all(p in text for p in PANES) and rate and int(rate[1].replace(",", "")):
                     live = True
                     break
-        assert live, f"no live panes after {LIVE_WITHIN_S} s:\n{text}"
+        assert live, f"no live panes after {START_WITHIN_S} s:\n{text}"
 
         subprocess.run([*tmux, "send-keys", "-t", "smoke", "q"], check=True)
         # Returns when signalled (or when the server has gone with the finished session);

@@ -15,17 +15,18 @@ from console.sources.embedded import EmbeddedSource
 from console.tui.app import TokenflowApp
 from console.tui.screens.tuning import TuningScreen
 from console.tui.widgets.keyed_table import KeyedTable
-from engine.config import EngineConfig
-from tests.console.conftest import until, workers_done
+from tests.console.conftest import FAST_POLL_S, UI_ENGINE, until, workers_done
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]  # the console with an engine, tuned live
 
 
 @pytest.fixture
-async def tuning(tmp_path: Path) -> AsyncIterator[tuple[TokenflowApp, Pilot, TuningScreen]]:
+async def tuning(calibrated_db: Path) -> AsyncIterator[tuple[TokenflowApp, Pilot, TuningScreen]]:
+    # two requests, not endless traffic: a busy process makes every key press wait for idle
     source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat",
-                                  db=tmp_path / "t.db", config=EngineConfig(dtype="float32"))
-    app = TokenflowApp(source, interval=0.05)
+                                  db=calibrated_db, config=UI_ENGINE,
+                                  num_requests=2, repeat=False)
+    app = TokenflowApp(source, interval=FAST_POLL_S)
     heard: list[str] = []
     notify = app.notify
 

@@ -20,8 +20,7 @@ from console.tui.screens.drift import DriftScreen
 from console.tui.screens.slow_queries import SlowQueriesScreen
 from console.tui.screens.tuning import STALE_SNAPSHOTS, TuningScreen
 from console.tui.widgets.keyed_table import KeyedTable
-from engine.config import EngineConfig
-from tests.console.conftest import FAST_POLL_S, until, workers_done
+from tests.console.conftest import FAST_POLL_S, UI_ENGINE, until, workers_done
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]  # the console with an engine, tuned live
 
@@ -30,10 +29,10 @@ CHARACTERS = {"backspace": None, "escape": "\x1b", "enter": "\r", "tab": "\t",
 
 
 @pytest.fixture
-async def form(tmp_path: Path) -> AsyncIterator[tuple[TokenflowApp, Pilot, TuningScreen]]:
+async def form(calibrated_db: Path) -> AsyncIterator[tuple[TokenflowApp, Pilot, TuningScreen]]:
     # two requests, not endless traffic: a busy process makes every key press wait for idle
     source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat",
-                                  db=tmp_path / "f.db", config=EngineConfig(dtype="float32"),
+                                  db=calibrated_db, config=UI_ENGINE,
                                   num_requests=2, repeat=False)
     app = TokenflowApp(source, interval=FAST_POLL_S)
     async with app.run_test(size=(120, 40)) as pilot:
@@ -184,6 +183,7 @@ async def test_the_changes_filter_takes_enter_and_escape_not_the_form(form) -> N
 async def test_a_snapshot_taken_before_an_apply_does_not_put_the_old_value_back(form) -> None:
     app, pilot, screen = form
     app.collector.stop()  # the snapshots arrive only as the test hands them over
+    await workers_done(pilot)  # a poll in flight lands now, not after the apply
     budget = field(screen, "max_num_batched_tokens")
     stale = app.state.latest
     assert stale is not None and stale.config["max_num_batched_tokens"] == 256
@@ -200,6 +200,7 @@ async def test_a_snapshot_taken_before_an_apply_does_not_put_the_old_value_back(
 async def test_a_change_made_elsewhere_shows_after_the_stale_snapshots(form) -> None:
     app, pilot, screen = form
     app.collector.stop()
+    await workers_done(pilot)  # a poll in flight lands now, not after the apply
     budget = field(screen, "max_num_batched_tokens")
     stale = app.state.latest
     assert stale is not None
