@@ -48,11 +48,18 @@ def _requests(path: Path) -> list[dict]:
 
 
 def _undisturbed(rows: list[dict]) -> dict[str, list[int]]:
-    """Each request's tokens from one engine that is never killed."""
+    """Each request's tokens from one engine that serves them all and is never killed."""
     engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu"))
-    return {r["id"]: engine.generate([r["prompt_token_ids"]],
-                                     SamplingParams(max_tokens=r["max_tokens"]))[0]
-            for r in rows}
+    for r in rows:
+        engine.add_request(r["prompt_token_ids"], SamplingParams(max_tokens=r["max_tokens"]),
+                           request_id=r["id"])
+    tokens, ended = OutputTokens(), {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            held = tokens.add(out)
+            if out.finished:
+                ended[out.request_id] = held
+    return ended
 
 
 def _query(db: str, sql: str) -> list[tuple[object, ...]]:

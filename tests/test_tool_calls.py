@@ -99,7 +99,7 @@ def test_required_and_named_choices_always_parse(server: str, stream: bool) -> N
             asked = dict(model="synthetic:tiny", messages=HISTORY[:1], tools=[WEATHER, TIME],
                          tool_choice=choice, temperature=1.0, seed=seed, max_tokens=400)
             if stream:
-                reply = streamed(client, asked)
+                reply, _ = streamed(client, asked)
                 finish = reply.finish_reason
                 found = [{"name": c.function.name, "arguments": c.function.arguments}
                          for c in reply.message.tool_calls or ()]
@@ -120,14 +120,16 @@ def test_required_and_named_choices_always_parse(server: str, stream: bool) -> N
                 assert [c["name"] for c in found] == ["get_weather"]
 
 
-def streamed(client: Any, asked: dict[str, Any]) -> Any:
+def streamed(client: Any, asked: dict[str, Any]) -> tuple[Any, int]:
     """The streamed answer as the openai client accumulates it, after checking each tool-call
     delta's shape: a call's first delta has its id, type and name; the later ones arguments
-    alone, so an accumulator that concatenates strings keeps one id and one name."""
+    alone, so an accumulator that concatenates strings keeps one id and one name. With it,
+    how many deltas carried arguments."""
     from openai.lib.streaming.chat import ChatCompletionStreamState
 
     state = ChatCompletionStreamState()
     seen: set[int] = set()
+    pieces = 0
     for chunk in client.chat.completions.create(**asked, stream=True):
         for call in chunk.choices[0].delta.tool_calls or ():
             if call.index in seen:
@@ -135,8 +137,9 @@ def streamed(client: Any, asked: dict[str, Any]) -> Any:
             else:
                 assert call.id and call.type == "function" and call.function.name
                 seen.add(call.index)
+            pieces += bool(call.function.arguments)
         state.handle_chunk(chunk)
-    return state.current_completion_snapshot.choices[0]
+    return state.current_completion_snapshot.choices[0], pieces
 
 
 @pytest.mark.parametrize("choice", ["required", "named", "auto"])
@@ -157,15 +160,13 @@ def test_streamed_calls_concatenate_to_the_answer_not_streamed(server: str,
                 r'Sure\.<tool_call>\{"name": "get_time", "arguments": \{"zone": -?[0-9]\}\}'
                 r"</tool_call>")}}
         whole = client.chat.completions.create(**asked).choices[0]
-        parts = streamed(client, asked)
+        parts, pieces_now = streamed(client, asked)
         assert parts.finish_reason == whole.finish_reason
         assert parts.message.content == whole.message.content
         assert [(c.function.name, c.function.arguments) for c in parts.message.tool_calls] \
             == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
         assert whole.message.tool_calls
-        pieces += sum(1 for chunk in client.chat.completions.create(**asked, stream=True)
-                      for call in chunk.choices[0].delta.tool_calls or ()
-                      if call.function.arguments)
+        pieces += pieces_now
     assert pieces > 3 * 2  # the arguments came in pieces, not whole at the end
 
 
@@ -287,7 +288,7 @@ def test_parallel_tool_calls_false_makes_one_call_at_most(server: str) -> None:
             tool_choice="required", temperature=1.0, seed=seed, max_tokens=400,
             parallel_tool_calls=False)
         whole = client.chat.completions.create(**asked).choices[0]
-        parts = streamed(client, asked)
+        parts, _ = streamed(client, asked)
         assert [(c.function.name, c.function.arguments) for c in parts.message.tool_calls] \
             == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls]
         counts.append(len(whole.message.tool_calls))
