@@ -152,6 +152,19 @@ def test_a_long_run_of_invalid_bytes_is_read_in_bounded_windows() -> None:
     assert max(read) <= 2 * 4 * MAX_PENDING_TOKENS  # the run is 80 tokens long
 
 
+@pytest.mark.parametrize("first", [33, 35, 42])  # 1, 3 and 2 bytes into an emoji
+def test_a_character_begun_in_a_long_call_still_comes_out_whole(first: int) -> None:
+    """Tokens that arrive many at once and end inside a character keep it pending: the
+    window moves on before it, and its last bytes finish it."""
+    tokenizer = ByteTokenizer(300)
+    text = "a a a" + "é" * 5 + "€" * 3 + "😀" * 9
+    tokens = tokenizer.encode(text)
+    detokenizer = IncrementalDetokenizer(tokenizer.decode)
+    got = detokenizer.extend(tokens[:first]) + detokenizer.extend(tokens[first:first + 1])
+    got += detokenizer.extend(tokens[first + 1:])
+    assert got == detokenizer.text == text
+
+
 def test_each_token_decodes_a_window_whatever_the_output_length() -> None:
     read: list[int] = []
     tokenizer = ByteTokenizer(300)

@@ -19,8 +19,10 @@ class IncrementalDetokenizer:
     few before them (`prefix_offset`), so merges and leading spaces come out as in a whole
     decode. A text ending in U+FFFD waits for its character's next bytes; after
     MAX_PENDING_TOKENS tokens all but that last character is taken, since a decoder gives an
-    unfinished UTF-8 sequence at the end one U+FFFD and nothing before it changes. The first
-    window continues the prompt (`prime`), as the answer's text does."""
+    unfinished UTF-8 sequence at the end one U+FFFD and nothing before it changes. A window
+    four times that long moves on, keeping a character in progress pending however many
+    tokens came in one call. The first window continues the prompt (`prime`), as the
+    answer's text does."""
 
     def __init__(self, decode: Callable[[list[int]], str], prime: Sequence[int] = ()) -> None:
         self.decode = decode
@@ -43,17 +45,21 @@ class IncrementalDetokenizer:
         pending = len(self.tokens) - self.read_offset
         if not new:
             return ""
+        end = len(self.tokens)
         if new.endswith(REPLACEMENT):
             if pending < MAX_PENDING_TOKENS:
                 return ""  # a character in progress: its next bytes may finish it
-            new = new[:-1]
-            self.taken += len(new)
             if pending < 4 * MAX_PENDING_TOKENS:
+                new = new[:-1]
+                self.taken += len(new)
                 self._add(new)
                 return new
-            # a long run of invalid bytes: the window moves on, so the cost stays bounded
-            new += REPLACEMENT
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.tokens)
+            # a long window moves on, so the cost stays bounded: up to a character still in
+            # progress, or past a run of invalid bytes (which come out as U+FFFD)
+            end = self._last_whole()
+            if end < len(self.tokens):
+                new = self._text(self.prefix_offset, end)[len(prefix) + self.taken:]
+        self.prefix_offset, self.read_offset = self.read_offset, end
         self.taken = 0
         self._add(new)
         return new
@@ -84,6 +90,16 @@ class IncrementalDetokenizer:
     def _add(self, new: str) -> None:
         self.pieces.append(new)
         self.length += len(new)
+
+    def _last_whole(self) -> int:
+        """Where the window's text last ends on a whole character: the end less the tokens of
+        a character in progress (at most 3 of its bytes, so 3 tokens), or the end itself."""
+        for back in (1, 2, 3):
+            end = len(self.tokens) - back
+            if end > self.read_offset and not self._text(self.prefix_offset,
+                                                          end).endswith(REPLACEMENT):
+                return end
+        return len(self.tokens)
 
     def _window(self) -> tuple[str, str]:
         """The decoded prefix (tokens already read) and the decoded window (all since it)."""
