@@ -61,6 +61,9 @@ class ProcessSource:
         self._process = process
         self._connection = connection
         self._send_lock = threading.Lock()
+        # one thread reaps the child at a time: another's waitpid meanwhile finds no child and
+        # reads its exit code as unknown
+        self._reap_lock = threading.Lock()
         self._pending: dict[int, tuple[Future[Any], Progress | None]] = {}
         self._ids = itertools.count()
         self._ready = False
@@ -153,10 +156,11 @@ class ProcessSource:
             self._process.terminate()
         with contextlib.suppress(BrokenPipeError, OSError), self._send_lock:  # or it is gone
             self._connection.send(None)
-        self._process.join(CLOSE_TIMEOUT_S)
-        if self._process.is_alive():
-            self._process.terminate()
+        with self._reap_lock:
             self._process.join(CLOSE_TIMEOUT_S)
+            if self._process.is_alive():
+                self._process.terminate()
+                self._process.join(CLOSE_TIMEOUT_S)
         self._connection.close()
 
     # --- plumbing -------------------------------------------------------------------------
@@ -206,8 +210,9 @@ class ProcessSource:
             future.set_exception(self._gone())
 
     def _gone(self) -> SourceError:
-        self._process.join(0.5)
-        code = self._process.exitcode
+        with self._reap_lock:
+            self._process.join(0.5)
+            code = self._process.exitcode
         return SourceError("the engine process has exited" +
                            ("" if code is None else f" (exit code {code})") +
                            "; restart tokenflow-console")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import shutil
 import signal
@@ -116,6 +117,32 @@ async def test_a_killed_engine_process_is_a_clear_error_the_header_keeps_showing
         await pilot.press("2")  # another screen shows it too
         await pilot.pause()
         assert "SOURCE FAILED" in str(app.screen.query_one(EngineHeader).render())
+
+
+def test_calls_failing_at_once_on_many_threads_all_say_how_the_process_ended() -> None:
+    """The pipe's reader and the callers may find the process gone together, each outside the
+    send lock: each one's error names the exit code, though only one of them reaps the child."""
+    context = multiprocessing.get_context("spawn")
+    parent, child = context.Pipe()
+    process = context.Process(target=signal.pause, daemon=True)
+    process.start()
+    child.close()
+    source = ProcessSource(process, parent)
+    os.kill(process.pid, signal.SIGKILL)
+    ready = threading.Barrier(16)
+    errors: list[str] = []
+
+    def call() -> None:
+        ready.wait()
+        errors.append(str(source._gone()))
+
+    threads = [threading.Thread(target=call) for _ in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    source.close()
+    assert len(errors) == 16 and all("(exit code -9)" in e for e in errors), errors
 
 
 def test_the_arrival_rate_call_crosses_the_pipe(source: ProcessSource) -> None:
