@@ -25,6 +25,7 @@ from engine.harness.chaos import query_journal
 from engine.harness.driver import OutputTokens
 from engine.store import StoreWriter, open_database, quarantined_requests
 from engine.store.recovery import Resumption, resume_unfinished
+from tests.engine_runs import finish
 
 FLAGS = ["--model", "synthetic:tiny", "--device", "cpu", "--max-num-batched-tokens", "8",
          "--chunk-tile", "8"]
@@ -53,13 +54,7 @@ def _undisturbed(rows: list[dict]) -> dict[str, list[int]]:
     for r in rows:
         engine.add_request(r["prompt_token_ids"], SamplingParams(max_tokens=r["max_tokens"]),
                            request_id=r["id"])
-    tokens, ended = OutputTokens(), {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            held = tokens.add(out)
-            if out.finished:
-                ended[out.request_id] = held
-    return ended
+    return finish(engine)
 
 
 def _query(db: str, sql: str) -> list[tuple[object, ...]]:

@@ -16,6 +16,7 @@ from engine.events import Drift, Event, GuardAction, StepComplete
 from engine.harness.driver import OutputTokens
 from engine.ops.guards import chunk_timeout_s
 from engine.ops.telemetry import InjectedBandwidth, ModelBandwidth
+from tests.engine_runs import finish
 
 WINDOW_S = 5.0
 
@@ -46,16 +47,6 @@ def actions(engine: Engine) -> list[GuardAction]:
 def prompt(n: int, seed: int = 0) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(3, 300) for _ in range(n)]
-
-
-def finish(engine: Engine) -> dict[str, list[int]]:
-    done, tokens = {}, OutputTokens()
-    while engine.has_unfinished():
-        for out in engine.step():
-            held = tokens.add(out)
-            if out.finished:
-                done[out.request_id] = held
-    return done
 
 
 def test_breaker_engages_on_rejection_and_releases_after_the_window() -> None:
