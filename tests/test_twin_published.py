@@ -149,6 +149,27 @@ def test_prefill_attention_runs_faster_a_pair_over_longer_keys_as_the_kernels_pu
     assert seconds_a_pair_flop(StepShape(prefill=((512, 0),))) == pytest.approx(1.0)
 
 
+def test_hopper_prefill_attention_pays_fa3s_gather_of_vllms_small_kv_blocks() -> None:
+    """vLLM's 16-token blocks are no multiple of FA3's 128-key tile: FA3 gathers them with
+    cp.async, not TMA, at 570 TFLOP/s of the 600 it reaches with TMA; FA2 on Ampere loads
+    by cp.async either way."""
+    model = next(c.model for c in load_cases(CASES) if c.id == "gptfast-7b-int8")
+    long_chunk = StepShape(prefill=((8192, 24576),))
+
+    def attention_s(gpu: str, **changes: float) -> float:
+        p = profile(gpu)
+        e = dataclasses.replace(p.efficiency, **changes)
+        price = Deployment(model, dataclasses.replace(p, efficiency=e)).step_price()
+        return price.operations(long_chunk)["attention_prefill"]
+
+    for gpu in ("h100", "h200"):
+        assert "get_pagedkv_tma" in profile(gpu).sources["attention"]
+        # its kernel time alone (no KV reads beside it): the dense curve's, times 600 / 570
+        assert attention_s(gpu, overlap=0.0) / attention_s(
+            gpu, overlap=0.0, attention_flops=0.655) == pytest.approx(600 / 570)
+    assert attention_s("a100") == pytest.approx(attention_s("a100", attention_flops=0.676))
+
+
 def test_a_served_burst_reaches_the_engine_once_the_front_end_has_taken_it_all_in() -> None:
     """vLLM's API server runs every handler's template before any awaits the tokenizer: the
     engine starts on a burst only after the front end's time for all of it."""

@@ -53,7 +53,18 @@ FITTED_EFFICIENCY = OperationEfficiency(gemm_flops=0.784, attention_flops=0.525,
 # Prefill attention from the kernels' published curves, not fitted (the cases' attention is
 # too small a share to tell it from the GEMMs): see ATTENTION_SOURCES.
 A100_ATTENTION = dict(attention_flops=0.676, attention_context_half=385.0)
-H100_ATTENTION = dict(attention_flops=0.655, attention_context_half=567.0)
+# vLLM's 16-token KV blocks are no multiple of FA3's 128-key tile, so FA3 gathers the paged
+# keys and values with cp.async, not TMA: long causal attention at 570 TFLOP/s against 600
+# (FA3_PAGED_SOURCE). FA2 on Ampere loads with cp.async paged or not.
+HOPPER_PAGED_KV = 570 / 600
+H100_ATTENTION = dict(attention_flops=0.655 * HOPPER_PAGED_KV, attention_context_half=567.0)
+FA3_PAGED_SOURCE = (
+    "vLLM 0.11 picks FA3 on SM 9.0 (vllm/attention/utils/fa_utils.py) over 16-token KV blocks "
+    "(vllm/platforms/cuda.py); FA3 loads paged K/V by TMA only when the block size is a "
+    "multiple of its 128-key tile (hopper/flash_api.cpp, get_pagedkv_tma), else by a cp.async "
+    "gather; FlashInfer's Hopper kernel runs long causal attention at '570+ TFLOPs/s' with "
+    "that gather against '~600' with TMA (flashinfer-ai/flashinfer#758): the dense share x "
+    "570/600")
 ATTENTION_SOURCES = {
     "a100": ("FlashAttention-2 (vLLM's prefill kernel on Ampere; Dao 2023, arXiv 2307.08691): "
              "'50-73% of the theoretical maximum FLOPs/s on A100' (its abstract), the top "
@@ -62,7 +73,8 @@ ATTENTION_SOURCES = {
              "length from that causal figure (191..335 TFLOP/s over 512..16k: half at 385)"),
     "h100": ("FlashAttention-3 (vLLM's prefill kernel on Hopper; Shah et al. 2024, arXiv "
              "2407.08608), forward, causal, head dim 128, H100 SXM5: 292, 423, 521, 579, 602, "
-             "616 TFLOP/s at 512..16k tokens, least squares on share x L / (L + half)"),
+             "616 TFLOP/s at 512..16k tokens, least squares on share x L / (L + half) "
+             f"(0.655); paged: {FA3_PAGED_SOURCE}"),
 }
 FITTED_A100 = OperationEfficiency(gemm_flops=0.7327, memory=0.95, gemm_m_half=46.69,
                                   **A100_ATTENTION, **_SHARED)
