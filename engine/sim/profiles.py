@@ -53,18 +53,18 @@ FITTED_EFFICIENCY = OperationEfficiency(gemm_flops=0.784, attention_flops=0.525,
 # Prefill attention from the kernels' published curves, not fitted (the cases' attention is
 # too small a share to tell it from the GEMMs): see ATTENTION_SOURCES.
 A100_ATTENTION = dict(attention_flops=0.676, attention_context_half=385.0)
-# vLLM's 16-token KV blocks are no multiple of FA3's 128-key tile, so FA3 gathers the paged
+# vLLM's 16-token KV blocks are no multiple of FA3's 128-key tile, so FA3 loads the paged
 # keys and values with cp.async, not TMA: long causal attention at 570 TFLOP/s against 600
-# (FA3_PAGED_SOURCE). FA2 on Ampere loads with cp.async paged or not.
+# (FA3_PAGED_SOURCE; the page table's lookups come on top). FA2 loads by cp.async anyway.
 HOPPER_PAGED_KV = 570 / 600
 H100_ATTENTION = dict(attention_flops=0.655 * HOPPER_PAGED_KV, attention_context_half=567.0)
 FA3_PAGED_SOURCE = (
     "vLLM 0.11 picks FA3 on SM 9.0 (vllm/attention/utils/fa_utils.py) over 16-token KV blocks "
     "(vllm/platforms/cuda.py); FA3 loads paged K/V by TMA only when the block size is a "
     "multiple of its 128-key tile (hopper/flash_api.cpp, get_pagedkv_tma), else by a cp.async "
-    "gather; FlashInfer's Hopper kernel runs long causal attention at '570+ TFLOPs/s' with "
-    "that gather against '~600' with TMA (flashinfer-ai/flashinfer#758): the dense share x "
-    "570/600")
+    "gather; FlashInfer's maintainer: on Hopper, 'using LDGSTS [cp.async] can get around 570+ "
+    "TFLOPs/s for long context causal attention while using TMA can get you ~600' "
+    "(flashinfer-ai/flashinfer#758, contiguous K/V): the dense share x 570/600")
 ATTENTION_SOURCES = {
     "a100": ("FlashAttention-2 (vLLM's prefill kernel on Ampere; Dao 2023, arXiv 2307.08691): "
              "'50-73% of the theoretical maximum FLOPs/s on A100' (its abstract), the top "
