@@ -54,8 +54,8 @@ FITTED_EFFICIENCY = OperationEfficiency(gemm_flops=0.784, attention_flops=0.525,
 # too small a share to tell it from the GEMMs): see ATTENTION_SOURCES.
 A100_ATTENTION = dict(attention_flops=0.676, attention_context_half=385.0)
 # vLLM's 16-token KV blocks are no multiple of FA3's 128-key tile, so FA3 loads the paged
-# keys and values with cp.async, not TMA: long causal attention at 570 TFLOP/s against 600
-# (FA3_PAGED_SOURCE; the page table's lookups come on top). FA2 loads by cp.async anyway.
+# keys and values with cp.async, not TMA, at the published ratio of the two (FA3_PAGED_SOURCE;
+# the page table's lookups come on top). FA2 on Ampere loads by cp.async anyway.
 HOPPER_PAGED_KV = 570 / 600
 H100_ATTENTION = dict(attention_flops=0.655 * HOPPER_PAGED_KV, attention_context_half=567.0)
 FA3_PAGED_SOURCE = (
