@@ -179,7 +179,7 @@ class Scheduler:
 
     def schedule(self) -> Batch:
         now = self._scheduled_at = self.clock()
-        self.controller.before_step(now, *self.decode_load(), self.config, self.max_model_len)
+        self.controller.before_step(now, self.decode_load, self.config, self.max_model_len)
         self.modes.update(self.config, self.blocks.usage, len(self.requests),
                           self.chunk_queue_length)
         self.watch.mode(self.clock(), self.mode.value, self.throttle_level, self.prefill_paused)
