@@ -297,7 +297,7 @@ def test_prompt_ids_are_the_ids_and_the_rng_state_of_python_choices(seed, vocab_
     ours, pythons = random.Random(seed), random.Random(seed)
     ours.gauss(0, 1), pythons.gauss(0, 1)  # a pending gauss value survives too
     for count in (0, 1, 2, 17, 3000):
-        assert prompt_ids(ours, vocab_size, count) == pythons.choices(
+        assert prompt_ids(ours, vocab_size, count).tolist() == pythons.choices(
             range(FIRST_PROMPT_TOKEN_ID, vocab_size), k=count)
         assert ours.getstate() == pythons.getstate()
     assert ours.gauss(0, 1) == pythons.gauss(0, 1)

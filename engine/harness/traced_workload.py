@@ -55,7 +55,7 @@ def traced_requests(spec: str, *, vocab_size: int, max_model_len: int, seed: int
     seen: set[str] = set()
     start = 0
     for n, (row, length) in enumerate(zip(rows, lengths, strict=True)):
-        prompt = tuple(ids[start:start + length])
+        prompt = tuple(ids[start:start + length].tolist())
         start += length
         # two traced servers may reuse an id: the replay's stay unique
         request_id = str(row.request_id) if row.request_id not in seen else f"{row.request_id}#{n}"

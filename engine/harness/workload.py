@@ -158,7 +158,7 @@ def build_workload(
     for i, (draft, (prompt_len, output_len)) in enumerate(zip(drafts, lengths, strict=True)):
         requests.append(WorkloadRequest(
             f"{label}-{i:05d}", draft.arrival_s * time_scale,
-            tuple(ids[start:start + prompt_len]), output_len, tenant=draft.tenant,
+            tuple(ids[start:start + prompt_len].tolist()), output_len, tenant=draft.tenant,
             tag=draft.tag, ignore_eos=True))
         start += prompt_len
     return requests
@@ -210,18 +210,19 @@ def _lengths(draft: _Draft, length_scale: float, max_model_len: int) -> tuple[in
     return prompt_len, output_len
 
 
-def prompt_ids(rng: random.Random, vocab_size: int, count: int) -> list[int]:
+def prompt_ids(rng: random.Random, vocab_size: int, count: int) -> np.ndarray:
     """`rng.choices(range(FIRST_PROMPT_TOKEN_ID, vocab_size), k=count)`: the same ids, and
     `rng` left where that call leaves it. numpy draws them from `rng`'s own Mersenne Twister
     state, with the same doubles and the same floor(random() * n): a Python call a token was
-    most of a simulated bench's start-up."""
+    most of a simulated bench's start-up. An array, sliced a prompt at a time: a list of
+    millions would be walked by every young collection while the workload is built."""
     version, state, gauss = rng.getstate()
     twister = np.random.RandomState()
     twister.set_state(("MT19937", np.array(state[:-1], dtype=np.uint32), state[-1]))
     ids = np.floor(twister.random_sample(count) * float(vocab_size - FIRST_PROMPT_TOKEN_ID))
     _, keys, position, _, _ = twister.get_state()
     rng.setstate((version, (*keys.tolist(), position), gauss))
-    return (ids.astype(np.int64) + FIRST_PROMPT_TOKEN_ID).tolist()
+    return ids.astype(np.int64) + FIRST_PROMPT_TOKEN_ID
 
 
 def conversation_requests(conversations: Sequence[Conversation], *, vocab_size: int,
