@@ -192,10 +192,10 @@ class Bookkeeper:
         bytes_moved = model.bytes_moved(shape)
         self.bandwidth.record(bytes_moved, timing.duration_s)
         self.controller.after_step(timing, scheduled_at, bool(batch.prefills), has_work)
-        # positional: keywords on a frozen dataclass cost more, and this is made every step
-        self.publish(StepComplete(step, shape.prefill_tokens, len(batch.decodes),
-                                  timing.duration_s, timing.predicted_s, batch.mode.value,
-                                  model.flops(shape), bytes_moved))
+        # the bus stamps its time on it as it publishes
+        self.publish(StepComplete.of(step, shape.prefill_tokens, len(batch.decodes),
+                                     timing.duration_s, timing.predicted_s, batch.mode.value,
+                                     model.flops(shape), bytes_moved, timing.end))
 
 
 def handling_failed(exc: Exception) -> str:

@@ -74,7 +74,8 @@ class EngineCore:
                                    max_model_len=self.max_model_len,
                                    decode=self.tokenizer.decode)
         self.metrics = equipment.metrics(config)
-        self.metrics.subscribe_to(self.bus)
+        # a run summarised from its own recorder alone (a simulated fleet's) stops them
+        self.stop_metrics = self.metrics.subscribe_to(self.bus)
         self.host = equipment.host(clock, self.runner.device, simulated=simulated)
         self.held = False  # the operator's pause (a serving loop's), as the engine was told
         self.guards = equipment.guards(self.runner.device)

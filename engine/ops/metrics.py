@@ -212,10 +212,15 @@ class Metrics:
         self._preempted: dict[str, int] = {}  # live requests' preemptions so far
         self._cached: dict[str, int] = {}  # live requests' prefix-cache hit at first admission
 
-    def subscribe_to(self, bus: EventBus) -> None:
-        """Hear `bus`'s events; kinds no handler takes are never delivered."""
-        for kind, handler in self._handlers().items():
-            bus.subscribe(handler, (kind,))
+    def subscribe_to(self, bus: EventBus) -> Callable[[], None]:
+        """Hear `bus`'s events (kinds no handler takes are never delivered); returns what
+        stops it hearing them."""
+        stops = [bus.subscribe(handler, (kind,)) for kind, handler in self._handlers().items()]
+
+        def unsubscribe() -> None:
+            for stop in stops:
+                stop()
+        return unsubscribe
 
     def observe(self, event: Event) -> None:
         """One event, handed here by a caller without a bus."""
@@ -236,9 +241,12 @@ class Metrics:
         with self._lock:
             self.generation_tokens_total += count
             self._step_output += count
-            gaps = [ts - last for last in map(last_token_ts.get, event.request_ids)
-                    if last is not None]
-            last_token_ts.update(zip(event.request_ids, itertools.repeat(ts)))
+            gaps = []
+            for request_id in event.request_ids:  # one twice in an event: a gap of 0 s
+                last = last_token_ts.get(request_id)
+                if last is not None:
+                    gaps.append(ts - last)
+                last_token_ts[request_id] = ts
             self.itl.observe_all(gaps)
             self.recent_itl.add_all(ts, gaps)
 

@@ -77,6 +77,7 @@ def run_fleet(config: EngineConfig, target: SimTarget, workload: list[WorkloadRe
     recorders = [Recorder() for _ in range(replicas)]
     for engine, recorder in zip(engines, recorders, strict=True):
         engine.bus.subscribe(recorder, Recorder.KINDS)
+        engine.stop_metrics()  # the run is its recorders': the engines' metrics go unread
     pending = deque(sorted(workload, key=lambda w: w.arrival_s))
     wake_s = HOST_WAKE_S if target.calibration is not None else 0.0
     busy: set[int] = set()
