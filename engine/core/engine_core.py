@@ -271,7 +271,7 @@ class EngineCore:
         return outputs
 
     def _run(self, batch: Batch) -> tuple[ModelRunnerOutput, StepTiming]:
-        self.stepping = tuple(c.request_id for c in (*batch.prefills, *batch.decodes))
+        self.stepping = tuple([c.request_id for c in batch.chunks])
         self.runner.zero_blocks(self.blocks.take_newly_allocated())
         predicted = self.predict(batch.shape())
         start = self.clock()
