@@ -38,6 +38,18 @@ class StepComplete(Event):
     flops: float = 0.0
     bytes_moved: float = 0.0
 
+    @classmethod
+    def of(cls, step: int, prefill_tokens: int, decode_seqs: int, duration_s: float,
+           predicted_s: float, mode: str, flops: float, bytes_moved: float,
+           ts: float) -> StepComplete:
+        """Skip the frozen __init__'s per-field __setattr__: this runs every step."""
+        event = object.__new__(cls)
+        event.__dict__.update(ts=ts, step=step, prefill_tokens=prefill_tokens,
+                              decode_seqs=decode_seqs, duration_s=duration_s,
+                              predicted_s=predicted_s, mode=mode, flops=flops,
+                              bytes_moved=bytes_moved)
+        return event
+
 
 @dataclass(frozen=True)
 class ChunkComplete(Event):

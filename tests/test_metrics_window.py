@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from engine import Engine, EngineConfig, SamplingParams
 from engine.config import ConfigError
-from engine.events import Finished, StepComplete, TokensGenerated
+from engine.events import EventBus, Finished, StepComplete, TokensGenerated
 from engine.ops.metrics import Metrics, _Window
 from engine.snapshot import Snapshot
 from engine.stats import percentiles_ms
@@ -69,3 +69,18 @@ def test_window_percentiles_are_the_nearest_rank_ones_of_the_samples_in_it(
     kept = [value for ts, value in enumerate(values) if ts >= now - 100.0]
     assert window.percentiles_ms(now) == percentiles_ms(kept)
     assert window.values(now) == kept
+
+
+def test_a_request_twice_in_one_step_is_a_zero_gap_and_stopped_metrics_hear_nothing() -> None:
+    bus = EventBus()
+    metrics = Metrics(window_s=60.0)
+    stop = metrics.subscribe_to(bus)
+    bus.publish(TokensGenerated(request_ids=("a",), token_ids=(1,), ts=1.0))
+    bus.publish(TokensGenerated(request_ids=("a", "b", "a"), token_ids=(2, 3, 4), ts=1.5))
+    bus.drain()
+    assert (metrics.itl.count, metrics.itl.total) == (2, 0.5)
+    assert list(metrics.recent_itl.samples) == [0.5, 0.0]
+    stop()
+    bus.publish(TokensGenerated(request_ids=("a",), token_ids=(5,), ts=2.0))
+    bus.drain()
+    assert metrics.itl.count == 2 and metrics.generation_tokens_total == 4

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import statistics
 from pathlib import Path
@@ -235,6 +236,21 @@ def test_router_policies() -> None:
     assert len(picks) == 1  # one session, one replica
     with pytest.raises(ConfigError, match="choose one of round-robin"):
         RoutePolicy.parse("random")
+
+
+@pytest.mark.parametrize("collecting", [True, False])
+def test_a_fleet_run_leaves_the_collector_as_it_found_it(collecting: bool) -> None:
+    config = EngineConfig(model="synthetic:8b", max_num_batched_tokens=512)
+    was = gc.isenabled()
+    (gc.enable if collecting else gc.disable)()
+    try:
+        fleet = run_fleet(config, resolve_target("h100", config),
+                          [_request(i, prompt=64, out=8) for i in range(4)], 1,
+                          RoutePolicy.ROUND_ROBIN)
+        assert gc.isenabled() is collecting
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert fleet.merged.summary()["finished"] == 4
 
 
 def test_a_fleet_replays_arrivals_across_replicas() -> None:

@@ -26,6 +26,7 @@ from engine.harness.workload import (
     build_workload,
     describe,
     load_requests_jsonl,
+    prompt_ids,
     steady_traffic,
 )
 
@@ -288,3 +289,15 @@ def test_describe_reports_lengths_tenants_and_rate():
     json.dumps(stats)
     with pytest.raises(WorkloadError, match="empty"):
         describe([])
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**40 + 3])
+@pytest.mark.parametrize("vocab_size", [4, 5, 32000, 128256, 1 << 20])
+def test_prompt_ids_are_the_ids_and_the_rng_state_of_python_choices(seed, vocab_size):
+    ours, pythons = random.Random(seed), random.Random(seed)
+    ours.gauss(0, 1), pythons.gauss(0, 1)  # a pending gauss value survives too
+    for count in (0, 1, 2, 17, 3000):
+        assert prompt_ids(ours, vocab_size, count).tolist() == pythons.choices(
+            range(FIRST_PROMPT_TOKEN_ID, vocab_size), k=count)
+        assert ours.getstate() == pythons.getstate()
+    assert ours.gauss(0, 1) == pythons.gauss(0, 1)

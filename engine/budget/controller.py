@@ -48,11 +48,13 @@ class BudgetController:
             return self.auto_budget
         return config.max_num_batched_tokens
 
-    def before_step(self, now: float, decodes: int, context: int, config: EngineConfig,
-                    max_model_len: int) -> None:
-        """Smooth C* over the decode load and, under auto_budget, set this step's budget."""
+    def before_step(self, now: float, decode_load: Callable[[], tuple[int, int]],
+                    config: EngineConfig, max_model_len: int) -> None:
+        """Smooth C* over the decode load (decodes, their mean context) and, under
+        auto_budget, set this step's budget; uncalibrated, the load is never read."""
         if not self.calibrated:
             return
+        decodes, context = decode_load()
         chunk = self.cstar.observe(now, decodes, context, self.model, config.chunk_tile,
                                    config.max_num_batched_tokens)
         if config.auto_budget:

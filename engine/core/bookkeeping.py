@@ -95,16 +95,18 @@ class Bookkeeper:
         booked: list[Booked] = []
         ids: list[str] = []
         values: list[int] = []
+        # looked up once a step, not once a token
+        errors, token_ids, logprobs = output.errors, output.token_ids, output.logprobs
+        append_token = self.append_token
         for chunk in batch.sampling:
             request = requests[chunk.request_id]
-            error = output.errors.get(request.id)
+            error = errors.get(request.id) if errors else None
             if error is None:
                 try:
-                    token = (None if request.params.prefill_only
-                             else output.token_ids[request.id])
-                    if request.id in output.logprobs:
-                        request.logprobs.append(output.logprobs[request.id])
-                    reason = self.append_token(request, token, timing, step, config)
+                    token = None if request.params.prefill_only else token_ids[request.id]
+                    if logprobs and request.id in logprobs:
+                        request.logprobs.append(logprobs[request.id])
+                    reason = append_token(request, token, timing, step, config)
                     tokens = () if token is None else (token,)
                     booked.append((request, tokens, None if reason is None else
                                    Ending(request, RequestState.FINISHED, reason, None, tokens)))
@@ -192,10 +194,10 @@ class Bookkeeper:
         bytes_moved = model.bytes_moved(shape)
         self.bandwidth.record(bytes_moved, timing.duration_s)
         self.controller.after_step(timing, scheduled_at, bool(batch.prefills), has_work)
-        # positional: keywords on a frozen dataclass cost more, and this is made every step
-        self.publish(StepComplete(step, shape.prefill_tokens, len(batch.decodes),
-                                  timing.duration_s, timing.predicted_s, batch.mode.value,
-                                  model.flops(shape), bytes_moved))
+        # the bus stamps its time on it as it publishes
+        self.publish(StepComplete.of(step, shape.prefill_tokens, len(batch.decodes),
+                                     timing.duration_s, timing.predicted_s, batch.mode.value,
+                                     model.flops(shape), bytes_moved, timing.end))
 
 
 def handling_failed(exc: Exception) -> str:

@@ -74,7 +74,8 @@ class EngineCore:
                                    max_model_len=self.max_model_len,
                                    decode=self.tokenizer.decode)
         self.metrics = equipment.metrics(config)
-        self.metrics.subscribe_to(self.bus)
+        # a run summarised from its own recorder alone (a simulated fleet's) stops them
+        self.stop_metrics = self.metrics.subscribe_to(self.bus)
         self.host = equipment.host(clock, self.runner.device, simulated=simulated)
         self.held = False  # the operator's pause (a serving loop's), as the engine was told
         self.guards = equipment.guards(self.runner.device)
@@ -270,7 +271,7 @@ class EngineCore:
         return outputs
 
     def _run(self, batch: Batch) -> tuple[ModelRunnerOutput, StepTiming]:
-        self.stepping = tuple(c.request_id for c in (*batch.prefills, *batch.decodes))
+        self.stepping = tuple([c.request_id for c in batch.chunks])
         self.runner.zero_blocks(self.blocks.take_newly_allocated())
         predicted = self.predict(batch.shape())
         start = self.clock()

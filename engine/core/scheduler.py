@@ -175,11 +175,12 @@ class Scheduler:
 
     @property
     def chunk_queue_length(self) -> int:
-        return len(self.waiting) + sum(1 for r in self.running if not r.is_decoding)
+        decoding = RequestState.DECODING  # read before every step: no property a request
+        return len(self.waiting) + sum(r.state is not decoding for r in self.running)
 
     def schedule(self) -> Batch:
         now = self._scheduled_at = self.clock()
-        self.controller.before_step(now, *self.decode_load(), self.config, self.max_model_len)
+        self.controller.before_step(now, self.decode_load, self.config, self.max_model_len)
         self.modes.update(self.config, self.blocks.usage, len(self.requests),
                           self.chunk_queue_length)
         self.watch.mode(self.clock(), self.mode.value, self.throttle_level, self.prefill_paused)
@@ -196,6 +197,7 @@ class Scheduler:
     def _schedule_decodes(self, batch: Batch, budget: int) -> int:
         block_size = self.blocks.block_size
         decoding = RequestState.DECODING
+        chunk_of = ScheduledChunk.of
         for request in list(self.running):
             if budget <= 0:
                 break
@@ -214,8 +216,8 @@ class Scheduler:
                         break
                 if request.state is RequestState.PREEMPTED:
                     continue
-            batch.decodes.append(ScheduledChunk.of(request.id, request.num_computed_tokens, 1,
-                                                   tuple(new) if new else (), True))
+            batch.decodes.append(chunk_of(request.id, request.num_computed_tokens, 1,
+                                          tuple(new) if new else (), True))
             budget -= 1
         return budget
 
@@ -303,8 +305,9 @@ class Scheduler:
         endings = sorted((ending for _, _, ending in booked if ending is not None),
                          key=lambda ending: ending.state is not RequestState.FAILED)
         last = {ending.request.id: self._end_alone(ending) for ending in endings}
-        outputs = [last.get(request.id) or request_output(request, tokens)
-                   for request, tokens, _ in booked]
+        outputs = ([last.get(request.id) or request_output(request, tokens)
+                    for request, tokens, _ in booked] if last
+                   else [request_output(request, tokens) for request, tokens, _ in booked])
         self.books.step_done(batch, shape, timing, self.steps, self._scheduled_at,
                              self.has_work())
         return outputs

@@ -219,7 +219,7 @@ class OutputTokens:
 
 def add(engine: EngineCore, item: WorkloadRequest, arrival: float) -> None:
     """Add a workload request to `engine` as arriving at `arrival`."""
-    engine.add_request(list(item.prompt_token_ids), item.sampling_params(), tenant=item.tenant,
+    engine.add_request(item.prompt_token_ids, item.sampling_params(), tenant=item.tenant,
                        priority=item.priority, request_id=item.request_id, tag=item.tag,
                        arrival=arrival)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from sqlalchemy import select
 
 from engine.errors import EngineError
-from engine.harness.workload import FIRST_PROMPT_TOKEN_ID, WorkloadRequest
+from engine.harness.workload import WorkloadRequest, prompt_ids
 from engine.store import open_database
 from engine.store.models import TracedRequestRow
 
@@ -43,17 +43,20 @@ def traced_requests(spec: str, *, vocab_size: int, max_model_len: int, seed: int
         raise EngineError(f"traced:{target}: the store holds no traced requests"
                           + (f" of source {source!r}" if source else "")
                           + "; attach the console to a traced server with --otlp-listen first")
-    rng = random.Random(seed)
-    first = rows[0].started_at
-    requests: list[WorkloadRequest] = []
-    seen: set[str] = set()
-    for n, row in enumerate(rows):
+    for row in rows:
         if row.prompt_tokens + row.completion_tokens > max_model_len:
             raise EngineError(f"traced request {row.request_id!r} holds {row.prompt_tokens} "
                               f"prompt and {row.completion_tokens} output tokens, past the "
                               f"model's length {max_model_len}; raise --max-model-len")
-        prompt = tuple(rng.choices(range(FIRST_PROMPT_TOKEN_ID, vocab_size),
-                                   k=max(1, row.prompt_tokens)))
+    lengths = [max(1, row.prompt_tokens) for row in rows]
+    ids = prompt_ids(random.Random(seed), vocab_size, sum(lengths))
+    first = rows[0].started_at
+    requests: list[WorkloadRequest] = []
+    seen: set[str] = set()
+    start = 0
+    for n, (row, length) in enumerate(zip(rows, lengths, strict=True)):
+        prompt = tuple(ids[start:start + length].tolist())
+        start += length
         # two traced servers may reuse an id: the replay's stay unique
         request_id = str(row.request_id) if row.request_id not in seen else f"{row.request_id}#{n}"
         seen.add(request_id)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from engine.config import SamplingParams
 from engine.errors import EngineError
 from engine.harness.conversations import (
@@ -149,11 +151,17 @@ def build_workload(
         choices = ", ".join([*PROFILES, "multiturn", "conversations:PATH", *SHIPPED_TRACES,
                              "trace:PATH"])
         raise WorkloadError(f"unknown workload {spec!r}; choose one of {choices}")
-    return [
-        _realize(f"{label}-{i:05d}", draft, length_scale, time_scale, vocab_size, max_model_len,
-                 rng)
-        for i, draft in enumerate(drafts)
-    ]
+    lengths = [_lengths(draft, length_scale, max_model_len) for draft in drafts]
+    # every prompt's ids in one draw, as one rng.choices call a prompt would draw them
+    ids = prompt_ids(rng, vocab_size, sum(prompt_len for prompt_len, _ in lengths))
+    requests, start = [], 0
+    for i, (draft, (prompt_len, output_len)) in enumerate(zip(drafts, lengths, strict=True)):
+        requests.append(WorkloadRequest(
+            f"{label}-{i:05d}", draft.arrival_s * time_scale,
+            tuple(ids[start:start + prompt_len].tolist()), output_len, tenant=draft.tenant,
+            tag=draft.tag, ignore_eos=True))
+        start += prompt_len
+    return requests
 
 
 @dataclass(frozen=True)
@@ -195,14 +203,26 @@ def _jitter(mean: int, rng: random.Random) -> int:
     return round(mean * rng.uniform(1 - LENGTH_JITTER, 1 + LENGTH_JITTER))
 
 
-def _realize(request_id: str, draft: _Draft, length_scale: float, time_scale: float,
-             vocab_size: int, max_model_len: int, rng: random.Random) -> WorkloadRequest:
+def _lengths(draft: _Draft, length_scale: float, max_model_len: int) -> tuple[int, int]:
+    """A draft's prompt and output lengths, scaled, within the model's length."""
     prompt_len = min(max(1, round(draft.prompt_len * length_scale)), max_model_len - 1)
     output_len = min(max(1, round(draft.output_len * length_scale)), max_model_len - prompt_len)
-    # one call for the whole prompt: a call a token was most of a simulated bench's start-up
-    prompt = tuple(rng.choices(range(FIRST_PROMPT_TOKEN_ID, vocab_size), k=prompt_len))
-    return WorkloadRequest(request_id, draft.arrival_s * time_scale, prompt, output_len,
-                           tenant=draft.tenant, tag=draft.tag, ignore_eos=True)
+    return prompt_len, output_len
+
+
+def prompt_ids(rng: random.Random, vocab_size: int, count: int) -> np.ndarray:
+    """`rng.choices(range(FIRST_PROMPT_TOKEN_ID, vocab_size), k=count)`: the same ids, and
+    `rng` left where that call leaves it. numpy draws them from `rng`'s own Mersenne Twister
+    state, with the same doubles and the same floor(random() * n): a Python call a token was
+    most of a simulated bench's start-up. An array, sliced a prompt at a time: a list of
+    millions would be walked by every young collection while the workload is built."""
+    version, state, gauss = rng.getstate()
+    twister = np.random.RandomState()
+    twister.set_state(("MT19937", np.array(state[:-1], dtype=np.uint32), state[-1]))
+    ids = np.floor(twister.random_sample(count) * float(vocab_size - FIRST_PROMPT_TOKEN_ID))
+    _, keys, position, _, _ = twister.get_state()
+    rng.setstate((version, (*keys.tolist(), position), gauss))
+    return ids.astype(np.int64) + FIRST_PROMPT_TOKEN_ID
 
 
 def conversation_requests(conversations: Sequence[Conversation], *, vocab_size: int,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import threading
 from collections import deque
@@ -71,6 +72,11 @@ class _Window:
         self.times.append(ts)
         self.samples.append(value)
 
+    def add_all(self, ts: float, values: list[float]) -> None:
+        """`add(ts, value)` for each of `values`: a step's gaps share its timestamp."""
+        self.times.extend(itertools.repeat(ts, len(values)))
+        self.samples.extend(values)
+
     def values(self, now: float) -> list[float]:
         self._expire(now)
         return list(self.samples)
@@ -108,6 +114,15 @@ class Histogram:
         self.counts[bisect.bisect_left(self.buckets, value)] += 1
         self.total += value
         self.count += 1
+
+    def observe_all(self, values: list[float]) -> None:
+        """`observe` each of `values`, in order (the float total adds up alike)."""
+        counts, buckets, total = self.counts, self.buckets, self.total
+        for value in values:
+            counts[bisect.bisect_left(buckets, value)] += 1
+            total += value
+        self.total = total
+        self.count += len(values)
 
     def cumulative(self) -> list[tuple[str, int]]:
         """(le, cumulative count) pairs as Prometheus exposes them."""
@@ -197,10 +212,15 @@ class Metrics:
         self._preempted: dict[str, int] = {}  # live requests' preemptions so far
         self._cached: dict[str, int] = {}  # live requests' prefix-cache hit at first admission
 
-    def subscribe_to(self, bus: EventBus) -> None:
-        """Hear `bus`'s events; kinds no handler takes are never delivered."""
-        for kind, handler in self._handlers().items():
-            bus.subscribe(handler, (kind,))
+    def subscribe_to(self, bus: EventBus) -> Callable[[], None]:
+        """Hear `bus`'s events (kinds no handler takes are never delivered); returns what
+        stops it hearing them."""
+        stops = [bus.subscribe(handler, (kind,)) for kind, handler in self._handlers().items()]
+
+        def unsubscribe() -> None:
+            for stop in stops:
+                stop()
+        return unsubscribe
 
     def observe(self, event: Event) -> None:
         """One event, handed here by a caller without a bus."""
@@ -221,12 +241,14 @@ class Metrics:
         with self._lock:
             self.generation_tokens_total += count
             self._step_output += count
-            for request_id in event.request_ids:
+            gaps = []
+            for request_id in event.request_ids:  # one twice in an event: a gap of 0 s
                 last = last_token_ts.get(request_id)
                 if last is not None:
-                    self.itl.observe(ts - last)
-                    self.recent_itl.add(ts, ts - last)
+                    gaps.append(ts - last)
                 last_token_ts[request_id] = ts
+            self.itl.observe_all(gaps)
+            self.recent_itl.add_all(ts, gaps)
 
     def _on_step(self, event: StepComplete) -> None:
         tokens = event.prefill_tokens + event.decode_seqs

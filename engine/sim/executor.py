@@ -115,17 +115,15 @@ class SimulatedExecutor:
         elif served is not None:
             seconds = served.forward_seconds(shape, seconds)
         self.clock.advance_to(start + seconds)
-        tokens = {c.request_id: self._placeholder(c.start + c.num_tokens, stops[c.request_id])
-                  for c in batch.sampling}
+        vocab, never = self.model_config.vocab_size, self._never
+        tokens = {}
+        for c in batch.sampling:
+            # a deterministic token that never ends a request early, as in ignore-EOS workloads
+            token, stop = (c.start + c.num_tokens) % vocab, stops[c.request_id]
+            while token in never or token in stop:
+                token = (token + 1) % vocab
+            tokens[c.request_id] = token
         return ModelRunnerOutput(token_ids=tokens)
-
-    def _placeholder(self, position: int, stop: tuple[int, ...]) -> int:
-        """A deterministic token that never ends a request early, as in ignore-EOS workloads."""
-        vocab = self.model_config.vocab_size
-        token = position % vocab
-        while token in self._never or token in stop:
-            token = (token + 1) % vocab
-        return token
 
 
 @dataclass(frozen=True)

@@ -19,20 +19,25 @@ from engine.sim.executor import SimulatedExecutor, VirtualClock, simulated_engin
 from engine.sim.router import RoutePolicy, Router
 from engine.sim.target import SimTarget
 
-# A step's many short-lived, acyclic objects would run the collector every few steps.
-FLEET_GC_THRESHOLD = 100_000
 # An idle engine starts its step a little after an arrival, so a burst shares that step.
 HOST_WAKE_S = 0.002
 
 
 @contextmanager
-def _fewer_collections() -> Iterator[None]:
-    saved = gc.get_threshold()
-    gc.set_threshold(FLEET_GC_THRESHOLD, *saved[1:])
+def _no_collections() -> Iterator[None]:
+    """A run's many short-lived objects are acyclic: a collection during it would only walk
+    them. After it, what survived goes to the oldest generation unwalked (freeze, then
+    unfreeze), so the first young collection does not walk the whole run either; the next
+    full collection still finds any cycle."""
+    enabled = gc.isenabled()
+    gc.disable()
     try:
         yield
     finally:
-        gc.set_threshold(*saved)
+        gc.freeze()
+        gc.unfreeze()
+        if enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True)
@@ -72,10 +77,11 @@ def run_fleet(config: EngineConfig, target: SimTarget, workload: list[WorkloadRe
     recorders = [Recorder() for _ in range(replicas)]
     for engine, recorder in zip(engines, recorders, strict=True):
         engine.bus.subscribe(recorder, Recorder.KINDS)
+        engine.stop_metrics()  # the run is its recorders': the engines' metrics go unread
     pending = deque(sorted(workload, key=lambda w: w.arrival_s))
     wake_s = HOST_WAKE_S if target.calibration is not None else 0.0
     busy: set[int] = set()
-    with _fewer_collections():
+    with _no_collections():
         while pending or busy:
             arrival = pending[0].arrival_s if pending else math.inf
             behind = min(busy, key=lambda i: clocks[i].now) if busy else None
