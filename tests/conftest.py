@@ -3,6 +3,7 @@ PostgreSQL cluster for the store's tests on both databases."""
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,6 +15,23 @@ from engine import Engine
 from engine.config import EngineConfig
 from engine.serve.loop import EngineLoop
 from tests.postgres import Cluster, cluster, skip_or_fail, unavailable
+
+SOAK_WHY = "a soak: CI runs it (CI=true), as do `--soak` and naming its file"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak", action="store_true", help="run the tests marked soak (CI does)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Soaks run in CI, with --soak, or when their file is named; elsewhere each is skipped
+    with the reason, so the loop before a commit stays short and CI still runs everything."""
+    if config.getoption("--soak") or os.environ.get("CI") == "true":
+        return
+    named = {Path(arg.split("::", 1)[0]).resolve() for arg in config.args}
+    for item in items:
+        if item.get_closest_marker("soak") is not None and item.path not in named:
+            item.add_marker(pytest.mark.skip(reason=SOAK_WHY))
 
 
 @pytest.fixture(autouse=True)
