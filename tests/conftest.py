@@ -3,6 +3,7 @@ PostgreSQL cluster for the store's tests on both databases."""
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 from collections.abc import Callable, Iterator
@@ -32,6 +33,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("soak") is not None and item.path not in named:
             item.add_marker(pytest.mark.skip(reason=SOAK_WHY))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The worker's heap once every module is imported (torch, transformers, textual, the
+    tree) is kept out of later collections, as serve keeps its start-up heap: each gen-2
+    collection a test triggers then walks only what tests made."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
@@ -78,6 +87,18 @@ def _quiet_host() -> Iterator[None]:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(equipped, "HostSensor", quiet)
+        yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _small_host_pools() -> Iterator[None]:
+    """An engine built here without a KV size gets 32 MiB, not the 256 MiB a user's CPU
+    engine gets: every page of a pool is faulted in as it is made, hundreds of engines are
+    made, and no test's requests need more. Tests of the pool's sizing give theirs."""
+    from engine.core import model_runner
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_runner, "CPU_KV_BYTES_DEFAULT", 32 * 2**20)
         yield
 
 
