@@ -3,6 +3,8 @@ PostgreSQL cluster for the store's tests on both databases."""
 
 from __future__ import annotations
 
+import gc
+import os
 import random
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -14,6 +16,31 @@ from engine import Engine
 from engine.config import EngineConfig
 from engine.serve.loop import EngineLoop
 from tests.postgres import Cluster, cluster, skip_or_fail, unavailable
+
+SOAK_WHY = "a soak: CI runs it (CI=true), as do `--soak` and naming its file"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak", action="store_true", help="run the tests marked soak (CI does)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Soaks run in CI, with --soak, or when their file is named; elsewhere each is skipped
+    with the reason, so the loop before a commit stays short and CI still runs everything."""
+    if config.getoption("--soak") or os.environ.get("CI") == "true":
+        return
+    named = {Path(arg.split("::", 1)[0]).resolve() for arg in config.args}
+    for item in items:
+        if item.get_closest_marker("soak") is not None and item.path not in named:
+            item.add_marker(pytest.mark.skip(reason=SOAK_WHY))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The worker's heap once every module is imported (torch, transformers, textual, the
+    tree) is kept out of later collections, as serve keeps its start-up heap: each gen-2
+    collection a test triggers then walks only what tests made."""
+    gc.collect()
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)
@@ -60,6 +87,18 @@ def _quiet_host() -> Iterator[None]:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(equipped, "HostSensor", quiet)
+        yield
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _small_host_pools() -> Iterator[None]:
+    """An engine built here without a KV size gets 32 MiB, not the 256 MiB a user's CPU
+    engine gets: every page of a pool is faulted in as it is made, hundreds of engines are
+    made, and no test's requests need more. Tests of the pool's sizing give theirs."""
+    from engine.core import model_runner
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_runner, "CPU_KV_BYTES_DEFAULT", 32 * 2**20)
         yield
 
 

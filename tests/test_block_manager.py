@@ -32,6 +32,7 @@ operation = st.one_of(
 
 
 @pytest.mark.slow  # 1,000 examples
+@pytest.mark.soak
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(operation, min_size=1, max_size=20))
 def test_no_block_leaks_or_double_frees(ops: list[tuple[str, int, int]]) -> None:

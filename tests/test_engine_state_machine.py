@@ -117,7 +117,7 @@ class EngineUnderTime(RuleBasedStateMachine):
 EngineUnderTime.TestCase.settings = settings(
     max_examples=EXAMPLES, stateful_step_count=20, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
-TestEngineUnderTime = pytest.mark.slow(EngineUnderTime.TestCase)  # many engine runs
+TestEngineUnderTime = pytest.mark.soak(pytest.mark.slow(EngineUnderTime.TestCase))  # many runs
 
 
 def test_a_patch_that_strands_a_queued_prefill_fails_it_with_the_reason() -> None:

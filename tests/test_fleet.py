@@ -9,7 +9,8 @@ from tests.fleet import listed_servers, soak
 from tests.postgres import Cluster
 
 
-@pytest.mark.slow  # a soak: servers killed and restarted
+@pytest.mark.slow  # servers killed and restarted, again and again
+@pytest.mark.soak
 def test_two_servers_write_one_history_through_kills_and_restarts(postgres: Cluster) -> None:
     db = postgres.create_database()
     report = soak(db, kills=2)

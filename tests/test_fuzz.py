@@ -123,7 +123,8 @@ def check_completion(response: httpx.Response, body: bytes) -> bool:
     return True
 
 
-@pytest.mark.slow  # a soak: 2,000 bodies
+@pytest.mark.slow  # 2,000 bodies
+@pytest.mark.soak
 def test_fuzz_completions_then_live_config(server: Server) -> None:
     @settings(max_examples=COMPLETIONS, **FUZZ)
     @given(body=bodies)

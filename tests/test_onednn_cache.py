@@ -63,14 +63,16 @@ def child_env(**capacities: str) -> dict[str, str]:
     return {**env, **capacities}
 
 
-@pytest.mark.slow  # a soak over many step sizes
+@pytest.mark.slow  # many step sizes
+@pytest.mark.soak
 def test_primitive_memory_stays_flat_over_many_step_sizes() -> None:
     figures = run_child(child_env())
     assert figures["capacity"] == [str(ONEDNN_CACHE_ENTRIES)] * len(ONEDNN_CACHE_ENV)
     assert figures["grown"] < BOUND_BYTES
 
 
-@pytest.mark.slow  # a soak over many step sizes
+@pytest.mark.slow  # many step sizes
+@pytest.mark.soak
 def test_a_capacity_the_user_set_is_kept() -> None:
     """And the count has teeth: at oneDNN's own capacity the same traffic grows by far more."""
     figures = run_child(child_env(**dict.fromkeys(ONEDNN_CACHE_ENV, str(OLD_DEFAULT))))

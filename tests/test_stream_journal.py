@@ -51,6 +51,7 @@ def chunks(response: httpx.Response) -> Iterator[dict[str, object] | str]:
 
 
 @pytest.mark.slow  # kills serve at each point of a stream
+@pytest.mark.soak
 def test_kills_at_each_point_of_a_stream(tmp_path: Path) -> None:
     db = tmp_path / "serve.db"
     name = ("--server-name", "box-a")  # the restart is the same server, whatever its port

@@ -13,6 +13,7 @@ a record's objects (a slow query's chunks and timeline) are checked the same way
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import types
 import typing
@@ -81,11 +82,17 @@ def _in_range(value: int | float) -> bool:
     return math.isfinite(value) and -MAX_FIGURE <= value <= MAX_FIGURE
 
 
+@functools.cache
+def _hints(kind: type) -> dict[str, Any]:
+    """A row type's resolved annotations: resolving them is most of a row's check."""
+    return typing.get_type_hints(kind)
+
+
 def _checked(kind: type, data: object, where: str) -> dict[str, Any]:
     if not isinstance(data, Mapping):
         raise SourceError(f"{where}: expected an object for {kind.__name__}, got "
                           f"{type(data).__name__}")
-    hints = typing.get_type_hints(kind)
+    hints = _hints(kind)
     values: dict[str, Any] = {}
     for item in dataclasses.fields(kind):
         if item.name in data:
