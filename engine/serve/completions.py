@@ -26,6 +26,7 @@ from engine.model.detokenizer import IncrementalDetokenizer
 from engine.serve.loop import EngineLoop
 from engine.serve.mailbox import Mailbox
 from engine.serve.memory import IdleTrim
+from engine.serve.outputs import coalesced
 from engine.serve.protocol import (
     ApiError,
     BodyLimits,
@@ -372,18 +373,27 @@ class Generations:
                       queue: asyncio.Queue[tuple[int, RequestOutput]],
                       choices: list[Choice], reply: ReplyFormat,
                       texts: Texts, generation: Generation) -> AsyncIterator[str]:
-        """One SSE chunk per choice per generated token, as vLLM sends them (see Texts)."""
+        """One SSE chunk per choice per step's output (see Texts). What a slow client or a busy
+        event loop left queued goes as one chunk a choice (`coalesced`): the loop formats and
+        sends once what the engine made in several steps, and falls no further behind."""
         started: set[int] = set()
         finished: set[int] = set()
         parked: dict[int, list[tuple[int, RequestOutput]]] = {}  # by scorer: until it is heard
         try:
             while len(finished) < len(request_ids):
-                heard = await self._next(queue)
-                _raise_if_refused(self.engine_loop, heard[1])
-                if choices[heard[0]].awaits_scorer:
-                    parked.setdefault(heard[0] - heard[0] % generation.n, []).append(heard)
-                    continue
-                for index, output in [heard, *parked.pop(heard[0], ())]:
+                waiting = [await self._next(queue)]
+                while not queue.empty():
+                    waiting.append(queue.get_nowait())
+                ready: list[tuple[int, RequestOutput]] = []
+                for heard in coalesced(waiting):
+                    _raise_if_refused(self.engine_loop, heard[1])
+                    scorer = heard[0] - heard[0] % generation.n
+                    # a scorer heard in this same batch goes out first: no need to park
+                    if choices[heard[0]].awaits_scorer and all(i != scorer for i, _ in ready):
+                        parked.setdefault(scorer, []).append(heard)
+                    else:
+                        ready += coalesced([heard, *parked.pop(heard[0], ())])
+                for index, output in ready:
                     if index not in started or output.finished:
                         await _journaled(self.engine_loop)
                     choice = choices[index]
