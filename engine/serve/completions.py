@@ -9,6 +9,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -48,8 +49,9 @@ ERROR_CHECK_S = 1.0
 JOURNAL_WAIT_S = 10.0
 FINISH_REASONS = {"stop": "stop", "length": "length", "aborted": "abort"}
 MIN_LOGPROB = -9999.0  # vLLM's floor: JSON has no -inf
-# An answer of this many entries (answer_entries) or more is built on a worker thread.
+# An answer of this many entries (answer_entries) or more is built on the answer thread.
 OFF_LOOP_ENTRIES = 4096
+ANSWER_THREAD = "tokenflow-answers"
 
 
 @dataclass(frozen=True)
@@ -197,6 +199,10 @@ class Generations:
         self.trim = IdleTrim()
         self.defaults: SamplingDefaults = load_defaults(engine_loop.engine.config.model)
         self._mailbox: Mailbox | None = None
+        # large answers are built one at a time on a thread of their own: four built at once
+        # on the worker pool each took the GIL in turn with the engine's thread and the event
+        # loop, so every other client waited behind all four
+        self.answers = ThreadPoolExecutor(1, thread_name_prefix=ANSWER_THREAD)
 
     @property
     def served(self) -> str:
@@ -364,9 +370,9 @@ class Generations:
             return _json_bytes(reply.final(choices, _usage(choices, n)))
 
         # a large answer (logprobs of many choices) is built off the event loop; a small one
-        # on it, where a worker thread's two hand-offs would cost more than building it
+        # on it, where another thread's two hand-offs would cost more than building it
         body = (build() if answer_entries(choices) < OFF_LOOP_ENTRIES
-                else await run_in_threadpool(build))
+                else await asyncio.get_running_loop().run_in_executor(self.answers, build))
         return Response(body, media_type="application/json")
 
     async def _events(self, request_ids: list[str],
