@@ -332,10 +332,12 @@ class Generations:
 
     async def _next(self, queue: asyncio.Queue[tuple[int, RequestOutput]]
                     ) -> tuple[int, RequestOutput]:
-        """The next output of any choice; a dead engine thread never sends one, so check it."""
+        """The next output of any choice; a dead engine thread never sends one, so check it.
+        A timeout scope, not wait_for: no task a wait, which each stream paid once a step."""
         while True:
             try:
-                return await asyncio.wait_for(queue.get(), ERROR_CHECK_S)
+                async with asyncio.timeout(ERROR_CHECK_S):
+                    return await queue.get()
             except TimeoutError:
                 if self.engine_loop.error is not None:
                     raise _engine_down(self.engine_loop) from None
