@@ -2,7 +2,10 @@
 bystander sends 8-token completions: every attack must be refused or served within its bound,
 the server's RSS must stay under 1.5x its idle RSS, and the bystander's p99 under 2x its idle
 p99. Run through `benchmarks/fuzz_server.py --attacks`; prints one JSON object, and on stderr
-a line per attack with its ratios and PASS, or FAIL naming the bounds it missed.
+a line per attack with its ratios and PASS, or FAIL naming the bounds it missed. The
+stop-strings and big-answer attacks also send the same requests without their hostile field
+(stop strings; echo and logprobs), and report the bystander's p99 beside each as a figure
+apart: what the field costs beyond the batch load the requests bring anyway.
 
 Each attack is scaled to finish in seconds on a 2-core machine; the figure it once reached is
 beside it in ATTACKS' descriptions (docs/benchmarks.md holds the measured runs).
@@ -49,6 +52,7 @@ class Bystander:
 
     port: int
     latencies: list[float] = field(default_factory=list)
+    starts: list[float] = field(default_factory=list)  # each latency's perf_counter start
     failures: list[str] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -63,6 +67,7 @@ class Bystander:
                 self.failures.append(f"HTTP {response.status} {body[:120]!r}")
                 return
             self.latencies.append(time.perf_counter() - started)
+            self.starts.append(started)
         except (OSError, http.client.HTTPException) as exc:
             self.failures.append(f"{type(exc).__name__}: {exc}")
         finally:
@@ -71,6 +76,22 @@ class Bystander:
     def run(self) -> None:
         while not self.stop.is_set():
             self.one()
+
+
+# Where an attack also sends the same requests without their hostile field, the periods of
+# each ("hostile", "plain"): the bystander's p99 beside the one over its p99 beside the other
+# says what the hostile field costs, apart from the batch load the requests bring anyway.
+PHASES: dict[str, list[tuple[str, float, float]]] = {}
+
+
+def phase_p99(bystander: Bystander, periods: list[tuple[str, float, float]], kind: str
+              ) -> tuple[float, int]:
+    """The bystander's p99 over its requests sent and answered within `kind`'s periods."""
+    inside = [latency for start, latency in zip(bystander.starts, bystander.latencies,
+                                                 strict=True)
+              if any(k == kind and t0 <= start and start + latency <= t1
+                     for k, t0, t1 in periods)]
+    return p99(inside), len(inside)
 
 
 def p99(values: list[float]) -> float:
@@ -142,10 +163,12 @@ def stop_strings(port: int) -> tuple[dict[str, object], bool]:
     at_limit = json.dumps({**plain, "stop": [f"{chr(0x4e00 + i)}{'z' * 62}"
                                              for i in range(64)]}).encode()
     walls = {}
+    periods = PHASES.setdefault("stop_strings", [])
     for name, body in (("without", json.dumps(plain).encode()), ("with", at_limit),
                        ("without_again", json.dumps(plain).encode())):
         started = time.perf_counter()
         served = many(16, lambda _i, body=body: post(port, body, source=STOP_STRINGS_FROM))
+        periods.append(("hostile" if name == "with" else "plain", started, time.perf_counter()))
         walls[name] = round(time.perf_counter() - started, 2)
         counted = statuses(served)
     ratio = walls["with"] / min(walls["without"], walls["without_again"])
@@ -195,12 +218,22 @@ def big_answer(port: int) -> tuple[dict[str, object], bool]:
 
     prober = threading.Thread(target=probe, daemon=True)
     prober.start()
+    started = time.perf_counter()
     results = many(4, lambda _i: post(port, inside, source=BIG_ANSWER_FROM))
+    periods = PHASES.setdefault("big_answer", [])
+    periods.append(("hostile", started, time.perf_counter()))
     done.set()
     prober.join(30)
+    # the same 4 x 8 choices of a 1,500-token prompt without echo and logprobs (another
+    # prompt, so the first's cached blocks do not make it cheaper)
+    plain = json.dumps({"prompt": "xyz" * 500, "n": 8, "max_tokens": 1}).encode()
+    started = time.perf_counter()
+    plain_results = many(4, lambda _i: post(port, plain, source=BIG_ANSWER_FROM))
+    periods.append(("plain", started, time.perf_counter()))
     sizes = [len(r[1]) for r in results if isinstance(r, tuple)]
     worst = max(health) if health else float("nan")
     return ({"27MiB_request": refused, "inside_the_share": statuses(results),
+             "without_echo_and_logprobs": statuses(plain_results),
              "answer_bytes": max(sizes) if sizes else 0, "health_worst_s": round(worst, 3)},
             refused == 400 and statuses(results) == {"200": 4} and worst < 1.0)
 
@@ -332,7 +365,12 @@ def summary_line(name: str, result: dict[str, object]) -> str:
             f"{result['rss_after_x_idle']:.2f}x (< {RSS_BOUND}x)  bystander p99 "
             f"{result['bystander_p99_x_idle']:.2f}x idle, "
             f"{result['bystander_p99_x_idle_just_before']:.2f}x just before (< {P99_BOUND}x)"
-            f"  {verdict}")
+            f"  {verdict}" + (
+                f"\n{'':15} beside the same requests without the hostile field: bystander p99 "
+                f"{result['bystander_p99_hostile_ms']} ms against "
+                f"{result['bystander_p99_plain_ms']} ms, "
+                f"{result['bystander_p99_hostile_over_plain']:.2f}x (a figure apart, no bound)"
+                if "bystander_p99_hostile_over_plain" in result else ""))
 
 
 def run_attacks(idle_requests: int = 40, only: tuple[str, ...] = ()) -> int:
@@ -400,9 +438,17 @@ def run_attacks(idle_requests: int = 40, only: tuple[str, ...] = ()) -> int:
                           "bystander_served": not bystander.failures}
                 within = all(bounds.values())
                 ok &= within
+                split = {}
+                if name in PHASES:  # a separate figure: the bound above stays as it is
+                    hostile, hostile_n = phase_p99(bystander, PHASES[name], "hostile")
+                    plain, plain_n = phase_p99(bystander, PHASES[name], "plain")
+                    split = {"bystander_p99_hostile_over_plain": round(hostile / plain, 2),
+                             "bystander_p99_hostile_ms": round(hostile * 1000, 1),
+                             "bystander_p99_plain_ms": round(plain * 1000, 1),
+                             "bystander_requests_hostile_plain": [hostile_n, plain_n]}
                 report[name] = {
                     "outcome": outcome, "held": held, "wall_s": round(
-                        time.perf_counter() - started, 1),
+                        time.perf_counter() - started, 1), **split,
                     "rss_peak_x_idle": round(peak[0] / idle_rss, 2),
                     "rss_after_x_idle": round(after_rss / idle_rss, 2),
                     "bystander_requests": len(bystander.latencies),

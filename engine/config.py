@@ -229,6 +229,9 @@ class EngineConfig:
     chunk_tile: int = 16
     max_prefill_chunks: int = 4
     long_prefill_threshold: int = 0
+    # prompt tokens a step that holds decodes may take after them (0: the budget's rest), so a
+    # long prompt's chunks never make a running decode's step a prefill's (Sarathi-Serve)
+    mixed_step_prefill_tokens: int = 0
     # the decode cadence (engine/core/cadence.py): a step with this many decodes starts new
     # prefills only with a step's worth waiting or the oldest waiting this long; 0: off
     cadence_min_decodes: int = 0
@@ -283,6 +286,9 @@ class EngineConfig:
         )
         _check(self.max_prefill_chunks >= 1, "max_prefill_chunks", "must be >= 1")
         _check(self.long_prefill_threshold >= 0, "long_prefill_threshold", "must be >= 0")
+        _check(self.mixed_step_prefill_tokens == 0
+               or self.mixed_step_prefill_tokens >= self.chunk_tile, "mixed_step_prefill_tokens",
+               f"must be 0 (off) or at least chunk_tile ({self.chunk_tile})")
         _check(self.cadence_min_decodes >= 0, "cadence_min_decodes", "must be >= 0 (0: off)")
         _check(0 <= self.cadence_max_wait_ms < float("inf"), "cadence_max_wait_ms",
                "must be a number of milliseconds >= 0")

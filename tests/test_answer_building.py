@@ -1,9 +1,11 @@
 """A non-streamed answer is built where it costs least: a small one on the event loop, one
-of many entries (logprobs of many choices) on a worker thread, so the loop keeps answering."""
+of many entries (logprobs of many choices) on the answer thread, one at a time, so the loop
+keeps answering and several large answers never take the GIL from everyone at once."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,7 +15,7 @@ import pytest
 from engine.batch import TokenLogprob
 from engine.serve import completions
 from engine.serve.app import create_app
-from engine.serve.completions import OFF_LOOP_ENTRIES, Choice, answer_entries
+from engine.serve.completions import ANSWER_THREAD, OFF_LOOP_ENTRIES, Choice, answer_entries
 from engine.serve.loop import EngineLoop
 from engine.serve.thread import ServerThread
 
@@ -66,3 +68,34 @@ def test_an_answers_entries_count_tokens_and_each_logprob_alternative() -> None:
     assert answer_entries([scorer]) == 7 + 7 * 3
     assert answer_entries([scorer, follower]) == 7 + 7 * 3 + 6 + 5 * 3
     assert answer_entries([scorer]) < OFF_LOOP_ENTRIES
+
+
+def test_large_answers_sent_at_once_are_built_one_at_a_time_on_the_answer_thread(
+        server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> None:
+    building, most, threads = [0], [0], []
+    lock = threading.Lock()
+    real = completions._json_bytes
+
+    def watched(data: Any) -> bytes:
+        with lock:
+            building[0] += 1
+            most[0] = max(most[0], building[0])
+            threads.append(threading.current_thread().name)
+        try:
+            return real(data)
+        finally:
+            with lock:
+                building[0] -= 1
+
+    monkeypatch.setattr(completions, "_json_bytes", watched)
+
+    async def four() -> list[int]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            replies = await asyncio.gather(*(client.post("/v1/completions", json={
+                "prompt": "abc" * 30, "max_tokens": 1, "echo": True, "logprobs": 20, "n": 8,
+                "temperature": 0}) for _ in range(4)))
+        return [reply.status_code for reply in replies]
+
+    assert asyncio.run(four()) == [200] * 4
+    assert len(threads) == 4 and all(name.startswith(ANSWER_THREAD) for name in threads)
+    assert most[0] == 1

@@ -97,7 +97,8 @@ def test_streaming_sends_every_token_then_done(client: httpx.Client) -> None:
     chunks = [json.loads(e) for e in events[:-1]]
     usage = chunks.pop()
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 8
-    assert [len(c["choices"][0]["token_ids"]) for c in chunks] == [1] * 8  # one per token
+    # a chunk a step's output, or what a stream fell behind on (test_stream_coalescing)
+    assert all(c["choices"][0]["token_ids"] for c in chunks)
     streamed = [t for c in chunks for t in c["choices"][0]["token_ids"]]
     assert streamed == expected["choices"][0]["token_ids"]
     assert "".join(c["choices"][0]["text"] for c in chunks) == expected["choices"][0]["text"]
@@ -114,7 +115,7 @@ def test_streamed_text_holds_back_incomplete_characters(client: httpx.Client,
                              "ignore_eos": True, "stream": True}) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines()
                   if line.startswith("data: {")]
-    assert len(chunks) == 48
+    assert sum(len(chunk["choices"][0]["token_ids"]) for chunk in chunks) == 48
     tokens: list[int] = []
     text = ""
     for chunk in chunks:

@@ -15,6 +15,9 @@ from engine.slo_targets import CHAT_ITL_MS, CHAT_TTFT_MS
 if TYPE_CHECKING:
     from engine.serve.session import EngineSession
 
+# serve's bound on a mixed step's prompt tokens: a decode beside a long prompt's chunks
+# costs a few times a decode-only step, not a whole budget's prefill
+SERVE_MIXED_STEP_PREFILL_TOKENS = 32
 # flag name -> (EngineConfig field, type, help)
 _FLAGS: dict[str, tuple[str, type, str]] = {
     "--model": ("model", str, f"synthetic:<preset> ({', '.join(PRESETS)}) or a local "
@@ -34,6 +37,10 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
     "--max-prefill-chunks": ("max_prefill_chunks", int, "prefills that may share a step"),
     "--long-prefill-threshold": ("long_prefill_threshold", int,
                                  "cap on one request's chunk (0 = none)"),
+    "--mixed-step-prefill-tokens": ("mixed_step_prefill_tokens", int,
+                                    "the most prompt tokens a step that holds decodes takes "
+                                    "after them (0 = the budget's rest; serve's default: "
+                                    f"{SERVE_MIXED_STEP_PREFILL_TOKENS})"),
     "--max-prefill-tokens": ("max_prefill_tokens", int, "circuit breaker base (0 = model limit)"),
     "--cadence-min-decodes": ("cadence_min_decodes", int,
                               "a step with this many decodes starts new prefills only with a "
@@ -78,26 +85,30 @@ _ALIASES = {"--enable-prefix-caching": ("--prefix-caching",)}
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, model_default: str = "synthetic:small",
-                     skip: frozenset[str] = frozenset()) -> None:
-    """Every engine flag but those in `skip` (a command they would mean nothing to)."""
+                     skip: frozenset[str] = frozenset(),
+                     defaults: dict[str, object] | None = None) -> None:
+    """Every engine flag but those in `skip` (a command they would mean nothing to);
+    `defaults`: this command's own, by EngineConfig field."""
     group = parser.add_argument_group("engine")
     for flag in _FLAGS:
         if flag not in skip:
-            add_engine_flag(group, flag, model_default)
+            add_engine_flag(group, flag, model_default, defaults)
 
 
 SLO_FLAGS = frozenset({"--slo-ttft-ms", "--slo-itl-ms"})
 
 
 def add_engine_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str,
-                    model_default: str = "synthetic:small") -> None:
+                    model_default: str = "synthetic:small",
+                    defaults: dict[str, object] | None = None) -> None:
     """One of the engine flags, for a command that takes only a few of them."""
     field, kind, text = _FLAGS[flag]
     if kind is bool:  # --flag / --no-flag; neither keeps EngineConfig's default
         parser.add_argument(flag, *_ALIASES.get(flag, ()), dest=field,
                             action=argparse.BooleanOptionalAction, help=text)
         return
-    default = model_default if field == "model" else _CLI_DEFAULTS.get(field)
+    default = model_default if field == "model" else {**_CLI_DEFAULTS, **(defaults or {})}.get(
+        field)
     parser.add_argument(flag, dest=field, type=kind, default=default, help=text)
 
 

@@ -22,7 +22,12 @@ from types import FrameType
 import uvicorn
 
 from console.cli.db import add_db_argument, add_server_name_argument
-from console.cli.engine_flags import add_engine_flags, engine_config, start_session
+from console.cli.engine_flags import (
+    SERVE_MIXED_STEP_PREFILL_TOKENS,
+    add_engine_flags,
+    engine_config,
+    start_session,
+)
 from console.cli.otlp_flags import add_otlp_token_flags, otlp_token
 from console.errors import UserError
 from engine.serve.app import (
@@ -114,7 +119,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="with --otlp-listen: the traced servers' GPU (h100, h200, ... or "
                              "cpu; default: NVML here)")
     add_otlp_token_flags(traces)
-    add_engine_flags(parser)
+    add_engine_flags(parser,
+                     defaults={"mixed_step_prefill_tokens": SERVE_MIXED_STEP_PREFILL_TOKENS})
     parser.set_defaults(func=run)
 
 

@@ -223,6 +223,8 @@ class Scheduler:
 
     def _schedule_prefills(self, batch: Batch, budget: int, chunk_cap: float) -> None:
         cfg = self.config
+        if batch.decodes and cfg.mixed_step_prefill_tokens:
+            budget = min(budget, cfg.mixed_step_prefill_tokens)  # decodes first, then this
         chunking = RequestState.PREFILL_CHUNKING
         in_progress = [r for r in self.running if r.state is chunking]
         if len(in_progress) > 1:

@@ -59,6 +59,10 @@ class WindowStats:
     step: Percentiles
 
 
+def _step_ts(step: tuple[float, float, int, int, int, int]) -> float:
+    return step[0]
+
+
 class _Window:
     """(timestamp, value) samples no older than `span_s` before the latest one seen."""
 
@@ -204,7 +208,11 @@ class Metrics:
         self.recent_step = _Window(window_s)
         self.recent_queried = _Window(window_s)
         self.recent_cached = _Window(window_s)
-        self._rate: deque[tuple[float, float, int, int]] = deque(maxlen=WINDOW_SAMPLES)
+        # per step: (ts, duration, tokens, output tokens, and both summed over every step so
+        # far): a window's sums are two lookups, not a walk over its steps
+        self._rate: deque[tuple[float, float, int, int, int, int]] = deque(
+            maxlen=WINDOW_SAMPLES)
+        self._rate_totals = (0, 0)
         self._step_output = 0
         self._last_token_ts: dict[str, float] = {}
         # live requests whose prompt is counted: a restart re-adds them, the same requests
@@ -255,7 +263,10 @@ class Metrics:
         with self._lock:
             self.iteration_tokens.observe(tokens)
             self.recent_step.add(event.ts, event.duration_s)
-            self._rate.append((event.ts, event.duration_s, tokens, self._step_output))
+            output = self._step_output
+            total_tokens, total_output = self._rate_totals
+            self._rate_totals = (total_tokens + tokens, total_output + output)
+            self._rate.append((event.ts, event.duration_s, tokens, output, *self._rate_totals))
             self._step_output = 0
             horizon = event.ts - RATE_WINDOW_S
             while self._rate and self._rate[0][0] < horizon:
@@ -330,13 +341,18 @@ class Metrics:
     def rates(self, now: float) -> tuple[float, float]:
         """(tokens/s, output tokens/s) over RATE_WINDOW_S, or since its first step if later."""
         with self._lock:
-            window = [r for r in self._rate if r[0] >= now - RATE_WINDOW_S]
-        if not window:
-            return 0.0, 0.0
-        span = min(RATE_WINDOW_S, now - (window[0][0] - window[0][1]))
+            steps = self._rate  # in step order, so by time: the window is a tail of it
+            first = bisect.bisect_left(steps, now - RATE_WINDOW_S, key=_step_ts)
+            if first == len(steps):
+                return 0.0, 0.0
+            start, last = steps[first], steps[-1]
+        span = min(RATE_WINDOW_S, now - (start[0] - start[1]))
         if span <= 0:
             return 0.0, 0.0
-        return sum(r[2] for r in window) / span, sum(r[3] for r in window) / span
+        # the sums since the start less those before the window's first step
+        tokens = last[4] - start[4] + start[2]
+        output = last[5] - start[5] + start[3]
+        return tokens / span, output / span
 
     def prefix_cache_hit_rate(self, now: float) -> float | None:
         """Cached over queried tokens of admissions in the last `window_s`; None without any."""

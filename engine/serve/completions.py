@@ -9,6 +9,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -26,6 +27,7 @@ from engine.model.detokenizer import IncrementalDetokenizer
 from engine.serve.loop import EngineLoop
 from engine.serve.mailbox import Mailbox
 from engine.serve.memory import IdleTrim
+from engine.serve.outputs import coalesced
 from engine.serve.protocol import (
     ApiError,
     BodyLimits,
@@ -47,8 +49,9 @@ ERROR_CHECK_S = 1.0
 JOURNAL_WAIT_S = 10.0
 FINISH_REASONS = {"stop": "stop", "length": "length", "aborted": "abort"}
 MIN_LOGPROB = -9999.0  # vLLM's floor: JSON has no -inf
-# An answer of this many entries (answer_entries) or more is built on a worker thread.
+# An answer of this many entries (answer_entries) or more is built on the answer thread.
 OFF_LOOP_ENTRIES = 4096
+ANSWER_THREAD = "tokenflow-answers"
 
 
 @dataclass(frozen=True)
@@ -196,6 +199,10 @@ class Generations:
         self.trim = IdleTrim()
         self.defaults: SamplingDefaults = load_defaults(engine_loop.engine.config.model)
         self._mailbox: Mailbox | None = None
+        # large answers are built one at a time on a thread of their own: four built at once
+        # on the worker pool each took the GIL in turn with the engine's thread and the event
+        # loop, so every other client waited behind all four
+        self.answers = ThreadPoolExecutor(1, thread_name_prefix=ANSWER_THREAD)
 
     @property
     def served(self) -> str:
@@ -325,10 +332,12 @@ class Generations:
 
     async def _next(self, queue: asyncio.Queue[tuple[int, RequestOutput]]
                     ) -> tuple[int, RequestOutput]:
-        """The next output of any choice; a dead engine thread never sends one, so check it."""
+        """The next output of any choice; a dead engine thread never sends one, so check it.
+        A timeout scope, not wait_for: no task a wait, which each stream paid once a step."""
         while True:
             try:
-                return await asyncio.wait_for(queue.get(), ERROR_CHECK_S)
+                async with asyncio.timeout(ERROR_CHECK_S):
+                    return await queue.get()
             except TimeoutError:
                 if self.engine_loop.error is not None:
                     raise _engine_down(self.engine_loop) from None
@@ -363,27 +372,36 @@ class Generations:
             return _json_bytes(reply.final(choices, _usage(choices, n)))
 
         # a large answer (logprobs of many choices) is built off the event loop; a small one
-        # on it, where a worker thread's two hand-offs would cost more than building it
+        # on it, where another thread's two hand-offs would cost more than building it
         body = (build() if answer_entries(choices) < OFF_LOOP_ENTRIES
-                else await run_in_threadpool(build))
+                else await asyncio.get_running_loop().run_in_executor(self.answers, build))
         return Response(body, media_type="application/json")
 
     async def _events(self, request_ids: list[str],
                       queue: asyncio.Queue[tuple[int, RequestOutput]],
                       choices: list[Choice], reply: ReplyFormat,
                       texts: Texts, generation: Generation) -> AsyncIterator[str]:
-        """One SSE chunk per choice per generated token, as vLLM sends them (see Texts)."""
+        """One SSE chunk per choice per step's output (see Texts). What a slow client or a busy
+        event loop left queued goes as one chunk a choice (`coalesced`): the loop formats and
+        sends once what the engine made in several steps, and falls no further behind."""
         started: set[int] = set()
         finished: set[int] = set()
         parked: dict[int, list[tuple[int, RequestOutput]]] = {}  # by scorer: until it is heard
         try:
             while len(finished) < len(request_ids):
-                heard = await self._next(queue)
-                _raise_if_refused(self.engine_loop, heard[1])
-                if choices[heard[0]].awaits_scorer:
-                    parked.setdefault(heard[0] - heard[0] % generation.n, []).append(heard)
-                    continue
-                for index, output in [heard, *parked.pop(heard[0], ())]:
+                waiting = [await self._next(queue)]
+                while not queue.empty():
+                    waiting.append(queue.get_nowait())
+                ready: list[tuple[int, RequestOutput]] = []
+                for heard in coalesced(waiting):
+                    _raise_if_refused(self.engine_loop, heard[1])
+                    scorer = heard[0] - heard[0] % generation.n
+                    # a scorer heard in this same batch goes out first: no need to park
+                    if choices[heard[0]].awaits_scorer and all(i != scorer for i, _ in ready):
+                        parked.setdefault(scorer, []).append(heard)
+                    else:
+                        ready += coalesced([heard, *parked.pop(heard[0], ())])
+                for index, output in ready:
                     if index not in started or output.finished:
                         await _journaled(self.engine_loop)
                     choice = choices[index]

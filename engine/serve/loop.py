@@ -183,7 +183,9 @@ class EngineLoop:
                         self._supervised(self._feed_workload)
                         if not self._paused:  # a resume or a workload may have brought work
                             self._step_and_deliver()
-                        self.snapshots.publish(force=True)
+                        if not self._commands:  # a command's wake: its own pass publishes,
+                            # after it runs (a snapshot now would only delay the command)
+                            self.snapshots.publish(force=True)
                     if self._stopping:
                         return
                     commands, self._commands = self._commands, deque()

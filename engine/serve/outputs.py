@@ -1,4 +1,5 @@
-"""Each request's output callback and what it has heard, delivered on the loop's thread."""
+"""Each request's output callback and what it has heard, delivered on the loop's thread;
+outputs a consumer fell behind on, merged."""
 
 from __future__ import annotations
 
@@ -14,6 +15,28 @@ OutputCallback = Callable[[RequestOutput], None]
 def failed(request_id: str, reason: str) -> RequestOutput:
     """The last output of a request that ended outside the engine's steps."""
     return RequestOutput(request_id, (), True, reason, RequestState.FAILED.value)
+
+
+def coalesced(outputs: Sequence[tuple[int, RequestOutput]]) -> list[tuple[int, RequestOutput]]:
+    """(choice index, output) pairs with each choice's outputs merged into one, in the order of
+    each choice's first: a stream behind its engine sends what piled up as one chunk instead of
+    one a token, as vLLM's output collector merges outputs its consumer has not taken."""
+    merged: dict[int, RequestOutput] = {}
+    for index, output in outputs:
+        earlier = merged.get(index)
+        merged[index] = output if earlier is None else _joined(earlier, output)
+    return list(merged.items())
+
+
+def _joined(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive outputs of one request as one: the tokens (and logprobs) of both, the
+    prompt's logprobs of the first, the state, finish and text end of the second."""
+    logprobs = (None if first.logprobs is None and then.logprobs is None
+                else (*(first.logprobs or ()), *(then.logprobs or ())))
+    return dataclasses.replace(
+        then, new_token_ids=first.new_token_ids + then.new_token_ids, logprobs=logprobs,
+        prompt_logprobs=(first.prompt_logprobs if first.prompt_logprobs is not None
+                         else then.prompt_logprobs))
 
 
 class Outputs:
