@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -99,14 +99,22 @@ def server() -> Iterator[Server]:
     loop.stop()
 
 
-def check_completion(response: httpx.Response, body: bytes) -> bool:
-    """True when the request was accepted (and then completed with its tokens)."""
+def check_completion(response: httpx.Response, body: bytes,
+                     tokens: Callable[[str, bool], list[int]]) -> bool:
+    """True when the request was accepted (and then completed with its tokens). `tokens`: a
+    text prompt's ids as serve reads it (with its BOS unless add_special_tokens is false)."""
     assert response.status_code == 200 or response.status_code in REFUSED, response.text
     if response.status_code != 200:
         assert "error" in response.json()
         return False
     request = json.loads(body)
     limit = request.get("max_tokens") or 16
+    if request.get("echo") is True:  # an echoed prompt's ids lead its choice's token ids
+        prompt = request["prompt"]
+        prompts = prompt if isinstance(prompt, list) and isinstance(prompt[0], list | str) \
+            else [prompt]
+        limit += sum(len(tokens(p, request.get("add_special_tokens") is not False))
+                     if isinstance(p, str) else len(p) for p in prompts)
     if response.headers["content-type"].startswith("text/event-stream"):
         events = [line[6:] for line in response.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
@@ -132,7 +140,8 @@ def test_fuzz_completions_then_live_config(server: Server) -> None:
         response = server.client.post("/v1/completions", content=body,
                                       headers={"content-type": "application/json"})
         server.sent += 1
-        server.accepted += check_completion(response, body)
+        server.accepted += check_completion(response, body, lambda text, special: (
+            server.loop.engine.prompt_token_ids(text, add_special_tokens=special)))
 
     @settings(max_examples=CONFIGS, **FUZZ)
     @given(body=config_bodies)
