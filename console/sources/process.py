@@ -18,12 +18,15 @@ import contextlib
 import itertools
 import logging
 import multiprocessing
+import os
 import pickle
 import signal
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext, ForkServerContext
 from typing import TYPE_CHECKING, Any
 
 from console.sources.base import (
@@ -76,21 +79,25 @@ class ProcessSource:
                                         daemon=True)
 
     @classmethod
-    def launch(cls, **options: Any) -> ProcessSource:
+    def launch(cls, context: BaseContext | None = None, **options: Any) -> ProcessSource:
         """Start the child, which runs EmbeddedSource.start(**options), and return at once;
-        `wait_ready` then waits for it and raises its start-up error, if any."""
-        context = multiprocessing.get_context("spawn")  # no fork under Textual's threads
+        `wait_ready` then waits for it and raises its start-up error, if any. The child is
+        spawned (no fork under Textual's threads) unless `context` says otherwise: a
+        `preloaded()` forkserver's children skip the engine's imports."""
+        context = context or multiprocessing.get_context("spawn")
         parent, child = context.Pipe()
-        process = context.Process(target=serve, args=(child, options), name="tokenflow-engine",
-                                  daemon=True)
+        # a forkserver's child starts in the server's environment and directory: it takes ours
+        process = context.Process(target=serve, args=(child, options, dict(os.environ),
+                                                      os.getcwd()),
+                                  name="tokenflow-engine", daemon=True)
         process.start()
         child.close()
         return cls(process, parent)
 
     @classmethod
-    def start(cls, **options: Any) -> ProcessSource:
+    def start(cls, context: BaseContext | None = None, **options: Any) -> ProcessSource:
         """launch() and wait_ready() in one."""
-        return cls.launch(**options).wait_ready()
+        return cls.launch(context, **options).wait_ready()
 
     def wait_ready(self, progress: Progress | None = None) -> ProcessSource:
         """Wait for the child to start, passing `progress` each stage it reports (loading the
@@ -218,8 +225,25 @@ class ProcessSource:
                            "; restart tokenflow-console")
 
 
-def serve(connection: Connection, options: dict[str, Any]) -> None:
-    """The child: an EmbeddedSource answering the parent's calls until told to stop."""
+def preloaded() -> ForkServerContext:
+    """A forkserver context whose server imports the engine (torch, seconds of CPU) once, when
+    it starts; every child it starts then forks from there. The first child waits for that
+    import, so a process that starts one child gains nothing: the console spawns its engine,
+    overlapping the import with its own. The server runs no thread of its own (BLAS's pool
+    stops around a fork), so a fork copies no lock another thread holds."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["console.sources.embedded"])
+    return context
+
+
+def serve(connection: Connection, options: dict[str, Any], environ: dict[str, str],
+          cwd: str) -> None:
+    """The child: an EmbeddedSource answering the parent's calls until told to stop, in the
+    parent's environment and directory (as of its launch)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    time.tzset()  # the local time's zone follows TZ
+    os.chdir(cwd)
     from console.sources.embedded import EmbeddedSource
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl+C is the parent's to handle

@@ -19,6 +19,7 @@ from textual.widgets import Input
 from textual.worker import WorkerCancelled
 
 from console.sources.embedded import EmbeddedSource
+from console.sources.process import preloaded
 from console.sources.replay import ReplaySource
 from console.tui.app import POLL_INTERVAL_S, TokenflowApp
 from console.tui.screens.tuning import TuningScreen
@@ -36,6 +37,10 @@ REPLAY_POLL_S = 0.005
 # the UI tests' engines: float32 (what "auto" is on the CPU) and a KV pool for the few
 # requests they play (2,048 blocks of tiny), not the CPU default's, which each start faults in
 UI_ENGINE = EngineConfig(dtype="float32", kv_cache_bytes=16 << 20)
+# the engine processes the tests start fork from a server (one per worker) that imported the
+# engine once: a spawned one imports torch again, seconds of CPU each. The tests of what only
+# the console's own start method shows (a killed child's exit code) spawn theirs.
+ENGINE_PROCESSES = preloaded()
 MAX_ROUNDS = 2000  # a bound on rounds of real waits, so a broken condition fails, not hangs
 WORKERS_GUARD_S = 30.0
 

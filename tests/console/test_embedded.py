@@ -17,6 +17,7 @@ from engine.events import ChunkComplete, EventBus, RequestAdded
 from engine.store import StoreWriter, open_database
 from engine.store.models import JournalRow
 from engine.store.recovery import ORPHANED
+from tests.console.conftest import UI_ENGINE
 
 
 def _leave_unfinished(db: Path, request_id: str) -> None:
@@ -35,11 +36,12 @@ def _leave_unfinished(db: Path, request_id: str) -> None:
     database.close()
 
 
-def test_an_orphan_and_new_traffic_never_share_an_id(tmp_path: Path) -> None:
-    db = tmp_path / "left.db"
+def test_an_orphan_and_new_traffic_never_share_an_id(calibrated_db: Path) -> None:
+    db = calibrated_db
     _leave_unfinished(db, "chat-00000-0")  # the id the new traffic's first request had
     source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat", db=db,
-                                  num_requests=2, rate=float("inf"), repeat=False)
+                                  config=UI_ENGINE, num_requests=2, rate=float("inf"),
+                                  repeat=False)
     new = {"chat-00000-1", "chat-00001-1"}  # numbered on from the orphan's cycle
 
     def rows() -> dict[str, tuple[str, str | None]]:
@@ -63,11 +65,13 @@ def test_an_orphan_and_new_traffic_never_share_an_id(tmp_path: Path) -> None:
     assert set(found) == {"chat-00000-0", *new}
 
 
-def test_a_journal_that_stops_pauses_the_console_engine_and_says_why(tmp_path: Path) -> None:
+def test_a_journal_that_stops_pauses_the_console_engine_and_says_why(
+        calibrated_db: Path) -> None:
     """The console's engine does not serve on unrecorded when its journal stops."""
-    db = tmp_path / "store.db"
+    db = calibrated_db
     source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat", db=db,
-                                  num_requests=4, rate=float("inf"), repeat=True)
+                                  config=UI_ENGINE, num_requests=4, rate=float("inf"),
+                                  repeat=True)
     try:
         with contextlib.closing(sqlite3.connect(db)) as connection:
             connection.execute("DROP TABLE request_journal")  # under the running writer
@@ -85,12 +89,12 @@ def test_a_journal_that_stops_pauses_the_console_engine_and_says_why(tmp_path: P
 
 @pytest.mark.slow  # starts the embedded engine twice
 def test_a_restart_restores_the_last_stored_settings_and_arrival_changes_are_stored(
-        tmp_path: Path) -> None:
+        calibrated_db: Path) -> None:
     """The budget came back at 256 after a restart although the last change set 96; the
     arrival rate, changed too, is stored as a change like the budget's."""
-    db = tmp_path / "restart.db"
+    db = calibrated_db
     source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat", db=db,
-                                  num_requests=2, repeat=False)
+                                  config=UI_ENGINE, num_requests=2, repeat=False)
     try:
         source.update_config(max_num_batched_tokens=96)
         source.set_arrival_rate(0.5)
@@ -100,7 +104,7 @@ def test_a_restart_restores_the_last_stored_settings_and_arrival_changes_are_sto
     assert fields == {"max_num_batched_tokens": 96, "arrival_rate": 0.5}
     heard: list[str] = []
     source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat", db=db,
-                                  num_requests=2, repeat=False,
+                                  config=UI_ENGINE, num_requests=2, repeat=False,
                                   progress=lambda _fraction, what: heard.append(what))
     try:
         assert source.snapshot().config["max_num_batched_tokens"] == 96

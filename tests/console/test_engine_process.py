@@ -8,6 +8,7 @@ import shutil
 import signal
 import threading
 from collections.abc import Iterator
+from multiprocessing import forkserver
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,9 @@ from console.tui.app import TokenflowApp
 from console.tui.widgets.header import EngineHeader
 from engine.config import ConfigError
 from engine.errors import ModelLoadError
-from tests.console.conftest import FAST_POLL_S, until
+from engine.store import calibration_history, default_db_path, open_database
+from engine.store.calibration import REUSED
+from tests.console.conftest import ENGINE_PROCESSES, FAST_POLL_S, until
 
 pytestmark = pytest.mark.slow  # starts the console's engine process
 
@@ -28,8 +31,9 @@ def source(tmp_path_factory: pytest.TempPathFactory,
            calibrated_template: Path) -> Iterator[ProcessSource]:
     db = tmp_path_factory.mktemp("process") / "p.db"
     shutil.copyfile(calibrated_template, db)  # no first calibration beside the calls
-    source = ProcessSource.start(model="synthetic:tiny", device="cpu", workload="chat", db=db,
-                                 num_requests=4, rate=float("inf"), repeat=False)
+    source = ProcessSource.start(ENGINE_PROCESSES, model="synthetic:tiny", device="cpu",
+                                 workload="chat", db=db, num_requests=4, rate=float("inf"),
+                                 repeat=False)
     yield source
     source.close()
 
@@ -85,13 +89,41 @@ def test_pause_and_resume_reach_the_engine(source: ProcessSource) -> None:
 
 def test_a_missing_model_path_fails_start_with_the_engines_error(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="no-such-model"):
-        ProcessSource.start(model=str(tmp_path / "no-such-model"), device="cpu",
-                            db=tmp_path / "m.db")
+        ProcessSource.start(ENGINE_PROCESSES, model=str(tmp_path / "no-such-model"),
+                            device="cpu", db=tmp_path / "m.db")
+
+
+def test_a_forked_engine_runs_in_its_launchers_environment_and_directory(
+        calibrated_template: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forkserver keeps the environment and directory it started in; a child it forks
+    takes its launcher's, as a spawned one does: a relative --db lands here, and the default
+    store it reuses a calibration from is this environment's."""
+    forkserver.ensure_running()  # in the environment and directory before the changes below
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    default_db_path().parent.mkdir(parents=True)
+    shutil.copyfile(calibrated_template, default_db_path())
+    (tmp_path / "here").mkdir()
+    monkeypatch.chdir(tmp_path / "here")
+    source = ProcessSource.start(ENGINE_PROCESSES, model="synthetic:tiny", device="cpu",
+                                 workload="chat", db="relative.db", num_requests=2,
+                                 repeat=False)
+    try:
+        assert source.snapshot().calibration_reused
+    finally:
+        source.close()
+    database = open_database(tmp_path / "here" / "relative.db")
+    try:
+        with database.session() as session:
+            (reused,) = calibration_history(session, model="synthetic:tiny", device="cpu")
+    finally:
+        database.close()
+    assert reused.reason.endswith(f" of {default_db_path()}{REUSED}"), reused.reason
 
 
 def test_after_close_a_call_is_a_clear_error(calibrated_db: Path) -> None:
-    source = ProcessSource.start(model="synthetic:tiny", device="cpu", workload="chat",
-                                 db=calibrated_db, num_requests=2, repeat=False)
+    source = ProcessSource.start(ENGINE_PROCESSES, model="synthetic:tiny", device="cpu",
+                                 workload="chat", db=calibrated_db, num_requests=2,
+                                 repeat=False)
     source.close()
     with pytest.raises(SourceError, match="closed"):
         source.snapshot()
@@ -101,7 +133,8 @@ def test_after_close_a_call_is_a_clear_error(calibrated_db: Path) -> None:
 async def test_a_killed_engine_process_is_a_clear_error_the_header_keeps_showing(
         calibrated_db: Path) -> None:
     """Not a hang: each call says the process exited and how; the header says so too, after
-    its toast has gone, on every screen."""
+    its toast has gone, on every screen. Spawned, as the console spawns its engine: the exit
+    code comes from that child's own reaping."""
     source = ProcessSource.start(model="synthetic:tiny", device="cpu", workload="chat",
                                  db=calibrated_db, num_requests=2, repeat=False)
     app = TokenflowApp(source, interval=FAST_POLL_S)

@@ -6,7 +6,9 @@ reused from the default store. The embedded engine runs in its child process, as
 
 from __future__ import annotations
 
+import dataclasses
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,7 +28,7 @@ from console.tui.widgets.chunk_queue import ChunkQueue
 from console.tui.widgets.header import EngineHeader
 from console.tui.widgets.requests_table import RequestsTable
 from engine.calibration.calibrate import FIRST_REASON
-from engine.config import EngineConfig, SamplingParams
+from engine.config import SamplingParams
 from engine.serve.session import EngineSession
 from engine.store import (
     CalibrationRecord,
@@ -37,7 +39,13 @@ from engine.store import (
 )
 from engine.store.models import QUARANTINED, CalibrationRunRow, JournalRow
 from engine.store.recovery import ORPHANED
-from tests.console.conftest import notified, until, workers_done
+from tests.console.conftest import (
+    ENGINE_PROCESSES,
+    UI_ENGINE,
+    notified,
+    until,
+    workers_done,
+)
 from tests.console.test_hostile_text import rendered
 
 pytestmark = [pytest.mark.anyio, pytest.mark.slow]  # starts the console and its engine, calibrating
@@ -60,7 +68,7 @@ def test_the_console_process_never_imports_torch() -> None:
 def leave_unfinished(db: Path, model: str, prompts: list[list[int]]) -> list[str]:
     """A session on `db` that stops with `prompts` admitted and unfinished (a crash's
     journal), leaving what earlier ones left as it was; their ids."""
-    with EngineSession.start(EngineConfig(model=model, device="cpu", dtype="float32"),
+    with EngineSession.start(dataclasses.replace(UI_ENGINE, model=model, device="cpu"),
                              db=db, calibrate=False, resume=True) as session:
         ids = [session.engine.add_request(prompt, SamplingParams(max_tokens=64))
                for prompt in prompts]
@@ -69,7 +77,9 @@ def leave_unfinished(db: Path, model: str, prompts: list[list[int]]) -> list[str
 
 
 # tiny's first calibration lasts about a second: on a fast CPU it can end before the first
-# Poisson arrival at the chat workload's rate, so the tests that watch it send all at once
+# Poisson arrival at the chat workload's rate, so the tests that watch it send all at once.
+# On repeat: once the traffic ends no step publishes a snapshot, and the last one published
+# says "calibrating" after the calibration's end
 ALL_AT_ONCE = {"rate": float("inf"), "num_requests": 32}
 # the tests of what a start announces need a snapshot, not endless traffic (on a store
 # calibrated already: the first calibration is not what they watch)
@@ -77,8 +87,8 @@ TWO_REQUESTS = {"num_requests": 2, "repeat": False}
 
 
 def console(db: Path, **workload: float | int | bool) -> TokenflowApp:
-    engine = ProcessSource.launch(model="synthetic:tiny", device="cpu", workload="chat",
-                                  db=db, **workload)
+    engine = ProcessSource.launch(ENGINE_PROCESSES, model="synthetic:tiny", device="cpu",
+                                  workload="chat", db=db, **workload)
     return TokenflowApp(engine, interval=0.05, starting=True)
 
 
@@ -216,12 +226,13 @@ async def test_the_first_calibration_runs_beside_the_traffic_the_panes_show(
     assert re.search(r"\d+%|GB/s", shown["bandwidth"]), shown
 
 
-async def test_a_new_store_reuses_the_default_stores_calibration(tmp_path: Path) -> None:
+async def test_a_new_store_reuses_the_default_stores_calibration(
+        calibrated_template: Path, tmp_path: Path) -> None:
     """A calibration stored for the same model and device in the default store is copied
     into a new --db and used at once: no second first calibration."""
-    with EngineSession.start(EngineConfig(model="synthetic:tiny", device="cpu"),
-                             journal=False) as session:  # the default store, calibrated
-        assert session.calibration is not None
+    default_db_path().parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(calibrated_template, default_db_path())  # the default store, calibrated
+    stored = only_calibration(default_db_path())
     splash: list[str] = []
 
     def heard(message: Message) -> None:
@@ -236,11 +247,11 @@ async def test_a_new_store_reuses_the_default_stores_calibration(tmp_path: Path)
         # marked until a calibration measured here replaces it, naming where it was measured
         reused = app.latest.calibration_reused
         assert reused.startswith("reused: measured ") and "on a quiet host" in reused
-        assert str(default_db_path()) in reused
+        assert f"stored in sqlite:///{calibrated_template}" in reused
         assert "CALIBRATION REUSED" in str(app.screen.query_one(EngineHeader).render())
         app.collector.stop()
         await workers_done(pilot)
-    assert any(f"reusing calibration {session.calibration.id} of {default_db_path()}" in what
+    assert any(f"reusing calibration {stored.id} of {default_db_path()}" in what
                for what in splash), splash
     run = only_calibration(db)
-    assert run.reason.endswith("reused") and run.params == session.calibration.params
+    assert run.reason.endswith("reused") and run.params == stored.params

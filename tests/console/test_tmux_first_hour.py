@@ -84,8 +84,10 @@ def test_the_first_hour_keys_never_type_into_a_field_and_tuning_bursts_land_in_o
     tmux = ["tmux", "-L", socket]
     db = tmp_path / "first.db"
     exit_file = tmp_path / "exit_code"
-    command = exiting(f"{console_command(db)} --model synthetic:tiny --device cpu", socket,
-                      exit_file)
+    # a trickle of traffic: no screen it waits on needs more, and an engine stepping
+    # endless traffic would spend every wait of the test on it
+    command = exiting(f"{console_command(db)} --model synthetic:tiny --device cpu --rate 0.5",
+                      socket, exit_file)
     new_session(tmux, "hour", command)
     keys = functools.partial(send_keys, tmux, "hour")
     hog: subprocess.Popen[bytes] | None = None
