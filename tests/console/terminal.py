@@ -88,12 +88,15 @@ def screen(tmux: list[str], target: str, directory: Path) -> Iterator[Screen]:
 
 def new_session(tmux: list[str], name: str, command: str, width: int | str = 120,
                 height: int | str = 40) -> None:
-    """Run `command` in a detached session `name` of exactly `width` x `height`: a detached
-    session falls back to tmux's default size (80x24) unless sized by hand."""
+    """Run `command` in a detached session `name` of exactly `width` x `height`. A detached
+    session may start at tmux's default size (80x24) and a program resized before it listens
+    for SIGWINCH keeps drawing at its first size, so a placeholder holds the pane while it is
+    sized by hand, and then `command` replaces it at its final size."""
     subprocess.run([*tmux, "new-session", "-d", "-s", name, "-x", str(width), "-y", str(height),
-                    command], check=True)
+                    "cat"], check=True)
     subprocess.run([*tmux, "set-option", "-t", name, "window-size", "manual"], check=True)
     resize(tmux, name, width, height)
+    subprocess.run([*tmux, "respawn-pane", "-k", "-t", name, command], check=True)
 
 
 def resize(tmux: list[str], name: str, width: int | str, height: int | str) -> None:

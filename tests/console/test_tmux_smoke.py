@@ -18,6 +18,7 @@ from tests.console.terminal import (
     START_WITHIN_S,
     TOKENS_PER_S,
     console_command,
+    new_session,
     screen,
 )
 
@@ -33,8 +34,7 @@ def test_console_under_tmux_goes_live_and_quits_on_q(tmp_path: Path) -> None:
     # channel, so the test waits on that event rather than polling for the exit file.
     command = (f"{console_command(tmp_path / 'smoke.db')}; echo $? > {exit_file}; "
                f"tmux -L {socket} wait-for -S exited")
-    subprocess.run([*tmux, "new-session", "-d", "-s", "smoke", "-x", "120", "-y", "40", command],
-                   check=True)
+    new_session(tmux, "smoke", command, width=120, height=40)
     try:
         text = ""
         live = False
