@@ -175,7 +175,8 @@ class Scheduler:
 
     @property
     def chunk_queue_length(self) -> int:
-        decoding = RequestState.DECODING  # read before every step: no property a request
+        # read before every step: each request's state, not its is_decoding property
+        decoding = RequestState.DECODING
         return len(self.waiting) + sum(r.state is not decoding for r in self.running)
 
     def schedule(self) -> Batch:
@@ -307,9 +308,8 @@ class Scheduler:
         endings = sorted((ending for _, _, ending in booked if ending is not None),
                          key=lambda ending: ending.state is not RequestState.FAILED)
         last = {ending.request.id: self._end_alone(ending) for ending in endings}
-        outputs = ([last.get(request.id) or request_output(request, tokens)
-                    for request, tokens, _ in booked] if last
-                   else [request_output(request, tokens) for request, tokens, _ in booked])
+        outputs = [last.get(request.id) or request_output(request, tokens)
+                   for request, tokens, _ in booked]
         self.books.step_done(batch, shape, timing, self.steps, self._scheduled_at,
                              self.has_work())
         return outputs
