@@ -4,6 +4,8 @@ check's intervals while the engine runs, and with a 503 once the engine thread h
 from __future__ import annotations
 
 import asyncio
+import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -50,3 +52,22 @@ def test_a_wait_on_a_dead_engine_ends_in_503(generations: Generations,
     with pytest.raises(ApiError) as caught:
         asyncio.run(scenario())
     assert caught.value.status == 503 and "the step faulted" in caught.value.message
+
+
+def test_an_answer_waits_for_the_journal_on_the_loop_and_a_stopped_or_silent_one_is_a_503(
+        generations: Generations, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(completions, "JOURNAL_WAIT_S", 0.05)
+    loop = generations.engine_loop
+
+    def from_the_writers_thread(then: Callable[[bool], None]) -> None:
+        threading.Thread(target=then, args=(True,)).start()
+
+    monkeypatch.setattr(loop, "journal_served", from_the_writers_thread)
+    asyncio.run(completions._journaled(loop))  # committed: the answer goes
+
+    for served, said in ((lambda then: then(False), "did not commit"),  # the writer stopped
+                         (lambda then: None, "within 0.05 s")):  # never told: the deadline
+        monkeypatch.setattr(loop, "journal_served", served)
+        with pytest.raises(ApiError) as caught:
+            asyncio.run(completions._journaled(loop))
+        assert caught.value.status == 503 and said in caught.value.message

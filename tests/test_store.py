@@ -317,6 +317,34 @@ def test_no_event_lost_under_a_burst_from_several_threads(database: Database) ->
     assert writer.close()
 
 
+def test_an_answer_hears_its_commit_from_the_writer_and_a_failing_listener_stops_nothing(
+        database: Database) -> None:
+    bus = EventBus()
+    writer = StoreWriter(database, bus)
+    heard: list[tuple[bool, str]] = []
+    committed = threading.Event()
+
+    def listener(answerable: bool) -> None:
+        heard.append((answerable, threading.current_thread().name))
+        committed.set()
+
+    def gone(_answerable: bool) -> None:
+        raise RuntimeError("the event loop is closed")
+
+    try:
+        bus.publish(added("a"))
+        bus.drain()
+        writer.when_served(gone)  # a waiter whose loop closed: logged, the journal goes on
+        writer.when_served(listener)
+        assert committed.wait(10)  # a hang guard: the writer's thread tells it
+        assert heard == [(True, "tokenflow-store")]
+        assert journal_row(database, "a").state == "WAITING"
+        deliver(bus, writer, finished("a"))
+        assert writer.failure is None and journal_row(database, "a").state == "FINISHED"
+    finally:
+        assert writer.close()
+
+
 def test_unfinished_requests_and_mark_resumed(database: Database) -> None:
     bus = EventBus()
     writer = StoreWriter(database, bus)

@@ -64,6 +64,9 @@ def test_a_postgresql_restart_is_ridden_out_from_memory_and_said(
         bus.drain()
         eventually(lambda: writer.health().state == "unreachable", "the outage")
         assert writer.served(timeout=0)  # answers go on, from memory
+        heard: list[bool] = []
+        writer.when_served(heard.append)
+        assert heard == [True]  # at once, on the caller's thread
         now[0] += 42.0
         health = writer.health()
         assert health.since_s == 42.0 and health.error and writer.failure is None
@@ -95,6 +98,9 @@ def test_an_outage_past_its_bound_stops_the_writer_and_says_why(
         eventually(lambda: writer.failure is not None, "the stop")
         assert "unreachable for 61 s" in str(writer.failure)
         assert writer.health().state == "stopped" and not writer.served(timeout=0)
+        heard: list[bool] = []
+        writer.when_served(heard.append)
+        eventually(lambda: heard == [False], "the stopped writer's answer")
     finally:
         stopped_later.start()
         writer.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import json
@@ -14,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import orjson
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -724,9 +724,30 @@ def _raise_if_refused(engine_loop: EngineLoop, output: RequestOutput) -> None:
 
 
 async def _journaled(engine_loop: EngineLoop) -> None:
-    """Wait until the journal holds everything the engine has published so far."""
-    flush = engine_loop.journal_flush
-    if flush is not None and not await run_in_threadpool(flush, JOURNAL_WAIT_S):
+    """Wait until the journal holds everything the engine has published so far. The writer
+    wakes this loop itself: a worker thread that only waited would take the interpreter's
+    lock once more for each answer, behind the engine's steps."""
+    served = engine_loop.journal_served
+    if served is None:
+        return
+    loop = asyncio.get_running_loop()
+    heard: asyncio.Future[bool] = loop.create_future()
+
+    def settle(answerable: bool) -> None:
+        if not heard.done():
+            heard.set_result(answerable)
+
+    def tell(answerable: bool) -> None:  # on the writer's thread
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, answerable)
+
+    served(tell)
+    try:
+        async with asyncio.timeout(JOURNAL_WAIT_S):
+            answerable = await heard
+    except TimeoutError:
+        answerable = False
+    if not answerable:
         raise ApiError(503, f"the request journal did not commit within {JOURNAL_WAIT_S:g} s; "
                             "retry", kind="server_error",
                        headers={"Retry-After": str(RETRY_AFTER_S)})

@@ -54,12 +54,13 @@ class EngineLoop:
 
     def __init__(self, engine: EngineCore, snapshot_interval_s: float = 0.1, *,
                  clock: Clock = time.monotonic, journal: JournalResume | None = None,
-                 journal_flush: Callable[[float], bool] | None = None,
+                 journal_served: Callable[[Callable[[bool], None]], None] | None = None,
                  supervisor: Supervisor | None = None) -> None:
-        """`clock` paces snapshots and workloads; `journal_flush` commits what was published."""
+        """`clock` paces snapshots and workloads; `journal_served(then)` calls `then(ok)` once
+        what was published is committed (StoreWriter.when_served)."""
         self.engine = engine
         self.snapshot_interval_s = snapshot_interval_s
-        self.journal_flush = journal_flush
+        self.journal_served = journal_served
         self.supervisor = supervisor or Supervisor(engine.clock)
         self.failed_while_down = 0
         self.error: BaseException | None = None  # the engine stopped: a crash loop, or died

@@ -96,7 +96,7 @@ class EngineSession:
             raise RuntimeError("this session already has an engine loop")
         self.loop = EngineLoop(self.engine,
                                journal=self._resume_after_fault if self.writer else None,
-                               journal_flush=self.writer.served if self.writer else None)
+                               journal_served=self.writer.when_served if self.writer else None)
         return self.loop
 
     def _resume_after_fault(self, engine: Engine) -> Resumption:

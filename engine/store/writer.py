@@ -46,6 +46,16 @@ _PG_BUSY = ("40001", "40P01", "55P03", "57P01", "57P02", "57P03")
 @dataclass
 class _Flush:
     done: threading.Event = field(default_factory=threading.Event)
+    # told (on the writer's thread) whether the writer still runs, as `done` is set
+    then: Callable[[bool], None] | None = None
+
+    def settle(self, running: bool) -> None:
+        self.done.set()
+        if self.then is not None:
+            try:
+                self.then(running)
+            except Exception:  # a waiter gone (its event loop closed) must not stop the journal
+                log.exception("a wait for the journal could not be told it was committed")
 
 
 @dataclass(frozen=True)
@@ -152,13 +162,29 @@ class StoreWriter:
         """`flush` for answering clients: False once the writer has stopped (an answer it
         cannot record is not given); while the store is unreachable (within the bounds, said
         on /health) the events are held in memory and the answer need not wait."""
-        if self.unreachable_since is not None and self.failure is None:
-            with self._promise_lock:
-                self._promises += 1
-            self._queue.put(_PROMISED)
-            # stopped meanwhile: its last write may have missed this marker, so no answer
+        if self._promised():
             return self.failure is None
         return self.flush(timeout) and self.failure is None
+
+    def when_served(self, then: Callable[[bool], None]) -> None:
+        """`served` without a waiting thread: `then(answerable)` runs once every event
+        delivered before this call is committed (on the writer's thread), or here at once
+        while answers go out from memory. Nothing runs it if the writer has closed."""
+        if self._promised():
+            then(self.failure is None)
+            return
+        self._queue.put(_Flush(then=lambda running: then(running and self.failure is None)))
+        self._wake.set()
+
+    def _promised(self) -> bool:
+        """While the store is unreachable and the writer runs, promise the events queued so
+        far (they are written once it is back) instead of waiting for them."""
+        if self.unreachable_since is None or self.failure is not None:
+            return False
+        with self._promise_lock:
+            self._promises += 1
+        self._queue.put(_PROMISED)
+        return True
 
     def health(self) -> WriterHealth:
         since = self.unreachable_since
@@ -225,7 +251,7 @@ class StoreWriter:
                 self._last_will([] if written else items)
             for item in items:
                 if isinstance(item, _Flush):
-                    item.done.set()
+                    item.settle(self.failure is None)
             if _STOP in items:
                 return
 
@@ -289,7 +315,7 @@ class StoreWriter:
                 break
             items.append(item)
             if isinstance(item, _Flush):
-                item.done.set()
+                item.settle(False)
         promised = max((i for i, item in enumerate(items) if item is _PROMISED), default=0)
         events = [item for item in items[:promised] if isinstance(item, Event)]
         if not events:  # nothing was answered before it was stored
