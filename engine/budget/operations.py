@@ -167,6 +167,7 @@ class StepPrice:
     _comm_per_token: float = field(init=False, repr=False)
     _fixed_s: float = field(init=False, repr=False)
     _allreduce_s: float = field(init=False, repr=False)
+    _limited: float = field(init=False, repr=False)
     _key: str = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -189,6 +190,8 @@ class StepPrice:
         object.__setattr__(self, "_fixed_s", e.step_s + c.num_layers * e.layer_s
                            + extra_gpus * e.tp_step_s)
         object.__setattr__(self, "_allreduce_s", e.allreduce_s + extra_gpus * e.tp_allreduce_s)
+        # the share of the clock a power-limited operation loses
+        object.__setattr__(self, "_limited", 1.0 - e.saturated_clock)
         object.__setattr__(self, "_key", f"ops {self.model.counting_key} {p!r} {e!r} "
                                          f"{self.link!r} {attention} {self.weights}")
 
@@ -201,19 +204,19 @@ class StepPrice:
         layers = 2 * m.config.num_layers
         message = self._comm_per_token * shape.num_tokens
         overlap = self.efficiency.overlap
-        saturated = self.efficiency.saturated_clock
 
-        def roofline(compute_s: float, memory_s: float, clock: float = 1.0) -> float:
+        def roofline(compute_s: float, memory_s: float, limited: float = 0.0) -> float:
             if compute_s > memory_s:
-                return (compute_s / (1 - (1 - clock) * (1 - memory_s / compute_s))
+                # the compute beyond the reads runs at the limited clock: c / (1 - l (1 - m / c))
+                return (compute_s * compute_s / (compute_s - limited * (compute_s - memory_s))
                         + overlap * memory_s)
             return memory_s + overlap * compute_s
 
         return {
             "gemm": roofline(self._gemm_compute_s(counts.gemm_flops, shape.num_tokens),
-                             m.weight_bytes / weight_rate, saturated),
+                             m.weight_bytes / weight_rate, self._limited),
             "attention_prefill": roofline(self._prefill_attention_compute_s(shape, counts),
-                                          counts.prefill_kv_bytes / memory_rate, saturated),
+                                          counts.prefill_kv_bytes / memory_rate, self._limited),
             "attention_decode": roofline(counts.decode_pair_flops / self._decode_attention_rate,
                                          counts.decode_kv_bytes / memory_rate),
             "elementwise": counts.activation_bytes / elementwise_rate,
@@ -236,19 +239,19 @@ class StepPrice:
         m = self.model
         _, _, weight_rate, memory_rate, elementwise_rate = self._rates
         c = m.operation_counts(shape)
-        e = self.efficiency
-        overlap, saturated = e.overlap, e.saturated_clock
+        overlap, limited = self.efficiency.overlap, self._limited
         total = self._fixed_s + self._per_step(shape)
-        for compute_s, memory_s, clock in (
+        for compute_s, memory_s in (
                 (self._gemm_compute_s(c.gemm_flops, shape.num_tokens),
-                 m.weight_bytes / weight_rate, saturated),
-                (self._prefill_attention_compute_s(shape, c), c.prefill_kv_bytes / memory_rate,
-                 saturated),
-                (c.decode_pair_flops / self._decode_attention_rate,
-                 c.decode_kv_bytes / memory_rate, 1.0)):
-            total += (compute_s / (1 - (1 - clock) * (1 - memory_s / compute_s))
+                 m.weight_bytes / weight_rate),
+                (self._prefill_attention_compute_s(shape, c), c.prefill_kv_bytes / memory_rate)):
+            total += (compute_s * compute_s / (compute_s - limited * (compute_s - memory_s))
                       + overlap * memory_s if compute_s > memory_s
                       else memory_s + overlap * compute_s)
+        compute_s = c.decode_pair_flops / self._decode_attention_rate
+        memory_s = c.decode_kv_bytes / memory_rate
+        total += (compute_s + overlap * memory_s if compute_s > memory_s
+                  else memory_s + overlap * compute_s)
         total += (c.activation_bytes + self._sampler_bytes(shape)) / elementwise_rate
         if self.link.gpus > 1:
             total += 2 * m.config.num_layers * self.link.seconds(
