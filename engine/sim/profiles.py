@@ -78,10 +78,10 @@ ATTENTION_SOURCES = {
 }
 # A compute-bound GEMM or prefill attention draws the board's power limit and runs at the
 # clock that limit leaves, a share of the clock unsaturated kernels hold (SATURATED_SOURCES).
-# Hopper: the H200 (the H100 SXM's die at the same 700 W) at 1465 MHz saturated against 1980.
+# Hopper: the saturated clock over the burst's, on the H100 SXM's die at the same power.
 HOPPER_SATURATED_CLOCK = 1465 / 1980
-# Ampere: the same 8192-cubed cuBLAS GEMM on an A100, random inputs against zeros (whose
-# switching draws too little power to engage the limit): 257 against 295 TFLOP/s.
+# Ampere: one GEMM on random inputs over the same on zeros, whose switching draws too little
+# power to engage the limit.
 AMPERE_SATURATED_CLOCK = 257 / 295
 SATURATED_SOURCES = {
     "a100": ("Horace He, 'Strangely, Matrix Multiplications on GPUs Run Faster When Given "
