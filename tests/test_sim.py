@@ -517,6 +517,11 @@ def test_roofline_shows_a_profile_and_a_users_file_overrides_it(
         capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     from console.cli.main import main
 
+    assert main(["roofline", "--gpu", "h200", "--show-profile"]) == 0
+    text = capsys.readouterr().out
+    # the factors a publication gave, not the fit, print their source beside them
+    assert "saturated_clock  0.7399   [Stas Bekman" in text
+    assert "attention_flops  0.6222   [FlashAttention-3" in text
     assert main(["roofline", "--gpu", "h200", "--show-profile", "--json"]) == 0
     shown = json.loads(capsys.readouterr().out)
     assert shown["flops"]["fp8"] == 1979e12 and shown["sources"]["flops"]

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.batch import StepShape
+from engine.config import ConfigError
 from engine.sim.profiles import HOPPER_PAGED_KV, profile
 from engine.sim.published import (
     PUBLISHED_CASES,
@@ -93,7 +94,8 @@ def test_fixed_costs_grow_with_tensor_parallelism_and_small_gemms_run_below_thei
     assert (four.operations(decode)["communication"] - flat.operations(decode)["communication"]
             == pytest.approx(calls * 3 * 2e-6))
     # a GEMM of M rows at M / (M + 64) of its share: 128 rows take 1.5x their FLOPs' time
-    compute = dataclasses.replace(e, gemm_flops=0.5, memory=0.95, overlap=0.0)
+    compute = dataclasses.replace(e, gemm_flops=0.5, memory=0.95, overlap=0.0,
+                                  saturated_clock=1.0)
     price = Deployment(model, dataclasses.replace(gpu, efficiency=compute)).step_price()
     prefill = StepShape(prefill=((128, 0),))
     flops = price.model.operation_counts(prefill).gemm_flops
@@ -126,7 +128,8 @@ def test_prefill_attention_runs_faster_a_pair_over_longer_keys_as_the_kernels_pu
     assert "FlashAttention-3" in h100.sources["attention"]
     assert "FlashAttention-2" in profile("a100").sources["attention"]
     e = dataclasses.replace(h100.efficiency, attention_flops=0.5,
-                            attention_context_half=512.0, memory=0.95, overlap=0.0)
+                            attention_context_half=512.0, memory=0.95, overlap=0.0,
+                            saturated_clock=1.0)
     price = Deployment(model, dataclasses.replace(h100, efficiency=e)).step_price()
     peak = h100.flops["bfloat16"] * 0.5
 
@@ -158,7 +161,7 @@ def test_hopper_prefill_attention_pays_fa3s_gather_of_vllms_small_kv_blocks() ->
 
     def attention_s(gpu: str, **changes: float) -> float:
         p = profile(gpu)
-        e = dataclasses.replace(p.efficiency, **changes)
+        e = dataclasses.replace(p.efficiency, **{"saturated_clock": 1.0, **changes})
         price = Deployment(model, dataclasses.replace(p, efficiency=e)).step_price()
         return price.operations(long_chunk)["attention_prefill"]
 
@@ -209,3 +212,48 @@ def test_served_cases_keep_their_sources_printed_latencies() -> None:
         printed = dict(case.printed_ms)
         assert set(printed) == {"ttft_p50", "tpot_p50", "itl_p50", "itl_p99"}, case.id
         assert printed["itl_p50"] <= printed["itl_p99"], case.id
+
+
+def test_compute_bound_tensor_core_work_runs_at_the_power_limited_clock() -> None:
+    """A GEMM or prefill attention whose math outlasts its reads fills every SM and draws the
+    board's power limit, so it runs at the clock published saturated runs settle at: all of
+    its compute when the reads cover none of it, none of it at the ridge. Memory-bound work
+    (a decode's weights and KV) keeps its clock."""
+    model = next(c.model for c in load_cases(CASES) if c.id == "gptfast-7b-int8")
+    h100 = profile("h100")
+    assert h100.efficiency.saturated_clock == pytest.approx(1465 / 1980)
+    assert "1465 MHz" in h100.sources["saturated_clock"]
+    assert "1465 MHz" in profile("h200").sources["saturated_clock"]
+    assert profile("a100").efficiency.saturated_clock == pytest.approx(257 / 295)
+    assert "257 Teraflops" in profile("a100").sources["saturated_clock"]
+    # a GPU with no published saturated clock keeps its fitted shares as they are
+    assert profile("l40s").efficiency.saturated_clock == 1.0
+    assert "saturated_clock" not in profile("l40s").sources
+    for bad in (0.0, 1.5):  # a clock above the unsaturated one is no power limit
+        with pytest.raises(ConfigError, match="saturated_clock in"):
+            dataclasses.replace(h100.efficiency, saturated_clock=bad)
+
+    def operations(shape: StepShape, clock: float) -> dict[str, float]:
+        e = dataclasses.replace(h100.efficiency, saturated_clock=clock, overlap=0.0)
+        price = Deployment(model, dataclasses.replace(h100, efficiency=e)).step_price()
+        assert price.predict(shape) == pytest.approx(sum(price.operations(shape).values()))
+        return price.operations(shape)
+
+    clock = 0.75
+    long_prefill = StepShape(prefill=((8192, 24576),))
+    free, limited = operations(long_prefill, 1.0), operations(long_prefill, clock)
+    for name in ("gemm", "attention_prefill"):
+        # compute far beyond the reads: close to all of it at the limited clock
+        assert free[name] / clock > limited[name] > free[name] / clock * 0.97
+    decode = StepShape(decode_contexts=(2048,) * 16)
+    assert operations(decode, clock) == operations(decode, 1.0)
+    # near the ridge, only the compute the reads leave uncovered pays the lower clock
+    budget = Deployment(model, h100).step_price().model
+    per_row = budget.operation_counts(StepShape(prefill=((1, 0),))).gemm_flops
+    reads = budget.weight_bytes / (h100.bandwidth * h100.efficiency.memory)
+    rows = round(2 * reads * h100.flops["bfloat16"] * h100.efficiency.gemm_flops / per_row)
+    ridge = StepShape(prefill=((rows, 0),))  # compute twice the reads
+    compute = operations(ridge, 1.0)["gemm"]
+    assert reads < compute < 3 * reads
+    assert operations(ridge, clock)["gemm"] == pytest.approx(
+        compute / (1 - (1 - clock) * (1 - reads / compute)))

@@ -249,6 +249,11 @@ def _show_profile(args: argparse.Namespace) -> int:
     lines.append(f"interconnect  {link.name}, {link.bandwidth / 1e9:.0f} GB/s one way   "
                  f"[{link.source}]")
     lines.append(f"efficiency    [{gpu.efficiency_source}]")
-    lines += [f"  {name:<16} {value:.4g}" for name, value in gpu.efficiency.to_dict().items()]
+    # a factor taken from a publication rather than the fit says which
+    published = {"attention_flops": "attention", "attention_context_half": "attention",
+                 "saturated_clock": "saturated_clock"}
+    for name, value in gpu.efficiency.to_dict().items():
+        own = source(published.get(name, ""), "")
+        lines.append(f"  {name:<16} {value:.4g}" + (f"   [{own}]" if own else ""))
     print("\n".join(lines))
     return 0

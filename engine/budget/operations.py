@@ -58,6 +58,10 @@ class OperationEfficiency:
     # passes over a sampled row's float32 logits (casts, temperature, top-k/top-p filters,
     # softmax, the draw): 1 is a single read
     sampler_passes: float = 1.0
+    # the clock a compute-bound tensor-core operation (a GEMM or prefill attention whose math
+    # outlasts its reads) runs at, as a share of the clock of one that is not: the first fills
+    # every SM and draws the board's power limit, which pulls the clock down (1: no limit)
+    saturated_clock: float = 1.0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -65,12 +69,14 @@ class OperationEfficiency:
             unbounded = f.name.endswith("_s") or f.name in ("gemm_m_half",
                                                             "attention_context_half")
             may_be_zero = unbounded or f.name in ("overlap", "decode_attention_flops")
-            limit = math.inf if unbounded else 1.0 if f.name == "overlap" else MAX_SHARE
+            limit = (math.inf if unbounded else 1.0 if f.name in ("overlap", "saturated_clock")
+                     else MAX_SHARE)
             if not (isinstance(value, int | float) and math.isfinite(value)
                     and (value >= 0 if may_be_zero else value > 0) and value <= limit):
                 raise ConfigError(f"efficiency.{f.name}", f"must be a share in (0, {MAX_SHARE}] "
-                                  "(overlap in [0, 1], a time in seconds >= 0 for *_s, "
-                                  "tokens >= 0 for gemm_m_half and attention_context_half), got "
+                                  "(overlap in [0, 1], saturated_clock in (0, 1], a time in "
+                                  "seconds >= 0 for *_s, tokens >= 0 for gemm_m_half and "
+                                  "attention_context_half), got "
                                   f"{value!r}")
 
     def to_dict(self) -> dict[str, float]:
@@ -161,6 +167,7 @@ class StepPrice:
     _comm_per_token: float = field(init=False, repr=False)
     _fixed_s: float = field(init=False, repr=False)
     _allreduce_s: float = field(init=False, repr=False)
+    _limited: float = field(init=False, repr=False)
     _key: str = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -183,6 +190,8 @@ class StepPrice:
         object.__setattr__(self, "_fixed_s", e.step_s + c.num_layers * e.layer_s
                            + extra_gpus * e.tp_step_s)
         object.__setattr__(self, "_allreduce_s", e.allreduce_s + extra_gpus * e.tp_allreduce_s)
+        # the share of the clock a power-limited operation loses
+        object.__setattr__(self, "_limited", 1.0 - e.saturated_clock)
         object.__setattr__(self, "_key", f"ops {self.model.counting_key} {p!r} {e!r} "
                                          f"{self.link!r} {attention} {self.weights}")
 
@@ -196,16 +205,18 @@ class StepPrice:
         message = self._comm_per_token * shape.num_tokens
         overlap = self.efficiency.overlap
 
-        def roofline(compute_s: float, memory_s: float) -> float:
+        def roofline(compute_s: float, memory_s: float, limited: float = 0.0) -> float:
             if compute_s > memory_s:
-                return compute_s + overlap * memory_s
+                # the compute beyond the reads runs at the limited clock: c / (1 - l (1 - m / c))
+                return (compute_s * compute_s / (compute_s - limited * (compute_s - memory_s))
+                        + overlap * memory_s)
             return memory_s + overlap * compute_s
 
         return {
             "gemm": roofline(self._gemm_compute_s(counts.gemm_flops, shape.num_tokens),
-                             m.weight_bytes / weight_rate),
+                             m.weight_bytes / weight_rate, self._limited),
             "attention_prefill": roofline(self._prefill_attention_compute_s(shape, counts),
-                                          counts.prefill_kv_bytes / memory_rate),
+                                          counts.prefill_kv_bytes / memory_rate, self._limited),
             "attention_decode": roofline(counts.decode_pair_flops / self._decode_attention_rate,
                                          counts.decode_kv_bytes / memory_rate),
             "elementwise": counts.activation_bytes / elementwise_rate,
@@ -228,16 +239,19 @@ class StepPrice:
         m = self.model
         _, _, weight_rate, memory_rate, elementwise_rate = self._rates
         c = m.operation_counts(shape)
-        overlap = self.efficiency.overlap
+        overlap, limited = self.efficiency.overlap, self._limited
         total = self._fixed_s + self._per_step(shape)
         for compute_s, memory_s in (
                 (self._gemm_compute_s(c.gemm_flops, shape.num_tokens),
                  m.weight_bytes / weight_rate),
-                (self._prefill_attention_compute_s(shape, c), c.prefill_kv_bytes / memory_rate),
-                (c.decode_pair_flops / self._decode_attention_rate,
-                 c.decode_kv_bytes / memory_rate)):
-            total += (compute_s + overlap * memory_s if compute_s > memory_s
+                (self._prefill_attention_compute_s(shape, c), c.prefill_kv_bytes / memory_rate)):
+            total += (compute_s * compute_s / (compute_s - limited * (compute_s - memory_s))
+                      + overlap * memory_s if compute_s > memory_s
                       else memory_s + overlap * compute_s)
+        compute_s = c.decode_pair_flops / self._decode_attention_rate
+        memory_s = c.decode_kv_bytes / memory_rate
+        total += (compute_s + overlap * memory_s if compute_s > memory_s
+                  else memory_s + overlap * compute_s)
         total += (c.activation_bytes + self._sampler_bytes(shape)) / elementwise_rate
         if self.link.gpus > 1:
             total += 2 * m.config.num_layers * self.link.seconds(

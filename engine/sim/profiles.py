@@ -43,9 +43,9 @@ VLLM_SAMPLER_PASSES = 8.5
 # Fitted against the published cases by benchmarks/twin_published.py --fit (docs/twin.md):
 # the kernel floors, tensor-parallel costs and quantised shares every GPU shares, and the
 # engine the twin stands for (vLLM: its host time a step, its paged decode attention's share).
-_SHARED = dict(gemm_flops_8bit=0.6591, weight_only_memory=0.9444, layer_s=0.0,
-               allreduce_s=31.0e-6, tp_step_s=0.0, tp_allreduce_s=0.0, elementwise=1.0,
-               overlap=1.0, step_s=3.23e-3, decode_attention_flops=0.01083,
+_SHARED = dict(gemm_flops_8bit=0.8276, weight_only_memory=0.8710, layer_s=0.0,
+               allreduce_s=31.2e-6, tp_step_s=0.0, tp_allreduce_s=0.0, elementwise=1.0,
+               overlap=1.0, step_s=3.23e-3, decode_attention_flops=0.01096,
                request_s=REQUEST_S, sampler_passes=VLLM_SAMPLER_PASSES)
 # Each GPU's own shares, fitted on its cases; a GPU with no cases borrows (see FITTED_BY_GPU).
 FITTED_EFFICIENCY = OperationEfficiency(gemm_flops=0.784, attention_flops=0.525,
@@ -76,9 +76,30 @@ ATTENTION_SOURCES = {
              "616 TFLOP/s at 512..16k tokens, least squares on share x L / (L + half) "
              f"(0.655); paged: {FA3_PAGED_SOURCE}"),
 }
-FITTED_A100 = OperationEfficiency(gemm_flops=0.7327, memory=0.95, gemm_m_half=46.69,
+# A compute-bound GEMM or prefill attention draws the board's power limit and runs at the
+# clock that limit leaves, a share of the clock unsaturated kernels hold (SATURATED_SOURCES).
+# Hopper: the saturated clock over the burst's, on the H100 SXM's die at the same power.
+HOPPER_SATURATED_CLOCK = 1465 / 1980
+# Ampere: one GEMM on random inputs over the same on zeros, whose switching draws too little
+# power to engage the limit.
+AMPERE_SATURATED_CLOCK = 257 / 295
+SATURATED_SOURCES = {
+    "a100": ("Horace He, 'Strangely, Matrix Multiplications on GPUs Run Faster When Given "
+             "\"Predictable\" Data', thonking.ai, 2024: an A100's 8192x8192x8192 cuBLAS matmul, "
+             "'benchmark(zero_inputs) # 295 Teraflops', 'benchmark(randn_inputs) # 257 "
+             "Teraflops': random data's switching draws the 400 W limit and the clock drops "
+             "(257/295)"),
+    "h100": ("Stas Bekman, ml-engineering, compute/accelerator/README.md (commit 082816f9, "
+             "branch fast-mamf, 2026-08-10), H200 SXM BF16: 'MAMF ~176 W @ 1980 MHz; MSMF "
+             "708.5 @ 8192x8448x20480, ~693 W @ 1465 MHz': 'a dense matmul that actually fills "
+             "the SMs draws the full TDP ... so the SM clock settles' (1465/1980; the H200 is "
+             "the H100 SXM's die at the same 700 W)"),
+}
+FITTED_A100 = OperationEfficiency(gemm_flops=0.8281, memory=0.9035, gemm_m_half=47.36,
+                                  saturated_clock=AMPERE_SATURATED_CLOCK,
                                   **A100_ATTENTION, **_SHARED)
-FITTED_H100 = OperationEfficiency(gemm_flops=0.6009, memory=0.95, **H100_ATTENTION,
+FITTED_H100 = OperationEfficiency(gemm_flops=0.7097, memory=0.95,
+                                  saturated_clock=HOPPER_SATURATED_CLOCK, **H100_ATTENTION,
                                   **_SHARED)
 FITTED_SOURCE = "fitted on the published cases of engine/sim/published_gpu_cases.json"
 FITTED_BY_GPU: dict[str, tuple[OperationEfficiency, str]] = {
@@ -192,15 +213,16 @@ def _profile(key: str, name: str, memory_bytes: int, fp8: float | None, int8: fl
     flops = {"bfloat16": preset.flops}
     flops.update({k: v for k, v in (("fp8", fp8), ("int8", int8)) if v is not None})
     efficiency, source = FITTED_BY_GPU.get(key, (FITTED_EFFICIENCY, GENERIC_SOURCE))
-    attention = ATTENTION_SOURCES.get(key.removesuffix("-pcie"))
-    if key == "h200":
-        attention = ATTENTION_SOURCES["h100"]
+    family = "h100" if key == "h200" else key.removesuffix("-pcie")
+    attention = ATTENTION_SOURCES.get(family)
+    saturated = SATURATED_SOURCES.get(family) if efficiency.saturated_clock < 1 else None
     return GpuProfile(key, name, memory_bytes, preset.bandwidth, flops, link,
                       efficiency=efficiency, efficiency_source=source,
                       sources={"flops": f"{datasheet} (dense, without sparsity)",
                                "bandwidth": preset.source, "memory_bytes": memory,
                                "interconnect": link.source,
-                               **({} if attention is None else {"attention": attention})})
+                               **({} if attention is None else {"attention": attention}),
+                               **({} if saturated is None else {"saturated_clock": saturated})})
 
 
 # Dense FP8 and INT8 peaks from the datasheets (which print them with sparsity, twice these).
