@@ -97,6 +97,9 @@ class EmbeddedSource:
         self.quarantined: tuple[str, ...] = ()
         # where the first calibration, run beside the traffic, stands ("pass 1/3, shape 7/16")
         self.calibrating: str | None = None
+        # why the first calibration failed, until a recalibration succeeds: the engine serves
+        # on uncalibrated, and the snapshot says so rather than "calibrating" for ever
+        self.calibration_failure: str | None = None
 
     @classmethod
     def start(cls, *, model: str | None = None, device: str | None = None,
@@ -195,6 +198,7 @@ class EmbeddedSource:
                 result = sweep.finish()
             except EngineError as exc:  # the engine serves on, uncalibrated; `r` retries
                 log.warning("the first calibration failed: %s", exc)
+                self.calibration_failure = str(exc)
                 self.calibrating = None
                 return
             apply(engine, result.predictor)
@@ -217,9 +221,13 @@ class EmbeddedSource:
         if self.writer.failure is not None:
             raise SourceError(f"the engine is paused: {self.writer.failure}")
         snapshot = self.loop.snapshot()
-        calibrating = self.calibrating
-        if calibrating is not None and snapshot.calibration == "calibrating":
+        calibrating, failure = self.calibrating, self.calibration_failure
+        if snapshot.calibration == "calibrating" and calibrating is not None:
             snapshot = dataclasses.replace(snapshot, calibration=f"calibrating ({calibrating})")
+        elif snapshot.calibration == "calibrating" and failure is not None:
+            snapshot = dataclasses.replace(snapshot, calibration=(
+                f"uncalibrated: the first calibration failed ({failure}); r on Drift (4) "
+                "recalibrates"))
         reused = self.session.calibration
         if (reused is not None and reused.reused and self.monitor is not None
                 and self.monitor.recalibrations == 0):
@@ -314,6 +322,7 @@ class EmbeddedSource:
                         engine.bus.publish(drift)
                 save_result(session, result, "on demand from the console")
                 apply(engine, result.predictor)
+                self.calibration_failure = None
                 if self.monitor is not None:
                     self.monitor.reference = result.predictor
                 record = latest_for(session, engine)

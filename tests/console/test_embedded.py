@@ -13,6 +13,8 @@ from sqlalchemy import select
 
 from console.sources.base import SourceError, stated_rate
 from console.sources.embedded import EmbeddedSource
+from engine.calibration.calibrate import Calibration
+from engine.errors import EngineError
 from engine.events import ChunkComplete, EventBus, RequestAdded
 from engine.store import StoreWriter, open_database
 from engine.store.models import JournalRow
@@ -154,5 +156,34 @@ def test_the_rate_flag_is_the_rate_played_shown_and_stored(tmp_path: Path) -> No
         [change] = [c for c in source.config_changes() if c.field == "arrival_rate"]
         assert (change.old, change.new) == (20.0, 3.14)
         assert stated_rate(source.snapshot().workload_rate) == 3.14
+    finally:
+        source.close()
+
+
+def test_a_failed_first_calibration_is_said_until_a_recalibration_succeeds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def faulted(_sweep: Calibration) -> bool:
+        raise EngineError("a calibration step faulted")
+
+    monkeypatch.setattr(Calibration, "advance", faulted)
+    source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat",
+                                  db=tmp_path / "fresh.db", config=UI_ENGINE, num_requests=2,
+                                  rate=float("inf"), repeat=False)
+    try:
+        # a command's pass publishes after it runs: this one runs after the failed sweep
+        source.loop.call(lambda engine: None).result(timeout=60)
+        assert source.calibrating is None
+        said = source.snapshot().calibration
+        assert said.startswith("uncalibrated: the first calibration failed (a calibration "
+                               "step faulted)"), said
+        monkeypatch.undo()
+        source.recalibrate(lambda fraction, note: None)
+        # a pass with requests running publishes at most every interval: step boundaries on
+        # until one has (the traffic's two requests end, and an idle pass always publishes)
+        for _ in range(10_000):
+            if source.snapshot().calibration == "calibrated":
+                break
+            source.loop.call(lambda engine: None).result(timeout=60)
+        assert source.snapshot().calibration == "calibrated"
     finally:
         source.close()

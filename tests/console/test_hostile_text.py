@@ -49,6 +49,8 @@ def hostile_recording(tmp_path: Path) -> Path:
                 if index == 1:  # the chunk queue lists prefilling requests by id
                     request["state"] = "PREFILL_CHUNKING"
             data["mode"] = f"NORMAL{TITLE}"
+            # a failure's reason, from outside, in the calibration state the panes say
+            data["calibration"] = f"uncalibrated: the first calibration failed ({MARKUP}{TITLE})"
             data["prefix_cache_hit_rate"] = 1.7e308  # finite, absurd: unknown, never drawn
             data["ttft_ms"] = {"p50": -1.7e308, "p90": None, "p99": 1.7e308}
         elif record["kind"] == "slow_query":
@@ -90,6 +92,10 @@ async def test_hostile_ids_in_a_recording_show_as_text(tmp_path: Path) -> None:
         assert all("\x1b" not in text and "\x07" not in text for text in shown)
         header = rendered(app.screen.query_one(EngineHeader).content)
         assert "NORMAL\\x1b]0;owned\\x07" in header and "\x1b" not in header
+        assert "C* uncalibrated" in header
+        subtitle = app.screen.query_one(RequestsTable).border_subtitle
+        assert subtitle is not None and "\x1b" not in str(subtitle)
+        assert "failed ([/]\\x1b]0;owned\\x07)" in str(subtitle).replace("\\[", "[")
 
         view = next(r for r in app.latest.requests if r.id == TITLE)
         await app.push_screen(RequestDetail(view))

@@ -60,11 +60,14 @@ def chunk_size(config: dict[str, object]) -> object | None:
 
 
 def cstar_text(snapshot: Snapshot) -> tuple[str, str] | None:
-    """C* as the header says it, with its style: how far the first calibration is, the
-    roofline's own value with the clamp named, or None when the source gives no C*."""
+    """C* as the header says it, with its style: how far the first calibration is, that it
+    failed, the roofline's own value with the clamp named, or None when the source gives no
+    C*."""
     if snapshot.calibration.startswith("calibrating"):
         shape = re.search(r"shape \d+/\d+", snapshot.calibration)  # the pass is the pane's
         return f"C* calibrating{f' ({shape[0]})' if shape else ''}", "dim cyan"
+    if snapshot.calibration.startswith("uncalibrated"):
+        return "C* uncalibrated", "yellow"
     cstar = snapshot.recommended_chunk_size
     if cstar is None:
         return None

@@ -94,8 +94,9 @@ class RequestsTable(KeyedTable):
         subtitle = f"{snapshot.num_running} running · {snapshot.num_waiting} waiting"
         if snapshot.score_estimate:  # traced scores are measured against an estimate
             subtitle += f" · budget_score vs {snapshot.score_estimate} estimate"
-        if snapshot.calibration.startswith("calibrating"):  # every "–" says why
+        # every "–" says why
+        if snapshot.calibration.startswith(("calibrating", "uncalibrated")):
             subtitle = f"budget_score {snapshot.calibration} · {subtitle}"
         elif snapshot.score_note:
             subtitle = f"{snapshot.score_note} · {subtitle}"
-        self.border_subtitle = subtitle
+        self.border_subtitle = plain(subtitle)  # a source's words, never markup
