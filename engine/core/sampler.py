@@ -51,6 +51,31 @@ class SamplingInputs:
     sorts: bool  # whether a row asks for top-k or top-p (a sort of the vocabulary)
     unseeded: bool  # whether a row samples from the device's own generator
     errors: dict[int, str]  # row -> why its parameters cannot be sampled (drawn as greedy)
+    min_ps: bool  # whether a row asks for min-p (else the filter keeps every token)
+    all_sampled: bool  # whether every row samples at a temperature (no greedy argmax)
+    prefill_only: bool  # whether a row only scores its prompt
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """What a step's rows ask of sampling, fixed while the rows are the same requests: the
+    parameters' tensors and flags of SamplingInputs, and which rows draw afresh each step."""
+
+    requests: tuple[RunnerRequest, ...]
+    temperature: torch.Tensor
+    sampled: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    seeded: tuple[int, ...]  # rows that sample from their own seeded generator
+    penalized: bool
+    logprobs: int
+    samples: bool
+    sorts: bool
+    unseeded: bool
+    min_ps: bool
+    all_sampled: bool
+    prefill_only: bool
 
 
 def _padded(lists: list[list[int]], pad: int) -> torch.Tensor:
@@ -78,44 +103,78 @@ def _penalties(requests: Sequence[RunnerRequest], vocab: int) -> Penalties | Non
         bias=torch.tensor([b for _, _, b in bias], dtype=torch.float32))
 
 
-def sampling_inputs(requests: Sequence[RunnerRequest], vocab: int) -> SamplingInputs:
-    """The host half of sampling: parameters, penalty histories and seeded rows' noise.
+def row_params(requests: Sequence[RunnerRequest], vocab: int) -> RowParams:
+    """The rows' parameters as tensors and flags (nothing drawn, no history read)."""
+    params = [r.params for r in requests]
+    return RowParams(
+        requests=tuple(requests),
+        temperature=torch.tensor([[p.temperature if p.temperature > 0 else 1.0]
+                                  for p in params]),
+        sampled=torch.tensor([p.temperature > 0 for p in params]),
+        top_k=torch.tensor([[p.top_k if 0 < p.top_k < vocab else 0] for p in params],
+                           dtype=torch.int64),
+        top_p=torch.tensor([[p.top_p] for p in params]),
+        min_p=torch.tensor([[p.min_p] for p in params]),
+        seeded=tuple(i for i, p in enumerate(params)
+                     if not p.prefill_only and p.temperature > 0 and p.seed is not None),
+        penalized=any(p.penalized for p in params),
+        logprobs=max((p.logprobs for p in params
+                      if p.logprobs is not None and not p.prefill_only), default=-1),
+        samples=any(p.temperature > 0 and not p.prefill_only for p in params),
+        sorts=any(p.temperature > 0 and (0 < p.top_k < vocab or p.top_p < 1.0)
+                  for p in params),
+        unseeded=any(p.temperature > 0 and p.seed is None and not p.prefill_only
+                     for p in params),
+        min_ps=any(p.min_p > 0 for p in params),
+        all_sampled=all(p.temperature > 0 for p in params),
+        prefill_only=any(p.prefill_only for p in params))
+
+
+def sampling_inputs(requests: Sequence[RunnerRequest], vocab: int,
+                    rows: RowParams | None = None) -> SamplingInputs:
+    """The host half of sampling: parameters, penalty histories and seeded rows' noise;
+    `rows`, where given, are these requests' parameters made already.
 
     Drawing a seeded row's noise advances its generator, as the per-row sampler's
     torch.multinomial did, so a recompute after preemption draws on from the same state."""
+    if rows is None:
+        rows = row_params(requests, vocab)
     errors: dict[int, str] = {}
     seeded, noise = [], []
-    for i, request in enumerate(requests):
-        params = request.params
-        if params.prefill_only or not params.temperature > 0 or params.seed is None:
-            continue
+    for i in rows.seeded:
+        request = requests[i]
         try:
             if request.generator is None:
-                request.generator = make_generator(params.seed)
+                request.generator = make_generator(request.params.seed)  # type: ignore[arg-type]
             noise.append(torch.empty(vocab).exponential_(1, generator=request.generator))
             seeded.append(i)
         except Exception as exc:  # whatever it is, it is this request's alone
             errors[i] = f"{type(exc).__name__}: {exc}"
-    asked = [r.params.logprobs for r in requests
-             if r.params.logprobs is not None and not r.params.prefill_only]
     return SamplingInputs(
-        temperature=torch.tensor([[r.params.temperature if r.params.temperature > 0 else 1.0]
-                                  for r in requests]),
-        sampled=torch.tensor([r.params.temperature > 0 for r in requests]),
-        top_k=torch.tensor([[r.params.top_k if 0 < r.params.top_k < vocab else 0]
-                            for r in requests], dtype=torch.int64),
-        top_p=torch.tensor([[r.params.top_p] for r in requests]),
-        min_p=torch.tensor([[r.params.min_p] for r in requests]),
-        seeded_rows=torch.tensor(seeded, dtype=torch.int64),
+        temperature=rows.temperature, sampled=rows.sampled, top_k=rows.top_k, top_p=rows.top_p,
+        min_p=rows.min_p, seeded_rows=torch.tensor(seeded, dtype=torch.int64),
         seeded_noise=torch.stack(noise) if noise else torch.empty(0, vocab),
-        penalties=_penalties(requests, vocab),
-        logprobs=max(asked, default=-1),
-        samples=any(r.params.temperature > 0 and not r.params.prefill_only for r in requests),
-        sorts=any(r.params.temperature > 0 and (0 < r.params.top_k < vocab
-                                                or r.params.top_p < 1.0) for r in requests),
-        unseeded=any(r.params.temperature > 0 and r.params.seed is None
-                     and not r.params.prefill_only for r in requests),
-        errors=errors)
+        penalties=_penalties(requests, vocab) if rows.penalized else None,
+        logprobs=rows.logprobs, samples=rows.samples, sorts=rows.sorts, unseeded=rows.unseeded,
+        errors=errors, min_ps=rows.min_ps, all_sampled=rows.all_sampled,
+        prefill_only=rows.prefill_only)
+
+
+class StepSampling:
+    """A runner's sampling inputs step after step: the rows' parameters are made again only
+    when the step's rows are other requests, as vLLM's InputBatch keeps its sampling tensors
+    while its requests stay; seeded noise and penalty histories are made every step."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self._rows: RowParams | None = None
+
+    def inputs(self, requests: Sequence[RunnerRequest]) -> SamplingInputs:
+        rows = self._rows
+        # a tuple compares its RunnerRequests by identity: a request that re-entered is new
+        if rows is None or rows.requests != tuple(requests):
+            rows = self._rows = row_params(requests, self.vocab)
+        return sampling_inputs(requests, self.vocab, rows)
 
 
 def _penalized(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
@@ -137,9 +196,10 @@ def _penalized(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
 def _processed(scores: torch.Tensor, s: SamplingInputs) -> torch.Tensor:
     """Temperature, min-p, top-k, top-p: rows that ask nothing of a filter pass it unchanged."""
     scaled = scores / s.temperature
-    probs = torch.softmax(scaled, dim=-1)  # vLLM's min-p: below min_p times the likeliest
-    scaled = scaled.masked_fill(probs < s.min_p * probs.amax(dim=-1, keepdim=True),
-                                float("-inf"))
+    if s.min_ps:  # vLLM's min-p: below min_p times the likeliest (min_p 0 drops nothing)
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < s.min_p * probs.amax(dim=-1, keepdim=True),
+                                    float("-inf"))
     if s.sorts:
         sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
         kth = sorted_logits.gather(1, (s.top_k - 1).clamp(min=0))
@@ -172,30 +232,38 @@ def sample(logits: torch.Tensor, requests: Sequence[RunnerRequest],
     refused: dict[str, str] = {}
     if processors is not None:
         refused = processors.apply(scores, requests)
-    tokens = scores.argmax(dim=-1)
     processed, broken = scores, torch.zeros_like(s.sampled)
     if host.samples:  # greedy steps (the default) skip the vocabulary-wide passes
         processed = _processed(scores, s)
         probs = torch.softmax(processed, dim=-1)
-        noise = (torch.empty_like(probs).exponential_(1) if s.unseeded
-                 else torch.ones_like(probs))
+        noise = exponential(probs) if s.unseeded else torch.ones_like(probs)
         noise.index_copy_(0, s.seeded_rows, s.seeded_noise)
-        tokens = torch.where(s.sampled, (probs / noise).argmax(dim=-1), tokens)
-        broken = s.sampled & ~torch.isfinite(probs).all(dim=-1)
+        drawn = (probs / noise).argmax(dim=-1)
+        tokens = drawn if host.all_sampled else torch.where(s.sampled, drawn,
+                                                            scores.argmax(dim=-1))
+        # softmax gives [0, 1] or NaN: a row's sum is NaN exactly where one is not finite
+        broken = s.sampled & probs.sum(dim=-1).isnan()
+    else:
+        tokens = scores.argmax(dim=-1)
+    if host.logprobs < 0:  # the common step: tokens and failures only, read back as ints
+        drawn_ids, failed = torch.stack((tokens, broken.to(tokens.dtype))).tolist()
+        if not (refused or host.errors or host.prefill_only or any(failed)):
+            return ModelRunnerOutput(token_ids=dict(zip([r.id for r in requests], drawn_ids,
+                                                        strict=True)))
+        return _output(list(zip(drawn_ids, failed, strict=True)), requests, host, refused)
     columns = [tokens.double(), broken.double()]
-    if host.logprobs >= 0:
-        chosen_from = torch.where(s.sampled[:, None], processed, scores) \
-            if processed_logprobs else logits
-        logprobs = torch.log_softmax(chosen_from, dim=-1)
-        chosen = logprobs.gather(1, tokens[:, None])
-        top_values, top_ids = logprobs.topk(host.logprobs, dim=1)
-        columns += [chosen[:, 0].double(), (logprobs > chosen).sum(dim=1).double() + 1,
-                    top_ids.double().flatten(1), top_values.double().flatten(1)]
+    chosen_from = torch.where(s.sampled[:, None], processed, scores) \
+        if processed_logprobs else logits
+    logprobs = torch.log_softmax(chosen_from, dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None])
+    top_values, top_ids = logprobs.topk(host.logprobs, dim=1)
+    columns += [chosen[:, 0].double(), (logprobs > chosen).sum(dim=1).double() + 1,
+                top_ids.double().flatten(1), top_values.double().flatten(1)]
     read = torch.cat([c.view(len(requests), -1) for c in columns], dim=1).tolist()
     return _output(read, requests, host, refused)
 
 
-def _output(read: list[list[float]], requests: Sequence[RunnerRequest],
+def _output(read: Sequence[Sequence[float]], requests: Sequence[RunnerRequest],
             inputs: SamplingInputs, refused: dict[str, str]) -> ModelRunnerOutput:
     """The step's one read back, per request: its token, error or logprobs."""
     output = ModelRunnerOutput()
@@ -222,6 +290,19 @@ def _output(read: list[list[float]], requests: Sequence[RunnerRequest],
                                                       lps[:params.logprobs], strict=True))
             output.logprobs[request.id] = TokenLogprob(token, values[2], int(values[3]), pairs)
     return output
+
+
+def exponential(like: torch.Tensor) -> torch.Tensor:
+    """Exp(1) draws from the device's generator, shaped like `like`. On the CPU,
+    `exponential_` draws a uniform double and takes -log1p(-u) one element at a time; this
+    draws the same doubles with `uniform_` and takes the log1p vectorised, in a third of the
+    time, leaving the generator in the same state. The two log1p differ at most in a
+    double's last bit, which moves the float only where it straddles a rounding edge: about
+    one draw in 10^10, and then by one float ulp."""
+    if like.device.type != "cpu":
+        return torch.empty_like(like).exponential_(1)
+    uniform = torch.empty(like.shape, dtype=torch.float64).uniform_()
+    return uniform.neg_().log1p_().neg_().to(like.dtype)
 
 
 def _on(inputs: SamplingInputs, device: torch.device) -> SamplingInputs:
