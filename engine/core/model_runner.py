@@ -419,9 +419,19 @@ class ModelRunner:
         return release
 
     def zero_blocks(self, blocks: list[int]) -> None:
-        if blocks:
-            index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-            self._block_rows().index_fill_(1, index, 0)
+        """Zero the KV rows of `blocks`: one slice per run of consecutive ids, each a memset
+        per row of the pool (index_fill_ walked them element by element)."""
+        if not blocks:
+            return
+        rows = self._block_rows()
+        ordered = sorted(blocks)
+        first = last = ordered[0]
+        for block in ordered[1:]:
+            if block != last + 1:
+                rows[:, first:last + 1].zero_()
+                first = block
+            last = block
+        rows[:, first:last + 1].zero_()
 
     def move_blocks(self, source: list[int], target: list[int]) -> None:
         """Copy the KV rows of blocks `source` to `target` (compaction); renumber held tables."""

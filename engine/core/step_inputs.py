@@ -57,8 +57,9 @@ def prepare(chunks: list[ScheduledChunk], requests: list[RunnerRequest],
         slots.append(torch.tensor([request.block_table[start // bs] * bs + start % bs
                                    for (_, request), start in zip(decodes, starts, strict=True)],
                                   dtype=torch.int64))
-        row_of.update(zip([id(chunk) for chunk, _ in decodes], range(row, row + len(decodes))))
-        row += len(decodes)
+        for chunk, _ in decodes:
+            row_of[id(chunk)] = row
+            row += 1
     slot_mapping = torch.cat(slots)
     meta = backend.metadata(ordered, slot_mapping, row - len(decodes))
     sample_rows = [row_of[id(c)] for c in chunks if c.samples]
