@@ -52,6 +52,7 @@ class SamplingInputs:
     unseeded: bool  # whether a row samples from the device's own generator
     errors: dict[int, str]  # row -> why its parameters cannot be sampled (drawn as greedy)
     min_ps: bool  # whether a row asks for min-p (else the filter keeps every token)
+    scales: bool  # whether a row's temperature is other than 1 (else dividing changes nothing)
     all_sampled: bool  # whether every row samples at a temperature (no greedy argmax)
     prefill_only: bool  # whether a row only scores its prompt
 
@@ -74,6 +75,7 @@ class RowParams:
     sorts: bool
     unseeded: bool
     min_ps: bool
+    scales: bool
     all_sampled: bool
     prefill_only: bool
 
@@ -126,6 +128,7 @@ def row_params(requests: Sequence[RunnerRequest], vocab: int) -> RowParams:
         unseeded=any(p.temperature > 0 and p.seed is None and not p.prefill_only
                      for p in params),
         min_ps=any(p.min_p > 0 for p in params),
+        scales=any(p.temperature > 0 and p.temperature != 1.0 for p in params),
         all_sampled=all(p.temperature > 0 for p in params),
         prefill_only=any(p.prefill_only for p in params))
 
@@ -156,7 +159,7 @@ def sampling_inputs(requests: Sequence[RunnerRequest], vocab: int,
         seeded_noise=torch.stack(noise) if noise else torch.empty(0, vocab),
         penalties=_penalties(requests, vocab) if rows.penalized else None,
         logprobs=rows.logprobs, samples=rows.samples, sorts=rows.sorts, unseeded=rows.unseeded,
-        errors=errors, min_ps=rows.min_ps, all_sampled=rows.all_sampled,
+        errors=errors, min_ps=rows.min_ps, scales=rows.scales, all_sampled=rows.all_sampled,
         prefill_only=rows.prefill_only)
 
 
@@ -195,7 +198,8 @@ def _penalized(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
 
 def _processed(scores: torch.Tensor, s: SamplingInputs) -> torch.Tensor:
     """Temperature, min-p, top-k, top-p: rows that ask nothing of a filter pass it unchanged."""
-    scaled = scores / s.temperature
+    # x / 1.0 is x exactly: serve's default temperature skips the pass
+    scaled = scores / s.temperature if s.scales else scores
     if s.min_ps:  # vLLM's min-p: below min_p times the likeliest (min_p 0 drops nothing)
         probs = torch.softmax(scaled, dim=-1)
         scaled = scaled.masked_fill(probs < s.min_p * probs.amax(dim=-1, keepdim=True),
