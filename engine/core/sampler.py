@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import ModelRunnerOutput, TokenLogprob
-from engine.core.logits_processors import LogitsProcessors
+from engine.core.logits_processors import LogitsProcessors, ProcessedRows, processed_rows
 from engine.core.runner_requests import RunnerRequest
 from engine.core.staging import moved
 
@@ -55,6 +55,7 @@ class SamplingInputs:
     scales: bool  # whether a row's temperature is other than 1 (else dividing changes nothing)
     all_sampled: bool  # whether every row samples at a temperature (no greedy argmax)
     prefill_only: bool  # whether a row only scores its prompt
+    processed: ProcessedRows  # the rows the logits processors may touch
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,7 @@ class RowParams:
     scales: bool
     all_sampled: bool
     prefill_only: bool
+    processed: ProcessedRows
 
 
 def _padded(lists: list[list[int]], pad: int) -> torch.Tensor:
@@ -130,7 +132,8 @@ def row_params(requests: Sequence[RunnerRequest], vocab: int) -> RowParams:
         min_ps=any(p.min_p > 0 for p in params),
         scales=any(p.temperature > 0 and p.temperature != 1.0 for p in params),
         all_sampled=all(p.temperature > 0 for p in params),
-        prefill_only=any(p.prefill_only for p in params))
+        prefill_only=any(p.prefill_only for p in params),
+        processed=processed_rows(requests))
 
 
 def sampling_inputs(requests: Sequence[RunnerRequest], vocab: int,
@@ -160,7 +163,7 @@ def sampling_inputs(requests: Sequence[RunnerRequest], vocab: int,
         penalties=_penalties(requests, vocab) if rows.penalized else None,
         logprobs=rows.logprobs, samples=rows.samples, sorts=rows.sorts, unseeded=rows.unseeded,
         errors=errors, min_ps=rows.min_ps, scales=rows.scales, all_sampled=rows.all_sampled,
-        prefill_only=rows.prefill_only)
+        prefill_only=rows.prefill_only, processed=rows.processed)
 
 
 class StepSampling:
@@ -235,7 +238,7 @@ def sample(logits: torch.Tensor, requests: Sequence[RunnerRequest],
     # before greedy, sampling and processed logprobs read them
     refused: dict[str, str] = {}
     if processors is not None:
-        refused = processors.apply(scores, requests)
+        refused = processors.apply(scores, requests, host.processed)
     processed, broken = scores, torch.zeros_like(s.sampled)
     if host.samples:  # greedy steps (the default) skip the vocabulary-wide passes
         processed = _processed(scores, s)
