@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.batch import Batch, ModelRunnerOutput, ScheduledChunk
 from engine.config import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.core.sampler import SamplingRow
 
 
 @dataclass(eq=False)
@@ -19,6 +23,7 @@ class RunnerRequest:
     params: SamplingParams
     block_table: list[int]
     generator: torch.Generator | None = None  # a seeded request's, made at its first draw
+    sampling_row: SamplingRow | None = None  # its sampling parameters, made at its first step
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -8,8 +8,11 @@ the same tokens on every device and as the per-row sampler did."""
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -107,32 +110,65 @@ def _penalties(requests: Sequence[RunnerRequest], vocab: int) -> Penalties | Non
         bias=torch.tensor([b for _, _, b in bias], dtype=torch.float32))
 
 
+# the flags of RowParams a row raises, OR-ed over the step's rows
+_PENALIZED, _SAMPLES, _SORTS, _UNSEEDED, _MIN_PS, _SCALES, _PREFILL_ONLY = (
+    1 << bit for bit in range(7))
+
+
+class SamplingRow(NamedTuple):  # a tuple: read for every row of a step whose rows changed
+    """One request's part of RowParams, made at its first step: its parameters never change."""
+
+    floats: tuple[float, float, float]  # temperature (1 where greedy), top_p, min_p
+    top_k: int  # 0 = off (also where it keeps the whole vocabulary)
+    sampled: bool  # temperature > 0
+    seeded: bool  # it samples from its own seeded generator
+    logprobs: int  # top logprobs asked for; -1 where none
+    flags: int
+
+
+def sampling_row(request: RunnerRequest, vocab: int) -> SamplingRow:
+    """`request`'s SamplingRow, made once and kept on it."""
+    row = request.sampling_row
+    if row is None:
+        p = request.params
+        sampled = p.temperature > 0
+        samples = sampled and not p.prefill_only
+        flags = ((_PENALIZED if p.penalized else 0)
+                 | (_SAMPLES if samples else 0)
+                 | (_SORTS if sampled and (0 < p.top_k < vocab or p.top_p < 1.0) else 0)
+                 | (_UNSEEDED if samples and p.seed is None else 0)
+                 | (_MIN_PS if p.min_p > 0 else 0)
+                 | (_SCALES if sampled and p.temperature != 1.0 else 0)
+                 | (_PREFILL_ONLY if p.prefill_only else 0))
+        row = request.sampling_row = SamplingRow(
+            (p.temperature if sampled else 1.0, p.top_p, p.min_p),
+            p.top_k if 0 < p.top_k < vocab else 0, sampled, samples and p.seed is not None,
+            -1 if p.logprobs is None or p.prefill_only else p.logprobs, flags)
+    return row
+
+
 def row_params(requests: Sequence[RunnerRequest], vocab: int) -> RowParams:
-    """The rows' parameters as tensors and flags (nothing drawn, no history read)."""
-    params = [r.params for r in requests]
+    """The rows' parameters as tensors and flags (nothing drawn, no history read), from each
+    request's SamplingRow."""
+    rows = [sampling_row(r, vocab) for r in requests]
+    # one tensor, a column each ([0, 3] where no row samples)
+    floats = torch.tensor([row.floats for row in rows]).view(-1, 3)
+    flags = functools.reduce(operator.or_, (row.flags for row in rows), 0)
     return RowParams(
         requests=tuple(requests),
-        temperature=torch.tensor([[p.temperature if p.temperature > 0 else 1.0]
-                                  for p in params]),
-        sampled=torch.tensor([p.temperature > 0 for p in params]),
-        top_k=torch.tensor([[p.top_k if 0 < p.top_k < vocab else 0] for p in params],
-                           dtype=torch.int64),
-        top_p=torch.tensor([[p.top_p] for p in params]),
-        min_p=torch.tensor([[p.min_p] for p in params]),
-        seeded=tuple(i for i, p in enumerate(params)
-                     if not p.prefill_only and p.temperature > 0 and p.seed is not None),
-        penalized=any(p.penalized for p in params),
-        logprobs=max((p.logprobs for p in params
-                      if p.logprobs is not None and not p.prefill_only), default=-1),
-        samples=any(p.temperature > 0 and not p.prefill_only for p in params),
-        sorts=any(p.temperature > 0 and (0 < p.top_k < vocab or p.top_p < 1.0)
-                  for p in params),
-        unseeded=any(p.temperature > 0 and p.seed is None and not p.prefill_only
-                     for p in params),
-        min_ps=any(p.min_p > 0 for p in params),
-        scales=any(p.temperature > 0 and p.temperature != 1.0 for p in params),
-        all_sampled=all(p.temperature > 0 for p in params),
-        prefill_only=any(p.prefill_only for p in params),
+        temperature=floats[:, 0:1], top_p=floats[:, 1:2], min_p=floats[:, 2:3],
+        sampled=torch.tensor([row.sampled for row in rows]),
+        top_k=torch.tensor([[row.top_k] for row in rows], dtype=torch.int64),
+        seeded=tuple(i for i, row in enumerate(rows) if row.seeded),
+        penalized=bool(flags & _PENALIZED),
+        logprobs=max((row.logprobs for row in rows), default=-1),
+        samples=bool(flags & _SAMPLES),
+        sorts=bool(flags & _SORTS),
+        unseeded=bool(flags & _UNSEEDED),
+        min_ps=bool(flags & _MIN_PS),
+        scales=bool(flags & _SCALES),
+        all_sampled=all(row.sampled for row in rows),
+        prefill_only=bool(flags & _PREFILL_ONLY),
         processed=processed_rows(requests))
 
 
