@@ -16,6 +16,7 @@ import llguidance
 import torch
 from tokenizers import pre_tokenizers
 
+from engine.config import SamplingParams
 from engine.core.runner_requests import RunnerRequest
 from engine.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -129,11 +130,20 @@ class _Tracked:
 ProcessedRows = tuple[tuple[int, ...], tuple[int, ...]]
 
 
+def grammar_masks(params: SamplingParams) -> bool:
+    """Whether a grammar masks this request's logits."""
+    return params.structured_output is not None and not params.prefill_only
+
+
+def holds_back(params: SamplingParams) -> bool:
+    """Whether min_tokens may hold back this request's stop tokens."""
+    return bool(params.min_tokens)
+
+
 def processed_rows(requests: Sequence[RunnerRequest]) -> ProcessedRows:
     """Which rows the processors may touch: fixed by the requests' parameters."""
-    return (tuple(row for row, r in enumerate(requests)
-                  if r.params.structured_output is not None and not r.params.prefill_only),
-            tuple(row for row, r in enumerate(requests) if r.params.min_tokens))
+    return (tuple(row for row, r in enumerate(requests) if grammar_masks(r.params)),
+            tuple(row for row, r in enumerate(requests) if holds_back(r.params)))
 
 
 class LogitsProcessors:

@@ -17,7 +17,13 @@ from typing import NamedTuple
 import torch
 
 from engine.batch import ModelRunnerOutput, TokenLogprob
-from engine.core.logits_processors import LogitsProcessors, ProcessedRows, processed_rows
+from engine.core.logits_processors import (
+    LogitsProcessors,
+    ProcessedRows,
+    grammar_masks,
+    holds_back,
+    processed_rows,
+)
 from engine.core.runner_requests import RunnerRequest
 from engine.core.staging import moved
 
@@ -110,9 +116,10 @@ def _penalties(requests: Sequence[RunnerRequest], vocab: int) -> Penalties | Non
         bias=torch.tensor([b for _, _, b in bias], dtype=torch.float32))
 
 
-# the flags of RowParams a row raises, OR-ed over the step's rows
-_PENALIZED, _SAMPLES, _SORTS, _UNSEEDED, _MIN_PS, _SCALES, _PREFILL_ONLY = (
-    1 << bit for bit in range(7))
+# the flags of RowParams a row raises, OR-ed over the step's rows; a tensor whose every row
+# holds its neutral value (temperature 1, top_p 1, min_p 0, top_k 0) is made without the rows
+(_PENALIZED, _SAMPLES, _SORTS, _UNSEEDED, _MIN_PS, _SCALES, _PREFILL_ONLY, _GREEDY, _SAMPLED,
+ _SEEDED, _LOGPROBS, _TOP_P, _TOP_K, _PROCESSED) = (1 << bit for bit in range(14))
 
 
 class SamplingRow(NamedTuple):  # a tuple: read for every row of a step whose rows changed
@@ -121,7 +128,6 @@ class SamplingRow(NamedTuple):  # a tuple: read for every row of a step whose ro
     floats: tuple[float, float, float]  # temperature (1 where greedy), top_p, min_p
     top_k: int  # 0 = off (also where it keeps the whole vocabulary)
     sampled: bool  # temperature > 0
-    seeded: bool  # it samples from its own seeded generator
     logprobs: int  # top logprobs asked for; -1 where none
     flags: int
 
@@ -133,43 +139,61 @@ def sampling_row(request: RunnerRequest, vocab: int) -> SamplingRow:
         p = request.params
         sampled = p.temperature > 0
         samples = sampled and not p.prefill_only
+        top_k = p.top_k if 0 < p.top_k < vocab else 0
+        logprobs = -1 if p.logprobs is None or p.prefill_only else p.logprobs
         flags = ((_PENALIZED if p.penalized else 0)
                  | (_SAMPLES if samples else 0)
-                 | (_SORTS if sampled and (0 < p.top_k < vocab or p.top_p < 1.0) else 0)
+                 | (_SORTS if sampled and (top_k or p.top_p < 1.0) else 0)
                  | (_UNSEEDED if samples and p.seed is None else 0)
+                 | (_SEEDED if samples and p.seed is not None else 0)
                  | (_MIN_PS if p.min_p > 0 else 0)
                  | (_SCALES if sampled and p.temperature != 1.0 else 0)
-                 | (_PREFILL_ONLY if p.prefill_only else 0))
+                 | (_PREFILL_ONLY if p.prefill_only else 0)
+                 | (_SAMPLED if sampled else _GREEDY)
+                 | (_LOGPROBS if logprobs >= 0 else 0)
+                 | (_TOP_P if p.top_p != 1.0 else 0)
+                 | (_TOP_K if top_k else 0)
+                 | (_PROCESSED if grammar_masks(p) or holds_back(p) else 0))
         row = request.sampling_row = SamplingRow(
-            (p.temperature if sampled else 1.0, p.top_p, p.min_p),
-            p.top_k if 0 < p.top_k < vocab else 0, sampled, samples and p.seed is not None,
-            -1 if p.logprobs is None or p.prefill_only else p.logprobs, flags)
+            (p.temperature if sampled else 1.0, p.top_p, p.min_p), top_k, sampled, logprobs,
+            flags)
     return row
 
 
 def row_params(requests: Sequence[RunnerRequest], vocab: int) -> RowParams:
     """The rows' parameters as tensors and flags (nothing drawn, no history read), from each
-    request's SamplingRow."""
-    rows = [sampling_row(r, vocab) for r in requests]
-    # one tensor, a column each ([0, 3] where no row samples)
-    floats = torch.tensor([row.floats for row in rows]).view(-1, 3)
+    request's SamplingRow: a per-row pass only for what some row asks of."""
+    rows = [r.sampling_row or sampling_row(r, vocab) for r in requests]
     flags = functools.reduce(operator.or_, (row.flags for row in rows), 0)
+    m = len(rows)
+
+    def column(index: int, flag: int, neutral: float) -> torch.Tensor:
+        if flags & flag:
+            return torch.tensor([[row.floats[index]] for row in rows]).view(m, 1)
+        return torch.full((m, 1), neutral)
+
+    if flags & _GREEDY and flags & _SAMPLED:  # some rows of each kind
+        sampled = torch.tensor([row.sampled for row in rows])
+    else:
+        sampled = torch.full((m,), bool(flags & _SAMPLED), dtype=torch.bool)
     return RowParams(
         requests=tuple(requests),
-        temperature=floats[:, 0:1], top_p=floats[:, 1:2], min_p=floats[:, 2:3],
-        sampled=torch.tensor([row.sampled for row in rows]),
-        top_k=torch.tensor([[row.top_k] for row in rows], dtype=torch.int64),
-        seeded=tuple(i for i, row in enumerate(rows) if row.seeded),
+        temperature=column(0, _SCALES, 1.0), top_p=column(1, _TOP_P, 1.0),
+        min_p=column(2, _MIN_PS, 0.0), sampled=sampled,
+        top_k=(torch.tensor([[row.top_k] for row in rows], dtype=torch.int64).view(m, 1)
+               if flags & _TOP_K else torch.zeros((m, 1), dtype=torch.int64)),
+        seeded=(tuple(i for i, row in enumerate(rows) if row.flags & _SEEDED)
+                if flags & _SEEDED else ()),
         penalized=bool(flags & _PENALIZED),
-        logprobs=max((row.logprobs for row in rows), default=-1),
+        logprobs=max(row.logprobs for row in rows) if flags & _LOGPROBS else -1,
         samples=bool(flags & _SAMPLES),
         sorts=bool(flags & _SORTS),
         unseeded=bool(flags & _UNSEEDED),
         min_ps=bool(flags & _MIN_PS),
         scales=bool(flags & _SCALES),
-        all_sampled=all(row.sampled for row in rows),
+        all_sampled=not flags & _GREEDY,
         prefill_only=bool(flags & _PREFILL_ONLY),
-        processed=processed_rows(requests))
+        processed=processed_rows(requests) if flags & _PROCESSED else ((), ()))
 
 
 def sampling_inputs(requests: Sequence[RunnerRequest], vocab: int,
