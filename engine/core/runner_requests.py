@@ -4,15 +4,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import torch
 
 from engine.batch import Batch, ModelRunnerOutput, ScheduledChunk
 from engine.config import SamplingParams
 
-if TYPE_CHECKING:
-    from engine.core.sampler import SamplingRow
+
+class SamplingRow(NamedTuple):  # a tuple: read for every row of a step whose rows changed
+    """A request's part of the sampler's RowParams (engine.core.sampler.sampling_row), made at
+    its first step: its parameters never change."""
+
+    floats: tuple[float, float, float]  # temperature (1 where greedy), top_p, min_p
+    top_k: int  # 0 = off (also where it keeps the whole vocabulary)
+    sampled: bool  # temperature > 0
+    logprobs: int  # top logprobs asked for; -1 where none
+    flags: int  # a bit for each RowParams flag it raises (engine.core.sampler)
 
 
 @dataclass(eq=False)

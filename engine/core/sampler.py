@@ -12,7 +12,6 @@ import functools
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 
@@ -24,7 +23,7 @@ from engine.core.logits_processors import (
     holds_back,
     processed_rows,
 )
-from engine.core.runner_requests import RunnerRequest
+from engine.core.runner_requests import RunnerRequest, SamplingRow
 from engine.core.staging import moved
 
 
@@ -120,16 +119,6 @@ def _penalties(requests: Sequence[RunnerRequest], vocab: int) -> Penalties | Non
 # holds its neutral value (temperature 1, top_p 1, min_p 0, top_k 0) is made without the rows
 (_PENALIZED, _SAMPLES, _SORTS, _UNSEEDED, _MIN_PS, _SCALES, _PREFILL_ONLY, _GREEDY, _SAMPLED,
  _SEEDED, _LOGPROBS, _TOP_P, _TOP_K, _PROCESSED) = (1 << bit for bit in range(14))
-
-
-class SamplingRow(NamedTuple):  # a tuple: read for every row of a step whose rows changed
-    """One request's part of RowParams, made at its first step: its parameters never change."""
-
-    floats: tuple[float, float, float]  # temperature (1 where greedy), top_p, min_p
-    top_k: int  # 0 = off (also where it keeps the whole vocabulary)
-    sampled: bool  # temperature > 0
-    logprobs: int  # top logprobs asked for; -1 where none
-    flags: int
 
 
 def sampling_row(request: RunnerRequest, vocab: int) -> SamplingRow:
