@@ -6,6 +6,12 @@ machine slows them alike. Prints JSON: each variant's step ms by N and the ms ea
 the first adds.
 
     PYTHONPATH=. .venv/bin/python benchmarks/step_rows.py [--rows 1 17 33] [--rounds 5]
+
+`--churn N`: instead, serve's steady state under N clients: N requests of 64 tokens
+(temperature 1) on the prompt "hello there", each replaced by a new one as it ends, so
+some steps also admit and prefill; the median, mean and p90 step ms over 3,000 steps.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/step_rows.py --churn 16
 """
 
 from __future__ import annotations
@@ -80,6 +86,31 @@ def measure(model: str, rows: list[int], rounds: int, steps: int,
     return result
 
 
+def churn(model: str, clients: int, steps: int = 3_000, warmup: int = 200
+          ) -> dict[str, object]:
+    """Step ms with `clients` 64-token requests in flight, each replaced as it ends."""
+    engine = serve_engine(model)
+    prompt = engine.prompt_token_ids("hello there")
+    params = SamplingParams(max_tokens=64, temperature=1.0, ignore_eos=True)
+    for _ in range(clients):
+        engine.add_request(prompt, params)
+    times = []
+    for step in range(warmup + steps):
+        start = time.perf_counter()
+        outputs = engine.step()
+        if step >= warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+        for output in outputs:
+            if output.finished:
+                engine.add_request(prompt, params)
+    engine.close()
+    times.sort()
+    return {"model": model, "clients": clients, "steps": steps,
+            "step_ms": {"median": round(statistics.median(times), 4),
+                        "mean": round(statistics.fmean(times), 4),
+                        "p90": round(times[int(0.9 * len(times))], 4)}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="synthetic:tiny")
@@ -87,7 +118,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--churn", type=int, default=0, metavar="N",
+                        help="instead: N 64-token requests, each replaced as it ends")
     args = parser.parse_args()
+    if args.churn:
+        print(json.dumps(churn(args.model, args.churn), indent=2))
+        return
     print(json.dumps(measure(args.model, args.rows, args.rounds, args.steps, args.warmup),
                      indent=2))
 
