@@ -73,6 +73,18 @@ def test_blocks_are_zeroed_when_reallocated() -> None:
     assert engine.runner.kv_cache.dtype.is_floating_point
 
 
+def test_zeroing_blocks_zeroes_those_blocks_alone_in_any_order() -> None:
+    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", block_size=4,
+                                 kv_cache_bytes=12 * 4 * 2 * 2 * 2 * 16 * 4))
+    cache = engine.runner.kv_cache
+    cache.fill_(1.0)
+    zeroed = [9, 2, 3, 7, 4, 11]  # runs 2-4, 7, 9 and 11, given out of order
+    engine.runner.zero_blocks(zeroed)
+    for block in range(engine.runner.num_blocks + 1):
+        expected = 0.0 if block in zeroed else float(cache[:, :, :, block].numel())
+        assert float(cache[:, :, :, block].sum()) == expected
+
+
 def test_allocate_returns_none_and_changes_nothing_when_the_pool_is_short() -> None:
     blocks = BlockManager(4, 4)
     first = Request("a", [5] * 9, SamplingParams(max_tokens=1), arrival=0.0)

@@ -11,7 +11,7 @@ import torch
 
 from engine.config import SamplingParams
 from engine.core.runner_requests import RunnerRequest
-from engine.core.sampler import sample
+from engine.core.sampler import StepSampling, exponential, row_params, sample, sampling_inputs
 from tests import sampler_oracle
 
 VOCAB = 300
@@ -97,3 +97,64 @@ def test_a_request_with_nan_probabilities_fails_alone() -> None:
     assert new.token_ids == old.token_ids
     assert set(new.errors) == set(old.errors) == {"bad"}
     assert "sampling failed" in new.errors["bad"]
+
+
+def test_the_cpu_noise_is_what_exponential_draws_from_the_same_generator_state() -> None:
+    torch.manual_seed(77)
+    expected = torch.empty(64, 4096).exponential_(1)
+    after = torch.get_rng_state()
+    torch.manual_seed(77)
+    got = exponential(torch.empty(64, 4096))
+    assert torch.equal(got, expected)
+    assert torch.equal(torch.get_rng_state(), after)
+
+
+def test_a_runners_kept_row_parameters_draw_what_fresh_ones_draw() -> None:
+    rng = random.Random(11)
+    requests = _requests(rng, 9, seeded=True)
+    kept, fresh = _copies(requests), _copies(requests)
+    steps = StepSampling(VOCAB)
+    made = []
+    for step in range(6):
+        if step == 3:  # one request leaves and another enters: the rows are made again
+            kept, fresh = kept[1:] + _copies(requests[:1]), fresh[1:] + _copies(requests[:1])
+        logits = torch.randn(len(kept), VOCAB, generator=torch.Generator().manual_seed(step))
+        inputs = steps.inputs(kept)
+        made.append(inputs.temperature)
+        got = sample(logits, kept, inputs=inputs)
+        expected = sample(logits, fresh, inputs=sampling_inputs(fresh, VOCAB))
+        assert got.token_ids == expected.token_ids
+        assert got.logprobs == expected.logprobs
+        for rows, output in ((kept, got), (fresh, expected)):
+            for request in rows:
+                request.token_ids.append(output.token_ids[request.id])
+    # kept while the rows were the same requests, made again when they changed
+    assert [t is made[0] for t in made] == [True, True, True, False, False, False]
+    assert made[4] is made[3]
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_row_parameters_hold_each_rows_values_where_they_skip_the_rows(case: int) -> None:
+    rng = random.Random(case)
+    # homogeneous batches too: there a column is made without reading the rows
+    same = case % 2 == 0
+    first = _params(rng, seeded=case % 4 == 0)
+    requests = _requests(rng, rng.choice([1, 4, 17]), seeded=case % 4 == 0)
+    if same:
+        requests = [RunnerRequest(r.id, r.token_ids, r.num_prompt_tokens, first, [])
+                    for r in requests]
+    rows = row_params(requests, VOCAB)
+    params = [r.params for r in requests]
+    expected = {
+        "temperature": [[p.temperature if p.temperature > 0 else 1.0] for p in params],
+        "top_p": [[p.top_p] for p in params], "min_p": [[p.min_p] for p in params],
+        "top_k": [[p.top_k if 0 < p.top_k < VOCAB else 0] for p in params],
+        "sampled": [p.temperature > 0 for p in params]}
+    for name, values in expected.items():
+        tensor = getattr(rows, name)
+        assert torch.equal(tensor, torch.tensor(values, dtype=tensor.dtype)), name
+    assert rows.seeded == tuple(i for i, p in enumerate(params)
+                                if p.temperature > 0 and p.seed is not None)
+    assert rows.logprobs == max((p.logprobs for p in params if p.logprobs is not None),
+                                default=-1)
+    assert rows.all_sampled == all(p.temperature > 0 for p in params)

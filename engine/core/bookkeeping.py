@@ -71,7 +71,11 @@ class Bookkeeper:
             request.text_end = request.stop_scanner.feed(request.output_token_ids)
             if request.text_end is not None:
                 return "stop"
-        return self._length(request, generated)
+        # _length's checks in line: every running request passes here every step
+        if (generated >= params.max_tokens
+                or len(request.prompt_token_ids) + generated >= self.max_model_len):
+            return "length"
+        return None
 
     def _length(self, request: Request, generated: int) -> str | None:
         if generated >= request.params.max_tokens:
@@ -97,21 +101,22 @@ class Bookkeeper:
         values: list[int] = []
         # looked up once a step, not once a token
         errors, token_ids, logprobs = output.errors, output.token_ids, output.logprobs
-        append_token = self.append_token
+        append_token, finished = self.append_token, RequestState.FINISHED
         for chunk in batch.sampling:
-            request = requests[chunk.request_id]
-            error = errors.get(request.id) if errors else None
+            request_id = chunk.request_id
+            request = requests[request_id]
+            error = errors.get(request_id) if errors else None
             if error is None:
                 try:
-                    token = None if request.params.prefill_only else token_ids[request.id]
-                    if logprobs and request.id in logprobs:
-                        request.logprobs.append(logprobs[request.id])
+                    token = None if request.params.prefill_only else token_ids[request_id]
+                    if logprobs and request_id in logprobs:
+                        request.logprobs.append(logprobs[request_id])
                     reason = append_token(request, token, timing, step, config)
                     tokens = () if token is None else (token,)
                     booked.append((request, tokens, None if reason is None else
-                                   Ending(request, RequestState.FINISHED, reason, None, tokens)))
+                                   Ending(request, finished, reason, None, tokens)))
                     if token is not None:
-                        ids.append(request.id)
+                        ids.append(request_id)
                         values.append(token)
                     continue
                 except Exception as exc:  # fault isolation: it fails this request only

@@ -16,6 +16,7 @@ import llguidance
 import torch
 from tokenizers import pre_tokenizers
 
+from engine.config import SamplingParams
 from engine.core.runner_requests import RunnerRequest
 from engine.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -125,6 +126,26 @@ class _Tracked:
     consumed: int = 0  # output tokens fed to the matcher so far
 
 
+# the rows a grammar constrains, and the rows that ask for min_tokens
+ProcessedRows = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def grammar_masks(params: SamplingParams) -> bool:
+    """Whether a grammar masks this request's logits."""
+    return params.structured_output is not None and not params.prefill_only
+
+
+def holds_back(params: SamplingParams) -> bool:
+    """Whether min_tokens may hold back this request's stop tokens."""
+    return bool(params.min_tokens)
+
+
+def processed_rows(requests: Sequence[RunnerRequest]) -> ProcessedRows:
+    """Which rows the processors may touch: fixed by the requests' parameters."""
+    return (tuple(row for row, r in enumerate(requests) if grammar_masks(r.params)),
+            tuple(row for row, r in enumerate(requests) if holds_back(r.params)))
+
+
 class LogitsProcessors:
     """The grammar masks and min_tokens of one model's requests, applied a step at a time."""
 
@@ -143,14 +164,16 @@ class LogitsProcessors:
             self._vocabulary = grammar_tokenizer(self.tokenizer, self.vocab_size)
         return self._vocabulary
 
-    def apply(self, logits: torch.Tensor, requests: Sequence[RunnerRequest]) -> dict[str, str]:
+    def apply(self, logits: torch.Tensor, requests: Sequence[RunnerRequest],
+              rows: ProcessedRows | None = None) -> dict[str, str]:
         """Set disallowed tokens of `logits` [M, V] (row i for `requests[i]`) to -inf, in
-        place; return the requests whose grammar failed, with why (their rows stay, unread)."""
+        place; return the requests whose grammar failed, with why (their rows stay, unread).
+        `rows`: processed_rows(requests), where the caller keeps it already."""
+        grammar_rows, min_tokens_rows = processed_rows(requests) if rows is None else rows
         refused: dict[str, str] = {}
         constrained = []
-        for row, request in enumerate(requests):
-            if request.params.structured_output is None or request.params.prefill_only:
-                continue
+        for row in grammar_rows:
+            request = requests[row]
             try:
                 constrained.append((row, request, self._matcher(request)))
             except Exception as exc:  # this request's grammar alone
@@ -161,9 +184,10 @@ class LogitsProcessors:
                 if matcher.is_error():
                     reason = (matcher.get_error().splitlines() or ["unknown"])[0]  # no dump
                     refused[request.id] = f"structured output failed: {reason}"
-        for row, request in enumerate(requests):
+        for row in min_tokens_rows:
+            request = requests[row]
             params = request.params
-            if params.min_tokens and len(request.output_token_ids) < params.min_tokens:
+            if len(request.output_token_ids) < params.min_tokens:
                 stops = {*params.stop_token_ids,
                          *(() if params.ignore_eos else self.eos_token_ids)}
                 logits[row, [t for t in stops if t < logits.shape[-1]]] = float("-inf")

@@ -46,7 +46,7 @@ from engine.core.kernel_swap import PACKED, PLAIN, KernelSwap
 from engine.core.kv_sizing import WorstStep, kv_budget, read_cuda_memory, worst_step_scratch
 from engine.core.logits_processors import LogitsProcessors
 from engine.core.runner_requests import RunnerRequest, RunnerRequests
-from engine.core.sampler import SamplingInputs, sample, sampling_inputs, token_logprobs
+from engine.core.sampler import SamplingInputs, StepSampling, sample, token_logprobs
 from engine.core.staging import Staging
 from engine.core.step_inputs import StepInputs, prepare
 from engine.errors import EngineError
@@ -147,6 +147,7 @@ class ModelRunner:
         self.model, self.model_config, self.tokenizer = (loaded.model, loaded.config,
                                                          loaded.tokenizer)
         self.logits_processors = LogitsProcessors(self.tokenizer, self.model_config.vocab_size)
+        self.sampling = StepSampling(self.model_config.vocab_size)
         self.startup_s["model_load"], mark = time.perf_counter() - mark, time.perf_counter()
         self.graphs: DecodeGraphs | None = None
         self._graphs: DecodeGraphs | None = None  # made once, kept while the choice is timed
@@ -418,9 +419,19 @@ class ModelRunner:
         return release
 
     def zero_blocks(self, blocks: list[int]) -> None:
-        if blocks:
-            index = torch.tensor(blocks, dtype=torch.int64, device=self.device)
-            self._block_rows().index_fill_(1, index, 0)
+        """Zero the KV rows of `blocks`: one slice per run of consecutive ids, each a memset
+        per row of the pool (index_fill_ walked them element by element)."""
+        if not blocks:
+            return
+        rows = self._block_rows()
+        ordered = sorted(blocks)
+        first = last = ordered[0]
+        for block in ordered[1:]:
+            if block != last + 1:
+                rows[:, first:last + 1].zero_()
+                first = block
+            last = block
+        rows[:, first:last + 1].zero_()
 
     def move_blocks(self, source: list[int], target: list[int]) -> None:
         """Copy the KV rows of blocks `source` to `target` (compaction); renumber held tables."""
@@ -443,7 +454,7 @@ class ModelRunner:
             return ModelRunnerOutput()
         scoring = [c for c in batch.prefills if c.scored_rows]
         sampling = [row for chunk, row in zip(chunks, rows, strict=True) if chunk.samples]
-        host = sampling_inputs(sampling, self.model_config.vocab_size)
+        host = self.sampling.inputs(sampling)
         graphs = self.cuda_graphs
         if graphs is not None and graphs.covers(chunks):  # every decode samples, in order
             graphed, on_device = self.staging.upload((graphs.host_inputs(chunks, rows), host))

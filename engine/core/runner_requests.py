@@ -4,11 +4,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from engine.batch import Batch, ModelRunnerOutput, ScheduledChunk
 from engine.config import SamplingParams
+
+
+class SamplingRow(NamedTuple):  # a tuple: read for every row of a step whose rows changed
+    """A request's part of the sampler's RowParams (engine.core.sampler.sampling_row), made at
+    its first step: its parameters never change."""
+
+    floats: tuple[float, float, float]  # temperature (1 where greedy), top_p, min_p
+    top_k: int  # 0 = off (also where it keeps the whole vocabulary)
+    sampled: bool  # temperature > 0
+    logprobs: int  # top logprobs asked for; -1 where none
+    flags: int  # a bit for each RowParams flag it raises (engine.core.sampler)
 
 
 @dataclass(eq=False)
@@ -19,6 +31,7 @@ class RunnerRequest:
     params: SamplingParams
     block_table: list[int]
     generator: torch.Generator | None = None  # a seeded request's, made at its first draw
+    sampling_row: SamplingRow | None = None  # its sampling parameters, made at its first step
 
     @property
     def output_token_ids(self) -> list[int]:

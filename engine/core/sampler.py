@@ -8,14 +8,22 @@ the same tokens on every device and as the per-row sampler did."""
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from engine.batch import ModelRunnerOutput, TokenLogprob
-from engine.core.logits_processors import LogitsProcessors
-from engine.core.runner_requests import RunnerRequest
+from engine.core.logits_processors import (
+    LogitsProcessors,
+    ProcessedRows,
+    grammar_masks,
+    holds_back,
+    processed_rows,
+)
+from engine.core.runner_requests import RunnerRequest, SamplingRow
 from engine.core.staging import moved
 
 
@@ -51,6 +59,35 @@ class SamplingInputs:
     sorts: bool  # whether a row asks for top-k or top-p (a sort of the vocabulary)
     unseeded: bool  # whether a row samples from the device's own generator
     errors: dict[int, str]  # row -> why its parameters cannot be sampled (drawn as greedy)
+    min_ps: bool  # whether a row asks for min-p (else the filter keeps every token)
+    scales: bool  # whether a row's temperature is other than 1 (else dividing changes nothing)
+    all_sampled: bool  # whether every row samples at a temperature (no greedy argmax)
+    prefill_only: bool  # whether a row only scores its prompt
+    processed: ProcessedRows  # the rows the logits processors may touch
+
+
+@dataclass(frozen=True)
+class RowParams:
+    """What a step's rows ask of sampling, fixed while the rows are the same requests: the
+    parameters' tensors and flags of SamplingInputs, and which rows draw afresh each step."""
+
+    requests: tuple[RunnerRequest, ...]
+    temperature: torch.Tensor
+    sampled: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    seeded: tuple[int, ...]  # rows that sample from their own seeded generator
+    penalized: bool
+    logprobs: int
+    samples: bool
+    sorts: bool
+    unseeded: bool
+    min_ps: bool
+    scales: bool
+    all_sampled: bool
+    prefill_only: bool
+    processed: ProcessedRows
 
 
 def _padded(lists: list[list[int]], pad: int) -> torch.Tensor:
@@ -78,17 +115,90 @@ def _penalties(requests: Sequence[RunnerRequest], vocab: int) -> Penalties | Non
         bias=torch.tensor([b for _, _, b in bias], dtype=torch.float32))
 
 
-def sampling_inputs(requests: Sequence[RunnerRequest], vocab: int) -> SamplingInputs:
-    """The host half of sampling: parameters, penalty histories and seeded rows' noise.
+# the flags of RowParams a row raises, OR-ed over the step's rows; a tensor whose every row
+# holds its neutral value (temperature 1, top_p 1, min_p 0, top_k 0) is made without the rows
+(_PENALIZED, _SAMPLES, _SORTS, _UNSEEDED, _MIN_PS, _SCALES, _PREFILL_ONLY, _GREEDY, _SAMPLED,
+ _SEEDED, _LOGPROBS, _TOP_P, _TOP_K, _PROCESSED) = (1 << bit for bit in range(14))
+
+
+def sampling_row(request: RunnerRequest, vocab: int) -> SamplingRow:
+    """`request`'s SamplingRow, made once and kept on it."""
+    row = request.sampling_row
+    if row is None:
+        p = request.params
+        sampled = p.temperature > 0
+        samples = sampled and not p.prefill_only
+        top_k = p.top_k if 0 < p.top_k < vocab else 0
+        logprobs = -1 if p.logprobs is None or p.prefill_only else p.logprobs
+        flags = ((_PENALIZED if p.penalized else 0)
+                 | (_SAMPLES if samples else 0)
+                 | (_SORTS if sampled and (top_k or p.top_p < 1.0) else 0)
+                 | (_UNSEEDED if samples and p.seed is None else 0)
+                 | (_SEEDED if samples and p.seed is not None else 0)
+                 | (_MIN_PS if p.min_p > 0 else 0)
+                 | (_SCALES if sampled and p.temperature != 1.0 else 0)
+                 | (_PREFILL_ONLY if p.prefill_only else 0)
+                 | (_SAMPLED if sampled else _GREEDY)
+                 | (_LOGPROBS if logprobs >= 0 else 0)
+                 | (_TOP_P if p.top_p != 1.0 else 0)
+                 | (_TOP_K if top_k else 0)
+                 | (_PROCESSED if grammar_masks(p) or holds_back(p) else 0))
+        row = request.sampling_row = SamplingRow(
+            (p.temperature if sampled else 1.0, p.top_p, p.min_p), top_k, sampled, logprobs,
+            flags)
+    return row
+
+
+def row_params(requests: Sequence[RunnerRequest], vocab: int) -> RowParams:
+    """The rows' parameters as tensors and flags (nothing drawn, no history read), from each
+    request's SamplingRow: a per-row pass only for what some row asks of."""
+    rows = [r.sampling_row or sampling_row(r, vocab) for r in requests]
+    flags = functools.reduce(operator.or_, (row.flags for row in rows), 0)
+    m = len(rows)
+
+    def column(index: int, flag: int, neutral: float) -> torch.Tensor:
+        if flags & flag:
+            return torch.tensor([[row.floats[index]] for row in rows]).view(m, 1)
+        return torch.full((m, 1), neutral)
+
+    if flags & _GREEDY and flags & _SAMPLED:  # some rows of each kind
+        sampled = torch.tensor([row.sampled for row in rows])
+    else:
+        sampled = torch.full((m,), bool(flags & _SAMPLED), dtype=torch.bool)
+    return RowParams(
+        requests=tuple(requests),
+        temperature=column(0, _SCALES, 1.0), top_p=column(1, _TOP_P, 1.0),
+        min_p=column(2, _MIN_PS, 0.0), sampled=sampled,
+        top_k=(torch.tensor([[row.top_k] for row in rows], dtype=torch.int64).view(m, 1)
+               if flags & _TOP_K else torch.zeros((m, 1), dtype=torch.int64)),
+        seeded=(tuple(i for i, row in enumerate(rows) if row.flags & _SEEDED)
+                if flags & _SEEDED else ()),
+        penalized=bool(flags & _PENALIZED),
+        logprobs=max(row.logprobs for row in rows) if flags & _LOGPROBS else -1,
+        samples=bool(flags & _SAMPLES),
+        sorts=bool(flags & _SORTS),
+        unseeded=bool(flags & _UNSEEDED),
+        min_ps=bool(flags & _MIN_PS),
+        scales=bool(flags & _SCALES),
+        all_sampled=not flags & _GREEDY,
+        prefill_only=bool(flags & _PREFILL_ONLY),
+        processed=processed_rows(requests) if flags & _PROCESSED else ((), ()))
+
+
+def sampling_inputs(requests: Sequence[RunnerRequest], vocab: int,
+                    rows: RowParams | None = None) -> SamplingInputs:
+    """The host half of sampling: parameters, penalty histories and seeded rows' noise;
+    `rows`, where given, are these requests' parameters made already.
 
     Drawing a seeded row's noise advances its generator, as the per-row sampler's
     torch.multinomial did, so a recompute after preemption draws on from the same state."""
+    if rows is None:
+        rows = row_params(requests, vocab)
     errors: dict[int, str] = {}
     seeded, noise = [], []
-    for i, request in enumerate(requests):
+    for i in rows.seeded:
+        request = requests[i]
         params = request.params
-        if params.prefill_only or not params.temperature > 0 or params.seed is None:
-            continue
         try:
             if request.generator is None:
                 request.generator = make_generator(params.seed)
@@ -96,26 +206,31 @@ def sampling_inputs(requests: Sequence[RunnerRequest], vocab: int) -> SamplingIn
             seeded.append(i)
         except Exception as exc:  # whatever it is, it is this request's alone
             errors[i] = f"{type(exc).__name__}: {exc}"
-    asked = [r.params.logprobs for r in requests
-             if r.params.logprobs is not None and not r.params.prefill_only]
     return SamplingInputs(
-        temperature=torch.tensor([[r.params.temperature if r.params.temperature > 0 else 1.0]
-                                  for r in requests]),
-        sampled=torch.tensor([r.params.temperature > 0 for r in requests]),
-        top_k=torch.tensor([[r.params.top_k if 0 < r.params.top_k < vocab else 0]
-                            for r in requests], dtype=torch.int64),
-        top_p=torch.tensor([[r.params.top_p] for r in requests]),
-        min_p=torch.tensor([[r.params.min_p] for r in requests]),
-        seeded_rows=torch.tensor(seeded, dtype=torch.int64),
+        temperature=rows.temperature, sampled=rows.sampled, top_k=rows.top_k, top_p=rows.top_p,
+        min_p=rows.min_p, seeded_rows=torch.tensor(seeded, dtype=torch.int64),
         seeded_noise=torch.stack(noise) if noise else torch.empty(0, vocab),
-        penalties=_penalties(requests, vocab),
-        logprobs=max(asked, default=-1),
-        samples=any(r.params.temperature > 0 and not r.params.prefill_only for r in requests),
-        sorts=any(r.params.temperature > 0 and (0 < r.params.top_k < vocab
-                                                or r.params.top_p < 1.0) for r in requests),
-        unseeded=any(r.params.temperature > 0 and r.params.seed is None
-                     and not r.params.prefill_only for r in requests),
-        errors=errors)
+        penalties=_penalties(requests, vocab) if rows.penalized else None,
+        logprobs=rows.logprobs, samples=rows.samples, sorts=rows.sorts, unseeded=rows.unseeded,
+        errors=errors, min_ps=rows.min_ps, scales=rows.scales, all_sampled=rows.all_sampled,
+        prefill_only=rows.prefill_only, processed=rows.processed)
+
+
+class StepSampling:
+    """A runner's sampling inputs step after step: the rows' parameters are made again only
+    when the step's rows are other requests, as vLLM's InputBatch keeps its sampling tensors
+    while its requests stay; seeded noise and penalty histories are made every step."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+        self._rows: RowParams | None = None
+
+    def inputs(self, requests: Sequence[RunnerRequest]) -> SamplingInputs:
+        rows = self._rows
+        # a tuple compares its RunnerRequests by identity: a request that re-entered is new
+        if rows is None or rows.requests != tuple(requests):
+            rows = self._rows = row_params(requests, self.vocab)
+        return sampling_inputs(requests, self.vocab, rows)
 
 
 def _penalized(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
@@ -136,10 +251,12 @@ def _penalized(logits: torch.Tensor, p: Penalties) -> torch.Tensor:
 
 def _processed(scores: torch.Tensor, s: SamplingInputs) -> torch.Tensor:
     """Temperature, min-p, top-k, top-p: rows that ask nothing of a filter pass it unchanged."""
-    scaled = scores / s.temperature
-    probs = torch.softmax(scaled, dim=-1)  # vLLM's min-p: below min_p times the likeliest
-    scaled = scaled.masked_fill(probs < s.min_p * probs.amax(dim=-1, keepdim=True),
-                                float("-inf"))
+    # x / 1.0 is x exactly: serve's default temperature skips the pass
+    scaled = scores / s.temperature if s.scales else scores
+    if s.min_ps:  # vLLM's min-p: below min_p times the likeliest (min_p 0 drops nothing)
+        probs = torch.softmax(scaled, dim=-1)
+        scaled = scaled.masked_fill(probs < s.min_p * probs.amax(dim=-1, keepdim=True),
+                                    float("-inf"))
     if s.sorts:
         sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
         kth = sorted_logits.gather(1, (s.top_k - 1).clamp(min=0))
@@ -171,31 +288,39 @@ def sample(logits: torch.Tensor, requests: Sequence[RunnerRequest],
     # before greedy, sampling and processed logprobs read them
     refused: dict[str, str] = {}
     if processors is not None:
-        refused = processors.apply(scores, requests)
-    tokens = scores.argmax(dim=-1)
+        refused = processors.apply(scores, requests, host.processed)
     processed, broken = scores, torch.zeros_like(s.sampled)
     if host.samples:  # greedy steps (the default) skip the vocabulary-wide passes
         processed = _processed(scores, s)
         probs = torch.softmax(processed, dim=-1)
-        noise = (torch.empty_like(probs).exponential_(1) if s.unseeded
-                 else torch.ones_like(probs))
+        noise = exponential(probs) if s.unseeded else torch.ones_like(probs)
         noise.index_copy_(0, s.seeded_rows, s.seeded_noise)
-        tokens = torch.where(s.sampled, (probs / noise).argmax(dim=-1), tokens)
-        broken = s.sampled & ~torch.isfinite(probs).all(dim=-1)
+        drawn = (probs / noise).argmax(dim=-1)
+        tokens = drawn if host.all_sampled else torch.where(s.sampled, drawn,
+                                                            scores.argmax(dim=-1))
+        # softmax gives [0, 1] or NaN: a row's sum is NaN exactly where one is not finite
+        broken = s.sampled & probs.sum(dim=-1).isnan()
+    else:
+        tokens = scores.argmax(dim=-1)
+    if host.logprobs < 0:  # the common step: tokens and failures only, read back as ints
+        drawn_ids, failed = torch.stack((tokens, broken.to(tokens.dtype))).tolist()
+        if not (refused or host.errors or host.prefill_only or any(failed)):
+            return ModelRunnerOutput(token_ids=dict(zip([r.id for r in requests], drawn_ids,
+                                                        strict=True)))
+        return _output(list(zip(drawn_ids, failed, strict=True)), requests, host, refused)
     columns = [tokens.double(), broken.double()]
-    if host.logprobs >= 0:
-        chosen_from = torch.where(s.sampled[:, None], processed, scores) \
-            if processed_logprobs else logits
-        logprobs = torch.log_softmax(chosen_from, dim=-1)
-        chosen = logprobs.gather(1, tokens[:, None])
-        top_values, top_ids = logprobs.topk(host.logprobs, dim=1)
-        columns += [chosen[:, 0].double(), (logprobs > chosen).sum(dim=1).double() + 1,
-                    top_ids.double().flatten(1), top_values.double().flatten(1)]
+    chosen_from = torch.where(s.sampled[:, None], processed, scores) \
+        if processed_logprobs else logits
+    logprobs = torch.log_softmax(chosen_from, dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None])
+    top_values, top_ids = logprobs.topk(host.logprobs, dim=1)
+    columns += [chosen[:, 0].double(), (logprobs > chosen).sum(dim=1).double() + 1,
+                top_ids.double().flatten(1), top_values.double().flatten(1)]
     read = torch.cat([c.view(len(requests), -1) for c in columns], dim=1).tolist()
     return _output(read, requests, host, refused)
 
 
-def _output(read: list[list[float]], requests: Sequence[RunnerRequest],
+def _output(read: Sequence[Sequence[float]], requests: Sequence[RunnerRequest],
             inputs: SamplingInputs, refused: dict[str, str]) -> ModelRunnerOutput:
     """The step's one read back, per request: its token, error or logprobs."""
     output = ModelRunnerOutput()
@@ -222,6 +347,19 @@ def _output(read: list[list[float]], requests: Sequence[RunnerRequest],
                                                       lps[:params.logprobs], strict=True))
             output.logprobs[request.id] = TokenLogprob(token, values[2], int(values[3]), pairs)
     return output
+
+
+def exponential(like: torch.Tensor) -> torch.Tensor:
+    """Exp(1) draws from the device's generator, shaped like `like`. On the CPU,
+    `exponential_` draws a uniform double and takes -log1p(-u) one element at a time; this
+    draws the same doubles with `uniform_` and takes the log1p vectorised, in a third of the
+    time, leaving the generator in the same state. The two log1p may differ in a double's
+    last bit (8% of draws did), which moves the float only where the double straddles a
+    rounding edge, by one float ulp: none of 80 M draws did."""
+    if like.device.type != "cpu":
+        return torch.empty_like(like).exponential_(1)
+    uniform = torch.empty(like.shape, dtype=torch.float64).uniform_()
+    return uniform.neg_().log1p_().neg_().to(like.dtype)
 
 
 def _on(inputs: SamplingInputs, device: torch.device) -> SamplingInputs:

@@ -39,26 +39,27 @@ def prepare(chunks: list[ScheduledChunk], requests: list[RunnerRequest],
     slots: list[torch.Tensor] = []
     row_of: dict[int, int] = {}
     row = 0
-    # a decode's position and slot as plain ints, one tensor for all (not one each)
-    decode_positions: list[int] = []
-    decode_slots: list[int] = []
-    for chunk, request in ordered:
+    for chunk, request in prefills:
         end = chunk.start + chunk.num_tokens
         token_ids.extend(request.token_ids[chunk.start:end])
         row += chunk.num_tokens
         row_of[id(chunk)] = row - 1
-        if chunk.is_decode:
-            decode_positions.append(chunk.start)
-            decode_slots.append(request.block_table[chunk.start // bs] * bs
-                                + chunk.start % bs)
-            continue
         table = torch.tensor(request.block_table, dtype=torch.int64)
         pos = torch.arange(chunk.start, end, dtype=torch.int64)
         positions.append(pos)
         slots.append(table[pos // bs] * bs + pos % bs)
     if decodes:
-        positions.append(torch.tensor(decode_positions, dtype=torch.int64))
-        slots.append(torch.tensor(decode_slots, dtype=torch.int64))
+        # a decode is one token: its id, position and slot as plain ints, one tensor each
+        starts = [chunk.start for chunk, _ in decodes]
+        token_ids += [request.token_ids[start]
+                      for (_, request), start in zip(decodes, starts, strict=True)]
+        positions.append(torch.tensor(starts, dtype=torch.int64))
+        slots.append(torch.tensor([request.block_table[start // bs] * bs + start % bs
+                                   for (_, request), start in zip(decodes, starts, strict=True)],
+                                  dtype=torch.int64))
+        for chunk, _ in decodes:
+            row_of[id(chunk)] = row
+            row += 1
     slot_mapping = torch.cat(slots)
     meta = backend.metadata(ordered, slot_mapping, row - len(decodes))
     sample_rows = [row_of[id(c)] for c in chunks if c.samples]
