@@ -15,7 +15,8 @@ refused:
 Each load runs `--seconds` (the streams their 8 s), on one server and then the other, every
 other round in the other order, once both servers are idle. Prints, per server and load, the
 bystander's p50 and p99 and its p99 over the p99 of an idle window taken just before
-(fuzz_attacks.py bounds that ratio at 2); `--json` keeps every figure.
+(fuzz_attacks.py bounds that ratio at 2), and the cores the server used while loaded (its
+processes' CPU seconds over the wall); `--json` keeps every figure.
 """
 
 from __future__ import annotations
@@ -163,17 +164,30 @@ def wait_quiet(processes: list[psutil.Process]) -> None:
           file=sys.stderr)
 
 
+def cpu_s(processes: list[psutil.Process]) -> float:
+    """User and system CPU seconds of `processes` and their children so far."""
+    total = 0.0
+    for process in processes:
+        times = process.cpu_times()
+        total += times.user + times.system
+    return total
+
+
 def measure(port: int, model: str, name: str, seconds: float) -> dict[str, float]:
     idle = Bystander(port, model)
     for _ in range(IDLE_REQUESTS):
         idle.one()
     bystander = Bystander(port, model)
+    serving = server_processes(port)
     loader = multiprocessing.get_context("spawn").Process(
         target=load, args=(name, port, model, seconds))
     loader.start()
     thread = threading.Thread(target=bystander.run)
+    started, served_before = time.monotonic(), cpu_s(serving)
     thread.start()
     loader.join()
+    # the server's cores while loaded: one at most says an interpreter lock bounds it
+    cores = (cpu_s(serving) - served_before) / (time.monotonic() - started)
     bystander.stop.set()
     thread.join()
     if loader.exitcode != 0 or bystander.failures or idle.failures:
@@ -182,7 +196,8 @@ def measure(port: int, model: str, name: str, seconds: float) -> dict[str, float
     beside = bystander.latencies
     return {"idle_p99_ms": p99(idle.latencies) * 1e3,
             "p50_ms": statistics.median(beside) * 1e3, "p99_ms": p99(beside) * 1e3,
-            "p99_x_idle": p99(beside) / p99(idle.latencies), "requests": len(beside)}
+            "p99_x_idle": p99(beside) / p99(idle.latencies), "requests": len(beside),
+            "server_cores": cores}
 
 
 def main() -> None:
@@ -229,7 +244,8 @@ def main() -> None:
                           f"{figures['idle_p99_ms']:6.1f} ms  beside: p50 "
                           f"{figures['p50_ms']:6.1f} p99 {figures['p99_ms']:6.1f} ms  "
                           f"p99 {figures['p99_x_idle']:5.2f}x idle  "
-                          f"({figures['requests']} requests)", flush=True)
+                          f"({figures['requests']} requests; the server used "
+                          f"{figures['server_cores']:.2f} cores)", flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps(runs, indent=2))
 

@@ -71,6 +71,8 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
                         "penalties, temperature, min_p, top-k and top-p"),
     "--compile": ("compile", bool, "torch.compile the model at start, warmed up before the "
                                    "first request (default: on CUDA only)"),
+    "--cpu-threads": ("cpu_threads", int, "torch threads on a CPU device (default 0: every "
+                                          "core but one, left to the UI, HTTP and the store)"),
     "--cpu-graphs": ("cpu_graphs", bool, "replay CPU decode steps as recorded kernel calls "
                                          "(default: where measured faster; --no-cpu-graphs "
                                          "runs them eagerly)"),
