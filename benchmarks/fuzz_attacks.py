@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import multiprocessing
 import os
 import resource
 import selectors
@@ -28,6 +29,8 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 
 import psutil
@@ -76,8 +79,47 @@ class Bystander:
             conn.close()
 
     def run(self) -> None:
-        while not self.stop.is_set():
+        self.run_until(self.stop)
+
+    def run_until(self, stop: threading.Event | EventType) -> None:
+        while not stop.is_set():
             self.one()
+
+
+def _bystander_apart(port: int, stop: EventType, out: Connection) -> None:
+    """A Bystander's run in a process of its own: "ready" after its first request, then its
+    figures once `stop` is set."""
+    bystander = Bystander(port)
+    bystander.one()
+    out.send("ready")
+    bystander.run_until(stop)
+    out.send((bystander.latencies, bystander.starts, bystander.failures))
+
+
+class BystanderApart:
+    """The bystander beside an attack, in a process of its own, as another client is: an
+    attacker building a 2.6 MB body holds its own interpreter's lock for 140 ms, which a
+    bystander thread beside it would wait out and count as the server's."""
+
+    def __init__(self, port: int) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.port = port
+        self._stop = context.Event()
+        self._figures, sender = context.Pipe(duplex=False)
+        self._process = context.Process(target=_bystander_apart,
+                                        args=(port, self._stop, sender), daemon=True)
+
+    def start(self) -> None:
+        """Once the bystander has had its first answer."""
+        self._process.start()
+        if not self._figures.poll(120) or self._figures.recv() != "ready":
+            raise SystemExit("the bystander's process did not start")
+
+    def stop(self) -> Bystander:
+        self._stop.set()
+        latencies, starts, failures = self._figures.recv()
+        self._process.join(30)
+        return Bystander(self.port, latencies, starts, failures)
 
 
 # Where an attack also sends the same requests without their hostile field, the periods of
@@ -181,17 +223,25 @@ def stop_strings(port: int) -> tuple[dict[str, object], bool]:
 
 def logit_bias(port: int) -> tuple[dict[str, object], bool]:
     """74,161 keys that all parse to one token id were accepted, summed past the cap and
-    rebuilt every step (+33 ms a token)."""
-    keys = {}
-    for i in range(74_161):  # leading zeros and Arabic-Indic digits, all naming token 7
-        keys["0" * (i % 40 + 1) + "7" if i % 2 else
-             "\u0660" * (i % 30) + "\u0667"] = 1.0
-    body = json.dumps({"prompt": "hello", "max_tokens": 4, "logit_bias": keys}).encode()
-    status, _ = post(port, body, source=LOGIT_BIAS_FROM)
+    rebuilt every step (+33 ms a token). The keys are distinct, as they were: leading zeros
+    in ASCII and Arabic-Indic digits, spelling each key's number in binary before its 7.
+    At 2.6 MB the body is over the server's limit; 2,000 such keys (53 KB) are within it."""
+    def keys(count: int) -> dict[str, float]:
+        width = max(1, (count - 1).bit_length())
+        return {"".join("\u0660" if bit == "1" else "0" for bit in f"{i:0{width}b}") + "7": 1.0
+                for i in range(count)}
+
+    def sent(count: int) -> int:
+        body = json.dumps({"prompt": "hello", "max_tokens": 4, "logit_bias": keys(count)},
+                          ensure_ascii=False).encode()
+        return post(port, body, source=LOGIT_BIAS_FROM)[0]
+
+    many, within = sent(74_161), sent(2_000)
     dup = json.dumps({"prompt": "hello", "max_tokens": 4,
                       "logit_bias": {"07": 100, "7": 100}}).encode()
     dup_status, _ = post(port, dup, source=LOGIT_BIAS_FROM)
-    return {"74161_keys": status, "leading_zero": dup_status}, status == dup_status == 400
+    return ({"74161_keys": many, "2000_keys": within, "leading_zero": dup_status},
+            many in (400, 413) and within == dup_status == 400)
 
 
 def big_answer(port: int) -> tuple[dict[str, object], bool]:
@@ -437,8 +487,7 @@ def run_attacks(idle_requests: int = 40, only: tuple[str, ...] = ()) -> int:
                 for _ in range(idle_requests // 2):
                     local.one()
                 local_p99 = p99(local.latencies)
-                bystander = Bystander(port)
-                thread = threading.Thread(target=bystander.run, daemon=True)
+                apart = BystanderApart(port)
                 peak = [0]
                 sampling = threading.Event()
 
@@ -450,12 +499,11 @@ def run_attacks(idle_requests: int = 40, only: tuple[str, ...] = ()) -> int:
 
                 sampler = threading.Thread(target=sample, daemon=True)
                 sampler.start()
-                thread.start()
+                apart.start()
                 started = time.perf_counter()
                 outcome, held = (attack(port, server) if name == "file_limit"
                                  else attack(port))
-                bystander.stop.set()
-                thread.join(120)
+                bystander = apart.stop()
                 after_rss = process.memory_info().rss
                 sampling.set()
                 sampler.join(5)
