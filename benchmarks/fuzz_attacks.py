@@ -49,6 +49,7 @@ STOP_STRINGS_FROM = "127.0.0.5"
 BIG_ANSWER_FROM = "127.0.0.6"
 HUGE_N_FROM = "127.0.0.7"
 LOGIT_BIAS_FROM = "127.0.0.8"
+UNREAD_STREAMS_FROM = "127.0.0.4"
 
 
 @dataclass
@@ -60,12 +61,13 @@ class Bystander:
     starts: list[float] = field(default_factory=list)  # each latency's perf_counter start
     failures: list[str] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
+    body: bytes = BYSTANDER  # another server's needs its model named
 
     def one(self) -> None:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
         started = time.perf_counter()
         try:
-            conn.request("POST", "/v1/completions", BYSTANDER, {"Content-Type": JSON_TYPE})
+            conn.request("POST", "/v1/completions", self.body, {"Content-Type": JSON_TYPE})
             response = conn.getresponse()
             body = response.read()
             if response.status != 200:
@@ -119,7 +121,7 @@ class BystanderApart:
         self._stop.set()
         latencies, starts, failures = self._figures.recv()
         self._process.join(30)
-        return Bystander(self.port, latencies, starts, failures)
+        return Bystander(self.port, latencies=latencies, starts=starts, failures=failures)
 
 
 # Where an attack also sends the same requests without their hostile field, the periods of
@@ -301,15 +303,7 @@ def unread_streams(port: int) -> tuple[dict[str, object], bool]:
     read_bytes = 0
     for kind in ("hostile", "plain"):
         started = time.perf_counter()
-        sockets = []
-        for _ in range(250):
-            sock = socket.create_connection(("127.0.0.1", port),
-                                            source_address=("127.0.0.4", 0))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                         b"Content-Type: application/json\r\n"
-                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-            sockets.append(sock)
+        sockets = open_streams(port, body, UNREAD_STREAMS_FROM)
         if kind == "hostile":
             time.sleep(8)  # they generate into buffers nobody reads
         else:
@@ -319,6 +313,20 @@ def unread_streams(port: int) -> tuple[dict[str, object], bool]:
         periods.append((kind, started, time.perf_counter()))
         time.sleep(3)
     return {"streams": 250, "read_bytes": read_bytes}, True
+
+
+def open_streams(port: int, body: bytes, source: str, count: int = 250) -> list[socket.socket]:
+    """`count` streamed completions of `body` from `source`, sent and left to the caller to
+    read or not, each socket's receive buffer small so an unread one backs up at once."""
+    sockets = []
+    for _ in range(count):
+        sock = socket.create_connection(("127.0.0.1", port), source_address=(source, 0))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        sockets.append(sock)
+    return sockets
 
 
 def drain(sockets: list[socket.socket], seconds: float) -> int:

@@ -22,11 +22,9 @@ processes' CPU seconds over the wall); `--json` keeps every figure.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import multiprocessing
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -38,6 +36,8 @@ from urllib.parse import urlsplit
 import psutil
 from vs_vllm import KV_CACHE_GIB, parse_with_stand_in, peer_env, save_model
 from vs_vllm_serve import server
+
+from benchmarks.fuzz_attacks import Bystander, open_streams, p99, post
 
 REPO = Path(__file__).resolve().parent.parent
 LOAD_FROM = "127.0.0.5"
@@ -53,43 +53,10 @@ def completion(model: str, prompt: list[int], **fields: object) -> bytes:
     return json.dumps({"model": model, "prompt": prompt, **fields}).encode()
 
 
-def post(port: int, body: bytes, source: str = "127.0.0.1") -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120,
-                                      source_address=(source, 0))
-    try:
-        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
-        response = conn.getresponse()
-        return response.status, response.read()
-    finally:
-        conn.close()
-
-
-def p99(values: list[float]) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[98]
-
-
-class Bystander:
-    """8-token greedy completions one after another; latencies in seconds."""
-
-    def __init__(self, port: int, model: str) -> None:
-        self.port = port
-        self.body = completion(model, BYSTANDER_PROMPT, max_tokens=8, temperature=0,
-                               ignore_eos=True)
-        self.latencies: list[float] = []
-        self.failures: list[str] = []
-        self.stop = threading.Event()
-
-    def one(self) -> None:
-        started = time.perf_counter()
-        status, body = post(self.port, self.body)
-        if status != 200:
-            self.failures.append(f"HTTP {status} {body[:120]!r}")
-        else:
-            self.latencies.append(time.perf_counter() - started)
-
-    def run(self) -> None:
-        while not self.stop.is_set():
-            self.one()
+def bystander(port: int, model: str) -> Bystander:
+    """fuzz_attacks' bystander, its 8-token greedy completions naming the model."""
+    return Bystander(port, body=completion(model, BYSTANDER_PROMPT, max_tokens=8,
+                                           temperature=0, ignore_eos=True))
 
 
 def closed_loop(port: int, body: bytes, clients: int, seconds: float) -> None:
@@ -98,7 +65,7 @@ def closed_loop(port: int, body: bytes, clients: int, seconds: float) -> None:
 
     def client() -> None:
         while time.monotonic() < deadline:
-            status, reply = post(port, body, LOAD_FROM)
+            status, reply = post(port, body, source=LOAD_FROM)
             if status != 200:
                 raise SystemExit(f"the load got HTTP {status}: {reply[:200]!r}")
 
@@ -110,14 +77,7 @@ def closed_loop(port: int, body: bytes, clients: int, seconds: float) -> None:
 
 
 def unread_streams(port: int, body: bytes) -> None:
-    sockets = []
-    for _ in range(STREAMS):
-        sock = socket.create_connection(("127.0.0.1", port), source_address=(LOAD_FROM, 0))
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
-                     b"Content-Type: application/json\r\n"
-                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-        sockets.append(sock)
+    sockets = open_streams(port, body, LOAD_FROM, STREAMS)
     time.sleep(STREAMS_UNREAD_S)
     for sock in sockets:
         sock.close()
@@ -174,26 +134,26 @@ def cpu_s(processes: list[psutil.Process]) -> float:
 
 
 def measure(port: int, model: str, name: str, seconds: float) -> dict[str, float]:
-    idle = Bystander(port, model)
+    idle = bystander(port, model)
     for _ in range(IDLE_REQUESTS):
         idle.one()
-    bystander = Bystander(port, model)
+    loaded = bystander(port, model)
     serving = server_processes(port)
     loader = multiprocessing.get_context("spawn").Process(
         target=load, args=(name, port, model, seconds))
     loader.start()
-    thread = threading.Thread(target=bystander.run)
+    thread = threading.Thread(target=loaded.run)
     started, served_before = time.monotonic(), cpu_s(serving)
     thread.start()
     loader.join()
     # the server's cores while loaded: one at most says an interpreter lock bounds it
     cores = (cpu_s(serving) - served_before) / (time.monotonic() - started)
-    bystander.stop.set()
+    loaded.stop.set()
     thread.join()
-    if loader.exitcode != 0 or bystander.failures or idle.failures:
+    if loader.exitcode != 0 or loaded.failures or idle.failures:
         raise SystemExit(f"{name}: load exited {loader.exitcode}; bystander failures "
-                         f"{(idle.failures + bystander.failures)[:3]}")
-    beside = bystander.latencies
+                         f"{(idle.failures + loaded.failures)[:3]}")
+    beside = loaded.latencies
     return {"idle_p99_ms": p99(idle.latencies) * 1e3,
             "p50_ms": statistics.median(beside) * 1e3, "p99_ms": p99(beside) * 1e3,
             "p99_x_idle": p99(beside) / p99(idle.latencies), "requests": len(beside),
@@ -228,7 +188,7 @@ def main() -> None:
         ports = {"tokenflow": urlsplit(ours_url).port, "vllm": urlsplit(peer_url).port}
         processes = [p for port in ports.values() for p in server_processes(port)]
         for port in ports.values():  # warm caches and first calibrations, untimed
-            warm = Bystander(port, str(model))
+            warm = bystander(port, str(model))
             for _ in range(10):
                 warm.one()
             closed_loop(port, completion(str(model), WIDE_PROMPT, max_tokens=1, n=8), 2, 1.0)
