@@ -204,6 +204,34 @@ def test_only_the_chat_served_source_pays_a_template_parse_and_bad_values_name_t
             load_cases(broken)
 
 
+def test_a_chat_served_case_prefills_the_template_tokens_its_client_did_not_count() -> None:
+    """vLLM's random dataset counts a prompt without the chat template the server wraps it in:
+    the engine prefills those tokens too, and the case's figures stay the client's."""
+    model = next(c.model for c in load_cases(CASES) if c.id == "gptfast-7b-int8")
+    plain = PublishedCase(id="chat", source="gpustack", gpu="a100", model=model, tp=1,
+                          dtype="bfloat16", kv_cache_dtype="auto", kind="served",
+                          measured=1.0, unit="s", held_back=True, conditions="",
+                          harness="vllm-bench-serve", input=100, output=3, batch=20)
+    wrapped = dataclasses.replace(plain, template_tokens=8)
+    computed = {case.template_tokens: case.served_run().summary()["prefill_tokens_computed"]
+                for case in (plain, wrapped)}
+    assert computed == {0: 20 * 100, 8: 20 * 108}
+    assert wrapped.predicted() > plain.predicted()
+    assert {c.template_tokens for c in load_cases(CASES, fitting_only=False)
+            if c.source == "gpustack"} == {8}
+    assert all(c.template_tokens == 0 for c in load_cases(CASES) if c.source != "gpustack")
+
+
+def test_a_template_token_count_that_is_no_whole_count_names_the_fix(tmp_path: Path) -> None:
+    data = json.loads(CASES.read_text())
+    for bad in (-1, 2.5, "8", True, 1024, None):
+        data["sources"]["gpustack"]["template_tokens"] = bad
+        broken = tmp_path / "cases.json"
+        broken.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match="template_tokens is the whole number of tokens"):
+            load_cases(broken)
+
+
 def test_served_cases_keep_their_sources_printed_latencies() -> None:
     """They tell a step priced wrong (every ITL) from a schedule or front end (TTFT alone)."""
     served = [c for c in load_cases(CASES, fitting_only=False) if c.kind == "served"]

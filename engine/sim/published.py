@@ -45,6 +45,9 @@ class PublishedCase:
     # the source's server's CPU a chat request beyond `request_s`: vLLM 0.11 parses the model's
     # chat template anew for each (benchmarks/vllm_template_parse.py), measured, not fitted
     template_parse_s: float = 0.0
+    # the tokens the server's chat template wraps each prompt in: the client counts its prompt
+    # without them (vLLM's RandomDataset), the engine prefills them too
+    template_tokens: int = 0
     # the source's engine's own factors, fitted (its host time a step, its decode attention's
     # share): none for vLLM's sources, whose are the GPU profile's
     engine: tuple[tuple[str, float], ...] = ()
@@ -113,7 +116,8 @@ class PublishedCase:
         from engine.sim.target import deployment_target
 
         deployment = self.deployment(efficiency)
-        config = EngineConfig(model="synthetic:tiny", max_model_len=self.input + self.output,
+        prompt = self.input + self.template_tokens
+        config = EngineConfig(model="synthetic:tiny", max_model_len=prompt + self.output,
                               **vllm_defaults(deployment.gpu))
         target = deployment_target(deployment, config, self.gpu)
         arrival_s = self.front_end_s(deployment.gpu.efficiency)
@@ -123,7 +127,7 @@ class PublishedCase:
         # time: its first-come queue then puts a preempted request back before every later
         # one, as V1 prepends it
         workload = [WorkloadRequest(f"r{i}", arrival_s + i * ORDER_S,
-                                    tuple((i * 7919 + j) % vocab for j in range(self.input)),
+                                    tuple((i * 7919 + j) % vocab for j in range(prompt)),
                                     self.output, ignore_eos=True)
                     for i in range(self.batch)]
         return run_fleet(config, target, workload, 1, RoutePolicy("round-robin")).merged
@@ -160,6 +164,10 @@ def load_cases(path: Path, *, fitting_only: bool = True) -> list[PublishedCase]:
         if not (isinstance(parse_s, int | float) and 0 <= parse_s < 1):
             raise ValueError(f"source {name}: template_parse_s is a server's CPU seconds a "
                              f"chat request, >= 0 and under 1; got {parse_s!r}")
+        wrap = source.get("template_tokens", 0)
+        if not (isinstance(wrap, int) and not isinstance(wrap, bool) and 0 <= wrap < 1024):
+            raise ValueError(f"source {name}: template_tokens is the whole number of tokens a "
+                             f"chat template adds to each prompt, 0 to 1023; got {wrap!r}")
     cases = []
     for c in data["cases"]:
         if c["source"] not in sources or c["kind"] not in KINDS:
@@ -171,6 +179,7 @@ def load_cases(path: Path, *, fitting_only: bool = True) -> list[PublishedCase]:
             measured=float(c["measured"]), unit=c["unit"], held_back=c["held_back"],
             conditions=c["conditions"], harness=sources[c["source"]].get("harness", "offline"),
             template_parse_s=float(sources[c["source"]].get("template_parse_s", 0.0)),
+            template_tokens=sources[c["source"]].get("template_tokens", 0),
             engine=tuple(sorted(sources[c["source"]].get("fitted", {}).items())),
             input=c.get("input", 0), output=c.get("output", 0),
             batch=c.get("batch", 1), tokens=c.get("tokens", 0),
