@@ -43,9 +43,9 @@ VLLM_SAMPLER_PASSES = 8.5
 # Fitted against the published cases by benchmarks/twin_published.py --fit (docs/twin.md):
 # the kernel floors, tensor-parallel costs and quantised shares every GPU shares, and the
 # engine the twin stands for (vLLM: its host time a step, its paged decode attention's share).
-_SHARED = dict(gemm_flops_8bit=0.8276, weight_only_memory=0.8710, layer_s=0.0,
-               allreduce_s=31.2e-6, tp_step_s=0.0, tp_allreduce_s=0.0, elementwise=1.0,
-               overlap=1.0, step_s=3.23e-3, decode_attention_flops=0.01096,
+_SHARED = dict(gemm_flops_8bit=0.8276, weight_only_memory=0.8642, layer_s=0.0,
+               allreduce_s=31.4e-6, tp_step_s=0.0, tp_allreduce_s=0.0, elementwise=1.0,
+               overlap=1.0, step_s=3.28e-3, decode_attention_flops=0.0105,
                request_s=REQUEST_S, sampler_passes=VLLM_SAMPLER_PASSES)
 # Each GPU's own shares, fitted on its cases; a GPU with no cases borrows (see FITTED_BY_GPU).
 FITTED_EFFICIENCY = OperationEfficiency(gemm_flops=0.784, attention_flops=0.525,
@@ -95,17 +95,17 @@ SATURATED_SOURCES = {
              "the SMs draws the full TDP ... so the SM clock settles' (1465/1980; the H200 is "
              "the H100 SXM's die at the same 700 W)"),
 }
-FITTED_A100 = OperationEfficiency(gemm_flops=0.8281, memory=0.9035, gemm_m_half=47.36,
+FITTED_A100 = OperationEfficiency(gemm_flops=0.8663, memory=0.9035, gemm_m_half=48.78,
                                   saturated_clock=AMPERE_SATURATED_CLOCK,
                                   **A100_ATTENTION, **_SHARED)
-FITTED_H100 = OperationEfficiency(gemm_flops=0.7097, memory=0.95,
+FITTED_H100 = OperationEfficiency(gemm_flops=0.8218, memory=0.95,
                                   saturated_clock=HOPPER_SATURATED_CLOCK, **H100_ATTENTION,
                                   **_SHARED)
 FITTED_SOURCE = "fitted on the published cases of engine/sim/published_gpu_cases.json"
 FITTED_BY_GPU: dict[str, tuple[OperationEfficiency, str]] = {
-    "a100": (FITTED_A100, f"{FITTED_SOURCE}: the A100's own (36 fitted cases)"),
+    "a100": (FITTED_A100, f"{FITTED_SOURCE}: the A100's own (39 fitted cases)"),
     "a100-pcie": (FITTED_A100, f"{FITTED_SOURCE}: the A100 SXM's, borrowed"),
-    "h100": (FITTED_H100, f"{FITTED_SOURCE}: the H100's own (42 fitted cases)"),
+    "h100": (FITTED_H100, f"{FITTED_SOURCE}: the H100's own (45 fitted cases)"),
     "h100-pcie": (FITTED_H100, f"{FITTED_SOURCE}: the H100 SXM's, borrowed"),
     "h200": (FITTED_H100, f"{FITTED_SOURCE}: the H100's (the same chip), borrowed"),
 }

@@ -93,9 +93,10 @@ class PublishedCase:
         steps = self.output - 1
         samples = min(steps, DECODE_SAMPLES)
         contexts = [self.input + int((i + 0.5) * steps / samples) for i in range(samples)]
+        # one output token is the prefill's own: no decode step
         decode_s = steps * statistics.fmean(
             price.predict(StepShape(decode_contexts=(context,) * self.batch))
-            for context in contexts)
+            for context in contexts) if steps else 0.0
         if self.kind == "decode":
             step_s = decode_s / steps
             return 1 / step_s if self.unit == "tok/s" else step_s * 1e3
