@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 
 from engine.budget.operations import FIT_BOUNDS, OperationEfficiency
-from engine.sim.profiles import profile
+from engine.sim.profiles import PROFILES, profile
 from engine.sim.published import (
     PUBLISHED_CASES,
     Agreement,
@@ -182,6 +182,16 @@ def write_errors(cases: list[PublishedCase], known: dict[str, float]) -> None:
     CASES.write_text(json.dumps(data, indent=1) + "\n")
 
 
+def priced_as(cases: list[PublishedCase], spec: str) -> list[PublishedCase]:
+    """`cases` with every case of GPU FROM priced on GPU TO's profile (`spec` "FROM=TO")."""
+    source, sep, target = spec.partition("=")
+    gpus = sorted({c.gpu for c in cases})
+    if not sep or source not in gpus or target not in PROFILES:
+        raise SystemExit(f"--gpu-as takes FROM=TO: FROM a GPU of the cases ({', '.join(gpus)}),"
+                         f" TO a GPU profile ({', '.join(PROFILES)}); got {spec!r}")
+    return [dataclasses.replace(c, gpu=target) if c.gpu == source else c for c in cases]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fit", action="store_true", help="refit the factors first")
@@ -196,8 +206,17 @@ def main() -> None:
                              "twin's (runs the served cases again)")
     parser.add_argument("--no-served", action="store_true",
                         help="skip the served cases (each runs the twin's engine: seconds)")
+    parser.add_argument("--gpu-as", metavar="FROM=TO",
+                        help="price every case of GPU FROM on GPU TO's profile, a diagnostic: "
+                             "which board a source's figures behave like (not with --fit or "
+                             "--write)")
     args = parser.parse_args()
     every = load_cases(CASES, fitting_only=False)
+    if args.gpu_as is not None:
+        if args.fit or args.write:
+            parser.error("--gpu-as prices the cases on another board: it cannot fit the "
+                         "factors or write the shipped errors; drop --fit and --write")
+        every = priced_as(every, args.gpu_as)
     cases = [c for c in every if c.kv_fits()]
     left_out = [c.id for c in every if not c.kv_fits()]
     fitted = [c for c in cases if not c.held_back]

@@ -232,6 +232,18 @@ def test_a_template_token_count_that_is_no_whole_count_names_the_fix(tmp_path: P
             load_cases(broken)
 
 
+def test_pricing_one_gpus_cases_on_another_board_changes_those_alone() -> None:
+    from benchmarks.twin_published import priced_as
+    cases = load_cases(CASES, fitting_only=False)
+    moved = priced_as(cases, "h100=h100-pcie")
+    assert [c.gpu for c in moved] == [("h100-pcie" if c.gpu == "h100" else c.gpu)
+                                      for c in cases]
+    assert [dataclasses.replace(m, gpu=c.gpu) for m, c in zip(moved, cases, strict=True)] == cases
+    for bad in ("h100", "h100=", "v100=h100", "h100=v100", "=h100"):
+        with pytest.raises(SystemExit, match="--gpu-as takes FROM=TO"):
+            priced_as(cases, bad)
+
+
 def test_served_cases_keep_their_sources_printed_latencies() -> None:
     """They tell a step priced wrong (every ITL) from a schedule or front end (TTFT alone)."""
     served = [c for c in load_cases(CASES, fitting_only=False) if c.kind == "served"]
