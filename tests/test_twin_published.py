@@ -195,13 +195,18 @@ def test_only_the_chat_served_source_pays_a_template_parse_and_bad_values_name_t
     gpustack = [c for c in load_cases(CASES, fitting_only=False) if c.source == "gpustack"]
     assert {c.template_parse_s for c in gpustack} == {0.0100}
     assert all(c.template_parse_s == 0.0 for c in load_cases(CASES) if c.source != "gpustack")
-    data = json.loads(CASES.read_text())
-    for bad in (-0.001, "fast", float("nan"), 2.0):
-        data["sources"]["gpustack"]["template_parse_s"] = bad
-        broken = tmp_path / "cases.json"
-        broken.write_text(json.dumps(data))
-        with pytest.raises(ValueError, match="template_parse_s is a server's CPU seconds"):
-            load_cases(broken)
+    for field, bads, fix in (
+            ("template_parse_s", (-0.001, "fast", float("nan"), 2.0),
+             "template_parse_s is a server's CPU seconds"),
+            ("template_tokens", (-1, 2.5, "8", True, 1024, None),
+             "template_tokens is the whole number of tokens")):
+        data = json.loads(CASES.read_text())
+        for bad in bads:
+            data["sources"]["gpustack"][field] = bad
+            broken = tmp_path / "cases.json"
+            broken.write_text(json.dumps(data))
+            with pytest.raises(ValueError, match=fix):
+                load_cases(broken)
 
 
 def test_a_chat_served_case_prefills_the_template_tokens_its_client_did_not_count() -> None:
@@ -220,16 +225,6 @@ def test_a_chat_served_case_prefills_the_template_tokens_its_client_did_not_coun
     assert {c.template_tokens for c in load_cases(CASES, fitting_only=False)
             if c.source == "gpustack"} == {8}
     assert all(c.template_tokens == 0 for c in load_cases(CASES) if c.source != "gpustack")
-
-
-def test_a_template_token_count_that_is_no_whole_count_names_the_fix(tmp_path: Path) -> None:
-    data = json.loads(CASES.read_text())
-    for bad in (-1, 2.5, "8", True, 1024, None):
-        data["sources"]["gpustack"]["template_tokens"] = bad
-        broken = tmp_path / "cases.json"
-        broken.write_text(json.dumps(data))
-        with pytest.raises(ValueError, match="template_tokens is the whole number of tokens"):
-            load_cases(broken)
 
 
 def test_pricing_one_gpus_cases_on_another_board_changes_those_alone() -> None:
