@@ -203,22 +203,15 @@ class StepPrice:
         counts = m.operation_counts(shape)
         layers = 2 * m.config.num_layers
         message = self._comm_per_token * shape.num_tokens
-        overlap = self.efficiency.overlap
-
-        def roofline(compute_s: float, memory_s: float, limited: float = 0.0) -> float:
-            if compute_s > memory_s:
-                # the compute beyond the reads runs at the limited clock: c / (1 - l (1 - m / c))
-                return (compute_s * compute_s / (compute_s - limited * (compute_s - memory_s))
-                        + overlap * memory_s)
-            return memory_s + overlap * compute_s
-
+        overlap, limited = self.efficiency.overlap, self._limited
         return {
-            "gemm": roofline(self._gemm_compute_s(counts.gemm_flops, shape.num_tokens),
-                             m.weight_bytes / weight_rate, self._limited),
-            "attention_prefill": roofline(self._prefill_attention_compute_s(shape, counts),
-                                          counts.prefill_kv_bytes / memory_rate, self._limited),
-            "attention_decode": roofline(counts.decode_pair_flops / self._decode_attention_rate,
-                                         counts.decode_kv_bytes / memory_rate),
+            "gemm": _roofline(self._gemm_compute_s(counts.gemm_flops, shape.num_tokens),
+                              m.weight_bytes / weight_rate, overlap, limited),
+            "attention_prefill": _roofline(self._prefill_attention_compute_s(shape, counts),
+                                           counts.prefill_kv_bytes / memory_rate, overlap,
+                                           limited),
+            "attention_decode": _roofline(counts.decode_pair_flops / self._decode_attention_rate,
+                                          counts.decode_kv_bytes / memory_rate, overlap),
             "elementwise": counts.activation_bytes / elementwise_rate,
             "sampler": self._sampler_bytes(shape) / elementwise_rate,
             "communication": layers * self.link.seconds(message, self._allreduce_s),
@@ -241,17 +234,12 @@ class StepPrice:
         c = m.operation_counts(shape)
         overlap, limited = self.efficiency.overlap, self._limited
         total = self._fixed_s + self._per_step(shape)
-        for compute_s, memory_s in (
-                (self._gemm_compute_s(c.gemm_flops, shape.num_tokens),
-                 m.weight_bytes / weight_rate),
-                (self._prefill_attention_compute_s(shape, c), c.prefill_kv_bytes / memory_rate)):
-            total += (compute_s * compute_s / (compute_s - limited * (compute_s - memory_s))
-                      + overlap * memory_s if compute_s > memory_s
-                      else memory_s + overlap * compute_s)
-        compute_s = c.decode_pair_flops / self._decode_attention_rate
-        memory_s = c.decode_kv_bytes / memory_rate
-        total += (compute_s + overlap * memory_s if compute_s > memory_s
-                  else memory_s + overlap * compute_s)
+        total += _roofline(self._gemm_compute_s(c.gemm_flops, shape.num_tokens),
+                           m.weight_bytes / weight_rate, overlap, limited)
+        total += _roofline(self._prefill_attention_compute_s(shape, c),
+                           c.prefill_kv_bytes / memory_rate, overlap, limited)
+        total += _roofline(c.decode_pair_flops / self._decode_attention_rate,
+                           c.decode_kv_bytes / memory_rate, overlap)
         total += (c.activation_bytes + self._sampler_bytes(shape)) / elementwise_rate
         if self.link.gpus > 1:
             total += 2 * m.config.num_layers * self.link.seconds(
@@ -273,6 +261,16 @@ class StepPrice:
     def _gemm_compute_s(self, flops: float, rows: int) -> float:
         """`flops` of GEMMs over `rows` tokens at the share a GEMM of that many rows sustains."""
         return flops / self._rates[0] * (1 + self.efficiency.gemm_m_half / rows)
+
+
+def _roofline(compute_s: float, memory_s: float, overlap: float, limited: float = 0.0) -> float:
+    """One operation's seconds: the longer of its compute and its reads, plus `overlap` of the
+    shorter; compute beyond the reads runs at the clock a power limit leaves (`limited`, the
+    share of the clock lost): c / (1 - l (1 - m / c))."""
+    if compute_s > memory_s:
+        return (compute_s * compute_s / (compute_s - limited * (compute_s - memory_s))
+                + overlap * memory_s)
+    return memory_s + overlap * compute_s
 
 
 def _inverse_key_length(shape: StepShape) -> float:
