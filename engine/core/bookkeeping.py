@@ -56,31 +56,23 @@ class Bookkeeper:
         """Why `request` ends after emitting `token` ("stop", "length"), or None."""
         params = request.params
         generated = len(request.output_token_ids)
-        if generated < params.min_tokens:  # vLLM: no stop of any kind before min_tokens
-            return self._length(request, generated)
-        if token in params.stop_token_ids:
-            return "stop"
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return "stop"
-        if params.stop:
-            if request.stop_scanner is None:
-                request.stop_scanner = StopScanner(
-                    params.stop, params.include_stop_str_in_output,
-                    functools.partial(self.decode, skip_special_tokens=params.skip_special_tokens),
-                    prime=request.prompt_token_ids)
-            request.text_end = request.stop_scanner.feed(request.output_token_ids)
-            if request.text_end is not None:
+        if generated >= params.min_tokens:  # vLLM: no stop of any kind before min_tokens
+            if token in params.stop_token_ids:
                 return "stop"
-        # _length's checks in line: every running request passes here every step
+            if not params.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+            if params.stop:
+                if request.stop_scanner is None:
+                    request.stop_scanner = StopScanner(
+                        params.stop, params.include_stop_str_in_output,
+                        functools.partial(self.decode,
+                                          skip_special_tokens=params.skip_special_tokens),
+                        prime=request.prompt_token_ids)
+                request.text_end = request.stop_scanner.feed(request.output_token_ids)
+                if request.text_end is not None:
+                    return "stop"
         if (generated >= params.max_tokens
                 or len(request.prompt_token_ids) + generated >= self.max_model_len):
-            return "length"
-        return None
-
-    def _length(self, request: Request, generated: int) -> str | None:
-        if generated >= request.params.max_tokens:
-            return "length"
-        if len(request.prompt_token_ids) + generated >= self.max_model_len:
             return "length"
         return None
 
