@@ -159,17 +159,23 @@ class StoreWriter:
         return marker.done.wait(timeout)
 
     def served(self, timeout: float | None = None) -> bool:
-        """`flush` for answering clients: False once the writer has stopped (an answer it
-        cannot record is not given); while the store is unreachable (within the bounds, said
-        on /health) the events are held in memory and the answer need not wait."""
-        if self._promised():
-            return self.failure is None
-        return self.flush(timeout) and self.failure is None
+        """`when_served`, waited for on this thread; False on timeout."""
+        heard: list[bool] = []
+        done = threading.Event()
+
+        def then(answerable: bool) -> None:
+            heard.append(answerable)
+            done.set()
+
+        self.when_served(then)
+        return done.wait(timeout) and heard[0]
 
     def when_served(self, then: Callable[[bool], None]) -> None:
-        """`served` without a waiting thread: `then(answerable)` runs once every event
-        delivered before this call is committed (on the writer's thread), or here at once
-        while answers go out from memory. Nothing runs it if the writer has closed."""
+        """`flush` for answering clients, without a waiting thread: `then(answerable)` runs
+        once every event delivered before this call is committed (on the writer's thread),
+        False once the writer has stopped (an answer it cannot record is not given). While
+        the store is unreachable (within the bounds, said on /health) the events are held in
+        memory and `then` runs here at once. Nothing runs it if the writer has closed."""
         if self._promised():
             then(self.failure is None)
             return
