@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -43,22 +43,21 @@ class Penalties:
 
 
 @dataclass(frozen=True)
-class SamplingInputs:
-    """A step's sampling parameters as tensors, built on the host and uploaded with the step."""
+class RowParams:
+    """What a step's rows ask of sampling, fixed while the rows are the same requests: the
+    parameters' tensors and flags, and which rows draw afresh each step."""
 
     temperature: torch.Tensor  # [M, 1]; 1 where greedy, so division is harmless
     sampled: torch.Tensor  # [M] bool: temperature > 0
     top_k: torch.Tensor  # [M, 1] int64; 0 = off
     top_p: torch.Tensor  # [M, 1]
     min_p: torch.Tensor  # [M, 1]
-    seeded_rows: torch.Tensor  # [S]
-    seeded_noise: torch.Tensor  # [S, V]: Exp(1) draws of each seeded row's generator
-    penalties: Penalties | None
+    seeded: tuple[int, ...]  # rows that sample from their own seeded generator
+    penalized: bool  # whether a row has penalties or a logit_bias
     logprobs: int  # the most top logprobs a row asks for; -1 where none asks
     samples: bool  # whether any row samples at a temperature (else every row is greedy)
     sorts: bool  # whether a row asks for top-k or top-p (a sort of the vocabulary)
     unseeded: bool  # whether a row samples from the device's own generator
-    errors: dict[int, str]  # row -> why its parameters cannot be sampled (drawn as greedy)
     min_ps: bool  # whether a row asks for min-p (else the filter keeps every token)
     scales: bool  # whether a row's temperature is other than 1 (else dividing changes nothing)
     all_sampled: bool  # whether every row samples at a temperature (no greedy argmax)
@@ -67,27 +66,14 @@ class SamplingInputs:
 
 
 @dataclass(frozen=True)
-class RowParams:
-    """What a step's rows ask of sampling, fixed while the rows are the same requests: the
-    parameters' tensors and flags of SamplingInputs, and which rows draw afresh each step."""
+class SamplingInputs(RowParams):
+    """A step's sampling inputs as tensors, built on the host and uploaded with the step: its
+    rows' parameters and what is drawn or read afresh each step."""
 
-    requests: tuple[RunnerRequest, ...]
-    temperature: torch.Tensor
-    sampled: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    min_p: torch.Tensor
-    seeded: tuple[int, ...]  # rows that sample from their own seeded generator
-    penalized: bool
-    logprobs: int
-    samples: bool
-    sorts: bool
-    unseeded: bool
-    min_ps: bool
-    scales: bool
-    all_sampled: bool
-    prefill_only: bool
-    processed: ProcessedRows
+    seeded_rows: torch.Tensor  # [S]
+    seeded_noise: torch.Tensor  # [S, V]: Exp(1) draws of each seeded row's generator
+    penalties: Penalties | None
+    errors: dict[int, str]  # row -> why its parameters cannot be sampled (drawn as greedy)
 
 
 def _padded(lists: list[list[int]], pad: int) -> torch.Tensor:
@@ -166,7 +152,6 @@ def row_params(requests: Sequence[RunnerRequest], vocab: int) -> RowParams:
     else:
         sampled = torch.full((m,), bool(flags & _SAMPLED), dtype=torch.bool)
     return RowParams(
-        requests=tuple(requests),
         temperature=column(0, _SCALES, 1.0), top_p=column(1, _TOP_P, 1.0),
         min_p=column(2, _MIN_PS, 0.0), sampled=sampled,
         top_k=(torch.tensor([[row.top_k] for row in rows], dtype=torch.int64).view(m, 1)
@@ -207,13 +192,10 @@ def sampling_inputs(requests: Sequence[RunnerRequest], vocab: int,
         except Exception as exc:  # whatever it is, it is this request's alone
             errors[i] = f"{type(exc).__name__}: {exc}"
     return SamplingInputs(
-        temperature=rows.temperature, sampled=rows.sampled, top_k=rows.top_k, top_p=rows.top_p,
-        min_p=rows.min_p, seeded_rows=torch.tensor(seeded, dtype=torch.int64),
+        **{f.name: getattr(rows, f.name) for f in fields(RowParams)},
+        seeded_rows=torch.tensor(seeded, dtype=torch.int64),
         seeded_noise=torch.stack(noise) if noise else torch.empty(0, vocab),
-        penalties=_penalties(requests, vocab) if rows.penalized else None,
-        logprobs=rows.logprobs, samples=rows.samples, sorts=rows.sorts, unseeded=rows.unseeded,
-        errors=errors, min_ps=rows.min_ps, scales=rows.scales, all_sampled=rows.all_sampled,
-        prefill_only=rows.prefill_only, processed=rows.processed)
+        penalties=_penalties(requests, vocab) if rows.penalized else None, errors=errors)
 
 
 class StepSampling:
@@ -223,13 +205,15 @@ class StepSampling:
 
     def __init__(self, vocab: int) -> None:
         self.vocab = vocab
+        self._requests: tuple[RunnerRequest, ...] = ()
         self._rows: RowParams | None = None
 
     def inputs(self, requests: Sequence[RunnerRequest]) -> SamplingInputs:
-        rows = self._rows
+        rows, these = self._rows, tuple(requests)
         # a tuple compares its RunnerRequests by identity: a request that re-entered is new
-        if rows is None or rows.requests != tuple(requests):
-            rows = self._rows = row_params(requests, self.vocab)
+        if rows is None or self._requests != these:
+            rows, self._requests = row_params(requests, self.vocab), these
+            self._rows = rows
         return sampling_inputs(requests, self.vocab, rows)
 
 
