@@ -28,7 +28,7 @@ CASES = PUBLISHED_CASES
 def test_published_table_is_big_and_varied_enough() -> None:
     cases = load_cases(CASES)
     assert len(cases) >= 90 and len({c.source for c in cases}) >= 7
-    assert {"a100", "h100", "l40s"} <= {c.gpu for c in cases}
+    assert {"a100", "h100", "h200", "l40s"} <= {c.gpu for c in cases}
     assert {1, 2, 4, 8} <= {c.tp for c in cases}
     assert min(c.batch for c in cases) == 1 and max(c.batch for c in cases) >= 500
     assert {"static_latency", "static_throughput", "served", "ttft", "decode"} <= {
