@@ -43,8 +43,8 @@ FITTED_GPUS = ("a100", "h100")
 VLLM_SOURCES = ("argonne", "gpustack")
 # Held out whole by the rule written before fitting (docs/twin.md, "the hold-out rule").
 HELD_OUT_SOURCES = ("gpustack",)
-# Judged, never fitted: the H200 round (docs/twin.md), the GPU the H100's shares are lent to.
-NEVER_FITTED_GPUS = ("h200",)
+# Judged, never fitted: the H200 and L40S rounds (docs/twin.md): their held-back rows only.
+NEVER_FITTED_GPUS = ("h200", "l40s")
 Params = dict[str, float]
 ROUNDS_PER_STEP = 6
 

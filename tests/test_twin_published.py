@@ -39,8 +39,9 @@ def test_published_table_is_big_and_varied_enough() -> None:
 
 
 def _fitted_and_first_held_back() -> tuple[list[PublishedCase], list[PublishedCase]]:
-    cases = [c for c in load_cases(CASES) if c.kind != "served" and c.gpu != "h200"]
-    return [c for c in cases if not c.held_back], [c for c in cases if c.held_back]
+    cases = [c for c in load_cases(CASES) if c.kind != "served"]
+    return ([c for c in cases if not c.held_back],
+            [c for c in cases if c.held_back and c.gpu not in ("h200", "l40s")])
 
 
 def test_twin_agrees_with_the_cases_it_was_fitted_on() -> None:
@@ -76,6 +77,15 @@ def test_the_h200_round_is_judged_on_the_h100s_shares_and_never_fitted() -> None
     assert all(too_fast(c, judged.errors[c.id]) for c in priced if abs(judged.errors[c.id])
                > 0.01)
     assert 0.10 <= judged.median_abs <= 0.20 and judged.worst_abs <= 0.25, judged.errors
+
+
+def test_the_l40s_round_is_judged_on_the_first_tables_shares_and_never_fitted() -> None:
+    """TensorRT-LLM's L40S rows no table held (docs/twin.md, "The L40S round")."""
+    rows = [c for c in load_cases(CASES) if c.gpu == "l40s" and c.held_back]
+    assert len(rows) == 5 and {c.source for c in rows} == {"trtllm"}
+    assert {c.kind for c in rows} == {"static_throughput", "ttft"}
+    judged = agreement(rows)
+    assert judged.median_abs <= 0.05 and judged.worst_abs <= 0.10, judged.errors
 
 
 def test_stored_errors_are_the_shipped_factors_errors() -> None:
