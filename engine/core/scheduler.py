@@ -307,8 +307,9 @@ class Scheduler:
         endings = sorted((ending for _, _, ending in booked if ending is not None),
                          key=lambda ending: ending.state is not RequestState.FAILED)
         last = {ending.request.id: self._end_alone(ending) for ending in endings}
-        outputs = [last.get(request.id) or request_output(request, tokens)
-                   for request, tokens, _ in booked]
+        outputs = ([last.get(request.id) or request_output(request, tokens)
+                    for request, tokens, _ in booked] if last  # most steps end no request
+                   else [request_output(request, tokens) for request, tokens, _ in booked])
         self.books.step_done(batch, shape, timing, self.steps, self._scheduled_at,
                              self.has_work())
         return outputs
