@@ -186,9 +186,10 @@ class Batch:
 
     def shape(self) -> StepShape:
         if self._shape is None:
-            self._shape = StepShape(prefill=tuple((c.num_tokens, c.start) for c in self.prefills),
-                                    decode_contexts=tuple(c.start + 1 for c in self.decodes),
-                                    scored_rows=sum(c.scored_rows for c in self.prefills))
+            # lists, not generators, into tuple(): a generator's frame costs more than its items
+            self._shape = StepShape(prefill=tuple([(c.num_tokens, c.start) for c in self.prefills]),
+                                    decode_contexts=tuple([c.start + 1 for c in self.decodes]),
+                                    scored_rows=sum([c.scored_rows for c in self.prefills]))
         return self._shape
 
 

@@ -125,15 +125,18 @@ class BudgetModel:
                 + c.activation_bytes + self._logits_bytes_per_row * shape.logits_rows)
 
     def _count(self, shape: StepShape) -> OperationCounts:
-        prefill_pairs = sum(chunk * before + chunk * (chunk + 1) // 2
-                            for chunk, before in shape.prefill)
-        decode_pairs = sum(shape.decode_contexts) + len(shape.decode_contexts)
-        prefill_read = sum(before for _, before in shape.prefill)
+        prefill_pairs = prefill_read = 0
+        for chunk, before in shape.prefill:  # one pass, in ints: a step has a chunk or two
+            prefill_pairs += chunk * before + chunk * (chunk + 1) // 2
+            prefill_read += before
+        decodes = len(shape.decode_contexts)
         decode_read = sum(shape.decode_contexts)
-        prefill_layer_pairs = self._full_layers * prefill_pairs
-        decode_layer_pairs = self._full_layers * decode_pairs
-        prefill_layer_tokens = self._full_layers * (prefill_read + shape.prefill_tokens)
-        decode_layer_tokens = self._full_layers * (decode_read + len(shape.decode_contexts))
+        decode_pairs = decode_read + decodes
+        full = self._full_layers
+        prefill_layer_pairs = full * prefill_pairs
+        decode_layer_pairs = full * decode_pairs
+        prefill_layer_tokens = full * (prefill_read + shape.prefill_tokens)
+        decode_layer_tokens = full * (decode_read + decodes)
         if self._window_layers:
             window = self.config.sliding_window
             assert window is not None
@@ -146,16 +149,17 @@ class BudgetModel:
                                          + shape.prefill_tokens)
             decode_layer_tokens += w * (sum(min(context, window)
                                             for context in shape.decode_contexts)
-                                        + len(shape.decode_contexts))
+                                        + decodes)
         per_pair, per_token = self._attention_flops_per_pair, self._kv_bytes_per_layer_token
+        tokens = shape.num_tokens
         return OperationCounts(
-            gemm_flops=(self._linear_flops_per_token * shape.num_tokens
+            gemm_flops=(self._linear_flops_per_token * tokens
                         + self._lm_head_flops_per_row * shape.logits_rows),
             prefill_pair_flops=per_pair * prefill_layer_pairs,
             prefill_kv_bytes=per_token * prefill_layer_tokens,
             decode_pair_flops=per_pair * decode_layer_pairs,
             decode_kv_bytes=per_token * decode_layer_tokens,
-            activation_bytes=self._activation_bytes_per_token * shape.num_tokens)
+            activation_bytes=self._activation_bytes_per_token * tokens)
 
     def compute_seconds(self, shape: StepShape) -> float:
         return self.flops(shape) / self.peaks.flops

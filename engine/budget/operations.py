@@ -227,14 +227,15 @@ class StepPrice:
 
     def _predict(self, shape: StepShape) -> float:
         """operations() summed, without its dict: the twin's every step calls this."""
-        if shape.num_tokens == 0:
+        tokens = shape.num_tokens
+        if tokens == 0:
             return 0.0
         m = self.model
         _, _, weight_rate, memory_rate, elementwise_rate = self._rates
         c = m.operation_counts(shape)
         overlap, limited = self.efficiency.overlap, self._limited
         total = self._fixed_s + self._per_step(shape)
-        total += _roofline(self._gemm_compute_s(c.gemm_flops, shape.num_tokens),
+        total += _roofline(self._gemm_compute_s(c.gemm_flops, tokens),
                            m.weight_bytes / weight_rate, overlap, limited)
         total += _roofline(self._prefill_attention_compute_s(shape, c),
                            c.prefill_kv_bytes / memory_rate, overlap, limited)
@@ -243,7 +244,7 @@ class StepPrice:
         total += (c.activation_bytes + self._sampler_bytes(shape)) / elementwise_rate
         if self.link.gpus > 1:
             total += 2 * m.config.num_layers * self.link.seconds(
-                self._comm_per_token * shape.num_tokens, self._allreduce_s)
+                self._comm_per_token * tokens, self._allreduce_s)
         return total
 
     def _sampler_bytes(self, shape: StepShape) -> float:

@@ -35,6 +35,9 @@ from engine.events import (
 # a booked request, the new tokens its output carries, and its Ending if the step ended it
 Booked: TypeAlias = tuple[Request, tuple[int, ...], Ending | None]
 
+# read for every token: a module global, where an Enum class's attribute is a slow lookup
+_PREFILL_CHUNKING = RequestState.PREFILL_CHUNKING
+
 
 class Bookkeeper:
     """Books a step's result on its requests and publishes it; says which requests it ends
@@ -143,7 +146,7 @@ class Bookkeeper:
         """Book `token` after the request's last chunk or decode and say why it ends the
         request, or None; a None token ends a prefill-only one ("length")."""
         now = timing.end
-        if request.state is RequestState.PREFILL_CHUNKING:
+        if request.state is _PREFILL_CHUNKING:
             request.set_state(RequestState.DECODING, "prefill complete")
             if request.prefill_finished is None:
                 request.prefill_finished = now

@@ -320,5 +320,10 @@ class EngineCore:
 
 
 def _params_dict(params: SamplingParams) -> dict[str, object]:
-    """Every field, so a resumed request samples as it was asked to (tuples: JSON lists)."""
-    return dataclasses.asdict(params)
+    """Every field, so a resumed request samples as it was asked to (tuples: JSON lists).
+    Flat, not `dataclasses.asdict`: a validated SamplingParams holds only immutable values,
+    so its deep copy would make equal ones."""
+    return {name: getattr(params, name) for name in _PARAM_FIELDS}
+
+
+_PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from engine.config import EngineConfig
 from engine.core.block_manager import BlockManager
@@ -22,7 +25,10 @@ class Rejection:
 def prompt_token_ids(prompt: Sequence[int] | str, encode: Callable[[str], list[int]],
                      vocab_size: int) -> list[int]:
     """Token ids of a prompt; RequestError if it is malformed."""
-    if isinstance(prompt, str):
+    packed = _packed(prompt)
+    if packed is not None:
+        token_ids = packed.tolist()
+    elif isinstance(prompt, str):
         token_ids = encode(prompt)
     else:
         try:
@@ -31,10 +37,26 @@ def prompt_token_ids(prompt: Sequence[int] | str, encode: Callable[[str], list[i
             raise RequestError("prompt must be text or a list of integer token ids") from None
     if not token_ids:
         raise RequestError("the prompt is empty; send at least one token")
-    if min(token_ids) < 0 or max(token_ids) >= vocab_size:  # in C; the search only on error
+    if packed is not None:  # the bounds over the packed ids, without a Python int for each
+        ids = np.frombuffer(packed, dtype=np.int64)
+        low, high = int(ids.min()), int(ids.max())
+    else:
+        low, high = min(token_ids), max(token_ids)
+    if low < 0 or high >= vocab_size:  # the search only on error
         bad = next(t for t in token_ids if not 0 <= t < vocab_size)
         raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab_size})")
     return token_ids
+
+
+def _packed(prompt: Sequence[int] | str) -> array[int] | None:
+    """A list or tuple of ints as int64s, packed in C, or None (text, another sequence, an id
+    that is no int or overflows): those go through int() one by one."""
+    if type(prompt) not in (list, tuple):  # re-iterable: the fallback reads it again
+        return None
+    try:
+        return array("q", prompt)  # ints and __index__ types only: int() takes more
+    except (TypeError, OverflowError):
+        return None
 
 
 def rejection(prompt_tokens: int, max_tokens: int, config: EngineConfig, max_model_len: int,

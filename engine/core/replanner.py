@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
+from engine.batch import ScheduledChunk
 from engine.budget.controller import BudgetController
 from engine.budget.plan import PlanItem, PlanRules, plan_prefills, replanned
 from engine.config import EngineConfig
@@ -36,18 +37,18 @@ class Replanner:
         self._rules_made = (cfg, budget, rules)
         return rules
 
-    def replan_if_retuned(self, rules: PlanRules, decode_contexts: tuple[int, ...],
+    def replan_if_retuned(self, rules: PlanRules, decodes: Sequence[ScheduledChunk],
                           steps: int) -> None:
         """Re-plan what is in flight when the tuning (configuration, auto budget's C*) changed."""
         if rules is not self._plan_rules and rules != self._plan_rules:
             self._plan_rules = rules
-            self.replan(rules, decode_contexts, (), steps)
+            self.replan(rules, decodes, (), steps)
 
-    def replan(self, rules: PlanRules, decode_contexts: tuple[int, ...],
+    def replan(self, rules: PlanRules, decodes: Sequence[ScheduledChunk],
                fresh: Iterable[Request], steps: int) -> None:
-        """Plan every prefill in flight beside `decode_contexts` (all share the steps). Only plans
-        made since calibration and unbroken by preemption are replaced: one admitted before
-        calibration gets no verdict, and a preempted one's recompute counts as overrun."""
+        """Plan every prefill in flight beside this step's `decodes` (all share the steps). Only
+        plans made since calibration and unbroken by preemption are replaced: one admitted
+        before calibration gets no verdict, and a preempted one's recompute counts as overrun."""
         if not self.controller.calibrated:
             return
         fresh = set(fresh)
@@ -58,6 +59,8 @@ class Replanner:
             return
         self._plan_rules = rules
         items = [PlanItem(r, r.num_computed_tokens, r.num_tokens) for r in prefilling]
+        # the decodes' contexts, counted only here: most steps re-plan nothing
+        decode_contexts = tuple([c.start + 1 for c in decodes])
         plans = plan_prefills(items, decode_contexts, rules, self.controller.plan_price())
         for request in prefilling:
             if request in fresh:

@@ -189,8 +189,7 @@ class Scheduler:
         budget = self._schedule_decodes(batch, self.token_budget)
         # once a step: the retune check and the chunk cap read it
         rules = self.replanner.rules(self.config, self.token_budget)
-        self.replanner.replan_if_retuned(rules, tuple(c.start + 1 for c in batch.decodes),
-                                         self.steps)
+        self.replanner.replan_if_retuned(rules, batch.decodes, self.steps)
         self._schedule_prefills(batch, budget, rules.chunk_cap)
         self.unheard.tell(batch)
         return batch
@@ -258,8 +257,8 @@ class Scheduler:
             return
         if fresh := self.admission.allocate(plan, batch, self.steps):
             # a new arrival shares the budget: everyone's plan changes
-            self.replanner.replan(self.replanner.rules(cfg, self.token_budget),
-                                  tuple(c.start + 1 for c in batch.decodes), fresh, self.steps)
+            self.replanner.replan(self.replanner.rules(cfg, self.token_budget), batch.decodes,
+                                  fresh, self.steps)
 
     def _plan(self, candidates: list[Request], budget: int, slots: int, chunk_cap: float,
               isolate: bool = True) -> PrefillPlan:
@@ -308,8 +307,9 @@ class Scheduler:
         endings = sorted((ending for _, _, ending in booked if ending is not None),
                          key=lambda ending: ending.state is not RequestState.FAILED)
         last = {ending.request.id: self._end_alone(ending) for ending in endings}
-        outputs = [last.get(request.id) or request_output(request, tokens)
-                   for request, tokens, _ in booked]
+        outputs = ([last.get(request.id) or request_output(request, tokens)
+                    for request, tokens, _ in booked] if last  # most steps end no request
+                   else [request_output(request, tokens) for request, tokens, _ in booked])
         self.books.step_done(batch, shape, timing, self.steps, self._scheduled_at,
                              self.has_work())
         return outputs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import random
@@ -60,7 +61,14 @@ class WorkloadRequest:
     think_s: float = 0.0
 
     def sampling_params(self) -> SamplingParams:
-        return SamplingParams(max_tokens=self.max_tokens, ignore_eos=self.ignore_eos)
+        return _sampling_params(self.max_tokens, self.ignore_eos)
+
+
+@functools.lru_cache(maxsize=1024, typed=True)
+def _sampling_params(max_tokens: int, ignore_eos: bool) -> SamplingParams:
+    """Validated once per pair: a workload's requests repeat a few, and a frozen
+    SamplingParams holds only immutable values, so its requests share it."""
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
 
 
 @dataclass(frozen=True)
