@@ -22,6 +22,7 @@ from pathlib import Path
 from engine.budget.operations import FIT_BOUNDS, OperationEfficiency
 from engine.sim.profiles import PROFILES, profile
 from engine.sim.published import (
+    NEVER_FITTED_GPUS,
     PUBLISHED_CASES,
     Agreement,
     PublishedCase,
@@ -43,8 +44,6 @@ FITTED_GPUS = ("a100", "h100")
 VLLM_SOURCES = ("argonne", "gpustack")
 # Held out whole by the rule written before fitting (docs/twin.md, "the hold-out rule").
 HELD_OUT_SOURCES = ("gpustack",)
-# Judged, never fitted: the H200 and L40S rounds (docs/twin.md): their held-back rows only.
-NEVER_FITTED_GPUS = ("h200", "l40s")
 Params = dict[str, float]
 ROUNDS_PER_STEP = 6
 

@@ -14,6 +14,7 @@ from engine.batch import StepShape
 from engine.config import ConfigError
 from engine.sim.profiles import HOPPER_PAGED_KV, profile
 from engine.sim.published import (
+    NEVER_FITTED_GPUS,
     PUBLISHED_CASES,
     PublishedCase,
     agreement,
@@ -41,7 +42,7 @@ def test_published_table_is_big_and_varied_enough() -> None:
 def _fitted_and_first_held_back() -> tuple[list[PublishedCase], list[PublishedCase]]:
     cases = [c for c in load_cases(CASES) if c.kind != "served"]
     return ([c for c in cases if not c.held_back],
-            [c for c in cases if c.held_back and c.gpu not in ("h200", "l40s")])
+            [c for c in cases if c.held_back and c.gpu not in NEVER_FITTED_GPUS])
 
 
 def test_twin_agrees_with_the_cases_it_was_fitted_on() -> None:

@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
 PUBLISHED_CASES = Path(__file__).with_name("published_gpu_cases.json")
 KINDS = ("ttft", "decode", "static_throughput", "static_latency", "layer", "served")
+# GPUs whose held-back rows are judged, never fitted: the H200 and L40S rounds (docs/twin.md)
+NEVER_FITTED_GPUS = ("h200", "l40s")
 # A decode run's mean step, from this many evenly spaced contexts: the price is linear in the
 # context between the roofline's kinks, and a case decoding 2,048 tokens prices 2,047 steps.
 DECODE_SAMPLES = 8
