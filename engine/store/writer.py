@@ -179,7 +179,7 @@ class StoreWriter:
         if self._promised():
             then(self.failure is None)
             return
-        self._queue.put(_Flush(then=lambda running: then(running and self.failure is None)))
+        self._queue.put(_Flush(then=then))  # settled with whether the writer still runs
         self._wake.set()
 
     def _promised(self) -> bool:
