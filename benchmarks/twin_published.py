@@ -23,6 +23,7 @@ from engine.budget.operations import FIT_BOUNDS, OperationEfficiency
 from engine.sim.profiles import PROFILES, profile
 from engine.sim.published import (
     NEVER_FITTED_GPUS,
+    NEVER_FITTED_SOURCES,
     PUBLISHED_CASES,
     Agreement,
     PublishedCase,
@@ -41,7 +42,7 @@ SHARED = ("gemm_flops_8bit", "weight_only_memory", "layer_s", "allreduce_s", "tp
 FITTED_GPUS = ("a100", "h100")
 # Sources whose engine is vLLM: they share the profile's step cost, which `bench --simulate`
 # (vLLM's defaults) charges.
-VLLM_SOURCES = ("argonne", "gpustack")
+VLLM_SOURCES = ("argonne", "gpustack", "lambda")
 # Held out whole by the rule written before fitting (docs/twin.md, "the hold-out rule").
 HELD_OUT_SOURCES = ("gpustack",)
 Params = dict[str, float]
@@ -193,6 +194,19 @@ def priced_as(cases: list[PublishedCase], spec: str) -> list[PublishedCase]:
     return [dataclasses.replace(c, gpu=target) if c.gpu == source else c for c in cases]
 
 
+def with_host_steps(cases: list[PublishedCase], spec: str) -> list[PublishedCase]:
+    """`cases` with SOURCE's host time a step paid once per N steps (`spec` "SOURCE=N"), as
+    vLLM 0.6's `--num-scheduler-steps N` runs the host's half of a step."""
+    source, sep, count = spec.partition("=")
+    sources = sorted({c.source for c in cases})
+    if not sep or source not in sources or not count.isdigit() or int(count) < 1:
+        raise SystemExit(f"--host-steps takes SOURCE=N: SOURCE one of the cases' sources "
+                         f"({', '.join(sources)}), N a whole number of steps >= 1; got {spec!r}")
+    return [dataclasses.replace(c, engine=(*c.engine, ("step_s",
+                                                       c.efficiency().step_s / int(count))))
+            if c.source == source else c for c in cases]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fit", action="store_true", help="refit the factors first")
@@ -211,13 +225,20 @@ def main() -> None:
                         help="price every case of GPU FROM on GPU TO's profile, a diagnostic: "
                              "which board a source's figures behave like (not with --fit or "
                              "--write)")
+    parser.add_argument("--host-steps", metavar="SOURCE=N",
+                        help="price SOURCE's host time a step once per N steps, as vLLM 0.6's "
+                             "multi-step scheduling runs it, a diagnostic (not with --fit or "
+                             "--write)")
     args = parser.parse_args()
     every = load_cases(CASES, fitting_only=False)
-    if args.gpu_as is not None:
+    for flag, value, change in (("--gpu-as", args.gpu_as, priced_as),
+                                ("--host-steps", args.host_steps, with_host_steps)):
+        if value is None:
+            continue
         if args.fit or args.write:
-            parser.error("--gpu-as prices the cases on another board: it cannot fit the "
-                         "factors or write the shipped errors; drop --fit and --write")
-        every = priced_as(every, args.gpu_as)
+            parser.error(f"{flag} is a diagnostic: it cannot fit the factors or write the "
+                         "shipped errors; drop --fit and --write")
+        every = change(every, value)
     cases = [c for c in every if c.kv_fits()]
     left_out = [c.id for c in every if not c.kv_fits()]
     fitted = [c for c in cases if not c.held_back]
@@ -240,11 +261,14 @@ def main() -> None:
     sets = {"fitted on": fitted,
             "the first table's held-back cases": [
                 c for c in held
-                if c.source not in HELD_OUT_SOURCES and c.gpu not in NEVER_FITTED_GPUS],
+                if c.source not in (*HELD_OUT_SOURCES, *NEVER_FITTED_SOURCES)
+                and c.gpu not in NEVER_FITTED_GPUS],
             **{f"held out: {s}, whole": [c for c in held if c.source == s]
                for s in HELD_OUT_SOURCES},
             **{f"{g.upper()}, never fitted": [c for c in held if c.gpu == g]
                for g in NEVER_FITTED_GPUS},
+            **{f"{s}, a new source, never fitted": [c for c in held if c.source == s]
+               for s in NEVER_FITTED_SOURCES},
             "all": judged}
     print(f"\n{sets_table(sets, errors)}\n\nsources "
           f"{len({c.source for c in judged})}")

@@ -16,6 +16,7 @@ from engine.sim.profiles import HOPPER_PAGED_KV, profile
 from engine.sim.published import (
     NEVER_FITTED_GPUS,
     PUBLISHED_CASES,
+    Agreement,
     PublishedCase,
     agreement,
     load_cases,
@@ -34,9 +35,10 @@ def test_published_table_is_big_and_varied_enough() -> None:
     assert min(c.batch for c in cases) == 1 and max(c.batch for c in cases) >= 500
     assert {"static_latency", "static_throughput", "served", "ttft", "decode"} <= {
         c.kind for c in cases}
-    # one whole source is held out, by the rule written before fitting (docs/twin.md)
-    assert {c.source for c in cases if c.kind == "served"} == {"gpustack"}
-    assert all(c.held_back for c in cases if c.source == "gpustack")
+    # one whole source is held out, by the rule written before fitting, and the new source
+    # of the Lambda round is never fitted (docs/twin.md)
+    assert {c.source for c in cases if c.kind == "served"} == {"gpustack", "lambda"}
+    assert all(c.held_back for c in cases if c.source in ("gpustack", "lambda"))
 
 
 def _fitted_and_first_held_back() -> tuple[list[PublishedCase], list[PublishedCase]]:
@@ -87,6 +89,32 @@ def test_the_l40s_round_is_judged_on_the_first_tables_shares_and_never_fitted() 
     assert {c.kind for c in rows} == {"static_throughput", "ttft"}
     judged = agreement(rows)
     assert judged.median_abs <= 0.05 and judged.worst_abs <= 0.10, judged.errors
+
+
+def test_the_lambda_round_judges_a_new_source_as_the_twin_stands() -> None:
+    """Lambda's vLLM 0.6 served runs (docs/twin.md, "The Lambda round"): the grid of the rule,
+    every request as its file lists it, held back with no engine factor of its own, and the
+    result as the docs report it: slow, mostly, where vLLM 0.6 ran ten steps a host pass."""
+    rows = [c for c in load_cases(CASES, fitting_only=False) if c.source == "lambda"]
+    assert len(rows) == 30 and all(c.held_back and c.kind == "served" for c in rows)
+    assert {(c.gpu, c.tp) for c in rows} == {("h100", 1), ("h100", 4), ("a100", 1),
+                                             ("a100", 4)}
+    assert sorted({c.batch for c in rows}) == [10, 160, 1280]
+    assert {c.max_model_len for c in rows} == {2000, 2048}
+    for c in rows:
+        assert len(c.requests) == c.batch and c.engine == ()
+        assert dict(c.server) == {"max_num_seqs": 256, "gpu_memory_utilization": 0.95,
+                                  "max_num_batched_tokens": 2048}
+        assert c.efficiency() == profile(c.gpu).efficiency
+    # the client's totals are the listed requests' (a refused request lists its prompt too)
+    stored = {c["id"]: c for c in json.loads(CASES.read_text())["cases"]}
+    outputs = {c.id: sum(o for _, o in c.requests) for c in rows}
+    assert all(stored[c.id]["evidence"].split("total_output_tokens ")[1].split(";")[0]
+               == str(outputs[c.id]) for c in rows)
+    errors = {c.id: stored[c.id]["twin_error"] for c in rows}
+    judged = Agreement(errors)
+    slow = sum(not too_fast(c, errors[c.id]) for c in rows)
+    assert 0.20 <= judged.median_abs <= 0.25 and slow >= 28, errors
 
 
 def test_stored_errors_are_the_shipped_factors_errors() -> None:
@@ -255,6 +283,58 @@ def test_a_chat_served_case_prefills_the_template_tokens_its_client_did_not_coun
     assert all(c.template_tokens == 0 for c in load_cases(CASES) if c.source != "gpustack")
 
 
+def test_a_case_that_lists_its_requests_replays_each_under_its_servers_flags() -> None:
+    """A source that saves every request's prompt and generated tokens is replayed request by
+    request; one that received no text still generated the token that ended it. Its server's
+    stated flags replace vLLM's defaults for the GPU."""
+    model = next(c.model for c in load_cases(CASES) if c.id == "gptfast-7b-int8")
+    listed = PublishedCase(id="listed", source="lambda", gpu="a100", model=model, tp=1,
+                           dtype="bfloat16", kv_cache_dtype="auto", kind="served",
+                           measured=1.0, unit="s", held_back=True, conditions="",
+                           harness="vllm-bench-serve", batch=3,
+                           requests=((120, 7), (40, 0), (300, 2)))
+    assert listed.lengths() == [(120, 7), (40, 1), (300, 2)]
+    run = listed.served_run()
+    assert run.summary()["prefill_tokens_computed"] == 460
+    assert sorted(len(r.token_times) for r in run.records.values()) == [1, 2, 7]
+    assert listed.front_end_s() == pytest.approx(3 * profile("a100").efficiency.request_s)
+    # one sequence at a time: the three run one after another, never beside each other
+    alone = dataclasses.replace(listed, server=(("max_num_seqs", 1),))
+    assert max(s.decode_seqs for s in alone.served_run().steps) == 1
+    assert max(s.decode_seqs for s in run.steps) == 2
+    assert alone.predicted() > listed.predicted()
+
+
+def test_listed_requests_and_server_flags_that_cannot_be_replayed_name_the_fix(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import engine.sim.published as published
+    data = json.loads(CASES.read_text())
+    for bad in ({"max_num_seqs": 0}, {"max_num_seqs": True}, {"block_size": 16},
+                {"gpu_memory_utilization": "0.9"}):
+        data["sources"]["gpustack"]["server"] = bad
+        broken = tmp_path / "cases.json"
+        broken.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match="server holds positive values of max_num_seqs"):
+            load_cases(broken)
+    del data["sources"]["gpustack"]["server"]
+    data["cases"] = [c for c in data["cases"] if not c.get("per_request")]
+    case = next(c for c in data["cases"] if c["kind"] == "served")
+    case.update(per_request=True, batch=2)
+    requests = tmp_path / "requests.json"
+    monkeypatch.setattr(published, "PUBLISHED_REQUESTS", requests)
+    for bad in ({}, {"input_lens": [5, 6], "output_lens": [1]},
+                {"input_lens": [5, 0], "output_lens": [1, 1]},
+                {"input_lens": [5, 6.5], "output_lens": [1, 1]},
+                {"input_lens": [5, 6], "output_lens": [1, -1]}):
+        requests.write_text(json.dumps({case["id"]: bad}))
+        broken.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=r"needs its batch \(2\) of input_lens"):
+            load_cases(broken)
+    requests.write_text(json.dumps({case["id"]: {"input_lens": [5, 6], "output_lens": [0, 3]}}))
+    loaded = next(c for c in load_cases(broken) if c.id == case["id"])
+    assert loaded.requests == ((5, 0), (6, 3)) and loaded.lengths() == [(5, 1), (6, 3)]
+
+
 def test_pricing_one_gpus_cases_on_another_board_changes_those_alone() -> None:
     from benchmarks.twin_published import priced_as
     cases = load_cases(CASES, fitting_only=False)
@@ -265,6 +345,24 @@ def test_pricing_one_gpus_cases_on_another_board_changes_those_alone() -> None:
     for bad in ("h100", "h100=", "v100=h100", "h100=v100", "=h100"):
         with pytest.raises(SystemExit, match="--gpu-as takes FROM=TO"):
             priced_as(cases, bad)
+
+
+def test_a_source_priced_with_multi_step_pays_its_host_time_once_per_n_steps() -> None:
+    """The Lambda round's diagnostic: vLLM 0.6's --num-scheduler-steps runs the host's half
+    of a step once per N; every other source is priced as shipped."""
+    from benchmarks.twin_published import with_host_steps
+    cases = load_cases(CASES, fitting_only=False)
+    moved = with_host_steps(cases, "lambda=10")
+    for before, after in zip(cases, moved, strict=True):
+        if before.source == "lambda":
+            assert after.efficiency().step_s == pytest.approx(before.efficiency().step_s / 10)
+            assert dataclasses.replace(after.efficiency(), step_s=0) == dataclasses.replace(
+                before.efficiency(), step_s=0)
+        else:
+            assert after is before
+    for bad in ("lambda", "lambda=0", "lambda=1.5", "lambda=-2", "vllm=10", "=10"):
+        with pytest.raises(SystemExit, match="--host-steps takes SOURCE=N"):
+            with_host_steps(cases, bad)
 
 
 def test_served_cases_keep_their_sources_printed_latencies() -> None:

@@ -107,7 +107,8 @@ def test_a_simulated_bench_reports_its_nearest_published_cases(target: Path,
         target, tmp_path, "bench", "--model", "synthetic:8b", "--simulate", "h100",
         "--input-len", "128", "--output-len", "16", "--num-prompts", "8", "--compare",
         "chunked", "--json"))
-    assert report["runs"]["chunked"]["trust"]["nearest"][0]["source"] == "argonne"
+    nearest = report["runs"]["chunked"]["trust"]["nearest"][0]
+    assert nearest["source"] in ("argonne", "lambda") and isinstance(nearest["error"], float)
 
 
 def test_bench_replays_a_shipped_trace(target: Path, tmp_path: Path) -> None:

@@ -19,9 +19,15 @@ if TYPE_CHECKING:
     from engine.harness.driver import RunResult
 
 PUBLISHED_CASES = Path(__file__).with_name("published_gpu_cases.json")
+# A served case's own requests, where its source lists every one (prompt and generated tokens)
+PUBLISHED_REQUESTS = Path(__file__).with_name("published_gpu_requests.json")
+# The server flags a source may state, over vLLM's defaults for its GPU
+SERVER_FLAGS = ("max_num_seqs", "gpu_memory_utilization", "max_num_batched_tokens")
 KINDS = ("ttft", "decode", "static_throughput", "static_latency", "layer", "served")
 # GPUs whose held-back rows are judged, never fitted: the H200 and L40S rounds (docs/twin.md)
 NEVER_FITTED_GPUS = ("h200", "l40s")
+# Sources no table had used, judged as the twin stands, never fitted: the Lambda round
+NEVER_FITTED_SOURCES = ("lambda",)
 # A decode run's mean step, from this many evenly spaced contexts: the price is linear in the
 # context between the roofline's kinks, and a case decoding 2,048 tokens prices 2,047 steps.
 DECODE_SAMPLES = 8
@@ -60,6 +66,13 @@ class PublishedCase:
     # a served case's per-request latencies as its source printed them (medians, P99 ITL),
     # to tell a schedule's error from a step's: not fitted on, not judged
     printed_ms: tuple[tuple[str, float], ...] = ()
+    # the source's server flags over vLLM's defaults for the GPU (SERVER_FLAGS), and its
+    # context length: 0 for the longest request
+    server: tuple[tuple[str, float], ...] = ()
+    max_model_len: int = 0
+    # every request's (prompt tokens, generated tokens), where the source lists them; else
+    # `batch` requests of `input` and `output`
+    requests: tuple[tuple[int, int], ...] = ()
 
     def efficiency(self) -> OperationEfficiency:
         """The shipped factors for this case: its GPU's, with its engine's step cost."""
@@ -111,7 +124,7 @@ class PublishedCase:
         return self.served_run(efficiency).wall_s
 
     def served_run(self, efficiency: OperationEfficiency | None = None) -> RunResult:
-        """The twin's engine serving `batch` requests sent at once, as vLLM would."""
+        """The twin's engine serving the case's requests, sent at once, as vLLM would."""
         from engine.config import EngineConfig
         from engine.harness.workload import WorkloadRequest
         from engine.sim.fleet import run_fleet
@@ -119,9 +132,12 @@ class PublishedCase:
         from engine.sim.target import deployment_target
 
         deployment = self.deployment(efficiency)
-        prompt = self.input + self.template_tokens
-        config = EngineConfig(model="synthetic:tiny", max_model_len=prompt + self.output,
-                              **vllm_defaults(deployment.gpu))
+        lengths = [(prompt + self.template_tokens, output) for prompt, output in self.lengths()]
+        flags = {**vllm_defaults(deployment.gpu), **dict(self.server)}
+        flags["max_prefill_chunks"] = flags["max_num_seqs"]
+        config = EngineConfig(model="synthetic:tiny",
+                              max_model_len=self.max_model_len or max(p + o for p, o in lengths),
+                              **flags)
         target = deployment_target(deployment, config, self.gpu)
         arrival_s = self.front_end_s(deployment.gpu.efficiency)
         vocab = self.model.vocab_size
@@ -131,9 +147,16 @@ class PublishedCase:
         # one, as V1 prepends it
         workload = [WorkloadRequest(f"r{i}", arrival_s + i * ORDER_S,
                                     tuple((i * 7919 + j) % vocab for j in range(prompt)),
-                                    self.output, ignore_eos=True)
-                    for i in range(self.batch)]
+                                    output, ignore_eos=True)
+                    for i, (prompt, output) in enumerate(lengths)]
         return run_fleet(config, target, workload, 1, RoutePolicy("round-robin")).merged
+
+    def lengths(self) -> list[tuple[int, int]]:
+        """Each request's prompt and generated tokens: a request that received no text
+        generated one, the token that ended it (docs/twin.md, the Lambda round)."""
+        if self.requests:
+            return [(prompt, max(output, 1)) for prompt, output in self.requests]
+        return [(self.input, self.output)] * self.batch
 
     def front_end_s(self, efficiency: OperationEfficiency | None = None) -> float:
         """What an HTTP harness's burst waits before the engine sees any of it: vLLM's API
@@ -144,7 +167,7 @@ class PublishedCase:
         if self.harness == "offline":
             return 0.0
         e = efficiency or self.efficiency()
-        return self.batch * (e.request_s + self.template_parse_s)
+        return len(self.lengths()) * (e.request_s + self.template_parse_s)
 
     def error(self, efficiency: OperationEfficiency | None = None) -> float:
         """predicted / measured − 1, on the case's own figure."""
@@ -163,6 +186,12 @@ def load_cases(path: Path, *, fitting_only: bool = True) -> list[PublishedCase]:
               for name, m in data["models"].items()}
     sources = data["sources"]
     for name, source in sources.items():
+        server = source.get("server", {})
+        if set(server) - set(SERVER_FLAGS) or not all(
+                isinstance(v, int | float) and not isinstance(v, bool) and v > 0
+                for v in server.values()):
+            raise ValueError(f"source {name}: server holds positive values of "
+                             f"{', '.join(SERVER_FLAGS)}; got {server!r}")
         parse_s = source.get("template_parse_s", 0.0)
         if not (isinstance(parse_s, int | float) and 0 <= parse_s < 1):
             raise ValueError(f"source {name}: template_parse_s is a server's CPU seconds a "
@@ -171,6 +200,7 @@ def load_cases(path: Path, *, fitting_only: bool = True) -> list[PublishedCase]:
         if not (isinstance(wrap, int) and not isinstance(wrap, bool) and 0 <= wrap < 1024):
             raise ValueError(f"source {name}: template_tokens is the whole number of tokens a "
                              f"chat template adds to each prompt, 0 to 1023; got {wrap!r}")
+    listed = _listed_requests(data["cases"])
     cases = []
     for c in data["cases"]:
         if c["source"] not in sources or c["kind"] not in KINDS:
@@ -186,8 +216,30 @@ def load_cases(path: Path, *, fitting_only: bool = True) -> list[PublishedCase]:
             engine=tuple(sorted(sources[c["source"]].get("fitted", {}).items())),
             input=c.get("input", 0), output=c.get("output", 0),
             batch=c.get("batch", 1), tokens=c.get("tokens", 0),
-            printed_ms=tuple(c.get("printed_ms", {}).items())))
+            printed_ms=tuple(c.get("printed_ms", {}).items()),
+            server=tuple(sorted(sources[c["source"]].get("server", {}).items())),
+            max_model_len=c.get("max_model_len", 0), requests=listed.get(c["id"], ())))
     return [c for c in cases if c.kv_fits()] if fitting_only else cases
+
+
+def _listed_requests(cases: list[dict[str, Any]]) -> dict[str, tuple[tuple[int, int], ...]]:
+    """The requests of each case marked `per_request`, from PUBLISHED_REQUESTS: as many as
+    its batch, whole token counts (a prompt of at least one)."""
+    wanted = [c for c in cases if c.get("per_request")]
+    if not wanted:
+        return {}
+    lists: dict[str, Any] = json.loads(PUBLISHED_REQUESTS.read_text())
+    listed = {}
+    for c in wanted:
+        entry = lists.get(c["id"], {})
+        inputs, outputs = entry.get("input_lens", []), entry.get("output_lens", [])
+        whole = all(isinstance(n, int) and not isinstance(n, bool) for n in (*inputs, *outputs))
+        if not (whole and len(inputs) == len(outputs) == c.get("batch")
+                and min(inputs, default=0) >= 1 and min(outputs, default=0) >= 0):
+            raise ValueError(f"case {c['id']}: {PUBLISHED_REQUESTS.name} needs its batch "
+                             f"({c.get('batch')}) of input_lens (>= 1) and output_lens (>= 0)")
+        listed[c["id"]] = tuple(zip(inputs, outputs, strict=True))
+    return listed
 
 
 @dataclass(frozen=True)
