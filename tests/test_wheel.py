@@ -73,7 +73,8 @@ def test_the_wheel_carries_migrations_traces_styles_and_the_kernels(wheel: Path)
             "engine/harness/traces/azure_llm_2023_code.csv",
             "engine/harness/traces/README.md", "engine/kernels/paged_attention.cpp",
             "engine/kernels/layer_ops.cpp", "engine/kernels/cpu_vectors.h",
-            "engine/sim/published_gpu_cases.json"} <= names
+            "engine/sim/published_gpu_cases.json",
+            "engine/sim/published_gpu_requests.json"} <= names
     assert any(n.startswith("console/tui/") and n.endswith(".tcss") for n in names)
     assert not any(n.startswith(("tests/", "benchmarks/", "migrations/")) for n in names)
 
