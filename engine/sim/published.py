@@ -70,8 +70,8 @@ class PublishedCase:
     # context length: 0 for the longest request
     server: tuple[tuple[str, float], ...] = ()
     max_model_len: int = 0
-    # every request's (prompt tokens, generated tokens), where the source lists them; else
-    # `batch` requests of `input` and `output`
+    # every request's (prompt tokens, generated tokens), where the source lists them (as many
+    # as `batch`); else `batch` requests of `input` and `output`
     requests: tuple[tuple[int, int], ...] = ()
 
     def efficiency(self) -> OperationEfficiency:
@@ -167,7 +167,7 @@ class PublishedCase:
         if self.harness == "offline":
             return 0.0
         e = efficiency or self.efficiency()
-        return len(self.lengths()) * (e.request_s + self.template_parse_s)
+        return self.batch * (e.request_s + self.template_parse_s)
 
     def error(self, efficiency: OperationEfficiency | None = None) -> float:
         """predicted / measured − 1, on the case's own figure."""
