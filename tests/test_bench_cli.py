@@ -149,3 +149,112 @@ def test_identical_chunked_and_unchunked_rows_say_why_and_columns_have_units(
                                        "count", "count", "share", "tokens", "share"]
     assert any(line.startswith("note: chunked and unchunked are identical: the longest "
                                "prompt (") for line in out)
+
+
+@pytest.mark.parametrize("rate", ["0", "-1", "nan", "-inf", "fast"])
+def test_a_rate_that_is_not_positive_is_refused_at_every_door(
+        rate: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from console.cli.console import build_parser
+
+    flag = f"--rate={rate}"  # "-inf" after a space reads as a flag
+    for argv in (["bench", "--simulate", "h100", "--model", "synthetic:8b", "--input-len",
+                  "10", "--output-len", "2", flag],
+                 ["bench", "--simulate", "h100", "--model", "synthetic:8b", flag],
+                 ["run", "--model", "synthetic:tiny", flag]):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2
+        assert f"argument --rate: arrivals per second must be a number > 0, or inf to send " \
+               f"all at once; got '{rate}'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([flag])  # the console's
+    assert "argument --rate" in capsys.readouterr().err
+
+
+def _bench_requests(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                    *flags: str) -> tuple[int, str, list[float]]:
+    code = main(["bench", "--simulate", "h100", "--model", "synthetic:8b", "--compare",
+                 "chunked", "--db", str(tmp_path / "s.db"), "--json", "--quiet", *flags])
+    out, err = capsys.readouterr()
+    if code:
+        return code, err, []
+    report = json.loads(out)
+    return code, err, [report["workload"]["duration_s"]]
+
+
+def test_flags_with_nothing_to_shape_name_themselves_and_rate_paces_a_requests_file(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    fixed = ["--input-len", "10", "--output-len", "2", "--num-prompts", "3"]
+    for extra, named in ((["--time-scale", "2"], "--time-scale shapes"),
+                         (["--length-scale", "1"], "--length-scale shapes"),
+                         (["--workload", "mixed"], "--workload shapes"),
+                         (["--num-requests", "5", "--time-scale", "1"],
+                          "--num-requests, --time-scale shape")):
+        code, err, _ = _bench_requests(capsys, tmp_path, *fixed, *extra)
+        assert code == 2 and f"{named} a named workload" in err, err
+        assert "drop" in err
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps({"id": f"r{n}", "prompt_token_ids": [5, 6, 7],
+                                         "max_tokens": 2}) + "\n" for n in range(20)))
+    code, _, at_once = _bench_requests(capsys, tmp_path, "--requests", str(plain))
+    assert code == 0 and at_once == [0.0]
+    code, _, paced = _bench_requests(capsys, tmp_path, "--requests", str(plain), "--rate", "4")
+    # 19 Poisson gaps at 4/s: about 4.75 s, far from all at once
+    assert code == 0 and 1.5 < paced[0] < 15
+    assert _bench_requests(capsys, tmp_path, "--requests", str(plain), "--rate", "4")[2] == paced
+    reseeded = _bench_requests(capsys, tmp_path, "--requests", str(plain), "--rate", "4",
+                               "--workload-seed", "7")[2]
+    assert reseeded != paced
+    code, err, _ = _bench_requests(capsys, tmp_path, "--requests", str(plain),
+                                   "--workload-seed", "7")
+    assert code == 2 and "--workload-seed draws a requests file's arrivals only with --rate" in err
+    code, err, _ = _bench_requests(capsys, tmp_path, "--requests", str(plain), "--num-requests",
+                                   "3")
+    assert code == 2 and "--num-requests shapes a named workload, and --requests" in err
+    timed = tmp_path / "timed.jsonl"
+    timed.write_text(plain.read_text() + json.dumps(
+        {"id": "late", "prompt_token_ids": [5], "max_tokens": 2, "arrival_s": 3.0}) + "\n")
+    code, err, _ = _bench_requests(capsys, tmp_path, "--requests", str(timed), "--rate", "4")
+    assert code == 2 and f"{timed}:21 sets its own arrival_s" in err
+    code, err, _ = _bench_requests(capsys, tmp_path, "--workload", f"traced:{tmp_path}/t.db",
+                                   "--length-scale", "2")
+    assert code == 2 and "--length-scale does not apply to traced:DB" in err
+
+
+def test_run_refuses_a_requests_files_idle_flags_before_the_model_loads(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from console.cli import run
+
+    def no_model(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model loaded before the flags were checked")
+
+    monkeypatch.setattr(run, "start_session", no_model)
+    requests = tmp_path / "r.jsonl"
+    requests.write_text('{"id": "a", "prompt_token_ids": [1, 2], "max_tokens": 2, '
+                        '"arrival_s": 1.0}\n')
+    for extra, said in ((["--workload", "chat"], "--workload shapes a named workload"),
+                        (["--rate", "3"], "r.jsonl:1 sets its own arrival_s"),
+                        (["--workload-seed", "1"], "only with --rate")):
+        assert main(["run", "--model", "synthetic:tiny", "--no-db", "--requests",
+                     str(requests), *extra]) == 2
+        assert said in capsys.readouterr().err
+
+
+def test_a_tuning_flag_without_what_it_tunes_is_refused(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    base = ["bench", "--simulate", "h100", "--model", "synthetic:8b", "--input-len", "10",
+            "--output-len", "2", "--num-prompts", "2", "--compare", "chunked", "--db",
+            str(tmp_path / "s.db")]
+    for extra, said in ((["--capacity-duration", "3"], "--capacity-duration tune the "
+                                                       "capacity search; add --capacity"),
+                        (["--capacity-metric", "tbt", "--capacity-iterations", "2"],
+                         "--capacity-iterations, --capacity-metric tune"),
+                        (["--capacity-requests", "4"], "add --capacity"),
+                        (["--hf-batch-size", "4"], "add hf to --compare"),
+                        (["--router", "session"], "add --replicas N"),
+                        (["--router", "session", "--replicas", "1"], "add --replicas N")):
+        assert main([*base, *extra]) == 2
+        assert said in capsys.readouterr().err
+    assert main([*base, "--router", "session", "--replicas", "2", "--json", "--quiet"]) == 0
+    assert json.loads(capsys.readouterr().out)["runs"]["chunked"]["finished"] == 2

@@ -33,7 +33,12 @@ from typing import Any
 from console.cli.db import add_db_argument
 from console.cli.engine_flags import add_engine_flags, engine_config
 from console.cli.progress import RunProgress, add_quiet_flag
-from console.cli.workload_flags import add_fixed_length_flags, add_workload_flags, workload_for
+from console.cli.workload_flags import (
+    add_fixed_length_flags,
+    add_workload_flags,
+    workload_for,
+    workload_name,
+)
 from console.errors import UserError
 from engine import Engine
 from engine.budget.predictor import StepTimePredictor
@@ -73,20 +78,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--json", action="store_true", help="print the comparison as JSON")
     add_quiet_flag(parser)
     add_db_argument(parser)
-    parser.add_argument("--hf-batch-size", type=int, default=8,
-                        help="static batch size of the hf baseline")
+    parser.add_argument("--hf-batch-size", type=int, default=None,
+                        help="static batch size of the hf baseline (default 8)")
     parser.add_argument("--capacity", action="store_true",
                         help="binary-search each configuration's capacity at the SLOs")
-    parser.add_argument("--capacity-requests", type=int, default=24,
-                        help="fewest requests in a capacity probe")
-    parser.add_argument("--capacity-duration", type=float, default=10.0, metavar="SECONDS",
+    parser.add_argument("--capacity-requests", type=int, default=None,
+                        help="fewest requests in a capacity probe (default 24)")
+    parser.add_argument("--capacity-duration", type=float, default=None, metavar="SECONDS",
                         help="each capacity probe sends the workload, repeated, at the probed "
                              "rate for this long, so an unsustainable rate shows as a growing "
                              "queue rather than a burst that drains (default 10)")
-    parser.add_argument("--capacity-iterations", type=int, default=5)
-    parser.add_argument("--capacity-metric", choices=LATENCY_METRICS, default="tpot",
+    parser.add_argument("--capacity-iterations", type=int, default=None,
+                        help="steps of the capacity search (default 5)")
+    parser.add_argument("--capacity-metric", choices=LATENCY_METRICS, default=None,
                         help="latency held to the TPOT SLO: each request's mean time per "
-                             "token (tpot) or every gap between tokens (tbt, Sarathi-Serve's)")
+                             "token (tpot, the default) or every gap between tokens (tbt, "
+                             "Sarathi-Serve's)")
     parser.add_argument("--report", type=Path, metavar="DIR",
                         help="write report.md and PNG plots into DIR")
     parser.add_argument("--simulate", metavar="TARGET",
@@ -104,9 +111,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "(`tokenflow roofline --gpu NAME --show-profile --json` prints one)")
     parser.add_argument("--replicas", type=int, default=1,
                         help="with --simulate: a fleet of this many replicas behind a router")
-    parser.add_argument("--router", default=RoutePolicy.LEAST_TOKENS.value,
-                        choices=[p.value for p in RoutePolicy],
-                        help="how a fleet routes requests (default least-tokens)")
+    parser.add_argument("--router", default=None, choices=[p.value for p in RoutePolicy],
+                        help="with --replicas: how the fleet routes requests (default "
+                             "least-tokens)")
     parser.add_argument("--against-real", type=int, nargs="?", const=1, default=0,
                         metavar="N",
                         help="with --simulate: also run every configuration N times for real "
@@ -137,14 +144,40 @@ def simulated_traffic(store: str, gpu: str, budget: int,
     return bench_report(args)["runs"]["chunked"]
 
 
+# What a flag tunes, and its value when not given; given for nothing it tunes, it is refused.
+_TUNING_DEFAULTS = {"capacity_requests": 24, "capacity_duration": 10.0,
+                    "capacity_iterations": 5, "capacity_metric": "tpot",
+                    "hf_batch_size": 8, "router": RoutePolicy.LEAST_TOKENS.value}
+
+
+def _settle_tuning_flags(args: argparse.Namespace, names: list[str]) -> None:
+    """Refuse a tuning flag given without what it tunes; then fill in the defaults."""
+    def given(*dests: str) -> list[str]:
+        return ["--" + d.replace("_", "-") for d in dests if getattr(args, d) is not None]
+
+    capacity = given("capacity_requests", "capacity_duration", "capacity_iterations",
+                     "capacity_metric")
+    if capacity and not args.capacity:
+        raise UserError(f"{', '.join(capacity)} tune the capacity search; add --capacity")
+    if given("hf_batch_size") and "hf" not in names:
+        raise UserError("--hf-batch-size sizes the hf baseline's batches; add hf to --compare")
+    if given("router") and args.replicas < 2:
+        raise UserError("--router routes a fleet's requests between replicas; add --replicas "
+                        "N with N of at least 2")
+    for dest, default in _TUNING_DEFAULTS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
+
+
 def bench_report(args: argparse.Namespace) -> dict[str, Any]:
+    names = [n.strip() for n in args.compare.split(",") if n.strip()]
+    _settle_tuning_flags(args, names)
     if args.capacity_requests < 1 or args.capacity_duration < 0:
         raise UserError("--capacity-requests must be at least 1 and --capacity-duration at "
                         "least 0")
     if args.against_real < 0:
         raise UserError("--against-real takes a number of real runs of at least 1")
     base = engine_config(args)
-    names = [n.strip() for n in args.compare.split(",") if n.strip()]
     custom = dict(_parse_config(spec) for spec in args.config)
     target = _sim_target(args, base)
     gpu_defaults = _gpu_defaults(args, base, target)
@@ -236,7 +269,7 @@ def _workload_spec(args: argparse.Namespace) -> str:
         return f"requests:{args.requests}"
     if args.input_len is not None:
         return f"fixed:{args.input_len}in/{args.output_len}out"
-    return str(args.workload)
+    return workload_name(args)
 
 
 def _drift(real_runs: list[dict[str, Any]]) -> StepTimeRatios | None:

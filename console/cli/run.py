@@ -19,7 +19,12 @@ from console.cli.engine_flags import add_engine_flags, engine_config, start_sess
 from console.cli.output_file import check_output, open_output
 from console.cli.progress import RunProgress, add_quiet_flag
 from console.cli.terminal import terminal_safe
-from console.cli.workload_flags import add_workload_flags, workload_for
+from console.cli.workload_flags import (
+    add_workload_flags,
+    check_requests_file_flags,
+    requests_file_workload,
+    workload_for,
+)
 from console.errors import UserError
 from engine.core.engine_core import RequestOutput
 from engine.harness.driver import OutputTokens, drive
@@ -27,7 +32,6 @@ from engine.harness.workload import (
     WorkloadRequest,
     describe,
     request_lines,
-    requests_from_lines,
 )
 from engine.serve.session import EngineSession
 from engine.store import StoreWriter
@@ -45,7 +49,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(max_num_batched_tokens=RUN_BUDGET)
     add_workload_flags(parser)
     parser.add_argument("--requests", type=Path, help="JSONL requests (id, prompt_token_ids or "
-                        "prompt, max_tokens, optional tenant) instead of --workload")
+                        "prompt, max_tokens, optional tenant and arrival_s) instead of "
+                        "--workload; --rate paces a file without arrival_s")
     parser.add_argument("--output", type=Path, help="write finished requests here as JSONL "
                         "(id, token_ids; or id, error with the state and reason of a request "
                         "rejected or failed); a new file, or with --resume the one a killed "
@@ -75,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
     # A file's JSON is read before the model loads, so a bad line fails fast; a pipe can be
     # read only once, when the engine is ready for it.
     lines = request_lines(args.requests) if args.requests and args.requests.is_file() else None
+    if args.requests:
+        check_requests_file_flags(args, lines)
     if args.output is not None:  # before anything is written, the store included
         if not args.no_db:
             refuse_store_files(args.output, args.db)
@@ -93,9 +100,9 @@ def run(args: argparse.Namespace) -> int:
         engine = session.engine
         progress.stage(engine.runner.attention_note)  # the backends chosen, with timings
         if args.requests:
-            workload = requests_from_lines(
-                request_lines(args.requests) if lines is None else lines,
-                engine.tokenizer.encode, vocab_size=engine.model_config.vocab_size)
+            workload = requests_file_workload(
+                args, request_lines(args.requests) if lines is None else lines,
+                engine.tokenizer.encode, engine.model_config.vocab_size)
         else:
             workload = workload_for(args, engine)
         sink = _OutputSink(args.output, session.writer, resume=args.resume)

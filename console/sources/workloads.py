@@ -27,6 +27,9 @@ def named_workload(spec: str, engine: EngineCore, *, num_requests: int | None = 
         if rate is not None:
             raise UserError("--rate does not apply to traced:DB, which replays the recorded "
                             "arrivals; stretch or squeeze them with --time-scale instead")
+        if length_scale is not None:
+            raise UserError("--length-scale does not apply to traced:DB, which replays the "
+                            "recorded prompt and completion lengths; drop it")
         return traced_requests(spec, vocab_size=engine.model_config.vocab_size,
                                max_model_len=engine.max_model_len, seed=seed,
                                num_requests=num_requests, time_scale=time_scale)
