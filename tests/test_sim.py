@@ -532,6 +532,15 @@ def test_roofline_shows_a_profile_and_a_users_file_overrides_it(
     mine = json.loads(capsys.readouterr().out)
     assert mine["efficiency"]["step_s"] == 0.004
     assert mine["efficiency"]["memory"] == shown["efficiency"]["memory"]
+    # a flag the chosen output does not read is refused, named, not dropped
+    assert main(["roofline", "--gpu", "h200", "--show-profile", "--decode-seqs", "8",
+                 "--kv-gib", "4"]) == 2
+    assert "--decode-seqs, --kv-gib shape the what-if table" in capsys.readouterr().err
+    assert main(["roofline", "--gpu", "h200", "--gpu-profile", str(override)]) == 2
+    assert "add --show-profile" in capsys.readouterr().err
+    assert main(["roofline", "--gpu", "h200", "--decode-seqs", "8", "--json"]) == 0
+    table = json.loads(capsys.readouterr().out)["inputs"]
+    assert table["decode_seqs"] == 8 and table["context"] == 2048 and table["weight_bits"] == 16
     config = EngineConfig(model="synthetic:8b")
     slow = resolve_target("h200", config, gpu_profile=override)
     shape = StepShape(decode_contexts=(100,))

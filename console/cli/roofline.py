@@ -44,16 +44,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     model.add_argument("--params", type=float, help="P, parameters (default 7e9)")
     model.add_argument("--kv-bytes-per-token", type=float,
                        help="k, KV bytes per token over all layers (default 524288)")
-    model.add_argument("--weight-bits", type=int, default=16, help="bits per weight (default 16)")
+    model.add_argument("--weight-bits", type=int, help="bits per weight (default 16)")
     load = parser.add_argument_group("load")
-    load.add_argument("--decode-seqs", type=int, default=32, help="D, decodes per step")
-    load.add_argument("--context", type=int, default=2048, help="S, context of each decode")
-    load.add_argument("--prompt", type=int, default=4096, help="T, prompt tokens for TTFT")
-    load.add_argument("--chunks", default=SEED_CHUNKS, help="chunk sizes C to compare")
-    load.add_argument("--hit-rate", type=float, default=0.0, help="prefix-cache hit rate h")
-    load.add_argument("--kv-gib", type=float, default=20.0, help="KV pool in GiB (2^30 bytes)")
-    load.add_argument("--step-ms", type=float, default=DEFAULT_STEP_TIME_S * 1e3,
-                      help="step time budget of the three-constraint table")
+    load.add_argument("--decode-seqs", type=int, help="D, decodes per step (default 32)")
+    load.add_argument("--context", type=int, help="S, context of each decode (default 2048)")
+    load.add_argument("--prompt", type=int, help="T, prompt tokens for TTFT (default 4096)")
+    load.add_argument("--chunks", help=f"chunk sizes C to compare (default {SEED_CHUNKS})")
+    load.add_argument("--hit-rate", type=float, help="prefix-cache hit rate h (default 0)")
+    load.add_argument("--kv-gib", type=float, help="KV pool in GiB (2^30 bytes; default 20)")
+    load.add_argument("--step-ms", type=float,
+                      help="step time budget of the three-constraint table (default "
+                           f"{DEFAULT_STEP_TIME_S * 1e3:g})")
     machine.add_argument("--show-profile", action="store_true",
                          help="print the GPU twin's profile of --gpu (peaks per precision, "
                               "memory, link, efficiency factors, each figure's source)")
@@ -63,9 +64,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+# The worked example's figures that are plain defaults; the machine's and the model's are
+# resolved in `_roofline`, after --gpu and --model.
+_TABLE_DEFAULTS = {"weight_bits": 16, "decode_seqs": 32, "context": 2048, "prompt": 4096,
+                   "chunks": SEED_CHUNKS, "hit_rate": 0.0, "kv_gib": 20.0,
+                   "step_ms": DEFAULT_STEP_TIME_S * 1e3}
+_TABLE_ONLY = ("flops", "bandwidth", "model", "params", "kv_bytes_per_token", *_TABLE_DEFAULTS)
+
+
 def run(args: argparse.Namespace) -> int:
+    table = ["--" + d.replace("_", "-") for d in _TABLE_ONLY if getattr(args, d) is not None]
     if args.show_profile:
+        if table:
+            raise UserError(f"{', '.join(table)} shape the what-if table, which --show-profile "
+                            "does not print; drop them, or drop --show-profile")
         return _show_profile(args)
+    if args.gpu_profile is not None:
+        raise UserError("--gpu-profile is printed by --show-profile; add --show-profile "
+                        "(the table takes the datasheet peaks of --gpu)")
+    for dest, default in _TABLE_DEFAULTS.items():
+        if getattr(args, dest) is None:
+            setattr(args, dest, default)
     roofline = _roofline(args)
     report = _report(args, roofline)
     print(json.dumps(report, indent=2) if args.json else _render(report))
