@@ -342,3 +342,16 @@ def test_a_long_streamed_argument_is_read_once(monkeypatch: pytest.MonkeyPatch, 
         stream.step(use.partial(text[:end], stream.scans))
     assert stream.calls[0].arguments == use.parse(text).calls[0].arguments
     assert reads[0] <= 4 * len(text)  # afresh at every chunk: over 100 times as many
+
+
+def test_serves_banner_says_what_the_tool_flags_turned_on() -> None:
+    from argparse import Namespace
+
+    from console.cli.serve import _tools_note
+
+    assert _tools_note(Namespace(tool_call_parser=None, enable_auto_tool_choice=False)) == ""
+    assert _tools_note(Namespace(tool_call_parser="hermes", enable_auto_tool_choice=True)) \
+        == ", auto tool choice (hermes)"
+    # vLLM takes a parser alone; a drop-in takes it too and says it does nothing here
+    assert "--tool-call-parser llama3_json unused without --enable-auto-tool-choice" in \
+        _tools_note(Namespace(tool_call_parser="llama3_json", enable_auto_tool_choice=False))

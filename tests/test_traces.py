@@ -248,3 +248,17 @@ def test_serve_trace_flags_need_a_listener_and_a_store(
     assert "add --otlp-listen" in capsys.readouterr().err
     assert main(["serve", "--otlp-listen", "127.0.0.1:0", "--no-db"]) == 2
     assert "drop --no-db" in capsys.readouterr().err
+
+
+def test_serve_and_run_refuse_flags_whose_feature_is_off(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from console.cli.main import main
+
+    store = str(tmp_path / "s.db")
+    for command in ("serve", "run"):
+        assert main([command, "--model", "synthetic:tiny", "--no-db", "--db", store]) == 2
+        assert "--db names the store that --no-db turns off" in capsys.readouterr().err
+        assert main([command, "--model", "synthetic:tiny", "--no-db", "--db", store,
+                     "--server-name", "a"]) == 2
+        assert "--db and --server-name name the store" in capsys.readouterr().err
+    assert not Path(store).exists()

@@ -48,6 +48,15 @@ def add_server_name_argument(parser: argparse.ArgumentParser, default: str) -> N
                         f"{default}); one writer per name")
 
 
+def refuse_store_flags_without_a_store(args: argparse.Namespace) -> None:
+    """--db and --server-name name the store that --no-db turns off: given together, refused."""
+    named = [flag for flag, value in (("--db", args.db), ("--server-name", args.server_name))
+             if value is not None]
+    if args.no_db and named:
+        raise UserError(f"{' and '.join(named)} name{'s' if len(named) == 1 else ''} the store "
+                        "that --no-db turns off; drop one or the other")
+
+
 def _missing_file(db: str | None) -> Path | None:
     """The SQLite file `db` names when it does not exist; None for a URL or a file."""
     from engine.store.database import store_url

@@ -14,7 +14,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from console.cli.db import add_db_argument, add_server_name_argument, refuse_store_files
+from console.cli.db import (
+    add_db_argument,
+    add_server_name_argument,
+    refuse_store_files,
+    refuse_store_flags_without_a_store,
+)
 from console.cli.engine_flags import add_engine_flags, engine_config, start_session
 from console.cli.output_file import check_output, open_output
 from console.cli.progress import RunProgress, add_quiet_flag
@@ -75,6 +80,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.resume and args.no_db:
         raise UserError("--resume reads the request journal; drop --no-db")
+    refuse_store_flags_without_a_store(args)
     if args.requests and not args.requests.exists():
         raise UserError(f"--requests {args.requests}: no such file")
     # A file's JSON is read before the model loads, so a bad line fails fast; a pipe can be

@@ -21,7 +21,11 @@ from types import FrameType
 
 import uvicorn
 
-from console.cli.db import add_db_argument, add_server_name_argument
+from console.cli.db import (
+    add_db_argument,
+    add_server_name_argument,
+    refuse_store_flags_without_a_store,
+)
 from console.cli.engine_flags import (
     SERVE_MIXED_STEP_PREFILL_TOKENS,
     add_engine_flags,
@@ -146,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
     if trace_flags and not args.otlp_listen:
         raise UserError(f"{' and '.join(trace_flags)} describe traced servers; add "
                         "--otlp-listen HOST:PORT")
+    refuse_store_flags_without_a_store(args)
     if args.otlp_listen and args.no_db:
         raise UserError("--otlp-listen keeps traced requests in the store; drop --no-db")
     otlp = otlp_token(args) if args.otlp_listen else None
@@ -189,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
         store = "none" if database is None else f"{database.location} as {database.server}"
         host, port = listener.getsockname()[:2]  # --port 0: the one the system chose
         banner = (f"tokenflow serve: {config.model} on {engine.runner.device}, "
-                  f"http://{host}:{port}, admin API {admin}, store {store}{traces}")
+                  f"http://{host}:{port}, admin API {admin}, store {store}{traces}"
+                  f"{_tools_note(args)}")
         server = GuardedServer(server_config(app, lifespan="off",
                                              max_connections=args.max_connections,
                                              per_address=args.max_connections_per_address,
@@ -200,6 +206,18 @@ def run(args: argparse.Namespace) -> int:
         if session.writer is not None:
             session.writer.check()
     return 0
+
+
+def _tools_note(args: argparse.Namespace) -> str:
+    """What the tool-call flags turned on, for the banner. vLLM takes a parser without auto
+    tool choice (its `required` needs one), so a drop-in takes it too, and says it is unused:
+    `required` and named tools go through the grammar here."""
+    if args.tool_call_parser is None:
+        return ""
+    if args.enable_auto_tool_choice:
+        return f", auto tool choice ({args.tool_call_parser})"
+    return (f", --tool-call-parser {args.tool_call_parser} unused without "
+            "--enable-auto-tool-choice (tool_choice auto refused, as vLLM)")
 
 
 def _serve_until_signalled(server: uvicorn.Server, listener: socket.socket,
