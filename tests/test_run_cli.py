@@ -288,3 +288,20 @@ def test_the_console_takes_the_prefix_caching_flag_for_its_own_engine_only() -> 
     assert parse(["--no-prefix-caching"]).enable_prefix_caching is False
     assert conflict(parse(["--no-prefix-caching"])) is None
     assert "prefix-caching" in conflict(parse(["--no-prefix-caching", "--attach", "http://x"]))
+
+
+def test_the_console_refuses_flags_its_chosen_source_would_drop(tmp_path: Path) -> None:
+    from console.cli.console import build_parser, conflict
+    from console.sources.base import SourceError
+    from console.sources.replay import ReplaySource
+
+    parse = build_parser().parse_args
+    assert conflict(parse(["--workload", "chat", "--rate", "3"])) is None
+    for source in (["--attach", "http://x"], ["--replay", str(tmp_path / "r.jsonl")]):
+        assert "--workload configure the embedded engine" in conflict(
+            parse([*source, "--workload", "chat"]))
+    assert conflict(parse(["--speed", "2"])) == ("--speed paces a recorded session; add "
+                                                 "--replay FILE")
+    assert conflict(parse(["--replay", "f.jsonl", "--speed", "0"])) is None
+    with pytest.raises(SourceError, match="replay speed must be >= 0, got nan"):
+        ReplaySource(tmp_path / "r.jsonl", speed=float("nan"))

@@ -15,7 +15,7 @@ from typing import Any, NoReturn
 
 from console.cli.engine_flags import add_engine_flag
 from console.cli.otlp_flags import add_otlp_token_flags, otlp_token
-from console.cli.workload_flags import add_rate_flag
+from console.cli.workload_flags import add_rate_flag, workload_name
 from console.errors import UserError
 from engine.slo_targets import CHAT_ITL_MS, CHAT_TTFT_MS
 
@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="synthetic:<preset> or a Hugging Face model directory "
                         "(default: synthetic:small on CPU, a bigger preset on CUDA)")
     parser.add_argument("--device", help="cpu, cuda, cuda:N or auto (default: auto)")
-    parser.add_argument("--workload", default="mixed",
+    parser.add_argument("--workload", default=None,
                         help="mixed, chat, long-doc, multiturn, conv or code (the Azure LLM "
                         "inference traces), conversations:FILE, trace:FILE or traced:DB (the "
                              "requests an attached fleet served, from the OTLP traces stored "
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                              f"{CHAT_ITL_MS:g})")
     parser.add_argument("--replay", type=Path, metavar="FILE",
                         help="review a session recorded with --record")
-    parser.add_argument("--speed", type=float, default=1.0,
+    parser.add_argument("--speed", type=float, default=None,
                         help="replay speed (default 1.0; 0 steps one snapshot per refresh)")
     parser.add_argument("--record", type=Path, metavar="FILE",
                         help="write every snapshot and the store's records to FILE (JSONL)")
@@ -135,6 +135,7 @@ def conflict(args: argparse.Namespace) -> str | None:
     if attach_only and not attached:
         return f"{', '.join(attach_only)} describe attached servers; add --attach URL"
     engine_flags = [flag for flag, value in (("--model", args.model), ("--device", args.device),
+                                             ("--workload", args.workload),
                                              ("--rate", args.rate is not None),
                                              ("--db", args.db and not args.otlp_listen),
                                              ("--server-name", args.server_name),
@@ -146,6 +147,8 @@ def conflict(args: argparse.Namespace) -> str | None:
         return "--tp and --sim-speed apply to a simulated engine; add --simulate"
     if not args.sim_speed > 0:
         return f"--sim-speed must be > 0, got {args.sim_speed}"
+    if args.speed is not None and not args.replay:
+        return "--speed paces a recorded session; add --replay FILE"
     if chosen and engine_flags:
         return (f"{', '.join(engine_flags)} configure the embedded engine; "
                 f"drop them with {chosen[0]}")
@@ -180,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.enable_prefix_caching is not None:
             config = config.replace(enable_prefix_caching=args.enable_prefix_caching)
         engine = ProcessSource.launch(model=args.model, device=args.device,
-                                      workload=args.workload, rate=args.rate, db=args.db,
+                                      workload=workload_name(args), rate=args.rate,
+                                      db=args.db,
                                       server=args.server_name,
                                       simulate=simulate, config=config)
     from console.tui.app import run  # Textual and the screens: seconds, overlapping the child's

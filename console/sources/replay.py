@@ -86,7 +86,7 @@ class ReplaySource:
 
     def __init__(self, path: Path, speed: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if speed < 0:
+        if not speed >= 0:  # nan included
             raise SourceError(f"replay speed must be >= 0, got {speed}")
         self.name = f"replay {path.name}"
         self._speed = speed

@@ -312,7 +312,7 @@ def open_source(args: argparse.Namespace, engine: ProcessSource | None) -> Sourc
     """The source the flags chose (console.cli.console checked they agree): replay, attach, or the
     embedded engine launched already (the app shows its start-up)."""
     if args.replay:
-        return ReplaySource(args.replay, speed=args.speed)
+        return ReplaySource(args.replay, speed=1.0 if args.speed is None else args.speed)
     if args.attach or args.attach_vllm or args.attach_sglang:
         from console.sources import open_http_source
 
