@@ -257,8 +257,10 @@ def test_serve_and_run_refuse_flags_whose_feature_is_off(
     store = str(tmp_path / "s.db")
     for command in ("serve", "run"):
         assert main([command, "--model", "synthetic:tiny", "--no-db", "--db", store]) == 2
-        assert "--db names the store that --no-db turns off" in capsys.readouterr().err
+        assert "--db needs the store that --no-db turns off" in capsys.readouterr().err
         assert main([command, "--model", "synthetic:tiny", "--no-db", "--db", store,
                      "--server-name", "a"]) == 2
-        assert "--db and --server-name name the store" in capsys.readouterr().err
+        assert "--db and --server-name need the store" in capsys.readouterr().err
+    assert main(["run", "--model", "synthetic:tiny", "--no-db", "--report-commits"]) == 2
+    assert "--report-commits needs the store that --no-db turns off" in capsys.readouterr().err
     assert not Path(store).exists()

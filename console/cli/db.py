@@ -49,11 +49,14 @@ def add_server_name_argument(parser: argparse.ArgumentParser, default: str) -> N
 
 
 def refuse_store_flags_without_a_store(args: argparse.Namespace) -> None:
-    """--db and --server-name name the store that --no-db turns off: given together, refused."""
-    named = [flag for flag, value in (("--db", args.db), ("--server-name", args.server_name))
+    """--db, --server-name (and run's --report-commits) need the store that --no-db turns
+    off: given together, refused."""
+    named = [flag for flag, value in (("--db", args.db), ("--server-name", args.server_name),
+                                      ("--report-commits",
+                                       getattr(args, "report_commits", None) or None))
              if value is not None]
     if args.no_db and named:
-        raise UserError(f"{' and '.join(named)} name{'s' if len(named) == 1 else ''} the store "
+        raise UserError(f"{' and '.join(named)} need{'s' if len(named) == 1 else ''} the store "
                         "that --no-db turns off; drop one or the other")
 
 
