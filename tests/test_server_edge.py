@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import logging
 import re
 import signal
 import socket
@@ -60,6 +61,10 @@ POISON = [
     (b'{"prompt": "hi", "max_tokens": 4.0}', "max_tokens"),
     (b'{"prompt": "hi", "ignore_eos": "yes"}', "ignore_eos"),
     (b'{"prompt": "hi", "stream_options": {"include_usage": 1}}', "stream_options"),
+    # vLLM's 400: options for a stream a plain reply would drop
+    (b'{"prompt": "hi", "stream_options": {"include_usage": true}}', "stream_options"),
+    (b'{"prompt": "hi", "stream": false, "stream_options": {"include_usage": false}}',
+     "stream_options"),
     (b'{"prompt": "hi", "n": 0}', "n"),
     (b'{"prompt": "hi", "best_of": 2}', "best_of"),
     (b'{"prompt": "hi", "suffix": "x"}', "suffix"),
@@ -343,3 +348,18 @@ def test_serve_says_where_it_listens_only_once_a_stop_is_graceful(
     serve_cli._serve_until_signalled(Server(), socket.socket(), "tokenflow serve: ...")
     assert at_banner[0] not in (before, signal.SIG_DFL)
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_unknown_fields_are_ignored_and_said_in_the_log_as_text(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from engine.serve.protocol import ChatBody, CompletionBody, parse_model
+
+    with caplog.at_level(logging.WARNING, logger="tokenflow.serve.fields"):
+        body = parse_model(CompletionBody, {"prompt": "hi", "user": "u", "\x1b[31mred": 1,
+                                            **{f"x{n}": n for n in range(9)}})
+        parse_model(ChatBody, {"messages": [{"role": "user", "content": "hi"}],
+                               "response_format": {"type": "text"}, "max_tokens": 2})
+    assert body.prompt == "hi"
+    (line,) = [r.getMessage() for r in caplog.records]  # the chat body knew every field
+    assert line.startswith('request fields ignored (not vLLM\'s API): "\\u001b[31mred", "user"')
+    assert line.endswith(" and 3 more") and "\x1b" not in line

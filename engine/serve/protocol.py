@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import re
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, TypeVar
@@ -17,7 +18,9 @@ from pydantic import (
     StrictFloat,
     StrictInt,
     StrictStr,
+    ValidationInfo,
     create_model,
+    field_validator,
 )
 from pydantic import ValidationError as PydanticValidationError
 from starlette.concurrency import run_in_threadpool
@@ -25,9 +28,17 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine.config import INT64_MAX, LIVE_FIELDS, EngineConfig
+from engine.serve.log_limit import RateLimitedLog
 
 JSON_TYPE = "application/json"
 M = TypeVar("M", bound=BaseModel)
+
+# Unknown request fields are ignored, as OpenAI's server and vLLM ignore them; vLLM says so in
+# its log, and so does this, at a bounded rate (the names are the client's).
+ignored_fields_log = logging.getLogger("tokenflow.serve.fields")
+RateLimitedLog.install(ignored_fields_log)
+IGNORED_NAMES_SHOWN = 8
+IGNORED_NAME_CHARS = 64
 
 
 class ApiError(Exception):
@@ -279,6 +290,17 @@ class SamplingFields(BaseModel):
     bad_words: Unused = None
     use_beam_search: Literal[None, False] = None
 
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_a_stream(cls, options: StreamOptions | None,
+                               info: ValidationInfo) -> StreamOptions | None:
+        """vLLM's 400: options for a stream that a reply without one would drop."""
+        given = options is not None and options.model_fields_set
+        if given and info.data.get("stream") is not True:
+            raise ValueError("stream options can only be defined when `stream=True`; set "
+                             "stream to true, or leave stream_options out")
+        return options
+
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
 
@@ -417,7 +439,7 @@ ConfigPatch = _live_field_model()
 
 def parse_model(model: type[M], data: Any, status: int = 400) -> M:
     try:
-        return model.model_validate(data)
+        parsed = model.model_validate(data)
     except PydanticValidationError as exc:
         error = exc.errors(include_url=False, include_input=False)[0]
         loc = error["loc"]
@@ -428,8 +450,25 @@ def parse_model(model: type[M], data: Any, status: int = 400) -> M:
             raise ApiError(status, f"'{name}' {HINTS[name]}", param=name) from None
         path = name + "".join(f"[{part}]" if isinstance(part, int) else f".{part}"
                               for part in loc[1:])
-        message = error["msg"][0].lower() + error["msg"][1:]
+        message = error["msg"].removeprefix("Value error, ")  # a validator's own words
+        message = message[0].lower() + message[1:]
         raise ApiError(status, f"'{path}': {message}", param=name) from None
+    if isinstance(parsed, SamplingFields):
+        _log_ignored(model, data)
+    return parsed
+
+
+def _log_ignored(model: type[BaseModel], data: dict[str, Any]) -> None:
+    """Say which of a request's fields `model` does not know, as vLLM's log does."""
+    known = {name for name, field in model.model_fields.items()
+             for name in (name, field.alias) if name is not None}
+    ignored = sorted(key for key in data if key not in known)
+    if ignored:
+        shown = ", ".join(json.dumps(name[:IGNORED_NAME_CHARS])
+                          for name in ignored[:IGNORED_NAMES_SHOWN])
+        more = len(ignored) - IGNORED_NAMES_SHOWN
+        ignored_fields_log.warning("request fields ignored (not vLLM's API): %s%s", shown,
+                                   f" and {more} more" if more > 0 else "")
 
 
 def json_response(data: Any, status: int = 200) -> Response:
