@@ -163,3 +163,27 @@ def test_text_prompts_round_trip_through_the_byte_tokenizer() -> None:
     ids = engine.tokenizer.encode("héllo")
     assert engine.tokenizer.decode(ids) == "héllo"
     assert engine.generate(["héllo"], SamplingParams(max_tokens=2, ignore_eos=True))
+
+
+def test_a_model_the_host_cannot_build_is_refused_before_torch_allocates_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engine.model import loader
+    from engine.model.config import preset
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       25165824 kB\nMemAvailable:   20000000 kB\n")
+    monkeypatch.setattr(loader, "MEMINFO", meminfo)
+    assert loader.available_host_bytes() == 20_000_000 * 1024
+    eight = preset("8b")
+    with pytest.raises(ModelLoadError, match=r"synthetic:8b needs about 32\.1 GB of memory to "
+                                             r"build \(8\.03B parameters.*has 20\.5 GB "
+                                             r"available; choose a smaller model"):
+        loader.check_host_memory("synthetic:8b", eight, loader.available_host_bytes())
+    loader.check_host_memory("synthetic:8b", eight, 33 * 10**9)  # room: nothing said
+    loader.check_host_memory("synthetic:8b", eight, None)  # no reading (not Linux): no check
+    monkeypatch.setattr(loader, "MEMINFO", tmp_path / "none")
+    assert loader.available_host_bytes() is None
+    meminfo.write_text("MemTotal:       25165824 kB\nMemAvailable:   10 kB\n")
+    monkeypatch.setattr(loader, "MEMINFO", meminfo)
+    with pytest.raises(ModelLoadError, match="synthetic:tiny needs"):
+        Engine(EngineConfig(model="synthetic:tiny"))

@@ -36,9 +36,16 @@ def model_config_for(name: str) -> ModelConfig:
     return from_hf_config(_model_dir(name) / "config.json")
 
 
+# A model is built in float32 and then cast: 4 bytes a parameter at the peak, whatever the dtype.
+BUILD_BYTES_PER_PARAM = 4
+MEMINFO = Path("/proc/meminfo")
+
+
 def load_model(name: str, device: torch.device, dtype: torch.dtype, max_positions: int,
                seed: int = 0) -> LoadedModel:
     config = model_config_for(name)
+    if device.type == "cpu":
+        check_host_memory(name, config, available_host_bytes())
     if name.startswith(SYNTHETIC_PREFIX):
         model = _build(config, max_positions, device, dtype)
         _init_random(model, seed)
@@ -46,6 +53,30 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype, max_position
     model = _build(config, max_positions, device, dtype)
     _load_safetensors(model, _model_dir(name), config)
     return LoadedModel(model, config, tokenizer_for(name, config))
+
+
+def check_host_memory(name: str, config: ModelConfig, available: int | None) -> None:
+    """ModelLoadError for a model this host cannot build: past its memory the kernel's OOM
+    killer ends the process without a word (synthetic:8b asks 32 GB of a 24 GiB host)."""
+    needed = config.num_params() * BUILD_BYTES_PER_PARAM
+    if available is not None and needed > available:
+        raise ModelLoadError(
+            f"{name} needs about {needed / 1e9:.1f} GB of memory to build "
+            f"({config.num_params() / 1e9:.2f}B parameters, built in float32) and this host "
+            f"has {available / 1e9:.1f} GB available; choose a smaller model, free memory, or "
+            "price it on the GPU twin (bench --simulate GPU)")
+
+
+def available_host_bytes() -> int | None:
+    """The kernel's estimate of memory available without swapping (Linux), or None."""
+    try:
+        lines = MEMINFO.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    return None
 
 
 def tokenizer_for(name: str, config: ModelConfig) -> Tokenizer:
