@@ -258,3 +258,23 @@ def test_a_tuning_flag_without_what_it_tunes_is_refused(
         assert said in capsys.readouterr().err
     assert main([*base, "--router", "session", "--replicas", "2", "--json", "--quiet"]) == 0
     assert json.loads(capsys.readouterr().out)["runs"]["chunked"]["finished"] == 2
+
+
+def test_a_simulated_run_refuses_the_flags_only_a_real_runner_reads(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from console.cli.console import build_parser, conflict
+
+    base = ["bench", "--simulate", "h100", "--model", "synthetic:8b", "--input-len", "10",
+            "--output-len", "2", "--num-prompts", "2", "--compare", "chunked", "--db",
+            str(tmp_path / "s.db")]
+    for extra, named in ((["--device", "cuda"], "--device configure"),
+                         (["--cpu-threads", "4", "--seed", "3"], "--seed, --cpu-threads "
+                                                                 "configure"),
+                         (["--no-compile"], "--[no-]compile configure"),
+                         (["--attention-backend", "paged", "--cpu-graphs"],
+                          "--attention-backend, --[no-]cpu-graphs configure")):
+        assert main([*base, *extra]) == 2
+        err = capsys.readouterr().err
+        assert named in err and "add --against-real" in err
+    assert "--device places the model's weights" in conflict(
+        build_parser().parse_args(["--simulate", "h100", "--device", "cuda"]))

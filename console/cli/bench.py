@@ -327,6 +327,12 @@ class _Simulation:
         return fleet.merged, report
 
 
+# Engine flags only a real model runner reads (weights, device, kernels, threads).
+_RUNNER_FLAGS = (("--device", "device"), ("--seed", "seed"),
+                 ("--attention-backend", "attention_backend"), ("--[no-]compile", "compile"),
+                 ("--cpu-threads", "cpu_threads"), ("--[no-]cpu-graphs", "cpu_graphs"))
+
+
 def _sim_target(args: argparse.Namespace, base: EngineConfig) -> SimTarget | None:
     if args.simulate is None:
         if (args.tp != 1 or args.against_real or args.replicas != 1
@@ -336,6 +342,11 @@ def _sim_target(args: argparse.Namespace, base: EngineConfig) -> SimTarget | Non
         return None
     if args.replicas < 1:
         raise UserError("--replicas must be at least 1")
+    runner = [flag for flag, dest in _RUNNER_FLAGS if getattr(args, dest, None) is not None]
+    if runner and not args.against_real:
+        raise UserError(f"{', '.join(runner)} configure the model runner, which a simulated "
+                        "run replaces with predicted step times; drop them, or add "
+                        "--against-real to run for real beside it")
     if not needs_store(args.simulate):
         return resolve_target(args.simulate, base, tp=args.tp, kv_cache_dtype=args.kv_cache_dtype,
                               gpu_profile=args.gpu_profile)

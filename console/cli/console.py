@@ -147,6 +147,9 @@ def conflict(args: argparse.Namespace) -> str | None:
         return "--tp and --sim-speed apply to a simulated engine; add --simulate"
     if not args.sim_speed > 0:
         return f"--sim-speed must be > 0, got {args.sim_speed}"
+    if args.simulate and args.device:
+        return ("--device places the model's weights, which --simulate does without (step "
+                "times predicted); drop --device")
     if args.speed is not None and not args.replay:
         return "--speed paces a recorded session; add --replay FILE"
     if chosen and engine_flags:
