@@ -584,3 +584,25 @@ def test_vllms_defaults_follow_the_gpu_and_the_entry_point(gpu: str, server: int
                                                                                   offline)
     assert served["max_num_seqs"] == batch["max_num_seqs"] == seqs
     assert served["gpu_memory_utilization"] == 0.9
+
+
+@pytest.mark.parametrize(("override", "said"), [
+    ({"bandwidth": -1}, "bandwidth must be a finite number > 0, got -1.0"),
+    ({"bandwidth": float("inf")}, "bandwidth must be a finite number > 0, got inf"),
+    ({"memory_bytes": 1.5}, "memory_bytes must be a whole number, got 1.5"),
+    ({"memory_bytes": True}, "memory_bytes must be a whole number, got true"),
+    ({"interconnect": {"bandwidth": -3}}, "interconnect.bandwidth must be a finite number > 0"),
+    ({"interconnect": 5}, "interconnect must be an object, got 5"),
+    ({"sources": [1]}, "sources must be an object, got [1]"),
+    ({"sources": {"a": 1}}, "sources.a must be a string, got 1"),
+    ({"flops": {"bfloat16": "1e15"}}, 'flops.bfloat16 must be a number, got "1e15"'),
+    ({"efficiency": {"step_s": "x"}}, "step_s must be a number, got 'x'"),
+    ({"efficiency": 3}, "efficiency must be an object, got 3"),
+])
+def test_a_gpu_profile_file_names_its_first_bad_field(override: dict[str, object], said: str,
+                                                      tmp_path: Path) -> None:
+    file = tmp_path / "p.json"
+    file.write_text(json.dumps(override))
+    with pytest.raises(ConfigError) as raised:
+        resolve_target("h100", EngineConfig(model="synthetic:8b"), gpu_profile=file)
+    assert said in str(raised.value) and "Traceback" not in str(raised.value)

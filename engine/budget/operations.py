@@ -89,7 +89,12 @@ class OperationEfficiency:
         if unknown:
             raise ConfigError("efficiency", f"unknown field(s) {', '.join(sorted(unknown))}; "
                               f"known: {', '.join(sorted(known))}")
-        return cls(**{k: float(v) for k, v in data.items()})
+        numbers = {k: v for k, v in data.items()
+                   if isinstance(v, int | float) and not isinstance(v, bool)}
+        if bad := sorted(set(data) - set(numbers)):
+            raise ConfigError("efficiency", f"{bad[0]} must be a number, got "
+                              f"{data[bad[0]]!r:.40}")
+        return cls(**{k: float(v) for k, v in numbers.items()})
 
 
 Bounds = dict[str, tuple[float, float]]

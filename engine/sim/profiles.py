@@ -190,21 +190,52 @@ class GpuProfile:
 
 
 def profile_from_dict(data: dict[str, Any]) -> GpuProfile:
-    try:
-        link = data["interconnect"]
-        return GpuProfile(
-            key=str(data["key"]), name=str(data["name"]),
-            memory_bytes=int(data["memory_bytes"]), bandwidth=float(data["bandwidth"]),
-            flops={k: float(v) for k, v in data["flops"].items()},
-            interconnect=Interconnect(str(link["name"]), float(link["bandwidth"]),
-                                      str(link.get("source", ""))),
-            sources={k: str(v) for k, v in data.get("sources", {}).items()},
-            efficiency=OperationEfficiency.from_dict(data.get("efficiency", {})),
-            efficiency_source=str(data.get("efficiency_source", "given")))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ConfigError("gpu profile", f"a profile needs key, name, memory_bytes, bandwidth, "
-                          f"flops (per precision) and interconnect (name, bandwidth): {exc}"
-                          ) from None
+    """A profile from its JSON form; ConfigError names the first field that cannot be one."""
+    link = _field(data, "interconnect", dict)
+    return GpuProfile(
+        key=_field(data, "key", str), name=_field(data, "name", str),
+        memory_bytes=_field(data, "memory_bytes", int),
+        bandwidth=_positive(data, "bandwidth"),
+        flops={k: _positive(_field(data, "flops", dict), k, "flops.")
+               for k in _field(data, "flops", dict)},
+        interconnect=Interconnect(_field(link, "name", str, "interconnect."),
+                                  _positive(link, "bandwidth", "interconnect."),
+                                  _field(link, "source", str, "interconnect.", "")),
+        sources={k: _field(_field(data, "sources", dict, default={}), k, str, "sources.")
+                 for k in _field(data, "sources", dict, default={})},
+        efficiency=OperationEfficiency.from_dict(_field(data, "efficiency", dict, default={})),
+        efficiency_source=_field(data, "efficiency_source", str, default="given"))
+
+
+_MISSING = object()
+
+
+def _field(data: dict[str, Any], name: str, kind: type, where: str = "",
+           default: Any = _MISSING) -> Any:
+    """data[name] if it is a `kind` (an int is a whole number, never a bool)."""
+    if name not in data:
+        if default is _MISSING:
+            raise ConfigError("gpu profile", f"{where}{name} is missing; a profile needs key, "
+                              "name, memory_bytes, bandwidth, flops (per precision) and "
+                              "interconnect (name, bandwidth)")
+        return default
+    value = data[name]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if not isinstance(value, kind) or isinstance(value, bool):
+        article = {int: "a whole number", float: "a number", str: "a string",
+                   dict: "an object"}[kind]
+        raise ConfigError("gpu profile", f"{where}{name} must be {article}, got "
+                          f"{json.dumps(value)[:40]}")
+    return value
+
+
+def _positive(data: dict[str, Any], name: str, where: str = "") -> float:
+    value = _field(data, name, float, where)
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError("gpu profile", f"{where}{name} must be a finite number > 0, got "
+                          f"{value}")
+    return value
 
 
 def _profile(key: str, name: str, memory_bytes: int, fp8: float | None, int8: float | None,
