@@ -57,3 +57,5 @@ async def test_simulate_the_traffic_the_fleet_served_on_a_gpu(tmp_path: Path) ->
         requests = len(served())
         assert f"SIMULATED on h200 at a token budget of 2048: {requests} requests" in shown, shown
         assert all(figure in shown for figure in ("TTFT p50", "p99", "TPOT p50", "output tok/s"))
+        # how far to trust it, as bench --simulate prints it
+        assert "trust: nearest published case" in shown or "trust: far from every" in shown

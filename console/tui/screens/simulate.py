@@ -40,6 +40,10 @@ class TrafficSimulated(Message):
 
 
 def result_lines(gpu: str, budget: int, report: dict[str, Any]) -> str:
+    """The run's figures, and how far to trust them (the published case nearest it), as
+    `bench --simulate` prints them."""
+    from engine.sim.trust import Trust  # loaded with the run that needs it
+
     def ms(value: float | None) -> str:
         return "-" if value is None else f"{value:.1f} ms"
 
@@ -47,7 +51,8 @@ def result_lines(gpu: str, budget: int, report: dict[str, Any]) -> str:
             f"TTFT p50 {ms(report['ttft_ms']['p50'])}   p99 {ms(report['ttft_ms']['p99'])}\n"
             f"TPOT p50 {ms(report['tpot_ms']['p50'])}   p99 {ms(report['tpot_ms']['p99'])}\n"
             f"throughput {report['output_tok_s']:.0f} output tok/s "
-            f"({report['throughput_tok_s']:.0f} tok/s in all)")
+            f"({report['throughput_tok_s']:.0f} tok/s in all)\n"
+            f"trust: {Trust.from_dict(report['trust']).line()}")
 
 
 class SimulateTraffic(ModalScreen[None]):
