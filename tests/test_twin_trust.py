@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from engine.model.config import PRESETS, ModelConfig
 from engine.sim.published import PUBLISHED_CASES
 from engine.sim.trust import FAR, RunShape, trust
@@ -91,3 +93,26 @@ def test_runs_on_the_h200_and_the_l40s_find_their_own_gpus_rows_in_the_shipped_t
     assert h200.nearest[0].id == "trt-h200-70b-fp8-static-512x128x128" and not h200.far
     # its band carries the round's error: the twin ran that row 21% fast
     assert h200.band >= abs(stored[h200.nearest[0].id]["twin_error"]) > 0.2
+
+
+def test_a_run_on_a_users_profile_is_placed_but_gets_no_band(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from console.cli.main import main
+    from engine.sim.trust import Trust
+
+    run = RunShape("h100", "bfloat16", 6.98e9, 1, 60.0, 1100, 180)
+    judged = trust(run, _cases(tmp_path), no_band="mine.json changes the h100 profile")
+    assert judged.band is None and not judged.far and judged.nearest[0].id == "near"
+    assert "no band: mine.json changes" in judged.line()
+    assert Trust.from_dict(judged.to_dict()) == judged
+    args = ["bench", "--simulate", "h100", "--model", "synthetic:8b", "--workload", "conv",
+            "--num-requests", "30", "--compare", "chunked", "--json", "--quiet", "--db",
+            str(tmp_path / "s.db"), "--gpu-profile"]  # near published cases: a band
+    for profile, banded in (({"efficiency": {"step_s": 0.01}}, False),
+                            ({"sources": {"flops": "my own reading"}}, True)):
+        file = tmp_path / "p.json"
+        file.write_text(json.dumps(profile))
+        assert main([*args, str(file)]) == 0
+        shown = json.loads(capsys.readouterr().out)["runs"]["chunked"]["trust"]
+        assert (shown["band"] is not None) is banded, shown
+        assert (shown["no_band"] is None) is banded

@@ -195,9 +195,19 @@ def resolve_target(spec: str, config: EngineConfig, *, tp: int = 1,
 def _gpu_roofline(spec: str, config: EngineConfig, tp: int, kv_dtype: str,
                   profile_file: Path | None) -> SimTarget:
     dtype = GPU_DTYPE if config.dtype == "auto" else config.dtype
-    deployment = Deployment(model_config_for(config.model), profile(spec, profile_file), tp,
-                            dtype, kv_dtype)
-    return deployment_target(deployment, config, spec)
+    gpu = profile(spec, profile_file)
+    deployment = Deployment(model_config_for(config.model), gpu, tp, dtype, kv_dtype)
+    target = deployment_target(deployment, config, spec)
+    if profile_file is not None and _priced(gpu) != _priced(profile(spec)):
+        target.details["own_profile"] = str(profile_file)
+    return target
+
+
+def _priced(gpu: GpuProfile) -> dict[str, Any]:
+    """What of a profile sets a step's price (not its name or its sources' words)."""
+    data = gpu.to_dict()
+    return {k: data[k] for k in ("memory_bytes", "bandwidth", "flops", "efficiency")} | {
+        "link": data["interconnect"]["bandwidth"]}
 
 
 def deployment_target(deployment: Deployment, config: EngineConfig, spec: str) -> SimTarget:

@@ -61,26 +61,33 @@ class Trust:
     """The nearest published cases of a run and the band their errors give."""
 
     nearest: tuple[NearCase, ...]
-    # the largest |error| among the nearest, at least the held-out median; None when far
+    # the largest |error| among the nearest, at least the held-out median; None when far or
+    # when the cases' errors do not speak for this run
     band: float | None
+    # why the cases' errors do not speak for a run near them (it priced with other factors)
+    no_band: str | None = None
 
     @property
     def far(self) -> bool:
-        return self.band is None
+        return self.band is None and self.no_band is None
 
     def to_dict(self) -> dict[str, Any]:
         return {"nearest": [asdict(n) for n in self.nearest], "band": self.band,
-                "far": self.far, "far_distance": FAR}
+                "far": self.far, "far_distance": FAR, "no_band": self.no_band}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trust:
-        return cls(tuple(NearCase(**n) for n in data["nearest"]), data["band"])
+        return cls(tuple(NearCase(**n) for n in data["nearest"]), data["band"],
+                   data.get("no_band"))
 
     def line(self) -> str:
         if not self.nearest:
             return "no published case priced: no band, do not trust its absolute figures"
         first = self.nearest[0]
         where = f"{first.id} ({first.source}, distance {first.distance:.2f})"
+        if self.no_band is not None:
+            return (f"nearest published case {where}: the shipped profile's twin "
+                    f"{first.error:+.0%} there; no band: {self.no_band}")
         if self.far:
             return (f"far from every published case (nearest {where}, twin {first.error:+.0%} "
                     "there): no band, do not trust its absolute figures")
@@ -109,7 +116,9 @@ def case_shapes(path: Path = PUBLISHED_CASES) -> list[tuple[RunShape, dict[str, 
     return shapes
 
 
-def trust(run: RunShape, path: Path = PUBLISHED_CASES) -> Trust:
+def trust(run: RunShape, path: Path = PUBLISHED_CASES, no_band: str | None = None) -> Trust:
+    """The cases nearest `run` and their band; `no_band` says why there is none for a run
+    priced on other factors than the ones the cases' errors were measured with."""
     shapes = case_shapes(path)
     held = sorted(abs(c["twin_error"]) for _, c in shapes if c.get("held_back"))
     floor = held[len(held) // 2] if held else 0.0
@@ -117,6 +126,8 @@ def trust(run: RunShape, path: Path = PUBLISHED_CASES) -> Trust:
                     key=lambda pair: pair[0])[:NEAREST]
     nearest = tuple(NearCase(c["id"], c["source"], c["conditions"], round(d, 3),
                              c["twin_error"]) for d, c in ranked)
+    if no_band is not None:
+        return Trust(nearest, None, no_band)
     band = (None if not ranked or ranked[0][0] > FAR
             else max(floor, *(abs(n.error) for n in nearest)))
     return Trust(nearest, band)
