@@ -131,9 +131,10 @@ class Snapshot:
     kv_bytes_total: float = 0.0
     bandwidth_bytes_per_s: float | None = None
     bandwidth_note: str = ""
-    prefix_cache_hit_rate: float | None = None
     score_estimate: str = ""
     score_note: str = ""
+    # a simulated engine's figures against the published GPU cases nearest its traffic
+    twin_trust: str = ""
 
     @property
     def arrived(self) -> int:

@@ -116,3 +116,37 @@ def test_a_run_on_a_users_profile_is_placed_but_gets_no_band(
         shown = json.loads(capsys.readouterr().out)["runs"]["chunked"]["trust"]
         assert (shown["band"] is not None) is banded, shown
         assert (shown["no_band"] is None) is banded
+
+
+def test_a_live_twin_places_the_traffic_it_has_served_so_far(tmp_path: Path) -> None:
+    from engine.config import EngineConfig
+    from engine.events import RequestAdded, StepComplete
+    from engine.sim.live_trust import LiveTrust
+    from engine.sim.target import resolve_target
+    from engine.sim.trust import PublishedCases, shape
+
+    cases = PublishedCases(_cases(tmp_path))
+    target = resolve_target("h100", EngineConfig(model="synthetic:8b"))
+    model = PRESETS["8b"]
+    live = LiveTrust(target, model, cases)
+    assert live.line() == ""  # nothing served: nothing to place
+
+    def step(decoding: int, seconds: float) -> StepComplete:
+        return StepComplete.of(step=0, prefill_tokens=0, decode_seqs=decoding,
+                               duration_s=seconds, predicted_s=seconds, mode="NORMAL",
+                               flops=0.0, bytes_moved=0.0, ts=0.0)
+
+    for prompt, out in ((900, 150), (1300, 250)):
+        live.observe(RequestAdded(request_id=f"r{prompt}", prompt_token_ids=(5,) * prompt,
+                                  sampling={"max_tokens": out}, tenant="t"))
+    for event in (step(50, 0.03), step(80, 0.01), step(7, 0.0)):  # an idle step weighs nothing
+        live.observe(event)
+    # 57.5 decoding by time, the requests' means: as bench's run_shape places a run
+    expected = cases.trust(shape("h100", target.dtype, model, 1, 57.5, 1100, 200))
+    assert live.line() == expected.brief()
+    assert live.line().startswith("band ±40% · nearest near: twin -8%")
+    far = LiveTrust(resolve_target("b200", EngineConfig(model="synthetic:8b"), tp=8), model,
+                    cases)
+    far.observe(RequestAdded(request_id="x", prompt_token_ids=(5,) * 10,
+                             sampling={"max_tokens": 2}, tenant="t"))
+    assert far.line().startswith("far from every published case") and "no band" in far.line()

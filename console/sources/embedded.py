@@ -42,6 +42,7 @@ from engine.events import CalibrationProgress, ConfigChanged, Event
 from engine.serve.loop import EngineLoop
 from engine.serve.session import EngineSession
 from engine.sim.executor import Simulation
+from engine.sim.live_trust import LiveTrust
 from engine.snapshot import Snapshot
 from engine.store import (
     CalibrationRecord,
@@ -100,6 +101,8 @@ class EmbeddedSource:
         # why the first calibration failed, until a recalibration succeeds: the engine serves
         # on uncalibrated, and the snapshot says so rather than "calibrating" for ever
         self.calibration_failure: str | None = None
+        # a named GPU's twin: how far its figures may be trusted (None for a real engine)
+        self.trust: LiveTrust | None = None
 
     @classmethod
     def start(cls, *, model: str | None = None, device: str | None = None,
@@ -156,6 +159,10 @@ class EmbeddedSource:
             source.quarantined = quarantined
             if simulate is not None:
                 source.name = f"SIMULATED {source.name} (x{simulate.speed:g})"
+                target = engine.runner.target
+                if target.calibration is None:  # a calibrated twin is judged by real runs
+                    source.trust = LiveTrust(target, engine.model_config)
+                    engine.bus.subscribe(source.trust.observe)
             calibration = session.calibration
             source.monitor = DriftMonitor(
                 engine, loop.call, on_result=source._store_result,
@@ -235,7 +242,8 @@ class EmbeddedSource:
             snapshot = dataclasses.replace(
                 snapshot, calibration_reused=f"reused: {reused.provenance_words()}")
         return dataclasses.replace(snapshot, paused=self.loop.paused,
-                                   workload_rate=self.loop.arrival_rate)
+                                   workload_rate=self.loop.arrival_rate,
+                                   twin_trust="" if self.trust is None else self.trust.line())
 
     def set_arrival_rate(self, rate: float) -> float:
         """Play the traffic at `rate` requests/s; stored as a change like any setting's, so

@@ -96,6 +96,18 @@ class Trust:
                 "at least the held-out cases' median)")
 
 
+    def brief(self) -> str:
+        """`line()` for a pane's one line: the band first, the nearest case after."""
+        if not self.nearest:
+            return "no published case priced: no band"
+        first = self.nearest[0]
+        if self.no_band is not None:
+            return f"no band: {self.no_band}"
+        if self.far:
+            return f"far from every published case (nearest {first.id}): no band"
+        return f"band ±{self.band:.0%} · nearest {first.id}: twin {first.error:+.0%}"
+
+
 def _precision(dtype: str) -> str:
     return "16-bit" if dtype in ("bfloat16", "float16", "float32") else dtype
 
@@ -116,21 +128,39 @@ def case_shapes(path: Path = PUBLISHED_CASES) -> list[tuple[RunShape, dict[str, 
     return shapes
 
 
+class PublishedCases:
+    """The published cases with a stored error, read once and asked for any number of runs
+    (a live simulated engine asks at every snapshot)."""
+
+    def __init__(self, path: Path = PUBLISHED_CASES) -> None:
+        self.shapes = case_shapes(path)
+        held = sorted(abs(c["twin_error"]) for _, c in self.shapes if c.get("held_back"))
+        self.floor = held[len(held) // 2] if held else 0.0
+
+    def trust(self, run: RunShape, no_band: str | None = None) -> Trust:
+        """The cases nearest `run` and their band; `no_band` says why there is none for a
+        run priced on other factors than the ones the cases' errors were measured with."""
+        ranked = sorted(((run.distance(shape), c) for shape, c in self.shapes),
+                        key=lambda pair: pair[0])[:NEAREST]
+        nearest = tuple(NearCase(c["id"], c["source"], c["conditions"], round(d, 3),
+                                 c["twin_error"]) for d, c in ranked)
+        if no_band is not None:
+            return Trust(nearest, None, no_band)
+        band = (None if not ranked or ranked[0][0] > FAR
+                else max(self.floor, *(abs(n.error) for n in nearest)))
+        return Trust(nearest, band)
+
+
 def trust(run: RunShape, path: Path = PUBLISHED_CASES, no_band: str | None = None) -> Trust:
-    """The cases nearest `run` and their band; `no_band` says why there is none for a run
-    priced on other factors than the ones the cases' errors were measured with."""
-    shapes = case_shapes(path)
-    held = sorted(abs(c["twin_error"]) for _, c in shapes if c.get("held_back"))
-    floor = held[len(held) // 2] if held else 0.0
-    ranked = sorted(((run.distance(shape), c) for shape, c in shapes),
-                    key=lambda pair: pair[0])[:NEAREST]
-    nearest = tuple(NearCase(c["id"], c["source"], c["conditions"], round(d, 3),
-                             c["twin_error"]) for d, c in ranked)
-    if no_band is not None:
-        return Trust(nearest, None, no_band)
-    band = (None if not ranked or ranked[0][0] > FAR
-            else max(floor, *(abs(n.error) for n in nearest)))
-    return Trust(nearest, band)
+    """One run's trust (PublishedCases.trust), the cases read for it."""
+    return PublishedCases(path).trust(run, no_band)
+
+
+def shape(gpu: str, dtype: str, model: ModelConfig, tp: int, batch: float, prompt: float,
+          output: float) -> RunShape:
+    """A simulated run's shape from its mean batch and mean lengths (at least 1 each)."""
+    return RunShape(gpu.lower(), dtype, model.num_params(include_embeddings=False), tp,
+                    max(batch, 1.0), max(prompt, 1.0), max(output, 1.0))
 
 
 def run_shape(gpu: str, dtype: str, model: ModelConfig, tp: int, result: RunResult,
@@ -140,7 +170,6 @@ def run_shape(gpu: str, dtype: str, model: ModelConfig, tp: int, result: RunResu
     total = sum(s.duration_s for s in steps)
     batch = (sum(s.decode_seqs * s.duration_s for s in steps) / total) if total else 1.0
     n = max(len(workload), 1)
-    return RunShape(gpu.lower(), dtype, model.num_params(include_embeddings=False), tp,
-                    max(batch, 1.0),
-                    max(sum(len(w.prompt_token_ids) for w in workload) / n, 1.0),
-                    max(sum(w.max_tokens for w in workload) / n, 1.0))
+    return shape(gpu, dtype, model, tp, batch,
+                 sum(len(w.prompt_token_ids) for w in workload) / n,
+                 sum(w.max_tokens for w in workload) / n)

@@ -320,6 +320,23 @@ async def test_a_busy_host_is_marked_in_the_header_and_the_bandwidth_pane_says_w
                              "others 40% SM: [bold]x[/bold][4242] 40% SM 2.0 GiB")
 
 
+async def test_a_twins_bandwidth_pane_says_how_far_its_figures_go() -> None:
+    class Pane(App[None]):
+        def compose(self) -> ComposeResult:
+            yield Bandwidth()
+
+    twin = Snapshot(config={"max_num_batched_tokens": 64}, bandwidth_util_5s=0.4,
+                    twin_trust="band ±17% · nearest lambda-h100-x: twin +13%")
+    async with Pane().run_test(size=(120, 20)) as pilot:
+        pane = pilot.app.query_one(Bandwidth)
+        pane.update_from(twin, MetricHistory())
+        line = str(pane.query_one("#bandwidth-line", Static).render())
+        assert line.endswith("twin: band ±17% · nearest lambda-h100-x: twin +13%")
+        assert "host" not in line  # the host running a twin is not the GPU it simulates
+        pane.update_from(dataclasses.replace(twin, twin_trust=""), MetricHistory())
+        assert "twin:" not in str(pane.query_one("#bandwidth-line", Static).render())
+
+
 async def test_a_short_legend_keeps_the_marks_before_a_line_labelled_on_the_chart() -> None:
     plot = Plot(unit=ms)
     plot.show((TTFT,), lines=(Line(150.0, "SLO 150 ms", "red"),), marks=(60.0,))

@@ -187,3 +187,23 @@ def test_a_failed_first_calibration_is_said_until_a_recalibration_succeeds(
         assert source.snapshot().calibration == "calibrated"
     finally:
         source.close()
+
+
+def test_a_simulated_console_engine_says_how_far_to_trust_its_figures(tmp_path: Path) -> None:
+    from engine.sim.executor import Simulation
+
+    source = EmbeddedSource.start(model="synthetic:8b", workload="chat", db=tmp_path / "t.db",
+                                  num_requests=4, rate=float("inf"), repeat=False,
+                                  simulate=Simulation("h100", speed=1000.0))
+    try:
+        assert source.trust is not None
+        deadline = time.monotonic() + 60  # a hang guard: the loop steps the twin's requests
+        while source.snapshot().requests_finished_total < 4:
+            assert source.loop.error is None, f"the engine loop died: {source.loop.error!r}"
+            assert time.monotonic() < deadline, "the requests did not finish"
+            source.loop.call(lambda engine: None).result(timeout=60)
+        shown = source.snapshot().twin_trust
+    finally:
+        source.close()
+    assert shown == source.trust.line() and shown
+    assert shown.startswith(("band ±", "far from every published case"))

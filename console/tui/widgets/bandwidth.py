@@ -1,5 +1,6 @@
 """The "Bandwidth" pane: the 5-second average, where it comes from, the throttle, who else
-uses the host (as htop and nvitop show it), a history."""
+uses the host (as htop and nvitop show it), a history; for a GPU's twin, how far its figures
+go (the published cases nearest its traffic)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ class Bandwidth(Vertical):
         if snapshot.host_measured:
             line.append("\n")
             line.append_text(host_text(snapshot))
+        if snapshot.twin_trust:  # a twin: how far its figures go (the host is not the GPU)
+            line.append(f"\ntwin: {snapshot.twin_trust}", style="dim")
         update_changed(self.query_one("#bandwidth-line", Static), line)
         lines = (Line(throttle, f"throttle {throttle:.0%}"),
                  Line(pause, f"pause {pause:.0%}", "red")) if throttles else ()
