@@ -363,3 +363,23 @@ def test_unknown_fields_are_ignored_and_said_in_the_log_as_text(
     (line,) = [r.getMessage() for r in caplog.records]  # the chat body knew every field
     assert line.startswith('request fields ignored (not vLLM\'s API): "\\u001b[31mred", "user"')
     assert line.endswith(" and 3 more") and "\x1b" not in line
+
+
+def test_a_chat_part_that_is_not_text_is_named_with_the_fix() -> None:
+    from engine.serve.protocol import ApiError, ChatBody, parse_model
+
+    def refused(content: object) -> str:
+        with pytest.raises(ApiError) as raised:
+            parse_model(ChatBody, {"messages": [{"role": "user", "content": content}]})
+        assert raised.value.param == "messages"
+        return raised.value.message
+
+    image = refused([{"type": "image_url", "image_url": {"url": "https://x/y.png"}}])
+    assert image.startswith("'messages[0].content': part 0 is of type \"image_url\": this "
+                            "server reads text parts")
+    assert "need a multimodal model" in image and "valid string" not in image
+    assert "part 1 is of type null" in refused([{"type": "text", "text": "a"}, 5])
+    assert "part 0 is of type \"input_audio\"" in refused([{"type": "input_audio"}])
+    body = parse_model(ChatBody, {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+    assert body.messages[0].text() == "ab"

@@ -349,6 +349,20 @@ class ChatMessage(BaseModel):
     tool_calls: list[ToolCallIn] | None = None
     tool_call_id: StrictStr | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """A part that is not text is named, not reported as "input should be a string"."""
+        if isinstance(content, list):
+            for index, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(
+                        f"part {index} is of type {json.dumps(kind)[:40]}: this server reads "
+                        "text parts ({\"type\": \"text\", \"text\": ...}) only; images, audio "
+                        "and files need a multimodal model")
+        return content
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
