@@ -383,3 +383,22 @@ def test_a_chat_part_that_is_not_text_is_named_with_the_fix() -> None:
     body = parse_model(ChatBody, {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
     assert body.messages[0].text() == "ab"
+
+
+def test_a_field_of_several_types_says_them_all_at_its_own_path() -> None:
+    from engine.serve.protocol import ApiError, ChatBody, CompletionBody, parse_model
+
+    def said(model: type, body: dict[str, object]) -> str:
+        with pytest.raises(ApiError) as raised:
+            parse_model(model, body)
+        return raised.value.message
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert said(ChatBody, {**chat, "guided_json": 5}) == (
+        "'guided_json': input should be a valid string or a valid dictionary")
+    assert said(ChatBody, {"messages": [{"role": "user", "content": 5}]}) == (
+        "'messages[0].content': input should be a valid string or a valid list")
+    assert said(CompletionBody, {"prompt": "a", "structured_outputs": {"json": 5}}) == (
+        "'structured_outputs.json': input should be a valid string or a valid dictionary")
+    assert said(CompletionBody, {"prompt": "a", "max_tokens": "x"}) == (
+        "'max_tokens': input should be a valid integer")  # one type: said once

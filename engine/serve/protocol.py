@@ -455,21 +455,41 @@ def parse_model(model: type[M], data: Any, status: int = 400) -> M:
     try:
         parsed = model.model_validate(data)
     except PydanticValidationError as exc:
-        error = exc.errors(include_url=False, include_input=False)[0]
+        errors = exc.errors(include_url=False, include_input=False)
+        error = errors[0]
         loc = error["loc"]
         if not loc:
             raise ApiError(status, f"the body must be a JSON object ({error['msg']})") from None
         name = str(loc[0])
         if name in HINTS:
             raise ApiError(status, f"'{name}' {HINTS[name]}", param=name) from None
-        path = name + "".join(f"[{part}]" if isinstance(part, int) else f".{part}"
-                              for part in loc[1:])
-        message = error["msg"].removeprefix("Value error, ")  # a validator's own words
-        message = message[0].lower() + message[1:]
-        raise ApiError(status, f"'{path}': {message}", param=name) from None
+        where = _field_path(loc)
+        # a union's branches fail together, each under its type's tag ('guided_json.str'):
+        # say what the field may be, once, at the field's own path
+        messages = list(dict.fromkeys(_said(e["msg"]) for e in errors
+                                      if _field_path(e["loc"]) == where))
+        said = " or ".join([messages[0], *(m.removeprefix("input should be ")
+                                           for m in messages[1:])])
+        raise ApiError(status, f"'{where}': {said}", param=name) from None
     if isinstance(parsed, SamplingFields):
         _log_ignored(model, data)
     return parsed
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|bytes)$|[\[\]]|^[A-Z]")
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    """An error's path as the body writes it (`messages[0].content`), without the tags a
+    union's branches add (`str`, `list[TextPart]`, `StructuredOutputs`)."""
+    parts = [part for part in loc[1:] if isinstance(part, int) or not _TYPE_TAG.search(part)]
+    return str(loc[0]) + "".join(f"[{part}]" if isinstance(part, int) else f".{part}"
+                                 for part in parts)
+
+
+def _said(message: str) -> str:
+    message = message.removeprefix("Value error, ")  # a validator's own words
+    return message[0].lower() + message[1:]
 
 
 def _log_ignored(model: type[BaseModel], data: dict[str, Any]) -> None:
