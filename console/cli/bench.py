@@ -321,12 +321,9 @@ class _Simulation:
             del report["router"]
         if self.target.calibration is None:  # a named GPU: judged by the published cases
             target = self.target
-            own = target.details.get("own_profile")
             report["trust"] = trust(run_shape(
                 target.spec, target.dtype, probe.model_config, target.details.get("tp", 1),
-                fleet.merged, workload), no_band=None if own is None else (
-                    f"{own} changes the {target.spec} profile the cases' errors were measured "
-                    "with")).to_dict()
+                fleet.merged, workload), no_band=target.no_band).to_dict()
         return fleet.merged, report
 
 

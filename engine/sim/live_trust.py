@@ -24,9 +24,6 @@ class LiveTrust:
         self.target = target
         self.model = model
         self.cases = cases or PublishedCases()
-        own = target.details.get("own_profile")
-        self.no_band = (None if own is None else f"{own} changes the {target.spec} profile "
-                        "the cases' errors were measured with")
         self.decoding_s = 0.0  # sequences decoding x seconds, summed over steps
         self.busy_s = 0.0
         self.requests = 0
@@ -51,4 +48,4 @@ class LiveTrust:
         batch = self.decoding_s / self.busy_s if self.busy_s else 1.0
         run = shape(target.spec, target.dtype, self.model, target.details.get("tp", 1), batch,
                     self.prompt_tokens / self.requests, self.output_tokens / self.requests)
-        return self.cases.trust(run, self.no_band).brief()
+        return self.cases.trust(run, target.no_band).brief()

@@ -77,6 +77,14 @@ class SimTarget:
     def predictor(self) -> str:
         return "roofline" if self.calibration is None else "calibrated"
 
+    @property
+    def no_band(self) -> str | None:
+        """Why the published cases' errors do not bound this twin: the user's profile file
+        changed what the shipped profile priced them with (None: it did not)."""
+        own = self.details.get("own_profile")
+        return (None if own is None else
+                f"{own} changes the {self.spec} profile the cases' errors were measured with")
+
     def describe(self) -> dict[str, Any]:
         return {"spec": self.spec, "device": self.device, "predictor": self.predictor,
                 "source": self.source, "peak_flops": self.peaks.flops,
