@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import re
@@ -492,10 +493,16 @@ def _said(message: str) -> str:
     return message[0].lower() + message[1:]
 
 
+@functools.cache
+def _known_fields(model: type[BaseModel]) -> frozenset[str]:
+    """The names a body of `model` may use: its fields and their aliases."""
+    return frozenset(name for field_name, field in model.model_fields.items()
+                     for name in (field_name, field.alias) if name is not None)
+
+
 def _log_ignored(model: type[BaseModel], data: dict[str, Any]) -> None:
     """Say which of a request's fields `model` does not know, as vLLM's log does."""
-    known = {name for name, field in model.model_fields.items()
-             for name in (name, field.alias) if name is not None}
+    known = _known_fields(model)
     ignored = sorted(key for key in data if key not in known)
     if ignored:
         shown = ", ".join(json.dumps(name[:IGNORED_NAME_CHARS])
