@@ -219,6 +219,8 @@ def test_flags_with_nothing_to_shape_name_themselves_and_rate_paces_a_requests_f
     code, err, _ = _bench_requests(capsys, tmp_path, "--workload", f"traced:{tmp_path}/t.db",
                                    "--length-scale", "2")
     assert code == 2 and "--length-scale does not apply to traced:DB" in err
+    code, err, _ = _bench_requests(capsys, tmp_path, "--workload", "nope")
+    assert code == 2 and err.rstrip().endswith("code, trace:PATH, traced:DB")  # every door's
 
 
 def test_run_refuses_a_requests_files_idle_flags_before_the_model_loads(

@@ -19,7 +19,7 @@ def named_workload(spec: str, engine: EngineCore, *, num_requests: int | None = 
                    time_scale: float = 1.0) -> list[WorkloadRequest]:
     """The requests `--workload SPEC` names for `engine`, as `run`, `bench` and the
     console's embedded engine take it: a profile, a trace, or traced:DB."""
-    from engine.harness.workload import build_workload, default_length_scale
+    from engine.harness.workload import UnknownWorkload, build_workload, default_length_scale
 
     if spec.startswith(TRACED):  # what an attached fleet served, from the store
         from engine.harness.traced_workload import traced_requests
@@ -35,7 +35,10 @@ def named_workload(spec: str, engine: EngineCore, *, num_requests: int | None = 
                                num_requests=num_requests, time_scale=time_scale)
     scale = default_length_scale(engine.runner.device.type) if length_scale is None \
         else length_scale
-    return build_workload(spec, vocab_size=engine.model_config.vocab_size,
-                          max_model_len=engine.max_model_len, num_requests=num_requests,
-                          rate=rate, seed=seed, length_scale=scale, time_scale=time_scale,
-                          encode=engine.tokenizer.encode)
+    try:
+        return build_workload(spec, vocab_size=engine.model_config.vocab_size,
+                              max_model_len=engine.max_model_len, num_requests=num_requests,
+                              rate=rate, seed=seed, length_scale=scale, time_scale=time_scale,
+                              encode=engine.tokenizer.encode)
+    except UnknownWorkload as exc:  # this door also takes what a traced fleet served
+        raise UserError(str(UnknownWorkload(exc.spec, [*exc.choices, f"{TRACED}DB"]))) from None

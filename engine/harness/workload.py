@@ -44,6 +44,15 @@ class WorkloadError(EngineError):
     """A workload spec or request file cannot be used (trace files raise TraceError)."""
 
 
+class UnknownWorkload(WorkloadError):
+    """A spec that names no workload; `choices` are the ones build_workload knows."""
+
+    def __init__(self, spec: str, choices: list[str]) -> None:
+        super().__init__(f"unknown workload {spec!r}; choose one of {', '.join(choices)}")
+        self.spec = spec
+        self.choices = choices
+
+
 @dataclass(frozen=True)
 class WorkloadRequest:
     request_id: str
@@ -156,9 +165,8 @@ def build_workload(
         drafts = _trace_drafts(rows, num_requests or TRACE_DEFAULT_REQUESTS, rate, sample, label,
                                rng)
     else:
-        choices = ", ".join([*PROFILES, "multiturn", "conversations:PATH", *SHIPPED_TRACES,
-                             "trace:PATH"])
-        raise WorkloadError(f"unknown workload {spec!r}; choose one of {choices}")
+        raise UnknownWorkload(spec, [*PROFILES, "multiturn", "conversations:PATH",
+                                     *SHIPPED_TRACES, "trace:PATH"])
     lengths = [_lengths(draft, length_scale, max_model_len) for draft in drafts]
     # every prompt's ids in one draw, as one rng.choices call a prompt would draw them
     ids = prompt_ids(rng, vocab_size, sum(prompt_len for prompt_len, _ in lengths))
