@@ -258,6 +258,9 @@ def test_tokenize_detokenize_version_and_unknown_routes(http: httpx.Client) -> N
     assert tokenized["count"] == len(tokenized["tokens"]) == 6
     assert http.post("/detokenize", json={"tokens": tokenized["tokens"]}).json() == {
         "prompt": "héllo"}
+    assert tokenized["token_strs"] is None  # asked for only
+    pieces = http.post("/tokenize", json={"prompt": "hé\n", "return_token_strs": True}).json()
+    assert pieces["token_strs"] == ["h", "<0xC3>", "<0xA9>", "<0x0A>"]  # bytes, as SentencePiece
     assert http.get("/version").json()["version"]
     missing = http.get("/v2/nothing")
     assert missing.status_code == 404

@@ -352,15 +352,16 @@ def test_serve_says_where_it_listens_only_once_a_stop_is_graceful(
 
 def test_unknown_fields_are_ignored_and_said_in_the_log_as_text(
         caplog: pytest.LogCaptureFixture) -> None:
-    from engine.serve.protocol import ChatBody, CompletionBody, parse_model
+    from engine.serve.protocol import ChatBody, CompletionBody, TokenizeBody, parse_model
 
     with caplog.at_level(logging.WARNING, logger="tokenflow.serve.fields"):
         body = parse_model(CompletionBody, {"prompt": "hi", "user": "u", "\x1b[31mred": 1,
                                             **{f"x{n}": n for n in range(9)}})
         parse_model(ChatBody, {"messages": [{"role": "user", "content": "hi"}],
                                "response_format": {"type": "text"}, "max_tokens": 2})
+        parse_model(TokenizeBody, {"prompt": "hi", "return_token_strs": True})
     assert body.prompt == "hi"
-    (line,) = [r.getMessage() for r in caplog.records]  # the chat body knew every field
+    (line,) = [r.getMessage() for r in caplog.records]  # the others knew every field
     assert line.startswith('request fields ignored (not vLLM\'s API): "\\u001b[31mred", "user"')
     assert line.endswith(" and 3 more") and "\x1b" not in line
 

@@ -111,8 +111,11 @@ def test_completions_add_the_bos_and_chat_leaves_it_to_the_template(
         plain = http.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 1,
                                                    "add_special_tokens": False}).json()
         assert plain["usage"]["prompt_tokens"] == reply["usage"]["prompt_tokens"] - 1
-        counted = http.post("/tokenize", json={"prompt": "hello world"}).json()
+        counted = http.post("/tokenize", json={"prompt": "hello world",
+                                               "return_token_strs": True}).json()
         assert counted["tokens"] == hf.encode("hello world")
+        # vLLM's return_token_strs: the tokenizer's own pieces, the BOS's included
+        assert counted["token_strs"] == hf.convert_ids_to_tokens(counted["tokens"])
         messages = [{"role": "user", "content": "hello"}]
         chat = http.post("/v1/chat/completions", json={"messages": messages,
                                                        "max_tokens": 1}).json()

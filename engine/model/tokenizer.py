@@ -19,6 +19,8 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
+    def piece(self, token_id: int) -> str | None: ...
+
 
 class ByteTokenizer:
     """UTF-8 bytes shifted past three special ids, so any text works with any vocab >= 259."""
@@ -39,6 +41,16 @@ class ByteTokenizer:
         # PAD, BOS and EOS have no text, skipped or not
         data = bytes(t - self.OFFSET for t in token_ids if self.OFFSET <= t < 256 + self.OFFSET)
         return data.decode("utf-8", errors="replace")
+
+    def piece(self, token_id: int) -> str | None:
+        """A token's vocabulary string: the three specials by name, a printable ASCII byte as
+        itself, any other byte as SentencePiece writes a byte ("<0x0A>"); None past them."""
+        if 0 <= token_id < self.OFFSET:
+            return ("<pad>", "<s>", "</s>")[token_id]
+        byte = token_id - self.OFFSET
+        if not 0 <= byte < 256:
+            return None
+        return chr(byte) if 0x21 <= byte <= 0x7E else f"<0x{byte:02X}>"
 
 
 class HFTokenizer:

@@ -176,8 +176,10 @@ def create_app(loop: EngineLoop, *, admin_token: str | None,
                                    body.continue_final_message)
             special = body.add_special_tokens is True
         tokens = generations.token_ids(text or "", add_special_tokens=special)
+        pieces = ([loop.engine.tokenizer.piece(t) for t in tokens] if body.return_token_strs
+                  else None)
         return JSONResponse({"count": len(tokens), "max_model_len": loop.engine.max_model_len,
-                             "tokens": tokens, "token_strs": None})
+                             "tokens": tokens, "token_strs": pieces})
 
     async def detokenize(request: Request) -> Response:
         body = parse_model(DetokenizeBody, await read_json(request, limits))

@@ -9,7 +9,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -419,12 +419,17 @@ class TokenizeBody(BaseModel):
     """POST /tokenize: a prompt, or chat messages rendered with the template (vLLM's)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
+    # one text, as vLLM's /tokenize takes it: the completions' lists of ids are already tokens
+    hints: ClassVar[dict[str, str]] = {
+        "prompt": "must be one string (or send 'messages' instead); token ids need no "
+                  "tokenizing"}
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: StrictBool | None = None
     continue_final_message: StrictBool | None = None
     add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for messages
+    return_token_strs: StrictBool | None = None  # each token's vocabulary string, as vLLM's
 
 
 class DetokenizeBody(BaseModel):
@@ -462,8 +467,9 @@ def parse_model(model: type[M], data: Any, status: int = 400) -> M:
         if not loc:
             raise ApiError(status, f"the body must be a JSON object ({error['msg']})") from None
         name = str(loc[0])
-        if name in HINTS:
-            raise ApiError(status, f"'{name}' {HINTS[name]}", param=name) from None
+        hint = getattr(model, "hints", {}).get(name) or HINTS.get(name)
+        if hint is not None:
+            raise ApiError(status, f"'{name}' {hint}", param=name) from None
         where = _field_path(loc)
         # a union's branches fail together, each under its type's tag ('guided_json.str'):
         # say what the field may be, once, at the field's own path
@@ -472,7 +478,7 @@ def parse_model(model: type[M], data: Any, status: int = 400) -> M:
         said = " or ".join([messages[0], *(m.removeprefix("input should be ")
                                            for m in messages[1:])])
         raise ApiError(status, f"'{where}': {said}", param=name) from None
-    if isinstance(parsed, SamplingFields):
+    if model.model_config.get("extra") == "ignore":  # a body vLLM's API shapes
         _log_ignored(model, data)
     return parsed
 
