@@ -293,7 +293,7 @@ def test_the_console_takes_the_prefix_caching_flag_for_its_own_engine_only() -> 
 def test_the_console_refuses_flags_its_chosen_source_would_drop(tmp_path: Path) -> None:
     from console.cli.console import build_parser, conflict
     from console.sources.base import SourceError
-    from console.sources.replay import ReplaySource
+    from console.sources.replay import ReplaySource, SessionRecorder
 
     parse = build_parser().parse_args
     assert conflict(parse(["--workload", "chat", "--rate", "3"])) is None
@@ -305,3 +305,14 @@ def test_the_console_refuses_flags_its_chosen_source_would_drop(tmp_path: Path) 
     assert conflict(parse(["--replay", "f.jsonl", "--speed", "0"])) is None
     with pytest.raises(SourceError, match="replay speed must be >= 0, got nan"):
         ReplaySource(tmp_path / "r.jsonl", speed=float("nan"))
+    # a recording is a new file: never over an old one, never through a symlink
+    old = tmp_path / "old.jsonl"
+    old.write_text("kept\n")
+    assert conflict(parse(["--record", str(old)])) == (
+        f"--record {old} exists; choose another --record, or move the old recording away")
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "elsewhere.jsonl")
+    assert "is a symlink" in conflict(parse(["--record", str(tmp_path / "link.jsonl")]))
+    assert conflict(parse(["--record", str(tmp_path / "new.jsonl")])) is None
+    with pytest.raises(FileExistsError):
+        SessionRecorder(old)  # and were the file made meanwhile, the recorder still refuses
+    assert old.read_text() == "kept\n"

@@ -15,6 +15,7 @@ from typing import Any, NoReturn
 
 from console.cli.engine_flags import add_engine_flag
 from console.cli.otlp_flags import add_otlp_token_flags, otlp_token
+from console.cli.output_file import check_output
 from console.cli.workload_flags import add_rate_flag, workload_name
 from console.errors import UserError
 from engine.slo_targets import CHAT_ITL_MS, CHAT_TTFT_MS
@@ -152,6 +153,12 @@ def conflict(args: argparse.Namespace) -> str | None:
                 "times predicted); drop --device")
     if args.speed is not None and not args.replay:
         return "--speed paces a recorded session; add --replay FILE"
+    if args.record is not None:
+        try:  # a recording is kept: a new file, never an old one's place or a symlink's
+            check_output(args.record, may_exist=False, keep_hint="move the old recording away",
+                         flag="--record")
+        except UserError as exc:
+            return str(exc)
     if chosen and engine_flags:
         return (f"{', '.join(engine_flags)} configure the embedded engine; "
                 f"drop them with {chosen[0]}")

@@ -1,4 +1,5 @@
-"""Files a command writes with --output: never through a symlink, never over a file unasked."""
+"""Files a command writes (--output, the console's --record): never through a symlink, never
+over a file unasked."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ from pathlib import Path
 from console.errors import UserError
 
 
-def check_output(path: Path, *, may_exist: bool, keep_hint: str) -> None:
-    """Refuse, before any work, an --output that is a symlink (it would write where it points),
-    or that exists unless `may_exist` (`keep_hint` says which flag allows it)."""
+def check_output(path: Path, *, may_exist: bool, keep_hint: str, flag: str = "--output") -> None:
+    """Refuse, before any work, an output file (`flag`'s) that is a symlink (it would write
+    where it points), or that exists unless `may_exist` (`keep_hint` says which flag allows
+    it)."""
     if path.is_symlink():
-        raise UserError(f"--output {path} is a symlink; name the file itself")
+        raise UserError(f"{flag} {path} is a symlink; name the file itself")
     if not may_exist and path.exists():
-        raise UserError(f"--output {path} exists; choose another --output, or {keep_hint}")
+        raise UserError(f"{flag} {path} exists; choose another {flag}, or {keep_hint}")
 
 
 def open_output(path: Path, flags: int) -> int:

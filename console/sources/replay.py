@@ -41,7 +41,8 @@ class SessionRecorder:
     """Appends every new polled snapshot to a recording; `finish` adds the store's records."""
 
     def __init__(self, path: Path) -> None:
-        self._file: TextIO = path.open("w", encoding="utf-8")
+        # "x": a new file only, so no recording (nor a symlink's target) is written over
+        self._file: TextIO = path.open("x", encoding="utf-8")
 
     def snapshot(self, snapshot: Snapshot) -> None:
         self._write("snapshot", snapshot.to_dict())

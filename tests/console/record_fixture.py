@@ -32,6 +32,7 @@ def record(out: Path = OUT) -> None:
                               slow_query_threshold=1.2)
         source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="mixed",
                                       db=Path(tmp) / "fixture.db", config=config)
+        out.unlink(missing_ok=True)  # regenerated: a recorder writes a new file only
         recorder = SessionRecorder(out)
         engine = source.loop.engine
         with source.database.session() as session:
