@@ -280,3 +280,24 @@ def test_a_simulated_run_refuses_the_flags_only_a_real_runner_reads(
         assert named in err and "add --against-real" in err
     assert "--device places the model's weights" in conflict(
         build_parser().parse_args(["--simulate", "h100", "--device", "cuda"]))
+
+
+def test_a_report_directory_that_holds_a_report_is_refused_before_the_runs(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_runs(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the runs started before --report was checked")
+
+    monkeypatch.setattr(bench, "engine_config", no_runs)
+    (tmp_path / "report.md").write_text("last week's\n")
+    assert main(["bench", "--model", "synthetic:tiny", "--report", str(tmp_path)]) == 2
+    assert (f"--report {tmp_path} holds report.md already; choose a new directory, or move "
+            "the old report away") in capsys.readouterr().err
+    assert (tmp_path / "report.md").read_text() == "last week's\n"
+    assert main(["bench", "--model", "synthetic:tiny", "--report",
+                 str(tmp_path / "report.md")]) == 2
+    assert "is a file; name a directory" in capsys.readouterr().err
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "itl_cdf.png").symlink_to(tmp_path / "elsewhere.png")
+    assert main(["bench", "--model", "synthetic:tiny", "--report", str(tmp_path / "d")]) == 2
+    assert "holds itl_cdf.png already" in capsys.readouterr().err

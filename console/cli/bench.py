@@ -172,6 +172,9 @@ def _settle_tuning_flags(args: argparse.Namespace, names: list[str]) -> None:
 def bench_report(args: argparse.Namespace) -> dict[str, Any]:
     names = [n.strip() for n in args.compare.split(",") if n.strip()]
     _settle_tuning_flags(args, names)
+    if args.report:
+        from console.cli.report import check_report_dir
+        check_report_dir(args.report)
     if args.capacity_requests < 1 or args.capacity_duration < 0:
         raise UserError("--capacity-requests must be at least 1 and --capacity-duration at "
                         "least 0")

@@ -12,30 +12,48 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from console.errors import UserError
 from engine.harness.driver import RunResult
+
+# What a report writes into its directory (capacity.png only with --capacity).
+REPORT_FILES = ("report.md", "ttft_cdf.png", "tpot_cdf.png", "itl_cdf.png",
+                "predicted_vs_measured.png", "capacity.png")
+
+
+def check_report_dir(directory: Path) -> None:
+    """Refuse, before the runs, a --report DIR that is a file or holds a report already: a
+    report is kept, never written over (nor through a symlink of its names)."""
+    if directory.exists() and not directory.is_dir():
+        raise UserError(f"--report {directory} is a file; name a directory")
+    taken = [name for name in REPORT_FILES
+             if (directory / name).exists() or (directory / name).is_symlink()]
+    if taken:
+        raise UserError(f"--report {directory} holds {', '.join(taken)} already; choose a new "
+                        "directory, or move the old report away")
 
 
 def write_report(directory: Path, report: dict[str, Any], results: dict[str, RunResult]) -> Path:
+    check_report_dir(directory)  # again: one may have been written since the runs began
     directory.mkdir(parents=True, exist_ok=True)
+    markdown, ttft, tpot_cdf, itl, predicted, capacity = (directory / n for n in REPORT_FILES)
     slo, tpot = report["slo"], report["slo"]["tpot_ms"]
     plots = [
-        _cdf(directory / "ttft_cdf.png", "TTFT",
+        _cdf(ttft, "TTFT",
              {n: [r.ttft_s * 1e3 for r in res.records.values() if r.ttft_s is not None]
               for n, res in results.items()}, _ttft_lines(slo)),
-        _cdf(directory / "tpot_cdf.png", "TPOT",
+        _cdf(tpot_cdf, "TPOT",
              {n: [r.tpot_s * 1e3 for r in res.records.values() if r.tpot_s is not None]
               for n, res in results.items()}, [(tpot, f"TPOT SLO {_ms(tpot)}")]),
         # every gap between two tokens, held to the same SLO as TPOT (Sarathi-Serve's TBT)
-        _cdf(directory / "itl_cdf.png", "ITL",
+        _cdf(itl, "ITL",
              {n: [gap * 1e3 for r in res.records.values() for gap in r.inter_token_s()]
               for n, res in results.items()}, [(tpot, f"ITL SLO {_ms(tpot)}")]),
-        _predicted_vs_measured(directory / "predicted_vs_measured.png", results),
+        _predicted_vs_measured(predicted, results),
     ]
     if "capacity" in report:
-        plots.append(_capacity(directory / "capacity.png", report["capacity"]))
-    path = directory / "report.md"
-    path.write_text(_markdown(report, [p.name for p in plots]))
-    return path
+        plots.append(_capacity(capacity, report["capacity"]))
+    markdown.write_text(_markdown(report, [p.name for p in plots]))
+    return markdown
 
 
 def _ttft_lines(slo: dict[str, Any]) -> list[tuple[float, str]]:
