@@ -6,6 +6,7 @@ import gc
 import itertools
 import json
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -223,15 +224,19 @@ def test_flags_with_nothing_to_shape_name_themselves_and_rate_paces_a_requests_f
     assert code == 2 and err.rstrip().endswith("code, trace:PATH, traced:DB")  # every door's
 
 
+def _never(what: str) -> Callable[..., None]:
+    """A stand-in for a step that must not come before the flags are checked."""
+    def called(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"{what} before the flags were checked")
+    return called
+
+
 def test_run_refuses_a_requests_files_idle_flags_before_the_model_loads(
         capsys: pytest.CaptureFixture[str], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     from console.cli import run
 
-    def no_model(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the model loaded before the flags were checked")
-
-    monkeypatch.setattr(run, "start_session", no_model)
+    monkeypatch.setattr(run, "start_session", _never("the model loaded"))
     requests = tmp_path / "r.jsonl"
     requests.write_text('{"id": "a", "prompt_token_ids": [1, 2], "max_tokens": 2, '
                         '"arrival_s": 1.0}\n')
@@ -285,10 +290,7 @@ def test_a_simulated_run_refuses_the_flags_only_a_real_runner_reads(
 def test_a_report_directory_that_holds_a_report_is_refused_before_the_runs(
         capsys: pytest.CaptureFixture[str], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_runs(*args: object, **kwargs: object) -> None:
-        raise AssertionError("the runs started before --report was checked")
-
-    monkeypatch.setattr(bench, "engine_config", no_runs)
+    monkeypatch.setattr(bench, "engine_config", _never("the runs started"))
     (tmp_path / "report.md").write_text("last week's\n")
     assert main(["bench", "--model", "synthetic:tiny", "--report", str(tmp_path)]) == 2
     assert (f"--report {tmp_path} holds report.md already; choose a new directory, or move "
