@@ -362,7 +362,7 @@ def test_unknown_fields_are_ignored_and_said_in_the_log_as_text(
         parse_model(TokenizeBody, {"prompt": "hi", "return_token_strs": True})
     assert body.prompt == "hi"
     (line,) = [r.getMessage() for r in caplog.records]  # the others knew every field
-    assert line.startswith('request fields ignored (not vLLM\'s API): "\\u001b[31mred", "user"')
+    assert line.startswith('fields present in the request but ignored: "\\u001b[31mred", "user"')
     assert line.endswith(" and 3 more") and "\x1b" not in line
 
 

@@ -514,7 +514,7 @@ def _log_ignored(model: type[BaseModel], data: dict[str, Any]) -> None:
         shown = ", ".join(json.dumps(name[:IGNORED_NAME_CHARS])
                           for name in ignored[:IGNORED_NAMES_SHOWN])
         more = len(ignored) - IGNORED_NAMES_SHOWN
-        ignored_fields_log.warning("request fields ignored (not vLLM's API): %s%s", shown,
+        ignored_fields_log.warning("fields present in the request but ignored: %s%s", shown,
                                    f" and {more} more" if more > 0 else "")
 
 
