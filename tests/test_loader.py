@@ -175,15 +175,43 @@ def test_a_model_the_host_cannot_build_is_refused_before_torch_allocates_it(
     monkeypatch.setattr(loader, "MEMINFO", meminfo)
     assert loader.available_host_bytes() == 20_000_000 * 1024
     eight = preset("8b")
-    with pytest.raises(ModelLoadError, match=r"synthetic:8b needs about 32\.1 GB of memory to "
-                                             r"build \(8\.03B parameters.*has 20\.5 GB "
-                                             r"available; choose a smaller model"):
-        loader.check_host_memory("synthetic:8b", eight, loader.available_host_bytes())
-    loader.check_host_memory("synthetic:8b", eight, 33 * 10**9)  # room: nothing said
-    loader.check_host_memory("synthetic:8b", eight, None)  # no reading (not Linux): no check
+    with pytest.raises(ModelLoadError, match=r"synthetic:8b needs about 32\.1 GB of memory for "
+                                             r"its weights \(8\.03B parameters of 4 bytes\).*"
+                                             r"has 20\.5 GB available; choose a smaller model"):
+        loader.check_host_memory("synthetic:8b", eight, 4, loader.available_host_bytes())
+    # in bfloat16 it is built in its dtype: 16 GB fits
+    loader.check_host_memory("synthetic:8b", eight, 2, loader.available_host_bytes())
+    loader.check_host_memory("synthetic:8b", eight, 4, 33 * 10**9)  # room: nothing said
+    loader.check_host_memory("synthetic:8b", eight, 4, None)  # no reading (not Linux): no check
     monkeypatch.setattr(loader, "MEMINFO", tmp_path / "none")
     assert loader.available_host_bytes() is None
     meminfo.write_text("MemTotal:       25165824 kB\nMemAvailable:   10 kB\n")
     monkeypatch.setattr(loader, "MEMINFO", meminfo)
     with pytest.raises(ModelLoadError, match="synthetic:tiny needs"):
         Engine(EngineConfig(model="synthetic:tiny"))
+
+
+def test_a_model_is_built_in_its_serving_dtype_with_the_same_values(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No float32 copy at the peak, and the weights, norms and rope tables a float32 build
+    cast to bfloat16 gives, bit for bit."""
+    from engine.model import loader
+    from engine.model.config import preset
+    from engine.model.transformer import Transformer
+
+    config = preset("gemma2-small")
+    built = loader._build(config, 256, torch.device("cpu"), torch.bfloat16)
+    made: list[torch.dtype] = []
+    monkeypatch.setattr(torch.nn.Linear, "reset_parameters",
+                        lambda self: made.append(self.weight.dtype))
+    loader._build(config, 256, torch.device("cpu"), torch.bfloat16)
+    assert made and set(made) == {torch.bfloat16}  # each weight made in bfloat16
+    monkeypatch.undo()
+    assert torch.get_default_dtype() == torch.float32  # left as it was
+    loader._init_random(built, 3)
+    cast = Transformer(config, 256).to(dtype=torch.bfloat16)
+    loader._init_random(cast, 3)
+    ours, theirs = built.state_dict(), cast.state_dict()
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype
+               for a, b in zip(built.buffers(), cast.buffers(), strict=True))

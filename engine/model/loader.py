@@ -36,8 +36,6 @@ def model_config_for(name: str) -> ModelConfig:
     return from_hf_config(_model_dir(name) / "config.json")
 
 
-# A model is built in float32 and then cast: 4 bytes a parameter at the peak, whatever the dtype.
-BUILD_BYTES_PER_PARAM = 4
 MEMINFO = Path("/proc/meminfo")
 
 
@@ -45,7 +43,7 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype, max_position
                seed: int = 0) -> LoadedModel:
     config = model_config_for(name)
     if device.type == "cpu":
-        check_host_memory(name, config, available_host_bytes())
+        check_host_memory(name, config, dtype.itemsize, available_host_bytes())
     if name.startswith(SYNTHETIC_PREFIX):
         model = _build(config, max_positions, device, dtype)
         _init_random(model, seed)
@@ -55,16 +53,18 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype, max_position
     return LoadedModel(model, config, tokenizer_for(name, config))
 
 
-def check_host_memory(name: str, config: ModelConfig, available: int | None) -> None:
+def check_host_memory(name: str, config: ModelConfig, element_bytes: int,
+                      available: int | None) -> None:
     """ModelLoadError for a model this host cannot build: past its memory the kernel's OOM
-    killer ends the process without a word (synthetic:8b asks 32 GB of a 24 GiB host)."""
-    needed = config.num_params() * BUILD_BYTES_PER_PARAM
+    killer ends the process without a word (synthetic:8b in float32 asks 32 GB of a 24 GiB
+    host)."""
+    needed = config.num_params() * element_bytes
     if available is not None and needed > available:
         raise ModelLoadError(
-            f"{name} needs about {needed / 1e9:.1f} GB of memory to build "
-            f"({config.num_params() / 1e9:.2f}B parameters, built in float32) and this host "
-            f"has {available / 1e9:.1f} GB available; choose a smaller model, free memory, or "
-            "price it on the GPU twin (bench --simulate GPU)")
+            f"{name} needs about {needed / 1e9:.1f} GB of memory for its weights "
+            f"({config.num_params() / 1e9:.2f}B parameters of {element_bytes} bytes) and this "
+            f"host has {available / 1e9:.1f} GB available; choose a smaller model or dtype, "
+            "free memory, or price it on the GPU twin (bench --simulate GPU)")
 
 
 def available_host_bytes() -> int | None:
@@ -102,9 +102,16 @@ def _build(config: ModelConfig, max_positions: int, device: torch.device,
     import torch
 
     from engine.model.transformer import Transformer
-    with torch.device(device):
-        model = Transformer(config, max_positions)
-    # rope tables stay fp32; everything else in the serving dtype
+    # Parameters are made in the serving dtype: no float32 copy of the whole model at the peak
+    # (an 8B model in bfloat16 builds in 16 GB, not 32). Rope tables are computed in float32
+    # either way, then cast with everything else.
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = Transformer(config, max_positions)
+    finally:
+        torch.set_default_dtype(default)
     return model.to(dtype=dtype).eval().requires_grad_(False)
 
 
