@@ -178,17 +178,23 @@ def test_a_model_the_host_cannot_build_is_refused_before_torch_allocates_it(
     with pytest.raises(ModelLoadError, match=r"synthetic:8b needs about 32\.1 GB of memory for "
                                              r"its weights \(8\.03B parameters of 4 bytes\).*"
                                              r"has 20\.5 GB available; choose a smaller model"):
-        loader.check_host_memory("synthetic:8b", eight, 4, loader.available_host_bytes())
+        loader.check_memory("synthetic:8b", eight, 4, loader.available_host_bytes())
     # in bfloat16 it is built in its dtype: 16 GB fits
-    loader.check_host_memory("synthetic:8b", eight, 2, loader.available_host_bytes())
-    loader.check_host_memory("synthetic:8b", eight, 4, 33 * 10**9)  # room: nothing said
-    loader.check_host_memory("synthetic:8b", eight, 4, None)  # no reading (not Linux): no check
+    loader.check_memory("synthetic:8b", eight, 2, loader.available_host_bytes())
+    loader.check_memory("synthetic:8b", eight, 4, 33 * 10**9)  # room: nothing said
+    loader.check_memory("synthetic:8b", eight, 4, None)  # no reading (not Linux): no check
     monkeypatch.setattr(loader, "MEMINFO", tmp_path / "none")
     assert loader.available_host_bytes() is None
     meminfo.write_text("MemTotal:       25165824 kB\nMemAvailable:   10 kB\n")
     monkeypatch.setattr(loader, "MEMINFO", meminfo)
     with pytest.raises(ModelLoadError, match="synthetic:tiny needs"):
         Engine(EngineConfig(model="synthetic:tiny"))
+    # a GPU (a double of the CUDA driver's free bytes: no GPU here) is read the same way
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * 10**9, 80 * 10**9))
+    assert loader.free_memory(torch.device("cuda:0")) == (10 * 10**9, "cuda:0")
+    with pytest.raises(ModelLoadError, match=r"16\.1 GB of memory for its weights .* and "
+                                             r"cuda:0 has 10\.0 GB available"):
+        loader.load_model("synthetic:8b", torch.device("cuda:0"), torch.bfloat16, 1024)
 
 
 def test_a_model_is_built_in_its_serving_dtype_with_the_same_values(

@@ -42,8 +42,7 @@ MEMINFO = Path("/proc/meminfo")
 def load_model(name: str, device: torch.device, dtype: torch.dtype, max_positions: int,
                seed: int = 0) -> LoadedModel:
     config = model_config_for(name)
-    if device.type == "cpu":
-        check_host_memory(name, config, dtype.itemsize, available_host_bytes())
+    check_memory(name, config, dtype.itemsize, *free_memory(device))
     if name.startswith(SYNTHETIC_PREFIX):
         model = _build(config, max_positions, device, dtype)
         _init_random(model, seed)
@@ -53,18 +52,27 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype, max_position
     return LoadedModel(model, config, tokenizer_for(name, config))
 
 
-def check_host_memory(name: str, config: ModelConfig, element_bytes: int,
-                      available: int | None) -> None:
-    """ModelLoadError for a model this host cannot build: past its memory the kernel's OOM
-    killer ends the process without a word (synthetic:8b in float32 asks 32 GB of a 24 GiB
-    host)."""
+def check_memory(name: str, config: ModelConfig, element_bytes: int, available: int | None,
+                 where: str = "this host") -> None:
+    """ModelLoadError for weights that `where` cannot hold, before torch allocates them: past
+    a host's memory the kernel's OOM killer ends the process without a word (synthetic:8b in
+    float32 asks 32 GB of a 24 GiB host), and a GPU's ends in a CUDA out-of-memory trace."""
     needed = config.num_params() * element_bytes
     if available is not None and needed > available:
         raise ModelLoadError(
             f"{name} needs about {needed / 1e9:.1f} GB of memory for its weights "
-            f"({config.num_params() / 1e9:.2f}B parameters of {element_bytes} bytes) and this "
-            f"host has {available / 1e9:.1f} GB available; choose a smaller model or dtype, "
+            f"({config.num_params() / 1e9:.2f}B parameters of {element_bytes} bytes) and "
+            f"{where} has {available / 1e9:.1f} GB available; choose a smaller model or dtype, "
             "free memory, or price it on the GPU twin (bench --simulate GPU)")
+
+
+def free_memory(device: torch.device) -> tuple[int | None, str]:
+    """What `device` has free for weights, and its name: MemAvailable for a CPU, the CUDA
+    driver's free bytes for a GPU (None where neither can be read)."""
+    if device.type == "cuda":
+        import torch
+        return torch.cuda.mem_get_info(device)[0], str(device)
+    return (available_host_bytes() if device.type == "cpu" else None), "this host"
 
 
 def available_host_bytes() -> int | None:
