@@ -56,7 +56,7 @@ from engine.harness.workload import WorkloadRequest, describe, steady_traffic
 from engine.ops.host import HostLoadMeter
 from engine.sim.executor import VirtualClock, simulated_engine
 from engine.sim.fleet import FleetResult, run_fleet
-from engine.sim.profiles import profile, vllm_defaults
+from engine.sim.profiles import profile, server_defaults, vllm_defaults
 from engine.sim.router import RoutePolicy
 from engine.sim.target import SimTarget, StepTimeRatios, needs_store, resolve_target
 from engine.sim.trust import Trust, run_shape, trust
@@ -370,12 +370,9 @@ def _gpu_defaults(args: argparse.Namespace, base: EngineConfig,
     line left unset: a GPU target does not inherit this CPU's."""
     if target is None or target.calibration is not None:
         return {}
-    defaults = vllm_defaults(profile(args.simulate, args.gpu_profile))
-    return {name: value for name, value in defaults.items()
-            if getattr(args, name, None) is None and (
-                name not in ("cache_high_watermark", "cache_low_watermark",
-                             "preempt_protect_after", "gpu_memory_utilization")
-                or getattr(base, name) == getattr(EngineConfig(), name))}
+    gpu = profile(args.simulate, args.gpu_profile)
+    given = frozenset(name for name in vllm_defaults(gpu) if getattr(args, name, None) is not None)
+    return server_defaults(gpu, base, given)
 
 
 def _run(name: str, config: EngineConfig, workload: list[WorkloadRequest],

@@ -43,6 +43,8 @@ from engine.serve.loop import EngineLoop
 from engine.serve.session import EngineSession
 from engine.sim.executor import Simulation
 from engine.sim.live_trust import LiveTrust
+from engine.sim.profiles import profile, server_defaults
+from engine.sim.target import needs_store
 from engine.snapshot import Snapshot
 from engine.store import (
     CalibrationRecord,
@@ -121,6 +123,13 @@ class EmbeddedSource:
         engine_config = dataclasses.replace(base, model=model or default_model(device),
                                             device=device)
         say = progress or (lambda fraction, what: None)
+        if simulate is not None and not needs_store(simulate.target):
+            # a GPU's twin schedules as vLLM's server does there, as `bench --simulate` does;
+            # the store's last settings, restored below, still come before these
+            defaults = server_defaults(profile(simulate.target), engine_config)
+            engine_config = dataclasses.replace(engine_config, **defaults)
+            say(0.0, "vLLM's GPU server defaults: " + ", ".join(
+                f"{name}={value}" for name, value in defaults.items()))
         say(0.0, f"loading {engine_config.model} on {device}")
 
         def calibrating(event: Event) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from engine.budget.operations import OperationEfficiency
 from engine.budget.peaks import GPU_PRESETS, DevicePeaks
-from engine.config import ConfigError
+from engine.config import ConfigError, EngineConfig
 
 GB = 10**9
 GIB = 2**30
@@ -311,6 +311,15 @@ def profile_for_device_name(device_name: str) -> GpuProfile | None:
 # vLLM V1 preempts the newest running request however often it was preempted before
 # (vllm/v1/core/sched/scheduler.py: `preempted_req = self.running.pop()`): none is protected.
 VLLM_NEVER_PROTECTS = 2**31 - 1
+
+
+def server_defaults(gpu: GpuProfile, base: EngineConfig,
+                    given: frozenset[str] = frozenset()) -> dict[str, int | float]:
+    """vllm_defaults(gpu) for each field neither `given` (set by the caller) nor `base` (away
+    from EngineConfig's default) sets: a GPU's twin does not inherit this CPU's scheduling."""
+    default = EngineConfig()
+    return {name: value for name, value in vllm_defaults(gpu).items()
+            if name not in given and getattr(base, name) == getattr(default, name)}
 
 
 def vllm_defaults(gpu: GpuProfile, *, offline: bool = False) -> dict[str, int | float]:

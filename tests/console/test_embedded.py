@@ -192,11 +192,18 @@ def test_a_failed_first_calibration_is_said_until_a_recalibration_succeeds(
 def test_a_simulated_console_engine_says_how_far_to_trust_its_figures(tmp_path: Path) -> None:
     from engine.sim.executor import Simulation
 
+    heard: list[str] = []
     source = EmbeddedSource.start(model="synthetic:8b", workload="chat", db=tmp_path / "t.db",
                                   num_requests=4, rate=float("inf"), repeat=False,
-                                  simulate=Simulation("h100", speed=1000.0))
+                                  simulate=Simulation("h100", speed=1000.0),
+                                  progress=lambda _fraction, what: heard.append(what))
     try:
         assert source.trust is not None
+        # it schedules as vLLM's server does on an H100, as bench --simulate h100 does
+        config = source.loop.engine.config
+        assert (config.max_num_batched_tokens, config.max_num_seqs) == (8192, 1024)
+        assert any(said.startswith("vLLM's GPU server defaults: gpu_memory_utilization=0.9, "
+                                   "max_num_batched_tokens=8192") for said in heard)
         deadline = time.monotonic() + 60  # a hang guard: the loop steps the twin's requests
         while source.snapshot().requests_finished_total < 4:
             assert source.loop.error is None, f"the engine loop died: {source.loop.error!r}"
@@ -207,3 +214,19 @@ def test_a_simulated_console_engine_says_how_far_to_trust_its_figures(tmp_path: 
         source.close()
     assert shown == source.trust.line() and shown
     assert shown.startswith(("band ±", "far from every published case"))
+
+
+def test_a_simulated_console_engine_keeps_the_settings_its_caller_gave(tmp_path: Path) -> None:
+    from engine.config import EngineConfig
+    from engine.sim.executor import Simulation
+
+    source = EmbeddedSource.start(model="synthetic:8b", workload="chat", db=tmp_path / "t.db",
+                                  config=EngineConfig(max_num_batched_tokens=512),
+                                  num_requests=1, rate=float("inf"), repeat=False,
+                                  simulate=Simulation("a100", speed=1000.0))
+    try:
+        config = source.loop.engine.config
+        # the caller's budget stands; the rest is vLLM's A100 server's
+        assert (config.max_num_batched_tokens, config.max_num_seqs) == (512, 256)
+    finally:
+        source.close()
