@@ -313,6 +313,9 @@ def test_the_console_refuses_flags_its_chosen_source_would_drop(tmp_path: Path) 
     (tmp_path / "link.jsonl").symlink_to(tmp_path / "elsewhere.jsonl")
     assert "is a symlink" in conflict(parse(["--record", str(tmp_path / "link.jsonl")]))
     assert conflict(parse(["--record", str(tmp_path / "new.jsonl")])) is None
+    assert conflict(parse(["--record", str(tmp_path / "no" / "new.jsonl")])) == (
+        f"--record {tmp_path / 'no' / 'new.jsonl'}: no directory {tmp_path / 'no'}; create it "
+        "first")
     with pytest.raises(FileExistsError):
         SessionRecorder(old)  # and were the file made meanwhile, the recorder still refuses
     assert old.read_text() == "kept\n"
