@@ -63,3 +63,17 @@ def test_an_output_that_is_not_a_regular_file_is_refused(tmp_path: Path) -> None
         _OutputSink(fifo, None, resume=True)
     with pytest.raises(UserError, match="cannot open --output"):  # exists: O_EXCL refuses
         _OutputSink(fifo, None)
+
+
+def test_an_output_in_a_missing_directory_is_named_before_any_work(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from console.cli.main import main
+
+    missing = tmp_path / "no" / "out.jsonl"
+    assert main(["run", "--model", "synthetic:tiny", "--no-db", "--num-requests", "1",
+                 "--output", str(missing)]) == 2
+    assert capsys.readouterr().err.strip().endswith(
+        f"--output {missing}: no directory {tmp_path / 'no'}; create it first")
+    assert main(["slow-queries", "--db", str(tmp_path / "s.db"), "export", "--format", "csv",
+                 "--output", str(missing)]) == 2
+    assert f"no directory {tmp_path / 'no'}" in capsys.readouterr().err

@@ -159,8 +159,6 @@ def conflict(args: argparse.Namespace) -> str | None:
                          flag="--record")
         except UserError as exc:
             return str(exc)
-        if not args.record.parent.is_dir():  # found now, not once the engine has started
-            return f"--record {args.record}: no directory {args.record.parent}; create it first"
     if chosen and engine_flags:
         return (f"{', '.join(engine_flags)} configure the embedded engine; "
                 f"drop them with {chosen[0]}")

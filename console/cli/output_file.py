@@ -18,6 +18,8 @@ def check_output(path: Path, *, may_exist: bool, keep_hint: str, flag: str = "--
         raise UserError(f"{flag} {path} is a symlink; name the file itself")
     if not may_exist and path.exists():
         raise UserError(f"{flag} {path} exists; choose another {flag}, or {keep_hint}")
+    if not path.parent.is_dir():  # found now, not once the work is done or the model loaded
+        raise UserError(f"{flag} {path}: no directory {path.parent}; create it first")
 
 
 def open_output(path: Path, flags: int) -> int:
