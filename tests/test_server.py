@@ -337,6 +337,11 @@ def test_admin_token_comes_from_a_file_or_the_environment(
         load_admin_token(token_file)
     with pytest.raises(EngineError, match="cannot read"):
         load_admin_token(tmp_path / "missing")
+    # set but empty is a mistake, as an empty file is, not "admin off"
+    monkeypatch.setenv(TOKEN_ENV, " \n")
+    with pytest.raises(EngineError, match=r"\$TOKENFLOW_ADMIN_TOKEN is set but empty; put the "
+                                          r"admin token in it, or unset it"):
+        load_admin_token()
 
 
 def test_serve_refuses_bad_flags(capsys: pytest.CaptureFixture[str]) -> None:

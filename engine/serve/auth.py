@@ -20,7 +20,11 @@ def load_admin_token(token_file: Path | None = None) -> str | None:
 
 def load_token(token_file: Path | None, *, env: str, flag: str, what: str) -> str | None:
     if token_file is None:
-        return os.environ.get(env, "").strip() or None
+        value = os.environ.get(env)
+        if value is not None and not value.strip():  # as an empty file is: a mistake, said
+            raise EngineError(f"${env} is set but empty; put the {what} token in it, or "
+                              "unset it")
+        return None if value is None else value.strip()
     try:
         token = token_file.read_text(encoding="utf-8").strip()
     except OSError as exc:
