@@ -32,6 +32,7 @@ from typing import Any
 
 from console.cli.db import add_db_argument
 from console.cli.engine_flags import add_engine_flags, engine_config
+from console.cli.given_flags import given
 from console.cli.progress import RunProgress, add_quiet_flag
 from console.cli.workload_flags import (
     add_fixed_length_flags,
@@ -152,16 +153,13 @@ _TUNING_DEFAULTS = {"capacity_requests": 24, "capacity_duration": 10.0,
 
 def _settle_tuning_flags(args: argparse.Namespace, names: list[str]) -> None:
     """Refuse a tuning flag given without what it tunes; then fill in the defaults."""
-    def given(*dests: str) -> list[str]:
-        return ["--" + d.replace("_", "-") for d in dests if getattr(args, d) is not None]
-
-    capacity = given("capacity_requests", "capacity_duration", "capacity_iterations",
-                     "capacity_metric")
+    capacity = given(args, ("capacity_requests", "capacity_duration", "capacity_iterations",
+                            "capacity_metric"))
     if capacity and not args.capacity:
         raise UserError(f"{', '.join(capacity)} tune the capacity search; add --capacity")
-    if given("hf_batch_size") and "hf" not in names:
+    if given(args, ("hf_batch_size",)) and "hf" not in names:
         raise UserError("--hf-batch-size sizes the hf baseline's batches; add hf to --compare")
-    if given("router") and args.replicas < 2:
+    if given(args, ("router",)) and args.replicas < 2:
         raise UserError("--router routes a fleet's requests between replicas; add --replicas "
                         "N with N of at least 2")
     for dest, default in _TUNING_DEFAULTS.items():
@@ -331,9 +329,8 @@ class _Simulation:
 
 
 # Engine flags only a real model runner reads (weights, device, kernels, threads).
-_RUNNER_FLAGS = (("--device", "device"), ("--seed", "seed"),
-                 ("--attention-backend", "attention_backend"), ("--[no-]compile", "compile"),
-                 ("--cpu-threads", "cpu_threads"), ("--[no-]cpu-graphs", "cpu_graphs"))
+_RUNNER_FLAGS = ("device", "seed", "attention_backend", "compile", "cpu_threads", "cpu_graphs")
+_BOTH_WAYS = {"compile": "--[no-]compile", "cpu_graphs": "--[no-]cpu-graphs"}
 
 
 def _sim_target(args: argparse.Namespace, base: EngineConfig) -> SimTarget | None:
@@ -345,7 +342,7 @@ def _sim_target(args: argparse.Namespace, base: EngineConfig) -> SimTarget | Non
         return None
     if args.replicas < 1:
         raise UserError("--replicas must be at least 1")
-    runner = [flag for flag, dest in _RUNNER_FLAGS if getattr(args, dest, None) is not None]
+    runner = given(args, _RUNNER_FLAGS, _BOTH_WAYS)
     if runner and not args.against_real:
         raise UserError(f"{', '.join(runner)} configure the model runner, which a simulated "
                         "run replaces with predicted step times; drop them, or add "

@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from console.cli.given_flags import given
 from console.errors import UserError
 from engine.budget.cost_model import DEFAULT_STEP_TIME_S, BudgetSegment, budget_table
 from engine.budget.peaks import GPU_PRESETS
@@ -73,7 +74,7 @@ _TABLE_ONLY = ("flops", "bandwidth", "model", "params", "kv_bytes_per_token", *_
 
 
 def run(args: argparse.Namespace) -> int:
-    table = ["--" + d.replace("_", "-") for d in _TABLE_ONLY if getattr(args, d) is not None]
+    table = given(args, _TABLE_ONLY)
     if args.show_profile:
         if table:
             raise UserError(f"{', '.join(table)} shape the what-if table, which --show-profile "

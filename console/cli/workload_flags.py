@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from console.cli.given_flags import given
 from console.errors import UserError
 from console.sources.workloads import named_workload
 
@@ -83,8 +84,7 @@ DEFAULT_NUM_PROMPTS = 1000
 
 
 # flags that shape a named workload, and have nothing to shape where requests are given
-_NAMED_ONLY = (("--workload", "workload"), ("--num-requests", "num_requests"),
-               ("--length-scale", "length_scale"), ("--time-scale", "time_scale"))
+_NAMED_ONLY = ("workload", "num_requests", "length_scale", "time_scale")
 
 
 def workload_name(args: argparse.Namespace) -> str:
@@ -107,11 +107,11 @@ def workload_for(args: argparse.Namespace, engine: EngineCore) -> list[WorkloadR
 
 def refuse_named_only(args: argparse.Namespace, source: str) -> None:
     """A UserError if a flag that shapes a named workload came with `source`'s requests."""
-    given = [flag for flag, dest in _NAMED_ONLY if getattr(args, dest, None) is not None]
-    if given:
-        raise UserError(f"{', '.join(given)} shape{'s' if len(given) == 1 else ''} a named "
+    named = given(args, _NAMED_ONLY)
+    if named:
+        raise UserError(f"{', '.join(named)} shape{'s' if len(named) == 1 else ''} a named "
                         f"workload, and {source} gives the requests itself; drop "
-                        f"{'it' if len(given) == 1 else 'them'}")
+                        f"{'it' if len(named) == 1 else 'them'}")
 
 
 def check_requests_file_flags(args: argparse.Namespace,

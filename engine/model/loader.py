@@ -57,11 +57,12 @@ def check_memory(name: str, config: ModelConfig, element_bytes: int, available: 
     """ModelLoadError for weights that `where` cannot hold, before torch allocates them: past
     a host's memory the kernel's OOM killer ends the process without a word (synthetic:8b in
     float32 asks 32 GB of a 24 GiB host), and a GPU's ends in a CUDA out-of-memory trace."""
-    needed = config.num_params() * element_bytes
+    params = config.num_params()
+    needed = params * element_bytes
     if available is not None and needed > available:
         raise ModelLoadError(
             f"{name} needs about {needed / 1e9:.1f} GB of memory for its weights "
-            f"({config.num_params() / 1e9:.2f}B parameters of {element_bytes} bytes) and "
+            f"({params / 1e9:.2f}B parameters of {element_bytes} bytes) and "
             f"{where} has {available / 1e9:.1f} GB available; choose a smaller model or dtype, "
             "free memory, or price it on the GPU twin (bench --simulate GPU)")
 

@@ -192,17 +192,17 @@ class GpuProfile:
 def profile_from_dict(data: dict[str, Any]) -> GpuProfile:
     """A profile from its JSON form; ConfigError names the first field that cannot be one."""
     link = _field(data, "interconnect", dict)
+    flops = _field(data, "flops", dict)
+    sources = _field(data, "sources", dict, default={})
     return GpuProfile(
         key=_field(data, "key", str), name=_field(data, "name", str),
         memory_bytes=_field(data, "memory_bytes", int),
         bandwidth=_positive(data, "bandwidth"),
-        flops={k: _positive(_field(data, "flops", dict), k, "flops.")
-               for k in _field(data, "flops", dict)},
+        flops={k: _positive(flops, k, "flops.") for k in flops},
         interconnect=Interconnect(_field(link, "name", str, "interconnect."),
                                   _positive(link, "bandwidth", "interconnect."),
                                   _field(link, "source", str, "interconnect.", "")),
-        sources={k: _field(_field(data, "sources", dict, default={}), k, str, "sources.")
-                 for k in _field(data, "sources", dict, default={})},
+        sources={k: _field(sources, k, str, "sources.") for k in sources},
         efficiency=OperationEfficiency.from_dict(_field(data, "efficiency", dict, default={})),
         efficiency_source=_field(data, "efficiency_source", str, default="given"))
 

@@ -95,7 +95,6 @@ class Trust:
                 f"±{self.band:.0%} (the largest |error| of the {len(self.nearest)} nearest, "
                 "at least the held-out cases' median)")
 
-
     def brief(self) -> str:
         """`line()` for a pane's one line: the band first, the nearest case after."""
         if not self.nearest:
