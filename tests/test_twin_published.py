@@ -41,6 +41,24 @@ def test_published_table_is_big_and_varied_enough() -> None:
     assert all(c.held_back for c in cases if c.source in ("gpustack", "lambda"))
 
 
+def test_the_held_out_source_is_whole_and_takes_its_lengths_from_the_printed_totals() -> None:
+    """Every GPUStack page the rule admits (docs/twin.md, GPUStack's other pages): both dense
+    Qwen3 models on both GPUs, four runs each; outputs are the printed totals per request, as
+    the prompts are, since some requests end at EOS."""
+    data = json.loads(CASES.read_text())
+    gpustack = [c for c in data["cases"] if c["source"] == "gpustack"]
+    assert {(c["model"], c["gpu"]) for c in gpustack} == {
+        (m, g) for m in ("qwen3-14b", "qwen3-32b") for g in ("h100", "a100")}
+    assert len(gpustack) == 16 and all(c["held_back"] for c in gpustack)
+    for c in gpustack:
+        printed = dict(part.rsplit(": ", 1) for part in c["evidence"].split("; "))
+        assert c["output"] == round(int(printed["Total generated tokens"]) / c["batch"])
+        assert c["input"] == round(int(printed["Total input tokens"]) / c["batch"])
+    short = {c["id"]: c["output"] for c in gpustack if c["output"] < 100 and c["batch"] == 100}
+    assert short == {"gpustack-h100-qwen3-14b-32k": 99, "gpustack-a100-qwen3-14b-32k": 99,
+                     "gpustack-h100-qwen3-32b-32k": 77, "gpustack-a100-qwen3-32b-32k": 77}
+
+
 def _fitted_and_first_held_back() -> tuple[list[PublishedCase], list[PublishedCase]]:
     cases = [c for c in load_cases(CASES) if c.kind != "served"]
     return ([c for c in cases if not c.held_back],
