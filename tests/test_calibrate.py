@@ -566,6 +566,16 @@ def test_cli_calibrates_stores_and_flags_drift(tmp_path: Path, capsys: pytest.Ca
     assert len(events) == 1 and events[0].deviation == out["drift"]["deviation"]
 
 
+@pytest.mark.parametrize("flag", [["--slo-ttft-ms", "500"], ["--stats-window-s", "5"],
+                                  ["--logprobs-mode", "processed_logprobs"]])
+def test_cli_refuses_serving_flags_a_sweep_would_ignore(
+        flag: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["calibrate", "--model", "synthetic:tiny", *flag])
+    assert exited.value.code == 2
+    assert f"unrecognized arguments: {' '.join(flag)}" in capsys.readouterr().err
+
+
 def test_cli_refuses_a_bad_database_before_loading(tmp_path: Path,
                                                    capsys: pytest.CaptureFixture) -> None:
     bad = tmp_path / "bad.db"

@@ -41,7 +41,8 @@ from engine.store import Database, StoreWriter, open_database
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("calibrate", help="measure step times and fit the predictor",
                                    description=__doc__.splitlines()[0])
-    add_engine_flags(parser, skip=SLO_FLAGS)  # a sweep serves no users: no SLO to keep
+    # a sweep serves no users: no SLO to keep, no live percentiles, no logprobs asked for
+    add_engine_flags(parser, skip=SLO_FLAGS | {"--stats-window-s", "--logprobs-mode"})
     parser.add_argument("--quick", action="store_true",
                         help="a smaller sweep with 3 timed runs per shape instead of 20, and a "
                         "smaller served probe (seconds on a CPU)")
