@@ -200,6 +200,76 @@ def test_placeholder_tokens_give_every_ignore_eos_request_its_length() -> None:
     assert str(engine.snapshot().device) == "sim:h200"
 
 
+class _Wall:
+    """A wall clock the test moves: `pause` is the clock's sleep, `host` this host's work."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.paused: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def pause(self, seconds: float) -> None:
+        self.paused.append(seconds)
+        self.now += seconds
+
+
+def test_a_paced_twins_steps_and_waits_are_its_prices_whatever_the_host_takes() -> None:
+    """At 1000x a millisecond of this host's Python is a simulated second: it must count for
+    nothing while the engine has work, in a step or between steps, or every chunk reads slow."""
+    from engine.sim.executor import PacedClock
+
+    wall = _Wall()
+    clock = PacedClock(1000.0, wall=wall, pause=wall.pause)
+    config = EngineConfig(model="synthetic:8b", max_num_batched_tokens=512)
+    target = resolve_target("h100", config)
+    engine = simulated_engine(config, target, clock)
+    host = {"s": 0.002}  # 2 ms of host work at every event: 2 simulated s at this pace
+    chunks: list[ChunkComplete] = []
+    steps: list[float] = []
+
+    def observe(event: Event) -> None:
+        wall.now += host["s"]
+        if isinstance(event, ChunkComplete):
+            chunks.append(event)
+        if isinstance(event, StepComplete):
+            steps.append(event.ts)
+
+    engine.bus.subscribe(observe)
+    engine.generate([[5] * 300] * 4, SamplingParams(max_tokens=16))
+    assert chunks and all(c.duration_s == pytest.approx(c.predicted_s) for c in chunks)
+    reference = simulated_engine(config, target, VirtualClock(start=0.0))
+    virtual: list[float] = []
+    reference.bus.subscribe(lambda e: virtual.append(e.ts) if isinstance(e, StepComplete)
+                            else None)
+    reference.generate([[5] * 300] * 4, SamplingParams(max_tokens=16))
+    # the busy stretch lasts what the steps cost, as on a virtual clock
+    assert steps[-1] - steps[0] == pytest.approx(virtual[-1] - virtual[0])
+
+
+def test_an_idle_paced_twin_runs_with_the_wall_clock_from_its_last_step() -> None:
+    from engine.sim.executor import PacedClock
+
+    wall = _Wall()
+    clock = PacedClock(10.0, wall=wall, pause=wall.pause)
+    busy = {"on": True}
+    clock.hold_while(lambda: busy["on"])
+    start = clock()
+    wall.now += 5.0  # host work while busy: held
+    assert clock() == start
+    clock.advance_to(start + 0.4)  # a step the host is already past: no pause
+    assert clock() == start + 0.4 and not wall.paused
+    busy["on"] = False
+    assert clock() == start + 0.4  # idle: on from the hold, not from the wall's 50 s
+    wall.now += 120.0  # an idle gap far longer than any step: 1,200 simulated seconds
+    assert clock() == pytest.approx(start + 0.4 + 1200.0)
+    busy["on"] = True
+    held = clock()
+    clock.advance_to(held + 30.0)  # ahead of the host: it waits the step out at 10x
+    assert wall.paused == [pytest.approx(3.0)] and clock() == held + 30.0
+
+
 def test_a_session_can_serve_the_twin_at_a_multiple_of_wall_clock_pace(tmp_path: Path) -> None:
     from engine.serve.session import EngineSession
     from engine.sim.executor import Simulation

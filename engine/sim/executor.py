@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,26 +20,51 @@ ELEMENT_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class PacedClock:
-    """Seconds at `speed` times wall-clock pace: a late host lags, steps never lengthen."""
+    """Simulated seconds at `speed` times wall-clock pace. While the engine has work the clock
+    holds at its last step's end, so this host's own time (scheduling, bookkeeping, the
+    console) is never simulated time: a host that cannot keep pace slows the pace, never the
+    steps or the waits between them. Idle, it runs with the wall clock from where it held."""
 
-    def __init__(self, speed: float = 1.0) -> None:
+    def __init__(self, speed: float = 1.0, *, wall: Callable[[], float] = time.monotonic,
+                 pause: Callable[[float], None] = time.sleep) -> None:
         if not speed > 0:
             raise EngineError(f"simulation speed must be > 0, got {speed}")
         self.speed = speed
-        self.lag = 0.0
-        self._wall0 = time.monotonic()
+        self._wall, self._pause = wall, pause
+        self._origin = wall()
+        # simulated seconds the wall clock ran while the clock held
+        self._held_back = 0.0
+        self._held: float | None = None
+        self._busy: Callable[[], bool] = lambda: False
+        self._lock = threading.Lock()
+
+    def hold_while(self, busy: Callable[[], bool]) -> None:
+        """Hold between steps while `busy()` (the engine has unfinished requests)."""
+        self._busy = busy
+
+    def _free(self) -> float:
+        return self._origin + (self._wall() - self._origin) * self.speed - self._held_back
 
     def __call__(self) -> float:
-        return self._wall0 + (time.monotonic() - self._wall0) * self.speed - self.lag
+        with self._lock:
+            if self._busy():
+                if self._held is None:
+                    self._held = self._free()
+                return self._held
+            if self._held is not None:  # idle again: the wall clock goes on from the hold
+                self._held_back += self._free() - self._held
+                self._held = None
+            return self._free()
 
     def advance_to(self, t: float) -> None:
-        ahead = t - self()
+        ahead = t - self._free()
         if ahead > 0:
-            time.sleep(ahead / self.speed)
-        self.lag += max(0.0, self() - t)
+            self._pause(ahead / self.speed)
+        with self._lock:
+            self._held = t if self._held is None else max(self._held, t)
 
     def sleep(self, seconds: float) -> None:
-        time.sleep(max(0.0, seconds) / self.speed)
+        self._pause(max(0.0, seconds) / self.speed)
 
 
 Clock = VirtualClock | PacedClock
@@ -156,6 +182,8 @@ def simulated_engine(config: EngineConfig, target: SimTarget, clock: Clock) -> E
     """An Engine whose runner is simulated, budgeting with the target's own step times."""
     target = dataclasses.replace(target, predict=_LastShape(target.predict))
     engine = Engine(config, runner=SimulatedExecutor(config, target, clock), clock=clock)
+    if isinstance(clock, PacedClock):
+        clock.hold_while(engine.has_unfinished)
     if target.calibration is not None:
         # the calibration's code and store: a named GPU's twin needs neither
         from engine.calibration.calibrate import apply
