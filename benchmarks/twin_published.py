@@ -30,6 +30,7 @@ from engine.sim.published import (
     load_cases,
     too_fast,
 )
+from engine.sim.trust import decoding_batch
 
 CASES = PUBLISHED_CASES
 # Prefill attention is not fitted: the profile takes it from the kernels' published curves.
@@ -172,15 +173,26 @@ def served_detail(cases: list[PublishedCase]) -> str:
     return "\n".join(lines)
 
 
-def write_errors(cases: list[PublishedCase], known: dict[str, float]) -> None:
-    """Each case's error on the shipped factors (those in `known` already priced), into the
-    cases file; a case the KV rule leaves out has none (its schedule is not the publication's)."""
-    errors = {c.id: round(known[c.id] if c.id in known else c.error(), 4) for c in cases}
+def write_errors(cases: list[PublishedCase]) -> None:
+    """Each case's error on the shipped factors into the cases file, and a served case's
+    decoding batch in its twin run (`placed_batch`, where the trust band places it); a case
+    the KV rule leaves out has none (its schedule is not the publication's)."""
+    errors, batches = {}, {}
+    for c in cases:
+        if c.kind == "served":
+            run = c.served_run()
+            errors[c.id] = round(c.error_of(run.wall_s), 4)
+            batches[c.id] = round(decoding_batch(run), 2)
+        else:
+            errors[c.id] = round(c.error(), 4)
     data = json.loads(CASES.read_text())
     for case in data["cases"]:
         case.pop("twin_error", None)
+        case.pop("placed_batch", None)
         if case["id"] in errors:
             case["twin_error"] = errors[case["id"]]
+        if case["id"] in batches:
+            case["placed_batch"] = batches[case["id"]]
     CASES.write_text(json.dumps(data, indent=1) + "\n")
 
 
@@ -213,7 +225,8 @@ def main() -> None:
     parser.add_argument("--start", type=Path, help="a JSON of parameters to start the fit from")
     parser.add_argument("--write", action="store_true",
                         help="store each case's error under the shipped factors in the cases "
-                             "file (`twin_error`: what `bench --simulate` reports as its band)")
+                             "file (`twin_error`: what `bench --simulate` reports as its band), "
+                             "and each served case's decoding batch (`placed_batch`)")
     parser.add_argument("--markdown", action="store_true",
                         help="print the per-case tables as docs/twin.md holds them")
     parser.add_argument("--served-detail", action="store_true",
@@ -257,7 +270,7 @@ def main() -> None:
     print(f"\nfitted on ({len(fitted)} cases):\n{table(fitted, errors, args.markdown)}")
     print(f"\nheld back ({len(held)} cases):\n{table(held, errors, args.markdown)}")
     if args.write:
-        write_errors(cases, errors if params is None else {})
+        write_errors(cases)
     sets = {"fitted on": fitted,
             "the first table's held-back cases": [
                 c for c in held

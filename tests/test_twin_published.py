@@ -23,6 +23,7 @@ from engine.sim.published import (
     too_fast,
 )
 from engine.sim.target import Deployment
+from engine.sim.trust import decoding_batch
 
 CASES = PUBLISHED_CASES
 
@@ -145,10 +146,14 @@ def test_stored_errors_are_the_shipped_factors_errors() -> None:
 
 @pytest.mark.slow
 def test_stored_errors_of_the_served_cases_are_the_twins_engine_runs() -> None:
-    stored = {c["id"]: c.get("twin_error") for c in json.loads(CASES.read_text())["cases"]}
+    stored = {c["id"]: c for c in json.loads(CASES.read_text())["cases"]}
     for case in load_cases(CASES):
         if case.kind == "served":
-            assert stored[case.id] == pytest.approx(case.error(), abs=1e-4), case.id
+            run = case.served_run()
+            assert stored[case.id]["twin_error"] == pytest.approx(
+                case.error_of(run.wall_s), abs=1e-4), case.id
+            assert stored[case.id]["placed_batch"] == pytest.approx(
+                decoding_batch(run), abs=0.01), case.id
 
 
 def test_fixed_costs_grow_with_tensor_parallelism_and_small_gemms_run_below_their_share(

@@ -95,6 +95,29 @@ def test_runs_on_the_h200_and_the_l40s_find_their_own_gpus_rows_in_the_shipped_t
     assert h200.band >= abs(stored[h200.nearest[0].id]["twin_error"]) > 0.2
 
 
+def test_a_served_case_is_placed_by_the_sequences_it_kept_decoding(tmp_path: Path) -> None:
+    """A served case's requests arrive at once and wait for KV: 500 sent is not 500 decoding.
+    It is placed by its twin run's decoding batch, as a run is."""
+    path = _cases(tmp_path)
+    data = json.loads(path.read_text())
+    data["cases"].append({"id": "served", "source": "s", "gpu": "h100", "model": "m8", "tp": 1,
+                          "dtype": "bfloat16", "kind": "served", "batch": 500,
+                          "placed_batch": 8.0, "input": 4000, "output": 200,
+                          "conditions": "c", "twin_error": -0.30})
+    path.write_text(json.dumps(data))
+    judged = trust(RunShape("h100", "bfloat16", 6.98e9, 1, 8.0, 4000, 200), path)
+    assert judged.nearest[0].id == "served" and judged.nearest[0].distance == 0
+    stored = {c["id"]: c for c in json.loads(PUBLISHED_CASES.read_text())["cases"]}
+    served = [c for c in stored.values() if c.get("kind") == "served" and "twin_error" in c]
+    assert served and all(0 < c["placed_batch"] <= c["batch"] for c in served)
+    # a 32B model that nearly fills one H100 decodes a few at a time, as GPUStack's did
+    qwen3_32b = {k: v for k, v in json.loads(PUBLISHED_CASES.read_text())["models"][
+        "qwen3-32b"].items() if k != "source"}
+    near = trust(RunShape("h100", "bfloat16", ModelConfig(**qwen3_32b).num_params(
+        include_embeddings=False), 1, 10.0, 3000, 150))
+    assert near.nearest[0].id.startswith("gpustack-h100-qwen3-32b") and not near.far
+
+
 def test_a_run_on_a_users_profile_is_placed_but_gets_no_band(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from console.cli.main import main

@@ -171,7 +171,10 @@ class PublishedCase:
 
     def error(self, efficiency: OperationEfficiency | None = None) -> float:
         """predicted / measured − 1, on the case's own figure."""
-        return self.predicted(efficiency) / self.measured - 1
+        return self.error_of(self.predicted(efficiency))
+
+    def error_of(self, predicted: float) -> float:
+        return predicted / self.measured - 1
 
     @property
     def duration_like(self) -> bool:

@@ -112,7 +112,9 @@ def _precision(dtype: str) -> str:
 
 
 def case_shapes(path: Path = PUBLISHED_CASES) -> list[tuple[RunShape, dict[str, Any]]]:
-    """Every case with a stored twin error, as a shape beside its record."""
+    """Every case with a stored twin error, as a shape beside its record. A served case's
+    batch is the number its twin run kept decoding (`placed_batch`), as a run's is: its
+    requests arrive at once and wait for KV, so their count is not how many decode."""
     data = json.loads(Path(path).read_text())
     params = {name: ModelConfig(**{k: v for k, v in m.items() if k != "source"}).num_params(
         include_embeddings=False) for name, m in data["models"].items()}
@@ -121,7 +123,8 @@ def case_shapes(path: Path = PUBLISHED_CASES) -> list[tuple[RunShape, dict[str, 
         if "twin_error" not in c:
             continue
         shapes.append((RunShape(c["gpu"], "bfloat16" if c["dtype"] == "float16" else c["dtype"],
-                                params[c["model"]], c["tp"], c.get("batch", 1),
+                                params[c["model"]], c["tp"], c.get("placed_batch",
+                                                                   c.get("batch", 1)),
                                 max(c.get("input", 0), c.get("tokens", 0), 1),
                                 max(c.get("output", 1), 1)), c))
     return shapes
@@ -162,13 +165,17 @@ def shape(gpu: str, dtype: str, model: ModelConfig, tp: int, batch: float, promp
                     max(batch, 1.0), max(prompt, 1.0), max(output, 1.0))
 
 
+def decoding_batch(result: RunResult) -> float:
+    """The mean number of sequences decoding over a run's time (1 for a run of no step)."""
+    steps = [s for s in result.steps if s.duration_s > 0]
+    total = sum(s.duration_s for s in steps)
+    return (sum(s.decode_seqs * s.duration_s for s in steps) / total) if total else 1.0
+
+
 def run_shape(gpu: str, dtype: str, model: ModelConfig, tp: int, result: RunResult,
               workload: list[WorkloadRequest]) -> RunShape:
     """A simulated run's shape: its batch is the mean number decoding over its time."""
-    steps = [s for s in result.steps if s.duration_s > 0]
-    total = sum(s.duration_s for s in steps)
-    batch = (sum(s.decode_seqs * s.duration_s for s in steps) / total) if total else 1.0
     n = max(len(workload), 1)
-    return shape(gpu, dtype, model, tp, batch,
+    return shape(gpu, dtype, model, tp, decoding_batch(result),
                  sum(len(w.prompt_token_ids) for w in workload) / n,
                  sum(w.max_tokens for w in workload) / n)
