@@ -152,6 +152,38 @@ def test_identical_chunked_and_unchunked_rows_say_why_and_columns_have_units(
                                "prompt (") for line in out)
 
 
+def _llama_like(tmp_path: Path, layers: int) -> Path:
+    """A local model directory of a Llama-shaped config (hidden 8,192) with `layers` layers."""
+    directory = tmp_path / f"llama-{layers}"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+        "intermediate_size": 28672, "num_hidden_layers": layers, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16"}))
+    return directory
+
+
+def test_a_gpu_twin_refuses_a_context_its_kv_pool_cannot_hold_as_vllm_does(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """43 layers of a 70B's width are 69.5 GiB of weights: one H100 at vLLM's default 0.9
+    starts them (not at this CPU engine's 0.85, which the twin must not apply first), with
+    KV for about 3,000 tokens, so vLLM would not start at the model's 4,096."""
+    model = str(_llama_like(tmp_path, 43))
+    argv = ["bench", "--simulate", "h100", "--model", model, "--input-len", "100",
+            "--output-len", "2", "--num-prompts", "2", "--compare", "chunked", "--db",
+            str(tmp_path / "s.db")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "one request of 4,096 tokens (the model's max_position_embeddings" in err
+    assert "1 x H100 SXM at gpu_memory_utilization 0.9 leave" in err
+    holds = int(err.split("Pass --max-model-len ")[1].split()[0])
+    assert 2048 < holds < 4096
+    assert main([*argv, "--max-model-len", str(holds)]) == 0
+    assert "vLLM's GPU server defaults applied: gpu_memory_utilization=0.9" in (
+        capsys.readouterr().out)
+
+
 @pytest.mark.parametrize("rate", ["0", "-1", "nan", "-inf", "fast"])
 def test_a_rate_that_is_not_positive_is_refused_at_every_door(
         rate: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -180,12 +180,10 @@ def bench_report(args: argparse.Namespace) -> dict[str, Any]:
         raise UserError("--against-real takes a number of real runs of at least 1")
     base = engine_config(args)
     custom = dict(_parse_config(spec) for spec in args.config)
+    # before the target: its KV pool is what vLLM's profile run leaves at these defaults
+    gpu_defaults = _gpu_defaults(args, base)
+    base = dataclasses.replace(base, **gpu_defaults)
     target = _sim_target(args, base)
-    gpu_defaults = _gpu_defaults(args, base, target)
-    if gpu_defaults:
-        base = dataclasses.replace(base, **gpu_defaults)
-        # the KV pool is what vLLM's profile run leaves at those defaults
-        target = _sim_target(args, base)
     base.validate()
     sim = None if target is None else _Simulation(target, args.replicas,
                                                   RoutePolicy.parse(args.router))
@@ -361,11 +359,10 @@ def _sim_target(args: argparse.Namespace, base: EngineConfig) -> SimTarget | Non
         database.close()
 
 
-def _gpu_defaults(args: argparse.Namespace, base: EngineConfig,
-                  target: SimTarget | None) -> dict[str, Any]:
+def _gpu_defaults(args: argparse.Namespace, base: EngineConfig) -> dict[str, Any]:
     """A vLLM server's scheduling defaults on the simulated GPU, for the fields the command
-    line left unset: a GPU target does not inherit this CPU's."""
-    if target is None or target.calibration is not None:
+    line left unset: a GPU target does not inherit this CPU's (a calibrated twin does)."""
+    if args.simulate is None or needs_store(args.simulate):
         return {}
     gpu = profile(args.simulate, args.gpu_profile)
     given = frozenset(name for name in vllm_defaults(gpu) if getattr(args, name, None) is not None)

@@ -18,6 +18,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.model.config import ModelConfig
 from engine.model.loader import model_config_for
 from engine.sim.profiles import (
+    GIB,
     KV_BYTES,
     WEIGHT_BYTES,
     GpuProfile,
@@ -206,9 +207,32 @@ def _gpu_roofline(spec: str, config: EngineConfig, tp: int, kv_dtype: str,
     gpu = profile(spec, profile_file)
     deployment = Deployment(model_config_for(config.model), gpu, tp, dtype, kv_dtype)
     target = deployment_target(deployment, config, spec)
+    _require_one_longest_request(deployment, config, target.kv_cache_bytes)
     if profile_file is not None and _priced(gpu) != _priced(profile(spec)):
         target.details["own_profile"] = str(profile_file)
     return target
+
+
+def _require_one_longest_request(deployment: Deployment, config: EngineConfig,
+                                 kv_bytes: int) -> None:
+    """vLLM will not start a server whose KV pool cannot hold one request of its context
+    length (v0.11, vllm/v1/core/kv_cache_utils.py, check_enough_kv_cache_memory): nor does
+    a named GPU's twin, which would otherwise simulate a server nobody can run."""
+    per_token = deployment.budget.kv_bytes_per_token
+    per_block = per_token * config.block_size
+    holds = kv_bytes // per_block * config.block_size
+    longest = min(config.max_model_len or deployment.config.max_position_embeddings,
+                  deployment.config.max_position_embeddings)
+    if longest <= holds:
+        return
+    given = ("--max-model-len" if config.max_model_len else
+             "the model's max_position_embeddings, with no --max-model-len")
+    raise ConfigError("max_model_len", (
+        f"one request of {longest:,} tokens ({given}) needs {longest * per_token / GIB:.2f} GiB "
+        f"of KV; {deployment.tp} x {deployment.gpu.name} at gpu_memory_utilization "
+        f"{config.gpu_memory_utilization:g} leave {kv_bytes / GIB:.2f} GiB after the weights "
+        f"and activations, {holds:,} tokens, and vLLM would not start. Pass --max-model-len "
+        f"{holds} or less, raise --gpu-memory-utilization, or raise --tp"))
 
 
 def _priced(gpu: GpuProfile) -> dict[str, Any]:
