@@ -121,6 +121,11 @@ def _last_logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
     return prompt_logits(engine, prompt).float().cpu()
 
 
+def _long(s: Setting) -> int | None:
+    """A context of 4,096 on the GPU's models; a dry run's synthetic:tiny has 2,048."""
+    return None if s.dry else 4096
+
+
 def _flash_runs(s: Setting, model: str = "synthetic:tiny") -> bool:
     """Whether flash-attn's guard lets `model` run on flash here, in bf16."""
     if s.device == "cpu" or not flash_available(torch.device(s.device)):
@@ -260,7 +265,8 @@ def throughput(s: Setting) -> dict[str, Any]:
     rows = []
     for model in models:
         engine = _engine(s, model, dtype="float32" if s.dry else "bfloat16",
-                         kv=SMALL_KV if s.dry else None, max_model_len=max(4096, context + 1),
+                         kv=SMALL_KV if s.dry else None,
+                         max_model_len=None if s.dry else max(4096, context + 1),
                          max_num_batched_tokens=chunk, max_num_batched_tokens_cap=chunk)
         peaks, budget = engine.peaks, engine.budget
         for batch in batches:
@@ -292,7 +298,7 @@ def attention_paths(s: Setting) -> dict[str, Any]:
     rows = {}
     for path in paths:
         engine = _engine(s, model, dtype=dtype, kv=SMALL_KV if s.dry else None,
-                         attention_backend=path, max_model_len=4096,
+                         attention_backend=path, max_model_len=_long(s),
                          max_num_batched_tokens=chunk, max_num_batched_tokens_cap=chunk,
                          compile=False)
         warm, repeats = (0, 1) if s.dry else (2, 20)  # eager flex is slow on the CPU
@@ -302,7 +308,7 @@ def attention_paths(s: Setting) -> dict[str, Any]:
         rows[path] = {"decode_ms": decode_s * 1e3, "later_chunk_ms": chunk_s * 1e3}
         del engine, later
         _free()
-    engine = _engine(s, model, dtype=dtype, kv=SMALL_KV if s.dry else None, max_model_len=4096,
+    engine = _engine(s, model, dtype=dtype, kv=SMALL_KV if s.dry else None, max_model_len=_long(s),
                      max_num_batched_tokens=chunk, max_num_batched_tokens_cap=chunk,
                      compile=False)
     choice = engine.runner.attention
@@ -406,7 +412,7 @@ def calibration(s: Setting) -> dict[str, Any]:
 
     engine = _engine(s, "synthetic:tiny" if s.dry else s.model,
                      dtype="float32" if s.dry else "bfloat16", kv=SMALL_KV if s.dry else None,
-                     max_model_len=4096)
+                     max_model_len=_long(s))
     result = calibrate(engine, quick=True)
     error = result.heldout_median_abs_error
     return {"heldout_median_abs_error": error, "points": len(result.points),

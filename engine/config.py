@@ -272,6 +272,17 @@ class EngineConfig:
         candidate.validate()
         return candidate
 
+    def context_length(self, model_positions: int) -> int:
+        """The longest prompt plus output served: `max_model_len`, or the model's positions
+        where unset. Past them is refused, as vLLM refuses it: the model never saw those
+        positions (vLLM's override is VLLM_ALLOW_LONG_MAX_MODEL_LEN; this engine has none)."""
+        if self.max_model_len and self.max_model_len > model_positions:
+            raise ConfigError("max_model_len", (
+                f"{self.max_model_len:,} is past the model's {model_positions:,} positions "
+                f"(max_position_embeddings in its config); pass --max-model-len "
+                f"{model_positions} or less, or leave it unset"))
+        return self.max_model_len or model_positions
+
     def validate(self) -> None:
         _check(self.block_size >= 1, "block_size", "must be >= 1")
         _check(self.max_num_seqs >= 1, "max_num_seqs", "must be >= 1")

@@ -189,3 +189,21 @@ def test_the_graphs_pool_keeps_room_for_their_whole_table_gather(attention: str)
                                       + masks * 256 * 4)
     parts = worst_step_scratch(mc, 4, worst).parts
     assert parts["cuda_graphs"] > worst.graph_gather
+
+
+def test_a_context_past_the_models_positions_is_refused_on_cpu_and_on_a_twin() -> None:
+    """vLLM refuses a max_model_len past max_position_embeddings; this engine used to cap it
+    without a word, on the CPU runner and on the twin alike."""
+    from engine.sim.executor import VirtualClock, simulated_engine
+    from engine.sim.target import resolve_target
+
+    too_long = EngineConfig(model="synthetic:tiny", max_model_len=2049)  # tiny: 2,048
+    with pytest.raises(ConfigError, match="2,049 is past the model's 2,048 positions"):
+        Engine(too_long)
+    with pytest.raises(ConfigError, match="pass --max-model-len 2048 or less"):
+        resolve_target("h100", too_long)
+    config = EngineConfig(model="synthetic:tiny", max_model_len=2048)
+    assert Engine(config).max_model_len == 2048
+    twin = simulated_engine(config, resolve_target("h100", config), VirtualClock())
+    assert twin.max_model_len == 2048
+    assert Engine(EngineConfig(model="synthetic:tiny")).max_model_len == 2048

@@ -30,7 +30,9 @@ _FLAGS: dict[str, tuple[str, type, str]] = {
                                                 "CPU, --gpu-memory-utilization on CUDA)"),
     "--gpu-memory-utilization": ("gpu_memory_utilization", float,
                                  "share of the GPU's total memory the engine may use"),
-    "--max-model-len": ("max_model_len", int, "longest prompt + output"),
+    "--max-model-len": ("max_model_len", int, "longest prompt + output (default: the "
+                                              "model's max_position_embeddings, which it may "
+                                              "not exceed)"),
     "--max-num-seqs": ("max_num_seqs", int, "most requests running at once"),
     "--max-num-batched-tokens": ("max_num_batched_tokens", int, "the token budget of a step"),
     "--chunk-tile": ("chunk_tile", int, "prefill chunks are multiples of this"),

@@ -140,8 +140,7 @@ class ModelRunner:
         mark = time.perf_counter()
         kernels, self.attention_note = self._kernels(config, flash)
         self.startup_s["kernels"], mark = time.perf_counter() - mark, time.perf_counter()
-        self.max_model_len = min(config.max_model_len or shape.max_position_embeddings,
-                                 shape.max_position_embeddings)
+        self.max_model_len = config.context_length(shape.max_position_embeddings)
         loaded = load_model(config.model, self.device, self.dtype, self.max_model_len,
                             seed=config.seed)
         self.model, self.model_config, self.tokenizer = (loaded.model, loaded.config,

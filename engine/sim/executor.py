@@ -90,8 +90,7 @@ class SimulatedExecutor:
         self.clock = clock
         self.model_config = target.model_config or model_config_for(config.model)
         self.tokenizer = tokenizer_for(config.model, self.model_config)
-        self.max_model_len = min(config.max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
+        self.max_model_len = config.context_length(self.model_config.max_position_embeddings)
         self.device = SimulatedDevice(target.device, target.device_type)
         # the activations' precision by name: the twin holds no tensor, so it imports no torch
         self.dtype = target.dtype if target.dtype in ELEMENT_BYTES else "bfloat16"

@@ -221,8 +221,7 @@ def _require_one_longest_request(deployment: Deployment, config: EngineConfig,
     per_token = deployment.budget.kv_bytes_per_token
     per_block = per_token * config.block_size
     holds = kv_bytes // per_block * config.block_size
-    longest = min(config.max_model_len or deployment.config.max_position_embeddings,
-                  deployment.config.max_position_embeddings)
+    longest = config.context_length(deployment.config.max_position_embeddings)
     if longest <= holds:
         return
     given = ("--max-model-len" if config.max_model_len else
