@@ -397,7 +397,10 @@ def test_console_simulation_flags_need_the_embedded_engine() -> None:
     parse = build_parser().parse_args
     assert conflict(parse(["--simulate", "h200", "--model", "synthetic:8b"])) is None
     assert "add --simulate" in conflict(parse(["--sim-speed", "10"]))
-    assert "must be > 0" in conflict(parse(["--simulate", "h200", "--sim-speed", "0"]))
+    for speed in ("0", "-2", "nan", "inf"):  # a paced clock at inf reads nan at its start
+        said = conflict(parse(["--simulate", "h200", f"--sim-speed={speed}"]))
+        assert "must be a finite number > 0" in said and "bench --simulate" in said
+    assert conflict(parse(["--simulate", "h200", "--sim-speed", "1e6"])) is None
     assert "--simulate" in conflict(parse(["--simulate", "h200", "--attach", "http://x"]))
 
 

@@ -146,8 +146,9 @@ def conflict(args: argparse.Namespace) -> str | None:
                     if value]
     if (args.tp != 1 or args.sim_speed != 1.0) and not args.simulate:
         return "--tp and --sim-speed apply to a simulated engine; add --simulate"
-    if not args.sim_speed > 0:
-        return f"--sim-speed must be > 0, got {args.sim_speed}"
+    if not 0 < args.sim_speed < float("inf"):
+        return (f"--sim-speed must be a finite number > 0, got {args.sim_speed}; for a run as "
+                "fast as this host goes, use tokenflow bench --simulate")
     if args.simulate and args.device:
         return ("--device places the model's weights, which --simulate does without (step "
                 "times predicted); drop --device")

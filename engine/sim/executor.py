@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -27,8 +28,8 @@ class PacedClock:
 
     def __init__(self, speed: float = 1.0, *, wall: Callable[[], float] = time.monotonic,
                  pause: Callable[[float], None] = time.sleep) -> None:
-        if not speed > 0:
-            raise EngineError(f"simulation speed must be > 0, got {speed}")
+        if not 0 < speed < math.inf:
+            raise EngineError(f"simulation speed must be a finite number > 0, got {speed}")
         self.speed = speed
         self._wall, self._pause = wall, pause
         self._origin = wall()
