@@ -100,6 +100,8 @@ class EmbeddedSource:
         self.quarantined: tuple[str, ...] = ()
         # where the first calibration, run beside the traffic, stands ("pass 1/3, shape 7/16")
         self.calibrating: str | None = None
+        # how far the first calibration had come when last heard (kept once it ends)
+        self._calibrated_at: str | None = None
         # why the first calibration failed, until a recalibration succeeds: the engine serves
         # on uncalibrated, and the snapshot says so rather than "calibrating" for ever
         self.calibration_failure: str | None = None
@@ -199,7 +201,7 @@ class EmbeddedSource:
         engine = self.loop.engine
 
         def progress(fraction: float, note: str) -> None:
-            self.calibrating = note.split(":")[0]  # "pass 1/3, shape 7/16", not the shape
+            self.calibrating = self._calibrated_at = note.split(":")[0]  # not the shape
             engine.bus.publish(CalibrationProgress(fraction=fraction, note=note,
                                                    reason=FIRST_REASON))
 
@@ -221,10 +223,11 @@ class EmbeddedSource:
             self._store_result(result, FIRST_REASON)
             if self.monitor is not None:
                 self.monitor.reference = result.predictor
-            progress(1.0, f"calibrated in {result.wall_s:.1f} s")
+            engine.bus.publish(CalibrationProgress(
+                fraction=1.0, note=f"calibrated in {result.wall_s:.1f} s", reason=FIRST_REASON))
             self.calibrating = None
 
-        self.calibrating = "starting"
+        self.calibrating = self._calibrated_at = "starting"
         self.loop.call(unit)
 
     def _store_result(self, result: CalibrationResult, reason: str) -> None:
@@ -238,12 +241,14 @@ class EmbeddedSource:
             raise SourceError(f"the engine is paused: {self.writer.failure}")
         snapshot = self.loop.snapshot()
         calibrating, failure = self.calibrating, self.calibration_failure
-        if snapshot.calibration == "calibrating" and calibrating is not None:
-            snapshot = dataclasses.replace(snapshot, calibration=f"calibrating ({calibrating})")
-        elif snapshot.calibration == "calibrating" and failure is not None:
+        if snapshot.calibration == "calibrating" and failure is not None:
             snapshot = dataclasses.replace(snapshot, calibration=(
                 f"uncalibrated: the first calibration failed ({failure}); r on Drift (4) "
                 "recalibrates"))
+        elif snapshot.calibration == "calibrating" and self._calibrated_at is not None:
+            # a snapshot published before the sweep ended says how far it had come
+            snapshot = dataclasses.replace(
+                snapshot, calibration=f"calibrating ({calibrating or self._calibrated_at})")
         reused = self.session.calibration
         if (reused is not None and reused.reused and self.monitor is not None
                 and self.monitor.recalibrations == 0):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import re
 import sqlite3
 import threading
 import time
@@ -185,6 +187,28 @@ def test_a_failed_first_calibration_is_said_until_a_recalibration_succeeds(
                 break
             source.loop.call(lambda engine: None).result(timeout=60)
         assert source.snapshot().calibration == "calibrated"
+    finally:
+        source.close()
+
+
+def test_a_snapshot_from_just_before_the_first_calibration_ended_says_how_far_it_came(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop publishes a snapshot, then the sweep's last unit ends on the same thread: a
+    poll between them read the older snapshot ("calibrating") with no progress beside it,
+    where every other poll said how far it was ("pass 3/3, shape 16/16", "fitting")."""
+    source = EmbeddedSource.start(model="synthetic:tiny", device="cpu", workload="chat",
+                                  db=tmp_path / "fresh.db", config=UI_ENGINE, num_requests=2,
+                                  rate=float("inf"), repeat=False)
+    try:
+        for _ in range(10_000):  # step boundaries on until the sweep has ended
+            if source.calibrating is None:
+                break
+            source.loop.call(lambda engine: None).result(timeout=60)
+        assert source.calibrating is None and source.calibration_failure is None
+        stale = dataclasses.replace(source.loop.snapshot(), calibration="calibrating")
+        monkeypatch.setattr(source.loop, "snapshot", lambda: stale)
+        said = source.snapshot().calibration
+        assert re.fullmatch(r"calibrating \((pass \d/\d, shape \d+/\d+|fitting)\)", said), said
     finally:
         source.close()
 
