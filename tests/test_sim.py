@@ -7,6 +7,7 @@ import gc
 import json
 import statistics
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -268,6 +269,54 @@ def test_an_idle_paced_twin_runs_with_the_wall_clock_from_its_last_step() -> Non
     held = clock()
     clock.advance_to(held + 30.0)  # ahead of the host: it waits the step out at 10x
     assert wall.paused == [pytest.approx(3.0)] and clock() == held + 30.0
+
+
+def _paced_twin_session(speed: float) -> tuple[_Wall, Engine, Any]:
+    from engine.serve.session import EngineSession
+    from engine.sim.executor import PacedClock
+
+    wall = _Wall()
+    config = EngineConfig(model="synthetic:8b", max_num_batched_tokens=512)
+    engine = simulated_engine(config, resolve_target("h100", config),
+                              PacedClock(speed, wall=wall, pause=wall.pause))
+    return wall, engine, EngineSession(engine, None, None, None).attach_loop()
+
+
+def test_a_twins_traffic_arrives_on_its_clock_whatever_pace_the_host_keeps() -> None:
+    """The loop's player runs on the twin's clock: a host that cannot keep a 1000x pace
+    slows the pace, and the traffic's rate in simulated seconds stays the one asked."""
+    wall, engine, loop = _paced_twin_session(1000.0)
+    player = loop.player
+    assert player.clock is engine.clock and player.pace == 1000.0
+    arrivals = [WorkloadRequest(f"a{i}", float(i), (5,) * 40, max_tokens=4, ignore_eos=True)
+                for i in range(3)]
+    player.install(arrivals, False, 0)
+    start = engine.clock()
+    player.feed(engine)
+    assert engine.has_unfinished() and len(engine.scheduler.requests) == 1
+    wall.now += 5.0  # the host is slow: five wall seconds, 5,000 simulated ones at 1000x
+    player.feed(engine)
+    assert len(engine.scheduler.requests) == 1  # the twin's clock held: a1 is not due
+    # one simulated second ahead is a millisecond's wait on the wall
+    assert player.idle_timeout(10.0) == pytest.approx(0.001)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.clock() - start < 0.1  # four steps of a 40-token request
+    wall.now += 0.0015  # idle, the clock runs at 1000x: 1.5 simulated seconds
+    player.feed(engine)
+    assert list(engine.scheduler.requests) == ["a1-0"]
+
+
+def test_a_paused_twins_time_runs_on_as_a_real_engines_does() -> None:
+    wall, engine, loop = _paced_twin_session(100.0)
+    engine.add_request([5] * 40, SamplingParams(max_tokens=4))
+    held = engine.clock()
+    wall.now += 1.0
+    assert engine.clock() == held  # work waiting and the loop stepping: held
+    loop.pause()
+    assert engine.clock() == held  # paused: on from the hold, at the wall's pace
+    wall.now += 1.0
+    assert engine.clock() == pytest.approx(held + 100.0)
 
 
 def test_a_session_can_serve_the_twin_at_a_multiple_of_wall_clock_pace(tmp_path: Path) -> None:

@@ -151,10 +151,8 @@ class EmbeddedSource:
                 if session.calibration is not None:
                     say(1.0, f"reusing calibration {session.calibration.id} of "
                              f"{default_db_path()}")
-            requests = named_workload(
-                workload, engine, num_requests=num_requests, rate=rate,
-                # arrivals come on the wall clock, which a simulation outpaces speed-fold
-                time_scale=1.0 if simulate is None else 1.0 / simulate.speed)
+            # a twin's loop plays arrivals on its simulated clock (EngineSession.attach_loop)
+            requests = named_workload(workload, engine, num_requests=num_requests, rate=rate)
             with database.session() as db_session:
                 # numbered on from the last run's traffic (each of its cycles added
                 # requests[0] first), so no id clashes with what that run left

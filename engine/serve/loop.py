@@ -55,9 +55,11 @@ class EngineLoop:
     def __init__(self, engine: EngineCore, snapshot_interval_s: float = 0.1, *,
                  clock: Clock = time.monotonic, journal: JournalResume | None = None,
                  journal_served: Callable[[Callable[[bool], None]], None] | None = None,
-                 supervisor: Supervisor | None = None) -> None:
-        """`clock` paces snapshots and workloads; `journal_served(then)` calls `then(ok)` once
-        what was published is committed (StoreWriter.when_served)."""
+                 supervisor: Supervisor | None = None, workload_clock: Clock | None = None,
+                 workload_pace: float = 1.0) -> None:
+        """`clock` paces snapshots, and workloads unless `workload_clock` does (a twin's
+        simulated clock, `workload_pace` of its seconds a wall second); `journal_served(then)`
+        calls `then(ok)` once what was published is committed (StoreWriter.when_served)."""
         self.engine = engine
         self.snapshot_interval_s = snapshot_interval_s
         self.journal_served = journal_served
@@ -72,7 +74,7 @@ class EngineLoop:
         self.outputs = Outputs(engine)
         self.healer = Healer(engine, self.supervisor, journal, self.outputs)
         self.snapshots = SnapshotPublisher(engine, self.supervisor, clock, snapshot_interval_s)
-        self.player = WorkloadPlayer(clock)
+        self.player = WorkloadPlayer(workload_clock or clock, workload_pace)
         # a backlog never lets the engine idle: freed memory goes back while it works
         self.trim = IdleTrim(clock=clock)
 
@@ -179,7 +181,7 @@ class EngineLoop:
         try:
             while True:
                 with self._wake:
-                    while not self._stopping and not self._commands and not self._has_work():
+                    while not self._stopping and not self._commands and not self.has_work():
                         self._wake.wait(timeout=self.player.idle_timeout(self.snapshot_interval_s))
                         self._supervised(self._feed_workload)
                         if not self._paused:  # a resume or a workload may have brought work
@@ -247,7 +249,8 @@ class EngineLoop:
         return LoopHealth(self.error is None, self.supervisor.restarts, self.failed_while_down,
                           None if self.error is None else str(self.error))
 
-    def _has_work(self) -> bool:
+    def has_work(self) -> bool:
+        """Whether the loop steps: unfinished requests, and not paused."""
         return not self._paused and self.engine.has_unfinished()
 
     def _feed_workload(self) -> None:

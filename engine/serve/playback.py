@@ -33,8 +33,11 @@ class Arrival(Protocol):
 class WorkloadPlayer:
     """`plan`, `speed_for` and `arrival_rate` run on any thread; the rest on the loop's."""
 
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: Clock, pace: float = 1.0) -> None:
+        """`pace`: `clock`'s seconds a wall-clock second (a paced twin's speed), so an idle
+        loop waits for the next arrival in wall seconds."""
         self.clock = clock
+        self.pace = pace
         self._workload: deque[Arrival] = deque()
         self._workload_start = 0.0
         self._played_s = 0.0
@@ -84,7 +87,7 @@ class WorkloadPlayer:
         """How long an idle loop may wait: to the next arrival, at most `interval_s`."""
         if self._workload and self._speed > 0:
             ahead = self._workload[0].arrival_s - self._workload_clock(self.clock())
-            return max(0.0, min(ahead / self._speed, interval_s))
+            return max(0.0, min(ahead / self._speed / self.pace, interval_s))
         return interval_s
 
     def feed(self, engine: EngineCore) -> None:

@@ -94,9 +94,16 @@ class EngineSession:
         """The engine's loop thread, not started: subscribe observers, then `start()` it."""
         if self.loop is not None:
             raise RuntimeError("this session already has an engine loop")
+        clock = self.engine.clock
+        paced = clock if isinstance(clock, PacedClock) else None
+        # a twin's traffic arrives on its own clock, whatever pace this host keeps
         self.loop = EngineLoop(self.engine,
                                journal=self._resume_after_fault if self.writer else None,
-                               journal_served=self.writer.when_served if self.writer else None)
+                               journal_served=self.writer.when_served if self.writer else None,
+                               workload_clock=paced,
+                               workload_pace=1.0 if paced is None else paced.speed)
+        if paced is not None:  # paused, its time runs on as a real engine's does
+            paced.hold_while(self.loop.has_work)
         return self.loop
 
     def _resume_after_fault(self, engine: Engine) -> Resumption:

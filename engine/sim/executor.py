@@ -36,6 +36,7 @@ class PacedClock:
         # simulated seconds the wall clock ran while the clock held
         self._held_back = 0.0
         self._held: float | None = None
+        self._last = self._free()
         self._busy: Callable[[], bool] = lambda: False
         self._lock = threading.Lock()
 
@@ -49,13 +50,14 @@ class PacedClock:
     def __call__(self) -> float:
         with self._lock:
             if self._busy():
-                if self._held is None:
-                    self._held = self._free()
+                if self._held is None:  # work came: the time last read, its arrival's
+                    self._held = self._last
                 return self._held
             if self._held is not None:  # idle again: the wall clock goes on from the hold
                 self._held_back += self._free() - self._held
                 self._held = None
-            return self._free()
+            self._last = self._free()
+            return self._last
 
     def advance_to(self, t: float) -> None:
         ahead = t - self._free()
