@@ -276,12 +276,12 @@ class EngineConfig:
         """The longest prompt plus output served: `max_model_len`, or the model's positions
         where unset. Past them is refused, as vLLM refuses it: the model never saw those
         positions (vLLM's override is VLLM_ALLOW_LONG_MAX_MODEL_LEN; this engine has none)."""
-        if self.max_model_len and self.max_model_len > model_positions:
+        if self.max_model_len is not None and self.max_model_len > model_positions:
             raise ConfigError("max_model_len", (
                 f"{self.max_model_len:,} is past the model's {model_positions:,} positions "
                 f"(max_position_embeddings in its config); pass --max-model-len "
                 f"{model_positions} or less, or leave it unset"))
-        return self.max_model_len or model_positions
+        return model_positions if self.max_model_len is None else self.max_model_len
 
     def validate(self) -> None:
         _check(self.block_size >= 1, "block_size", "must be >= 1")
@@ -323,6 +323,8 @@ class EngineConfig:
                "must be >= 0 (ms; 0 = the ratio alone decides)")
         _check(self.stats_window_s > 0, "stats_window_s", "must be > 0 (seconds)")
         _check(self.max_prefill_tokens >= 0, "max_prefill_tokens", "must be >= 0")
+        _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
+               "must be a number of tokens >= 1, or unset for the model's length")
         _check(self.chunk_timeout_base_ms >= 0, "chunk_timeout_base_ms", "must be >= 0")
         _check(self.guard_window_s > 0, "guard_window_s", "must be > 0")
         _check(0 < self.defrag_threshold <= 1, "defrag_threshold", "must be in (0, 1]")

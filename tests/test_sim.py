@@ -440,6 +440,23 @@ def test_bench_simulate_prints_the_real_json_plus_what_was_simulated(
     assert "add --simulate" in capsys.readouterr().err
 
 
+def test_the_console_takes_a_context_length_for_its_embedded_engine(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A twin of a model that nearly fills its GPU is refused at the model's full length
+    with "--max-model-len N or less": the console must take that flag, and refuse it where
+    there is no engine of its own or no length."""
+    from console.cli.console import build_parser, conflict, main
+
+    parse = build_parser().parse_args
+    assert parse(["--simulate", "h100", "--max-model-len", "32768"]).max_model_len == 32768
+    assert "--max-model-len configure the embedded engine" in conflict(
+        parse(["--attach", "http://x", "--max-model-len", "10"]))
+    assert main(["--simulate", "h100", "--max-model-len", "0"]) == 2
+    assert "--max-model-len 0: must be a number of tokens >= 1" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="max_model_len: must be a number of tokens >= 1"):
+        EngineConfig(max_model_len=-5).validate()
+
+
 def test_console_simulation_flags_need_the_embedded_engine() -> None:
     from console.cli.console import build_parser, conflict
 

@@ -8,6 +8,7 @@ process imports Textual, instead of after it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -62,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "in DB) (default: mixed)")
     add_rate_flag(parser)
     add_engine_flag(parser, "--enable-prefix-caching")
+    add_engine_flag(parser, "--max-model-len")
     parser.add_argument("--db", metavar="PATH|URL",
                         help="the store: a SQLite file (default: the user data dir) or a "
                         "PostgreSQL URL (postgresql+psycopg://user@host/db) a fleet shares; "
@@ -142,7 +144,8 @@ def conflict(args: argparse.Namespace) -> str | None:
                                              ("--server-name", args.server_name),
                                              ("--simulate", args.simulate),
                                              ("--[no-]prefix-caching",
-                                              args.enable_prefix_caching is not None))
+                                              args.enable_prefix_caching is not None),
+                                             ("--max-model-len", args.max_model_len is not None))
                     if value]
     if (args.tp != 1 or args.sim_speed != 1.0) and not args.simulate:
         return "--tp and --sim-speed apply to a simulated engine; add --simulate"
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         # busy machine); the console's splash then shows the engine's stages.
         print("tokenflow-console: starting the engine…", file=sys.stderr, flush=True)
         from console.sources.process import ProcessSource
-        from engine.config import EngineConfig
+        from engine.config import ConfigError, EngineConfig
 
         simulate = None
         if args.simulate is not None:  # the twin's module imports torch: seconds before a spawn
@@ -193,6 +196,14 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig(slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms)
         if args.enable_prefix_caching is not None:
             config = config.replace(enable_prefix_caching=args.enable_prefix_caching)
+        if args.max_model_len is not None:  # fixed at start: not a live replace()
+            config = dataclasses.replace(config, max_model_len=args.max_model_len)
+            try:
+                config.validate()
+            except ConfigError as exc:
+                print(f"tokenflow-console: --max-model-len {args.max_model_len}: {exc.message}",
+                      file=sys.stderr)
+                return 2
         engine = ProcessSource.launch(model=args.model, device=args.device,
                                       workload=workload_name(args), rate=args.rate,
                                       db=args.db,
