@@ -132,16 +132,19 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def simulated_traffic(store: str, gpu: str, budget: int,
-                      model: str = "synthetic:8b") -> dict[str, Any]:
+def simulated_traffic(store: str, gpu: str, budget: int, model: str = "synthetic:8b",
+                      max_model_len: int | None = None) -> dict[str, Any]:
     """The traffic a traced fleet served (its OTLP traces in `store`) replayed on the twin of
-    `gpu` at a token budget of `budget`: `bench --simulate GPU --workload traced:STORE`'s run
-    report, as the console's fleet view asks for it."""
+    `gpu` at a token budget of `budget` (and a context of `max_model_len`, None: the
+    model's): `bench --simulate GPU --workload traced:STORE`'s run report, as the console's
+    fleet view asks for it."""
     parser = argparse.ArgumentParser(prog="tokenflow")
     register(parser.add_subparsers())
+    context = [] if max_model_len is None else ["--max-model-len", str(max_model_len)]
     args = parser.parse_args(["bench", "--simulate", gpu, "--model", model, "--workload",
                               f"traced:{store}", "--compare", "chunked", "--quiet",
-                              "--max-num-batched-tokens", str(budget), "--db", store])
+                              "--max-num-batched-tokens", str(budget), "--db", store,
+                              *context])
     return bench_report(args)["runs"]["chunked"]
 
 

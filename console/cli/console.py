@@ -214,11 +214,12 @@ def main(argv: list[str] | None = None) -> int:
     return run(args, engine, simulated_traffic)
 
 
-def simulated_traffic(store: str, gpu: str, budget: int, model: str) -> dict[str, Any]:
+def simulated_traffic(store: str, gpu: str, budget: int, model: str,
+                      max_model_len: int | None = None) -> dict[str, Any]:
     """The fleet view's twin run; bench's module (and torch) loads only when it is asked."""
     from console.cli.bench import simulated_traffic as run
 
-    return run(store, gpu, budget, model)
+    return run(store, gpu, budget, model, max_model_len)
 
 
 if __name__ == "__main__":

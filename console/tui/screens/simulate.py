@@ -81,6 +81,9 @@ class SimulateTraffic(ModalScreen[None]):
             yield Static("model (a directory with its config.json, or synthetic:NAME)",
                          classes="dim", markup=False)
             yield Input(DEFAULT_MODEL, id="simulate-model")
+            yield Static("context length (max_model_len; empty: the model's own)",
+                         classes="dim", markup=False)
+            yield Input("", id="simulate-context", type="integer")
             yield Static("enter runs · esc closes", id="simulate-result", markup=False)
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
@@ -95,15 +98,21 @@ class SimulateTraffic(ModalScreen[None]):
         if not budget_text.isdigit() or int(budget_text) < 1:
             result.update("the token budget is a whole number of tokens, at least 1")
             return
+        context_text = self.query_one("#simulate-context", Input).value.strip()
+        if context_text and (not context_text.isdigit() or int(context_text) < 1):
+            result.update("the context length is a whole number of tokens, at least 1, or "
+                          "empty for the model's own")
+            return
         budget = int(budget_text)
+        context = int(context_text) if context_text else None
         result.update(f"simulating on {gpu} at a budget of {budget} …")
         self.gpu, self.budget = gpu, budget
-        self.run_worker(lambda: self._simulate(gpu, budget, model), thread=True,
+        self.run_worker(lambda: self._simulate(gpu, budget, model, context), thread=True,
                         name="simulate traffic", exit_on_error=False)
 
-    def _simulate(self, gpu: str, budget: int, model: str) -> None:
+    def _simulate(self, gpu: str, budget: int, model: str, context: int | None) -> None:
         try:
-            report = self.traced.simulate(self.traced.store, gpu, budget, model)
+            report = self.traced.simulate(self.traced.store, gpu, budget, model, context)
         except (UserError, EngineError, SystemExit) as exc:
             self.post_message(TrafficSimulated(None, str(exc)))
             return
