@@ -118,6 +118,19 @@ def test_a_served_case_is_placed_by_the_sequences_it_kept_decoding(tmp_path: Pat
     assert near.nearest[0].id.startswith("gpustack-h100-qwen3-32b") and not near.far
 
 
+@pytest.mark.parametrize("gpu", ["b200", "a100-pcie", "h100-pcie"])
+def test_a_run_on_a_gpu_no_case_was_measured_on_is_placed_but_gets_no_band(gpu: str) -> None:
+    """A B200's or a PCIe board's shares are borrowed from another board's fit: the nearest
+    cases (another GPU's) say nothing of them, so no band is claimed."""
+    params_8b = PRESETS["8b"].num_params(include_embeddings=False)
+    judged = trust(RunShape(gpu, "bfloat16", params_8b, 1, 16, 1000, 200))
+    assert judged.band is None and not judged.far and judged.nearest
+    assert judged.no_band == (f"no published case was measured on {gpu}; its nearest are "
+                              "another GPU's")
+    assert all(not n.id.startswith(gpu) for n in judged.nearest)
+    assert trust(RunShape("h100", "bfloat16", params_8b, 1, 16, 1000, 200)).band is not None
+
+
 def test_a_run_on_a_users_profile_is_placed_but_gets_no_band(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from console.cli.main import main

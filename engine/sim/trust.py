@@ -6,7 +6,9 @@ distance is a sum of log ratios (a factor of e in one dimension counts 1; anothe
 precision counts as a factor of e), so the cases nearest a run are those measured on the
 most similar work. The band is the largest |error| the twin showed on the nearest cases, and
 never less than its median |error| on the held-out cases (the nearest are mostly fitted on,
-so their own errors flatter it); a run farther than FAR from every case gets none.
+so their own errors flatter it); a run farther than FAR from every case gets none, and so
+does a run on a GPU no case was measured on (B200, the PCIe boards, ...): it is placed, but
+its profile's shares were never judged there.
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ class PublishedCases:
         self.shapes = case_shapes(path)
         held = sorted(abs(c["twin_error"]) for _, c in self.shapes if c.get("held_back"))
         self.floor = held[len(held) // 2] if held else 0.0
+        self.gpus = frozenset(shape.gpu for shape, _ in self.shapes)
 
     def trust(self, run: RunShape, no_band: str | None = None) -> Trust:
         """The cases nearest `run` and their band; `no_band` says why there is none for a
@@ -146,11 +149,14 @@ class PublishedCases:
                         key=lambda pair: pair[0])[:NEAREST]
         nearest = tuple(NearCase(c["id"], c["source"], c["conditions"], round(d, 3),
                                  c["twin_error"]) for d, c in ranked)
+        far = not ranked or ranked[0][0] > FAR
+        if no_band is None and not far and run.gpu not in self.gpus:
+            # its profile's shares are another board's: no case has judged them on this one
+            no_band = (f"no published case was measured on {run.gpu}; its nearest are "
+                       "another GPU's")
         if no_band is not None:
             return Trust(nearest, None, no_band)
-        band = (None if not ranked or ranked[0][0] > FAR
-                else max(self.floor, *(abs(n.error) for n in nearest)))
-        return Trust(nearest, band)
+        return Trust(nearest, None if far else max(self.floor, *(abs(n.error) for n in nearest)))
 
 
 def trust(run: RunShape, path: Path = PUBLISHED_CASES, no_band: str | None = None) -> Trust:
