@@ -119,7 +119,7 @@ def test_a_served_case_is_placed_by_the_sequences_it_kept_decoding(tmp_path: Pat
 
 
 @pytest.mark.parametrize("gpu", ["b200", "a100-pcie", "h100-pcie"])
-def test_a_run_on_a_gpu_no_case_was_measured_on_is_placed_but_gets_no_band(gpu: str) -> None:
+def test_a_run_on_a_gpu_or_precision_no_case_was_measured_on_gets_no_band(gpu: str) -> None:
     """A B200's or a PCIe board's shares are borrowed from another board's fit: the nearest
     cases (another GPU's) say nothing of them, so no band is claimed."""
     params_8b = PRESETS["8b"].num_params(include_embeddings=False)
@@ -129,6 +129,11 @@ def test_a_run_on_a_gpu_no_case_was_measured_on_is_placed_but_gets_no_band(gpu: 
                               "another GPU's")
     assert all(not n.id.startswith(gpu) for n in judged.nearest)
     assert trust(RunShape("h100", "bfloat16", params_8b, 1, 16, 1000, 200)).band is not None
+    # the same of a precision: no case has float32 weights (float32 once counted as 16-bit)
+    fp32 = trust(RunShape("h100", "float32", params_8b, 1, 16, 1000, 200))
+    assert fp32.band is None and fp32.no_band == (
+        "no published case was measured with float32 weights; its nearest are another "
+        "precision's")
 
 
 def test_a_run_on_a_users_profile_is_placed_but_gets_no_band(

@@ -7,8 +7,9 @@ precision counts as a factor of e), so the cases nearest a run are those measure
 most similar work. The band is the largest |error| the twin showed on the nearest cases, and
 never less than its median |error| on the held-out cases (the nearest are mostly fitted on,
 so their own errors flatter it); a run farther than FAR from every case gets none, and so
-does a run on a GPU no case was measured on (B200, the PCIe boards, ...): it is placed, but
-its profile's shares were never judged there.
+does a run on a GPU or at a weight precision no case was measured on (B200, the PCIe
+boards, float32 weights, ...): it is placed, but its profile's shares were never judged
+there.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ class Trust:
 
 
 def _precision(dtype: str) -> str:
-    return "16-bit" if dtype in ("bfloat16", "float16", "float32") else dtype
+    return "16-bit" if dtype in ("bfloat16", "float16") else dtype
 
 
 def case_shapes(path: Path = PUBLISHED_CASES) -> list[tuple[RunShape, dict[str, Any]]]:
@@ -141,6 +142,7 @@ class PublishedCases:
         held = sorted(abs(c["twin_error"]) for _, c in self.shapes if c.get("held_back"))
         self.floor = held[len(held) // 2] if held else 0.0
         self.gpus = frozenset(shape.gpu for shape, _ in self.shapes)
+        self.precisions = frozenset(_precision(shape.dtype) for shape, _ in self.shapes)
 
     def trust(self, run: RunShape, no_band: str | None = None) -> Trust:
         """The cases nearest `run` and their band; `no_band` says why there is none for a
@@ -154,6 +156,9 @@ class PublishedCases:
             # its profile's shares are another board's: no case has judged them on this one
             no_band = (f"no published case was measured on {run.gpu}; its nearest are "
                        "another GPU's")
+        elif no_band is None and not far and _precision(run.dtype) not in self.precisions:
+            no_band = (f"no published case was measured with {run.dtype} weights; its "
+                       "nearest are another precision's")
         if no_band is not None:
             return Trust(nearest, None, no_band)
         return Trust(nearest, None if far else max(self.floor, *(abs(n.error) for n in nearest)))
