@@ -745,3 +745,11 @@ def test_a_gpu_profile_file_names_its_first_bad_field(override: dict[str, object
     with pytest.raises(ConfigError) as raised:
         resolve_target("h100", EngineConfig(model="synthetic:8b"), gpu_profile=file)
     assert said in str(raised.value) and "Traceback" not in str(raised.value)
+
+
+@pytest.mark.parametrize("spec", ["", "  "])
+def test_an_empty_simulate_target_is_an_unknown_gpu_not_an_empty_profile(spec: str) -> None:
+    """An empty name once matched the empty key of no profile file, and was read as a
+    profile of nothing: "interconnect is missing"."""
+    with pytest.raises(ConfigError, match=r"unknown GPU '.*'; choose one of a100"):
+        resolve_target(spec, EngineConfig(model="synthetic:8b"))

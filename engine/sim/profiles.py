@@ -291,7 +291,7 @@ def profile(name: str, override: Path | None = None) -> GpuProfile:
             raise ConfigError("gpu profile", f"{override} must hold one JSON object")
     known = PROFILES.get(name.lower())
     if known is None:
-        if data.get("key", "").lower() == name.lower():
+        if data and data.get("key", "").lower() == name.lower():
             return profile_from_dict(data)
         raise ConfigError("simulate", f"unknown GPU {name!r}; choose one of "
                           f"{', '.join(PROFILES)}, 'this' (this device's stored calibration), "
