@@ -41,7 +41,8 @@ class PacedClock:
         self._lock = threading.Lock()
 
     def hold_while(self, busy: Callable[[], bool]) -> None:
-        """Hold between steps while `busy()` (the engine has unfinished requests)."""
+        """Hold between steps while `busy()`: the engine has unfinished requests to step (and,
+        under a loop, the loop is not paused)."""
         self._busy = busy
 
     def _free(self) -> float:
