@@ -33,6 +33,7 @@ from typing import Any
 from console.cli.db import add_db_argument
 from console.cli.engine_flags import add_engine_flags, engine_config
 from console.cli.given_flags import given
+from console.cli.process_age import process_age_s
 from console.cli.progress import RunProgress, add_quiet_flag
 from console.cli.workload_flags import (
     add_fixed_length_flags,
@@ -221,6 +222,7 @@ def bench_report(args: argparse.Namespace) -> dict[str, Any]:
                       predictor_source=target.source, target=target.describe(),
                       gpu_defaults=gpu_defaults)
     results: dict[str, RunResult] = {}
+    startup_s = process_age_s()  # what the first run waited for: interpreter, imports, set-up
     for name, config in configs.items():
         meter = HostLoadMeter()
         if sim is None:
@@ -262,7 +264,21 @@ def bench_report(args: argparse.Namespace) -> dict[str, Any]:
     if args.report:
         from console.cli.report import write_report
         report["report"] = str(write_report(args.report, report, results))
+    if sim is not None and startup_s is not None:
+        report["process"] = _process_time(report["runs"], startup_s, process_age_s() or 0.0)
     return report
+
+
+def _process_time(runs: dict[str, Any], startup_s: float, age_s: float) -> dict[str, float]:
+    """The whole command against the time it simulated: its start-up (to the first run),
+    the simulated runs' step loops, and the rest (the real runs beside them, the reports)."""
+    simulated = [r for r in runs.values() if "host_wall_s" in r]
+    loops = sum(r["host_wall_s"] for r in simulated)
+    simulated_s = sum(r["wall_s"] for r in simulated)
+    return {"startup_s": round(startup_s, 3), "step_loops_s": round(loops, 3),
+            "other_s": round(max(0.0, age_s - startup_s - loops), 3),
+            "process_s": round(age_s, 3), "simulated_s": round(simulated_s, 3),
+            "x_real_time": round(simulated_s / age_s, 1) if age_s > 0 else None}
 
 
 def _workload_spec(args: argparse.Namespace) -> str:
@@ -528,6 +544,10 @@ def _print_table(report: dict[str, Any]) -> None:
     if report.get("gpu_defaults"):
         print("vLLM's GPU server defaults applied: " + ", ".join(
             f"{k}={v}" for k, v in report["gpu_defaults"].items()))
+    if (p := report.get("process")) and p["x_real_time"] is not None:
+        print(f"time: {p['simulated_s']:.1f} s simulated; start-up {p['startup_s']:.2f} s, "
+              f"step loops {p['step_loops_s']:.2f} s, the rest {p['other_s']:.2f} s: the "
+              f"whole command {p['process_s']:.2f} s so far, {p['x_real_time']:.0f}x real time")
     for name, run in runs.items():
         host = run.get("host")
         # a simulated run's figures are simulated time, which host load cannot change

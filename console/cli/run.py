@@ -22,6 +22,7 @@ from console.cli.db import (
 )
 from console.cli.engine_flags import add_engine_flags, engine_config, start_session
 from console.cli.output_file import check_output, open_output
+from console.cli.process_age import process_age_s
 from console.cli.progress import RunProgress, add_quiet_flag
 from console.cli.terminal import terminal_safe
 from console.cli.workload_flags import (
@@ -93,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             refuse_store_files(args.output, args.db)
         check_output(args.output, may_exist=args.resume,
                      keep_hint="pass --resume to finish the run that wrote it")
-    started = time.monotonic() - (_process_age_s() or 0.0)
+    started = time.monotonic() - (process_age_s() or 0.0)
     entered = time.monotonic()
     config = engine_config(args)
     progress = RunProgress("tokenflow run", 0, quiet=args.quiet)
@@ -277,18 +278,6 @@ def _cold_start(session: EngineSession, started: float, entered: float, ready: f
             "session_other_s": round(ready - entered - engine_s - calibration, 3),
             "to_first_token_s": round(first_token[0] - ready, 3) if first_token else None,
             "total_s": round(first_token[0] - started, 3) if first_token else None}
-
-
-def _process_age_s() -> float | None:
-    """Seconds since this process started (Linux), so a cold start counts the imports too;
-    None where /proc does not say."""
-    try:
-        # fields after the command name's ')': state is field 3, starttime field 22
-        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return max(0.0, uptime - start_ticks / os.sysconf("SC_CLK_TCK"))
 
 
 def _print_summary(s: dict[str, Any]) -> None:
