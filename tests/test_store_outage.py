@@ -194,6 +194,9 @@ def test_answers_given_from_memory_are_recorded_when_the_name_is_lost_while_they
         release.set()
         eventually(lambda: writer.failure is not None, "the stop")
         assert "was lost" in str(writer.failure)
+        # the failure is set first (no answer is promised after it), then the writer's thread
+        # records what was promised: join it before reading what it wrote
+        assert writer.close(timeout=60)
         for rid in ids:  # every answer is stored as answered, r1 set right after the sweep
             row = journal_row(second, rid)
             assert (row.state, row.finish_reason) == ("FINISHED", "length"), rid
