@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engine.budget.operations import FIT_BOUNDS, OperationEfficiency
 from engine.sim.profiles import PROFILES, profile
@@ -31,6 +32,9 @@ from engine.sim.published import (
     too_fast,
 )
 from engine.sim.trust import decoding_batch
+
+if TYPE_CHECKING:
+    from engine.harness.driver import RunResult
 
 CASES = PUBLISHED_CASES
 # Prefill attention is not fitted: the profile takes it from the kernels' published curves.
@@ -107,9 +111,19 @@ def fit(cases: list[PublishedCase], params: Params) -> Params:
     return best
 
 
-def errors_of(cases: list[PublishedCase], params: Params | None) -> dict[str, float]:
-    return {c.id: c.error(None if params is None else case_efficiency(c, params))
-            for c in cases}
+def errors_of(cases: list[PublishedCase], params: Params | None,
+              runs: dict[str, RunResult] | None = None) -> dict[str, float]:
+    """Each case's error; a served case's twin run kept in `runs` where given, so --write and
+    --served-detail read it again rather than run it again (seconds each)."""
+    errors = {}
+    for c in cases:
+        efficiency = None if params is None else case_efficiency(c, params)
+        if runs is not None and c.kind == "served":
+            run = runs[c.id] = c.served_run(efficiency)
+            errors[c.id] = c.error_of(run.wall_s)
+        else:
+            errors[c.id] = c.error(efficiency)
+    return errors
 
 
 def sets_table(sets: dict[str, list[PublishedCase]], errors: dict[str, float]) -> str:
@@ -152,7 +166,7 @@ LATENCIES = (("TTFT p50", "ttft_ms", "p50"), ("TPOT p50", "tpot_ms", "p50"),
              ("ITL p50", "itl_ms", "p50"), ("ITL p99", "itl_ms", "p99"))
 
 
-def served_detail(cases: list[PublishedCase]) -> str:
+def served_detail(cases: list[PublishedCase], runs: dict[str, RunResult]) -> str:
     """Each served case's latencies, printed against the twin's (ms): a step priced wrong
     shows in every ITL, a schedule or front end wrong in TTFT alone. The client times TTFT
     from its send, so the twin's counts the front end's intake too."""
@@ -162,7 +176,7 @@ def served_detail(cases: list[PublishedCase]) -> str:
         printed = dict(c.printed_ms)
         if c.kind != "served" or not printed:
             continue
-        summary = c.served_run().summary()
+        summary = (runs[c.id] if c.id in runs else c.served_run()).summary()
         intake_ms = c.front_end_s() * 1e3
         cells = []
         for _, key, pct in LATENCIES:
@@ -173,18 +187,17 @@ def served_detail(cases: list[PublishedCase]) -> str:
     return "\n".join(lines)
 
 
-def write_errors(cases: list[PublishedCase]) -> None:
-    """Each case's error on the shipped factors into the cases file, and a served case's
-    decoding batch in its twin run (`placed_batch`, where the trust band places it); a case
-    the KV rule leaves out has none (its schedule is not the publication's)."""
-    errors, batches = {}, {}
-    for c in cases:
-        if c.kind == "served":
-            run = c.served_run()
-            errors[c.id] = round(c.error_of(run.wall_s), 4)
-            batches[c.id] = round(decoding_batch(run), 2)
-        else:
-            errors[c.id] = round(c.error(), 4)
+def write_errors(cases: list[PublishedCase], known: dict[str, float],
+                 runs: dict[str, RunResult]) -> None:
+    """Each case's error on the shipped factors into the cases file (those in `known`, and
+    the served runs in `runs`, already priced on them), and a served case's decoding batch in
+    its twin run (`placed_batch`, where the trust band places it); a case the KV rule leaves
+    out has none (its schedule is not the publication's)."""
+    runs = {c.id: runs[c.id] if c.id in runs else c.served_run()
+            for c in cases if c.kind == "served"}
+    errors = {c.id: round(c.error_of(runs[c.id].wall_s) if c.id in runs
+                          else known[c.id] if c.id in known else c.error(), 4) for c in cases}
+    batches = {case_id: round(decoding_batch(run), 2) for case_id, run in runs.items()}
     data = json.loads(CASES.read_text())
     for case in data["cases"]:
         case.pop("twin_error", None)
@@ -265,12 +278,14 @@ def main() -> None:
         for name, value in params.items():
             print(f"{name:<26}{value:.6g}")
     judged = [*fitted, *held]
-    errors = errors_of(judged, params)
+    # the served runs on the shipped factors, kept for --write and --served-detail
+    runs: dict[str, RunResult] = {}
+    errors = errors_of(judged, params, runs if params is None else None)
     print(f"\nleft out by the KV rule: {', '.join(left_out) or 'none'}")
     print(f"\nfitted on ({len(fitted)} cases):\n{table(fitted, errors, args.markdown)}")
     print(f"\nheld back ({len(held)} cases):\n{table(held, errors, args.markdown)}")
     if args.write:
-        write_errors(cases)
+        write_errors(cases, errors if params is None else {}, runs)
     sets = {"fitted on": fitted,
             "the first table's held-back cases": [
                 c for c in held
@@ -286,7 +301,7 @@ def main() -> None:
     print(f"\n{sets_table(sets, errors)}\n\nsources "
           f"{len({c.source for c in judged})}")
     if args.served_detail:
-        print(f"\nserved cases, latencies in ms:\n{served_detail(held)}")
+        print(f"\nserved cases, latencies in ms:\n{served_detail(held, runs)}")
 
 
 if __name__ == "__main__":
