@@ -384,8 +384,8 @@ def _gpu_defaults(args: argparse.Namespace, base: EngineConfig) -> dict[str, Any
     if args.simulate is None or needs_store(args.simulate):
         return {}
     gpu = profile(args.simulate, args.gpu_profile)
-    given = frozenset(name for name in vllm_defaults(gpu) if getattr(args, name, None) is not None)
-    return server_defaults(gpu, base, given)
+    typed = frozenset(name for name in vllm_defaults(gpu) if getattr(args, name, None) is not None)
+    return server_defaults(gpu, base, typed)
 
 
 def _run(name: str, config: EngineConfig, workload: list[WorkloadRequest],

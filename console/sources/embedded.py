@@ -101,7 +101,7 @@ class EmbeddedSource:
         # where the first calibration, run beside the traffic, stands ("pass 1/3, shape 7/16")
         self.calibrating: str | None = None
         # how far the first calibration had come when last heard (kept once it ends)
-        self._calibrated_at: str | None = None
+        self._calibration_progress: str | None = None
         # why the first calibration failed, until a recalibration succeeds: the engine serves
         # on uncalibrated, and the snapshot says so rather than "calibrating" for ever
         self.calibration_failure: str | None = None
@@ -199,7 +199,7 @@ class EmbeddedSource:
         engine = self.loop.engine
 
         def progress(fraction: float, note: str) -> None:
-            self.calibrating = self._calibrated_at = note.split(":")[0]  # not the shape
+            self.calibrating = self._calibration_progress = note.split(":")[0]  # not the shape
             engine.bus.publish(CalibrationProgress(fraction=fraction, note=note,
                                                    reason=FIRST_REASON))
 
@@ -225,7 +225,7 @@ class EmbeddedSource:
                 fraction=1.0, note=f"calibrated in {result.wall_s:.1f} s", reason=FIRST_REASON))
             self.calibrating = None
 
-        self.calibrating = self._calibrated_at = "starting"
+        self.calibrating = self._calibration_progress = "starting"
         self.loop.call(unit)
 
     def _store_result(self, result: CalibrationResult, reason: str) -> None:
@@ -243,10 +243,10 @@ class EmbeddedSource:
             snapshot = dataclasses.replace(snapshot, calibration=(
                 f"uncalibrated: the first calibration failed ({failure}); r on Drift (4) "
                 "recalibrates"))
-        elif snapshot.calibration == "calibrating" and self._calibrated_at is not None:
+        elif snapshot.calibration == "calibrating" and self._calibration_progress is not None:
             # a snapshot published before the sweep ended says how far it had come
             snapshot = dataclasses.replace(
-                snapshot, calibration=f"calibrating ({calibrating or self._calibrated_at})")
+                snapshot, calibration=f"calibrating ({calibrating or self._calibration_progress})")
         reused = self.session.calibration
         if (reused is not None and reused.reused and self.monitor is not None
                 and self.monitor.recalibrations == 0):
