@@ -335,3 +335,15 @@ def test_a_report_directory_that_holds_a_report_is_refused_before_the_runs(
     (tmp_path / "d" / "itl_cdf.png").symlink_to(tmp_path / "elsewhere.png")
     assert main(["bench", "--model", "synthetic:tiny", "--report", str(tmp_path / "d")]) == 2
     assert "holds itl_cdf.png already" in capsys.readouterr().err
+
+
+def test_requests_paced_past_the_longest_span_are_refused_at_every_door(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps({"id": f"r{n}", "prompt_token_ids": [5, 6, 7],
+                                         "max_tokens": 2}) + "\n" for n in range(3)))
+    for given in (["--requests", str(plain)],
+                  ["--input-len", "10", "--output-len", "2", "--num-prompts", "3"]):
+        code, err, _ = _bench_requests(capsys, tmp_path, *given, "--rate", "1e-9")
+        assert code == 2 and "past the 1e+06 s (11.6 days) a workload may span" in err, err
+        assert "Traceback" not in err

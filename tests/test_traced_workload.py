@@ -54,6 +54,19 @@ def test_traced_workload_replays_every_traced_request_with_its_lengths(tmp_path:
         traced_requests(f"traced:{tmp_path / 'none.db'}", vocab_size=512, max_model_len=1024)
 
 
+@pytest.mark.parametrize("given, said", [
+    ({"time_scale": float("inf")}, "time_scale must be a finite number > 0, got inf"),
+    ({"time_scale": 0.0}, "time_scale must be a finite number > 0"),
+    ({"time_scale": 1e300}, r"past the 1e\+06 s \(11.6 days\) a workload may span"),
+    ({"num_requests": 0}, "num_requests must be at least 1, got 0"),
+])
+def test_a_traced_replay_takes_the_rules_every_workload_takes(tmp_path: Path, given,
+                                                              said) -> None:
+    with pytest.raises(EngineError, match=said):
+        traced_requests(f"traced:{_collected(tmp_path)}", vocab_size=512, max_model_len=1024,
+                        **given)
+
+
 def test_this_mornings_traffic_on_a_simulated_gpu(tmp_path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     from console.cli.main import main

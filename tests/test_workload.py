@@ -301,3 +301,90 @@ def test_prompt_ids_are_the_ids_and_the_rng_state_of_python_choices(seed, vocab_
             range(FIRST_PROMPT_TOKEN_ID, vocab_size), k=count)
         assert ours.getstate() == pythons.getstate()
     assert ours.gauss(0, 1) == pythons.gauss(0, 1)
+
+
+@pytest.mark.parametrize("name", ["length_scale", "time_scale"])
+@pytest.mark.parametrize("value", [math.inf, math.nan, 0.0, -1.0])
+def test_a_scale_must_be_a_finite_number_above_zero(name, value):
+    with pytest.raises(WorkloadError, match=f"{name} must be a finite number > 0"):
+        build("chat", **{name: value})
+
+
+@pytest.mark.parametrize("spec", ["chat", "conv", "multiturn"])
+def test_a_scale_past_any_integer_is_clipped_to_the_model_not_overflowed(spec):
+    requests = build(spec, num_requests=2, length_scale=1e300) if spec != "multiturn" else None
+    if requests is not None:
+        assert all(len(r.prompt_token_ids) == MODEL["max_model_len"] - 1 and r.max_tokens == 1
+                   for r in requests)
+    else:  # no turn of a context's length leaves room for its reply
+        with pytest.raises(WorkloadError, match=r"no conversation's first turn fits the "
+                                                r"model's 8192 tokens .*lower --length-scale"):
+            build(spec, num_requests=2, length_scale=1e300)
+
+
+def test_conversations_none_of_which_fits_are_refused_with_the_fix(tmp_path: Path):
+    path = write_lines(tmp_path / "long.jsonl", [
+        {"id": "a", "turns": [{"user_token_ids": [5] * 100, "max_tokens": 50}]},
+        {"id": "b", "turns": [{"user_token_ids": [5] * 90, "max_tokens": 30}]}])
+    with pytest.raises(WorkloadError, match=r"64 tokens \(the shortest needs 120 with its "
+                                            r"reply\).*raise --max-model-len"):
+        build_workload(f"conversations:{path}", vocab_size=512, max_model_len=64)
+
+
+@pytest.mark.parametrize("spec, kwargs", [
+    ("chat", {"rate": 1e-9}),
+    ("chat", {"time_scale": 1e300}),
+    ("conv", {"num_requests": 4, "rate": 1e-9}),
+    ("multiturn", {"num_requests": 2, "rate": 1e-9}),
+])
+def test_a_workload_past_the_longest_span_is_refused_at_every_source(spec, kwargs):
+    with pytest.raises(WorkloadError, match=r"past the 1e\+06 s \(11.6 days\) a workload may "
+                                            r"span: raise --rate, lower --time-scale"):
+        build(spec, **kwargs)
+
+
+def test_a_trace_spanning_decades_is_refused_and_one_within_the_span_replays(tmp_path: Path):
+    path = tmp_path / "t.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03,100,10\n"
+                    "2093-11-16 18:17:04,100,10\n")
+    with pytest.raises(WorkloadError, match=r"would arrive at 2\.209e"):
+        build(f"trace:{path}", num_requests=2, length_scale=1.0)
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03,100,10\n"
+                    "2023-11-27 18:17:03,100,10\n")  # 11 days
+    assert build(f"trace:{path}", num_requests=2, length_scale=1.0)[-1].arrival_s == 11 * 86400
+
+
+@pytest.mark.parametrize("rows, problem", [
+    ("2023-11-16 18:17:03,100,10\n2023-11-16 18:17:04+00:00,100,10\n",
+     "line 3 gives TIMESTAMP a UTC offset and line 2 does not; give every row one, or none"),
+    ("2023-11-16 18:17:03+01:00,100,10\n2023-11-16 18:17:04,100,10\n",
+     "line 2 gives TIMESTAMP a UTC offset and line 3 does not"),
+    ("2023-11-16 18:17:03,-100,10\n", ":2: bad row .*GeneratedTokens >= 1"),
+    ("2023-11-16 18:17:03,100,0\n", ":2: bad row .*GeneratedTokens >= 1"),
+])
+def test_a_trace_row_no_request_could_be_made_of_is_named(tmp_path: Path, rows, problem):
+    path = tmp_path / "bad.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + rows)
+    with pytest.raises(TraceError, match=problem):
+        load_trace(path)
+
+
+def test_a_zoned_trace_replays_in_time_order(tmp_path: Path):
+    path = tmp_path / "zoned.csv"
+    path.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:05+00:00,1,2\n"
+                    "2023-11-16 19:17:03+01:00,3,4\n")
+    assert [(r.arrival_s, r.context_tokens) for r in load_trace(path)] == [(0.0, 3), (2.0, 1)]
+
+
+@pytest.mark.parametrize("field, turn", [("arrival_s", None), ("think_s", 0)])
+@pytest.mark.parametrize("value", ["Infinity", "NaN", "1e300", "-1"])
+def test_a_conversation_waits_no_longer_than_a_requests_file_may(tmp_path: Path, field, turn,
+                                                                  value):
+    think = f', "think_s": {value}' if turn is not None else ""
+    arrival = f'"arrival_s": {value}, ' if turn is None else ""
+    line = f'{{"id": "a", {arrival}"turns": [{{"user_token_ids": [5], "max_tokens": 1{think}}}]}}'
+    path = write_lines(tmp_path / "c.jsonl", [line])
+    where = field if turn is None else f"turns\\[{turn}\\].{field}"
+    with pytest.raises(EngineError, match=f"c.jsonl:1: field '{where}': must be a number of "
+                                          r"seconds in \[0, 1e\+06\]"):
+        build_workload(f"conversations:{path}", vocab_size=512, max_model_len=64)

@@ -131,7 +131,7 @@ def requests_file_workload(args: argparse.Namespace, lines: list[tuple[str, dict
                            encode: Callable[[str], list[int]],
                            vocab_size: int) -> list[WorkloadRequest]:
     """A requests file's requests: at their `arrival_s`, or paced at --rate in file order."""
-    from engine.harness.workload import requests_from_lines
+    from engine.harness.workload import requests_from_lines, within_span
 
     check_requests_file_flags(args, lines)
     requests = requests_from_lines(lines, encode, vocab_size=vocab_size)
@@ -139,8 +139,8 @@ def requests_file_workload(args: argparse.Namespace, lines: list[tuple[str, dict
         return requests
     rng = random.Random(_seed(args))
     arrivals = itertools.accumulate(_gap(n, args.rate, rng) for n in range(len(requests)))
-    return [dataclasses.replace(r, arrival_s=t)
-            for r, t in zip(requests, arrivals, strict=True)]
+    return within_span([dataclasses.replace(r, arrival_s=t)
+                        for r, t in zip(requests, arrivals, strict=True)])
 
 
 def _gap(n: int, rate: float | None, rng: random.Random) -> float:
@@ -151,7 +151,7 @@ def _gap(n: int, rate: float | None, rng: random.Random) -> float:
 
 def _fixed_length(args: argparse.Namespace, engine: EngineCore) -> list[WorkloadRequest] | None:
     """The requests file's or the random fixed-length prompts' requests, if asked for."""
-    from engine.harness.workload import WorkloadRequest, request_lines
+    from engine.harness.workload import WorkloadRequest, request_lines, within_span
 
     path = getattr(args, "requests", None)
     lengths = [getattr(args, name, None) for name in ("input_len", "output_len", "num_prompts")]
@@ -183,4 +183,4 @@ def _fixed_length(args: argparse.Namespace, engine: EngineCore) -> list[Workload
         prompt = tuple(rng.randrange(vocab) for _ in range(input_len))
         requests.append(WorkloadRequest(f"fixed-{n}", arrival, prompt, output_len,
                                         ignore_eos=True))
-    return requests
+    return within_span(requests)

@@ -49,23 +49,28 @@ class MultiTurnProfile:
 
 
 MULTITURN = MultiTurnProfile()
+# the latest a request may arrive, 11.6 days: arrivals replay in real time (1e9 s is 31 years)
+MAX_ARRIVAL_S = 1e6
 LENGTH_JITTER = 0.25
 
 
 def multiturn_conversations(profile: MultiTurnProfile, *, num_conversations: int | None,
                             rate: float | None, length_scale: float, vocab_size: int,
-                            rng: random.Random) -> list[Conversation]:
-    """Seeded conversations of the profile's shape; `rate` overrides its start rate."""
+                            max_model_len: int, rng: random.Random) -> list[Conversation]:
+    """Seeded conversations of the profile's shape; `rate` overrides its start rate. No
+    length passes `max_model_len`: a longer one could never be sent, however scaled."""
     n = num_conversations or profile.conversations
     rate = profile.rate if rate is None else rate
 
+    def scaled(mean: float) -> int:
+        return max(1, round(min(mean * length_scale, max_model_len)))
+
     def tokens(mean: int) -> tuple[int, ...]:
-        length = max(1, round(mean * length_scale * rng.uniform(1 - LENGTH_JITTER,
-                                                                 1 + LENGTH_JITTER)))
+        length = scaled(mean * rng.uniform(1 - LENGTH_JITTER, 1 + LENGTH_JITTER))
         return tuple(rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(length))
 
     system = tuple(rng.randrange(FIRST_TOKEN_ID, vocab_size)
-                   for _ in range(max(1, round(profile.system_len * length_scale))))
+                   for _ in range(scaled(profile.system_len)))
     conversations, start = [], 0.0
     for c in range(n):
         turns = tuple(Turn(tokens(profile.user_len), len(tokens(profile.reply_len)),
@@ -159,8 +164,8 @@ def _parse(where: str, line: str, encode: Callable[[str], list[int]] | None) -> 
     if not isinstance(cid, str) or not cid:
         raise bad("id", "must be a non-empty string", cid)
     arrival = obj.get("arrival_s", 0.0)
-    if isinstance(arrival, bool) or not isinstance(arrival, int | float) or not arrival >= 0:
-        raise bad("arrival_s", "must be a number of seconds >= 0", arrival)
+    if not _seconds(arrival):
+        raise bad("arrival_s", f"must be a number of seconds in [0, {MAX_ARRIVAL_S:g}]", arrival)
     tenant = obj.get("tenant", "default")
     if not isinstance(tenant, str):
         raise bad("tenant", "must be a string", tenant)
@@ -175,8 +180,15 @@ def _parse(where: str, line: str, encode: Callable[[str], list[int]] | None) -> 
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise bad(f"turns[{i}].max_tokens", "must be an integer >= 1", max_tokens)
         think = raw.get("think_s", 0.0)
-        if isinstance(think, bool) or not isinstance(think, int | float) or not think >= 0:
-            raise bad(f"turns[{i}].think_s", "must be a number of seconds >= 0", think)
+        if not _seconds(think):
+            raise bad(f"turns[{i}].think_s",
+                      f"must be a number of seconds in [0, {MAX_ARRIVAL_S:g}]", think)
         turns.append(Turn(text_or_ids(raw, "user", True), max_tokens, float(think)))
     return Conversation(cid, float(arrival), text_or_ids(obj, "system", False), tuple(turns),
                         tenant)
+
+
+def _seconds(value: Any) -> bool:
+    """Whether `value` is a JSON number of seconds a workload may wait, 0 to MAX_ARRIVAL_S."""
+    return (not isinstance(value, bool) and isinstance(value, int | float)
+            and 0 <= value <= MAX_ARRIVAL_S)

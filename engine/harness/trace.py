@@ -75,6 +75,11 @@ def load_trace(path: Path | str | Traversable) -> list[TraceRow]:
         ) from None
     if not parsed:
         raise TraceError(f"{path}: no rows; a trace needs {expected} and at least one row")
+    zoned = [ts.utcoffset() is not None for ts, _, _ in parsed]
+    if any(zoned) and not all(zoned):
+        raise TraceError(
+            f"{path}: line {zoned.index(True) + 2} gives TIMESTAMP a UTC offset and line "
+            f"{zoned.index(False) + 2} does not; give every row one, or none")
     parsed.sort(key=lambda row: row[0])
     start = parsed[0][0]
     return [TraceRow((ts - start).total_seconds(), ctx, gen) for ts, ctx, gen in parsed]
@@ -82,13 +87,15 @@ def load_trace(path: Path | str | Traversable) -> list[TraceRow]:
 
 def _parse_row(path: object, line: int, row: dict[str, str]) -> tuple[datetime, int, int]:
     try:
-        return (datetime.fromisoformat(row["TIMESTAMP"]), int(row["ContextTokens"]),
-                int(row["GeneratedTokens"]))
+        parsed = (datetime.fromisoformat(row["TIMESTAMP"]), int(row["ContextTokens"]),
+                  int(row["GeneratedTokens"]))
     except (TypeError, ValueError):
+        parsed = None
+    if parsed is None or parsed[1] < 1 or parsed[2] < 1:
         raise TraceError(
             f"{path}:{line}: bad row {row}; expected TIMESTAMP like '2023-11-16 18:17:03.97996' "
-            "and integer ContextTokens, GeneratedTokens"
-        ) from None
+            "and integer ContextTokens, GeneratedTokens >= 1")
+    return parsed
 
 
 def sample_trace(rows: Sequence[TraceRow], n: int, mode: str,

@@ -8,7 +8,13 @@ from pathlib import Path
 from sqlalchemy import select
 
 from engine.errors import EngineError
-from engine.harness.workload import WorkloadRequest, prompt_ids
+from engine.harness.workload import (
+    WorkloadRequest,
+    check_count,
+    check_scale,
+    prompt_ids,
+    within_span,
+)
 from engine.store import open_database
 from engine.store.models import TracedRequestRow
 
@@ -19,6 +25,8 @@ def traced_requests(spec: str, *, vocab_size: int, max_model_len: int, seed: int
                     num_requests: int | None = None, source: str | None = None,
                     time_scale: float = 1.0) -> list[WorkloadRequest]:
     """The traced requests of the store `spec` names, oldest first; too long ones are errors."""
+    check_scale("time_scale", time_scale)
+    check_count(num_requests)
     target = spec.removeprefix(PREFIX)
     if not target:
         raise EngineError("traced: give the store, e.g. traced:store.db")
@@ -64,4 +72,4 @@ def traced_requests(spec: str, *, vocab_size: int, max_model_len: int, seed: int
             request_id=request_id, arrival_s=(row.started_at - first) * time_scale,
             prompt_token_ids=prompt, max_tokens=max(1, row.completion_tokens),
             tag=str(row.source), ignore_eos=True))
-    return requests
+    return within_span(requests)

@@ -18,6 +18,7 @@ import numpy as np
 from engine.config import SamplingParams
 from engine.errors import EngineError
 from engine.harness.conversations import (
+    MAX_ARRIVAL_S,
     MULTITURN,
     OPEN_LOOP_TURN_GAP_S,
     Conversation,
@@ -35,8 +36,6 @@ FIRST_PROMPT_TOKEN_ID = 3
 CPU_LENGTH_SCALE = 1 / 8
 GPU_LENGTH_SCALE = 1.0
 
-# Arrivals replay in real time: 11.6 days at most (1e9 would sleep 31 years).
-MAX_ARRIVAL_S = 1e6
 INT64_LIMIT = 2**63
 
 
@@ -130,12 +129,11 @@ def build_workload(
     encode: Callable[[str], list[int]] | None = None,
 ) -> list[WorkloadRequest]:
     """Requests for `spec`: a profile, multiturn, conversations:PATH, conv, code or trace:PATH."""
-    _check_positive("length_scale", length_scale)
-    _check_positive("time_scale", time_scale)
+    check_scale("length_scale", length_scale)
+    check_scale("time_scale", time_scale)
     if rate is not None:
         _check_positive("rate", rate)
-    if num_requests is not None and num_requests < 1:
-        raise WorkloadError(f"num_requests must be at least 1, got {num_requests}")
+    check_count(num_requests)
     if vocab_size <= FIRST_PROMPT_TOKEN_ID:
         raise WorkloadError(f"vocab_size must exceed {FIRST_PROMPT_TOKEN_ID}, got {vocab_size}")
     if max_model_len < 2:
@@ -146,12 +144,21 @@ def build_workload(
             # num_requests counts conversations here: each holds MULTITURN.turns requests
             conversations = multiturn_conversations(
                 MULTITURN, num_conversations=num_requests, rate=rate,
-                length_scale=length_scale, vocab_size=vocab_size, rng=rng)
+                length_scale=length_scale, vocab_size=vocab_size,
+                max_model_len=max_model_len, rng=rng)
         else:
             conversations = load_conversations(spec.split(":", 1)[1], encode)
-        return conversation_requests(conversations, vocab_size=vocab_size,
-                                     max_model_len=max_model_len, time_scale=time_scale,
-                                     rng=rng)
+        requests = conversation_requests(conversations, vocab_size=vocab_size,
+                                         max_model_len=max_model_len, time_scale=time_scale,
+                                         rng=rng)
+        if not requests:
+            shortest = min(len(c.system) + len(c.turns[0].user) + c.turns[0].max_tokens
+                           for c in conversations)
+            raise WorkloadError(
+                f"no conversation's first turn fits the model's {max_model_len} tokens (the "
+                f"shortest needs {shortest} with its reply): lower --length-scale, shorten "
+                f"the conversations or raise --max-model-len")
+        return within_span(requests)
     if spec in PROFILES:
         profile = PROFILES[spec]
         drafts = _profile_drafts(profile, num_requests or profile.num_requests,
@@ -177,7 +184,7 @@ def build_workload(
             tuple(ids[start:start + prompt_len].tolist()), output_len, tenant=draft.tenant,
             tag=draft.tag, ignore_eos=True))
         start += prompt_len
-    return requests
+    return within_span(requests)
 
 
 @dataclass(frozen=True)
@@ -221,8 +228,9 @@ def _jitter(mean: int, rng: random.Random) -> int:
 
 def _lengths(draft: _Draft, length_scale: float, max_model_len: int) -> tuple[int, int]:
     """A draft's prompt and output lengths, scaled, within the model's length."""
-    prompt_len = min(max(1, round(draft.prompt_len * length_scale)), max_model_len - 1)
-    output_len = min(max(1, round(draft.output_len * length_scale)), max_model_len - prompt_len)
+    # clipped before rounding: a scaled length may pass any integer a float can hold
+    prompt_len = max(1, round(min(draft.prompt_len * length_scale, max_model_len - 1)))
+    output_len = max(1, round(min(draft.output_len * length_scale, max_model_len - prompt_len)))
     return prompt_len, output_len
 
 
@@ -271,6 +279,27 @@ def conversation_requests(conversations: Sequence[Conversation], *, vocab_size: 
 def _check_positive(name: str, value: float) -> None:
     if not value > 0:
         raise WorkloadError(f"{name} must be > 0, got {value}")
+
+
+def check_scale(name: str, value: float) -> None:
+    """A scale multiplies every length or arrival: infinity leaves none to send."""
+    if not (value > 0 and math.isfinite(value)):
+        raise WorkloadError(f"{name} must be a finite number > 0, got {value}")
+
+
+def check_count(num_requests: int | None) -> None:
+    if num_requests is not None and num_requests < 1:
+        raise WorkloadError(f"num_requests must be at least 1, got {num_requests}")
+
+
+def within_span(requests: list[WorkloadRequest]) -> list[WorkloadRequest]:
+    """`requests`, if the last of them arrives by MAX_ARRIVAL_S, as a requests file's must."""
+    last = max((r.arrival_s for r in requests), default=0.0)
+    if last > MAX_ARRIVAL_S:
+        raise WorkloadError(
+            f"the last request would arrive at {last:.4g} s, past the {MAX_ARRIVAL_S:g} s (11.6 "
+            f"days) a workload may span: raise --rate, lower --time-scale or send fewer requests")
+    return requests
 
 
 def _trace_drafts(rows: list[TraceRow], n: int, rate: float | None, mode: str, label: str,
