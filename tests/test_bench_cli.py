@@ -184,6 +184,23 @@ def test_a_gpu_twin_refuses_a_context_its_kv_pool_cannot_hold_as_vllm_does(
         capsys.readouterr().out)
 
 
+@pytest.mark.parametrize("kv_bytes, said", [
+    ("1", "--kv-cache-bytes 1 hold 0.00 GiB, 0 tokens, and vLLM would not start. Raise "
+          "--kv-cache-bytes"),
+    ("100000000", "--kv-cache-bytes 100,000,000 hold 0.09 GiB, 752 tokens, and vLLM would not "
+                  "start. Pass --max-model-len 752 or less, or raise --kv-cache-bytes"),
+])
+def test_a_kv_pool_given_in_bytes_is_the_one_a_refusal_names(
+        kv_bytes: str, said: str, capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The pool --kv-cache-bytes sets is no share of the GPU: only more bytes or a shorter
+    context help, and no context fits a pool of no block."""
+    assert main(["bench", "--simulate", "h100", "--model", "synthetic:8b", "--kv-cache-bytes",
+                 kv_bytes, "--input-len", "10", "--output-len", "2", "--num-prompts", "2",
+                 "--db", str(tmp_path / "s.db")]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "gpu_memory_utilization" not in err, err
+
+
 @pytest.mark.parametrize("rate", ["0", "-1", "nan", "-inf", "fast"])
 def test_a_rate_that_is_not_positive_is_refused_at_every_door(
         rate: str, capsys: pytest.CaptureFixture[str]) -> None:

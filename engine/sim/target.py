@@ -226,12 +226,21 @@ def _require_one_longest_request(deployment: Deployment, config: EngineConfig,
         return
     given = ("--max-model-len" if config.max_model_len else
              "the model's max_position_embeddings, with no --max-model-len")
+    if config.kv_cache_bytes:
+        pool = f"--kv-cache-bytes {config.kv_cache_bytes:,} hold {kv_bytes / GIB:.2f} GiB"
+        fixes = ["raise --kv-cache-bytes"]
+    else:
+        pool = (f"{deployment.tp} x {deployment.gpu.name} at gpu_memory_utilization "
+                f"{config.gpu_memory_utilization:g} leave {kv_bytes / GIB:.2f} GiB after the "
+                f"weights and activations")
+        fixes = ["raise --gpu-memory-utilization", "raise --tp"]
+    if holds:  # no length fits a pool of no block
+        fixes.insert(0, f"pass --max-model-len {holds} or less")
+    *others, last = fixes
+    said = f"{', '.join(others)}, or {last}" if others else last
     raise ConfigError("max_model_len", (
         f"one request of {longest:,} tokens ({given}) needs {longest * per_token / GIB:.2f} GiB "
-        f"of KV; {deployment.tp} x {deployment.gpu.name} at gpu_memory_utilization "
-        f"{config.gpu_memory_utilization:g} leave {kv_bytes / GIB:.2f} GiB after the weights "
-        f"and activations, {holds:,} tokens, and vLLM would not start. Pass --max-model-len "
-        f"{holds} or less, raise --gpu-memory-utilization, or raise --tp"))
+        f"of KV; {pool}, {holds:,} tokens, and vLLM would not start. {said[0].upper()}{said[1:]}"))
 
 
 def _priced(gpu: GpuProfile) -> dict[str, Any]:
