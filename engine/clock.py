@@ -5,6 +5,10 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+# a paced twin's simulated seconds per wall second: at 0.001 a 10 ms step waits 10 s; past
+# 1e4 a week's clock reads past 1e9 s, where a float keeps no microsecond
+SIM_SPEEDS = (1e-3, 1e4)
+
 
 class Clock(Protocol):
     """Seconds on a monotonic scale; only differences mean anything."""

@@ -17,11 +17,12 @@ from engine.budget.peaks import DevicePeaks, measure_peaks
 from engine.budget.predictor import StepTimePredictor
 from engine.budget.roofline import Roofline, step_estimate
 from engine.config import ConfigError, EngineConfig, SamplingParams
+from engine.errors import EngineError
 from engine.events import ChunkComplete, Event, Finished, Preempted, StepComplete
 from engine.harness.driver import drive
 from engine.harness.workload import WorkloadRequest
 from engine.model.config import PRESETS
-from engine.sim.executor import SimulatedExecutor, VirtualClock, simulated_engine
+from engine.sim.executor import PacedClock, SimulatedExecutor, VirtualClock, simulated_engine
 from engine.sim.fleet import run_fleet
 from engine.sim.profiles import PROFILES, VLLM_SAMPLER_PASSES, vllm_defaults
 from engine.sim.router import RoutePolicy, Router
@@ -219,7 +220,6 @@ class _Wall:
 def test_a_paced_twins_steps_and_waits_are_its_prices_whatever_the_host_takes() -> None:
     """At 1000x a millisecond of this host's Python is a simulated second: it must count for
     nothing while the engine has work, in a step or between steps, or every chunk reads slow."""
-    from engine.sim.executor import PacedClock
 
     wall = _Wall()
     clock = PacedClock(1000.0, wall=wall, pause=wall.pause)
@@ -250,7 +250,6 @@ def test_a_paced_twins_steps_and_waits_are_its_prices_whatever_the_host_takes() 
 
 
 def test_an_idle_paced_twin_runs_with_the_wall_clock_from_its_last_step() -> None:
-    from engine.sim.executor import PacedClock
 
     wall = _Wall()
     clock = PacedClock(10.0, wall=wall, pause=wall.pause)
@@ -271,9 +270,34 @@ def test_an_idle_paced_twin_runs_with_the_wall_clock_from_its_last_step() -> Non
     assert wall.paused == [pytest.approx(3.0)] and clock() == held + 30.0
 
 
+def test_a_twins_first_calibration_waits_on_no_gpu_and_walks_no_block(monkeypatch) -> None:
+    """The twin prices its own calibration sweep: its steps are simulated seconds, and the
+    console's panes wait for none of them. A tiny model on an H100 has millions of KV blocks:
+    the sweep's KV probe counts them, where granting them a block at a time took 18 s."""
+    import engine.serve.session as session_module
+    from engine.serve.session import EngineSession
+    from engine.sim.executor import Simulation
+
+    wall = _Wall()
+
+    class OnTheTestsWall(PacedClock):
+        def __init__(self, speed: float) -> None:
+            super().__init__(speed, wall=wall, pause=wall.pause)
+
+    monkeypatch.setattr(session_module, "PacedClock", OnTheTestsWall)
+    session = EngineSession.start(EngineConfig(model="synthetic:tiny"), store=False,
+                                  simulate=Simulation("h100"))
+    first = session.first_calibration
+    blocks = session.engine.blocks
+    assert first is not None and first.points and not wall.paused
+    assert first.kv.blocks == blocks.num_blocks > 10**6 and blocks.num_free == blocks.num_blocks
+    assert blocks.take_newly_allocated() == []
+    # the sweep's steps moved the twin's clock, not the wall's
+    assert session.engine.clock() > wall.now + sum(p.median_s for p in first.points)
+
+
 def _paced_twin_session(speed: float) -> tuple[_Wall, Engine, Any]:
     from engine.serve.session import EngineSession
-    from engine.sim.executor import PacedClock
 
     wall = _Wall()
     config = EngineConfig(model="synthetic:8b", max_num_batched_tokens=512)
@@ -463,10 +487,16 @@ def test_console_simulation_flags_need_the_embedded_engine() -> None:
     parse = build_parser().parse_args
     assert conflict(parse(["--simulate", "h200", "--model", "synthetic:8b"])) is None
     assert "add --simulate" in conflict(parse(["--sim-speed", "10"]))
-    for speed in ("0", "-2", "nan", "inf"):  # a paced clock at inf reads nan at its start
+    # at inf a paced clock reads nan at its start; at 1e300 a step's price is below the
+    # clock's last digit (the first calibration read 0 s steps); at 1e-300 a step's wait
+    # overflows time.sleep
+    for speed in ("0", "-2", "nan", "inf", "1e300", "1e5", "1e-300", "0.0009"):
         said = conflict(parse(["--simulate", "h200", f"--sim-speed={speed}"]))
-        assert "must be a finite number > 0" in said and "bench --simulate" in said
-    assert conflict(parse(["--simulate", "h200", "--sim-speed", "1e6"])) is None
+        assert "must be in [0.001, 10000]" in said and "bench --simulate" in said
+        with pytest.raises(EngineError, match=r"must be in \[0.001, 10000\]"):
+            PacedClock(float(speed))
+    for speed in ("0.001", "10000"):
+        assert conflict(parse(["--simulate", "h200", "--sim-speed", speed])) is None
     assert "--simulate" in conflict(parse(["--simulate", "h200", "--attach", "http://x"]))
 
 

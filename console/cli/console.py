@@ -19,6 +19,7 @@ from console.cli.otlp_flags import add_otlp_token_flags, otlp_token
 from console.cli.output_file import check_output
 from console.cli.workload_flags import add_rate_flag, workload_name
 from console.errors import UserError
+from engine.clock import SIM_SPEEDS
 from engine.slo_targets import CHAT_ITL_MS, CHAT_TTFT_MS
 
 
@@ -149,9 +150,10 @@ def conflict(args: argparse.Namespace) -> str | None:
                     if value]
     if (args.tp != 1 or args.sim_speed != 1.0) and not args.simulate:
         return "--tp and --sim-speed apply to a simulated engine; add --simulate"
-    if not 0 < args.sim_speed < float("inf"):
-        return (f"--sim-speed must be a finite number > 0, got {args.sim_speed}; for a run as "
-                "fast as this host goes, use tokenflow bench --simulate")
+    if not SIM_SPEEDS[0] <= args.sim_speed <= SIM_SPEEDS[1]:
+        return (f"--sim-speed must be in [{SIM_SPEEDS[0]:g}, {SIM_SPEEDS[1]:g}], got "
+                f"{args.sim_speed}; for a run as fast as this host goes, use tokenflow bench "
+                "--simulate")
     if args.simulate and args.device:
         return ("--device places the model's weights, which --simulate does without (step "
                 "times predicted); drop --device")

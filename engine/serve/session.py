@@ -58,7 +58,9 @@ class EngineSession:
                 for observer in observers:
                     engine.bus.subscribe(observer)
                 if calibrate:
-                    first = first_calibration(engine)
+                    assert isinstance(engine.clock, PacedClock)
+                    with engine.clock.unpaced():
+                        first = first_calibration(engine)
             else:
                 engine = Engine(config)
                 for observer in observers:

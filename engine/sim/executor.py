@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from engine.batch import Batch, ModelRunnerOutput, StepShape
-from engine.clock import VirtualClock
+from engine.clock import SIM_SPEEDS, VirtualClock
 from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.model.loader import model_config_for, tokenizer_for
@@ -28,8 +28,9 @@ class PacedClock:
 
     def __init__(self, speed: float = 1.0, *, wall: Callable[[], float] = time.monotonic,
                  pause: Callable[[float], None] = time.sleep) -> None:
-        if not 0 < speed < math.inf:
-            raise EngineError(f"simulation speed must be a finite number > 0, got {speed}")
+        if not SIM_SPEEDS[0] <= speed <= SIM_SPEEDS[1]:
+            raise EngineError(f"simulation speed must be in [{SIM_SPEEDS[0]:g}, "
+                              f"{SIM_SPEEDS[1]:g}], got {speed}")
         self.speed = speed
         self._wall, self._pause = wall, pause
         self._origin = wall()
@@ -38,7 +39,19 @@ class PacedClock:
         self._held: float | None = None
         self._last = self._free()
         self._busy: Callable[[], bool] = lambda: False
+        self._unpaced = False
         self._lock = threading.Lock()
+
+    @contextmanager
+    def unpaced(self) -> Iterator[None]:
+        """Within the block the clock holds and steps take no wall time: the twin's own
+        calibration sweep is simulated time only, and the panes wait on no GPU."""
+        busy, self._busy = self._busy, lambda: True
+        self._unpaced = True
+        try:
+            yield
+        finally:
+            self._busy, self._unpaced = busy, False
 
     def hold_while(self, busy: Callable[[], bool]) -> None:
         """Hold between steps while `busy()`: the engine has unfinished requests to step (and,
@@ -62,7 +75,7 @@ class PacedClock:
 
     def advance_to(self, t: float) -> None:
         ahead = t - self._free()
-        if ahead > 0:
+        if ahead > 0 and not self._unpaced:
             self._pause(ahead / self.speed)
         with self._lock:
             self._held = t if self._held is None else max(self._held, t)
