@@ -92,11 +92,12 @@ def new_session(tmux: list[str], name: str, command: str, width: int | str = 120
     session may start at tmux's default size (80x24) and a program resized before it listens
     for SIGWINCH keeps drawing at its first size, so a placeholder holds the pane while it is
     sized by hand, and then `command` replaces it at its final size."""
-    # os.environ, not the process's C environment: readline, once some import initialises
-    # it, exports COLUMNS=80 and LINES=24 there, and a console started in the pane would
-    # read that size (shutil.get_terminal_size) at start and at every resize
+    # No COLUMNS or LINES: readline, once an import initialises it, exports 80 and 24 into
+    # the process's C environment, and a console in the pane would read that size
+    # (shutil.get_terminal_size) at start and at every resize
+    sized = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
     subprocess.run([*tmux, "new-session", "-d", "-s", name, "-x", str(width), "-y", str(height),
-                    "cat"], check=True, env=dict(os.environ))
+                    "cat"], check=True, env=sized)
     subprocess.run([*tmux, "set-option", "-t", name, "window-size", "manual"], check=True)
     resize(tmux, name, width, height)
     subprocess.run([*tmux, "respawn-pane", "-k", "-t", name, command], check=True)
