@@ -364,3 +364,24 @@ def test_requests_paced_past_the_longest_span_are_refused_at_every_door(
         code, err, _ = _bench_requests(capsys, tmp_path, *given, "--rate", "1e-9")
         assert code == 2 and "past the 1e+06 s (11.6 days) a workload may span" in err, err
         assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("flag, value, said", [
+    ("--capacity-duration", "inf", "--capacity-duration must be a number of seconds in "
+                                   "[0, 1e+06], as a workload's span, got inf"),
+    ("--capacity-duration", "nan", "got nan"),
+    ("--capacity-duration", "1e9", "got 1000000000.0"),
+    ("--capacity-duration", "-1", "got -1.0"),
+    ("--capacity-iterations", "0", "--capacity-iterations must be at least 1 (a probe each)"),
+    ("--capacity-requests", "0", "--capacity-requests must be at least 1, got 0"),
+])
+def test_a_capacity_search_that_could_not_end_or_probe_is_refused(
+        flag: str, value: str, said: str, capsys: pytest.CaptureFixture[str],
+        tmp_path: Path) -> None:
+    """inf and nan crashed the probe's request count; 1e9 s of steady traffic ran on
+    unbounded; no iteration gave a capacity of 0 from no probe."""
+    assert main(["bench", "--simulate", "h100", "--model", "synthetic:8b", "--workload", "chat",
+                 "--num-requests", "4", "--capacity", flag, value, "--compare", "chunked",
+                 "--db", str(tmp_path / "s.db")]) == 2
+    assert said in capsys.readouterr().err
+

@@ -54,7 +54,7 @@ from engine.harness.slo import (
     isolated_prefill,
     measure_decode_step,
 )
-from engine.harness.workload import WorkloadRequest, describe, steady_traffic
+from engine.harness.workload import MAX_ARRIVAL_S, WorkloadRequest, describe, steady_traffic
 from engine.ops.host import HostLoadMeter
 from engine.sim.executor import VirtualClock, simulated_engine
 from engine.sim.fleet import FleetResult, run_fleet
@@ -141,10 +141,11 @@ def simulated_traffic(store: str, gpu: str, budget: int, model: str = "synthetic
     fleet view asks for it."""
     parser = argparse.ArgumentParser(prog="tokenflow")
     register(parser.add_subparsers())
-    context = [] if max_model_len is None else ["--max-model-len", str(max_model_len)]
-    args = parser.parse_args(["bench", "--simulate", gpu, "--model", model, "--workload",
-                              f"traced:{store}", "--compare", "chunked", "--quiet",
-                              "--max-num-batched-tokens", str(budget), "--db", store,
+    context = [] if max_model_len is None else [f"--max-model-len={max_model_len}"]
+    # flag=value: a typed model such as "-h" is a value, not a flag argparse acts on
+    args = parser.parse_args(["bench", f"--simulate={gpu}", f"--model={model}",
+                              f"--workload=traced:{store}", "--compare=chunked", "--quiet",
+                              f"--max-num-batched-tokens={budget}", f"--db={store}",
                               *context])
     return bench_report(args)["runs"]["chunked"]
 
@@ -177,9 +178,14 @@ def bench_report(args: argparse.Namespace) -> dict[str, Any]:
     if args.report:
         from console.cli.report import check_report_dir
         check_report_dir(args.report)
-    if args.capacity_requests < 1 or args.capacity_duration < 0:
-        raise UserError("--capacity-requests must be at least 1 and --capacity-duration at "
-                        "least 0")
+    if args.capacity_requests < 1:
+        raise UserError(f"--capacity-requests must be at least 1, got {args.capacity_requests}")
+    if not 0 <= args.capacity_duration <= MAX_ARRIVAL_S:
+        raise UserError(f"--capacity-duration must be a number of seconds in [0, "
+                        f"{MAX_ARRIVAL_S:g}], as a workload's span, got {args.capacity_duration}")
+    if args.capacity_iterations < 1:
+        raise UserError(f"--capacity-iterations must be at least 1 (a probe each), got "
+                        f"{args.capacity_iterations}")
     if args.against_real < 0:
         raise UserError("--against-real takes a number of real runs of at least 1")
     base = engine_config(args)

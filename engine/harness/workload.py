@@ -320,8 +320,9 @@ def steady_traffic(sample: Sequence[WorkloadRequest], rate: float, duration_s: f
                    min_requests: int = 1) -> list[WorkloadRequest]:
     """`sample` repeated at `rate`/s (gap pattern kept), long enough for a queue to build."""
     _check_positive("rate", rate)
-    if duration_s < 0 or not sample:
-        raise WorkloadError("steady traffic needs a non-empty sample and duration_s >= 0")
+    if not 0 <= duration_s <= MAX_ARRIVAL_S or not sample:
+        raise WorkloadError(f"steady traffic needs a non-empty sample and duration_s in "
+                            f"[0, {MAX_ARRIVAL_S:g}], got {duration_s}")
     ordered = sorted(sample, key=lambda w: w.arrival_s)
     gaps = [b.arrival_s - a.arrival_s for a, b in itertools.pairwise(ordered)]
     mean_gap = sum(gaps) / len(gaps) if gaps else 0.0

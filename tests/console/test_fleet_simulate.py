@@ -100,3 +100,24 @@ async def test_a_model_that_nearly_fills_the_gpu_is_simulated_at_the_context_ask
         assert refused.startswith("not simulated: max_model_len: one request of 40,960"), refused
         holds = refused.split("Pass --max-model-len ")[1].split()[0]
         assert "SIMULATED on h100" in await simulate(holds)
+
+
+async def test_a_model_typed_as_a_flag_is_a_model_argparse_does_not_act_on(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """The dialog's fields become bench's flags: a model typed "-h" printed bench's help
+    over the console and ended the worker with SystemExit(0); "--json" was a usage error
+    on the terminal. Each is now a model name the refusal names."""
+    store = _collected(tmp_path)
+    async with _dialog(store, (120, 50)) as (pilot, dialog):
+        result = dialog.query_one("#simulate-result", Static)
+        for typed in ("-h", "--json"):
+            dialog.query_one("#simulate-model", Input).value = typed
+            field = dialog.query_one("#simulate-budget", Input)
+            field.value = "2048"
+            field.focus()
+            await pilot.press("enter")
+            await until(pilot, lambda: "simulating" not in str(result.render()), "the answer")
+            shown = str(result.render())
+            assert shown.startswith("not simulated: ") and typed in shown, shown
+    out, err = capfd.readouterr()
+    assert "usage:" not in out + err
