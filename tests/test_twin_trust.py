@@ -98,6 +98,16 @@ def test_a_simulated_bench_says_its_start_up_apart_from_its_step_loops(
     assert p["startup_s"] > 0 and p["process_s"] >= p["startup_s"] + p["step_loops_s"] - 0.02
     assert main(argv) == 0
     assert "s simulated; start-up " in capsys.readouterr().out
+    # a capacity search's probes are simulated runs too: their times were "the rest"
+    assert main([*argv[:-2], "--compare", "chunked", "--capacity", "--capacity-iterations",
+                 "2", "--capacity-duration", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    p, probes = report["process"], report["capacity"]["chunked"]
+    assert probes["wall_s"] > 0 and probes["host_wall_s"] > 0
+    assert p["simulated_s"] == pytest.approx(report["runs"]["chunked"]["wall_s"]
+                                             + probes["wall_s"], abs=1e-3)
+    assert p["step_loops_s"] == pytest.approx(report["runs"]["chunked"]["host_wall_s"]
+                                              + probes["host_wall_s"], abs=1e-3)
 
 
 def test_runs_on_the_h200_and_the_l40s_find_their_own_gpus_rows_in_the_shipped_table() -> None:

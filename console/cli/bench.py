@@ -271,14 +271,18 @@ def bench_report(args: argparse.Namespace) -> dict[str, Any]:
         from console.cli.report import write_report
         report["report"] = str(write_report(args.report, report, results))
     if sim is not None and startup_s is not None:
-        report["process"] = _process_time(report["runs"], startup_s, process_age_s() or 0.0)
+        report["process"] = _process_time([*report["runs"].values(),
+                                           *report.get("capacity", {}).values()],
+                                          startup_s, process_age_s() or 0.0)
     return report
 
 
-def _process_time(runs: dict[str, Any], startup_s: float, age_s: float) -> dict[str, float]:
+def _process_time(runs: list[dict[str, Any]], startup_s: float,
+                  age_s: float) -> dict[str, float]:
     """The whole command against the time it simulated: its start-up (to the first run),
-    the simulated runs' step loops, and the rest (the real runs beside them, the reports)."""
-    simulated = [r for r in runs.values() if "host_wall_s" in r]
+    the simulated runs' step loops (a capacity search's probes too), and the rest (the real
+    runs beside them, the reports)."""
+    simulated = [r for r in runs if "host_wall_s" in r]
     loops = sum(r["host_wall_s"] for r in simulated)
     simulated_s = sum(r["wall_s"] for r in simulated)
     return {"startup_s": round(startup_s, 3), "step_loops_s": round(loops, 3),
@@ -452,16 +456,25 @@ def _capacities(args: argparse.Namespace, configs: dict[str, EngineConfig],
     offered = len(workload) / span
     out: dict[str, Any] = {}
     for name, config in configs.items():
-        def run_at(rate: float, name: str = name, config: EngineConfig = config) -> RunResult:
+        twin_runs: list[FleetResult] = []  # a simulated probe's times count in the process's
+
+        def run_at(rate: float, name: str = name, config: EngineConfig = config,
+                   twin_runs: list[FleetResult] = twin_runs) -> RunResult:
             traffic = steady_traffic(workload, rate, args.capacity_duration,
                                      args.capacity_requests)
-            return _run(name, config, traffic, args.hf_batch_size, calibration, sim)
+            if sim is None:
+                return _run(name, config, traffic, args.hf_batch_size, calibration)
+            twin_runs.append(sim.run(name, config, traffic))
+            return twin_runs[-1].merged
         best, probes = capacity(run_at, slo, low=offered / 16, high=offered * 4,
                                 iterations=args.capacity_iterations,
                                 metric=args.capacity_metric)
         out[name] = {"rate": best, "metric": args.capacity_metric,
                      "probe_duration_s": args.capacity_duration,
-                     "probes": [dataclasses.asdict(p) for p in probes]}
+                     "probes": [dataclasses.asdict(p) for p in probes],
+                     **({"wall_s": sum(f.merged.wall_s for f in twin_runs),
+                         "host_wall_s": sum(f.host_wall_s for f in twin_runs)}
+                        if twin_runs else {})}
     return out
 
 
