@@ -19,8 +19,8 @@ FAST = settings(max_examples=200, deadline=None, derandomize=True,
 
 
 def pool_state(pool: BlockManager) -> tuple[object, ...]:
-    return (list(pool._front), pool._untouched, list(pool._back), list(pool._ref_counts),
-            list(pool._hash_of), dict(pool._cached), pool._reserved, list(pool.newly_allocated),
+    return (list(pool._front), pool._untouched, list(pool._back), dict(pool._ref_counts),
+            dict(pool._hash_of), dict(pool._cached), pool._reserved, list(pool.newly_allocated),
             pool.evictions)
 
 

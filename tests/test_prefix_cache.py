@@ -65,7 +65,7 @@ def test_compaction_moves_shared_blocks_once_and_tokens_stay_exact() -> None:
         for out in engine.step():
             tokens.add(out)
     live = list(engine.scheduler.requests.values())
-    shared = {b for r in live for b in r.block_table if engine.blocks._ref_counts[b] > 1}
+    shared = {b for r in live for b in r.block_table if engine.blocks._ref_counts.get(b, 0) > 1}
     assert shared  # the system prompt's blocks are held by every request
     engine.blocks.compact(live, engine.runner.move_blocks)
     engine.blocks.check_consistent(live)

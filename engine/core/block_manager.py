@@ -40,8 +40,10 @@ class BlockManager:
         self._front: list[int] = []
         self._untouched = 0  # blocks from here to num_blocks were never handed out
         self._back: OrderedDict[int, None] = OrderedDict()
-        self._ref_counts = [0] * num_blocks
-        self._hash_of: list[BlockHash | None] = [None] * num_blocks
+        # held blocks' reference counts and cached blocks' hashes, by block: a pool's size
+        # costs nothing until it is used (a tiny model's twin on an H100 has 17.7M blocks)
+        self._ref_counts: dict[int, int] = {}
+        self._hash_of: dict[int, BlockHash] = {}
         self._cached: dict[BlockHash, int] = {}  # registered blocks, in use or free
         self._reserved = 0  # blocks held back (chaos: KV exhaustion)
         self.newly_allocated: list[int] = []
@@ -62,7 +64,7 @@ class BlockManager:
         return self.num_blocks - self._num_unheld + self._reserved
 
     def is_free(self, block: int) -> bool:
-        return self._ref_counts[block] == 0
+        return block not in self._ref_counts
 
     @property
     def usage(self) -> float:
@@ -97,12 +99,16 @@ class BlockManager:
     def release(self, request: Request) -> int:
         """Drop the request's references; returns how many blocks went back to the pool."""
         freed = 0
+        counts = self._ref_counts
         for block in reversed(request.block_table):
-            if self._ref_counts[block] <= 0:
+            count = counts.get(block)
+            if count is None:
                 raise BlockError(f"block {block} freed twice")
-            self._ref_counts[block] -= 1
-            if self._ref_counts[block] == 0:
-                if self._hash_of[block] is None:
+            if count > 1:
+                counts[block] = count - 1
+            else:
+                del counts[block]
+                if block not in self._hash_of:
                     self._front.append(block)
                 else:
                     self._back[block] = None
@@ -138,10 +144,11 @@ class BlockManager:
         prefix = self.cached_prefix(request)
         if not prefix:
             return 0
+        counts = self._ref_counts
         for block in prefix:
-            if self._ref_counts[block] == 0:
+            if block not in counts:
                 del self._back[block]  # a free block with a hash was released to the back
-            self._ref_counts[block] += 1
+            counts[block] = counts.get(block, 0) + 1
             request.block_table.append(block)
         request.num_hashed_blocks = len(request.block_table)
         request.num_computed_tokens = len(request.block_table) * self.block_size
@@ -160,7 +167,7 @@ class BlockManager:
         hashes = self._hashes(request, full)
         for index in range(request.num_hashed_blocks, full):
             block = request.block_table[index]
-            if self._hash_of[block] is None and hashes[index] not in self._cached:
+            if block not in self._hash_of and hashes[index] not in self._cached:
                 self._hash_of[block] = hashes[index]
                 self._cached[hashes[index]] = block
         request.num_hashed_blocks = full
@@ -169,8 +176,7 @@ class BlockManager:
         """Turn the prefix cache on or off; off drops every hash, so nothing is hit again."""
         self.enable_caching = enabled
         if not enabled:
-            for block in self._cached.values():
-                self._hash_of[block] = None
+            self._hash_of.clear()
             self._cached.clear()
 
     def _hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
@@ -188,10 +194,9 @@ class BlockManager:
         return hashes
 
     def _forget(self, block: int) -> None:
-        h = self._hash_of[block]
+        h = self._hash_of.pop(block, None)
         if h is not None:
             del self._cached[h]
-            self._hash_of[block] = None
             self.evictions += 1
 
     @property
@@ -212,23 +217,21 @@ class BlockManager:
         for request in requests:
             request.block_table = [mapping[b] for b in request.block_table]
         for new in moved.values():
-            if self._ref_counts[new] == 0:
+            if new not in self._ref_counts:
                 self._forget(new)
-        ref_counts = [0] * self.num_blocks
-        hash_of: list[BlockHash | None] = [None] * self.num_blocks
-        for block in range(self.num_blocks):  # vacated ids stay unhashed: their KV moved
-            if self._ref_counts[block] == 0:
-                hash_of[block] = self._hash_of[block]
+        # vacated ids stay unhashed: their KV moved
+        hash_of = {b: h for b, h in self._hash_of.items() if b not in self._ref_counts}
+        ref_counts: dict[int, int] = {}
         for old, new in mapping.items():
             ref_counts[new] = self._ref_counts[old]
-            hash_of[new] = self._hash_of[old]
-            if hash_of[new] is not None:
-                self._cached[hash_of[new]] = new
+            if (h := self._hash_of.get(old)) is not None:
+                hash_of[new] = h
+                self._cached[h] = new
         self._ref_counts, self._hash_of = ref_counts, hash_of
         # unhashed free blocks first, then the cached ones in their old LRU order
-        free = [b for b in range(self.num_blocks) if ref_counts[b] == 0]
-        survivors = [b for b in self._back if ref_counts[b] == 0 and hash_of[b] is not None]
-        self._front = [b for b in reversed(free) if hash_of[b] is None]
+        free = [b for b in range(self.num_blocks) if b not in ref_counts]
+        survivors = [b for b in self._back if b not in ref_counts and b in hash_of]
+        self._front = [b for b in reversed(free) if b not in hash_of]
         self._untouched = self.num_blocks
         self._back = OrderedDict.fromkeys(survivors)
         self.newly_allocated = [mapping[b] for b in self.newly_allocated if b in mapping]
@@ -266,10 +269,11 @@ class BlockManager:
             raise BlockError("a block is on the free list twice")
         unheld = set(listed)
         for block, count in enumerate(counts):
-            if count != self._ref_counts[block] or (count == 0) != (block in unheld):
-                raise BlockError(f"block {block}: {count} holders, ref {self._ref_counts[block]}")
+            held = self._ref_counts.get(block, 0)
+            if count != held or (count == 0) != (block in unheld):
+                raise BlockError(f"block {block}: {count} holders, ref {held}")
         for h, block in self._cached.items():
-            if self._hash_of[block] != h:
+            if self._hash_of.get(block) != h:
                 raise BlockError(f"cache entry names block {block}, which holds another hash")
-        if sum(h is not None for h in self._hash_of) != len(self._cached):
+        if len(self._hash_of) != len(self._cached):
             raise BlockError("a block holds a hash the cache does not name")
