@@ -396,6 +396,23 @@ def test_a_fleet_run_leaves_the_collector_as_it_found_it(collecting: bool) -> No
     assert fleet.merged.summary()["finished"] == 4
 
 
+@pytest.mark.parametrize("replicas", [0, 1025, 100_000])
+def test_a_fleet_is_one_to_1024_whole_engines(replicas: int,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """--replicas 100000 built 100,000 engines: about 50 GB for an 8B twin, and minutes
+    before the first step."""
+    from console.cli.main import main
+
+    config = EngineConfig(model="synthetic:8b")
+    with pytest.raises(EngineError, match=f"1 to 1024 replicas, got {replicas}"):
+        run_fleet(config, resolve_target("h100", config), [_request(0)], replicas,
+                  RoutePolicy.ROUND_ROBIN)
+    assert main(["bench", "--simulate", "h100", "--model", "synthetic:8b", "--input-len", "8",
+                 "--output-len", "2", "--num-prompts", "2", "--replicas", str(replicas)]) == 2
+    assert f"--replicas must be 1 to 1024 (each is a whole engine in this process), got " \
+           f"{replicas}" in capsys.readouterr().err
+
+
 def test_a_fleet_replays_arrivals_across_replicas() -> None:
     config = EngineConfig(model="synthetic:8b", max_num_batched_tokens=512)
     workload = [_request(i, prompt=200 + 40 * i, out=20 + i) for i in range(12)]

@@ -57,7 +57,7 @@ from engine.harness.slo import (
 from engine.harness.workload import MAX_ARRIVAL_S, WorkloadRequest, describe, steady_traffic
 from engine.ops.host import HostLoadMeter
 from engine.sim.executor import VirtualClock, simulated_engine
-from engine.sim.fleet import FleetResult, run_fleet
+from engine.sim.fleet import MAX_REPLICAS, FleetResult, run_fleet
 from engine.sim.profiles import profile, server_defaults, vllm_defaults
 from engine.sim.router import RoutePolicy
 from engine.sim.target import SimTarget, StepTimeRatios, needs_store, resolve_target
@@ -367,8 +367,9 @@ def _sim_target(args: argparse.Namespace, base: EngineConfig) -> SimTarget | Non
             raise UserError("--tp, --replicas, --against-real, --kv-cache-dtype and "
                             "--gpu-profile apply to simulated runs; add --simulate")
         return None
-    if args.replicas < 1:
-        raise UserError("--replicas must be at least 1")
+    if not 1 <= args.replicas <= MAX_REPLICAS:
+        raise UserError(f"--replicas must be 1 to {MAX_REPLICAS} (each is a whole engine in "
+                        f"this process), got {args.replicas}")
     runner = given(args, _RUNNER_FLAGS, _BOTH_WAYS)
     if runner and not args.against_real:
         raise UserError(f"{', '.join(runner)} configure the model runner, which a simulated "

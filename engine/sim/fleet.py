@@ -13,12 +13,16 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.core.engine_core import EngineCore
+from engine.errors import EngineError
 from engine.harness.driver import Recorder, RunResult, add, idle
 from engine.harness.workload import WorkloadRequest
 from engine.sim.executor import SimulatedExecutor, VirtualClock, simulated_engine
 from engine.sim.router import RoutePolicy, Router
 from engine.sim.target import SimTarget
 
+# each replica is a whole engine in this process (an 8B H100 twin: 0.5 MB, 2.5 ms to build),
+# and least-tokens routing reads every replica at each arrival
+MAX_REPLICAS = 1024
 # An idle engine starts its step a little after an arrival, so a burst shares that step.
 HOST_WAKE_S = 0.002
 
@@ -69,6 +73,9 @@ class FleetResult:
 
 def run_fleet(config: EngineConfig, target: SimTarget, workload: list[WorkloadRequest],
               replicas: int, policy: RoutePolicy) -> FleetResult:
+    if not 1 <= replicas <= MAX_REPLICAS:
+        raise EngineError(f"a simulated fleet holds 1 to {MAX_REPLICAS} replicas, got "
+                          f"{replicas}")
     started = time.perf_counter()
     router = Router(policy, replicas)
     clocks = [VirtualClock(start=0.0) for _ in range(replicas)]
