@@ -566,12 +566,18 @@ def test_cli_calibrates_stores_and_flags_drift(tmp_path: Path, capsys: pytest.Ca
     assert len(events) == 1 and events[0].deviation == out["drift"]["deviation"]
 
 
-@pytest.mark.parametrize("flag", [["--slo-ttft-ms", "500"], ["--stats-window-s", "5"],
-                                  ["--logprobs-mode", "processed_logprobs"]])
-def test_cli_refuses_serving_flags_a_sweep_would_ignore(
-        flag: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("command, flag", [
+    (["calibrate"], ["--slo-ttft-ms", "500"]),
+    *((command, flag) for command in (["calibrate"], ["run"], ["bench"],
+                                      ["bench", "--simulate", "h100"])
+      for flag in (["--stats-window-s", "5"], ["--logprobs-mode", "processed_logprobs"])),
+])
+def test_cli_refuses_serving_flags_a_sweep_or_a_batch_would_ignore(
+        command: list[str], flag: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """No request of a sweep, a run or a bench asks for logprobs, and no one reads their
+    live percentiles' window: the flags were taken and dropped."""
     with pytest.raises(SystemExit) as exited:
-        main(["calibrate", "--model", "synthetic:tiny", *flag])
+        main([*command, "--model", "synthetic:tiny", *flag])
     assert exited.value.code == 2
     assert f"unrecognized arguments: {' '.join(flag)}" in capsys.readouterr().err
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from console.cli.db import add_db_argument
-from console.cli.engine_flags import add_engine_flags, engine_config
+from console.cli.engine_flags import WATCHED_FLAGS, add_engine_flags, engine_config
 from console.cli.given_flags import given
 from console.cli.process_age import process_age_s
 from console.cli.progress import RunProgress, add_quiet_flag
@@ -70,7 +70,7 @@ PROBE_KV_BYTES = 1 << 30  # on CUDA: a decode step of 8 x 128 tokens, even on a 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("bench", help="compare configurations on one workload",
                                    description=__doc__)
-    add_engine_flags(parser)
+    add_engine_flags(parser, skip=WATCHED_FLAGS)
     add_workload_flags(parser)
     add_fixed_length_flags(parser)
     parser.add_argument("--compare", default="chunked,unchunked",

@@ -21,7 +21,7 @@ from typing import Any
 from tqdm import tqdm
 
 from console.cli.db import add_db_argument, add_server_name_argument
-from console.cli.engine_flags import SLO_FLAGS, add_engine_flags, engine_config
+from console.cli.engine_flags import SLO_FLAGS, WATCHED_FLAGS, add_engine_flags, engine_config
 from console.errors import UserError
 from engine import Engine
 from engine.budget.predictor import StepTimePredictor
@@ -42,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("calibrate", help="measure step times and fit the predictor",
                                    description=__doc__.splitlines()[0])
     # a sweep serves no users: no SLO to keep, no live percentiles, no logprobs asked for
-    add_engine_flags(parser, skip=SLO_FLAGS | {"--stats-window-s", "--logprobs-mode"})
+    add_engine_flags(parser, skip=SLO_FLAGS | WATCHED_FLAGS)
     parser.add_argument("--quick", action="store_true",
                         help="a smaller sweep with 3 timed runs per shape instead of 20, and a "
                         "smaller served probe (seconds on a CPU)")

@@ -100,6 +100,9 @@ def add_engine_flags(parser: argparse.ArgumentParser, model_default: str = "synt
 
 
 SLO_FLAGS = frozenset({"--slo-ttft-ms", "--slo-itl-ms"})
+# what only a watched engine reads: live percentiles (the console, /metrics) and the logprobs a
+# request asks for; a batch's or a sweep's requests ask none, and nobody reads its window
+WATCHED_FLAGS = frozenset({"--stats-window-s", "--logprobs-mode"})
 
 
 def add_engine_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str,

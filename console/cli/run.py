@@ -20,7 +20,7 @@ from console.cli.db import (
     refuse_store_files,
     refuse_store_flags_without_a_store,
 )
-from console.cli.engine_flags import add_engine_flags, engine_config, start_session
+from console.cli.engine_flags import WATCHED_FLAGS, add_engine_flags, engine_config, start_session
 from console.cli.output_file import check_output, open_output
 from console.cli.process_age import process_age_s
 from console.cli.progress import RunProgress, add_quiet_flag
@@ -51,7 +51,7 @@ RUN_BUDGET = 4096
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("run", help="drive a workload to the end headless",
                                    description=__doc__)
-    add_engine_flags(parser)
+    add_engine_flags(parser, skip=WATCHED_FLAGS)
     parser.set_defaults(max_num_batched_tokens=RUN_BUDGET)
     add_workload_flags(parser)
     parser.add_argument("--requests", type=Path, help="JSONL requests (id, prompt_token_ids or "
