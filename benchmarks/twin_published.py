@@ -244,7 +244,7 @@ def main() -> None:
                         help="print the per-case tables as docs/twin.md holds them")
     parser.add_argument("--served-detail", action="store_true",
                         help="also print each served case's printed latencies against the "
-                             "twin's (runs the served cases again)")
+                             "twin's (from the runs that priced them)")
     parser.add_argument("--no-served", action="store_true",
                         help="skip the served cases (each runs the twin's engine: seconds)")
     parser.add_argument("--gpu-as", metavar="FROM=TO",
@@ -256,6 +256,9 @@ def main() -> None:
                              "multi-step scheduling runs it, a diagnostic (not with --fit or "
                              "--write)")
     args = parser.parse_args()
+    if args.served_detail and args.no_served:
+        parser.error("--served-detail prints the served cases, which --no-served skips; "
+                     "drop one")
     every = load_cases(CASES, fitting_only=False)
     for flag, value, change in (("--gpu-as", args.gpu_as, priced_as),
                                 ("--host-steps", args.host_steps, with_host_steps)):
