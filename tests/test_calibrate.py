@@ -643,3 +643,48 @@ def test_served_costs_drop_a_step_that_lost_its_core() -> None:
     assert costs.prefill_scale == 1.0
     with pytest.raises(EngineError, match="at least 3"):
         ServedCosts.fit(samples[:2])
+
+
+def test_this_and_the_calibrations_id_make_one_twin(
+        calibrated, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--simulate this` measured this host's peaks afresh and ran a CPU calibration at a
+    CPU run's lengths, while `--simulate calibration:1` (the same calibration) took its stored
+    peaks and GPU lengths: 478 against 3,819 tokens, 1.1 against 1.7 simulated seconds. On
+    CUDA, `this` looked the calibration up as "cuda:0", never the GPU's model it is stored by."""
+    import engine.calibration.calibrate as calibrate_module
+    from engine.sim.target import resolve_target
+
+    db = tmp_path / "cal.db"
+    database = open_database(db)
+    with database.session() as session:
+        save_result(session, calibrated, "test")
+        this = resolve_target("this", EngineConfig(model="synthetic:tiny"), session=session)
+        by_id = resolve_target("calibration:1", EngineConfig(model="synthetic:tiny"),
+                               session=session)
+    database.close()
+    assert (this.peaks, this.kv_cache_bytes, this.device, this.device_type) == (
+        by_id.peaks, by_id.kv_cache_bytes, by_id.device, by_id.device_type)
+    assert this.device_type == "cpu" and this.peaks.name == calibrated.peaks.name
+    reports = []
+    for spec in ("this", "calibration:1"):
+        assert main(["bench", "--simulate", spec, "--model", "synthetic:tiny", "--workload",
+                     "chat", "--num-requests", "4", "--compare", "chunked", "--db", str(db),
+                     "--json", "--quiet"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        run = report["runs"]["chunked"]
+        reports.append((report["workload"], run["wall_s"], run["steps"], run["ttft_ms"]))
+    assert reports[0] == reports[1]
+    # on a GPU the key is the GPU's model, as calibrate stores it
+    gpu = "NVIDIA H100 80GB HBM3"
+    monkeypatch.setattr(calibrate_module, "device_key", lambda device: gpu)
+    database = open_database(db)
+    with database.session() as session:
+        stored = save_calibration(session, model="synthetic:tiny", device=gpu, table=[],
+                                  params=calibrated.predictor.to_dict(),
+                                  info={k: v for k, v in calibrated.to_dict().items()
+                                        if k not in ("model", "device")})
+        on_gpu = resolve_target("this", EngineConfig(model="synthetic:tiny"), session=session)
+    database.close()
+    assert on_gpu.details["calibration_id"] == stored and on_gpu.device == f"sim:{gpu}"
+    assert on_gpu.device_type == "sim"

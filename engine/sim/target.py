@@ -30,6 +30,8 @@ from engine.sim.profiles import (
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
+    from engine.store.calibration import CalibrationRecord
+
 # vLLM's KV pool (V1, v0.11: vllm/v1/worker/gpu_worker.py, determine_available_memory) is each
 # GPU's memory times gpu_memory_utilization, less what its profile run measured: the weights,
 # the activation peak and the memory outside torch's allocator (NON_TORCH_BYTES, the figure
@@ -282,31 +284,19 @@ def deployment_target(deployment: Deployment, config: EngineConfig, spec: str) -
 
 
 def _this(config: EngineConfig, session: Session) -> SimTarget:
-    # the model runner, the peaks' measurement and the store: only a calibrated twin needs them
-    from engine.budget.peaks import measure_peaks
-    from engine.calibration.calibrate import latest_stored
-    from engine.core.model_runner import CPU_KV_BYTES_DEFAULT, resolve_device, resolve_dtype
+    # the model runner and the store: only a calibrated twin needs them
+    from engine.calibration.calibrate import device_key, latest_stored
+    from engine.core.model_runner import resolve_device, resolve_dtype
 
     device = resolve_device(config.device)
     dtype = str(resolve_dtype(config.dtype, device)).removeprefix("torch.")
-    record = latest_stored(session, model=config.model, device=str(device), dtype=dtype)
+    # stored as calibrate stores it: on CUDA by the GPU's model, which "cuda:0" never matched
+    key = device_key(device)
+    record = latest_stored(session, model=config.model, device=key, dtype=dtype)
     if record is None:
-        raise ConfigError("simulate", f"no calibration stored for {config.model} on {device} "
+        raise ConfigError("simulate", f"no calibration stored for {config.model} on {key} "
                           f"({dtype}); run `tokenflow calibrate --model {config.model}` first")
-    predictor = StepTimePredictor.from_dict(record.params)
-    if config.kv_cache_bytes is not None:
-        kv = config.kv_cache_bytes
-    elif device.type == "cpu":
-        kv = CPU_KV_BYTES_DEFAULT
-    else:
-        kv = int(record.info["kv"]["capacity_bytes"])
-    return SimTarget(spec="this", device=f"sim:{device}", dtype=dtype,
-                     peaks=measure_peaks(str(device), resolve_dtype(dtype, device)),
-                     kv_cache_bytes=kv, predict=predictor.predict, calibration=predictor,
-                     served=_served(record.info),
-                     source=_calibration_source(record.id, record.created_at, predictor),
-                     details={"calibration_id": record.id},
-                     device_type="cpu" if device.type == "cpu" else "sim")
+    return _calibrated("this", record, config)
 
 
 def _stored(spec: str, config: EngineConfig, session: Session) -> SimTarget:
@@ -322,12 +312,23 @@ def _stored(spec: str, config: EngineConfig, session: Session) -> SimTarget:
     if record.model != config.model:
         raise ConfigError("simulate", f"calibration {text} was measured on {record.model}, "
                           f"not {config.model}; pass --model {record.model}")
+    return _calibrated(spec, record, config)
+
+
+def _calibrated(spec: str, record: CalibrationRecord, config: EngineConfig) -> SimTarget:
+    """The twin a stored calibration makes, whether `this` or its id names it: its predictor
+    prices each step, against the peaks it measured, on the device it ran on."""
+    from engine.core.model_runner import CPU_KV_BYTES_DEFAULT
+
     predictor = StepTimePredictor.from_dict(record.params)
     info = record.info
     peaks = DevicePeaks(**info["peaks"])
     known = profile_for_device_name(peaks.name)
+    on_cpu = record.device == "cpu"
     if config.kv_cache_bytes is not None:
         kv = config.kv_cache_bytes
+    elif on_cpu:  # as a real run on this CPU sizes its pool
+        kv = CPU_KV_BYTES_DEFAULT
     elif known is not None:
         deployment = Deployment(model_config_for(config.model), known,
                                 weight_dtype=info["dtype"])
@@ -339,7 +340,9 @@ def _stored(spec: str, config: EngineConfig, session: Session) -> SimTarget:
                      kv_cache_bytes=kv, predict=predictor.predict, calibration=predictor,
                      served=_served(info),
                      source=_calibration_source(record.id, record.created_at, predictor),
-                     details={"calibration_id": record.id, "calibrated_device": peaks.name})
+                     details={"calibration_id": record.id, "calibrated_device": peaks.name},
+                     # a CPU's twin takes a CPU run's defaults (its workloads' lengths)
+                     device_type="cpu" if on_cpu else "sim")
 
 
 def _served(info: dict[str, Any]) -> ServedCosts | None:
