@@ -62,11 +62,11 @@ def multiturn_conversations(profile: MultiTurnProfile, *, num_conversations: int
     n = num_conversations or profile.conversations
     rate = profile.rate if rate is None else rate
 
-    def scaled(mean: float) -> int:
-        return max(1, round(min(mean * length_scale, max_model_len)))
+    def scaled(mean: int, jitter: float = 1.0) -> int:
+        return max(1, round(min(mean * length_scale * jitter, max_model_len)))
 
     def tokens(mean: int) -> tuple[int, ...]:
-        length = scaled(mean * rng.uniform(1 - LENGTH_JITTER, 1 + LENGTH_JITTER))
+        length = scaled(mean, rng.uniform(1 - LENGTH_JITTER, 1 + LENGTH_JITTER))
         return tuple(rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(length))
 
     system = tuple(rng.randrange(FIRST_TOKEN_ID, vocab_size)
