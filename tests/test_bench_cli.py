@@ -385,3 +385,24 @@ def test_a_capacity_search_that_could_not_end_or_probe_is_refused(
                  "--db", str(tmp_path / "s.db")]) == 2
     assert said in capsys.readouterr().err
 
+
+
+@pytest.mark.parametrize("extra, said", [
+    (["--compare", ""], "--compare '' names no configuration; give one or more of chunked"),
+    (["--compare", " , "], "--compare ' , ' names no configuration"),
+    (["--config", "x:max_model_len=100", "--compare", "x"],
+     "max_model_len is fixed at an engine's start, so every configuration of a bench shares "
+     "it; set it with --max-model-len"),
+    (["--config", "x:gpu_memory_utilization=0.5", "--compare", "x"],
+     "set it with --gpu-memory-utilization"),
+    (["--config", "x:stats_window_s=5", "--compare", "x"], "a bench does not set it"),
+])
+def test_a_comparison_of_nothing_or_of_start_time_fields_is_refused_with_the_fix(
+        extra: list[str], said: str, capsys: pytest.CaptureFixture[str],
+        tmp_path: Path) -> None:
+    """An empty --compare ran nothing and exited 0 beside an empty table; a start-time field
+    in --config said "restart the engine", which a bench's user cannot do."""
+    assert main(["bench", "--simulate", "h100", "--model", "synthetic:8b", "--input-len", "8",
+                 "--output-len", "2", "--num-prompts", "2", "--db", str(tmp_path / "s.db"),
+                 *extra]) == 2
+    assert said in capsys.readouterr().err

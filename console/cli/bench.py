@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from console.cli.db import add_db_argument
-from console.cli.engine_flags import WATCHED_FLAGS, add_engine_flags, engine_config
+from console.cli.engine_flags import WATCHED_FLAGS, add_engine_flags, engine_config, flag_of
 from console.cli.given_flags import given
 from console.cli.process_age import process_age_s
 from console.cli.progress import RunProgress, add_quiet_flag
@@ -44,7 +44,7 @@ from console.cli.workload_flags import (
 from console.errors import UserError
 from engine import Engine
 from engine.budget.predictor import StepTimePredictor
-from engine.config import EngineConfig
+from engine.config import LIVE_FIELDS, EngineConfig
 from engine.harness.driver import RunResult, drive
 from engine.harness.slo import (
     LATENCY_METRICS,
@@ -174,6 +174,9 @@ def _settle_tuning_flags(args: argparse.Namespace, names: list[str]) -> None:
 
 def bench_report(args: argparse.Namespace) -> dict[str, Any]:
     names = [n.strip() for n in args.compare.split(",") if n.strip()]
+    if not names:
+        raise UserError(f"--compare {args.compare!r} names no configuration; give one or more "
+                        "of chunked, unchunked, auto, nocache, hf or a --config NAME")
     _settle_tuning_flags(args, names)
     if args.report:
         from console.cli.report import check_report_dir
@@ -507,6 +510,13 @@ def _parse_config(spec: str) -> tuple[str, dict[str, str]]:
         if not eq:
             raise UserError(f"--config {spec!r}: {item!r} is not field=value")
         fields[key.strip()] = value.strip()
+    fixed = sorted(set(fields) - LIVE_FIELDS & {f.name for f in dataclasses.fields(EngineConfig)})
+    if fixed:  # one engine's start sets them: every configuration of the bench shares them
+        flag = flag_of(fixed[0])
+        fix = (f"set it with {flag}" if flag is not None and flag not in WATCHED_FLAGS
+               else "a bench does not set it")
+        raise UserError(f"--config {spec!r}: {fixed[0]} is fixed at an engine's start, so "
+                        f"every configuration of a bench shares it; {fix}")
     EngineConfig().replace(**fields)  # ConfigError names a bad field now, before any run
     return name, fields
 

@@ -119,6 +119,11 @@ def add_engine_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, f
     parser.add_argument(flag, dest=field, type=kind, default=default, help=text)
 
 
+def flag_of(field: str) -> str | None:
+    """The engine flag that sets EngineConfig's `field`, or None if no flag does."""
+    return next((flag for flag, (name, _, _) in _FLAGS.items() if name == field), None)
+
+
 def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig:
     """An EngineConfig from the flags given; ConfigError names a bad value."""
     values = {field: getattr(args, field) for _, (field, _, _) in _FLAGS.items()
