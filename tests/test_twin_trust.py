@@ -222,3 +222,20 @@ def test_a_live_twin_places_the_traffic_it_has_served_so_far(tmp_path: Path) -> 
     far.observe(RequestAdded(request_id="x", prompt_token_ids=(5,) * 10,
                              sampling={"max_tokens": 2}, tenant="t"))
     assert far.line().startswith("far from every published case") and "no band" in far.line()
+
+
+def test_a_simulated_runs_report_says_whose_peaks_and_how_far_to_trust_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """report.md called a twin's datasheet peaks "measured" and left out the trust band the
+    terminal prints for every simulated run."""
+    from console.cli.main import main
+
+    assert main(["bench", "--simulate", "h100", "--model", "synthetic:8b", "--input-len", "64",
+                 "--output-len", "8", "--num-prompts", "4", "--compare", "chunked",
+                 "--report", str(tmp_path / "r"), "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    written = (tmp_path / "r" / "report.md").read_text()
+    assert "measured peaks" not in written and "(NVIDIA H100 datasheet" in written
+    trust_line = next(line for line in printed.splitlines() if line.startswith("trust chunked:"))
+    assert f"- trust, chunked: {trust_line.removeprefix('trust chunked: ')}" in written
+

@@ -14,6 +14,7 @@ from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from console.errors import UserError
 from engine.harness.driver import RunResult
+from engine.sim.trust import Trust
 
 # What a report writes into its directory (capacity.png only with --capacity).
 REPORT_FILES = ("report.md", "ttft_cdf.png", "tpot_cdf.png", "itl_cdf.png",
@@ -142,9 +143,13 @@ def _markdown(report: dict[str, Any], images: list[str]) -> str:
         f"# tokenflow bench: {workload['spec']}",
         "",
         f"{workload['requests']} requests on {machine['model']} ({machine['device']}, "
-        f"{machine['dtype']}); measured peaks {machine['peak_flops'] / 1e9:.1f} GFLOP/s and "
-        f"{machine['peak_bandwidth'] / 1e9:.1f} GB/s.",
+        f"{machine['dtype']}); peaks {machine['peak_flops'] / 1e9:.1f} GFLOP/s and "
+        f"{machine['peak_bandwidth'] / 1e9:.1f} GB/s ({machine['peaks_source']}).",
         "",
+        # a twin's figures are only as good as the published cases near them
+        *(f"- trust, {name}: {Trust.from_dict(r['trust']).line()}"
+          for name, r in report["runs"].items() if "trust" in r),
+        *([""] if any("trust" in r for r in report["runs"].values()) else []),
         f"SLOs: TPOT and ITL ≤ {slo['tpot_ms']:.1f} ms, scheduling delay ≤ "
         f"{slo['scheduling_delay_ms']:.1f} ms (5× and 25× one decode step of "
         f"{slo['decode_step_ms']:.1f} ms); TTFT ≤ a request's own prefill time + the delay: "
