@@ -390,6 +390,8 @@ def test_a_capacity_search_that_could_not_end_or_probe_is_refused(
 @pytest.mark.parametrize("extra, said", [
     (["--compare", ""], "--compare '' names no configuration; give one or more of chunked"),
     (["--compare", " , "], "--compare ' , ' names no configuration"),
+    (["--compare", "chunked,auto,chunked"], "--compare names chunked twice; a configuration "
+                                            "runs once"),
     (["--config", "x:max_model_len=100", "--compare", "x"],
      "max_model_len is fixed at an engine's start, so every configuration of a bench shares "
      "it; set it with --max-model-len"),

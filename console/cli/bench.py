@@ -177,6 +177,9 @@ def bench_report(args: argparse.Namespace) -> dict[str, Any]:
     if not names:
         raise UserError(f"--compare {args.compare!r} names no configuration; give one or more "
                         "of chunked, unchunked, auto, nocache, hf or a --config NAME")
+    if twice := sorted({n for n in names if names.count(n) > 1}):
+        raise UserError(f"--compare names {', '.join(twice)} twice; a configuration runs once "
+                        "(define another with --config NAME:field=value)")
     _settle_tuning_flags(args, names)
     if args.report:
         from console.cli.report import check_report_dir
