@@ -794,6 +794,31 @@ def test_a_gpu_profile_file_names_its_first_bad_field(override: dict[str, object
     assert said in str(raised.value) and "Traceback" not in str(raised.value)
 
 
+def test_a_new_gpus_profile_file_simulates_it_without_a_band(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--simulate x100 --gpu-profile x100.json` was refused as an unknown GPU ("give a
+    profile file whose key is the name", which it was): the check that a file changes the
+    shipped profile looked the new name up among the shipped ones. A file of another GPU's
+    key over a shipped one was taken without a word."""
+    from console.cli.main import main
+
+    mine = {**PROFILES["h100"].to_dict(), "key": "x100", "name": "X100"}
+    file = tmp_path / "x100.json"
+    file.write_text(json.dumps(mine))
+    config = EngineConfig(model="synthetic:8b")
+    target = resolve_target("x100", config, gpu_profile=file)
+    shape = StepShape(decode_contexts=(100,))
+    assert target.predict(shape) == resolve_target("h100", config).predict(shape)
+    assert target.no_band == f"{file} defines x100, a GPU no published case was measured on"
+    assert main(["bench", "--simulate", "x100", "--gpu-profile", str(file), "--model",
+                 "synthetic:8b", "--input-len", "8", "--output-len", "2", "--num-prompts", "2",
+                 "--compare", "chunked", "--db", str(tmp_path / "s.db")]) == 0
+    assert "no band: " in capsys.readouterr().out
+    with pytest.raises(ConfigError, match="is the profile of 'x100', not 'h100': simulate "
+                                          "'x100', or give the file the key 'h100'"):
+        resolve_target("h100", config, gpu_profile=file)
+
+
 @pytest.mark.parametrize("spec", ["", "  "])
 def test_an_empty_simulate_target_is_an_unknown_gpu_not_an_empty_profile(spec: str) -> None:
     """An empty name once matched the empty key of no profile file, and was read as a

@@ -290,8 +290,12 @@ def profile(name: str, override: Path | None = None) -> GpuProfile:
         if not isinstance(data, dict):
             raise ConfigError("gpu profile", f"{override} must hold one JSON object")
     known = PROFILES.get(name.lower())
+    key = data.get("key")
+    if isinstance(key, str) and key.lower() != name.lower():
+        raise ConfigError("gpu profile", f"{override} is the profile of {key!r}, not "
+                          f"{name!r}: simulate {key!r}, or give the file the key {name!r}")
     if known is None:
-        if data and data.get("key", "").lower() == name.lower():
+        if key is not None:
             return profile_from_dict(data)
         raise ConfigError("simulate", f"unknown GPU {name!r}; choose one of "
                           f"{', '.join(PROFILES)}, 'this' (this device's stored calibration), "

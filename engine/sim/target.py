@@ -20,6 +20,7 @@ from engine.model.loader import model_config_for
 from engine.sim.profiles import (
     GIB,
     KV_BYTES,
+    PROFILES,
     WEIGHT_BYTES,
     GpuProfile,
     profile,
@@ -85,8 +86,11 @@ class SimTarget:
         """Why the published cases' errors do not bound this twin: the user's profile file
         changed what the shipped profile priced them with (None: it did not)."""
         own = self.details.get("own_profile")
-        return (None if own is None else
-                f"{own} changes the {self.spec} profile the cases' errors were measured with")
+        if own is None:
+            return None
+        if self.spec.lower() not in PROFILES:
+            return f"{own} defines {self.spec}, a GPU no published case was measured on"
+        return f"{own} changes the {self.spec} profile the cases' errors were measured with"
 
     def describe(self) -> dict[str, Any]:
         return {"spec": self.spec, "device": self.device, "predictor": self.predictor,
@@ -210,7 +214,8 @@ def _gpu_roofline(spec: str, config: EngineConfig, tp: int, kv_dtype: str,
     deployment = Deployment(model_config_for(config.model), gpu, tp, dtype, kv_dtype)
     target = deployment_target(deployment, config, spec)
     _require_one_longest_request(deployment, config, target.kv_cache_bytes)
-    if profile_file is not None and _priced(gpu) != _priced(profile(spec)):
+    shipped = PROFILES.get(spec.lower())
+    if profile_file is not None and (shipped is None or _priced(gpu) != _priced(shipped)):
         target.details["own_profile"] = str(profile_file)
     return target
 
