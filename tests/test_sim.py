@@ -296,6 +296,29 @@ def test_a_twins_first_calibration_waits_on_no_gpu_and_walks_no_block(monkeypatc
     assert session.engine.clock() > wall.now + sum(p.median_s for p in first.points)
 
 
+def test_the_consoles_twin_takes_the_kv_precision_and_a_profile_file_as_bench_does(
+        tmp_path: Path) -> None:
+    """The console's twin took --simulate, --tp and --sim-speed only: no fp8 KV, and no
+    profile of the user's, though its refusal of an unknown GPU said to give one."""
+    from console.cli.console import build_parser, conflict
+    from engine.serve.session import EngineSession
+    from engine.sim.executor import Simulation
+
+    mine = {**PROFILES["h100"].to_dict(), "key": "x100", "name": "X100"}
+    file = tmp_path / "x100.json"
+    file.write_text(json.dumps(mine))
+    args = build_parser().parse_args(["--simulate", "x100", "--gpu-profile", str(file),
+                                      "--kv-cache-dtype", "fp8", "--model", "synthetic:8b"])
+    assert conflict(args) is None
+    simulation = Simulation(args.simulate, args.tp, args.sim_speed, args.kv_cache_dtype,
+                            args.gpu_profile)
+    session = EngineSession.start(EngineConfig(model="synthetic:8b"), store=False,
+                                  simulate=simulation, calibrate=False)
+    target = session.engine.runner.target
+    assert target.details["kv_cache_dtype"] == "fp8" and target.details["gpu"] == "X100"
+    assert target.no_band == f"{file} defines x100, a GPU no published case was measured on"
+
+
 def _paced_twin_session(speed: float) -> tuple[_Wall, Engine, Any]:
     from engine.serve.session import EngineSession
 
@@ -504,6 +527,8 @@ def test_console_simulation_flags_need_the_embedded_engine() -> None:
     parse = build_parser().parse_args
     assert conflict(parse(["--simulate", "h200", "--model", "synthetic:8b"])) is None
     assert "add --simulate" in conflict(parse(["--sim-speed", "10"]))
+    assert conflict(parse(["--tp", "2", "--kv-cache-dtype", "fp8", "--gpu-profile", "p.json"])) \
+        == "--tp, --kv-cache-dtype, --gpu-profile apply to a simulated engine; add --simulate"
     # at inf a paced clock reads nan at its start; at 1e300 a step's price is below the
     # clock's last digit (the first calibration read 0 s steps); at 1e-300 a step's wait
     # overflows time.sleep

@@ -35,6 +35,7 @@ from console.cli.engine_flags import WATCHED_FLAGS, add_engine_flags, engine_con
 from console.cli.given_flags import given
 from console.cli.process_age import process_age_s
 from console.cli.progress import RunProgress, add_quiet_flag
+from console.cli.twin_flags import add_twin_flags
 from console.cli.workload_flags import (
     add_fixed_length_flags,
     add_workload_flags,
@@ -98,19 +99,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "Sarathi-Serve's)")
     parser.add_argument("--report", type=Path, metavar="DIR",
                         help="write report.md and PNG plots into DIR")
-    parser.add_argument("--simulate", metavar="TARGET",
-                        help="run on the GPU twin instead: this (the calibration stored for "
-                             "this device), a GPU profile (a100, a100-pcie, h100, h100-pcie, "
-                             "h200, l40s, b200, a10, mi300x: each operation on its roofline, "
-                             "docs/twin.md) or calibration:ID; no weights are loaded")
-    parser.add_argument("--tp", type=int, default=1,
-                        help="with --simulate GPU: tensor-parallel GPUs (default 1)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
-                        help="with --simulate GPU: the KV cache's precision (--dtype fp8 or "
-                             "int8 sets the weights')")
-    parser.add_argument("--gpu-profile", type=Path, metavar="FILE",
-                        help="with --simulate GPU: a JSON profile over the named GPU's "
-                             "(`tokenflow roofline --gpu NAME --show-profile --json` prints one)")
+    add_twin_flags(parser)
     parser.add_argument("--replicas", type=int, default=1,
                         help="with --simulate: a fleet of this many replicas behind a router")
     parser.add_argument("--router", default=None, choices=[p.value for p in RoutePolicy],

@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 from console.cli.engine_flags import add_engine_flag
 from console.cli.otlp_flags import add_otlp_token_flags, otlp_token
 from console.cli.output_file import check_output
+from console.cli.twin_flags import add_twin_flags, twin_flags_given
 from console.cli.workload_flags import add_rate_flag, workload_name
 from console.errors import UserError
 from engine.clock import SIM_SPEEDS
@@ -108,11 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="replay speed (default 1.0; 0 steps one snapshot per refresh)")
     parser.add_argument("--record", type=Path, metavar="FILE",
                         help="write every snapshot and the store's records to FILE (JSONL)")
-    parser.add_argument("--simulate", metavar="TARGET",
-                        help="run the GPU twin: a100, h100, h200, l40s, b200, this or "
-                             "calibration:ID; no weights, step times predicted")
-    parser.add_argument("--tp", type=int, default=1,
-                        help="with --simulate GPU: tensor-parallel GPUs (default 1)")
+    add_twin_flags(parser)
     parser.add_argument("--sim-speed", type=float, default=1.0, metavar="X",
                         help="with --simulate: simulated seconds per wall-clock second "
                              "(default 1.0)")
@@ -148,8 +145,9 @@ def conflict(args: argparse.Namespace) -> str | None:
                                               args.enable_prefix_caching is not None),
                                              ("--max-model-len", args.max_model_len is not None))
                     if value]
-    if (args.tp != 1 or args.sim_speed != 1.0) and not args.simulate:
-        return "--tp and --sim-speed apply to a simulated engine; add --simulate"
+    twin = twin_flags_given(args) + (["--sim-speed"] if args.sim_speed != 1.0 else [])
+    if twin and not args.simulate:
+        return f"{', '.join(twin)} apply to a simulated engine; add --simulate"
     if not SIM_SPEEDS[0] <= args.sim_speed <= SIM_SPEEDS[1]:
         return (f"--sim-speed must be in [{SIM_SPEEDS[0]:g}, {SIM_SPEEDS[1]:g}], got "
                 f"{args.sim_speed}; for a run as fast as this host goes, use tokenflow bench "
@@ -194,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.simulate is not None:  # the twin's module imports torch: seconds before a spawn
             from engine.sim.executor import Simulation
 
-            simulate = Simulation(args.simulate, args.tp, args.sim_speed)
+            simulate = Simulation(args.simulate, args.tp, args.sim_speed,
+                                  args.kv_cache_dtype, args.gpu_profile)
         config = EngineConfig(slo_ttft_ms=args.slo_ttft_ms, slo_itl_ms=args.slo_itl_ms)
         if args.enable_prefix_caching is not None:
             config = config.replace(enable_prefix_caching=args.enable_prefix_caching)

@@ -128,7 +128,8 @@ class EmbeddedSource:
         if simulate is not None and not needs_store(simulate.target):
             # a GPU's twin schedules as vLLM's server does there, as `bench --simulate` does;
             # the store's last settings, restored below, still come before these
-            defaults = server_defaults(profile(simulate.target), engine_config)
+            defaults = server_defaults(profile(simulate.target, simulate.gpu_profile),
+                                       engine_config)
             engine_config = dataclasses.replace(engine_config, **defaults)
             say(0.0, "vLLM's GPU server defaults: " + ", ".join(
                 f"{name}={value}" for name, value in defaults.items()))

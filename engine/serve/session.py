@@ -134,8 +134,12 @@ class EngineSession:
 
 def _simulated(config: EngineConfig, simulate: Simulation, database: Database | None) -> Engine:
     if database is None:
-        target = resolve_target(simulate.target, config, tp=simulate.tp)
+        target = resolve_target(simulate.target, config, tp=simulate.tp,
+                                kv_cache_dtype=simulate.kv_cache_dtype,
+                                gpu_profile=simulate.gpu_profile)
     else:
         with database.session() as session:
-            target = resolve_target(simulate.target, config, tp=simulate.tp, session=session)
+            target = resolve_target(simulate.target, config, tp=simulate.tp, session=session,
+                                    kv_cache_dtype=simulate.kv_cache_dtype,
+                                    gpu_profile=simulate.gpu_profile)
     return simulated_engine(config, target, PacedClock(simulate.speed))

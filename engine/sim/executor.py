@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from engine.batch import Batch, ModelRunnerOutput, StepShape
 from engine.clock import SIM_SPEEDS, VirtualClock
@@ -170,11 +171,14 @@ class SimulatedExecutor:
 
 @dataclass(frozen=True)
 class Simulation:
-    """A live simulated engine: target spec, tensor-parallel GPUs, simulated seconds per second."""
+    """A live simulated engine: target spec, tensor-parallel GPUs, simulated seconds per second,
+    the KV cache's precision and a profile file over (or beside) the shipped ones."""
 
     target: str
     tp: int = 1
     speed: float = 1.0
+    kv_cache_dtype: str = "auto"
+    gpu_profile: Path | None = None
 
 
 class _LastShape:
