@@ -323,17 +323,12 @@ def _stored(spec: str, config: EngineConfig, session: Session) -> SimTarget:
 def _calibrated(spec: str, record: CalibrationRecord, config: EngineConfig) -> SimTarget:
     """The twin a stored calibration makes, whether `this` or its id names it: its predictor
     prices each step, against the peaks it measured, on the device it ran on."""
-    from engine.core.model_runner import CPU_KV_BYTES_DEFAULT
-
     predictor = StepTimePredictor.from_dict(record.params)
     info = record.info
     peaks = DevicePeaks(**info["peaks"])
     known = profile_for_device_name(peaks.name)
-    on_cpu = record.device == "cpu"
     if config.kv_cache_bytes is not None:
         kv = config.kv_cache_bytes
-    elif on_cpu:  # as a real run on this CPU sizes its pool
-        kv = CPU_KV_BYTES_DEFAULT
     elif known is not None:
         deployment = Deployment(model_config_for(config.model), known,
                                 weight_dtype=info["dtype"])
@@ -347,7 +342,7 @@ def _calibrated(spec: str, record: CalibrationRecord, config: EngineConfig) -> S
                      source=_calibration_source(record.id, record.created_at, predictor),
                      details={"calibration_id": record.id, "calibrated_device": peaks.name},
                      # a CPU's twin takes a CPU run's defaults (its workloads' lengths)
-                     device_type="cpu" if on_cpu else "sim")
+                     device_type="cpu" if record.device == "cpu" else "sim")
 
 
 def _served(info: dict[str, Any]) -> ServedCosts | None:
