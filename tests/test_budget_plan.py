@@ -29,7 +29,7 @@ from engine.budget.plan import (
     replanned,
 )
 from engine.budget.predictor import StepTimePredictor
-from engine.calibration.calibrate import FIRST_REASON, apply
+from engine.calibration.calibrate import FIRST_REASON
 from engine.config import EngineConfig, SamplingParams
 from engine.core.request import Request
 from engine.events import CalibrationProgress, Event, SlowQuery
@@ -59,7 +59,7 @@ def timed_engine(slowdown: Callable[[Batch], float] = lambda batch: 1.0, *,
     engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32",
                                  **config), clock=clock)
     if calibrated:
-        apply(engine, KNOWN)
+        engine.apply_calibration(KNOWN)
     forward = engine.runner.run
 
     def run(batch: Batch) -> ModelRunnerOutput:
@@ -210,7 +210,7 @@ def test_an_uncalibrated_engine_gives_no_score_no_slow_query_and_no_cstar() -> N
     assert not slow
     snapshot = engine.snapshot()
     assert snapshot.recommended_chunk_size is None and snapshot.recommended_token_budget is None
-    apply(engine, KNOWN)
+    engine.apply_calibration(KNOWN)
     snapshot = engine.snapshot()
     assert snapshot.calibration == "calibrated" and snapshot.recommended_chunk_size is not None
 

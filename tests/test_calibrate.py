@@ -28,7 +28,6 @@ from engine.budget.predictor import StepTimePredictor
 from engine.calibration.calibrate import (
     Probe,
     SweepPlan,
-    apply,
     calibrate,
     compare,
     latest_for,
@@ -329,7 +328,7 @@ def test_each_timed_run_is_the_last_of_a_burst_of_its_shape(engine: Engine) -> N
 def test_apply_switches_budgeting_and_recommended_chunk(calibrated) -> None:
     engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32"))
     predictor = calibrated.predictor
-    apply(engine, predictor)
+    engine.apply_calibration(predictor)
     shape = StepShape(prefill=((64, 0),))
     assert engine.scheduler.controller.predict(shape) == predictor.predict(shape)
     expected = predictor.budget_model(engine.model_config, 4, engine.peaks)
@@ -615,7 +614,7 @@ def test_the_served_probe_fits_host_time_and_prefill_steps_served_price() -> Non
     engine.runner.run, engine.scheduler.schedule = run, scheduled
     with pytest.raises(EngineError, match="apply it first"):
         measure_served(engine)
-    apply(engine, TRUE)
+    engine.apply_calibration(TRUE)
     costs = measure_served(engine)
     assert costs.step_s == pytest.approx(1e-3)
     assert costs.per_decode_s == pytest.approx(1e-4)

@@ -20,7 +20,7 @@ from engine import Engine, EngineConfig, SamplingParams
 from engine.batch import Batch, ModelRunnerOutput
 from engine.budget.peaks import measure_peaks
 from engine.budget.predictor import StepTimePredictor
-from engine.calibration.calibrate import apply, first_calibration
+from engine.calibration.calibrate import first_calibration
 from engine.clock import VirtualClock
 from engine.core.request import Request
 from engine.events import Event, EventBus, FailCause, Failed, ModeChanged, SlowQuery
@@ -130,7 +130,7 @@ def observed(monkeypatch: pytest.MonkeyPatch, predictor: StepTimePredictor,
 
     def calibrated_engine(*args: object, **changes: object) -> Engine:
         engine = build(*args, **changes)  # type: ignore[arg-type]
-        apply(engine, predictor)
+        engine.apply_calibration(predictor)
         engine.bus.subscribe(seen.events.append)
         seen.engines.append(engine)
         return engine
@@ -298,7 +298,7 @@ def test_stored_slow_queries_of_a_loaded_run_add_up(tmp_path: Path,
     fast = {name: getattr(predictor, name) / 1000 for name in (
         "constant_s", "multi_token_s", "per_token_s", "per_prefill_chunk_s", "per_decode_seq_s",
         "per_prefill_pair_s", "per_decode_context_s")}
-    apply(engine, dataclasses.replace(predictor, **fast))
+    engine.apply_calibration(dataclasses.replace(predictor, **fast))
     database = open_database(tmp_path / "store.db")
     writer = StoreWriter(database, engine.bus)
     rng = random.Random(5)

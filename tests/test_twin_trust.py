@@ -79,6 +79,33 @@ def test_a_simulated_bench_imports_no_torch_no_model_code_and_no_store() -> None
     assert out.strip() == "[]"
 
 
+def test_a_stored_calibrations_twin_runs_without_torch(tmp_path: Path) -> None:
+    """`bench --simulate calibration:ID` imported torch through the calibration module, for a
+    two-line `apply` (start-up 1.5 s against 0.55 s now); the engine applies a predictor
+    itself."""
+    from engine.budget.predictor import StepTimePredictor
+    from engine.store import open_database, save_calibration
+
+    db = tmp_path / "cal.db"
+    database = open_database(db)
+    with database.session() as session:
+        save_calibration(session, model="synthetic:tiny", device="cpu", table=[],
+                         params=StepTimePredictor(1e-3, 0.0, 2e-6, 0.0, 1e-5, 0.0, 0.0, points=1,
+                                                  source="test").to_dict(),
+                         info={"dtype": "float32", "kv": {"capacity_bytes": 2**25},
+                               "peaks": {"name": "cpu", "flops": 1e11, "bandwidth": 1e10,
+                                         "source": "test"}})
+    database.close()
+    code = ("import sys; from console.cli.main import main; "
+            f"code = main(['bench', '--simulate', 'calibration:1', '--model', 'synthetic:tiny', "
+            f"'--input-len', '16', '--output-len', '4', '--num-prompts', '3', '--compare', "
+            f"'chunked', '--db', {str(db)!r}, '--quiet']); "
+            "print(code, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).parent.parent).stdout
+    assert out.strip().splitlines()[-1] == "0 False", out
+
+
 def test_a_simulated_bench_says_its_start_up_apart_from_its_step_loops(
         capsys: pytest.CaptureFixture[str]) -> None:
     """The issue's figure is the whole command's: bench reports it beside the step loops',

@@ -405,8 +405,7 @@ def _run(name: str, config: EngineConfig, workload: list[WorkloadRequest],
     gc.collect()
     engine = Engine(config)
     if calibration is not None:
-        from engine.calibration.calibrate import apply
-        apply(engine, calibration)
+        engine.apply_calibration(calibration)
     if name == "hf":
         from engine.harness.hf_baseline import hf_model, run_hf
         model = hf_model(engine.runner.model, engine.model_config)

@@ -27,7 +27,6 @@ from engine import Engine
 from engine.budget.predictor import StepTimePredictor
 from engine.calibration.calibrate import (
     CalibrationResult,
-    apply,
     calibrate,
     latest_for,
     save_result,
@@ -67,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
             phases["sweep_s"] = result.wall_s
             if progress is not None:
                 progress(1.0, "serving a probe")
-            apply(engine, result.predictor)  # the probe's steps are priced by the new fit
+            # the probe's steps are priced by the new fit
+            engine.apply_calibration(result.predictor)
             served_at = time.perf_counter()
             served = measure_served(
                 engine, requests=QUICK_PROBE_REQUESTS if args.quick else PROBE_REQUESTS)

@@ -27,7 +27,6 @@ from engine.calibration.calibrate import (
     FIRST_REASON,
     Calibration,
     CalibrationResult,
-    apply,
     calibrate,
     device_key,
     first_plan,
@@ -218,7 +217,7 @@ class EmbeddedSource:
                 self.calibration_failure = str(exc)
                 self.calibrating = None
                 return
-            apply(engine, result.predictor)
+            engine.apply_calibration(result.predictor)
             self._store_result(result, FIRST_REASON)
             if self.monitor is not None:
                 self.monitor.reference = result.predictor
@@ -342,7 +341,7 @@ class EmbeddedSource:
                     if drift is not None:
                         engine.bus.publish(drift)
                 save_result(session, result, "on demand from the console")
-                apply(engine, result.predictor)
+                engine.apply_calibration(result.predictor)
                 self.calibration_failure = None
                 if self.monitor is not None:
                     self.monitor.reference = result.predictor
@@ -380,7 +379,7 @@ def reuse_default_calibration(engine: EngineCore, database: Database) -> Calibra
                          reason=f"calibration {record.id} of {default}{REUSED}")
         copied = latest_for(session, engine)
     if copied is not None:
-        apply(engine, StepTimePredictor.from_dict(copied.params))
+        engine.apply_calibration(StepTimePredictor.from_dict(copied.params))
     return copied
 
 

@@ -475,12 +475,6 @@ def compare(old: StepTimePredictor, new: StepTimePredictor) -> float:
     return statistics.median(ratios) - 1
 
 
-def apply(engine: EngineCore, predictor: StepTimePredictor) -> None:
-    """Budget prefill time with `predictor` and recommend C*; both switch at the next step."""
-    engine.scheduler.controller.calibrate(predictor.predict, predictor.budget_model(
-        engine.model_config, engine.runner.bytes_per_element, engine.peaks))
-
-
 def first_calibration(engine: EngineCore, session: Session | None = None) -> CalibrationResult:
     """The quick sweep at start (FIRST_PLANS), applied, stored in `session` if given."""
     def progress(fraction: float, note: str) -> None:
@@ -490,7 +484,7 @@ def first_calibration(engine: EngineCore, session: Session | None = None) -> Cal
 
     result = calibrate(engine, quick=True, plan=first_plan(engine.runner.device),
                        progress=progress)
-    apply(engine, result.predictor)
+    engine.apply_calibration(result.predictor)
     if session is not None:  # its provenance names its load: no other store reuses it if busy
         save_result(session, result, FIRST_REASON)
     busy = f"; measured while {result.load_words()}" if result.contended else ""
@@ -529,7 +523,7 @@ def latest_stored(session: Session, *, model: str, device: str,
 def apply_latest(engine: EngineCore, session: Session) -> CalibrationRecord | None:
     record = latest_for(session, engine)
     if record is not None:
-        apply(engine, StepTimePredictor.from_dict(record.params))
+        engine.apply_calibration(StepTimePredictor.from_dict(record.params))
     return record
 
 

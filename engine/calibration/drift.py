@@ -12,7 +12,6 @@ from engine.calibration.calibrate import (
     CalibrationResult,
     Progress,
     SweepPlan,
-    apply,
     compare,
     plan_for,
 )
@@ -170,7 +169,7 @@ class DriftMonitor:
             if event is not None:
                 log.warning("drift: %s", event.detail)
                 engine.bus.publish(event)
-        apply(engine, result.predictor)
+        engine.apply_calibration(result.predictor)
         self.reference = result.predictor
         self.recalibrations += 1
         self.pending_reason = None

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from engine.batch import Batch, ModelRunnerOutput, RequestOutput, StepShape, StepTiming
 from engine.budget.controller import BudgetController
 from engine.budget.cost_model import BudgetModel
-from engine.budget.predictor import StepTimeRatio
+from engine.budget.predictor import StepTimePredictor, StepTimeRatio
 from engine.clock import Clock
 from engine.config import ConfigError, EngineConfig, SamplingParams
 from engine.core import intake, observation
@@ -248,6 +248,11 @@ class EngineCore:
                         f"the config changed ({source}): chunked prefill off and "
                         f"max_num_batched_tokens {new.max_num_batched_tokens}, under the "
                         f"{left} tokens it has left to prefill"), FailCause.CONFIG)
+
+    def apply_calibration(self, predictor: StepTimePredictor) -> None:
+        """Budget prefill time with `predictor` and recommend C*; both switch at the next step."""
+        self.scheduler.controller.calibrate(predictor.predict, predictor.budget_model(
+            self.model_config, self.runner.bytes_per_element, self.peaks))
 
     @property
     def calibrated(self) -> bool:

@@ -205,8 +205,6 @@ def simulated_engine(config: EngineConfig, target: SimTarget, clock: Clock) -> E
     if isinstance(clock, PacedClock):
         clock.hold_while(engine.has_unfinished)
     if target.calibration is not None:
-        # the calibration's code and store: a named GPU's twin needs neither
-        from engine.calibration.calibrate import apply
-        apply(engine, target.calibration)
+        engine.apply_calibration(target.calibration)
     engine.scheduler.controller.price_with(target.predict)
     return engine
