@@ -809,6 +809,15 @@ def test_vllms_defaults_follow_the_gpu_and_the_entry_point(gpu: str, server: int
     ({"flops": {"bfloat16": "1e15"}}, 'flops.bfloat16 must be a number, got "1e15"'),
     ({"efficiency": {"step_s": "x"}}, "step_s must be a number, got 'x'"),
     ({"efficiency": 3}, "efficiency must be an object, got 3"),
+    # each factor's own range, not one sentence of every rule
+    ({"efficiency": {"memory": -1}}, "efficiency.memory: must be a share in (0, 20], got -1.0"),
+    ({"efficiency": {"overlap": 5}}, "efficiency.overlap: must be a share in [0, 1], got 5.0"),
+    ({"efficiency": {"sampler_passes": -3}},
+     "efficiency.sampler_passes: must be a number of passes in (0, 20], got -3.0"),
+    ({"efficiency": {"attention_context_half": -5}},
+     "efficiency.attention_context_half: must be a number of tokens >= 0, got -5.0"),
+    ({"efficiency": {"step_s": float("nan")}},
+     "efficiency.step_s: must be a time in seconds >= 0, got nan"),
 ])
 def test_a_gpu_profile_file_names_its_first_bad_field(override: dict[str, object], said: str,
                                                       tmp_path: Path) -> None:

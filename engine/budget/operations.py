@@ -66,18 +66,10 @@ class OperationEfficiency:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            unbounded = f.name.endswith("_s") or f.name in ("gemm_m_half",
-                                                            "attention_context_half")
-            may_be_zero = unbounded or f.name in ("overlap", "decode_attention_flops")
-            limit = (math.inf if unbounded else 1.0 if f.name in ("overlap", "saturated_clock")
-                     else MAX_SHARE)
+            may_be_zero, limit, rule = _range(f.name)
             if not (isinstance(value, int | float) and math.isfinite(value)
                     and (value >= 0 if may_be_zero else value > 0) and value <= limit):
-                raise ConfigError(f"efficiency.{f.name}", f"must be a share in (0, {MAX_SHARE}] "
-                                  "(overlap in [0, 1], saturated_clock in (0, 1], a time in "
-                                  "seconds >= 0 for *_s, tokens >= 0 for gemm_m_half and "
-                                  "attention_context_half), got "
-                                  f"{value!r}")
+                raise ConfigError(f"efficiency.{f.name}", f"must be {rule}, got {value!r}")
 
     def to_dict(self) -> dict[str, float]:
         return asdict(self)
@@ -95,6 +87,23 @@ class OperationEfficiency:
             raise ConfigError("efficiency", f"{bad[0]} must be a number, got "
                               f"{data[bad[0]]!r:.40}")
         return cls(**{k: float(v) for k, v in numbers.items()})
+
+
+def _range(name: str) -> tuple[bool, float, str]:
+    """An efficiency factor's range: whether it may be 0, its largest value, and in words."""
+    if name.endswith("_s"):
+        return True, math.inf, "a time in seconds >= 0"
+    if name in ("gemm_m_half", "attention_context_half"):
+        return True, math.inf, "a number of tokens >= 0"
+    if name == "overlap":
+        return True, 1.0, "a share in [0, 1]"
+    if name == "saturated_clock":
+        return False, 1.0, "a share in (0, 1]"
+    if name == "sampler_passes":
+        return False, MAX_SHARE, f"a number of passes in (0, {MAX_SHARE:g}]"
+    if name == "decode_attention_flops":
+        return True, MAX_SHARE, f"a share in [0, {MAX_SHARE:g}]"
+    return False, MAX_SHARE, f"a share in (0, {MAX_SHARE:g}]"
 
 
 Bounds = dict[str, tuple[float, float]]
