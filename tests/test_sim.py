@@ -809,6 +809,8 @@ def test_vllms_defaults_follow_the_gpu_and_the_entry_point(gpu: str, server: int
     ({"flops": {"bfloat16": "1e15"}}, 'flops.bfloat16 must be a number, got "1e15"'),
     ({"efficiency": {"step_s": "x"}}, "step_s must be a number, got 'x'"),
     ({"efficiency": 3}, "efficiency must be an object, got 3"),
+    ({"flops": {"fp4": 1e15}}, "flops.fp4 is no precision the twin prices; flops takes "
+                               "bfloat16, fp8, int8"),
     # each factor's own range, not one sentence of every rule
     ({"efficiency": {"memory": -1}}, "efficiency.memory: must be a share in (0, 20], got -1.0"),
     ({"efficiency": {"overlap": 5}}, "efficiency.overlap: must be a share in [0, 1], got 5.0"),

@@ -149,10 +149,12 @@ class GpuProfile:
         if not (self.memory_bytes > 0 and self.bandwidth > 0 and self.flops.get("bfloat16")):
             raise ConfigError("gpu profile", f"{self.key}: memory_bytes, bandwidth and a "
                               "bfloat16 peak must be > 0")
-        unknown = set(self.flops) - set(PRECISIONS)
-        if unknown or not all(math.isfinite(v) and v > 0 for v in self.flops.values()):
-            raise ConfigError("gpu profile", f"{self.key}: flops takes positive peaks for "
-                              f"{', '.join(PRECISIONS)}; got {self.flops}")
+        if unknown := sorted(set(self.flops) - set(PRECISIONS)):
+            raise ConfigError("gpu profile", f"{self.key}: flops.{unknown[0]} is no precision "
+                              f"the twin prices; flops takes {', '.join(PRECISIONS)}")
+        if bad := [k for k, v in self.flops.items() if not (math.isfinite(v) and v > 0)]:
+            raise ConfigError("gpu profile", f"{self.key}: flops.{bad[0]} must be a finite "
+                              f"number > 0, got {self.flops[bad[0]]}")
 
     def peak_flops(self, weight_dtype: str) -> float:
         """The tensor-core peak that GEMMs on weights of `weight_dtype` run at."""
