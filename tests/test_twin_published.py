@@ -414,7 +414,8 @@ def test_compute_bound_tensor_core_work_runs_at_the_power_limited_clock() -> Non
     assert profile("l40s").efficiency.saturated_clock == 1.0
     assert "saturated_clock" not in profile("l40s").sources
     for bad in (0.0, 1.5):  # a clock above the unsaturated one is no power limit
-        with pytest.raises(ConfigError, match="saturated_clock in"):
+        with pytest.raises(ConfigError, match=r"efficiency\.saturated_clock: must be a share "
+                                              r"in \(0, 1\]"):
             dataclasses.replace(h100.efficiency, saturated_clock=bad)
 
     def operations(shape: StepShape, clock: float) -> dict[str, float]:
