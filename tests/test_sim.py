@@ -190,6 +190,12 @@ def test_bad_simulation_inputs_name_the_fix(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="raise --tp"):
         resolve_target("h100", EngineConfig(model=str(tmp_path)))
     assert resolve_target("h100", EngineConfig(model=str(tmp_path)), tp=4).kv_cache_bytes > 0
+    # weights that fit beside a budget whose profile run does not: the budget is the fix
+    with pytest.raises(ConfigError, match=r"max_num_batched_tokens: 16\.1 GB of weights and "
+                                          r"229\.4 GB of activations a GPU do not fit .* lower "
+                                          r"--max-num-batched-tokens \(2,000,000\), or raise"):
+        resolve_target("h100", EngineConfig(model="synthetic:8b",
+                                            max_num_batched_tokens=2_000_000))
 
 
 def test_placeholder_tokens_give_every_ignore_eos_request_its_length() -> None:

@@ -164,14 +164,20 @@ class Deployment:
     def kv_cache_bytes(self, memory_utilization: float, max_num_batched_tokens: int,
                        max_num_seqs: int) -> int:
         """KV over all GPUs, sized as vLLM sizes it (NON_TORCH_BYTES says where from)."""
-        free = (self.gpu.memory_bytes * memory_utilization - self.weight_bytes / self.tp
-                - self.activation_peak_bytes(max_num_batched_tokens, max_num_seqs)
-                - NON_TORCH_BYTES)
+        share = self.gpu.memory_bytes * memory_utilization
+        weights = self.weight_bytes / self.tp
+        activations = self.activation_peak_bytes(max_num_batched_tokens, max_num_seqs)
+        free = share - weights - activations - NON_TORCH_BYTES
         if free <= 0:
-            raise ConfigError("tp", f"{self.weight_bytes / 1e9:.1f} GB of weights and the "
-                              f"activations do not fit in {memory_utilization:.0%} of "
-                              f"{self.tp} x {self.gpu.name} "
-                              f"({self.gpu.memory_bytes / 1e9:.0f} GB each); raise --tp")
+            # the weights alone may fit: then the profile run's activations are the fix's
+            too_big = weights + NON_TORCH_BYTES >= share
+            fix = ("raise --tp" if too_big else
+                   f"lower --max-num-batched-tokens ({max_num_batched_tokens:,}), or raise --tp")
+            raise ConfigError("tp" if too_big else "max_num_batched_tokens",
+                              f"{self.weight_bytes / 1e9:.1f} GB of weights and "
+                              f"{activations / 1e9:,.1f} GB of activations a GPU do not fit in "
+                              f"{memory_utilization:.0%} of {self.tp} x {self.gpu.name} "
+                              f"({self.gpu.memory_bytes / 1e9:.0f} GB each); {fix}")
         return int(free) * self.tp
 
     def step_price(self) -> StepPrice:
