@@ -303,8 +303,10 @@ def test_the_console_refuses_flags_its_chosen_source_would_drop(tmp_path: Path) 
     assert conflict(parse(["--speed", "2"])) == ("--speed paces a recorded session; add "
                                                  "--replay FILE")
     assert conflict(parse(["--replay", "f.jsonl", "--speed", "0"])) is None
-    with pytest.raises(SourceError, match="replay speed must be >= 0, got nan"):
-        ReplaySource(tmp_path / "r.jsonl", speed=float("nan"))
+    for speed in ("nan", "inf", "-1"):
+        with pytest.raises(SourceError, match=rf"replay speed must be a finite number >= 0 "
+                                              rf"\(0 steps a snapshot a refresh\), got {speed}"):
+            ReplaySource(tmp_path / "r.jsonl", speed=float(speed))
     # a recording is a new file: never over an old one, never through a symlink
     old = tmp_path / "old.jsonl"
     old.write_text("kept\n")

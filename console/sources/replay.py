@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -87,8 +88,9 @@ class ReplaySource:
 
     def __init__(self, path: Path, speed: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not speed >= 0:  # nan included
-            raise SourceError(f"replay speed must be >= 0, got {speed}")
+        if not 0 <= speed < math.inf:  # nan included; at inf the first poll read 0 x inf
+            raise SourceError(f"replay speed must be a finite number >= 0 (0 steps a snapshot "
+                              f"a refresh), got {speed}")
         self.name = f"replay {path.name}"
         self._speed = speed
         self._clock = clock
