@@ -35,7 +35,7 @@ from console.cli.engine_flags import WATCHED_FLAGS, add_engine_flags, engine_con
 from console.cli.given_flags import given
 from console.cli.process_age import process_age_s
 from console.cli.progress import RunProgress, add_quiet_flag
-from console.cli.twin_flags import add_twin_flags
+from console.cli.twin_flags import add_twin_flags, twin_flags_given
 from console.cli.workload_flags import (
     add_fixed_length_flags,
     add_workload_flags,
@@ -357,8 +357,7 @@ _BOTH_WAYS = {"compile": "--[no-]compile", "cpu_graphs": "--[no-]cpu-graphs"}
 
 def _sim_target(args: argparse.Namespace, base: EngineConfig) -> SimTarget | None:
     if args.simulate is None:
-        if (args.tp != 1 or args.against_real or args.replicas != 1
-                or args.kv_cache_dtype != "auto" or args.gpu_profile is not None):
+        if twin_flags_given(args) or args.against_real or args.replicas != 1:
             raise UserError("--tp, --replicas, --against-real, --kv-cache-dtype and "
                             "--gpu-profile apply to simulated runs; add --simulate")
         return None

@@ -238,15 +238,14 @@ class EmbeddedSource:
         if self.writer.failure is not None:
             raise SourceError(f"the engine is paused: {self.writer.failure}")
         snapshot = self.loop.snapshot()
-        calibrating, failure = self.calibrating, self.calibration_failure
+        progress, failure = self._calibration_progress, self.calibration_failure
         if snapshot.calibration == "calibrating" and failure is not None:
             snapshot = dataclasses.replace(snapshot, calibration=(
                 f"uncalibrated: the first calibration failed ({failure}); r on Drift (4) "
                 "recalibrates"))
-        elif snapshot.calibration == "calibrating" and self._calibration_progress is not None:
+        elif snapshot.calibration == "calibrating" and progress is not None:
             # a snapshot published before the sweep ended says how far it had come
-            snapshot = dataclasses.replace(
-                snapshot, calibration=f"calibrating ({calibrating or self._calibration_progress})")
+            snapshot = dataclasses.replace(snapshot, calibration=f"calibrating ({progress})")
         reused = self.session.calibration
         if (reused is not None and reused.reused and self.monitor is not None
                 and self.monitor.recalibrations == 0):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence, Set
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -133,13 +134,8 @@ class EngineSession:
 
 
 def _simulated(config: EngineConfig, simulate: Simulation, database: Database | None) -> Engine:
-    if database is None:
-        target = resolve_target(simulate.target, config, tp=simulate.tp,
+    with nullcontext() if database is None else database.session() as session:
+        target = resolve_target(simulate.target, config, tp=simulate.tp, session=session,
                                 kv_cache_dtype=simulate.kv_cache_dtype,
                                 gpu_profile=simulate.gpu_profile)
-    else:
-        with database.session() as session:
-            target = resolve_target(simulate.target, config, tp=simulate.tp, session=session,
-                                    kv_cache_dtype=simulate.kv_cache_dtype,
-                                    gpu_profile=simulate.gpu_profile)
     return simulated_engine(config, target, PacedClock(simulate.speed))
