@@ -256,9 +256,9 @@ def main() -> None:
                              "multi-step scheduling runs it, a diagnostic (not with --fit or "
                              "--write)")
     args = parser.parse_args()
-    if args.served_detail and args.no_served:
-        parser.error("--served-detail prints the served cases, which --no-served skips; "
-                     "drop one")
+    for flag, given in (("--served-detail", args.served_detail), ("--write", args.write)):
+        if given and args.no_served:
+            parser.error(f"{flag} reads the served cases, which --no-served skips; drop one")
     every = load_cases(CASES, fitting_only=False)
     for flag, value, change in (("--gpu-as", args.gpu_as, priced_as),
                                 ("--host-steps", args.host_steps, with_host_steps)):

@@ -823,9 +823,15 @@ def test_vllms_defaults_follow_the_gpu_and_the_entry_point(gpu: str, server: int
     ({"efficiency": {"sampler_passes": -3}},
      "efficiency.sampler_passes: must be a number of passes in (0, 20], got -3.0"),
     ({"efficiency": {"attention_context_half": -5}},
-     "efficiency.attention_context_half: must be a number of tokens >= 0, got -5.0"),
+     "efficiency.attention_context_half: must be a number of tokens in [0, 1048576], "
+     "got -5.0"),
     ({"efficiency": {"step_s": float("nan")}},
-     "efficiency.step_s: must be a time in seconds >= 0, got nan"),
+     "efficiency.step_s: must be a time in seconds in [0, 1], got nan"),
+    # a typo's size is refused too: a 10^9 s step would run a workload for millennia
+    ({"efficiency": {"step_s": 1e9}},
+     "efficiency.step_s: must be a time in seconds in [0, 1], got 1000000000.0"),
+    ({"efficiency": {"gemm_m_half": 1e300}},
+     "efficiency.gemm_m_half: must be a number of tokens in [0, 1048576], got 1e+300"),
 ])
 def test_a_gpu_profile_file_names_its_first_bad_field(override: dict[str, object], said: str,
                                                       tmp_path: Path) -> None:

@@ -388,6 +388,22 @@ def test_a_source_priced_with_multi_step_pays_its_host_time_once_per_n_steps() -
             with_host_steps(cases, bad)
 
 
+@pytest.mark.parametrize("flag", ["--served-detail", "--write"])
+def test_a_flag_that_reads_the_served_cases_is_refused_beside_no_served(
+        flag: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """--write stores every case's error, the served ones' too: skipping them would leave
+    their stored bands stale, so the pair is refused before any case is priced."""
+    from benchmarks import twin_published
+    monkeypatch.setattr("sys.argv", ["twin_published", flag, "--no-served"])
+    before = CASES.read_bytes()
+    with pytest.raises(SystemExit) as raised:
+        twin_published.main()
+    assert raised.value.code == 2
+    assert f"{flag} reads the served cases, which --no-served skips; drop one" in (
+        capsys.readouterr().err)
+    assert CASES.read_bytes() == before
+
+
 def test_served_cases_keep_their_sources_printed_latencies() -> None:
     """They tell a step priced wrong (every ITL) from a schedule or front end (TTFT alone)."""
     served = [c for c in load_cases(CASES, fitting_only=False) if c.kind == "served"]

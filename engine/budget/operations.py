@@ -20,6 +20,10 @@ from engine.config import ConfigError
 OPERATIONS = ("gemm", "attention_prefill", "attention_decode", "elementwise", "sampler",
               "communication", "step")
 MAX_SHARE = 20.0
+# a fixed cost past a second, or a half-efficiency length past a million tokens, is a typo:
+# no device's step, launch or all-reduce takes that long, and no model runs that context
+MAX_FIXED_S = 1.0
+MAX_HALF_TOKENS = 1 << 20
 LOGIT_BYTES = 4
 
 
@@ -92,9 +96,9 @@ class OperationEfficiency:
 def _range(name: str) -> tuple[bool, float, str]:
     """An efficiency factor's range: whether it may be 0, its largest value, and in words."""
     if name.endswith("_s"):
-        return True, math.inf, "a time in seconds >= 0"
+        return True, MAX_FIXED_S, f"a time in seconds in [0, {MAX_FIXED_S:g}]"
     if name in ("gemm_m_half", "attention_context_half"):
-        return True, math.inf, "a number of tokens >= 0"
+        return True, MAX_HALF_TOKENS, f"a number of tokens in [0, {MAX_HALF_TOKENS}]"
     if name == "overlap":
         return True, 1.0, "a share in [0, 1]"
     if name == "saturated_clock":
