@@ -55,6 +55,28 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path: Path) -> None:
         Engine(EngineConfig(model=str(tmp_path)))
 
 
+@pytest.mark.parametrize(("files", "said"), [
+    ({"model.safetensors": b"garbage\xff"},
+     "model.safetensors is not a safetensors file the loader reads"),
+    ({"model.safetensors.index.json": b'{"weight_map":'},
+     "model.safetensors.index.json is not a safetensors index with a weight_map"),
+    ({"model.safetensors.index.json": b'{"weight_map": 5}'}, "with a weight_map"),
+    ({"model.safetensors.index.json": b'{"weight_map": {"w": "gone.safetensors"}}'},
+     "gone.safetensors is not a safetensors file the loader reads"),
+])
+def test_weight_files_the_loader_cannot_read_name_the_file_and_the_fix(
+        files: dict[str, bytes], said: str, tmp_path: Path) -> None:
+    """A broken checkpoint is refused like a broken config.json: the file, then the fix."""
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"architectures": ["LlamaForCausalLM"], "hidden_size": 16, "intermediate_size": 32,
+         "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 1,
+         "vocab_size": 300, "max_position_embeddings": 64, "rms_norm_eps": 1e-5}))
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+    with pytest.raises(ModelLoadError, match=f"{said}.*re-save the model"):
+        Engine(EngineConfig(model=str(tmp_path), device="cpu"))
+
+
 def test_unknown_preset_lists_the_presets() -> None:
     with pytest.raises(ModelLoadError, match="tiny"):
         Engine(EngineConfig(model="synthetic:huge"))

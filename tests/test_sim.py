@@ -804,11 +804,22 @@ def test_vllms_defaults_follow_the_gpu_and_the_entry_point(gpu: str, server: int
 
 
 @pytest.mark.parametrize(("override", "said"), [
-    ({"bandwidth": -1}, "bandwidth must be a finite number > 0, got -1.0"),
-    ({"bandwidth": float("inf")}, "bandwidth must be a finite number > 0, got inf"),
+    ({"bandwidth": -1}, "bandwidth must be in bytes/s, between 1e+10 and 1e+15; got -1"),
+    ({"bandwidth": float("inf")}, "bandwidth must be in bytes/s, between 1e+10 and 1e+15; "
+                                  "got inf"),
+    # a unit slip is refused, naming the unit: 3.35 meant as TB/s priced a step at years
+    ({"bandwidth": 3.35}, "bandwidth must be in bytes/s, between 1e+10 and 1e+15; got 3.35"),
+    ({"flops": {"bfloat16": 989}}, "flops.bfloat16 must be in FLOP/s, between 1e+12 and "
+                                   "1e+18; got 989"),
+    ({"flops": {"fp8": 1e30}}, "flops.fp8 must be in FLOP/s, between 1e+12 and 1e+18; "
+                               "got 1e+30"),
+    ({"memory_bytes": 80}, "memory_bytes must be in bytes, between 1.074e+09 and 1.126e+15; "
+                           "got 80"),
+    ({"interconnect": {"bandwidth": 450}}, "interconnect.bandwidth must be in bytes/s, "
+                                           "between 1e+09 and 1e+14; got 450"),
     ({"memory_bytes": 1.5}, "memory_bytes must be a whole number, got 1.5"),
     ({"memory_bytes": True}, "memory_bytes must be a whole number, got true"),
-    ({"interconnect": {"bandwidth": -3}}, "interconnect.bandwidth must be a finite number > 0"),
+    ({"interconnect": {"bandwidth": -3}}, "interconnect.bandwidth must be in bytes/s"),
     ({"interconnect": 5}, "interconnect must be an object, got 5"),
     ({"sources": [1]}, "sources must be an object, got [1]"),
     ({"sources": {"a": 1}}, "sources.a must be a string, got 1"),

@@ -110,6 +110,9 @@ class ReplaySource:
             lines = path.read_text(encoding="utf-8").splitlines()
         except OSError as exc:
             raise SourceError(f"cannot read recording {path}: {exc.strerror}") from exc
+        except UnicodeDecodeError:
+            raise SourceError(f"{path} is not valid UTF-8: not a recording this console "
+                              "wrote (--record FILE)") from None
         parsers: dict[str, Callable[[dict[str, Any]], None]] = {
             "snapshot": lambda d: self._snapshots.append(checked_snapshot(d, str(path))),
             "slow_query": lambda d: self._slow.append(checked_slow_query(d, str(path))),

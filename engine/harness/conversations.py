@@ -86,10 +86,13 @@ def load_conversations(path: Path | str,
     """Conversations from a JSONL file; any bad line fails the whole file, naming line and field."""
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise ConversationError(f"cannot read conversation file {path} "
                                 f"({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise ConversationError(f"{path}: not valid UTF-8; save the conversation file as "
+                                "UTF-8") from None
     conversations, seen = [], set()
     for number, line in enumerate(lines, start=1):
         if not line.strip():

@@ -61,7 +61,7 @@ def load_trace(path: Path | str | Traversable) -> list[TraceRow]:
         path = Path(path)
     expected = ", ".join(TRACE_COLUMNS)
     try:
-        with path.open(newline="") as f:
+        with path.open(newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
             missing = [c for c in TRACE_COLUMNS if c not in (reader.fieldnames or [])]
             if missing:
@@ -73,6 +73,8 @@ def load_trace(path: Path | str | Traversable) -> list[TraceRow]:
         raise TraceError(
             f"cannot read trace {path} ({exc.strerror}); give a CSV with columns {expected}"
         ) from None
+    except UnicodeDecodeError:
+        raise TraceError(f"{path}: not valid UTF-8; save the trace as UTF-8") from None
     if not parsed:
         raise TraceError(f"{path}: no rows; a trace needs {expected} and at least one row")
     zoned = [ts.utcoffset() is not None for ts, _, _ in parsed]

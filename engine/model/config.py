@@ -166,11 +166,17 @@ def preset(name: str) -> ModelConfig:
 def from_hf_config(path: Path) -> ModelConfig:
     """Parse config.json in both its older and newer transformers forms."""
     try:
-        raw = json.loads(path.read_text())
+        raw = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ModelLoadError(f"{path} not found: a model directory needs config.json") from None
-    except json.JSONDecodeError as exc:
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {path} ({exc.strerror}): a model directory needs "
+                             "config.json as a file") from None
+    except ValueError as exc:  # not UTF-8, or not JSON
         raise ModelLoadError(f"{path} is not valid JSON ({exc}); re-export the model") from None
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{path} must hold one JSON object, got "
+                             f"{type(raw).__name__}; re-export the model")
     architectures = raw.get("architectures") or []
     family = next((BY_HF_ARCHITECTURE[a] for a in architectures if a in BY_HF_ARCHITECTURE),
                   None)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import ModelLoadError
 from engine.model.checkpoint import expected_parts, fused_part, to_ours
@@ -137,13 +139,12 @@ def _init_random(model: Transformer, seed: int) -> None:
 
 def _load_safetensors(model: Transformer, directory: Path, config: ModelConfig) -> None:
     import torch
-    from safetensors import safe_open
     files = _weight_files(directory)
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     with torch.no_grad():
         for file in files:
-            with safe_open(str(file), framework="pt") as handle:
+            with _opened(file) as handle:
                 for hf_name in handle.keys():  # noqa: SIM118 - safe_open is not a dict
                     tied_head = config.tie_word_embeddings and hf_name == "lm_head.weight"
                     if "rotary_emb" in hf_name or tied_head:
@@ -173,11 +174,28 @@ def _load_safetensors(model: Transformer, directory: Path, config: ModelConfig) 
                              f"{', '.join(missing[:5])}")
 
 
+@contextlib.contextmanager
+def _opened(file: Path) -> Iterator[Any]:
+    """safe_open(file), its every read's failure a ModelLoadError naming the file."""
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            yield handle
+    except (SafetensorError, OSError) as exc:
+        raise ModelLoadError(f"{file} is not a safetensors file the loader reads ({exc}); "
+                             "re-save the model with save_pretrained") from None
+
+
 def _weight_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({directory / f for f in weight_map.values()})
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = sorted({directory / f for f in weight_map.values()})
+        except (OSError, ValueError, LookupError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(f"{index} is not a safetensors index with a weight_map "
+                                 f"({type(exc).__name__}: {exc}); re-save the model with "
+                                 "save_pretrained") from None
     else:
         files = sorted(directory.glob("*.safetensors"))
     if not files:

@@ -8,6 +8,8 @@ from typing import Protocol
 
 from tokenizers import Tokenizer as HFTokenizerImpl
 
+from engine.errors import ModelLoadError
+
 
 class Tokenizer(Protocol):
     """`add_special_tokens` applies the tokenizer's own rules (a BOS where its post-processor
@@ -55,7 +57,11 @@ class ByteTokenizer:
 
 class HFTokenizer:
     def __init__(self, path: Path, eos_token_ids: tuple[int, ...]) -> None:
-        self._tokenizer = HFTokenizerImpl.from_file(str(path))
+        try:
+            self._tokenizer = HFTokenizerImpl.from_file(str(path))
+        except Exception as exc:  # the library raises a bare Exception for any bad file
+            raise ModelLoadError(f"{path} is not a tokenizer file the tokenizers library reads "
+                                 f"({exc}); re-export the model's tokenizer") from None
         self.eos_token_ids = eos_token_ids
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:

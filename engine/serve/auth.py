@@ -30,6 +30,9 @@ def load_token(token_file: Path | None, *, env: str, flag: str, what: str) -> st
     except OSError as exc:
         raise EngineError(f"cannot read the {what} token file {token_file}: {exc.strerror}; "
                           f"point {flag} at a readable file") from exc
+    except UnicodeDecodeError:
+        raise EngineError(f"the {what} token file {token_file} is not UTF-8 text; write the "
+                          "token into it as text") from None
     if not token:
         raise EngineError(f"the {what} token file {token_file} is empty; write a token into it")
     return token

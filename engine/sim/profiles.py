@@ -133,6 +133,13 @@ INFINITY_FABRIC = Interconnect("Infinity Fabric", 448 * GB, "MI300X datasheet: 7
                                                             "128 GB/s bidirectional")
 
 
+# A figure outside these is a unit slip (3.35 meant as TB/s, 80 as GiB), which would price a
+# step at years or at nothing: refused, naming the unit, rather than simulated.
+PEAK_RANGES: dict[str, tuple[float, float, str]] = {
+    "memory_bytes": (GIB, 2.0**50, "bytes"), "bandwidth": (1e10, 1e15, "bytes/s"),
+    "interconnect.bandwidth": (1e9, 1e14, "bytes/s"), "flops": (1e12, 1e18, "FLOP/s")}
+
+
 @dataclass(frozen=True)
 class GpuProfile:
     key: str
@@ -146,15 +153,20 @@ class GpuProfile:
     efficiency_source: str = FITTED_SOURCE
 
     def __post_init__(self) -> None:
-        if not (self.memory_bytes > 0 and self.bandwidth > 0 and self.flops.get("bfloat16")):
-            raise ConfigError("gpu profile", f"{self.key}: memory_bytes, bandwidth and a "
-                              "bfloat16 peak must be > 0")
         if unknown := sorted(set(self.flops) - set(PRECISIONS)):
             raise ConfigError("gpu profile", f"{self.key}: flops.{unknown[0]} is no precision "
                               f"the twin prices; flops takes {', '.join(PRECISIONS)}")
-        if bad := [k for k, v in self.flops.items() if not (math.isfinite(v) and v > 0)]:
-            raise ConfigError("gpu profile", f"{self.key}: flops.{bad[0]} must be a finite "
-                              f"number > 0, got {self.flops[bad[0]]}")
+        if "bfloat16" not in self.flops:
+            raise ConfigError("gpu profile", f"{self.key}: flops.bfloat16 is missing: every "
+                              "GPU needs its BF16 peak, in FLOP/s")
+        for name, value in (("memory_bytes", self.memory_bytes), ("bandwidth", self.bandwidth),
+                            ("interconnect.bandwidth", self.interconnect.bandwidth),
+                            *((f"flops.{k}", v) for k, v in self.flops.items())):
+            low, high, unit = PEAK_RANGES[name.split(".")[0] if name.startswith("flops")
+                                          else name]
+            if not (math.isfinite(value) and low <= value <= high):
+                raise ConfigError("gpu profile", f"{self.key}: {name} must be in {unit}, "
+                                  f"between {low:.4g} and {high:.4g}; got {value:g}")
 
     def peak_flops(self, weight_dtype: str) -> float:
         """The tensor-core peak that GEMMs on weights of `weight_dtype` run at."""
@@ -199,10 +211,10 @@ def profile_from_dict(data: dict[str, Any]) -> GpuProfile:
     return GpuProfile(
         key=_field(data, "key", str), name=_field(data, "name", str),
         memory_bytes=_field(data, "memory_bytes", int),
-        bandwidth=_positive(data, "bandwidth"),
-        flops={k: _positive(flops, k, "flops.") for k in flops},
+        bandwidth=_field(data, "bandwidth", float),
+        flops={k: _field(flops, k, float, "flops.") for k in flops},
         interconnect=Interconnect(_field(link, "name", str, "interconnect."),
-                                  _positive(link, "bandwidth", "interconnect."),
+                                  _field(link, "bandwidth", float, "interconnect."),
                                   _field(link, "source", str, "interconnect.", "")),
         sources={k: _field(sources, k, str, "sources.") for k in sources},
         efficiency=OperationEfficiency.from_dict(_field(data, "efficiency", dict, default={})),
@@ -229,14 +241,6 @@ def _field(data: dict[str, Any], name: str, kind: type, where: str = "",
                    dict: "an object"}[kind]
         raise ConfigError("gpu profile", f"{where}{name} must be {article}, got "
                           f"{json.dumps(value)[:40]}")
-    return value
-
-
-def _positive(data: dict[str, Any], name: str, where: str = "") -> float:
-    value = _field(data, name, float, where)
-    if not (math.isfinite(value) and value > 0):
-        raise ConfigError("gpu profile", f"{where}{name} must be a finite number > 0, got "
-                          f"{value}")
     return value
 
 
@@ -286,8 +290,8 @@ def profile(name: str, override: Path | None = None) -> GpuProfile:
     data: dict[str, Any] = {}
     if override is not None:
         try:
-            data = json.loads(Path(override).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            data = json.loads(Path(override).read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:  # ValueError: not UTF-8, or not JSON
             raise ConfigError("gpu profile", f"cannot read {override}: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError("gpu profile", f"{override} must hold one JSON object")
