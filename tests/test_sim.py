@@ -884,3 +884,11 @@ def test_an_empty_simulate_target_is_an_unknown_gpu_not_an_empty_profile(spec: s
     profile of nothing: "interconnect is missing"."""
     with pytest.raises(ConfigError, match=r"unknown GPU '.*'; choose one of a100"):
         resolve_target(spec, EngineConfig(model="synthetic:8b"))
+
+
+def test_a_board_with_datasheet_peaks_alone_is_refused_as_having_no_twin_profile() -> None:
+    """roofline's --gpu lists rtx4090 (its peaks serve the what-if table); the twin has no
+    memory, link or factors for it, and says so rather than call it unknown."""
+    with pytest.raises(ConfigError, match="'rtx4090' has datasheet peaks for roofline's "
+                                          "what-if table but no twin profile"):
+        resolve_target("rtx4090", EngineConfig(model="synthetic:8b"))

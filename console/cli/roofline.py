@@ -70,6 +70,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 _TABLE_DEFAULTS = {"weight_bits": 16, "decode_seqs": 32, "context": 2048, "prompt": 4096,
                    "chunks": SEED_CHUNKS, "hit_rate": 0.0, "kv_gib": 20.0,
                    "step_ms": DEFAULT_STEP_TIME_S * 1e3}
+MAX_KV_GIB = 1 << 20
+MAX_STEP_MS = 60_000
 _TABLE_ONLY = ("flops", "bandwidth", "model", "params", "kv_bytes_per_token", *_TABLE_DEFAULTS)
 
 
@@ -111,8 +113,9 @@ def _roofline(args: argparse.Namespace) -> Roofline:
     _require(args.context >= 1, "--context", "must be >= 1")
     _require(args.prompt >= 1, "--prompt", "must be >= 1")
     _require(0 <= args.hit_rate <= 1, "--hit-rate", "must be in [0, 1]")
-    _require(args.kv_gib > 0, "--kv-gib", "must be > 0")
-    _require(args.step_ms > 0, "--step-ms", "must be > 0")
+    # bounded above too: a pool of 1e300 GiB holds more tokens than an integer counts
+    _require(0 < args.kv_gib <= MAX_KV_GIB, "--kv-gib", f"must be in (0, {MAX_KV_GIB}] GiB")
+    _require(0 < args.step_ms <= MAX_STEP_MS, "--step-ms", f"must be in (0, {MAX_STEP_MS}] ms")
     _chunks(args.chunks)
     try:
         return Roofline(

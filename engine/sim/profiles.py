@@ -303,7 +303,11 @@ def profile(name: str, override: Path | None = None) -> GpuProfile:
     if known is None:
         if key is not None:
             return profile_from_dict(data)
-        raise ConfigError("simulate", f"unknown GPU {name!r}; choose one of "
+        # roofline's what-if table knows more boards (datasheet peaks alone) than the twin
+        peaks_only = (f"{name!r} has datasheet peaks for roofline's what-if table but no twin "
+                      "profile (memory, link, fitted factors)" if name.lower() in GPU_PRESETS
+                      else f"unknown GPU {name!r}")
+        raise ConfigError("simulate", f"{peaks_only}; choose one of "
                           f"{', '.join(PROFILES)}, 'this' (this device's stored calibration), "
                           "calibration:ID, or give a profile file whose key is the name")
     return known.merged(data) if data else known
