@@ -352,6 +352,30 @@ def test_a_report_directory_that_holds_a_report_is_refused_before_the_runs(
     (tmp_path / "d" / "itl_cdf.png").symlink_to(tmp_path / "elsewhere.png")
     assert main(["bench", "--model", "synthetic:tiny", "--report", str(tmp_path / "d")]) == 2
     assert "holds itl_cdf.png already" in capsys.readouterr().err
+    # a directory under a file cannot be made: refused before the runs, not after them
+    assert main(["bench", "--model", "synthetic:tiny", "--report",
+                 str(tmp_path / "report.md" / "sub" / "dir")]) == 2
+    assert (f"{tmp_path / 'report.md'} is a file, so no directory can be made under it"
+            in capsys.readouterr().err)
+
+
+def test_a_report_that_cannot_be_written_keeps_the_runs_figures(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writing fails after the runs (a full disk, a read-only mount): their table is printed,
+    then the error, exit 1; nothing the runs measured is lost."""
+    import console.cli.report as report
+
+    def full_disk(*_: object) -> Path:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(report, "write_report", full_disk)
+    assert main(["bench", "--model", "synthetic:8b", "--simulate", "h100", "--workload",
+                 "chat", "--num-requests", "3", "--report", str(tmp_path / "r")]) == 1
+    out, err = capsys.readouterr()
+    assert "chunked" in out and "time:" in out
+    assert (f"cannot write the report into {tmp_path / 'r'} (No space left on device); the "
+            "figures printed are the runs'") in err
 
 
 def test_requests_paced_past_the_longest_span_are_refused_at_every_door(
@@ -374,12 +398,17 @@ def test_requests_paced_past_the_longest_span_are_refused_at_every_door(
     ("--capacity-duration", "-1", "got -1.0"),
     ("--capacity-iterations", "0", "--capacity-iterations must be at least 1 (a probe each)"),
     ("--capacity-requests", "0", "--capacity-requests must be at least 1, got 0"),
+    # within the span, yet its fastest probe would draw tens of millions of requests
+    ("--capacity-duration", "1e6", "requests/s for --capacity-duration 1e+06 s"),
+    ("--capacity-requests", "200000", "would send 200000 requests, past the 100000 one run "
+                                      "holds; lower them"),
 ])
 def test_a_capacity_search_that_could_not_end_or_probe_is_refused(
         flag: str, value: str, said: str, capsys: pytest.CaptureFixture[str],
         tmp_path: Path) -> None:
     """inf and nan crashed the probe's request count; 1e9 s of steady traffic ran on
-    unbounded; no iteration gave a capacity of 0 from no probe."""
+    unbounded; no iteration gave a capacity of 0 from no probe; a probe of more requests than
+    a workload may hold was drawn before it ran."""
     assert main(["bench", "--simulate", "h100", "--model", "synthetic:8b", "--workload", "chat",
                  "--num-requests", "4", "--capacity", flag, value, "--compare", "chunked",
                  "--db", str(tmp_path / "s.db")]) == 2

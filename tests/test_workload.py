@@ -310,6 +310,23 @@ def test_a_scale_must_be_a_finite_number_above_zero(name, value):
         build("chat", **{name: value})
 
 
+@pytest.mark.parametrize("count", [0, -3, 100_001, 10**9])
+def test_a_workload_holds_one_to_a_hundred_thousand_requests(count):
+    """A billion chat requests were drawn for minutes, filling memory, before any refusal."""
+    with pytest.raises(WorkloadError, match=rf"num_requests must be in \[1, 100000\], got "
+                                            rf"{count}: a run keeps every request"):
+        build("chat", num_requests=count)
+
+
+def test_prompts_past_the_token_bound_are_refused_before_they_are_drawn():
+    """100,000 long documents at full length total 0.8 billion prompt tokens."""
+    with pytest.raises(WorkloadError, match=r"the workload's prompts total \d+ tokens, past "
+                                            r"the 100000000 one run holds"):
+        build("long-doc", num_requests=100_000, length_scale=1.0, max_model_len=131072)
+    with pytest.raises(WorkloadError, match="past the 100000000"):
+        prompt_ids(random.Random(0), 512, 100_000_001)
+
+
 @pytest.mark.parametrize("spec", ["chat", "conv", "multiturn"])
 def test_a_scale_past_any_integer_is_clipped_to_the_model_not_overflowed(spec):
     requests = build(spec, num_requests=2, length_scale=1e300) if spec != "multiturn" else None

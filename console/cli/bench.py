@@ -21,6 +21,7 @@ import dataclasses
 import gc
 import importlib.metadata
 import json
+import math
 import os
 import platform
 import statistics
@@ -55,7 +56,13 @@ from engine.harness.slo import (
     isolated_prefill,
     measure_decode_step,
 )
-from engine.harness.workload import MAX_ARRIVAL_S, WorkloadRequest, describe, steady_traffic
+from engine.harness.workload import (
+    MAX_ARRIVAL_S,
+    MAX_REQUESTS,
+    WorkloadRequest,
+    describe,
+    steady_traffic,
+)
 from engine.ops.host import HostLoadMeter
 from engine.sim.executor import VirtualClock, simulated_engine
 from engine.sim.fleet import MAX_REPLICAS, FleetResult, run_fleet
@@ -119,6 +126,9 @@ def bench(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         _print_table(report)
+    if "report_error" in report:  # the runs' figures are printed first: nothing is lost
+        print(f"tokenflow bench: {report['report_error']}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -206,6 +216,8 @@ def bench_report(args: argparse.Namespace) -> dict[str, Any]:
         probe, calibration = simulated_engine(base, target, VirtualClock()), target.calibration
     slo = SLO.from_decode_step(measure_decode_step(probe))
     workload = workload_for(args, probe)
+    if args.capacity:
+        _check_probe_size(args, workload)
     longest = max(len(w.prompt_token_ids) for w in workload)
     # auto aims each step at half the TPOT SLO: headroom for steps the predictor misjudges
     configs = {name: _named_config(name, base, custom, longest, probe.max_model_len,
@@ -264,12 +276,35 @@ def bench_report(args: argparse.Namespace) -> dict[str, Any]:
         report["capacity"] = _capacities(args, configs, workload, slo, calibration, sim)
     if args.report:
         from console.cli.report import write_report
-        report["report"] = str(write_report(args.report, report, results))
+        try:
+            report["report"] = str(write_report(args.report, report, results))
+        except OSError as exc:
+            report["report_error"] = (f"cannot write the report into {args.report} "
+                                      f"({exc.strerror or exc}); the figures printed are the "
+                                      "runs'; name a directory you can write to keep its plots")
     if sim is not None and startup_s is not None:
         report["process"] = _process_time([*report["runs"].values(),
                                            *report.get("capacity", {}).values()],
                                           startup_s, process_age_s() or 0.0)
     return report
+
+
+def _probe_rates(workload: list[WorkloadRequest]) -> tuple[float, float]:
+    """The capacity search's slowest and fastest probe: 1/16 and 4 times the workload's rate."""
+    offered = len(workload) / (max(w.arrival_s for w in workload) or 1.0)
+    return offered / 16, offered * 4
+
+
+def _check_probe_size(args: argparse.Namespace, workload: list[WorkloadRequest]) -> None:
+    """Before any run: the fastest probe's requests, which steady traffic sends for the whole
+    --capacity-duration, must fit one run as a workload's do."""
+    _, high = _probe_rates(workload)
+    most = max(args.capacity_requests, math.ceil(high * args.capacity_duration))
+    if most > MAX_REQUESTS:
+        raise UserError(f"the capacity search's fastest probe, {high:.4g} requests/s for "
+                        f"--capacity-duration {args.capacity_duration:g} s (at least "
+                        f"--capacity-requests {args.capacity_requests}), would send {most} "
+                        f"requests, past the {MAX_REQUESTS} one run holds; lower them")
 
 
 def _process_time(runs: list[dict[str, Any]], startup_s: float,
@@ -446,8 +481,7 @@ def _capacities(args: argparse.Namespace, configs: dict[str, EngineConfig],
                 workload: list[WorkloadRequest], slo: SLO,
                 calibration: StepTimePredictor | None,
                 sim: _Simulation | None) -> dict[str, Any]:
-    span = max(w.arrival_s for w in workload) or 1.0
-    offered = len(workload) / span
+    low, high = _probe_rates(workload)
     out: dict[str, Any] = {}
     for name, config in configs.items():
         twin_runs: list[FleetResult] = []  # a simulated probe's times count in the process's
@@ -460,7 +494,7 @@ def _capacities(args: argparse.Namespace, configs: dict[str, EngineConfig],
                 return _run(name, config, traffic, args.hf_batch_size, calibration)
             twin_runs.append(sim.run(name, config, traffic))
             return twin_runs[-1].merged
-        best, probes = capacity(run_at, slo, low=offered / 16, high=offered * 4,
+        best, probes = capacity(run_at, slo, low=low, high=high,
                                 iterations=args.capacity_iterations,
                                 metric=args.capacity_metric)
         out[name] = {"rate": best, "metric": args.capacity_metric,

@@ -26,6 +26,12 @@ def check_report_dir(directory: Path) -> None:
     report is kept, never written over (nor through a symlink of its names)."""
     if directory.exists() and not directory.is_dir():
         raise UserError(f"--report {directory} is a file; name a directory")
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing != directory and not existing.is_dir():
+        raise UserError(f"--report {directory}: {existing} is a file, so no directory can be "
+                        "made under it; name a directory")
     taken = [name for name in REPORT_FILES
              if (directory / name).exists() or (directory / name).is_symlink()]
     if taken:

@@ -151,7 +151,13 @@ def _gap(n: int, rate: float | None, rng: random.Random) -> float:
 
 def _fixed_length(args: argparse.Namespace, engine: EngineCore) -> list[WorkloadRequest] | None:
     """The requests file's or the random fixed-length prompts' requests, if asked for."""
-    from engine.harness.workload import WorkloadRequest, request_lines, within_span
+    from engine.harness.workload import (
+        WorkloadRequest,
+        check_count,
+        check_prompt_tokens,
+        request_lines,
+        within_span,
+    )
 
     path = getattr(args, "requests", None)
     lengths = [getattr(args, name, None) for name in ("input_len", "output_len", "num_prompts")]
@@ -172,6 +178,8 @@ def _fixed_length(args: argparse.Namespace, engine: EngineCore) -> list[Workload
     count = DEFAULT_NUM_PROMPTS if count is None else count
     if min(input_len, output_len, count) < 1:
         raise UserError("--input-len, --output-len and --num-prompts must be >= 1")
+    check_count(count, "--num-prompts")
+    check_prompt_tokens(count * input_len)
     if input_len + output_len > engine.max_model_len:
         raise UserError(f"--input-len + --output-len = {input_len + output_len} exceeds the "
                         f"model's length {engine.max_model_len}; shorten them")

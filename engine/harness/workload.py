@@ -38,6 +38,11 @@ GPU_LENGTH_SCALE = 1.0
 
 INT64_LIMIT = 2**63
 
+# A run keeps every request's prompt and timeline in memory, and draws the whole workload
+# before its first step: past these it would fill the host's memory before refusing anything.
+MAX_REQUESTS = 100_000
+MAX_PROMPT_TOKENS = 100_000_000
+
 
 class WorkloadError(EngineError):
     """A workload spec or request file cannot be used (trace files raise TraceError)."""
@@ -240,6 +245,7 @@ def prompt_ids(rng: random.Random, vocab_size: int, count: int) -> np.ndarray:
     state, with the same doubles and the same floor(random() * n): a Python call a token was
     most of a simulated bench's start-up. An array, sliced a prompt at a time: a list of
     millions would be walked by every young collection while the workload is built."""
+    check_prompt_tokens(count)
     version, state, gauss = rng.getstate()
     twister = np.random.RandomState()
     twister.set_state(("MT19937", np.array(state[:-1], dtype=np.uint32), state[-1]))
@@ -287,9 +293,18 @@ def check_scale(name: str, value: float) -> None:
         raise WorkloadError(f"{name} must be a finite number > 0, got {value}")
 
 
-def check_count(num_requests: int | None) -> None:
-    if num_requests is not None and num_requests < 1:
-        raise WorkloadError(f"num_requests must be at least 1, got {num_requests}")
+def check_count(num_requests: int | None, name: str = "num_requests") -> None:
+    if num_requests is not None and not 1 <= num_requests <= MAX_REQUESTS:
+        raise WorkloadError(f"{name} must be in [1, {MAX_REQUESTS}], got {num_requests}:"
+                            " a run keeps every request's prompt and timeline in memory; "
+                            "split a larger one into runs")
+
+
+def check_prompt_tokens(total: int) -> None:
+    if total > MAX_PROMPT_TOKENS:
+        raise WorkloadError(f"the workload's prompts total {total} tokens, past the "
+                            f"{MAX_PROMPT_TOKENS} one run holds in memory: send fewer "
+                            "requests, or shorter ones (--length-scale, --input-len)")
 
 
 def within_span(requests: list[WorkloadRequest]) -> list[WorkloadRequest]:
