@@ -437,3 +437,17 @@ def test_a_comparison_of_nothing_or_of_start_time_fields_is_refused_with_the_fix
                  "--output-len", "2", "--num-prompts", "2", "--db", str(tmp_path / "s.db"),
                  *extra]) == 2
     assert said in capsys.readouterr().err
+
+
+def test_against_real_refuses_a_model_this_host_cannot_hold_before_the_twin_runs(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real runs beside the twin load the model here: one that does not fit ended the
+    bench after the twin's runs, and its refusal said to use the twin the user was using."""
+    import engine.model.loader as loader
+    monkeypatch.setattr(loader, "free_memory", lambda device: (1_000, "this host"))
+    assert main(["bench", "--model", "synthetic:tiny", "--simulate", "h100", "--workload",
+                 "chat", "--num-requests", "3", "--against-real", "1"]) == 2
+    out, err = capsys.readouterr()
+    assert "synthetic:tiny needs about" in err and "this host has 0.0 GB available" in err
+    assert err.rstrip().endswith("or drop --against-real to price it on the twin alone")
+    assert "bench --simulate GPU" not in err and out == ""

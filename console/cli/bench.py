@@ -200,6 +200,8 @@ def bench_report(args: argparse.Namespace) -> dict[str, Any]:
     base = dataclasses.replace(base, **gpu_defaults)
     target = _sim_target(args, base)
     base.validate()
+    if target is not None and args.against_real:
+        _check_real_fits(base)
     sim = None if target is None else _Simulation(target, args.replicas,
                                                   RoutePolicy.parse(args.router))
     if target is None:
@@ -287,6 +289,17 @@ def bench_report(args: argparse.Namespace) -> dict[str, Any]:
                                            *report.get("capacity", {}).values()],
                                           startup_s, process_age_s() or 0.0)
     return report
+
+
+def _check_real_fits(config: EngineConfig) -> None:
+    """Before the twin runs: --against-real loads the model for real on this host, and one
+    that does not fit would end the bench after the twin's runs."""
+    from engine.core.model_runner import resolve_device, resolve_dtype
+    from engine.model.loader import check_memory, free_memory, model_config_for
+    device = resolve_device(config.device)
+    check_memory(config.model, model_config_for(config.model),
+                 resolve_dtype(config.dtype, device).itemsize, *free_memory(device),
+                 fix="drop --against-real to price it on the twin alone")
 
 
 def _probe_rates(workload: list[WorkloadRequest]) -> tuple[float, float]:

@@ -54,8 +54,11 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype, max_position
     return LoadedModel(model, config, tokenizer_for(name, config))
 
 
+TWIN_FIX = "price it on the GPU twin (bench --simulate GPU)"
+
+
 def check_memory(name: str, config: ModelConfig, element_bytes: int, available: int | None,
-                 where: str = "this host") -> None:
+                 where: str = "this host", fix: str = TWIN_FIX) -> None:
     """ModelLoadError for weights that `where` cannot hold, before torch allocates them: past
     a host's memory the kernel's OOM killer ends the process without a word (synthetic:8b in
     float32 asks 32 GB of a 24 GiB host), and a GPU's ends in a CUDA out-of-memory trace."""
@@ -66,7 +69,7 @@ def check_memory(name: str, config: ModelConfig, element_bytes: int, available: 
             f"{name} needs about {needed / 1e9:.1f} GB of memory for its weights "
             f"({params / 1e9:.2f}B parameters of {element_bytes} bytes) and "
             f"{where} has {available / 1e9:.1f} GB available; choose a smaller model or dtype, "
-            "free memory, or price it on the GPU twin (bench --simulate GPU)")
+            f"free memory, or {fix}")
 
 
 def free_memory(device: torch.device) -> tuple[int | None, str]:
