@@ -589,6 +589,47 @@ def test_cli_refuses_a_bad_database_before_loading(tmp_path: Path,
     assert "not a SQLite database" in capsys.readouterr().err
 
 
+def test_history_lists_the_stored_runs_and_the_ids_the_twin_takes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The twin's refusals said `tokenflow calibrate --history` lists the ids, and no such
+    flag existed: the only place an id showed was the line a calibration printed as it ended."""
+    db = tmp_path / "s.db"
+    database = open_database(db)
+    with database.session() as session:
+        for model, error in (("synthetic:tiny", 0.05),
+                             ("/models/a-very-long-directory/llama", None)):
+            save_calibration(session, model=model, device="cpu", table=[], params={},
+                             info={"dtype": "float32", "points": 16, "quick": True,
+                                   "heldout_median_abs_error": error})
+    database.close()
+    assert main(["calibrate", "--history", "--db", str(db)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:2] == ["id", "measured"]
+    assert out[1].split()[0] == "2" and "…ry-long-directory/llama  cpu" in out[1]
+    assert out[1].rstrip().endswith("-  quick")
+    assert out[2].split()[0] == "1" and "5.0%" in out[2]
+    assert "calibration:ID" in out[-1]
+    assert main(["calibrate", "--history", "--model", "synthetic:tiny", "--json", "--db",
+                 str(db)]) == 0
+    rows = json.loads(capsys.readouterr().out)["calibrations"]
+    assert [(r["id"], r["shapes"], r["heldout_median_abs_error"]) for r in rows] == [
+        (1, 16, 0.05)]
+    # listing measures nothing, so the flags that shape a measurement are refused, named
+    assert main(["calibrate", "--history", "--quick", "--dtype", "float32", "--no-progress",
+                 "--db", str(db)]) == 2
+    assert ("--dtype, --[no-]progress, --quick shape a new one: drop them, or drop --history"
+            in capsys.readouterr().err)
+    # and it reads: a mistyped store is refused, not created
+    assert main(["calibrate", "--history", "--db", str(tmp_path / "typo.db")]) == 2
+    assert not (tmp_path / "typo.db").exists()
+    with pytest.raises(ConfigError, match=r"no stored calibration with id 9 \(`tokenflow "
+                                          r"calibrate --history` lists them\)"):
+        from engine.sim.target import resolve_target
+        with open_database(db).session() as session:
+            resolve_target("calibration:9", EngineConfig(model="synthetic:tiny"),
+                           session=session)
+
+
 # --- what serving costs beyond the sweep --------------------------------------------------
 
 def test_the_served_probe_fits_host_time_and_prefill_steps_served_price() -> None:

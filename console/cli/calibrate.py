@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -20,8 +21,16 @@ from typing import Any
 
 from tqdm import tqdm
 
-from console.cli.db import add_db_argument, add_server_name_argument
-from console.cli.engine_flags import SLO_FLAGS, WATCHED_FLAGS, add_engine_flags, engine_config
+from console.cli.db import add_db_argument, add_server_name_argument, open_existing_store
+from console.cli.engine_flags import (
+    DEFAULT_MODEL,
+    SLO_FLAGS,
+    WATCHED_FLAGS,
+    add_engine_flags,
+    engine_config,
+    engine_flags_given,
+)
+from console.cli.given_flags import given
 from console.errors import UserError
 from engine import Engine
 from engine.budget.predictor import StepTimePredictor
@@ -35,18 +44,24 @@ from engine.calibration.drift import drift_event
 from engine.calibration.served import PROBE_REQUESTS, QUICK_PROBE_REQUESTS, measure_served
 from engine.events import Drift
 from engine.store import Database, StoreWriter, open_database
+from engine.store.calibration import CalibrationRecord, calibration_history
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("calibrate", help="measure step times and fit the predictor",
                                    description=__doc__.splitlines()[0])
-    # a sweep serves no users: no SLO to keep, no live percentiles, no logprobs asked for
-    add_engine_flags(parser, skip=SLO_FLAGS | WATCHED_FLAGS)
+    # a sweep serves no users: no SLO to keep, no live percentiles, no logprobs asked for;
+    # --model left unset unless given, so --history lists every model's runs by default
+    add_engine_flags(parser, model_default=None, skip=SLO_FLAGS | WATCHED_FLAGS)
+    parser.add_argument("--history", action="store_true",
+                        help="list the stored calibrations, newest first (--model: of one "
+                             "model), with the ids `--simulate calibration:ID` takes; measures "
+                             "nothing")
     parser.add_argument("--quick", action="store_true",
                         help="a smaller sweep with 3 timed runs per shape instead of 20, and a "
                         "smaller served probe (seconds on a CPU)")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="show a progress bar on stderr (default: on)")
     add_db_argument(parser)
     add_server_name_argument(parser, "this host")
@@ -54,14 +69,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = engine_config(args)
+    if args.history:
+        return _history(args)
+    config = engine_config(args, model=args.model or DEFAULT_MODEL)
     # a bad --db fails before the engine loads
     database = open_database(args.db, server=args.server_name)
     try:
         started = time.perf_counter()
         engine = Engine(config)
         phases = {"engine_start_s": time.perf_counter() - started}
-        with _ProgressBar(args.progress) as progress:
+        with _ProgressBar(args.progress is not False) as progress:
             result = calibrate(engine, quick=args.quick, progress=progress)
             phases["sweep_s"] = result.wall_s
             if progress is not None:
@@ -95,6 +112,61 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_summary(result, summary)
     return 0
+
+
+def _history(args: argparse.Namespace) -> int:
+    """The stored runs, newest first: what `--simulate calibration:ID` and drift refer to."""
+    measuring = engine_flags_given(args, but=("model",))
+    measuring += given(args, ("server_name", "progress"), {"progress": "--[no-]progress"})
+    if args.quick:
+        measuring.append("--quick")
+    if measuring:
+        raise UserError(f"--history lists stored calibrations; {', '.join(measuring)} shape a "
+                        "new one: drop them, or drop --history")
+    database = open_existing_store(args.db)  # read-only: listing changes nothing
+    try:
+        with database.session() as session:
+            records = calibration_history(session, model=args.model)
+    finally:
+        database.close()
+    rows = [_history_row(r) for r in records]
+    if args.json:
+        print(json.dumps({"db": database.location, "calibrations": rows}, indent=2))
+        return 0
+    if not rows:
+        of = f" of {args.model}" if args.model else ""
+        print(f"no calibration{of} stored in {database.location}; run `tokenflow calibrate "
+              f"--model {args.model or 'MODEL'}` to measure one")
+        return 0
+    print(f"{'id':>5}  {'measured (UTC)':16}  {'model':24}  {'device':12}  {'dtype':8}  "
+          f"{'shapes':>6}  {'held-out':>8}  sweep")
+    for row in rows:
+        error = row["heldout_median_abs_error"]
+        print(f"{row['id']:>5}  {row['measured']:16}  {_cell(row['model'], 24)}  "
+              f"{_cell(row['device'], 12)}  {_cell(row['dtype'], 8)}  {row['shapes']:>6}  "
+              f"{'-' if error is None else f'{error:.1%}':>8}  "
+              f"{'quick' if row['quick'] else 'full'}{', reused' if row['reused'] else ''}")
+    print(f"{len(rows)} stored in {database.location}; price a run on one with `tokenflow "
+          "bench --simulate calibration:ID --model MODEL`")
+    return 0
+
+
+def _history_row(record: CalibrationRecord) -> dict[str, Any]:
+    info = record.info
+    error = info.get("heldout_median_abs_error")
+    return {"id": record.id, "model": record.model, "device": record.device,
+            "dtype": str(info.get("dtype", "?")),
+            "measured": time.strftime("%Y-%m-%d %H:%M", time.gmtime(record.created_at)),
+            "created_at": record.created_at, "shapes": info.get("points", len(record.table)),
+            "heldout_median_abs_error": (error if isinstance(error, int | float)
+                                         and math.isfinite(error) else None),
+            "quick": bool(info.get("quick")), "reused": record.reused,
+            "provenance": record.provenance_words()}
+
+
+def _cell(text: str, width: int) -> str:
+    """`text` in `width` columns, its end kept (a model directory's name is at its end)."""
+    return text.ljust(width) if len(text) <= width else "…" + text[-(width - 1):]
 
 
 class _ProgressBar:

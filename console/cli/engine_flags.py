@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from console.cli.given_flags import given
 from engine.config import EngineConfig
 from engine.model.config import PRESETS
 from engine.slo_targets import CHAT_ITL_MS, CHAT_TTFT_MS
@@ -88,7 +90,10 @@ _CLI_DEFAULTS: dict[str, object] = {"slo_ttft_ms": CHAT_TTFT_MS, "slo_itl_ms": C
 _ALIASES = {"--enable-prefix-caching": ("--prefix-caching",)}
 
 
-def add_engine_flags(parser: argparse.ArgumentParser, model_default: str = "synthetic:small",
+DEFAULT_MODEL = "synthetic:small"
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, model_default: str | None = DEFAULT_MODEL,
                      skip: frozenset[str] = frozenset(),
                      defaults: dict[str, object] | None = None) -> None:
     """Every engine flag but those in `skip` (a command they would mean nothing to);
@@ -106,7 +111,7 @@ WATCHED_FLAGS = frozenset({"--stats-window-s", "--logprobs-mode"})
 
 
 def add_engine_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str,
-                    model_default: str = "synthetic:small",
+                    model_default: str | None = DEFAULT_MODEL,
                     defaults: dict[str, object] | None = None) -> None:
     """One of the engine flags, for a command that takes only a few of them."""
     field, kind, text = _FLAGS[flag]
@@ -117,6 +122,15 @@ def add_engine_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, f
     default = model_default if field == "model" else {**_CLI_DEFAULTS, **(defaults or {})}.get(
         field)
     parser.add_argument(flag, dest=field, type=kind, default=default, help=text)
+
+
+def engine_flags_given(args: argparse.Namespace, but: Iterable[str] = ()) -> list[str]:
+    """The engine flags the command line set, as the user writes them, but those of `but`'s
+    fields."""
+    fields = [field for field, _, _ in _FLAGS.values() if field not in but]
+    spelled = {field: f"--[no-]{flag[2:]}" for flag, (field, kind, _) in _FLAGS.items()
+               if kind is bool}
+    return given(args, fields, spelled)
 
 
 def flag_of(field: str) -> str | None:

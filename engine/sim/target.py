@@ -319,7 +319,8 @@ def _stored(spec: str, config: EngineConfig, session: Session) -> SimTarget:
                           "(`tokenflow calibrate --history` lists them)")
     record = next((r for r in calibration_history(session) if r.id == int(text)), None)
     if record is None:
-        raise ConfigError("simulate", f"no stored calibration with id {text}")
+        raise ConfigError("simulate", f"no stored calibration with id {text} "
+                          "(`tokenflow calibrate --history` lists them)")
     if record.model != config.model:
         raise ConfigError("simulate", f"calibration {text} was measured on {record.model}, "
                           f"not {config.model}; pass --model {record.model}")
