@@ -89,6 +89,26 @@ def loss(cases: list[PublishedCase], params: Params) -> float:
                for c in cases)
 
 
+def read_start(path: Path, known: Params) -> Params:
+    """A --start file's parameters: a JSON object of `known`'s names, each within its bounds."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--start {path}: cannot read it ({exc})") from None
+    if not isinstance(data, dict):
+        raise SystemExit(f"--start {path} must hold one JSON object of parameters")
+    for name, value in data.items():
+        if name not in known:
+            raise SystemExit(f"--start {path}: {name!r} is no parameter of the fit; it takes "
+                             f"{', '.join(sorted(known))}")
+        lo, hi = bounds_of(name)
+        if not (isinstance(value, int | float) and not isinstance(value, bool)
+                and lo <= value <= hi):
+            raise SystemExit(f"--start {path}: {name} must be a number in [{lo:g}, {hi:g}], "
+                             f"got {value!r}")
+    return {name: float(value) for name, value in data.items()}
+
+
 def fit(cases: list[PublishedCase], params: Params) -> Params:
     """Coordinate descent in multiplicative steps, halving the step when none helps."""
     best, best_loss = dict(params), loss(cases, params)
@@ -256,6 +276,8 @@ def main() -> None:
                              "multi-step scheduling runs it, a diagnostic (not with --fit or "
                              "--write)")
     args = parser.parse_args()
+    if args.start is not None and not args.fit:
+        parser.error("--start is where --fit starts from; add --fit, or drop --start")
     for flag, given in (("--served-detail", args.served_detail), ("--write", args.write)):
         if given and args.no_served:
             parser.error(f"{flag} reads the served cases, which --no-served skips; drop one")
@@ -276,7 +298,7 @@ def main() -> None:
     if args.fit:
         start = start_params(fitted)
         if args.start is not None:
-            start.update(json.loads(args.start.read_text()))
+            start.update(read_start(args.start, start))
         params = fit(fitted, start)
         for name, value in params.items():
             print(f"{name:<26}{value:.6g}")

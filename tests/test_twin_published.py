@@ -458,3 +458,34 @@ def test_compute_bound_tensor_core_work_runs_at_the_power_limited_clock() -> Non
     assert reads < compute < 3 * reads
     assert operations(ridge, clock)["gemm"] == pytest.approx(
         compute / (1 - (1 - clock) * (1 - reads / compute)))
+
+
+@pytest.mark.parametrize(("content", "said"), [
+    (b"\xff\xfe", "cannot read it"),
+    (b"[1]", "must hold one JSON object of parameters"),
+    (b'{"h100.gemm_flop": 0.7}', "'h100.gemm_flop' is no parameter of the fit"),
+    (b'{"h100.gemm_flops": 5}', "h100.gemm_flops must be a number in [0.05, 0.9], got 5"),
+    (b'{"h100.gemm_flops": true}', "got True"),
+])
+def test_a_fits_start_file_names_its_first_bad_parameter(content: bytes, said: str,
+                                                          tmp_path: Path) -> None:
+    """A typo'd name ended the fit in a KeyError; an out-of-bounds start was clipped silently
+    on its first move."""
+    from benchmarks.twin_published import read_start, start_params
+    path = tmp_path / "start.json"
+    path.write_bytes(content)
+    known = start_params(load_cases(CASES))
+    with pytest.raises(SystemExit) as raised:
+        read_start(path, known)
+    assert said in str(raised.value.code)
+    path.write_text(json.dumps({"h100.gemm_flops": 0.6}))
+    assert read_start(path, known) == {"h100.gemm_flops": 0.6}
+
+
+def test_start_without_fit_is_refused(monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import twin_published
+    monkeypatch.setattr("sys.argv", ["twin_published", "--start", "x.json"])
+    with pytest.raises(SystemExit):
+        twin_published.main()
+    assert "--start is where --fit starts from; add --fit" in capsys.readouterr().err
