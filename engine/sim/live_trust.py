@@ -2,9 +2,9 @@
 cases nearest the traffic it has served so far, as `bench --simulate` reports them for a run.
 
 The run's shape is the same as bench's (engine.sim.trust.run_shape): the mean number of
-sequences decoding, weighted by step time, and the mean prompt and requested output of the
-requests added. Here they are sums kept as the engine's events arrive, since a live engine
-has no end to take them at.
+sequences decoding, weighted by step time (the same DecodingBatch), and the mean prompt and
+requested output of the requests added. Here they are sums kept as the engine's events
+arrive, since a live engine has no end to take them at.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from engine.events import Event, RequestAdded, StepComplete
 from engine.model.config import ModelConfig
 from engine.sim.target import SimTarget
-from engine.sim.trust import PublishedCases, shape
+from engine.sim.trust import DecodingBatch, PublishedCases, shape
 
 
 class LiveTrust:
@@ -24,17 +24,14 @@ class LiveTrust:
         self.target = target
         self.model = model
         self.cases = cases or PublishedCases()
-        self.decoding_s = 0.0  # sequences decoding x seconds, summed over steps
-        self.busy_s = 0.0
+        self.batch = DecodingBatch()
         self.requests = 0
         self.prompt_tokens = 0
         self.output_tokens = 0
 
     def observe(self, event: Event) -> None:
         if isinstance(event, StepComplete):
-            if event.duration_s > 0:
-                self.decoding_s += event.decode_seqs * event.duration_s
-                self.busy_s += event.duration_s
+            self.batch.add(event.decode_seqs, event.duration_s)
         elif isinstance(event, RequestAdded):
             self.requests += 1
             self.prompt_tokens += len(event.prompt_token_ids)
@@ -45,7 +42,7 @@ class LiveTrust:
         if not self.requests:
             return ""
         target = self.target
-        batch = self.decoding_s / self.busy_s if self.busy_s else 1.0
-        run = shape(target.spec, target.dtype, self.model, target.details.get("tp", 1), batch,
-                    self.prompt_tokens / self.requests, self.output_tokens / self.requests)
+        run = shape(target.spec, target.dtype, self.model, target.details.get("tp", 1),
+                    self.batch.mean, self.prompt_tokens / self.requests,
+                    self.output_tokens / self.requests)
         return self.cases.trust(run, target.no_band).brief()

@@ -176,11 +176,30 @@ def shape(gpu: str, dtype: str, model: ModelConfig, tp: int, batch: float, promp
                     max(batch, 1.0), max(prompt, 1.0), max(output, 1.0))
 
 
+@dataclass
+class DecodingBatch:
+    """The mean number of sequences decoding over a run's time, step by step (1 before any
+    step took time): a finished run's steps, or a live engine's as they complete."""
+
+    decoding_s: float = 0.0  # sequences decoding x seconds, summed over steps
+    busy_s: float = 0.0
+
+    def add(self, decode_seqs: int, duration_s: float) -> None:
+        if duration_s > 0:
+            self.decoding_s += decode_seqs * duration_s
+            self.busy_s += duration_s
+
+    @property
+    def mean(self) -> float:
+        return self.decoding_s / self.busy_s if self.busy_s else 1.0
+
+
 def decoding_batch(result: RunResult) -> float:
-    """The mean number of sequences decoding over a run's time (1 for a run of no step)."""
-    steps = [s for s in result.steps if s.duration_s > 0]
-    total = sum(s.duration_s for s in steps)
-    return (sum(s.decode_seqs * s.duration_s for s in steps) / total) if total else 1.0
+    """The mean number of sequences decoding over a finished run's time."""
+    batch = DecodingBatch()
+    for step in result.steps:
+        batch.add(step.decode_seqs, step.duration_s)
+    return batch.mean
 
 
 def run_shape(gpu: str, dtype: str, model: ModelConfig, tp: int, result: RunResult,
