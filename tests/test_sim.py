@@ -892,3 +892,33 @@ def test_a_board_with_datasheet_peaks_alone_is_refused_as_having_no_twin_profile
     with pytest.raises(ConfigError, match="'rtx4090' has datasheet peaks for roofline's "
                                           "what-if table but no twin profile"):
         resolve_target("rtx4090", EngineConfig(model="synthetic:8b"))
+
+
+def test_a_profile_files_figures_name_the_file_as_their_source(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A user's bandwidth over the H100's was shown as the datasheet's, and a user's step_s as
+    fitted on the published cases: in --show-profile, in bench's peaks source, in report.md."""
+    from console.cli.main import main
+    from engine.sim.profiles import profile
+    file = tmp_path / "mine.json"
+    file.write_text(json.dumps({"bandwidth": 3.0e12, "flops": {"fp8": 1.5e15},
+                                "efficiency": {"step_s": 0.004},
+                                "interconnect": {"bandwidth": 4e11},
+                                "sources": {"memory_bytes": "my lab's nvidia-smi"},
+                                "memory_bytes": 80 * 2**30}))
+    gpu, given = profile("h100", file), f"given in {file}"
+    shipped = PROFILES["h100"]
+    assert gpu.source_of("bandwidth") == gpu.source_of("flops.fp8") == given
+    assert gpu.source_of("efficiency.step_s") == gpu.interconnect.source == given
+    assert gpu.source_of("flops.bfloat16") == shipped.sources["flops"]  # not given: as shipped
+    assert gpu.source_of("memory_bytes") == "my lab's nvidia-smi"  # the user's own word wins
+    assert gpu.efficiency_source == f"{shipped.efficiency_source}; step_s {given}"
+    assert gpu.peaks("bfloat16").source == f"{shipped.sources['flops']}; bandwidth {given}"
+    assert gpu.peaks("fp8").source == given
+    assert shipped.peaks().source == shipped.sources["flops"]
+    assert main(["roofline", "--gpu", "h100", "--show-profile", "--gpu-profile",
+                 str(file)]) == 0
+    shown = capsys.readouterr().out
+    assert f"bandwidth     3 TB/s   [{given}]" in shown
+    assert f"fp8 peak      1,500 TFLOP/s   [{given}]" in shown
+    assert f"  step_s           0.004   [{given}]" in shown

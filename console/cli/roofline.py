@@ -262,12 +262,12 @@ def _show_profile(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(data, indent=2))
         return 0
-    source = gpu.sources.get
+    source = gpu.source_of
     lines = [f"{gpu.name} ({gpu.key})",
-             f"memory        {gpu.memory_bytes / 2**30:.1f} GiB   [{source('memory_bytes', '')}]",
-             f"bandwidth     {gpu.bandwidth / 1e12:.3g} TB/s   [{source('bandwidth', '')}]"]
+             f"memory        {gpu.memory_bytes / 2**30:.1f} GiB   [{source('memory_bytes')}]",
+             f"bandwidth     {gpu.bandwidth / 1e12:.3g} TB/s   [{source('bandwidth')}]"]
     lines += [f"{precision + ' peak':<13} {flops / 1e12:,.0f} TFLOP/s   "
-              f"[{gpu.sources.get('flops', '')}]" for precision, flops in gpu.flops.items()]
+              f"[{source(f'flops.{precision}')}]" for precision, flops in gpu.flops.items()]
     link = gpu.interconnect
     lines.append(f"interconnect  {link.name}, {link.bandwidth / 1e9:.0f} GB/s one way   "
                  f"[{link.source}]")
@@ -276,7 +276,8 @@ def _show_profile(args: argparse.Namespace) -> int:
     published = {"attention_flops": "attention", "attention_context_half": "attention",
                  "saturated_clock": "saturated_clock"}
     for name, value in gpu.efficiency.to_dict().items():
-        own = source(published.get(name, ""), "")
+        own = gpu.sources.get(f"efficiency.{name}") or gpu.sources.get(published.get(name, ""),
+                                                                       "")
         lines.append(f"  {name:<16} {value:.4g}" + (f"   [{own}]" if own else ""))
     print("\n".join(lines))
     return 0

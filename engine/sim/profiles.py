@@ -180,16 +180,21 @@ class GpuProfile:
         return self.flops[precision]
 
     def peaks(self, weight_dtype: str = "bfloat16") -> DevicePeaks:
-        return DevicePeaks(self.key, self.peak_flops(weight_dtype), self.bandwidth,
-                           self.sources["flops"])
+        flops = self.source_of(f"flops.{PEAK_OF.get(weight_dtype)}")
+        bandwidth = self.source_of("bandwidth")
+        # a bandwidth given apart from the datasheet's FLOP/s is named, not folded into them
+        source = (flops if not bandwidth.startswith("given in ") or bandwidth == flops
+                  else f"{flops}; bandwidth {bandwidth}")
+        return DevicePeaks(self.key, self.peak_flops(weight_dtype), self.bandwidth, source)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["efficiency"] = self.efficiency.to_dict()
         return out
 
-    def merged(self, data: dict[str, Any]) -> GpuProfile:
-        """This profile with a user's fields over it (nested dicts merge key by key)."""
+    def merged(self, data: dict[str, Any], given_in: str = "a profile file") -> GpuProfile:
+        """This profile with a user's fields over it (nested dicts merge key by key); each
+        figure the user gave names `given_in` as its source, unless the user named one."""
         base = self.to_dict()
         unknown = set(data) - set(base)
         if unknown:
@@ -200,7 +205,35 @@ class GpuProfile:
                 base[key] = {**base[key], **value}
             else:
                 base[key] = value
+        _attribute(base, data, f"given in {given_in}")
         return profile_from_dict(base)
+
+    def source_of(self, figure: str) -> str:
+        """Where a figure ("bandwidth", "flops.fp8", "efficiency.step_s") came from: its own
+        source, else its group's ("flops"), else ""."""
+        return self.sources.get(figure) or self.sources.get(figure.partition(".")[0], "")
+
+
+def _attribute(merged: dict[str, Any], given: dict[str, Any], source: str) -> None:
+    """Name `source` for every figure of `given` merged over a shipped profile: without it a
+    user's bandwidth read as the datasheet's, and a user's step_s as fitted on the cases."""
+    said = given.get("sources") if isinstance(given.get("sources"), dict) else {}
+    figures = [name for name in ("memory_bytes", "bandwidth") if name in given]
+    for group in ("flops", "efficiency"):
+        if isinstance(given.get(group), dict):
+            figures += [f"{group}.{name}" for name in given[group]]
+    if not isinstance(merged.get("sources"), dict):
+        return  # the merged profile's check names the bad field
+    merged["sources"] = {**merged["sources"],
+                         **{figure: source for figure in figures if figure not in said}}
+    factors = [f.partition(".")[2] for f in figures if f.startswith("efficiency.")]
+    if factors and "efficiency_source" not in given:
+        merged["efficiency_source"] = (f"{merged['efficiency_source']}; "
+                                       f"{', '.join(factors)} {source}")
+    link = given.get("interconnect")
+    if isinstance(link, dict) and "source" not in link and isinstance(
+            merged.get("interconnect"), dict):
+        merged["interconnect"] = {**merged["interconnect"], "source": source}
 
 
 def profile_from_dict(data: dict[str, Any]) -> GpuProfile:
@@ -310,7 +343,7 @@ def profile(name: str, override: Path | None = None) -> GpuProfile:
         raise ConfigError("simulate", f"{peaks_only}; choose one of "
                           f"{', '.join(PROFILES)}, 'this' (this device's stored calibration), "
                           "calibration:ID, or give a profile file whose key is the name")
-    return known.merged(data) if data else known
+    return known.merged(data, str(override)) if data else known
 
 
 def profile_for_device_name(device_name: str) -> GpuProfile | None:

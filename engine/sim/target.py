@@ -285,7 +285,7 @@ def deployment_target(deployment: Deployment, config: EngineConfig, spec: str) -
     e = gpu.efficiency
     return SimTarget(spec=spec, device=label, dtype=dtype, peaks=deployment.peaks,
                      kv_cache_bytes=kv, predict=deployment.predictor(),
-                     source=(f"{gpu.sources['flops']} peaks per operation (GEMMs "
+                     source=(f"{deployment.peaks.source} peaks per operation (GEMMs "
                              f"{e.gemm_flops:.0%} FLOP/s, attention {e.attention_flops:.0%}, "
                              f"streaming {e.memory:.0%} bandwidth, elementwise "
                              f"{e.elementwise:.0%}, {e.step_s * 1e3:.2f} ms a step; "
