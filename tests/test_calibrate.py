@@ -302,6 +302,22 @@ def test_probes_past_the_worst_step_the_pool_was_sized_for_are_skipped(
     assert set(result.skipped) == {too_wide, too_many_rows}
 
 
+def test_a_sweep_too_few_of_whose_shapes_fit_names_the_pool_and_the_fix(
+        steps: KnownSteps) -> None:
+    """--block-size 100000 left a tiny model's pool five blocks (a max_model_len of 100 does
+    the same to this plan): the few shapes that ran were refused by the fit as 'need at least
+    7 timed steps', naming no cause."""
+    engine = Engine(EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32",
+                                 max_model_len=100), clock=steps)
+    steps.drive(engine)
+    with pytest.raises(EngineError, match=rf"only \d of the sweep's shapes fit this engine's "
+                                          rf"KV pool \({engine.blocks.num_blocks} blocks of "
+                                          rf"16 tokens\) and max_model_len, and the fit needs "
+                                          rf"7: lower --block-size, or raise --kv-cache-bytes "
+                                          rf"or --max-model-len"):
+        calibrate(engine, plan=TEST_PLAN)
+
+
 def test_each_timed_run_is_the_last_of_a_burst_of_its_shape(engine: Engine) -> None:
     plan = SweepPlan(prefill_chunks=(8, 16, 32, 48), prefill_contexts=(0, 32),
                      decode_batches=(1, 2), decode_contexts=(8, 32), mixed=(), warmup=1,

@@ -196,6 +196,23 @@ def test_bad_simulation_inputs_name_the_fix(tmp_path: Path) -> None:
                                           r"--max-num-batched-tokens \(2,000,000\), or raise"):
         resolve_target("h100", EngineConfig(model="synthetic:8b",
                                             max_num_batched_tokens=2_000_000))
+    # a share of memory the user lowered is named first where the whole GPU holds them
+    with pytest.raises(ConfigError, match=r"do not fit in 5% of 1 x H100 SXM \(86 GB each\); "
+                                          r"raise --gpu-memory-utilization \(0\.05\), or "
+                                          r"raise --tp$"):
+        resolve_target("h100", EngineConfig(model="synthetic:8b", gpu_memory_utilization=0.05))
+
+
+def test_a_kv_block_the_pool_holds_too_few_of_names_the_block_size(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """--block-size 100000 left an H100's pool 4 blocks: bench's decode probe of 8 sequences
+    ended in a bare ValueError, and a CPU engine's sweep in 'need at least 7 timed steps'."""
+    from console.cli.main import main
+    assert main(["bench", "--model", "synthetic:8b", "--simulate", "h100", "--workload",
+                 "chat", "--num-requests", "3", "--block-size", "100000"]) == 2
+    assert ("the KV pool (4 blocks of 100000 tokens) cannot hold the 8 sequences of 128 "
+            "tokens whose decode step sets the TPOT target: lower --block-size"
+            in capsys.readouterr().err)
 
 
 def test_placeholder_tokens_give_every_ignore_eos_request_its_length() -> None:

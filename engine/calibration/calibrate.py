@@ -18,7 +18,7 @@ from engine.batch import QUIET, Batch, HostMark, StepShape, lent
 from engine.budget.cost_model import BudgetModel
 from engine.budget.operations import OperationEfficiency, StepPrice, fit_step_price
 from engine.budget.peaks import DevicePeaks
-from engine.budget.predictor import StepTimePredictor
+from engine.budget.predictor import FEATURES, StepTimePredictor
 from engine.calibration.served import ServedCosts
 from engine.config import SamplingParams
 from engine.core.engine_core import EngineCore
@@ -317,9 +317,12 @@ class Calibration:
                  for probe, step in self._steps.items() if self._times[probe]}
         fit = [(shape, times) for probe, (shape, times) in timed.items()
                if not self._held_out[probe]]
-        if not fit:
-            raise EngineError("no shape of the sweep fits this engine's KV pool and "
-                              "max_model_len; raise kv_cache_bytes or max_model_len")
+        if len(fit) < len(FEATURES):
+            blocks = engine.blocks
+            raise EngineError(f"only {len(fit)} of the sweep's shapes fit this engine's KV pool "
+                              f"({blocks.num_blocks} blocks of {blocks.block_size} tokens) and "
+                              f"max_model_len, and the fit needs {len(FEATURES)}: lower "
+                              "--block-size, or raise --kv-cache-bytes or --max-model-len")
         model = engine.model_config
         predictor = StepTimePredictor.fit(
             [shape for shape, _ in fit], [statistics.median(t) for _, t in fit],

@@ -11,6 +11,7 @@ from engine.batch import Batch, StepShape, lent
 from engine.config import SamplingParams
 from engine.core.engine_core import EngineCore
 from engine.core.request import Request, RequestState
+from engine.errors import EngineError
 from engine.harness.driver import RunResult
 from engine.slo_targets import SLO
 from engine.stats import ms, quantile
@@ -24,7 +25,11 @@ def measure_decode_step(engine: EngineCore, batch: int = 8, context: int = 128,
         request = Request(f"slo-probe-{i}", [3] * context, SamplingParams(max_tokens=1),
                           arrival=0.0, state=RequestState.DECODING)
         if engine.blocks.allocate(request, context) is None:
-            raise ValueError(f"the KV pool cannot hold {batch} sequences of {context} tokens")
+            blocks = engine.blocks
+            raise EngineError(f"the KV pool ({blocks.num_blocks} blocks of {blocks.block_size} "
+                              f"tokens) cannot hold the {batch} sequences of {context} tokens "
+                              "whose decode step sets the TPOT target: lower --block-size, or "
+                              "raise the pool (--kv-cache-bytes, --gpu-memory-utilization)")
         request.num_computed_tokens = context - 1
         requests.append(request)
     step = Batch(decodes=[r.chunk(context - 1, 1) for r in requests])

@@ -173,6 +173,10 @@ class Deployment:
             too_big = weights + NON_TORCH_BYTES >= share
             fix = ("raise --tp" if too_big else
                    f"lower --max-num-batched-tokens ({max_num_batched_tokens:,}), or raise --tp")
+            # a share the user lowered is the first fix where the whole GPU would hold them
+            if self.gpu.memory_bytes - weights - activations - NON_TORCH_BYTES > 0:
+                fix = (f"raise --gpu-memory-utilization ({memory_utilization:g}), "
+                       f"{'or ' if too_big else ''}{fix}")
             raise ConfigError("tp" if too_big else "max_num_batched_tokens",
                               f"{self.weight_bytes / 1e9:.1f} GB of weights and "
                               f"{activations / 1e9:,.1f} GB of activations a GPU do not fit in "
