@@ -838,8 +838,14 @@ def test_vllms_defaults_follow_the_gpu_and_the_entry_point(gpu: str, server: int
     ({"memory_bytes": True}, "memory_bytes must be a whole number, got true"),
     ({"interconnect": {"bandwidth": -3}}, "interconnect.bandwidth must be in bytes/s"),
     ({"interconnect": 5}, "interconnect must be an object, got 5"),
+    # a misspelt key was dropped, its figure left as shipped (and named "given in" the file)
+    ({"interconnect": {"bandwith": 1e11}}, "interconnect.bandwith is no field of a profile's "
+                                           "interconnect; it takes name, bandwidth, source"),
+    ({"sources": {"bandwith": "my lab"}}, "sources.bandwith is no field of a profile's "
+                                          "sources; it takes attention, bandwidth"),
+    ({"link": 1}, "link is no field of a profile; it takes key, name, memory_bytes"),
     ({"sources": [1]}, "sources must be an object, got [1]"),
-    ({"sources": {"a": 1}}, "sources.a must be a string, got 1"),
+    ({"sources": {"bandwidth": 1}}, "sources.bandwidth must be a string, got 1"),
     ({"flops": {"bfloat16": "1e15"}}, 'flops.bfloat16 must be a number, got "1e15"'),
     ({"efficiency": {"step_s": "x"}}, "step_s must be a number, got 'x'"),
     ({"efficiency": 3}, "efficiency must be an object, got 3"),
@@ -868,6 +874,15 @@ def test_a_gpu_profile_file_names_its_first_bad_field(override: dict[str, object
     with pytest.raises(ConfigError) as raised:
         resolve_target("h100", EngineConfig(model="synthetic:8b"), gpu_profile=file)
     assert said in str(raised.value) and "Traceback" not in str(raised.value)
+
+
+def test_a_new_gpus_profile_file_refuses_a_field_no_profile_has(tmp_path: Path) -> None:
+    """A file defining a new GPU is read whole, not merged: its misspelt keys were dropped."""
+    data = PROFILES["h100"].to_dict() | {"key": "x200", "bandwith": 1}
+    file = tmp_path / "x200.json"
+    file.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="bandwith is no field of a profile; it takes key"):
+        resolve_target("x200", EngineConfig(model="synthetic:8b"), gpu_profile=file)
 
 
 def test_a_new_gpus_profile_file_simulates_it_without_a_band(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -196,10 +197,7 @@ class GpuProfile:
         """This profile with a user's fields over it (nested dicts merge key by key); each
         figure the user gave names `given_in` as its source, unless the user named one."""
         base = self.to_dict()
-        unknown = set(data) - set(base)
-        if unknown:
-            raise ConfigError("gpu profile", f"unknown field(s) {', '.join(sorted(unknown))};"
-                              f" known: {', '.join(base)}")
+        _refuse_unknown("", data, list(base))
         for key, value in data.items():
             if isinstance(base[key], dict) and isinstance(value, dict):
                 base[key] = {**base[key], **value}
@@ -224,8 +222,9 @@ def _attribute(merged: dict[str, Any], given: dict[str, Any], source: str) -> No
             figures += [f"{group}.{name}" for name in given[group]]
     if not isinstance(merged.get("sources"), dict):
         return  # the merged profile's check names the bad field
-    merged["sources"] = {**merged["sources"],
-                         **{figure: source for figure in figures if figure not in said}}
+    # a figure no profile has (flops.fp4) is left to the check that names it
+    merged["sources"] = {**merged["sources"], **{figure: source for figure in figures
+                                                 if figure not in said and figure in SOURCE_KEYS}}
     factors = [f.partition(".")[2] for f in figures if f.startswith("efficiency.")]
     if factors and "efficiency_source" not in given:
         merged["efficiency_source"] = (f"{merged['efficiency_source']}; "
@@ -236,11 +235,23 @@ def _attribute(merged: dict[str, Any], given: dict[str, Any], source: str) -> No
         merged["interconnect"] = {**merged["interconnect"], "source": source}
 
 
+# what a profile's `sources` may name: its figures, each precision's and each factor's own,
+# and the publications the shipped factors cite
+SOURCE_KEYS = frozenset({
+    "memory_bytes", "bandwidth", "flops", "interconnect", "attention", "saturated_clock",
+    *(f"flops.{p}" for p in PRECISIONS),
+    *(f"efficiency.{f.name}" for f in dataclasses.fields(OperationEfficiency))})
+LINK_KEYS = ("name", "bandwidth", "source")
+
+
 def profile_from_dict(data: dict[str, Any]) -> GpuProfile:
     """A profile from its JSON form; ConfigError names the first field that cannot be one."""
+    _refuse_unknown("", data, [f.name for f in dataclasses.fields(GpuProfile)])
     link = _field(data, "interconnect", dict)
     flops = _field(data, "flops", dict)
     sources = _field(data, "sources", dict, default={})
+    _refuse_unknown("interconnect", link, LINK_KEYS)
+    _refuse_unknown("sources", sources, sorted(SOURCE_KEYS))
     return GpuProfile(
         key=_field(data, "key", str), name=_field(data, "name", str),
         memory_bytes=_field(data, "memory_bytes", int),
@@ -252,6 +263,15 @@ def profile_from_dict(data: dict[str, Any]) -> GpuProfile:
         sources={k: _field(sources, k, str, "sources.") for k in sources},
         efficiency=OperationEfficiency.from_dict(_field(data, "efficiency", dict, default={})),
         efficiency_source=_field(data, "efficiency_source", str, default="given"))
+
+
+def _refuse_unknown(where: str, data: dict[str, Any], known: Sequence[str]) -> None:
+    """A misspelt key would be dropped and its figure left as it was: refused instead."""
+    if unknown := sorted(set(data) - set(known)):
+        name = f"{where}.{unknown[0]}" if where else unknown[0]
+        of = f"a profile's {where}" if where else "a profile"
+        raise ConfigError("gpu profile", f"{name} is no field of {of}; it takes "
+                          f"{', '.join(known)}")
 
 
 _MISSING = object()
