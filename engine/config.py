@@ -262,7 +262,8 @@ class EngineConfig:
         unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
         if unknown:
             name = sorted(unknown)[0]
-            raise ConfigError(name, "unknown configuration field")
+            raise ConfigError(name, "unknown configuration field; the fields a running engine "
+                                    f"takes: {', '.join(sorted(LIVE_FIELDS))}")
         fixed = set(changes) - LIVE_FIELDS
         if fixed:
             name = sorted(fixed)[0]

@@ -23,7 +23,7 @@ def test_bench_json_runs_every_configuration_and_writes_a_report(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["bench", "--model", "synthetic:tiny", "--workload", "mixed",
                  "--num-requests", "5", "--rate", "50", "--compare", "chunked,unchunked,auto,hf",
-                 "--config", "small:max_num_batched_tokens=32", "--capacity",
+                 "--capacity",
                  "--capacity-requests", "3", "--capacity-duration", "0",
                  "--capacity-iterations", "1", "--json",
                  "--report", str(tmp_path)])
@@ -82,6 +82,28 @@ def test_bench_rejects_a_bad_config_field(capsys: pytest.CaptureFixture[str]) ->
     code = main(["bench", "--model", "synthetic:tiny", "--config", "x:cache_low_watermark=2"])
     assert code == 2
     assert "cache_" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("configs", "compare", "said"), [
+    (["x:slow_query_threshold=3"], "chunked", "--config defines x, which --compare does not "
+                                              "run; add it to --compare or drop the --config"),
+    (["x:slow_query_threshold=3", "x:slow_query_threshold=4"], "x",
+     "--config defines x twice; give one --config NAME all its fields"),
+    (["unchunked:slow_query_threshold=3"], "unchunked",
+     "--config 'unchunked:slow_query_threshold=3': unchunked is a built-in configuration"),
+    (["x:budget=3"], "x", "budget: unknown configuration field; the fields a running engine "
+                          "takes: auto_budget, auto_tpot_ms"),
+])
+def test_a_config_definition_that_would_be_dropped_is_refused(
+        configs: list[str], compare: str, said: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A --config --compare never ran, one defined twice (the last won) and one named as a
+    built-in (unchunked:x=1 ran chunked with x) were each dropped without a word."""
+    code = main(["bench", "--model", "synthetic:8b", "--simulate", "h100", "--workload", "chat",
+                 "--num-requests", "3", "--compare", compare,
+                 *[arg for spec in configs for arg in ("--config", spec)]])
+    assert code == 2
+    assert said in capsys.readouterr().err
 
 
 def test_bench_rejects_a_negative_capacity_duration(capsys: pytest.CaptureFixture[str]) -> None:

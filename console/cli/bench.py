@@ -194,7 +194,7 @@ def bench_report(args: argparse.Namespace) -> dict[str, Any]:
     if args.against_real < 0:
         raise UserError("--against-real takes a number of real runs of at least 1")
     base = engine_config(args)
-    custom = dict(_parse_config(spec) for spec in args.config)
+    custom = _custom_configs(args.config, names)
     # before the target: its KV pool is what vLLM's profile run leaves at these defaults
     gpu_defaults = _gpu_defaults(args, base)
     base = dataclasses.replace(base, **gpu_defaults)
@@ -532,9 +532,31 @@ def _named_config(name: str, base: EngineConfig, custom: dict[str, dict[str, str
     if name == "unchunked":
         budget = max(base.max_num_batched_tokens, min(longest, max_model_len) + base.max_num_seqs)
         return base.replace(max_num_batched_tokens=budget, chunked_prefill=False)
-    known = ", ".join(["chunked", "unchunked", "auto", "nocache", "hf", *custom])
+    known = ", ".join([*BUILT_IN_CONFIGS, *custom])
     raise UserError(f"unknown configuration {name!r}; known: {known} "
                     f"(define more with --config NAME:field=value)")
+
+
+BUILT_IN_CONFIGS = ("chunked", "unchunked", "auto", "nocache", "hf")
+
+
+def _custom_configs(specs: list[str], compared: list[str]) -> dict[str, dict[str, str]]:
+    """Each --config by name: a name given twice, a built-in's name (unchunked:x=1 was
+    chunked with x), or one --compare does not run would be a definition dropped."""
+    custom: dict[str, dict[str, str]] = {}
+    for spec in specs:
+        name, fields = _parse_config(spec)
+        if name in BUILT_IN_CONFIGS:
+            raise UserError(f"--config {spec!r}: {name} is a built-in configuration; give "
+                            "yours another name")
+        if name in custom:
+            raise UserError(f"--config defines {name} twice; give one --config NAME all its "
+                            "fields (NAME:a=1,b=2)")
+        custom[name] = fields
+    if unused := [name for name in custom if name not in compared]:
+        raise UserError(f"--config defines {', '.join(unused)}, which --compare does not run; "
+                        f"add it to --compare or drop the --config")
+    return custom
 
 
 def _parse_config(spec: str) -> tuple[str, dict[str, str]]:
