@@ -302,8 +302,7 @@ class EngineConfig:
                or self.mixed_step_prefill_tokens >= self.chunk_tile, "mixed_step_prefill_tokens",
                f"must be 0 (off) or at least chunk_tile ({self.chunk_tile})")
         _check(self.cadence_min_decodes >= 0, "cadence_min_decodes", "must be >= 0 (0: off)")
-        _check(0 <= self.cadence_max_wait_ms < float("inf"), "cadence_max_wait_ms",
-               "must be a number of milliseconds >= 0")
+        _check_period(self.cadence_max_wait_ms * 1e-3, "cadence_max_wait_ms")
         _check(
             0 < self.cache_low_watermark < self.cache_high_watermark < 1,
             "cache_low_watermark" if self.cache_low_watermark <= 0 else "cache_high_watermark",
@@ -314,29 +313,28 @@ class EngineConfig:
             "bandwidth_throttle_2",
             "need 0 < bandwidth_throttle_2 < bandwidth_throttle_1 < bandwidth_pause <= 1",
         )
-        _check(self.bandwidth_pause_s >= 0, "bandwidth_pause_s", "must be >= 0")
-        _check(self.slow_query_threshold > 0, "slow_query_threshold", "must be > 0")
+        _check_period(self.bandwidth_pause_s, "bandwidth_pause_s")
+        _check(0 < self.slow_query_threshold < float("inf"), "slow_query_threshold",
+               "must be a finite number > 0")
         for name in ("slo_ttft_ms", "slo_itl_ms"):
-            value = getattr(self, name)
-            _check(0 <= value < float("inf"), name,
-                   "must be a number of milliseconds >= 0 (0: no SLO)")
-        _check(self.slow_query_min_overrun_ms >= 0, "slow_query_min_overrun_ms",
-               "must be >= 0 (ms; 0 = the ratio alone decides)")
-        _check(self.stats_window_s > 0, "stats_window_s", "must be > 0 (seconds)")
+            _check_period(getattr(self, name) * 1e-3, name, "no SLO")
+        _check_period(self.slow_query_min_overrun_ms * 1e-3, "slow_query_min_overrun_ms",
+                      "the ratio alone decides")
+        _check_period(self.stats_window_s, "stats_window_s", zero=False)
         _check(self.max_prefill_tokens >= 0, "max_prefill_tokens", "must be >= 0")
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len",
                "must be a number of tokens >= 1, or unset for the model's length")
-        _check(self.chunk_timeout_base_ms >= 0, "chunk_timeout_base_ms", "must be >= 0")
-        _check(self.guard_window_s > 0, "guard_window_s", "must be > 0")
+        _check_period(self.chunk_timeout_base_ms * 1e-3, "chunk_timeout_base_ms", "no timeout")
+        _check_period(self.guard_window_s, "guard_window_s", zero=False)
         _check(0 < self.defrag_threshold <= 1, "defrag_threshold", "must be in (0, 1]")
-        _check(self.defrag_interval_s >= 0, "defrag_interval_s", "must be >= 0 (0: no limit)")
+        _check_period(self.defrag_interval_s, "defrag_interval_s", "no limit")
         _check(self.preempt_protect_after >= 1, "preempt_protect_after", "must be >= 1")
         for tenant, share in self.tenant_shares.items():
             _check(0 < share <= 1, "tenant_shares", f"share of {tenant!r} must be in (0, 1]")
         for tenant, rank in self.tenant_priorities.items():
             _check(isinstance(rank, int) and not isinstance(rank, bool), "tenant_priorities",
                    f"priority of {tenant!r} must be an integer, got {rank!r}")
-        _check(self.auto_tpot_ms >= 0, "auto_tpot_ms", "must be >= 0 (0 = C* alone)")
+        _check_period(self.auto_tpot_ms * 1e-3, "auto_tpot_ms", "C* alone")
         _check(self.cpu_threads >= 0, "cpu_threads", "must be >= 0 (0 = all cores but one)")
         _check(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode",
                "must be raw_logprobs or processed_logprobs (vLLM's raw_logits and "
@@ -392,6 +390,21 @@ DEFAULTS = EngineConfig()
 def _check(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise ConfigError(field_name, message)
+
+
+# The longest window, interval, timeout, pause or latency target a setting may name: past a
+# day none acts within a run, and inf left a pause that never ended and a window never trimmed.
+MAX_PERIOD_S = 86_400.0
+
+
+def _check_period(seconds: float, field_name: str, off: str = "", zero: bool = True) -> None:
+    """`seconds` (the field's value, converted from ms where its name ends _ms) within [0, a
+    day], or (0, a day] when not `zero`; `off` says what 0 means."""
+    if not ((seconds >= 0 if zero else seconds > 0) and seconds <= MAX_PERIOD_S):  # nan: never
+        unit, scale = ("milliseconds", 1e3) if field_name.endswith("_ms") else ("seconds", 1)
+        raise ConfigError(field_name, f"must be a number of {unit} in {'[' if zero else '('}0, "
+                          f"{MAX_PERIOD_S * scale:,.0f}], a day at most"
+                          + (f" (0: {off})" if off else ""))
 
 
 def _coerce(name: str, value: Any) -> Any:

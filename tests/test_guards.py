@@ -177,7 +177,7 @@ def test_degraded_path_takes_over_before_the_next_step_and_keeps_serving() -> No
     so in the same evaluation, so no step is scheduled between the two."""
     clock = FakeClock()
     engine, bandwidth = make_engine(clock, max_prefill_tokens=64, chunk_timeout_base_ms=100.0,
-                                    defrag_threshold=0.01, defrag_interval_s=1e9)
+                                    defrag_threshold=0.01, defrag_interval_s=86_400)
     events: list[Event] = []
     engine.bus.subscribe(events.append)
     steps: list[StepComplete] = []

@@ -5,6 +5,7 @@ racing the step that applies the last one."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import http.client
 import itertools
@@ -78,6 +79,33 @@ def test_token_ids_outside_the_vocabulary_name_their_line(tmp_path: Path) -> Non
         with pytest.raises(WorkloadError, match=f":2: field 'prompt_token_ids': {shown}"):
             load_requests_jsonl(requests, lambda text: [], vocab_size=320)
     assert len(load_requests_jsonl(requests, lambda text: [])) == 2  # no vocabulary: no cap
+
+
+PERIODS = ("stats_window_s", "guard_window_s", "defrag_interval_s", "bandwidth_pause_s",
+           "chunk_timeout_base_ms", "cadence_max_wait_ms", "auto_tpot_ms", "slo_ttft_ms",
+           "slo_itl_ms", "slow_query_min_overrun_ms")
+
+
+@pytest.mark.parametrize("name", PERIODS)
+@pytest.mark.parametrize("value", [float("inf"), float("nan"), 1e300, -1.0])
+def test_every_window_timeout_and_pause_is_finite_and_at_most_a_day(name: str,
+                                                                    value: float) -> None:
+    """inf was taken for most of them: a bandwidth pause that never ended, a stats window never
+    trimmed, a chunk timeout that never fired; live (the console, the admin API) or at start."""
+    unit = "milliseconds" if name.endswith("_ms") else "seconds"
+    with pytest.raises(ConfigError, match=rf"^{name}: must be a number of {unit} in [\[(]0, "
+                                          r"86,400(,000)?\], a day at most"):
+        dataclasses.replace(EngineConfig(), **{name: value}).validate()
+    day = 86_400_000.0 if name.endswith("_ms") else 86_400.0
+    dataclasses.replace(EngineConfig(), **{name: day}).validate()
+
+
+def test_a_window_or_timeout_given_on_the_command_line_is_bounded_too(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--model", "synthetic:8b", "--simulate", "h100", "--workload", "chat",
+                 "--num-requests", "3", "--slow-query-min-overrun-ms", "inf"]) == 2
+    assert "slow_query_min_overrun_ms: must be a number of milliseconds in [0, 86,400,000]" in (
+        capsys.readouterr().err)
 
 
 def test_integers_stay_integers() -> None:
