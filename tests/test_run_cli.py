@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import sqlite3
 import subprocess
 import sys
@@ -303,10 +304,16 @@ def test_the_console_refuses_flags_its_chosen_source_would_drop(tmp_path: Path) 
     assert conflict(parse(["--speed", "2"])) == ("--speed paces a recorded session; add "
                                                  "--replay FILE")
     assert conflict(parse(["--replay", "f.jsonl", "--speed", "0"])) is None
-    for speed in ("nan", "inf", "-1"):
-        with pytest.raises(SourceError, match=rf"replay speed must be a finite number >= 0 "
-                                              rf"\(0 steps a snapshot a refresh\), got {speed}"):
+    for speed in ("nan", "inf", "-1", "1e+300"):
+        with pytest.raises(SourceError, match=rf"replay speed must be in \[0, 10000\] "
+                                              rf"\(0 steps a snapshot a refresh\), got "
+                                              rf"{re.escape(speed)}"):
             ReplaySource(tmp_path / "r.jsonl", speed=float(speed))
+    for flag in ("--slo-ttft-ms", "--slo-itl-ms"):
+        for value in ("inf", "1e300", "0"):
+            said = conflict(parse([flag, value]))
+            assert said is not None and said.startswith(
+                f"{flag} must be a number of milliseconds in (0, 86,400,000], a day at most")
     # a recording is a new file: never over an old one, never through a symlink
     old = tmp_path / "old.jsonl"
     old.write_text("kept\n")

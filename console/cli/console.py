@@ -21,6 +21,7 @@ from console.cli.twin_flags import add_twin_flags, twin_flags_given
 from console.cli.workload_flags import add_rate_flag, workload_name
 from console.errors import UserError
 from engine.clock import SIM_SPEEDS
+from engine.config import MAX_PERIOD_S
 from engine.slo_targets import CHAT_ITL_MS, CHAT_TTFT_MS
 
 
@@ -123,8 +124,9 @@ def conflict(args: argparse.Namespace) -> str | None:
                                          ("--attach-vllm", args.attach_vllm),
                                          ("--attach-sglang", args.attach_sglang)) if value]
     for flag, value in (("--slo-ttft-ms", args.slo_ttft_ms), ("--slo-itl-ms", args.slo_itl_ms)):
-        if not 0 < value < float("inf"):
-            return f"{flag} must be a positive number of milliseconds, got {value:g}"
+        if not 0 < value <= MAX_PERIOD_S * 1e3:  # the engine's bound on every latency target
+            return (f"{flag} must be a number of milliseconds in (0, {MAX_PERIOD_S * 1e3:,.0f}]"
+                    f", a day at most; got {value:g}")
     chosen = (["--replay"] if args.replay else []) + attached
     if args.replay and attached:
         return f"{' and '.join(chosen)} cannot be combined; pick one source"

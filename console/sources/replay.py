@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from console.sources.base import (
     SourceError,
 )
 from console.sources.checked import checked_slow_query, checked_snapshot
+from engine.clock import SIM_SPEEDS
 from engine.snapshot import Snapshot
 from engine.store import (
     BudgetPoint,
@@ -88,9 +88,10 @@ class ReplaySource:
 
     def __init__(self, path: Path, speed: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if not 0 <= speed < math.inf:  # nan included; at inf the first poll read 0 x inf
-            raise SourceError(f"replay speed must be a finite number >= 0 (0 steps a snapshot "
-                              f"a refresh), got {speed}")
+        # nan included; at inf the first poll read 0 x inf; the bound is the twin's own
+        if not 0 <= speed <= SIM_SPEEDS[1]:
+            raise SourceError(f"replay speed must be in [0, {SIM_SPEEDS[1]:g}] (0 steps a "
+                              f"snapshot a refresh), got {speed}")
         self.name = f"replay {path.name}"
         self._speed = speed
         self._clock = clock
