@@ -21,7 +21,6 @@ import dataclasses
 import gc
 import importlib.metadata
 import json
-import math
 import os
 import platform
 import statistics
@@ -61,6 +60,7 @@ from engine.harness.workload import (
     MAX_REQUESTS,
     WorkloadRequest,
     describe,
+    steady_count,
     steady_traffic,
 )
 from engine.ops.host import HostLoadMeter
@@ -175,7 +175,7 @@ def bench_report(args: argparse.Namespace) -> dict[str, Any]:
     names = [n.strip() for n in args.compare.split(",") if n.strip()]
     if not names:
         raise UserError(f"--compare {args.compare!r} names no configuration; give one or more "
-                        "of chunked, unchunked, auto, nocache, hf or a --config NAME")
+                        f"of {', '.join(BUILT_IN_CONFIGS)} or a --config NAME")
     if twice := sorted({n for n in names if names.count(n) > 1}):
         raise UserError(f"--compare names {', '.join(twice)} twice; a configuration runs once "
                         "(define another with --config NAME:field=value)")
@@ -312,7 +312,7 @@ def _check_probe_size(args: argparse.Namespace, workload: list[WorkloadRequest])
     """Before any run: the fastest probe's requests, which steady traffic sends for the whole
     --capacity-duration, must fit one run as a workload's do."""
     _, high = _probe_rates(workload)
-    most = max(args.capacity_requests, math.ceil(high * args.capacity_duration))
+    most = steady_count(high, args.capacity_duration, args.capacity_requests)
     if most > MAX_REQUESTS:
         raise UserError(f"the capacity search's fastest probe, {high:.4g} requests/s for "
                         f"--capacity-duration {args.capacity_duration:g} s (at least "

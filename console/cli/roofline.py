@@ -276,8 +276,7 @@ def _show_profile(args: argparse.Namespace) -> int:
     published = {"attention_flops": "attention", "attention_context_half": "attention",
                  "saturated_clock": "saturated_clock"}
     for name, value in gpu.efficiency.to_dict().items():
-        own = gpu.sources.get(f"efficiency.{name}") or gpu.sources.get(published.get(name, ""),
-                                                                       "")
+        own = source(f"efficiency.{name}") or gpu.sources.get(published.get(name, ""), "")
         lines.append(f"  {name:<16} {value:.4g}" + (f"   [{own}]" if own else ""))
     print("\n".join(lines))
     return 0

@@ -331,6 +331,11 @@ def _trace_drafts(rows: list[TraceRow], n: int, rate: float | None, mode: str, l
             for t, row in zip(offsets, chosen, strict=True)]
 
 
+def steady_count(rate: float, duration_s: float, min_requests: int = 1) -> int:
+    """The requests steady traffic at `rate`/s sends over `duration_s`, at least `min_requests`."""
+    return max(min_requests, math.ceil(rate * duration_s))
+
+
 def steady_traffic(sample: Sequence[WorkloadRequest], rate: float, duration_s: float,
                    min_requests: int = 1) -> list[WorkloadRequest]:
     """`sample` repeated at `rate`/s (gap pattern kept), long enough for a queue to build."""
@@ -343,7 +348,7 @@ def steady_traffic(sample: Sequence[WorkloadRequest], rate: float, duration_s: f
     mean_gap = sum(gaps) / len(gaps) if gaps else 0.0
     gaps.append(mean_gap)
     scale = 1 / (rate * mean_gap) if mean_gap > 0 else None
-    count = max(min_requests, math.ceil(rate * duration_s))
+    count = steady_count(rate, duration_s, min_requests)
     traffic: list[WorkloadRequest] = []
     arrival = 0.0
     for k in range(count):
